@@ -1,0 +1,152 @@
+"""Accounting: bytes saved for backward per block, static bytes, and allocator peaks.
+
+Saved activations are counted with ``torch.autograd.graph.saved_tensors_hooks``: the pack
+hook sees every tensor autograd keeps for backward, on CPU and GPU alike, with no device
+synchronisation. Storages are de-duplicated (views of one storage count once, by storage
+address) and parameters/buffers are not activations.
+
+# NOTE [Who sees a checkpointed block's tensors]
+Saved-tensor hooks nest and only the innermost pair is called. A checkpointed block runs
+under ``torch.utils.checkpoint``'s own hooks, so our counter sees nothing from inside it;
+what the block keeps is its inputs (held by the checkpoint for the recompute), which the
+runtime counts explicitly with :meth:`SavedTensorCounter.count_inputs`. What an
+un-checkpointed block would save is measured in warm-up by a *probe* (see runtime.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["SavedTensorCounter", "tensor_bytes", "static_bytes_logical", "optimizer_state_bytes"]
+
+OUTSIDE = -1  # block index for tensors saved outside any block (embeddings, head, loss)
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors``."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of the tensors in an optimizer's state (0 before its first step)."""
+    if optimizer is None:
+        return 0
+    return tensor_bytes(t for state in optimizer.state.values() for t in tree_leaves(state) if isinstance(t, torch.Tensor))
+
+
+def static_bytes_logical(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+    """Parameters, gradients (as they will exist in backward) and optimizer state, counted.
+
+    Gradients are counted for every parameter that requires grad, whether or not ``.grad``
+    exists yet, because backward will create them while activations are still alive.
+    """
+    params = list(model.parameters())
+    return {
+        "parameters": tensor_bytes(params),
+        "gradients": sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+        "optimizer state": optimizer_state_bytes(optimizer),
+    }
+
+
+class SavedTensorCounter:
+    """Counts saved-for-backward bytes per block during one forward.
+
+    Use :meth:`start` / :meth:`stop` around a forward (the runtime does it from forward
+    hooks on the root module) and set :attr:`current` to the running block's index.
+
+    Args:
+        n_blocks: number of blocks.
+        exclude: tensors whose storages are never activations (parameters, buffers).
+    """
+
+    def __init__(self, n_blocks: int, exclude: Iterable[torch.Tensor] = ()):
+        self.n_blocks = n_blocks
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._ctx: torch.autograd.graph.saved_tensors_hooks | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        self.current = OUTSIDE
+        self.by_block = [0] * self.n_blocks
+        self.outside_bytes = 0
+        self._seen: set[int] = set()
+
+    @property
+    def total_bytes(self) -> int:
+        return self.outside_bytes + sum(self.by_block)
+
+    def _add(self, t: torch.Tensor, index: int) -> None:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._exclude or key in self._seen:
+            return
+        self._seen.add(key)
+        if index == OUTSIDE:
+            self.outside_bytes += storage.nbytes()
+        else:
+            self.by_block[index] += storage.nbytes()
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self._add(t, self.current)
+        return t
+
+    @staticmethod
+    def _unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def count_inputs(self, index: int, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Count the tensors a checkpointed block keeps for its recompute (its inputs)."""
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                self._add(t, index)
+
+    def start(self) -> None:
+        if self._ctx is not None:
+            return
+        self.reset()
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._ctx.__enter__()
+
+    def stop(self) -> None:
+        if self._ctx is None:
+            return
+        ctx, self._ctx = self._ctx, None
+        ctx.__exit__(None, None, None)
+        self.current = OUTSIDE
+
+    @property
+    def active(self) -> bool:
+        return self._ctx is not None
+
+
+class ProbeCounter:
+    """Counts the bytes one isolated block forward saves (the un-checkpointed cost).
+
+    Args:
+        exclude: storages that are not activations (parameters, buffers).
+    """
+
+    def __init__(self, exclude_ptrs: set[int]):
+        self._exclude = exclude_ptrs
+        self._seen: set[int] = set()
+        self.bytes = 0
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self._exclude and key not in self._seen:
+            self._seen.add(key)
+            self.bytes += storage.nbytes()
+        return t
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, SavedTensorCounter._unpack)

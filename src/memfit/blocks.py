@@ -1,0 +1,236 @@
+"""Find the checkpointable blocks of a model and wrap each with an on/off checkpoint switch.
+
+A *block* is one unit memfit may checkpoint: a transformer layer (``BertLayer``,
+``SwinLayer``, ``T5Block``, ...). Discovery order:
+
+1. blocks the user names (``blocks=`` modules, or a regular expression on module names);
+2. Hugging Face ``GradientCheckpointingLayer`` modules, innermost ones (Swin stages hold
+   Swin layers: the layers are the blocks, which gives 2·depth units instead of 4);
+3. otherwise the modules of ``nn.ModuleList`` containers whose items share a class, taking
+   the class with the most such items (nested lists such as stages → layers included).
+
+# NOTE [Switch is read at call time]
+The wrapper replaces the block's ``forward`` on the *instance* (the class is untouched) and
+reads ``enabled`` every call, so a plan can change between steps without re-wrapping and
+``unwrap`` restores the model exactly by deleting the instance attribute. Checkpointing
+only happens while the block is training and grad is enabled: eval and ``no_grad`` forwards
+are untouched.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["NoBlocksError", "Block", "find_blocks", "wrap_blocks", "unwrap_blocks", "without_cache"]
+
+
+class NoBlocksError(ValueError):
+    """The model has no module memfit can checkpoint."""
+
+
+class Block:
+    """One checkpointable module with its switch and counters.
+
+    Attributes:
+        index: position in the model's block list (execution order).
+        name: qualified module name.
+        module: the wrapped module.
+        enabled: checkpoint this block on its next training forward.
+        forwards: training forwards run (checkpointed or not).
+        runs: times the block's body actually ran; ``runs - forwards`` are recomputes.
+        listener: told ``enter(block, args, kwargs)`` at the start of every training forward
+            and ``exit(block)`` at its end (the runtime uses it to fix the plan before the
+            first block and to attribute saved tensors to blocks).
+    """
+
+    def __init__(self, index: int, name: str, module: nn.Module):
+        self.index = index
+        self.name = name
+        self.module = module
+        self.enabled = False
+        self.forwards = 0
+        self.runs = 0
+        self.listener: BlockListener | None = None
+        self._body = module.forward  # the class's forward, bound to the instance
+
+    @property
+    def recomputes(self) -> int:
+        return self.runs - self.forwards
+
+    def run_body(self, *args: Any, **kwargs: Any) -> Any:
+        self.runs += 1
+        return self._body(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        active = self.module.training and torch.is_grad_enabled()
+        if not active:
+            return self._body(*args, **kwargs)
+        self.forwards += 1
+        listener = self.listener
+        if listener is not None:
+            listener.enter(self, args, kwargs)
+        try:
+            if not self.enabled:
+                return self.run_body(*args, **kwargs)
+            args, kwargs = without_cache(self.module, args, kwargs)
+            return checkpoint(self.run_body, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        finally:
+            if listener is not None:
+                listener.exit(self)
+
+
+def _is_cache(value: Any) -> bool:
+    try:
+        from transformers.cache_utils import Cache
+    except ImportError:
+        return False
+    return isinstance(value, Cache)
+
+
+def without_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """Drop KV-cache arguments for a body that runs twice (checkpoint recompute, probe).
+
+    A cache written by the forward and again by the recompute holds every key twice, as
+    Hugging Face's own checkpointing knows (it does the same unless the layer declares
+    ``_can_checkpoint_with_cache``). Training needs no cache. Caches passed positionally
+    (GPT-2 does) are found by type.
+    """
+    if getattr(module, "_can_checkpoint_with_cache", False):
+        return args, kwargs
+    args = tuple(None if _is_cache(a) else a for a in args)
+    out = dict(kwargs)
+    if out.get("use_cache"):
+        out["use_cache"] = False
+    for name in ("past_key_values", "past_key_value", "layer_past"):
+        if out.get(name) is not None:
+            out[name] = None
+    return args, out
+
+
+class BlockListener(Protocol):
+    """What a :class:`Block` tells about its training forwards."""
+
+    def enter(self, block: Block, args: tuple, kwargs: dict) -> None: ...
+
+    def exit(self, block: Block) -> None: ...
+
+
+def _gradient_checkpointing_layer_type() -> type | None:
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # transformers absent or older than the class
+        return None
+    return GradientCheckpointingLayer
+
+
+def _module_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+
+
+def _describe_candidates(model: nn.Module) -> str:
+    lists = _module_lists(model)
+    if not lists:
+        return "the model has no nn.ModuleList at all"
+    parts = []
+    for name, ml in lists:
+        classes = Counter(type(m).__name__ for m in ml)
+        parts.append(f"{name or '<root>'}: " + ", ".join(f"{cls}×{count}" for cls, count in classes.items()))
+    return "module lists seen: " + "; ".join(parts)
+
+
+def find_blocks(model: nn.Module, blocks: Sequence[nn.Module] | str | None = None) -> list[tuple[str, nn.Module]]:
+    """Return ``(name, module)`` for each checkpointable block, in module order.
+
+    Args:
+        model: the model.
+        blocks: optional override: a sequence of submodules, or a regular expression matched
+            (``re.fullmatch``) against qualified module names, e.g. ``r"encoder\\.layer\\.\\d+"``.
+
+    Raises:
+        NoBlocksError: listing the module lists seen, when nothing qualifies or the override
+            matches nothing.
+
+    Example:
+        >>> from torch import nn
+        >>> m = nn.Sequential(nn.ModuleList([nn.Linear(4, 4) for _ in range(3)]))
+        >>> [n for n, _ in find_blocks(m)]
+        ['0.0', '0.1', '0.2']
+    """
+    named = list(model.named_modules())
+    if blocks is not None:
+        if isinstance(blocks, str):
+            pattern = re.compile(blocks)
+            found = [(n, m) for n, m in named if n and pattern.fullmatch(n)]
+            what = f"pattern {blocks!r}"
+        else:
+            ids = {id(b) for b in blocks}
+            found = [(n, m) for n, m in named if id(m) in ids]
+            if len(found) != len(ids):
+                raise NoBlocksError("some modules given as blocks= are not submodules of the model")
+            what = "blocks="
+        if not found:
+            raise NoBlocksError(f"{what} matched no module; {_describe_candidates(model)}")
+        return _outermost(found)
+
+    gc_type = _gradient_checkpointing_layer_type()
+    if gc_type is not None:
+        layers = [(n, m) for n, m in named if isinstance(m, gc_type)]
+        inner = [(n, m) for n, m in layers if not any(isinstance(c, gc_type) for c in m.modules() if c is not m)]
+        if inner:
+            return inner
+
+    counts: Counter[type] = Counter()
+    for _, ml in _module_lists(model):
+        classes = {type(m) for m in ml}
+        if len(classes) == 1 and len(ml) >= 2:
+            counts[classes.pop()] += len(ml)
+    if not counts:
+        raise NoBlocksError(
+            "found no checkpointable blocks (no GradientCheckpointingLayer, no nn.ModuleList of "
+            f"same-class modules); {_describe_candidates(model)}. Pass blocks= (modules or a name "
+            "pattern) to memfit.fit."
+        )
+    best = max(counts, key=lambda c: counts[c])
+    return [(n, m) for n, m in named if type(m) is best]
+
+
+def _outermost(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Drop blocks nested inside another block: checkpointing both would recompute twice."""
+    names = [n for n, _ in found]
+    return [(n, m) for n, m in found if not any(n.startswith(o + ".") for o in names if o != n)]
+
+
+def wrap_blocks(named_blocks: list[tuple[str, nn.Module]]) -> list[Block]:
+    """Install a :class:`Block` switch on each module (see NOTE [Switch is read at call time]).
+
+    Raises:
+        ValueError: if a module is already wrapped, or HF gradient checkpointing is on.
+    """
+    wrapped = []
+    for i, (name, module) in enumerate(named_blocks):
+        if isinstance(module.__dict__.get("forward"), Block):
+            raise ValueError(f"block {name} is already wrapped by memfit; call remove() on the old controller")
+        if getattr(module, "gradient_checkpointing", False):
+            raise ValueError(
+                f"Hugging Face gradient checkpointing is on for {name}; memfit decides what to "
+                "checkpoint: call model.gradient_checkpointing_disable() (or drop "
+                "--gradient_checkpointing) and use method 'full' for the same effect"
+            )
+        block = Block(i, name, module)
+        module.forward = block
+        wrapped.append(block)
+    return wrapped
+
+
+def unwrap_blocks(blocks: list[Block]) -> None:
+    """Restore every module's own ``forward``."""
+    for block in blocks:
+        if block.module.__dict__.get("forward") is block:
+            del block.module.forward

@@ -1,0 +1,203 @@
+"""Memory and time model per block as a function of the shape key; fitting and refits.
+
+Shape key: ``(N, T)`` — batch rows and tokens per row at the first block (sequence length
+for text, patches for vision; see :func:`shape_key`). Features are ``N``, ``N·T`` and
+``N·T²``: activations of a transformer layer are linear in tokens, plus a quadratic
+attention-score term that vanishes with fused attention and for windowed (Swin) attention;
+``N`` alone covers per-row tensors (pooler, logits of a classification head).
+
+Per *group* of identical blocks (same class, same parameter count) the model keeps:
+
+* ``full_bytes``: bytes the block saves for backward when not checkpointed (measured by the
+  warm-up probe, then by the live counter on every un-checkpointed step);
+* ``kept_bytes``: bytes it keeps when checkpointed (its inputs);
+* ``cost_ms``: its forward time, i.e. the recompute cost (measured by the probe).
+
+Plus, for the whole step, ``outside_bytes`` (embeddings, head, loss) and ``transient``: the
+part of the observed peak that is not static memory or saved activations (backward
+temporaries, logits, gradients in flight), fitted as an upper envelope.
+
+# NOTE [Upper envelope]
+Least squares under-predicts half of its samples. Every fitted curve here is shifted up by
+its largest positive residual, so it bounds every sample it was fitted on; out-of-sample
+errors are caught by the margin in runtime.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["shape_key", "bucket_key", "Curve", "BlockGroupModel", "MemoryModel"]
+
+
+def shape_key(shape: Sequence[int]) -> tuple[int, int]:
+    """``(N, T)`` from the shape of the first block's input.
+
+    ``(N, T, C)`` → ``(N, T)``; ``(N, C, H, W)`` → ``(N, H·W)``; ``(N, C)`` → ``(N, 1)``.
+    """
+    if len(shape) == 0:
+        return (1, 1)
+    if len(shape) <= 2:
+        return (int(shape[0]), 1)
+    if len(shape) == 3:
+        return (int(shape[0]), int(shape[1]))
+    return (int(shape[0]), int(math.prod(shape[2:])))
+
+
+def bucket_key(key: tuple[int, int], bucket_tokens: int = 8) -> tuple[int, int]:
+    """Round tokens *up* to a multiple of ``bucket_tokens`` (1: exact keys).
+
+    Plans are computed for the bucket's upper edge, so a plan is safe for every shape that
+    falls in its bucket.
+    """
+    n, t = key
+    return (n, -(-t // bucket_tokens) * bucket_tokens)
+
+
+def _features(key: tuple[int, int], intercept: bool) -> list[float]:
+    n, t = key
+    f = [float(n), float(n * t), float(n * t * t)]
+    return [1.0] + f if intercept else f
+
+
+@dataclass
+class Curve:
+    """A non-negative upper-envelope fit of ``y`` on the shape features (NOTE [Upper envelope])."""
+
+    intercept: bool = False
+    xs: list[tuple[int, int]] = field(default_factory=list)
+    ys: list[float] = field(default_factory=list)
+    coef: list[float] = field(default_factory=list)
+    shift: float = 0.0
+
+    def has(self, key: tuple[int, int]) -> bool:
+        return key in self.xs
+
+    def add(self, key: tuple[int, int], y: float) -> None:
+        self.xs.append(key)
+        self.ys.append(float(y))
+        self.coef = []  # refit lazily
+
+    @property
+    def fitted(self) -> bool:
+        return bool(self.xs)
+
+    def _fit(self) -> None:
+        # One sample per distinct key (the largest y seen there) keeps the system small.
+        by_key: dict[tuple[int, int], float] = {}
+        for k, y in zip(self.xs, self.ys):
+            by_key[k] = max(y, by_key.get(k, -math.inf))
+        keys = sorted(by_key)
+        a = np.array([_features(k, self.intercept) for k in keys])
+        b = np.array([by_key[k] for k in keys])
+        scale = np.maximum(np.abs(a).max(axis=0), 1.0)
+        coef, *_ = np.linalg.lstsq(a / scale, b, rcond=None)
+        coef = coef / scale
+        self.coef = [float(c) for c in coef]
+        residual = b - a @ coef
+        self.shift = max(0.0, float(residual.max()))
+
+    def __call__(self, key: tuple[int, int]) -> float:
+        if not self.xs:
+            return 0.0
+        if not self.coef:
+            self._fit()
+        value = sum(c * f for c, f in zip(self.coef, _features(key, self.intercept))) + self.shift
+        return max(0.0, value)
+
+    def to_dict(self) -> dict:
+        return {"intercept": self.intercept, "xs": [list(k) for k in self.xs], "ys": self.ys}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Curve":
+        return cls(data["intercept"], [tuple(k) for k in data["xs"]], list(data["ys"]))
+
+
+@dataclass
+class BlockGroupModel:
+    """Model of one group of identical blocks."""
+
+    full_bytes: Curve = field(default_factory=Curve)
+    kept_bytes: Curve = field(default_factory=Curve)
+    cost_ms: Curve = field(default_factory=lambda: Curve(intercept=True))
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k).to_dict() for k in ("full_bytes", "kept_bytes", "cost_ms")}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "BlockGroupModel":
+        return cls(**{k: Curve.from_dict(v) for k, v in data.items()})
+
+
+class MemoryModel:
+    """Predicts per-block savings and costs, and the step peak, from the shape key.
+
+    Args:
+        groups: for each block, the id of its group of identical blocks.
+    """
+
+    def __init__(self, groups: Sequence[int]):
+        self.groups = list(groups)
+        self.group_models = {g: BlockGroupModel() for g in sorted(set(self.groups))}
+        self.outside = Curve()
+        self.transient = Curve(intercept=True)
+        self.max_key: tuple[int, int] | None = None
+
+    @property
+    def ready(self) -> bool:
+        return all(g.full_bytes.fitted and g.kept_bytes.fitted for g in self.group_models.values())
+
+    def observe_key(self, key: tuple[int, int]) -> None:
+        if self.max_key is None or key[0] * key[1] > self.max_key[0] * self.max_key[1]:
+            self.max_key = key
+
+    def block_full(self, i: int, key: tuple[int, int]) -> float:
+        return self.group_models[self.groups[i]].full_bytes(key)
+
+    def block_kept(self, i: int, key: tuple[int, int]) -> float:
+        return self.group_models[self.groups[i]].kept_bytes(key)
+
+    def block_cost_ms(self, i: int, key: tuple[int, int]) -> float:
+        return self.group_models[self.groups[i]].cost_ms(key)
+
+    def savings(self, key: tuple[int, int]) -> list[int]:
+        per_group = {
+            g: int(max(0.0, m.full_bytes(key) - m.kept_bytes(key))) for g, m in self.group_models.items()
+        }
+        return [per_group[g] for g in self.groups]
+
+    def costs(self, key: tuple[int, int]) -> list[float]:
+        per_group = {g: max(m.cost_ms(key), 1e-6) for g, m in self.group_models.items()}
+        return [per_group[g] for g in self.groups]
+
+    def activation_bytes(self, key: tuple[int, int], plan: Sequence[int] = ()) -> float:
+        """Saved bytes of the whole step under ``plan`` (outside + every block)."""
+        planned = set(plan)
+        full = {g: m.full_bytes(key) for g, m in self.group_models.items()}
+        kept = {g: m.kept_bytes(key) for g, m in self.group_models.items()}
+        total = self.outside(key)
+        for i, g in enumerate(self.groups):
+            total += kept[g] if i in planned else full[g]
+        return total
+
+    def to_dict(self) -> dict:
+        return {
+            "groups": self.groups,
+            "group_models": {str(g): m.to_dict() for g, m in self.group_models.items()},
+            "outside": self.outside.to_dict(),
+            "transient": self.transient.to_dict(),
+            "max_key": list(self.max_key) if self.max_key else None,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "MemoryModel":
+        model = cls(data["groups"])
+        model.group_models = {int(g): BlockGroupModel.from_dict(m) for g, m in data["group_models"].items()}
+        model.outside = Curve.from_dict(data["outside"])
+        model.transient = Curve.from_dict(data["transient"])
+        model.max_key = tuple(data["max_key"]) if data.get("max_key") else None
+        return model

@@ -1,0 +1,181 @@
+"""Step records and run summaries: the dataclasses and their JSONL reader/writer.
+
+Everything memfit measures ends up here first (habit 7: structured results first). Reports
+and plots read these files only, never printed text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "StepRecord",
+    "RunSummary",
+    "JsonlWriter",
+    "read_jsonl",
+    "summarize",
+]
+
+#: Version of the step-record and summary schema. Bump on any incompatible change.
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class StepRecord:
+    """One optimizer micro-step (one training forward + backward).
+
+    Byte counts are plain bytes; ``budget_bytes`` is ``None`` when no budget is set.
+    With ``accounting == "logical"`` (CPU), ``peak_allocated_bytes`` is parameters +
+    gradients + optimizer state + saved activations counted from the tensors, and
+    ``peak_reserved_bytes`` equals it. With ``accounting == "cuda"`` both come from the
+    caching allocator (``max_memory_allocated`` / ``max_memory_reserved``, reset per step).
+    """
+
+    step: int
+    shape: list[int]
+    tokens: int
+    method: str
+    plan: list[int]
+    n_checkpointed: int
+    n_blocks: int
+    predicted_peak_bytes: int | None
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    budget_bytes: int | None
+    accounting: str
+    step_ms: float | None
+    recompute_ms_est: float
+    oom_retries: int = 0
+    phase: str = "steady"
+    saved_activation_bytes: int = 0
+    static_bytes: int = 0
+    planner_us: float = 0.0
+    evicted_blocks: list[int] = field(default_factory=list)
+    rank: int = 0
+    schema_version: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record as a JSON-ready dict (the JSONL line)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "StepRecord":
+        """Build a record from a JSONL line, ignoring fields this version does not know."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class RunSummary:
+    """Totals of one run plus the per-input-size peak table (``memory_count``).
+
+    ``memory_count`` maps the input size (tokens per micro-batch, as a string key so the
+    JSON round-trips) to ``{"steps": n, "max_peak_bytes": b}``: the per-input-size peak
+    table of the original experiments.
+    """
+
+    method: str
+    budget_bytes: int | None
+    accounting: str
+    steps: int
+    warmup_steps: int
+    oom_retries: int
+    max_peak_allocated_bytes: int
+    max_peak_reserved_bytes: int
+    over_budget_steps: int
+    mean_checkpointed_fraction: float
+    total_step_ms: float
+    mean_planner_us: float
+    memory_count: dict[str, dict[str, int]]
+    schema_version: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def summarize(records: Iterable[StepRecord]) -> RunSummary:
+    """Fold step records into a :class:`RunSummary`.
+
+    Raises:
+        ValueError: if ``records`` is empty.
+    """
+    records = list(records)
+    if not records:
+        raise ValueError("cannot summarize a run with no step records")
+    memory_count: dict[str, dict[str, int]] = {}
+    for r in records:
+        row = memory_count.setdefault(str(r.tokens), {"steps": 0, "max_peak_bytes": 0})
+        row["steps"] += 1
+        row["max_peak_bytes"] = max(row["max_peak_bytes"], r.peak_allocated_bytes)
+    memory_count = dict(sorted(memory_count.items(), key=lambda kv: int(kv[0])))
+    budget = records[-1].budget_bytes
+    return RunSummary(
+        method=records[-1].method,
+        budget_bytes=budget,
+        accounting=records[-1].accounting,
+        steps=len(records),
+        warmup_steps=sum(r.phase == "warmup" for r in records),
+        oom_retries=sum(r.oom_retries for r in records),
+        max_peak_allocated_bytes=max(r.peak_allocated_bytes for r in records),
+        max_peak_reserved_bytes=max(r.peak_reserved_bytes for r in records),
+        over_budget_steps=sum(
+            budget is not None and r.peak_allocated_bytes > budget for r in records
+        ),
+        mean_checkpointed_fraction=sum(r.n_checkpointed / max(r.n_blocks, 1) for r in records)
+        / len(records),
+        total_step_ms=sum(r.step_ms or 0.0 for r in records),
+        mean_planner_us=sum(r.planner_us for r in records) / len(records),
+        memory_count=memory_count,
+    )
+
+
+class JsonlWriter:
+    """Append JSON lines to a file, flushed per line so a crashed run keeps its records.
+
+    Args:
+        path: file to write; its folder is created. An existing file is truncated.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = os.fspath(path)
+        folder = os.path.dirname(self.path)
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+        self._fh = open(self.path, "w", encoding="utf-8")
+
+    def write(self, obj: Any) -> None:
+        data = obj.to_dict() if hasattr(obj, "to_dict") else obj
+        self._fh.write(json.dumps(data, sort_keys=False) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        if not self._fh.closed:
+            self._fh.close()
+
+    def __enter__(self) -> "JsonlWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """Yield the JSON objects of a JSONL file; blank lines are skipped.
+
+    Raises:
+        ValueError: naming the file and line of a line that is not valid JSON.
+    """
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{os.fspath(path)}:{lineno}: not valid JSON ({exc.msg})") from None

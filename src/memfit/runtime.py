@@ -1,0 +1,515 @@
+"""The per-step controller: shape key -> plan -> forward/backward -> step record -> refit.
+
+``memfit.fit`` builds a :class:`Controller`, which hooks the model and needs no change to
+the training loop:
+
+* a forward pre-hook on the root module starts a step (and closes the previous one: its
+  record is written then, when the peak of its backward and optimizer step is known);
+* the first block to run fixes the plan (NOTE [Plan is fixed before forward]);
+* saved tensors are counted per block while the root forward runs (accounting.py);
+* in warm-up, each group of identical blocks is *probed*: its body runs once more on
+  detached inputs under a forked RNG, to measure what it would save un-checkpointed and
+  how long it takes (NOTE [Probe]).
+
+# NOTE [Plan is fixed before forward]
+The shape key is read from the first block's input, so it works for any model input
+(tokens, pixels, kwargs). All block switches are set at that moment, before any block has
+run, and do not change until the next step: forward and backward see one plan.
+
+# NOTE [Probe]
+Under ``full`` the blocks' saved tensors are held by the checkpoint and invisible to our
+hooks (NOTE [Who sees a checkpointed block's tensors]). The probe re-runs one block on
+detached copies of its inputs, counts what it saves, and drops the result: it costs one
+block's activations for a moment, as ``full``'s own recompute does in backward, so warm-up
+is safe under any budget ``full`` fits. The RNG is forked so dropout masks of the real
+forward are those of a run without the probe (gradients stay exact).
+
+# NOTE [No sync in steady state]
+A steady-state step reads only host-side values: ``memory_allocated``,
+``max_memory_allocated`` and ``reset_peak_memory_stats`` query the caching allocator's
+counters without synchronising the device. ``step_ms`` is the wall time between step
+starts. Only warm-up probes synchronise (to time a block).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
+
+from memfit.accounting import OUTSIDE, ProbeCounter, SavedTensorCounter, optimizer_state_bytes, static_bytes_logical
+from memfit.blocks import Block, find_blocks, unwrap_blocks, without_cache, wrap_blocks
+from memfit.budget import BudgetTooSmallError, apply_cuda_cap, check_static_need, format_bytes, parse_bytes
+from memfit.methods import Method, make_method, save_plans
+from memfit.model import MemoryModel, bucket_key, shape_key
+from memfit.planner import InfeasiblePlanError, Plan, PlanCache, plan_blocks
+from memfit.records import JsonlWriter, StepRecord, summarize
+
+__all__ = ["fit", "Controller", "Planning"]
+
+logger = logging.getLogger("memfit")
+
+# Expected optimizer state per parameter byte, used before the optimizer's first step has
+# allocated its state (afterwards the state is measured).
+_STATE_PER_PARAM_BYTE = {"Adam": 2.0, "AdamW": 2.0, "NAdam": 2.0, "RAdam": 2.0, "Adamax": 2.0, "SGD": 1.0, "RMSprop": 1.0, "Adagrad": 1.0}
+
+
+def _expected_optimizer_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    if optimizer is None:
+        return 0
+    per_byte = _STATE_PER_PARAM_BYTE.get(type(optimizer).__name__, 0.0)
+    if type(optimizer).__name__ == "SGD" and not any(g.get("momentum", 0) for g in optimizer.param_groups):
+        per_byte = 0.0
+    if any(g.get("amsgrad") for g in optimizer.param_groups):
+        per_byte += 1.0
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return int(per_byte * sum(p.numel() * p.element_size() for p in params))
+
+
+class Planning:
+    """Memory model + planner + plan cache for one run (what methods see).
+
+    Args:
+        n_blocks: number of blocks.
+        groups: group id of each block (identical blocks share a model).
+        budget_bytes: the budget, or ``None`` for no budget.
+        margin_bytes: initial safety margin kept free below the budget.
+        bucket_tokens: token granularity of plan buckets.
+    """
+
+    def __init__(self, n_blocks: int, groups: Sequence[int], budget_bytes: int | None, margin_bytes: int, bucket_tokens: int):
+        self.n_blocks = n_blocks
+        self.all_blocks = tuple(range(n_blocks))
+        self.model = MemoryModel(groups)
+        self.budget_bytes = budget_bytes
+        self.margin_bytes = margin_bytes
+        self.bucket_tokens = bucket_tokens
+        self.cache = PlanCache()
+        self.static_bytes = 0
+        self.infeasible_keys: set[tuple[int, int]] = set()
+
+    def predict_peak(self, key: tuple[int, int], blocks: Sequence[int]) -> int:
+        """Predicted step peak: static + saved activations under ``blocks`` + transient."""
+        k = bucket_key(key, self.bucket_tokens)
+        return int(self.static_bytes + self.model.activation_bytes(k, blocks) + self.model.transient(k))
+
+    def _static_bucket(self) -> int:
+        # Static bytes differ between micro-steps (gradients present or not); plans are
+        # cached per (shape bucket, static bucket) so both stay cached.
+        unit = max(1, (self.budget_bytes or 1) // 64)
+        return self.static_bytes // unit
+
+    def plan_for(self, key: tuple[int, int]) -> tuple[int, ...]:
+        """The cheapest plan whose predicted peak fits ``budget - margin`` (cached)."""
+        if self.budget_bytes is None:
+            return ()
+        k = bucket_key(key, self.bucket_tokens)
+        cache_key = (k, self._static_bucket())
+        plan = self.cache.get(cache_key)
+        if plan is None:
+            plan = self._plan(k)
+            self.cache.put(cache_key, plan)
+        return plan.blocks
+
+    def _plan(self, k: tuple[int, int]) -> Plan:
+        need = self.predict_peak(k, ()) - (self.budget_bytes - self.margin_bytes)
+        try:
+            return plan_blocks(self.model.costs(k), self.model.savings(k), need)
+        except InfeasiblePlanError:
+            if k not in self.infeasible_keys:
+                self.infeasible_keys.add(k)
+                logger.warning(
+                    "memfit: shape %s is predicted to need %s even with every block checkpointed, "
+                    "over the budget of %s; running it with every block checkpointed",
+                    k, format_bytes(self.predict_peak(k, self.all_blocks) + self.margin_bytes), format_bytes(self.budget_bytes),
+                )
+            return Plan(self.all_blocks)
+
+    def raise_margin(self, extra_bytes: int) -> None:
+        self.margin_bytes += max(0, int(extra_bytes))
+        self.cache.clear()
+
+    def recompute_ms(self, key: tuple[int, int], blocks: Sequence[int]) -> float:
+        if not self.model.ready:
+            return 0.0
+        k = bucket_key(key, self.bucket_tokens)
+        return float(sum(self.model.block_cost_ms(i, k) for i in blocks))
+
+
+def _group_ids(blocks: list[Block]) -> list[int]:
+    """Blocks of the same class and parameter count share a group (and a model)."""
+    ids: dict[tuple[type, int], int] = {}
+    out = []
+    for b in blocks:
+        sig = (type(b.module), sum(p.numel() for p in b.module.parameters()))
+        out.append(ids.setdefault(sig, len(ids)))
+    return out
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    for t in tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return t
+    return None
+
+
+class Controller:
+    """Plans, switches and records checkpointing for one model; made by :func:`fit`.
+
+    Attributes:
+        blocks: the wrapped blocks, in order.
+        method: the :class:`~memfit.methods.Method`.
+        planning: model, planner and cache.
+        accounting: ``"cuda"`` (allocator peaks) or ``"logical"`` (counted tensors).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        budget_bytes: int | None,
+        method: Method,
+        optimizer: torch.optim.Optimizer | None = None,
+        blocks: Sequence[nn.Module] | str | None = None,
+        log: str | None = None,
+        margin: float | None = None,
+        bucket_tokens: int = 8,
+        cap: bool = True,
+    ):
+        self.model = model
+        self.method = method
+        self.optimizer = optimizer
+        self.budget_bytes = budget_bytes
+        named = find_blocks(model, blocks)
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.accounting = "cuda" if self.device.type == "cuda" else "logical"
+
+        params = list(model.parameters()) + list(model.buffers())
+        static_parts = static_bytes_logical(model, None)
+        static_parts["optimizer state"] = _expected_optimizer_bytes(optimizer)
+        if budget_bytes is not None:
+            check_static_need(budget_bytes, sum(static_parts.values()), static_parts)
+            if self.accounting == "cuda" and cap:
+                apply_cuda_cap(budget_bytes, self.device)
+
+        self.blocks = wrap_blocks(named)
+        if margin is None:
+            margin = 0.03 if self.accounting == "cuda" else 0.0
+        self.planning = Planning(
+            len(self.blocks), _group_ids(self.blocks), budget_bytes, int(margin * (budget_bytes or 0)), bucket_tokens
+        )
+        self._counter = SavedTensorCounter(len(self.blocks), exclude=params)
+        self._exclude_ptrs = {t.untyped_storage().data_ptr() for t in params}
+        self._param_bytes = static_parts["parameters"] + static_parts["gradients"]
+        self._writer = JsonlWriter(log) if log else None
+        self._records: list[StepRecord] = []
+        self._pending: dict[str, Any] | None = None
+        self._step = 0
+        self._oom_retries = 0
+        self.replaying = False
+        self._handles = [
+            model.register_forward_pre_hook(self._on_forward_start, with_kwargs=True),
+            model.register_forward_hook(self._on_forward_end, always_call=True),
+        ]
+        for b in self.blocks:
+            b.listener = self
+
+    # ----------------------------------------------------------------- hooks
+    def _static_now(self) -> int:
+        if self.accounting == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        return self._param_bytes + optimizer_state_bytes(self.optimizer)
+
+    def _on_forward_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._finish_step()
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        if self.accounting == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.planning.static_bytes = self._static_now()
+        self._pending = {"t0": time.perf_counter(), "decision": None, "probed": set(), "static": self.planning.static_bytes}
+        self._counter.start()
+
+    def _on_forward_end(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._pending is not None:
+            self._counter.stop()
+            self._pending["saved"] = (self._counter.outside_bytes, list(self._counter.by_block))
+
+    def exit(self, block: Block) -> None:
+        """Block listener: tensors saved after a block belong to no block until the next."""
+        self._counter.current = OUTSIDE
+
+    def enter(self, block: Block, args: tuple, kwargs: dict) -> None:
+        """Block listener: fix the plan at the first block; attribute saved tensors; probe."""
+        pending = self._pending
+        if pending is None or not self._counter.active:
+            return
+        if pending["decision"] is None:
+            self._decide(pending, args, kwargs)
+        self._counter.current = block.index
+        if block.enabled:
+            self._counter.count_inputs(block.index, args, kwargs)
+        if pending["decision"].warmup:
+            group = self.planning.model.groups[block.index]
+            if group not in pending["probed"]:
+                pending["probed"].add(group)
+                self._probe(block, args, kwargs, pending["key"])
+
+    def _decide(self, pending: dict[str, Any], args: tuple, kwargs: dict) -> None:
+        x = _first_tensor(args, kwargs)
+        shape = list(x.shape) if x is not None else []
+        key = shape_key(shape)
+        t0 = time.perf_counter()
+        decision = self.method.decide(self.planning, key)
+        planner_us = (time.perf_counter() - t0) * 1e6
+        enabled = set(decision.blocks)
+        for b in self.blocks:
+            b.enabled = b.index in enabled
+        pending.update(decision=decision, shape=shape, key=key, planner_us=planner_us)
+
+    def _probe(self, block: Block, args: tuple, kwargs: dict, key: tuple[int, int]) -> None:
+        """Measure what ``block`` saves un-checkpointed and its forward time (NOTE [Probe])."""
+        detached = tree_map(
+            lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t, (args, kwargs)
+        )
+        probe = ProbeCounter(self._exclude_ptrs)
+        cuda = self.device.type == "cuda"
+        devices = [self.device] if cuda else []
+        with torch.random.fork_rng(devices=devices), torch.enable_grad(), probe.hooks():
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            t0 = time.perf_counter()
+            probe_args, probe_kwargs = without_cache(block.module, *detached)
+            out = block._body(*probe_args, **probe_kwargs)
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            elapsed_ms = (time.perf_counter() - t0) * 1e3
+        del out
+        group_model = self.planning.model.group_models[self.planning.model.groups[block.index]]
+        group_model.full_bytes.add(key, probe.bytes)
+        group_model.cost_ms.add(key, elapsed_ms)
+
+    # ----------------------------------------------------------------- records
+    def _finish_step(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        self._counter.stop()
+        if pending["decision"] is None or "saved" not in pending:
+            return  # the forward ran no block (or failed): nothing to record
+        now = time.perf_counter()
+        if self.accounting == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+            reserved = torch.cuda.max_memory_reserved(self.device)
+        outside, by_block = pending["saved"]
+        saved = outside + sum(by_block)
+        static = pending["static"]
+        if self.accounting == "logical":
+            peak = reserved = static + saved
+        decision = pending["decision"]
+        key = pending["key"]
+        model = self.planning.model
+        predicted = self.planning.predict_peak(key, decision.blocks) if model.ready else None
+        self._learn(key, decision, outside, by_block, peak - static - saved)
+        if predicted is not None and self.method.uses_model:
+            miss = peak - predicted
+            if miss > 0 and 1.25 * miss > self.planning.margin_bytes:
+                # A step above its prediction: the margin grows to cover the largest miss
+                # seen (plus a quarter), and the plans are redone with it.
+                self.planning.raise_margin(int(1.25 * miss) - self.planning.margin_bytes)
+        if self.replaying:
+            return
+        self._step += 1
+        record = StepRecord(
+            step=self._step,
+            shape=pending["shape"],
+            tokens=key[0] * key[1],
+            method=self.method.name,
+            plan=list(decision.blocks),
+            n_checkpointed=len(decision.blocks),
+            n_blocks=len(self.blocks),
+            predicted_peak_bytes=predicted,
+            peak_allocated_bytes=int(peak),
+            peak_reserved_bytes=int(reserved),
+            budget_bytes=self.budget_bytes,
+            accounting=self.accounting,
+            step_ms=(now - pending["t0"]) * 1e3,
+            recompute_ms_est=self.planning.recompute_ms(key, decision.blocks),
+            oom_retries=self._oom_retries,
+            phase="warmup" if decision.warmup else "steady",
+            saved_activation_bytes=int(saved),
+            static_bytes=int(static),
+            planner_us=pending["planner_us"],
+        )
+        self._oom_retries = 0
+        self._records.append(record)
+        if self._writer is not None:
+            self._writer.write(record)
+
+    def _learn(self, key, decision, outside: int, by_block: list[int], transient: int) -> None:
+        """Feed a finished step's measurements to the memory model.
+
+        Warm-up steps always add samples. Steady steps add one only where the model missed
+        by more than 0.5% (or under-predicted the transient), so a steady step normally
+        leaves the model and the plan cache untouched.
+        """
+        model = self.planning.model
+        planned = set(decision.blocks)
+        curves: list[tuple] = [(model.outside, outside)]
+        for group_id, group in model.group_models.items():
+            members = [i for i, g in enumerate(model.groups) if g == group_id]
+            kept = [by_block[i] for i in members if i in planned]
+            full = [by_block[i] for i in members if i not in planned]
+            if kept:
+                curves.append((group.kept_bytes, max(kept)))
+            if full:
+                curves.append((group.full_bytes, max(full)))
+        if self.accounting == "cuda":
+            curves.append((model.transient, max(0, transient)))
+        changed = False
+        for curve, observed in curves:
+            if decision.warmup or not curve.fitted:
+                curve.add(key, observed)
+                changed = True
+                continue
+            predicted = curve(key)
+            if observed > predicted + 0.005 * observed or (curve is not model.transient and predicted - observed > 0.005 * observed):
+                curve.add(key, observed)
+                changed = True
+        model.observe_key(key)
+        if changed:
+            self.planning.cache.clear()
+
+    # ----------------------------------------------------------------- public
+    @property
+    def records(self) -> list[StepRecord]:
+        """Step records so far (the last step's record is closed on access)."""
+        if self._pending is not None and "saved" in self._pending:
+            if self.accounting == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._finish_step()
+        return self._records
+
+    def summary(self):
+        """:class:`~memfit.records.RunSummary` of the records so far."""
+        return summarize(self.records)
+
+    def note_oom(self) -> None:
+        """Call after catching an OOM inside a step, before replaying it.
+
+        Drops the failed step (no record, nothing learned), grows the margin and clears the
+        plan cache so the replay runs a safer plan.
+
+        Raises:
+            BudgetTooSmallError: when the failed step already checkpointed every block.
+        """
+        pending, self._pending = self._pending, None
+        self._counter.stop()
+        self._oom_retries += 1
+        decision = pending["decision"] if pending else None
+        if decision is not None and len(decision.blocks) == len(self.blocks) and not decision.warmup:
+            raise BudgetTooSmallError(
+                f"out of memory with every block checkpointed (shape {pending['shape']}); static memory is "
+                f"{format_bytes(pending['static'])} of the {format_bytes(self.budget_bytes)} budget. Raise "
+                "--memory_budget, lower the batch size (use gradient accumulation), or use bf16/fp16 or a "
+                "lighter optimizer (see `memfit estimate --advise`)"
+            )
+        if self.budget_bytes is not None:
+            self.planning.raise_margin(max(self.budget_bytes // 20, 1))
+        if self.accounting == "cuda":
+            torch.cuda.empty_cache()
+
+    def plans(self) -> dict[tuple[int, int], tuple[int, ...]]:
+        """Plans decided so far, per shape bucket."""
+        return {k: p.blocks for (k, _), p in self.planning.cache.items()}
+
+    def save_plans(self, path: str) -> None:
+        """Write the plans of this run as JSON for the ``precomputed`` method."""
+        save_plans(path, len(self.blocks), self.plans())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Memory model and margin, for resuming without a new warm-up."""
+        return {"model": self.planning.model.to_dict(), "margin_bytes": self.planning.margin_bytes, "step": self._step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.planning.model = MemoryModel.from_dict(state["model"])
+        self.planning.margin_bytes = int(state["margin_bytes"])
+        self.planning.cache.clear()
+        self._step = int(state.get("step", 0))
+
+    def remove(self) -> None:
+        """Close the last record, unhook and unwrap: the model is exactly as before ``fit``."""
+        self.records  # noqa: B018 - closes the pending step
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._counter.stop()
+        unwrap_blocks(self.blocks)
+        if self._writer is not None:
+            self._writer.close()
+
+    def __enter__(self) -> "Controller":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def fit(
+    model: nn.Module,
+    budget: int | str | None,
+    method: str | Method = "dynamic",
+    optimizer: torch.optim.Optimizer | None = None,
+    blocks: Sequence[nn.Module] | str | None = None,
+    log: str | None = None,
+    margin: float | None = None,
+    bucket_tokens: int = 8,
+    cap: bool = True,
+    **method_kwargs: Any,
+) -> Controller:
+    """Train ``model`` inside ``budget`` by checkpointing just enough blocks per batch.
+
+    Args:
+        model: the model, already on its device.
+        budget: bytes (int) or a size string: ``"6GiB"`` = 6·2**30, ``"6GB"`` = 6·10**9;
+            ``None`` runs the method with no budget (records only).
+        method: ``none | full | dynamic | static | precomputed`` (or a Method instance).
+        optimizer: its state is counted in the static need (measured from its tensors on
+            CPU, by the allocator on CUDA).
+        blocks: modules or a name regex, for models memfit cannot analyse.
+        log: path of a JSONL file receiving one :class:`StepRecord` per step.
+        margin: fraction of the budget kept free as a safety margin (default 3% on CUDA,
+            0 with logical accounting, which is exact).
+        bucket_tokens: plans are shared by shapes whose token counts round up to the same
+            multiple of this (1 = a plan per exact shape).
+        cap: on CUDA, enforce the budget with ``set_per_process_memory_fraction``.
+        **method_kwargs: passed to the method (``path=`` for ``precomputed``,
+            ``max_shape=`` for ``static``, ``warmup_steps=`` for ``dynamic``...).
+
+    Returns:
+        The :class:`Controller`; ``ctl.records[-1]`` is the last step's record and
+        ``ctl.remove()`` restores the model.
+
+    Raises:
+        BudgetTooSmallError: when weights + gradients + optimizer state exceed the budget.
+        UnknownMethodError: for an unknown method name.
+        NoBlocksError: listing candidates, when no checkpointable block is found.
+
+    Example:
+        >>> import torch, memfit
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.ModuleList([nn.Linear(8, 8) for _ in range(4)]))
+        >>> ctl = memfit.fit(model, budget="1GiB", method="full", blocks=r"0\\.\\d+")
+        >>> len(ctl.blocks)
+        4
+        >>> ctl.remove()
+    """
+    budget_bytes = None if budget is None else parse_bytes(budget)
+    method_obj = make_method(method, **method_kwargs)
+    return Controller(model, budget_bytes, method_obj, optimizer, blocks, log, margin, bucket_tokens, cap)

@@ -1,0 +1,70 @@
+"""Tiny Hugging Face models (random weights, dropout on) and a batch maker for each."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 97
+
+
+def _text_batch(n: int, length: int, labels: str) -> dict[str, torch.Tensor]:
+    ids = torch.randint(3, VOCAB, (n, length))
+    mask = torch.ones(n, length, dtype=torch.long)
+    mask[0, length // 2 :] = 0  # padding in one row, as dynamic padding produces
+    batch = {"input_ids": ids, "attention_mask": mask}
+    if labels == "cls":
+        batch["labels"] = torch.randint(0, 2, (n,))
+    elif labels == "lm":
+        batch["labels"] = ids.clone()
+    elif labels == "seq2seq":
+        batch["labels"] = torch.randint(3, VOCAB, (n, max(2, length // 2)))
+    return batch
+
+
+def _image_batch(n: int, size: int, **extra) -> dict[str, torch.Tensor]:
+    return {"pixel_values": torch.randn(n, 3, size, size), "labels": torch.randint(0, 2, (n,)), **extra}
+
+
+def build(arch: str):
+    """Return ``(model, make_batch(n, size))`` for a tiny model of ``arch``."""
+    import transformers as tf
+
+    d = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=37, vocab_size=VOCAB)
+    drop = dict(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    if arch == "bert":
+        cfg = tf.BertConfig(**d, **drop, attn_implementation="eager")
+        return tf.BertForSequenceClassification(cfg), lambda n, s: _text_batch(n, s, "cls")
+    if arch == "roberta":
+        cfg = tf.RobertaConfig(**d, **drop, max_position_embeddings=600, pad_token_id=1)
+        return tf.RobertaForSequenceClassification(cfg), lambda n, s: _text_batch(n, s, "cls")
+    if arch == "distilbert":
+        cfg = tf.DistilBertConfig(vocab_size=VOCAB, dim=32, n_layers=3, n_heads=2, hidden_dim=37, dropout=0.1, attention_dropout=0.1)
+        return tf.DistilBertForSequenceClassification(cfg), lambda n, s: _text_batch(n, s, "cls")
+    if arch == "electra":
+        cfg = tf.ElectraConfig(**d, **drop, embedding_size=16)
+        return tf.ElectraForSequenceClassification(cfg), lambda n, s: _text_batch(n, s, "cls")
+    if arch == "deberta-v2":
+        cfg = tf.DebertaV2Config(**d, **drop, max_relative_positions=64, relative_attention=True, pos_att_type=["p2c", "c2p"])
+        return tf.DebertaV2ForSequenceClassification(cfg), lambda n, s: _text_batch(n, s, "cls")
+    if arch == "gpt2":
+        cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=2, n_positions=600, resid_pdrop=0.1, attn_pdrop=0.1, embd_pdrop=0.1)
+        return tf.GPT2LMHeadModel(cfg), lambda n, s: _text_batch(n, s, "lm")
+    if arch == "llama":
+        cfg = tf.LlamaConfig(**d, num_key_value_heads=1, attention_dropout=0.1, max_position_embeddings=600)
+        return tf.LlamaForCausalLM(cfg), lambda n, s: _text_batch(n, s, "lm")
+    if arch == "t5":
+        cfg = tf.T5Config(vocab_size=VOCAB, d_model=32, d_ff=37, d_kv=16, num_layers=2, num_heads=2, dropout_rate=0.1, decoder_start_token_id=0)
+        return tf.T5ForConditionalGeneration(cfg), lambda n, s: _text_batch(n, s, "seq2seq")
+    if arch == "vit":
+        cfg = tf.ViTConfig(**{k: v for k, v in d.items() if k != "vocab_size"}, **drop, image_size=64, patch_size=8, num_labels=2)
+        return tf.ViTForImageClassification(cfg), lambda n, s: _image_batch(n, s, interpolate_pos_encoding=True)
+    if arch == "swin":
+        cfg = tf.SwinConfig(image_size=64, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=4, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, drop_path_rate=0.1, num_labels=2)
+        return tf.SwinForImageClassification(cfg), lambda n, s: _image_batch(n, s)
+    raise ValueError(arch)
+
+
+ARCHS = ["bert", "roberta", "distilbert", "electra", "deberta-v2", "gpt2", "llama", "t5", "vit", "swin"]
+# (batch rows, sizes) per kind: sequence lengths for text, image sides for vision.
+SIZES = {"vit": [32, 48, 64], "swin": [32, 48, 64]}
+TEXT_SIZES = [8, 24, 40, 16]

@@ -1,0 +1,202 @@
+"""The controller under a logical (CPU) budget: plans, records, recomputes, errors."""
+
+import json
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+from _models import build
+from memfit.methods import save_plans
+
+
+def _bert():
+    torch.manual_seed(0)
+    model, make_batch = build("bert")
+    model.train()
+    return model, make_batch
+
+
+def _step(model, batch, seed=0):
+    torch.manual_seed(seed)
+    model(**batch).loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def _counted_bytes_with_first_k(model, batch, k, tmp_path):
+    """Logical peak of one step with blocks 0..k-1 checkpointed, via a plans file."""
+    key = (batch["input_ids"].shape[0], batch["input_ids"].shape[1])
+    path = tmp_path / f"plan_{k}.json"
+    n_blocks = len(memfit.blocks.find_blocks(model))
+    save_plans(path, n_blocks, {key: tuple(range(k))})
+    ctl = memfit.fit(model, budget=None, method="precomputed", path=path)
+    _step(model, batch)
+    peak = ctl.records[-1].peak_allocated_bytes
+    assert ctl.records[-1].n_checkpointed == k
+    ctl.remove()
+    return peak
+
+
+def test_stream_within_budget_with_fewest_blocks(tmp_path):
+    model, make_batch = _bert()
+    rng = random.Random(0)
+    lengths = [rng.randint(4, 96) for _ in range(24)]
+    n = 4
+    full_peak = _counted_bytes_with_first_k(model, make_batch(n, 96), 3, tmp_path)
+    none_peak = _counted_bytes_with_first_k(model, make_batch(n, 96), 0, tmp_path)
+    budget = (full_peak + none_peak) // 2
+    ctl = memfit.fit(model, budget=budget, method="dynamic", bucket_tokens=1, log=tmp_path / "steps.jsonl")
+    batches = [make_batch(n, length) for length in lengths]
+    for i, batch in enumerate(batches):
+        _step(model, batch, seed=i)
+    records = ctl.records
+    ctl.remove()
+    margin = ctl.planning.margin_bytes
+    checked = 0
+    for record, batch in zip(records, batches):
+        assert record.accounting == "logical"
+        assert record.peak_allocated_bytes <= budget, record
+        if record.phase != "steady":
+            continue
+        counted = [_counted_bytes_with_first_k(model, batch, k, tmp_path) for k in range(record.n_blocks + 1)]
+        fewest = next(k for k, b in enumerate(counted) if b <= budget - margin)
+        assert record.n_checkpointed == fewest, (record.shape, counted, budget)
+        assert record.peak_allocated_bytes == counted[record.n_checkpointed]
+        checked += 1
+    assert checked >= 10
+    assert {r.n_checkpointed for r in records if r.phase == "steady"} >= {0, 1}, "budget never bound"
+    lines = [json.loads(line) for line in open(tmp_path / "steps.jsonl")]
+    assert [line["step"] for line in lines] == [r.step for r in records]
+    for field in ("shape", "tokens", "plan", "predicted_peak_bytes", "peak_reserved_bytes", "step_ms", "recompute_ms_est", "oom_retries", "phase", "schema_version"):
+        assert field in lines[-1]
+
+
+def test_recompute_counts_follow_plan(tmp_path):
+    model, make_batch = _bert()
+    batch = make_batch(2, 16)
+    save_plans(tmp_path / "p.json", 3, {(2, 16): (0, 2)})
+    ctl = memfit.fit(model, budget=None, method="precomputed", path=tmp_path / "p.json")
+    _step(model, batch)
+    assert [b.recomputes for b in ctl.blocks] == [1, 0, 1]
+    assert [b.forwards for b in ctl.blocks] == [1, 1, 1]
+    ctl.remove()
+
+
+def test_saved_bytes_shrink_with_checkpointing(tmp_path):
+    model, make_batch = _bert()
+    batch = make_batch(4, 64)
+    peaks = [_counted_bytes_with_first_k(model, batch, k, tmp_path) for k in range(4)]
+    assert peaks == sorted(peaks, reverse=True) and peaks[0] > peaks[3]
+
+
+def test_eval_and_no_grad_untouched():
+    model, make_batch = _bert()
+    batch = make_batch(2, 16)
+    ctl = memfit.fit(model, budget=None, method="full")
+    model.eval()
+    with torch.no_grad():
+        model(**batch)
+    model.train()
+    with torch.no_grad():
+        model(**batch)
+    assert ctl.records == []
+    assert all(b.runs == 0 and b.forwards == 0 for b in ctl.blocks)
+    ctl.remove()
+
+
+def test_remove_restores_model():
+    model, make_batch = _bert()
+    batch = make_batch(2, 16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    forwards = {n: type(m).forward for n, m in model.named_modules()}
+    ctl = memfit.fit(model, budget=None, method="full")
+    _step(model, batch)
+    ctl.remove()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert {n: type(m).forward for n, m in model.named_modules()} == forwards
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    model.eval()
+    torch.manual_seed(0)
+    out1 = model(**batch).logits
+    torch.manual_seed(0)
+    out2 = model(**batch).logits
+    torch.testing.assert_close(out1, out2)
+
+
+def test_precomputed_roundtrip_and_fallback(tmp_path):
+    model, make_batch = _bert()
+    budget = None
+    ctl = memfit.fit(model, budget=budget, method="full")
+    ctl.remove()
+    save_plans(tmp_path / "p.json", 3, {(2, 16): (0,), (2, 32): (0, 1)})
+    ctl = memfit.fit(model, budget=None, method="precomputed", path=tmp_path / "p.json")
+    for length in (16, 24, 32, 48):
+        _step(model, make_batch(2, length))
+    assert [r.plan for r in ctl.records] == [[0], [0, 1], [0, 1], [0, 1, 2]]
+    ctl.remove()
+
+
+def test_dynamic_plans_save_for_precomputed(tmp_path):
+    model, make_batch = _bert()
+    ctl = memfit.fit(model, budget=10**9, method="dynamic", warmup_steps=2, warmup_keys=2)
+    for length in (8, 16, 24, 16):
+        _step(model, make_batch(2, length))
+    ctl.save_plans(tmp_path / "plans.json")
+    ctl.remove()
+    data = json.loads((tmp_path / "plans.json").read_text())
+    assert data["n_blocks"] == 3 and {tuple(p["key"]) for p in data["plans"]} == {(2, 16)}
+
+
+def test_budget_below_static_need():
+    model, _ = _bert()
+    opt = torch.optim.AdamW(model.parameters())
+    params = sum(p.numel() * 4 for p in model.parameters())
+    with pytest.raises(memfit.BudgetTooSmallError, match=f"{4 * params} bytes: parameters"):
+        memfit.fit(model, budget=3 * params, method="dynamic", optimizer=opt)
+    assert all("forward" not in m.__dict__ for m in model.modules()), "nothing half-installed"
+
+
+def test_unknown_method():
+    model, _ = _bert()
+    with pytest.raises(memfit.UnknownMethodError, match="choose one of none, full, dynamic, static, precomputed"):
+        memfit.fit(model, budget="1GiB", method="sometimes")
+
+
+def test_no_blocks_lists_candidates():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4), nn.ReLU()]))
+    with pytest.raises(memfit.NoBlocksError, match=r"module lists seen: 1: Linear×1, ReLU×1"):
+        memfit.fit(model, budget=None, method="full")
+
+
+def test_blocks_by_pattern_on_plain_module():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stack = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.2), nn.GELU()) for _ in range(4)])
+
+        def forward(self, x):
+            for layer in self.stack:
+                x = layer(x)
+            return x.sum()
+
+    torch.manual_seed(0)
+    net = Net()
+    ctl = memfit.fit(net, budget=None, method="full", blocks=r"stack\.\d+")
+    assert [b.name for b in ctl.blocks] == ["stack.0", "stack.1", "stack.2", "stack.3"]
+    x = torch.randn(5, 3, 8)
+    net(x).backward()
+    assert [b.recomputes for b in ctl.blocks] == [1, 1, 1, 1]
+    ctl.remove()
+    with pytest.raises(memfit.NoBlocksError, match="matched no module"):
+        memfit.fit(net, budget=None, method="full", blocks=r"nothing\.\d+")
+
+
+def test_hf_gradient_checkpointing_conflict():
+    model, _ = _bert()
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match="gradient_checkpointing_disable"):
+        memfit.fit(model, budget=None, method="dynamic")
