@@ -108,6 +108,10 @@ class Dynamic(Method):
         self._warm_steps = 0
         self._warm_tokens: set[int] = set()
 
+    def skip_warmup(self) -> None:
+        """End warm-up now (the memory model was loaded from a checkpoint)."""
+        self._warm_steps = self.max_warmup_steps
+
     def in_warmup(self, planning: "Planning", key: tuple[int, int]) -> bool:
         if not planning.model.ready:
             return True

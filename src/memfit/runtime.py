@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from memfit.accounting import OUTSIDE, ProbeCounter, SavedTensorCounter, optimizer_state_bytes, static_bytes_logical
 from memfit.blocks import Block, find_blocks, unwrap_blocks, without_cache, wrap_blocks
 from memfit.budget import BudgetTooSmallError, apply_cuda_cap, check_static_need, format_bytes, parse_bytes
-from memfit.methods import Method, make_method, save_plans
+from memfit.methods import Dynamic, Method, make_method, save_plans
 from memfit.model import MemoryModel, bucket_key, shape_key
 from memfit.planner import InfeasiblePlanError, Plan, PlanCache, plan_blocks
 from memfit.records import JsonlWriter, StepRecord, summarize
@@ -191,12 +191,9 @@ class Controller:
         self.accounting = "cuda" if self.device.type == "cuda" else "logical"
 
         params = list(model.parameters()) + list(model.buffers())
-        static_parts = static_bytes_logical(model, None)
-        static_parts["optimizer state"] = _expected_optimizer_bytes(optimizer)
-        if budget_bytes is not None:
-            check_static_need(budget_bytes, sum(static_parts.values()), static_parts)
-            if self.accounting == "cuda" and cap:
-                apply_cuda_cap(budget_bytes, self.device)
+        static_parts = self._check_static_need(optimizer)
+        if budget_bytes is not None and self.accounting == "cuda" and cap:
+            apply_cuda_cap(budget_bytes, self.device)
 
         self.blocks = wrap_blocks(named)
         if margin is None:
@@ -220,6 +217,22 @@ class Controller:
         for b in self.blocks:
             b.listener = self
 
+    def _check_static_need(self, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+        parts = static_bytes_logical(self.model, None)
+        parts["optimizer state"] = max(_expected_optimizer_bytes(optimizer), optimizer_state_bytes(optimizer))
+        if self.budget_bytes is not None:
+            check_static_need(self.budget_bytes, sum(parts.values()), parts)
+        return parts
+
+    def set_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Count ``optimizer``'s state from now on (for an optimizer made after ``fit``).
+
+        Raises:
+            BudgetTooSmallError: when weights + gradients + its state exceed the budget.
+        """
+        self._check_static_need(optimizer)
+        self.optimizer = optimizer
+
     # ----------------------------------------------------------------- hooks
     def _static_now(self) -> int:
         if self.accounting == "cuda":
@@ -233,7 +246,13 @@ class Controller:
         if self.accounting == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.planning.static_bytes = self._static_now()
-        self._pending = {"t0": time.perf_counter(), "decision": None, "probed": set(), "static": self.planning.static_bytes}
+        self._pending = {
+            "t0": time.perf_counter(),
+            "decision": None,
+            "probed": set(),
+            "static": self.planning.static_bytes,
+            "replay": self.replaying,
+        }
         self._counter.start()
 
     def _on_forward_end(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -323,8 +342,8 @@ class Controller:
                 # A step above its prediction: the margin grows to cover the largest miss
                 # seen (plus a quarter), and the plans are redone with it.
                 self.planning.raise_margin(int(1.25 * miss) - self.planning.margin_bytes)
-        if self.replaying:
-            return
+        if pending["replay"]:
+            return  # a replayed micro-step was recorded when it first ran
         self._step += 1
         record = StepRecord(
             step=self._step,
@@ -442,6 +461,8 @@ class Controller:
         self.planning.margin_bytes = int(state["margin_bytes"])
         self.planning.cache.clear()
         self._step = int(state.get("step", 0))
+        if isinstance(self.method, Dynamic):
+            self.method.skip_warmup()
 
     def remove(self) -> None:
         """Close the last record, unhook and unwrap: the model is exactly as before ``fit``."""

@@ -1,0 +1,244 @@
+"""Hugging Face Trainer integration: swap two classes and a script trains under a budget.
+
+    from memfit import Trainer, TrainingArguments   # instead of transformers'
+
+``TrainingArguments`` adds the budget flags (``--memory_budget 6GiB``, or the original
+scripts' ``--memory_threshold 6`` in GB) and the method; ``Trainer`` hooks the model with
+:func:`memfit.fit`, writes ``<output_dir>/memfit_steps.jsonl`` (one line per micro-step,
+flushed) and ``memfit_summary.json``, adds ``memfit/peak_gib`` and
+``memfit/n_checkpointed`` to the Trainer's logs, keeps the memory model in every checkpoint
+folder (a resumed run needs no new warm-up) and survives CUDA OOMs.
+
+# NOTE [OOM replay]
+An OOM can hit any micro-batch of a gradient-accumulation window, after earlier
+micro-batches have already added to ``.grad``. Retrying only the failed micro-batch would
+keep a half-accumulated, possibly corrupted gradient; skipping it would lose a batch. So the
+whole window is replayed: gradients are dropped, the controller grows its margin (a safer
+plan), and every micro-batch of the window runs again from its first, each with the RNG
+state it had the first time (same dropout masks). The earlier micro-batches' losses were
+already logged and are not counted again; their replays write no step record. The final
+gradients are those of a run that never hit the OOM.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import transformers
+
+from memfit.budget import BudgetTooSmallError, parse_bytes
+from memfit.methods import METHODS, UnknownMethodError
+from memfit.runtime import Controller, fit
+
+__all__ = ["TrainingArguments", "Trainer", "STATE_FILE"]
+
+STATE_FILE = "memfit_state.json"
+STEPS_FILE = "memfit_steps.jsonl"
+SUMMARY_FILE = "memfit_summary.json"
+_MAX_OOM_RETRIES = 8
+
+
+@dataclass
+class TrainingArguments(transformers.TrainingArguments):
+    """``transformers.TrainingArguments`` plus memfit's flags (all optional)."""
+
+    memory_budget: str | None = field(
+        default=None,
+        metadata={"help": "Memory budget of the training process: '6GiB' (6*2**30 bytes), '6GB' (6*10**9) or bytes."},
+    )
+    memory_threshold: float | None = field(
+        default=None,
+        metadata={"help": "Memory budget in GB (10**9 bytes), as the original experiment scripts' flag."},
+    )
+    memfit_method: str = field(
+        default="dynamic",
+        metadata={"help": "How plans are chosen: none | full | dynamic | static | precomputed."},
+    )
+    memfit_plans_file: str | None = field(
+        default=None,
+        metadata={"help": "Plans JSON for --memfit_method precomputed (written by a dynamic run as memfit_plans.json)."},
+    )
+    memfit_log: str | None = field(
+        default=None,
+        metadata={"help": "Step-record JSONL path (default: <output_dir>/memfit_steps.jsonl)."},
+    )
+    memfit_max_shape: str | None = field(
+        default=None,
+        metadata={"help": "For --memfit_method static: largest input as 'N,T' (rows, tokens); default: largest seen."},
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.memfit_method not in METHODS:
+            raise UnknownMethodError(
+                f"--memfit_method {self.memfit_method!r} is unknown; choose one of {', '.join(METHODS)}"
+            )
+        if self.memory_budget is not None and self.memory_threshold is not None:
+            if parse_bytes(self.memory_budget) != int(self.memory_threshold * 10**9):
+                raise ValueError(
+                    f"--memory_budget {self.memory_budget} and --memory_threshold {self.memory_threshold} (GB) "
+                    "disagree; give only one of them"
+                )
+        if self.memory_budget is not None:
+            parse_bytes(self.memory_budget)  # fail early on a malformed size
+        if self.memfit_method == "precomputed" and not self.memfit_plans_file:
+            raise ValueError("--memfit_method precomputed needs --memfit_plans_file")
+        if self.gradient_checkpointing and self.memfit_method != "none":
+            raise ValueError(
+                "--gradient_checkpointing and memfit both checkpoint: drop --gradient_checkpointing "
+                "(--memfit_method full does the same)"
+            )
+
+    @property
+    def memfit_budget_bytes(self) -> int | None:
+        """The budget in bytes, from either flag, or None."""
+        if self.memory_budget is not None:
+            return parse_bytes(self.memory_budget)
+        if self.memory_threshold is not None:
+            return int(self.memory_threshold * 10**9)
+        return None
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class _MemfitCallback(transformers.TrainerCallback):
+    """Keeps the memory model in each checkpoint folder."""
+
+    def __init__(self, trainer: "Trainer"):
+        self.trainer = trainer
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = os.path.join(args.output_dir, f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if os.path.isdir(folder) and state.is_world_process_zero:
+            with open(os.path.join(folder, STATE_FILE), "w", encoding="utf-8") as fh:
+                json.dump(self.trainer.memfit.state_dict(), fh)
+        return control
+
+
+class Trainer(transformers.Trainer):
+    """``transformers.Trainer`` that trains inside ``args.memory_budget``.
+
+    Accepts exactly the arguments of ``transformers.Trainer``. With plain
+    ``transformers.TrainingArguments`` it runs method ``dynamic`` with no budget (records
+    only).
+
+    Attributes:
+        memfit: the :class:`~memfit.runtime.Controller` hooked on the model.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        a = self.args
+        method = getattr(a, "memfit_method", "dynamic")
+        method_kwargs: dict[str, Any] = {}
+        if method == "precomputed":
+            method_kwargs["path"] = a.memfit_plans_file
+        if method == "static" and getattr(a, "memfit_max_shape", None):
+            method_kwargs["max_shape"] = tuple(int(x) for x in a.memfit_max_shape.split(","))
+        log = getattr(a, "memfit_log", None) or os.path.join(a.output_dir, STEPS_FILE)
+        self.memfit: Controller = fit(
+            self.model, getattr(a, "memfit_budget_bytes", None), method, log=log if self.is_world_process_zero() else None, **method_kwargs
+        )
+        self._window: list[tuple[dict[str, Any], dict[str, Any], Any]] = []
+        self._oom_total = 0
+        self.add_callback(_MemfitCallback(self))
+
+    # ------------------------------------------------------------ optimizer
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        self.memfit.set_optimizer(inner)
+        inner.register_step_post_hook(lambda *_: self._window.clear())
+        return optimizer
+
+    # ------------------------------------------------------------ OOM replay
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        """One micro-step; on OOM, replays the accumulation window (NOTE [OOM replay])."""
+        self._window.append((inputs, _rng_state(), num_items_in_batch))
+        replay = False
+        for _ in range(_MAX_OOM_RETRIES + 1):
+            failed = False
+            try:
+                if replay:
+                    self._replay_window_head(model)
+                return super().training_step(model, inputs, num_items_in_batch)
+            except torch.OutOfMemoryError:
+                failed = True  # recover outside the except block, so its frames are freed
+            if failed:
+                self._recover_from_oom(model)
+                replay = True
+        raise BudgetTooSmallError(f"still out of memory after {_MAX_OOM_RETRIES} replays with safer plans")
+
+    def _recover_from_oom(self, model: torch.nn.Module) -> None:
+        self._oom_total += 1
+        if not self.memfit.method.uses_model:
+            raise BudgetTooSmallError(
+                f"out of memory under method {self.memfit.method.name!r}, which cannot adapt its plans; "
+                "use --memfit_method dynamic, or raise --memory_budget"
+            )
+        self.memfit.note_oom()  # raises when every block was already checkpointed
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _replay_window_head(self, model: torch.nn.Module) -> None:
+        """Re-run the window's earlier micro-batches, then restore the failed one's RNG."""
+        self.memfit.replaying = True
+        try:
+            for inputs, rng, n_items in self._window[:-1]:
+                _set_rng_state(rng)
+                super().training_step(model, inputs, n_items)
+        finally:
+            self.memfit.replaying = False
+        _set_rng_state(self._window[-1][1])
+
+    # ------------------------------------------------------------ logs and files
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        records = self.memfit.records if "loss" in logs else []
+        if records:
+            last = records[-1]
+            logs["memfit/peak_gib"] = round(last.peak_allocated_bytes / 2**30, 4)
+            logs["memfit/n_checkpointed"] = last.n_checkpointed
+        super().log(logs, *args, **kwargs)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        if resume_from_checkpoint:
+            folder = resume_from_checkpoint
+            if folder is True:
+                folder = transformers.trainer_utils.get_last_checkpoint(self.args.output_dir)
+            state_path = os.path.join(folder, STATE_FILE) if folder else None
+            if state_path and os.path.exists(state_path):
+                with open(state_path, encoding="utf-8") as fh:
+                    self.memfit.load_state_dict(json.load(fh))
+        output = super().train(resume_from_checkpoint, *args, **kwargs)
+        self.write_summary()
+        return output
+
+    def write_summary(self) -> dict[str, Any] | None:
+        """Write ``memfit_summary.json`` and ``memfit_plans.json`` (for ``precomputed``)."""
+        if not self.is_world_process_zero() or not self.memfit.records:
+            return None
+        summary = self.memfit.summary().to_dict()
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        with open(os.path.join(self.args.output_dir, SUMMARY_FILE), "w", encoding="utf-8") as fh:
+            json.dump(summary, fh, indent=1)
+        if self.memfit.method.uses_model:
+            self.memfit.save_plans(os.path.join(self.args.output_dir, "memfit_plans.json"))
+        return summary

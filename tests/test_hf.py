@@ -1,0 +1,129 @@
+"""The Trainer integration: records, summary, resume state, OOM replay identity."""
+
+import json
+import os
+
+import pytest
+import torch
+
+import memfit
+from _models import VOCAB, build
+
+
+def _dataset(n=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(6, 60, (n,), generator=g)
+    return [{"input_ids": torch.randint(3, VOCAB, (int(length),), generator=g), "labels": int(i % 2)} for i, length in enumerate(lengths)]
+
+
+def _collate(items):
+    length = max(len(x["input_ids"]) for x in items)
+    ids = torch.zeros(len(items), length, dtype=torch.long)
+    mask = torch.zeros(len(items), length, dtype=torch.long)
+    for row, x in enumerate(items):
+        ids[row, : len(x["input_ids"])] = x["input_ids"]
+        mask[row, : len(x["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([x["labels"] for x in items])}
+
+
+def _trainer(tmp_path, name, accumulation=1, method="dynamic", budget="40MB", max_steps=6, **extra):
+    torch.manual_seed(0)
+    model, _ = build("bert")
+    flags = dict(
+        output_dir=str(tmp_path / name),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=accumulation,
+        max_steps=max_steps,
+        learning_rate=1e-3,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        use_cpu=True,
+        seed=0,
+        memory_budget=budget,
+        memfit_method=method,
+    )
+    args = memfit.TrainingArguments(**{**flags, **extra})
+    return memfit.Trainer(model=model, args=args, train_dataset=_dataset(), data_collator=_collate)
+
+
+class _InjectOOM:
+    """Raise torch.OutOfMemoryError from inside block 1 on its ``at``-th training forward."""
+
+    def __init__(self, module, at):
+        self.calls, self.at, self.fired = 0, at, 0
+        self.handle = module.register_forward_pre_hook(self)
+
+    def __call__(self, module, args):
+        if not module.training or not torch.is_grad_enabled():
+            return
+        self.calls += 1
+        if self.calls == self.at:
+            self.fired += 1
+            raise torch.OutOfMemoryError("injected: CUDA out of memory")
+
+
+@pytest.mark.parametrize("accumulation", [1, 4])
+def test_oom_replay_gives_identical_weights(tmp_path, accumulation):
+    clean = _trainer(tmp_path, "clean", accumulation)
+    clean.train()
+    faulty = _trainer(tmp_path, "faulty", accumulation)
+    # After warm-up. With accumulation 4, an epoch of 6 micro-batches has windows of 4
+    # and 2: micro-batch 9 is the third of the window 7..10.
+    at = 5 if accumulation == 1 else 9
+    injector = _InjectOOM(faulty.memfit.blocks[1].module, at=at)
+    faulty.train()
+    assert injector.fired == 1
+    for (name, p), q in zip(clean.model.named_parameters(), faulty.model.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    clean_records = clean.memfit.records
+    faulty_records = faulty.memfit.records
+    assert len(faulty_records) == len(clean_records) >= 6, "a batch was lost or double-counted"
+    assert [r.shape for r in faulty_records] == [r.shape for r in clean_records]
+    assert sum(r.oom_retries for r in faulty_records) == 1
+    assert faulty_records[at - 1].oom_retries == 1
+    lines = [json.loads(x) for x in open(tmp_path / "faulty" / "memfit_steps.jsonl")]
+    assert [x["oom_retries"] for x in lines] == [r.oom_retries for r in faulty_records]
+
+
+def test_oom_with_every_block_checkpointed_is_a_clear_error(tmp_path):
+    trainer = _trainer(tmp_path, "full", method="full")
+    _InjectOOM(trainer.memfit.blocks[0].module, at=2)
+    with pytest.raises(memfit.BudgetTooSmallError, match="cannot adapt its plans"):
+        trainer.train()
+
+
+def test_records_summary_logs_and_state(tmp_path):
+    trainer = _trainer(tmp_path, "run", save_strategy="steps", save_steps=3)
+    trainer.train()
+    out = tmp_path / "run"
+    summary = json.loads((out / "memfit_summary.json").read_text())
+    assert summary["steps"] == 6 and summary["method"] == "dynamic"
+    assert sum(row["steps"] for row in summary["memory_count"].values()) == 6
+    assert summary["max_peak_allocated_bytes"] <= 40 * 10**6
+    assert any("memfit/peak_gib" in h for h in trainer.state.log_history)
+    state = json.loads((out / "checkpoint-3" / memfit.hf.STATE_FILE).read_text())
+    assert state["model"]["group_models"]
+    resumed = _trainer(tmp_path, "run", save_strategy="steps", save_steps=3)
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-3"))
+    assert all(r.phase == "steady" for r in resumed.memfit.records), "resume ran a new warm-up"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ({"memory_budget": "6GB", "memory_threshold": 7.0}, "disagree"),
+        ({"memfit_method": "sometimes"}, "choose one of"),
+        ({"memfit_method": "precomputed"}, "needs --memfit_plans_file"),
+        ({"memory_budget": "six"}, "not a memory size"),
+        ({"gradient_checkpointing": True}, "drop --gradient_checkpointing"),
+    ],
+)
+def test_argument_errors(tmp_path, flags, message):
+    with pytest.raises(ValueError, match=message):
+        memfit.TrainingArguments(output_dir=str(tmp_path), report_to="none", **flags)
+
+
+def test_threshold_is_gigabytes(tmp_path):
+    args = memfit.TrainingArguments(output_dir=str(tmp_path), report_to="none", memory_threshold=8)
+    assert args.memfit_budget_bytes == 8 * 10**9
