@@ -204,6 +204,8 @@ class Controller:
         self._counter = SavedTensorCounter(len(self.blocks), exclude=params)
         self._exclude_ptrs = {t.untyped_storage().data_ptr() for t in params}
         self._param_bytes = static_parts["parameters"] + static_parts["gradients"]
+        self._grad_params = [p for p in model.parameters() if p.requires_grad]
+        self._expected_opt_bytes = _expected_optimizer_bytes(optimizer)
         self._writer = JsonlWriter(log) if log else None
         self._records: list[StepRecord] = []
         self._pending: dict[str, Any] | None = None
@@ -232,11 +234,22 @@ class Controller:
         """
         self._check_static_need(optimizer)
         self.optimizer = optimizer
+        self._expected_opt_bytes = _expected_optimizer_bytes(optimizer)
 
     # ----------------------------------------------------------------- hooks
     def _static_now(self) -> int:
+        """Bytes that no plan changes, as they will be at this step's peak.
+
+        On CUDA: what is allocated now, plus gradients not yet created (``.grad is None``
+        after ``zero_grad``) and optimizer state not yet created (before its first step):
+        both appear during the step whatever the plan. Logically: parameters + gradients
+        + optimizer state, counted.
+        """
         if self.accounting == "cuda":
-            return torch.cuda.memory_allocated(self.device)
+            missing = sum(p.numel() * p.element_size() for p in self._grad_params if p.grad is None)
+            if self.optimizer is not None and not self.optimizer.state:
+                missing += self._expected_opt_bytes
+            return torch.cuda.memory_allocated(self.device) + missing
         return self._param_bytes + optimizer_state_bytes(self.optimizer)
 
     def _on_forward_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -331,11 +344,16 @@ class Controller:
         static = pending["static"]
         if self.accounting == "logical":
             peak = reserved = static + saved
+            transient = 0
+        else:
+            # Static memory can grow during a step (the optimizer's first step creates its
+            # state): the transient is what the peak holds beyond the larger of the two.
+            transient = peak - max(static, self._static_now()) - saved
         decision = pending["decision"]
         key = pending["key"]
         model = self.planning.model
         predicted = self.planning.predict_peak(key, decision.blocks) if model.ready else None
-        self._learn(key, decision, outside, by_block, peak - static - saved)
+        self._learn(key, decision, outside, by_block, transient)
         if predicted is not None and self.method.uses_model:
             miss = peak - predicted
             if miss > 0 and 1.25 * miss > self.planning.margin_bytes:
@@ -426,11 +444,17 @@ class Controller:
         plan cache so the replay runs a safer plan.
 
         Raises:
-            BudgetTooSmallError: when the failed step already checkpointed every block.
+            BudgetTooSmallError: when the failed step already checkpointed every block, or the
+                method cannot adapt its plans (``none``, ``full``, ``precomputed``).
         """
         pending, self._pending = self._pending, None
         self._counter.stop()
         self._oom_retries += 1
+        if not self.method.uses_model:
+            raise BudgetTooSmallError(
+                f"out of memory under method {self.method.name!r}, which cannot adapt its plans; use "
+                "method 'dynamic', or raise the memory budget"
+            )
         decision = pending["decision"] if pending else None
         if decision is not None and len(decision.blocks) == len(self.blocks) and not decision.warmup:
             raise BudgetTooSmallError(
