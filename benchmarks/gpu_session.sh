@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One GPU session: the engine benchmark, then the four tasks under 6 and 8 GB.
+# Usage (on the GPU machine, repository root): bash benchmarks/gpu_session.sh OUT_DIR [TOKENIZER_DIR]
+# TOKENIZER_DIR: an uncased BERT tokenizer folder for offline runs (the MiniLM one).
+set -uo pipefail
+out=${1:?output dir}
+tok=${2:-}
+export PYTHONPATH=$PWD/src:${PYTHONPATH:-} HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error PYTHONUNBUFFERED=1
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/device.txt"
+python3 benchmarks/engine_bench.py --output_dir "$out/engine" --steps 200 --budgets 4 6 8 \
+    --gpu_warmup_s 3 > "$out/engine.log" 2>&1
+extra=(--config_name bert-base-uncased)
+[ -n "$tok" ] && extra+=(--tokenizer_name "$tok")
+python3 -m memfit.cli bench --tasks multiple-choice question-answering text-classification token-classification \
+    --methods none full dynamic --budgets 6 8 --steps 200 --gpu_warmup_s 3 --output_dir "$out/tasks" \
+    -- "${extra[@]}" > "$out/tasks.log" 2>&1
+echo finished > "$out/DONE"

