@@ -245,7 +245,10 @@ def _spawn(args, extra: list[str]) -> None:
            "--batch_size", str(args.batch_size), "--seed", str(args.seed), "--min_len", str(args.min_len),
            "--max_len", str(args.max_len), "--gpu_warmup_s", str(args.gpu_warmup_s),
            "--budgets", *map(str, args.budgets), *extra]
-    subprocess.run(cmd, check=False)
+    # Every configuration runs with expandable segments (as `memfit train` sets them):
+    # without them a hard cap is partly lost to fragmentation, for every method alike.
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")}
+    subprocess.run(cmd, check=False, env=env)
 
 
 def table(output_dir: str) -> str:

@@ -9,10 +9,10 @@ export PYTHONPATH=$PWD/src:${PYTHONPATH:-} HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSI
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/device.txt"
 python3 benchmarks/engine_bench.py --output_dir "$out/engine" --steps 200 --budgets 4 6 8 \
-    --gpu_warmup_s 3 > "$out/engine.log" 2>&1
+    --gpu_warmup_s 2 > "$out/engine.log" 2>&1
 extra=(--config_name bert-base-uncased)
 [ -n "$tok" ] && extra+=(--tokenizer_name "$tok")
 python3 -m memfit.cli bench --tasks multiple-choice question-answering text-classification token-classification \
-    --methods none full dynamic --budgets 6 8 --steps 200 --gpu_warmup_s 3 --output_dir "$out/tasks" \
+    --methods none full dynamic --uncapped_none_only --budgets 6 8 --steps 100 --gpu_warmup_s 2 --output_dir "$out/tasks" \
     -- "${extra[@]}" > "$out/tasks.log" 2>&1
 echo finished > "$out/DONE"

@@ -200,3 +200,36 @@ def test_hf_gradient_checkpointing_conflict():
     model.gradient_checkpointing_enable()
     with pytest.raises(ValueError, match="gradient_checkpointing_disable"):
         memfit.fit(model, budget=None, method="dynamic")
+
+
+@pytest.mark.parametrize("method", ["none", "dynamic"])  # the live counter; the warm-up probe
+def test_forward_without_backward_frees_its_graph(method):
+    """A forward that never runs backward (an OOM, the warm-up probe) must not leak."""
+    import gc
+    import weakref
+
+    made = []
+
+    class Tanh(nn.Module):
+        def forward(self, x):
+            y = torch.tanh(x)  # tanh saves its own output: the cycle case
+            made.append(weakref.ref(y))
+            return y * 2
+
+    net = nn.Sequential(nn.ModuleList([Tanh() for _ in range(3)]))
+
+    def forward(x):
+        for layer in net[0]:
+            x = layer(x)
+        return x.sum()
+
+    net.forward = forward
+    ctl = memfit.fit(net, budget=None, method=method, blocks=r"0\.\d+")
+    x = torch.randn(4, 8, requires_grad=True)
+    net.train()
+    out = net(x)
+    assert len(made) == (3 if method == "none" else 4)  # `dynamic` warm-up also probes once
+    del out
+    gc.collect()
+    assert all(r() is None for r in made), "saved activations outlived their graph"
+    ctl.remove()

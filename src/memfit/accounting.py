@@ -97,7 +97,11 @@ class SavedTensorCounter:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self._add(t, self.current)
-        return t
+        # NOTE [Pack a detached tensor]: keeping `t` itself, when it is an output of the
+        # op saving it, makes a cycle through its grad_fn that no gc can break; a graph
+        # that never runs backward (a forward that hit an OOM, the probe) would leak.
+        # Detaching is lossless: autograd re-attaches the grad_fn on unpack.
+        return t.detach()
 
     @staticmethod
     def _unpack(t: torch.Tensor) -> torch.Tensor:
@@ -146,7 +150,7 @@ class ProbeCounter:
         if key not in self._exclude and key not in self._seen:
             self._seen.add(key)
             self.bytes += storage.nbytes()
-        return t
+        return t.detach()  # NOTE [Pack a detached tensor]
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, SavedTensorCounter._unpack)

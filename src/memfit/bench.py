@@ -62,6 +62,7 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--steps", type=int, default=200, help="optimizer steps per run")
     p.add_argument("--synthetic", type=int, default=None, help="synthetic examples (default: steps × batch size)")
     p.add_argument("--batch_size", type=int, default=None, help="override the tasks' original batch sizes")
+    p.add_argument("--uncapped_none_only", action="store_true", help="run `none` only uncapped, not at each budget")
     p.add_argument("--gpu_warmup_s", type=float, default=5.0, help="seconds of matrix products before each run (CUDA)")
     p.add_argument("--output_dir", required=True)
     args = p.parse_args(argv)
@@ -94,7 +95,8 @@ def _configs(args: argparse.Namespace) -> list[Config]:
         for task in args.tasks:
             if "none" in args.methods:
                 configs.append(Config(task, "none", None, repeat))
-            configs += [Config(task, m, b, repeat) for b in budgets for m in args.methods]
+            methods = [m for m in args.methods if not (m == "none" and args.uncapped_none_only)]
+            configs += [Config(task, m, b, repeat) for b in budgets for m in methods]
     return configs
 
 

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 __all__ = ["main"]
@@ -37,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     if name not in _COMMANDS:
         print(f"memfit: unknown command {name!r}; choose one of {', '.join(_COMMANDS)}", file=sys.stderr)
         return 2
+    if name in {"train", "bench"}:
+        # Expandable segments keep reserved memory close to allocated memory, so a hard cap
+        # is not lost to fragmentation. It must be set before CUDA initialises, and a
+        # user's own allocator settings win.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     module = importlib.import_module(_COMMANDS[name][0])
     return int(module.main(rest) or 0)
 
