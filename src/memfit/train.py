@@ -1,0 +1,100 @@
+"""``memfit train <task>``: fine-tune a task recipe with the memfit Trainer under a memory budget.
+
+The flags are those of the Hugging Face example scripts (``run_glue.py``, ``run_qa.py``, ...):
+the model flags (:class:`~memfit.tasks.ModelArguments`), the data flags
+(:class:`~memfit.tasks.DataTrainingArguments`) and :class:`memfit.hf.TrainingArguments`
+(``transformers.TrainingArguments`` plus ``--memory_budget``, ``--memfit_method``, ...).
+
+Example:
+    memfit train text-classification --task_name mrpc --train_file train.tsv \\
+        --validation_file dev.tsv --do_train --do_eval --memory_budget 6GiB --output_dir out
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from memfit.tasks import TASKS, DataTrainingArguments, ModelArguments, get_task
+
+__all__ = ["main", "run"]
+
+
+def _usage() -> str:
+    return (
+        "usage: memfit train <task> [flags]\n\ntasks:\n"
+        + "\n".join(f"  {name}" for name in TASKS)
+        + "\n\n`memfit train <task> --help` lists the flags."
+    )
+
+
+def run(task: str, argv: list[str]) -> dict[str, float]:
+    """Build the task, train if ``--do_train``, evaluate if ``--do_eval``; return the metrics.
+
+    The metrics (``train_*`` from training, ``eval_*`` from evaluation) are also written to
+    ``<output_dir>/all_results.json`` (and ``train_results.json`` / ``eval_results.json``), and
+    the memfit Trainer writes ``memfit_steps.jsonl`` and ``memfit_summary.json`` there.
+
+    Args:
+        task: a task name of :data:`memfit.tasks.TASKS`.
+        argv: the flags, e.g. ``["--synthetic", "64", "--do_train", "--max_steps", "4"]``.
+
+    Raises:
+        ValueError: unknown task, or ``--do_train``/``--do_eval`` without data for it.
+
+    Example:
+        >>> metrics = run("token-classification", ["--synthetic", "32", "--do_train",
+        ...     "--max_steps", "2", "--output_dir", "/tmp/out", "--report_to", "none"])  # doctest: +SKIP
+    """
+    recipe = get_task(task)
+    from transformers import HfArgumentParser, set_seed
+
+    from memfit.hf import Trainer, TrainingArguments
+
+    parser = HfArgumentParser(
+        (ModelArguments, DataTrainingArguments, TrainingArguments), prog=f"memfit train {task}"
+    )
+    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    set_seed(training_args.seed)
+    bundle = recipe.build(model_args, data_args, seed=training_args.seed)
+    for wanted, dataset, flag in (
+        (training_args.do_train, bundle.train_dataset, "--do_train needs --train_file"),
+        (training_args.do_eval, bundle.eval_dataset, "--do_eval needs --validation_file"),
+    ):
+        if wanted and not dataset:
+            raise ValueError(f"{flag}, --dataset_name (with that split) or --synthetic N")
+
+    trainer = Trainer(
+        model=bundle.model,
+        args=training_args,
+        train_dataset=bundle.train_dataset if training_args.do_train else None,
+        eval_dataset=bundle.eval_dataset if training_args.do_eval else None,
+        data_collator=bundle.data_collator,
+        processing_class=bundle.tokenizer,
+        compute_metrics=bundle.compute_metrics,
+    )
+    metrics: dict[str, float] = {}
+    if training_args.do_train:
+        train_metrics = trainer.train().metrics
+        trainer.log_metrics("train", train_metrics)
+        trainer.save_metrics("train", train_metrics)
+        metrics.update(train_metrics)
+    if training_args.do_eval:
+        eval_metrics = trainer.evaluate()
+        trainer.log_metrics("eval", eval_metrics)
+        trainer.save_metrics("eval", eval_metrics)
+        metrics.update(eval_metrics)
+    return metrics
+
+
+def main(argv: list[str]) -> int:
+    """``memfit train <task> [flags]``: run the task (the Trainer prints and saves the metrics)."""
+    if not argv or argv[0] in {"-h", "--help"}:
+        print(_usage())
+        return 0
+    if argv[0] not in TASKS:
+        print(f"memfit train: unknown task {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    run(argv[0], argv[1:])
+    return 0

