@@ -1,0 +1,180 @@
+"""Tests of memfit report on the fixture JSONL in tests/fixtures/report: table values computed
+from the fixture, plots, byte-identical reruns, and clear errors for bad inputs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+from pathlib import Path
+
+import pytest
+
+from memfit import cli
+from memfit.report import build_report
+
+FIXTURE = Path(__file__).parent / "fixtures" / "report"
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> Path:
+    return build_report(FIXTURE, tmp_path_factory.mktemp("report"))
+
+
+def fixture_results() -> list[dict]:
+    lines = (FIXTURE / "bench" / "results.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def table_rows(markdown: str, heading: str, first_column: str = "method") -> list[dict[str, str]]:
+    """The rows of the first table after ``heading`` whose header starts with ``first_column``."""
+    lines = markdown.split(heading, 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_column} |"))
+    header = [c.strip() for c in lines[start].strip("|").split("|")]
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append(dict(zip(header, (c.strip() for c in line.strip("|").split("|")))))
+    return rows
+
+
+def budget_cell(budget_bytes: int | None) -> str:
+    return "—" if budget_bytes is None else f"{budget_bytes / GIB:.2f}"
+
+
+def expected_configs(task: str) -> dict[tuple[str, int | None], list[dict]]:
+    configs: dict[tuple[str, int | None], list[dict]] = {}
+    for r in fixture_results():
+        if r["task"] == task:
+            configs.setdefault((r["method"], r["budget_bytes"]), []).append(r)
+    return configs
+
+
+def median_ok_time(results: list[dict]) -> float | None:
+    times = [r["total_s"] for r in results if r["status"] == "ok"]
+    return statistics.median(times) if times else None
+
+
+def test_methods_table_matches_fixture(report):
+    markdown = report.read_text()
+    rows = table_rows(markdown, "## multiple-choice")
+    configs = expected_configs("multiple-choice")
+    assert len(rows) == len(configs)
+    reference = median_ok_time(configs[("none", None)])
+    for (method, budget), results in configs.items():
+        row = next(r for r in rows if r["method"] == method and r["budget (GiB)"] == budget_cell(budget))
+        median = median_ok_time(results)
+        peak = max(r["max_peak_allocated_bytes"] for r in results)
+        assert row["median time (s)"] == ("—" if median is None else f"{median:.2f}")
+        assert row["vs none"] == ("—" if median is None else f"{median / reference:.2f}×")
+        assert row["max peak (GiB)"] == f"{peak / GIB:.2f}"
+        assert row["peak / budget"] == ("—" if budget is None else f"{100 * peak / budget:.0f}%")
+        assert row["OOMs"] == str(max(r["oom_count"] for r in results))
+        assert row["repeats"] == str(len(results))
+
+
+def test_failed_configurations_are_shown(report):
+    rows = table_rows(report.read_text(), "## multiple-choice")
+    by_key = {(r["method"], r["budget (GiB)"]): r for r in rows}
+    assert by_key[("none", "6.00")]["status"] == "oom 1/1"
+    assert by_key[("none", "6.00")]["median time (s)"] == "—"
+    assert by_key[("dynamic", "4.00")]["status"] == "ok 1/2, oom 1/2"
+    assert by_key[("dynamic", "6.00")]["status"] == "ok"
+
+
+def test_rows_in_method_order(report):
+    methods = [r["method"] for r in table_rows(report.read_text(), "## multiple-choice")]
+    assert methods == ["none", "none", "full", "dynamic", "dynamic", "static", "hf-every-2"]
+
+
+def test_savers_table_relative_to_vanilla(report):
+    rows = table_rows(report.read_text(), "Memory savers")
+    configs = expected_configs("text-classification")
+    vanilla = configs[("none", None)][0]
+    for row in rows:
+        r = configs[(row["method"], None)][0]
+        assert row["time vs vanilla"] == f"{r['total_s'] / vanilla['total_s']:.2f}×"
+        assert row["peak vs vanilla"] == f"{r['max_peak_allocated_bytes'] / vanilla['max_peak_allocated_bytes']:.2f}×"
+        assert row["Δ vs vanilla"] == f"{r['eval_value'] - vanilla['eval_value']:+.4f}"
+    assert {r["method"] for r in rows} == {"none", "bf16", "adafactor"}
+
+
+def test_step_records_table(report):
+    rows = table_rows(report.read_text(), "## Step records: train_run", first_column="step file")
+    records = [json.loads(line) for line in (FIXTURE / "train_run" / "memfit_steps.jsonl").read_text().splitlines()]
+    assert len(rows) == 1
+    assert rows[0]["steps"] == str(len(records))
+    assert rows[0]["max peak (GiB)"] == f"{max(r['peak_allocated_bytes'] for r in records) / GIB:.2f}"
+
+
+def test_plots_are_written(report):
+    markdown = report.read_text()
+    names = sorted(p.name for p in report.parent.glob("*.png"))
+    assert names == [
+        "memory_count_multiple-choice-bert-base-uncased.png",
+        "memory_count_train-run.png",
+        "peak_vs_tokens_multiple-choice-bert-base-uncased.png",
+        "peak_vs_tokens_train-run.png",
+        "time_vs_budget_multiple-choice-bert-base-uncased.png",
+    ]
+    for name in names:
+        assert f"]({name})" in markdown
+        data = (report.parent / name).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 10_000
+
+
+def test_output_is_byte_identical(tmp_path):
+    # two copies in different places: no absolute path or run-dependent byte leaks out
+    outputs = []
+    for name in ("a", "b"):
+        shutil.copytree(FIXTURE, tmp_path / name / "results")
+        outputs.append(build_report(tmp_path / name / "results", tmp_path / name / "out").parent)
+    files = sorted(p.name for p in outputs[0].iterdir())
+    assert files == sorted(p.name for p in outputs[1].iterdir())
+    for name in files:
+        assert (outputs[0] / name).read_bytes() == (outputs[1] / name).read_bytes(), name
+
+
+def _copy_with_results(tmp_path: Path, extra_line: str) -> tuple[Path, int]:
+    """The fixture with a blank line and then ``extra_line`` appended; returns its line number."""
+    shutil.copytree(FIXTURE, tmp_path / "results")
+    path = tmp_path / "results" / "bench" / "results.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([*lines, "", extra_line]) + "\n")
+    return tmp_path / "results", len(lines) + 2
+
+
+def test_malformed_line_names_file_and_line(tmp_path):
+    folder, line = _copy_with_results(tmp_path, '{"task": "multiple-choice", ')
+    with pytest.raises(ValueError, match=rf"bench/results\.jsonl:{line}: not valid JSON"):
+        build_report(folder, tmp_path / "out")
+
+
+def test_missing_field_names_file_and_field(tmp_path):
+    result = fixture_results()[0]
+    del result["status"]
+    folder, line = _copy_with_results(tmp_path, json.dumps(result))
+    with pytest.raises(ValueError, match=rf"bench/results\.jsonl:{line}: missing field\(s\) status"):
+        build_report(folder, tmp_path / "out")
+
+
+def test_folder_without_jsonl(tmp_path):
+    (tmp_path / "notes.txt").write_text("printed text is never read\n")
+    with pytest.raises(FileNotFoundError, match="no bench results .*results.jsonl.* or step records"):
+        build_report(tmp_path, tmp_path / "out")
+
+
+def test_step_records_alone(tmp_path):
+    shutil.copytree(FIXTURE / "train_run", tmp_path / "run")
+    markdown = build_report(tmp_path / "run", tmp_path / "out").read_text()
+    assert "## Step records: run" in markdown
+    assert "| method | budget (GiB) | median time (s)" not in markdown
+
+
+def test_cli(tmp_path, capsys):
+    assert cli.main(["report", str(FIXTURE), "--output_dir", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "report.md").is_file()
+    assert cli.main(["report", str(tmp_path / "out")]) == 2
+    assert "no bench results" in capsys.readouterr().err
