@@ -185,6 +185,10 @@ def worker_run(args) -> None:
         "precision": "fp32",
         "repeat": args.repeat,
         "steps_file": os.path.relpath(steps_file, args.output_dir),
+        # measurements, left null when the configuration fails
+        "total_s": None,
+        "max_peak_allocated_bytes": None,
+        "recomputed_fraction": None,
         **_versions(),
     }
     lengths = _lengths(args.steps, args.seed, args.min_len, args.max_len)

@@ -152,6 +152,10 @@ def _run(config: Config, args: argparse.Namespace, extra: list[str]) -> dict:
         "steps": args.steps,
         "repeat": config.repeat,
         "steps_file": os.path.relpath(os.path.join(run_dir, "memfit_steps.jsonl"), args.output_dir),
+        # measurements, left null when the configuration fails
+        "total_s": None,
+        "max_peak_allocated_bytes": None,
+        "recomputed_fraction": None,
     }
     summary_path = os.path.join(run_dir, "memfit_summary.json")
     train_path = os.path.join(run_dir, "train_results.json")
