@@ -8,11 +8,17 @@ tok=${2:-}
 export PYTHONPATH=$PWD/src:${PYTHONPATH:-} HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error PYTHONUNBUFFERED=1
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/device.txt"
-python3 benchmarks/engine_bench.py --output_dir "$out/engine" --steps 200 --budgets 4 6 8 \
-    --gpu_warmup_s 2 > "$out/engine.log" 2>&1
 extra=(--config_name bert-base-uncased)
 [ -n "$tok" ] && extra+=(--tokenizer_name "$tok")
-python3 -m memfit.cli bench --tasks multiple-choice question-answering text-classification token-classification \
+# Preflight: two steps of a task, so a broken setup fails in seconds, not after the matrix.
+if ! python3 -m memfit.cli train text-classification --synthetic 64 --do_train --max_steps 2 \
+        --per_device_train_batch_size 8 --save_strategy no --report_to none \
+        --output_dir "$out/preflight" "${extra[@]}" > "$out/preflight.log" 2>&1; then
+    tail -20 "$out/preflight.log"; echo "preflight failed: tasks skipped" > "$out/tasks.log"; skip_tasks=1
+fi
+python3 benchmarks/engine_bench.py --output_dir "$out/engine" --steps 200 --budgets 4 6 8 \
+    --gpu_warmup_s 2 > "$out/engine.log" 2>&1
+[ -z "${skip_tasks:-}" ] && python3 -m memfit.cli bench --tasks multiple-choice question-answering text-classification token-classification \
     --methods none full dynamic --uncapped_none_only --budgets 6 8 --steps 100 --gpu_warmup_s 2 --output_dir "$out/tasks" \
     -- "${extra[@]}" > "$out/tasks.log" 2>&1
 echo finished > "$out/DONE"
