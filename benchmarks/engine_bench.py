@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 
+from memfit.bench import warm_gpu
 from memfit.methods import Decision, Method, save_plans
 
 GB = 10**9
@@ -64,19 +65,6 @@ def _batch(step: int, batch_size: int, length: int, vocab: int):
     ids = torch.randint(1000, vocab, (batch_size, length), device="cuda", generator=g)
     labels = torch.randint(0, 2, (batch_size,), device="cuda", generator=g)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
-
-
-def _gpu_warmup(seconds: float) -> None:
-    import torch
-
-    a = torch.randn(8192, 8192, device="cuda")
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        for _ in range(10):
-            a = (a @ a).clamp_(-1, 1)
-        torch.cuda.synchronize()
-    del a
-    torch.cuda.empty_cache()
 
 
 def _versions() -> dict:
@@ -118,7 +106,7 @@ def worker_sweep(args) -> None:
     import memfit
 
     model, optimizer, config = _build(args.batch_size)
-    _gpu_warmup(2.0)
+    warm_gpu(2.0)
     budget = int(args.budget * GB)
     buckets = list(range(args.min_len + (-args.min_len) % 16, args.max_len + 1, 16))
     if buckets[-1] != args.max_len:
@@ -166,7 +154,7 @@ def worker_run(args) -> None:
     import memfit
 
     model, optimizer, config = _build(args.batch_size)
-    _gpu_warmup(args.gpu_warmup_s)
+    warm_gpu(args.gpu_warmup_s)
     budget = int(args.budget * GB) if args.budget else None
     kwargs = {}
     if args.method == "precomputed":

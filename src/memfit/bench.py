@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from memfit.methods import METHODS
 
-__all__ = ["main", "BATCH_SIZES"]
+__all__ = ["main", "BATCH_SIZES", "warm_gpu", "parse_budgets"]
 
 #: The original experiments' batch sizes per task.
 BATCH_SIZES = {"multiple-choice": 16, "question-answering": 12, "text-classification": 32, "token-classification": 64}
@@ -100,7 +100,8 @@ def _configs(args: argparse.Namespace) -> list[Config]:
     return configs
 
 
-def _warm_gpu(seconds: float) -> None:
+def warm_gpu(seconds: float) -> None:
+    """Matrix products for ``seconds`` on the current CUDA device (no-op without CUDA)."""
     try:
         import torch
     except ImportError:
@@ -195,7 +196,7 @@ def main(argv: list[str]) -> int:
     configs = _configs(args)
     results_path = os.path.join(args.output_dir, "results.jsonl")
     for i, config in enumerate(configs, 1):
-        _warm_gpu(args.gpu_warmup_s)
+        warm_gpu(args.gpu_warmup_s)
         result = {**_run(config, args, extra), **versions}
         with open(results_path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(result) + "\n")

@@ -1,0 +1,39 @@
+"""`memfit bench` on CPU: the matrix runs, failures are recorded and the matrix goes on."""
+
+import json
+
+import pytest
+
+from memfit import bench
+from memfit.records import read_jsonl
+
+
+def test_parse_budgets():
+    assert bench.parse_budgets(["3:8:1"]) == [3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+    assert bench.parse_budgets(["6", "0.5"]) == [6.0, 0.5]
+
+
+@pytest.mark.slow
+def test_matrix_records_every_configuration(tmp_path):
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps({
+        "model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "intermediate_size": 37, "vocab_size": 30522, "max_position_embeddings": 512,
+    }))
+    out = tmp_path / "bench"
+    # 0.0001 GB = 100 kB: below the weights, so that configuration must fail cleanly.
+    code = bench.main([
+        "--tasks", "text-classification", "--methods", "none", "dynamic", "--uncapped_none_only",
+        "--budgets", "0.05", "0.0001", "--steps", "2", "--gpu_warmup_s", "0", "--output_dir", str(out),
+        "--", "--config_name", str(config), "--use_cpu",
+    ])
+    assert code == 0
+    rows = list(read_jsonl(out / "results.jsonl"))
+    assert [(r["method"], r["budget_bytes"], r["status"]) for r in rows] == [
+        ("none", None, "ok"), ("dynamic", 50_000_000, "ok"), ("dynamic", 100_000, "oom"),
+    ]
+    ok = rows[1]
+    assert ok["max_peak_allocated_bytes"] <= ok["budget_bytes"] and ok["steps"] == 2 and ok["total_s"] > 0
+    assert "needs" in rows[2]["note"] or "budget" in rows[2]["note"]
+    steps = list(read_jsonl(out / ok["steps_file"]))
+    assert len(steps) == 2 and all(s["method"] == "dynamic" for s in steps)
