@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -48,6 +48,9 @@ class Block:
         listener: told ``enter(block, args, kwargs)`` at the start of every training forward
             and ``exit(block)`` at its end (the runtime uses it to fix the plan before the
             first block and to attribute saved tensors to blocks).
+        runner: when set, runs every training forward as ``runner(block, args, kwargs)``
+            instead of the plain or checkpointed body (the ``reactive`` method's store,
+            reactive.py); it calls :meth:`run_body` for each run, recomputes included.
     """
 
     def __init__(self, index: int, name: str, module: nn.Module):
@@ -58,6 +61,7 @@ class Block:
         self.forwards = 0
         self.runs = 0
         self.listener: BlockListener | None = None
+        self.runner: Callable[[Block, tuple, dict[str, Any]], Any] | None = None
         self._body = module.forward  # the class's forward, bound to the instance
 
     @property
@@ -77,6 +81,8 @@ class Block:
         if listener is not None:
             listener.enter(self, args, kwargs)
         try:
+            if self.runner is not None:
+                return self.runner(self, args, kwargs)
             if not self.enabled:
                 return self.run_body(*args, **kwargs)
             args, kwargs = without_cache(self.module, args, kwargs)

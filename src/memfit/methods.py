@@ -11,6 +11,8 @@ shape key, and is this a warm-up step (the runtime then probes blocks to fit the
 | `dynamic`     | warm-up with `full` while measuring, then the cheapest plan that fits |
 | `static`      | the `dynamic` plan of the largest shape (given, or seen so far)       |
 | `precomputed` | plans from a JSON file written by ``Controller.save_plans``; no model |
+| `reactive`    | no plan: blocks keep their saved tensors in memfit's store, evicted   |
+|               | under pressure and recomputed in backward (reactive.py)               |
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ __all__ = [
     "Dynamic",
     "Static",
     "Precomputed",
+    "Reactive",
     "METHODS",
     "make_method",
     "UnknownMethodError",
@@ -62,6 +65,9 @@ class Method:
     name: ClassVar[str] = ""
     #: whether the runtime keeps a memory model up to date for this method
     uses_model: ClassVar[bool] = True
+    #: whether blocks run under the reactive store (reactive.py), which evicts their saved
+    #: tensors during forward when the step nears the budget
+    evicts: ClassVar[bool] = False
 
     def decide(self, planning: "Planning", key: tuple[int, int]) -> Decision:
         raise NotImplementedError
@@ -178,6 +184,23 @@ class Precomputed(Method):
         return Decision(tuple(i for i in plan if i < planning.n_blocks))
 
 
+class Reactive(Method):
+    """No plan, no model: evict already-run blocks' saved tensors under pressure (DTR-style).
+
+    Every block runs under memfit's saved-tensor store; at each block entry, when the bytes
+    in use plus the margin plus the largest block so far would cross the budget, the blocks
+    with the least recompute time per byte freed (and the stalest) are evicted, and re-run
+    in backward when first needed (reactive.py).
+    """
+
+    name = "reactive"
+    uses_model = False
+    evicts = True
+
+    def decide(self, planning: "Planning", key: tuple[int, int]) -> Decision:
+        return Decision(())
+
+
 def save_plans(path: str | os.PathLike[str], n_blocks: int, plans: dict[tuple[int, int], tuple[int, ...]]) -> None:
     """Write plans as JSON: ``{"schema_version", "n_blocks", "plans": [{"key", "blocks"}]}``."""
     data = {
@@ -205,7 +228,7 @@ def load_plans(path: str) -> dict[tuple[int, int], tuple[int, ...]]:
 
 
 METHODS: dict[str, type[Method]] = {
-    m.name: m for m in (NoCheckpoint, FullCheckpoint, Dynamic, Static, Precomputed)
+    m.name: m for m in (NoCheckpoint, FullCheckpoint, Dynamic, Static, Precomputed, Reactive)
 }
 
 

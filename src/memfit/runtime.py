@@ -9,7 +9,9 @@ the training loop:
 * saved tensors are counted per block while the root forward runs (accounting.py);
 * in warm-up, each group of identical blocks is *probed*: its body runs once more on
   detached inputs under a forked RNG, to measure what it would save un-checkpointed and
-  how long it takes (NOTE [Probe]).
+  how long it takes (NOTE [Probe]);
+* under a method that evicts (``reactive``), blocks run under the reactive store and room
+  is made at each block entry and at the forward's end (NOTE [Reactive room]).
 
 # NOTE [Plan is fixed before forward]
 The shape key is read from the first block's input, so it works for any model input
@@ -23,6 +25,15 @@ detached copies of its inputs, counts what it saves, and drops the result: it co
 block's activations for a moment, as ``full``'s own recompute does in backward, so warm-up
 is safe under any budget ``full`` fits. The RNG is forked so dropout masks of the real
 forward are those of a run without the probe (gradients stay exact).
+
+# NOTE [Reactive room]
+Eviction can only act between blocks, so at each block entry the bytes in use (the
+allocator's on CUDA; static + counted saved tensors, logically) plus the margin plus the
+largest block seen this step must fit the budget, else already-run blocks are evicted. At
+the forward's end the same check (with nothing to come) makes room for backward. The
+logical peak is the largest count seen at these checks *before* evicting, so the margin must
+cover what runs between two checks outside any block (the head and loss after the last
+block): logical accounting has no margin by default.
 
 # NOTE [No sync in steady state]
 A steady-state step reads only host-side values: ``memory_allocated``,
@@ -50,6 +61,7 @@ from memfit.budget import BudgetTooSmallError, apply_cuda_cap, check_static_need
 from memfit.methods import Dynamic, Method, make_method, save_plans
 from memfit.model import MemoryModel, bucket_key, shape_key
 from memfit.planner import InfeasiblePlanError, Plan, PlanCache, plan_blocks
+from memfit.reactive import ReactiveStore
 from memfit.records import JsonlWriter, StepRecord, summarize
 
 __all__ = ["fit", "Controller", "Planning"]
@@ -212,12 +224,15 @@ class Controller:
         self._step = 0
         self._oom_retries = 0
         self.replaying = False
+        self._reactive = ReactiveStore(self._exclude_ptrs) if method.evicts else None
         self._handles = [
             model.register_forward_pre_hook(self._on_forward_start, with_kwargs=True),
             model.register_forward_hook(self._on_forward_end, always_call=True),
         ]
         for b in self.blocks:
             b.listener = self
+            if self._reactive is not None:
+                b.runner = self._reactive.run
 
     def _check_static_need(self, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
         parts = static_bytes_logical(self.model, None)
@@ -265,13 +280,41 @@ class Controller:
             "probed": set(),
             "static": self.planning.static_bytes,
             "replay": self.replaying,
+            "saved_peak": 0,
+            "evicted": [],
+            "evicted_ms": 0.0,
         }
+        if self._reactive is not None:
+            self._reactive.start_step()
         self._counter.start()
 
     def _on_forward_end(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if self._pending is not None:
+        pending = self._pending
+        if pending is not None:
             self._counter.stop()
-            self._pending["saved"] = (self._counter.outside_bytes, list(self._counter.by_block))
+            by_block = list(self._counter.by_block)
+            if self._reactive is not None and pending["decision"] is not None:
+                self._make_room(pending, 0)
+                # the counter sees nothing inside the blocks: their tensors are the store's
+                by_block = self._reactive.kept_by_block(len(self.blocks))
+                pending.update(evicted=list(self._reactive.evicted_blocks), evicted_ms=self._reactive.evicted_ms)
+            pending["saved"] = (self._counter.outside_bytes, by_block)
+
+    def _make_room(self, pending: dict[str, Any], upcoming_bytes: int, inputs: Any = ()) -> None:
+        """Evict already-run blocks if in-use + margin + ``upcoming_bytes`` crosses the budget.
+
+        ``inputs`` are the next block's: they stay alive whatever is evicted (NOTE [Reactive room]).
+        """
+        if self.accounting == "cuda":
+            in_use = torch.cuda.memory_allocated(self.device)
+        else:
+            in_use = pending["static"] + self._counter.total_bytes + self._reactive.kept_bytes
+            pending["saved_peak"] = max(pending["saved_peak"], in_use - pending["static"])
+        if self.budget_bytes is None:
+            return
+        need_bytes = in_use + self.planning.margin_bytes + upcoming_bytes - self.budget_bytes
+        if need_bytes > 0:
+            self._reactive.evict(need_bytes, [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)])
 
     def exit(self, block: Block) -> None:
         """Block listener: tensors saved after a block belong to no block until the next."""
@@ -285,6 +328,8 @@ class Controller:
         if pending["decision"] is None:
             self._decide(pending, args, kwargs)
         self._counter.current = block.index
+        if self._reactive is not None:
+            self._make_room(pending, self._reactive.largest_block_bytes, (args, kwargs))
         if block.enabled:
             self._counter.count_inputs(block.index, args, kwargs)
         if pending["decision"].warmup:
@@ -343,7 +388,7 @@ class Controller:
         saved = outside + sum(by_block)
         static = pending["static"]
         if self.accounting == "logical":
-            peak = reserved = static + saved
+            peak = reserved = static + max(saved, pending["saved_peak"])
             transient = 0
         else:
             # Static memory can grow during a step (the optimizer's first step creates its
@@ -377,12 +422,13 @@ class Controller:
             budget_bytes=self.budget_bytes,
             accounting=self.accounting,
             step_ms=(now - pending["t0"]) * 1e3,
-            recompute_ms_est=self.planning.recompute_ms(key, decision.blocks),
+            recompute_ms_est=self.planning.recompute_ms(key, decision.blocks) + pending["evicted_ms"],
             oom_retries=self._oom_retries,
             phase="warmup" if decision.warmup else "steady",
             saved_activation_bytes=int(saved),
             static_bytes=int(static),
             planner_us=pending["planner_us"],
+            evicted_blocks=pending["evicted"],
         )
         self._oom_retries = 0
         self._records.append(record)
@@ -445,12 +491,13 @@ class Controller:
 
         Raises:
             BudgetTooSmallError: when the failed step already checkpointed every block, or the
-                method cannot adapt its plans (``none``, ``full``, ``precomputed``).
+                method cannot adapt its plans (``none``, ``full``, ``precomputed``). ``reactive``
+                adapts through the margin: it evicts earlier.
         """
         pending, self._pending = self._pending, None
         self._counter.stop()
         self._oom_retries += 1
-        if not self.method.uses_model:
+        if not (self.method.uses_model or self.method.evicts):
             raise BudgetTooSmallError(
                 f"out of memory under method {self.method.name!r}, which cannot adapt its plans; use "
                 "method 'dynamic', or raise the memory budget"
@@ -524,7 +571,8 @@ def fit(
         model: the model, already on its device.
         budget: bytes (int) or a size string: ``"6GiB"`` = 6·2**30, ``"6GB"`` = 6·10**9;
             ``None`` runs the method with no budget (records only).
-        method: ``none | full | dynamic | static | precomputed`` (or a Method instance).
+        method: ``none | full | dynamic | static | precomputed | reactive`` (or a Method
+            instance).
         optimizer: its state is counted in the static need (measured from its tensors on
             CPU, by the allocator on CUDA).
         blocks: modules or a name regex, for models memfit cannot analyse.

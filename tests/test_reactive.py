@@ -1,0 +1,211 @@
+"""Method `reactive`: the DTR eviction policy, exact gradients, a logical budget kept, no leaks."""
+
+import copy
+import gc
+import random
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+from _models import ARCHS, SIZES, TEXT_SIZES, build
+from memfit.reactive import Candidate, RecomputeMismatchError, choose_evictions
+
+C = Candidate  # (index, bytes, cost_ms, last_use)
+
+POLICY_CASES = [
+    # (candidates, need_bytes, now, expected), the score is cost_ms / (bytes * (now - last_use))
+    ([C(0, 100, 1.0, 0)], 0, 1, []),  # nothing needed
+    ([C(0, 100, 1.0, 0)], -5, 1, []),
+    ([], 10, 1, []),
+    ([C(0, 100, 4.0, 0), C(1, 400, 4.0, 0)], 100, 1, [1]),  # cheapest per byte first
+    ([C(0, 100, 1.0, 0), C(1, 100, 3.0, 0)], 150, 1, [0, 1]),  # until enough is freed
+    ([C(0, 100, 1.0, 2), C(1, 100, 1.0, 0)], 50, 3, [1]),  # staler first at equal cost per byte
+    ([C(0, 100, 2.0, 0), C(1, 100, 1.0, 3)], 50, 4, [0]),  # staleness outweighs twice the cost
+    ([C(0, 200, 1.0, 2), C(1, 100, 1.0, 0)], 50, 4, [1]),  # equal scores: staler first
+    ([C(5, 200, 2.0, 2), C(3, 100, 1.0, 2)], 50, 4, [3]),  # equal scores and ages: lower index
+    ([C(0, 0, 0.0, 0), C(1, 50, 1.0, 1)], 10, 2, [1]),  # frees nothing: never chosen
+    ([C(0, 100, 1.0, 0), C(1, 200, 1.0, 1), C(2, 0, 1.0, 0)], 1000, 2, [0, 1]),  # impossible: all that helps
+]
+
+
+@pytest.mark.parametrize("candidates, need_bytes, now, expected", POLICY_CASES)
+def test_choose_evictions(candidates, need_bytes, now, expected):
+    assert choose_evictions(candidates, need_bytes, now) == expected
+
+
+def test_choose_evictions_rejects_future_use():
+    with pytest.raises(ValueError, match="last_use must be before now=1"):
+        choose_evictions([C(0, 100, 1.0, 1)], 10, 1)
+
+
+def _logical_peak(model, batch, method):
+    ctl = memfit.fit(model, budget=None, method=method)
+    torch.manual_seed(0)
+    model(**batch).loss.backward()
+    model.zero_grad(set_to_none=True)
+    peak = ctl.records[-1].peak_allocated_bytes
+    ctl.remove()
+    return peak
+
+
+def _step_counting_recomputes(ctl, model, batch, seed):
+    """One training step; returns how many times each block re-ran in its backward."""
+    before = [b.recomputes for b in ctl.blocks]
+    torch.manual_seed(seed)
+    model(**batch).loss.backward()
+    return [b.recomputes - r for b, r in zip(ctl.blocks, before)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gradients_equal_no_checkpointing(arch):
+    torch.manual_seed(0)
+    model, make_batch = build(arch)
+    model.train()
+    reference = copy.deepcopy(model)
+    batches = [make_batch(3, s) for s in SIZES.get(arch, TEXT_SIZES)]
+    largest = max(batches, key=lambda b: next(iter(b.values())).numel())
+    budget = (_logical_peak(model, largest, "none") + _logical_peak(model, largest, "full")) // 2
+    ctl = memfit.fit(model, budget=budget, method="reactive")
+    for step, batch in enumerate(batches):
+        recomputes = _step_counting_recomputes(ctl, model, batch, seed=1000 + step)
+        torch.manual_seed(1000 + step)
+        reference(**batch).loss.backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            if q.grad is None:
+                assert p.grad is None, name
+                continue
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=lambda m: f"{arch} step {step} {name}: {m}")
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        evicted = ctl.records[-1].evicted_blocks
+        assert recomputes == [evicted.count(b.index) for b in ctl.blocks], (step, evicted)
+    assert any(r.evicted_blocks for r in ctl.records), "budget never bound: the test checks nothing"
+    ctl.remove()
+
+
+def test_stream_within_logical_budget():
+    torch.manual_seed(0)
+    model, make_batch = build("bert")
+    model.train()
+    rng = random.Random(0)
+    batches = [make_batch(4, rng.randint(4, 96)) for _ in range(24)]
+    longest = make_batch(4, 96)
+    none_peak = _logical_peak(model, longest, "none")
+    budget = (none_peak + _logical_peak(model, longest, "full")) // 2
+    # Eviction acts between blocks: the margin covers the head and loss after the last block
+    # (NOTE [Reactive room]).
+    ctl = memfit.fit(model, budget=budget, method="reactive", margin=0.05)
+    for i, batch in enumerate(batches):
+        recomputes = _step_counting_recomputes(ctl, model, batch, seed=i)
+        model.zero_grad(set_to_none=True)
+        record = ctl.records[-1]
+        assert record.accounting == "logical" and record.plan == []
+        assert record.peak_allocated_bytes <= budget, record
+        assert record.peak_allocated_bytes >= record.static_bytes + record.saved_activation_bytes
+        assert recomputes == [record.evicted_blocks.count(b) for b in range(record.n_blocks)], record
+    records = ctl.records
+    ctl.remove()
+    assert none_peak > budget
+    assert any(r.evicted_blocks for r in records) and any(not r.evicted_blocks for r in records)
+    assert all(r.recompute_ms_est > 0 for r in records if r.evicted_blocks)
+
+
+def _tanh_net(saved, passed, on_first_output=None):
+    """Three blocks; weak references to the storage each block run saves (tanh's output) go to
+    ``saved`` and to each block's output to ``passed``. Storages keep their Python object while
+    any tensor uses them, so these references die exactly when the memory is released."""
+
+    class Tanh(nn.Module):
+        def forward(self, x):
+            y = torch.tanh(x)  # tanh saves its own output: the cycle case
+            out = y * 2
+            saved.append(weakref.ref(y.untyped_storage()))
+            passed.append(weakref.ref(out.untyped_storage()))
+            return out
+
+    net = nn.Sequential(nn.ModuleList([Tanh() for _ in range(3)]))
+
+    def forward(x):
+        for i, layer in enumerate(net[0]):
+            x = layer(x)
+            if i == 0 and on_first_output is not None:
+                x.register_hook(on_first_output)
+        return x.sum()
+
+    net.forward = forward
+    return net
+
+
+def _alive(refs):
+    return [r() is not None for r in refs]
+
+
+@pytest.mark.parametrize("budget", [None, 1])  # kept, or every block evicted at once
+def test_forward_without_backward_frees_its_graph(budget):
+    saved, passed = [], []
+    net = _tanh_net(saved, passed)
+    ctl = memfit.fit(net, budget=budget, method="reactive", blocks=r"0\.\d+")
+    out = net(torch.randn(4, 8, requires_grad=True))
+    gc.collect()
+    evicted = budget is not None
+    assert ctl.records[-1].evicted_blocks == ([0, 1, 2] if evicted else [])
+    assert _alive(saved) == [not evicted] * 3, "eviction did not release the saved tensors"
+    assert _alive(passed) == [True, True, False]  # inputs of blocks 1 and 2, kept for a recompute
+    del out
+    gc.collect()
+    assert not any(_alive(saved + passed)), "saved activations or kept inputs outlived their graph"
+    ctl.remove()
+
+
+@pytest.mark.parametrize("budget", [None, 1])
+def test_backward_recomputes_lazily_and_releases_as_it_goes(budget):
+    seen = []
+    saved, passed = [], []
+    net = _tanh_net(saved, passed, on_first_output=lambda grad: seen.append((_alive(saved), recomputes())))
+    ctl = memfit.fit(net, budget=budget, method="reactive", blocks=r"0\.\d+")
+
+    def recomputes():
+        return [b.recomputes for b in ctl.blocks]
+
+    net(torch.randn(4, 8, requires_grad=True)).backward()
+    # When the gradient reaches block 0's output, blocks 2 and 1 are done: what they saved is
+    # released, and when evicted they were recomputed first; block 0 is not recomputed yet.
+    evicted = budget is not None
+    assert seen == [([not evicted, False, False], [0, int(evicted), int(evicted)])]
+    assert recomputes() == [int(evicted)] * 3
+    ctl.remove()
+
+
+def test_recompute_that_saves_differently_raises():
+    class Flaky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            y = torch.tanh(x) if self.calls > 1 else torch.tanh(torch.tanh(x))  # saves 2, then 1
+            return y * 2
+
+    net = nn.Sequential(nn.ModuleList([Flaky(), Flaky()]))
+    net.forward = lambda x: net[0][1](net[0][0](x)).sum()
+    ctl = memfit.fit(net, budget=1, method="reactive", blocks=r"0\.\d+")
+    loss = net(torch.randn(3, requires_grad=True))
+    assert ctl.records[-1].evicted_blocks == [0, 1]
+    with pytest.raises(RecomputeMismatchError, match=r"block 0\.1 saved 2 tensors in forward but 1 when recomputed"):
+        loss.backward()
+    ctl.remove()
+
+
+def test_oom_grows_margin_instead_of_failing():
+    torch.manual_seed(0)
+    model, make_batch = build("bert")
+    model.train()
+    ctl = memfit.fit(model, budget="1GiB", method="reactive")
+    model(**make_batch(2, 8))
+    ctl.note_oom()
+    assert ctl.planning.margin_bytes == 2**30 // 20
+    ctl.remove()
