@@ -57,7 +57,7 @@ class TrainingArguments(transformers.TrainingArguments):
     )
     memfit_method: str = field(
         default="dynamic",
-        metadata={"help": "How plans are chosen: none | full | dynamic | static | precomputed."},
+        metadata={"help": "How plans are chosen: none | full | dynamic | static | precomputed | reactive."},
     )
     memfit_plans_file: str | None = field(
         default=None,

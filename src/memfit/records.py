@@ -89,6 +89,7 @@ class RunSummary:
     max_peak_allocated_bytes: int
     max_peak_reserved_bytes: int
     over_budget_steps: int
+    #: mean fraction of blocks recomputed in backward (checkpointed or evicted)
     mean_checkpointed_fraction: float
     total_step_ms: float
     mean_planner_us: float
@@ -127,7 +128,10 @@ def summarize(records: Iterable[StepRecord]) -> RunSummary:
         over_budget_steps=sum(
             budget is not None and r.peak_allocated_bytes > budget for r in records
         ),
-        mean_checkpointed_fraction=sum(r.n_checkpointed / max(r.n_blocks, 1) for r in records)
+        # blocks recomputed in backward: checkpointed by the plan, or evicted (`reactive`)
+        mean_checkpointed_fraction=sum(
+            (r.n_checkpointed + len(r.evicted_blocks)) / max(r.n_blocks, 1) for r in records
+        )
         / len(records),
         total_step_ms=sum(r.step_ms or 0.0 for r in records),
         mean_planner_us=sum(r.planner_us for r in records) / len(records),
