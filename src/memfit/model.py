@@ -13,9 +13,19 @@ Per *group* of identical blocks (same class, same parameter count) the model kee
 * ``kept_bytes``: bytes it keeps when checkpointed (its inputs);
 * ``cost_ms``: its forward time, i.e. the recompute cost (measured by the probe).
 
-Plus, for the whole step, ``outside_bytes`` (embeddings, head, loss) and ``transient``: the
-part of the observed peak that is not static memory or saved activations (backward
-temporaries, logits, gradients in flight), fitted as an upper envelope.
+Plus, for the whole step, ``outside_bytes`` (embeddings, head, loss) and the *transient*:
+observed peak minus static memory minus saved activations, fitted as an upper envelope, in
+two regimes (NOTE [Two transient regimes]).
+
+# NOTE [Two transient regimes]
+Static memory counts every gradient, but at the peak of a step that checkpoints little
+(the start of backward) most gradients do not exist yet while activations start to be
+freed: the transient is *negative* (H200, bert-base: about -10 to -100 kB per token).
+Under ``full`` the peak comes in backward, with one recomputed block on top: positive
+(about +30 kB per token). Warm-up runs ``full``, so one curve fitted there over-predicted
+every partial plan by about 0.5 GB. ``transient_full`` is fitted on steps that checkpoint
+every block, ``transient_partial`` on the others; the partial curve is used only inside
+the range of token counts it has seen (interpolation), else the full one (conservative).
 
 # NOTE [Upper envelope]
 Least squares under-predicts half of its samples. Every fitted curve here is shifted up by
@@ -69,6 +79,8 @@ class Curve:
     """A non-negative upper-envelope fit of ``y`` on the shape features (NOTE [Upper envelope])."""
 
     intercept: bool = False
+    #: lowest value returned (None: may be negative, as a transient can be)
+    floor: float | None = 0.0
     xs: list[tuple[int, int]] = field(default_factory=list)
     ys: list[float] = field(default_factory=list)
     coef: list[float] = field(default_factory=list)
@@ -107,14 +119,19 @@ class Curve:
         if not self.coef:
             self._fit()
         value = sum(c * f for c, f in zip(self.coef, _features(key, self.intercept))) + self.shift
-        return max(0.0, value)
+        return value if self.floor is None else max(self.floor, value)
+
+    @property
+    def max_tokens(self) -> int:
+        """Largest ``N·T`` among the samples (0 without samples)."""
+        return max((n * t for n, t in self.xs), default=0)
 
     def to_dict(self) -> dict:
-        return {"intercept": self.intercept, "xs": [list(k) for k in self.xs], "ys": self.ys}
+        return {"intercept": self.intercept, "floor": self.floor, "xs": [list(k) for k in self.xs], "ys": self.ys}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Curve":
-        return cls(data["intercept"], [tuple(k) for k in data["xs"]], list(data["ys"]))
+        return cls(data["intercept"], data.get("floor", 0.0), [tuple(k) for k in data["xs"]], list(data["ys"]))
 
 
 @dataclass
@@ -144,7 +161,8 @@ class MemoryModel:
         self.groups = list(groups)
         self.group_models = {g: BlockGroupModel() for g in sorted(set(self.groups))}
         self.outside = Curve()
-        self.transient = Curve(intercept=True)
+        self.transient_full = Curve(intercept=True, floor=None)
+        self.transient_partial = Curve(intercept=True, floor=None)
         self.max_key: tuple[int, int] | None = None
 
     @property
@@ -174,6 +192,16 @@ class MemoryModel:
         per_group = {g: max(m.cost_ms(key), 1e-6) for g, m in self.group_models.items()}
         return [per_group[g] for g in self.groups]
 
+    def transient(self, key: tuple[int, int], every_block: bool) -> float:
+        """Transient bytes of a step (NOTE [Two transient regimes])."""
+        partial = self.transient_partial
+        use_partial = not every_block and len(set(partial.xs)) >= 3 and key[0] * key[1] <= partial.max_tokens
+        return (partial if use_partial else self.transient_full)(key)
+
+    def transient_curve(self, every_block: bool) -> Curve:
+        """The curve a step of this regime teaches."""
+        return self.transient_full if every_block else self.transient_partial
+
     def activation_bytes(self, key: tuple[int, int], plan: Sequence[int] = ()) -> float:
         """Saved bytes of the whole step under ``plan`` (outside + every block)."""
         planned = set(plan)
@@ -189,7 +217,8 @@ class MemoryModel:
             "groups": self.groups,
             "group_models": {str(g): m.to_dict() for g, m in self.group_models.items()},
             "outside": self.outside.to_dict(),
-            "transient": self.transient.to_dict(),
+            "transient_full": self.transient_full.to_dict(),
+            "transient_partial": self.transient_partial.to_dict(),
             "max_key": list(self.max_key) if self.max_key else None,
         }
 
@@ -198,6 +227,7 @@ class MemoryModel:
         model = cls(data["groups"])
         model.group_models = {int(g): BlockGroupModel.from_dict(m) for g, m in data["group_models"].items()}
         model.outside = Curve.from_dict(data["outside"])
-        model.transient = Curve.from_dict(data["transient"])
+        model.transient_full = Curve.from_dict(data["transient_full"])
+        model.transient_partial = Curve.from_dict(data["transient_partial"])
         model.max_key = tuple(data["max_key"]) if data.get("max_key") else None
         return model

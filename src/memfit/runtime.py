@@ -110,7 +110,8 @@ class Planning:
     def predict_peak(self, key: tuple[int, int], blocks: Sequence[int]) -> int:
         """Predicted step peak: static + saved activations under ``blocks`` + transient."""
         k = bucket_key(key, self.bucket_tokens)
-        return int(self.static_bytes + self.model.activation_bytes(k, blocks) + self.model.transient(k))
+        every_block = len(blocks) == self.n_blocks
+        return int(self.static_bytes + self.model.activation_bytes(k, blocks) + self.model.transient(k, every_block))
 
     def _static_bucket(self) -> int:
         # Static bytes differ between micro-steps (gradients present or not); plans are
@@ -453,8 +454,10 @@ class Controller:
                 curves.append((group.kept_bytes, max(kept)))
             if full:
                 curves.append((group.full_bytes, max(full)))
+        transient_curve = None
         if self.accounting == "cuda":
-            curves.append((model.transient, max(0, transient)))
+            transient_curve = model.transient_curve(len(planned) == len(self.blocks))
+            curves.append((transient_curve, transient))
         changed = False
         for curve, observed in curves:
             if decision.warmup or not curve.fitted:
@@ -462,7 +465,14 @@ class Controller:
                 changed = True
                 continue
             predicted = curve(key)
-            if observed > predicted + 0.005 * observed or (curve is not model.transient and predicted - observed > 0.005 * observed):
+            tolerance = 0.005 * abs(observed)
+            if curve is transient_curve:
+                # An envelope: learn every under-prediction, and new shapes until the
+                # partial regime has enough of them to interpolate.
+                learn = observed > predicted + tolerance or (not curve.has(key) and len(set(curve.xs)) < 8)
+            else:
+                learn = abs(observed - predicted) > tolerance
+            if learn:
                 curve.add(key, observed)
                 changed = True
         model.observe_key(key)
