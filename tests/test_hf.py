@@ -127,3 +127,8 @@ def test_argument_errors(tmp_path, flags, message):
 def test_threshold_is_gigabytes(tmp_path):
     args = memfit.TrainingArguments(output_dir=str(tmp_path), report_to="none", memory_threshold=8)
     assert args.memfit_budget_bytes == 8 * 10**9
+
+
+def test_rank_paths():
+    assert memfit.hf.rank_path("out/memfit_steps.jsonl", 1, 2) == "out/memfit_steps.rank1.jsonl"
+    assert memfit.hf.rank_path("out/memfit_steps.jsonl", 0, 1) == "out/memfit_steps.jsonl"

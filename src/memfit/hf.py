@@ -33,9 +33,10 @@ import transformers
 
 from memfit.budget import BudgetTooSmallError, parse_bytes
 from memfit.methods import METHODS, UnknownMethodError
+from memfit.records import StepRecord, read_jsonl, summarize
 from memfit.runtime import Controller, fit
 
-__all__ = ["TrainingArguments", "Trainer", "STATE_FILE"]
+__all__ = ["TrainingArguments", "Trainer", "STATE_FILE", "rank_path"]
 
 STATE_FILE = "memfit_state.json"
 STEPS_FILE = "memfit_steps.jsonl"
@@ -151,10 +152,10 @@ class Trainer(transformers.Trainer):
             method_kwargs["path"] = a.memfit_plans_file
         if method == "static" and getattr(a, "memfit_max_shape", None):
             method_kwargs["max_shape"] = tuple(int(x) for x in a.memfit_max_shape.split(","))
-        log = getattr(a, "memfit_log", None) or os.path.join(a.output_dir, STEPS_FILE)
-        self.memfit: Controller = fit(
-            self.model, getattr(a, "memfit_budget_bytes", None), method, log=log if self.is_world_process_zero() else None, **method_kwargs
-        )
+        log = rank_path(getattr(a, "memfit_log", None) or os.path.join(a.output_dir, STEPS_FILE), a.process_index, a.world_size)
+        # Each rank has its own budget (its own process cap), plans for its own batches and
+        # writes its own records; rank 0 merges the summaries.
+        self.memfit: Controller = fit(self.model, getattr(a, "memfit_budget_bytes", None), method, log=log, **method_kwargs)
         self._window: list[tuple[dict[str, Any], dict[str, Any], Any]] = []
         self._oom_total = 0
         self.add_callback(_MemfitCallback(self))
@@ -227,13 +228,36 @@ class Trainer(transformers.Trainer):
         return output
 
     def write_summary(self) -> dict[str, Any] | None:
-        """Write ``memfit_summary.json`` and ``memfit_plans.json`` (for ``precomputed``)."""
+        """Write ``memfit_summary.json`` and ``memfit_plans.json`` (for ``precomputed``).
+
+        With several ranks, each writes ``memfit_summary.rank{r}.json``; rank 0 then merges
+        every rank's step records into ``memfit_summary.json``, with ``per_rank`` peaks.
+        """
+        a = self.args
+        os.makedirs(a.output_dir, exist_ok=True)
+        if a.world_size > 1:
+            with open(rank_path(os.path.join(a.output_dir, SUMMARY_FILE), a.process_index, a.world_size), "w") as fh:
+                json.dump(summarize(self.memfit.records).to_dict() if self.memfit.records else {}, fh, indent=1)
+            self.accelerator.wait_for_everyone()
         if not self.is_world_process_zero() or not self.memfit.records:
             return None
-        summary = self.memfit.summary().to_dict()
-        os.makedirs(self.args.output_dir, exist_ok=True)
-        with open(os.path.join(self.args.output_dir, SUMMARY_FILE), "w", encoding="utf-8") as fh:
-            json.dump(summary, fh, indent=1)
+        if a.world_size > 1:
+            steps = os.path.join(a.output_dir, STEPS_FILE) if not a.memfit_log else a.memfit_log
+            per_rank = {r: [StepRecord.from_dict(d) for d in read_jsonl(rank_path(steps, r, a.world_size))] for r in range(a.world_size)}
+            summary = summarize([rec for recs in per_rank.values() for rec in recs])
+            summary.per_rank = {str(r): summarize(recs).to_dict() for r, recs in per_rank.items() if recs}
+        else:
+            summary = self.memfit.summary()
+        with open(os.path.join(a.output_dir, SUMMARY_FILE), "w", encoding="utf-8") as fh:
+            json.dump(summary.to_dict(), fh, indent=1)
         if self.memfit.method.uses_model:
-            self.memfit.save_plans(os.path.join(self.args.output_dir, "memfit_plans.json"))
-        return summary
+            self.memfit.save_plans(os.path.join(a.output_dir, "memfit_plans.json"))
+        return summary.to_dict()
+
+
+def rank_path(path: str, rank: int, world_size: int) -> str:
+    """``memfit_steps.jsonl`` → ``memfit_steps.rank1.jsonl`` when there are several ranks."""
+    if world_size <= 1:
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.rank{rank}{ext}"

@@ -94,6 +94,8 @@ class RunSummary:
     total_step_ms: float
     mean_planner_us: float
     memory_count: dict[str, dict[str, int]]
+    #: with several ranks: each rank's own summary, by rank (as a string key)
+    per_rank: dict[str, dict[str, Any]] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:

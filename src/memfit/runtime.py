@@ -219,6 +219,7 @@ class Controller:
         self._param_bytes = static_parts["parameters"] + static_parts["gradients"]
         self._grad_params = [p for p in model.parameters() if p.requires_grad]
         self._expected_opt_bytes = _expected_optimizer_bytes(optimizer)
+        self.rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
         self._writer = JsonlWriter(log) if log else None
         self._records: list[StepRecord] = []
         self._pending: dict[str, Any] | None = None
@@ -430,6 +431,7 @@ class Controller:
             static_bytes=int(static),
             planner_us=pending["planner_us"],
             evicted_blocks=pending["evicted"],
+            rank=self.rank,
         )
         self._oom_retries = 0
         self._records.append(record)
