@@ -37,3 +37,33 @@ def test_matrix_records_every_configuration(tmp_path):
     assert "needs" in rows[2]["note"] or "budget" in rows[2]["note"]
     steps = list(read_jsonl(out / ok["steps_file"]))
     assert len(steps) == 2 and all(s["method"] == "dynamic" for s in steps)
+
+
+@pytest.mark.slow
+def test_savers_with_eval_metric_and_report(tmp_path):
+    from memfit.report import build_report
+
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps({
+        "model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "intermediate_size": 37, "vocab_size": 30522, "max_position_embeddings": 512,
+    }))
+    fixtures = __import__("pathlib").Path(__file__).parent / "fixtures" / "glue" / "MRPC"
+    out = tmp_path / "savers"
+    bench.main([
+        "--tasks", "text-classification", "--savers", "none", "accumulation", "adafactor", "dynamic+all",
+        "--budgets", "0.05", "--steps", "2", "--batch_size", "8", "--do_eval", "--gpu_warmup_s", "0",
+        "--output_dir", str(out), "--", "--config_name", str(config), "--use_cpu", "--task_name", "mrpc",
+        "--train_file", str(fixtures / "train.tsv"), "--validation_file", str(fixtures / "dev.tsv"),
+    ])
+    rows = list(read_jsonl(out / "results.jsonl"))
+    assert [(r["method"], r["status"]) for r in rows] == [
+        ("none", "ok"), ("accumulation", "ok"), ("adafactor", "ok"), ("dynamic+all", "ok"),
+    ]
+    assert all(r["eval_metric"] == "accuracy" and 0 <= r["eval_value"] <= 1 for r in rows)
+    assert rows[3]["budget_bytes"] == 50_000_000 and rows[0]["budget_bytes"] is None
+    # accumulation: 4 micro-steps of 2 per optimizer step
+    steps = list(read_jsonl(out / rows[1]["steps_file"]))
+    assert len(steps) == 8 and all(s["shape"][0] == 2 for s in steps)
+    report = build_report(out, tmp_path / "report").read_text()
+    assert "Memory savers" in report and "dynamic+all" in report

@@ -29,11 +29,30 @@ from dataclasses import dataclass
 
 from memfit.methods import METHODS
 
-__all__ = ["main", "BATCH_SIZES", "warm_gpu", "parse_budgets"]
+__all__ = ["main", "BATCH_SIZES", "SAVERS", "warm_gpu", "parse_budgets"]
 
 #: The original experiments' batch sizes per task.
 BATCH_SIZES = {"multiple-choice": 16, "question-answering": 12, "text-classification": 32, "token-classification": 64}
 GB = 10**9
+
+
+# NOTE [Savers]
+# The memory savers users combine with checkpointing, each a named set of `memfit train`
+# flags. `none` (no flag) is the vanilla reference the report compares against;
+# `accumulation` keeps the batch (4 micro-batches of a quarter); `dynamic+all` is memfit's
+# dynamic method with every other saver, under the first --budgets value.
+_ACCUMULATE = 4
+SAVERS: dict[str, tuple[str, ...]] = {
+    "none": (),
+    "bf16": ("--bf16",),
+    "fp16": ("--fp16",),
+    "accumulation": ("--gradient_accumulation_steps", str(_ACCUMULATE)),
+    "full": ("--memfit_method", "full"),
+    "adafactor": ("--optim", "adafactor"),
+    "adamw-8bit": ("--optim", "adamw_bnb_8bit"),
+    "all": ("--bf16", "--gradient_accumulation_steps", str(_ACCUMULATE), "--memfit_method", "full", "--optim", "adafactor"),
+    "dynamic+all": ("--bf16", "--gradient_accumulation_steps", str(_ACCUMULATE), "--memfit_method", "dynamic", "--optim", "adafactor"),
+}
 
 
 @dataclass(frozen=True)
@@ -42,6 +61,7 @@ class Config:
     method: str
     budget_gb: float | None
     repeat: int
+    saver: bool = False
 
     @property
     def name(self) -> str:
@@ -58,6 +78,9 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--tasks", nargs="+", default=list(BATCH_SIZES), help="task names (default: the four NLP tasks)")
     p.add_argument("--methods", nargs="+", default=["none", "full", "static", "dynamic"], help="memfit methods")
     p.add_argument("--budgets", nargs="+", default=["6", "8"], help="budgets in GB (10**9 bytes); 'a:b:s' for a range")
+    p.add_argument("--savers", nargs="+", choices=tuple(SAVERS), help="run these memory savers (uncapped, "
+                   "dynamic+all at the first budget) instead of the methods x budgets matrix; see NOTE [Savers]")
+    p.add_argument("--do_eval", action="store_true", help="evaluate each run and record the task's metric")
     p.add_argument("--repeats", type=int, default=1, help="runs per configuration (medians are reported)")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps per run")
     p.add_argument("--synthetic", type=int, default=None, help="synthetic examples (default: steps × batch size)")
@@ -93,6 +116,9 @@ def _configs(args: argparse.Namespace) -> list[Config]:
     configs = []
     for repeat in range(args.repeats):
         for task in args.tasks:
+            if args.savers:
+                configs += [Config(task, name, budgets[0] if name == "dynamic+all" else None, repeat, saver=True) for name in args.savers]
+                continue
             if "none" in args.methods:
                 configs.append(Config(task, "none", None, repeat))
             methods = [m for m in args.methods if not (m == "none" and args.uncapped_none_only)]
@@ -129,12 +155,18 @@ def _versions() -> dict[str, str]:
 def _run(config: Config, args: argparse.Namespace, extra: list[str]) -> dict:
     batch = args.batch_size or BATCH_SIZES[config.task]
     run_dir = os.path.join(args.output_dir, "runs", config.name)
+    saver_flags = list(SAVERS[config.method]) if config.saver else ["--memfit_method", config.method]
+    if "--memfit_method" not in saver_flags:
+        saver_flags += ["--memfit_method", "none"]
+    micro_batch = batch // _ACCUMULATE if "--gradient_accumulation_steps" in saver_flags else batch
     flags = [
-        "--do_train", "--max_steps", str(args.steps), "--per_device_train_batch_size", str(batch),
+        "--do_train", "--max_steps", str(args.steps), "--per_device_train_batch_size", str(micro_batch),
         "--output_dir", run_dir, "--save_strategy", "no",
         "--report_to", "none", "--logging_steps", str(max(1, args.steps // 10)), "--seed", "42",
-        "--memfit_method", config.method,
+        *saver_flags,
     ]
+    if args.do_eval:
+        flags.append("--do_eval")
     if "--train_file" not in extra and "--dataset_name" not in extra:
         flags += ["--synthetic", str(args.synthetic or args.steps * batch)]
     if config.budget_gb:
@@ -163,6 +195,12 @@ def _run(config: Config, args: argparse.Namespace, extra: list[str]) -> dict:
     if proc.returncode == 0 and os.path.exists(train_path):
         summary = json.load(open(summary_path))
         train = json.load(open(train_path))
+        eval_path = os.path.join(run_dir, "eval_results.json")
+        if args.do_eval and os.path.exists(eval_path):
+            metrics = json.load(open(eval_path))
+            name = next((k for k in ("eval_accuracy", "eval_exact_match", "eval_f1") if k in metrics), None)
+            if name:
+                result.update(eval_metric=name.removeprefix("eval_"), eval_value=metrics[name])
         result.update(
             status="ok",
             total_s=train["train_runtime"],
