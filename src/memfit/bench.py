@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from memfit.methods import METHODS
 
-__all__ = ["main", "BATCH_SIZES", "SAVERS", "warm_gpu", "parse_budgets"]
+__all__ = ["main", "BATCH_SIZES", "SAVERS", "PEERS", "warm_gpu", "parse_budgets"]
 
 #: The original experiments' batch sizes per task.
 BATCH_SIZES = {"multiple-choice": 16, "question-answering": 12, "text-classification": 32, "token-classification": 64}
@@ -55,6 +55,15 @@ SAVERS: dict[str, tuple[str, ...]] = {
 }
 
 
+#: Peers (peers.py), run like methods at each budget with memfit only measuring.
+PEERS: dict[str, tuple[str, ...]] = {
+    "hf-every-1": ("--memfit_method", "none", "--hf_checkpoint_every_n_layers", "1"),
+    "hf-every-2": ("--memfit_method", "none", "--hf_checkpoint_every_n_layers", "2"),
+    "hf-offload": ("--memfit_method", "none", "--hf_checkpoint_every_n_layers", "1", "--hf_checkpoint_offload"),
+    "auto-batch": ("--memfit_method", "none", "--auto_find_batch_size"),
+}
+
+
 @dataclass(frozen=True)
 class Config:
     task: str
@@ -76,7 +85,8 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         argv, extra = argv[:i], argv[i + 1 :]
     p = argparse.ArgumentParser(prog="memfit bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", nargs="+", default=list(BATCH_SIZES), help="task names (default: the four NLP tasks)")
-    p.add_argument("--methods", nargs="+", default=["none", "full", "static", "dynamic"], help="memfit methods")
+    p.add_argument("--methods", nargs="+", default=["none", "full", "static", "dynamic"],
+                   help=f"memfit methods, and peers: {', '.join(PEERS)}")
     p.add_argument("--budgets", nargs="+", default=["6", "8"], help="budgets in GB (10**9 bytes); 'a:b:s' for a range")
     p.add_argument("--savers", nargs="+", choices=tuple(SAVERS), help="run these memory savers (uncapped, "
                    "dynamic+all at the first budget) instead of the methods x budgets matrix; see NOTE [Savers]")
@@ -90,8 +100,8 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--output_dir", required=True)
     args = p.parse_args(argv)
     for method in args.methods:
-        if method not in METHODS:
-            p.error(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        if method not in METHODS and method not in PEERS:
+            p.error(f"unknown method {method!r}; choose from {', '.join([*METHODS, *PEERS])}")
     for task in args.tasks:
         if task not in BATCH_SIZES:
             p.error(f"unknown task {task!r}; choose from {', '.join(BATCH_SIZES)}")
@@ -155,7 +165,12 @@ def _versions() -> dict[str, str]:
 def _run(config: Config, args: argparse.Namespace, extra: list[str]) -> dict:
     batch = args.batch_size or BATCH_SIZES[config.task]
     run_dir = os.path.join(args.output_dir, "runs", config.name)
-    saver_flags = list(SAVERS[config.method]) if config.saver else ["--memfit_method", config.method]
+    if config.saver:
+        saver_flags = list(SAVERS[config.method])
+    elif config.method in PEERS:
+        saver_flags = list(PEERS[config.method])
+    else:
+        saver_flags = ["--memfit_method", config.method]
     if "--memfit_method" not in saver_flags:
         saver_flags += ["--memfit_method", "none"]
     micro_batch = batch // _ACCUMULATE if "--gradient_accumulation_steps" in saver_flags else batch

@@ -213,8 +213,14 @@ def _outermost(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]
     return [(n, m) for n, m in found if not any(n.startswith(o + ".") for o in names if o != n)]
 
 
-def wrap_blocks(named_blocks: list[tuple[str, nn.Module]]) -> list[Block]:
+def wrap_blocks(named_blocks: list[tuple[str, nn.Module]], allow_hf_checkpointing: bool = False) -> list[Block]:
     """Install a :class:`Block` switch on each module (see NOTE [Switch is read at call time]).
+
+    Args:
+        named_blocks: ``(name, module)`` pairs from :func:`find_blocks`.
+        allow_hf_checkpointing: accept modules whose Hugging Face checkpointing is on (for a
+            method that never checkpoints: memfit then only measures, as for the peers of
+            the benchmark).
 
     Raises:
         ValueError: if a module is already wrapped, or HF gradient checkpointing is on.
@@ -223,7 +229,7 @@ def wrap_blocks(named_blocks: list[tuple[str, nn.Module]]) -> list[Block]:
     for i, (name, module) in enumerate(named_blocks):
         if isinstance(module.__dict__.get("forward"), Block):
             raise ValueError(f"block {name} is already wrapped by memfit; call remove() on the old controller")
-        if getattr(module, "gradient_checkpointing", False):
+        if getattr(module, "gradient_checkpointing", False) and not allow_hf_checkpointing:
             raise ValueError(
                 f"Hugging Face gradient checkpointing is on for {name}; memfit decides what to "
                 "checkpoint: call model.gradient_checkpointing_disable() (or drop "

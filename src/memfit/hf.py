@@ -171,6 +171,10 @@ class Trainer(transformers.Trainer):
     # ------------------------------------------------------------ OOM replay
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         """One micro-step; on OOM, replays the accumulation window (NOTE [OOM replay])."""
+        if self.memfit.method.name == "none":
+            # Nothing to make safer: the OOM goes to the caller as it is (Accelerate's
+            # find_executable_batch_size, behind --auto_find_batch_size, catches it).
+            return super().training_step(model, inputs, num_items_in_batch)
         self._window.append((inputs, _rng_state(), num_items_in_batch))
         replay = False
         for _ in range(_MAX_OOM_RETRIES + 1):

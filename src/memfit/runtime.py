@@ -208,7 +208,7 @@ class Controller:
         if budget_bytes is not None and self.accounting == "cuda" and cap:
             apply_cuda_cap(budget_bytes, self.device)
 
-        self.blocks = wrap_blocks(named)
+        self.blocks = wrap_blocks(named, allow_hf_checkpointing=method.name == "none")
         if margin is None:
             margin = 0.03 if self.accounting == "cuda" else 0.0
         self.planning = Planning(

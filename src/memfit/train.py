@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import sys
 
+from memfit.peers import PeerArguments, apply_peers
 from memfit.tasks import TASKS, DataTrainingArguments, ModelArguments, get_task
 
 __all__ = ["main", "run"]
@@ -52,11 +53,12 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
     from memfit.hf import Trainer, TrainingArguments
 
     parser = HfArgumentParser(
-        (ModelArguments, DataTrainingArguments, TrainingArguments), prog=f"memfit train {task}"
+        (ModelArguments, DataTrainingArguments, TrainingArguments, PeerArguments), prog=f"memfit train {task}"
     )
-    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    model_args, data_args, training_args, peer_args = parser.parse_args_into_dataclasses(args=argv)
     set_seed(training_args.seed)
     bundle = recipe.build(model_args, data_args, seed=training_args.seed)
+    apply_peers(bundle.model, peer_args, training_args.memfit_method)
     for wanted, dataset, flag in (
         (training_args.do_train, bundle.train_dataset, "--do_train needs --train_file"),
         (training_args.do_eval, bundle.eval_dataset, "--do_eval needs --validation_file"),
