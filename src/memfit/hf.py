@@ -68,6 +68,10 @@ class TrainingArguments(transformers.TrainingArguments):
         default=None,
         metadata={"help": "Step-record JSONL path (default: <output_dir>/memfit_steps.jsonl)."},
     )
+    memfit_margin: float | None = field(
+        default=None,
+        metadata={"help": "Share of the budget kept free as a safety margin (default 0.03 on CUDA, 0 on CPU)."},
+    )
     memfit_max_shape: str | None = field(
         default=None,
         metadata={"help": "For --memfit_method static: largest input as 'N,T' (rows, tokens); default: largest seen."},
@@ -155,7 +159,9 @@ class Trainer(transformers.Trainer):
         log = rank_path(getattr(a, "memfit_log", None) or os.path.join(a.output_dir, STEPS_FILE), a.process_index, a.world_size)
         # Each rank has its own budget (its own process cap), plans for its own batches and
         # writes its own records; rank 0 merges the summaries.
-        self.memfit: Controller = fit(self.model, getattr(a, "memfit_budget_bytes", None), method, log=log, **method_kwargs)
+        self.memfit: Controller = fit(
+            self.model, getattr(a, "memfit_budget_bytes", None), method, log=log, margin=getattr(a, "memfit_margin", None), **method_kwargs
+        )
         self._window: list[tuple[dict[str, Any], dict[str, Any], Any]] = []
         self._oom_total = 0
         self.add_callback(_MemfitCallback(self))
