@@ -93,7 +93,8 @@ class TrainingArguments(transformers.TrainingArguments):
             parse_bytes(self.memory_budget)  # fail early on a malformed size
         if self.memfit_method == "precomputed" and not self.memfit_plans_file:
             raise ValueError("--memfit_method precomputed needs --memfit_plans_file")
-        if self.gradient_checkpointing and self.memfit_method != "none":
+        hf_checkpointing = self.gradient_checkpointing or getattr(self, "activation_checkpointing", False)
+        if hf_checkpointing and self.memfit_method != "none":
             raise ValueError(
                 "--gradient_checkpointing and memfit both checkpoint: drop --gradient_checkpointing "
                 "(--memfit_method full does the same)"
