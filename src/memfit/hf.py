@@ -70,7 +70,7 @@ class TrainingArguments(transformers.TrainingArguments):
     )
     memfit_margin: float | None = field(
         default=None,
-        metadata={"help": "Share of the budget kept free as a safety margin (default 0.03 on CUDA, 0 on CPU)."},
+        metadata={"help": "Share of the budget kept free as a safety margin (default 0.03 on CUDA, 0.001 with logical accounting on CPU)."},
     )
     memfit_max_shape: str | None = field(
         default=None,
