@@ -148,7 +148,7 @@ def test_dynamic_plans_save_for_precomputed(tmp_path):
     ctl.save_plans(tmp_path / "plans.json")
     ctl.remove()
     data = json.loads((tmp_path / "plans.json").read_text())
-    assert data["n_blocks"] == 3 and {tuple(p["key"]) for p in data["plans"]} == {(2, 16)}
+    assert data["n_blocks"] == 3 and {tuple(p["key"]) for p in data["plans"]} == {(2, 16), (2, 24)}
 
 
 def test_budget_below_static_need():

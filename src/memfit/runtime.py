@@ -442,9 +442,11 @@ class Controller:
     def _learn(self, key, decision, outside: int, by_block: list[int], transient: int) -> None:
         """Feed a finished step's measurements to the memory model.
 
-        Warm-up steps always add samples. Steady steps add one only where the model missed
-        by more than 0.5% (or under-predicted the transient), so a steady step normally
-        leaves the model and the plan cache untouched.
+        Warm-up steps always add samples. A steady step adds one where the model
+        under-predicted (by more than 0.5%: safety), or over-predicted a shape by more than
+        1% of the budget (speed: it checkpointed for nothing); the partial transient regime
+        also learns its first 8 shapes. Every other steady step leaves the model and the
+        plan cache untouched, so plans stay cached (the planner's cost is a cache lookup).
         """
         model = self.planning.model
         planned = set(decision.blocks)
@@ -468,13 +470,11 @@ class Controller:
                 changed = True
                 continue
             predicted = curve(key)
-            tolerance = 0.005 * abs(observed)
+            under = observed > predicted + 0.005 * abs(observed)
+            over = self.budget_bytes is not None and predicted - observed > 0.01 * self.budget_bytes
+            learn = under or (over and not curve.has(key))
             if curve is transient_curve:
-                # An envelope: learn every under-prediction, and new shapes until the
-                # partial regime has enough of them to interpolate.
-                learn = observed > predicted + tolerance or (not curve.has(key) and len(set(curve.xs)) < 8)
-            else:
-                learn = abs(observed - predicted) > tolerance
+                learn = learn or (not curve.has(key) and len(set(curve.xs)) < 8)
             if learn:
                 curve.add(key, observed)
                 changed = True
