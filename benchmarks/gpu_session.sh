@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session: the engine benchmark, then the four tasks under 6 and 8 GB.
 # Usage (on the GPU machine, repository root): bash benchmarks/gpu_session.sh OUT_DIR [TOKENIZER_DIR]
-# TOKENIZER_DIR: an uncased BERT tokenizer folder for offline runs (the MiniLM one).
+# TOKENIZER_DIR: an uncased BERT tokenizer folder for offline runs (benchmarks/carry_tokenizer.sh makes one).
 set -uo pipefail
 out=${1:?output dir}
 tok=${2:-}
