@@ -68,3 +68,25 @@ ARCHS = ["bert", "roberta", "distilbert", "electra", "deberta-v2", "gpt2", "llam
 # (batch rows, sizes) per kind: sequence lengths for text, image sides for vision.
 SIZES = {"vit": [32, 48, 64], "swin": [32, 48, 64]}
 TEXT_SIZES = [8, 24, 40, 16]
+
+
+def assert_grads_equal(model, reference, context: str) -> None:
+    """Bitwise-equal gradients (``None`` where the reference has none)."""
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if q.grad is None:
+            assert p.grad is None, name
+            continue
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=lambda m: f"{context} {name}: {m}")
+
+
+def logical_peak(model, batch, method: str) -> int:
+    """Counted (logical) peak of one forward + backward of ``batch`` under ``method``."""
+    import memfit
+
+    ctl = memfit.fit(model, budget=None, method=method)
+    torch.manual_seed(0)
+    model(**batch).loss.backward()
+    model.zero_grad(set_to_none=True)
+    peak = ctl.records[-1].peak_allocated_bytes
+    ctl.remove()
+    return peak

@@ -9,16 +9,7 @@ import pytest
 import torch
 
 import memfit
-from _models import ARCHS, SIZES, TEXT_SIZES, build
-
-
-def _logical_peak(model, batch, method):
-    ctl = memfit.fit(model, budget=None, method=method)
-    model(**batch).loss.backward()
-    model.zero_grad(set_to_none=True)
-    peak = ctl.records[-1].peak_allocated_bytes
-    ctl.remove()
-    return peak
+from _models import ARCHS, SIZES, TEXT_SIZES, assert_grads_equal, build, logical_peak
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -33,18 +24,14 @@ def test_gradients_equal_no_checkpointing(arch, method):
     largest = max(batches, key=lambda b: next(iter(b.values())).numel())
     # A budget between the peaks of `none` and `full` at the largest size: `dynamic` must
     # checkpoint some blocks there and none for the smallest inputs.
-    budget = (_logical_peak(model, largest, "none") + _logical_peak(model, largest, "full")) // 2
+    budget = (logical_peak(model, largest, "none") + logical_peak(model, largest, "full")) // 2
     ctl = memfit.fit(model, budget=budget, method=method, warmup_steps=2, warmup_keys=2) if method != "full" else memfit.fit(model, budget=budget, method="full")
     for step, batch in enumerate(batches):
         torch.manual_seed(1000 + step)
         model(**batch).loss.backward()
         torch.manual_seed(1000 + step)
         reference(**batch).loss.backward()
-        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-            if q.grad is None:
-                assert p.grad is None, name
-                continue
-            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=lambda m: f"{arch}/{method} step {step} {name}: {m}")
+        assert_grads_equal(model, reference, f"{arch}/{method} step {step}")
         model.zero_grad(set_to_none=True)
         reference.zero_grad(set_to_none=True)
     records = ctl.records

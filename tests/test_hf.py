@@ -1,7 +1,6 @@
 """The Trainer integration: records, summary, resume state, OOM replay identity."""
 
 import json
-import os
 
 import pytest
 import torch

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import memfit
-from _models import ARCHS, SIZES, TEXT_SIZES, build
+from _models import ARCHS, SIZES, TEXT_SIZES, assert_grads_equal, build, logical_peak
 from memfit.reactive import Candidate, RecomputeMismatchError, choose_evictions
 
 C = Candidate  # (index, bytes, cost_ms, last_use)
@@ -41,16 +41,6 @@ def test_choose_evictions_rejects_future_use():
         choose_evictions([C(0, 100, 1.0, 1)], 10, 1)
 
 
-def _logical_peak(model, batch, method):
-    ctl = memfit.fit(model, budget=None, method=method)
-    torch.manual_seed(0)
-    model(**batch).loss.backward()
-    model.zero_grad(set_to_none=True)
-    peak = ctl.records[-1].peak_allocated_bytes
-    ctl.remove()
-    return peak
-
-
 def _step_counting_recomputes(ctl, model, batch, seed):
     """One training step; returns how many times each block re-ran in its backward."""
     before = [b.recomputes for b in ctl.blocks]
@@ -67,17 +57,13 @@ def test_gradients_equal_no_checkpointing(arch):
     reference = copy.deepcopy(model)
     batches = [make_batch(3, s) for s in SIZES.get(arch, TEXT_SIZES)]
     largest = max(batches, key=lambda b: next(iter(b.values())).numel())
-    budget = (_logical_peak(model, largest, "none") + _logical_peak(model, largest, "full")) // 2
+    budget = (logical_peak(model, largest, "none") + logical_peak(model, largest, "full")) // 2
     ctl = memfit.fit(model, budget=budget, method="reactive")
     for step, batch in enumerate(batches):
         recomputes = _step_counting_recomputes(ctl, model, batch, seed=1000 + step)
         torch.manual_seed(1000 + step)
         reference(**batch).loss.backward()
-        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-            if q.grad is None:
-                assert p.grad is None, name
-                continue
-            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=lambda m: f"{arch} step {step} {name}: {m}")
+        assert_grads_equal(model, reference, f"{arch} step {step}")
         model.zero_grad(set_to_none=True)
         reference.zero_grad(set_to_none=True)
         evicted = ctl.records[-1].evicted_blocks
@@ -93,8 +79,8 @@ def test_stream_within_logical_budget():
     rng = random.Random(0)
     batches = [make_batch(4, rng.randint(4, 96)) for _ in range(24)]
     longest = make_batch(4, 96)
-    none_peak = _logical_peak(model, longest, "none")
-    budget = (none_peak + _logical_peak(model, longest, "full")) // 2
+    none_peak = logical_peak(model, longest, "none")
+    budget = (none_peak + logical_peak(model, longest, "full")) // 2
     # Eviction acts between blocks: the margin covers the head and loss after the last block
     # (NOTE [Reactive room]).
     ctl = memfit.fit(model, budget=budget, method="reactive", margin=0.05)

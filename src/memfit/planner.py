@@ -88,7 +88,6 @@ def plan_blocks(
             f"checkpointing all {len(savings)} blocks saves {sum(savings)} bytes, "
             f"{need_bytes} are needed"
         )
-    n = len(savings)
     if _is_homogeneous(costs_ms) and _is_homogeneous(savings):
         k = math.ceil(need_bytes / savings[0])
         chosen = tuple(range(k))

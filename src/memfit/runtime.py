@@ -44,9 +44,7 @@ starts. Only warm-up probes synchronise (to time a block).
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 import time
 from collections.abc import Sequence
 from typing import Any

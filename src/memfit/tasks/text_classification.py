@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, EvalPrediction
+from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
 from memfit.tasks._common import (
     DataFileError,
