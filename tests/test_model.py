@@ -53,8 +53,61 @@ def test_partial_regime_only_interpolates():
     assert model.transient((4, 48), every_block=True) == pytest.approx(300.0 * 4 * 48, rel=1e-6)
     # beyond the longest partial sample: the conservative full-regime curve
     assert model.transient((4, 128), every_block=False) == pytest.approx(300.0 * 4 * 128, rel=1e-6)
-    # fewer than three shapes seen: not used at all
-    assert _model([16, 32]).transient((4, 24), every_block=False) == pytest.approx(300.0 * 4 * 24, rel=1e-6)
+    # below the shortest partial sample: the full-regime curve too
+    assert model.transient((4, 8), every_block=False) == pytest.approx(300.0 * 4 * 8, rel=1e-6)
+    # a single shape seen: not used at all
+    assert _model([16]).transient((4, 16), every_block=False) == pytest.approx(300.0 * 4 * 16, rel=1e-6)
+    assert _model([16, 32]).transient((4, 24), every_block=False) == pytest.approx(-200.0 * 4 * 24, rel=1e-6)
+
+
+def test_transient_is_a_line_until_enough_shapes():
+    # Three noisy samples of a linear transient (the H200 warm-up): a quadratic through them
+    # would predict far below the line for short batches.
+    curve = Curve(intercept=True, floor=None, linear_until=6)
+    quadratic = Curve(intercept=True, floor=None)
+    for t, noise in ((464, 0.0), (229, 30e6), (420, -20e6)):
+        curve.add((32, t), -390e6 + 57e3 * 32 * t + noise)
+        quadratic.add((32, t), -390e6 + 57e3 * 32 * t + noise)
+    line = -390e6 + 57e3 * 32 * 52
+    assert line <= curve((32, 52)) <= line + 100e6  # above the line by about the noise
+    assert abs(quadratic((32, 52)) - line) > 2 * abs(curve((32, 52)) - line)
+    for t in (100, 200, 300, 400, 500, 600):
+        curve.add((32, t), -390e6 + 57e3 * 32 * t)
+    curve((32, 52))
+    assert curve._quadratic  # six distinct shapes: the quadratic term is back
+
+
+def test_step_peak_is_the_largest_of_three():
+    model = _model([16, 32, 64, 128])
+    key = (4, 64)
+    start = model.activation_bytes(key, ()) - 200.0 * 4 * 64
+    assert model.step_bytes(key, ()) == pytest.approx(start)
+    # the optimizer step's peak sets a floor no plan lowers
+    model.optimizer_bytes = 10 * start
+    assert model.step_bytes(key, ()) == model.step_bytes(key, (0, 1, 2, 3)) == 10 * start
+    model.optimizer_bytes = 0.0
+    # every block: the full regime
+    every = (0, 1, 2, 3)
+    assert model.step_bytes(key, every) == pytest.approx(model.activation_bytes(key, every) + 300.0 * 4 * 64)
+    # checkpointing block 3 only: block 0..2 still hold their activations while 3 is recomputed
+    held = 3 * (1000.0 - 100.0) * 4 * 64
+    recompute = model.activation_bytes(key, every) + 300.0 * 4 * 64 + held
+    assert model.recompute_bytes(key, (3,)) == pytest.approx(recompute)
+    assert model.step_bytes(key, (3,)) == pytest.approx(max(recompute, model.backward_start_bytes(key, (3,))))
+    # a first-k plan holds nothing below its topmost block
+    assert model.recompute_bytes(key, (0, 1)) == pytest.approx(model.activation_bytes(key, every) + 300.0 * 4 * 64)
+
+
+def test_planner_respects_the_optimizer_floor():
+    planning = Planning(4, [0, 0, 0, 0], 1_000_000, margin_bytes=0, bucket_tokens=1)
+    planning.model = _model([16, 32, 64])
+    planning.static_bytes = 200_000
+    assert planning.plan_for((4, 16)) == ()
+    # an optimizer step over the budget: no plan helps; every block, with a warning
+    planning.model.optimizer_bytes = 900_000
+    planning.cache.clear()
+    assert planning.plan_for((4, 60)) == (0, 1, 2, 3)
+    assert (4, 60) in planning.infeasible_keys
 
 
 def test_partial_regime_checkpoints_fewer_blocks():
@@ -83,3 +136,6 @@ def test_model_roundtrip():
         assert again.activation_bytes(key, (0, 1)) == pytest.approx(model.activation_bytes(key, (0, 1)))
         for every in (True, False):
             assert again.transient(key, every) == pytest.approx(model.transient(key, every))
+        assert again.step_bytes(key, (2,)) == pytest.approx(model.step_bytes(key, (2,)))
+    model.optimizer_bytes = 123.0
+    assert MemoryModel.from_dict(model.to_dict()).optimizer_bytes == 123.0

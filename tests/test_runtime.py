@@ -233,3 +233,61 @@ def test_forward_without_backward_frees_its_graph(method):
     gc.collect()
     assert all(r() is None for r in made), "saved activations outlived their graph"
     ctl.remove()
+
+
+class _FakeAllocator:
+    """Host-side allocator counters as torch.cuda exposes them, driven by the test."""
+
+    def __init__(self):
+        self.allocated = 1000
+        self.peak = 1000
+
+    def use(self, nbytes):
+        self.peak = max(self.peak, self.allocated + nbytes)
+
+    def reset(self, device=None):
+        self.peak = self.allocated
+
+    def patch(self, monkeypatch):
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: self.allocated)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.peak)
+        monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: self.peak)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self.reset)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+
+def test_backward_and_optimizer_peaks_are_read_apart(monkeypatch):
+    """NOTE [Three peaks]: the optimizer step's peak is learned apart from the transient."""
+    model, make_batch = _bert()
+    inner = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    class Wrapped(torch.optim.Optimizer):  # as accelerate wraps the torch optimizer
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+            self.param_groups, self.state = optimizer.param_groups, optimizer.state
+
+        def step(self, closure=None):
+            return self.optimizer.step(closure)
+
+    ctl = memfit.fit(model, budget=None, method="full")
+    fake = _FakeAllocator()
+    fake.patch(monkeypatch)
+    ctl.accounting = "cuda"
+    ctl._grad_params = []  # the fake allocator's static memory is what it says
+    ctl.set_optimizer(Wrapped(inner))
+    inner.register_step_pre_hook(lambda *_: fake.use(700))  # runs after memfit's: the step's temporaries
+    for seed in range(3):
+        batch = make_batch(2, 16)
+        loss = model(**batch).loss
+        fake.use(300)  # the backward's peak
+        loss.backward()
+        inner.step()
+        model.zero_grad(set_to_none=True)
+    records = ctl.records
+    ctl.remove()
+    assert [r.peak_allocated_bytes for r in records] == [1700, 1700, 1700]  # the larger of the two
+    assert ctl.planning.model.optimizer_bytes == 700
+    # the transient came from the backward's peak alone (minus the counted saved tensors)
+    full = ctl.planning.model.transient_full
+    assert max(full.ys) <= 300
+    assert not ctl._optimizer_handles

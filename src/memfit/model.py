@@ -15,17 +15,34 @@ Per *group* of identical blocks (same class, same parameter count) the model kee
 
 Plus, for the whole step, ``outside_bytes`` (embeddings, head, loss) and the *transient*:
 observed peak minus static memory minus saved activations, fitted as an upper envelope, in
-two regimes (NOTE [Two transient regimes]).
+two regimes (NOTE [Two transient regimes]), and the optimizer step's own peak
+(NOTE [Three peaks]).
 
 # NOTE [Two transient regimes]
 Static memory counts every gradient, but at the peak of a step that checkpoints little
 (the start of backward) most gradients do not exist yet while activations start to be
-freed: the transient is *negative* (H200, bert-base: about -10 to -100 kB per token).
-Under ``full`` the peak comes in backward, with one recomputed block on top: positive
-(about +30 kB per token). Warm-up runs ``full``, so one curve fitted there over-predicted
-every partial plan by about 0.5 GB. ``transient_full`` is fitted on steps that checkpoint
-every block, ``transient_partial`` on the others; the partial curve is used only inside
-the range of token counts it has seen (interpolation), else the full one (conservative).
+freed: the transient is *negative* (H200, bert-base fp32 AdamW, batch 32: -0.43 GB + 18 kB
+per token, i.e. minus the gradients plus the loss's temporaries). Under ``full`` the peak
+comes later in backward, with a recomputed block on top (-0.39 GB + 57 kB per token).
+Warm-up runs ``full``, so one curve fitted there over-predicted every partial plan by about
+0.5 GB. ``transient_full`` is fitted on steps that checkpoint every block,
+``transient_partial`` on the others; the partial curve is used only inside the range of
+token counts it has seen (interpolation), else the full one (conservative).
+
+# NOTE [Three peaks]
+A step's peak is the largest of three moments (H200 step records, bert-base):
+* the start of backward: static + saved activations under the plan + the partial transient;
+* the recompute of the topmost checkpointed block in backward: bounded by what ``full``
+  holds then (static + every block's kept bytes + the full transient) plus the activations
+  of un-checkpointed blocks *below* that block, still held (none for a first-k plan);
+* the optimizer step: static + its temporaries (AdamW's foreach update holds about one
+  extra copy of the parameters: 0.44 GB for bert-base), the same for every shape. Short
+  sequences peak here whatever the plan, so a transient fitted on whole-step peaks was
+  V-shaped in tokens and no low-degree curve fits it. The controller reads the two phases'
+  peaks apart (optimizer step hooks); ``optimizer_bytes`` is the largest optimizer-step
+  peak above static seen.
+Checkpointing lowers only the first; the planner removes bytes from it and the plan is
+then checked against all three.
 
 # NOTE [Upper envelope]
 Least squares under-predicts half of its samples. Every fitted curve here is shifted up by
@@ -68,10 +85,15 @@ def bucket_key(key: tuple[int, int], bucket_tokens: int = 8) -> tuple[int, int]:
     return (n, -(-t // bucket_tokens) * bucket_tokens)
 
 
-def _features(key: tuple[int, int], intercept: bool) -> list[float]:
+def _features(key: tuple[int, int], intercept: bool, quadratic: bool = True) -> list[float]:
     n, t = key
-    f = [float(n), float(n * t), float(n * t * t)]
+    f = [float(n), float(n * t), float(n * t * t)] if quadratic else [float(n * t)]
     return [1.0] + f if intercept else f
+
+
+# A curve with ``linear_until`` set fits ``a + b·N·T`` until it has seen that many distinct
+# keys: a quadratic through three noisy points extrapolates wildly (an H200 run predicted
+# -1.1 GB for a short batch from three warm-up samples).
 
 
 @dataclass
@@ -85,6 +107,12 @@ class Curve:
     ys: list[float] = field(default_factory=list)
     coef: list[float] = field(default_factory=list)
     shift: float = 0.0
+    #: fit a line in tokens (with intercept) until this many distinct keys are seen (0: never)
+    linear_until: int = 0
+    _quadratic: bool = field(default=True, init=False, repr=False)
+    #: values already computed per key, dropped on every new sample (the planner asks for
+    #: the same key many times)
+    _memo: dict = field(default_factory=dict, init=False, repr=False)
 
     def has(self, key: tuple[int, int]) -> bool:
         return key in self.xs
@@ -93,6 +121,7 @@ class Curve:
         self.xs.append(key)
         self.ys.append(float(y))
         self.coef = []  # refit lazily
+        self._memo.clear()
 
     @property
     def fitted(self) -> bool:
@@ -104,7 +133,8 @@ class Curve:
         for k, y in zip(self.xs, self.ys):
             by_key[k] = max(y, by_key.get(k, -math.inf))
         keys = sorted(by_key)
-        a = np.array([_features(k, self.intercept) for k in keys])
+        self._quadratic = len(keys) >= self.linear_until
+        a = np.array([_features(k, self.intercept, self._quadratic) for k in keys])
         b = np.array([by_key[k] for k in keys])
         scale = np.maximum(np.abs(a).max(axis=0), 1.0)
         coef, *_ = np.linalg.lstsq(a / scale, b, rcond=None)
@@ -114,24 +144,52 @@ class Curve:
         self.shift = max(0.0, float(residual.max()))
 
     def __call__(self, key: tuple[int, int]) -> float:
+        value = self._memo.get(key)
+        if value is not None:
+            return value
         if not self.xs:
             return 0.0
         if not self.coef:
             self._fit()
-        value = sum(c * f for c, f in zip(self.coef, _features(key, self.intercept))) + self.shift
-        return value if self.floor is None else max(self.floor, value)
+        value = sum(c * f for c, f in zip(self.coef, _features(key, self.intercept, self._quadratic))) + self.shift
+        value = value if self.floor is None else max(self.floor, value)
+        self._memo[key] = value
+        return value
+
+    def _token_stats(self) -> tuple[int, int, int]:
+        stats = self._memo.get("stats")
+        if stats is None:
+            tokens = [n * t for n, t in self.xs]
+            stats = self._memo["stats"] = (len(set(self.xs)), min(tokens, default=0), max(tokens, default=0))
+        return stats
+
+    @property
+    def distinct_keys(self) -> int:
+        """How many different keys have samples."""
+        return self._token_stats()[0]
+
+    @property
+    def min_tokens(self) -> int:
+        """Smallest ``N·T`` among the samples (0 without samples)."""
+        return self._token_stats()[1]
 
     @property
     def max_tokens(self) -> int:
         """Largest ``N·T`` among the samples (0 without samples)."""
-        return max((n * t for n, t in self.xs), default=0)
+        return self._token_stats()[2]
 
     def to_dict(self) -> dict:
-        return {"intercept": self.intercept, "floor": self.floor, "xs": [list(k) for k in self.xs], "ys": self.ys}
+        return {
+            "intercept": self.intercept, "floor": self.floor, "linear_until": self.linear_until,
+            "xs": [list(k) for k in self.xs], "ys": self.ys,
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> "Curve":
-        return cls(data["intercept"], data.get("floor", 0.0), [tuple(k) for k in data["xs"]], list(data["ys"]))
+        return cls(
+            data["intercept"], data.get("floor", 0.0), [tuple(k) for k in data["xs"]], list(data["ys"]),
+            linear_until=data.get("linear_until", 0),
+        )
 
 
 @dataclass
@@ -161,8 +219,10 @@ class MemoryModel:
         self.groups = list(groups)
         self.group_models = {g: BlockGroupModel() for g in sorted(set(self.groups))}
         self.outside = Curve()
-        self.transient_full = Curve(intercept=True, floor=None)
-        self.transient_partial = Curve(intercept=True, floor=None)
+        self.transient_full = Curve(intercept=True, floor=None, linear_until=6)
+        self.transient_partial = Curve(intercept=True, floor=None, linear_until=6)
+        #: largest optimizer-step peak above static memory seen (NOTE [Three peaks])
+        self.optimizer_bytes = 0.0
         self.max_key: tuple[int, int] | None = None
 
     @property
@@ -195,12 +255,40 @@ class MemoryModel:
     def transient(self, key: tuple[int, int], every_block: bool) -> float:
         """Transient bytes of a step (NOTE [Two transient regimes])."""
         partial = self.transient_partial
-        use_partial = not every_block and len(set(partial.xs)) >= 3 and key[0] * key[1] <= partial.max_tokens
+        use_partial = (
+            not every_block
+            and partial.distinct_keys >= 2
+            and partial.min_tokens <= key[0] * key[1] <= partial.max_tokens
+        )
         return (partial if use_partial else self.transient_full)(key)
 
     def transient_curve(self, every_block: bool) -> Curve:
         """The curve a step of this regime teaches."""
         return self.transient_full if every_block else self.transient_partial
+
+    def backward_start_bytes(self, key: tuple[int, int], plan: Sequence[int] = ()) -> float:
+        """Peak above static at the start of backward (NOTE [Three peaks]); what plans lower."""
+        every_block = len(set(plan)) == len(self.groups)
+        return self.activation_bytes(key, plan) + self.transient(key, every_block)
+
+    def recompute_bytes(self, key: tuple[int, int], plan: Sequence[int]) -> float:
+        """Bound on the peak above static while backward recomputes ``plan``'s topmost block."""
+        planned = set(plan)
+        if not planned:
+            return -math.inf
+        every = tuple(range(len(self.groups)))
+        held = sum(
+            max(0.0, self.block_full(i, key) - self.block_kept(i, key)) for i in range(max(planned)) if i not in planned
+        )
+        return self.activation_bytes(key, every) + self.transient_full(key) + held
+
+    def step_bytes(self, key: tuple[int, int], plan: Sequence[int] = ()) -> float:
+        """Predicted step peak above static memory under ``plan``: the largest of the three."""
+        if len(set(plan)) == len(self.groups):
+            backward = self.activation_bytes(key, plan) + self.transient_full(key)
+        else:
+            backward = max(self.backward_start_bytes(key, plan), self.recompute_bytes(key, plan))
+        return max(backward, self.optimizer_bytes)
 
     def activation_bytes(self, key: tuple[int, int], plan: Sequence[int] = ()) -> float:
         """Saved bytes of the whole step under ``plan`` (outside + every block)."""
@@ -219,6 +307,7 @@ class MemoryModel:
             "outside": self.outside.to_dict(),
             "transient_full": self.transient_full.to_dict(),
             "transient_partial": self.transient_partial.to_dict(),
+            "optimizer_bytes": self.optimizer_bytes,
             "max_key": list(self.max_key) if self.max_key else None,
         }
 
@@ -229,5 +318,6 @@ class MemoryModel:
         model.outside = Curve.from_dict(data["outside"])
         model.transient_full = Curve.from_dict(data["transient_full"])
         model.transient_partial = Curve.from_dict(data["transient_partial"])
+        model.optimizer_bytes = float(data.get("optimizer_bytes", 0.0))
         model.max_key = tuple(data["max_key"]) if data.get("max_key") else None
         return model

@@ -106,10 +106,9 @@ class Planning:
         self.infeasible_keys: set[tuple[int, int]] = set()
 
     def predict_peak(self, key: tuple[int, int], blocks: Sequence[int]) -> int:
-        """Predicted step peak: static + saved activations under ``blocks`` + transient."""
+        """Predicted step peak: static + the largest of the step's three peaks (NOTE [Three peaks])."""
         k = bucket_key(key, self.bucket_tokens)
-        every_block = len(blocks) == self.n_blocks
-        return int(self.static_bytes + self.model.activation_bytes(k, blocks) + self.model.transient(k, every_block))
+        return int(self.static_bytes + self.model.step_bytes(k, blocks))
 
     def _static_bucket(self) -> int:
         # Static bytes differ between micro-steps (gradients present or not); plans are
@@ -130,9 +129,17 @@ class Planning:
         return plan.blocks
 
     def _plan(self, k: tuple[int, int]) -> Plan:
-        need = self.predict_peak(k, ()) - (self.budget_bytes - self.margin_bytes)
+        # Checkpointing lowers the start-of-backward peak only; the plan is then checked
+        # against the other two (NOTE [Three peaks]).
+        room = self.budget_bytes - self.margin_bytes
+        need = int(self.static_bytes + self.model.backward_start_bytes(k, ())) - room
         try:
-            return plan_blocks(self.model.costs(k), self.model.savings(k), need)
+            plan = plan_blocks(self.model.costs(k), self.model.savings(k), need)
+            if not plan.blocks or self.predict_peak(k, plan.blocks) <= room:
+                return plan
+            if self.predict_peak(k, self.all_blocks) > room:
+                raise InfeasiblePlanError("the recompute or optimizer-step peak is over the budget")
+            return Plan(self.all_blocks)
         except InfeasiblePlanError:
             if k not in self.infeasible_keys:
                 self.infeasible_keys.add(k)
@@ -234,6 +241,8 @@ class Controller:
             b.listener = self
             if self._reactive is not None:
                 b.runner = self._reactive.run
+        self._optimizer_handles: list = []
+        self._hook_optimizer(optimizer)
 
     def _check_static_need(self, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
         parts = static_bytes_logical(self.model, None)
@@ -251,6 +260,27 @@ class Controller:
         self._check_static_need(optimizer)
         self.optimizer = optimizer
         self._expected_opt_bytes = _expected_optimizer_bytes(optimizer)
+        self._hook_optimizer(optimizer)
+
+    def _hook_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Read the backward's and the optimizer step's peaks apart (NOTE [Three peaks], model.py).
+
+        Host-side allocator counters only: no device synchronisation.
+        """
+        for h in self._optimizer_handles:
+            h.remove()
+        self._optimizer_handles = []
+        while optimizer is not None and isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+            optimizer = optimizer.optimizer  # accelerate's AcceleratedOptimizer wraps the torch one
+        if optimizer is None or self.accounting != "cuda" or not hasattr(optimizer, "register_step_pre_hook"):
+            return
+
+        def before_step(*_: Any) -> None:
+            if self._pending is not None and "saved" in self._pending:
+                self._pending["backward_peak"] = torch.cuda.max_memory_allocated(self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
+
+        self._optimizer_handles = [optimizer.register_step_pre_hook(before_step)]
 
     # ----------------------------------------------------------------- hooks
     def _static_now(self) -> int:
@@ -382,9 +412,13 @@ class Controller:
         if pending["decision"] is None or "saved" not in pending:
             return  # the forward ran no block (or failed): nothing to record
         now = time.perf_counter()
+        optimizer_peak = None
         if self.accounting == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
             reserved = torch.cuda.max_memory_reserved(self.device)
+            if "backward_peak" in pending:
+                # since the optimizer's pre-hook reset the counter, `peak` is its step's
+                optimizer_peak, peak = peak, pending["backward_peak"]
         outside, by_block = pending["saved"]
         saved = outside + sum(by_block)
         static = pending["static"]
@@ -394,7 +428,11 @@ class Controller:
         else:
             # Static memory can grow during a step (the optimizer's first step creates its
             # state): the transient is what the peak holds beyond the larger of the two.
-            transient = peak - max(static, self._static_now()) - saved
+            static_now = self._static_now()
+            transient = peak - max(static, static_now) - saved
+            if optimizer_peak is not None:
+                self._learn_optimizer_step(optimizer_peak - static_now)
+                peak = max(peak, optimizer_peak)
         decision = pending["decision"]
         key = pending["key"]
         model = self.planning.model
@@ -437,6 +475,12 @@ class Controller:
         if self._writer is not None:
             self._writer.write(record)
 
+    def _learn_optimizer_step(self, above_static: int) -> None:
+        model = self.planning.model
+        if above_static > model.optimizer_bytes:
+            model.optimizer_bytes = float(above_static)
+            self.planning.cache.clear()
+
     def _learn(self, key, decision, outside: int, by_block: list[int], transient: int) -> None:
         """Feed a finished step's measurements to the memory model.
 
@@ -458,8 +502,9 @@ class Controller:
             if full:
                 curves.append((group.full_bytes, max(full)))
         transient_curve = None
-        if self.accounting == "cuda":
-            transient_curve = model.transient_curve(len(planned) == len(self.blocks))
+        every_block = len(planned) == len(self.blocks)
+        if self.accounting == "cuda" and (every_block or self._backward_start_dominates(key, decision.blocks)):
+            transient_curve = model.transient_curve(every_block)
             curves.append((transient_curve, transient))
         changed = False
         for curve, observed in curves:
@@ -472,13 +517,21 @@ class Controller:
             over = self.budget_bytes is not None and predicted - observed > 0.01 * self.budget_bytes
             learn = under or (over and not curve.has(key))
             if curve is transient_curve:
-                learn = learn or (not curve.has(key) and len(set(curve.xs)) < 8)
+                learn = learn or (not curve.has(key) and curve.distinct_keys < 8)
             if learn:
                 curve.add(key, observed)
                 changed = True
         model.observe_key(key)
         if changed:
             self.planning.cache.clear()
+
+    def _backward_start_dominates(self, key: tuple[int, int], blocks: Sequence[int]) -> bool:
+        """Whether a partial plan's backward peak is its start (so it teaches the partial regime)."""
+        model = self.planning.model
+        if not model.ready or not model.transient_full.fitted:
+            return True
+        k = bucket_key(key, self.planning.bucket_tokens)
+        return model.backward_start_bytes(k, blocks) >= model.recompute_bytes(k, blocks)
 
     # ----------------------------------------------------------------- public
     @property
@@ -549,9 +602,9 @@ class Controller:
     def remove(self) -> None:
         """Close the last record, unhook and unwrap: the model is exactly as before ``fit``."""
         self.records  # noqa: B018 - closes the pending step
-        for h in self._handles:
+        for h in self._handles + self._optimizer_handles:
             h.remove()
-        self._handles = []
+        self._handles = self._optimizer_handles = []
         self._counter.stop()
         unwrap_blocks(self.blocks)
         if self._writer is not None:
