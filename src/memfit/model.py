@@ -218,6 +218,8 @@ class MemoryModel:
     def __init__(self, groups: Sequence[int]):
         self.groups = list(groups)
         self.group_models = {g: BlockGroupModel() for g in sorted(set(self.groups))}
+        self._group_sizes = {g: self.groups.count(g) for g in self.group_models}
+        self._every = tuple(range(len(self.groups)))
         self.outside = Curve()
         self.transient_full = Curve(intercept=True, floor=None, linear_until=6)
         self.transient_partial = Curve(intercept=True, floor=None, linear_until=6)
@@ -276,11 +278,9 @@ class MemoryModel:
         planned = set(plan)
         if not planned:
             return -math.inf
-        every = tuple(range(len(self.groups)))
-        held = sum(
-            max(0.0, self.block_full(i, key) - self.block_kept(i, key)) for i in range(max(planned)) if i not in planned
-        )
-        return self.activation_bytes(key, every) + self.transient_full(key) + held
+        below = self._count_per_group([i for i in range(max(planned)) if i not in planned])
+        held = sum(n * max(0.0, self.group_models[g].full_bytes(key) - self.group_models[g].kept_bytes(key)) for g, n in below.items())
+        return self.activation_bytes(key, self._every) + self.transient_full(key) + held
 
     def step_bytes(self, key: tuple[int, int], plan: Sequence[int] = ()) -> float:
         """Predicted step peak above static memory under ``plan``: the largest of the three."""
@@ -292,13 +292,19 @@ class MemoryModel:
 
     def activation_bytes(self, key: tuple[int, int], plan: Sequence[int] = ()) -> float:
         """Saved bytes of the whole step under ``plan`` (outside + every block)."""
-        planned = set(plan)
-        full = {g: m.full_bytes(key) for g, m in self.group_models.items()}
-        kept = {g: m.kept_bytes(key) for g, m in self.group_models.items()}
+        planned_per_group = self._count_per_group(plan)
         total = self.outside(key)
-        for i, g in enumerate(self.groups):
-            total += kept[g] if i in planned else full[g]
+        for g, m in self.group_models.items():
+            n_planned = planned_per_group.get(g, 0)
+            total += n_planned * m.kept_bytes(key) + (self._group_sizes[g] - n_planned) * m.full_bytes(key)
         return total
+
+    def _count_per_group(self, blocks: Sequence[int]) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for i in set(blocks):
+            g = self.groups[i]
+            counts[g] = counts.get(g, 0) + 1
+        return counts
 
     def to_dict(self) -> dict:
         return {
