@@ -40,11 +40,21 @@ GB = 10**9
 N_LAYERS = 12
 
 
-def _lengths(steps: int, seed: int, low: int, high: int) -> list[int]:
+def _lengths(args) -> list[int]:
+    """The step lengths: uniform in ``--min_len..--max_len``, or ``--schedule adversarial``
+    (the CPU soak's: long tail, never-seen jumps every ``--jump_every`` steps, monotone ramps)."""
     import random
 
-    rng = random.Random(seed)
-    return [rng.randint(low, high) for _ in range(steps)]
+    if args.schedule == "adversarial":
+        from cpu_soak import schedule  # this folder is on sys.path when run as a script
+
+        return schedule(args.steps, args.seed, args.max_len, args.jump_every)
+    rng = random.Random(args.seed)
+    return [rng.randint(args.min_len, args.max_len) for _ in range(args.steps)]
+
+
+# Methods of the matrix that are a memfit method with other arguments.
+VARIANTS = {"dynamic-nobackstop": ("dynamic", {"backstop": False})}
 
 
 def _build(batch_size: int):
@@ -160,6 +170,9 @@ def worker_run(args) -> None:
     warm_gpu(args.gpu_warmup_s)
     budget = int(args.budget * GB) if args.budget else None
     kwargs = {}
+    method = args.method
+    if method in VARIANTS:
+        method, kwargs = VARIANTS[method][0], dict(VARIANTS[method][1])
     if args.method == "precomputed":
         kwargs["path"] = args.plans
     if args.method == "static":
@@ -167,7 +180,7 @@ def worker_run(args) -> None:
     steps_file = os.path.join(args.output_dir, "steps", f"{args.config}.jsonl")
     os.makedirs(os.path.dirname(steps_file), exist_ok=True)
     result = {
-        "task": "uniform-32-512",
+        "task": "adversarial" if args.schedule == "adversarial" else f"uniform-{args.min_len}-{args.max_len}",
         "model": "bert-base-uncased (config, random weights)",
         "method": args.label or args.method,
         "budget_bytes": budget,
@@ -182,10 +195,10 @@ def worker_run(args) -> None:
         "recomputed_fraction": None,
         **_versions(),
     }
-    lengths = _lengths(args.steps, args.seed, args.min_len, args.max_len)
+    lengths = _lengths(args)
     oom_count = 0
     try:
-        ctl = memfit.fit(model, budget=budget, method=args.method, optimizer=optimizer, log=steps_file, **kwargs)
+        ctl = memfit.fit(model, budget=budget, method=method, optimizer=optimizer, log=steps_file, **kwargs)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for step, length in enumerate(lengths):
@@ -202,8 +215,8 @@ def worker_run(args) -> None:
                 if not failed:
                     break
                 oom_count += 1
-                if oom_count > 8:
-                    raise memfit.BudgetTooSmallError("more than 8 OOM replays")
+                if oom_count > args.max_ooms:
+                    raise memfit.BudgetTooSmallError(f"more than {args.max_ooms} OOM replays")
                 batch = None
                 optimizer.zero_grad(set_to_none=True)
                 if args.method == "none":
@@ -239,7 +252,8 @@ def _spawn(args, extra: list[str]) -> None:
     cmd = [sys.executable, __file__, "--output_dir", args.output_dir, "--steps", str(args.steps),
            "--batch_size", str(args.batch_size), "--seed", str(args.seed), "--min_len", str(args.min_len),
            "--max_len", str(args.max_len), "--gpu_warmup_s", str(args.gpu_warmup_s),
-           "--oracle_margin", str(args.oracle_margin), "--budgets", *map(str, args.budgets), *extra]
+           "--oracle_margin", str(args.oracle_margin), "--schedule", args.schedule, "--jump_every", str(args.jump_every), "--max_ooms", str(args.max_ooms),
+           "--budgets", *map(str, args.budgets), *extra]
     # Every configuration runs with expandable segments (as `memfit train` sets them):
     # without them a hard cap is partly lost to fragmentation, for every method alike.
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")}
@@ -283,6 +297,10 @@ def main() -> None:
     p.add_argument("--gpu_warmup_s", type=float, default=5.0)
     p.add_argument("--oracle_margin", type=float, default=0.03, help="share of the budget the oracle's sweep keeps free")
     p.add_argument("--phase", choices=["all", "sweep", "runs", "table"], default="all")
+    p.add_argument("--skip_none", action="store_true", help="no uncapped `none` reference run (one already ran)")
+    p.add_argument("--max_ooms", type=int, default=8, help="a run stops after this many OOM replays")
+    p.add_argument("--schedule", choices=["uniform", "adversarial"], default="uniform")
+    p.add_argument("--jump_every", type=int, default=250, help="adversarial schedule: steps between never-seen lengths")
     # worker flags
     p.add_argument("--worker", choices=["sweep", "run"])
     p.add_argument("--method")
@@ -302,7 +320,8 @@ def main() -> None:
             _spawn(args, ["--worker", "sweep", "--budget", str(budget)])
     if args.phase in ("all", "runs"):
         for repeat in range(args.repeats):
-            _spawn(args, ["--worker", "run", "--method", "none", "--config", f"none-uncapped-r{repeat}", "--repeat", str(repeat)])
+            if not args.skip_none:
+                _spawn(args, ["--worker", "run", "--method", "none", "--config", f"none-uncapped-r{repeat}", "--repeat", str(repeat)])
             for budget in args.budgets:
                 for method in args.methods:
                     extra = ["--worker", "run", "--budget", str(budget), "--repeat", str(repeat),

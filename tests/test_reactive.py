@@ -196,3 +196,50 @@ def test_oom_grows_margin_instead_of_failing():
     ctl.note_oom()
     assert ctl.planning.margin_bytes == before + 2**30 // 20
     ctl.remove()
+
+
+def _under_predict_blocks(ctl, factor):
+    """Make the memory model believe blocks save ``factor`` of what they do: a wrong prediction."""
+    for group in ctl.planning.model.group_models.values():
+        curve = group.full_bytes
+        curve.ys = [y * factor for y in curve.ys]
+        curve.coef = []
+        curve._memo.clear()
+    ctl.planning.cache.clear()
+
+
+@pytest.mark.parametrize("backstop", [True, False])
+def test_dynamic_backstop_survives_a_wrong_prediction(backstop):
+    """NOTE [Backstop]: evictions keep the step within budget, gradients stay exact, the model refits."""
+    torch.manual_seed(0)
+    model, make_batch = build("bert")
+    model.train()
+    reference = copy.deepcopy(model)
+    longest = make_batch(4, 96)
+    budget = (logical_peak(model, longest, "none") + logical_peak(model, longest, "full")) // 2
+    ctl = memfit.fit(model, budget=budget, method="dynamic", margin=0.05, backstop=backstop)
+    batches = [make_batch(4, t) for t in (40, 60, 80)] + [longest, longest]
+    for step, batch in enumerate(batches):
+        if step == 3:
+            _under_predict_blocks(ctl, 0.2)
+        recomputes = _step_counting_recomputes(ctl, model, batch, seed=step)
+        torch.manual_seed(step)
+        reference(**batch).loss.backward()
+        assert_grads_equal(model, reference, f"backstop={backstop} step {step}")
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        record = ctl.records[-1]
+        assert recomputes == [
+            (b in record.plan) + record.evicted_blocks.count(b) for b in range(record.n_blocks)
+        ], record
+    wrong, refit = ctl.records[3], ctl.records[4]
+    ctl.remove()
+    if backstop:
+        assert wrong.evicted_blocks, wrong
+        assert wrong.peak_allocated_bytes <= budget, wrong
+    else:
+        assert not wrong.evicted_blocks
+        assert wrong.peak_allocated_bytes > budget, wrong  # what the backstop prevents
+    # the wrong step taught the model what the blocks save: the next plan fits without evicting
+    assert not refit.evicted_blocks and refit.peak_allocated_bytes <= budget, refit
+    assert len(refit.plan) > len(wrong.plan)

@@ -76,6 +76,10 @@ class TrainingArguments(transformers.TrainingArguments):
         default=None,
         metadata={"help": "For --memfit_method static: largest input as 'N,T' (rows, tokens); default: largest seen."},
     )
+    memfit_backstop: bool = field(
+        default=True,
+        metadata={"help": "For --memfit_method dynamic: evict un-checkpointed blocks when a step nears the cap despite its plan, instead of an OOM and a replay (--memfit_backstop false turns it off)."},
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -157,6 +161,8 @@ class Trainer(transformers.Trainer):
             method_kwargs["path"] = a.memfit_plans_file
         if method == "static" and getattr(a, "memfit_max_shape", None):
             method_kwargs["max_shape"] = tuple(int(x) for x in a.memfit_max_shape.split(","))
+        if method == "dynamic":
+            method_kwargs["backstop"] = getattr(a, "memfit_backstop", True)
         log = rank_path(getattr(a, "memfit_log", None) or os.path.join(a.output_dir, STEPS_FILE), a.process_index, a.world_size)
         # Each rank has its own budget (its own process cap), plans for its own batches and
         # writes its own records; rank 0 merges the summaries.

@@ -68,6 +68,9 @@ class Method:
     #: whether blocks run under the reactive store (reactive.py), which evicts their saved
     #: tensors during forward when the step nears the budget
     evicts: ClassVar[bool] = False
+    #: whether blocks the plan leaves un-checkpointed run under the reactive store, which
+    #: evicts them only when a step nears the cap despite its plan (NOTE [Backstop], runtime.py)
+    backstop: bool = False
 
     def decide(self, planning: "Planning", key: tuple[int, int]) -> Decision:
         raise NotImplementedError
@@ -101,13 +104,17 @@ class Dynamic(Method):
         warmup_keys: fewest distinct token counts to see before leaving warm-up, so the
             fit of ``N·T`` and ``N·T²`` is determined.
         max_warmup_steps: leave warm-up after this many steps even with fewer keys.
+        backstop: when a prediction was wrong and a step nears the cap mid-forward, evict
+            already-run un-checkpointed blocks instead of running out of memory (NOTE
+            [Backstop] in runtime.py).
     """
 
     name = "dynamic"
 
-    def __init__(self, warmup_steps: int = 3, warmup_keys: int = 3, max_warmup_steps: int = 12):
+    def __init__(self, warmup_steps: int = 3, warmup_keys: int = 3, max_warmup_steps: int = 12, backstop: bool = True):
         if not 1 <= warmup_steps <= max_warmup_steps:
             raise ValueError("need 1 <= warmup_steps <= max_warmup_steps")
+        self.backstop = backstop
         self.warmup_steps = warmup_steps
         self.warmup_keys = warmup_keys
         self.max_warmup_steps = max_warmup_steps
@@ -147,8 +154,8 @@ class Static(Dynamic):
 
     name = "static"
 
-    def __init__(self, max_shape: tuple[int, int] | None = None, **kwargs: int):
-        super().__init__(**kwargs)
+    def __init__(self, max_shape: tuple[int, int] | None = None, backstop: bool = False, **kwargs: int):
+        super().__init__(backstop=backstop, **kwargs)
         self.max_shape = tuple(max_shape) if max_shape else None
 
     def planning_key(self, planning: "Planning", key: tuple[int, int]) -> tuple[int, int]:

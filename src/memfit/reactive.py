@@ -343,13 +343,16 @@ class ReactiveStore:
         self._ledger.release(kept)
         return before_bytes - self._ledger.bytes
 
-    def kept_by_block(self, n_blocks: int) -> list[int]:
-        """Kept bytes per block index, each storage counted once, at the earliest block keeping it."""
+    def kept_by_block(self, n_blocks: int, before_eviction: bool = False) -> list[int]:
+        """Kept bytes per block index, each storage counted once, at the earliest block keeping it.
+
+        ``before_eviction``: count evicted blocks' saved tensors too (what they saved).
+        """
         out, seen = [0] * n_blocks, set()
         for store in (ref() for ref in self._stores):
             if store is None:
                 continue
-            held = store.input_ptrs if store.evicted else {**store.input_ptrs, **store.saved_ptrs}
+            held = store.input_ptrs if store.evicted and not before_eviction else {**store.input_ptrs, **store.saved_ptrs}
             for ptr, nbytes in held.items():
                 if ptr not in seen:
                     seen.add(ptr)

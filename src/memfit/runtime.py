@@ -35,6 +35,18 @@ logical peak is the largest count seen at these checks *before* evicting, so the
 cover what runs between two checks outside any block (the head and loss after the last
 block): logical accounting keeps only 0.1% by default, too little for `reactive` (give it 5%).
 
+# NOTE [Backstop]
+``dynamic`` (``backstop=True``, the default) runs the blocks its plan leaves un-checkpointed
+under the reactive store too. It costs a pack hook per saved tensor and an RNG-state copy
+per block, and holding each such block's inputs until backward (for a recompute; blocks
+save them anyway, but for an attention mask that no block saves, which then lives on until
+backward); nothing else while the plan is right: room is made only when the bytes in
+use plus the largest block (predicted, or seen this step if larger) would leave less than a
+third of the margin free (the plan keeps the whole margin free). Then the DTR policy evicts already-run blocks, which are
+recomputed in backward; the step's record lists them. Such a step teaches the model the
+bytes its blocks saved (as counted before evicting: an under-prediction, so it refits) but
+not its transient, which the evictions lowered.
+
 # NOTE [No sync in steady state]
 A steady-state step reads only host-side values: ``memory_allocated``,
 ``max_memory_allocated`` and ``reset_peak_memory_stats`` query the caching allocator's
@@ -232,14 +244,14 @@ class Controller:
         self._step = 0
         self._oom_retries = 0
         self.replaying = False
-        self._reactive = ReactiveStore(self._exclude_ptrs) if method.evicts else None
+        self._reactive = ReactiveStore(self._exclude_ptrs) if method.evicts or method.backstop else None
         self._handles = [
             model.register_forward_pre_hook(self._on_forward_start, with_kwargs=True),
             model.register_forward_hook(self._on_forward_end, always_call=True),
         ]
         for b in self.blocks:
             b.listener = self
-            if self._reactive is not None:
+            if method.evicts:
                 b.runner = self._reactive.run
         self._optimizer_handles: list = []
         self._hook_optimizer(optimizer)
@@ -326,9 +338,14 @@ class Controller:
             by_block = list(self._counter.by_block)
             if self._reactive is not None and pending["decision"] is not None:
                 self._make_room(pending, 0)
-                # the counter sees nothing inside the blocks: their tensors are the store's
-                by_block = self._reactive.kept_by_block(len(self.blocks))
                 pending.update(evicted=list(self._reactive.evicted_blocks), evicted_ms=self._reactive.evicted_ms)
+                # the counter sees nothing inside the store's blocks: their tensors are the store's
+                if self.method.evicts:
+                    by_block = self._reactive.kept_by_block(len(self.blocks))
+                else:  # backstop: what the blocks saved, before any eviction (NOTE [Backstop])
+                    in_store = self._reactive.kept_by_block(len(self.blocks), before_eviction=True)
+                    by_block = [a + b for a, b in zip(by_block, in_store)]
+                    pending["kept_now"] = self._counter.total_bytes + self._reactive.kept_bytes
             pending["saved"] = (self._counter.outside_bytes, by_block)
 
     def _make_room(self, pending: dict[str, Any], upcoming_bytes: int, inputs: Any = ()) -> None:
@@ -343,7 +360,8 @@ class Controller:
             pending["saved_peak"] = max(pending["saved_peak"], in_use - pending["static"])
         if self.budget_bytes is None:
             return
-        need_bytes = in_use + self.planning.margin_bytes + upcoming_bytes - self.budget_bytes
+        reserve = self.planning.margin_bytes if self.method.evicts else self.planning.margin_bytes // 3
+        need_bytes = in_use + reserve + upcoming_bytes - self.budget_bytes
         if need_bytes > 0:
             self._reactive.evict(need_bytes, [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)])
 
@@ -359,8 +377,11 @@ class Controller:
         if pending["decision"] is None:
             self._decide(pending, args, kwargs)
         self._counter.current = block.index
-        if self._reactive is not None:
+        if self.method.evicts:
             self._make_room(pending, self._reactive.largest_block_bytes, (args, kwargs))
+        elif block.runner is not None:  # the backstop: only un-checkpointed blocks add much
+            upcoming = max(pending["largest_block"], self._reactive.largest_block_bytes)
+            self._make_room(pending, upcoming, (args, kwargs))
         if block.enabled:
             self._counter.count_inputs(block.index, args, kwargs)
         if pending["decision"].warmup:
@@ -379,7 +400,16 @@ class Controller:
         enabled = set(decision.blocks)
         for b in self.blocks:
             b.enabled = b.index in enabled
-        pending.update(decision=decision, shape=shape, key=key, planner_us=planner_us)
+        largest = 0
+        if self.method.backstop and not decision.warmup:
+            model, k = self.planning.model, bucket_key(key, self.planning.bucket_tokens)
+            largest = int(max(model.block_full(i, k) for i in range(len(self.blocks))))
+            for b in self.blocks:
+                b.runner = None if b.enabled else self._reactive.run
+        elif self.method.backstop:
+            for b in self.blocks:
+                b.runner = None
+        pending.update(decision=decision, shape=shape, key=key, planner_us=planner_us, largest_block=largest)
 
     def _probe(self, block: Block, args: tuple, kwargs: dict, key: tuple[int, int]) -> None:
         """Measure what ``block`` saves un-checkpointed and its forward time (NOTE [Probe])."""
@@ -423,7 +453,7 @@ class Controller:
         saved = outside + sum(by_block)
         static = pending["static"]
         if self.accounting == "logical":
-            peak = reserved = static + max(saved, pending["saved_peak"])
+            peak = reserved = static + max(pending.get("kept_now", saved), pending["saved_peak"])
             transient = 0
         else:
             # Static memory can grow during a step (the optimizer's first step creates its
@@ -437,7 +467,7 @@ class Controller:
         key = pending["key"]
         model = self.planning.model
         predicted = self.planning.predict_peak(key, decision.blocks) if model.ready else None
-        self._learn(key, decision, outside, by_block, transient)
+        self._learn(key, decision, outside, by_block, transient, pending["evicted"])
         if predicted is not None and self.method.uses_model:
             miss = peak - predicted
             if miss > 0 and 1.25 * miss > self.planning.margin_bytes:
@@ -481,7 +511,7 @@ class Controller:
             model.optimizer_bytes = float(above_static)
             self.planning.cache.clear()
 
-    def _learn(self, key, decision, outside: int, by_block: list[int], transient: int) -> None:
+    def _learn(self, key, decision, outside: int, by_block: list[int], transient: int, pending_evicted: Sequence[int] = ()) -> None:
         """Feed a finished step's measurements to the memory model.
 
         Warm-up steps always add samples. A steady step adds one where the model
@@ -503,7 +533,8 @@ class Controller:
                 curves.append((group.full_bytes, max(full)))
         transient_curve = None
         every_block = len(planned) == len(self.blocks)
-        if self.accounting == "cuda" and (every_block or self._backward_start_dominates(key, decision.blocks)):
+        learns_transient = not (self.method.backstop and pending_evicted)
+        if self.accounting == "cuda" and learns_transient and (every_block or self._backward_start_dominates(key, decision.blocks)):
             transient_curve = model.transient_curve(every_block)
             curves.append((transient_curve, transient))
         changed = False
