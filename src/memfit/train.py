@@ -67,7 +67,7 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
     ):
         if wanted and not dataset:
             flag = "--do_train" if split == "train" else "--do_eval"
-            files = f"--{split}_file"
+            files = f"--{split}_dir/--{split}_annotations" if task == "object-detection" else f"--{split}_file"
             raise ValueError(f"{flag} needs {files}, --dataset_name (with that split) or --synthetic N")
     for name, value in bundle.training_overrides.items():
         if getattr(training_args, name) != value:

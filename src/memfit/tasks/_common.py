@@ -70,7 +70,8 @@ class ModelArguments:
             "help": "Model config: a hub name, a directory or a config.json path. Without "
             "--model_name_or_path the model is built from it with random weights. "
             "bert-base-uncased, bert-base-cased, bert-large-uncased and roberta-base also work "
-            "offline (copies bundled in memfit/configs)."
+            "offline (copies bundled in memfit/configs), as do the object-detection configs "
+            "conditional-detr-swin-{micro,tiny,small,base} (the default for that task: -tiny)."
         },
     )
     tokenizer_name: str | None = field(
@@ -141,8 +142,32 @@ class DataTrainingArguments:
         default=None,
         metadata={
             "help": "Train on N random-word examples (evaluate on max(8, N // 10) more) whose token "
-            "lengths follow the task's real dataset; needs no data file."
+            "lengths follow the task's real dataset; needs no data file. object-detection: N images "
+            "of drawn shapes with their boxes."
         },
+    )
+    train_dir: str | None = field(
+        default=None, metadata={"help": "object-detection: folder of the training images (COCO layout)."}
+    )
+    train_annotations: str | None = field(
+        default=None,
+        metadata={"help": "object-detection: COCO instances JSON of --train_dir (images, annotations, categories)."},
+    )
+    validation_dir: str | None = field(
+        default=None, metadata={"help": "object-detection: folder of the evaluation images."}
+    )
+    validation_annotations: str | None = field(
+        default=None, metadata={"help": "object-detection: COCO instances JSON of --validation_dir."}
+    )
+    shortest_edge: str = field(
+        default="480-800",
+        metadata={
+            "help": "object-detection: shorter side of the images in pixels. LO-HI draws a multiple of "
+            "32 in that range per training image (multi-scale training); N fixes it. Evaluation uses HI."
+        },
+    )
+    longest_edge: int = field(
+        default=1333, metadata={"help": "object-detection: the longer side is scaled down to at most this."}
     )
 
     def __post_init__(self) -> None:
@@ -153,6 +178,14 @@ class DataTrainingArguments:
                 "--synthetic replaces the data: drop --dataset_name/--train_file/--validation_file "
                 "or drop --synthetic"
             )
+        if self.synthetic and (self.train_dir or self.validation_dir):
+            raise ValueError("--synthetic replaces the data: drop --train_dir/--validation_dir or drop --synthetic")
+        for folder, coco_json, name in (
+            (self.train_dir, self.train_annotations, "train"),
+            (self.validation_dir, self.validation_annotations, "validation"),
+        ):
+            if bool(folder) != bool(coco_json):
+                raise ValueError(f"--{name}_dir and --{name}_annotations go together (images and their COCO JSON)")
         if self.task_name:
             self.task_name = self.task_name.lower().replace("-", "")
 
