@@ -5,7 +5,7 @@ weights, no hub), through ``memfit bench --tasks object-detection`` (each config
 its own process, after a GPU warm-up):
 
 1. ``none`` uncapped: the speed reference and the largest peak ``P`` of the run;
-2. every other method (``full static dynamic reactive``) under a hard cap of
+2. every other method (``dynamic full static reactive``, in that order) under a hard cap of
    ``--budget_fractions`` × ``P`` (default 0.6): the largest scales cannot run without
    checkpointing, the smallest (480-pixel sides: about a third of the pixels) can.
 
@@ -24,7 +24,7 @@ patches per micro-batch (``N · H/4 · W/4``, linear in pixels).
 
 Usage (repository root; GPU):
     PYTHONPATH=src python3 benchmarks/detection_bench.py --output_dir benchmarks/results/<device>/detection
-CPU smoke test of the same path (micro config, small images, 4 steps, about 2 minutes):
+CPU smoke test of the same path (micro config, small images, 4 steps, 1-2 minutes):
     PYTHONPATH=src python3 benchmarks/detection_bench.py --smoke --output_dir /tmp/detection-smoke
 """
 
@@ -46,7 +46,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output_dir", required=True)
     p.add_argument("--models", nargs="+", default=["tiny", "small", "base"], help="Swin sizes (bundled configs)")
-    p.add_argument("--methods", nargs="+", default=["full", "static", "dynamic", "reactive"],
+    p.add_argument("--methods", nargs="+", default=["dynamic", "full", "static", "reactive"],
                    help="methods run under the budgets (none always runs uncapped first)")
     p.add_argument("--budget_fractions", nargs="+", type=float, default=[0.6],
                    help="budgets as fractions of the uncapped none run's largest peak")
