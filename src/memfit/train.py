@@ -20,6 +20,8 @@ from memfit.tasks import TASKS, DataTrainingArguments, ModelArguments, get_task
 
 __all__ = ["main", "run"]
 
+logger = logging.getLogger(__name__)
+
 
 def _usage() -> str:
     return (
@@ -59,12 +61,18 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
     set_seed(training_args.seed)
     bundle = recipe.build(model_args, data_args, seed=training_args.seed)
     apply_peers(bundle.model, peer_args, training_args.memfit_method)
-    for wanted, dataset, flag in (
-        (training_args.do_train, bundle.train_dataset, "--do_train needs --train_file"),
-        (training_args.do_eval, bundle.eval_dataset, "--do_eval needs --validation_file"),
+    for wanted, dataset, split in (
+        (training_args.do_train, bundle.train_dataset, "train"),
+        (training_args.do_eval, bundle.eval_dataset, "validation"),
     ):
         if wanted and not dataset:
-            raise ValueError(f"{flag}, --dataset_name (with that split) or --synthetic N")
+            flag = "--do_train" if split == "train" else "--do_eval"
+            files = f"--{split}_dir/--{split}_annotations" if task == "object-detection" else f"--{split}_file"
+            raise ValueError(f"{flag} needs {files}, --dataset_name (with that split) or --synthetic N")
+    for name, value in bundle.training_overrides.items():
+        if getattr(training_args, name) != value:
+            logger.info("%s: setting %s=%r (the task needs it)", task, name, value)
+            setattr(training_args, name, value)
 
     trainer = Trainer(
         model=bundle.model,
@@ -74,6 +82,7 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
         data_collator=bundle.data_collator,
         processing_class=bundle.tokenizer,
         compute_metrics=bundle.compute_metrics,
+        preprocess_logits_for_metrics=bundle.preprocess_logits_for_metrics,
     )
     metrics: dict[str, float] = {}
     if training_args.do_train:

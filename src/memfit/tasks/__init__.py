@@ -1,8 +1,8 @@
 """The task recipes of ``memfit train <task>``: a registry from task name to recipe module.
 
 Every recipe module has ``build(model_args, data_args, seed=42) -> TaskBundle``: it loads the
-data (local file, hub dataset or synthetic), tokenizes it without padding, and returns the model,
-the dynamic-padding collator and the task's metric. Modules are imported on first use, so
+data (local file, hub dataset or synthetic), tokenizes it without padding (images: keeps them at
+native size), and returns the model, the dynamic-padding collator and the task's metric. Modules are imported on first use, so
 listing the tasks does not import transformers.
 
 Example:
@@ -26,6 +26,7 @@ TASKS = {
     "question-answering": "memfit.tasks.question_answering",
     "text-classification": "memfit.tasks.text_classification",
     "token-classification": "memfit.tasks.token_classification",
+    "object-detection": "memfit.tasks.object_detection",
 }
 
 

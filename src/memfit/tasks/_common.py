@@ -32,6 +32,8 @@ __all__ = [
     "load_splits",
     "load_tokenizer",
     "load_model",
+    "load_config",
+    "CONFIGS_DIR",
     "max_seq_length",
     "minilm_path",
 ]
@@ -45,7 +47,8 @@ QUANTILE_LEVELS = (0.0, 0.05, 0.10, 0.25, 0.50, 0.75, 0.90, 0.95, 0.99, 1.0)
 _DEFAULT_MAX_SEQ_LENGTH = 512
 # Enough distinct words for random text; checking more of the vocabulary only costs time.
 _SYNTHETIC_WORDS = 4096
-_CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+#: memfit's bundled model configs (``<name>.json``; see SOURCE.md there).
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 _Example = TypeVar("_Example")
 
@@ -67,7 +70,8 @@ class ModelArguments:
             "help": "Model config: a hub name, a directory or a config.json path. Without "
             "--model_name_or_path the model is built from it with random weights. "
             "bert-base-uncased, bert-base-cased, bert-large-uncased and roberta-base also work "
-            "offline (copies bundled in memfit/configs)."
+            "offline (copies bundled in memfit/configs), as do the object-detection configs "
+            "conditional-detr-swin-{micro,tiny,small,base} (the default for that task: -tiny)."
         },
     )
     tokenizer_name: str | None = field(
@@ -138,8 +142,32 @@ class DataTrainingArguments:
         default=None,
         metadata={
             "help": "Train on N random-word examples (evaluate on max(8, N // 10) more) whose token "
-            "lengths follow the task's real dataset; needs no data file."
+            "lengths follow the task's real dataset; needs no data file. object-detection: N images "
+            "of drawn shapes with their boxes."
         },
+    )
+    train_dir: str | None = field(
+        default=None, metadata={"help": "object-detection: folder of the training images (COCO layout)."}
+    )
+    train_annotations: str | None = field(
+        default=None,
+        metadata={"help": "object-detection: COCO instances JSON of --train_dir (images, annotations, categories)."},
+    )
+    validation_dir: str | None = field(
+        default=None, metadata={"help": "object-detection: folder of the evaluation images."}
+    )
+    validation_annotations: str | None = field(
+        default=None, metadata={"help": "object-detection: COCO instances JSON of --validation_dir."}
+    )
+    shortest_edge: str = field(
+        default="480-800",
+        metadata={
+            "help": "object-detection: shorter side of the images in pixels. LO-HI draws a multiple of "
+            "32 in that range per training image (multi-scale training); N fixes it. Evaluation uses HI."
+        },
+    )
+    longest_edge: int = field(
+        default=1333, metadata={"help": "object-detection: the longer side is scaled down to at most this."}
     )
 
     def __post_init__(self) -> None:
@@ -150,6 +178,14 @@ class DataTrainingArguments:
                 "--synthetic replaces the data: drop --dataset_name/--train_file/--validation_file "
                 "or drop --synthetic"
             )
+        if self.synthetic and (self.train_dir or self.validation_dir):
+            raise ValueError("--synthetic replaces the data: drop --train_dir/--validation_dir or drop --synthetic")
+        for folder, coco_json, name in (
+            (self.train_dir, self.train_annotations, "train"),
+            (self.validation_dir, self.validation_annotations, "validation"),
+        ):
+            if bool(folder) != bool(coco_json):
+                raise ValueError(f"--{name}_dir and --{name}_annotations go together (images and their COCO JSON)")
         if self.task_name:
             self.task_name = self.task_name.lower().replace("-", "")
 
@@ -160,16 +196,22 @@ class TaskBundle:
 
     model: PreTrainedModel
     """The model with its task head (a new head when the weights are pretrained)."""
-    tokenizer: PreTrainedTokenizerBase
-    """The tokenizer the features were made with (pass it as ``processing_class``)."""
-    train_dataset: list[dict[str, Any]] | None
-    """Tokenized training features, unpadded; ``None`` when no training data was given."""
-    eval_dataset: list[dict[str, Any]] | None
-    """Tokenized evaluation features, unpadded, in order; ``None`` when none was given."""
+    tokenizer: PreTrainedTokenizerBase | None
+    """The tokenizer the features were made with (pass it as ``processing_class``); ``None``
+    for a task without text."""
+    train_dataset: list[Any] | None
+    """Training features, unpadded (tokenized text; images at native size); ``None`` when no
+    training data was given."""
+    eval_dataset: list[Any] | None
+    """Evaluation features, unpadded, in order; ``None`` when none was given."""
     data_collator: Callable[[list[dict[str, Any]]], dict[str, Any]]
     """Pads a list of features to the longest in the batch (dynamic padding)."""
     compute_metrics: Callable[[EvalPrediction], dict[str, float]]
     """The task's metric on predictions over the whole ``eval_dataset`` (keys without ``eval_``)."""
+    preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None
+    """Passed to the Trainer: reduces each eval batch's outputs to what the metric reads."""
+    training_overrides: dict[str, Any] = field(default_factory=dict)
+    """``TrainingArguments`` values the task needs whatever the flags say (set by ``memfit train``)."""
 
 
 class DataFileError(ValueError):
@@ -403,7 +445,7 @@ def load_model(
     from transformers import AutoConfig
 
     weights = model_args.model_name_or_path or (None if model_args.config_name else str(minilm_path()))
-    config = _load_config(model_args.config_name, **config_kwargs) if model_args.config_name else None
+    config = load_config(model_args.config_name, **config_kwargs) if model_args.config_name else None
     if weights is None:
         _fit_config_to_tokenizer(config, tokenizer)
         logger.info("building %s from config %s with random weights", auto_cls.__name__, model_args.config_name)
@@ -418,15 +460,20 @@ def load_model(
         ) from err
 
 
-def _load_config(name: str, **config_kwargs: Any) -> Any:
+def load_config(name: str, **config_kwargs: Any) -> Any:
+    """The config ``name`` (hub name, directory or config.json), else memfit's bundled copy.
+
+    Raises:
+        OSError: neither loads (the message lists the bundled names).
+    """
     from transformers import AutoConfig
 
     try:
         return AutoConfig.from_pretrained(name, **config_kwargs)
     except (OSError, ValueError) as err:
-        bundled = _CONFIGS_DIR / f"{name.rstrip('/').rsplit('/', 1)[-1]}.json"
+        bundled = CONFIGS_DIR / f"{name.rstrip('/').rsplit('/', 1)[-1]}.json"
         if not bundled.is_file():
-            shipped = ", ".join(sorted(p.stem for p in _CONFIGS_DIR.glob("*.json")))
+            shipped = ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.json")))
             raise OSError(
                 f"--config_name {name}: cannot load it ({type(err).__name__}: offline or not found) "
                 f"and memfit bundles no config of that name (bundled: {shipped}); pass a config.json "
