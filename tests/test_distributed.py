@@ -44,9 +44,10 @@ def _budget():
 
 
 @pytest.mark.slow
-def test_ddp_two_ranks_match_single_process(tmp_path):
+@pytest.mark.parametrize("sharding, port", [("ddp", 29517), ("fsdp", 29521)])
+def test_two_ranks_match_single_process(tmp_path, sharding, port):
     budget = _budget()
-    returncode, output = _torchrun("_ddp_worker.py", [tmp_path, budget], port=29517)
+    returncode, output = _torchrun("_ddp_worker.py", [tmp_path, budget, sharding], port=port)
     assert returncode == 0, output[-3000:]
 
     # Per-rank records: each rank planned for its own shapes.
@@ -55,6 +56,10 @@ def test_ddp_two_ranks_match_single_process(tmp_path):
     steady = [(a["n_checkpointed"], b["n_checkpointed"]) for a, b in zip(records[0], records[1]) if a["phase"] == b["phase"] == "steady"]
     assert steady and all(a == 0 for a, _ in steady) and any(b > 0 for _, b in steady), "the ranks should checkpoint differently"
     assert all(rec["peak_allocated_bytes"] <= budget for r in (0, 1) for rec in records[r])
+    unsharded = sum(memfit.accounting.static_bytes_logical(build_model(), None).values())
+    statics = {rec["static_bytes"] for r in (0, 1) for rec in records[r]}
+    # Under FSDP each rank counts its shards of the parameters and gradients: about half.
+    assert statics == {unsharded} if sharding == "ddp" else max(statics) < 0.6 * unsharded
 
     # The same global batches in one process: average the two ranks' gradients, then step.
     model = build_model()
@@ -148,5 +153,21 @@ def test_gradient_sync_packs_buckets_and_restores_every_gradient(tmp_path):
             torch.testing.assert_close(p.grad, torch.zeros_like(p) if want is None else want, rtol=0, atol=0)
         assert frozen.grad is None
         torch.testing.assert_close(buffer, torch.arange(4.0))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fit_before_fully_shard_is_a_clear_error(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = build_model()
+        ctl = memfit.fit(model, budget=None, method="dynamic")
+        fully_shard(model)
+        with pytest.raises(RuntimeError, match="call memfit.fit after fully_shard"):
+            model(**batch(0, 0, 8))
+        ctl.remove()
     finally:
         dist.destroy_process_group()
