@@ -21,7 +21,8 @@ gradients are those of a run that never hit the OOM. With several DDP ranks the 
 on the rank that hit the OOM, and the others wait for it at the window's gradient sync
 (distributed.py, NOTE [Lockstep under DDP]). Under FSDP every forward and backward holds
 collectives (parameter all-gathers, gradient reduce-scatters), so a replay on one rank
-cannot be made local: the OOM is raised instead, and torchrun stops the other ranks.
+cannot be made local: the OOM is raised instead, and torchrun stops the other ranks (the
+Trainer refuses ``--fsdp`` for now; the check covers a model sharded some other way).
 """
 
 from __future__ import annotations
@@ -91,6 +92,11 @@ class TrainingArguments(transformers.TrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        if self.fsdp:
+            raise ValueError(
+                "--fsdp: the memfit Trainer does not support FSDP yet (it hooks the model before Accelerate shards "
+                "it); with FSDP2, call memfit.fit after fully_shard in your own training loop"
+            )
         super().__post_init__()
         if self.memfit_method not in METHODS:
             raise UnknownMethodError(
