@@ -17,6 +17,13 @@ window's gradient all-reduce. Every rank issues the same collectives in the same
 rank replayed, so none can hang or pair up with another's, and each rank's local window
 gradient is bitwise that of a run without the OOM, so the averaged gradient is too.
 
+Two alternatives, rejected. Keeping DDP's overlapped sync and agreeing on an OOM flag before
+the optimizer step: an OOM in the middle of a backward leaves DDP's reducer with some
+buckets launched and the others never, which the other ranks wait on before any flag can
+be read. All-reducing an OOM flag after every micro-step so that every rank replays: with
+no collective inside the window there is nothing to agree on, and it would cost a collective
+per micro-step and make the healthy ranks redo their work.
+
 The sync mirrors DDP's arithmetic: each gradient is divided by the world size, then summed
 (bitwise DDP's result with two ranks, where a sum of two numbers does not depend on order).
 Its cost is the overlap: DDP all-reduces a bucket while backward still computes the
@@ -73,11 +80,11 @@ class GradientSync:
         group: process group (default: the world).
         bucket_bytes: size of the flat buffer per gradient dtype.
 
-    Example:
-        >>> sync = GradientSync(ddp.module.parameters())  # doctest: +SKIP
-        >>> with ddp.no_sync():  # doctest: +SKIP
-        ...     loss.backward()
-        >>> sync.sync()  # doctest: +SKIP
+    Example (a window whose forward and backward may be replayed after an OOM):
+        >>> sync = GradientSync(ddp.module.parameters(), ddp.module.buffers())  # doctest: +SKIP
+        >>> ddp.module(**batch).loss.backward()  # the module, not DDP: no collective  # doctest: +SKIP
+        >>> sync.sync()  # once per window, every rank  # doctest: +SKIP
+        >>> optimizer.step()  # doctest: +SKIP
     """
 
     def __init__(
