@@ -35,11 +35,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-try:
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # torch built without distributed, or < 2.5
-    _DTensor = ()
-
 __all__ = ["SavedTensorCounter", "local", "tensor_bytes", "static_bytes_logical", "optimizer_state_bytes"]
 
 OUTSIDE = -1  # block index for tensors saved outside any block (embeddings, head, loss)
@@ -47,7 +42,8 @@ OUTSIDE = -1  # block index for tensors saved outside any block (embeddings, hea
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds: a DTensor's local shard (FSDP2 parameters), else ``t``."""
-    return t.to_local() if isinstance(t, _DTensor) else t
+    # Duck-typed: importing torch.distributed.tensor to test isinstance costs seconds.
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -36,6 +36,7 @@ checkpointed does not fit) raises; torchrun then stops the other ranks.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -44,6 +45,7 @@ from torch import nn
 
 __all__ = ["GradientSync", "is_fsdp", "world_size"]
 
+_FSDP_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
 # DDP's default bucket_cap_mb (25 MiB): the one buffer this sync keeps per gradient dtype.
 _BUCKET_BYTES = 25 * 2**20
 
@@ -55,8 +57,8 @@ def world_size() -> int:
 
 def is_fsdp(model: nn.Module) -> bool:
     """Whether ``model`` is sharded by FSDP (FSDP1 wrapper or FSDP2 ``fully_shard``)."""
-    if not dist.is_available():
-        return False
+    if not dist.is_available() or not any(m in sys.modules for m in _FSDP_MODULES):
+        return False  # FSDP was never imported, so nothing is sharded (importing it costs seconds)
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     try:
