@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -12,6 +13,21 @@ import memfit
 from _ddp_common import LENGTHS, STEPS, batch, build_model
 
 HERE = os.path.dirname(__file__)
+
+
+def _torchrun(script, args, port, timeout_s=240):
+    """Run ``script`` on 2 CPU ranks; a run past ``timeout_s`` (a hang) kills every rank and fails."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           os.path.join(HERE, script), *map(str, args)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{script} {args} hung for {timeout_s} s:\n{output[-3000:]}")
+    return proc.returncode, output
 
 
 def _budget():
@@ -28,13 +44,11 @@ def _budget():
 
 
 @pytest.mark.slow
-def test_ddp_two_ranks_match_single_process(tmp_path):
+@pytest.mark.parametrize("sharding, port", [("ddp", 29517), ("fsdp", 29521)])
+def test_two_ranks_match_single_process(tmp_path, sharding, port):
     budget = _budget()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
-           os.path.join(HERE, "_ddp_worker.py"), str(tmp_path), str(budget)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    returncode, output = _torchrun("_ddp_worker.py", [tmp_path, budget, sharding], port=port)
+    assert returncode == 0, output[-3000:]
 
     # Per-rank records: each rank planned for its own shapes.
     records = {r: [json.loads(x) for x in open(tmp_path / f"steps.rank{r}.jsonl")] for r in (0, 1)}
@@ -42,6 +56,10 @@ def test_ddp_two_ranks_match_single_process(tmp_path):
     steady = [(a["n_checkpointed"], b["n_checkpointed"]) for a, b in zip(records[0], records[1]) if a["phase"] == b["phase"] == "steady"]
     assert steady and all(a == 0 for a, _ in steady) and any(b > 0 for _, b in steady), "the ranks should checkpoint differently"
     assert all(rec["peak_allocated_bytes"] <= budget for r in (0, 1) for rec in records[r])
+    unsharded = sum(memfit.accounting.static_bytes_logical(build_model(), None).values())
+    statics = {rec["static_bytes"] for r in (0, 1) for rec in records[r]}
+    # Under FSDP each rank counts its shards of the parameters and gradients: about half.
+    assert statics == {unsharded} if sharding == "ddp" else max(statics) < 0.6 * unsharded
 
     # The same global batches in one process: average the two ranks' gradients, then step.
     model = build_model()
@@ -59,14 +77,97 @@ def test_ddp_two_ranks_match_single_process(tmp_path):
 
 @pytest.mark.slow
 def test_trainer_under_torchrun_writes_per_rank_records(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29518",
-           os.path.join(HERE, "_ddp_trainer_worker.py"), str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    returncode, output = _torchrun("_ddp_trainer_worker.py", [tmp_path], port=29518)
+    assert returncode == 0, output[-3000:]
     for rank in (0, 1):
         lines = [json.loads(x) for x in open(tmp_path / f"memfit_steps.rank{rank}.jsonl")]
         assert len(lines) == 4 and {x["rank"] for x in lines} == {rank}
     summary = json.loads((tmp_path / "memfit_summary.json").read_text())
     assert summary["steps"] == 8 and set(summary["per_rank"]) == {"0", "1"}
     assert summary["max_peak_allocated_bytes"] == max(s["max_peak_allocated_bytes"] for s in summary["per_rank"].values())
+
+
+@pytest.mark.slow
+def test_oom_on_one_rank_is_replayed_in_lockstep(tmp_path):
+    """Rank 1 runs out of memory in a forward or a backward (accumulation 1 and 2): no hang,
+    and both ranks end with the weights of the run without the OOM (NOTE [Lockstep under DDP])."""
+    from _ddp_oom_worker import SCENARIOS
+
+    returncode, output = _torchrun("_ddp_oom_worker.py", [tmp_path, "runs"], port=29519)
+    assert returncode == 0, output[-3000:]
+
+    def load(name, rank):
+        info = json.loads((tmp_path / f"{name}.rank{rank}.json").read_text())
+        return torch.load(tmp_path / f"{name}.rank{rank}.pt"), info
+
+    def assert_same(a, b, context):
+        for key, value in a.items():
+            torch.testing.assert_close(b[key], value, rtol=0, atol=0, msg=lambda m: f"{context} {key}: {m}")
+
+    clean = {acc: [load(f"clean-{acc}", rank) for rank in (0, 1)] for acc in (1, 2)}
+    steady = [(a["n_checkpointed"], b["n_checkpointed"]) for a, b in zip(clean[1][0][1]["records"], clean[1][1][1]["records"])
+              if a["phase"] == b["phase"] == "steady"]
+    assert steady and all(a == 0 for a, _ in steady) and any(b > 0 for _, b in steady), "the ranks should checkpoint differently"
+    for name, (accumulation, where, _, lockstep) in SCENARIOS.items():
+        runs = [load(name, rank) for rank in (0, 1)]
+        assert [info["lockstep"] for _, info in runs] == [lockstep, lockstep], name
+        assert_same(runs[0][0], runs[1][0], f"{name}: rank 1 vs rank 0")
+        assert_same(clean[accumulation][1][0], runs[1][0], f"{name} vs clean-{accumulation}")  # DDP's own sync included
+        if where is None:
+            continue
+        assert runs[1][1]["fired"] == 1, name
+        for rank, (_, info) in enumerate(runs):
+            records, reference = info["records"], clean[accumulation][rank][1]["records"]
+            assert [r["shape"] for r in records] == [r["shape"] for r in reference], f"{name}: a batch was lost or double-counted on rank {rank}"
+            assert sum(r["oom_retries"] for r in records) == rank, name
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_recover_stops_every_rank(tmp_path):
+    """Rank 1 runs out of memory at every forward: it raises, rank 0 (waiting at the
+    gradient sync) is stopped by torchrun, and the job ends instead of hanging."""
+    returncode, output = _torchrun("_ddp_oom_worker.py", [tmp_path, "fail"], port=29520, timeout_s=120)
+    assert returncode != 0
+    assert "BudgetTooSmallError: still out of memory after 8 replays" in output
+
+
+def test_gradient_sync_packs_buckets_and_restores_every_gradient(tmp_path):
+    """One rank: the sync must give every gradient back unchanged, through full and partial
+    buckets, in place for gradients larger than a bucket, and zeros where there was none."""
+    import torch.distributed as dist
+
+    from memfit.distributed import GradientSync
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n)) for n in (3, 5, 40, 2, 7)] + [torch.nn.Parameter(torch.randn(4, 4).double())]
+        frozen = torch.nn.Parameter(torch.randn(3), requires_grad=False)
+        for p in params[:3] + params[4:]:
+            p.grad = torch.randn_like(p)
+        expected = [None if p.grad is None else p.grad.clone() for p in params]
+        buffer = torch.arange(4.0)
+        sync = GradientSync(params + [frozen], buffers=[buffer], bucket_bytes=8 * 4)  # 8 float32 per bucket
+        sync.sync()
+        for p, want in zip(params, expected):
+            torch.testing.assert_close(p.grad, torch.zeros_like(p) if want is None else want, rtol=0, atol=0)
+        assert frozen.grad is None
+        torch.testing.assert_close(buffer, torch.arange(4.0))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fit_before_fully_shard_is_a_clear_error(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = build_model()
+        ctl = memfit.fit(model, budget=None, method="dynamic")
+        fully_shard(model)
+        with pytest.raises(RuntimeError, match="call memfit.fit after fully_shard"):
+            model(**batch(0, 0, 8))
+        ctl.remove()
+    finally:
+        dist.destroy_process_group()

@@ -116,6 +116,7 @@ def test_records_summary_logs_and_state(tmp_path):
         ({"memfit_method": "precomputed"}, "needs --memfit_plans_file"),
         ({"memory_budget": "six"}, "not a memory size"),
         ({"gradient_checkpointing": True}, "drop --gradient_checkpointing"),
+        ({"fsdp": "full_shard"}, "does not support FSDP yet"),
     ],
 )
 def test_argument_errors(tmp_path, flags, message):

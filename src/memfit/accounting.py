@@ -11,6 +11,19 @@ under ``torch.utils.checkpoint``'s own hooks, so our counter sees nothing from i
 what the block keeps is its inputs (held by the checkpoint for the recompute), which the
 runtime counts explicitly with :meth:`SavedTensorCounter.count_inputs`. What an
 un-checkpointed block would save is measured in warm-up by a *probe* (see runtime.py).
+
+# NOTE [FSDP's unsharded parameters]
+Under FSDP2 (``fully_shard``) a parameter is a DTensor holding this rank's shard: static
+memory counts the shard (:func:`local`). During a module's forward, FSDP swaps in the
+all-gathered (unsharded) parameters, and the module's ops save *them* for backward; FSDP
+frees their storage after forward and gathers it again in backward, so they are not
+activations. Their storages live as long as the model (FSDP resizes them, never replaces
+them), so they are recognised by storage identity (``_cdata``), not by address: a freed
+storage's address may be reused by an activation within the same forward. The runtime
+learns them at each block's first forward (and the root's at the first block); a root
+parameter first gathered later in the first step (the classifier's) is counted in that
+step only, a few bytes too many in warm-up. ``memfit.fit`` must be called after
+``fully_shard``, so that static memory is measured on the shards.
 """
 
 from __future__ import annotations
@@ -22,16 +35,22 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["SavedTensorCounter", "tensor_bytes", "static_bytes_logical", "optimizer_state_bytes"]
+__all__ = ["SavedTensorCounter", "local", "tensor_bytes", "static_bytes_logical", "optimizer_state_bytes"]
 
 OUTSIDE = -1  # block index for tensors saved outside any block (embeddings, head, loss)
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's local shard (FSDP2 parameters), else ``t``."""
+    # Duck-typed: importing torch.distributed.tensor to test isinstance costs seconds.
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors``."""
+    """Bytes of the distinct storages behind ``tensors`` (this rank's shard of a DTensor)."""
     seen: dict[int, int] = {}
     for t in tensors:
-        storage = t.untyped_storage()
+        storage = local(t).untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
 
@@ -52,7 +71,7 @@ def static_bytes_logical(model: nn.Module, optimizer: torch.optim.Optimizer | No
     params = list(model.parameters())
     return {
         "parameters": tensor_bytes(params),
-        "gradients": sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+        "gradients": sum(local(p).numel() * p.element_size() for p in params if p.requires_grad),
         "optimizer state": optimizer_state_bytes(optimizer),
     }
 
@@ -66,11 +85,17 @@ class SavedTensorCounter:
     Args:
         n_blocks: number of blocks.
         exclude: tensors whose storages are never activations (parameters, buffers).
+
+    Attributes:
+        excluded_ptrs: addresses of those storages (a set the owner may update in place).
     """
 
     def __init__(self, n_blocks: int, exclude: Iterable[torch.Tensor] = ()):
         self.n_blocks = n_blocks
-        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self.excluded_ptrs = {local(t).untyped_storage().data_ptr() for t in exclude}
+        #: storages (by identity) of parameters that exist only during forward and backward:
+        #: FSDP2's unsharded parameters (NOTE [FSDP's unsharded parameters]).
+        self.parameter_storages: set[int] = set()
         self._ctx: torch.autograd.graph.saved_tensors_hooks | None = None
         self.reset()
 
@@ -84,10 +109,14 @@ class SavedTensorCounter:
     def total_bytes(self) -> int:
         return self.outside_bytes + sum(self.by_block)
 
+    def exclude_parameters(self, params: Iterable[torch.Tensor]) -> None:
+        """Never count the storages of ``params`` (FSDP2's unsharded parameters) as activations."""
+        self.parameter_storages.update(local(p).untyped_storage()._cdata for p in params)
+
     def _add(self, t: torch.Tensor, index: int) -> None:
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        if key in self._exclude or key in self._seen:
+        if key in self.excluded_ptrs or key in self._seen or storage._cdata in self.parameter_storages:
             return
         self._seen.add(key)
         if index == OUTSIDE:
@@ -136,18 +165,20 @@ class ProbeCounter:
     """Counts the bytes one isolated block forward saves (the un-checkpointed cost).
 
     Args:
-        exclude: storages that are not activations (parameters, buffers).
+        exclude_ptrs: storages that are not activations (parameters, buffers), by address.
+        parameter_storages: same, by storage identity (:attr:`SavedTensorCounter.parameter_storages`).
     """
 
-    def __init__(self, exclude_ptrs: set[int]):
+    def __init__(self, exclude_ptrs: set[int], parameter_storages: set[int] = frozenset()):
         self._exclude = exclude_ptrs
+        self._parameter_storages = parameter_storages
         self._seen: set[int] = set()
         self.bytes = 0
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        if key not in self._exclude and key not in self._seen:
+        if key not in self._exclude and key not in self._seen and storage._cdata not in self._parameter_storages:
             self._seen.add(key)
             self.bytes += storage.nbytes()
         return t.detach()  # NOTE [Pack a detached tensor]

@@ -17,7 +17,12 @@ whole window is replayed: gradients are dropped, the controller grows its margin
 plan), and every micro-batch of the window runs again from its first, each with the RNG
 state it had the first time (same dropout masks). The earlier micro-batches' losses were
 already logged and are not counted again; their replays write no step record. The final
-gradients are those of a run that never hit the OOM.
+gradients are those of a run that never hit the OOM. With several DDP ranks the replay stays
+on the rank that hit the OOM, and the others wait for it at the window's gradient sync
+(distributed.py, NOTE [Lockstep under DDP]). Under FSDP every forward and backward holds
+collectives (parameter all-gathers, gradient reduce-scatters), so a replay on one rank
+cannot be made local: the OOM is raised instead, and torchrun stops the other ranks (the
+Trainer refuses ``--fsdp`` for now; the check covers a model sharded some other way).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 import transformers
 
 from memfit.budget import BudgetTooSmallError, parse_bytes
+from memfit.distributed import GradientSync, is_fsdp, world_size
 from memfit.methods import METHODS, UnknownMethodError
 from memfit.records import StepRecord, read_jsonl, summarize
 from memfit.runtime import Controller, fit
@@ -72,6 +78,14 @@ class TrainingArguments(transformers.TrainingArguments):
         default=None,
         metadata={"help": "Share of the budget kept free as a safety margin (default 0.03 on CUDA, 0.001 with logical accounting on CPU)."},
     )
+    memfit_lockstep: bool = field(
+        default=True,
+        metadata={
+            "help": "Under DDP with several ranks, sync gradients once per accumulation window after backward, so an OOM "
+            "replay on one rank cannot hang the others (costs DDP's overlap of all-reduce with backward). False: DDP's "
+            "own sync, and an OOM on one rank can leave the others waiting in a collective."
+        },
+    )
     memfit_max_shape: str | None = field(
         default=None,
         metadata={"help": "For --memfit_method static: largest input as 'N,T' (rows, tokens); default: largest seen."},
@@ -82,6 +96,11 @@ class TrainingArguments(transformers.TrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        if self.fsdp:
+            raise ValueError(
+                "--fsdp: the memfit Trainer does not support FSDP yet (it hooks the model before Accelerate shards "
+                "it); with FSDP2, call memfit.fit after fully_shard in your own training loop"
+            )
         super().__post_init__()
         if self.memfit_method not in METHODS:
             raise UnknownMethodError(
@@ -171,6 +190,8 @@ class Trainer(transformers.Trainer):
         )
         self._window: list[tuple[dict[str, Any], dict[str, Any], Any]] = []
         self._oom_total = 0
+        self._grad_sync: GradientSync | None = None
+        self._grad_sync_of: torch.nn.Module | None = None  # the DDP wrapper it syncs for
         self.add_callback(_MemfitCallback(self))
 
     # ------------------------------------------------------------ optimizer
@@ -188,6 +209,9 @@ class Trainer(transformers.Trainer):
             # Nothing to make safer: the OOM goes to the caller as it is (Accelerate's
             # find_executable_batch_size, behind --auto_find_batch_size, catches it).
             return super().training_step(model, inputs, num_items_in_batch)
+        sync = self._lockstep_sync(model)
+        if sync is not None:
+            model = model.module  # no collective inside a micro-step (NOTE [Lockstep under DDP])
         self._window.append((inputs, _rng_state(), num_items_in_batch))
         replay = False
         for _ in range(_MAX_OOM_RETRIES + 1):
@@ -195,13 +219,38 @@ class Trainer(transformers.Trainer):
             try:
                 if replay:
                     self._replay_window_head(model)
-                return super().training_step(model, inputs, num_items_in_batch)
-            except torch.OutOfMemoryError:
+                loss = super().training_step(model, inputs, num_items_in_batch)
+            except torch.OutOfMemoryError as err:
+                if world_size() > 1 and is_fsdp(model):
+                    raise torch.OutOfMemoryError(
+                        f"{err}\nmemfit: under FSDP with several ranks a step cannot be replayed on one rank alone "
+                        "(NOTE [OOM replay] in memfit/hf.py); raise --memfit_margin or --memory_budget"
+                    ) from err
                 failed = True  # recover outside the except block, so its frames are freed
-            if failed:
-                self._recover_from_oom(model)
-                replay = True
+            if not failed:
+                if sync is not None and self.accelerator.sync_gradients:
+                    sync.sync()
+                return loss
+            self._recover_from_oom(model)
+            replay = True
         raise BudgetTooSmallError(f"still out of memory after {_MAX_OOM_RETRIES} replays with safer plans")
+
+    def _lockstep_sync(self, model: torch.nn.Module) -> GradientSync | None:
+        """The gradient sync replacing DDP's, or None to train through DDP as it is.
+
+        Only when an OOM can be replayed: the method adapts its plans (``full`` and
+        ``precomputed`` cannot, and keep DDP's overlapped sync).
+        """
+        method = self.memfit.method
+        adapts = method.uses_model or method.evicts
+        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        if not (ddp and adapts and getattr(self.args, "memfit_lockstep", True) and world_size() > 1):
+            return None
+        if self._grad_sync is None or self._grad_sync_of is not model:
+            buffers = list(model.module.buffers()) if model.broadcast_buffers else []
+            self._grad_sync = GradientSync(model.module.parameters(), buffers, group=model.process_group)
+            self._grad_sync_of = model
+        return self._grad_sync
 
     def _recover_from_oom(self, model: torch.nn.Module) -> None:
         self._oom_total += 1

@@ -65,9 +65,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from memfit.accounting import OUTSIDE, ProbeCounter, SavedTensorCounter, optimizer_state_bytes, static_bytes_logical
+from memfit.accounting import OUTSIDE, ProbeCounter, SavedTensorCounter, local, optimizer_state_bytes, static_bytes_logical
 from memfit.blocks import Block, find_blocks, unwrap_blocks, without_cache, wrap_blocks
 from memfit.budget import BudgetTooSmallError, apply_cuda_cap, check_static_need, format_bytes, parse_bytes
+from memfit.distributed import is_fsdp
 from memfit.methods import Dynamic, Method, make_method, save_plans
 from memfit.model import MemoryModel, bucket_key, shape_key
 from memfit.planner import InfeasiblePlanError, Plan, PlanCache, plan_blocks
@@ -92,7 +93,7 @@ def _expected_optimizer_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     if any(g.get("amsgrad") for g in optimizer.param_groups):
         per_byte += 1.0
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    return int(per_byte * sum(p.numel() * p.element_size() for p in params))
+    return int(per_byte * sum(local(p).numel() * p.element_size() for p in params))
 
 
 class Planning:
@@ -220,7 +221,6 @@ class Controller:
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.accounting = "cuda" if self.device.type == "cuda" else "logical"
 
-        params = list(model.parameters()) + list(model.buffers())
         static_parts = self._check_static_need(optimizer)
         if budget_bytes is not None and self.accounting == "cuda" and cap:
             apply_cuda_cap(budget_bytes, self.device)
@@ -232,11 +232,16 @@ class Controller:
         self.planning = Planning(
             len(self.blocks), _group_ids(self.blocks), budget_bytes, int(margin * (budget_bytes or 0)), bucket_tokens
         )
-        self._counter = SavedTensorCounter(len(self.blocks), exclude=params)
-        self._exclude_ptrs = {t.untyped_storage().data_ptr() for t in params}
+        # Parameters and buffers are never activations (under FSDP: this rank's shards).
+        tensors = list(model.parameters()) + list(model.buffers())
+        self._counter = SavedTensorCounter(len(self.blocks), exclude=tensors)
+        self._exclude_ptrs = self._counter.excluded_ptrs
         self._param_bytes = static_parts["parameters"] + static_parts["gradients"]
         self._grad_params = [p for p in model.parameters() if p.requires_grad]
         self._expected_opt_bytes = _expected_optimizer_bytes(optimizer)
+        self._fsdp = is_fsdp(model)
+        self._fsdp_blocks_seen: set[int] = set()
+        self._first_forward = True
         self.rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
         self._writer = JsonlWriter(log) if log else None
         self._records: list[StepRecord] = []
@@ -304,7 +309,7 @@ class Controller:
         + optimizer state, counted.
         """
         if self.accounting == "cuda":
-            missing = sum(p.numel() * p.element_size() for p in self._grad_params if p.grad is None)
+            missing = sum(local(p).numel() * p.element_size() for p in self._grad_params if p.grad is None)
             if self.optimizer is not None and not self.optimizer.state:
                 missing += self._expected_opt_bytes
             return torch.cuda.memory_allocated(self.device) + missing
@@ -314,6 +319,13 @@ class Controller:
         self._finish_step()
         if not (module.training and torch.is_grad_enabled()):
             return
+        if self._first_forward:
+            self._first_forward = False
+            if not self._fsdp and is_fsdp(self.model):
+                raise RuntimeError(
+                    "the model was sharded with FSDP after memfit.fit: call memfit.fit after fully_shard, so "
+                    "memfit counts this rank's shards (NOTE [FSDP's unsharded parameters] in memfit/accounting.py)"
+                )
         if self.accounting == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.planning.static_bytes = self._static_now()
@@ -374,6 +386,13 @@ class Controller:
         pending = self._pending
         if pending is None or not self._counter.active:
             return
+        if self._fsdp and block.index not in self._fsdp_blocks_seen:
+            # NOTE [FSDP's unsharded parameters]: FSDP has just gathered this block's (and,
+            # at the first block, the root's) parameters; their storages are now known.
+            self._counter.exclude_parameters(block.module.parameters())
+            if not self._fsdp_blocks_seen:
+                self._counter.exclude_parameters(self.model.parameters())
+            self._fsdp_blocks_seen.add(block.index)
         if pending["decision"] is None:
             self._decide(pending, args, kwargs)
         self._counter.current = block.index
@@ -416,7 +435,7 @@ class Controller:
         detached = tree_map(
             lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t, (args, kwargs)
         )
-        probe = ProbeCounter(self._exclude_ptrs)
+        probe = ProbeCounter(self._exclude_ptrs, self._counter.parameter_storages)
         cuda = self.device.type == "cuda"
         devices = [self.device] if cuda else []
         with torch.random.fork_rng(devices=devices), torch.enable_grad(), probe.hooks():
