@@ -22,7 +22,7 @@ if [ "$mode" = --tiny ]; then
     low=10MB high=16MB limit=180  # logical budgets: rank 0 peaks near 7 MB, rank 1 near 23 MB
 else
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/device.txt" 2>&1
-    common=(--steps 100 --batch_size 32 --lengths0 32:256 --lengths1 256:512 --gpu_warmup_s 2)
+    common=(--steps "${DDP_STEPS:-100}" --batch_size 32 --lengths0 32:256 --lengths1 256:512 --gpu_warmup_s 2)
     low=6GB high=8GB limit=100  # a configuration takes about 35 s
 fi
 port=29650

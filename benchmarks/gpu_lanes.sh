@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One session on a 2-GPU machine: two lanes of single-GPU benchmarks side by side (each lane
-# on its own GPU: every ratio is taken within one lane, on one GPU), then the 2-GPU DDP run.
+# One session on a 2-GPU machine: the 2-GPU DDP run, then two lanes of single-GPU benchmarks
+# side by side (each lane on its own GPU: every ratio is taken within one lane, on one GPU).
 # Usage (repository root, on the GPU machine):
 #   bash benchmarks/gpu_lanes.sh OUT_DIR TOKENIZER_DIR ORACLE_SWEEPS_DIR
 # TOKENIZER_DIR: an uncased BERT tokenizer (benchmarks/carry_tokenizer.sh);
@@ -28,9 +28,11 @@ lane_b() {  # GPU 1: the four tasks, then what the other issues' scripts measure
     python3 -m memfit.cli bench --tasks multiple-choice question-answering text-classification token-classification \
         --methods none full dynamic --uncapped_none_only --budgets 6 8 --steps 300 --gpu_warmup_s 2 \
         --output_dir "$out/tasks" -- --config_name bert-base-uncased --tokenizer_name "$tok" > "$out/tasks.log" 2>&1
-    for script in ${LANE_B_EXTRA:-}; do bash -c "$script" >> "$out/extra.log" 2>&1; done
+    python3 benchmarks/detection_bench.py --output_dir "$out/detection" --time_limit_s "${DETECTION_LIMIT_S:-240}" \
+        > "$out/detection.log" 2>&1
     echo done > "$out/LANE_B"
 }
+DDP_STEPS=${DDP_STEPS:-60} timeout 400 bash benchmarks/ddp_bench.sh "$out/ddp" > "$out/ddp.log" 2>&1
+echo done > "$out/DDP"
 lane_a & lane_b & wait
-[ -n "${DDP_CMD:-}" ] && bash -c "$DDP_CMD" > "$out/ddp.log" 2>&1
 echo finished > "$out/DONE"
