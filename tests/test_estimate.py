@@ -280,6 +280,15 @@ def test_checkpointing_earliest_blocks_peak():
     assert [acts.total_bytes(k) for k in range(4)] == [310, 10 + 5 + 200, 10 + 10 + 100, 10 + 10 + 100]
 
 
+def test_profile_leaves_the_callers_config_alone():
+    # from_config(attn_implementation="eager") sets the kernel on the config it is given: a
+    # model built afterwards from the caller's config would silently run eager attention
+    config = tiny_config()
+    before = config._attn_implementation
+    ModelProfile.from_config(config)
+    assert config._attn_implementation == before
+
+
 def test_text_model_needs_seq_length(profile):
     with pytest.raises(ValueError, match="--seq_length"):
         activation_profile(profile, 2)

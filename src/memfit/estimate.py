@@ -37,6 +37,7 @@ Units: GiB = 2**30 bytes, GB = 10**9 bytes. All fields are plain bytes.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import json
 import math
@@ -377,7 +378,9 @@ class ModelProfile:
         _check_choice("task", task, tuple(TASKS))
         auto = getattr(transformers, TASKS[task])
         # eager attention: counting on the meta device (non-BERT models) then sees plain ops;
-        # the BERT formula takes the attention kernel as its own argument.
+        # the BERT formula takes the attention kernel as its own argument. from_config sets
+        # the attention kernel on the config it is given: a copy keeps the caller's intact.
+        config = copy.deepcopy(config)
         with torch.device("meta"):
             try:
                 model = auto.from_config(config, attn_implementation="eager")
