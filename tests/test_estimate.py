@@ -454,7 +454,7 @@ def _best_none_total(profile: ModelProfile) -> int:
 )
 def test_advisor_ranking(profile, budget, expect):
     budget_bytes = budget(profile)
-    ranked = advise(profile, BATCH, budget_bytes, seq_length=S)
+    ranked = advise(profile, BATCH, budget_bytes, seq_length=S, margin=0.0)
     assert expect(ranked[0])
     assert all(a.estimate.fits(budget_bytes) for a in ranked)
     times = [a.relative_time for a in ranked]
@@ -469,12 +469,22 @@ def test_advisor_tight_budget_needs_checkpointing_or_accumulation():
     none = estimate(profile, TrainingSetup("bf16", "adafactor", micro_batch_size=BATCH), **inputs)
     full = estimate(profile, TrainingSetup("bf16", "adafactor", micro_batch_size=BATCH, checkpoint="full"), **inputs)
     assert full.total_bytes < none.total_bytes
-    best = advise(profile, BATCH, none.total_bytes - 1, **inputs)[0]
+    best = advise(profile, BATCH, none.total_bytes - 1, margin=0.0, **inputs)[0]
     assert best.method != "none" or best.estimate.setup.accumulation_steps > 1
 
 
+def test_advisor_keeps_a_margin(profile):
+    # a budget the fastest setup fills exactly: advised with no margin, not with the default
+    budget = _best_none_total(profile)
+    assert advise(profile, BATCH, budget, seq_length=S, margin=0.0)[0].estimate.total_bytes == budget
+    ranked = advise(profile, BATCH, budget, seq_length=S, margin=0.001)
+    assert all(a.estimate.total_bytes <= 0.999 * budget for a in ranked)
+    with pytest.raises(ValueError, match="--margin 1"):
+        advise(profile, BATCH, budget, seq_length=S, margin=1)
+
+
 def test_advisor_impossible_budget_names_bytes(profile):
-    with pytest.raises(NothingFitsError, match=r"nothing fits the budget of 0\.00 GiB \(1,000 bytes\).*needs .* \([\d,]+ bytes\).*--memory_budget"):
+    with pytest.raises(NothingFitsError, match=r"nothing fits the budget of 0\.00 GiB \(1,000 bytes\) with 3% of it kept free.*needs .* \([\d,]+ bytes\).*--memory_budget"):
         advise(profile, BATCH, 1000, seq_length=S)
 
 

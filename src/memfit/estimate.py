@@ -948,6 +948,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memory_budget", help="budget to check: '6GiB' (6*2**30), '6GB' (6*10**9) or bytes")
     p.add_argument("--advise", action="store_true", help="list the fastest setups that fit --memory_budget")
     p.add_argument("--top", type=int, default=10, help="setups listed by --advise")
+    from memfit.advise import DEFAULT_MARGIN
+
+    p.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
+                   help="share of --memory_budget that --advise keeps free (allocator fragmentation, estimate error)")
     return p
 
 
@@ -975,8 +979,9 @@ def main(argv: list[str] | None = None) -> int:
 
             half = "fp16" if args.precision == "fp16" else "bf16"
             optimizers = [args.optimizer] + [o for o in ("adamw", "adafactor", "adamw-8bit") if o != args.optimizer]
-            ranked = advise(profile, args.batch_size, budget, precisions=("fp32", half), optimizers=optimizers, **inputs)
-            print(format_advice(ranked, args.memory_budget, top=args.top, title=title))
+            ranked = advise(profile, args.batch_size, budget, precisions=("fp32", half), optimizers=optimizers,
+                            margin=args.margin, **inputs)
+            print(format_advice(ranked, args.memory_budget, top=args.top, title=title, margin=args.margin))
             for name in optimizers:
                 if not optimizer_available(name):
                     print(f"note: {name} not considered: {OPTIMIZERS[name].needs} is not installed")
