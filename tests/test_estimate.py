@@ -128,10 +128,9 @@ def test_total_and_fits(profile):
 
 # ----------------------------------------------------------------------- activation formula
 
-# CPU kernels differ from CUDA ones: unfused dropout saves its scaled noise in the input dtype
-# (not a bool mask), and CPU autocast leaves softmax in bf16 when no float mask promotes it.
-CPU_FP32 = ElementBytes(matmul=4, dropout_mask=4)
-CPU_BF16 = ElementBytes(matmul=2, softmax=2, dropout_mask=2, input_copies=3)
+# CPU kernels differ from CUDA ones (ElementBytes.cpu says how)
+CPU_FP32 = ElementBytes.cpu("fp32")
+CPU_BF16 = ElementBytes.cpu("bf16")
 
 
 def _layer_case(attention: str, attention_dropout: float, padded: bool, device: str = "cpu"):

@@ -203,7 +203,7 @@ class ElementBytes:
 
     The values differ between fp32 and autocast, and between CUDA and CPU kernels;
     :meth:`cuda` gives the CUDA ones (checked against counted bytes on an H200 by the
-    ``gpu`` test), tests build the CPU ones explicitly.
+    ``gpu`` test), :meth:`cpu` the CPU ones (checked by the CPU tests).
     """
 
     matmul: int
@@ -224,6 +224,19 @@ class ElementBytes:
         """The element sizes of CUDA kernels for ``precision`` (fp32, fp16 or bf16)."""
         _check_choice("precision", precision, PRECISIONS)
         return cls(matmul=4) if precision == "fp32" else cls(matmul=2, input_copies=3)
+
+    @classmethod
+    def cpu(cls, precision: str) -> "ElementBytes":
+        """The element sizes of CPU kernels for ``precision`` (fp32 or bf16).
+
+        Unfused dropout saves its scaled noise in the input dtype (not a bool mask), and CPU
+        autocast leaves softmax in bf16 when no float mask promotes it. Attention dropout
+        makes CPU SDPA fall back to the unfused kernel (use ``attention="eager"`` then).
+        """
+        _check_choice("precision", precision, ("fp32", "bf16"))
+        if precision == "fp32":
+            return cls(matmul=4, dropout_mask=4)
+        return cls(matmul=2, softmax=2, dropout_mask=2, input_copies=3)
 
 
 def bert_layer_saved_bytes(
