@@ -247,9 +247,12 @@ def _child(cfg: dict, conn) -> None:
         conn.close()
 
 
-def _run_forked(configs: list[dict], jobs: int) -> list[dict]:
-    """Run ``_measure`` for each config in a forked child, ``jobs`` at a time, in order."""
-    ctx = multiprocessing.get_context("fork")
+def _run_forked(configs: list[dict], jobs: int, start_method: str = "fork") -> list[dict]:
+    """Run ``_measure`` for each config in a child process, ``jobs`` at a time, in order."""
+    if start_method == "fork" and torch.cuda.is_initialized():
+        print("CUDA is initialised in this process: forked children could not use it; spawning them", flush=True)
+        start_method = "spawn"
+    ctx = multiprocessing.get_context(start_method)
     pending = list(enumerate(configs))
     running: list[tuple[int, dict, multiprocessing.Process, object, float]] = []
     results: dict[int, dict] = {}
@@ -349,7 +352,7 @@ def _table_a(results: list[dict]) -> str:
 
 def part_a(args: argparse.Namespace, out: Path) -> None:
     configs = _configs_a(args)
-    results = _run_forked(configs, args.jobs)
+    results = _run_forked(configs, args.jobs, args.start_method)
     with open(out / "estimate_vs_measured.jsonl", "w", encoding="utf-8") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in results)
     with open(out / "estimate_vs_measured.csv", "w", newline="", encoding="utf-8") as fh:
@@ -597,6 +600,8 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--checkpoints", nargs="+", choices=("none", "full"), default=["none", "full"])
     a.add_argument("--steps", type=int, default=3, help="training steps per configuration; the last is measured")
     a.add_argument("--jobs", type=int, default=None, help="configurations measured at once (default 4 on CUDA, 1 on CPU)")
+    a.add_argument("--start_method", choices=("fork", "spawn"), default="fork",
+                   help="how children start: spawn re-imports torch in each (slower), should fork ever fail")
     b = p.add_argument_group("b: a hard cap with the advised flags")
     b.add_argument("--cap_model", default="bert-large-uncased")
     b.add_argument("--cap_budget", default="4GiB")
