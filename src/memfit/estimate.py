@@ -9,34 +9,63 @@ the setups that fit a budget and ranks them by estimated step time.
 Units: GiB = 2**30 bytes, GB = 10**9 bytes. All fields are plain bytes.
 
 # NOTE [What each part assumes]
-* weights: 4 B/param (fp32). Under fp16/bf16 mixed precision (autocast) the fp32 master
-  weights stay and autocast keeps a 2 B half copy of every weight that feeds a matmul
-  (``nn.Linear``/``nn.Conv*``; embeddings and LayerNorm are not cast), saved for backward:
-  4 + 2 = 6 B/param for those, so at most 6 B/param overall.
+* weights: 4 B/param (fp32 master weights, in every precision).
+* autocast copies: under fp16/bf16 mixed precision (autocast) a 2 B half copy of every weight
+  that feeds a matmul (``nn.Linear``/``nn.Conv*``; embeddings and LayerNorm are not cast).
+  Autocast caches them for the whole forward and the layers save them for backward, which
+  frees a layer's copies when it has run; none is left at ``optimizer.step()``.
 * gradients: 4 B/param (fp32 gradients of the fp32 master weights, in every precision).
-  Counted whole together with all activations, which is exact from the second micro-step of
-  an accumulation window and an upper bound otherwise (``zero_grad(set_to_none=True)`` lets
-  gradients grow while backward frees activations).
+  With ``zero_grad(set_to_none=True)`` they appear during backward, block by block, while the
+  blocks' saved activations are freed (NOTE [Phases of a step]).
 * optimizer state (fp32): AdamW 8 B/param (exp_avg, exp_avg_sq); 8-bit AdamW
   (bitsandbytes) 2 B/param plus one fp32 absmax per 256 values and state, for tensors of at
   least 4096 values (smaller ones keep 8 B/param); Adafactor (HF, ``beta1=None``) a row and
   a column second-moment vector for tensors of 2+ dims ((rows + cols)·4 B) and 4 B/param
   for 1-D ones; SGD none; SGD with momentum 4 B/param.
-* optimizer step temporaries: foreach AdamW allocates ``sqrt(exp_avg_sq)`` (4 B/param)
-  during ``step()``, Adafactor about three fp32 copies of its largest tensor. They live after
-  backward has freed the activations, so the peak holds the larger of the two.
+* optimizer step temporaries: foreach AdamW (``--optim adamw_torch``, the CUDA default of
+  ``torch.optim.AdamW``) allocates ``sqrt(exp_avg_sq)`` (4 B/param) during ``step()``;
+  HF Adafactor, looping over tensors, two fp32 tensors the size of the largest parameter
+  (``grad**2 + eps`` while ``grad**2`` lives, then the factored update while the previous
+  one lives).
 * activations: bytes saved for backward (``saved_tensors_hooks`` bytes), from the analytic
   formula of :func:`bert_layer_saved_bytes` for BERT-family encoders, else counted by
   running the model on the meta device (see :func:`activation_profile`).
+* backward temporaries: the gradients a block's backward holds besides what it saved, from
+  :func:`bert_layer_backward_bytes` for BERT-family encoders; twice the block's input (the
+  gradients of its output and input) for other models.
+* CUDA library workspaces: cuBLAS and cuBLASLt allocate their workspaces through PyTorch's
+  caching allocator at the first matmul and keep them, so they count against a cap:
+  :data:`LIBRARY_WORKSPACE_BYTES`.
 * CUDA context: about 1 GB (10**9) for the driver context, cuBLAS/cuDNN handles and loaded
   kernels. It lives outside PyTorch's caching allocator, so a budget enforced with
   ``torch.cuda.set_per_process_memory_fraction`` does not include it: the GPU must hold
   budget + context.
+
+# NOTE [Phases of a step]
+The allocator's peak is the larger of two moments, both on top of the weights, the
+optimizer state and the library workspaces:
+
+* forward and backward: at the end of the forward every kept activation is alive, with all
+  autocast copies (the cache holds even those of checkpointed blocks until autocast exits).
+  Backward then runs the blocks in reverse; while block j runs, the blocks before it still
+  hold what they kept, block j holds all it saved (recomputed, when checkpointed) and its
+  backward temporaries, and the gradients of the head and of every block after j exist.
+  For long inputs the first block to run backward (the last one) sets the peak, for short
+  ones the last (gradients have replaced most activations). The embeddings' gradients
+  appear after every block has run, so they count in the optimizer step only.
+* optimizer step: all gradients plus the step's temporaries; activations and autocast
+  copies are gone.
+
+Counting gradients and activations whole at the same time instead would over-estimate by up
+to the smaller of the two: 14% for bert-base (fp32, AdamW, batch 32 × 52 tokens) against the
+peaks measured on an H200 (``benchmarks/results/nvidia-h200/engine``).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import importlib.util
 import json
 import math
@@ -58,14 +87,17 @@ __all__ = [
     "OPTIMIZERS",
     "optimizer_available",
     "CUDA_CONTEXT_BYTES",
+    "LIBRARY_WORKSPACE_BYTES",
     "ElementBytes",
     "bert_layer_saved_bytes",
+    "bert_layer_backward_bytes",
     "load_config",
     "ModelProfile",
     "ActivationProfile",
     "activation_profile",
     "TrainingSetup",
     "MemoryEstimate",
+    "backward_phase_bytes",
     "estimate",
     "format_table",
     "main",
@@ -84,6 +116,11 @@ TASKS = {
 PRECISIONS = ("fp32", "bf16", "fp16")
 #: Round figure for the CUDA context (see NOTE [What each part assumes]); outside the cap.
 CUDA_CONTEXT_BYTES = 10**9
+#: cuBLAS + cuBLASLt workspaces inside the caching allocator (NOTE [What each part assumes]):
+#: 32 MiB each on Hopper. On an H200 (torch 2.11) the allocator held 68.4 MB more than
+#: weights + gradients + AdamW state at every step start of the engine benchmark. Older GPUs
+#: use smaller workspaces, so there this over-counts by a few tens of MiB.
+LIBRARY_WORKSPACE_BYTES = 64 * 2**20
 # Encoders whose layers are BertLayer copies, so the analytic formula applies.
 _BERT_FAMILY = frozenset({"bert", "roberta", "xlm-roberta", "camembert"})
 _BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps 32-bit state below this many values
@@ -123,7 +160,7 @@ def _no_bytes(shapes: Sequence[Sequence[int]]) -> int:
 
 
 def _adafactor_step_temp(shapes: Sequence[Sequence[int]]) -> int:
-    return 3 * 4 * max((_numel(s) for s in shapes), default=0)
+    return 2 * 4 * max((_numel(s) for s in shapes), default=0)
 
 
 @dataclass(frozen=True)
@@ -166,7 +203,7 @@ class ElementBytes:
 
     The values differ between fp32 and autocast, and between CUDA and CPU kernels;
     :meth:`cuda` gives the CUDA ones (checked against counted bytes on an H200 by the
-    ``gpu`` test), tests build the CPU ones explicitly.
+    ``gpu`` test), :meth:`cpu` the CPU ones (checked by the CPU tests).
     """
 
     matmul: int
@@ -187,6 +224,19 @@ class ElementBytes:
         """The element sizes of CUDA kernels for ``precision`` (fp32, fp16 or bf16)."""
         _check_choice("precision", precision, PRECISIONS)
         return cls(matmul=4) if precision == "fp32" else cls(matmul=2, input_copies=3)
+
+    @classmethod
+    def cpu(cls, precision: str) -> "ElementBytes":
+        """The element sizes of CPU kernels for ``precision`` (fp32 or bf16).
+
+        Unfused dropout saves its scaled noise in the input dtype (not a bool mask), and CPU
+        autocast leaves softmax in bf16 when no float mask promotes it. Attention dropout
+        makes CPU SDPA fall back to the unfused kernel (use ``attention="eager"`` then).
+        """
+        _check_choice("precision", precision, ("fp32", "bf16"))
+        if precision == "fp32":
+            return cls(matmul=4, dropout_mask=4)
+        return cls(matmul=2, softmax=2, dropout_mask=2, input_copies=3)
 
 
 def bert_layer_saved_bytes(
@@ -263,6 +313,27 @@ def bert_layer_saved_bytes(
         total += b * a * (-(-s // 32) * 32) * 4 + (16 if attention_dropout else 0)
         total += b * s * s * e.matmul if padding_mask else 0
     return total
+
+
+def bert_layer_backward_bytes(rows: int, seq_length: int, hidden: int, intermediate: int, *, element_bytes: ElementBytes) -> int:
+    """Bytes one BERT layer's backward holds on top of what the layer saved (its peak).
+
+    At the feed-forward part: the gradients of the GELU output and input (b·s·i, matmul
+    element size; the first replaces the saved GELU output, freed by then) and two
+    residual-stream gradients (b·s·h, fp32)::
+
+        b·s · (i·E + 2·h·R)
+
+    The H200 engine run (bert-base, fp32, batch 32 × 32..512 tokens) grew by 17.7 kB per
+    token over weights + state + saved activations + workspaces (i + 1.75·h floats); the
+    formula gives 18.4 kB. Mixed precision has not been measured on a GPU yet.
+
+    Example:
+        >>> bert_layer_backward_bytes(8, 128, 768, 3072, element_bytes=ElementBytes.cuda("fp32"))
+        18874368
+    """
+    e = element_bytes
+    return rows * seq_length * (intermediate * e.matmul + 2 * hidden * e.residual)
 
 
 def _bert_outside_bytes(config: Any, task: str, rows: int, s: int, e: ElementBytes) -> int:
@@ -354,6 +425,12 @@ class ModelProfile:
     """Values in weights of ``nn.Linear``/``nn.Conv*`` (autocast keeps a half copy of those)."""
     n_blocks: int
     """Checkpointable blocks (transformer layers)."""
+    block_params: tuple[int, ...] = ()
+    """Trainable parameters of each block (empty: unknown, all counted as head)."""
+    block_matmul_params: tuple[int, ...] = ()
+    """Matmul weight values of each block (their autocast copies are saved by the block)."""
+    embedding_params: int = 0
+    """Trainable parameters of the input embeddings, whose gradients backward makes last."""
 
     @property
     def n_params(self) -> int:
@@ -377,31 +454,43 @@ class ModelProfile:
         _check_choice("task", task, tuple(TASKS))
         auto = getattr(transformers, TASKS[task])
         # eager attention: counting on the meta device (non-BERT models) then sees plain ops;
-        # the BERT formula takes the attention kernel as its own argument.
+        # the BERT formula takes the attention kernel as its own argument. from_config sets
+        # the attention kernel on the config it is given: a copy keeps the caller's intact.
+        config = copy.deepcopy(config)
         with torch.device("meta"):
             try:
                 model = auto.from_config(config, attn_implementation="eager")
             except ValueError as exc:
                 raise ValueError(f"--task {task}: {type(config).__name__} has no such head ({exc})") from None
-        params = [p for p in model.parameters() if p.requires_grad]
-        matmul = sum(
-            m.weight.numel() for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))
-        )
-        if config.model_type in _BERT_FAMILY:
-            n_blocks = config.num_hidden_layers
-        else:
-            from memfit.blocks import find_blocks
+        from memfit.blocks import find_blocks
 
-            n_blocks = len(find_blocks(model))
+        params = [p for p in model.parameters() if p.requires_grad]
+        blocks = [b for _, b in find_blocks(model)]
+        if config.model_type in _BERT_FAMILY and len(blocks) != config.num_hidden_layers:
+            raise ValueError(f"found {len(blocks)} blocks in a model with {config.num_hidden_layers} layers")
+        embeddings = [m for n, m in model.named_modules() if n.split(".")[-1] == "embeddings" or isinstance(m, nn.Embedding)]
         return cls(
             name=name or getattr(config, "name_or_path", "") or config.model_type,
             task=task,
             config=config,
             model=model,
             param_shapes=tuple(tuple(p.shape) for p in params),
-            matmul_weight_params=matmul,
-            n_blocks=n_blocks,
+            matmul_weight_params=_matmul_params(model),
+            n_blocks=len(blocks),
+            block_params=tuple(_trainable_params(b) for b in blocks),
+            block_matmul_params=tuple(_matmul_params(b) for b in blocks),
+            embedding_params=_trainable_params(*embeddings),
         )
+
+
+def _matmul_params(module: nn.Module) -> int:
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)))
+
+
+def _trainable_params(*modules: nn.Module) -> int:
+    """Trainable values of ``modules``, each parameter counted once (modules may nest)."""
+    unique = {id(p): p for m in modules for p in m.parameters() if p.requires_grad}
+    return sum(p.numel() for p in unique.values())
 
 
 @dataclass(frozen=True)
@@ -414,6 +503,20 @@ class ActivationProfile:
     """Per block, when it is not checkpointed."""
     block_input_bytes: tuple[int, ...]
     """Per block, when it is checkpointed: the inputs the checkpoint keeps."""
+    block_backward_bytes: tuple[int, ...] = ()
+    """Per block, the temporaries of its backward on top of what it saved (empty: none)."""
+    input_saved: bool = True
+    """Whether a block saves its input tensor itself (fp32), so that recomputing it adds
+    nothing for the input the checkpoint kept; under autocast it saves half copies instead."""
+
+    def recompute_bytes(self, index: int) -> int:
+        """Bytes block ``index`` holds while it is recomputed: what it saves, and its kept input."""
+        return self.block_bytes[index] + (0 if self.input_saved else self.block_input_bytes[index])
+
+    def kept_bytes(self, n_checkpointed: int) -> list[int]:
+        """Per block, what it keeps until backward with the first ``n_checkpointed`` checkpointed."""
+        blocks = zip(self.block_bytes, self.block_input_bytes)
+        return [given if k < n_checkpointed else saved for k, (saved, given) in enumerate(blocks)]
 
     def total_bytes(self, n_checkpointed: int) -> int:
         """Peak saved bytes with the ``n_checkpointed`` earliest blocks checkpointed.
@@ -425,11 +528,10 @@ class ActivationProfile:
         blocks < k plus block k recomputed. Checkpointing the earliest blocks keeps that
         second term lowest (checkpointing only the last block saves nothing at all).
         """
-        blocks = zip(self.block_bytes, self.block_input_bytes)
-        kept = [given if k < n_checkpointed else saved for k, (saved, given) in enumerate(blocks)]
+        kept = self.kept_bytes(n_checkpointed)
         peak, before = sum(kept), 0
         for k in range(n_checkpointed):
-            peak = max(peak, before + self.block_bytes[k])
+            peak = max(peak, before + self.recompute_bytes(k))
             before += kept[k]
         return self.outside_bytes + peak
 
@@ -443,15 +545,22 @@ def activation_profile(
     image_size: int | None = None,
     attention: str = "sdpa",
     num_choices: int = 4,
+    padding_mask: bool = True,
+    element_bytes: ElementBytes | None = None,
 ) -> ActivationProfile:
-    """Saved bytes per block for one micro-batch.
+    """Saved bytes per block for one micro-batch, and each block's backward temporaries.
 
-    BERT-family encoders use :func:`bert_layer_saved_bytes` with CUDA element sizes, plus
-    embeddings (token ids, LayerNorm, dropout), the task head and the log-softmax of the loss;
-    a checkpointed layer keeps its fp32 input (b·s·h·4). Other models are run once on the
-    meta device under ``saved_tensors_hooks`` and the saved bytes are counted per block: exact
-    for fp32 eager kernels, an upper bound for fused CUDA kernels and for fp16/bf16 (autocast
-    does not run on the meta device).
+    BERT-family encoders use :func:`bert_layer_saved_bytes` and
+    :func:`bert_layer_backward_bytes` with CUDA element sizes, plus embeddings (token ids,
+    LayerNorm, dropout), the task head and the log-softmax of the loss; a checkpointed layer
+    keeps its fp32 input (b·s·h·4). Other models are run once on the meta device under
+    ``saved_tensors_hooks`` and the saved bytes are counted per block: exact for fp32 eager
+    kernels, an upper bound for fused CUDA kernels and for fp16/bf16 (autocast does not run on
+    the meta device).
+
+    ``padding_mask`` (BERT family): whether batches carry padding, as dynamic padding almost
+    always makes them. ``element_bytes`` (BERT family) replaces the CUDA element sizes of
+    ``precision``, e.g. with those of CPU kernels.
 
     Raises:
         ValueError: when the input size flag does not match the model (text vs vision).
@@ -464,7 +573,7 @@ def activation_profile(
     rows = micro_batch_size * (num_choices if profile.task == "multiple-choice" else 1)
     config = profile.config
     if profile.bert_family:
-        e = ElementBytes.cuda(precision)
+        e = element_bytes or ElementBytes.cuda(precision)
         layer = bert_layer_saved_bytes(
             rows,
             seq_length,
@@ -475,14 +584,20 @@ def activation_profile(
             attention=attention,
             attention_dropout=config.attention_probs_dropout_prob > 0,
             hidden_dropout=config.hidden_dropout_prob > 0,
+            padding_mask=padding_mask,
         )
+        backward = bert_layer_backward_bytes(rows, seq_length, config.hidden_size, config.intermediate_size, element_bytes=e)
         n = config.num_hidden_layers
         return ActivationProfile(
             outside_bytes=_bert_outside_bytes(config, profile.task, rows, seq_length, e),
             block_bytes=(layer,) * n,
             block_input_bytes=(rows * seq_length * config.hidden_size * e.residual,) * n,
+            block_backward_bytes=(backward,) * n,
+            input_saved=e.input_copies == 1,
         )
-    return _count_on_meta(profile.model, _meta_inputs(profile, micro_batch_size, rows, seq_length, image_size))
+    counted = _count_on_meta(profile.model, _meta_inputs(profile, micro_batch_size, rows, seq_length, image_size))
+    # no formula: the gradients of a block's output and input, each the size of its input
+    return dataclasses.replace(counted, block_backward_bytes=tuple(2 * b for b in counted.block_input_bytes))
 
 
 def _meta_inputs(
@@ -612,15 +727,23 @@ class MemoryEstimate:
     checkpointed_blocks: int
     """Blocks checkpointed in this setup."""
     weights_bytes: int
-    """fp32 weights, plus the autocast half copies of matmul weights under fp16/bf16."""
+    """fp32 weights (master weights under fp16/bf16)."""
+    autocast_copies_bytes: int
+    """Half copies of the matmul weights under fp16/bf16 autocast (forward and backward only)."""
     gradients_bytes: int
     """fp32 gradients."""
     optimizer_state_bytes: int
     """Optimizer state."""
     activations_bytes: int
-    """Saved-for-backward bytes of one micro-batch at the start of backward."""
+    """Peak bytes saved for backward by one micro-batch (recomputed blocks included)."""
+    backward_bytes: int
+    """Peak over forward and backward, above weights and optimizer state: autocast copies,
+    saved activations, the gradients made so far and backward temporaries
+    (NOTE [Phases of a step])."""
     optimizer_step_bytes: int
     """Temporaries inside ``optimizer.step()`` (after activations are freed)."""
+    workspace_bytes: int = LIBRARY_WORKSPACE_BYTES
+    """cuBLAS/cuBLASLt workspaces: inside the caching allocator and the cap."""
     cuda_context_bytes: int = CUDA_CONTEXT_BYTES
     """CUDA context: outside the caching allocator and outside the budget cap."""
     notes: tuple[str, ...] = field(default=())
@@ -632,9 +755,19 @@ class MemoryEstimate:
         return self.weights_bytes + self.gradients_bytes + self.optimizer_state_bytes
 
     @property
+    def backward_peak_bytes(self) -> int:
+        """Allocator peak of forward and backward (workspaces included)."""
+        return self.workspace_bytes + self.weights_bytes + self.optimizer_state_bytes + self.backward_bytes
+
+    @property
+    def step_peak_bytes(self) -> int:
+        """Allocator peak of ``optimizer.step()`` (workspaces included)."""
+        return self.workspace_bytes + self.static_bytes + self.optimizer_step_bytes
+
+    @property
     def total_bytes(self) -> int:
         """Peak of the caching allocator: what a budget caps (CUDA context excluded)."""
-        return self.static_bytes + max(self.activations_bytes, self.optimizer_step_bytes)
+        return max(self.backward_peak_bytes, self.step_peak_bytes)
 
     @property
     def device_bytes(self) -> int:
@@ -646,6 +779,43 @@ class MemoryEstimate:
         return self.total_bytes <= budget_bytes
 
 
+def backward_phase_bytes(profile: ModelProfile, activations: ActivationProfile, n_checkpointed: int, half: bool) -> int:
+    """Peak over forward and backward above weights and optimizer state (NOTE [Phases of a step]).
+
+    Args:
+        profile: the model (its per-block parameters).
+        activations: saved and backward-temporary bytes per block for the micro-batch.
+        n_checkpointed: the first blocks checkpointed.
+        half: fp16/bf16 autocast (2 B copies of the matmul weights).
+
+    Returns:
+        The largest of: the end of the forward, and each block's backward.
+    """
+    n = profile.n_blocks
+    half_bytes = 2 if half else 0
+    block_params = profile.block_params or (0,) * n
+    block_copies = [half_bytes * m for m in (profile.block_matmul_params or (0,) * n)]
+    head_copies = half_bytes * profile.matmul_weight_params - sum(block_copies)
+    grads = [4 * p for p in block_params]
+    head_grads = 4 * (profile.n_params - sum(block_params) - profile.embedding_params)
+    temps = activations.block_backward_bytes or (0,) * n
+    kept = activations.kept_bytes(n_checkpointed)
+    # end of forward: the autocast cache holds every copy, checkpointed blocks' too
+    peak = activations.outside_bytes + sum(kept) + sum(block_copies) + head_copies
+    # block j's backward: blocks before it keep theirs (copies of un-checkpointed ones), it
+    # holds all it saves and its temporaries, the head and blocks after it have gradients
+    before = [0]
+    for j in range(n - 1):
+        before.append(before[-1] + kept[j] + (block_copies[j] if j >= n_checkpointed else 0))
+    grads_after = head_grads
+    for j in reversed(range(n)):
+        saved = activations.recompute_bytes(j) if j < n_checkpointed else activations.block_bytes[j]
+        current = saved + block_copies[j] + temps[j]
+        peak = max(peak, activations.outside_bytes + before[j] + current + grads_after)
+        grads_after += grads[j]
+    return peak
+
+
 def estimate(
     profile: ModelProfile,
     setup: TrainingSetup,
@@ -654,6 +824,7 @@ def estimate(
     image_size: int | None = None,
     attention: str = "sdpa",
     num_choices: int = 4,
+    padding_mask: bool = True,
     activations: ActivationProfile | None = None,
 ) -> MemoryEstimate:
     """Estimate the memory of one training step.
@@ -665,6 +836,7 @@ def estimate(
         image_size: pixels per side (vision models).
         attention: ``sdpa`` (fused, the transformers default) or ``eager``.
         num_choices: choices per example for ``multiple-choice``.
+        padding_mask: whether batches carry padding (BERT family; dynamic padding: yes).
         activations: a precomputed :func:`activation_profile` for this micro-batch and
             precision (the advisor reuses them); computed when ``None``.
 
@@ -685,11 +857,12 @@ def estimate(
             image_size=image_size,
             attention=attention,
             num_choices=num_choices,
+            padding_mask=padding_mask,
         )
     shapes = profile.param_shapes
     optimizer = OPTIMIZERS[setup.optimizer]
     k = setup.checkpointed_blocks(profile.n_blocks)
-    half_copies = 0 if setup.precision == "fp32" else 2 * profile.matmul_weight_params
+    half = setup.precision != "fp32"
     notes = []
     if not optimizer_available(setup.optimizer):
         notes.append(f"{optimizer.needs} is not installed here: `memfit train {' '.join(optimizer.train_flags)}` needs it")
@@ -703,10 +876,12 @@ def estimate(
         n_params=profile.n_params,
         n_blocks=profile.n_blocks,
         checkpointed_blocks=k,
-        weights_bytes=4 * profile.n_params + half_copies,
+        weights_bytes=4 * profile.n_params,
+        autocast_copies_bytes=2 * profile.matmul_weight_params if half else 0,
         gradients_bytes=4 * profile.n_params,
         optimizer_state_bytes=optimizer.state(shapes),
         activations_bytes=activations.total_bytes(k),
+        backward_bytes=backward_phase_bytes(profile, activations, k, half),
         optimizer_step_bytes=optimizer.step_temp(shapes),
         notes=tuple(notes),
     )
@@ -729,17 +904,21 @@ def format_table(est: MemoryEstimate, budget_bytes: int | None = None, *, title:
     """
     s = est.setup
     opt = OPTIMIZERS[s.optimizer]
-    weights_note = "4 B/param fp32" + ("" if s.precision == "fp32" else " master + 2 B per matmul weight (autocast copy)")
     rows = [
-        ("weights", est.weights_bytes, weights_note),
+        ("weights", est.weights_bytes, "4 B/param fp32" + ("" if s.precision == "fp32" else " (master weights)")),
+        ("autocast copies", est.autocast_copies_bytes,
+         "none in fp32" if s.precision == "fp32" else "2 B per matmul weight, freed by backward"),
         ("gradients", est.gradients_bytes, "4 B/param fp32"),
         ("optimizer state", est.optimizer_state_bytes, f"{s.optimizer} (fp32 state)"),
         ("activations", est.activations_bytes,
          f"saved for backward, {est.checkpointed_blocks} of {est.n_blocks} blocks checkpointed"),
-        ("optimizer step temporaries", est.optimizer_step_bytes,
-         "after backward frees activations: the peak takes the larger"),
-        ("total (what the budget caps)", est.total_bytes,
-         "weights + gradients + state + max(activations, step temporaries)"),
+        ("forward + backward", est.backward_bytes,
+         "above weights + state: copies + activations + gradients made so far + backward temporaries"),
+        ("optimizer step temporaries", est.optimizer_step_bytes, "with all gradients, after activations are freed"),
+        ("CUDA library workspaces", est.workspace_bytes, "cuBLAS/cuBLASLt, inside the allocator"),
+        ("peak of forward + backward", est.backward_peak_bytes, "workspaces + weights + state + forward + backward"),
+        ("peak of optimizer step", est.step_peak_bytes, "workspaces + weights + gradients + state + step temporaries"),
+        ("total (what the budget caps)", est.total_bytes, "the larger peak"),
         ("CUDA context", est.cuda_context_bytes, "outside the caching allocator and the budget cap"),
         ("total on the GPU", est.device_bytes, "total + CUDA context"),
     ]
@@ -782,6 +961,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memory_budget", help="budget to check: '6GiB' (6*2**30), '6GB' (6*10**9) or bytes")
     p.add_argument("--advise", action="store_true", help="list the fastest setups that fit --memory_budget")
     p.add_argument("--top", type=int, default=10, help="setups listed by --advise")
+    from memfit.advise import DEFAULT_MARGIN
+
+    p.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
+                   help="share of --memory_budget that --advise keeps free (allocator fragmentation, estimate error)")
     return p
 
 
@@ -809,8 +992,9 @@ def main(argv: list[str] | None = None) -> int:
 
             half = "fp16" if args.precision == "fp16" else "bf16"
             optimizers = [args.optimizer] + [o for o in ("adamw", "adafactor", "adamw-8bit") if o != args.optimizer]
-            ranked = advise(profile, args.batch_size, budget, precisions=("fp32", half), optimizers=optimizers, **inputs)
-            print(format_advice(ranked, args.memory_budget, top=args.top, title=title))
+            ranked = advise(profile, args.batch_size, budget, precisions=("fp32", half), optimizers=optimizers,
+                            margin=args.margin, **inputs)
+            print(format_advice(ranked, args.memory_budget, top=args.top, title=title, margin=args.margin))
             for name in optimizers:
                 if not optimizer_available(name):
                     print(f"note: {name} not considered: {OPTIMIZERS[name].needs} is not installed")
