@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import memfit
-from _models import build
+from _models import build, logical_peak
 from memfit.methods import save_plans
 
 
@@ -298,3 +298,28 @@ def test_backward_and_optimizer_peaks_are_read_apart(monkeypatch):
     full = ctl.planning.model.transient_full
     assert max(full.ys) <= 300
     assert not ctl._optimizer_handles
+
+
+def test_plans_stay_cached_once_the_model_fits(monkeypatch):
+    """A steady step that the model predicts within the margin changes nothing: plans stay cached."""
+    model, make_batch = _bert()
+    longest = make_batch(4, 96)
+    budget = (
+        logical_peak(model, longest, "none") + logical_peak(model, longest, "full")
+    ) // 2
+    ctl = memfit.fit(model, budget=budget, method="dynamic")
+    planned = []
+    original = ctl.planning._plan
+    monkeypatch.setattr(ctl.planning, "_plan", lambda k: planned.append(k) or original(k))
+    lengths = [24, 96, 48, 72, 88, 40]
+    for rnd in range(4):
+        for i, length in enumerate(lengths):
+            _step(model, make_batch(4, length), seed=10 * rnd + i)
+        if rnd == 1:  # every shape has run as a steady step
+            seen = len(planned)
+    records = ctl.records
+    ctl.remove()
+    assert seen >= len(lengths)
+    assert len(planned) == seen, planned[seen:]  # rounds 3 and 4: cache hits only
+    assert {r.n_checkpointed for r in records if r.phase == "steady"} != {0}, "budget never bound"
+    assert all(r.peak_allocated_bytes <= budget for r in records)

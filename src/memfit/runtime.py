@@ -486,7 +486,8 @@ class Controller:
         key = pending["key"]
         model = self.planning.model
         predicted = self.planning.predict_peak(key, decision.blocks) if model.ready else None
-        self._learn(key, decision, outside, by_block, transient, pending["evicted"])
+        miss = None if predicted is None else peak - predicted
+        self._learn(key, decision, outside, by_block, transient, pending["evicted"], miss)
         if predicted is not None and self.method.uses_model:
             miss = peak - predicted
             if miss > 0 and 1.25 * miss > self.planning.margin_bytes:
@@ -530,14 +531,21 @@ class Controller:
             model.optimizer_bytes = float(above_static)
             self.planning.cache.clear()
 
-    def _learn(self, key, decision, outside: int, by_block: list[int], transient: int, pending_evicted: Sequence[int] = ()) -> None:
+    def _learn(
+        self, key, decision, outside: int, by_block: list[int], transient: int,
+        pending_evicted: Sequence[int] = (), miss: int | None = None,
+    ) -> None:
         """Feed a finished step's measurements to the memory model.
 
-        Warm-up steps always add samples. A steady step adds one where the model
-        under-predicted (by more than 0.5%: safety), or over-predicted a shape by more than
-        1% of the budget (speed: it checkpointed for nothing); the partial transient regime
-        also learns its first 8 shapes. Every other steady step leaves the model and the
-        plan cache untouched, so plans stay cached (the planner's cost is a cache lookup).
+        Warm-up steps always add samples. A steady step (``miss``: observed minus predicted
+        peak) changes the model only when its peak was under-predicted by more than a
+        quarter of the margin (safety; or the backstop evicted) or over-predicted a new
+        shape by more than 1% of the budget (speed: it checkpointed for nothing); then each
+        curve that erred the same way by more than 0.5% learns the step's value. The partial
+        transient regime also learns its first 8 shapes. Every other steady step leaves the
+        model and the plan cache untouched, so plans stay cached: smaller errors are the
+        margin's to absorb, and each change of the model clears every cached plan (an H200
+        run that learned every 0.5% under-prediction replanned two steps in three).
         """
         model = self.planning.model
         planned = set(decision.blocks)
@@ -557,15 +565,17 @@ class Controller:
             transient_curve = model.transient_curve(every_block)
             curves.append((transient_curve, transient))
         changed = False
+        step_under = bool(pending_evicted) or (miss is not None and miss > self.planning.margin_bytes / 4)
+        step_over = miss is not None and self.budget_bytes is not None and -miss > 0.01 * self.budget_bytes
         for curve, observed in curves:
             if decision.warmup or not curve.fitted:
                 curve.add(key, observed)
                 changed = True
                 continue
             predicted = curve(key)
-            under = observed > predicted + 0.005 * abs(observed)
-            over = self.budget_bytes is not None and predicted - observed > 0.01 * self.budget_bytes
-            learn = under or (over and not curve.has(key))
+            under = step_under and observed > predicted + 0.005 * abs(observed)
+            over = step_over and observed < predicted - 0.005 * abs(observed) and not curve.has(key)
+            learn = under or over
             if curve is transient_curve:
                 learn = learn or (not curve.has(key) and curve.distinct_keys < 8)
             if learn:
