@@ -70,6 +70,17 @@ SIZES = {"vit": [32, 48, 64], "swin": [32, 48, 64]}
 TEXT_SIZES = [8, 24, 40, 16]
 
 
+def step_both_and_compare(model, reference, batch, seed: int, context: str) -> None:
+    """One forward + backward of ``model`` and ``reference`` under the same seed (same dropout
+    masks); their gradients must be bitwise equal; both are zeroed after."""
+    for m in (model, reference):
+        torch.manual_seed(seed)
+        m(**batch).loss.backward()
+    assert_grads_equal(model, reference, context)
+    model.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+
+
 def assert_grads_equal(model, reference, context: str) -> None:
     """Bitwise-equal gradients (``None`` where the reference has none)."""
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import memfit
-from _models import assert_grads_equal, logical_peak
+from _models import logical_peak, step_both_and_compare
 from memfit.blocks import find_blocks
 from memfit.tasks import DataFileError, DataTrainingArguments, ModelArguments, get_task
 from memfit.tasks import object_detection as det
@@ -94,13 +94,7 @@ def test_gradients_equal_with_and_without_checkpointing():
     budget = (logical_peak(model, largest, "none") + logical_peak(model, largest, "full")) // 2
     ctl = memfit.fit(model, budget=budget, method="dynamic", warmup_steps=2, warmup_keys=2)
     for step, batch in enumerate(batches * 2):
-        torch.manual_seed(1000 + step)
-        model(**batch).loss.backward()
-        torch.manual_seed(1000 + step)
-        reference(**batch).loss.backward()
-        assert_grads_equal(model, reference, f"step {step}")
-        model.zero_grad(set_to_none=True)
-        reference.zero_grad(set_to_none=True)
+        step_both_and_compare(model, reference, batch, 1000 + step, f"step {step}")
     steady = [r for r in ctl.records if r.phase == "steady"]
     assert any(0 < r.n_checkpointed < r.n_blocks for r in steady), "no partial plan: the test checks nothing"
     ctl.remove()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import memfit
-from _models import ARCHS, SIZES, TEXT_SIZES, assert_grads_equal, build, logical_peak
+from _models import ARCHS, SIZES, TEXT_SIZES, build, logical_peak, step_both_and_compare
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -27,13 +27,7 @@ def test_gradients_equal_no_checkpointing(arch, method):
     budget = (logical_peak(model, largest, "none") + logical_peak(model, largest, "full")) // 2
     ctl = memfit.fit(model, budget=budget, method=method, warmup_steps=2, warmup_keys=2) if method != "full" else memfit.fit(model, budget=budget, method="full")
     for step, batch in enumerate(batches):
-        torch.manual_seed(1000 + step)
-        model(**batch).loss.backward()
-        torch.manual_seed(1000 + step)
-        reference(**batch).loss.backward()
-        assert_grads_equal(model, reference, f"{arch}/{method} step {step}")
-        model.zero_grad(set_to_none=True)
-        reference.zero_grad(set_to_none=True)
+        step_both_and_compare(model, reference, batch, 1000 + step, f"{arch}/{method} step {step}")
     records = ctl.records
     assert len(records) == len(batches)
     if method in ("dynamic", "static"):
