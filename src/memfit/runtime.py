@@ -37,15 +37,15 @@ block): logical accounting keeps only 0.1% by default, too little for `reactive`
 
 # NOTE [Backstop]
 ``dynamic`` (``backstop=True``, the default) runs the blocks its plan leaves un-checkpointed
-under the reactive store too. It costs a pack hook per saved tensor and an RNG-state copy
-per block, and holding each such block's inputs until backward (for a recompute; blocks
-save them anyway, but for an attention mask that no block saves, which then lives on until
-backward); nothing else while the plan is right: room is made only when the bytes in
-use plus the largest block (predicted, or seen this step if larger) would leave less than a
-third of the margin free (the plan keeps the whole margin free). Then the DTR policy evicts already-run blocks, which are
-recomputed in backward; the step's record lists them. Such a step teaches the model the
-bytes its blocks saved (as counted before evicting: an under-prediction, so it refits) but
-not its transient, which the evictions lowered.
+under the reactive store too. While the plan is right that costs a pack hook per saved
+tensor and an RNG-state copy per block, and it keeps each such block's inputs until
+backward for a recompute (blocks save them anyway, except an attention mask that no block
+saves, which then lives on until backward). Room is made only when the bytes in use plus
+the largest block (predicted, or seen this step if larger) would leave less than a third of
+the margin free; the plan keeps the whole margin free. Then the DTR policy evicts
+already-run blocks, which are recomputed in backward; the step's record lists them. Such a
+step teaches the model the bytes its blocks saved (as counted before evicting: an
+under-prediction, so it refits) but not its transient, which the evictions lowered.
 
 # NOTE [No sync in steady state]
 A steady-state step reads only host-side values: ``memory_allocated``,
@@ -422,7 +422,7 @@ class Controller:
         largest = 0
         if self.method.backstop and not decision.warmup:
             model, k = self.planning.model, bucket_key(key, self.planning.bucket_tokens)
-            largest = int(max(model.block_full(i, k) for i in range(len(self.blocks))))
+            largest = int(max(m.full_bytes(k) for m in model.group_models.values()))
             for b in self.blocks:
                 b.runner = None if b.enabled else self._reactive.run
         elif self.method.backstop:
