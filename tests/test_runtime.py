@@ -323,3 +323,48 @@ def test_plans_stay_cached_once_the_model_fits(monkeypatch):
     assert len(planned) == seen, planned[seen:]  # rounds 3 and 4: cache hits only
     assert {r.n_checkpointed for r in records if r.phase == "steady"} != {0}, "budget never bound"
     assert all(r.peak_allocated_bytes <= budget for r in records)
+
+
+def test_plans_stay_cached_under_a_noisy_allocator(monkeypatch):
+    """The H200's pattern on CPU: peaks known to the model up to a few MB of allocator noise.
+
+    Step peak = static + the counted saved bytes + a transient linear in tokens + noise
+    below 0.3% of the budget (a tenth of the margin); the optimizer step adds a constant.
+    Once every shape has run, such noise must not change the model (each change clears
+    every cached plan: the 2026-11-22 H200 run replanned two steady steps in three).
+    """
+    model, make_batch = _bert()
+    inner = torch.optim.SGD(model.parameters(), lr=0.0)
+    longest = make_batch(4, 96)
+    budget = (logical_peak(model, longest, "none") + logical_peak(model, longest, "full")) // 2
+    ctl = memfit.fit(model, budget=budget, method="dynamic", backstop=False)
+    fake = _FakeAllocator()
+    fake.patch(monkeypatch)
+    ctl.accounting = "cuda"
+    ctl._grad_params = []  # the fake allocator's static memory is what it says
+    ctl.planning.margin_bytes = int(0.03 * budget)
+    ctl.set_optimizer(inner)
+    inner.register_step_pre_hook(lambda *_: fake.use(budget // 50))
+    planned = []
+    original = ctl.planning._plan
+    monkeypatch.setattr(ctl.planning, "_plan", lambda k: planned.append(k) or original(k))
+    rng = random.Random(0)
+    lengths = [24, 96, 48, 72, 88, 40, 64, 80]
+    for rnd in range(5):
+        for i, length in enumerate(lengths):
+            batch = make_batch(4, length)
+            torch.manual_seed(10 * rnd + i)
+            loss = model(**batch).loss
+            saved = ctl._counter.total_bytes
+            fake.use(saved + 40 * 4 * length - 2000 + rng.randint(0, int(0.003 * budget)))
+            loss.backward()
+            inner.step()
+            model.zero_grad(set_to_none=True)
+        if rnd == 2:  # every shape has run as a steady step, and the model has settled
+            seen = len(planned)
+    records = ctl.records
+    ctl.remove()
+    assert len(planned) == seen, planned[seen:]  # rounds 4 and 5: cache hits only
+    steady = [r for r in records if r.phase == "steady"]
+    assert {r.n_checkpointed for r in steady} != {0}, "budget never bound"
+    assert all(r.peak_allocated_bytes <= budget for r in steady)
