@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 VOCAB = 97
@@ -101,3 +103,16 @@ def logical_peak(model, batch, method: str) -> int:
     peak = ctl.records[-1].peak_allocated_bytes
     ctl.remove()
     return peak
+
+
+#: Small data files copied from ../shared/data (each folder has a SOURCE.md).
+FIXTURES = Path(__file__).parent / "fixtures"
+#: A 2-layer BERT config with the uncased vocabulary, for task and CLI runs.
+TINY_BERT = {
+    "model_type": "bert",
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 37,
+    "vocab_size": 30522,
+}

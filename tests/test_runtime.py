@@ -263,6 +263,18 @@ class _FakeAllocator:
         monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
 
 
+def _on_fake_allocator(monkeypatch, ctl, optimizer, margin=None):
+    """Make ``ctl`` account as on CUDA against a :class:`_FakeAllocator` the test drives."""
+    fake = _FakeAllocator()
+    fake.patch(monkeypatch)
+    ctl.accounting = "cuda"
+    ctl._grad_params = []  # the fake allocator's static memory is what it says
+    if margin is not None:
+        ctl.planning.margin_bytes = margin
+    ctl.set_optimizer(optimizer)
+    return fake
+
+
 def test_backward_and_optimizer_peaks_are_read_apart(monkeypatch):
     """NOTE [Three peaks]: the optimizer step's peak is learned apart from the transient."""
     model, make_batch = _bert()
@@ -277,11 +289,7 @@ def test_backward_and_optimizer_peaks_are_read_apart(monkeypatch):
             return self.optimizer.step(closure)
 
     ctl = memfit.fit(model, budget=None, method="full")
-    fake = _FakeAllocator()
-    fake.patch(monkeypatch)
-    ctl.accounting = "cuda"
-    ctl._grad_params = []  # the fake allocator's static memory is what it says
-    ctl.set_optimizer(Wrapped(inner))
+    fake = _on_fake_allocator(monkeypatch, ctl, Wrapped(inner))
     inner.register_step_pre_hook(lambda *_: fake.use(700))  # runs after memfit's: the step's temporaries
     for seed in range(3):
         batch = make_batch(2, 16)
@@ -338,12 +346,7 @@ def test_plans_stay_cached_under_a_noisy_allocator(monkeypatch):
     longest = make_batch(4, 96)
     budget = (logical_peak(model, longest, "none") + logical_peak(model, longest, "full")) // 2
     ctl = memfit.fit(model, budget=budget, method="dynamic", backstop=False)
-    fake = _FakeAllocator()
-    fake.patch(monkeypatch)
-    ctl.accounting = "cuda"
-    ctl._grad_params = []  # the fake allocator's static memory is what it says
-    ctl.planning.margin_bytes = int(0.03 * budget)
-    ctl.set_optimizer(inner)
+    fake = _on_fake_allocator(monkeypatch, ctl, inner, margin=int(0.03 * budget))
     inner.register_step_pre_hook(lambda *_: fake.use(budget // 50))
     planned = []
     original = ctl.planning._plan
@@ -378,12 +381,8 @@ def test_first_steps_transient_and_margin(monkeypatch):
     longest = make_batch(4, 96)
     budget = (logical_peak(model, longest, "none") + logical_peak(model, longest, "full")) // 2
     ctl = memfit.fit(model, budget=budget, method="dynamic", backstop=False)
-    fake = _FakeAllocator()
-    fake.patch(monkeypatch)
-    ctl.accounting = "cuda"
-    ctl._grad_params = []
-    margin = ctl.planning.margin_bytes = int(0.03 * budget)
-    ctl.set_optimizer(inner)
+    margin = int(0.03 * budget)
+    fake = _on_fake_allocator(monkeypatch, ctl, inner, margin=margin)
     state_bytes = ctl._expected_opt_bytes
     assert state_bytes > 0
 

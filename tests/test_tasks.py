@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import logging
 from importlib.util import find_spec
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, EvalPrediction
 
+from _models import FIXTURES, TINY_BERT
 from memfit.tasks import DataFileError, DataTrainingArguments, ModelArguments, get_task
 from memfit.tasks import multiple_choice as mc
 from memfit.tasks import question_answering as qa
@@ -29,15 +29,6 @@ from memfit.tasks._common import (
     minilm_path,
 )
 
-FIXTURES = Path(__file__).parent / "fixtures"
-TINY_BERT = {
-    "model_type": "bert",
-    "hidden_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "intermediate_size": 37,
-    "vocab_size": 30522,
-}
 
 FIXTURE_DATA = {
     "multiple-choice": dict(train_file="swag/sample.csv", validation_file="swag/sample.jsonl"),

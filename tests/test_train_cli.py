@@ -9,18 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from _models import FIXTURES, TINY_BERT
 from memfit.tasks._common import minilm_path
 from memfit.train import main, run
 
-FIXTURES = Path(__file__).parent / "fixtures"
-TINY_BERT = {
-    "model_type": "bert",
-    "hidden_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "intermediate_size": 37,
-    "vocab_size": 30522,
-}
 # task -> (train file, validation file, other flags)
 FIXTURE_DATA = {
     "multiple-choice": ("swag/sample.csv", "swag/sample.jsonl", []),
