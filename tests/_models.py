@@ -28,7 +28,12 @@ def _image_batch(n: int, size: int, **extra) -> dict[str, torch.Tensor]:
 
 
 def build(arch: str):
-    """Return ``(model, make_batch(n, size))`` for a tiny model of ``arch``."""
+    """Return ``(model, make_batch(n, size))`` for a tiny model of ``arch``.
+
+    Decoders train without a KV cache (``use_cache=False``), as memfit runs every block
+    whatever the plan (NOTE [No KV cache in training] in memfit/blocks.py): the reference
+    "training without checkpointing" is that same forward.
+    """
     import transformers as tf
 
     d = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=37, vocab_size=VOCAB)
@@ -49,13 +54,13 @@ def build(arch: str):
         cfg = tf.DebertaV2Config(**d, **drop, max_relative_positions=64, relative_attention=True, pos_att_type=["p2c", "c2p"])
         return tf.DebertaV2ForSequenceClassification(cfg), lambda n, s: _text_batch(n, s, "cls")
     if arch == "gpt2":
-        cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=2, n_positions=600, resid_pdrop=0.1, attn_pdrop=0.1, embd_pdrop=0.1)
+        cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=3, n_head=2, n_positions=600, resid_pdrop=0.1, attn_pdrop=0.1, embd_pdrop=0.1, use_cache=False)
         return tf.GPT2LMHeadModel(cfg), lambda n, s: _text_batch(n, s, "lm")
     if arch == "llama":
         cfg = tf.LlamaConfig(**d, num_key_value_heads=1, attention_dropout=0.1, max_position_embeddings=600)
         return tf.LlamaForCausalLM(cfg), lambda n, s: _text_batch(n, s, "lm")
     if arch == "t5":
-        cfg = tf.T5Config(vocab_size=VOCAB, d_model=32, d_ff=37, d_kv=16, num_layers=2, num_heads=2, dropout_rate=0.1, decoder_start_token_id=0)
+        cfg = tf.T5Config(vocab_size=VOCAB, d_model=32, d_ff=37, d_kv=16, num_layers=2, num_heads=2, dropout_rate=0.1, decoder_start_token_id=0, use_cache=False)
         return tf.T5ForConditionalGeneration(cfg), lambda n, s: _text_batch(n, s, "seq2seq")
     if arch == "vit":
         cfg = tf.ViTConfig(**{k: v for k, v in d.items() if k != "vocab_size"}, **drop, image_size=64, patch_size=8, num_labels=2)

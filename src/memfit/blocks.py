@@ -9,6 +9,16 @@ A *block* is one unit memfit may checkpoint: a transformer layer (``BertLayer``,
 3. otherwise the modules of ``nn.ModuleList`` containers whose items share a class, taking
    the class with the most such items (nested lists such as stages → layers included).
 
+# NOTE [No KV cache in training]
+Every block's training forward runs without a KV cache, whatever the plan. A block that
+may run twice (checkpoint recompute, the warm-up probe, a reactive eviction) cannot write
+one: the cache would hold every key twice, as Hugging Face's own checkpointing knows (it
+drops the cache too, unless the layer declares ``_can_checkpoint_with_cache``). And a
+block that does write one computes attention on the cache's concatenated copy of its keys
+and values, whose rounding differs from the uncached path (GPT-2, transformers 5.23:
+3e-8): checkpointed and un-checkpointed blocks would not give bitwise equal gradients. A
+training step never reads the cache, and the copy costs memory.
+
 # NOTE [Switch is read at call time]
 The wrapper replaces the block's ``forward`` on the *instance* (the class is untouched) and
 reads ``enabled`` every call, so a plan can change between steps without re-wrapping and
@@ -81,11 +91,11 @@ class Block:
         if listener is not None:
             listener.enter(self, args, kwargs)
         try:
+            args, kwargs = without_cache(self.module, args, kwargs)  # NOTE [No KV cache in training]
             if self.runner is not None:
                 return self.runner(self, args, kwargs)
             if not self.enabled:
                 return self.run_body(*args, **kwargs)
-            args, kwargs = without_cache(self.module, args, kwargs)
             return checkpoint(self.run_body, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
         finally:
             if listener is not None:
@@ -101,12 +111,9 @@ def _is_cache(value: Any) -> bool:
 
 
 def without_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-    """Drop KV-cache arguments for a body that runs twice (checkpoint recompute, probe).
+    """Drop KV-cache arguments from a training forward (NOTE [No KV cache in training]).
 
-    A cache written by the forward and again by the recompute holds every key twice, as
-    Hugging Face's own checkpointing knows (it does the same unless the layer declares
-    ``_can_checkpoint_with_cache``). Training needs no cache. Caches passed positionally
-    (GPT-2 does) are found by type.
+    Caches passed positionally (GPT-2 does) are found by type.
     """
     if getattr(module, "_can_checkpoint_with_cache", False):
         return args, kwargs
