@@ -1,10 +1,11 @@
 """The planner is pure: table-driven cases (habit 4)."""
 
 import itertools
+import random
 
 import pytest
 
-from memfit.planner import InfeasiblePlanError, PlanCache, plan_blocks
+from memfit.planner import InfeasiblePlanError, PlanCache, _is_homogeneous, plan_blocks
 
 CASES = [
     # (costs, savings, need, expected blocks)
@@ -56,3 +57,59 @@ def test_cache_counts_hits():
     assert (cache.hits, cache.misses) == (1, 1)
     cache.clear()
     assert cache.get("k") is None
+
+
+def _brute_force(costs, savings, need):
+    return min(
+        (sum(costs[i] for i in s), s)
+        for r in range(0, len(costs) + 1)
+        for s in itertools.combinations(range(len(costs)), r)
+        if sum(savings[i] for i in s) >= need
+    )
+
+
+def test_classes_match_brute_force():
+    """Mixed stacks of classes of identical blocks (Swin stages, encoder/decoder layers):
+    the enumeration that solves one class by division is exact, earliest blocks on ties."""
+    rng = random.Random(0)
+    for _ in range(60):
+        n_classes = rng.randint(2, 4)
+        pairs = [(rng.choice([0.5, 1.0, 1.5, 2.0]), rng.choice([0, 50, 120, 300, 410])) for _ in range(n_classes)]
+        blocks = [rng.randrange(n_classes) for _ in range(rng.randint(3, 10))]
+        costs = [pairs[c][0] for c in blocks]
+        savings = [pairs[c][1] for c in blocks]
+        if sum(savings) == 0 or _is_homogeneous(costs) and _is_homogeneous(savings):
+            continue
+        need = rng.randint(1, sum(savings))
+        plan = plan_blocks(costs, savings, need)
+        best_cost, _ = _brute_force(costs, savings, need)
+        assert sum(savings[i] for i in plan.blocks) >= need
+        assert plan.cost_ms == pytest.approx(best_cost)
+        # within a class the earliest blocks are taken
+        for cls in set(zip(costs, savings)):
+            members = [i for i, p in enumerate(zip(costs, savings)) if p == cls]
+            taken = [i for i in plan.blocks if i in members]
+            assert taken == members[: len(taken)]
+
+
+def test_swin_sized_stack_plans_exactly():
+    """A Swin-B-sized detector (classes of 2, 2, 18, 2, 6, 6 blocks): exact, every need."""
+    sizes = [2, 2, 18, 2, 6, 6]
+    pairs = [(1.0, 400), (1.2, 380), (1.5, 350), (2.0, 300), (0.4, 90), (0.3, 20)]
+    costs = [pairs[c][0] for c, n in enumerate(sizes) for _ in range(n)]
+    savings = [pairs[c][1] for c, n in enumerate(sizes) for _ in range(n)]
+    for need in (1, 399, 400, 401, 2500, 7000, sum(savings)):
+        plan = plan_blocks(costs, savings, need)
+        # exact by DP over counts per class (small numbers: bytes are the units)
+        best = {0: 0.0}
+        for c, n in enumerate(sizes):
+            nxt = {}
+            for saved, cost in best.items():
+                for k in range(n + 1):
+                    s = min(need, saved + k * pairs[c][1])
+                    v = cost + k * pairs[c][0]
+                    if v < nxt.get(s, float("inf")):
+                        nxt[s] = v
+            best = nxt
+        assert plan.saved_bytes >= need
+        assert plan.cost_ms == pytest.approx(best[need])
