@@ -139,3 +139,22 @@ def test_model_roundtrip():
         assert again.step_bytes(key, (2,)) == pytest.approx(model.step_bytes(key, (2,)))
     model.optimizer_bytes = 123.0
     assert MemoryModel.from_dict(model.to_dict()).optimizer_bytes == 123.0
+
+
+def test_over_prediction_matters_only_when_it_checkpointed_more():
+    """An over-predicted step teaches the model only if the right prediction would have
+    given a cheaper plan (each change of the model replans every shape)."""
+    planning = Planning(4, [0, 0, 0, 0], 1_000_000, margin_bytes=0, bucket_tokens=1)
+    planning.model = _model([16, 32, 64])
+    planning.static_bytes = 200_000
+    key = (4, 60)
+    plan = planning.plan_for(key)
+    assert plan, "the budget binds at this key"
+    one_block = planning.model.savings(key)[0]
+    need = int(planning.static_bytes + planning.model.backward_start_bytes(key, ())) - 1_000_000
+    enough = need - (len(plan) - 1) * one_block  # the over-prediction that frees one block
+    assert 0 < enough <= one_block
+    assert not planning.would_plan_less(key, plan, 0)
+    assert not planning.would_plan_less(key, plan, enough - 1)
+    assert planning.would_plan_less(key, plan, enough)
+    assert not planning.would_plan_less(key, (), 10**9)  # checkpointed nothing: nothing to win

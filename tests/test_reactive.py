@@ -11,6 +11,7 @@ from torch import nn
 
 import memfit
 from _models import ARCHS, SIZES, TEXT_SIZES, assert_grads_equal, build, logical_peak
+from memfit.model import Curve
 from memfit.reactive import Candidate, RecomputeMismatchError, choose_evictions
 
 C = Candidate  # (index, bytes, cost_ms, last_use)
@@ -201,10 +202,8 @@ def test_oom_grows_margin_instead_of_failing():
 def _under_predict_blocks(ctl, factor):
     """Make the memory model believe blocks save ``factor`` of what they do: a wrong prediction."""
     for group in ctl.planning.model.group_models.values():
-        curve = group.full_bytes
-        curve.ys = [y * factor for y in curve.ys]
-        curve.coef = []
-        curve._memo.clear()
+        data = group.full_bytes.to_dict()
+        group.full_bytes = Curve.from_dict({**data, "ys": [y * factor for y in data["ys"]]})
     ctl.planning.cache.clear()
 
 

@@ -57,6 +57,7 @@ starts. Only warm-up probes synchronise (to time a block).
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -163,6 +164,27 @@ class Planning:
                 )
             return Plan(self.all_blocks)
 
+    def would_plan_less(self, key: tuple[int, int], blocks: Sequence[int], over_bytes: int) -> bool:
+        """Whether a prediction ``over_bytes`` lower would have given a cheaper plan than ``blocks``.
+
+        An over-predicted step costs time only if it made the plan checkpoint more: one that
+        checkpointed nothing, or whose cheaper alternative still needs the same blocks (the
+        over-prediction was smaller than what one block saves), cost nothing.
+        """
+        if not blocks or self.budget_bytes is None:
+            return False
+        k = bucket_key(key, self.bucket_tokens)
+        room = self.budget_bytes - self.margin_bytes
+        need = int(self.static_bytes + self.model.backward_start_bytes(k, ())) - room - over_bytes
+        if need <= 0:
+            return True
+        costs = self.model.costs(k)
+        try:
+            cheaper = plan_blocks(costs, self.model.savings(k), need)
+        except InfeasiblePlanError:
+            return False
+        return cheaper.cost_ms < 0.999 * sum(costs[i] for i in blocks)
+
     def raise_margin(self, extra_bytes: int) -> None:
         self.margin_bytes += max(0, int(extra_bytes))
         self.cache.clear()
@@ -248,6 +270,7 @@ class Controller:
         self._pending: dict[str, Any] | None = None
         self._step = 0
         self._oom_retries = 0
+        self._oom_attempts: list[dict[str, Any]] = []
         self.replaying = False
         self._reactive = ReactiveStore(self._exclude_ptrs) if method.evicts or method.backstop else None
         self._handles = [
@@ -347,6 +370,8 @@ class Controller:
 
     def _on_forward_end(self, module: nn.Module, args: tuple, output: Any) -> None:
         pending = self._pending
+        if output is None and sys.exc_info()[1] is not None:
+            return  # the forward raised (an always-called hook runs then too): nothing was saved
         if pending is not None:
             self._counter.stop()
             by_block = list(self._counter.by_block)
@@ -526,9 +551,11 @@ class Controller:
             static_bytes=int(static),
             planner_us=pending["planner_us"],
             evicted_blocks=pending["evicted"],
+            oom_attempts=self._oom_attempts,
             rank=self.rank,
         )
         self._oom_retries = 0
+        self._oom_attempts = []
         self._records.append(record)
         if self._writer is not None:
             self._writer.write(record)
@@ -548,7 +575,10 @@ class Controller:
         Warm-up steps always add samples. A steady step (``miss``: observed minus predicted
         peak) changes the model only when its peak was under-predicted by more than a
         quarter of the margin (safety; or the backstop evicted) or over-predicted a new
-        shape by more than 1% of the budget (speed: it checkpointed for nothing); then each
+        shape by more than 1% of the budget so that the right prediction would have given
+        a cheaper plan (speed: it checkpointed for nothing; an over-predicted step that
+        checkpointed nothing taught the 2026-11-22 H200 run nothing but cost a replan of
+        every shape, 36 times in 200 steps at 6 GB); then each
         curve that erred the same way by more than 0.5% learns the step's value. The partial
         transient regime also learns its first 8 shapes. Every other steady step leaves the
         model and the plan cache untouched, so plans stay cached: smaller errors are the
@@ -574,7 +604,10 @@ class Controller:
             curves.append((transient_curve, transient))
         changed = False
         step_under = bool(pending_evicted) or (miss is not None and miss > self.planning.margin_bytes / 4)
-        step_over = miss is not None and self.budget_bytes is not None and -miss > 0.01 * self.budget_bytes
+        step_over = (
+            miss is not None and self.budget_bytes is not None and -miss > 0.01 * self.budget_bytes
+            and self.planning.would_plan_less(key, decision.blocks, -miss)
+        )
         for curve, observed in curves:
             if decision.warmup or not curve.fitted:
                 curve.add(key, observed)
@@ -615,11 +648,17 @@ class Controller:
         """:class:`~memfit.records.RunSummary` of the records so far."""
         return summarize(self.records)
 
-    def note_oom(self) -> None:
+    def note_oom(self, error: BaseException | str | None = None) -> None:
         """Call after catching an OOM inside a step, before replaying it.
 
-        Drops the failed step (no record, nothing learned), grows the margin and clears the
-        plan cache so the replay runs a safer plan.
+        Drops the failed step (nothing learned), grows the margin and clears the plan cache
+        so the replay runs a safer plan. What the failed attempt was (plan, where it failed,
+        memory then) goes into the ``oom_attempts`` of the step's record, written when the
+        replay succeeds.
+
+        Args:
+            error: the caught error or its message (the allocation that failed), recorded. A
+                message keeps the failed step's frames, and their tensors, out of reach.
 
         Raises:
             BudgetTooSmallError: when the failed step already checkpointed every block, or the
@@ -629,6 +668,7 @@ class Controller:
         pending, self._pending = self._pending, None
         self._counter.stop()
         self._oom_retries += 1
+        self._oom_attempts.append(self._describe_oom(pending, error))
         if not (self.method.uses_model or self.method.evicts):
             raise BudgetTooSmallError(
                 f"out of memory under method {self.method.name!r}, which cannot adapt its plans; use "
@@ -646,6 +686,38 @@ class Controller:
             self.planning.raise_margin(max(self.budget_bytes // 20, 1))
         if self.accounting == "cuda":
             torch.cuda.empty_cache()
+
+    def _describe_oom(self, pending: dict[str, Any] | None, error: BaseException | str | None) -> dict[str, Any]:
+        """The failed attempt, for its step's record: what ran, where it failed, memory then.
+
+        ``stage`` is where the OOM was raised: ``forward`` (the forward had not finished),
+        ``backward`` (it had; the optimizer step had not started) or ``optimizer``. On CUDA,
+        ``peak_allocated_bytes`` is the highest allocation since the step's forward began
+        (since the optimizer step's start, at that stage), before the request that failed.
+        """
+        decision = pending["decision"] if pending else None
+        stage = "forward" if not pending or "saved" not in pending else "optimizer" if "backward_peak" in pending else "backward"
+        attempt: dict[str, Any] = {
+            "stage": stage,
+            "plan": list(decision.blocks) if decision else None,
+            "phase": None if decision is None else "warmup" if decision.warmup else "steady",
+            "shape": pending.get("shape") if pending else None,
+            "predicted_peak_bytes": (
+                self.planning.predict_peak(pending["key"], decision.blocks)
+                if decision and self.planning.model.ready else None
+            ),
+            "margin_bytes": self.planning.margin_bytes,
+            "evicted_blocks": list(self._reactive.evicted_blocks) if self._reactive is not None and decision else [],
+            "error": str(error).splitlines()[0][:300] if error else None,
+        }
+        if self.accounting == "cuda":
+            attempt.update(
+                allocated_bytes=torch.cuda.memory_allocated(self.device),
+                peak_allocated_bytes=torch.cuda.max_memory_allocated(self.device),
+                reserved_bytes=torch.cuda.memory_reserved(self.device),
+                backward_peak_bytes=pending.get("backward_peak") if pending else None,
+            )
+        return attempt
 
     def plans(self) -> dict[tuple[int, int], tuple[int, ...]]:
         """Plans decided so far, per shape bucket."""
