@@ -210,8 +210,9 @@ def worker_run(args) -> None:
                     model(**batch).loss.backward()
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-                except torch.OutOfMemoryError:
+                except torch.OutOfMemoryError as exc:
                     failed = True
+                    message = str(exc)
                 if not failed:
                     break
                 oom_count += 1
@@ -221,7 +222,7 @@ def worker_run(args) -> None:
                 optimizer.zero_grad(set_to_none=True)
                 if args.method == "none":
                     raise torch.OutOfMemoryError("none does not fit")
-                ctl.note_oom()
+                ctl.note_oom(message)
         torch.cuda.synchronize()
         total_s = time.perf_counter() - t0
         records = ctl.records

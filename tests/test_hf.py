@@ -83,6 +83,12 @@ def test_oom_replay_gives_identical_weights(tmp_path, accumulation):
     assert faulty_records[at - 1].oom_retries == 1
     lines = [json.loads(x) for x in open(tmp_path / "faulty" / "memfit_steps.jsonl")]
     assert [x["oom_retries"] for x in lines] == [r.oom_retries for r in faulty_records]
+    # the failed attempt is described in the replayed step's record
+    assert [len(x["oom_attempts"]) for x in lines] == [r.oom_retries for r in faulty_records]
+    attempt = lines[at - 1]["oom_attempts"][0]
+    assert attempt["stage"] == "forward" and attempt["error"] == "injected: CUDA out of memory"
+    assert attempt["phase"] == "steady" and attempt["shape"] == lines[at - 1]["shape"]
+    assert attempt["plan"] is not None and attempt["predicted_peak_bytes"] is not None
 
 
 def test_oom_with_every_block_checkpointed_is_a_clear_error(tmp_path):

@@ -411,3 +411,50 @@ def test_first_steps_transient_and_margin(monkeypatch):
     for (n, t), y in zip(full.xs, full.ys):
         assert y == pytest.approx(transient(t), abs=64), (t, y)  # the first step's too
     assert ctl.planning.margin_bytes == margin
+
+
+def test_an_oom_in_a_recompute_is_described_in_the_replayed_record():
+    """An OOM raised while backward recomputes a checkpointed block: the replayed step's
+    record says it failed in backward, with the plan that ran and the allocator's message."""
+    model, make_batch = _bert()
+    longest = make_batch(4, 96)
+    budget = (logical_peak(model, longest, "none") + logical_peak(model, longest, "full")) // 2
+    ctl = memfit.fit(model, budget=budget, method="dynamic", warmup_steps=2, warmup_keys=2)
+    for i, length in enumerate((40, 96)):
+        _step(model, make_batch(4, length), seed=i)
+    in_backward = {"on": False, "fired": 0}
+
+    def fail_in_recompute(module, args):
+        if in_backward["on"] and not in_backward["fired"]:
+            in_backward["fired"] += 1
+            raise torch.OutOfMemoryError("injected: CUDA out of memory. Tried to allocate 2.00 MiB")
+
+    # inside the block: its recompute runs the body, not the hooked module call
+    handle = ctl.blocks[0].module.attention.register_forward_pre_hook(fail_in_recompute)
+    batch = make_batch(4, 96)
+    for attempt in range(2):
+        torch.manual_seed(5)
+        loss = model(**batch).loss
+        in_backward["on"] = True
+        try:
+            loss.backward()
+            failed = None
+        except torch.OutOfMemoryError as exc:
+            failed = str(exc)
+        in_backward["on"] = False
+        if failed is None:
+            break
+        del loss
+        model.zero_grad(set_to_none=True)
+        ctl.note_oom(failed)
+    model.zero_grad(set_to_none=True)
+    handle.remove()
+    record = ctl.records[-1]
+    ctl.remove()
+    assert in_backward["fired"] == 1 and record.oom_retries == 1
+    (described,) = record.oom_attempts
+    assert described["stage"] == "backward"
+    assert 0 in described["plan"] and described["phase"] == "steady"
+    assert described["error"].startswith("injected: CUDA out of memory")
+    assert described["shape"] == record.shape
+    assert record.to_dict()["oom_attempts"] == [described]

@@ -227,11 +227,12 @@ class Trainer(transformers.Trainer):
                         "(NOTE [OOM replay] in memfit/hf.py); raise --memfit_margin or --memory_budget"
                     ) from err
                 failed = True  # recover outside the except block, so its frames are freed
+                message = str(err)
             if not failed:
                 if sync is not None and self.accelerator.sync_gradients:
                     sync.sync()
                 return loss
-            self._recover_from_oom(model)
+            self._recover_from_oom(model, message)
             replay = True
         raise BudgetTooSmallError(f"still out of memory after {_MAX_OOM_RETRIES} replays with safer plans")
 
@@ -252,9 +253,9 @@ class Trainer(transformers.Trainer):
             self._grad_sync_of = model
         return self._grad_sync
 
-    def _recover_from_oom(self, model: torch.nn.Module) -> None:
+    def _recover_from_oom(self, model: torch.nn.Module, message: str) -> None:
         self._oom_total += 1
-        self.memfit.note_oom()  # raises when no safer plan exists
+        self.memfit.note_oom(message)  # raises when no safer plan exists
         model.zero_grad(set_to_none=True)
         gc.collect()
         if torch.cuda.is_available():

@@ -7,6 +7,7 @@ and plots read these files only, never printed text.
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import os
 from collections.abc import Iterable, Iterator
@@ -57,6 +58,12 @@ class StepRecord:
     static_bytes: int = 0
     planner_us: float = 0.0
     evicted_blocks: list[int] = field(default_factory=list)
+    #: the attempts of this step that ran out of memory and were replayed, oldest first:
+    #: ``stage`` (forward / backward / optimizer), ``plan``, ``phase``, ``shape``,
+    #: ``predicted_peak_bytes``, ``margin_bytes``, ``evicted_blocks``, ``error`` (the
+    #: allocator's message), and on CUDA ``allocated_bytes``, ``peak_allocated_bytes``,
+    #: ``reserved_bytes`` and ``backward_peak_bytes`` when the OOM was noted
+    oom_attempts: list[dict[str, Any]] = field(default_factory=list)
     rank: int = 0
     schema_version: int = SCHEMA_VERSION
 
@@ -172,12 +179,14 @@ class JsonlWriter:
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
-    """Yield the JSON objects of a JSONL file; blank lines are skipped.
+    """Yield the JSON objects of a JSONL file (gzip-compressed when it ends in ``.gz``);
+    blank lines are skipped.
 
     Raises:
         ValueError: naming the file and line of a line that is not valid JSON.
     """
-    with open(path, encoding="utf-8") as fh:
+    opener = gzip.open if os.fspath(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
