@@ -14,10 +14,12 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import os
 import random
+import shutil
 import time
 
 import torch
@@ -89,6 +91,9 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
         records = ctl.records
         ctl.remove()
+        with open(log, "rb") as src, gzip.open(log + ".gz", "wb") as dst:  # 5 MB of JSONL per method
+            shutil.copyfileobj(src, dst)
+        os.remove(log)
         over = [r.step for r in records if r.peak_allocated_bytes > budget]
         result = {
             "method": method, "steps": len(records), "budget_bytes": budget,

@@ -178,3 +178,16 @@ def test_cli(tmp_path, capsys):
     assert (tmp_path / "out" / "report.md").is_file()
     assert cli.main(["report", str(tmp_path / "out")]) == 2
     assert "no bench results" in capsys.readouterr().err
+
+
+def test_gzipped_step_records_read_as_plain(tmp_path):
+    """Long runs' step records may be committed gzip-compressed (the CPU soak's are)."""
+    import gzip
+
+    from memfit.records import read_jsonl
+
+    plain = FIXTURE / "train_run" / "memfit_steps.jsonl"
+    packed = tmp_path / "memfit_steps.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert list(read_jsonl(packed)) == list(read_jsonl(plain))
+    assert len(list(read_jsonl(packed))) > 1
