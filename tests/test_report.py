@@ -191,3 +191,26 @@ def test_gzipped_step_records_read_as_plain(tmp_path):
     packed.write_bytes(gzip.compress(plain.read_bytes()))
     assert list(read_jsonl(packed)) == list(read_jsonl(plain))
     assert len(list(read_jsonl(packed))) > 1
+
+
+def test_savers_table_shows_median_step_times(tmp_path):
+    """With step records linked, the savers table gives each run's median step and its ratio."""
+    shutil.copytree(FIXTURE, tmp_path / "results")
+    bench = tmp_path / "results" / "bench"
+    template = json.loads((FIXTURE / "train_run" / "memfit_steps.jsonl").read_text().splitlines()[0])
+    # micro-steps of a 50-step run; bf16's accumulates two per optimizer step (100 records)
+    step_ms = {"none": [500.0] + [20.0] * 24 + [22.0] * 25, "bf16": [3000.0] + [30.0] * 49 + [34.0] * 50}
+    lines = []
+    for line in (bench / "results.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r["task"] == "text-classification" and r["method"] in step_ms:
+            name = f"steps/tc_{r['method']}_steps.jsonl"
+            records = [{**template, "step": i + 1, "step_ms": ms, "method": r["method"]} for i, ms in enumerate(step_ms[r["method"]])]
+            (bench / name).write_text("".join(json.dumps(x) + "\n" for x in records))
+            r["steps_file"] = name
+        lines.append(json.dumps(r))
+    (bench / "results.jsonl").write_text("\n".join(lines) + "\n")
+    rows = {r["method"]: r for r in table_rows(build_report(tmp_path / "results", tmp_path / "out").read_text(), "Memory savers")}
+    assert rows["none"]["median step (ms)"] == "22.0" and rows["bf16"]["median step (ms)"] == "68.0"
+    assert rows["bf16"]["step vs vanilla"] == f"{68.0 / 22.0:.2f}×"
+    assert rows["adafactor"]["median step (ms)"] == "—"  # no step records linked
