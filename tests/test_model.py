@@ -3,6 +3,7 @@
 import pytest
 
 from memfit.model import Curve, MemoryModel, bucket_key, shape_key
+from memfit.planner import plan_blocks
 from memfit.runtime import Planning
 
 
@@ -158,3 +159,29 @@ def test_over_prediction_matters_only_when_it_checkpointed_more():
     assert not planning.would_plan_less(key, plan, enough - 1)
     assert planning.would_plan_less(key, plan, enough)
     assert not planning.would_plan_less(key, (), 10**9)  # checkpointed nothing: nothing to win
+
+
+def test_a_plan_holding_blocks_below_a_recompute_is_mended():
+    """NOTE [Blocks held below a recompute]: the cheapest set leaves two large blocks under
+    its topmost one, so the recompute peak is over; the mended plan is the cheapest of the
+    plan closed downwards and the shortest covering prefix, not every block."""
+    key = (1, 100)
+    model = MemoryModel([0, 0, 1, 1, 1, 1])
+    for group, (full, cost) in {0: (1000.0, 10.0), 1: (200.0, 1.0)}.items():
+        m = model.group_models[group]
+        m.full_bytes.add(key, full)
+        m.kept_bytes.add(key, 10.0)
+        m.cost_ms.add(key, cost)
+    model.outside.add(key, 0.0)
+    model.transient_full.add(key, 100.0)
+    for t in (50, 200):  # the partial regime's transient is lower (as on the H200)
+        model.transient_partial.add((1, t), -400.0)
+    planning = Planning(6, model.groups, 2000, margin_bytes=0, bucket_tokens=1)
+    planning.model = model
+    need = int(model.backward_start_bytes(key, ())) - 2000
+    cheapest = plan_blocks(model.costs(key), model.savings(key), need).blocks
+    assert cheapest == (2, 3, 4)
+    assert model.recompute_bytes(key, cheapest) > 2000  # blocks 0 and 1 held under block 4
+    plan = planning.plan_for(key)
+    assert plan == (0,)  # cost 10: the closure (0..4) costs 23, every block 24
+    assert planning.predict_peak(key, plan) <= 2000
