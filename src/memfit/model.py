@@ -55,6 +55,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -85,9 +86,10 @@ def bucket_key(key: tuple[int, int], bucket_tokens: int = 8) -> tuple[int, int]:
     return (n, -(-t // bucket_tokens) * bucket_tokens)
 
 
-def _features(key: tuple[int, int], intercept: bool, quadratic: bool = True) -> list[float]:
-    n, t = key
-    f = [float(n), float(n * t), float(n * t * t)] if quadratic else [float(n * t)]
+def _features(n: Any, t: Any, intercept: bool, quadratic: bool = True) -> list[Any]:
+    """``[1,] N, N·T, N·T²`` (or ``[1,] N·T``) of floats, or of arrays of keys for a fit."""
+    tokens = n * t
+    f = [n, tokens, tokens * t] if quadratic else [tokens]
     return [1.0] + f if intercept else f
 
 
@@ -140,11 +142,7 @@ class Curve:
         keys = sorted(self._by_key)
         self._quadratic = len(keys) >= self.linear_until
         nt = np.array(keys, dtype=np.float64)
-        n, tokens = nt[:, 0], nt[:, 0] * nt[:, 1]
-        columns = [n, tokens, tokens * nt[:, 1]] if self._quadratic else [tokens]
-        if self.intercept:
-            columns.insert(0, np.ones_like(n))
-        a = np.stack(columns, axis=1)
+        a = np.column_stack(np.broadcast_arrays(*_features(nt[:, 0], nt[:, 1], self.intercept, self._quadratic)))
         b = np.array([self._by_key[k] for k in keys])
         scale = np.maximum(np.abs(a).max(axis=0), 1.0)
         coef, *_ = np.linalg.lstsq(a / scale, b, rcond=None)
@@ -161,7 +159,8 @@ class Curve:
             return 0.0
         if not self.coef:
             self._fit()
-        value = sum(c * f for c, f in zip(self.coef, _features(key, self.intercept, self._quadratic))) + self.shift
+        features = _features(float(key[0]), float(key[1]), self.intercept, self._quadratic)
+        value = sum(c * f for c, f in zip(self.coef, features)) + self.shift
         value = value if self.floor is None else max(self.floor, value)
         self._memo[key] = value
         return value
