@@ -214,3 +214,12 @@ def test_savers_table_shows_median_step_times(tmp_path):
     assert rows["none"]["median step (ms)"] == "22.0" and rows["bf16"]["median step (ms)"] == "68.0"
     assert rows["bf16"]["step vs vanilla"] == f"{68.0 / 22.0:.2f}×"
     assert rows["adafactor"]["median step (ms)"] == "—"  # no step records linked
+
+
+def test_corrupt_gzip_names_the_file(tmp_path):
+    from memfit.records import read_jsonl
+
+    bad = tmp_path / "memfit_steps.jsonl.gz"
+    bad.write_bytes(b"not gzip at all\n")
+    with pytest.raises(ValueError, match=r"memfit_steps\.jsonl\.gz: not a readable gzip file"):
+        list(read_jsonl(bad))

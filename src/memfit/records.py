@@ -183,11 +183,19 @@ def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
     blank lines are skipped.
 
     Raises:
-        ValueError: naming the file and line of a line that is not valid JSON.
+        ValueError: naming the file and line of a line that is not valid JSON, or the file
+            when it ends in ``.gz`` but is not gzip data.
     """
     opener = gzip.open if os.fspath(path).endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+        lines = enumerate(fh, 1)
+        while True:
+            try:
+                lineno, line = next(lines)
+            except StopIteration:
+                return
+            except (OSError, EOFError) as exc:  # gzip.BadGzipFile is an OSError
+                raise ValueError(f"{os.fspath(path)}: not a readable gzip file ({exc}); re-compress it with gzip") from None
             if not line.strip():
                 continue
             try:
