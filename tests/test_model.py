@@ -185,3 +185,33 @@ def test_a_plan_holding_blocks_below_a_recompute_is_mended():
     plan = planning.plan_for(key)
     assert plan == (0,)  # cost 10: the closure (0..4) costs 23, every block 24
     assert planning.predict_peak(key, plan) <= 2000
+
+
+def test_allocator_slack_is_kept_free_by_plans():
+    """NOTE [Allocator slack]: a plan fits the budget less the margin *and* the slack."""
+    budget, margin, key = 1_000_000, 10_000, (4, 100)
+
+    def fewest_fitting(room):
+        planning = Planning(4, [0, 0, 0, 0], budget, margin_bytes=0, bucket_tokens=1)
+        planning.model, planning.static_bytes = _model([16, 32, 64]), 200_000
+        return next(k for k in range(5) if planning.predict_peak(key, tuple(range(k))) <= room)
+
+    plans = {}
+    for slack in (0, 150_000):
+        planning = Planning(4, [0, 0, 0, 0], budget, margin_bytes=margin, bucket_tokens=1, slack_bytes=slack)
+        planning.model, planning.static_bytes = _model([16, 32, 64]), 200_000
+        assert planning.room_bytes == budget - margin - slack
+        plans[slack] = planning.plan_for(key)
+        assert len(plans[slack]) == fewest_fitting(budget - margin - slack)
+    assert len(plans[150_000]) > len(plans[0])
+
+
+def test_learn_slack_only_grows_and_replans():
+    planning = Planning(4, [0, 0, 0, 0], 1_000_000, margin_bytes=0, bucket_tokens=1, slack_bytes=100)
+    planning.model, planning.static_bytes = _model([16, 32, 64]), 200_000
+    planning.plan_for((4, 60))
+    assert planning.learn_slack(200) and planning.slack_bytes == 250
+    assert planning.cache.items() == []  # plans made with the old slack are dropped
+    planning.plan_for((4, 60))
+    assert not planning.learn_slack(200) and planning.slack_bytes == 250
+    assert len(planning.cache.items()) == 1

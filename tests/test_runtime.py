@@ -248,6 +248,7 @@ class _FakeAllocator:
     def __init__(self):
         self.allocated = 1000
         self.peak = 1000
+        self.reserved = None  # what the allocator holds beyond the peak, when the test says
 
     def use(self, nbytes):
         self.peak = max(self.peak, self.allocated + nbytes)
@@ -261,6 +262,8 @@ class _FakeAllocator:
         monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: self.peak)
         monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self.reset)
         monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: max(self.peak, self.reserved or 0))
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
 
 
 def _on_fake_allocator(monkeypatch, ctl, optimizer, margin=None):
@@ -458,3 +461,37 @@ def test_an_oom_in_a_recompute_is_described_in_the_replayed_record():
     assert described["error"].startswith("injected: CUDA out of memory")
     assert described["shape"] == record.shape
     assert record.to_dict()["oom_attempts"] == [described]
+
+
+def test_an_oom_from_allocator_slack_grows_the_slack_not_the_margin(monkeypatch):
+    """NOTE [Allocator slack]: an OOM while reserved-but-unallocated bytes exceeded the slack
+    teaches the slack (1.25 × them) and replans; one the slack already covered grows the margin."""
+    model, make_batch = _bert()
+    inner = torch.optim.SGD(model.parameters(), lr=0.0)
+    budget = 4 * 10**6
+    ctl = memfit.fit(model, budget=budget, method="dynamic", backstop=False)
+    fake = _on_fake_allocator(monkeypatch, ctl, inner)
+    margin, slack = ctl.planning.margin_bytes, ctl.planning.slack_bytes
+    assert slack == 0  # made on the CPU: logical accounting keeps none
+
+    def failing_step(unusable, seed):
+        torch.manual_seed(seed)
+        model(**make_batch(2, 16))
+        fake.use(50_000)
+        fake.reserved = fake.peak + unusable
+        ctl.note_oom("CUDA out of memory. Tried to allocate 2.00 MiB")
+        fake.reserved = None
+
+    ctl.planning.plan_for((2, 16))
+    failing_step(80_000, 0)
+    assert ctl.planning.slack_bytes == 100_000 and ctl.planning.margin_bytes == margin
+    assert ctl.planning.cache.items() == []
+    failing_step(40_000, 1)  # the slack covered this one: the prediction was wrong
+    assert ctl.planning.slack_bytes == 100_000 and ctl.planning.margin_bytes == margin + budget // 20
+    _step(model, make_batch(2, 16), seed=2)
+    record = ctl.records[-1]
+    ctl.remove()
+    assert record.oom_retries == 2
+    first, second = record.oom_attempts
+    assert first["unusable_reserved_bytes"] == 80_000 and first["slack_bytes"] == 0
+    assert second["unusable_reserved_bytes"] == 40_000 and second["slack_bytes"] == 100_000

@@ -60,9 +60,10 @@ class StepRecord:
     evicted_blocks: list[int] = field(default_factory=list)
     #: the attempts of this step that ran out of memory and were replayed, oldest first:
     #: ``stage`` (forward / backward / optimizer), ``plan``, ``phase``, ``shape``,
-    #: ``predicted_peak_bytes``, ``margin_bytes``, ``evicted_blocks``, ``error`` (the
-    #: allocator's message), and on CUDA ``allocated_bytes``, ``peak_allocated_bytes``,
-    #: ``reserved_bytes`` and ``backward_peak_bytes`` when the OOM was noted
+    #: ``predicted_peak_bytes``, ``margin_bytes``, ``slack_bytes``, ``evicted_blocks``,
+    #: ``error`` (the allocator's message), and on CUDA ``allocated_bytes``,
+    #: ``peak_allocated_bytes``, ``reserved_bytes``, ``unusable_reserved_bytes`` and
+    #: ``backward_peak_bytes`` when the OOM was noted
     oom_attempts: list[dict[str, Any]] = field(default_factory=list)
     rank: int = 0
     schema_version: int = SCHEMA_VERSION

@@ -57,6 +57,19 @@ under its topmost one added, and the shortest run of first blocks that saves eno
 hold nothing below a recompute). Before this, 26 of 56 steady steps of an H200 Swin-T run
 checkpointed all 24 blocks.
 
+# NOTE [Allocator slack]
+The memory model predicts *allocated* bytes; the CUDA cap limits *reserved* ones. Between the
+two lies memory the caching allocator holds but cannot hand out: the free tails of partly used
+pages (20 MiB in the large pool with expandable segments), which no release returns. The
+fourth H200 engine run (bert-base, batch 32, 4 GB) ran out of memory asking for 72 MiB with
+3.77 GB allocated, under its 3.88 GB of room: 154 MiB of the 3.93 GB reserved was such slack,
+more than the 120 MB margin. So the room a plan must fit is ``budget - margin - slack``: the
+margin covers prediction error, the slack the allocator. On CUDA the slack starts at
+``min(160 MiB, budget / 20)`` (what that run saw) and an OOM raises it to 1.25 × the reserved
+bytes that were not allocated when it failed, when that is more; the margin then grows only
+when the slack did not (the failure was the prediction's). Logical accounting has no
+allocator: its slack is 0. The backstop and ``reactive`` keep the slack free too.
+
 # NOTE [No sync in steady state]
 A steady-state step reads only host-side values: ``memory_allocated``,
 ``max_memory_allocated`` and ``reset_peak_memory_stats`` query the caching allocator's
@@ -91,6 +104,9 @@ __all__ = ["fit", "Controller", "Planning"]
 
 logger = logging.getLogger("memfit")
 
+#: The allocator's slack kept free on CUDA before any OOM has measured it (NOTE [Allocator slack]).
+ALLOCATOR_SLACK_BYTES = 160 * 2**20
+
 # Expected optimizer state per parameter byte, used before the optimizer's first step has
 # allocated its state (afterwards the state is measured).
 _STATE_PER_PARAM_BYTE = {"Adam": 2.0, "AdamW": 2.0, "NAdam": 2.0, "RAdam": 2.0, "Adamax": 2.0, "SGD": 1.0, "RMSprop": 1.0, "Adagrad": 1.0}
@@ -115,16 +131,22 @@ class Planning:
         n_blocks: number of blocks.
         groups: group id of each block (identical blocks share a model).
         budget_bytes: the budget, or ``None`` for no budget.
-        margin_bytes: initial safety margin kept free below the budget.
+        margin_bytes: initial safety margin kept free below the budget (prediction error).
         bucket_tokens: token granularity of plan buckets.
+        slack_bytes: the allocator's reserved-but-unusable bytes, also kept free (NOTE
+            [Allocator slack]).
     """
 
-    def __init__(self, n_blocks: int, groups: Sequence[int], budget_bytes: int | None, margin_bytes: int, bucket_tokens: int):
+    def __init__(
+        self, n_blocks: int, groups: Sequence[int], budget_bytes: int | None, margin_bytes: int, bucket_tokens: int,
+        slack_bytes: int = 0,
+    ):
         self.n_blocks = n_blocks
         self.all_blocks = tuple(range(n_blocks))
         self.model = MemoryModel(groups)
         self.budget_bytes = budget_bytes
         self.margin_bytes = margin_bytes
+        self.slack_bytes = slack_bytes
         self.bucket_tokens = bucket_tokens
         self.cache = PlanCache()
         self.static_bytes = 0
@@ -134,6 +156,11 @@ class Planning:
         """Predicted step peak: static + the largest of the step's three peaks (NOTE [Three peaks])."""
         k = bucket_key(key, self.bucket_tokens)
         return int(self.static_bytes + self.model.step_bytes(k, blocks))
+
+    @property
+    def room_bytes(self) -> int:
+        """What a plan's predicted peak must fit: the budget less the margin and the slack."""
+        return self.budget_bytes - self.margin_bytes - self.slack_bytes
 
     def _static_bucket(self) -> int:
         # Static bytes differ between micro-steps (gradients present or not); plans are
@@ -157,7 +184,7 @@ class Planning:
         # Checkpointing lowers the start-of-backward peak only; the plan is then checked
         # against the other two (NOTE [Three peaks]), and mended if one is over
         # (NOTE [Blocks held below a recompute]).
-        room = self.budget_bytes - self.margin_bytes
+        room = self.room_bytes
         need = int(self.static_bytes + self.model.backward_start_bytes(k, ())) - room
         try:
             costs, savings = self.model.costs(k), self.model.savings(k)
@@ -180,7 +207,7 @@ class Planning:
                 logger.warning(
                     "memfit: shape %s is predicted to need %s even with every block checkpointed, "
                     "over the budget of %s; running it with every block checkpointed",
-                    k, format_bytes(self.predict_peak(k, self.all_blocks) + self.margin_bytes), format_bytes(self.budget_bytes),
+                    k, format_bytes(self.predict_peak(k, self.all_blocks) + self.budget_bytes - room), format_bytes(self.budget_bytes),
                 )
             return Plan(self.all_blocks)
 
@@ -194,8 +221,7 @@ class Planning:
         if not blocks or self.budget_bytes is None:
             return False
         k = bucket_key(key, self.bucket_tokens)
-        room = self.budget_bytes - self.margin_bytes
-        need = int(self.static_bytes + self.model.backward_start_bytes(k, ())) - room - over_bytes
+        need = int(self.static_bytes + self.model.backward_start_bytes(k, ())) - self.room_bytes - over_bytes
         if need <= 0:
             return True
         costs = self.model.costs(k)
@@ -208,6 +234,18 @@ class Planning:
     def raise_margin(self, extra_bytes: int) -> None:
         self.margin_bytes += max(0, int(extra_bytes))
         self.cache.clear()
+
+    def learn_slack(self, unusable_bytes: int) -> bool:
+        """Keep 1.25 × ``unusable_bytes`` free for the allocator if that is more than now.
+
+        Returns whether the slack grew (NOTE [Allocator slack]).
+        """
+        wanted = int(1.25 * unusable_bytes)
+        if wanted <= self.slack_bytes:
+            return False
+        self.slack_bytes = wanted
+        self.cache.clear()
+        return True
 
     def recompute_ms(self, key: tuple[int, int], blocks: Sequence[int]) -> float:
         if not self.model.ready:
@@ -271,8 +309,10 @@ class Controller:
         if margin is None:
             # Logical accounting is exact up to the least-squares fit's rounding (bytes).
             margin = 0.03 if self.accounting == "cuda" else 0.001
+        slack = min(ALLOCATOR_SLACK_BYTES, (budget_bytes or 0) // 20) if self.accounting == "cuda" else 0
         self.planning = Planning(
-            len(self.blocks), _group_ids(self.blocks), budget_bytes, int(margin * (budget_bytes or 0)), bucket_tokens
+            len(self.blocks), _group_ids(self.blocks), budget_bytes, int(margin * (budget_bytes or 0)), bucket_tokens,
+            slack_bytes=slack,
         )
         # Parameters and buffers are never activations (under FSDP: this rank's shards).
         tensors = list(model.parameters()) + list(model.buffers())
@@ -419,7 +459,8 @@ class Controller:
             pending["saved_peak"] = max(pending["saved_peak"], in_use - pending["static"])
         if self.budget_bytes is None:
             return
-        reserve = self.planning.margin_bytes if self.method.evicts else self.planning.margin_bytes // 3
+        margin = self.planning.margin_bytes if self.method.evicts else self.planning.margin_bytes // 3
+        reserve = margin + self.planning.slack_bytes  # NOTE [Allocator slack]
         need_bytes = in_use + reserve + upcoming_bytes - self.budget_bytes
         if need_bytes > 0:
             self._reactive.evict(need_bytes, [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)])
@@ -671,8 +712,10 @@ class Controller:
     def note_oom(self, error: BaseException | str | None = None) -> None:
         """Call after catching an OOM inside a step, before replaying it.
 
-        Drops the failed step (nothing learned), grows the margin and clears the plan cache
-        so the replay runs a safer plan. What the failed attempt was (plan, where it failed,
+        Drops the failed step (nothing learned), keeps more room free and clears the plan
+        cache so the replay runs a safer plan: on CUDA the allocator's slack grows to cover
+        the reserved bytes that were not allocated when it failed, and where that explains
+        nothing new the margin grows by a twentieth of the budget (NOTE [Allocator slack]). What the failed attempt was (plan, where it failed,
         memory then) goes into the ``oom_attempts`` of the step's record, written when the
         replay succeeds.
 
@@ -688,7 +731,8 @@ class Controller:
         pending, self._pending = self._pending, None
         self._counter.stop()
         self._oom_retries += 1
-        self._oom_attempts.append(self._describe_oom(pending, error))
+        attempt = self._describe_oom(pending, error)
+        self._oom_attempts.append(attempt)
         if not (self.method.uses_model or self.method.evicts):
             raise BudgetTooSmallError(
                 f"out of memory under method {self.method.name!r}, which cannot adapt its plans; use "
@@ -703,7 +747,9 @@ class Controller:
                 "lighter optimizer (see `memfit estimate --advise`)"
             )
         if self.budget_bytes is not None:
-            self.planning.raise_margin(max(self.budget_bytes // 20, 1))
+            unusable = attempt.get("unusable_reserved_bytes") or 0
+            if not self.planning.learn_slack(unusable):
+                self.planning.raise_margin(max(self.budget_bytes // 20, 1))
         if self.accounting == "cuda":
             torch.cuda.empty_cache()
 
@@ -713,7 +759,10 @@ class Controller:
         ``stage`` is where the OOM was raised: ``forward`` (the forward had not finished),
         ``backward`` (it had; the optimizer step had not started) or ``optimizer``. On CUDA,
         ``peak_allocated_bytes`` is the highest allocation since the step's forward began
-        (since the optimizer step's start, at that stage), before the request that failed.
+        (since the optimizer step's start, at that stage), before the request that failed,
+        and ``unusable_reserved_bytes`` is reserved less that peak: at least what the
+        allocator held but could not hand out then (NOTE [Allocator slack]). ``margin_bytes``
+        and ``slack_bytes`` are those the failed plan was made with.
         """
         decision = pending["decision"] if pending else None
         stage = "forward" if not pending or "saved" not in pending else "optimizer" if "backward_peak" in pending else "backward"
@@ -727,14 +776,17 @@ class Controller:
                 if decision and self.planning.model.ready else None
             ),
             "margin_bytes": self.planning.margin_bytes,
+            "slack_bytes": self.planning.slack_bytes,
             "evicted_blocks": list(self._reactive.evicted_blocks) if self._reactive is not None and decision else [],
             "error": str(error).splitlines()[0][:300] if error else None,
         }
         if self.accounting == "cuda":
+            peak, reserved = torch.cuda.max_memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
             attempt.update(
                 allocated_bytes=torch.cuda.memory_allocated(self.device),
-                peak_allocated_bytes=torch.cuda.max_memory_allocated(self.device),
-                reserved_bytes=torch.cuda.memory_reserved(self.device),
+                peak_allocated_bytes=peak,
+                reserved_bytes=reserved,
+                unusable_reserved_bytes=max(0, reserved - peak),
                 backward_peak_bytes=pending.get("backward_peak") if pending else None,
             )
         return attempt
@@ -749,11 +801,15 @@ class Controller:
 
     def state_dict(self) -> dict[str, Any]:
         """Memory model and margin, for resuming without a new warm-up."""
-        return {"model": self.planning.model.to_dict(), "margin_bytes": self.planning.margin_bytes, "step": self._step}
+        return {
+            "model": self.planning.model.to_dict(), "margin_bytes": self.planning.margin_bytes,
+            "slack_bytes": self.planning.slack_bytes, "step": self._step,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.planning.model = MemoryModel.from_dict(state["model"])
         self.planning.margin_bytes = int(state["margin_bytes"])
+        self.planning.slack_bytes = int(state.get("slack_bytes", self.planning.slack_bytes))
         self.planning.cache.clear()
         self._step = int(state.get("step", 0))
         if isinstance(self.method, Dynamic):
@@ -802,7 +858,9 @@ def fit(
         blocks: modules or a name regex, for models memfit cannot analyse.
         log: path of a JSONL file receiving one :class:`StepRecord` per step.
         margin: fraction of the budget kept free as a safety margin (default 3% on CUDA,
-            0.1% with logical accounting, which is exact but for the fit's rounding).
+            0.1% with logical accounting, which is exact but for the fit's rounding). On
+            CUDA the allocator's slack is kept free on top of it: ``min(160 MiB, budget / 20)``
+            at first, more after an OOM that shows more (NOTE [Allocator slack]).
         bucket_tokens: plans are shared by shapes whose token counts round up to the same
             multiple of this (1 = a plan per exact shape).
         cap: on CUDA, enforce the budget with ``set_per_process_memory_fraction``.
