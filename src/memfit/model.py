@@ -287,7 +287,10 @@ class MemoryModel:
         planned = set(plan)
         if not planned:
             return -math.inf
-        below = self._count_per_group([i for i in range(max(planned)) if i not in planned])
+        top = max(planned)
+        if len(planned) == top + 1:  # a run of first blocks: nothing un-checkpointed below
+            return self.activation_bytes(key, self._every) + self.transient_full(key)
+        below = self._count_per_group([i for i in range(top) if i not in planned])
         held = sum(n * max(0.0, self.group_models[g].full_bytes(key) - self.group_models[g].kept_bytes(key)) for g, n in below.items())
         return self.activation_bytes(key, self._every) + self.transient_full(key) + held
 
@@ -309,6 +312,8 @@ class MemoryModel:
         return total
 
     def _count_per_group(self, blocks: Sequence[int]) -> dict[int, int]:
+        if len(self._group_sizes) == 1:  # one group (a homogeneous stack): just count
+            return {self.groups[0]: len(set(blocks))} if blocks else {}
         counts: dict[int, int] = {}
         for i in set(blocks):
             g = self.groups[i]
