@@ -9,7 +9,7 @@ its own process, after a GPU warm-up):
    ``--budget_fractions`` × ``P`` (default 0.6): the largest scales cannot run without
    checkpointing, the smallest (480-pixel sides: about a third of the pixels) can.
 
-Same protocol for every configuration: bf16 autocast, AdamW (lr 1e-4, weight decay 1e-4,
+Same protocol for every configuration: bf16 autocast, AdamW (lr 1e-4, 2e-5 for Swin-B, weight decay 1e-4,
 gradient clipping 0.1, as DETR), batch 2 (Swin's detection recipes: 2 images per GPU),
 ``--steps`` optimizer steps on the synthetic set (``--synthetic``: images with drawn shapes,
 COCO-like aspect ratios), multi-scale shorter side 480-800 and longer side at most 1333, seed
@@ -54,9 +54,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch_size", type=int, default=2)
     p.add_argument("--shortest_edge", default="480-800")
     p.add_argument("--longest_edge", type=int, default=1333)
-    p.add_argument("--learning_rate", default="1e-4",
-                   help="AdamW's rate; Swin-B from random weights in bf16 diverged to NaN boxes at step 8 with 1e-4 "
-                        "(H200, 2026-11-22), which DETR's loss refuses")
+    p.add_argument("--learning_rate", nargs="+", default=["1e-4", "base=2e-5"],
+                   help="AdamW's rate: one value for every model, then MODEL=RATE overrides. Swin-B from random "
+                        "weights in bf16 diverged to NaN boxes at step 8 with 1e-4 (H200, 2026-11-22), which "
+                        "DETR's loss refuses: it gets 2e-5 by default")
     p.add_argument("--gpu_warmup_s", type=float, default=1.0)
     p.add_argument("--time_limit_s", type=float, default=330.0,
                    help="skip configurations that would end after this many seconds from the start")
@@ -69,11 +70,17 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _learning_rate(spec: list[str], model: str) -> str:
+    """The rate for ``model`` from ``--learning_rate`` (``RATE`` and ``MODEL=RATE`` entries)."""
+    rates = dict(s.split("=", 1) if "=" in s else ("", s) for s in spec)
+    return rates.get(model, rates.get("", "1e-4"))
+
+
 def _train_flags(args: argparse.Namespace, model: str) -> list[str]:
     flags = [
         "--config_name", f"conditional-detr-swin-{model}", "--bf16",
         "--shortest_edge", args.shortest_edge, "--longest_edge", str(args.longest_edge),
-        "--learning_rate", args.learning_rate, "--weight_decay", "1e-4", "--max_grad_norm", "0.1",
+        "--learning_rate", _learning_rate(args.learning_rate, model), "--weight_decay", "1e-4", "--max_grad_norm", "0.1",
         "--dataloader_num_workers", "2" if args.smoke else "4",
     ]
     return flags + (["--use_cpu"] if args.smoke else [])

@@ -214,6 +214,10 @@ def test_savers_table_shows_median_step_times(tmp_path):
     assert rows["none"]["median step (ms)"] == "22.0" and rows["bf16"]["median step (ms)"] == "68.0"
     assert rows["bf16"]["step vs vanilla"] == f"{68.0 / 22.0:.2f}×"
     assert rows["adafactor"]["median step (ms)"] == "—"  # no step records linked
+    # the methods table shows the same medians, relative to none
+    methods = {r["method"]: r for r in table_rows(build_report(tmp_path / "results", tmp_path / "out").read_text(), "## text-classification")}
+    assert methods["none"]["median step (ms)"] == "22.0" and methods["none"]["step vs none"] == "1.00×"
+    assert methods["bf16"]["step vs none"] == f"{68.0 / 22.0:.2f}×"
 
 
 def test_corrupt_gzip_names_the_file(tmp_path):

@@ -495,3 +495,42 @@ def test_an_oom_from_allocator_slack_grows_the_slack_not_the_margin(monkeypatch)
     first, second = record.oom_attempts
     assert first["unusable_reserved_bytes"] == 80_000 and first["slack_bytes"] == 0
     assert second["unusable_reserved_bytes"] == 40_000 and second["slack_bytes"] == 100_000
+
+
+def test_partial_transient_extends_its_range_to_longer_shapes(monkeypatch):
+    """NOTE [Two transient regimes]: a partial plan longer than the partial curve's samples is
+    predicted with the full regime (a recomputed block on top: too high); once such a step has
+    run, the partial curve covers it and the same shape is predicted right."""
+    model, make_batch = _bert()
+    inner = torch.optim.SGD(model.parameters(), lr=0.0)
+    longest = make_batch(4, 96)
+    budget = int(0.7 * (logical_peak(model, longest, "none") + logical_peak(model, longest, "full")))
+    ctl = memfit.fit(model, budget=budget, method="dynamic", backstop=False)
+    fake = _on_fake_allocator(monkeypatch, ctl, inner, margin=int(0.03 * budget))
+    block_bytes = {}
+
+    def run(length, seed):
+        torch.manual_seed(seed)
+        loss = model(**make_batch(4, length)).loss
+        saved = ctl._counter.total_bytes
+        every = len(ctl._pending["decision"].blocks) == len(ctl.blocks)
+        if every:  # full: the top block is recomputed on top of what is kept
+            block_bytes[length] = max(ctl.planning.model.group_models[0].full_bytes.ys or [0])
+        fake.use(saved + 40 * 4 * length - 2000 + (block_bytes.get(length, 0) if every else 0))
+        loss.backward()
+        inner.step()
+        model.zero_grad(set_to_none=True)
+        return ctl.records[-1]
+
+    # warm-up, then more than 8 shorter shapes (the partial curve's first-shapes rule is spent)
+    for i, length in enumerate([24, 48, 72, 28, 32, 36, 40, 44, 52, 56, 60, 64, 68]):
+        run(length, i)
+    assert ctl.planning.model.transient_partial.distinct_keys >= 8
+    assert ctl.planning.model.transient_partial.max_tokens < 4 * 96
+    first, again = run(96, 20), run(96, 21)
+    ctl.remove()
+    assert first.phase == again.phase == "steady"
+    assert 0 < first.n_checkpointed < first.n_blocks, first  # a partial plan
+    assert first.predicted_peak_bytes > first.peak_allocated_bytes + 0.01 * budget  # the full regime's guess
+    assert ctl.planning.model.partial_covers((4, 96))
+    assert abs(again.predicted_peak_bytes - again.peak_allocated_bytes) < 0.005 * budget, again

@@ -289,10 +289,11 @@ def _ratio(value: float | None, ref: float | None) -> str:
 
 def _methods_table(rows: Sequence[_Row], ref: _Row | None) -> list[str]:
     lines = [
-        "| method | budget (GiB) | median time (s) | vs none | max peak (GiB) | peak / budget | OOMs "
-        "| recomputed | warm-up steps | planner µs/step | repeats | status |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| method | budget (GiB) | median time (s) | vs none | median step (ms) | step vs none | max peak (GiB) "
+        "| peak / budget | OOMs | recomputed | warm-up steps | planner µs/step | repeats | status |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
+    ref_step = ref.median_of("median_step_ms") if ref else None
     for row in rows:
         peak, budget = row.max_peak_bytes, row.budget_bytes
         share = _DASH if peak is None or budget is None else f"{100 * peak / budget:.0f}%"
@@ -300,10 +301,11 @@ def _methods_table(rows: Sequence[_Row], ref: _Row | None) -> list[str]:
         recomputed = [r.recomputed_fraction for r in row.ok if r.recomputed_fraction is not None]
         recomputed_text = f"{100 * statistics.fmean(recomputed):.1f}%" if recomputed else _DASH
         warmup = [r.warmup_steps for r in row.results if r.warmup_steps is not None]
+        step = row.median_of("median_step_ms")
         lines.append(
             f"| {row.method} | {_gib(budget)} | {_num(row.median_s, '.2f')} | "
-            f"{_ratio(row.median_s, ref.median_s if ref else None)} | {_gib(peak)} | {share} | {ooms} | "
-            f"{recomputed_text} | {max(warmup) if warmup else _DASH} | "
+            f"{_ratio(row.median_s, ref.median_s if ref else None)} | {_num(step, '.1f')} | {_ratio(step, ref_step)} | "
+            f"{_gib(peak)} | {share} | {ooms} | {recomputed_text} | {max(warmup) if warmup else _DASH} | "
             f"{_num(row.median_of('planner_us_per_step'), '.1f')} | {len(row.results)} | {row.status} |"
         )
     return lines
@@ -360,7 +362,10 @@ def _runs_table(runs: Sequence[_StepRun]) -> list[str]:
 _LEGEND = (
     "Per configuration (method × budget), over its repeats: *median time* of the repeats that "
     "finished (`ok`); *vs none*: that time over the median of `none` with no budget in the same "
-    "table; *max peak*: largest `max_peak_allocated_bytes` of any repeat, and its share of the "
+    "table; *median step*: the median of a run's step times (from its step records, per optimizer "
+    "step), the median over repeats, and its ratio to `none`'s: robust to the first step of each new "
+    "input size (kernel choice, allocator growth), which a short multi-scale run's total is not; "
+    "*max peak*: largest `max_peak_allocated_bytes` of any repeat, and its share of the "
     "budget; *OOMs*: most OOMs of one repeat; *recomputed*: mean fraction of blocks recomputed; "
     "*status*: `ok`, or the share of repeats per status. GiB = 2**30 bytes."
 )

@@ -641,7 +641,8 @@ class Controller:
         checkpointed nothing taught the 2026-11-22 H200 run nothing but cost a replan of
         every shape, 36 times in 200 steps at 6 GB); then each
         curve that erred the same way by more than 0.5% learns the step's value. The partial
-        transient regime also learns its first 8 shapes. Every other steady step leaves the
+        transient regime also learns its first 8 shapes, and any shape beyond the range it has
+        seen (NOTE [Two transient regimes], model.py). Every other steady step leaves the
         model and the plan cache untouched, so plans stay cached: smaller errors are the
         margin's to absorb, and each change of the model clears every cached plan (an H200
         run that learned every 0.5% under-prediction replanned two steps in three).
@@ -680,6 +681,8 @@ class Controller:
             learn = under or over
             if curve is transient_curve:
                 learn = learn or (not curve.has(key) and curve.distinct_keys < 8)
+                # a partial step beyond the partial curve's range extends it (NOTE [Two transient regimes])
+                learn = learn or (curve is model.transient_partial and not model.partial_covers(key))
             if learn:
                 curve.add(key, observed)
                 changed = True
