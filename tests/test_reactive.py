@@ -245,3 +245,29 @@ def test_dynamic_backstop_survives_a_wrong_prediction(backstop):
     # the wrong step taught the model what the blocks save: the next plan fits without evicting
     assert not refit.evicted_blocks and refit.peak_allocated_bytes <= budget, refit
     assert len(refit.plan) > len(wrong.plan)
+
+
+def test_backstop_is_armed_only_for_steps_that_could_need_it():
+    """NOTE [Backstop]: a step well inside the shapes seen and far below the budget runs its
+    un-checkpointed blocks plainly; a step longer than any so far runs them under the store."""
+    torch.manual_seed(0)
+    model, make_batch = build("bert")
+    model.train()
+    longest = make_batch(4, 96)
+    budget = (logical_peak(model, longest, "none") + logical_peak(model, longest, "full")) // 2
+    ctl = memfit.fit(model, budget=budget, method="dynamic", margin=0.05)
+    armed = []
+    for step, length in enumerate((40, 60, 80, 24, 96, 24)):
+        torch.manual_seed(step)
+        loss = model(**make_batch(4, length)).loss
+        if not ctl._pending["decision"].warmup:
+            armed.append([b.runner is not None for b in ctl.blocks if not b.enabled])
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+    records = ctl.records
+    ctl.remove()
+    short, long_, short_again = armed
+    assert short and not any(short), records[3]  # 24 tokens: far below the budget, seen range
+    assert long_ and all(long_), records[4]  # 96 tokens: never seen, the model extrapolates
+    assert not any(short_again)
+    assert all(r.peak_allocated_bytes <= budget for r in records)

@@ -500,7 +500,7 @@ def test_an_oom_from_allocator_slack_grows_the_slack_not_the_margin(monkeypatch)
 def test_partial_transient_extends_its_range_to_longer_shapes(monkeypatch):
     """NOTE [Two transient regimes]: a partial plan longer than the partial curve's samples is
     predicted with the full regime (a recomputed block on top: too high); once such a step has
-    run, the partial curve covers it and the same shape is predicted right."""
+    run, the partial curve covers it and its plan bucket, and the same shape is predicted right."""
     model, make_batch = _bert()
     inner = torch.optim.SGD(model.parameters(), lr=0.0)
     longest = make_batch(4, 96)
@@ -527,10 +527,13 @@ def test_partial_transient_extends_its_range_to_longer_shapes(monkeypatch):
         run(length, i)
     assert ctl.planning.model.transient_partial.distinct_keys >= 8
     assert ctl.planning.model.transient_partial.max_tokens < 4 * 96
-    first, again = run(96, 20), run(96, 21)
+    # 94 tokens: plans are made for its bucket's upper edge, 96, which the range must cover too
+    first, again = run(94, 20), run(94, 21)
     ctl.remove()
     assert first.phase == again.phase == "steady"
     assert 0 < first.n_checkpointed < first.n_blocks, first  # a partial plan
     assert first.predicted_peak_bytes > first.peak_allocated_bytes + 0.01 * budget  # the full regime's guess
     assert ctl.planning.model.partial_covers((4, 96))
-    assert abs(again.predicted_peak_bytes - again.peak_allocated_bytes) < 0.005 * budget, again
+    # predicted for the bucket's edge (96 tokens): over by the two tokens' bytes, not a block
+    first_over = first.predicted_peak_bytes - first.peak_allocated_bytes
+    assert abs(again.predicted_peak_bytes - again.peak_allocated_bytes) < first_over / 4, (first_over, again)

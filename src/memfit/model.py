@@ -27,12 +27,12 @@ comes later in backward, with a recomputed block on top (-0.39 GB + 57 kB per to
 Warm-up runs ``full``, so one curve fitted there over-predicted every partial plan by about
 0.5 GB. ``transient_full`` is fitted on steps that checkpoint every block,
 ``transient_partial`` on the others; the partial curve is used only inside the range of
-token counts it has seen (interpolation), else the full one (conservative). A steady
-partial step outside that range always teaches the partial curve, so the range grows to
-the lengths the run meets: the full curve at a partial plan's backward start counts a
-recomputed block that is not there, and before this rule every bert-base step longer than
-the partial curve's first samples was over-predicted by about that block (0.7 GB at 500
-tokens, batch 32, H200) for the whole run.
+token counts it has seen (interpolation, up to the plan bucket of its longest sample),
+else the full one (conservative). A steady partial step outside that range always teaches
+the partial curve, so the range grows to the lengths the run meets: the full curve at a
+partial plan's backward start counts a recomputed block that is not there. In the H200
+runs of 2026-11-22 (bert-base, batch 32, 6 GB) plans near 500 tokens alternated between 8
+blocks, predicted to the MB, and 9 blocks, predicted 0.7 GB high, in 8 of 26 such steps.
 
 # NOTE [Three peaks]
 A step's peak is the largest of three moments (H200 step records, bert-base):
@@ -177,6 +177,14 @@ class Curve:
             stats = self._memo["stats"] = (len(self._by_key), min(tokens, default=0), max(tokens, default=0))
         return stats
 
+    def max_bucket_tokens(self, bucket_tokens: int) -> int:
+        """Largest ``N·T`` among the samples with ``T`` rounded up to a multiple of ``bucket_tokens``."""
+        cached = self._memo.get(("max_bucket", bucket_tokens))
+        if cached is None:
+            cached = max((n * -(-t // bucket_tokens) * bucket_tokens for n, t in self._by_key), default=0)
+            self._memo[("max_bucket", bucket_tokens)] = cached
+        return cached
+
     @property
     def distinct_keys(self) -> int:
         """How many different keys have samples."""
@@ -229,8 +237,10 @@ class MemoryModel:
         groups: for each block, the id of its group of identical blocks.
     """
 
-    def __init__(self, groups: Sequence[int]):
+    def __init__(self, groups: Sequence[int], bucket_tokens: int = 1):
         self.groups = list(groups)
+        #: token granularity of the plan buckets this model is asked about (bucket_key)
+        self.bucket_tokens = bucket_tokens
         self.group_models = {g: BlockGroupModel() for g in sorted(set(self.groups))}
         self._group_sizes = {g: self.groups.count(g) for g in self.group_models}
         self._every = tuple(range(len(self.groups)))
@@ -279,9 +289,15 @@ class MemoryModel:
         return (partial if use_partial else self.transient_full)(key)
 
     def partial_covers(self, key: tuple[int, int]) -> bool:
-        """Whether ``key``'s token count lies in the range the partial transient has seen."""
+        """Whether ``key``'s token count lies in the range the partial transient has seen.
+
+        The range's top is its longest sample rounded up to its plan bucket: plans are made
+        at a bucket's upper edge, so a range that ended at the longest sample itself left
+        that sample's own bucket outside, and the bucket kept the full regime's guess (one
+        block over, 0.7 GB at 6 GB on the H200) until a longer sample fell in it.
+        """
         partial = self.transient_partial
-        return partial.min_tokens <= key[0] * key[1] <= partial.max_tokens
+        return partial.min_tokens <= key[0] * key[1] <= partial.max_bucket_tokens(self.bucket_tokens)
 
     def transient_curve(self, every_block: bool) -> Curve:
         """The curve a step of this regime teaches."""
@@ -339,11 +355,12 @@ class MemoryModel:
             "transient_partial": self.transient_partial.to_dict(),
             "optimizer_bytes": self.optimizer_bytes,
             "max_key": list(self.max_key) if self.max_key else None,
+            "bucket_tokens": self.bucket_tokens,
         }
 
     @classmethod
     def from_dict(cls, data: dict) -> "MemoryModel":
-        model = cls(data["groups"])
+        model = cls(data["groups"], int(data.get("bucket_tokens", 1)))
         model.group_models = {int(g): BlockGroupModel.from_dict(m) for g, m in data["group_models"].items()}
         model.outside = Curve.from_dict(data["outside"])
         model.transient_full = Curve.from_dict(data["transient_full"])
