@@ -170,6 +170,18 @@ class Curve:
         self._memo[key] = value
         return value
 
+    def values(self, n: int, ts: np.ndarray) -> np.ndarray:
+        """``self((n, t))`` for every ``t`` of ``ts`` (float64), with the very same arithmetic."""
+        if not self.xs:
+            return np.zeros(len(ts))
+        if not self.coef:
+            self._fit()
+        value = np.zeros(len(ts))
+        for c, f in zip(self.coef, _features(float(n), ts.astype(np.float64), self.intercept, self._quadratic)):
+            value = value + c * f
+        value = value + self.shift
+        return value if self.floor is None else np.maximum(self.floor, value)
+
     def _token_stats(self) -> tuple[int, int, int]:
         stats = self._memo.get("stats")
         if stats is None:
@@ -298,6 +310,29 @@ class MemoryModel:
         """
         partial = self.transient_partial
         return partial.min_tokens <= key[0] * key[1] <= partial.max_bucket_tokens(self.bucket_tokens)
+
+    def row(self, n: int, ts: np.ndarray) -> dict[str, np.ndarray] | None:
+        """Per shape ``(n, t)`` for ``t`` in ``ts``, what planning a one-group stack needs.
+
+        ``outside``, ``full`` and ``kept`` (one block's bytes), ``transient`` (of a partial
+        plan: NOTE [Two transient regimes]) and ``transient_full``, as arrays computed
+        exactly as the per-key methods compute them. ``None`` for a stack of several groups.
+        """
+        if len(self.group_models) != 1:
+            return None
+        (group,) = self.group_models.values()
+        partial = self.transient_partial
+        transient_full = self.transient_full.values(n, ts)
+        transient = transient_full
+        if partial.distinct_keys >= 2:
+            tokens = n * ts
+            covered = (partial.min_tokens <= tokens) & (tokens <= partial.max_bucket_tokens(self.bucket_tokens))
+            if covered.any():
+                transient = np.where(covered, partial.values(n, ts), transient_full)
+        return {
+            "outside": self.outside.values(n, ts), "full": group.full_bytes.values(n, ts),
+            "kept": group.kept_bytes.values(n, ts), "transient": transient, "transient_full": transient_full,
+        }
 
     def transient_curve(self, every_block: bool) -> Curve:
         """The curve a step of this regime teaches."""

@@ -57,6 +57,8 @@ class StepRecord:
     saved_activation_bytes: int = 0
     static_bytes: int = 0
     planner_us: float = 0.0
+    #: the plan was made this step (no cached plan for its shape bucket), not read from the cache
+    planned: bool = False
     evicted_blocks: list[int] = field(default_factory=list)
     #: the attempts of this step that ran out of memory and were replayed, oldest first:
     #: ``stage`` (forward / backward / optimizer), ``plan``, ``phase``, ``shape``,

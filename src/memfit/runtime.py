@@ -76,6 +76,17 @@ bytes that were not allocated when it failed, when that is more; the margin then
 when the slack did not (the failure was the prediction's). Logical accounting has no
 allocator: its slack is 0. The backstop and ``reactive`` keep the slack free too.
 
+# NOTE [Planning a row]
+In a training process a new bucket's plan cost about 100-150 µs on the H200 host (the same
+call takes 10 µs in a loop there: caches are cold between steps), and a bert-base run at
+lengths 32..512 meets about 60 buckets, plus every bucket again after each change of the
+memory model: 80-110 µs per step on average. For a stack of one group (BERT-like: every
+block alike) the plan of a bucket is the shortest prefix of blocks that fits, so a miss
+plans the whole row at once: every bucket of the shape's batch size up to the longest shape
+seen, with numpy over the row, doing the per-key planner's float operations in its order
+(so the plans are the same, bit for bit: tested against it). Shapes that no plan fits are
+left to the per-key path, which warns. Mixed stacks (Swin detectors) plan per key.
+
 # NOTE [No sync in steady state]
 A steady-state step reads only host-side values: ``memory_allocated``,
 ``max_memory_allocated`` and ``reset_peak_memory_stats`` query the caching allocator's
@@ -92,6 +103,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
@@ -186,9 +198,53 @@ class Planning:
         cache_key = (k, self._static_bucket())
         plan = self.cache.get(cache_key)
         if plan is None:
-            plan = self._plan(k)
+            plan = self._plan_row(k) or self._plan(k)
             self.cache.put(cache_key, plan)
         return plan.blocks
+
+    def _plan_row(self, k: tuple[int, int]) -> Plan | None:
+        """Plan every bucket of ``k``'s row at once, for a stack of one group (NOTE [Planning a row]).
+
+        Caches each bucket's plan and returns ``k``'s; ``None`` (plan ``k`` alone) for a
+        stack of several groups or a shape that no plan fits (it gets the warning then).
+        """
+        n, b = k[0], self.bucket_tokens
+        longest = max(k[1], bucket_key(self.model.max_key, b)[1] if self.model.max_key else 0)
+        ts = np.arange(b, longest + b, b, dtype=np.int64)
+        row = self.model.row(n, ts)
+        if row is None:
+            return None
+        m, room, static = self.n_blocks, self.room_bytes, float(self.static_bytes)
+        outside, full, kept = row["outside"], row["full"], row["kept"]
+        saving = np.floor(np.maximum(0.0, full - kept)).astype(np.int64)
+        # the same float operations, in the same order, as the per-key methods (bit-equal)
+        need = np.trunc(static + ((outside + (0.0 * kept + m * full)) + row["transient"])).astype(np.int64) - room
+        every = np.maximum((outside + (m * kept + 0.0 * full)) + row["transient_full"], self.model.optimizer_bytes)
+        every_fits = np.trunc(static + every).astype(np.int64) <= room
+        with np.errstate(divide="ignore", invalid="ignore"):
+            count = np.where(need > 0, np.ceil(need / np.maximum(saving, 1)), 0).astype(np.int64)
+        count = np.where(m * saving < need, -1, np.minimum(count, m))  # -1: no plan saves enough
+        clipped = np.maximum(count, 0)
+        start = (outside + (clipped * kept + (m - clipped) * full)) + row["transient"]
+        recompute = (outside + (m * kept + 0.0 * full)) + row["transient_full"]
+        prefix_fits = np.trunc(static + np.maximum(np.maximum(start, recompute), self.model.optimizer_bytes)) <= room
+        # what the chosen blocks cost, summed one block at a time as plan_blocks sums them
+        cost = np.maximum(self.model.group_models[self.model.groups[0]].cost_ms.values(n, ts), 1e-6)
+        summed = np.cumsum(np.repeat(cost[:, None], m, axis=1), axis=1)[np.arange(len(ts)), np.maximum(clipped - 1, 0)]
+        static_bucket, empty = self._static_bucket(), Plan(())
+        for t, c, fits, every_ok, ms, nbytes in zip(
+            ts.tolist(), count.tolist(), prefix_fits.tolist(), every_fits.tolist(), summed.tolist(), (clipped * saving).tolist()
+        ):
+            if c == 0:
+                plan = empty
+            elif c < 0 or not every_ok:
+                continue  # over the budget with every block: the per-key path warns
+            elif c == m or fits:
+                plan = Plan(self.all_blocks if c == m else tuple(range(c)), ms, nbytes)
+            else:  # the mend's candidates are this very prefix (NOTE [Blocks held below a recompute])
+                plan = Plan(self.all_blocks)
+            self.cache.put(((n, t), static_bucket), plan)
+        return self.cache.peek((k, static_bucket))
 
     def _plan(self, k: tuple[int, int]) -> Plan:
         # Checkpointing lowers the start-of-backward peak only; the plan is then checked
@@ -511,9 +567,11 @@ class Controller:
         x = _first_tensor(args, kwargs)
         shape = list(x.shape) if x is not None else []
         key = shape_key(shape)
+        misses = self.planning.cache.misses
         t0 = time.perf_counter()
         decision = self.method.decide(self.planning, key)
         planner_us = (time.perf_counter() - t0) * 1e6
+        planned = self.planning.cache.misses > misses
         enabled = set(decision.blocks)
         for b in self.blocks:
             b.enabled = b.index in enabled
@@ -527,7 +585,7 @@ class Controller:
         elif self.method.backstop:
             for b in self.blocks:
                 b.runner = None
-        pending.update(decision=decision, shape=shape, key=key, planner_us=planner_us, largest_block=largest)
+        pending.update(decision=decision, shape=shape, key=key, planner_us=planner_us, planned=planned, largest_block=largest)
 
     def _backstop_armed(self, key: tuple[int, int], blocks: Sequence[int]) -> bool:
         """Whether this step's un-checkpointed blocks run under the store (NOTE [Backstop])."""
@@ -634,6 +692,7 @@ class Controller:
             saved_activation_bytes=int(saved),
             static_bytes=int(static),
             planner_us=pending["planner_us"],
+            planned=pending["planned"],
             evicted_blocks=pending["evicted"],
             oom_attempts=self._oom_attempts,
             rank=self.rank,
@@ -818,7 +877,8 @@ class Controller:
         return attempt
 
     def plans(self) -> dict[tuple[int, int], tuple[int, ...]]:
-        """Plans decided so far, per shape bucket."""
+        """Plans decided so far, per shape bucket (for a one-group stack, every bucket of a
+        planned row: NOTE [Planning a row])."""
         return {k: p.blocks for (k, _), p in self.planning.cache.items()}
 
     def save_plans(self, path: str) -> None:
