@@ -120,10 +120,12 @@ class Dynamic(Method):
         self.max_warmup_steps = max_warmup_steps
         self._warm_steps = 0
         self._warm_tokens: set[int] = set()
+        self._steady = False  # warm-up is over for good (a step's first check is then skipped)
 
     def skip_warmup(self) -> None:
         """End warm-up now (the memory model was loaded from a checkpoint)."""
         self._warm_steps = self.max_warmup_steps
+        self._steady = False  # checked again against the loaded model
 
     def in_warmup(self, planning: "Planning", key: tuple[int, int]) -> bool:
         if not planning.model.ready:
@@ -133,10 +135,12 @@ class Dynamic(Method):
         return self._warm_steps < self.warmup_steps or len(self._warm_tokens) < self.warmup_keys
 
     def decide(self, planning: "Planning", key: tuple[int, int]) -> Decision:
-        if self.in_warmup(planning, key):
-            self._warm_steps += 1
-            self._warm_tokens.add(key[0] * key[1])
-            return Decision(planning.all_blocks, warmup=True)
+        if not self._steady:
+            if self.in_warmup(planning, key):
+                self._warm_steps += 1
+                self._warm_tokens.add(key[0] * key[1])
+                return Decision(planning.all_blocks, warmup=True)
+            self._steady = True  # the model stays ready and the counts only grow
         return Decision(planning.plan_for(self.planning_key(planning, key)))
 
     def planning_key(self, planning: "Planning", key: tuple[int, int]) -> tuple[int, int]:

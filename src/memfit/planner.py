@@ -36,6 +36,7 @@ import itertools
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -195,6 +196,8 @@ class PlanCache:
 
     def __init__(self) -> None:
         self._plans: dict[Hashable, Plan] = {}
+        #: rows of plans not yet read, per (batch size, static bucket) (NOTE [Planning a row], runtime.py)
+        self.rows: dict[Hashable, Any] = {}
         self.hits = 0
         self.misses = 0
 
@@ -215,6 +218,7 @@ class PlanCache:
 
     def clear(self) -> None:
         self._plans.clear()
+        self.rows.clear()
 
     def items(self) -> list[tuple[Hashable, Plan]]:
         return list(self._plans.items())

@@ -198,16 +198,34 @@ class Planning:
         cache_key = (k, self._static_bucket())
         plan = self.cache.get(cache_key)
         if plan is None:
-            plan = self._plan_row(k) or self._plan(k)
+            plan = self._plan_from_row(k, cache_key[1]) or self._plan(k)
             self.cache.put(cache_key, plan)
         return plan.blocks
 
-    def _plan_row(self, k: tuple[int, int]) -> Plan | None:
-        """Plan every bucket of ``k``'s row at once, for a stack of one group (NOTE [Planning a row]).
+    def _plan_from_row(self, k: tuple[int, int], static_bucket: int) -> Plan | None:
+        """``k``'s plan read from its row's arrays, planned first if needed (NOTE [Planning a row]).
 
-        Caches each bucket's plan and returns ``k``'s; ``None`` (plan ``k`` alone) for a
-        stack of several groups or a shape that no plan fits (it gets the warning then).
+        ``None`` (plan ``k`` alone) for a stack of several groups or a shape that no plan fits
+        (the per-key path warns then).
         """
+        row = self.cache.rows.get((k[0], static_bucket))
+        if row is None or row["longest"] < k[1]:
+            row = self._plan_row(k)
+            if row is None:
+                return None
+            self.cache.rows[(k[0], static_bucket)] = row
+        i = k[1] // self.bucket_tokens - 1
+        c, m = row["count"][i], self.n_blocks
+        if c == 0:
+            return Plan(())
+        if c < 0 or not row["every_fits"][i]:
+            return None  # over the budget with every block
+        if c == m or row["prefix_fits"][i]:
+            return Plan(self.all_blocks if c == m else tuple(range(c)), row["cost_ms"][i], row["saved_bytes"][i])
+        return Plan(self.all_blocks)  # the mend's candidates are this very prefix (NOTE [Blocks held below a recompute])
+
+    def _plan_row(self, k: tuple[int, int]) -> dict[str, Any] | None:
+        """Every bucket of ``k``'s row, up to the longest shape seen, as lists (one group only)."""
         n, b = k[0], self.bucket_tokens
         longest = max(k[1], bucket_key(self.model.max_key, b)[1] if self.model.max_key else 0)
         ts = np.arange(b, longest + b, b, dtype=np.int64)
@@ -220,31 +238,21 @@ class Planning:
         # the same float operations, in the same order, as the per-key methods (bit-equal)
         need = np.trunc(static + ((outside + (0.0 * kept + m * full)) + row["transient"])).astype(np.int64) - room
         every = np.maximum((outside + (m * kept + 0.0 * full)) + row["transient_full"], self.model.optimizer_bytes)
-        every_fits = np.trunc(static + every).astype(np.int64) <= room
         with np.errstate(divide="ignore", invalid="ignore"):
             count = np.where(need > 0, np.ceil(need / np.maximum(saving, 1)), 0).astype(np.int64)
         count = np.where(m * saving < need, -1, np.minimum(count, m))  # -1: no plan saves enough
         clipped = np.maximum(count, 0)
         start = (outside + (clipped * kept + (m - clipped) * full)) + row["transient"]
         recompute = (outside + (m * kept + 0.0 * full)) + row["transient_full"]
-        prefix_fits = np.trunc(static + np.maximum(np.maximum(start, recompute), self.model.optimizer_bytes)) <= room
+        peak = np.maximum(np.maximum(start, recompute), self.model.optimizer_bytes)
         # what the chosen blocks cost, summed one block at a time as plan_blocks sums them
         cost = np.maximum(self.model.group_models[self.model.groups[0]].cost_ms.values(n, ts), 1e-6)
         summed = np.cumsum(np.repeat(cost[:, None], m, axis=1), axis=1)[np.arange(len(ts)), np.maximum(clipped - 1, 0)]
-        static_bucket, empty = self._static_bucket(), Plan(())
-        for t, c, fits, every_ok, ms, nbytes in zip(
-            ts.tolist(), count.tolist(), prefix_fits.tolist(), every_fits.tolist(), summed.tolist(), (clipped * saving).tolist()
-        ):
-            if c == 0:
-                plan = empty
-            elif c < 0 or not every_ok:
-                continue  # over the budget with every block: the per-key path warns
-            elif c == m or fits:
-                plan = Plan(self.all_blocks if c == m else tuple(range(c)), ms, nbytes)
-            else:  # the mend's candidates are this very prefix (NOTE [Blocks held below a recompute])
-                plan = Plan(self.all_blocks)
-            self.cache.put(((n, t), static_bucket), plan)
-        return self.cache.peek((k, static_bucket))
+        return {
+            "longest": longest, "count": count.tolist(), "every_fits": (np.trunc(static + every) <= room).tolist(),
+            "prefix_fits": (np.trunc(static + peak) <= room).tolist(), "cost_ms": summed.tolist(),
+            "saved_bytes": (clipped * saving).tolist(),
+        }
 
     def _plan(self, k: tuple[int, int]) -> Plan:
         # Checkpointing lowers the start-of-backward peak only; the plan is then checked
@@ -877,8 +885,7 @@ class Controller:
         return attempt
 
     def plans(self) -> dict[tuple[int, int], tuple[int, ...]]:
-        """Plans decided so far, per shape bucket (for a one-group stack, every bucket of a
-        planned row: NOTE [Planning a row])."""
+        """Plans decided so far, per shape bucket."""
         return {k: p.blocks for (k, _), p in self.planning.cache.items()}
 
     def save_plans(self, path: str) -> None:
