@@ -214,6 +214,14 @@ def test_savers_table_shows_median_step_times(tmp_path):
     assert rows["none"]["median step (ms)"] == "22.0" and rows["bf16"]["median step (ms)"] == "68.0"
     assert rows["bf16"]["step vs vanilla"] == f"{68.0 / 22.0:.2f}×"
     assert rows["adafactor"]["median step (ms)"] == "—"  # no step records linked
+    # a steps_file compressed after the run (name.jsonl -> name.jsonl.gz) still links
+    import gzip
+
+    packed = bench / "steps" / "tc_bf16_steps.jsonl"
+    packed.with_name(packed.name + ".gz").write_bytes(gzip.compress(packed.read_bytes()))
+    packed.unlink()
+    again = {r["method"]: r for r in table_rows(build_report(tmp_path / "results", tmp_path / "out2").read_text(), "Memory savers")}
+    assert again["bf16"]["median step (ms)"] == "68.0"
     # the methods table shows the same medians, relative to none
     methods = {r["method"]: r for r in table_rows(build_report(tmp_path / "results", tmp_path / "out").read_text(), "## text-classification")}
     assert methods["none"]["median step (ms)"] == "22.0" and methods["none"]["step vs none"] == "1.00×"

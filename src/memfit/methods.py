@@ -110,6 +110,8 @@ class Dynamic(Method):
     """
 
     name = "dynamic"
+    #: plan a shape's whole row on a miss (NOTE [Planning a row] in runtime.py)
+    plans_rows = True
 
     def __init__(self, warmup_steps: int = 3, warmup_keys: int = 3, max_warmup_steps: int = 12, backstop: bool = True):
         if not 1 <= warmup_steps <= max_warmup_steps:
@@ -141,7 +143,7 @@ class Dynamic(Method):
                 self._warm_tokens.add(key[0] * key[1])
                 return Decision(planning.all_blocks, warmup=True)
             self._steady = True  # the model stays ready and the counts only grow
-        return Decision(planning.plan_for(self.planning_key(planning, key)))
+        return Decision(planning.plan_for(self.planning_key(planning, key), whole_row=self.plans_rows))
 
     def planning_key(self, planning: "Planning", key: tuple[int, int]) -> tuple[int, int]:
         return key
@@ -157,6 +159,7 @@ class Static(Dynamic):
     """
 
     name = "static"
+    plans_rows = False  # one shape, the largest, is ever planned
 
     def __init__(self, max_shape: tuple[int, int] | None = None, backstop: bool = False, **kwargs: int):
         super().__init__(backstop=backstop, **kwargs)

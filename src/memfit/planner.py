@@ -200,8 +200,11 @@ class PlanCache:
         self.rows: dict[Hashable, Any] = {}
         self.hits = 0
         self.misses = 0
+        #: plans asked for since the last clear (a cache cleared again and again: a model still learning)
+        self.asked_since_clear = 0
 
     def get(self, key: Hashable) -> Plan | None:
+        self.asked_since_clear += 1
         plan = self._plans.get(key)
         if plan is None:
             self.misses += 1
@@ -219,6 +222,7 @@ class PlanCache:
     def clear(self) -> None:
         self._plans.clear()
         self.rows.clear()
+        self.asked_since_clear = 0
 
     def items(self) -> list[tuple[Hashable, Plan]]:
         return list(self._plans.items())

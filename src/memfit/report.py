@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import re
 import statistics
 import sys
@@ -192,7 +193,12 @@ def _relative(path: Path, root: Path) -> str:
 
 def _line_numbers(path: Path) -> list[int]:
     """Line number of each record (``read_jsonl`` skips blank lines), for error messages."""
-    return [n for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1) if line.strip()]
+    opener = gzip.open if path.name.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as fh:
+            return [n for n, line in enumerate(fh, 1) if line.strip()]
+    except (OSError, EOFError) as exc:  # gzip.BadGzipFile is an OSError
+        raise ValueError(f"{path}: not a readable gzip file ({exc}); re-compress it with gzip") from None
 
 
 def _read_results(path: Path) -> list[_Result]:
@@ -229,7 +235,10 @@ def _table_key(r: _Result) -> _TableKey:
 def _load(root: Path) -> tuple[list[_Result], list[_StepRun], list[str]]:
     """Bench results, step runs and notes on skipped inputs, all in sorted order."""
     result_files = sorted(root.rglob("results.jsonl"), key=lambda p: _relative(p, root))
-    step_files = sorted((p for p in root.rglob("*steps*.jsonl") if p.is_file()), key=lambda p: _relative(p, root))
+    step_files = sorted(
+        (p for pattern in ("*steps*.jsonl", "*steps*.jsonl.gz") for p in root.rglob(pattern) if p.is_file()),
+        key=lambda p: _relative(p, root),
+    )
     if not result_files and not step_files:
         raise FileNotFoundError(
             f"no bench results (results.jsonl) or step records (*steps*.jsonl) under {root}; "
@@ -241,6 +250,8 @@ def _load(root: Path) -> tuple[list[_Result], list[_StepRun], list[str]]:
     for r in results:
         if r.steps_file:
             target = (r.source.parent / r.steps_file).resolve()
+            if not target.is_file() and target.with_name(target.name + ".gz").is_file():
+                target = target.with_name(target.name + ".gz")  # compressed after the run
             if target.is_file() and target.is_relative_to(root):
                 linked[_relative(target, root)] = r
             else:
