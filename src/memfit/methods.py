@@ -105,7 +105,8 @@ class Dynamic(Method):
             fit of ``N·T`` and ``N·T²`` is determined.
         max_warmup_steps: leave warm-up after this many steps even with fewer keys.
         backstop: when a prediction was wrong and a step nears the cap mid-forward, evict
-            already-run un-checkpointed blocks instead of running out of memory (NOTE
+            already-run un-checkpointed blocks instead of running out of memory; armed only
+            for steps longer than any before or predicted within reach of the cap (NOTE
             [Backstop] in runtime.py).
     """
 
