@@ -76,7 +76,7 @@ class TrainingArguments(transformers.TrainingArguments):
     )
     memfit_margin: float | None = field(
         default=None,
-        metadata={"help": "Share of the budget kept free as a safety margin (default 0.03 on CUDA, 0.001 with logical accounting on CPU)."},
+        metadata={"help": "Share of the budget kept free as a safety margin for prediction error (default 0.03 on CUDA, 0.001 with logical accounting on CPU); on CUDA the allocator's slack, min(256 MiB, budget/16) to start, is kept free on top."},
     )
     memfit_lockstep: bool = field(
         default=True,
