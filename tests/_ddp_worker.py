@@ -38,4 +38,7 @@ ctl.remove()
 state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
 if rank == 0:
     torch.save(state, f"{out}/final.pt")
+# Both ranks reach the teardown together: rank 1, done first while rank 0 saved, once
+# aborted in gloo's teardown ("terminate called without an active exception", CI 2026-11-22).
+dist.barrier()
 dist.destroy_process_group()
