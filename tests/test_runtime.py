@@ -541,3 +541,37 @@ def test_partial_transient_extends_its_range_to_longer_shapes(monkeypatch):
     # predicted for the bucket's edge (96 tokens): over by the two tokens' bytes, not a block
     first_over = first.predicted_peak_bytes - first.peak_allocated_bytes
     assert abs(again.predicted_peak_bytes - again.peak_allocated_bytes) < first_over / 4, (first_over, again)
+
+
+def test_static_does_not_relearn_from_shorter_over_predicted_steps(monkeypatch):
+    """``static`` runs the largest shape's plan for every batch: a shorter step's peak far below
+    its prediction would make a cheaper plan *for that shape*, which ``static`` never uses, so it
+    must not change the model (each change replans: an H200 static run replanned in half its steps)."""
+    model, make_batch = _bert()
+    inner = torch.optim.SGD(model.parameters(), lr=0.0)
+    longest = make_batch(4, 96)
+    budget = (logical_peak(model, longest, "none") + logical_peak(model, longest, "full")) // 2
+    ctl = memfit.fit(model, budget=budget, method="static", max_shape=(4, 96))
+    fake = _on_fake_allocator(monkeypatch, ctl, inner, margin=int(0.03 * budget))
+    planned = []
+    original = ctl.planning._plan
+    monkeypatch.setattr(ctl.planning, "_plan", lambda k: planned.append(k) or original(k))
+    # warm-up, then 9 steady shapes (the partial transient's first-shapes rule is spent), then
+    # new shapes inside that range: only an over-prediction could teach the model there
+    first = [96, 48, 72] + [24, 32, 40, 48, 56, 64, 72, 80, 88]
+    for i, length in enumerate(first + [28, 36, 44, 52, 60, 68]):
+        if i == len(first) + 1:  # (the step at 88 extended the partial range: 28 replans)
+            seen = len(planned)
+        torch.manual_seed(i)
+        loss = model(**make_batch(4, length)).loss
+        # shorter steps peak far below what the model predicts for them (by 0.1 × budget)
+        fake.use(ctl._counter.total_bytes + 40 * 4 * length - (0 if length == 96 else budget // 10))
+        loss.backward()
+        inner.step()
+        model.zero_grad(set_to_none=True)
+    records = ctl.records
+    ctl.remove()
+    steady = [r for r in records if r.phase == "steady"]
+    assert {tuple(r.plan) for r in steady} != {()}, "budget never bound"
+    assert set(planned) == {(4, 96)}  # static plans the largest shape only
+    assert len(planned) == seen, planned[seen:]  # the last five steps: no replan

@@ -769,8 +769,13 @@ class Controller:
             curves.append((transient_curve, transient))
         changed = False
         step_under = bool(pending_evicted) or (miss is not None and miss > self.planning.margin_bytes / 4)
+        # The plan came from the method's planning key (static: the largest shape's); a step
+        # at another shape, over-predicted, says nothing of that plan.
+        planning_key = getattr(self.method, "planning_key", lambda _, k: k)(self.planning, key)
+        b = self.planning.bucket_tokens
         step_over = (
             miss is not None and self.budget_bytes is not None and -miss > 0.01 * self.budget_bytes
+            and bucket_key(planning_key, b) == bucket_key(key, b)
             and self.planning.would_plan_less(key, decision.blocks, -miss)
         )
         for curve, observed in curves:
