@@ -537,7 +537,7 @@ def test_partial_transient_extends_its_range_to_longer_shapes(monkeypatch):
     assert first.phase == again.phase == "steady"
     assert 0 < first.n_checkpointed < first.n_blocks, first  # a partial plan
     assert first.predicted_peak_bytes > first.peak_allocated_bytes + 0.01 * budget  # the full regime's guess
-    assert ctl.planning.model.partial_covers((4, 96))
+    assert ctl.planning.model.partial_covers(4 * 96)
     # predicted for the bucket's edge (96 tokens): over by the two tokens' bytes, not a block
     first_over = first.predicted_peak_bytes - first.peak_allocated_bytes
     assert abs(again.predicted_peak_bytes - again.peak_allocated_bytes) < first_over / 4, (first_over, again)

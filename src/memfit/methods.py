@@ -75,6 +75,10 @@ class Method:
     def decide(self, planning: "Planning", key: tuple[int, int]) -> Decision:
         raise NotImplementedError
 
+    def planning_key(self, planning: "Planning", key: tuple[int, int]) -> tuple[int, int]:
+        """The shape whose plan this step runs (``static``: the largest one)."""
+        return key
+
 
 class NoCheckpoint(Method):
     """Never checkpoint: fastest, and OOMs when the step does not fit."""
@@ -145,9 +149,6 @@ class Dynamic(Method):
                 return Decision(planning.all_blocks, warmup=True)
             self._steady = True  # the model stays ready and the counts only grow
         return Decision(planning.plan_for(self.planning_key(planning, key), whole_row=self.plans_rows))
-
-    def planning_key(self, planning: "Planning", key: tuple[int, int]) -> tuple[int, int]:
-        return key
 
 
 class Static(Dynamic):

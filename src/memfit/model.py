@@ -296,12 +296,13 @@ class MemoryModel:
         use_partial = (
             not every_block
             and partial.distinct_keys >= 2
-            and self.partial_covers(key)
+            and self.partial_covers(key[0] * key[1])
         )
         return (partial if use_partial else self.transient_full)(key)
 
-    def partial_covers(self, key: tuple[int, int]) -> bool:
-        """Whether ``key``'s token count lies in the range the partial transient has seen.
+    def partial_covers(self, tokens: Any) -> Any:
+        """Whether ``tokens`` (``N·T``: an int, or an array of them) lie in the range the
+        partial transient has seen.
 
         The range's top is its longest sample rounded up to its plan bucket: plans are made
         at a bucket's upper edge, so a range that ended at the longest sample itself left
@@ -309,7 +310,7 @@ class MemoryModel:
         block over, 0.7 GB at 6 GB on the H200) until a longer sample fell in it.
         """
         partial = self.transient_partial
-        return partial.min_tokens <= key[0] * key[1] <= partial.max_bucket_tokens(self.bucket_tokens)
+        return (partial.min_tokens <= tokens) & (tokens <= partial.max_bucket_tokens(self.bucket_tokens))
 
     def row(self, n: int, ts: np.ndarray) -> dict[str, np.ndarray] | None:
         """Per shape ``(n, t)`` for ``t`` in ``ts``, what planning a one-group stack needs.
@@ -325,8 +326,7 @@ class MemoryModel:
         transient_full = self.transient_full.values(n, ts)
         transient = transient_full
         if partial.distinct_keys >= 2:
-            tokens = n * ts
-            covered = (partial.min_tokens <= tokens) & (tokens <= partial.max_bucket_tokens(self.bucket_tokens))
+            covered = self.partial_covers(n * ts)
             if covered.any():
                 transient = np.where(covered, partial.values(n, ts), transient_full)
         return {

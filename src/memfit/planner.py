@@ -212,10 +212,6 @@ class PlanCache:
             self.hits += 1
         return plan
 
-    def peek(self, key: Hashable) -> Plan | None:
-        """The cached plan, without counting a hit or a miss."""
-        return self._plans.get(key)
-
     def put(self, key: Hashable, plan: Plan) -> None:
         self._plans[key] = plan
 

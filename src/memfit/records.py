@@ -20,6 +20,7 @@ __all__ = [
     "RunSummary",
     "JsonlWriter",
     "read_jsonl",
+    "read_jsonl_numbered",
     "summarize",
 ]
 
@@ -189,6 +190,12 @@ def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
         ValueError: naming the file and line of a line that is not valid JSON, or the file
             when it ends in ``.gz`` but is not gzip data.
     """
+    for _, obj in read_jsonl_numbered(path):
+        yield obj
+
+
+def read_jsonl_numbered(path: str | os.PathLike[str]) -> Iterator[tuple[int, Any]]:
+    """:func:`read_jsonl`, each object with its line number (for messages about it)."""
     opener = gzip.open if os.fspath(path).endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as fh:
         lines = enumerate(fh, 1)
@@ -202,6 +209,7 @@ def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
             if not line.strip():
                 continue
             try:
-                yield json.loads(line)
+                obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{os.fspath(path)}:{lineno}: not valid JSON ({exc.msg})") from None
+            yield lineno, obj

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gzip
 import re
 import statistics
 import sys
@@ -33,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memfit.records import RunSummary, StepRecord, read_jsonl, summarize
+from memfit.records import RunSummary, StepRecord, read_jsonl_numbered, summarize
 
 __all__ = ["RESULT_FIELDS", "OPTIONAL_RESULT_FIELDS", "build_report", "main"]
 
@@ -191,19 +190,9 @@ def _relative(path: Path, root: Path) -> str:
 # ---------------------------------------------------------------------------------- reading
 
 
-def _line_numbers(path: Path) -> list[int]:
-    """Line number of each record (``read_jsonl`` skips blank lines), for error messages."""
-    opener = gzip.open if path.name.endswith(".gz") else open
-    try:
-        with opener(path, "rt", encoding="utf-8") as fh:
-            return [n for n, line in enumerate(fh, 1) if line.strip()]
-    except (OSError, EOFError) as exc:  # gzip.BadGzipFile is an OSError
-        raise ValueError(f"{path}: not a readable gzip file ({exc}); re-compress it with gzip") from None
-
-
 def _read_results(path: Path) -> list[_Result]:
     results = []
-    for line, data in zip(_line_numbers(path), read_jsonl(path)):
+    for line, data in read_jsonl_numbered(path):
         where = f"{path}:{line}"
         if not isinstance(data, dict):
             raise ValueError(f"{where}: a bench result must be a JSON object")
@@ -220,7 +209,7 @@ def _read_steps(path: Path) -> list[StepRecord]:
     required = [f.name for f in dataclasses.fields(StepRecord) if f.default is dataclasses.MISSING
                 and f.default_factory is dataclasses.MISSING]
     records = []
-    for line, data in zip(_line_numbers(path), read_jsonl(path)):
+    for line, data in read_jsonl_numbered(path):
         missing = [f for f in required if not isinstance(data, dict) or f not in data]
         if missing:
             raise ValueError(f"{path}:{line}: not a step record, missing {', '.join(missing)}")

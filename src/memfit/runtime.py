@@ -771,7 +771,7 @@ class Controller:
         step_under = bool(pending_evicted) or (miss is not None and miss > self.planning.margin_bytes / 4)
         # The plan came from the method's planning key (static: the largest shape's); a step
         # at another shape, over-predicted, says nothing of that plan.
-        planning_key = getattr(self.method, "planning_key", lambda _, k: k)(self.planning, key)
+        planning_key = self.method.planning_key(self.planning, key)
         b = self.planning.bucket_tokens
         step_over = (
             miss is not None and self.budget_bytes is not None and -miss > 0.01 * self.budget_bytes
@@ -790,7 +790,7 @@ class Controller:
             if curve is transient_curve:
                 learn = learn or (not curve.has(key) and curve.distinct_keys < 8)
                 # a partial step beyond the partial curve's range extends it (NOTE [Two transient regimes])
-                learn = learn or (curve is model.transient_partial and not model.partial_covers(key))
+                learn = learn or (curve is model.transient_partial and not model.partial_covers(key[0] * key[1]))
             if learn:
                 curve.add(key, observed)
                 changed = True
