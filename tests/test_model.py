@@ -257,8 +257,9 @@ def test_a_row_of_plans_equals_the_per_key_plans(seed):
 
 
 def test_rows_wait_until_the_plan_cache_has_settled():
-    """NOTE [Planning a row]: right after a clear (a model still learning) a miss plans its key
-    alone; once the cache has served a few requests, a miss plans the row."""
+    """NOTE [Planning a row]: right after a clear of a cache that served few requests (a model
+    still learning) a miss plans its key alone; once the cache, or the one before its last
+    clear, has served more than a few requests, a miss plans the row."""
     planning = Planning(4, [0, 0, 0, 0], 1_000_000, margin_bytes=0, bucket_tokens=4)
     planning.model, planning.static_bytes = _model([16, 32, 64]), 200_000
     planning.model.bucket_tokens = 4
@@ -268,6 +269,36 @@ def test_rows_wait_until_the_plan_cache_has_settled():
     assert planning.cache.rows == {}  # each planned alone
     planning.plan_for((4, 60))
     assert len(planning.cache.rows) == 1  # settled: the whole row
-    planning.cache.clear()
-    planning.plan_for((4, 60))
+    planning.cache.clear()  # a correction of a settled model: its plans will last too
+    planning.plan_for((4, 64))
+    assert len(planning.cache.rows) == 1
+    for _ in range(2):  # a model changing at every step
+        planning.cache.clear()
+        planning.plan_for((4, 60))
     assert planning.cache.rows == {}
+
+
+def test_curve_values_are_each_curves_own_values_bit_for_bit():
+    """``curve_values`` (one numpy pass over a row's curves) returns, for every kind of curve,
+    exactly the floats ``Curve.__call__`` returns key by key."""
+    import random
+
+    import numpy as np
+
+    from memfit.model import curve_values
+
+    rng = random.Random(3)
+    curves = [
+        Curve(),  # no samples
+        Curve(intercept=True, floor=None, linear_until=6),  # still a line (3 keys < 6)
+        Curve(intercept=True, floor=None),
+        Curve(),
+        Curve(intercept=True),
+    ]
+    for curve in curves[1:]:
+        for t in rng.sample(range(8, 500), 3 if curve.linear_until else 7):
+            curve.add((4, t), rng.uniform(-1e6, 1e7) + 1234.5 * t + 0.37 * t * t)
+    ts = np.arange(8, 520, 8)
+    values = curve_values(curves, 4, ts)
+    for curve, row in zip(curves, values):
+        assert row.tolist() == [curve((4, int(t))) for t in ts]

@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["shape_key", "bucket_key", "Curve", "BlockGroupModel", "MemoryModel"]
+__all__ = ["shape_key", "bucket_key", "Curve", "curve_values", "BlockGroupModel", "MemoryModel"]
 
 
 def shape_key(shape: Sequence[int]) -> tuple[int, int]:
@@ -170,17 +170,20 @@ class Curve:
         self._memo[key] = value
         return value
 
-    def values(self, n: int, ts: np.ndarray) -> np.ndarray:
-        """``self((n, t))`` for every ``t`` of ``ts`` (float64), with the very same arithmetic."""
+    def _slots(self) -> tuple[list[float], float, float]:
+        """Coefficients on the slots ``(1, N, N·T, N·T²)``, the shift and the floor, as
+        :func:`curve_values` reads them (zeros for a curve without samples)."""
         if not self.xs:
-            return np.zeros(len(ts))
+            return [0.0] * 4, 0.0, -math.inf
         if not self.coef:
             self._fit()
-        value = np.zeros(len(ts))
-        for c, f in zip(self.coef, _features(float(n), ts.astype(np.float64), self.intercept, self._quadratic)):
-            value = value + c * f
-        value = value + self.shift
-        return value if self.floor is None else np.maximum(self.floor, value)
+        coef = list(self.coef)
+        if not self.intercept:
+            coef.insert(0, 0.0)
+        if not self._quadratic:  # [1, N·T]
+            coef = [coef[0], 0.0, coef[1], 0.0]
+        return coef, self.shift, -math.inf if self.floor is None else self.floor
+
 
     def _token_stats(self) -> tuple[int, int, int]:
         stats = self._memo.get("stats")
@@ -224,6 +227,25 @@ class Curve:
             data["intercept"], data.get("floor", 0.0), [tuple(k) for k in data["xs"]], list(data["ys"]),
             linear_until=data.get("linear_until", 0),
         )
+
+
+def curve_values(curves: Sequence[Curve], n: int, ts: np.ndarray) -> np.ndarray:
+    """``curve((n, t))`` for each curve and every ``t`` of ``ts``: an array of
+    ``len(curves) × len(ts)`` float64, with the very same arithmetic as ``Curve.__call__``.
+
+    The sum runs over the feature slots ``1, N, N·T, N·T²`` in the order ``__call__`` sums a
+    curve's features; a slot a curve lacks adds ``0.0``, which changes no finite float. One
+    pass over every curve of a row costs a handful of numpy calls instead of a dozen per curve
+    (NOTE [Planning a row] in runtime.py).
+    """
+    slots = [c._slots() for c in curves]
+    coef = np.array([s[0] for s in slots])
+    tokens = float(n) * ts.astype(np.float64)
+    value = np.zeros((len(curves), len(ts)))
+    for j, feature in enumerate((1.0, float(n), tokens, tokens * ts)):
+        value = value + coef[:, j : j + 1] * feature
+    value = value + np.array([[s[1]] for s in slots])
+    return np.maximum(np.array([[s[2]] for s in slots]), value)
 
 
 @dataclass
@@ -316,22 +338,24 @@ class MemoryModel:
         """Per shape ``(n, t)`` for ``t`` in ``ts``, what planning a one-group stack needs.
 
         ``outside``, ``full`` and ``kept`` (one block's bytes), ``transient`` (of a partial
-        plan: NOTE [Two transient regimes]) and ``transient_full``, as arrays computed
-        exactly as the per-key methods compute them. ``None`` for a stack of several groups.
+        plan: NOTE [Two transient regimes]), ``transient_full`` and ``cost_ms`` (one block's),
+        as arrays computed exactly as the per-key methods compute them. ``None`` for a stack of several groups.
         """
         if len(self.group_models) != 1:
             return None
         (group,) = self.group_models.values()
         partial = self.transient_partial
-        transient_full = self.transient_full.values(n, ts)
+        outside, full, kept, transient_full, partial_values, cost = curve_values(
+            (self.outside, group.full_bytes, group.kept_bytes, self.transient_full, partial, group.cost_ms), n, ts
+        )
         transient = transient_full
         if partial.distinct_keys >= 2:
             covered = self.partial_covers(n * ts)
             if covered.any():
-                transient = np.where(covered, partial.values(n, ts), transient_full)
+                transient = np.where(covered, partial_values, transient_full)
         return {
-            "outside": self.outside.values(n, ts), "full": group.full_bytes.values(n, ts),
-            "kept": group.kept_bytes.values(n, ts), "transient": transient, "transient_full": transient_full,
+            "outside": outside, "full": full, "kept": kept, "transient": transient, "transient_full": transient_full,
+            "cost_ms": cost,
         }
 
     def transient_curve(self, every_block: bool) -> Curve:

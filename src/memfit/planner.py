@@ -202,6 +202,8 @@ class PlanCache:
         self.misses = 0
         #: plans asked for since the last clear (a cache cleared again and again: a model still learning)
         self.asked_since_clear = 0
+        #: plans asked for between the last two clears: how long the previous model lasted
+        self.asked_before_clear = 0
 
     def get(self, key: Hashable) -> Plan | None:
         self.asked_since_clear += 1
@@ -212,13 +214,19 @@ class PlanCache:
             self.hits += 1
         return plan
 
+    def settled(self, asks: int) -> bool:
+        """Whether the memory model behind these plans looks settled: it has served more than
+        ``asks`` requests, or the one before it did (then a change is a correction, not a model
+        still learning every step)."""
+        return self.asked_since_clear > asks or self.asked_before_clear > asks
+
     def put(self, key: Hashable, plan: Plan) -> None:
         self._plans[key] = plan
 
     def clear(self) -> None:
         self._plans.clear()
         self.rows.clear()
-        self.asked_since_clear = 0
+        self.asked_before_clear, self.asked_since_clear = self.asked_since_clear, 0
 
     def items(self) -> list[tuple[Hashable, Plan]]:
         return list(self._plans.items())

@@ -87,9 +87,13 @@ seen, with numpy over the row, doing the per-key planner's float operations in i
 (so the plans are the same, bit for bit: tested against it); each bucket's plan is built
 from the row's arrays when first asked. Shapes that no plan fits are left to the per-key
 path, which warns. Mixed stacks (Swin detectors) and ``static`` plan per key. A row costs
-0.4-0.5 ms in the H200 process (a key alone about 0.15 ms), so rows wait until the cache has
-served three requests since it was last cleared: in the first steady steps the model
-learns almost every step (10 of the 17 rows of the 6 GB run were planned in steps 4-14).
+0.4-0.5 ms in the H200 process (a key alone about 0.15 ms), so it pays only if the model
+behind it lasts: in the first steady steps the model learns almost every step (10 of the
+17 rows of the 6 GB run were planned in steps 4-14, each used once). A miss plans a row
+once the cache has served more than three requests since its last clear, or the model
+before it did (a settled model's later changes are corrections that last too; waiting
+three plans there would cost them on top of the row). The row's curves are evaluated in
+one numpy pass (``curve_values``): a dozen numpy calls per curve were most of its cost.
 
 # NOTE [No sync in steady state]
 A steady-state step reads only host-side values: ``memory_allocated``,
@@ -126,8 +130,8 @@ __all__ = ["fit", "Controller", "Planning"]
 
 logger = logging.getLogger("memfit")
 
-#: Rows are planned only once the plan cache has served this many requests since it was
-#: last cleared: before, the model still changes every step or two (NOTE [Planning a row]).
+#: Rows are planned only once the plan cache, or the one before its last clear, has served
+#: more than this many requests: before, the model changes every step or two (NOTE [Planning a row]).
 ROW_AFTER_STEADY_ASKS = 3
 
 #: The backstop is armed for a step unless its activations could exceed the prediction by
@@ -210,7 +214,7 @@ class Planning:
         cache_key = (k, self._static_bucket())
         plan = self.cache.get(cache_key)
         if plan is None:
-            settled = self.cache.asked_since_clear > ROW_AFTER_STEADY_ASKS
+            settled = self.cache.settled(ROW_AFTER_STEADY_ASKS)
             plan = (self._plan_from_row(k, cache_key[1]) if whole_row and settled else None) or self._plan(k)
             self.cache.put(cache_key, plan)
         return plan.blocks
@@ -259,7 +263,7 @@ class Planning:
         recompute = (outside + (m * kept + 0.0 * full)) + row["transient_full"]
         peak = np.maximum(np.maximum(start, recompute), self.model.optimizer_bytes)
         # what the chosen blocks cost, summed one block at a time as plan_blocks sums them
-        cost = np.maximum(self.model.group_models[self.model.groups[0]].cost_ms.values(n, ts), 1e-6)
+        cost = np.maximum(row["cost_ms"], 1e-6)
         summed = np.cumsum(np.repeat(cost[:, None], m, axis=1), axis=1)[np.arange(len(ts)), np.maximum(clipped - 1, 0)]
         return {
             "longest": longest, "count": count.tolist(), "every_fits": (np.trunc(static + every) <= room).tolist(),
