@@ -1,5 +1,6 @@
 """`memfit bench` on CPU: the matrix runs, failures are recorded and the matrix goes on."""
 
+import importlib.util
 import json
 
 import pytest
@@ -67,3 +68,45 @@ def test_savers_with_eval_metric_and_report(tmp_path):
     assert len(steps) == 8 and all(s["shape"][0] == 2 for s in steps)
     report = build_report(out, tmp_path / "report").read_text()
     assert "Memory savers" in report and "dynamic+all" in report
+
+
+def test_peer_names_give_their_train_flags():
+    from transformers import HfArgumentParser
+
+    from memfit.peers import PeerArguments
+
+    assert bench.peer_flags("hf-every-2") == bench.PEERS["hf-every-2"]
+    assert bench.peer_flags("dynamic") is None and bench.peer_flags("other-0.5") is None
+    parser = HfArgumentParser((PeerArguments,))
+    for name, field, value in (("compile-0.25", "compile_activation_memory_budget", 0.25),
+                               ("ckptplan-1", "ckptplan_saving_fraction", 1.0)):
+        flags = bench.peer_flags(name)
+        assert flags[:2] == ("--memfit_method", "none")
+        (parsed,) = parser.parse_args_into_dataclasses(args=list(flags[2:]))
+        assert getattr(parsed, field) == value
+    for bad in ("compile-0", "compile-1.5", "ckptplan-x"):
+        with pytest.raises(ValueError, match="0 < F <= 1"):
+            bench.peer_flags(bad)
+    with pytest.raises(SystemExit):
+        bench._parse_args(["--methods", "compile-2", "--output_dir", "x"])
+
+
+@pytest.mark.slow
+def test_peers_in_the_matrix(tmp_path):
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps({
+        "model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "intermediate_size": 37, "vocab_size": 30522, "max_position_embeddings": 512,
+    }))
+    out = tmp_path / "bench"
+    common = ["--tasks", "text-classification", "--budgets", "0.05", "--steps", "1", "--batch_size", "4",
+              "--synthetic", "8", "--gpu_warmup_s", "0", "--output_dir", str(out)]
+    bench.main([*common, "--methods", "compile-1", "--", "--config_name", str(config), "--use_cpu",
+                "--compile_backend", "aot_eager_decomp_partition"])
+    if importlib.util.find_spec("ckptplan"):  # installed, it still needs CUDA: skipped with the reason
+        bench.main([*common, "--methods", "ckptplan-0.5", "--", "--config_name", str(config), "--use_cpu"])
+    rows = list(read_jsonl(out / "results.jsonl"))
+    assert rows[0]["method"] == "compile-1" and rows[0]["status"] == "ok", rows[0].get("note")
+    assert rows[0]["peer_metrics"]["compile_frames"] >= 1 and "torch.compile" in rows[0]["note"]
+    if len(rows) > 1:
+        assert rows[1]["status"] == "skipped" and "needs CUDA" in rows[1]["note"]

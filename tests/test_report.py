@@ -235,3 +235,36 @@ def test_corrupt_gzip_names_the_file(tmp_path):
     bad.write_bytes(b"not gzip at all\n")
     with pytest.raises(ValueError, match=r"memfit_steps\.jsonl\.gz: not a readable gzip file"):
         list(read_jsonl(bad))
+
+
+def test_peer_sweep_names_the_fastest_setting_within_budget(tmp_path):
+    base = {"task": "token-classification", "model": "m", "batch_size": 8, "steps": 10, "device": "cpu",
+            "torch": "t", "transformers": "t", "recomputed_fraction": 0.0}
+
+    def line(method, budget, status, total_s=None, peak=None):
+        return {**base, "method": method, "budget_bytes": budget, "status": status, "total_s": total_s,
+                "max_peak_allocated_bytes": peak, "oom_count": int(status == "oom")}
+
+    budget = 4 * GIB
+    lines = [
+        line("none", None, "ok", 10.0, 5 * GIB),
+        line("compile-1", budget, "ok", 11.0, 5 * GIB),  # fastest, but over the budget
+        line("compile-0.5", budget, "ok", 12.0, 3 * GIB),
+        line("compile-0.25", budget, "ok", 14.0, 2 * GIB),
+        line("compile-0.1", budget, "oom"),
+        line("ckptplan-0.5", budget, "skipped"),
+        line("ckptplan-1", budget, "skipped"),
+        line("hf-every-2", budget, "ok", 13.0, 3 * GIB),  # one setting: no sweep
+    ]
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "results.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    markdown = build_report(tmp_path / "in", tmp_path / "out").read_text()
+    rows = table_rows(markdown, "Peer sweeps", first_column="peer")
+    assert rows == [
+        {"peer": "ckptplan", "budget (GiB)": "4.00", "fastest within budget": "—", "median time (s)": "—",
+         "vs none": "—", "max peak (GiB)": "—", "settings within budget": "0 of 2"},
+        {"peer": "compile", "budget (GiB)": "4.00", "fastest within budget": "compile-0.5", "median time (s)": "12.00",
+         "vs none": "1.20×", "max peak (GiB)": "3.00", "settings within budget": "2 of 4: 0.25, 0.5"},
+    ]
+    skipped = next(r for r in table_rows(markdown, "## token-classification") if r["method"] == "ckptplan-0.5")
+    assert skipped["status"] == "skipped 1/1"

@@ -5,7 +5,8 @@ same data (``--synthetic N`` with the task's real length distribution, or the fi
 after ``--``), the same seed and the same number of steps. ``none`` also runs uncapped as
 the speed reference. On CUDA the GPU is warmed with matrix products before every
 configuration (a card's clock depends on its temperature). A configuration that fails
-(OOM, error) is recorded as such and the matrix goes on.
+(OOM, error) is recorded as such and the matrix goes on; a peer that cannot run here (not
+installed, needs CUDA) is recorded as ``skipped`` with the reason.
 
 Output: ``<output_dir>/results.jsonl``, one line per configuration, read by
 ``memfit report``; each run's own folder holds its step records and summary.
@@ -28,8 +29,9 @@ import time
 from dataclasses import dataclass
 
 from memfit.methods import METHODS
+from memfit.peers import PEER_FILE
 
-__all__ = ["main", "BATCH_SIZES", "DEFAULT_TASKS", "SAVERS", "PEERS", "warm_gpu", "parse_budgets"]
+__all__ = ["main", "BATCH_SIZES", "DEFAULT_TASKS", "SAVERS", "PEERS", "PEER_KNOBS", "peer_flags", "warm_gpu", "parse_budgets"]
 
 #: The original experiments' batch sizes per task (object-detection: Swin's detection recipes
 #: train 2 images per GPU).
@@ -68,6 +70,37 @@ PEERS: dict[str, tuple[str, ...]] = {
     "hf-offload": ("--memfit_method", "none", "--hf_checkpoint_every_n_layers", "1", "--hf_checkpoint_offload"),
     "auto-batch": ("--memfit_method", "none", "--auto_find_batch_size"),
 }
+#: Peers with a relative knob, named ``<peer>-F`` for a setting 0 < F <= 1 (``compile-0.5``):
+#: the bench sweeps F as separate methods and ``memfit report`` names the fastest setting
+#: within each budget (NOTE [Compile inside the block wrappers], NOTE [ckptplan as a peer]).
+PEER_KNOBS: dict[str, str] = {
+    "compile": "--compile_activation_memory_budget",
+    "ckptplan": "--ckptplan_saving_fraction",
+}
+
+
+def peer_flags(name: str) -> tuple[str, ...] | None:
+    """The ``memfit train`` flags of peer ``name``, or ``None`` when ``name`` is no peer.
+
+    Example:
+        >>> peer_flags("compile-0.5")
+        ('--memfit_method', 'none', '--compile_activation_memory_budget', '0.5')
+
+    Raises:
+        ValueError: a knob peer's setting is not a number in (0, 1].
+    """
+    if name in PEERS:
+        return PEERS[name]
+    peer, _, setting = name.rpartition("-")
+    if peer not in PEER_KNOBS:
+        return None
+    try:
+        share = float(setting)
+    except ValueError:
+        share = float("nan")
+    if not 0 < share <= 1:
+        raise ValueError(f"{name}: the {peer} peer's setting must be a share, 0 < F <= 1 (e.g. {peer}-0.5)")
+    return ("--memfit_method", "none", PEER_KNOBS[peer], setting)
 
 
 @dataclass(frozen=True)
@@ -93,7 +126,8 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS),
                    help=f"task names: {', '.join(BATCH_SIZES)} (default: the four NLP tasks)")
     p.add_argument("--methods", nargs="+", default=["none", "full", "static", "dynamic"],
-                   help=f"memfit methods, and peers: {', '.join(PEERS)}")
+                   help=f"memfit methods, and peers: {', '.join(PEERS)}, and "
+                   f"{', '.join(f'{k}-F' for k in PEER_KNOBS)} for a setting 0 < F <= 1 (e.g. compile-0.5)")
     p.add_argument("--budgets", nargs="+", default=["6", "8"], help="budgets in GB (10**9 bytes); 'a:b:s' for a range")
     p.add_argument("--savers", nargs="+", choices=tuple(SAVERS), help="run these memory savers (uncapped, "
                    "dynamic+all at the first budget) instead of the methods x budgets matrix; see NOTE [Savers]")
@@ -107,8 +141,13 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--output_dir", required=True)
     args = p.parse_args(argv)
     for method in args.methods:
-        if method not in METHODS and method not in PEERS:
-            p.error(f"unknown method {method!r}; choose from {', '.join([*METHODS, *PEERS])}")
+        try:
+            is_peer = peer_flags(method) is not None
+        except ValueError as err:
+            p.error(str(err))
+        if method not in METHODS and not is_peer:
+            knobs = [f"{k}-F" for k in PEER_KNOBS]
+            p.error(f"unknown method {method!r}; choose from {', '.join([*METHODS, *PEERS, *knobs])}")
     for task in args.tasks:
         if task not in BATCH_SIZES:
             p.error(f"unknown task {task!r}; choose from {', '.join(BATCH_SIZES)}")
@@ -174,8 +213,8 @@ def _run(config: Config, args: argparse.Namespace, extra: list[str]) -> dict:
     run_dir = os.path.join(args.output_dir, "runs", config.name)
     if config.saver:
         saver_flags = list(SAVERS[config.method])
-    elif config.method in PEERS:
-        saver_flags = list(PEERS[config.method])
+    elif (peer := peer_flags(config.method)) is not None:
+        saver_flags = list(peer)
     else:
         saver_flags = ["--memfit_method", config.method]
     if "--memfit_method" not in saver_flags:
@@ -234,9 +273,17 @@ def _run(config: Config, args: argparse.Namespace, extra: list[str]) -> dict:
             warmup_steps=summary["warmup_steps"],
             planner_us_per_step=summary["mean_planner_us"],
         )
+        peer_path = os.path.join(run_dir, PEER_FILE)
+        if os.path.exists(peer_path):  # what a peer measured about itself (compilations, its plan)
+            record = json.load(open(peer_path))
+            result.update(peer_metrics=record["metrics"], **({"note": record["note"]} if record.get("note") else {}))
     else:
+        last = tail.strip().splitlines()[-1][:300] if tail.strip() else ""
+        if "PeerUnavailableError" in tail:  # the peer is optional: not installed, or needs CUDA
+            result.update(status="skipped", oom_count=0, note=last)
+            return result
         oom = "OutOfMemoryError" in tail or "BudgetTooSmallError" in tail or "out of memory" in tail
-        result.update(status="oom" if oom else "error", oom_count=1 if oom else 0, note=tail.strip().splitlines()[-1][:300] if tail.strip() else "")
+        result.update(status="oom" if oom else "error", oom_count=1 if oom else 0, note=last)
     return result
 
 

@@ -38,7 +38,7 @@ import transformers
 
 from memfit.budget import BudgetTooSmallError, parse_bytes
 from memfit.distributed import GradientSync, is_fsdp, world_size
-from memfit.methods import METHODS, UnknownMethodError
+from memfit.methods import METHODS, Method, UnknownMethodError
 from memfit.records import StepRecord, read_jsonl, summarize
 from memfit.runtime import Controller, fit
 
@@ -163,7 +163,9 @@ class _MemfitCallback(transformers.TrainerCallback):
 class Trainer(transformers.Trainer):
     """``transformers.Trainer`` that trains inside ``args.memory_budget``.
 
-    Accepts exactly the arguments of ``transformers.Trainer``. With plain
+    Accepts the arguments of ``transformers.Trainer``, and ``memfit_method``: a
+    :class:`~memfit.methods.Method` instance to run instead of ``args.memfit_method`` (how the
+    ckptplan peer of :mod:`memfit.peers` runs its fixed plan). With plain
     ``transformers.TrainingArguments`` it runs method ``dynamic`` with no budget (records
     only).
 
@@ -171,10 +173,10 @@ class Trainer(transformers.Trainer):
         memfit: the :class:`~memfit.runtime.Controller` hooked on the model.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, memfit_method: Method | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         a = self.args
-        method = getattr(a, "memfit_method", "dynamic")
+        method: str | Method = memfit_method or getattr(a, "memfit_method", "dynamic")
         method_kwargs: dict[str, Any] = {}
         if method == "precomputed":
             method_kwargs["path"] = a.memfit_plans_file

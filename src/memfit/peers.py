@@ -1,32 +1,132 @@
 """Peers: the best-known alternatives to memfit, run by ``memfit train`` for the comparison.
 
-Each peer is applied to the model before the Trainer is built and runs with
-``--memfit_method none`` under the same budget (cap), so memfit only measures:
+Each peer is applied before the Trainer is built and runs with ``--memfit_method none`` under
+the same budget (cap), so memfit only measures (step records, peaks); one peer per run:
 
 * ``--hf_checkpoint_every_n_layers N``: Hugging Face's own activation checkpointing of every
   N-th layer (``activation_checkpointing_enable(every_n_layers=N)``, non-reentrant);
-* ``--hf_checkpoint_offload``: with it, Hugging Face's offload of the checkpointed layers'
-  inputs to pinned host memory;
+  ``--hf_checkpoint_offload`` adds its offload of the checkpointed layers' inputs to pinned
+  host memory;
+* ``--compile_activation_memory_budget F`` (0 < F <= 1): ``torch.compile`` of every block with
+  ``torch._functorch.config.activation_memory_budget = F``, the min-cut partitioner's
+  relative knob (1: the default partition; smaller: it recomputes more, cheapest FLOPs first).
+  F is relative to what the compiled graphs would save, not bytes: ``memfit bench`` sweeps it
+  (``compile-0.25 compile-0.5 ...``) and ``memfit report`` names the fastest setting that
+  stayed within the budget (NOTE [Compile inside the block wrappers]);
+* ``--ckptplan_saving_fraction F`` (0 < F <= 1): the PyPI package ``ckptplan`` profiles the
+  blocks at the largest batch of the training set and plans, by dynamic programming, which
+  blocks to checkpoint to remove F of their activations; that plan runs for every batch
+  through memfit's own checkpoint switches (NOTE [ckptplan as a peer]); swept like F above;
 * Accelerate's ``find_executable_batch_size`` is the Trainer's own ``--auto_find_batch_size``
   (it changes the batch size, so it is reported apart).
 
-A peer the installed transformers lacks fails with one clear error; ``memfit bench`` records
-it and goes on.
+A peer that cannot run here (the installed transformers lacks the option, ``ckptplan`` is not
+installed, no CUDA for ckptplan's profiler) fails with one :class:`PeerUnavailableError`;
+``memfit bench`` records the configuration as ``skipped`` with that message and goes on. What a
+peer measured about itself (compilations, ckptplan's plan) is written to
+``<output_dir>/memfit_peer.json`` (:data:`PEER_FILE`), which ``memfit bench`` copies into its
+result line (``peer_metrics``, ``note``).
+
+# NOTE [Compile inside the block wrappers]
+Compiling the whole model (``--torch_compile``, ``model.compile()``) puts memfit's Python in
+the traced region: in 4 steps of a tiny BERT (transformers 5.23, torch 2.13) its root hooks and
+block switches (``time.perf_counter``, entering ``saved_tensors_hooks``, storage sizes, the
+memory model's fit) broke the graph 35 times, 23 graphs were compiled, and the break inside
+the encoder's layer loop made Dynamo skip the encoder's frame, which then ran eagerly with one
+graph per layer. So the peer compiles each block's own ``forward`` before memfit wraps the block
+(regional compilation, as PyTorch's recipe and Accelerate's ``use_regional_compilation``
+do): memfit's wrappers and hooks run eagerly around the compiled graphs, blocks of one class
+share their graphs, and the embeddings and the head run eagerly. The partitioner's knob applies
+per graph, so F of each block's activations is F of all the blocks'. memfit still counts what
+the compiled blocks save: AOTAutograd saves its tensors through ``saved_tensors_hooks`` (on a
+tiny BERT at 8×40 tokens: 1.50 MB at F = 1, 0.74 MB at 0.5, 0.21 MB at 0; eager saves 1.76
+MB). With dynamic padding each new length recompiles until Dynamo marks the dimension dynamic
+(usually once), and evaluation compiles again; the run counts frames, recompiles, lazy backward
+compilations and the seconds spent, logs them and writes them to :data:`PEER_FILE`
+(``TORCH_LOGS=recompiles`` prints each recompile's reason). Dynamo's in-memory cache does not
+depend on the knob, so the peer starts from a clean cache (``torch._dynamo.reset()``): a graph
+compiled at another F earlier in the process would otherwise be reused.
+
+# NOTE [ckptplan as a peer]
+ckptplan (0.1.0rc1) plans from one example shape: ``declare_blocks``, ``profile_blocks``
+(activation bytes from the CUDA allocator around an isolated forward, recompute time from a
+real recompute; on CPU its profiles are timing-only and ``plan_checkpoints`` refuses them), then
+``plan_checkpoints``. Its ``apply_plan`` runs the blocks as one chain, each block's output the
+next one's only input, which does not fit BERT (layers take attention masks) or Swin
+(stages downsample between layers). So the peer takes memfit's blocks (blocks.py), captures
+each block's real inputs in one no-grad forward of the largest batch of the training set (the
+per-device batch size of the longest examples, padded as the collator pads), profiles each
+block with ckptplan on its own inputs, and plans with ``dynamic_programming``. The chosen
+blocks then run checkpointed for every batch through memfit's switches (non-reentrant,
+RNG-preserving: the checkpoint memfit itself uses), as the method ``ckptplan``; memfit only
+measures. Profiling runs before training and before the cap; its seconds are recorded
+(``ckptplan_profile_s``), not counted in the training time.
+
+ckptplan's target is a budget of block activations in bytes, or a share of them to save. A
+user with a process budget would have to turn the budget into block bytes: the budget less
+weights, gradients, optimizer state, the head's and backward's transients and the allocator's
+slack, which is memfit's own memory model. The peer therefore takes the share
+(``target_kind="activation_saving_fraction"``), which needs no such model, and the benchmark
+sweeps it and reports the fastest share that fit: a tuning by trial that favours the peer, as
+a user would need several runs (and OOMs) to find it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import importlib
 import inspect
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
 from torch import nn
 
-__all__ = ["PeerArguments", "apply_peers"]
+from memfit.blocks import find_blocks
+from memfit.methods import Decision, Method
+
+if TYPE_CHECKING:
+    from memfit.runtime import Planning
+    from memfit.tasks import TaskBundle
+
+__all__ = [
+    "PEER_FILE",
+    "PeerArguments",
+    "PeerUnavailableError",
+    "Peer",
+    "HfEveryN",
+    "TorchCompile",
+    "Ckptplan",
+    "CkptplanPlan",
+    "make_peer",
+    "plan_blocks",
+]
+
+logger = logging.getLogger(__name__)
+
+#: What a peer measured about itself, in the run's output folder.
+PEER_FILE = "memfit_peer.json"
+
+
+class PeerUnavailableError(RuntimeError):
+    """The peer cannot run here (package, option or device missing); the message says what to do."""
 
 
 @dataclass
 class PeerArguments:
-    """Alternatives to memfit, for the benchmark's comparison (all off by default)."""
+    """Alternatives to memfit, for the benchmark's comparison (all off by default; one at a time)."""
+
+    #: the flag that turns on each peer
+    PEER_FLAGS: ClassVar[tuple[str, ...]] = (
+        "hf_checkpoint_every_n_layers", "compile_activation_memory_budget", "ckptplan_saving_fraction",
+    )
 
     hf_checkpoint_every_n_layers: int | None = field(
         default=None,
@@ -36,31 +136,403 @@ class PeerArguments:
         default=False,
         metadata={"help": "Peer: with --hf_checkpoint_every_n_layers, offload the checkpointed inputs to host memory."},
     )
+    compile_activation_memory_budget: float | None = field(
+        default=None,
+        metadata={
+            "help": "Peer: torch.compile every block with torch._functorch.config.activation_memory_budget = F, "
+            "0 < F <= 1 (1: the default partition; less: more recompute) (needs --memfit_method none)."
+        },
+    )
+    compile_backend: str | None = field(
+        default=None,
+        metadata={
+            "help": "Backend of the compile peer (default inductor; aot_eager_decomp_partition runs the same "
+            "partitioner without generating code)."
+        },
+    )
+    ckptplan_saving_fraction: float | None = field(
+        default=None,
+        metadata={
+            "help": "Peer: ckptplan's plan removing this share (0 < F <= 1) of the blocks' activations at the largest "
+            "batch of the training set, run for every batch (needs CUDA, pip install ckptplan, --memfit_method none)."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.hf_checkpoint_offload and not self.hf_checkpoint_every_n_layers:
             raise ValueError("--hf_checkpoint_offload needs --hf_checkpoint_every_n_layers")
         if self.hf_checkpoint_every_n_layers is not None and self.hf_checkpoint_every_n_layers < 1:
             raise ValueError("--hf_checkpoint_every_n_layers must be at least 1")
+        if self.compile_backend is not None and self.compile_activation_memory_budget is None:
+            raise ValueError("--compile_backend needs --compile_activation_memory_budget")
+        for flag in ("compile_activation_memory_budget", "ckptplan_saving_fraction"):
+            value = getattr(self, flag)
+            if value is not None and not 0 < value <= 1:
+                raise ValueError(f"--{flag} {value}: give a share, 0 < F <= 1")
+        given = [f"--{name}" for name in self.PEER_FLAGS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one peer at a time: {' and '.join(given)}")
 
 
-def apply_peers(model: nn.Module, peers: PeerArguments, memfit_method: str) -> None:
-    """Turn on the requested peer on ``model``.
+class Peer:
+    """One peer for one run: applied to the model before the Trainer, active while it trains.
+
+    Use as a context manager around building the Trainer, training and evaluating; it restores
+    any global setting it changed on exit.
+    """
+
+    name: ClassVar[str] = ""
+
+    def prepare(self, bundle: "TaskBundle", training_args: Any) -> Method | None:
+        """Apply the peer to ``bundle.model``; return a method to run instead of ``none``, if any."""
+        raise NotImplementedError
+
+    def record(self) -> dict[str, Any]:
+        """What the peer measured about itself: ``metrics`` (numbers, lists) and ``note`` (one line)."""
+        return {"metrics": {}, "note": None}
+
+    def write(self, output_dir: str) -> None:
+        """Write :data:`PEER_FILE` in ``output_dir``."""
+        os.makedirs(output_dir, exist_ok=True)
+        with open(os.path.join(output_dir, PEER_FILE), "w", encoding="utf-8") as fh:
+            json.dump({"peer": self.name, **self.record()}, fh, indent=1)
+
+    def __enter__(self) -> "Peer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class HfEveryN(Peer):
+    """Hugging Face's activation checkpointing of every ``n``-th layer (optionally offloaded)."""
+
+    name = "hf-every-n"
+
+    def __init__(self, n: int, offload: bool = False):
+        self.n = n
+        self.offload = offload
+
+    def prepare(self, bundle: "TaskBundle", training_args: Any) -> None:
+        enable = getattr(bundle.model, "activation_checkpointing_enable", None)
+        if enable is None or "every_n_layers" not in inspect.signature(enable).parameters:
+            raise PeerUnavailableError(
+                "the installed transformers has no activation_checkpointing_enable(every_n_layers=...): "
+                "peer hf-every-n is not available"
+            )
+        kwargs = {"offload": True} if self.offload else {}
+        enable(activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=self.n, **kwargs)
+        return None
+
+
+class TorchCompile(Peer):
+    """``torch.compile`` of every block under ``activation_memory_budget`` (NOTE [Compile inside the block wrappers]).
+
+    Args:
+        budget: the partitioner's knob, 0 < F <= 1.
+        backend: a ``torch.compile`` backend (``inductor``; ``aot_eager_decomp_partition`` runs
+            the same partitioner without generating code).
+    """
+
+    name = "compile"
+
+    def __init__(self, budget: float, backend: str = "inductor"):
+        self.budget = budget
+        self.backend = backend
+        self.frames = 0
+        self.lazy_backward = 0
+        self.compile_s = 0.0
+        self._block_classes: set[type] = set()
+        self._started: float | None = None
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> "TorchCompile":
+        import torch._dynamo
+        import torch._functorch.config
+        from torch._dynamo.callback import callback_handler
+
+        torch._dynamo.reset()  # its cache ignores the knob (NOTE [Compile inside the block wrappers])
+        self._stack.enter_context(torch._functorch.config.patch(activation_memory_budget=self.budget))
+        callback_handler.register_start_callback(self._on_start)
+        callback_handler.register_end_callback(self._on_end)
+        self._stack.callback(callback_handler.remove_start_callback, self._on_start)
+        self._stack.callback(callback_handler.remove_end_callback, self._on_end)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+        logger.info("%s", self.record()["note"])
+
+    def _on_start(self, *args: Any) -> None:
+        self._started = time.perf_counter()
+
+    def _on_end(self, *args: Any) -> None:
+        from torch._dynamo.callback import CallbackTrigger
+
+        if self._started is not None:
+            self.compile_s += time.perf_counter() - self._started
+            self._started = None
+        trigger = getattr(args[0], "callback_trigger", None) if args else None
+        if trigger == CallbackTrigger.LAZY_BACKWARD:  # a backward graph compiled at its first backward
+            self.lazy_backward += 1
+        else:
+            self.frames += 1
+
+    def prepare(self, bundle: "TaskBundle", training_args: Any) -> None:
+        if getattr(training_args, "torch_compile", False):
+            raise ValueError(
+                "--torch_compile compiles the whole model, memfit's hooks included; the compile peer compiles each "
+                "block itself (NOTE [Compile inside the block wrappers] in memfit/peers.py): drop --torch_compile"
+            )
+        import torch._dynamo
+
+        if self.backend not in torch._dynamo.list_backends(exclude_tags=()):
+            raise ValueError(f"--compile_backend {self.backend!r} is not a torch.compile backend here")
+        for _, module in find_blocks(bundle.model):
+            self._block_classes.add(type(module))
+            # Before memfit wraps the block: its switch then calls the compiled forward.
+            module.forward = torch.compile(module.forward, backend=self.backend)
+        return None
+
+    @property
+    def recompiles(self) -> int:
+        """Frames compiled again (new input shapes, eval mode): all but one per block class."""
+        return max(0, self.frames - len(self._block_classes))
+
+    def record(self) -> dict[str, Any]:
+        metrics = {
+            "compile_activation_memory_budget": self.budget,
+            "compile_frames": self.frames,
+            "compile_recompiles": self.recompiles,
+            "compile_lazy_backward": self.lazy_backward,
+            "compile_s": round(self.compile_s, 3),
+        }
+        note = (
+            f"torch.compile ({self.backend}, activation_memory_budget {self.budget:g}): {self.frames} frames compiled "
+            f"({self.recompiles} recompiles), {self.compile_s:.1f} s compiling"
+        )
+        return {"metrics": metrics, "note": note}
+
+
+class CkptplanPlan(Method):
+    """ckptplan's plan at the largest batch, run for every batch (NOTE [ckptplan as a peer]).
+
+    Args:
+        blocks: indices of memfit's blocks to checkpoint.
+    """
+
+    name = "ckptplan"
+    uses_model = False
+
+    def __init__(self, blocks: Sequence[int]):
+        self.blocks = tuple(sorted(blocks))
+
+    def decide(self, planning: "Planning", key: tuple[int, int]) -> Decision:
+        return Decision(self.blocks)
+
+
+def plan_blocks(plan: Any, names: Sequence[str]) -> tuple[int, ...]:
+    """memfit's block indices of the blocks a ckptplan ``CheckpointPlan`` checkpoints.
+
+    Args:
+        plan: a ``ckptplan.CheckpointPlan`` whose block ids are memfit's block names.
+        names: memfit's block names, in memfit's order (:func:`memfit.blocks.find_blocks`).
+
+    Raises:
+        ValueError: the plan's blocks are not ``names`` in that order.
+
+    Example:
+        >>> from types import SimpleNamespace as N
+        >>> plan = N(decisions=[N(block_id="l.0", checkpointed=False), N(block_id="l.1", checkpointed=True)])
+        >>> plan_blocks(plan, ["l.0", "l.1"])
+        (1,)
+    """
+    ids = [d.block_id for d in plan.decisions]
+    if ids != list(names):
+        raise ValueError(f"the ckptplan plan is for blocks {ids}, not memfit's {list(names)}")
+    return tuple(i for i, d in enumerate(plan.decisions) if d.checkpointed)
+
+
+def _import_ckptplan() -> ModuleType:
+    try:
+        return importlib.import_module("ckptplan")
+    except ImportError:
+        raise PeerUnavailableError(
+            "peer ckptplan needs the ckptplan package: pip install ckptplan==0.1.0rc1 (Python < 3.13, torch < 2.14); "
+            "offline, bash benchmarks/carry_wheels.sh here and pip install --no-index .carry/wheels/*.whl there"
+        ) from None
+
+
+class Ckptplan(Peer):
+    """ckptplan's static plan at the largest batch, run through memfit's switches (NOTE [ckptplan as a peer]).
+
+    Args:
+        saving_fraction: share of the blocks' activations to remove, 0 < F <= 1.
+
+    Raises:
+        PeerUnavailableError: ckptplan is not installed.
+    """
+
+    name = "ckptplan"
+
+    def __init__(self, saving_fraction: float):
+        self.saving_fraction = saving_fraction
+        self.ckptplan = _import_ckptplan()
+        self.shape: list[int] = []
+        self.blocks: tuple[int, ...] = ()
+        self.n_blocks = 0
+        self.profile_s = 0.0
+        self.predicted_bytes: tuple[int, int] = (0, 0)
+
+    def prepare(self, bundle: "TaskBundle", training_args: Any) -> CkptplanPlan:
+        model, device = bundle.model, training_args.device
+        if not bundle.train_dataset:
+            raise ValueError("the ckptplan peer plans on the largest training batch: it needs --do_train and training data")
+        model.to(device)
+        batch = _largest_batch(bundle.train_dataset, bundle.data_collator, training_args.per_device_train_batch_size)
+        named = find_blocks(model)
+        t0 = time.perf_counter()
+        with _autocast(training_args, device):
+            inputs = _block_inputs(model, named, _to(batch, device))
+            self.shape = list(_first_tensor(inputs[0]).shape)
+            profiles = _profile_blocks(self.ckptplan, model, named, inputs, device)
+        del inputs, batch
+        self.profile_s = time.perf_counter() - t0
+        plan = self.ckptplan.plan_checkpoints(
+            profiles, self.ckptplan.declare_blocks(model, named), target_kind="activation_saving_fraction",
+            target_value=self.saving_fraction, planner="dynamic_programming",
+        )
+        self.blocks = plan_blocks(plan, [name for name, _ in named])
+        self.n_blocks = len(named)
+        self.predicted_bytes = (plan.predicted_activation_bytes_before, plan.predicted_activation_bytes_after)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        logger.info("%s", self.record()["note"])
+        return CkptplanPlan(self.blocks)
+
+    def record(self) -> dict[str, Any]:
+        metrics = {
+            "ckptplan_saving_fraction": self.saving_fraction,
+            "ckptplan_shape": self.shape,
+            "ckptplan_plan": list(self.blocks),
+            "ckptplan_n_blocks": self.n_blocks,
+            "ckptplan_profile_s": round(self.profile_s, 3),
+            "ckptplan_predicted_activation_bytes_before": self.predicted_bytes[0],
+            "ckptplan_predicted_activation_bytes_after": self.predicted_bytes[1],
+        }
+        note = (
+            f"ckptplan (saving fraction {self.saving_fraction:g}) at first-block input {self.shape}: checkpoints "
+            f"{len(self.blocks)} of {self.n_blocks} blocks {list(self.blocks)}; profiled in {self.profile_s:.1f} s "
+            "before training"
+        )
+        return {"metrics": metrics, "note": note}
+
+
+def _example_size(example: Any) -> int:
+    """What dynamic padding pads a batch to: its longest sequence (its largest image)."""
+    if isinstance(example, dict) and "input_ids" in example:
+        ids = example["input_ids"]
+        return max(len(x) for x in ids) if ids and isinstance(ids[0], (list, tuple)) else len(ids)
+    inner = getattr(example, "example", None)  # object detection's DetectionFeature
+    if inner is not None and hasattr(inner, "height"):
+        return int(inner.height) * int(inner.width)
+    raise ValueError(f"the ckptplan peer cannot size a training example of type {type(example).__name__}")
+
+
+def _largest_batch(dataset: Sequence[Any], collator: Any, batch_size: int) -> dict[str, Any]:
+    """The ``batch_size`` largest training examples, collated (detection: at the largest scale)."""
+    order = sorted(range(len(dataset)), key=lambda i: _example_size(dataset[i]), reverse=True)
+    chosen = [dataset[i] for i in order[:batch_size]]
+    chosen = [dataclasses.replace(f, multi_scale=False) if hasattr(f, "multi_scale") else f for f in chosen]
+    return collator(chosen)
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    """``value`` with its tensors on ``device`` (collators return mappings such as ``BatchEncoding``)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, Mapping):
+        return {k: _to(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to(v, device) for v in value)
+    return value
+
+
+def _first_tensor(captured: tuple[tuple, dict]) -> torch.Tensor:
+    args, kwargs = captured
+    return next(t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+
+def _autocast(training_args: Any, device: torch.device) -> contextlib.AbstractContextManager:
+    """The Trainer's mixed precision, so that blocks are profiled as they train."""
+    if getattr(training_args, "bf16", False):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    if getattr(training_args, "fp16", False):
+        return torch.autocast(device.type, dtype=torch.float16)
+    return contextlib.nullcontext()
+
+
+def _block_inputs(model: nn.Module, named: Sequence[tuple[str, nn.Module]], batch: dict[str, Any]) -> list[tuple[tuple, dict]]:
+    """Each block's ``(args, kwargs)`` in one no-grad training-mode forward of ``batch``."""
+    captured: list[tuple[tuple, dict]] = []
+    handles = [
+        module.register_forward_pre_hook(lambda _m, args, kwargs: captured.append((args, dict(kwargs))), with_kwargs=True)
+        for _, module in named
+    ]
+    was_training = model.training
+    try:
+        model.train()
+        with torch.no_grad():
+            model(**batch)
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+    if len(captured) != len(named):
+        raise RuntimeError(f"the largest batch ran {len(captured)} block forwards, expected {len(named)}")
+    return captured
+
+
+def _profile_blocks(
+    ckptplan: ModuleType, model: nn.Module, named: Sequence[tuple[str, nn.Module]],
+    inputs: Sequence[tuple[tuple, dict]], device: torch.device,
+) -> tuple[Any, ...]:
+    """ckptplan's profile of each block on its own inputs, numbered in memfit's order.
+
+    Raises:
+        PeerUnavailableError: not on CUDA (ckptplan measures activation bytes only there).
+    """
+    if device.type != "cuda":
+        raise PeerUnavailableError(
+            "peer ckptplan needs CUDA: ckptplan measures activation bytes with the CUDA allocator (on CPU its "
+            "profiles are timing-only and plan_checkpoints refuses them)"
+        )
+    profiles = []
+    was_training = model.training
+    model.train()  # dropout on, as in training: its masks are activations too
+    try:
+        for order, ((name, module), (args, kwargs)) in enumerate(zip(named, inputs)):
+            (profile,) = ckptplan.profile_blocks(ckptplan.declare_blocks(model, [(name, module)]), args, kwargs, device=device)
+            profiles.append(dataclasses.replace(profile, order=order))
+    finally:
+        model.train(was_training)
+    return tuple(profiles)
+
+
+def make_peer(peers: PeerArguments, memfit_method: str) -> Peer | None:
+    """The peer the flags ask for, or ``None``.
 
     Raises:
         ValueError: a peer with a memfit method other than ``none`` (both would checkpoint).
-        NotImplementedError: the installed transformers has no such option.
+        PeerUnavailableError: ckptplan is asked for and not installed.
     """
-    n = peers.hf_checkpoint_every_n_layers
-    if n is None:
-        return
+    flag = next((name for name in PeerArguments.PEER_FLAGS if getattr(peers, name) is not None), None)
+    if flag is None:
+        return None
     if memfit_method != "none":
-        raise ValueError("--hf_checkpoint_every_n_layers is a peer of memfit: run it with --memfit_method none")
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is None or "every_n_layers" not in inspect.signature(enable).parameters:
-        raise NotImplementedError(
-            "the installed transformers has no activation_checkpointing_enable(every_n_layers=...): "
-            "peer hf-every-n is not available"
-        )
-    kwargs = {"offload": True} if peers.hf_checkpoint_offload else {}
-    enable(activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=n, **kwargs)
+        raise ValueError(f"--{flag} is a peer of memfit: run it with --memfit_method none")
+    if flag == "hf_checkpoint_every_n_layers":
+        return HfEveryN(peers.hf_checkpoint_every_n_layers, peers.hf_checkpoint_offload)
+    if flag == "compile_activation_memory_budget":
+        return TorchCompile(peers.compile_activation_memory_budget, peers.compile_backend or "inductor")
+    return Ckptplan(peers.ckptplan_saving_fraction)

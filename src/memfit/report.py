@@ -8,9 +8,17 @@ Reads JSON lines only, never printed text (habit 7), from anywhere under ``<dir>
   Their run summary (``memory_count`` included) is recomputed with
   :func:`memfit.records.summarize`, the function that writes ``memfit_summary.json``.
 
-and writes ``report.md`` (per task: a table of methods × budgets, and a table of memory
-savers when results carry ``eval_metric``) and PNG plots: peak memory vs input size, time
-vs budget, and the ``memory_count`` histogram. Units: GiB = 2**30 bytes.
+and writes ``report.md`` (per task: a table of methods × budgets, a table of memory savers
+when results carry ``eval_metric``, and one of peer sweeps when a peer ran at several settings
+of its knob) and PNG plots: peak memory vs input size, time vs budget, and the
+``memory_count`` histogram. Units: GiB = 2**30 bytes.
+
+# NOTE [Peer sweeps]
+A peer whose knob is relative, not bytes (``compile-F``: torch.compile's activation memory
+budget; ``ckptplan-F``: ckptplan's saving fraction; memfit.peers), runs once per setting as
+methods named ``<peer>-<setting>``. Which setting fits a budget is only known by running it,
+so the sweep table names, per peer and budget, the fastest setting whose repeats all finished
+with their peak within the budget, and which settings did: the peer at its best tuning.
 
 # NOTE [Deterministic output]
 The same inputs give byte-identical ``report.md`` and PNGs, so that regenerating a committed
@@ -45,8 +53,10 @@ RESULT_FIELDS = (
 #: Fields a result line may have.
 OPTIONAL_RESULT_FIELDS = (
     "repeat", "warmup_steps", "planner_us_per_step", "steps_file", "eval_metric", "eval_value", "note",
+    "peer_metrics",
 )
-_STATUSES = ("ok", "oom", "error")
+# skipped: a peer that cannot run on that machine (not installed, needs CUDA)
+_STATUSES = ("ok", "oom", "error", "skipped")
 # Table and legend order: memfit's methods first, then peers and savers alphabetically.
 _METHOD_ORDER = ("none", "full", "dynamic", "static", "precomputed", "reactive")
 _DASH = "—"
@@ -343,6 +353,45 @@ def _savers_table(rows: Sequence[_Row], ref: _Row | None) -> list[str]:
     return lines
 
 
+_SETTING = re.compile(r"^(?P<peer>.+)-(?P<setting>\d+(?:\.\d+)?)$")
+
+
+def _sweeps_table(rows: Sequence[_Row], ref: _Row | None) -> list[str]:
+    """Per swept peer and budget, the fastest setting within the budget (NOTE [Peer sweeps])."""
+    sweeps: dict[tuple[str, int], list[tuple[float, _Row]]] = {}
+    for row in rows:
+        match = _SETTING.match(row.method)
+        if match and row.budget_bytes is not None:
+            sweeps.setdefault((match["peer"], row.budget_bytes), []).append((float(match["setting"]), row))
+    sweeps = {key: settings for key, settings in sweeps.items() if len(settings) > 1}
+    if not sweeps:
+        return []
+    lines = [
+        "",
+        "Peer sweeps (methods named `<peer>-<setting>`, NOTE [Peer sweeps]): per budget, the fastest setting "
+        "whose repeats all finished with their peak within the budget:",
+        "",
+        "| peer | budget (GiB) | fastest within budget | median time (s) | vs none | max peak (GiB) | settings within budget |",
+        "| --- | ---: | --- | ---: | ---: | ---: | --- |",
+    ]
+    for (peer, budget), settings in sorted(sweeps.items()):
+        settings.sort(key=lambda s: s[0])
+        fitting = [
+            (setting, row) for setting, row in settings
+            if row.status == "ok" and row.median_s is not None and (row.max_peak_bytes or 0) <= budget
+        ]
+        within = f"{len(fitting)} of {len(settings)}" + (f": {', '.join(f'{s:g}' for s, _ in fitting)}" if fitting else "")
+        if not fitting:
+            lines.append(f"| {peer} | {_gib(budget)} | {_DASH} | {_DASH} | {_DASH} | {_DASH} | {within} |")
+            continue
+        _, best = min(fitting, key=lambda s: (s[1].median_s, s[0]))
+        lines.append(
+            f"| {peer} | {_gib(budget)} | {best.method} | {_num(best.median_s, '.2f')} | "
+            f"{_ratio(best.median_s, ref.median_s if ref else None)} | {_gib(best.max_peak_bytes)} | {within} |"
+        )
+    return lines
+
+
 def _runs_table(runs: Sequence[_StepRun]) -> list[str]:
     lines = [
         "| step file | method | budget (GiB) | accounting | steps | warm-up | max peak (GiB) | over budget "
@@ -551,11 +600,13 @@ def build_report(input_dir: str | Path, output_dir: str | Path | None = None) ->
             if ref is None:
                 lines += ["", "No finished `none` run with no budget: ratios are not available."]
             lines += _savers_table(rows, ref)
+            lines += _sweeps_table(rows, ref)
             notes = [f"- {row.label}: {r.note}" for row in rows for r in row.results if r.note]
             lines += ["", "Notes:", "", *dict.fromkeys(notes)] if notes else []
             if any(r.budget_bytes is not None for r in rows):
                 name = f"time_vs_budget_{plot_names[key]}.png"
-                _plot_time_vs_budget(key, rows, ref, out / name)
+                ran = [r for r in rows if any(x.status != "skipped" for x in r.results)]  # skipped: not a failure
+                _plot_time_vs_budget(key, ran, ref, out / name)
                 lines += ["", f"![Time vs budget, {key.task}]({name})"]
 
         groups: dict[str, list[_StepRun]] = {}

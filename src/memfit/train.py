@@ -12,10 +12,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 
-from memfit.peers import PeerArguments, apply_peers
+from memfit.peers import PeerArguments, make_peer
 from memfit.tasks import TASKS, DataTrainingArguments, ModelArguments, get_task
 
 __all__ = ["main", "run"]
@@ -36,14 +37,17 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
 
     The metrics (``train_*`` from training, ``eval_*`` from evaluation) are also written to
     ``<output_dir>/all_results.json`` (and ``train_results.json`` / ``eval_results.json``), and
-    the memfit Trainer writes ``memfit_steps.jsonl`` and ``memfit_summary.json`` there.
+    the memfit Trainer writes ``memfit_steps.jsonl`` and ``memfit_summary.json`` there; a peer
+    (:mod:`memfit.peers`) writes ``memfit_peer.json``.
 
     Args:
         task: a task name of :data:`memfit.tasks.TASKS`.
         argv: the flags, e.g. ``["--synthetic", "64", "--do_train", "--max_steps", "4"]``.
 
     Raises:
-        ValueError: unknown task, or ``--do_train``/``--do_eval`` without data for it.
+        ValueError: unknown task, ``--do_train``/``--do_eval`` without data for it, or a peer
+            with a memfit method other than ``none``.
+        PeerUnavailableError: the peer asked for cannot run here (see :mod:`memfit.peers`).
 
     Example:
         >>> metrics = run("token-classification", ["--synthetic", "32", "--do_train",
@@ -58,9 +62,9 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
         (ModelArguments, DataTrainingArguments, TrainingArguments, PeerArguments), prog=f"memfit train {task}"
     )
     model_args, data_args, training_args, peer_args = parser.parse_args_into_dataclasses(args=argv)
+    peer = make_peer(peer_args, training_args.memfit_method)  # fails before the data is built
     set_seed(training_args.seed)
     bundle = recipe.build(model_args, data_args, seed=training_args.seed)
-    apply_peers(bundle.model, peer_args, training_args.memfit_method)
     for wanted, dataset, split in (
         (training_args.do_train, bundle.train_dataset, "train"),
         (training_args.do_eval, bundle.eval_dataset, "validation"),
@@ -74,27 +78,34 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
             logger.info("%s: setting %s=%r (the task needs it)", task, name, value)
             setattr(training_args, name, value)
 
-    trainer = Trainer(
-        model=bundle.model,
-        args=training_args,
-        train_dataset=bundle.train_dataset if training_args.do_train else None,
-        eval_dataset=bundle.eval_dataset if training_args.do_eval else None,
-        data_collator=bundle.data_collator,
-        processing_class=bundle.tokenizer,
-        compute_metrics=bundle.compute_metrics,
-        preprocess_logits_for_metrics=bundle.preprocess_logits_for_metrics,
-    )
     metrics: dict[str, float] = {}
-    if training_args.do_train:
-        train_metrics = trainer.train().metrics
-        trainer.log_metrics("train", train_metrics)
-        trainer.save_metrics("train", train_metrics)
-        metrics.update(train_metrics)
-    if training_args.do_eval:
-        eval_metrics = trainer.evaluate()
-        trainer.log_metrics("eval", eval_metrics)
-        trainer.save_metrics("eval", eval_metrics)
-        metrics.update(eval_metrics)
+    # A peer stays active while the Trainer trains and evaluates (the compile peer's knob
+    # is read at each compilation), and restores what it changed after.
+    with peer or contextlib.nullcontext():
+        plan_method = peer.prepare(bundle, training_args) if peer is not None else None
+        trainer = Trainer(
+            model=bundle.model,
+            args=training_args,
+            train_dataset=bundle.train_dataset if training_args.do_train else None,
+            eval_dataset=bundle.eval_dataset if training_args.do_eval else None,
+            data_collator=bundle.data_collator,
+            processing_class=bundle.tokenizer,
+            compute_metrics=bundle.compute_metrics,
+            preprocess_logits_for_metrics=bundle.preprocess_logits_for_metrics,
+            memfit_method=plan_method,
+        )
+        if training_args.do_train:
+            train_metrics = trainer.train().metrics
+            trainer.log_metrics("train", train_metrics)
+            trainer.save_metrics("train", train_metrics)
+            metrics.update(train_metrics)
+        if training_args.do_eval:
+            eval_metrics = trainer.evaluate()
+            trainer.log_metrics("eval", eval_metrics)
+            trainer.save_metrics("eval", eval_metrics)
+            metrics.update(eval_metrics)
+    if peer is not None and trainer.is_world_process_zero():
+        peer.write(training_args.output_dir)
     return metrics
 
 
