@@ -325,3 +325,30 @@ def test_backstop_reserves_room_for_the_blocks_still_to_run():
     assert steady.phase == "steady" and steady.plan == [], steady
     assert steady.predicted_peak_bytes <= budget and steady.peak_allocated_bytes <= budget, steady
     assert steady.evicted_blocks == [], steady
+
+
+def test_a_plan_that_held_on_its_shape_runs_again_without_the_backstop():
+    """NOTE [Backstop]: a plan near the budget is armed the first time it runs a shape; once it
+    ran that shape under the backstop's threshold, the same plan on the same shape runs plainly."""
+    torch.manual_seed(0)
+    model, make_batch = build("bert")
+    model.train()
+    longest = make_batch(4, 96)
+    budget = (logical_peak(model, longest, "none") + logical_peak(model, longest, "full")) // 2
+    ctl = memfit.fit(model, budget=budget, method="dynamic", margin=0.05)
+    armed = []
+    for step, length in enumerate((40, 60, 80, 88, 88, 88)):
+        torch.manual_seed(step)
+        loss = model(**make_batch(4, length)).loss
+        if not ctl._pending["decision"].warmup:
+            armed.append([b.runner is not None for b in ctl.blocks if not b.enabled])
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+    records = ctl.records
+    ctl.remove()
+    first, again, third = armed
+    assert records[3].plan == records[4].plan == records[5].plan and records[3].plan, records[3:]
+    assert first and all(first), records[3]  # never seen: the model extrapolates
+    assert again and not any(again), records[4]  # the same plan held on this shape
+    assert not any(third)
+    assert all(r.peak_allocated_bytes <= budget and not r.evicted_blocks for r in records)

@@ -44,7 +44,12 @@ saves, which then lives on until backward). On short, host-bound steps that is n
 2.7 ms of a 20 ms median step in the H200 soak (bert-base, batch 16), 13%. So the backstop
 is *armed* only for a step that needs it: one longer (in tokens) than any step so far, where
 the model extrapolates, or one whose activations, 50% above their prediction, would cross
-the backstop's threshold below. Other steps run their blocks plainly. Room is made only
+the backstop's threshold below, unless the same plan already ran a shape of its bucket at
+least as long and stayed under that threshold (the same blocks on the same shape hold the
+same bytes; a Swin-S detector's plans fill the budget to 90%, so the 50% rule armed nearly
+every step, and the store's hooks made the H200's `dynamic` steps slower than `static`'s
+with more blocks checkpointed: 248 against 193 ms at one size, fourth run, 2026-11-22).
+Other steps run their blocks plainly. Room is made only
 when the bytes in use plus the largest block *still to run* under the store (predicted,
 times the largest excess of the blocks run so far this step over their prediction) would
 leave less than a third of the margin free; the plan keeps the whole margin free. Not the
@@ -428,6 +433,9 @@ class Controller:
         self._step = 0
         self._oom_retries = 0
         self._oom_attempts: list[dict[str, Any]] = []
+        #: per plan bucket, the last steady step's (tokens, plan, peak above static): a step
+        #: that repeats it needs no backstop (NOTE [Backstop])
+        self._held: dict[tuple[int, int], tuple[int, tuple[int, ...], int]] = {}
         self.replaying = False
         self._reactive = ReactiveStore(self._exclude_ptrs) if method.evicts or method.backstop else None
         self._handles = [
@@ -641,9 +649,19 @@ class Controller:
         seen = planning.model.max_key
         if seen is None or key[0] * key[1] > seen[0] * seen[1]:
             return True  # longer than any step so far: the model extrapolates
+        threshold = self._backstop_threshold()
+        held = self._held.get(bucket_key(key, planning.bucket_tokens))
+        if held is not None:
+            tokens, plan, above_static = held
+            if plan == tuple(blocks) and key[0] * key[1] <= tokens and planning.static_bytes + above_static <= threshold:
+                return False  # this plan ran this long a shape before and stayed under the threshold
         predicted = planning.predict_peak(key, blocks)
-        threshold = planning.budget_bytes - planning.slack_bytes - planning.margin_bytes // 3
         return predicted + BACKSTOP_ARM_SHARE * max(0, predicted - planning.static_bytes) > threshold
+
+    def _backstop_threshold(self) -> int:
+        """Bytes in use above which the backstop makes room (NOTE [Backstop])."""
+        planning = self.planning
+        return planning.budget_bytes - planning.slack_bytes - planning.margin_bytes // 3
 
     def _probe(self, block: Block, args: tuple, kwargs: dict, key: tuple[int, int]) -> None:
         """Measure what ``block`` saves un-checkpointed and its forward time (NOTE [Probe])."""
@@ -706,6 +724,14 @@ class Controller:
         predicted = self.planning.predict_peak(key, decision.blocks) if model.ready else None
         miss = None if predicted is None else peak - predicted
         self._learn(key, decision, outside, by_block, transient, pending["evicted"], miss)
+        if self.method.backstop and not decision.warmup and not pending["evicted"]:
+            bucket, tokens = bucket_key(key, self.planning.bucket_tokens), key[0] * key[1]
+            held = self._held.get(bucket)
+            same = held is not None and held[1] == tuple(decision.blocks)
+            self._held[bucket] = (
+                max(tokens, held[0]) if same else tokens, tuple(decision.blocks),
+                max(int(peak - static), held[2]) if same else int(peak - static),
+            )
         if predicted is not None and self.method.uses_model and not decision.warmup:
             # Warm-up runs every block checkpointed whatever is predicted, from a model of
             # one or two samples: its misses say nothing of steady plans. (Counting them
