@@ -9,7 +9,7 @@ its own process, after a GPU warm-up):
    ``--budget_fractions`` × ``P`` (default 0.6): the largest scales cannot run without
    checkpointing, the smallest (480-pixel sides: about a third of the pixels) can.
 
-Same protocol for every configuration: bf16 autocast, AdamW (lr 1e-4, 2e-5 for Swin-B, weight decay 1e-4,
+Same protocol for every configuration: bf16 autocast (``--precision``), AdamW (lr 1e-4, 2e-5 for Swin-B, weight decay 1e-4,
 gradient clipping 0.1, as DETR), batch 2 (Swin's detection recipes: 2 images per GPU),
 ``--steps`` optimizer steps on the synthetic set (``--synthetic``: images with drawn shapes,
 COCO-like aspect ratios), multi-scale shorter side 480-800 and longer side at most 1333, seed
@@ -40,6 +40,7 @@ from pathlib import Path
 GB = 10**9
 TASK = "object-detection"
 _SRC = Path(__file__).resolve().parent.parent / "src"
+_PRECISION_FLAGS = {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": []}
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -58,29 +59,35 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="AdamW's rate: one value for every model, then MODEL=RATE overrides. Swin-B from random "
                         "weights in bf16 diverged to NaN boxes at step 8 with 1e-4 (H200, 2026-11-22), which "
                         "DETR's loss refuses: it gets 2e-5 by default")
+    p.add_argument("--precision", nargs="+", default=["bf16"],
+                   help="bf16 (autocast), fp16 (autocast with loss scaling: steps with inf gradients are "
+                        "skipped) or fp32: one value for every model, then MODEL=PRECISION overrides")
     p.add_argument("--gpu_warmup_s", type=float, default=1.0)
     p.add_argument("--time_limit_s", type=float, default=330.0,
                    help="skip configurations that would end after this many seconds from the start")
     p.add_argument("--smoke", action="store_true",
                    help="CPU check of the whole path: micro config, 96-192 pixel sides, 4 steps, no time limit")
     args = p.parse_args(argv)
+    for spec in args.precision:
+        if spec.rpartition("=")[2] not in _PRECISION_FLAGS:
+            p.error(f"--precision {spec!r}: give {', '.join(_PRECISION_FLAGS)}, or MODEL=one of them")
     if args.smoke:
         args.models, args.steps, args.shortest_edge, args.longest_edge = ["micro"], 4, "96-192", 256
         args.gpu_warmup_s, args.time_limit_s = 0.0, float("inf")
     return args
 
 
-def _learning_rate(spec: list[str], model: str) -> str:
-    """The rate for ``model`` from ``--learning_rate`` (``RATE`` and ``MODEL=RATE`` entries)."""
-    rates = dict(s.split("=", 1) if "=" in s else ("", s) for s in spec)
-    return rates.get(model, rates.get("", "1e-4"))
+def _per_model(spec: list[str], model: str, default: str) -> str:
+    """``model``'s value from ``VALUE`` and ``MODEL=VALUE`` entries (``--learning_rate``, ``--precision``)."""
+    values = dict(s.split("=", 1) if "=" in s else ("", s) for s in spec)
+    return values.get(model, values.get("", default))
 
 
 def _train_flags(args: argparse.Namespace, model: str) -> list[str]:
     flags = [
-        "--config_name", f"conditional-detr-swin-{model}", "--bf16",
+        "--config_name", f"conditional-detr-swin-{model}", *_PRECISION_FLAGS[_per_model(args.precision, model, "bf16")],
         "--shortest_edge", args.shortest_edge, "--longest_edge", str(args.longest_edge),
-        "--learning_rate", _learning_rate(args.learning_rate, model), "--weight_decay", "1e-4", "--max_grad_norm", "0.1",
+        "--learning_rate", _per_model(args.learning_rate, model, "1e-4"), "--weight_decay", "1e-4", "--max_grad_norm", "0.1",
         "--dataloader_num_workers", "2" if args.smoke else "4",
     ]
     return flags + (["--use_cpu"] if args.smoke else [])

@@ -171,3 +171,16 @@ def test_ckptplan_peer_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "ckptplan", None)  # import fails as if not installed
     with pytest.raises(PeerUnavailableError, match="pip install ckptplan"):
         make_peer(PeerArguments(ckptplan_saving_fraction=0.5), "none")
+
+
+def test_largest_batch_leaves_the_examples_whole():
+    """Multiple choice's collator pops "labels" from the examples it gets; the ckptplan peer
+    collates the largest examples before training, and the Trainer collates them again (H200,
+    2026-11-22: KeyError 'labels' at the first step)."""
+    dataset = [{"input_ids": [1] * n, "labels": 0} for n in (3, 9, 5)]
+
+    def popping(features):
+        return {"labels": [f.pop("labels") for f in features], "lengths": [len(f["input_ids"]) for f in features]}
+
+    assert peers._largest_batch(dataset, popping, 2)["lengths"] == [9, 5]
+    assert all("labels" in example for example in dataset)

@@ -444,7 +444,9 @@ def _largest_batch(dataset: Sequence[Any], collator: Any, batch_size: int) -> di
     order = sorted(range(len(dataset)), key=lambda i: _example_size(dataset[i]), reverse=True)
     chosen = [dataset[i] for i in order[:batch_size]]
     chosen = [dataclasses.replace(f, multi_scale=False) if hasattr(f, "multi_scale") else f for f in chosen]
-    return collator(chosen)
+    # copies: collators may pop from the examples (multiple choice pops "labels"), which the
+    # Trainer then collates again
+    return collator([dict(f) if isinstance(f, Mapping) else f for f in chosen])
 
 
 def _to(value: Any, device: torch.device) -> Any:
