@@ -142,6 +142,28 @@ def test_memfit_train_object_detection_under_a_logical_budget(tmp_path):
 # --- data ---------------------------------------------------------------------------------
 
 
+def test_random_swin_gradients_stay_bounded_on_padded_batches():
+    # NOTE [Swin patch bias]: with transformers' zero patch-conv bias, padding embeds to exact
+    # zeros and every LayerNorm over it multiplies the gradient by 1/sqrt(eps); the micro
+    # backbone's gradient norm was 1e11 on this batch (Swin-B's overflowed fp32), 32 with the fix.
+    torch.manual_seed(0)
+    bundle = det.build(ModelArguments(config_name=MICRO), DataTrainingArguments(synthetic=2, shortest_edge="96", longest_edge=1333))
+    model = bundle.model
+    model.train()
+    small = det.DetectionCollator((96,), 1333, *det.padding_geometry(model.config))([bundle.train_dataset[0]])
+    large = det.DetectionCollator((288,), 1333, *det.padding_geometry(model.config))([bundle.train_dataset[1]])
+    height, width = large["pixel_values"].shape[-2:]
+    h, w = small["pixel_values"].shape[-2:]
+    pixel_values, pixel_mask = torch.zeros(2, 3, height, width), torch.zeros(2, height, width, dtype=torch.long)
+    pixel_values[0, :, :h, :w], pixel_mask[0, :h, :w] = small["pixel_values"][0], small["pixel_mask"][0]
+    pixel_values[1], pixel_mask[1] = large["pixel_values"][0], large["pixel_mask"][0]
+    assert pixel_mask[0].float().mean() < 0.2  # the small image is mostly padding
+    model(pixel_values=pixel_values, pixel_mask=pixel_mask, labels=small["labels"] + large["labels"]).loss.backward()
+    backbone = [p.grad for n, p in model.named_parameters() if "backbone" in n and p.grad is not None]
+    norm = torch.stack([g.double().norm() for g in backbone]).norm().item()
+    assert 0 < norm < 1e4
+
+
 def test_multi_scale_sizes_and_padding():
     assert det.shortest_edges("480-800") == tuple(range(480, 801, 32))
     assert det.resized_size(480, 640, 800, 1333) == (800, 1067)

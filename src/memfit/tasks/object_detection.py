@@ -34,6 +34,19 @@ pixels through stages 1-2. Batches are also at least one pixel-window of the las
 plus that unit on each side (``min_size``): a smaller map makes HF Swin shrink the layer's
 window and drop its shift for good (``SwinLayer.set_shift_and_window_size``).
 
+# NOTE [Swin patch bias]
+Built from a config (random weights), transformers initialises every Conv2d/Linear bias and
+LayerNorm shift of Swin to zero. A patch of padding pixels (0 after normalisation) then embeds
+to the exact zero vector, and windows made only of padding stay exactly zero through every
+block (zero q/k/v, zero MLP output) until a shifted window or a patch merge mixes them with
+the image. Each LayerNorm over such a token has variance 0, so its backward scales the
+gradient by ``1/sqrt(layer_norm_eps)`` (316): over the 12 or more LayerNorms of stages 1-3 the
+first backward reaches 1e18-1e38 in the patch embedding's gradient, the fp32 norm of the
+gradients overflows (Swin-B at 480-800 pixels, Swin-S/T at 800) and clipping zeroes or
+NaNs the whole step. The original Swin (and timm) leave the patch conv at PyTorch's default
+init, whose bias is uniform in ``±1/sqrt(fan_in)``; so does :func:`_load_detector`: padding
+patches embed to that bias, whose variance keeps every LayerNorm's gain bounded.
+
 Data: a COCO-format folder (``--train_dir`` with the images, ``--train_annotations`` the
 instances JSON; ``--validation_dir``/``--validation_annotations`` likewise). Crowd boxes
 (``iscrowd: 1``) and boxes without area are dropped, as DETR does; categories are renumbered
@@ -51,6 +64,7 @@ Metric: COCO mAP (``map``, ``map_50``, ``map_75``) when ``pycocotools`` is insta
 
 from __future__ import annotations
 
+import math
 import json
 import logging
 from dataclasses import dataclass, field
@@ -429,7 +443,28 @@ def _load_detector(model_args: ModelArguments, names: list[str]) -> Any:
     name = model_args.config_name or str(CONFIGS_DIR / f"{DEFAULT_CONFIG}.json")
     config = load_config(name, **labels)
     logger.info("building %s from config %s with random weights", type(config).__name__, name)
-    return AutoModelForObjectDetection.from_config(config)
+    model = AutoModelForObjectDetection.from_config(config)
+    _init_swin_patch_bias(model)
+    return model
+
+
+def _init_swin_patch_bias(model: Any) -> int:
+    """Give each Swin patch-embedding conv PyTorch's default bias (NOTE [Swin patch bias]).
+
+    Returns:
+        The number of convs re-initialised (0 for other backbones).
+    """
+    from transformers.models.swin.modeling_swin import SwinPatchEmbeddings
+
+    count = 0
+    for module in model.modules():
+        conv = getattr(module, "projection", None) if isinstance(module, SwinPatchEmbeddings) else None
+        if conv is not None and conv.bias is not None:
+            bound = 1 / math.sqrt(conv.weight[0].numel())
+            with torch.no_grad():
+                conv.bias.uniform_(-bound, bound)
+            count += 1
+    return count
 
 
 def padding_geometry(config: Any) -> tuple[int, int]:
