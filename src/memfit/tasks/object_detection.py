@@ -64,9 +64,9 @@ Metric: COCO mAP (``map``, ``map_50``, ``map_75``) when ``pycocotools`` is insta
 
 from __future__ import annotations
 
-import math
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
