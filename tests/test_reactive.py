@@ -351,4 +351,5 @@ def test_a_plan_that_held_on_its_shape_runs_again_without_the_backstop():
     assert first and all(first), records[3]  # never seen: the model extrapolates
     assert again and not any(again), records[4]  # the same plan held on this shape
     assert not any(third)
+    assert [r.backstop_armed for r in records] == [False, False, False, True, False, False]  # warm-up: never
     assert all(r.peak_allocated_bytes <= budget and not r.evicted_blocks for r in records)

@@ -61,6 +61,9 @@ class StepRecord:
     #: the plan was made this step (no cached plan for its shape bucket), not read from the cache
     planned: bool = False
     evicted_blocks: list[int] = field(default_factory=list)
+    #: the backstop ran this step's un-checkpointed blocks under the reactive store (NOTE
+    #: [Backstop] in runtime.py)
+    backstop_armed: bool = False
     #: the attempts of this step that ran out of memory and were replayed, oldest first:
     #: ``stage`` (forward / backward / optimizer), ``plan``, ``phase``, ``shape``,
     #: ``predicted_peak_bytes``, ``margin_bytes``, ``slack_bytes``, ``evicted_blocks``,

@@ -617,6 +617,7 @@ class Controller:
         for b in self.blocks:
             b.enabled = b.index in enabled
         upcoming: list[tuple[float, float]] = []
+        armed = False
         if self.method.backstop and not decision.warmup:
             armed = self._backstop_armed(key, decision.blocks)
             for b in self.blocks:
@@ -626,7 +627,10 @@ class Controller:
         elif self.method.backstop:
             for b in self.blocks:
                 b.runner = None
-        pending.update(decision=decision, shape=shape, key=key, planner_us=planner_us, planned=planned, upcoming=upcoming)
+        pending.update(
+            decision=decision, shape=shape, key=key, planner_us=planner_us, planned=planned, upcoming=upcoming,
+            armed=armed,
+        )
 
     def _backstop_upcoming(self, k: tuple[int, int]) -> list[tuple[float, float]]:
         """Per block: the largest predicted bytes of the store's blocks from it on, and of those before it.
@@ -766,6 +770,7 @@ class Controller:
             planner_us=pending["planner_us"],
             planned=pending["planned"],
             evicted_blocks=pending["evicted"],
+            backstop_armed=pending["armed"],
             oom_attempts=self._oom_attempts,
             rank=self.rank,
         )
