@@ -247,9 +247,10 @@ def test_dynamic_backstop_survives_a_wrong_prediction(backstop):
     assert len(refit.plan) > len(wrong.plan)
 
 
-def test_backstop_is_armed_only_for_steps_that_could_need_it():
-    """NOTE [Backstop]: a step well inside the shapes seen and far below the budget runs its
-    un-checkpointed blocks plainly; a step longer than any so far runs them under the store."""
+def _arming(lengths):
+    """``dynamic`` on a tiny BERT over ``lengths`` (batch 4) at a budget half-way between the
+    96-token step's peaks under ``none`` and ``full``: per steady step, whether each
+    un-checkpointed block ran under the backstop's store; the records; the budget."""
     torch.manual_seed(0)
     model, make_batch = build("bert")
     model.train()
@@ -257,7 +258,7 @@ def test_backstop_is_armed_only_for_steps_that_could_need_it():
     budget = (logical_peak(model, longest, "none") + logical_peak(model, longest, "full")) // 2
     ctl = memfit.fit(model, budget=budget, method="dynamic", margin=0.05)
     armed = []
-    for step, length in enumerate((40, 60, 80, 24, 96, 24)):
+    for step, length in enumerate(lengths):
         torch.manual_seed(step)
         loss = model(**make_batch(4, length)).loss
         if not ctl._pending["decision"].warmup:
@@ -266,7 +267,13 @@ def test_backstop_is_armed_only_for_steps_that_could_need_it():
         model.zero_grad(set_to_none=True)
     records = ctl.records
     ctl.remove()
-    short, long_, short_again = armed
+    return armed, records, budget
+
+
+def test_backstop_is_armed_only_for_steps_that_could_need_it():
+    """NOTE [Backstop]: a step well inside the shapes seen and far below the budget runs its
+    un-checkpointed blocks plainly; a step longer than any so far runs them under the store."""
+    (short, long_, short_again), records, budget = _arming((40, 60, 80, 24, 96, 24))
     assert short and not any(short), records[3]  # 24 tokens: far below the budget, seen range
     assert long_ and all(long_), records[4]  # 96 tokens: never seen, the model extrapolates
     assert not any(short_again)
@@ -330,23 +337,7 @@ def test_backstop_reserves_room_for_the_blocks_still_to_run():
 def test_a_plan_that_held_on_its_shape_runs_again_without_the_backstop():
     """NOTE [Backstop]: a plan near the budget is armed the first time it runs a shape; once it
     ran that shape under the backstop's threshold, the same plan on the same shape runs plainly."""
-    torch.manual_seed(0)
-    model, make_batch = build("bert")
-    model.train()
-    longest = make_batch(4, 96)
-    budget = (logical_peak(model, longest, "none") + logical_peak(model, longest, "full")) // 2
-    ctl = memfit.fit(model, budget=budget, method="dynamic", margin=0.05)
-    armed = []
-    for step, length in enumerate((40, 60, 80, 88, 88, 88)):
-        torch.manual_seed(step)
-        loss = model(**make_batch(4, length)).loss
-        if not ctl._pending["decision"].warmup:
-            armed.append([b.runner is not None for b in ctl.blocks if not b.enabled])
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-    records = ctl.records
-    ctl.remove()
-    first, again, third = armed
+    (first, again, third), records, budget = _arming((40, 60, 80, 88, 88, 88))
     assert records[3].plan == records[4].plan == records[5].plan and records[3].plan, records[3:]
     assert first and all(first), records[3]  # never seen: the model extrapolates
     assert again and not any(again), records[4]  # the same plan held on this shape
