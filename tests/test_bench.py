@@ -9,6 +9,16 @@ from memfit import bench
 from memfit.records import read_jsonl
 
 
+def _tiny_config(tmp_path):
+    """A 2-layer BERT config file (random weights), fast on CPU."""
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps({
+        "model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "intermediate_size": 37, "vocab_size": 30522, "max_position_embeddings": 512,
+    }))
+    return config
+
+
 def test_parse_budgets():
     assert bench.parse_budgets(["3:8:1"]) == [3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
     assert bench.parse_budgets(["6", "0.5"]) == [6.0, 0.5]
@@ -16,11 +26,7 @@ def test_parse_budgets():
 
 @pytest.mark.slow
 def test_matrix_records_every_configuration(tmp_path):
-    config = tmp_path / "tiny.json"
-    config.write_text(json.dumps({
-        "model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-        "intermediate_size": 37, "vocab_size": 30522, "max_position_embeddings": 512,
-    }))
+    config = _tiny_config(tmp_path)
     out = tmp_path / "bench"
     # 0.0001 GB = 100 kB: below the weights, so that configuration must fail cleanly.
     code = bench.main([
@@ -44,11 +50,7 @@ def test_matrix_records_every_configuration(tmp_path):
 def test_savers_with_eval_metric_and_report(tmp_path):
     from memfit.report import build_report
 
-    config = tmp_path / "tiny.json"
-    config.write_text(json.dumps({
-        "model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-        "intermediate_size": 37, "vocab_size": 30522, "max_position_embeddings": 512,
-    }))
+    config = _tiny_config(tmp_path)
     fixtures = __import__("pathlib").Path(__file__).parent / "fixtures" / "glue" / "MRPC"
     out = tmp_path / "savers"
     bench.main([
@@ -93,11 +95,7 @@ def test_peer_names_give_their_train_flags():
 
 @pytest.mark.slow
 def test_peers_in_the_matrix(tmp_path):
-    config = tmp_path / "tiny.json"
-    config.write_text(json.dumps({
-        "model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-        "intermediate_size": 37, "vocab_size": 30522, "max_position_embeddings": 512,
-    }))
+    config = _tiny_config(tmp_path)
     out = tmp_path / "bench"
     common = ["--tasks", "text-classification", "--budgets", "0.05", "--steps", "1", "--batch_size", "4",
               "--synthetic", "8", "--gpu_warmup_s", "0", "--output_dir", str(out)]

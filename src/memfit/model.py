@@ -184,7 +184,6 @@ class Curve:
             coef = [coef[0], 0.0, coef[1], 0.0]
         return coef, self.shift, -math.inf if self.floor is None else self.floor
 
-
     def _token_stats(self) -> tuple[int, int, int]:
         stats = self._memo.get("stats")
         if stats is None:

@@ -88,9 +88,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from memfit.blocks import find_blocks
 from memfit.methods import Decision, Method
+from memfit.runtime import _first_tensor
 
 if TYPE_CHECKING:
     from memfit.runtime import Planning
@@ -393,10 +395,11 @@ class Ckptplan(Peer):
         named = find_blocks(model)
         t0 = time.perf_counter()
         with _autocast(training_args, device):
-            inputs = _block_inputs(model, named, _to(batch, device))
-            self.shape = list(_first_tensor(inputs[0]).shape)
+            on_device = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, dict(batch))
+            inputs = _block_inputs(model, named, on_device)
+            self.shape = list(_first_tensor(*inputs[0]).shape)
             profiles = _profile_blocks(self.ckptplan, model, named, inputs, device)
-        del inputs, batch
+        del inputs, on_device, batch
         self.profile_s = time.perf_counter() - t0
         plan = self.ckptplan.plan_checkpoints(
             profiles, self.ckptplan.declare_blocks(model, named), target_kind="activation_saving_fraction",
@@ -447,22 +450,6 @@ def _largest_batch(dataset: Sequence[Any], collator: Any, batch_size: int) -> di
     # copies: collators may pop from the examples (multiple choice pops "labels"), which the
     # Trainer then collates again
     return collator([dict(f) if isinstance(f, Mapping) else f for f in chosen])
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    """``value`` with its tensors on ``device`` (collators return mappings such as ``BatchEncoding``)."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, Mapping):
-        return {k: _to(v, device) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to(v, device) for v in value)
-    return value
-
-
-def _first_tensor(captured: tuple[tuple, dict]) -> torch.Tensor:
-    args, kwargs = captured
-    return next(t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
 def _autocast(training_args: Any, device: torch.device) -> contextlib.AbstractContextManager:

@@ -564,9 +564,7 @@ class Controller:
             pending["saved_peak"] = max(pending["saved_peak"], in_use - pending["static"])
         if self.budget_bytes is None:
             return
-        margin = self.planning.margin_bytes if self.method.evicts else self.planning.margin_bytes // 3
-        reserve = margin + self.planning.slack_bytes  # NOTE [Allocator slack]
-        need_bytes = in_use + reserve + upcoming_bytes - self.budget_bytes
+        need_bytes = in_use + self._reserve_bytes() + upcoming_bytes - self.budget_bytes
         if need_bytes > 0:
             self._reactive.evict(need_bytes, [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)])
 
@@ -653,7 +651,7 @@ class Controller:
         seen = planning.model.max_key
         if seen is None or key[0] * key[1] > seen[0] * seen[1]:
             return True  # longer than any step so far: the model extrapolates
-        threshold = self._backstop_threshold()
+        threshold = planning.budget_bytes - self._reserve_bytes()  # where the backstop makes room
         held = self._held.get(bucket_key(key, planning.bucket_tokens))
         if held is not None:
             tokens, plan, above_static = held
@@ -662,10 +660,11 @@ class Controller:
         predicted = planning.predict_peak(key, blocks)
         return predicted + BACKSTOP_ARM_SHARE * max(0, predicted - planning.static_bytes) > threshold
 
-    def _backstop_threshold(self) -> int:
-        """Bytes in use above which the backstop makes room (NOTE [Backstop])."""
-        planning = self.planning
-        return planning.budget_bytes - planning.slack_bytes - planning.margin_bytes // 3
+    def _reserve_bytes(self) -> int:
+        """What making room keeps free: the margin (a third of it for the backstop, whose plan
+        keeps all of it: NOTE [Backstop]) and the allocator's slack (NOTE [Allocator slack])."""
+        margin = self.planning.margin_bytes if self.method.evicts else self.planning.margin_bytes // 3
+        return margin + self.planning.slack_bytes
 
     def _probe(self, block: Block, args: tuple, kwargs: dict, key: tuple[int, int]) -> None:
         """Measure what ``block`` saves un-checkpointed and its forward time (NOTE [Probe])."""

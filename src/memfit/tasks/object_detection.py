@@ -448,23 +448,16 @@ def _load_detector(model_args: ModelArguments, names: list[str]) -> Any:
     return model
 
 
-def _init_swin_patch_bias(model: Any) -> int:
-    """Give each Swin patch-embedding conv PyTorch's default bias (NOTE [Swin patch bias]).
-
-    Returns:
-        The number of convs re-initialised (0 for other backbones).
-    """
+def _init_swin_patch_bias(model: Any) -> None:
+    """Give each Swin patch-embedding conv PyTorch's default bias (NOTE [Swin patch bias])."""
     from transformers.models.swin.modeling_swin import SwinPatchEmbeddings
 
-    count = 0
     for module in model.modules():
-        conv = getattr(module, "projection", None) if isinstance(module, SwinPatchEmbeddings) else None
+        conv = module.projection if isinstance(module, SwinPatchEmbeddings) else None
         if conv is not None and conv.bias is not None:
             bound = 1 / math.sqrt(conv.weight[0].numel())
             with torch.no_grad():
                 conv.bias.uniform_(-bound, bound)
-            count += 1
-    return count
 
 
 def padding_geometry(config: Any) -> tuple[int, int]:
