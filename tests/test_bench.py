@@ -30,18 +30,21 @@ def test_matrix_records_every_configuration(tmp_path):
     out = tmp_path / "bench"
     # 0.0001 GB = 100 kB: below the weights, so that configuration must fail cleanly.
     code = bench.main([
-        "--tasks", "text-classification", "--methods", "none", "dynamic", "--uncapped_none_only",
+        "--tasks", "text-classification", "--methods", "none", "dynamic", "oracle", "--uncapped_none_only",
         "--budgets", "0.05", "0.0001", "--steps", "2", "--gpu_warmup_s", "0", "--output_dir", str(out),
         "--", "--config_name", str(config), "--use_cpu",
     ])
     assert code == 0
     rows = list(read_jsonl(out / "results.jsonl"))
     assert [(r["method"], r["budget_bytes"], r["status"]) for r in rows] == [
-        ("none", None, "ok"), ("dynamic", 50_000_000, "ok"), ("dynamic", 100_000, "oom"),
+        ("none", None, "ok"), ("dynamic", 50_000_000, "ok"), ("oracle", 50_000_000, "ok"),
+        ("dynamic", 100_000, "oom"), ("oracle", 100_000, "oom"),
     ]
+    oracle = list(read_jsonl(out / rows[2]["steps_file"]))
+    assert len(oracle) == 2 and all(s["method"] == "oracle" and s["phase"] != "warmup" for s in oracle)
     ok = rows[1]
     assert ok["max_peak_allocated_bytes"] <= ok["budget_bytes"] and ok["steps"] == 2 and ok["total_s"] > 0
-    assert "needs" in rows[2]["note"] or "budget" in rows[2]["note"]
+    assert all("needs" in r["note"] or "budget" in r["note"] for r in rows[3:])
     steps = list(read_jsonl(out / ok["steps_file"]))
     assert len(steps) == 2 and all(s["method"] == "dynamic" for s in steps)
 

@@ -126,7 +126,8 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS),
                    help=f"task names: {', '.join(BATCH_SIZES)} (default: the four NLP tasks)")
     p.add_argument("--methods", nargs="+", default=["none", "full", "static", "dynamic"],
-                   help=f"memfit methods, and peers: {', '.join(PEERS)}, and "
+                   help=f"memfit methods, oracle (the fewest first blocks that fit each batch, swept before "
+                   f"training: memfit/oracle.py), and peers: {', '.join(PEERS)}, and "
                    f"{', '.join(f'{k}-F' for k in PEER_KNOBS)} for a setting 0 < F <= 1 (e.g. compile-0.5)")
     p.add_argument("--budgets", nargs="+", default=["6", "8"], help="budgets in GB (10**9 bytes); 'a:b:s' for a range")
     p.add_argument("--savers", nargs="+", choices=tuple(SAVERS), help="run these memory savers (uncapped, "
@@ -145,9 +146,9 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             is_peer = peer_flags(method) is not None
         except ValueError as err:
             p.error(str(err))
-        if method not in METHODS and not is_peer:
+        if method not in METHODS and method != "oracle" and not is_peer:
             knobs = [f"{k}-F" for k in PEER_KNOBS]
-            p.error(f"unknown method {method!r}; choose from {', '.join([*METHODS, *PEERS, *knobs])}")
+            p.error(f"unknown method {method!r}; choose from {', '.join([*METHODS, 'oracle', *PEERS, *knobs])}")
     for task in args.tasks:
         if task not in BATCH_SIZES:
             p.error(f"unknown task {task!r}; choose from {', '.join(BATCH_SIZES)}")
@@ -272,6 +273,7 @@ def _run(config: Config, args: argparse.Namespace, extra: list[str]) -> dict:
             recomputed_fraction=summary["mean_checkpointed_fraction"],
             warmup_steps=summary["warmup_steps"],
             planner_us_per_step=summary["mean_planner_us"],
+            **{k: summary[k] for k in ("cuda_alloc_retries", "cuda_device_allocs") if k in summary},
         )
         peer_path = os.path.join(run_dir, PEER_FILE)
         if os.path.exists(peer_path):  # what a peer measured about itself (compilations, its plan)

@@ -48,6 +48,9 @@ STATE_FILE = "memfit_state.json"
 STEPS_FILE = "memfit_steps.jsonl"
 SUMMARY_FILE = "memfit_summary.json"
 _MAX_OOM_RETRIES = 8
+#: --memfit_method values: memfit's methods, and the oracle, which `memfit train` sweeps
+#: for before training (memfit/oracle.py) and passes to the Trainer as a Method
+TRAIN_METHODS = (*METHODS, "oracle")
 
 
 @dataclass
@@ -64,7 +67,9 @@ class TrainingArguments(transformers.TrainingArguments):
     )
     memfit_method: str = field(
         default="dynamic",
-        metadata={"help": "How plans are chosen: none | full | dynamic | static | precomputed | reactive."},
+        metadata={"help": "How plans are chosen: none | full | dynamic | static | precomputed | reactive | oracle "
+                  "(memfit train only: the fewest first blocks that fit each batch, found by a sweep of the run's "
+                  "batches before training; see memfit/oracle.py)."},
     )
     memfit_plans_file: str | None = field(
         default=None,
@@ -102,10 +107,12 @@ class TrainingArguments(transformers.TrainingArguments):
                 "it); with FSDP2, call memfit.fit after fully_shard in your own training loop"
             )
         super().__post_init__()
-        if self.memfit_method not in METHODS:
+        if self.memfit_method not in TRAIN_METHODS:
             raise UnknownMethodError(
-                f"--memfit_method {self.memfit_method!r} is unknown; choose one of {', '.join(METHODS)}"
+                f"--memfit_method {self.memfit_method!r} is unknown; choose one of {', '.join(TRAIN_METHODS)}"
             )
+        if self.memfit_method == "oracle" and self.memfit_budget_bytes is None:
+            raise ValueError("--memfit_method oracle needs a budget: set --memory_threshold GB (or --memory_budget)")
         if self.memory_budget is not None and self.memory_threshold is not None:
             if parse_bytes(self.memory_budget) != int(self.memory_threshold * 10**9):
                 raise ValueError(
@@ -178,6 +185,11 @@ class Trainer(transformers.Trainer):
         a = self.args
         method: str | Method = memfit_method or getattr(a, "memfit_method", "dynamic")
         method_kwargs: dict[str, Any] = {}
+        if method == "oracle":
+            raise ValueError(
+                "--memfit_method oracle sweeps the run's batches before training: run it with `memfit train`, or "
+                "pass memfit_method=memfit.oracle.prepare(...) (or Oracle(plans_file)) to the Trainer"
+            )
         if method == "precomputed":
             method_kwargs["path"] = a.memfit_plans_file
         if method == "static" and getattr(a, "memfit_max_shape", None):
@@ -317,11 +329,19 @@ class Trainer(transformers.Trainer):
             summary.per_rank = {str(r): summarize(recs).to_dict() for r, recs in per_rank.items() if recs}
         else:
             summary = self.memfit.summary()
+        data = summary.to_dict()
+        if self.memfit.accounting == "cuda":
+            # Allocations the caching allocator could only serve after releasing its cache (a
+            # device sync and unmapping each time): the cost of running close to a hard cap
+            # that step times show but records do not.
+            stats = torch.cuda.memory_stats(self.memfit.device)
+            data["cuda_alloc_retries"] = int(stats.get("num_alloc_retries", 0))
+            data["cuda_device_allocs"] = int(stats.get("num_device_alloc", 0))
         with open(os.path.join(a.output_dir, SUMMARY_FILE), "w", encoding="utf-8") as fh:
-            json.dump(summary.to_dict(), fh, indent=1)
+            json.dump(data, fh, indent=1)
         if self.memfit.method.uses_model:
             self.memfit.save_plans(os.path.join(a.output_dir, "memfit_plans.json"))
-        return summary.to_dict()
+        return data
 
 
 def rank_path(path: str, rank: int, world_size: int) -> str:

@@ -58,7 +58,7 @@ OPTIONAL_RESULT_FIELDS = (
 # skipped: a peer that cannot run on that machine (not installed, needs CUDA)
 _STATUSES = ("ok", "oom", "error", "skipped")
 # Table and legend order: memfit's methods first, then peers and savers alphabetically.
-_METHOD_ORDER = ("none", "full", "dynamic", "static", "precomputed", "reactive")
+_METHOD_ORDER = ("none", "full", "dynamic", "oracle", "static", "precomputed", "reactive")
 _DASH = "—"
 
 

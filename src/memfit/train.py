@@ -16,6 +16,7 @@ import contextlib
 import logging
 import sys
 
+from memfit import oracle
 from memfit.peers import PeerArguments, make_peer
 from memfit.tasks import TASKS, DataTrainingArguments, ModelArguments, get_task
 
@@ -83,6 +84,8 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
     # is read at each compilation), and restores what it changed after.
     with peer or contextlib.nullcontext():
         plan_method = peer.prepare(bundle, training_args) if peer is not None else None
+        if training_args.memfit_method == "oracle" and training_args.do_train:
+            plan_method = oracle.prepare(bundle, training_args)  # before the Trainer hooks the model
         trainer = Trainer(
             model=bundle.model,
             args=training_args,
