@@ -302,3 +302,58 @@ def test_curve_values_are_each_curves_own_values_bit_for_bit():
     values = curve_values(curves, 4, ts)
     for curve, row in zip(curves, values):
         assert row.tolist() == [curve((4, int(t))) for t in ts]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_refit_equals_numpy_least_squares(seed):
+    """NOTE [Refit in Python]: the normal-equation sums and the Jacobi solve give the values
+    (fit plus envelope shift) of ``np.linalg.lstsq`` on the same scaled system, also when
+    every sample has one row count (the slots 1 and N are then collinear)."""
+    import random
+
+    import numpy as np
+
+    from memfit.model import _features
+
+    rng = random.Random(seed)
+    for _ in range(60):
+        curve = Curve(intercept=rng.random() < 0.5, floor=None, linear_until=rng.choice([0, 4]))
+        one_n = rng.random() < 0.5
+        for _ in range(rng.randint(1, 40)):
+            n, t = (32 if one_n else rng.choice([8, 16, 32])), rng.randint(32, 512)
+            curve.add((n, t), rng.uniform(-1e6, 1e6) + 3.0 * n * t + 0.01 * n * t * t + 5e7 * curve.intercept)
+        keys = sorted(curve._by_key)
+        nt = np.array(keys, dtype=float)
+        a = np.column_stack(np.broadcast_arrays(*_features(nt[:, 0], nt[:, 1], curve.intercept, len(keys) >= curve.linear_until)))
+        b = np.array([curve._by_key[k] for k in keys])
+        scale = np.maximum(np.abs(a).max(axis=0), 1.0)
+        coef = np.linalg.lstsq(a / scale, b, rcond=None)[0] / scale
+        expected = a @ coef + max(0.0, float((b - a @ coef).max()))
+        got = np.array([curve(k) for k in keys])
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-9 * np.abs(b).max())
+        assert (got >= b - 1e-12 * np.abs(b).max()).all()  # an upper envelope of its samples (to rounding)
+
+
+def test_an_optimizer_peak_that_cannot_change_a_plan_keeps_the_cache():
+    """Plans read the optimizer step's peak only through static + max(activations, it) <=
+    room: a larger one that stays within the room keeps every cached plan."""
+    import memfit
+    from _models import build
+
+    model, _ = build("bert")
+    ctl = memfit.fit(model, budget=1_000_000, method="dynamic", margin=0.0)
+    planning = ctl.planning
+    planning.model, planning.static_bytes = MemoryModel([0, 0, 0]), 200_000
+    planning.model = _model([16, 32, 64])
+    planning.model.groups = [0, 0, 0, 0]
+    planning.n_blocks, planning.all_blocks = 4, (0, 1, 2, 3)
+    cached = {t: planning.plan_for((4, t)) for t in (16, 60, 100)}
+    ctl._learn_optimizer_step(700_000, 200_000)  # 200k + 700k <= room: no plan can change
+    assert planning.model.optimizer_bytes == 700_000 and planning.cache.items() != []
+    fresh = Planning(4, [0, 0, 0, 0], 1_000_000, margin_bytes=planning.margin_bytes, bucket_tokens=planning.bucket_tokens,
+                     slack_bytes=planning.slack_bytes)
+    fresh.model, fresh.static_bytes = planning.model, 200_000
+    assert {t: fresh.plan_for((4, t)) for t in cached} == cached
+    ctl._learn_optimizer_step(900_000, 200_000)  # over the room: every plan is dropped
+    assert planning.cache.items() == []
+    ctl.remove()

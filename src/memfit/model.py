@@ -98,6 +98,59 @@ def _features(n: Any, t: Any, intercept: bool, quadratic: bool = True) -> list[A
     return [1.0] + f if intercept else f
 
 
+# NOTE [Refit in Python]
+# Each change of the memory model refits the curves that learned, inside the next step's
+# plan. In a training process numpy's least squares cost 250-400 µs there (a tight loop:
+# 38 µs): every numpy and LAPACK path pays ~25 µs or more the first time after torch ran,
+# where plain Python barely slows down, and an H200 bert-base run refitted 35-50 times in
+# 200 steps. So a curve keeps the sums of its normal equations over its distinct keys (a
+# key whose largest value rises moves only Σ u·y), and a refit scales them as the
+# least-squares path scaled its columns and solves the 2-4 unknowns in Python: values
+# equal numpy's ``lstsq`` to 1e-9 of the largest sample (tested), and the envelope shift is
+# taken from the residuals of this very fit, so the curve stays above its samples.
+
+
+def _min_norm_solve(gram: list[list[float]], rhs: list[float]) -> list[float]:
+    """Minimum-norm solution of ``gram · x = rhs`` (symmetric, at most 4×4), by Jacobi rotations.
+
+    Eigenvalues under 1e-12 of the largest are dropped (singular values under 1e-6): a stack
+    whose batches all have one row count makes the slots 1 and N collinear, and
+    ``np.linalg.lstsq`` splits the weight between them the same way.
+    """
+    p = len(rhs)
+    a = [row[:] for row in gram]
+    v = [[float(i == j) for j in range(p)] for i in range(p)]
+    for _ in range(16):
+        off = sum(a[i][j] * a[i][j] for i in range(p) for j in range(p) if i != j)
+        if off <= 1e-30 * sum(a[i][i] * a[i][i] for i in range(p)):
+            break
+        for i in range(p - 1):
+            for j in range(i + 1, p):
+                if abs(a[i][j]) < 1e-300:
+                    continue
+                theta = (a[j][j] - a[i][i]) / (2.0 * a[i][j])
+                t = math.copysign(1.0, theta) / (abs(theta) + math.sqrt(theta * theta + 1.0))
+                c = 1.0 / math.sqrt(t * t + 1.0)
+                s = t * c
+                for m in (a, v):
+                    for row in m:
+                        ri, rj = row[i], row[j]
+                        row[i], row[j] = c * ri - s * rj, s * ri + c * rj
+                ai, aj = a[i], a[j]
+                for k in range(p):
+                    aik, ajk = ai[k], aj[k]
+                    ai[k], aj[k] = c * aik - s * ajk, s * aik + c * ajk
+    w = [a[i][i] for i in range(p)]
+    cut = 1e-12 * max(max(w), 0.0)
+    x = [0.0] * p
+    for k in range(p):
+        if w[k] > cut:
+            proj = sum(v[i][k] * rhs[i] for i in range(p)) / w[k]
+            for i in range(p):
+                x[i] += v[i][k] * proj
+    return x
+
+
 # A curve with ``linear_until`` set fits ``a + b·N·T`` until it has seen that many distinct
 # keys: a quadratic through three noisy points extrapolates wildly (an H200 run predicted
 # -1.1 GB for a short batch from three warm-up samples).
@@ -124,16 +177,38 @@ class Curve:
     def __post_init__(self) -> None:
         #: the largest y per distinct key: what the fit uses (kept as samples arrive)
         self._by_key: dict[tuple[int, int], float] = {}
+        #: sums of the normal equations over the distinct keys, on the slots (1, N, N·T, N·T²):
+        #: Σ u·uᵀ, Σ u·y, and each slot's largest |u| (NOTE [Refit in Python])
+        self._gram = [[0.0] * 4 for _ in range(4)]
+        self._rhs = [0.0] * 4
+        self._col_max = [1.0] * 4
         for k, y in zip(self.xs, self.ys):
-            self._by_key[k] = max(y, self._by_key.get(k, -math.inf))
+            self._keep(k, float(y))
 
     def has(self, key: tuple[int, int]) -> bool:
         return key in self._by_key
 
+    def _keep(self, key: tuple[int, int], y: float) -> None:
+        old = self._by_key.get(key)
+        if old is not None and y <= old:
+            return
+        n, t = float(key[0]), float(key[1])
+        u = (1.0, n, n * t, n * t * t)
+        if old is None:
+            for i in range(4):
+                row = self._gram[i]
+                for j in range(4):
+                    row[j] += u[i] * u[j]
+                self._col_max[i] = max(self._col_max[i], abs(u[i]))
+            old = 0.0
+        for i in range(4):
+            self._rhs[i] += u[i] * (y - old)
+        self._by_key[key] = y
+
     def add(self, key: tuple[int, int], y: float) -> None:
         self.xs.append(key)
         self.ys.append(float(y))
-        self._by_key[key] = max(float(y), self._by_key.get(key, -math.inf))
+        self._keep(key, float(y))
         self.coef = []  # refit lazily
         self._memo.clear()
 
@@ -142,19 +217,19 @@ class Curve:
         return bool(self.xs)
 
     def _fit(self) -> None:
-        # One sample per distinct key (the largest y seen there) keeps the system small;
-        # features are built as arrays (a Python loop per sample cost ~0.4 ms per refit).
-        keys = sorted(self._by_key)
-        self._quadratic = len(keys) >= self.linear_until
-        nt = np.array(keys, dtype=np.float64)
-        a = np.column_stack(np.broadcast_arrays(*_features(nt[:, 0], nt[:, 1], self.intercept, self._quadratic)))
-        b = np.array([self._by_key[k] for k in keys])
-        scale = np.maximum(np.abs(a).max(axis=0), 1.0)
-        coef, *_ = np.linalg.lstsq(a / scale, b, rcond=None)
-        coef = coef / scale
-        self.coef = [float(c) for c in coef]
-        residual = b - a @ coef
-        self.shift = max(0.0, float(residual.max()))
+        # One sample per distinct key (the largest y seen there); NOTE [Refit in Python].
+        self._quadratic = len(self._by_key) >= self.linear_until
+        slots = ([0] if self.intercept else []) + ([1, 2, 3] if self._quadratic else [2])
+        scale = [self._col_max[i] for i in slots]
+        gram = [[self._gram[i][j] / (si * sj) for j, sj in zip(slots, scale)] for i, si in zip(slots, scale)]
+        rhs = [self._rhs[i] / si for i, si in zip(slots, scale)]
+        coef = [c / si for c, si in zip(_min_norm_solve(gram, rhs), scale)]
+        self.coef = coef
+        full = [0.0] * 4
+        for i, c in zip(slots, coef):
+            full[i] = c
+        c0, c1, c2, c3 = full
+        self.shift = max(0.0, max(y - (c0 + n * (c1 + t * (c2 + c3 * t))) for (n, t), y in self._by_key.items()))
 
     def __call__(self, key: tuple[int, int]) -> float:
         value = self._memo.get(key)

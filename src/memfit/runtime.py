@@ -433,6 +433,8 @@ class Controller:
         self._step = 0
         self._oom_retries = 0
         self._oom_attempts: list[dict[str, Any]] = []
+        #: largest static bytes of a step that ran an optimizer step (_learn_optimizer_step)
+        self._max_static = 0
         #: per plan bucket, the last steady step's (tokens, plan, peak above static): a step
         #: that repeats it needs no backstop (NOTE [Backstop])
         self._held: dict[tuple[int, int], tuple[int, tuple[int, ...], int]] = {}
@@ -715,7 +717,7 @@ class Controller:
             # creates did not exist yet (counting it made the first step's transient 0.88 GB
             # low on an H200, bert-base AdamW).
             transient = peak - (static - pending["state_to_come"]) - saved
-            self._learn_optimizer_step(optimizer_peak - self._static_now())
+            self._learn_optimizer_step(optimizer_peak - static, static)
             peak = max(peak, optimizer_peak)
         else:
             # One peak for the whole step, which can include the optimizer's first step and
@@ -779,11 +781,19 @@ class Controller:
         if self._writer is not None:
             self._writer.write(record)
 
-    def _learn_optimizer_step(self, above_static: int) -> None:
+    def _learn_optimizer_step(self, above_static: int, static: int) -> None:
+        """Learn the optimizer step's peak above the step's static bytes (its batch included).
+
+        Plans read it only through ``static + max(activations, optimizer) <= room``: while
+        the largest static seen plus it stays within the room, no plan can change, and the
+        cached plans stay (NOTE [Planning a row]: each clear cost a replan of every shape).
+        """
         model = self.planning.model
+        self._max_static = max(self._max_static, static)
         if above_static > model.optimizer_bytes:
             model.optimizer_bytes = float(above_static)
-            self.planning.cache.clear()
+            if self.planning.budget_bytes is None or self._max_static + above_static > self.planning.room_bytes:
+                self.planning.cache.clear()
 
     def _learn(
         self, key, decision, outside: int, by_block: list[int], transient: int,
@@ -845,7 +855,11 @@ class Controller:
             if curve is transient_curve:
                 learn = learn or (not curve.has(key) and curve.distinct_keys < 8)
                 # a partial step beyond the partial curve's range extends it (NOTE [Two transient regimes])
-                learn = learn or (curve is model.transient_partial and not model.partial_covers(key[0] * key[1]))
+                # (a plan that checkpointed nothing is left out: its transient matters only
+                # once a shape that long needs a plan, and it then teaches the curve itself)
+                learn = learn or (
+                    curve is model.transient_partial and bool(decision.blocks) and not model.partial_covers(key[0] * key[1])
+                )
             if learn:
                 curve.add(key, observed)
                 changed = True
