@@ -120,3 +120,20 @@ def test_trainer_points_oracle_to_memfit_train(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), memfit_method="oracle", memory_budget="1GiB", report_to="none")
     with pytest.raises(ValueError, match="oracle sweeps the run's batches before training: run it with `memfit train`"):
         Trainer(model=model, args=args)
+
+
+def test_sweep_only_then_train_on_the_plans(tiny_flags, tmp_path):
+    """`memfit bench` sweeps in one process and times another, which starts cold as the
+    other methods' runs do: --memfit_oracle_sweep_only, then --memfit_plans_file."""
+    flags = [*tiny_flags, "--memfit_method", "oracle", "--memory_threshold", "0.02"]
+    assert run("token-classification", [*flags, "--memfit_oracle_sweep_only", "true", "--output_dir", str(tmp_path / "s")]) == {}
+    plans_file = tmp_path / "s" / "memfit_oracle_plans.json"
+    assert plans_file.exists() and not (tmp_path / "s" / "memfit_steps.jsonl").exists()  # swept, not trained
+    run("token-classification", [*flags, "--memfit_plans_file", str(plans_file), "--output_dir", str(tmp_path / "t")])
+    assert not (tmp_path / "t" / "memfit_oracle.json").exists()  # no second sweep
+    plans = {tuple(p["key"]): tuple(p["blocks"]) for p in json.loads(plans_file.read_text())["plans"]}
+    records = [json.loads(x) for x in (tmp_path / "t" / "memfit_steps.jsonl").read_text().splitlines()]
+    assert len(records) == 6 and {r["method"] for r in records} == {"oracle"}
+    for record in records:
+        key = tuple(record["shape"][:2])
+        assert tuple(record["plan"]) == plans[min(k for k in plans if k[0] == key[0] and k[1] >= key[1])]

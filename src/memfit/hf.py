@@ -73,7 +73,13 @@ class TrainingArguments(transformers.TrainingArguments):
     )
     memfit_plans_file: str | None = field(
         default=None,
-        metadata={"help": "Plans JSON for --memfit_method precomputed (written by a dynamic run as memfit_plans.json)."},
+        metadata={"help": "Plans JSON for --memfit_method precomputed (written by a dynamic run as memfit_plans.json); "
+                  "with --memfit_method oracle, the plans of an earlier sweep (memfit_oracle_plans.json): no sweep."},
+    )
+    memfit_oracle_sweep_only: bool = field(
+        default=False,
+        metadata={"help": "For --memfit_method oracle: sweep, write memfit_oracle_plans.json and stop, so that a later "
+                  "run (--memfit_plans_file) trains on the plans from a cold start, as the other methods do."},
     )
     memfit_log: str | None = field(
         default=None,

@@ -7,7 +7,10 @@ plan a person would pick after trying every one. It is measured, not predicted (
     plans, rows = sweep(model, batches, step, budget="4GB", optimizer=opt)
 
 ``memfit train <task> --memfit_method oracle`` sweeps the run's own batches before
-training (:func:`prepare`), and ``memfit bench --methods oracle`` puts it in the table.
+training (:func:`prepare`); with ``--memfit_oracle_sweep_only`` it stops there, and with
+``--memfit_plans_file`` it trains on an earlier sweep's plans. ``memfit bench --methods
+oracle`` does both in two processes, so that the timed run starts as cold as the other
+methods' (CUDA and its libraries not yet initialised).
 
 # NOTE [Oracle sweep]
 The batches are grouped by plan bucket (rows, tokens rounded up as ``dynamic`` rounds

@@ -85,7 +85,12 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
     with peer or contextlib.nullcontext():
         plan_method = peer.prepare(bundle, training_args) if peer is not None else None
         if training_args.memfit_method == "oracle" and training_args.do_train:
-            plan_method = oracle.prepare(bundle, training_args)  # before the Trainer hooks the model
+            if training_args.memfit_plans_file and not training_args.memfit_oracle_sweep_only:
+                plan_method = oracle.Oracle(training_args.memfit_plans_file)  # an earlier sweep's plans
+            else:
+                plan_method = oracle.prepare(bundle, training_args)  # before the Trainer hooks the model
+                if training_args.memfit_oracle_sweep_only:
+                    return {}
         trainer = Trainer(
             model=bundle.model,
             args=training_args,
