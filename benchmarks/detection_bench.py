@@ -62,6 +62,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--precision", nargs="+", default=["bf16"],
                    help="bf16 (autocast), fp16 (autocast with loss scaling: steps with inf gradients are "
                         "skipped) or fp32: one value for every model, then MODEL=PRECISION overrides")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="with more than 1: after the none run that sets the budget, one interleaved matrix "
+                   "(none uncapped and every method, repeat after repeat) into swin-<size>/repeats/, whose "
+                   "report gives medians over the repeats (step times move by up to 45%% between processes)")
     p.add_argument("--gpu_warmup_s", type=float, default=1.0)
     p.add_argument("--time_limit_s", type=float, default=330.0,
                    help="skip configurations that would end after this many seconds from the start")
@@ -137,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
             skipped.append(f"swin-{model}: the uncapped none run failed, so no budget; see {folder}/runs")
             continue
         budgets = [f"{fraction * reference['max_peak_allocated_bytes'] / GB:.2f}" for fraction in args.budget_fractions]
+        if args.repeats > 1:
+            flags = ["--methods", "none", *args.methods, "--uncapped_none_only", "--budgets", *budgets, "--repeats", str(args.repeats)]
+            run(folder / "repeats", f"swin-{model} none and {' '.join(args.methods)} x{args.repeats}", flags, model)
+            continue
         for method in args.methods:
             run(folder, f"swin-{model} {method} at {' '.join(budgets)} GB", ["--methods", method, "--budgets", *budgets], model)
 
@@ -144,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     report = build_report(out, out / "report")
     print(f"total {time.perf_counter() - start:.0f} s; {len(skipped)} skipped; report: {report}")
     for model in args.models:
-        for r in _results(out / f"swin-{model}"):
+        for r in _results(out / f"swin-{model}") + _results(out / f"swin-{model}" / "repeats"):
             budget = f"{r['budget_bytes'] / GB:.2f} GB" if r["budget_bytes"] else "uncapped"
             peak = f"{r['max_peak_allocated_bytes'] / GB:.2f} GB" if r["max_peak_allocated_bytes"] else "-"
             total = f"{r['total_s']:.1f} s" if r["total_s"] else "-"
