@@ -256,6 +256,9 @@ class Planning:
         """Every bucket of ``k``'s row, up to the longest shape seen, as lists (one group only)."""
         n, b = k[0], self.bucket_tokens
         longest = max(k[1], bucket_key(self.model.max_key, b)[1] if self.model.max_key else 0)
+        # a few buckets past the longest shape seen: a row costs about the same at any
+        # length, and a step just past it would otherwise replan the whole row
+        longest = -(-longest // (8 * b)) * (8 * b)
         ts = np.arange(b, longest + b, b, dtype=np.int64)
         row = self.model.row(n, ts)
         if row is None:
@@ -716,7 +719,11 @@ class Controller:
             # The backward's peak, read apart: the optimizer state that its first step
             # creates did not exist yet (counting it made the first step's transient 0.88 GB
             # low on an H200, bert-base AdamW).
-            transient = peak - (static - pending["state_to_come"]) - saved
+            # Allocations of this step that stay (the first step's cuBLAS workspace: 35.5 MB
+            # on an H200) are static from the next step on; counted here as transient, one
+            # sample left the full-regime curve 34-56 MB high for the rest of a run.
+            grown = max(0, self._static_now() - static)
+            transient = peak - (static - pending["state_to_come"]) - grown - saved
             self._learn_optimizer_step(optimizer_peak - static, static)
             peak = max(peak, optimizer_peak)
         else:
@@ -853,7 +860,7 @@ class Controller:
             over = step_over and observed < predicted - 0.005 * abs(observed) and not curve.has(key)
             learn = under or over
             if curve is transient_curve:
-                learn = learn or (not curve.has(key) and curve.distinct_keys < 8)
+                learn = learn or (curve is model.transient_partial and not curve.has(key) and curve.distinct_keys < 8)
                 # a partial step beyond the partial curve's range extends it (NOTE [Two transient regimes])
                 # (a plan that checkpointed nothing is left out: its transient matters only
                 # once a shape that long needs a plan, and it then teaches the curve itself)
