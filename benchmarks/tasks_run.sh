@@ -11,7 +11,6 @@ export PYTHONPATH=$PWD/src:/tmp/site HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=err
 r=/tmp/runs/$name
 mkdir -p "$r"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$r/device.txt"
-git rev-parse HEAD > "$r/commit.txt" 2>/dev/null
 # shellcheck disable=SC2086
 python3 -m memfit.cli bench --tasks $tasks --methods $methods --uncapped_none_only --budgets $budgets \
     --steps "$steps" --repeats "$repeats" --gpu_warmup_s 2 --output_dir "$r" \

@@ -343,9 +343,7 @@ def test_an_optimizer_peak_that_cannot_change_a_plan_keeps_the_cache():
     model, _ = build("bert")
     ctl = memfit.fit(model, budget=1_000_000, method="dynamic", margin=0.0)
     planning = ctl.planning
-    planning.model, planning.static_bytes = MemoryModel([0, 0, 0]), 200_000
-    planning.model = _model([16, 32, 64])
-    planning.model.groups = [0, 0, 0, 0]
+    planning.model, planning.static_bytes = _model([16, 32, 64]), 200_000  # a 4-block model
     planning.n_blocks, planning.all_blocks = 4, (0, 1, 2, 3)
     cached = {t: planning.plan_for((4, t)) for t in (16, 60, 100)}
     ctl._learn_optimizer_step(700_000, 200_000)  # 200k + 700k <= room: no plan can change

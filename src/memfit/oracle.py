@@ -35,11 +35,11 @@ import gc
 import itertools
 import json
 import logging
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -88,7 +88,7 @@ def _batch_key(batch: Any) -> tuple[int, int]:
     x = tensors[0]
     if x.is_floating_point() and x.dim() == 4:
         return shape_key(list(x.shape))
-    return (int(np.prod(x.shape[:-1])) if x.dim() > 1 else 1, int(x.shape[-1]))
+    return (math.prod(x.shape[:-1]), int(x.shape[-1]))
 
 
 def sweep(
@@ -125,14 +125,14 @@ def sweep(
     from memfit.runtime import fit
 
     longest: dict[tuple[int, int], tuple[int, Any]] = {}
-    for i, batch in enumerate(batches):
+    for batch in batches:  # only each bucket's longest is kept (images add up)
         rows_, tokens = _batch_key(batch)
         bucket = bucket_key((rows_, tokens), bucket_tokens)
         if bucket not in longest or tokens > longest[bucket][0]:
             longest[bucket] = (tokens, batch)
     plans: dict[tuple[int, int], tuple[int, ...]] = {}
     rows: list[dict[str, Any]] = []
-    for n_rows, group in itertools.groupby(sorted(longest), key=lambda b: b[0]):
+    for _, group in itertools.groupby(sorted(longest), key=lambda b: b[0]):
         k = 0
         for bucket in group:
             batch = longest[bucket][1]
@@ -200,15 +200,12 @@ def prepare(bundle: Any, args: Any) -> Oracle:
     model = trainer.model
     weights = {name: t.detach().to("cpu", copy=True) for name, t in model.state_dict().items()}
     loader = trainer.get_train_dataloader()
+    # the batches the run will take: max_steps x accumulation, or its epochs
     wanted = args.max_steps * args.gradient_accumulation_steps if args.max_steps > 0 else None
-    batches: list[Any] = []
-    for _ in range(int(args.num_train_epochs) if wanted is None else 10**9):
-        for batch in loader:
-            batches.append(batch)
-            if wanted is not None and len(batches) >= wanted:
-                break
-        if wanted is not None and len(batches) >= wanted or not batches:
-            break
+    if len(loader) == 0:
+        raise ValueError("oracle sweep: the training data makes no batch (fewer examples than one batch?)")
+    epochs = math.ceil(wanted / len(loader)) if wanted else max(1, math.ceil(args.num_train_epochs))
+    batches = itertools.islice(itertools.chain.from_iterable(itertools.repeat(loader, epochs)), wanted)
     optimizer = trainer.create_optimizer()
 
     device = next(model.parameters()).device
@@ -226,8 +223,8 @@ def prepare(bundle: Any, args: Any) -> Oracle:
             model, batches, step, budget, optimizer=optimizer, margin=getattr(args, "memfit_margin", None),
         )
     finally:
+        optimizer.state.clear()  # its state is freed now; the run makes its own optimizer
         trainer.optimizer = None
-        del optimizer, trainer
         with torch.no_grad():
             for name, t in model.state_dict().items():
                 t.copy_(weights[name])

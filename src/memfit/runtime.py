@@ -509,8 +509,11 @@ class Controller:
         return self._param_bytes + optimizer_state_bytes(self.optimizer)
 
     def _on_forward_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self._finish_step()
-        if not (module.training and torch.is_grad_enabled()):
+        training = module.training and torch.is_grad_enabled()
+        # read once: the closing step's lasting growth and this step's static bytes
+        static_now = self._static_now() if training else None
+        self._finish_step(static_now)
+        if not training:
             return
         if self._first_forward:
             self._first_forward = False
@@ -521,7 +524,7 @@ class Controller:
                 )
         if self.accounting == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.planning.static_bytes = self._static_now()
+        self.planning.static_bytes = static_now
         self._pending = {
             "t0": time.perf_counter(),
             "decision": None,
@@ -694,7 +697,11 @@ class Controller:
         group_model.cost_ms.add(key, elapsed_ms)
 
     # ----------------------------------------------------------------- records
-    def _finish_step(self) -> None:
+    def _finish_step(self, static_now: int | None = None) -> None:
+        """Close the pending step: read its peaks, learn, write its record.
+
+        ``static_now``: :meth:`_static_now` if the caller has it (a step start reads it anyway).
+        """
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -722,14 +729,15 @@ class Controller:
             # Allocations of this step that stay (the first step's cuBLAS workspace: 35.5 MB
             # on an H200) are static from the next step on; counted here as transient, one
             # sample left the full-regime curve 34-56 MB high for the rest of a run.
-            grown = max(0, self._static_now() - static)
+            static_now = self._static_now() if static_now is None else static_now
+            grown = max(0, static_now - static)
             transient = peak - (static - pending["state_to_come"]) - grown - saved
             self._learn_optimizer_step(optimizer_peak - static, static)
             peak = max(peak, optimizer_peak)
         else:
             # One peak for the whole step, which can include the optimizer's first step and
             # the state it creates: the transient is what the peak holds beyond the larger.
-            transient = peak - max(static, self._static_now()) - saved
+            transient = peak - max(static, self._static_now() if static_now is None else static_now) - saved
         decision = pending["decision"]
         key = pending["key"]
         model = self.planning.model
