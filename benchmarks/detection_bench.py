@@ -10,11 +10,20 @@ its own process, after a GPU warm-up):
    checkpointing, the smallest (480-pixel sides: about a third of the pixels) can.
 
 Same protocol for every configuration: bf16 autocast (``--precision``), AdamW (lr 1e-4, 2e-5 for Swin-B, weight decay 1e-4,
-gradient clipping 0.1, as DETR), batch 2 (Swin's detection recipes: 2 images per GPU),
+gradient clipping 0.1, as DETR), batch 16 (the original experiments' batch; ``--batch_size``),
 ``--steps`` optimizer steps on the synthetic set (``--synthetic``: images with drawn shapes,
-COCO-like aspect ratios), multi-scale shorter side 480-800 and longer side at most 1333, seed
-42: the same images, sizes and order in every run. Data loading runs in 4 workers, so the
-drawing of the images overlaps the GPU's work.
+COCO-like aspect ratios), multi-scale shorter side 480-800 and longer side at most 1333, drawn
+per image or once per batch (``--multi_scale_per``), seed 42: the same images, sizes and order
+in every run. Data loading runs in 4 workers, so the drawing of the images overlaps the GPU's
+work.
+
+Why batch 16: at batch 2 (Swin's detection recipes: 2 images per GPU) an H200 step of Swin-B
+takes 150-240 ms whatever the image size (55k to 157k patches): the host's kernel launches
+bound it, not the GPU, so the methods differ by the host cost of their recompute and hooks
+and the ranking moved with each process (eighth run, 2026-11-22). At 16 images a step does
+about 12 times the GPU work for the same launches. Drawn per image, though, 16 images pad to
+about the largest scale (median batch 83% of the largest's pixels); drawn per batch, batches
+span the range (median 58%), as the size of a batch 2 does.
 
 A time guard skips the configurations that would end after ``--time_limit_s`` (each is
 listed in ``skipped.txt``), so the whole run fits a short GPU session. Afterwards ``memfit
@@ -52,8 +61,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--budget_fractions", nargs="+", type=float, default=[0.6],
                    help="budgets as fractions of the uncapped none run's largest peak")
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--batch_size", type=int, default=2)
+    p.add_argument("--batch_size", type=int, default=16)
     p.add_argument("--shortest_edge", default="480-800")
+    p.add_argument("--multi_scale_per", choices=["image", "batch"], default="image",
+                   help="draw the shorter side per image (DETR) or once per batch (YOLOX, mmdet's BatchSyncRandomResize)")
     p.add_argument("--longest_edge", type=int, default=1333)
     p.add_argument("--learning_rate", nargs="+", default=["1e-4", "base=2e-5"],
                    help="AdamW's rate: one value for every model, then MODEL=RATE overrides. Swin-B from random "
@@ -70,13 +81,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--time_limit_s", type=float, default=330.0,
                    help="skip configurations that would end after this many seconds from the start")
     p.add_argument("--smoke", action="store_true",
-                   help="CPU check of the whole path: micro config, 96-192 pixel sides, 4 steps, no time limit")
+                   help="CPU check of the whole path: micro config, 96-192 pixel sides, batch 2, 4 steps, no time limit")
     args = p.parse_args(argv)
     for spec in args.precision:
         if spec.rpartition("=")[2] not in _PRECISION_FLAGS:
             p.error(f"--precision {spec!r}: give {', '.join(_PRECISION_FLAGS)}, or MODEL=one of them")
     if args.smoke:
         args.models, args.steps, args.shortest_edge, args.longest_edge = ["micro"], 4, "96-192", 256
+        args.batch_size = min(args.batch_size, 2)
         args.gpu_warmup_s, args.time_limit_s = 0.0, float("inf")
     return args
 
@@ -90,7 +102,7 @@ def _per_model(spec: list[str], model: str, default: str) -> str:
 def _train_flags(args: argparse.Namespace, model: str) -> list[str]:
     flags = [
         "--config_name", f"conditional-detr-swin-{model}", *_PRECISION_FLAGS[_per_model(args.precision, model, "bf16")],
-        "--shortest_edge", args.shortest_edge, "--longest_edge", str(args.longest_edge),
+        "--shortest_edge", args.shortest_edge, "--longest_edge", str(args.longest_edge), "--multi_scale_per", args.multi_scale_per,
         "--learning_rate", _per_model(args.learning_rate, model, "1e-4"), "--weight_decay", "1e-4", "--max_grad_norm", "0.1",
         "--dataloader_num_workers", "2" if args.smoke else "4",
     ]

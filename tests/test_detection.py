@@ -14,6 +14,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from transformers import HfArgumentParser
 
 import memfit
 from _models import logical_peak, step_both_and_compare
@@ -186,6 +187,26 @@ def test_multi_scale_sizes_and_padding():
         assert train["pixel_mask"][i].sum() == sh * sw and train["pixel_mask"][i, :sh, :sw].all()
     evals = collate([det.DetectionFeature(ex, multi_scale=False) for ex in examples[:2]])
     assert all(min(t["size"].tolist()) == 160 or max(t["size"].tolist()) == 200 for t in evals["labels"])
+
+
+
+def test_multi_scale_per_batch_draws_one_shorter_side_per_batch():
+    examples = det.synthetic_examples(40, seed=3)
+    features = [det.DetectionFeature(ex, multi_scale=True) for ex in examples]
+    bundle = det.build(
+        ModelArguments(config_name=MICRO),
+        DataTrainingArguments(synthetic=2, shortest_edge="96-160", longest_edge=1333, multi_scale_per="batch"),
+    )
+    collate = bundle.data_collator
+    edges_seen = set()
+    for i in range(0, 40, 4):
+        batch = collate(features[i : i + 4])
+        edges = {min(t["size"].tolist()) for t in batch["labels"]}
+        assert len(edges) == 1, edges  # every image of the batch at one scale
+        edges_seen |= edges
+    assert len(edges_seen) > 1  # and batches at several
+    with pytest.raises(SystemExit):  # the flag takes image or batch only
+        HfArgumentParser(DataTrainingArguments).parse_args_into_dataclasses(["--multi_scale_per", "epoch"])
 
 
 @pytest.fixture()

@@ -169,6 +169,14 @@ class DataTrainingArguments:
     longest_edge: int = field(
         default=1333, metadata={"help": "object-detection: the longer side is scaled down to at most this."}
     )
+    multi_scale_per: str = field(
+        default="image",
+        metadata={
+            "help": "object-detection: draw the shorter side per training image (DETR's recipe) or once "
+            "per batch, every image of a batch at one scale (YOLOX's, mmdet's BatchSyncRandomResize).",
+            "choices": ["image", "batch"],
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.synthetic is not None and self.synthetic < 1:

@@ -10,7 +10,10 @@ a kernel from the hub, which an offline GPU machine cannot reach.
 Multi-scale training, as DETR and Swin's detection recipes do it: each training image is
 resized so that its shorter side is drawn from ``--shortest_edge`` (``480-800``: a multiple
 of 32 in that range, per image) and its longer side is at most ``--longest_edge`` (1333);
-evaluation uses the largest shorter side. A batch is padded to its largest height and width
+evaluation uses the largest shorter side. ``--multi_scale_per batch`` draws the shorter side
+once per batch instead (YOLOX's recipe, mmdet's ``BatchSyncRandomResize``): a batch of 16
+images drawn per image is nearly always padded to about the largest scale, one drawn per
+batch spans the whole range. A batch is padded to its largest height and width
 rounded up to 32 (Swin's total stride), and ``pixel_mask`` marks the real pixels. Labels are
 one dict per image: ``class_labels`` and ``boxes`` as (cx, cy, w, h) relative to the image
 before padding, as in the original DETR (the sine position embedding is normalised by the
@@ -246,6 +249,8 @@ class DetectionCollator:
     min_size: int = 0
     """Batches are padded to at least this in both dimensions."""
     seed: int = 0
+    per_batch: bool = False
+    """Draw one shorter side for the whole batch instead of one per image."""
     rng: np.random.Generator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -263,10 +268,14 @@ class DetectionCollator:
 
     def __call__(self, features: list[DetectionFeature]) -> dict[str, Any]:
         rng = self._generator()
+        batch_edge = int(rng.choice(self.shortest_edges)) if self.per_batch else None
         images, labels = [], []
         for feature in features:
             ex = feature.example
-            edge = int(rng.choice(self.shortest_edges)) if feature.multi_scale else max(self.shortest_edges)
+            if not feature.multi_scale:
+                edge = max(self.shortest_edges)
+            else:
+                edge = batch_edge if batch_edge is not None else int(rng.choice(self.shortest_edges))
             size = resized_size(ex.height, ex.width, edge, self.longest_edge)
             images.append(ex.pixels(size))
             labels.append(_target(ex, size))
@@ -646,7 +655,10 @@ def build(model_args: ModelArguments, data_args: DataTrainingArguments, seed: in
         tokenizer=None,
         train_dataset=None if train is None else [DetectionFeature(ex, multi_scale=True) for ex in train],
         eval_dataset=None if evals is None else [DetectionFeature(ex, multi_scale=False) for ex in evals],
-        data_collator=DetectionCollator(edges, data_args.longest_edge, *padding_geometry(model.config), seed=seed),
+        data_collator=DetectionCollator(
+            edges, data_args.longest_edge, *padding_geometry(model.config), seed=seed,
+            per_batch=data_args.multi_scale_per == "batch",
+        ),
         compute_metrics=_metrics(evals or [], len(names)),
         preprocess_logits_for_metrics=_logits_and_boxes,
         # Labels are one dict per image: the Trainer's concatenation across batches would
