@@ -4,7 +4,8 @@ For each backbone size (bundled configs ``conditional-detr-swin-{tiny,small,base
 weights, no hub), through ``memfit bench --tasks object-detection`` (each configuration in
 its own process, after a GPU warm-up):
 
-1. ``none`` uncapped: the speed reference and the largest peak ``P`` of the run;
+1. ``none`` uncapped: the speed reference and the largest peak ``P`` of the run (skipped
+   with ``--budget_gb``, budgets given in GB);
 2. every other method (``dynamic full static reactive``, in that order) under a hard cap of
    ``--budget_fractions`` × ``P`` (default 0.6): the largest scales cannot run without
    checkpointing, the smallest (480-pixel sides: about a third of the pixels) can.
@@ -60,6 +61,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="methods run under the budgets (none always runs uncapped first)")
     p.add_argument("--budget_fractions", nargs="+", type=float, default=[0.6],
                    help="budgets as fractions of the uncapped none run's largest peak")
+    p.add_argument("--budget_gb", nargs="+", default=None,
+                   help="budgets in GB (10**9 bytes) instead: no budget-setting none run (e.g. a budget "
+                        "an earlier run set, as its folder name shows); one model only")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batch_size", type=int, default=16)
     p.add_argument("--shortest_edge", default="480-800")
@@ -90,6 +94,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         args.models, args.steps, args.shortest_edge, args.longest_edge = ["micro"], 4, "96-192", 256
         args.batch_size = min(args.batch_size, 2)
         args.gpu_warmup_s, args.time_limit_s = 0.0, float("inf")
+    if args.budget_gb and len(args.models) > 1:
+        p.error("--budget_gb: give one model (a budget in GB fits one backbone)")
     return args
 
 
@@ -146,13 +152,16 @@ def main(argv: list[str] | None = None) -> int:
 
     for model in args.models:
         folder = out / f"swin-{model}"
-        if not run(folder, f"swin-{model} none", ["--methods", "none", "--uncapped_none_only"], model):
-            continue
-        reference = next((r for r in reversed(_results(folder)) if r["method"] == "none" and r["status"] == "ok"), None)
-        if reference is None:
-            skipped.append(f"swin-{model}: the uncapped none run failed, so no budget; see {folder}/runs")
-            continue
-        budgets = [f"{fraction * reference['max_peak_allocated_bytes'] / GB:.2f}" for fraction in args.budget_fractions]
+        if args.budget_gb:
+            budgets = args.budget_gb
+        else:
+            if not run(folder, f"swin-{model} none", ["--methods", "none", "--uncapped_none_only"], model):
+                continue
+            reference = next((r for r in reversed(_results(folder)) if r["method"] == "none" and r["status"] == "ok"), None)
+            if reference is None:
+                skipped.append(f"swin-{model}: the uncapped none run failed, so no budget; see {folder}/runs")
+                continue
+            budgets = [f"{fraction * reference['max_peak_allocated_bytes'] / GB:.2f}" for fraction in args.budget_fractions]
         if args.repeats > 1:
             flags = ["--methods", "none", *args.methods, "--uncapped_none_only", "--budgets", *budgets, "--repeats", str(args.repeats)]
             run(folder / "repeats", f"swin-{model} none and {' '.join(args.methods)} x{args.repeats}", flags, model)

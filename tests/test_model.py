@@ -245,8 +245,8 @@ def test_a_row_of_plans_equals_the_per_key_plans(seed):
         static_bucket = row._static_bucket()
         row._plan_from_row((4, 8), static_bucket)  # one miss plans the whole row
         assert len(row.cache.rows) == 1
-        from_row = {(4, t): row._plan_from_row((4, t), static_bucket) for t in range(8, 400, 8)}
-        assert len(row.cache.rows) == 1  # every bucket up to the longest shape came from that row
+        from_row = {(4, t): row._plan_from_row((4, t), static_bucket) for t in range(1, 400)}
+        assert len(row.cache.rows) == 1  # every length up to the longest shape came from that row
         alone = Planning(6, [0] * 6, budget, margin_bytes=20_000, bucket_tokens=8, slack_bytes=5_000)
         alone.model, alone.static_bytes = model, 250_000
         for key, plan in from_row.items():
@@ -254,6 +254,31 @@ def test_a_row_of_plans_equals_the_per_key_plans(seed):
         planned = [p for p in from_row.values() if p is not None]
         assert len(planned) > len(from_row) // 2 or budget < every  # None: infeasible, planned per key
         assert any(p.blocks for p in planned) or budget > 2 * every
+
+
+def test_a_bucket_is_planned_for_its_longest_shape_seen_not_its_edge():
+    """NOTE [Plan for the longest shape seen]: a bucket's plan and prediction are made for the
+    longest length the run met in it; shorter shapes of the bucket share that plan, and a longer
+    one is planned anew. The edge (48) is a length no batch had, and planning there
+    checkpointed more than any batch of the bucket needed."""
+    model = _model([16, 32, 64])
+
+    def fewest(budget, t):
+        planning = Planning(4, [0] * 4, budget, margin_bytes=0, bucket_tokens=1)
+        planning.model, planning.static_bytes = model, 200_000
+        plan = planning.plan_for((4, t))
+        return len(plan) if planning.predict_peak((4, t), plan) <= budget else None  # None: nothing fits
+
+    budget = next(b for b in range(200_000, 2_000_000, 1000) if fewest(b, 48) and fewest(b, 44) < fewest(b, 48))
+    planning = Planning(4, [0] * 4, budget, margin_bytes=0, bucket_tokens=8)
+    planning.model, planning.static_bytes = model, 200_000
+    plan_44 = planning.plan_for((4, 44))  # bucket 41-48
+    assert len(plan_44) == fewest(budget, 44) < fewest(budget, 48)
+    assert planning.predict_peak((4, 44), plan_44) == int(200_000 + model.step_bytes((4, 44), plan_44))
+    assert planning.plan_for((4, 42)) == plan_44  # a shorter shape of the bucket: the same plan
+    assert planning.predict_peak((4, 42), plan_44) == planning.predict_peak((4, 44), plan_44)
+    assert len(planning.plan_for((4, 47))) == fewest(budget, 47)  # a longer one: planned anew
+    assert planning.plan_for((4, 44)) == planning.plan_for((4, 47))  # which the bucket then uses
 
 
 def test_rows_wait_until_the_plan_cache_has_settled():

@@ -539,14 +539,14 @@ def test_partial_transient_extends_its_range_to_longer_shapes(monkeypatch):
         run(length, i)
     assert ctl.planning.model.transient_partial.distinct_keys >= 8
     assert ctl.planning.model.transient_partial.max_tokens < 4 * 96
-    # 94 tokens: plans are made for its bucket's upper edge, 96, which the range must cover too
+    # 94 tokens, past the partial curve's samples: the full regime's guess first, then the range covers it
     first, again = run(94, 20), run(94, 21)
     ctl.remove()
     assert first.phase == again.phase == "steady"
     assert 0 < first.n_checkpointed < first.n_blocks, first  # a partial plan
     assert first.predicted_peak_bytes > first.peak_allocated_bytes + 0.01 * budget  # the full regime's guess
     assert ctl.planning.model.partial_covers(4 * 96)
-    # predicted for the bucket's edge (96 tokens): over by the two tokens' bytes, not a block
+    # the second is predicted with the partial curve: over by far less than the first
     first_over = first.predicted_peak_bytes - first.peak_allocated_bytes
     assert abs(again.predicted_peak_bytes - again.peak_allocated_bytes) < first_over / 4, (first_over, again)
 

@@ -84,8 +84,8 @@ def shape_key(shape: Sequence[int]) -> tuple[int, int]:
 def bucket_key(key: tuple[int, int], bucket_tokens: int = 8) -> tuple[int, int]:
     """Round tokens *up* to a multiple of ``bucket_tokens`` (1: exact keys).
 
-    Plans are computed for the bucket's upper edge, so a plan is safe for every shape that
-    falls in its bucket.
+    Shapes of a bucket share its plan, made for the longest of them seen so far (NOTE [Plan
+    for the longest shape seen] in runtime.py).
     """
     n, t = key
     return (n, -(-t // bucket_tokens) * bucket_tokens)
@@ -400,10 +400,11 @@ class MemoryModel:
         """Whether ``tokens`` (``N·T``: an int, or an array of them) lie in the range the
         partial transient has seen.
 
-        The range's top is its longest sample rounded up to its plan bucket: plans are made
-        at a bucket's upper edge, so a range that ended at the longest sample itself left
+        The range's top is its longest sample rounded up to its plan bucket: when plans were
+        made at a bucket's upper edge, a range that ended at the longest sample itself left
         that sample's own bucket outside, and the bucket kept the full regime's guess (one
-        block over, 0.7 GB at 6 GB on the H200) until a longer sample fell in it.
+        block over, 0.7 GB at 6 GB on the H200) until a longer sample fell in it. A longer
+        shape of that bucket is still planned with the partial curve, a few tokens past it.
         """
         partial = self.transient_partial
         return (partial.min_tokens <= tokens) & (tokens <= partial.max_bucket_tokens(self.bucket_tokens))

@@ -92,10 +92,11 @@ In a training process a new bucket's plan cost about 100-150 µs on the H200 hos
 call takes 10 µs in a loop there: caches are cold between steps), and a bert-base run at
 lengths 32..512 meets about 60 buckets, plus every bucket again after each change of the
 memory model: 80-110 µs per step on average. For a stack of one group (BERT-like: every
-block alike) the plan of a bucket is the shortest prefix of blocks that fits, so a miss
-plans the whole row at once: every bucket of the shape's batch size up to the longest shape
-seen, with numpy over the row, doing the per-key planner's float operations in its order
-(so the plans are the same, bit for bit: tested against it); each bucket's plan is built
+block alike) the plan of a shape is the shortest prefix of blocks that fits, so a miss
+plans the whole row at once: every length of the shape's batch size, one token apart (NOTE
+[Plan for the longest shape seen]), up to the longest shape seen, with numpy over the row,
+doing the per-key planner's float operations in its order (so the plans are the same, bit
+for bit: tested against it); each length's plan is built
 from the row's arrays when first asked. Shapes that no plan fits are left to the per-key
 path, which warns. Mixed stacks (Swin detectors) and ``static`` plan per key. A row costs
 0.4-0.5 ms in the H200 process (a key alone about 0.15 ms), so it pays only if the model
@@ -105,6 +106,18 @@ once the cache has served more than three requests since its last clear, or the 
 before it did (a settled model's later changes are corrections that last too; waiting
 three plans there would cost them on top of the row). The row's curves are evaluated in
 one numpy pass (``curve_values``): a dozen numpy calls per curve were most of its cost.
+
+# NOTE [Plan for the longest shape seen]
+A plan serves every shape of its bucket (tokens rounded up to ``bucket_tokens``) up to the
+length it was made for: the longest the run has met in that bucket, not the bucket's upper
+edge. A longer shape of the bucket is planned anew when it comes (and, being longer than any
+step before it, runs with the backstop armed if it is the longest yet). The edge is a length
+no batch may have: in the H200 multiple-choice runs of 2026-11-22 (bert-base fp32, 64 rows of
+33-41 tokens, 3 GB) every 41-token batch was planned and predicted for 48 tokens, 17% more
+activations and a partial transient extrapolated 7 tokens past its samples: 7 blocks,
+predicted 2.70 GB, measured 2.19 GB, where 3 blocks measured 2.69 GB against 2.72 GB of room
+(the oracle plans each bucket by its longest batch, and took 3). Nothing learned from that
+over-prediction: each curve was right at 41 tokens, where a step is compared.
 
 # NOTE [No sync in steady state]
 A steady-state step reads only host-side values: ``memory_allocated``,
@@ -196,11 +209,17 @@ class Planning:
         self.cache = PlanCache()
         self.static_bytes = 0
         self.infeasible_keys: set[tuple[int, int]] = set()
+        #: per plan bucket, the most tokens per row seen in it (NOTE [Plan for the longest shape seen])
+        self.longest_in_bucket: dict[tuple[int, int], int] = {}
+
+    def plan_key(self, key: tuple[int, int]) -> tuple[int, int]:
+        """The shape ``key``'s plan is made and predicted for: the longest seen in its bucket
+        (``key`` itself if none longer was) (NOTE [Plan for the longest shape seen])."""
+        return (key[0], max(key[1], self.longest_in_bucket.get(bucket_key(key, self.bucket_tokens), 0)))
 
     def predict_peak(self, key: tuple[int, int], blocks: Sequence[int]) -> int:
         """Predicted step peak: static + the largest of the step's three peaks (NOTE [Three peaks])."""
-        k = bucket_key(key, self.bucket_tokens)
-        return int(self.static_bytes + self.model.step_bytes(k, blocks))
+        return int(self.static_bytes + self.model.step_bytes(self.plan_key(key), blocks))
 
     @property
     def room_bytes(self) -> int:
@@ -221,7 +240,8 @@ class Planning:
         """
         if self.budget_bytes is None:
             return ()
-        k = bucket_key(key, self.bucket_tokens)
+        k = self.plan_key(key)
+        self.longest_in_bucket[bucket_key(key, self.bucket_tokens)] = k[1]
         cache_key = (k, self._static_bucket())
         plan = self.cache.get(cache_key)
         if plan is None:
@@ -242,24 +262,26 @@ class Planning:
             if row is None:
                 return None
             self.cache.rows[(k[0], static_bucket)] = row
-        i = k[1] // self.bucket_tokens - 1
+        i = k[1] - 1
         c, m = row["count"][i], self.n_blocks
         if c == 0:
             return Plan(())
         if c < 0 or not row["every_fits"][i]:
             return None  # over the budget with every block
         if c == m or row["prefix_fits"][i]:
-            return Plan(self.all_blocks if c == m else tuple(range(c)), row["cost_ms"][i], row["saved_bytes"][i])
+            # what the chosen blocks cost, summed one block at a time as plan_blocks sums them
+            cost = float(sum(itertools.repeat(row["cost_ms"][i], c)))
+            return Plan(self.all_blocks if c == m else tuple(range(c)), cost, row["saved_bytes"][i])
         return Plan(self.all_blocks)  # the mend's candidates are this very prefix (NOTE [Blocks held below a recompute])
 
     def _plan_row(self, k: tuple[int, int]) -> dict[str, Any] | None:
-        """Every bucket of ``k``'s row, up to the longest shape seen, as lists (one group only)."""
+        """Every length of ``k``'s row, up to the longest shape seen, as lists (one group only)."""
         n, b = k[0], self.bucket_tokens
         longest = max(k[1], bucket_key(self.model.max_key, b)[1] if self.model.max_key else 0)
         # a few buckets past the longest shape seen: a row costs about the same at any
         # length, and a step just past it would otherwise replan the whole row
         longest = -(-longest // (8 * b)) * (8 * b)
-        ts = np.arange(b, longest + b, b, dtype=np.int64)
+        ts = np.arange(1, longest + 1, dtype=np.int64)  # per token: plan keys are lengths seen
         row = self.model.row(n, ts)
         if row is None:
             return None
@@ -276,12 +298,10 @@ class Planning:
         start = (outside + (clipped * kept + (m - clipped) * full)) + row["transient"]
         recompute = (outside + (m * kept + 0.0 * full)) + row["transient_full"]
         peak = np.maximum(np.maximum(start, recompute), self.model.optimizer_bytes)
-        # what the chosen blocks cost, summed one block at a time as plan_blocks sums them
-        cost = np.maximum(row["cost_ms"], 1e-6)
-        summed = np.cumsum(np.repeat(cost[:, None], m, axis=1), axis=1)[np.arange(len(ts)), np.maximum(clipped - 1, 0)]
         return {
             "longest": longest, "count": count.tolist(), "every_fits": (np.trunc(static + every) <= room).tolist(),
-            "prefix_fits": (np.trunc(static + peak) <= room).tolist(), "cost_ms": summed.tolist(),
+            "prefix_fits": (np.trunc(static + peak) <= room).tolist(),
+            "cost_ms": np.maximum(row["cost_ms"], 1e-6).tolist(),  # one block's
             "saved_bytes": (clipped * saving).tolist(),
         }
 
@@ -325,7 +345,7 @@ class Planning:
         """
         if not blocks or self.budget_bytes is None:
             return False
-        k = bucket_key(key, self.bucket_tokens)
+        k = self.plan_key(key)
         need = int(self.static_bytes + self.model.backward_start_bytes(k, ())) - self.room_bytes - over_bytes
         if need <= 0:
             return True
@@ -355,7 +375,7 @@ class Planning:
     def recompute_ms(self, key: tuple[int, int], blocks: Sequence[int]) -> float:
         if not self.model.ready:
             return 0.0
-        k = bucket_key(key, self.bucket_tokens)
+        k = self.plan_key(key)
         return float(sum(self.model.block_cost_ms(i, k) for i in blocks))
 
 
@@ -887,7 +907,7 @@ class Controller:
         model = self.planning.model
         if not model.ready or not model.transient_full.fitted:
             return True
-        k = bucket_key(key, self.planning.bucket_tokens)
+        k = self.planning.plan_key(key)
         return model.backward_start_bytes(k, blocks) >= model.recompute_bytes(k, blocks)
 
     # ----------------------------------------------------------------- public
