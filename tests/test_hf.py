@@ -91,6 +91,52 @@ def test_oom_replay_gives_identical_weights(tmp_path, accumulation):
     assert attempt["plan"] is not None and attempt["predicted_peak_bytes"] is not None
 
 
+class _AlwaysOOM(_InjectOOM):
+    def __call__(self, module, args):
+        if not module.training or not torch.is_grad_enabled():
+            return
+        self.calls += 1
+        if self.calls >= self.at:
+            self.fired += 1
+            raise torch.OutOfMemoryError("injected: CUDA out of memory")
+
+
+def test_each_oom_is_logged_and_giving_up_names_the_last_attempt(tmp_path, caplog):
+    # from the first (warm-up) forward on, every forward fails: the replays cannot help
+    trainer = _trainer(tmp_path, "faulty")
+    injector = _AlwaysOOM(trainer.memfit.blocks[1].module, at=1)
+    with caplog.at_level("WARNING", logger="memfit"), pytest.raises(memfit.BudgetTooSmallError) as error:
+        trainer.train()
+    replays = [r.getMessage() for r in caplog.records if "replaying it with" in r.getMessage()]
+    assert len(replays) == injector.fired == memfit.hf._MAX_OOM_RETRIES + 1
+    assert "out of memory in forward at shape" in replays[0] and "blocks checkpointed" in replays[0]
+    message = str(error.value)
+    assert f"still out of memory after {memfit.hf._MAX_OOM_RETRIES} replays" in message
+    assert "the last: out of memory in forward at shape" in message and "--memory_budget" in message
+    # a steady step that fails with every block checkpointed: one replay (NOTE [A replay
+    # checkpoints more]), then the budget is too small
+    caplog.clear()
+    trainer = _trainer(tmp_path, "steady")
+    injector = _AlwaysOOM(trainer.memfit.blocks[1].module, at=5)
+    with caplog.at_level("WARNING", logger="memfit"), pytest.raises(memfit.BudgetTooSmallError, match="with every block"):
+        trainer.train()
+    assert injector.fired == 2 and sum("replaying it with" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_replay_never_runs_a_plan_no_safer_than_the_failed_one(tmp_path, monkeypatch):
+    """NOTE [A replay checkpoints more]: a model that keeps planning nothing for a shape would
+    replay the failed plan until the retries run out; the replay checkpoints every block."""
+    trainer = _trainer(tmp_path, "faulty")
+    monkeypatch.setattr(trainer.memfit.planning, "plan_for", lambda key, whole_row=True: ())
+    injector = _InjectOOM(trainer.memfit.blocks[1].module, at=5)  # a steady step with the empty plan
+    trainer.train()
+    assert injector.fired == 1
+    records = trainer.memfit.records
+    replayed = next(r for r in records if r.oom_retries)
+    assert replayed.oom_attempts[0]["plan"] == [] and replayed.n_checkpointed == replayed.n_blocks
+    assert all(r.n_checkpointed == 0 for r in records if r.phase == "steady" and not r.oom_retries)
+
+
 def test_oom_with_every_block_checkpointed_is_a_clear_error(tmp_path):
     trainer = _trainer(tmp_path, "full", method="full")
     _InjectOOM(trainer.memfit.blocks[0].module, at=2)

@@ -26,6 +26,38 @@ def test_curve_is_an_upper_envelope():
     assert curve((4, 0)) >= 0.0  # floored at 0 by default
 
 
+def test_a_size_curve_outside_its_samples_is_bounded_by_its_extreme_samples():
+    """NOTE [Sizes outside the samples]: three clustered samples of bytes linear in tokens,
+    1% noise: the quadratic through them bends to nothing 20% below them and 10% above them
+    (as on the H200 Swin-B detector). Below, the curve gives its smallest sample's value;
+    above, at least its largest sample's value scaled by the tokens. A curve without a floor
+    (a transient) keeps its fit."""
+    import numpy as np
+
+    from memfit.model import curve_values
+
+    samples = {(16, 78400): 0.99, (16, 84672): 1.01, (16, 86240): 0.99}  # bytes per token, noisy
+    curve, transient = Curve(), Curve(floor=None)
+    for (n, t), per_token in samples.items():
+        curve.add((n, t), per_token * 20_000 * n * t)
+        transient.add((n, t), per_token * 20_000 * n * t)
+
+    def fit(t):  # the quadratic alone
+        curve((16, 80000))
+        return sum(c * f for c, f in zip(curve.coef, [16.0, 16.0 * t, 16.0 * t * t])) + curve.shift
+
+    assert fit(65856) < 0.5 * 20_000 * 16 * 65856 and fit(94080) < 0.8 * 20_000 * 16 * 94080  # far below the truth
+    smallest, largest = curve((16, 78400)), curve((16, 86240))
+    assert curve((16, 65856)) == curve((8, 78400)) == smallest >= 0.99 * 20_000 * 16 * 78400
+    assert curve((16, 94080)) == largest * float(16 * 94080) / float(16 * 86240) >= 0.99 * 20_000 * 16 * 94080
+    assert curve((16, 80000)) == fit(80000)  # inside: the fit
+    assert transient((16, 65856)) != transient((16, 78400))
+    ts = np.array([1000, 65856, 78399, 78400, 80000, 86240, 86241, 94080])
+    values = curve_values([curve, transient], 16, ts)
+    assert values[0].tolist() == [curve((16, int(t))) for t in ts]
+    assert values[1].tolist() == [transient((16, int(t))) for t in ts]
+
+
 def test_curve_without_floor_goes_negative():
     curve = Curve(intercept=True, floor=None)
     for t in (10, 20, 40):
@@ -279,6 +311,30 @@ def test_a_bucket_is_planned_for_its_longest_shape_seen_not_its_edge():
     assert planning.predict_peak((4, 42), plan_44) == planning.predict_peak((4, 44), plan_44)
     assert len(planning.plan_for((4, 47))) == fewest(budget, 47)  # a longer one: planned anew
     assert planning.plan_for((4, 44)) == planning.plan_for((4, 47))  # which the bucket then uses
+
+    # from a row: where every length up to the edge gets the same plan, it serves the bucket
+    planning.model.observe_key((4, 48))
+    planning.cache.clear()
+    planning.longest_in_bucket.clear()
+    while not planning.cache.settled(3):
+        planning.plan_for((4, 8))
+    plans = {t: len(planning.plan_for((4, t))) for t in range(9, 49)}  # each the longest of its bucket yet
+    assert planning.cache.rows  # read from a row
+    assert plans == {t: fewest(budget, t) for t in range(9, 49)}  # per length, as if planned alone
+    same = next(t for t in range(33, 40) if len({plans[u] for u in range(t, 41)}) == 1)
+    planning.cache.clear()
+    planning.longest_in_bucket.clear()
+    for _ in range(4):  # settle again
+        planning.plan_for((4, 8))
+    plan_same = planning.plan_for((4, same))
+    misses = planning.cache.misses
+    assert planning.plan_for((4, 40)) == plan_same and planning.cache.misses == misses  # no replan
+    # where the plan changes inside the bucket (15 needs more than 16: the partial range begins
+    # at 16), a longer shape of it is planned anew
+    assert plans[15] > plans[16]
+    planning.plan_for((4, 9))
+    misses = planning.cache.misses
+    assert len(planning.plan_for((4, 15))) == plans[15] and planning.cache.misses == misses + 1
 
 
 def test_rows_wait_until_the_plan_cache_has_settled():

@@ -40,7 +40,7 @@ from memfit.budget import BudgetTooSmallError, parse_bytes
 from memfit.distributed import GradientSync, is_fsdp, world_size
 from memfit.methods import METHODS, Method, UnknownMethodError
 from memfit.records import StepRecord, read_jsonl, summarize
-from memfit.runtime import Controller, fit
+from memfit.runtime import Controller, describe_attempt, fit
 
 __all__ = ["TrainingArguments", "Trainer", "STATE_FILE", "rank_path"]
 
@@ -254,7 +254,12 @@ class Trainer(transformers.Trainer):
                 return loss
             self._recover_from_oom(model, message)
             replay = True
-        raise BudgetTooSmallError(f"still out of memory after {_MAX_OOM_RETRIES} replays with safer plans")
+        attempts = self.memfit.pending_oom_attempts
+        raise BudgetTooSmallError(
+            f"still out of memory after {_MAX_OOM_RETRIES} replays with safer plans; the last: "
+            f"{describe_attempt(attempts[-1], len(self.memfit.blocks)) if attempts else 'not recorded'}. Raise "
+            "--memory_budget or --memfit_margin, or lower the batch size"
+        )
 
     def _lockstep_sync(self, model: torch.nn.Module) -> GradientSync | None:
         """The gradient sync replacing DDP's, or None to train through DDP as it is.

@@ -151,6 +151,20 @@ def _min_norm_solve(gram: list[list[float]], rhs: list[float]) -> list[float]:
     return x
 
 
+# NOTE [Sizes outside the samples]
+# A curve of sizes or costs (``floor`` set: saved bytes per block, bytes outside the blocks,
+# recompute time) is a quadratic through the keys seen, and outside them it may bend
+# anywhere. An H200 Swin-B detector (batch 16, 2026-11-22) fitted its blocks' bytes on
+# three warm-up shapes of 78-86k patches and predicted next to nothing for 66k and for 94k:
+# `dynamic` checkpointed no block of a 66k batch, which ran out of memory in every replay
+# however much the margin grew, and `static`, planning for 94k, checkpointed nothing. These
+# values grow with the tokens, at least in proportion (activations are linear in tokens, or
+# faster), so: below the smallest sample a curve gives that sample's value (an upper bound;
+# the shape's own is learnt when it runs), and above the largest at least that sample's
+# value scaled by the tokens (a lower bound on the growth, which the fit may exceed). The
+# transients (``floor=None``) may fall with the tokens and keep their fit, a line until six
+# keys.
+#
 # A curve with ``linear_until`` set fits ``a + b·N·T`` until it has seen that many distinct
 # keys: a quadratic through three noisy points extrapolates wildly (an H200 run predicted
 # -1.1 GB for a short batch from three warm-up samples).
@@ -239,9 +253,15 @@ class Curve:
             return 0.0
         if not self.coef:
             self._fit()
+        tokens = key[0] * key[1]
+        if self.floor is not None and tokens < self.min_tokens:
+            return self(self._extreme_key(largest=False))  # NOTE [Sizes outside the samples]
         features = _features(float(key[0]), float(key[1]), self.intercept, self._quadratic)
         value = sum(c * f for c, f in zip(self.coef, features)) + self.shift
         value = value if self.floor is None else max(self.floor, value)
+        if self.floor is not None and tokens > self.max_tokens:
+            largest = self._extreme_key(largest=True)
+            value = max(value, self(largest) * float(tokens) / float(largest[0] * largest[1]))
         self._memo[key] = value
         return value
 
@@ -265,6 +285,14 @@ class Curve:
             tokens = [n * t for n, t in self._by_key]
             stats = self._memo["stats"] = (len(self._by_key), min(tokens, default=0), max(tokens, default=0))
         return stats
+
+    def _extreme_key(self, largest: bool) -> tuple[int, int]:
+        """The sample key with the most (``largest``) or the fewest ``N·T`` (the largest ``N`` among ties)."""
+        key = self._memo.get(("extreme", largest))
+        if key is None:
+            pick = max if largest else min
+            key = self._memo[("extreme", largest)] = pick(self._by_key, key=lambda k: (k[0] * k[1], k[0] if largest else -k[0]))
+        return key
 
     def max_bucket_tokens(self, bucket_tokens: int) -> int:
         """Largest ``N·T`` among the samples with ``T`` rounded up to a multiple of ``bucket_tokens``."""
@@ -319,7 +347,18 @@ def curve_values(curves: Sequence[Curve], n: int, ts: np.ndarray) -> np.ndarray:
     for j, feature in enumerate((1.0, float(n), tokens, tokens * ts)):
         value = value + coef[:, j : j + 1] * feature
     value = value + np.array([[s[1]] for s in slots])
-    return np.maximum(np.array([[s[2]] for s in slots]), value)
+    value = np.maximum(np.array([[s[2]] for s in slots]), value)
+    all_tokens = n * ts
+    for i, curve in enumerate(curves):  # NOTE [Sizes outside the samples]
+        if curve.xs and curve.floor is not None:
+            below, above = all_tokens < curve.min_tokens, all_tokens > curve.max_tokens
+            if below.any():
+                value[i, below] = curve(curve._extreme_key(largest=False))
+            if above.any():
+                largest = curve._extreme_key(largest=True)
+                scaled = curve(largest) * all_tokens[above].astype(np.float64) / float(largest[0] * largest[1])
+                value[i, above] = np.maximum(value[i, above], scaled)
+    return value
 
 
 @dataclass

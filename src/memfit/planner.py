@@ -214,6 +214,10 @@ class PlanCache:
             self.hits += 1
         return plan
 
+    def peek(self, key: Hashable) -> Plan | None:
+        """The cached plan of ``key``, not counted as asked (a lookup on the planner's own behalf)."""
+        return self._plans.get(key)
+
     def settled(self, asks: int) -> bool:
         """Whether the memory model behind these plans looks settled: it has served more than
         ``asks`` requests, or the one before it did (then a change is a correction, not a model
