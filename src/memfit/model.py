@@ -158,12 +158,14 @@ def _min_norm_solve(gram: list[list[float]], rhs: list[float]) -> list[float]:
 # three warm-up shapes of 78-86k patches and predicted next to nothing for 66k and for 94k:
 # `dynamic` checkpointed no block of a 66k batch, which ran out of memory in every replay
 # however much the margin grew, and `static`, planning for 94k, checkpointed nothing. These
-# values grow with the tokens, at least in proportion (activations are linear in tokens, or
-# faster), so: below the smallest sample a curve gives that sample's value (an upper bound;
-# the shape's own is learnt when it runs), and above the largest at least that sample's
-# value scaled by the tokens (a lower bound on the growth, which the fit may exceed). The
-# transients (``floor=None``) may fall with the tokens and keep their fit, a line until six
-# keys.
+# values grow with the tokens at least in proportion (activations are linear in the
+# tokens, or faster: convex, and nothing at no tokens), so outside its samples a curve
+# gives its nearest extreme sample's value scaled by the tokens: below the smallest that is
+# an upper bound (the shape's own value is learnt when it runs), above the largest a lower
+# bound on the growth, which the fit may exceed. (Below, the smallest sample's value itself
+# would also be safe, but it planned 9 of 12 layers for a 52-token batch of the engine
+# bench whose smallest sample had 229 tokens.) The transients (``floor=None``) may fall
+# with the tokens and keep their fit, a line until six keys.
 #
 # A curve with ``linear_until`` set fits ``a + b·N·T`` until it has seen that many distinct
 # keys: a quadratic through three noisy points extrapolates wildly (an H200 run predicted
@@ -254,8 +256,10 @@ class Curve:
         if not self.coef:
             self._fit()
         tokens = key[0] * key[1]
-        if self.floor is not None and tokens < self.min_tokens:
-            return self(self._extreme_key(largest=False))  # NOTE [Sizes outside the samples]
+        if self.floor is not None and tokens < self.min_tokens:  # NOTE [Sizes outside the samples]
+            smallest = self._extreme_key(largest=False)
+            value = self._memo[key] = self(smallest) * float(tokens) / float(smallest[0] * smallest[1])
+            return value
         features = _features(float(key[0]), float(key[1]), self.intercept, self._quadratic)
         value = sum(c * f for c, f in zip(self.coef, features)) + self.shift
         value = value if self.floor is None else max(self.floor, value)
@@ -353,7 +357,8 @@ def curve_values(curves: Sequence[Curve], n: int, ts: np.ndarray) -> np.ndarray:
         if curve.xs and curve.floor is not None:
             below, above = all_tokens < curve.min_tokens, all_tokens > curve.max_tokens
             if below.any():
-                value[i, below] = curve(curve._extreme_key(largest=False))
+                smallest = curve._extreme_key(largest=False)
+                value[i, below] = curve(smallest) * all_tokens[below].astype(np.float64) / float(smallest[0] * smallest[1])
             if above.any():
                 largest = curve._extreme_key(largest=True)
                 scaled = curve(largest) * all_tokens[above].astype(np.float64) / float(largest[0] * largest[1])
