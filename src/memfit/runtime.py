@@ -120,21 +120,21 @@ one numpy pass (``curve_values``): a dozen numpy calls per curve were most of it
 # NOTE [Plan for the longest shape seen]
 A plan serves every shape of its bucket (tokens rounded up to ``bucket_tokens``) up to the
 length it was made for: the longest the run has met in that bucket, not the bucket's upper
-edge. A longer shape of the bucket is planned anew when it comes (and, being longer than any
-step before it, runs with the backstop armed if it is the longest yet). Where a row of plans
-(NOTE [Planning a row]) gives every length from the shape to the bucket's edge the same plan
-(most buckets: only those where the plan grows by a block differ), that plan serves the
-whole bucket and no longer shape of it replans. Without that, each longer shape in a bucket
-was a miss: 124 planned steps of 197 at 4 GB in the H200 engine run (67 before), 52.7 µs per
-step on average against 43.9. Plans are not monotone in length everywhere (where the partial
-transient's range begins, a shorter shape can need a block more), so the row's lengths are
-checked one by one, not the edge's plan alone. The edge is a length
-no batch may have: in the H200 multiple-choice runs of 2026-11-22 (bert-base fp32, 64 rows of
-33-41 tokens, 3 GB) every 41-token batch was planned and predicted for 48 tokens, 17% more
-activations and a partial transient extrapolated 7 tokens past its samples: 7 blocks,
-predicted 2.70 GB, measured 2.19 GB, where 3 blocks measured 2.69 GB against 2.72 GB of room
-(the oracle plans each bucket by its longest batch, and took 3). Nothing learned from that
-over-prediction: each curve was right at 41 tokens, where a step is compared.
+edge, a length no batch may have. In the H200 multiple-choice runs of 2026-11-22 (bert-base
+fp32, 64 rows of 33-41 tokens, 3 GB) every 41-token batch was planned and predicted for 48
+tokens, 17% more activations and a partial transient extrapolated 7 tokens past its
+samples: 7 blocks, predicted 2.70 GB, measured 2.19 GB, where 3 blocks measured 2.69 GB
+against 2.72 GB of room (the oracle plans each bucket by its longest batch, and took 3).
+Nothing learned from that over-prediction: each curve was right at 41 tokens, where a step
+is compared. A longer shape of the bucket is planned anew when it comes (and, if it is the
+longest yet, runs with the backstop armed). Where a row of plans (NOTE [Planning a row])
+gives every length from the shape to the bucket's edge the same plan (most buckets: only
+those where the plan grows by a block differ), that plan serves the whole bucket and no
+longer shape of it replans; each longer shape in a bucket was a miss before, 124 planned
+steps of 197 at 4 GB in the H200 engine run (67 with plans at the edge; 106 since), and
+52.7 µs per step on average against 43.9 (45.7 since). Plans are not monotone in length
+everywhere (where the partial transient's range begins, a shorter shape can need a block
+more), so the row's lengths are checked one by one, not the edge's plan alone.
 
 # NOTE [No sync in steady state]
 A steady-state step reads only host-side values: ``memory_allocated``,
@@ -151,7 +151,7 @@ import sys
 import time
 from collections.abc import Sequence
 from typing import Any
-from memfit.methods import Decision, Dynamic, Method, make_method, save_plans
+
 import numpy as np
 import torch
 from torch import nn
@@ -161,7 +161,7 @@ from memfit.accounting import OUTSIDE, ProbeCounter, SavedTensorCounter, local, 
 from memfit.blocks import Block, find_blocks, unwrap_blocks, without_cache, wrap_blocks
 from memfit.budget import BudgetTooSmallError, apply_cuda_cap, check_static_need, format_bytes, parse_bytes
 from memfit.distributed import is_fsdp
-from memfit.methods import Dynamic, Method, make_method, save_plans
+from memfit.methods import Decision, Dynamic, Method, make_method, save_plans
 from memfit.model import MemoryModel, bucket_key, shape_key
 from memfit.planner import InfeasiblePlanError, Plan, PlanCache, plan_blocks
 from memfit.reactive import ReactiveStore
