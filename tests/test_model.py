@@ -338,6 +338,26 @@ def test_a_bucket_is_planned_for_its_longest_shape_seen_not_its_edge():
     assert len(planning.plan_for((4, 15))) == plans[15] and planning.cache.misses == misses + 1
 
 
+def test_a_row_reaches_a_few_buckets_past_the_longest_shape():
+    """NOTE [Planning a row]: a row is planned up to the longest shape seen rounded up to 8
+    buckets, so a step a little longer than any before reads its plan from the same row
+    instead of replanning the whole row."""
+    planning = Planning(4, [0, 0, 0, 0], 1_000_000, margin_bytes=0, bucket_tokens=4)
+    planning.model, planning.static_bytes = _model([16, 32, 64]), 200_000
+    planning.model.bucket_tokens = 4
+    planning.model.observe_key((4, 100))
+    for _ in range(4):  # settle the cache
+        planning.plan_for((4, 20))
+    planning.plan_for((4, 60))
+    (row,) = planning.cache.rows.values()
+    assert row["longest"] == 128  # 100 tokens rounded up to 8 buckets of 4
+    planning.model.observe_key((4, 120))
+    alone = Planning(4, [0, 0, 0, 0], 1_000_000, margin_bytes=0, bucket_tokens=4)
+    alone.model, alone.static_bytes = planning.model, planning.static_bytes
+    assert planning.plan_for((4, 120)) == alone.plan_for((4, 120))
+    assert list(planning.cache.rows.values()) == [row]  # read from that row, not a new one
+
+
 def test_rows_wait_until_the_plan_cache_has_settled():
     """NOTE [Planning a row]: right after a clear of a cache that served few requests (a model
     still learning) a miss plans its key alone; once the cache, or the one before its last
