@@ -551,6 +551,43 @@ def test_partial_transient_extends_its_range_to_longer_shapes(monkeypatch):
     assert abs(again.predicted_peak_bytes - again.peak_allocated_bytes) < first_over / 4, (first_over, again)
 
 
+def test_a_plan_that_checkpoints_nothing_does_not_extend_the_partial_range(monkeypatch):
+    """NOTE [Two transient regimes]: only a step that checkpointed something teaches the
+    partial transient a shape beyond its range (an empty plan's transient is not that regime's)."""
+    from memfit.methods import Decision
+
+    model, make_batch = _bert()
+    inner = torch.optim.SGD(model.parameters(), lr=0.0)
+    longest = make_batch(4, 96)
+    budget = int(0.7 * (logical_peak(model, longest, "none") + logical_peak(model, longest, "full")))
+    ctl = memfit.fit(model, budget=budget, method="dynamic", backstop=False)
+    fake = _on_fake_allocator(monkeypatch, ctl, inner, margin=int(0.03 * budget))
+    transient_model = ctl.planning.model
+
+    def run(length, seed):
+        torch.manual_seed(seed)
+        loss = model(**make_batch(4, length)).loss
+        fake.use(ctl._counter.total_bytes + 40 * 4 * length - 2000)
+        loss.backward()
+        inner.step()
+        model.zero_grad(set_to_none=True)
+        return ctl.records[-1]
+
+    for i, length in enumerate([24, 48, 72, 28, 32, 36, 40, 44, 52, 56, 60, 64, 68]):
+        run(length, i)
+    partial = transient_model.transient_partial
+    assert partial.distinct_keys >= 8
+    covered = partial.max_tokens
+    original = ctl.method.decide
+    monkeypatch.setattr(ctl.method, "decide", lambda planning, key: Decision(()))
+    empty = run(92, 20)
+    assert empty.n_checkpointed == 0 and partial.max_tokens == covered  # not extended
+    monkeypatch.setattr(ctl.method, "decide", original)
+    again = run(92, 21)
+    ctl.remove()
+    assert 0 < again.n_checkpointed < again.n_blocks and partial.max_tokens == 4 * 92  # extended
+
+
 def test_static_does_not_relearn_from_shorter_over_predicted_steps(monkeypatch):
     """``static`` runs the largest shape's plan for every batch: a shorter step's peak far below
     its prediction would make a cheaper plan *for that shape*, which ``static`` never uses, so it
