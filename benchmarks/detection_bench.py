@@ -21,10 +21,11 @@ work.
 Why batch 16: at batch 2 (Swin's detection recipes: 2 images per GPU) an H200 step of Swin-B
 takes 150-240 ms whatever the image size (55k to 157k patches): the host's kernel launches
 bound it, not the GPU, so the methods differ by the host cost of their recompute and hooks
-and the ranking moved with each process (eighth run, 2026-11-22). At 16 images a step does
-about 12 times the GPU work for the same launches. Drawn per image, though, 16 images pad to
-about the largest scale (median batch 83% of the largest's pixels); drawn per batch, batches
-span the range (median 58%), as the size of a batch 2 does.
+and the ranking moved with each process (eighth run, 2026-11-22). At 16 images a step has
+10-11 times the patches (median batch of the eighth and ninth runs) for the same launches.
+Drawn per image, though, 16 images pad to about the largest scale (the ninth run's median
+batch: 83% of the largest's patches); drawn per batch, batches span the range (median 73%,
+smallest 35%).
 
 A time guard skips the configurations that would end after ``--time_limit_s`` (each is
 listed in ``skipped.txt``), so the whole run fits a short GPU session. Afterwards ``memfit

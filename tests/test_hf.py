@@ -47,17 +47,18 @@ def _trainer(tmp_path, name, accumulation=1, method="dynamic", budget="40MB", ma
 
 
 class _InjectOOM:
-    """Raise torch.OutOfMemoryError from inside block 1 on its ``at``-th training forward."""
+    """Raise torch.OutOfMemoryError from inside ``module`` on its ``at``-th training forward
+    (``always``: and on every one after it)."""
 
-    def __init__(self, module, at):
-        self.calls, self.at, self.fired = 0, at, 0
+    def __init__(self, module, at, always=False):
+        self.calls, self.at, self.always, self.fired = 0, at, always, 0
         self.handle = module.register_forward_pre_hook(self)
 
     def __call__(self, module, args):
         if not module.training or not torch.is_grad_enabled():
             return
         self.calls += 1
-        if self.calls == self.at:
+        if self.calls == self.at or (self.always and self.calls > self.at):
             self.fired += 1
             raise torch.OutOfMemoryError("injected: CUDA out of memory")
 
@@ -91,20 +92,10 @@ def test_oom_replay_gives_identical_weights(tmp_path, accumulation):
     assert attempt["plan"] is not None and attempt["predicted_peak_bytes"] is not None
 
 
-class _AlwaysOOM(_InjectOOM):
-    def __call__(self, module, args):
-        if not module.training or not torch.is_grad_enabled():
-            return
-        self.calls += 1
-        if self.calls >= self.at:
-            self.fired += 1
-            raise torch.OutOfMemoryError("injected: CUDA out of memory")
-
-
 def test_each_oom_is_logged_and_giving_up_names_the_last_attempt(tmp_path, caplog):
     # from the first (warm-up) forward on, every forward fails: the replays cannot help
     trainer = _trainer(tmp_path, "faulty")
-    injector = _AlwaysOOM(trainer.memfit.blocks[1].module, at=1)
+    injector = _InjectOOM(trainer.memfit.blocks[1].module, at=1, always=True)
     with caplog.at_level("WARNING", logger="memfit"), pytest.raises(memfit.BudgetTooSmallError) as error:
         trainer.train()
     replays = [r.getMessage() for r in caplog.records if "replaying it with" in r.getMessage()]
@@ -117,7 +108,7 @@ def test_each_oom_is_logged_and_giving_up_names_the_last_attempt(tmp_path, caplo
     # checkpoints more]), then the budget is too small
     caplog.clear()
     trainer = _trainer(tmp_path, "steady")
-    injector = _AlwaysOOM(trainer.memfit.blocks[1].module, at=5)
+    injector = _InjectOOM(trainer.memfit.blocks[1].module, at=5, always=True)
     with caplog.at_level("WARNING", logger="memfit"), pytest.raises(memfit.BudgetTooSmallError, match="with every block"):
         trainer.train()
     assert injector.fired == 2 and sum("replaying it with" in r.getMessage() for r in caplog.records) == 1

@@ -509,10 +509,10 @@ def test_an_oom_from_allocator_slack_grows_the_slack_not_the_margin(monkeypatch)
     assert second["unusable_reserved_bytes"] == 40_000 and second["slack_bytes"] == 100_000
 
 
-def test_partial_transient_extends_its_range_to_longer_shapes(monkeypatch):
-    """NOTE [Two transient regimes]: a partial plan longer than the partial curve's samples is
-    predicted with the full regime (a recomputed block on top: too high); once such a step has
-    run, the partial curve covers it and its plan bucket, and the same shape is predicted right."""
+def _partial_transient_run(monkeypatch):
+    """A dynamic bert controller on the fake allocator whose steps hold a known transient, after
+    warm-up and more than 8 shorter partial shapes (the partial curve's first-shapes rule is
+    spent): ``(ctl, budget, run)``, where ``run(length, seed)`` trains one step and returns its record."""
     model, make_batch = _bert()
     inner = torch.optim.SGD(model.parameters(), lr=0.0)
     longest = make_batch(4, 96)
@@ -534,11 +534,18 @@ def test_partial_transient_extends_its_range_to_longer_shapes(monkeypatch):
         model.zero_grad(set_to_none=True)
         return ctl.records[-1]
 
-    # warm-up, then more than 8 shorter shapes (the partial curve's first-shapes rule is spent)
     for i, length in enumerate([24, 48, 72, 28, 32, 36, 40, 44, 52, 56, 60, 64, 68]):
         run(length, i)
     assert ctl.planning.model.transient_partial.distinct_keys >= 8
-    assert ctl.planning.model.transient_partial.max_tokens < 4 * 96
+    assert ctl.planning.model.transient_partial.max_tokens < 4 * 92
+    return ctl, budget, run
+
+
+def test_partial_transient_extends_its_range_to_longer_shapes(monkeypatch):
+    """NOTE [Two transient regimes]: a partial plan longer than the partial curve's samples is
+    predicted with the full regime (a recomputed block on top: too high); once such a step has
+    run, the partial curve covers it and its plan bucket, and the same shape is predicted right."""
+    ctl, budget, run = _partial_transient_run(monkeypatch)
     # 94 tokens, past the partial curve's samples: the full regime's guess first, then the range covers it
     first, again = run(94, 20), run(94, 21)
     ctl.remove()
@@ -556,27 +563,8 @@ def test_a_plan_that_checkpoints_nothing_does_not_extend_the_partial_range(monke
     partial transient a shape beyond its range (an empty plan's transient is not that regime's)."""
     from memfit.methods import Decision
 
-    model, make_batch = _bert()
-    inner = torch.optim.SGD(model.parameters(), lr=0.0)
-    longest = make_batch(4, 96)
-    budget = int(0.7 * (logical_peak(model, longest, "none") + logical_peak(model, longest, "full")))
-    ctl = memfit.fit(model, budget=budget, method="dynamic", backstop=False)
-    fake = _on_fake_allocator(monkeypatch, ctl, inner, margin=int(0.03 * budget))
-    transient_model = ctl.planning.model
-
-    def run(length, seed):
-        torch.manual_seed(seed)
-        loss = model(**make_batch(4, length)).loss
-        fake.use(ctl._counter.total_bytes + 40 * 4 * length - 2000)
-        loss.backward()
-        inner.step()
-        model.zero_grad(set_to_none=True)
-        return ctl.records[-1]
-
-    for i, length in enumerate([24, 48, 72, 28, 32, 36, 40, 44, 52, 56, 60, 64, 68]):
-        run(length, i)
-    partial = transient_model.transient_partial
-    assert partial.distinct_keys >= 8
+    ctl, _, run = _partial_transient_run(monkeypatch)
+    partial = ctl.planning.model.transient_partial
     covered = partial.max_tokens
     original = ctl.method.decide
     monkeypatch.setattr(ctl.method, "decide", lambda planning, key: Decision(()))

@@ -283,20 +283,19 @@ class Curve:
             coef = [coef[0], 0.0, coef[1], 0.0]
         return coef, self.shift, -math.inf if self.floor is None else self.floor
 
-    def _token_stats(self) -> tuple[int, int, int]:
-        stats = self._memo.get("stats")
-        if stats is None:
-            tokens = [n * t for n, t in self._by_key]
-            stats = self._memo["stats"] = (len(self._by_key), min(tokens, default=0), max(tokens, default=0))
-        return stats
+    def _extremes(self) -> tuple[tuple[int, int], tuple[int, int]] | None:
+        """The sample keys with the fewest and the most ``N·T`` (the largest ``N`` among ties), or None."""
+        extremes = self._memo.get("extremes")
+        if extremes is None and self._by_key:
+            extremes = self._memo["extremes"] = (
+                min(self._by_key, key=lambda k: (k[0] * k[1], -k[0])),
+                max(self._by_key, key=lambda k: (k[0] * k[1], k[0])),
+            )
+        return extremes
 
     def _extreme_key(self, largest: bool) -> tuple[int, int]:
-        """The sample key with the most (``largest``) or the fewest ``N·T`` (the largest ``N`` among ties)."""
-        key = self._memo.get(("extreme", largest))
-        if key is None:
-            pick = max if largest else min
-            key = self._memo[("extreme", largest)] = pick(self._by_key, key=lambda k: (k[0] * k[1], k[0] if largest else -k[0]))
-        return key
+        """The sample key with the most (``largest``) or the fewest ``N·T``."""
+        return self._extremes()[1 if largest else 0]
 
     def max_bucket_tokens(self, bucket_tokens: int) -> int:
         """Largest ``N·T`` among the samples with ``T`` rounded up to a multiple of ``bucket_tokens``."""
@@ -309,17 +308,19 @@ class Curve:
     @property
     def distinct_keys(self) -> int:
         """How many different keys have samples."""
-        return self._token_stats()[0]
+        return len(self._by_key)
 
     @property
     def min_tokens(self) -> int:
         """Smallest ``N·T`` among the samples (0 without samples)."""
-        return self._token_stats()[1]
+        extremes = self._extremes()
+        return extremes[0][0] * extremes[0][1] if extremes else 0
 
     @property
     def max_tokens(self) -> int:
         """Largest ``N·T`` among the samples (0 without samples)."""
-        return self._token_stats()[2]
+        extremes = self._extremes()
+        return extremes[1][0] * extremes[1][1] if extremes else 0
 
     def to_dict(self) -> dict:
         return {
