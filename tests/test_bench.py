@@ -24,6 +24,16 @@ def test_parse_budgets():
     assert bench.parse_budgets(["6", "0.5"]) == [6.0, 0.5]
 
 
+def test_prime_libraries_reads_each_library_file_once(tmp_path):
+    (tmp_path / "cuda" / "lib").mkdir(parents=True)
+    (tmp_path / "cuda" / "lib" / "libcublas.so.12").write_bytes(b"x" * 3000)
+    (tmp_path / "libtorch_cuda.so").write_bytes(b"y" * 500)
+    (tmp_path / "libtorch.so.1").symlink_to(tmp_path / "libtorch_cuda.so")  # a link: its target counts once
+    (tmp_path / "README.txt").write_text("not a library")
+    assert bench.prime_libraries([str(tmp_path)]) == (2, 3500)
+    assert bench.prime_libraries([str(tmp_path / "cuda")]) == (1, 3000)
+
+
 @pytest.mark.slow
 def test_matrix_records_every_configuration(tmp_path):
     config = _tiny_config(tmp_path)
@@ -44,6 +54,7 @@ def test_matrix_records_every_configuration(tmp_path):
     assert len(oracle) == 2 and all(s["method"] == "oracle" and s["phase"] != "warmup" for s in oracle)
     ok = rows[1]
     assert ok["max_peak_allocated_bytes"] <= ok["budget_bytes"] and ok["steps"] == 2 and ok["total_s"] > 0
+    assert ok["wall_s"] > ok["total_s"] and rows[2]["wall_s"] > rows[1]["wall_s"] / 2  # the oracle: sweep + run
     assert all("needs" in r["note"] or "budget" in r["note"] for r in rows[3:])
     steps = list(read_jsonl(out / ok["steps_file"]))
     assert len(steps) == 2 and all(s["method"] == "dynamic" for s in steps)
