@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The ninth session's GPU calls (one H200 each; results in benchmarks/results/nvidia-h200/*-2026-11-23l).
+# A record of what ran, not one call: each block below was one `run` of at most 10 minutes.
+# Usage: bash benchmarks/session_l.sh CALL, with .carry/wheels and .carry/tok carried for the tasks.
+set -uo pipefail
+case "${1:?call}" in
+1)  # Swin-B at batch 16, DETR's shorter side per image, at the eighth session's budget, with the
+    # page cache primed (NOTE [Cold libraries]); none, dynamic, static, reactive interleaved, 2 repeats
+    bash benchmarks/detection_run.sh swinb-b16-image 560 --models base --methods dynamic static reactive \
+        --multi_scale_per image --budget_gb 35.49 --repeats 2 --steps 60 ;;
+2)  # Swin-S and Swin-T at batch 16, one shorter side per batch, 0.5 x none's peak, 2 repeats
+    bash benchmarks/detection_run.sh swins-b16-batch 330 --models small --methods dynamic static full \
+        --multi_scale_per batch --budget_fractions 0.5 --repeats 2 --steps 60
+    bash benchmarks/detection_run.sh swint-b16-batch 230 --models tiny --methods dynamic static \
+        --multi_scale_per batch --budget_gb 17.78 --repeats 2 --steps 60 ;;
+mc) bash benchmarks/tasks_matrix.sh mc multiple-choice 3 "" "4 5 6 7 8" 2 "ckptplan-0.75 hf-every-2" ;;
+tc) bash benchmarks/tasks_matrix.sh tc text-classification 3 "" "4 5 6 7 8" 2 "ckptplan-0.75" ;;
+qa) bash benchmarks/tasks_matrix.sh qa question-answering 4 "3 5" "6 7 8" 2 "ckptplan-0.75" ;;
+tok) bash benchmarks/tasks_matrix.sh tok token-classification 5 "3 4 6 7 8" "" 2 "ckptplan-0.75 auto-batch" ;;
+esac
