@@ -22,12 +22,16 @@ bench() {  # bench METHODS BUDGETS [more flags]
     python3 -m memfit.cli bench --tasks "$task" --methods $methods --uncapped_none_only --budgets $budgets \
         --steps "$steps" --gpu_warmup_s 2 --output_dir "$r" "$@" \
         -- --config_name bert-base-uncased --tokenizer_name "$PWD/.carry/tok" 2>&1 | tee -a "$r/bench.log"
+    pack
+}
+pack() {  # after each invocation: a call cut at its limit still brings back what ran
+    find "$r" -name '*.safetensors' -delete
+    find "$r" -name memfit_steps.jsonl -exec gzip -kf {} \;
+    tar -C /tmp/runs --exclude memfit_steps.jsonl -czf "${OUT:-/tmp}/$name.tar.gz" "$name"
 }
 bench "none dynamic oracle" "$half" --repeats "$repeats"
 bench "static full $peers" "$half" --no-prime
 [ -n "$capped" ] && bench "dynamic oracle static" "$capped" --no-prime
 [ -n "$fits" ] && bench "dynamic" "$fits" --no-prime
 python3 -m memfit.cli report "$r" --output_dir "$r/report" > /dev/null 2>&1 || echo "report failed"
-find "$r" -name '*.safetensors' -delete
-find "$r" -name memfit_steps.jsonl -exec gzip -f {} \;
-tar -C /tmp/runs -czf "${OUT:-/tmp}/$name.tar.gz" "$name"
+pack
