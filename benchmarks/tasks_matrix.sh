@@ -5,6 +5,7 @@
 #   HALF     the budget (GB) where the longest batches need about half the blocks: none (uncapped),
 #            dynamic and the oracle REPEATS times, interleaved; then static, full and PEERS once
 #   CAPPED   other budgets where none does not fit: dynamic, the oracle and static once each
+#            (or $CAPPED_METHODS)
 #   FITS     budgets where none fits (its plan is every method's but full's): dynamic once each
 # e.g. bash benchmarks/tasks_matrix.sh mc "multiple-choice" 3 "" "4 5 6 7 8" 2 "ckptplan-0.75 hf-every-2"
 # Every invocation writes into one folder: one results.jsonl, one report.
@@ -29,9 +30,11 @@ pack() {  # after each invocation: a call cut at its limit still brings back wha
     find "$r" -name memfit_steps.jsonl -exec gzip -kf {} \;
     tar -C /tmp/runs --exclude memfit_steps.jsonl -czf "${OUT:-/tmp}/$name.tar.gz" "$name"
 }
-bench "none dynamic oracle" "$half" --repeats "$repeats"
-bench "static full $peers" "$half" --no-prime
-[ -n "$capped" ] && bench "dynamic oracle static" "$capped" --no-prime
+if [ "$half" != - ]; then  # HALF "-": only CAPPED and FITS (a second call of one task)
+    bench "none dynamic oracle" "$half" --repeats "$repeats"
+    bench "static full $peers" "$half" --no-prime
+fi
+[ -n "$capped" ] && bench "${CAPPED_METHODS:-dynamic oracle static}" "$capped" --no-prime
 [ -n "$fits" ] && bench "dynamic" "$fits" --no-prime
 python3 -m memfit.cli report "$r" --output_dir "$r/report" > /dev/null 2>&1 || echo "report failed"
 pack
