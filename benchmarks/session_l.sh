@@ -8,8 +8,9 @@ case "${1:?call}" in
     # page cache primed (NOTE [Cold libraries]); none, dynamic, static, reactive interleaved, 2 repeats
     bash benchmarks/detection_run.sh swinb-b16-image 560 --models base --methods dynamic static reactive \
         --multi_scale_per image --budget_gb 35.49 --repeats 2 --steps 60 ;;
-2)  # Swin-S and Swin-T at batch 16, one shorter side per batch, 0.5 x none's peak, 2 repeats
-    bash benchmarks/detection_run.sh swins-b16-batch 330 --models small --methods dynamic static full \
+2)  # Swin-S (0.5 x none's peak) and Swin-T (the eighth session's budget) at batch 16, one shorter side
+    # per batch; none, dynamic and static interleaved, 2 repeats
+    bash benchmarks/detection_run.sh swins-b16-batch 330 --models small --methods dynamic static \
         --multi_scale_per batch --budget_fractions 0.5 --repeats 2 --steps 60
     bash benchmarks/detection_run.sh swint-b16-batch 230 --models tiny --methods dynamic static \
         --multi_scale_per batch --budget_gb 17.78 --repeats 2 --steps 60 ;;
