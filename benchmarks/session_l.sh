@@ -18,5 +18,5 @@ mc) bash benchmarks/tasks_matrix.sh mc multiple-choice 3 "" "4 5 6 7 8" 2 "ckptp
 tc) bash benchmarks/tasks_matrix.sh tc text-classification 3 "" "4 5 6 7 8" 2 "ckptplan-0.75" ;;
 qa) bash benchmarks/tasks_matrix.sh qa question-answering 4 "3 5" "6 7 8" 2 "" ;;
 tok) CAPPED_METHODS="dynamic static" bash benchmarks/tasks_matrix.sh tok token-classification 5 "3 8" "" 2 "auto-batch" ;;
-tok2) bash benchmarks/tasks_matrix.sh tok2 token-classification - "4 6 7" "" ;;
+tok2) bash benchmarks/tasks_matrix.sh tok2 token-classification - "4 6" "" ;;
 esac
