@@ -5,7 +5,8 @@
 set -uo pipefail
 case "${1:?call}" in
 1)  # Swin-B at batch 16, DETR's shorter side per image, at the eighth session's budget, with the
-    # page cache primed (NOTE [Cold libraries]); none, dynamic, static, reactive interleaved, 2 repeats
+    # CUDA libraries read into the page cache first (since replaced by NOTE [First process]); none,
+    # dynamic, static, reactive interleaved, 2 repeats
     bash benchmarks/detection_run.sh swinb-b16-image 560 --models base --methods dynamic static reactive \
         --multi_scale_per image --budget_gb 35.49 --repeats 2 --steps 60 ;;
 2)  # Swin-S (0.5 x none's peak) and Swin-T (the eighth session's budget) at batch 16, one shorter side

@@ -24,16 +24,6 @@ def test_parse_budgets():
     assert bench.parse_budgets(["6", "0.5"]) == [6.0, 0.5]
 
 
-def test_prime_libraries_reads_each_library_file_once(tmp_path):
-    (tmp_path / "cuda" / "lib").mkdir(parents=True)
-    (tmp_path / "cuda" / "lib" / "libcublas.so.12").write_bytes(b"x" * 3000)
-    (tmp_path / "libtorch_cuda.so").write_bytes(b"y" * 500)
-    (tmp_path / "libtorch.so.1").symlink_to(tmp_path / "libtorch_cuda.so")  # a link: its target counts once
-    (tmp_path / "README.txt").write_text("not a library")
-    assert bench.prime_libraries([str(tmp_path)]) == (2, 3500)
-    assert bench.prime_libraries([str(tmp_path / "cuda")]) == (1, 3000)
-
-
 @pytest.mark.slow
 def test_matrix_records_every_configuration(tmp_path):
     config = _tiny_config(tmp_path)
@@ -58,6 +48,23 @@ def test_matrix_records_every_configuration(tmp_path):
     assert all("needs" in r["note"] or "budget" in r["note"] for r in rows[3:])
     steps = list(read_jsonl(out / ok["steps_file"]))
     assert len(steps) == 2 and all(s["method"] == "dynamic" for s in steps)
+
+
+@pytest.mark.slow
+def test_prime_runs_the_first_task_untimed_outside_the_results(tmp_path, monkeypatch):
+    # On CUDA only (NOTE [First process]); the run itself goes wherever the flags say (CPU here).
+    monkeypatch.setattr(bench, "_cuda_available", lambda: True)
+    config = _tiny_config(tmp_path)
+    flags = ["--tasks", "text-classification", "--methods", "dynamic", "--budgets", "0.05", "--steps", "2",
+             "--gpu_warmup_s", "0", "--", "--config_name", str(config), "--use_cpu"]
+    bench.main(["--output_dir", str(tmp_path / "primed"), *flags])
+    rows = list(read_jsonl(tmp_path / "primed" / "results.jsonl"))
+    assert [r["method"] for r in rows] == ["dynamic"]
+    prime = list(read_jsonl(tmp_path / "primed" / "prime" / "text-classification-none-uncapped-r0" / "memfit_steps.jsonl"))
+    assert len(prime) == 2 and {s["method"] for s in prime} == {"none"}
+    bench.main(["--output_dir", str(tmp_path / "unprimed"), "--no-prime", *flags])
+    assert not (tmp_path / "unprimed" / "prime").exists()
+    assert [r["method"] for r in read_jsonl(tmp_path / "unprimed" / "results.jsonl")] == ["dynamic"]
 
 
 @pytest.mark.slow

@@ -4,10 +4,10 @@ Each configuration runs in its own process (a clean allocator and a fresh cap), 
 same data (``--synthetic N`` with the task's real length distribution, or the files given
 after ``--``), the same seed and the same number of steps. ``none`` also runs uncapped as
 the speed reference. On CUDA the GPU is warmed with matrix products before every
-configuration (a card's clock depends on its temperature), and the CUDA libraries are read
-into the page cache once before the first (NOTE [Cold libraries]). A configuration that fails
-(OOM, error) is recorded as such and the matrix goes on; a peer that cannot run here (not
-installed, needs CUDA) is recorded as ``skipped`` with the reason.
+configuration (a card's clock depends on its temperature), and the matrix's first task runs
+once untimed with ``none`` before the first configuration (NOTE [First process]). A
+configuration that fails (OOM, error) is recorded as such and the matrix goes on; a peer
+that cannot run here (not installed, needs CUDA) is recorded as ``skipped`` with the reason.
 
 Output: ``<output_dir>/results.jsonl``, one line per configuration, read by
 ``memfit report``; each run's own folder holds its step records and summary.
@@ -33,8 +33,7 @@ from memfit.methods import METHODS
 from memfit.peers import PEER_FILE
 
 __all__ = [
-    "main", "BATCH_SIZES", "DEFAULT_TASKS", "SAVERS", "PEERS", "PEER_KNOBS", "peer_flags", "warm_gpu", "prime_libraries",
-    "parse_budgets",
+    "main", "BATCH_SIZES", "DEFAULT_TASKS", "SAVERS", "PEERS", "PEER_KNOBS", "peer_flags", "warm_gpu", "parse_budgets",
 ]
 
 #: The original experiments' batch sizes per task (object-detection: Swin's detection recipes
@@ -144,7 +143,8 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--uncapped_none_only", action="store_true", help="run `none` only uncapped, not at each budget")
     p.add_argument("--gpu_warmup_s", type=float, default=5.0, help="seconds of matrix products before each run (CUDA)")
     p.add_argument("--prime", action=argparse.BooleanOptionalAction, default=True,
-                   help="read the CUDA libraries into the page cache before the first run (CUDA; NOTE [Cold libraries])")
+                   help="on CUDA, run the first task once with none, untimed, into <output_dir>/prime before the "
+                        "matrix (NOTE [First process]); --no-prime for a second invocation on the same machine")
     p.add_argument("--output_dir", required=True)
     args = p.parse_args(argv)
     for method in args.methods:
@@ -207,55 +207,6 @@ def warm_gpu(seconds: float) -> None:
     torch.cuda.empty_cache()
 
 
-def _library_dirs() -> list[str]:
-    """Folders of the shared libraries a CUDA run of torch maps: torch's own and pip's ``nvidia.*``."""
-    import importlib.util
-
-    import torch
-
-    dirs = [os.path.join(os.path.dirname(torch.__file__), "lib")]
-    spec = importlib.util.find_spec("nvidia")
-    if spec is not None and spec.submodule_search_locations:
-        dirs += list(spec.submodule_search_locations)
-    return [d for d in dirs if os.path.isdir(d)]
-
-
-def prime_libraries(dirs: list[str] | None = None) -> tuple[int, int]:
-    """Read every shared library under ``dirs`` once, so that no timed run reads them from disk.
-
-    # NOTE [Cold libraries]
-    A process maps cuBLAS, cuDNN and torch's kernels from their files and loads a kernel on
-    its first use (CUDA's lazy loading): the first process on a fresh machine reads those
-    pages from disk, at its first step and again at each input shape that picks kernels
-    not used before. On an H200 the first process of a detection matrix lost 2.3 s on its
-    first step and 0.6-1.1 s on three first shapes against the next process (one memfit
-    method's time, 44.7 s against 39.0 s, came mostly from running first); ``none`` run
-    first took 51.1 s against 43.9 s for its repeat. Reading the files beforehand puts every
-    configuration on the same warm page cache.
-
-    Args:
-        dirs: folders searched recursively for ``*.so*`` files (default: torch's ``lib`` and
-            the ``nvidia`` packages' folders).
-
-    Returns:
-        (files read, bytes read).
-    """
-    files = n_bytes = 0
-    for top in _library_dirs() if dirs is None else dirs:
-        for root, _, names in os.walk(top):
-            for name in names:
-                if ".so" not in name:
-                    continue
-                path = os.path.join(root, name)
-                if os.path.islink(path) or not os.path.isfile(path):
-                    continue
-                with open(path, "rb") as fh:
-                    while chunk := fh.read(1 << 24):
-                        n_bytes += len(chunk)
-                files += 1
-    return files, n_bytes
-
-
 def _cuda_available() -> bool:
     try:
         import torch
@@ -272,9 +223,9 @@ def _versions() -> dict[str, str]:
     return {"device": device, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
-def _run(config: Config, args: argparse.Namespace, extra: list[str]) -> dict:
+def _run(config: Config, args: argparse.Namespace, extra: list[str], runs: str = "runs") -> dict:
     batch = args.batch_size or BATCH_SIZES[config.task]
-    run_dir = os.path.join(args.output_dir, "runs", config.name)
+    run_dir = os.path.join(args.output_dir, runs, config.name)
     if config.saver:
         saver_flags = list(SAVERS[config.method])
     elif (peer := peer_flags(config.method)) is not None:
@@ -383,10 +334,20 @@ def main(argv: list[str]) -> int:
     versions = _versions()
     configs = _configs(args)
     results_path = os.path.join(args.output_dir, "results.jsonl")
-    if args.prime and _cuda_available():
-        t0 = time.perf_counter()
-        files, n_bytes = prime_libraries()
-        print(f"primed the page cache: {files} libraries, {n_bytes / GB:.2f} GB in {time.perf_counter() - t0:.1f}s", flush=True)
+    if args.prime and _cuda_available() and configs:
+        # NOTE [First process]
+        # The first process on a fresh machine runs some steps far slower than any later
+        # process: on an H200, uncapped `none` on Swin-B took 40.4 s, then 31.9 s, with the
+        # same data; five steps were 8.1 s slower, the first and the first of four
+        # image sizes (1.2-5.9 s against 0.6-3.0 s), and the eighth session's `dynamic`,
+        # run first, lost to `static` by exactly these steps. Reading the CUDA libraries into
+        # the page cache beforehand did not change it (3.8 GB read in 4 s, still 8.5 s
+        # slower): the cost is in some state of the machine not yet identified.
+        # One untimed run of the first task with the same data and steps, outside the
+        # results, pays it for every configuration.
+        prime = Config(configs[0].task, "none", None, 0)
+        result = _run(prime, args, extra, runs="prime")
+        print(f"[prime] {prime.name}: {result['status']} {result['wall_s']:.1f}s (untimed, not in the results)", flush=True)
     for i, config in enumerate(configs, 1):
         warm_gpu(args.gpu_warmup_s)
         result = {**_run(config, args, extra), **versions}
