@@ -2,6 +2,8 @@
 # The ninth session's GPU calls (one H200 each; results in benchmarks/results/nvidia-h200/*-2026-11-23l).
 # A record of what ran, not one call: each block below was one `run` of at most 10 minutes.
 # Usage: bash benchmarks/session_l.sh CALL, with .carry/wheels and .carry/tok carried for the tasks.
+# These calls ran when `memfit bench --prime` read the CUDA libraries into the page cache (1bc806a);
+# run again today, --prime does an untimed `none` run first instead (NOTE [First process], bench.py).
 set -uo pipefail
 case "${1:?call}" in
 1)  # Swin-B at batch 16, DETR's shorter side per image, at the eighth session's budget, with the
