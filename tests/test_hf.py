@@ -146,6 +146,8 @@ def test_records_summary_logs_and_state(tmp_path):
     assert any("memfit/peak_gib" in h for h in trainer.state.log_history)
     state = json.loads((out / "checkpoint-3" / memfit.hf.STATE_FILE).read_text())
     assert state["model"]["group_models"]
+    final = json.loads((out / memfit.hf.STATE_FILE).read_text())  # the model as the run ended
+    assert final["step"] == 6 and final["model"] == trainer.memfit.state_dict()["model"]
     resumed = _trainer(tmp_path, "run", save_strategy="steps", save_steps=3)
     resumed.train(resume_from_checkpoint=str(out / "checkpoint-3"))
     assert all(r.phase == "steady" for r in resumed.memfit.records), "resume ran a new warm-up"

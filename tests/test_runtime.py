@@ -428,6 +428,51 @@ def test_first_steps_transient_and_margin(monkeypatch, workspace):
     assert ctl.planning.margin_bytes == margin
 
 
+def test_the_partial_transient_learns_the_backwards_start_not_a_recompute(monkeypatch):
+    """NOTE [Reading the backward's start]: bytes that only a recompute in backward holds
+    (blocks left un-checkpointed under it: 1.5 GB on the H200 Swin-T detector) count in the
+    step's peak but are not the partial plan's transient, which is read at the first recompute."""
+    model, make_batch = _bert()
+    inner = torch.optim.SGD(model.parameters(), lr=0.0)
+    longest = make_batch(4, 96)
+    budget = (logical_peak(model, longest, "none") + logical_peak(model, longest, "full")) // 2
+    ctl = memfit.fit(model, budget=budget, method="dynamic", backstop=False)
+    fake = _on_fake_allocator(monkeypatch, ctl, inner, margin=int(0.03 * budget))
+    extra = budget // 20
+    start = []  # this step's start of backward, above static
+    for block in ctl.blocks:
+        body = block._body
+
+        def recompute_holds_more(*args, _body=body, **kwargs):
+            if start:  # in backward, after the block's before_run: the recompute holds more
+                fake.use(start[0] + extra)
+            return _body(*args, **kwargs)
+
+        block._body = recompute_holds_more
+
+    def transient(length):
+        return -300 + 40 * 4 * length
+
+    for i, length in enumerate([96, 24, 60, 80, 40, 96, 72, 88, 56]):
+        torch.manual_seed(i)
+        loss = model(**make_batch(4, length)).loss
+        start.append(ctl._counter.total_bytes + transient(length))
+        fake.use(start[0])  # the backward's start
+        loss.backward()
+        start.clear()
+        inner.step()
+        model.zero_grad(set_to_none=True)
+    records = ctl.records
+    ctl.remove()
+    partial = [r for r in records if r.phase == "steady" and 0 < r.n_checkpointed < r.n_blocks]
+    assert partial, "no step ran a partial plan"
+    for r in partial:  # the recompute's bytes are in the step's peak
+        assert r.peak_allocated_bytes >= r.static_bytes + r.saved_activation_bytes + extra
+    curve = ctl.planning.model.transient_partial
+    assert curve.distinct_keys >= 2  # it learned ...
+    assert max(curve.ys) <= transient(96)  # ... the starts alone, never a recompute's bytes
+
+
 def test_an_oom_in_a_recompute_is_described_in_the_replayed_record():
     """An OOM raised while backward recomputes a checkpointed block: the replayed step's
     record says it failed in backward, with the plan that ran and the allocator's message."""

@@ -61,6 +61,9 @@ class Block:
         runner: when set, runs every training forward as ``runner(block, args, kwargs)``
             instead of the plain or checkpointed body (the ``reactive`` method's store,
             reactive.py); it calls :meth:`run_body` for each run, recomputes included.
+        before_run: when set, called as ``before_run(block)`` before every run of the body,
+            recomputes included (the runtime reads the start-of-backward peak at the first
+            recompute: NOTE [Reading the backward's start] in runtime.py).
     """
 
     def __init__(self, index: int, name: str, module: nn.Module):
@@ -72,6 +75,7 @@ class Block:
         self.runs = 0
         self.listener: BlockListener | None = None
         self.runner: Callable[[Block, tuple, dict[str, Any]], Any] | None = None
+        self.before_run: Callable[[Block], None] | None = None
         self._body = module.forward  # the class's forward, bound to the instance
 
     @property
@@ -80,6 +84,8 @@ class Block:
 
     def run_body(self, *args: Any, **kwargs: Any) -> Any:
         self.runs += 1
+        if self.before_run is not None:
+            self.before_run(self)
         return self._body(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

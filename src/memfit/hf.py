@@ -320,7 +320,8 @@ class Trainer(transformers.Trainer):
         return output
 
     def write_summary(self) -> dict[str, Any] | None:
-        """Write ``memfit_summary.json`` and ``memfit_plans.json`` (for ``precomputed``).
+        """Write ``memfit_summary.json``, and for methods with a memory model ``memfit_plans.json``
+        (for ``precomputed``) and ``memfit_state.json`` (the model, as in a checkpoint folder).
 
         With several ranks, each writes ``memfit_summary.rank{r}.json``; rank 0 then merges
         every rank's step records into ``memfit_summary.json``, with ``per_rank`` peaks.
@@ -352,6 +353,9 @@ class Trainer(transformers.Trainer):
             json.dump(data, fh, indent=1)
         if self.memfit.method.uses_model:
             self.memfit.save_plans(os.path.join(a.output_dir, "memfit_plans.json"))
+            # the memory model as the run ended: to resume from, or to read what it predicted
+            with open(os.path.join(a.output_dir, STATE_FILE), "w", encoding="utf-8") as fh:
+                json.dump(self.memfit.state_dict(), fh)
         return data
 
 

@@ -82,6 +82,22 @@ under its topmost one added, and the shortest run of first blocks that saves eno
 hold nothing below a recompute). Before this, 26 of 56 steady steps of an H200 Swin-T run
 checkpointed all 24 blocks.
 
+# NOTE [Reading the backward's start]
+A partial plan's backward has two peaks (NOTE [Three peaks], model.py): its start, which the
+partial transient describes, and the recompute of its topmost checkpointed block, which the
+model bounds from ``full``'s transient and the blocks held below. The allocator keeps one
+peak per step, so a partial step taught the partial transient whenever the model predicted
+its start to be the larger, and when that prediction was wrong the recompute's bytes were
+learnt as transient. On the H200 Swin-T detector (batch 16, 17.78 GB, 2026-11-23) a plan
+that left blocks 10-18 held under its decoder layers 19-21 peaked 1.5 GB above its start, at
+the recompute; against -0.18 GB at every other partial step, that one sample lifted the
+partial curve's envelope, and the 94k-patch batches were predicted 2.5-2.9 GB above their
+peaks for the remaining 45 steps: 8 blocks checkpointed where ``static``'s 7 peaked at 14.5
+GB, 9 at 85k patches. So the step's first recompute reads the allocator's peak so far (the
+start's: the forward, the loss and the backward of the blocks above) and resets it; the
+partial transient learns from that reading alone, and the step's peak is the larger of the
+two readings. Host-side counters only, as the optimizer's hook reads them.
+
 # NOTE [Allocator slack]
 The memory model predicts *allocated* bytes; the CUDA cap limits *reserved* ones. Between the
 two lies memory the caching allocator holds but cannot hand out: the free tails of partly used
@@ -511,6 +527,8 @@ class Controller:
         ]
         for b in self.blocks:
             b.listener = self
+            if method.uses_model:
+                b.before_run = self._before_block_run
             if method.evicts:
                 b.runner = self._reactive.run
         self._optimizer_handles: list = []
@@ -548,13 +566,25 @@ class Controller:
             return
 
         def before_step(*_: Any) -> None:
-            if self._pending is not None and "saved" in self._pending:
-                self._pending["backward_peak"] = torch.cuda.max_memory_allocated(self.device)
+            pending = self._pending
+            if pending is not None and "saved" in pending:
+                # the backward's start was read apart at its first recompute, if it had one
+                pending["backward_peak"] = max(torch.cuda.max_memory_allocated(self.device), pending.get("start_peak", 0))
                 torch.cuda.reset_peak_memory_stats(self.device)
 
         self._optimizer_handles = [optimizer.register_step_pre_hook(before_step)]
 
     # ----------------------------------------------------------------- hooks
+    def _before_block_run(self, block: Block) -> None:
+        """At a step's first recompute, read its backward's start peak apart (NOTE [Reading
+        the backward's start]); every other run of a block body passes through."""
+        pending = self._pending
+        if pending is None or self.accounting != "cuda" or "saved" not in pending or "start_peak" in pending:
+            return
+        pending["start_peak"] = torch.cuda.max_memory_allocated(self.device)
+        pending["start_reserved"] = torch.cuda.max_memory_reserved(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
     def _static_now(self) -> int:
         """Bytes that no plan changes, as they will be at this step's peak.
 
@@ -776,12 +806,16 @@ class Controller:
             return  # the forward ran no block (or failed): nothing to record
         now = time.perf_counter()
         optimizer_peak = None
+        start_peak = pending.get("start_peak")  # NOTE [Reading the backward's start]
+        start_transient = None
         if self.accounting == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
-            reserved = torch.cuda.max_memory_reserved(self.device)
+            reserved = max(torch.cuda.max_memory_reserved(self.device), pending.get("start_reserved", 0))
             if "backward_peak" in pending:
                 # since the optimizer's pre-hook reset the counter, `peak` is its step's
                 optimizer_peak, peak = peak, pending["backward_peak"]
+            elif start_peak is not None:
+                peak = max(peak, start_peak)
         outside, by_block = pending["saved"]
         saved = outside + sum(by_block)
         static = pending["static"]
@@ -797,19 +831,23 @@ class Controller:
             # sample left the full-regime curve 34-56 MB high for the rest of a run.
             static_now = self._static_now() if static_now is None else static_now
             grown = max(0, static_now - static)
-            transient = peak - (static - pending["state_to_come"]) - grown - saved
+            base = static - pending["state_to_come"] + grown + saved
+            transient = peak - base
+            start_transient = None if start_peak is None else start_peak - base
             self._learn_optimizer_step(optimizer_peak - static, static)
             peak = max(peak, optimizer_peak)
         else:
             # One peak for the whole step, which can include the optimizer's first step and
             # the state it creates: the transient is what the peak holds beyond the larger.
-            transient = peak - max(static, self._static_now() if static_now is None else static_now) - saved
+            base = max(static, self._static_now() if static_now is None else static_now) + saved
+            transient = peak - base
+            start_transient = None if start_peak is None else start_peak - base
         decision = pending["decision"]
         key = pending["key"]
         model = self.planning.model
         predicted = self.planning.predict_peak(key, decision.blocks) if model.ready else None
         miss = None if predicted is None else peak - predicted
-        self._learn(key, decision, outside, by_block, transient, pending["evicted"], miss)
+        self._learn(key, decision, outside, by_block, transient, pending["evicted"], miss, start_transient)
         if self.method.backstop and not decision.warmup and not pending["evicted"]:
             bucket, tokens = bucket_key(key, self.planning.bucket_tokens), key[0] * key[1]
             held = self._held.get(bucket)
@@ -878,7 +916,7 @@ class Controller:
 
     def _learn(
         self, key, decision, outside: int, by_block: list[int], transient: int,
-        pending_evicted: Sequence[int] = (), miss: int | None = None,
+        pending_evicted: Sequence[int] = (), miss: int | None = None, start_transient: int | None = None,
     ) -> None:
         """Feed a finished step's measurements to the memory model.
 
@@ -891,7 +929,9 @@ class Controller:
         every shape, 36 times in 200 steps at 6 GB); then each
         curve that erred the same way by more than 0.5% learns the step's value. The partial
         transient regime also learns its first 8 shapes, and any shape beyond the range it has
-        seen (NOTE [Two transient regimes], model.py). Every other steady step leaves the
+        seen (NOTE [Two transient regimes], model.py); it learns from the backward's start
+        (``start_transient``) where the step read it (NOTE [Reading the backward's start]),
+        else only when the model predicts the start to dominate. Every other steady step leaves the
         model and the plan cache untouched, so plans stay cached: smaller errors are the
         margin's to absorb, and each change of the model clears every cached plan (an H200
         run that learned every 0.5% under-prediction replanned two steps in three).
@@ -910,9 +950,15 @@ class Controller:
         transient_curve = None
         every_block = len(planned) == len(self.blocks)
         learns_transient = not (self.method.backstop and pending_evicted)
-        if self.accounting == "cuda" and learns_transient and (every_block or self._backward_start_dominates(key, decision.blocks)):
-            transient_curve = model.transient_curve(every_block)
-            curves.append((transient_curve, transient))
+        if self.accounting == "cuda" and learns_transient:
+            if every_block:
+                transient_curve = model.transient_full
+            elif start_transient is not None:  # NOTE [Reading the backward's start]
+                transient_curve, transient = model.transient_partial, start_transient
+            elif self._backward_start_dominates(key, decision.blocks):
+                transient_curve = model.transient_partial
+            if transient_curve is not None:
+                curves.append((transient_curve, transient))
         changed = False
         step_under = bool(pending_evicted) or (miss is not None and miss > self.planning.margin_bytes / 4)
         # The plan came from the method's planning key (static: the largest shape's); a step
@@ -1049,7 +1095,11 @@ class Controller:
             "error": str(error).splitlines()[0][:300] if error else None,
         }
         if self.accounting == "cuda":
-            peak, reserved = torch.cuda.max_memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
+            # the larger of the backward's start, read apart at its first recompute (NOTE
+            # [Reading the backward's start]), and what came since
+            start = pending.get("start_peak", 0) if pending and "backward_peak" not in pending else 0
+            peak = max(torch.cuda.max_memory_allocated(self.device), start)
+            reserved = torch.cuda.memory_reserved(self.device)
             attempt.update(
                 allocated_bytes=torch.cuda.memory_allocated(self.device),
                 peak_allocated_bytes=peak,
