@@ -89,9 +89,9 @@ model bounds from ``full``'s transient and the blocks held below. The allocator 
 peak per step, so a partial step taught the partial transient whenever the model predicted
 its start to be the larger, and when that prediction was wrong the recompute's bytes were
 learnt as transient. On the H200 Swin-T detector (batch 16, 17.78 GB, 2026-11-23) a plan
-that left blocks 10-18 held under its decoder layers 19-21 peaked 1.5 GB above its start, at
-the recompute; against -0.18 GB at every other partial step, that one sample lifted the
-partial curve's envelope, and the 94k-patch batches were predicted 2.5-2.9 GB above their
+that left blocks 10-18 held under its decoder layers 19-21 peaked at a recompute, and taught
+the partial transient +1.49 GB; against -0.18 GB at every other partial step, that one sample
+lifted the partial curve's envelope, and the 94k-patch batches were predicted 2.5-2.9 GB above their
 peaks for the remaining 45 steps: 8 blocks checkpointed where ``static``'s 7 peaked at 14.5
 GB, 9 at 85k patches. So the step's first recompute reads the allocator's peak so far (the
 start's: the forward, the loss and the backward of the blocks above) and resets it; the
