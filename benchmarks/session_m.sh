@@ -28,4 +28,7 @@ oracle)  # none, dynamic and the oracle at each task's half-layers budget, on th
 tok)  # TOK: none, dynamic and the oracle at 6 GB; dynamic and the oracle at 3, 7 and 8 GB
     bash benchmarks/tasks_run.sh tok-oracle token-classification "none dynamic oracle" 6 200
     bash benchmarks/tasks_run.sh tok-edges token-classification "dynamic oracle" "3 7 8" 200 ;;
+swinb)  # Swin-B at batch 16, DETR's shorter side per image, the tenth run's budget: every method, once
+    bash benchmarks/detection_run.sh swinb-b16-image 450 --models base --methods dynamic static full reactive \
+        --multi_scale_per image --budget_gb 35.49 --repeats 1 --steps 60 ;;
 esac
