@@ -104,13 +104,14 @@ peak per step, so a partial step taught the partial transient whenever the model
 its start to be the larger, and when that prediction was wrong the recompute's bytes were
 learnt as transient. On the H200 Swin-T detector (batch 16, 17.78 GB, 2026-11-23) a plan
 that left blocks 10-18 held under its decoder layers 19-21 peaked at a recompute, and taught
-the partial transient +1.49 GB; against -0.18 GB at every other partial step, that one sample
-lifted the partial curve's envelope, and the 94k-patch batches were predicted 2.5-2.9 GB above their
-peaks for the remaining 45 steps: 8 blocks checkpointed where ``static``'s 7 peaked at 14.5
-GB, 9 at 85k patches. So the step's first recompute reads the allocator's peak so far (the
-start's: the forward, the loss and the backward of the blocks above) and resets it; the
-partial transient learns from that reading alone, and the step's peak is the larger of the
-two readings. Host-side counters only, as the optimizer's hook reads them.
+the partial transient +1.49 GB; against -0.18 GB at every other partial step, that one
+sample lifted the partial curve's envelope, and the 94k-patch batches were predicted
+2.5-2.9 GB above their peaks for the remaining 45 steps: 8 blocks checkpointed where
+``static``'s 7 peaked at 14.5 GB, 9 at 85k patches. So the step's first recompute reads the
+allocator's peak so far (the start's: the forward, the loss and the backward of the blocks
+above) and resets it; the partial transient learns from that reading alone, and the step's
+peak is the larger of the two readings. Host-side counters only, as the optimizer's hook
+reads them.
 
 # NOTE [Allocator slack]
 The memory model predicts *allocated* bytes; the CUDA cap limits *reserved* ones. Between the
@@ -953,8 +954,8 @@ class Controller:
         transient regime also learns its first 8 shapes, and any shape beyond the range it has
         seen (NOTE [Two transient regimes], model.py); it learns from the backward's start
         (``start_transient``) where the step read it (NOTE [Reading the backward's start]),
-        else only when the model predicts the start to dominate. Every other steady step leaves the
-        model and the plan cache untouched, so plans stay cached: smaller errors are the
+        else only when the model predicts the start to dominate. Every other steady step leaves
+        the model and the plan cache untouched, so plans stay cached: smaller errors are the
         margin's to absorb, and each change of the model clears every cached plan (an H200
         run that learned every 0.5% under-prediction replanned two steps in three).
         """
