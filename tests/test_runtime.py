@@ -279,6 +279,18 @@ def _on_fake_allocator(monkeypatch, ctl, optimizer, margin=None):
     return fake
 
 
+def _half_budget_on_fake_allocator(monkeypatch, method="dynamic", **kwargs):
+    """bert under half-way between ``none``'s and ``full``'s logical peak at 4×96, accounting
+    on a :class:`_FakeAllocator` with a 3% margin: ``(model, make_batch, inner, budget, ctl, fake)``."""
+    model, make_batch = _bert()
+    inner = torch.optim.SGD(model.parameters(), lr=0.0)
+    longest = make_batch(4, 96)
+    budget = (logical_peak(model, longest, "none") + logical_peak(model, longest, "full")) // 2
+    ctl = memfit.fit(model, budget=budget, method=method, **kwargs)
+    fake = _on_fake_allocator(monkeypatch, ctl, inner, margin=int(0.03 * budget))
+    return model, make_batch, inner, budget, ctl, fake
+
+
 def test_backward_and_optimizer_peaks_are_read_apart(monkeypatch):
     """NOTE [Three peaks]: the optimizer step's peak is learned apart from the transient."""
     model, make_batch = _bert()
@@ -348,12 +360,7 @@ def test_plans_stay_cached_under_a_noisy_allocator(monkeypatch):
     Once every shape has run, such noise must not change the model (each change clears
     every cached plan: the 2026-11-22 H200 run replanned two steady steps in three).
     """
-    model, make_batch = _bert()
-    inner = torch.optim.SGD(model.parameters(), lr=0.0)
-    longest = make_batch(4, 96)
-    budget = (logical_peak(model, longest, "none") + logical_peak(model, longest, "full")) // 2
-    ctl = memfit.fit(model, budget=budget, method="dynamic", backstop=False)
-    fake = _on_fake_allocator(monkeypatch, ctl, inner, margin=int(0.03 * budget))
+    model, make_batch, inner, budget, ctl, fake = _half_budget_on_fake_allocator(monkeypatch, backstop=False)
     inner.register_step_pre_hook(lambda *_: fake.use(budget // 50))
     planned = []
     for name in ("_plan", "_plan_row"):
@@ -433,12 +440,7 @@ def test_the_partial_transient_learns_the_backwards_start_not_a_recompute(monkey
     """NOTE [Reading the backward's start]: bytes that only a recompute in backward holds
     (blocks left un-checkpointed under it: 1.5 GB on the H200 Swin-T detector) count in the
     step's peak but are not the partial plan's transient, which is read at the first recompute."""
-    model, make_batch = _bert()
-    inner = torch.optim.SGD(model.parameters(), lr=0.0)
-    longest = make_batch(4, 96)
-    budget = (logical_peak(model, longest, "none") + logical_peak(model, longest, "full")) // 2
-    ctl = memfit.fit(model, budget=budget, method="dynamic", backstop=False)
-    fake = _on_fake_allocator(monkeypatch, ctl, inner, margin=int(0.03 * budget))
+    model, make_batch, inner, budget, ctl, fake = _half_budget_on_fake_allocator(monkeypatch, backstop=False)
     extra = budget // 20
     start = []  # this step's start of backward, above static
     for block in ctl.blocks:
@@ -653,12 +655,7 @@ def test_static_does_not_relearn_from_shorter_over_predicted_steps(monkeypatch):
     """``static`` runs the largest shape's plan for every batch: a shorter step's peak far below
     its prediction would make a cheaper plan *for that shape*, which ``static`` never uses, so it
     must not change the model (each change replans: an H200 static run replanned in half its steps)."""
-    model, make_batch = _bert()
-    inner = torch.optim.SGD(model.parameters(), lr=0.0)
-    longest = make_batch(4, 96)
-    budget = (logical_peak(model, longest, "none") + logical_peak(model, longest, "full")) // 2
-    ctl = memfit.fit(model, budget=budget, method="static", max_shape=(4, 96))
-    fake = _on_fake_allocator(monkeypatch, ctl, inner, margin=int(0.03 * budget))
+    model, make_batch, inner, budget, ctl, fake = _half_budget_on_fake_allocator(monkeypatch, "static", max_shape=(4, 96))
     planned = []
     original = ctl.planning._plan
     monkeypatch.setattr(ctl.planning, "_plan", lambda k: planned.append(k) or original(k))

@@ -189,14 +189,20 @@ def _configs(args: argparse.Namespace) -> list[Config]:
     return configs
 
 
-def warm_gpu(seconds: float) -> None:
-    """Matrix products for ``seconds`` on the current CUDA device (no-op without CUDA)."""
+def _cuda_available() -> bool:
     try:
         import torch
     except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def warm_gpu(seconds: float) -> None:
+    """Matrix products for ``seconds`` on the current CUDA device (no-op without CUDA)."""
+    if seconds <= 0 or not _cuda_available():
         return
-    if seconds <= 0 or not torch.cuda.is_available():
-        return
+    import torch
+
     a = torch.randn(8192, 8192, device="cuda")
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
@@ -205,14 +211,6 @@ def warm_gpu(seconds: float) -> None:
         torch.cuda.synchronize()
     del a
     torch.cuda.empty_cache()
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
 
 
 def _versions() -> dict[str, str]:

@@ -478,10 +478,6 @@ class MemoryModel:
             "cost_ms": cost,
         }
 
-    def transient_curve(self, every_block: bool) -> Curve:
-        """The curve a step of this regime teaches."""
-        return self.transient_full if every_block else self.transient_partial
-
     def backward_start_bytes(self, key: tuple[int, int], plan: Sequence[int] = ()) -> float:
         """Peak above static at the start of backward (NOTE [Three peaks]); what plans lower."""
         every_block = len(set(plan)) == len(self.groups)
