@@ -4,9 +4,11 @@ The planner chooses *which* blocks to checkpoint by their recompute cost, which 
 takes as one forward of the block, timed between two synchronisations (NOTE [Probe] in
 runtime.py). This script checks that price on a fixed batch: for each plan (a set of blocks
 checkpointed), the median time of forward + backward, interleaved over rounds; a plan's
-recompute cost is its time less ``none``'s. Beside it, each group's probe-style time (a
-forward of its first block with autograd on, synchronised before and after; first and
-median of ``--probes`` runs).
+recompute cost is its time less ``none``'s. Beside it, per group (on its first block's
+inputs from a plain forward): the probe's time (a forward with autograd on, synchronised
+before and after; first and median of ``--probes`` runs), and forward + backward (gradients of
+the inputs only) plain and checkpointed, whose difference is the block's price of
+checkpointing measured in isolation.
 
 The default is the detection benchmark's Swin-B Conditional DETR (``--config_name``), batch
 16, one padded size, bf16 autocast, a loss on the logits and boxes (no Hungarian matching:
@@ -73,6 +75,26 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _fwd_bwd(block, args: tuple, kwargs: dict, checkpointed: bool, autocast, device: torch.device) -> float:
+    """Forward and backward of one block (gradients of its inputs only), synchronised: ms."""
+    from torch.utils.checkpoint import checkpoint
+
+    inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
+    _sync(device)
+    t0 = time.perf_counter()
+    with torch.enable_grad(), autocast:
+        if checkpointed:
+            out = checkpoint(block._body, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        else:
+            out = block._body(*args, **kwargs)
+        outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
+                if isinstance(o, torch.Tensor) and o.requires_grad]
+        loss = sum(o.float().mean() for o in outs)
+    torch.autograd.grad(loss, inputs, allow_unused=True)
+    _sync(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     sys.path.insert(0, str(_SRC))
@@ -135,14 +157,16 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for b in blocks:
         b.enabled = False
-    with torch.no_grad(), autocast:
+    with autocast:  # with autograd, so that the inputs say which of them need gradients
         model(pixel_values=pixels, pixel_mask=mask)
     for h in hooks:
         h.remove()
+    detach = lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t  # noqa: E731
     probes: dict[int, list[float]] = {}
+    pairs: dict[int, dict[str, list[float]]] = {}
     for g, i in firsts.items():
         a, k = inputs[i]
-        a = tuple(t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t for t in a)
+        a, k = tuple(map(detach, a)), {name: detach(v) for name, v in k.items()}
         probes[g] = []
         for _ in range(args.probes):
             with torch.enable_grad(), autocast:
@@ -152,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
                 _sync(device)
             probes[g].append((time.perf_counter() - t0) * 1e3)
             del out
+        for mode in ("plain", "checkpointed"):
+            pairs.setdefault(g, {})[mode] = [_fwd_bwd(blocks[i], a, k, mode == "checkpointed", autocast, device)
+                                             for _ in range(args.probes)]
     del inputs
 
     base = statistics.median(times[plans[0][0]])
@@ -166,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         })
     group_rows = [
         {"group": g, "first_block": i, "blocks": groups.count(g), "probe_first_ms": probes[g][0],
-         "probe_median_ms": statistics.median(probes[g][1:] or probes[g])}
+         "probe_median_ms": statistics.median(probes[g][1:] or probes[g]),
+         "pair_plain_ms": statistics.median(pairs[g]["plain"][1:] or pairs[g]["plain"]),
+         "pair_checkpointed_ms": statistics.median(pairs[g]["checkpointed"][1:] or pairs[g]["checkpointed"])}
         for g, i in firsts.items()
     ]
     print(f"{args.config_name}, batch {args.batch_size}, {args.height}x{args.width}, {device}; "
@@ -175,9 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         ratio = r["over_first_ms"] / r["probe_sum_ms"] if r["probe_sum_ms"] else float("nan")
         print(f"{r['plan']:<12}{r['n']:>4}{r['median_ms']:>11.1f}{r['over_first_ms']:>9.1f}{r['probe_sum_ms']:>11.1f}{ratio:>7.2f}")
-    print("group  blocks  probe first  probe median (ms)")
+    print("group  blocks  probe first  probe median  fwd+bwd plain  checkpointed  difference (ms)")
     for r in group_rows:
-        print(f"{r['group']:>5}{r['blocks']:>8}{r['probe_first_ms']:>13.2f}{r['probe_median_ms']:>14.2f}")
+        print(f"{r['group']:>5}{r['blocks']:>8}{r['probe_first_ms']:>13.2f}{r['probe_median_ms']:>14.2f}"
+              f"{r['pair_plain_ms']:>15.2f}{r['pair_checkpointed_ms']:>14.2f}"
+              f"{r['pair_checkpointed_ms'] - r['pair_plain_ms']:>17.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "device": str(device),
                                                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,

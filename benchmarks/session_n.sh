@@ -14,4 +14,12 @@ swint)  # Swin-T at batch 16, the budget of the last three runs: none, dynamic, 
 swins)  # Swin-S at batch 16 (0.5 x none's peak): none, dynamic, static, full, reactive, 2 repeats
     bash benchmarks/detection_run.sh swins-b16-batch 560 --models small --methods dynamic static full reactive \
         --multi_scale_per batch --budget_gb 27.02 --repeats 2 --steps 60 ;;
+swinbb)  # Swin-B at batch 16, one shorter side per batch (the ninth run's budget, 0.5 x none's peak): none, dynamic, static, full, 2 repeats
+    bash benchmarks/detection_run.sh swinb-b16-batch 560 --models base --methods dynamic static full \
+        --multi_scale_per batch --budget_gb 35.49 --repeats 2 --steps 60 ;;
+recompute)  # what a plan's recompute costs in a real backward against the probe's price (Swin-B, Swin-T; run twice)
+    export PYTHONPATH=$PWD/src HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+    python3 benchmarks/recompute_bench.py --probes 7 --json "$OUT/recompute-swinb.json"
+    python3 benchmarks/recompute_bench.py --probes 7 --config_name conditional-detr-swin-tiny --json "$OUT/recompute-swint.json" \
+        --plans none= stage1=0-1 stage2=2-3 stage3x4=4-7 stage3x6=4-9 stage4=10-11 encoder=12-17 decoder=18-23 full=0-23 ;;
 esac
