@@ -28,17 +28,23 @@ forward are those of a run without the probe (gradients stay exact).
 
 # NOTE [First run of a block]
 The probe's time is the block's recompute cost, which decides *which* blocks a mixed stack
-checkpoints. A process's first run of a block's kernels also loads them (CUDA loads modules
-lazily) and sets up the libraries: on the H200 Swin-B detector (batch 16, 2026-11-23) the
-first step's probe took 599 ms for a stage-1 layer whose later probes took 11-12 ms, and 89
-ms for a stage-3 layer (3-5 ms). Those were the only samples at their size (84.7k patches),
-and a curve keeps each size's largest: there the stage-1 layers cost 50 times their worth,
-and the curves bent elsewhere too (a decoder layer priced at 1.3 s at 94k patches). Plans
-for 84.7k-patch batches left both stage-1 layers (13 GB) un-checkpointed under 15-17
-checkpointed layers; they and two other plans ran 1.2-1.5 GB over their predictions (the
-backstop evicted), the margin grew to 1.87 GB, and ``dynamic`` checkpointed 14.9 layers a
-step where ``static`` checkpointed 13.7, and took 4.4% longer (one run). So the first probe
-of each group in a process runs the block once before, untimed and without autograd.
+checkpoints. A block's first run pays once for what later runs reuse: in a process, loading
+its kernels (CUDA loads modules lazily); at a new size, what the libraries and the allocator
+set up for the new shapes (the likely causes; not traced). On
+the H200 Swin-B detector (batch 16, 2026-11-23) the first step's probe took 599 ms for a
+stage-1 layer whose later probes took 11-12 ms. With the first run of each group in a
+process run apart (untimed), probes at new sizes still took 40-72 ms for encoder layers and
+42-113 ms for decoder layers, where a repeated size took 1.5 ms and an isolated run 1-2 ms
+(benchmarks/recompute_bench.py). A curve keeps each size's largest sample, so such a probe
+prices its size's blocks 20-50 times their worth, and the plans follow the noise: two
+``static`` processes with the same data chose different plans at the same step; the one
+that left a stage-1 layer held ran over its prediction into an OOM (replayed), and the
+margin that grew after it kept 19 of 36 blocks checkpointed where the other kept 11. So
+every probe runs the block twice with autograd, the second run reusing what the first set
+up, and the price is the faster run. The first run's saved tensors are the ones counted,
+the second's go to a counter of their own (the step's counter is outside: it must see
+neither), and each run's are freed before the next: the probe's peak stays one block's
+activations.
 
 # NOTE [Reactive room]
 Eviction can only act between blocks, so at each block entry the bytes in use (the
@@ -534,8 +540,6 @@ class Controller:
         #: per plan bucket, the last steady step's (tokens, plan, peak above static): a step
         #: that repeats it needs no backstop (NOTE [Backstop])
         self._held: dict[tuple[int, int], tuple[int, tuple[int, ...], int]] = {}
-        #: groups whose blocks this process has probed (NOTE [First run of a block])
-        self._probed_groups: set[int] = set()
         self.replaying = False
         self._reactive = ReactiveStore(self._exclude_ptrs) if method.evicts or method.backstop else None
         self._handles = [
@@ -795,25 +799,25 @@ class Controller:
         probe = ProbeCounter(self._exclude_ptrs, self._counter.parameter_storages)
         cuda = self.device.type == "cuda"
         devices = [self.device] if cuda else []
+        times_ms = []
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            # NOTE [First run of a block]: the faster run is the price. The second run's saved
+            # tensors go to a counter of their own, not to the step's (which is outside).
+            for counter in (probe, ProbeCounter(self._exclude_ptrs, self._counter.parameter_storages)):
+                probe_args, probe_kwargs = without_cache(block.module, *detached)
+                if cuda:
+                    torch.cuda.synchronize(self.device)
+                t0 = time.perf_counter()
+                with counter.hooks():
+                    out = block._body(*probe_args, **probe_kwargs)
+                if cuda:
+                    torch.cuda.synchronize(self.device)
+                times_ms.append((time.perf_counter() - t0) * 1e3)
+                del out, probe_args, probe_kwargs
         group = self.planning.model.groups[block.index]
-        with torch.random.fork_rng(devices=devices), torch.enable_grad(), probe.hooks():
-            if group not in self._probed_groups:  # NOTE [First run of a block]
-                self._probed_groups.add(group)
-                warm_args, warm_kwargs = without_cache(block.module, *detached)
-                with torch.no_grad():  # saves nothing: the probe counts none of it
-                    block._body(*warm_args, **warm_kwargs)
-            if cuda:
-                torch.cuda.synchronize(self.device)
-            t0 = time.perf_counter()
-            probe_args, probe_kwargs = without_cache(block.module, *detached)
-            out = block._body(*probe_args, **probe_kwargs)
-            if cuda:
-                torch.cuda.synchronize(self.device)
-            elapsed_ms = (time.perf_counter() - t0) * 1e3
-        del out
         group_model = self.planning.model.group_models[group]
         group_model.full_bytes.add(key, probe.bytes)
-        group_model.cost_ms.add(key, elapsed_ms)
+        group_model.cost_ms.add(key, min(times_ms))
 
     # ----------------------------------------------------------------- records
     def _finish_step(self, static_now: int | None = None) -> None:
