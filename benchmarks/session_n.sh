@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The eleventh session's GPU calls (one H200 each; results in benchmarks/results/nvidia-h200/*-2026-11-23n).
 # A record of what ran, not one call: each block below was one `run` of at most 10 minutes.
-# Usage: bash benchmarks/session_n.sh CALL. Every call ran the code with NOTE [First run of a block]
-# and NOTE [Reading the backward's start] (runtime.py), with `--prime` running an untimed `none` first.
+# Usage: bash benchmarks/session_n.sh CALL. Every call ran with `--prime` (an untimed `none` first) and
+# NOTE [Reading the backward's start] (runtime.py); all but the last with the tenth session's probe
+# (one untimed run per block group in a process), the last (swinb2) with the probe's faster of two runs.
 set -uo pipefail
 case "${1:?call}" in
 swinb)  # Swin-B at batch 16, DETR's shorter side per image, the tenth run's budget: none, dynamic, static, full, 2 repeats
@@ -22,4 +23,11 @@ recompute)  # what a plan's recompute costs in a real backward against the probe
     python3 benchmarks/recompute_bench.py --probes 7 --json "$OUT/recompute-swinb.json"
     python3 benchmarks/recompute_bench.py --probes 7 --config_name conditional-detr-swin-tiny --json "$OUT/recompute-swint.json" \
         --plans none= stage1=0-1 stage2=2-3 stage3x4=4-7 stage3x6=4-9 stage4=10-11 encoder=12-17 decoder=18-23 full=0-23 ;;
+swinb2)  # after the probe's faster-of-two-runs price (NOTE [First run of a block]): Swin-B per image again, none, dynamic, static, 3 repeats
+    # (ran past the call's 600 s with the report and archive still to write: nothing came back)
+    bash benchmarks/detection_run.sh swinb-b16-image-probe2 565 --models base --methods dynamic static \
+        --multi_scale_per image --budget_gb 35.49 --repeats 3 --steps 60 ;;
+swinb3)  # the same, once each (the device time left): the probe's prices and the plans they make
+    bash benchmarks/detection_run.sh swinb-b16-image-probe2 240 --models base --methods dynamic static \
+        --multi_scale_per image --budget_gb 35.49 --repeats 1 --steps 60 ;;
 esac
