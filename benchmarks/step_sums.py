@@ -1,0 +1,79 @@
+"""Per-method totals, late-step sums and paired step differences of a repeats folder.
+
+The numbers the detection sections of benchmarks/README.md quote beside ``memfit report``'s
+table: for each method of a ``detection_bench.py --repeats N`` folder (``.../repeats``, with
+``results.jsonl`` and ``runs/*/memfit_steps.jsonl[.gz]``), each repeat's total time, the sum of
+its step records from ``--from_step`` on (after the warm-up and the first occurrence of each
+image size), its median step, the mean share of blocks recomputed and the largest peak over
+the budget; then, step by step against ``--against`` (default ``static``), the median and
+mean difference of ``--method``'s steps (default ``dynamic``) to the median of the other's
+repeats at the same step (the same batch), apart for steps the backstop armed and not.
+
+Usage:
+    python benchmarks/step_sums.py benchmarks/results/nvidia-h200/detection-2026-11-23n/swins-b16-batch/swin-small/repeats
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def _records(run: Path) -> list[dict]:
+    for name, opener in (("memfit_steps.jsonl.gz", gzip.open), ("memfit_steps.jsonl", open)):
+        if (run / name).exists():
+            with opener(run / name, "rt") as f:
+                return [json.loads(line) for line in f if line.strip()]
+    return []
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("folder", type=Path, help="a repeats folder (results.jsonl and runs/)")
+    p.add_argument("--from_step", type=int, default=21, help="first step of the late sum (1-based)")
+    p.add_argument("--method", default="dynamic")
+    p.add_argument("--against", default="static")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    results = [json.loads(line) for line in (args.folder / "results.jsonl").read_text().splitlines() if line.strip()]
+    runs: dict[str, list[tuple[dict, list[dict]]]] = {}
+    for result in results:
+        records = _records(args.folder / Path(result["steps_file"]).parent) if result.get("steps_file") else []
+        runs.setdefault(result["method"], []).append((result, records))
+    print(f"{'method':<10}{'total (s), each repeat':>28}{'steps ' + str(args.from_step) + '+ (s)':>22}"
+          f"{'median step':>13}{'recomputed':>12}{'peak/budget':>13}")
+    for method, reps in runs.items():
+        totals = [r["total_s"] for r, _ in reps]
+        late = [sum(s["step_ms"] for s in recs if s["step"] >= args.from_step) / 1e3 for _, recs in reps]
+        median_step = statistics.median(statistics.median(s["step_ms"] for s in recs) for _, recs in reps if recs)
+        recomputed = statistics.mean(
+            statistics.mean(s["n_checkpointed"] / s["n_blocks"] for s in recs) for _, recs in reps if recs
+        )
+        budget = reps[0][0].get("budget_bytes")
+        peak = max(r["max_peak_allocated_bytes"] for r, _ in reps)
+        print(f"{method:<10}{statistics.median(totals):>8.2f} ({', '.join(f'{t:.2f}' for t in totals)})".ljust(38)
+              + f"{statistics.median(late):>8.2f} ({', '.join(f'{t:.2f}' for t in late)})".ljust(24)
+              + f"{median_step:>9.1f} ms{100 * recomputed:>11.1f}%"
+              + (f"{peak / budget:>12.0%}" if budget else f"{'—':>12}"))
+    if args.method in runs and args.against in runs:
+        others = [recs for _, recs in runs[args.against]]
+        diffs: dict[bool, list[float]] = {False: [], True: []}
+        for _, recs in runs[args.method]:
+            for s in recs:
+                if s["step"] < args.from_step:
+                    continue
+                same = [o[s["step"] - 1]["step_ms"] for o in others if len(o) >= s["step"]]
+                if same:
+                    diffs[bool(s.get("backstop_armed"))].append(s["step_ms"] - statistics.median(same))
+        for armed, d in diffs.items():
+            if d:
+                print(f"{args.method} − {args.against}, {'armed' if armed else 'unarmed'} steps {args.from_step}+: "
+                      f"median {statistics.median(d):+.1f} ms, mean {statistics.mean(d):+.1f} ms over {len(d)} steps")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
