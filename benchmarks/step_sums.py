@@ -1,4 +1,4 @@
-"""Per-method totals, late-step sums and paired step differences of a repeats folder.
+"""Per-method totals, late-step sums and paired step differences of repeats folders.
 
 The numbers the detection sections of benchmarks/README.md quote beside ``memfit report``'s
 table: for each method of a ``detection_bench.py --repeats N`` folder (``.../repeats``, with
@@ -8,9 +8,13 @@ image size), its median step, the mean share of blocks recomputed and the larges
 the budget; then, step by step against ``--against`` (default ``static``), the median and
 mean difference of ``--method``'s steps (default ``dynamic``) to the median of the other's
 repeats at the same step (the same batch), apart for steps the backstop armed and not.
+Several folders are pooled, so repeats spread over several GPU calls (each call's
+``detection_run.sh`` under its own name) count as one matrix; ``memfit report`` on their
+common parent pools them the same way.
 
 Usage:
     python benchmarks/step_sums.py benchmarks/results/nvidia-h200/detection-2026-11-23n/swins-b16-batch/swin-small/repeats
+    python benchmarks/step_sums.py RESULTS/swinb-a/swin-base/repeats RESULTS/swinb-b/swin-base/repeats
 """
 
 from __future__ import annotations
@@ -33,16 +37,20 @@ def _records(run: Path) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("folder", type=Path, help="a repeats folder (results.jsonl and runs/)")
+    p.add_argument("folders", type=Path, nargs="+",
+                   help="repeats folders (results.jsonl and runs/), pooled: e.g. the same matrix run in two calls")
     p.add_argument("--from_step", type=int, default=21, help="first step of the late sum (1-based)")
     p.add_argument("--method", default="dynamic")
     p.add_argument("--against", default="static")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    results = [json.loads(line) for line in (args.folder / "results.jsonl").read_text().splitlines() if line.strip()]
     runs: dict[str, list[tuple[dict, list[dict]]]] = {}
-    for result in results:
-        records = _records(args.folder / Path(result["steps_file"]).parent) if result.get("steps_file") else []
-        runs.setdefault(result["method"], []).append((result, records))
+    for folder in args.folders:
+        for line in (folder / "results.jsonl").read_text().splitlines():
+            if not line.strip():
+                continue
+            result = json.loads(line)
+            records = _records(folder / Path(result["steps_file"]).parent) if result.get("steps_file") else []
+            runs.setdefault(result["method"], []).append((result, records))
     print(f"{'method':<10}{'total (s), each repeat':>28}{'steps ' + str(args.from_step) + '+ (s)':>22}"
           f"{'median step':>13}{'recomputed':>12}{'peak/budget':>13}")
     for method, reps in runs.items():
