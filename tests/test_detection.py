@@ -165,7 +165,7 @@ def test_random_swin_gradients_stay_bounded_on_padded_batches():
     assert 0 < norm < 1e4
 
 
-def test_multi_scale_sizes_and_padding():
+def test_multi_scale_sizes_and_padding(monkeypatch):
     assert det.shortest_edges("480-800") == tuple(range(480, 801, 32))
     assert det.resized_size(480, 640, 800, 1333) == (800, 1067)
     assert det.resized_size(360, 640, 800, 1333) == (750, 1333)  # the longer side is capped
@@ -176,7 +176,10 @@ def test_multi_scale_sizes_and_padding():
 
     examples = det.synthetic_examples(12, seed=3)
     collate = det.DetectionCollator((96, 128, 160), 200, 32, 96, seed=0)
+    empty = torch.empty  # the batch is allocated uninitialised: make that visible
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(7))
     train = collate([det.DetectionFeature(ex, multi_scale=True) for ex in examples])
+    monkeypatch.undo()
     sizes = [tuple(t["size"].tolist()) for t in train["labels"]]
     for ex, size in zip(examples, sizes):  # a shorter side drawn per image, the longer capped
         assert size in {det.resized_size(ex.height, ex.width, e, 200) for e in (96, 128, 160)}
@@ -185,9 +188,30 @@ def test_multi_scale_sizes_and_padding():
     assert (n, c) == (12, 3) and h % 32 == 0 and w % 32 == 0 and h == -(-max(s[0] for s in sizes) // 32) * 32
     for i, (sh, sw) in enumerate(sizes):
         assert train["pixel_mask"][i].sum() == sh * sw and train["pixel_mask"][i, :sh, :sw].all()
+        padding = torch.ones(h, w, dtype=torch.bool)
+        padding[:sh, :sw] = False
+        assert train["pixel_values"][i][:, padding].eq(0).all()  # zero below and right of the image
     evals = collate([det.DetectionFeature(ex, multi_scale=False) for ex in examples[:2]])
     assert all(min(t["size"].tolist()) == 160 or max(t["size"].tolist()) == 200 for t in evals["labels"])
 
+
+
+def test_a_bool_pixel_mask_trains_as_hfs_int64_one():
+    """The collator's mask is bool (an eighth of int64's bytes); the DETR family
+    reads it through `.float()`, so the loss and gradients are those of HF's int64 mask."""
+    batch = _batches(1)[0]
+    assert batch["pixel_mask"].dtype == torch.bool and not batch["pixel_mask"].all()  # padding is there
+    grads = []
+    for mask in (batch["pixel_mask"], batch["pixel_mask"].long()):
+        model = _micro()
+        model.train()
+        torch.manual_seed(0)
+        loss = model(pixel_values=batch["pixel_values"], pixel_mask=mask, labels=batch["labels"]).loss
+        loss.backward()
+        grads.append((loss.detach(), [p.grad for p in model.parameters() if p.grad is not None]))
+    (loss_bool, g_bool), (loss_long, g_long) = grads
+    assert torch.equal(loss_bool, loss_long) and len(g_bool) == len(g_long)
+    assert all(torch.equal(a, b) for a, b in zip(g_bool, g_long))
 
 
 def test_multi_scale_per_batch_draws_one_shorter_side_per_batch():
