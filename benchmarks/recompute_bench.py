@@ -6,7 +6,7 @@ runtime.py). This script checks that price on a fixed batch: for each plan (a se
 checkpointed), the median time of forward + backward, interleaved over rounds; a plan's
 recompute cost is its time less ``none``'s. Beside it, per group (on its first block's
 inputs from a plain forward): the probe's time (a forward with autograd on, synchronised
-before and after; first and median of ``--probes`` runs), and forward + backward (gradients of
+before and after; the first of ``--probes`` runs and the median of the rest), and forward + backward (gradients of
 the inputs only) plain and checkpointed, whose difference is the block's price of
 checkpointing measured in isolation.
 
@@ -68,6 +68,11 @@ def _plan(spec: str, n_blocks: int) -> tuple[str, set[int]]:
     if any(b >= n_blocks for b in blocks):
         raise SystemExit(f"plan {spec!r}: the model has {n_blocks} blocks")
     return name, blocks
+
+
+def _after_first(times: list[float]) -> float:
+    """Median of the runs after the first (the first may load kernels: NOTE [First run of a block])."""
+    return statistics.median(times[1:] or times)
 
 
 def _sync(device: torch.device) -> None:
@@ -144,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             for b in blocks:
                 b.enabled = b.index in enabled
             times[name].extend(step() for _ in range(args.iters))
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
     # probe-style times: each group's first block, on its inputs from a plain forward
     inputs: dict[int, tuple] = {}
@@ -162,11 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     for h in hooks:
         h.remove()
     detach = lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    # detached now, so that the forward's graph (every block's activations) is freed
+    inputs = {i: (tuple(map(detach, a)), {name: detach(v) for name, v in k.items()}) for i, (a, k) in inputs.items()}
     probes: dict[int, list[float]] = {}
     pairs: dict[int, dict[str, list[float]]] = {}
     for g, i in firsts.items():
         a, k = inputs[i]
-        a, k = tuple(map(detach, a)), {name: detach(v) for name, v in k.items()}
         probes[g] = []
         for _ in range(args.probes):
             with torch.enable_grad(), autocast:
@@ -185,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, enabled in plans:
         med = statistics.median(times[name])
-        probe_sum = sum(statistics.median(probes[groups[b]]) for b in enabled)
+        probe_sum = sum(_after_first(probes[groups[b]]) for b in enabled)
         rows.append({
             "plan": name, "blocks": sorted(enabled), "n": len(enabled), "median_ms": med,
             "over_first_ms": med - base, "probe_sum_ms": probe_sum, "recomputes": recomputes[name],
@@ -193,9 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         })
     group_rows = [
         {"group": g, "first_block": i, "blocks": groups.count(g), "probe_first_ms": probes[g][0],
-         "probe_median_ms": statistics.median(probes[g][1:] or probes[g]),
-         "pair_plain_ms": statistics.median(pairs[g]["plain"][1:] or pairs[g]["plain"]),
-         "pair_checkpointed_ms": statistics.median(pairs[g]["checkpointed"][1:] or pairs[g]["checkpointed"])}
+         "probe_median_ms": _after_first(probes[g]), "pair_plain_ms": _after_first(pairs[g]["plain"]),
+         "pair_checkpointed_ms": _after_first(pairs[g]["checkpointed"])}
         for g, i in firsts.items()
     ]
     print(f"{args.config_name}, batch {args.batch_size}, {args.height}x{args.width}, {device}; "
