@@ -1,14 +1,14 @@
 """What recomputing a block costs in a real backward, against what the probe measures.
 
 The planner chooses *which* blocks to checkpoint by their recompute cost, which the probe
-takes as one forward of the block, timed between two synchronisations (NOTE [Probe] in
-runtime.py). This script checks that price on a fixed batch: for each plan (a set of blocks
-checkpointed), the median time of forward + backward, interleaved over rounds; a plan's
-recompute cost is its time less ``none``'s. Beside it, per group (on its first block's
-inputs from a plain forward): the probe's time (a forward with autograd on, synchronised
-before and after; the first of ``--probes`` runs and the median of the rest), and forward + backward (gradients of
-the inputs only) plain and checkpointed, whose difference is the block's price of
-checkpointing measured in isolation.
+takes as a forward of the block timed between two synchronisations (the faster of two: NOTE
+[Probe] and NOTE [First run of a block] in runtime.py). This script checks that price on a
+fixed batch: for each plan (a set of blocks checkpointed), the median time of forward +
+backward, interleaved over rounds; a plan's recompute cost is its time less ``none``'s.
+Beside it, per group (on its first block's inputs from a plain forward): the probe's time
+(a forward with autograd on, synchronised before and after; the first of ``--probes`` runs
+and the median of the rest), and forward + backward (gradients of the inputs only) plain
+and checkpointed, whose difference is the block's price of checkpointing measured apart.
 
 The default is the detection benchmark's Swin-B Conditional DETR (``--config_name``), batch
 16, one padded size, bf16 autocast, a loss on the logits and boxes (no Hungarian matching:
