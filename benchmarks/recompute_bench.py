@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 _SRC = Path(__file__).resolve().parent.parent / "src"
 SWIN_B_PLANS = [
@@ -82,8 +83,6 @@ def _sync(device: torch.device) -> None:
 
 def _fwd_bwd(block, args: tuple, kwargs: dict, checkpointed: bool, autocast, device: torch.device) -> float:
     """Forward and backward of one block (gradients of its inputs only), synchronised: ms."""
-    from torch.utils.checkpoint import checkpoint
-
     inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
     _sync(device)
     t0 = time.perf_counter()

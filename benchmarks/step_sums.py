@@ -20,18 +20,19 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import statistics
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+from memfit.records import read_jsonl  # noqa: E402
+
 
 def _records(run: Path) -> list[dict]:
-    for name, opener in (("memfit_steps.jsonl.gz", gzip.open), ("memfit_steps.jsonl", open)):
+    """The step records in a run's folder (gzipped after the run, or not), or none."""
+    for name in ("memfit_steps.jsonl.gz", "memfit_steps.jsonl"):
         if (run / name).exists():
-            with opener(run / name, "rt") as f:
-                return [json.loads(line) for line in f if line.strip()]
+            return list(read_jsonl(run / name))
     return []
 
 
@@ -45,10 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     runs: dict[str, list[tuple[dict, list[dict]]]] = {}
     for folder in args.folders:
-        for line in (folder / "results.jsonl").read_text().splitlines():
-            if not line.strip():
-                continue
-            result = json.loads(line)
+        if not (folder / "results.jsonl").is_file():
+            p.error(f"{folder}: no results.jsonl; give a repeats folder, e.g. .../swin-base/repeats")
+        for result in read_jsonl(folder / "results.jsonl"):
             records = _records(folder / Path(result["steps_file"]).parent) if result.get("steps_file") else []
             runs.setdefault(result["method"], []).append((result, records))
     print(f"{'method':<10}{'total (s), each repeat':>28}{'steps ' + str(args.from_step) + '+ (s)':>22}"
