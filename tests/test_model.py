@@ -457,3 +457,20 @@ def test_an_optimizer_peak_that_cannot_change_a_plan_keeps_the_cache():
     ctl._learn_optimizer_step(900_000, 200_000)  # over the room: every plan is dropped
     assert planning.cache.items() == []
     ctl.remove()
+
+
+def test_split_gives_a_new_group_a_copy_of_its_old_groups_curves():
+    """NOTE [Blocks alike only in name] (runtime.py): splitting keeps what the group learnt
+    for both parts, and a new group may not merge blocks of two groups."""
+    model = MemoryModel([0, 0, 1, 0])
+    model.group_models[0].full_bytes.add((2, 8), 100.0)
+    model.group_models[1].full_bytes.add((2, 8), 7.0)
+    model.split([0, 2, 1, 2])
+    assert model.groups == [0, 2, 1, 2]
+    assert sorted(model.group_models) == [0, 1, 2]
+    assert model.block_full(1, (2, 8)) == model.block_full(0, (2, 8)) == pytest.approx(100.0)
+    model.group_models[2].full_bytes.add((2, 16), 300.0)  # the copy learns alone
+    assert not model.group_models[0].full_bytes.has((2, 16))
+    assert model.activation_bytes((2, 8)) == pytest.approx(3 * 100.0 + 7.0)
+    with pytest.raises(ValueError, match="merge"):
+        model.split([0, 0, 0, 2])

@@ -57,6 +57,7 @@ errors are caught by the margin in runtime.py.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -407,6 +408,28 @@ class MemoryModel:
     @property
     def ready(self) -> bool:
         return all(g.full_bytes.fitted and g.kept_bytes.fitted for g in self.group_models.values())
+
+    def split(self, groups: Sequence[int]) -> None:
+        """Regroup the blocks by splitting groups (NOTE [Blocks alike only in name], runtime.py).
+
+        Each id of ``groups`` must take its blocks from one old group; a new id starts with
+        a copy of that old group's curves (its samples are of sizes where the blocks were
+        measured alike).
+        """
+        groups = list(groups)
+        if len(groups) != len(self.groups):
+            raise ValueError(f"split: {len(groups)} group ids for {len(self.groups)} blocks")
+        parents: dict[int, set[int]] = {}
+        for new, old in zip(groups, self.groups):
+            parents.setdefault(new, set()).add(old)
+        if any(len(olds) > 1 for olds in parents.values()):
+            raise ValueError("split: a new group may not merge blocks of different groups")
+        self.group_models = {
+            g: self.group_models[g] if g in self.group_models and parents[g] == {g} else copy.deepcopy(self.group_models[next(iter(parents[g]))])
+            for g in sorted(parents)
+        }
+        self.groups = groups
+        self._group_sizes = {g: groups.count(g) for g in self.group_models}
 
     def observe_key(self, key: tuple[int, int]) -> None:
         if self.max_key is None or key[0] * key[1] > self.max_key[0] * self.max_key[1]:

@@ -7,9 +7,9 @@ the training loop:
   record is written then, when the peak of its backward and optimizer step is known);
 * the first block to run fixes the plan (NOTE [Plan is fixed before forward]);
 * saved tensors are counted per block while the root forward runs (accounting.py);
-* in warm-up, each group of identical blocks is *probed*: its body runs once more on
-  detached inputs under a forked RNG, to measure what it would save un-checkpointed and
-  how long it takes (NOTE [Probe]);
+* in warm-up, every block is *probed*: its body runs once more on detached inputs under a
+  forked RNG, to measure what it would save un-checkpointed, and the first of each group of
+  identical blocks is timed (NOTE [Probe], NOTE [Blocks alike only in name]);
 * under a method that evicts (``reactive``), blocks run under the reactive store and room
   is made at each block entry and at the forward's end (NOTE [Reactive room]).
 
@@ -20,7 +20,7 @@ run, and do not change until the next step: forward and backward see one plan.
 
 # NOTE [Probe]
 Under ``full`` the blocks' saved tensors are held by the checkpoint and invisible to our
-hooks (NOTE [Who sees a checkpointed block's tensors]). The probe re-runs one block on
+hooks (NOTE [Who sees a checkpointed block's tensors]). The probe re-runs a block on
 detached copies of its inputs, counts what it saves, and drops the result: it costs one
 block's activations for a moment, as ``full``'s own recompute does in backward, so warm-up
 is safe under any budget ``full`` fits. The RNG is forked so dropout masks of the real
@@ -45,6 +45,25 @@ up, and the price is the faster run. The first run's saved tensors are the ones 
 the second's go to a counter of their own (the step's counter is outside: it must see
 neither), and each run's are freed before the next: the probe's peak stays one block's
 activations.
+
+# NOTE [Blocks alike only in name]
+Blocks of one class and parameter count share a group, one memory and cost model
+(``_group_ids``), but such blocks need not save the same bytes. Swin's shifted-window
+layers add the shift mask to the relative-position bias, a (windows x heads x 49 x 49)
+tensor where the unshifted layers pass a (heads x 49 x 49) bias; on CUDA the attention
+kernel keeps it for backward. On the H200 Swin-B detector (batch 16, 84,672 patches) a
+held shifted stage-1 layer was counted at 7.59 GB, the unshifted one the group was probed
+on at 6.99 GB (a bf16 mask of that shape is 0.53 GB); each held shifted stage-3 and
+stage-4 layer was under-predicted alike. At 35.49 GB both ``dynamic`` processes of the
+thirteenth run (2026-11-23) ran out of memory in step 6's forward, with a plan that held
+the shifted layer 1 under a checkpointed layer 0 (predicted 33.87 GB, 35.16 GB allocated
+when it failed), as ``static`` had in the twelfth. The CPU's attention saves no mask, so
+the CPU counts both alike. So warm-up probes every block (the first of each group twice,
+timed, the others once, for their bytes: about one more forward per warm-up step), and a
+group whose members saved more than ``GROUP_SPLIT_SHARE`` apart is split, before its
+samples are added: each kind of member gets its own group (a copy of the group's curves
+from earlier steps, where its members were measured alike) with its first member's bytes,
+and the group's timed price, as blocks of one class and size cost about the same.
 
 # NOTE [Reactive room]
 Eviction can only act between blocks, so at each block entry the bytes in use (the
@@ -215,6 +234,9 @@ ROW_AFTER_STEADY_ASKS = 3
 #: The backstop is armed for a step unless its activations could exceed the prediction by
 #: this share and still leave the backstop's reserve free (NOTE [Backstop]).
 BACKSTOP_ARM_SHARE = 0.5
+
+#: Blocks of one group whose probes saved more than this share apart are split (NOTE [Blocks alike only in name]).
+GROUP_SPLIT_SHARE = 0.01
 
 #: The allocator's slack kept free on CUDA before any OOM has measured it (NOTE [Allocator slack]).
 ALLOCATOR_SLACK_BYTES = 256 * 2**20
@@ -642,6 +664,7 @@ class Controller:
             "t0": time.perf_counter(),
             "decision": None,
             "probed": set(),
+            "probes": {},  # block index -> (saved bytes, time or None): warm-up's probes
             "static": self.planning.static_bytes,
             # optimizer state counted in `static` that only its first step will create
             "state_to_come": self._expected_opt_bytes if self.optimizer is not None and not self.optimizer.state else 0,
@@ -672,6 +695,8 @@ class Controller:
                     by_block = [a + b for a, b in zip(by_block, in_store)]
                     pending["kept_now"] = self._counter.total_bytes + self._reactive.kept_bytes
             pending["saved"] = (self._counter.outside_bytes, by_block)
+            if pending.get("probes"):
+                self._learn_probes(pending)
 
     def _make_room(self, pending: dict[str, Any], upcoming_bytes: int, inputs: Any = ()) -> None:
         """Evict already-run blocks if in-use + margin + ``upcoming_bytes`` crosses the budget.
@@ -718,10 +743,11 @@ class Controller:
         if block.enabled:
             self._counter.count_inputs(block.index, args, kwargs)
         if pending["decision"].warmup:
+            # every block is measured, each group's first also timed (NOTE [Blocks alike only in name])
             group = self.planning.model.groups[block.index]
-            if group not in pending["probed"]:
-                pending["probed"].add(group)
-                self._probe(block, args, kwargs, pending["key"])
+            timed = group not in pending["probed"]
+            pending["probed"].add(group)
+            pending["probes"][block.index] = self._probe(block, args, kwargs, timed)
 
     def _decide(self, pending: dict[str, Any], args: tuple, kwargs: dict) -> None:
         x = _first_tensor(args, kwargs)
@@ -791,19 +817,24 @@ class Controller:
         margin = self.planning.margin_bytes if self.method.evicts else self.planning.margin_bytes // 3
         return margin + self.planning.slack_bytes
 
-    def _probe(self, block: Block, args: tuple, kwargs: dict, key: tuple[int, int]) -> None:
-        """Measure what ``block`` saves un-checkpointed and its forward time (NOTE [Probe])."""
+    def _probe(self, block: Block, args: tuple, kwargs: dict, timed: bool = True) -> tuple[int, float | None]:
+        """What ``block`` saves un-checkpointed, and its forward time if ``timed`` (NOTE [Probe]).
+
+        Untimed, the block runs once (its bytes are all that is asked: NOTE [Blocks alike
+        only in name]) and the time is ``None``.
+        """
         detached = tree_map(
             lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t, (args, kwargs)
         )
         probe = ProbeCounter(self._exclude_ptrs, self._counter.parameter_storages)
-        cuda = self.device.type == "cuda"
-        devices = [self.device] if cuda else []
+        cuda = self.device.type == "cuda" and timed
+        devices = [self.device] if self.device.type == "cuda" else []
         times_ms = []
+        counters = (probe, ProbeCounter(self._exclude_ptrs, self._counter.parameter_storages)) if timed else (probe,)
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
             # NOTE [First run of a block]: the faster run is the price. The second run's saved
             # tensors go to a counter of their own, not to the step's (which is outside).
-            for counter in (probe, ProbeCounter(self._exclude_ptrs, self._counter.parameter_storages)):
+            for counter in counters:
                 probe_args, probe_kwargs = without_cache(block.module, *detached)
                 if cuda:
                     torch.cuda.synchronize(self.device)
@@ -814,10 +845,46 @@ class Controller:
                     torch.cuda.synchronize(self.device)
                 times_ms.append((time.perf_counter() - t0) * 1e3)
                 del out, probe_args, probe_kwargs
-        group = self.planning.model.groups[block.index]
-        group_model = self.planning.model.group_models[group]
-        group_model.full_bytes.add(key, probe.bytes)
-        group_model.cost_ms.add(key, min(times_ms))
+        return probe.bytes, (min(times_ms) if timed else None)
+
+    def _learn_probes(self, pending: dict[str, Any]) -> None:
+        """Split groups whose members saved different bytes, then give each group its first
+        member's probe (NOTE [Blocks alike only in name])."""
+        (probes, pending["probes"]), key = (pending["probes"], {}), pending["key"]
+        model = self.planning.model
+        before, groups = list(model.groups), list(model.groups)
+        next_id = max(groups) + 1
+        timed_ms: dict[int, float] = {}  # per group before the split: its first member's time
+        kinds: dict[int, list[tuple[int, int]]] = {}  # per group before the split: (bytes, new id)
+        for i in sorted(probes):
+            nbytes, ms = probes[i]
+            g = model.groups[i]
+            if ms is not None:
+                timed_ms[g] = ms
+            same = kinds.setdefault(g, [])
+            match = next((gid for ref, gid in same if abs(nbytes - ref) <= GROUP_SPLIT_SHARE * max(nbytes, ref)), None)
+            if match is None:
+                match = g if not same else next_id
+                next_id += match == next_id
+                same.append((nbytes, match))
+            groups[i] = match
+        if groups != model.groups:
+            changed = sorted({g for g in groups if groups.count(g) != before.count(g)})
+            logger.info(
+                "memfit: blocks of one class and size saved different bytes at shape key %s; planned apart now: %s",
+                key, "; ".join(str([i for i, x in enumerate(groups) if x == g]) for g in changed),
+            )
+            model.split(groups)
+            self.planning.cache.clear()
+        seen: set[int] = set()
+        for i in sorted(probes):
+            g = model.groups[i]
+            if g in seen:
+                continue
+            seen.add(g)
+            nbytes, ms = probes[i]
+            model.group_models[g].full_bytes.add(key, nbytes)
+            model.group_models[g].cost_ms.add(key, ms if ms is not None else timed_ms[before[i]])
 
     # ----------------------------------------------------------------- records
     def _finish_step(self, static_now: int | None = None) -> None:
