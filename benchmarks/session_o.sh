@@ -27,4 +27,7 @@ swinb07g)  # `swinb07` again on that code
 swintg)  # `swint` again on that code
     bash benchmarks/detection_run.sh swint-b16-batch-0507g 480 --models tiny --methods dynamic static \
         --multi_scale_per batch --budget_gb 17.78 24.92 --repeats 2 --steps 60 ;;
+swintg4)  # Swin-T at 0.7 x only, 4 more repeats of none, dynamic, static on that code (pooled with `swintg`'s 2)
+    bash benchmarks/detection_run.sh swint-b16-batch-07g4 480 --models tiny --methods dynamic static \
+        --multi_scale_per batch --budget_gb 24.92 --repeats 4 --steps 60 ;;
 esac

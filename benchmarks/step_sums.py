@@ -8,6 +8,7 @@ image size), its median step, the mean share of blocks recomputed and the larges
 the budget; then, step by step against ``--against`` (default ``static``), the median and
 mean difference of ``--method``'s steps (default ``dynamic``) to the median of the other's
 repeats at the same step (the same batch), apart for steps the backstop armed and not.
+A matrix of several budgets gets a row per method and budget, and the differences per budget.
 Several folders are pooled, so repeats spread over several GPU calls (each call's
 ``detection_run.sh`` under its own name) count as one matrix; ``memfit report`` on their
 common parent pools them the same way.
@@ -44,32 +45,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--method", default="dynamic")
     p.add_argument("--against", default="static")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    runs: dict[str, list[tuple[dict, list[dict]]]] = {}
+    runs: dict[tuple[str, int | None], list[tuple[dict, list[dict]]]] = {}  # per (method, budget)
     for folder in args.folders:
         if not (folder / "results.jsonl").is_file():
             p.error(f"{folder}: no results.jsonl; give a repeats folder, e.g. .../swin-base/repeats")
         for result in read_jsonl(folder / "results.jsonl"):
             records = _records(folder / Path(result["steps_file"]).parent) if result.get("steps_file") else []
-            runs.setdefault(result["method"], []).append((result, records))
-    print(f"{'method':<10}{'total (s), each repeat':>28}{'steps ' + str(args.from_step) + '+ (s)':>22}"
+            runs.setdefault((result["method"], result.get("budget_bytes")), []).append((result, records))
+    print(f"{'method':<10}{'budget':>10}{'total (s), each repeat':>28}{'steps ' + str(args.from_step) + '+ (s)':>22}"
           f"{'median step':>13}{'recomputed':>12}{'peak/budget':>13}")
-    for method, reps in runs.items():
+    for (method, budget), reps in runs.items():
         totals = [r["total_s"] for r, _ in reps]
         late = [sum(s["step_ms"] for s in recs if s["step"] >= args.from_step) / 1e3 for _, recs in reps]
         median_step = statistics.median(statistics.median(s["step_ms"] for s in recs) for _, recs in reps if recs)
         recomputed = statistics.mean(
             statistics.mean(s["n_checkpointed"] / s["n_blocks"] for s in recs) for _, recs in reps if recs
         )
-        budget = reps[0][0].get("budget_bytes")
         peak = max(r["max_peak_allocated_bytes"] for r, _ in reps)
-        print(f"{method:<10}{statistics.median(totals):>8.2f} ({', '.join(f'{t:.2f}' for t in totals)})".ljust(38)
+        print(f"{method:<10}{f'{budget / 1e9:.2f} GB' if budget else '—':>10}{statistics.median(totals):>8.2f} ({', '.join(f'{t:.2f}' for t in totals)})".ljust(38)
               + f"{statistics.median(late):>8.2f} ({', '.join(f'{t:.2f}' for t in late)})".ljust(24)
               + f"{median_step:>9.1f} ms{100 * recomputed:>11.1f}%"
               + (f"{peak / budget:>12.0%}" if budget else f"{'—':>12}"))
-    if args.method in runs and args.against in runs:
-        others = [recs for _, recs in runs[args.against]]
+    for budget in dict.fromkeys(b for _, b in runs):
+        if (args.method, budget) not in runs or (args.against, budget) not in runs:
+            continue
+        others = [recs for _, recs in runs[args.against, budget]]
         diffs: dict[bool, list[float]] = {False: [], True: []}
-        for _, recs in runs[args.method]:
+        for _, recs in runs[args.method, budget]:
             for s in recs:
                 if s["step"] < args.from_step:
                     continue
@@ -78,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
                     diffs[bool(s.get("backstop_armed"))].append(s["step_ms"] - statistics.median(same))
         for armed, d in diffs.items():
             if d:
-                print(f"{args.method} − {args.against}, {'armed' if armed else 'unarmed'} steps {args.from_step}+: "
-                      f"median {statistics.median(d):+.1f} ms, mean {statistics.mean(d):+.1f} ms over {len(d)} steps")
+                print(f"{args.method} − {args.against} at {budget / 1e9:.2f} GB, {'armed' if armed else 'unarmed'} steps "
+                      f"{args.from_step}+: median {statistics.median(d):+.1f} ms, mean {statistics.mean(d):+.1f} ms over {len(d)} steps")
     return 0
 
 
