@@ -760,3 +760,48 @@ def test_blocks_of_one_class_that_save_different_bytes_are_planned_apart():
     for r in steady:
         assert not r.evicted_blocks and r.oom_retries == 0
         assert r.peak_allocated_bytes <= r.predicted_peak_bytes + budget // 1000, r  # the fit rounds
+
+
+class _Biased(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x, bias):
+        return torch.tanh(self.lin(x)) + bias  # saves x (lin) and its output (tanh), never `bias`
+
+
+def test_the_record_says_what_the_backstop_kept_only_as_block_inputs(monkeypatch):
+    """A step with the backstop armed keeps each un-checkpointed block's inputs for a
+    recompute; the record counts those that no saved tensor holds (here `bias`, once, though
+    every block takes it), and 0 on a step that ran plainly."""
+    from memfit.runtime import Controller
+
+    torch.manual_seed(0)
+    layers = nn.ModuleList(_Biased(8) for _ in range(3))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = layers
+
+        def forward(self, x):
+            bias = torch.randn(x.shape[-1]).expand_as(x).contiguous()
+            for layer in self.layers:
+                x = layer(x, bias)
+            return x.square().mean()
+
+    net = Net().train()
+    armed = {"on": False}
+    monkeypatch.setattr(Controller, "_backstop_armed", lambda self, key, blocks: armed["on"])
+    ctl = memfit.fit(net, budget=10**9, method="dynamic", blocks=r"layers\.\d+", warmup_steps=1, warmup_keys=1)
+    x = torch.randn(4, 5, 8)
+    for on in (False, False, True, False):
+        armed["on"] = on
+        net(x).backward()
+        net.zero_grad(set_to_none=True)
+    ctl.remove()
+    records = ctl.records
+    assert [r.backstop_armed for r in records[1:]] == [False, True, False]
+    bias_bytes = x.numel() * x.element_size()
+    assert [r.backstop_input_bytes for r in records] == [0, 0, bias_bytes, 0]

@@ -109,6 +109,11 @@ class SavedTensorCounter:
     def total_bytes(self) -> int:
         return self.outside_bytes + sum(self.by_block)
 
+    @property
+    def counted_ptrs(self) -> set[int]:
+        """Addresses of the storages counted this forward (read-only use)."""
+        return self._seen
+
     def exclude_parameters(self, params: Iterable[torch.Tensor]) -> None:
         """Never count the storages of ``params`` (FSDP2's unsharded parameters) as activations."""
         self.parameter_storages.update(local(p).untyped_storage()._cdata for p in params)

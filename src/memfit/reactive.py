@@ -45,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -315,6 +315,17 @@ class ReactiveStore:
         self.largest_block_bytes = max(self.largest_block_bytes, self._ledger.bytes - before_bytes)
         self._stores.append(weakref.ref(store))
         return out
+
+    def input_only_bytes(self, also_saved: Collection[int] = ()) -> int:
+        """Bytes the stores keep only as block inputs: storages that no store's saved tensors,
+        nor ``also_saved`` (addresses counted elsewhere), hold. Under the backstop (NOTE
+        [Backstop], runtime.py) that is what arming adds to a step."""
+        saved, inputs = set(also_saved), {}
+        for store in (ref() for ref in self._stores):
+            if store is not None:
+                saved.update(store.saved_ptrs)
+                inputs.update(store.input_ptrs)
+        return sum(nbytes for ptr, nbytes in inputs.items() if ptr not in saved)
 
     def evict(self, need_bytes: int, keep: Sequence[torch.Tensor] = ()) -> int:
         """Evict already-run blocks chosen by :func:`choose_evictions`; returns the bytes freed.

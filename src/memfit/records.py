@@ -64,6 +64,9 @@ class StepRecord:
     #: the backstop ran this step's un-checkpointed blocks under the reactive store (NOTE
     #: [Backstop] in runtime.py)
     backstop_armed: bool = False
+    #: bytes the backstop's stores kept only as block inputs (no saved tensor held them):
+    #: what arming added to the step beyond the blocks' own saved tensors
+    backstop_input_bytes: int = 0
     #: the attempts of this step that ran out of memory and were replayed, oldest first:
     #: ``stage`` (forward / backward / optimizer), ``plan``, ``phase``, ``shape``,
     #: ``predicted_peak_bytes``, ``margin_bytes``, ``slack_bytes``, ``evicted_blocks``,

@@ -100,6 +100,14 @@ of 56 on Swin-T), at the detector's layers, with every peak under the planned ro
 recomputed in backward; the step's record lists them. Such a step teaches the model the
 bytes its blocks saved (as counted before evicting: an under-prediction, so it refits) but
 not its transient, which the evictions lowered.
+An armed step holds more than the same plan run plainly: on the H200 Swin-T detector (batch
+16, 84,672 patches, thirteenth run, 2026-11-23) 0.76-0.88 GB more at its peak (0.07% more on
+the CPU's micro detector), and its bytes teach the block curves (which keep each size's
+largest sample) and the margin, so `dynamic` over-predicted its unarmed steps by 0.8-2.0 GB
+where `static` erred by 0.02-0.19 GB. What the stores kept only as block inputs (the inputs a
+block's own ops do not save: a bf16 stage input that LayerNorm saves as its fp32 cast, a
+position embedding added inside the block) is the likely part, not yet measured: the record's
+``backstop_input_bytes`` counts it.
 
 # NOTE [A replay checkpoints more]
 An OOM grows the margin or the slack and clears the plans, so the replay is planned with
@@ -694,6 +702,7 @@ class Controller:
                     in_store = self._reactive.kept_by_block(len(self.blocks), before_eviction=True)
                     by_block = [a + b for a, b in zip(by_block, in_store)]
                     pending["kept_now"] = self._counter.total_bytes + self._reactive.kept_bytes
+                    pending["backstop_input"] = self._reactive.input_only_bytes(self._counter.counted_ptrs)
             pending["saved"] = (self._counter.outside_bytes, by_block)
             if pending.get("probes"):
                 self._learn_probes(pending)
@@ -985,6 +994,7 @@ class Controller:
             planned=pending["planned"],
             evicted_blocks=pending["evicted"],
             backstop_armed=pending["armed"],
+            backstop_input_bytes=pending.get("backstop_input", 0),
             oom_attempts=self._oom_attempts,
             rank=self.rank,
         )
