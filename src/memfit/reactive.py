@@ -320,12 +320,13 @@ class ReactiveStore:
         """Bytes the stores keep only as block inputs: storages that no store's saved tensors,
         nor ``also_saved`` (addresses counted elsewhere), hold. Under the backstop (NOTE
         [Backstop], runtime.py) that is what arming adds to a step."""
-        saved, inputs = set(also_saved), {}
+        saved: set[int] = set()
+        inputs: dict[int, int] = {}
         for store in (ref() for ref in self._stores):
             if store is not None:
                 saved.update(store.saved_ptrs)
                 inputs.update(store.input_ptrs)
-        return sum(nbytes for ptr, nbytes in inputs.items() if ptr not in saved)
+        return sum(nbytes for ptr, nbytes in inputs.items() if ptr not in saved and ptr not in also_saved)
 
     def evict(self, need_bytes: int, keep: Sequence[torch.Tensor] = ()) -> int:
         """Evict already-run blocks chosen by :func:`choose_evictions`; returns the bytes freed.
