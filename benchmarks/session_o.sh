@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The twelfth session's GPU calls (one H200 or H100 each; results in benchmarks/results/<device>/*-2026-11-23o).
+# The twelfth session's GPU calls (one H200 each; results in benchmarks/results/nvidia-h200/detection-2026-11-23o).
 # A record of what ran, not one call: each block below was one `run` of at most 10 minutes.
 # Usage: bash benchmarks/session_o.sh CALL. Code: the probe's faster of two runs (NOTE [First run of
 # a block], runtime.py) and the bool-mask collator, neither measured on a GPU before.
