@@ -195,7 +195,6 @@ def test_multi_scale_sizes_and_padding(monkeypatch):
     assert all(min(t["size"].tolist()) == 160 or max(t["size"].tolist()) == 200 for t in evals["labels"])
 
 
-
 def test_a_bool_pixel_mask_trains_as_hfs_int64_one():
     """The collator's mask is bool (an eighth of int64's bytes); the DETR family
     reads it through `.float()`, so the loss and gradients are those of HF's int64 mask."""

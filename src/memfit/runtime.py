@@ -872,9 +872,11 @@ class Controller:
                 timed_ms[g] = ms
             same = kinds.setdefault(g, [])
             match = next((gid for ref, gid in same if abs(nbytes - ref) <= GROUP_SPLIT_SHARE * max(nbytes, ref)), None)
-            if match is None:
-                match = g if not same else next_id
-                next_id += match == next_id
+            if match is None:  # a new kind: the group's first keeps its id, a later one gets a new id
+                if same:
+                    match, next_id = next_id, next_id + 1
+                else:
+                    match = g
                 same.append((nbytes, match))
             groups[i] = match
         if groups != model.groups:
