@@ -35,9 +35,11 @@ A storage (by address, parameters and buffers excluded) is counted once while an
 keeps it: a block's inputs, kept for its recompute, or a block's saved tensors until that
 block is evicted. Evicting a block frees the storages only its saved tensors hold, so block
 j+1's input that block j also saved stays counted (at block j+1's entry, before j+1 holds
-it, :meth:`ReactiveStore.evict` is told to keep it). A storage saved both inside a block and
-outside every block is counted by both this store and the controller's counter (an
-over-count).
+it, :meth:`ReactiveStore.evict` is told to keep it). A storage that the controller's counter
+counts too (saved outside every block or by a checkpointed block, as BERT's attention mask
+that a checkpointed block saves and the next stored block takes) is counted once:
+:meth:`ReactiveStore.kept_bytes_beyond` leaves it to the counter. (Counted twice, it made a
+CPU run's backstop evict for a mask no step held twice.)
 """
 
 from __future__ import annotations
@@ -131,27 +133,27 @@ class _Ledger:
 
     def __init__(self) -> None:
         self.bytes = 0
-        self._held: dict[int, list[int]] = {}  # storage address -> [nbytes, holders]
+        self.held: dict[int, list[int]] = {}  # storage address -> [nbytes, holders]
 
     def hold(self, ptr: int, nbytes: int) -> None:
-        entry = self._held.get(ptr)
+        entry = self.held.get(ptr)
         if entry is None:
-            self._held[ptr] = [nbytes, 1]
+            self.held[ptr] = [nbytes, 1]
             self.bytes += nbytes
         else:
             entry[1] += 1
 
     def release(self, ptrs: dict[int, int]) -> None:
         for ptr in ptrs:
-            entry = self._held[ptr]
+            entry = self.held[ptr]
             entry[1] -= 1
             if entry[1] == 0:
-                del self._held[ptr]
+                del self.held[ptr]
                 self.bytes -= entry[0]
 
     def exclusive_bytes(self, ptrs: dict[int, int]) -> int:
         """Bytes that releasing ``ptrs`` (one holder) would free."""
-        return sum(self._held[p][0] for p in ptrs if self._held[p][1] == 1)
+        return sum(self.held[p][0] for p in ptrs if self.held[p][1] == 1)
 
 
 class _StopRecompute(Exception):
@@ -284,6 +286,10 @@ class ReactiveStore:
         """Bytes the stores keep now (NOTE [Counted bytes of the stores])."""
         return self._ledger.bytes
 
+    def kept_bytes_beyond(self, counted: Collection[int]) -> int:
+        """Bytes the stores keep now that ``counted`` (addresses counted elsewhere) does not hold."""
+        return self._ledger.bytes - sum(entry[0] for ptr, entry in self._ledger.held.items() if ptr in counted)
+
     def _hold(self, t: torch.Tensor, ptrs: dict[int, int]) -> None:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
@@ -316,17 +322,24 @@ class ReactiveStore:
         self._stores.append(weakref.ref(store))
         return out
 
-    def input_only_bytes(self, also_saved: Collection[int] = ()) -> int:
-        """Bytes the stores keep only as block inputs: storages that no store's saved tensors,
-        nor ``also_saved`` (addresses counted elsewhere), hold. Under the backstop (NOTE
-        [Backstop], runtime.py) that is what arming adds to a step."""
+    def input_only_by_block(self, n_blocks: int, also_saved: Collection[int] = ()) -> list[int]:
+        """Bytes the stores keep only as block inputs, per block index: storages that no
+        store's saved tensors, nor ``also_saved`` (addresses counted elsewhere), hold, each
+        at the earliest block keeping it (it lives as long as that block's store). Under the
+        backstop (NOTE [Backstop], runtime.py) that is what arming adds to a step."""
         saved: set[int] = set()
-        inputs: dict[int, int] = {}
         for store in (ref() for ref in self._stores):
             if store is not None:
                 saved.update(store.saved_ptrs)
-                inputs.update(store.input_ptrs)
-        return sum(nbytes for ptr, nbytes in inputs.items() if ptr not in saved and ptr not in also_saved)
+        out = [0] * n_blocks
+        for store in (ref() for ref in self._stores):
+            if store is None:
+                continue
+            for ptr, nbytes in store.input_ptrs.items():
+                if ptr not in saved and ptr not in also_saved:
+                    saved.add(ptr)  # counted once
+                    out[store.block.index] += nbytes
+        return out
 
     def evict(self, need_bytes: int, keep: Sequence[torch.Tensor] = ()) -> int:
         """Evict already-run blocks chosen by :func:`choose_evictions`; returns the bytes freed.
@@ -355,16 +368,18 @@ class ReactiveStore:
         self._ledger.release(kept)
         return before_bytes - self._ledger.bytes
 
-    def kept_by_block(self, n_blocks: int, before_eviction: bool = False) -> list[int]:
+    def kept_by_block(self, n_blocks: int, before_eviction: bool = False, inputs: bool = True) -> list[int]:
         """Kept bytes per block index, each storage counted once, at the earliest block keeping it.
 
         ``before_eviction``: count evicted blocks' saved tensors too (what they saved).
+        ``inputs``: count the blocks' inputs too (else only their saved tensors).
         """
         out, seen = [0] * n_blocks, set()
         for store in (ref() for ref in self._stores):
             if store is None:
                 continue
-            held = store.input_ptrs if store.evicted and not before_eviction else {**store.input_ptrs, **store.saved_ptrs}
+            saved = {} if store.evicted and not before_eviction else store.saved_ptrs
+            held = {**store.input_ptrs, **saved} if inputs else saved
             for ptr, nbytes in held.items():
                 if ptr not in seen:
                     seen.add(ptr)

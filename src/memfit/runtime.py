@@ -100,14 +100,21 @@ of 56 on Swin-T), at the detector's layers, with every peak under the planned ro
 recomputed in backward; the step's record lists them. Such a step teaches the model the
 bytes its blocks saved (as counted before evicting: an under-prediction, so it refits) but
 not its transient, which the evictions lowered.
-An armed step holds more than the same plan run plainly: on the H200 Swin-T detector (batch
-16, 84,672 patches, thirteenth run, 2026-11-23) 0.76-0.88 GB more at its peak (0.07% more on
-the CPU's micro detector), and its bytes teach the block curves (which keep each size's
-largest sample) and the margin, so `dynamic` over-predicted its unarmed steps by 0.8-2.0 GB
-where `static` erred by 0.02-0.19 GB. What the stores kept only as block inputs (the inputs a
-block's own ops do not save: a bf16 stage input that LayerNorm saves as its fp32 cast, a
-position embedding added inside the block) is the likely part, not yet measured: the record's
-``backstop_input_bytes`` counts it.
+An armed step holds more than the same plan run plainly: its stores keep each block's inputs,
+and those that no saved tensor holds (a bf16 stage input that LayerNorm saves as its fp32 cast,
+a mask every block takes) would be freed. On the H200 Swin-T detector (batch 16, 84,672
+patches, thirteenth run, 2026-11-23) an armed step peaked 0.76-0.88 GB above the same plan
+unarmed. Learnt, those bytes lifted the block curves (which keep each size's largest sample)
+and grew the margin, so `dynamic` over-predicted its unarmed steps by 0.8-2.0 GB where
+`static` erred by 0.02-0.19 GB (a CPU stack whose blocks keep an unsaved input: the margin
+grew from 0.1% to 29% of the budget, and plans of 2 and 4 blocks became 6). So an armed step
+teaches what its plan holds run plainly: its blocks' saved tensors without the stores' inputs,
+and its peaks less those inputs (all of them at the backward's start; from the first
+recompute on, those of the stores below it, the others being gone); the record's
+``backstop_input_bytes`` says how much that was. An armed step is then predicted short by
+them, which the backstop's room covers (it evicts if they do not fit); and it counts as the
+proof that its plan fits unarmed (the rule above) if its plan would: by its peak less the
+inputs or, had it evicted, by the model's prediction, learnt from what its blocks saved.
 
 # NOTE [A replay checkpoints more]
 An OOM grows the margin or the slack and clears the plans, so the replay is planned with
@@ -620,7 +627,8 @@ class Controller:
             pending = self._pending
             if pending is not None and "saved" in pending:
                 # the backward's start was read apart at its first recompute, if it had one
-                pending["backward_peak"] = max(torch.cuda.max_memory_allocated(self.device), pending.get("start_peak", 0))
+                pending["rest_peak"] = torch.cuda.max_memory_allocated(self.device)
+                pending["backward_peak"] = max(pending["rest_peak"], pending.get("start_peak", 0))
                 torch.cuda.reset_peak_memory_stats(self.device)
 
         self._optimizer_handles = [optimizer.register_step_pre_hook(before_step)]
@@ -699,10 +707,12 @@ class Controller:
                 if self.method.evicts:
                     by_block = self._reactive.kept_by_block(len(self.blocks))
                 else:  # backstop: what the blocks saved, before any eviction (NOTE [Backstop])
-                    in_store = self._reactive.kept_by_block(len(self.blocks), before_eviction=True)
+                    n = len(self.blocks)
+                    in_store = self._reactive.kept_by_block(n, before_eviction=True, inputs=False)
                     by_block = [a + b for a, b in zip(by_block, in_store)]
-                    pending["kept_now"] = self._counter.total_bytes + self._reactive.kept_bytes
-                    pending["backstop_input"] = self._reactive.input_only_bytes(self._counter.counted_ptrs)
+                    counted = self._counter.counted_ptrs
+                    pending["kept_now"] = self._counter.total_bytes + self._reactive.kept_bytes_beyond(counted)
+                    pending["backstop_input"] = self._reactive.input_only_by_block(n, counted)  # what arming added
             pending["saved"] = (self._counter.outside_bytes, by_block)
             if pending.get("probes"):
                 self._learn_probes(pending)
@@ -715,7 +725,7 @@ class Controller:
         if self.accounting == "cuda":
             in_use = torch.cuda.memory_allocated(self.device)
         else:
-            in_use = pending["static"] + self._counter.total_bytes + self._reactive.kept_bytes
+            in_use = pending["static"] + self._counter.total_bytes + self._reactive.kept_bytes_beyond(self._counter.counted_ptrs)
             pending["saved_peak"] = max(pending["saved_peak"], in_use - pending["static"])
         if self.budget_bytes is None:
             return
@@ -914,18 +924,20 @@ class Controller:
         start_peak = pending.get("start_peak")  # NOTE [Reading the backward's start]
         start_transient = None
         if self.accounting == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.device)
+            rest = torch.cuda.max_memory_allocated(self.device)  # since the last reset
             reserved = max(torch.cuda.max_memory_reserved(self.device), pending.get("start_reserved", 0))
             if "backward_peak" in pending:
-                # since the optimizer's pre-hook reset the counter, `peak` is its step's
-                optimizer_peak, peak = peak, pending["backward_peak"]
-            elif start_peak is not None:
-                peak = max(peak, start_peak)
+                # since the optimizer's pre-hook reset the counter, `rest` is its step's
+                optimizer_peak, rest = rest, pending["rest_peak"]
+            peak = rest if start_peak is None else max(rest, start_peak)
         outside, by_block = pending["saved"]
         saved = outside + sum(by_block)
         static = pending["static"]
+        decision = pending["decision"]
         if self.accounting == "logical":
-            peak = reserved = static + max(pending.get("kept_now", saved), pending["saved_peak"])
+            peak = reserved = rest = static + max(pending.get("kept_now", saved), pending["saved_peak"])
+        plain_peak, plain_start = self._plain_peaks(pending, peak, start_peak, rest)
+        if self.accounting == "logical":
             transient = 0
         elif optimizer_peak is not None:
             # The backward's peak, read apart: the optimizer state that its first step
@@ -937,29 +949,32 @@ class Controller:
             static_now = self._static_now() if static_now is None else static_now
             grown = max(0, static_now - static)
             base = static - pending["state_to_come"] + grown + saved
-            transient = peak - base
-            start_transient = None if start_peak is None else start_peak - base
+            transient = plain_peak - base
+            start_transient = None if plain_start is None else plain_start - base
             self._learn_optimizer_step(optimizer_peak - static, static)
-            peak = max(peak, optimizer_peak)
+            peak, plain_peak = max(peak, optimizer_peak), max(plain_peak, optimizer_peak)
         else:
             # One peak for the whole step, which can include the optimizer's first step and
             # the state it creates: the transient is what the peak holds beyond the larger.
             base = max(static, self._static_now() if static_now is None else static_now) + saved
-            transient = peak - base
-            start_transient = None if start_peak is None else start_peak - base
-        decision = pending["decision"]
+            transient = plain_peak - base
+            start_transient = None if plain_start is None else plain_start - base
         key = pending["key"]
         model = self.planning.model
         predicted = self.planning.predict_peak(key, decision.blocks) if model.ready else None
-        miss = None if predicted is None else peak - predicted
+        miss = None if predicted is None else plain_peak - predicted
         self._learn(key, decision, outside, by_block, transient, pending["evicted"], miss, start_transient)
-        if self.method.backstop and not decision.warmup and not pending["evicted"]:
+        if self.method.backstop and not decision.warmup:
             bucket, tokens = bucket_key(key, self.planning.bucket_tokens), key[0] * key[1]
             held = self._held.get(bucket)
             same = held is not None and held[1] == tuple(decision.blocks)
+            # what the plan holds unarmed (NOTE [Backstop]); a step that evicted held less than
+            # its plan: the model, which has just learnt what its blocks saved, says how much
+            above = int(plain_peak - static)
+            if pending["evicted"]:
+                above = max(above, int(self.planning.predict_peak(key, decision.blocks) - self.planning.static_bytes))
             self._held[bucket] = (
-                max(tokens, held[0]) if same else tokens, tuple(decision.blocks),
-                max(int(peak - static), held[2]) if same else int(peak - static),
+                max(tokens, held[0]) if same else tokens, tuple(decision.blocks), max(above, held[2]) if same else above,
             )
         if predicted is not None and self.method.uses_model and not decision.warmup:
             # Warm-up runs every block checkpointed whatever is predicted, from a model of
@@ -990,13 +1005,13 @@ class Controller:
             recompute_ms_est=self.planning.recompute_ms(key, decision.blocks) + pending["evicted_ms"],
             oom_retries=self._oom_retries,
             phase="warmup" if decision.warmup else "steady",
-            saved_activation_bytes=int(saved),
+            saved_activation_bytes=int(saved + sum(pending.get("backstop_input", ()))),
             static_bytes=int(static),
             planner_us=pending["planner_us"],
             planned=pending["planned"],
             evicted_blocks=pending["evicted"],
             backstop_armed=pending["armed"],
-            backstop_input_bytes=pending.get("backstop_input", 0),
+            backstop_input_bytes=sum(pending.get("backstop_input", ())),
             oom_attempts=self._oom_attempts,
             rank=self.rank,
         )
@@ -1005,6 +1020,21 @@ class Controller:
         self._records.append(record)
         if self._writer is not None:
             self._writer.write(record)
+
+    def _plain_peaks(self, pending: dict[str, Any], peak: int, start_peak: int | None, rest: int) -> tuple[int, int | None]:
+        """The step's peak and backward-start peak as its plan holds them run plainly, which is
+        what the model learns: an armed step's less what its stores kept only as block inputs
+        (NOTE [Backstop]). ``rest``: the peak from the first recompute on, when it was read apart.
+        """
+        inputs = pending.get("backstop_input", ())
+        if not any(inputs):
+            return peak, start_peak
+        if start_peak is None:  # no recompute (or logical): the peak is the backward's start, every store alive
+            return peak - sum(inputs), None
+        # from the first recompute on (the topmost recomputed block), the stores above it are gone
+        top = max([*pending["decision"].blocks, *pending["evicted"]], default=len(inputs))
+        plain_start = start_peak - sum(inputs)
+        return max(plain_start, rest - sum(inputs[:top])), plain_start
 
     def _learn_optimizer_step(self, above_static: int, static: int) -> None:
         """Learn the optimizer step's peak above the step's static bytes (its batch included).
