@@ -7,7 +7,8 @@ its step records from ``--from_step`` on (after the warm-up and the first occurr
 image size), its median step, the mean share of blocks recomputed and the largest peak over
 the budget; then, step by step against ``--against`` (default ``static``), the median and
 mean difference of ``--method``'s steps (default ``dynamic``) to the median of the other's
-repeats at the same step (the same batch), apart for steps the backstop armed and not.
+repeats at the same step (the same batch), apart for steps the backstop armed and not, with a
+95% bootstrap interval of the median and a sign test of how many steps were faster.
 A matrix of several budgets gets a row per method and budget, and the differences per budget.
 Several folders are pooled, so repeats spread over several GPU calls (each call's
 ``detection_run.sh`` under its own name) count as one matrix; ``memfit report`` on their
@@ -21,6 +22,8 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import math
+import random
 import statistics
 import sys
 from pathlib import Path
@@ -80,9 +83,28 @@ def main(argv: list[str] | None = None) -> int:
                     diffs[bool(s.get("backstop_armed"))].append(s["step_ms"] - statistics.median(same))
         for armed, d in diffs.items():
             if d:
+                low, high = _median_interval(d)
+                faster = sum(x < 0 for x in d)
                 print(f"{args.method} − {args.against} at {budget / 1e9:.2f} GB, {'armed' if armed else 'unarmed'} steps "
-                      f"{args.from_step}+: median {statistics.median(d):+.1f} ms, mean {statistics.mean(d):+.1f} ms over {len(d)} steps")
+                      f"{args.from_step}+: median {statistics.median(d):+.1f} ms (95% interval {low:+.1f}..{high:+.1f}), "
+                      f"mean {statistics.mean(d):+.1f} ms over {len(d)} steps; {args.method} faster in {faster} "
+                      f"(sign test p = {_sign_test(faster, sum(x != 0 for x in d)):.2g})")
     return 0
+
+
+def _median_interval(d: list[float], resamples: int = 2000) -> tuple[float, float]:
+    """A 95% bootstrap interval of the median of ``d`` (seeded: the same numbers each time)."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(d, k=len(d))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
+def _sign_test(successes: int, n: int) -> float:
+    """Two-sided exact binomial p-value of ``successes`` in ``n`` fair coin tosses."""
+    if n == 0:
+        return 1.0
+    k = min(successes, n - successes)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
 
 
 if __name__ == "__main__":
