@@ -24,9 +24,11 @@ members is the one solved by division. A Conditional DETR with a Swin-B backbone
 one in Python (about 90 ms per new image size before; `benchmarks/planner_bench.py`).
 The grid's products run in float64, through BLAS (integer matrix products do not), into
 buffers kept with the grid: with Swin's shifted layers planned apart (11 classes, 53,760
-combinations) the integer products were 0.84 of the enumeration's 1 ms on the CPU, and the
-temporaries of a new array per operation cost page faults on every call (the H200 process's
-plans took a median 8 ms). Counts, savings and needs are integers below 2**53, so every sum
+combinations) the integer products were 0.84 of the enumeration's 1 ms on the CPU, and a new
+array per operation cost page faults on every call (a new bucket of `planner_bench.py`'s
+split Swin-B model: 741 -> 505 µs, `benchmarks/results/cpu/planner/`). In the H200 training
+process a plan still took a median 7-8 ms (fourteenth detection run): not this arithmetic,
+not traced yet. Counts, savings and needs are integers below 2**53, so every sum
 is exact in float64 and so is the ceiling of a quotient (a fraction of at least 1/saving
 cannot round away); beyond 2**53 bytes the DP plans. The costs' products are those numpy made
 before, of the integer grid converted to float64: the same plans, tie for tie.

@@ -633,7 +633,6 @@ class Controller:
             if pending is not None and "saved" in pending:
                 # the backward's start was read apart at its first recompute, if it had one
                 pending["rest_peak"] = torch.cuda.max_memory_allocated(self.device)
-                pending["backward_peak"] = max(pending["rest_peak"], pending.get("start_peak", 0))
                 torch.cuda.reset_peak_memory_stats(self.device)
 
         self._optimizer_handles = [optimizer.register_step_pre_hook(before_step)]
@@ -931,7 +930,7 @@ class Controller:
         if self.accounting == "cuda":
             rest = torch.cuda.max_memory_allocated(self.device)  # since the last reset
             reserved = max(torch.cuda.max_memory_reserved(self.device), pending.get("start_reserved", 0))
-            if "backward_peak" in pending:
+            if "rest_peak" in pending:
                 # since the optimizer's pre-hook reset the counter, `rest` is its step's
                 optimizer_peak, rest = rest, pending["rest_peak"]
             peak = rest if start_peak is None else max(rest, start_peak)
@@ -993,6 +992,7 @@ class Controller:
         if pending["replay"]:
             return  # a replayed micro-step was recorded when it first ran
         self._step += 1
+        backstop_input = sum(pending.get("backstop_input", ()))  # NOTE [Backstop]
         record = StepRecord(
             step=self._step,
             shape=pending["shape"],
@@ -1010,13 +1010,13 @@ class Controller:
             recompute_ms_est=self.planning.recompute_ms(key, decision.blocks) + pending["evicted_ms"],
             oom_retries=self._oom_retries,
             phase="warmup" if decision.warmup else "steady",
-            saved_activation_bytes=int(saved + sum(pending.get("backstop_input", ()))),
+            saved_activation_bytes=int(saved + backstop_input),
             static_bytes=int(static),
             planner_us=pending["planner_us"],
             planned=pending["planned"],
             evicted_blocks=pending["evicted"],
             backstop_armed=pending["armed"],
-            backstop_input_bytes=sum(pending.get("backstop_input", ())),
+            backstop_input_bytes=backstop_input,
             oom_attempts=self._oom_attempts,
             rank=self.rank,
         )
@@ -1032,14 +1032,14 @@ class Controller:
         (NOTE [Backstop]). ``rest``: the peak from the first recompute on, when it was read apart.
         """
         inputs = pending.get("backstop_input", ())
-        if not any(inputs):
+        total = sum(inputs)
+        if not total:
             return peak, start_peak
         if start_peak is None:  # no recompute (or logical): the peak is the backward's start, every store alive
-            return peak - sum(inputs), None
+            return peak - total, None
         # from the first recompute on (the topmost recomputed block), the stores above it are gone
         top = max([*pending["decision"].blocks, *pending["evicted"]], default=len(inputs))
-        plain_start = start_peak - sum(inputs)
-        return max(plain_start, rest - sum(inputs[:top])), plain_start
+        return max(start_peak - total, rest - sum(inputs[:top])), start_peak - total
 
     def _learn_optimizer_step(self, above_static: int, static: int) -> None:
         """Learn the optimizer step's peak above the step's static bytes (its batch included).
@@ -1220,7 +1220,7 @@ class Controller:
         and ``slack_bytes`` are those the failed plan was made with.
         """
         decision = pending["decision"] if pending else None
-        stage = "forward" if not pending or "saved" not in pending else "optimizer" if "backward_peak" in pending else "backward"
+        stage = "forward" if not pending or "saved" not in pending else "optimizer" if "rest_peak" in pending else "backward"
         attempt: dict[str, Any] = {
             "stage": stage,
             "plan": list(decision.blocks) if decision else None,
@@ -1238,7 +1238,7 @@ class Controller:
         if self.accounting == "cuda":
             # the larger of the backward's start, read apart at its first recompute (NOTE
             # [Reading the backward's start]), and what came since
-            start = pending.get("start_peak", 0) if pending and "backward_peak" not in pending else 0
+            start = pending.get("start_peak", 0) if pending and "rest_peak" not in pending else 0
             peak = max(torch.cuda.max_memory_allocated(self.device), start)
             reserved = torch.cuda.memory_reserved(self.device)
             attempt.update(
@@ -1246,7 +1246,9 @@ class Controller:
                 peak_allocated_bytes=peak,
                 reserved_bytes=reserved,
                 unusable_reserved_bytes=max(0, reserved - peak),
-                backward_peak_bytes=pending.get("backward_peak") if pending else None,
+                backward_peak_bytes=(
+                    max(pending["rest_peak"], pending.get("start_peak", 0)) if pending and "rest_peak" in pending else None
+                ),
             )
         return attempt
 
