@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> None:
     import transformers
 
     import memfit
-    from memfit.bench import warm_gpu
+    from memfit.bench.matrix import warm_gpu
 
     if not args.tiny:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

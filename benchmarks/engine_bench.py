@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 
-from memfit.bench import warm_gpu
+from memfit.bench.matrix import warm_gpu
 from memfit.methods import Decision, Method, save_plans
 
 GB = 10**9

@@ -382,7 +382,7 @@ def _memfit(argv: list[str], log: Path, timeout_s: int = _RUN_TIMEOUT_S) -> int:
 def _warm_gpu_in_a_subprocess(seconds: float) -> None:
     """Warm the GPU from another process: this one must not initialise CUDA."""
     if seconds > 0 and torch.cuda.is_available():
-        code = f"from memfit.bench import warm_gpu; warm_gpu({seconds})"
+        code = f"from memfit.bench.matrix import warm_gpu; warm_gpu({seconds})"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
         subprocess.run([sys.executable, "-c", code], env=env, check=False)
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from memfit import bench
+from memfit.bench import matrix as bench
 from memfit.records import read_jsonl
 
 
@@ -97,7 +97,7 @@ def test_savers_with_eval_metric_and_report(tmp_path):
 def test_peer_names_give_their_train_flags():
     from transformers import HfArgumentParser
 
-    from memfit.peers import PeerArguments
+    from memfit.bench.peers import PeerArguments
 
     assert bench.peer_flags("hf-every-2") == bench.PEERS["hf-every-2"]
     assert bench.peer_flags("dynamic") is None and bench.peer_flags("other-0.5") is None

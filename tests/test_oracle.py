@@ -9,7 +9,7 @@ import torch
 import memfit
 from _models import TINY_BERT, build
 from memfit.methods import save_plans
-from memfit.oracle import sweep
+from memfit.bench.oracle import sweep
 from memfit.tasks._common import minilm_path
 from memfit.train import run
 
@@ -93,7 +93,7 @@ def test_train_oracle_runs_the_swept_plans_and_leaves_training_unchanged(tiny_fl
     saved = [r["saved_activation_bytes"] for r in steps]
     budget_gb = (steps[-1]["static_bytes"] + (min(saved) + max(saved)) / 2) / 1e9  # binds on the longer batches
     out = tmp_path / "oracle"
-    metrics = run("token-classification", [*tiny_flags, "--memfit_method", "oracle", "--memory_threshold",
+    metrics = run("token-classification", [*tiny_flags, "--oracle", "--memory_threshold",
                                            f"{budget_gb:.9f}", "--output_dir", str(out)])
     assert metrics["train_loss"] == pytest.approx(base["train_loss"], rel=1e-5)
     swept = json.loads((out / "memfit_oracle.json").read_text())
@@ -109,27 +109,26 @@ def test_train_oracle_runs_the_swept_plans_and_leaves_training_unchanged(tiny_fl
 
 
 def test_oracle_needs_a_budget(tiny_flags, tmp_path):
-    with pytest.raises(ValueError, match="--memfit_method oracle needs a budget: set --memory_threshold"):
-        run("token-classification", [*tiny_flags, "--memfit_method", "oracle", "--output_dir", str(tmp_path)])
+    with pytest.raises(ValueError, match="--oracle needs a budget: set --memory_threshold"):
+        run("token-classification", [*tiny_flags, "--oracle", "--output_dir", str(tmp_path)])
 
 
-def test_trainer_points_oracle_to_memfit_train(tmp_path):
-    from memfit.hf import Trainer, TrainingArguments
+def test_oracle_is_no_method_users_train_with(tmp_path):
+    from memfit.hf import TrainingArguments
+    from memfit.methods import UnknownMethodError
 
-    model, _ = build("bert")
-    args = TrainingArguments(output_dir=str(tmp_path), memfit_method="oracle", memory_budget="1GiB", report_to="none")
-    with pytest.raises(ValueError, match="oracle sweeps the run's batches before training: run it with `memfit train`"):
-        Trainer(model=model, args=args)
+    with pytest.raises(UnknownMethodError, match="--memfit_method 'oracle' is unknown"):
+        TrainingArguments(output_dir=str(tmp_path), memfit_method="oracle", memory_budget="1GiB", report_to="none")
 
 
 def test_sweep_only_then_train_on_the_plans(tiny_flags, tmp_path):
     """`memfit bench` sweeps in one process and times another, which starts cold as the
-    other methods' runs do: --memfit_oracle_sweep_only, then --memfit_plans_file."""
-    flags = [*tiny_flags, "--memfit_method", "oracle", "--memory_threshold", "0.02"]
-    assert run("token-classification", [*flags, "--memfit_oracle_sweep_only", "true", "--output_dir", str(tmp_path / "s")]) == {}
+    other methods' runs do: --oracle_sweep_only, then --oracle_plans_file."""
+    flags = [*tiny_flags, "--oracle", "--memory_threshold", "0.02"]
+    assert run("token-classification", [*flags, "--oracle_sweep_only", "true", "--output_dir", str(tmp_path / "s")]) == {}
     plans_file = tmp_path / "s" / "memfit_oracle_plans.json"
     assert plans_file.exists() and not (tmp_path / "s" / "memfit_steps.jsonl").exists()  # swept, not trained
-    run("token-classification", [*flags, "--memfit_plans_file", str(plans_file), "--output_dir", str(tmp_path / "t")])
+    run("token-classification", [*flags, "--oracle_plans_file", str(plans_file), "--output_dir", str(tmp_path / "t")])
     assert not (tmp_path / "t" / "memfit_oracle.json").exists()  # no second sweep
     plans = {tuple(p["key"]): tuple(p["blocks"]) for p in json.loads(plans_file.read_text())["plans"]}
     records = [json.loads(x) for x in (tmp_path / "t" / "memfit_steps.jsonl").read_text().splitlines()]

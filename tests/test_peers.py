@@ -9,8 +9,8 @@ import torch
 import torch._functorch.config
 from torch import nn
 
-from memfit import peers
-from memfit.peers import PEER_FILE, PeerArguments, PeerUnavailableError, make_peer, plan_blocks
+from memfit.bench import peers
+from memfit.bench.peers import PEER_FILE, PeerArguments, PeerUnavailableError, make_peer, plan_blocks
 from memfit.train import run
 
 FIXTURES = Path(__file__).parent / "fixtures" / "glue" / "MRPC"

@@ -15,9 +15,9 @@ __all__ = ["main"]
 # does not pay for importing transformers.
 _COMMANDS = {
     "train": ("memfit.train", "train a task under a memory budget (HF Trainer)"),
-    "bench": ("memfit.bench", "run a tasks x methods x budgets benchmark matrix"),
+    "bench": ("memfit.bench.matrix", "run a tasks x methods x budgets benchmark matrix"),
     "report": ("memfit.report", "tables and plots from step records and bench results"),
-    "estimate": ("memfit.estimate", "memory anatomy of a training step; advice for a budget"),
+    "estimate": ("memfit.estimate.cli", "memory anatomy of a training step; advice for a budget"),
 }
 
 

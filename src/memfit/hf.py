@@ -48,9 +48,6 @@ STATE_FILE = "memfit_state.json"
 STEPS_FILE = "memfit_steps.jsonl"
 SUMMARY_FILE = "memfit_summary.json"
 _MAX_OOM_RETRIES = 8
-#: --memfit_method values: memfit's methods, and the oracle, which `memfit train` sweeps
-#: for before training (memfit/oracle.py) and passes to the Trainer as a Method
-TRAIN_METHODS = (*METHODS, "oracle")
 
 
 @dataclass
@@ -67,19 +64,11 @@ class TrainingArguments(transformers.TrainingArguments):
     )
     memfit_method: str = field(
         default="dynamic",
-        metadata={"help": "How plans are chosen: none | full | dynamic | static | precomputed | reactive | oracle "
-                  "(memfit train only: the fewest first blocks that fit each batch, found by a sweep of the run's "
-                  "batches before training; see memfit/oracle.py)."},
+        metadata={"help": "How plans are chosen: none | full | dynamic | static | precomputed | reactive."},
     )
     memfit_plans_file: str | None = field(
         default=None,
-        metadata={"help": "Plans JSON for --memfit_method precomputed (written by a dynamic run as memfit_plans.json); "
-                  "with --memfit_method oracle, the plans of an earlier sweep (memfit_oracle_plans.json): no sweep."},
-    )
-    memfit_oracle_sweep_only: bool = field(
-        default=False,
-        metadata={"help": "For --memfit_method oracle: sweep, write memfit_oracle_plans.json and stop, so that a later "
-                  "run (--memfit_plans_file) trains on the plans from a cold start, as the other methods do."},
+        metadata={"help": "Plans JSON for --memfit_method precomputed (written by a dynamic run as memfit_plans.json)."},
     )
     memfit_log: str | None = field(
         default=None,
@@ -113,12 +102,10 @@ class TrainingArguments(transformers.TrainingArguments):
                 "it); with FSDP2, call memfit.fit after fully_shard in your own training loop"
             )
         super().__post_init__()
-        if self.memfit_method not in TRAIN_METHODS:
+        if self.memfit_method not in METHODS:
             raise UnknownMethodError(
-                f"--memfit_method {self.memfit_method!r} is unknown; choose one of {', '.join(TRAIN_METHODS)}"
+                f"--memfit_method {self.memfit_method!r} is unknown; choose one of {', '.join(METHODS)}"
             )
-        if self.memfit_method == "oracle" and self.memfit_budget_bytes is None:
-            raise ValueError("--memfit_method oracle needs a budget: set --memory_threshold GB (or --memory_budget)")
         if self.memory_budget is not None and self.memory_threshold is not None:
             if parse_bytes(self.memory_budget) != int(self.memory_threshold * 10**9):
                 raise ValueError(
@@ -178,7 +165,7 @@ class Trainer(transformers.Trainer):
 
     Accepts the arguments of ``transformers.Trainer``, and ``memfit_method``: a
     :class:`~memfit.methods.Method` instance to run instead of ``args.memfit_method`` (how the
-    ckptplan peer of :mod:`memfit.peers` runs its fixed plan). With plain
+    ckptplan peer and the oracle of :mod:`memfit.bench` run their plans). With plain
     ``transformers.TrainingArguments`` it runs method ``dynamic`` with no budget (records
     only).
 
@@ -191,11 +178,6 @@ class Trainer(transformers.Trainer):
         a = self.args
         method: str | Method = memfit_method or getattr(a, "memfit_method", "dynamic")
         method_kwargs: dict[str, Any] = {}
-        if method == "oracle":
-            raise ValueError(
-                "--memfit_method oracle sweeps the run's batches before training: run it with `memfit train`, or "
-                "pass memfit_method=memfit.oracle.prepare(...) (or Oracle(plans_file)) to the Trainer"
-            )
         if method == "precomputed":
             method_kwargs["path"] = a.memfit_plans_file
         if method == "static" and getattr(a, "memfit_max_shape", None):

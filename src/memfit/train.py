@@ -16,8 +16,8 @@ import contextlib
 import logging
 import sys
 
-from memfit import oracle
-from memfit.peers import PeerArguments, make_peer
+from memfit.bench import oracle
+from memfit.bench.peers import PeerArguments, make_peer
 from memfit.tasks import TASKS, DataTrainingArguments, ModelArguments, get_task
 
 __all__ = ["main", "run"]
@@ -39,7 +39,7 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
     The metrics (``train_*`` from training, ``eval_*`` from evaluation) are also written to
     ``<output_dir>/all_results.json`` (and ``train_results.json`` / ``eval_results.json``), and
     the memfit Trainer writes ``memfit_steps.jsonl`` and ``memfit_summary.json`` there; a peer
-    (:mod:`memfit.peers`) writes ``memfit_peer.json``.
+    (:mod:`memfit.bench.peers`) writes ``memfit_peer.json``.
 
     Args:
         task: a task name of :data:`memfit.tasks.TASKS`.
@@ -48,7 +48,7 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
     Raises:
         ValueError: unknown task, ``--do_train``/``--do_eval`` without data for it, or a peer
             with a memfit method other than ``none``.
-        PeerUnavailableError: the peer asked for cannot run here (see :mod:`memfit.peers`).
+        PeerUnavailableError: the peer asked for cannot run here (see :mod:`memfit.bench.peers`).
 
     Example:
         >>> metrics = run("token-classification", ["--synthetic", "32", "--do_train",
@@ -84,12 +84,14 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
     # is read at each compilation), and restores what it changed after.
     with peer or contextlib.nullcontext():
         plan_method = peer.prepare(bundle, training_args) if peer is not None else None
-        if training_args.memfit_method == "oracle" and training_args.do_train:
-            if training_args.memfit_plans_file and not training_args.memfit_oracle_sweep_only:
-                plan_method = oracle.Oracle(training_args.memfit_plans_file)  # an earlier sweep's plans
+        if peer_args.oracle and training_args.do_train:
+            if training_args.memfit_budget_bytes is None:
+                raise ValueError("--oracle needs a budget: set --memory_threshold GB (or --memory_budget)")
+            if peer_args.oracle_plans_file and not peer_args.oracle_sweep_only:
+                plan_method = oracle.Oracle(peer_args.oracle_plans_file)  # an earlier sweep's plans
             else:
                 plan_method = oracle.prepare(bundle, training_args)  # before the Trainer hooks the model
-                if training_args.memfit_oracle_sweep_only:
+                if peer_args.oracle_sweep_only:
                     return {}
         trainer = Trainer(
             model=bundle.model,

@@ -2,7 +2,7 @@
 
 Enumerates precision × optimizer × (micro-batch, accumulation) splits of the requested batch
 × memfit method (none / dynamic / full), keeps the setups whose estimated peak
-(:class:`memfit.estimate.MemoryEstimate`) fits the budget, and ranks them by a deliberately
+(:class:`memfit.estimate.anatomy.MemoryEstimate`) fits the budget, and ranks them by a deliberately
 simple time model.
 
 # NOTE [Time model]
@@ -24,7 +24,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from memfit.estimate import (
+from memfit.estimate.anatomy import (
     GIB,
     OPTIMIZERS,
     ActivationProfile,

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 
 from memfit.methods import METHODS
-from memfit.peers import PEER_FILE
+from memfit.bench.peers import PEER_FILE
 
 __all__ = [
     "main", "BATCH_SIZES", "DEFAULT_TASKS", "SAVERS", "PEERS", "PEER_KNOBS", "peer_flags", "warm_gpu", "parse_budgets",
@@ -130,7 +130,7 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    help=f"task names: {', '.join(BATCH_SIZES)} (default: the four NLP tasks)")
     p.add_argument("--methods", nargs="+", default=["none", "full", "static", "dynamic"],
                    help=f"memfit methods, oracle (the fewest first blocks that fit each batch, swept before "
-                   f"training: memfit/oracle.py), and peers: {', '.join(PEERS)}, and "
+                   f"training: memfit/bench/oracle.py), and peers: {', '.join(PEERS)}, and "
                    f"{', '.join(f'{k}-F' for k in PEER_KNOBS)} for a setting 0 < F <= 1 (e.g. compile-0.5)")
     p.add_argument("--budgets", nargs="+", default=["6", "8"], help="budgets in GB (10**9 bytes); 'a:b:s' for a range")
     p.add_argument("--savers", nargs="+", choices=tuple(SAVERS), help="run these memory savers (uncapped, "
@@ -229,7 +229,7 @@ def _run(config: Config, args: argparse.Namespace, extra: list[str], runs: str =
     elif (peer := peer_flags(config.method)) is not None:
         saver_flags = list(peer)
     else:
-        saver_flags = ["--memfit_method", config.method]
+        saver_flags = ["--oracle"] if config.method == "oracle" else ["--memfit_method", config.method]
     if "--memfit_method" not in saver_flags:
         saver_flags += ["--memfit_method", "none"]
     micro_batch = batch // _ACCUMULATE if "--gradient_accumulation_steps" in saver_flags else batch
@@ -254,9 +254,9 @@ def _run(config: Config, args: argparse.Namespace, extra: list[str], runs: str =
             # as every other method's (a sweep in the same process initialised CUDA first:
             # its first step took 110 ms against 340-600 ms on an H200).
             sweep_dir = os.path.join(run_dir, "sweep")
-            sweep = [*cmd, "--memfit_oracle_sweep_only", "true", "--output_dir", sweep_dir]
+            sweep = [*cmd, "--oracle_sweep_only", "true", "--output_dir", sweep_dir]
             proc = subprocess.run(sweep, stdout=log, stderr=subprocess.STDOUT, check=False)
-            cmd += ["--memfit_plans_file", os.path.join(sweep_dir, "memfit_oracle_plans.json")]
+            cmd += ["--oracle_plans_file", os.path.join(sweep_dir, "memfit_oracle_plans.json")]
         if config.method != "oracle" or proc.returncode == 0:
             proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False)
     wall_s = round(time.perf_counter() - started, 2)

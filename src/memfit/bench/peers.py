@@ -160,7 +160,26 @@ class PeerArguments:
         },
     )
 
+    oracle: bool = field(
+        default=False,
+        metadata={
+            "help": "Benchmark: before training, sweep the run's batches for the fewest first blocks that fit each one "
+            "under the budget (memfit/bench/oracle.py), then train on those plans."
+        },
+    )
+    oracle_sweep_only: bool = field(
+        default=False,
+        metadata={"help": "With --oracle: sweep, write memfit_oracle_plans.json and stop, so that a later run "
+                  "(--oracle_plans_file) trains on the plans from a cold start, as the other methods do."},
+    )
+    oracle_plans_file: str | None = field(
+        default=None,
+        metadata={"help": "With --oracle: train on an earlier sweep's plans (memfit_oracle_plans.json); no sweep."},
+    )
+
     def __post_init__(self) -> None:
+        if (self.oracle_sweep_only or self.oracle_plans_file) and not self.oracle:
+            raise ValueError("--oracle_sweep_only and --oracle_plans_file go with --oracle")
         if self.hf_checkpoint_offload and not self.hf_checkpoint_every_n_layers:
             raise ValueError("--hf_checkpoint_offload needs --hf_checkpoint_every_n_layers")
         if self.hf_checkpoint_every_n_layers is not None and self.hf_checkpoint_every_n_layers < 1:

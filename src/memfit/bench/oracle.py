@@ -6,9 +6,9 @@ plan a person would pick after trying every one. It is measured, not predicted (
 
     plans, rows = sweep(model, batches, step, budget="4GB", optimizer=opt)
 
-``memfit train <task> --memfit_method oracle`` sweeps the run's own batches before
-training (:func:`prepare`); with ``--memfit_oracle_sweep_only`` it stops there, and with
-``--memfit_plans_file`` it trains on an earlier sweep's plans. ``memfit bench --methods
+``memfit train <task> --oracle`` sweeps the run's own batches before training
+(:func:`prepare`); with ``--oracle_sweep_only`` it stops there, and with
+``--oracle_plans_file`` it trains on an earlier sweep's plans. ``memfit bench --methods
 oracle`` does both in two processes, so that the timed run starts as cold as the other
 methods' (CUDA and its libraries not yet initialised).
 
@@ -190,7 +190,7 @@ def prepare(bundle: Any, args: Any) -> Oracle:
 
     budget = args.memfit_budget_bytes
     if budget is None:
-        raise ValueError("--memfit_method oracle needs a budget: set --memory_threshold GB (or --memory_budget)")
+        raise ValueError("--oracle needs a budget: set --memory_threshold GB (or --memory_budget)")
     probe_args = copy.copy(args)
     probe_args.report_to = []
     trainer = transformers.Trainer(

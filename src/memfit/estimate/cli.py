@@ -1,0 +1,96 @@
+"""``memfit estimate``: the command line of the memory anatomy (anatomy.py) and its advice (advise.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from memfit.budget import parse_bytes
+from memfit.estimate.advise import DEFAULT_MARGIN, advise, format_advice
+from memfit.estimate.anatomy import (
+    OPTIMIZERS,
+    PRECISIONS,
+    TASKS,
+    ModelProfile,
+    TrainingSetup,
+    estimate,
+    format_table,
+    load_config,
+    optimizer_available,
+)
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="memfit estimate",
+        description="Memory anatomy of one training step (weights, gradients, optimizer state, activations, "
+        "CUDA context) from a model config; --advise lists the fastest setups that fit --memory_budget. "
+        "GiB = 2**30 bytes, GB = 10**9 bytes.",
+    )
+    p.add_argument("--model", help="model name (shipped config, HF cache or Hub) or a local folder")
+    p.add_argument("--config", help="path to a config.json (wins over --model)")
+    p.add_argument("--task", default="text-classification", choices=tuple(TASKS), help="head on the model")
+    p.add_argument("--num_choices", type=int, default=4, help="choices per example for multiple-choice (SWAG: 4)")
+    p.add_argument("--batch_size", type=int, required=True, help="examples per optimizer step")
+    p.add_argument("--seq_length", type=int, help="tokens per example of the longest batch (text models)")
+    p.add_argument("--image_size", type=int, help="pixels per side (vision models)")
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS, help="fp32, or mixed precision bf16/fp16")
+    p.add_argument("--optimizer", default="adamw", choices=tuple(OPTIMIZERS))
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--checkpoint", default="none", help="none, full, or a number of blocks to checkpoint")
+    p.add_argument("--attention", default="sdpa", choices=("sdpa", "eager"), help="attention kernel (sdpa: fused)")
+    p.add_argument("--memory_budget", help="budget to check: '6GiB' (6*2**30), '6GB' (6*10**9) or bytes")
+    p.add_argument("--advise", action="store_true", help="list the fastest setups that fit --memory_budget")
+    p.add_argument("--top", type=int, default=10, help="setups listed by --advise")
+    p.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
+                   help="share of --memory_budget that --advise keeps free (allocator fragmentation, estimate error)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``memfit estimate``: print the breakdown (or, with ``--advise``, the ranked setups)."""
+    args = _parser().parse_args(argv)
+    try:
+        budget = None if args.memory_budget is None else parse_bytes(args.memory_budget)
+        if args.advise and budget is None:
+            raise ValueError("--advise needs --memory_budget (e.g. 6GiB)")
+        if args.batch_size % args.gradient_accumulation_steps:
+            raise ValueError(
+                f"--batch_size {args.batch_size} is not a multiple of --gradient_accumulation_steps "
+                f"{args.gradient_accumulation_steps}"
+            )
+        config = load_config(args.model, args.config)
+        profile = ModelProfile.from_config(config, args.task, name=args.model or str(args.config))
+        inputs = {"seq_length": args.seq_length, "image_size": args.image_size, "attention": args.attention,
+                  "num_choices": args.num_choices}
+        title = f"memfit estimate: {profile.name}, {args.task}, " + (
+            f"{args.image_size}x{args.image_size} pixels" if args.image_size else f"{args.seq_length} tokens"
+        ) + f", batch {args.batch_size}" + (f", {args.attention} attention" if profile.bert_family else "")
+        if args.advise:
+            half = "fp16" if args.precision == "fp16" else "bf16"
+            optimizers = [args.optimizer] + [o for o in ("adamw", "adafactor", "adamw-8bit") if o != args.optimizer]
+            ranked = advise(profile, args.batch_size, budget, precisions=("fp32", half), optimizers=optimizers,
+                            margin=args.margin, **inputs)
+            print(format_advice(ranked, args.memory_budget, top=args.top, title=title, margin=args.margin))
+            for name in optimizers:
+                if not optimizer_available(name):
+                    print(f"note: {name} not considered: {OPTIMIZERS[name].needs} is not installed")
+            return 0
+        setup = TrainingSetup(
+            precision=args.precision,
+            optimizer=args.optimizer,
+            micro_batch_size=args.batch_size // args.gradient_accumulation_steps,
+            accumulation_steps=args.gradient_accumulation_steps,
+            checkpoint=args.checkpoint,
+        )
+        print(format_table(estimate(profile, setup, **inputs), budget, title=title))
+        return 0
+    except ValueError as exc:
+        print(f"memfit estimate: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
