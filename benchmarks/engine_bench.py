@@ -92,13 +92,11 @@ def _versions() -> dict:
 class FirstK(Method):
     """Checkpoint the first k blocks, whatever the shape (the sweep's fixed plans)."""
 
-    uses_model = False
-
     def __init__(self, k: int):
         self.k = k
         self.name = f"first-{k}"
 
-    def decide(self, planning, key):
+    def decide(self, planning, key, failed=None):
         return Decision(tuple(range(self.k)))
 
 

@@ -33,7 +33,7 @@ import time
 
 from memfit.methods import Dynamic, Static
 from memfit.model import Curve
-from memfit.runtime import Planning
+from memfit.planning import Planning
 
 GB = 10**9
 
@@ -130,7 +130,7 @@ def _time_us(fn) -> float:
 
 def _method(name: str):
     method = Dynamic() if name == "dynamic" else Static()
-    method.skip_warmup()
+    method.resume()
     return method
 
 

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForObjectDetection
 
     from memfit.blocks import find_blocks, wrap_blocks
-    from memfit.runtime import _group_ids
+    from memfit.runtime.controller import _group_ids
     from memfit.tasks._common import CONFIGS_DIR, load_config
     from memfit.tasks.object_detection import _init_swin_patch_bias
 

@@ -48,13 +48,13 @@ class _Clock:
 @contextmanager
 def deterministic_prices():
     """Probe prices from bytes; the reactive store's clock in fixed ticks."""
-    from memfit import reactive as store_module
-    from memfit.runtime import Controller
+    from memfit import store as store_module
+    from memfit.runtime import probe as probe_module
 
-    original = Controller._probe
+    original = probe_module.probe_block
 
-    def priced(self, block, args, kwargs, timed=True):
-        nbytes, ms = original(self, block, args, kwargs, timed)
+    def priced(block, args, kwargs, counter, timed, device):
+        nbytes, ms = original(block, args, kwargs, counter, timed, device)
         return nbytes, (_probe_ms(nbytes, block.index) if timed else None)
 
     clock = _Clock()
@@ -63,12 +63,12 @@ def deterministic_prices():
         perf_counter = staticmethod(clock.perf_counter)
 
     saved_time = store_module.time
-    Controller._probe = priced
+    probe_module.probe_block = priced
     store_module.time = _Time
     try:
         yield
     finally:
-        Controller._probe = original
+        probe_module.probe_block = original
         store_module.time = saved_time
 
 

@@ -7,6 +7,7 @@ import torch
 
 import memfit
 from _models import VOCAB, build
+from memfit.planner import Plan
 
 
 def _dataset(n=24, seed=0):
@@ -115,10 +116,10 @@ def test_each_oom_is_logged_and_giving_up_names_the_last_attempt(tmp_path, caplo
 
 
 def test_a_replay_never_runs_a_plan_no_safer_than_the_failed_one(tmp_path, monkeypatch):
-    """NOTE [A replay checkpoints more]: a model that keeps planning nothing for a shape would
+    """NOTE [A replay treats more]: a model that keeps planning nothing for a shape would
     replay the failed plan until the retries run out; the replay checkpoints every block."""
     trainer = _trainer(tmp_path, "faulty")
-    monkeypatch.setattr(trainer.memfit.planning, "plan_for", lambda key, whole_row=True: ())
+    monkeypatch.setattr(trainer.memfit.planning, "plan_for", lambda key, whole_row=True: Plan(()))
     injector = _InjectOOM(trainer.memfit.blocks[1].module, at=5)  # a steady step with the empty plan
     trainer.train()
     assert injector.fired == 1

@@ -2,9 +2,10 @@
 
 import pytest
 
-from memfit.model import Curve, MemoryModel, bucket_key, shape_key
+from memfit.model import Curve, MemoryModel
+from memfit.shapes import bucket_key, shape_key
 from memfit.planner import plan_blocks
-from memfit.runtime import Planning
+from memfit.planning import Planning, _plan_from_row
 
 
 def test_shape_and_bucket_keys():
@@ -136,11 +137,11 @@ def test_planner_respects_the_optimizer_floor():
     planning = Planning(4, [0, 0, 0, 0], 1_000_000, margin_bytes=0, bucket_tokens=1)
     planning.model = _model([16, 32, 64])
     planning.static_bytes = 200_000
-    assert planning.plan_for((4, 16)) == ()
+    assert planning.plan_for((4, 16)).blocks == ()
     # an optimizer step over the budget: no plan helps; every block, with a warning
     planning.model.optimizer_bytes = 900_000
     planning.cache.clear()
-    assert planning.plan_for((4, 60)) == (0, 1, 2, 3)
+    assert planning.plan_for((4, 60)).blocks == (0, 1, 2, 3)
     assert (4, 60) in planning.infeasible_keys
 
 
@@ -151,7 +152,7 @@ def test_partial_regime_checkpoints_fewer_blocks():
         planning = Planning(4, [0, 0, 0, 0], budget, margin_bytes=0, bucket_tokens=1)
         planning.model = _model(partial)
         planning.static_bytes = 200_000
-        plans[name] = planning.plan_for((4, 60))
+        plans[name] = planning.plan_for((4, 60)).blocks
     # Without the partial regime the step is over-predicted by 500 B/token (1000 × 4 × 60 ...)
     assert len(plans["two-regimes"]) < len(plans["full-only"])
     # and the chosen plan is the fewest blocks that fit under the partial-regime prediction
@@ -182,7 +183,7 @@ def test_over_prediction_matters_only_when_it_checkpointed_more():
     planning.model = _model([16, 32, 64])
     planning.static_bytes = 200_000
     key = (4, 60)
-    plan = planning.plan_for(key)
+    plan = planning.plan_for(key).blocks
     assert plan, "the budget binds at this key"
     one_block = planning.model.savings(key)[0]
     need = int(planning.static_bytes + planning.model.backward_start_bytes(key, ())) - 1_000_000
@@ -215,7 +216,7 @@ def test_a_plan_holding_blocks_below_a_recompute_is_mended():
     cheapest = plan_blocks(model.costs(key), model.savings(key), need).blocks
     assert cheapest == (2, 3, 4)
     assert model.recompute_bytes(key, cheapest) > 2000  # blocks 0 and 1 held under block 4
-    plan = planning.plan_for(key)
+    plan = planning.plan_for(key).blocks
     assert plan == (0,)  # cost 10: the closure (0..4) costs 23, every block 24
     assert planning.predict_peak(key, plan) <= 2000
 
@@ -234,7 +235,7 @@ def test_allocator_slack_is_kept_free_by_plans():
         planning = Planning(4, [0, 0, 0, 0], budget, margin_bytes=margin, bucket_tokens=1, slack_bytes=slack)
         planning.model, planning.static_bytes = _model([16, 32, 64]), 200_000
         assert planning.room_bytes == budget - margin - slack
-        plans[slack] = planning.plan_for(key)
+        plans[slack] = planning.plan_for(key).blocks
         assert len(plans[slack]) == fewest_fitting(budget - margin - slack)
     assert len(plans[150_000]) > len(plans[0])
 
@@ -276,9 +277,9 @@ def test_a_row_of_plans_equals_the_per_key_plans(seed):
         row = Planning(6, [0] * 6, budget, margin_bytes=20_000, bucket_tokens=8, slack_bytes=5_000)
         row.model, row.static_bytes = model, 250_000
         static_bucket = row._static_bucket()
-        row._plan_from_row((4, 8), static_bucket)  # one miss plans the whole row
+        _plan_from_row(row, (4, 8), static_bucket)  # one miss plans the whole row
         assert len(row.cache.rows) == 1
-        from_row = {(4, t): row._plan_from_row((4, t), static_bucket) for t in range(1, 400)}
+        from_row = {(4, t): _plan_from_row(row, (4, t), static_bucket) for t in range(1, 400)}
         assert len(row.cache.rows) == 1  # every length up to the longest shape came from that row
         alone = Planning(6, [0] * 6, budget, margin_bytes=20_000, bucket_tokens=8, slack_bytes=5_000)
         alone.model, alone.static_bytes = model, 250_000
@@ -299,19 +300,19 @@ def test_a_bucket_is_planned_for_its_longest_shape_seen_not_its_edge():
     def fewest(budget, t):
         planning = Planning(4, [0] * 4, budget, margin_bytes=0, bucket_tokens=1)
         planning.model, planning.static_bytes = model, 200_000
-        plan = planning.plan_for((4, t))
+        plan = planning.plan_for((4, t)).blocks
         return len(plan) if planning.predict_peak((4, t), plan) <= budget else None  # None: nothing fits
 
     budget = next(b for b in range(200_000, 2_000_000, 1000) if fewest(b, 48) and fewest(b, 44) < fewest(b, 48))
     planning = Planning(4, [0] * 4, budget, margin_bytes=0, bucket_tokens=8)
     planning.model, planning.static_bytes = model, 200_000
-    plan_44 = planning.plan_for((4, 44))  # bucket 41-48
+    plan_44 = planning.plan_for((4, 44)).blocks  # bucket 41-48
     assert len(plan_44) == fewest(budget, 44) < fewest(budget, 48)
     assert planning.predict_peak((4, 44), plan_44) == int(200_000 + model.step_bytes((4, 44), plan_44))
-    assert planning.plan_for((4, 42)) == plan_44  # a shorter shape of the bucket: the same plan
+    assert planning.plan_for((4, 42)).blocks == plan_44  # a shorter shape of the bucket: the same plan
     assert planning.predict_peak((4, 42), plan_44) == planning.predict_peak((4, 44), plan_44)
-    assert len(planning.plan_for((4, 47))) == fewest(budget, 47)  # a longer one: planned anew
-    assert planning.plan_for((4, 44)) == planning.plan_for((4, 47))  # which the bucket then uses
+    assert len(planning.plan_for((4, 47)).blocks) == fewest(budget, 47)  # a longer one: planned anew
+    assert planning.plan_for((4, 44)).blocks == planning.plan_for((4, 47)).blocks  # which the bucket then uses
 
     # from a row: where every length up to the edge gets the same plan, it serves the bucket
     planning.model.observe_key((4, 48))
@@ -319,7 +320,7 @@ def test_a_bucket_is_planned_for_its_longest_shape_seen_not_its_edge():
     planning.longest_in_bucket.clear()
     while not planning.cache.settled(3):
         planning.plan_for((4, 8))
-    plans = {t: len(planning.plan_for((4, t))) for t in range(9, 49)}  # each the longest of its bucket yet
+    plans = {t: len(planning.plan_for((4, t)).blocks) for t in range(9, 49)}  # each the longest of its bucket yet
     assert planning.cache.rows  # read from a row
     assert plans == {t: fewest(budget, t) for t in range(9, 49)}  # per length, as if planned alone
     same = next(t for t in range(33, 40) if len({plans[u] for u in range(t, 41)}) == 1)
@@ -327,15 +328,15 @@ def test_a_bucket_is_planned_for_its_longest_shape_seen_not_its_edge():
     planning.longest_in_bucket.clear()
     for _ in range(4):  # settle again
         planning.plan_for((4, 8))
-    plan_same = planning.plan_for((4, same))
+    plan_same = planning.plan_for((4, same)).blocks
     misses = planning.cache.misses
-    assert planning.plan_for((4, 40)) == plan_same and planning.cache.misses == misses  # no replan
+    assert planning.plan_for((4, 40)).blocks == plan_same and planning.cache.misses == misses  # no replan
     # where the plan changes inside the bucket (15 needs more than 16: the partial range begins
     # at 16), a longer shape of it is planned anew
     assert plans[15] > plans[16]
     planning.plan_for((4, 9))
     misses = planning.cache.misses
-    assert len(planning.plan_for((4, 15))) == plans[15] and planning.cache.misses == misses + 1
+    assert len(planning.plan_for((4, 15)).blocks) == plans[15] and planning.cache.misses == misses + 1
 
 
 def test_a_row_reaches_a_few_buckets_past_the_longest_shape():
@@ -354,7 +355,7 @@ def test_a_row_reaches_a_few_buckets_past_the_longest_shape():
     planning.model.observe_key((4, 120))
     alone = Planning(4, [0, 0, 0, 0], 1_000_000, margin_bytes=0, bucket_tokens=4)
     alone.model, alone.static_bytes = planning.model, planning.static_bytes
-    assert planning.plan_for((4, 120)) == alone.plan_for((4, 120))
+    assert planning.plan_for((4, 120)).blocks == alone.plan_for((4, 120)).blocks
     assert list(planning.cache.rows.values()) == [row]  # read from that row, not a new one
 
 
@@ -436,10 +437,20 @@ def test_refit_equals_numpy_least_squares(seed):
         assert (got >= b - 1e-12 * np.abs(b).max()).all()  # an upper envelope of its samples (to rounding)
 
 
+def _optimizer_step(above_static: int, static: int):
+    """A finished step whose optimizer step peaked ``above_static`` over its ``static`` bytes."""
+    from memfit.learner import StepOutcome
+    from memfit.planner import Plan
+
+    return StepOutcome(key=(4, 16), plan=Plan(()), warmup=False, outside=0, by_block=[0] * 4, static=static, peak=0,
+                       plain_peak=0, transient=0, optimizer_above_static=above_static)
+
+
 def test_an_optimizer_peak_that_cannot_change_a_plan_keeps_the_cache():
     """Plans read the optimizer step's peak only through static + max(activations, it) <=
     room: a larger one that stays within the room keeps every cached plan."""
     import memfit
+    from memfit.learner import learn_optimizer_peak
     from _models import build
 
     model, _ = build("bert")
@@ -447,20 +458,20 @@ def test_an_optimizer_peak_that_cannot_change_a_plan_keeps_the_cache():
     planning = ctl.planning
     planning.model, planning.static_bytes = _model([16, 32, 64]), 200_000  # a 4-block model
     planning.n_blocks, planning.all_blocks = 4, (0, 1, 2, 3)
-    cached = {t: planning.plan_for((4, t)) for t in (16, 60, 100)}
-    ctl._learn_optimizer_step(700_000, 200_000)  # 200k + 700k <= room: no plan can change
+    cached = {t: planning.plan_for((4, t)).blocks for t in (16, 60, 100)}
+    learn_optimizer_peak(planning, _optimizer_step(700_000, 200_000))  # 200k + 700k <= room: no plan can change
     assert planning.model.optimizer_bytes == 700_000 and planning.cache.items() != []
     fresh = Planning(4, [0, 0, 0, 0], 1_000_000, margin_bytes=planning.margin_bytes, bucket_tokens=planning.bucket_tokens,
                      slack_bytes=planning.slack_bytes)
     fresh.model, fresh.static_bytes = planning.model, 200_000
-    assert {t: fresh.plan_for((4, t)) for t in cached} == cached
-    ctl._learn_optimizer_step(900_000, 200_000)  # over the room: every plan is dropped
+    assert {t: fresh.plan_for((4, t)).blocks for t in cached} == cached
+    learn_optimizer_peak(planning, _optimizer_step(900_000, 200_000))  # over the room: every plan is dropped
     assert planning.cache.items() == []
     ctl.remove()
 
 
 def test_split_gives_a_new_group_a_copy_of_its_old_groups_curves():
-    """NOTE [Blocks alike only in name] (runtime.py): splitting keeps what the group learnt
+    """NOTE [Blocks alike only in name] (learner.py): splitting keeps what the group learnt
     for both parts, and a new group may not merge blocks of two groups."""
     model = MemoryModel([0, 0, 1, 0])
     model.group_models[0].full_bytes.add((2, 8), 100.0)

@@ -12,7 +12,7 @@ from torch import nn
 import memfit
 from _models import ARCHS, SIZES, TEXT_SIZES, assert_grads_equal, build, logical_peak
 from memfit.model import Curve
-from memfit.reactive import Candidate, RecomputeMismatchError, choose_evictions
+from memfit.store import Candidate, RecomputeMismatchError, choose_evictions
 
 C = Candidate  # (index, bytes, cost_ms, last_use)
 
@@ -261,8 +261,8 @@ def _arming(lengths):
     for step, length in enumerate(lengths):
         torch.manual_seed(step)
         loss = model(**make_batch(4, length)).loss
-        if not ctl._pending["decision"].warmup:
-            armed.append([b.runner is not None for b in ctl.blocks if not b.enabled])
+        if not ctl._step.decision.warmup:
+            armed.append([b.treatment is ctl.protection.stored for b in ctl.blocks if b.index not in ctl._step.decision.plan.blocks])
         loss.backward()
         model.zero_grad(set_to_none=True)
     records = ctl.records

@@ -268,12 +268,21 @@ class _FakeAllocator:
         monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
 
 
+def _use_cuda_meter(ctl):
+    """Make ``ctl`` read memory through the CUDA meter (whose torch.cuda calls the test patches)."""
+    from memfit.runtime.meter import CudaMeter
+
+    # the fake allocator's static memory is what it says: no gradient is missing
+    ctl.meter = CudaMeter(torch.device("cpu"), [], 0)
+    if hasattr(ctl.protection, "meter"):
+        ctl.protection.meter = ctl.meter
+
+
 def _on_fake_allocator(monkeypatch, ctl, optimizer, margin=None):
     """Make ``ctl`` account as on CUDA against a :class:`_FakeAllocator` the test drives."""
     fake = _FakeAllocator()
     fake.patch(monkeypatch)
-    ctl.accounting = "cuda"
-    ctl._grad_params = []  # the fake allocator's static memory is what it says
+    _use_cuda_meter(ctl)
     if margin is not None:
         ctl.planning.margin_bytes = margin
     ctl.set_optimizer(optimizer)
@@ -305,7 +314,7 @@ def test_backward_and_optimizer_peaks_are_read_apart(monkeypatch):
         def step(self, closure=None):
             return self.optimizer.step(closure)
 
-    ctl = memfit.fit(model, budget=None, method="full")
+    ctl = memfit.fit(model, budget=None, method="dynamic")  # three warm-up steps: every block checkpointed
     fake = _on_fake_allocator(monkeypatch, ctl, Wrapped(inner))
     inner.register_step_pre_hook(lambda *_: fake.use(700))  # runs after memfit's: the step's temporaries
     for seed in range(3):
@@ -325,6 +334,16 @@ def test_backward_and_optimizer_peaks_are_read_apart(monkeypatch):
     assert not ctl._optimizer_handles
 
 
+def _count_plans(monkeypatch, ctl, planned):
+    """Append to ``planned`` one entry per plan made (a row or one key): a miss of the plan cache."""
+    from memfit import planning as planning_module
+
+    original_plan = ctl.planning._plan
+    monkeypatch.setattr(ctl.planning, "_plan", lambda k: planned.append(("_plan", k)) or original_plan(k))
+    original_row = planning_module._plan_row
+    monkeypatch.setattr(planning_module, "_plan_row", lambda p, k: planned.append(("_plan_row", k)) or original_row(p, k))
+
+
 def test_plans_stay_cached_once_the_model_fits(monkeypatch):
     """A steady step that the model predicts within the margin changes nothing: plans stay cached."""
     model, make_batch = _bert()
@@ -334,9 +353,7 @@ def test_plans_stay_cached_once_the_model_fits(monkeypatch):
     ) // 2
     ctl = memfit.fit(model, budget=budget, method="dynamic")
     planned = []  # one entry per plan made (a row or one key): a miss of the plan cache
-    for name in ("_plan", "_plan_row"):
-        original = getattr(ctl.planning, name)
-        monkeypatch.setattr(ctl.planning, name, lambda k, f=original, n=name: planned.append((n, k)) or f(k))
+    _count_plans(monkeypatch, ctl, planned)
     lengths = [24, 96, 48, 72, 88, 40]
     for rnd in range(4):
         for i, length in enumerate(lengths):
@@ -364,9 +381,7 @@ def test_plans_stay_cached_under_a_noisy_allocator(monkeypatch):
     model, make_batch, inner, budget, ctl, fake = _half_budget_on_fake_allocator(monkeypatch, backstop=False)
     inner.register_step_pre_hook(lambda *_: fake.use(budget // 50))
     planned = []
-    for name in ("_plan", "_plan_row"):
-        original = getattr(ctl.planning, name)
-        monkeypatch.setattr(ctl.planning, name, lambda k, f=original, n=name: planned.append((n, k)) or f(k))
+    _count_plans(monkeypatch, ctl, planned)
     rng = random.Random(0)
     lengths = [24, 96, 48, 72, 88, 40, 64, 80]
     for rnd in range(5):
@@ -402,7 +417,7 @@ def test_first_steps_transient_and_margin(monkeypatch, workspace):
     ctl = memfit.fit(model, budget=budget, method="dynamic", backstop=False)
     margin = int(0.03 * budget)
     fake = _on_fake_allocator(monkeypatch, ctl, inner, margin=margin)
-    state_bytes = ctl._expected_opt_bytes
+    state_bytes = ctl.meter.expected_optimizer_bytes
     assert state_bytes > 0
 
     created = []
@@ -619,7 +634,7 @@ def _partial_transient_run(monkeypatch):
         torch.manual_seed(seed)
         loss = model(**make_batch(4, length)).loss
         saved = ctl._counter.total_bytes
-        every = len(ctl._pending["decision"].blocks) == len(ctl.blocks)
+        every = len(ctl._step.decision.plan.blocks) == len(ctl.blocks)
         if every:  # full: the top block is recomputed on top of what is kept
             block_bytes[length] = max(ctl.planning.model.group_models[0].full_bytes.ys or [0])
         fake.use(saved + 40 * 4 * length - 2000 + (block_bytes.get(length, 0) if every else 0))
@@ -661,7 +676,7 @@ def test_a_plan_that_checkpoints_nothing_does_not_extend_the_partial_range(monke
     partial = ctl.planning.model.transient_partial
     covered = partial.max_tokens
     original = ctl.method.decide
-    monkeypatch.setattr(ctl.method, "decide", lambda planning, key: Decision(()))
+    monkeypatch.setattr(ctl.method, "decide", lambda planning, key, failed=None: Decision(()))
     empty = run(92, 20)
     assert empty.n_checkpointed == 0 and partial.max_tokens == covered  # not extended
     monkeypatch.setattr(ctl.method, "decide", original)
@@ -775,7 +790,7 @@ def test_the_record_says_what_the_backstop_kept_only_as_block_inputs(monkeypatch
     """A step with the backstop armed keeps each un-checkpointed block's inputs for a
     recompute; the record counts those that no saved tensor holds (here `bias`, once, though
     every block takes it), and 0 on a step that ran plainly."""
-    from memfit.runtime import Controller
+    from memfit.protection import Backstop
 
     torch.manual_seed(0)
     layers = nn.ModuleList(_Biased(8) for _ in range(3))
@@ -793,7 +808,7 @@ def test_the_record_says_what_the_backstop_kept_only_as_block_inputs(monkeypatch
 
     net = Net().train()
     armed = {"on": False}
-    monkeypatch.setattr(Controller, "_backstop_armed", lambda self, key, blocks: armed["on"])
+    monkeypatch.setattr(Backstop, "_armed", lambda self, key, plan: armed["on"])
     ctl = memfit.fit(net, budget=10**9, method="dynamic", blocks=r"layers\.\d+", warmup_steps=1, warmup_keys=1)
     x = torch.randn(4, 5, 8)
     for on in (False, False, True, False):
@@ -864,20 +879,20 @@ def test_an_armed_step_teaches_what_its_plan_holds_run_plainly():
 def test_an_armed_steps_peaks_lose_only_the_inputs_of_the_stores_still_alive():
     """What an armed step's peak holds of its stores' inputs: all of them at the backward's
     start (or with no recompute), only the stores below the first recomputed block after it."""
-    from memfit.methods import Decision
+    from memfit.learner import Peaks, _plain_peaks
+    from memfit.planner import Plan
 
-    torch.manual_seed(0)
-    net = nn.Sequential(*(_Residual(4) for _ in range(4))).train()
-    ctl = memfit.fit(net, budget=None, method="dynamic", blocks=r"^[0-3]$")
-    ctl.remove()
-    ctl.accounting = "cuda"
     inputs = [10, 0, 20, 40]  # per block; block 1 checkpointed
-    pending = {"backstop_input": inputs, "decision": Decision((1,)), "evicted": []}
-    assert ctl._plain_peaks({**pending, "backstop_input": [0] * 4}, 1000, 900, 800) == (1000, 900)
-    assert ctl._plain_peaks(pending, 1000, None, 1000) == (930, None)
+    plan = Plan((1,))
+
+    def plain(peak, start, rest, evicted=(), stores=inputs):
+        return _plain_peaks(Peaks(peak=peak, reserved=peak, rest=rest, start=start), plan, evicted, stores, peak)
+
+    assert plain(1000, 900, 800, stores=[0] * 4) == (1000, 900)
+    assert plain(1000, None, 1000) == (930, None)
     # the start (every store alive) or the rest (block 0's store alone: block 1 is recomputed first)
-    assert ctl._plain_peaks(pending, 1000, 1000, 800) == (930, 930)
-    assert ctl._plain_peaks(pending, 990, 900, 990) == (980, 830)
+    assert plain(1000, 1000, 800) == (930, 930)
+    assert plain(990, 900, 990) == (980, 830)
     # an evicted block 2 is recomputed first: blocks 0 and 1 below it
-    assert ctl._plain_peaks({**pending, "evicted": [2]}, 990, 900, 990) == (980, 830)
-    assert ctl._plain_peaks({**pending, "evicted": [3]}, 990, 900, 990) == (960, 830)
+    assert plain(990, 900, 990, evicted=[2]) == (980, 830)
+    assert plain(990, 900, 990, evicted=[3]) == (960, 830)

@@ -35,7 +35,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["SavedTensorCounter", "local", "tensor_bytes", "static_bytes_logical", "optimizer_state_bytes"]
+from memfit.distributed import is_fsdp
+
+__all__ = [
+    "SavedTensorCounter", "ProbeCounter", "GatheredParameters", "local", "tensor_bytes", "static_bytes_logical", "optimizer_state_bytes",
+    "expected_optimizer_bytes",
+]
 
 OUTSIDE = -1  # block index for tensors saved outside any block (embeddings, head, loss)
 
@@ -60,6 +65,28 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     if optimizer is None:
         return 0
     return tensor_bytes(t for state in optimizer.state.values() for t in tree_leaves(state) if isinstance(t, torch.Tensor))
+
+
+# Optimizer state per parameter byte, expected before the optimizer's first step has
+# allocated it (afterwards the state is measured).
+_STATE_PER_PARAM_BYTE = {"Adam": 2.0, "AdamW": 2.0, "NAdam": 2.0, "RAdam": 2.0, "Adamax": 2.0, "SGD": 1.0, "RMSprop": 1.0, "Adagrad": 1.0}
+
+
+def expected_optimizer_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    """The state ``optimizer`` will hold after its first step (0 for an unknown class).
+
+    Adam-family: two states per parameter in its dtype, a third with ``amsgrad``; SGD with
+    momentum, RMSprop, Adagrad: one.
+    """
+    if optimizer is None:
+        return 0
+    per_byte = _STATE_PER_PARAM_BYTE.get(type(optimizer).__name__, 0.0)
+    if type(optimizer).__name__ == "SGD" and not any(g.get("momentum", 0) for g in optimizer.param_groups):
+        per_byte = 0.0
+    if any(g.get("amsgrad") for g in optimizer.param_groups):
+        per_byte += 1.0
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return int(per_byte * sum(local(p).numel() * p.element_size() for p in params))
 
 
 def static_bytes_logical(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
@@ -164,6 +191,49 @@ class SavedTensorCounter:
     @property
     def active(self) -> bool:
         return self._ctx is not None
+
+
+class GatheredParameters:
+    """FSDP's unsharded parameters, excluded from the counter as they are first gathered.
+
+    NOTE [FSDP's unsharded parameters]: at a block's first forward FSDP has just gathered its
+    (and, at the first block, the root's) parameters, whose storages are then known.
+
+    Args:
+        model: the model, sharded with ``fully_shard`` or not.
+        counter: the run's counter.
+    """
+
+    def __init__(self, model: nn.Module, counter: SavedTensorCounter):
+        self.model = model
+        self.counter = counter
+        self.sharded = is_fsdp(model)
+        self._seen: set[int] = set()
+        self._checked = False
+
+    def check_first_forward(self) -> None:
+        """At the first training forward: refuse a model sharded after ``memfit.fit``.
+
+        Raises:
+            RuntimeError: naming the fix.
+        """
+        if self._checked:
+            return
+        self._checked = True
+        if not self.sharded and is_fsdp(self.model):
+            raise RuntimeError(
+                "the model was sharded with FSDP after memfit.fit: call memfit.fit after fully_shard, so "
+                "memfit counts this rank's shards (NOTE [FSDP's unsharded parameters] in memfit/accounting.py)"
+            )
+
+    def enter(self, index: int, module: nn.Module) -> None:
+        """Block ``index`` starts its forward: at its first, exclude its gathered parameters."""
+        if not self.sharded or index in self._seen:
+            return
+        self.counter.exclude_parameters(module.parameters())
+        if not self._seen:
+            self.counter.exclude_parameters(self.model.parameters())
+        self._seen.add(index)
 
 
 class ProbeCounter:

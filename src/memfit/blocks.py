@@ -1,4 +1,4 @@
-"""Find the checkpointable blocks of a model and wrap each with an on/off checkpoint switch.
+"""Find the checkpointable blocks of a model and wrap each so that a treatment can be applied per step.
 
 A *block* is one unit memfit may checkpoint: a transformer layer (``BertLayer``,
 ``SwinLayer``, ``T5Block``, ...). Discovery order:
@@ -21,14 +21,15 @@ training step never reads the cache, and the copy costs memory.
 
 # NOTE [Switch is read at call time]
 The wrapper replaces the block's ``forward`` on the *instance* (the class is untouched) and
-reads ``enabled`` every call, so a plan can change between steps without re-wrapping and
-``unwrap`` restores the model exactly by deleting the instance attribute. Checkpointing
-only happens while the block is training and grad is enabled: eval and ``no_grad`` forwards
-are untouched.
+reads its ``treatment`` (treatments.py) every call, so a plan can change between steps without
+re-wrapping and ``unwrap`` restores the model exactly by deleting the instance attribute. A
+treatment applies only while the block is training and grad is enabled: eval and ``no_grad``
+forwards are untouched.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -36,9 +37,13 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-__all__ = ["NoBlocksError", "Block", "find_blocks", "wrap_blocks", "unwrap_blocks", "without_cache"]
+from memfit.treatments import Keep, Treatment
+
+__all__ = ["NoBlocksError", "Block", "find_blocks", "wrap_blocks", "unwrap_blocks", "without_cache", "fingerprint"]
+
+#: how a block runs until a plan says otherwise (stateless: shared)
+_PLAIN = Keep()
 
 
 class NoBlocksError(ValueError):
@@ -46,35 +51,32 @@ class NoBlocksError(ValueError):
 
 
 class Block:
-    """One checkpointable module with its switch and counters.
+    """One checkpointable module with its treatment and counters.
 
     Attributes:
         index: position in the model's block list (execution order).
         name: qualified module name.
         module: the wrapped module.
-        enabled: checkpoint this block on its next training forward.
-        forwards: training forwards run (checkpointed or not).
+        treatment: how the block runs its next training forward (treatments.py); it calls
+            :meth:`run_body` for each run of the body, recomputes included.
+        forwards: training forwards run (whatever the treatment).
         runs: times the block's body actually ran; ``runs - forwards`` are recomputes.
         listener: told ``enter(block, args, kwargs)`` at the start of every training forward
             and ``exit(block)`` at its end (the runtime uses it to fix the plan before the
             first block and to attribute saved tensors to blocks).
-        runner: when set, runs every training forward as ``runner(block, args, kwargs)``
-            instead of the plain or checkpointed body (the ``reactive`` method's store,
-            reactive.py); it calls :meth:`run_body` for each run, recomputes included.
         before_run: when set, called as ``before_run(block)`` before every run of the body,
             recomputes included (the runtime reads the start-of-backward peak at the first
-            recompute: NOTE [Reading the backward's start] in runtime.py).
+            recompute: NOTE [Reading the backward's start] in learner.py).
     """
 
     def __init__(self, index: int, name: str, module: nn.Module):
         self.index = index
         self.name = name
         self.module = module
-        self.enabled = False
+        self.treatment: Treatment = _PLAIN
         self.forwards = 0
         self.runs = 0
         self.listener: BlockListener | None = None
-        self.runner: Callable[[Block, tuple, dict[str, Any]], Any] | None = None
         self.before_run: Callable[[Block], None] | None = None
         self._body = module.forward  # the class's forward, bound to the instance
 
@@ -98,11 +100,7 @@ class Block:
             listener.enter(self, args, kwargs)
         try:
             args, kwargs = without_cache(self.module, args, kwargs)  # NOTE [No KV cache in training]
-            if self.runner is not None:
-                return self.runner(self, args, kwargs)
-            if not self.enabled:
-                return self.run_body(*args, **kwargs)
-            return checkpoint(self.run_body, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+            return self.treatment.run(self, args, kwargs)
         finally:
             if listener is not None:
                 listener.exit(self)
@@ -252,6 +250,22 @@ def wrap_blocks(named_blocks: list[tuple[str, nn.Module]], allow_hf_checkpointin
         module.forward = block
         wrapped.append(block)
     return wrapped
+
+
+def fingerprint(named_blocks: list[tuple[str, nn.Module]]) -> str:
+    """A short hash of the blocks: their names, classes and parameter counts, in order.
+
+    Plans made for one model are refused on another (NOTE [Plans files] in methods/precomputed.py).
+
+    Example:
+        >>> from torch import nn
+        >>> fingerprint([("0", nn.Linear(4, 4))]) == fingerprint([("0", nn.Linear(4, 4))])
+        True
+    """
+    h = hashlib.sha1()
+    for name, module in named_blocks:
+        h.update(f"{name}:{type(module).__name__}:{sum(p.numel() for p in module.parameters())};".encode())
+    return h.hexdigest()[:12]
 
 
 def unwrap_blocks(blocks: list[Block]) -> None:

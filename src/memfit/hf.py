@@ -40,7 +40,8 @@ from memfit.budget import BudgetTooSmallError, parse_bytes
 from memfit.distributed import GradientSync, is_fsdp, world_size
 from memfit.methods import METHODS, Method, UnknownMethodError
 from memfit.records import StepRecord, read_jsonl, summarize
-from memfit.runtime import Controller, describe_attempt, fit
+from memfit.runtime import Controller, fit
+from memfit.runtime.replay import describe_attempt
 
 __all__ = ["TrainingArguments", "Trainer", "STATE_FILE", "rank_path"]
 
@@ -207,7 +208,7 @@ class Trainer(transformers.Trainer):
     # ------------------------------------------------------------ OOM replay
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         """One micro-step; on OOM, replays the accumulation window (NOTE [OOM replay])."""
-        if self.memfit.method.name == "none":
+        if self.memfit.method.measures_only:
             # Nothing to make safer: the OOM goes to the caller as it is (Accelerate's
             # find_executable_batch_size, behind --auto_find_batch_size, catches it).
             return super().training_step(model, inputs, num_items_in_batch)
@@ -250,7 +251,7 @@ class Trainer(transformers.Trainer):
         ``precomputed`` cannot, and keep DDP's overlapped sync).
         """
         method = self.memfit.method
-        adapts = method.uses_model or method.evicts
+        adapts = method.adapts
         ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
         if not (ddp and adapts and getattr(self.args, "memfit_lockstep", True) and world_size() > 1):
             return None
@@ -324,16 +325,10 @@ class Trainer(transformers.Trainer):
         else:
             summary = self.memfit.summary()
         data = summary.to_dict()
-        if self.memfit.accounting == "cuda":
-            # Allocations the caching allocator could only serve after releasing its cache (a
-            # device sync and unmapping each time): the cost of running close to a hard cap
-            # that step times show but records do not.
-            stats = torch.cuda.memory_stats(self.memfit.device)
-            data["cuda_alloc_retries"] = int(stats.get("num_alloc_retries", 0))
-            data["cuda_device_allocs"] = int(stats.get("num_device_alloc", 0))
+        data.update(self.memfit.meter.run_stats())  # the allocator's retries and device allocations (CUDA)
         with open(os.path.join(a.output_dir, SUMMARY_FILE), "w", encoding="utf-8") as fh:
             json.dump(data, fh, indent=1)
-        if self.memfit.method.uses_model:
+        if self.memfit.method.learns:
             self.memfit.save_plans(os.path.join(a.output_dir, "memfit_plans.json"))
             # the memory model as the run ended: to resume from, or to read what it predicted
             with open(os.path.join(a.output_dir, STATE_FILE), "w", encoding="utf-8") as fh:

@@ -1,7 +1,7 @@
 """Memory and time model per block as a function of the shape key; fitting and refits.
 
 Shape key: ``(N, T)`` — batch rows and tokens per row at the first block (sequence length
-for text, patches for vision; see :func:`shape_key`). Features are ``N``, ``N·T`` and
+for text, patches for vision; see :func:`memfit.shapes.shape_key`). Features are ``N``, ``N·T`` and
 ``N·T²``: activations of a transformer layer are linear in tokens, plus a quadratic
 attention-score term that vanishes with fused attention and for windowed (Swin) attention;
 ``N`` alone covers per-row tensors (pooler, logits of a classification head).
@@ -21,38 +21,34 @@ two regimes (NOTE [Two transient regimes]), and the optimizer step's own peak
 # NOTE [Two transient regimes]
 Static memory counts every gradient, but at the peak of a step that checkpoints little
 (the start of backward) most gradients do not exist yet while activations start to be
-freed: the transient is *negative* (H200, bert-base fp32 AdamW, batch 32: -0.43 GB + 18 kB
-per token, i.e. minus the gradients plus the loss's temporaries). Under ``full`` the peak
-comes later in backward, with a recomputed block on top (-0.39 GB + 57 kB per token).
-Warm-up runs ``full``, so one curve fitted there over-predicted every partial plan by about
-0.5 GB. ``transient_full`` is fitted on steps that checkpoint every block,
+freed: the transient is *negative* (minus the gradients, plus the loss's temporaries).
+Under ``full`` the peak comes later in backward, with a recomputed block on top. Warm-up
+runs ``full``, so one curve fitted there would over-predict every partial plan by about the
+gradients' bytes. ``transient_full`` is fitted on steps that checkpoint every block,
 ``transient_partial`` on the others; the partial curve is used only inside the range of
-token counts it has seen (interpolation, up to the plan bucket of its longest sample),
-else the full one (conservative). A steady partial step outside that range always teaches
-the partial curve, so the range grows to the lengths the run meets: the full curve at a
-partial plan's backward start counts a recomputed block that is not there. In the H200
-runs of 2026-11-22 (bert-base, batch 32, 6 GB) plans near 500 tokens alternated between 8
-blocks, predicted to the MB, and 9 blocks, predicted 0.7 GB high, in 8 of 26 such steps.
+token counts it has seen (interpolation, up to the plan bucket of its longest sample), else
+the full one (conservative). A steady partial step outside that range always teaches the
+partial curve, so the range grows to the lengths the run meets: the full curve at a partial
+plan's backward start counts a recomputed block that is not there, a block's worth too much.
 
 # NOTE [Three peaks]
-A step's peak is the largest of three moments (H200 step records, bert-base):
+A step's peak is the largest of three moments:
 * the start of backward: static + saved activations under the plan + the partial transient;
 * the recompute of the topmost checkpointed block in backward: bounded by what ``full``
   holds then (static + every block's kept bytes + the full transient) plus the activations
   of un-checkpointed blocks *below* that block, still held (none for a first-k plan);
 * the optimizer step: static + its temporaries (AdamW's foreach update holds about one
-  extra copy of the parameters: 0.44 GB for bert-base), the same for every shape. Short
-  sequences peak here whatever the plan, so a transient fitted on whole-step peaks was
-  V-shaped in tokens and no low-degree curve fits it. The controller reads the two phases'
-  peaks apart (optimizer step hooks); ``optimizer_bytes`` is the largest optimizer-step
-  peak above static seen.
+  extra copy of the parameters), the same for every shape. Short sequences peak here
+  whatever the plan, so a transient fitted on whole-step peaks would be V-shaped in tokens,
+  which no low-degree curve fits. The meter reads the two phases' peaks apart (an optimizer
+  step pre-hook); ``optimizer_bytes`` is the largest optimizer-step peak above static seen.
 Checkpointing lowers only the first; the planner removes bytes from it and the plan is
 then checked against all three.
 
 # NOTE [Upper envelope]
 Least squares under-predicts half of its samples. Every fitted curve here is shifted up by
 its largest positive residual, so it bounds every sample it was fitted on; out-of-sample
-errors are caught by the margin in runtime.py.
+errors are caught by the margin (NOTE [Room] in planning.py).
 """
 
 from __future__ import annotations
@@ -65,31 +61,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["shape_key", "bucket_key", "Curve", "curve_values", "BlockGroupModel", "MemoryModel"]
-
-
-def shape_key(shape: Sequence[int]) -> tuple[int, int]:
-    """``(N, T)`` from the shape of the first block's input.
-
-    ``(N, T, C)`` → ``(N, T)``; ``(N, C, H, W)`` → ``(N, H·W)``; ``(N, C)`` → ``(N, 1)``.
-    """
-    if len(shape) == 0:
-        return (1, 1)
-    if len(shape) <= 2:
-        return (int(shape[0]), 1)
-    if len(shape) == 3:
-        return (int(shape[0]), int(shape[1]))
-    return (int(shape[0]), int(math.prod(shape[2:])))
-
-
-def bucket_key(key: tuple[int, int], bucket_tokens: int = 8) -> tuple[int, int]:
-    """Round tokens *up* to a multiple of ``bucket_tokens`` (1: exact keys).
-
-    Shapes of a bucket share its plan, made for the longest of them seen so far (NOTE [Plan
-    for the longest shape seen] in runtime.py).
-    """
-    n, t = key
-    return (n, -(-t // bucket_tokens) * bucket_tokens)
+__all__ = ["Curve", "curve_values", "BlockGroupModel", "MemoryModel"]
 
 
 def _features(n: Any, t: Any, intercept: bool, quadratic: bool = True) -> list[Any]:
@@ -101,14 +73,13 @@ def _features(n: Any, t: Any, intercept: bool, quadratic: bool = True) -> list[A
 
 # NOTE [Refit in Python]
 # Each change of the memory model refits the curves that learned, inside the next step's
-# plan. In a training process numpy's least squares cost 250-400 µs there (a tight loop:
-# 38 µs): every numpy and LAPACK path pays ~25 µs or more the first time after torch ran,
-# where plain Python barely slows down, and an H200 bert-base run refitted 35-50 times in
-# 200 steps. So a curve keeps the sums of its normal equations over its distinct keys (a
-# key whose largest value rises moves only Σ u·y), and a refit scales them as the
-# least-squares path scaled its columns and solves the 2-4 unknowns in Python: values
-# equal numpy's ``lstsq`` to 1e-9 of the largest sample (tested), and the envelope shift is
-# taken from the residuals of this very fit, so the curve stays above its samples.
+# plan, where numpy's least squares costs several times a tight loop's (every numpy and
+# LAPACK path pays a first-call cost after torch ran; plain Python barely slows down). So a
+# curve keeps the sums of its normal equations over its distinct keys (a key whose largest
+# value rises moves only Σ u·y), and a refit scales them as the least-squares path scaled
+# its columns and solves the 2-4 unknowns in Python: values equal numpy's ``lstsq`` to 1e-9
+# of the largest sample (tested), and the envelope shift is taken from the residuals of this
+# very fit, so the curve stays above its samples.
 
 
 def _min_norm_solve(gram: list[list[float]], rhs: list[float]) -> list[float]:
@@ -155,22 +126,19 @@ def _min_norm_solve(gram: list[list[float]], rhs: list[float]) -> list[float]:
 # NOTE [Sizes outside the samples]
 # A curve of sizes or costs (``floor`` set: saved bytes per block, bytes outside the blocks,
 # recompute time) is a quadratic through the keys seen, and outside them it may bend
-# anywhere. An H200 Swin-B detector (batch 16, 2026-11-22) fitted its blocks' bytes on
-# three warm-up shapes of 78-86k patches and predicted next to nothing for 66k and for 94k:
-# `dynamic` checkpointed no block of a 66k batch, which ran out of memory in every replay
-# however much the margin grew, and `static`, planning for 94k, checkpointed nothing. These
-# values grow with the tokens at least in proportion (activations are linear in the
+# anywhere: a fit on a few close shapes can predict next to nothing for a shape further
+# out, which then runs with nothing treated into an OOM however much the margin grows.
+# These values grow with the tokens at least in proportion (activations are linear in the
 # tokens, or faster: convex, and nothing at no tokens), so outside its samples a curve
 # gives its nearest extreme sample's value scaled by the tokens: below the smallest that is
 # an upper bound (the shape's own value is learnt when it runs), above the largest a lower
 # bound on the growth, which the fit may exceed. (Below, the smallest sample's value itself
-# would also be safe, but it planned 9 of 12 layers for a 52-token batch of the engine
-# bench whose smallest sample had 229 tokens.) The transients (``floor=None``) may fall
-# with the tokens and keep their fit, a line until six keys.
+# would also be safe, but it over-treats short batches far below the samples.) The
+# transients (``floor=None``) may fall with the tokens and keep their fit, a line until six
+# keys.
 #
 # A curve with ``linear_until`` set fits ``a + b·N·T`` until it has seen that many distinct
-# keys: a quadratic through three noisy points extrapolates wildly (an H200 run predicted
-# -1.1 GB for a short batch from three warm-up samples).
+# keys: a quadratic through three noisy points extrapolates wildly (to negative bytes).
 
 
 @dataclass
@@ -468,11 +436,10 @@ class MemoryModel:
         """Whether ``tokens`` (``N·T``: an int, or an array of them) lie in the range the
         partial transient has seen.
 
-        The range's top is its longest sample rounded up to its plan bucket: when plans were
-        made at a bucket's upper edge, a range that ended at the longest sample itself left
-        that sample's own bucket outside, and the bucket kept the full regime's guess (one
-        block over, 0.7 GB at 6 GB on the H200) until a longer sample fell in it. A longer
-        shape of that bucket is still planned with the partial curve, a few tokens past it.
+        The range's top is its longest sample rounded up to its plan bucket: a range that
+        ended at the longest sample itself would leave that sample's own bucket outside, with
+        the full regime's guess (a block's worth too much) until a longer sample fell in it. A
+        longer shape of that bucket is still planned with the partial curve, a few tokens past it.
         """
         partial = self.transient_partial
         return (partial.min_tokens <= tokens) & (tokens <= partial.max_bucket_tokens(self.bucket_tokens))

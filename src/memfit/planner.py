@@ -19,19 +19,14 @@ checkpointing block ``i``); find the set ``P`` minimising ``sum(c_i for i in P)`
 For a fixed count from every class but one, the cheapest count of that last class is the
 fewest that covers what is still needed (every cost is positive): one division, not a loop.
 So only the other classes are enumerated, as one numpy grid, and the class with the most
-members is the one solved by division. A Conditional DETR with a Swin-B backbone (classes of
-2, 2, 18, 2, 6 and 6 blocks) has 1,323 combinations to score instead of 25,137 scored one by
-one in Python (about 90 ms per new image size before; `benchmarks/planner_bench.py`).
-The grid's products run in float64, through BLAS (integer matrix products do not), into
-buffers kept with the grid: with Swin's shifted layers planned apart (11 classes, 53,760
-combinations) the integer products were 0.84 of the enumeration's 1 ms on the CPU, and a new
-array per operation cost page faults on every call (a new bucket of `planner_bench.py`'s
-split Swin-B model: 741 -> 505 µs, `benchmarks/results/cpu/planner/`). In the H200 training
-process a plan still took a median 7-8 ms (fourteenth detection run): not this arithmetic,
-not traced yet. Counts, savings and needs are integers below 2**53, so every sum
-is exact in float64 and so is the ceiling of a quotient (a fraction of at least 1/saving
-cannot round away); beyond 2**53 bytes the DP plans. The costs' products are those numpy made
-before, of the integer grid converted to float64: the same plans, tie for tie.
+members is the one solved by division (a Swin-B detector's classes of 2, 2, 18, 2, 6 and 6
+blocks: 1,323 combinations scored at once instead of 25,137 one by one). The grid's products
+run in float64 through BLAS (integer matrix products do not), into buffers kept with the grid
+(a new array per operation costs page faults on every call). Counts, savings and needs are
+integers below 2**53, so every sum is exact in float64 and so is the ceiling of a quotient (a
+fraction of at least 1/saving cannot round away); beyond 2**53 bytes the DP plans. The costs'
+products are those of the integer grid converted to float64: the same plans, tie for tie, as
+integer arithmetic (tested against brute force).
 
 # NOTE [Earliest blocks first]
 Among plans of equal cost the planner prefers lower block indices. A checkpointed block is
@@ -57,19 +52,61 @@ class InfeasiblePlanError(ValueError):
     """Checkpointing every block still does not save enough bytes."""
 
 
+#: the name of whole-block recompute (memfit.treatments.RECOMPUTE; the planner imports no torch)
+_RECOMPUTE = "recompute"
+
+
 @dataclass(frozen=True)
 class Plan:
-    """Blocks to checkpoint for one shape key.
+    """The treatment of every block for one shape key: which blocks are not kept, and how.
 
     Attributes:
-        blocks: checkpointed block indices, ascending.
-        cost_ms: estimated recompute time of those blocks.
-        saved_bytes: estimated bytes the plan saves relative to checkpointing nothing.
+        blocks: treated (not kept) block indices, ascending.
+        cost_ms: estimated extra time of those treatments.
+        saved_bytes: estimated bytes the plan saves relative to keeping every block.
+        kinds: the treatment of each of ``blocks``, in order; empty when every one is
+            ``recompute`` (normalised so, so that equal plans compare equal).
+
+    Example:
+        >>> Plan((0, 2)).treatments(3)
+        ['recompute', 'keep', 'recompute']
     """
 
     blocks: tuple[int, ...]
     cost_ms: float = 0.0
     saved_bytes: int = 0
+    kinds: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kinds and len(self.kinds) != len(self.blocks):
+            raise ValueError(f"a plan of {len(self.blocks)} treated blocks has {len(self.kinds)} treatment names")
+        if self.kinds and all(k == _RECOMPUTE for k in self.kinds):
+            object.__setattr__(self, "kinds", ())
+
+    def treatment(self, index: int, keep: str = "keep") -> str:
+        """The treatment of block ``index`` (``keep`` when the plan does not treat it)."""
+        if index not in self.blocks:
+            return keep
+        return self.kinds[self.blocks.index(index)] if self.kinds else _RECOMPUTE
+
+    def treatments(self, n_blocks: int) -> list[str]:
+        """The treatment of every block ``0..n_blocks-1``."""
+        out = ["keep"] * n_blocks
+        for i, kind in zip(self.blocks, self.kinds or (_RECOMPUTE,) * len(self.blocks)):
+            out[i] = kind
+        return out
+
+    def by_treatment(self) -> dict[str, list[int]]:
+        """The treated blocks grouped by treatment name (what a step record stores)."""
+        out: dict[str, list[int]] = {}
+        for i, kind in zip(self.blocks, self.kinds or (_RECOMPUTE,) * len(self.blocks)):
+            out.setdefault(kind, []).append(i)
+        return out
+
+    @property
+    def layout(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """What the plan does, its estimates aside: two plans with one layout run alike."""
+        return self.blocks, self.kinds
 
 
 def _is_homogeneous(values: Sequence[float], rel_tol: float = 1e-9) -> bool:

@@ -32,6 +32,9 @@ SCHEMA_VERSION = 1
 class StepRecord:
     """One optimizer micro-step (one training forward + backward).
 
+    ``plan`` lists the blocks the plan treated (not kept), ``n_checkpointed`` counts them and
+    ``treatments`` says how each was treated.
+
     Byte counts are plain bytes; ``budget_bytes`` is ``None`` when no budget is set.
     With ``accounting == "logical"`` (CPU), ``peak_allocated_bytes`` is parameters +
     gradients + optimizer state + saved activations counted from the tensors, and
@@ -67,6 +70,9 @@ class StepRecord:
     #: bytes the backstop's stores kept only as block inputs (no saved tensor held them):
     #: what arming added to the step beyond the blocks' own saved tensors
     backstop_input_bytes: int = 0
+    #: the treated blocks of the plan, by treatment name (``{"recompute": [0, 1]}``); every
+    #: other block was kept (treatments.py)
+    treatments: dict[str, list[int]] = field(default_factory=dict)
     #: the attempts of this step that ran out of memory and were replayed, oldest first:
     #: ``stage`` (forward / backward / optimizer), ``plan``, ``phase``, ``shape``,
     #: ``predicted_peak_bytes``, ``margin_bytes``, ``slack_bytes``, ``evicted_blocks``,

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from memfit.methods import Decision, Method, Precomputed, save_plans
-from memfit.model import bucket_key, shape_key
+from memfit.shapes import bucket_key, shape_key
 
 __all__ = ["Oracle", "sweep", "prepare"]
 
@@ -65,12 +65,11 @@ class _FirstK(Method):
     """The first ``k`` blocks, whatever the shape: one trial of the sweep."""
 
     name = "first-k"
-    uses_model = False
 
     def __init__(self, k: int):
         self.k = k
 
-    def decide(self, planning, key: tuple[int, int]) -> Decision:
+    def decide(self, planning, key: tuple[int, int], failed=None) -> Decision:
         return Decision(tuple(range(min(self.k, planning.n_blocks))))
 
 

@@ -92,10 +92,10 @@ from torch.utils._pytree import tree_map
 
 from memfit.blocks import find_blocks
 from memfit.methods import Decision, Method
-from memfit.runtime import _first_tensor
+from memfit.shapes import first_tensor
 
 if TYPE_CHECKING:
-    from memfit.runtime import Planning
+    from memfit.planning import Planning
     from memfit.tasks import TaskBundle
 
 __all__ = [
@@ -343,12 +343,11 @@ class CkptplanPlan(Method):
     """
 
     name = "ckptplan"
-    uses_model = False
 
     def __init__(self, blocks: Sequence[int]):
         self.blocks = tuple(sorted(blocks))
 
-    def decide(self, planning: "Planning", key: tuple[int, int]) -> Decision:
+    def decide(self, planning: "Planning", key: tuple[int, int], failed: Any = None) -> Decision:
         return Decision(self.blocks)
 
 
@@ -416,7 +415,7 @@ class Ckptplan(Peer):
         with _autocast(training_args, device):
             on_device = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, dict(batch))
             inputs = _block_inputs(model, named, on_device)
-            self.shape = list(_first_tensor(*inputs[0]).shape)
+            self.shape = list(first_tensor(*inputs[0]).shape)
             profiles = _profile_blocks(self.ckptplan, model, named, inputs, device)
         del inputs, on_device, batch
         self.profile_s = time.perf_counter() - t0

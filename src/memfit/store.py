@@ -1,15 +1,14 @@
-"""Method ``reactive``: keep blocks' saved tensors in memfit's store, evict under pressure, recompute in backward.
+"""The saved-tensor store: blocks whose saved tensors can be evicted mid-step and recomputed in backward.
 
-DTR (Kirisame et al., *Dynamic Tensor Rematerialization*, ICLR 2021) at block granularity,
-with no warm-up and no memory model:
+DTR (Kirisame et al., *Dynamic Tensor Rematerialization*, ICLR 2021) at block granularity. The
+method ``reactive`` runs every block under it, and ``dynamic``'s backstop the blocks its plan
+keeps (protection.py); the store itself needs no warm-up and no memory model:
 
-* every block's training forward runs under a ``saved_tensors_hooks`` pair that puts each
-  tensor autograd saves into a handle of the block's store (NOTE [Handles own the tensors]),
+* a block's training forward runs under a ``saved_tensors_hooks`` pair that puts each tensor
+  autograd saves into a handle of the block's store (NOTE [Handles own the tensors]),
   together with what the block needs to run again: its inputs, RNG and autocast state;
-* at each block entry the controller (runtime.py) checks the bytes in use; when they plus the
-  margin plus the largest block seen this step would cross the budget, it calls
-  :meth:`ReactiveStore.evict`, which empties the handles of already-run blocks chosen by
-  :func:`choose_evictions` (NOTE [DTR score]);
+* when the step needs room, :meth:`ReactiveStore.evict` empties the handles of already-run
+  blocks chosen by :func:`choose_evictions` (NOTE [DTR score]);
 * in backward, the first unpack of an emptied handle re-runs its block and refills every
   handle of it (NOTE [Recompute refills by position]).
 
@@ -326,7 +325,7 @@ class ReactiveStore:
         """Bytes the stores keep only as block inputs, per block index: storages that no
         store's saved tensors, nor ``also_saved`` (addresses counted elsewhere), hold, each
         at the earliest block keeping it (it lives as long as that block's store). Under the
-        backstop (NOTE [Backstop], runtime.py) that is what arming adds to a step."""
+        backstop (NOTE [Backstop], protection.py) that is what arming adds to a step."""
         saved: set[int] = set()
         for store in (ref() for ref in self._stores):
             if store is not None:

@@ -1,0 +1,121 @@
+"""``dynamic`` and ``static``: plans from the memory model, learnt in a short warm-up and refined online.
+
+# NOTE [A replay treats more]
+An OOM grows the margin or the slack and clears the plans, so the replay is planned with less
+room; but a model that predicts far too little for the shape (a curve extrapolated below its
+samples) plans the same blocks again, and again, however much the margin grows. So a replay
+whose plan treats nothing the failed attempt did not runs every block recomputed instead; if
+that is still too much, the budget is too small (``note_oom`` says so).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from memfit import learner
+from memfit.methods.base import Decision, Method
+from memfit.planner import Plan
+from memfit.protection import Backstop, Protection, Unprotected
+
+if TYPE_CHECKING:
+    from memfit.accounting import SavedTensorCounter
+    from memfit.learner import StepOutcome
+    from memfit.planning import Planning
+    from memfit.store import ReactiveStore
+
+__all__ = ["Dynamic", "Static"]
+
+
+class Dynamic(Method):
+    """Per shape key, the cheapest plan whose predicted peak fits the budget.
+
+    Args:
+        warmup_steps: fewest warm-up steps (run as ``full`` while the probe measures).
+        warmup_keys: fewest distinct token counts to see before leaving warm-up, so the
+            fit of ``N·T`` and ``N·T²`` is determined.
+        max_warmup_steps: leave warm-up after this many steps even with fewer keys.
+        backstop: when a prediction was wrong and a step nears the cap mid-forward, evict
+            already-run kept blocks instead of running out of memory; armed only for steps
+            longer than any before or predicted within reach of the cap (NOTE [Backstop] in
+            protection.py).
+
+    Raises:
+        ValueError: unless ``1 <= warmup_steps <= max_warmup_steps``.
+    """
+
+    name = "dynamic"
+    adapts = True
+    learns = True
+    #: plan a shape's whole row on a miss (NOTE [Planning a row] in planning.py)
+    plans_rows = True
+
+    def __init__(self, warmup_steps: int = 3, warmup_keys: int = 3, max_warmup_steps: int = 12, backstop: bool = True):
+        if not 1 <= warmup_steps <= max_warmup_steps:
+            raise ValueError("need 1 <= warmup_steps <= max_warmup_steps")
+        self.backstop = backstop
+        self.warmup_steps = warmup_steps
+        self.warmup_keys = warmup_keys
+        self.max_warmup_steps = max_warmup_steps
+        self._warm_steps = 0
+        self._warm_tokens: set[int] = set()
+        self._steady = False  # warm-up is over for good (a step's first check is then skipped)
+
+    def make_protection(
+        self, new_store: Callable[[], "ReactiveStore"], planning: "Planning", meter: object, counter: "SavedTensorCounter",
+    ) -> Protection:
+        return Backstop(new_store(), planning, meter, counter) if self.backstop else Unprotected()
+
+    def resume(self) -> None:
+        """End warm-up now (the memory model was loaded from a checkpoint)."""
+        self._warm_steps = self.max_warmup_steps
+        self._steady = False  # checked again against the loaded model
+
+    def in_warmup(self, planning: "Planning", key: tuple[int, int]) -> bool:
+        if not planning.model.ready:
+            return True
+        if self._warm_steps >= self.max_warmup_steps:
+            return False
+        return self._warm_steps < self.warmup_steps or len(self._warm_tokens) < self.warmup_keys
+
+    def decide(self, planning: "Planning", key: tuple[int, int], failed: Plan | None = None) -> Decision:
+        if not self._steady:
+            if self.in_warmup(planning, key):
+                self._warm_steps += 1
+                self._warm_tokens.add(key[0] * key[1])
+                return Decision(Plan(planning.all_blocks), warmup=True)
+            self._steady = True  # the model stays ready and the counts only grow
+        plan = planning.plan_for(self.planning_key(planning, key), whole_row=self.plans_rows)
+        if failed is not None and set(plan.blocks) <= set(failed.blocks):
+            plan = Plan(planning.all_blocks)  # NOTE [A replay treats more]
+        return Decision(plan)
+
+    def learn(self, planning: "Planning", outcome: "StepOutcome") -> int | None:
+        learner.learn_optimizer_peak(planning, outcome)
+        predicted = planning.predict_peak(outcome.key, outcome.plan) if planning.model.ready else None
+        learner.learn_step(planning, outcome, predicted, self.planning_key(planning, outcome.key))
+        learner.grow_margin(planning, outcome, predicted)
+        return predicted
+
+
+class Static(Dynamic):
+    """The ``dynamic`` plan of the largest input, applied to every batch.
+
+    Args:
+        max_shape: ``(N, T)`` of the largest input, when known (e.g. from the length list of
+            the data set). Without it, the largest key seen so far (warm-up included) is
+            used, so the plan only ever grows.
+        backstop: as for ``dynamic`` (off by default: the largest shape's plan leaves room).
+        **kwargs: warm-up settings, as for ``dynamic``.
+    """
+
+    name = "static"
+    plans_rows = False  # one shape, the largest, is ever planned
+
+    def __init__(self, max_shape: tuple[int, int] | None = None, backstop: bool = False, **kwargs: int):
+        super().__init__(backstop=backstop, **kwargs)
+        self.max_shape = tuple(max_shape) if max_shape else None
+
+    def planning_key(self, planning: "Planning", key: tuple[int, int]) -> tuple[int, int]:
+        candidates = [key] + [k for k in (self.max_shape, planning.model.max_key) if k]
+        return max(candidates, key=lambda k: (k[0] * k[1], k))

@@ -1,0 +1,446 @@
+"""The controller: wires a model's hooks to the method, the meter, the learner and the records.
+
+``memfit.fit`` builds a :class:`Controller`, which hooks the model and needs no change to the
+training loop:
+
+* a forward pre-hook on the root module starts a step (and closes the previous one: its
+  record is written then, when the peak of its backward and optimizer step is known);
+* the first block to run asks the method for the plan and applies it (NOTE [Plan is fixed
+  before forward]); the method's protection may change how kept blocks run (protection.py);
+* saved tensors are counted per block while the root forward runs (accounting.py);
+* in warm-up every block is probed (runtime/probe.py), and the probes are learnt at the
+  forward's end (learner.py);
+* an optimizer step pre-hook and every block run let the meter read the step's peaks apart
+  (runtime/meter.py);
+* a closed step is turned into what it teaches (learner.py), which the method learns, and
+  into a :class:`~memfit.records.StepRecord`.
+
+# NOTE [Plan is fixed before forward]
+The shape key is read from the first block's input, so it works for any model input (tokens,
+pixels, kwargs). Every block's treatment is set at that moment, before any block has run, and
+does not change until the next step: forward and backward see one plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit import learner
+from memfit.accounting import OUTSIDE, GatheredParameters, SavedTensorCounter, expected_optimizer_bytes, optimizer_state_bytes, static_bytes_logical
+from memfit.blocks import Block, find_blocks, fingerprint, unwrap_blocks, wrap_blocks
+from memfit.budget import check_static_need, parse_bytes
+from memfit.methods import Method, make_method, save_plans
+from memfit.model import MemoryModel
+from memfit.planner import Plan
+from memfit.planning import Planning
+from memfit.records import JsonlWriter, StepRecord, summarize
+from memfit.runtime import probe, replay
+from memfit.runtime.meter import Meter, make_meter
+from memfit.runtime.step import Stage, StepState
+from memfit.shapes import first_tensor, shape_key
+from memfit.store import ReactiveStore
+from memfit.treatments import make_treatments
+
+__all__ = ["fit", "Controller"]
+
+logger = logging.getLogger("memfit")
+
+
+def _group_ids(blocks: list[Block]) -> list[int]:
+    """Blocks of the same class and parameter count share a group (and a model)."""
+    ids: dict[tuple[type, int], int] = {}
+    out = []
+    for b in blocks:
+        sig = (type(b.module), sum(p.numel() for p in b.module.parameters()))
+        out.append(ids.setdefault(sig, len(ids)))
+    return out
+
+
+def _check_static_need(model: nn.Module, budget_bytes: int | None, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+    """Parameters, gradients and optimizer state (expected before its first step), counted;
+    raises ``BudgetTooSmallError`` when they exceed the budget."""
+    parts = static_bytes_logical(model, None)
+    parts["optimizer state"] = max(expected_optimizer_bytes(optimizer), optimizer_state_bytes(optimizer))
+    if budget_bytes is not None:
+        check_static_need(budget_bytes, sum(parts.values()), parts)
+    return parts
+
+
+class Controller:
+    """Plans, applies and records the treatment of every block for one model; made by :func:`fit`.
+
+    Attributes:
+        blocks: the wrapped blocks, in order.
+        method: the :class:`~memfit.methods.Method`.
+        planning: model, planner and cache.
+        meter: how memory is read (:attr:`accounting` names it).
+        replaying: set while earlier micro-steps of a window are rerun after an OOM (no records).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        budget_bytes: int | None,
+        method: Method,
+        optimizer: torch.optim.Optimizer | None = None,
+        blocks: Sequence[nn.Module] | str | None = None,
+        log: str | None = None,
+        margin: float | None = None,
+        bucket_tokens: int = 8,
+        cap: bool = True,
+    ):
+        self.model = model
+        self.method = method
+        self.budget_bytes = budget_bytes
+        named = find_blocks(model, blocks)
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        static_parts = _check_static_need(model, budget_bytes, optimizer)
+        self.grad_params = [p for p in model.parameters() if p.requires_grad]
+        self.meter: Meter = make_meter(self.device, self.grad_params, static_parts["parameters"] + static_parts["gradients"])
+        method.bind(len(named), fingerprint(named))
+        if budget_bytes is not None and cap:
+            self.meter.apply_cap(budget_bytes)
+        self.blocks = wrap_blocks(named, allow_hf_checkpointing=method.measures_only)
+        self._fingerprint = fingerprint(named)
+        margin = self.meter.default_margin if margin is None else margin
+        self.planning = Planning(
+            len(self.blocks), _group_ids(self.blocks), budget_bytes, int(margin * (budget_bytes or 0)), bucket_tokens,
+            slack_bytes=self.meter.initial_slack(budget_bytes),
+        )
+        # Parameters and buffers are never activations (under FSDP: this rank's shards).
+        self._counter = SavedTensorCounter(len(self.blocks), exclude=list(model.parameters()) + list(model.buffers()))
+        self.treatments = make_treatments()
+        self.protection = method.make_protection(
+            lambda: ReactiveStore(self._counter.excluded_ptrs), self.planning, self.meter, self._counter
+        )
+        self._gathered = GatheredParameters(model, self._counter)
+        self.rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+        self._writer = JsonlWriter(log) if log else None
+        self._records: list[StepRecord] = []
+        self._step: StepState | None = None
+        self._steps_recorded = 0
+        self._oom = replay.OomLog()
+        self.replaying = False
+        #: ``run_step`` calls of the current accumulation window (NOTE [Replay in a plain loop])
+        self.window: list[tuple[Callable[..., Any], tuple, dict, Any]] = []
+        self._handles = [
+            model.register_forward_pre_hook(self._on_forward_start, with_kwargs=True),
+            model.register_forward_hook(self._on_forward_end, always_call=True),
+        ]
+        for b in self.blocks:
+            b.listener = self
+            b.before_run = self._before_block_run
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._optimizer_handles: list = []
+        self.set_optimizer(optimizer, check=False)
+
+    # ----------------------------------------------------------------- optimizer
+    def set_optimizer(self, optimizer: torch.optim.Optimizer | None, check: bool = True) -> None:
+        """Count ``optimizer``'s state from now on (for an optimizer made after ``fit``).
+
+        Raises:
+            BudgetTooSmallError: when weights + gradients + its state exceed the budget.
+        """
+        if check:
+            _check_static_need(self.model, self.budget_bytes, optimizer)
+        for h in self._optimizer_handles:
+            h.remove()
+        self.optimizer = optimizer
+        self.meter.optimizer = optimizer
+        self.meter.expected_optimizer_bytes = expected_optimizer_bytes(optimizer)
+        while optimizer is not None and isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+            optimizer = optimizer.optimizer  # accelerate's AcceleratedOptimizer wraps the torch one
+        self._optimizer_handles = []
+        if optimizer is not None and hasattr(optimizer, "register_step_pre_hook"):
+            self._optimizer_handles = [
+                optimizer.register_step_pre_hook(lambda *_: self.meter.optimizer_step(self._step)),
+                optimizer.register_step_post_hook(lambda *_: self.window.clear()),
+            ]
+
+    @property
+    def closes_windows(self) -> bool:
+        """Whether an optimizer step tells where accumulation windows end (NOTE [Replay in a plain loop])."""
+        return bool(self._optimizer_handles)
+
+    @property
+    def accounting(self) -> str:
+        """``"cuda"`` (allocator peaks) or ``"logical"`` (counted tensors)."""
+        return self.meter.kind
+
+    # ----------------------------------------------------------------- hooks
+    def _before_block_run(self, block: Block) -> None:
+        self.meter.block_run(self._step)
+
+    def _on_forward_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        training = module.training and torch.is_grad_enabled()
+        # read once: the closing step's lasting growth and this step's static bytes
+        static_now = self.meter.static_now() if training else None
+        self._finish_step(static_now)
+        if not training:
+            return
+        self._gathered.check_first_forward()
+        self.planning.static_bytes = static_now
+        step = StepState(
+            t0=time.perf_counter(), static_bytes=static_now, replay=self.replaying,
+            # optimizer state counted in `static` that only its first step will create
+            state_to_come=self.meter.expected_optimizer_bytes if self.optimizer is not None and not self.optimizer.state else 0,
+        )
+        self.meter.start_step(step)
+        self._step = step
+        self.protection.start_step(step)
+        self._counter.start()
+
+    def _on_forward_end(self, module: nn.Module, args: tuple, output: Any) -> None:
+        step = self._step
+        if (output is None and sys.exc_info()[1] is not None) or step is None:
+            return  # the forward raised (an always-called hook runs then too): nothing was saved
+        self._counter.stop()
+        by_block = list(self._counter.by_block)
+        if step.decision is not None:
+            by_block = self.protection.forward_end(step, by_block)
+        step.end_forward(self._counter.outside_bytes, by_block)
+        if step.probes:
+            probes, step.probes = step.probes, {}
+            learner.learn_probes(self.planning, step.key, probes)
+
+    def exit(self, block: Block) -> None:
+        """Block listener: tensors saved after a block belong to no block until the next."""
+        self._counter.current = OUTSIDE
+
+    def enter(self, block: Block, args: tuple, kwargs: dict) -> None:
+        """Block listener: fix the plan at the first block; attribute saved tensors; probe."""
+        step = self._step
+        if step is None or not self._counter.active:
+            return
+        self._gathered.enter(block.index, block.module)
+        if step.decision is None:
+            self._decide(step, args, kwargs)
+        self._counter.current = block.index
+        self.protection.enter(step, block, args, kwargs)
+        if block.treatment.holds_inputs:
+            self._counter.count_inputs(block.index, args, kwargs)
+        if step.decision.warmup:
+            # every block is measured, each group's first also timed (NOTE [Blocks alike only in name])
+            group = self.planning.model.groups[block.index]
+            timed = group not in step.probed_groups
+            step.probed_groups.add(group)
+            step.probes[block.index] = probe.probe_block(block, args, kwargs, self._counter, timed, self.device)
+
+    def _decide(self, step: StepState, args: tuple, kwargs: dict) -> None:
+        x = first_tensor(args, kwargs)
+        step.shape = list(x.shape) if x is not None else []
+        step.key = shape_key(step.shape)
+        misses = self.planning.cache.misses
+        failed = self._oom.failed_plan if self._oom.attempts and not self.replaying else None
+        t0 = time.perf_counter()
+        decision = self.method.decide(self.planning, step.key, failed)
+        step.planner_us = (time.perf_counter() - t0) * 1e6
+        step.planned = self.planning.cache.misses > misses
+        step.decision = decision
+        for b, kind in zip(self.blocks, decision.plan.treatments(len(self.blocks))):
+            b.treatment = self.treatments[kind]
+        self.protection.arm(step, self.blocks, step.key, decision.plan, decision.warmup)
+
+    # ----------------------------------------------------------------- records
+    def _finish_step(self, static_now: int | None = None) -> None:
+        """Close the pending step: read its peaks, learn, write its record.
+
+        ``static_now``: the meter's static bytes if the caller has them (a step start reads them anyway).
+        """
+        step, self._step = self._step, None
+        if step is None:
+            return
+        self._counter.stop()
+        if step.decision is None or step.stage is Stage.FORWARD:
+            return  # the forward ran no block (or failed): nothing to record
+        now = time.perf_counter()
+        peaks = self.meter.peaks(step)
+        outcome = learner.step_outcome(
+            peaks, key=step.key, plan=step.decision.plan, warmup=step.decision.warmup,
+            outside=step.saved_outside, by_block=step.saved_by_block, static=step.static_bytes,
+            state_to_come=step.state_to_come,
+            static_now=self.meter.static_now() if static_now is None else static_now,
+            evicted=step.evicted, backstop_input=step.backstop_input,
+        )
+        predicted = self.method.learn(self.planning, outcome)
+        self.protection.after_step(step, outcome)
+        if step.replay:
+            return  # a replayed micro-step was recorded when it first ran
+        self._steps_recorded += 1
+        record = step.to_record(
+            outcome, peaks.reserved, predicted, number=self._steps_recorded, method=self.method.name,
+            n_blocks=len(self.blocks), budget_bytes=self.budget_bytes, accounting=self.meter.kind,
+            recompute_ms=self.planning.recompute_ms(step.key, step.decision.plan) + step.evicted_ms,
+            oom_retries=self._oom.retries, oom_attempts=self._oom.attempts, rank=self.rank, now=now,
+        )
+        self._oom.clear()
+        self._records.append(record)
+        if self._writer is not None:
+            self._writer.write(record)
+
+    # ----------------------------------------------------------------- public
+    @property
+    def records(self) -> list[StepRecord]:
+        """Step records so far (the last step's record is closed on access)."""
+        if self._step is not None and self._step.stage is not Stage.FORWARD:
+            self.meter.settle()
+            self._finish_step()
+        return self._records
+
+    def summary(self):
+        """:class:`~memfit.records.RunSummary` of the records so far."""
+        return summarize(self.records)
+
+    @property
+    def pending_oom_attempts(self) -> list[dict[str, Any]]:
+        """The failed attempts of the step being replayed (its record gets them when it succeeds)."""
+        return list(self._oom.attempts)
+
+    def note_oom(self, error: BaseException | str | None = None) -> None:
+        """Call after catching an OOM inside a step, before replaying it (or use :meth:`run_step`).
+
+        Drops the failed step (nothing learned), keeps more room free and clears the plan
+        cache so the replay runs a safer plan (runtime/replay.py). What the failed attempt was
+        (plan, where it failed, memory then) goes into the ``oom_attempts`` of the step's
+        record, written when the replay succeeds.
+
+        Args:
+            error: the caught error or its message (the allocation that failed), recorded. A
+                message keeps the failed step's frames, and their tensors, out of reach.
+
+        Raises:
+            BudgetTooSmallError: when the failed step already checkpointed every block, or the
+                method cannot adapt its plans (``none``, ``full``, ``precomputed``).
+        """
+        step, self._step = self._step, None
+        self._counter.stop()
+        attempt = self._oom.add(step, self.meter, self.planning, self.protection, error)
+        replay.after_oom(self.method, self.planning, self.meter, step, attempt, len(self.blocks))
+
+    def run_step(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run one micro-step ``fn(*args, **kwargs)`` (its forward and backward) and return
+        its result; on an OOM, replay it with the same RNG state and a safer plan.
+
+        The gradients after it are those of a run without the OOM, accumulation windows
+        included (NOTE [Replay in a plain loop] in runtime/replay.py).
+
+        Raises:
+            BudgetTooSmallError: when no safer plan exists.
+
+        Example:
+            >>> def micro_step(batch):  # doctest: +SKIP
+            ...     loss = model(**batch).loss
+            ...     loss.backward()
+            ...     return loss.item()
+            >>> for batch in loader:  # doctest: +SKIP
+            ...     ctl.run_step(micro_step, batch)
+            ...     opt.step(); opt.zero_grad(set_to_none=True)
+        """
+        return replay.run_step(self, fn, args, kwargs)
+
+    def plans(self) -> dict[tuple[int, int], Plan]:
+        """Plans decided so far, per shape bucket."""
+        return {k: p for (k, _), p in self.planning.cache.items()}
+
+    def save_plans(self, path: str) -> None:
+        """Write the plans of this run as JSON for the ``precomputed`` method."""
+        save_plans(path, len(self.blocks), self.plans(), fingerprint=self._fingerprint)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Memory model and margin, for resuming without a new warm-up."""
+        return {
+            "model": self.planning.model.to_dict(), "margin_bytes": self.planning.margin_bytes,
+            "slack_bytes": self.planning.slack_bytes, "step": self._steps_recorded,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.planning.model = MemoryModel.from_dict(state["model"])
+        self.planning.model.bucket_tokens = self.planning.bucket_tokens
+        self.planning.margin_bytes = int(state["margin_bytes"])
+        self.planning.slack_bytes = int(state.get("slack_bytes", self.planning.slack_bytes))
+        self.planning.cache.clear()
+        self._steps_recorded = int(state.get("step", 0))
+        self.method.resume()
+
+    def remove(self) -> None:
+        """Close the last record, unhook and unwrap: the model is exactly as before ``fit``."""
+        self.records  # noqa: B018 - closes the pending step
+        for h in self._handles + self._optimizer_handles:
+            h.remove()
+        self._handles = self._optimizer_handles = []
+        self._counter.stop()
+        unwrap_blocks(self.blocks)
+        if self._writer is not None:
+            self._writer.close()
+
+    def __enter__(self) -> "Controller":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def fit(
+    model: nn.Module,
+    budget: int | str | None,
+    method: str | Method = "dynamic",
+    optimizer: torch.optim.Optimizer | None = None,
+    blocks: Sequence[nn.Module] | str | None = None,
+    log: str | None = None,
+    margin: float | None = None,
+    bucket_tokens: int = 8,
+    cap: bool = True,
+    **method_kwargs: Any,
+) -> Controller:
+    """Train ``model`` inside ``budget`` by treating just enough blocks per batch.
+
+    Args:
+        model: the model, already on its device.
+        budget: bytes (int) or a size string: ``"6GiB"`` = 6·2**30, ``"6GB"`` = 6·10**9;
+            ``None`` runs the method with no budget (records only).
+        method: ``none | full | dynamic | static | precomputed | reactive`` (or a Method
+            instance).
+        optimizer: its state is counted in the static need (measured from its tensors on
+            CPU, by the allocator on CUDA); its steps close the windows of :meth:`Controller.run_step`.
+        blocks: modules or a name regex, for models memfit cannot analyse.
+        log: path of a JSONL file receiving one :class:`StepRecord` per step.
+        margin: fraction of the budget kept free as a safety margin (default 3% on CUDA,
+            0.1% with logical accounting, which is exact but for the fit's rounding). On
+            CUDA the allocator's slack is kept free on top of it: ``min(256 MiB, budget / 16)``
+            at first, more after an OOM that shows more (NOTE [Room] in planning.py).
+        bucket_tokens: plans are shared by shapes whose token counts round up to the same
+            multiple of this (1 = a plan per exact shape).
+        cap: on CUDA, enforce the budget with ``set_per_process_memory_fraction``.
+        **method_kwargs: passed to the method (``path=`` for ``precomputed``,
+            ``max_shape=`` for ``static``, ``warmup_steps=`` for ``dynamic``...).
+
+    Returns:
+        The :class:`Controller`; ``ctl.records[-1]`` is the last step's record,
+        ``ctl.run_step(fn)`` runs a micro-step with OOM replay, and ``ctl.remove()`` restores
+        the model.
+
+    Raises:
+        BudgetTooSmallError: when weights + gradients + optimizer state exceed the budget.
+        UnknownMethodError: for an unknown method name.
+        NoBlocksError: listing candidates, when no checkpointable block is found.
+        PlansMismatchError: ``precomputed`` plans made for another model.
+
+    Example:
+        >>> import torch, memfit
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.ModuleList([nn.Linear(8, 8) for _ in range(4)]))
+        >>> ctl = memfit.fit(model, budget="1GiB", method="full", blocks=r"0\\.\\d+")
+        >>> len(ctl.blocks)
+        4
+        >>> ctl.remove()
+    """
+    budget_bytes = None if budget is None else parse_bytes(budget)
+    method_obj = make_method(method, **method_kwargs)
+    return Controller(model, budget_bytes, method_obj, optimizer, blocks, log, margin, bucket_tokens, cap)

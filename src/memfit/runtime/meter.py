@@ -1,0 +1,208 @@
+"""Meters: how a step's memory is read, behind one interface.
+
+* :class:`CudaMeter`: the caching allocator's counters (``memory_allocated``,
+  ``max_memory_allocated``, reset per step); the budget is a hard cap on the allocator;
+* :class:`LogicalMeter` (CPU, or any device without an allocator to read): parameters +
+  gradients + optimizer state + saved activations, counted from the tensors.
+
+# NOTE [No sync in steady state]
+A steady-state step reads only host-side values: ``memory_allocated``,
+``max_memory_allocated`` and ``reset_peak_memory_stats`` query the caching allocator's counters
+without synchronising the device. Only warm-up probes synchronise (to time a block), and the
+last record when it is closed on request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+
+from memfit.accounting import local, optimizer_state_bytes
+from memfit.budget import apply_cuda_cap
+from memfit.learner import Peaks
+from memfit.planning import ALLOCATOR_SLACK_BYTES
+from memfit.runtime.step import Stage, StepState
+
+__all__ = ["Meter", "CudaMeter", "LogicalMeter", "make_meter"]
+
+
+class Meter:
+    """How a run reads memory; one per run.
+
+    Attributes:
+        kind: ``"cuda"`` or ``"logical"`` (the records' ``accounting``).
+        default_margin: share of the budget kept free for prediction error by default.
+        optimizer: the optimizer whose state is static memory (set by the runtime).
+        expected_optimizer_bytes: the state it will hold after its first step.
+    """
+
+    kind: ClassVar[str] = ""
+    default_margin: ClassVar[float] = 0.0
+
+    def __init__(self, device: torch.device, grad_params: list[torch.nn.Parameter], parameter_bytes: int):
+        self.device = device
+        self.grad_params = grad_params
+        self.parameter_bytes = parameter_bytes
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.expected_optimizer_bytes = 0
+
+    def initial_slack(self, budget_bytes: int | None) -> int:
+        """The allocator's slack kept free before any OOM measured it (NOTE [Room], planning.py)."""
+        return 0
+
+    def apply_cap(self, budget_bytes: int) -> None:
+        """Make the budget a hard cap, where the device has one."""
+
+    def static_now(self) -> int:
+        """Bytes that no plan changes, as they will be at this step's peak."""
+        raise NotImplementedError
+
+    def start_step(self, step: StepState) -> None:
+        """A training step starts."""
+
+    def block_run(self, step: StepState | None) -> None:
+        """A block's body is about to run (in forward, or recomputed in backward)."""
+
+    def optimizer_step(self, step: StepState | None) -> None:
+        """The optimizer's step is about to run."""
+        if step is not None and step.stage is Stage.BACKWARD:
+            step.stage = Stage.OPTIMIZER
+
+    def in_use(self, step: StepState, held: Callable[[], int]) -> int:
+        """Bytes in use now; ``held`` gives the counted bytes beyond static (logical accounting)."""
+        raise NotImplementedError
+
+    def peaks(self, step: StepState) -> Peaks:
+        """What the finished ``step`` peaked at."""
+        raise NotImplementedError
+
+    def oom_readings(self, step: StepState | None) -> dict[str, int | None]:
+        """Memory at an OOM, for the failed attempt's description (runtime/replay.py)."""
+        return {}
+
+    def settle(self) -> None:
+        """Wait for the device, before a step is closed on request."""
+
+    def release(self) -> None:
+        """After an OOM: return cached memory to the device."""
+
+    def run_stats(self) -> dict[str, int]:
+        """Allocator statistics for the run summary."""
+        return {}
+
+
+class CudaMeter(Meter):
+    """The CUDA caching allocator's counters (NOTE [No sync in steady state])."""
+
+    kind = "cuda"
+    default_margin = 0.03
+
+    def initial_slack(self, budget_bytes: int | None) -> int:
+        return min(ALLOCATOR_SLACK_BYTES, (budget_bytes or 0) // 16)
+
+    def apply_cap(self, budget_bytes: int) -> None:
+        apply_cuda_cap(budget_bytes, self.device)
+
+    def static_now(self) -> int:
+        """What is allocated now, plus gradients not yet created (``.grad is None`` after
+        ``zero_grad``) and optimizer state not yet created (before its first step): both
+        appear during the step whatever the plan."""
+        missing = sum(local(p).numel() * p.element_size() for p in self.grad_params if p.grad is None)
+        if self.optimizer is not None and not self.optimizer.state:
+            missing += self.expected_optimizer_bytes
+        return torch.cuda.memory_allocated(self.device) + missing
+
+    def start_step(self, step: StepState) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def block_run(self, step: StepState | None) -> None:
+        """At a step's first recompute, read its backward's start peak apart (NOTE [Reading
+        the backward's start], learner.py); every other run of a block body passes through."""
+        if step is None or step.stage is not Stage.BACKWARD or step.start_peak is not None:
+            return
+        step.start_peak = torch.cuda.max_memory_allocated(self.device)
+        step.start_reserved = torch.cuda.max_memory_reserved(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def optimizer_step(self, step: StepState | None) -> None:
+        """Read the backward's peak apart from the optimizer step's (NOTE [Three peaks], model.py)."""
+        if step is not None and step.stage is Stage.BACKWARD:
+            step.rest_peak = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        super().optimizer_step(step)
+
+    def in_use(self, step: StepState, held: Callable[[], int]) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def peaks(self, step: StepState) -> Peaks:
+        rest = torch.cuda.max_memory_allocated(self.device)  # since the last reset
+        reserved = max(torch.cuda.max_memory_reserved(self.device), step.start_reserved or 0)
+        optimizer = None
+        if step.rest_peak is not None:  # since the optimizer's pre-hook reset the counter, `rest` is its step's
+            optimizer, rest = rest, step.rest_peak
+        peak = rest if step.start_peak is None else max(rest, step.start_peak)
+        return Peaks(peak=peak, reserved=reserved, rest=rest, start=step.start_peak, optimizer=optimizer)
+
+    def oom_readings(self, step: StepState | None) -> dict[str, int | None]:
+        # the larger of the backward's start, read apart at its first recompute, and what came since
+        start = (step.start_peak or 0) if step is not None and step.rest_peak is None else 0
+        peak = max(torch.cuda.max_memory_allocated(self.device), start)
+        reserved = torch.cuda.memory_reserved(self.device)
+        backward = None
+        if step is not None and step.rest_peak is not None:
+            backward = max(step.rest_peak, step.start_peak or 0)
+        return {
+            "allocated_bytes": torch.cuda.memory_allocated(self.device), "peak_allocated_bytes": peak,
+            "reserved_bytes": reserved, "unusable_reserved_bytes": max(0, reserved - peak),
+            "backward_peak_bytes": backward,
+        }
+
+    def settle(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def release(self) -> None:
+        torch.cuda.empty_cache()
+
+    def run_stats(self) -> dict[str, int]:
+        # Allocations the caching allocator could only serve after releasing its cache (a
+        # device sync and unmapping each time): the cost of running close to a hard cap.
+        stats = torch.cuda.memory_stats(self.device)
+        return {
+            "cuda_alloc_retries": int(stats.get("num_alloc_retries", 0)),
+            "cuda_device_allocs": int(stats.get("num_device_alloc", 0)),
+        }
+
+
+class LogicalMeter(Meter):
+    """Parameters + gradients + optimizer state + saved activations, counted from the tensors."""
+
+    kind = "logical"
+    # exact up to the least-squares fit's rounding
+    default_margin = 0.001
+
+    def static_now(self) -> int:
+        return self.parameter_bytes + optimizer_state_bytes(self.optimizer)
+
+    def in_use(self, step: StepState, held: Callable[[], int]) -> int:
+        in_use = step.static_bytes + held()
+        step.saved_peak = max(step.saved_peak, in_use - step.static_bytes)
+        return in_use
+
+    def peaks(self, step: StepState) -> Peaks:
+        held = step.kept_now if step.kept_now is not None else step.saved_bytes
+        peak = step.static_bytes + max(held, step.saved_peak)
+        return Peaks(peak=peak, reserved=peak, rest=peak, exact=True)
+
+
+def make_meter(device: torch.device, grad_params: list[torch.nn.Parameter], parameter_bytes: int) -> Meter:
+    """The allocator's meter on CUDA, logical counting elsewhere.
+
+    Args:
+        device: where the model's parameters are.
+        grad_params: the parameters that get gradients.
+        parameter_bytes: parameters + gradients, counted (what logical accounting calls static).
+    """
+    cls = CudaMeter if device.type == "cuda" else LogicalMeter
+    return cls(device, grad_params, parameter_bytes)

@@ -1,0 +1,214 @@
+"""Surviving an OOM: the failed attempt's record, a safer plan, and the replay of the step.
+
+``Controller.note_oom`` drops the failed step and keeps more room free (:func:`after_oom`);
+the caller replays the step. The Trainer replays its accumulation window (NOTE [OOM replay]
+in hf.py); a plain loop calls ``Controller.run_step`` (:func:`run_step`), which does the same.
+
+# NOTE [Replay in a plain loop]
+``run_step(fn)`` runs one micro-step (the forward and backward inside ``fn``). On an OOM the
+failed attempt has added part of its gradients to ``.grad``, which cannot be taken back; so
+every gradient is dropped and the micro-steps of the accumulation window that ran before it
+are rerun first, each with the RNG state it had, then the failed one, with its own: the
+gradients are then bitwise those of a run without the OOM, as nothing else differs but the
+plans. The window is the ``run_step`` calls since the optimizer's last step (the controller's
+optimizer, whose step hook closes it) or since the gradients were last all ``None``. Without
+an optimizer to close windows, a call that finds gradients already present keeps a copy of
+them to restore instead (memory: one copy of the gradients).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from memfit.budget import BudgetTooSmallError, format_bytes
+from memfit.planner import Plan
+from memfit.runtime.step import Stage, StepState
+
+if TYPE_CHECKING:
+    from memfit.methods import Method
+    from memfit.planning import Planning
+    from memfit.protection import Protection
+    from memfit.runtime.controller import Controller
+    from memfit.runtime.meter import Meter
+
+__all__ = ["MAX_OOM_RETRIES", "describe_attempt", "OomLog", "after_oom", "run_step"]
+
+logger = logging.getLogger("memfit")
+
+#: Replays of one step with ever safer plans before the budget is declared too small.
+MAX_OOM_RETRIES = 8
+
+
+def describe_attempt(attempt: dict[str, Any], n_blocks: int) -> str:
+    """One line on a failed attempt: where, what ran, memory then."""
+    plan = attempt.get("plan")
+    if plan is None:
+        ran = "no plan yet"
+    elif attempt.get("treatments"):
+        counts = {kind: attempt["treatments"].count(kind) for kind in dict.fromkeys(attempt["treatments"])}
+        ran = f"{len(plan)} of {n_blocks} blocks treated: " + ", ".join(f"{n} {kind}" for kind, n in counts.items())
+    else:
+        ran = f"{len(plan)} of {n_blocks} blocks checkpointed"
+    memory = ", ".join(
+        f"{name} {format_bytes(attempt[key])}"
+        for name, key in (("allocated", "allocated_bytes"), ("peak", "peak_allocated_bytes"), ("reserved", "reserved_bytes"))
+        if attempt.get(key) is not None
+    )
+    return f"out of memory in {attempt['stage']} at shape {attempt.get('shape')} ({ran}{'; ' + memory if memory else ''})"
+
+
+@dataclass
+class OomLog:
+    """The failed attempts of the step being replayed; its record gets them when it succeeds.
+
+    Attributes:
+        retries: attempts that failed.
+        attempts: what each was (:meth:`add`), oldest first.
+        failed_plan: the last failed attempt's plan (None before a plan was made).
+    """
+
+    retries: int = 0
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+    failed_plan: Plan | None = None
+
+    def add(
+        self, step: StepState | None, meter: "Meter", planning: "Planning", protection: "Protection",
+        error: BaseException | str | None,
+    ) -> dict[str, Any]:
+        """Record a failed attempt: what ran, where it failed, memory then.
+
+        ``stage`` is where the OOM was raised: ``forward`` (the forward had not finished),
+        ``backward`` (it had; the optimizer step had not started) or ``optimizer``. On CUDA,
+        ``peak_allocated_bytes`` is the highest allocation since the step's forward began
+        (since the optimizer step's start, at that stage), before the request that failed, and
+        ``unusable_reserved_bytes`` is reserved less that peak: at least what the allocator
+        held but could not hand out then (NOTE [Room], planning.py). ``margin_bytes`` and
+        ``slack_bytes`` are those the failed plan was made with.
+        """
+        decision = step.decision if step is not None else None
+        plan = decision.plan if decision is not None else None
+        attempt: dict[str, Any] = {
+            "stage": (step.stage if step is not None else Stage.FORWARD).value,
+            "plan": list(plan.blocks) if plan is not None else None,
+            "phase": None if decision is None else "warmup" if decision.warmup else "steady",
+            "shape": step.shape if step is not None else None,
+            "predicted_peak_bytes": (
+                planning.predict_peak(step.key, plan) if plan is not None and planning.model.ready else None
+            ),
+            "margin_bytes": planning.margin_bytes,
+            "slack_bytes": planning.slack_bytes,
+            "evicted_blocks": protection.evicted_so_far() if decision is not None else [],
+            "error": str(error).splitlines()[0][:300] if error else None,
+        }
+        if plan is not None and plan.kinds:
+            attempt["treatments"] = list(plan.kinds)
+        attempt.update(meter.oom_readings(step))
+        self.retries += 1
+        self.attempts.append(attempt)
+        self.failed_plan = plan
+        return attempt
+
+    def clear(self) -> None:
+        """The step succeeded: its record has taken the attempts."""
+        self.retries, self.attempts, self.failed_plan = 0, [], None
+
+
+def after_oom(
+    method: "Method", planning: "Planning", meter: "Meter", step: StepState | None, attempt: dict[str, Any], n_blocks: int,
+) -> None:
+    """Keep more room free so that the replay runs a safer plan, or say why none exists.
+
+    On CUDA the allocator's slack grows to cover the reserved bytes that were not allocated
+    when the step failed; where that explains nothing new, the margin grows by a twentieth of
+    the budget (NOTE [Room], planning.py). The plan cache is cleared either way.
+
+    Raises:
+        BudgetTooSmallError: when the method cannot adapt its plans (``none``, ``full``,
+            ``precomputed``), or the failed step already recomputed every block.
+    """
+    if not method.adapts:
+        raise BudgetTooSmallError(
+            f"out of memory under method {method.name!r}, which cannot adapt its plans; use "
+            "method 'dynamic', or raise the memory budget"
+        )
+    decision = step.decision if step is not None else None
+    if decision is not None and decision.plan.layout == (planning.all_blocks, ()) and not decision.warmup:
+        raise BudgetTooSmallError(
+            f"out of memory with every block checkpointed (shape {step.shape}); static memory is "
+            f"{format_bytes(step.static_bytes)} of the {format_bytes(planning.budget_bytes)} budget. Raise "
+            "--memory_budget, lower the batch size (use gradient accumulation), or use bf16/fp16 or a "
+            "lighter optimizer (see `memfit estimate --advise`)"
+        )
+    if planning.budget_bytes is not None:
+        unusable = attempt.get("unusable_reserved_bytes") or 0
+        if not planning.learn_slack(unusable):
+            planning.raise_margin(max(planning.budget_bytes // 20, 1))
+    meter.release()
+    logger.warning("memfit: %s; replaying it with %s kept free", describe_attempt(attempt, n_blocks),
+                   format_bytes(planning.margin_bytes + planning.slack_bytes))
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+def run_step(ctl: "Controller", fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+    """Run ``fn(*args, **kwargs)`` (one micro-step: forward and backward), replaying it on an
+    OOM with the same RNG state and a safer plan (NOTE [Replay in a plain loop]).
+
+    Raises:
+        BudgetTooSmallError: when no safer plan exists, or after :data:`MAX_OOM_RETRIES` replays.
+    """
+    params = ctl.grad_params
+    window = ctl.window
+    if all(p.grad is None for p in params):
+        window.clear()  # a new accumulation window
+    kept = None
+    if not ctl.closes_windows and any(p.grad is not None for p in params):
+        window.clear()
+        kept = [None if p.grad is None else p.grad.detach().clone() for p in params]
+    window.append((fn, args, kwargs, _rng_state(ctl.device)))
+    for retry in range(MAX_OOM_RETRIES + 1):
+        message = None
+        try:
+            if retry:
+                _replay_head(ctl, window)
+            return fn(*args, **kwargs)
+        except torch.OutOfMemoryError as err:
+            message = str(err)  # recovered outside the except block, so its frames are freed
+        ctl.note_oom(message)  # raises when no safer plan exists
+        for p, grad in zip(params, kept or [None] * len(params)):
+            p.grad = grad if grad is None else grad.clone()
+        gc.collect()
+        ctl.meter.release()
+    attempts = ctl.pending_oom_attempts
+    raise BudgetTooSmallError(
+        f"still out of memory after {MAX_OOM_RETRIES} replays with safer plans; the last: "
+        f"{describe_attempt(attempts[-1], len(ctl.blocks)) if attempts else 'not recorded'}. Raise "
+        "the memory budget or the margin, or lower the batch size"
+    )
+
+
+def _replay_head(ctl: "Controller", window: list) -> None:
+    """Rerun the window's earlier micro-steps (no records), then restore the failed one's RNG."""
+    ctl.replaying = True
+    try:
+        for fn, args, kwargs, rng in window[:-1]:
+            _set_rng_state(rng, ctl.device)
+            fn(*args, **kwargs)
+    finally:
+        ctl.replaying = False
+    _set_rng_state(window[-1][3], ctl.device)
