@@ -71,6 +71,23 @@ def build(arch: str):
     raise ValueError(arch)
 
 
+class InjectOOM:
+    """Raise torch.OutOfMemoryError from inside ``module`` on its ``at``-th training forward
+    (``always``: and on every one after it)."""
+
+    def __init__(self, module, at, always=False):
+        self.calls, self.at, self.always, self.fired = 0, at, always, 0
+        self.handle = module.register_forward_pre_hook(self)
+
+    def __call__(self, module, args):
+        if not module.training or not torch.is_grad_enabled():
+            return
+        self.calls += 1
+        if self.calls == self.at or (self.always and self.calls > self.at):
+            self.fired += 1
+            raise torch.OutOfMemoryError("injected: CUDA out of memory")
+
+
 ARCHS = ["bert", "roberta", "distilbert", "electra", "deberta-v2", "gpt2", "llama", "t5", "vit", "swin"]
 # (batch rows, sizes) per kind: sequence lengths for text, image sides for vision.
 SIZES = {"vit": [32, 48, 64], "swin": [32, 48, 64]}
