@@ -59,13 +59,16 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
 
     from memfit.hf import Trainer, TrainingArguments
 
+    # A recipe may have flags of its own (causal-lm: dtype, LoRA): ``ARGUMENTS``, dataclasses
+    # whose parsed values follow the seed in its ``build``.
+    task_types = tuple(getattr(recipe, "ARGUMENTS", ()))
     parser = HfArgumentParser(
-        (ModelArguments, DataTrainingArguments, TrainingArguments, PeerArguments), prog=f"memfit train {task}"
+        (ModelArguments, DataTrainingArguments, TrainingArguments, PeerArguments, *task_types), prog=f"memfit train {task}"
     )
-    model_args, data_args, training_args, peer_args = parser.parse_args_into_dataclasses(args=argv)
+    model_args, data_args, training_args, peer_args, *task_args = parser.parse_args_into_dataclasses(args=argv)
     peer = make_peer(peer_args, training_args.memfit_method)  # fails before the data is built
     set_seed(training_args.seed)
-    bundle = recipe.build(model_args, data_args, seed=training_args.seed)
+    bundle = recipe.build(model_args, data_args, training_args.seed, *task_args)
     for wanted, dataset, split in (
         (training_args.do_train, bundle.train_dataset, "train"),
         (training_args.do_eval, bundle.eval_dataset, "validation"),

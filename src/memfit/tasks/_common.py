@@ -432,7 +432,12 @@ def load_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
 
 
 def load_model(
-    model_args: ModelArguments, auto_cls: Any, tokenizer: PreTrainedTokenizerBase, **config_kwargs: Any
+    model_args: ModelArguments,
+    auto_cls: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    model_kwargs: dict[str, Any] | None = None,
+    **config_kwargs: Any,
 ) -> PreTrainedModel:
     """Load or build the model with its task head.
 
@@ -445,6 +450,8 @@ def load_model(
         model_args: the model flags.
         auto_cls: e.g. ``transformers.AutoModelForSequenceClassification``.
         tokenizer: the tokenizer the inputs are made with.
+        model_kwargs: passed to ``from_config``/``from_pretrained``, e.g. ``dtype``,
+            ``attn_implementation``.
         **config_kwargs: task settings for the config, e.g. ``num_labels``, ``id2label``.
 
     Raises:
@@ -457,10 +464,10 @@ def load_model(
     if weights is None:
         _fit_config_to_tokenizer(config, tokenizer)
         logger.info("building %s from config %s with random weights", auto_cls.__name__, model_args.config_name)
-        return auto_cls.from_config(config)
+        return auto_cls.from_config(config, **(model_kwargs or {}))
     try:
         config = config or AutoConfig.from_pretrained(weights, **config_kwargs)
-        return auto_cls.from_pretrained(weights, config=config)
+        return auto_cls.from_pretrained(weights, config=config, **(model_kwargs or {}))
     except OSError as err:
         raise OSError(
             f"--model_name_or_path {weights}: cannot load it ({err}). Offline, pass a local directory, "
