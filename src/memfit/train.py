@@ -56,6 +56,7 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
     """
     recipe = get_task(task)
     from transformers import HfArgumentParser, set_seed
+    from transformers import Trainer as PlainTrainer
 
     from memfit.hf import Trainer, TrainingArguments
 
@@ -96,7 +97,9 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
                 plan_method = oracle.prepare(bundle, training_args)  # before the Trainer hooks the model
                 if peer_args.oracle_sweep_only:
                     return {}
-        trainer = Trainer(
+        # the `plain` peer trains without memfit at all
+        memfit_on = peer is None or peer.uses_memfit
+        trainer = (Trainer if memfit_on else PlainTrainer)(
             model=bundle.model,
             args=training_args,
             train_dataset=bundle.train_dataset if training_args.do_train else None,
@@ -105,7 +108,7 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
             processing_class=bundle.tokenizer,
             compute_metrics=bundle.compute_metrics,
             preprocess_logits_for_metrics=bundle.preprocess_logits_for_metrics,
-            memfit_method=plan_method,
+            **({"memfit_method": plan_method} if memfit_on else {}),
         )
         if training_args.do_train:
             train_metrics = trainer.train().metrics
