@@ -200,6 +200,13 @@ def test_largest_batch_leaves_the_examples_whole():
 # ---------------------------------------------------------------------------- Hugging Face's checkpointing
 
 
+def _real_enable():
+    """Hugging Face's own implementation, ``(model, checkpoint_kwargs, every_n_layers, offload)``:
+    5.2x's private one, or 5.17's public one (read it before patching that name)."""
+    private = getattr(transformers.PreTrainedModel, "_activation_checkpointing_enable", None)
+    return private or transformers.PreTrainedModel.gradient_checkpointing_enable
+
+
 def _hf_peer_on_tiny_llama(n, offload=False):
     """HfEveryN applied to a 3-layer Llama; returns which layers Hugging Face now checkpoints."""
     model, _ = build_decoder("llama")
@@ -209,13 +216,13 @@ def _hf_peer_on_tiny_llama(n, offload=False):
 
 def test_hf_peer_calls_activation_checkpointing_enable(monkeypatch):
     calls = []
-    real = transformers.PreTrainedModel._activation_checkpointing_enable
+    real = _real_enable()
 
     def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, every_n_layers=1, offload=False):
         calls.append(dict(activation_checkpointing_kwargs=activation_checkpointing_kwargs, every_n_layers=every_n_layers, offload=offload))
         real(self, activation_checkpointing_kwargs, every_n_layers, offload)
 
-    monkeypatch.setattr(transformers.PreTrainedModel, "activation_checkpointing_enable", activation_checkpointing_enable)
+    monkeypatch.setattr(transformers.PreTrainedModel, "activation_checkpointing_enable", activation_checkpointing_enable, raising=False)
     assert _hf_peer_on_tiny_llama(2) == [True, False, True]
     assert calls == [{"activation_checkpointing_kwargs": {"use_reentrant": False}, "every_n_layers": 2, "offload": False}]
 
@@ -223,20 +230,20 @@ def test_hf_peer_calls_activation_checkpointing_enable(monkeypatch):
 def test_hf_peer_calls_the_5_17_gradient_checkpointing_enable(monkeypatch):
     """transformers 5.17 (the GPU machine's) has only gradient_checkpointing_enable(every_n_layers, offload)."""
     calls = []
-    real = transformers.PreTrainedModel._activation_checkpointing_enable
+    real = _real_enable()
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, every_n_layers: int = 1, offload: bool = False):
         calls.append(dict(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs, every_n_layers=every_n_layers, offload=offload))
-        real(self, gradient_checkpointing_kwargs, every_n_layers, offload)  # what 5.17's body does
+        real(self, gradient_checkpointing_kwargs, every_n_layers, offload)
 
-    monkeypatch.delattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
+    monkeypatch.delattr(transformers.PreTrainedModel, "activation_checkpointing_enable", raising=False)
     monkeypatch.setattr(transformers.PreTrainedModel, "gradient_checkpointing_enable", gradient_checkpointing_enable)
     assert _hf_peer_on_tiny_llama(2, offload=True) == [True, False, True]
     assert calls == [{"gradient_checkpointing_kwargs": {"use_reentrant": False}, "every_n_layers": 2, "offload": True}]
 
 
 def test_hf_peer_without_every_n_layers_is_unavailable(monkeypatch):
-    monkeypatch.delattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
+    monkeypatch.delattr(transformers.PreTrainedModel, "activation_checkpointing_enable", raising=False)
     # transformers before 5.17: gradient_checkpointing_enable(gradient_checkpointing_kwargs=None) only
     monkeypatch.setattr(transformers.PreTrainedModel, "gradient_checkpointing_enable", lambda self, gradient_checkpointing_kwargs=None: None)
     with pytest.raises(PeerUnavailableError, match=r"neither activation_checkpointing_enable\(every_n_layers=...\)"):
