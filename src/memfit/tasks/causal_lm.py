@@ -71,6 +71,7 @@ __all__ = [
     "CausalLMArguments",
     "CHAT_TEMPLATE",
     "DEFAULT_CONFIG",
+    "IGNORE_INDEX",
     "LMExample",
     "SFT_TOKENS",
     "CausalLMCollator",
@@ -95,6 +96,7 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 _CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
+#: The label of a token the loss skips (padding; prompts with --completion_only_loss).
 IGNORE_INDEX = -100
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
 
