@@ -84,6 +84,8 @@ def test_sft_config_leaves_checkpointing_to_memfit(tmp_path):
     with pytest.raises(ValueError, match="drop --gradient_checkpointing"):
         SFTConfig(output_dir=str(tmp_path), report_to="none", bf16=False, use_cpu=True, gradient_checkpointing=True)
     assert SFTConfig(output_dir=str(tmp_path), report_to="none", bf16=False, memory_budget="2GB").memfit_budget_bytes == 2 * 10**9
+    with pytest.raises(ValueError, match="--activation_offloading: memfit's saved-tensor counter"):
+        SFTConfig(output_dir=str(tmp_path), report_to="none", bf16=False, use_cpu=True, activation_offloading=True)
 
 
 def test_with_memfit_puts_the_mixin_first():

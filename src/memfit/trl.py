@@ -14,6 +14,13 @@ which blocks to checkpoint, and both at once would checkpoint twice (memfit refu
 memfit's ``SFTConfig`` defaults ``gradient_checkpointing`` to False; ``--memfit_method full``
 checkpoints every block, as TRL's default did.
 
+# NOTE [TRL's activation offloading under memfit]
+TRL's ``activation_offloading`` enters its saved-tensor hooks around the whole training step;
+memfit's counter enters its own when the model's forward starts, inside them, and only the
+innermost pair runs (NOTE [Who sees a checkpointed block's tensors] in memfit/accounting.py):
+TRL would offload nothing, silently. So ``SFTConfig`` refuses the flag; the benchmark's
+``offload`` peer runs TRL's offloading inside memfit's counter instead (memfit/bench/peers.py).
+
 Importing this module imports TRL: ``pip install 'memfit[llm]'`` (or ``pip install trl``).
 
 Example:
@@ -50,6 +57,16 @@ class SFTConfig(MemfitArguments, trl.SFTConfig):
             "every block."
         },
     )
+
+
+    def __post_init__(self) -> None:
+        if self.activation_offloading:
+            raise ValueError(
+                "--activation_offloading: memfit's saved-tensor counter runs inside TRL's offloading hooks, which then "
+                "never run (NOTE [TRL's activation offloading under memfit] in memfit/trl.py); drop it, or train "
+                "with trl.SFTTrainer without memfit"
+            )
+        super().__post_init__()
 
 
 #: ``trl.SFTTrainer`` with memfit (:class:`memfit.hf.MemfitTrainerMixin`); pass an :class:`SFTConfig`.
