@@ -71,6 +71,50 @@ def build(arch: str):
     raise ValueError(arch)
 
 
+def build_decoder(arch: str, lora: bool = False):
+    """Return ``(model, make_batch(n, length))`` for a tiny decoder LLM of ``arch`` (dropout on,
+    no KV cache); with ``lora``, a peft LoRA model over it whose adapters start random (peft's
+    own init zeroes B, which would leave A's gradients zero) with dropout on."""
+    import transformers as tf
+
+    d = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, intermediate_size=37,
+             vocab_size=VOCAB, max_position_embeddings=600, use_cache=False, attention_dropout=0.1)
+    configs = {
+        "llama": lambda: tf.LlamaConfig(**d),
+        "qwen2": lambda: tf.Qwen2Config(**d),
+        "mistral": lambda: tf.MistralConfig(**d),
+        "gemma2": lambda: tf.Gemma2Config(**d, head_dim=16, query_pre_attn_scalar=16, sliding_window=16, pad_token_id=0),
+        "phi3": lambda: tf.Phi3Config(**d, resid_pdrop=0.1, embd_pdrop=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    }
+    model = tf.AutoModelForCausalLM.from_config(configs[arch]())
+    if lora:
+        import peft
+
+        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules="all-linear", init_lora_weights=False)
+        model = peft.get_peft_model(model, config)
+    return model, lambda n, s: _text_batch(n, s, "lm")
+
+
+DECODER_ARCHS = ["llama", "qwen2", "mistral", "gemma2", "phi3"]
+
+
+class InjectOOM:
+    """Raise torch.OutOfMemoryError from inside ``module`` on its ``at``-th training forward
+    (``always``: and on every one after it)."""
+
+    def __init__(self, module, at, always=False):
+        self.calls, self.at, self.always, self.fired = 0, at, always, 0
+        self.handle = module.register_forward_pre_hook(self)
+
+    def __call__(self, module, args):
+        if not module.training or not torch.is_grad_enabled():
+            return
+        self.calls += 1
+        if self.calls == self.at or (self.always and self.calls > self.at):
+            self.fired += 1
+            raise torch.OutOfMemoryError("injected: CUDA out of memory")
+
+
 ARCHS = ["bert", "roberta", "distilbert", "electra", "deberta-v2", "gpt2", "llama", "t5", "vit", "swin"]
 # (batch rows, sizes) per kind: sequence lengths for text, image sides for vision.
 SIZES = {"vit": [32, 48, 64], "swin": [32, 48, 64]}

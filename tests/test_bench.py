@@ -130,3 +130,21 @@ def test_peers_in_the_matrix(tmp_path):
     assert rows[0]["peer_metrics"]["compile_frames"] >= 1 and "torch.compile" in rows[0]["note"]
     if len(rows) > 1:
         assert rows[1]["status"] == "skipped" and "needs CUDA" in rows[1]["note"]
+
+
+@pytest.mark.slow
+def test_causal_lm_with_the_plain_and_offload_peers(tmp_path):
+    """The LLM suite's task runs in the matrix; `plain` (no memfit) is timed without step records,
+    `offload` is skipped on CPU with the reason."""
+    out = tmp_path / "bench"
+    bench.main([
+        "--tasks", "causal-lm", "--methods", "plain", "offload", "--budgets", "0.5", "--steps", "2", "--batch_size", "2",
+        "--gpu_warmup_s", "0", "--output_dir", str(out), "--", "--use_cpu", "--max_seq_length", "64",
+    ])
+    rows = list(read_jsonl(out / "results.jsonl"))
+    assert [(r["method"], r["status"]) for r in rows] == [("plain", "ok"), ("offload", "skipped")]
+    plain, offload = rows
+    assert plain["model"] == "llama-tiny (config, random weights)" and plain["batch_size"] == 2
+    assert plain["total_s"] > 0 and plain["steps_file"] is None and plain["oom_count"] == 0
+    assert plain["max_peak_allocated_bytes"] is None  # CPU: no allocator peak, and no memfit to count one
+    assert "needs CUDA" in offload["note"]

@@ -7,6 +7,7 @@ import torch
 
 import memfit
 from _models import VOCAB, build
+from _models import InjectOOM as _InjectOOM
 from memfit.planner import Plan
 
 
@@ -45,23 +46,6 @@ def _trainer(tmp_path, name, accumulation=1, method="dynamic", budget="40MB", ma
     )
     args = memfit.TrainingArguments(**{**flags, **extra})
     return memfit.Trainer(model=model, args=args, train_dataset=_dataset(), data_collator=_collate)
-
-
-class _InjectOOM:
-    """Raise torch.OutOfMemoryError from inside ``module`` on its ``at``-th training forward
-    (``always``: and on every one after it)."""
-
-    def __init__(self, module, at, always=False):
-        self.calls, self.at, self.always, self.fired = 0, at, always, 0
-        self.handle = module.register_forward_pre_hook(self)
-
-    def __call__(self, module, args):
-        if not module.training or not torch.is_grad_enabled():
-            return
-        self.calls += 1
-        if self.calls == self.at or (self.always and self.calls > self.at):
-            self.fired += 1
-            raise torch.OutOfMemoryError("injected: CUDA out of memory")
 
 
 @pytest.mark.parametrize("accumulation", [1, 4])

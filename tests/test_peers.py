@@ -9,8 +9,16 @@ import torch
 import torch._functorch.config
 from torch import nn
 
+import copy
+from types import SimpleNamespace
+
+import transformers
+
+import memfit
+from _models import build_decoder, step_both_and_compare
 from memfit.bench import peers
 from memfit.bench.peers import PEER_FILE, PeerArguments, PeerUnavailableError, make_peer, plan_blocks
+from memfit.blocks import find_blocks
 from memfit.train import run
 
 FIXTURES = Path(__file__).parent / "fixtures" / "glue" / "MRPC"
@@ -55,6 +63,7 @@ def test_hf_every_layer_peer_saves_memory(tmp_path):
         ({"ckptplan_saving_fraction": 0.0}, "0 < F <= 1"),
         ({"compile_backend": "inductor"}, "needs --compile_activation_memory_budget"),
         ({"compile_activation_memory_budget": 0.5, "ckptplan_saving_fraction": 0.5}, "one peer at a time"),
+        ({"offload_activations": True, "memfit_off": True}, "--offload_activations and --memfit_off"),
     ],
 )
 def test_peer_argument_errors(flags, message):
@@ -68,6 +77,8 @@ def test_peer_argument_errors(flags, message):
         (["--hf_checkpoint_every_n_layers", "2", "--memfit_method", "dynamic"], "--memfit_method none"),
         (["--compile_activation_memory_budget", "0.5", "--memfit_method", "full"], "--memfit_method none"),
         (["--compile_activation_memory_budget", "0.5", "--torch_compile"], "drop --torch_compile"),
+        (["--memfit_off", "--memfit_method", "dynamic"], "--memfit_method none"),
+        (["--offload_activations", "--memfit_method", "static"], "--memfit_method none"),
     ],
 )
 def test_peer_run_errors(tmp_path, flags, message):
@@ -184,3 +195,121 @@ def test_largest_batch_leaves_the_examples_whole():
 
     assert peers._largest_batch(dataset, popping, 2)["lengths"] == [9, 5]
     assert all("labels" in example for example in dataset)
+
+
+# ---------------------------------------------------------------------------- Hugging Face's checkpointing
+
+
+def _real_enable():
+    """Hugging Face's own implementation, ``(model, checkpoint_kwargs, every_n_layers, offload)``:
+    5.2x's private one, or 5.17's public one (read it before patching that name)."""
+    private = getattr(transformers.PreTrainedModel, "_activation_checkpointing_enable", None)
+    return private or transformers.PreTrainedModel.gradient_checkpointing_enable
+
+
+def _hf_peer_on_tiny_llama(n, offload=False):
+    """HfEveryN applied to a 3-layer Llama; returns which layers Hugging Face now checkpoints."""
+    model, _ = build_decoder("llama")
+    peers.HfEveryN(n, offload).prepare(SimpleNamespace(model=model), None)
+    return [m.gradient_checkpointing for _, m in find_blocks(model)]
+
+
+def test_hf_peer_calls_activation_checkpointing_enable(monkeypatch):
+    calls = []
+    real = _real_enable()
+
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, every_n_layers=1, offload=False):
+        calls.append(dict(activation_checkpointing_kwargs=activation_checkpointing_kwargs, every_n_layers=every_n_layers, offload=offload))
+        real(self, activation_checkpointing_kwargs, every_n_layers, offload)
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "activation_checkpointing_enable", activation_checkpointing_enable, raising=False)
+    assert _hf_peer_on_tiny_llama(2) == [True, False, True]
+    assert calls == [{"activation_checkpointing_kwargs": {"use_reentrant": False}, "every_n_layers": 2, "offload": False}]
+
+
+def test_hf_peer_calls_the_5_17_gradient_checkpointing_enable(monkeypatch):
+    """transformers 5.17 (the GPU machine's) has only gradient_checkpointing_enable(every_n_layers, offload)."""
+    calls = []
+    real = _real_enable()
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, every_n_layers: int = 1, offload: bool = False):
+        calls.append(dict(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs, every_n_layers=every_n_layers, offload=offload))
+        real(self, gradient_checkpointing_kwargs, every_n_layers, offload)
+
+    monkeypatch.delattr(transformers.PreTrainedModel, "activation_checkpointing_enable", raising=False)
+    monkeypatch.setattr(transformers.PreTrainedModel, "gradient_checkpointing_enable", gradient_checkpointing_enable)
+    assert _hf_peer_on_tiny_llama(2, offload=True) == [True, False, True]
+    assert calls == [{"gradient_checkpointing_kwargs": {"use_reentrant": False}, "every_n_layers": 2, "offload": True}]
+
+
+def test_hf_peer_without_every_n_layers_is_unavailable(monkeypatch):
+    monkeypatch.delattr(transformers.PreTrainedModel, "activation_checkpointing_enable", raising=False)
+    # transformers before 5.17: gradient_checkpointing_enable(gradient_checkpointing_kwargs=None) only
+    monkeypatch.setattr(transformers.PreTrainedModel, "gradient_checkpointing_enable", lambda self, gradient_checkpointing_kwargs=None: None)
+    with pytest.raises(PeerUnavailableError, match=r"neither activation_checkpointing_enable\(every_n_layers=...\)"):
+        _hf_peer_on_tiny_llama(1)
+
+
+# ---------------------------------------------------------------------------- TRL's activation offloading
+
+
+class _FakeOffloading(torch.autograd.graph.saved_tensors_hooks):
+    """Stands in for TRL's OffloadActivations on CPU: counts what it would offload, keeps it."""
+
+    def __init__(self):
+        self.packed = 0
+        super().__init__(self._pack, lambda t: t)
+
+    def _pack(self, t):
+        self.packed += 1
+        return t
+
+
+def test_offload_peer_offloads_the_decoder_inside_memfits_counter(monkeypatch):
+    """NOTE [Offloading inside memfit's counter]: the offloading hooks are the innermost over the
+    decoder layers (memfit's counter sees only the head's tensors), closed before memfit's, and
+    training forwards only; gradients are unchanged."""
+    made = []
+    monkeypatch.setattr(peers, "_offloading_factory", lambda: lambda model, warn_if_no_head: made.append(_FakeOffloading()) or made[-1])
+    torch.manual_seed(0)
+    model, make_batch = build_decoder("llama")
+    reference = copy.deepcopy(model)
+    peer = make_peer(PeerArguments(offload_activations=True), "none")
+    with peer:
+        peer.prepare(SimpleNamespace(model=model), SimpleNamespace(device=torch.device("cuda")))  # device checked only
+        measured, plain = memfit.fit(model, None, "none"), memfit.fit(reference, None, "none")
+        for step, length in enumerate((12, 20)):
+            step_both_and_compare(model, reference, make_batch(2, length), step, f"step {step}")
+        with torch.no_grad():
+            model(**make_batch(2, 8))  # evaluation is not offloaded
+    (offloading,) = made
+    assert offloading.packed > 0 and peer.steps == 2
+    with_peer, without = measured.records[-1].saved_activation_bytes, plain.records[-1].saved_activation_bytes
+    assert 0 < with_peer < without / 3, (with_peer, without)
+    packed = offloading.packed
+    x = torch.ones(3, requires_grad=True)
+    (x * x).sum().backward()  # no hook of the peer is left active
+    model(**make_batch(2, 8)).loss.backward()  # the peer's hooks were removed on exit
+    assert offloading.packed == packed and peer.record()["metrics"] == {"offload_steps": 2}
+
+
+def test_offload_peer_needs_cuda_and_trl(monkeypatch):
+    model, _ = build_decoder("llama")
+    bundle = SimpleNamespace(model=model)
+    with pytest.raises(PeerUnavailableError, match="peer offload needs CUDA"):
+        peers.OffloadActivations().prepare(bundle, SimpleNamespace(device=torch.device("cpu")))
+    monkeypatch.setitem(sys.modules, "trl.models.activation_offloading", None)  # import fails as if not installed
+    with pytest.raises(PeerUnavailableError, match=r"pip install 'memfit\[llm\]'"):
+        peers.OffloadActivations().prepare(bundle, SimpleNamespace(device=torch.device("cuda")))
+
+
+# ---------------------------------------------------------------------------- plain Trainer
+
+
+def test_plain_peer_trains_without_memfit(tmp_path):
+    out = _train(tmp_path, "plain", "--memfit_off", "--memory_threshold", "1")
+    assert (out / "train_results.json").exists()
+    assert not (out / "memfit_steps.jsonl").exists() and not (out / "memfit_summary.json").exists()
+    record = json.loads((out / PEER_FILE).read_text())
+    assert record["peer"] == "plain" and "no memfit" in record["note"]
+    assert record["metrics"] == {}  # CPU: no CUDA allocator to read

@@ -9,6 +9,11 @@ flushed) and ``memfit_summary.json``, adds ``memfit/peak_gib`` and
 ``memfit/n_checkpointed`` to the Trainer's logs, keeps the memory model in every checkpoint
 folder (a resumed run needs no new warm-up) and survives CUDA OOMs.
 
+The memfit behaviour lives in two mixins, so that any ``transformers.Trainer`` subclass can
+have it: :class:`MemfitArguments` (the flags) and :class:`MemfitTrainerMixin` (hooks, OOM
+replay, records). ``Trainer`` is the mixin on ``transformers.Trainer``; :func:`with_memfit`
+puts it on another Trainer class (``memfit.trl.SFTTrainer`` is TRL's ``SFTTrainer`` with it).
+
 # NOTE [OOM replay]
 An OOM can hit any micro-batch of a gradient-accumulation window, after earlier
 micro-batches have already added to ``.grad``. Retrying only the failed micro-batch would
@@ -43,7 +48,9 @@ from memfit.records import StepRecord, read_jsonl, summarize
 from memfit.runtime import Controller, fit
 from memfit.runtime.replay import describe_attempt
 
-__all__ = ["TrainingArguments", "Trainer", "STATE_FILE", "rank_path"]
+__all__ = [
+    "MemfitArguments", "TrainingArguments", "MemfitTrainerMixin", "Trainer", "with_memfit", "STATE_FILE", "rank_path",
+]
 
 STATE_FILE = "memfit_state.json"
 STEPS_FILE = "memfit_steps.jsonl"
@@ -52,8 +59,9 @@ _MAX_OOM_RETRIES = 8
 
 
 @dataclass
-class TrainingArguments(transformers.TrainingArguments):
-    """``transformers.TrainingArguments`` plus memfit's flags (all optional)."""
+class MemfitArguments:
+    """memfit's flags (all optional), mixed into a ``transformers.TrainingArguments`` subclass
+    before it: ``class Args(MemfitArguments, transformers.TrainingArguments)``."""
 
     memory_budget: str | None = field(
         default=None,
@@ -134,6 +142,11 @@ class TrainingArguments(transformers.TrainingArguments):
         return None
 
 
+@dataclass
+class TrainingArguments(MemfitArguments, transformers.TrainingArguments):
+    """``transformers.TrainingArguments`` plus memfit's flags (all optional)."""
+
+
 def _rng_state() -> dict[str, Any]:
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -150,7 +163,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 class _MemfitCallback(transformers.TrainerCallback):
     """Keeps the memory model in each checkpoint folder."""
 
-    def __init__(self, trainer: "Trainer"):
+    def __init__(self, trainer: "MemfitTrainerMixin"):
         self.trainer = trainer
 
     def on_save(self, args, state, control, **kwargs):
@@ -161,10 +174,10 @@ class _MemfitCallback(transformers.TrainerCallback):
         return control
 
 
-class Trainer(transformers.Trainer):
-    """``transformers.Trainer`` that trains inside ``args.memory_budget``.
+class MemfitTrainerMixin:
+    """What memfit adds to a ``transformers.Trainer`` (sub)class, placed before it in the bases.
 
-    Accepts the arguments of ``transformers.Trainer``, and ``memfit_method``: a
+    Accepts the arguments of the Trainer class it is mixed into, and ``memfit_method``: a
     :class:`~memfit.methods.Method` instance to run instead of ``args.memfit_method`` (how the
     ckptplan peer and the oracle of :mod:`memfit.bench` run their plans). With plain
     ``transformers.TrainingArguments`` it runs method ``dynamic`` with no budget (records
@@ -334,6 +347,41 @@ class Trainer(transformers.Trainer):
             with open(os.path.join(a.output_dir, STATE_FILE), "w", encoding="utf-8") as fh:
                 json.dump(self.memfit.state_dict(), fh)
         return data
+
+
+class Trainer(MemfitTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` that trains inside ``args.memory_budget`` (:class:`MemfitTrainerMixin`)."""
+
+
+def with_memfit(trainer_cls: type) -> type:
+    """``trainer_cls`` (a ``transformers.Trainer`` subclass) with memfit's planning and OOM replay.
+
+    The class returned is ``MemfitTrainerMixin`` placed before ``trainer_cls``, so the mixin's
+    ``training_step`` wraps the subclass's own (TRL's activation-offloading context included)
+    and replays through it. Its arguments are ``trainer_cls``'s plus ``memfit_method``; the
+    budget flags are read from ``args`` (a :class:`MemfitArguments` subclass of the class's own
+    arguments type; without them: method ``dynamic``, no budget).
+
+    Raises:
+        TypeError: ``trainer_cls`` is not a ``transformers.Trainer`` subclass.
+
+    Example:
+        >>> import transformers
+        >>> class MyTrainer(transformers.Trainer): ...
+        >>> MemfitMyTrainer = with_memfit(MyTrainer)
+        >>> MemfitMyTrainer.__mro__[1:3] == (MemfitTrainerMixin, MyTrainer)
+        True
+    """
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, transformers.Trainer)):
+        raise TypeError(f"with_memfit needs a transformers.Trainer subclass, not {trainer_cls!r}")
+    if issubclass(trainer_cls, MemfitTrainerMixin):
+        return trainer_cls
+    return type(
+        trainer_cls.__name__,
+        (MemfitTrainerMixin, trainer_cls),
+        {"__doc__": f"``{trainer_cls.__module__}.{trainer_cls.__qualname__}`` with memfit (:class:`MemfitTrainerMixin`).",
+         "__module__": __name__, "__qualname__": trainer_cls.__qualname__},
+    )
 
 
 def rank_path(path: str, rank: int, world_size: int) -> str:

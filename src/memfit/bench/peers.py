@@ -4,9 +4,16 @@ Each peer is applied before the Trainer is built and runs with ``--memfit_method
 the same budget (cap), so memfit only measures (step records, peaks); one peer per run:
 
 * ``--hf_checkpoint_every_n_layers N``: Hugging Face's own activation checkpointing of every
-  N-th layer (``activation_checkpointing_enable(every_n_layers=N)``, non-reentrant);
+  N-th layer (non-reentrant; NOTE [Two names for Hugging Face's checkpointing]);
   ``--hf_checkpoint_offload`` adds its offload of the checkpointed layers' inputs to pinned
   host memory;
+* ``--offload_activations``: TRL's activation offloading (``get_act_offloading_ctx_manager``,
+  torchtune's ``OffloadActivations``): every activation the decoder layers save goes to pinned
+  host memory during forward and comes back in backward, on a side stream; nothing is
+  recomputed (NOTE [Offloading inside memfit's counter]; needs CUDA and TRL);
+* ``--memfit_off``: plain ``transformers.Trainer``, no memfit hooks at all: what memfit's
+  measuring costs, against ``none``. No step records or summary; on CUDA the budget is still the
+  cap, and the allocator's peak over the run is written to :data:`PEER_FILE`;
 * ``--compile_activation_memory_budget F`` (0 < F <= 1): ``torch.compile`` of every block with
   ``torch._functorch.config.activation_memory_budget = F``, the min-cut partitioner's
   relative knob (1: the default partition; smaller: it recomputes more, cheapest FLOPs first).
@@ -20,12 +27,40 @@ the same budget (cap), so memfit only measures (step records, peaks); one peer p
 * Accelerate's ``find_executable_batch_size`` is the Trainer's own ``--auto_find_batch_size``
   (it changes the batch size, so it is reported apart).
 
-A peer that cannot run here (the installed transformers lacks the option, ``ckptplan`` is not
-installed, no CUDA for ckptplan's profiler) fails with one :class:`PeerUnavailableError`;
+A peer that cannot run here (the installed transformers lacks the option, ``ckptplan`` or TRL is
+not installed, no CUDA for ckptplan's profiler or for offloading) fails with one :class:`PeerUnavailableError`;
 ``memfit bench`` records the configuration as ``skipped`` with that message and goes on. What a
 peer measured about itself (compilations, ckptplan's plan) is written to
 ``<output_dir>/memfit_peer.json`` (:data:`PEER_FILE`), which ``memfit bench`` copies into its
 result line (``peer_metrics``, ``note``).
+
+# NOTE [Two names for Hugging Face's checkpointing]
+Transformers 5.17 turns its checkpointing on with ``gradient_checkpointing_enable(
+gradient_checkpointing_kwargs=None, every_n_layers=1, offload=False)``; later 5.x versions
+renamed it ``activation_checkpointing_enable(activation_checkpointing_kwargs=None,
+every_n_layers=1, offload=False)`` and keep the old name as a deprecated alias taking
+``**kwargs``. Both checkpoint every ``every_n_layers``-th ``GradientCheckpointingLayer`` (counted
+from the first) and with ``offload`` hold the checkpointed inputs in pinned host memory
+(``torch.autograd.graph.save_on_cpu``). The peer calls the new name when its signature has
+``every_n_layers``, else the old one when its own does (and ``offload`` when asked), else it is
+unavailable.
+
+# NOTE [Offloading inside memfit's counter]
+memfit counts saved tensors with its own ``saved_tensors_hooks``, entered when the model's
+forward starts; hooks nest and only the innermost pair runs (NOTE [Who sees a checkpointed
+block's tensors] in accounting.py). TRL's ``SFTTrainer`` enters its offloading context around
+the whole training step, outside the model's forward, where under memfit it would never run. So
+the peer enters TRL's context when the decoder body (the module holding the layers) starts its
+training forward, inside memfit's counter, and leaves it when the body returns, before the
+counter closes: saved-tensor hooks must close in the reverse order they opened. memfit's
+counter then sees nothing of the body; on CUDA the records' peaks are the allocator's, which the
+offloading does move. Leaving pops only the hooks: the tensors already packed keep their unpack
+hook through backward, while TRL's end-of-step cleanup (a device sync of both streams and its
+stashes cleared) would run between forward and backward, so it is skipped; TRL's backward
+hooks free the stashes, and the next step's enter clears them as TRL's does. The context is made
+at the first training forward, when the model is on its device: TRL records the parameters'
+addresses so as never to offload them. The head and the loss run outside it, as TRL keeps the
+output head from being offloaded.
 
 # NOTE [Compile inside the block wrappers]
 Compiling the whole model (``--torch_compile``, ``model.compile()``) puts memfit's Python in
@@ -91,6 +126,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from memfit.blocks import find_blocks
+from memfit.budget import apply_cuda_cap
 from memfit.methods import Decision, Method
 from memfit.shapes import first_tensor
 
@@ -104,6 +140,8 @@ __all__ = [
     "PeerUnavailableError",
     "Peer",
     "HfEveryN",
+    "OffloadActivations",
+    "Plain",
     "TorchCompile",
     "Ckptplan",
     "CkptplanPlan",
@@ -128,6 +166,7 @@ class PeerArguments:
     #: the flag that turns on each peer
     PEER_FLAGS: ClassVar[tuple[str, ...]] = (
         "hf_checkpoint_every_n_layers", "compile_activation_memory_budget", "ckptplan_saving_fraction",
+        "offload_activations", "memfit_off",
     )
 
     hf_checkpoint_every_n_layers: int | None = field(
@@ -157,6 +196,20 @@ class PeerArguments:
         metadata={
             "help": "Peer: ckptplan's plan removing this share (0 < F <= 1) of the blocks' activations at the largest "
             "batch of the training set, run for every batch (needs CUDA, pip install ckptplan, --memfit_method none)."
+        },
+    )
+    offload_activations: bool = field(
+        default=False,
+        metadata={
+            "help": "Peer: TRL's activation offloading of the decoder layers' saved tensors to pinned host memory "
+            "(needs CUDA, pip install trl, --memfit_method none)."
+        },
+    )
+    memfit_off: bool = field(
+        default=False,
+        metadata={
+            "help": "Peer: plain transformers.Trainer, no memfit hooks (no step records; the budget stays the CUDA "
+            "cap) (needs --memfit_method none)."
         },
     )
 
@@ -190,9 +243,14 @@ class PeerArguments:
             value = getattr(self, flag)
             if value is not None and not 0 < value <= 1:
                 raise ValueError(f"--{flag} {value}: give a share, 0 < F <= 1")
-        given = [f"--{name}" for name in self.PEER_FLAGS if getattr(self, name) is not None]
+        given = [f"--{name}" for name in self.PEER_FLAGS if _is_set(getattr(self, name))]
         if len(given) > 1:
             raise ValueError(f"give one peer at a time: {' and '.join(given)}")
+
+
+def _is_set(value: Any) -> bool:
+    """A peer flag given on the command line (a number, or a switch turned on)."""
+    return value is not None and value is not False
 
 
 class Peer:
@@ -203,6 +261,8 @@ class Peer:
     """
 
     name: ClassVar[str] = ""
+    #: whether the run trains with memfit's Trainer (only measuring); False: plain transformers.Trainer
+    uses_memfit: ClassVar[bool] = True
 
     def prepare(self, bundle: "TaskBundle", training_args: Any) -> Method | None:
         """Apply the peer to ``bundle.model``; return a method to run instead of ``none``, if any."""
@@ -235,15 +295,138 @@ class HfEveryN(Peer):
         self.offload = offload
 
     def prepare(self, bundle: "TaskBundle", training_args: Any) -> None:
-        enable = getattr(bundle.model, "activation_checkpointing_enable", None)
-        if enable is None or "every_n_layers" not in inspect.signature(enable).parameters:
+        model = bundle.model
+        kwargs: dict[str, Any] = {"every_n_layers": self.n, **({"offload": True} if self.offload else {})}
+        # NOTE [Two names for Hugging Face's checkpointing]
+        for method, kwargs_name in (
+            ("activation_checkpointing_enable", "activation_checkpointing_kwargs"),  # transformers >= 5.2x
+            ("gradient_checkpointing_enable", "gradient_checkpointing_kwargs"),  # transformers 5.17
+        ):
+            enable = getattr(model, method, None)
+            if enable is not None and set(kwargs) <= set(inspect.signature(enable).parameters):
+                enable(**{kwargs_name: {"use_reentrant": False}}, **kwargs)
+                return None
+        wanted = ", ".join(f"{k}=..." for k in kwargs)
+        raise PeerUnavailableError(
+            f"the installed transformers has neither activation_checkpointing_enable({wanted}) nor "
+            f"gradient_checkpointing_enable({wanted}): peer hf-every-n is not available"
+        )
+
+
+def _decoder_body(model: nn.Module) -> nn.Module:
+    """The module whose forward runs every block: the parent of the blocks' list (``model.model``
+    of a Hugging Face causal LM, inside a ``PeftModel`` too).
+
+    Raises:
+        PeerUnavailableError: the blocks are not the items of one list inside the model.
+    """
+    names = [name.split(".") for name, _ in find_blocks(model)]
+    common = names[0][:-1]
+    if any(parts[:-1] != common for parts in names) or len(common) < 2:
+        raise PeerUnavailableError(
+            "peer offload needs the model's blocks as the items of one list below the root (a decoder's layers); "
+            f"found {'.'.join(names[0])} ... {'.'.join(names[-1])}"
+        )
+    return model.get_submodule(".".join(common[:-1]))
+
+
+def _offloading_factory() -> Any:
+    try:
+        from trl.models.activation_offloading import get_act_offloading_ctx_manager
+    except ImportError:
+        raise PeerUnavailableError(
+            "peer offload needs TRL's activation offloading: pip install 'memfit[llm]' (or pip install trl)"
+        ) from None
+    return get_act_offloading_ctx_manager
+
+
+class OffloadActivations(Peer):
+    """TRL's activation offloading around the decoder body (NOTE [Offloading inside memfit's counter]).
+
+    Raises:
+        PeerUnavailableError: (at ``prepare``) not on CUDA, or TRL is not installed.
+    """
+
+    name = "offload"
+
+    def __init__(self) -> None:
+        self._model: nn.Module | None = None
+        self._factory: Any = None
+        self._ctx: Any = None
+        self._open = False
+        self._handles: list[Any] = []
+        self.steps = 0
+
+    def prepare(self, bundle: "TaskBundle", training_args: Any) -> None:
+        if training_args.device.type != "cuda":
             raise PeerUnavailableError(
-                "the installed transformers has no activation_checkpointing_enable(every_n_layers=...): "
-                "peer hf-every-n is not available"
+                "peer offload needs CUDA: TRL's activation offloading moves saved activations from an accelerator "
+                "to pinned host memory and back (on CPU there is nothing to move)"
             )
-        kwargs = {"offload": True} if self.offload else {}
-        enable(activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=self.n, **kwargs)
+        self._factory = _offloading_factory()
+        self._model = bundle.model
+        body = _decoder_body(bundle.model)
+        self._handles = [
+            body.register_forward_pre_hook(self._enter),
+            body.register_forward_hook(self._exit, always_call=True),
+        ]
         return None
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return  # evaluation: TRL offloads training steps only
+        if self._ctx is None:  # the model is on its device now: TRL records its parameters' addresses
+            self._ctx = self._factory(self._model, warn_if_no_head=False)
+        self._ctx.__enter__()
+        self._open = True
+        self.steps += 1
+
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._open:
+            self._open = False
+            # only the hooks: TRL's cleanup would sync between forward and backward
+            torch.autograd.graph.saved_tensors_hooks.__exit__(self._ctx)
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def record(self) -> dict[str, Any]:
+        return {"metrics": {"offload_steps": self.steps}, "note": f"TRL activation offloading in {self.steps} training forwards"}
+
+
+class Plain(Peer):
+    """Plain ``transformers.Trainer``: no memfit at all, so the run measures what memfit's hooks cost.
+
+    On CUDA the budget is still the cap, and :meth:`record` gives the allocator's peak over the
+    run (its evaluation included, with ``--do_eval``).
+    """
+
+    name = "plain"
+    uses_memfit = False
+
+    def __init__(self) -> None:
+        self._device: torch.device | None = None
+
+    def prepare(self, bundle: "TaskBundle", training_args: Any) -> None:
+        device = training_args.device
+        if device.type == "cuda":
+            budget = getattr(training_args, "memfit_budget_bytes", None)
+            if budget is not None:
+                apply_cuda_cap(budget, device)
+            torch.cuda.reset_peak_memory_stats(device)
+            self._device = device
+        return None
+
+    def record(self) -> dict[str, Any]:
+        if self._device is None:
+            return {"metrics": {}, "note": "plain transformers.Trainer, no memfit: time only (no CUDA allocator)"}
+        metrics = {
+            "max_memory_allocated_bytes": torch.cuda.max_memory_allocated(self._device),
+            "max_memory_reserved_bytes": torch.cuda.max_memory_reserved(self._device),
+        }
+        return {"metrics": metrics, "note": "plain transformers.Trainer, no memfit: time and the CUDA allocator's peak"}
 
 
 class TorchCompile(Peer):
@@ -533,13 +716,17 @@ def make_peer(peers: PeerArguments, memfit_method: str) -> Peer | None:
         ValueError: a peer with a memfit method other than ``none`` (both would checkpoint).
         PeerUnavailableError: ckptplan is asked for and not installed.
     """
-    flag = next((name for name in PeerArguments.PEER_FLAGS if getattr(peers, name) is not None), None)
+    flag = next((name for name in PeerArguments.PEER_FLAGS if _is_set(getattr(peers, name))), None)
     if flag is None:
         return None
     if memfit_method != "none":
         raise ValueError(f"--{flag} is a peer of memfit: run it with --memfit_method none")
     if flag == "hf_checkpoint_every_n_layers":
         return HfEveryN(peers.hf_checkpoint_every_n_layers, peers.hf_checkpoint_offload)
+    if flag == "offload_activations":
+        return OffloadActivations()
+    if flag == "memfit_off":
+        return Plain()
     if flag == "compile_activation_memory_budget":
         return TorchCompile(peers.compile_activation_memory_budget, peers.compile_backend or "inductor")
     return Ckptplan(peers.ckptplan_saving_fraction)

