@@ -344,3 +344,138 @@ def test_a_plan_that_held_on_its_shape_runs_again_without_the_backstop():
     assert not any(third)
     assert [r.backstop_armed for r in records] == [False, False, False, True, False, False]  # warm-up: never
     assert all(r.peak_allocated_bytes <= budget and not r.evicted_blocks for r in records)
+
+
+@pytest.mark.parametrize("backstop", ["auto", True])
+def test_the_backstop_arms_only_where_no_caller_replays_an_oom(backstop):
+    """NOTE [Protection by expected cost]: under ``run_step`` (which replays an OOM) the default
+    backstop never arms; the same steps called directly arm it, as ``backstop=True`` does everywhere."""
+    armed = {}
+    for via_run_step in (False, True):
+        torch.manual_seed(0)
+        model, make_batch = build("bert")
+        model.train()
+        longest = make_batch(4, 96)
+        budget = (logical_peak(model, longest, "none") + logical_peak(model, longest, "full")) // 2
+        ctl = memfit.fit(model, budget=budget, method="dynamic", margin=0.05, backstop=backstop)
+        for step, length in enumerate([16, 48, 32, 64, 80, 96, 24, 88]):
+
+            def micro_step(length=length, step=step):
+                torch.manual_seed(step)
+                model(**make_batch(4, length)).loss.backward()
+
+            ctl.run_step(micro_step) if via_run_step else micro_step()
+            model.zero_grad(set_to_none=True)
+        armed[via_run_step] = [r.backstop_armed for r in ctl.records if r.phase == "steady"]
+        assert ctl.summary().armed_steps == sum(armed[via_run_step])
+        ctl.remove()
+    assert any(armed[False]), "the plain loop never armed: the test checks nothing"
+    assert armed[True] == (armed[False] if backstop is True else [False] * len(armed[False]))
+
+
+def test_block_peaks_predict_the_largest_at_least_as_long_then_scale():
+    """NOTE [Room inside a block]: a block's peak at a length is the largest seen at any
+    length at least as long; beyond the longest, scaled by the power its last two samples show
+    (clamped to 1..2), 2 from one sample."""
+    from memfit.protection import BlockPeaks, requested_bytes
+
+    peaks = BlockPeaks()
+    assert peaks.predict(0, 100) == 0
+    peaks.add(0, 100, 1000)
+    assert peaks.predict(0, 50) == 1000 and peaks.predict(0, 200) == 4000  # one sample: quadratic
+    peaks.add(0, 200, 2000)  # linear growth seen
+    assert peaks.predict(0, 150) == 2000 and peaks.predict(0, 400) == 4000
+    peaks.add(0, 100, 1500)  # a larger value at a length keeps the larger
+    assert peaks.predict(0, 100) == 2000 and peaks.predict(1, 100) == 0
+    assert requested_bytes("CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has") == int(1.5 * 2**30)
+    assert requested_bytes("out of memory") is None
+
+
+def test_reactive_keeps_a_blocks_own_peak_free_at_its_entry(monkeypatch):
+    """On the (fake) allocator, a block that allocates far more inside it than it saves is
+    learnt on its first run; at the next step of that shape its entry keeps that much free,
+    which evicts blocks where the first step, not knowing, evicted none."""
+    from test_runtime import _on_fake_allocator
+
+    torch.manual_seed(0)
+    model, make_batch = build("bert")
+    model.train()
+    inner = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = memfit.fit(model, budget=10**6, method="reactive", margin=0.0)
+    fake = _on_fake_allocator(monkeypatch, ctl, inner, margin=0)
+    ctl.blocks[2].module.attention.register_forward_pre_hook(lambda *_: fake.use(2 * 10**6))  # inside block 2
+    batch = make_batch(2, 8)
+    for seed in range(2):
+        torch.manual_seed(seed)
+        model(**batch).loss.backward()
+        inner.step()
+        model.zero_grad(set_to_none=True)
+    records = ctl.records
+    ctl.remove()
+    assert records[0].evicted_blocks == []
+    assert records[1].evicted_blocks, "the learnt peak of block 2 made no room"
+    assert ctl.protection.peaks.predict(2, 16) >= 2 * 10**6 - 10**4
+
+
+def test_a_reactive_replay_never_repeats_the_failed_plan():
+    """NOTE [A reactive replay differs]: an OOM inside a block under ``reactive`` (run_step)
+    is replayed with the first blocks recomputed, a plan the failed attempt did not run; the
+    shape's later steps keep it; the weights are those of a run without the OOM."""
+    from _models import InjectOOM
+
+    def train(inject):
+        torch.manual_seed(0)
+        model, make_batch = build("bert")
+        model.train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        ctl = memfit.fit(model, budget=None, method="reactive", optimizer=optimizer)
+        if inject:
+            InjectOOM(ctl.blocks[1].module, at=2)
+        for step in range(4):
+            def micro(step=step):
+                torch.manual_seed(step)
+                model(**make_batch(2, 16)).loss.backward()
+            ctl.run_step(micro)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        records = ctl.records
+        ctl.remove()
+        return records, {k: v.clone() for k, v in model.state_dict().items()}
+
+    plain, reference = train(False)
+    records, weights = train(True)
+    assert [r.plan for r in plain] == [[]] * 4
+    assert records[1].oom_retries == 1 and records[1].oom_attempts[0]["plan"] == []
+    assert records[1].plan == [0] and records[2].plan == [0] == records[3].plan
+    for name, value in reference.items():
+        torch.testing.assert_close(weights[name], value, rtol=0, atol=0)
+
+
+def test_an_oom_inside_a_block_teaches_its_peak(monkeypatch):
+    """NOTE [Room inside a block]: the allocation that failed inside a block (allocated then,
+    plus the request the message names, less the block's entry) becomes its learnt peak."""
+    from test_runtime import _on_fake_allocator
+
+    torch.manual_seed(0)
+    model, make_batch = build("bert")
+    model.train()
+    inner = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = memfit.fit(model, budget=10**9, method="reactive", margin=0.0)
+    fake = _on_fake_allocator(monkeypatch, ctl, inner, margin=0)
+    fired = []
+
+    def fail_once(*_):
+        if not fired:
+            fired.append(1)
+            fake.allocated += 5000  # what the block allocated before the request that failed
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 MiB. GPU 0 has a total capacity")
+
+    ctl.blocks[2].module.attention.register_forward_pre_hook(fail_once)
+    batch = make_batch(2, 8)
+
+    def micro():
+        model(**batch).loss.backward()
+
+    ctl.run_step(micro)
+    ctl.remove()
+    assert fired and ctl.protection.peaks.predict(2, 16) == 5000 + 3 * 2**20

@@ -268,21 +268,26 @@ class _FakeAllocator:
         monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
 
 
-def _use_cuda_meter(ctl):
-    """Make ``ctl`` read memory through the CUDA meter (whose torch.cuda calls the test patches)."""
+def _use_cuda_meter(ctl, counts_always=True):
+    """Make ``ctl`` read memory through the CUDA meter (whose torch.cuda calls the test patches).
+
+    ``counts_always``: every step counts its saved tensors, as the tests that drive a fake
+    allocator from the counter's bytes need (a real allocator sees them whether counted or not).
+    """
     from memfit.runtime.meter import CudaMeter
 
     # the fake allocator's static memory is what it says: no gradient is missing
     ctl.meter = CudaMeter(torch.device("cpu"), [], 0)
+    ctl.meter.counts_always = counts_always
     if hasattr(ctl.protection, "meter"):
         ctl.protection.meter = ctl.meter
 
 
-def _on_fake_allocator(monkeypatch, ctl, optimizer, margin=None):
+def _on_fake_allocator(monkeypatch, ctl, optimizer, margin=None, counts_always=True):
     """Make ``ctl`` account as on CUDA against a :class:`_FakeAllocator` the test drives."""
     fake = _FakeAllocator()
     fake.patch(monkeypatch)
-    _use_cuda_meter(ctl)
+    _use_cuda_meter(ctl, counts_always)
     if margin is not None:
         ctl.planning.margin_bytes = margin
     ctl.set_optimizer(optimizer)
@@ -896,3 +901,47 @@ def test_an_armed_steps_peaks_lose_only_the_inputs_of_the_stores_still_alive():
     # an evicted block 2 is recomputed first: blocks 0 and 1 below it
     assert plain(990, 900, 990, evicted=[2]) == (980, 830)
     assert plain(990, 900, 990, evicted=[3]) == (960, 830)
+
+
+def test_only_steps_that_can_teach_count_their_saved_tensors(monkeypatch):
+    """NOTE [Counting what teaches] / [Which steps count]: on CUDA a step counts its saved
+    tensors in warm-up, at a length its bucket has not run, after an uncounted step of its
+    bucket peaked above its prediction, and once in COUNT_EVERY steps; the others run no
+    pack hook at all (the counter's pack calls are the proxy)."""
+    from memfit.accounting import SavedTensorCounter
+    from memfit.methods import dynamic
+
+    monkeypatch.setattr(dynamic, "COUNT_EVERY", 12)
+    packs = []
+    original_pack = SavedTensorCounter._pack
+    monkeypatch.setattr(SavedTensorCounter, "_pack", lambda self, t: packs.append(1) or original_pack(self, t))
+    model, make_batch = _bert()
+    inner = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = memfit.fit(model, budget=10**9, method="dynamic", backstop=False, bucket_tokens=8)
+    fake = _on_fake_allocator(monkeypatch, ctl, inner, counts_always=False)
+    lengths = [16, 32, 48, 16, 32, 16, 32, 24, 16, 32, 16, 16, 16]
+    counted, pack_calls = [], []
+    for step, length in enumerate(lengths):
+        torch.manual_seed(step)
+        before = len(packs)
+        loss = model(**make_batch(4, length)).loss
+        pack_calls.append(len(packs) - before)
+        if step == 8:  # an uncounted repeat that peaks far above what was predicted for it
+            fake.use(10**8)
+        loss.backward()
+        inner.step()
+        model.zero_grad(set_to_none=True)
+        counted.append(ctl.records[-1].counted)
+    records = ctl.records
+    ctl.remove()
+    phases = [r.phase for r in records]
+    assert phases[:3] == ["warmup"] * 3 and phases[3:] == ["steady"] * (len(lengths) - 3)
+    # warm-up; repeats of 16 and 32; a new length (24); step 8 repeats 16 uncounted but peaks
+    # far above its prediction, so 16's next step (10) counts; the 12th decision (COUNT_EVERY)
+    assert counted == [True, True, True, False, False, False, False, True, False, False, True, True, False]
+    # an uncounted step packs only what the embeddings save before the first block stops the counter
+    uncounted = {calls for calls, c in zip(pack_calls, counted) if not c}
+    steady_counted = [calls for calls, c, r in zip(pack_calls, counted, records) if c and r.phase == "steady"]
+    assert len(uncounted) == 1 and 10 * max(uncounted) < min(steady_counted)
+    assert all(r.saved_activation_bytes == 0 for r in records if not r.counted)
+    assert memfit.records.summarize(records).counted_steps == sum(counted) == 6

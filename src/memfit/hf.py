@@ -99,9 +99,11 @@ class MemfitArguments:
         default=None,
         metadata={"help": "For --memfit_method static: largest input as 'N,T' (rows, tokens); default: largest seen."},
     )
-    memfit_backstop: bool = field(
-        default=True,
-        metadata={"help": "For --memfit_method dynamic: evict un-checkpointed blocks when a step nears the cap despite its plan, instead of an OOM and a replay (--memfit_backstop false turns it off)."},
+    memfit_backstop: str = field(
+        default="auto",
+        metadata={"help": "For --memfit_method dynamic: evict kept blocks when a step nears the cap despite its plan, "
+                  "instead of an OOM and a replay. auto (default): only where the Trainer cannot replay an OOM "
+                  "(FSDP); true: on every step that could need it; false: never."},
     )
 
     def __post_init__(self) -> None:
@@ -125,6 +127,8 @@ class MemfitArguments:
             parse_bytes(self.memory_budget)  # fail early on a malformed size
         if self.memfit_method == "precomputed" and not self.memfit_plans_file:
             raise ValueError("--memfit_method precomputed needs --memfit_plans_file")
+        if str(self.memfit_backstop).lower() not in ("auto", "true", "false"):
+            raise ValueError(f"--memfit_backstop {self.memfit_backstop!r}: give auto, true or false")
         hf_checkpointing = self.gradient_checkpointing or getattr(self, "activation_checkpointing", False)
         if hf_checkpointing and self.memfit_method != "none":
             raise ValueError(
@@ -197,7 +201,7 @@ class MemfitTrainerMixin:
         if method == "static" and getattr(a, "memfit_max_shape", None):
             method_kwargs["max_shape"] = tuple(int(x) for x in a.memfit_max_shape.split(","))
         if method == "dynamic":
-            method_kwargs["backstop"] = getattr(a, "memfit_backstop", True)
+            method_kwargs["backstop"] = {"true": True, "false": False}.get(str(getattr(a, "memfit_backstop", "auto")).lower(), "auto")
         log = rank_path(getattr(a, "memfit_log", None) or os.path.join(a.output_dir, STEPS_FILE), a.process_index, a.world_size)
         # Each rank has its own budget (its own process cap), plans for its own batches and
         # writes its own records; rank 0 merges the summaries.
@@ -225,6 +229,8 @@ class MemfitTrainerMixin:
             # Nothing to make safer: the OOM goes to the caller as it is (Accelerate's
             # find_executable_batch_size, behind --auto_find_batch_size, catches it).
             return super().training_step(model, inputs, num_items_in_batch)
+        # an OOM is replayed below, except with several FSDP ranks (NOTE [OOM replay])
+        self.memfit.replays_ooms = not (world_size() > 1 and is_fsdp(model))
         sync = self._lockstep_sync(model)
         if sync is not None:
             model = model.module  # no collective inside a micro-step (NOTE [Lockstep under DDP])

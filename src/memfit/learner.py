@@ -56,6 +56,7 @@ __all__ = [
     "step_outcome",
     "learn_optimizer_peak",
     "learn_step",
+    "under_predicted",
     "grow_margin",
     "learn_probes",
 ]
@@ -109,6 +110,8 @@ class StepOutcome:
         start_transient: the transient at the backward's start, when read apart.
         optimizer_above_static: the optimizer step's peak above static, when read apart.
         evicted: blocks the backstop evicted.
+        counted: the step counted its saved tensors (``outside`` and ``by_block`` are then
+            known; otherwise they are 0 and only the peaks teach).
     """
 
     key: tuple[int, int]
@@ -123,6 +126,7 @@ class StepOutcome:
     start_transient: int | None = None
     optimizer_above_static: int | None = None
     evicted: tuple[int, ...] = field(default_factory=tuple)
+    counted: bool = True
 
 
 def _plain_peaks(
@@ -153,6 +157,7 @@ def step_outcome(
     static_now: int,
     evicted: Sequence[int] = (),
     backstop_input: Sequence[int] = (),
+    counted: bool = True,
 ) -> StepOutcome:
     """What a finished step teaches, from its readings (NOTE [A step's transient]).
 
@@ -165,13 +170,17 @@ def step_outcome(
         static_now: static bytes now, after the step.
         evicted: blocks the backstop evicted.
         backstop_input: per block, what an armed step's stores kept only as block inputs.
+        counted: the step counted its saved tensors; without the counts no transient is known.
     """
     saved = outside + sum(by_block)
     peak = peaks.peak
     plain_peak, plain_start = _plain_peaks(peaks, plan, evicted, backstop_input, peak)
     start_transient = optimizer_above = None
-    if peaks.exact:
+    if peaks.exact or not counted:
         transient = None
+        if peaks.optimizer is not None:
+            optimizer_above = peaks.optimizer - static
+            peak, plain_peak = max(peak, peaks.optimizer), max(plain_peak, peaks.optimizer)
     elif peaks.optimizer is not None:
         grown = max(0, static_now - static)
         base = static - state_to_come + grown + saved
@@ -186,7 +195,7 @@ def step_outcome(
     return StepOutcome(
         key=key, plan=plan, warmup=warmup, outside=outside, by_block=list(by_block), static=static, peak=peak,
         plain_peak=plain_peak, transient=transient, start_transient=start_transient,
-        optimizer_above_static=optimizer_above, evicted=tuple(evicted),
+        optimizer_above_static=optimizer_above, evicted=tuple(evicted), counted=counted,
     )
 
 
@@ -229,6 +238,9 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
     """
     model = planning.model
     key, by_block, evicted = outcome.key, outcome.by_block, outcome.evicted
+    if not outcome.counted:  # only its peaks are known: the method counts the bucket's next step if they erred
+        model.observe_key(key)
+        return
     miss = None if predicted is None else outcome.plain_peak - predicted
     planned = set(outcome.plan.blocks)
     curves: list[tuple] = [(model.outside, outcome.outside)]
@@ -279,6 +291,12 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
     model.observe_key(key)
     if changed:
         planning.cache.clear()
+
+
+def under_predicted(planning: Planning, outcome: StepOutcome, predicted: int | None) -> bool:
+    """Whether a steady step peaked above its prediction by more than a quarter of the margin
+    (what makes a step teach: NOTE [What a step teaches])."""
+    return predicted is not None and not outcome.warmup and outcome.plain_peak - predicted > planning.margin_bytes / 4
 
 
 def grow_margin(planning: Planning, outcome: StepOutcome, predicted: int | None) -> None:

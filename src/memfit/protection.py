@@ -5,9 +5,9 @@
 * :class:`Eviction` (method ``reactive``): every block runs under the saved-tensor store
   (store.py); at each block entry, room is made by evicting already-run blocks, which backward
   recomputes (NOTE [Reactive room]);
-* :class:`Backstop` (``dynamic``'s default): the blocks the plan keeps run under the store on
-  steps whose prediction may be wrong, and are evicted only if the step nears the cap (NOTE
-  [Backstop]).
+* :class:`Backstop` (``dynamic``): the blocks the plan keeps run under the store on steps whose
+  prediction may be wrong, and are evicted only if the step nears the cap (NOTE [Backstop]);
+  by default only where the caller cannot replay an OOM (NOTE [Protection by expected cost]).
 
 A protection is made per run by the method (``Method.make_protection``) and called by the
 runtime at fixed points of every step: its start, the plan's application, each block's entry,
@@ -21,6 +21,28 @@ same check (with nothing to come) makes room for backward. The logical peak is t
 seen at these checks *before* evicting, so the margin must cover what runs between two checks
 outside any block (the head and loss after the last block): give ``reactive`` a margin of a few
 percent under logical accounting.
+
+# NOTE [Room inside a block]
+Eviction acts between blocks, so what a block allocates while it runs (its saved tensors, and
+temporaries such as attention's intermediates, which at long lengths exceed what it saves) must
+be free at its entry. On CUDA the meter reads each stored block's own allocation peak above its
+entry (NOTE [Block windows], runtime/meter.py); :class:`BlockPeaks` keeps, per block, the
+largest at each length, and a block's entry keeps free the largest of its own peak at any
+length at least as long, or, beyond the longest seen, that peak scaled by the length ratio to
+the power its samples show (between 1, linear, and 2, quadratic attention; 2 from a single
+sample). An OOM inside a block teaches the allocation that failed: what was allocated then,
+plus the request, less what the block found at its entry.
+
+# NOTE [Protection by expected cost]
+An OOM that the caller replays (the Trainer's window replay, ``Controller.run_step``) costs one
+step's work and loses nothing; the backstop costs a hook per saved tensor and a copy of each
+stored block's inputs on every step it is armed, whether or not it evicts, and it is armed on
+most steps that extend what the model has seen. Where replay is possible, a wrong prediction is
+cheaper paid for by an occasional replay (which also grows the margin, so it does not recur)
+than insured against on every uncertain step. So ``dynamic``'s default backstop (``"auto"``)
+arms only on steps that nothing would replay: a plain loop that calls the model directly, or a
+sharded run whose ranks cannot replay alone. ``backstop=True`` arms it wherever the rule of
+NOTE [Backstop] says, replay or not.
 
 # NOTE [Backstop]
 The backstop runs the blocks its plan keeps under the store, which costs a pack hook per saved
@@ -49,6 +71,9 @@ the inputs or, had it evicted, by the model's prediction, learnt from what its b
 from __future__ import annotations
 
 import itertools
+import math
+import re
+import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -66,7 +91,7 @@ if TYPE_CHECKING:
     from memfit.learner import StepOutcome
     from memfit.planning import Planning
 
-__all__ = ["BACKSTOP_ARM_SHARE", "Protection", "Unprotected", "Eviction", "Backstop", "Stored"]
+__all__ = ["BACKSTOP_ARM_SHARE", "Protection", "Unprotected", "Eviction", "Backstop", "Stored", "BlockPeaks", "requested_bytes"]
 
 #: The backstop is armed for a step unless its activations could exceed the prediction by
 #: this share and still leave the backstop's reserve free (NOTE [Backstop]).
@@ -77,6 +102,7 @@ class _Step(Protocol):
     """The step state a protection reads and writes (runtime/step.py's StepState)."""
 
     static_bytes: int
+    replayable: bool
     armed: bool
     upcoming: list[tuple[float, float]]
     evicted: list[int]
@@ -87,6 +113,53 @@ class _Step(Protocol):
 
 class _Meter(Protocol):
     def in_use(self, step: Any, held: Callable[[], int]) -> int: ...
+
+    def window_start(self, step: Any) -> int | None: ...
+
+    def window_peak(self, step: Any) -> int | None: ...
+
+
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+_REQUEST = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)")
+
+
+def requested_bytes(message: str | None) -> int | None:
+    """The allocation a CUDA OOM message says failed ("Tried to allocate 1.95 GiB"), or None.
+
+    Example:
+        >>> requested_bytes("CUDA out of memory. Tried to allocate 2.00 MiB. GPU 0 has ...")
+        2097152
+    """
+    match = _REQUEST.search(message or "")
+    return None if match is None else int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+class BlockPeaks:
+    """Per block, the largest allocation above its entry seen at each length (NOTE [Room inside a block])."""
+
+    def __init__(self) -> None:
+        self._by_block: dict[int, dict[int, int]] = {}
+
+    def add(self, index: int, tokens: int, nbytes: int) -> None:
+        seen = self._by_block.setdefault(index, {})
+        seen[tokens] = max(seen.get(tokens, 0), int(nbytes))
+
+    def predict(self, index: int, tokens: int) -> int:
+        """What block ``index`` may allocate above its entry at ``tokens`` (0 before any sample)."""
+        seen = self._by_block.get(index)
+        if not seen:
+            return 0
+        longer = [b for t, b in seen.items() if t >= tokens]
+        if longer:
+            return max(longer)
+        ordered = sorted(seen.items())
+        t_max, b_max = ordered[-1]
+        power = 2.0
+        if len(ordered) >= 2:
+            (t1, b1), (t2, b2) = ordered[-2], ordered[-1]
+            if t2 > t1 and b1 > 0 and b2 > 0:
+                power = min(2.0, max(1.0, math.log(b2 / b1) / math.log(t2 / t1)))
+        return int(b_max * (tokens / t_max) ** power)
 
 
 class Stored(Treatment):
@@ -117,8 +190,14 @@ class Protection:
         """The forward ended; returns what each block saved (``by_block``: what the counter saw)."""
         return by_block
 
+    def exit(self, step: _Step, block: "Block") -> None:
+        """``block`` ended its forward."""
+
     def after_step(self, step: _Step, outcome: "StepOutcome") -> None:
         """The step was learnt."""
+
+    def note_oom(self, step: _Step | None, attempt: dict[str, Any]) -> None:
+        """The step ran out of memory (``attempt``: its description, runtime/replay.py)."""
 
     def evicted_so_far(self) -> list[int]:
         """Blocks evicted so far this step (for an OOM's record)."""
@@ -172,27 +251,68 @@ class _Evicting(Protection):
 
 
 class Eviction(_Evicting):
-    """Every block under the store; room made at every block entry (NOTE [Reactive room])."""
-
-    def arm(self, step: _Step, blocks: Sequence["Block"], key: tuple[int, int], plan: Plan, warmup: bool) -> None:
-        for b in blocks:
-            b.treatment = self.stored
-
-    def enter(self, step: _Step, block: "Block", args: tuple, kwargs: dict[str, Any]) -> None:
-        self.make_room(step, self.store.largest_block_bytes, (args, kwargs))
-
-    def forward_end(self, step: _Step, by_block: list[int]) -> list[int]:
-        self.make_room(step, 0)
-        self._note_evictions(step)
-        # the counter sees nothing inside the store's blocks: their tensors are the store's
-        return self.store.kept_by_block(len(by_block))
-
-
-class Backstop(_Evicting):
-    """The kept blocks under the store on steps that may need it; evicted only near the cap (NOTE [Backstop])."""
+    """Every kept block under the store; room made at every block entry (NOTE [Reactive room],
+    NOTE [Room inside a block])."""
 
     def __init__(self, store: ReactiveStore, planning: "Planning", meter: _Meter, counter: "SavedTensorCounter"):
         super().__init__(store, planning, meter, counter)
+        self.peaks = BlockPeaks()
+        #: the block running now: (index, tokens, bytes allocated at its entry)
+        self._running: tuple[int, int, int] | None = None
+
+    def arm(self, step: _Step, blocks: Sequence["Block"], key: tuple[int, int], plan: Plan, warmup: bool) -> None:
+        for b in blocks:
+            if b.treatment.name == KEEP:
+                b.treatment = self.stored
+
+    def enter(self, step: _Step, block: "Block", args: tuple, kwargs: dict[str, Any]) -> None:
+        tokens = step.key[0] * step.key[1]
+        ahead = max(self.store.largest_block_bytes, self.peaks.predict(block.index, tokens))
+        self.make_room(step, ahead, (args, kwargs))
+        entry = self.meter.window_start(step)
+        self._running = None if entry is None else (block.index, tokens, entry)
+
+    def exit(self, step: _Step, block: "Block") -> None:
+        if sys.exc_info()[1] is not None:
+            return  # the block raised (an OOM inside it): note_oom learns from it
+        running, self._running = self._running, None
+        if running is not None and running[0] == block.index:
+            peak = self.meter.window_peak(step)
+            if peak is not None:
+                self.peaks.add(block.index, running[1], peak - running[2])
+
+    def note_oom(self, step: _Step | None, attempt: dict[str, Any]) -> None:
+        """Learn the allocation that failed inside a block (NOTE [Room inside a block])."""
+        running, self._running = self._running, None
+        request = requested_bytes(attempt.get("error"))
+        allocated = attempt.get("allocated_bytes")
+        if running is not None and request is not None and allocated is not None:
+            index, tokens, entry = running
+            self.peaks.add(index, tokens, allocated + request - entry)
+
+    def forward_end(self, step: _Step, by_block: list[int]) -> list[int]:
+        self._running = None
+        self.make_room(step, 0)
+        self._note_evictions(step)
+        # the counter sees nothing inside the store's blocks (their tensors are the store's),
+        # only the inputs of blocks the plan recomputes
+        return [a + b for a, b in zip(by_block, self.store.kept_by_block(len(by_block)))]
+
+
+class Backstop(_Evicting):
+    """The kept blocks under the store on steps that may need it; evicted only near the cap (NOTE [Backstop]).
+
+    Args:
+        store, planning, meter, counter: the run's.
+        always: arm on replayable steps too (else only where no caller replays an OOM: NOTE
+            [Protection by expected cost]).
+    """
+
+    def __init__(
+        self, store: ReactiveStore, planning: "Planning", meter: _Meter, counter: "SavedTensorCounter", always: bool = False,
+    ):
+        super().__init__(store, planning, meter, counter)
+        self.always = always
         #: per plan bucket, the last steady step's (tokens, plan layout, peak above static): a
         #: step that repeats it needs no backstop
         self._held: dict[tuple[int, int], tuple[int, Any, int]] = {}
@@ -202,7 +322,7 @@ class Backstop(_Evicting):
         return self.planning.margin_bytes // 3 + self.planning.slack_bytes
 
     def arm(self, step: _Step, blocks: Sequence["Block"], key: tuple[int, int], plan: Plan, warmup: bool) -> None:
-        if warmup or not self._armed(key, plan):
+        if warmup or (step.replayable and not self.always) or not self._armed(key, plan):
             return
         step.armed = True
         kept = set()

@@ -70,6 +70,9 @@ class StepRecord:
     #: bytes the backstop's stores kept only as block inputs (no saved tensor held them):
     #: what arming added to the step beyond the blocks' own saved tensors
     backstop_input_bytes: int = 0
+    #: the step counted its saved tensors (``saved_activation_bytes`` is 0 when it did not: NOTE
+    #: [Counting what teaches] in runtime/controller.py)
+    counted: bool = True
     #: the treated blocks of the plan, by treatment name (``{"recompute": [0, 1]}``); every
     #: other block was kept (treatments.py)
     treatments: dict[str, list[int]] = field(default_factory=dict)
@@ -117,6 +120,14 @@ class RunSummary:
     total_step_ms: float
     mean_planner_us: float
     memory_count: dict[str, dict[str, int]]
+    #: steps whose kept blocks ran under the backstop's store (NOTE [Backstop] in protection.py)
+    armed_steps: int = 0
+    #: steps that evicted blocks mid-step (the backstop, or ``reactive``)
+    evicting_steps: int = 0
+    #: steps that counted their saved tensors (NOTE [Counting what teaches] in runtime/controller.py)
+    counted_steps: int = 0
+    #: per treatment name, how many block-steps it was given (a block in one step counts once)
+    treated_blocks: dict[str, int] = field(default_factory=dict)
     #: with several ranks: each rank's own summary, by rank (as a string key)
     per_rank: dict[str, dict[str, Any]] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
@@ -161,7 +172,20 @@ def summarize(records: Iterable[StepRecord]) -> RunSummary:
         total_step_ms=sum(r.step_ms or 0.0 for r in records),
         mean_planner_us=sum(r.planner_us for r in records) / len(records),
         memory_count=memory_count,
+        armed_steps=sum(r.backstop_armed for r in records),
+        evicting_steps=sum(bool(r.evicted_blocks) for r in records),
+        counted_steps=sum(r.counted for r in records),
+        treated_blocks=_treated_blocks(records),
     )
+
+
+def _treated_blocks(records: list[StepRecord]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in records:
+        kinds = r.treatments or ({"recompute": r.plan} if r.plan else {})
+        for kind, blocks in kinds.items():
+            out[kind] = out.get(kind, 0) + len(blocks)
+    return dict(sorted(out.items()))
 
 
 class JsonlWriter:

@@ -30,10 +30,13 @@ class Decision:
         plan: the treatment of every block (a tuple of block indices is taken as those
             blocks recomputed).
         warmup: probe blocks this step to fit the memory model.
+        count: count the tensors the step saves per block (NOTE [Counting what teaches],
+            runtime/controller.py); a warm-up step always counts.
     """
 
     plan: Plan
     warmup: bool = False
+    count: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, Plan):

@@ -1,5 +1,15 @@
 """``dynamic`` and ``static``: plans from the memory model, learnt in a short warm-up and refined online.
 
+# NOTE [Which steps count]
+Counting the saved tensors costs a hook call per tensor, and only a step the model learns
+from needs it (NOTE [What a step teaches], learner.py): a warm-up step; the first step of a
+shape longer than any its bucket has run (a new length, which may teach a curve); the replay
+of a step that ran out of memory; a step of a bucket whose last uncounted step peaked above
+its prediction by more than a quarter of the margin (the allocator's peak, which is read
+whatever the step counts, tells that); and one step in ``COUNT_EVERY``, so that a model that
+drifts is still seen. Every other step repeats a shape the model has already met and would
+teach nothing: it runs with no counting hook.
+
 # NOTE [A replay treats more]
 An OOM grows the margin or the slack and clears the plans, so the replay is planned with less
 room; but a model that predicts far too little for the shape (a curve extrapolated below its
@@ -17,6 +27,7 @@ from memfit import learner
 from memfit.methods.base import Decision, Method
 from memfit.planner import Plan
 from memfit.protection import Backstop, Protection, Unprotected
+from memfit.shapes import bucket_key
 
 if TYPE_CHECKING:
     from memfit.accounting import SavedTensorCounter
@@ -24,7 +35,10 @@ if TYPE_CHECKING:
     from memfit.planning import Planning
     from memfit.store import ReactiveStore
 
-__all__ = ["Dynamic", "Static"]
+__all__ = ["Dynamic", "Static", "COUNT_EVERY"]
+
+#: A steady step that teaches nothing new is still counted once in this many (NOTE [Which steps count]).
+COUNT_EVERY = 50
 
 
 class Dynamic(Method):
@@ -38,10 +52,12 @@ class Dynamic(Method):
         backstop: when a prediction was wrong and a step nears the cap mid-forward, evict
             already-run kept blocks instead of running out of memory; armed only for steps
             longer than any before or predicted within reach of the cap (NOTE [Backstop] in
-            protection.py).
+            protection.py). ``"auto"`` (the default): only on steps that no caller replays
+            after an OOM (NOTE [Protection by expected cost]); ``True``: on replayable steps
+            too; ``False``: never.
 
     Raises:
-        ValueError: unless ``1 <= warmup_steps <= max_warmup_steps``.
+        ValueError: unless ``1 <= warmup_steps <= max_warmup_steps``, or for another ``backstop``.
     """
 
     name = "dynamic"
@@ -50,9 +66,13 @@ class Dynamic(Method):
     #: plan a shape's whole row on a miss (NOTE [Planning a row] in planning.py)
     plans_rows = True
 
-    def __init__(self, warmup_steps: int = 3, warmup_keys: int = 3, max_warmup_steps: int = 12, backstop: bool = True):
+    def __init__(
+        self, warmup_steps: int = 3, warmup_keys: int = 3, max_warmup_steps: int = 12, backstop: bool | str = "auto",
+    ):
         if not 1 <= warmup_steps <= max_warmup_steps:
             raise ValueError("need 1 <= warmup_steps <= max_warmup_steps")
+        if backstop not in (True, False, "auto"):
+            raise ValueError(f"backstop must be 'auto', True or False, not {backstop!r}")
         self.backstop = backstop
         self.warmup_steps = warmup_steps
         self.warmup_keys = warmup_keys
@@ -60,11 +80,18 @@ class Dynamic(Method):
         self._warm_steps = 0
         self._warm_tokens: set[int] = set()
         self._steady = False  # warm-up is over for good (a step's first check is then skipped)
+        self._decided = 0
+        #: per bucket, the longest shape decided so far (a longer one may teach: NOTE [Which steps count])
+        self._longest: dict[tuple[int, int], int] = {}
+        #: buckets whose next step counts: an uncounted step of theirs peaked above its prediction
+        self._count_next: set[tuple[int, int]] = set()
 
     def make_protection(
         self, new_store: Callable[[], "ReactiveStore"], planning: "Planning", meter: object, counter: "SavedTensorCounter",
     ) -> Protection:
-        return Backstop(new_store(), planning, meter, counter) if self.backstop else Unprotected()
+        if not self.backstop:
+            return Unprotected()
+        return Backstop(new_store(), planning, meter, counter, always=self.backstop is True)
 
     def resume(self) -> None:
         """End warm-up now (the memory model was loaded from a checkpoint)."""
@@ -79,22 +106,31 @@ class Dynamic(Method):
         return self._warm_steps < self.warmup_steps or len(self._warm_tokens) < self.warmup_keys
 
     def decide(self, planning: "Planning", key: tuple[int, int], failed: Plan | None = None) -> Decision:
+        self._decided += 1
+        bucket = bucket_key(key, planning.bucket_tokens)
+        longer = key[1] > self._longest.get(bucket, 0)
+        self._longest[bucket] = max(key[1], self._longest.get(bucket, 0))
         if not self._steady:
             if self.in_warmup(planning, key):
                 self._warm_steps += 1
                 self._warm_tokens.add(key[0] * key[1])
-                return Decision(Plan(planning.all_blocks), warmup=True)
+                return Decision(Plan(planning.all_blocks), warmup=True, count=True)
             self._steady = True  # the model stays ready and the counts only grow
+        # NOTE [Which steps count]
+        count = longer or failed is not None or bucket in self._count_next or self._decided % COUNT_EVERY == 0
+        self._count_next.discard(bucket)
         plan = planning.plan_for(self.planning_key(planning, key), whole_row=self.plans_rows)
         if failed is not None and set(plan.blocks) <= set(failed.blocks):
             plan = Plan(planning.all_blocks)  # NOTE [A replay treats more]
-        return Decision(plan)
+        return Decision(plan, count=count)
 
     def learn(self, planning: "Planning", outcome: "StepOutcome") -> int | None:
         learner.learn_optimizer_peak(planning, outcome)
         predicted = planning.predict_peak(outcome.key, outcome.plan) if planning.model.ready else None
         learner.learn_step(planning, outcome, predicted, self.planning_key(planning, outcome.key))
         learner.grow_margin(planning, outcome, predicted)
+        if not outcome.counted and learner.under_predicted(planning, outcome, predicted):
+            self._count_next.add(bucket_key(outcome.key, planning.bucket_tokens))
         return predicted
 
 

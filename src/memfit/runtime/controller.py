@@ -15,6 +15,15 @@ training loop:
 * a closed step is turned into what it teaches (learner.py), which the method learns, and
   into a :class:`~memfit.records.StepRecord`.
 
+# NOTE [Counting what teaches]
+The counter's pack hook runs for every tensor autograd saves. Logical accounting reads its
+counts as the step's memory, so every step counts there; on CUDA the allocator gives the
+peaks, and the counts only teach the model what each block saves. So a step counts only
+when its method asks (``Decision.count``: NOTE [Which steps count] in methods/dynamic.py) or
+the backstop is armed (it learns what the stored blocks saved); the counter starts with the
+forward and stops at the first block otherwise, and the step runs as plain PyTorch plus the
+blocks' treatments.
+
 # NOTE [Plan is fixed before forward]
 The shape key is read from the first block's input, so it works for any model input (tokens,
 pixels, kwargs). Every block's treatment is set at that moment, before any block has run, and
@@ -82,6 +91,9 @@ class Controller:
         planning: model, planner and cache.
         meter: how memory is read (:attr:`accounting` names it).
         replaying: set while earlier micro-steps of a window are rerun after an OOM (no records).
+        replays_ooms: the caller replays a step that runs out of memory (the Trainer sets it;
+            ``run_step`` replays its own): protection that insures against an OOM is then left
+            off where it costs more (NOTE [Protection by expected cost], protection.py).
     """
 
     def __init__(
@@ -128,6 +140,8 @@ class Controller:
         self._steps_recorded = 0
         self._oom = replay.OomLog()
         self.replaying = False
+        self.replays_ooms = False
+        self._in_run_step = 0
         #: ``run_step`` calls of the current accumulation window (NOTE [Replay in a plain loop])
         self.window: list[tuple[Callable[..., Any], tuple, dict, Any]] = []
         self._handles = [
@@ -189,6 +203,7 @@ class Controller:
         self.planning.static_bytes = static_now
         step = StepState(
             t0=time.perf_counter(), static_bytes=static_now, replay=self.replaying,
+            replayable=self.replays_ooms or self._in_run_step > 0,
             # optimizer state counted in `static` that only its first step will create
             state_to_come=self.meter.expected_optimizer_bytes if self.optimizer is not None and not self.optimizer.state else 0,
         )
@@ -202,10 +217,11 @@ class Controller:
         if (output is None and sys.exc_info()[1] is not None) or step is None:
             return  # the forward raised (an always-called hook runs then too): nothing was saved
         self._counter.stop()
-        by_block = list(self._counter.by_block)
+        counter = self._counter
+        by_block = list(counter.by_block) if step.counted else [0] * len(self.blocks)
         if step.decision is not None:
             by_block = self.protection.forward_end(step, by_block)
-        step.end_forward(self._counter.outside_bytes, by_block)
+        step.end_forward(counter.outside_bytes if step.counted else 0, by_block)
         if step.probes:
             probes, step.probes = step.probes, {}
             learner.learn_probes(self.planning, step.key, probes)
@@ -213,18 +229,20 @@ class Controller:
     def exit(self, block: Block) -> None:
         """Block listener: tensors saved after a block belong to no block until the next."""
         self._counter.current = OUTSIDE
+        if self._step is not None and self._step.stage is Stage.FORWARD:
+            self.protection.exit(self._step, block)
 
     def enter(self, block: Block, args: tuple, kwargs: dict) -> None:
         """Block listener: fix the plan at the first block; attribute saved tensors; probe."""
         step = self._step
-        if step is None or not self._counter.active:
+        if step is None or step.stage is not Stage.FORWARD:
             return
         self._gathered.enter(block.index, block.module)
         if step.decision is None:
             self._decide(step, args, kwargs)
         self._counter.current = block.index
         self.protection.enter(step, block, args, kwargs)
-        if block.treatment.holds_inputs:
+        if block.treatment.holds_inputs and step.counted:
             self._counter.count_inputs(block.index, args, kwargs)
         if step.decision.warmup:
             # every block is measured, each group's first also timed (NOTE [Blocks alike only in name])
@@ -247,6 +265,9 @@ class Controller:
         for b, kind in zip(self.blocks, decision.plan.treatments(len(self.blocks))):
             b.treatment = self.treatments[kind]
         self.protection.arm(step, self.blocks, step.key, decision.plan, decision.warmup)
+        step.counted = decision.count or decision.warmup or step.armed or self.meter.counts_always
+        if not step.counted:  # NOTE [Counting what teaches]
+            self._counter.stop()
 
     # ----------------------------------------------------------------- records
     def _finish_step(self, static_now: int | None = None) -> None:
@@ -267,7 +288,7 @@ class Controller:
             outside=step.saved_outside, by_block=step.saved_by_block, static=step.static_bytes,
             state_to_come=step.state_to_come,
             static_now=self.meter.static_now() if static_now is None else static_now,
-            evicted=step.evicted, backstop_input=step.backstop_input,
+            evicted=step.evicted, backstop_input=step.backstop_input, counted=step.counted,
         )
         predicted = self.method.learn(self.planning, outcome)
         self.protection.after_step(step, outcome)
@@ -322,6 +343,7 @@ class Controller:
         step, self._step = self._step, None
         self._counter.stop()
         attempt = self._oom.add(step, self.meter, self.planning, self.protection, error)
+        self.protection.note_oom(step, attempt)
         replay.after_oom(self.method, self.planning, self.meter, step, attempt, len(self.blocks))
 
     def run_step(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -343,7 +365,11 @@ class Controller:
             ...     ctl.run_step(micro_step, batch)
             ...     opt.step(); opt.zero_grad(set_to_none=True)
         """
-        return replay.run_step(self, fn, args, kwargs)
+        self._in_run_step += 1
+        try:
+            return replay.run_step(self, fn, args, kwargs)
+        finally:
+            self._in_run_step -= 1
 
     def plans(self) -> dict[tuple[int, int], Plan]:
         """Plans decided so far, per shape bucket."""

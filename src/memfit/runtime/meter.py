@@ -40,6 +40,8 @@ class Meter:
 
     kind: ClassVar[str] = ""
     default_margin: ClassVar[float] = 0.0
+    #: every step counts its saved tensors (they are what this meter reads)
+    counts_always: ClassVar[bool] = False
 
     def __init__(self, device: torch.device, grad_params: list[torch.nn.Parameter], parameter_bytes: int):
         self.device = device
@@ -64,6 +66,15 @@ class Meter:
 
     def block_run(self, step: StepState | None) -> None:
         """A block's body is about to run (in forward, or recomputed in backward)."""
+
+    def window_start(self, step: StepState) -> int | None:
+        """Open a window over one block's forward; returns the bytes allocated at its start (None:
+        this meter cannot read a window)."""
+        return None
+
+    def window_peak(self, step: StepState) -> int | None:
+        """The highest allocation since :meth:`window_start` (None: cannot be read)."""
+        return None
 
     def optimizer_step(self, step: StepState | None) -> None:
         """The optimizer's step is about to run."""
@@ -117,19 +128,39 @@ class CudaMeter(Meter):
     def start_step(self, step: StepState) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
 
+    def _peak(self, step: StepState | None) -> int:
+        """The allocator's peak since the step's last reading, windows folded in (NOTE [Block windows])."""
+        peak = torch.cuda.max_memory_allocated(self.device)
+        return peak if step is None else max(peak, step.window_carry)
+
     def block_run(self, step: StepState | None) -> None:
         """At a step's first recompute, read its backward's start peak apart (NOTE [Reading
         the backward's start], learner.py); every other run of a block body passes through."""
         if step is None or step.stage is not Stage.BACKWARD or step.start_peak is not None:
             return
-        step.start_peak = torch.cuda.max_memory_allocated(self.device)
+        step.start_peak = self._peak(step)
         step.start_reserved = torch.cuda.max_memory_reserved(self.device)
+        step.window_carry = 0
         torch.cuda.reset_peak_memory_stats(self.device)
+
+    def window_start(self, step: StepState) -> int:
+        """# NOTE [Block windows]
+        The allocator keeps one peak; reading a block's own peak resets it. So the peak so far
+        is carried in the step (``window_carry``) and every later reading of the step's peak
+        takes the larger of the two.
+        """
+        step.window_carry = self._peak(step)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def window_peak(self, step: StepState) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
 
     def optimizer_step(self, step: StepState | None) -> None:
         """Read the backward's peak apart from the optimizer step's (NOTE [Three peaks], model.py)."""
         if step is not None and step.stage is Stage.BACKWARD:
-            step.rest_peak = torch.cuda.max_memory_allocated(self.device)
+            step.rest_peak = self._peak(step)
+            step.window_carry = 0
             torch.cuda.reset_peak_memory_stats(self.device)
         super().optimizer_step(step)
 
@@ -137,7 +168,7 @@ class CudaMeter(Meter):
         return torch.cuda.memory_allocated(self.device)
 
     def peaks(self, step: StepState) -> Peaks:
-        rest = torch.cuda.max_memory_allocated(self.device)  # since the last reset
+        rest = self._peak(step)  # since the last reset
         reserved = max(torch.cuda.max_memory_reserved(self.device), step.start_reserved or 0)
         optimizer = None
         if step.rest_peak is not None:  # since the optimizer's pre-hook reset the counter, `rest` is its step's
@@ -148,7 +179,7 @@ class CudaMeter(Meter):
     def oom_readings(self, step: StepState | None) -> dict[str, int | None]:
         # the larger of the backward's start, read apart at its first recompute, and what came since
         start = (step.start_peak or 0) if step is not None and step.rest_peak is None else 0
-        peak = max(torch.cuda.max_memory_allocated(self.device), start)
+        peak = max(self._peak(step), start)
         reserved = torch.cuda.memory_reserved(self.device)
         backward = None
         if step is not None and step.rest_peak is not None:
@@ -181,6 +212,7 @@ class LogicalMeter(Meter):
     kind = "logical"
     # exact up to the least-squares fit's rounding
     default_margin = 0.001
+    counts_always = True
 
     def static_now(self) -> int:
         return self.parameter_bytes + optimizer_state_bytes(self.optimizer)

@@ -36,11 +36,13 @@ class StepState:
         static_bytes: bytes no plan changes, as they will be at this step's peak.
         state_to_come: optimizer state counted in ``static_bytes`` that only its first step creates.
         replay: an earlier micro-step of an accumulation window, rerun after an OOM (no record).
+        replayable: a caller replays the step if it runs out of memory (the Trainer, ``run_step``).
         stage: where the step is.
         decision: the method's decision, made at the first block's entry (None before).
         shape, key: the first block's input shape, and its shape key.
         planner_us: time the method took to decide.
         planned: the plan was made this step (not read from the cache).
+        counted: the step counts its saved tensors (NOTE [Counting what teaches], runtime/controller.py).
         probed_groups, probes: warm-up probes: groups timed so far; per block (bytes, ms or None).
         saved_outside, saved_by_block: what the forward saved outside the blocks and per block.
         saved_peak: the largest logical bytes in use (beyond static) seen at a room check.
@@ -51,18 +53,22 @@ class StepState:
         backstop_input: per block, what the stores kept only as block inputs.
         start_peak, start_reserved: allocator peaks at the backward's first recompute (CUDA).
         rest_peak: allocator peak read at the optimizer's step (CUDA).
+        window_carry: the step's allocator peak before the last block window reset it (NOTE
+            [Block windows], runtime/meter.py).
     """
 
     t0: float
     static_bytes: int
     state_to_come: int = 0
     replay: bool = False
+    replayable: bool = False
     stage: Stage = Stage.FORWARD
     decision: Decision | None = None
     shape: list[int] = field(default_factory=list)
     key: tuple[int, int] = (1, 1)
     planner_us: float = 0.0
     planned: bool = False
+    counted: bool = True
     probed_groups: set[int] = field(default_factory=set)
     probes: dict[int, tuple[int, float | None]] = field(default_factory=dict)
     saved_outside: int = 0
@@ -77,6 +83,7 @@ class StepState:
     start_peak: int | None = None
     start_reserved: int | None = None
     rest_peak: int | None = None
+    window_carry: int = 0
 
     def end_forward(self, outside: int, by_block: list[int]) -> None:
         """The forward ended having saved ``outside`` bytes outside the blocks and ``by_block`` in them."""
@@ -106,5 +113,5 @@ class StepState:
             saved_activation_bytes=int(self.saved_bytes + backstop_input), static_bytes=int(self.static_bytes),
             planner_us=self.planner_us, planned=self.planned, evicted_blocks=self.evicted, backstop_armed=self.armed,
             backstop_input_bytes=backstop_input, oom_attempts=oom_attempts, rank=rank,
-            treatments=plan.by_treatment(),
+            treatments=plan.by_treatment(), counted=self.counted,
         )
