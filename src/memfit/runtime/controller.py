@@ -150,7 +150,7 @@ class Controller:
         ]
         for b in self.blocks:
             b.listener = self
-            b.before_run = self._before_block_run
+            b.before_run = lambda _: self.meter.block_run(self._step)
         self.optimizer: torch.optim.Optimizer | None = None
         self._optimizer_handles: list = []
         self.set_optimizer(optimizer, check=False)
@@ -179,19 +179,11 @@ class Controller:
             ]
 
     @property
-    def closes_windows(self) -> bool:
-        """Whether an optimizer step tells where accumulation windows end (NOTE [Replay in a plain loop])."""
-        return bool(self._optimizer_handles)
-
-    @property
     def accounting(self) -> str:
         """``"cuda"`` (allocator peaks) or ``"logical"`` (counted tensors)."""
         return self.meter.kind
 
     # ----------------------------------------------------------------- hooks
-    def _before_block_run(self, block: Block) -> None:
-        self.meter.block_run(self._step)
-
     def _on_forward_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         training = module.training and torch.is_grad_enabled()
         # read once: the closing step's lasting growth and this step's static bytes
@@ -327,18 +319,16 @@ class Controller:
     def note_oom(self, error: BaseException | str | None = None) -> None:
         """Call after catching an OOM inside a step, before replaying it (or use :meth:`run_step`).
 
-        Drops the failed step (nothing learned), keeps more room free and clears the plan
-        cache so the replay runs a safer plan (runtime/replay.py). What the failed attempt was
-        (plan, where it failed, memory then) goes into the ``oom_attempts`` of the step's
-        record, written when the replay succeeds.
+        Drops the failed step (nothing learned) and keeps more room free, so that the replay
+        runs a safer plan (:func:`memfit.runtime.replay.after_oom`); the step's record, written
+        when the replay succeeds, lists the failed attempt (``oom_attempts``).
 
         Args:
-            error: the caught error or its message (the allocation that failed), recorded. A
-                message keeps the failed step's frames, and their tensors, out of reach.
+            error: the caught error or its message (a message keeps the failed step's frames,
+                and their tensors, out of reach).
 
         Raises:
-            BudgetTooSmallError: when the failed step already checkpointed every block, or the
-                method cannot adapt its plans (``none``, ``full``, ``precomputed``).
+            BudgetTooSmallError: when no safer plan exists.
         """
         step, self._step = self._step, None
         self._counter.stop()
@@ -347,22 +337,17 @@ class Controller:
         replay.after_oom(self.method, self.planning, self.meter, step, attempt, len(self.blocks))
 
     def run_step(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run one micro-step ``fn(*args, **kwargs)`` (its forward and backward) and return
-        its result; on an OOM, replay it with the same RNG state and a safer plan.
-
-        The gradients after it are those of a run without the OOM, accumulation windows
-        included (NOTE [Replay in a plain loop] in runtime/replay.py).
+        """Run one micro-step ``fn(*args, **kwargs)`` (its forward and backward) and return its
+        result; on an OOM, replay it with the same RNG state and a safer plan, so that the
+        gradients are those of a run without the OOM, accumulation windows included (NOTE
+        [Replay in a plain loop] in runtime/replay.py).
 
         Raises:
             BudgetTooSmallError: when no safer plan exists.
 
         Example:
-            >>> def micro_step(batch):  # doctest: +SKIP
-            ...     loss = model(**batch).loss
-            ...     loss.backward()
-            ...     return loss.item()
             >>> for batch in loader:  # doctest: +SKIP
-            ...     ctl.run_step(micro_step, batch)
+            ...     ctl.run_step(lambda: model(**batch).loss.backward())
             ...     opt.step(); opt.zero_grad(set_to_none=True)
         """
         self._in_run_step += 1

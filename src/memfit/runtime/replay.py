@@ -177,7 +177,7 @@ def run_step(ctl: "Controller", fn: Callable[..., Any], args: tuple, kwargs: dic
     if all(p.grad is None for p in params):
         window.clear()  # a new accumulation window
     kept = None
-    if not ctl.closes_windows and any(p.grad is not None for p in params):
+    if ctl.optimizer is None and any(p.grad is not None for p in params):
         window.clear()
         kept = [None if p.grad is None else p.grad.detach().clone() for p in params]
     window.append((fn, args, kwargs, _rng_state(ctl.device)))
