@@ -21,10 +21,32 @@ def _batch(n, length):
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.randint(0, 2, (n,), device="cuda")}
 
 
-@pytest.mark.parametrize("method", ["none", "full"])
+class _Counting(memfit.methods.Method):
+    """Every step runs ``plan`` and counts its saved tensors (on CUDA a step counts only when asked)."""
+
+    name = "counting"
+
+    def __init__(self, plan):
+        self.plan = plan
+
+    def decide(self, planning, key, failed=None):
+        return memfit.methods.Decision(self.plan, count=True)
+
+
+def _plans(n):
+    from memfit.planner import Plan
+
+    every = tuple(range(n))
+    return {
+        "none": Plan(()), "full": Plan(every), "selective": Plan(every, kinds=("selective",) * n),
+        "offload": Plan(every, kinds=("offload",) * n),
+    }
+
+
+@pytest.mark.parametrize("method", ["none", "full", "selective", "offload"])
 def test_counted_saved_bytes_match_allocator(method):
     model = _bert()
-    ctl = memfit.fit(model, budget=None, method=method)
+    ctl = memfit.fit(model, budget=None, method=_Counting(_plans(4)[method]), treatments=("recompute", "selective", "offload"))
     batch = _batch(16, 256)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -35,8 +57,35 @@ def test_counted_saved_bytes_match_allocator(method):
     loss.backward()
     model.zero_grad(set_to_none=True)
     ctl.remove()
-    # What forward leaves allocated is what it saved for backward (plus the loss and logits).
+    # What forward leaves allocated is what it saved for backward (plus the loss and logits);
+    # an offloaded block leaves only what it kept on the device once its copies are done.
     assert counted == pytest.approx(retained, rel=0.05), (counted, retained)
+
+
+@pytest.mark.parametrize("treatment", ["selective", "offload"])
+def test_treatments_on_cuda_give_the_gradients_of_none_and_lower_the_peak(treatment):
+    """The real offload path (side stream, pinned pool, prefetch) and selective checkpointing on
+    the GPU: the gradients of ``none`` (to the GPU's own run-to-run noise) and a lower allocator peak."""
+    import copy
+
+    model = _bert(layers=6)
+    reference = copy.deepcopy(model)
+    peaks, grads = {}, {}
+    for name, m, plan in (("none", reference, "none"), (treatment, model, treatment)):
+        ctl = memfit.fit(m, budget=None, method=_Counting(_plans(6)[plan]), treatments=("recompute", "selective", "offload"))
+        torch.manual_seed(0)
+        batch = _batch(16, 384)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        torch.manual_seed(1)
+        m(**batch).loss.backward()
+        torch.cuda.synchronize()
+        peaks[name] = torch.cuda.max_memory_allocated()
+        grads[name] = [p.grad.clone() for p in m.parameters()]
+        ctl.remove()
+    for got, want in zip(grads[treatment], grads["none"]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert peaks[treatment] < 0.9 * peaks["none"], peaks
 
 
 def test_dynamic_stays_under_cap_and_predicts_peak():

@@ -168,6 +168,11 @@ class SavedTensorCounter:
     def _unpack(t: torch.Tensor) -> torch.Tensor:
         return t
 
+    def count_tensor(self, index: int, t: torch.Tensor) -> None:
+        """Count ``t``'s storage for block ``index`` (once, as a saved tensor is): what a
+        treatment keeps where the hooks cannot see it (treatments.py)."""
+        self._add(t, index)
+
     def count_inputs(self, index: int, args: tuple, kwargs: dict[str, Any]) -> None:
         """Count the tensors a checkpointed block keeps for its recompute (its inputs)."""
         for t in tree_leaves((args, kwargs)):

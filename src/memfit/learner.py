@@ -217,13 +217,14 @@ def learn_optimizer_peak(planning: Planning, outcome: StepOutcome) -> None:
             planning.cache.clear()
 
 
-def _backward_start_dominates(planning: Planning, key: tuple[int, int], blocks: Sequence[int]) -> bool:
+def _backward_start_dominates(planning: Planning, key: tuple[int, int], plan: Plan) -> bool:
     """Whether a partial plan's backward peak is its start (so it teaches the partial regime)."""
     model = planning.model
     if not model.ready or not model.transient_full.fitted:
         return True
     k = planning.plan_key(key)
-    return model.backward_start_bytes(k, blocks) >= model.recompute_bytes(k, blocks)
+    asked = plan if plan.kinds else plan.blocks
+    return model.backward_start_bytes(k, asked) >= model.recompute_bytes(k, asked)
 
 
 def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, planning_key: tuple[int, int]) -> None:
@@ -243,22 +244,24 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
         return
     miss = None if predicted is None else outcome.plain_peak - predicted
     planned = set(outcome.plan.blocks)
+    kinds = outcome.plan.treatments(len(model.groups))
     curves: list[tuple] = [(model.outside, outcome.outside)]
     for group_id, group in model.group_models.items():
         members = [i for i, g in enumerate(model.groups) if g == group_id]
-        kept = [by_block[i] for i in members if i in planned]
-        full = [by_block[i] for i in members if i not in planned]
-        if kept:
-            curves.append((group.kept_bytes, max(kept)))
-        if full:
-            curves.append((group.full_bytes, max(full)))
+        for kind, curve in (
+            ("recompute", group.kept_bytes), ("keep", group.full_bytes),
+            ("selective", group.selective_bytes), ("offload", group.offload_bytes),
+        ):
+            values = [by_block[i] for i in members if kinds[i] == kind]
+            if values:
+                curves.append((curve, max(values)))
     transient_curve, transient = None, outcome.transient
     if transient is not None and not evicted:  # an evicting step's transient was lowered by its evictions
-        if len(planned) == len(model.groups):
+        if len(planned) == len(model.groups) and not outcome.plan.kinds:
             transient_curve = model.transient_full
         elif outcome.start_transient is not None:  # NOTE [Reading the backward's start]
             transient_curve, transient = model.transient_partial, outcome.start_transient
-        elif _backward_start_dominates(planning, key, outcome.plan.blocks):
+        elif _backward_start_dominates(planning, key, outcome.plan):
             transient_curve = model.transient_partial
         if transient_curve is not None:
             curves.append((transient_curve, transient))
@@ -309,7 +312,10 @@ def grow_margin(planning: Planning, outcome: StepOutcome, predicted: int | None)
         planning.raise_margin(int(1.25 * miss) - planning.margin_bytes)
 
 
-def learn_probes(planning: Planning, key: tuple[int, int], probes: dict[int, tuple[int, float | None]]) -> None:
+def learn_probes(
+    planning: Planning, key: tuple[int, int], probes: dict[int, tuple[int, float | None]],
+    treated: dict[int, dict[str, tuple[int, float | None]]] | None = None,
+) -> None:
     """Split groups whose members' probes saved different bytes, then give each group its
     first member's probe (bytes; the time of the group's timed member).
 
@@ -329,6 +335,8 @@ def learn_probes(planning: Planning, key: tuple[int, int], probes: dict[int, tup
         planning: the run's planning.
         key: the step's shape key.
         probes: block index -> (saved bytes, forward ms or None when untimed).
+        treated: block index -> per treatment (bytes kept on the device, ms or None): the
+            group's ``selective`` and ``offload`` curves (runtime/probe.py).
     """
     model = planning.model
     before, groups = list(model.groups), list(model.groups)
@@ -364,5 +372,13 @@ def learn_probes(planning: Planning, key: tuple[int, int], probes: dict[int, tup
             continue
         seen.add(g)
         nbytes, ms = probes[i]
-        model.group_models[g].full_bytes.add(key, nbytes)
-        model.group_models[g].cost_ms.add(key, ms if ms is not None else timed_ms[before[i]])
+        group = model.group_models[g]
+        group.full_bytes.add(key, nbytes)
+        group.cost_ms.add(key, ms if ms is not None else timed_ms[before[i]])
+        source = i if treated and i in treated else next((j for j in sorted(treated or {}) if before[j] == before[i]), None)
+        for kind, (kept, kind_ms) in (treated or {}).get(source, {}).items():
+            if kind == "selective":
+                group.selective_bytes.add(key, kept)
+                group.selective_ms.add(key, kind_ms)
+            elif kind == "offload":
+                group.offload_bytes.add(key, kept)

@@ -45,6 +45,25 @@ A step's peak is the largest of three moments:
 Checkpointing lowers only the first; the planner removes bytes from it and the plan is
 then checked against all three.
 
+# NOTE [Treated peaks]
+A plan that gives some blocks ``selective`` or ``offload`` changes the three peaks so:
+* each block holds, at the start of backward, what its treatment keeps on the device;
+* ``offload`` brings a block back one block ahead in backward (NOTE [Offload],
+  treatments.py): two offloaded blocks' moved bytes may be on the device at once, which the
+  start of backward, and a recompute above them, hold on top;
+* a ``selective`` block recomputes part of itself in backward, as a recomputed block does
+  all of itself: the recompute peak is bounded from its topmost such block as from a
+  recomputed one (with ``full``'s transient, a whole block's recompute), and the blocks
+  below it hold what their treatments keep.
+A plan that treats by recompute alone is predicted by the original arithmetic, bit for bit.
+
+# NOTE [Treatment prices]
+A treatment's price is the time it adds to a step: ``recompute``, the block's forward
+(measured by the probe); ``selective``, the recompute of its unsaved ops (measured by the
+probe under the selective cache); ``offload``, the part of moving its bytes out in forward
+and back in backward that the neighbouring blocks' compute does not hide, from the link's
+measured bandwidth (runtime/probe.py).
+
 # NOTE [Upper envelope]
 Least squares under-predicts half of its samples. Every fitted curve here is shifted up by
 its largest positive residual, so it bounds every sample it was fitted on; out-of-sample
@@ -55,7 +74,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -338,18 +357,43 @@ def curve_values(curves: Sequence[Curve], n: int, ts: np.ndarray) -> np.ndarray:
 
 @dataclass
 class BlockGroupModel:
-    """Model of one group of identical blocks."""
+    """Model of one group of identical blocks: bytes kept on the device under each treatment,
+    and what each treatment costs (treatments.py)."""
 
+    #: kept (every saved tensor)
     full_bytes: Curve = field(default_factory=Curve)
+    #: recomputed: its inputs
     kept_bytes: Curve = field(default_factory=Curve)
+    #: the forward's time: what a recompute costs
     cost_ms: Curve = field(default_factory=lambda: Curve(intercept=True))
+    #: selective: inputs and the matmul/attention outputs
+    selective_bytes: Curve = field(default_factory=Curve)
+    #: selective: the time of recomputing the rest
+    selective_ms: Curve = field(default_factory=lambda: Curve(intercept=True))
+    #: offloaded: the saved tensors too small to move
+    offload_bytes: Curve = field(default_factory=Curve)
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k).to_dict() for k in ("full_bytes", "kept_bytes", "cost_ms")}
+        return {k: getattr(self, k).to_dict() for k in _GROUP_CURVES}
 
     @classmethod
     def from_dict(cls, data: dict) -> "BlockGroupModel":
-        return cls(**{k: Curve.from_dict(v) for k, v in data.items()})
+        return cls(**{k: Curve.from_dict(v) for k, v in data.items() if k in _GROUP_CURVES})
+
+
+_GROUP_CURVES = ("full_bytes", "kept_bytes", "cost_ms", "selective_bytes", "selective_ms", "offload_bytes")
+_RECOMPUTE, _SELECTIVE, _OFFLOAD = "recompute", "selective", "offload"
+
+
+def _kinds(plan: Any) -> dict[int, str] | None:
+    """Per treated block its treatment, or None when the plan treats by recompute alone
+    (a tuple of block indices, or a :class:`~memfit.planner.Plan` without kinds)."""
+    kinds = getattr(plan, "kinds", ())
+    return dict(zip(plan.blocks, kinds)) if kinds else None
+
+
+def _blocks(plan: Any) -> Sequence[int]:
+    return getattr(plan, "blocks", plan)
 
 
 class MemoryModel:
@@ -412,6 +456,42 @@ class MemoryModel:
     def block_cost_ms(self, i: int, key: tuple[int, int]) -> float:
         return self.group_models[self.groups[i]].cost_ms(key)
 
+    def block_bytes(self, i: int, key: tuple[int, int], kind: str) -> float:
+        """What block ``i`` keeps on the device under treatment ``kind`` (its full bytes where
+        the treatment's curve has no sample yet: no saving assumed)."""
+        m = self.group_models[self.groups[i]]
+        if kind == "keep":
+            return m.full_bytes(key)
+        if kind == _RECOMPUTE:
+            return m.kept_bytes(key)
+        curve = m.selective_bytes if kind == _SELECTIVE else m.offload_bytes
+        return curve(key) if curve.fitted else m.full_bytes(key)
+
+    def options(
+        self, key: tuple[int, int], kinds: Sequence[str], offload_ms: Callable[[float, float], float] | None = None,
+    ) -> list[list[tuple[str, int, float]]]:
+        """Per block, each available treatment as ``(name, bytes saved, ms)`` (NOTE [Treatment prices]).
+
+        Args:
+            key: the shape.
+            kinds: the treatments the run may give (``keep`` aside).
+            offload_ms: the price of moving ``bytes`` out and back for a block whose forward
+                takes ``ms`` (runtime/probe.py's link model); offload is left out without it.
+        """
+        per_group = {}
+        for g, m in self.group_models.items():
+            full, fwd = m.full_bytes(key), max(m.cost_ms(key), 1e-6)
+            choices = []
+            if _RECOMPUTE in kinds:
+                choices.append((_RECOMPUTE, int(max(0.0, full - m.kept_bytes(key))), fwd))
+            if _SELECTIVE in kinds and m.selective_bytes.fitted and m.selective_ms.fitted:
+                choices.append((_SELECTIVE, int(max(0.0, full - m.selective_bytes(key))), max(m.selective_ms(key), 1e-6)))
+            if _OFFLOAD in kinds and offload_ms is not None and m.offload_bytes.fitted:
+                moved = max(0.0, full - m.offload_bytes(key))
+                choices.append((_OFFLOAD, int(moved), max(offload_ms(moved, fwd), 1e-6)))
+            per_group[g] = choices
+        return [per_group[g] for g in self.groups]
+
     def savings(self, key: tuple[int, int]) -> list[int]:
         per_group = {
             g: int(max(0.0, m.full_bytes(key) - m.kept_bytes(key))) for g, m in self.group_models.items()
@@ -468,13 +548,39 @@ class MemoryModel:
             "cost_ms": cost,
         }
 
-    def backward_start_bytes(self, key: tuple[int, int], plan: Sequence[int] = ()) -> float:
-        """Peak above static at the start of backward (NOTE [Three peaks]); what plans lower."""
+    def backward_start_bytes(self, key: tuple[int, int], plan: Any = ()) -> float:
+        """Peak above static at the start of backward (NOTE [Three peaks]); what plans lower.
+
+        Offloaded blocks add what two of them bring back at once (NOTE [Treated peaks]).
+        """
+        kinds = _kinds(plan)
+        if kinds is not None:
+            return self.activation_bytes(key, plan) + self.transient(key, False) + self._in_flight(key, kinds, len(self.groups))
         every_block = len(set(plan)) == len(self.groups)
         return self.activation_bytes(key, plan) + self.transient(key, every_block)
 
-    def recompute_bytes(self, key: tuple[int, int], plan: Sequence[int]) -> float:
+    def _in_flight(self, key: tuple[int, int], kinds: dict[int, str], below: int) -> float:
+        """Bytes of the two largest offloaded blocks under ``below``: the block in use and the
+        one being brought back (NOTE [Treated peaks])."""
+        moved = sorted(
+            (self.block_full(i, key) - self.block_bytes(i, key, _OFFLOAD) for i, k in kinds.items() if k == _OFFLOAD and i < below),
+            reverse=True,
+        )
+        return float(sum(moved[:2]))
+
+    def recompute_bytes(self, key: tuple[int, int], plan: Any) -> float:
         """Bound on the peak above static while backward recomputes ``plan``'s topmost block."""
+        kinds = _kinds(plan)
+        if kinds is not None:
+            remat = [i for i, k in kinds.items() if k in (_RECOMPUTE, _SELECTIVE)]
+            if not remat:
+                return -math.inf
+            top = max(remat)
+            held = sum(
+                max(0.0, self.block_bytes(i, key, kinds.get(i, "keep")) - self.block_kept(i, key))
+                for i in range(top) if kinds.get(i) != _RECOMPUTE
+            )
+            return self.activation_bytes(key, self._every) + self.transient_full(key) + held + self._in_flight(key, kinds, top)
         planned = set(plan)
         if not planned:
             return -math.inf
@@ -485,16 +591,21 @@ class MemoryModel:
         held = sum(n * max(0.0, self.group_models[g].full_bytes(key) - self.group_models[g].kept_bytes(key)) for g, n in below.items())
         return self.activation_bytes(key, self._every) + self.transient_full(key) + held
 
-    def step_bytes(self, key: tuple[int, int], plan: Sequence[int] = ()) -> float:
+    def step_bytes(self, key: tuple[int, int], plan: Any = ()) -> float:
         """Predicted step peak above static memory under ``plan``: the largest of the three."""
-        if len(set(plan)) == len(self.groups):
+        if _kinds(plan) is not None:
+            backward = max(self.backward_start_bytes(key, plan), self.recompute_bytes(key, plan))
+        elif len(set(plan)) == len(self.groups):
             backward = self.activation_bytes(key, plan) + self.transient_full(key)
         else:
             backward = max(self.backward_start_bytes(key, plan), self.recompute_bytes(key, plan))
         return max(backward, self.optimizer_bytes)
 
-    def activation_bytes(self, key: tuple[int, int], plan: Sequence[int] = ()) -> float:
+    def activation_bytes(self, key: tuple[int, int], plan: Any = ()) -> float:
         """Saved bytes of the whole step under ``plan`` (outside + every block)."""
+        kinds = _kinds(plan)
+        if kinds is not None:
+            return self.outside(key) + sum(self.block_bytes(i, key, kinds.get(i, "keep")) for i in range(len(self.groups)))
         planned_per_group = self._count_per_group(plan)
         total = self.outside(key)
         for g, m in self.group_models.items():

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Plan", "InfeasiblePlanError", "plan_blocks", "PlanCache"]
+__all__ = ["Plan", "InfeasiblePlanError", "plan_blocks", "plan_treatments", "PlanCache", "TREATMENT_ORDER"]
 
 
 class InfeasiblePlanError(ValueError):
@@ -253,6 +253,122 @@ def _knapsack_cover(costs: Sequence[float], savings: Sequence[int], need: int, r
     if result is None or result[0] == inf:
         raise InfeasiblePlanError("no set of blocks saves enough bytes")
     return tuple(sorted(result[1]))
+
+
+#: where treatments go in a stack of alike blocks, from the first block up: recomputed blocks
+#: first (nothing held below them: NOTE [Earliest blocks first]), then selective ones, then
+#: offloaded ones (furthest from the backward's start, so the prefetch has time)
+TREATMENT_ORDER = (_RECOMPUTE, "selective", "offload")
+
+
+def plan_treatments(options: Sequence[Sequence[tuple[str, int, float]]], need_bytes: int, resolution: int = 1024) -> Plan:
+    """Cheapest treatment per block whose savings reach ``need_bytes`` (keep is free and saves nothing).
+
+    # NOTE [Choosing treatments]
+    A multiple-choice covering knapsack: each block takes one of its options (or stays
+    kept). For a stack whose blocks all have the same options it is exact: every count of
+    blocks per treatment is scored at once (numpy) and the cheapest that covers the need is
+    placed in :data:`TREATMENT_ORDER` from the first block up; ties go to fewer treated
+    blocks. Otherwise a dynamic programme over savings quantised *downwards* into
+    ``resolution`` units, so the chosen savings are never below ``need``.
+
+    Args:
+        options: per block, ``(treatment, bytes saved, ms)`` of each treatment it may take.
+        need_bytes: bytes to save; ``<= 0`` keeps every block.
+        resolution: DP units for stacks of unlike blocks.
+
+    Returns:
+        The :class:`Plan`, its ``kinds`` naming each treated block's treatment.
+
+    Raises:
+        InfeasiblePlanError: when the best option of every block together saves too little.
+
+    Example:
+        >>> opts = [[("recompute", 100, 10.0), ("selective", 60, 2.0)]] * 3
+        >>> plan_treatments(opts, 150).treatments(3)
+        ['selective', 'selective', 'selective']
+    """
+    if need_bytes <= 0:
+        return Plan(())
+    best_each = sum(max((o[1] for o in opts), default=0) for opts in options)
+    if best_each < need_bytes:
+        raise InfeasiblePlanError(f"treating all {len(options)} blocks saves {best_each} bytes, {need_bytes} are needed")
+    first = tuple(options[0]) if options else ()
+    if all(tuple(o) == first for o in options):
+        chosen = _alike(first, len(options), need_bytes)
+    else:
+        chosen = _choose_by_dp(options, need_bytes, resolution)
+    blocks = tuple(sorted(chosen))
+    costs = {i: next(o for o in options[i] if o[0] == chosen[i]) for i in blocks}
+    return Plan(
+        blocks, float(sum(costs[i][2] for i in blocks)), int(sum(costs[i][1] for i in blocks)),
+        kinds=tuple(chosen[i] for i in blocks),
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _counts(m: int, t: int) -> np.ndarray:
+    """Every way to give ``t`` treatments to at most ``m`` blocks: rows of counts (read-only)."""
+    rows = [c for c in itertools.product(range(m + 1), repeat=t) if sum(c) <= m]
+    grid = np.array(rows, dtype=np.float64).reshape(-1, t)
+    grid.flags.writeable = False
+    return grid
+
+
+def _alike(opts: tuple[tuple[str, int, float], ...], m: int, need: int) -> dict[int, str]:
+    """Exact choice for ``m`` blocks with the same options (NOTE [Choosing treatments])."""
+    grid = _counts(m, len(opts))
+    saved = grid @ np.array([o[1] for o in opts], dtype=np.float64)
+    cost = grid @ np.array([o[2] for o in opts], dtype=np.float64)
+    cost = np.where(saved >= need, cost, np.inf)
+    best = cost.min()
+    ties = np.flatnonzero(cost <= best + 1e-12 * max(1.0, abs(best)))
+    row = grid[min(ties, key=lambda r: (grid[r].sum(), tuple(-grid[r])))]
+    order = sorted(range(len(opts)), key=lambda j: TREATMENT_ORDER.index(opts[j][0]) if opts[j][0] in TREATMENT_ORDER else 99)
+    chosen, at = {}, 0
+    for j in order:
+        for _ in range(int(row[j])):
+            chosen[at] = opts[j][0]
+            at += 1
+    return chosen
+
+
+def _choose_by_dp(options: Sequence[Sequence[tuple[str, int, float]]], need: int, resolution: int) -> dict[int, str]:
+    """Min-cost multiple-choice cover by DP over savings quantised downwards (NOTE [Choosing treatments])."""
+    unit = max(1, math.ceil(need / resolution))
+    target = math.ceil(need / unit)
+    if sum(max((o[1] // unit for o in opts), default=0) for opts in options) < target:
+        unit, target = 1, need  # quantisation lost too much: exact units (slow, rare)
+    best = np.full(target + 1, np.inf)
+    best[0] = 0.0
+    picks = []  # per block: the option taken and the units it came from, per units reached
+    for opts in options:
+        new, pick, pred = best.copy(), np.full(target + 1, -1), np.arange(target + 1)
+        for j, (_, saving, cost) in enumerate(opts):
+            units = min(saving // unit, target)
+            if units <= 0:
+                continue
+            # below the target each reached units has one source; the target has every source within `units` of it
+            candidate = best[: target - units] + cost
+            better = candidate < new[units:target] - 1e-12
+            new[units:target][better] = candidate[better]
+            pick[units:target][better] = j
+            pred[units:target][better] = np.flatnonzero(better)
+            tail = best[target - units :] + cost
+            src = int(np.argmin(tail))
+            if tail[src] < new[target] - 1e-12:
+                new[target], pick[target], pred[target] = tail[src], j, target - units + src
+        picks.append((pick, pred))
+        best = new
+    if not np.isfinite(best[target]):
+        raise InfeasiblePlanError("no set of treatments saves enough bytes")
+    chosen, u = {}, target
+    for i in range(len(options) - 1, -1, -1):
+        pick, pred = picks[i]
+        if pick[u] >= 0:
+            chosen[i] = options[i][int(pick[u])][0]
+            u = int(pred[u])
+    return chosen
 
 
 class PlanCache:

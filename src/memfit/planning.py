@@ -41,14 +41,14 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from memfit.budget import format_bytes
 from memfit.model import MemoryModel
-from memfit.planner import InfeasiblePlanError, Plan, PlanCache, plan_blocks
+from memfit.planner import InfeasiblePlanError, Plan, PlanCache, plan_blocks, plan_treatments
 from memfit.shapes import bucket_key
 
 __all__ = ["Planning", "ROW_AFTER_STEADY_ASKS", "ALLOCATOR_SLACK_BYTES"]
@@ -67,6 +67,12 @@ def _blocks(plan: Plan | Sequence[int]) -> tuple[int, ...]:
     return plan.blocks if isinstance(plan, Plan) else tuple(plan)
 
 
+def _for_model(plan: Plan | Sequence[int]) -> Plan | tuple[int, ...]:
+    """What the memory model is asked with: a plan with treatments as it is, a recompute-only
+    plan as its block indices (the original arithmetic: NOTE [Treated peaks], model.py)."""
+    return plan if getattr(plan, "kinds", ()) else _blocks(plan)
+
+
 class Planning:
     """Memory model + planner + plan cache for one run (what methods see).
 
@@ -77,8 +83,11 @@ class Planning:
         margin_bytes: initial safety margin kept free below the budget (prediction error).
         bucket_tokens: token granularity of plan buckets.
         slack_bytes: the allocator's reserved-but-unusable bytes, also kept free (NOTE [Room]).
+        treatments: what the planner may give a block besides ``keep`` (treatments.py).
 
     Attributes:
+        offload_ms: the price of offloading (moved bytes, forward ms) -> ms, once the link
+            was measured (runtime/probe.py); until then ``offload`` is not planned.
         static_bytes: bytes no plan changes, as they will be at this step's peak (set by the
             runtime at each step's start).
         max_static_bytes: the largest static bytes of a step that ran an optimizer step.
@@ -86,7 +95,7 @@ class Planning:
 
     def __init__(
         self, n_blocks: int, groups: Sequence[int], budget_bytes: int | None, margin_bytes: int, bucket_tokens: int,
-        slack_bytes: int = 0,
+        slack_bytes: int = 0, treatments: Sequence[str] = ("recompute",),
     ):
         self.n_blocks = n_blocks
         self.all_blocks = tuple(range(n_blocks))
@@ -101,6 +110,13 @@ class Planning:
         self.infeasible_keys: set[tuple[int, int]] = set()
         #: per plan bucket, the most tokens per row seen in it (NOTE [Plan for the longest shape seen])
         self.longest_in_bucket: dict[tuple[int, int], int] = {}
+        self.treatments = tuple(treatments)
+        self.offload_ms: Callable[[float, float], float] | None = None
+
+    @property
+    def recompute_only(self) -> bool:
+        """Whether ``recompute`` is the only treatment (plans are then the original first-k rows)."""
+        return self.treatments == ("recompute",)
 
     # ------------------------------------------------------------ predictions
     def plan_key(self, key: tuple[int, int]) -> tuple[int, int]:
@@ -110,7 +126,7 @@ class Planning:
 
     def predict_peak(self, key: tuple[int, int], plan: Plan | Sequence[int]) -> int:
         """Predicted step peak: static + the largest of the step's three peaks (NOTE [Three peaks], model.py)."""
-        return int(self.static_bytes + self.model.step_bytes(self.plan_key(key), _blocks(plan)))
+        return int(self.static_bytes + self.model.step_bytes(self.plan_key(key), _for_model(plan)))
 
     @property
     def room_bytes(self) -> int:
@@ -122,7 +138,12 @@ class Planning:
         if not self.model.ready:
             return 0.0
         k = self.plan_key(key)
-        return float(sum(self.model.block_cost_ms(i, k) for i in _blocks(plan)))
+        kinds = getattr(plan, "kinds", ())
+        if not kinds:
+            return float(sum(self.model.block_cost_ms(i, k) for i in _blocks(plan)))
+        options = self.model.options(k, self.treatments, self.offload_ms)
+        price = {(i, name): ms for i, opts in enumerate(options) for name, _, ms in opts}
+        return float(sum(price.get((i, kind), self.model.block_cost_ms(i, k)) for i, kind in zip(plan.blocks, kinds)))
 
     # ------------------------------------------------------------ plans
     def _static_bucket(self) -> int:
@@ -147,7 +168,7 @@ class Planning:
         plan = self.cache.get(cache_key)
         if plan is None:
             settled = self.cache.settled(ROW_AFTER_STEADY_ASKS)
-            from_row = _plan_from_row(self, k, static_bucket) if whole_row and settled else None
+            from_row = _plan_from_row(self, k, static_bucket) if whole_row and settled and self.recompute_only else None
             plan = from_row or self._plan(k)
             if from_row is not None and k != edge and _row_constant(self, k, edge, static_bucket):
                 self.cache.put((edge, static_bucket), plan)  # no longer shape of the bucket will replan
@@ -155,6 +176,36 @@ class Planning:
         return plan
 
     def _plan(self, k: tuple[int, int]) -> Plan:
+        """``k``'s plan: the cheapest by recompute alone, or, where the run may give other
+        treatments, the cheapest mix when that is cheaper still and fits (NOTE [Treatments never lose])."""
+        plan = self._plan_recompute(k)
+        if self.recompute_only or not self.model.ready:
+            return plan
+        mixed = self._plan_mixed(k)
+        if mixed is None:
+            return plan
+        base_ms = plan.cost_ms if plan.blocks != self.all_blocks or plan.cost_ms else sum(self.model.costs(k))
+        return mixed if mixed.cost_ms < 0.999 * base_ms else plan
+
+    def _plan_mixed(self, k: tuple[int, int]) -> Plan | None:
+        """# NOTE [Treatments never lose]
+        The cheapest mix of treatments that saves what is needed at the start of backward, if
+        it also fits the other two peaks (NOTE [Treated peaks], model.py); else None. It is
+        taken only when its predicted price is under the recompute-only plan's, which is
+        always made too: a mix never costs more than recompute alone would.
+        """
+        room = self.room_bytes
+        need = int(self.static_bytes + self.model.backward_start_bytes(k, ())) - room
+        options = self.model.options(k, self.treatments, self.offload_ms)
+        if need <= 0 or all(name == "recompute" for opts in options for name, _, _ in opts):
+            return None
+        try:
+            mixed = plan_treatments(options, need)
+        except InfeasiblePlanError:
+            return None
+        return mixed if self.predict_peak(k, mixed) <= room else None
+
+    def _plan_recompute(self, k: tuple[int, int]) -> Plan:
         # Treating blocks lowers the start-of-backward peak only; the plan is then checked
         # against the other two (NOTE [Three peaks], model.py), and mended if one is over
         # (NOTE [Blocks held below a recompute]).

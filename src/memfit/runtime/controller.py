@@ -55,7 +55,7 @@ from memfit.runtime.meter import Meter, make_meter
 from memfit.runtime.step import Stage, StepState
 from memfit.shapes import first_tensor, shape_key
 from memfit.store import ReactiveStore
-from memfit.treatments import make_treatments
+from memfit.treatments import OFFLOAD, RECOMPUTE, Treatment, make_treatments
 
 __all__ = ["fit", "Controller"]
 
@@ -80,6 +80,17 @@ def _check_static_need(model: nn.Module, budget_bytes: int | None, optimizer: to
     if budget_bytes is not None:
         check_static_need(budget_bytes, sum(parts.values()), parts)
     return parts
+
+
+def _make_treatments(
+    names: Sequence[str], counter: SavedTensorCounter, planning: Planning, device: torch.device,
+) -> dict[str, Treatment]:
+    """The run's treatments; with ``offload``, the host link is measured now, before training
+    holds memory, and priced for the planner (runtime/probe.py)."""
+    if OFFLOAD not in names:
+        return make_treatments(tuple(names), counter)
+    planning.offload_ms = probe.measure_link(device)
+    return make_treatments(tuple(names), counter, excluded_ptrs=counter.excluded_ptrs)
 
 
 class Controller:
@@ -107,6 +118,7 @@ class Controller:
         margin: float | None = None,
         bucket_tokens: int = 8,
         cap: bool = True,
+        treatments: Sequence[str] = (RECOMPUTE,),
     ):
         self.model = model
         self.method = method
@@ -124,11 +136,11 @@ class Controller:
         margin = self.meter.default_margin if margin is None else margin
         self.planning = Planning(
             len(self.blocks), _group_ids(self.blocks), budget_bytes, int(margin * (budget_bytes or 0)), bucket_tokens,
-            slack_bytes=self.meter.initial_slack(budget_bytes),
+            slack_bytes=self.meter.initial_slack(budget_bytes), treatments=treatments,
         )
         # Parameters and buffers are never activations (under FSDP: this rank's shards).
         self._counter = SavedTensorCounter(len(self.blocks), exclude=list(model.parameters()) + list(model.buffers()))
-        self.treatments = make_treatments()
+        self.treatments = _make_treatments(treatments, self._counter, self.planning, self.device)
         self.protection = method.make_protection(
             lambda: ReactiveStore(self._counter.excluded_ptrs), self.planning, self.meter, self._counter
         )
@@ -201,6 +213,8 @@ class Controller:
         )
         self.meter.start_step(step)
         self._step = step
+        for treatment in self.treatments.values():
+            treatment.start_step()
         self.protection.start_step(step)
         self._counter.start()
 
@@ -216,7 +230,7 @@ class Controller:
         step.end_forward(counter.outside_bytes if step.counted else 0, by_block)
         if step.probes:
             probes, step.probes = step.probes, {}
-            learner.learn_probes(self.planning, step.key, probes)
+            learner.learn_probes(self.planning, step.key, probes, step.treated_probes)
 
     def exit(self, block: Block) -> None:
         """Block listener: tensors saved after a block belong to no block until the next."""
@@ -237,11 +251,7 @@ class Controller:
         if block.treatment.holds_inputs and step.counted:
             self._counter.count_inputs(block.index, args, kwargs)
         if step.decision.warmup:
-            # every block is measured, each group's first also timed (NOTE [Blocks alike only in name])
-            group = self.planning.model.groups[block.index]
-            timed = group not in step.probed_groups
-            step.probed_groups.add(group)
-            step.probes[block.index] = probe.probe_block(block, args, kwargs, self._counter, timed, self.device)
+            probe.probe_warmup(step, block, args, kwargs, self._counter, self.device, self.planning)
 
     def _decide(self, step: StepState, args: tuple, kwargs: dict) -> None:
         x = first_tensor(args, kwargs)
@@ -408,6 +418,7 @@ def fit(
     margin: float | None = None,
     bucket_tokens: int = 8,
     cap: bool = True,
+    treatments: Sequence[str] = (RECOMPUTE,),
     **method_kwargs: Any,
 ) -> Controller:
     """Train ``model`` inside ``budget`` by treating just enough blocks per batch.
@@ -429,6 +440,9 @@ def fit(
         bucket_tokens: plans are shared by shapes whose token counts round up to the same
             multiple of this (1 = a plan per exact shape).
         cap: on CUDA, enforce the budget with ``set_per_process_memory_fraction``.
+        treatments: what the planner may give a block besides ``keep``: ``recompute``,
+            ``selective``, ``offload`` (treatments.py); it picks per batch and block the
+            cheapest mix that fits (NOTE [Treatments never lose] in planning.py).
         **method_kwargs: passed to the method (``path=`` for ``precomputed``,
             ``max_shape=`` for ``static``, ``warmup_steps=`` for ``dynamic``...).
 
@@ -454,4 +468,4 @@ def fit(
     """
     budget_bytes = None if budget is None else parse_bytes(budget)
     method_obj = make_method(method, **method_kwargs)
-    return Controller(model, budget_bytes, method_obj, optimizer, blocks, log, margin, bucket_tokens, cap)
+    return Controller(model, budget_bytes, method_obj, optimizer, blocks, log, margin, bucket_tokens, cap, treatments)

@@ -25,12 +25,12 @@ import time
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from memfit.accounting import ProbeCounter, SavedTensorCounter
 from memfit.blocks import Block, without_cache
 
-__all__ = ["probe_block"]
+__all__ = ["probe_block", "probe_treatments", "probe_warmup", "LinkPrice", "measure_link"]
 
 
 def probe_block(
@@ -69,3 +69,147 @@ def probe_block(
             times_ms.append((time.perf_counter() - t0) * 1e3)
             del out, probe_args, probe_kwargs
     return probe.bytes, (min(times_ms) if timed else None)
+
+
+class _SizeCounter:
+    """Saved storages of one block run: all of them, and those under ``min_bytes`` (what
+    ``offload`` keeps on the device)."""
+
+    def __init__(self, exclude_ptrs: set[int], parameter_storages: set[int], min_bytes: int):
+        self._exclude, self._params, self.min_bytes = exclude_ptrs, parameter_storages, min_bytes
+        self._seen: set[int] = set()
+        self.small = 0
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self._exclude and key not in self._seen and storage._cdata not in self._params:
+            self._seen.add(key)
+            if storage.nbytes() < self.min_bytes:
+                self.small += storage.nbytes()
+        return t.detach()  # NOTE [Pack a detached tensor] (accounting.py)
+
+
+def _distinct_bytes(tensors: list[torch.Tensor], counter: SavedTensorCounter) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in counter.excluded_ptrs and storage._cdata not in counter.parameter_storages:
+            seen[ptr] = storage.nbytes()
+    return sum(seen.values())
+
+
+def probe_treatments(
+    block: Block, args: tuple, kwargs: dict[str, Any], counter: SavedTensorCounter, device: torch.device,
+    treatments: tuple[str, ...], offload_min_bytes: int = 2**20,
+) -> dict[str, tuple[int, float | None]]:
+    """What ``block`` keeps on the device under ``selective`` and ``offload``, and what a
+    selective recompute costs (NOTE [Treatment prices], model.py): ``{name: (bytes, ms or None)}``.
+
+    ``selective``: its inputs plus the selective cache (NOTE [Selective policy],
+    treatments.py), and the time of a recompute under the cache (the unsaved ops only).
+    ``offload``: the saved storages under ``offload_min_bytes`` (its price comes from the link).
+    """
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    from memfit.treatments import keep_matmul_and_attention, selective_cache_tensors
+
+    detached = tree_map(
+        lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t, (args, kwargs)
+    )
+    inputs = [t for t in tree_leaves(detached) if isinstance(t, torch.Tensor)]
+    devices = [device] if device.type == "cuda" else []
+    out: dict[str, tuple[int, float | None]] = {}
+    # the step's counter is outside: an inner pair keeps the probe's saved tensors from it
+    def shield() -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t)
+
+    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        if "selective" in treatments:
+            caching, cached = create_selective_checkpoint_contexts(keep_matmul_and_attention)
+            probe_args, probe_kwargs = without_cache(block.module, *detached)
+            with shield(), caching:
+                result = block._body(*probe_args, **probe_kwargs)
+            del result
+            nbytes = _distinct_bytes(inputs + selective_cache_tensors(caching), counter)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            with shield(), cached:
+                result = block._body(*probe_args, **probe_kwargs)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            out["selective"] = (nbytes, (time.perf_counter() - t0) * 1e3)
+            del result, caching, cached, probe_args, probe_kwargs
+        if "offload" in treatments:
+            sizes = _SizeCounter(counter.excluded_ptrs, counter.parameter_storages, offload_min_bytes)
+            probe_args, probe_kwargs = without_cache(block.module, *detached)
+            with torch.autograd.graph.saved_tensors_hooks(sizes._pack, lambda t: t):
+                result = block._body(*probe_args, **probe_kwargs)
+            out["offload"] = (sizes.small, None)
+            del result, probe_args, probe_kwargs
+    return out
+
+
+class LinkPrice:
+    """The price of offloading a block (NOTE [Treatment prices], model.py): the time moving its
+    bytes out in forward and back in backward takes beyond the compute that hides it (the next
+    block's forward; the previous block's backward, about twice a forward), plus a fixed cost.
+
+    Args:
+        d2h_bytes_per_ms, h2d_bytes_per_ms: the link's measured bandwidths.
+        fixed_ms: per offloaded block (hooks, events).
+    """
+
+    def __init__(self, d2h_bytes_per_ms: float, h2d_bytes_per_ms: float, fixed_ms: float = 0.05):
+        self.d2h, self.h2d, self.fixed_ms = d2h_bytes_per_ms, h2d_bytes_per_ms, fixed_ms
+
+    def __call__(self, moved_bytes: float, forward_ms: float) -> float:
+        return (
+            max(0.0, moved_bytes / self.d2h - forward_ms) + max(0.0, moved_bytes / self.h2d - 2 * forward_ms) + self.fixed_ms
+        )
+
+
+def measure_link(device: torch.device, nbytes: int = 16 * 2**20) -> LinkPrice:
+    """Time copying ``nbytes`` to pinned host memory and back (best of three each way).
+
+    On a CPU device the copy is a host memcpy: the price ``offload`` has there.
+    """
+    cuda = device.type == "cuda"
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def best_ms(dst: torch.Tensor, src: torch.Tensor) -> float:
+        times = []
+        for _ in range(4):
+            if cuda:
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=cuda)
+            if cuda:
+                torch.cuda.synchronize(device)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return max(min(times[1:]), 1e-6)
+
+    price = LinkPrice(nbytes / best_ms(host, on_device), nbytes / best_ms(on_device, host))
+    del host, on_device
+    if cuda:
+        torch.cuda.empty_cache()
+    return price
+
+
+def probe_warmup(
+    step: Any, block: Block, args: tuple, kwargs: dict[str, Any], counter: SavedTensorCounter, device: torch.device,
+    planning: Any,
+) -> None:
+    """A warm-up step's probe of ``block``: every block's kept bytes, and the first of each group
+    timed and, where the run may give them, its ``selective`` and ``offload`` bytes and prices
+    (NOTE [Blocks alike only in name], learner.py). The results go to the step (``probes``,
+    ``treated_probes``), learnt at the forward's end."""
+    group = planning.model.groups[block.index]
+    timed = group not in step.probed_groups
+    step.probed_groups.add(group)
+    step.probes[block.index] = probe_block(block, args, kwargs, counter, timed, device)
+    if timed and not planning.recompute_only:
+        step.treated_probes[block.index] = probe_treatments(block, args, kwargs, counter, device, planning.treatments)

@@ -44,6 +44,7 @@ class StepState:
         planned: the plan was made this step (not read from the cache).
         counted: the step counts its saved tensors (NOTE [Counting what teaches], runtime/controller.py).
         probed_groups, probes: warm-up probes: groups timed so far; per block (bytes, ms or None).
+        treated_probes: per timed block, ``{treatment: (bytes, ms or None)}`` (runtime/probe.py).
         saved_outside, saved_by_block: what the forward saved outside the blocks and per block.
         saved_peak: the largest logical bytes in use (beyond static) seen at a room check.
         kept_now: under an armed backstop, logical bytes held at the forward's end.
@@ -71,6 +72,7 @@ class StepState:
     counted: bool = True
     probed_groups: set[int] = field(default_factory=set)
     probes: dict[int, tuple[int, float | None]] = field(default_factory=dict)
+    treated_probes: dict[int, dict[str, tuple[int, float | None]]] = field(default_factory=dict)
     saved_outside: int = 0
     saved_by_block: list[int] = field(default_factory=list)
     saved_peak: int = 0

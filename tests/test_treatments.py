@@ -1,0 +1,236 @@
+"""Treatments (treatments.py): every way of treating a block gives ``none``'s gradients bitwise
+(dropout on, CPU), keeps the bytes it should (logical accounting and the counter), and the planner
+weighs them (planning.py, NOTE [Treatments never lose])."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+import memfit
+from _models import ARCHS, DECODER_ARCHS, SIZES, TEXT_SIZES, assert_grads_equal, build, build_decoder, logical_peak
+from memfit.methods import Decision, Method, load_plans, save_plans
+from memfit.planner import Plan
+from memfit.treatments import HostMemoryError, Offload, make_treatments
+
+
+class _Fixed(Method):
+    """Every step runs ``plan`` (a test's own method)."""
+
+    name = "fixed"
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+
+    def decide(self, planning, key, failed=None):
+        return Decision(self.plan, count=True)
+
+
+def _mixes(n: int) -> dict[str, Plan]:
+    everything = tuple(range(n))
+    cycle = ("selective", "offload", "recompute")
+    return {
+        "selective": Plan(everything, kinds=("selective",) * n),
+        "offload": Plan(everything, kinds=("offload",) * n),
+        "mixed": Plan(tuple(range(n - 1)), kinds=tuple(cycle[i % 3] for i in range(n - 1))),  # the last kept
+    }
+
+
+def _step(model, batch, seed):
+    torch.manual_seed(seed)
+    model(**batch).loss.backward()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_treatment_and_mix_gives_the_gradients_of_none(arch):
+    torch.manual_seed(0)
+    model, make_batch = build(arch)
+    model.train()
+    reference = copy.deepcopy(model)
+    n = len(memfit.blocks.find_blocks(model))
+    sizes = SIZES.get(arch, TEXT_SIZES)[:2]
+    for name, plan in _mixes(n).items():
+        ctl = memfit.fit(model, budget=None, method=_Fixed(plan), treatments=("recompute", "selective", "offload"))
+        # offload everything of any size: the tiny models' tensors are all small
+        ctl.treatments["offload"].min_bytes = 0
+        for seed, size in enumerate(sizes):
+            batch = make_batch(2, size)
+            _step(model, batch, seed)
+            _step(reference, batch, seed)
+            assert_grads_equal(model, reference, f"{arch} {name} size {size}")
+            model.zero_grad(set_to_none=True)
+            reference.zero_grad(set_to_none=True)
+        records = ctl.records
+        ctl.remove()
+        assert records[-1].treatments == plan.by_treatment(), name
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full-ft", "lora"])
+@pytest.mark.parametrize("arch", DECODER_ARCHS)
+def test_llm_families_are_exact_under_selective_and_offload(arch, lora):
+    if lora:
+        pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model, make_batch = build_decoder(arch, lora)
+    model.train()
+    reference = copy.deepcopy(model)
+    n = len(memfit.blocks.find_blocks(model))
+    for name, plan in _mixes(n).items():
+        ctl = memfit.fit(model, budget=None, method=_Fixed(plan), treatments=("recompute", "selective", "offload"))
+        ctl.treatments["offload"].min_bytes = 0
+        batch = make_batch(2, 24)
+        _step(model, batch, 1)
+        _step(reference, batch, 1)
+        assert_grads_equal(model, reference, f"{arch} {name}")
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        ctl.remove()
+
+
+def _counted(model, batch, plan, min_bytes=0):
+    ctl = memfit.fit(model, budget=None, method=_Fixed(plan), treatments=("recompute", "selective", "offload"))
+    ctl.treatments["offload"].min_bytes = min_bytes
+    _step(model, batch, 0)
+    model.zero_grad(set_to_none=True)
+    record = ctl.records[-1]
+    ctl.remove()
+    return record
+
+
+def test_treatments_keep_less_than_keep_and_selective_more_than_recompute():
+    """Logical accounting counts what each treatment keeps on the device: selective keeps its
+    inputs and matmul outputs (more than recompute's inputs, less than keep), offload keeps
+    only the tensors under its threshold."""
+    torch.manual_seed(0)
+    model, make_batch = build("llama")
+    model.train()
+    batch = make_batch(4, 64)
+    n = len(memfit.blocks.find_blocks(model))
+    every = tuple(range(n))
+    saved = {
+        "keep": _counted(model, batch, Plan(())).saved_activation_bytes,
+        "recompute": _counted(model, batch, Plan(every)).saved_activation_bytes,
+        "selective": _counted(model, batch, Plan(every, kinds=("selective",) * n)).saved_activation_bytes,
+        "offload-all": _counted(model, batch, Plan(every, kinds=("offload",) * n), min_bytes=0).saved_activation_bytes,
+        "offload-none": _counted(model, batch, Plan(every, kinds=("offload",) * n), min_bytes=2**40).saved_activation_bytes,
+    }
+    assert saved["recompute"] < saved["selective"] < saved["keep"], saved
+    assert saved["offload-all"] < saved["recompute"], saved  # only what is saved outside the blocks
+    assert saved["offload-none"] == saved["keep"], saved  # nothing big enough to move
+
+
+def test_offload_moves_every_block_storage_once_and_frees_device_copies():
+    """The stream-free path: each saved storage goes to the host once per block, comes back in
+    backward, and the block's device copies are released once all its tensors were unpacked."""
+    torch.manual_seed(0)
+    model, make_batch = build("bert")
+    model.train()
+    ctl = memfit.fit(model, budget=None, method=_Fixed(Plan((0, 1, 2), kinds=("offload",) * 3)),
+                     treatments=("recompute", "offload"))
+    offload: Offload = ctl.treatments["offload"]
+    offload.min_bytes = 0
+    _step(model, make_batch(2, 16), 0)
+    stashes = list(offload._stashes)
+    assert [s.index for s in stashes] == [0, 1, 2]
+    assert all(s.handles >= len(s.storages) > 0 for s in stashes)
+    assert all(s.unpacked == s.handles and s.fetched for s in stashes)
+    assert all(entry[1] is None for s in stashes for entry in s.storages.values())  # device copies released
+    ctl.remove()
+
+
+def test_the_host_pool_has_a_limit_with_a_clear_error():
+    torch.manual_seed(0)
+    model, make_batch = build("bert")
+    model.train()
+    ctl = memfit.fit(model, budget=None, method=_Fixed(Plan((0,), kinds=("offload",))), treatments=("recompute", "offload"))
+    ctl.treatments["offload"].min_bytes = 0
+    ctl.treatments["offload"]._max_host_bytes = 1024
+    with pytest.raises(HostMemoryError, match="offload needs .* GiB of pinned host memory, over its limit"):
+        _step(model, make_batch(2, 16), 0)
+    ctl.remove()
+
+
+def test_unknown_treatment_names_the_known_ones():
+    with pytest.raises(ValueError, match="unknown treatment 'fold'; choose from keep, recompute, selective, offload"):
+        make_treatments(("fold",))
+
+
+def test_plans_files_carry_treatments_and_schema_1_files_load(tmp_path):
+    plan = Plan((0, 2), kinds=("selective", "offload"))
+    save_plans(tmp_path / "p.json", 3, {(4, 16): plan, (4, 32): Plan((0, 1, 2))}, fingerprint="abc")
+    plans, n_blocks, fingerprint = load_plans(str(tmp_path / "p.json"))
+    assert plans[(4, 16)] == Plan((0, 2), kinds=("selective", "offload")) and plans[(4, 32)].kinds == ()
+    assert (n_blocks, fingerprint) == (3, "abc")
+    old = {"schema_version": 1, "n_blocks": 3, "plans": [{"key": [4, 16], "blocks": [0, 1]}]}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    plans, n_blocks, fingerprint = load_plans(str(tmp_path / "old.json"))
+    assert plans == {(4, 16): Plan((0, 1))} and n_blocks == 3 and fingerprint == ""
+
+
+def test_dynamic_with_treatments_fits_the_budget_exactly_and_mixes_when_cheaper(monkeypatch):
+    """``dynamic`` given every treatment under a logical budget: gradients equal ``none``'s,
+    every peak within the budget, and, where selective is priced cheaper per byte than
+    recompute (as the probe measures it on a GPU), plans that use it."""
+    from memfit.runtime import probe
+
+    original = probe.probe_treatments
+
+    def cheap_selective(*args, **kwargs):
+        out = original(*args, **kwargs)
+        nbytes, _ = out["selective"]
+        return {**out, "selective": (nbytes, 1e-4)}  # selective nearly free: the planner must take it
+
+    monkeypatch.setattr(probe, "probe_treatments", cheap_selective)
+    torch.manual_seed(0)
+    model, make_batch = build("llama")
+    model.train()
+    reference = copy.deepcopy(model)
+    longest = make_batch(4, 96)
+    budget = (logical_peak(model, longest, "none") + logical_peak(model, longest, "full")) // 2
+    ctl = memfit.fit(model, budget=budget, method="dynamic", treatments=("recompute", "selective"))
+    for seed, length in enumerate([16, 96, 48, 80, 96, 64, 88, 96]):
+        batch = make_batch(4, length)
+        _step(model, batch, seed)
+        _step(reference, batch, seed)
+        assert_grads_equal(model, reference, f"step {seed}")
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+    records = ctl.records
+    ctl.remove()
+    steady = [r for r in records if r.phase == "steady"]
+    assert all(r.peak_allocated_bytes <= budget for r in records)
+    assert any("selective" in r.treatments for r in steady), [r.treatments for r in steady]
+
+
+def test_the_planner_keeps_recompute_where_treatments_are_dearer():
+    """NOTE [Treatments never lose]: a mix is taken only when it is cheaper than the
+    recompute-only plan; priced dearer, selective is never chosen."""
+    from memfit.model import MemoryModel
+    from memfit.planning import Planning
+
+    model = MemoryModel([0] * 4)
+    group = model.group_models[0]
+    for t in (16, 32, 64):
+        key = (4, t)
+        group.full_bytes.add(key, 1000.0 * t)
+        group.kept_bytes.add(key, 50.0 * t)
+        group.cost_ms.add(key, 0.01 * t)
+        group.selective_bytes.add(key, 400.0 * t)
+        model.outside.add(key, 10.0 * t)
+        model.transient_full.add(key, 0.0)
+    for ms, cheap in ((1e-6, True), (10.0, False)):
+        group.selective_ms = type(group.selective_ms)(intercept=True)
+        for t in (16, 32, 64):
+            group.selective_ms.add((4, t), ms)
+        planning = Planning(4, [0] * 4, 200_000, margin_bytes=0, bucket_tokens=1, treatments=("recompute", "selective"))
+        planning.model, planning.static_bytes = model, 100_000
+        plan = planning.plan_for((4, 64))
+        alone = planning._plan_recompute((4, 64))  # what recompute alone would run
+        assert plan.blocks and planning.predict_peak((4, 64), plan) <= planning.room_bytes
+        if cheap:
+            assert "selective" in plan.by_treatment() and plan.cost_ms < alone.cost_ms, (plan, alone)
+        else:
+            assert plan == alone and set(plan.by_treatment()) == {"recompute"}, (plan, alone)
