@@ -7,6 +7,7 @@ import torch
 
 import memfit
 from _models import VOCAB, build
+from memfit.errors import FlagError
 
 
 def _dataset(n=24, seed=0):
@@ -148,15 +149,23 @@ def test_records_summary_logs_and_state(tmp_path):
     assert state["model"]["group_models"]
     final = json.loads((out / memfit.hf.STATE_FILE).read_text())  # the model as the run ended
     assert final["step"] == 6 and final["model"] == trainer.memfit.state_dict()["model"]
-    resumed = _trainer(tmp_path, "run", save_strategy="steps", save_steps=3)
-    resumed.train(resume_from_checkpoint=str(out / "checkpoint-3"))
+    with pytest.raises(FlagError, match="holds an earlier run .*pass --resume_from_checkpoint to continue it"):
+        _trainer(tmp_path, "run", save_strategy="steps", save_steps=3)  # NOTE [Earlier runs in the output folder]
+    earlier = (out / "memfit_steps.jsonl").read_text()
+    checkpoint = str(out / "checkpoint-3")
+    resumed = _trainer(tmp_path, "run", save_strategy="steps", save_steps=3, resume_from_checkpoint=checkpoint)
+    resumed.train(resume_from_checkpoint=checkpoint)
     assert all(r.phase == "steady" for r in resumed.memfit.records), "resume ran a new warm-up"
+    assert (out / "memfit_steps.run1.jsonl").read_text() == earlier  # the first run's records, kept
+    assert len((out / "memfit_steps.jsonl").read_text().splitlines()) == 3  # the resumed run's steps 4-6
 
 
 @pytest.mark.parametrize(
     "flags, message",
     [
         ({"memory_budget": "6GB", "memory_threshold": 7.0}, "disagree"),
+        ({"memfit_method": "static", "memfit_max_shape": "8x128"}, "write the largest input as N,T"),
+        ({"memfit_margin": 1.5}, r"give a share of the budget in \[0, 1\)"),
         ({"memfit_method": "sometimes"}, "choose one of"),
         ({"memfit_method": "precomputed"}, "needs --memfit_plans_file"),
         ({"memory_budget": "six"}, "not a memory size"),
