@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+import transformers
 
 import memfit
 from _models import VOCAB, build
@@ -186,3 +187,17 @@ def test_threshold_is_gigabytes(tmp_path):
 def test_rank_paths():
     assert memfit.hf.rank_path("out/memfit_steps.jsonl", 1, 2) == "out/memfit_steps.rank1.jsonl"
     assert memfit.hf.rank_path("out/memfit_steps.jsonl", 0, 1) == "out/memfit_steps.jsonl"
+
+
+def test_a_failure_before_the_first_step_leaves_no_record_file(tmp_path, monkeypatch):
+    trainer = _trainer(tmp_path, "run")
+    log = tmp_path / "run" / memfit.hf.STEPS_FILE
+    assert log.exists()  # opened when the model is hooked
+
+    def fail(self, model=None):
+        raise memfit.BudgetTooSmallError("injected before the first step")
+
+    monkeypatch.setattr(transformers.Trainer, "create_optimizer", fail)
+    with pytest.raises(memfit.BudgetTooSmallError, match="injected"):
+        trainer.train()
+    assert not log.exists()
