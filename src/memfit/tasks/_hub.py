@@ -1,9 +1,9 @@
 """The Hugging Face hub during a task's build: asked once whether it can be reached, else not at all.
 
 # NOTE [One hub probe]
-Offline, every hub lookup of ``huggingface_hub`` retries with back-off (about 23 s for one
-config) and transformers tries several files per model, so a run that falls back to memfit's
-bundled configs or the MiniLM paid the retries before each fallback. So ``memfit train`` asks
+Offline, every hub lookup of ``huggingface_hub`` retries with back-off (tens of seconds for
+one config) and transformers tries several files per model, so each fallback to memfit's
+bundled configs or the MiniLM would come only after those retries. So ``memfit train`` asks
 the hub once, before the recipe builds anything:
 
 Rule 1. Names that need no hub (a local path, a config memfit bundles, the shipped MiniLM)
