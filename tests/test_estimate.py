@@ -27,6 +27,7 @@ from memfit.estimate import (
     bert_layer_saved_bytes,
     estimate,
 )
+from memfit import cli
 from memfit.estimate.cli import main
 
 B, S = 2, 32  # S a multiple of 32: the formula rounds the fused-attention logsumexp up to 32
@@ -482,7 +483,7 @@ def test_advisor_keeps_a_margin(profile):
 
 
 def test_advisor_impossible_budget_names_bytes(profile):
-    with pytest.raises(NothingFitsError, match=r"nothing fits the budget of 0\.00 GiB \(1,000 bytes\) with 3% of it kept free.*needs .* \([\d,]+ bytes\).*--memory_budget"):
+    with pytest.raises(NothingFitsError, match=r"nothing fits the budget of 1000 B \(1,000 bytes\) with 3% of it kept free.*needs .* \([\d,]+ bytes\).*--memory_budget"):
         advise(profile, BATCH, 1000, seq_length=S)
 
 
@@ -511,8 +512,9 @@ def test_budget_flag_units(config_file, capsys, text, n):
 
 
 def test_bad_budget_is_a_clear_error(config_file, capsys):
-    assert main(["--config", config_file, "--batch_size", "4", "--seq_length", "32", "--memory_budget", "6 gigs"]) == 2
-    assert "not a memory size: '6 gigs'" in capsys.readouterr().err
+    argv = ["estimate", "--config", config_file, "--batch_size", "4", "--seq_length", "32", "--memory_budget", "6 gigs"]
+    assert cli.main(argv) == 2
+    assert "memfit estimate: error: --memory_budget 6 gigs: not a memory size: '6 gigs'" in capsys.readouterr().err
 
 
 def test_cli_table_and_advice(config_file, capsys):
@@ -522,14 +524,20 @@ def test_cli_table_and_advice(config_file, capsys):
     for part in ["weights", "gradients", "optimizer state", "activations", "CUDA context", "total (what the budget caps)"]:
         assert re.search(rf"\| {re.escape(part)} \| [\d.]+ \| [\d,]+ \|", out)
     assert main(["--config", config_file, "--batch_size", "8", "--seq_length", "32", "--memory_budget", "1GiB", "--advise"]) == 0
-    assert "best: memfit train --bf16 --optim adamw_torch" in capsys.readouterr().out
-    assert main(["--config", config_file, "--batch_size", "8", "--seq_length", "32", "--memory_budget", "1000", "--advise"]) == 2
-    assert "nothing fits" in capsys.readouterr().err
+    best = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("best: "))
+    assert best == (
+        f"best: memfit train text-classification --config_name {config_file} --max_seq_length 32 --bf16 --optim "
+        "adamw_torch --per_device_train_batch_size 8 --gradient_accumulation_steps 1 --memfit_method none "
+        "--memory_budget 1GiB --do_train --output_dir out/text-classification"
+    )
+    argv = ["estimate", "--config", config_file, "--batch_size", "8", "--seq_length", "32", "--memory_budget", "1000", "--advise"]
+    assert cli.main(argv) == 2
+    assert "memfit estimate: error: nothing fits" in capsys.readouterr().err
 
 
 def test_unknown_model_names_the_fix(capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert main(["--model", "/nonexistent/model-folder", "--batch_size", "1", "--seq_length", "8"]) == 2
+    assert cli.main(["estimate", "--model", "/nonexistent/model-folder", "--batch_size", "1", "--seq_length", "8"]) == 2
     assert "--config" in capsys.readouterr().err
 
 

@@ -4,10 +4,12 @@ import json
 
 import pytest
 import torch
+import transformers
 
 import memfit
 from _models import VOCAB, build
 from _models import InjectOOM as _InjectOOM
+from memfit.errors import FlagError
 from memfit.planner import Plan
 
 
@@ -133,15 +135,23 @@ def test_records_summary_logs_and_state(tmp_path):
     assert state["model"]["group_models"]
     final = json.loads((out / memfit.hf.STATE_FILE).read_text())  # the model as the run ended
     assert final["step"] == 6 and final["model"] == trainer.memfit.state_dict()["model"]
-    resumed = _trainer(tmp_path, "run", save_strategy="steps", save_steps=3)
-    resumed.train(resume_from_checkpoint=str(out / "checkpoint-3"))
+    with pytest.raises(FlagError, match="holds an earlier run .*pass --resume_from_checkpoint to continue it"):
+        _trainer(tmp_path, "run", save_strategy="steps", save_steps=3)  # NOTE [Earlier runs in the output folder]
+    earlier = (out / "memfit_steps.jsonl").read_text()
+    checkpoint = str(out / "checkpoint-3")
+    resumed = _trainer(tmp_path, "run", save_strategy="steps", save_steps=3, resume_from_checkpoint=checkpoint)
+    resumed.train(resume_from_checkpoint=checkpoint)
     assert all(r.phase == "steady" for r in resumed.memfit.records), "resume ran a new warm-up"
+    assert (out / "memfit_steps.run1.jsonl").read_text() == earlier  # the first run's records, kept
+    assert len((out / "memfit_steps.jsonl").read_text().splitlines()) == 3  # the resumed run's steps 4-6
 
 
 @pytest.mark.parametrize(
     "flags, message",
     [
         ({"memory_budget": "6GB", "memory_threshold": 7.0}, "disagree"),
+        ({"memfit_method": "static", "memfit_max_shape": "8x128"}, "write the largest input as N,T"),
+        ({"memfit_margin": 1.5}, r"give a share of the budget in \[0, 1\)"),
         ({"memfit_method": "sometimes"}, "choose one of"),
         ({"memfit_method": "precomputed"}, "needs --memfit_plans_file"),
         ({"memory_budget": "six"}, "not a memory size"),
@@ -162,3 +172,17 @@ def test_threshold_is_gigabytes(tmp_path):
 def test_rank_paths():
     assert memfit.hf.rank_path("out/memfit_steps.jsonl", 1, 2) == "out/memfit_steps.rank1.jsonl"
     assert memfit.hf.rank_path("out/memfit_steps.jsonl", 0, 1) == "out/memfit_steps.jsonl"
+
+
+def test_a_failure_before_the_first_step_leaves_no_record_file(tmp_path, monkeypatch):
+    trainer = _trainer(tmp_path, "run")
+    log = tmp_path / "run" / memfit.hf.STEPS_FILE
+    assert log.exists()  # opened when the model is hooked
+
+    def fail(self, model=None):
+        raise memfit.BudgetTooSmallError("injected before the first step")
+
+    monkeypatch.setattr(transformers.Trainer, "create_optimizer", fail)
+    with pytest.raises(memfit.BudgetTooSmallError, match="injected"):
+        trainer.train()
+    assert not log.exists()

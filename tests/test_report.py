@@ -41,7 +41,8 @@ def table_rows(markdown: str, heading: str, first_column: str = "method") -> lis
 
 
 def budget_cell(budget_bytes: int | None) -> str:
-    return "—" if budget_bytes is None else f"{budget_bytes / GIB:.2f}"
+    """A budget as the report shows it: in the unit it was typed in (the fixture's are GiB)."""
+    return "—" if budget_bytes is None else f"{budget_bytes // GIB} GiB"
 
 
 def expected_configs(task: str) -> dict[tuple[str, int | None], list[dict]]:
@@ -64,7 +65,7 @@ def test_methods_table_matches_fixture(report):
     assert len(rows) == len(configs)
     reference = median_ok_time(configs[("none", None)])
     for (method, budget), results in configs.items():
-        row = next(r for r in rows if r["method"] == method and r["budget (GiB)"] == budget_cell(budget))
+        row = next(r for r in rows if r["method"] == method and r["budget"] == budget_cell(budget))
         median = median_ok_time(results)
         peak = max(r["max_peak_allocated_bytes"] for r in results)
         assert row["median time (s)"] == ("—" if median is None else f"{median:.2f}")
@@ -77,11 +78,11 @@ def test_methods_table_matches_fixture(report):
 
 def test_failed_configurations_are_shown(report):
     rows = table_rows(report.read_text(), "## multiple-choice")
-    by_key = {(r["method"], r["budget (GiB)"]): r for r in rows}
-    assert by_key[("none", "6.00")]["status"] == "oom 1/1"
-    assert by_key[("none", "6.00")]["median time (s)"] == "—"
-    assert by_key[("dynamic", "4.00")]["status"] == "ok 1/2, oom 1/2"
-    assert by_key[("dynamic", "6.00")]["status"] == "ok"
+    by_key = {(r["method"], r["budget"]): r for r in rows}
+    assert by_key[("none", "6 GiB")]["status"] == "oom 1/1"
+    assert by_key[("none", "6 GiB")]["median time (s)"] == "—"
+    assert by_key[("dynamic", "4 GiB")]["status"] == "ok 1/2, oom 1/2"
+    assert by_key[("dynamic", "6 GiB")]["status"] == "ok"
 
 
 def test_rows_in_method_order(report):
@@ -170,7 +171,7 @@ def test_step_records_alone(tmp_path):
     shutil.copytree(FIXTURE / "train_run", tmp_path / "run")
     markdown = build_report(tmp_path / "run", tmp_path / "out").read_text()
     assert "## Step records: run" in markdown
-    assert "| method | budget (GiB) | median time (s)" not in markdown
+    assert "| method | budget | median time (s)" not in markdown
 
 
 def test_cli(tmp_path, capsys):
@@ -261,9 +262,9 @@ def test_peer_sweep_names_the_fastest_setting_within_budget(tmp_path):
     markdown = build_report(tmp_path / "in", tmp_path / "out").read_text()
     rows = table_rows(markdown, "Peer sweeps", first_column="peer")
     assert rows == [
-        {"peer": "ckptplan", "budget (GiB)": "4.00", "fastest within budget": "—", "median time (s)": "—",
+        {"peer": "ckptplan", "budget": "4 GiB", "fastest within budget": "—", "median time (s)": "—",
          "vs none": "—", "max peak (GiB)": "—", "settings within budget": "0 of 2"},
-        {"peer": "compile", "budget (GiB)": "4.00", "fastest within budget": "compile-0.5", "median time (s)": "12.00",
+        {"peer": "compile", "budget": "4 GiB", "fastest within budget": "compile-0.5", "median time (s)": "12.00",
          "vs none": "1.20×", "max peak (GiB)": "3.00", "settings within budget": "2 of 4: 0.25, 0.5"},
     ]
     skipped = next(r for r in table_rows(markdown, "## token-classification") if r["method"] == "ckptplan-0.5")

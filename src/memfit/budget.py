@@ -15,6 +15,8 @@ import re
 
 import torch
 
+from memfit.errors import UserError
+
 __all__ = [
     "BudgetTooSmallError",
     "parse_bytes",
@@ -38,7 +40,7 @@ _UNITS = {
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-class BudgetTooSmallError(ValueError):
+class BudgetTooSmallError(UserError, ValueError):
     """The budget cannot hold the parts of training that no checkpointing can shrink."""
 
 

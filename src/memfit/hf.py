@@ -7,7 +7,10 @@ scripts' ``--memory_threshold 6`` in GB) and the method; ``Trainer`` hooks the m
 :func:`memfit.fit`, writes ``<output_dir>/memfit_steps.jsonl`` (one line per micro-step,
 flushed) and ``memfit_summary.json``, adds ``memfit/peak_gib`` and
 ``memfit/n_checkpointed`` to the Trainer's logs, keeps the memory model in every checkpoint
-folder (a resumed run needs no new warm-up) and survives CUDA OOMs.
+folder (a resumed run needs no new warm-up) and survives CUDA OOMs. Before it opens its records
+it checks the budget against weights, gradients and the optimizer state ``--optim`` will make
+(optim_state.py) and refuses an ``--output_dir`` holding an earlier run (run_dir.py); it prints
+one line as training starts and a short summary at its end (summary_text.py).
 
 The memfit behaviour lives in two mixins, so that any ``transformers.Trainer`` subclass can
 have it: :class:`MemfitArguments` (the flags) and :class:`MemfitTrainerMixin` (hooks, OOM
@@ -34,19 +37,26 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import transformers
 
-from memfit.budget import BudgetTooSmallError, parse_bytes
+from memfit.accounting import static_bytes_logical
+from memfit.budget import BudgetTooSmallError, check_static_need, parse_bytes
 from memfit.distributed import GradientSync, is_fsdp, world_size
+from memfit.errors import FlagError, MissingFileError
 from memfit.methods import METHODS, Method, UnknownMethodError
+from memfit.optim_state import expected_state_bytes
 from memfit.records import StepRecord, read_jsonl, summarize
+from memfit.run_dir import claim_output_dir
 from memfit.runtime import Controller, fit
 from memfit.runtime.replay import describe_attempt
+from memfit.summary_text import end_summary, start_line
 
 __all__ = [
     "MemfitArguments", "TrainingArguments", "MemfitTrainerMixin", "Trainer", "with_memfit", "STATE_FILE", "rank_path",
@@ -56,6 +66,8 @@ STATE_FILE = "memfit_state.json"
 STEPS_FILE = "memfit_steps.jsonl"
 SUMMARY_FILE = "memfit_summary.json"
 _MAX_OOM_RETRIES = 8
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -105,36 +117,66 @@ class MemfitArguments:
                   "instead of an OOM and a replay. auto (default): only where the Trainer cannot replay an OOM "
                   "(FSDP); true: on every step that could need it; false: never."},
     )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Train into an --output_dir that holds an earlier run: its memfit records, summary and plans are "
+            "removed first (checkpoint folders stay). Without it such a folder is refused unless "
+            "--resume_from_checkpoint continues the run (NOTE [Earlier runs in the output folder], run_dir.py)."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.fsdp:
-            raise ValueError(
+            raise FlagError(
                 "--fsdp: the memfit Trainer does not support FSDP yet (it hooks the model before Accelerate shards "
                 "it); with FSDP2, call memfit.fit after fully_shard in your own training loop"
             )
+        if self.output_dir and os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
+            raise FlagError(f"--output_dir {self.output_dir} is a file; name a folder (new or existing)")
         super().__post_init__()
         if self.memfit_method not in METHODS:
             raise UnknownMethodError(
                 f"--memfit_method {self.memfit_method!r} is unknown; choose one of {', '.join(METHODS)}"
             )
-        if self.memory_budget is not None and self.memory_threshold is not None:
-            if parse_bytes(self.memory_budget) != int(self.memory_threshold * 10**9):
-                raise ValueError(
-                    f"--memory_budget {self.memory_budget} and --memory_threshold {self.memory_threshold} (GB) "
-                    "disagree; give only one of them"
-                )
-        if self.memory_budget is not None:
-            parse_bytes(self.memory_budget)  # fail early on a malformed size
+        budget = _budget_flag("--memory_budget", self.memory_budget) if self.memory_budget is not None else None
+        if self.memory_threshold is not None and self.memory_threshold <= 0:
+            raise FlagError(f"--memory_threshold {self.memory_threshold}: give a positive number of GB (10**9 bytes)")
+        if budget is not None and self.memory_threshold is not None and budget != int(self.memory_threshold * 10**9):
+            raise FlagError(
+                f"--memory_budget {self.memory_budget} and --memory_threshold {self.memory_threshold} (GB) "
+                "disagree; give only one of them"
+            )
+        if self.memfit_margin is not None and not 0 <= self.memfit_margin < 1:
+            raise FlagError(f"--memfit_margin {self.memfit_margin}: give a share of the budget in [0, 1), e.g. 0.05")
         if self.memfit_method == "precomputed" and not self.memfit_plans_file:
-            raise ValueError("--memfit_method precomputed needs --memfit_plans_file")
+            raise FlagError(
+                "--memfit_method precomputed needs --memfit_plans_file (the memfit_plans.json of a dynamic run)"
+            )
+        if self.memfit_plans_file and not os.path.isfile(self.memfit_plans_file):
+            raise MissingFileError(
+                f"--memfit_plans_file {self.memfit_plans_file}: no such file; give the memfit_plans.json a dynamic "
+                "run wrote in its --output_dir"
+            )
+        if self.memfit_max_shape is not None:
+            max_shape(self.memfit_max_shape)  # fail early on a malformed shape
         if str(self.memfit_backstop).lower() not in ("auto", "true", "false"):
-            raise ValueError(f"--memfit_backstop {self.memfit_backstop!r}: give auto, true or false")
+            raise FlagError(f"--memfit_backstop {self.memfit_backstop!r}: give auto, true or false")
         hf_checkpointing = self.gradient_checkpointing or getattr(self, "activation_checkpointing", False)
         if hf_checkpointing and self.memfit_method != "none":
-            raise ValueError(
+            raise FlagError(
                 "--gradient_checkpointing and memfit both checkpoint: drop --gradient_checkpointing "
                 "(--memfit_method full does the same)"
             )
+
+    @property
+    def memfit_budget_given(self) -> str | None:
+        """The budget as the user wrote it (``"500MB"``, ``"8 GB"`` for ``--memory_threshold 8``), or None."""
+        if self.memory_budget is not None:
+            return str(self.memory_budget)
+        if self.memory_threshold is not None:
+            return f"{self.memory_threshold:g} GB"
+        return None
 
     @property
     def memfit_budget_bytes(self) -> int | None:
@@ -149,6 +191,27 @@ class MemfitArguments:
 @dataclass
 class TrainingArguments(MemfitArguments, transformers.TrainingArguments):
     """``transformers.TrainingArguments`` plus memfit's flags (all optional)."""
+
+
+def _budget_flag(flag: str, value: str) -> int:
+    try:
+        return parse_bytes(value)
+    except ValueError as err:
+        raise FlagError(f"{flag} {value}: {err}") from None
+
+
+def max_shape(text: str) -> tuple[int, int]:
+    """``--memfit_max_shape "8,128"`` → ``(8, 128)``.
+
+    Raises:
+        FlagError: not two positive integers separated by a comma.
+    """
+    parts = text.replace(" ", "").split(",")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise FlagError(
+            f"--memfit_max_shape {text}: write the largest input as N,T (rows, tokens per row), e.g. 8,128"
+        )
+    return int(parts[0]), int(parts[1])
 
 
 def _rng_state() -> dict[str, Any]:
@@ -199,20 +262,49 @@ class MemfitTrainerMixin:
         if method == "precomputed":
             method_kwargs["path"] = a.memfit_plans_file
         if method == "static" and getattr(a, "memfit_max_shape", None):
-            method_kwargs["max_shape"] = tuple(int(x) for x in a.memfit_max_shape.split(","))
+            method_kwargs["max_shape"] = max_shape(a.memfit_max_shape)
         if method == "dynamic":
             method_kwargs["backstop"] = {"true": True, "false": False}.get(str(getattr(a, "memfit_backstop", "auto")).lower(), "auto")
         log = rank_path(getattr(a, "memfit_log", None) or os.path.join(a.output_dir, STEPS_FILE), a.process_index, a.world_size)
+        self._check_static_need_before_optimizer()
+        self._log_path = log
         # Each rank has its own budget (its own process cap), plans for its own batches and
         # writes its own records; rank 0 merges the summaries.
         self.memfit: Controller = fit(
-            self.model, getattr(a, "memfit_budget_bytes", None), method, log=log, margin=getattr(a, "memfit_margin", None), **method_kwargs
+            self.model, getattr(a, "memfit_budget_bytes", None), method, log=log, margin=getattr(a, "memfit_margin", None),
+            announce=False, **method_kwargs,
         )
         self._window: list[tuple[dict[str, Any], dict[str, Any], Any]] = []
         self._oom_total = 0
         self._grad_sync: GradientSync | None = None
         self._grad_sync_of: torch.nn.Module | None = None  # the DDP wrapper it syncs for
         self.add_callback(_MemfitCallback(self))
+
+    def _check_static_need_before_optimizer(self) -> None:
+        """Check weights + gradients + the optimizer state ``--optim`` will make against the budget.
+
+        The optimizer is made when training starts; checking only then would fail a second
+        time, with a larger need, after a first error that left its state out (NOTE [Expected
+        optimizer state] in optim_state.py). An optimizer passed in, or one whose state
+        cannot be known in advance, is checked by the runtime when it is set.
+
+        Raises:
+            BudgetTooSmallError: stating the whole need, in the format of
+                :func:`memfit.budget.check_static_need`.
+        """
+        a = self.args
+        budget = getattr(a, "memfit_budget_bytes", None)
+        if budget is None or self.optimizer is not None or self.optimizer_cls_and_kwargs is not None:
+            return
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        state = expected_state_bytes(a.optim, trainable, a.optim_args)
+        parts = static_bytes_logical(self.model, None)
+        if state is None:
+            logger.info("--optim %s: its state is counted once it exists (the first optimizer step)", a.optim)
+            parts.pop("optimizer state")
+        else:
+            parts[f"optimizer state ({getattr(a.optim, 'value', a.optim)}, expected)"] = parts.pop("optimizer state") + state
+        check_static_need(budget, sum(parts.values()), parts)
 
     # ------------------------------------------------------------ optimizer
     def create_optimizer(self, model=None):
@@ -309,6 +401,14 @@ class MemfitTrainerMixin:
         super().log(logs, *args, **kwargs)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        a = self.args
+        if hasattr(a, "overwrite_output_dir"):  # memfit's TrainingArguments (transformers 5 has no such flag)
+            # the step-record file opens at the first record, so the folder is claimed here, where the
+            # resume is known (NOTE [Earlier runs in the output folder] in run_dir.py)
+            claim_output_dir(
+                a.output_dir, self._log_path, overwrite=a.overwrite_output_dir,
+                resume=bool(resume_from_checkpoint or a.resume_from_checkpoint), rank=a.process_index,
+            )
         if resume_from_checkpoint:
             folder = resume_from_checkpoint
             if folder is True:
@@ -317,9 +417,25 @@ class MemfitTrainerMixin:
             if state_path and os.path.exists(state_path):
                 with open(state_path, encoding="utf-8") as fh:
                     self.memfit.load_state_dict(json.load(fh))
+        self._say(self._start_line())
         output = super().train(resume_from_checkpoint, *args, **kwargs)
         self.write_summary()
         return output
+
+    # ------------------------------------------------------------ what the user reads
+    def _say(self, text: str) -> None:
+        """Print ``text`` to stderr on the main process, unless ``--log_level`` is error or critical."""
+        if self.is_world_process_zero() and str(self.args.log_level) not in ("error", "critical"):
+            print(text, file=sys.stderr, flush=True)
+
+    def _budget_given(self) -> str | None:
+        given = getattr(self.args, "memfit_budget_given", None)
+        return given if isinstance(given, str) else None
+
+    def _start_line(self) -> str:
+        ctl = self.memfit
+        kinds = [type(b.module).__name__ for b in ctl.blocks]
+        return start_line(ctl.method.name, ctl.budget_bytes, self._budget_given(), ctl.accounting, kinds)
 
     def write_summary(self) -> dict[str, Any] | None:
         """Write ``memfit_summary.json``, and for methods with a memory model ``memfit_plans.json``
@@ -339,10 +455,13 @@ class MemfitTrainerMixin:
         if a.world_size > 1:
             steps = os.path.join(a.output_dir, STEPS_FILE) if not a.memfit_log else a.memfit_log
             per_rank = {r: [StepRecord.from_dict(d) for d in read_jsonl(rank_path(steps, r, a.world_size))] for r in range(a.world_size)}
-            summary = summarize([rec for recs in per_rank.values() for rec in recs])
+            records = [rec for recs in per_rank.values() for rec in recs]
+            summary = summarize(records)
             summary.per_rank = {str(r): summarize(recs).to_dict() for r, recs in per_rank.items() if recs}
         else:
+            records = self.memfit.records
             summary = self.memfit.summary()
+        self._say(end_summary(records, self._budget_given()))
         data = summary.to_dict()
         data.update(self.memfit.meter.run_stats())  # the allocator's retries and device allocations (CUDA)
         with open(os.path.join(a.output_dir, SUMMARY_FILE), "w", encoding="utf-8") as fh:

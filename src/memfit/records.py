@@ -189,26 +189,33 @@ def _treated_blocks(records: list[StepRecord]) -> dict[str, int]:
 
 
 class JsonlWriter:
-    """Append JSON lines to a file, flushed per line so a crashed run keeps its records.
+    """Write JSON lines to a file, flushed per line so a crashed run keeps its records.
+
+    The file (and its folder) is made at the first line, so a run that fails before its first
+    record leaves none.
 
     Args:
-        path: file to write; its folder is created. An existing file is truncated.
+        path: file to write.
+        append: add to an existing file instead of truncating it.
     """
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], append: bool = False):
         self.path = os.fspath(path)
-        folder = os.path.dirname(self.path)
-        if folder:
-            os.makedirs(folder, exist_ok=True)
-        self._fh = open(self.path, "w", encoding="utf-8")
+        self.append = append
+        self._fh: Any = None
 
     def write(self, obj: Any) -> None:
+        if self._fh is None:
+            folder = os.path.dirname(self.path)
+            if folder:
+                os.makedirs(folder, exist_ok=True)
+            self._fh = open(self.path, "a" if self.append else "w", encoding="utf-8")
         data = obj.to_dict() if hasattr(obj, "to_dict") else obj
         self._fh.write(json.dumps(data, sort_keys=False) + "\n")
         self._fh.flush()
 
     def close(self) -> None:
-        if not self._fh.closed:
+        if self._fh is not None and not self._fh.closed:
             self._fh.close()
 
     def __enter__(self) -> "JsonlWriter":

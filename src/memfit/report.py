@@ -11,7 +11,9 @@ Reads JSON lines only, never printed text (habit 7), from anywhere under ``<dir>
 and writes ``report.md`` (per task: a table of methods × budgets, a table of memory savers
 when results carry ``eval_metric``, and one of peer sweeps when a peer ran at several settings
 of its knob) and PNG plots: peak memory vs input size, time vs budget, and the
-``memory_count`` histogram. Units: GiB = 2**30 bytes.
+``memory_count`` histogram. Units: GiB = 2**30 bytes for measured sizes; a budget is shown in
+the unit it was given (NOTE [A budget in the unit it was given], summary_text.py). Warm-up steps
+are counted in the tables and drawn as crosses in the peak plot.
 
 # NOTE [Peer sweeps]
 A peer whose knob is relative, not bytes (``compile-F``: torch.compile's activation memory
@@ -30,7 +32,6 @@ and are saved without the ``Software`` PNG metadata (Agg writes no timestamp). F
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import re
 import statistics
@@ -40,7 +41,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from memfit.errors import ArgumentParser, DataError, MissingFileError
 from memfit.records import RunSummary, StepRecord, read_jsonl_numbered, summarize
+from memfit.summary_text import size_in_given_unit
 
 __all__ = ["RESULT_FIELDS", "OPTIONAL_RESULT_FIELDS", "build_report", "main"]
 
@@ -182,7 +185,11 @@ def _row_order(row: _Row) -> tuple:
 
 
 def _budget_text(budget_bytes: int | None) -> str:
-    return "no budget" if budget_bytes is None else f"{budget_bytes / GIB:.2f} GiB"
+    return "no budget" if budget_bytes is None else size_in_given_unit(budget_bytes)
+
+
+def _budget_cell(budget_bytes: int | None) -> str:
+    return _DASH if budget_bytes is None else size_in_given_unit(budget_bytes)
 
 
 def _gib(n: float | None) -> str:
@@ -200,17 +207,25 @@ def _relative(path: Path, root: Path) -> str:
 # ---------------------------------------------------------------------------------- reading
 
 
+def _numbered(path: Path) -> Iterable[tuple[int, Any]]:
+    """``read_jsonl_numbered``, whose malformed lines are a :class:`DataError` (the user's file)."""
+    try:
+        yield from read_jsonl_numbered(path)
+    except ValueError as err:
+        raise DataError(str(err)) from None
+
+
 def _read_results(path: Path) -> list[_Result]:
     results = []
-    for line, data in read_jsonl_numbered(path):
+    for line, data in _numbered(path):
         where = f"{path}:{line}"
         if not isinstance(data, dict):
-            raise ValueError(f"{where}: a bench result must be a JSON object")
+            raise DataError(f"{where}: a bench result must be a JSON object")
         missing = [f for f in RESULT_FIELDS if f not in data]
         if missing:
-            raise ValueError(f"{where}: missing field(s) {', '.join(missing)}; every line needs {', '.join(RESULT_FIELDS)}")
+            raise DataError(f"{where}: missing field(s) {', '.join(missing)}; every line needs {', '.join(RESULT_FIELDS)}")
         if data["status"] not in _STATUSES:
-            raise ValueError(f"{where}: status {data['status']!r} is not one of {', '.join(_STATUSES)}")
+            raise DataError(f"{where}: status {data['status']!r} is not one of {', '.join(_STATUSES)}")
         results.append(_Result(data, path))
     return results
 
@@ -219,10 +234,10 @@ def _read_steps(path: Path) -> list[StepRecord]:
     required = [f.name for f in dataclasses.fields(StepRecord) if f.default is dataclasses.MISSING
                 and f.default_factory is dataclasses.MISSING]
     records = []
-    for line, data in read_jsonl_numbered(path):
+    for line, data in _numbered(path):
         missing = [f for f in required if not isinstance(data, dict) or f not in data]
         if missing:
-            raise ValueError(f"{path}:{line}: not a step record, missing {', '.join(missing)}")
+            raise DataError(f"{path}:{line}: not a step record, missing {', '.join(missing)}")
         records.append(StepRecord.from_dict(data))
     return records
 
@@ -239,7 +254,7 @@ def _load(root: Path) -> tuple[list[_Result], list[_StepRun], list[str]]:
         key=lambda p: _relative(p, root),
     )
     if not result_files and not step_files:
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"no bench results (results.jsonl) or step records (*steps*.jsonl) under {root}; "
             "pass the folder that `memfit bench` or `memfit train` wrote"
         )
@@ -299,7 +314,7 @@ def _ratio(value: float | None, ref: float | None) -> str:
 
 def _methods_table(rows: Sequence[_Row], ref: _Row | None) -> list[str]:
     lines = [
-        "| method | budget (GiB) | median time (s) | vs none | median step (ms) | step vs none | max peak (GiB) "
+        "| method | budget | median time (s) | vs none | median step (ms) | step vs none | max peak (GiB) "
         "| peak / budget | OOMs | recomputed | warm-up steps | planner µs/step | repeats | status |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
@@ -313,7 +328,7 @@ def _methods_table(rows: Sequence[_Row], ref: _Row | None) -> list[str]:
         warmup = [r.warmup_steps for r in row.results if r.warmup_steps is not None]
         step = row.median_of("median_step_ms")
         lines.append(
-            f"| {row.method} | {_gib(budget)} | {_num(row.median_s, '.2f')} | "
+            f"| {row.method} | {_budget_cell(budget)} | {_num(row.median_s, '.2f')} | "
             f"{_ratio(row.median_s, ref.median_s if ref else None)} | {_num(step, '.1f')} | {_ratio(step, ref_step)} | "
             f"{_gib(peak)} | {share} | {ooms} | {recomputed_text} | {max(warmup) if warmup else _DASH} | "
             f"{_num(row.median_of('planner_us_per_step'), '.1f')} | {len(row.results)} | {row.status} |"
@@ -333,7 +348,7 @@ def _savers_table(rows: Sequence[_Row], ref: _Row | None) -> list[str]:
         "`step_ms` of the run's step records times its micro-steps per optimizer step, less swayed than the "
         "total by one-off costs such as a first step or a first step per new input shape):",
         "",
-        "| method | budget (GiB) | median time (s) | time vs vanilla | median step (ms) | step vs vanilla "
+        "| method | budget | median time (s) | time vs vanilla | median step (ms) | step vs vanilla "
         "| max peak (GiB) | peak vs vanilla | metric | value | Δ vs vanilla |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
     ]
@@ -344,7 +359,7 @@ def _savers_table(rows: Sequence[_Row], ref: _Row | None) -> list[str]:
         same = metric == ref_metric and value is not None and ref_value is not None
         step = row.median_of("median_step_ms")
         lines.append(
-            f"| {row.method} | {_gib(row.budget_bytes)} | {_num(row.median_s, '.2f')} | "
+            f"| {row.method} | {_budget_cell(row.budget_bytes)} | {_num(row.median_s, '.2f')} | "
             f"{_ratio(row.median_s, ref.median_s if ref else None)} | {_num(step, '.1f')} | {_ratio(step, ref_step)} | "
             f"{_gib(row.max_peak_bytes)} | "
             f"{_ratio(row.max_peak_bytes, ref.max_peak_bytes if ref else None)} | {metric} | {_num(value, '.4f')} | "
@@ -371,7 +386,7 @@ def _sweeps_table(rows: Sequence[_Row], ref: _Row | None) -> list[str]:
         "Peer sweeps (methods named `<peer>-<setting>`, NOTE [Peer sweeps]): per budget, the fastest setting "
         "whose repeats all finished with their peak within the budget:",
         "",
-        "| peer | budget (GiB) | fastest within budget | median time (s) | vs none | max peak (GiB) | settings within budget |",
+        "| peer | budget | fastest within budget | median time (s) | vs none | max peak (GiB) | settings within budget |",
         "| --- | ---: | --- | ---: | ---: | ---: | --- |",
     ]
     for (peer, budget), settings in sorted(sweeps.items()):
@@ -382,11 +397,11 @@ def _sweeps_table(rows: Sequence[_Row], ref: _Row | None) -> list[str]:
         ]
         within = f"{len(fitting)} of {len(settings)}" + (f": {', '.join(f'{s:g}' for s, _ in fitting)}" if fitting else "")
         if not fitting:
-            lines.append(f"| {peer} | {_gib(budget)} | {_DASH} | {_DASH} | {_DASH} | {_DASH} | {within} |")
+            lines.append(f"| {peer} | {_budget_cell(budget)} | {_DASH} | {_DASH} | {_DASH} | {_DASH} | {within} |")
             continue
         _, best = min(fitting, key=lambda s: (s[1].median_s, s[0]))
         lines.append(
-            f"| {peer} | {_gib(budget)} | {best.method} | {_num(best.median_s, '.2f')} | "
+            f"| {peer} | {_budget_cell(budget)} | {best.method} | {_num(best.median_s, '.2f')} | "
             f"{_ratio(best.median_s, ref.median_s if ref else None)} | {_gib(best.max_peak_bytes)} | {within} |"
         )
     return lines
@@ -394,14 +409,14 @@ def _sweeps_table(rows: Sequence[_Row], ref: _Row | None) -> list[str]:
 
 def _runs_table(runs: Sequence[_StepRun]) -> list[str]:
     lines = [
-        "| step file | method | budget (GiB) | accounting | steps | warm-up | max peak (GiB) | over budget "
+        "| step file | method | budget | accounting | steps | warm-up | max peak (GiB) | over budget "
         "| OOM retries | checkpointed | planner µs |",
         "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for run in runs:
         s = run.summary
         lines.append(
-            f"| `{run.path}` | {s.method} | {_gib(s.budget_bytes)} | {s.accounting} | {s.steps} | {s.warmup_steps} | "
+            f"| `{run.path}` | {s.method} | {_budget_cell(s.budget_bytes)} | {s.accounting} | {s.steps} | {s.warmup_steps} | "
             f"{_gib(s.max_peak_allocated_bytes)} | {s.over_budget_steps} | {s.oom_retries} | "
             f"{100 * s.mean_checkpointed_fraction:.1f}% | {s.mean_planner_us:.1f} |"
         )
@@ -416,7 +431,8 @@ _LEGEND = (
     "input size (kernel choice, allocator growth), which a short multi-scale run's total is not; "
     "*max peak*: largest `max_peak_allocated_bytes` of any repeat, and its share of the "
     "budget; *OOMs*: most OOMs of one repeat; *recomputed*: mean fraction of blocks recomputed; "
-    "*status*: `ok`, or the share of repeats per status. GiB = 2**30 bytes."
+    "*status*: `ok`, or the share of repeats per status. Sizes measured in GiB = 2**30 bytes; budgets in the unit "
+    "they were given (GB = 10**9 bytes, GiB, MB = 10**6, MiB)."
 )
 
 
@@ -458,7 +474,10 @@ def _plot_time_vs_budget(key: _TableKey, rows: Sequence[_Row], ref: _Row | None,
         ax.secondary_yaxis("right", functions=(lambda t: t / ref.median_s, lambda x: x * ref.median_s)).set_ylabel(
             "time relative to none (no budget)"
         )
-    ax.set_xlabel("memory budget (GiB)")
+    budgets = sorted({r.budget_bytes for r in rows if r.budget_bytes is not None})
+    if budgets:  # positions in GiB, labels in the unit each budget was given
+        ax.set_xticks([b / GIB for b in budgets], [_budget_text(b) for b in budgets])
+    ax.set_xlabel("memory budget (axis in GiB)")
     ax.set_ylabel("median total time (s)")
     ax.set_title(f"Time vs budget\n{key.title()}", fontsize=10)
     ax.grid(alpha=0.3)
@@ -491,8 +510,12 @@ def _plot_peak_vs_tokens(group: str, runs: Sequence[_StepRun], path: Path) -> No
         for run in runs:
             if run.budget_bytes not in (budget, None):
                 continue
-            ax.scatter([r.tokens for r in run.records], [r.peak_allocated_bytes / GIB for r in run.records], s=12,
-                       alpha=0.7, color=_color(run.method, methods), label=_label(run))
+            for warmup in (False, True):  # warm-up steps (measured as `full`) as crosses
+                steps = [r for r in run.records if (r.phase == "warmup") == warmup]
+                if steps:
+                    ax.scatter([r.tokens for r in steps], [r.peak_allocated_bytes / GIB for r in steps], s=12 + 12 * warmup,
+                               alpha=0.7, color=_color(run.method, methods), marker="x" if warmup else "o",
+                               label=f"{_label(run)}, warm-up" if warmup else _label(run))
         if budget is not None:
             ax.axhline(budget / GIB, color="black", linestyle="--", linewidth=1, label="budget")
         ax.set_title(f"budget {_budget_text(budget)}", fontsize=10)
@@ -565,8 +588,8 @@ def build_report(input_dir: str | Path, output_dir: str | Path | None = None) ->
         Path of ``report.md``.
 
     Raises:
-        FileNotFoundError: when ``input_dir`` is missing or holds no such JSONL file.
-        ValueError: naming the file and line of a malformed line or a line missing fields.
+        MissingFileError: when ``input_dir`` is missing or holds no such JSONL file.
+        DataError: naming the file and line of a malformed line or a line missing fields.
 
     Example:
         >>> build_report("benchmarks/results")  # doctest: +SKIP
@@ -576,7 +599,7 @@ def build_report(input_dir: str | Path, output_dir: str | Path | None = None) ->
 
     root = Path(input_dir).resolve()
     if not root.is_dir():
-        raise FileNotFoundError(f"{input_dir} is not a folder; pass the folder that holds the JSONL results")
+        raise MissingFileError(f"{input_dir} is not a folder; pass the folder that holds the JSONL results")
     out = Path(output_dir) if output_dir is not None else root / "report"
     results, runs, skipped = _load(root)
     out.mkdir(parents=True, exist_ok=True)
@@ -643,8 +666,13 @@ def _one_run_per_label(runs: Sequence[_StepRun]) -> list[_StepRun]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``memfit report <dir> [--output_dir D]``."""
-    parser = argparse.ArgumentParser(
+    """``memfit report <dir> [--output_dir D]``.
+
+    Raises:
+        MissingFileError: no bench results or step records under ``<dir>``.
+        DataError: a malformed line (the file and line named).
+    """
+    parser = ArgumentParser(
         prog="memfit report",
         description="Tables (report.md) and PNG plots from bench results (results.jsonl) and step records "
         "(*steps*.jsonl) found under a folder. Reads JSON lines only.",
@@ -652,11 +680,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("input_dir", help="folder searched recursively for results.jsonl and *steps*.jsonl")
     parser.add_argument("--output_dir", help="where to write report.md and the plots (default: <input_dir>/report)")
     args = parser.parse_args(argv)
-    try:
-        path = build_report(args.input_dir, args.output_dir)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"memfit report: {exc}", file=sys.stderr)
-        return 2
+    path = build_report(args.input_dir, args.output_dir)
     print(f"wrote {path} and {len(list(path.parent.glob('*.png')))} plots")
     return 0
 

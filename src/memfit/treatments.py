@@ -53,6 +53,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from memfit.errors import UserError
+
 if TYPE_CHECKING:
     from memfit.accounting import SavedTensorCounter
     from memfit.blocks import Block
@@ -177,7 +179,7 @@ class Selective(Treatment):
         return out
 
 
-class HostMemoryError(RuntimeError):
+class HostMemoryError(UserError, RuntimeError):
     """The pinned host memory ``offload`` needs cannot be had."""
 
 

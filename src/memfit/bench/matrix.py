@@ -29,8 +29,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from memfit.methods import METHODS
 from memfit.bench.peers import PEER_FILE
+from memfit.errors import ArgumentParser, FlagError
+from memfit.methods import METHODS
 
 __all__ = [
     "main", "BATCH_SIZES", "DEFAULT_TASKS", "SAVERS", "PEERS", "PEER_KNOBS", "peer_flags", "warm_gpu", "parse_budgets",
@@ -127,7 +128,7 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1 :]
-    p = argparse.ArgumentParser(prog="memfit bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="memfit bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS),
                    help=f"task names: {', '.join(BATCH_SIZES)} (default: the four NLP tasks)")
     p.add_argument("--methods", nargs="+", default=["none", "full", "static", "dynamic"],
@@ -167,12 +168,15 @@ def parse_budgets(values: list[str]) -> list[float]:
     """``["6", "8"]`` or ``["3:8:1"]`` (start:stop:step, inclusive) → GB values."""
     out: list[float] = []
     for v in values:
-        if ":" in v:
-            start, stop, step = (float(x) for x in v.split(":"))
-            n = int(round((stop - start) / step)) + 1
-            out += [start + i * step for i in range(n)]
-        else:
-            out.append(float(v))
+        try:
+            if ":" in v:
+                start, stop, step = (float(x) for x in v.split(":"))
+                n = int(round((stop - start) / step)) + 1
+                out += [start + i * step for i in range(n)]
+            else:
+                out.append(float(v))
+        except (ValueError, ZeroDivisionError):
+            raise FlagError(f"--budgets {v}: write GB as a number (6) or a range start:stop:step (3:8:1)") from None
     return out
 
 
@@ -247,7 +251,10 @@ def _run(config: Config, args: argparse.Namespace, extra: list[str], runs: str =
         flags += ["--synthetic", str(args.synthetic or args.steps * batch)]
     if config.budget_gb:
         flags += ["--memory_threshold", f"{config.budget_gb:g}"]
-    cmd = [sys.executable, "-m", "memfit.cli", "train", config.task, *flags, *extra]
+    # --debug: a failing configuration leaves its traceback in bench.log, whose error type
+    # classifies it below; --overwrite_output_dir: a second invocation reruns a configuration
+    # into the same folder, as before the train command refused earlier runs.
+    cmd = [sys.executable, "-m", "memfit.cli", "--debug", "train", config.task, *flags, "--overwrite_output_dir", "true", *extra]
     os.makedirs(run_dir, exist_ok=True)
     started = time.perf_counter()
     with open(os.path.join(run_dir, "bench.log"), "w") as log:
@@ -343,9 +350,9 @@ def _model_name(task: str, extra: list[str]) -> str:
 def main(argv: list[str]) -> int:
     """Run the matrix; print one line per configuration; return 0 (failures are recorded)."""
     args, extra = _parse_args(argv)
+    configs = _configs(args)  # a malformed --budgets fails before anything is written
     os.makedirs(args.output_dir, exist_ok=True)
     versions = _versions()
-    configs = _configs(args)
     results_path = os.path.join(args.output_dir, "results.jsonl")
     if args.prime and _cuda_available() and configs:
         # NOTE [First process]

@@ -127,6 +127,7 @@ from torch.utils._pytree import tree_map
 
 from memfit.blocks import find_blocks
 from memfit.budget import apply_cuda_cap
+from memfit.errors import FlagError, UserError
 from memfit.methods import Decision, Method
 from memfit.shapes import first_tensor
 
@@ -155,7 +156,7 @@ logger = logging.getLogger(__name__)
 PEER_FILE = "memfit_peer.json"
 
 
-class PeerUnavailableError(RuntimeError):
+class PeerUnavailableError(UserError, RuntimeError):
     """The peer cannot run here (package, option or device missing); the message says what to do."""
 
 
@@ -232,20 +233,20 @@ class PeerArguments:
 
     def __post_init__(self) -> None:
         if (self.oracle_sweep_only or self.oracle_plans_file) and not self.oracle:
-            raise ValueError("--oracle_sweep_only and --oracle_plans_file go with --oracle")
+            raise FlagError("--oracle_sweep_only and --oracle_plans_file go with --oracle")
         if self.hf_checkpoint_offload and not self.hf_checkpoint_every_n_layers:
-            raise ValueError("--hf_checkpoint_offload needs --hf_checkpoint_every_n_layers")
+            raise FlagError("--hf_checkpoint_offload needs --hf_checkpoint_every_n_layers")
         if self.hf_checkpoint_every_n_layers is not None and self.hf_checkpoint_every_n_layers < 1:
-            raise ValueError("--hf_checkpoint_every_n_layers must be at least 1")
+            raise FlagError("--hf_checkpoint_every_n_layers must be at least 1")
         if self.compile_backend is not None and self.compile_activation_memory_budget is None:
-            raise ValueError("--compile_backend needs --compile_activation_memory_budget")
+            raise FlagError("--compile_backend needs --compile_activation_memory_budget")
         for flag in ("compile_activation_memory_budget", "ckptplan_saving_fraction"):
             value = getattr(self, flag)
             if value is not None and not 0 < value <= 1:
-                raise ValueError(f"--{flag} {value}: give a share, 0 < F <= 1")
+                raise FlagError(f"--{flag} {value}: give a share, 0 < F <= 1")
         given = [f"--{name}" for name in self.PEER_FLAGS if _is_set(getattr(self, name))]
         if len(given) > 1:
-            raise ValueError(f"give one peer at a time: {' and '.join(given)}")
+            raise FlagError(f"give one peer at a time: {' and '.join(given)}")
 
 
 def _is_set(value: Any) -> bool:
@@ -713,14 +714,14 @@ def make_peer(peers: PeerArguments, memfit_method: str) -> Peer | None:
     """The peer the flags ask for, or ``None``.
 
     Raises:
-        ValueError: a peer with a memfit method other than ``none`` (both would checkpoint).
+        FlagError: a peer with a memfit method other than ``none`` (both would checkpoint).
         PeerUnavailableError: ckptplan is asked for and not installed.
     """
     flag = next((name for name in PeerArguments.PEER_FLAGS if _is_set(getattr(peers, name))), None)
     if flag is None:
         return None
     if memfit_method != "none":
-        raise ValueError(f"--{flag} is a peer of memfit: run it with --memfit_method none")
+        raise FlagError(f"--{flag} is a peer of memfit: run it with --memfit_method none")
     if flag == "hf_checkpoint_every_n_layers":
         return HfEveryN(peers.hf_checkpoint_every_n_layers, peers.hf_checkpoint_offload)
     if flag == "offload_activations":

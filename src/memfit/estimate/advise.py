@@ -24,6 +24,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from memfit.errors import FlagError, UserError
+from memfit.summary_text import size_in_given_unit
 from memfit.estimate.anatomy import (
     GIB,
     OPTIMIZERS,
@@ -63,7 +65,7 @@ _METHODS = ("none", "dynamic", "full")
 DEFAULT_MARGIN = 0.03
 
 
-class NothingFitsError(ValueError):
+class NothingFitsError(UserError, ValueError):
     """No setup fits the budget; the message gives the bytes the smallest one needs."""
 
 
@@ -130,7 +132,7 @@ def advise(
         >>> ranked[0].train_flags("6GiB")  # doctest: +SKIP
     """
     if not 0 <= margin < 1:
-        raise ValueError(f"--margin {margin}: give a share of the budget in [0, 1)")
+        raise FlagError(f"--margin {margin}: give a share of the budget in [0, 1)")
     usable = int(budget_bytes * (1 - margin))
     optimizers = [o for o in dict.fromkeys(optimizers) if optimizer_available(o)]
     n_blocks = profile.n_blocks
@@ -173,7 +175,7 @@ def _nothing_fits_message(smallest: MemoryEstimate, budget_bytes: int, margin: f
     s = smallest.setup
     need = math.ceil(smallest.total_bytes / (1 - margin))
     return (
-        f"nothing fits the budget of {budget_bytes / GIB:.2f} GiB ({budget_bytes:,} bytes) with "
+        f"nothing fits the budget of {size_in_given_unit(budget_bytes)} ({budget_bytes:,} bytes) with "
         f"{100 * margin:g}% of it kept free. The smallest setup "
         f"({s.precision}, {s.optimizer}, micro-batch {s.micro_batch_size}, {smallest.checkpointed_blocks} of "
         f"{smallest.n_blocks} blocks checkpointed) needs {smallest.total_bytes / GIB:.2f} GiB "
@@ -185,9 +187,15 @@ def _nothing_fits_message(smallest: MemoryEstimate, budget_bytes: int, margin: f
 
 
 def format_advice(
-    ranked: Sequence[Advice], memory_budget: str, *, top: int = 10, title: str = "", margin: float = DEFAULT_MARGIN
+    ranked: Sequence[Advice],
+    memory_budget: str,
+    *,
+    top: int = 10,
+    title: str = "",
+    margin: float = DEFAULT_MARGIN,
+    command: Sequence[str] = (),
 ) -> str:
-    """A markdown table of the ``top`` setups and the ``memfit train`` flags of the best.
+    """A markdown table of the ``top`` setups and the ``memfit train`` command of the best.
 
     Args:
         ranked: output of :func:`advise`.
@@ -195,9 +203,11 @@ def format_advice(
         top: rows shown.
         title: first line.
         margin: the share of the budget :func:`advise` kept free (stated in the text).
+        command: the words after ``memfit`` that name the task, model and input length
+            (``memfit.estimate.cli.train_command``); empty when ``memfit train`` has no such task.
 
     Returns:
-        Multi-line text.
+        Multi-line text; its ``best:`` line is the whole ``memfit train`` command but the data.
     """
     lines = [title] if title else []
     lines += [
@@ -213,5 +223,13 @@ def format_advice(
             f"| {rank} | {s.precision} | {s.optimizer} | {s.micro_batch_size} x {s.accumulation_steps} | {a.method} "
             f"| {e.checkpointed_blocks}/{e.n_blocks} | {e.total_bytes / GIB:.2f} | {a.relative_time:.2f} |"
         )
-    lines += ["", "best: memfit train " + " ".join(ranked[0].train_flags(memory_budget))]
+    flags = ranked[0].train_flags(memory_budget)
+    if command:
+        lines += [
+            "",
+            "best: memfit " + " ".join([*command, *flags, "--do_train", "--output_dir", f"out/{command[1]}"]),
+            "  with your data: --train_file FILE (or --dataset_name NAME); --synthetic N tries it on generated examples",
+        ]
+    else:
+        lines += ["", "best (memfit train has no task for this model's head; its flags): " + " ".join(flags)]
     return "\n".join(lines)

@@ -78,6 +78,7 @@ import torch
 from torch import nn
 
 from memfit.budget import parse_bytes
+from memfit.errors import DataError, FlagError
 
 __all__ = [
     "TASKS",
@@ -359,7 +360,7 @@ def _bert_outside_bytes(config: Any, task: str, rows: int, s: int, e: ElementByt
 
 def _check_choice(flag: str, value: Any, choices: Sequence[Any]) -> None:
     if value not in choices:
-        raise ValueError(f"--{flag} {value!r} is not one of {', '.join(map(str, choices))}")
+        raise FlagError(f"--{flag} {value!r} is not one of {', '.join(map(str, choices))}")
 
 
 def load_config(model: str | None = None, config_path: str | Path | None = None) -> Any:
@@ -377,7 +378,7 @@ def load_config(model: str | None = None, config_path: str | Path | None = None)
         A ``transformers.PretrainedConfig``.
 
     Raises:
-        ValueError: when neither is given, or ``model`` cannot be resolved (naming the
+        FlagError: when neither is given, or ``model`` cannot be resolved (naming the
             shipped configs and ``--config``).
     """
     from transformers import AutoConfig
@@ -385,10 +386,10 @@ def load_config(model: str | None = None, config_path: str | Path | None = None)
     if config_path is not None:
         data = json.loads(Path(config_path).read_text(encoding="utf-8"))
         if "model_type" not in data:
-            raise ValueError(f"{config_path}: a config JSON needs a 'model_type' field")
+            raise DataError(f"{config_path}: a config JSON needs a 'model_type' field")
         return AutoConfig.for_model(data.pop("model_type"), **data)
     if model is None:
-        raise ValueError("pass --model NAME or --config path/to/config.json")
+        raise FlagError("pass --model NAME or --config path/to/config.json")
     shipped = resources.files("memfit") / "configs"
     candidate = shipped / f"{model.rstrip('/').split('/')[-1]}.json"
     if candidate.is_file():
@@ -398,7 +399,7 @@ def load_config(model: str | None = None, config_path: str | Path | None = None)
     except (OSError, ValueError) as exc:
         files = shipped.iterdir() if shipped.is_dir() else ()
         names = sorted(p.name[: -len(".json")] for p in files if p.name.endswith(".json"))
-        raise ValueError(
+        raise FlagError(
             f"cannot resolve --model {model!r}: no shipped config (shipped: {', '.join(names)}) "
             f"and AutoConfig.from_pretrained failed ({exc}); pass --config path/to/config.json"
         ) from None
@@ -444,7 +445,7 @@ class ModelProfile:
         """Build the model with its ``task`` head on the meta device and read its shapes.
 
         Raises:
-            ValueError: for an unknown task or a config the task's Auto class does not take.
+            FlagError: for an unknown task or a config the task's Auto class does not take.
         """
         import transformers
 
@@ -458,7 +459,7 @@ class ModelProfile:
             try:
                 model = auto.from_config(config, attn_implementation="eager")
             except ValueError as exc:
-                raise ValueError(f"--task {task}: {type(config).__name__} has no such head ({exc})") from None
+                raise FlagError(f"--task {task}: {type(config).__name__} has no such head ({exc})") from None
         from memfit.blocks import find_blocks
 
         params = [p for p in model.parameters() if p.requires_grad]
@@ -560,13 +561,13 @@ def activation_profile(
     ``precision``, e.g. with those of CPU kernels.
 
     Raises:
-        ValueError: when the input size flag does not match the model (text vs vision).
+        FlagError: when the input size flag does not match the model (text vs vision).
     """
     vision = profile.task == "image-classification"
     if vision and image_size is None:
-        raise ValueError(f"{profile.name} is a vision model: pass --image_size (pixels per side)")
+        raise FlagError(f"{profile.name} is a vision model: pass --image_size (pixels per side)")
     if not vision and seq_length is None:
-        raise ValueError(f"{profile.name} is a text model: pass --seq_length (tokens per example)")
+        raise FlagError(f"{profile.name} is a text model: pass --seq_length (tokens per example)")
     rows = micro_batch_size * (num_choices if profile.task == "multiple-choice" else 1)
     config = profile.config
     if profile.bert_family:
@@ -687,9 +688,9 @@ class TrainingSetup:
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("optimizer", self.optimizer, tuple(OPTIMIZERS))
         if self.micro_batch_size < 1 or self.accumulation_steps < 1:
-            raise ValueError("--batch_size and --gradient_accumulation_steps must be at least 1")
+            raise FlagError("--batch_size and --gradient_accumulation_steps must be at least 1")
         if self.checkpoint not in ("none", "full") and not str(self.checkpoint).isdigit():
-            raise ValueError(f"--checkpoint {self.checkpoint!r}: write none, full or a number of blocks")
+            raise FlagError(f"--checkpoint {self.checkpoint!r}: write none, full or a number of blocks")
 
     @property
     def batch_size(self) -> int:
@@ -700,14 +701,14 @@ class TrainingSetup:
         """Blocks checkpointed out of ``n_blocks``.
 
         Raises:
-            ValueError: when a number larger than ``n_blocks`` was given.
+            FlagError: when a number larger than ``n_blocks`` was given.
         """
         if self.checkpoint == "none":
             return 0
         if self.checkpoint == "full":
             return n_blocks
         if int(self.checkpoint) > n_blocks:
-            raise ValueError(f"--checkpoint {self.checkpoint}: the model has only {n_blocks} blocks")
+            raise FlagError(f"--checkpoint {self.checkpoint}: the model has only {n_blocks} blocks")
         return int(self.checkpoint)
 
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from memfit.budget import parse_bytes
+from memfit.errors import ArgumentParser, FlagError
 from memfit.estimate.advise import DEFAULT_MARGIN, advise, format_advice
 from memfit.estimate.anatomy import (
     OPTIMIZERS,
@@ -22,8 +22,12 @@ from memfit.estimate.anatomy import (
 __all__ = ["main"]
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+#: ``memfit train`` task names (the estimate also knows image-classification, which it cannot train).
+_TRAIN_TASKS = ("text-classification", "multiple-choice", "question-answering", "token-classification")
+
+
+def _parser() -> ArgumentParser:
+    p = ArgumentParser(
         prog="memfit estimate",
         description="Memory anatomy of one training step (weights, gradients, optimizer state, activations, "
         "CUDA context) from a model config; --advise lists the fastest setups that fit --memory_budget. "
@@ -49,47 +53,67 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def train_command(model: str | None, config: str | None, task: str, seq_length: int | None) -> list[str]:
+    """The start of the ``memfit train`` command that trains what was estimated: the task, the model
+    (pretrained weights for ``--model``, random weights from ``--config``) and the input length.
+
+    Returns:
+        The words after ``memfit``, or an empty list when ``memfit train`` has no such task.
+    """
+    if task not in _TRAIN_TASKS:
+        return []
+    words = ["train", task]
+    words += ["--config_name", str(config)] if config else ["--model_name_or_path", str(model)]
+    return words + (["--max_seq_length", str(seq_length)] if seq_length else [])
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``memfit estimate``: print the breakdown (or, with ``--advise``, the ranked setups)."""
+    """``memfit estimate``: print the breakdown (or, with ``--advise``, the ranked setups).
+
+    Raises:
+        FlagError: a flag value or combination that cannot work.
+        NothingFitsError: ``--advise`` and no setup fits the budget (the ``memfit`` command
+            prints it in one line and exits 2).
+    """
     args = _parser().parse_args(argv)
     try:
         budget = None if args.memory_budget is None else parse_bytes(args.memory_budget)
-        if args.advise and budget is None:
-            raise ValueError("--advise needs --memory_budget (e.g. 6GiB)")
-        if args.batch_size % args.gradient_accumulation_steps:
-            raise ValueError(
-                f"--batch_size {args.batch_size} is not a multiple of --gradient_accumulation_steps "
-                f"{args.gradient_accumulation_steps}"
-            )
-        config = load_config(args.model, args.config)
-        profile = ModelProfile.from_config(config, args.task, name=args.model or str(args.config))
-        inputs = {"seq_length": args.seq_length, "image_size": args.image_size, "attention": args.attention,
-                  "num_choices": args.num_choices}
-        title = f"memfit estimate: {profile.name}, {args.task}, " + (
-            f"{args.image_size}x{args.image_size} pixels" if args.image_size else f"{args.seq_length} tokens"
-        ) + f", batch {args.batch_size}" + (f", {args.attention} attention" if profile.bert_family else "")
-        if args.advise:
-            half = "fp16" if args.precision == "fp16" else "bf16"
-            optimizers = [args.optimizer] + [o for o in ("adamw", "adafactor", "adamw-8bit") if o != args.optimizer]
-            ranked = advise(profile, args.batch_size, budget, precisions=("fp32", half), optimizers=optimizers,
-                            margin=args.margin, **inputs)
-            print(format_advice(ranked, args.memory_budget, top=args.top, title=title, margin=args.margin))
-            for name in optimizers:
-                if not optimizer_available(name):
-                    print(f"note: {name} not considered: {OPTIMIZERS[name].needs} is not installed")
-            return 0
-        setup = TrainingSetup(
-            precision=args.precision,
-            optimizer=args.optimizer,
-            micro_batch_size=args.batch_size // args.gradient_accumulation_steps,
-            accumulation_steps=args.gradient_accumulation_steps,
-            checkpoint=args.checkpoint,
+    except ValueError as err:
+        raise FlagError(f"--memory_budget {args.memory_budget}: {err}") from None
+    if args.advise and budget is None:
+        raise FlagError("--advise needs --memory_budget (e.g. 6GiB)")
+    if args.batch_size % args.gradient_accumulation_steps:
+        raise FlagError(
+            f"--batch_size {args.batch_size} is not a multiple of --gradient_accumulation_steps "
+            f"{args.gradient_accumulation_steps}"
         )
-        print(format_table(estimate(profile, setup, **inputs), budget, title=title))
+    config = load_config(args.model, args.config)
+    profile = ModelProfile.from_config(config, args.task, name=args.model or str(args.config))
+    inputs = {"seq_length": args.seq_length, "image_size": args.image_size, "attention": args.attention,
+              "num_choices": args.num_choices}
+    title = f"memfit estimate: {profile.name}, {args.task}, " + (
+        f"{args.image_size}x{args.image_size} pixels" if args.image_size else f"{args.seq_length} tokens"
+    ) + f", batch {args.batch_size}" + (f", {args.attention} attention" if profile.bert_family else "")
+    if args.advise:
+        half = "fp16" if args.precision == "fp16" else "bf16"
+        optimizers = [args.optimizer] + [o for o in ("adamw", "adafactor", "adamw-8bit") if o != args.optimizer]
+        ranked = advise(profile, args.batch_size, budget, precisions=("fp32", half), optimizers=optimizers,
+                        margin=args.margin, **inputs)
+        command = train_command(args.model, args.config, args.task, args.seq_length)
+        print(format_advice(ranked, args.memory_budget, top=args.top, title=title, margin=args.margin, command=command))
+        for name in optimizers:
+            if not optimizer_available(name):
+                print(f"note: {name} not considered: {OPTIMIZERS[name].needs} is not installed")
         return 0
-    except ValueError as exc:
-        print(f"memfit estimate: {exc}", file=sys.stderr)
-        return 2
+    setup = TrainingSetup(
+        precision=args.precision,
+        optimizer=args.optimizer,
+        micro_batch_size=args.batch_size // args.gradient_accumulation_steps,
+        accumulation_steps=args.gradient_accumulation_steps,
+        checkpoint=args.checkpoint,
+    )
+    print(format_table(estimate(profile, setup, **inputs), budget, title=title))
+    return 0
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ A new method is a subclass of :class:`Method` added to :data:`METHODS`.
 
 from __future__ import annotations
 
+from memfit.errors import FlagError
 from memfit.methods.base import Decision, Method, UnknownMethodError
 from memfit.methods.dynamic import Dynamic, Static
 from memfit.methods.fixed import FullCheckpoint, NoCheckpoint
@@ -55,7 +56,7 @@ def make_method(name: str | Method, **kwargs) -> Method:
 
     Raises:
         UnknownMethodError: listing the valid names.
-        ValueError: for ``precomputed`` without ``path``, naming it.
+        FlagError: for ``precomputed`` without ``path``, naming it.
 
     Example:
         >>> make_method("static", max_shape=(8, 512)).max_shape
@@ -67,5 +68,5 @@ def make_method(name: str | Method, **kwargs) -> Method:
     if cls is None:
         raise UnknownMethodError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}")
     if cls is Precomputed and "path" not in kwargs:
-        raise ValueError("method 'precomputed' needs path= (a plans file written by Controller.save_plans)")
+        raise FlagError("method 'precomputed' needs path= (a plans file written by Controller.save_plans)")
     return cls(**kwargs)

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+from memfit.errors import UserError
 from memfit.planner import Plan
 from memfit.protection import Protection, Unprotected
 
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 __all__ = ["Decision", "Method", "UnknownMethodError"]
 
 
-class UnknownMethodError(ValueError):
+class UnknownMethodError(UserError, ValueError):
     """The method name is not one memfit knows."""
 
 

@@ -16,6 +16,7 @@ import json
 import os
 from typing import TYPE_CHECKING
 
+from memfit.errors import UserError
 from memfit.methods.base import Decision, Method
 from memfit.planner import Plan
 
@@ -27,7 +28,7 @@ __all__ = ["PLANS_SCHEMA_VERSION", "PlansMismatchError", "Precomputed", "save_pl
 PLANS_SCHEMA_VERSION = 2
 
 
-class PlansMismatchError(ValueError):
+class PlansMismatchError(UserError, ValueError):
     """A plans file was made for another model than the one being trained."""
 
 

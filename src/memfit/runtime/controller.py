@@ -55,6 +55,7 @@ from memfit.runtime.meter import Meter, make_meter
 from memfit.runtime.step import Stage, StepState
 from memfit.shapes import first_tensor, shape_key
 from memfit.store import ReactiveStore
+from memfit.summary_text import end_summary, start_line
 from memfit.treatments import OFFLOAD, RECOMPUTE, Treatment, make_treatments
 
 __all__ = ["fit", "Controller"]
@@ -80,6 +81,11 @@ def _check_static_need(model: nn.Module, budget_bytes: int | None, optimizer: to
     if budget_bytes is not None:
         check_static_need(budget_bytes, sum(parts.values()), parts)
     return parts
+
+
+def _say(text: str, rank: int) -> None:
+    if rank == 0:
+        print(text, file=sys.stderr, flush=True)
 
 
 def _make_treatments(
@@ -119,6 +125,7 @@ class Controller:
         bucket_tokens: int = 8,
         cap: bool = True,
         treatments: Sequence[str] = (RECOMPUTE,),
+        announce: str | bool = False,
     ):
         self.model = model
         self.method = method
@@ -147,6 +154,11 @@ class Controller:
         self._gathered = GatheredParameters(model, self._counter)
         self.rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
         self._writer = JsonlWriter(log) if log else None
+        #: print a start line now and a summary at remove(); a str is the budget as the user wrote it
+        self.announce = announce
+        if announce:
+            _say(start_line(method.name, budget_bytes, announce if isinstance(announce, str) else None, self.meter.kind,
+                            [type(b.module).__name__ for b in self.blocks]), self.rank)
         self._records: list[StepRecord] = []
         self._step: StepState | None = None
         self._steps_recorded = 0
@@ -392,7 +404,8 @@ class Controller:
 
     def remove(self) -> None:
         """Close the last record, unhook and unwrap: the model is exactly as before ``fit``."""
-        self.records  # noqa: B018 - closes the pending step
+        if self.records and self.announce and self._handles:
+            _say(end_summary(self.records, self.announce if isinstance(self.announce, str) else None), self.rank)
         for h in self._handles + self._optimizer_handles:
             h.remove()
         self._handles = self._optimizer_handles = []
@@ -419,6 +432,7 @@ def fit(
     bucket_tokens: int = 8,
     cap: bool = True,
     treatments: Sequence[str] = (RECOMPUTE,),
+    announce: bool = True,
     **method_kwargs: Any,
 ) -> Controller:
     """Train ``model`` inside ``budget`` by treating just enough blocks per batch.
@@ -443,6 +457,8 @@ def fit(
         treatments: what the planner may give a block besides ``keep``: ``recompute``,
             ``selective``, ``offload`` (treatments.py); it picks per batch and block the
             cheapest mix that fits (NOTE [Treatments never lose] in planning.py).
+        announce: print one line on stderr now (method, budget, accounting, blocks) and a short
+            summary when :meth:`Controller.remove` is called.
         **method_kwargs: passed to the method (``path=`` for ``precomputed``,
             ``max_shape=`` for ``static``, ``warmup_steps=`` for ``dynamic``...).
 
@@ -468,4 +484,5 @@ def fit(
     """
     budget_bytes = None if budget is None else parse_bytes(budget)
     method_obj = make_method(method, **method_kwargs)
-    return Controller(model, budget_bytes, method_obj, optimizer, blocks, log, margin, bucket_tokens, cap, treatments)
+    shown = (budget if isinstance(budget, str) else True) if announce else False
+    return Controller(model, budget_bytes, method_obj, optimizer, blocks, log, margin, bucket_tokens, cap, treatments, shown)

@@ -4,8 +4,9 @@ Every recipe module has ``build(model_args, data_args, seed=42) -> TaskBundle``:
 data (local file, hub dataset or synthetic), tokenizes it without padding (images: keeps them at
 native size), and returns the model, the dynamic-padding collator and the task's metric. A recipe
 with flags of its own lists their dataclasses in ``ARGUMENTS``; ``memfit train`` parses them and
-passes them to ``build`` after the seed. Modules are imported on first use, so listing the tasks
-does not import transformers.
+passes them to ``build`` after the seed. A recipe that loads no tokenizer sets ``TOKENIZER =
+False`` (``memfit train`` then does not ask the hub for one). Modules are imported on first use,
+so listing the tasks does not import transformers.
 
 Example:
     >>> from memfit.tasks import DataTrainingArguments, ModelArguments, get_task
@@ -18,6 +19,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from memfit.errors import FlagError
 from memfit.tasks._common import DataFileError, DataTrainingArguments, ModelArguments, TaskBundle
 
 __all__ = ["TASKS", "get_task", "ModelArguments", "DataTrainingArguments", "TaskBundle", "DataFileError"]
@@ -37,8 +39,8 @@ def get_task(name: str) -> ModuleType:
     """The recipe module of task ``name``.
 
     Raises:
-        ValueError: ``name`` is not a known task (the message lists the known ones).
+        FlagError: ``name`` is not a known task (the message lists the known ones).
     """
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; choose one of: {', '.join(TASKS)}")
+        raise FlagError(f"unknown task {name!r}; choose one of: {', '.join(TASKS)}")
     return importlib.import_module(TASKS[name])

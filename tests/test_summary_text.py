@@ -1,0 +1,71 @@
+"""What memfit prints at the start and end of a run, from plain values and step records."""
+
+from __future__ import annotations
+
+import pytest
+
+from memfit.records import StepRecord
+from memfit.summary_text import end_summary, size_in_given_unit, start_line
+
+
+def _record(step: int, peak: int, budget: int | None, plan: list[int], phase: str = "steady", **extra) -> StepRecord:
+    return StepRecord(
+        step=step, shape=[4, 100], tokens=400, method="dynamic", plan=plan, n_checkpointed=len(plan), n_blocks=4,
+        predicted_peak_bytes=None, peak_allocated_bytes=peak, peak_reserved_bytes=peak, budget_bytes=budget,
+        accounting="logical", step_ms=100.0, recompute_ms_est=10.0 * len(plan), phase=phase, **extra,
+    )
+
+
+def test_start_line_states_method_budget_accounting_and_blocks():
+    line = start_line("dynamic", 500 * 10**6, "500MB", "cuda", ["SwinLayer"] * 2 + ["DetrEncoderLayer"])
+    assert line == (
+        "memfit: method dynamic, budget 500MB (500000000 bytes), cuda accounting (allocator peaks, budget enforced "
+        "as a hard cap), 3 blocks (2 SwinLayer, 1 DetrEncoderLayer)"
+    )
+
+
+def test_start_line_without_budget_says_nothing_is_capped():
+    line = start_line("dynamic", None, None, "logical", ["BertLayer"] * 6)
+    assert "no budget: nothing is capped" in line and "6 blocks (BertLayer)" in line
+
+
+def test_end_summary_counts():
+    budget = 1000
+    records = [
+        _record(1, 600, budget, [0, 1, 2, 3], phase="warmup"),
+        _record(2, 900, budget, [0, 1], oom_retries=1),
+        _record(3, 1100, budget, []),  # over the budget
+        _record(4, 800, budget, [0, 1, 2, 3]),
+    ]
+    text = end_summary(records, "1000")
+    lines = text.splitlines()
+    assert len(lines) == 3 and all(line.startswith("memfit: ") for line in lines)
+    assert lines[0] == "memfit: 4 steps (1 warm-up), method dynamic, budget 1000 bytes (1000 B)"
+    assert lines[1] == "memfit: peak 1100 B = 110% of the budget (logical accounting), 1 step over budget, 1 OOM replay"
+    # blocks: (4 + 2 + 0 + 4) / 4 steps = 2.5 of 4; recompute 10 ms a block: 100 of 400 ms
+    assert lines[2] == (
+        "memfit: 2.5 of 4 blocks recomputed per step on average (62%), recompute about 25% of step time "
+        "(estimated), steps took 0.4 s"
+    )
+
+
+def test_end_summary_without_budget_and_without_steps():
+    text = end_summary([_record(1, 2**20, None, [])])
+    assert "no budget: nothing is capped" in text and "peak 1.0 MiB (logical accounting), not capped" in text
+    assert end_summary([]) == "memfit: no training step ran"
+
+
+@pytest.mark.parametrize(
+    "n, text",
+    [
+        (500 * 10**6, "500 MB"),
+        (8 * 10**9, "8 GB"),
+        (6 * 2**30, "6 GiB"),
+        (512 * 2**20, "512 MiB"),
+        (26 * 10**6, "26 MB"),
+        (1500 * 10**6, "1500 MB"),
+        (123456789, "117.7 MiB"),
+    ],
+)
+def test_a_budget_in_the_unit_it_was_given(n, text):
+    assert size_in_given_unit(n) == text
