@@ -117,7 +117,9 @@ def _commit() -> str:
         return out.stdout.strip()
 
     head = git("rev-parse", "--short=7", "HEAD") or "unknown"
-    return head + (" with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    # Changes to the code count, not those to published results.
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", "src", "benchmarks", ":!benchmarks/results")
+    return head + (" with uncommitted changes" if changed else "")
 
 
 def _now() -> str:
