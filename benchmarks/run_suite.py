@@ -6,9 +6,10 @@ folders, plans, model state), then publishes the canonical folder (``--out``):
 
 * ``results.jsonl``: every line of every call's ``results.jsonl``, one per method × budget ×
   repeat (the schema ``memfit report`` reads), each ``steps_file`` pointing into ``runs/``;
-* ``runs/**/*.steps.jsonl.gz``: the step records of those runs (and of runs no result names,
-  such as a DDP run's second rank), compacted (``compact_steps``: what ``memfit report`` and
-  ``step_sums.py`` read, times to a microsecond);
+* ``runs/**/*.steps.jsonl.gz``: the step records those lines name, compacted
+  (``compact_steps``: what ``memfit report`` and ``step_sums.py`` read, times to 10 µs);
+  records no line names (a DDP run's second rank, whose numbers its
+  line and ``summary.md`` carry) stay in the raw folder;
 * the driver outputs the suite's ``keep`` names (tables ``memfit report`` does not draw);
 * ``SOURCE.md``: what ran, when, at which commit, on which device;
 * ``report/``: ``memfit report``'s tables and plots of the folder.
@@ -51,8 +52,8 @@ sys.path[:0] = [str(ROOT / "src"), str(BENCHMARKS)]
 
 from suites import Call, Context, Suite  # noqa: E402
 
-# Folders whose step records no result names and no report should show: memfit bench's
-# untimed first run (NOTE [First process]) and the oracle's sweep.
+# Folders whose results are no measurement: memfit bench's untimed first run (NOTE [First
+# process]) and the oracle's sweep.
 _UNPUBLISHED_DIRS = {"prime", "sweep"}
 # Folder names left out of a published step file's path (every run folder has one).
 _FLATTENED_DIRS = {"runs", "steps"}
@@ -197,7 +198,8 @@ def run(module, suite: Suite, machine: dict, raw: Path, names: list[str] | None,
     env = _environment(raw, suite)
     markers.mkdir(exist_ok=True)
     for call in calls:
-        info = {**_run_call(call, raw, env), "commit": _commit(), **machine, **_versions()}
+        commit = _commit()  # the code as the call starts it
+        info = {**_run_call(call, raw, env), "commit": commit, **machine, **_versions()}
         (markers / f"{call.name}.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
 
 
@@ -218,8 +220,8 @@ def _step_defaults() -> dict:
 
 #: Step-record fields that neither memfit report nor step_sums.py reads: left out when published.
 UNREAD_STEP_FIELDS = ("saved_activation_bytes", "static_bytes", "planned", "backstop_input_bytes")
-#: Decimals kept of the step records' times: a microsecond of a step, a hundredth of one of the planner.
-STEP_DECIMALS = {"step_ms": 3, "recompute_ms_est": 3, "planner_us": 2}
+#: Decimals kept of the step records' times: 10 µs of a step (report prints 100 µs), 0.1 µs of the planner.
+STEP_DECIMALS = {"step_ms": 2, "recompute_ms_est": 2, "planner_us": 1}
 
 
 def compact_steps(src: Path, dst: Path) -> int:
@@ -242,7 +244,7 @@ def compact_steps(src: Path, dst: Path) -> int:
             for k, decimals in STEP_DECIMALS.items():
                 if isinstance(kept.get(k), float):
                     kept[k] = round(kept[k], decimals)
-            fh.write((json.dumps(kept) + "\n").encode("utf-8"))
+            fh.write((json.dumps(kept, separators=(",", ":")) + "\n").encode("utf-8"))
             n += 1
     return n
 
@@ -304,11 +306,6 @@ def publish(suite: Suite, raws: list[Path], out: Path) -> dict:
                 if target is not None:
                     line["steps_file"] = published.get(target.resolve()) or place(target, raw, prefix)
                 lines.append(line)
-        for pattern in ("*steps*.jsonl", "*steps*.jsonl.gz"):  # runs no result names (a DDP run's rank 1)
-            for step_file in sorted(raw.rglob(pattern)):
-                if step_file.resolve() not in published and not _is_unpublished(step_file, raw) and step_file.is_file():
-                    if not (step_file.suffix == ".jsonl" and step_file.with_name(step_file.name + ".gz").exists()):
-                        place(step_file, raw, prefix)
         for pattern in suite.keep:
             for call_dir in sorted(p for p in raw.iterdir() if p.is_dir() and p.name not in {".calls", "site"}):
                 for kept in sorted(call_dir.glob(pattern)):

@@ -31,8 +31,8 @@ def test_compacted_step_records_keep_what_the_report_reads(tmp_path):
     assert run_suite.compact_steps(src, tmp_path / "a.jsonl.gz") == 3
     back = [StepRecord.from_dict(d) for d in read_jsonl(tmp_path / "a.jsonl.gz")]
     unread = {name: run_suite._step_defaults()[name] for name in run_suite.UNREAD_STEP_FIELDS}  # read as defaults
-    expected = [StepRecord.from_dict({**r, **unread, "step_ms": round(r["step_ms"], 3),
-                                      "planner_us": round(r["planner_us"], 2)}) for r in records]
+    expected = [StepRecord.from_dict({**r, **unread, **{k: round(r[k], n) for k, n in run_suite.STEP_DECIMALS.items()}})
+                for r in records]
     assert back == expected
     assert "rank" not in next(iter(read_jsonl(tmp_path / "a.jsonl.gz")))  # a default left out
     run_suite.compact_steps(src, tmp_path / "b.jsonl.gz")  # no time in the gzip header: the same bytes
