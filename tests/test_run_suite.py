@@ -67,15 +67,14 @@ def test_quick_soak_publishes_the_canonical_folder(tmp_path):
     out, raw = tmp_path / "out", tmp_path / "raw"
     assert run_suite.main(["soak", "--quick", "--out", str(out), "--raw", str(raw)]) == 0
     lines = list(read_jsonl(out / "results.jsonl"))
-    assert [(r["method"], r["budget_bytes"] is None, r["status"]) for r in lines] == [
-        ("none", True, "ok"), ("dynamic", False, "ok"), ("reactive", False, "ok"),
-    ]
+    assert [(r["method"], r["status"]) for r in lines] == [("dynamic", "ok"), ("reactive", "ok")]
+    assert all(r["max_peak_allocated_bytes"] <= r["budget_bytes"] for r in lines)
     for line in lines:
         assert line["steps_file"] == f"runs/cpu/{line['method']}.steps.jsonl.gz"
         with gzip.open(out / line["steps_file"], "rt") as fh:
             assert sum(1 for _ in fh) == line["steps"]
     report = (out / "report" / "report.md").read_text()
-    assert "## adversarial" in report and report.count(".steps.jsonl.gz` |") == 3
+    assert "## adversarial" in report and report.count(".steps.jsonl.gz` |") == 2
     assert "| cpu |" in (out / "SOURCE.md").read_text()
     published = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     assert not [p for p in published if p.endswith(".log") or p.endswith(".jsonl") and p != "results.jsonl"]

@@ -14,8 +14,7 @@ SUITE = Suite(
     repeats=1,
     steps=230,
     carry=("tokenizer", "minilm", "data"),
-    keep=("estimate_vs_measured.md", "estimate_vs_measured.jsonl", "cap/cap_summary.md", "cap/cap_summary.json",
-          "cap/advise.txt"),
+    keep=("estimate_vs_measured.md", "cap/cap_summary.md", "cap/cap_summary.json", "cap/advise.txt"),
     notes="c's savers: none (fp32, AdamW), bf16, fp16, accumulation (4 micro-batches), full, adafactor, all "
           "(and adamw-8bit where bitsandbytes is installed); one epoch at the default 2e-5 leaves MiniLM "
           "predicting MRPC's majority class, so c trains two epochs at 5e-5",
