@@ -118,8 +118,9 @@ def _commit() -> str:
         return out.stdout.strip()
 
     head = git("rev-parse", "--short=7", "HEAD") or "unknown"
-    # Changes to the code count, not those to published results.
-    changed = git("status", "--porcelain", "--untracked-files=no", "--", "src", "benchmarks", ":!benchmarks/results")
+    # Changes to the code count, not those to documentation or published results.
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", "src/memfit",
+                  ":(glob)benchmarks/**/*.py", ":(glob)benchmarks/*.sh")
     return head + (" with uncommitted changes" if changed else "")
 
 
