@@ -6,7 +6,7 @@ folders, plans, model state), then publishes the canonical folder (``--out``):
 
 * ``results.jsonl``: every line of every call's ``results.jsonl``, one per method × budget ×
   repeat (the schema ``memfit report`` reads), each ``steps_file`` pointing into ``runs/``;
-* ``runs/**/*.steps.jsonl.gz``: the step records those lines name, compacted
+* ``runs/<call>.<config>.steps.jsonl.gz``: the step records those lines name, compacted
   (``compact_steps``: what ``memfit report`` and ``step_sums.py`` read, times to 10 µs);
   records no line names (a DDP run's second rank, whose numbers its
   line and ``summary.md`` carry) stay in the raw folder;
@@ -55,7 +55,7 @@ from suites import Call, Context, Suite  # noqa: E402
 # Folders whose results are no measurement: memfit bench's untimed first run (NOTE [First
 # process]) and the oracle's sweep.
 _UNPUBLISHED_DIRS = {"prime", "sweep"}
-# Folder names left out of a published step file's path (every run folder has one).
+# Folder names left out of a published step file's name (every run folder has one).
 _FLATTENED_DIRS = {"runs", "steps"}
 
 
@@ -251,14 +251,15 @@ def compact_steps(src: Path, dst: Path) -> int:
 
 
 def _published_name(step_file: Path, root: Path, prefix: tuple[str, ...]) -> Path:
-    """``runs/<call>/<config>[.rank1].steps.jsonl.gz`` for a raw step file (module docstring)."""
+    """``runs/<call>.<config>.steps.jsonl.gz`` for a raw step file: its folders under the raw
+    folder joined by dots (one flat folder: each folder costs a disk block)."""
     parts = step_file.relative_to(root).parts
     dirs, name = [d for d in parts[:-1]], parts[-1]
     name = re.sub(r"\.jsonl(\.gz)?$", "", name)
     if name.startswith("memfit_steps"):  # memfit train's layout: the run's folder names it
         name = dirs.pop() + name[len("memfit_steps"):]
     dirs = [d for d in dirs if d not in _FLATTENED_DIRS]
-    return Path("runs", *prefix, *dirs, f"{name}.steps.jsonl.gz")
+    return Path("runs", ".".join([*prefix, *dirs, name]) + ".steps.jsonl.gz")
 
 
 def _is_unpublished(path: Path, root: Path) -> bool:

@@ -70,7 +70,7 @@ def test_quick_soak_publishes_the_canonical_folder(tmp_path):
     assert [(r["method"], r["status"]) for r in lines] == [("dynamic", "ok"), ("reactive", "ok")]
     assert all(r["max_peak_allocated_bytes"] <= r["budget_bytes"] for r in lines)
     for line in lines:
-        assert line["steps_file"] == f"runs/cpu/{line['method']}.steps.jsonl.gz"
+        assert line["steps_file"] == f"runs/cpu.{line['method']}.steps.jsonl.gz"
         with gzip.open(out / line["steps_file"], "rt") as fh:
             assert sum(1 for _ in fh) == line["steps"]
     report = (out / "report" / "report.md").read_text()
