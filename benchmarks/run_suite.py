@@ -371,8 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.list:
         for name in suite_names():
-            suite = load(name).SUITE
-            print(f"{name}: {suite.about}")
+            module = load(name)
+            ctx = Context(raw=ROOT / "runs" / "raw" / "list", quick=False, cuda=True)  # the calls of a GPU run
+            print(f"{name}: {module.SUITE.about}\n  calls: {', '.join(c.name for c in module.calls(module.SUITE, ctx))}")
         return 0
     if not args.suite:
         _parser().error("give a suite name (--list shows them)")
