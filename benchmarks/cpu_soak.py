@@ -4,22 +4,22 @@ The schedule (fixed seed) mixes what breaks a memory model that learns from what
 seen: long-tail lengths (log-normal), sudden jumps to lengths never seen before (every
 ``--jump_every`` steps a new maximum), and stretches of monotone growth. Logical accounting
 (parameters + gradients + optimizer state + saved activations, counted) makes the check
-exact: no step's counted bytes may exceed the budget.
+exact: no step's counted bytes may exceed the budget. ``none`` runs uncapped, the reference.
 
-Usage:
-    python benchmarks/cpu_soak.py --steps 10000 --methods dynamic reactive \\
-        --output_dir benchmarks/results/cpu/soak
+Output under ``--output_dir``: ``results.jsonl`` (one line per method, the schema ``memfit
+report`` reads) and ``steps/<method>.jsonl`` (step records).
+
+Usage (``benchmarks/run_suite.py soak`` runs it on a machine without CUDA):
+    python benchmarks/cpu_soak.py --steps 10000 --methods none dynamic reactive --output_dir OUT
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
 import os
 import random
-import shutil
 import time
 
 import torch
@@ -50,7 +50,7 @@ def schedule(steps: int, seed: int, max_len: int, jump_every: int) -> list[int]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=10000)
-    p.add_argument("--methods", nargs="+", default=["dynamic", "reactive"])
+    p.add_argument("--methods", nargs="+", default=["none", "dynamic", "reactive"])
     p.add_argument("--batch_size", type=int, default=4)
     p.add_argument("--max_len", type=int, default=512)
     p.add_argument("--jump_every", type=int, default=1000)
@@ -59,10 +59,10 @@ def main() -> None:
     args = p.parse_args()
     os.makedirs(args.output_dir, exist_ok=True)
     torch.set_num_threads(1)
+    import transformers
     from transformers import BertConfig, BertForSequenceClassification
 
     lengths = schedule(args.steps, args.seed, args.max_len, args.jump_every)
-    results = []
     for method in args.methods:
         torch.manual_seed(0)
         config = BertConfig(hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=37,
@@ -78,9 +78,9 @@ def main() -> None:
             model.zero_grad(set_to_none=True)
             peaks[probe] = ctl.records[-1].peak_allocated_bytes + 2 * sum(p.numel() * 4 for p in model.parameters())
             ctl.remove()
-        budget = (peaks["none"] + peaks["full"]) // 2
+        budget = None if method == "none" else (peaks["none"] + peaks["full"]) // 2
         margin = {"reactive": 0.05}.get(method)
-        log = os.path.join(args.output_dir, f"{method}_steps.jsonl")
+        log = os.path.join(args.output_dir, "steps", f"{method}.jsonl")
         ctl = memfit.fit(model, budget=budget, method=method, optimizer=opt, log=log, margin=margin)
         t0 = time.perf_counter()
         for step, length in enumerate(lengths):
@@ -89,25 +89,26 @@ def main() -> None:
             model(input_ids=ids, labels=torch.randint(0, 2, (args.batch_size,), generator=g)).loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+        total_s = time.perf_counter() - t0
         records = ctl.records
         ctl.remove()
-        with open(log, "rb") as src, gzip.open(log + ".gz", "wb") as dst:  # 5 MB of JSONL per method
-            shutil.copyfileobj(src, dst)
-        os.remove(log)
-        over = [r.step for r in records if r.peak_allocated_bytes > budget]
+        over = [r.step for r in records if budget is not None and r.peak_allocated_bytes > budget]
         result = {
-            "method": method, "steps": len(records), "budget_bytes": budget,
-            "max_counted_bytes": max(r.peak_allocated_bytes for r in records),
-            "over_budget_steps": len(over), "first_over_budget": over[:5],
-            "mean_recomputed_fraction": sum((r.n_checkpointed + len(r.evicted_blocks)) / r.n_blocks for r in records) / len(records),
-            "max_length": max(lengths), "seconds": round(time.perf_counter() - t0, 1),
-            "torch": torch.__version__,
+            "task": "adversarial", "model": "tiny BERT (4 layers, hidden 32; config, random weights)",
+            "method": method, "budget_bytes": budget, "batch_size": args.batch_size, "steps": len(records),
+            "repeat": 0, "steps_file": os.path.relpath(log, args.output_dir), "total_s": total_s,
+            "max_peak_allocated_bytes": max(r.peak_allocated_bytes for r in records), "oom_count": 0,
+            "recomputed_fraction": sum((r.n_checkpointed + len(r.evicted_blocks)) / r.n_blocks for r in records) / len(records),
+            "status": "ok", "over_budget_steps": len(over), "first_over_budget": over[:5],
+            "warmup_steps": sum(r.phase == "warmup" for r in records),
+            "planner_us_per_step": sum(r.planner_us for r in records) / len(records),
+            "schedule": {"seed": args.seed, "max_len": args.max_len, "jump_every": args.jump_every},
+            "device": "cpu", "accounting": "logical",
+            "torch": torch.__version__, "transformers": transformers.__version__,
         }
-        results.append(result)
+        with open(os.path.join(args.output_dir, "results.jsonl"), "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(result) + "\n")
         print(json.dumps(result), flush=True)
-    with open(os.path.join(args.output_dir, "results.json"), "w") as fh:
-        json.dump({"schedule": {"steps": args.steps, "seed": args.seed, "max_len": args.max_len, "jump_every": args.jump_every},
-                   "results": results}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ The budget is per rank (each process has its own cap). Batches are read in order
 Accelerate hands batch b to rank b % 2, which is what gives each rank its own distribution.
 
 ``summarize`` reads every configuration's files and writes ``results.jsonl`` (one line per
-configuration) and ``summary.md`` (time relative to ``none``, per-rank peaks, OOMs, blocks
-recomputed).
+timed configuration, the schema ``memfit report`` reads, with the per-rank numbers beside it)
+and ``summary.md`` (time relative to ``none``, per-rank peaks, OOMs, blocks recomputed, and the
+``accelerate launch`` check, which times nothing comparable: 5 steps).
 
 Files of one configuration, under ``<output_dir>/<name>/``: ``memfit_steps.rank{r}.jsonl``
 (step records), ``memfit_summary.json`` (merged, with ``per_rank``), ``run.json`` (time,
@@ -20,7 +21,7 @@ Usage:
     torchrun --nproc_per_node 2 benchmarks/ddp_bench.py run --output_dir OUT/dynamic-6GB \\
         --method dynamic --budget 6GB
     python benchmarks/ddp_bench.py summarize OUT
-(``benchmarks/ddp_bench.sh`` runs the matrix.)
+(``python benchmarks/run_suite.py ddp`` runs the matrix: benchmarks/suites/ddp.py.)
 """
 
 from __future__ import annotations
@@ -123,11 +124,13 @@ def run(args: argparse.Namespace) -> None:
     if training_args.process_index == 0:
         info = {
             "name": os.path.basename(os.path.normpath(args.output_dir)),
+            "model": "tiny BERT (config, random weights)" if args.tiny else "bert-base-uncased (config, random weights)",
             "method": args.method,
             "budget": args.budget,
             "lockstep": trainer._grad_sync is not None,
             "world_size": training_args.world_size,
             "steps": args.steps,
+            "accumulation": args.accumulation,
             "batch_size": args.batch_size,
             "lengths": [args.lengths0, args.lengths1],
             "train_seconds": seconds,
@@ -183,12 +186,40 @@ def summarize(out: str) -> list[dict]:
     for r in rows:
         if r["status"] == "ok" and reference and r["steps"] == reference["steps"]:
             r["vs_none"] = r["train_seconds"] / reference["train_seconds"]
+    like = next((r for r in rows if r["status"] == "ok"), {})
     with open(os.path.join(out, "results.jsonl"), "w", encoding="utf-8") as fh:
         for r in rows:
-            fh.write(json.dumps(r) + "\n")
+            if not r["name"].startswith("accelerate"):  # a check that the launcher works, in summary.md
+                fh.write(json.dumps({**r, **_result_fields(r, like)}) + "\n")
     with open(os.path.join(out, "summary.md"), "w", encoding="utf-8") as fh:
         fh.write(_table(rows))
     return rows
+
+
+def _result_fields(row: dict, like: dict) -> dict:
+    """The fields `memfit report` reads (memfit.report.RESULT_FIELDS) of one configuration: one
+    line, both ranks together (the largest peak, the OOMs summed, the mean share recomputed)."""
+    ok = row["status"] == "ok"
+    src = row if ok else like
+    ranks = list(row.get("per_rank", {}).values())
+    return {
+        "task": f"ddp, {src.get('world_size', 2)} ranks",
+        "model": src.get("model", "bert-base-uncased (config, random weights)"),
+        # the DDP-sync variant of a method apart: it is another configuration, not a repeat
+        "method": row["method"] + ("-ddp-sync" if row["name"].endswith("-ddp-sync") else "") if ok else row["name"],
+        "budget_bytes": row.get("budget_bytes"),
+        "batch_size": src.get("batch_size", 0) * src.get("world_size", 2) * src.get("accumulation", 1),
+        "steps": src.get("steps", 0),
+        "total_s": row.get("train_seconds"),
+        "max_peak_allocated_bytes": max((p["max_peak_allocated_bytes"] for p in ranks), default=None),
+        "oom_count": sum(p["oom_retries"] for p in ranks),
+        "recomputed_fraction": statistics.mean(p["mean_checkpointed_fraction"] for p in ranks) if ranks else None,
+        "status": "ok" if ok else "error",
+        "device": src.get("device"),
+        "torch": src.get("torch"),
+        "transformers": src.get("transformers"),
+        **({"steps_file": f"{row['name']}/memfit_steps.rank0.jsonl"} if ok else {"note": "no run.json: see its log"}),
+    }
 
 
 def _table(rows: list[dict]) -> str:

@@ -241,7 +241,7 @@ def worker_run(args) -> None:
     except (torch.OutOfMemoryError, memfit.BudgetTooSmallError) as exc:
         result.update(status="oom", oom_count=oom_count + 1, note=str(exc)[:300])
     except Exception as exc:  # the matrix goes on; the failure is recorded
-        result.update(status="error", note=f"{type(exc).__name__}: {exc}"[:300])
+        result.update(status="error", oom_count=oom_count, note=f"{type(exc).__name__}: {exc}"[:300])
     with open(os.path.join(args.output_dir, "results.jsonl"), "a") as fh:
         fh.write(json.dumps(result) + "\n")
     print(json.dumps(result), flush=True)
@@ -293,6 +293,7 @@ def main() -> None:
     p.add_argument("--budgets", type=float, nargs="+", default=[4, 6, 8], help="GB (10**9 bytes)")
     p.add_argument("--methods", nargs="+", default=["full", "static", "dynamic", "oracle"])
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--first_repeat", type=int, default=0, help="number of the first repeat (a matrix run in several calls)")
     p.add_argument("--gpu_warmup_s", type=float, default=5.0)
     p.add_argument("--oracle_margin", type=float, default=0.03, help="share of the budget the oracle's sweep keeps free")
     p.add_argument("--phase", choices=["all", "sweep", "runs", "table"], default="all")
@@ -318,7 +319,7 @@ def main() -> None:
         for budget in args.budgets:
             _spawn(args, ["--worker", "sweep", "--budget", str(budget)])
     if args.phase in ("all", "runs"):
-        for repeat in range(args.repeats):
+        for repeat in range(args.first_repeat, args.first_repeat + args.repeats):
             if not args.skip_none:
                 _spawn(args, ["--worker", "run", "--method", "none", "--config", f"none-uncapped-r{repeat}", "--repeat", str(repeat)])
             for budget in args.budgets:

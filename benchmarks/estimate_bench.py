@@ -52,7 +52,7 @@ through NVML), so every child initialises its own. Peaks are per process, so ``-
 children can measure side by side on one large GPU. Parts b and c run ``memfit`` commands as
 subprocesses.
 
-Usage (repository root; ``bash benchmarks/carry_data.sh`` first where the data and MiniLM live):
+Usage (repository root; ``bash benchmarks/carry.sh minilm data`` first where the data and MiniLM live):
     PYTHONPATH=src HF_HUB_OFFLINE=1 python benchmarks/estimate_bench.py \\
         --output_dir benchmarks/results/<device>/estimate
     python benchmarks/estimate_bench.py --quick --output_dir /tmp/estimate-dry-run   # CPU
@@ -560,7 +560,7 @@ def part_c(args: argparse.Namespace, out: Path) -> None:
     minilm, mrpc = Path(args.minilm), Path(args.mrpc)
     missing = [str(p) for p in (minilm / "model.safetensors", mrpc / "train.tsv", mrpc / "dev.tsv") if not p.is_file()]
     if missing:
-        print(f"[c] skipped: missing {', '.join(missing)} (run benchmarks/carry_data.sh)", flush=True)
+        print(f"[c] skipped: missing {', '.join(missing)} (run benchmarks/carry.sh minilm data)", flush=True)
         return
     savers = list(args.savers)
     if "adamw-8bit" not in savers and importlib.util.find_spec("bitsandbytes") is not None:

@@ -192,17 +192,25 @@ def main() -> None:
     parser.add_argument("--learn_every", type=int, default=3, help="the model changes every this many steps (as on the H200, 2026-11-22)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--json", help="write the numbers here")
+    parser.add_argument("--markdown", help="write the table here too")
     args = parser.parse_args()
     results = {m: bench(MODELS[m], args.steps, args.repeats, args.learn_every) for m in args.models}
-    print(f"| model | method | blocks | per step µs, settled (mean / median) | per step µs, model changes every {args.learn_every} steps (mean / median) | new bucket µs (median) | cache hit µs (median) | blocks checkpointed (mean) |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    lines = [
+        f"| model | method | blocks | per step µs, settled (mean / median) | per step µs, model changes every "
+        f"{args.learn_every} steps (mean / median) | new bucket µs (median) | cache hit µs (median) | blocks checkpointed (mean) |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for m, by_method in results.items():
         for name, r in by_method.items():
-            print(
+            lines.append(
                 f"| {m} | {name} | {r['n_blocks']} | {r['per_step_us']['mean']:.1f} / {r['per_step_us']['median']:.1f} "
                 f"| {r['per_step_learning_us']['mean']:.1f} / {r['per_step_learning_us']['median']:.1f} "
                 f"| {r['new_bucket_us']['median']:.1f} | {r['cache_hit_us']['median']:.1f} | {r['mean_checkpointed']:.1f} |"
             )
+    print("\n".join(lines))
+    if args.markdown:
+        with open(args.markdown, "w", encoding="utf-8") as fh:
+            fh.write("\n".join(lines) + "\n")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(results, fh, indent=1)

@@ -1,8 +1,9 @@
 """Per-method totals, late-step sums and paired step differences of repeats folders.
 
-The numbers the detection sections of benchmarks/README.md quote beside ``memfit report``'s
-table: for each method of a ``detection_bench.py --repeats N`` folder (``.../repeats``, with
-``results.jsonl`` and ``runs/*/memfit_steps.jsonl[.gz]``), each repeat's total time, the sum of
+The numbers the detection results quote beside ``memfit report``'s table: for each method of a
+folder with a ``results.jsonl`` whose lines name their step records (a published suite folder such as
+``benchmarks/results/nvidia-h200/detection``, or a ``detection_bench.py --repeats N`` folder,
+``.../repeats``), each repeat's total time, the sum of
 its step records from ``--from_step`` on (after the warm-up and the first occurrence of each
 image size), its median step, the mean share of blocks recomputed and the largest peak over
 the budget; then, step by step against ``--against`` (default ``static``), the median and
@@ -10,13 +11,13 @@ mean difference of ``--method``'s steps (default ``dynamic``) to the median of t
 repeats at the same step (the same batch), apart for steps the backstop armed and not, with a
 95% bootstrap interval of the median and a sign test of how many steps were faster.
 A matrix of several budgets gets a row per method and budget, and the differences per budget.
-Several folders are pooled, so repeats spread over several GPU calls (each call's
-``detection_run.sh`` under its own name) count as one matrix; ``memfit report`` on their
-common parent pools them the same way.
+Several folders are pooled, so repeats spread over several GPU calls count as one matrix; a
+published suite folder already pools its calls. A table holds one model: give a folder of one
+backbone, or ``--model``.
 
 Usage:
-    python benchmarks/step_sums.py benchmarks/results/nvidia-h200/detection-2026-11-23n/swins-b16-batch/swin-small/repeats
-    python benchmarks/step_sums.py RESULTS/swinb-a/swin-base/repeats RESULTS/swinb-b/swin-base/repeats
+    python benchmarks/step_sums.py benchmarks/results/nvidia-h200/detection --model swin-base
+    python benchmarks/step_sums.py RAW/swinb-a/swin-base/repeats RAW/swinb-b/swin-base/repeats
 """
 
 from __future__ import annotations
@@ -32,18 +33,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 from memfit.records import read_jsonl  # noqa: E402
 
 
-def _records(run: Path) -> list[dict]:
-    """The step records in a run's folder (gzipped after the run, or not), or none."""
-    for name in ("memfit_steps.jsonl.gz", "memfit_steps.jsonl"):
-        if (run / name).exists():
-            return list(read_jsonl(run / name))
+def _records(folder: Path, steps_file: str) -> list[dict]:
+    """The step records a result names (gzipped after the run, or not), or none."""
+    path = folder / steps_file
+    for candidate in (path, path.with_name(path.name + ".gz")):
+        if candidate.is_file():
+            return list(read_jsonl(candidate))
     return []
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folders", type=Path, nargs="+",
-                   help="repeats folders (results.jsonl and runs/), pooled: e.g. the same matrix run in two calls")
+                   help="folders with a results.jsonl, pooled: e.g. the same matrix run in two calls")
+    p.add_argument("--model", help="only results whose model contains this (a published folder of several backbones)")
     p.add_argument("--from_step", type=int, default=21, help="first step of the late sum (1-based)")
     p.add_argument("--method", default="dynamic")
     p.add_argument("--against", default="static")
@@ -51,9 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[tuple[str, int | None], list[tuple[dict, list[dict]]]] = {}  # per (method, budget)
     for folder in args.folders:
         if not (folder / "results.jsonl").is_file():
-            p.error(f"{folder}: no results.jsonl; give a repeats folder, e.g. .../swin-base/repeats")
+            p.error(f"{folder}: no results.jsonl; give a published folder or a repeats folder (.../swin-base/repeats)")
         for result in read_jsonl(folder / "results.jsonl"):
-            records = _records(folder / Path(result["steps_file"]).parent) if result.get("steps_file") else []
+            if args.model and args.model not in result["model"]:
+                continue
+            records = _records(folder, result["steps_file"]) if result.get("steps_file") else []
             runs.setdefault((result["method"], result.get("budget_bytes")), []).append((result, records))
     print(f"{'method':<10}{'budget':>10}{'total (s), each repeat':>28}{'steps ' + str(args.from_step) + '+ (s)':>22}"
           f"{'median step':>13}{'recomputed':>12}{'peak/budget':>13}")

@@ -260,8 +260,8 @@ def _run(config: Config, args: argparse.Namespace, extra: list[str], runs: str =
     with open(os.path.join(run_dir, "bench.log"), "w") as log:
         if config.method == "oracle":
             # The sweep runs in a process of its own, so that the timed run starts as cold
-            # as every other method's (a sweep in the same process initialised CUDA first:
-            # its first step took 110 ms against 340-600 ms on an H200).
+            # as every other method's (a sweep in the same process initialises CUDA first,
+            # and the timed run's first step then costs a fraction of the others').
             sweep_dir = os.path.join(run_dir, "sweep")
             sweep = [*cmd, "--oracle_sweep_only", "true", "--output_dir", sweep_dir]
             proc = subprocess.run(sweep, stdout=log, stderr=subprocess.STDOUT, check=False)
@@ -357,14 +357,12 @@ def main(argv: list[str]) -> int:
     if args.prime and _cuda_available() and configs:
         # NOTE [First process]
         # The first process on a fresh machine runs some steps far slower than any later
-        # process: on an H200, uncapped `none` on Swin-B took 40.4 s, then 31.9 s, with the
-        # same data; five steps were 8.1 s slower, the first and the first of four
-        # image sizes (1.2-5.9 s against 0.6-3.0 s), and the eighth session's `dynamic`,
-        # run first, lost to `static` by exactly these steps. Reading the CUDA libraries into
-        # the page cache beforehand did not change it (3.8 GB read in 4 s, still 8.5 s
-        # slower): the cost is in some state of the machine not yet identified.
-        # One untimed run of the first task with the same data and steps, outside the
-        # results, pays it for every configuration.
+        # process with the same data: its first step and the first step at each new input
+        # size, by seconds. Whichever configuration runs first loses by exactly those steps.
+        # Reading the CUDA libraries into the page cache beforehand does not help; the cost
+        # is in some state of the machine not yet identified (docs/devlog.md has the
+        # measurements). So one untimed run of the first task with the same data and steps,
+        # outside the results, pays it for every configuration.
         prime = Config(configs[0].task, "none", None, 0)
         result = _run(prime, args, extra, runs="prime")
         print(f"[prime] {prime.name}: {result['status']} {result['wall_s']:.1f}s (untimed, not in the results)", flush=True)

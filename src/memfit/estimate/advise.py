@@ -58,10 +58,10 @@ _OPTIMIZER_STEP = {"adamw": 0.02, "adamw-8bit": 0.025, "adafactor": 0.06, "sgd":
 _METHODS = ("none", "dynamic", "full")
 # NOTE [Advice keeps a margin]
 # The cap limits what the caching allocator *reserves*, and it reserves more than it
-# allocates (the H200 engine run: 1% more without checkpointing, up to 7% with `full`, with
-# expandable segments); the estimate itself missed H200 peaks by up to 3.3%. A setup
-# estimated at 98% of the budget would OOM as often as not, and `none` cannot replan. So
-# setups must fit the budget less this share: the 3% memfit's dynamic method keeps on CUDA.
+# allocates (about 1% more without checkpointing, up to 7% with `full`, with expandable
+# segments), and the estimate itself misses measured peaks by a few percent (docs/devlog.md).
+# A setup estimated at 98% of the budget would OOM as often as not, and `none` cannot replan.
+# So setups must fit the budget less this share: the 3% memfit's dynamic method keeps on CUDA.
 DEFAULT_MARGIN = 0.03
 
 

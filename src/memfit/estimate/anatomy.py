@@ -57,8 +57,8 @@ optimizer state and the library workspaces:
   copies are gone.
 
 Counting gradients and activations whole at the same time instead would over-estimate by up
-to the smaller of the two: 14% for bert-base (fp32, AdamW, batch 32 × 52 tokens) against the
-peaks measured on an H200 (``benchmarks/results/nvidia-h200/engine``).
+to the smaller of the two (14% for bert-base, fp32, AdamW, batch 32 × 52 tokens, against
+measured peaks: docs/devlog.md).
 """
 
 from __future__ import annotations
@@ -115,9 +115,9 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 #: Round figure for the CUDA context (see NOTE [What each part assumes]); outside the cap.
 CUDA_CONTEXT_BYTES = 10**9
 #: cuBLAS + cuBLASLt workspaces inside the caching allocator (NOTE [What each part assumes]):
-#: 32 MiB each on Hopper. On an H200 (torch 2.11) the allocator held 68.4 MB more than
-#: weights + gradients + AdamW state at every step start of the engine benchmark. Older GPUs
-#: use smaller workspaces, so there this over-counts by a few tens of MiB.
+#: 32 MiB each, cuBLAS's size on the newest GPUs; the allocator holds about that much more than
+#: weights + gradients + AdamW state at every step start (docs/devlog.md). Older GPUs use
+#: smaller workspaces, so there this over-counts by a few tens of MiB.
 LIBRARY_WORKSPACE_BYTES = 64 * 2**20
 # Encoders whose layers are BertLayer copies, so the analytic formula applies.
 _BERT_FAMILY = frozenset({"bert", "roberta", "xlm-roberta", "camembert"})
@@ -200,7 +200,7 @@ class ElementBytes:
     """Bytes per element of each kind of tensor a BERT layer saves for backward.
 
     The values differ between fp32 and autocast, and between CUDA and CPU kernels;
-    :meth:`cuda` gives the CUDA ones (checked against counted bytes on an H200 by the
+    :meth:`cuda` gives the CUDA ones (checked against counted bytes on a GPU by the
     ``gpu`` test), :meth:`cpu` the CPU ones (checked by the CPU tests).
     """
 
@@ -322,9 +322,10 @@ def bert_layer_backward_bytes(rows: int, seq_length: int, hidden: int, intermedi
 
         b·s · (i·E + 2·h·R)
 
-    The H200 engine run (bert-base, fp32, batch 32 × 32..512 tokens) grew by 17.7 kB per
-    token over weights + state + saved activations + workspaces (i + 1.75·h floats); the
-    formula gives 18.4 kB. Mixed precision has not been measured on a GPU yet.
+    Fitted on measured fp32 peaks of bert-base at batch 32 × 32..512 tokens, which grew by
+    17.7 kB per token over weights + state + saved activations + workspaces (i + 1.75·h
+    floats; the formula gives 18.4 kB), and checked in bf16 by the estimator's GPU check
+    (docs/devlog.md).
 
     Example:
         >>> bert_layer_backward_bytes(8, 128, 768, 3072, element_bytes=ElementBytes.cuda("fp32"))

@@ -1,0 +1,86 @@
+"""benchmarks/run_suite.py: suites run on CPU and publish the canonical results folder."""
+
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from memfit.records import StepRecord, read_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("run_suite", ROOT / "benchmarks" / "run_suite.py")
+run_suite = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(run_suite)
+
+
+def _record(step: int, **changes) -> dict:
+    record = StepRecord(step=step, shape=[4, 16], tokens=64, method="dynamic", plan=[0], n_checkpointed=1, n_blocks=2,
+                        predicted_peak_bytes=1000, peak_allocated_bytes=900, peak_reserved_bytes=950,
+                        budget_bytes=2000, accounting="logical", step_ms=1.5, recompute_ms_est=0.1)
+    return {**record.to_dict(), **changes}
+
+
+def test_compacted_step_records_keep_what_the_report_reads(tmp_path):
+    src = tmp_path / "memfit_steps.jsonl"
+    records = [_record(1, phase="warmup", step_ms=12.3456789, planner_us=41.23456),
+               _record(2, saved_activation_bytes=123456789, static_bytes=98765, planned=True),
+               _record(3, evicted_blocks=[1], oom_retries=1, oom_attempts=[{"stage": "backward"}], backstop_armed=True)]
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert run_suite.compact_steps(src, tmp_path / "a.jsonl.gz") == 3
+    back = [StepRecord.from_dict(d) for d in read_jsonl(tmp_path / "a.jsonl.gz")]
+    unread = {name: run_suite._step_defaults()[name] for name in run_suite.UNREAD_STEP_FIELDS}  # read as defaults
+    expected = [StepRecord.from_dict({**r, **unread, **{k: round(r[k], n) for k, n in run_suite.STEP_DECIMALS.items()}})
+                for r in records]
+    assert back == expected
+    assert "rank" not in next(iter(read_jsonl(tmp_path / "a.jsonl.gz")))  # a default left out
+    run_suite.compact_steps(src, tmp_path / "b.jsonl.gz")  # no time in the gzip header: the same bytes
+    assert (tmp_path / "a.jsonl.gz").read_bytes() == (tmp_path / "b.jsonl.gz").read_bytes()
+
+
+@pytest.mark.parametrize("name, slug", [
+    ("NVIDIA H200", "nvidia-h200"), ("NVIDIA H100 80GB HBM3", "nvidia-h100"), ("NVIDIA H100 PCIe", "nvidia-h100-pcie"),
+    ("NVIDIA A100-SXM4-80GB", "nvidia-a100-sxm4"), ("Tesla V100-SXM2-16GB", "tesla-v100-sxm2"),
+])
+def test_device_folder_names(name, slug):
+    assert run_suite.device_slug(name) == slug
+
+
+def test_every_suite_defines_its_calls(tmp_path):
+    from suites import Call, Context, Suite
+
+    names = run_suite.suite_names()
+    assert {"engine", "tasks", "detection", "soak", "estimate", "ddp", "planner", "mrpc-minilm"} <= set(names)
+    for name in names:
+        module = run_suite.load(name)
+        assert isinstance(module.SUITE, Suite) and module.SUITE.name == name
+        for quick, cuda in ((False, True), (True, False)):
+            suite = getattr(module, "QUICK", module.SUITE) if quick else module.SUITE
+            calls = module.calls(suite, Context(raw=tmp_path / name, quick=quick, cuda=cuda))
+            assert calls and all(isinstance(c, Call) and c.commands for c in calls), name
+            assert len({c.name for c in calls}) == len(calls), name
+
+
+@pytest.mark.slow
+def test_quick_soak_publishes_the_canonical_folder(tmp_path):
+    out, raw = tmp_path / "out", tmp_path / "raw"
+    assert run_suite.main(["soak", "--quick", "--out", str(out), "--raw", str(raw)]) == 0
+    lines = list(read_jsonl(out / "results.jsonl"))
+    assert [(r["method"], r["status"]) for r in lines] == [("dynamic", "ok"), ("reactive", "ok")]
+    assert all(r["max_peak_allocated_bytes"] <= r["budget_bytes"] for r in lines)
+    for line in lines:
+        assert line["steps_file"] == f"runs/cpu.{line['method']}.steps.jsonl.gz"
+        with gzip.open(out / line["steps_file"], "rt") as fh:
+            assert sum(1 for _ in fh) == line["steps"]
+    report = (out / "report" / "report.md").read_text()
+    assert "## adversarial" in report and report.count(".steps.jsonl.gz` |") == 2
+    assert "| cpu |" in (out / "SOURCE.md").read_text()
+    published = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert not [p for p in published if p.endswith(".log") or p.endswith(".jsonl") and p != "results.jsonl"]
+    with pytest.raises(SystemExit, match="already ran"):
+        run_suite.main(["soak", "--quick", "--out", str(out), "--raw", str(raw)])
+    # Publishing the raw folder again gives the same files, byte for byte.
+    before = {p: (out / p).read_bytes() for p in published if not p.startswith("report/") and p != "SOURCE.md"}
+    assert run_suite.main(["soak", "--publish", str(raw), "--out", str(out)]) == 0
+    assert before == {p: (out / p).read_bytes() for p in before}
