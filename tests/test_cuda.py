@@ -1,5 +1,7 @@
 """GPU checks of the CPU proxies against the real allocator (skipped without CUDA)."""
 
+import gc
+
 import pytest
 import torch
 
@@ -48,11 +50,15 @@ def test_counted_saved_bytes_match_allocator(method):
     model = _bert()
     ctl = memfit.fit(model, budget=None, method=_Counting(_plans(4)[method]), treatments=("recompute", "selective", "offload"))
     batch = _batch(16, 256)
+    gc.collect()  # earlier tests' models go now, not during the forward measured
     torch.cuda.synchronize()
+    torch.empty(1, device="cuda")
     before = torch.cuda.memory_allocated()
     loss = model(**batch).loss
     torch.cuda.synchronize()
-    retained = torch.cuda.memory_allocated() - before
+    # a free waiting on another stream's copy (offload's record_stream) is processed at the next allocation
+    torch.empty(1, device="cuda")
+    retained = torch.cuda.memory_allocated() - before - 512
     counted = ctl._counter.total_bytes
     loss.backward()
     model.zero_grad(set_to_none=True)

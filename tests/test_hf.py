@@ -136,11 +136,11 @@ def test_records_summary_logs_and_state(tmp_path):
     final = json.loads((out / memfit.hf.STATE_FILE).read_text())  # the model as the run ended
     assert final["step"] == 6 and final["model"] == trainer.memfit.state_dict()["model"]
     with pytest.raises(FlagError, match="holds an earlier run .*pass --resume_from_checkpoint to continue it"):
-        _trainer(tmp_path, "run", save_strategy="steps", save_steps=3)  # NOTE [Earlier runs in the output folder]
+        _trainer(tmp_path, "run", save_strategy="steps", save_steps=3).train()  # NOTE [Earlier runs in the output folder]
     earlier = (out / "memfit_steps.jsonl").read_text()
     checkpoint = str(out / "checkpoint-3")
-    resumed = _trainer(tmp_path, "run", save_strategy="steps", save_steps=3, resume_from_checkpoint=checkpoint)
-    resumed.train(resume_from_checkpoint=checkpoint)
+    resumed = _trainer(tmp_path, "run", save_strategy="steps", save_steps=3)
+    resumed.train(resume_from_checkpoint=checkpoint)  # given to train() alone, as the Trainer's API allows
     assert all(r.phase == "steady" for r in resumed.memfit.records), "resume ran a new warm-up"
     assert (out / "memfit_steps.run1.jsonl").read_text() == earlier  # the first run's records, kept
     assert len((out / "memfit_steps.jsonl").read_text().splitlines()) == 3  # the resumed run's steps 4-6
@@ -177,7 +177,7 @@ def test_rank_paths():
 def test_a_failure_before_the_first_step_leaves_no_record_file(tmp_path, monkeypatch):
     trainer = _trainer(tmp_path, "run")
     log = tmp_path / "run" / memfit.hf.STEPS_FILE
-    assert log.exists()  # opened when the model is hooked
+    assert not log.exists()  # made at the first record, not when the model is hooked
 
     def fail(self, model=None):
         raise memfit.BudgetTooSmallError("injected before the first step")

@@ -479,3 +479,34 @@ def test_an_oom_inside_a_block_teaches_its_peak(monkeypatch):
     ctl.run_step(micro)
     ctl.remove()
     assert fired and ctl.protection.peaks.predict(2, 16) == 5000 + 3 * 2**20
+
+
+def test_reactive_keeps_the_heads_peak_free_at_the_last_block(monkeypatch):
+    """NOTE [Room inside a block]: what runs after the last block (head, logits, loss) is read as
+    a window too: the first step learns it at its forward's end (and makes room for the
+    backward then); the next step's last block keeps it free, so blocks are evicted before the
+    head runs, where the first step evicted none."""
+    from test_runtime import _on_fake_allocator
+
+    torch.manual_seed(0)
+    model, make_batch = build("bert")
+    model.train()
+    inner = torch.optim.SGD(model.parameters(), lr=0.0)
+    ctl = memfit.fit(model, budget=10**6, method="reactive", margin=0.0)
+    fake = _on_fake_allocator(monkeypatch, ctl, inner, margin=0)
+    evicted_before_head = []
+
+    def head(*_):
+        evicted_before_head.append(list(ctl.protection.store.evicted_blocks))
+        fake.use(2 * 10**6)  # the head's logits
+
+    model.classifier.register_forward_pre_hook(head)
+    batch = make_batch(2, 8)
+    for seed in range(2):
+        torch.manual_seed(seed)
+        model(**batch).loss.backward()
+        inner.step()
+        model.zero_grad(set_to_none=True)
+    ctl.remove()
+    assert evicted_before_head[0] == [] and evicted_before_head[1], evicted_before_head
+    assert ctl.protection.peaks.predict(memfit.protection.BlockPeaks.TAIL, 16) >= 2 * 10**6 - 10**4

@@ -905,9 +905,10 @@ def test_an_armed_steps_peaks_lose_only_the_inputs_of_the_stores_still_alive():
 
 def test_only_steps_that_can_teach_count_their_saved_tensors(monkeypatch):
     """NOTE [Counting what teaches] / [Which steps count]: on CUDA a step counts its saved
-    tensors in warm-up, at a length its bucket has not run, after an uncounted step of its
-    bucket peaked above its prediction, and once in COUNT_EVERY steps; the others run no
-    pack hook at all (the counter's pack calls are the proxy)."""
+    tensors in warm-up, at more tokens than any counted step (or fewer), after an uncounted
+    step of its bucket peaked above its prediction, and once in COUNT_EVERY steps; the others
+    (a length inside the counted range: 24 here) run no pack hook past the embeddings (the
+    counter's pack calls are the proxy)."""
     from memfit.accounting import SavedTensorCounter
     from memfit.methods import dynamic
 
@@ -919,7 +920,7 @@ def test_only_steps_that_can_teach_count_their_saved_tensors(monkeypatch):
     inner = torch.optim.SGD(model.parameters(), lr=0.0)
     ctl = memfit.fit(model, budget=10**9, method="dynamic", backstop=False, bucket_tokens=8)
     fake = _on_fake_allocator(monkeypatch, ctl, inner, counts_always=False)
-    lengths = [16, 32, 48, 16, 32, 16, 32, 24, 16, 32, 16, 16, 16]
+    lengths = [16, 32, 48, 16, 32, 24, 32, 56, 16, 32, 16, 16, 16]
     counted, pack_calls = [], []
     for step, length in enumerate(lengths):
         torch.manual_seed(step)
@@ -936,8 +937,9 @@ def test_only_steps_that_can_teach_count_their_saved_tensors(monkeypatch):
     ctl.remove()
     phases = [r.phase for r in records]
     assert phases[:3] == ["warmup"] * 3 and phases[3:] == ["steady"] * (len(lengths) - 3)
-    # warm-up; repeats of 16 and 32; a new length (24); step 8 repeats 16 uncounted but peaks
-    # far above its prediction, so 16's next step (10) counts; the 12th decision (COUNT_EVERY)
+    # warm-up (16-48); 16, 32 and 24 inside that range; 56, longer than any counted; step 8 repeats
+    # 16 uncounted but peaks far above its prediction, so 16's next step (10) counts; the 12th
+    # decision (COUNT_EVERY)
     assert counted == [True, True, True, False, False, False, False, True, False, False, True, True, False]
     # an uncounted step packs only what the embeddings save before the first block stops the counter
     uncounted = {calls for calls, c in zip(pack_calls, counted) if not c}

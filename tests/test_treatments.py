@@ -234,3 +234,21 @@ def test_the_planner_keeps_recompute_where_treatments_are_dearer():
             assert "selective" in plan.by_treatment() and plan.cost_ms < alone.cost_ms, (plan, alone)
         else:
             assert plan == alone and set(plan.by_treatment()) == {"recompute"}, (plan, alone)
+
+
+def test_the_selective_policy_recomputes_an_attention_that_draws_dropout():
+    """NOTE [Selective policy]: a kept op is not run in backward; an attention kernel drawing a
+    dropout mask must run, or every later mask of the recompute would differ from the forward's."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from memfit.treatments import keep_matmul_and_attention
+
+    aten = torch.ops.aten
+    q = k = v = torch.zeros(1, 1, 4, 8)
+    efficient = aten._scaled_dot_product_efficient_attention.default
+    assert keep_matmul_and_attention(None, efficient, q, k, v, None, True, 0.0, False) is CheckpointPolicy.MUST_SAVE
+    assert keep_matmul_and_attention(None, efficient, q, k, v, None, True, 0.1, False) is CheckpointPolicy.PREFER_RECOMPUTE
+    flash = aten._scaled_dot_product_flash_attention.default
+    assert keep_matmul_and_attention(None, flash, q, k, v, dropout_p=0.1) is CheckpointPolicy.PREFER_RECOMPUTE
+    assert keep_matmul_and_attention(None, aten.mm.default, q, k) is CheckpointPolicy.MUST_SAVE
+    assert keep_matmul_and_attention(None, aten.add.Tensor, q, k) is CheckpointPolicy.PREFER_RECOMPUTE

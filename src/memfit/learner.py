@@ -56,7 +56,7 @@ __all__ = [
     "step_outcome",
     "learn_optimizer_peak",
     "learn_step",
-    "under_predicted",
+    "mispredicted",
     "grow_margin",
     "learn_probes",
 ]
@@ -296,10 +296,13 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
         planning.cache.clear()
 
 
-def under_predicted(planning: Planning, outcome: StepOutcome, predicted: int | None) -> bool:
-    """Whether a steady step peaked above its prediction by more than a quarter of the margin
-    (what makes a step teach: NOTE [What a step teaches])."""
-    return predicted is not None and not outcome.warmup and outcome.plain_peak - predicted > planning.margin_bytes / 4
+def mispredicted(planning: Planning, outcome: StepOutcome, predicted: int | None) -> bool:
+    """Whether a steady step peaked above its prediction by more than a quarter of the margin,
+    or below it by more than 1% of the budget (what makes a step teach: NOTE [What a step teaches])."""
+    if predicted is None or outcome.warmup:
+        return False
+    miss = outcome.plain_peak - predicted
+    return miss > planning.margin_bytes / 4 or (planning.budget_bytes is not None and -miss > 0.01 * planning.budget_bytes)
 
 
 def grow_margin(planning: Planning, outcome: StepOutcome, predicted: int | None) -> None:

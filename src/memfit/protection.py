@@ -30,8 +30,12 @@ entry (NOTE [Block windows], runtime/meter.py); :class:`BlockPeaks` keeps, per b
 largest at each length, and a block's entry keeps free the largest of its own peak at any
 length at least as long, or, beyond the longest seen, that peak scaled by the length ratio to
 the power its samples show (between 1, linear, and 2, quadratic attention; 2 from a single
-sample). An OOM inside a block teaches the allocation that failed: what was allocated then,
-plus the request, less what the block found at its entry.
+sample). The *tail* (what runs after the last block: the head, its logits and the loss, which
+for a language model's vocabulary is often the largest allocation of the step) is read and
+learnt the same way, from the last block's exit to the forward's end; the last block's entry
+keeps its own peak and the tail's free, and the forward's end the tail's (the backward's start
+holds the logits' gradients). An OOM inside a block, or in the tail, teaches the allocation that
+failed: what was allocated then, plus the request, less what was allocated where it began.
 
 # NOTE [Protection by expected cost]
 An OOM that the caller replays (the Trainer's window replay, ``Controller.run_step``) costs one
@@ -135,7 +139,11 @@ def requested_bytes(message: str | None) -> int | None:
 
 
 class BlockPeaks:
-    """Per block, the largest allocation above its entry seen at each length (NOTE [Room inside a block])."""
+    """Per block, the largest allocation above its entry seen at each length (NOTE [Room inside a block]);
+    :data:`TAIL` keys what runs after the last block."""
+
+    #: the key of the tail (the head and the loss after the last block)
+    TAIL = -1
 
     def __init__(self) -> None:
         self._by_block: dict[int, dict[int, int]] = {}
@@ -257,10 +265,12 @@ class Eviction(_Evicting):
     def __init__(self, store: ReactiveStore, planning: "Planning", meter: _Meter, counter: "SavedTensorCounter"):
         super().__init__(store, planning, meter, counter)
         self.peaks = BlockPeaks()
-        #: the block running now: (index, tokens, bytes allocated at its entry)
+        #: the block (or the tail) running now: (index, tokens, bytes allocated where it began)
         self._running: tuple[int, int, int] | None = None
+        self._last = -2
 
     def arm(self, step: _Step, blocks: Sequence["Block"], key: tuple[int, int], plan: Plan, warmup: bool) -> None:
+        self._last = len(blocks) - 1
         for b in blocks:
             if b.treatment.name == KEEP:
                 b.treatment = self.stored
@@ -268,18 +278,27 @@ class Eviction(_Evicting):
     def enter(self, step: _Step, block: "Block", args: tuple, kwargs: dict[str, Any]) -> None:
         tokens = step.key[0] * step.key[1]
         ahead = max(self.store.largest_block_bytes, self.peaks.predict(block.index, tokens))
+        if block.index == self._last:
+            ahead += self.peaks.predict(BlockPeaks.TAIL, tokens)
         self.make_room(step, ahead, (args, kwargs))
         entry = self.meter.window_start(step)
         self._running = None if entry is None else (block.index, tokens, entry)
 
+    def _learn_window(self, step: _Step) -> None:
+        running, self._running = self._running, None
+        if running is not None:
+            peak = self.meter.window_peak(step)
+            if peak is not None:
+                self.peaks.add(running[0], running[1], peak - running[2])
+
     def exit(self, step: _Step, block: "Block") -> None:
         if sys.exc_info()[1] is not None:
             return  # the block raised (an OOM inside it): note_oom learns from it
-        running, self._running = self._running, None
-        if running is not None and running[0] == block.index:
-            peak = self.meter.window_peak(step)
-            if peak is not None:
-                self.peaks.add(block.index, running[1], peak - running[2])
+        if self._running is not None and self._running[0] == block.index:
+            self._learn_window(step)
+        if block.index == self._last:  # the tail's window: the head and the loss
+            entry = self.meter.window_start(step)
+            self._running = None if entry is None else (BlockPeaks.TAIL, step.key[0] * step.key[1], entry)
 
     def note_oom(self, step: _Step | None, attempt: dict[str, Any]) -> None:
         """Learn the allocation that failed inside a block (NOTE [Room inside a block])."""
@@ -291,8 +310,11 @@ class Eviction(_Evicting):
             self.peaks.add(index, tokens, allocated + request - entry)
 
     def forward_end(self, step: _Step, by_block: list[int]) -> list[int]:
+        if self._running is not None and self._running[0] == BlockPeaks.TAIL:
+            self._learn_window(step)
         self._running = None
-        self.make_room(step, 0)
+        # the backward's start holds the logits' gradients: the tail's room again
+        self.make_room(step, self.peaks.predict(BlockPeaks.TAIL, step.key[0] * step.key[1]))
         self._note_evictions(step)
         # the counter sees nothing inside the store's blocks (their tensors are the store's),
         # only the inputs of blocks the plan recomputes

@@ -23,7 +23,11 @@ matrix products and fused attention kernels (their FLOPs per output element grow
 inner dimension); every other op (norms, activations, elementwise, rotary embeddings, dropout)
 is recomputed in backward from those. This is the policy torch's selective checkpointing
 documents and torchtitan's op-level policy uses, and it applies to any transformer block, so it
-is the default for blocks of unknown families. What it keeps and costs is measured per block
+is the default for blocks of unknown families. One exception keeps gradients exact: an op that
+draws random numbers (fused attention with dropout draws its mask from the device's generator)
+is recomputed, never kept. A kept op is not run again in backward, so it would not advance the
+generator there, and every later dropout of the recompute would draw another mask than the
+forward's. What it keeps and costs is measured per block
 (runtime/probe.py), and the planner picks it only where it is cheaper per byte freed than the
 other treatments. The kept bytes are the block's inputs plus the selective cache (every output
 of a saved op), which no saved-tensor hook sees: the treatment counts the cache itself.
@@ -117,9 +121,24 @@ def _saved_ops() -> frozenset:
     return frozenset(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
 
 
+@functools.cache
+def _dropout_index(op: Any) -> int | None:
+    """Position of an op's ``dropout_p`` argument (fused attention), or None."""
+    names = [a.name for a in op._schema.arguments]
+    return names.index("dropout_p") if "dropout_p" in names else None
+
+
 def keep_matmul_and_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """The selective policy (NOTE [Selective policy]): keep matmul and attention outputs."""
-    return CheckpointPolicy.MUST_SAVE if op in _saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+    """The selective policy (NOTE [Selective policy]): keep matmul and attention outputs, except
+    an attention that draws a dropout mask (it must run again to keep the random stream)."""
+    if op not in _saved_ops():
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    at = _dropout_index(op)
+    if at is not None:
+        p = kwargs.get("dropout_p", args[at] if at < len(args) else 0.0)
+        if p:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE
 
 
 def selective_cache_tensors(caching_mode: Any) -> list[torch.Tensor]:

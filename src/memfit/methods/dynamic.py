@@ -2,13 +2,15 @@
 
 # NOTE [Which steps count]
 Counting the saved tensors costs a hook call per tensor, and only a step the model learns
-from needs it (NOTE [What a step teaches], learner.py): a warm-up step; the first step of a
-shape longer than any its bucket has run (a new length, which may teach a curve); the replay
-of a step that ran out of memory; a step of a bucket whose last uncounted step peaked above
-its prediction by more than a quarter of the margin (the allocator's peak, which is read
-whatever the step counts, tells that); and one step in ``COUNT_EVERY``, so that a model that
-drifts is still seen. Every other step repeats a shape the model has already met and would
-teach nothing: it runs with no counting hook.
+from needs it (NOTE [What a step teaches], learner.py): a warm-up step; a step of more tokens
+than any counted before, or fewer (outside the range the curves were fitted on, where they
+extrapolate); the replay of a step that ran out of memory; a step of a bucket whose last
+uncounted step peaked above its prediction by more than a quarter of the margin, or below it
+by more than 1% of the budget (the allocator's peak, read whatever the step counts, tells
+both); and one step in ``COUNT_EVERY``, so that a model that drifts is still seen. Every other
+step has a size inside what the model has measured, and its peak says it was predicted right:
+it runs with no counting hook. (Counting every length a bucket had not run counted nearly every
+step of chat data, whose lengths rarely repeat.)
 
 # NOTE [A replay treats more]
 An OOM grows the margin or the slack and clears the plans, so the replay is planned with less
@@ -81,8 +83,8 @@ class Dynamic(Method):
         self._warm_tokens: set[int] = set()
         self._steady = False  # warm-up is over for good (a step's first check is then skipped)
         self._decided = 0
-        #: per bucket, the longest shape decided so far (a longer one may teach: NOTE [Which steps count])
-        self._longest: dict[tuple[int, int], int] = {}
+        #: the fewest and most tokens of a counted step so far (NOTE [Which steps count])
+        self._counted_range: tuple[int, int] | None = None
         #: buckets whose next step counts: an uncounted step of theirs peaked above its prediction
         self._count_next: set[tuple[int, int]] = set()
 
@@ -107,29 +109,37 @@ class Dynamic(Method):
 
     def decide(self, planning: "Planning", key: tuple[int, int], failed: Plan | None = None) -> Decision:
         self._decided += 1
-        bucket = bucket_key(key, planning.bucket_tokens)
-        longer = key[1] > self._longest.get(bucket, 0)
-        self._longest[bucket] = max(key[1], self._longest.get(bucket, 0))
+        bucket, tokens = bucket_key(key, planning.bucket_tokens), key[0] * key[1]
         if not self._steady:
             if self.in_warmup(planning, key):
                 self._warm_steps += 1
-                self._warm_tokens.add(key[0] * key[1])
+                self._warm_tokens.add(tokens)
+                self._note_counted(tokens)
                 return Decision(Plan(planning.all_blocks), warmup=True, count=True)
             self._steady = True  # the model stays ready and the counts only grow
-        # NOTE [Which steps count]
-        count = longer or failed is not None or bucket in self._count_next or self._decided % COUNT_EVERY == 0
+        low, high = self._counted_range or (tokens, tokens - 1)
+        count = (  # NOTE [Which steps count]
+            not low <= tokens <= high or failed is not None or bucket in self._count_next
+            or self._decided % COUNT_EVERY == 0
+        )
         self._count_next.discard(bucket)
+        if count:
+            self._note_counted(tokens)
         plan = planning.plan_for(self.planning_key(planning, key), whole_row=self.plans_rows)
         if failed is not None and set(plan.blocks) <= set(failed.blocks):
             plan = Plan(planning.all_blocks)  # NOTE [A replay treats more]
         return Decision(plan, count=count)
+
+    def _note_counted(self, tokens: int) -> None:
+        low, high = self._counted_range or (tokens, tokens)
+        self._counted_range = (min(low, tokens), max(high, tokens))
 
     def learn(self, planning: "Planning", outcome: "StepOutcome") -> int | None:
         learner.learn_optimizer_peak(planning, outcome)
         predicted = planning.predict_peak(outcome.key, outcome.plan) if planning.model.ready else None
         learner.learn_step(planning, outcome, predicted, self.planning_key(planning, outcome.key))
         learner.grow_margin(planning, outcome, predicted)
-        if not outcome.counted and learner.under_predicted(planning, outcome, predicted):
+        if not outcome.counted and learner.mispredicted(planning, outcome, predicted):
             self._count_next.add(bucket_key(outcome.key, planning.bucket_tokens))
         return predicted
 

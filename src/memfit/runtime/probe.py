@@ -21,6 +21,7 @@ block's activations.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -108,7 +109,9 @@ def probe_treatments(
     selective recompute costs (NOTE [Treatment prices], model.py): ``{name: (bytes, ms or None)}``.
 
     ``selective``: its inputs plus the selective cache (NOTE [Selective policy],
-    treatments.py), and the time of a recompute under the cache (the unsaved ops only).
+    treatments.py), and its price: the recompute under the cache (the unsaved ops only) plus
+    what the forward under the caching mode costs beyond a plain forward (the modes dispatch
+    every op through Python, which small ops feel).
     ``offload``: the saved storages under ``offload_min_bytes`` (its price comes from the link).
     """
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
@@ -127,21 +130,25 @@ def probe_treatments(
 
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
         if "selective" in treatments:
-            caching, cached = create_selective_checkpoint_contexts(keep_matmul_and_attention)
+            def timed(context: Any) -> float:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                with shield(), context:
+                    result = block._body(*probe_args, **probe_kwargs)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                del result
+                return (time.perf_counter() - t0) * 1e3
+
             probe_args, probe_kwargs = without_cache(block.module, *detached)
-            with shield(), caching:
-                result = block._body(*probe_args, **probe_kwargs)
-            del result
+            plain_ms = timed(contextlib.nullcontext())
+            caching, cached = create_selective_checkpoint_contexts(keep_matmul_and_attention)
+            forward_ms = timed(caching)
             nbytes = _distinct_bytes(inputs + selective_cache_tensors(caching), counter)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            with shield(), cached:
-                result = block._body(*probe_args, **probe_kwargs)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            out["selective"] = (nbytes, (time.perf_counter() - t0) * 1e3)
-            del result, caching, cached, probe_args, probe_kwargs
+            recompute_ms = timed(cached)
+            out["selective"] = (nbytes, max(0.0, forward_ms - plain_ms) + recompute_ms)
+            del caching, cached, probe_args, probe_kwargs
         if "offload" in treatments:
             sizes = _SizeCounter(counter.excluded_ptrs, counter.parameter_storages, offload_min_bytes)
             probe_args, probe_kwargs = without_cache(block.module, *detached)

@@ -1,0 +1,361 @@
+"""In-process benchmark of a plain training loop: every method and peer, interleaved, in one process.
+
+The model is built once; each configuration (method or peer × budget) starts from the same
+weights (copied back from host memory), a new AdamW and the same batches, under its own cap
+(``set_per_process_memory_fraction``), and runs ``--steps`` steps; configurations are
+interleaved repeat by repeat, so that every ratio is measured side by side in one process on one
+GPU. First every batch runs once untimed with the plain loop (CUDA, library and kernel set-up for
+every shape: each new shape's first run is slow), then uncapped ``none`` gives the speed
+reference and the peak from which ``--budgets`` (shares of it) are set. ``plain`` and ``none``
+run uncapped only (under a cap they do not fit, by design).
+
+Methods (memfit under the cap, every micro-step through ``Controller.run_step``):
+``none`` (memfit only measures), ``full``, ``static``, ``dynamic`` (recompute only),
+``dynamic+sel`` (recompute and selective), ``dynamic+all`` (recompute, selective, offload),
+``dynamic-backstop`` (recompute only, the backstop armed as a loop without replay would have
+it, called without run_step), ``reactive``.
+Peers (no memfit at all; the bench reads the allocator): ``plain`` (the same loop),
+``hf-every-1``, ``hf-every-2``, ``hf-offload`` (Hugging Face's checkpointing, either API name),
+``trl-offload`` (TRL's activation offloading around the step), ``selective-static`` (every
+block under memfit's selective policy, for every batch).
+
+Data: ``--lengths sft`` (the SFT table of memfit.tasks.causal_lm, long-tailed, up to 2,048
+tokens), ``uniform:A:B``, or ``fixed:L1,L2,...`` (long context). Output under ``--output_dir``:
+``results.jsonl`` (the suite schema ``memfit report`` reads, plus loop fields) and
+``steps/<config>.jsonl.gz`` (memfit's step records).
+
+Usage:
+    python benchmarks/loop_bench.py --model SmolLM-360M --lengths sft --batch 8 --steps 60 \\
+        --budgets 0.5 0.7 --repeats 3 --methods plain none full static dynamic dynamic+sel \\
+        --output_dir out/llm
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import gzip
+import inspect
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+GB = 10**9
+MEMFIT_METHODS = {
+    "none": ("none", {}, ("recompute",)),
+    "full": ("full", {}, ("recompute",)),
+    "static": ("static", {}, ("recompute",)),
+    "dynamic": ("dynamic", {}, ("recompute",)),
+    "dynamic+sel": ("dynamic", {}, ("recompute", "selective")),
+    "dynamic+all": ("dynamic", {}, ("recompute", "selective", "offload")),
+    "dynamic-backstop": ("dynamic", {"backstop": True}, ("recompute",)),
+    "reactive": ("reactive", {}, ("recompute",)),
+}
+PEERS = ("plain", "hf-every-1", "hf-every-2", "hf-offload", "trl-offload", "selective-static")
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="SmolLM-360M", help="a bundled config name (memfit/configs) or bert-base")
+    p.add_argument("--lora", action="store_true", help="LoRA r 16 on every linear layer (peft)")
+    p.add_argument("--dtype", default="bfloat16", help="weights' dtype (bert-base: float32)")
+    p.add_argument("--lengths", default="sft", help="sft | uniform:A:B | fixed:L1,L2,...")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--budgets", nargs="*", type=float, default=[0.5, 0.7], help="shares of uncapped none's peak")
+    p.add_argument("--budget_gb", nargs="*", type=float, default=[], help="absolute budgets in GB, besides")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--methods", nargs="+", default=["plain", "none", "full", "static", "dynamic"])
+    p.add_argument("--steady_from", type=int, default=15, help="steps before this are left out of the steady time")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output_dir", required=True)
+    p.add_argument("--time_limit_s", type=float, default=1e9, help="stop starting configurations after this")
+    return p.parse_args(argv)
+
+
+def _lengths(spec: str, n: int, batch: int, seed: int) -> list[list[int]]:
+    """Per step, the lengths of its ``batch`` examples."""
+    rng = random.Random(seed)
+    if spec == "sft":
+        from memfit.tasks._common import QUANTILE_LEVELS
+        from memfit.tasks.causal_lm import SFT_TOKENS
+
+        def draw() -> int:
+            u = rng.random()
+            for (p0, v0), (p1, v1) in zip(zip(QUANTILE_LEVELS, SFT_TOKENS), zip(QUANTILE_LEVELS[1:], SFT_TOKENS[1:])):
+                if u <= p1:
+                    return int(v0 + (v1 - v0) * (u - p0) / (p1 - p0))
+            return SFT_TOKENS[-1]
+
+        return [[draw() for _ in range(batch)] for _ in range(n)]
+    kind, _, rest = spec.partition(":")
+    if kind == "uniform":
+        a, b = (int(x) for x in rest.split(":"))
+        return [[rng.randint(a, b)] * batch for _ in range(n)]
+    if kind == "fixed":
+        values = [int(x) for x in rest.split(",")]
+        return [[values[i % len(values)]] * batch for i in range(n)]
+    raise SystemExit(f"--lengths {spec!r}: give sft, uniform:A:B or fixed:L1,L2")
+
+
+def _build(args):
+    import torch
+    import transformers
+
+    if args.model == "bert-base":
+        torch.manual_seed(0)
+        model = transformers.BertForSequenceClassification(transformers.BertConfig()).cuda()
+        return model.train(), "text-classification"
+    from memfit.tasks._common import CONFIGS_DIR
+
+    config = transformers.AutoConfig.from_pretrained(str(CONFIGS_DIR / f"{args.model}.json"))
+    config.use_cache = False
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype), attn_implementation="sdpa")
+    model = model.cuda()
+    if args.lora:
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"))
+    return model.train(), "causal-lm"
+
+
+def _batches(args, model, lengths):
+    import torch
+
+    vocab = model.config.vocab_size
+    out = []
+    g = torch.Generator().manual_seed(args.seed)
+    for step, row in enumerate(lengths):
+        width = max(row)
+        ids = torch.randint(10, vocab, (len(row), width), generator=g)
+        mask = torch.zeros(len(row), width, dtype=torch.long)
+        for i, n in enumerate(row):
+            mask[i, :n] = 1
+        if args.model == "bert-base":
+            batch = {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, 2, (len(row),), generator=g)}
+        else:
+            labels = ids.masked_fill(mask == 0, -100)
+            batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        out.append(batch)
+    return out
+
+
+def _hf_checkpointing(model, every: int, offload: bool):
+    """Hugging Face's checkpointing of every ``every``-th layer, by whichever name this version has."""
+    kwargs = {"every_n_layers": every, **({"offload": True} if offload else {})}
+    base = getattr(model, "get_base_model", lambda: model)()
+    for name, kw in (("activation_checkpointing_enable", "activation_checkpointing_kwargs"),
+                     ("gradient_checkpointing_enable", "gradient_checkpointing_kwargs")):
+        enable = getattr(base, name, None)
+        if enable is not None and set(kwargs) <= set(inspect.signature(enable).parameters):
+            enable(**{kw: {"use_reentrant": False}}, **kwargs)
+            if hasattr(model, "enable_input_require_grads"):
+                model.enable_input_require_grads()
+            return lambda: getattr(base, name.replace("enable", "disable"))()
+    raise RuntimeError(f"this transformers has no checkpointing enable taking {sorted(kwargs)}")
+
+
+def _hooks(model) -> dict[int, tuple[set, set]]:
+    return {id(m): (set(m._forward_pre_hooks), set(m._forward_hooks)) for m in model.modules()}
+
+
+def _remove_new_hooks(model, before: dict[int, tuple[set, set]]) -> None:
+    for m in model.modules():
+        pre, post = before.get(id(m), (set(), set()))
+        for key in set(m._forward_pre_hooks) - pre:
+            del m._forward_pre_hooks[key]
+        for key in set(m._forward_hooks) - post:
+            del m._forward_hooks[key]
+
+
+def _versions() -> dict:
+    import torch
+    import transformers
+
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def run_config(args, model, batches, initial, name: str, budget: int | None, repeat: int, out_dir: str) -> dict:
+    """One configuration; returns its result line."""
+    import torch
+
+    import memfit
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    with torch.no_grad():
+        for p, init in zip(trainable, initial):
+            p.copy_(init, non_blocking=True)
+    gc.collect()
+    torch.cuda.empty_cache()
+    total_memory = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(1.0 if budget is None else min(1.0, budget / total_memory))
+    optimizer = torch.optim.AdamW(trainable, lr=1e-5)
+    hooks_before = _hooks(model)
+    ctl, undo, context = None, None, contextlib.nullcontext
+    status, note, ooms = "ok", None, 0
+    method_name = name
+    if name in MEMFIT_METHODS:
+        method, kwargs, treatments = MEMFIT_METHODS[name]
+        if method == "static":
+            kwargs = {**kwargs, "max_shape": (args.batch, max(max(b["input_ids"].shape[1] for b in batches), 1))}
+        try:
+            ctl = memfit.fit(model, budget=budget, method=method, optimizer=optimizer, treatments=treatments, **kwargs)
+        except memfit.BudgetTooSmallError as err:
+            return _failed(args, name, budget, repeat, "oom", str(err)[:300])
+    elif name.startswith("hf-"):
+        undo = _hf_checkpointing(model, 2 if name == "hf-every-2" else 1, offload=name == "hf-offload")
+    elif name == "trl-offload":
+        from trl.models.activation_offloading import get_act_offloading_ctx_manager
+
+        offloading = get_act_offloading_ctx_manager(model, warn_if_no_head=False)
+        context = lambda: offloading  # noqa: E731
+    elif name == "selective-static":
+        from memfit.planner import Plan
+
+        n = len(memfit.blocks.find_blocks(model))
+
+        class _Every(memfit.methods.Method):
+            name = "selective-static"
+
+            def decide(self, planning, key, failed=None):
+                return memfit.methods.Decision(Plan(tuple(range(n)), kinds=("selective",) * n))
+
+        ctl = memfit.fit(model, budget=budget, method=_Every(), optimizer=optimizer, treatments=("recompute", "selective"))
+    step_ms = []
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    done = 0
+    try:
+        for i, batch in enumerate(batches):
+            batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+
+            def micro(batch=batch, i=i):
+                torch.manual_seed(1000 + i)
+                with context():
+                    loss = model(**batch).loss
+                    loss.backward()
+
+            if ctl is not None and name != "dynamic-backstop":
+                ctl.run_step(micro)
+            else:
+                micro()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            end.record()
+            step_ms.append((start, end))
+            done += 1
+    except torch.OutOfMemoryError as err:
+        status, note, ooms = "oom", str(err).splitlines()[0][:200], 1
+    except Exception as err:  # a configuration that breaks is recorded, the matrix goes on
+        status, note = "error", f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+    torch.cuda.synchronize()
+    total_s = time.perf_counter() - t0
+    # memfit resets the allocator's peak each step: its runs' peak is in its records
+    peak = torch.cuda.max_memory_allocated()
+    times = [s.elapsed_time(e) for s, e in step_ms]
+    result = {
+        "task": "text-classification" if args.model == "bert-base" else "causal-lm",
+        "model": f"{args.model} (config, random weights{', LoRA r16 all-linear' if args.lora else ''}, {args.dtype})",
+        "method": method_name, "budget_bytes": budget, "batch_size": args.batch, "steps": args.steps, "repeat": repeat,
+        "status": status, "total_s": round(total_s, 4) if status == "ok" else None,
+        "max_peak_allocated_bytes": peak, "oom_count": ooms, "note": note,
+        "steady_step_ms": round(statistics.median(times[args.steady_from:]), 3) if len(times) > args.steady_from else None,
+        "lora": args.lora, "lengths": args.lengths, **_versions(),
+    }
+    if ctl is not None:
+        records = ctl.records
+        summary = memfit.records.summarize(records) if records else None
+        ctl.remove()
+        if summary is not None:
+            result["max_peak_allocated_bytes"] = summary.max_peak_allocated_bytes
+            result.update(
+                recomputed_fraction=round(summary.mean_checkpointed_fraction, 4), oom_count=summary.oom_retries + ooms,
+                over_budget_steps=summary.over_budget_steps, armed_steps=summary.armed_steps,
+                evicting_steps=summary.evicting_steps, counted_steps=summary.counted_steps,
+                treated_blocks=summary.treated_blocks, warmup_steps=summary.warmup_steps,
+                planner_us_per_step=round(summary.mean_planner_us, 2),
+                lost_steps=args.steps - len(records),
+            )
+        steps_file = os.path.join("steps", f"{method_name}-{'uncapped' if budget is None else f'{budget / GB:.2f}GB'}-r{repeat}.jsonl.gz")
+        with gzip.open(os.path.join(out_dir, steps_file), "wt") as fh:
+            for r in records:
+                fh.write(json.dumps(r.to_dict()) + "\n")
+        result["steps_file"] = steps_file
+        if ctl.method.learns:  # the memory model as the run ended: what each treatment saved and cost
+            with gzip.open(os.path.join(out_dir, steps_file.replace(".jsonl.gz", ".model.json.gz")), "wt") as fh:
+                json.dump(ctl.state_dict(), fh)
+    else:
+        result.update(recomputed_fraction=None)
+    if undo is not None:
+        undo()
+    _remove_new_hooks(model, hooks_before)  # TRL's offloading hooks the model's last layers
+    del optimizer
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    return result
+
+
+def _failed(args, name: str, budget: int | None, repeat: int, status: str, note: str) -> dict:
+    return {
+        "task": "text-classification" if args.model == "bert-base" else "causal-lm", "model": args.model,
+        "method": name, "budget_bytes": budget, "batch_size": args.batch, "steps": args.steps, "repeat": repeat,
+        "status": status, "total_s": None, "max_peak_allocated_bytes": None, "oom_count": int(status == "oom"),
+        "note": note, "steady_step_ms": None, "recomputed_fraction": None, "lora": args.lora, **_versions(),
+    }
+
+
+def main(argv: list[str]) -> int:
+    args = _parse(argv)
+    import torch
+
+    os.makedirs(os.path.join(args.output_dir, "steps"), exist_ok=True)
+    started = time.perf_counter()
+    model, _ = _build(args)
+    batches = _batches(args, model, _lengths(args.lengths, args.steps, args.batch, args.seed))
+    initial = [p.detach().to("cpu", copy=True).pin_memory() for p in model.parameters() if p.requires_grad]
+    results_path = os.path.join(args.output_dir, "results.jsonl")
+
+    def emit(result: dict) -> None:
+        with open(results_path, "a") as fh:
+            fh.write(json.dumps(result) + "\n")
+        shown = f"{result['total_s']:.2f}s steady {result['steady_step_ms']}ms" if result["status"] == "ok" else result["note"]
+        peak = result["max_peak_allocated_bytes"]
+        extra = f" treated {result.get('treated_blocks')} ooms {result.get('oom_count')}" if result.get("treated_blocks") is not None else ""
+        budget = "uncapped" if result["budget_bytes"] is None else f"{result['budget_bytes'] / GB:.2f}GB"
+        print(f"[{time.perf_counter() - started:6.0f}s] {result['method']:>16} {budget:>9} r{result['repeat']}: "
+              f"{result['status']} {shown} peak {(peak or 0) / GB:.2f}GB{extra}", flush=True)
+
+    run_config(args, model, batches, initial, "plain", None, -1, args.output_dir)  # untimed: every shape once
+    uncapped = [m for m in ("plain", "none") if m in args.methods or m == "none"]
+    reference = None
+    budgets: list[int] = []
+    for repeat in range(args.repeats):
+        for name in uncapped:
+            result = run_config(args, model, batches, initial, name, None, repeat, args.output_dir)
+            emit(result)
+            if name == "none" and reference is None:
+                reference = result
+                budgets = sorted({int(share * reference["max_peak_allocated_bytes"]) for share in args.budgets}
+                                 | {int(g * GB) for g in args.budget_gb})
+        for budget in budgets:
+            for name in [m for m in args.methods if m not in ("plain", "none")]:
+                if time.perf_counter() - started > args.time_limit_s:
+                    print("time limit: stopping", flush=True)
+                    return 0
+                if name not in MEMFIT_METHODS and name not in PEERS:
+                    raise SystemExit(f"unknown method {name!r}")
+                emit(run_config(args, model, batches, initial, name, budget, repeat, args.output_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
