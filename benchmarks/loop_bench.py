@@ -297,6 +297,14 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
     if undo is not None:
         undo()
     _remove_new_hooks(model, hooks_before)  # TRL's offloading hooks the model's last layers
+    # A peer that enters saved-tensor hooks in a forward pre-hook and leaves them in a post-hook
+    # (TRL's offloading, around the head) leaves them on autograd's stack when an OOM comes in
+    # between, with every tensor they hold: later runs would inherit both.
+    popped = 0
+    while torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        popped += 1
+    result["stale_hooks_popped"] = popped
     del optimizer
     gc.collect()
     torch.cuda.empty_cache()

@@ -947,3 +947,18 @@ def test_only_steps_that_can_teach_count_their_saved_tensors(monkeypatch):
     assert len(uncounted) == 1 and 10 * max(uncounted) < min(steady_counted)
     assert all(r.saved_activation_bytes == 0 for r in records if not r.counted)
     assert memfit.records.summarize(records).counted_steps == sum(counted) == 6
+
+
+def test_a_forward_that_raises_leaves_no_hook_of_memfit_on_autograds_stack():
+    """The counter's saved-tensor hooks come off autograd's stack when the forward raises
+    (an OOM the caller handles without note_oom, e.g. Accelerate's batch-size search)."""
+    from _models import InjectOOM
+
+    model, make_batch = _bert()
+    ctl = memfit.fit(model, budget=None, method="dynamic")
+    InjectOOM(ctl.blocks[1].module, at=1)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    with pytest.raises(torch.OutOfMemoryError):
+        model(**make_batch(2, 8))
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    ctl.remove()

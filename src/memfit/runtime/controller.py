@@ -232,9 +232,11 @@ class Controller:
 
     def _on_forward_end(self, module: nn.Module, args: tuple, output: Any) -> None:
         step = self._step
-        if (output is None and sys.exc_info()[1] is not None) or step is None:
-            return  # the forward raised (an always-called hook runs then too): nothing was saved
+        # the counter's hooks come off autograd's stack even when the forward raised (this hook is
+        # always called): left on, they would stay pushed under whatever the caller runs next
         self._counter.stop()
+        if (output is None and sys.exc_info()[1] is not None) or step is None:
+            return  # the forward raised: nothing to record
         counter = self._counter
         by_block = list(counter.by_block) if step.counted else [0] * len(self.blocks)
         if step.decision is not None:
