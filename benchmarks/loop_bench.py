@@ -70,6 +70,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--budget_gb", nargs="*", type=float, default=[], help="absolute budgets in GB, besides")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--methods", nargs="+", default=["plain", "none", "full", "static", "dynamic"])
+    p.add_argument("--last", nargs="*", default=[], help="peers run once per budget after every repeat of the others: "
+                   "a peer whose OOM leaves GPU memory held in the process (TRL's offloading did) cannot then "
+                   "spoil the matrix")
     p.add_argument("--steady_from", type=int, default=15, help="steps before this are left out of the steady time")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", required=True)
@@ -325,6 +328,9 @@ def main(argv: list[str]) -> int:
     args = _parse(argv)
     import torch
 
+    unknown = [m for m in args.methods + args.last if m not in ("plain", "none") and m not in MEMFIT_METHODS and m not in PEERS]
+    if unknown:
+        raise SystemExit(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(sorted(MEMFIT_METHODS) + sorted(PEERS))}")
     os.makedirs(os.path.join(args.output_dir, "steps"), exist_ok=True)
     started = time.perf_counter()
     model, _ = _build(args)
@@ -359,9 +365,12 @@ def main(argv: list[str]) -> int:
                 if time.perf_counter() - started > args.time_limit_s:
                     print("time limit: stopping", flush=True)
                     return 0
-                if name not in MEMFIT_METHODS and name not in PEERS:
-                    raise SystemExit(f"unknown method {name!r}")
                 emit(run_config(args, model, batches, initial, name, budget, repeat, args.output_dir))
+    for budget in budgets:
+        for name in args.last:
+            if time.perf_counter() - started > args.time_limit_s:
+                return 0
+            emit(run_config(args, model, batches, initial, name, budget, 0, args.output_dir))
     return 0
 
 
