@@ -118,7 +118,9 @@ def _is_cache(value: Any) -> bool:
 def without_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     """Drop KV-cache arguments from a training forward (NOTE [No KV cache in training]).
 
-    Caches passed positionally (GPT-2 does) are found by type.
+    Caches are found by type, whatever their name or position (GPT-2 passes one
+    positionally; transformers renamed ``past_key_values`` to ``cache``), and by the
+    older names when given as something else.
     """
     if getattr(module, "_can_checkpoint_with_cache", False):
         return args, kwargs
@@ -126,8 +128,8 @@ def without_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tup
     out = dict(kwargs)
     if out.get("use_cache"):
         out["use_cache"] = False
-    for name in ("past_key_values", "past_key_value", "layer_past"):
-        if out.get(name) is not None:
+    for name, value in kwargs.items():
+        if value is not None and (_is_cache(value) or name in ("past_key_values", "past_key_value", "layer_past", "cache")):
             out[name] = None
     return args, out
 

@@ -162,7 +162,10 @@ class MemfitArguments:
             max_shape(self.memfit_max_shape)  # fail early on a malformed shape
         if str(self.memfit_backstop).lower() not in ("auto", "true", "false"):
             raise FlagError(f"--memfit_backstop {self.memfit_backstop!r}: give auto, true or false")
-        hf_checkpointing = self.gradient_checkpointing or getattr(self, "activation_checkpointing", False)
+        # transformers 5.24 renamed the flag (the old name warns on read); 5.17 has only the old one
+        hf_checkpointing = getattr(self, "activation_checkpointing", None)
+        if hf_checkpointing is None:
+            hf_checkpointing = self.gradient_checkpointing
         if hf_checkpointing and self.memfit_method != "none":
             raise FlagError(
                 "--gradient_checkpointing and memfit both checkpoint: drop --gradient_checkpointing "
