@@ -118,6 +118,17 @@ class Planning:
         """Whether ``recompute`` is the only treatment (plans are then the original first-k rows)."""
         return self.treatments == ("recompute",)
 
+    def state_dict(self) -> dict[str, Any]:
+        """Memory model, margin and slack (what a resumed run needs to skip its warm-up)."""
+        return {"model": self.model.to_dict(), "margin_bytes": self.margin_bytes, "slack_bytes": self.slack_bytes}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model = MemoryModel.from_dict(state["model"])
+        self.model.bucket_tokens = self.bucket_tokens
+        self.margin_bytes = int(state["margin_bytes"])
+        self.slack_bytes = int(state.get("slack_bytes", self.slack_bytes))
+        self.cache.clear()
+
     # ------------------------------------------------------------ predictions
     def plan_key(self, key: tuple[int, int]) -> tuple[int, int]:
         """The shape ``key``'s plan is made and predicted for: the longest seen in its bucket

@@ -46,7 +46,6 @@ from memfit.accounting import OUTSIDE, GatheredParameters, SavedTensorCounter, e
 from memfit.blocks import Block, find_blocks, fingerprint, unwrap_blocks, wrap_blocks
 from memfit.budget import check_static_need, parse_bytes
 from memfit.methods import Method, make_method, save_plans
-from memfit.model import MemoryModel
 from memfit.planner import Plan
 from memfit.planning import Planning
 from memfit.records import JsonlWriter, StepRecord, summarize
@@ -135,11 +134,11 @@ class Controller:
         static_parts = _check_static_need(model, budget_bytes, optimizer)
         self.grad_params = [p for p in model.parameters() if p.requires_grad]
         self.meter: Meter = make_meter(self.device, self.grad_params, static_parts["parameters"] + static_parts["gradients"])
-        method.bind(len(named), fingerprint(named))
+        self._fingerprint = fingerprint(named)
+        method.bind(len(named), self._fingerprint)
         if budget_bytes is not None and cap:
             self.meter.apply_cap(budget_bytes)
         self.blocks = wrap_blocks(named, allow_hf_checkpointing=method.measures_only)
-        self._fingerprint = fingerprint(named)
         margin = self.meter.default_margin if margin is None else margin
         self.planning = Planning(
             len(self.blocks), _group_ids(self.blocks), budget_bytes, int(margin * (budget_bytes or 0)), bucket_tokens,
@@ -390,17 +389,10 @@ class Controller:
 
     def state_dict(self) -> dict[str, Any]:
         """Memory model and margin, for resuming without a new warm-up."""
-        return {
-            "model": self.planning.model.to_dict(), "margin_bytes": self.planning.margin_bytes,
-            "slack_bytes": self.planning.slack_bytes, "step": self._steps_recorded,
-        }
+        return {**self.planning.state_dict(), "step": self._steps_recorded}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.planning.model = MemoryModel.from_dict(state["model"])
-        self.planning.model.bucket_tokens = self.planning.bucket_tokens
-        self.planning.margin_bytes = int(state["margin_bytes"])
-        self.planning.slack_bytes = int(state.get("slack_bytes", self.planning.slack_bytes))
-        self.planning.cache.clear()
+        self.planning.load_state_dict(state)
         self._steps_recorded = int(state.get("step", 0))
         self.method.resume()
 

@@ -35,6 +35,7 @@ __all__ = [
     "load_tokenizer",
     "load_model",
     "load_config",
+    "bundled_config",
     "CONFIGS_DIR",
     "max_seq_length",
     "minilm_path",
@@ -497,6 +498,14 @@ def load_model(
         ) from err
 
 
+def bundled_config(name: str) -> Path | None:
+    """memfit's bundled copy of config ``name`` (a bare name such as ``bert-base-uncased``), or None."""
+    if "/" in name or Path(name).exists():
+        return None
+    path = CONFIGS_DIR / f"{name}.json"
+    return path if path.is_file() else None
+
+
 def load_config(name: str, **config_kwargs: Any) -> Any:
     """The config ``name``: memfit's bundled copy for a bundled name (no hub round-trip), else the
     hub name, directory or config.json, and the bundled copy of its last path part when that fails.
@@ -505,8 +514,6 @@ def load_config(name: str, **config_kwargs: Any) -> Any:
         LoadError: neither loads (the message lists the bundled names).
     """
     from transformers import AutoConfig
-
-    from memfit.tasks._hub import bundled_config
 
     bundled = bundled_config(name)
     if bundled is not None:

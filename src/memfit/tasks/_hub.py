@@ -25,22 +25,14 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from memfit.tasks._common import CONFIGS_DIR, DataTrainingArguments, ModelArguments
+from memfit.tasks._common import DataTrainingArguments, ModelArguments, bundled_config
 
-__all__ = ["hub_names", "hub_reachable", "hub_or_offline", "bundled_config"]
+__all__ = ["hub_names", "hub_reachable", "hub_or_offline"]
 
 logger = logging.getLogger(__name__)
 
 #: Seconds the one probe of the hub may take (NOTE [One hub probe], rule 2).
 PROBE_TIMEOUT_S = 3.0
-
-
-def bundled_config(name: str) -> Path | None:
-    """memfit's bundled copy of config ``name`` (a bare name such as ``bert-base-uncased``), or None."""
-    if "/" in name or Path(name).exists():
-        return None
-    path = CONFIGS_DIR / f"{name}.json"
-    return path if path.is_file() else None
 
 
 def hub_names(model_args: ModelArguments, data_args: DataTrainingArguments, *, tokenizer: bool = True) -> list[str]:
