@@ -962,3 +962,29 @@ def test_a_forward_that_raises_leaves_no_hook_of_memfit_on_autograds_stack():
         model(**make_batch(2, 8))
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     ctl.remove()
+
+
+@pytest.mark.parametrize(
+    "lengths, warm",
+    [
+        ([64] * 20, 4),  # one shape: 3 steps, then 3 repeats in a row end warm-up
+        ([64, 128] * 10, 5),  # two alternating shapes
+        ([64, 128, 192] + [64] * 17, 3),  # three distinct token counts: warm-up ends at the minimum
+        ([64, 128, 64, 192, 64, 256] + [64] * 14, 4),  # new shapes keep coming: warmup_keys decides
+    ],
+)
+def test_dynamic_warmup_ends_when_the_data_repeats_its_shapes(lengths, warm):
+    """Waiting for ``warmup_keys`` distinct token counts would probe up to ``max_warmup_steps``
+    steps on data of one or two fixed lengths; ``warmup_steps`` repeats in a row end it."""
+    from types import SimpleNamespace
+
+    from memfit.methods import make_method
+    from memfit.planner import Plan
+
+    method = make_method("dynamic")
+    planning = SimpleNamespace(
+        model=SimpleNamespace(ready=True), all_blocks=(0, 1), bucket_tokens=8,
+        plan_for=lambda key, whole_row=False: Plan(()),
+    )
+    warmups = [method.decide(planning, (1, n)).warmup for n in lengths]
+    assert warmups == [True] * warm + [False] * (len(lengths) - warm)

@@ -49,7 +49,10 @@ class Dynamic(Method):
     Args:
         warmup_steps: fewest warm-up steps (run as ``full`` while the probe measures).
         warmup_keys: fewest distinct token counts to see before leaving warm-up, so the
-            fit of ``N·T`` and ``N·T²`` is determined.
+            fit of ``N·T`` and ``N·T²`` is determined; unless ``warmup_steps`` steps in a
+            row brought no new token count (the data repeats a few shapes: padded to a
+            fixed length, or a few fixed lengths), when waiting for more costs probing
+            steps and teaches nothing the counting of a later new shape would not.
         max_warmup_steps: leave warm-up after this many steps even with fewer keys.
         backstop: when a prediction was wrong and a step nears the cap mid-forward, evict
             already-run kept blocks instead of running out of memory; armed only for steps
@@ -81,6 +84,7 @@ class Dynamic(Method):
         self.max_warmup_steps = max_warmup_steps
         self._warm_steps = 0
         self._warm_tokens: set[int] = set()
+        self._warm_repeats = 0  # warm-up steps in a row whose token count was seen before
         self._steady = False  # warm-up is over for good (a step's first check is then skipped)
         self._decided = 0
         #: the fewest and most tokens of a counted step so far (NOTE [Which steps count])
@@ -105,7 +109,9 @@ class Dynamic(Method):
             return True
         if self._warm_steps >= self.max_warmup_steps:
             return False
-        return self._warm_steps < self.warmup_steps or len(self._warm_tokens) < self.warmup_keys
+        if self._warm_steps < self.warmup_steps:
+            return True
+        return len(self._warm_tokens) < self.warmup_keys and self._warm_repeats < self.warmup_steps
 
     def decide(self, planning: "Planning", key: tuple[int, int], failed: Plan | None = None) -> Decision:
         self._decided += 1
@@ -113,6 +119,7 @@ class Dynamic(Method):
         if not self._steady:
             if self.in_warmup(planning, key):
                 self._warm_steps += 1
+                self._warm_repeats = self._warm_repeats + 1 if tokens in self._warm_tokens else 0
                 self._warm_tokens.add(tokens)
                 self._note_counted(tokens)
                 return Decision(Plan(planning.all_blocks), warmup=True, count=True)
