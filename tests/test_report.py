@@ -269,3 +269,31 @@ def test_peer_sweep_names_the_fastest_setting_within_budget(tmp_path):
     ]
     skipped = next(r for r in table_rows(markdown, "## token-classification") if r["method"] == "ckptplan-0.5")
     assert skipped["status"] == "skipped 1/1"
+
+
+def test_treatment_mix_per_input_size(tmp_path):
+    """Per input-size range, the mean blocks each treatment got in a run's steady steps,
+    counted from the records' ``treatments``; a run with one mix at every size gets one row."""
+    base = json.loads((FIXTURE / "train_run" / "memfit_steps.jsonl").read_text().splitlines()[0])
+    run = tmp_path / "run"
+    run.mkdir()
+    mixes = {  # tokens -> treatments of a 4-block model
+        100: {}, 110: {},
+        480: {"selective": [2, 3]}, 490: {"selective": [1, 2, 3]},
+        900: {"recompute": [0], "offload": [1], "selective": [2, 3]},
+    }
+    lines = [json.dumps({**base, "step": 1, "tokens": 900, "phase": "warmup", "n_blocks": 4, "plan": [0, 1, 2, 3],
+                         "n_checkpointed": 4, "treatments": {"recompute": [0, 1, 2, 3]}})]
+    for i, (tokens, kinds) in enumerate(mixes.items(), 2):
+        plan = sorted(b for blocks in kinds.values() for b in blocks)
+        lines.append(json.dumps({**base, "step": i, "tokens": tokens, "phase": "steady", "n_blocks": 4, "plan": plan,
+                                 "n_checkpointed": len(plan), "treatments": kinds}))
+    (run / "memfit_steps.jsonl").write_text("\n".join(lines) + "\n")
+    markdown = build_report(run, tmp_path / "out").read_text()
+    rows = table_rows(markdown, "Treatment mix per input size", first_column="run")
+    by_size = {row["tokens"]: row for row in rows}
+    # 6 ranges of 134 tokens from 100 to 900; the warm-up step is left out
+    assert list(by_size) == ["100-233", "368-501", "770-903"]
+    assert [by_size["100-233"][k] for k in ("steps", "recompute", "selective", "offload", "kept")] == ["2", "0.0", "0.0", "0.0", "4.0"]
+    assert [by_size["368-501"][k] for k in ("steps", "selective", "kept")] == ["2", "2.5", "1.5"]
+    assert [by_size["770-903"][k] for k in ("recompute", "selective", "offload", "kept")] == ["1.0", "2.0", "1.0", "0.0"]

@@ -423,6 +423,45 @@ def _runs_table(runs: Sequence[_StepRun]) -> list[str]:
     return lines
 
 
+#: Treatments in the order the mix table shows them (treatments.py); ``keep`` is the rest.
+_MIX_KINDS = ("recompute", "selective", "offload")
+
+
+def _mix_table(runs: Sequence[_StepRun], bins: int = 6) -> list[str]:
+    """The treatment mix per input size: for each run that treated blocks, its steady steps in
+    ``bins`` equal ranges of tokens, and the mean number of blocks each treatment got there."""
+    treated = [r for r in runs if any(rec.treatments or rec.plan for rec in r.records)]
+    steady = {id(r): [rec for rec in r.records if rec.phase != "warmup"] for r in treated}
+    tokens = [rec.tokens for recs in steady.values() for rec in recs]
+    if not tokens:
+        return []
+    low, high = min(tokens), max(tokens)
+    width = max(1, -(-(high - low + 1) // bins))
+    lines = [
+        "", "Treatment mix per input size (steady steps; mean blocks per step given each treatment, the rest kept):", "",
+        "| run | tokens | steps | " + " | ".join(_MIX_KINDS) + " | kept |",
+        "| --- | --- | ---: | " + " | ".join("---:" for _ in _MIX_KINDS) + " | ---: |",
+    ]
+    for run in treated:
+        by_bin: dict[int, list[StepRecord]] = {}
+        for rec in steady[id(run)]:
+            by_bin.setdefault((rec.tokens - low) // width, []).append(rec)
+        rows = []
+        for b in sorted(by_bin):
+            recs = by_bin[b]
+            counts = {k: 0 for k in _MIX_KINDS}
+            for rec in recs:
+                for kind, blocks in (rec.treatments or ({"recompute": rec.plan} if rec.plan else {})).items():
+                    counts[kind] = counts.get(kind, 0) + len(blocks)
+            mix = tuple(counts[k] / len(recs) for k in _MIX_KINDS)
+            rows.append((low + b * width, low + (b + 1) * width - 1, len(recs), mix, recs[0].n_blocks - sum(mix)))
+        if len({row[3] for row in rows}) == 1:  # the same mix at every size (full, static): one row
+            rows = [(rows[0][0], rows[-1][1], sum(row[2] for row in rows), rows[0][3], rows[0][4])]
+        for first, last, n, mix, kept in rows:
+            lines.append(f"| {_label(run)} | {first}-{last} | {n} | " + " | ".join(f"{m:.1f}" for m in mix) + f" | {kept:.1f} |")
+    return lines
+
+
 _LEGEND = (
     "Per configuration (method × budget), over its repeats: *median time* of the repeats that "
     "finished (`ok`); *vs none*: that time over the median of `none` with no budget in the same "
@@ -650,6 +689,7 @@ def build_report(input_dir: str | Path, output_dir: str | Path | None = None) ->
             shown = _one_run_per_label(groups[group])
             lines += ["", f"## Step records: {group}", ""]
             lines += _runs_table(groups[group])
+            lines += _mix_table(shown)
             stem = group_names[group]
             _plot_peak_vs_tokens(group, shown, out / f"peak_vs_tokens_{stem}.png")
             _plot_memory_count(group, shown, out / f"memory_count_{stem}.png")
