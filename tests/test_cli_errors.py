@@ -116,6 +116,8 @@ CASES = [
          r"argument --max_steps/--max-steps: invalid int value: 'ten'; `memfit train text-classification --help`"),
     Case("margin out of range", lambda t, o: mrpc(t, o, "--memfit_margin", "2"),
          r"--memfit_margin 2\.0: give a share of the budget in \[0, 1\)"),
+    Case("unknown treatment", lambda t, o: mrpc(t, o, "--memfit_treatments", "recompute,swap"),
+         r"--memfit_treatments 'recompute,swap': unknown treatment 'swap'; give one or more of recompute, selective, offload"),
     Case("peer with a memfit method", lambda t, o: mrpc(t, o, "--hf_checkpoint_every_n_layers", "2"),
          r"--hf_checkpoint_every_n_layers is a peer of memfit: run it with --memfit_method none"),
     Case("oracle without budget", lambda t, o: mrpc(t, o, "--oracle"),

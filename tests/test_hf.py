@@ -154,6 +154,8 @@ def test_records_summary_logs_and_state(tmp_path):
         ({"memfit_margin": 1.5}, r"give a share of the budget in \[0, 1\)"),
         ({"memfit_method": "sometimes"}, "choose one of"),
         ({"memfit_method": "precomputed"}, "needs --memfit_plans_file"),
+        ({"memfit_treatments": "recompute,swap"}, r"unknown treatment 'swap'; give one or more of recompute, selective, offload"),
+        ({"memfit_treatments": " , "}, "no treatment; give one or more of"),
         ({"memory_budget": "six"}, "not a memory size"),
         ({"gradient_checkpointing": True}, "drop --gradient_checkpointing"),
         ({"fsdp": "full_shard"}, "does not support FSDP yet"),
@@ -186,3 +188,12 @@ def test_a_failure_before_the_first_step_leaves_no_record_file(tmp_path, monkeyp
     with pytest.raises(memfit.BudgetTooSmallError, match="injected"):
         trainer.train()
     assert not log.exists()
+
+
+def test_treatments_flag_reaches_the_planner_and_the_records(tmp_path):
+    """--memfit_treatments: the planner may use what it names, and the records say what each block got."""
+    trainer = _trainer(tmp_path, "mix", budget="30MB", memfit_treatments="selective, offload,recompute")
+    assert trainer.memfit.planning.treatments == ("selective", "offload", "recompute")
+    trainer.train()
+    kinds = {kind for r in trainer.memfit.records for kind in r.treatments}
+    assert kinds and kinds <= {"recompute", "selective", "offload"}

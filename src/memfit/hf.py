@@ -57,6 +57,7 @@ from memfit.run_dir import claim_output_dir
 from memfit.runtime import Controller, fit
 from memfit.runtime.replay import describe_attempt
 from memfit.summary_text import end_summary, start_line
+from memfit.treatments import KEEP, TREATMENTS
 
 __all__ = [
     "MemfitArguments", "TrainingArguments", "MemfitTrainerMixin", "Trainer", "with_memfit", "STATE_FILE", "rank_path",
@@ -117,6 +118,13 @@ class MemfitArguments:
                   "instead of an OOM and a replay. auto (default): only where the Trainer cannot replay an OOM "
                   "(FSDP); true: on every step that could need it; false: never."},
     )
+    memfit_treatments: str = field(
+        default="recompute",
+        metadata={"help": "How the planner may free a block's activation memory, comma-separated: recompute (the "
+                  "whole block again in backward), selective (keep matmul and attention outputs, recompute the rest), "
+                  "offload (saved tensors to pinned host memory, prefetched back). Per batch and block it picks the "
+                  "cheapest mix that fits, from each treatment's measured bytes and time. Default: recompute."},
+    )
     overwrite_output_dir: bool = field(
         default=False,
         metadata={
@@ -160,6 +168,7 @@ class MemfitArguments:
             )
         if self.memfit_max_shape is not None:
             max_shape(self.memfit_max_shape)  # fail early on a malformed shape
+        self.memfit_treatments = ",".join(treatment_names(self.memfit_treatments))
         if str(self.memfit_backstop).lower() not in ("auto", "true", "false"):
             raise FlagError(f"--memfit_backstop {self.memfit_backstop!r}: give auto, true or false")
         # transformers 5.24 renamed the flag (the old name warns on read); 5.17 has only the old one
@@ -189,6 +198,23 @@ class MemfitArguments:
         if self.memory_threshold is not None:
             return int(self.memory_threshold * 10**9)
         return None
+
+
+def treatment_names(text: str) -> tuple[str, ...]:
+    """``--memfit_treatments``' comma-separated names as a tuple (``keep`` is always allowed).
+
+    Raises:
+        FlagError: an unknown name, or none.
+    """
+    names = tuple(dict.fromkeys(n.strip().lower() for n in str(text).split(",") if n.strip() and n.strip().lower() != KEEP))
+    choices = ", ".join(n for n in TREATMENTS if n != KEEP)
+    unknown = [n for n in names if n not in TREATMENTS]
+    if unknown or not names:
+        raise FlagError(
+            f"--memfit_treatments {text!r}: {f'unknown treatment {unknown[0]!r}' if unknown else 'no treatment'}; "
+            f"give one or more of {choices}, comma-separated (e.g. recompute,selective,offload)"
+        )
+    return names
 
 
 @dataclass
@@ -275,7 +301,7 @@ class MemfitTrainerMixin:
         # writes its own records; rank 0 merges the summaries.
         self.memfit: Controller = fit(
             self.model, getattr(a, "memfit_budget_bytes", None), method, log=log, margin=getattr(a, "memfit_margin", None),
-            announce=False, **method_kwargs,
+            announce=False, treatments=treatment_names(getattr(a, "memfit_treatments", "recompute")), **method_kwargs,
         )
         self._window: list[tuple[dict[str, Any], dict[str, Any], Any]] = []
         self._oom_total = 0
