@@ -171,3 +171,30 @@ def test_fit_before_fully_shard_is_a_clear_error(tmp_path):
         ctl.remove()
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp_oom_in_a_block_on_one_rank_is_replayed_by_every_rank(tmp_path):
+    """FSDP2, two gloo ranks, plain loop with run_step: rank 1 runs out of memory inside a
+    block's forward (accumulation 1 and 2). No hang, one record per micro-step on each rank,
+    the failed attempt recorded on rank 1, and both ranks end with the weights of the run
+    without the OOM, bitwise (NOTE [Replay under FSDP])."""
+    from _fsdp_oom_worker import SCENARIOS
+
+    returncode, output = _torchrun("_fsdp_oom_worker.py", [tmp_path, _budget()], port=29523)
+    assert returncode == 0, output[-3000:]
+
+    def load(name, rank):
+        return torch.load(tmp_path / f"{name}.rank{rank}.pt"), json.loads((tmp_path / f"{name}.rank{rank}.json").read_text())
+
+    for accumulation in (1, 2):
+        for rank in (0, 1):
+            clean, clean_info = load(f"clean-{accumulation}", rank)
+            failed, info = load(f"forward-{accumulation}", rank)
+            assert clean_info["fired"] == 0 and info["fired"] == (rank == 1)
+            assert len(info["records"]) == len(clean_info["records"]) == STEPS
+            attempts = [r["oom_attempts"] for r in info["records"] if r["oom_attempts"]]
+            assert len(attempts) == (rank == 1), attempts  # the other rank replayed without a failed attempt
+            for key, value in clean.items():
+                torch.testing.assert_close(failed[key], value, rtol=0, atol=0, msg=lambda m: f"{accumulation} {rank} {key}: {m}")
+    assert set(SCENARIOS) == {"clean-1", "forward-1", "clean-2", "forward-2"}

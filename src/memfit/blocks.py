@@ -65,6 +65,9 @@ class Block:
         listener: told ``enter(block, args, kwargs)`` at the start of every training forward
             and ``exit(block)`` at its end (the runtime uses it to fix the plan before the
             first block and to attribute saved tensors to blocks).
+        on_oom: when set, an OOM in a training forward of the block is not raised: the block
+            returns ``on_oom(block, args, kwargs, message)`` instead (NOTE [Replay under FSDP]
+            in runtime/replay.py).
         before_run: when set, called as ``before_run(block)`` before every run of the body,
             recomputes included (the runtime reads the start-of-backward peak at the first
             recompute: NOTE [Reading the backward's start] in learner.py).
@@ -79,6 +82,7 @@ class Block:
         self.runs = 0
         self.listener: BlockListener | None = None
         self.before_run: Callable[[Block], None] | None = None
+        self.on_oom: Callable[[Block, tuple, dict, str], Any] | None = None
         self._body = module.forward  # the class's forward, bound to the instance
 
     @property
@@ -101,7 +105,13 @@ class Block:
             listener.enter(self, args, kwargs)
         try:
             args, kwargs = without_cache(self.module, args, kwargs)  # NOTE [No KV cache in training]
-            return self.treatment.run(self, args, kwargs)
+            if self.on_oom is None:
+                return self.treatment.run(self, args, kwargs)
+            try:
+                return self.treatment.run(self, args, kwargs)
+            except torch.OutOfMemoryError as err:
+                message = str(err)  # handled outside the except block, so the failed frames are freed
+            return self.on_oom(self, args, kwargs, message)
         finally:
             if listener is not None:
                 listener.exit(self)

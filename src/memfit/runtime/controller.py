@@ -359,6 +359,11 @@ class Controller:
         self.protection.note_oom(step, attempt)
         replay.after_oom(self.method, self.planning, self.meter, step, attempt, len(self.blocks))
 
+    def drop_step(self) -> None:
+        """Drop the pending step unrecorded: another rank's OOM replays it (NOTE [Replay under FSDP])."""
+        self._step = None
+        self._counter.stop()
+
     def run_step(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run one micro-step ``fn(*args, **kwargs)`` (its forward and backward) and return its
         result; on an OOM, replay it with the same RNG state and a safer plan, so that the

@@ -14,6 +14,21 @@ plans. The window is the ``run_step`` calls since the optimizer's last step (the
 optimizer, whose step hook closes it) or since the gradients were last all ``None``. Without
 an optimizer to close windows, a call that finds gradients already present keeps a copy of
 them to restore instead (memory: one copy of the gradients).
+
+# NOTE [Replay under FSDP]
+Under FSDP with several ranks every block's forward and backward hold collectives (FSDP2
+all-gathers a block's parameters before it runs and reduce-scatters its gradients after its
+backward), and every rank must issue the same ones in the same order. A rank that stopped at
+an OOM and replayed alone would leave the others waiting in the next all-gather. So inside
+``run_step`` an OOM in a block's forward is not raised: that block runs again under whole-block
+recompute, as does every later block of the step, and the step goes on to the end, its
+collectives in step with the other ranks, its gradients wrong. After each micro-step the ranks
+agree, by one all-reduce of a flag, whether any of them failed; if one did, every rank drops
+the window's gradients and replays it (NOTE [Replay in a plain loop]), the failed rank with a
+safer plan, the others with their own. An OOM elsewhere (the head after the last block, a
+backward) cannot be kept in step this way: it is raised with an error that says so, and the
+launcher stops the other ranks. So is an OOM in a block that holds FSDP modules of its own:
+its failed forward may have issued some of their all-gathers, which a rerun would repeat.
 """
 
 from __future__ import annotations
@@ -27,10 +42,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memfit.budget import BudgetTooSmallError, format_bytes
+from memfit.distributed import is_fsdp, world_size
 from memfit.planner import Plan
 from memfit.runtime.step import Stage, StepState
+from memfit.treatments import RECOMPUTE, TREATMENTS
 
 if TYPE_CHECKING:
+    from memfit.blocks import Block
     from memfit.methods import Method
     from memfit.planning import Planning
     from memfit.protection import Protection
@@ -181,15 +199,34 @@ def run_step(ctl: "Controller", fn: Callable[..., Any], args: tuple, kwargs: dic
         window.clear()
         kept = [None if p.grad is None else p.grad.detach().clone() for p in params]
     window.append((fn, args, kwargs, _rng_state(ctl.device)))
+    together = _InStep(ctl) if world_size() > 1 and is_fsdp(ctl.model) else None
     for retry in range(MAX_OOM_RETRIES + 1):
         message = None
         try:
-            if retry:
-                _replay_head(ctl, window)
-            return fn(*args, **kwargs)
+            if together is None:
+                if retry:
+                    _replay_head(ctl, window)
+                return fn(*args, **kwargs)
+            with together:  # NOTE [Replay under FSDP]
+                if retry:
+                    _replay_head(ctl, window)
+                result = fn(*args, **kwargs)
+            if not together.any_rank_failed():
+                return result
+            del result
+            message = together.message
         except torch.OutOfMemoryError as err:
             message = str(err)  # recovered outside the except block, so its frames are freed
-        ctl.note_oom(message)  # raises when no safer plan exists
+            if together is not None:
+                raise BudgetTooSmallError(
+                    f"{message}\nmemfit: under FSDP with several ranks, an OOM outside the blocks' forwards (the head "
+                    "after the last block, or a backward) cannot be replayed in step with the other ranks (NOTE [Replay "
+                    "under FSDP]); raise the memory budget or the margin, or lower the batch size"
+                ) from None
+        if together is not None and message is None:
+            ctl.drop_step()  # another rank failed: replay with this rank's own plan
+        else:
+            ctl.note_oom(message)  # raises when no safer plan exists
         for p, grad in zip(params, kept or [None] * len(params)):
             p.grad = grad if grad is None else grad.clone()
         gc.collect()
@@ -200,6 +237,52 @@ def run_step(ctl: "Controller", fn: Callable[..., Any], args: tuple, kwargs: dic
         f"{describe_attempt(attempts[-1], len(ctl.blocks)) if attempts else 'not recorded'}. Raise "
         "the memory budget or the margin, or lower the batch size"
     )
+
+
+class _InStep:
+    """While entered, an OOM in a block's forward reruns that block and every later one under
+    whole-block recompute instead of raising (NOTE [Replay under FSDP])."""
+
+    def __init__(self, ctl: "Controller"):
+        self.ctl = ctl
+        self.message: str | None = None
+        self._recompute = ctl.treatments.get(RECOMPUTE) or TREATMENTS[RECOMPUTE]()
+
+    def __enter__(self) -> "_InStep":
+        self.message = None
+        for block in self.ctl.blocks:
+            block.on_oom = self._go_on
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for block in self.ctl.blocks:
+            block.on_oom = None
+
+    def _go_on(self, block: "Block", args: tuple, kwargs: dict[str, Any], message: str) -> Any:
+        if any(is_fsdp(child) for child in block.module.children()):
+            raise BudgetTooSmallError(
+                f"{message}\nmemfit: block {block.name} holds FSDP modules of its own, so its failed forward cannot "
+                "be rerun in step with the other ranks (NOTE [Replay under FSDP]); shard whole blocks, or raise the "
+                "memory budget or the margin, or lower the batch size"
+            )
+        if self.message is None:
+            self.message = message
+            logger.warning("memfit: out of memory in block %d (%s); the step runs to its end in step with the other "
+                           "ranks, then every rank replays it", block.index, block.name)
+        gc.collect()
+        self.ctl.meter.release()
+        for later in self.ctl.blocks[block.index:]:
+            later.treatment = self._recompute
+        return self._recompute.run(block, args, kwargs)
+
+    def any_rank_failed(self) -> bool:
+        """All-reduce of this rank's flag: whether any rank ran out of memory in this attempt."""
+        import torch.distributed as dist
+
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        flag = torch.tensor([0 if self.message is None else 1], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
 
 def _replay_head(ctl: "Controller", window: list) -> None:
