@@ -23,7 +23,8 @@ an OOM and replayed alone would leave the others waiting in the next all-gather.
 ``run_step`` an OOM in a block's forward is not raised: that block runs again under whole-block
 recompute, as does every later block of the step, and the step goes on to the end, its
 collectives in step with the other ranks, its gradients wrong. After each micro-step the ranks
-agree, by one all-reduce of a flag, whether any of them failed; if one did, every rank drops
+agree, by one all-reduce of a flag, whether any of them failed (its cost: a collective of four
+bytes and the host waiting for the backward, once per micro-step); if one did, every rank drops
 the window's gradients and replays it (NOTE [Replay in a plain loop]), the failed rank with a
 safer plan, the others with their own. An OOM elsewhere (the head after the last block, a
 backward) cannot be kept in step this way: it is raised with an error that says so, and the
