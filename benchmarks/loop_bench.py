@@ -16,8 +16,9 @@ Methods (memfit under the cap, every micro-step through ``Controller.run_step``)
 it, called without run_step), ``reactive``.
 Peers (no memfit at all; the bench reads the allocator): ``plain`` (the same loop),
 ``hf-every-1``, ``hf-every-2``, ``hf-offload`` (Hugging Face's checkpointing, either API name),
-``trl-offload`` (TRL's activation offloading around the step), ``selective-static`` (every
-block under memfit's selective policy, for every batch).
+``trl-offload`` (TRL's activation offloading around the step), ``compile-F`` (``torch.compile``
+of every block under ``activation_memory_budget`` F, memfit.bench.peers.TorchCompile), and
+``selective-static`` (every block under memfit's selective policy, for every batch).
 
 Data: ``--lengths sft`` (the SFT table of memfit.tasks.causal_lm, long-tailed, up to 2,048
 tokens), ``uniform:A:B``, or ``fixed:L1,L2,...`` (long context). Output under ``--output_dir``:
@@ -69,6 +70,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--budgets", nargs="*", type=float, default=[0.5, 0.7], help="shares of uncapped none's peak")
     p.add_argument("--budget_gb", nargs="*", type=float, default=[], help="absolute budgets in GB, besides")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--first_repeat", type=int, default=0, help="number of the first repeat (a suite that runs one "
+                   "repeat per call into one folder numbers them apart)")
     p.add_argument("--methods", nargs="+", default=["plain", "none", "full", "static", "dynamic"])
     p.add_argument("--last", nargs="*", default=[], help="peers run once per budget after every repeat of the others: "
                    "a peer whose OOM leaves GPU memory held in the process (TRL's offloading did) cannot then "
@@ -200,6 +203,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
     optimizer = torch.optim.AdamW(trainable, lr=1e-5)
     hooks_before = _hooks(model)
     ctl, undo, context = None, None, contextlib.nullcontext
+    note_compile: list[str] = []
     status, note, ooms = "ok", None, 0
     method_name = name
     if name in MEMFIT_METHODS:
@@ -212,6 +216,20 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
             return _failed(args, name, budget, repeat, "oom", str(err)[:300])
     elif name.startswith("hf-"):
         undo = _hf_checkpointing(model, 2 if name == "hf-every-2" else 1, offload=name == "hf-offload")
+    elif name.startswith("compile-"):  # torch.compile of every block under activation_memory_budget F
+        from types import SimpleNamespace
+
+        from memfit.bench.peers import TorchCompile
+
+        compiled = TorchCompile(float(name.split("-", 1)[1]))
+        compiled.__enter__()
+        compiled.prepare(SimpleNamespace(model=model), SimpleNamespace(torch_compile=False))
+
+        def undo():
+            for _, block in memfit.blocks.find_blocks(model):
+                block.__dict__.pop("forward", None)  # the class's forward again
+            compiled.__exit__(None, None, None)
+            note_compile.append(compiled.record()["note"])
     elif name == "trl-offload":
         from trl.models.activation_offloading import get_act_offloading_ctx_manager
 
@@ -299,6 +317,8 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
         result.update(recomputed_fraction=None)
     if undo is not None:
         undo()
+    if note_compile:
+        result["note"] = "; ".join(filter(None, [result["note"], *note_compile]))
     _remove_new_hooks(model, hooks_before)  # TRL's offloading hooks the model's last layers
     # A peer that enters saved-tensor hooks in a forward pre-hook and leaves them in a post-hook
     # (TRL's offloading, around the head) leaves them on autograd's stack when an OOM comes in
@@ -315,6 +335,17 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
     return result
 
 
+def _compile_budget(name: str) -> float | None:
+    """F of a ``compile-F`` peer name (0 < F <= 1), else None."""
+    if not name.startswith("compile-"):
+        return None
+    try:
+        value = float(name.split("-", 1)[1])
+    except ValueError:
+        return None
+    return value if 0 < value <= 1 else None
+
+
 def _failed(args, name: str, budget: int | None, repeat: int, status: str, note: str) -> dict:
     return {
         "task": "text-classification" if args.model == "bert-base" else "causal-lm", "model": args.model,
@@ -328,9 +359,11 @@ def main(argv: list[str]) -> int:
     args = _parse(argv)
     import torch
 
-    unknown = [m for m in args.methods + args.last if m not in ("plain", "none") and m not in MEMFIT_METHODS and m not in PEERS]
+    unknown = [m for m in args.methods + args.last if m not in ("plain", "none") and m not in MEMFIT_METHODS
+               and m not in PEERS and not _compile_budget(m)]
     if unknown:
-        raise SystemExit(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(sorted(MEMFIT_METHODS) + sorted(PEERS))}")
+        raise SystemExit(f"unknown method(s) {', '.join(unknown)}: choose from "
+                         f"{', '.join(sorted(MEMFIT_METHODS) + sorted(PEERS))}, compile-F (0 < F <= 1)")
     os.makedirs(os.path.join(args.output_dir, "steps"), exist_ok=True)
     started = time.perf_counter()
     model, _ = _build(args)
@@ -352,7 +385,7 @@ def main(argv: list[str]) -> int:
     uncapped = [m for m in ("plain", "none") if m in args.methods or m == "none"]
     reference = None
     budgets: list[int] = []
-    for repeat in range(args.repeats):
+    for repeat in range(args.first_repeat, args.first_repeat + args.repeats):
         for name in uncapped:
             result = run_config(args, model, batches, initial, name, None, repeat, args.output_dir)
             emit(result)
@@ -370,7 +403,7 @@ def main(argv: list[str]) -> int:
         for name in args.last:
             if time.perf_counter() - started > args.time_limit_s:
                 return 0
-            emit(run_config(args, model, batches, initial, name, budget, 0, args.output_dir))
+            emit(run_config(args, model, batches, initial, name, budget, args.first_repeat, args.output_dir))
     return 0
 
 
