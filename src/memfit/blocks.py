@@ -15,9 +15,9 @@ may run twice (checkpoint recompute, the warm-up probe, a reactive eviction) can
 one: the cache would hold every key twice, as Hugging Face's own checkpointing knows (it
 drops the cache too, unless the layer declares ``_can_checkpoint_with_cache``). And a
 block that does write one computes attention on the cache's concatenated copy of its keys
-and values, whose rounding differs from the uncached path (GPT-2, transformers 5.23:
-3e-8): checkpointed and un-checkpointed blocks would not give bitwise equal gradients. A
-training step never reads the cache, and the copy costs memory.
+and values, whose rounding differs from the uncached path: checkpointed and
+un-checkpointed blocks would not give bitwise equal gradients. A training step never reads
+the cache, and the copy costs memory.
 
 # NOTE [Switch is read at call time]
 The wrapper replaces the block's ``forward`` on the *instance* (the class is untouched) and

@@ -171,7 +171,7 @@ class MemfitArguments:
         self.memfit_treatments = ",".join(treatment_names(self.memfit_treatments))
         if str(self.memfit_backstop).lower() not in ("auto", "true", "false"):
             raise FlagError(f"--memfit_backstop {self.memfit_backstop!r}: give auto, true or false")
-        # transformers 5.24 renamed the flag (the old name warns on read); 5.17 has only the old one
+        # the flag's newer name first (reading the old one warns where both exist; older versions have only it)
         hf_checkpointing = getattr(self, "activation_checkpointing", None)
         if hf_checkpointing is None:
             hf_checkpointing = self.gradient_checkpointing

@@ -35,8 +35,8 @@ peer measured about itself (compilations, ckptplan's plan) is written to
 result line (``peer_metrics``, ``note``).
 
 # NOTE [Two names for Hugging Face's checkpointing]
-Transformers 5.17 turns its checkpointing on with ``gradient_checkpointing_enable(
-gradient_checkpointing_kwargs=None, every_n_layers=1, offload=False)``; later 5.x versions
+Older transformers turn their checkpointing on with ``gradient_checkpointing_enable(
+gradient_checkpointing_kwargs=None, every_n_layers=1, offload=False)``; newer versions
 renamed it ``activation_checkpointing_enable(activation_checkpointing_kwargs=None,
 every_n_layers=1, offload=False)`` and keep the old name as a deprecated alias taking
 ``**kwargs``. Both checkpoint every ``every_n_layers``-th ``GradientCheckpointingLayer`` (counted
@@ -64,18 +64,16 @@ output head from being offloaded.
 
 # NOTE [Compile inside the block wrappers]
 Compiling the whole model (``--torch_compile``, ``model.compile()``) puts memfit's Python in
-the traced region: in 4 steps of a tiny BERT (transformers 5.23, torch 2.13) its root hooks and
-block switches (``time.perf_counter``, entering ``saved_tensors_hooks``, storage sizes, the
-memory model's fit) broke the graph 35 times, 23 graphs were compiled, and the break inside
-the encoder's layer loop made Dynamo skip the encoder's frame, which then ran eagerly with one
-graph per layer. So the peer compiles each block's own ``forward`` before memfit wraps the block
+the traced region: its root hooks and block switches (``time.perf_counter``, entering
+``saved_tensors_hooks``, storage sizes, the memory model's fit) break the graph, and a break
+inside the encoder's layer loop makes Dynamo skip the encoder's frame, which then runs
+eagerly. So the peer compiles each block's own ``forward`` before memfit wraps the block
 (regional compilation, as PyTorch's recipe and Accelerate's ``use_regional_compilation``
 do): memfit's wrappers and hooks run eagerly around the compiled graphs, blocks of one class
 share their graphs, and the embeddings and the head run eagerly. The partitioner's knob applies
 per graph, so F of each block's activations is F of all the blocks'. memfit still counts what
-the compiled blocks save: AOTAutograd saves its tensors through ``saved_tensors_hooks`` (on a
-tiny BERT at 8×40 tokens: 1.50 MB at F = 1, 0.74 MB at 0.5, 0.21 MB at 0; eager saves 1.76
-MB). With dynamic padding each new length recompiles until Dynamo marks the dimension dynamic
+the compiled blocks save: AOTAutograd saves its tensors through ``saved_tensors_hooks``. With
+dynamic padding each new length recompiles until Dynamo marks the dimension dynamic
 (usually once), and evaluation compiles again; the run counts frames, recompiles, lazy backward
 compilations and the seconds spent, logs them and writes them to :data:`PEER_FILE`
 (``TORCH_LOGS=recompiles`` prints each recompile's reason). Dynamo's in-memory cache does not
@@ -300,8 +298,8 @@ class HfEveryN(Peer):
         kwargs: dict[str, Any] = {"every_n_layers": self.n, **({"offload": True} if self.offload else {})}
         # NOTE [Two names for Hugging Face's checkpointing]
         for method, kwargs_name in (
-            ("activation_checkpointing_enable", "activation_checkpointing_kwargs"),  # transformers >= 5.2x
-            ("gradient_checkpointing_enable", "gradient_checkpointing_kwargs"),  # transformers 5.17
+            ("activation_checkpointing_enable", "activation_checkpointing_kwargs"),  # the newer name
+            ("gradient_checkpointing_enable", "gradient_checkpointing_kwargs"),  # the older one
         ):
             enable = getattr(model, method, None)
             if enable is not None and set(kwargs) <= set(inspect.signature(enable).parameters):
