@@ -13,23 +13,10 @@ from torch.distributed.fsdp import fully_shard
 
 import memfit
 from _ddp_common import LENGTHS, STEPS, batch, build_model
+from _models import InjectOOM
 
 # name: (gradient accumulation, rank 1's micro-step (0-based) in whose block 1 it runs out of memory)
 SCENARIOS = {"clean-1": (1, None), "forward-1": (1, 3), "clean-2": (2, None), "forward-2": (2, 3)}
-
-
-class InjectOOM:
-    """Raise torch.OutOfMemoryError once, in the training forward of ``module`` while ``armed``."""
-
-    def __init__(self, module):
-        self.armed, self.fired = False, 0
-        module.register_forward_pre_hook(self.pre)
-
-    def pre(self, module, args):
-        if self.armed and module.training and torch.is_grad_enabled():
-            self.armed = False
-            self.fired += 1
-            raise torch.OutOfMemoryError("injected in a block's forward: CUDA out of memory")
 
 
 def train(out, rank, name, accumulation, fail_at, budget):
@@ -39,10 +26,11 @@ def train(out, rank, name, accumulation, fail_at, budget):
     fully_shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     # inside block 1's body: FSDP has all-gathered its parameters when this raises
-    inject = InjectOOM(model.bert.encoder.layer[1].intermediate)
+    inject = InjectOOM(model.bert.encoder.layer[1].intermediate, at=0)
     ctl = memfit.fit(model, budget=budget, method="dynamic", optimizer=opt, warmup_steps=2, warmup_keys=2, announce=False)
     for step in range(STEPS):
-        inject.armed = rank == 1 and step == fail_at
+        if rank == 1 and step == fail_at:
+            inject.at = inject.calls + 1  # this step's forward
         torch.manual_seed(1000 * step + rank)
         b = batch(step, rank, LENGTHS[rank][step])
         ctl.run_step(lambda b=b: (model(**b).loss / accumulation).backward())

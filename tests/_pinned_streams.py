@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from _models import logical_peak
+
 FIXTURE = Path(__file__).parent / "fixtures" / "pinned_plans.json"
 #: a probe's price in ms per MB saved, times (1 + 0.25 * (block index % 3))
 PROBE_MS_PER_MB = 1.0
@@ -152,18 +154,6 @@ STREAMS: dict[str, tuple[str, str, dict, int, float]] = {
 FIELDS = ("shape", "plan", "phase", "predicted_peak_bytes", "peak_allocated_bytes", "evicted_blocks", "backstop_armed")
 
 
-def _logical_peak(model, batch, method: str) -> int:
-    import memfit
-
-    ctl = memfit.fit(model, budget=None, method=method)
-    torch.manual_seed(0)
-    model(**batch).loss.backward()
-    model.zero_grad(set_to_none=True)
-    peak = ctl.records[-1].peak_allocated_bytes
-    ctl.remove()
-    return peak
-
-
 def run_stream(name: str) -> dict:
     """Train stream ``name``; return its budget and per-step fields."""
     import memfit
@@ -173,7 +163,7 @@ def run_stream(name: str) -> dict:
     model.train()
     sizes = _sizes(arch, steps, seed=len(name))
     largest = make_batch(0, max(sizes))
-    none_peak, full_peak = _logical_peak(model, largest, "none"), _logical_peak(model, largest, "full")
+    none_peak, full_peak = logical_peak(model, largest, "none"), logical_peak(model, largest, "full")
     budget = int(full_peak + share * (none_peak - full_peak))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with deterministic_prices():

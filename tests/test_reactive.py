@@ -391,18 +391,23 @@ def test_block_peaks_predict_the_largest_at_least_as_long_then_scale():
     assert requested_bytes("out of memory") is None
 
 
-def test_reactive_keeps_a_blocks_own_peak_free_at_its_entry(monkeypatch):
-    """On the (fake) allocator, a block that allocates far more inside it than it saves is
-    learnt on its first run; at the next step of that shape its entry keeps that much free,
-    which evicts blocks where the first step, not knowing, evicted none."""
+def _reactive_on_fake_allocator(monkeypatch, budget):
+    """A BERT under ``reactive`` (no margin) whose memory is read from a fake allocator."""
     from test_runtime import _on_fake_allocator
 
     torch.manual_seed(0)
     model, make_batch = build("bert")
     model.train()
     inner = torch.optim.SGD(model.parameters(), lr=0.0)
-    ctl = memfit.fit(model, budget=10**6, method="reactive", margin=0.0)
-    fake = _on_fake_allocator(monkeypatch, ctl, inner, margin=0)
+    ctl = memfit.fit(model, budget=budget, method="reactive", margin=0.0)
+    return model, make_batch, inner, ctl, _on_fake_allocator(monkeypatch, ctl, inner, margin=0)
+
+
+def test_reactive_keeps_a_blocks_own_peak_free_at_its_entry(monkeypatch):
+    """On the (fake) allocator, a block that allocates far more inside it than it saves is
+    learnt on its first run; at the next step of that shape its entry keeps that much free,
+    which evicts blocks where the first step, not knowing, evicted none."""
+    model, make_batch, inner, ctl, fake = _reactive_on_fake_allocator(monkeypatch, 10**6)
     ctl.blocks[2].module.attention.register_forward_pre_hook(lambda *_: fake.use(2 * 10**6))  # inside block 2
     batch = make_batch(2, 8)
     for seed in range(2):
@@ -454,14 +459,7 @@ def test_a_reactive_replay_never_repeats_the_failed_plan():
 def test_an_oom_inside_a_block_teaches_its_peak(monkeypatch):
     """NOTE [Room inside a block]: the allocation that failed inside a block (allocated then,
     plus the request the message names, less the block's entry) becomes its learnt peak."""
-    from test_runtime import _on_fake_allocator
-
-    torch.manual_seed(0)
-    model, make_batch = build("bert")
-    model.train()
-    inner = torch.optim.SGD(model.parameters(), lr=0.0)
-    ctl = memfit.fit(model, budget=10**9, method="reactive", margin=0.0)
-    fake = _on_fake_allocator(monkeypatch, ctl, inner, margin=0)
+    model, make_batch, inner, ctl, fake = _reactive_on_fake_allocator(monkeypatch, 10**9)
     fired = []
 
     def fail_once(*_):
@@ -486,14 +484,7 @@ def test_reactive_keeps_the_heads_peak_free_at_the_last_block(monkeypatch):
     a window too: the first step learns it at its forward's end (and makes room for the
     backward then); the next step's last block keeps it free, so blocks are evicted before the
     head runs, where the first step evicted none."""
-    from test_runtime import _on_fake_allocator
-
-    torch.manual_seed(0)
-    model, make_batch = build("bert")
-    model.train()
-    inner = torch.optim.SGD(model.parameters(), lr=0.0)
-    ctl = memfit.fit(model, budget=10**6, method="reactive", margin=0.0)
-    fake = _on_fake_allocator(monkeypatch, ctl, inner, margin=0)
+    model, make_batch, inner, ctl, fake = _reactive_on_fake_allocator(monkeypatch, 10**6)
     evicted_before_head = []
 
     def head(*_):

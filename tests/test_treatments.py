@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import memfit
-from _models import ARCHS, DECODER_ARCHS, SIZES, TEXT_SIZES, assert_grads_equal, build, build_decoder, logical_peak
+from _models import ARCHS, DECODER_ARCHS, SIZES, TEXT_SIZES, build, build_decoder, logical_peak, step_both_and_compare
 from memfit.methods import Decision, Method, load_plans, save_plans
 from memfit.planner import Plan
 from memfit.treatments import HostMemoryError, Offload, make_treatments
@@ -57,12 +57,7 @@ def test_every_treatment_and_mix_gives_the_gradients_of_none(arch):
         # offload everything of any size: the tiny models' tensors are all small
         ctl.treatments["offload"].min_bytes = 0
         for seed, size in enumerate(sizes):
-            batch = make_batch(2, size)
-            _step(model, batch, seed)
-            _step(reference, batch, seed)
-            assert_grads_equal(model, reference, f"{arch} {name} size {size}")
-            model.zero_grad(set_to_none=True)
-            reference.zero_grad(set_to_none=True)
+            step_both_and_compare(model, reference, make_batch(2, size), seed, f"{arch} {name} size {size}")
         records = ctl.records
         ctl.remove()
         assert records[-1].treatments == plan.by_treatment(), name
@@ -81,12 +76,7 @@ def test_llm_families_are_exact_under_selective_and_offload(arch, lora):
     for name, plan in _mixes(n).items():
         ctl = memfit.fit(model, budget=None, method=_Fixed(plan), treatments=("recompute", "selective", "offload"))
         ctl.treatments["offload"].min_bytes = 0
-        batch = make_batch(2, 24)
-        _step(model, batch, 1)
-        _step(reference, batch, 1)
-        assert_grads_equal(model, reference, f"{arch} {name}")
-        model.zero_grad(set_to_none=True)
-        reference.zero_grad(set_to_none=True)
+        step_both_and_compare(model, reference, make_batch(2, 24), 1, f"{arch} {name}")
         ctl.remove()
 
 
@@ -192,12 +182,7 @@ def test_dynamic_with_treatments_fits_the_budget_exactly_and_mixes_when_cheaper(
     budget = (logical_peak(model, longest, "none") + logical_peak(model, longest, "full")) // 2
     ctl = memfit.fit(model, budget=budget, method="dynamic", treatments=("recompute", "selective"))
     for seed, length in enumerate([16, 96, 48, 80, 96, 64, 88, 96]):
-        batch = make_batch(4, length)
-        _step(model, batch, seed)
-        _step(reference, batch, seed)
-        assert_grads_equal(model, reference, f"step {seed}")
-        model.zero_grad(set_to_none=True)
-        reference.zero_grad(set_to_none=True)
+        step_both_and_compare(model, reference, make_batch(4, length), seed, f"step {seed}")
     records = ctl.records
     ctl.remove()
     steady = [r for r in records if r.phase == "steady"]
