@@ -86,10 +86,10 @@ def test_each_oom_is_logged_and_giving_up_names_the_last_attempt(tmp_path, caplo
     with caplog.at_level("WARNING", logger="memfit"), pytest.raises(memfit.BudgetTooSmallError) as error:
         trainer.train()
     replays = [r.getMessage() for r in caplog.records if "replaying it with" in r.getMessage()]
-    assert len(replays) == injector.fired == memfit.hf._MAX_OOM_RETRIES + 1
+    assert len(replays) == injector.fired == memfit.runtime.replay.MAX_OOM_RETRIES + 1
     assert "out of memory in forward at shape" in replays[0] and "blocks checkpointed" in replays[0]
     message = str(error.value)
-    assert f"still out of memory after {memfit.hf._MAX_OOM_RETRIES} replays" in message
+    assert f"still out of memory after {memfit.runtime.replay.MAX_OOM_RETRIES} replays" in message
     assert "the last: out of memory in forward at shape" in message and "--memory_budget" in message
     # a steady step that fails with every block checkpointed: one replay (NOTE [A replay
     # checkpoints more]), then the budget is too small
@@ -193,7 +193,7 @@ def test_a_failure_before_the_first_step_leaves_no_record_file(tmp_path, monkeyp
 def test_treatments_flag_reaches_the_planner_and_the_records(tmp_path):
     """--memfit_treatments: the planner may use what it names, and the records say what each block got."""
     trainer = _trainer(tmp_path, "mix", budget="30MB", memfit_treatments="selective, offload,recompute")
-    assert trainer.memfit.planning.treatments == ("selective", "offload", "recompute")
+    assert trainer.memfit.planning.treatments == ("recompute", "selective", "offload")
     trainer.train()
     kinds = {kind for r in trainer.memfit.records for kind in r.treatments}
     assert kinds and kinds <= {"recompute", "selective", "offload"}

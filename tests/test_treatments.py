@@ -44,6 +44,17 @@ def _step(model, batch, seed):
     model(**batch).loss.backward()
 
 
+def _step_as_planned(ctl, plan, model, reference, batch, seed, context):
+    """One step of ``model`` (under ``ctl``'s ``plan``) and ``reference`` with equal gradients, and
+    every block treated as planned: its body run again in backward, or its tensors moved."""
+    rerun = {i for i, kind in zip(plan.blocks, plan.kinds) if kind in ("recompute", "selective")}
+    moved = {i for i, kind in zip(plan.blocks, plan.kinds) if kind == "offload"}
+    before = [b.recomputes for b in ctl.blocks]
+    step_both_and_compare(model, reference, batch, seed, context)
+    assert {b.index for b, r in zip(ctl.blocks, before) if b.recomputes > r} == rerun, context
+    assert {s.index for s in ctl.treatments["offload"]._stashes if s.storages} == moved, context
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_treatment_and_mix_gives_the_gradients_of_none(arch):
     torch.manual_seed(0)
@@ -57,10 +68,8 @@ def test_every_treatment_and_mix_gives_the_gradients_of_none(arch):
         # offload everything of any size: the tiny models' tensors are all small
         ctl.treatments["offload"].min_bytes = 0
         for seed, size in enumerate(sizes):
-            step_both_and_compare(model, reference, make_batch(2, size), seed, f"{arch} {name} size {size}")
-        records = ctl.records
+            _step_as_planned(ctl, plan, model, reference, make_batch(2, size), seed, f"{arch} {name} size {size}")
         ctl.remove()
-        assert records[-1].treatments == plan.by_treatment(), name
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full-ft", "lora"])
@@ -76,7 +85,7 @@ def test_llm_families_are_exact_under_selective_and_offload(arch, lora):
     for name, plan in _mixes(n).items():
         ctl = memfit.fit(model, budget=None, method=_Fixed(plan), treatments=("recompute", "selective", "offload"))
         ctl.treatments["offload"].min_bytes = 0
-        step_both_and_compare(model, reference, make_batch(2, 24), 1, f"{arch} {name}")
+        _step_as_planned(ctl, plan, model, reference, make_batch(2, 24), 1, f"{arch} {name}")
         ctl.remove()
 
 
@@ -237,3 +246,18 @@ def test_the_selective_policy_recomputes_an_attention_that_draws_dropout():
     assert keep_matmul_and_attention(None, flash, q, k, v, dropout_p=0.1) is CheckpointPolicy.PREFER_RECOMPUTE
     assert keep_matmul_and_attention(None, aten.mm.default, q, k) is CheckpointPolicy.MUST_SAVE
     assert keep_matmul_and_attention(None, aten.add.Tensor, q, k) is CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_recompute_is_always_at_hand():
+    """Warm-up, ``full`` and replays treat every block with recompute, whatever treatments are
+    named: naming only ``selective`` (or ``keep``) must not take it away."""
+    torch.manual_seed(0)
+    model, make_batch = build("bert")
+    model.train()
+    for named in (("selective",), ("keep", "offload"), ("keep", "recompute")):
+        ctl = memfit.fit(model, budget=None, method="full", treatments=named)
+        assert ctl.planning.treatments[0] == "recompute" and "keep" not in ctl.planning.treatments
+        model(**make_batch(2, 16)).loss.backward()
+        model.zero_grad(set_to_none=True)
+        assert ctl.records[-1].treatments == {"recompute": list(range(len(ctl.blocks)))}
+        ctl.remove()

@@ -10,7 +10,7 @@ Saved-tensor hooks nest and only the innermost pair is called. A checkpointed bl
 under ``torch.utils.checkpoint``'s own hooks, so our counter sees nothing from inside it;
 what the block keeps is its inputs (held by the checkpoint for the recompute), which the
 runtime counts explicitly with :meth:`SavedTensorCounter.count_inputs`. What an
-un-checkpointed block would save is measured in warm-up by a *probe* (see runtime.py).
+un-checkpointed block would save is measured in warm-up by a *probe* (runtime/probe.py).
 
 # NOTE [FSDP's unsharded parameters]
 Under FSDP2 (``fully_shard``) a parameter is a DTensor holding this rank's shard: static

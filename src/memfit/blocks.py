@@ -105,11 +105,11 @@ class Block:
             listener.enter(self, args, kwargs)
         try:
             args, kwargs = without_cache(self.module, args, kwargs)  # NOTE [No KV cache in training]
-            if self.on_oom is None:
-                return self.treatment.run(self, args, kwargs)
             try:
                 return self.treatment.run(self, args, kwargs)
             except torch.OutOfMemoryError as err:
+                if self.on_oom is None:
+                    raise
                 message = str(err)  # handled outside the except block, so the failed frames are freed
             return self.on_oom(self, args, kwargs, message)
         finally:

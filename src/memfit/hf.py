@@ -55,7 +55,7 @@ from memfit.optim_state import expected_state_bytes
 from memfit.records import StepRecord, read_jsonl, summarize
 from memfit.run_dir import claim_output_dir
 from memfit.runtime import Controller, fit
-from memfit.runtime.replay import describe_attempt
+from memfit.runtime.replay import MAX_OOM_RETRIES, replays_exhausted, rng_state, set_rng_state
 from memfit.summary_text import end_summary, start_line
 from memfit.treatments import KEEP, TREATMENTS
 
@@ -66,8 +66,6 @@ __all__ = [
 STATE_FILE = "memfit_state.json"
 STEPS_FILE = "memfit_steps.jsonl"
 SUMMARY_FILE = "memfit_summary.json"
-_MAX_OOM_RETRIES = 8
-
 logger = logging.getLogger(__name__)
 
 
@@ -243,19 +241,6 @@ def max_shape(text: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
-def _rng_state() -> dict[str, Any]:
-    state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 class _MemfitCallback(transformers.TrainerCallback):
     """Keeps the memory model in each checkpoint folder."""
 
@@ -355,9 +340,9 @@ class MemfitTrainerMixin:
         sync = self._lockstep_sync(model)
         if sync is not None:
             model = model.module  # no collective inside a micro-step (NOTE [Lockstep under DDP])
-        self._window.append((inputs, _rng_state(), num_items_in_batch))
+        self._window.append((inputs, rng_state(), num_items_in_batch))
         replay = False
-        for _ in range(_MAX_OOM_RETRIES + 1):
+        for _ in range(MAX_OOM_RETRIES + 1):
             failed = False
             try:
                 if replay:
@@ -377,12 +362,7 @@ class MemfitTrainerMixin:
                 return loss
             self._recover_from_oom(model, message)
             replay = True
-        attempts = self.memfit.pending_oom_attempts
-        raise BudgetTooSmallError(
-            f"still out of memory after {_MAX_OOM_RETRIES} replays with safer plans; the last: "
-            f"{describe_attempt(attempts[-1], len(self.memfit.blocks)) if attempts else 'not recorded'}. Raise "
-            "--memory_budget or --memfit_margin, or lower the batch size"
-        )
+        raise replays_exhausted(self.memfit.pending_oom_attempts, len(self.memfit.blocks), "--memory_budget or --memfit_margin")
 
     def _lockstep_sync(self, model: torch.nn.Module) -> GradientSync | None:
         """The gradient sync replacing DDP's, or None to train through DDP as it is.
@@ -405,20 +385,19 @@ class MemfitTrainerMixin:
         self._oom_total += 1
         self.memfit.note_oom(message)  # raises when no safer plan exists
         model.zero_grad(set_to_none=True)
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        gc.collect()  # the failed attempt's tensors, then its cached blocks back to the device
+        self.memfit.meter.release()
 
     def _replay_window_head(self, model: torch.nn.Module) -> None:
         """Re-run the window's earlier micro-batches, then restore the failed one's RNG."""
         self.memfit.replaying = True
         try:
             for inputs, rng, n_items in self._window[:-1]:
-                _set_rng_state(rng)
+                set_rng_state(rng)
                 super().training_step(model, inputs, n_items)
         finally:
             self.memfit.replaying = False
-        _set_rng_state(self._window[-1][1])
+        set_rng_state(self._window[-1][1])
 
     # ------------------------------------------------------------ logs and files
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:

@@ -331,7 +331,7 @@ def curve_values(curves: Sequence[Curve], n: int, ts: np.ndarray) -> np.ndarray:
     The sum runs over the feature slots ``1, N, N·T, N·T²`` in the order ``__call__`` sums a
     curve's features; a slot a curve lacks adds ``0.0``, which changes no finite float. One
     pass over every curve of a row costs a handful of numpy calls instead of a dozen per curve
-    (NOTE [Planning a row] in runtime.py).
+    (NOTE [Planning a row] in planning.py).
     """
     slots = [c._slots() for c in curves]
     coef = np.array([s[0] for s in slots])
@@ -392,10 +392,6 @@ def _kinds(plan: Any) -> dict[int, str] | None:
     return dict(zip(plan.blocks, kinds)) if kinds else None
 
 
-def _blocks(plan: Any) -> Sequence[int]:
-    return getattr(plan, "blocks", plan)
-
-
 class MemoryModel:
     """Predicts per-block savings and costs, and the step peak, from the shape key.
 
@@ -422,7 +418,7 @@ class MemoryModel:
         return all(g.full_bytes.fitted and g.kept_bytes.fitted for g in self.group_models.values())
 
     def split(self, groups: Sequence[int]) -> None:
-        """Regroup the blocks by splitting groups (NOTE [Blocks alike only in name], runtime.py).
+        """Regroup the blocks by splitting groups (NOTE [Blocks alike only in name], learner.py).
 
         Each id of ``groups`` must take its blocks from one old group; a new id starts with
         a copy of that old group's curves (its samples are of sizes where the blocks were

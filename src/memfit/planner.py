@@ -83,12 +83,6 @@ class Plan:
         if self.kinds and all(k == _RECOMPUTE for k in self.kinds):
             object.__setattr__(self, "kinds", ())
 
-    def treatment(self, index: int, keep: str = "keep") -> str:
-        """The treatment of block ``index`` (``keep`` when the plan does not treat it)."""
-        if index not in self.blocks:
-            return keep
-        return self.kinds[self.blocks.index(index)] if self.kinds else _RECOMPUTE
-
     def treatments(self, n_blocks: int) -> list[str]:
         """The treatment of every block ``0..n_blocks-1``."""
         out = ["keep"] * n_blocks
@@ -376,7 +370,7 @@ class PlanCache:
 
     def __init__(self) -> None:
         self._plans: dict[Hashable, Plan] = {}
-        #: rows of plans not yet read, per (batch size, static bucket) (NOTE [Planning a row], runtime.py)
+        #: rows of plans not yet read, per (batch size, static bucket) (NOTE [Planning a row], planning.py)
         self.rows: dict[Hashable, Any] = {}
         self.hits = 0
         self.misses = 0

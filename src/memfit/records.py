@@ -65,7 +65,7 @@ class StepRecord:
     planned: bool = False
     evicted_blocks: list[int] = field(default_factory=list)
     #: the backstop ran this step's un-checkpointed blocks under the reactive store (NOTE
-    #: [Backstop] in runtime.py)
+    #: [Backstop] in protection.py)
     backstop_armed: bool = False
     #: bytes the backstop's stores kept only as block inputs (no saved tensor held them):
     #: what arming added to the step beyond the blocks' own saved tensors

@@ -54,7 +54,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from memfit.blocks import Block, without_cache
+from memfit.blocks import Block
 
 __all__ = ["Candidate", "choose_evictions", "ReactiveStore", "RecomputeMismatchError"]
 
@@ -297,8 +297,8 @@ class ReactiveStore:
             self._ledger.hold(ptr, ptrs[ptr])
 
     def run(self, block: Block, args: tuple, kwargs: dict[str, Any]) -> Any:
-        """Run ``block``'s training forward with its saved tensors in a new store."""
-        args, kwargs = without_cache(block.module, args, kwargs)
+        """Run ``block``'s training forward with its saved tensors in a new store (its inputs are
+        already without a KV cache: Block.__call__)."""
         store = _BlockStore(block, args, kwargs, self._tick)
         self._tick += 1
         before_bytes = self._ledger.bytes

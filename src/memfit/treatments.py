@@ -218,8 +218,7 @@ class _HostPool:
         if self.total + nbytes > self.max_bytes:
             raise HostMemoryError(
                 f"offload needs {(self.total + nbytes) / 2**30:.2f} GiB of pinned host memory, over its limit of "
-                f"{self.max_bytes / 2**30:.2f} GiB; raise the limit (fit(..., offload_host_bytes=...)) or leave "
-                "'offload' out of the treatments"
+                f"{self.max_bytes / 2**30:.2f} GiB; leave 'offload' out of the treatments, or lower the batch size"
             )
         try:
             buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)

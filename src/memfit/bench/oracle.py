@@ -19,7 +19,7 @@ count: a plan of the first k blocks runs two training steps (forward, backward a
 optimizer's step, whose transient can be the step's peak) under the budget's hard cap on
 CUDA, or its logical accounting on CPU, and is accepted when neither step ran out of
 memory and the peak left the room ``dynamic`` plans into (the budget less its margin and
-the allocator slack: NOTE [Allocator slack] in runtime.py) free. k starts at the previous
+the allocator slack: NOTE [Room] in planning.py) free. k starts at the previous
 bucket's (a longer batch never needs fewer blocks) and grows by one. First-k plans are the
 fewest blocks for a stack of alike blocks (BERT-like), which the NLP tasks are; for a mixed
 stack (a Swin detector) they are an upper bound, not the oracle. A bucket that does not fit

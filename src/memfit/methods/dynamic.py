@@ -9,8 +9,8 @@ uncounted step peaked above its prediction by more than a quarter of the margin,
 by more than 1% of the budget (the allocator's peak, read whatever the step counts, tells
 both); and one step in ``COUNT_EVERY``, so that a model that drifts is still seen. Every other
 step has a size inside what the model has measured, and its peak says it was predicted right:
-it runs with no counting hook. (Counting every length a bucket had not run counted nearly every
-step of chat data, whose lengths rarely repeat.)
+it runs with no counting hook. Counting every length not seen before would count nearly every
+step of data whose lengths rarely repeat (chat).
 
 # NOTE [A replay treats more]
 An OOM grows the margin or the slack and clears the plans, so the replay is planned with less
@@ -104,7 +104,7 @@ class Dynamic(Method):
         self._warm_steps = self.max_warmup_steps
         self._steady = False  # checked again against the loaded model
 
-    def in_warmup(self, planning: "Planning", key: tuple[int, int]) -> bool:
+    def in_warmup(self, planning: "Planning") -> bool:
         if not planning.model.ready:
             return True
         if self._warm_steps >= self.max_warmup_steps:
@@ -117,7 +117,7 @@ class Dynamic(Method):
         self._decided += 1
         bucket, tokens = bucket_key(key, planning.bucket_tokens), key[0] * key[1]
         if not self._steady:
-            if self.in_warmup(planning, key):
+            if self.in_warmup(planning):
                 self._warm_steps += 1
                 self._warm_repeats = self._warm_repeats + 1 if tokens in self._warm_tokens else 0
                 self._warm_tokens.add(tokens)

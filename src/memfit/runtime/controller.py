@@ -55,7 +55,7 @@ from memfit.runtime.step import Stage, StepState
 from memfit.shapes import first_tensor, shape_key
 from memfit.store import ReactiveStore
 from memfit.summary_text import end_summary, start_line
-from memfit.treatments import OFFLOAD, RECOMPUTE, Treatment, make_treatments
+from memfit.treatments import KEEP, OFFLOAD, RECOMPUTE, Treatment, make_treatments
 
 __all__ = ["fit", "Controller"]
 
@@ -189,11 +189,10 @@ class Controller:
             _check_static_need(self.model, self.budget_bytes, optimizer)
         for h in self._optimizer_handles:
             h.remove()
-        self.optimizer = optimizer
-        self.meter.optimizer = optimizer
-        self.meter.expected_optimizer_bytes = expected_optimizer_bytes(optimizer)
+        self.optimizer = self.meter.optimizer = optimizer
         while optimizer is not None and isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
             optimizer = optimizer.optimizer  # accelerate's AcceleratedOptimizer wraps the torch one
+        self.meter.expected_optimizer_bytes = expected_optimizer_bytes(optimizer)  # by the inner one's class
         self._optimizer_handles = []
         if optimizer is not None and hasattr(optimizer, "register_step_pre_hook"):
             self._optimizer_handles = [
@@ -314,7 +313,7 @@ class Controller:
             outcome, peaks.reserved, predicted, number=self._steps_recorded, method=self.method.name,
             n_blocks=len(self.blocks), budget_bytes=self.budget_bytes, accounting=self.meter.kind,
             recompute_ms=self.planning.recompute_ms(step.key, step.decision.plan) + step.evicted_ms,
-            oom_retries=self._oom.retries, oom_attempts=self._oom.attempts, rank=self.rank, now=now,
+            oom_retries=len(self._oom.attempts), oom_attempts=self._oom.attempts, rank=self.rank, now=now,
         )
         self._oom.clear()
         self._records.append(record)
@@ -357,7 +356,7 @@ class Controller:
         self._counter.stop()
         attempt = self._oom.add(step, self.meter, self.planning, self.protection, error)
         self.protection.note_oom(step, attempt)
-        replay.after_oom(self.method, self.planning, self.meter, step, attempt, len(self.blocks))
+        replay.after_oom(self.method, self.planning, step, attempt, len(self.blocks))
 
     def drop_step(self) -> None:
         """Drop the pending step unrecorded: another rank's OOM replays it (NOTE [Replay under FSDP])."""
@@ -455,7 +454,8 @@ def fit(
         cap: on CUDA, enforce the budget with ``set_per_process_memory_fraction``.
         treatments: what the planner may give a block besides ``keep``: ``recompute``,
             ``selective``, ``offload`` (treatments.py); it picks per batch and block the
-            cheapest mix that fits (NOTE [Treatments never lose] in planning.py).
+            cheapest mix that fits (NOTE [Treatments never lose] in planning.py). ``recompute``
+            is always included (warm-up, ``full`` and replays use it).
         announce: print one line on stderr now (method, budget, accounting, blocks) and a short
             summary when :meth:`Controller.remove` is called.
         **method_kwargs: passed to the method (``path=`` for ``precomputed``,
@@ -482,6 +482,8 @@ def fit(
         >>> ctl.remove()
     """
     budget_bytes = None if budget is None else parse_bytes(budget)
+    # recompute is always at hand: warm-up, `full`, replays and schema-1 plan files treat with it
+    treatments = tuple(dict.fromkeys((RECOMPUTE, *(t for t in treatments if t != KEEP))))
     method_obj = make_method(method, **method_kwargs)
     shown = (budget if isinstance(budget, str) else True) if announce else False
     return Controller(model, budget_bytes, method_obj, optimizer, blocks, log, margin, bucket_tokens, cap, treatments, shown)

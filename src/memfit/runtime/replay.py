@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -56,7 +57,8 @@ if TYPE_CHECKING:
     from memfit.runtime.controller import Controller
     from memfit.runtime.meter import Meter
 
-__all__ = ["MAX_OOM_RETRIES", "describe_attempt", "OomLog", "after_oom", "run_step"]
+__all__ = ["MAX_OOM_RETRIES", "describe_attempt", "OomLog", "after_oom", "run_step", "rng_state", "set_rng_state",
+           "replays_exhausted"]
 
 logger = logging.getLogger("memfit")
 
@@ -87,12 +89,10 @@ class OomLog:
     """The failed attempts of the step being replayed; its record gets them when it succeeds.
 
     Attributes:
-        retries: attempts that failed.
         attempts: what each was (:meth:`add`), oldest first.
         failed_plan: the last failed attempt's plan (None before a plan was made).
     """
 
-    retries: int = 0
     attempts: list[dict[str, Any]] = field(default_factory=list)
     failed_plan: Plan | None = None
 
@@ -128,18 +128,17 @@ class OomLog:
         if plan is not None and plan.kinds:
             attempt["treatments"] = list(plan.kinds)
         attempt.update(meter.oom_readings(step))
-        self.retries += 1
         self.attempts.append(attempt)
         self.failed_plan = plan
         return attempt
 
     def clear(self) -> None:
         """The step succeeded: its record has taken the attempts."""
-        self.retries, self.attempts, self.failed_plan = 0, [], None
+        self.attempts, self.failed_plan = [], None
 
 
 def after_oom(
-    method: "Method", planning: "Planning", meter: "Meter", step: StepState | None, attempt: dict[str, Any], n_blocks: int,
+    method: "Method", planning: "Planning", step: StepState | None, attempt: dict[str, Any], n_blocks: int,
 ) -> None:
     """Keep more room free so that the replay runs a safer plan, or say why none exists.
 
@@ -168,20 +167,31 @@ def after_oom(
         unusable = attempt.get("unusable_reserved_bytes") or 0
         if not planning.learn_slack(unusable):
             planning.raise_margin(max(planning.budget_bytes // 20, 1))
-    meter.release()
     logger.warning("memfit: %s; replaying it with %s kept free", describe_attempt(attempt, n_blocks),
                    format_bytes(planning.margin_bytes + planning.slack_bytes))
 
 
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
+def rng_state() -> dict[str, Any]:
+    """The host's and every CUDA device's RNG state (what a replayed micro-step draws from)."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
-def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def replays_exhausted(attempts: list[dict[str, Any]], n_blocks: int, raise_what: str) -> BudgetTooSmallError:
+    """The error after :data:`MAX_OOM_RETRIES` replays; ``raise_what`` names the budget and margin."""
+    return BudgetTooSmallError(
+        f"still out of memory after {MAX_OOM_RETRIES} replays with safer plans; the last: "
+        f"{describe_attempt(attempts[-1], n_blocks) if attempts else 'not recorded'}. Raise {raise_what}, or lower "
+        "the batch size"
+    )
 
 
 def run_step(ctl: "Controller", fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
@@ -193,14 +203,15 @@ def run_step(ctl: "Controller", fn: Callable[..., Any], args: tuple, kwargs: dic
     """
     params = ctl.grad_params
     window = ctl.window
-    if all(p.grad is None for p in params):
-        window.clear()  # a new accumulation window
+    has_grads = any(p.grad is not None for p in params)
     kept = None
-    if ctl.optimizer is None and any(p.grad is not None for p in params):
+    if not has_grads:
+        window.clear()  # a new accumulation window
+    elif ctl.optimizer is None:
         window.clear()
         kept = [None if p.grad is None else p.grad.detach().clone() for p in params]
-    window.append((fn, args, kwargs, _rng_state(ctl.device)))
-    together = _InStep(ctl) if world_size() > 1 and is_fsdp(ctl.model) else None
+    window.append((fn, args, kwargs, rng_state()))
+    together = _InStep(ctl) if _sharded(ctl) else None
     for retry in range(MAX_OOM_RETRIES + 1):
         message = None
         try:
@@ -232,12 +243,18 @@ def run_step(ctl: "Controller", fn: Callable[..., Any], args: tuple, kwargs: dic
             p.grad = grad if grad is None else grad.clone()
         gc.collect()
         ctl.meter.release()
-    attempts = ctl.pending_oom_attempts
-    raise BudgetTooSmallError(
-        f"still out of memory after {MAX_OOM_RETRIES} replays with safer plans; the last: "
-        f"{describe_attempt(attempts[-1], len(ctl.blocks)) if attempts else 'not recorded'}. Raise "
-        "the memory budget or the margin, or lower the batch size"
-    )
+    raise replays_exhausted(ctl.pending_oom_attempts, len(ctl.blocks), "the memory budget or the margin")
+
+
+#: per controller, whether its model is sharded over several ranks (fit comes after fully_shard,
+#: so it never changes; read once instead of walking the modules every micro-step)
+_SHARDED: "weakref.WeakKeyDictionary[Controller, bool]" = weakref.WeakKeyDictionary()
+
+
+def _sharded(ctl: "Controller") -> bool:
+    if ctl not in _SHARDED:
+        _SHARDED[ctl] = world_size() > 1 and is_fsdp(ctl.model)
+    return _SHARDED[ctl]
 
 
 class _InStep:
@@ -291,8 +308,8 @@ def _replay_head(ctl: "Controller", window: list) -> None:
     ctl.replaying = True
     try:
         for fn, args, kwargs, rng in window[:-1]:
-            _set_rng_state(rng, ctl.device)
+            set_rng_state(rng)
             fn(*args, **kwargs)
     finally:
         ctl.replaying = False
-    _set_rng_state(window[-1][3], ctl.device)
+    set_rng_state(window[-1][3])
