@@ -57,6 +57,18 @@ def mrpc(
     ]
 
 
+SFT = FIXTURES / "sft"
+
+
+def sft(tmp: Path, out: Path, *flags: str, train: str | None = None) -> list[str]:
+    """A ``memfit train causal-lm`` command on the prompt/completion fixture (llama-tiny, offline)."""
+    return [
+        "train", "causal-lm", "--train_file", train or str(SFT / "prompt_completion.jsonl"), "--do_train",
+        "--max_steps", "1", "--use_cpu", "--report_to", "none", "--save_strategy", "no", "--output_dir", str(out),
+        *flags,
+    ]
+
+
 EARLIER_RUN = {"out/memfit_steps.jsonl": '{"step": 1}\n', "out/memfit_summary.json": "{}"}
 EMPTY_COCO = json.dumps({"images": [], "annotations": [], "categories": [{"id": 1, "name": "box"}]})
 
@@ -88,6 +100,8 @@ CASES = [
          r"--memfit_method precomputed needs --memfit_plans_file"),
     Case("plans file missing", lambda t, o: mrpc(t, o, "--memfit_method", "precomputed", "--memfit_plans_file", str(t / "p.json")),
          r"--memfit_plans_file .*p\.json: no such file; give the memfit_plans\.json"),
+    Case("plans file malformed", lambda t, o: mrpc(t, o, "--memfit_method", "precomputed", "--memfit_plans_file", str(t / "p.json")),
+         r"plans file .*p\.json is malformed .*; expected JSON with a 'plans' list", {"p.json": '{"not": "plans"}'}),
     Case("max shape 8x128", lambda t, o: mrpc(t, o, "--memfit_method", "static", "--memfit_max_shape", "8x128"),
          r"--memfit_max_shape 8x128: write the largest input as N,T \(rows, tokens per row\), e\.g\. 8,128"),
     Case("output dir is a file", lambda t, o: mrpc(t, t / "afile"),
@@ -118,6 +132,14 @@ CASES = [
          r"--memfit_margin 2\.0: give a share of the budget in \[0, 1\)"),
     Case("unknown treatment", lambda t, o: mrpc(t, o, "--memfit_treatments", "recompute,swap"),
          r"--memfit_treatments 'recompute,swap': unknown treatment 'swap'; give one or more of recompute, selective, offload"),
+    Case("causal-lm data not JSON lines", lambda t, o: sft(t, o, train=str(MRPC / "train.tsv")),
+         r"train\.tsv: causal-lm reads JSON lines"),
+    Case("chat template nowhere", lambda t, o: sft(t, o, "--chat_template_path", str(t / "nowhere.jinja")),
+         r"--chat_template_path .*nowhere\.jinja: neither a template file nor a tokenizer"),
+    Case("LoRA on modules the model lacks", lambda t, o: sft(t, o, "--use_peft", "--lora_target_modules", "foo_proj"),
+         r"--lora_target_modules foo_proj: .*Name modules of LlamaForCausalLM \(e\.g\. q_proj v_proj\) or all-linear"),
+    Case("completions cut away", lambda t, o: sft(t, o, "--completion_only_loss", "--max_seq_length", "2"),
+         r"no training example has a token to learn within --max_seq_length 2: raise it, or drop --completion_only_loss"),
     Case("peer with a memfit method", lambda t, o: mrpc(t, o, "--hf_checkpoint_every_n_layers", "2"),
          r"--hf_checkpoint_every_n_layers is a peer of memfit: run it with --memfit_method none"),
     Case("oracle without budget", lambda t, o: mrpc(t, o, "--oracle"),

@@ -551,3 +551,26 @@ def test_shipped_config_resolves_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     # BertModel (bert-base-uncased) has 109,482,240 parameters; the 2-label head adds 768*2 + 2
     assert ModelProfile.from_config(load_config("bert-base-uncased")).n_params == 109_482_240 + 768 * 2 + 2
+
+
+def test_a_decoder_config_is_estimated_as_causal_lm(capsys, monkeypatch):
+    """A config whose architectures name a ...ForCausalLM is estimated with its LM head by default
+    (a classification head on a decoder has no padding token to pool with); the activations are
+    counted on the meta device."""
+    import json
+    from importlib import resources
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["--model", "llama-tiny", "--batch_size", "4", "--seq_length", "32"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("memfit estimate: llama-tiny, causal-lm, 32 tokens, batch 4")
+    activations = int(re.search(r"\| activations \| [\d.]+ \| ([\d,]+) \|", out).group(1).replace(",", ""))
+    vocab = json.loads(resources.files("memfit").joinpath("configs/llama-tiny.json").read_text())["vocab_size"]
+    assert activations > 4 * 32 * vocab * 4  # at least the log-probabilities the loss saves, fp32
+
+
+@pytest.mark.parametrize("flag", ["--batch_size", "--gradient_accumulation_steps"])
+def test_counts_below_one_are_a_clear_error(config_file, capsys, flag):
+    argv = ["estimate", "--config", config_file, "--batch_size", "4", "--seq_length", "32", flag, "0"]
+    assert cli.main(argv) == 2
+    assert f"memfit estimate: error: {flag} 0: give a whole number of at least 1" in capsys.readouterr().err

@@ -110,6 +110,7 @@ TASKS = {
     "question-answering": "AutoModelForQuestionAnswering",
     "token-classification": "AutoModelForTokenClassification",
     "image-classification": "AutoModelForImageClassification",
+    "causal-lm": "AutoModelForCausalLM",
 }
 PRECISIONS = ("fp32", "bf16", "fp16")
 #: Round figure for the CUDA context (see NOTE [What each part assumes]); outside the cap.
@@ -616,8 +617,10 @@ def _meta_inputs(
     inputs = {"input_ids": torch.zeros(rows, seq_length, dtype=torch.long, **meta)}
     if profile.task == "question-answering":
         inputs["start_positions"] = inputs["end_positions"] = torch.zeros(rows, dtype=torch.long, **meta)
-    elif profile.task == "token-classification":
+    elif profile.task in ("token-classification", "causal-lm"):
         inputs["labels"] = torch.zeros(rows, seq_length, dtype=torch.long, **meta)
+        if profile.task == "causal-lm":  # a mask given: the decoder does not look for packed rows (.item())
+            inputs["attention_mask"] = torch.ones(rows, seq_length, dtype=torch.long, **meta)
     else:
         inputs["labels"] = torch.zeros(rows, dtype=torch.long, **meta)
     return inputs

@@ -7,6 +7,7 @@ import sys
 from memfit.budget import parse_bytes
 from memfit.errors import ArgumentParser, FlagError
 from memfit.estimate.advise import DEFAULT_MARGIN, advise, format_advice
+from memfit.tasks import TASKS as TRAIN_TASKS
 from memfit.estimate.anatomy import (
     OPTIMIZERS,
     PRECISIONS,
@@ -22,8 +23,8 @@ from memfit.estimate.anatomy import (
 __all__ = ["main"]
 
 
-#: ``memfit train`` task names (the estimate also knows image-classification, which it cannot train).
-_TRAIN_TASKS = ("text-classification", "multiple-choice", "question-answering", "token-classification")
+#: the tasks ``memfit train`` can train (the estimate also knows image-classification, which it cannot)
+_TRAIN_TASKS = tuple(t for t in TASKS if t in TRAIN_TASKS)
 
 
 def _parser() -> ArgumentParser:
@@ -35,7 +36,8 @@ def _parser() -> ArgumentParser:
     )
     p.add_argument("--model", help="model name (shipped config, HF cache or Hub) or a local folder")
     p.add_argument("--config", help="path to a config.json (wins over --model)")
-    p.add_argument("--task", default="text-classification", choices=tuple(TASKS), help="head on the model")
+    p.add_argument("--task", choices=tuple(TASKS), help="head on the model (default: causal-lm for a decoder "
+                   "config, whose architectures name a ...ForCausalLM, else text-classification)")
     p.add_argument("--num_choices", type=int, default=4, help="choices per example for multiple-choice (SWAG: 4)")
     p.add_argument("--batch_size", type=int, required=True, help="examples per optimizer step")
     p.add_argument("--seq_length", type=int, help="tokens per example of the longest batch (text models)")
@@ -82,12 +84,18 @@ def main(argv: list[str] | None = None) -> int:
         raise FlagError(f"--memory_budget {args.memory_budget}: {err}") from None
     if args.advise and budget is None:
         raise FlagError("--advise needs --memory_budget (e.g. 6GiB)")
+    for flag in ("batch_size", "gradient_accumulation_steps"):
+        if getattr(args, flag) < 1:
+            raise FlagError(f"--{flag} {getattr(args, flag)}: give a whole number of at least 1")
     if args.batch_size % args.gradient_accumulation_steps:
         raise FlagError(
             f"--batch_size {args.batch_size} is not a multiple of --gradient_accumulation_steps "
             f"{args.gradient_accumulation_steps}"
         )
     config = load_config(args.model, args.config)
+    if args.task is None:
+        decoder = any(a.endswith("ForCausalLM") for a in getattr(config, "architectures", None) or ())
+        args.task = "causal-lm" if decoder else "text-classification"
     profile = ModelProfile.from_config(config, args.task, name=args.model or str(args.config))
     inputs = {"seq_length": args.seq_length, "image_size": args.image_size, "attention": args.attention,
               "num_choices": args.num_choices}

@@ -16,7 +16,7 @@ import json
 import os
 from typing import TYPE_CHECKING
 
-from memfit.errors import UserError
+from memfit.errors import DataError, MissingFileError, UserError
 from memfit.methods.base import Decision, Method
 from memfit.planner import Plan
 
@@ -106,7 +106,7 @@ def load_plans(path: str) -> tuple[dict[tuple[int, int], Plan], int | None, str]
         ValueError: naming the file and the expected layout, when it is malformed.
     """
     if not os.path.exists(path):
-        raise FileNotFoundError(f"plans file {path} does not exist; write one with Controller.save_plans")
+        raise MissingFileError(f"plans file {path} does not exist; write one with Controller.save_plans")
     try:
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
@@ -117,7 +117,7 @@ def load_plans(path: str) -> tuple[dict[tuple[int, int], Plan], int | None, str]
         n_blocks = data.get("n_blocks")
         return plans, (None if n_blocks is None else int(n_blocks)), str(data.get("model") or "")
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as exc:
-        raise ValueError(
+        raise DataError(
             f"plans file {path} is malformed ({exc}); expected JSON with a 'plans' list of "
             "{'key': [N, T], 'blocks': [...]} as written by Controller.save_plans"
         ) from None

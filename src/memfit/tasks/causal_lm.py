@@ -42,6 +42,7 @@ makes per-batch planning matter.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -52,6 +53,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from memfit.errors import DataError, FlagError, LoadError, MissingPackageError
 from memfit.tasks._common import (
     CONFIGS_DIR,
     DataFileError,
@@ -147,17 +149,20 @@ class CausalLMArguments:
                 "lora_target_modules": self.lora_target_modules}
         given = [f"--{name}" for name, value in lora.items() if value is not None]
         if given and not self.use_peft:
-            raise ValueError(f"{' '.join(given)} configure LoRA: add --use_peft (or drop them for full fine-tuning)")
+            verb = "configures" if len(given) == 1 else "configure"
+            raise FlagError(f"{' '.join(given)} {verb} LoRA: add --use_peft (or drop them for full fine-tuning)")
+        if self.use_peft and importlib.util.find_spec("peft") is None:
+            raise MissingPackageError("--use_peft needs peft: pip install 'memfit[llm]' (or pip install peft)")
         if self.use_peft:
             self.lora_r = 16 if self.lora_r is None else self.lora_r
             self.lora_alpha = 32 if self.lora_alpha is None else self.lora_alpha
             self.lora_dropout = 0.05 if self.lora_dropout is None else self.lora_dropout
             if self.lora_r < 1:
-                raise ValueError(f"--lora_r {self.lora_r}: the rank must be at least 1")
+                raise FlagError(f"--lora_r {self.lora_r}: the rank must be at least 1")
             if not 0 <= self.lora_dropout < 1:
-                raise ValueError(f"--lora_dropout {self.lora_dropout}: give a probability, 0 <= p < 1")
+                raise FlagError(f"--lora_dropout {self.lora_dropout}: give a probability, 0 <= p < 1")
         if self.torch_dtype is not None and self.torch_dtype not in _DTYPES:
-            raise ValueError(f"--torch_dtype {self.torch_dtype}: choose one of {', '.join(_DTYPES)}")
+            raise FlagError(f"--torch_dtype {self.torch_dtype}: choose one of {', '.join(_DTYPES)}")
 
 
 #: The recipe's own flags, parsed by ``memfit train causal-lm`` and passed to :func:`build`.
@@ -283,7 +288,7 @@ def read_lm_file(path: str | Path, tokenizer: PreTrainedTokenizerBase, find_turn
         ValueError: not a ``.json``/``.jsonl`` file.
     """
     if Path(path).suffix.lower() not in (".json", ".jsonl"):
-        raise ValueError(f"{path}: causal-lm reads JSON lines (.jsonl or .json, one object per line)")
+        raise DataError(f"{path}: causal-lm reads JSON lines (.jsonl or .json, one object per line)")
     examples = []
     for line, record in read_records(path):
         try:
@@ -339,7 +344,7 @@ def tokenize_examples(
         ValueError: ``completion_only`` with a tokenizer that gives no character offsets.
     """
     if completion_only and not tokenizer.is_fast:
-        raise ValueError(
+        raise FlagError(
             f"--completion_only_loss needs a fast tokenizer (character offsets); {tokenizer.name_or_path!r} is not one"
         )
     eos = tokenizer.eos_token_id
@@ -453,9 +458,9 @@ def lm_tokenizer(model_args: ModelArguments, lm_args: CausalLMArguments | None =
             try:
                 template = AutoTokenizer.from_pretrained(path).chat_template
             except (OSError, ValueError) as err:
-                raise OSError(f"--chat_template_path {path}: neither a template file nor a tokenizer ({err})") from err
+                raise LoadError(f"--chat_template_path {path}: neither a template file nor a tokenizer ({err})") from err
             if template is None:
-                raise OSError(f"--chat_template_path {path}: that tokenizer has no chat template")
+                raise LoadError(f"--chat_template_path {path}: that tokenizer has no chat template")
             tokenizer.chat_template = template
     return tokenizer
 
@@ -472,7 +477,7 @@ def _with_lora(model: Any, lm_args: CausalLMArguments) -> Any:
     try:
         import peft
     except ImportError:
-        raise ImportError("--use_peft needs peft: pip install 'memfit[llm]' (or pip install peft)") from None
+        raise MissingPackageError("--use_peft needs peft: pip install 'memfit[llm]' (or pip install peft)") from None
     targets = lm_args.lora_target_modules
     if targets == ["all-linear"]:
         targets = "all-linear"
@@ -483,8 +488,8 @@ def _with_lora(model: Any, lm_args: CausalLMArguments) -> Any:
     try:
         return peft.get_peft_model(model, config)
     except ValueError as err:
-        raise ValueError(
-            f"--lora_target_modules {' '.join(lm_args.lora_target_modules or [])}: {err}. Name modules of "
+        raise FlagError(
+            f"--lora_target_modules {' '.join(lm_args.lora_target_modules or [])}: {str(err).rstrip('.')}. Name modules of "
             f"{type(model).__name__} (e.g. q_proj v_proj) or all-linear"
         ) from None
 
@@ -515,7 +520,7 @@ def build(
         try:
             return example_from_record(row, tokenizer, completion_only)
         except ValueError as err:
-            raise ValueError(f"--dataset_name {data_args.dataset_name}: {err}") from None
+            raise DataError(f"--dataset_name {data_args.dataset_name}: {err}") from None
 
     train, evals = load_splits(
         data_args,
@@ -531,7 +536,7 @@ def build(
         out = tokenize_examples(examples, tokenizer, data_args.max_seq_length, completion_only)
         kept = [f for f in out if any(label != IGNORE_INDEX for label in f["labels"][1:])]
         if not kept:
-            raise ValueError(
+            raise DataError(
                 f"no {split} example has a token to learn within --max_seq_length {data_args.max_seq_length}: "
                 "raise it, or drop --completion_only_loss"
             )
