@@ -334,6 +334,9 @@ def _source(suite: Suite, raws: list[Path], out: Path, argv: list[str]) -> None:
                   "| --- | --- | ---: | ---: | --- | --- | --- | --- |"]
         lines += [f"| {c['name']} | {c['started']} | {c['seconds']:.0f} | {c['exit']} | {c.get('commit', '?')} | "
                   f"{c.get('device', '?')} | {c.get('torch', '?')} | {c.get('transformers', '?')} |" for c in calls]
+        lines += ["", "Commands, per call:", ""]
+        for c in calls:
+            lines += [f"- {c['name']}:", *(f"  `{' '.join(map(str, command))}`" for command in c.get("commands", []))]
     else:
         lines.append("No call markers in the raw folders: say here what ran, when, at which commit and where.")
     lines += ["", "Raw outputs (logs, run folders, plans, model state) stayed in "
