@@ -47,7 +47,7 @@ import torch
 import transformers
 
 from memfit.accounting import static_bytes_logical
-from memfit.budget import BudgetTooSmallError, check_static_need, parse_bytes
+from memfit.budget import check_static_need, parse_bytes
 from memfit.distributed import GradientSync, is_fsdp, world_size
 from memfit.errors import FlagError, MissingFileError
 from memfit.methods import METHODS, Method, UnknownMethodError
@@ -279,7 +279,9 @@ class MemfitTrainerMixin:
             method_kwargs["max_shape"] = max_shape(a.memfit_max_shape)
         if method == "dynamic":
             method_kwargs["backstop"] = {"true": True, "false": False}.get(str(getattr(a, "memfit_backstop", "auto")).lower(), "auto")
-        log = rank_path(getattr(a, "memfit_log", None) or os.path.join(a.output_dir, STEPS_FILE), a.process_index, a.world_size)
+        #: every rank's step-record file is this path with the rank's suffix (rank_path)
+        self._steps_path = getattr(a, "memfit_log", None) or os.path.join(a.output_dir, STEPS_FILE)
+        log = rank_path(self._steps_path, a.process_index, a.world_size)
         self._check_static_need_before_optimizer()
         self._log_path = log
         # Each rank has its own budget (its own process cap), plans for its own batches and
@@ -410,7 +412,7 @@ class MemfitTrainerMixin:
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         a = self.args
-        if hasattr(a, "overwrite_output_dir"):  # memfit's TrainingArguments (transformers 5 has no such flag)
+        if isinstance(a, MemfitArguments):  # the flag is memfit's, not transformers.TrainingArguments'
             # the step-record file opens at the first record, so the folder is claimed here, where the
             # resume is known (NOTE [Earlier runs in the output folder] in run_dir.py)
             claim_output_dir(
@@ -461,8 +463,8 @@ class MemfitTrainerMixin:
         if not self.is_world_process_zero() or not self.memfit.records:
             return None
         if a.world_size > 1:
-            steps = os.path.join(a.output_dir, STEPS_FILE) if not a.memfit_log else a.memfit_log
-            per_rank = {r: [StepRecord.from_dict(d) for d in read_jsonl(rank_path(steps, r, a.world_size))] for r in range(a.world_size)}
+            per_rank = {r: [StepRecord.from_dict(d) for d in read_jsonl(rank_path(self._steps_path, r, a.world_size))]
+                        for r in range(a.world_size)}
             records = [rec for recs in per_rank.values() for rec in recs]
             summary = summarize(records)
             summary.per_rank = {str(r): summarize(recs).to_dict() for r, recs in per_rank.items() if recs}

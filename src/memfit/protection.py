@@ -400,9 +400,8 @@ class Backstop(_Evicting):
         # what the blocks saved, before any eviction, without the stores' inputs (NOTE [Backstop])
         n = len(by_block)
         in_store = self.store.kept_by_block(n, before_eviction=True, inputs=False)
-        counted = self.counter.counted_ptrs
-        step.kept_now = self.counter.total_bytes + self.store.kept_bytes_beyond(counted)
-        step.backstop_input = self.store.input_only_by_block(n, counted)  # what arming added
+        step.kept_now = self._held_bytes()
+        step.backstop_input = self.store.input_only_by_block(n, self.counter.counted_ptrs)  # what arming added
         return [a + b for a, b in zip(by_block, in_store)]
 
     def after_step(self, step: _Step, outcome: "StepOutcome") -> None:

@@ -7,8 +7,8 @@ The memfit Trainer calls :func:`claim_output_dir` as training starts, before its
 A run writes its step records, summary, plans and memory model into ``--output_dir``, and the
 Trainer its ``checkpoint-*`` folders. A second run into the same folder would truncate the
 first's records while its checkpoints stay, mixing two runs. So, as Hugging Face's scripts
-did for checkpoints with ``overwrite_output_dir`` (a flag transformers 5 dropped and memfit's
-``TrainingArguments`` keeps):
+did for checkpoints with ``overwrite_output_dir`` (a flag ``transformers.TrainingArguments``
+lacks and memfit's ``TrainingArguments`` has):
 
 Rule 1. A folder holding step records (a non-empty ``memfit_steps*.jsonl``), a summary or a
 checkpoint folder is refused, naming what it holds and the flags that decide.

@@ -77,7 +77,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.budget import parse_bytes
 from memfit.errors import DataError, FlagError
 
 __all__ = [
