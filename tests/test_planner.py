@@ -114,3 +114,31 @@ def test_swin_sized_stack_plans_exactly():
             best = nxt
         assert plan.saved_bytes >= need
         assert plan.cost_ms == pytest.approx(best[need])
+
+
+def test_treatments_of_unlike_blocks_are_the_cheapest_that_cover_the_need():
+    """The dynamic programme for stacks of unlike blocks (NOTE [Choosing treatments]) against
+    every assignment of keep or one option per block: the same lowest cost, the need covered."""
+    import itertools
+    import random
+
+    from memfit.planner import InfeasiblePlanError, plan_treatments
+
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(300):
+        n = rng.randint(2, 5)
+        kinds = [rng.sample(["recompute", "selective", "offload"], rng.randint(1, 3)) for _ in range(n)]
+        options = [[(kind, rng.randint(1, 200), round(rng.uniform(0.5, 20.0), 3)) for kind in ks] for ks in kinds]
+        need = rng.randint(1, sum(max(o[1] for o in opts) for opts in options) + 50)
+        covering = [pick for pick in itertools.product(*[[None, *opts] for opts in options]) if sum(o[1] for o in pick if o) >= need]
+        if not covering:
+            with pytest.raises(InfeasiblePlanError):
+                plan_treatments(options, need)
+            continue
+        best = min(sum(o[2] for o in pick if o) for pick in covering)
+        plan = plan_treatments(options, need)
+        assert plan.saved_bytes >= need
+        assert plan.cost_ms == pytest.approx(best, abs=1e-9), (options, need)
+        checked += 1
+    assert checked > 200
