@@ -45,7 +45,8 @@ class Meter:
 
     def __init__(self, device: torch.device, grad_params: list[torch.nn.Parameter], parameter_bytes: int):
         self.device = device
-        self.grad_params = grad_params
+        #: each trainable parameter with the bytes of its gradient on this rank (read every step)
+        self._grad_bytes = [(p, local(p).numel() * p.element_size()) for p in grad_params]
         self.parameter_bytes = parameter_bytes
         self.optimizer: torch.optim.Optimizer | None = None
         self.expected_optimizer_bytes = 0
@@ -120,7 +121,7 @@ class CudaMeter(Meter):
         """What is allocated now, plus gradients not yet created (``.grad is None`` after
         ``zero_grad``) and optimizer state not yet created (before its first step): both
         appear during the step whatever the plan."""
-        missing = sum(local(p).numel() * p.element_size() for p in self.grad_params if p.grad is None)
+        missing = sum(nbytes for p, nbytes in self._grad_bytes if p.grad is None)
         if self.optimizer is not None and not self.optimizer.state:
             missing += self.expected_optimizer_bytes
         return torch.cuda.memory_allocated(self.device) + missing
