@@ -298,6 +298,8 @@ def main() -> None:
     p.add_argument("--oracle_margin", type=float, default=0.03, help="share of the budget the oracle's sweep keeps free")
     p.add_argument("--phase", choices=["all", "sweep", "runs", "table"], default="all")
     p.add_argument("--skip_none", action="store_true", help="no uncapped `none` reference run (one already ran)")
+    p.add_argument("--prime", action="store_true", help="first an untimed 20-step `none` run into prime/ (a fresh "
+                   "machine's first process is slow: NOTE [First process] in memfit/bench/matrix.py)")
     p.add_argument("--max_ooms", type=int, default=8, help="a run stops after this many OOM replays")
     p.add_argument("--schedule", choices=["uniform", "adversarial"], default="uniform")
     p.add_argument("--jump_every", type=int, default=250, help="adversarial schedule: steps between never-seen lengths")
@@ -319,6 +321,9 @@ def main() -> None:
         for budget in args.budgets:
             _spawn(args, ["--worker", "sweep", "--budget", str(budget)])
     if args.phase in ("all", "runs"):
+        if args.prime:
+            primed = argparse.Namespace(**{**vars(args), "output_dir": os.path.join(args.output_dir, "prime"), "steps": 20})
+            _spawn(primed, ["--worker", "run", "--method", "none", "--config", "none-prime", "--repeat", "-1"])
         for repeat in range(args.first_repeat, args.first_repeat + args.repeats):
             if not args.skip_none:
                 _spawn(args, ["--worker", "run", "--method", "none", "--config", f"none-uncapped-r{repeat}", "--repeat", str(repeat)])

@@ -13,7 +13,12 @@ Methods (memfit under the cap, every micro-step through ``Controller.run_step``)
 ``none`` (memfit only measures), ``full``, ``static``, ``dynamic`` (recompute only),
 ``dynamic+sel`` (recompute and selective), ``dynamic+all`` (recompute, selective, offload),
 ``dynamic-backstop`` (recompute only, the backstop armed as a loop without replay would have
-it, called without run_step), ``reactive``.
+it, called without run_step), ``reactive``, and ``dynamic-plans``: the plan of each step of this
+repeat's ``dynamic`` run at the same budget, step by step, with no model, counting, protection or
+replay (what ``dynamic`` costs beyond its plans). ``alt`` runs ``plain`` and ``none`` uncapped
+step by step in turn on two copies of the model (lines ``alt-plain``, ``alt-none``; the latter
+with the median per-step ratio): memfit's cost when it changes nothing, free of the GPU's drift
+between runs. Every line lists its steps' times (``step_ms``).
 Peers (no memfit at all; the bench reads the allocator): ``plain`` (the same loop),
 ``hf-every-1``, ``hf-every-2``, ``hf-offload`` (Hugging Face's checkpointing, either API name),
 ``trl-offload`` (TRL's activation offloading around the step), ``compile-F`` (``torch.compile``
@@ -55,6 +60,8 @@ MEMFIT_METHODS = {
     "dynamic+all": ("dynamic", {}, ("recompute", "selective", "offload")),
     "dynamic-backstop": ("dynamic", {"backstop": True}, ("recompute",)),
     "reactive": ("reactive", {}, ("recompute",)),
+    # this repeat's `dynamic` plans at the same budget, step by step, with nothing else (below)
+    "dynamic-plans": (None, {}, ("recompute",)),
 }
 PEERS = ("plain", "hf-every-1", "hf-every-2", "hf-offload", "trl-offload", "selective-static")
 
@@ -206,7 +213,23 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
     note_compile: list[str] = []
     status, note, ooms = "ok", None, 0
     method_name = name
-    if name in MEMFIT_METHODS:
+    if name == "dynamic-plans":
+        plans = args.dynamic_plans.get((budget, repeat))
+        if plans is None:
+            return _failed(args, name, budget, repeat, "skipped", "no dynamic run before it at this budget and repeat")
+
+        class _Replay(memfit.methods.Method):
+            """The plans of `dynamic`'s run, step by step: no model, no counting, no protection."""
+
+            name = "dynamic-plans"
+            step = 0
+
+            def decide(self, planning, key, failed=None):
+                self.step += 1
+                return memfit.methods.Decision(plans[min(self.step, len(plans)) - 1])
+
+        ctl = memfit.fit(model, budget=budget, method=_Replay(), optimizer=optimizer, treatments=MEMFIT_METHODS[name][2])
+    elif name in MEMFIT_METHODS:
         method, kwargs, treatments = MEMFIT_METHODS[name]
         if method == "static":
             kwargs = {**kwargs, "max_shape": (args.batch, max(max(b["input_ids"].shape[1] for b in batches), 1))}
@@ -264,7 +287,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
                     loss = model(**batch).loss
                     loss.backward()
 
-            if ctl is not None and name != "dynamic-backstop":
+            if ctl is not None and name not in ("dynamic-backstop", "dynamic-plans"):
                 ctl.run_step(micro)
             else:
                 micro()
@@ -289,7 +312,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
         "status": status, "total_s": round(total_s, 4) if status == "ok" else None,
         "max_peak_allocated_bytes": peak, "oom_count": ooms, "note": note,
         "steady_step_ms": round(statistics.median(times[args.steady_from:]), 3) if len(times) > args.steady_from else None,
-        "lora": args.lora, "lengths": args.lengths, **_versions(),
+        "lora": args.lora, "lengths": args.lengths, "step_ms": [round(t, 2) for t in times], **_versions(),
     }
     if ctl is not None:
         records = ctl.records
@@ -310,6 +333,8 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
             for r in records:
                 fh.write(json.dumps(r.to_dict()) + "\n")
         result["steps_file"] = steps_file
+        if name == "dynamic" and len(records) == args.steps:
+            args.dynamic_plans[(budget, repeat)] = [_plan_of(r) for r in records]
         if ctl.method.learns:  # the memory model as the run ended: what each treatment saved and cost
             with gzip.open(os.path.join(out_dir, steps_file.replace(".jsonl.gz", ".model.json.gz")), "wt") as fh:
                 json.dump(ctl.state_dict(), fh)
@@ -333,6 +358,83 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
     torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction(1.0)
     return result
+
+
+def _plan_of(record):
+    """The plan a step record ran: its treated blocks, each with its treatment."""
+    from memfit.planner import Plan
+
+    kinds = {i: t for t, blocks in record.treatments.items() for i in blocks}
+    blocks = tuple(sorted(kinds))
+    return Plan(blocks, kinds=tuple(kinds[i] for i in blocks))
+
+
+def run_alternating(args, model, batches, initial, repeat: int, out_dir: str) -> list[dict]:
+    """``plain`` and memfit's ``none``, uncapped, step by step in turn on two copies of the model.
+
+    Steps alternate in ABBA order on the same batch, so that a drift of the GPU's speed falls on
+    both alike; the ``alt-none`` line carries the median over steady steps of each step's time
+    over its twin's (``paired_step_ratio``) and the ratio of their sums (``paired_sum_ratio``).
+    """
+    import copy
+
+    import torch
+
+    import memfit
+
+    twin = copy.deepcopy(model)
+    pairs = []
+    for m in (model, twin):
+        trainable = [p for p in m.parameters() if p.requires_grad]
+        with torch.no_grad():
+            for p, init in zip(trainable, initial):
+                p.copy_(init)
+        pairs.append((m, torch.optim.AdamW(trainable, lr=1e-5)))
+    ctl = memfit.fit(twin, budget=None, method="none", optimizer=pairs[1][1])
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    events = {"plain": [], "none": []}
+    t0 = time.perf_counter()
+    for i, batch in enumerate(batches):
+        batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
+        for name in (("plain", "none") if i % 4 in (0, 3) else ("none", "plain")):
+            m, optimizer = pairs[name == "none"]
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+
+            def micro(m=m, batch=batch, i=i):
+                torch.manual_seed(1000 + i)
+                m(**batch).loss.backward()
+
+            ctl.run_step(micro) if name == "none" else micro()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            end.record()
+            events[name].append((start, end))
+    torch.cuda.synchronize()
+    total_s = time.perf_counter() - t0
+    times = {k: [s.elapsed_time(e) for s, e in v] for k, v in events.items()}
+    ctl.remove()
+    del twin, pairs
+    gc.collect()
+    torch.cuda.empty_cache()
+    steady = slice(args.steady_from, None)
+    ratios = [b / a for a, b in zip(times["plain"][steady], times["none"][steady])]
+    out = []
+    for name in ("plain", "none"):
+        line = {
+            "task": "text-classification" if args.model == "bert-base" else "causal-lm",
+            "model": f"{args.model} (config, random weights{', LoRA r16 all-linear' if args.lora else ''}, {args.dtype})",
+            "method": f"alt-{name}", "budget_bytes": None, "batch_size": args.batch, "steps": args.steps,
+            "repeat": repeat, "status": "ok", "total_s": round(total_s / 2, 4), "max_peak_allocated_bytes": None,
+            "oom_count": 0, "note": "plain and none alternating step by step on two copies of the model (total_s: half the pair's)",
+            "steady_step_ms": round(statistics.median(times[name][steady]), 3), "recomputed_fraction": None,
+            "lora": args.lora, "lengths": args.lengths, "step_ms": [round(t, 2) for t in times[name]], **_versions(),
+        }
+        if name == "none" and ratios:
+            line["paired_step_ratio"] = round(statistics.median(ratios), 4)
+            line["paired_sum_ratio"] = round(sum(times["none"][steady]) / sum(times["plain"][steady]), 4)
+        out.append(line)
+    return out
 
 
 def _compile_budget(name: str) -> float | None:
@@ -359,7 +461,8 @@ def main(argv: list[str]) -> int:
     args = _parse(argv)
     import torch
 
-    unknown = [m for m in args.methods + args.last if m not in ("plain", "none") and m not in MEMFIT_METHODS
+    args.dynamic_plans = {}  # (budget, repeat) -> the plan of each step of that `dynamic` run
+    unknown = [m for m in args.methods + args.last if m not in ("plain", "none", "alt") and m not in MEMFIT_METHODS
                and m not in PEERS and not _compile_budget(m)]
     if unknown:
         raise SystemExit(f"unknown method(s) {', '.join(unknown)}: choose from "
@@ -393,8 +496,11 @@ def main(argv: list[str]) -> int:
                 reference = result
                 budgets = sorted({int(share * reference["max_peak_allocated_bytes"]) for share in args.budgets}
                                  | {int(g * GB) for g in args.budget_gb})
+        if "alt" in args.methods:
+            for line in run_alternating(args, model, batches, initial, repeat, args.output_dir):
+                emit(line)
         for budget in budgets:
-            for name in [m for m in args.methods if m not in ("plain", "none")]:
+            for name in [m for m in args.methods if m not in ("plain", "none", "alt")]:
                 if time.perf_counter() - started > args.time_limit_s:
                     print("time limit: stopping", flush=True)
                     return 0

@@ -20,7 +20,8 @@ suite that never uses the GPU (``gpus=0``).
 
 Usage (repository root):
     python benchmarks/run_suite.py --list
-    python benchmarks/run_suite.py SUITE [--quick] [--repeats N] [--calls NAME ...] [--fresh] [--out DIR] [--raw DIR]
+    python benchmarks/run_suite.py SUITE [--quick] [--repeats N] [--methods M ...] [--budgets B ...] [--calls NAME ...]
+        [--fresh] [--out DIR] [--raw DIR]
     python benchmarks/run_suite.py SUITE --publish RAW [RAW ...] [--out DIR]
 
 ``--calls`` runs some of the suite's calls (``--list`` names them), adding to the raw folder:
@@ -361,6 +362,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="the suite's tiny QUICK version: checks the path (CPU where "
                    "its drivers allow), measures nothing; default --out and --raw under runs/quick")
     p.add_argument("--repeats", type=int, help="override the suite's repeats")
+    p.add_argument("--methods", nargs="+", help="override the suite's methods (a rerun of some of them)")
+    p.add_argument("--budgets", nargs="+", type=float, help="override the suite's budgets (a suite with one list of "
+                   "budgets for all its calls)")
     p.add_argument("--calls", nargs="+", metavar="NAME", help="run only these calls, adding to --raw")
     p.add_argument("--fresh", action="store_true", help="empty --raw first")
     p.add_argument("--out", type=Path, help="published folder (default benchmarks/results/<device>/<suite>)")
@@ -386,6 +390,12 @@ def main(argv: list[str] | None = None) -> int:
         suite = getattr(module, "QUICK", suite)
     if args.repeats:
         suite = suite.replace(repeats=args.repeats)
+    if args.methods:
+        suite = suite.replace(methods=tuple(args.methods))
+    if args.budgets:
+        if isinstance(suite.budgets, dict):
+            raise SystemExit(f"run_suite: {suite.name} has budgets per call; choose its calls with --calls")
+        suite = suite.replace(budgets=tuple(args.budgets))
     quick = ROOT / "runs" / "quick"
     raws = args.publish
     if raws:  # the device is the one the calls ran on

@@ -34,7 +34,7 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
     for r in range(suite.repeats):
         runs = ("--phase", "runs", "--steps", suite.steps, "--gpu_warmup_s", 2, "--repeats", 1, "--first_repeat", r)
         commands = [script(ctx, "engine_bench.py", "--output_dir", folder, *runs, "--budgets", *gb(suite.budgets),
-                           "--methods", *capped)]
+                           "--methods", *capped, "--prime")]
         if "full" in methods:
             commands.append(script(ctx, "engine_bench.py", "--output_dir", folder, *runs, "--budgets", *gb([middle]),
                                    "--methods", "full", "--skip_none"))

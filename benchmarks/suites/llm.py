@@ -28,7 +28,9 @@ SUITE = Suite(
           "time is the median step from step 8 on; memfit methods run through run_step (an OOM replays the step); "
           "dynamic+all may also choose selective recompute and offload; one call per repeat (estimated 4-8 minutes "
           "each on an H100 from the 24-step runs), repeats interleaved across calls; hf-every-2 and TRL offload run in a call of their own (an OOM "
-          "of theirs leaves memory allocated); benchmarks/loop_bench.py",
+          "of theirs leaves memory allocated); overhead-*: 60 steps, 3 interleaved repeats in one call, none against "
+          "plain step by step in turn (alt) and dynamic against its own plans with nothing else (dynamic-plans); "
+          "benchmarks/loop_bench.py",
 )
 QUICK = SUITE.replace(repeats=1, steps=6)
 
@@ -51,6 +53,14 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
         ctx, "loop_bench.py", *setups["ft"], *common, "--budgets", *suite.budgets["ft"], "--repeats", 1,
         "--first_repeat", suite.repeats, "--methods", "none", "--last", *LAST, "--output_dir", ctx.folder("ft-last"))],
         folder="ft-last"))
+    # What memfit costs beyond what it does: none against the same loop step by step in turn
+    # (alt), dynamic against its own plans run bare (dynamic-plans), and reactive's OOMs.
+    for name in ("ft", "lora"):
+        out.append(Call(f"overhead-{name}", [script(
+            ctx, "loop_bench.py", *setups[name], "--steps", 12 if ctx.quick else 60, "--steady_from", 2 if ctx.quick else 10,
+            "--budgets", 0.5, "--repeats", suite.repeats, "--methods", "plain", "none", "alt", "dynamic", "dynamic-plans",
+            "reactive", "--time_limit_s", 540, "--output_dir", ctx.folder(f"overhead-{name}"))],
+            folder=f"overhead-{name}"))
     out.append(Call("long", [script(
         ctx, "loop_bench.py", "--model", "SmolLM-360M", "--lengths", "fixed:8192,16384", "--batch", 1,
         "--steps", 24, "--steady_from", 8, "--budgets", *suite.budgets["long"], "--repeats", suite.repeats,
