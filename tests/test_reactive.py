@@ -501,3 +501,30 @@ def test_reactive_keeps_the_heads_peak_free_at_the_last_block(monkeypatch):
     ctl.remove()
     assert evicted_before_head[0] == [] and evicted_before_head[1], evicted_before_head
     assert ctl.protection.peaks.predict(memfit.protection.BlockPeaks.TAIL, 16) >= 2 * 10**6 - 10**4
+
+
+def test_the_cuda_meter_reads_the_allocator_once_per_reading(monkeypatch):
+    """NOTE [Cheap allocator reads]: a reactive step on the (fake) allocator reads its counters
+    through the one nested read, never the public per-value calls that flatten the whole
+    statistics dict, and at most four times per block (entry room, window start, window peak
+    and the step's own readings)."""
+    model, make_batch, inner, ctl, fake = _reactive_on_fake_allocator(monkeypatch, 10**9)
+    reads = []
+    nested = fake.stats
+    monkeypatch.setattr(torch._C, "_cuda_memoryStats", lambda device=None: reads.append(1) or nested(device), raising=False)
+
+    def public(*_args, **_kwargs):
+        raise AssertionError("a public torch.cuda reader was called")
+
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
+        monkeypatch.setattr(torch.cuda, name, public)
+    batch = make_batch(2, 8)
+    for seed in range(2):
+        torch.manual_seed(seed)
+        model(**batch).loss.backward()
+        inner.step()
+        model.zero_grad(set_to_none=True)
+    records = ctl.records
+    ctl.remove()
+    assert len(records) == 2 and reads
+    assert len(reads) <= 2 * (4 * len(ctl.blocks) + 8), len(reads)

@@ -266,6 +266,13 @@ class _FakeAllocator:
         monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: max(self.peak, self.reserved or 0))
         monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+        # the meter's one-read path (NOTE [Cheap allocator reads]) where torch has it
+        monkeypatch.setattr(torch._C, "_cuda_memoryStats", self.stats, raising=False)
+
+    def stats(self, device=None):
+        reserved = max(self.peak, self.reserved or 0)
+        return {"allocated_bytes": {"all": {"current": self.allocated, "peak": self.peak}},
+                "reserved_bytes": {"all": {"current": reserved, "peak": self.peak}}}
 
 
 def _use_cuda_meter(ctl, counts_always=True):
