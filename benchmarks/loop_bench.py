@@ -431,6 +431,7 @@ def run_alternating(args, model, batches, initial, repeat: int, out_dir: str) ->
             "lora": args.lora, "lengths": args.lengths, "step_ms": [round(t, 2) for t in times[name]], **_versions(),
         }
         if name == "none" and ratios:
+            line["paired_with"] = "alt-plain"
             line["paired_step_ratio"] = round(statistics.median(ratios), 4)
             line["paired_sum_ratio"] = round(sum(times["none"][steady]) / sum(times["plain"][steady]), 4)
         out.append(line)

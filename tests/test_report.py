@@ -271,6 +271,26 @@ def test_peer_sweep_names_the_fastest_setting_within_budget(tmp_path):
     assert skipped["status"] == "skipped 1/1"
 
 
+def test_paired_runs_table_lists_each_repeat_and_the_median(tmp_path):
+    base = {"task": "causal-lm", "model": "m", "batch_size": 8, "steps": 10, "device": "cpu", "torch": "t",
+            "transformers": "t", "recomputed_fraction": None, "budget_bytes": None, "status": "ok",
+            "max_peak_allocated_bytes": None, "oom_count": 0}
+    lines = [{**base, "method": "none", "total_s": 10.0}]
+    for repeat, (step, total) in enumerate([(1.0046, 1.003), (1.0064, 1.0091), (1.0016, 1.0026)]):
+        lines.append({**base, "method": "alt-plain", "total_s": 10.0, "repeat": repeat})
+        lines.append({**base, "method": "alt-none", "total_s": 10.0, "repeat": repeat, "paired_with": "alt-plain",
+                      "paired_step_ratio": step, "paired_sum_ratio": total})
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "results.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    markdown = build_report(tmp_path / "in", tmp_path / "out").read_text()
+    rows = table_rows(markdown, "Paired runs")
+    assert [(r["against"], r["repeat"], r["median per-step ratio"], r["summed ratio"]) for r in rows] == [
+        ("alt-plain", "0", "1.0046", "1.0030"), ("alt-plain", "1", "1.0064", "1.0091"),
+        ("alt-plain", "2", "1.0016", "1.0026"), ("median of 3", "", "1.0046", ""),
+    ]
+    assert {r["method"] for r in rows} == {"alt-none"}
+
+
 def test_treatment_mix_per_input_size(tmp_path):
     """Per input-size range, the mean blocks each treatment got in a run's steady steps,
     counted from the records' ``treatments``; a run with one mix at every size gets one row."""

@@ -56,7 +56,7 @@ RESULT_FIELDS = (
 #: Fields a result line may have.
 OPTIONAL_RESULT_FIELDS = (
     "repeat", "warmup_steps", "planner_us_per_step", "steps_file", "eval_metric", "eval_value", "note",
-    "peer_metrics",
+    "peer_metrics", "paired_with", "paired_step_ratio", "paired_sum_ratio",
 )
 # skipped: a peer that cannot run on that machine (not installed, needs CUDA)
 _STATUSES = ("ok", "oom", "error", "skipped")
@@ -407,6 +407,33 @@ def _sweeps_table(rows: Sequence[_Row], ref: _Row | None) -> list[str]:
     return lines
 
 
+def _paired_table(rows: Sequence[_Row]) -> list[str]:
+    """Runs timed step by step in turn with another in one process (``paired_with``): per repeat,
+    the median of their per-step time ratios and the ratio of their summed steady steps."""
+    paired = [(row, r) for row in rows for r in row.results if r.paired_step_ratio is not None]
+    if not paired:
+        return []
+    lines = [
+        "",
+        "Paired runs (two configurations step by step in turn in one process, on the same batches: the GPU's "
+        "drift between runs falls on both): per repeat, the median over steady steps of each step's time over "
+        "its twin's, and the ratio of their summed steady steps:",
+        "",
+        "| method | against | repeat | median per-step ratio | summed ratio |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    for row, r in sorted(paired, key=lambda p: (p[0].method, p[1].repeat if p[1].repeat is not None else -1)):
+        lines.append(f"| {row.method} | {r.paired_with or _DASH} | {_DASH if r.repeat is None else r.repeat} | "
+                     f"{r.paired_step_ratio:.4f} | {_num(r.paired_sum_ratio, '.4f')} |")
+    by_method: dict[str, list[float]] = {}
+    for row, r in paired:
+        by_method.setdefault(row.method, []).append(r.paired_step_ratio)
+    for method, ratios in sorted(by_method.items()):
+        if len(ratios) > 1:
+            lines.append(f"| {method} | median of {len(ratios)} | | {statistics.median(ratios):.4f} | |")
+    return lines
+
+
 def _runs_table(runs: Sequence[_StepRun]) -> list[str]:
     lines = [
         "| step file | method | budget | accounting | steps | warm-up | max peak (GiB) | over budget "
@@ -673,6 +700,7 @@ def build_report(input_dir: str | Path, output_dir: str | Path | None = None) ->
                 lines += ["", "No finished `none` run with no budget: ratios are not available."]
             lines += _savers_table(rows, ref)
             lines += _sweeps_table(rows, ref)
+            lines += _paired_table(rows)
             notes = [f"- {row.label}: {r.note}" for row in rows for r in row.results if r.note]
             lines += ["", "Notes:", "", *dict.fromkeys(notes)] if notes else []
             if any(r.budget_bytes is not None for r in rows):
