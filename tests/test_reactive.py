@@ -403,12 +403,8 @@ def _reactive_on_fake_allocator(monkeypatch, budget):
     return model, make_batch, inner, ctl, _on_fake_allocator(monkeypatch, ctl, inner, margin=0)
 
 
-def test_reactive_keeps_a_blocks_own_peak_free_at_its_entry(monkeypatch):
-    """On the (fake) allocator, a block that allocates far more inside it than it saves is
-    learnt on its first run; at the next step of that shape its entry keeps that much free,
-    which evicts blocks where the first step, not knowing, evicted none."""
-    model, make_batch, inner, ctl, fake = _reactive_on_fake_allocator(monkeypatch, 10**6)
-    ctl.blocks[2].module.attention.register_forward_pre_hook(lambda *_: fake.use(2 * 10**6))  # inside block 2
+def _two_steps(model, make_batch, inner, ctl):
+    """Two steps of one 2×8 batch in a plain loop; the run's records, the controller removed."""
     batch = make_batch(2, 8)
     for seed in range(2):
         torch.manual_seed(seed)
@@ -417,6 +413,16 @@ def test_reactive_keeps_a_blocks_own_peak_free_at_its_entry(monkeypatch):
         model.zero_grad(set_to_none=True)
     records = ctl.records
     ctl.remove()
+    return records
+
+
+def test_reactive_keeps_a_blocks_own_peak_free_at_its_entry(monkeypatch):
+    """On the (fake) allocator, a block that allocates far more inside it than it saves is
+    learnt on its first run; at the next step of that shape its entry keeps that much free,
+    which evicts blocks where the first step, not knowing, evicted none."""
+    model, make_batch, inner, ctl, fake = _reactive_on_fake_allocator(monkeypatch, 10**6)
+    ctl.blocks[2].module.attention.register_forward_pre_hook(lambda *_: fake.use(2 * 10**6))  # inside block 2
+    records = _two_steps(model, make_batch, inner, ctl)
     assert records[0].evicted_blocks == []
     assert records[1].evicted_blocks, "the learnt peak of block 2 made no room"
     assert ctl.protection.peaks.predict(2, 16) >= 2 * 10**6 - 10**4
@@ -518,13 +524,6 @@ def test_the_cuda_meter_reads_the_allocator_once_per_reading(monkeypatch):
 
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
         monkeypatch.setattr(torch.cuda, name, public)
-    batch = make_batch(2, 8)
-    for seed in range(2):
-        torch.manual_seed(seed)
-        model(**batch).loss.backward()
-        inner.step()
-        model.zero_grad(set_to_none=True)
-    records = ctl.records
-    ctl.remove()
+    records = _two_steps(model, make_batch, inner, ctl)
     assert len(records) == 2 and reads
     assert len(reads) <= 2 * (4 * len(ctl.blocks) + 8), len(reads)
