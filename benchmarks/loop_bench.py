@@ -306,13 +306,9 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
     peak = torch.cuda.max_memory_allocated()
     times = [s.elapsed_time(e) for s, e in step_ms]
     result = {
-        "task": "text-classification" if args.model == "bert-base" else "causal-lm",
-        "model": f"{args.model} (config, random weights{', LoRA r16 all-linear' if args.lora else ''}, {args.dtype})",
-        "method": method_name, "budget_bytes": budget, "batch_size": args.batch, "steps": args.steps, "repeat": repeat,
-        "status": status, "total_s": round(total_s, 4) if status == "ok" else None,
-        "max_peak_allocated_bytes": peak, "oom_count": ooms, "note": note,
-        "steady_step_ms": round(statistics.median(times[args.steady_from:]), 3) if len(times) > args.steady_from else None,
-        "lora": args.lora, "lengths": args.lengths, "step_ms": [round(t, 2) for t in times], **_versions(),
+        **_line(args, method_name, budget, repeat, times), "status": status,
+        "total_s": round(total_s, 4) if status == "ok" else None, "max_peak_allocated_bytes": peak, "oom_count": ooms,
+        "note": note,
     }
     if ctl is not None:
         records = ctl.records
@@ -422,13 +418,9 @@ def run_alternating(args, model, batches, initial, repeat: int, out_dir: str) ->
     out = []
     for name in ("plain", "none"):
         line = {
-            "task": "text-classification" if args.model == "bert-base" else "causal-lm",
-            "model": f"{args.model} (config, random weights{', LoRA r16 all-linear' if args.lora else ''}, {args.dtype})",
-            "method": f"alt-{name}", "budget_bytes": None, "batch_size": args.batch, "steps": args.steps,
-            "repeat": repeat, "status": "ok", "total_s": round(total_s / 2, 4), "max_peak_allocated_bytes": None,
-            "oom_count": 0, "note": "plain and none alternating step by step on two copies of the model (total_s: half the pair's)",
-            "steady_step_ms": round(statistics.median(times[name][steady]), 3), "recomputed_fraction": None,
-            "lora": args.lora, "lengths": args.lengths, "step_ms": [round(t, 2) for t in times[name]], **_versions(),
+            **_line(args, f"alt-{name}", None, repeat, times[name]), "status": "ok", "total_s": round(total_s / 2, 4),
+            "max_peak_allocated_bytes": None, "oom_count": 0, "recomputed_fraction": None,
+            "note": "plain and none alternating step by step on two copies of the model (total_s: half the pair's)",
         }
         if name == "none" and ratios:
             line["paired_with"] = "alt-plain"
@@ -451,10 +443,20 @@ def _compile_budget(name: str) -> float | None:
 
 def _failed(args, name: str, budget: int | None, repeat: int, status: str, note: str) -> dict:
     return {
-        "task": "text-classification" if args.model == "bert-base" else "causal-lm", "model": args.model,
-        "method": name, "budget_bytes": budget, "batch_size": args.batch, "steps": args.steps, "repeat": repeat,
-        "status": status, "total_s": None, "max_peak_allocated_bytes": None, "oom_count": int(status == "oom"),
-        "note": note, "steady_step_ms": None, "recomputed_fraction": None, "lora": args.lora, **_versions(),
+        **_line(args, name, budget, repeat, []), "status": status, "total_s": None, "max_peak_allocated_bytes": None,
+        "oom_count": int(status == "oom"), "note": note, "recomputed_fraction": None,
+    }
+
+
+def _line(args, method: str, budget: int | None, repeat: int, times: list[float]) -> dict:
+    """The fields every result line has: what ran (the same model label in every line, so one
+    report table holds them all) and its step times."""
+    return {
+        "task": "text-classification" if args.model == "bert-base" else "causal-lm",
+        "model": f"{args.model} (config, random weights{', LoRA r16 all-linear' if args.lora else ''}, {args.dtype})",
+        "method": method, "budget_bytes": budget, "batch_size": args.batch, "steps": args.steps, "repeat": repeat,
+        "steady_step_ms": round(statistics.median(times[args.steady_from:]), 3) if len(times) > args.steady_from else None,
+        "lora": args.lora, "lengths": args.lengths, "step_ms": [round(t, 2) for t in times], **_versions(),
     }
 
 

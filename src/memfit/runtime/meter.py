@@ -118,8 +118,7 @@ def _allocator(device: torch.device) -> tuple[int, int, int, int]:
     if reader is None:  # a torch without the raw reader: the public API, four reads
         return (torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device),
                 torch.cuda.memory_reserved(device), torch.cuda.max_memory_reserved(device))
-    index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
-    stats = reader(index or 0)
+    stats = reader(device.index or 0)
     allocated, reserved = stats["allocated_bytes"]["all"], stats["reserved_bytes"]["all"]
     return allocated["current"], allocated["peak"], reserved["current"], reserved["peak"]
 
@@ -129,6 +128,11 @@ class CudaMeter(Meter):
 
     kind = "cuda"
     default_margin = 0.03
+
+    def __init__(self, device: torch.device, grad_params: list[torch.nn.Parameter], parameter_bytes: int):
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        super().__init__(device, grad_params, parameter_bytes)
 
     def initial_slack(self, budget_bytes: int | None) -> int:
         return min(ALLOCATOR_SLACK_BYTES, (budget_bytes or 0) // 16)
@@ -148,19 +152,18 @@ class CudaMeter(Meter):
     def start_step(self, step: StepState) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
 
-    def _peak(self, step: StepState | None) -> int:
-        """The allocator's peak since the step's last reading, windows folded in (NOTE [Block windows])."""
-        peak = _allocator(self.device)[1]
-        return peak if step is None else max(peak, step.window_carry)
+    def _read(self, step: StepState | None) -> tuple[int, int, int, int]:
+        """(allocated, peak since the step's last reading with windows folded in (NOTE [Block
+        windows]), reserved, reserved peak), in one read of the allocator."""
+        allocated, peak, reserved, reserved_peak = _allocator(self.device)
+        return allocated, peak if step is None else max(peak, step.window_carry), reserved, reserved_peak
 
     def block_run(self, step: StepState | None) -> None:
         """At a step's first recompute, read its backward's start peak apart (NOTE [Reading
         the backward's start], learner.py); every other run of a block body passes through."""
         if step is None or step.stage is not Stage.BACKWARD or step.start_peak is not None:
             return
-        _, peak, _, reserved_peak = _allocator(self.device)
-        step.start_peak = max(peak, step.window_carry)
-        step.start_reserved = reserved_peak
+        _, step.start_peak, _, step.start_reserved = self._read(step)
         step.window_carry = 0
         torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -170,8 +173,7 @@ class CudaMeter(Meter):
         is carried in the step (``window_carry``) and every later reading of the step's peak
         takes the larger of the two.
         """
-        allocated, peak, _, _ = _allocator(self.device)
-        step.window_carry = max(peak, step.window_carry)
+        allocated, step.window_carry, _, _ = self._read(step)
         torch.cuda.reset_peak_memory_stats(self.device)
         return allocated
 
@@ -181,7 +183,7 @@ class CudaMeter(Meter):
     def optimizer_step(self, step: StepState | None) -> None:
         """Read the backward's peak apart from the optimizer step's (NOTE [Three peaks], model.py)."""
         if step is not None and step.stage is Stage.BACKWARD:
-            step.rest_peak = self._peak(step)
+            step.rest_peak = self._read(step)[1]
             step.window_carry = 0
             torch.cuda.reset_peak_memory_stats(self.device)
         super().optimizer_step(step)
@@ -190,8 +192,7 @@ class CudaMeter(Meter):
         return _allocator(self.device)[0]
 
     def peaks(self, step: StepState) -> Peaks:
-        _, peak, _, reserved_peak = _allocator(self.device)
-        rest = max(peak, step.window_carry)  # since the last reset
+        _, rest, _, reserved_peak = self._read(step)  # since the last reset
         reserved = max(reserved_peak, step.start_reserved or 0)
         optimizer = None
         if step.rest_peak is not None:  # since the optimizer's pre-hook reset the counter, `rest` is its step's
@@ -202,8 +203,8 @@ class CudaMeter(Meter):
     def oom_readings(self, step: StepState | None) -> dict[str, int | None]:
         # the larger of the backward's start, read apart at its first recompute, and what came since
         start = (step.start_peak or 0) if step is not None and step.rest_peak is None else 0
-        allocated, peak, reserved, _ = _allocator(self.device)
-        peak = max(peak if step is None else max(peak, step.window_carry), start)
+        allocated, peak, reserved, _ = self._read(step)
+        peak = max(peak, start)
         backward = None
         if step is not None and step.rest_peak is not None:
             backward = max(step.rest_peak, step.start_peak or 0)
