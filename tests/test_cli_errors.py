@@ -162,6 +162,15 @@ CASES = [
     Case("estimate: malformed budget", lambda t, o: [
         "estimate", "--config", str(t / "tiny.json"), "--batch_size", "8", "--seq_length", "32", "--memory_budget", "6XB"],
         r"--memory_budget 6XB: not a memory size"),
+    Case("estimate: missing config file", lambda t, o: [
+        "estimate", "--config", str(t / "none.json"), "--batch_size", "8", "--seq_length", "32"],
+         r"--config .*none\.json: no such file; give the path of a config\.json"),
+    Case("estimate: config not JSON", lambda t, o: [
+        "estimate", "--config", str(t / "bad.json"), "--batch_size", "8", "--seq_length", "32"],
+         r"--config .*bad\.json: not JSON", {"bad.json": "{model_type"}),
+    Case("estimate: zero tokens", lambda t, o: [
+        "estimate", "--config", str(t / "tiny.json"), "--batch_size", "8", "--seq_length", "0"],
+         r"--seq_length 0: give a whole number of at least 1"),
     Case("bench: unknown method", lambda t, o: ["bench", "--methods", "fastest", "--output_dir", str(o)],
          r"unknown method 'fastest'; choose from none, full, dynamic"),
     Case("bench: malformed budgets", lambda t, o: ["bench", "--budgets", "x", "--output_dir", str(o)],

@@ -29,6 +29,7 @@ forwards are untouched.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections import Counter
@@ -117,12 +118,19 @@ class Block:
                 listener.exit(self)
 
 
-def _is_cache(value: Any) -> bool:
+@functools.cache
+def _cache_type() -> type | None:
+    """transformers' KV-cache base class, looked up once (None without transformers)."""
     try:
         from transformers.cache_utils import Cache
     except ImportError:
-        return False
-    return isinstance(value, Cache)
+        return None
+    return Cache
+
+
+def _is_cache(value: Any) -> bool:
+    cache = _cache_type()
+    return cache is not None and isinstance(value, cache)
 
 
 def without_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
@@ -130,7 +138,7 @@ def without_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tup
 
     Caches are found by type, whatever their name or position (GPT-2 passes one
     positionally; transformers renamed ``past_key_values`` to ``cache``), and by the
-    older names when given as something else.
+    older names when given as something else (a legacy tuple).
     """
     if getattr(module, "_can_checkpoint_with_cache", False):
         return args, kwargs
@@ -139,7 +147,7 @@ def without_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tup
     if out.get("use_cache"):
         out["use_cache"] = False
     for name, value in kwargs.items():
-        if value is not None and (_is_cache(value) or name in ("past_key_values", "past_key_value", "layer_past", "cache")):
+        if value is not None and (_is_cache(value) or name in ("past_key_values", "past_key_value", "layer_past")):
             out[name] = None
     return args, out
 

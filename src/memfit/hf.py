@@ -48,14 +48,14 @@ import transformers
 
 from memfit.accounting import static_bytes_logical
 from memfit.budget import check_static_need, parse_bytes
-from memfit.distributed import GradientSync, is_fsdp, world_size
+from memfit.distributed import GradientSync, world_size
 from memfit.errors import FlagError, MissingFileError
 from memfit.methods import METHODS, Method, UnknownMethodError
 from memfit.optim_state import expected_state_bytes
 from memfit.records import StepRecord, read_jsonl, summarize
 from memfit.run_dir import claim_output_dir
 from memfit.runtime import Controller, fit
-from memfit.runtime.replay import MAX_OOM_RETRIES, replays_exhausted, rng_state, set_rng_state
+from memfit.runtime.replay import MAX_OOM_RETRIES, replays_exhausted, rng_state, set_rng_state, sharded
 from memfit.summary_text import end_summary, start_line
 from memfit.treatments import KEEP, TREATMENTS
 
@@ -338,7 +338,7 @@ class MemfitTrainerMixin:
             # find_executable_batch_size, behind --auto_find_batch_size, catches it).
             return super().training_step(model, inputs, num_items_in_batch)
         # an OOM is replayed below, except with several FSDP ranks (NOTE [OOM replay])
-        self.memfit.replays_ooms = not (world_size() > 1 and is_fsdp(model))
+        self.memfit.replays_ooms = not sharded(self.memfit)
         sync = self._lockstep_sync(model)
         if sync is not None:
             model = model.module  # no collective inside a micro-step (NOTE [Lockstep under DDP])
@@ -351,7 +351,7 @@ class MemfitTrainerMixin:
                     self._replay_window_head(model)
                 loss = super().training_step(model, inputs, num_items_in_batch)
             except torch.OutOfMemoryError as err:
-                if world_size() > 1 and is_fsdp(model):
+                if sharded(self.memfit):
                     raise torch.OutOfMemoryError(
                         f"{err}\nmemfit: under FSDP with several ranks a step cannot be replayed on one rank alone "
                         "(NOTE [OOM replay] in memfit/hf.py); raise --memfit_margin or --memory_budget"

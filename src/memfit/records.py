@@ -10,7 +10,7 @@ import dataclasses
 import gzip
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,7 @@ __all__ = [
     "read_jsonl",
     "read_jsonl_numbered",
     "summarize",
+    "treated_blocks",
 ]
 
 #: Version of the step-record and summary schema. Bump on any incompatible change.
@@ -175,11 +176,13 @@ def summarize(records: Iterable[StepRecord]) -> RunSummary:
         armed_steps=sum(r.backstop_armed for r in records),
         evicting_steps=sum(bool(r.evicted_blocks) for r in records),
         counted_steps=sum(r.counted for r in records),
-        treated_blocks=_treated_blocks(records),
+        treated_blocks=treated_blocks(records),
     )
 
 
-def _treated_blocks(records: list[StepRecord]) -> dict[str, int]:
+def treated_blocks(records: Sequence[StepRecord]) -> dict[str, int]:
+    """Blocks given each treatment, summed over ``records`` (a record of schema 1, with no
+    ``treatments``, recomputed its ``plan``)."""
     out: dict[str, int] = {}
     for r in records:
         kinds = r.treatments or ({"recompute": r.plan} if r.plan else {})

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import ArgumentParser, DataError, MissingFileError
-from memfit.records import RunSummary, StepRecord, read_jsonl_numbered, summarize
+from memfit.records import RunSummary, StepRecord, read_jsonl_numbered, summarize, treated_blocks
 from memfit.summary_text import size_in_given_unit
 
 __all__ = ["RESULT_FIELDS", "OPTIONAL_RESULT_FIELDS", "build_report", "main"]
@@ -425,12 +425,12 @@ def _paired_table(rows: Sequence[_Row]) -> list[str]:
     for row, r in sorted(paired, key=lambda p: (p[0].method, p[1].repeat if p[1].repeat is not None else -1)):
         lines.append(f"| {row.method} | {r.paired_with or _DASH} | {_DASH if r.repeat is None else r.repeat} | "
                      f"{r.paired_step_ratio:.4f} | {_num(r.paired_sum_ratio, '.4f')} |")
-    by_method: dict[str, list[float]] = {}
+    pairs: dict[tuple[str, str], list[float]] = {}
     for row, r in paired:
-        by_method.setdefault(row.method, []).append(r.paired_step_ratio)
-    for method, ratios in sorted(by_method.items()):
+        pairs.setdefault((row.method, r.paired_with or _DASH), []).append(r.paired_step_ratio)
+    for (method, twin), ratios in sorted(pairs.items()):
         if len(ratios) > 1:
-            lines.append(f"| {method} | median of {len(ratios)} | | {statistics.median(ratios):.4f} | |")
+            lines.append(f"| {method} | {twin}, median of {len(ratios)} | | {statistics.median(ratios):.4f} | |")
     return lines
 
 
@@ -476,10 +476,7 @@ def _mix_table(runs: Sequence[_StepRun], bins: int = 6) -> list[str]:
         rows = []
         for b in sorted(by_bin):
             recs = by_bin[b]
-            counts = {k: 0 for k in _MIX_KINDS}
-            for rec in recs:
-                for kind, blocks in (rec.treatments or ({"recompute": rec.plan} if rec.plan else {})).items():
-                    counts[kind] = counts.get(kind, 0) + len(blocks)
+            counts = {k: 0 for k in _MIX_KINDS} | treated_blocks(recs)
             mix = tuple(counts[k] / len(recs) for k in _MIX_KINDS)
             rows.append((low + b * width, low + (b + 1) * width - 1, len(recs), mix, recs[0].n_blocks - sum(mix)))
         if len({row[3] for row in rows}) == 1:  # the same mix at every size (full, static): one row

@@ -77,7 +77,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.errors import DataError, FlagError
+from memfit.errors import DataError, FlagError, MissingFileError
 
 __all__ = [
     "TASKS",
@@ -381,12 +381,18 @@ def load_config(model: str | None = None, config_path: str | Path | None = None)
     Raises:
         FlagError: when neither is given, or ``model`` cannot be resolved (naming the
             shipped configs and ``--config``).
+        MissingFileError / DataError: ``config_path`` missing, not JSON, or without ``model_type``.
     """
     from transformers import AutoConfig
 
     if config_path is not None:
-        data = json.loads(Path(config_path).read_text(encoding="utf-8"))
-        if "model_type" not in data:
+        if not Path(config_path).is_file():
+            raise MissingFileError(f"--config {config_path}: no such file; give the path of a config.json")
+        try:
+            data = json.loads(Path(config_path).read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise DataError(f"--config {config_path}: not JSON ({err})") from None
+        if not isinstance(data, dict) or "model_type" not in data:
             raise DataError(f"{config_path}: a config JSON needs a 'model_type' field")
         return AutoConfig.for_model(data.pop("model_type"), **data)
     if model is None:
@@ -613,13 +619,14 @@ def _meta_inputs(
     if profile.task == "multiple-choice":
         ids = torch.zeros(micro, rows // micro, seq_length, dtype=torch.long, **meta)
         return {"input_ids": ids, "labels": torch.zeros(micro, dtype=torch.long, **meta)}
-    inputs = {"input_ids": torch.zeros(rows, seq_length, dtype=torch.long, **meta)}
+    # a mask given (as the tasks' collators give one): a decoder without it looks for packed
+    # rows, which reads a value (.item()) that the meta device does not have
+    inputs = {"input_ids": torch.zeros(rows, seq_length, dtype=torch.long, **meta),
+              "attention_mask": torch.ones(rows, seq_length, dtype=torch.long, **meta)}
     if profile.task == "question-answering":
         inputs["start_positions"] = inputs["end_positions"] = torch.zeros(rows, dtype=torch.long, **meta)
     elif profile.task in ("token-classification", "causal-lm"):
         inputs["labels"] = torch.zeros(rows, seq_length, dtype=torch.long, **meta)
-        if profile.task == "causal-lm":  # a mask given: the decoder does not look for packed rows (.item())
-            inputs["attention_mask"] = torch.ones(rows, seq_length, dtype=torch.long, **meta)
     else:
         inputs["labels"] = torch.zeros(rows, dtype=torch.long, **meta)
     return inputs

@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         raise FlagError(f"--memory_budget {args.memory_budget}: {err}") from None
     if args.advise and budget is None:
         raise FlagError("--advise needs --memory_budget (e.g. 6GiB)")
-    for flag in ("batch_size", "gradient_accumulation_steps"):
-        if getattr(args, flag) < 1:
+    for flag in ("batch_size", "gradient_accumulation_steps", "seq_length", "num_choices", "image_size"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise FlagError(f"--{flag} {getattr(args, flag)}: give a whole number of at least 1")
     if args.batch_size % args.gradient_accumulation_steps:
         raise FlagError(

@@ -22,7 +22,9 @@ backward), and every rank must issue the same ones in the same order. A rank tha
 an OOM and replayed alone would leave the others waiting in the next all-gather. So inside
 ``run_step`` an OOM in a block's forward is not raised: that block runs again under whole-block
 recompute, as does every later block of the step, and the step goes on to the end, its
-collectives in step with the other ranks, its gradients wrong. After each micro-step the ranks
+collectives in step with the other ranks, its gradients wrong; the failed attempt is noted when
+it is raised (its stage and memory readings are the failure's), and the rest of the step is not
+recorded. After each micro-step the ranks
 agree, by one all-reduce of a flag, whether any of them failed (its cost: a collective of four
 bytes and the host waiting for the backward, once per micro-step); if one did, every rank drops
 the window's gradients and replays it (NOTE [Replay in a plain loop]), the failed rank with a
@@ -58,7 +60,7 @@ if TYPE_CHECKING:
     from memfit.runtime.meter import Meter
 
 __all__ = ["MAX_OOM_RETRIES", "describe_attempt", "OomLog", "after_oom", "run_step", "rng_state", "set_rng_state",
-           "replays_exhausted"]
+           "replays_exhausted", "sharded"]
 
 logger = logging.getLogger("memfit")
 
@@ -211,7 +213,7 @@ def run_step(ctl: "Controller", fn: Callable[..., Any], args: tuple, kwargs: dic
         window.clear()
         kept = [None if p.grad is None else p.grad.detach().clone() for p in params]
     window.append((fn, args, kwargs, rng_state()))
-    together = _InStep(ctl) if _sharded(ctl) else None
+    together = _InStep(ctl) if sharded(ctl) else None
     for retry in range(MAX_OOM_RETRIES + 1):
         message = None
         try:
@@ -226,7 +228,6 @@ def run_step(ctl: "Controller", fn: Callable[..., Any], args: tuple, kwargs: dic
             if not together.any_rank_failed():
                 return result
             del result
-            message = together.message
         except torch.OutOfMemoryError as err:
             message = str(err)  # recovered outside the except block, so its frames are freed
             if together is not None:
@@ -235,10 +236,11 @@ def run_step(ctl: "Controller", fn: Callable[..., Any], args: tuple, kwargs: dic
                     "after the last block, or a backward) cannot be replayed in step with the other ranks (NOTE [Replay "
                     "under FSDP]); raise the memory budget or the margin, or lower the batch size"
                 ) from None
-        if together is not None and message is None:
-            ctl.drop_step()  # another rank failed: replay with this rank's own plan
-        else:
+        if together is None:
             ctl.note_oom(message)  # raises when no safer plan exists
+        elif together.message is None:
+            ctl.drop_step()  # another rank failed: replay with this rank's own plan
+        # else this rank's OOM was noted when it was raised (_InStep)
         for p, grad in zip(params, kept or [None] * len(params)):
             p.grad = grad if grad is None else grad.clone()
         gc.collect()
@@ -251,7 +253,8 @@ def run_step(ctl: "Controller", fn: Callable[..., Any], args: tuple, kwargs: dic
 _SHARDED: "weakref.WeakKeyDictionary[Controller, bool]" = weakref.WeakKeyDictionary()
 
 
-def _sharded(ctl: "Controller") -> bool:
+def sharded(ctl: "Controller") -> bool:
+    """Whether ``ctl``'s model is sharded over several ranks (FSDP), read once per controller."""
     if ctl not in _SHARDED:
         _SHARDED[ctl] = world_size() > 1 and is_fsdp(ctl.model)
     return _SHARDED[ctl]
@@ -287,6 +290,9 @@ class _InStep:
             self.message = message
             logger.warning("memfit: out of memory in block %d (%s); the step runs to its end in step with the other "
                            "ranks, then every rank replays it", block.index, block.name)
+            # noted now, while the attempt's stage and memory readings are those of the failure;
+            # the rest of the step runs unrecorded (raises when no safer plan exists)
+            self.ctl.note_oom(message)
         gc.collect()
         self.ctl.meter.release()
         for later in self.ctl.blocks[block.index:]:
