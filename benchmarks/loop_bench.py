@@ -18,7 +18,11 @@ repeat's ``dynamic`` run at the same budget, step by step, with no model, counti
 replay (what ``dynamic`` costs beyond its plans). ``alt`` runs ``plain`` and ``none`` uncapped
 step by step in turn on two copies of the model (lines ``alt-plain``, ``alt-none``; the latter
 with the median per-step ratio): memfit's cost when it changes nothing, free of the GPU's drift
-between runs. Every line lists its steps' times (``step_ms``).
+between runs. ``alt-dynamic`` (after ``dynamic``) does the same for ``dynamic`` against its own
+plans run bare, under the budget plus the other copy's weights and optimizer state (lines
+``alt-dynamic-plans``, ``alt-dynamic``): what counting and protection cost, step by step. Every
+line lists its steps' times (``step_ms``); ``--profile`` writes each configuration's costliest
+functions under cProfile beside its step records.
 Peers (no memfit at all; the bench reads the allocator): ``plain`` (the same loop),
 ``hf-every-1``, ``hf-every-2``, ``hf-offload`` (Hugging Face's checkpointing, either API name),
 ``trl-offload`` (TRL's activation offloading around the step), ``compile-F`` (``torch.compile``
@@ -87,6 +91,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", required=True)
     p.add_argument("--time_limit_s", type=float, default=1e9, help="stop starting configurations after this")
+    p.add_argument("--profile", action="store_true", help="run each configuration under cProfile and write its 40 "
+                   "costliest functions (own time) beside its step records: steps/<config>.profile.txt")
     return p.parse_args(argv)
 
 
@@ -217,18 +223,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
         plans = args.dynamic_plans.get((budget, repeat))
         if plans is None:
             return _failed(args, name, budget, repeat, "skipped", "no dynamic run before it at this budget and repeat")
-
-        class _Replay(memfit.methods.Method):
-            """The plans of `dynamic`'s run, step by step: no model, no counting, no protection."""
-
-            name = "dynamic-plans"
-            step = 0
-
-            def decide(self, planning, key, failed=None):
-                self.step += 1
-                return memfit.methods.Decision(plans[min(self.step, len(plans)) - 1])
-
-        ctl = memfit.fit(model, budget=budget, method=_Replay(), optimizer=optimizer, treatments=MEMFIT_METHODS[name][2])
+        ctl = memfit.fit(model, budget=budget, method=_replay(plans), optimizer=optimizer, treatments=MEMFIT_METHODS[name][2])
     elif name in MEMFIT_METHODS:
         method, kwargs, treatments = MEMFIT_METHODS[name]
         if method == "static":
@@ -365,69 +360,184 @@ def _plan_of(record):
     return Plan(blocks, kinds=tuple(kinds[i] for i in blocks))
 
 
-def run_alternating(args, model, batches, initial, repeat: int, out_dir: str) -> list[dict]:
-    """``plain`` and memfit's ``none``, uncapped, step by step in turn on two copies of the model.
+def _replay(plans):
+    """A method that runs ``plans`` step by step: no model, no counting, no protection."""
+    import memfit
 
-    Steps alternate in ABBA order on the same batch, so that a drift of the GPU's speed falls on
-    both alike; the ``alt-none`` line carries the median over steady steps of each step's time
-    over its twin's (``paired_step_ratio``) and the ratio of their sums (``paired_sum_ratio``).
+    class _Replay(memfit.methods.Method):
+        name = "dynamic-plans"
+        step = 0
+
+        def decide(self, planning, key, failed=None):
+            self.step += 1
+            return memfit.methods.Decision(plans[min(self.step, len(plans)) - 1])
+
+    return _Replay()
+
+
+def _alternate(args, sides, batches) -> tuple[dict[str, list[float]], float, str | None]:
+    """Every batch on every side in turn, ABBA order: a drift of the GPU's speed falls on both alike.
+
+    ``sides``: ``(name, model, optimizer, run)`` pairs, ``run`` calling a micro-step (bare or
+    through ``run_step``). Returns the step times per side, the wall time, and an OOM's message.
     """
+    import torch
+
+    events = {name: [] for name, *_ in sides}
+    failure = None
+    t0 = time.perf_counter()
+    try:
+        for i, batch in enumerate(batches):
+            batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
+            for name, m, optimizer, run in (sides if i % 4 in (0, 3) else sides[::-1]):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+
+                def micro(m=m, batch=batch, i=i):
+                    torch.manual_seed(1000 + i)
+                    m(**batch).loss.backward()
+
+                run(micro)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                end.record()
+                events[name].append((start, end))
+    except torch.OutOfMemoryError as err:
+        failure = str(err).splitlines()[0][:200]
+    torch.cuda.synchronize()
+    total_s = time.perf_counter() - t0
+    return {k: [s.elapsed_time(e) for s, e in v] for k, v in events.items()}, total_s, failure
+
+
+def _paired_lines(args, names, budget, repeat, times, total_s, note, steady=None) -> list[dict]:
+    """Result lines of two alternated sides; the second carries its per-step ratio over the first.
+
+    ``steady``: the step indices the ratios use (default: every step from ``--steady_from``).
+    """
+    first, second = names
+    steps = [i for i in (steady if steady is not None else range(len(times[second]))) if i >= args.steady_from
+             and i < min(len(times[first]), len(times[second]))]
+    ratios = [times[second][i] / times[first][i] for i in steps]
+    out = []
+    for name in names:
+        line = {
+            **_line(args, name, budget, repeat, times[name]), "status": "ok", "total_s": round(total_s / 2, 4),
+            "max_peak_allocated_bytes": None, "oom_count": 0, "recomputed_fraction": None, "note": note,
+        }
+        if name == second and ratios:
+            line["paired_with"] = first
+            line["paired_step_ratio"] = round(statistics.median(ratios), 4)
+            line["paired_sum_ratio"] = round(sum(times[second][i] for i in steps) / sum(times[first][i] for i in steps), 4)
+            line["paired_steps"] = len(steps)
+        out.append(line)
+    return out
+
+
+def _twin(model, initial):
+    """A second copy of ``model`` with its own AdamW, both copies at the initial weights."""
     import copy
 
     import torch
 
-    import memfit
-
     twin = copy.deepcopy(model)
-    pairs = []
+    optimizers = []
     for m in (model, twin):
         trainable = [p for p in m.parameters() if p.requires_grad]
         with torch.no_grad():
             for p, init in zip(trainable, initial):
                 p.copy_(init)
-        pairs.append((m, torch.optim.AdamW(trainable, lr=1e-5)))
-    ctl = memfit.fit(twin, budget=None, method="none", optimizer=pairs[1][1])
+        optimizers.append(torch.optim.AdamW(trainable, lr=1e-5))
+    return twin, optimizers
+
+
+def run_alternating(args, model, batches, initial, repeat: int, out_dir: str) -> list[dict]:
+    """``plain`` and memfit's ``none``, uncapped, step by step in turn on two copies of the model
+    (lines ``alt-plain`` and ``alt-none``, the latter with the paired ratios)."""
+    import torch
+
+    import memfit
+
+    twin, (opt_plain, opt_none) = _twin(model, initial)
+    ctl = memfit.fit(twin, budget=None, method="none", optimizer=opt_none)
     torch.cuda.set_per_process_memory_fraction(1.0)
-    events = {"plain": [], "none": []}
-    t0 = time.perf_counter()
-    for i, batch in enumerate(batches):
-        batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
-        for name in (("plain", "none") if i % 4 in (0, 3) else ("none", "plain")):
-            m, optimizer = pairs[name == "none"]
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-
-            def micro(m=m, batch=batch, i=i):
-                torch.manual_seed(1000 + i)
-                m(**batch).loss.backward()
-
-            ctl.run_step(micro) if name == "none" else micro()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            end.record()
-            events[name].append((start, end))
-    torch.cuda.synchronize()
-    total_s = time.perf_counter() - t0
-    times = {k: [s.elapsed_time(e) for s, e in v] for k, v in events.items()}
+    sides = [("alt-plain", model, opt_plain, lambda f: f()), ("alt-none", twin, opt_none, ctl.run_step)]
+    times, total_s, _ = _alternate(args, sides, batches)
     ctl.remove()
-    del twin, pairs
+    del twin, sides, opt_plain, opt_none
     gc.collect()
     torch.cuda.empty_cache()
-    steady = slice(args.steady_from, None)
-    ratios = [b / a for a, b in zip(times["plain"][steady], times["none"][steady])]
-    out = []
-    for name in ("plain", "none"):
-        line = {
-            **_line(args, f"alt-{name}", None, repeat, times[name]), "status": "ok", "total_s": round(total_s / 2, 4),
-            "max_peak_allocated_bytes": None, "oom_count": 0, "recomputed_fraction": None,
-            "note": "plain and none alternating step by step on two copies of the model (total_s: half the pair's)",
-        }
-        if name == "none" and ratios:
-            line["paired_with"] = "alt-plain"
-            line["paired_step_ratio"] = round(statistics.median(ratios), 4)
-            line["paired_sum_ratio"] = round(sum(times["none"][steady]) / sum(times["plain"][steady]), 4)
-        out.append(line)
-    return out
+    return _paired_lines(args, ("alt-plain", "alt-none"), None, repeat, times, total_s,
+                         "plain and none alternating step by step on two copies of the model (total_s: half the pair's)")
+
+
+def run_alternating_dynamic(args, model, batches, initial, budget: int, repeat: int, out_dir: str) -> list[dict]:
+    """``dynamic`` (through ``run_step``, default protection) and the plans of this repeat's
+    ``dynamic`` run at ``budget`` run bare, step by step in turn on two copies of the model.
+
+    Both copies live under one cap: ``budget`` plus the other copy's lasting bytes (weights,
+    optimizer state; measured after one step of it), given to both controllers, so the
+    activations have what they have alone. The ratios use the steady steps whose plan ``dynamic``
+    chose again as in its own run (``plan_mismatches`` counts the others).
+    """
+    import torch
+
+    import memfit
+
+    plans = args.dynamic_plans.get((budget, repeat))
+    names = ("alt-dynamic-plans", "alt-dynamic")
+    if plans is None:
+        return [_failed(args, n, budget, repeat, "skipped", "no dynamic run before it at this budget and repeat")
+                for n in names]
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    before = torch.cuda.memory_allocated()
+    twin, (opt_dyn, opt_bare) = _twin(model, initial)
+    first = {k: v.cuda() for k, v in batches[0].items()}
+    twin(**first).loss.backward()
+    opt_bare.step()
+    opt_bare.zero_grad(set_to_none=True)
+    del first
+    gc.collect()
+    torch.cuda.synchronize()
+    twin_static = torch.cuda.memory_allocated() - before
+    cap = budget + twin_static
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(0).total_memory))
+    ctl = memfit.fit(model, budget=cap, method="dynamic", optimizer=opt_dyn, treatments=("recompute",))
+    bare = memfit.fit(twin, budget=cap, method=_replay(plans), optimizer=opt_bare, treatments=("recompute",))
+    sides = [(names[0], twin, opt_bare, lambda f: f()), (names[1], model, opt_dyn, ctl.run_step)]
+    times, total_s, failure = _alternate(args, sides, batches)
+    records = ctl.records
+    summary = memfit.records.summarize(records) if records else None
+    same = [i for i, r in enumerate(records) if i < len(plans) and _plan_of(r) == plans[i]]
+    steps_file = os.path.join("steps", f"alt-dynamic-{budget / GB:.2f}GB-r{repeat}.jsonl.gz")
+    with gzip.open(os.path.join(out_dir, steps_file), "wt") as fh:
+        for r in records:
+            fh.write(json.dumps(r.to_dict()) + "\n")
+    ctl.remove()
+    bare.remove()
+    del twin, sides, opt_dyn, opt_bare, ctl, bare
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    lines = _paired_lines(
+        args, names, budget, repeat, times, total_s,
+        f"dynamic and its own plans bare, alternating step by step on two copies of the model under the budget "
+        f"plus the other copy's {twin_static / GB:.2f} GB (total_s: half the pair's)", steady=same)
+    for line in lines:
+        if failure is not None:
+            line.update(status="oom", total_s=None, oom_count=1, note=failure)
+    if summary is not None:
+        # the copy's peaks include the other copy's lasting bytes: the peak is stated net of them
+        lines[1].update(
+            max_peak_allocated_bytes=summary.max_peak_allocated_bytes - twin_static,
+            recomputed_fraction=round(summary.mean_checkpointed_fraction, 4),
+            oom_count=summary.oom_retries + lines[1]["oom_count"], over_budget_steps=summary.over_budget_steps,
+            armed_steps=summary.armed_steps, evicting_steps=summary.evicting_steps, counted_steps=summary.counted_steps,
+            treated_blocks=summary.treated_blocks, lost_steps=args.steps - len(records), steps_file=steps_file,
+            plan_mismatches=len(records) - len(same),
+        )
+    return lines
 
 
 def _compile_budget(name: str) -> float | None:
@@ -460,12 +570,31 @@ def _line(args, method: str, budget: int | None, repeat: int, times: list[float]
     }
 
 
+def _profiled(args, name: str, budget: int | None, repeat: int, run):
+    """``run()``, under cProfile with ``--profile`` (its 40 costliest functions by own time to a text file)."""
+    if not args.profile:
+        return run()
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    result = profile.runcall(run)
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(40)
+    label = "uncapped" if budget is None else f"{budget / GB:.2f}GB"
+    with open(os.path.join(args.output_dir, "steps", f"{name}-{label}-r{repeat}.profile.txt"), "w") as fh:
+        fh.write(f"{name} {label} repeat {repeat}: {args.steps} steps, {result.get('total_s')} s under the profiler\n")
+        fh.write(text.getvalue())
+    return result
+
+
 def main(argv: list[str]) -> int:
     args = _parse(argv)
     import torch
 
     args.dynamic_plans = {}  # (budget, repeat) -> the plan of each step of that `dynamic` run
-    unknown = [m for m in args.methods + args.last if m not in ("plain", "none", "alt") and m not in MEMFIT_METHODS
+    unknown = [m for m in args.methods + args.last if m not in ("plain", "none", "alt", "alt-dynamic") and m not in MEMFIT_METHODS
                and m not in PEERS and not _compile_budget(m)]
     if unknown:
         raise SystemExit(f"unknown method(s) {', '.join(unknown)}: choose from "
@@ -493,7 +622,8 @@ def main(argv: list[str]) -> int:
     budgets: list[int] = []
     for repeat in range(args.first_repeat, args.first_repeat + args.repeats):
         for name in uncapped:
-            result = run_config(args, model, batches, initial, name, None, repeat, args.output_dir)
+            result = _profiled(args, name, None, repeat, lambda: run_config(
+                args, model, batches, initial, name, None, repeat, args.output_dir))
             emit(result)
             if name == "none" and reference is None:
                 reference = result
@@ -507,7 +637,12 @@ def main(argv: list[str]) -> int:
                 if time.perf_counter() - started > args.time_limit_s:
                     print("time limit: stopping", flush=True)
                     return 0
-                emit(run_config(args, model, batches, initial, name, budget, repeat, args.output_dir))
+                if name == "alt-dynamic":
+                    for line in run_alternating_dynamic(args, model, batches, initial, budget, repeat, args.output_dir):
+                        emit(line)
+                else:
+                    emit(_profiled(args, name, budget, repeat, lambda: run_config(
+                        args, model, batches, initial, name, budget, repeat, args.output_dir)))
     for budget in budgets:
         for name in args.last:
             if time.perf_counter() - started > args.time_limit_s:

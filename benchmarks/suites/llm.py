@@ -29,7 +29,8 @@ SUITE = Suite(
           "dynamic+all may also choose selective recompute and offload; one call per repeat (estimated 4-8 minutes "
           "each on an H100 from the 24-step runs), repeats interleaved across calls; hf-every-2 and TRL offload run in a call of their own (an OOM "
           "of theirs leaves memory allocated); overhead-*: 60 steps, 3 interleaved repeats in one call, none against "
-          "plain step by step in turn (alt) and dynamic against its own plans with nothing else (dynamic-plans); "
+          "plain step by step in turn (alt), dynamic against its own plans with nothing else, in a run of their own "
+          "(dynamic-plans) and step by step in turn under one cap (alt-dynamic); "
           "benchmarks/loop_bench.py",
 )
 QUICK = SUITE.replace(repeats=1, steps=6)
@@ -59,7 +60,7 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
         out.append(Call(f"overhead-{name}", [script(
             ctx, "loop_bench.py", *setups[name], "--steps", 12 if ctx.quick else 60, "--steady_from", 2 if ctx.quick else 10,
             "--budgets", 0.5, "--repeats", suite.repeats, "--methods", "plain", "none", "alt", "dynamic", "dynamic-plans",
-            "reactive", "--time_limit_s", 540, "--output_dir", ctx.folder(f"overhead-{name}"))],
+            "alt-dynamic", "reactive", "--time_limit_s", 540, "--output_dir", ctx.folder(f"overhead-{name}"))],
             folder=f"overhead-{name}"))
     out.append(Call("long", [script(
         ctx, "loop_bench.py", "--model", "SmolLM-360M", "--lengths", "fixed:8192,16384", "--batch", 1,
