@@ -360,6 +360,10 @@ def _plan_of(record):
     return Plan(blocks, kinds=tuple(kinds[i] for i in blocks))
 
 
+def _mix(plan) -> dict[str, int]:
+    return {kind: len(blocks) for kind, blocks in plan.by_treatment().items()}
+
+
 def _replay(plans):
     """A method that runs ``plans`` step by step: no model, no counting, no protection."""
     import memfit
@@ -476,8 +480,8 @@ def run_alternating_dynamic(args, model, batches, initial, budget: int, repeat: 
 
     Both copies live under one cap: ``budget`` plus the other copy's lasting bytes (weights,
     optimizer state; measured after one step of it), given to both controllers, so the
-    activations have what they have alone. The ratios use the steady steps whose plan ``dynamic``
-    chose again as in its own run (``plan_mismatches`` counts the others).
+    activations have what they have alone. The ratios use the steady steps where ``dynamic`` gave as
+    many blocks each treatment as in its own run (``plan_mismatches`` counts the others).
     """
     import torch
 
@@ -509,7 +513,9 @@ def run_alternating_dynamic(args, model, batches, initial, budget: int, repeat: 
     times, total_s, failure = _alternate(args, sides, batches)
     records = ctl.records
     summary = memfit.records.summarize(records) if records else None
-    same = [i for i, r in enumerate(records) if i < len(plans) and _plan_of(r) == plans[i]]
+    # alike plans: as many blocks per treatment (which of two alike blocks is treated is a tie
+    # the two runs may break apart)
+    same = [i for i, r in enumerate(records) if i < len(plans) and _mix(_plan_of(r)) == _mix(plans[i])]
     steps_file = os.path.join("steps", f"alt-dynamic-{budget / GB:.2f}GB-r{repeat}.jsonl.gz")
     with gzip.open(os.path.join(out_dir, steps_file), "wt") as fh:
         for r in records:
@@ -571,7 +577,8 @@ def _line(args, method: str, budget: int | None, repeat: int, times: list[float]
 
 
 def _profiled(args, name: str, budget: int | None, repeat: int, run):
-    """``run()``, under cProfile with ``--profile`` (its 40 costliest functions by own time to a text file)."""
+    """``run()``, under cProfile with ``--profile``: the 40 costliest functions by own time, and memfit's 40
+    costliest by time with callees, to a text file."""
     if not args.profile:
         return run()
     import cProfile
@@ -581,7 +588,9 @@ def _profiled(args, name: str, budget: int | None, repeat: int, run):
     profile = cProfile.Profile()
     result = profile.runcall(run)
     text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(40)
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats("memfit", 40)  # where memfit's own time goes, callees included
     label = "uncapped" if budget is None else f"{budget / GB:.2f}GB"
     with open(os.path.join(args.output_dir, "steps", f"{name}-{label}-r{repeat}.profile.txt"), "w") as fh:
         fh.write(f"{name} {label} repeat {repeat}: {args.steps} steps, {result.get('total_s')} s under the profiler\n")

@@ -30,7 +30,8 @@ SUITE = Suite(
           "each on an H100 from the 24-step runs), repeats interleaved across calls; hf-every-2 and TRL offload run in a call of their own (an OOM "
           "of theirs leaves memory allocated); overhead-*: 60 steps, 3 interleaved repeats in one call, none against "
           "plain step by step in turn (alt), dynamic against its own plans with nothing else, in a run of their own "
-          "(dynamic-plans) and step by step in turn under one cap (alt-dynamic); "
+          "(dynamic-plans) and step by step in turn under one cap (alt-dynamic); replay-rate: reactive for 600 steps "
+          "(its OOM replays per 1,000 steps); "
           "benchmarks/loop_bench.py",
 )
 QUICK = SUITE.replace(repeats=1, steps=6)
@@ -62,6 +63,11 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
             "--budgets", 0.5, "--repeats", suite.repeats, "--methods", "plain", "none", "alt", "dynamic", "dynamic-plans",
             "alt-dynamic", "reactive", "--time_limit_s", 540, "--output_dir", ctx.folder(f"overhead-{name}"))],
             folder=f"overhead-{name}"))
+    # reactive's OOM replays per 1,000 steps: one long run at half of none's peak
+    out.append(Call("replay-rate", [script(
+        ctx, "loop_bench.py", *setups["ft"], "--steps", 12 if ctx.quick else 600, "--steady_from", 2 if ctx.quick else 10,
+        "--budgets", 0.5, "--repeats", 1, "--methods", "reactive", "--time_limit_s", 560,
+        "--output_dir", ctx.folder("replay-rate"))], folder="replay-rate"))
     out.append(Call("long", [script(
         ctx, "loop_bench.py", "--model", "SmolLM-360M", "--lengths", "fixed:8192,16384", "--batch", 1,
         "--steps", 24, "--steady_from", 8, "--budgets", *suite.budgets["long"], "--repeats", suite.repeats,
