@@ -518,8 +518,9 @@ def run_alternating_dynamic(args, model, batches, initial, budget: int, repeat: 
     same = [i for i, r in enumerate(records) if i < len(plans) and _mix(_plan_of(r)) == _mix(plans[i])]
     steps_file = os.path.join("steps", f"alt-dynamic-{budget / GB:.2f}GB-r{repeat}.jsonl.gz")
     with gzip.open(os.path.join(out_dir, steps_file), "wt") as fh:
-        for r in records:
-            fh.write(json.dumps(r.to_dict()) + "\n")
+        for r, ms in zip(records, times[names[1]]):
+            # a record's step time runs to the next step's start: here the twin's step lies between
+            fh.write(json.dumps({**r.to_dict(), "step_ms": round(ms, 3)}) + "\n")
     ctl.remove()
     bare.remove()
     del twin, sides, opt_dyn, opt_bare, ctl, bare
