@@ -12,8 +12,9 @@ import torch
 
 import memfit
 from _models import ARCHS, DECODER_ARCHS, SIZES, TEXT_SIZES, build, build_decoder, logical_peak, step_both_and_compare
-from memfit.methods import Decision, Method, load_plans, save_plans
+from memfit.methods import Decision, Method, load_plans, make_method, save_plans
 from memfit.planner import Plan
+from memfit.runtime.controller import Controller
 from memfit.treatments import HostMemoryError, Offload, make_treatments
 
 
@@ -261,3 +262,18 @@ def test_recompute_is_always_at_hand():
         model.zero_grad(set_to_none=True)
         assert ctl.records[-1].treatments == {"recompute": list(range(len(ctl.blocks)))}
         ctl.remove()
+
+
+def test_recompute_is_at_hand_without_fit():
+    """A Controller made directly, and make_treatments, add recompute as fit does: a ``full`` step
+    of a Controller named only ``selective`` recomputes every block (NOTE [Recompute always at hand])."""
+    assert list(make_treatments(("selective",))) == ["keep", "recompute", "selective"]
+    torch.manual_seed(0)
+    model, make_batch = build("bert")
+    model.train()
+    ctl = Controller(model, None, make_method("full"), treatments=("selective",))
+    assert ctl.planning.treatments == ("recompute", "selective")
+    assert list(ctl.treatments) == ["keep", "recompute", "selective"]
+    model(**make_batch(2, 16)).loss.backward()
+    assert ctl.records[-1].treatments == {"recompute": list(range(len(ctl.blocks)))}
+    ctl.remove()

@@ -121,7 +121,8 @@ class MemfitArguments:
         metadata={"help": "How the planner may free a block's activation memory, comma-separated: recompute (the "
                   "whole block again in backward), selective (keep matmul and attention outputs, recompute the rest), "
                   "offload (saved tensors to pinned host memory, prefetched back). Per batch and block it picks the "
-                  "cheapest mix that fits, from each treatment's measured bytes and time. Default: recompute."},
+                  "cheapest mix that fits, from each treatment's measured bytes and time. recompute is always "
+                  "available, named or not (warm-up, --memfit_method full and OOM replays use it). Default: recompute."},
     )
     overwrite_output_dir: bool = field(
         default=False,
@@ -199,7 +200,8 @@ class MemfitArguments:
 
 
 def treatment_names(text: str) -> tuple[str, ...]:
-    """``--memfit_treatments``' comma-separated names as a tuple (``keep`` is always allowed).
+    """``--memfit_treatments``' comma-separated names as a tuple (``keep`` and ``recompute`` are always
+    allowed: NOTE [Recompute always at hand], treatments.py).
 
     Raises:
         FlagError: an unknown name, or none.

@@ -46,12 +46,19 @@ own copy's event; its device copies are released once all of its tensors were un
 buffers come from a pool bounded by ``max_host_bytes``, reused step after step; a pool that
 cannot grow raises :class:`HostMemoryError`. On a CPU device the same hooks copy to a second
 CPU tensor, with no stream (the logic, and exactness, are what is exercised there).
+
+# NOTE [Recompute always at hand]
+Every run can give ``keep`` and ``recompute``, whatever treatments were named: warm-up,
+``full``, OOM replays and plan files of schema 1 treat blocks with ``recompute``, and the
+planner always makes a recompute-only plan beside any mix (NOTE [Treatments never lose],
+planning.py). :func:`run_treatment_names` adds it, and every run goes through it (the
+controller, for its planner and its instances, and :func:`make_treatments`).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -65,7 +72,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "KEEP", "RECOMPUTE", "SELECTIVE", "OFFLOAD", "Treatment", "Keep", "Recompute", "Selective", "Offload",
-    "HostMemoryError", "TREATMENTS", "make_treatments", "keep_matmul_and_attention", "selective_cache_tensors",
+    "HostMemoryError", "TREATMENTS", "run_treatment_names", "make_treatments", "keep_matmul_and_attention",
+    "selective_cache_tensors",
 ]
 
 KEEP = "keep"
@@ -376,10 +384,22 @@ class Offload(Treatment):
 TREATMENTS: dict[str, type[Treatment]] = {t.name: t for t in (Keep, Recompute, Selective, Offload)}
 
 
+def run_treatment_names(names: Sequence[str]) -> tuple[str, ...]:
+    """What a run may give a block besides ``keep``: ``recompute`` first, then ``names`` in
+    order, without ``keep`` or repeats (NOTE [Recompute always at hand]).
+
+    Example:
+        >>> run_treatment_names(("keep", "selective"))
+        ('recompute', 'selective')
+    """
+    return tuple(dict.fromkeys((RECOMPUTE, *(n for n in names if n != KEEP))))
+
+
 def make_treatments(
     names: tuple[str, ...] = (KEEP, RECOMPUTE), counter: "SavedTensorCounter | None" = None, **offload: Any,
 ) -> dict[str, Treatment]:
-    """One instance per treatment name for a run (``keep`` always included).
+    """One instance per treatment name for a run (``keep`` and ``recompute`` always included,
+    NOTE [Recompute always at hand]).
 
     Args:
         names: the treatments the planner may give.
@@ -393,7 +413,7 @@ def make_treatments(
     if unknown:
         raise ValueError(f"unknown treatment {unknown[0]!r}; choose from {', '.join(TREATMENTS)}")
     made: dict[str, Treatment] = {}
-    for name in dict.fromkeys((KEEP, *names)):
+    for name in (KEEP, *run_treatment_names(names)):
         if name == SELECTIVE:
             made[name] = Selective(counter)
         elif name == OFFLOAD:

@@ -55,7 +55,7 @@ from memfit.runtime.step import Stage, StepState
 from memfit.shapes import first_tensor, shape_key
 from memfit.store import ReactiveStore
 from memfit.summary_text import end_summary, start_line
-from memfit.treatments import KEEP, OFFLOAD, RECOMPUTE, Treatment, make_treatments
+from memfit.treatments import OFFLOAD, RECOMPUTE, Treatment, make_treatments, run_treatment_names
 
 __all__ = ["fit", "Controller"]
 
@@ -129,6 +129,7 @@ class Controller:
         self.model = model
         self.method = method
         self.budget_bytes = budget_bytes
+        treatments = run_treatment_names(treatments)  # NOTE [Recompute always at hand], treatments.py
         named = find_blocks(model, blocks)
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         static_parts = _check_static_need(model, budget_bytes, optimizer)
@@ -482,8 +483,6 @@ def fit(
         >>> ctl.remove()
     """
     budget_bytes = None if budget is None else parse_bytes(budget)
-    # recompute is always at hand: warm-up, `full`, replays and schema-1 plan files treat with it
-    treatments = tuple(dict.fromkeys((RECOMPUTE, *(t for t in treatments if t != KEEP))))
     method_obj = make_method(method, **method_kwargs)
     shown = (budget if isinstance(budget, str) else True) if announce else False
     return Controller(model, budget_bytes, method_obj, optimizer, blocks, log, margin, bucket_tokens, cap, treatments, shown)

@@ -49,7 +49,7 @@ from memfit.budget import BudgetTooSmallError, format_bytes
 from memfit.distributed import is_fsdp, world_size
 from memfit.planner import Plan
 from memfit.runtime.step import Stage, StepState
-from memfit.treatments import RECOMPUTE, TREATMENTS
+from memfit.treatments import RECOMPUTE
 
 if TYPE_CHECKING:
     from memfit.blocks import Block
@@ -267,7 +267,7 @@ class _InStep:
     def __init__(self, ctl: "Controller"):
         self.ctl = ctl
         self.message: str | None = None
-        self._recompute = ctl.treatments.get(RECOMPUTE) or TREATMENTS[RECOMPUTE]()
+        self._recompute = ctl.treatments[RECOMPUTE]  # NOTE [Recompute always at hand], treatments.py
 
     def __enter__(self) -> "_InStep":
         self.message = None
