@@ -49,10 +49,8 @@ class Meter:
     #: every step counts its saved tensors (they are what this meter reads)
     counts_always: ClassVar[bool] = False
 
-    def __init__(self, device: torch.device, grad_params: list[torch.nn.Parameter], parameter_bytes: int):
+    def __init__(self, device: torch.device, parameter_bytes: int):
         self.device = device
-        #: each trainable parameter with the bytes of its gradient on this rank (read every step)
-        self._grad_bytes = [(p, local(p).numel() * p.element_size()) for p in grad_params]
         self.parameter_bytes = parameter_bytes
         self.optimizer: torch.optim.Optimizer | None = None
         self.expected_optimizer_bytes = 0
@@ -132,7 +130,9 @@ class CudaMeter(Meter):
     def __init__(self, device: torch.device, grad_params: list[torch.nn.Parameter], parameter_bytes: int):
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        super().__init__(device, grad_params, parameter_bytes)
+        super().__init__(device, parameter_bytes)
+        #: each trainable parameter with the bytes of its gradient on this rank (read every step)
+        self._grad_bytes = [(p, local(p).numel() * p.element_size()) for p in grad_params]
 
     def initial_slack(self, budget_bytes: int | None) -> int:
         return min(ALLOCATOR_SLACK_BYTES, (budget_bytes or 0) // 16)
@@ -257,8 +257,9 @@ def make_meter(device: torch.device, grad_params: list[torch.nn.Parameter], para
 
     Args:
         device: where the model's parameters are.
-        grad_params: the parameters that get gradients.
+        grad_params: the parameters that get gradients (the CUDA meter counts those not yet created).
         parameter_bytes: parameters + gradients, counted (what logical accounting calls static).
     """
-    cls = CudaMeter if device.type == "cuda" else LogicalMeter
-    return cls(device, grad_params, parameter_bytes)
+    if device.type == "cuda":
+        return CudaMeter(device, grad_params, parameter_bytes)
+    return LogicalMeter(device, parameter_bytes)
