@@ -101,6 +101,8 @@ _CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
 #: The label of a token the loss skips (padding; prompts with --completion_only_loss).
 IGNORE_INDEX = -100
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
+#: The error of --use_peft without peft installed (checked at the flags, and at import for LoRA).
+_NO_PEFT = "--use_peft needs peft: pip install 'memfit[llm]' (or pip install peft)"
 
 
 @dataclass
@@ -152,7 +154,7 @@ class CausalLMArguments:
             verb = "configures" if len(given) == 1 else "configure"
             raise FlagError(f"{' '.join(given)} {verb} LoRA: add --use_peft (or drop them for full fine-tuning)")
         if self.use_peft and importlib.util.find_spec("peft") is None:
-            raise MissingPackageError("--use_peft needs peft: pip install 'memfit[llm]' (or pip install peft)")
+            raise MissingPackageError(_NO_PEFT)
         if self.use_peft:
             self.lora_r = 16 if self.lora_r is None else self.lora_r
             self.lora_alpha = 32 if self.lora_alpha is None else self.lora_alpha
@@ -477,7 +479,7 @@ def _with_lora(model: Any, lm_args: CausalLMArguments) -> Any:
     try:
         import peft
     except ImportError:
-        raise MissingPackageError("--use_peft needs peft: pip install 'memfit[llm]' (or pip install peft)") from None
+        raise MissingPackageError(_NO_PEFT) from None
     targets = lm_args.lora_target_modules
     if targets == ["all-linear"]:
         targets = "all-linear"
