@@ -13,7 +13,8 @@ Methods (memfit under the cap, every micro-step through ``Controller.run_step``)
 ``none`` (memfit only measures), ``full``, ``static``, ``dynamic`` (recompute only),
 ``dynamic+sel`` (recompute and selective), ``dynamic+all`` (recompute, selective, offload),
 ``dynamic-backstop`` (recompute only, the backstop armed as a loop without replay would have
-it, called without run_step), ``reactive``, and ``dynamic-plans``: the plan of each step of this
+it, called without run_step), ``reactive``, ``none+compile`` (uncapped), ``full+compile`` and
+``dynamic+compile`` (every block's body compiled by torch.compile inside memfit's wrapper), and ``dynamic-plans``: the plan of each step of this
 repeat's ``dynamic`` run at the same budget, step by step, with no model, counting, protection or
 replay (what ``dynamic`` costs beyond its plans). ``alt`` runs ``plain`` and ``none`` uncapped
 step by step in turn on two copies of the model (lines ``alt-plain``, ``alt-none``; the latter
@@ -64,6 +65,10 @@ MEMFIT_METHODS = {
     "dynamic+all": ("dynamic", {}, ("recompute", "selective", "offload")),
     "dynamic-backstop": ("dynamic", {"backstop": True}, ("recompute",)),
     "reactive": ("reactive", {}, ("recompute",)),
+    # every block's body compiled by torch.compile inside memfit's wrapper (NOTE [Compiled blocks])
+    "none+compile": ("none", {"compile": True}, ("recompute",)),
+    "full+compile": ("full", {"compile": True}, ("recompute",)),
+    "dynamic+compile": ("dynamic", {"compile": True}, ("recompute",)),
     # this repeat's `dynamic` plans at the same budget, step by step, with nothing else (below)
     "dynamic-plans": (None, {}, ("recompute",)),
 }
@@ -226,6 +231,10 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
         ctl = memfit.fit(model, budget=budget, method=_replay(plans), optimizer=optimizer, treatments=MEMFIT_METHODS[name][2])
     elif name in MEMFIT_METHODS:
         method, kwargs, treatments = MEMFIT_METHODS[name]
+        if kwargs.get("compile"):
+            import torch._dynamo
+
+            torch._dynamo.reset()  # no graph compiled by another configuration (the compile peer's budget)
         if method == "static":
             kwargs = {**kwargs, "max_shape": (args.batch, max(max(b["input_ids"].shape[1] for b in batches), 1))}
         try:
@@ -627,7 +636,7 @@ def main(argv: list[str]) -> int:
               f"{result['status']} {shown} peak {(peak or 0) / GB:.2f}GB{extra}", flush=True)
 
     run_config(args, model, batches, initial, "plain", None, -1, args.output_dir)  # untimed: every shape once
-    uncapped = [m for m in ("plain", "none") if m in args.methods or m == "none"]
+    uncapped = [m for m in ("plain", "none", "none+compile") if m in args.methods or m == "none"]
     reference = None
     budgets: list[int] = []
     for repeat in range(args.first_repeat, args.first_repeat + args.repeats):
@@ -643,7 +652,7 @@ def main(argv: list[str]) -> int:
             for line in run_alternating(args, model, batches, initial, repeat, args.output_dir):
                 emit(line)
         for budget in budgets:
-            for name in [m for m in args.methods if m not in ("plain", "none", "alt")]:
+            for name in [m for m in args.methods if m not in ("plain", "none", "none+compile", "alt")]:
                 if time.perf_counter() - started > args.time_limit_s:
                     print("time limit: stopping", flush=True)
                     return 0

@@ -31,7 +31,8 @@ SUITE = Suite(
           "of theirs leaves memory allocated); overhead-*: 60 steps, 3 interleaved repeats in one call, none against "
           "plain step by step in turn (alt), dynamic against its own plans with nothing else, in a run of their own "
           "(dynamic-plans) and step by step in turn under one cap (alt-dynamic); replay-rate: reactive for 600 steps "
-          "(its OOM replays per 1,000 steps); "
+          "(its OOM replays per 1,000 steps); compile: memfit with compiled blocks (none+compile, dynamic+compile, "
+          "full+compile) against the compile peer, repeats in one call until its 520 s limit; "
           "benchmarks/loop_bench.py",
 )
 QUICK = SUITE.replace(repeats=1, steps=6)
@@ -63,6 +64,11 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
             "--budgets", 0.5, "--repeats", suite.repeats, "--methods", "plain", "none", "alt", "dynamic", "dynamic-plans",
             "alt-dynamic", "reactive", "--time_limit_s", 540, "--output_dir", ctx.folder(f"overhead-{name}"))],
             folder=f"overhead-{name}"))
+    # memfit with every block's body compiled against the compile peer (NOTE [Compiled blocks])
+    out.append(Call("compile", [script(
+        ctx, "loop_bench.py", *setups["ft"], *common, "--budgets", *suite.budgets["ft"], "--repeats", suite.repeats,
+        "--methods", "plain", "none", "none+compile", "dynamic", "dynamic+compile", "full+compile", "compile-0.5",
+        "--time_limit_s", 520, "--output_dir", ctx.folder("compile"))], folder="compile"))
     # reactive's OOM replays per 1,000 steps: one long run at half of none's peak
     out.append(Call("replay-rate", [script(
         ctx, "loop_bench.py", *setups["ft"], "--steps", 12 if ctx.quick else 600, "--steady_from", 2 if ctx.quick else 10,

@@ -19,6 +19,18 @@ and values, whose rounding differs from the uncached path: checkpointed and
 un-checkpointed blocks would not give bitwise equal gradients. A training step never reads
 the cache, and the copy costs memory.
 
+# NOTE [Compiled blocks]
+With ``compile`` (``fit(..., compile=True)`` or a dict of ``torch.compile`` arguments) each
+block's body (its class's forward) is compiled by ``torch.compile`` inside the wrapper, and
+every treatment stays outside it: ``recompute`` runs the compiled body again under
+``torch.utils.checkpoint``, ``offload`` and the counter see the compiled graph's saved tensors
+through their saved-tensor hooks (AOTAutograd saves them with ``save_for_backward``). So
+gradients are those of the same compiled model without memfit, and the memory model measures
+what the compiled graph saves. ``selective`` is refused: its policy reads the ATen ops a block
+dispatches, which a compiled graph does not. The compiled code is shared by alike blocks
+(torch.compile guards on their code, not on the instance), and a block's first call compiles,
+so the first warm-up step takes the compile time.
+
 # NOTE [Switch is read at call time]
 The wrapper replaces the block's ``forward`` on the *instance* (the class is untouched) and
 reads its ``treatment`` (treatments.py) every call, so a plan can change between steps without
@@ -85,6 +97,12 @@ class Block:
         self.before_run: Callable[[Block], None] | None = None
         self.on_oom: Callable[[Block, tuple, dict, str], Any] | None = None
         self._body = module.forward  # the class's forward, bound to the instance
+        self.compiled = False
+
+    def compile(self, options: dict[str, Any]) -> None:
+        """Run the body compiled by ``torch.compile(**options)`` (NOTE [Compiled blocks])."""
+        self._body = torch.compile(self._body, **options)
+        self.compiled = True
 
     @property
     def recomputes(self) -> int:
@@ -245,7 +263,9 @@ def _outermost(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]
     return [(n, m) for n, m in found if not any(n.startswith(o + ".") for o in names if o != n)]
 
 
-def wrap_blocks(named_blocks: list[tuple[str, nn.Module]], allow_hf_checkpointing: bool = False) -> list[Block]:
+def wrap_blocks(
+    named_blocks: list[tuple[str, nn.Module]], allow_hf_checkpointing: bool = False, compile: dict[str, Any] | None = None,
+) -> list[Block]:
     """Install a :class:`Block` switch on each module (see NOTE [Switch is read at call time]).
 
     Args:
@@ -253,6 +273,8 @@ def wrap_blocks(named_blocks: list[tuple[str, nn.Module]], allow_hf_checkpointin
         allow_hf_checkpointing: accept modules whose Hugging Face checkpointing is on (for a
             method that never checkpoints: memfit then only measures, as for the peers of
             the benchmark).
+        compile: ``torch.compile`` arguments to compile each block's body with (NOTE
+            [Compiled blocks]); ``None`` runs the bodies eagerly.
 
     Raises:
         ValueError: if a module is already wrapped, or HF gradient checkpointing is on.
@@ -268,6 +290,8 @@ def wrap_blocks(named_blocks: list[tuple[str, nn.Module]], allow_hf_checkpointin
                 "--gradient_checkpointing) and use method 'full' for the same effect"
             )
         block = Block(i, name, module)
+        if compile is not None:
+            block.compile(compile)
         module.forward = block
         wrapped.append(block)
     return wrapped

@@ -55,7 +55,7 @@ from memfit.runtime.step import Stage, StepState
 from memfit.shapes import first_tensor, shape_key
 from memfit.store import ReactiveStore
 from memfit.summary_text import end_summary, start_line
-from memfit.treatments import OFFLOAD, RECOMPUTE, Treatment, make_treatments, run_treatment_names
+from memfit.treatments import OFFLOAD, RECOMPUTE, SELECTIVE, Treatment, make_treatments, run_treatment_names
 
 __all__ = ["fit", "Controller"]
 
@@ -80,6 +80,22 @@ def _check_static_need(model: nn.Module, budget_bytes: int | None, optimizer: to
     if budget_bytes is not None:
         check_static_need(budget_bytes, sum(parts.values()), parts)
     return parts
+
+
+def _compile_options(compile: bool | dict[str, Any], treatments: Sequence[str]) -> dict[str, Any] | None:
+    """``torch.compile`` arguments for the blocks' bodies, or None (NOTE [Compiled blocks], blocks.py).
+
+    Raises:
+        ValueError: ``selective`` among the treatments of compiled blocks.
+    """
+    if compile is False or compile is None:
+        return None
+    if SELECTIVE in treatments:
+        raise ValueError(
+            "the 'selective' treatment cannot see inside a compiled block (its policy reads the ops the block "
+            "dispatches): leave 'selective' out of the treatments, or do not compile the blocks"
+        )
+    return {} if compile is True else dict(compile)
 
 
 def _say(text: str, rank: int) -> None:
@@ -125,11 +141,13 @@ class Controller:
         cap: bool = True,
         treatments: Sequence[str] = (RECOMPUTE,),
         announce: str | bool = False,
+        compile: bool | dict[str, Any] = False,
     ):
         self.model = model
         self.method = method
         self.budget_bytes = budget_bytes
         treatments = run_treatment_names(treatments)  # NOTE [Recompute always at hand], treatments.py
+        compile_options = _compile_options(compile, treatments)
         named = find_blocks(model, blocks)
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         static_parts = _check_static_need(model, budget_bytes, optimizer)
@@ -139,7 +157,7 @@ class Controller:
         method.bind(len(named), self._fingerprint)
         if budget_bytes is not None and cap:
             self.meter.apply_cap(budget_bytes)
-        self.blocks = wrap_blocks(named, allow_hf_checkpointing=method.measures_only)
+        self.blocks = wrap_blocks(named, allow_hf_checkpointing=method.measures_only, compile=compile_options)
         margin = self.meter.default_margin if margin is None else margin
         self.planning = Planning(
             len(self.blocks), _group_ids(self.blocks), budget_bytes, int(margin * (budget_bytes or 0)), bucket_tokens,
@@ -432,6 +450,7 @@ def fit(
     cap: bool = True,
     treatments: Sequence[str] = (RECOMPUTE,),
     announce: bool = True,
+    compile: bool | dict[str, Any] = False,
     **method_kwargs: Any,
 ) -> Controller:
     """Train ``model`` inside ``budget`` by treating just enough blocks per batch.
@@ -459,6 +478,9 @@ def fit(
             is always included (warm-up, ``full`` and replays use it).
         announce: print one line on stderr now (method, budget, accounting, blocks) and a short
             summary when :meth:`Controller.remove` is called.
+        compile: compile each block's body with ``torch.compile`` inside memfit's wrapper
+            (``True``, or a dict of its keyword arguments), the treatments around it (NOTE
+            [Compiled blocks] in blocks.py); ``selective`` cannot be among the treatments.
         **method_kwargs: passed to the method (``path=`` for ``precomputed``,
             ``max_shape=`` for ``static``, ``warmup_steps=`` for ``dynamic``...).
 
@@ -485,4 +507,5 @@ def fit(
     budget_bytes = None if budget is None else parse_bytes(budget)
     method_obj = make_method(method, **method_kwargs)
     shown = (budget if isinstance(budget, str) else True) if announce else False
-    return Controller(model, budget_bytes, method_obj, optimizer, blocks, log, margin, bucket_tokens, cap, treatments, shown)
+    return Controller(model, budget_bytes, method_obj, optimizer, blocks, log, margin, bucket_tokens, cap, treatments, shown,
+                      compile)
