@@ -156,6 +156,8 @@ def test_records_summary_logs_and_state(tmp_path):
         ({"memfit_method": "precomputed"}, "needs --memfit_plans_file"),
         ({"memfit_treatments": "recompute,swap"}, r"unknown treatment 'swap'; give one or more of recompute, selective, offload"),
         ({"memfit_treatments": " , "}, "no treatment; give one or more of"),
+        ({"memfit_compile": True, "memfit_treatments": "recompute,selective"}, "selective cannot see inside a compiled block"),
+        ({"memfit_compile": True, "torch_compile": True}, "give only --memfit_compile"),
         ({"memory_budget": "six"}, "not a memory size"),
         ({"gradient_checkpointing": True}, "drop --gradient_checkpointing"),
         ({"fsdp": "full_shard"}, "does not support FSDP yet"),
@@ -188,6 +190,13 @@ def test_a_failure_before_the_first_step_leaves_no_record_file(tmp_path, monkeyp
     with pytest.raises(memfit.BudgetTooSmallError, match="injected"):
         trainer.train()
     assert not log.exists()
+
+
+def test_compile_flag_compiles_each_block_inside_the_wrappers(tmp_path):
+    trainer = _trainer(tmp_path, "compiled", budget="30MB", memfit_compile=True)
+    assert trainer.memfit.blocks and all(b.compiled for b in trainer.memfit.blocks)
+    plain = _trainer(tmp_path, "eager", budget="30MB")
+    assert not any(b.compiled for b in plain.memfit.blocks)
 
 
 def test_treatments_flag_reaches_the_planner_and_the_records(tmp_path):

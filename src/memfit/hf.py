@@ -124,6 +124,12 @@ class MemfitArguments:
                   "cheapest mix that fits, from each treatment's measured bytes and time. recompute is always "
                   "available, named or not (warm-up, --memfit_method full and OOM replays use it). Default: recompute."},
     )
+    memfit_compile: bool = field(
+        default=False,
+        metadata={"help": "Compile each block's body with torch.compile inside memfit's wrapper, the treatments "
+                  "around it (NOTE [Compiled blocks]); not with --torch_compile (the whole model, memfit's hooks "
+                  "included) nor with the selective treatment."},
+    )
     overwrite_output_dir: bool = field(
         default=False,
         metadata={
@@ -168,6 +174,16 @@ class MemfitArguments:
         if self.memfit_max_shape is not None:
             max_shape(self.memfit_max_shape)  # fail early on a malformed shape
         self.memfit_treatments = ",".join(treatment_names(self.memfit_treatments))
+        if self.memfit_compile and "selective" in self.memfit_treatments.split(","):
+            raise FlagError(
+                "--memfit_compile and --memfit_treatments selective: selective cannot see inside a compiled block; "
+                "drop one of them"
+            )
+        if self.memfit_compile and getattr(self, "torch_compile", False):
+            raise FlagError(
+                "--torch_compile compiles the whole model, memfit's hooks included; --memfit_compile compiles each "
+                "block inside them: give only --memfit_compile"
+            )
         if str(self.memfit_backstop).lower() not in ("auto", "true", "false"):
             raise FlagError(f"--memfit_backstop {self.memfit_backstop!r}: give auto, true or false")
         # the flag's newer name first (reading the old one warns where both exist; older versions have only it)
@@ -290,7 +306,8 @@ class MemfitTrainerMixin:
         # writes its own records; rank 0 merges the summaries.
         self.memfit: Controller = fit(
             self.model, getattr(a, "memfit_budget_bytes", None), method, log=log, margin=getattr(a, "memfit_margin", None),
-            announce=False, treatments=treatment_names(getattr(a, "memfit_treatments", "recompute")), **method_kwargs,
+            announce=False, treatments=treatment_names(getattr(a, "memfit_treatments", "recompute")),
+            compile=bool(getattr(a, "memfit_compile", False)), **method_kwargs,
         )
         self._window: list[tuple[dict[str, Any], dict[str, Any], Any]] = []
         self._oom_total = 0

@@ -82,20 +82,22 @@ def _check_static_need(model: nn.Module, budget_bytes: int | None, optimizer: to
     return parts
 
 
-def _compile_options(compile: bool | dict[str, Any], treatments: Sequence[str]) -> dict[str, Any] | None:
-    """``torch.compile`` arguments for the blocks' bodies, or None (NOTE [Compiled blocks], blocks.py).
+def _run_options(treatments: Sequence[str], compile: bool | dict[str, Any]) -> tuple[tuple[str, ...], dict[str, Any] | None]:
+    """The run's treatment names (NOTE [Recompute always at hand], treatments.py) and the
+    ``torch.compile`` arguments of the blocks' bodies, or None (NOTE [Compiled blocks], blocks.py).
 
     Raises:
         ValueError: ``selective`` among the treatments of compiled blocks.
     """
+    names = run_treatment_names(treatments)
     if compile is False or compile is None:
-        return None
-    if SELECTIVE in treatments:
+        return names, None
+    if SELECTIVE in names:
         raise ValueError(
             "the 'selective' treatment cannot see inside a compiled block (its policy reads the ops the block "
             "dispatches): leave 'selective' out of the treatments, or do not compile the blocks"
         )
-    return {} if compile is True else dict(compile)
+    return names, {} if compile is True else dict(compile)
 
 
 def _say(text: str, rank: int) -> None:
@@ -123,9 +125,8 @@ class Controller:
         planning: model, planner and cache.
         meter: how memory is read (:attr:`accounting` names it).
         replaying: set while earlier micro-steps of a window are rerun after an OOM (no records).
-        replays_ooms: the caller replays a step that runs out of memory (the Trainer sets it;
-            ``run_step`` replays its own): protection that insures against an OOM is then left
-            off where it costs more (NOTE [Protection by expected cost], protection.py).
+        replays_ooms: the caller replays a step that runs out of memory (the Trainer sets it; ``run_step``
+            its own): protection is then left off where it costs more (NOTE [Protection by expected cost]).
     """
 
     def __init__(
@@ -146,8 +147,7 @@ class Controller:
         self.model = model
         self.method = method
         self.budget_bytes = budget_bytes
-        treatments = run_treatment_names(treatments)  # NOTE [Recompute always at hand], treatments.py
-        compile_options = _compile_options(compile, treatments)
+        treatments, compile_options = _run_options(treatments, compile)
         named = find_blocks(model, blocks)
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         static_parts = _check_static_need(model, budget_bytes, optimizer)
