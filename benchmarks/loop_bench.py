@@ -96,8 +96,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", required=True)
     p.add_argument("--time_limit_s", type=float, default=1e9, help="stop starting configurations after this")
-    p.add_argument("--profile", action="store_true", help="run each configuration under cProfile and write its 40 "
-                   "costliest functions (own time) beside its step records: steps/<config>.profile.txt")
+    p.add_argument("--profile", action="store_true", help="run each configuration that runs alone (not alt, "
+                   "alt-dynamic) under cProfile, mark its line profiled, and write its costliest functions beside its "
+                   "step records: steps/<config>.profile.txt")
     return p.parse_args(argv)
 
 
@@ -204,30 +205,81 @@ def _versions() -> dict:
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__}
 
 
+def _reset_weights(model, initial) -> list:
+    """``model``'s trainable parameters back at ``initial`` (pinned host copies); returns them."""
+    import torch
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    with torch.no_grad():
+        torch._foreach_copy_(trainable, [init.to(p.device, non_blocking=True) for p, init in zip(trainable, initial)])
+    return trainable
+
+
+def _release(fraction: float = 1.0) -> None:
+    """Free what the last configuration left, and set the process's cap to ``fraction``."""
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(fraction)
+
+
+def _label(budget: int | None) -> str:
+    return "uncapped" if budget is None else f"{budget / GB:.2f}GB"
+
+
+def _memfit_fields(args, records) -> dict:
+    """What a memfit run's step records say, for its result line."""
+    import memfit
+
+    if not records:
+        return {}
+    summary = memfit.records.summarize(records)
+    return dict(
+        max_peak_allocated_bytes=summary.max_peak_allocated_bytes,
+        recomputed_fraction=round(summary.mean_checkpointed_fraction, 4), oom_count=summary.oom_retries,
+        over_budget_steps=summary.over_budget_steps, armed_steps=summary.armed_steps,
+        evicting_steps=summary.evicting_steps, counted_steps=summary.counted_steps,
+        treated_blocks=summary.treated_blocks, warmup_steps=summary.warmup_steps,
+        planner_us_per_step=round(summary.mean_planner_us, 2), lost_steps=args.steps - len(records),
+    )
+
+
+def _write_steps(out_dir: str, name: str, budget: int | None, repeat: int, records, step_ms=None) -> str:
+    """The run's step records as ``steps/<name>-<budget>-r<repeat>.jsonl.gz``; ``step_ms``, when
+    given, replaces each record's own time. Returns the path under ``out_dir``."""
+    steps_file = os.path.join("steps", f"{name}-{_label(budget)}-r{repeat}.jsonl.gz")
+    with gzip.open(os.path.join(out_dir, steps_file), "wt") as fh:
+        for i, r in enumerate(records):
+            line = r.to_dict()
+            if step_ms is not None and i < len(step_ms):
+                line["step_ms"] = round(step_ms[i], 3)
+            fh.write(json.dumps(line) + "\n")
+    return steps_file
+
+
+def _no_plans(args, name: str, budget: int | None, repeat: int) -> dict:
+    return _failed(args, name, budget, repeat, "skipped", "no dynamic run before it at this budget and repeat")
+
+
 def run_config(args, model, batches, initial, name: str, budget: int | None, repeat: int, out_dir: str) -> dict:
     """One configuration; returns its result line."""
     import torch
 
     import memfit
 
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    with torch.no_grad():
-        for p, init in zip(trainable, initial):
-            p.copy_(init, non_blocking=True)
-    gc.collect()
-    torch.cuda.empty_cache()
+    trainable = _reset_weights(model, initial)
     total_memory = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(1.0 if budget is None else min(1.0, budget / total_memory))
+    _release(1.0 if budget is None else min(1.0, budget / total_memory))
     optimizer = torch.optim.AdamW(trainable, lr=1e-5)
     hooks_before = _hooks(model)
     ctl, undo, context = None, None, contextlib.nullcontext
     note_compile: list[str] = []
     status, note, ooms = "ok", None, 0
-    method_name = name
     if name == "dynamic-plans":
         plans = args.dynamic_plans.get((budget, repeat))
         if plans is None:
-            return _failed(args, name, budget, repeat, "skipped", "no dynamic run before it at this budget and repeat")
+            return _no_plans(args, name, budget, repeat)
         ctl = memfit.fit(model, budget=budget, method=_replay(plans), optimizer=optimizer, treatments=MEMFIT_METHODS[name][2])
     elif name in MEMFIT_METHODS:
         method, kwargs, treatments = MEMFIT_METHODS[name]
@@ -278,7 +330,6 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    done = 0
     try:
         for i, batch in enumerate(batches):
             batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
@@ -299,7 +350,6 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
             optimizer.zero_grad(set_to_none=True)
             end.record()
             step_ms.append((start, end))
-            done += 1
     except torch.OutOfMemoryError as err:
         status, note, ooms = "oom", str(err).splitlines()[0][:200], 1
     except Exception as err:  # a configuration that breaks is recorded, the matrix goes on
@@ -310,29 +360,16 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
     peak = torch.cuda.max_memory_allocated()
     times = [s.elapsed_time(e) for s, e in step_ms]
     result = {
-        **_line(args, method_name, budget, repeat, times), "status": status,
+        **_line(args, name, budget, repeat, times), "status": status,
         "total_s": round(total_s, 4) if status == "ok" else None, "max_peak_allocated_bytes": peak, "oom_count": ooms,
         "note": note,
     }
     if ctl is not None:
         records = ctl.records
-        summary = memfit.records.summarize(records) if records else None
         ctl.remove()
-        if summary is not None:
-            result["max_peak_allocated_bytes"] = summary.max_peak_allocated_bytes
-            result.update(
-                recomputed_fraction=round(summary.mean_checkpointed_fraction, 4), oom_count=summary.oom_retries + ooms,
-                over_budget_steps=summary.over_budget_steps, armed_steps=summary.armed_steps,
-                evicting_steps=summary.evicting_steps, counted_steps=summary.counted_steps,
-                treated_blocks=summary.treated_blocks, warmup_steps=summary.warmup_steps,
-                planner_us_per_step=round(summary.mean_planner_us, 2),
-                lost_steps=args.steps - len(records),
-            )
-        steps_file = os.path.join("steps", f"{method_name}-{'uncapped' if budget is None else f'{budget / GB:.2f}GB'}-r{repeat}.jsonl.gz")
-        with gzip.open(os.path.join(out_dir, steps_file), "wt") as fh:
-            for r in records:
-                fh.write(json.dumps(r.to_dict()) + "\n")
-        result["steps_file"] = steps_file
+        fields = _memfit_fields(args, records)
+        result.update(fields, oom_count=fields.get("oom_count", 0) + ooms)
+        steps_file = result["steps_file"] = _write_steps(out_dir, name, budget, repeat, records)
         if name == "dynamic" and len(records) == args.steps:
             args.dynamic_plans[(budget, repeat)] = [_plan_of(r) for r in records]
         if ctl.method.learns:  # the memory model as the run ended: what each treatment saved and cost
@@ -354,9 +391,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
         popped += 1
     result["stale_hooks_popped"] = popped
     del optimizer
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.set_per_process_memory_fraction(1.0)
+    _release()
     return result
 
 
@@ -369,8 +404,9 @@ def _plan_of(record):
     return Plan(blocks, kinds=tuple(kinds[i] for i in blocks))
 
 
-def _mix(plan) -> dict[str, int]:
-    return {kind: len(blocks) for kind, blocks in plan.by_treatment().items()}
+def _mix(by_treatment: dict[str, list[int]]) -> dict[str, int]:
+    """Blocks per treatment, from a record's ``treatments`` or a plan's ``by_treatment()``."""
+    return {kind: len(blocks) for kind, blocks in by_treatment.items() if blocks}
 
 
 def _replay(plans):
@@ -391,8 +427,9 @@ def _replay(plans):
 def _alternate(args, sides, batches) -> tuple[dict[str, list[float]], float, str | None]:
     """Every batch on every side in turn, ABBA order: a drift of the GPU's speed falls on both alike.
 
-    ``sides``: ``(name, model, optimizer, run)`` pairs, ``run`` calling a micro-step (bare or
-    through ``run_step``). Returns the step times per side, the wall time, and an OOM's message.
+    ``sides``: ``(name, model, optimizer, run, close)``: ``run`` calls a micro-step (bare or
+    through ``run_step``); ``close``, when not None, is called after the side's optimizer step.
+    Returns the step times per side, the wall time, and the error that stopped it, if any.
     """
     import torch
 
@@ -402,7 +439,7 @@ def _alternate(args, sides, batches) -> tuple[dict[str, list[float]], float, str
     try:
         for i, batch in enumerate(batches):
             batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
-            for name, m, optimizer, run in (sides if i % 4 in (0, 3) else sides[::-1]):
+            for name, m, optimizer, run, close in (sides if i % 4 in (0, 3) else sides[::-1]):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
 
@@ -415,17 +452,20 @@ def _alternate(args, sides, batches) -> tuple[dict[str, list[float]], float, str
                 optimizer.zero_grad(set_to_none=True)
                 end.record()
                 events[name].append((start, end))
-    except torch.OutOfMemoryError as err:
-        failure = str(err).splitlines()[0][:200]
+                if close is not None:
+                    close()
+    except Exception as err:  # a pair that breaks is recorded, the matrix goes on
+        failure = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
     torch.cuda.synchronize()
     total_s = time.perf_counter() - t0
     return {k: [s.elapsed_time(e) for s, e in v] for k, v in events.items()}, total_s, failure
 
 
-def _paired_lines(args, names, budget, repeat, times, total_s, note, steady=None) -> list[dict]:
+def _paired_lines(args, names, budget, repeat, times, total_s, note, failure=None, steady=None) -> list[dict]:
     """Result lines of two alternated sides; the second carries its per-step ratio over the first.
 
-    ``steady``: the step indices the ratios use (default: every step from ``--steady_from``).
+    ``failure``: what stopped the pair (both lines then say so); ``steady``: the step indices
+    the ratios use (default: every step from ``--steady_from``).
     """
     first, second = names
     steps = [i for i in (steady if steady is not None else range(len(times[second]))) if i >= args.steady_from
@@ -442,6 +482,9 @@ def _paired_lines(args, names, budget, repeat, times, total_s, note, steady=None
             line["paired_step_ratio"] = round(statistics.median(ratios), 4)
             line["paired_sum_ratio"] = round(sum(times[second][i] for i in steps) / sum(times[first][i] for i in steps), 4)
             line["paired_steps"] = len(steps)
+        if failure is not None:
+            line.update(status="oom" if failure.startswith("OutOfMemoryError") else "error", total_s=None,
+                        oom_count=int(failure.startswith("OutOfMemoryError")), note=failure)
         out.append(line)
     return out
 
@@ -453,34 +496,27 @@ def _twin(model, initial):
     import torch
 
     twin = copy.deepcopy(model)
-    optimizers = []
-    for m in (model, twin):
-        trainable = [p for p in m.parameters() if p.requires_grad]
-        with torch.no_grad():
-            for p, init in zip(trainable, initial):
-                p.copy_(init)
-        optimizers.append(torch.optim.AdamW(trainable, lr=1e-5))
-    return twin, optimizers
+    return twin, [torch.optim.AdamW(_reset_weights(m, initial), lr=1e-5) for m in (model, twin)]
 
 
-def run_alternating(args, model, batches, initial, repeat: int, out_dir: str) -> list[dict]:
+def run_alternating(args, model, batches, initial, repeat: int) -> list[dict]:
     """``plain`` and memfit's ``none``, uncapped, step by step in turn on two copies of the model
     (lines ``alt-plain`` and ``alt-none``, the latter with the paired ratios)."""
-    import torch
-
     import memfit
 
+    _release()
     twin, (opt_plain, opt_none) = _twin(model, initial)
     ctl = memfit.fit(twin, budget=None, method="none", optimizer=opt_none)
-    torch.cuda.set_per_process_memory_fraction(1.0)
-    sides = [("alt-plain", model, opt_plain, lambda f: f()), ("alt-none", twin, opt_none, ctl.run_step)]
-    times, total_s, _ = _alternate(args, sides, batches)
-    ctl.remove()
-    del twin, sides, opt_plain, opt_none
-    gc.collect()
-    torch.cuda.empty_cache()
+    sides = [("alt-plain", model, opt_plain, lambda f: f(), None), ("alt-none", twin, opt_none, ctl.run_step, None)]
+    try:
+        times, total_s, failure = _alternate(args, sides, batches)
+    finally:
+        ctl.remove()
+        del twin, sides, opt_plain, opt_none
+        _release()
     return _paired_lines(args, ("alt-plain", "alt-none"), None, repeat, times, total_s,
-                         "plain and none alternating step by step on two copies of the model (total_s: half the pair's)")
+                         "plain and none alternating step by step on two copies of the model (total_s: half the pair's)",
+                         failure)
 
 
 def run_alternating_dynamic(args, model, batches, initial, budget: int, repeat: int, out_dir: str) -> list[dict]:
@@ -488,22 +524,23 @@ def run_alternating_dynamic(args, model, batches, initial, budget: int, repeat: 
     ``dynamic`` run at ``budget`` run bare, step by step in turn on two copies of the model.
 
     Both copies live under one cap: ``budget`` plus the other copy's lasting bytes (weights,
-    optimizer state; measured after one step of it), given to both controllers, so the
-    activations have what they have alone. The ratios use the steady steps where ``dynamic`` gave as
-    many blocks each treatment as in its own run (``plan_mismatches`` counts the others).
+    optimizer state; measured after one step of it, its weights then set back), given to both
+    controllers with the margin ``dynamic`` keeps alone, so the activations have what they have
+    alone. Each side's step is closed (its peaks read, a device sync) right after its optimizer
+    step, before the other side runs: otherwise the other copy's step would lie inside its
+    readings. The ratios use the steady steps where ``dynamic`` gave as many blocks each
+    treatment as in its own run (``plan_mismatches`` counts the others).
     """
     import torch
 
     import memfit
+    from memfit.runtime.meter import CudaMeter
 
     plans = args.dynamic_plans.get((budget, repeat))
     names = ("alt-dynamic-plans", "alt-dynamic")
     if plans is None:
-        return [_failed(args, n, budget, repeat, "skipped", "no dynamic run before it at this budget and repeat")
-                for n in names]
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.set_per_process_memory_fraction(1.0)
+        return [_no_plans(args, n, budget, repeat) for n in names]
+    _release()
     before = torch.cuda.memory_allocated()
     twin, (opt_dyn, opt_bare) = _twin(model, initial)
     first = {k: v.cuda() for k, v in batches[0].items()}
@@ -512,47 +549,42 @@ def run_alternating_dynamic(args, model, batches, initial, budget: int, repeat: 
     opt_bare.zero_grad(set_to_none=True)
     del first
     gc.collect()
-    torch.cuda.synchronize()
     twin_static = torch.cuda.memory_allocated() - before
+    _reset_weights(twin, initial)
     cap = budget + twin_static
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(0).total_memory))
-    ctl = memfit.fit(model, budget=cap, method="dynamic", optimizer=opt_dyn, treatments=("recompute",))
-    bare = memfit.fit(twin, budget=cap, method=_replay(plans), optimizer=opt_bare, treatments=("recompute",))
-    sides = [(names[0], twin, opt_bare, lambda f: f()), (names[1], model, opt_dyn, ctl.run_step)]
-    times, total_s, failure = _alternate(args, sides, batches)
-    records = ctl.records
-    summary = memfit.records.summarize(records) if records else None
-    # alike plans: as many blocks per treatment (which of two alike blocks is treated is a tie
-    # the two runs may break apart)
-    same = [i for i, r in enumerate(records) if i < len(plans) and _mix(_plan_of(r)) == _mix(plans[i])]
-    steps_file = os.path.join("steps", f"alt-dynamic-{budget / GB:.2f}GB-r{repeat}.jsonl.gz")
-    with gzip.open(os.path.join(out_dir, steps_file), "wt") as fh:
-        for r, ms in zip(records, times[names[1]]):
-            # a record's step time runs to the next step's start: here the twin's step lies between
-            fh.write(json.dumps({**r.to_dict(), "step_ms": round(ms, 3)}) + "\n")
-    ctl.remove()
-    bare.remove()
-    del twin, sides, opt_dyn, opt_bare, ctl, bare
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.set_per_process_memory_fraction(1.0)
+    treatments = MEMFIT_METHODS["dynamic"][2]
+    margin = CudaMeter.default_margin * budget / cap
+    ctl = bare = None
+    sides: list = []
+    records, times, total_s, failure = [], {n: [] for n in names}, 0.0, None
+    try:
+        ctl = memfit.fit(model, budget=cap, method="dynamic", optimizer=opt_dyn, treatments=treatments, margin=margin)
+        bare = memfit.fit(twin, budget=cap, method=_replay(plans), optimizer=opt_bare, treatments=treatments,
+                          margin=margin)
+        sides = [(names[0], twin, opt_bare, lambda f: f(), lambda: bare.records),
+                 (names[1], model, opt_dyn, ctl.run_step, lambda: ctl.records)]
+        times, total_s, failure = _alternate(args, sides, batches)
+        records = ctl.records
+    except memfit.BudgetTooSmallError as err:
+        failure = f"BudgetTooSmallError: {str(err).splitlines()[0][:200]}"
+    finally:
+        for c in (ctl, bare):
+            if c is not None:
+                c.remove()
+        del twin, opt_dyn, opt_bare, sides
+        ctl = bare = None
+        _release()
+    same = [i for i, r in enumerate(records) if i < len(plans) and _mix(r.treatments) == _mix(plans[i].by_treatment())]
     lines = _paired_lines(
         args, names, budget, repeat, times, total_s,
         f"dynamic and its own plans bare, alternating step by step on two copies of the model under the budget "
-        f"plus the other copy's {twin_static / GB:.2f} GB (total_s: half the pair's)", steady=same)
-    for line in lines:
-        if failure is not None:
-            line.update(status="oom", total_s=None, oom_count=1, note=failure)
-    if summary is not None:
+        f"plus the other copy's {twin_static / GB:.2f} GB (total_s: half the pair's)", failure, steady=same)
+    if records:
+        fields = _memfit_fields(args, records)
         # the copy's peaks include the other copy's lasting bytes: the peak is stated net of them
-        lines[1].update(
-            max_peak_allocated_bytes=summary.max_peak_allocated_bytes - twin_static,
-            recomputed_fraction=round(summary.mean_checkpointed_fraction, 4),
-            oom_count=summary.oom_retries + lines[1]["oom_count"], over_budget_steps=summary.over_budget_steps,
-            armed_steps=summary.armed_steps, evicting_steps=summary.evicting_steps, counted_steps=summary.counted_steps,
-            treated_blocks=summary.treated_blocks, lost_steps=args.steps - len(records), steps_file=steps_file,
-            plan_mismatches=len(records) - len(same),
-        )
+        fields["max_peak_allocated_bytes"] -= twin_static
+        lines[1].update(fields, oom_count=fields["oom_count"] + lines[1]["oom_count"], plan_mismatches=len(records) - len(same),
+                        steps_file=_write_steps(out_dir, names[1], budget, repeat, records, times[names[1]]))
     return lines
 
 
@@ -601,7 +633,8 @@ def _profiled(args, name: str, budget: int | None, repeat: int, run):
     stats = pstats.Stats(profile, stream=text)
     stats.sort_stats("tottime").print_stats(40)
     stats.sort_stats("cumulative").print_stats("memfit", 40)  # where memfit's own time goes, callees included
-    label = "uncapped" if budget is None else f"{budget / GB:.2f}GB"
+    label = _label(budget)
+    result["profiled"] = True  # its times include the profiler's
     with open(os.path.join(args.output_dir, "steps", f"{name}-{label}-r{repeat}.profile.txt"), "w") as fh:
         fh.write(f"{name} {label} repeat {repeat}: {args.steps} steps, {result.get('total_s')} s under the profiler\n")
         fh.write(text.getvalue())
@@ -610,14 +643,14 @@ def _profiled(args, name: str, budget: int | None, repeat: int, run):
 
 def main(argv: list[str]) -> int:
     args = _parse(argv)
-    import torch
-
     args.dynamic_plans = {}  # (budget, repeat) -> the plan of each step of that `dynamic` run
-    unknown = [m for m in args.methods + args.last if m not in ("plain", "none", "alt", "alt-dynamic") and m not in MEMFIT_METHODS
-               and m not in PEERS and not _compile_budget(m)]
+    pairs = ("alt", "alt-dynamic")
+    known = lambda m: m in ("plain", "none") or m in MEMFIT_METHODS or m in PEERS or _compile_budget(m)  # noqa: E731
+    unknown = [m for m in args.methods if not known(m) and m not in pairs] + [m for m in args.last if not known(m)]
     if unknown:
         raise SystemExit(f"unknown method(s) {', '.join(unknown)}: choose from "
-                         f"{', '.join(sorted(MEMFIT_METHODS) + sorted(PEERS))}, compile-F (0 < F <= 1)")
+                         f"{', '.join(sorted(MEMFIT_METHODS) + sorted(PEERS))}, compile-F (0 < F <= 1), and in --methods "
+                         f"only {', '.join(pairs)}")
     os.makedirs(os.path.join(args.output_dir, "steps"), exist_ok=True)
     started = time.perf_counter()
     model, _ = _build(args)
@@ -631,7 +664,7 @@ def main(argv: list[str]) -> int:
         shown = f"{result['total_s']:.2f}s steady {result['steady_step_ms']}ms" if result["status"] == "ok" else result["note"]
         peak = result["max_peak_allocated_bytes"]
         extra = f" treated {result.get('treated_blocks')} ooms {result.get('oom_count')}" if result.get("treated_blocks") is not None else ""
-        budget = "uncapped" if result["budget_bytes"] is None else f"{result['budget_bytes'] / GB:.2f}GB"
+        budget = _label(result["budget_bytes"])
         print(f"[{time.perf_counter() - started:6.0f}s] {result['method']:>16} {budget:>9} r{result['repeat']}: "
               f"{result['status']} {shown} peak {(peak or 0) / GB:.2f}GB{extra}", flush=True)
 
@@ -649,7 +682,7 @@ def main(argv: list[str]) -> int:
                 budgets = sorted({int(share * reference["max_peak_allocated_bytes"]) for share in args.budgets}
                                  | {int(g * GB) for g in args.budget_gb})
         if "alt" in args.methods:
-            for line in run_alternating(args, model, batches, initial, repeat, args.output_dir):
+            for line in run_alternating(args, model, batches, initial, repeat):
                 emit(line)
         for budget in budgets:
             for name in [m for m in args.methods if m not in ("plain", "none", "none+compile", "alt")]:
