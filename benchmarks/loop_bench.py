@@ -211,7 +211,8 @@ def _reset_weights(model, initial) -> list:
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     with torch.no_grad():
-        torch._foreach_copy_(trainable, [init.to(p.device, non_blocking=True) for p, init in zip(trainable, initial)])
+        for p, init in zip(trainable, initial):
+            p.copy_(init, non_blocking=True)
     return trainable
 
 
