@@ -14,7 +14,10 @@ SUITE = Suite(
     steps=200,
     notes="full runs at the middle budget only (its plan does not depend on the budget); oracle: per budget, a "
           "sweep under the same cap finds for every 16-token bucket the fewest first-k checkpointed layers whose "
-          "two steps leave 3% of the budget free; those plans run as precomputed",
+          "two steps leave 3% of the budget free; those plans run as precomputed; overhead: the same model, "
+          "batches of the same lengths and the caps of 4 and 6 GB in benchmarks/loop_bench.py, 100 steps, 3 "
+          "interleaved repeats in one call: none against plain step by step in turn (alt), dynamic against its own "
+          "plans step by step in turn (alt-dynamic), reactive; replay-rate: reactive for 1,000 steps at 4 GB",
 )
 QUICK = SUITE.replace(methods=("none", "full", "dynamic"), budgets=(6,), repeats=1, steps=20)
 
@@ -39,4 +42,16 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
             commands.append(script(ctx, "engine_bench.py", "--output_dir", folder, *runs, "--budgets", *gb([middle]),
                                    "--methods", "full", "--skip_none"))
         out.append(Call(f"r{r}", commands, folder="engine"))
+    # What memfit costs beyond what it does, paired step by step in one process (loop_bench.py)
+    bert = ("--model", "bert-base", "--dtype", "float32", "--lengths", "uniform:32:512", "--batch", 32)
+    small = min(suite.budgets)
+    out.append(Call("overhead", [script(
+        ctx, "loop_bench.py", *bert, "--steps", 12 if ctx.quick else 100, "--steady_from", 2 if ctx.quick else 10,
+        "--budgets", "--budget_gb", *suite.budgets[:2], "--repeats", 1 if ctx.quick else 3,
+        "--methods", "none", "alt", "dynamic", "alt-dynamic", "reactive", "--time_limit_s", 540,
+        "--output_dir", ctx.folder("overhead"))], folder="overhead"))
+    out.append(Call("replay-rate", [script(
+        ctx, "loop_bench.py", *bert, "--steps", 12 if ctx.quick else 1000, "--steady_from", 2 if ctx.quick else 10,
+        "--budgets", "--budget_gb", small, "--repeats", 1, "--methods", "none", "reactive", "--time_limit_s", 560,
+        "--output_dir", ctx.folder("replay-rate"))], folder="replay-rate"))
     return out

@@ -29,8 +29,8 @@ SUITE = Suite(
           "dynamic+all may also choose selective recompute and offload; one call per repeat (estimated 4-8 minutes "
           "each on an H100 from the 24-step runs), repeats interleaved across calls; hf-every-2 and TRL offload run in a call of their own (an OOM "
           "of theirs leaves memory allocated); overhead-*: 60 steps, 3 interleaved repeats in one call, none against "
-          "plain step by step in turn (alt), dynamic against its own plans with nothing else, in a run of their own "
-          "(dynamic-plans) and step by step in turn under one cap (alt-dynamic); replay-rate: reactive for 600 steps "
+          "plain step by step in turn (alt), dynamic against its own plans with nothing else step by step in turn "
+          "under one cap (alt-dynamic) (until 2026-11-24 also plain, dynamic-plans and reactive in runs of their own); replay-rate: reactive for 600 steps "
           "(its OOM replays per 1,000 steps); compile: memfit with compiled blocks (none+compile, dynamic+compile, "
           "full+compile) against the compile peer, repeats in one call until its 520 s limit; "
           "benchmarks/loop_bench.py",
@@ -61,8 +61,8 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
     for name in ("ft", "lora"):
         out.append(Call(f"overhead-{name}", [script(
             ctx, "loop_bench.py", *setups[name], "--steps", 12 if ctx.quick else 60, "--steady_from", 2 if ctx.quick else 10,
-            "--budgets", 0.5, "--repeats", suite.repeats, "--methods", "plain", "none", "alt", "dynamic", "dynamic-plans",
-            "alt-dynamic", "reactive", "--time_limit_s", 540, "--output_dir", ctx.folder(f"overhead-{name}"))],
+            "--budgets", 0.5, "--repeats", suite.repeats, "--methods", "none", "alt", "dynamic", "alt-dynamic", "--time_limit_s",
+            540, "--output_dir", ctx.folder(f"overhead-{name}"))],
             folder=f"overhead-{name}"))
     # memfit with every block's body compiled against the compile peer (NOTE [Compiled blocks])
     out.append(Call("compile", [script(
