@@ -14,7 +14,9 @@ Methods (memfit under the cap, every micro-step through ``Controller.run_step``)
 ``dynamic+sel`` (recompute and selective), ``dynamic+all`` (recompute, selective, offload),
 ``dynamic-backstop`` (recompute only, the backstop armed as a loop without replay would have
 it, called without run_step), ``reactive``, ``none+compile`` (uncapped), ``full+compile`` and
-``dynamic+compile`` (every block's body compiled by torch.compile inside memfit's wrapper), and ``dynamic-plans``: the plan of each step of this
+``dynamic+compile`` (every block's body compiled by torch.compile inside memfit's wrapper),
+``dynamic+sel+compile`` (the same, with compiled ``selective``: the body compiled again under
+``activation_memory_budget`` 0.5), and ``dynamic-plans``: the plan of each step of this
 repeat's ``dynamic`` run at the same budget, step by step, with no model, counting, protection or
 replay (what ``dynamic`` costs beyond its plans). ``alt`` runs ``plain`` and ``none`` uncapped
 step by step in turn on two copies of the model (lines ``alt-plain``, ``alt-none``; the latter
@@ -69,6 +71,8 @@ MEMFIT_METHODS = {
     "none+compile": ("none", {"compile": True}, ("recompute",)),
     "full+compile": ("full", {"compile": True}, ("recompute",)),
     "dynamic+compile": ("dynamic", {"compile": True}, ("recompute",)),
+    # and selective: the body compiled again under activation_memory_budget 0.5
+    "dynamic+sel+compile": ("dynamic", {"compile": True}, ("recompute", "selective")),
     # this repeat's `dynamic` plans at the same budget, step by step, with nothing else (below)
     "dynamic-plans": (None, {}, ("recompute",)),
 }

@@ -1,6 +1,7 @@
 """Compiled blocks (NOTE [Compiled blocks], blocks.py): each block's body compiled inside memfit's
 wrapper gives the gradients of the same compiled model under ``none`` (dropout on, CPU), whatever
-the treatment; its saved tensors are still counted; ``selective`` is refused."""
+the treatment; its saved tensors are still counted; ``selective`` runs the body compiled again under
+an activation memory budget, and keeps less."""
 
 from __future__ import annotations
 
@@ -19,6 +20,17 @@ from test_treatments import _Fixed
 # aot_eager traces and partitions as inductor does but runs the graph's ATen ops: quick to
 # compile on a CPU, and deterministic, so gradients can be compared bitwise
 COMPILE = {"backend": "aot_eager"}
+# compiled ``selective`` needs inductor (its joint-graph pass: NOTE [Compiled blocks]); on a CPU
+# it generates C++ (a compiler is at hand where the tests run), and its fp32 graphs recompute
+# bit for bit
+INDUCTOR = {"backend": "inductor"}
+
+
+def _without_dropout(model):
+    for module in model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.0
+    return model
 
 
 @pytest.fixture(autouse=True)
@@ -82,8 +94,100 @@ def test_dynamic_with_compiled_blocks_fits_a_budget_with_compiled_none_gradients
     ref_ctl.remove()
 
 
-def test_selective_is_refused_with_compiled_blocks():
+@pytest.mark.parametrize("dropout", [True, False])
+def test_compiled_selective_gives_the_gradients_of_compiled_none_and_keeps_less_without_random_ops(dropout):
+    """Every block selective, and a mix: gradients bitwise those of compiled none. A graph that
+    draws random numbers keeps what keep keeps (the budgeted partition would recompute the
+    seeds); one that draws none keeps less."""
+    torch.manual_seed(0)
+    model, make_batch = build_decoder("llama")
+    if not dropout:
+        _without_dropout(model)
+    model.train()
+    reference = copy.deepcopy(model)
+    ref_ctl = memfit.fit(reference, budget=None, method="none", compile=INDUCTOR, announce=False)
+    n = len(ref_ctl.blocks)
+    plans = {
+        "keep": Plan(()),
+        "selective": Plan(tuple(range(n)), kinds=("selective",) * n),
+        "mixed": Plan((0, 1, 2), kinds=("selective", "recompute", "offload")),
+    }
+    saved = {}
+    for name, plan in plans.items():
+        ctl = memfit.fit(model, budget=None, method=_Fixed(plan), treatments=("recompute", "selective", "offload"),
+                         compile={**INDUCTOR, "activation_memory_budget": 0.0}, announce=False)
+        ctl.treatments["offload"].min_bytes = 0
+        for seed, length in enumerate((9, 17, 9)):
+            before = [b.recomputes for b in ctl.blocks]
+            step_both_and_compare(model, reference, make_batch(2, length), seed, f"compiled {name} length {length}")
+            # the partitioner's recompute runs inside the compiled backward: no block body runs twice
+            rerun = {i for i, kind in enumerate(plan.treatments(n)) if kind == "recompute"}
+            assert {b.index for b, r in zip(ctl.blocks, before) if b.recomputes > r} == rerun
+        saved[name] = ctl.records[-1].saved_activation_bytes
+        ctl.remove()
+    ref_ctl.remove()
+    if dropout:
+        assert saved["selective"] == saved["keep"], saved
+    else:
+        assert saved["selective"] < saved["keep"], saved
+
+
+def test_dynamic_with_compiled_selective_probes_it_and_fits_the_budget():
+    """The warm-up probe measures the budgeted compilation's bytes (less than kept) and price;
+    where selective is the cheaper way to free a byte, dynamic's plans use it, within the budget,
+    with the gradients of compiled none."""
+    from memfit.runtime import probe
+
+    priced = []
+    original = probe.probe_treatments
+
+    def cheap_selective(*args, **kwargs):
+        out = original(*args, **kwargs)
+        priced.append(out["selective"])
+        return {**out, "selective": (out["selective"][0], 1e-4)}  # the planner must take it where it can
+
+    torch.manual_seed(0)
+    model, make_batch = build_decoder("llama")
+    _without_dropout(model).train()
+    reference = copy.deepcopy(model)
+    longest = make_batch(2, 96)
+    peaks = {}
+    for method in ("none", "full"):
+        ctl = memfit.fit(copy.deepcopy(model), budget=None, method=method, compile=INDUCTOR, announce=False)
+        torch.manual_seed(0)
+        ctl.model(**longest).loss.backward()
+        peaks[method] = ctl.records[-1].peak_allocated_bytes
+        ctl.remove()
+    budget = (peaks["none"] + peaks["full"]) // 2
+    ref_ctl = memfit.fit(reference, budget=None, method="none", compile=INDUCTOR, announce=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(probe, "probe_treatments", cheap_selective)
+        ctl = memfit.fit(model, budget=budget, method="dynamic", treatments=("recompute", "selective"),
+                         compile=INDUCTOR, announce=False)
+        for seed, length in enumerate([16, 96, 48, 96, 80, 96]):
+            step_both_and_compare(model, reference, make_batch(2, length), seed, f"dynamic compiled step {seed}")
+    records = ctl.records
+    ctl.remove()
+    ref_ctl.remove()
+    kept = {r.step: r for r in records}
+    assert priced and all(nbytes > 0 and ms >= 0 for nbytes, ms in priced), priced
+    assert all(r.peak_allocated_bytes <= budget for r in records)
+    assert any("selective" in r.treatments for r in records if r.phase == "steady"), [r.treatments for r in records]
+    assert kept
+
+
+def test_compiled_selective_needs_inductor():
     model, _ = build_decoder("llama")
-    with pytest.raises(ValueError, match="selective"):
-        memfit.fit(model, budget=None, method="dynamic", treatments=("recompute", "selective"), compile=True, announce=False)
+    with pytest.raises(ValueError, match="inductor backend"):
+        memfit.fit(model, budget=None, method="dynamic", treatments=("recompute", "selective"), compile=COMPILE,
+                   announce=False)
+    assert "forward" not in model.model.layers[0].__dict__  # nothing left wrapped
+
+
+@pytest.mark.parametrize("bad", [1.0, -0.1, "half"])
+def test_compiled_selective_budget_must_be_a_share_below_one(bad):
+    model, _ = build_decoder("llama")
+    with pytest.raises(ValueError, match="activation_memory_budget"):
+        memfit.fit(model, budget=None, method="dynamic", treatments=("recompute", "selective"),
+                   compile={"activation_memory_budget": bad}, announce=False)
     assert "forward" not in model.model.layers[0].__dict__  # nothing left wrapped

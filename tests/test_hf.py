@@ -156,7 +156,6 @@ def test_records_summary_logs_and_state(tmp_path):
         ({"memfit_method": "precomputed"}, "needs --memfit_plans_file"),
         ({"memfit_treatments": "recompute,swap"}, r"unknown treatment 'swap'; give one or more of recompute, selective, offload"),
         ({"memfit_treatments": " , "}, "no treatment; give one or more of"),
-        ({"memfit_compile": True, "memfit_treatments": "recompute,selective"}, "selective cannot see inside a compiled block"),
         ({"memfit_compile": True, "torch_compile": True}, "give only --memfit_compile"),
         ({"memory_budget": "six"}, "not a memory size"),
         ({"gradient_checkpointing": True}, "drop --gradient_checkpointing"),

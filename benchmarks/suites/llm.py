@@ -32,7 +32,8 @@ SUITE = Suite(
           "plain step by step in turn (alt), dynamic against its own plans with nothing else step by step in turn "
           "under one cap (alt-dynamic) (until 2026-11-24 also plain, dynamic-plans and reactive in runs of their own); replay-rate: reactive for 600 steps "
           "(its OOM replays per 1,000 steps); compile: memfit with compiled blocks (none+compile, dynamic+compile, "
-          "full+compile) against the compile peer, repeats in one call until its 520 s limit; "
+          "full+compile) against the compile peer, repeats in one call until its 520 s limit; compile-sel-*: "
+          "the same with compiled selective (dynamic+sel+compile) for full FT and LoRA; "
           "benchmarks/loop_bench.py",
 )
 QUICK = SUITE.replace(repeats=1, steps=6)
@@ -69,6 +70,13 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
         ctx, "loop_bench.py", *setups["ft"], *common, "--budgets", *suite.budgets["ft"], "--repeats", suite.repeats,
         "--methods", "plain", "none", "none+compile", "dynamic", "dynamic+compile", "full+compile", "compile-0.5",
         "--time_limit_s", 520, "--output_dir", ctx.folder("compile"))], folder="compile"))
+    # compiled selective (the body compiled again under an activation budget, a treatment the
+    # planner prices) against compiled dynamic without it and the compile peer
+    for name in ("ft", "lora"):
+        out.append(Call(f"compile-sel-{name}", [script(
+            ctx, "loop_bench.py", *setups[name], *common, "--budgets", *suite.budgets[name], "--repeats", suite.repeats,
+            "--methods", "none", "none+compile", "dynamic+compile", "dynamic+sel+compile", "compile-0.5",
+            "--time_limit_s", 520, "--output_dir", ctx.folder(f"compile-sel-{name}"))], folder=f"compile-sel-{name}"))
     # reactive's OOM replays per 1,000 steps: one long run at half of none's peak
     out.append(Call("replay-rate", [script(
         ctx, "loop_bench.py", *setups["ft"], "--steps", 12 if ctx.quick else 600, "--steady_from", 2 if ctx.quick else 10,

@@ -26,10 +26,28 @@ every treatment stays outside it: ``recompute`` runs the compiled body again und
 ``torch.utils.checkpoint``, ``offload`` and the counter see the compiled graph's saved tensors
 through their saved-tensor hooks (AOTAutograd saves them with ``save_for_backward``). So
 gradients are those of the same compiled model without memfit, and the memory model measures
-what the compiled graph saves. ``selective`` is refused: its policy reads the ATen ops a block
-dispatches, which a compiled graph does not. The compiled code is shared by alike blocks
-(torch.compile guards on their code, not on the instance), and a block's first call compiles,
-so the first warm-up step takes the compile time.
+what the compiled graph saves. The compiled code is shared by alike blocks (torch.compile
+guards on their code, not on the instance), and a block's first call compiles, so the first
+warm-up step takes the compile time.
+
+``selective`` on a compiled block runs a second compilation of the body whose graphs are
+partitioned under ``torch._functorch.config.activation_memory_budget`` (the compile argument
+``activation_memory_budget``, default :data:`SELECTIVE_BUDGET`): the partitioner saves that
+share of what the plain compilation saves, choosing by min-cut which ops backward recomputes
+(the cheap elementwise ones first). The eager policy cannot serve there: it reads the ops a
+block dispatches, which a compiled graph does not. The budget is bound to the second
+compilation's backend, so the two compilations keep separate graphs for one code object
+(Dynamo matches a cached graph to its backend) and a plan switches between them freely. Both
+run the same decomposed ops; the second recomputes some of them in backward. A graph that
+draws random numbers (a dropout, an attention with dropout) is partitioned under the budget 1,
+as the first: under a lower one the partitioner recomputes inductor's seed generation in
+backward, which then draws other masks (the ops it will not recompute are listed by name, and
+the seeds are not among them). So such a block's ``selective`` keeps what ``keep`` keeps, its
+probe says so, and the planner never picks it; an inductor joint-graph pass of memfit's sets
+the budget per graph, which is why compiled ``selective`` needs the ``inductor`` backend.
+Where inductor rounds a recomputed bf16 intermediate differently from the stored one (fused
+intermediates stay in float32 unless ``emulate_precision_casts``), the gradients of the two
+compilations can differ in the last bits, as those of torch.compile's own budgets do.
 
 # NOTE [Switch is read at call time]
 The wrapper replaces the block's ``forward`` on the *instance* (the class is untouched) and
@@ -52,12 +70,79 @@ import torch
 from torch import nn
 
 from memfit.errors import UserError
-from memfit.treatments import Keep, Treatment
+from memfit.treatments import Keep, Treatment, draws_random
 
-__all__ = ["NoBlocksError", "Block", "find_blocks", "wrap_blocks", "unwrap_blocks", "without_cache", "fingerprint"]
+__all__ = [
+    "NoBlocksError", "Block", "find_blocks", "wrap_blocks", "unwrap_blocks", "without_cache", "fingerprint",
+    "SELECTIVE_BUDGET",
+]
 
 #: how a block runs until a plan says otherwise (stateless: shared)
 _PLAIN = Keep()
+#: the activation memory budget of a compiled block's ``selective`` body (NOTE [Compiled blocks])
+SELECTIVE_BUDGET = 0.5
+
+
+class _Budgeted:
+    """A ``torch.compile`` backend whose graphs are partitioned under ``activation_memory_budget``
+    ``budget`` (NOTE [Compiled blocks]); anything else it is asked is the wrapped backend's."""
+
+    def __init__(self, backend: Any, budget: float):
+        self.backend = backend
+        self.budget = budget
+
+    def __call__(self, gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
+        import torch._functorch.config as functorch_config
+
+        with functorch_config.patch(activation_memory_budget=self.budget):
+            return self.backend(gm, example_inputs, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "backend":
+            raise AttributeError(name)
+        return getattr(self.backend, name)
+
+
+@functools.cache
+def _random_graphs_whole_pass() -> type:
+    """The class of inductor's joint-graph pass that sets the partitioner's budget back to 1
+    for a graph that draws random numbers (NOTE [Compiled blocks])."""
+    import torch._functorch.config as functorch_config
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    from memfit.treatments import __file__ as treatments_file
+
+    class RandomGraphsWhole(CustomGraphPass):
+        def __init__(self, then: Any = None):
+            self.then = then  # a pass the user gave, run first
+
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            if self.then is not None:
+                self.then(graph)
+            if any(n.op == "call_function" and draws_random(n.target, n.args, n.kwargs) for n in graph.nodes):
+                functorch_config.activation_memory_budget = 1.0  # inside _Budgeted's patch, which restores it
+
+        def uuid(self) -> Any:
+            # inductor's caches key a graph on this: the pass's own code (blocks.py, and
+            # treatments.py for draws_random) and the user's pass
+            then = self.then.uuid() if hasattr(self.then, "uuid") else self.then
+            return (get_hash_for_files((__file__, treatments_file)), then)
+
+    return RandomGraphsWhole
+
+
+def _budgeted_compile(fn: Callable, options: dict[str, Any], budget: float) -> Callable:
+    """``torch.compile(fn, **options)`` with its backend (resolved as ``torch.compile`` does)
+    partitioning under ``budget`` (1 for a graph that draws random numbers)."""
+    rest = {k: v for k, v in options.items() if k not in ("backend", "mode", "options")}
+    backend, mode, inductor = options.get("backend", "inductor"), options.get("mode"), options.get("options")
+    if backend == "inductor":
+        inductor = dict(inductor or {})
+        inductor["joint_custom_post_pass"] = _random_graphs_whole_pass()(inductor.get("joint_custom_post_pass"))
+        resolved = torch._TorchCompileInductorWrapper(mode, inductor, options.get("dynamic"))
+    else:
+        resolved = torch._TorchCompileWrapper(backend, mode, inductor, options.get("dynamic"))
+    return torch.compile(fn, backend=_Budgeted(resolved, budget), **rest)
 
 
 class NoBlocksError(UserError, ValueError):
@@ -97,11 +182,17 @@ class Block:
         self.before_run: Callable[[Block], None] | None = None
         self.on_oom: Callable[[Block, tuple, dict, str], Any] | None = None
         self._body = module.forward  # the class's forward, bound to the instance
+        self._lean_body: Callable[..., Any] | None = None
         self.compiled = False
 
     def compile(self, options: dict[str, Any]) -> None:
-        """Run the body compiled by ``torch.compile(**options)`` (NOTE [Compiled blocks])."""
-        self._body = torch.compile(self._body, **options)
+        """Run the body compiled by ``torch.compile(**options)``, and ``selective`` a second
+        compilation under the option ``activation_memory_budget`` (NOTE [Compiled blocks])."""
+        options = dict(options)
+        budget = options.pop("activation_memory_budget", SELECTIVE_BUDGET)
+        eager = self._body
+        self._body = torch.compile(eager, **options)
+        self._lean_body = _budgeted_compile(eager, options, budget)
         self.compiled = True
 
     @property
@@ -113,6 +204,14 @@ class Block:
         if self.before_run is not None:
             self.before_run(self)
         return self._body(*args, **kwargs)
+
+    def run_lean(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the body compiled under the activation memory budget (compiled blocks only:
+        NOTE [Compiled blocks])."""
+        self.runs += 1
+        if self.before_run is not None:
+            self.before_run(self)
+        return self._lean_body(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         active = self.module.training and torch.is_grad_enabled()

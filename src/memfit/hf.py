@@ -127,8 +127,9 @@ class MemfitArguments:
     memfit_compile: bool = field(
         default=False,
         metadata={"help": "Compile each block's body with torch.compile inside memfit's wrapper, the treatments "
-                  "around it (NOTE [Compiled blocks]); not with --torch_compile (the whole model, memfit's hooks "
-                  "included) nor with the selective treatment."},
+                  "around it (NOTE [Compiled blocks]); there the selective treatment is the body compiled again under "
+                  "torch.compile's activation memory budget 0.5. Not with --torch_compile (the whole model, memfit's "
+                  "hooks included)."},
     )
     overwrite_output_dir: bool = field(
         default=False,
@@ -174,11 +175,6 @@ class MemfitArguments:
         if self.memfit_max_shape is not None:
             max_shape(self.memfit_max_shape)  # fail early on a malformed shape
         self.memfit_treatments = ",".join(treatment_names(self.memfit_treatments))
-        if self.memfit_compile and "selective" in self.memfit_treatments.split(","):
-            raise FlagError(
-                "--memfit_compile and --memfit_treatments selective: selective cannot see inside a compiled block; "
-                "drop one of them"
-            )
         if self.memfit_compile and getattr(self, "torch_compile", False):
             raise FlagError(
                 "--torch_compile compiles the whole model, memfit's hooks included; --memfit_compile compiles each "

@@ -8,6 +8,7 @@ A plan gives every block one treatment; the block runs it at its next training f
 | `keep`      | plain                                     | everything it saves                     | plain                      |
 | `recompute` | under ``torch.utils.checkpoint``          | its inputs                              | the block runs again       |
 | `selective` | under a selective checkpoint policy       | its inputs, matmul and attention outputs| the cheap rest runs again  |
+|             | (compiled: under an activation budget)    | (compiled: what the partitioner keeps)  |                            |
 | `offload`   | saved tensors copied to pinned host memory| small saved tensors                     | copied back, prefetched    |
 
 Gradients are those of ``keep`` under every treatment: ``torch.utils.checkpoint`` is
@@ -71,9 +72,10 @@ if TYPE_CHECKING:
     from memfit.blocks import Block
 
 __all__ = [
-    "KEEP", "RECOMPUTE", "SELECTIVE", "OFFLOAD", "Treatment", "Keep", "Recompute", "Selective", "Offload",
+    "KEEP", "RECOMPUTE", "SELECTIVE", "OFFLOAD", "Treatment", "Keep", "Recompute", "Selective", "CompiledSelective",
+    "Offload",
     "HostMemoryError", "TREATMENTS", "run_treatment_names", "make_treatments", "keep_matmul_and_attention",
-    "selective_cache_tensors",
+    "selective_cache_tensors", "draws_random",
 ]
 
 KEEP = "keep"
@@ -130,10 +132,22 @@ def _saved_ops() -> frozenset:
 
 
 @functools.cache
-def _dropout_index(op: Any) -> int | None:
+def dropout_index(op: Any) -> int | None:
     """Position of an op's ``dropout_p`` argument (fused attention), or None."""
     names = [a.name for a in op._schema.arguments]
     return names.index("dropout_p") if "dropout_p" in names else None
+
+
+def draws_random(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a call of ``op`` draws random numbers: a seeded op (a dropout, ``rand``), an
+    attention only with a ``dropout_p`` that may be nonzero."""
+    if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
+        return False
+    at = dropout_index(op) if hasattr(op, "_schema") else None
+    if at is None:
+        return True
+    p = kwargs.get("dropout_p", args[at] if at < len(args) else 0.0)
+    return not (isinstance(p, (int, float)) and p == 0)
 
 
 def keep_matmul_and_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -141,7 +155,7 @@ def keep_matmul_and_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> C
     an attention that draws a dropout mask (it must run again to keep the random stream)."""
     if op not in _saved_ops():
         return CheckpointPolicy.PREFER_RECOMPUTE
-    at = _dropout_index(op)
+    at = dropout_index(op)
     if at is not None:
         p = kwargs.get("dropout_p", args[at] if at < len(args) else 0.0)
         if p:
@@ -204,6 +218,17 @@ class Selective(Treatment):
             for t in selective_cache_tensors(contexts.caching):
                 self.counter.count_tensor(block.index, t)
         return out
+
+
+class CompiledSelective(Treatment):
+    """``selective`` on a compiled block: its body compiled under the activation memory budget,
+    whose graph saves (through the hooks) only what its partitioner keeps (NOTE [Compiled
+    blocks] in blocks.py)."""
+
+    name = SELECTIVE
+
+    def run(self, block: "Block", args: tuple, kwargs: dict[str, Any]) -> Any:
+        return block.run_lean(*args, **kwargs)
 
 
 class HostMemoryError(UserError, RuntimeError):
@@ -396,7 +421,8 @@ def run_treatment_names(names: Sequence[str]) -> tuple[str, ...]:
 
 
 def make_treatments(
-    names: tuple[str, ...] = (KEEP, RECOMPUTE), counter: "SavedTensorCounter | None" = None, **offload: Any,
+    names: tuple[str, ...] = (KEEP, RECOMPUTE), counter: "SavedTensorCounter | None" = None, compiled: bool = False,
+    **offload: Any,
 ) -> dict[str, Treatment]:
     """One instance per treatment name for a run (``keep`` and ``recompute`` always included,
     NOTE [Recompute always at hand]).
@@ -404,6 +430,7 @@ def make_treatments(
     Args:
         names: the treatments the planner may give.
         counter: the run's counter (``selective`` and ``offload`` count what the hooks cannot see).
+        compiled: the blocks' bodies are compiled (``selective`` is then :class:`CompiledSelective`).
         **offload: ``min_bytes``, ``max_host_bytes`` and ``excluded_ptrs`` for ``offload``.
 
     Raises:
@@ -415,7 +442,7 @@ def make_treatments(
     made: dict[str, Treatment] = {}
     for name in (KEEP, *run_treatment_names(names)):
         if name == SELECTIVE:
-            made[name] = Selective(counter)
+            made[name] = CompiledSelective() if compiled else Selective(counter)
         elif name == OFFLOAD:
             made[name] = Offload(counter, **offload)
         else:

@@ -43,7 +43,7 @@ from torch import nn
 
 from memfit import learner
 from memfit.accounting import OUTSIDE, GatheredParameters, SavedTensorCounter, expected_optimizer_bytes, optimizer_state_bytes, static_bytes_logical
-from memfit.blocks import Block, find_blocks, fingerprint, unwrap_blocks, wrap_blocks
+from memfit.blocks import SELECTIVE_BUDGET, Block, find_blocks, fingerprint, unwrap_blocks, wrap_blocks
 from memfit.budget import check_static_need, parse_bytes
 from memfit.methods import Method, make_method, save_plans
 from memfit.planner import Plan
@@ -87,17 +87,25 @@ def _run_options(treatments: Sequence[str], compile: bool | dict[str, Any]) -> t
     ``torch.compile`` arguments of the blocks' bodies, or None (NOTE [Compiled blocks], blocks.py).
 
     Raises:
-        ValueError: ``selective`` among the treatments of compiled blocks.
+        ValueError: an ``activation_memory_budget`` outside [0, 1); ``selective`` with a
+            backend other than inductor (NOTE [Compiled blocks]).
     """
     names = run_treatment_names(treatments)
     if compile is False or compile is None:
         return names, None
-    if SELECTIVE in names:
+    options = {} if compile is True else dict(compile)
+    budget = options.get("activation_memory_budget", SELECTIVE_BUDGET)
+    if not isinstance(budget, (int, float)) or not 0 <= budget < 1:
         raise ValueError(
-            "the 'selective' treatment cannot see inside a compiled block (its policy reads the ops the block "
-            "dispatches): leave 'selective' out of the treatments, or do not compile the blocks"
+            f"compile's activation_memory_budget {budget!r} is the share of a compiled block's activations "
+            "'selective' keeps: give a number from 0 up to, not including, 1"
         )
-    return names, {} if compile is True else dict(compile)
+    if SELECTIVE in names and options.get("backend", "inductor") != "inductor":
+        raise ValueError(
+            f"'selective' on compiled blocks needs the inductor backend (it keeps random ops from being recomputed), "
+            f"not {options['backend']!r}: leave out compile's backend, or 'selective' from the treatments"
+        )
+    return names, options
 
 
 def _say(text: str, rank: int) -> None:
@@ -106,14 +114,14 @@ def _say(text: str, rank: int) -> None:
 
 
 def _make_treatments(
-    names: Sequence[str], counter: SavedTensorCounter, planning: Planning, device: torch.device,
+    names: Sequence[str], counter: SavedTensorCounter, planning: Planning, device: torch.device, compiled: bool,
 ) -> dict[str, Treatment]:
     """The run's treatments; with ``offload``, the host link is measured now, before training
     holds memory, and priced for the planner (runtime/probe.py)."""
     if OFFLOAD not in names:
-        return make_treatments(tuple(names), counter)
+        return make_treatments(tuple(names), counter, compiled)
     planning.offload_ms = probe.measure_link(device)
-    return make_treatments(tuple(names), counter, excluded_ptrs=counter.excluded_ptrs)
+    return make_treatments(tuple(names), counter, compiled, excluded_ptrs=counter.excluded_ptrs)
 
 
 class Controller:
@@ -165,7 +173,7 @@ class Controller:
         )
         # Parameters and buffers are never activations (under FSDP: this rank's shards).
         self._counter = SavedTensorCounter(len(self.blocks), exclude=list(model.parameters()) + list(model.buffers()))
-        self.treatments = _make_treatments(treatments, self._counter, self.planning, self.device)
+        self.treatments = _make_treatments(treatments, self._counter, self.planning, self.device, self.blocks[0].compiled)
         self.protection = method.make_protection(
             lambda: ReactiveStore(self._counter.excluded_ptrs), self.planning, self.meter, self._counter
         )
@@ -480,7 +488,8 @@ def fit(
             summary when :meth:`Controller.remove` is called.
         compile: compile each block's body with ``torch.compile`` inside memfit's wrapper
             (``True``, or a dict of its keyword arguments), the treatments around it (NOTE
-            [Compiled blocks] in blocks.py); ``selective`` cannot be among the treatments.
+            [Compiled blocks] in blocks.py); there ``selective`` runs a second compilation
+            under the option ``activation_memory_budget`` (default 0.5).
         **method_kwargs: passed to the method (``path=`` for ``precomputed``,
             ``max_shape=`` for ``static``, ``warmup_steps=`` for ``dynamic``...).
 

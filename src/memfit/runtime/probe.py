@@ -72,6 +72,11 @@ def probe_block(
     return probe.bytes, (min(times_ms) if timed else None)
 
 
+def _shield() -> torch.autograd.graph.saved_tensors_hooks:
+    """An inner hook pair keeping a probe's saved tensors from the step's counter (outside it)."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t)
+
+
 class _SizeCounter:
     """Saved storages of one block run: all of them, and those under ``min_bytes`` (what
     ``offload`` keeps on the device)."""
@@ -124,17 +129,15 @@ def probe_treatments(
     inputs = [t for t in tree_leaves(detached) if isinstance(t, torch.Tensor)]
     devices = [device] if device.type == "cuda" else []
     out: dict[str, tuple[int, float | None]] = {}
-    # the step's counter is outside: an inner pair keeps the probe's saved tensors from it
-    def shield() -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t)
-
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
-        if "selective" in treatments:
+        if "selective" in treatments and block.compiled:
+            out["selective"] = _probe_compiled_selective(block, detached, counter, device)
+        elif "selective" in treatments:
             def timed(context: Any) -> float:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
-                with shield(), context:
+                with _shield(), context:
                     result = block._body(*probe_args, **probe_kwargs)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
@@ -157,6 +160,38 @@ def probe_treatments(
             out["offload"] = (sizes.small, None)
             del result, probe_args, probe_kwargs
     return out
+
+
+def _probe_compiled_selective(
+    block: Block, detached: tuple[tuple, dict], counter: SavedTensorCounter, device: torch.device,
+) -> tuple[int, float]:
+    """A compiled block's ``selective`` (NOTE [Compiled blocks], blocks.py): what its budgeted
+    compilation saves, and its forward and backward time beyond the plain compilation's (the
+    partitioner's recompute runs inside the backward graph), each the faster of two runs
+    (NOTE [First run of a block]: the first may compile). Gradients are returned, not
+    accumulated, and the inputs' and parameters' both asked, as the step's backward asks them."""
+    params = [p for p in block.module.parameters() if p.requires_grad]
+    cuda = device.type == "cuda"
+
+    def run(body: Any, hooks: Any) -> float:
+        probe_args, probe_kwargs = without_cache(block.module, *detached)
+        wrt = [t for t in tree_leaves((probe_args, probe_kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        with hooks:
+            result = body(*probe_args, **probe_kwargs)
+        outs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outs and wrt + params:
+            torch.autograd.grad(outs, wrt + params, [torch.ones_like(t) for t in outs], allow_unused=True)
+        if cuda:
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - t0) * 1e3
+
+    lean = ProbeCounter(counter.excluded_ptrs, counter.parameter_storages)
+    lean_ms = min(run(block._lean_body, lean.hooks()), run(block._lean_body, _shield()))
+    plain_ms = min(run(block._body, _shield()), run(block._body, _shield()))
+    return lean.bytes, max(0.0, lean_ms - plain_ms)
 
 
 class LinkPrice:
