@@ -21,7 +21,8 @@ repeat's ``dynamic`` run at the same budget, step by step, with no model, counti
 replay (what ``dynamic`` costs beyond its plans). ``alt`` runs ``plain`` and ``none`` uncapped
 step by step in turn on two copies of the model (lines ``alt-plain``, ``alt-none``; the latter
 with the median per-step ratio): memfit's cost when it changes nothing, free of the GPU's drift
-between runs. ``alt-dynamic`` (after ``dynamic``) does the same for ``dynamic`` against its own
+between runs. The memfit side runs on the copy in even repeats and on the original in odd ones
+(``memfit_on``), so that pooled repeats cancel what differs between the two copies. ``alt-dynamic`` (after ``dynamic``) does the same for ``dynamic`` against its own
 plans run bare, under the budget plus the other copy's weights and optimizer state (lines
 ``alt-dynamic-plans``, ``alt-dynamic``): what counting and protection cost, step by step. Every
 line lists its steps' times (``step_ms``); ``--profile`` writes each configuration's costliest
@@ -510,18 +511,32 @@ def run_alternating(args, model, batches, initial, repeat: int) -> list[dict]:
     import memfit
 
     _release()
-    twin, (opt_plain, opt_none) = _twin(model, initial)
-    ctl = memfit.fit(twin, budget=None, method="none", optimizer=opt_none)
-    sides = [("alt-plain", model, opt_plain, lambda f: f(), None), ("alt-none", twin, opt_none, ctl.run_step, None)]
+    twin, opts = _twin(model, initial)
+    (plain_m, opt_plain), (none_m, opt_none) = _oriented([(model, opts[0]), (twin, opts[1])], repeat)
+    ctl = memfit.fit(none_m, budget=None, method="none", optimizer=opt_none)
+    sides = [("alt-plain", plain_m, opt_plain, lambda f: f(), None), ("alt-none", none_m, opt_none, ctl.run_step, None)]
     try:
         times, total_s, failure = _alternate(args, sides, batches)
     finally:
         ctl.remove()
-        del twin, sides, opt_plain, opt_none
+        del twin, sides, opt_plain, opt_none, plain_m, none_m, opts
         _release()
-    return _paired_lines(args, ("alt-plain", "alt-none"), None, repeat, times, total_s,
-                         "plain and none alternating step by step on two copies of the model (total_s: half the pair's)",
-                         failure)
+    lines = _paired_lines(args, ("alt-plain", "alt-none"), None, repeat, times, total_s,
+                          "plain and none alternating step by step on two copies of the model (total_s: half the pair's)",
+                          failure)
+    lines[1]["memfit_on"] = _ORIENTATION[repeat % 2]
+    return lines
+
+
+#: which copy the memfit side of a pair runs on, by repeat: the model every configuration runs,
+#: or its deep copy (a copy's tensors lie elsewhere in memory; alternating by repeat lets the
+#: pooled ratios cancel any difference between the two)
+_ORIENTATION = ("copy", "original")
+
+
+def _oriented(pair: list, repeat: int) -> list:
+    """``[(original, ...), (copy, ...)]`` as ``[bare side, memfit side]`` for ``repeat`` (:data:`_ORIENTATION`)."""
+    return pair if _ORIENTATION[repeat % 2] == "copy" else pair[::-1]
 
 
 def run_alternating_dynamic(args, model, batches, initial, budget: int, repeat: int, out_dir: str) -> list[dict]:
@@ -547,15 +562,16 @@ def run_alternating_dynamic(args, model, batches, initial, budget: int, repeat: 
         return [_no_plans(args, n, budget, repeat) for n in names]
     _release()
     before = torch.cuda.memory_allocated()
-    twin, (opt_dyn, opt_bare) = _twin(model, initial)
+    twin, opts = _twin(model, initial)
     first = {k: v.cuda() for k, v in batches[0].items()}
     twin(**first).loss.backward()
-    opt_bare.step()
-    opt_bare.zero_grad(set_to_none=True)
+    opts[1].step()
+    opts[1].zero_grad(set_to_none=True)
     del first
     gc.collect()
     twin_static = torch.cuda.memory_allocated() - before
     _reset_weights(twin, initial)
+    (bare_m, opt_bare), (dyn_m, opt_dyn) = _oriented([(model, opts[0]), (twin, opts[1])], repeat)
     cap = budget + twin_static
     treatments = MEMFIT_METHODS["dynamic"][2]
     margin = CudaMeter.default_margin * budget / cap
@@ -563,11 +579,11 @@ def run_alternating_dynamic(args, model, batches, initial, budget: int, repeat: 
     sides: list = []
     records, times, total_s, failure = [], {n: [] for n in names}, 0.0, None
     try:
-        ctl = memfit.fit(model, budget=cap, method="dynamic", optimizer=opt_dyn, treatments=treatments, margin=margin)
-        bare = memfit.fit(twin, budget=cap, method=_replay(plans), optimizer=opt_bare, treatments=treatments,
+        ctl = memfit.fit(dyn_m, budget=cap, method="dynamic", optimizer=opt_dyn, treatments=treatments, margin=margin)
+        bare = memfit.fit(bare_m, budget=cap, method=_replay(plans), optimizer=opt_bare, treatments=treatments,
                           margin=margin)
-        sides = [(names[0], twin, opt_bare, lambda f: f(), lambda: bare.records),
-                 (names[1], model, opt_dyn, ctl.run_step, lambda: ctl.records)]
+        sides = [(names[0], bare_m, opt_bare, lambda f: f(), lambda: bare.records),
+                 (names[1], dyn_m, opt_dyn, ctl.run_step, lambda: ctl.records)]
         times, total_s, failure = _alternate(args, sides, batches)
         records = ctl.records
     except memfit.BudgetTooSmallError as err:
@@ -576,7 +592,7 @@ def run_alternating_dynamic(args, model, batches, initial, budget: int, repeat: 
         for c in (ctl, bare):
             if c is not None:
                 c.remove()
-        del twin, opt_dyn, opt_bare, sides
+        del twin, opt_dyn, opt_bare, sides, dyn_m, bare_m, opts
         ctl = bare = None
         _release()
     same = [i for i, r in enumerate(records) if i < len(plans) and _mix(r.treatments) == _mix(plans[i].by_treatment())]
@@ -590,6 +606,7 @@ def run_alternating_dynamic(args, model, batches, initial, budget: int, repeat: 
         fields["max_peak_allocated_bytes"] -= twin_static
         lines[1].update(fields, oom_count=fields["oom_count"] + lines[1]["oom_count"], plan_mismatches=len(records) - len(same),
                         steps_file=_write_steps(out_dir, names[1], budget, repeat, records, times[names[1]]))
+    lines[1]["memfit_on"] = _ORIENTATION[repeat % 2]
     return lines
 
 
