@@ -132,6 +132,23 @@ def test_compiled_selective_gives_the_gradients_of_compiled_none_and_keeps_less_
         assert saved["selective"] < saved["keep"], saved
 
 
+def test_alike_blocks_share_the_compiled_selective_graph():
+    """One budgeted backend per run: the blocks' second compilation is one graph, not one per
+    block (Dynamo matches a cached graph to its backend object; a backend per block would
+    compile each block anew, up to the recompile limit)."""
+    model, make_batch = build_decoder("llama")
+    _without_dropout(model).train()
+    n = len(memfit.blocks.find_blocks(model))
+    assert n >= 3
+    counters.clear()
+    ctl = memfit.fit(model, budget=None, method=_Fixed(Plan(tuple(range(n)), kinds=("selective",) * n)),
+                     treatments=("recompute", "selective"), compile=INDUCTOR, announce=False)
+    torch.manual_seed(0)
+    model(**make_batch(2, 9)).loss.backward()
+    ctl.remove()
+    assert counters["stats"]["unique_graphs"] == 1
+
+
 def test_dynamic_with_compiled_selective_probes_it_and_fits_the_budget():
     """The warm-up probe measures the budgeted compilation's bytes (less than kept) and price;
     where selective is the cheaper way to free a byte, dynamic's plans use it, within the budget,

@@ -37,7 +37,8 @@ share of what the plain compilation saves, choosing by min-cut which ops backwar
 (the cheap elementwise ones first). The eager policy cannot serve there: it reads the ops a
 block dispatches, which a compiled graph does not. The budget is bound to the second
 compilation's backend, so the two compilations keep separate graphs for one code object
-(Dynamo matches a cached graph to its backend) and a plan switches between them freely. Both
+(Dynamo matches a cached graph to its backend object: one budgeted backend serves every block
+of a run, or each block would compile anew) and a plan switches between them freely. Both
 run the same decomposed ops; the second recomputes some of them in backward. A graph that
 draws random numbers (a dropout, an attention with dropout) is partitioned under the budget 1,
 as the first: under a lower one the partitioner recomputes inductor's seed generation in
@@ -131,10 +132,14 @@ def _random_graphs_whole_pass() -> type:
     return RandomGraphsWhole
 
 
-def _budgeted_compile(fn: Callable, options: dict[str, Any], budget: float) -> Callable:
-    """``torch.compile(fn, **options)`` with its backend (resolved as ``torch.compile`` does)
-    partitioning under ``budget`` (1 for a graph that draws random numbers)."""
-    rest = {k: v for k, v in options.items() if k not in ("backend", "mode", "options")}
+def _budgeted_backend(options: dict[str, Any]) -> tuple[_Budgeted, dict[str, Any]]:
+    """The backend of ``torch.compile(**options)`` (resolved as ``torch.compile`` does)
+    partitioning under ``options``' ``activation_memory_budget`` (1 for a graph that draws random
+    numbers), and the other ``torch.compile`` arguments. One is made per run and shared by the
+    blocks: Dynamo matches a cached graph to its backend object, so a backend per block would
+    compile every block anew, up to its recompile limit."""
+    budget = options.get("activation_memory_budget", SELECTIVE_BUDGET)
+    rest = {k: v for k, v in options.items() if k not in ("backend", "mode", "options", "activation_memory_budget")}
     backend, mode, inductor = options.get("backend", "inductor"), options.get("mode"), options.get("options")
     if backend == "inductor":
         inductor = dict(inductor or {})
@@ -142,7 +147,7 @@ def _budgeted_compile(fn: Callable, options: dict[str, Any], budget: float) -> C
         resolved = torch._TorchCompileInductorWrapper(mode, inductor, options.get("dynamic"))
     else:
         resolved = torch._TorchCompileWrapper(backend, mode, inductor, options.get("dynamic"))
-    return torch.compile(fn, backend=_Budgeted(resolved, budget), **rest)
+    return _Budgeted(resolved, budget), rest
 
 
 class NoBlocksError(UserError, ValueError):
@@ -185,14 +190,14 @@ class Block:
         self._lean_body: Callable[..., Any] | None = None
         self.compiled = False
 
-    def compile(self, options: dict[str, Any]) -> None:
+    def compile(self, options: dict[str, Any], lean: tuple[Any, dict[str, Any]]) -> None:
         """Run the body compiled by ``torch.compile(**options)``, and ``selective`` a second
-        compilation under the option ``activation_memory_budget`` (NOTE [Compiled blocks])."""
-        options = dict(options)
-        budget = options.pop("activation_memory_budget", SELECTIVE_BUDGET)
+        compilation by the run's budgeted backend ``lean`` (:func:`_budgeted_backend`; NOTE
+        [Compiled blocks])."""
         eager = self._body
-        self._body = torch.compile(eager, **options)
-        self._lean_body = _budgeted_compile(eager, options, budget)
+        self._body = torch.compile(eager, **{k: v for k, v in options.items() if k != "activation_memory_budget"})
+        backend, rest = lean
+        self._lean_body = torch.compile(eager, backend=backend, **rest)
         self.compiled = True
 
     @property
@@ -379,6 +384,7 @@ def wrap_blocks(
         ValueError: if a module is already wrapped, or HF gradient checkpointing is on.
     """
     wrapped = []
+    lean = _budgeted_backend(compile) if compile is not None else None
     for i, (name, module) in enumerate(named_blocks):
         if isinstance(module.__dict__.get("forward"), Block):
             raise ValueError(f"block {name} is already wrapped by memfit; call remove() on the old controller")
@@ -389,8 +395,8 @@ def wrap_blocks(
                 "--gradient_checkpointing) and use method 'full' for the same effect"
             )
         block = Block(i, name, module)
-        if compile is not None:
-            block.compile(compile)
+        if lean is not None:
+            block.compile(compile, lean)
         module.forward = block
         wrapped.append(block)
     return wrapped
