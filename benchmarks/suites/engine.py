@@ -48,7 +48,7 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
     out.append(Call("overhead", [script(
         ctx, "loop_bench.py", *bert, "--steps", 12 if ctx.quick else 100, "--steady_from", 2 if ctx.quick else 10,
         "--budgets", "--budget_gb", *suite.budgets[:2], "--repeats", 1 if ctx.quick else 3,
-        "--methods", "none", "alt", "dynamic", "alt-dynamic", "reactive", "--time_limit_s", 540,
+        "--methods", "none", "alt", "dynamic", "alt-dynamic", "reactive", "--time_limit_s", 480,
         "--output_dir", ctx.folder("overhead"))], folder="overhead"))
     out.append(Call("replay-rate", [script(
         ctx, "loop_bench.py", *bert, "--steps", 12 if ctx.quick else 1000, "--steady_from", 2 if ctx.quick else 10,
