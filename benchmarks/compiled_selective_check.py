@@ -16,22 +16,9 @@ import torch
 import transformers
 
 import memfit
-from memfit.methods import Decision, Method
+from loop_bench import _replay
 from memfit.planner import Plan
 from memfit.tasks._common import CONFIGS_DIR
-
-
-class _Fixed(Method):
-    """Every step runs ``plan``."""
-
-    name = "fixed"
-
-    def __init__(self, plan: Plan):
-        self.plan = plan
-
-    def decide(self, planning, key, failed=None):
-        return Decision(self.plan, count=True)
-
 
 out = {}
 for dtype in ("bfloat16", "float32"):
@@ -44,7 +31,7 @@ for dtype in ("bfloat16", "float32"):
         ref = copy.deepcopy(model)
         rc = memfit.fit(ref, budget=None, method="none", compile=True, announce=False)
         n = len(rc.blocks)
-        ctl = memfit.fit(model, budget=None, method=_Fixed(Plan(tuple(range(n)), kinds=("selective",) * n)),
+        ctl = memfit.fit(model, budget=None, method=_replay([Plan(tuple(range(n)), kinds=("selective",) * n)], count=True),
                          treatments=("recompute", "selective"), compile=True, announce=False)
         res = []
         for seed, L in enumerate((300, 517, 300)):

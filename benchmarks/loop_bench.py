@@ -415,8 +415,9 @@ def _mix(by_treatment: dict[str, list[int]]) -> dict[str, int]:
     return {kind: len(blocks) for kind, blocks in by_treatment.items() if blocks}
 
 
-def _replay(plans):
-    """A method that runs ``plans`` step by step: no model, no counting, no protection."""
+def _replay(plans, count: bool = False):
+    """A method that runs ``plans`` step by step (the last one from then on): no model, no
+    protection, and no counting unless ``count``."""
     import memfit
 
     class _Replay(memfit.methods.Method):
@@ -425,7 +426,7 @@ def _replay(plans):
 
         def decide(self, planning, key, failed=None):
             self.step += 1
-            return memfit.methods.Decision(plans[min(self.step, len(plans)) - 1])
+            return memfit.methods.Decision(plans[min(self.step, len(plans)) - 1], count=count)
 
     return _Replay()
 
