@@ -33,7 +33,8 @@ SUITE = Suite(
           "under one cap (alt-dynamic) (until 2026-11-24 also plain, dynamic-plans and reactive in runs of their own); replay-rate: reactive for 600 steps "
           "(its OOM replays per 1,000 steps); compile: memfit with compiled blocks (none+compile, dynamic+compile, "
           "full+compile) against the compile peer, repeats in one call until its 520 s limit; compile-sel-*: "
-          "the same with compiled selective (dynamic+sel+compile) for full FT and LoRA; "
+          "the same with compiled selective (dynamic+sel+compile) and eager static, for full FT and LoRA (until "
+          "2026-11-24 without static); "
           "benchmarks/loop_bench.py",
 )
 QUICK = SUITE.replace(repeats=1, steps=6)
@@ -75,7 +76,8 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
     for name in ("ft", "lora"):
         out.append(Call(f"compile-sel-{name}", [script(
             ctx, "loop_bench.py", *setups[name], *common, "--budgets", *suite.budgets[name], "--repeats", suite.repeats,
-            "--methods", "none", "none+compile", "dynamic+compile", "dynamic+sel+compile", "compile-0.5",
+            "--methods", "none", "none+compile", "static", "dynamic+compile", "dynamic+sel+compile",
+            "compile-0.5",
             "--time_limit_s", 520, "--output_dir", ctx.folder(f"compile-sel-{name}"))], folder=f"compile-sel-{name}"))
     # reactive's OOM replays per 1,000 steps: one long run at half of none's peak
     out.append(Call("replay-rate", [script(
