@@ -196,6 +196,11 @@ def test_compile_flag_compiles_each_block_inside_the_wrappers(tmp_path):
     assert trainer.memfit.blocks and all(b.compiled for b in trainer.memfit.blocks)
     plain = _trainer(tmp_path, "eager", budget="30MB")
     assert not any(b.compiled for b in plain.memfit.blocks)
+    # with the selective treatment, the blocks' second compilation (NOTE [Compiled blocks])
+    lean = _trainer(tmp_path, "lean", budget="30MB", memfit_compile=True, memfit_treatments="recompute,selective")
+    assert isinstance(lean.memfit.treatments["selective"], memfit.treatments.CompiledSelective)
+    eager = _trainer(tmp_path, "eager-sel", budget="30MB", memfit_treatments="recompute,selective")
+    assert type(eager.memfit.treatments["selective"]) is memfit.treatments.Selective
 
 
 def test_treatments_flag_reaches_the_planner_and_the_records(tmp_path):
