@@ -4,7 +4,7 @@ SmolLM-360M's shape cut to 4 layers, random weights, bf16 then fp32, attention d
 0.1, batches of 4 × 300, 517 and 300 tokens (the second length recompiles with a dynamic
 dimension): per step, whether the gradients are bitwise equal, the largest difference, the
 largest gradient, and the activation bytes compiled ``selective`` saved. Writes
-``$OUT/sel_grad.json`` (or /tmp). Run from the repository root with ``PYTHONPATH=src``:
+``$OUT/sel_grad.json`` (or /tmp), rewritten as each setting ends. Run from the repository root with ``PYTHONPATH=src``:
 
     python benchmarks/compiled_selective_check.py
 """
@@ -49,4 +49,5 @@ for dtype in ("bfloat16", "float32"):
         ctl.remove(); rc.remove()
         out[f"{dtype}-dropout{drop}"] = res
         print(dtype, drop, res, flush=True)
-json.dump(out, open(os.path.join(os.environ.get("OUT", "/tmp"), "sel_grad.json"), "w"), indent=1)
+        with open(os.path.join(os.environ.get("OUT", "/tmp"), "sel_grad.json"), "w") as fh:  # each setting as it ends
+            json.dump(out, fh, indent=1)

@@ -150,7 +150,7 @@ def test_alike_blocks_share_the_compiled_selective_graph():
 
 
 def test_dynamic_with_compiled_selective_probes_it_and_fits_the_budget():
-    """The warm-up probe measures the budgeted compilation's bytes (less than kept) and price;
+    """The warm-up probe measures the budgeted compilation's bytes and price;
     where selective is the cheaper way to free a byte, dynamic's plans use it, within the budget,
     with the gradients of compiled none."""
     from memfit.runtime import probe
@@ -186,11 +186,9 @@ def test_dynamic_with_compiled_selective_probes_it_and_fits_the_budget():
     records = ctl.records
     ctl.remove()
     ref_ctl.remove()
-    kept = {r.step: r for r in records}
     assert priced and all(nbytes > 0 and ms >= 0 for nbytes, ms in priced), priced
     assert all(r.peak_allocated_bytes <= budget for r in records)
     assert any("selective" in r.treatments for r in records if r.phase == "steady"), [r.treatments for r in records]
-    assert kept
 
 
 def test_compiled_selective_needs_inductor():

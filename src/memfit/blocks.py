@@ -39,16 +39,17 @@ block dispatches, which a compiled graph does not. The budget is bound to the se
 compilation's backend, so the two compilations keep separate graphs for one code object
 (Dynamo matches a cached graph to its backend object: one budgeted backend serves every block
 of a run, or each block would compile anew) and a plan switches between them freely. Both
-run the same decomposed ops; the second recomputes some of them in backward. A graph that
-draws random numbers (a dropout, an attention with dropout) is partitioned under the budget 1,
-as the first: under a lower one the partitioner recomputes inductor's seed generation in
-backward, which then draws other masks (the ops it will not recompute are listed by name, and
-the seeds are not among them). So such a block's ``selective`` keeps what ``keep`` keeps, its
-probe says so, and the planner never picks it; an inductor joint-graph pass of memfit's sets
-the budget per graph, which is why compiled ``selective`` needs the ``inductor`` backend.
-Where inductor rounds a recomputed bf16 intermediate differently from the stored one (fused
-intermediates stay in float32 unless ``emulate_precision_casts``), the gradients of the two
-compilations can differ in the last bits, as those of torch.compile's own budgets do.
+run the same decomposed ops; the second recomputes some of them in backward. An op that
+draws random numbers must never be among them: run again in backward, it would draw another
+mask. The partitioner keeps from recompute only the random ops it lists by name, not
+inductor's seed generation, so a graph that draws random numbers (a dropout, an attention with
+dropout) is partitioned under the budget 1, as the first. Such a block's ``selective`` keeps
+what ``keep`` keeps, its probe says so, and the planner never picks it. An inductor
+joint-graph pass of memfit's sets the budget per graph, which is why compiled ``selective``
+needs the ``inductor`` backend. Gradients under it are those of compiled ``none`` up to how the
+code generator rounds a recomputed intermediate against a stored one (inductor keeps fused
+bf16 intermediates in float32 unless ``emulate_precision_casts``), as between torch.compile's
+own budgets.
 
 # NOTE [Switch is read at call time]
 The wrapper replaces the block's ``forward`` on the *instance* (the class is untouched) and
@@ -205,18 +206,19 @@ class Block:
         return self.runs - self.forwards
 
     def run_body(self, *args: Any, **kwargs: Any) -> Any:
-        self.runs += 1
-        if self.before_run is not None:
-            self.before_run(self)
-        return self._body(*args, **kwargs)
+        return self._run(self._body, args, kwargs)
 
     def run_lean(self, *args: Any, **kwargs: Any) -> Any:
         """Run the body compiled under the activation memory budget (compiled blocks only:
         NOTE [Compiled blocks])."""
+        return self._run(self._lean_body, args, kwargs)
+
+    def _run(self, body: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+        """One run of the body (recomputes included): counted, announced to ``before_run``."""
         self.runs += 1
         if self.before_run is not None:
             self.before_run(self)
-        return self._lean_body(*args, **kwargs)
+        return body(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         active = self.module.training and torch.is_grad_enabled()

@@ -132,7 +132,7 @@ def _saved_ops() -> frozenset:
 
 
 @functools.cache
-def dropout_index(op: Any) -> int | None:
+def _dropout_index(op: Any) -> int | None:
     """Position of an op's ``dropout_p`` argument (fused attention), or None."""
     names = [a.name for a in op._schema.arguments]
     return names.index("dropout_p") if "dropout_p" in names else None
@@ -143,7 +143,7 @@ def draws_random(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     attention only with a ``dropout_p`` that may be nonzero."""
     if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
         return False
-    at = dropout_index(op) if hasattr(op, "_schema") else None
+    at = _dropout_index(op) if hasattr(op, "_schema") else None
     if at is None:
         return True
     p = kwargs.get("dropout_p", args[at] if at < len(args) else 0.0)
@@ -155,7 +155,7 @@ def keep_matmul_and_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> C
     an attention that draws a dropout mask (it must run again to keep the random stream)."""
     if op not in _saved_ops():
         return CheckpointPolicy.PREFER_RECOMPUTE
-    at = dropout_index(op)
+    at = _dropout_index(op)
     if at is not None:
         p = kwargs.get("dropout_p", args[at] if at < len(args) else 0.0)
         if p:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,27 +50,41 @@ def probe_block(
         timed: time the block (two runs, the faster: NOTE [First run of a block]).
         device: the model's device (CUDA is synchronised around a timed run).
     """
-    detached = tree_map(
-        lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t, (args, kwargs)
-    )
+    detached = _detached(args, kwargs)
     probe = ProbeCounter(counter.excluded_ptrs, counter.parameter_storages)
-    cuda = device.type == "cuda" and timed
     devices = [device] if device.type == "cuda" else []
     times_ms = []
     counters = (probe, ProbeCounter(counter.excluded_ptrs, counter.parameter_storages)) if timed else (probe,)
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
         for run_counter in counters:
             probe_args, probe_kwargs = without_cache(block.module, *detached)
-            if cuda:
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            with run_counter.hooks():
-                out = block._body(*probe_args, **probe_kwargs)
-            if cuda:
-                torch.cuda.synchronize(device)
-            times_ms.append((time.perf_counter() - t0) * 1e3)
-            del out, probe_args, probe_kwargs
+
+            def run() -> None:
+                with run_counter.hooks():
+                    block._body(*probe_args, **probe_kwargs)
+
+            times_ms.append(_elapsed_ms(device, run, sync=timed))
+            del probe_args, probe_kwargs
     return probe.bytes, (min(times_ms) if timed else None)
+
+
+def _detached(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """A block's inputs cut from the step's graph, each asking for grad as the original does."""
+    return tree_map(
+        lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t, (args, kwargs)
+    )
+
+
+def _elapsed_ms(device: torch.device, fn: Callable[[], Any], sync: bool = True) -> float:
+    """``fn()``'s wall time in ms, a CUDA device synchronised before and after (with ``sync``)."""
+    cuda = sync and device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) * 1e3
 
 
 def _shield() -> torch.autograd.graph.saved_tensors_hooks:
@@ -123,9 +138,7 @@ def probe_treatments(
 
     from memfit.treatments import keep_matmul_and_attention, selective_cache_tensors
 
-    detached = tree_map(
-        lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t, (args, kwargs)
-    )
+    detached = _detached(args, kwargs)
     inputs = [t for t in tree_leaves(detached) if isinstance(t, torch.Tensor)]
     devices = [device] if device.type == "cuda" else []
     out: dict[str, tuple[int, float | None]] = {}
@@ -134,15 +147,11 @@ def probe_treatments(
             out["selective"] = _probe_compiled_selective(block, detached, counter, device)
         elif "selective" in treatments:
             def timed(context: Any) -> float:
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-                with _shield(), context:
-                    result = block._body(*probe_args, **probe_kwargs)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                del result
-                return (time.perf_counter() - t0) * 1e3
+                def run() -> None:
+                    with _shield(), context:
+                        block._body(*probe_args, **probe_kwargs)
+
+                return _elapsed_ms(device, run)
 
             probe_args, probe_kwargs = without_cache(block.module, *detached)
             plain_ms = timed(contextlib.nullcontext())
@@ -171,22 +180,19 @@ def _probe_compiled_selective(
     (NOTE [First run of a block]: the first may compile). Gradients are returned, not
     accumulated, and the inputs' and parameters' both asked, as the step's backward asks them."""
     params = [p for p in block.module.parameters() if p.requires_grad]
-    cuda = device.type == "cuda"
 
     def run(body: Any, hooks: Any) -> float:
         probe_args, probe_kwargs = without_cache(block.module, *detached)
         wrt = [t for t in tree_leaves((probe_args, probe_kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if cuda:
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        with hooks:
-            result = body(*probe_args, **probe_kwargs)
-        outs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if outs and wrt + params:
-            torch.autograd.grad(outs, wrt + params, [torch.ones_like(t) for t in outs], allow_unused=True)
-        if cuda:
-            torch.cuda.synchronize(device)
-        return (time.perf_counter() - t0) * 1e3
+
+        def forward_backward() -> None:
+            with hooks:
+                result = body(*probe_args, **probe_kwargs)
+            outs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if outs and wrt + params:
+                torch.autograd.grad(outs, wrt + params, [torch.ones_like(t) for t in outs], allow_unused=True)
+
+        return _elapsed_ms(device, forward_backward)
 
     lean = ProbeCounter(counter.excluded_ptrs, counter.parameter_storages)
     lean_ms = min(run(block._lean_body, lean.hooks()), run(block._lean_body, _shield()))
