@@ -636,9 +636,28 @@ def _line(args, method: str, budget: int | None, repeat: int, times: list[float]
         "task": "text-classification" if args.model == "bert-base" else "causal-lm",
         "model": f"{args.model} (config, random weights{', LoRA r16 all-linear' if args.lora else ''}, {args.dtype})",
         "method": method, "budget_bytes": budget, "batch_size": args.batch, "steps": args.steps, "repeat": repeat,
-        "steady_step_ms": round(statistics.median(times[args.steady_from:]), 3) if len(times) > args.steady_from else None,
+        **_steady(args, times),
         "lora": args.lora, "lengths": args.lengths, "step_ms": [round(t, 2) for t in times], **_versions(),
     }
+
+
+def _steady(args, times: list[float]) -> dict:
+    """``steady_step_ms``: the median step from ``--steady_from`` on. With ``fixed:`` lengths,
+    whose steps alternate between a few sizes, that median would fall between two sizes' times,
+    so it is the mean over the lengths of each length's median step instead, and
+    ``steady_step_ms_by_length`` gives those medians."""
+    steps = list(range(args.steady_from, len(times)))
+    if not steps:
+        return {"steady_step_ms": None}
+    kind, _, rest = args.lengths.partition(":")
+    values = [int(x) for x in rest.split(",")] if kind == "fixed" else []
+    if len(set(values)) < 2:
+        return {"steady_step_ms": round(statistics.median(times[i] for i in steps), 3)}
+    per_length: dict[int, list[float]] = {}
+    for i in steps:
+        per_length.setdefault(values[i % len(values)], []).append(times[i])
+    by_length = {length: round(statistics.median(t), 3) for length, t in sorted(per_length.items())}
+    return {"steady_step_ms": round(statistics.fmean(by_length.values()), 3), "steady_step_ms_by_length": by_length}
 
 
 def _profiled(args, name: str, budget: int | None, repeat: int, run):

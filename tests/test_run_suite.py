@@ -62,6 +62,22 @@ def test_every_suite_defines_its_calls(tmp_path):
             assert len({c.name for c in calls}) == len(calls), name
 
 
+def test_loop_bench_steady_time_takes_each_fixed_lengths_median():
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("loop_bench", ROOT / "benchmarks" / "loop_bench.py")
+    loop_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loop_bench)
+    # steps alternate 8k and 16k tokens; two warm-up steps; one slow outlier per length
+    times = [900.0, 900.0, 200.0, 250.0, 210.0, 400.0, 205.0, 260.0, 500.0, 255.0]
+    alternating = loop_bench._steady(SimpleNamespace(steady_from=2, lengths="fixed:8192,16384"), times)
+    assert alternating["steady_step_ms_by_length"] == {8192: 207.5, 16384: 257.5}
+    assert alternating["steady_step_ms"] == 232.5
+    drawn = loop_bench._steady(SimpleNamespace(steady_from=2, lengths="sft"), times)
+    assert drawn == {"steady_step_ms": 252.5}  # the plain median of the 8 steady steps
+    assert loop_bench._steady(SimpleNamespace(steady_from=20, lengths="sft"), times) == {"steady_step_ms": None}
+
+
 @pytest.mark.slow
 def test_quick_soak_publishes_the_canonical_folder(tmp_path):
     out, raw = tmp_path / "out", tmp_path / "raw"

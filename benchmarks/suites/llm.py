@@ -16,8 +16,8 @@ SUITE = Suite(
     model="SmolLM-360M's config (Llama architecture, 32 layers) and Qwen2.5-0.5B's (24 layers), random weights, "
           "bf16 weights, SDPA, AdamW; LoRA: r 16 on every linear layer (peft)",
     data="token ids with SFT-like lengths (memfit.tasks.causal_lm's SFT table: chat turns, long-tailed up to 2,048 "
-         "tokens, seed 0), batch 8, dynamic padding; long: batch 1 of 8,192 and 16,384 tokens alternating; the same "
-         "batches in every run",
+         "tokens, seed 0), batch 8, dynamic padding; long: batch 1 of 8,192 and 16,384 tokens alternating (steady "
+         "time: the mean of the two lengths' median steps); the same batches in every run",
     methods=("none", "full", "static", "dynamic", "dynamic+all", "reactive"),
     peers=("plain", "hf-every-1", "hf-offload", "compile-0.5", "hf-every-2", "trl-offload", "selective-static"),
     budgets={"ft": (0.5, 0.7), "lora": (0.5, 0.7), "qwen": (0.5, 0.7), "long": (0.5,)},
@@ -34,7 +34,8 @@ SUITE = Suite(
           "(its OOM replays per 1,000 steps); compile: memfit with compiled blocks (none+compile, dynamic+compile, "
           "full+compile) against the compile peer, repeats in one call until its 520 s limit; compile-sel-*: "
           "the same with compiled selective (dynamic+sel+compile) and eager static, for full FT and LoRA (until "
-          "2026-11-24 without static); "
+          "2026-11-24 without static); long, long-compile: the long-context row, eager methods and peers, then "
+          "memfit's compiled methods against the compile peer, each beside uncapped none and full recompute; "
           "benchmarks/loop_bench.py",
 )
 QUICK = SUITE.replace(repeats=1, steps=6)
@@ -84,9 +85,15 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
         ctx, "loop_bench.py", *setups["ft"], "--steps", 12 if ctx.quick else 600, "--steady_from", 2 if ctx.quick else 10,
         "--budgets", 0.5, "--repeats", 1, "--methods", "reactive", "--time_limit_s", 560,
         "--output_dir", ctx.folder("replay-rate"))], folder="replay-rate"))
+    # long context, eager and compiled (two calls: both within a call's 10 minutes); the steady
+    # time averages the two lengths' medians (loop_bench's _steady)
+    long = ("--model", "SmolLM-360M", "--lengths", "fixed:8192,16384", "--batch", 1, "--steps", 12 if ctx.quick else 28,
+            "--steady_from", 2 if ctx.quick else 8, "--budgets", *suite.budgets["long"], "--repeats", suite.repeats,
+            "--time_limit_s", 520)
     out.append(Call("long", [script(
-        ctx, "loop_bench.py", "--model", "SmolLM-360M", "--lengths", "fixed:8192,16384", "--batch", 1,
-        "--steps", 24, "--steady_from", 8, "--budgets", *suite.budgets["long"], "--repeats", suite.repeats,
-        "--methods", "plain", "none", "full", "dynamic", "dynamic+all", "hf-every-1", "hf-offload", "selective-static",
-        "--output_dir", ctx.folder("long"))]))
+        ctx, "loop_bench.py", *long, "--methods", "plain", "none", "full", "dynamic", "dynamic+all", "hf-every-1",
+        "hf-offload", "selective-static", "--output_dir", ctx.folder("long"))], folder="long"))
+    out.append(Call("long-compile", [script(
+        ctx, "loop_bench.py", *long, "--methods", "none", "none+compile", "full", "dynamic+compile",
+        "dynamic+sel+compile", "compile-0.5", "--output_dir", ctx.folder("long-compile"))], folder="long-compile"))
     return out
