@@ -17,7 +17,8 @@ SUITE = Suite(
           "two steps leave 3% of the budget free; those plans run as precomputed; overhead: the same model, "
           "batches of the same lengths and the caps of 4 and 6 GB in benchmarks/loop_bench.py, 100 steps, 3 "
           "interleaved repeats in one call: none against plain step by step in turn (alt), dynamic against its own "
-          "plans step by step in turn (alt-dynamic), reactive; replay-rate: reactive for 1,000 steps at 4 GB",
+          "plans step by step in turn (alt-dynamic), reactive; treatments: dynamic with and without selective recompute and offload (dynamic+all), "
+          "3 interleaved repeats; replay-rate: reactive for 1,000 steps at 4 GB",
 )
 QUICK = SUITE.replace(methods=("none", "full", "dynamic"), budgets=(6,), repeats=1, steps=20)
 
@@ -50,6 +51,13 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
         "--budgets", "--budget_gb", *suite.budgets[:2], "--repeats", 1 if ctx.quick else 3,
         "--methods", "none", "alt", "dynamic", "alt-dynamic", "reactive", "--time_limit_s", 480,
         "--output_dir", ctx.folder("overhead"))], folder="overhead"))
+    # the planner's other treatments (selective recompute, offload) beside recompute alone: they
+    # must never make dynamic slower
+    out.append(Call("treatments", [script(
+        ctx, "loop_bench.py", *bert, "--steps", 12 if ctx.quick else 100, "--steady_from", 2 if ctx.quick else 10,
+        "--budgets", "--budget_gb", *suite.budgets[:2], "--repeats", 1 if ctx.quick else 3,
+        "--methods", "none", "dynamic", "dynamic+all", "--time_limit_s", 480,
+        "--output_dir", ctx.folder("treatments"))], folder="treatments"))
     out.append(Call("replay-rate", [script(
         ctx, "loop_bench.py", *bert, "--steps", 12 if ctx.quick else 1000, "--steady_from", 2 if ctx.quick else 10,
         "--budgets", "--budget_gb", small, "--repeats", 1, "--methods", "none", "reactive", "--time_limit_s", 560,
