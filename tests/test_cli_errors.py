@@ -131,7 +131,7 @@ CASES = [
     Case("margin out of range", lambda t, o: mrpc(t, o, "--memfit_margin", "2"),
          r"--memfit_margin 2\.0: give a share of the budget in \[0, 1\)"),
     Case("unknown treatment", lambda t, o: mrpc(t, o, "--memfit_treatments", "recompute,swap"),
-         r"--memfit_treatments 'recompute,swap': unknown treatment 'swap'; give one or more of recompute, selective, offload"),
+         r"--memfit_treatments 'recompute,swap': unknown treatment 'swap'; give auto or one or more of recompute, selective, offload"),
     Case("causal-lm data not JSON lines", lambda t, o: sft(t, o, train=str(MRPC / "train.tsv")),
          r"train\.tsv: causal-lm reads JSON lines"),
     Case("chat template nowhere", lambda t, o: sft(t, o, "--chat_template_path", str(t / "nowhere.jinja")),

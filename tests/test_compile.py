@@ -191,6 +191,27 @@ def test_dynamic_with_compiled_selective_probes_it_and_fits_the_budget():
     assert any("selective" in r.treatments for r in records if r.phase == "steady"), [r.treatments for r in records]
 
 
+def test_compiled_blocks_may_take_selective_by_default_where_inductor_compiles_them():
+    """Without named treatments, inductor-compiled blocks may take the budgeted compilation;
+    eager blocks and another backend's take recompute alone (no error)."""
+    runs = {"inductor": INDUCTOR, "aot_eager": COMPILE, "eager": False}
+    kinds = {}
+    for name, compile in runs.items():
+        model, _ = build_decoder("llama")
+        ctl = memfit.fit(model, budget=None, method="dynamic", compile=compile, announce=False)
+        kinds[name] = {kind: type(t).__name__ for kind, t in ctl.treatments.items()}
+        allowed = ctl.planning.treatments
+        ctl.remove()
+        assert ("selective" in allowed) == (name == "inductor"), (name, allowed)
+    assert kinds["inductor"]["selective"] == "CompiledSelective"
+    assert "selective" not in kinds["aot_eager"] and "selective" not in kinds["eager"]
+    # named treatments are taken as named
+    model, _ = build_decoder("llama")
+    ctl = memfit.fit(model, budget=None, method="dynamic", treatments=("recompute",), compile=INDUCTOR, announce=False)
+    assert "selective" not in ctl.treatments
+    ctl.remove()
+
+
 def test_compiled_selective_needs_inductor():
     model, _ = build_decoder("llama")
     with pytest.raises(ValueError, match="inductor backend"):

@@ -154,8 +154,8 @@ def test_records_summary_logs_and_state(tmp_path):
         ({"memfit_margin": 1.5}, r"give a share of the budget in \[0, 1\)"),
         ({"memfit_method": "sometimes"}, "choose one of"),
         ({"memfit_method": "precomputed"}, "needs --memfit_plans_file"),
-        ({"memfit_treatments": "recompute,swap"}, r"unknown treatment 'swap'; give one or more of recompute, selective, offload"),
-        ({"memfit_treatments": " , "}, "no treatment; give one or more of"),
+        ({"memfit_treatments": "recompute,swap"}, r"unknown treatment 'swap'; give auto or one or more of recompute, selective, offload"),
+        ({"memfit_treatments": " , "}, "no treatment; give auto or one or more of"),
         ({"memfit_compile": True, "torch_compile": True}, "give only --memfit_compile"),
         ({"memory_budget": "six"}, "not a memory size"),
         ({"gradient_checkpointing": True}, "drop --gradient_checkpointing"),
@@ -194,11 +194,14 @@ def test_a_failure_before_the_first_step_leaves_no_record_file(tmp_path, monkeyp
 def test_compile_flag_compiles_each_block_inside_the_wrappers(tmp_path):
     trainer = _trainer(tmp_path, "compiled", budget="30MB", memfit_compile=True)
     assert trainer.memfit.blocks and all(b.compiled for b in trainer.memfit.blocks)
+    # by default (auto) the blocks' second compilation is among the treatments (NOTE [Compiled blocks])
+    assert trainer.args.memfit_treatments == "auto"
+    assert isinstance(trainer.memfit.treatments["selective"], memfit.treatments.CompiledSelective)
     plain = _trainer(tmp_path, "eager", budget="30MB")
     assert not any(b.compiled for b in plain.memfit.blocks)
-    # with the selective treatment, the blocks' second compilation (NOTE [Compiled blocks])
-    lean = _trainer(tmp_path, "lean", budget="30MB", memfit_compile=True, memfit_treatments="recompute,selective")
-    assert isinstance(lean.memfit.treatments["selective"], memfit.treatments.CompiledSelective)
+    assert "selective" not in plain.memfit.treatments
+    lean = _trainer(tmp_path, "lean", budget="30MB", memfit_compile=True, memfit_treatments="recompute")
+    assert "selective" not in lean.memfit.treatments
     eager = _trainer(tmp_path, "eager-sel", budget="30MB", memfit_treatments="recompute,selective")
     assert type(eager.memfit.treatments["selective"]) is memfit.treatments.Selective
 

@@ -117,12 +117,13 @@ class MemfitArguments:
                   "(FSDP); true: on every step that could need it; false: never."},
     )
     memfit_treatments: str = field(
-        default="recompute",
+        default="auto",
         metadata={"help": "How the planner may free a block's activation memory, comma-separated: recompute (the "
                   "whole block again in backward), selective (keep matmul and attention outputs, recompute the rest), "
                   "offload (saved tensors to pinned host memory, prefetched back). Per batch and block it picks the "
                   "cheapest mix that fits, from each treatment's measured bytes and time. recompute is always "
-                  "available, named or not (warm-up, --memfit_method full and OOM replays use it). Default: recompute."},
+                  "available, named or not (warm-up, --memfit_method full and OOM replays use it). Default: auto, "
+                  "recompute, and with --memfit_compile selective too."},
     )
     memfit_compile: bool = field(
         default=False,
@@ -174,7 +175,8 @@ class MemfitArguments:
             )
         if self.memfit_max_shape is not None:
             max_shape(self.memfit_max_shape)  # fail early on a malformed shape
-        self.memfit_treatments = ",".join(treatment_names(self.memfit_treatments))
+        names = treatment_names(self.memfit_treatments)
+        self.memfit_treatments = "auto" if names is None else ",".join(names)
         if self.memfit_compile and getattr(self, "torch_compile", False):
             raise FlagError(
                 "--torch_compile compiles the whole model, memfit's hooks included; --memfit_compile compiles each "
@@ -211,20 +213,22 @@ class MemfitArguments:
         return None
 
 
-def treatment_names(text: str) -> tuple[str, ...]:
+def treatment_names(text: str) -> tuple[str, ...] | None:
     """``--memfit_treatments``' comma-separated names as a tuple (``keep`` and ``recompute`` are always
-    allowed: NOTE [Recompute always at hand], treatments.py).
+    allowed: NOTE [Recompute always at hand], treatments.py), or None for ``auto`` (``fit``'s default).
 
     Raises:
         FlagError: an unknown name, or none.
     """
+    if str(text).strip().lower() == "auto":
+        return None
     names = tuple(dict.fromkeys(n.strip().lower() for n in str(text).split(",") if n.strip() and n.strip().lower() != KEEP))
     choices = ", ".join(n for n in TREATMENTS if n != KEEP)
     unknown = [n for n in names if n not in TREATMENTS]
     if unknown or not names:
         raise FlagError(
             f"--memfit_treatments {text!r}: {f'unknown treatment {unknown[0]!r}' if unknown else 'no treatment'}; "
-            f"give one or more of {choices}, comma-separated (e.g. recompute,selective,offload)"
+            f"give auto or one or more of {choices}, comma-separated (e.g. recompute,selective,offload)"
         )
     return names
 
@@ -302,7 +306,7 @@ class MemfitTrainerMixin:
         # writes its own records; rank 0 merges the summaries.
         self.memfit: Controller = fit(
             self.model, getattr(a, "memfit_budget_bytes", None), method, log=log, margin=getattr(a, "memfit_margin", None),
-            announce=False, treatments=treatment_names(getattr(a, "memfit_treatments", "recompute")),
+            announce=False, treatments=treatment_names(getattr(a, "memfit_treatments", "auto")),
             compile=bool(getattr(a, "memfit_compile", False)), **method_kwargs,
         )
         self._window: list[tuple[dict[str, Any], dict[str, Any], Any]] = []

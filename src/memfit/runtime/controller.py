@@ -55,7 +55,7 @@ from memfit.runtime.step import Stage, StepState
 from memfit.shapes import first_tensor, shape_key
 from memfit.store import ReactiveStore
 from memfit.summary_text import end_summary, start_line
-from memfit.treatments import OFFLOAD, RECOMPUTE, SELECTIVE, Treatment, make_treatments, run_treatment_names
+from memfit.treatments import OFFLOAD, SELECTIVE, Treatment, make_treatments, run_treatment_names
 
 __all__ = ["fit", "Controller"]
 
@@ -82,25 +82,32 @@ def _check_static_need(model: nn.Module, budget_bytes: int | None, optimizer: to
     return parts
 
 
-def _run_options(treatments: Sequence[str], compile: bool | dict[str, Any]) -> tuple[tuple[str, ...], dict[str, Any] | None]:
+def _run_options(
+    treatments: Sequence[str] | None, compile: bool | dict[str, Any],
+) -> tuple[tuple[str, ...], dict[str, Any] | None]:
     """The run's treatment names (NOTE [Recompute always at hand], treatments.py) and the
     ``torch.compile`` arguments of the blocks' bodies, or None (NOTE [Compiled blocks], blocks.py).
+
+    ``treatments=None`` gives the default: ``recompute``, and with blocks compiled by inductor
+    ``selective`` too (the budgeted compilation, priced per block like any treatment: NOTE
+    [Compiled blocks]).
 
     Raises:
         ValueError: an ``activation_memory_budget`` outside [0, 1); ``selective`` with a
             backend other than inductor (NOTE [Compiled blocks]).
     """
-    names = run_treatment_names(treatments)
     if compile is False or compile is None:
-        return names, None
+        return run_treatment_names(treatments or ()), None
     options = {} if compile is True else dict(compile)
+    inductor = options.get("backend", "inductor") == "inductor"
+    names = run_treatment_names((SELECTIVE,) if treatments is None and inductor else treatments or ())
     budget = options.get("activation_memory_budget", SELECTIVE_BUDGET)
     if not isinstance(budget, (int, float)) or not 0 <= budget < 1:
         raise ValueError(
             f"compile's activation_memory_budget {budget!r} is the share of a compiled block's activations "
             "'selective' keeps: give a number from 0 up to, not including, 1"
         )
-    if SELECTIVE in names and options.get("backend", "inductor") != "inductor":
+    if SELECTIVE in names and not inductor:
         raise ValueError(
             f"'selective' on compiled blocks needs the inductor backend (it keeps random ops from being recomputed), "
             f"not {options['backend']!r}: leave out compile's backend, or 'selective' from the treatments"
@@ -148,7 +155,7 @@ class Controller:
         margin: float | None = None,
         bucket_tokens: int = 8,
         cap: bool = True,
-        treatments: Sequence[str] = (RECOMPUTE,),
+        treatments: Sequence[str] | None = None,
         announce: str | bool = False,
         compile: bool | dict[str, Any] = False,
     ):
@@ -456,7 +463,7 @@ def fit(
     margin: float | None = None,
     bucket_tokens: int = 8,
     cap: bool = True,
-    treatments: Sequence[str] = (RECOMPUTE,),
+    treatments: Sequence[str] | None = None,
     announce: bool = True,
     compile: bool | dict[str, Any] = False,
     **method_kwargs: Any,
@@ -483,7 +490,8 @@ def fit(
         treatments: what the planner may give a block besides ``keep``: ``recompute``,
             ``selective``, ``offload`` (treatments.py); it picks per batch and block the
             cheapest mix that fits (NOTE [Treatments never lose] in planning.py). ``recompute``
-            is always included (warm-up, ``full`` and replays use it).
+            is always included (warm-up, ``full`` and replays use it). Default: ``recompute``,
+            and ``selective`` too where ``compile`` uses inductor.
         announce: print one line on stderr now (method, budget, accounting, blocks) and a short
             summary when :meth:`Controller.remove` is called.
         compile: compile each block's body with ``torch.compile`` inside memfit's wrapper
