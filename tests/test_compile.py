@@ -132,6 +132,45 @@ def test_compiled_selective_gives_the_gradients_of_compiled_none_and_keeps_less_
         assert saved["selective"] < saved["keep"], saved
 
 
+@pytest.mark.parametrize("dropout", [True, False])
+def test_blocks_that_draw_random_numbers_are_never_offered_compiled_selective(dropout):
+    """The warm-up probe runs a compiled block's eager body once under a dispatch mode: a block
+    whose attention draws dropout gets no selective price, so its budgeted compilation never
+    runs (it would keep what keep keeps); one that draws none is priced as usual. The check
+    moves no RNG: gradients stay those of compiled none."""
+    torch.manual_seed(0)
+    model, make_batch = build_decoder("llama")
+    if not dropout:
+        _without_dropout(model)
+    model.train()
+    reference = copy.deepcopy(model)
+    ref_ctl = memfit.fit(reference, budget=None, method="none", compile=INDUCTOR, announce=False)
+    ctl = memfit.fit(model, budget="1GiB", method="dynamic", compile=INDUCTOR, announce=False)
+    lean_runs = []
+    for b in ctl.blocks:
+        lean = b._lean_body
+        b._lean_body = lambda *a, _lean=lean, **k: (lean_runs.append(1), _lean(*a, **k))[1]
+    for seed, length in enumerate((9, 17, 13)):
+        step_both_and_compare(model, reference, make_batch(2, length), seed, f"dynamic compiled, step {seed}")
+    curves = ctl.planning.model.group_models.values()
+    flags = {b.draws_random for b in ctl.blocks} - {None}  # measured on the probed block of each group
+    ctl.remove()
+    ref_ctl.remove()
+    assert flags == {dropout}
+    assert all(m.selective_bytes.fitted == (not dropout) for m in curves)
+    assert bool(lean_runs) == (not dropout)
+
+
+def test_runs_random_sees_dropout_and_attention_dropout_only_when_they_draw():
+    x = torch.randn(2, 3, 4, 8)
+    assert memfit.treatments.runs_random(torch.nn.functional.dropout, x, 0.1, True)
+    assert not memfit.treatments.runs_random(torch.nn.functional.dropout, x, 0.1, False)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    assert memfit.treatments.runs_random(sdpa, x, x, x, dropout_p=0.1)
+    assert not memfit.treatments.runs_random(sdpa, x, x, x, dropout_p=0.0)
+    assert not memfit.treatments.runs_random(torch.nn.functional.gelu, x)
+
+
 def test_alike_blocks_share_the_compiled_selective_graph():
     """One budgeted backend per run: the blocks' second compilation is one graph, not one per
     block (Dynamo matches a cached graph to its backend object; a backend per block would

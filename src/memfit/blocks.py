@@ -43,8 +43,11 @@ run the same decomposed ops; the second recomputes some of them in backward. An 
 draws random numbers must never be among them: run again in backward, it would draw another
 mask. The partitioner keeps from recompute only the random ops it lists by name, not
 inductor's seed generation, so a graph that draws random numbers (a dropout, an attention with
-dropout) is partitioned under the budget 1, as the first. Such a block's ``selective`` keeps
-what ``keep`` keeps, its probe says so, and the planner never picks it. An inductor
+dropout) is partitioned under the budget 1, as the first, and keeps what ``keep`` keeps. So
+the probe first runs a compiled block's eager body once, without autograd, under a dispatch
+mode that notes such ops (``treatments.runs_random``): a block that draws is never offered
+``selective``, and its second compilation never runs (a plan that names it anyway runs the
+budget-1 partition). An inductor
 joint-graph pass of memfit's sets the budget per graph, which is why compiled ``selective``
 needs the ``inductor`` backend. Gradients under it are those of compiled ``none`` up to how the
 code generator rounds a recomputed intermediate against a stored one (inductor keeps fused
@@ -189,7 +192,10 @@ class Block:
         self.on_oom: Callable[[Block, tuple, dict, str], Any] | None = None
         self._body = module.forward  # the class's forward, bound to the instance
         self._lean_body: Callable[..., Any] | None = None
+        self._eager_body: Callable[..., Any] = self._body
         self.compiled = False
+        #: whether the body draws random numbers (measured once, by the probe of a compiled block)
+        self.draws_random: bool | None = None
 
     def compile(self, options: dict[str, Any], lean: tuple[Any, dict[str, Any]]) -> None:
         """Run the body compiled by ``torch.compile(**options)``, and ``selective`` a second

@@ -63,6 +63,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from memfit.errors import UserError
@@ -75,7 +76,7 @@ __all__ = [
     "KEEP", "RECOMPUTE", "SELECTIVE", "OFFLOAD", "Treatment", "Keep", "Recompute", "Selective", "CompiledSelective",
     "Offload",
     "HostMemoryError", "TREATMENTS", "run_treatment_names", "make_treatments", "keep_matmul_and_attention",
-    "selective_cache_tensors", "draws_random",
+    "selective_cache_tensors", "draws_random", "runs_random",
 ]
 
 KEEP = "keep"
@@ -148,6 +149,28 @@ def draws_random(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
         return True
     p = kwargs.get("dropout_p", args[at] if at < len(args) else 0.0)
     return not (isinstance(p, (int, float)) and p == 0)
+
+
+class _RandomDraws(TorchDispatchMode):
+    """Notes whether any op run under it draws random numbers (:func:`draws_random`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        self.seen = self.seen or draws_random(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def runs_random(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
+    """Whether ``fn(*args, **kwargs)`` draws random numbers; it runs once, without autograd
+    (the caller forks the RNG if the draws must not move it)."""
+    mode = _RandomDraws()
+    with torch.no_grad(), mode:
+        fn(*args, **kwargs)
+    return mode.seen
 
 
 def keep_matmul_and_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

@@ -136,7 +136,7 @@ def probe_treatments(
     """
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    from memfit.treatments import keep_matmul_and_attention, selective_cache_tensors
+    from memfit.treatments import keep_matmul_and_attention, runs_random, selective_cache_tensors
 
     detached = _detached(args, kwargs)
     inputs = [t for t in tree_leaves(detached) if isinstance(t, torch.Tensor)]
@@ -144,7 +144,11 @@ def probe_treatments(
     out: dict[str, tuple[int, float | None]] = {}
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
         if "selective" in treatments and block.compiled:
-            out["selective"] = _probe_compiled_selective(block, detached, counter, device)
+            if block.draws_random is None:
+                plain_args, plain_kwargs = without_cache(block.module, *detached)
+                block.draws_random = runs_random(block._eager_body, *plain_args, **plain_kwargs)
+            if not block.draws_random:  # else it would keep what keep keeps: never compiled (NOTE [Compiled blocks])
+                out["selective"] = _probe_compiled_selective(block, detached, counter, device)
         elif "selective" in treatments:
             def timed(context: Any) -> float:
                 def run() -> None:
