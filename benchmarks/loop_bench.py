@@ -35,7 +35,9 @@ of every block under ``activation_memory_budget`` F, memfit.bench.peers.TorchCom
 
 Data: ``--lengths sft`` (the SFT table of memfit.tasks.causal_lm, long-tailed, up to 2,048
 tokens), ``uniform:A:B``, or ``fixed:L1,L2,...`` (long context). Output under ``--output_dir``:
-``results.jsonl`` (the suite schema ``memfit report`` reads, plus loop fields) and
+``results.jsonl`` (the suite schema ``memfit report`` reads, plus loop fields: each line's
+``step_ratio_vs_none`` and ``step_ratio_vs_none_compile``, the median of its steady steps'
+ratios to the same repeat's uncapped ``none`` / ``none+compile`` on the same batches) and
 ``steps/<config>.jsonl.gz`` (memfit's step records).
 
 Usage:
@@ -660,6 +662,24 @@ def _steady(args, times: list[float]) -> dict:
     return {"steady_step_ms": round(statistics.fmean(by_length.values()), 3), "steady_step_ms_by_length": by_length}
 
 
+#: the uncapped runs a line's steps are paired with, and the field each ratio goes to
+_REFERENCES = (("none", "step_ratio_vs_none"), ("none+compile", "step_ratio_vs_none_compile"))
+
+
+def _paired_with_none(result: dict, refs: dict[int, dict[str, list[float]]], steady_from: int) -> None:
+    """Keep an uncapped ``none``'s (or ``none+compile``'s) step times in ``refs``, and give any
+    other line of the same repeat the median of its steady steps' ratios to theirs: the runs
+    take the same batches in the same order, and a median of per-step ratios is steadier than a
+    ratio of medians when the steps' lengths differ."""
+    times, repeat = result.get("step_ms") or [], result["repeat"]
+    for name, field in _REFERENCES:
+        ref = refs.get(repeat, {}).get(name)
+        if name != result["method"] and ref and len(ref) == len(times) > steady_from:
+            result[field] = round(statistics.median(t / r for t, r in zip(times[steady_from:], ref[steady_from:])), 4)
+    if result["method"] in dict(_REFERENCES) and result.get("budget_bytes") is None and result.get("status") == "ok":
+        refs.setdefault(repeat, {})[result["method"]] = times
+
+
 def _profiled(args, name: str, budget: int | None, repeat: int, run):
     """``run()``, under cProfile with ``--profile``: the 40 costliest functions by own time, and memfit's 40
     costliest by time with callees, to a text file."""
@@ -700,7 +720,10 @@ def main(argv: list[str]) -> int:
     initial = [p.detach().to("cpu", copy=True).pin_memory() for p in model.parameters() if p.requires_grad]
     results_path = os.path.join(args.output_dir, "results.jsonl")
 
+    refs: dict[int, dict[str, list[float]]] = {}  # per repeat, the uncapped none runs' step times
+
     def emit(result: dict) -> None:
+        _paired_with_none(result, refs, args.steady_from)
         with open(results_path, "a") as fh:
             fh.write(json.dumps(result) + "\n")
         shown = f"{result['total_s']:.2f}s steady {result['steady_step_ms']}ms" if result["status"] == "ok" else result["note"]

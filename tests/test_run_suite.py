@@ -78,6 +78,28 @@ def test_loop_bench_steady_time_takes_each_fixed_lengths_median():
     assert loop_bench._steady(SimpleNamespace(steady_from=20, lengths="sft"), times) == {"steady_step_ms": None}
 
 
+def test_loop_bench_pairs_each_line_with_the_repeats_uncapped_none_step_by_step():
+    spec = importlib.util.spec_from_file_location("loop_bench", ROOT / "benchmarks" / "loop_bench.py")
+    loop_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loop_bench)
+    refs = {}
+    none = {"method": "none", "repeat": 0, "budget_bytes": None, "status": "ok", "step_ms": [9.0, 100.0, 200.0, 100.0]}
+    compiled = {"method": "none+compile", "repeat": 0, "budget_bytes": None, "status": "ok",
+                "step_ms": [9.0, 50.0, 100.0, 50.0]}
+    for line in (none, compiled):
+        loop_bench._paired_with_none(line, refs, steady_from=1)
+    assert "step_ratio_vs_none" not in none and compiled["step_ratio_vs_none"] == 0.5  # none+compile over none
+    # a long step slower by 25%, short ones by 10%: the median of the per-step ratios is 1.1
+    capped = {"method": "dynamic", "repeat": 0, "budget_bytes": 5, "status": "ok", "step_ms": [1.0, 110.0, 250.0, 110.0]}
+    loop_bench._paired_with_none(capped, refs, steady_from=1)
+    assert capped["step_ratio_vs_none"] == 1.1 and capped["step_ratio_vs_none_compile"] == 2.2
+    other = {"method": "dynamic", "repeat": 1, "budget_bytes": 5, "status": "ok", "step_ms": [1.0, 2.0, 3.0, 4.0]}
+    cut = {"method": "full", "repeat": 0, "budget_bytes": 5, "status": "oom", "step_ms": [1.0, 2.0]}
+    for line in (other, cut):  # another repeat's none, or steps that do not pair: no ratio
+        loop_bench._paired_with_none(line, refs, steady_from=1)
+        assert "step_ratio_vs_none" not in line
+
+
 @pytest.mark.slow
 def test_quick_soak_publishes_the_canonical_folder(tmp_path):
     out, raw = tmp_path / "out", tmp_path / "raw"
