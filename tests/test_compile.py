@@ -33,6 +33,18 @@ def _without_dropout(model):
     return model
 
 
+def _decoder_and_compiled_none(dropout: bool):
+    """A tiny Llama (attention dropout on or off) and a copy of it under compiled ``none``."""
+    torch.manual_seed(0)
+    model, make_batch = build_decoder("llama")
+    if not dropout:
+        _without_dropout(model)
+    model.train()
+    reference = copy.deepcopy(model)
+    ref_ctl = memfit.fit(reference, budget=None, method="none", compile=INDUCTOR, announce=False)
+    return model, make_batch, reference, ref_ctl
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     import torch._dynamo
@@ -99,13 +111,7 @@ def test_compiled_selective_gives_the_gradients_of_compiled_none_and_keeps_less_
     """Every block selective, and a mix: gradients bitwise those of compiled none. A graph that
     draws random numbers keeps what keep keeps (the budgeted partition would recompute the
     seeds); one that draws none keeps less."""
-    torch.manual_seed(0)
-    model, make_batch = build_decoder("llama")
-    if not dropout:
-        _without_dropout(model)
-    model.train()
-    reference = copy.deepcopy(model)
-    ref_ctl = memfit.fit(reference, budget=None, method="none", compile=INDUCTOR, announce=False)
+    model, make_batch, reference, ref_ctl = _decoder_and_compiled_none(dropout)
     n = len(ref_ctl.blocks)
     plans = {
         "keep": Plan(()),
@@ -138,13 +144,7 @@ def test_blocks_that_draw_random_numbers_are_never_offered_compiled_selective(dr
     whose attention draws dropout gets no selective price, so its budgeted compilation never
     runs (it would keep what keep keeps); one that draws none is priced as usual. The check
     moves no RNG: gradients stay those of compiled none."""
-    torch.manual_seed(0)
-    model, make_batch = build_decoder("llama")
-    if not dropout:
-        _without_dropout(model)
-    model.train()
-    reference = copy.deepcopy(model)
-    ref_ctl = memfit.fit(reference, budget=None, method="none", compile=INDUCTOR, announce=False)
+    model, make_batch, reference, ref_ctl = _decoder_and_compiled_none(dropout)
     ctl = memfit.fit(model, budget="1GiB", method="dynamic", compile=INDUCTOR, announce=False)
     lean_runs = []
     for b in ctl.blocks:
