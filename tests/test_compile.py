@@ -181,11 +181,11 @@ def test_alike_blocks_share_the_compiled_selective_graph():
     assert n >= 3
     counters.clear()
     ctl = memfit.fit(model, budget=None, method=_Fixed(Plan(tuple(range(n)), kinds=("selective",) * n)),
-                     treatments=("recompute", "selective"), compile=INDUCTOR, announce=False)
+                     treatments=("recompute", "selective"), compile={**INDUCTOR, "loss": False}, announce=False)
     torch.manual_seed(0)
     model(**make_batch(2, 9)).loss.backward()
     ctl.remove()
-    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["stats"]["unique_graphs"] == 1  # the blocks' (the loss, left eager, has none)
 
 
 def test_dynamic_with_compiled_selective_probes_it_and_fits_the_budget():
@@ -249,6 +249,53 @@ def test_compiled_blocks_may_take_selective_by_default_where_inductor_compiles_t
     ctl = memfit.fit(model, budget=None, method="dynamic", treatments=("recompute",), compile=INDUCTOR, announce=False)
     assert "selective" not in ctl.treatments
     ctl.remove()
+
+
+def _loss_saved_bytes(model, labels, dtype) -> tuple[float, int]:
+    """The model's loss function on random logits, and the bytes of the logits-sized tensors
+    autograd keeps for its backward (distinct storages of at least the logits' elements, the
+    logits' own aside)."""
+    torch.manual_seed(0)
+    logits = torch.randn(*labels.shape, model.config.vocab_size, dtype=dtype, requires_grad=True)
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = (t.numel(), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size)
+    loss.backward()
+    ptr = logits.untyped_storage().data_ptr()
+    return loss.item(), sum(b for p, (n, b) in saved.items() if n >= logits.numel() and p != ptr)
+
+
+@pytest.mark.parametrize("precision", [torch.bfloat16, torch.float32])
+def test_compiled_blocks_compile_the_loss_which_keeps_no_logits_sized_tensor(precision):
+    """With compile, the model's loss function is compiled too: the eager cross-entropy keeps a
+    float32 log-softmax as large as the logits for its backward, the compiled one recomputes it;
+    the loss agrees with the eager one's, and remove() gives the model its own loss function back."""
+    model, make_batch = build_decoder("llama")
+    _without_dropout(model).train().to(precision)
+    labels = make_batch(2, 24)["labels"]
+    results = {}
+    for name, compile in (("compiled", INDUCTOR), ("eager", {**INDUCTOR, "loss": False})):
+        ctl = memfit.fit(model, budget=None, method="none", compile=compile, announce=False)
+        assert ("_loss_function" in model.__dict__) == (name == "compiled")
+        results[name] = _loss_saved_bytes(model, labels, precision)
+        ctl.remove()
+        assert "_loss_function" not in model.__dict__
+    (compiled_loss, compiled_bytes), (eager_loss, eager_bytes) = results["compiled"], results["eager"]
+    assert eager_bytes >= 2 * 24 * model.config.vocab_size * 4  # the float32 log-softmax
+    assert compiled_bytes == 0
+    assert compiled_loss == pytest.approx(eager_loss, rel=1e-2 if precision == torch.bfloat16 else 1e-5)
+
+
+def test_compile_loss_option_must_be_a_bool():
+    model, _ = build_decoder("llama")
+    with pytest.raises(ValueError, match="compile's loss 'no'"):
+        memfit.fit(model, budget=None, method="none", compile={"loss": "no"}, announce=False)
+    assert "forward" not in model.model.layers[0].__dict__ and "_loss_function" not in model.__dict__
 
 
 def test_compiled_selective_needs_inductor():

@@ -54,6 +54,13 @@ code generator rounds a recomputed intermediate against a stored one (inductor k
 bf16 intermediates in float32 unless ``emulate_precision_casts``), as between torch.compile's
 own budgets.
 
+With compiled blocks the model's loss function is compiled too, with the blocks' arguments:
+transformers' settable ``loss_function`` of the outermost module that has one (the compile
+option ``loss`` False leaves it eager). The cross-entropy of a causal LM then runs as one graph,
+its float32 upcast and softmax fused and recomputed in backward rather than kept, as a
+compilation of the whole model would run it; gradients are those of the same model compiled the
+same way without memfit. ``remove()`` puts the model's own loss function back.
+
 # NOTE [Switch is read at call time]
 The wrapper replaces the block's ``forward`` on the *instance* (the class is untouched) and
 reads its ``treatment`` (treatments.py) every call, so a plan can change between steps without
@@ -79,13 +86,48 @@ from memfit.treatments import Keep, Treatment, draws_random
 
 __all__ = [
     "NoBlocksError", "Block", "find_blocks", "wrap_blocks", "unwrap_blocks", "without_cache", "fingerprint",
-    "SELECTIVE_BUDGET",
+    "SELECTIVE_BUDGET", "compile_loss",
 ]
 
 #: how a block runs until a plan says otherwise (stateless: shared)
 _PLAIN = Keep()
 #: the activation memory budget of a compiled block's ``selective`` body (NOTE [Compiled blocks])
 SELECTIVE_BUDGET = 0.5
+#: keys of ``fit``'s ``compile`` dict that are memfit's, not ``torch.compile``'s
+MEMFIT_COMPILE_KEYS = ("activation_memory_budget", "loss")
+
+
+def _torch_compile_kwargs(options: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in options.items() if k not in MEMFIT_COMPILE_KEYS}
+
+
+class _LossHandle:
+    """Puts a model's own loss function back, as a hook's handle removes the hook."""
+
+    def __init__(self, owner: nn.Module, before: dict[str, Any]):
+        self.owner = owner
+        self.added = [k for k in owner.__dict__ if k not in before]
+        self.changed = {k: v for k, v in before.items() if owner.__dict__.get(k) is not v}
+
+    def remove(self) -> None:
+        for key in self.added:
+            self.owner.__dict__.pop(key, None)
+        self.owner.__dict__.update(self.changed)
+
+
+def compile_loss(model: nn.Module, options: dict[str, Any] | None) -> list[_LossHandle]:
+    """With compiled blocks, the model's loss function compiled too (NOTE [Compiled blocks]):
+    transformers' settable ``loss_function`` of the outermost module that has one. Returns the
+    handle that puts the model's own back, or none where there is nothing to compile (eager
+    blocks, the option ``loss`` False, no such loss function)."""
+    if options is None or not options.get("loss", True):
+        return []
+    owner = next((m for m in model.modules() if getattr(getattr(type(m), "loss_function", None), "fset", None)), None)
+    if owner is None:
+        return []
+    before = dict(owner.__dict__)
+    owner.loss_function = torch.compile(owner.loss_function, **_torch_compile_kwargs(options))
+    return [_LossHandle(owner, before)]
 
 
 class _Budgeted:
@@ -143,7 +185,7 @@ def _budgeted_backend(options: dict[str, Any]) -> tuple[_Budgeted, dict[str, Any
     blocks: Dynamo matches a cached graph to its backend object, so a backend per block would
     compile every block anew, up to its recompile limit."""
     budget = options.get("activation_memory_budget", SELECTIVE_BUDGET)
-    rest = {k: v for k, v in options.items() if k not in ("backend", "mode", "options", "activation_memory_budget")}
+    rest = {k: v for k, v in _torch_compile_kwargs(options).items() if k not in ("backend", "mode", "options")}
     backend, mode, inductor = options.get("backend", "inductor"), options.get("mode"), options.get("options")
     if backend == "inductor":
         inductor = dict(inductor or {})
@@ -202,7 +244,7 @@ class Block:
         compilation by the run's budgeted backend ``lean`` (:func:`_budgeted_backend`; NOTE
         [Compiled blocks])."""
         eager = self._body
-        self._body = torch.compile(eager, **{k: v for k, v in options.items() if k != "activation_memory_budget"})
+        self._body = torch.compile(eager, **_torch_compile_kwargs(options))
         backend, rest = lean
         self._lean_body = torch.compile(eager, backend=backend, **rest)
         self.compiled = True

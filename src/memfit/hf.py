@@ -128,9 +128,9 @@ class MemfitArguments:
     memfit_compile: bool = field(
         default=False,
         metadata={"help": "Compile each block's body with torch.compile inside memfit's wrapper, the treatments "
-                  "around it (NOTE [Compiled blocks]); there the selective treatment is the body compiled again under "
-                  "torch.compile's activation memory budget 0.5. Not with --torch_compile (the whole model, memfit's "
-                  "hooks included)."},
+                  "around it, and the model's loss function (NOTE [Compiled blocks]); there the selective treatment is "
+                  "the body compiled again under torch.compile's activation memory budget 0.5. Not with --torch_compile "
+                  "(the whole model, memfit's hooks included)."},
     )
     overwrite_output_dir: bool = field(
         default=False,

@@ -43,7 +43,7 @@ from torch import nn
 
 from memfit import learner
 from memfit.accounting import OUTSIDE, GatheredParameters, SavedTensorCounter, expected_optimizer_bytes, optimizer_state_bytes, static_bytes_logical
-from memfit.blocks import SELECTIVE_BUDGET, Block, find_blocks, fingerprint, unwrap_blocks, wrap_blocks
+from memfit.blocks import SELECTIVE_BUDGET, Block, compile_loss, find_blocks, fingerprint, unwrap_blocks, wrap_blocks
 from memfit.budget import check_static_need, parse_bytes
 from memfit.methods import Method, make_method, save_plans
 from memfit.planner import Plan
@@ -93,8 +93,8 @@ def _run_options(
     [Compiled blocks]).
 
     Raises:
-        ValueError: an ``activation_memory_budget`` outside [0, 1); ``selective`` with a
-            backend other than inductor (NOTE [Compiled blocks]).
+        ValueError: an ``activation_memory_budget`` outside [0, 1), a ``loss`` that is not a
+            bool; ``selective`` with a backend other than inductor (NOTE [Compiled blocks]).
     """
     if compile is False or compile is None:
         return run_treatment_names(treatments or ()), None
@@ -106,6 +106,10 @@ def _run_options(
         raise ValueError(
             f"compile's activation_memory_budget {budget!r} is the share of a compiled block's activations "
             "'selective' keeps: give a number from 0 up to, not including, 1"
+        )
+    if not isinstance(options.get("loss", True), bool):
+        raise ValueError(
+            f"compile's loss {options['loss']!r} says whether the model's loss function is compiled: give True or False"
         )
     if SELECTIVE in names and not inductor:
         raise ValueError(
@@ -196,14 +200,13 @@ class Controller:
         self._step: StepState | None = None
         self._steps_recorded = 0
         self._oom = replay.OomLog()
-        self.replaying = False
-        self.replays_ooms = False
+        self.replaying = self.replays_ooms = False
         self._in_run_step = 0
         #: ``run_step`` calls of the current accumulation window (NOTE [Replay in a plain loop])
         self.window: list[tuple[Callable[..., Any], tuple, dict, Any]] = []
         self._handles = [
             model.register_forward_pre_hook(self._on_forward_start, with_kwargs=True),
-            model.register_forward_hook(self._on_forward_end, always_call=True),
+            model.register_forward_hook(self._on_forward_end, always_call=True), *compile_loss(model, compile_options),
         ]
         for b in self.blocks:
             b.listener = self
@@ -497,7 +500,9 @@ def fit(
         compile: compile each block's body with ``torch.compile`` inside memfit's wrapper
             (``True``, or a dict of its keyword arguments), the treatments around it (NOTE
             [Compiled blocks] in blocks.py); there ``selective`` runs a second compilation
-            under the option ``activation_memory_budget`` (default 0.5).
+            under the option ``activation_memory_budget`` (default 0.5), and the model's loss
+            function (transformers' ``loss_function``) is compiled too unless the option
+            ``loss`` is False.
         **method_kwargs: passed to the method (``path=`` for ``precomputed``,
             ``max_shape=`` for ``static``, ``warmup_steps=`` for ``dynamic``...).
 
