@@ -47,19 +47,18 @@ dropout) is partitioned under the budget 1, as the first, and keeps what ``keep`
 the probe first runs a compiled block's eager body once, without autograd, under a dispatch
 mode that notes such ops (``treatments.runs_random``): a block that draws is never offered
 ``selective``, and its second compilation never runs (a plan that names it anyway runs the
-budget-1 partition). An inductor
-joint-graph pass of memfit's sets the budget per graph, which is why compiled ``selective``
-needs the ``inductor`` backend. Gradients under it are those of compiled ``none`` up to how the
+budget-1 partition). An inductor joint-graph pass of memfit's sets the budget per graph,
+which is why compiled ``selective`` needs the ``inductor`` backend. Gradients under it are those of compiled ``none`` up to how the
 code generator rounds a recomputed intermediate against a stored one (inductor keeps fused
 bf16 intermediates in float32 unless ``emulate_precision_casts``), as between torch.compile's
 own budgets.
 
 With compiled blocks the model's loss function is compiled too, with the blocks' arguments:
 transformers' settable ``loss_function`` of the outermost module that has one (the compile
-option ``loss`` False leaves it eager). The cross-entropy of a causal LM then runs as one graph,
-its float32 upcast and softmax fused and recomputed in backward rather than kept, as a
-compilation of the whole model would run it; gradients are those of the same model compiled the
-same way without memfit. ``remove()`` puts the model's own loss function back.
+option ``loss`` False leaves it eager). The cross-entropy of a causal LM then runs as one graph
+whose float32 upcast and softmax are recomputed in backward rather than kept; gradients are
+those of the same model compiled the same way without memfit. ``remove()`` puts the model's
+own loss function back.
 
 # NOTE [Switch is read at call time]
 The wrapper replaces the block's ``forward`` on the *instance* (the class is untouched) and
