@@ -3,14 +3,13 @@
 argv: OUT_DIR BUDGET_BYTES [ddp|fsdp]
 """
 
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 
 import memfit
-from _ddp_common import LENGTHS, STEPS, batch, build_model
+from _ddp_common import LENGTHS, STEPS, batch, build_model, leave
 
 out, budget = sys.argv[1], int(sys.argv[2])
 sharding = sys.argv[3] if len(sys.argv) > 3 else "ddp"
@@ -39,10 +38,4 @@ ctl.remove()
 state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
 if rank == 0:
     torch.save(state, f"{out}/final.pt")
-# Both ranks reach the end together, then leave without gloo's teardown, which can abort a
-# rank ("terminate called without an active exception") when the host is loaded; what the
-# test compares is saved by then.
-dist.barrier()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+leave()

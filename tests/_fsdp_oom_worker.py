@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import memfit
-from _ddp_common import LENGTHS, STEPS, batch, build_model
+from _ddp_common import LENGTHS, STEPS, batch, build_model, leave
 from _models import InjectOOM
 
 # name: (gradient accumulation, rank 1's micro-step (0-based) in whose block 1 it runs out of memory)
@@ -51,5 +51,4 @@ if __name__ == "__main__":
     rank = dist.get_rank()
     for name, (accumulation, fail_at) in SCENARIOS.items():
         train(out, rank, name, accumulation, fail_at, budget)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave()

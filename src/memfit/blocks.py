@@ -48,10 +48,10 @@ the probe first runs a compiled block's eager body once, without autograd, under
 mode that notes such ops (``treatments.runs_random``): a block that draws is never offered
 ``selective``, and its second compilation never runs (a plan that names it anyway runs the
 budget-1 partition). An inductor joint-graph pass of memfit's sets the budget per graph,
-which is why compiled ``selective`` needs the ``inductor`` backend. Gradients under it are those of compiled ``none`` up to how the
-code generator rounds a recomputed intermediate against a stored one (inductor keeps fused
-bf16 intermediates in float32 unless ``emulate_precision_casts``), as between torch.compile's
-own budgets.
+which is why compiled ``selective`` needs the ``inductor`` backend. Gradients under it are
+those of compiled ``none`` up to how the code generator rounds a recomputed intermediate
+against a stored one (inductor keeps fused bf16 intermediates in float32 unless
+``emulate_precision_casts``), as between torch.compile's own budgets.
 
 With compiled blocks the model's loss function is compiled too, with the blocks' arguments:
 transformers' settable ``loss_function`` of the outermost module that has one (the compile
@@ -242,10 +242,9 @@ class Block:
         """Run the body compiled by ``torch.compile(**options)``, and ``selective`` a second
         compilation by the run's budgeted backend ``lean`` (:func:`_budgeted_backend`; NOTE
         [Compiled blocks])."""
-        eager = self._body
-        self._body = torch.compile(eager, **_torch_compile_kwargs(options))
+        self._body = torch.compile(self._eager_body, **_torch_compile_kwargs(options))
         backend, rest = lean
-        self._lean_body = torch.compile(eager, backend=backend, **rest)
+        self._lean_body = torch.compile(self._eager_body, backend=backend, **rest)
         self.compiled = True
 
     @property

@@ -139,16 +139,19 @@ def _dropout_index(op: Any) -> int | None:
     return names.index("dropout_p") if "dropout_p" in names else None
 
 
+def _dropout_p(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """A call's ``dropout_p`` (0.0 when left to its default), or None for an op without one."""
+    at = _dropout_index(op) if hasattr(op, "_schema") else None
+    return None if at is None else kwargs.get("dropout_p", args[at] if at < len(args) else 0.0)
+
+
 def draws_random(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
     """Whether a call of ``op`` draws random numbers: a seeded op (a dropout, ``rand``), an
     attention only with a ``dropout_p`` that may be nonzero."""
     if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
         return False
-    at = _dropout_index(op) if hasattr(op, "_schema") else None
-    if at is None:
-        return True
-    p = kwargs.get("dropout_p", args[at] if at < len(args) else 0.0)
-    return not (isinstance(p, (int, float)) and p == 0)
+    p = _dropout_p(op, args, kwargs)
+    return p is None or not (isinstance(p, (int, float)) and p == 0)
 
 
 class _RandomDraws(TorchDispatchMode):
@@ -176,13 +179,8 @@ def runs_random(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
 def keep_matmul_and_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """The selective policy (NOTE [Selective policy]): keep matmul and attention outputs, except
     an attention that draws a dropout mask (it must run again to keep the random stream)."""
-    if op not in _saved_ops():
+    if op not in _saved_ops() or _dropout_p(op, args, kwargs):
         return CheckpointPolicy.PREFER_RECOMPUTE
-    at = _dropout_index(op)
-    if at is not None:
-        p = kwargs.get("dropout_p", args[at] if at < len(args) else 0.0)
-        if p:
-            return CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE
 
 

@@ -76,7 +76,8 @@ def _detached(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any
 
 
 def _elapsed_ms(device: torch.device, fn: Callable[[], Any], sync: bool = True) -> float:
-    """``fn()``'s wall time in ms, a CUDA device synchronised before and after (with ``sync``)."""
+    """``fn()``'s wall time in ms; with ``sync`` the device's queued work is awaited before and
+    after, so the time is the work's, not its launch's."""
     cuda = sync and device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
