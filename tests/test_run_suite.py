@@ -100,6 +100,31 @@ def test_loop_bench_pairs_each_line_with_the_repeats_uncapped_none_step_by_step(
         assert "step_ratio_vs_none" not in line
 
 
+def test_paired_steps_pairs_the_latest_runs_step_by_step(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("paired_steps", ROOT / "benchmarks" / "paired_steps.py")
+    paired_steps = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(paired_steps)
+
+    def line(method, budget, times, **extra):
+        return json.dumps({"method": method, "budget_bytes": budget, "repeat": 0, "steps": len(times),
+                           "step_ms": times, "status": "ok", **extra})
+
+    lines = [
+        line("compile-0.5", 5, [9.0, 50.0, 50.0, 50.0]),  # an earlier call's, replaced below
+        line("none", None, [9.0, 100.0, 200.0, 100.0]),
+        line("dynamic", 5, [9.0, 90.0, 260.0, 95.0]),
+        line("compile-0.5", 5, [9.0, 100.0, 200.0, 100.0]),
+        line("dynamic", 5, [1.0, 1.0, 1.0, 1.0], lora=True),  # another setup
+    ]
+    (tmp_path / "results.jsonl").write_text("\n".join(lines) + "\n")
+    for against in ("compile-0.5", "none"):  # the latest capped peer, and the uncapped reference
+        paired_steps.main([str(tmp_path), "--a", "dynamic", "--b", against, "--steady_from", "1"])
+        # differences -10, +60, -5: median -5 ms; ratios 0.9, 1.3, 0.95: median 0.95
+        assert "median difference -5.0 ms, median ratio 0.950" in capsys.readouterr().out
+    paired_steps.main([str(tmp_path), "--a", "dynamic", "--b", "static"])
+    assert "no run of dynamic pairs" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_quick_soak_publishes_the_canonical_folder(tmp_path):
     out, raw = tmp_path / "out", tmp_path / "raw"
