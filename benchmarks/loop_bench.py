@@ -16,7 +16,8 @@ Methods (memfit under the cap, every micro-step through ``Controller.run_step``)
 it, called without run_step), ``reactive``, ``none+compile`` (uncapped), ``full+compile`` and
 ``dynamic+compile`` (every block's body compiled by torch.compile inside memfit's wrapper),
 ``dynamic+sel+compile`` (the same, with compiled ``selective``: the body compiled again under
-``activation_memory_budget`` 0.5), and ``dynamic-plans``: the plan of each step of this
+``activation_memory_budget`` 0.5), ``dynamic+sel+compile+eager-loss`` (the same with the model's
+loss function left eager), and ``dynamic-plans``: the plan of each step of this
 repeat's ``dynamic`` run at the same budget, step by step, with no model, counting, protection or
 replay (what ``dynamic`` costs beyond its plans). ``alt`` runs ``plain`` and ``none`` uncapped
 step by step in turn on two copies of the model (lines ``alt-plain``, ``alt-none``; the latter
@@ -76,6 +77,8 @@ MEMFIT_METHODS = {
     "dynamic+compile": ("dynamic", {"compile": True}, ("recompute",)),
     # and selective: the body compiled again under activation_memory_budget 0.5
     "dynamic+sel+compile": ("dynamic", {"compile": True}, ("recompute", "selective")),
+    # the same with the model's loss function left eager (what compiling it is worth)
+    "dynamic+sel+compile+eager-loss": ("dynamic", {"compile": {"loss": False}}, ("recompute", "selective")),
     # this repeat's `dynamic` plans at the same budget, step by step, with nothing else (below)
     "dynamic-plans": (None, {}, ("recompute",)),
 }

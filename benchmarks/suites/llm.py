@@ -34,7 +34,8 @@ SUITE = Suite(
           "(its OOM replays per 1,000 steps); compile: memfit with compiled blocks (none+compile, dynamic+compile, "
           "full+compile) against the compile peer, repeats in one call until its 520 s limit; compile-sel-*: "
           "the same with compiled selective (dynamic+sel+compile) and eager static, for full FT and LoRA (until "
-          "2026-11-24 without static); long, long-compile: the long-context row, eager methods and peers, then "
+          "2026-11-24 without static); compile-loss: compiled selective with the model's loss function compiled "
+          "and left eager, full FT at half of none's peak; long, long-compile: the long-context row, eager methods and peers, then "
           "memfit's compiled methods against the compile peer, each beside uncapped none and full recompute; "
           "benchmarks/loop_bench.py",
 )
@@ -80,6 +81,11 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
             "--methods", "none", "none+compile", "static", "dynamic+compile", "dynamic+sel+compile",
             "compile-0.5",
             "--time_limit_s", 520, "--output_dir", ctx.folder(f"compile-sel-{name}"))], folder=f"compile-sel-{name}"))
+    # what compiling the model's loss function is worth: compiled selective with and without it
+    out.append(Call("compile-loss", [script(
+        ctx, "loop_bench.py", *setups["ft"], *common, "--budgets", 0.5, "--repeats", suite.repeats,
+        "--methods", "none", "none+compile", "dynamic+sel+compile", "dynamic+sel+compile+eager-loss",
+        "--time_limit_s", 520, "--output_dir", ctx.folder("compile-loss"))], folder="compile-loss"))
     # reactive's OOM replays per 1,000 steps: one long run at half of none's peak
     out.append(Call("replay-rate", [script(
         ctx, "loop_bench.py", *setups["ft"], "--steps", 12 if ctx.quick else 600, "--steady_from", 2 if ctx.quick else 10,
