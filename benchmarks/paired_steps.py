@@ -4,7 +4,8 @@ The runs of one ``loop_bench.py`` call take the same batches in the same order, 
 method and step i of another saw the same batch. For each budget and repeat where both ``--a``
 and ``--b`` ran, this prints the median over steps ``--steady_from``+ of a's step minus b's (ms)
 and of a's step over b's: steadier than a ratio of median steps when the steps' lengths differ,
-since two runs' median steps can fall on different lengths. Uncapped references (``none``,
+since two runs' median steps can fall on different lengths. Runs pair within one model;
+uncapped references (``none``,
 ``none+compile``, ``plain``) pair with every budget. A folder that merges several calls (a
 published suite folder) keeps, per configuration (method, budget, repeat, steps, LoRA or not),
 its latest line: the call appended last.
@@ -24,12 +25,12 @@ from pathlib import Path
 
 
 def latest_lines(path: Path, lora: bool) -> dict[tuple, dict]:
-    """The latest ok line per (method, budget, repeat, steps), of LoRA runs or of the others."""
+    """The latest ok line per (model, method, budget, repeat, steps), of LoRA runs or of the others."""
     lines = {}
     for text in path.read_text(encoding="utf-8").splitlines():
         line = json.loads(text) if text.strip() else {}
         if line.get("step_ms") and line.get("status", "ok") == "ok" and bool(line.get("lora")) == lora:
-            lines[line["method"], line.get("budget_bytes"), line["repeat"], line["steps"]] = line
+            lines[line.get("model"), line["method"], line.get("budget_bytes"), line["repeat"], line["steps"]] = line
     return lines
 
 
@@ -51,15 +52,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"{args.folder}: no results.jsonl; give a loop_bench.py output folder or a published llm folder")
     lines = latest_lines(args.folder / "results.jsonl", args.lora)
     rows = 0
-    for (method, budget, repeat, steps), a in sorted(lines.items(), key=lambda kv: (kv[0][1] or 0, kv[0][2], kv[0][3])):
+    for (model, method, budget, repeat, steps), a in sorted(lines.items(), key=lambda kv: (kv[0][0] or "", kv[0][2] or 0, kv[0][3], kv[0][4])):
         if method != args.a:
             continue
-        b = lines.get((args.b, budget, repeat, steps)) or lines.get((args.b, None, repeat, steps))
+        b = lines.get((model, args.b, budget, repeat, steps)) or lines.get((model, args.b, None, repeat, steps))
         if b is None or len(b["step_ms"]) != len(a["step_ms"]) or len(a["step_ms"]) <= args.steady_from:
             continue
         diff, ratio = paired(a["step_ms"], b["step_ms"], args.steady_from)
         cap = f"{budget / 1e9:.2f} GB" if budget else "uncapped"
-        print(f"{args.a} vs {args.b}, {cap}, repeat {repeat}, {steps} steps: median difference {diff:+.1f} ms, "
+        print(f"{model or 'model?'}: {args.a} vs {args.b}, {cap}, repeat {repeat}, {steps} steps: median difference {diff:+.1f} ms, "
               f"median ratio {ratio:.3f}")
         rows += 1
     if not rows:
