@@ -37,7 +37,7 @@ of every block under ``activation_memory_budget`` F, memfit.bench.peers.TorchCom
 Data: ``--lengths sft`` (the SFT table of memfit.tasks.causal_lm, long-tailed, up to 2,048
 tokens), ``uniform:A:B``, or ``fixed:L1,L2,...`` (long context). Output under ``--output_dir``:
 ``results.jsonl`` (the suite schema ``memfit report`` reads, plus loop fields: each line's
-``step_ratio_vs_none`` and ``step_ratio_vs_none_compile``, the median of its steady steps'
+``cuda_alloc_retries`` (allocations the caching allocator served only after releasing its cache, in the steady steps), ``step_ratio_vs_none`` and ``step_ratio_vs_none_compile``, the median of its steady steps'
 ratios to the same repeat's uncapped ``none`` / ``none+compile`` on the same batches) and
 ``steps/<config>.jsonl.gz`` (memfit's step records).
 
@@ -337,7 +337,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
                 return memfit.methods.Decision(Plan(tuple(range(n)), kinds=("selective",) * n))
 
         ctl = memfit.fit(model, budget=budget, method=_Every(), optimizer=optimizer, treatments=("recompute", "selective"))
-    step_ms = []
+    step_ms, retries = [], [_alloc_retries(torch)]  # retries[k]: the count after k steps
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -361,6 +361,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
             optimizer.zero_grad(set_to_none=True)
             end.record()
             step_ms.append((start, end))
+            retries.append(_alloc_retries(torch))
     except torch.OutOfMemoryError as err:
         status, note, ooms = "oom", str(err).splitlines()[0][:200], 1
     except Exception as err:  # a configuration that breaks is recorded, the matrix goes on
@@ -374,6 +375,9 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
         **_line(args, name, budget, repeat, times), "status": status,
         "total_s": round(total_s, 4) if status == "ok" else None, "max_peak_allocated_bytes": peak, "oom_count": ooms,
         "note": note,
+        # allocations served only after the caching allocator released its cache (a device sync
+        # each): the cost of running close to a hard cap, counted from the steady steps on
+        "cuda_alloc_retries": retries[-1] - retries[args.steady_from] if len(retries) > args.steady_from else 0,
     }
     if ctl is not None:
         records = ctl.records
@@ -632,6 +636,10 @@ def _failed(args, name: str, budget: int | None, repeat: int, status: str, note:
         **_line(args, name, budget, repeat, []), "status": status, "total_s": None, "max_peak_allocated_bytes": None,
         "oom_count": int(status == "oom"), "note": note, "recomputed_fraction": None,
     }
+
+
+def _alloc_retries(torch) -> int:
+    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
 
 
 def _line(args, method: str, budget: int | None, repeat: int, times: list[float]) -> dict:
