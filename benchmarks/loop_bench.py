@@ -17,7 +17,8 @@ it, called without run_step), ``reactive``, ``none+compile`` (uncapped), ``full+
 ``dynamic+compile`` (every block's body compiled by torch.compile inside memfit's wrapper),
 ``dynamic+sel+compile`` (the same, with compiled ``selective``: the body compiled again under
 ``activation_memory_budget`` 0.5), ``dynamic+sel+compile+eager-loss`` (the same with the model's
-loss function left eager), and ``dynamic-plans``: the plan of each step of this
+loss function left eager), any of these with ``@M`` (memfit's margin set to the share M of the
+budget, e.g. ``dynamic@0.1``), and ``dynamic-plans``: the plan of each step of this
 repeat's ``dynamic`` run at the same budget, step by step, with no model, counting, protection or
 replay (what ``dynamic`` costs beyond its plans). ``alt`` runs ``plain`` and ``none`` uncapped
 step by step in turn on two copies of the model (lines ``alt-plain``, ``alt-none``; the latter
@@ -292,8 +293,8 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
         if plans is None:
             return _no_plans(args, name, budget, repeat)
         ctl = memfit.fit(model, budget=budget, method=_replay(plans), optimizer=optimizer, treatments=MEMFIT_METHODS[name][2])
-    elif name in MEMFIT_METHODS:
-        method, kwargs, treatments = MEMFIT_METHODS[name]
+    elif _memfit_config(name):
+        method, kwargs, treatments = _memfit_config(name)
         if kwargs.get("compile"):
             import torch._dynamo
 
@@ -620,6 +621,24 @@ def run_alternating_dynamic(args, model, batches, initial, budget: int, repeat: 
     return lines
 
 
+def _memfit_config(name: str) -> tuple | None:
+    """(method, fit kwargs, treatments) of a memfit configuration name: one of MEMFIT_METHODS,
+    optionally with ``@M``, the share of the budget memfit keeps as its margin (0 <= M < 0.5)."""
+    base, at, margin = name.partition("@")
+    if base not in MEMFIT_METHODS or base == "dynamic-plans" and at:
+        return None
+    method, kwargs, treatments = MEMFIT_METHODS[base]
+    if at:
+        try:
+            share = float(margin)
+        except ValueError:
+            return None
+        if not 0 <= share < 0.5:
+            return None
+        kwargs = {**kwargs, "margin": share}
+    return method, kwargs, treatments
+
+
 def _compile_budget(name: str) -> float | None:
     """F of a ``compile-F`` peer name (0 < F <= 1), else None."""
     if not name.startswith("compile-"):
@@ -718,11 +737,11 @@ def main(argv: list[str]) -> int:
     args = _parse(argv)
     args.dynamic_plans = {}  # (budget, repeat) -> the plan of each step of that `dynamic` run
     pairs = ("alt", "alt-dynamic")
-    known = lambda m: m in ("plain", "none") or m in MEMFIT_METHODS or m in PEERS or _compile_budget(m)  # noqa: E731
+    known = lambda m: m in ("plain", "none") or _memfit_config(m) or m in PEERS or _compile_budget(m)  # noqa: E731
     unknown = [m for m in args.methods if not known(m) and m not in pairs] + [m for m in args.last if not known(m)]
     if unknown:
         raise SystemExit(f"unknown method(s) {', '.join(unknown)}: choose from "
-                         f"{', '.join(sorted(MEMFIT_METHODS) + sorted(PEERS))}, compile-F (0 < F <= 1), and in --methods "
+                         f"{', '.join(sorted(MEMFIT_METHODS) + sorted(PEERS))}, compile-F (0 < F <= 1), a memfit method with @M (margin share, 0 <= M < 0.5), and in --methods "
                          f"only {', '.join(pairs)}")
     os.makedirs(os.path.join(args.output_dir, "steps"), exist_ok=True)
     started = time.perf_counter()

@@ -100,6 +100,18 @@ def test_loop_bench_pairs_each_line_with_the_repeats_uncapped_none_step_by_step(
         assert "step_ratio_vs_none" not in line
 
 
+def test_loop_bench_reads_a_margin_share_after_a_memfit_method():
+    spec = importlib.util.spec_from_file_location("loop_bench", ROOT / "benchmarks" / "loop_bench.py")
+    loop_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loop_bench)
+    method, kwargs, treatments = loop_bench._memfit_config("dynamic+all@0.1")
+    assert (method, kwargs, treatments) == ("dynamic", {"margin": 0.1}, ("recompute", "selective", "offload"))
+    assert "margin" not in loop_bench.MEMFIT_METHODS["dynamic+all"][1]  # the table itself is left alone
+    assert loop_bench._memfit_config("dynamic") == loop_bench.MEMFIT_METHODS["dynamic"]
+    for bad in ("dynamic@0.5", "dynamic@x", "plain@0.1", "dynamic-plans@0.1"):
+        assert loop_bench._memfit_config(bad) is None
+
+
 def test_paired_steps_pairs_the_latest_runs_step_by_step(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("paired_steps", ROOT / "benchmarks" / "paired_steps.py")
     paired_steps = importlib.util.module_from_spec(spec)
