@@ -251,6 +251,7 @@ class _FakeAllocator:
         self.allocated = 1000
         self.peak = 1000
         self.reserved = None  # what the allocator holds beyond the peak, when the test says
+        self.retries = 0  # allocations served only after releasing the cache (num_alloc_retries)
 
     def use(self, nbytes):
         self.peak = max(self.peak, self.allocated + nbytes)
@@ -272,7 +273,8 @@ class _FakeAllocator:
     def stats(self, device=None):
         reserved = max(self.peak, self.reserved or 0)
         return {"allocated_bytes": {"all": {"current": self.allocated, "peak": self.peak}},
-                "reserved_bytes": {"all": {"current": reserved, "peak": self.peak}}}
+                "reserved_bytes": {"all": {"current": reserved, "peak": self.peak}},
+                "num_alloc_retries": self.retries}
 
 
 def _use_cuda_meter(ctl, counts_always=True):
@@ -594,6 +596,47 @@ def test_an_oom_in_a_recompute_is_described_in_the_replayed_record():
     assert described["error"].startswith("injected: CUDA out of memory")
     assert described["shape"] == record.shape
     assert record.to_dict()["oom_attempts"] == [described]
+
+
+def test_allocator_retries_in_steady_steps_grow_the_slack_and_the_plans(monkeypatch):
+    """NOTE [Room]: a steady step the allocator served only by releasing its cache grows the
+    slack by RETRY_SLACK_SHARE of the budget, up to MAX_RETRY_SLACK_SHARE, and the plans are
+    redone with it; a warm-up step's retries and a step without any leave the slack alone."""
+    import memfit.planning
+    from memfit.planner import Plan
+
+    # this small model's plans lie further apart than the ceiling: a higher one here
+    monkeypatch.setattr(memfit.planning, "MAX_RETRY_SLACK_SHARE", 1 / 3)
+    model, make_batch, inner, budget, ctl, fake = _half_budget_on_fake_allocator(monkeypatch, backstop=False)
+    planning, key = ctl.planning, (4, 96)
+    step, ceiling = int(memfit.planning.RETRY_SLACK_SHARE * budget), int(budget / 3)
+    step_retries = {1: 2, 5: 1, 6: 0, 7: 3, 8: 1, 9: 1, 10: 1, 11: 1}  # step index -> retries it causes
+    slacks = []  # after each step was learnt (a step is closed when the next one's forward starts)
+    for i in range(13):
+        torch.manual_seed(i)
+        if i == 4:  # after the warm-up: room for two treated blocks, half a growth to spare
+            assert [r.phase for r in ctl.records] == ["warmup"] * 4 and slacks[-1] == planning.slack_bytes
+            planning.slack_bytes = budget - planning.margin_bytes - planning.predict_peak(key, Plan((0, 1))) - step // 2
+            planning.cache.clear()
+            slacks[-1] = planning.slack_bytes
+        loss = model(**make_batch(*key)).loss
+        if i:
+            slacks.append(planning.slack_bytes)
+        fake.use(ctl._counter.total_bytes + 40 * 4 * 96)
+        fake.retries += step_retries.get(i, 0)
+        loss.backward()
+        inner.step()
+        model.zero_grad(set_to_none=True)
+    records = ctl.records[:12]
+    ctl.remove()
+    assert [r.alloc_retries for r in records] == [step_retries.get(i, 0) for i in range(12)]
+    expected = [slacks[3]]
+    for i in range(4, 12):
+        expected.append(min(ceiling, expected[-1] + step) if step_retries.get(i, 0) else expected[-1])
+    assert slacks[3:] == expected and expected[-1] == expected[-2] == ceiling  # it stops at the ceiling
+    assert records[4].n_checkpointed == 2 and records[6].n_checkpointed == 3  # less room: one more block treated
+    for i in range(4, 12):  # each plan fits the room its step began with
+        assert records[i].predicted_peak_bytes <= budget - planning.margin_bytes - slacks[i - 1]
 
 
 def test_an_oom_from_allocator_slack_grows_the_slack_not_the_margin(monkeypatch):

@@ -3,7 +3,7 @@
 The runtime reads a step (runtime/meter.py) and hands the readings here as :class:`Peaks`;
 :func:`step_outcome` turns them into what the step teaches (:class:`StepOutcome`), and a
 method that plans from the model (``dynamic``, ``static``) applies it with
-:func:`learn_optimizer_peak`, :func:`learn_step` and :func:`grow_margin`. Warm-up probes are
+:func:`learn_optimizer_peak`, :func:`learn_step`, :func:`grow_margin` and :func:`grow_slack`. Warm-up probes are
 learnt by :func:`learn_probes`. Nothing here touches ``torch``: every function is tested with
 plain numbers.
 
@@ -58,6 +58,7 @@ __all__ = [
     "learn_step",
     "mispredicted",
     "grow_margin",
+    "grow_slack",
     "learn_probes",
 ]
 
@@ -80,6 +81,8 @@ class Peaks:
         start: the backward's start, read at its first recompute (CUDA), or None.
         optimizer: the optimizer step's peak, read apart (CUDA), or None.
         exact: logical accounting (counted tensors): the peak holds no transient.
+        alloc_retries: allocations the caching allocator served only after releasing its
+            cache during the step (CUDA).
     """
 
     peak: int
@@ -88,6 +91,7 @@ class Peaks:
     start: int | None = None
     optimizer: int | None = None
     exact: bool = False
+    alloc_retries: int = 0
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,7 @@ class StepOutcome:
     optimizer_above_static: int | None = None
     evicted: tuple[int, ...] = field(default_factory=tuple)
     counted: bool = True
+    alloc_retries: int = 0
 
 
 def _plain_peaks(
@@ -196,6 +201,7 @@ def step_outcome(
         key=key, plan=plan, warmup=warmup, outside=outside, by_block=list(by_block), static=static, peak=peak,
         plain_peak=plain_peak, transient=transient, start_transient=start_transient,
         optimizer_above_static=optimizer_above, evicted=tuple(evicted), counted=counted,
+        alloc_retries=peaks.alloc_retries,
     )
 
 
@@ -313,6 +319,13 @@ def grow_margin(planning: Planning, outcome: StepOutcome, predicted: int | None)
     miss = outcome.plain_peak - predicted
     if miss > 0 and 1.25 * miss > planning.margin_bytes:
         planning.raise_margin(int(1.25 * miss) - planning.margin_bytes)
+
+
+def grow_slack(planning: Planning, outcome: StepOutcome) -> None:
+    """A steady step whose allocations the caching allocator served only after releasing its
+    cache grows the allocator's slack; the plans are redone with it (NOTE [Room], planning.py)."""
+    if not outcome.warmup and outcome.alloc_retries > 0:
+        planning.grow_slack()
 
 
 def learn_probes(

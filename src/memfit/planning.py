@@ -10,8 +10,13 @@ prediction or an OOM the slack does not explain. The slack is memory the caching
 reserves but cannot hand out (the free tails of partly used pages), which no release returns;
 the CUDA cap limits *reserved* bytes while the model predicts *allocated* ones. On CUDA the
 slack starts at ``min(ALLOCATOR_SLACK_BYTES, budget / 16)`` and an OOM raises it to 1.25 × the
-reserved bytes that were not allocated when it failed, when that is more. Logical accounting
-has no allocator: its slack is 0.
+reserved bytes that were not allocated when it failed, when that is more. A steady step during
+which the allocator served an allocation only after releasing its cache (a device sync, and
+the cache's memory unmapped and mapped again: CUDA's ``num_alloc_retries``) grows the slack by
+``RETRY_SLACK_SHARE`` of the budget, up to ``MAX_RETRY_SLACK_SHARE`` of it: plans that fill the
+cap to its last bytes leave the allocator no room for the step's own fragmentation, and a
+release every step costs more than the recompute that leaves it room. Logical accounting has
+no allocator: its slack is 0.
 
 # NOTE [Plan for the longest shape seen]
 A plan serves every shape of its bucket (tokens rounded up to ``bucket_tokens``) up to the
@@ -51,7 +56,7 @@ from memfit.model import MemoryModel
 from memfit.planner import InfeasiblePlanError, Plan, PlanCache, plan_blocks, plan_treatments
 from memfit.shapes import bucket_key
 
-__all__ = ["Planning", "ROW_AFTER_STEADY_ASKS", "ALLOCATOR_SLACK_BYTES"]
+__all__ = ["Planning", "ROW_AFTER_STEADY_ASKS", "ALLOCATOR_SLACK_BYTES", "RETRY_SLACK_SHARE", "MAX_RETRY_SLACK_SHARE"]
 
 logger = logging.getLogger("memfit")
 
@@ -61,6 +66,11 @@ ROW_AFTER_STEADY_ASKS = 3
 
 #: The allocator's slack kept free on CUDA before any OOM has measured it (NOTE [Room]).
 ALLOCATOR_SLACK_BYTES = 256 * 2**20
+#: A steady step the allocator served only by releasing its cache grows the slack by this
+#: share of the budget (NOTE [Room]) ...
+RETRY_SLACK_SHARE = 1 / 32
+#: ... up to this share of it in all.
+MAX_RETRY_SLACK_SHARE = 1 / 8
 
 
 def _blocks(plan: Plan | Sequence[int]) -> tuple[int, ...]:
@@ -287,6 +297,18 @@ class Planning:
         """Keep ``extra_bytes`` more free from now on (the cached plans are dropped)."""
         self.margin_bytes += max(0, int(extra_bytes))
         self.cache.clear()
+
+    def grow_slack(self) -> bool:
+        """Keep ``RETRY_SLACK_SHARE`` of the budget more free for the allocator, up to
+        ``MAX_RETRY_SLACK_SHARE`` in all; returns whether the slack grew (NOTE [Room])."""
+        if not self.budget_bytes:
+            return False
+        ceiling = int(MAX_RETRY_SLACK_SHARE * self.budget_bytes)
+        if self.slack_bytes >= ceiling:
+            return False
+        self.slack_bytes = min(ceiling, self.slack_bytes + int(RETRY_SLACK_SHARE * self.budget_bytes))
+        self.cache.clear()
+        return True
 
     def learn_slack(self, unusable_bytes: int) -> bool:
         """Keep 1.25 × ``unusable_bytes`` free for the allocator if that is more than now.

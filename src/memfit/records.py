@@ -74,6 +74,9 @@ class StepRecord:
     #: the step counted its saved tensors (``saved_activation_bytes`` is 0 when it did not: NOTE
     #: [Counting what teaches] in runtime/controller.py)
     counted: bool = True
+    #: allocations of this step the CUDA caching allocator served only after releasing its
+    #: cache (a device sync each; they grow the planner's slack: NOTE [Room] in planning.py)
+    alloc_retries: int = 0
     #: the treated blocks of the plan, by treatment name (``{"recompute": [0, 1]}``); every
     #: other block was kept (treatments.py)
     treatments: dict[str, list[int]] = field(default_factory=dict)

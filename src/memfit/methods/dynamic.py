@@ -146,6 +146,7 @@ class Dynamic(Method):
         predicted = planning.predict_peak(outcome.key, outcome.plan) if planning.model.ready else None
         learner.learn_step(planning, outcome, predicted, self.planning_key(planning, outcome.key))
         learner.grow_margin(planning, outcome, predicted)
+        learner.grow_slack(planning, outcome)
         if not outcome.counted and learner.mispredicted(planning, outcome, predicted):
             self._count_next.add(bucket_key(outcome.key, planning.bucket_tokens))
         return predicted

@@ -21,7 +21,7 @@ nested dict once per reading, through :func:`_allocator`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -109,14 +109,19 @@ class Meter:
         return {}
 
 
-def _allocator(device: torch.device) -> tuple[int, int, int, int]:
-    """The allocator's (allocated now, allocated peak, reserved now, reserved peak) bytes on
-    ``device``, in one read (NOTE [Cheap allocator reads])."""
+def _stats(device: torch.device) -> dict[str, Any] | None:
+    """The allocator's statistics in one read, or None on a torch without the raw reader."""
     reader = getattr(torch._C, "_cuda_memoryStats", None)
-    if reader is None:  # a torch without the raw reader: the public API, four reads
+    return None if reader is None else reader(device.index or 0)
+
+
+def _allocator(device: torch.device, stats: dict[str, Any] | None = None) -> tuple[int, int, int, int]:
+    """The allocator's (allocated now, allocated peak, reserved now, reserved peak) bytes on
+    ``device``, in one read (NOTE [Cheap allocator reads]), or from ``stats`` already read."""
+    stats = stats or _stats(device)
+    if stats is None:  # a torch without the raw reader: the public API, four reads
         return (torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device),
                 torch.cuda.memory_reserved(device), torch.cuda.max_memory_reserved(device))
-    stats = reader(device.index or 0)
     allocated, reserved = stats["allocated_bytes"]["all"], stats["reserved_bytes"]["all"]
     return allocated["current"], allocated["peak"], reserved["current"], reserved["peak"]
 
@@ -133,6 +138,8 @@ class CudaMeter(Meter):
         super().__init__(device, parameter_bytes)
         #: each trainable parameter with the bytes of its gradient on this rank (read every step)
         self._grad_bytes = [(p, local(p).numel() * p.element_size()) for p in grad_params]
+        #: the allocator's retry count when the last step was read (NOTE [Room], planning.py)
+        self._retries: int | None = None
 
     def initial_slack(self, budget_bytes: int | None) -> int:
         return min(ALLOCATOR_SLACK_BYTES, (budget_bytes or 0) // 16)
@@ -152,10 +159,10 @@ class CudaMeter(Meter):
     def start_step(self, step: StepState) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
 
-    def _read(self, step: StepState | None) -> tuple[int, int, int, int]:
+    def _read(self, step: StepState | None, stats: dict[str, Any] | None = None) -> tuple[int, int, int, int]:
         """(allocated, peak since the step's last reading with windows folded in (NOTE [Block
-        windows]), reserved, reserved peak), in one read of the allocator."""
-        allocated, peak, reserved, reserved_peak = _allocator(self.device)
+        windows]), reserved, reserved peak), in one read of the allocator (or from ``stats``)."""
+        allocated, peak, reserved, reserved_peak = _allocator(self.device, stats)
         return allocated, peak if step is None else max(peak, step.window_carry), reserved, reserved_peak
 
     def block_run(self, step: StepState | None) -> None:
@@ -192,13 +199,19 @@ class CudaMeter(Meter):
         return _allocator(self.device)[0]
 
     def peaks(self, step: StepState) -> Peaks:
-        _, rest, _, reserved_peak = self._read(step)  # since the last reset
+        stats = _stats(self.device)
+        _, rest, _, reserved_peak = self._read(step, stats)  # since the last reset
         reserved = max(reserved_peak, step.start_reserved or 0)
         optimizer = None
         if step.rest_peak is not None:  # since the optimizer's pre-hook reset the counter, `rest` is its step's
             optimizer, rest = rest, step.rest_peak
         peak = rest if step.start_peak is None else max(rest, step.start_peak)
-        return Peaks(peak=peak, reserved=reserved, rest=rest, start=step.start_peak, optimizer=optimizer)
+        # the allocator's retries since the last step was read: its optimizer step's are this one's
+        retries_now = int((stats if stats is not None else torch.cuda.memory_stats(self.device)).get("num_alloc_retries", 0))
+        retries = 0 if self._retries is None else retries_now - self._retries
+        self._retries = retries_now
+        return Peaks(peak=peak, reserved=reserved, rest=rest, start=step.start_peak, optimizer=optimizer,
+                     alloc_retries=retries)
 
     def oom_readings(self, step: StepState | None) -> dict[str, int | None]:
         # the larger of the backward's start, read apart at its first recompute, and what came since

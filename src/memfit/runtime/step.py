@@ -115,5 +115,5 @@ class StepState:
             saved_activation_bytes=int(self.saved_bytes + backstop_input), static_bytes=int(self.static_bytes),
             planner_us=self.planner_us, planned=self.planned, evicted_blocks=self.evicted, backstop_armed=self.armed,
             backstop_input_bytes=backstop_input, oom_attempts=oom_attempts, rank=rank,
-            treatments=plan.by_treatment(), counted=self.counted,
+            treatments=plan.by_treatment(), counted=self.counted, alloc_retries=outcome.alloc_retries,
         )
