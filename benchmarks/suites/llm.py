@@ -35,7 +35,8 @@ SUITE = Suite(
           "full+compile) against the compile peer, repeats in one call until its 520 s limit; compile-sel-*: "
           "the same with compiled selective (dynamic+sel+compile) and eager static, for full FT and LoRA (until "
           "2026-11-24 without static); compile-loss: compiled selective with the model's loss function compiled "
-          "and left eager, full FT at half of none's peak; long, long-compile: the long-context row, eager methods and peers, then "
+          "and left eager, full FT at half of none's peak; room-long, room-qwen: dynamic (its slack grown by allocator "
+          "retries) against dynamic with a 15% margin, long context and Qwen at 0.7; long, long-compile: the long-context row, eager methods and peers, then "
           "memfit's compiled methods against the compile peer, each beside uncapped none and full recompute; "
           "benchmarks/loop_bench.py",
 )
@@ -93,12 +94,21 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
         "--output_dir", ctx.folder("replay-rate"))], folder="replay-rate"))
     # long context, eager and compiled (two calls: both within a call's 10 minutes); the steady
     # time averages the two lengths' medians (loop_bench's _steady)
-    long = ("--model", "SmolLM-360M", "--lengths", "fixed:8192,16384", "--batch", 1, "--steps", 12 if ctx.quick else 28,
-            "--steady_from", 2 if ctx.quick else 8, "--budgets", *suite.budgets["long"], "--repeats", suite.repeats,
-            "--time_limit_s", 520)
+    long_data = ("--model", "SmolLM-360M", "--lengths", "fixed:8192,16384", "--batch", 1, "--steps", 12 if ctx.quick else 28,
+                 "--steady_from", 2 if ctx.quick else 8, "--budgets", *suite.budgets["long"])
+    long = (*long_data, "--repeats", suite.repeats, "--time_limit_s", 520)
     out.append(Call("long", [script(
         ctx, "loop_bench.py", *long, "--methods", "plain", "none", "full", "dynamic", "dynamic+all", "hf-every-1",
         "hf-offload", "selective-static", "--output_dir", ctx.folder("long"))], folder="long"))
+    # room for the allocator (NOTE [Room], planning.py): dynamic, whose slack grows after steps
+    # the allocator served only by releasing its cache, against dynamic with a wide margin
+    out.append(Call("room-long", [script(
+        ctx, "loop_bench.py", *long_data, "--repeats", suite.repeats, "--methods", "none", "full", "dynamic",
+        "dynamic@0.15", "--time_limit_s", 400, "--output_dir", ctx.folder("room-long"))], folder="room-long"))
+    out.append(Call("room-qwen", [script(
+        ctx, "loop_bench.py", *setups["qwen"], *common, "--budgets", 0.7, "--repeats", suite.repeats, "--methods",
+        "none", "static", "dynamic", "dynamic@0.15", "--time_limit_s", 400, "--output_dir", ctx.folder("room-qwen"))],
+        folder="room-qwen"))
     out.append(Call("long-compile", [script(
         ctx, "loop_bench.py", *long, "--methods", "none", "none+compile", "full", "dynamic+compile",
         "dynamic+sel+compile", "compile-0.5", "--output_dir", ctx.folder("long-compile"))], folder="long-compile"))
