@@ -251,6 +251,28 @@ def test_learn_slack_only_grows_and_replans():
     assert planning.cache.items() != []  # kept: the slack did not grow
 
 
+def test_allocator_retries_grow_the_slack_in_steps_up_to_a_ceiling():
+    """NOTE [Room]: only a steady step with a retry grows the slack, by RETRY_SLACK_SHARE of the
+    budget, never past MAX_RETRY_SLACK_SHARE; each growth drops the cached plans."""
+    from types import SimpleNamespace
+
+    from memfit import learner
+    from memfit.planning import MAX_RETRY_SLACK_SHARE, RETRY_SLACK_SHARE
+
+    budget = 1_000_000
+    planning = Planning(4, [0, 0, 0, 0], budget, margin_bytes=0, bucket_tokens=1, slack_bytes=100)
+    planning.model, planning.static_bytes = _model([16, 32, 64]), 200_000
+    seen = []
+    for warmup, retries in [(True, 3), (False, 0), (False, 1), (False, 2), (False, 1), (False, 1), (False, 1)]:
+        planning.plan_for((4, 60))
+        learner.grow_slack(planning, SimpleNamespace(warmup=warmup, alloc_retries=retries))
+        seen.append((planning.slack_bytes, planning.cache.items() == []))
+    step, ceiling = int(RETRY_SLACK_SHARE * budget), int(MAX_RETRY_SLACK_SHARE * budget)
+    assert seen == [(100, False), (100, False), (100 + step, True), (100 + 2 * step, True), (100 + 3 * step, True),
+                    (ceiling, True), (ceiling, False)]
+    assert Planning(4, [0] * 4, None, margin_bytes=0, bucket_tokens=1).grow_slack() is False  # no budget, no cap
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_a_row_of_plans_equals_the_per_key_plans(seed):
     """NOTE [Planning a row]: the vectorised row gives, bucket by bucket, the very plan the
