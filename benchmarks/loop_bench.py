@@ -338,12 +338,14 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
                 return memfit.methods.Decision(Plan(tuple(range(n)), kinds=("selective",) * n))
 
         ctl = memfit.fit(model, budget=budget, method=_Every(), optimizer=optimizer, treatments=("recompute", "selective"))
-    step_ms, retries = [], [_alloc_retries(torch)]  # retries[k]: the count after k steps
+    step_ms, retries_from = [], None  # the allocator's retry count when the steady steps begin
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     try:
         for i, batch in enumerate(batches):
+            if i == args.steady_from:
+                retries_from = _alloc_retries(torch)
             batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -362,7 +364,6 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
             optimizer.zero_grad(set_to_none=True)
             end.record()
             step_ms.append((start, end))
-            retries.append(_alloc_retries(torch))
     except torch.OutOfMemoryError as err:
         status, note, ooms = "oom", str(err).splitlines()[0][:200], 1
     except Exception as err:  # a configuration that breaks is recorded, the matrix goes on
@@ -378,7 +379,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
         "note": note,
         # allocations served only after the caching allocator released its cache (a device sync
         # each): the cost of running close to a hard cap, counted from the steady steps on
-        "cuda_alloc_retries": retries[-1] - retries[args.steady_from] if len(retries) > args.steady_from else 0,
+        "cuda_alloc_retries": 0 if retries_from is None else _alloc_retries(torch) - retries_from,
     }
     if ctl is not None:
         records = ctl.records
