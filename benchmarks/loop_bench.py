@@ -293,8 +293,8 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
         if plans is None:
             return _no_plans(args, name, budget, repeat)
         ctl = memfit.fit(model, budget=budget, method=_replay(plans), optimizer=optimizer, treatments=MEMFIT_METHODS[name][2])
-    elif _memfit_config(name):
-        method, kwargs, treatments = _memfit_config(name)
+    elif (config := _memfit_config(name)) is not None:
+        method, kwargs, treatments = config
         if kwargs.get("compile"):
             import torch._dynamo
 
