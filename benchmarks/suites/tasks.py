@@ -49,9 +49,10 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
         # At most three budgets a call, so that a call fits the 10 minutes a GPU session allows.
         for i in range(0, len(m["capped"]), 3):
             chunk = m["capped"][i : i + 3]
-            out.append(_call(ctx, f"{name}-capped-{'-'.join(map(str, chunk))}", task, ("dynamic", "oracle", "static"),
-                             chunk, suite.steps, 1, train))
-        if m["fits"]:
+            capped = [x for x in ("dynamic", "oracle", "static") if x in suite.methods]
+            out.append(_call(ctx, f"{name}-capped-{'-'.join(map(str, chunk))}", task, capped, chunk, suite.steps, 1,
+                             train))
+        if m["fits"] and "dynamic" in suite.methods:
             out.append(_call(ctx, f"{name}-fits", task, ("dynamic",), m["fits"], suite.steps, 1, train))
     return out
 
