@@ -527,3 +527,32 @@ def test_the_cuda_meter_reads_the_allocator_once_per_reading(monkeypatch):
     records = _two_steps(model, make_batch, inner, ctl)
     assert len(records) == 2 and reads
     assert len(reads) <= 2 * (4 * len(ctl.blocks) + 8), len(reads)
+
+
+def test_allocator_retries_grow_the_room_reactive_keeps_free(monkeypatch):
+    """NOTE [Room] (planning.py): under ``reactive`` a step the allocator served only by releasing
+    its cache grows the slack by RETRY_SLACK_SHARE of the budget, and the next step's block
+    entries keep it free: that step evicts blocks where the steps before evicted none."""
+    import memfit.planning
+
+    budget = 10**6
+    model, make_batch, inner, ctl, fake = _reactive_on_fake_allocator(monkeypatch, budget)
+    assert ctl.planning.slack_bytes == 0
+    fake.allocated = fake.peak = budget - 40_000  # room for a block's bytes, not for the growth
+    batch = make_batch(2, 8)
+    slacks = []
+    for seed in range(3):
+        torch.manual_seed(seed)
+        model(**batch).loss.backward()
+        fake.retries += int(seed == 1)
+        inner.step()
+        model.zero_grad(set_to_none=True)
+        slacks.append(ctl.planning.slack_bytes)  # a step is learnt when the next one starts
+    torch.manual_seed(3)
+    model(**batch).loss.backward()
+    records = ctl.records
+    ctl.remove()
+    assert [r.alloc_retries for r in records[:3]] == [0, 1, 0]
+    assert slacks == [0, 0, int(memfit.planning.RETRY_SLACK_SHARE * budget)] == [0, 0, ctl.planning.slack_bytes]
+    assert records[0].evicted_blocks == [] == records[1].evicted_blocks
+    assert records[2].evicted_blocks, "the grown slack made no room"

@@ -15,8 +15,9 @@ which the allocator served an allocation only after releasing its cache (a devic
 the cache's memory unmapped and mapped again: CUDA's ``num_alloc_retries``) grows the slack by
 ``RETRY_SLACK_SHARE`` of the budget, up to ``MAX_RETRY_SLACK_SHARE`` of it: plans that fill the
 cap to its last bytes leave the allocator no room for the step's own fragmentation, and a
-release every step costs more than the recompute that leaves it room. Logical accounting has
-no allocator: its slack is 0.
+release every step costs more than the recompute that leaves it room. ``reactive`` has no plans
+but the same rule: each block entry keeps the slack free. Logical accounting has no allocator:
+its slack is 0.
 
 # NOTE [Plan for the longest shape seen]
 A plan serves every shape of its bucket (tokens rounded up to ``bucket_tokens``) up to the

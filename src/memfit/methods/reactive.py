@@ -16,6 +16,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from memfit import learner
 from memfit.methods.base import Decision, Method
 from memfit.planner import Plan
 from memfit.protection import Eviction, Protection
@@ -23,6 +24,7 @@ from memfit.shapes import bucket_key
 
 if TYPE_CHECKING:
     from memfit.accounting import SavedTensorCounter
+    from memfit.learner import StepOutcome
     from memfit.planning import Planning
     from memfit.store import ReactiveStore
 
@@ -57,3 +59,9 @@ class Reactive(Method):
         level = max((lv for (n, t), lv in self._escalation.items() if n == key[0] and t <= bucket[1]), default=0)
         first = min(planning.n_blocks, math.ceil(level * planning.n_blocks / 4))
         return Decision(Plan(tuple(range(first))), count=level > 0)
+
+    def learn(self, planning: "Planning", outcome: "StepOutcome") -> int | None:
+        """No model to learn; a step the allocator served only by releasing its cache grows the
+        slack that every block entry keeps free (NOTE [Room], planning.py)."""
+        learner.grow_slack(planning, outcome)
+        return None
