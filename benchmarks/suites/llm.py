@@ -36,7 +36,7 @@ SUITE = Suite(
           "the same with compiled selective (dynamic+sel+compile) and eager static, for full FT and LoRA (until "
           "2026-11-24 without static); compile-loss: compiled selective with the model's loss function compiled "
           "and left eager, full FT at half of none's peak; room-long, room-qwen: dynamic (its slack grown by allocator "
-          "retries) against dynamic with a 15% margin, long context and Qwen at 0.7; long, long-compile: the long-context row, eager methods and peers, then "
+          "retries) against dynamic with a 15% margin, long context and Qwen at 0.7; room-reactive: reactive (the same rule) on Qwen at 0.7; long, long-compile: the long-context row, eager methods and peers, then "
           "memfit's compiled methods against the compile peer, each beside uncapped none and full recompute; "
           "benchmarks/loop_bench.py",
 )
@@ -109,6 +109,10 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
         ctx, "loop_bench.py", *setups["qwen"], *common, "--budgets", 0.7, "--repeats", suite.repeats, "--methods",
         "none", "static", "dynamic", "dynamic@0.15", "--time_limit_s", 400, "--output_dir", ctx.folder("room-qwen"))],
         folder="room-qwen"))
+    out.append(Call("room-reactive", [script(
+        ctx, "loop_bench.py", *setups["qwen"], *common, "--budgets", 0.7, "--repeats", suite.repeats, "--methods",
+        "none", "dynamic", "reactive", "--time_limit_s", 400, "--output_dir", ctx.folder("room-reactive"))],
+        folder="room-reactive"))
     out.append(Call("long-compile", [script(
         ctx, "loop_bench.py", *long, "--methods", "none", "none+compile", "full", "dynamic+compile",
         "dynamic+sel+compile", "compile-0.5", "--output_dir", ctx.folder("long-compile"))], folder="long-compile"))
