@@ -313,3 +313,37 @@ def test_compiled_selective_budget_must_be_a_share_below_one(bad):
         memfit.fit(model, budget=None, method="dynamic", treatments=("recompute", "selective"),
                    compile={"activation_memory_budget": bad}, announce=False)
     assert "forward" not in model.model.layers[0].__dict__  # nothing left wrapped
+
+
+@pytest.mark.parametrize("takes_limit", [True, False])
+def test_both_compilations_of_a_lora_block_stay_compiled_under_a_limit_enough_for_one(monkeypatch, takes_limit):
+    """NOTE [Recompile limit]: under LoRA the first block's input needs no gradient and the
+    others' do, so one compilation of the body has two variants and memfit's two (keep and
+    selective) have four; with Dynamo's limit at 2, enough for one compilation, all four are
+    still compiled, none run eagerly. A torch.compile that takes no ``recompile_limit`` gets
+    Dynamo's config raised while the blocks are wrapped, and put back after."""
+    import torch._dynamo
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    if not takes_limit:
+        monkeypatch.setattr(memfit.blocks, "_compile_takes_limit", lambda: False)
+    elif not memfit.blocks._compile_takes_limit():
+        pytest.skip("this torch.compile takes no recompile_limit")
+    with torch._dynamo.config.patch(recompile_limit=2):
+        torch.manual_seed(0)
+        model, make_batch = build_decoder("llama", lora=True)
+        model.train()
+        method = _Fixed(Plan((0,), kinds=("selective",)))  # block 0 (input without grad) selective, the rest kept
+        ctl = memfit.fit(model, budget=None, method=method, treatments=("recompute", "selective"),
+                         compile={**INDUCTOR, "loss": False}, announce=False)
+        limits = []
+        for plan in (method.plan, Plan((1,), kinds=("selective",))):  # then block 0 kept, block 1 selective
+            method.plan = plan
+            torch.manual_seed(0)
+            model(**make_batch(2, 9)).loss.backward()
+            limits.append(torch._dynamo.config.recompile_limit)
+        variants = len(_debug_get_cache_entry_list(ctl.blocks[0]._eager_body.__code__))
+        ctl.remove()
+        after = torch._dynamo.config.recompile_limit
+    assert variants == 4
+    assert limits == [2 if takes_limit else 4] * 2 and after == 2

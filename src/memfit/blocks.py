@@ -60,6 +60,18 @@ whose float32 upcast and softmax are recomputed in backward rather than kept; gr
 those of the same model compiled the same way without memfit. ``remove()`` puts the model's
 own loss function back.
 
+# NOTE [Recompile limit]
+Dynamo keeps the compiled variants of one code object in one list, shared by every
+``torch.compile`` of it, and once the list holds ``recompile_limit`` entries it runs the frame
+eagerly for any new variant: here an eager block, which saves what the plans never priced (more
+memory, more time, an OOM). A block's body has a variant per input guard (under LoRA or frozen
+embeddings the first block's input needs no gradient and the others' do; a first length
+compiled static, then the length dynamic), and memfit compiles the body twice (``selective``'s
+second compilation), which doubles them. So memfit's compilations of a block's body get twice
+the limit the user's own compile would have (their ``recompile_limit`` option, else Dynamo's
+config): passed to ``torch.compile`` where it takes one, else Dynamo's config raised to it while
+the blocks are wrapped, and put back when they are unwrapped (if nothing changed it since).
+
 # NOTE [Switch is read at call time]
 The wrapper replaces the block's ``forward`` on the *instance* (the class is untouched) and
 reads its ``treatment`` (treatments.py) every call, so a plan can change between steps without
@@ -72,6 +84,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import re
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -98,6 +111,30 @@ MEMFIT_COMPILE_KEYS = ("activation_memory_budget", "loss")
 
 def _torch_compile_kwargs(options: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if k not in MEMFIT_COMPILE_KEYS}
+
+
+#: how many times memfit compiles a block's body: plain, and under the activation budget
+COMPILATIONS = 2
+
+
+def _compile_takes_limit() -> bool:
+    return "recompile_limit" in inspect.signature(torch.compile).parameters
+
+
+def _with_recompile_limit(options: dict[str, Any]) -> tuple[dict[str, Any], tuple[int, int] | None]:
+    """``options`` with the recompile limit memfit's compilations of a block's body need (NOTE
+    [Recompile limit]), and, on a torch whose ``torch.compile`` takes none, Dynamo's limit
+    before and after memfit raised it instead (None where it did not)."""
+    import torch._dynamo
+
+    limit = COMPILATIONS * (options.get("recompile_limit") or torch._dynamo.config.recompile_limit)
+    if _compile_takes_limit():
+        return {**options, "recompile_limit": limit}, None
+    before = torch._dynamo.config.recompile_limit
+    if before >= limit:
+        return options, None
+    torch._dynamo.config.recompile_limit = limit
+    return options, (before, limit)
 
 
 class _LossHandle:
@@ -237,6 +274,8 @@ class Block:
         self.compiled = False
         #: whether the body draws random numbers (measured once, by the probe of a compiled block)
         self.draws_random: bool | None = None
+        #: Dynamo's recompile limit before and after wrapping raised it (NOTE [Recompile limit])
+        self.raised_limit: tuple[int, int] | None = None
 
     def compile(self, options: dict[str, Any], lean: tuple[Any, dict[str, Any]]) -> None:
         """Run the body compiled by ``torch.compile(**options)``, and ``selective`` a second
@@ -431,9 +470,7 @@ def wrap_blocks(
     Raises:
         ValueError: if a module is already wrapped, or HF gradient checkpointing is on.
     """
-    wrapped = []
-    lean = _budgeted_backend(compile) if compile is not None else None
-    for i, (name, module) in enumerate(named_blocks):
+    for name, module in named_blocks:
         if isinstance(module.__dict__.get("forward"), Block):
             raise ValueError(f"block {name} is already wrapped by memfit; call remove() on the old controller")
         if getattr(module, "gradient_checkpointing", False) and not allow_hf_checkpointing:
@@ -442,7 +479,14 @@ def wrap_blocks(
                 "checkpoint: call model.gradient_checkpointing_disable() (or drop "
                 "--gradient_checkpointing) and use method 'full' for the same effect"
             )
+    raised = None
+    if compile is not None:
+        compile, raised = _with_recompile_limit(compile)
+    lean = _budgeted_backend(compile) if compile is not None else None
+    wrapped = []
+    for i, (name, module) in enumerate(named_blocks):
         block = Block(i, name, module)
+        block.raised_limit = raised
         if lean is not None:
             block.compile(compile, lean)
         module.forward = block
@@ -467,7 +511,16 @@ def fingerprint(named_blocks: list[tuple[str, nn.Module]]) -> str:
 
 
 def unwrap_blocks(blocks: list[Block]) -> None:
-    """Restore every module's own ``forward``."""
+    """Restore every module's own ``forward``, and Dynamo's recompile limit if wrapping them
+    raised it and nothing changed it since (NOTE [Recompile limit])."""
     for block in blocks:
         if block.module.__dict__.get("forward") is block:
             del block.module.forward
+    raised = blocks[0].raised_limit if blocks else None
+    if raised is not None:
+        import torch._dynamo
+
+        if torch._dynamo.config.recompile_limit == raised[1]:
+            torch._dynamo.config.recompile_limit = raised[0]
+        for block in blocks:
+            block.raised_limit = None
