@@ -28,7 +28,7 @@ SUITE = Suite(
     notes="at the half-layers budget none (uncapped), dynamic, the oracle and reactive run `repeats` times "
           "interleaved, static, full and the peers once (and auto-batch, Accelerate's --auto_find_batch_size, on "
           "token-classification: it changes the batch size, read it apart); at the other capped budgets dynamic, "
-          "the oracle and static once; where none fits, dynamic once",
+          "the oracle and static once; where none fits, dynamic once beside an uncapped none",
 )
 QUICK = SUITE.replace(methods=("none", "dynamic"), peers=(), budgets={"text-classification": (0.05,)}, repeats=1, steps=2)
 
@@ -52,8 +52,9 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
             capped = [x for x in ("dynamic", "oracle", "static") if x in suite.methods]
             out.append(_call(ctx, f"{name}-capped-{'-'.join(map(str, chunk))}", task, capped, chunk, suite.steps, 1,
                              train))
-        if m["fits"] and "dynamic" in suite.methods:
-            out.append(_call(ctx, f"{name}-fits", task, ("dynamic",), m["fits"], suite.steps, 1, train))
+        if m["fits"] and "dynamic" in suite.methods:  # with its own uncapped none to compare with
+            fits = [x for x in ("none", "dynamic") if x in suite.methods]
+            out.append(_call(ctx, f"{name}-fits", task, fits, m["fits"], suite.steps, 1, train))
     return out
 
 
