@@ -34,7 +34,7 @@ SUITE = Suite(
           "(its OOM replays per 1,000 steps); compile: memfit with compiled blocks (none+compile, dynamic+compile, "
           "full+compile) against the compile peer, repeats in one call until its 520 s limit; compile-sel-*: "
           "the same with compiled selective (dynamic+sel+compile) and eager static, for full FT and LoRA (until "
-          "2026-11-24 without static); compile-loss: compiled selective with the model's loss function compiled "
+          "2026-11-24 without static); compile-sel-lora-half: its LoRA cells at 0.5 without static; compile-loss: compiled selective with the model's loss function compiled "
           "and left eager, full FT at half of none's peak; room-long, room-qwen: dynamic (its slack grown by allocator "
           "retries) against dynamic with a 15% margin, long context and Qwen at 0.7; room-reactive: reactive (the same rule) on Qwen at 0.7; long, long-compile: the long-context row, eager methods and peers, then "
           "memfit's compiled methods against the compile peer, each beside uncapped none and full recompute; "
@@ -82,6 +82,11 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
             "--methods", "none", "none+compile", "static", "dynamic+compile", "dynamic+sel+compile",
             "compile-0.5",
             "--time_limit_s", 520, "--output_dir", ctx.folder(f"compile-sel-{name}"))], folder=f"compile-sel-{name}"))
+    # LoRA at half of none's peak alone, without static: a shorter rerun of compile-sel-lora's 0.5 cells
+    out.append(Call("compile-sel-lora-half", [script(
+        ctx, "loop_bench.py", *setups["lora"], *common, "--budgets", 0.5, "--repeats", suite.repeats, "--methods",
+        "none", "none+compile", "dynamic+compile", "dynamic+sel+compile", "compile-0.5", "--time_limit_s", 420,
+        "--output_dir", ctx.folder("compile-sel-lora-half"))], folder="compile-sel-lora-half"))
     # what compiling the model's loss function is worth: compiled selective with and without it
     out.append(Call("compile-loss", [script(
         ctx, "loop_bench.py", *setups["ft"], *common, "--budgets", 0.5, "--repeats", suite.repeats,
