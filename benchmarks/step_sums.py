@@ -17,6 +17,7 @@ backbone, or ``--model``.
 
 Usage:
     python benchmarks/step_sums.py benchmarks/results/nvidia-h200/detection --model swin-base
+    python benchmarks/step_sums.py benchmarks/results/nvidia-h200/detection --model swin-base --calls swinb-35.49GB-r0
     python benchmarks/step_sums.py RAW/swinb-a/swin-base/repeats RAW/swinb-b/swin-base/repeats
 """
 
@@ -47,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("folders", type=Path, nargs="+",
                    help="folders with a results.jsonl, pooled: e.g. the same matrix run in two calls")
     p.add_argument("--model", help="only results whose model contains this (a published folder of several backbones)")
+    p.add_argument("--calls", nargs="+", help="only results of these calls of a published folder (their step records "
+                                               "are runs/CALL.*)")
     p.add_argument("--from_step", type=int, default=21, help="first step of the late sum (1-based)")
     p.add_argument("--method", default="dynamic")
     p.add_argument("--against", default="static")
@@ -57,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"{folder}: no results.jsonl; give a published folder or a repeats folder (.../swin-base/repeats)")
         for result in read_jsonl(folder / "results.jsonl"):
             if args.model and args.model not in result["model"]:
+                continue
+            if args.calls and not any(result.get("steps_file", "").startswith(f"runs/{c}.") for c in args.calls):
                 continue
             records = _records(folder, result["steps_file"]) if result.get("steps_file") else []
             runs.setdefault((result["method"], result.get("budget_bytes")), []).append((result, records))
