@@ -33,6 +33,6 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
     return [Call(f"r{r}", [script(ctx, "engine_bench.py", "--output_dir", ctx.folder("gpu"), "--phase", "runs",
                                   "--schedule", "adversarial", "--jump_every", 250, "--steps", suite.steps,
                                   "--batch_size", 16, "--budgets", *gb(suite.budgets), "--max_ooms", 200,
-                                  "--methods", *methods, "--repeats", 1, "--first_repeat", r, "--gpu_warmup_s", 2)],
+                                  "--methods", *methods, "--repeats", 1, "--first_repeat", r, "--gpu_warmup_s", 2, "--prime")],
                  folder="gpu")
             for r in range(suite.repeats)]
