@@ -315,6 +315,14 @@ def test_compiled_selective_budget_must_be_a_share_below_one(bad):
     assert "forward" not in model.model.layers[0].__dict__  # nothing left wrapped
 
 
+@pytest.mark.parametrize("bad", [0, 2.5, "many", True])
+def test_recompile_limit_must_be_a_whole_number_from_one(bad):
+    model, _ = build_decoder("llama")
+    with pytest.raises(ValueError, match="recompile_limit"):
+        memfit.fit(model, budget=None, method="dynamic", compile={"recompile_limit": bad}, announce=False)
+    assert "forward" not in model.model.layers[0].__dict__  # nothing left wrapped
+
+
 @pytest.mark.parametrize("takes_limit", [True, False])
 def test_both_compilations_of_a_lora_block_stay_compiled_under_a_limit_enough_for_one(monkeypatch, takes_limit):
     """NOTE [Recompile limit]: under LoRA the first block's input needs no gradient and the

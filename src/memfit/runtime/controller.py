@@ -93,8 +93,8 @@ def _run_options(
     [Compiled blocks]).
 
     Raises:
-        ValueError: an ``activation_memory_budget`` outside [0, 1), a ``loss`` that is not a
-            bool; ``selective`` with a backend other than inductor (NOTE [Compiled blocks]).
+        ValueError: an ``activation_memory_budget`` outside [0, 1), a ``recompile_limit``
+            that is not a whole number from 1, a ``loss`` that is not a bool; ``selective`` with a backend other than inductor (NOTE [Compiled blocks]).
     """
     if compile is False or compile is None:
         return run_treatment_names(treatments or ()), None
@@ -106,6 +106,12 @@ def _run_options(
         raise ValueError(
             f"compile's activation_memory_budget {budget!r} is the share of a compiled block's activations "
             "'selective' keeps: give a number from 0 up to, not including, 1"
+        )
+    limit = options.get("recompile_limit")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(
+            f"compile's recompile_limit {limit!r} is how many variants of a block's body Dynamo compiles before it "
+            "runs them eagerly: give a whole number from 1, or leave it out"
         )
     if not isinstance(options.get("loss", True), bool):
         raise ValueError(
