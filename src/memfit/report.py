@@ -529,6 +529,13 @@ def _wrap(title: str) -> str:
     return "\n".join(textwrap.fill(line, 100) for line in title.split("\n"))
 
 
+def _legend(ax: Any) -> None:
+    """A legend of at most 8 rows: a matrix of many methods and budgets gets more columns, not a
+    legend taller than its axes."""
+    entries = len(ax.get_legend_handles_labels()[0])
+    ax.legend(fontsize=8 if entries <= 8 else 7, ncol=-(-entries // 8))
+
+
 def _color(method: str, methods: Sequence[str]) -> str:
     return f"C{methods.index(method) % 10}"
 
@@ -561,7 +568,7 @@ def _plot_time_vs_budget(key: _TableKey, rows: Sequence[_Row], ref: _Row | None,
     ax.set_ylabel("median total time (s)")
     ax.set_title(_wrap(f"Time vs budget\n{key.title()}"), fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _legend(ax)
     _save(fig, path)
 
 
@@ -601,7 +608,7 @@ def _plot_peak_vs_tokens(group: str, runs: Sequence[_StepRun], path: Path) -> No
         ax.set_title(f"budget {_budget_text(budget)}", fontsize=10)
         ax.set_xlabel("input size (tokens per micro-batch)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _legend(ax)
     accounting = ", ".join(sorted({r.summary.accounting for r in runs}))
     axes[0].set_ylabel(f"peak allocated per step (GiB, {accounting} accounting)")
     fig.suptitle(_wrap(f"Peak memory vs input size\n{group}"), fontsize=11)
@@ -636,7 +643,7 @@ def _plot_memory_count(group: str, runs: Sequence[_StepRun], path: Path) -> None
     bottom.set_xlabel("input size (tokens per micro-batch)")
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _legend(ax)
     fig.suptitle(_wrap(f"memory_count: steps and largest peak per input size\n{group}"), fontsize=11)
     _save(fig, path)
 
