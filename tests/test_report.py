@@ -317,3 +317,12 @@ def test_treatment_mix_per_input_size(tmp_path):
     assert [by_size["100-233"][k] for k in ("steps", "recompute", "selective", "offload", "kept")] == ["2", "0.0", "0.0", "0.0", "4.0"]
     assert [by_size["368-501"][k] for k in ("steps", "selective", "kept")] == ["2", "2.5", "1.5"]
     assert [by_size["770-903"][k] for k in ("recompute", "selective", "offload", "kept")] == ["1.0", "2.0", "1.0", "0.0"]
+
+
+def test_each_of_twenty_methods_gets_its_own_colour():
+    from matplotlib.colors import to_hex
+
+    from memfit.report import _color
+
+    methods = [f"m{i}" for i in range(20)]
+    assert len({to_hex(_color(m, methods)) for m in methods}) == 20

@@ -536,8 +536,13 @@ def _legend(ax: Any) -> None:
     ax.legend(fontsize=8 if entries <= 8 else 7, ncol=-(-entries // 8))
 
 
-def _color(method: str, methods: Sequence[str]) -> str:
-    return f"C{methods.index(method) % 10}"
+def _color(method: str, methods: Sequence[str]) -> Any:
+    """One colour per method of a plot: matplotlib's ten, then the ten lighter shades of tab20
+    (a suite's group compares up to twenty methods)."""
+    import matplotlib
+
+    i = methods.index(method) % 20
+    return f"C{i}" if i < 10 else matplotlib.colormaps["tab20"](2 * (i - 10) + 1)
 
 
 def _plot_time_vs_budget(key: _TableKey, rows: Sequence[_Row], ref: _Row | None, path: Path) -> None:
