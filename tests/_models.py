@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 VOCAB = 97
@@ -85,17 +86,27 @@ def build_decoder(arch: str, lora: bool = False):
         "mistral": lambda: tf.MistralConfig(**d),
         "gemma2": lambda: tf.Gemma2Config(**d, head_dim=16, query_pre_attn_scalar=16, sliding_window=16, pad_token_id=0),
         "phi3": lambda: tf.Phi3Config(**d, resid_pdrop=0.1, embd_pdrop=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        "qwen3": lambda: tf.Qwen3Config(**d, head_dim=16),
+        "gemma3": lambda: tf.Gemma3TextConfig(**d, head_dim=16, query_pre_attn_scalar=16, sliding_window=16, pad_token_id=0),
+        # mixture of experts: which experts run, and so what a block saves, depends on the routing
+        "qwen3_moe": lambda: tf.Qwen3MoeConfig(**d, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
     }
-    model = tf.AutoModelForCausalLM.from_config(configs[arch]())
+    try:
+        config = configs[arch]()
+    except AttributeError:  # a family newer than the installed transformers
+        pytest.skip(f"transformers {tf.__version__} has no {arch}")
+    model = tf.AutoModelForCausalLM.from_config(config)
     if lora:
         import peft
 
-        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules="all-linear", init_lora_weights=False)
+        # peft's LoRA of fused expert weights takes no dropout: adapt a mixture's attention
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj"] if arch.endswith("_moe") else "all-linear"
+        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=targets, init_lora_weights=False)
         model = peft.get_peft_model(model, config)
     return model, lambda n, s: _text_batch(n, s, "lm")
 
 
-DECODER_ARCHS = ["llama", "qwen2", "mistral", "gemma2", "phi3"]
+DECODER_ARCHS = ["llama", "qwen2", "mistral", "gemma2", "phi3", "qwen3", "gemma3", "qwen3_moe"]
 
 
 class InjectOOM:
