@@ -154,7 +154,7 @@ def bench(build, steps: int, repeats: int, learn_every: int) -> dict:
             method = _method(name)
             for key in schedule[:steps]:
                 per_step.append(_time_us(lambda: method.decide(planning, key)))
-                n_checkpointed.append(len(method.decide(planning, key).blocks))
+                n_checkpointed.append(len(method.decide(planning, key).plan.blocks))
             planning, schedule = build(budget)
             method = _method(name)
             for i, key in enumerate(schedule[:steps]):

@@ -161,3 +161,16 @@ def test_quick_soak_publishes_the_canonical_folder(tmp_path):
     before = {p: (out / p).read_bytes() for p in published if not p.startswith("report/") and p != "SOURCE.md"}
     assert run_suite.main(["soak", "--publish", str(raw), "--out", str(out)]) == 0
     assert before == {p: (out / p).read_bytes() for p in before}
+
+
+def test_planner_bench_times_the_planner_on_each_model():
+    spec = importlib.util.spec_from_file_location("planner_bench", ROOT / "benchmarks" / "planner_bench.py")
+    planner_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(planner_bench)
+    for name, build in planner_bench.MODELS.items():
+        out = planner_bench.bench(build, steps=20, repeats=1, learn_every=3)
+        for method in ("dynamic", "static"):
+            r = out[method]
+            assert 0 < r["mean_checkpointed"] < r["n_blocks"], (name, method, r)  # the budget binds part of the stack
+            assert r["cache_hit_us"]["median"] > 0 and r["new_bucket_us"]["median"] > 0, (name, method, r)
+        assert out["dynamic"]["mean_checkpointed"] < out["static"]["mean_checkpointed"], name
