@@ -74,6 +74,11 @@ def load(name: str):
     return importlib.import_module(f"suites.{name.replace('-', '_')}")
 
 
+def _cpu_quick() -> list[str]:
+    """The suites whose ``--quick`` runs without CUDA."""
+    return [n for n in suite_names() if not getattr(load(n), "SUITE").quick_needs_cuda]
+
+
 def device_slug(name: str) -> str:
     """``NVIDIA H100 80GB HBM3`` -> ``nvidia-h100``: the device's name without memory size and type."""
     words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w and not re.fullmatch(r"\d+gb|hbm\w*", w)]
@@ -406,8 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         machine = _machine(suite)
         slug = machine["slug"]
-        if suite.needs_cuda and not machine["cuda"] and not args.quick:
-            raise SystemExit(f"run_suite: {suite.name} needs CUDA (--quick checks its path here)")
+        if suite.needs_cuda and not machine["cuda"] and (not args.quick or suite.quick_needs_cuda):
+            raise SystemExit(f"run_suite: {suite.name} needs CUDA" + (
+                f" (its scripts run on a CUDA device only, --quick too; on CPU, --quick checks {', '.join(_cpu_quick())})"
+                if suite.quick_needs_cuda else " (--quick checks its path here)"))
         if suite.gpus > 1 and machine["gpus"] < suite.gpus and not args.quick:
             raise SystemExit(f"run_suite: {suite.name} needs {suite.gpus} GPUs, this machine has {machine['gpus']}")
         raw = args.raw or (quick / "raw" if args.quick else ROOT / "runs" / "raw") / slug / suite.name

@@ -174,3 +174,11 @@ def test_planner_bench_times_the_planner_on_each_model():
             assert 0 < r["mean_checkpointed"] < r["n_blocks"], (name, method, r)  # the budget binds part of the stack
             assert r["cache_hit_us"]["median"] > 0 and r["new_bucket_us"]["median"] > 0, (name, method, r)
         assert out["dynamic"]["mean_checkpointed"] < out["static"]["mean_checkpointed"], name
+
+
+def test_a_suite_whose_quick_path_needs_cuda_says_so_on_cpu(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_suite, "_machine", lambda suite: {"cuda": False, "gpus": 0, "slug": "cpu"})
+    with pytest.raises(SystemExit, match=r"llm needs CUDA .*--quick too; on CPU, --quick checks .*detection") as err:
+        run_suite.main(["llm", "--quick", "--raw", str(tmp_path / "raw"), "--out", str(tmp_path / "out")])
+    assert "llm" not in str(err.value).split("checks", 1)[1].split(", ")  # not offered as a CPU check
+    assert not (tmp_path / "raw").exists() and not (tmp_path / "out").exists()  # nothing ran, nothing written

@@ -63,6 +63,8 @@ class Suite:
     """GPUs the suite needs: 0 runs on CPU (logical accounting), 2 for the DDP suite."""
     needs_cuda: bool = True
     """The full suite needs CUDA (``QUICK`` may still run on CPU)."""
+    quick_needs_cuda: bool = False
+    """``QUICK`` needs CUDA too (its scripts run on a CUDA device only)."""
     carry: tuple[str, ...] = ()
     """What an offline GPU machine needs from ``benchmarks/carry.sh`` (``tokenizer``, ``minilm``,
     ``data``, ``wheels``); the runner installs carried wheels itself."""

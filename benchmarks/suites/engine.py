@@ -12,6 +12,7 @@ SUITE = Suite(
     budgets=(4, 6, 8),
     repeats=2,
     steps=200,
+    quick_needs_cuda=True,
     notes="full runs at the middle budget only (its plan does not depend on the budget); oracle: per budget, a "
           "sweep under the same cap finds for every 16-token bucket the fewest first-k checkpointed layers whose "
           "two steps leave 3% of the budget free; those plans run as precomputed; overhead: the same model, "

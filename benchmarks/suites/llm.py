@@ -23,6 +23,7 @@ SUITE = Suite(
     budgets={"ft": (0.5, 0.7), "lora": (0.5, 0.7), "qwen": (0.5, 0.7), "long": (0.5,)},
     repeats=3,
     steps=40,
+    quick_needs_cuda=True,
     carry=("wheels",),
     notes="budgets are shares of uncapped none's peak, measured in each call; plain and none run uncapped; steady "
           "time is the median step from step 8 on; memfit methods run through run_step (an OOM replays the step); "
