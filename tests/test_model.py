@@ -419,6 +419,7 @@ def test_curve_values_are_each_curves_own_values_bit_for_bit():
         Curve(intercept=True, floor=None),
         Curve(),
         Curve(intercept=True),
+        Curve(intercept=True, linear_until=6, envelope=False),  # a price (NOTE [Central prices])
     ]
     for curve in curves[1:]:
         for t in rng.sample(range(8, 500), 3 if curve.linear_until else 7):
@@ -507,3 +508,33 @@ def test_split_gives_a_new_group_a_copy_of_its_old_groups_curves():
     assert model.activation_bytes((2, 8)) == pytest.approx(3 * 100.0 + 7.0)
     with pytest.raises(ValueError, match="merge"):
         model.split([0, 0, 0, 2])
+
+
+def test_a_price_is_the_least_squares_line_of_each_keys_fastest_sample():
+    """NOTE [Central prices]: a treatment's time curve is fitted through its samples, not above
+    them, keeps a key's smallest sample, and is a line in tokens until six keys are seen."""
+    import numpy as np
+
+    from memfit.model import BlockGroupModel
+
+    group = BlockGroupModel()
+    noisy = {(8, 961): 0.713, (8, 1206): 1.029, (8, 1868): 0.147}  # one H200 repeat's selective prices
+    for key, ms in noisy.items():
+        group.selective_ms.add(key, ms)
+    group.selective_ms.add((8, 1206), 1.5)  # a slower run at a key seen: the faster stays
+    tokens = np.array([n * t for n, t in noisy], dtype=float)
+    line = np.polyfit(tokens, list(noisy.values()), 1)
+    for (n, t), x in zip(noisy, tokens):
+        assert group.selective_ms((n, t)) == pytest.approx(max(0.0, np.polyval(line, x)), abs=1e-9)
+    assert group.selective_ms((8, 1206)) < 1.029  # through the noise, not above it
+    envelope = Curve(intercept=True)  # what a size gets: above every sample
+    for key, ms in noisy.items():
+        envelope.add(key, ms)
+    assert envelope((8, 1206)) >= 1.029 - 1e-9
+    # round trip, and a file written before prices were central loads them central
+    again = BlockGroupModel.from_dict(group.to_dict())
+    assert not again.selective_ms.envelope and again.full_bytes.envelope
+    old = group.to_dict()
+    for curve in old.values():
+        curve.pop("envelope")
+    assert not BlockGroupModel.from_dict(old).cost_ms.envelope and BlockGroupModel.from_dict(old).full_bytes.envelope

@@ -65,9 +65,17 @@ and back in backward that the neighbouring blocks' compute does not hide, from t
 measured bandwidth (runtime/probe.py).
 
 # NOTE [Upper envelope]
-Least squares under-predicts half of its samples. Every fitted curve here is shifted up by
+Least squares under-predicts half of its samples. Every fitted curve of bytes is shifted up by
 its largest positive residual, so it bounds every sample it was fitted on; out-of-sample
 errors are caught by the margin (NOTE [Room] in planning.py).
+
+# NOTE [Central prices]
+The time curves (``cost_ms``, ``selective_ms``) only rank treatments against each other, and
+bound nothing: they are plain least squares (no shift), keep the smallest of a key's samples
+(a timing's noise only adds), and fit a line in tokens until six keys are seen. A shifted
+quadratic through the three warm-up samples of a few-millisecond price interpolates their
+noise: on an H200 one repeat priced a block's selective recompute at 1.03 ms where the
+others priced it at 0.3-0.5 ms, took whole-block recompute instead, and ran 10% slower.
 """
 
 from __future__ import annotations
@@ -162,7 +170,8 @@ def _min_norm_solve(gram: list[list[float]], rhs: list[float]) -> list[float]:
 
 @dataclass
 class Curve:
-    """A non-negative upper-envelope fit of ``y`` on the shape features (NOTE [Upper envelope])."""
+    """A non-negative upper-envelope fit of ``y`` on the shape features (NOTE [Upper envelope]);
+    with ``envelope`` False, a least-squares fit of each key's smallest ``y`` (NOTE [Central prices])."""
 
     intercept: bool = False
     #: lowest value returned (None: may be negative, as a transient can be)
@@ -173,13 +182,15 @@ class Curve:
     shift: float = 0.0
     #: fit a line in tokens (with intercept) until this many distinct keys are seen (0: never)
     linear_until: int = 0
+    #: shift the fit above every sample and keep each key's largest y (False: NOTE [Central prices])
+    envelope: bool = True
     _quadratic: bool = field(default=True, init=False, repr=False)
     #: values already computed per key, dropped on every new sample (the planner asks for
     #: the same key many times)
     _memo: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        #: the largest y per distinct key: what the fit uses (kept as samples arrive)
+        #: the largest y per distinct key (the smallest without ``envelope``): what the fit uses
         self._by_key: dict[tuple[int, int], float] = {}
         #: sums of the normal equations over the distinct keys, on the slots (1, N, N·T, N·T²):
         #: Σ u·uᵀ, Σ u·y, and each slot's largest |u| (NOTE [Refit in Python])
@@ -194,7 +205,7 @@ class Curve:
 
     def _keep(self, key: tuple[int, int], y: float) -> None:
         old = self._by_key.get(key)
-        if old is not None and y <= old:
+        if old is not None and (y <= old if self.envelope else y >= old):
             return
         n, t = float(key[0]), float(key[1])
         u = (1.0, n, n * t, n * t * t)
@@ -233,7 +244,8 @@ class Curve:
         for i, c in zip(slots, coef):
             full[i] = c
         c0, c1, c2, c3 = full
-        self.shift = max(0.0, max(y - (c0 + n * (c1 + t * (c2 + c3 * t))) for (n, t), y in self._by_key.items()))
+        residuals = (y - (c0 + n * (c1 + t * (c2 + c3 * t))) for (n, t), y in self._by_key.items())
+        self.shift = max(0.0, max(residuals)) if self.envelope else 0.0
 
     def __call__(self, key: tuple[int, int]) -> float:
         value = self._memo.get(key)
@@ -313,14 +325,15 @@ class Curve:
     def to_dict(self) -> dict:
         return {
             "intercept": self.intercept, "floor": self.floor, "linear_until": self.linear_until,
-            "xs": [list(k) for k in self.xs], "ys": self.ys,
+            "envelope": self.envelope, "xs": [list(k) for k in self.xs], "ys": self.ys,
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Curve":
+    def from_dict(cls, data: dict, envelope: bool = True) -> "Curve":
+        """The curve of :meth:`to_dict`; ``envelope`` where ``data`` (an older file) does not say."""
         return cls(
             data["intercept"], data.get("floor", 0.0), [tuple(k) for k in data["xs"]], list(data["ys"]),
-            linear_until=data.get("linear_until", 0),
+            linear_until=data.get("linear_until", 0), envelope=data.get("envelope", envelope),
         )
 
 
@@ -355,6 +368,11 @@ def curve_values(curves: Sequence[Curve], n: int, ts: np.ndarray) -> np.ndarray:
     return value
 
 
+def _price_curve() -> Curve:
+    """A curve of a treatment's time (NOTE [Central prices])."""
+    return Curve(intercept=True, linear_until=6, envelope=False)
+
+
 @dataclass
 class BlockGroupModel:
     """Model of one group of identical blocks: bytes kept on the device under each treatment,
@@ -364,12 +382,12 @@ class BlockGroupModel:
     full_bytes: Curve = field(default_factory=Curve)
     #: recomputed: its inputs
     kept_bytes: Curve = field(default_factory=Curve)
-    #: the forward's time: what a recompute costs
-    cost_ms: Curve = field(default_factory=lambda: Curve(intercept=True))
+    #: the forward's time: what a recompute costs (NOTE [Central prices])
+    cost_ms: Curve = field(default_factory=lambda: _price_curve())
     #: selective: inputs and the matmul/attention outputs
     selective_bytes: Curve = field(default_factory=Curve)
     #: selective: the time of recomputing the rest
-    selective_ms: Curve = field(default_factory=lambda: Curve(intercept=True))
+    selective_ms: Curve = field(default_factory=lambda: _price_curve())
     #: offloaded: the saved tensors too small to move
     offload_bytes: Curve = field(default_factory=Curve)
 
@@ -378,10 +396,11 @@ class BlockGroupModel:
 
     @classmethod
     def from_dict(cls, data: dict) -> "BlockGroupModel":
-        return cls(**{k: Curve.from_dict(v) for k, v in data.items() if k in _GROUP_CURVES})
+        return cls(**{k: Curve.from_dict(v, envelope=k not in _PRICE_CURVES) for k, v in data.items() if k in _GROUP_CURVES})
 
 
 _GROUP_CURVES = ("full_bytes", "kept_bytes", "cost_ms", "selective_bytes", "selective_ms", "offload_bytes")
+_PRICE_CURVES = ("cost_ms", "selective_ms")
 _RECOMPUTE, _SELECTIVE, _OFFLOAD = "recompute", "selective", "offload"
 
 
