@@ -277,3 +277,42 @@ def test_recompute_is_at_hand_without_fit():
     model(**make_batch(2, 16)).loss.backward()
     assert ctl.records[-1].treatments == {"recompute": list(range(len(ctl.blocks)))}
     ctl.remove()
+
+
+def test_a_selective_price_is_each_parts_fastest_run(monkeypatch):
+    """NOTE [First run of a block]: the selective probe times the plain forward, the forward
+    under the cache and the recompute TIMED_RUNS times each, interleaved, and prices the
+    fastest of each: one slow run (here the first round's) does not set the price."""
+    from memfit.runtime import probe
+
+    torch.manual_seed(0)
+    model, make_batch = build("llama")
+    model.train()
+    ctl = memfit.fit(model, budget=None, method="none", treatments=("recompute", "selective"))
+    block = ctl.blocks[0]
+    batch = make_batch(2, 24)
+    captured = {}
+
+    def grab(module, args, kwargs):
+        captured["inputs"] = (args, kwargs)
+
+    handle = block.module.register_forward_pre_hook(grab, with_kwargs=True)
+    model(**batch)
+    handle.remove()
+    rounds = {"plain": [5.0, 1.0, 1.2], "forward": [9.0, 2.2, 2.0], "recompute": [9.0, 0.6, 0.5]}
+    order = iter([part for r in range(probe.TIMED_RUNS) for part in ("plain", "forward", "recompute")])
+    calls = []
+
+    def fake_elapsed(device, fn, sync=True):
+        fn()
+        part = next(order)
+        calls.append(part)
+        return rounds[part][sum(1 for c in calls if c == part) - 1]
+
+    monkeypatch.setattr(probe, "_elapsed_ms", fake_elapsed)
+    args, kwargs = captured["inputs"]
+    out = probe.probe_treatments(block, args, kwargs, ctl._counter, torch.device("cpu"), ("selective",))
+    ctl.remove()
+    assert len(calls) == 3 * probe.TIMED_RUNS
+    assert out["selective"][1] == pytest.approx((2.0 - 1.0) + 0.5)  # not (9 - 5) + 9
+    assert out["selective"][0] > 0

@@ -12,11 +12,13 @@ dropout masks of a run without the probe (gradients stay exact).
 The probe's time decides *which* blocks a mixed stack treats. A block's first run at a new
 size pays once for what later runs reuse (lazily loaded kernels, library and allocator set-up
 for the new shapes), so a single timed run can price a block many times its worth, and the
-plans follow the noise. So a timed probe runs the block twice with autograd, the second run
-reusing what the first set up, and the price is the faster run. The first run's saved tensors
-are the ones counted; the second's go to a counter of their own (the step's counter is outside:
-it must see neither), and each run's are freed before the next: the probe's peak stays one
-block's activations.
+plans follow the noise. So a timed probe runs the block ``TIMED_RUNS`` times with autograd,
+the later runs reusing what the first set up, and the price is the fastest run (a timing's
+noise only adds: NOTE [Central prices], model.py); a treatment's price is timed as often, its
+runs interleaved with the plain ones it is compared with. The first run's saved tensors are
+the ones counted; the others' go to counters of their own (the step's counter is outside: it
+must see none), and each run's are freed before the next: the probe's peak stays one block's
+activations.
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ from torch.utils._pytree import tree_leaves, tree_map
 from memfit.accounting import ProbeCounter, SavedTensorCounter
 from memfit.blocks import Block, without_cache
 
-__all__ = ["probe_block", "probe_treatments", "probe_warmup", "LinkPrice", "measure_link"]
+__all__ = ["probe_block", "probe_treatments", "probe_warmup", "LinkPrice", "measure_link", "TIMED_RUNS"]
+
+#: runs of a timed probe, the fastest taken (NOTE [First run of a block])
+TIMED_RUNS = 3
 
 
 def probe_block(
@@ -47,14 +52,15 @@ def probe_block(
         block: the block, about to run its real forward on ``args``/``kwargs``.
         args, kwargs: its inputs.
         counter: the step's counter (its excluded storages are excluded here too).
-        timed: time the block (two runs, the faster: NOTE [First run of a block]).
+        timed: time the block (``TIMED_RUNS`` runs, the fastest: NOTE [First run of a block]).
         device: the model's device (CUDA is synchronised around a timed run).
     """
     detached = _detached(args, kwargs)
     probe = ProbeCounter(counter.excluded_ptrs, counter.parameter_storages)
     devices = [device] if device.type == "cuda" else []
     times_ms = []
-    counters = (probe, ProbeCounter(counter.excluded_ptrs, counter.parameter_storages)) if timed else (probe,)
+    others = [ProbeCounter(counter.excluded_ptrs, counter.parameter_storages) for _ in range(TIMED_RUNS - 1)]
+    counters = (probe, *others) if timed else (probe,)
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
         for run_counter in counters:
             probe_args, probe_kwargs = without_cache(block.module, *detached)
@@ -159,13 +165,17 @@ def probe_treatments(
                 return _elapsed_ms(device, run)
 
             probe_args, probe_kwargs = without_cache(block.module, *detached)
-            plain_ms = timed(contextlib.nullcontext())
-            caching, cached = create_selective_checkpoint_contexts(keep_matmul_and_attention)
-            forward_ms = timed(caching)
-            nbytes = _distinct_bytes(inputs + selective_cache_tensors(caching), counter)
-            recompute_ms = timed(cached)
-            out["selective"] = (nbytes, max(0.0, forward_ms - plain_ms) + recompute_ms)
-            del caching, cached, probe_args, probe_kwargs
+            plain_ms, forward_ms, recompute_ms = [], [], []
+            for r in range(TIMED_RUNS):  # NOTE [First run of a block]
+                plain_ms.append(timed(contextlib.nullcontext()))
+                caching, cached = create_selective_checkpoint_contexts(keep_matmul_and_attention)
+                forward_ms.append(timed(caching))
+                if r == 0:
+                    nbytes = _distinct_bytes(inputs + selective_cache_tensors(caching), counter)
+                recompute_ms.append(timed(cached))
+                del caching, cached
+            out["selective"] = (nbytes, max(0.0, min(forward_ms) - min(plain_ms)) + min(recompute_ms))
+            del probe_args, probe_kwargs
         if "offload" in treatments:
             sizes = _SizeCounter(counter.excluded_ptrs, counter.parameter_storages, offload_min_bytes)
             probe_args, probe_kwargs = without_cache(block.module, *detached)
@@ -181,8 +191,8 @@ def _probe_compiled_selective(
 ) -> tuple[int, float]:
     """A compiled block's ``selective`` (NOTE [Compiled blocks], blocks.py): what its budgeted
     compilation saves, and its forward and backward time beyond the plain compilation's (the
-    partitioner's recompute runs inside the backward graph), each the faster of two runs
-    (NOTE [First run of a block]: the first may compile). Gradients are returned, not
+    partitioner's recompute runs inside the backward graph), each the fastest of ``TIMED_RUNS``
+    runs, interleaved (NOTE [First run of a block]: the first may compile). Gradients are returned, not
     accumulated, and the inputs' and parameters' both asked, as the step's backward asks them."""
     params = [p for p in block.module.parameters() if p.requires_grad]
 
@@ -200,9 +210,11 @@ def _probe_compiled_selective(
         return _elapsed_ms(device, forward_backward)
 
     lean = ProbeCounter(counter.excluded_ptrs, counter.parameter_storages)
-    lean_ms = min(run(block._lean_body, lean.hooks()), run(block._lean_body, _shield()))
-    plain_ms = min(run(block._body, _shield()), run(block._body, _shield()))
-    return lean.bytes, max(0.0, lean_ms - plain_ms)
+    lean_ms, plain_ms = [], []
+    for r in range(TIMED_RUNS):
+        lean_ms.append(run(block._lean_body, lean.hooks() if r == 0 else _shield()))
+        plain_ms.append(run(block._body, _shield()))
+    return lean.bytes, max(0.0, min(lean_ms) - min(plain_ms))
 
 
 class LinkPrice:
