@@ -73,9 +73,8 @@ errors are caught by the margin (NOTE [Room] in planning.py).
 The time curves (``cost_ms``, ``selective_ms``) only rank treatments against each other, and
 bound nothing: they are plain least squares (no shift), keep the smallest of a key's samples
 (a timing's noise only adds), and fit a line in tokens until six keys are seen. A shifted
-quadratic through the three warm-up samples of a few-millisecond price interpolates their
-noise: on an H200 one repeat priced a block's selective recompute at 1.03 ms where the
-others priced it at 0.3-0.5 ms, took whole-block recompute instead, and ran 10% slower.
+quadratic through the three warm-up samples of a price of a few milliseconds interpolates their
+noise, and the noise then chooses the treatment.
 """
 
 from __future__ import annotations
