@@ -76,7 +76,7 @@ def load(name: str):
 
 def _cpu_quick() -> list[str]:
     """The suites whose ``--quick`` runs without CUDA."""
-    return [n for n in suite_names() if not getattr(load(n), "SUITE").quick_needs_cuda]
+    return [n for n in suite_names() if not load(n).SUITE.quick_needs_cuda]
 
 
 def device_slug(name: str) -> str:

@@ -382,11 +382,11 @@ class BlockGroupModel:
     #: recomputed: its inputs
     kept_bytes: Curve = field(default_factory=Curve)
     #: the forward's time: what a recompute costs (NOTE [Central prices])
-    cost_ms: Curve = field(default_factory=lambda: _price_curve())
+    cost_ms: Curve = field(default_factory=_price_curve)
     #: selective: inputs and the matmul/attention outputs
     selective_bytes: Curve = field(default_factory=Curve)
     #: selective: the time of recomputing the rest
-    selective_ms: Curve = field(default_factory=lambda: _price_curve())
+    selective_ms: Curve = field(default_factory=_price_curve)
     #: offloaded: the saved tensors too small to move
     offload_bytes: Curve = field(default_factory=Curve)
 
