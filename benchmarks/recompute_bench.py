@@ -2,7 +2,7 @@
 
 The planner chooses *which* blocks to checkpoint by their recompute cost, which the probe
 takes as a forward of the block timed between two synchronisations (the faster of two: NOTE
-[Probe] and NOTE [First run of a block] in runtime.py). This script checks that price on a
+[Probe] and NOTE [Cold runs of a block] in runtime.py). This script checks that price on a
 fixed batch: for each plan (a set of blocks checkpointed), the median time of forward +
 backward, interleaved over rounds; a plan's recompute cost is its time less ``none``'s.
 Beside it, per group (on its first block's inputs from a plain forward): the probe's time
@@ -72,7 +72,7 @@ def _plan(spec: str, n_blocks: int) -> tuple[str, set[int]]:
 
 
 def _after_first(times: list[float]) -> float:
-    """Median of the runs after the first (the first may load kernels: NOTE [First run of a block])."""
+    """Median of the runs after the first (the first may load kernels: NOTE [Cold runs of a block])."""
     return statistics.median(times[1:] or times)
 
 

@@ -237,7 +237,7 @@ def test_forward_without_backward_frees_its_graph(method):
     net.train()
     out = net(x)
     # `dynamic` warm-up also probes every block: the group's first TIMED_RUNS times (NOTE
-    # [First run of a block]), the others once (NOTE [Blocks alike only in name])
+    # [Cold runs of a block]), the others once (NOTE [Blocks alike only in name])
     assert len(made) == (3 if method == "none" else 3 + TIMED_RUNS + 1 + 1)
     del out
     gc.collect()
@@ -508,7 +508,7 @@ def test_the_partial_transient_learns_the_backwards_start_not_a_recompute(monkey
 
 
 def test_a_blocks_first_run_at_a_size_is_not_its_recompute_cost(monkeypatch):
-    """NOTE [First run of a block]: a block's first run at each new size (kernel loading,
+    """NOTE [Cold runs of a block]: a block's first run at each new size (kernel loading,
     library heuristics, allocator growth: 40-599 ms for 1.5-11 ms layers on the H200 Swin-B
     detector) does not price the block: the probe's faster run does."""
     import time as _time

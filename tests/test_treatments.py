@@ -280,7 +280,7 @@ def test_recompute_is_at_hand_without_fit():
 
 
 def test_a_selective_price_is_each_parts_fastest_run(monkeypatch):
-    """NOTE [First run of a block]: the selective probe times the plain forward, the forward
+    """NOTE [Cold runs of a block]: the selective probe times the plain forward, the forward
     under the cache and the recompute TIMED_RUNS times each, interleaved, and prices the
     fastest of each: one slow run (here the first round's) does not set the price."""
     from memfit.runtime import probe

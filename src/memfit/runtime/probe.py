@@ -8,14 +8,14 @@ one block's activations for a moment, as ``full``'s own recompute does in backwa
 is safe under any budget ``full`` fits. The RNG is forked, so the real forward draws the
 dropout masks of a run without the probe (gradients stay exact).
 
-# NOTE [First run of a block]
+# NOTE [Cold runs of a block]
 The probe's time decides *which* blocks a mixed stack treats. A block's first run at a new
 size pays once for what later runs reuse (lazily loaded kernels, library and allocator set-up
 for the new shapes), so a single timed run can price a block many times its worth, and the
 plans follow the noise. So a timed probe runs the block ``TIMED_RUNS`` times with autograd,
 the later runs reusing what the first set up, and the price is the fastest run (a timing's
 noise only adds: NOTE [Central prices], model.py); a treatment's price is timed as often, its
-runs interleaved with the plain ones it is compared with. The first run's saved tensors are
+runs interleaved with the plain ones it is compared with. The saved tensors of the opening run are
 the ones counted; the others' go to counters of their own (the step's counter is outside: it
 must see none), and each run's are freed before the next: the probe's peak stays one block's
 activations.
@@ -36,7 +36,7 @@ from memfit.blocks import Block, without_cache
 
 __all__ = ["probe_block", "probe_treatments", "probe_warmup", "LinkPrice", "measure_link", "TIMED_RUNS"]
 
-#: runs of a timed probe, the fastest taken (NOTE [First run of a block])
+#: runs of a timed probe, the fastest taken (NOTE [Cold runs of a block])
 TIMED_RUNS = 3
 
 
@@ -52,7 +52,7 @@ def probe_block(
         block: the block, about to run its real forward on ``args``/``kwargs``.
         args, kwargs: its inputs.
         counter: the step's counter (its excluded storages are excluded here too).
-        timed: time the block (``TIMED_RUNS`` runs, the fastest: NOTE [First run of a block]).
+        timed: time the block (``TIMED_RUNS`` runs, the fastest: NOTE [Cold runs of a block]).
         device: the model's device (CUDA is synchronised around a timed run).
     """
     detached = _detached(args, kwargs)
@@ -166,7 +166,7 @@ def probe_treatments(
 
             probe_args, probe_kwargs = without_cache(block.module, *detached)
             plain_ms, forward_ms, recompute_ms = [], [], []
-            for r in range(TIMED_RUNS):  # NOTE [First run of a block]
+            for r in range(TIMED_RUNS):  # NOTE [Cold runs of a block]
                 plain_ms.append(timed(contextlib.nullcontext()))
                 caching, cached = create_selective_checkpoint_contexts(keep_matmul_and_attention)
                 forward_ms.append(timed(caching))
@@ -192,7 +192,7 @@ def _probe_compiled_selective(
     """A compiled block's ``selective`` (NOTE [Compiled blocks], blocks.py): what its budgeted
     compilation saves, and its forward and backward time beyond the plain compilation's (the
     partitioner's recompute runs inside the backward graph), each the fastest of ``TIMED_RUNS``
-    runs, interleaved (NOTE [First run of a block]: the first may compile). Gradients are returned, not
+    runs, interleaved (NOTE [Cold runs of a block]: the first may compile). Gradients are returned, not
     accumulated, and the inputs' and parameters' both asked, as the step's backward asks them."""
     params = [p for p in block.module.parameters() if p.requires_grad]
 
