@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> None:
     import transformers
 
     import memfit
-    from memfit.bench.matrix import warm_gpu
+    from memfit.tools.bench.matrix import warm_gpu
 
     if not args.tiny:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _steady_step_ms(path: str) -> float | None:
-    from memfit.records import read_jsonl
+    from memfit.engine.records import read_jsonl
 
     ms = [r["step_ms"] for r in read_jsonl(path) if r["phase"] == "steady" and r.get("step_ms")]
     return statistics.median(ms) if ms else None
@@ -197,7 +197,7 @@ def summarize(out: str) -> list[dict]:
 
 
 def _result_fields(row: dict, like: dict) -> dict:
-    """The fields `memfit report` reads (memfit.report.RESULT_FIELDS) of one configuration: one
+    """The fields `memfit report` reads (memfit.tools.report.RESULT_FIELDS) of one configuration: one
     line, both ranks together (the largest peak, the OOMs summed, the mean share recomputed)."""
     ok = row["status"] == "ok"
     src = row if ok else like

@@ -128,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     sys.path.insert(0, str(_SRC))
-    from memfit.bench import matrix as bench
-    from memfit.report import build_report
+    from memfit.tools.bench import matrix as bench
+    from memfit.tools.report import build_report
 
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -33,8 +33,8 @@ import subprocess
 import sys
 import time
 
-from memfit.bench.matrix import warm_gpu
-from memfit.methods import Decision, Method, save_plans
+from memfit.tools.bench.matrix import warm_gpu
+from memfit.engine.methods import Decision, Method, save_plans
 
 GB = 10**9
 N_LAYERS = 12
@@ -299,7 +299,7 @@ def main() -> None:
     p.add_argument("--phase", choices=["all", "sweep", "runs", "table"], default="all")
     p.add_argument("--skip_none", action="store_true", help="no uncapped `none` reference run (one already ran)")
     p.add_argument("--prime", action="store_true", help="first an untimed 20-step `none` run into prime/ (a fresh "
-                   "machine's first process is slow: NOTE [First process] in memfit/bench/matrix.py)")
+                   "machine's first process is slow: NOTE [First process] in memfit/tools/bench/matrix.py)")
     p.add_argument("--max_ooms", type=int, default=8, help="a run stops after this many OOM replays")
     p.add_argument("--schedule", choices=["uniform", "adversarial"], default="uniform")
     p.add_argument("--jump_every", type=int, default=250, help="adversarial schedule: steps between never-seen lengths")

@@ -10,7 +10,7 @@ a. ``estimate_vs_measured.{jsonl,csv,md}``. For bert-base-uncased and bert-large
    the last step's peak allocated bytes from memfit's step record, the larger of its backward
    and optimizer-step peaks (optimizer state exists from the first step on; reading
    ``torch.cuda.max_memory_allocated()`` after the step gives only the optimizer step's
-   peak, since memfit resets the counter before it), compared with :func:`memfit.estimate.estimate` for the same setup.
+   peak, since memfit resets the counter before it), compared with :func:`memfit.tools.estimate.estimate` for the same setup.
    What each setting means, as the estimate assumes it:
 
    * bf16: what the Trainer's ``--bf16`` does, autocast around the forward with fp32 master
@@ -92,7 +92,7 @@ from transformers import BertForSequenceClassification  # noqa: E402
 from transformers.optimization import Adafactor  # noqa: E402
 
 import memfit  # noqa: E402
-from memfit.estimate import (  # noqa: E402
+from memfit.tools.estimate import (  # noqa: E402
     ElementBytes,
     ModelProfile,
     TrainingSetup,
@@ -309,7 +309,7 @@ def _table_a(results: list[dict]) -> str:
         "# memfit estimate against measured peaks" + (" (CPU dry run: not a validation)" if cpu else ""),
         "",
         "Peak of the caching allocator in the last of each configuration's training steps "
-        "(memfit's step record: the larger of the backward and optimizer-step peaks of `torch.cuda.max_memory_allocated`), against `memfit.estimate` for the same setup; error = "
+        "(memfit's step record: the larger of the backward and optimizer-step peaks of `torch.cuda.max_memory_allocated`), against `memfit.tools.estimate` for the same setup; error = "
         f"estimated / measured - 1; pass: |error| <= {100 * TOLERANCE:.0f}%. Random weights, batches with "
         "padding. bf16: autocast around the forward, fp32 master weights and gradients. full: memfit's "
         "`full` method. GiB = 2**30 bytes.",
@@ -382,7 +382,7 @@ def _memfit(argv: list[str], log: Path, timeout_s: int = _RUN_TIMEOUT_S) -> int:
 def _warm_gpu_in_a_subprocess(seconds: float) -> None:
     """Warm the GPU from another process: this one must not initialise CUDA."""
     if seconds > 0 and torch.cuda.is_available():
-        code = f"from memfit.bench.matrix import warm_gpu; warm_gpu({seconds})"
+        code = f"from memfit.tools.bench.matrix import warm_gpu; warm_gpu({seconds})"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
         subprocess.run([sys.executable, "-c", code], env=env, check=False)
 

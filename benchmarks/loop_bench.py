@@ -32,10 +32,10 @@ functions under cProfile beside its step records.
 Peers (no memfit at all; the bench reads the allocator): ``plain`` (the same loop),
 ``hf-every-1``, ``hf-every-2``, ``hf-offload`` (Hugging Face's checkpointing, either API name),
 ``trl-offload`` (TRL's activation offloading around the step), ``compile-F`` (``torch.compile``
-of every block under ``activation_memory_budget`` F, memfit.bench.peers.TorchCompile), and
+of every block under ``activation_memory_budget`` F, memfit.tools.bench.peers.TorchCompile), and
 ``selective-static`` (every block under memfit's selective policy, for every batch).
 
-Data: ``--lengths sft`` (the SFT table of memfit.tasks.causal_lm, long-tailed, up to 2,048
+Data: ``--lengths sft`` (the SFT table of memfit.cli.tasks.causal_lm, long-tailed, up to 2,048
 tokens), ``uniform:A:B``, or ``fixed:L1,L2,...`` (long context). Output under ``--output_dir``:
 ``results.jsonl`` (the suite schema ``memfit report`` reads, plus loop fields: each line's
 ``cuda_alloc_retries`` (allocations the caching allocator served only after releasing its cache, in the steady steps), ``step_ratio_vs_none`` and ``step_ratio_vs_none_compile``, the median of its steady steps'
@@ -117,8 +117,8 @@ def _lengths(spec: str, n: int, batch: int, seed: int) -> list[list[int]]:
     """Per step, the lengths of its ``batch`` examples."""
     rng = random.Random(seed)
     if spec == "sft":
-        from memfit.tasks._common import QUANTILE_LEVELS
-        from memfit.tasks.causal_lm import SFT_TOKENS
+        from memfit.cli.tasks._common import QUANTILE_LEVELS
+        from memfit.cli.tasks.causal_lm import SFT_TOKENS
 
         def draw() -> int:
             u = rng.random()
@@ -146,7 +146,7 @@ def _build(args):
         torch.manual_seed(0)
         model = transformers.BertForSequenceClassification(transformers.BertConfig()).cuda()
         return model.train(), "text-classification"
-    from memfit.tasks._common import CONFIGS_DIR
+    from memfit.cli.tasks._common import CONFIGS_DIR
 
     config = transformers.AutoConfig.from_pretrained(str(CONFIGS_DIR / f"{args.model}.json"))
     config.use_cache = False
@@ -246,7 +246,7 @@ def _memfit_fields(args, records) -> dict:
 
     if not records:
         return {}
-    summary = memfit.records.summarize(records)
+    summary = memfit.engine.records.summarize(records)
     return dict(
         max_peak_allocated_bytes=summary.max_peak_allocated_bytes,
         recomputed_fraction=round(summary.mean_checkpointed_fraction, 4), oom_count=summary.oom_retries,
@@ -310,14 +310,14 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
     elif name.startswith("compile-"):  # torch.compile of every block under activation_memory_budget F
         from types import SimpleNamespace
 
-        from memfit.bench.peers import TorchCompile
+        from memfit.tools.bench.peers import TorchCompile
 
         compiled = TorchCompile(float(name.split("-", 1)[1]))
         compiled.__enter__()
         compiled.prepare(SimpleNamespace(model=model), SimpleNamespace(torch_compile=False))
 
         def undo():
-            for _, block in memfit.blocks.find_blocks(model):
+            for _, block in memfit.engine.blocks.find_blocks(model):
                 block.__dict__.pop("forward", None)  # the class's forward again
             compiled.__exit__(None, None, None)
             note_compile.append(compiled.record()["note"])
@@ -327,15 +327,15 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
         offloading = get_act_offloading_ctx_manager(model, warn_if_no_head=False)
         context = lambda: offloading  # noqa: E731
     elif name == "selective-static":
-        from memfit.planner import Plan
+        from memfit.engine.planner import Plan
 
-        n = len(memfit.blocks.find_blocks(model))
+        n = len(memfit.engine.blocks.find_blocks(model))
 
-        class _Every(memfit.methods.Method):
+        class _Every(memfit.engine.methods.Method):
             name = "selective-static"
 
             def decide(self, planning, key, failed=None):
-                return memfit.methods.Decision(Plan(tuple(range(n)), kinds=("selective",) * n))
+                return memfit.engine.methods.Decision(Plan(tuple(range(n)), kinds=("selective",) * n))
 
         ctl = memfit.fit(model, budget=budget, method=_Every(), optimizer=optimizer, treatments=("recompute", "selective"))
     step_ms, retries_from = [], None  # the allocator's retry count when the steady steps begin
@@ -414,7 +414,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
 
 def _plan_of(record):
     """The plan a step record ran: its treated blocks, each with its treatment."""
-    from memfit.planner import Plan
+    from memfit.engine.planner import Plan
 
     kinds = {i: t for t, blocks in record.treatments.items() for i in blocks}
     blocks = tuple(sorted(kinds))
@@ -431,13 +431,13 @@ def _replay(plans, count: bool = False):
     protection, and no counting unless ``count``."""
     import memfit
 
-    class _Replay(memfit.methods.Method):
+    class _Replay(memfit.engine.methods.Method):
         name = "dynamic-plans"
         step = 0
 
         def decide(self, planning, key, failed=None):
             self.step += 1
-            return memfit.methods.Decision(plans[min(self.step, len(plans)) - 1], count=count)
+            return memfit.engine.methods.Decision(plans[min(self.step, len(plans)) - 1], count=count)
 
     return _Replay()
 
@@ -566,7 +566,7 @@ def run_alternating_dynamic(args, model, batches, initial, budget: int, repeat: 
     import torch
 
     import memfit
-    from memfit.runtime.meter import CudaMeter
+    from memfit.engine.meter import CudaMeter
 
     plans = args.dynamic_plans.get((budget, repeat))
     names = ("alt-dynamic-plans", "alt-dynamic")

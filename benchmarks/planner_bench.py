@@ -31,9 +31,9 @@ import random
 import statistics
 import time
 
-from memfit.methods import Dynamic, Static
-from memfit.model import Curve
-from memfit.planning import Planning
+from memfit.engine.methods import Dynamic, Static
+from memfit.engine.model import Curve
+from memfit.engine.planning import Planning
 
 GB = 10**9
 

@@ -104,10 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(_SRC))
     from transformers import AutoModelForObjectDetection
 
-    from memfit.blocks import find_blocks, wrap_blocks
-    from memfit.runtime.controller import _group_ids
-    from memfit.tasks._common import CONFIGS_DIR, load_config
-    from memfit.tasks.object_detection import _init_swin_patch_bias
+    from memfit.engine.blocks import find_blocks, wrap_blocks
+    from memfit.engine.controller import _group_ids
+    from memfit.cli.tasks._common import CONFIGS_DIR, load_config
+    from memfit.cli.tasks.object_detection import _init_swin_patch_bias
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)

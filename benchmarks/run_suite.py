@@ -214,7 +214,7 @@ def run(module, suite: Suite, machine: dict, raw: Path, names: list[str] | None,
 
 
 def _step_defaults() -> dict:
-    from memfit.records import StepRecord
+    from memfit.engine.records import StepRecord
 
     out = {}
     for f in dataclasses.fields(StepRecord):
@@ -239,7 +239,7 @@ def compact_steps(src: Path, dst: Path) -> int:
     ``memfit report`` draws from the result is the same but for the last printed digit of a
     median at a rounding edge. The gzip header carries no time: the same records give the same bytes.
     """
-    from memfit.records import read_jsonl
+    from memfit.engine.records import read_jsonl
 
     defaults = _step_defaults()
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -352,7 +352,7 @@ def _source(suite: Suite, raws: list[Path], out: Path, argv: list[str]) -> None:
 
 def report(out: Path) -> int:
     """``memfit report out --output_dir out/report``."""
-    from memfit.report import main as report_main
+    from memfit.tools.report import main as report_main
 
     return report_main([str(out), "--output_dir", str(out / "report")])
 

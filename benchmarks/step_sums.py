@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-from memfit.records import read_jsonl  # noqa: E402
+from memfit.engine.records import read_jsonl  # noqa: E402
 
 
 def _records(folder: Path, steps_file: str) -> list[dict]:

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from memfit.bench import matrix as bench
-from memfit.records import read_jsonl
+from memfit.tools.bench import matrix as bench
+from memfit.engine.records import read_jsonl
 
 
 def _tiny_config(tmp_path):
@@ -70,7 +70,7 @@ def test_prime_runs_the_first_task_untimed_outside_the_results(tmp_path, monkeyp
 
 @pytest.mark.slow
 def test_savers_with_eval_metric_and_report(tmp_path):
-    from memfit.report import build_report
+    from memfit.tools.report import build_report
 
     config = _tiny_config(tmp_path)
     fixtures = __import__("pathlib").Path(__file__).parent / "fixtures" / "glue" / "MRPC"
@@ -97,7 +97,7 @@ def test_savers_with_eval_metric_and_report(tmp_path):
 def test_peer_names_give_their_train_flags():
     from transformers import HfArgumentParser
 
-    from memfit.bench.peers import PeerArguments
+    from memfit.tools.bench.peers import PeerArguments
 
     assert bench.peer_flags("hf-every-2") == bench.PEERS["hf-every-2"]
     assert bench.peer_flags("dynamic") is None and bench.peer_flags("other-0.5") is None

@@ -1,6 +1,6 @@
 import pytest
 
-from memfit.budget import BudgetTooSmallError, check_static_need, parse_bytes
+from memfit.engine.budget import BudgetTooSmallError, check_static_need, parse_bytes
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ from transformers import BertConfig, BertForSequenceClassification
 
 from _models import FIXTURES, TINY_BERT
 from memfit import cli
-from memfit.tasks._common import minilm_path
+from memfit.cli.tasks._common import minilm_path
 
 MRPC = FIXTURES / "glue" / "MRPC"
 MRPC_HEADER = "Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
@@ -262,7 +262,7 @@ def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path):
     def broken(*_: object, **__: object) -> None:
         raise ValueError("a bug")
 
-    monkeypatch.setattr("memfit.tasks.text_classification.build", broken)
+    monkeypatch.setattr("memfit.cli.tasks.text_classification.build", broken)
     _prepare(tmp_path, CASES[1])
     with pytest.raises(ValueError, match="a bug"):
         cli.main(mrpc(tmp_path, tmp_path / "out"))

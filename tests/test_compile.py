@@ -14,7 +14,7 @@ import memfit
 from torch._dynamo.utils import counters
 
 from _models import build_decoder, step_both_and_compare
-from memfit.planner import Plan
+from memfit.engine.planner import Plan
 from test_treatments import _Fixed
 
 # aot_eager traces and partitions as inductor does but runs the graph's ATen ops: quick to
@@ -163,12 +163,12 @@ def test_blocks_that_draw_random_numbers_are_never_offered_compiled_selective(dr
 
 def test_runs_random_sees_dropout_and_attention_dropout_only_when_they_draw():
     x = torch.randn(2, 3, 4, 8)
-    assert memfit.treatments.runs_random(torch.nn.functional.dropout, x, 0.1, True)
-    assert not memfit.treatments.runs_random(torch.nn.functional.dropout, x, 0.1, False)
+    assert memfit.engine.treatments.runs_random(torch.nn.functional.dropout, x, 0.1, True)
+    assert not memfit.engine.treatments.runs_random(torch.nn.functional.dropout, x, 0.1, False)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    assert memfit.treatments.runs_random(sdpa, x, x, x, dropout_p=0.1)
-    assert not memfit.treatments.runs_random(sdpa, x, x, x, dropout_p=0.0)
-    assert not memfit.treatments.runs_random(torch.nn.functional.gelu, x)
+    assert memfit.engine.treatments.runs_random(sdpa, x, x, x, dropout_p=0.1)
+    assert not memfit.engine.treatments.runs_random(sdpa, x, x, x, dropout_p=0.0)
+    assert not memfit.engine.treatments.runs_random(torch.nn.functional.gelu, x)
 
 
 def test_alike_blocks_share_the_compiled_selective_graph():
@@ -177,7 +177,7 @@ def test_alike_blocks_share_the_compiled_selective_graph():
     compile each block anew, up to the recompile limit)."""
     model, make_batch = build_decoder("llama")
     _without_dropout(model).train()
-    n = len(memfit.blocks.find_blocks(model))
+    n = len(memfit.engine.blocks.find_blocks(model))
     assert n >= 3
     counters.clear()
     ctl = memfit.fit(model, budget=None, method=_Fixed(Plan(tuple(range(n)), kinds=("selective",) * n)),
@@ -192,7 +192,7 @@ def test_dynamic_with_compiled_selective_probes_it_and_fits_the_budget():
     """The warm-up probe measures the budgeted compilation's bytes and price;
     where selective is the cheaper way to free a byte, dynamic's plans use it, within the budget,
     with the gradients of compiled none."""
-    from memfit.runtime import probe
+    from memfit.engine import probe
 
     priced = []
     original = probe.probe_treatments
@@ -334,8 +334,8 @@ def test_both_compilations_of_a_lora_block_stay_compiled_under_a_limit_enough_fo
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     if not takes_limit:
-        monkeypatch.setattr(memfit.blocks, "_compile_takes_limit", lambda: False)
-    elif not memfit.blocks._compile_takes_limit():
+        monkeypatch.setattr(memfit.engine.blocks, "_compile_takes_limit", lambda: False)
+    elif not memfit.engine.blocks._compile_takes_limit():
         pytest.skip("this torch.compile takes no recompile_limit")
     with torch._dynamo.config.patch(recompile_limit=2):
         torch.manual_seed(0)

@@ -23,7 +23,7 @@ def _batch(n, length):
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.randint(0, 2, (n,), device="cuda")}
 
 
-class _Counting(memfit.methods.Method):
+class _Counting(memfit.engine.methods.Method):
     """Every step runs ``plan`` and counts its saved tensors (on CUDA a step counts only when asked)."""
 
     name = "counting"
@@ -32,11 +32,11 @@ class _Counting(memfit.methods.Method):
         self.plan = plan
 
     def decide(self, planning, key, failed=None):
-        return memfit.methods.Decision(self.plan, count=True)
+        return memfit.engine.methods.Decision(self.plan, count=True)
 
 
 def _plans(n):
-    from memfit.planner import Plan
+    from memfit.engine.planner import Plan
 
     every = tuple(range(n))
     return {
@@ -75,7 +75,7 @@ def test_treatments_on_cuda_give_the_gradients_of_none_and_lower_the_peak(treatm
     leaves allocated drops by what the counter says the treatment keeps off the device; and
     the step's peak is lower. The peak drops by less: it comes in backward, where one block's
     recompute (or prefetched copies) and the backward's own temporaries are live, which the
-    memory model learns per treatment (runtime/probe.py)."""
+    memory model learns per treatment (engine/probe.py)."""
     import copy
 
     model = _bert(layers=6)

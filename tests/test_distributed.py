@@ -56,7 +56,7 @@ def test_two_ranks_match_single_process(tmp_path, sharding, port):
     steady = [(a["n_checkpointed"], b["n_checkpointed"]) for a, b in zip(records[0], records[1]) if a["phase"] == b["phase"] == "steady"]
     assert steady and all(a == 0 for a, _ in steady) and any(b > 0 for _, b in steady), "the ranks should checkpoint differently"
     assert all(rec["peak_allocated_bytes"] <= budget for r in (0, 1) for rec in records[r])
-    unsharded = sum(memfit.accounting.static_bytes_logical(build_model(), None).values())
+    unsharded = sum(memfit.engine.accounting.static_bytes_logical(build_model(), None).values())
     statics = {rec["static_bytes"] for r in (0, 1) for rec in records[r]}
     # Under FSDP each rank counts its shards of the parameters and gradients: about half.
     assert statics == {unsharded} if sharding == "ddp" else max(statics) < 0.6 * unsharded
@@ -136,7 +136,7 @@ def test_gradient_sync_packs_buckets_and_restores_every_gradient(tmp_path):
     buckets, in place for gradients larger than a bucket, and zeros where there was none."""
     import torch.distributed as dist
 
-    from memfit.distributed import GradientSync
+    from memfit.integrations.distributed import GradientSync
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

@@ -16,8 +16,8 @@ from transformers import AutoModelForImageClassification, BertConfig, SwinConfig
 from transformers.models.bert.modeling_bert import BertLayer
 from transformers.optimization import Adafactor
 
-from memfit.estimate import NothingFitsError, advise
-from memfit.estimate import (
+from memfit.tools.estimate import NothingFitsError, advise
+from memfit.tools.estimate import (
     TASKS,
     ActivationProfile,
     ElementBytes,
@@ -28,7 +28,7 @@ from memfit.estimate import (
     estimate,
 )
 from memfit import cli
-from memfit.estimate.cli import main
+from memfit.tools.estimate.cli import main
 
 B, S = 2, 32  # S a multiple of 32: the formula rounds the fused-attention logsumexp up to 32
 
@@ -382,7 +382,7 @@ def test_bert_base_static_parts_match_tensors(monkeypatch):
     # state of AdamW and Adafactor after their step, counted from the tensors
     from transformers import BertForSequenceClassification
 
-    from memfit.estimate import load_config
+    from memfit.tools.estimate import load_config
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     config = load_config("bert-base-uncased")
@@ -411,8 +411,8 @@ _ENGINE = Path(__file__).resolve().parent / "fixtures" / "h200_engine"
 def test_estimate_matches_h200_engine_peaks(run, tolerance, monkeypatch):
     # Allocator peaks measured on an H200: bert-base fp32 AdamW, batch 32, 32..512 tokens
     # without padding, first-k blocks checkpointed; step 1 has no optimizer state yet
-    from memfit.estimate import load_config
-    from memfit.records import read_jsonl
+    from memfit.tools.estimate import load_config
+    from memfit.engine.records import read_jsonl
 
     path = _ENGINE / f"{run}.jsonl"
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -544,7 +544,7 @@ def test_unknown_model_names_the_fix(capsys, monkeypatch):
 def test_shipped_config_resolves_offline(monkeypatch):
     from importlib import resources
 
-    from memfit.estimate import load_config
+    from memfit.tools.estimate import load_config
 
     if not (resources.files("memfit") / "configs" / "bert-base-uncased.json").is_file():
         pytest.skip("src/memfit/configs/bert-base-uncased.json is not shipped")

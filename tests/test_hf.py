@@ -10,7 +10,7 @@ import memfit
 from _models import VOCAB, build
 from _models import InjectOOM as _InjectOOM
 from memfit.errors import FlagError
-from memfit.planner import Plan
+from memfit.engine.planner import Plan
 
 
 def _dataset(n=24, seed=0):
@@ -86,10 +86,10 @@ def test_each_oom_is_logged_and_giving_up_names_the_last_attempt(tmp_path, caplo
     with caplog.at_level("WARNING", logger="memfit"), pytest.raises(memfit.BudgetTooSmallError) as error:
         trainer.train()
     replays = [r.getMessage() for r in caplog.records if "replaying it with" in r.getMessage()]
-    assert len(replays) == injector.fired == memfit.runtime.replay.MAX_OOM_RETRIES + 1
+    assert len(replays) == injector.fired == memfit.engine.replay.MAX_OOM_RETRIES + 1
     assert "out of memory in forward at shape" in replays[0] and "blocks checkpointed" in replays[0]
     message = str(error.value)
-    assert f"still out of memory after {memfit.runtime.replay.MAX_OOM_RETRIES} replays" in message
+    assert f"still out of memory after {memfit.engine.replay.MAX_OOM_RETRIES} replays" in message
     assert "the last: out of memory in forward at shape" in message and "--memory_budget" in message
     # a steady step that fails with every block checkpointed: one replay (NOTE [A replay
     # checkpoints more]), then the budget is too small
@@ -131,9 +131,9 @@ def test_records_summary_logs_and_state(tmp_path):
     assert sum(row["steps"] for row in summary["memory_count"].values()) == 6
     assert summary["max_peak_allocated_bytes"] <= 40 * 10**6
     assert any("memfit/peak_gib" in h for h in trainer.state.log_history)
-    state = json.loads((out / "checkpoint-3" / memfit.hf.STATE_FILE).read_text())
+    state = json.loads((out / "checkpoint-3" / memfit.integrations.hf.STATE_FILE).read_text())
     assert state["model"]["group_models"]
-    final = json.loads((out / memfit.hf.STATE_FILE).read_text())  # the model as the run ended
+    final = json.loads((out / memfit.integrations.hf.STATE_FILE).read_text())  # the model as the run ended
     assert final["step"] == 6 and final["model"] == trainer.memfit.state_dict()["model"]
     with pytest.raises(FlagError, match="holds an earlier run .*pass --resume_from_checkpoint to continue it"):
         _trainer(tmp_path, "run", save_strategy="steps", save_steps=3).train()  # NOTE [Earlier runs in the output folder]
@@ -173,13 +173,13 @@ def test_threshold_is_gigabytes(tmp_path):
 
 
 def test_rank_paths():
-    assert memfit.hf.rank_path("out/memfit_steps.jsonl", 1, 2) == "out/memfit_steps.rank1.jsonl"
-    assert memfit.hf.rank_path("out/memfit_steps.jsonl", 0, 1) == "out/memfit_steps.jsonl"
+    assert memfit.integrations.hf.rank_path("out/memfit_steps.jsonl", 1, 2) == "out/memfit_steps.rank1.jsonl"
+    assert memfit.integrations.hf.rank_path("out/memfit_steps.jsonl", 0, 1) == "out/memfit_steps.jsonl"
 
 
 def test_a_failure_before_the_first_step_leaves_no_record_file(tmp_path, monkeypatch):
     trainer = _trainer(tmp_path, "run")
-    log = tmp_path / "run" / memfit.hf.STEPS_FILE
+    log = tmp_path / "run" / memfit.integrations.hf.STEPS_FILE
     assert not log.exists()  # made at the first record, not when the model is hooked
 
     def fail(self, model=None):
@@ -196,14 +196,14 @@ def test_compile_flag_compiles_each_block_inside_the_wrappers(tmp_path):
     assert trainer.memfit.blocks and all(b.compiled for b in trainer.memfit.blocks)
     # by default (auto) the blocks' second compilation is among the treatments (NOTE [Compiled blocks])
     assert trainer.args.memfit_treatments == "auto"
-    assert isinstance(trainer.memfit.treatments["selective"], memfit.treatments.CompiledSelective)
+    assert isinstance(trainer.memfit.treatments["selective"], memfit.engine.treatments.CompiledSelective)
     plain = _trainer(tmp_path, "eager", budget="30MB")
     assert not any(b.compiled for b in plain.memfit.blocks)
     assert "selective" not in plain.memfit.treatments
     lean = _trainer(tmp_path, "lean", budget="30MB", memfit_compile=True, memfit_treatments="recompute")
     assert "selective" not in lean.memfit.treatments
     eager = _trainer(tmp_path, "eager-sel", budget="30MB", memfit_treatments="recompute,selective")
-    assert type(eager.memfit.treatments["selective"]) is memfit.treatments.Selective
+    assert type(eager.memfit.treatments["selective"]) is memfit.engine.treatments.Selective
 
 
 def test_treatments_flag_reaches_the_planner_and_the_records(tmp_path):

@@ -2,10 +2,10 @@
 
 import pytest
 
-from memfit.model import Curve, MemoryModel
-from memfit.shapes import bucket_key, shape_key
-from memfit.planner import plan_blocks
-from memfit.planning import Planning, _plan_from_row
+from memfit.engine.model import Curve, MemoryModel
+from memfit.engine.shapes import bucket_key, shape_key
+from memfit.engine.planner import plan_blocks
+from memfit.engine.planning import Planning, _plan_from_row
 
 
 def test_shape_and_bucket_keys():
@@ -35,7 +35,7 @@ def test_a_size_curve_outside_its_samples_is_bounded_by_its_extreme_samples():
     floor (a transient) keeps its fit."""
     import numpy as np
 
-    from memfit.model import curve_values
+    from memfit.engine.model import curve_values
 
     samples = {(16, 78400): 0.99, (16, 84672): 1.01, (16, 86240): 0.99}  # bytes per token, noisy
     curve, transient = Curve(), Curve(floor=None)
@@ -256,8 +256,8 @@ def test_allocator_retries_grow_the_slack_in_steps_up_to_a_ceiling():
     budget, never past MAX_RETRY_SLACK_SHARE; each growth drops the cached plans."""
     from types import SimpleNamespace
 
-    from memfit import learner
-    from memfit.planning import MAX_RETRY_SLACK_SHARE, RETRY_SLACK_SHARE
+    from memfit.engine import learner
+    from memfit.engine.planning import MAX_RETRY_SLACK_SHARE, RETRY_SLACK_SHARE
 
     budget = 1_000_000
     planning = Planning(4, [0, 0, 0, 0], budget, margin_bytes=0, bucket_tokens=1, slack_bytes=100)
@@ -410,7 +410,7 @@ def test_curve_values_are_each_curves_own_values_bit_for_bit():
 
     import numpy as np
 
-    from memfit.model import curve_values
+    from memfit.engine.model import curve_values
 
     rng = random.Random(3)
     curves = [
@@ -439,7 +439,7 @@ def test_refit_equals_numpy_least_squares(seed):
 
     import numpy as np
 
-    from memfit.model import _features
+    from memfit.engine.model import _features
 
     rng = random.Random(seed)
     for _ in range(60):
@@ -462,8 +462,8 @@ def test_refit_equals_numpy_least_squares(seed):
 
 def _optimizer_step(above_static: int, static: int):
     """A finished step whose optimizer step peaked ``above_static`` over its ``static`` bytes."""
-    from memfit.learner import StepOutcome
-    from memfit.planner import Plan
+    from memfit.engine.learner import StepOutcome
+    from memfit.engine.planner import Plan
 
     return StepOutcome(key=(4, 16), plan=Plan(()), warmup=False, outside=0, by_block=[0] * 4, static=static, peak=0,
                        plain_peak=0, transient=0, optimizer_above_static=above_static)
@@ -473,7 +473,7 @@ def test_an_optimizer_peak_that_cannot_change_a_plan_keeps_the_cache():
     """Plans read the optimizer step's peak only through static + max(activations, it) <=
     room: a larger one that stays within the room keeps every cached plan."""
     import memfit
-    from memfit.learner import learn_optimizer_peak
+    from memfit.engine.learner import learn_optimizer_peak
     from _models import build
 
     model, _ = build("bert")
@@ -515,7 +515,7 @@ def test_a_price_is_the_least_squares_line_of_each_keys_fastest_sample():
     them, keeps a key's smallest sample, and is a line in tokens until six keys are seen."""
     import numpy as np
 
-    from memfit.model import BlockGroupModel
+    from memfit.engine.model import BlockGroupModel
 
     group = BlockGroupModel()
     noisy = {(8, 961): 0.713, (8, 1206): 1.029, (8, 1868): 0.147}  # one H200 repeat's selective prices

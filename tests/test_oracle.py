@@ -8,10 +8,10 @@ import torch
 
 import memfit
 from _models import TINY_BERT, build
-from memfit.methods import save_plans
-from memfit.bench.oracle import sweep
-from memfit.tasks._common import minilm_path
-from memfit.train import run
+from memfit.engine.methods import save_plans
+from memfit.tools.bench.oracle import sweep
+from memfit.cli.tasks._common import minilm_path
+from memfit.cli.train import run
 
 
 def _step(model):
@@ -27,7 +27,7 @@ def _counted_with_first_k(model, batch, k, tmp_path) -> int:
     """Logical peak of one step with blocks 0..k-1 checkpointed, through a plans file."""
     key = tuple(batch["input_ids"].shape)
     path = tmp_path / f"first_{k}.json"
-    save_plans(path, len(memfit.blocks.find_blocks(model)), {key: tuple(range(k))})
+    save_plans(path, len(memfit.engine.blocks.find_blocks(model)), {key: tuple(range(k))})
     ctl = memfit.fit(model, budget=None, method="precomputed", path=path)
     _step(model)(batch)
     peak = ctl.records[-1].peak_allocated_bytes
@@ -114,8 +114,8 @@ def test_oracle_needs_a_budget(tiny_flags, tmp_path):
 
 
 def test_oracle_is_no_method_users_train_with(tmp_path):
-    from memfit.hf import TrainingArguments
-    from memfit.methods import UnknownMethodError
+    from memfit.integrations.hf import TrainingArguments
+    from memfit.engine.methods import UnknownMethodError
 
     with pytest.raises(UnknownMethodError, match="--memfit_method 'oracle' is unknown"):
         TrainingArguments(output_dir=str(tmp_path), memfit_method="oracle", memory_budget="1GiB", report_to="none")

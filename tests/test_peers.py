@@ -16,10 +16,10 @@ import transformers
 
 import memfit
 from _models import build_decoder, step_both_and_compare
-from memfit.bench import peers
-from memfit.bench.peers import PEER_FILE, PeerArguments, PeerUnavailableError, make_peer, plan_blocks
-from memfit.blocks import find_blocks
-from memfit.train import run
+from memfit.tools.bench import peers
+from memfit.tools.bench.peers import PEER_FILE, PeerArguments, PeerUnavailableError, make_peer, plan_blocks
+from memfit.engine.blocks import find_blocks
+from memfit.cli.train import run
 
 FIXTURES = Path(__file__).parent / "fixtures" / "glue" / "MRPC"
 TINY = {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from memfit.planner import InfeasiblePlanError, PlanCache, _is_homogeneous, plan_blocks
+from memfit.engine.planner import InfeasiblePlanError, PlanCache, _is_homogeneous, plan_blocks
 
 CASES = [
     # (costs, savings, need, expected blocks)
@@ -122,7 +122,7 @@ def test_treatments_of_unlike_blocks_are_the_cheapest_that_cover_the_need():
     import itertools
     import random
 
-    from memfit.planner import InfeasiblePlanError, plan_treatments
+    from memfit.engine.planner import InfeasiblePlanError, plan_treatments
 
     rng = random.Random(0)
     checked = 0

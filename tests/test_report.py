@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from memfit import cli
-from memfit.report import build_report
+from memfit.tools.report import build_report
 
 FIXTURE = Path(__file__).parent / "fixtures" / "report"
 GIB = 2**30
@@ -185,7 +185,7 @@ def test_gzipped_step_records_read_as_plain(tmp_path):
     """Long runs' step records may be committed gzip-compressed (the CPU soak's are)."""
     import gzip
 
-    from memfit.records import read_jsonl
+    from memfit.engine.records import read_jsonl
 
     plain = FIXTURE / "train_run" / "memfit_steps.jsonl"
     packed = tmp_path / "memfit_steps.jsonl.gz"
@@ -230,7 +230,7 @@ def test_savers_table_shows_median_step_times(tmp_path):
 
 
 def test_corrupt_gzip_names_the_file(tmp_path):
-    from memfit.records import read_jsonl
+    from memfit.engine.records import read_jsonl
 
     bad = tmp_path / "memfit_steps.jsonl.gz"
     bad.write_bytes(b"not gzip at all\n")
@@ -322,7 +322,7 @@ def test_treatment_mix_per_input_size(tmp_path):
 def test_each_of_twenty_methods_gets_its_own_colour():
     from matplotlib.colors import to_hex
 
-    from memfit.report import _color
+    from memfit.tools.report import _color
 
     methods = [f"m{i}" for i in range(20)]
     assert len({to_hex(_color(m, methods)) for m in methods}) == 20

@@ -1,5 +1,5 @@
 """An output folder that holds an earlier run: refused, replaced, or resumed (NOTE [Earlier runs in
-the output folder] in memfit/run_dir.py)."""
+the output folder] in memfit/integrations/run_dir.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from memfit.errors import FlagError
-from memfit.run_dir import claim_output_dir, earlier_run
+from memfit.integrations.run_dir import claim_output_dir, earlier_run
 
 
 def _earlier(folder: Path) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from memfit.records import StepRecord, read_jsonl
+from memfit.engine.records import StepRecord, read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("run_suite", ROOT / "benchmarks" / "run_suite.py")

@@ -9,8 +9,8 @@ from torch import nn
 
 import memfit
 from _models import build, logical_peak
-from memfit.methods import save_plans
-from memfit.runtime.probe import TIMED_RUNS
+from memfit.engine.methods import save_plans
+from memfit.engine.probe import TIMED_RUNS
 
 
 def _bert():
@@ -30,7 +30,7 @@ def _counted_bytes_with_first_k(model, batch, k, tmp_path):
     """Logical peak of one step with blocks 0..k-1 checkpointed, via a plans file."""
     key = (batch["input_ids"].shape[0], batch["input_ids"].shape[1])
     path = tmp_path / f"plan_{k}.json"
-    n_blocks = len(memfit.blocks.find_blocks(model))
+    n_blocks = len(memfit.engine.blocks.find_blocks(model))
     save_plans(path, n_blocks, {key: tuple(range(k))})
     ctl = memfit.fit(model, budget=None, method="precomputed", path=path)
     _step(model, batch)
@@ -284,7 +284,7 @@ def _use_cuda_meter(ctl, counts_always=True):
     ``counts_always``: every step counts its saved tensors, as the tests that drive a fake
     allocator from the counter's bytes need (a real allocator sees them whether counted or not).
     """
-    from memfit.runtime.meter import CudaMeter
+    from memfit.engine.meter import CudaMeter
 
     # the fake allocator's static memory is what it says: no gradient is missing
     ctl.meter = CudaMeter(torch.device("cpu"), [], 0)
@@ -603,14 +603,14 @@ def test_allocator_retries_in_steady_steps_grow_the_slack_and_the_plans(monkeypa
     """NOTE [Room]: a steady step the allocator served only by releasing its cache grows the
     slack by RETRY_SLACK_SHARE of the budget, up to MAX_RETRY_SLACK_SHARE, and the plans are
     redone with it; a warm-up step's retries and a step without any leave the slack alone."""
-    import memfit.planning
-    from memfit.planner import Plan
+    import memfit.engine.planning
+    from memfit.engine.planner import Plan
 
     # this small model's plans lie further apart than the ceiling: a higher one here
-    monkeypatch.setattr(memfit.planning, "MAX_RETRY_SLACK_SHARE", 1 / 3)
+    monkeypatch.setattr(memfit.engine.planning, "MAX_RETRY_SLACK_SHARE", 1 / 3)
     model, make_batch, inner, budget, ctl, fake = _half_budget_on_fake_allocator(monkeypatch, backstop=False)
     planning, key = ctl.planning, (4, 96)
-    step, ceiling = int(memfit.planning.RETRY_SLACK_SHARE * budget), int(budget / 3)
+    step, ceiling = int(memfit.engine.planning.RETRY_SLACK_SHARE * budget), int(budget / 3)
     step_retries = {1: 2, 5: 1, 6: 0, 7: 3, 8: 1, 9: 1, 10: 1, 11: 1}  # step index -> retries it causes
     slacks = []  # after each step was learnt (a step is closed when the next one's forward starts)
     for i in range(13):
@@ -726,7 +726,7 @@ def test_partial_transient_extends_its_range_to_longer_shapes(monkeypatch):
 def test_a_plan_that_checkpoints_nothing_does_not_extend_the_partial_range(monkeypatch):
     """NOTE [Two transient regimes]: only a step that checkpointed something teaches the
     partial transient a shape beyond its range (an empty plan's transient is not that regime's)."""
-    from memfit.methods import Decision
+    from memfit.engine.methods import Decision
 
     ctl, _, run = _partial_transient_run(monkeypatch)
     partial = ctl.planning.model.transient_partial
@@ -846,7 +846,7 @@ def test_the_record_says_what_the_backstop_kept_only_as_block_inputs(monkeypatch
     """A step with the backstop armed keeps each un-checkpointed block's inputs for a
     recompute; the record counts those that no saved tensor holds (here `bias`, once, though
     every block takes it), and 0 on a step that ran plainly."""
-    from memfit.protection import Backstop
+    from memfit.engine.protection import Backstop
 
     torch.manual_seed(0)
     layers = nn.ModuleList(_Biased(8) for _ in range(3))
@@ -935,8 +935,8 @@ def test_an_armed_step_teaches_what_its_plan_holds_run_plainly():
 def test_an_armed_steps_peaks_lose_only_the_inputs_of_the_stores_still_alive():
     """What an armed step's peak holds of its stores' inputs: all of them at the backward's
     start (or with no recompute), only the stores below the first recomputed block after it."""
-    from memfit.learner import Peaks, _plain_peaks
-    from memfit.planner import Plan
+    from memfit.engine.learner import Peaks, _plain_peaks
+    from memfit.engine.planner import Plan
 
     inputs = [10, 0, 20, 40]  # per block; block 1 checkpointed
     plan = Plan((1,))
@@ -960,8 +960,8 @@ def test_only_steps_that_can_teach_count_their_saved_tensors(monkeypatch):
     step of its bucket peaked above its prediction, and once in COUNT_EVERY steps; the others
     (a length inside the counted range: 24 here) run no pack hook past the embeddings (the
     counter's pack calls are the proxy)."""
-    from memfit.accounting import SavedTensorCounter
-    from memfit.methods import dynamic
+    from memfit.engine.accounting import SavedTensorCounter
+    from memfit.engine.methods import dynamic
 
     monkeypatch.setattr(dynamic, "COUNT_EVERY", 12)
     packs = []
@@ -997,7 +997,7 @@ def test_only_steps_that_can_teach_count_their_saved_tensors(monkeypatch):
     steady_counted = [calls for calls, c, r in zip(pack_calls, counted, records) if c and r.phase == "steady"]
     assert len(uncounted) == 1 and 10 * max(uncounted) < min(steady_counted)
     assert all(r.saved_activation_bytes == 0 for r in records if not r.counted)
-    assert memfit.records.summarize(records).counted_steps == sum(counted) == 6
+    assert memfit.engine.records.summarize(records).counted_steps == sum(counted) == 6
 
 
 def test_a_forward_that_raises_leaves_no_hook_of_memfit_on_autograds_stack():
@@ -1029,8 +1029,8 @@ def test_dynamic_warmup_ends_when_the_data_repeats_its_shapes(lengths, warm):
     steps on data of one or two fixed lengths; ``warmup_steps`` repeats in a row end it."""
     from types import SimpleNamespace
 
-    from memfit.methods import make_method
-    from memfit.planner import Plan
+    from memfit.engine.methods import make_method
+    from memfit.engine.planner import Plan
 
     method = make_method("dynamic")
     planning = SimpleNamespace(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from memfit.records import StepRecord
-from memfit.summary_text import end_summary, size_in_given_unit, start_line
+from memfit.engine.records import StepRecord
+from memfit.engine.summary_text import end_summary, size_in_given_unit, start_line
 
 
 def _record(step: int, peak: int, budget: int | None, plan: list[int], phase: str = "steady", **extra) -> StepRecord:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from _models import FIXTURES, TINY_BERT
-from memfit.tasks._common import minilm_path
-from memfit.train import main, run
+from memfit.cli.tasks._common import minilm_path
+from memfit.cli.train import main, run
 
 # task -> (train file, validation file, other flags)
 FIXTURE_DATA = {

@@ -12,10 +12,10 @@ import torch
 
 import memfit
 from _models import ARCHS, DECODER_ARCHS, SIZES, TEXT_SIZES, build, build_decoder, logical_peak, step_both_and_compare
-from memfit.methods import Decision, Method, load_plans, make_method, save_plans
-from memfit.planner import Plan
-from memfit.runtime.controller import Controller
-from memfit.treatments import HostMemoryError, Offload, make_treatments
+from memfit.engine.methods import Decision, Method, load_plans, make_method, save_plans
+from memfit.engine.planner import Plan
+from memfit.engine.controller import Controller
+from memfit.engine.treatments import HostMemoryError, Offload, make_treatments
 
 
 class _Fixed(Method):
@@ -62,7 +62,7 @@ def test_every_treatment_and_mix_gives_the_gradients_of_none(arch):
     model, make_batch = build(arch)
     model.train()
     reference = copy.deepcopy(model)
-    n = len(memfit.blocks.find_blocks(model))
+    n = len(memfit.engine.blocks.find_blocks(model))
     sizes = SIZES.get(arch, TEXT_SIZES)[:2]
     for name, plan in _mixes(n).items():
         ctl = memfit.fit(model, budget=None, method=_Fixed(plan), treatments=("recompute", "selective", "offload"))
@@ -82,7 +82,7 @@ def test_llm_families_are_exact_under_selective_and_offload(arch, lora):
     model, make_batch = build_decoder(arch, lora)
     model.train()
     reference = copy.deepcopy(model)
-    n = len(memfit.blocks.find_blocks(model))
+    n = len(memfit.engine.blocks.find_blocks(model))
     for name, plan in _mixes(n).items():
         ctl = memfit.fit(model, budget=None, method=_Fixed(plan), treatments=("recompute", "selective", "offload"))
         ctl.treatments["offload"].min_bytes = 0
@@ -108,7 +108,7 @@ def test_treatments_keep_less_than_keep_and_selective_more_than_recompute():
     model, make_batch = build("llama")
     model.train()
     batch = make_batch(4, 64)
-    n = len(memfit.blocks.find_blocks(model))
+    n = len(memfit.engine.blocks.find_blocks(model))
     every = tuple(range(n))
     saved = {
         "keep": _counted(model, batch, Plan(())).saved_activation_bytes,
@@ -174,7 +174,7 @@ def test_dynamic_with_treatments_fits_the_budget_exactly_and_mixes_when_cheaper(
     """``dynamic`` given every treatment under a logical budget: gradients equal ``none``'s,
     every peak within the budget, and, where selective is priced cheaper per byte than
     recompute (as the probe measures it on a GPU), plans that use it."""
-    from memfit.runtime import probe
+    from memfit.engine import probe
 
     original = probe.probe_treatments
 
@@ -203,8 +203,8 @@ def test_dynamic_with_treatments_fits_the_budget_exactly_and_mixes_when_cheaper(
 def test_the_planner_keeps_recompute_where_treatments_are_dearer():
     """NOTE [Treatments never lose]: a mix is taken only when it is cheaper than the
     recompute-only plan; priced dearer, selective is never chosen."""
-    from memfit.model import MemoryModel
-    from memfit.planning import Planning
+    from memfit.engine.model import MemoryModel
+    from memfit.engine.planning import Planning
 
     model = MemoryModel([0] * 4)
     group = model.group_models[0]
@@ -236,7 +236,7 @@ def test_the_selective_policy_recomputes_an_attention_that_draws_dropout():
     dropout mask must run, or every later mask of the recompute would differ from the forward's."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from memfit.treatments import keep_matmul_and_attention
+    from memfit.engine.treatments import keep_matmul_and_attention
 
     aten = torch.ops.aten
     q = k = v = torch.zeros(1, 1, 4, 8)
@@ -283,7 +283,7 @@ def test_a_selective_price_is_each_parts_fastest_run(monkeypatch):
     """NOTE [Cold runs of a block]: the selective probe times the plain forward, the forward
     under the cache and the recompute TIMED_RUNS times each, interleaved, and prices the
     fastest of each: one slow run (here the first round's) does not set the price."""
-    from memfit.runtime import probe
+    from memfit.engine import probe
 
     torch.manual_seed(0)
     model, make_batch = build("llama")

@@ -8,11 +8,11 @@ Example:
     >>> ctl = memfit.fit(model, budget="6GiB", method="dynamic", optimizer=opt)  # doctest: +SKIP
 """
 
-from memfit.blocks import NoBlocksError
-from memfit.budget import BudgetTooSmallError, parse_bytes
-from memfit.methods import METHODS, UnknownMethodError
-from memfit.records import RunSummary, StepRecord
-from memfit.runtime import Controller, fit
+from memfit.engine.blocks import NoBlocksError
+from memfit.engine.budget import BudgetTooSmallError, parse_bytes
+from memfit.engine.controller import Controller, fit
+from memfit.engine.methods import METHODS, UnknownMethodError
+from memfit.engine.records import RunSummary, StepRecord
 
 __all__ = [
     "fit",
@@ -34,7 +34,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # The Trainer integration imports transformers; load it only when asked for.
     if name in {"Trainer", "TrainingArguments"}:
-        from memfit import hf
+        from memfit.integrations import hf
 
         return getattr(hf, name)
     raise AttributeError(f"module 'memfit' has no attribute {name!r}")

@@ -3,10 +3,10 @@
     from memfit.trl import SFTConfig, SFTTrainer   # instead of trl's
 
 ``SFTConfig`` is ``trl.SFTConfig`` plus memfit's flags (``--memory_budget``, ``--memfit_method``,
-...: :class:`memfit.hf.MemfitArguments`); ``SFTTrainer`` is ``trl.SFTTrainer`` with
-:class:`memfit.hf.MemfitTrainerMixin`, so it hooks the model TRL trains (the ``PeftModel``
+...: :class:`memfit.integrations.hf.MemfitArguments`); ``SFTTrainer`` is ``trl.SFTTrainer`` with
+:class:`memfit.integrations.hf.MemfitTrainerMixin`, so it hooks the model TRL trains (the ``PeftModel``
 when ``peft_config`` is given) and replays a gradient-accumulation window after an OOM
-(NOTE [OOM replay] in memfit/hf.py), through TRL's own ``training_step``.
+(NOTE [OOM replay] in memfit/integrations/hf.py), through TRL's own ``training_step``.
 
 # NOTE [TRL's checkpointing default]
 ``trl.SFTConfig`` turns Hugging Face's gradient checkpointing on by default; memfit decides
@@ -17,9 +17,9 @@ checkpoints every block, as TRL's default did.
 # NOTE [TRL's activation offloading under memfit]
 TRL's ``activation_offloading`` enters its saved-tensor hooks around the whole training step;
 memfit's counter enters its own when the model's forward starts, inside them, and only the
-innermost pair runs (NOTE [Who sees a checkpointed block's tensors] in memfit/accounting.py):
+innermost pair runs (NOTE [Who sees a checkpointed block's tensors] in memfit/engine/accounting.py):
 TRL would offload nothing, silently. So ``SFTConfig`` refuses the flag; the benchmark's
-``offload`` peer runs TRL's offloading inside memfit's counter instead (memfit/bench/peers.py).
+``offload`` peer runs TRL's offloading inside memfit's counter instead (memfit/tools/bench/peers.py).
 
 Importing this module imports TRL: ``pip install 'memfit[llm]'`` (or ``pip install trl``).
 
@@ -40,7 +40,7 @@ except ImportError:
         "memfit.trl needs TRL: pip install 'memfit[llm]' (or pip install trl); memfit.Trainer works without it"
     ) from None
 
-from memfit.hf import MemfitArguments, with_memfit
+from memfit.integrations.hf import MemfitArguments, with_memfit
 
 __all__ = ["SFTConfig", "SFTTrainer"]
 
@@ -69,6 +69,6 @@ class SFTConfig(MemfitArguments, trl.SFTConfig):
         super().__post_init__()
 
 
-#: ``trl.SFTTrainer`` with memfit (:class:`memfit.hf.MemfitTrainerMixin`); pass an :class:`SFTConfig`.
+#: ``trl.SFTTrainer`` with memfit (:class:`memfit.integrations.hf.MemfitTrainerMixin`); pass an :class:`SFTConfig`.
 SFTTrainer = with_memfit(trl.SFTTrainer)
 SFTTrainer.__module__ = __name__

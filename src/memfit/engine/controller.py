@@ -1,0 +1,539 @@
+"""The controller: wires a model's hooks to the method, the meter, the learner and the records.
+
+``memfit.fit`` builds a :class:`Controller`, which hooks the model and needs no change to the
+training loop:
+
+* a forward pre-hook on the root module starts a step (and closes the previous one: its
+  record is written then, when the peak of its backward and optimizer step is known);
+* the first block to run asks the method for the plan and applies it (NOTE [Plan is fixed
+  before forward]); the method's protection may change how kept blocks run (protection.py);
+* saved tensors are counted per block while the root forward runs (accounting.py);
+* in warm-up every block is probed (engine/probe.py), and the probes are learnt at the
+  forward's end (learner.py);
+* an optimizer step pre-hook and every block run let the meter read the step's peaks apart
+  (engine/meter.py);
+* a closed step is turned into what it teaches (learner.py), which the method learns, and
+  into a :class:`~memfit.engine.records.StepRecord`.
+
+# NOTE [Counting what teaches]
+The counter's pack hook runs for every tensor autograd saves. Logical accounting reads its
+counts as the step's memory, so every step counts there; on CUDA the allocator gives the
+peaks, and the counts only teach the model what each block saves. So a step counts only
+when its method asks (``Decision.count``: NOTE [Which steps count] in methods/dynamic.py) or
+the backstop is armed (it learns what the stored blocks saved); the counter starts with the
+forward and stops at the first block otherwise, and the step runs as plain PyTorch plus the
+blocks' treatments.
+
+# NOTE [Plan is fixed before forward]
+The shape key is read from the first block's input, so it works for any model input (tokens,
+pixels, kwargs). Every block's treatment is set at that moment, before any block has run, and
+does not change until the next step: forward and backward see one plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.engine import learner
+from memfit.engine.accounting import OUTSIDE, GatheredParameters, SavedTensorCounter, expected_optimizer_bytes, optimizer_state_bytes, static_bytes_logical
+from memfit.engine.blocks import SELECTIVE_BUDGET, Block, compile_loss, find_blocks, fingerprint, unwrap_blocks, wrap_blocks
+from memfit.engine.budget import check_static_need, parse_bytes
+from memfit.engine.methods import Method, make_method, save_plans
+from memfit.engine.planner import Plan
+from memfit.engine.planning import Planning
+from memfit.engine.records import JsonlWriter, StepRecord, summarize
+from memfit.engine import probe, replay
+from memfit.engine.meter import Meter, make_meter
+from memfit.engine.step import Stage, StepState
+from memfit.engine.shapes import first_tensor, shape_key
+from memfit.engine.store import ReactiveStore
+from memfit.engine.summary_text import end_summary, start_line
+from memfit.engine.treatments import OFFLOAD, SELECTIVE, Treatment, make_treatments, run_treatment_names
+
+__all__ = ["fit", "Controller"]
+
+logger = logging.getLogger("memfit")
+
+
+def _group_ids(blocks: list[Block]) -> list[int]:
+    """Blocks of the same class and parameter count share a group (and a model)."""
+    ids: dict[tuple[type, int], int] = {}
+    out = []
+    for b in blocks:
+        sig = (type(b.module), sum(p.numel() for p in b.module.parameters()))
+        out.append(ids.setdefault(sig, len(ids)))
+    return out
+
+
+def _check_static_need(model: nn.Module, budget_bytes: int | None, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+    """Parameters, gradients and optimizer state (expected before its first step), counted;
+    raises ``BudgetTooSmallError`` when they exceed the budget."""
+    parts = static_bytes_logical(model, None)
+    parts["optimizer state"] = max(expected_optimizer_bytes(optimizer), optimizer_state_bytes(optimizer))
+    if budget_bytes is not None:
+        check_static_need(budget_bytes, sum(parts.values()), parts)
+    return parts
+
+
+def _run_options(
+    treatments: Sequence[str] | None, compile: bool | dict[str, Any],
+) -> tuple[tuple[str, ...], dict[str, Any] | None]:
+    """The run's treatment names (NOTE [Recompute always at hand], treatments.py) and the
+    ``torch.compile`` arguments of the blocks' bodies, or None (NOTE [Compiled blocks], blocks.py).
+
+    ``treatments=None`` gives the default: ``recompute``, and with blocks compiled by inductor
+    ``selective`` too (the budgeted compilation, priced per block like any treatment: NOTE
+    [Compiled blocks]).
+
+    Raises:
+        ValueError: an ``activation_memory_budget`` outside [0, 1), a ``recompile_limit``
+            that is not a whole number from 1, a ``loss`` that is not a bool; ``selective`` with a backend other than inductor (NOTE [Compiled blocks]).
+    """
+    if compile is False or compile is None:
+        return run_treatment_names(treatments or ()), None
+    options = {} if compile is True else dict(compile)
+    inductor = options.get("backend", "inductor") == "inductor"
+    names = run_treatment_names((SELECTIVE,) if treatments is None and inductor else treatments or ())
+    budget = options.get("activation_memory_budget", SELECTIVE_BUDGET)
+    if not isinstance(budget, (int, float)) or not 0 <= budget < 1:
+        raise ValueError(
+            f"compile's activation_memory_budget {budget!r} is the share of a compiled block's activations "
+            "'selective' keeps: give a number from 0 up to, not including, 1"
+        )
+    limit = options.get("recompile_limit")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(
+            f"compile's recompile_limit {limit!r} is how many variants of a block's body Dynamo compiles before it "
+            "runs them eagerly: give a whole number from 1, or leave it out"
+        )
+    if not isinstance(options.get("loss", True), bool):
+        raise ValueError(
+            f"compile's loss {options['loss']!r} says whether the model's loss function is compiled: give True or False"
+        )
+    if SELECTIVE in names and not inductor:
+        raise ValueError(
+            f"'selective' on compiled blocks needs the inductor backend (it keeps random ops from being recomputed), "
+            f"not {options['backend']!r}: leave out compile's backend, or 'selective' from the treatments"
+        )
+    return names, options
+
+
+def _say(text: str, rank: int) -> None:
+    if rank == 0:
+        print(text, file=sys.stderr, flush=True)
+
+
+def _make_treatments(
+    names: Sequence[str], counter: SavedTensorCounter, planning: Planning, device: torch.device, compiled: bool,
+) -> dict[str, Treatment]:
+    """The run's treatments; with ``offload``, the host link is measured now, before training
+    holds memory, and priced for the planner (engine/probe.py)."""
+    if OFFLOAD not in names:
+        return make_treatments(tuple(names), counter, compiled)
+    planning.offload_ms = probe.measure_link(device)
+    return make_treatments(tuple(names), counter, compiled, excluded_ptrs=counter.excluded_ptrs)
+
+
+class Controller:
+    """Plans, applies and records the treatment of every block for one model; made by :func:`fit`.
+
+    Attributes:
+        blocks: the wrapped blocks, in order.
+        method: the :class:`~memfit.engine.methods.Method`.
+        planning: model, planner and cache.
+        meter: how memory is read (:attr:`accounting` names it).
+        replaying: set while earlier micro-steps of a window are rerun after an OOM (no records).
+        replays_ooms: the caller replays a step that runs out of memory (the Trainer sets it; ``run_step``
+            its own): protection is then left off where it costs more (NOTE [Protection by expected cost]).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        budget_bytes: int | None,
+        method: Method,
+        optimizer: torch.optim.Optimizer | None = None,
+        blocks: Sequence[nn.Module] | str | None = None,
+        log: str | None = None,
+        margin: float | None = None,
+        bucket_tokens: int = 8,
+        cap: bool = True,
+        treatments: Sequence[str] | None = None,
+        announce: str | bool = False,
+        compile: bool | dict[str, Any] = False,
+    ):
+        self.model = model
+        self.method = method
+        self.budget_bytes = budget_bytes
+        treatments, compile_options = _run_options(treatments, compile)
+        named = find_blocks(model, blocks)
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        static_parts = _check_static_need(model, budget_bytes, optimizer)
+        self.grad_params = [p for p in model.parameters() if p.requires_grad]
+        self.meter: Meter = make_meter(self.device, self.grad_params, static_parts["parameters"] + static_parts["gradients"])
+        self._fingerprint = fingerprint(named)
+        method.bind(len(named), self._fingerprint)
+        if budget_bytes is not None and cap:
+            self.meter.apply_cap(budget_bytes)
+        self.blocks = wrap_blocks(named, allow_hf_checkpointing=method.measures_only, compile=compile_options)
+        margin = self.meter.default_margin if margin is None else margin
+        self.planning = Planning(
+            len(self.blocks), _group_ids(self.blocks), budget_bytes, int(margin * (budget_bytes or 0)), bucket_tokens,
+            slack_bytes=self.meter.initial_slack(budget_bytes), treatments=treatments,
+        )
+        # Parameters and buffers are never activations (under FSDP: this rank's shards).
+        self._counter = SavedTensorCounter(len(self.blocks), exclude=list(model.parameters()) + list(model.buffers()))
+        self.treatments = _make_treatments(treatments, self._counter, self.planning, self.device, self.blocks[0].compiled)
+        self.protection = method.make_protection(
+            lambda: ReactiveStore(self._counter.excluded_ptrs), self.planning, self.meter, self._counter
+        )
+        self._gathered = GatheredParameters(model, self._counter)
+        self.rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+        self._writer = JsonlWriter(log) if log else None
+        #: print a start line now and a summary at remove(); a str is the budget as the user wrote it
+        self.announce = announce
+        if announce:
+            _say(start_line(method.name, budget_bytes, announce if isinstance(announce, str) else None, self.meter.kind,
+                            [type(b.module).__name__ for b in self.blocks]), self.rank)
+        self._records: list[StepRecord] = []
+        self._step: StepState | None = None
+        self._steps_recorded = 0
+        self._oom = replay.OomLog()
+        self.replaying = self.replays_ooms = False
+        self._in_run_step = 0
+        #: ``run_step`` calls of the current accumulation window (NOTE [Replay in a plain loop])
+        self.window: list[tuple[Callable[..., Any], tuple, dict, Any]] = []
+        self._handles = [
+            model.register_forward_pre_hook(self._on_forward_start, with_kwargs=True),
+            model.register_forward_hook(self._on_forward_end, always_call=True), *compile_loss(model, compile_options),
+        ]
+        for b in self.blocks:
+            b.listener = self
+            b.before_run = lambda _: self.meter.block_run(self._step)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._optimizer_handles: list = []
+        self.set_optimizer(optimizer, check=False)
+
+    # ----------------------------------------------------------------- optimizer
+    def set_optimizer(self, optimizer: torch.optim.Optimizer | None, check: bool = True) -> None:
+        """Count ``optimizer``'s state from now on (for an optimizer made after ``fit``).
+
+        Raises:
+            BudgetTooSmallError: when weights + gradients + its state exceed the budget.
+        """
+        if check:
+            _check_static_need(self.model, self.budget_bytes, optimizer)
+        for h in self._optimizer_handles:
+            h.remove()
+        self.optimizer = self.meter.optimizer = optimizer
+        while optimizer is not None and isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+            optimizer = optimizer.optimizer  # accelerate's AcceleratedOptimizer wraps the torch one
+        self.meter.expected_optimizer_bytes = expected_optimizer_bytes(optimizer)  # by the inner one's class
+        self._optimizer_handles = []
+        if optimizer is not None and hasattr(optimizer, "register_step_pre_hook"):
+            self._optimizer_handles = [
+                optimizer.register_step_pre_hook(lambda *_: self.meter.optimizer_step(self._step)),
+                optimizer.register_step_post_hook(lambda *_: self.window.clear()),
+            ]
+
+    @property
+    def accounting(self) -> str:
+        """``"cuda"`` (allocator peaks) or ``"logical"`` (counted tensors)."""
+        return self.meter.kind
+
+    # ----------------------------------------------------------------- hooks
+    def _on_forward_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        training = module.training and torch.is_grad_enabled()
+        # read once: the closing step's lasting growth and this step's static bytes
+        static_now = self.meter.static_now() if training else None
+        self._finish_step(static_now)
+        if not training:
+            return
+        self._gathered.check_first_forward()
+        self.planning.static_bytes = static_now
+        step = StepState(
+            t0=time.perf_counter(), static_bytes=static_now, replay=self.replaying,
+            replayable=self.replays_ooms or self._in_run_step > 0,
+            # optimizer state counted in `static` that only its first step will create
+            state_to_come=self.meter.expected_optimizer_bytes if self.optimizer is not None and not self.optimizer.state else 0,
+        )
+        self.meter.start_step(step)
+        self._step = step
+        for treatment in self.treatments.values():
+            treatment.start_step()
+        self.protection.start_step(step)
+        self._counter.start()
+
+    def _on_forward_end(self, module: nn.Module, args: tuple, output: Any) -> None:
+        step = self._step
+        # the counter's hooks come off autograd's stack even when the forward raised (this hook is
+        # always called): left on, they would stay pushed under whatever the caller runs next
+        self._counter.stop()
+        if (output is None and sys.exc_info()[1] is not None) or step is None:
+            return  # the forward raised: nothing to record
+        counter = self._counter
+        by_block = list(counter.by_block) if step.counted else [0] * len(self.blocks)
+        if step.decision is not None:
+            by_block = self.protection.forward_end(step, by_block)
+        step.end_forward(counter.outside_bytes if step.counted else 0, by_block)
+        if step.probes:
+            probes, step.probes = step.probes, {}
+            learner.learn_probes(self.planning, step.key, probes, step.treated_probes)
+
+    def exit(self, block: Block) -> None:
+        """Block listener: tensors saved after a block belong to no block until the next."""
+        self._counter.current = OUTSIDE
+        if self._step is not None and self._step.stage is Stage.FORWARD:
+            self.protection.exit(self._step, block)
+
+    def enter(self, block: Block, args: tuple, kwargs: dict) -> None:
+        """Block listener: fix the plan at the first block; attribute saved tensors; probe."""
+        step = self._step
+        if step is None or step.stage is not Stage.FORWARD:
+            return
+        self._gathered.enter(block.index, block.module)
+        if step.decision is None:
+            self._decide(step, args, kwargs)
+        self._counter.current = block.index
+        self.protection.enter(step, block, args, kwargs)
+        if block.treatment.holds_inputs and step.counted:
+            self._counter.count_inputs(block.index, args, kwargs)
+        if step.decision.warmup:
+            probe.probe_warmup(step, block, args, kwargs, self._counter, self.device, self.planning)
+
+    def _decide(self, step: StepState, args: tuple, kwargs: dict) -> None:
+        x = first_tensor(args, kwargs)
+        step.shape = list(x.shape) if x is not None else []
+        step.key = shape_key(step.shape)
+        misses = self.planning.cache.misses
+        failed = self._oom.failed_plan if self._oom.attempts and not self.replaying else None
+        t0 = time.perf_counter()
+        decision = self.method.decide(self.planning, step.key, failed)
+        step.planner_us = (time.perf_counter() - t0) * 1e6
+        step.planned = self.planning.cache.misses > misses
+        step.decision = decision
+        for b, kind in zip(self.blocks, decision.plan.treatments(len(self.blocks))):
+            b.treatment = self.treatments[kind]
+        self.protection.arm(step, self.blocks, step.key, decision.plan, decision.warmup)
+        step.counted = decision.count or decision.warmup or step.armed or self.meter.counts_always
+        if not step.counted:  # NOTE [Counting what teaches]
+            self._counter.stop()
+
+    # ----------------------------------------------------------------- records
+    def _finish_step(self, static_now: int | None = None) -> None:
+        """Close the pending step: read its peaks, learn, write its record.
+
+        ``static_now``: the meter's static bytes if the caller has them (a step start reads them anyway).
+        """
+        step, self._step = self._step, None
+        if step is None:
+            return
+        self._counter.stop()
+        if step.decision is None or step.stage is Stage.FORWARD:
+            return  # the forward ran no block (or failed): nothing to record
+        now = time.perf_counter()
+        peaks = self.meter.peaks(step)
+        outcome = learner.step_outcome(
+            peaks, key=step.key, plan=step.decision.plan, warmup=step.decision.warmup,
+            outside=step.saved_outside, by_block=step.saved_by_block, static=step.static_bytes,
+            state_to_come=step.state_to_come,
+            static_now=self.meter.static_now() if static_now is None else static_now,
+            evicted=step.evicted, backstop_input=step.backstop_input, counted=step.counted,
+        )
+        predicted = self.method.learn(self.planning, outcome)
+        self.protection.after_step(step, outcome)
+        if step.replay:
+            return  # a replayed micro-step was recorded when it first ran
+        self._steps_recorded += 1
+        record = step.to_record(
+            outcome, peaks.reserved, predicted, number=self._steps_recorded, method=self.method.name,
+            n_blocks=len(self.blocks), budget_bytes=self.budget_bytes, accounting=self.meter.kind,
+            recompute_ms=self.planning.recompute_ms(step.key, step.decision.plan) + step.evicted_ms,
+            oom_retries=len(self._oom.attempts), oom_attempts=self._oom.attempts, rank=self.rank, now=now,
+        )
+        self._oom.clear()
+        self._records.append(record)
+        if self._writer is not None:
+            self._writer.write(record)
+
+    # ----------------------------------------------------------------- public
+    @property
+    def records(self) -> list[StepRecord]:
+        """Step records so far (the last step's record is closed on access)."""
+        if self._step is not None and self._step.stage is not Stage.FORWARD:
+            self.meter.settle()
+            self._finish_step()
+        return self._records
+
+    def summary(self):
+        """:class:`~memfit.engine.records.RunSummary` of the records so far."""
+        return summarize(self.records)
+
+    @property
+    def pending_oom_attempts(self) -> list[dict[str, Any]]:
+        """The failed attempts of the step being replayed (its record gets them when it succeeds)."""
+        return list(self._oom.attempts)
+
+    def note_oom(self, error: BaseException | str | None = None) -> None:
+        """Call after catching an OOM inside a step, before replaying it (or use :meth:`run_step`).
+
+        Drops the failed step (nothing learned) and keeps more room free, so that the replay
+        runs a safer plan (:func:`memfit.engine.replay.after_oom`); the step's record, written
+        when the replay succeeds, lists the failed attempt (``oom_attempts``).
+
+        Args:
+            error: the caught error or its message (a message keeps the failed step's frames,
+                and their tensors, out of reach).
+
+        Raises:
+            BudgetTooSmallError: when no safer plan exists.
+        """
+        step, self._step = self._step, None
+        self._counter.stop()
+        attempt = self._oom.add(step, self.meter, self.planning, self.protection, error)
+        self.protection.note_oom(step, attempt)
+        replay.after_oom(self.method, self.planning, step, attempt, len(self.blocks))
+
+    def drop_step(self) -> None:
+        """Drop the pending step unrecorded: another rank's OOM replays it (NOTE [Replay under FSDP])."""
+        self._step = None
+        self._counter.stop()
+
+    def run_step(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run one micro-step ``fn(*args, **kwargs)`` (its forward and backward) and return its
+        result; on an OOM, replay it with the same RNG state and a safer plan, so that the
+        gradients are those of a run without the OOM, accumulation windows included (NOTE
+        [Replay in a plain loop] in engine/replay.py).
+
+        Raises:
+            BudgetTooSmallError: when no safer plan exists.
+
+        Example:
+            >>> for batch in loader:  # doctest: +SKIP
+            ...     ctl.run_step(lambda: model(**batch).loss.backward())
+            ...     opt.step(); opt.zero_grad(set_to_none=True)
+        """
+        self._in_run_step += 1
+        try:
+            return replay.run_step(self, fn, args, kwargs)
+        finally:
+            self._in_run_step -= 1
+
+    def plans(self) -> dict[tuple[int, int], Plan]:
+        """Plans decided so far, per shape bucket."""
+        return {k: p for (k, _), p in self.planning.cache.items()}
+
+    def save_plans(self, path: str) -> None:
+        """Write the plans of this run as JSON for the ``precomputed`` method."""
+        save_plans(path, len(self.blocks), self.plans(), fingerprint=self._fingerprint)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Memory model and margin, for resuming without a new warm-up."""
+        return {**self.planning.state_dict(), "step": self._steps_recorded}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.planning.load_state_dict(state)
+        self._steps_recorded = int(state.get("step", 0))
+        self.method.resume()
+
+    def remove(self) -> None:
+        """Close the last record, unhook and unwrap: the model is exactly as before ``fit``."""
+        if self.records and self.announce and self._handles:
+            _say(end_summary(self.records, self.announce if isinstance(self.announce, str) else None), self.rank)
+        for h in self._handles + self._optimizer_handles:
+            h.remove()
+        self._handles = self._optimizer_handles = []
+        self._counter.stop()
+        unwrap_blocks(self.blocks)
+        if self._writer is not None:
+            self._writer.close()
+
+    def __enter__(self) -> "Controller":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def fit(
+    model: nn.Module,
+    budget: int | str | None,
+    method: str | Method = "dynamic",
+    optimizer: torch.optim.Optimizer | None = None,
+    blocks: Sequence[nn.Module] | str | None = None,
+    log: str | None = None,
+    margin: float | None = None,
+    bucket_tokens: int = 8,
+    cap: bool = True,
+    treatments: Sequence[str] | None = None,
+    announce: bool = True,
+    compile: bool | dict[str, Any] = False,
+    **method_kwargs: Any,
+) -> Controller:
+    """Train ``model`` inside ``budget`` by treating just enough blocks per batch.
+
+    Args:
+        model: the model, already on its device.
+        budget: bytes (int) or a size string: ``"6GiB"`` = 6·2**30, ``"6GB"`` = 6·10**9;
+            ``None`` runs the method with no budget (records only).
+        method: ``none | full | dynamic | static | precomputed | reactive`` (or a Method
+            instance).
+        optimizer: its state is counted in the static need (measured from its tensors on
+            CPU, by the allocator on CUDA); its steps close the windows of :meth:`Controller.run_step`.
+        blocks: modules or a name regex, for models memfit cannot analyse.
+        log: path of a JSONL file receiving one :class:`StepRecord` per step.
+        margin: fraction of the budget kept free as a safety margin (default 3% on CUDA,
+            0.1% with logical accounting, which is exact but for the fit's rounding). On
+            CUDA the allocator's slack is kept free on top of it: ``min(256 MiB, budget / 16)``
+            at first, more after an OOM that shows more (NOTE [Room] in planning.py).
+        bucket_tokens: plans are shared by shapes whose token counts round up to the same
+            multiple of this (1 = a plan per exact shape).
+        cap: on CUDA, enforce the budget with ``set_per_process_memory_fraction``.
+        treatments: what the planner may give a block besides ``keep``: ``recompute``,
+            ``selective``, ``offload`` (treatments.py); it picks per batch and block the
+            cheapest mix that fits (NOTE [Treatments never lose] in planning.py). ``recompute``
+            is always included (warm-up, ``full`` and replays use it). Default: ``recompute``,
+            and ``selective`` too where ``compile`` uses inductor.
+        announce: print one line on stderr now (method, budget, accounting, blocks) and a short
+            summary when :meth:`Controller.remove` is called.
+        compile: compile each block's body with ``torch.compile`` inside memfit's wrapper
+            (``True``, or a dict of its keyword arguments), the treatments around it (NOTE
+            [Compiled blocks] in blocks.py); there ``selective`` runs a second compilation
+            under the option ``activation_memory_budget`` (default 0.5), and the model's loss
+            function (transformers' ``loss_function``) is compiled too unless the option
+            ``loss`` is False.
+        **method_kwargs: passed to the method (``path=`` for ``precomputed``,
+            ``max_shape=`` for ``static``, ``warmup_steps=`` for ``dynamic``...).
+
+    Returns:
+        The :class:`Controller`; ``ctl.records[-1]`` is the last step's record,
+        ``ctl.run_step(fn)`` runs a micro-step with OOM replay, and ``ctl.remove()`` restores
+        the model.
+
+    Raises:
+        BudgetTooSmallError: when weights + gradients + optimizer state exceed the budget.
+        UnknownMethodError: for an unknown method name.
+        NoBlocksError: listing candidates, when no checkpointable block is found.
+        PlansMismatchError: ``precomputed`` plans made for another model.
+
+    Example:
+        >>> import torch, memfit
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.ModuleList([nn.Linear(8, 8) for _ in range(4)]))
+        >>> ctl = memfit.fit(model, budget="1GiB", method="full", blocks=r"0\\.\\d+")
+        >>> len(ctl.blocks)
+        4
+        >>> ctl.remove()
+    """
+    budget_bytes = None if budget is None else parse_bytes(budget)
+    method_obj = make_method(method, **method_kwargs)
+    shown = (budget if isinstance(budget, str) else True) if announce else False
+    return Controller(model, budget_bytes, method_obj, optimizer, blocks, log, margin, bucket_tokens, cap, treatments, shown,
+                      compile)

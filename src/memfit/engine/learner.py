@@ -1,0 +1,400 @@
+"""The learner: pure functions from a finished step's readings to updates of the memory model.
+
+The runtime reads a step (engine/meter.py) and hands the readings here as :class:`Peaks`;
+:func:`step_outcome` turns them into what the step teaches (:class:`StepOutcome`), and a
+method that plans from the model (``dynamic``, ``static``) applies it with
+:func:`learn_optimizer_peak`, :func:`learn_step`, :func:`grow_margin` and :func:`grow_slack`. Warm-up probes are
+learnt by :func:`learn_probes`. Nothing here touches ``torch``: every function is tested with
+plain numbers.
+
+# NOTE [What a step teaches]
+Warm-up steps always add samples. A steady step changes the model only when its peak was
+under-predicted by more than a quarter of the margin (safety; or the backstop evicted), or
+over-predicted a new shape by more than 1% of the budget so that the right prediction would
+have given a cheaper plan (speed: it treated blocks for nothing); then each curve that erred
+the same way by more than 0.5% learns the step's value. Every other steady step leaves the
+model and the plan cache untouched: smaller errors are the margin's to absorb, and each change
+of the model clears every cached plan, which costs a replan of every shape. The partial
+transient also learns its first 8 shapes and any shape beyond the range it has seen (NOTE [Two
+transient regimes], model.py), from the backward's start where the step read it apart (NOTE
+[Reading the backward's start]), else only when the model predicts the start to be the peak.
+Warm-up runs every block checkpointed whatever is predicted, from a model of one or two
+samples: its misses say nothing of steady plans and never grow the margin.
+
+# NOTE [Reading the backward's start]
+A partial plan's backward has two peaks (NOTE [Three peaks], model.py): its start, which the
+partial transient describes, and the recompute of its topmost checkpointed block, which the
+model bounds from ``full``'s transient and the blocks held below. The allocator keeps one peak
+per step, so the meter reads the peak so far at the step's first recompute (the start's: the
+forward, the loss and the backward of the blocks above) and resets it. The partial transient
+learns from that reading alone: learnt from the whole step's peak, a recompute's bytes would
+be taken for the start's transient and lift the partial curve's envelope for good.
+
+# NOTE [A step's transient]
+The transient is what the step's peak holds beyond static memory and saved activations. When
+the optimizer step's peak was read apart, the backward's peak is compared with the static
+bytes the step began with, less the optimizer state its first step creates (which did not
+exist yet), plus what the step allocated for good (the first step's library workspaces: static
+from the next step on, not transient). Otherwise the whole step's peak is compared with the
+larger of the static bytes at its start and at its end.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from memfit.engine.planner import Plan
+from memfit.engine.planning import Planning
+from memfit.engine.shapes import bucket_key
+
+__all__ = [
+    "GROUP_SPLIT_SHARE",
+    "Peaks",
+    "StepOutcome",
+    "step_outcome",
+    "learn_optimizer_peak",
+    "learn_step",
+    "mispredicted",
+    "grow_margin",
+    "grow_slack",
+    "learn_probes",
+]
+
+logger = logging.getLogger("memfit")
+
+#: Blocks of one group whose probes saved more than this share apart are split (NOTE [Blocks
+#: alike only in name]).
+GROUP_SPLIT_SHARE = 0.01
+
+
+@dataclass(frozen=True)
+class Peaks:
+    """What the meter read of one finished step (bytes).
+
+    Attributes:
+        peak: the step's peak, backward and forward (the optimizer step's apart, when read).
+        reserved: the allocator's reserved peak (logical: the peak).
+        rest: the peak from the first recompute on, when the backward's start was read apart;
+            else the peak.
+        start: the backward's start, read at its first recompute (CUDA), or None.
+        optimizer: the optimizer step's peak, read apart (CUDA), or None.
+        exact: logical accounting (counted tensors): the peak holds no transient.
+        alloc_retries: allocations the caching allocator served only after releasing its
+            cache during the step (CUDA).
+    """
+
+    peak: int
+    reserved: int
+    rest: int
+    start: int | None = None
+    optimizer: int | None = None
+    exact: bool = False
+    alloc_retries: int = 0
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What a finished step teaches.
+
+    Attributes:
+        key: the step's shape key.
+        plan: the plan it ran.
+        warmup: a warm-up step.
+        outside: bytes saved outside every block.
+        by_block: bytes each block saved (under the backstop: before evicting, without the
+            stores' inputs).
+        static: static bytes at the step's start.
+        peak: the step's peak as recorded (the optimizer step's included).
+        plain_peak: the peak its plan holds run plainly (NOTE [Backstop], protection.py): what
+            predictions are compared with.
+        transient: the backward's transient (NOTE [A step's transient]); None under logical
+            accounting.
+        start_transient: the transient at the backward's start, when read apart.
+        optimizer_above_static: the optimizer step's peak above static, when read apart.
+        evicted: blocks the backstop evicted.
+        counted: the step counted its saved tensors (``outside`` and ``by_block`` are then
+            known; otherwise they are 0 and only the peaks teach).
+    """
+
+    key: tuple[int, int]
+    plan: Plan
+    warmup: bool
+    outside: int
+    by_block: list[int]
+    static: int
+    peak: int
+    plain_peak: int
+    transient: int | None
+    start_transient: int | None = None
+    optimizer_above_static: int | None = None
+    evicted: tuple[int, ...] = field(default_factory=tuple)
+    counted: bool = True
+    alloc_retries: int = 0
+
+
+def _plain_peaks(
+    peaks: Peaks, plan: Plan, evicted: Sequence[int], inputs: Sequence[int], peak: int,
+) -> tuple[int, int | None]:
+    """The step's peak and backward-start peak as its plan holds them run plainly: an armed
+    step's less what its stores kept only as block inputs (NOTE [Backstop], protection.py)."""
+    total = sum(inputs)
+    if not total:
+        return peak, peaks.start
+    if peaks.start is None:  # no recompute (or logical): the peak is the backward's start, every store alive
+        return peak - total, None
+    # from the first recompute on (the topmost recomputed block), the stores above it are gone
+    top = max([*plan.blocks, *evicted], default=len(inputs))
+    return max(peaks.start - total, peaks.rest - sum(inputs[:top])), peaks.start - total
+
+
+def step_outcome(
+    peaks: Peaks,
+    *,
+    key: tuple[int, int],
+    plan: Plan,
+    warmup: bool,
+    outside: int,
+    by_block: list[int],
+    static: int,
+    state_to_come: int,
+    static_now: int,
+    evicted: Sequence[int] = (),
+    backstop_input: Sequence[int] = (),
+    counted: bool = True,
+) -> StepOutcome:
+    """What a finished step teaches, from its readings (NOTE [A step's transient]).
+
+    Args:
+        peaks: the meter's readings.
+        key, plan, warmup: the step's shape key, plan and phase.
+        outside, by_block: the bytes saved outside the blocks and by each block.
+        static: static bytes at the step's start.
+        state_to_come: optimizer state counted in ``static`` that its first step creates.
+        static_now: static bytes now, after the step.
+        evicted: blocks the backstop evicted.
+        backstop_input: per block, what an armed step's stores kept only as block inputs.
+        counted: the step counted its saved tensors; without the counts no transient is known.
+    """
+    saved = outside + sum(by_block)
+    peak = peaks.peak
+    plain_peak, plain_start = _plain_peaks(peaks, plan, evicted, backstop_input, peak)
+    start_transient = optimizer_above = None
+    if peaks.exact or not counted:
+        transient = None
+        if peaks.optimizer is not None:
+            optimizer_above = peaks.optimizer - static
+            peak, plain_peak = max(peak, peaks.optimizer), max(plain_peak, peaks.optimizer)
+    elif peaks.optimizer is not None:
+        grown = max(0, static_now - static)
+        base = static - state_to_come + grown + saved
+        transient = plain_peak - base
+        start_transient = None if plain_start is None else plain_start - base
+        optimizer_above = peaks.optimizer - static
+        peak, plain_peak = max(peak, peaks.optimizer), max(plain_peak, peaks.optimizer)
+    else:
+        base = max(static, static_now) + saved
+        transient = plain_peak - base
+        start_transient = None if plain_start is None else plain_start - base
+    return StepOutcome(
+        key=key, plan=plan, warmup=warmup, outside=outside, by_block=list(by_block), static=static, peak=peak,
+        plain_peak=plain_peak, transient=transient, start_transient=start_transient,
+        optimizer_above_static=optimizer_above, evicted=tuple(evicted), counted=counted,
+        alloc_retries=peaks.alloc_retries,
+    )
+
+
+def learn_optimizer_peak(planning: Planning, outcome: StepOutcome) -> None:
+    """Learn the optimizer step's peak above the step's static bytes (its batch included).
+
+    Plans read it only through ``static + max(activations, optimizer) <= room``: while the
+    largest static seen plus it stays within the room, no plan can change, and the cached
+    plans stay.
+    """
+    above = outcome.optimizer_above_static
+    if above is None:
+        return
+    model = planning.model
+    planning.max_static_bytes = max(planning.max_static_bytes, outcome.static)
+    if above > model.optimizer_bytes:
+        model.optimizer_bytes = float(above)
+        if planning.budget_bytes is None or planning.max_static_bytes + above > planning.room_bytes:
+            planning.cache.clear()
+
+
+def _backward_start_dominates(planning: Planning, key: tuple[int, int], plan: Plan) -> bool:
+    """Whether a partial plan's backward peak is its start (so it teaches the partial regime)."""
+    model = planning.model
+    if not model.ready or not model.transient_full.fitted:
+        return True
+    k = planning.plan_key(key)
+    asked = plan if plan.kinds else plan.blocks
+    return model.backward_start_bytes(k, asked) >= model.recompute_bytes(k, asked)
+
+
+def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, planning_key: tuple[int, int]) -> None:
+    """Feed a finished step to the memory model (NOTE [What a step teaches]).
+
+    Args:
+        planning: the run's planning (its model learns; its cache is cleared on a change).
+        outcome: the step.
+        predicted: the peak predicted for it before learning, or None.
+        planning_key: the shape whose plan the step ran (``static``: the largest one); a step
+            at another shape, over-predicted, says nothing of that plan.
+    """
+    model = planning.model
+    key, by_block, evicted = outcome.key, outcome.by_block, outcome.evicted
+    if not outcome.counted:  # only its peaks are known: the method counts the bucket's next step if they erred
+        model.observe_key(key)
+        return
+    miss = None if predicted is None else outcome.plain_peak - predicted
+    planned = set(outcome.plan.blocks)
+    kinds = outcome.plan.treatments(len(model.groups))
+    curves: list[tuple] = [(model.outside, outcome.outside)]
+    for group_id, group in model.group_models.items():
+        members = [i for i, g in enumerate(model.groups) if g == group_id]
+        for kind, curve in (
+            ("recompute", group.kept_bytes), ("keep", group.full_bytes),
+            ("selective", group.selective_bytes), ("offload", group.offload_bytes),
+        ):
+            values = [by_block[i] for i in members if kinds[i] == kind]
+            if values:
+                curves.append((curve, max(values)))
+    transient_curve, transient = None, outcome.transient
+    if transient is not None and not evicted:  # an evicting step's transient was lowered by its evictions
+        if len(planned) == len(model.groups) and not outcome.plan.kinds:
+            transient_curve = model.transient_full
+        elif outcome.start_transient is not None:  # NOTE [Reading the backward's start]
+            transient_curve, transient = model.transient_partial, outcome.start_transient
+        elif _backward_start_dominates(planning, key, outcome.plan):
+            transient_curve = model.transient_partial
+        if transient_curve is not None:
+            curves.append((transient_curve, transient))
+    changed = False
+    step_under = bool(evicted) or (miss is not None and miss > planning.margin_bytes / 4)
+    b = planning.bucket_tokens
+    step_over = (
+        miss is not None and planning.budget_bytes is not None and -miss > 0.01 * planning.budget_bytes
+        and bucket_key(planning_key, b) == bucket_key(key, b)
+        and planning.would_plan_less(key, outcome.plan, -miss)
+    )
+    for curve, observed in curves:
+        if outcome.warmup or not curve.fitted:
+            curve.add(key, observed)
+            changed = True
+            continue
+        predicted_value = curve(key)
+        under = step_under and observed > predicted_value + 0.005 * abs(observed)
+        over = step_over and observed < predicted_value - 0.005 * abs(observed) and not curve.has(key)
+        learn = under or over
+        if curve is transient_curve and curve is model.transient_partial:
+            learn = learn or (not curve.has(key) and curve.distinct_keys < 8)
+            # a partial step beyond the partial curve's range extends it (NOTE [Two transient
+            # regimes]); one that treated nothing is left out: its transient matters only once
+            # a shape that long needs a plan, and it then teaches the curve itself
+            learn = learn or (bool(planned) and not model.partial_covers(key[0] * key[1]))
+        if learn:
+            curve.add(key, observed)
+            changed = True
+    model.observe_key(key)
+    if changed:
+        planning.cache.clear()
+
+
+def mispredicted(planning: Planning, outcome: StepOutcome, predicted: int | None) -> bool:
+    """Whether a steady step peaked above its prediction by more than a quarter of the margin,
+    or below it by more than 1% of the budget (what makes a step teach: NOTE [What a step teaches])."""
+    if predicted is None or outcome.warmup:
+        return False
+    miss = outcome.plain_peak - predicted
+    return miss > planning.margin_bytes / 4 or (planning.budget_bytes is not None and -miss > 0.01 * planning.budget_bytes)
+
+
+def grow_margin(planning: Planning, outcome: StepOutcome, predicted: int | None) -> None:
+    """A steady step above its prediction grows the margin to 1.25 × the miss, if that is more;
+    the plans are redone with it (NOTE [What a step teaches])."""
+    if predicted is None or outcome.warmup:
+        return
+    miss = outcome.plain_peak - predicted
+    if miss > 0 and 1.25 * miss > planning.margin_bytes:
+        planning.raise_margin(int(1.25 * miss) - planning.margin_bytes)
+
+
+def grow_slack(planning: Planning, outcome: StepOutcome) -> None:
+    """A steady step whose allocations the caching allocator served only after releasing its
+    cache grows the allocator's slack; the plans are redone with it (NOTE [Room], planning.py)."""
+    if not outcome.warmup and outcome.alloc_retries > 0:
+        planning.grow_slack()
+
+
+def learn_probes(
+    planning: Planning, key: tuple[int, int], probes: dict[int, tuple[int, float | None]],
+    treated: dict[int, dict[str, tuple[int, float | None]]] | None = None,
+) -> None:
+    """Split groups whose members' probes saved different bytes, then give each group its
+    first member's probe (bytes; the time of the group's timed member).
+
+    # NOTE [Blocks alike only in name]
+    Blocks of one class and parameter count share a group (one memory and cost model), but
+    such blocks need not save the same bytes: Swin's shifted-window layers add the shift mask
+    to the attention bias, which a CUDA attention kernel keeps for backward, where the
+    unshifted layers keep none. Planned as their group's first member, such a block is
+    under-predicted and a plan that keeps it runs out of memory. So warm-up probes every block
+    (the first of each group timed, the others once, for their bytes), and a group whose
+    members saved more than ``GROUP_SPLIT_SHARE`` apart is split before its samples are
+    added: each kind of member gets its own group (a copy of the group's curves from earlier
+    steps, where its members were measured alike) with its first member's bytes, and the
+    group's timed price, as blocks of one class and size cost about the same.
+
+    Args:
+        planning: the run's planning.
+        key: the step's shape key.
+        probes: block index -> (saved bytes, forward ms or None when untimed).
+        treated: block index -> per treatment (bytes kept on the device, ms or None): the
+            group's ``selective`` and ``offload`` curves (engine/probe.py).
+    """
+    model = planning.model
+    before, groups = list(model.groups), list(model.groups)
+    next_id = max(groups) + 1
+    timed_ms: dict[int, float] = {}  # per group before the split: its first member's time
+    kinds: dict[int, list[tuple[int, int]]] = {}  # per group before the split: (bytes, new id)
+    for i in sorted(probes):
+        nbytes, ms = probes[i]
+        g = model.groups[i]
+        if ms is not None:
+            timed_ms[g] = ms
+        same = kinds.setdefault(g, [])
+        match = next((gid for ref, gid in same if abs(nbytes - ref) <= GROUP_SPLIT_SHARE * max(nbytes, ref)), None)
+        if match is None:  # a new kind: the group's first keeps its id, a later one gets a new id
+            if same:
+                match, next_id = next_id, next_id + 1
+            else:
+                match = g
+            same.append((nbytes, match))
+        groups[i] = match
+    if groups != model.groups:
+        changed = sorted({g for g in groups if groups.count(g) != before.count(g)})
+        logger.info(
+            "memfit: blocks of one class and size saved different bytes at shape key %s; planned apart now: %s",
+            key, "; ".join(str([i for i, x in enumerate(groups) if x == g]) for g in changed),
+        )
+        model.split(groups)
+        planning.cache.clear()
+    seen: set[int] = set()
+    for i in sorted(probes):
+        g = model.groups[i]
+        if g in seen:
+            continue
+        seen.add(g)
+        nbytes, ms = probes[i]
+        group = model.group_models[g]
+        group.full_bytes.add(key, nbytes)
+        group.cost_ms.add(key, ms if ms is not None else timed_ms[before[i]])
+        source = i if treated and i in treated else next((j for j in sorted(treated or {}) if before[j] == before[i]), None)
+        for kind, (kept, kind_ms) in (treated or {}).get(source, {}).items():
+            if kind == "selective":
+                group.selective_bytes.add(key, kept)
+                group.selective_ms.add(key, kind_ms)
+            elif kind == "offload":
+                group.offload_bytes.add(key, kept)

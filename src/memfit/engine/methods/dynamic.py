@@ -1,0 +1,175 @@
+"""``dynamic`` and ``static``: plans from the memory model, learnt in a short warm-up and refined online.
+
+# NOTE [Which steps count]
+Counting the saved tensors costs a hook call per tensor, and only a step the model learns
+from needs it (NOTE [What a step teaches], learner.py): a warm-up step; a step of more tokens
+than any counted before, or fewer (outside the range the curves were fitted on, where they
+extrapolate); the replay of a step that ran out of memory; a step of a bucket whose last
+uncounted step peaked above its prediction by more than a quarter of the margin, or below it
+by more than 1% of the budget (the allocator's peak, read whatever the step counts, tells
+both); and one step in ``COUNT_EVERY``, so that a model that drifts is still seen. Every other
+step has a size inside what the model has measured, and its peak says it was predicted right:
+it runs with no counting hook. Counting every length not seen before would count nearly every
+step of data whose lengths rarely repeat (chat).
+
+# NOTE [A replay treats more]
+An OOM grows the margin or the slack and clears the plans, so the replay is planned with less
+room; but a model that predicts far too little for the shape (a curve extrapolated below its
+samples) plans the same blocks again, and again, however much the margin grows. So a replay
+whose plan treats nothing the failed attempt did not runs every block recomputed instead; if
+that is still too much, the budget is too small (``note_oom`` says so).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from memfit.engine import learner
+from memfit.engine.methods.base import Decision, Method
+from memfit.engine.planner import Plan
+from memfit.engine.protection import Backstop, Protection, Unprotected
+from memfit.engine.shapes import bucket_key
+
+if TYPE_CHECKING:
+    from memfit.engine.accounting import SavedTensorCounter
+    from memfit.engine.learner import StepOutcome
+    from memfit.engine.planning import Planning
+    from memfit.engine.store import ReactiveStore
+
+__all__ = ["Dynamic", "Static", "COUNT_EVERY"]
+
+#: A steady step that teaches nothing new is still counted once in this many (NOTE [Which steps count]).
+COUNT_EVERY = 50
+
+
+class Dynamic(Method):
+    """Per shape key, the cheapest plan whose predicted peak fits the budget.
+
+    Args:
+        warmup_steps: fewest warm-up steps (run as ``full`` while the probe measures).
+        warmup_keys: fewest distinct token counts to see before leaving warm-up, so the
+            fit of ``N·T`` and ``N·T²`` is determined; unless ``warmup_steps`` steps in a
+            row brought no new token count (the data repeats a few shapes: padded to a
+            fixed length, or a few fixed lengths), when waiting for more costs probing
+            steps and teaches nothing the counting of a later new shape would not.
+        max_warmup_steps: leave warm-up after this many steps even with fewer keys.
+        backstop: when a prediction was wrong and a step nears the cap mid-forward, evict
+            already-run kept blocks instead of running out of memory; armed only for steps
+            longer than any before or predicted within reach of the cap (NOTE [Backstop] in
+            protection.py). ``"auto"`` (the default): only on steps that no caller replays
+            after an OOM (NOTE [Protection by expected cost]); ``True``: on replayable steps
+            too; ``False``: never.
+
+    Raises:
+        ValueError: unless ``1 <= warmup_steps <= max_warmup_steps``, or for another ``backstop``.
+    """
+
+    name = "dynamic"
+    adapts = True
+    learns = True
+    #: plan a shape's whole row on a miss (NOTE [Planning a row] in planning.py)
+    plans_rows = True
+
+    def __init__(
+        self, warmup_steps: int = 3, warmup_keys: int = 3, max_warmup_steps: int = 12, backstop: bool | str = "auto",
+    ):
+        if not 1 <= warmup_steps <= max_warmup_steps:
+            raise ValueError("need 1 <= warmup_steps <= max_warmup_steps")
+        if backstop not in (True, False, "auto"):
+            raise ValueError(f"backstop must be 'auto', True or False, not {backstop!r}")
+        self.backstop = backstop
+        self.warmup_steps = warmup_steps
+        self.warmup_keys = warmup_keys
+        self.max_warmup_steps = max_warmup_steps
+        self._warm_steps = 0
+        self._warm_tokens: set[int] = set()
+        self._warm_repeats = 0  # warm-up steps in a row whose token count was seen before
+        self._steady = False  # warm-up is over for good (a step's first check is then skipped)
+        self._decided = 0
+        #: the fewest and most tokens of a counted step so far (NOTE [Which steps count])
+        self._counted_range: tuple[int, int] | None = None
+        #: buckets whose next step counts: an uncounted step of theirs peaked above its prediction
+        self._count_next: set[tuple[int, int]] = set()
+
+    def make_protection(
+        self, new_store: Callable[[], "ReactiveStore"], planning: "Planning", meter: object, counter: "SavedTensorCounter",
+    ) -> Protection:
+        if not self.backstop:
+            return Unprotected()
+        return Backstop(new_store(), planning, meter, counter, always=self.backstop is True)
+
+    def resume(self) -> None:
+        """End warm-up now (the memory model was loaded from a checkpoint)."""
+        self._warm_steps = self.max_warmup_steps
+        self._steady = False  # checked again against the loaded model
+
+    def in_warmup(self, planning: "Planning") -> bool:
+        if not planning.model.ready:
+            return True
+        if self._warm_steps >= self.max_warmup_steps:
+            return False
+        if self._warm_steps < self.warmup_steps:
+            return True
+        return len(self._warm_tokens) < self.warmup_keys and self._warm_repeats < self.warmup_steps
+
+    def decide(self, planning: "Planning", key: tuple[int, int], failed: Plan | None = None) -> Decision:
+        self._decided += 1
+        bucket, tokens = bucket_key(key, planning.bucket_tokens), key[0] * key[1]
+        if not self._steady:
+            if self.in_warmup(planning):
+                self._warm_steps += 1
+                self._warm_repeats = self._warm_repeats + 1 if tokens in self._warm_tokens else 0
+                self._warm_tokens.add(tokens)
+                self._note_counted(tokens)
+                return Decision(Plan(planning.all_blocks), warmup=True, count=True)
+            self._steady = True  # the model stays ready and the counts only grow
+        low, high = self._counted_range or (tokens, tokens - 1)
+        count = (  # NOTE [Which steps count]
+            not low <= tokens <= high or failed is not None or bucket in self._count_next
+            or self._decided % COUNT_EVERY == 0
+        )
+        self._count_next.discard(bucket)
+        if count:
+            self._note_counted(tokens)
+        plan = planning.plan_for(self.planning_key(planning, key), whole_row=self.plans_rows)
+        if failed is not None and set(plan.blocks) <= set(failed.blocks):
+            plan = Plan(planning.all_blocks)  # NOTE [A replay treats more]
+        return Decision(plan, count=count)
+
+    def _note_counted(self, tokens: int) -> None:
+        low, high = self._counted_range or (tokens, tokens)
+        self._counted_range = (min(low, tokens), max(high, tokens))
+
+    def learn(self, planning: "Planning", outcome: "StepOutcome") -> int | None:
+        learner.learn_optimizer_peak(planning, outcome)
+        predicted = planning.predict_peak(outcome.key, outcome.plan) if planning.model.ready else None
+        learner.learn_step(planning, outcome, predicted, self.planning_key(planning, outcome.key))
+        learner.grow_margin(planning, outcome, predicted)
+        learner.grow_slack(planning, outcome)
+        if not outcome.counted and learner.mispredicted(planning, outcome, predicted):
+            self._count_next.add(bucket_key(outcome.key, planning.bucket_tokens))
+        return predicted
+
+
+class Static(Dynamic):
+    """The ``dynamic`` plan of the largest input, applied to every batch.
+
+    Args:
+        max_shape: ``(N, T)`` of the largest input, when known (e.g. from the length list of
+            the data set). Without it, the largest key seen so far (warm-up included) is
+            used, so the plan only ever grows.
+        backstop: as for ``dynamic`` (off by default: the largest shape's plan leaves room).
+        **kwargs: warm-up settings, as for ``dynamic``.
+    """
+
+    name = "static"
+    plans_rows = False  # one shape, the largest, is ever planned
+
+    def __init__(self, max_shape: tuple[int, int] | None = None, backstop: bool = False, **kwargs: int):
+        super().__init__(backstop=backstop, **kwargs)
+        self.max_shape = tuple(max_shape) if max_shape else None
+
+    def planning_key(self, planning: "Planning", key: tuple[int, int]) -> tuple[int, int]:
+        candidates = [key] + [k for k in (self.max_shape, planning.model.max_key) if k]
+        return max(candidates, key=lambda k: (k[0] * k[1], k))

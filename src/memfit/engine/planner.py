@@ -1,0 +1,410 @@
+"""The planner: which blocks to checkpoint so that enough bytes are saved, at least cost.
+
+Pure functions and a small cache; nothing here touches ``torch.cuda`` (habit 4).
+
+Problem: blocks ``i`` with recompute cost ``c_i`` (ms) and savings ``s_i`` (bytes freed by
+checkpointing block ``i``); find the set ``P`` minimising ``sum(c_i for i in P)`` subject to
+``sum(s_i for i in P) >= need``. This is a min-cost covering knapsack:
+
+* homogeneous stacks (all ``c_i`` equal and all ``s_i`` equal — the common case, a stack of
+  identical transformer layers) are solved exactly in O(1): the first ``ceil(need/s)`` blocks;
+* mixed stacks exactly by enumerating how many blocks to take from each class of identical
+  blocks (Swin's four stages, T5's encoder and decoder), taking the earliest blocks within a
+  class (NOTE [Enumerating classes]);
+* only when that enumeration would be too large, by dynamic programming over savings
+  quantised *downwards* (so the true savings of the chosen set are never below ``need``)
+  into ``resolution`` units: within about ``n/resolution`` of optimal.
+
+# NOTE [Enumerating classes]
+For a fixed count from every class but one, the cheapest count of that last class is the
+fewest that covers what is still needed (every cost is positive): one division, not a loop.
+So only the other classes are enumerated, as one numpy grid, and the class with the most
+members is the one solved by division (a Swin-B detector's classes of 2, 2, 18, 2, 6 and 6
+blocks: 1,323 combinations scored at once instead of 25,137 one by one). The grid's products
+run in float64 through BLAS (integer matrix products do not), into buffers kept with the grid
+(a new array per operation costs page faults on every call). Counts, savings and needs are
+integers below 2**53, so every sum is exact in float64 and so is the ceiling of a quotient (a
+fraction of at least 1/saving cannot round away); beyond 2**53 bytes the DP plans. The costs'
+products are those of the integer grid converted to float64: the same plans, tie for tie, as
+integer arithmetic (tested against brute force).
+
+# NOTE [Earliest blocks first]
+Among plans of equal cost the planner prefers lower block indices. A checkpointed block is
+recomputed when backward reaches it; the first blocks are reached last, when most other
+activations have been freed, so recomputing them adds least to the step's peak.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Plan", "InfeasiblePlanError", "plan_blocks", "plan_treatments", "PlanCache", "TREATMENT_ORDER"]
+
+
+class InfeasiblePlanError(ValueError):
+    """Checkpointing every block still does not save enough bytes."""
+
+
+#: the name of whole-block recompute (memfit.engine.treatments.RECOMPUTE; the planner imports no torch)
+_RECOMPUTE = "recompute"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The treatment of every block for one shape key: which blocks are not kept, and how.
+
+    Attributes:
+        blocks: treated (not kept) block indices, ascending.
+        cost_ms: estimated extra time of those treatments.
+        saved_bytes: estimated bytes the plan saves relative to keeping every block.
+        kinds: the treatment of each of ``blocks``, in order; empty when every one is
+            ``recompute`` (normalised so, so that equal plans compare equal).
+
+    Example:
+        >>> Plan((0, 2)).treatments(3)
+        ['recompute', 'keep', 'recompute']
+    """
+
+    blocks: tuple[int, ...]
+    cost_ms: float = 0.0
+    saved_bytes: int = 0
+    kinds: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kinds and len(self.kinds) != len(self.blocks):
+            raise ValueError(f"a plan of {len(self.blocks)} treated blocks has {len(self.kinds)} treatment names")
+        if self.kinds and all(k == _RECOMPUTE for k in self.kinds):
+            object.__setattr__(self, "kinds", ())
+
+    def treatments(self, n_blocks: int) -> list[str]:
+        """The treatment of every block ``0..n_blocks-1``."""
+        out = ["keep"] * n_blocks
+        for i, kind in zip(self.blocks, self.kinds or (_RECOMPUTE,) * len(self.blocks)):
+            out[i] = kind
+        return out
+
+    def by_treatment(self) -> dict[str, list[int]]:
+        """The treated blocks grouped by treatment name (what a step record stores)."""
+        out: dict[str, list[int]] = {}
+        for i, kind in zip(self.blocks, self.kinds or (_RECOMPUTE,) * len(self.blocks)):
+            out.setdefault(kind, []).append(i)
+        return out
+
+    @property
+    def layout(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """What the plan does, its estimates aside: two plans with one layout run alike."""
+        return self.blocks, self.kinds
+
+
+def _is_homogeneous(values: Sequence[float], rel_tol: float = 1e-9) -> bool:
+    # Blocks of one group get the very same value: an exact count settles it in C.
+    if list(values).count(values[0]) == len(values):
+        return True
+    return all(math.isclose(v, values[0], rel_tol=rel_tol, abs_tol=1e-12) for v in values)
+
+
+def plan_blocks(
+    costs_ms: Sequence[float],
+    savings_bytes: Sequence[int],
+    need_bytes: int,
+    resolution: int = 1024,
+) -> Plan:
+    """Cheapest set of blocks whose savings reach ``need_bytes``.
+
+    Args:
+        costs_ms: recompute cost of each block (any consistent unit; ms by convention).
+        savings_bytes: bytes saved by checkpointing each block (negative values count as 0).
+        need_bytes: bytes to save; ``<= 0`` means the budget is not binding.
+        resolution: DP units for mixed stacks (higher is closer to optimal, slower).
+
+    Returns:
+        The :class:`Plan`; empty when nothing needs saving.
+
+    Raises:
+        InfeasiblePlanError: if even checkpointing every block saves fewer than ``need_bytes``.
+
+    Example:
+        >>> plan_blocks([1.0, 1.0, 1.0], [100, 100, 100], 150).blocks
+        (0, 1)
+    """
+    if len(costs_ms) != len(savings_bytes):
+        raise ValueError("costs_ms and savings_bytes must have one entry per block")
+    if need_bytes <= 0:
+        return Plan(())
+    savings = [max(0, int(s)) for s in savings_bytes]
+    if sum(savings) < need_bytes:
+        raise InfeasiblePlanError(
+            f"checkpointing all {len(savings)} blocks saves {sum(savings)} bytes, "
+            f"{need_bytes} are needed"
+        )
+    if _is_homogeneous(costs_ms) and _is_homogeneous(savings):
+        k = math.ceil(need_bytes / savings[0])
+        chosen = tuple(range(k))
+    else:
+        chosen = _enumerate_classes(costs_ms, savings, need_bytes)
+        if chosen is None:
+            chosen = _knapsack_cover(costs_ms, savings, need_bytes, resolution)
+    return Plan(chosen, float(sum(costs_ms[i] for i in chosen)), int(sum(savings[i] for i in chosen)))
+
+
+_MAX_COMBINATIONS = 200_000
+
+
+@functools.lru_cache(maxsize=16)
+def _count_grid(sizes: tuple[int, ...]) -> np.ndarray:
+    """Every combination of counts ``0..n`` per class, one row each (read-only: it is shared).
+
+    A pure function of the class sizes, memoised: a model's classes keep their sizes.
+    """
+    grid = np.array(list(itertools.product(*(range(n + 1) for n in sizes))), dtype=np.int64).reshape(-1, len(sizes))
+    grid.flags.writeable = False
+    return grid
+
+
+@functools.lru_cache(maxsize=16)
+def _workspace(sizes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The count grid as float64 (read-only), and three float64 and one bool buffer of its
+    length that :func:`_enumerate_classes` reuses (NOTE [Enumerating classes]; one planner
+    per process: not for concurrent threads)."""
+    products = _count_grid(sizes).astype(np.float64)
+    products.flags.writeable = False
+    n = len(products)
+    return products, np.empty(n), np.empty(n), np.empty(n), np.empty(n, dtype=bool)
+
+
+def _enumerate_classes(costs: Sequence[float], savings: Sequence[int], need: int) -> tuple[int, ...] | None:
+    """Exact min-cost cover over classes of identical blocks (NOTE [Enumerating classes]).
+
+    Returns None when the grid of the other classes' counts would exceed ``_MAX_COMBINATIONS``.
+    """
+    classes: dict[tuple[float, int], list[int]] = {}
+    for i, pair in enumerate(zip(costs, savings)):
+        classes.setdefault(pair, []).append(i)
+    members = sorted(classes.values(), key=len)
+    last, others = members[-1], members[:-1]
+    if math.prod(len(m) + 1 for m in others) > _MAX_COMBINATIONS:
+        return None
+    if sum(savings) >= 2**53:
+        return None  # the float products below are exact below 2**53 bytes only
+    sizes = tuple(len(m) for m in others)
+    grid = _count_grid(sizes)
+    products, last_count, cost, scratch, feasible = _workspace(sizes)
+    # short of need after the others' counts, then the last class's count covering it
+    np.matmul(products, np.array([savings[m[0]] for m in others], dtype=np.float64), out=last_count)
+    np.maximum(np.subtract(need, last_count, out=last_count), 0.0, out=last_count)
+    last_saving = savings[last[0]]
+    if last_saving > 0:
+        np.ceil(np.divide(last_count, last_saving, out=last_count), out=last_count)
+    else:
+        last_count[:] = np.where(last_count > 0, len(last) + 1, 0)
+    np.less_equal(last_count, len(last), out=feasible)
+    if not feasible.any():
+        return None
+    np.matmul(products, np.array([costs[m[0]] for m in others], dtype=np.float64), out=cost)
+    np.add(cost, np.multiply(last_count, costs[last[0]], out=scratch), out=cost)
+    np.copyto(cost, np.inf, where=np.logical_not(feasible, out=feasible))
+    best_cost = cost.min()
+    ties = np.flatnonzero(cost <= best_cost + 1e-12 * max(1.0, abs(best_cost)))
+
+    def chosen(row: int) -> tuple[int, ...]:
+        counts = list(grid[row]) + [int(last_count[row])]
+        return tuple(sorted(i for m, k in zip(others + [last], counts) for i in m[:k]))
+
+    return min(chosen(r) for r in ties)
+
+
+def _knapsack_cover(costs: Sequence[float], savings: Sequence[int], need: int, resolution: int) -> tuple[int, ...]:
+    """Min-cost cover by DP over quantised savings (see module docstring)."""
+    unit = max(1, math.ceil(need / resolution))
+    target = math.ceil(need / unit)
+    units = [s // unit for s in savings]
+    if sum(units) < target:  # quantisation lost too much: fall back to exact units of 1 byte
+        unit, target, units = 1, need, list(savings)
+    inf = math.inf
+    # best[u] = (cost, chosen) reaching at least u units; u capped at target.
+    best: list[tuple[float, tuple[int, ...]] | None] = [None] * (target + 1)
+    best[0] = (0.0, ())
+    for i in range(len(costs)):
+        if units[i] == 0:
+            continue
+        for u in range(target, -1, -1):
+            entry = best[u]
+            if entry is None:
+                continue
+            v = min(target, u + units[i])
+            candidate = (entry[0] + costs[i], entry[1] + (i,))
+            current = best[v]
+            if current is None or (candidate[0], candidate[1]) < (current[0], current[1]):
+                best[v] = candidate
+    result = best[target]
+    if result is None or result[0] == inf:
+        raise InfeasiblePlanError("no set of blocks saves enough bytes")
+    return tuple(sorted(result[1]))
+
+
+#: where treatments go in a stack of alike blocks, from the first block up: recomputed blocks
+#: first (nothing held below them: NOTE [Earliest blocks first]), then selective ones, then
+#: offloaded ones (furthest from the backward's start, so the prefetch has time)
+TREATMENT_ORDER = (_RECOMPUTE, "selective", "offload")
+
+
+def plan_treatments(options: Sequence[Sequence[tuple[str, int, float]]], need_bytes: int, resolution: int = 1024) -> Plan:
+    """Cheapest treatment per block whose savings reach ``need_bytes`` (keep is free and saves nothing).
+
+    # NOTE [Choosing treatments]
+    A multiple-choice covering knapsack: each block takes one of its options (or stays
+    kept). For a stack whose blocks all have the same options it is exact: every count of
+    blocks per treatment is scored at once (numpy) and the cheapest that covers the need is
+    placed in :data:`TREATMENT_ORDER` from the first block up; ties go to fewer treated
+    blocks. Otherwise a dynamic programme over savings quantised *downwards* into
+    ``resolution`` units, so the chosen savings are never below ``need``.
+
+    Args:
+        options: per block, ``(treatment, bytes saved, ms)`` of each treatment it may take.
+        need_bytes: bytes to save; ``<= 0`` keeps every block.
+        resolution: DP units for stacks of unlike blocks.
+
+    Returns:
+        The :class:`Plan`, its ``kinds`` naming each treated block's treatment.
+
+    Raises:
+        InfeasiblePlanError: when the best option of every block together saves too little.
+
+    Example:
+        >>> opts = [[("recompute", 100, 10.0), ("selective", 60, 2.0)]] * 3
+        >>> plan_treatments(opts, 150).treatments(3)
+        ['selective', 'selective', 'selective']
+    """
+    if need_bytes <= 0:
+        return Plan(())
+    best_each = sum(max((o[1] for o in opts), default=0) for opts in options)
+    if best_each < need_bytes:
+        raise InfeasiblePlanError(f"treating all {len(options)} blocks saves {best_each} bytes, {need_bytes} are needed")
+    first = tuple(options[0]) if options else ()
+    if all(tuple(o) == first for o in options):
+        chosen = _alike(first, len(options), need_bytes)
+    else:
+        chosen = _choose_by_dp(options, need_bytes, resolution)
+    blocks = tuple(sorted(chosen))
+    costs = {i: next(o for o in options[i] if o[0] == chosen[i]) for i in blocks}
+    return Plan(
+        blocks, float(sum(costs[i][2] for i in blocks)), int(sum(costs[i][1] for i in blocks)),
+        kinds=tuple(chosen[i] for i in blocks),
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _counts(m: int, t: int) -> np.ndarray:
+    """Every way to give ``t`` treatments to at most ``m`` blocks: rows of counts (read-only)."""
+    rows = [c for c in itertools.product(range(m + 1), repeat=t) if sum(c) <= m]
+    grid = np.array(rows, dtype=np.float64).reshape(-1, t)
+    grid.flags.writeable = False
+    return grid
+
+
+def _alike(opts: tuple[tuple[str, int, float], ...], m: int, need: int) -> dict[int, str]:
+    """Exact choice for ``m`` blocks with the same options (NOTE [Choosing treatments])."""
+    grid = _counts(m, len(opts))
+    saved = grid @ np.array([o[1] for o in opts], dtype=np.float64)
+    cost = grid @ np.array([o[2] for o in opts], dtype=np.float64)
+    cost = np.where(saved >= need, cost, np.inf)
+    best = cost.min()
+    ties = np.flatnonzero(cost <= best + 1e-12 * max(1.0, abs(best)))
+    row = grid[min(ties, key=lambda r: (grid[r].sum(), tuple(-grid[r])))]
+    order = sorted(range(len(opts)), key=lambda j: TREATMENT_ORDER.index(opts[j][0]) if opts[j][0] in TREATMENT_ORDER else 99)
+    chosen, at = {}, 0
+    for j in order:
+        for _ in range(int(row[j])):
+            chosen[at] = opts[j][0]
+            at += 1
+    return chosen
+
+
+def _choose_by_dp(options: Sequence[Sequence[tuple[str, int, float]]], need: int, resolution: int) -> dict[int, str]:
+    """Min-cost multiple-choice cover by DP over savings quantised downwards (NOTE [Choosing treatments])."""
+    unit = max(1, math.ceil(need / resolution))
+    target = math.ceil(need / unit)
+    if sum(max((o[1] // unit for o in opts), default=0) for opts in options) < target:
+        unit, target = 1, need  # quantisation lost too much: exact units (slow, rare)
+    best = np.full(target + 1, np.inf)
+    best[0] = 0.0
+    picks = []  # per block: the option taken and the units it came from, per units reached
+    for opts in options:
+        new, pick, pred = best.copy(), np.full(target + 1, -1), np.arange(target + 1)
+        for j, (_, saving, cost) in enumerate(opts):
+            units = min(saving // unit, target)
+            if units <= 0:
+                continue
+            # below the target each reached units has one source; the target has every source within `units` of it
+            candidate = best[: target - units] + cost
+            better = candidate < new[units:target] - 1e-12
+            new[units:target][better] = candidate[better]
+            pick[units:target][better] = j
+            pred[units:target][better] = np.flatnonzero(better)
+            tail = best[target - units :] + cost
+            src = int(np.argmin(tail))
+            if tail[src] < new[target] - 1e-12:
+                new[target], pick[target], pred[target] = tail[src], j, target - units + src
+        picks.append((pick, pred))
+        best = new
+    if not np.isfinite(best[target]):
+        raise InfeasiblePlanError("no set of treatments saves enough bytes")
+    chosen, u = {}, target
+    for i in range(len(options) - 1, -1, -1):
+        pick, pred = picks[i]
+        if pick[u] >= 0:
+            chosen[i] = options[i][int(pick[u])][0]
+            u = int(pred[u])
+    return chosen
+
+
+class PlanCache:
+    """Plans per shape bucket; cleared whenever the memory model or margin changes."""
+
+    def __init__(self) -> None:
+        self._plans: dict[Hashable, Plan] = {}
+        #: rows of plans not yet read, per (batch size, static bucket) (NOTE [Planning a row], planning.py)
+        self.rows: dict[Hashable, Any] = {}
+        self.hits = 0
+        self.misses = 0
+        #: plans asked for since the last clear (a cache cleared again and again: a model still learning)
+        self.asked_since_clear = 0
+        #: plans asked for between the last two clears: how long the previous model lasted
+        self.asked_before_clear = 0
+
+    def get(self, key: Hashable) -> Plan | None:
+        self.asked_since_clear += 1
+        plan = self._plans.get(key)
+        if plan is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return plan
+
+    def peek(self, key: Hashable) -> Plan | None:
+        """The cached plan of ``key``, not counted as asked (a lookup on the planner's own behalf)."""
+        return self._plans.get(key)
+
+    def settled(self, asks: int) -> bool:
+        """Whether the memory model behind these plans looks settled: it has served more than
+        ``asks`` requests, or the one before it did (then a change is a correction, not a model
+        still learning every step)."""
+        return self.asked_since_clear > asks or self.asked_before_clear > asks
+
+    def put(self, key: Hashable, plan: Plan) -> None:
+        self._plans[key] = plan
+
+    def clear(self) -> None:
+        self._plans.clear()
+        self.rows.clear()
+        self.asked_before_clear, self.asked_since_clear = self.asked_since_clear, 0
+
+    def items(self) -> list[tuple[Hashable, Plan]]:
+        return list(self._plans.items())

@@ -1,0 +1,392 @@
+"""Planning for one run: the memory model, the planner and the plan cache, behind one object.
+
+Methods ask :meth:`Planning.plan_for` for a shape's plan; the runtime tells it the step's
+static bytes, and the learner (learner.py) updates its model, margin and slack.
+
+# NOTE [Room]
+A plan must fit the *room*: the budget less the margin and the allocator's slack. The margin
+covers prediction error: it starts at a share of the budget and grows after a step above its
+prediction or an OOM the slack does not explain. The slack is memory the caching allocator
+reserves but cannot hand out (the free tails of partly used pages), which no release returns;
+the CUDA cap limits *reserved* bytes while the model predicts *allocated* ones. On CUDA the
+slack starts at ``min(ALLOCATOR_SLACK_BYTES, budget / 16)`` and an OOM raises it to 1.25 × the
+reserved bytes that were not allocated when it failed, when that is more. A steady step during
+which the allocator served an allocation only after releasing its cache (a device sync, and
+the cache's memory unmapped and mapped again: CUDA's ``num_alloc_retries``) grows the slack by
+``RETRY_SLACK_SHARE`` of the budget, up to ``MAX_RETRY_SLACK_SHARE`` of it: plans that fill the
+cap to its last bytes leave the allocator no room for the step's own fragmentation, and a
+release every step costs more than the recompute that leaves it room. ``reactive`` has no plans
+but the same rule: each block entry keeps the slack free. Logical accounting has no allocator:
+its slack is 0.
+
+# NOTE [Plan for the longest shape seen]
+A plan serves every shape of its bucket (tokens rounded up to ``bucket_tokens``) up to the
+length it was made for: the longest the run has met in that bucket, not the bucket's upper
+edge, which no batch may reach (planning for the edge over-predicts and checkpoints blocks for
+nothing, and nothing corrects it: each curve is right at the lengths that run). A longer shape
+of the bucket is planned anew when it comes. Where a row of plans (NOTE [Planning a row]) gives
+every length from the shape to the bucket's edge the same plan, that plan serves the whole
+bucket and no longer shape of it replans. Plans are not monotone in length everywhere (where
+the partial transient's range begins a shorter shape can need a block more), so a row's
+lengths are checked one by one, not the edge's plan alone.
+
+# NOTE [Planning a row]
+For a stack of one group (every block alike) with only ``keep`` and ``recompute``, the plan of
+a shape is the shortest prefix of blocks that fits, so a miss plans the whole row at once:
+every length of the shape's batch size, one token apart, up to a few buckets past the longest
+shape seen, with numpy over the row, doing the per-key planner's float operations in its
+order, so that the plans are the same bit for bit (tested); each length's plan is built from
+the row's arrays when first asked. A row costs several single plans, so it pays only while the
+model behind it lasts: a miss plans a row once the cache has served more than
+``ROW_AFTER_STEADY_ASKS`` requests since its last clear, or the model before it did (a settled
+model's later changes are corrections that last). Shapes that no plan fits, mixed stacks and
+``static`` plan per key.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from memfit.engine.budget import format_bytes
+from memfit.engine.model import MemoryModel
+from memfit.engine.planner import InfeasiblePlanError, Plan, PlanCache, plan_blocks, plan_treatments
+from memfit.engine.shapes import bucket_key
+
+__all__ = ["Planning", "ROW_AFTER_STEADY_ASKS", "ALLOCATOR_SLACK_BYTES", "RETRY_SLACK_SHARE", "MAX_RETRY_SLACK_SHARE"]
+
+logger = logging.getLogger("memfit")
+
+#: Rows are planned only once the plan cache, or the one before its last clear, has served
+#: more than this many requests: before, the model changes every step or two (NOTE [Planning a row]).
+ROW_AFTER_STEADY_ASKS = 3
+
+#: The allocator's slack kept free on CUDA before any OOM has measured it (NOTE [Room]).
+ALLOCATOR_SLACK_BYTES = 256 * 2**20
+#: A steady step the allocator served only by releasing its cache grows the slack by this
+#: share of the budget (NOTE [Room]) ...
+RETRY_SLACK_SHARE = 1 / 32
+#: ... up to this share of it in all.
+MAX_RETRY_SLACK_SHARE = 1 / 8
+
+
+def _blocks(plan: Plan | Sequence[int]) -> tuple[int, ...]:
+    return plan.blocks if isinstance(plan, Plan) else tuple(plan)
+
+
+def _for_model(plan: Plan | Sequence[int]) -> Plan | tuple[int, ...]:
+    """What the memory model is asked with: a plan with treatments as it is, a recompute-only
+    plan as its block indices (the original arithmetic: NOTE [Treated peaks], model.py)."""
+    return plan if getattr(plan, "kinds", ()) else _blocks(plan)
+
+
+class Planning:
+    """Memory model + planner + plan cache for one run (what methods see).
+
+    Args:
+        n_blocks: number of blocks.
+        groups: group id of each block (identical blocks share a model).
+        budget_bytes: the budget, or ``None`` for no budget.
+        margin_bytes: initial safety margin kept free below the budget (prediction error).
+        bucket_tokens: token granularity of plan buckets.
+        slack_bytes: the allocator's reserved-but-unusable bytes, also kept free (NOTE [Room]).
+        treatments: what the planner may give a block besides ``keep`` (treatments.py).
+
+    Attributes:
+        offload_ms: the price of offloading (moved bytes, forward ms) -> ms, once the link
+            was measured (engine/probe.py); until then ``offload`` is not planned.
+        static_bytes: bytes no plan changes, as they will be at this step's peak (set by the
+            runtime at each step's start).
+        max_static_bytes: the largest static bytes of a step that ran an optimizer step.
+    """
+
+    def __init__(
+        self, n_blocks: int, groups: Sequence[int], budget_bytes: int | None, margin_bytes: int, bucket_tokens: int,
+        slack_bytes: int = 0, treatments: Sequence[str] = ("recompute",),
+    ):
+        self.n_blocks = n_blocks
+        self.all_blocks = tuple(range(n_blocks))
+        self.model = MemoryModel(groups, bucket_tokens)
+        self.budget_bytes = budget_bytes
+        self.margin_bytes = margin_bytes
+        self.slack_bytes = slack_bytes
+        self.bucket_tokens = bucket_tokens
+        self.cache = PlanCache()
+        self.static_bytes = 0
+        self.max_static_bytes = 0
+        self.infeasible_keys: set[tuple[int, int]] = set()
+        #: per plan bucket, the most tokens per row seen in it (NOTE [Plan for the longest shape seen])
+        self.longest_in_bucket: dict[tuple[int, int], int] = {}
+        self.treatments = tuple(treatments)
+        self.offload_ms: Callable[[float, float], float] | None = None
+
+    @property
+    def recompute_only(self) -> bool:
+        """Whether ``recompute`` is the only treatment (plans are then the original first-k rows)."""
+        return self.treatments == ("recompute",)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Memory model, margin and slack (what a resumed run needs to skip its warm-up)."""
+        return {"model": self.model.to_dict(), "margin_bytes": self.margin_bytes, "slack_bytes": self.slack_bytes}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model = MemoryModel.from_dict(state["model"])
+        self.model.bucket_tokens = self.bucket_tokens
+        self.margin_bytes = int(state["margin_bytes"])
+        self.slack_bytes = int(state.get("slack_bytes", self.slack_bytes))
+        self.cache.clear()
+
+    # ------------------------------------------------------------ predictions
+    def plan_key(self, key: tuple[int, int]) -> tuple[int, int]:
+        """The shape ``key``'s plan is made and predicted for: the longest seen in its bucket
+        (``key`` itself if none longer was) (NOTE [Plan for the longest shape seen])."""
+        return (key[0], max(key[1], self.longest_in_bucket.get(bucket_key(key, self.bucket_tokens), 0)))
+
+    def predict_peak(self, key: tuple[int, int], plan: Plan | Sequence[int]) -> int:
+        """Predicted step peak: static + the largest of the step's three peaks (NOTE [Three peaks], model.py)."""
+        return int(self.static_bytes + self.model.step_bytes(self.plan_key(key), _for_model(plan)))
+
+    @property
+    def room_bytes(self) -> int:
+        """What a plan's predicted peak must fit: the budget less the margin and the slack (NOTE [Room])."""
+        return self.budget_bytes - self.margin_bytes - self.slack_bytes
+
+    def recompute_ms(self, key: tuple[int, int], plan: Plan | Sequence[int]) -> float:
+        """Predicted extra time of ``plan``'s treatments at ``key`` (0 before the model is fitted)."""
+        if not self.model.ready:
+            return 0.0
+        k = self.plan_key(key)
+        kinds = getattr(plan, "kinds", ())
+        if not kinds:
+            return float(sum(self.model.block_cost_ms(i, k) for i in _blocks(plan)))
+        options = self.model.options(k, self.treatments, self.offload_ms)
+        price = {(i, name): ms for i, opts in enumerate(options) for name, _, ms in opts}
+        return float(sum(price.get((i, kind), self.model.block_cost_ms(i, k)) for i, kind in zip(plan.blocks, kinds)))
+
+    # ------------------------------------------------------------ plans
+    def _static_bucket(self) -> int:
+        # Static bytes differ between micro-steps (gradients present or not); plans are
+        # cached per (shape bucket, static bucket) so both stay cached.
+        unit = max(1, (self.budget_bytes or 1) // 64)
+        return self.static_bytes // unit
+
+    def plan_for(self, key: tuple[int, int], whole_row: bool = True) -> Plan:
+        """The cheapest plan whose predicted peak fits the room (cached).
+
+        ``whole_row``: on a miss, plan the shape's whole row when the stack allows
+        (NOTE [Planning a row]); ``static`` asks for one shape only.
+        """
+        if self.budget_bytes is None:
+            return Plan(())
+        k, edge = self.plan_key(key), bucket_key(key, self.bucket_tokens)
+        self.longest_in_bucket[edge] = k[1]
+        static_bucket = self._static_bucket()
+        # a plan made for the bucket's edge serves every shape of it
+        cache_key = (edge, static_bucket) if self.cache.peek((edge, static_bucket)) is not None else (k, static_bucket)
+        plan = self.cache.get(cache_key)
+        if plan is None:
+            settled = self.cache.settled(ROW_AFTER_STEADY_ASKS)
+            from_row = _plan_from_row(self, k, static_bucket) if whole_row and settled and self.recompute_only else None
+            plan = from_row or self._plan(k)
+            if from_row is not None and k != edge and _row_constant(self, k, edge, static_bucket):
+                self.cache.put((edge, static_bucket), plan)  # no longer shape of the bucket will replan
+            self.cache.put(cache_key, plan)
+        return plan
+
+    def _plan(self, k: tuple[int, int]) -> Plan:
+        """``k``'s plan: the cheapest by recompute alone, or, where the run may give other
+        treatments, the cheapest mix when that is cheaper still and fits (NOTE [Treatments never lose])."""
+        plan = self._plan_recompute(k)
+        if self.recompute_only or not self.model.ready:
+            return plan
+        mixed = self._plan_mixed(k)
+        if mixed is None:
+            return plan
+        base_ms = plan.cost_ms if plan.blocks != self.all_blocks or plan.cost_ms else sum(self.model.costs(k))
+        return mixed if mixed.cost_ms < 0.999 * base_ms else plan
+
+    def _plan_mixed(self, k: tuple[int, int]) -> Plan | None:
+        """# NOTE [Treatments never lose]
+        The cheapest mix of treatments that saves what is needed at the start of backward, if
+        it also fits the other two peaks (NOTE [Treated peaks], model.py); else None. It is
+        taken only when its predicted price is under the recompute-only plan's, which is
+        always made too: a mix never costs more than recompute alone would.
+        """
+        room = self.room_bytes
+        need = int(self.static_bytes + self.model.backward_start_bytes(k, ())) - room
+        options = self.model.options(k, self.treatments, self.offload_ms)
+        if need <= 0 or all(name == "recompute" for opts in options for name, _, _ in opts):
+            return None
+        try:
+            mixed = plan_treatments(options, need)
+        except InfeasiblePlanError:
+            return None
+        return mixed if self.predict_peak(k, mixed) <= room else None
+
+    def _plan_recompute(self, k: tuple[int, int]) -> Plan:
+        # Treating blocks lowers the start-of-backward peak only; the plan is then checked
+        # against the other two (NOTE [Three peaks], model.py), and mended if one is over
+        # (NOTE [Blocks held below a recompute]).
+        room = self.room_bytes
+        need = int(self.static_bytes + self.model.backward_start_bytes(k, ())) - room
+        try:
+            costs, savings = self.model.costs(k), self.model.savings(k)
+            plan = plan_blocks(costs, savings, need)
+            if not plan.blocks or self.predict_peak(k, plan) <= room:
+                return plan
+            if self.predict_peak(k, self.all_blocks) > room:
+                raise InfeasiblePlanError("the recompute or optimizer-step peak is over the budget")
+            return self._mend(k, plan, need, costs, savings)
+        except InfeasiblePlanError:
+            if k not in self.infeasible_keys:
+                self.infeasible_keys.add(k)
+                logger.warning(
+                    "memfit: shape %s is predicted to need %s even with every block checkpointed, "
+                    "over the budget of %s; running it with every block checkpointed",
+                    k, format_bytes(self.predict_peak(k, self.all_blocks) + self.budget_bytes - room), format_bytes(self.budget_bytes),
+                )
+            return Plan(self.all_blocks)
+
+    def _mend(self, k: tuple[int, int], plan: Plan, need: int, costs: list[float], savings: list[int]) -> Plan:
+        """A plan whose recompute peak is over the room, mended.
+
+        # NOTE [Blocks held below a recompute]
+        While backward recomputes a checkpointed block, every kept block below it still holds
+        its activations. The cheapest set of blocks can leave such blocks (the largest layers
+        of a Swin stack, under checkpointed later ones), and the recompute then peaks over
+        the room. Such a plan is mended, not replaced by every block: the cheaper of the plan
+        with every block under its topmost one added, and the shortest run of first blocks
+        that saves enough; both hold nothing below a recompute.
+        """
+        room = self.room_bytes
+        below = tuple(range(max(plan.blocks) + 1))  # the plan and every block under it
+        covered = itertools.accumulate(savings)
+        prefix = tuple(range(next(i for i, total in enumerate(covered, 1) if total >= need)))
+        mended = [p for p in {below, prefix} if self.predict_peak(k, p) <= room]
+        if not mended:
+            return Plan(self.all_blocks)
+        best = min(mended, key=lambda p: (sum(costs[i] for i in p), p))
+        return Plan(best, float(sum(costs[i] for i in best)), int(sum(savings[i] for i in best)))
+
+    def would_plan_less(self, key: tuple[int, int], plan: Plan | Sequence[int], over_bytes: int) -> bool:
+        """Whether a prediction ``over_bytes`` lower would have given a cheaper plan than ``plan``.
+
+        An over-predicted step costs time only if it made the plan treat more: one that
+        treated nothing, or whose cheaper alternative still needs the same blocks (the
+        over-prediction was smaller than what one block saves), cost nothing.
+        """
+        blocks = _blocks(plan)
+        if not blocks or self.budget_bytes is None:
+            return False
+        k = self.plan_key(key)
+        need = int(self.static_bytes + self.model.backward_start_bytes(k, ())) - self.room_bytes - over_bytes
+        if need <= 0:
+            return True
+        costs = self.model.costs(k)
+        try:
+            cheaper = plan_blocks(costs, self.model.savings(k), need)
+        except InfeasiblePlanError:
+            return False
+        return cheaper.cost_ms < 0.999 * sum(costs[i] for i in blocks)
+
+    # ------------------------------------------------------------ room
+    def raise_margin(self, extra_bytes: int) -> None:
+        """Keep ``extra_bytes`` more free from now on (the cached plans are dropped)."""
+        self.margin_bytes += max(0, int(extra_bytes))
+        self.cache.clear()
+
+    def grow_slack(self) -> bool:
+        """Keep ``RETRY_SLACK_SHARE`` of the budget more free for the allocator, up to
+        ``MAX_RETRY_SLACK_SHARE`` in all; returns whether the slack grew (NOTE [Room])."""
+        if not self.budget_bytes:
+            return False
+        ceiling = int(MAX_RETRY_SLACK_SHARE * self.budget_bytes)
+        if self.slack_bytes >= ceiling:
+            return False
+        self.slack_bytes = min(ceiling, self.slack_bytes + int(RETRY_SLACK_SHARE * self.budget_bytes))
+        self.cache.clear()
+        return True
+
+    def learn_slack(self, unusable_bytes: int) -> bool:
+        """Keep 1.25 × ``unusable_bytes`` free for the allocator if that is more than now.
+
+        Returns whether the slack grew (NOTE [Room]).
+        """
+        wanted = int(1.25 * unusable_bytes)
+        if wanted <= self.slack_bytes:
+            return False
+        self.slack_bytes = wanted
+        self.cache.clear()
+        return True
+
+
+# ---------------------------------------------------------------- rows (NOTE [Planning a row])
+def _row_constant(planning: Planning, k: tuple[int, int], edge: tuple[int, int], static_bucket: int) -> bool:
+    """Whether the row plans every length from ``k`` to ``edge`` alike (NOTE [Plan for the longest shape seen])."""
+    row = planning.cache.rows.get((k[0], static_bucket))
+    if row is None or row["longest"] < edge[1]:
+        return False
+    span = slice(k[1] - 1, edge[1])
+    return all(len(set(row[name][span])) == 1 for name in ("count", "every_fits", "prefix_fits"))
+
+
+def _plan_from_row(planning: Planning, k: tuple[int, int], static_bucket: int) -> Plan | None:
+    """``k``'s plan read from its row's arrays, planned first if needed.
+
+    ``None`` (plan ``k`` alone) for a stack of several groups or a shape that no plan fits
+    (the per-key path warns then).
+    """
+    row = planning.cache.rows.get((k[0], static_bucket))
+    if row is None or row["longest"] < k[1]:
+        row = _plan_row(planning, k)
+        if row is None:
+            return None
+        planning.cache.rows[(k[0], static_bucket)] = row
+    i = k[1] - 1
+    c, m = row["count"][i], planning.n_blocks
+    if c == 0:
+        return Plan(())
+    if c < 0 or not row["every_fits"][i]:
+        return None  # over the budget with every block
+    if c == m or row["prefix_fits"][i]:
+        # what the chosen blocks cost, summed one block at a time as plan_blocks sums them
+        cost = float(sum(itertools.repeat(row["cost_ms"][i], c)))
+        return Plan(planning.all_blocks if c == m else tuple(range(c)), cost, row["saved_bytes"][i])
+    return Plan(planning.all_blocks)  # the mend's candidates are this very prefix (NOTE [Blocks held below a recompute])
+
+
+def _plan_row(planning: Planning, k: tuple[int, int]) -> dict[str, Any] | None:
+    """Every length of ``k``'s row, up to the longest shape seen, as lists (one group only)."""
+    model = planning.model
+    n, b = k[0], planning.bucket_tokens
+    longest = max(k[1], bucket_key(model.max_key, b)[1] if model.max_key else 0)
+    # a few buckets past the longest shape seen: a row costs about the same at any
+    # length, and a step just past it would otherwise replan the whole row
+    longest = -(-longest // (8 * b)) * (8 * b)
+    ts = np.arange(1, longest + 1, dtype=np.int64)  # per token: plan keys are lengths seen
+    row = model.row(n, ts)
+    if row is None:
+        return None
+    m, room, static = planning.n_blocks, planning.room_bytes, float(planning.static_bytes)
+    outside, full, kept = row["outside"], row["full"], row["kept"]
+    saving = np.floor(np.maximum(0.0, full - kept)).astype(np.int64)
+    # the same float operations, in the same order, as the per-key methods (bit-equal)
+    need = np.trunc(static + ((outside + (0.0 * kept + m * full)) + row["transient"])).astype(np.int64) - room
+    every = np.maximum((outside + (m * kept + 0.0 * full)) + row["transient_full"], model.optimizer_bytes)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        count = np.where(need > 0, np.ceil(need / np.maximum(saving, 1)), 0).astype(np.int64)
+    count = np.where(m * saving < need, -1, np.minimum(count, m))  # -1: no plan saves enough
+    clipped = np.maximum(count, 0)
+    start = (outside + (clipped * kept + (m - clipped) * full)) + row["transient"]
+    recompute = (outside + (m * kept + 0.0 * full)) + row["transient_full"]
+    peak = np.maximum(np.maximum(start, recompute), model.optimizer_bytes)
+    return {
+        "longest": longest, "count": count.tolist(), "every_fits": (np.trunc(static + every) <= room).tolist(),
+        "prefix_fits": (np.trunc(static + peak) <= room).tolist(),
+        "cost_ms": np.maximum(row["cost_ms"], 1e-6).tolist(),  # one block's
+        "saved_bytes": (clipped * saving).tolist(),
+    }

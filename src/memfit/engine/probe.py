@@ -1,0 +1,280 @@
+"""Warm-up probes: what a block saves when kept, and its forward time (the recompute's price).
+
+# NOTE [Probe]
+Under ``full`` the blocks' saved tensors are held by the checkpoint and invisible to the
+counter (NOTE [Who sees a checkpointed block's tensors], accounting.py). The probe re-runs a
+block on detached copies of its inputs, counts what it saves, and drops the result: it costs
+one block's activations for a moment, as ``full``'s own recompute does in backward, so warm-up
+is safe under any budget ``full`` fits. The RNG is forked, so the real forward draws the
+dropout masks of a run without the probe (gradients stay exact).
+
+# NOTE [Cold runs of a block]
+The probe's time decides *which* blocks a mixed stack treats. A block's first run at a new
+size pays once for what later runs reuse (lazily loaded kernels, library and allocator set-up
+for the new shapes), so a single timed run can price a block many times its worth, and the
+plans follow the noise. So a timed probe runs the block ``TIMED_RUNS`` times with autograd,
+the later runs reusing what the first set up, and the price is the fastest run (a timing's
+noise only adds: NOTE [Central prices], model.py); a treatment's price is timed as often, its
+runs interleaved with the plain ones it is compared with. The saved tensors of the opening run are
+the ones counted; the others' go to counters of their own (the step's counter is outside: it
+must see none), and each run's are freed before the next: the probe's peak stays one block's
+activations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+
+from memfit.engine.accounting import ProbeCounter, SavedTensorCounter
+from memfit.engine.blocks import Block, without_cache
+
+__all__ = ["probe_block", "probe_treatments", "probe_warmup", "LinkPrice", "measure_link", "TIMED_RUNS"]
+
+#: runs of a timed probe, the fastest taken (NOTE [Cold runs of a block])
+TIMED_RUNS = 3
+
+
+def probe_block(
+    block: Block, args: tuple, kwargs: dict[str, Any], counter: SavedTensorCounter, timed: bool, device: torch.device,
+) -> tuple[int, float | None]:
+    """What ``block`` saves kept, and its forward time in ms if ``timed`` (NOTE [Probe]).
+
+    Untimed, the block runs once (its bytes are all that is asked: NOTE [Blocks alike only in
+    name], learner.py) and the time is ``None``.
+
+    Args:
+        block: the block, about to run its real forward on ``args``/``kwargs``.
+        args, kwargs: its inputs.
+        counter: the step's counter (its excluded storages are excluded here too).
+        timed: time the block (``TIMED_RUNS`` runs, the fastest: NOTE [Cold runs of a block]).
+        device: the model's device (CUDA is synchronised around a timed run).
+    """
+    detached = _detached(args, kwargs)
+    probe = ProbeCounter(counter.excluded_ptrs, counter.parameter_storages)
+    devices = [device] if device.type == "cuda" else []
+    times_ms = []
+    others = [ProbeCounter(counter.excluded_ptrs, counter.parameter_storages) for _ in range(TIMED_RUNS - 1)]
+    counters = (probe, *others) if timed else (probe,)
+    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        for run_counter in counters:
+            probe_args, probe_kwargs = without_cache(block.module, *detached)
+
+            def run() -> None:
+                with run_counter.hooks():
+                    block._body(*probe_args, **probe_kwargs)
+
+            times_ms.append(_elapsed_ms(device, run, sync=timed))
+            del probe_args, probe_kwargs
+    return probe.bytes, (min(times_ms) if timed else None)
+
+
+def _detached(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """A block's inputs cut from the step's graph, each asking for grad as the original does."""
+    return tree_map(
+        lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t, (args, kwargs)
+    )
+
+
+def _elapsed_ms(device: torch.device, fn: Callable[[], Any], sync: bool = True) -> float:
+    """``fn()``'s wall time in ms; with ``sync`` the device's queued work is awaited before and
+    after, so the time is the work's, not its launch's."""
+    cuda = sync and device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _shield() -> torch.autograd.graph.saved_tensors_hooks:
+    """An inner hook pair keeping a probe's saved tensors from the step's counter (outside it)."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t)
+
+
+class _SizeCounter:
+    """Saved storages of one block run: all of them, and those under ``min_bytes`` (what
+    ``offload`` keeps on the device)."""
+
+    def __init__(self, exclude_ptrs: set[int], parameter_storages: set[int], min_bytes: int):
+        self._exclude, self._params, self.min_bytes = exclude_ptrs, parameter_storages, min_bytes
+        self._seen: set[int] = set()
+        self.small = 0
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self._exclude and key not in self._seen and storage._cdata not in self._params:
+            self._seen.add(key)
+            if storage.nbytes() < self.min_bytes:
+                self.small += storage.nbytes()
+        return t.detach()  # NOTE [Pack a detached tensor] (accounting.py)
+
+
+def _distinct_bytes(tensors: list[torch.Tensor], counter: SavedTensorCounter) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in counter.excluded_ptrs and storage._cdata not in counter.parameter_storages:
+            seen[ptr] = storage.nbytes()
+    return sum(seen.values())
+
+
+def probe_treatments(
+    block: Block, args: tuple, kwargs: dict[str, Any], counter: SavedTensorCounter, device: torch.device,
+    treatments: tuple[str, ...], offload_min_bytes: int = 2**20,
+) -> dict[str, tuple[int, float | None]]:
+    """What ``block`` keeps on the device under ``selective`` and ``offload``, and what a
+    selective recompute costs (NOTE [Treatment prices], model.py): ``{name: (bytes, ms or None)}``.
+
+    ``selective``: its inputs plus the selective cache (NOTE [Selective policy],
+    treatments.py), and its price: the recompute under the cache (the unsaved ops only) plus
+    what the forward under the caching mode costs beyond a plain forward (the modes dispatch
+    every op through Python, which small ops feel).
+    ``offload``: the saved storages under ``offload_min_bytes`` (its price comes from the link).
+    """
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    from memfit.engine.treatments import keep_matmul_and_attention, runs_random, selective_cache_tensors
+
+    detached = _detached(args, kwargs)
+    inputs = [t for t in tree_leaves(detached) if isinstance(t, torch.Tensor)]
+    devices = [device] if device.type == "cuda" else []
+    out: dict[str, tuple[int, float | None]] = {}
+    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        if "selective" in treatments and block.compiled:
+            if block.draws_random is None:
+                plain_args, plain_kwargs = without_cache(block.module, *detached)
+                block.draws_random = runs_random(block._eager_body, *plain_args, **plain_kwargs)
+            if not block.draws_random:  # else it would keep what keep keeps: never compiled (NOTE [Compiled blocks])
+                out["selective"] = _probe_compiled_selective(block, detached, counter, device)
+        elif "selective" in treatments:
+            def timed(context: Any) -> float:
+                def run() -> None:
+                    with _shield(), context:
+                        block._body(*probe_args, **probe_kwargs)
+
+                return _elapsed_ms(device, run)
+
+            probe_args, probe_kwargs = without_cache(block.module, *detached)
+            plain_ms, forward_ms, recompute_ms = [], [], []
+            for r in range(TIMED_RUNS):  # NOTE [Cold runs of a block]
+                plain_ms.append(timed(contextlib.nullcontext()))
+                caching, cached = create_selective_checkpoint_contexts(keep_matmul_and_attention)
+                forward_ms.append(timed(caching))
+                if r == 0:
+                    nbytes = _distinct_bytes(inputs + selective_cache_tensors(caching), counter)
+                recompute_ms.append(timed(cached))
+                del caching, cached
+            out["selective"] = (nbytes, max(0.0, min(forward_ms) - min(plain_ms)) + min(recompute_ms))
+            del probe_args, probe_kwargs
+        if "offload" in treatments:
+            sizes = _SizeCounter(counter.excluded_ptrs, counter.parameter_storages, offload_min_bytes)
+            probe_args, probe_kwargs = without_cache(block.module, *detached)
+            with torch.autograd.graph.saved_tensors_hooks(sizes._pack, lambda t: t):
+                result = block._body(*probe_args, **probe_kwargs)
+            out["offload"] = (sizes.small, None)
+            del result, probe_args, probe_kwargs
+    return out
+
+
+def _probe_compiled_selective(
+    block: Block, detached: tuple[tuple, dict], counter: SavedTensorCounter, device: torch.device,
+) -> tuple[int, float]:
+    """A compiled block's ``selective`` (NOTE [Compiled blocks], blocks.py): what its budgeted
+    compilation saves, and its forward and backward time beyond the plain compilation's (the
+    partitioner's recompute runs inside the backward graph), each the fastest of ``TIMED_RUNS``
+    runs, interleaved (NOTE [Cold runs of a block]: the first may compile). Gradients are returned, not
+    accumulated, and the inputs' and parameters' both asked, as the step's backward asks them."""
+    params = [p for p in block.module.parameters() if p.requires_grad]
+
+    def run(body: Any, hooks: Any) -> float:
+        probe_args, probe_kwargs = without_cache(block.module, *detached)
+        wrt = [t for t in tree_leaves((probe_args, probe_kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+        def forward_backward() -> None:
+            with hooks:
+                result = body(*probe_args, **probe_kwargs)
+            outs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if outs and wrt + params:
+                torch.autograd.grad(outs, wrt + params, [torch.ones_like(t) for t in outs], allow_unused=True)
+
+        return _elapsed_ms(device, forward_backward)
+
+    lean = ProbeCounter(counter.excluded_ptrs, counter.parameter_storages)
+    lean_ms, plain_ms = [], []
+    for r in range(TIMED_RUNS):
+        lean_ms.append(run(block._lean_body, lean.hooks() if r == 0 else _shield()))
+        plain_ms.append(run(block._body, _shield()))
+    return lean.bytes, max(0.0, min(lean_ms) - min(plain_ms))
+
+
+class LinkPrice:
+    """The price of offloading a block (NOTE [Treatment prices], model.py): the time moving its
+    bytes out in forward and back in backward takes beyond the compute that hides it (the next
+    block's forward; the previous block's backward, about twice a forward), plus a fixed cost.
+
+    Args:
+        d2h_bytes_per_ms, h2d_bytes_per_ms: the link's measured bandwidths.
+        fixed_ms: per offloaded block (hooks, events).
+    """
+
+    def __init__(self, d2h_bytes_per_ms: float, h2d_bytes_per_ms: float, fixed_ms: float = 0.05):
+        self.d2h, self.h2d, self.fixed_ms = d2h_bytes_per_ms, h2d_bytes_per_ms, fixed_ms
+
+    def __call__(self, moved_bytes: float, forward_ms: float) -> float:
+        return (
+            max(0.0, moved_bytes / self.d2h - forward_ms) + max(0.0, moved_bytes / self.h2d - 2 * forward_ms) + self.fixed_ms
+        )
+
+
+def measure_link(device: torch.device, nbytes: int = 16 * 2**20) -> LinkPrice:
+    """Time copying ``nbytes`` to pinned host memory and back (best of three each way).
+
+    On a CPU device the copy is a host memcpy: the price ``offload`` has there.
+    """
+    cuda = device.type == "cuda"
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def best_ms(dst: torch.Tensor, src: torch.Tensor) -> float:
+        times = []
+        for _ in range(4):
+            if cuda:
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=cuda)
+            if cuda:
+                torch.cuda.synchronize(device)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return max(min(times[1:]), 1e-6)
+
+    price = LinkPrice(nbytes / best_ms(host, on_device), nbytes / best_ms(on_device, host))
+    del host, on_device
+    if cuda:
+        torch.cuda.empty_cache()
+    return price
+
+
+def probe_warmup(
+    step: Any, block: Block, args: tuple, kwargs: dict[str, Any], counter: SavedTensorCounter, device: torch.device,
+    planning: Any,
+) -> None:
+    """A warm-up step's probe of ``block``: every block's kept bytes, and the first of each group
+    timed and, where the run may give them, its ``selective`` and ``offload`` bytes and prices
+    (NOTE [Blocks alike only in name], learner.py). The results go to the step (``probes``,
+    ``treated_probes``), learnt at the forward's end."""
+    group = planning.model.groups[block.index]
+    timed = group not in step.probed_groups
+    step.probed_groups.add(group)
+    step.probes[block.index] = probe_block(block, args, kwargs, counter, timed, device)
+    if timed and not planning.recompute_only:
+        step.treated_probes[block.index] = probe_treatments(block, args, kwargs, counter, device, planning.treatments)

@@ -1,0 +1,264 @@
+"""Step records and run summaries: the dataclasses and their JSONL reader/writer.
+
+Everything memfit measures ends up here first (habit 7: structured results first). Reports
+and plots read these files only, never printed text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "StepRecord",
+    "RunSummary",
+    "JsonlWriter",
+    "read_jsonl",
+    "read_jsonl_numbered",
+    "summarize",
+    "treated_blocks",
+]
+
+#: Version of the step-record and summary schema. Bump on any incompatible change.
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class StepRecord:
+    """One optimizer micro-step (one training forward + backward).
+
+    ``plan`` lists the blocks the plan treated (not kept), ``n_checkpointed`` counts them and
+    ``treatments`` says how each was treated.
+
+    Byte counts are plain bytes; ``budget_bytes`` is ``None`` when no budget is set.
+    With ``accounting == "logical"`` (CPU), ``peak_allocated_bytes`` is parameters +
+    gradients + optimizer state + saved activations counted from the tensors, and
+    ``peak_reserved_bytes`` equals it. With ``accounting == "cuda"`` both come from the
+    caching allocator (``max_memory_allocated`` / ``max_memory_reserved``, reset per step).
+    """
+
+    step: int
+    shape: list[int]
+    tokens: int
+    method: str
+    plan: list[int]
+    n_checkpointed: int
+    n_blocks: int
+    predicted_peak_bytes: int | None
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    budget_bytes: int | None
+    accounting: str
+    step_ms: float | None
+    recompute_ms_est: float
+    oom_retries: int = 0
+    phase: str = "steady"
+    saved_activation_bytes: int = 0
+    static_bytes: int = 0
+    planner_us: float = 0.0
+    #: the plan was made this step (no cached plan for its shape bucket), not read from the cache
+    planned: bool = False
+    evicted_blocks: list[int] = field(default_factory=list)
+    #: the backstop ran this step's un-checkpointed blocks under the reactive store (NOTE
+    #: [Backstop] in protection.py)
+    backstop_armed: bool = False
+    #: bytes the backstop's stores kept only as block inputs (no saved tensor held them):
+    #: what arming added to the step beyond the blocks' own saved tensors
+    backstop_input_bytes: int = 0
+    #: the step counted its saved tensors (``saved_activation_bytes`` is 0 when it did not: NOTE
+    #: [Counting what teaches] in engine/controller.py)
+    counted: bool = True
+    #: allocations of this step the CUDA caching allocator served only after releasing its
+    #: cache (a device sync each; they grow the planner's slack: NOTE [Room] in planning.py)
+    alloc_retries: int = 0
+    #: the treated blocks of the plan, by treatment name (``{"recompute": [0, 1]}``); every
+    #: other block was kept (treatments.py)
+    treatments: dict[str, list[int]] = field(default_factory=dict)
+    #: the attempts of this step that ran out of memory and were replayed, oldest first:
+    #: ``stage`` (forward / backward / optimizer), ``plan``, ``phase``, ``shape``,
+    #: ``predicted_peak_bytes``, ``margin_bytes``, ``slack_bytes``, ``evicted_blocks``,
+    #: ``error`` (the allocator's message), and on CUDA ``allocated_bytes``,
+    #: ``peak_allocated_bytes``, ``reserved_bytes``, ``unusable_reserved_bytes`` and
+    #: ``backward_peak_bytes`` when the OOM was noted
+    oom_attempts: list[dict[str, Any]] = field(default_factory=list)
+    rank: int = 0
+    schema_version: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record as a JSON-ready dict (the JSONL line)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "StepRecord":
+        """Build a record from a JSONL line, ignoring fields this version does not know."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class RunSummary:
+    """Totals of one run plus the per-input-size peak table (``memory_count``).
+
+    ``memory_count`` maps the input size (tokens per micro-batch, as a string key so the
+    JSON round-trips) to ``{"steps": n, "max_peak_bytes": b}``: the per-input-size peak
+    table of the original experiments.
+    """
+
+    method: str
+    budget_bytes: int | None
+    accounting: str
+    steps: int
+    warmup_steps: int
+    oom_retries: int
+    max_peak_allocated_bytes: int
+    max_peak_reserved_bytes: int
+    over_budget_steps: int
+    #: mean fraction of blocks recomputed in backward (checkpointed or evicted)
+    mean_checkpointed_fraction: float
+    total_step_ms: float
+    mean_planner_us: float
+    memory_count: dict[str, dict[str, int]]
+    #: steps whose kept blocks ran under the backstop's store (NOTE [Backstop] in protection.py)
+    armed_steps: int = 0
+    #: steps that evicted blocks mid-step (the backstop, or ``reactive``)
+    evicting_steps: int = 0
+    #: steps that counted their saved tensors (NOTE [Counting what teaches] in engine/controller.py)
+    counted_steps: int = 0
+    #: per treatment name, how many block-steps it was given (a block in one step counts once)
+    treated_blocks: dict[str, int] = field(default_factory=dict)
+    #: with several ranks: each rank's own summary, by rank (as a string key)
+    per_rank: dict[str, dict[str, Any]] = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def summarize(records: Iterable[StepRecord]) -> RunSummary:
+    """Fold step records into a :class:`RunSummary`.
+
+    Raises:
+        ValueError: if ``records`` is empty.
+    """
+    records = list(records)
+    if not records:
+        raise ValueError("cannot summarize a run with no step records")
+    memory_count: dict[str, dict[str, int]] = {}
+    for r in records:
+        row = memory_count.setdefault(str(r.tokens), {"steps": 0, "max_peak_bytes": 0})
+        row["steps"] += 1
+        row["max_peak_bytes"] = max(row["max_peak_bytes"], r.peak_allocated_bytes)
+    memory_count = dict(sorted(memory_count.items(), key=lambda kv: int(kv[0])))
+    budget = records[-1].budget_bytes
+    return RunSummary(
+        method=records[-1].method,
+        budget_bytes=budget,
+        accounting=records[-1].accounting,
+        steps=len(records),
+        warmup_steps=sum(r.phase == "warmup" for r in records),
+        oom_retries=sum(r.oom_retries for r in records),
+        max_peak_allocated_bytes=max(r.peak_allocated_bytes for r in records),
+        max_peak_reserved_bytes=max(r.peak_reserved_bytes for r in records),
+        over_budget_steps=sum(
+            budget is not None and r.peak_allocated_bytes > budget for r in records
+        ),
+        # blocks recomputed in backward: checkpointed by the plan, or evicted (`reactive`)
+        mean_checkpointed_fraction=sum(
+            (r.n_checkpointed + len(r.evicted_blocks)) / max(r.n_blocks, 1) for r in records
+        )
+        / len(records),
+        total_step_ms=sum(r.step_ms or 0.0 for r in records),
+        mean_planner_us=sum(r.planner_us for r in records) / len(records),
+        memory_count=memory_count,
+        armed_steps=sum(r.backstop_armed for r in records),
+        evicting_steps=sum(bool(r.evicted_blocks) for r in records),
+        counted_steps=sum(r.counted for r in records),
+        treated_blocks=treated_blocks(records),
+    )
+
+
+def treated_blocks(records: Sequence[StepRecord]) -> dict[str, int]:
+    """Blocks given each treatment, summed over ``records`` (a record of schema 1, with no
+    ``treatments``, recomputed its ``plan``)."""
+    out: dict[str, int] = {}
+    for r in records:
+        kinds = r.treatments or ({"recompute": r.plan} if r.plan else {})
+        for kind, blocks in kinds.items():
+            out[kind] = out.get(kind, 0) + len(blocks)
+    return dict(sorted(out.items()))
+
+
+class JsonlWriter:
+    """Write JSON lines to a file, flushed per line so a crashed run keeps its records.
+
+    The file (and its folder) is made at the first line, so a run that fails before its first
+    record leaves none.
+
+    Args:
+        path: file to write.
+        append: add to an existing file instead of truncating it.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], append: bool = False):
+        self.path = os.fspath(path)
+        self.append = append
+        self._fh: Any = None
+
+    def write(self, obj: Any) -> None:
+        if self._fh is None:
+            folder = os.path.dirname(self.path)
+            if folder:
+                os.makedirs(folder, exist_ok=True)
+            self._fh = open(self.path, "a" if self.append else "w", encoding="utf-8")
+        data = obj.to_dict() if hasattr(obj, "to_dict") else obj
+        self._fh.write(json.dumps(data, sort_keys=False) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh is not None and not self._fh.closed:
+            self._fh.close()
+
+    def __enter__(self) -> "JsonlWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """Yield the JSON objects of a JSONL file (gzip-compressed when it ends in ``.gz``);
+    blank lines are skipped.
+
+    Raises:
+        ValueError: naming the file and line of a line that is not valid JSON, or the file
+            when it ends in ``.gz`` but is not gzip data.
+    """
+    for _, obj in read_jsonl_numbered(path):
+        yield obj
+
+
+def read_jsonl_numbered(path: str | os.PathLike[str]) -> Iterator[tuple[int, Any]]:
+    """:func:`read_jsonl`, each object with its line number (for messages about it)."""
+    opener = gzip.open if os.fspath(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        lines = enumerate(fh, 1)
+        while True:
+            try:
+                lineno, line = next(lines)
+            except StopIteration:
+                return
+            except (OSError, EOFError) as exc:  # gzip.BadGzipFile is an OSError
+                raise ValueError(f"{os.fspath(path)}: not a readable gzip file ({exc}); re-compress it with gzip") from None
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{os.fspath(path)}:{lineno}: not valid JSON ({exc.msg})") from None
+            yield lineno, obj

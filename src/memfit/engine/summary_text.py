@@ -1,0 +1,128 @@
+"""What memfit prints about a run: one line when training starts, a short summary at its end.
+
+Pure functions of plain values and step records, so that the Trainer, ``memfit train`` and
+``memfit.fit`` loops print the same words. Budgets are stated as the user gave them and in
+bytes; measured sizes in binary units (:func:`memfit.engine.budget.format_bytes`).
+
+Example:
+    >>> start_line("dynamic", 500 * 10**6, "500MB", "logical", ["BertLayer"] * 6)
+    'memfit: method dynamic, budget 500MB (500000000 bytes), logical accounting (tensors counted on the host), 6 blocks (BertLayer)'
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from memfit.engine.budget import format_bytes
+from memfit.engine.records import StepRecord, summarize
+
+__all__ = ["start_line", "end_summary", "budget_words", "size_in_given_unit"]
+
+_ACCOUNTING = {
+    "cuda": "cuda accounting (allocator peaks, budget enforced as a hard cap)",
+    "logical": "logical accounting (tensors counted on the host)",
+}
+
+
+# NOTE [A budget in the unit it was given]
+# Records store budgets in bytes only. A budget is typed as a whole number of some unit
+# ("500MB", "6GiB", "--memory_threshold 8"), and a whole number of GB is almost never one of
+# GiB, so the unit is recovered from the bytes: the first of GB, GiB, MB, MiB in which the
+# budget is a whole number names it ("500 MB", not "0.47 GiB"); any other size is shown in
+# binary units with decimals.
+_GIVEN_UNITS = (("GB", 10**9), ("GiB", 2**30), ("MB", 10**6), ("MiB", 2**20))
+
+
+def size_in_given_unit(n_bytes: int) -> str:
+    """A budget in the unit it was most likely typed in (NOTE [A budget in the unit it was given]).
+
+    Example:
+        >>> size_in_given_unit(500 * 10**6), size_in_given_unit(6 * 2**30), size_in_given_unit(8 * 10**9)
+        ('500 MB', '6 GiB', '8 GB')
+    """
+    for unit, size in _GIVEN_UNITS:
+        if n_bytes > 0 and n_bytes % size == 0:
+            return f"{n_bytes // size} {unit}"
+    return format_bytes(n_bytes)
+
+
+def budget_words(budget_bytes: int | None, given: str | None = None) -> str:
+    """``'budget 500MB (500000000 bytes)'``, or that nothing is capped when there is no budget."""
+    if budget_bytes is None:
+        return "no budget: nothing is capped (steps are only measured and recorded)"
+    shown = given if given is not None and str(given) != str(budget_bytes) else None
+    return f"budget {shown} ({budget_bytes} bytes)" if shown else f"budget {budget_bytes} bytes ({format_bytes(budget_bytes)})"
+
+
+def _blocks_words(block_kinds: Sequence[str]) -> str:
+    if not block_kinds:
+        return "no blocks"
+    counts = Counter(block_kinds)  # first-seen order
+    kinds = ", ".join(name if len(counts) == 1 else f"{n} {name}" for name, n in counts.items())
+    return f"{len(block_kinds)} block{'s' * (len(block_kinds) != 1)} ({kinds})"
+
+
+def start_line(
+    method: str, budget_bytes: int | None, budget_given: str | None, accounting: str, block_kinds: Sequence[str]
+) -> str:
+    """The line printed when training starts.
+
+    Args:
+        method: the method's name.
+        budget_bytes: the budget, or ``None``.
+        budget_given: the budget as the user wrote it (``"500MB"``, ``"--memory_threshold 8"``),
+            or ``None`` to state bytes only.
+        accounting: ``"cuda"`` or ``"logical"``.
+        block_kinds: the class name of each block found, in order.
+
+    Returns:
+        One line, starting ``memfit:``.
+    """
+    return ", ".join(
+        [
+            f"memfit: method {method}",
+            budget_words(budget_bytes, budget_given),
+            _ACCOUNTING.get(accounting, f"{accounting} accounting"),
+            _blocks_words(block_kinds),
+        ]
+    )
+
+
+def end_summary(records: Sequence[StepRecord], budget_given: str | None = None) -> str:
+    """The short summary printed when training ends (a few lines, each starting ``memfit:``).
+
+    Steps, the peak and its share of the budget, steps over budget, OOM replays, blocks
+    recomputed per step, the estimated share of step time spent recomputing, and the steps'
+    total time.
+
+    Args:
+        records: the run's step records (every rank's, for a merged summary).
+        budget_given: the budget as the user wrote it (see :func:`start_line`).
+
+    Returns:
+        The summary text (no trailing newline).
+    """
+    if not records:
+        return "memfit: no training step ran"
+    s = summarize(records)
+    n_blocks = max(r.n_blocks for r in records)
+    step_ms = sum(r.step_ms or 0.0 for r in records)
+    recompute_ms = sum(r.recompute_ms_est for r in records)
+    head = f"memfit: {s.steps} steps ({s.warmup_steps} warm-up), method {s.method}, {budget_words(s.budget_bytes, budget_given)}"
+    if s.budget_bytes is None:
+        peak = f"memfit: peak {format_bytes(s.max_peak_allocated_bytes)} ({s.accounting} accounting), not capped"
+    else:
+        share = 100 * s.max_peak_allocated_bytes / s.budget_bytes
+        peak = (
+            f"memfit: peak {format_bytes(s.max_peak_allocated_bytes)} = {share:.0f}% of the budget "
+            f"({s.accounting} accounting), {s.over_budget_steps} step{'s' * (s.over_budget_steps != 1)} over budget"
+        )
+    peak += f", {s.oom_retries} OOM replay{'s' * (s.oom_retries != 1)}"
+    share_time = f"{100 * recompute_ms / step_ms:.0f}%" if step_ms > 0 else "-"
+    blocks = (
+        f"memfit: {s.mean_checkpointed_fraction * n_blocks:.1f} of {n_blocks} blocks recomputed per step on average "
+        f"({100 * s.mean_checkpointed_fraction:.0f}%), recompute about {share_time} of step time (estimated), "
+        f"steps took {step_ms / 1e3:.1f} s"
+    )
+    return "\n".join([head, peak, blocks])

@@ -1,0 +1,546 @@
+"""Hugging Face Trainer integration: swap two classes and a script trains under a budget.
+
+    from memfit import Trainer, TrainingArguments   # instead of transformers'
+
+``TrainingArguments`` adds the budget flags (``--memory_budget 6GiB``, or the original
+scripts' ``--memory_threshold 6`` in GB) and the method; ``Trainer`` hooks the model with
+:func:`memfit.fit`, writes ``<output_dir>/memfit_steps.jsonl`` (one line per micro-step,
+flushed) and ``memfit_summary.json``, adds ``memfit/peak_gib`` and
+``memfit/n_checkpointed`` to the Trainer's logs, keeps the memory model in every checkpoint
+folder (a resumed run needs no new warm-up) and survives CUDA OOMs. Before it opens its records
+it checks the budget against weights, gradients and the optimizer state ``--optim`` will make
+(optim_state.py) and refuses an ``--output_dir`` holding an earlier run (run_dir.py); it prints
+one line as training starts and a short summary at its end (summary_text.py).
+
+The memfit behaviour lives in two mixins, so that any ``transformers.Trainer`` subclass can
+have it: :class:`MemfitArguments` (the flags) and :class:`MemfitTrainerMixin` (hooks, OOM
+replay, records). ``Trainer`` is the mixin on ``transformers.Trainer``; :func:`with_memfit`
+puts it on another Trainer class (``memfit.trl.SFTTrainer`` is TRL's ``SFTTrainer`` with it).
+
+# NOTE [OOM replay]
+An OOM can hit any micro-batch of a gradient-accumulation window, after earlier
+micro-batches have already added to ``.grad``. Retrying only the failed micro-batch would
+keep a half-accumulated, possibly corrupted gradient; skipping it would lose a batch. So the
+whole window is replayed: gradients are dropped, the controller grows its margin (a safer
+plan), and every micro-batch of the window runs again from its first, each with the RNG
+state it had the first time (same dropout masks). The earlier micro-batches' losses were
+already logged and are not counted again; their replays write no step record. The final
+gradients are those of a run that never hit the OOM. With several DDP ranks the replay stays
+on the rank that hit the OOM, and the others wait for it at the window's gradient sync
+(distributed.py, NOTE [Lockstep under DDP]). Under FSDP every forward and backward holds
+collectives (parameter all-gathers, gradient reduce-scatters), so a replay on one rank
+cannot be made local: the OOM is raised instead, and torchrun stops the other ranks (the
+Trainer refuses ``--fsdp`` for now; the check covers a model sharded some other way).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import transformers
+
+from memfit.engine.accounting import static_bytes_logical
+from memfit.engine.budget import check_static_need, parse_bytes
+from memfit.integrations.distributed import GradientSync, world_size
+from memfit.errors import FlagError, MissingFileError
+from memfit.engine.methods import METHODS, Method, UnknownMethodError
+from memfit.engine.optim_state import expected_state_bytes
+from memfit.engine.records import StepRecord, read_jsonl, summarize
+from memfit.integrations.run_dir import claim_output_dir
+from memfit.engine.controller import Controller, fit
+from memfit.engine.replay import MAX_OOM_RETRIES, replays_exhausted, rng_state, set_rng_state, sharded
+from memfit.engine.summary_text import end_summary, start_line
+from memfit.engine.treatments import KEEP, TREATMENTS
+
+__all__ = [
+    "MemfitArguments", "TrainingArguments", "MemfitTrainerMixin", "Trainer", "with_memfit", "STATE_FILE", "rank_path",
+]
+
+STATE_FILE = "memfit_state.json"
+STEPS_FILE = "memfit_steps.jsonl"
+SUMMARY_FILE = "memfit_summary.json"
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class MemfitArguments:
+    """memfit's flags (all optional), mixed into a ``transformers.TrainingArguments`` subclass
+    before it: ``class Args(MemfitArguments, transformers.TrainingArguments)``."""
+
+    memory_budget: str | None = field(
+        default=None,
+        metadata={"help": "Memory budget of the training process: '6GiB' (6*2**30 bytes), '6GB' (6*10**9) or bytes."},
+    )
+    memory_threshold: float | None = field(
+        default=None,
+        metadata={"help": "Memory budget in GB (10**9 bytes), as the original experiment scripts' flag."},
+    )
+    memfit_method: str = field(
+        default="dynamic",
+        metadata={"help": "How plans are chosen: none | full | dynamic | static | precomputed | reactive."},
+    )
+    memfit_plans_file: str | None = field(
+        default=None,
+        metadata={"help": "Plans JSON for --memfit_method precomputed (written by a dynamic run as memfit_plans.json)."},
+    )
+    memfit_log: str | None = field(
+        default=None,
+        metadata={"help": "Step-record JSONL path (default: <output_dir>/memfit_steps.jsonl)."},
+    )
+    memfit_margin: float | None = field(
+        default=None,
+        metadata={"help": "Share of the budget kept free as a safety margin for prediction error (default 0.03 on CUDA, 0.001 with logical accounting on CPU); on CUDA the allocator's slack, min(256 MiB, budget/16) to start, is kept free on top."},
+    )
+    memfit_lockstep: bool = field(
+        default=True,
+        metadata={
+            "help": "Under DDP with several ranks, sync gradients once per accumulation window after backward, so an OOM "
+            "replay on one rank cannot hang the others (costs DDP's overlap of all-reduce with backward). False: DDP's "
+            "own sync, and an OOM on one rank can leave the others waiting in a collective."
+        },
+    )
+    memfit_max_shape: str | None = field(
+        default=None,
+        metadata={"help": "For --memfit_method static: largest input as 'N,T' (rows, tokens); default: largest seen."},
+    )
+    memfit_backstop: str = field(
+        default="auto",
+        metadata={"help": "For --memfit_method dynamic: evict kept blocks when a step nears the cap despite its plan, "
+                  "instead of an OOM and a replay. auto (default): only where the Trainer cannot replay an OOM "
+                  "(FSDP); true: on every step that could need it; false: never."},
+    )
+    memfit_treatments: str = field(
+        default="auto",
+        metadata={"help": "How the planner may free a block's activation memory, comma-separated: recompute (the "
+                  "whole block again in backward), selective (keep matmul and attention outputs, recompute the rest), "
+                  "offload (saved tensors to pinned host memory, prefetched back). Per batch and block it picks the "
+                  "cheapest mix that fits, from each treatment's measured bytes and time. recompute is always "
+                  "available, named or not (warm-up, --memfit_method full and OOM replays use it). Default: auto, "
+                  "recompute, and with --memfit_compile selective too."},
+    )
+    memfit_compile: bool = field(
+        default=False,
+        metadata={"help": "Compile each block's body with torch.compile inside memfit's wrapper, the treatments "
+                  "around it, and the model's loss function (NOTE [Compiled blocks]); there the selective treatment is "
+                  "the body compiled again under torch.compile's activation memory budget 0.5. Not with --torch_compile "
+                  "(the whole model, memfit's hooks included)."},
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Train into an --output_dir that holds an earlier run: its memfit records, summary and plans are "
+            "removed first (checkpoint folders stay). Without it such a folder is refused unless "
+            "--resume_from_checkpoint continues the run (NOTE [Earlier runs in the output folder], run_dir.py)."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.fsdp:
+            raise FlagError(
+                "--fsdp: the memfit Trainer does not support FSDP yet (it hooks the model before Accelerate shards "
+                "it); with FSDP2, call memfit.fit after fully_shard in your own training loop"
+            )
+        if self.output_dir and os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
+            raise FlagError(f"--output_dir {self.output_dir} is a file; name a folder (new or existing)")
+        super().__post_init__()
+        if self.memfit_method not in METHODS:
+            raise UnknownMethodError(
+                f"--memfit_method {self.memfit_method!r} is unknown; choose one of {', '.join(METHODS)}"
+            )
+        budget = _budget_flag("--memory_budget", self.memory_budget) if self.memory_budget is not None else None
+        if self.memory_threshold is not None and self.memory_threshold <= 0:
+            raise FlagError(f"--memory_threshold {self.memory_threshold}: give a positive number of GB (10**9 bytes)")
+        if budget is not None and self.memory_threshold is not None and budget != int(self.memory_threshold * 10**9):
+            raise FlagError(
+                f"--memory_budget {self.memory_budget} and --memory_threshold {self.memory_threshold} (GB) "
+                "disagree; give only one of them"
+            )
+        if self.memfit_margin is not None and not 0 <= self.memfit_margin < 1:
+            raise FlagError(f"--memfit_margin {self.memfit_margin}: give a share of the budget in [0, 1), e.g. 0.05")
+        if self.memfit_method == "precomputed" and not self.memfit_plans_file:
+            raise FlagError(
+                "--memfit_method precomputed needs --memfit_plans_file (the memfit_plans.json of a dynamic run)"
+            )
+        if self.memfit_plans_file and not os.path.isfile(self.memfit_plans_file):
+            raise MissingFileError(
+                f"--memfit_plans_file {self.memfit_plans_file}: no such file; give the memfit_plans.json a dynamic "
+                "run wrote in its --output_dir"
+            )
+        if self.memfit_max_shape is not None:
+            max_shape(self.memfit_max_shape)  # fail early on a malformed shape
+        names = treatment_names(self.memfit_treatments)
+        self.memfit_treatments = "auto" if names is None else ",".join(names)
+        if self.memfit_compile and getattr(self, "torch_compile", False):
+            raise FlagError(
+                "--torch_compile compiles the whole model, memfit's hooks included; --memfit_compile compiles each "
+                "block inside them: give only --memfit_compile"
+            )
+        if str(self.memfit_backstop).lower() not in ("auto", "true", "false"):
+            raise FlagError(f"--memfit_backstop {self.memfit_backstop!r}: give auto, true or false")
+        # the flag's newer name first (reading the old one warns where both exist; older versions have only it)
+        hf_checkpointing = getattr(self, "activation_checkpointing", None)
+        if hf_checkpointing is None:
+            hf_checkpointing = self.gradient_checkpointing
+        if hf_checkpointing and self.memfit_method != "none":
+            raise FlagError(
+                "--gradient_checkpointing and memfit both checkpoint: drop --gradient_checkpointing "
+                "(--memfit_method full does the same)"
+            )
+
+    @property
+    def memfit_budget_given(self) -> str | None:
+        """The budget as the user wrote it (``"500MB"``, ``"8 GB"`` for ``--memory_threshold 8``), or None."""
+        if self.memory_budget is not None:
+            return str(self.memory_budget)
+        if self.memory_threshold is not None:
+            return f"{self.memory_threshold:g} GB"
+        return None
+
+    @property
+    def memfit_budget_bytes(self) -> int | None:
+        """The budget in bytes, from either flag, or None."""
+        if self.memory_budget is not None:
+            return parse_bytes(self.memory_budget)
+        if self.memory_threshold is not None:
+            return int(self.memory_threshold * 10**9)
+        return None
+
+
+def treatment_names(text: str) -> tuple[str, ...] | None:
+    """``--memfit_treatments``' comma-separated names as a tuple (``keep`` and ``recompute`` are always
+    allowed: NOTE [Recompute always at hand], treatments.py), or None for ``auto`` (``fit``'s default).
+
+    Raises:
+        FlagError: an unknown name, or none.
+    """
+    if str(text).strip().lower() == "auto":
+        return None
+    names = tuple(dict.fromkeys(n.strip().lower() for n in str(text).split(",") if n.strip() and n.strip().lower() != KEEP))
+    choices = ", ".join(n for n in TREATMENTS if n != KEEP)
+    unknown = [n for n in names if n not in TREATMENTS]
+    if unknown or not names:
+        raise FlagError(
+            f"--memfit_treatments {text!r}: {f'unknown treatment {unknown[0]!r}' if unknown else 'no treatment'}; "
+            f"give auto or one or more of {choices}, comma-separated (e.g. recompute,selective,offload)"
+        )
+    return names
+
+
+@dataclass
+class TrainingArguments(MemfitArguments, transformers.TrainingArguments):
+    """``transformers.TrainingArguments`` plus memfit's flags (all optional)."""
+
+
+def _budget_flag(flag: str, value: str) -> int:
+    try:
+        return parse_bytes(value)
+    except ValueError as err:
+        raise FlagError(f"{flag} {value}: {err}") from None
+
+
+def max_shape(text: str) -> tuple[int, int]:
+    """``--memfit_max_shape "8,128"`` → ``(8, 128)``.
+
+    Raises:
+        FlagError: not two positive integers separated by a comma.
+    """
+    parts = text.replace(" ", "").split(",")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise FlagError(
+            f"--memfit_max_shape {text}: write the largest input as N,T (rows, tokens per row), e.g. 8,128"
+        )
+    return int(parts[0]), int(parts[1])
+
+
+class _MemfitCallback(transformers.TrainerCallback):
+    """Keeps the memory model in each checkpoint folder."""
+
+    def __init__(self, trainer: "MemfitTrainerMixin"):
+        self.trainer = trainer
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = os.path.join(args.output_dir, f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if os.path.isdir(folder) and state.is_world_process_zero:
+            with open(os.path.join(folder, STATE_FILE), "w", encoding="utf-8") as fh:
+                json.dump(self.trainer.memfit.state_dict(), fh)
+        return control
+
+
+class MemfitTrainerMixin:
+    """What memfit adds to a ``transformers.Trainer`` (sub)class, placed before it in the bases.
+
+    Accepts the arguments of the Trainer class it is mixed into, and ``memfit_method``: a
+    :class:`~memfit.engine.methods.Method` instance to run instead of ``args.memfit_method`` (how the
+    ckptplan peer and the oracle of :mod:`memfit.tools.bench` run their plans). With plain
+    ``transformers.TrainingArguments`` it runs method ``dynamic`` with no budget (records
+    only).
+
+    Attributes:
+        memfit: the :class:`~memfit.engine.Controller` hooked on the model.
+    """
+
+    def __init__(self, *args: Any, memfit_method: Method | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        a = self.args
+        method: str | Method = memfit_method or getattr(a, "memfit_method", "dynamic")
+        method_kwargs: dict[str, Any] = {}
+        if method == "precomputed":
+            method_kwargs["path"] = a.memfit_plans_file
+        if method == "static" and getattr(a, "memfit_max_shape", None):
+            method_kwargs["max_shape"] = max_shape(a.memfit_max_shape)
+        if method == "dynamic":
+            method_kwargs["backstop"] = {"true": True, "false": False}.get(str(getattr(a, "memfit_backstop", "auto")).lower(), "auto")
+        #: every rank's step-record file is this path with the rank's suffix (rank_path)
+        self._steps_path = getattr(a, "memfit_log", None) or os.path.join(a.output_dir, STEPS_FILE)
+        log = rank_path(self._steps_path, a.process_index, a.world_size)
+        self._check_static_need_before_optimizer()
+        self._log_path = log
+        # Each rank has its own budget (its own process cap), plans for its own batches and
+        # writes its own records; rank 0 merges the summaries.
+        self.memfit: Controller = fit(
+            self.model, getattr(a, "memfit_budget_bytes", None), method, log=log, margin=getattr(a, "memfit_margin", None),
+            announce=False, treatments=treatment_names(getattr(a, "memfit_treatments", "auto")),
+            compile=bool(getattr(a, "memfit_compile", False)), **method_kwargs,
+        )
+        self._window: list[tuple[dict[str, Any], dict[str, Any], Any]] = []
+        self._oom_total = 0
+        self._grad_sync: GradientSync | None = None
+        self._grad_sync_of: torch.nn.Module | None = None  # the DDP wrapper it syncs for
+        self.add_callback(_MemfitCallback(self))
+
+    def _check_static_need_before_optimizer(self) -> None:
+        """Check weights + gradients + the optimizer state ``--optim`` will make against the budget.
+
+        The optimizer is made when training starts; checking only then would fail a second
+        time, with a larger need, after a first error that left its state out (NOTE [Expected
+        optimizer state] in optim_state.py). An optimizer passed in, or one whose state
+        cannot be known in advance, is checked by the runtime when it is set.
+
+        Raises:
+            BudgetTooSmallError: stating the whole need, in the format of
+                :func:`memfit.engine.budget.check_static_need`.
+        """
+        a = self.args
+        budget = getattr(a, "memfit_budget_bytes", None)
+        if budget is None or self.optimizer is not None or self.optimizer_cls_and_kwargs is not None:
+            return
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        state = expected_state_bytes(a.optim, trainable, a.optim_args)
+        parts = static_bytes_logical(self.model, None)
+        if state is None:
+            logger.info("--optim %s: its state is counted once it exists (the first optimizer step)", a.optim)
+            parts.pop("optimizer state")
+        else:
+            parts[f"optimizer state ({getattr(a.optim, 'value', a.optim)}, expected)"] = parts.pop("optimizer state") + state
+        check_static_need(budget, sum(parts.values()), parts)
+
+    # ------------------------------------------------------------ optimizer
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        self.memfit.set_optimizer(inner)
+        inner.register_step_post_hook(lambda *_: self._window.clear())
+        return optimizer
+
+    # ------------------------------------------------------------ OOM replay
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        """One micro-step; on OOM, replays the accumulation window (NOTE [OOM replay])."""
+        if self.memfit.method.measures_only:
+            # Nothing to make safer: the OOM goes to the caller as it is (Accelerate's
+            # find_executable_batch_size, behind --auto_find_batch_size, catches it).
+            return super().training_step(model, inputs, num_items_in_batch)
+        # an OOM is replayed below, except with several FSDP ranks (NOTE [OOM replay])
+        self.memfit.replays_ooms = not sharded(self.memfit)
+        sync = self._lockstep_sync(model)
+        if sync is not None:
+            model = model.module  # no collective inside a micro-step (NOTE [Lockstep under DDP])
+        self._window.append((inputs, rng_state(), num_items_in_batch))
+        replay = False
+        for _ in range(MAX_OOM_RETRIES + 1):
+            failed = False
+            try:
+                if replay:
+                    self._replay_window_head(model)
+                loss = super().training_step(model, inputs, num_items_in_batch)
+            except torch.OutOfMemoryError as err:
+                if sharded(self.memfit):
+                    raise torch.OutOfMemoryError(
+                        f"{err}\nmemfit: under FSDP with several ranks a step cannot be replayed on one rank alone "
+                        "(NOTE [OOM replay] in memfit/integrations/hf.py); raise --memfit_margin or --memory_budget"
+                    ) from err
+                failed = True  # recover outside the except block, so its frames are freed
+                message = str(err)
+            if not failed:
+                if sync is not None and self.accelerator.sync_gradients:
+                    sync.sync()
+                return loss
+            self._recover_from_oom(model, message)
+            replay = True
+        raise replays_exhausted(self.memfit.pending_oom_attempts, len(self.memfit.blocks), "--memory_budget or --memfit_margin")
+
+    def _lockstep_sync(self, model: torch.nn.Module) -> GradientSync | None:
+        """The gradient sync replacing DDP's, or None to train through DDP as it is.
+
+        Only when an OOM can be replayed: the method adapts its plans (``full`` and
+        ``precomputed`` cannot, and keep DDP's overlapped sync).
+        """
+        method = self.memfit.method
+        adapts = method.adapts
+        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        if not (ddp and adapts and getattr(self.args, "memfit_lockstep", True) and world_size() > 1):
+            return None
+        if self._grad_sync is None or self._grad_sync_of is not model:
+            buffers = list(model.module.buffers()) if model.broadcast_buffers else []
+            self._grad_sync = GradientSync(model.module.parameters(), buffers, group=model.process_group)
+            self._grad_sync_of = model
+        return self._grad_sync
+
+    def _recover_from_oom(self, model: torch.nn.Module, message: str) -> None:
+        self._oom_total += 1
+        self.memfit.note_oom(message)  # raises when no safer plan exists
+        model.zero_grad(set_to_none=True)
+        gc.collect()  # the failed attempt's tensors, then its cached blocks back to the device
+        self.memfit.meter.release()
+
+    def _replay_window_head(self, model: torch.nn.Module) -> None:
+        """Re-run the window's earlier micro-batches, then restore the failed one's RNG."""
+        self.memfit.replaying = True
+        try:
+            for inputs, rng, n_items in self._window[:-1]:
+                set_rng_state(rng)
+                super().training_step(model, inputs, n_items)
+        finally:
+            self.memfit.replaying = False
+        set_rng_state(self._window[-1][1])
+
+    # ------------------------------------------------------------ logs and files
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        records = self.memfit.records if "loss" in logs else []
+        if records:
+            last = records[-1]
+            logs["memfit/peak_gib"] = round(last.peak_allocated_bytes / 2**30, 4)
+            logs["memfit/n_checkpointed"] = last.n_checkpointed
+        super().log(logs, *args, **kwargs)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        a = self.args
+        if isinstance(a, MemfitArguments):  # the flag is memfit's, not transformers.TrainingArguments'
+            # the step-record file opens at the first record, so the folder is claimed here, where the
+            # resume is known (NOTE [Earlier runs in the output folder] in run_dir.py)
+            claim_output_dir(
+                a.output_dir, self._log_path, overwrite=a.overwrite_output_dir,
+                resume=bool(resume_from_checkpoint or a.resume_from_checkpoint), rank=a.process_index,
+            )
+        if resume_from_checkpoint:
+            folder = resume_from_checkpoint
+            if folder is True:
+                folder = transformers.trainer_utils.get_last_checkpoint(self.args.output_dir)
+            state_path = os.path.join(folder, STATE_FILE) if folder else None
+            if state_path and os.path.exists(state_path):
+                with open(state_path, encoding="utf-8") as fh:
+                    self.memfit.load_state_dict(json.load(fh))
+        self._say(self._start_line())
+        output = super().train(resume_from_checkpoint, *args, **kwargs)
+        self.write_summary()
+        return output
+
+    # ------------------------------------------------------------ what the user reads
+    def _say(self, text: str) -> None:
+        """Print ``text`` to stderr on the main process, unless ``--log_level`` is error or critical."""
+        if self.is_world_process_zero() and str(self.args.log_level) not in ("error", "critical"):
+            print(text, file=sys.stderr, flush=True)
+
+    def _budget_given(self) -> str | None:
+        given = getattr(self.args, "memfit_budget_given", None)
+        return given if isinstance(given, str) else None
+
+    def _start_line(self) -> str:
+        ctl = self.memfit
+        kinds = [type(b.module).__name__ for b in ctl.blocks]
+        return start_line(ctl.method.name, ctl.budget_bytes, self._budget_given(), ctl.accounting, kinds)
+
+    def write_summary(self) -> dict[str, Any] | None:
+        """Write ``memfit_summary.json``, and for methods with a memory model ``memfit_plans.json``
+        (for ``precomputed``) and ``memfit_state.json`` (the model, as in a checkpoint folder).
+
+        With several ranks, each writes ``memfit_summary.rank{r}.json``; rank 0 then merges
+        every rank's step records into ``memfit_summary.json``, with ``per_rank`` peaks.
+        """
+        a = self.args
+        os.makedirs(a.output_dir, exist_ok=True)
+        if a.world_size > 1:
+            with open(rank_path(os.path.join(a.output_dir, SUMMARY_FILE), a.process_index, a.world_size), "w") as fh:
+                json.dump(summarize(self.memfit.records).to_dict() if self.memfit.records else {}, fh, indent=1)
+            self.accelerator.wait_for_everyone()
+        if not self.is_world_process_zero() or not self.memfit.records:
+            return None
+        if a.world_size > 1:
+            per_rank = {r: [StepRecord.from_dict(d) for d in read_jsonl(rank_path(self._steps_path, r, a.world_size))]
+                        for r in range(a.world_size)}
+            records = [rec for recs in per_rank.values() for rec in recs]
+            summary = summarize(records)
+            summary.per_rank = {str(r): summarize(recs).to_dict() for r, recs in per_rank.items() if recs}
+        else:
+            records = self.memfit.records
+            summary = self.memfit.summary()
+        self._say(end_summary(records, self._budget_given()))
+        data = summary.to_dict()
+        data.update(self.memfit.meter.run_stats())  # the allocator's retries and device allocations (CUDA)
+        with open(os.path.join(a.output_dir, SUMMARY_FILE), "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=1)
+        if self.memfit.method.learns:
+            self.memfit.save_plans(os.path.join(a.output_dir, "memfit_plans.json"))
+            # the memory model as the run ended: to resume from, or to read what it predicted
+            with open(os.path.join(a.output_dir, STATE_FILE), "w", encoding="utf-8") as fh:
+                json.dump(self.memfit.state_dict(), fh)
+        return data
+
+
+class Trainer(MemfitTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` that trains inside ``args.memory_budget`` (:class:`MemfitTrainerMixin`)."""
+
+
+def with_memfit(trainer_cls: type) -> type:
+    """``trainer_cls`` (a ``transformers.Trainer`` subclass) with memfit's planning and OOM replay.
+
+    The class returned is ``MemfitTrainerMixin`` placed before ``trainer_cls``, so the mixin's
+    ``training_step`` wraps the subclass's own (TRL's activation-offloading context included)
+    and replays through it. Its arguments are ``trainer_cls``'s plus ``memfit_method``; the
+    budget flags are read from ``args`` (a :class:`MemfitArguments` subclass of the class's own
+    arguments type; without them: method ``dynamic``, no budget).
+
+    Raises:
+        TypeError: ``trainer_cls`` is not a ``transformers.Trainer`` subclass.
+
+    Example:
+        >>> import transformers
+        >>> class MyTrainer(transformers.Trainer): ...
+        >>> MemfitMyTrainer = with_memfit(MyTrainer)
+        >>> MemfitMyTrainer.__mro__[1:3] == (MemfitTrainerMixin, MyTrainer)
+        True
+    """
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, transformers.Trainer)):
+        raise TypeError(f"with_memfit needs a transformers.Trainer subclass, not {trainer_cls!r}")
+    if issubclass(trainer_cls, MemfitTrainerMixin):
+        return trainer_cls
+    return type(
+        trainer_cls.__name__,
+        (MemfitTrainerMixin, trainer_cls),
+        {"__doc__": f"``{trainer_cls.__module__}.{trainer_cls.__qualname__}`` with memfit (:class:`MemfitTrainerMixin`).",
+         "__module__": __name__, "__qualname__": trainer_cls.__qualname__},
+    )
+
+
+def rank_path(path: str, rank: int, world_size: int) -> str:
+    """``memfit_steps.jsonl`` → ``memfit_steps.rank1.jsonl`` when there are several ranks."""
+    if world_size <= 1:
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.rank{rank}{ext}"

@@ -1,0 +1,1 @@
+"""Tools around training: reports (report), the memory-anatomy estimator (estimate) and benchmarks (bench)."""

@@ -1,0 +1,43 @@
+"""Memory anatomy of a training step from a model config, and advice for a budget.
+
+* :mod:`memfit.tools.estimate.anatomy`: weights, gradients, optimizer state, activations and the
+  CUDA context of one step (:func:`estimate`), nothing allocated;
+* :mod:`memfit.tools.estimate.advise`: the fastest setups (precision, optimizer, accumulation,
+  method) that fit a budget (:func:`advise`);
+* :mod:`memfit.tools.estimate.cli`: ``memfit estimate``.
+
+Example:
+    >>> from memfit.tools.estimate import ModelProfile, TrainingSetup, estimate, load_config  # doctest: +SKIP
+    >>> profile = ModelProfile.from_config(load_config("bert-base-uncased"), "text-classification")  # doctest: +SKIP
+    >>> estimate(profile, TrainingSetup(), seq_length=128).total_bytes  # doctest: +SKIP
+"""
+
+from memfit.tools.estimate.advise import DEFAULT_MARGIN, Advice, NothingFitsError, advise, format_advice
+from memfit.tools.estimate.anatomy import (
+    CUDA_CONTEXT_BYTES,
+    GIB,
+    LIBRARY_WORKSPACE_BYTES,
+    OPTIMIZERS,
+    PRECISIONS,
+    TASKS,
+    ActivationProfile,
+    ElementBytes,
+    MemoryEstimate,
+    ModelProfile,
+    TrainingSetup,
+    activation_profile,
+    backward_phase_bytes,
+    bert_layer_backward_bytes,
+    bert_layer_saved_bytes,
+    estimate,
+    format_table,
+    load_config,
+    optimizer_available,
+)
+
+__all__ = [
+    "TASKS", "PRECISIONS", "OPTIMIZERS", "GIB", "CUDA_CONTEXT_BYTES", "LIBRARY_WORKSPACE_BYTES", "optimizer_available",
+    "ElementBytes", "bert_layer_saved_bytes", "bert_layer_backward_bytes", "load_config", "ModelProfile",
+    "ActivationProfile", "activation_profile", "TrainingSetup", "MemoryEstimate", "backward_phase_bytes", "estimate",
+    "format_table", "DEFAULT_MARGIN", "NothingFitsError", "Advice", "advise", "format_advice",
+]

@@ -1,0 +1,235 @@
+"""Advice for a budget: the fastest training setups that fit, ``memfit estimate --advise``.
+
+Enumerates precision × optimizer × (micro-batch, accumulation) splits of the requested batch
+× memfit method (none / dynamic / full), keeps the setups whose estimated peak
+(:class:`memfit.tools.estimate.anatomy.MemoryEstimate`) fits the budget, and ranks them by a deliberately
+simple time model.
+
+# NOTE [Time model]
+Time is in units of one fp32 forward + backward of the whole batch without checkpointing
+(= 1.0). A setup costs::
+
+    _PRECISION_SPEED[precision] * (1 + _RECOMPUTE * checkpointed / blocks)
+    + _MICRO_STEP_OVERHEAD * (accumulation - 1)
+    + _OPTIMIZER_STEP[optimizer]
+
+The constants below are rough, stated with where they come from; they only have to rank
+setups (is accumulation cheaper than checkpointing here?), not predict seconds. Benchmarks
+(``memfit bench``) are the measurement.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from memfit.errors import FlagError, UserError
+from memfit.engine.summary_text import size_in_given_unit
+from memfit.tools.estimate.anatomy import (
+    GIB,
+    OPTIMIZERS,
+    ActivationProfile,
+    MemoryEstimate,
+    ModelProfile,
+    TrainingSetup,
+    activation_profile,
+    estimate,
+    optimizer_available,
+)
+
+__all__ = ["DEFAULT_MARGIN", "NothingFitsError", "Advice", "advise", "format_advice"]
+
+# fp16/bf16 matmuls on tensor cores against fp32 (no TF32, the PyTorch default for matmul):
+# the matmuls speed up far more than 2x, elementwise/memory-bound kernels about 2x (half the
+# bytes); ~0.5x end to end is what mixed precision typically gives BERT fine-tuning.
+_PRECISION_SPEED = {"fp32": 1.0, "bf16": 0.5, "fp16": 0.5}
+# A checkpointed block runs its forward twice; backward costs ~2x forward (two matmuls per
+# forward matmul), so forward ~ 1/3 of forward + backward. Blocks hold ~all the compute.
+_RECOMPUTE = 1 / 3
+# Each extra micro-step: kernel launches, Python/Trainer overhead and lower GPU utilisation
+# of smaller matmuls; a few percent of a full-batch step on a BERT-base-sized model.
+_MICRO_STEP_OVERHEAD = 0.03
+# optimizer.step() against one fp32 forward + backward of a BERT-base batch of ~4k tokens:
+# memory-bound passes over the parameters. foreach AdamW reads/writes ~4 fp32 tensors per
+# parameter; SGD 1-2; bitsandbytes 8-bit AdamW adds (de)quantisation in one fused kernel;
+# HF Adafactor loops over tensors in Python with several row/column reductions each.
+_OPTIMIZER_STEP = {"adamw": 0.02, "adamw-8bit": 0.025, "adafactor": 0.06, "sgd": 0.005, "sgd-momentum": 0.008}
+_METHODS = ("none", "dynamic", "full")
+# NOTE [Advice keeps a margin]
+# The cap limits what the caching allocator *reserves*, and it reserves more than it
+# allocates (about 1% more without checkpointing, up to 7% with `full`, with expandable
+# segments), and the estimate itself misses measured peaks by a few percent (docs/devlog.md).
+# A setup estimated at 98% of the budget would OOM as often as not, and `none` cannot replan.
+# So setups must fit the budget less this share: the 3% memfit's dynamic method keeps on CUDA.
+DEFAULT_MARGIN = 0.03
+
+
+class NothingFitsError(UserError, ValueError):
+    """No setup fits the budget; the message gives the bytes the smallest one needs."""
+
+
+@dataclass(frozen=True)
+class Advice:
+    """One setup that fits, with its estimate and estimated relative step time."""
+
+    method: str
+    """memfit method: ``none``, ``dynamic`` (just enough blocks for the longest input) or ``full``."""
+    estimate: MemoryEstimate
+    """Memory estimate of the setup (its ``setup.checkpoint`` is the number of blocks)."""
+    relative_time: float
+    """Step time in units of an fp32 un-checkpointed forward + backward (NOTE [Time model])."""
+
+    def train_flags(self, memory_budget: str) -> list[str]:
+        """The ``memfit train`` flags selecting this setup under ``memory_budget``."""
+        s = self.estimate.setup
+        flags = {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}[s.precision]
+        flags += list(OPTIMIZERS[s.optimizer].train_flags)
+        flags += ["--per_device_train_batch_size", str(s.micro_batch_size)]
+        flags += ["--gradient_accumulation_steps", str(s.accumulation_steps)]
+        return flags + ["--memfit_method", self.method, "--memory_budget", memory_budget]
+
+
+def _relative_time(setup: TrainingSetup, checkpointed: int, n_blocks: int) -> float:
+    compute = _PRECISION_SPEED[setup.precision] * (1 + _RECOMPUTE * checkpointed / max(n_blocks, 1))
+    return compute + _MICRO_STEP_OVERHEAD * (setup.accumulation_steps - 1) + _OPTIMIZER_STEP[setup.optimizer]
+
+
+def advise(
+    profile: ModelProfile,
+    batch_size: int,
+    budget_bytes: int,
+    *,
+    precisions: Sequence[str] = ("fp32", "bf16"),
+    optimizers: Sequence[str] = ("adamw", "adafactor", "adamw-8bit"),
+    margin: float = DEFAULT_MARGIN,
+    **inputs,
+) -> list[Advice]:
+    """Every setup that fits ``budget_bytes`` less ``margin``, fastest first.
+
+    Optimizers whose package is missing (8-bit AdamW without bitsandbytes) are skipped.
+    ``dynamic`` is listed with the fewest blocks that fit the longest input, and only when
+    that is neither none nor all of them (those are ``none`` and ``full``).
+
+    Args:
+        profile: the model.
+        batch_size: examples per optimizer step; split into micro-batch × accumulation.
+        budget_bytes: the budget (CUDA context excluded, as the cap excludes it).
+        precisions: precisions to try.
+        optimizers: optimizers to try (keys of :data:`memfit.tools.estimate.OPTIMIZERS`).
+        margin: share of the budget left free (NOTE [Advice keeps a margin]).
+        **inputs: ``seq_length`` / ``image_size``, ``attention``, ``num_choices`` as for
+            :func:`memfit.tools.estimate.estimate`.
+
+    Returns:
+        The fitting setups ordered by (relative time, total bytes).
+
+    Raises:
+        NothingFitsError: naming the bytes the smallest setup needs.
+
+    Example:
+        >>> ranked = advise(profile, 32, parse_bytes("6GiB"), seq_length=128)  # doctest: +SKIP
+        >>> ranked[0].train_flags("6GiB")  # doctest: +SKIP
+    """
+    if not 0 <= margin < 1:
+        raise FlagError(f"--margin {margin}: give a share of the budget in [0, 1)")
+    usable = int(budget_bytes * (1 - margin))
+    optimizers = [o for o in dict.fromkeys(optimizers) if optimizer_available(o)]
+    n_blocks = profile.n_blocks
+    activations: dict[tuple[int, str], ActivationProfile] = {}
+
+    def candidate(precision: str, optimizer: str, micro: int, checkpointed: int) -> Advice:
+        if (micro, precision) not in activations:
+            activations[micro, precision] = activation_profile(profile, micro, precision=precision, **inputs)
+        setup = TrainingSetup(precision, optimizer, micro, batch_size // micro, str(checkpointed))
+        est = estimate(profile, setup, activations=activations[micro, precision], **inputs)
+        method = {0: "none", n_blocks: "full"}.get(checkpointed, "dynamic")
+        return Advice(method, est, _relative_time(setup, checkpointed, n_blocks))
+
+    fitting: list[Advice] = []
+    smallest: MemoryEstimate | None = None
+    for precision in precisions:
+        for optimizer in optimizers:
+            for micro in (m for m in range(batch_size, 0, -1) if batch_size % m == 0):
+                for checkpointed in range(n_blocks + 1):
+                    advice = candidate(precision, optimizer, micro, checkpointed)
+                    if smallest is None or advice.estimate.total_bytes <= smallest.total_bytes:
+                        smallest = advice.estimate
+                    if advice.estimate.fits(usable):
+                        fitting.append(advice)
+                        if advice.method == "dynamic":
+                            full = candidate(precision, optimizer, micro, n_blocks)
+                            fitting += [full] if full.estimate.fits(usable) else []
+                        break
+    if not fitting:
+        raise NothingFitsError(_nothing_fits_message(smallest, budget_bytes, margin))
+    order = {p: i for i, p in enumerate(precisions)}
+    return sorted(
+        fitting,
+        key=lambda a: (round(a.relative_time, 9), a.estimate.total_bytes, order[a.estimate.setup.precision],
+                       a.estimate.setup.optimizer, _METHODS.index(a.method)),
+    )
+
+
+def _nothing_fits_message(smallest: MemoryEstimate, budget_bytes: int, margin: float) -> str:
+    s = smallest.setup
+    need = math.ceil(smallest.total_bytes / (1 - margin))
+    return (
+        f"nothing fits the budget of {size_in_given_unit(budget_bytes)} ({budget_bytes:,} bytes) with "
+        f"{100 * margin:g}% of it kept free. The smallest setup "
+        f"({s.precision}, {s.optimizer}, micro-batch {s.micro_batch_size}, {smallest.checkpointed_blocks} of "
+        f"{smallest.n_blocks} blocks checkpointed) needs {smallest.total_bytes / GIB:.2f} GiB "
+        f"({smallest.total_bytes:,} bytes), of which {smallest.static_bytes:,} bytes are static (weights "
+        f"{smallest.weights_bytes:,} + gradients {smallest.gradients_bytes:,} + optimizer state "
+        f"{smallest.optimizer_state_bytes:,}) and no checkpointing can shrink them. Raise --memory_budget to at "
+        f"least {need / GIB:.2f} GiB, shorten --seq_length, or pick a smaller model."
+    )
+
+
+def format_advice(
+    ranked: Sequence[Advice],
+    memory_budget: str,
+    *,
+    top: int = 10,
+    title: str = "",
+    margin: float = DEFAULT_MARGIN,
+    command: Sequence[str] = (),
+) -> str:
+    """A markdown table of the ``top`` setups and the ``memfit train`` command of the best.
+
+    Args:
+        ranked: output of :func:`advise`.
+        memory_budget: the budget as the user wrote it (repeated in the flags).
+        top: rows shown.
+        title: first line.
+        margin: the share of the budget :func:`advise` kept free (stated in the text).
+        command: the words after ``memfit`` that name the task, model and input length
+            (``memfit.tools.estimate.cli.train_command``); empty when ``memfit train`` has no such task.
+
+    Returns:
+        Multi-line text; its ``best:`` line is the whole ``memfit train`` command but the data.
+    """
+    lines = [title] if title else []
+    lines += [
+        f"setups that fit {memory_budget} less {100 * margin:g}% (CUDA context excluded, as the cap excludes it), "
+        "fastest first; time in units of an fp32 un-checkpointed step:",
+        "",
+        "| rank | precision | optimizer | micro-batch x accumulation | method | blocks checkpointed | peak GiB | time |",
+        "| ---: | --- | --- | --- | --- | ---: | ---: | ---: |",
+    ]
+    for rank, a in enumerate(ranked[:top], 1):
+        s, e = a.estimate.setup, a.estimate
+        lines.append(
+            f"| {rank} | {s.precision} | {s.optimizer} | {s.micro_batch_size} x {s.accumulation_steps} | {a.method} "
+            f"| {e.checkpointed_blocks}/{e.n_blocks} | {e.total_bytes / GIB:.2f} | {a.relative_time:.2f} |"
+        )
+    flags = ranked[0].train_flags(memory_budget)
+    if command:
+        lines += [
+            "",
+            "best: memfit " + " ".join([*command, *flags, "--do_train", "--output_dir", f"out/{command[1]}"]),
+            "  with your data: --train_file FILE (or --dataset_name NAME); --synthetic N tries it on generated examples",
+        ]
+    else:
+        lines += ["", "best (memfit train has no task for this model's head; its flags): " + " ".join(flags)]
+    return "\n".join(lines)

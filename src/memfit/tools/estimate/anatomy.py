@@ -1,0 +1,947 @@
+"""Memory anatomy of one training step, from a model config alone: ``memfit estimate``.
+
+Weights, gradients, optimizer state, activations and the CUDA context of a training step,
+in bytes, for a precision, an optimizer, a (micro-batch, accumulation) split and a checkpoint
+plan, and whether that fits a budget. Nothing is allocated: the model is built on the meta
+device to count its parameters exactly. ``--advise`` (see :mod:`memfit.tools.estimate.advise`) searches
+the setups that fit a budget and ranks them by estimated step time.
+
+Units: GiB = 2**30 bytes, GB = 10**9 bytes. All fields are plain bytes.
+
+# NOTE [What each part assumes]
+* weights: 4 B/param (fp32 master weights, in every precision).
+* autocast copies: under fp16/bf16 mixed precision (autocast) a 2 B half copy of every weight
+  that feeds a matmul (``nn.Linear``/``nn.Conv*``; embeddings and LayerNorm are not cast).
+  Autocast caches them for the whole forward and the layers save them for backward, which
+  frees a layer's copies when it has run; none is left at ``optimizer.step()``.
+* gradients: 4 B/param (fp32 gradients of the fp32 master weights, in every precision).
+  With ``zero_grad(set_to_none=True)`` they appear during backward, block by block, while the
+  blocks' saved activations are freed (NOTE [Phases of a step]).
+* optimizer state (fp32): AdamW 8 B/param (exp_avg, exp_avg_sq); 8-bit AdamW
+  (bitsandbytes) 2 B/param plus one fp32 absmax per 256 values and state, for tensors of at
+  least 4096 values (smaller ones keep 8 B/param); Adafactor (HF, ``beta1=None``) a row and
+  a column second-moment vector for tensors of 2+ dims ((rows + cols)·4 B) and 4 B/param
+  for 1-D ones; SGD none; SGD with momentum 4 B/param.
+* optimizer step temporaries: foreach AdamW (``--optim adamw_torch``, the CUDA default of
+  ``torch.optim.AdamW``) allocates ``sqrt(exp_avg_sq)`` (4 B/param) during ``step()``;
+  HF Adafactor, looping over tensors, two fp32 tensors the size of the largest parameter
+  (``grad**2 + eps`` while ``grad**2`` lives, then the factored update while the previous
+  one lives).
+* activations: bytes saved for backward (``saved_tensors_hooks`` bytes), from the analytic
+  formula of :func:`bert_layer_saved_bytes` for BERT-family encoders, else counted by
+  running the model on the meta device (see :func:`activation_profile`).
+* backward temporaries: the gradients a block's backward holds besides what it saved, from
+  :func:`bert_layer_backward_bytes` for BERT-family encoders; twice the block's input (the
+  gradients of its output and input) for other models.
+* CUDA library workspaces: cuBLAS and cuBLASLt allocate their workspaces through PyTorch's
+  caching allocator at the first matmul and keep them, so they count against a cap:
+  :data:`LIBRARY_WORKSPACE_BYTES`.
+* CUDA context: about 1 GB (10**9) for the driver context, cuBLAS/cuDNN handles and loaded
+  kernels. It lives outside PyTorch's caching allocator, so a budget enforced with
+  ``torch.cuda.set_per_process_memory_fraction`` does not include it: the GPU must hold
+  budget + context.
+
+# NOTE [Phases of a step]
+The allocator's peak is the larger of two moments, both on top of the weights, the
+optimizer state and the library workspaces:
+
+* forward and backward: at the end of the forward every kept activation is alive, with all
+  autocast copies (the cache holds even those of checkpointed blocks until autocast exits).
+  Backward then runs the blocks in reverse; while block j runs, the blocks before it still
+  hold what they kept, block j holds all it saved (recomputed, when checkpointed) and its
+  backward temporaries, and the gradients of the head and of every block after j exist.
+  For long inputs the first block to run backward (the last one) sets the peak, for short
+  ones the last (gradients have replaced most activations). The embeddings' gradients
+  appear after every block has run, so they count in the optimizer step only.
+* optimizer step: all gradients plus the step's temporaries; activations and autocast
+  copies are gone.
+
+Counting gradients and activations whole at the same time instead would over-estimate by up
+to the smaller of the two (14% for bert-base, fp32, AdamW, batch 32 × 52 tokens, against
+measured peaks: docs/devlog.md).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.errors import DataError, FlagError, MissingFileError
+
+__all__ = [
+    "TASKS",
+    "PRECISIONS",
+    "OPTIMIZERS",
+    "optimizer_available",
+    "CUDA_CONTEXT_BYTES",
+    "LIBRARY_WORKSPACE_BYTES",
+    "ElementBytes",
+    "bert_layer_saved_bytes",
+    "bert_layer_backward_bytes",
+    "load_config",
+    "ModelProfile",
+    "ActivationProfile",
+    "activation_profile",
+    "TrainingSetup",
+    "MemoryEstimate",
+    "backward_phase_bytes",
+    "estimate",
+    "format_table",
+]
+
+GIB = 2**30
+
+#: task name -> transformers Auto class that puts its head on the model.
+TASKS = {
+    "text-classification": "AutoModelForSequenceClassification",
+    "multiple-choice": "AutoModelForMultipleChoice",
+    "question-answering": "AutoModelForQuestionAnswering",
+    "token-classification": "AutoModelForTokenClassification",
+    "image-classification": "AutoModelForImageClassification",
+    "causal-lm": "AutoModelForCausalLM",
+}
+PRECISIONS = ("fp32", "bf16", "fp16")
+#: Round figure for the CUDA context (see NOTE [What each part assumes]); outside the cap.
+CUDA_CONTEXT_BYTES = 10**9
+#: cuBLAS + cuBLASLt workspaces inside the caching allocator (NOTE [What each part assumes]):
+#: 32 MiB each, cuBLAS's size on the newest GPUs; the allocator holds about that much more than
+#: weights + gradients + AdamW state at every step start (docs/devlog.md). Older GPUs use
+#: smaller workspaces, so there this over-counts by a few tens of MiB.
+LIBRARY_WORKSPACE_BYTES = 64 * 2**20
+# Encoders whose layers are BertLayer copies, so the analytic formula applies.
+_BERT_FAMILY = frozenset({"bert", "roberta", "xlm-roberta", "camembert"})
+_BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps 32-bit state below this many values
+_BNB_BLOCK = 256  # values per fp32 absmax in blockwise 8-bit optimizer state
+
+
+def _numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def _adamw_state(shapes: Sequence[Sequence[int]]) -> int:
+    return sum(8 * _numel(s) for s in shapes)
+
+
+def _adamw_8bit_state(shapes: Sequence[Sequence[int]]) -> int:
+    def one(n: int) -> int:
+        return 2 * n + 2 * 4 * math.ceil(n / _BNB_BLOCK) if n >= _BNB_MIN_8BIT_SIZE else 8 * n
+
+    return sum(one(_numel(s)) for s in shapes)
+
+
+def _adafactor_state(shapes: Sequence[Sequence[int]]) -> int:
+    def one(s: Sequence[int]) -> int:
+        if len(s) < 2:
+            return 4 * _numel(s)
+        return 4 * (_numel(s[:-1]) + _numel(s[:-2]) * s[-1])
+
+    return sum(one(s) for s in shapes)
+
+
+def _fp32_copy(shapes: Sequence[Sequence[int]]) -> int:
+    return sum(4 * _numel(s) for s in shapes)
+
+
+def _no_bytes(shapes: Sequence[Sequence[int]]) -> int:
+    return 0
+
+
+def _adafactor_step_temp(shapes: Sequence[Sequence[int]]) -> int:
+    return 2 * 4 * max((_numel(s) for s in shapes), default=0)
+
+
+@dataclass(frozen=True)
+class _Optimizer:
+    """How one optimizer's memory scales with the parameter shapes."""
+
+    name: str
+    """Name on the ``memfit estimate --optimizer`` flag."""
+    train_flags: tuple[str, ...]
+    """Flags that select it in ``memfit train`` (HF ``--optim`` names)."""
+    state: Callable[[Sequence[Sequence[int]]], int]
+    """Parameter shapes -> bytes of optimizer state."""
+    step_temp: Callable[[Sequence[Sequence[int]]], int]
+    """Parameter shapes -> bytes of temporaries inside ``optimizer.step()``."""
+    needs: str | None = None
+    """Python package it needs, if any."""
+
+
+OPTIMIZERS = {
+    o.name: o
+    for o in (
+        _Optimizer("adamw", ("--optim", "adamw_torch"), _adamw_state, _fp32_copy),
+        _Optimizer("adamw-8bit", ("--optim", "adamw_bnb_8bit"), _adamw_8bit_state, _no_bytes, "bitsandbytes"),
+        _Optimizer("adafactor", ("--optim", "adafactor"), _adafactor_state, _adafactor_step_temp),
+        _Optimizer("sgd", ("--optim", "sgd"), _no_bytes, _no_bytes),
+        _Optimizer("sgd-momentum", ("--optim", "sgd", "--optim_args", "momentum=0.9"), _fp32_copy, _no_bytes),
+    )
+}
+
+
+def optimizer_available(name: str) -> bool:
+    """Whether the package the optimizer ``name`` needs is importable here."""
+    needs = OPTIMIZERS[name].needs
+    return needs is None or importlib.util.find_spec(needs) is not None
+
+
+@dataclass(frozen=True)
+class ElementBytes:
+    """Bytes per element of each kind of tensor a BERT layer saves for backward.
+
+    The values differ between fp32 and autocast, and between CUDA and CPU kernels;
+    :meth:`cuda` gives the CUDA ones (checked against counted bytes on a GPU by the
+    ``gpu`` test), :meth:`cpu` the CPU ones (checked by the CPU tests).
+    """
+
+    matmul: int
+    """Inputs of linear layers and attention matmuls: 4 in fp32, 2 under fp16/bf16 autocast."""
+    residual: int = 4
+    """Residual stream and LayerNorm inputs: fp32 in both (autocast runs LayerNorm in fp32
+    and the residual add of a half and an fp32 tensor promotes to fp32)."""
+    softmax: int = 4
+    """Attention probabilities: CUDA autocast runs softmax in fp32."""
+    dropout_mask: int = 1
+    """CUDA's fused dropout saves a bool mask; CPU saves the scaled noise in the input dtype."""
+    input_copies: int = 1
+    """Copies of the layer input saved by the Q, K and V projections: 1 in fp32; 3 under
+    autocast, which casts the (non-leaf) input once per linear and caches only parameters."""
+
+    @classmethod
+    def cuda(cls, precision: str) -> "ElementBytes":
+        """The element sizes of CUDA kernels for ``precision`` (fp32, fp16 or bf16)."""
+        _check_choice("precision", precision, PRECISIONS)
+        return cls(matmul=4) if precision == "fp32" else cls(matmul=2, input_copies=3)
+
+    @classmethod
+    def cpu(cls, precision: str) -> "ElementBytes":
+        """The element sizes of CPU kernels for ``precision`` (fp32 or bf16).
+
+        Unfused dropout saves its scaled noise in the input dtype (not a bool mask), and CPU
+        autocast leaves softmax in bf16 when no float mask promotes it. Attention dropout
+        makes CPU SDPA fall back to the unfused kernel (use ``attention="eager"`` then).
+        """
+        _check_choice("precision", precision, ("fp32", "bf16"))
+        if precision == "fp32":
+            return cls(matmul=4, dropout_mask=4)
+        return cls(matmul=2, softmax=2, dropout_mask=2, input_copies=3)
+
+
+def bert_layer_saved_bytes(
+    rows: int,
+    seq_length: int,
+    hidden: int,
+    heads: int,
+    intermediate: int,
+    *,
+    element_bytes: ElementBytes,
+    attention: str = "sdpa",
+    attention_dropout: bool = True,
+    hidden_dropout: bool = True,
+    padding_mask: bool = True,
+) -> int:
+    """Bytes one BERT layer (``BertLayer``) saves for backward in a training forward.
+
+    With b = ``rows``, s = ``seq_length``, h = ``hidden``, a = ``heads``,
+    i = ``intermediate`` and the element sizes E = ``matmul``, R = ``residual``,
+    P = ``softmax``, M = ``dropout_mask``, n = ``input_copies``::
+
+        b·s·h · ((n + 5)·E + 2·R + 2·M)     input copies, Q, K, V, attention output,
+                                           LayerNorm-1 output; 2 LayerNorm inputs;
+                                           2 hidden-dropout masks (M → 0 without dropout)
+      + b·s·i · 2·E                        GELU input and output
+      + b·s · 16                           mean and rstd of 2 LayerNorms (fp32)
+      + eager:  b·a·s² · (P + M + E)       softmax output, dropout mask, dropped probs
+                                           (no attention dropout: P, plus E if P != E,
+                                           the cast copy the PV matmul saves)
+      + sdpa:   b·a·⌈s/32⌉·32 · 4 + 16     logsumexp of the fused kernel (fp32; the
+                                           memory-efficient kernel pads s to 32), RNG state
+              + b·s² · E                   the padding mask, converted to the query dtype
+                                           per layer (only when the batch has padding)
+
+    The quadratic b·a·s² term exists only for eager attention; fused SDPA (flash /
+    memory-efficient / cuDNN, CUDA) keeps no attention matrix, only the b·s² padding mask.
+    Matched byte for byte against saved-tensor counts of a ``BertLayer`` on CPU (fp32 and
+    bf16 autocast) and CUDA (fp32 and bf16, eager and SDPA, with and without padding); the
+    half copies of the layer's weights that autocast saves are part of the weights
+    (NOTE [What each part assumes]), not of this count.
+
+    Args:
+        rows: sequences in the micro-batch (batch × choices for multiple choice).
+        seq_length: tokens per sequence (the padded length of the batch).
+        hidden: ``hidden_size``.
+        heads: ``num_attention_heads``.
+        intermediate: ``intermediate_size``.
+        element_bytes: element sizes, e.g. ``ElementBytes.cuda("bf16")``.
+        attention: ``"sdpa"`` (fused kernel) or ``"eager"``.
+        attention_dropout: ``attention_probs_dropout_prob > 0``.
+        hidden_dropout: ``hidden_dropout_prob > 0``.
+        padding_mask: the batch carries a padding mask (dynamic padding: almost always).
+
+    Returns:
+        Saved bytes of one layer, parameters and their autocast copies excluded.
+
+    Example:
+        >>> bert_layer_saved_bytes(2, 40, 64, 4, 96, element_bytes=ElementBytes.cuda("fp32"), attention="eager")
+        352000
+    """
+    _check_choice("attention", attention, ("sdpa", "eager"))
+    b, s, h, a, i = rows, seq_length, hidden, heads, intermediate
+    e = element_bytes
+    mask = e.dropout_mask if hidden_dropout else 0
+    total = b * s * h * ((e.input_copies + 5) * e.matmul + 2 * e.residual + 2 * mask)
+    total += b * s * i * 2 * e.matmul + b * s * 16
+    if attention == "eager":
+        if attention_dropout:
+            per_prob = e.softmax + e.dropout_mask + e.matmul
+        else:
+            per_prob = e.softmax + (e.matmul if e.matmul != e.softmax else 0)
+        total += b * a * s * s * per_prob
+    else:
+        total += b * a * (-(-s // 32) * 32) * 4 + (16 if attention_dropout else 0)
+        total += b * s * s * e.matmul if padding_mask else 0
+    return total
+
+
+def bert_layer_backward_bytes(rows: int, seq_length: int, hidden: int, intermediate: int, *, element_bytes: ElementBytes) -> int:
+    """Bytes one BERT layer's backward holds on top of what the layer saved (its peak).
+
+    At the feed-forward part: the gradients of the GELU output and input (b·s·i, matmul
+    element size; the first replaces the saved GELU output, freed by then) and two
+    residual-stream gradients (b·s·h, fp32)::
+
+        b·s · (i·E + 2·h·R)
+
+    Fitted on measured fp32 peaks of bert-base at batch 32 × 32..512 tokens, which grew by
+    17.7 kB per token over weights + state + saved activations + workspaces (i + 1.75·h
+    floats; the formula gives 18.4 kB), and checked in bf16 by the estimator's GPU check
+    (docs/devlog.md).
+
+    Example:
+        >>> bert_layer_backward_bytes(8, 128, 768, 3072, element_bytes=ElementBytes.cuda("fp32"))
+        18874368
+    """
+    e = element_bytes
+    return rows * seq_length * (intermediate * e.matmul + 2 * hidden * e.residual)
+
+
+def _bert_outside_bytes(config: Any, task: str, rows: int, s: int, e: ElementBytes) -> int:
+    """Embeddings, head and loss of a BERT-family model (see :func:`activation_profile`)."""
+    h = config.hidden_size
+    hidden_mask = e.dropout_mask if config.hidden_dropout_prob > 0 else 0
+    head_p = getattr(config, "classifier_dropout", None)
+    head_mask = e.dropout_mask if (config.hidden_dropout_prob if head_p is None else head_p) > 0 else 0
+    # token ids (int64), LayerNorm input, mean and rstd, dropout mask
+    embeddings = rows * s * (8 + 8) + rows * s * h * (e.residual + hidden_mask)
+    # fp32: a linear on the last hidden state saves a view of it, keeping all of it alive;
+    # autocast saves a half cast of only what the head reads.
+    # Loss, per logit: fp32 log-softmax output (4 B); under CUDA autocast log_softmax runs in
+    # half and nll_loss saves an fp32 copy of its output (2 + 4 B). Plus int64 labels.
+    logit = 4 if e.matmul == 4 else e.matmul + 4
+    if task == "token-classification":
+        return embeddings + rows * s * h * (e.matmul + head_mask) + logit * rows * s * config.num_labels + 8 * rows * s
+    if task == "question-answering":
+        return embeddings + rows * s * h * e.matmul + 2 * (logit * rows * s + 8 * rows)
+    # pooled heads: pooler dense input, tanh output, [dropout mask and output,] classifier
+    last = rows * s * h * 4 if e.matmul == 4 else rows * h * e.matmul
+    pooled = rows * h * (e.matmul + (head_mask + e.matmul if head_mask else 0))
+    labels = 1 if task == "multiple-choice" else config.num_labels
+    return embeddings + last + pooled + logit * rows * labels + 8 * rows
+
+
+def _check_choice(flag: str, value: Any, choices: Sequence[Any]) -> None:
+    if value not in choices:
+        raise FlagError(f"--{flag} {value!r} is not one of {', '.join(map(str, choices))}")
+
+
+def load_config(model: str | None = None, config_path: str | Path | None = None) -> Any:
+    """Resolve a transformers config without downloading weights.
+
+    Order: ``config_path`` (a ``config.json`` with ``model_type``); a config shipped in
+    ``memfit/configs/<name>.json`` (offline, deterministic); else
+    ``AutoConfig.from_pretrained(model)`` (a local folder, the HF cache, or the Hub).
+
+    Args:
+        model: a model name (``bert-base-uncased``) or a local folder.
+        config_path: path to a config JSON file; wins over ``model``.
+
+    Returns:
+        A ``transformers.PretrainedConfig``.
+
+    Raises:
+        FlagError: when neither is given, or ``model`` cannot be resolved (naming the
+            shipped configs and ``--config``).
+        MissingFileError / DataError: ``config_path`` missing, not JSON, or without ``model_type``.
+    """
+    from transformers import AutoConfig
+
+    if config_path is not None:
+        if not Path(config_path).is_file():
+            raise MissingFileError(f"--config {config_path}: no such file; give the path of a config.json")
+        try:
+            data = json.loads(Path(config_path).read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise DataError(f"--config {config_path}: not JSON ({err})") from None
+        if not isinstance(data, dict) or "model_type" not in data:
+            raise DataError(f"{config_path}: a config JSON needs a 'model_type' field")
+        return AutoConfig.for_model(data.pop("model_type"), **data)
+    if model is None:
+        raise FlagError("pass --model NAME or --config path/to/config.json")
+    shipped = resources.files("memfit") / "configs"
+    candidate = shipped / f"{model.rstrip('/').split('/')[-1]}.json"
+    if candidate.is_file():
+        return load_config(config_path=str(candidate))
+    try:
+        return AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as exc:
+        files = shipped.iterdir() if shipped.is_dir() else ()
+        names = sorted(p.name[: -len(".json")] for p in files if p.name.endswith(".json"))
+        raise FlagError(
+            f"cannot resolve --model {model!r}: no shipped config (shipped: {', '.join(names)}) "
+            f"and AutoConfig.from_pretrained failed ({exc}); pass --config path/to/config.json"
+        ) from None
+
+
+@dataclass(frozen=True, eq=False)
+class ModelProfile:
+    """What the estimate needs from a model: parameter shapes, blocks, and its config."""
+
+    name: str
+    """Model name shown in tables."""
+    task: str
+    """Head the model carries (a key of :data:`TASKS`)."""
+    config: Any
+    """The transformers config."""
+    model: nn.Module
+    """The model on the meta device (no storage); used to count activations of non-BERT models."""
+    param_shapes: tuple[tuple[int, ...], ...]
+    """Shapes of the trainable parameters."""
+    matmul_weight_params: int
+    """Values in weights of ``nn.Linear``/``nn.Conv*`` (autocast keeps a half copy of those)."""
+    n_blocks: int
+    """Checkpointable blocks (transformer layers)."""
+    block_params: tuple[int, ...] = ()
+    """Trainable parameters of each block (empty: unknown, all counted as head)."""
+    block_matmul_params: tuple[int, ...] = ()
+    """Matmul weight values of each block (their autocast copies are saved by the block)."""
+    embedding_params: int = 0
+    """Trainable parameters of the input embeddings, whose gradients backward makes last."""
+
+    @property
+    def n_params(self) -> int:
+        """Trainable parameters."""
+        return sum(_numel(s) for s in self.param_shapes)
+
+    @property
+    def bert_family(self) -> bool:
+        """Whether the analytic BERT layer formula applies."""
+        return self.config.model_type in _BERT_FAMILY
+
+    @classmethod
+    def from_config(cls, config: Any, task: str = "text-classification", name: str | None = None) -> "ModelProfile":
+        """Build the model with its ``task`` head on the meta device and read its shapes.
+
+        Raises:
+            FlagError: for an unknown task or a config the task's Auto class does not take.
+        """
+        import transformers
+
+        _check_choice("task", task, tuple(TASKS))
+        auto = getattr(transformers, TASKS[task])
+        # eager attention: counting on the meta device (non-BERT models) then sees plain ops;
+        # the BERT formula takes the attention kernel as its own argument. from_config sets
+        # the attention kernel on the config it is given: a copy keeps the caller's intact.
+        config = copy.deepcopy(config)
+        with torch.device("meta"):
+            try:
+                model = auto.from_config(config, attn_implementation="eager")
+            except ValueError as exc:
+                raise FlagError(f"--task {task}: {type(config).__name__} has no such head ({exc})") from None
+        from memfit.engine.blocks import find_blocks
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        blocks = [b for _, b in find_blocks(model)]
+        if config.model_type in _BERT_FAMILY and len(blocks) != config.num_hidden_layers:
+            raise ValueError(f"found {len(blocks)} blocks in a model with {config.num_hidden_layers} layers")
+        embeddings = [m for n, m in model.named_modules() if n.split(".")[-1] == "embeddings" or isinstance(m, nn.Embedding)]
+        return cls(
+            name=name or getattr(config, "name_or_path", "") or config.model_type,
+            task=task,
+            config=config,
+            model=model,
+            param_shapes=tuple(tuple(p.shape) for p in params),
+            matmul_weight_params=_matmul_params(model),
+            n_blocks=len(blocks),
+            block_params=tuple(_trainable_params(b) for b in blocks),
+            block_matmul_params=tuple(_matmul_params(b) for b in blocks),
+            embedding_params=_trainable_params(*embeddings),
+        )
+
+
+def _matmul_params(module: nn.Module) -> int:
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)))
+
+
+def _trainable_params(*modules: nn.Module) -> int:
+    """Trainable values of ``modules``, each parameter counted once (modules may nest)."""
+    unique = {id(p): p for m in modules for p in m.parameters() if p.requires_grad}
+    return sum(p.numel() for p in unique.values())
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """Saved-for-backward bytes of one micro-batch, split by block."""
+
+    outside_bytes: int
+    """Embeddings, head and loss (never checkpointed)."""
+    block_bytes: tuple[int, ...]
+    """Per block, when it is not checkpointed."""
+    block_input_bytes: tuple[int, ...]
+    """Per block, when it is checkpointed: the inputs the checkpoint keeps."""
+    block_backward_bytes: tuple[int, ...] = ()
+    """Per block, the temporaries of its backward on top of what it saved (empty: none)."""
+    input_saved: bool = True
+    """Whether a block saves its input tensor itself (fp32), so that recomputing it adds
+    nothing for the input the checkpoint kept; under autocast it saves half copies instead."""
+
+    def recompute_bytes(self, index: int) -> int:
+        """Bytes block ``index`` holds while it is recomputed: what it saves, and its kept input."""
+        return self.block_bytes[index] + (0 if self.input_saved else self.block_input_bytes[index])
+
+    def kept_bytes(self, n_checkpointed: int) -> list[int]:
+        """Per block, what it keeps until backward with the first ``n_checkpointed`` checkpointed."""
+        blocks = zip(self.block_bytes, self.block_input_bytes)
+        return [given if k < n_checkpointed else saved for k, (saved, given) in enumerate(blocks)]
+
+    def total_bytes(self, n_checkpointed: int) -> int:
+        """Peak saved bytes with the ``n_checkpointed`` earliest blocks checkpointed.
+
+        # NOTE [Checkpoint the earliest blocks]
+        Backward runs the blocks in reverse and recomputes a checkpointed block whole, while
+        the blocks before it still hold what they saved. The peak is the larger of the bytes
+        saved at the start of backward and, for each checkpointed block k, the bytes of
+        blocks < k plus block k recomputed. Checkpointing the earliest blocks keeps that
+        second term lowest (checkpointing only the last block saves nothing at all).
+        """
+        kept = self.kept_bytes(n_checkpointed)
+        peak, before = sum(kept), 0
+        for k in range(n_checkpointed):
+            peak = max(peak, before + self.recompute_bytes(k))
+            before += kept[k]
+        return self.outside_bytes + peak
+
+
+def activation_profile(
+    profile: ModelProfile,
+    micro_batch_size: int,
+    *,
+    precision: str = "fp32",
+    seq_length: int | None = None,
+    image_size: int | None = None,
+    attention: str = "sdpa",
+    num_choices: int = 4,
+    padding_mask: bool = True,
+    element_bytes: ElementBytes | None = None,
+) -> ActivationProfile:
+    """Saved bytes per block for one micro-batch, and each block's backward temporaries.
+
+    BERT-family encoders use :func:`bert_layer_saved_bytes` and
+    :func:`bert_layer_backward_bytes` with CUDA element sizes, plus embeddings (token ids,
+    LayerNorm, dropout), the task head and the log-softmax of the loss; a checkpointed layer
+    keeps its fp32 input (b·s·h·4). Other models are run once on the meta device under
+    ``saved_tensors_hooks`` and the saved bytes are counted per block: exact for fp32 eager
+    kernels, an upper bound for fused CUDA kernels and for fp16/bf16 (autocast does not run on
+    the meta device).
+
+    ``padding_mask`` (BERT family): whether batches carry padding, as dynamic padding almost
+    always makes them. ``element_bytes`` (BERT family) replaces the CUDA element sizes of
+    ``precision``, e.g. with those of CPU kernels.
+
+    Raises:
+        FlagError: when the input size flag does not match the model (text vs vision).
+    """
+    vision = profile.task == "image-classification"
+    if vision and image_size is None:
+        raise FlagError(f"{profile.name} is a vision model: pass --image_size (pixels per side)")
+    if not vision and seq_length is None:
+        raise FlagError(f"{profile.name} is a text model: pass --seq_length (tokens per example)")
+    rows = micro_batch_size * (num_choices if profile.task == "multiple-choice" else 1)
+    config = profile.config
+    if profile.bert_family:
+        e = element_bytes or ElementBytes.cuda(precision)
+        layer = bert_layer_saved_bytes(
+            rows,
+            seq_length,
+            config.hidden_size,
+            config.num_attention_heads,
+            config.intermediate_size,
+            element_bytes=e,
+            attention=attention,
+            attention_dropout=config.attention_probs_dropout_prob > 0,
+            hidden_dropout=config.hidden_dropout_prob > 0,
+            padding_mask=padding_mask,
+        )
+        backward = bert_layer_backward_bytes(rows, seq_length, config.hidden_size, config.intermediate_size, element_bytes=e)
+        n = config.num_hidden_layers
+        return ActivationProfile(
+            outside_bytes=_bert_outside_bytes(config, profile.task, rows, seq_length, e),
+            block_bytes=(layer,) * n,
+            block_input_bytes=(rows * seq_length * config.hidden_size * e.residual,) * n,
+            block_backward_bytes=(backward,) * n,
+            input_saved=e.input_copies == 1,
+        )
+    counted = _count_on_meta(profile.model, _meta_inputs(profile, micro_batch_size, rows, seq_length, image_size))
+    # no formula: the gradients of a block's output and input, each the size of its input
+    return dataclasses.replace(counted, block_backward_bytes=tuple(2 * b for b in counted.block_input_bytes))
+
+
+def _meta_inputs(
+    profile: ModelProfile, micro: int, rows: int, seq_length: int | None, image_size: int | None
+) -> dict[str, torch.Tensor]:
+    """Inputs and labels on the meta device shaped as ``profile.task`` takes them."""
+    meta = {"device": "meta"}
+    if profile.task == "image-classification":
+        channels = getattr(profile.config, "num_channels", 3)
+        return {
+            "pixel_values": torch.empty(rows, channels, image_size, image_size, **meta),
+            "labels": torch.zeros(rows, dtype=torch.long, **meta),
+        }
+    if profile.task == "multiple-choice":
+        ids = torch.zeros(micro, rows // micro, seq_length, dtype=torch.long, **meta)
+        return {"input_ids": ids, "labels": torch.zeros(micro, dtype=torch.long, **meta)}
+    # a mask given (as the tasks' collators give one): a decoder without it looks for packed
+    # rows, which reads a value (.item()) that the meta device does not have
+    inputs = {"input_ids": torch.zeros(rows, seq_length, dtype=torch.long, **meta),
+              "attention_mask": torch.ones(rows, seq_length, dtype=torch.long, **meta)}
+    if profile.task == "question-answering":
+        inputs["start_positions"] = inputs["end_positions"] = torch.zeros(rows, dtype=torch.long, **meta)
+    elif profile.task in ("token-classification", "causal-lm"):
+        inputs["labels"] = torch.zeros(rows, seq_length, dtype=torch.long, **meta)
+    else:
+        inputs["labels"] = torch.zeros(rows, dtype=torch.long, **meta)
+    return inputs
+
+
+def _count_on_meta(model: nn.Module, inputs: dict[str, torch.Tensor]) -> ActivationProfile:
+    """Run ``model`` on the meta device and count the bytes saved for backward per block."""
+    from memfit.engine.blocks import find_blocks
+
+    # NOTE [Storage identity on meta]: meta storages have no address (data_ptr() is 0), so
+    # storages are told apart by their StorageImpl handle (``_cdata``), shared by all views.
+    def key(t: torch.Tensor) -> int:
+        return t.untyped_storage()._cdata
+
+    blocks = [m for _, m in find_blocks(model)]
+    skip = {key(t) for t in [*model.parameters(), *model.buffers()]}
+    seen: set[int] = set()
+    saved = [0] * (len(blocks) + 1)  # last slot: outside any block
+    inputs_bytes = [0] * len(blocks)
+    current = [len(blocks)]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if key(t) not in skip and key(t) not in seen:
+            seen.add(key(t))
+            saved[current[0]] += t.untyped_storage().nbytes()
+        return t
+
+    def enter(index: int):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            current[0] = index
+            tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            inputs_bytes[index] = sum(t.untyped_storage().nbytes() for t in tensors)
+
+        return hook
+
+    def leave(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        current[0] = len(blocks)
+
+    handles = [b.register_forward_pre_hook(enter(k), with_kwargs=True) for k, b in enumerate(blocks)]
+    handles += [b.register_forward_hook(leave, with_kwargs=True) for b in blocks]
+    was_training = model.training
+    try:
+        model.train()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(**inputs)
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+    return ActivationProfile(saved[-1], tuple(saved[:-1]), tuple(inputs_bytes))
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """One way to run a training step: precision, optimizer, batch split, checkpoint plan."""
+
+    precision: str = "fp32"
+    """``fp32``, or mixed precision ``bf16`` / ``fp16`` (autocast, fp32 master weights)."""
+    optimizer: str = "adamw"
+    """A key of :data:`OPTIMIZERS`."""
+    micro_batch_size: int = 8
+    """Examples per forward/backward (``--per_device_train_batch_size``)."""
+    accumulation_steps: int = 1
+    """Micro-batches per optimizer step (``--gradient_accumulation_steps``)."""
+    checkpoint: str = "none"
+    """``none``, ``full`` (every block) or a number of blocks to checkpoint."""
+
+    def __post_init__(self) -> None:
+        _check_choice("precision", self.precision, PRECISIONS)
+        _check_choice("optimizer", self.optimizer, tuple(OPTIMIZERS))
+        if self.micro_batch_size < 1 or self.accumulation_steps < 1:
+            raise FlagError("--batch_size and --gradient_accumulation_steps must be at least 1")
+        if self.checkpoint not in ("none", "full") and not str(self.checkpoint).isdigit():
+            raise FlagError(f"--checkpoint {self.checkpoint!r}: write none, full or a number of blocks")
+
+    @property
+    def batch_size(self) -> int:
+        """Examples per optimizer step."""
+        return self.micro_batch_size * self.accumulation_steps
+
+    def checkpointed_blocks(self, n_blocks: int) -> int:
+        """Blocks checkpointed out of ``n_blocks``.
+
+        Raises:
+            FlagError: when a number larger than ``n_blocks`` was given.
+        """
+        if self.checkpoint == "none":
+            return 0
+        if self.checkpoint == "full":
+            return n_blocks
+        if int(self.checkpoint) > n_blocks:
+            raise FlagError(f"--checkpoint {self.checkpoint}: the model has only {n_blocks} blocks")
+        return int(self.checkpoint)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes of one training step on the GPU, by part (see NOTE [What each part assumes])."""
+
+    setup: TrainingSetup
+    """The setup estimated."""
+    n_params: int
+    """Trainable parameters."""
+    n_blocks: int
+    """Checkpointable blocks of the model."""
+    checkpointed_blocks: int
+    """Blocks checkpointed in this setup."""
+    weights_bytes: int
+    """fp32 weights (master weights under fp16/bf16)."""
+    autocast_copies_bytes: int
+    """Half copies of the matmul weights under fp16/bf16 autocast (forward and backward only)."""
+    gradients_bytes: int
+    """fp32 gradients."""
+    optimizer_state_bytes: int
+    """Optimizer state."""
+    activations_bytes: int
+    """Peak bytes saved for backward by one micro-batch (recomputed blocks included)."""
+    backward_bytes: int
+    """Peak over forward and backward, above weights and optimizer state: autocast copies,
+    saved activations, the gradients made so far and backward temporaries
+    (NOTE [Phases of a step])."""
+    optimizer_step_bytes: int
+    """Temporaries inside ``optimizer.step()`` (after activations are freed)."""
+    workspace_bytes: int = LIBRARY_WORKSPACE_BYTES
+    """cuBLAS/cuBLASLt workspaces: inside the caching allocator and the cap."""
+    cuda_context_bytes: int = CUDA_CONTEXT_BYTES
+    """CUDA context: outside the caching allocator and outside the budget cap."""
+    notes: tuple[str, ...] = field(default=())
+    """Caveats that apply to this estimate."""
+
+    @property
+    def static_bytes(self) -> int:
+        """Weights + gradients + optimizer state: what no checkpointing can shrink."""
+        return self.weights_bytes + self.gradients_bytes + self.optimizer_state_bytes
+
+    @property
+    def backward_peak_bytes(self) -> int:
+        """Allocator peak of forward and backward (workspaces included)."""
+        return self.workspace_bytes + self.weights_bytes + self.optimizer_state_bytes + self.backward_bytes
+
+    @property
+    def step_peak_bytes(self) -> int:
+        """Allocator peak of ``optimizer.step()`` (workspaces included)."""
+        return self.workspace_bytes + self.static_bytes + self.optimizer_step_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Peak of the caching allocator: what a budget caps (CUDA context excluded)."""
+        return max(self.backward_peak_bytes, self.step_peak_bytes)
+
+    @property
+    def device_bytes(self) -> int:
+        """Total on the GPU: :attr:`total_bytes` plus the CUDA context."""
+        return self.total_bytes + self.cuda_context_bytes
+
+    def fits(self, budget_bytes: int) -> bool:
+        """Whether :attr:`total_bytes` fits ``budget_bytes`` (the cap excludes the context)."""
+        return self.total_bytes <= budget_bytes
+
+
+def backward_phase_bytes(profile: ModelProfile, activations: ActivationProfile, n_checkpointed: int, half: bool) -> int:
+    """Peak over forward and backward above weights and optimizer state (NOTE [Phases of a step]).
+
+    Args:
+        profile: the model (its per-block parameters).
+        activations: saved and backward-temporary bytes per block for the micro-batch.
+        n_checkpointed: the first blocks checkpointed.
+        half: fp16/bf16 autocast (2 B copies of the matmul weights).
+
+    Returns:
+        The largest of: the end of the forward, and each block's backward.
+    """
+    n = profile.n_blocks
+    half_bytes = 2 if half else 0
+    block_params = profile.block_params or (0,) * n
+    block_copies = [half_bytes * m for m in (profile.block_matmul_params or (0,) * n)]
+    head_copies = half_bytes * profile.matmul_weight_params - sum(block_copies)
+    grads = [4 * p for p in block_params]
+    head_grads = 4 * (profile.n_params - sum(block_params) - profile.embedding_params)
+    temps = activations.block_backward_bytes or (0,) * n
+    kept = activations.kept_bytes(n_checkpointed)
+    # end of forward: the autocast cache holds every copy, checkpointed blocks' too
+    peak = activations.outside_bytes + sum(kept) + sum(block_copies) + head_copies
+    # block j's backward: blocks before it keep theirs (copies of un-checkpointed ones), it
+    # holds all it saves and its temporaries, the head and blocks after it have gradients
+    before = [0]
+    for j in range(n - 1):
+        before.append(before[-1] + kept[j] + (block_copies[j] if j >= n_checkpointed else 0))
+    grads_after = head_grads
+    for j in reversed(range(n)):
+        saved = activations.recompute_bytes(j) if j < n_checkpointed else activations.block_bytes[j]
+        current = saved + block_copies[j] + temps[j]
+        peak = max(peak, activations.outside_bytes + before[j] + current + grads_after)
+        grads_after += grads[j]
+    return peak
+
+
+def estimate(
+    profile: ModelProfile,
+    setup: TrainingSetup,
+    *,
+    seq_length: int | None = None,
+    image_size: int | None = None,
+    attention: str = "sdpa",
+    num_choices: int = 4,
+    padding_mask: bool = True,
+    activations: ActivationProfile | None = None,
+) -> MemoryEstimate:
+    """Estimate the memory of one training step.
+
+    Args:
+        profile: the model (``ModelProfile.from_config``).
+        setup: precision, optimizer, batch split, checkpoint plan.
+        seq_length: tokens per example of the longest batch (text models).
+        image_size: pixels per side (vision models).
+        attention: ``sdpa`` (fused, the transformers default) or ``eager``.
+        num_choices: choices per example for ``multiple-choice``.
+        padding_mask: whether batches carry padding (BERT family; dynamic padding: yes).
+        activations: a precomputed :func:`activation_profile` for this micro-batch and
+            precision (the advisor reuses them); computed when ``None``.
+
+    Returns:
+        The :class:`MemoryEstimate`.
+
+    Example:
+        >>> from transformers import BertConfig
+        >>> p = ModelProfile.from_config(BertConfig(num_hidden_layers=2), name="bert-2")  # doctest: +SKIP
+        >>> estimate(p, TrainingSetup("bf16", "adamw", 8), seq_length=128).total_bytes  # doctest: +SKIP
+    """
+    if activations is None:
+        activations = activation_profile(
+            profile,
+            setup.micro_batch_size,
+            precision=setup.precision,
+            seq_length=seq_length,
+            image_size=image_size,
+            attention=attention,
+            num_choices=num_choices,
+            padding_mask=padding_mask,
+        )
+    shapes = profile.param_shapes
+    optimizer = OPTIMIZERS[setup.optimizer]
+    k = setup.checkpointed_blocks(profile.n_blocks)
+    half = setup.precision != "fp32"
+    notes = []
+    if not optimizer_available(setup.optimizer):
+        notes.append(f"{optimizer.needs} is not installed here: `memfit train {' '.join(optimizer.train_flags)}` needs it")
+    if not profile.bert_family:
+        notes.append(
+            f"activations counted on the meta device (no analytic formula for {profile.config.model_type}): "
+            "exact for fp32 eager kernels, an upper bound for fused kernels and fp16/bf16"
+        )
+    return MemoryEstimate(
+        setup=setup,
+        n_params=profile.n_params,
+        n_blocks=profile.n_blocks,
+        checkpointed_blocks=k,
+        weights_bytes=4 * profile.n_params,
+        autocast_copies_bytes=2 * profile.matmul_weight_params if half else 0,
+        gradients_bytes=4 * profile.n_params,
+        optimizer_state_bytes=optimizer.state(shapes),
+        activations_bytes=activations.total_bytes(k),
+        backward_bytes=backward_phase_bytes(profile, activations, k, half),
+        optimizer_step_bytes=optimizer.step_temp(shapes),
+        notes=tuple(notes),
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def format_table(est: MemoryEstimate, budget_bytes: int | None = None, *, title: str = "") -> str:
+    """The breakdown as a markdown table in GiB, with a verdict for ``budget_bytes``.
+
+    Args:
+        est: the estimate.
+        budget_bytes: the budget to check, or ``None``.
+        title: first line (model, task, input size).
+
+    Returns:
+        Multi-line text.
+    """
+    s = est.setup
+    opt = OPTIMIZERS[s.optimizer]
+    rows = [
+        ("weights", est.weights_bytes, "4 B/param fp32" + ("" if s.precision == "fp32" else " (master weights)")),
+        ("autocast copies", est.autocast_copies_bytes,
+         "none in fp32" if s.precision == "fp32" else "2 B per matmul weight, freed by backward"),
+        ("gradients", est.gradients_bytes, "4 B/param fp32"),
+        ("optimizer state", est.optimizer_state_bytes, f"{s.optimizer} (fp32 state)"),
+        ("activations", est.activations_bytes,
+         f"saved for backward, {est.checkpointed_blocks} of {est.n_blocks} blocks checkpointed"),
+        ("forward + backward", est.backward_bytes,
+         "above weights + state: copies + activations + gradients made so far + backward temporaries"),
+        ("optimizer step temporaries", est.optimizer_step_bytes, "with all gradients, after activations are freed"),
+        ("CUDA library workspaces", est.workspace_bytes, "cuBLAS/cuBLASLt, inside the allocator"),
+        ("peak of forward + backward", est.backward_peak_bytes, "workspaces + weights + state + forward + backward"),
+        ("peak of optimizer step", est.step_peak_bytes, "workspaces + weights + gradients + state + step temporaries"),
+        ("total (what the budget caps)", est.total_bytes, "the larger peak"),
+        ("CUDA context", est.cuda_context_bytes, "outside the caching allocator and the budget cap"),
+        ("total on the GPU", est.device_bytes, "total + CUDA context"),
+    ]
+    lines = [title] if title else []
+    lines += [
+        f"setup: {s.precision}, {s.optimizer} ({' '.join(opt.train_flags)}), micro-batch {s.micro_batch_size} "
+        f"x {s.accumulation_steps} accumulation step(s), {est.n_params:,} parameters",
+        "",
+        "| part | GiB | bytes | assumption |",
+        "| --- | ---: | ---: | --- |",
+    ]
+    lines += [f"| {name} | {_gib(n)} | {n:,} | {note} |" for name, n, note in rows]
+    if budget_bytes is not None:
+        margin = budget_bytes - est.total_bytes
+        verdict, rest = ("fits", "to spare") if margin >= 0 else ("does NOT fit", "short")
+        lines += ["", f"{verdict} the budget of {_gib(budget_bytes)} GiB ({budget_bytes:,} bytes): {_gib(abs(margin))} GiB {rest}"]
+    lines += [f"note: {n}" for n in est.notes]
+    return "\n".join(lines)

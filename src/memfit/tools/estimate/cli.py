@@ -1,0 +1,128 @@
+"""``memfit estimate``: the command line of the memory anatomy (anatomy.py) and its advice (advise.py)."""
+
+from __future__ import annotations
+
+import sys
+
+from memfit.engine.budget import parse_bytes
+from memfit.errors import ArgumentParser, FlagError
+from memfit.tools.estimate.advise import DEFAULT_MARGIN, advise, format_advice
+from memfit.cli.tasks import TASKS as TRAIN_TASKS
+from memfit.tools.estimate.anatomy import (
+    OPTIMIZERS,
+    PRECISIONS,
+    TASKS,
+    ModelProfile,
+    TrainingSetup,
+    estimate,
+    format_table,
+    load_config,
+    optimizer_available,
+)
+
+__all__ = ["main"]
+
+
+#: the tasks ``memfit train`` can train (the estimate also knows image-classification, which it cannot)
+_TRAIN_TASKS = tuple(t for t in TASKS if t in TRAIN_TASKS)
+
+
+def _parser() -> ArgumentParser:
+    p = ArgumentParser(
+        prog="memfit estimate",
+        description="Memory anatomy of one training step (weights, gradients, optimizer state, activations, "
+        "CUDA context) from a model config; --advise lists the fastest setups that fit --memory_budget. "
+        "GiB = 2**30 bytes, GB = 10**9 bytes.",
+    )
+    p.add_argument("--model", help="model name (shipped config, HF cache or Hub) or a local folder")
+    p.add_argument("--config", help="path to a config.json (wins over --model)")
+    p.add_argument("--task", choices=tuple(TASKS), help="head on the model (default: causal-lm for a decoder "
+                   "config, whose architectures name a ...ForCausalLM, else text-classification)")
+    p.add_argument("--num_choices", type=int, default=4, help="choices per example for multiple-choice (SWAG: 4)")
+    p.add_argument("--batch_size", type=int, required=True, help="examples per optimizer step")
+    p.add_argument("--seq_length", type=int, help="tokens per example of the longest batch (text models)")
+    p.add_argument("--image_size", type=int, help="pixels per side (vision models)")
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS, help="fp32, or mixed precision bf16/fp16")
+    p.add_argument("--optimizer", default="adamw", choices=tuple(OPTIMIZERS))
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--checkpoint", default="none", help="none, full, or a number of blocks to checkpoint")
+    p.add_argument("--attention", default="sdpa", choices=("sdpa", "eager"), help="attention kernel (sdpa: fused)")
+    p.add_argument("--memory_budget", help="budget to check: '6GiB' (6*2**30), '6GB' (6*10**9) or bytes")
+    p.add_argument("--advise", action="store_true", help="list the fastest setups that fit --memory_budget")
+    p.add_argument("--top", type=int, default=10, help="setups listed by --advise")
+    p.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
+                   help="share of --memory_budget that --advise keeps free (allocator fragmentation, estimate error)")
+    return p
+
+
+def train_command(model: str | None, config: str | None, task: str, seq_length: int | None) -> list[str]:
+    """The start of the ``memfit train`` command that trains what was estimated: the task, the model
+    (pretrained weights for ``--model``, random weights from ``--config``) and the input length.
+
+    Returns:
+        The words after ``memfit``, or an empty list when ``memfit train`` has no such task.
+    """
+    if task not in _TRAIN_TASKS:
+        return []
+    words = ["train", task]
+    words += ["--config_name", str(config)] if config else ["--model_name_or_path", str(model)]
+    return words + (["--max_seq_length", str(seq_length)] if seq_length else [])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``memfit estimate``: print the breakdown (or, with ``--advise``, the ranked setups).
+
+    Raises:
+        FlagError: a flag value or combination that cannot work.
+        NothingFitsError: ``--advise`` and no setup fits the budget (the ``memfit`` command
+            prints it in one line and exits 2).
+    """
+    args = _parser().parse_args(argv)
+    try:
+        budget = None if args.memory_budget is None else parse_bytes(args.memory_budget)
+    except ValueError as err:
+        raise FlagError(f"--memory_budget {args.memory_budget}: {err}") from None
+    if args.advise and budget is None:
+        raise FlagError("--advise needs --memory_budget (e.g. 6GiB)")
+    for flag in ("batch_size", "gradient_accumulation_steps", "seq_length", "num_choices", "image_size"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise FlagError(f"--{flag} {getattr(args, flag)}: give a whole number of at least 1")
+    if args.batch_size % args.gradient_accumulation_steps:
+        raise FlagError(
+            f"--batch_size {args.batch_size} is not a multiple of --gradient_accumulation_steps "
+            f"{args.gradient_accumulation_steps}"
+        )
+    config = load_config(args.model, args.config)
+    if args.task is None:
+        decoder = any(a.endswith("ForCausalLM") for a in getattr(config, "architectures", None) or ())
+        args.task = "causal-lm" if decoder else "text-classification"
+    profile = ModelProfile.from_config(config, args.task, name=args.model or str(args.config))
+    inputs = {"seq_length": args.seq_length, "image_size": args.image_size, "attention": args.attention,
+              "num_choices": args.num_choices}
+    title = f"memfit estimate: {profile.name}, {args.task}, " + (
+        f"{args.image_size}x{args.image_size} pixels" if args.image_size else f"{args.seq_length} tokens"
+    ) + f", batch {args.batch_size}" + (f", {args.attention} attention" if profile.bert_family else "")
+    if args.advise:
+        half = "fp16" if args.precision == "fp16" else "bf16"
+        optimizers = [args.optimizer] + [o for o in ("adamw", "adafactor", "adamw-8bit") if o != args.optimizer]
+        ranked = advise(profile, args.batch_size, budget, precisions=("fp32", half), optimizers=optimizers,
+                        margin=args.margin, **inputs)
+        command = train_command(args.model, args.config, args.task, args.seq_length)
+        print(format_advice(ranked, args.memory_budget, top=args.top, title=title, margin=args.margin, command=command))
+        for name in optimizers:
+            if not optimizer_available(name):
+                print(f"note: {name} not considered: {OPTIMIZERS[name].needs} is not installed")
+        return 0
+    setup = TrainingSetup(
+        precision=args.precision,
+        optimizer=args.optimizer,
+        micro_batch_size=args.batch_size // args.gradient_accumulation_steps,
+        accumulation_steps=args.gradient_accumulation_steps,
+        checkpoint=args.checkpoint,
+    )
+    print(format_table(estimate(profile, setup, **inputs), budget, title=title))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,783 @@
+"""Tables and plots from bench results and step records: ``memfit report <dir>``.
+
+Reads JSON lines only, never printed text (habit 7), from anywhere under ``<dir>``:
+
+* bench results, ``results.jsonl``: one line per benchmark configuration and repeat (fields
+  in :data:`RESULT_FIELDS`, optional ones in :data:`OPTIONAL_RESULT_FIELDS`);
+* step records, ``*steps*.jsonl``: one :class:`memfit.engine.records.StepRecord` per micro-step.
+  Their run summary (``memory_count`` included) is recomputed with
+  :func:`memfit.engine.records.summarize`, the function that writes ``memfit_summary.json``.
+
+and writes ``report.md`` (per task: a table of methods × budgets, a table of memory savers
+when results carry ``eval_metric``, and one of peer sweeps when a peer ran at several settings
+of its knob) and PNG plots: peak memory vs input size, time vs budget, and the
+``memory_count`` histogram. Units: GiB = 2**30 bytes for measured sizes; a budget is shown in
+the unit it was given (NOTE [A budget in the unit it was given], summary_text.py). Warm-up steps
+are counted in the tables and drawn as crosses in the peak plot.
+
+# NOTE [Peer sweeps]
+A peer whose knob is relative, not bytes (``compile-F``: torch.compile's activation memory
+budget; ``ckptplan-F``: ckptplan's saving fraction; memfit.peers), runs once per setting as
+methods named ``<peer>-<setting>``. Which setting fits a budget is only known by running it,
+so the sweep table names, per peer and budget, the fastest setting whose repeats all finished
+with their peak within the budget, and which settings did: the peer at its best tuning.
+
+# NOTE [Deterministic output]
+The same inputs give byte-identical ``report.md`` and PNGs, so that regenerating a committed
+report shows no diff: files and rows are sorted, paths are written relative to ``<dir>``,
+numbers have fixed formats, figures use matplotlib's default style (not the user's rc file)
+and are saved without the ``Software`` PNG metadata (Agg writes no timestamp). Figures are
+``matplotlib.figure.Figure`` objects, not pyplot, so no global backend or state is touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import statistics
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memfit.errors import ArgumentParser, DataError, MissingFileError
+from memfit.engine.records import RunSummary, StepRecord, read_jsonl_numbered, summarize, treated_blocks
+from memfit.engine.summary_text import size_in_given_unit
+
+__all__ = ["RESULT_FIELDS", "OPTIONAL_RESULT_FIELDS", "build_report", "main"]
+
+GIB = 2**30
+#: Fields every line of ``results.jsonl`` must have (``budget_bytes`` is null when uncapped).
+RESULT_FIELDS = (
+    "task", "model", "method", "budget_bytes", "batch_size", "steps", "total_s", "max_peak_allocated_bytes",
+    "oom_count", "recomputed_fraction", "status", "device", "torch", "transformers",
+)
+#: Fields a result line may have.
+OPTIONAL_RESULT_FIELDS = (
+    "repeat", "warmup_steps", "planner_us_per_step", "steps_file", "eval_metric", "eval_value", "note",
+    "peer_metrics", "paired_with", "paired_step_ratio", "paired_sum_ratio",
+)
+# skipped: a peer that cannot run on that machine (not installed, needs CUDA)
+_STATUSES = ("ok", "oom", "error", "skipped")
+# Table and legend order: memfit's methods first, then peers and savers alphabetically.
+_METHOD_ORDER = ("none", "full", "dynamic", "oracle", "static", "precomputed", "reactive")
+_DASH = "—"
+
+
+@dataclass(frozen=True, eq=False)
+class _Result:
+    """One line of ``results.jsonl``: one configuration, one repeat."""
+
+    data: dict[str, Any]
+    """The line's fields."""
+    source: Path
+    """The results file it came from."""
+    median_step_ms: float | None = None
+    """Median ``step_ms`` of the step records its ``steps_file`` names, times their micro-steps
+    per optimizer step (None without them)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name in RESULT_FIELDS or name in OPTIONAL_RESULT_FIELDS:
+            return self.data.get(name)
+        raise AttributeError(name)
+
+
+@dataclass(frozen=True, order=True)
+class _TableKey:
+    """What a table holds fixed: results are comparable only within one table."""
+
+    task: str
+    """Task (recipe) name."""
+    model: str
+    """Model name."""
+    device: str
+    """GPU name."""
+    batch_size: int
+    """Examples per optimizer step."""
+    steps: int
+    """Optimizer steps run."""
+
+    def title(self) -> str:
+        return f"{self.task} · {self.model} · batch {self.batch_size} · {self.steps} steps · {self.device}"
+
+    def slug(self) -> str:
+        return _slug(f"{self.task}_{self.model}")
+
+
+@dataclass
+class _Row:
+    """The repeats of one (method, budget) configuration in one table."""
+
+    method: str
+    """Method (or peer / saver) name."""
+    budget_bytes: int | None
+    """Budget, ``None`` when uncapped."""
+    results: list[_Result]
+    """One result per repeat."""
+
+    @property
+    def ok(self) -> list[_Result]:
+        return [r for r in self.results if r.status == "ok"]
+
+    @property
+    def median_s(self) -> float | None:
+        times = [r.total_s for r in self.ok if r.total_s is not None]
+        return statistics.median(times) if times else None
+
+    def median_of(self, name: str) -> float | None:
+        values = [getattr(r, name) for r in self.ok if getattr(r, name) is not None]
+        return statistics.median(values) if values else None
+
+    @property
+    def max_peak_bytes(self) -> int | None:
+        peaks = [r.max_peak_allocated_bytes for r in self.results if r.max_peak_allocated_bytes is not None]
+        return max(peaks) if peaks else None
+
+    @property
+    def status(self) -> str:
+        counts = {s: sum(r.status == s for r in self.results) for s in sorted({r.status for r in self.results})}
+        if list(counts) == ["ok"]:
+            return "ok"
+        return ", ".join(f"{s} {n}/{len(self.results)}" for s, n in counts.items())
+
+    @property
+    def label(self) -> str:
+        return f"{self.method} @ {_budget_text(self.budget_bytes)}"
+
+
+@dataclass(frozen=True)
+class _StepRun:
+    """One step-record file and what it is plotted as."""
+
+    path: str
+    """Path relative to the input folder (posix)."""
+    records: tuple[StepRecord, ...]
+    """The step records, in file order."""
+    summary: RunSummary
+    """``summarize(records)``: totals and the ``memory_count`` table."""
+    group: str
+    """Plot group: the bench table it belongs to, else its folder."""
+    stem: str
+    """File-name stem of the group's plots."""
+    repeat: int
+    """Repeat number of the bench result that names this file (0 when none does)."""
+
+    @property
+    def method(self) -> str:
+        return self.summary.method
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return self.summary.budget_bytes
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower() or "run"
+
+
+def _method_rank(method: str) -> tuple[int, str]:
+    return (_METHOD_ORDER.index(method), "") if method in _METHOD_ORDER else (len(_METHOD_ORDER), method)
+
+
+def _row_order(row: _Row) -> tuple:
+    return (_method_rank(row.method), row.budget_bytes is not None, row.budget_bytes or 0)
+
+
+def _budget_text(budget_bytes: int | None) -> str:
+    return "no budget" if budget_bytes is None else size_in_given_unit(budget_bytes)
+
+
+def _budget_cell(budget_bytes: int | None) -> str:
+    return _DASH if budget_bytes is None else size_in_given_unit(budget_bytes)
+
+
+def _gib(n: float | None) -> str:
+    return _DASH if n is None else f"{n / GIB:.2f}"
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return _DASH if x is None else format(x, fmt)
+
+
+def _relative(path: Path, root: Path) -> str:
+    return path.relative_to(root).as_posix()
+
+
+# ---------------------------------------------------------------------------------- reading
+
+
+def _numbered(path: Path) -> Iterable[tuple[int, Any]]:
+    """``read_jsonl_numbered``, whose malformed lines are a :class:`DataError` (the user's file)."""
+    try:
+        yield from read_jsonl_numbered(path)
+    except ValueError as err:
+        raise DataError(str(err)) from None
+
+
+def _read_results(path: Path) -> list[_Result]:
+    results = []
+    for line, data in _numbered(path):
+        where = f"{path}:{line}"
+        if not isinstance(data, dict):
+            raise DataError(f"{where}: a bench result must be a JSON object")
+        missing = [f for f in RESULT_FIELDS if f not in data]
+        if missing:
+            raise DataError(f"{where}: missing field(s) {', '.join(missing)}; every line needs {', '.join(RESULT_FIELDS)}")
+        if data["status"] not in _STATUSES:
+            raise DataError(f"{where}: status {data['status']!r} is not one of {', '.join(_STATUSES)}")
+        results.append(_Result(data, path))
+    return results
+
+
+def _read_steps(path: Path) -> list[StepRecord]:
+    required = [f.name for f in dataclasses.fields(StepRecord) if f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING]
+    records = []
+    for line, data in _numbered(path):
+        missing = [f for f in required if not isinstance(data, dict) or f not in data]
+        if missing:
+            raise DataError(f"{path}:{line}: not a step record, missing {', '.join(missing)}")
+        records.append(StepRecord.from_dict(data))
+    return records
+
+
+def _table_key(r: _Result) -> _TableKey:
+    return _TableKey(str(r.task), str(r.model), str(r.device), int(r.batch_size), int(r.steps))
+
+
+def _load(root: Path) -> tuple[list[_Result], list[_StepRun], list[str]]:
+    """Bench results, step runs and notes on skipped inputs, all in sorted order."""
+    result_files = sorted(root.rglob("results.jsonl"), key=lambda p: _relative(p, root))
+    step_files = sorted(
+        (p for pattern in ("*steps*.jsonl", "*steps*.jsonl.gz") for p in root.rglob(pattern) if p.is_file()),
+        key=lambda p: _relative(p, root),
+    )
+    if not result_files and not step_files:
+        raise MissingFileError(
+            f"no bench results (results.jsonl) or step records (*steps*.jsonl) under {root}; "
+            "pass the folder that `memfit bench` or `memfit train` wrote"
+        )
+    results = [r for f in result_files for r in _read_results(f)]
+    linked: dict[str, _Result] = {}
+    skipped = []
+    for r in results:
+        if r.steps_file:
+            target = (r.source.parent / r.steps_file).resolve()
+            if not target.is_file() and target.with_name(target.name + ".gz").is_file():
+                target = target.with_name(target.name + ".gz")  # compressed after the run
+            if target.is_file() and target.is_relative_to(root):
+                linked[_relative(target, root)] = r
+            else:
+                skipped.append(f"steps_file `{r.steps_file}` of {_relative(r.source, root)} ({r.method}) not found")
+    # Step files named by a result's `steps_file` count whatever their names.
+    step_files = sorted(set(step_files) | {root / name for name in linked}, key=lambda p: _relative(p, root))
+    runs = []
+    medians: dict[int, float] = {}  # id(result) -> median step time of its step records
+    for f in step_files:
+        name = _relative(f, root)
+        records = _read_steps(f)
+        if not records:
+            skipped.append(f"`{name}` holds no step records")
+            continue
+        result = linked.get(name)
+        folder = Path(name).parent.as_posix() if "/" in name else root.name
+        group, stem = (_table_key(result).title(), _table_key(result).slug()) if result else (folder, _slug(folder))
+        repeat = int(result.repeat or 0) if result else 0
+        runs.append(_StepRun(name, tuple(records), summarize(records), group, stem, repeat))
+        step_ms = [r.step_ms for r in records if r.step_ms is not None]
+        if result is not None and step_ms and result.steps:
+            # records are micro-steps: scale to one optimizer step (gradient accumulation)
+            medians[id(result)] = statistics.median(step_ms) * len(records) / int(result.steps)
+    results = [dataclasses.replace(r, median_step_ms=medians.get(id(r))) for r in results]
+    return results, runs, skipped
+
+
+# ---------------------------------------------------------------------------------- tables
+
+
+def _rows(results: Iterable[_Result]) -> list[_Row]:
+    rows: dict[tuple[str, int | None], _Row] = {}
+    for r in results:
+        rows.setdefault((r.method, r.budget_bytes), _Row(r.method, r.budget_bytes, [])).results.append(r)
+    return sorted(rows.values(), key=_row_order)
+
+
+def _reference(rows: Sequence[_Row]) -> _Row | None:
+    """The uncapped ``none`` row: the speed reference of its table."""
+    return next((r for r in rows if r.method == "none" and r.budget_bytes is None and r.median_s), None)
+
+
+def _ratio(value: float | None, ref: float | None) -> str:
+    return _DASH if value is None or not ref else f"{value / ref:.2f}×"
+
+
+def _methods_table(rows: Sequence[_Row], ref: _Row | None) -> list[str]:
+    lines = [
+        "| method | budget | median time (s) | vs none | median step (ms) | step vs none | max peak (GiB) "
+        "| peak / budget | OOMs | recomputed | warm-up steps | planner µs/step | repeats | status |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    ref_step = ref.median_of("median_step_ms") if ref else None
+    for row in rows:
+        peak, budget = row.max_peak_bytes, row.budget_bytes
+        share = _DASH if peak is None or budget is None else f"{100 * peak / budget:.0f}%"
+        ooms = max(r.oom_count or 0 for r in row.results)
+        recomputed = [r.recomputed_fraction for r in row.ok if r.recomputed_fraction is not None]
+        recomputed_text = f"{100 * statistics.fmean(recomputed):.1f}%" if recomputed else _DASH
+        warmup = [r.warmup_steps for r in row.results if r.warmup_steps is not None]
+        step = row.median_of("median_step_ms")
+        lines.append(
+            f"| {row.method} | {_budget_cell(budget)} | {_num(row.median_s, '.2f')} | "
+            f"{_ratio(row.median_s, ref.median_s if ref else None)} | {_num(step, '.1f')} | {_ratio(step, ref_step)} | "
+            f"{_gib(peak)} | {share} | {ooms} | {recomputed_text} | {max(warmup) if warmup else _DASH} | "
+            f"{_num(row.median_of('planner_us_per_step'), '.1f')} | {len(row.results)} | {row.status} |"
+        )
+    return lines
+
+
+def _savers_table(rows: Sequence[_Row], ref: _Row | None) -> list[str]:
+    savers = [r for r in rows if any(x.eval_metric for x in r.results)]
+    if not savers:
+        return []
+    ref_metric = next((x.eval_metric for x in ref.results if x.eval_metric), None) if ref else None
+    ref_value = ref.median_of("eval_value") if ref else None
+    lines = [
+        "",
+        "Memory savers (relative to the vanilla row, `none` with no budget; *median step*: the median "
+        "`step_ms` of the run's step records times its micro-steps per optimizer step, less swayed than the "
+        "total by one-off costs such as a first step or a first step per new input shape):",
+        "",
+        "| method | budget | median time (s) | time vs vanilla | median step (ms) | step vs vanilla "
+        "| max peak (GiB) | peak vs vanilla | metric | value | Δ vs vanilla |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+    ]
+    ref_step = ref.median_of("median_step_ms") if ref else None
+    for row in savers:
+        metric = next(x.eval_metric for x in row.results if x.eval_metric)
+        value = row.median_of("eval_value")
+        same = metric == ref_metric and value is not None and ref_value is not None
+        step = row.median_of("median_step_ms")
+        lines.append(
+            f"| {row.method} | {_budget_cell(row.budget_bytes)} | {_num(row.median_s, '.2f')} | "
+            f"{_ratio(row.median_s, ref.median_s if ref else None)} | {_num(step, '.1f')} | {_ratio(step, ref_step)} | "
+            f"{_gib(row.max_peak_bytes)} | "
+            f"{_ratio(row.max_peak_bytes, ref.max_peak_bytes if ref else None)} | {metric} | {_num(value, '.4f')} | "
+            f"{format(value - ref_value, '+.4f') if same else _DASH} |"
+        )
+    return lines
+
+
+_SETTING = re.compile(r"^(?P<peer>.+)-(?P<setting>\d+(?:\.\d+)?)$")
+
+
+def _sweeps_table(rows: Sequence[_Row], ref: _Row | None) -> list[str]:
+    """Per swept peer and budget, the fastest setting within the budget (NOTE [Peer sweeps])."""
+    sweeps: dict[tuple[str, int], list[tuple[float, _Row]]] = {}
+    for row in rows:
+        match = _SETTING.match(row.method)
+        if match and row.budget_bytes is not None:
+            sweeps.setdefault((match["peer"], row.budget_bytes), []).append((float(match["setting"]), row))
+    sweeps = {key: settings for key, settings in sweeps.items() if len(settings) > 1}
+    if not sweeps:
+        return []
+    lines = [
+        "",
+        "Peer sweeps (methods named `<peer>-<setting>`, NOTE [Peer sweeps]): per budget, the fastest setting "
+        "whose repeats all finished with their peak within the budget:",
+        "",
+        "| peer | budget | fastest within budget | median time (s) | vs none | max peak (GiB) | settings within budget |",
+        "| --- | ---: | --- | ---: | ---: | ---: | --- |",
+    ]
+    for (peer, budget), settings in sorted(sweeps.items()):
+        settings.sort(key=lambda s: s[0])
+        fitting = [
+            (setting, row) for setting, row in settings
+            if row.status == "ok" and row.median_s is not None and (row.max_peak_bytes or 0) <= budget
+        ]
+        within = f"{len(fitting)} of {len(settings)}" + (f": {', '.join(f'{s:g}' for s, _ in fitting)}" if fitting else "")
+        if not fitting:
+            lines.append(f"| {peer} | {_budget_cell(budget)} | {_DASH} | {_DASH} | {_DASH} | {_DASH} | {within} |")
+            continue
+        _, best = min(fitting, key=lambda s: (s[1].median_s, s[0]))
+        lines.append(
+            f"| {peer} | {_budget_cell(budget)} | {best.method} | {_num(best.median_s, '.2f')} | "
+            f"{_ratio(best.median_s, ref.median_s if ref else None)} | {_gib(best.max_peak_bytes)} | {within} |"
+        )
+    return lines
+
+
+def _paired_table(rows: Sequence[_Row]) -> list[str]:
+    """Runs timed step by step in turn with another in one process (``paired_with``): per repeat,
+    the median of their per-step time ratios and the ratio of their summed steady steps."""
+    paired = [(row, r) for row in rows for r in row.results if r.paired_step_ratio is not None]
+    if not paired:
+        return []
+    lines = [
+        "",
+        "Paired runs (two configurations step by step in turn in one process, on the same batches: the GPU's "
+        "drift between runs falls on both): per repeat, the median over steady steps of each step's time over "
+        "its twin's, and the ratio of their summed steady steps:",
+        "",
+        "| method | against | repeat | median per-step ratio | summed ratio |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    for row, r in sorted(paired, key=lambda p: (p[0].method, p[1].repeat if p[1].repeat is not None else -1)):
+        lines.append(f"| {row.method} | {r.paired_with or _DASH} | {_DASH if r.repeat is None else r.repeat} | "
+                     f"{r.paired_step_ratio:.4f} | {_num(r.paired_sum_ratio, '.4f')} |")
+    pairs: dict[tuple[str, str], list[float]] = {}
+    for row, r in paired:
+        pairs.setdefault((row.method, r.paired_with or _DASH), []).append(r.paired_step_ratio)
+    for (method, twin), ratios in sorted(pairs.items()):
+        if len(ratios) > 1:
+            lines.append(f"| {method} | {twin}, median of {len(ratios)} | | {statistics.median(ratios):.4f} | |")
+    return lines
+
+
+def _runs_table(runs: Sequence[_StepRun]) -> list[str]:
+    lines = [
+        "| step file | method | budget | accounting | steps | warm-up | max peak (GiB) | over budget "
+        "| OOM retries | checkpointed | planner µs |",
+        "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for run in runs:
+        s = run.summary
+        lines.append(
+            f"| `{run.path}` | {s.method} | {_budget_cell(s.budget_bytes)} | {s.accounting} | {s.steps} | {s.warmup_steps} | "
+            f"{_gib(s.max_peak_allocated_bytes)} | {s.over_budget_steps} | {s.oom_retries} | "
+            f"{100 * s.mean_checkpointed_fraction:.1f}% | {s.mean_planner_us:.1f} |"
+        )
+    return lines
+
+
+#: Treatments in the order the mix table shows them (treatments.py); ``keep`` is the rest.
+_MIX_KINDS = ("recompute", "selective", "offload")
+
+
+def _mix_table(runs: Sequence[_StepRun], bins: int = 6) -> list[str]:
+    """The treatment mix per input size: for each run that treated blocks, its steady steps in
+    ``bins`` equal ranges of tokens, and the mean number of blocks each treatment got there."""
+    treated = [r for r in runs if any(rec.treatments or rec.plan for rec in r.records)]
+    steady = {id(r): [rec for rec in r.records if rec.phase != "warmup"] for r in treated}
+    tokens = [rec.tokens for recs in steady.values() for rec in recs]
+    if not tokens:
+        return []
+    low, high = min(tokens), max(tokens)
+    width = max(1, -(-(high - low + 1) // bins))
+    lines = [
+        "", "Treatment mix per input size (steady steps; mean blocks per step given each treatment, the rest kept):", "",
+        "| run | tokens | steps | " + " | ".join(_MIX_KINDS) + " | kept |",
+        "| --- | --- | ---: | " + " | ".join("---:" for _ in _MIX_KINDS) + " | ---: |",
+    ]
+    for run in treated:
+        by_bin: dict[int, list[StepRecord]] = {}
+        for rec in steady[id(run)]:
+            by_bin.setdefault((rec.tokens - low) // width, []).append(rec)
+        rows = []
+        for b in sorted(by_bin):
+            recs = by_bin[b]
+            counts = {k: 0 for k in _MIX_KINDS} | treated_blocks(recs)
+            mix = tuple(counts[k] / len(recs) for k in _MIX_KINDS)
+            rows.append((low + b * width, low + (b + 1) * width - 1, len(recs), mix, recs[0].n_blocks - sum(mix)))
+        if len({row[3] for row in rows}) == 1:  # the same mix at every size (full, static): one row
+            rows = [(rows[0][0], rows[-1][1], sum(row[2] for row in rows), rows[0][3], rows[0][4])]
+        for first, last, n, mix, kept in rows:
+            lines.append(f"| {_label(run)} | {first}-{last} | {n} | " + " | ".join(f"{m:.1f}" for m in mix) + f" | {kept:.1f} |")
+    return lines
+
+
+_LEGEND = (
+    "Per configuration (method × budget), over its repeats: *median time* of the repeats that "
+    "finished (`ok`); *vs none*: that time over the median of `none` with no budget in the same "
+    "table; *median step*: the median of a run's step times (from its step records, per optimizer "
+    "step), the median over repeats, and its ratio to `none`'s: robust to the first step of each new "
+    "input size (kernel choice, allocator growth), which a short multi-scale run's total is not; "
+    "*max peak*: largest `max_peak_allocated_bytes` of any repeat, and its share of the "
+    "budget; *OOMs*: most OOMs of one repeat; *recomputed*: mean fraction of blocks recomputed; "
+    "*status*: `ok`, or the share of repeats per status. Sizes measured in GiB = 2**30 bytes; budgets in the unit "
+    "they were given (GB = 10**9 bytes, GiB, MB = 10**6, MiB)."
+)
+
+
+# ---------------------------------------------------------------------------------- plots
+
+
+def _figure(**kwargs: Any):
+    from matplotlib.figure import Figure
+
+    return Figure(**kwargs)
+
+
+def _save(fig: Any, path: Path) -> None:
+    """Write ``fig`` as a 64-colour PNG: a quarter of the size of matplotlib's RGBA one, and a
+    plot of a few line colours loses nothing visible (published results stay small)."""
+    import io
+
+    from PIL import Image  # matplotlib's own dependency
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100, metadata={"Software": None})
+    buffer.seek(0)
+    with Image.open(buffer) as image:
+        image.convert("RGB").quantize(colors=64, method=Image.Quantize.MEDIANCUT).save(path, format="PNG", optimize=True)
+
+
+def _wrap(title: str) -> str:
+    """A plot's title in lines that fit the figure (a group's title names model, task and device)."""
+    import textwrap
+
+    return "\n".join(textwrap.fill(line, 100) for line in title.split("\n"))
+
+
+def _legend(ax: Any) -> None:
+    """A legend of at most 8 rows: a matrix of many methods and budgets gets more columns, not a
+    legend taller than its axes."""
+    entries = len(ax.get_legend_handles_labels()[0])
+    ax.legend(fontsize=8 if entries <= 8 else 7, ncol=-(-entries // 8))
+
+
+def _color(method: str, methods: Sequence[str]) -> Any:
+    """One colour per method of a plot: matplotlib's ten, then the ten lighter shades of tab20
+    (a suite's group compares up to twenty methods)."""
+    import matplotlib
+
+    i = methods.index(method) % 20
+    return f"C{i}" if i < 10 else matplotlib.colormaps["tab20"](2 * (i - 10) + 1)
+
+
+def _plot_time_vs_budget(key: _TableKey, rows: Sequence[_Row], ref: _Row | None, path: Path) -> None:
+    fig = _figure(figsize=(8, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    methods = sorted({r.method for r in rows}, key=_method_rank)
+    for method in methods:
+        mine = [r for r in rows if r.method == method]
+        capped = [r for r in mine if r.budget_bytes is not None and r.median_s is not None]
+        for r in mine:
+            if r.budget_bytes is None and r.median_s is not None:
+                ax.axhline(r.median_s, color=_color(method, methods), linestyle="--", label=f"{method} (no budget)")
+        if capped:
+            ax.plot([r.budget_bytes / GIB for r in capped], [r.median_s for r in capped], marker="o",
+                    color=_color(method, methods), label=method)
+        failed = [r.budget_bytes / GIB for r in mine if r.budget_bytes is not None and r.median_s is None]
+        if failed:
+            ax.plot(failed, [0.02] * len(failed), linestyle="none", marker="x", markersize=9,
+                    color=_color(method, methods), transform=ax.get_xaxis_transform(), label=f"{method}: failed")
+    if ref is not None:
+        ax.secondary_yaxis("right", functions=(lambda t: t / ref.median_s, lambda x: x * ref.median_s)).set_ylabel(
+            "time relative to none (no budget)"
+        )
+    budgets = sorted({r.budget_bytes for r in rows if r.budget_bytes is not None})
+    if budgets:  # positions in GiB, labels in the unit each budget was given
+        ax.set_xticks([b / GIB for b in budgets], [_budget_text(b) for b in budgets])
+    ax.set_xlabel("memory budget (axis in GiB)")
+    ax.set_ylabel("median total time (s)")
+    ax.set_title(_wrap(f"Time vs budget\n{key.title()}"), fontsize=10)
+    ax.grid(alpha=0.3)
+    _legend(ax)
+    _save(fig, path)
+
+
+def _run_styles(runs: Sequence[_StepRun]) -> tuple[list[str], list[int]]:
+    """Methods (one colour each) and budgets (one line style each) of ``runs``, sorted."""
+    methods = sorted({r.method for r in runs}, key=_method_rank)
+    budgets = sorted({r.budget_bytes for r in runs if r.budget_bytes is not None})
+    return methods, budgets
+
+
+def _linestyle(run: _StepRun, budgets: Sequence[int]) -> str:
+    styles = ("-", "--", ":", "-.")
+    return styles[0 if run.budget_bytes is None else (budgets.index(run.budget_bytes) + 1) % len(styles)]
+
+
+def _label(run: _StepRun) -> str:
+    return f"{run.method} @ {_budget_text(run.budget_bytes)}"
+
+
+def _plot_peak_vs_tokens(group: str, runs: Sequence[_StepRun], path: Path) -> None:
+    methods, budgets = _run_styles(runs)
+    panels = budgets or [None]
+    fig = _figure(figsize=(max(8.0, 5.5 * len(panels)), 4.5), layout="constrained")
+    axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
+    for ax, budget in zip(axes, panels):
+        for run in runs:
+            if run.budget_bytes not in (budget, None):
+                continue
+            for warmup in (False, True):  # warm-up steps (measured as `full`) as crosses
+                steps = [r for r in run.records if (r.phase == "warmup") == warmup]
+                if steps:
+                    ax.scatter([r.tokens for r in steps], [r.peak_allocated_bytes / GIB for r in steps], s=12 + 12 * warmup,
+                               alpha=0.7, color=_color(run.method, methods), marker="x" if warmup else "o",
+                               label=f"{_label(run)}, warm-up" if warmup else _label(run))
+        if budget is not None:
+            ax.axhline(budget / GIB, color="black", linestyle="--", linewidth=1, label="budget")
+        ax.set_title(f"budget {_budget_text(budget)}", fontsize=10)
+        ax.set_xlabel("input size (tokens per micro-batch)")
+        ax.grid(alpha=0.3)
+        _legend(ax)
+    accounting = ", ".join(sorted({r.summary.accounting for r in runs}))
+    axes[0].set_ylabel(f"peak allocated per step (GiB, {accounting} accounting)")
+    fig.suptitle(_wrap(f"Peak memory vs input size\n{group}"), fontsize=11)
+    _save(fig, path)
+
+
+def _plot_memory_count(group: str, runs: Sequence[_StepRun], path: Path) -> None:
+    import numpy as np
+
+    methods, budgets = _run_styles(runs)
+    fig = _figure(figsize=(8, 6.5), layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    sizes = sorted({int(k) for run in runs for k in run.summary.memory_count})
+    if 1 < len(sizes) <= 40:  # one bin per input size, bounded halfway to its neighbours
+        mids = [(a + b) / 2 for a, b in zip(sizes, sizes[1:])]
+        edges = [2 * sizes[0] - mids[0], *mids, 2 * sizes[-1] - mids[-1]]
+    else:
+        edges = np.histogram_bin_edges(sizes, bins=min(40, len(sizes)))
+    for run in runs:
+        table = sorted((int(k), v) for k, v in run.summary.memory_count.items())
+        style = {"color": _color(run.method, methods), "linestyle": _linestyle(run, budgets)}
+        top.hist([k for k, _ in table], bins=edges, weights=[v["steps"] for _, v in table], histtype="step",
+                 label=_label(run), **style)
+        bottom.plot([k for k, _ in table], [v["max_peak_bytes"] / GIB for _, v in table], marker=".",
+                    label=_label(run), **style)
+    for budget in budgets:
+        bottom.axhline(budget / GIB, color="gray", linestyle="--", linewidth=1, label=f"budget {_budget_text(budget)}")
+    top.set_ylabel("steps")
+    top.set_title("steps per input size", fontsize=10)
+    bottom.set_ylabel("largest peak (GiB)")
+    bottom.set_title("largest peak per input size", fontsize=10)
+    bottom.set_xlabel("input size (tokens per micro-batch)")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+        _legend(ax)
+    fig.suptitle(_wrap(f"memory_count: steps and largest peak per input size\n{group}"), fontsize=11)
+    _save(fig, path)
+
+
+# ---------------------------------------------------------------------------------- report
+
+
+def _unique_names(keys: Sequence[Any], slug: Any) -> dict[Any, str]:
+    """A distinct file-name stem per key (sorted order; ``-2``, ``-3`` for collisions)."""
+    names: dict[Any, str] = {}
+    for key in keys:
+        stem = candidate = slug(key)
+        n = 2
+        while candidate in names.values():
+            candidate, n = f"{stem}-{n}", n + 1
+        names[key] = candidate
+    return names
+
+
+def build_report(input_dir: str | Path, output_dir: str | Path | None = None) -> Path:
+    """Write ``report.md`` and PNG plots from the JSONL files under ``input_dir``.
+
+    Args:
+        input_dir: folder searched recursively for ``results.jsonl`` and ``*steps*.jsonl``.
+        output_dir: where to write; ``<input_dir>/report`` by default. Existing files of the
+            same names are overwritten; others are left alone.
+
+    Returns:
+        Path of ``report.md``.
+
+    Raises:
+        MissingFileError: when ``input_dir`` is missing or holds no such JSONL file.
+        DataError: naming the file and line of a malformed line or a line missing fields.
+
+    Example:
+        >>> build_report("benchmarks/results")  # doctest: +SKIP
+        PosixPath('benchmarks/results/report/report.md')
+    """
+    import matplotlib.style
+
+    root = Path(input_dir).resolve()
+    if not root.is_dir():
+        raise MissingFileError(f"{input_dir} is not a folder; pass the folder that holds the JSONL results")
+    out = Path(output_dir) if output_dir is not None else root / "report"
+    results, runs, skipped = _load(root)
+    out.mkdir(parents=True, exist_ok=True)
+
+    lines = ["# memfit report", ""]
+    lines.append(f"{len(results)} bench results and {len(runs)} step-record files under the input folder.")
+    tables: dict[_TableKey, list[_Result]] = {}
+    for r in results:
+        tables.setdefault(_table_key(r), []).append(r)
+    keys = sorted(tables)
+    with matplotlib.style.context("default"):
+        if keys:
+            lines += ["", _LEGEND]
+        plot_names = _unique_names(keys, _TableKey.slug)
+        for key in keys:
+            rows = _rows(tables[key])
+            ref = _reference(rows)
+            versions = sorted({f"torch {r.torch}, transformers {r.transformers}" for r in tables[key]})
+            lines += ["", f"## {key.title()}", "", f"Software: {'; '.join(versions)}.", ""]
+            lines += _methods_table(rows, ref)
+            if ref is None:
+                lines += ["", "No finished `none` run with no budget: ratios are not available."]
+            lines += _savers_table(rows, ref)
+            lines += _sweeps_table(rows, ref)
+            lines += _paired_table(rows)
+            notes = [f"- {row.label}: {r.note}" for row in rows for r in row.results if r.note]
+            lines += ["", "Notes:", "", *dict.fromkeys(notes)] if notes else []
+            if any(r.budget_bytes is not None for r in rows):
+                name = f"time_vs_budget_{plot_names[key]}.png"
+                ran = [r for r in rows if any(x.status != "skipped" for x in r.results)]  # skipped: not a failure
+                _plot_time_vs_budget(key, ran, ref, out / name)
+                lines += ["", f"![Time vs budget, {key.task}]({name})"]
+
+        groups: dict[str, list[_StepRun]] = {}
+        for run in runs:
+            groups.setdefault(run.group, []).append(run)
+        group_names = _unique_names(sorted(groups), lambda g: groups[g][0].stem)
+        for group in sorted(groups):
+            shown = _one_run_per_label(groups[group])
+            lines += ["", f"## Step records: {group}", ""]
+            lines += _runs_table(groups[group])
+            lines += _mix_table(shown)
+            stem = group_names[group]
+            _plot_peak_vs_tokens(group, shown, out / f"peak_vs_tokens_{stem}.png")
+            _plot_memory_count(group, shown, out / f"memory_count_{stem}.png")
+            lines += [
+                "",
+                f"Plots show one run per method and budget (the lowest repeat): {', '.join(f'`{r.path}`' for r in shown)}.",
+                "",
+                f"![Peak memory vs input size, {group}](peak_vs_tokens_{stem}.png)",
+                "",
+                f"![memory_count, {group}](memory_count_{stem}.png)",
+            ]
+    if skipped:
+        lines += ["", "## Skipped inputs", "", *(f"- {s}" for s in skipped)]
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _one_run_per_label(runs: Sequence[_StepRun]) -> list[_StepRun]:
+    chosen: dict[str, _StepRun] = {}
+    for run in sorted(runs, key=lambda r: (r.repeat, r.path)):
+        chosen.setdefault(_label(run), run)
+    return sorted(chosen.values(), key=lambda r: (_method_rank(r.method), r.budget_bytes is not None, r.budget_bytes or 0))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``memfit report <dir> [--output_dir D]``.
+
+    Raises:
+        MissingFileError: no bench results or step records under ``<dir>``.
+        DataError: a malformed line (the file and line named).
+    """
+    parser = ArgumentParser(
+        prog="memfit report",
+        description="Tables (report.md) and PNG plots from bench results (results.jsonl) and step records "
+        "(*steps*.jsonl) found under a folder. Reads JSON lines only.",
+    )
+    parser.add_argument("input_dir", help="folder searched recursively for results.jsonl and *steps*.jsonl")
+    parser.add_argument("--output_dir", help="where to write report.md and the plots (default: <input_dir>/report)")
+    args = parser.parse_args(argv)
+    path = build_report(args.input_dir, args.output_dir)
+    print(f"wrote {path} and {len(list(path.parent.glob('*.png')))} plots")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
