@@ -351,7 +351,7 @@ def test_backward_and_optimizer_peaks_are_read_apart(monkeypatch):
 
 def _count_plans(monkeypatch, ctl, planned):
     """Append to ``planned`` one entry per plan made (a row or one key): a miss of the plan cache."""
-    from memfit import planning as planning_module
+    from memfit.engine import planning as planning_module
 
     original_plan = ctl.planning._plan
     monkeypatch.setattr(ctl.planning, "_plan", lambda k: planned.append(("_plan", k)) or original_plan(k))
