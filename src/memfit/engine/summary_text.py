@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from memfit.engine.budget import format_bytes
 from memfit.engine.records import StepRecord, summarize
 
-__all__ = ["start_line", "end_summary", "budget_words", "size_in_given_unit"]
+__all__ = ["start_line", "end_summary", "budget_words", "size_in_given_unit", "parameters_words"]
 
 _ACCOUNTING = {
     "cuda": "cuda accounting (allocator peaks, budget enforced as a hard cap)",
@@ -63,8 +63,26 @@ def _blocks_words(block_kinds: Sequence[str]) -> str:
     return f"{len(block_kinds)} block{'s' * (len(block_kinds) != 1)} ({kinds})"
 
 
+def parameters_words(trainable: int, total: int, adapted: Sequence[str] = (), n_adapted: int = 0) -> str:
+    """How many parameters train and, for adapters (LoRA), which modules carry them.
+
+    Example:
+        >>> parameters_words(4_096, 2_000_000, ["q_proj", "v_proj"], 8)
+        'trainable 4,096 of 2,000,000 parameters (0.20%), adapters on q_proj, v_proj (8 modules)'
+    """
+    words = f"trainable {trainable:,} of {total:,} parameters ({100 * trainable / max(total, 1):.2f}%)"
+    if adapted:
+        words += f", adapters on {', '.join(adapted)} ({n_adapted} module{'s' * (n_adapted != 1)})"
+    return words
+
+
 def start_line(
-    method: str, budget_bytes: int | None, budget_given: str | None, accounting: str, block_kinds: Sequence[str]
+    method: str,
+    budget_bytes: int | None,
+    budget_given: str | None,
+    accounting: str,
+    block_kinds: Sequence[str],
+    parameters: str | None = None,
 ) -> str:
     """The line printed when training starts.
 
@@ -75,6 +93,7 @@ def start_line(
             or ``None`` to state bytes only.
         accounting: ``"cuda"`` or ``"logical"``.
         block_kinds: the class name of each block found, in order.
+        parameters: what :func:`parameters_words` says of the model, or ``None`` to leave it out.
 
     Returns:
         One line, starting ``memfit:``.
@@ -85,6 +104,7 @@ def start_line(
             budget_words(budget_bytes, budget_given),
             _ACCOUNTING.get(accounting, f"{accounting} accounting"),
             _blocks_words(block_kinds),
+            *([parameters] if parameters else []),
         ]
     )
 
