@@ -17,7 +17,9 @@ from collections.abc import Sequence
 from memfit.engine.budget import format_bytes
 from memfit.engine.records import StepRecord, summarize
 
-__all__ = ["start_line", "end_summary", "budget_words", "size_in_given_unit", "parameters_words"]
+__all__ = [
+    "start_line", "end_summary", "budget_words", "size_in_given_unit", "parameters_words", "over_budget_words", "verdict",
+]
 
 _ACCOUNTING = {
     "cuda": "cuda accounting (allocator peaks, budget enforced as a hard cap)",
@@ -61,6 +63,54 @@ def _blocks_words(block_kinds: Sequence[str]) -> str:
     counts = Counter(block_kinds)  # first-seen order
     kinds = ", ".join(name if len(counts) == 1 else f"{n} {name}" for name, n in counts.items())
     return f"{len(block_kinds)} block{'s' * (len(block_kinds) != 1)} ({kinds})"
+
+
+# NOTE [What to change when a step cannot fit]
+# A step over the budget even with every block checkpointed has one part that dominates, and
+# each part has its own fix: the static part (weights, gradients, optimizer state) shrinks with
+# LoRA, bf16 weights or a smaller optimizer state; the part outside the blocks (the LM head's
+# logits and loss, the embeddings) and the blocks' own bytes shrink with a smaller batch or
+# shorter inputs. The warning (once per run) and the summary's verdict both say it with these
+# words, so a user reads one fix, not a count of shapes.
+_FIXES = {
+    "static": ("the static part (weights, gradients, optimizer state)",
+               "train LoRA adapters (--use_peft), store bf16 weights (--torch_dtype bfloat16) or use a smaller "
+               "optimizer state (--optim adafactor or adamw_bnb_8bit)"),
+    "outside": ("what runs outside the blocks (the head's logits and loss, the embeddings)",
+                "lower --per_device_train_batch_size or --max_seq_length (the logits grow with both)"),
+    "blocks": ("the blocks' activations, even checkpointed",
+               "lower --per_device_train_batch_size or --max_seq_length"),
+}
+
+
+def over_budget_words(parts_bytes: dict[str, float]) -> str:
+    """What dominates a step that cannot fit, and the flag to change (NOTE [What to change when a step cannot fit]).
+
+    Args:
+        parts_bytes: bytes of ``static``, ``outside`` and ``blocks`` (any may be missing).
+
+    Example:
+        >>> over_budget_words({"static": 10, "outside": 500, "blocks": 40})
+        "most of it is what runs outside the blocks (the head's logits and loss, the embeddings), 500 B: lower --per_device_train_batch_size or --max_seq_length (the logits grow with both), or raise --memory_budget"
+    """
+    part = max(parts_bytes, key=parts_bytes.__getitem__)
+    what, fix = _FIXES[part]
+    return f"most of it is {what}, {format_bytes(int(parts_bytes[part]))}: {fix}, or raise --memory_budget"
+
+
+def verdict(records: Sequence[StepRecord]) -> str:
+    """The summary's last line: whether the run kept its budget, and if not the one thing to change."""
+    budget = next((r.budget_bytes for r in records if r.budget_bytes), None)
+    if budget is None:
+        return "memfit: verdict: no budget was given; the peak above is what this run needs"
+    over = [r for r in records if r.peak_allocated_bytes > (r.budget_bytes or budget)]
+    if not over:
+        return "memfit: verdict: every step kept to the budget"
+    worst = max(over, key=lambda r: r.peak_allocated_bytes)
+    rest = max(worst.peak_allocated_bytes - worst.static_bytes, 0)
+    parts = {"static": worst.static_bytes, "blocks": rest} if worst.static_bytes else {"blocks": rest}
+    return (f"memfit: verdict: {len(over)} of {len(records)} steps went over the budget; "
+            + over_budget_words(parts).replace("the blocks' activations, even checkpointed", "the activations"))
 
 
 def parameters_words(trainable: int, total: int, adapted: Sequence[str] = (), n_adapted: int = 0) -> str:
@@ -113,8 +163,8 @@ def end_summary(records: Sequence[StepRecord], budget_given: str | None = None) 
     """The short summary printed when training ends (a few lines, each starting ``memfit:``).
 
     Steps, the peak and its share of the budget, steps over budget, OOM replays, blocks
-    recomputed per step, the estimated share of step time spent recomputing, and the steps'
-    total time.
+    recomputed per step, the estimated share of step time spent recomputing, the steps'
+    total time, and a one-line verdict (:func:`verdict`).
 
     Args:
         records: the run's step records (every rank's, for a merged summary).
@@ -145,4 +195,4 @@ def end_summary(records: Sequence[StepRecord], budget_given: str | None = None) 
         f"({100 * s.mean_checkpointed_fraction:.0f}%), recompute about {share_time} of step time (estimated), "
         f"steps took {step_ms / 1e3:.1f} s"
     )
-    return "\n".join([head, peak, blocks])
+    return "\n".join([head, peak, blocks, verdict(records)])
