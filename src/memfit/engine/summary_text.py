@@ -18,6 +18,7 @@ from memfit.engine.budget import format_bytes
 from memfit.engine.records import StepRecord, summarize
 
 __all__ = [
+    "given_unit",
     "start_line", "end_summary", "budget_words", "size_in_given_unit", "parameters_words", "over_budget_words", "verdict",
 ]
 
@@ -34,6 +35,20 @@ _ACCOUNTING = {
 # budget is a whole number names it ("500 MB", not "0.47 GiB"); any other size is shown in
 # binary units with decimals.
 _GIVEN_UNITS = (("GB", 10**9), ("GiB", 2**30), ("MB", 10**6), ("MiB", 2**20))
+
+
+def given_unit(n_bytes: int | None) -> tuple[str, int]:
+    """The unit a budget was most likely typed in, as ``(name, bytes)``; GiB when there is none
+    (NOTE [A budget in the unit it was given]).
+
+    Example:
+        >>> given_unit(500 * 10**6), given_unit(None)
+        (('MB', 1000000), ('GiB', 1073741824))
+    """
+    for unit, size in _GIVEN_UNITS:
+        if n_bytes and n_bytes > 0 and n_bytes % size == 0:
+            return unit, size
+    return "GiB", 2**30
 
 
 def size_in_given_unit(n_bytes: int) -> str:
