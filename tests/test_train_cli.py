@@ -143,3 +143,20 @@ def test_over_budget_warning_once_per_run_and_a_verdict(tmp_path, caplog, capfd)
     assert len(warned) == 1 and "most of it is" in warned[0].getMessage() and "--" in warned[0].getMessage()
     summary = [line for line in capfd.readouterr().err.splitlines() if line.startswith("memfit: ")]
     assert summary[-1].startswith("memfit: verdict: ") and "went over the budget" in summary[-1]
+
+
+def test_no_library_warnings_memfit_triggers(tmp_path):
+    """Warnings memfit used to trigger, avoided at their source: pin_memory without an accelerator,
+    peft's 'Could not find a config file' at saving an adapter on a model built from a config."""
+    import warnings
+
+    from memfit.cli.train import run
+
+    fixture = str(Path(__file__).parent / "fixtures/sft/prompt_completion.jsonl")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run("causal-lm", ["--train_file", fixture, "--do_train", "--max_steps", "1", "--report_to", "none",
+                          "--use_peft", "--output_dir", str(tmp_path)])
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "pin_memory" in m or "Could not find a config file" in m], messages
+    assert (tmp_path / "adapter_config.json").is_file()

@@ -90,6 +90,9 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
         with hub_or_offline(hub_names(model_args, data_args, tokenizer=getattr(recipe, "TOKENIZER", True))):
             bundle = recipe.build(model_args, data_args, training_args.seed, *task_args)
         _check_data(task, data_args, training_args, bundle)
+        if training_args.dataloader_pin_memory and (training_args.use_cpu or not _has_accelerator()):
+            # pinned host memory only speeds copies to an accelerator; without one torch warns at every loader
+            training_args.dataloader_pin_memory = False
         for name, value in bundle.training_overrides.items():
             if getattr(training_args, name) != value:
                 logger.info("%s: setting %s=%r (the task needs it)", task, name, value)
@@ -157,6 +160,13 @@ def _save_final_model(trainer: Any, bundle: TaskBundle) -> None:
         what = f"{kind} and tokenizer" if bundle.tokenizer is not None else kind
         print(f"memfit: saved the trained {what} to {trainer.args.output_dir} (--save_strategy no skips it)",
               file=sys.stderr, flush=True)
+
+
+def _has_accelerator() -> bool:
+    import torch
+
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6; else CUDA is the one asked about
+    return bool(accelerator.is_available()) if accelerator is not None else torch.cuda.is_available()
 
 
 @contextlib.contextmanager

@@ -516,7 +516,7 @@ def load_model(
         model = auto_cls.from_config(config, **(model_kwargs or {}))
         # random weights come from no checkpoint: naming the config file as one would send peft's
         # save_pretrained looking for a config.json beside it (and warning that it found none)
-        model.config._name_or_path = ""
+        model.config._name_or_path = model.name_or_path = ""
         return model
     try:
         config = config or AutoConfig.from_pretrained(weights, **config_kwargs)
