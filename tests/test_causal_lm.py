@@ -53,6 +53,52 @@ def test_fixture_layouts(tokenizer):
     assert texts[0].completion == ((0, len(texts[0].text)),)
 
 
+# (layout, record): each is the same conversation, as people's chat data writes it (NOTE [Chat roles])
+SAME_CONVERSATION = [
+    ("messages", {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
+                               {"role": "assistant", "content": "Hello."}]}),
+    ("messages, ShareGPT roles", {"messages": [{"role": "system", "content": "Be brief."},
+                                               {"role": "human", "content": "Hi?"}, {"role": "gpt", "content": "Hello."}]}),
+    ("messages, bot", {"messages": [{"role": "System", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
+                                    {"role": "bot", "content": "Hello."}]}),
+    ("ShareGPT conversations", {"conversations": [{"from": "system", "value": "Be brief."},
+                                                  {"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}]}),
+]
+
+
+@pytest.mark.parametrize("layout,record", SAME_CONVERSATION, ids=[c[0] for c in SAME_CONVERSATION])
+def test_chat_layouts_and_role_aliases_read_alike(tokenizer, layout, record):
+    reference = clm.example_from_record(SAME_CONVERSATION[0][1], tokenizer, find_turns=True)
+    example = clm.example_from_record(record, tokenizer, find_turns=True)
+    assert example == reference
+    assert "<|im_start|>assistant\nHello.<|im_end|>" in example.text
+    assert _trained_tokens(tokenizer, example) == tokenizer.tokenize("Hello.") + ["<|im_end|>"]
+
+
+def test_sharegpt_fixture_is_read(tokenizer):
+    examples = clm.read_lm_file(SFT / "sharegpt.jsonl", tokenizer, find_turns=True)
+    assert len(examples) == 4 and all(ex.chat for ex in examples)
+    assert [len(ex.completion) for ex in examples] == [1, 2, 1, 1]  # the assistant turns of each
+    assert "<|im_start|>user\nName a prime" in examples[1].text
+
+
+@pytest.mark.parametrize("record,message", [
+    ({"messages": [{"role": "narrator", "content": "x"}]}, r'"messages"\[0\] has the unknown role \'narrator\''),
+    ({"conversations": [{"role": "user"}]}, r'"conversations"\[0\] must be an object with string "from" and "value"'),
+    ({"conversations": []}, r'"conversations" must be a non-empty list of \{"from", "value"\} messages'),
+    ({"messages": [{"role": "user", "content": "hi"}]}, r"assistant turns and this conversation has none \(roles: user\)"),
+    ({"text": "plain"}, r'plain \{"text"\} has no completion for --completion_only_loss'),
+])
+def test_records_refused_with_completion_only_loss(tokenizer, record, message):
+    with pytest.raises(ValueError, match=message):
+        clm.example_from_record(record, tokenizer, find_turns=True)
+
+
+def test_plain_text_and_roleless_chat_train_without_completion_only_loss(tokenizer):
+    assert clm.example_from_record({"text": "plain"}, tokenizer).text == "plain"
+    assert clm.example_from_record({"messages": [{"role": "user", "content": "hi"}]}, tokenizer).chat
+
+
 def test_prompt_completion_masks_the_prompt(tokenizer):
     example = clm.example_from_record({"prompt": "Question: What is 2+2?\nAnswer:", "completion": " 4."}, tokenizer)
     assert _trained_tokens(tokenizer, example) == ["4", ".", "[SEP]"]  # the EOS the model learns to end with
@@ -109,7 +155,7 @@ def test_collator_pads_to_the_longest_with_ignored_labels():
 @pytest.mark.parametrize(
     "line, message",
     [
-        ({"question": "x"}, 'expected a "text" field, "prompt" and "completion", or "messages"'),
+        ({"question": "x"}, 'expected a "text" field, "prompt" and "completion", "messages" or ShareGPT "conversations"'),
         ({"prompt": "a", "completion": [{"role": "assistant", "content": "b"}]}, '"prompt" and "completion" must both be strings'),
         ({"messages": [{"role": "user"}]}, r'"messages"\[0\] must be an object with string "role" and "content"'),
         ({"text": 3}, '"text" must be a string'),
@@ -186,7 +232,7 @@ def test_lora_argument_errors():
     with pytest.raises(ValueError, match="--lora_dropout 1.0"):
         clm.CausalLMArguments(use_peft=True, lora_dropout=1.0)
     pytest.importorskip("peft")
-    with pytest.raises(ValueError, match="--lora_target_modules not_a_module: .*q_proj v_proj"):
+    with pytest.raises(ValueError, match="--lora_target_modules not_a_module: LlamaForCausalLM has no module named not_a_module; its linear layers are .*q_proj up_proj v_proj"):
         clm.build(ModelArguments(), DataTrainingArguments(train_file=str(SFT / "text.jsonl")),
                   lm_args=clm.CausalLMArguments(use_peft=True, lora_target_modules=["not_a_module"]))
 

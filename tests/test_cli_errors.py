@@ -134,12 +134,58 @@ CASES = [
          r"--memfit_treatments 'recompute,swap': unknown treatment 'swap'; give auto or one or more of recompute, selective, offload"),
     Case("causal-lm data not JSON lines", lambda t, o: sft(t, o, train=str(MRPC / "train.tsv")),
          r"train\.tsv: causal-lm reads JSON lines"),
-    Case("chat template nowhere", lambda t, o: sft(t, o, "--chat_template_path", str(t / "nowhere.jinja")),
-         r"--chat_template_path .*nowhere\.jinja: neither a template file nor a tokenizer"),
+    Case("chat template file missing", lambda t, o: sft(t, o, "--chat_template_path", str(t / "nowhere.jinja")),
+         r"--chat_template_path .*nowhere\.jinja: no such file; give a Jinja template file or a tokenizer folder"),
     Case("LoRA on modules the model lacks", lambda t, o: sft(t, o, "--use_peft", "--lora_target_modules", "foo_proj"),
-         r"--lora_target_modules foo_proj: .*Name modules of LlamaForCausalLM \(e\.g\. q_proj v_proj\) or all-linear"),
+         r"--lora_target_modules foo_proj: LlamaForCausalLM has no module named foo_proj; its linear layers are "
+         r"down_proj gate_proj k_proj o_proj q_proj up_proj v_proj \(or give all-linear\)"),
+    Case("LoRA target typo beside a good one", lambda t, o: sft(t, o, "--use_peft", "--lora_target_modules", "q_prj", "v_proj"),
+         r"--lora_target_modules q_prj v_proj: LlamaForCausalLM has no module named q_prj; its linear layers are "),
     Case("completions cut away", lambda t, o: sft(t, o, "--completion_only_loss", "--max_seq_length", "2"),
-         r"no training example has a token to learn within --max_seq_length 2: raise it, or drop --completion_only_loss"),
+         r"no training example has a completion token to learn within --max_seq_length 2: raise it, or drop "
+         r"--completion_only_loss"),
+    # NOTE [Nothing to do] in memfit/cli/train.py
+    Case("nothing to do", lambda t, o: [a for a in sft(t, o) if a != "--do_train"],
+         r"nothing to do: add --do_train to train \(and --do_eval to evaluate\)"),
+    # NOTE [Flag ranges] in memfit/cli/flags.py
+    *(Case(f"--{flag} {value}", lambda t, o, flag=flag, value=value: sft(t, o, f"--{flag}", value),
+           rf"--{flag} {re.escape(value)}: {give}" if "Expected" not in give else give)
+      for flag, value, give in (
+          ("per_device_train_batch_size", "0", "give at least 1 example per device"),
+          ("per_device_eval_batch_size", "0", "give at least 1 example per device"),
+          ("gradient_accumulation_steps", "0", "give at least 1 step"),
+          ("max_steps", "0", "give at least 1 step, or -1 to train --num_train_epochs"),
+          ("num_train_epochs", "0", "give a positive number of epochs"),
+          ("learning_rate", "-0.1", "give a rate of 0 or more"),
+          ("warmup_steps", "-1", "Expected value warmup_steps >= 0"),  # transformers' own check
+          ("max_seq_length", "0", "give a length of at least 1 token$"),
+          ("max_train_samples", "-1", "give 0 or more examples"),
+      )),
+    Case("--lora_alpha 0", lambda t, o: sft(t, o, "--use_peft", "--lora_alpha", "0"), r"--lora_alpha 0: give a positive alpha"),
+    Case("--lora_r 0", lambda t, o: sft(t, o, "--use_peft", "--lora_r", "0"), r"--lora_r 0: the rank must be at least 1"),
+    Case("--lora_dropout 1.5", lambda t, o: sft(t, o, "--use_peft", "--lora_dropout", "1.5"),
+         r"--lora_dropout 1\.5: give a probability, 0 <= p < 1"),
+    Case("completion-only loss on plain text", lambda t, o: sft(t, o, "--completion_only_loss", train=str(SFT / "text.jsonl")),
+         r"text\.jsonl:1: plain \{\"text\"\} has no completion for --completion_only_loss to train on: drop the flag"),
+    Case("example longer than the model", lambda t, o: sft(t, o, train=str(t / "long.jsonl")),
+         r"training example 2 has 2,\d{3} tokens, more than the model's 2,048 positions: pass --max_seq_length 2048 "
+         r"\(or less\) to truncate", {"long.jsonl": '{"text": "short"}\n' + json.dumps({"text": "word " * 2100}) + "\n"}),
+    Case("--max_seq_length above the positions", lambda t, o: sft(t, o, "--max_seq_length", "4096"),
+         r"--max_seq_length 4096 exceeds the model's 2,048 positions; lower it"),
+    Case("unknown chat role", lambda t, o: sft(t, o, train=str(t / "chat.jsonl")),
+         r"chat\.jsonl:2: \"conversations\"\[1\] has the unknown role 'narrator'; use user \(or human\), assistant",
+         {"chat.jsonl": json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]})
+          + "\n" + json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "narrator", "value": "x"}]})}),
+    Case("no assistant turn to learn", lambda t, o: sft(t, o, "--completion_only_loss", train=str(t / "chat.jsonl")),
+         r"chat\.jsonl:1: --completion_only_loss trains on the assistant turns and this conversation has none "
+         r"\(roles: system, user\); add one, or drop --completion_only_loss",
+         {"chat.jsonl": json.dumps({"messages": [{"role": "system", "content": "be kind"}, {"role": "human", "content": "hi"}]})}),
+    Case("missing local model path", lambda t, o: sft(t, o, "--model_name_or_path", str(t / "models" / "mine")),
+         r"--model_name_or_path .*models/mine: no such file or folder; give a path that exists, or a hub name"),
+    Case("missing local tokenizer path", lambda t, o: sft(t, o, "--tokenizer_name", "./no/such/tokenizer"),
+         r"--tokenizer_name \./no/such/tokenizer: no such file or folder"),
+    Case("a folder as the data file", lambda t, o: sft(t, o, train=str(t / "data")),
+         r"--train_file .*data is a folder; give a data file in it", {"data/train.jsonl": '{"text": "a"}\n'}),
     Case("peer with a memfit method", lambda t, o: mrpc(t, o, "--hf_checkpoint_every_n_layers", "2"),
          r"--hf_checkpoint_every_n_layers is a peer of memfit: run it with --memfit_method none"),
     Case("oracle without budget", lambda t, o: mrpc(t, o, "--oracle"),
@@ -274,3 +320,31 @@ def test_version(capsys):
     assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"memfit {memfit.__version__}"
 
+
+
+@pytest.mark.parametrize("flag", ["--model_name_or_path", "--tokenizer_name"])
+def test_hub_name_offline_says_so_once(flag, monkeypatch, tmp_path, capsys):
+    """A hub name that cannot load offline: one line naming HF_HUB_OFFLINE and a local folder, not the wrong flag."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert cli.main(sft(tmp_path, tmp_path / "out", flag, "no-such-org/no-such-model")) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert re.search(rf"{flag} no-such-org/no-such-model: cannot load (it|its tokenizer) offline \(HF_HUB_OFFLINE is set, "
+                     r"or the hub is out of reach\) .*give a local folder", err), err
+    assert "--tokenizer_name" not in err or flag == "--tokenizer_name"
+    assert not (tmp_path / "out").exists()
+
+
+def test_long_examples_truncated_with_one_line(tmp_path, caplog):
+    """With --max_seq_length an example longer than it is cut, and one warning says how many were."""
+    from memfit.cli.train import run
+
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"text": "word " * 3000}) + "\n" + json.dumps({"text": "short"}) + "\n")
+    run("causal-lm", [*sft(tmp_path, tmp_path / "out", "--max_seq_length", "64", train=str(data))[2:]])
+    lines = [r.getMessage() for r in caplog.records if "--max_seq_length" in r.getMessage()]
+    assert lines == ["1 of 2 training examples are longer than --max_seq_length 64 tokens: truncated"]
+    records = [json.loads(line) for line in (tmp_path / "out" / "memfit_steps.jsonl").read_text().splitlines()]
+    assert records[0]["shape"][1] == 64

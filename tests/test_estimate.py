@@ -528,7 +528,7 @@ def test_cli_table_and_advice(config_file, capsys):
     assert best == (
         f"best: memfit train text-classification --config_name {config_file} --max_seq_length 32 --bf16 --optim "
         "adamw_torch --per_device_train_batch_size 8 --gradient_accumulation_steps 1 --memfit_method none "
-        "--memory_budget 1GiB --do_train --output_dir out/text-classification"
+        "--memory_budget 1GiB --synthetic 64 --do_train --output_dir out/text-classification"
     )
     argv = ["estimate", "--config", config_file, "--batch_size", "8", "--seq_length", "32", "--memory_budget", "1000", "--advise"]
     assert cli.main(argv) == 2
@@ -574,3 +574,60 @@ def test_counts_below_one_are_a_clear_error(config_file, capsys, flag):
     argv = ["estimate", "--config", config_file, "--batch_size", "4", "--seq_length", "32", flag, "0"]
     assert cli.main(argv) == 2
     assert f"memfit estimate: error: {flag} 0: give a whole number of at least 1" in capsys.readouterr().err
+
+
+# --- advice a fine-tuner can run (issue 42) ----------------------------------------------------
+
+
+def _llama_tiny() -> ModelProfile:
+    from memfit.cli.tasks._common import load_config as bundled
+
+    return ModelProfile.from_config(bundled("llama-tiny"), "causal-lm", name="llama-tiny")
+
+
+def test_bf16_weights_and_lora_shrink_the_static_part():
+    profile = _llama_tiny()
+    full = estimate(profile, TrainingSetup("bf16", "adamw", 2), seq_length=32)
+    half = estimate(profile, TrainingSetup("bf16", "adamw", 2, weights="bf16"), seq_length=32)
+    lora = estimate(profile, TrainingSetup("bf16", "adamw", 2, lora_r=8), seq_length=32)
+    n = profile.n_params
+    assert (full.weights_bytes, full.gradients_bytes, full.optimizer_state_bytes) == (4 * n, 4 * n, 8 * n)
+    assert (half.weights_bytes, half.gradients_bytes, half.optimizer_state_bytes) == (2 * n, 2 * n, 4 * n)
+    assert half.autocast_copies_bytes == 0 < full.autocast_copies_bytes
+    n_lora = sum(8 * (i + o) for i, o in profile.block_linear_shapes)  # A: r x in, B: out x r
+    assert (lora.gradients_bytes, lora.optimizer_state_bytes) == (4 * n_lora, 8 * n_lora)
+    with pytest.raises(ValueError, match="bf16 weights compute in bf16"):
+        TrainingSetup("fp32", weights="bf16")
+
+
+def test_advice_names_the_optimizer_and_the_change_that_would_fit(capsys):
+    argv = ["estimate", "--model", "Llama-3.2-1B", "--batch_size", "8", "--seq_length", "2048", "--advise"]
+    assert cli.main([*argv, "--memory_budget", "8GB"]) == 0
+    out = capsys.readouterr().out
+    assert "| weights | optimizer |" in out and "--torch_dtype bfloat16" in out
+    assert "note: no setup with --optimizer adamw fits, so every row uses another optimizer" in out
+    assert cli.main([*argv, "--memory_budget", "4GB", "--lora_r", "16"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"nothing fits .* The smallest change that fits: --seq_length 1024, or --batch_size \d+\.$", err.strip()) \
+        or re.search(r"The smallest change that fits: --seq_length 1024\.$", err.strip()), err
+    assert cli.main(["estimate", "--model", "llama-tiny", "--batch_size", "8", "--seq_length", "8", "--lora_r", "4",
+                     "--task", "text-classification"]) == 2
+    assert "--lora_r and --weights bf16 are causal-lm's" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_best_line_runs_as_printed_offline(tmp_path, monkeypatch, capsys):
+    """The advice's best line, a bundled config by name, runs as printed with no hub (--config_name)."""
+    import shlex
+
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    argv = ["estimate", "--model", "llama-tiny", "--batch_size", "32", "--seq_length", "16", "--memory_budget", "1GB", "--advise"]
+    assert cli.main(argv) == 0
+    best = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("best: "))
+    words = shlex.split(best.removeprefix("best: "))
+    assert words[:4] == ["memfit", "train", "causal-lm", "--config_name"] and "--synthetic" in words
+    assert cli.main(words[1:]) == 0
+    assert (tmp_path / "out" / "causal-lm" / "model.safetensors").is_file()

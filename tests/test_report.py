@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from memfit.engine.summary_text import given_unit
+
 from memfit import cli
 from memfit.tools.report import build_report
 
@@ -107,7 +109,27 @@ def test_step_records_table(report):
     records = [json.loads(line) for line in (FIXTURE / "train_run" / "memfit_steps.jsonl").read_text().splitlines()]
     assert len(rows) == 1
     assert rows[0]["steps"] == str(len(records))
-    assert rows[0]["max peak (GiB)"] == f"{max(r['peak_allocated_bytes'] for r in records) / GIB:.2f}"
+    # one unit per table: the budget's (NOTE [One unit per table])
+    unit_name, unit = given_unit(records[0]["budget_bytes"])
+    assert rows[0][f"max peak ({unit_name})"] == f"{max(r['peak_allocated_bytes'] for r in records) / unit:.2f}"
+    assert rows[0]["budget"] == f"{records[0]['budget_bytes'] // unit} {unit_name}"
+
+
+@pytest.mark.parametrize("budget, unit", [(300 * 10**6, "MB"), (6 * 2**30, "GiB"), (8 * 10**9, "GB"), (None, "GiB")])
+def test_one_unit_per_table_is_the_budgets(budget, unit):
+    from memfit.tools.report import _unit
+
+    assert _unit([budget])[0] == unit and _unit([8 * 10**9, budget])[0] == ("GB" if budget is None or budget > 8e9 else unit)
+
+
+def test_steps_per_size_are_bucketed():
+    from memfit.tools.report import size_buckets
+
+    sizes = list(range(100, 1700, 100))  # 16 sizes, each seen once: one bar per size would be flat
+    edges = size_buckets(sizes)
+    assert len(edges) - 1 == 4 and edges[0] == 100 and edges[-1] == 1600
+    counts = [sum(a <= s < b or (b == edges[-1] and s == b) for s in sizes) for a, b in zip(edges, edges[1:])]
+    assert sum(counts) == 16 and max(counts) > 1
 
 
 def test_plots_are_written(report):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from memfit.engine.records import StepRecord
-from memfit.engine.summary_text import end_summary, size_in_given_unit, start_line
+from memfit.engine.summary_text import end_summary, over_budget_words, parameters_words, size_in_given_unit, start_line, verdict
 
 
 def _record(step: int, peak: int, budget: int | None, plan: list[int], phase: str = "steady", **extra) -> StepRecord:
@@ -39,7 +39,7 @@ def test_end_summary_counts():
     ]
     text = end_summary(records, "1000")
     lines = text.splitlines()
-    assert len(lines) == 3 and all(line.startswith("memfit: ") for line in lines)
+    assert len(lines) == 4 and all(line.startswith("memfit: ") for line in lines)
     assert lines[0] == "memfit: 4 steps (1 warm-up), method dynamic, budget 1000 bytes (1000 B)"
     assert lines[1] == "memfit: peak 1100 B = 110% of the budget (logical accounting), 1 step over budget, 1 OOM replay"
     # blocks: (4 + 2 + 0 + 4) / 4 steps = 2.5 of 4; recompute 10 ms a block: 100 of 400 ms
@@ -47,6 +47,7 @@ def test_end_summary_counts():
         "memfit: 2.5 of 4 blocks recomputed per step on average (62%), recompute about 25% of step time "
         "(estimated), steps took 0.4 s"
     )
+    assert lines[3].startswith("memfit: verdict: 1 of 4 steps went over the budget; most of it is the activations")
 
 
 def test_end_summary_without_budget_and_without_steps():
@@ -69,3 +70,31 @@ def test_end_summary_without_budget_and_without_steps():
 )
 def test_a_budget_in_the_unit_it_was_given(n, text):
     assert size_in_given_unit(n) == text
+
+
+# (what, records' static and peak, budget) -> the verdict's words (NOTE [What to change when a step cannot fit])
+VERDICTS = [
+    ("no budget", 0, 500, None, "no budget was given"),
+    ("kept", 100, 900, 1000, "every step kept to the budget"),
+    ("static dominates", 900, 1100, 1000, "1 of 1 steps went over the budget; most of it is the static part (weights, "
+     "gradients, optimizer state), 900 B: train LoRA adapters (--use_peft), store bf16 weights"),
+    ("activations dominate", 100, 5000, 1000, "most of it is the activations, 4900 B: lower "
+     "--per_device_train_batch_size or --max_seq_length, or raise --memory_budget"),
+]
+
+
+@pytest.mark.parametrize("what, static, peak, budget, words", VERDICTS, ids=[v[0] for v in VERDICTS])
+def test_summary_ends_with_one_verdict(what, static, peak, budget, words):
+    record = _record(1, peak, budget, [0, 1, 2, 3], static_bytes=static)
+    last = end_summary([record]).splitlines()[-1]
+    assert last == verdict([record]) and last.startswith("memfit: verdict: ") and words in last
+
+
+def test_over_budget_words_name_the_largest_part_and_its_flag():
+    assert "the static part" in over_budget_words({"static": 3, "outside": 2, "blocks": 1})
+    assert "--max_seq_length (the logits grow with both)" in over_budget_words({"static": 1, "outside": 3, "blocks": 2})
+
+
+def test_parameters_words():
+    assert parameters_words(10, 1000) == "trainable 10 of 1,000 parameters (1.00%)"
+    assert parameters_words(10, 1000, ["q_proj"], 1).endswith("adapters on q_proj (1 module)")

@@ -122,3 +122,41 @@ def test_unknown_task_lists_the_tasks(capsys):
 def test_do_train_without_data_names_the_flags(tiny_flags, tmp_path):
     with pytest.raises(ValueError, match="--do_train needs --train_file, --dataset_name .* or --synthetic N"):
         run("token-classification", [*tiny_flags, "--do_train", "--output_dir", str(tmp_path), "--report_to", "none"])
+
+
+def test_over_budget_warning_once_per_run_and_a_verdict(tmp_path, caplog, capfd):
+    """A budget no shape can fit: one warning naming what dominates and the flag (not one per shape),
+    and the summary's last line is the verdict (NOTE [What to change when a step cannot fit])."""
+    import logging
+
+    from memfit.cli.train import run
+
+    caplog.set_level(logging.DEBUG, logger="memfit")
+    run("causal-lm", [
+        "--train_file", str(Path(__file__).parent / "fixtures/sft/chat.jsonl"), "--do_train", "--max_steps", "6",
+        "--per_device_train_batch_size", "4", "--use_cpu", "--report_to", "none", "--save_strategy", "no",
+        "--memory_budget", "45MB", "--output_dir", str(tmp_path),
+    ])
+    shapes = [r for r in caplog.records if "even with every block checkpointed" in r.getMessage()]
+    assert len(shapes) >= 2, [r.getMessage() for r in shapes]  # several shapes could not fit
+    warned = [r for r in shapes if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "most of it is" in warned[0].getMessage() and "--" in warned[0].getMessage()
+    summary = [line for line in capfd.readouterr().err.splitlines() if line.startswith("memfit: ")]
+    assert summary[-1].startswith("memfit: verdict: ") and "went over the budget" in summary[-1]
+
+
+def test_no_library_warnings_memfit_triggers(tmp_path):
+    """Warnings memfit used to trigger, avoided at their source: pin_memory without an accelerator,
+    peft's 'Could not find a config file' at saving an adapter on a model built from a config."""
+    import warnings
+
+    from memfit.cli.train import run
+
+    fixture = str(Path(__file__).parent / "fixtures/sft/prompt_completion.jsonl")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run("causal-lm", ["--train_file", fixture, "--do_train", "--max_steps", "1", "--report_to", "none",
+                          "--use_peft", "--output_dir", str(tmp_path)])
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "pin_memory" in m or "Could not find a config file" in m], messages
+    assert (tmp_path / "adapter_config.json").is_file()

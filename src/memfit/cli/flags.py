@@ -28,7 +28,7 @@ from memfit.errors import FlagError, OneLineErrors, is_user_error
 from memfit.integrations.hf import TrainingArguments
 from memfit.cli.tasks import TASKS, DataTrainingArguments, ModelArguments
 
-__all__ = ["TrainFlagParser", "COMMON_TRAINING_FLAGS"]
+__all__ = ["TrainFlagParser", "COMMON_TRAINING_FLAGS", "FLAG_RANGES"]
 
 #: The ``transformers.TrainingArguments`` flags ``--help`` shows; ``--help-all`` shows them all.
 COMMON_TRAINING_FLAGS = (
@@ -36,6 +36,44 @@ COMMON_TRAINING_FLAGS = (
     "per_device_eval_batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay", "optim",
     "bf16", "fp16", "seed", "resume_from_checkpoint", "logging_steps", "save_strategy", "report_to", "use_cpu",
 )
+
+
+# NOTE [Flag ranges]
+# A value out of a flag's range is a one-line error before anything is loaded, whichever dataclass
+# owns the flag: transformers' TrainingArguments accept a batch size of 0 and fail later with a
+# traceback (ranges it checks itself in one line, such as --warmup_steps, are not repeated).
+# This table is the one place these ranges live: (flag, accepts(value), what to give). ``None``
+# (not given) always passes; a check that needs two flags lives in its dataclass.
+FLAG_RANGES: tuple[tuple[str, Any, str], ...] = (
+    ("per_device_train_batch_size", lambda v: v >= 1, "give at least 1 example per device"),
+    ("per_device_eval_batch_size", lambda v: v >= 1, "give at least 1 example per device"),
+    ("gradient_accumulation_steps", lambda v: v >= 1, "give at least 1 step"),
+    ("max_steps", lambda v: v == -1 or v >= 1, "give at least 1 step, or -1 to train --num_train_epochs"),
+    ("num_train_epochs", lambda v: v > 0, "give a positive number of epochs"),
+    ("learning_rate", lambda v: v >= 0, "give a rate of 0 or more"),
+    ("weight_decay", lambda v: v >= 0, "give a decay of 0 or more"),
+    ("warmup_ratio", lambda v: 0 <= v <= 1, "give a share of the steps in [0, 1]"),
+    ("max_grad_norm", lambda v: v >= 0, "give a norm of 0 or more (0 turns clipping off)"),
+    ("max_seq_length", lambda v: v >= 1, "give a length of at least 1 token"),
+    ("max_train_samples", lambda v: v >= 0, "give 0 or more examples"),
+    ("max_eval_samples", lambda v: v >= 0, "give 0 or more examples"),
+    ("doc_stride", lambda v: v >= 0, "give 0 or more tokens"),
+    ("lora_alpha", lambda v: v > 0, "give a positive alpha"),
+)
+
+
+def check_ranges(parsed: Sequence[Any]) -> None:
+    """Refuse the first flag value out of its range (NOTE [Flag ranges]).
+
+    Raises:
+        FlagError: ``--<flag> <value>: <what to give>``.
+    """
+    for name, accepts, give in FLAG_RANGES:
+        for args in parsed:
+            value = getattr(args, name, None)
+            if value is not None and not isinstance(value, bool) and not accepts(value):
+                shown = f"{value:g}" if isinstance(value, float) else value  # as typed: 0, not 0.0
+                raise FlagError(f"--{name} {shown}: {give}")
 
 
 def _names(dataclass_type: type) -> list[str]:
@@ -159,5 +197,6 @@ class TrainFlagParser(OneLineErrors, HfArgumentParser):
             raise FlagError(str(err)) from err
         if rest:
             raise FlagError(f"unknown flag(s) {' '.join(rest)}; `{self.prog} --help-all` lists every flag")
+        check_ranges(parsed)
         return tuple(parsed)
 

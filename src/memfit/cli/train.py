@@ -41,6 +41,9 @@ def _usage() -> str:
 def run(task: str, argv: list[str]) -> dict[str, float]:
     """Build the task, train if ``--do_train``, evaluate if ``--do_eval``; return the metrics.
 
+    After training, the model (or LoRA adapter) and tokenizer are saved to ``--output_dir``
+    unless ``--save_strategy no`` (NOTE [The model at the end]).
+
     The metrics (``train_*`` from training, ``eval_*`` from evaluation) are also written to
     ``<output_dir>/all_results.json`` (and ``train_results.json`` / ``eval_results.json``), and
     the memfit Trainer writes ``memfit_steps.jsonl`` and ``memfit_summary.json`` there; a peer
@@ -51,7 +54,8 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
         argv: the flags, e.g. ``["--synthetic", "64", "--do_train", "--max_steps", "4"]``.
 
     Raises:
-        FlagError: unknown task or flag, a flag value the checks refuse, ``--do_train``/``--do_eval``
+        FlagError: unknown task or flag, a flag value the checks refuse, neither ``--do_train`` nor
+            ``--do_eval`` (NOTE [Nothing to do]), ``--do_train``/``--do_eval``
             without data for it, or a peer with a memfit method other than ``none``.
         DataError: a data file that is malformed or has no examples.
         BudgetTooSmallError: the budget cannot hold weights, gradients and optimizer state.
@@ -75,6 +79,8 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
     # whose parsed values follow the seed in its ``build``.
     parser = TrainFlagParser(task, tuple(getattr(recipe, "ARGUMENTS", ())))
     model_args, data_args, training_args, peer_args, *task_args = parser.parse(argv)
+    if not (training_args.do_train or training_args.do_eval):  # NOTE [Nothing to do]
+        raise FlagError("nothing to do: add --do_train to train (and --do_eval to evaluate)")
     with _removed_if_left_empty(training_args.output_dir):
         peer = make_peer(peer_args, training_args.memfit_method)  # fails before the data is built
         if peer_args.oracle and training_args.do_train and training_args.memfit_budget_bytes is None:
@@ -84,6 +90,9 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
         with hub_or_offline(hub_names(model_args, data_args, tokenizer=getattr(recipe, "TOKENIZER", True))):
             bundle = recipe.build(model_args, data_args, training_args.seed, *task_args)
         _check_data(task, data_args, training_args, bundle)
+        if training_args.dataloader_pin_memory and (training_args.use_cpu or not _has_accelerator()):
+            # pinned host memory only speeds copies to an accelerator; without one torch warns at every loader
+            training_args.dataloader_pin_memory = False
         for name, value in bundle.training_overrides.items():
             if getattr(training_args, name) != value:
                 logger.info("%s: setting %s=%r (the task needs it)", task, name, value)
@@ -119,6 +128,8 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
                 trainer.log_metrics("train", train_metrics)
                 trainer.save_metrics("train", train_metrics)
                 metrics.update(train_metrics)
+                if str(training_args.save_strategy) not in ("no", "SaveStrategy.NO"):
+                    _save_final_model(trainer, bundle)
             if training_args.do_eval:
                 eval_metrics = trainer.evaluate()
                 trainer.log_metrics("eval", eval_metrics)
@@ -127,6 +138,35 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
         if peer is not None and trainer.is_world_process_zero():
             peer.write(training_args.output_dir)
         return metrics
+
+
+# NOTE [Nothing to do]
+# Without --do_train or --do_eval a run would build the model and exit 0 with nothing done, as
+# Hugging Face's example scripts do. memfit train refuses instead, before loading anything: the
+# flags keep the example scripts' meaning (--do_eval alone evaluates), and a forgotten flag costs
+# one line, not a silent run.
+
+
+# NOTE [The model at the end]
+# As Hugging Face's example scripts do (trainer.save_model() after training), the trained model
+# and its tokenizer are written to --output_dir when training ends, unless --save_strategy no:
+# every weight for full fine-tuning, or the LoRA adapter and its adapter_config.json for a peft
+# model (its save_pretrained writes only those), loadable with from_pretrained /
+# peft.PeftModel.from_pretrained. One line says where.
+def _save_final_model(trainer: Any, bundle: TaskBundle) -> None:
+    trainer.save_model()
+    if trainer.is_world_process_zero():
+        kind = "LoRA adapter" if hasattr(bundle.model, "peft_config") else "model"
+        what = f"{kind} and tokenizer" if bundle.tokenizer is not None else kind
+        print(f"memfit: saved the trained {what} to {trainer.args.output_dir} (--save_strategy no skips it)",
+              file=sys.stderr, flush=True)
+
+
+def _has_accelerator() -> bool:
+    import torch
+
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6; else CUDA is the one asked about
+    return bool(accelerator.is_available()) if accelerator is not None else torch.cuda.is_available()
 
 
 @contextlib.contextmanager

@@ -56,6 +56,7 @@ from memfit.engine.budget import format_bytes
 from memfit.engine.model import MemoryModel
 from memfit.engine.planner import InfeasiblePlanError, Plan, PlanCache, plan_blocks, plan_treatments
 from memfit.engine.shapes import bucket_key
+from memfit.engine.summary_text import over_budget_words
 
 __all__ = ["Planning", "ROW_AFTER_STEADY_ASKS", "ALLOCATOR_SLACK_BYTES", "RETRY_SLACK_SHARE", "MAX_RETRY_SLACK_SHARE"]
 
@@ -243,11 +244,17 @@ class Planning:
             return self._mend(k, plan, need, costs, savings)
         except InfeasiblePlanError:
             if k not in self.infeasible_keys:
+                # once per run (NOTE [What to change when a step cannot fit], summary_text.py); later shapes at debug
+                log = logger.debug if self.infeasible_keys else logger.warning
                 self.infeasible_keys.add(k)
-                logger.warning(
+                outside = self.model.outside(k) if self.model.ready else 0.0
+                parts = {"static": self.static_bytes, "outside": outside,
+                         "blocks": self.model.step_bytes(k, self.all_blocks) - outside}
+                log(
                     "memfit: shape %s is predicted to need %s even with every block checkpointed, "
-                    "over the budget of %s; running it with every block checkpointed",
+                    "over the budget of %s; running it with every block checkpointed; %s",
                     k, format_bytes(self.predict_peak(k, self.all_blocks) + self.budget_bytes - room), format_bytes(self.budget_bytes),
+                    over_budget_words(parts),
                 )
             return Plan(self.all_blocks)
 

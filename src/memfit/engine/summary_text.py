@@ -17,7 +17,10 @@ from collections.abc import Sequence
 from memfit.engine.budget import format_bytes
 from memfit.engine.records import StepRecord, summarize
 
-__all__ = ["start_line", "end_summary", "budget_words", "size_in_given_unit"]
+__all__ = [
+    "given_unit",
+    "start_line", "end_summary", "budget_words", "size_in_given_unit", "parameters_words", "over_budget_words", "verdict",
+]
 
 _ACCOUNTING = {
     "cuda": "cuda accounting (allocator peaks, budget enforced as a hard cap)",
@@ -32,6 +35,20 @@ _ACCOUNTING = {
 # budget is a whole number names it ("500 MB", not "0.47 GiB"); any other size is shown in
 # binary units with decimals.
 _GIVEN_UNITS = (("GB", 10**9), ("GiB", 2**30), ("MB", 10**6), ("MiB", 2**20))
+
+
+def given_unit(n_bytes: int | None) -> tuple[str, int]:
+    """The unit a budget was most likely typed in, as ``(name, bytes)``; GiB when there is none
+    (NOTE [A budget in the unit it was given]).
+
+    Example:
+        >>> given_unit(500 * 10**6), given_unit(None)
+        (('MB', 1000000), ('GiB', 1073741824))
+    """
+    for unit, size in _GIVEN_UNITS:
+        if n_bytes and n_bytes > 0 and n_bytes % size == 0:
+            return unit, size
+    return "GiB", 2**30
 
 
 def size_in_given_unit(n_bytes: int) -> str:
@@ -63,8 +80,74 @@ def _blocks_words(block_kinds: Sequence[str]) -> str:
     return f"{len(block_kinds)} block{'s' * (len(block_kinds) != 1)} ({kinds})"
 
 
+# NOTE [What to change when a step cannot fit]
+# A step over the budget even with every block checkpointed has one part that dominates, and
+# each part has its own fix: the static part (weights, gradients, optimizer state) shrinks with
+# LoRA, bf16 weights or a smaller optimizer state; the part outside the blocks (the LM head's
+# logits and loss, the embeddings) and the blocks' own bytes shrink with a smaller batch or
+# shorter inputs. The warning (once per run) and the summary's verdict both say it with these
+# words, so a user reads one fix, not a count of shapes.
+_FIXES = {
+    "static": ("the static part (weights, gradients, optimizer state)",
+               "train LoRA adapters (--use_peft), store bf16 weights (--torch_dtype bfloat16) or use a smaller "
+               "optimizer state (--optim adafactor or adamw_bnb_8bit)"),
+    "outside": ("what runs outside the blocks (the head's logits and loss, the embeddings)",
+                "lower --per_device_train_batch_size or --max_seq_length (the logits grow with both)"),
+    "blocks": ("the blocks' activations, even checkpointed",
+               "lower --per_device_train_batch_size or --max_seq_length"),
+}
+
+
+def over_budget_words(parts_bytes: dict[str, float]) -> str:
+    """What dominates a step that cannot fit, and the flag to change (NOTE [What to change when a step cannot fit]).
+
+    Args:
+        parts_bytes: bytes of ``static``, ``outside`` and ``blocks`` (any may be missing).
+
+    Example:
+        >>> over_budget_words({"static": 10, "outside": 500, "blocks": 40})
+        "most of it is what runs outside the blocks (the head's logits and loss, the embeddings), 500 B: lower --per_device_train_batch_size or --max_seq_length (the logits grow with both), or raise --memory_budget"
+    """
+    part = max(parts_bytes, key=parts_bytes.__getitem__)
+    what, fix = _FIXES[part]
+    return f"most of it is {what}, {format_bytes(int(parts_bytes[part]))}: {fix}, or raise --memory_budget"
+
+
+def verdict(records: Sequence[StepRecord]) -> str:
+    """The summary's last line: whether the run kept its budget, and if not the one thing to change."""
+    budget = next((r.budget_bytes for r in records if r.budget_bytes), None)
+    if budget is None:
+        return "memfit: verdict: no budget was given; the peak above is what this run needs"
+    over = [r for r in records if r.peak_allocated_bytes > (r.budget_bytes or budget)]
+    if not over:
+        return "memfit: verdict: every step kept to the budget"
+    worst = max(over, key=lambda r: r.peak_allocated_bytes)
+    rest = max(worst.peak_allocated_bytes - worst.static_bytes, 0)
+    parts = {"static": worst.static_bytes, "blocks": rest} if worst.static_bytes else {"blocks": rest}
+    return (f"memfit: verdict: {len(over)} of {len(records)} steps went over the budget; "
+            + over_budget_words(parts).replace("the blocks' activations, even checkpointed", "the activations"))
+
+
+def parameters_words(trainable: int, total: int, adapted: Sequence[str] = (), n_adapted: int = 0) -> str:
+    """How many parameters train and, for adapters (LoRA), which modules carry them.
+
+    Example:
+        >>> parameters_words(4_096, 2_000_000, ["q_proj", "v_proj"], 8)
+        'trainable 4,096 of 2,000,000 parameters (0.20%), adapters on q_proj, v_proj (8 modules)'
+    """
+    words = f"trainable {trainable:,} of {total:,} parameters ({100 * trainable / max(total, 1):.2f}%)"
+    if adapted:
+        words += f", adapters on {', '.join(adapted)} ({n_adapted} module{'s' * (n_adapted != 1)})"
+    return words
+
+
 def start_line(
-    method: str, budget_bytes: int | None, budget_given: str | None, accounting: str, block_kinds: Sequence[str]
+    method: str,
+    budget_bytes: int | None,
+    budget_given: str | None,
+    accounting: str,
+    block_kinds: Sequence[str],
+    parameters: str | None = None,
 ) -> str:
     """The line printed when training starts.
 
@@ -75,6 +158,7 @@ def start_line(
             or ``None`` to state bytes only.
         accounting: ``"cuda"`` or ``"logical"``.
         block_kinds: the class name of each block found, in order.
+        parameters: what :func:`parameters_words` says of the model, or ``None`` to leave it out.
 
     Returns:
         One line, starting ``memfit:``.
@@ -85,6 +169,7 @@ def start_line(
             budget_words(budget_bytes, budget_given),
             _ACCOUNTING.get(accounting, f"{accounting} accounting"),
             _blocks_words(block_kinds),
+            *([parameters] if parameters else []),
         ]
     )
 
@@ -93,8 +178,8 @@ def end_summary(records: Sequence[StepRecord], budget_given: str | None = None) 
     """The short summary printed when training ends (a few lines, each starting ``memfit:``).
 
     Steps, the peak and its share of the budget, steps over budget, OOM replays, blocks
-    recomputed per step, the estimated share of step time spent recomputing, and the steps'
-    total time.
+    recomputed per step, the estimated share of step time spent recomputing, the steps'
+    total time, and a one-line verdict (:func:`verdict`).
 
     Args:
         records: the run's step records (every rank's, for a merged summary).
@@ -125,4 +210,4 @@ def end_summary(records: Sequence[StepRecord], budget_given: str | None = None) 
         f"({100 * s.mean_checkpointed_fraction:.0f}%), recompute about {share_time} of step time (estimated), "
         f"steps took {step_ms / 1e3:.1f} s"
     )
-    return "\n".join([head, peak, blocks])
+    return "\n".join([head, peak, blocks, verdict(records)])

@@ -56,7 +56,7 @@ from memfit.engine.records import StepRecord, read_jsonl, summarize
 from memfit.integrations.run_dir import claim_output_dir
 from memfit.engine.controller import Controller, fit
 from memfit.engine.replay import MAX_OOM_RETRIES, replays_exhausted, rng_state, set_rng_state, sharded
-from memfit.engine.summary_text import end_summary, start_line
+from memfit.engine.summary_text import end_summary, parameters_words, start_line
 from memfit.engine.treatments import KEEP, TREATMENTS
 
 __all__ = [
@@ -464,7 +464,13 @@ class MemfitTrainerMixin:
     def _start_line(self) -> str:
         ctl = self.memfit
         kinds = [type(b.module).__name__ for b in ctl.blocks]
-        return start_line(ctl.method.name, ctl.budget_bytes, self._budget_given(), ctl.accounting, kinds)
+        params = list(self.model.parameters())
+        adapter = next(iter(getattr(self.model, "peft_config", {}).values()), None)  # a peft model's config
+        adapted = getattr(adapter, "target_modules", None) or ()
+        adapted = [adapted] if isinstance(adapted, str) else sorted(adapted)
+        words = parameters_words(sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params),
+                                 adapted, sum(hasattr(m, "lora_A") for m in self.model.modules()))
+        return start_line(ctl.method.name, ctl.budget_bytes, self._budget_given(), ctl.accounting, kinds, words)
 
     def write_summary(self) -> dict[str, Any] | None:
         """Write ``memfit_summary.json``, and for methods with a memory model ``memfit_plans.json``

@@ -11,9 +11,10 @@ Reads JSON lines only, never printed text (habit 7), from anywhere under ``<dir>
 and writes ``report.md`` (per task: a table of methods × budgets, a table of memory savers
 when results carry ``eval_metric``, and one of peer sweeps when a peer ran at several settings
 of its knob) and PNG plots: peak memory vs input size, time vs budget, and the
-``memory_count`` histogram. Units: GiB = 2**30 bytes for measured sizes; a budget is shown in
-the unit it was given (NOTE [A budget in the unit it was given], summary_text.py). Warm-up steps
-are counted in the tables and drawn as crosses in the peak plot.
+``memory_count`` histogram over input-size buckets. Units: each table and plot shows sizes in the
+unit its budget was given in, GiB without one (NOTE [One unit per table]; NOTE [A budget in the
+unit it was given], summary_text.py). Warm-up steps are counted in the tables and drawn as
+crosses in the peak plot; steps over their budget are ringed in red.
 
 # NOTE [Peer sweeps]
 A peer whose knob is relative, not bytes (``compile-F``: torch.compile's activation memory
@@ -43,7 +44,7 @@ from typing import Any
 
 from memfit.errors import ArgumentParser, DataError, MissingFileError
 from memfit.engine.records import RunSummary, StepRecord, read_jsonl_numbered, summarize, treated_blocks
-from memfit.engine.summary_text import size_in_given_unit
+from memfit.engine.summary_text import given_unit, size_in_given_unit
 
 __all__ = ["RESULT_FIELDS", "OPTIONAL_RESULT_FIELDS", "build_report", "main"]
 
@@ -192,8 +193,18 @@ def _budget_cell(budget_bytes: int | None) -> str:
     return _DASH if budget_bytes is None else size_in_given_unit(budget_bytes)
 
 
-def _gib(n: float | None) -> str:
-    return _DASH if n is None else f"{n / GIB:.2f}"
+def _gib(n: float | None, unit: tuple[str, int] = ("GiB", GIB)) -> str:
+    """A size in ``unit`` (NOTE [One unit per table])."""
+    return _DASH if n is None else f"{n / unit[1]:.2f}"
+
+
+# NOTE [One unit per table]
+# A table or a plot shows every size in one unit, the one its (smallest) budget was given in,
+# so that a peak reads against its budget without conversion: "300 MB" beside "0.58 GiB" did
+# not. Without a budget the unit is GiB. Budgets keep their own cell text ("300 MB").
+def _unit(budgets: Iterable[int | None]) -> tuple[str, int]:
+    given = sorted(b for b in budgets if b)
+    return given_unit(given[0] if given else None)
 
 
 def _num(x: float | None, fmt: str) -> str:
@@ -313,8 +324,9 @@ def _ratio(value: float | None, ref: float | None) -> str:
 
 
 def _methods_table(rows: Sequence[_Row], ref: _Row | None) -> list[str]:
+    unit = _unit(row.budget_bytes for row in rows)
     lines = [
-        "| method | budget | median time (s) | vs none | median step (ms) | step vs none | max peak (GiB) "
+        f"| method | budget | median time (s) | vs none | median step (ms) | step vs none | max peak ({unit[0]}) "
         "| peak / budget | OOMs | recomputed | warm-up steps | planner µs/step | repeats | status |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
@@ -330,7 +342,7 @@ def _methods_table(rows: Sequence[_Row], ref: _Row | None) -> list[str]:
         lines.append(
             f"| {row.method} | {_budget_cell(budget)} | {_num(row.median_s, '.2f')} | "
             f"{_ratio(row.median_s, ref.median_s if ref else None)} | {_num(step, '.1f')} | {_ratio(step, ref_step)} | "
-            f"{_gib(peak)} | {share} | {ooms} | {recomputed_text} | {max(warmup) if warmup else _DASH} | "
+            f"{_gib(peak, unit)} | {share} | {ooms} | {recomputed_text} | {max(warmup) if warmup else _DASH} | "
             f"{_num(row.median_of('planner_us_per_step'), '.1f')} | {len(row.results)} | {row.status} |"
         )
     return lines
@@ -342,6 +354,7 @@ def _savers_table(rows: Sequence[_Row], ref: _Row | None) -> list[str]:
         return []
     ref_metric = next((x.eval_metric for x in ref.results if x.eval_metric), None) if ref else None
     ref_value = ref.median_of("eval_value") if ref else None
+    unit = _unit(row.budget_bytes for row in savers)
     lines = [
         "",
         "Memory savers (relative to the vanilla row, `none` with no budget; *median step*: the median "
@@ -349,7 +362,7 @@ def _savers_table(rows: Sequence[_Row], ref: _Row | None) -> list[str]:
         "total by one-off costs such as a first step or a first step per new input shape):",
         "",
         "| method | budget | median time (s) | time vs vanilla | median step (ms) | step vs vanilla "
-        "| max peak (GiB) | peak vs vanilla | metric | value | Δ vs vanilla |",
+        f"| max peak ({unit[0]}) | peak vs vanilla | metric | value | Δ vs vanilla |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
     ]
     ref_step = ref.median_of("median_step_ms") if ref else None
@@ -361,7 +374,7 @@ def _savers_table(rows: Sequence[_Row], ref: _Row | None) -> list[str]:
         lines.append(
             f"| {row.method} | {_budget_cell(row.budget_bytes)} | {_num(row.median_s, '.2f')} | "
             f"{_ratio(row.median_s, ref.median_s if ref else None)} | {_num(step, '.1f')} | {_ratio(step, ref_step)} | "
-            f"{_gib(row.max_peak_bytes)} | "
+            f"{_gib(row.max_peak_bytes, unit)} | "
             f"{_ratio(row.max_peak_bytes, ref.max_peak_bytes if ref else None)} | {metric} | {_num(value, '.4f')} | "
             f"{format(value - ref_value, '+.4f') if same else _DASH} |"
         )
@@ -381,12 +394,13 @@ def _sweeps_table(rows: Sequence[_Row], ref: _Row | None) -> list[str]:
     sweeps = {key: settings for key, settings in sweeps.items() if len(settings) > 1}
     if not sweeps:
         return []
+    unit = _unit(budget for _, budget in sweeps)
     lines = [
         "",
         "Peer sweeps (methods named `<peer>-<setting>`, NOTE [Peer sweeps]): per budget, the fastest setting "
         "whose repeats all finished with their peak within the budget:",
         "",
-        "| peer | budget | fastest within budget | median time (s) | vs none | max peak (GiB) | settings within budget |",
+        f"| peer | budget | fastest within budget | median time (s) | vs none | max peak ({unit[0]}) | settings within budget |",
         "| --- | ---: | --- | ---: | ---: | ---: | --- |",
     ]
     for (peer, budget), settings in sorted(sweeps.items()):
@@ -402,7 +416,7 @@ def _sweeps_table(rows: Sequence[_Row], ref: _Row | None) -> list[str]:
         _, best = min(fitting, key=lambda s: (s[1].median_s, s[0]))
         lines.append(
             f"| {peer} | {_budget_cell(budget)} | {best.method} | {_num(best.median_s, '.2f')} | "
-            f"{_ratio(best.median_s, ref.median_s if ref else None)} | {_gib(best.max_peak_bytes)} | {within} |"
+            f"{_ratio(best.median_s, ref.median_s if ref else None)} | {_gib(best.max_peak_bytes, unit)} | {within} |"
         )
     return lines
 
@@ -435,8 +449,9 @@ def _paired_table(rows: Sequence[_Row]) -> list[str]:
 
 
 def _runs_table(runs: Sequence[_StepRun]) -> list[str]:
+    unit = _unit(run.summary.budget_bytes for run in runs)
     lines = [
-        "| step file | method | budget | accounting | steps | warm-up | max peak (GiB) | over budget "
+        f"| step file | method | budget | accounting | steps | warm-up | max peak ({unit[0]}) | over budget "
         "| OOM retries | checkpointed | planner µs |",
         "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
@@ -444,7 +459,7 @@ def _runs_table(runs: Sequence[_StepRun]) -> list[str]:
         s = run.summary
         lines.append(
             f"| `{run.path}` | {s.method} | {_budget_cell(s.budget_bytes)} | {s.accounting} | {s.steps} | {s.warmup_steps} | "
-            f"{_gib(s.max_peak_allocated_bytes)} | {s.over_budget_steps} | {s.oom_retries} | "
+            f"{_gib(s.max_peak_allocated_bytes, unit)} | {s.over_budget_steps} | {s.oom_retries} | "
             f"{100 * s.mean_checkpointed_fraction:.1f}% | {s.mean_planner_us:.1f} |"
         )
     return lines
@@ -494,8 +509,8 @@ _LEGEND = (
     "input size (kernel choice, allocator growth), which a short multi-scale run's total is not; "
     "*max peak*: largest `max_peak_allocated_bytes` of any repeat, and its share of the "
     "budget; *OOMs*: most OOMs of one repeat; *recomputed*: mean fraction of blocks recomputed; "
-    "*status*: `ok`, or the share of repeats per status. Sizes measured in GiB = 2**30 bytes; budgets in the unit "
-    "they were given (GB = 10**9 bytes, GiB, MB = 10**6, MiB)."
+    "*status*: `ok`, or the share of repeats per status. Sizes in the unit of the table's budget, as its column "
+    "says (GB = 10**9 bytes, GiB = 2**30, MB = 10**6, MiB = 2**20); GiB without a budget."
 )
 
 
@@ -596,6 +611,7 @@ def _label(run: _StepRun) -> str:
 def _plot_peak_vs_tokens(group: str, runs: Sequence[_StepRun], path: Path) -> None:
     methods, budgets = _run_styles(runs)
     panels = budgets or [None]
+    unit_name, unit = _unit(budgets)
     fig = _figure(figsize=(max(8.0, 5.5 * len(panels)), 4.5), layout="constrained")
     axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
     for ax, budget in zip(axes, panels):
@@ -605,19 +621,39 @@ def _plot_peak_vs_tokens(group: str, runs: Sequence[_StepRun], path: Path) -> No
             for warmup in (False, True):  # warm-up steps (measured as `full`) as crosses
                 steps = [r for r in run.records if (r.phase == "warmup") == warmup]
                 if steps:
-                    ax.scatter([r.tokens for r in steps], [r.peak_allocated_bytes / GIB for r in steps], s=12 + 12 * warmup,
+                    ax.scatter([r.tokens for r in steps], [r.peak_allocated_bytes / unit for r in steps], s=12 + 12 * warmup,
                                alpha=0.7, color=_color(run.method, methods), marker="x" if warmup else "o",
                                label=f"{_label(run)}, warm-up" if warmup else _label(run))
+            over = [r for r in run.records if r.budget_bytes and r.peak_allocated_bytes > r.budget_bytes]
+            if over:  # ringed in red: the steps over their budget
+                ax.scatter([r.tokens for r in over], [r.peak_allocated_bytes / unit for r in over], s=70,
+                           facecolors="none", edgecolors="red", linewidths=1.2, label=f"{_label(run)}: over budget")
         if budget is not None:
-            ax.axhline(budget / GIB, color="black", linestyle="--", linewidth=1, label="budget")
+            ax.axhline(budget / unit, color="black", linestyle="--", linewidth=1, label="budget")
         ax.set_title(f"budget {_budget_text(budget)}", fontsize=10)
         ax.set_xlabel("input size (tokens per micro-batch)")
         ax.grid(alpha=0.3)
         _legend(ax)
     accounting = ", ".join(sorted({r.summary.accounting for r in runs}))
-    axes[0].set_ylabel(f"peak allocated per step (GiB, {accounting} accounting)")
+    axes[0].set_ylabel(f"peak allocated per step ({unit_name}, {accounting} accounting)")
     fig.suptitle(_wrap(f"Peak memory vs input size\n{group}"), fontsize=11)
     _save(fig, path)
+
+
+def size_buckets(sizes: Sequence[int]) -> list[float]:
+    """Edges of the steps-per-size histogram: about ``sqrt(n)`` equal buckets over the distinct
+    sizes (4 to 20), so that sizes that each occur once still stack into a distribution.
+
+    Example:
+        >>> size_buckets(list(range(100, 1700, 100)))
+        [100.0, 475.0, 850.0, 1225.0, 1600.0]
+    """
+    import numpy as np
+
+    if len(sizes) < 2:
+        return [sizes[0] - 0.5, sizes[0] + 0.5] if sizes else [0.0, 1.0]
+    n = int(np.clip(round(len(sizes) ** 0.5), 4, 20))
+    return [float(e) for e in np.linspace(min(sizes), max(sizes), n + 1)]
 
 
 def _plot_memory_count(group: str, runs: Sequence[_StepRun], path: Path) -> None:
@@ -626,24 +662,25 @@ def _plot_memory_count(group: str, runs: Sequence[_StepRun], path: Path) -> None
     methods, budgets = _run_styles(runs)
     fig = _figure(figsize=(8, 6.5), layout="constrained")
     top, bottom = fig.subplots(2, 1, sharex=True)
+    unit_name, unit = _unit(budgets)
     sizes = sorted({int(k) for run in runs for k in run.summary.memory_count})
-    if 1 < len(sizes) <= 40:  # one bin per input size, bounded halfway to its neighbours
-        mids = [(a + b) / 2 for a, b in zip(sizes, sizes[1:])]
-        edges = [2 * sizes[0] - mids[0], *mids, 2 * sizes[-1] - mids[-1]]
-    else:
-        edges = np.histogram_bin_edges(sizes, bins=min(40, len(sizes)))
+    edges = size_buckets(sizes)
     for run in runs:
         table = sorted((int(k), v) for k, v in run.summary.memory_count.items())
         style = {"color": _color(run.method, methods), "linestyle": _linestyle(run, budgets)}
         top.hist([k for k, _ in table], bins=edges, weights=[v["steps"] for _, v in table], histtype="step",
                  label=_label(run), **style)
-        bottom.plot([k for k, _ in table], [v["max_peak_bytes"] / GIB for _, v in table], marker=".",
+        bottom.plot([k for k, _ in table], [v["max_peak_bytes"] / unit for _, v in table], marker=".",
                     label=_label(run), **style)
+        over = [(k, v) for k, v in table if run.budget_bytes and v["max_peak_bytes"] > run.budget_bytes]
+        if over:  # ringed in red: sizes whose largest peak went over the budget
+            bottom.scatter([k for k, _ in over], [v["max_peak_bytes"] / unit for _, v in over], s=60, facecolors="none",
+                           edgecolors="red", linewidths=1.2, label=f"{_label(run)}: over budget")
     for budget in budgets:
-        bottom.axhline(budget / GIB, color="gray", linestyle="--", linewidth=1, label=f"budget {_budget_text(budget)}")
+        bottom.axhline(budget / unit, color="gray", linestyle="--", linewidth=1, label=f"budget {_budget_text(budget)}")
     top.set_ylabel("steps")
-    top.set_title("steps per input size", fontsize=10)
-    bottom.set_ylabel("largest peak (GiB)")
+    top.set_title(f"steps per input-size bucket ({len(edges) - 1} buckets)", fontsize=10)
+    bottom.set_ylabel(f"largest peak ({unit_name})")
     bottom.set_title("largest peak per input size", fontsize=10)
     bottom.set_xlabel("input size (tokens per micro-batch)")
     for ax in (top, bottom):

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from memfit.errors import DataError, FlagError, LoadError, MissingFileError, MissingPackageError
+from memfit.errors import DataError, FlagError, LoadError, MissingFileError, MissingPackageError, one_line
 
 if TYPE_CHECKING:
     from transformers import EvalPrediction, PreTrainedModel, PreTrainedTokenizerBase
@@ -87,6 +87,30 @@ class ModelArguments:
             "weights are random, the MiniLM tokenizer (uncased BERT vocabulary) is used."
         },
     )
+
+    def __post_init__(self) -> None:
+        for flag in ("model_name_or_path", "config_name", "tokenizer_name"):
+            value = getattr(self, flag)
+            if value and looks_local(value) and not Path(value).expanduser().exists():
+                raise MissingFileError(f"--{flag} {value}: no such file or folder; give a path that exists, or a hub name")
+
+
+def looks_local(name: str) -> bool:
+    """Whether ``name`` can only be a local path, not a hub name (``org/name``) or a bundled config:
+    it starts with ``/``, ``.`` or ``~``, or has more than one ``/``."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1
+
+
+def _hub_error(flag: str, name: str, err: BaseException, what: str = "it") -> LoadError:
+    """The error of a hub name that did not load: offline, say so once and how to go on."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return LoadError(
+            f"--{flag} {name}: cannot load {what} offline (HF_HUB_OFFLINE is set, or the hub is out of reach) and "
+            "it is not in the local Hugging Face cache; give a local folder, or run once where the hub answers"
+        )
+    return LoadError(f"--{flag} {name}: cannot load {what} ({type(err).__name__}: {one_line(err)}); check the name")
 
 
 @dataclass
@@ -330,6 +354,8 @@ def _read_split(read_file: Callable[[Path], list[_Example]], path: str | None, f
     """The examples of the file a flag names; ``None`` when the flag is not given."""
     if not path:
         return None
+    if Path(path).is_dir():
+        raise DataError(f"{flag} {path} is a folder; give a data file in it")
     if not Path(path).is_file():
         raise MissingFileError(f"{flag} {path}: no such file")
     examples = [] if _blank(Path(path)) else read_file(Path(path))
@@ -441,9 +467,9 @@ def load_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
         return AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError) as err:
         if model_args.tokenizer_name:
-            raise LoadError(f"--tokenizer_name {name}: cannot load it ({type(err).__name__}: {err})") from err
+            raise _hub_error("tokenizer_name", name, err) from err
         if model_args.model_name_or_path:
-            raise LoadError(f"cannot load the tokenizer {name!r} ({err}); pass --tokenizer_name") from err
+            raise _hub_error("model_name_or_path", name, err, "its tokenizer") from err
         logger.warning(
             "cannot load the tokenizer %r (%s: offline or not found); using the MiniLM tokenizer "
             "(uncased BERT vocabulary) from %s instead",
@@ -487,15 +513,16 @@ def load_model(
     if weights is None:
         _fit_config_to_tokenizer(config, tokenizer)
         logger.info("building %s from config %s with random weights", auto_cls.__name__, model_args.config_name)
-        return auto_cls.from_config(config, **(model_kwargs or {}))
+        model = auto_cls.from_config(config, **(model_kwargs or {}))
+        # random weights come from no checkpoint: naming the config file as one would send peft's
+        # save_pretrained looking for a config.json beside it (and warning that it found none)
+        model.config._name_or_path = model.name_or_path = ""
+        return model
     try:
         config = config or AutoConfig.from_pretrained(weights, **config_kwargs)
         return auto_cls.from_pretrained(weights, config=config, **(model_kwargs or {}))
     except OSError as err:
-        raise LoadError(
-            f"--model_name_or_path {weights}: cannot load it ({err}). Offline, pass a local directory, "
-            "--config_name alone for random weights, or no model flag for the bundled MiniLM"
-        ) from err
+        raise _hub_error("model_name_or_path", weights, err) from err
 
 
 def bundled_config(name: str) -> Path | None:

@@ -6,7 +6,9 @@ Data (local JSON lines, or the same rows from ``--dataset_name``), one example p
   * ``{"prompt": ..., "completion": ...}``: strings joined as they are, or lists of chat
     messages (TRL's conversational prompt-completion);
   * ``{"messages": [{"role": ..., "content": ...}, ...]}``: a conversation, rendered with the
-    tokenizer's chat template (``--chat_template_path`` replaces it).
+    tokenizer's chat template (``--chat_template_path`` replaces it);
+  * ``{"conversations": [{"from": "human", "value": ...}, ...]}``: ShareGPT's layout of the same.
+Roles may be named user/human, assistant/gpt/bot or system (NOTE [Chat roles]).
 Text and completions end with the tokenizer's EOS token (TRL's rule); a chat template ends its
 turns itself. ``--completion_only_loss`` trains only on the completion (chat: the assistant
 turns, NOTE [Finding the assistant turns]); every other token, and padding, gets label -100.
@@ -53,7 +55,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from memfit.errors import DataError, FlagError, LoadError, MissingPackageError
+from memfit.errors import DataError, FlagError, LoadError, MissingFileError, MissingPackageError
 from memfit.cli.tasks._common import (
     CONFIGS_DIR,
     DataFileError,
@@ -64,6 +66,7 @@ from memfit.cli.tasks._common import (
     load_model,
     load_splits,
     load_tokenizer,
+    looks_local,
     minilm_path,
     read_records,
 )
@@ -196,13 +199,39 @@ def _no_template_message(tokenizer: PreTrainedTokenizerBase) -> str:
     )
 
 
+# NOTE [Chat roles]
+# Chat data comes as OpenAI-style "messages" ({"role", "content"}) or ShareGPT-style
+# "conversations" ({"from", "value"}), with the role names of either: human/user, gpt/bot/
+# assistant, system (and tool/function for tool results). Each is mapped to the name chat
+# templates expect (user, assistant, system, tool) before rendering; any other role is an error
+# naming the line and the role, since a template would render it silently as a turn of its own.
+_ROLES = {
+    "user": "user", "human": "user",
+    "assistant": "assistant", "gpt": "assistant", "bot": "assistant", "model": "assistant", "chatgpt": "assistant",
+    "system": "system",
+    "tool": "tool", "function": "tool", "ipython": "tool",
+}
+
+
 def _check_messages(messages: Any, what: str) -> list[dict[str, str]]:
+    """The messages of a record with their roles mapped to the template's names (NOTE [Chat roles])."""
+    role_key, text_key = ("from", "value") if what == "conversations" else ("role", "content")
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f'"{what}" must be a non-empty list of {{"role", "content"}} messages')
+        raise ValueError(f'"{what}" must be a non-empty list of {{"{role_key}", "{text_key}"}} messages')
+    out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise ValueError(f'"{what}"[{i}] must be an object with string "role" and "content"')
-    return messages
+        if not isinstance(m, dict):
+            raise ValueError(f'"{what}"[{i}] must be an object with string "{role_key}" and "{text_key}"')
+        role = m.get(role_key, m.get("role"))
+        text = m.get(text_key, m.get("content"))
+        if not isinstance(role, str) or not isinstance(text, str):
+            raise ValueError(f'"{what}"[{i}] must be an object with string "{role_key}" and "{text_key}"')
+        if role.lower() not in _ROLES:
+            raise ValueError(
+                f'"{what}"[{i}] has the unknown role {role!r}; use user (or human), assistant (or gpt, bot) or system'
+            )
+        out.append({"role": _ROLES[role.lower()], "content": text})
+    return out
 
 
 # NOTE [Finding the assistant turns]
@@ -231,6 +260,12 @@ def _chat_example(
     else:
         starts = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         ends = [i + 1 for i in starts]
+        if not starts:
+            roles = ", ".join(dict.fromkeys(m["role"] for m in messages))
+            raise ValueError(
+                f"--completion_only_loss trains on the assistant turns and this conversation has none (roles: {roles}); "
+                "add one, or drop --completion_only_loss"
+            )
     spans = []
     for start, end in zip(starts, ends):
         head, upto = render(messages[:start], generation_prompt=True), render(messages[:end])
@@ -248,7 +283,7 @@ def _chat_example(
 def example_from_record(
     record: dict[str, Any], tokenizer: PreTrainedTokenizerBase, find_turns: bool = False
 ) -> LMExample:
-    """One JSON-lines record (``text``, ``prompt``/``completion`` or ``messages``) as an example.
+    """One JSON-lines record (``text``, ``prompt``/``completion``, ``messages`` or ``conversations``) as an example.
 
     Args:
         record: the parsed line.
@@ -257,15 +292,17 @@ def example_from_record(
             without it a chat example's span is its whole text, unused.
 
     Raises:
-        ValueError: a record of none of the three layouts, wrong field types, or chat messages
-            and a tokenizer without a chat template.
+        ValueError: a record of none of the layouts, wrong field types, an unknown chat role
+            (NOTE [Chat roles]), chat messages and a tokenizer without a chat template; with
+            ``find_turns``, plain text or a conversation without an assistant turn.
 
     Example:
         >>> example_from_record({"prompt": "2+2=", "completion": "4"}, tokenizer=None)
         LMExample(text='2+2=4', completion=((4, 5),), chat=False)
     """
-    if "messages" in record:
-        return _chat_example(_check_messages(record["messages"], "messages"), tokenizer, find_turns, None)
+    for key in ("messages", "conversations"):
+        if key in record:
+            return _chat_example(_check_messages(record[key], key), tokenizer, find_turns, None)
     if "prompt" in record and "completion" in record:
         prompt, completion = record["prompt"], record["completion"]
         if isinstance(prompt, str) and isinstance(completion, str):
@@ -277,8 +314,15 @@ def example_from_record(
     if "text" in record:
         if not isinstance(record["text"], str):
             raise ValueError('"text" must be a string')
+        if find_turns:
+            raise ValueError(
+                'plain {"text"} has no completion for --completion_only_loss to train on: drop the flag, or write '
+                '{"prompt", "completion"} or chat "messages"'
+            )
         return LMExample(record["text"], ((0, len(record["text"])),))
-    raise ValueError(f'expected a "text" field, "prompt" and "completion", or "messages"; found {sorted(record)}')
+    raise ValueError(
+        f'expected a "text" field, "prompt" and "completion", "messages" or ShareGPT "conversations"; found {sorted(record)}'
+    )
 
 
 def read_lm_file(path: str | Path, tokenizer: PreTrainedTokenizerBase, find_turns: bool = False) -> list[LMExample]:
@@ -454,6 +498,8 @@ def lm_tokenizer(model_args: ModelArguments, lm_args: CausalLMArguments | None =
             tokenizer.chat_template = CHAT_TEMPLATE
     path = lm_args.chat_template_path if lm_args is not None else None
     if path:
+        if not Path(path).exists() and (Path(path).suffix or looks_local(path)):
+            raise MissingFileError(f"--chat_template_path {path}: no such file; give a Jinja template file or a tokenizer folder")
         if Path(path).is_file():
             tokenizer.chat_template = Path(path).read_text(encoding="utf-8")
         else:
@@ -475,6 +521,36 @@ def _dtype(lm_args: CausalLMArguments, random_weights: bool) -> dict[str, Any]:
     return {"dtype": getattr(torch, name)}
 
 
+# NOTE [Examples longer than the model]
+# A model has a fixed number of positions (``max_position_embeddings``); an example longer than
+# that trains on positions the model never learnt (or fails inside attention), and one such
+# example can take a minute per step. So without --max_seq_length such an example is refused,
+# naming it and the flag that truncates; with --max_seq_length (at most the positions) every
+# longer example is cut to it, and one line says how many were.
+def _check_lengths(model: Any, max_seq_length: int | None, **splits: Any) -> None:
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if positions is None:
+        return
+    if max_seq_length is not None:
+        if max_seq_length > positions:
+            raise FlagError(f"--max_seq_length {max_seq_length} exceeds the model's {positions:,} positions; lower it")
+        return
+    for name, features in splits.items():
+        lengths = [len(f["input_ids"]) for f in features or ()]
+        longest = max(range(len(lengths)), key=lengths.__getitem__, default=None)
+        if longest is not None and lengths[longest] > positions:
+            raise DataError(
+                f"{name} example {longest + 1} has {lengths[longest]:,} tokens, more than the model's {positions:,} "
+                f"positions: pass --max_seq_length {positions} (or less) to truncate, or shorten it"
+            )
+
+
+def _linear_names(model: Any) -> list[str]:
+    """The last name part of each linear layer, the names LoRA's ``target_modules`` match."""
+    names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    return sorted(names - {"lm_head"})
+
+
 def _with_lora(model: Any, lm_args: CausalLMArguments) -> Any:
     try:
         import peft
@@ -483,6 +559,15 @@ def _with_lora(model: Any, lm_args: CausalLMArguments) -> Any:
     targets = lm_args.lora_target_modules
     if targets == ["all-linear"]:
         targets = "all-linear"
+    elif targets:
+        # peft adapts whichever names match and ignores the rest: a typo would train silently without it
+        names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+        unmatched = [t for t in targets if t not in names]
+        if unmatched:
+            raise FlagError(
+                f"--lora_target_modules {' '.join(targets)}: {type(model).__name__} has no module named "
+                f"{', '.join(unmatched)}; its linear layers are {' '.join(_linear_names(model))} (or give all-linear)"
+            )
     config = peft.LoraConfig(
         r=lm_args.lora_r, lora_alpha=lm_args.lora_alpha, lora_dropout=lm_args.lora_dropout,
         target_modules=targets, task_type="CAUSAL_LM",
@@ -535,17 +620,25 @@ def build(
     def features(examples: list[LMExample] | None, split: str) -> list[dict[str, list[int]]] | None:
         if not examples:
             return None
-        out = tokenize_examples(examples, tokenizer, data_args.max_seq_length, completion_only)
+        out = tokenize_examples(examples, tokenizer, None, completion_only)
+        cap = data_args.max_seq_length
+        n_long = sum(len(f["input_ids"]) > cap for f in out) if cap is not None else 0
+        if n_long:  # NOTE [Examples longer than the model]
+            logger.warning("%d of %d %s examples are longer than --max_seq_length %d tokens: truncated", n_long, len(out), split, cap)
+            out = [{key: value[:cap] for key, value in f.items()} for f in out]
         kept = [f for f in out if any(label != IGNORE_INDEX for label in f["labels"][1:])]
         if not kept:
+            cut = data_args.max_seq_length is not None
             raise DataError(
-                f"no {split} example has a token to learn within --max_seq_length {data_args.max_seq_length}: "
-                "raise it, or drop --completion_only_loss"
+                f"no {split} example has a completion token to learn"
+                + (f" within --max_seq_length {data_args.max_seq_length}: raise it" if cut else ": give completions")
+                + (", or drop --completion_only_loss" if completion_only else "")
             )
         if len(kept) < len(out):
             logger.warning("%d %s examples have no token to learn within --max_seq_length; dropped", len(out) - len(kept), split)
         return kept
 
+    train_features, eval_features = features(train, "training"), features(evals, "evaluation")
     random_weights = model_args.model_name_or_path is None
     model = load_model(
         model_args, AutoModelForCausalLM, tokenizer,
@@ -555,13 +648,14 @@ def build(
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         logger.warning("resizing the token embeddings to the tokenizer's %d tokens", len(tokenizer))
         model.resize_token_embeddings(len(tokenizer))
+    _check_lengths(model, data_args.max_seq_length, training=train_features, evaluation=eval_features)
     if lm_args.use_peft:
         model = _with_lora(model, lm_args)
     return TaskBundle(
         model=model,
         tokenizer=tokenizer,
-        train_dataset=features(train, "training"),
-        eval_dataset=features(evals, "evaluation"),
+        train_dataset=train_features,
+        eval_dataset=eval_features,
         data_collator=CausalLMCollator(tokenizer.pad_token_id),
         compute_metrics=lambda p: lm_metrics(p.predictions, p.label_ids),
         preprocess_logits_for_metrics=_predictions_and_losses,

@@ -9,7 +9,7 @@ simple time model.
 Time is in units of one fp32 forward + backward of the whole batch without checkpointing
 (= 1.0). A setup costs::
 
-    _PRECISION_SPEED[precision] * (1 + _RECOMPUTE * checkpointed / blocks)
+    _PRECISION_SPEED[precision] * (1 + _RECOMPUTE * checkpointed / blocks) * (_LORA_SPEED if LoRA else 1)
     + _MICRO_STEP_OVERHEAD * (accumulation - 1)
     + _OPTIMIZER_STEP[optimizer]
 
@@ -50,6 +50,10 @@ _RECOMPUTE = 1 / 3
 # Each extra micro-step: kernel launches, Python/Trainer overhead and lower GPU utilisation
 # of smaller matmuls; a few percent of a full-batch step on a BERT-base-sized model.
 _MICRO_STEP_OVERHEAD = 0.03
+# LoRA freezes the weights: backward computes no weight gradients, one of its two matmuls per
+# forward matmul, so forward + backward ~ (1 + 1) / (1 + 2) of full fine-tuning's (the adapters'
+# own rank-r matmuls are small). bf16 weights compute as bf16 autocast does.
+_LORA_SPEED = 2 / 3
 # optimizer.step() against one fp32 forward + backward of a BERT-base batch of ~4k tokens:
 # memory-bound passes over the parameters. foreach AdamW reads/writes ~4 fp32 tensors per
 # parameter; SGD 1-2; bitsandbytes 8-bit AdamW adds (de)quantisation in one fused kernel;
@@ -83,7 +87,12 @@ class Advice:
     def train_flags(self, memory_budget: str) -> list[str]:
         """The ``memfit train`` flags selecting this setup under ``memory_budget``."""
         s = self.estimate.setup
-        flags = {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}[s.precision]
+        if s.weights == "bf16":
+            flags = ["--torch_dtype", "bfloat16"]
+        else:
+            flags = {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}[s.precision]
+        if s.lora_r:
+            flags += ["--use_peft", "--lora_r", str(s.lora_r), "--lora_target_modules", "all-linear"]
         flags += list(OPTIMIZERS[s.optimizer].train_flags)
         flags += ["--per_device_train_batch_size", str(s.micro_batch_size)]
         flags += ["--gradient_accumulation_steps", str(s.accumulation_steps)]
@@ -92,6 +101,7 @@ class Advice:
 
 def _relative_time(setup: TrainingSetup, checkpointed: int, n_blocks: int) -> float:
     compute = _PRECISION_SPEED[setup.precision] * (1 + _RECOMPUTE * checkpointed / max(n_blocks, 1))
+    compute *= _LORA_SPEED if setup.lora_r else 1
     return compute + _MICRO_STEP_OVERHEAD * (setup.accumulation_steps - 1) + _OPTIMIZER_STEP[setup.optimizer]
 
 
@@ -103,6 +113,8 @@ def advise(
     precisions: Sequence[str] = ("fp32", "bf16"),
     optimizers: Sequence[str] = ("adamw", "adafactor", "adamw-8bit"),
     margin: float = DEFAULT_MARGIN,
+    weights: Sequence[str] = ("fp32",),
+    lora_r: int = 0,
     **inputs,
 ) -> list[Advice]:
     """Every setup that fits ``budget_bytes`` less ``margin``, fastest first.
@@ -118,6 +130,9 @@ def advise(
         precisions: precisions to try.
         optimizers: optimizers to try (keys of :data:`memfit.tools.estimate.OPTIMIZERS`).
         margin: share of the budget left free (NOTE [Advice keeps a margin]).
+        weights: weight dtypes to try (``bf16`` only with precision ``bf16``; causal-lm's
+            ``--torch_dtype bfloat16``).
+        lora_r: LoRA rank on every linear layer of the blocks; 0 for full fine-tuning.
         **inputs: ``seq_length`` / ``image_size``, ``attention``, ``num_choices`` as for
             :func:`memfit.tools.estimate.estimate`.
 
@@ -138,27 +153,28 @@ def advise(
     n_blocks = profile.n_blocks
     activations: dict[tuple[int, str], ActivationProfile] = {}
 
-    def candidate(precision: str, optimizer: str, micro: int, checkpointed: int) -> Advice:
+    def candidate(precision: str, optimizer: str, micro: int, checkpointed: int, weight: str = "fp32") -> Advice:
         if (micro, precision) not in activations:
             activations[micro, precision] = activation_profile(profile, micro, precision=precision, **inputs)
-        setup = TrainingSetup(precision, optimizer, micro, batch_size // micro, str(checkpointed))
+        setup = TrainingSetup(precision, optimizer, micro, batch_size // micro, str(checkpointed), weight, lora_r)
         est = estimate(profile, setup, activations=activations[micro, precision], **inputs)
         method = {0: "none", n_blocks: "full"}.get(checkpointed, "dynamic")
         return Advice(method, est, _relative_time(setup, checkpointed, n_blocks))
 
     fitting: list[Advice] = []
     smallest: MemoryEstimate | None = None
-    for precision in precisions:
+    combos = [(p, w) for p in precisions for w in dict.fromkeys(weights) if w == "fp32" or p == "bf16"]
+    for precision, weight in combos:
         for optimizer in optimizers:
             for micro in (m for m in range(batch_size, 0, -1) if batch_size % m == 0):
                 for checkpointed in range(n_blocks + 1):
-                    advice = candidate(precision, optimizer, micro, checkpointed)
+                    advice = candidate(precision, optimizer, micro, checkpointed, weight)
                     if smallest is None or advice.estimate.total_bytes <= smallest.total_bytes:
                         smallest = advice.estimate
                     if advice.estimate.fits(usable):
                         fitting.append(advice)
                         if advice.method == "dynamic":
-                            full = candidate(precision, optimizer, micro, n_blocks)
+                            full = candidate(precision, optimizer, micro, n_blocks, weight)
                             fitting += [full] if full.estimate.fits(usable) else []
                         break
     if not fitting:
@@ -167,7 +183,7 @@ def advise(
     return sorted(
         fitting,
         key=lambda a: (round(a.relative_time, 9), a.estimate.total_bytes, order[a.estimate.setup.precision],
-                       a.estimate.setup.optimizer, _METHODS.index(a.method)),
+                       a.estimate.setup.weights, a.estimate.setup.optimizer, _METHODS.index(a.method)),
     )
 
 
@@ -177,12 +193,12 @@ def _nothing_fits_message(smallest: MemoryEstimate, budget_bytes: int, margin: f
     return (
         f"nothing fits the budget of {size_in_given_unit(budget_bytes)} ({budget_bytes:,} bytes) with "
         f"{100 * margin:g}% of it kept free. The smallest setup "
-        f"({s.precision}, {s.optimizer}, micro-batch {s.micro_batch_size}, {smallest.checkpointed_blocks} of "
+        f"({s.precision}, {s.weights} weights{f', LoRA r {s.lora_r}' if s.lora_r else ''}, {s.optimizer}, micro-batch {s.micro_batch_size}, {smallest.checkpointed_blocks} of "
         f"{smallest.n_blocks} blocks checkpointed) needs {smallest.total_bytes / GIB:.2f} GiB "
         f"({smallest.total_bytes:,} bytes), of which {smallest.static_bytes:,} bytes are static (weights "
         f"{smallest.weights_bytes:,} + gradients {smallest.gradients_bytes:,} + optimizer state "
         f"{smallest.optimizer_state_bytes:,}) and no checkpointing can shrink them. Raise --memory_budget to at "
-        f"least {need / GIB:.2f} GiB, shorten --seq_length, or pick a smaller model."
+        f"least {need / GIB:.2f} GiB"
     )
 
 
@@ -214,21 +230,23 @@ def format_advice(
         f"setups that fit {memory_budget} less {100 * margin:g}% (CUDA context excluded, as the cap excludes it), "
         "fastest first; time in units of an fp32 un-checkpointed step:",
         "",
-        "| rank | precision | optimizer | micro-batch x accumulation | method | blocks checkpointed | peak GiB | time |",
-        "| ---: | --- | --- | --- | --- | ---: | ---: | ---: |",
+        "| rank | precision | weights | optimizer | micro-batch x accumulation | method | blocks checkpointed | peak GiB | time |",
+        "| ---: | --- | --- | --- | --- | --- | ---: | ---: | ---: |",
     ]
     for rank, a in enumerate(ranked[:top], 1):
         s, e = a.estimate.setup, a.estimate
+        weights = s.weights + (f" + LoRA r {s.lora_r}" if s.lora_r else "")
         lines.append(
-            f"| {rank} | {s.precision} | {s.optimizer} | {s.micro_batch_size} x {s.accumulation_steps} | {a.method} "
+            f"| {rank} | {s.precision} | {weights} | {s.optimizer} | {s.micro_batch_size} x {s.accumulation_steps} | {a.method} "
             f"| {e.checkpointed_blocks}/{e.n_blocks} | {e.total_bytes / GIB:.2f} | {a.relative_time:.2f} |"
         )
     flags = ranked[0].train_flags(memory_budget)
     if command:
         lines += [
             "",
-            "best: memfit " + " ".join([*command, *flags, "--do_train", "--output_dir", f"out/{command[1]}"]),
-            "  with your data: --train_file FILE (or --dataset_name NAME); --synthetic N tries it on generated examples",
+            "best: memfit " + " ".join([*command, *flags, "--synthetic", "64", "--do_train", "--output_dir", f"out/{command[1]}"]),
+            "  it runs as printed on 64 generated examples; for your data, replace --synthetic 64 by --train_file FILE "
+            "(or --dataset_name NAME)",
         ]
     else:
         lines += ["", "best (memfit train has no task for this model's head; its flags): " + " ".join(flags)]

@@ -436,6 +436,12 @@ class ModelProfile:
     """Matmul weight values of each block (their autocast copies are saved by the block)."""
     embedding_params: int = 0
     """Trainable parameters of the input embeddings, whose gradients backward makes last."""
+    block_linear_shapes: tuple[tuple[int, int], ...] = ()
+    """``(in_features, out_features)`` of every linear layer inside the blocks (LoRA's all-linear)."""
+
+    def lora_shapes(self, r: int) -> tuple[tuple[int, ...], ...]:
+        """Shapes of LoRA's A and B matrices of rank ``r`` on every linear layer of the blocks."""
+        return tuple(shape for i, o in self.block_linear_shapes for shape in ((r, i), (o, r)))
 
     @property
     def n_params(self) -> int:
@@ -485,6 +491,9 @@ class ModelProfile:
             block_params=tuple(_trainable_params(b) for b in blocks),
             block_matmul_params=tuple(_matmul_params(b) for b in blocks),
             embedding_params=_trainable_params(*embeddings),
+            block_linear_shapes=tuple(
+                (m.in_features, m.out_features) for b in blocks for m in b.modules() if isinstance(m, nn.Linear)
+            ),
         )
 
 
@@ -693,9 +702,20 @@ class TrainingSetup:
     """Micro-batches per optimizer step (``--gradient_accumulation_steps``)."""
     checkpoint: str = "none"
     """``none``, ``full`` (every block) or a number of blocks to checkpoint."""
+    weights: str = "fp32"
+    """dtype the weights are stored in: ``fp32``, or ``bf16`` (``--torch_dtype bfloat16``: no fp32
+    master copy; gradients and optimizer state in bf16 too). ``bf16`` needs precision ``bf16``."""
+    lora_r: int = 0
+    """LoRA rank on every linear layer of the blocks (``--use_peft --lora_r R --lora_target_modules
+    all-linear``); 0: full fine-tuning."""
 
     def __post_init__(self) -> None:
         _check_choice("precision", self.precision, PRECISIONS)
+        _check_choice("weights", self.weights, ("fp32", "bf16"))
+        if self.weights == "bf16" and self.precision != "bf16":
+            raise FlagError("bf16 weights compute in bf16: give --precision bf16 with them")
+        if self.lora_r < 0:
+            raise FlagError(f"--lora_r {self.lora_r}: give a rank of at least 1 (or 0 for full fine-tuning)")
         _check_choice("optimizer", self.optimizer, tuple(OPTIMIZERS))
         if self.micro_batch_size < 1 or self.accumulation_steps < 1:
             raise FlagError("--batch_size and --gradient_accumulation_steps must be at least 1")
@@ -787,7 +807,9 @@ class MemoryEstimate:
         return self.total_bytes <= budget_bytes
 
 
-def backward_phase_bytes(profile: ModelProfile, activations: ActivationProfile, n_checkpointed: int, half: bool) -> int:
+def backward_phase_bytes(
+    profile: ModelProfile, activations: ActivationProfile, n_checkpointed: int, half: bool, grad_bytes: int = 4
+) -> int:
     """Peak over forward and backward above weights and optimizer state (NOTE [Phases of a step]).
 
     Args:
@@ -795,6 +817,8 @@ def backward_phase_bytes(profile: ModelProfile, activations: ActivationProfile, 
         activations: saved and backward-temporary bytes per block for the micro-batch.
         n_checkpointed: the first blocks checkpointed.
         half: fp16/bf16 autocast (2 B copies of the matmul weights).
+        grad_bytes: bytes of each parameter's gradient (4; 2 for bf16 weights; 0 when the
+            parameters are frozen, as under LoRA, whose own small gradients are left out).
 
     Returns:
         The largest of: the end of the forward, and each block's backward.
@@ -804,8 +828,8 @@ def backward_phase_bytes(profile: ModelProfile, activations: ActivationProfile, 
     block_params = profile.block_params or (0,) * n
     block_copies = [half_bytes * m for m in (profile.block_matmul_params or (0,) * n)]
     head_copies = half_bytes * profile.matmul_weight_params - sum(block_copies)
-    grads = [4 * p for p in block_params]
-    head_grads = 4 * (profile.n_params - sum(block_params) - profile.embedding_params)
+    grads = [grad_bytes * p for p in block_params]
+    head_grads = grad_bytes * (profile.n_params - sum(block_params) - profile.embedding_params)
     temps = activations.block_backward_bytes or (0,) * n
     kept = activations.kept_bytes(n_checkpointed)
     # end of forward: the autocast cache holds every copy, checkpointed blocks' too
@@ -879,18 +903,34 @@ def estimate(
             f"activations counted on the meta device (no analytic formula for {profile.config.model_type}): "
             "exact for fp32 eager kernels, an upper bound for fused kernels and fp16/bf16"
         )
+    # NOTE [Weights dtype and LoRA in the estimate]
+    # bf16 weights (--torch_dtype bfloat16) halve weights, gradients and the optimizer's
+    # per-parameter state (kept in the parameters' dtype) and need no autocast copies. LoRA
+    # freezes every weight: gradients and optimizer state are those of its A and B matrices,
+    # kept in fp32 (peft's default for adapters), and the frozen weights get no gradient.
+    width = 2 if setup.weights == "bf16" else 4
+    if setup.lora_r:
+        trained = profile.lora_shapes(setup.lora_r)
+        n_trained = sum(_numel(s) for s in trained)
+        state, step_temp, grads, grad_bytes = optimizer.state(trained), optimizer.step_temp(trained), 4 * n_trained, 0
+    else:
+        n_trained = 0
+        state = optimizer.state(shapes) * width // 4
+        step_temp = optimizer.step_temp(shapes) * width // 4
+        grads, grad_bytes = width * profile.n_params, width
+    copies = half and setup.weights == "fp32"
     return MemoryEstimate(
         setup=setup,
         n_params=profile.n_params,
         n_blocks=profile.n_blocks,
         checkpointed_blocks=k,
-        weights_bytes=4 * profile.n_params,
-        autocast_copies_bytes=2 * profile.matmul_weight_params if half else 0,
-        gradients_bytes=4 * profile.n_params,
-        optimizer_state_bytes=optimizer.state(shapes),
+        weights_bytes=width * profile.n_params + 4 * n_trained,
+        autocast_copies_bytes=2 * profile.matmul_weight_params if copies else 0,
+        gradients_bytes=grads,
+        optimizer_state_bytes=state,
         activations_bytes=activations.total_bytes(k),
-        backward_bytes=backward_phase_bytes(profile, activations, k, half),
-        optimizer_step_bytes=optimizer.step_temp(shapes),
+        backward_bytes=backward_phase_bytes(profile, activations, k, copies, grad_bytes),
+        optimizer_step_bytes=step_temp,
         notes=tuple(notes),
     )
 

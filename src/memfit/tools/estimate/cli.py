@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 from memfit.engine.budget import parse_bytes
 from memfit.errors import ArgumentParser, FlagError
-from memfit.tools.estimate.advise import DEFAULT_MARGIN, advise, format_advice
+from memfit.tools.estimate.advise import DEFAULT_MARGIN, NothingFitsError, advise, format_advice
 from memfit.cli.tasks import TASKS as TRAIN_TASKS
+from memfit.cli.tasks._common import bundled_config
 from memfit.tools.estimate.anatomy import (
     OPTIMIZERS,
     PRECISIONS,
@@ -46,6 +48,10 @@ def _parser() -> ArgumentParser:
     p.add_argument("--optimizer", default="adamw", choices=tuple(OPTIMIZERS))
     p.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--checkpoint", default="none", help="none, full, or a number of blocks to checkpoint")
+    p.add_argument("--weights", default="fp32", choices=("fp32", "bf16"),
+                   help="dtype of the stored weights (bf16: causal-lm's --torch_dtype bfloat16; needs --precision bf16)")
+    p.add_argument("--lora_r", type=int, default=0, help="LoRA rank on every linear layer of the blocks (causal-lm's "
+                   "--use_peft); 0: full fine-tuning")
     p.add_argument("--attention", default="sdpa", choices=("sdpa", "eager"), help="attention kernel (sdpa: fused)")
     p.add_argument("--memory_budget", help="budget to check: '6GiB' (6*2**30), '6GB' (6*10**9) or bytes")
     p.add_argument("--advise", action="store_true", help="list the fastest setups that fit --memory_budget")
@@ -57,7 +63,8 @@ def _parser() -> ArgumentParser:
 
 def train_command(model: str | None, config: str | None, task: str, seq_length: int | None) -> list[str]:
     """The start of the ``memfit train`` command that trains what was estimated: the task, the model
-    (pretrained weights for ``--model``, random weights from ``--config``) and the input length.
+    (pretrained weights for ``--model``, random weights from ``--config`` or from a config memfit
+    bundles, which needs no hub) and the input length.
 
     Returns:
         The words after ``memfit``, or an empty list when ``memfit train`` has no such task.
@@ -65,8 +72,43 @@ def train_command(model: str | None, config: str | None, task: str, seq_length: 
     if task not in _TRAIN_TASKS:
         return []
     words = ["train", task]
-    words += ["--config_name", str(config)] if config else ["--model_name_or_path", str(model)]
+    if config or (model and bundled_config(model)):  # random weights: a bundled config runs offline
+        words += ["--config_name", str(config or model)]
+    else:
+        words += ["--model_name_or_path", str(model)]
     return words + (["--max_seq_length", str(seq_length)] if seq_length else [])
+
+
+def what_would_fit(profile: ModelProfile, args: Any, budget: int, options: dict, inputs: dict) -> str:
+    """When nothing fits: the smallest single change that would, among LoRA (causal-lm), a shorter
+    --seq_length (halved, then halved again) and a smaller --batch_size (halved down to 1).
+
+    Returns:
+        ``". The smallest change that fits: ..."``, or a sentence that no single change does.
+    """
+    tries: list[tuple[str, dict, dict]] = []
+    if args.task == "causal-lm" and not args.lora_r:
+        tries.append(("--lora_r 16 (LoRA on every linear layer)", {"lora_r": 16}, {}))
+    length = args.seq_length
+    while length and length > 1 and len(tries) < 6:
+        length //= 2
+        tries.append((f"--seq_length {length}", {"lora_r": args.lora_r}, {"seq_length": length}))
+    batch = args.batch_size
+    while batch > 1:
+        batch //= 2
+        tries.append((f"--batch_size {batch}", {"lora_r": args.lora_r, "batch_size": batch}, {}))
+    fits = []
+    for words, extra, changed in tries:
+        batch_size = extra.pop("batch_size", args.batch_size)
+        try:
+            advise(profile, batch_size, budget, **options, **extra, **{**inputs, **changed})
+        except NothingFitsError:
+            continue
+        if not any(f.split()[0] == words.split()[0] for f in fits):  # values shrink: the first is the largest
+            fits.append(words)
+    if not fits:
+        return ". No single change of batch size, length or LoRA fits either; else pick a smaller model."
+    return ". The smallest change that fits: " + ", or ".join(fits) + "."
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,13 +144,29 @@ def main(argv: list[str] | None = None) -> int:
     title = f"memfit estimate: {profile.name}, {args.task}, " + (
         f"{args.image_size}x{args.image_size} pixels" if args.image_size else f"{args.seq_length} tokens"
     ) + f", batch {args.batch_size}" + (f", {args.attention} attention" if profile.bert_family else "")
+    if args.lora_r < 0:
+        raise FlagError(f"--lora_r {args.lora_r}: give a rank of at least 1 (or 0 for full fine-tuning)")
+    if (args.lora_r or args.weights != "fp32") and args.task != "causal-lm":
+        raise FlagError("--lora_r and --weights bf16 are causal-lm's (memfit train's --use_peft, --torch_dtype): "
+                        "drop them, or give --task causal-lm")
     if args.advise:
         half = "fp16" if args.precision == "fp16" else "bf16"
         optimizers = [args.optimizer] + [o for o in ("adamw", "adafactor", "adamw-8bit") if o != args.optimizer]
-        ranked = advise(profile, args.batch_size, budget, precisions=("fp32", half), optimizers=optimizers,
-                        margin=args.margin, **inputs)
+        # NOTE [Advice options]: bf16 weights are a causal-lm option (--torch_dtype bfloat16) tried beside
+        # the others; LoRA changes what is trained, so it is advised only when asked (--lora_r) or
+        # named as the change that would fit when nothing does.
+        weights = ("fp32", "bf16") if args.task == "causal-lm" else ("fp32",)
+        options = dict(precisions=("fp32", half), optimizers=optimizers, margin=args.margin, weights=weights)
+        try:
+            ranked = advise(profile, args.batch_size, budget, lora_r=args.lora_r, **options, **inputs)
+        except NothingFitsError as err:
+            raise NothingFitsError(f"{err}{what_would_fit(profile, args, budget, options, inputs)}") from None
         command = train_command(args.model, args.config, args.task, args.seq_length)
         print(format_advice(ranked, args.memory_budget, top=args.top, title=title, margin=args.margin, command=command))
+        used = {a.estimate.setup.optimizer for a in ranked[: args.top]}
+        if args.optimizer not in used:
+            print(f"note: no setup with --optimizer {args.optimizer} fits, so every row uses another optimizer "
+                  "(the optimizer column)")
         for name in optimizers:
             if not optimizer_available(name):
                 print(f"note: {name} not considered: {OPTIMIZERS[name].needs} is not installed")

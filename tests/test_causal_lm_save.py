@@ -1,0 +1,71 @@
+"""The model at the end of ``memfit train causal-lm`` (NOTE [The model at the end] in memfit/cli/train.py):
+with the default save strategy a full fine-tuning run leaves a model ``from_pretrained`` loads, a
+LoRA run leaves an adapter ``peft.PeftModel.from_pretrained`` loads, and each reproduces the
+trained model's loss on one batch (the run's ``eval_loss`` over a one-batch evaluation set);
+``--save_strategy no`` leaves no weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from _models import FIXTURES
+from memfit.cli.tasks import ModelArguments
+from memfit.cli.tasks import causal_lm as clm
+from memfit.cli.train import run
+
+SFT = FIXTURES / "sft"
+N_EVAL = 4
+FLAGS = [
+    "--train_file", str(SFT / "prompt_completion.jsonl"), "--validation_file", str(SFT / "prompt_completion.jsonl"),
+    "--max_eval_samples", str(N_EVAL), "--per_device_eval_batch_size", str(N_EVAL), "--do_train", "--do_eval",
+    "--max_steps", "2", "--per_device_train_batch_size", "4", "--learning_rate", "1e-2", "--use_cpu",
+    "--report_to", "none",
+]
+
+
+def _loss_on_the_eval_batch(model: torch.nn.Module, folder) -> float:
+    """The loss of ``model`` on the run's evaluation batch, tokenized by the tokenizer saved in ``folder``."""
+    tokenizer = clm.lm_tokenizer(ModelArguments(tokenizer_name=str(folder)))
+    examples = clm.read_lm_file(SFT / "prompt_completion.jsonl", tokenizer)[:N_EVAL]
+    batch = clm.CausalLMCollator(tokenizer.pad_token_id)(clm.tokenize_examples(examples, tokenizer))
+    model.eval()
+    with torch.no_grad():
+        return float(model(**batch).loss)
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("full")
+    return out, run("causal-lm", [*FLAGS, "--output_dir", str(out)])
+
+
+def test_full_fine_tuning_leaves_a_model_that_reproduces_the_loss(full_run, capsys):
+    out, metrics = full_run
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    assert (out / "tokenizer_config.json").is_file()
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert _loss_on_the_eval_batch(model, out) == pytest.approx(metrics["eval_loss"], rel=1e-5)
+
+
+def test_lora_run_leaves_an_adapter_that_reproduces_the_loss(full_run, tmp_path, capfd):
+    peft = pytest.importorskip("peft")
+    base, _ = full_run  # a pretrained base in a local folder, as a fine-tuner starts from
+    out = tmp_path / "lora"
+    metrics = run("causal-lm", [*FLAGS, "--model_name_or_path", str(base), "--use_peft", "--output_dir", str(out)])
+    err = capfd.readouterr().err
+    assert f"memfit: saved the trained LoRA adapter and tokenizer to {out}" in err
+    assert "adapters on q_proj, v_proj (8 modules)" in err  # peft's default targets for Llama, 2 per layer
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    assert not (out / "model.safetensors").exists()  # the adapter alone, not the base weights
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out)
+    loss = _loss_on_the_eval_batch(model, out)
+    assert loss == pytest.approx(metrics["eval_loss"], rel=1e-5)
+    assert loss != pytest.approx(_loss_on_the_eval_batch(AutoModelForCausalLM.from_pretrained(base), out), rel=1e-4)
+
+
+def test_save_strategy_no_leaves_no_weights(tmp_path):
+    run("causal-lm", [*FLAGS, "--max_steps", "1", "--save_strategy", "no", "--output_dir", str(tmp_path)])
+    assert not list(tmp_path.glob("*.safetensors")) and not list(tmp_path.glob("checkpoint-*"))
+    assert (tmp_path / "memfit_summary.json").is_file()
