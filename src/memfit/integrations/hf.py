@@ -18,6 +18,8 @@ replay, records). ``Trainer`` is the mixin on ``transformers.Trainer``; :func:`w
 puts it on another Trainer class (``memfit.trl.SFTTrainer`` is TRL's ``SFTTrainer`` with it).
 
 # NOTE [OOM replay]
+``training_step`` runs every micro-batch through the controller's replayer
+(``Trainer.memfit.replay``, memfit/engine/replay.py), the same engine as ``Controller.run_step``.
 An OOM can hit any micro-batch of a gradient-accumulation window, after earlier
 micro-batches have already added to ``.grad``. Retrying only the failed micro-batch would
 keep a half-accumulated, possibly corrupted gradient; skipping it would lose a batch. So the
@@ -35,7 +37,6 @@ Trainer refuses ``--fsdp`` for now; the check covers a model sharded some other 
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
@@ -46,16 +47,14 @@ from typing import Any
 import torch
 import transformers
 
-from memfit.engine.accounting import static_bytes_logical
-from memfit.engine.budget import check_static_need, parse_bytes
+from memfit.engine.budget import parse_bytes
 from memfit.integrations.distributed import GradientSync, world_size
 from memfit.errors import FlagError, MissingFileError
 from memfit.engine.methods import METHODS, Method, UnknownMethodError
 from memfit.engine.optim_state import expected_state_bytes
 from memfit.engine.records import StepRecord, read_jsonl, summarize
 from memfit.integrations.run_dir import claim_output_dir
-from memfit.engine.controller import Controller, fit
-from memfit.engine.replay import MAX_OOM_RETRIES, replays_exhausted, rng_state, set_rng_state, sharded
+from memfit.engine.controller import Controller, check_static_need_of, fit
 from memfit.engine.summary_text import end_summary, start_line
 from memfit.engine.treatments import KEEP, TREATMENTS
 
@@ -309,8 +308,6 @@ class MemfitTrainerMixin:
             announce=False, treatments=treatment_names(getattr(a, "memfit_treatments", "auto")),
             compile=bool(getattr(a, "memfit_compile", False)), **method_kwargs,
         )
-        self._window: list[tuple[dict[str, Any], dict[str, Any], Any]] = []
-        self._oom_total = 0
         self._grad_sync: GradientSync | None = None
         self._grad_sync_of: torch.nn.Module | None = None  # the DDP wrapper it syncs for
         self.add_callback(_MemfitCallback(self))
@@ -333,57 +330,33 @@ class MemfitTrainerMixin:
             return
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         state = expected_state_bytes(a.optim, trainable, a.optim_args)
-        parts = static_bytes_logical(self.model, None)
         if state is None:
             logger.info("--optim %s: its state is counted once it exists (the first optimizer step)", a.optim)
-            parts.pop("optimizer state")
-        else:
-            parts[f"optimizer state ({getattr(a.optim, 'value', a.optim)}, expected)"] = parts.pop("optimizer state") + state
-        check_static_need(budget, sum(parts.values()), parts)
+        check_static_need_of(self.model, budget, state, f"optimizer state ({getattr(a.optim, 'value', a.optim)}, expected)")
 
     # ------------------------------------------------------------ optimizer
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
-        inner = getattr(optimizer, "optimizer", optimizer)
-        self.memfit.set_optimizer(inner)
-        inner.register_step_post_hook(lambda *_: self._window.clear())
+        self.memfit.set_optimizer(getattr(optimizer, "optimizer", optimizer))  # its steps close the accumulation window
         return optimizer
 
     # ------------------------------------------------------------ OOM replay
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
-        """One micro-step; on OOM, replays the accumulation window (NOTE [OOM replay])."""
+        """One micro-step, through the controller's replayer: on an OOM, the accumulation window is
+        replayed (NOTE [OOM replay])."""
         if self.memfit.method.measures_only:
             # Nothing to make safer: the OOM goes to the caller as it is (Accelerate's
             # find_executable_batch_size, behind --auto_find_batch_size, catches it).
             return super().training_step(model, inputs, num_items_in_batch)
-        # an OOM is replayed below, except with several FSDP ranks (NOTE [OOM replay])
-        self.memfit.replays_ooms = not sharded(self.memfit)
         sync = self._lockstep_sync(model)
         if sync is not None:
             model = model.module  # no collective inside a micro-step (NOTE [Lockstep under DDP])
-        self._window.append((inputs, rng_state(), num_items_in_batch))
-        replay = False
-        for _ in range(MAX_OOM_RETRIES + 1):
-            failed = False
-            try:
-                if replay:
-                    self._replay_window_head(model)
-                loss = super().training_step(model, inputs, num_items_in_batch)
-            except torch.OutOfMemoryError as err:
-                if sharded(self.memfit):
-                    raise torch.OutOfMemoryError(
-                        f"{err}\nmemfit: under FSDP with several ranks a step cannot be replayed on one rank alone "
-                        "(NOTE [OOM replay] in memfit/integrations/hf.py); raise --memfit_margin or --memory_budget"
-                    ) from err
-                failed = True  # recover outside the except block, so its frames are freed
-                message = str(err)
-            if not failed:
-                if sync is not None and self.accelerator.sync_gradients:
-                    sync.sync()
-                return loss
-            self._recover_from_oom(model, message)
-            replay = True
-        raise replays_exhausted(self.memfit.pending_oom_attempts, len(self.memfit.blocks), "--memory_budget or --memfit_margin")
+        loss = self.memfit.replay.run(
+            super().training_step, (model, inputs, num_items_in_batch), raise_what="--memory_budget or --memfit_margin",
+        )
+        if sync is not None and self.accelerator.sync_gradients:
+            sync.sync()
+        return loss
 
     def _lockstep_sync(self, model: torch.nn.Module) -> GradientSync | None:
         """The gradient sync replacing DDP's, or None to train through DDP as it is.
@@ -401,24 +374,6 @@ class MemfitTrainerMixin:
             self._grad_sync = GradientSync(model.module.parameters(), buffers, group=model.process_group)
             self._grad_sync_of = model
         return self._grad_sync
-
-    def _recover_from_oom(self, model: torch.nn.Module, message: str) -> None:
-        self._oom_total += 1
-        self.memfit.note_oom(message)  # raises when no safer plan exists
-        model.zero_grad(set_to_none=True)
-        gc.collect()  # the failed attempt's tensors, then its cached blocks back to the device
-        self.memfit.meter.release()
-
-    def _replay_window_head(self, model: torch.nn.Module) -> None:
-        """Re-run the window's earlier micro-batches, then restore the failed one's RNG."""
-        self.memfit.replaying = True
-        try:
-            for inputs, rng, n_items in self._window[:-1]:
-                set_rng_state(rng)
-                super().training_step(model, inputs, n_items)
-        finally:
-            self.memfit.replaying = False
-        set_rng_state(self._window[-1][1])
 
     # ------------------------------------------------------------ logs and files
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
