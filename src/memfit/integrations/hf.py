@@ -30,9 +30,22 @@ already logged and are not counted again; their replays write no step record. Th
 gradients are those of a run that never hit the OOM. With several DDP ranks the replay stays
 on the rank that hit the OOM, and the others wait for it at the window's gradient sync
 (distributed.py, NOTE [Lockstep under DDP]). Under FSDP every forward and backward holds
-collectives (parameter all-gathers, gradient reduce-scatters), so a replay on one rank
-cannot be made local: the OOM is raised instead, and torchrun stops the other ranks (the
-Trainer refuses ``--fsdp`` for now; the check covers a model sharded some other way).
+collectives (parameter all-gathers, gradient reduce-scatters), so a replay on one rank cannot
+be made local: every rank replays the window together (NOTE [Replay under FSDP] in
+memfit/engine/replay.py); an OOM outside the blocks' forwards is a clear error there.
+
+# NOTE [Hooked after sharding]
+Under FSDP2 (``--fsdp`` with ``fsdp_config`` ``{"fsdp_version": 2}``, or an Accelerate config
+file) Accelerate shards the model in place when training starts (``fully_shard`` replaces each
+parameter by this rank's shard), after ``__init__``. memfit must count the shards, exclude the
+parameters FSDP gathers and hold the sharded parameters' gradients, so the controller is made at
+the first micro-step, on the sharded model and with the optimizer Accelerate prepared:
+``Trainer.memfit`` is None until then, and the budget is checked then, per rank. Each rank
+plans for its own batches under its own cap. Every micro-step reduce-scatters its gradients
+(``set_requires_gradient_sync(True)``), also inside an accumulation window: FSDP2's skipped sync
+accumulates unsharded gradients of the whole model on every rank, which defeats the budget, and
+which a replay could not drop (they live inside FSDP, not in ``.grad``). FSDP1 and FSDP's own
+activation checkpointing are refused (:func:`check_fsdp_plugin`).
 """
 
 from __future__ import annotations
@@ -60,6 +73,7 @@ from memfit.engine.treatments import KEEP, TREATMENTS
 
 __all__ = [
     "MemfitArguments", "TrainingArguments", "MemfitTrainerMixin", "Trainer", "with_memfit", "STATE_FILE", "rank_path",
+    "check_fsdp_plugin",
 ]
 
 STATE_FILE = "memfit_state.json"
@@ -141,11 +155,6 @@ class MemfitArguments:
     )
 
     def __post_init__(self) -> None:
-        if self.fsdp:
-            raise FlagError(
-                "--fsdp: the memfit Trainer does not support FSDP yet (it hooks the model before Accelerate shards "
-                "it); with FSDP2, call memfit.fit after fully_shard in your own training loop"
-            )
         if self.output_dir and os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
             raise FlagError(f"--output_dir {self.output_dir} is a file; name a folder (new or existing)")
         super().__post_init__()
@@ -187,6 +196,9 @@ class MemfitArguments:
         hf_checkpointing = getattr(self, "activation_checkpointing", None)
         if hf_checkpointing is None:
             hf_checkpointing = self.gradient_checkpointing
+        fsdp_config = self.fsdp_config if self.fsdp and isinstance(self.fsdp_config, dict) else {}
+        _check_fsdp(fsdp_config.get("version", fsdp_config.get("fsdp_version", 2)),
+                    fsdp_config.get("activation_checkpointing", False))
         if hf_checkpointing and self.memfit_method != "none":
             raise FlagError(
                 "--gradient_checkpointing and memfit both checkpoint: drop --gradient_checkpointing "
@@ -210,6 +222,33 @@ class MemfitArguments:
         if self.memory_threshold is not None:
             return int(self.memory_threshold * 10**9)
         return None
+
+
+def _check_fsdp(version: Any, activation_checkpointing: Any) -> None:
+    """Refuse what memfit cannot run under: FSDP1, and FSDP's own activation checkpointing.
+
+    Raises:
+        FlagError: naming the setting to change.
+    """
+    if str(version) not in ("2", "2.0"):
+        raise FlagError(
+            f"--fsdp with fsdp_version {version}: memfit runs under FSDP2 only; set \"fsdp_version\": 2 in --fsdp_config "
+            "(or fsdp_version: 2 in the Accelerate config file)"
+        )
+    if str(activation_checkpointing).lower() in ("true", "1"):
+        raise FlagError(
+            "FSDP's activation_checkpointing and memfit both checkpoint: drop \"activation_checkpointing\" from "
+            "--fsdp_config (fsdp_activation_checkpointing in the Accelerate config file); --memfit_method full does the same"
+        )
+
+
+def check_fsdp_plugin(plugin: Any) -> None:
+    """The FSDP settings Accelerate runs with (from ``--fsdp`` or its config file) suit memfit.
+
+    Raises:
+        FlagError: FSDP1, or FSDP's activation checkpointing on (:func:`_check_fsdp`).
+    """
+    _check_fsdp(getattr(plugin, "fsdp_version", 1), getattr(plugin, "activation_checkpointing", False))
 
 
 def treatment_names(text: str) -> tuple[str, ...] | None:
@@ -266,7 +305,7 @@ class _MemfitCallback(transformers.TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         folder = os.path.join(args.output_dir, f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        if os.path.isdir(folder) and state.is_world_process_zero:
+        if os.path.isdir(folder) and state.is_world_process_zero and self.trainer.memfit is not None:
             with open(os.path.join(folder, STATE_FILE), "w", encoding="utf-8") as fh:
                 json.dump(self.trainer.memfit.state_dict(), fh)
         return control
@@ -299,15 +338,28 @@ class MemfitTrainerMixin:
         #: every rank's step-record file is this path with the rank's suffix (rank_path)
         self._steps_path = getattr(a, "memfit_log", None) or os.path.join(a.output_dir, STEPS_FILE)
         log = rank_path(self._steps_path, a.process_index, a.world_size)
-        self._check_static_need_before_optimizer()
         self._log_path = log
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        if plugin is not None:
+            check_fsdp_plugin(plugin)
+
         # Each rank has its own budget (its own process cap), plans for its own batches and
         # writes its own records; rank 0 merges the summaries.
-        self.memfit: Controller = fit(
-            self.model, getattr(a, "memfit_budget_bytes", None), method, log=log, margin=getattr(a, "memfit_margin", None),
-            announce=False, treatments=treatment_names(getattr(a, "memfit_treatments", "auto")),
-            compile=bool(getattr(a, "memfit_compile", False)), **method_kwargs,
-        )
+        def hook(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Controller:
+            return fit(
+                model, getattr(a, "memfit_budget_bytes", None), method, optimizer=optimizer, log=log,
+                margin=getattr(a, "memfit_margin", None), announce=False,
+                treatments=treatment_names(getattr(a, "memfit_treatments", "auto")),
+                compile=bool(getattr(a, "memfit_compile", False)), **method_kwargs,
+            )
+
+        self._hook = hook
+        self._pending_state: dict[str, Any] | None = None
+        #: the controller; under FSDP, None until the first micro-step (NOTE [Hooked after sharding])
+        self.memfit: Controller | None = None
+        if plugin is None:
+            self._check_static_need_before_optimizer()
+            self.memfit = hook(self.model)
         self._grad_sync: GradientSync | None = None
         self._grad_sync_of: torch.nn.Module | None = None  # the DDP wrapper it syncs for
         self.add_callback(_MemfitCallback(self))
@@ -337,13 +389,16 @@ class MemfitTrainerMixin:
     # ------------------------------------------------------------ optimizer
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
-        self.memfit.set_optimizer(getattr(optimizer, "optimizer", optimizer))  # its steps close the accumulation window
+        if self.memfit is not None:  # under FSDP the controller is made later, with the optimizer
+            self.memfit.set_optimizer(getattr(optimizer, "optimizer", optimizer))  # its steps close the accumulation window
         return optimizer
 
     # ------------------------------------------------------------ OOM replay
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         """One micro-step, through the controller's replayer: on an OOM, the accumulation window is
         replayed (NOTE [OOM replay])."""
+        if self.memfit is None:
+            self._hook_sharded(model)
         if self.memfit.method.measures_only:
             # Nothing to make safer: the OOM goes to the caller as it is (Accelerate's
             # find_executable_batch_size, behind --auto_find_batch_size, catches it).
@@ -351,12 +406,23 @@ class MemfitTrainerMixin:
         sync = self._lockstep_sync(model)
         if sync is not None:
             model = model.module  # no collective inside a micro-step (NOTE [Lockstep under DDP])
-        loss = self.memfit.replay.run(
-            super().training_step, (model, inputs, num_items_in_batch), raise_what="--memory_budget or --memfit_margin",
-        )
+        step = super().training_step
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 (NOTE [Hooked after sharding])
+            def step(model, inputs, num_items_in_batch, _step=step):
+                model.set_requires_gradient_sync(True)
+                return _step(model, inputs, num_items_in_batch)
+        loss = self.memfit.replay.run(step, (model, inputs, num_items_in_batch), raise_what="--memory_budget or --memfit_margin")
         if sync is not None and self.accelerator.sync_gradients:
             sync.sync()
         return loss
+
+    def _hook_sharded(self, model: torch.nn.Module) -> None:
+        """Hook the model Accelerate has just sharded, with its optimizer (NOTE [Hooked after sharding])."""
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        self.memfit = self._hook(model, optimizer)
+        if self._pending_state is not None:
+            self.memfit.load_state_dict(self._pending_state)
+        self._say(self._start_line())
 
     def _lockstep_sync(self, model: torch.nn.Module) -> GradientSync | None:
         """The gradient sync replacing DDP's, or None to train through DDP as it is.
@@ -377,7 +443,7 @@ class MemfitTrainerMixin:
 
     # ------------------------------------------------------------ logs and files
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        records = self.memfit.records if "loss" in logs else []
+        records = self.memfit.records if "loss" in logs and self.memfit is not None else []
         if records:
             last = records[-1]
             logs["memfit/peak_gib"] = round(last.peak_allocated_bytes / 2**30, 4)
@@ -400,8 +466,11 @@ class MemfitTrainerMixin:
             state_path = os.path.join(folder, STATE_FILE) if folder else None
             if state_path and os.path.exists(state_path):
                 with open(state_path, encoding="utf-8") as fh:
-                    self.memfit.load_state_dict(json.load(fh))
-        self._say(self._start_line())
+                    self._pending_state = json.load(fh)
+                if self.memfit is not None:
+                    self.memfit.load_state_dict(self._pending_state)
+        if self.memfit is not None:  # under FSDP: said when the model is hooked
+            self._say(self._start_line())
         output = super().train(resume_from_checkpoint, *args, **kwargs)
         self.write_summary()
         return output
@@ -429,6 +498,8 @@ class MemfitTrainerMixin:
         every rank's step records into ``memfit_summary.json``, with ``per_rank`` peaks.
         """
         a = self.args
+        if self.memfit is None:
+            return None  # no training step ran under FSDP: nothing was hooked
         os.makedirs(a.output_dir, exist_ok=True)
         if a.world_size > 1:
             with open(rank_path(os.path.join(a.output_dir, SUMMARY_FILE), a.process_index, a.world_size), "w") as fh:
