@@ -138,9 +138,11 @@ def _model(shape: str, lora: bool, hf_ckpt: bool, device):
     config_cls = transformers.LlamaConfig if kind == "llama" else transformers.Qwen2Config
     config = config_cls(vocab_size=VOCAB, max_position_embeddings=4096, use_cache=False, tie_word_embeddings=False,
                         attn_implementation="sdpa", **dims)
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # the same weights on every rank (FSDP shards what each rank holds)
     cls = transformers.LlamaForCausalLM if kind == "llama" else transformers.Qwen2ForCausalLM
-    model = cls(config).to(dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    # built on the device, in bf16: an 8B model's float32 init on the host takes minutes and 32 GB a rank
+    with torch.device(device):
+        model = cls._from_config(config, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     if lora:
         import peft
 
