@@ -159,12 +159,27 @@ def test_records_summary_logs_and_state(tmp_path):
         ({"memfit_compile": True, "torch_compile": True}, "give only --memfit_compile"),
         ({"memory_budget": "six"}, "not a memory size"),
         ({"gradient_checkpointing": True}, "drop --gradient_checkpointing"),
-        ({"fsdp": "full_shard"}, "does not support FSDP yet"),
+        ({"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_version": 1}}, "memfit runs under FSDP2 only"),
+        ({"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_version": 2, "activation_checkpointing": True}},
+         "drop \"activation_checkpointing\" from --fsdp_config"),
     ],
 )
 def test_argument_errors(tmp_path, flags, message):
     with pytest.raises(ValueError, match=message):
         memfit.TrainingArguments(output_dir=str(tmp_path), report_to="none", **flags)
+
+
+def test_accelerate_fsdp_settings_memfit_cannot_run_under_are_refused():
+    """An Accelerate config file sets FSDP without --fsdp: the Trainer checks the plugin itself."""
+    from accelerate.utils import FullyShardedDataParallelPlugin as Plugin
+
+    from memfit.integrations.hf import check_fsdp_plugin
+
+    with pytest.raises(FlagError, match="fsdp_activation_checkpointing in the Accelerate config file"):
+        check_fsdp_plugin(Plugin(fsdp_version=2, activation_checkpointing=True))
+    with pytest.raises(FlagError, match="memfit runs under FSDP2 only"):
+        check_fsdp_plugin(Plugin(fsdp_version=1))
+    check_fsdp_plugin(Plugin(fsdp_version=2))
 
 
 def test_threshold_is_gigabytes(tmp_path):

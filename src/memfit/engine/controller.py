@@ -49,15 +49,16 @@ from memfit.engine.methods import Method, make_method, save_plans
 from memfit.engine.planner import Plan
 from memfit.engine.planning import Planning
 from memfit.engine.records import JsonlWriter, StepRecord, summarize
-from memfit.engine import probe, replay
+from memfit.engine import probe
+from memfit.engine.replay import Replayer, after_oom
 from memfit.engine.meter import Meter, make_meter
 from memfit.engine.step import Stage, StepState
 from memfit.engine.shapes import first_tensor, shape_key
 from memfit.engine.store import ReactiveStore
 from memfit.engine.summary_text import end_summary, start_line
-from memfit.engine.treatments import OFFLOAD, SELECTIVE, Treatment, make_treatments, run_treatment_names
+from memfit.engine.treatments import OFFLOAD, RECOMPUTE, SELECTIVE, Treatment, make_treatments, run_treatment_names
 
-__all__ = ["fit", "Controller"]
+__all__ = ["fit", "Controller", "check_static_need_of"]
 
 logger = logging.getLogger("memfit")
 
@@ -72,14 +73,31 @@ def _group_ids(blocks: list[Block]) -> list[int]:
     return out
 
 
-def _check_static_need(model: nn.Module, budget_bytes: int | None, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
-    """Parameters, gradients and optimizer state (expected before its first step), counted;
-    raises ``BudgetTooSmallError`` when they exceed the budget."""
+def check_static_need_of(
+    model: nn.Module, budget_bytes: int | None, state_bytes: int | None, state_name: str = "optimizer state",
+) -> dict[str, int]:
+    """The static need: parameters and gradients (this rank's shards under FSDP) and
+    ``state_bytes`` of optimizer state (left out when None: not known yet), counted.
+
+    The one check of the static need before training: the controller's for an optimizer it is
+    given, the Trainer's for the one ``--optim`` will make (NOTE [Expected optimizer state] in
+    optim_state.py), which names it ``state_name``.
+
+    Raises:
+        BudgetTooSmallError: when they exceed ``budget_bytes``.
+    """
     parts = static_bytes_logical(model, None)
-    parts["optimizer state"] = max(expected_optimizer_bytes(optimizer), optimizer_state_bytes(optimizer))
+    parts.pop("optimizer state")
+    if state_bytes is not None:
+        parts[state_name] = state_bytes
     if budget_bytes is not None:
         check_static_need(budget_bytes, sum(parts.values()), parts)
     return parts
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    """``optimizer``'s state as it is, or as it will be after its first step if larger."""
+    return max(expected_optimizer_bytes(optimizer), optimizer_state_bytes(optimizer))
 
 
 def _run_options(
@@ -125,6 +143,22 @@ def _run_options(
     return names, options
 
 
+def _inner_optimizer(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
+    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (or ``optimizer`` itself)."""
+    while optimizer is not None and isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _given(announce: str | bool) -> str | None:
+    """The budget as the user wrote it, if ``announce`` carries it."""
+    return announce if isinstance(announce, str) else None
+
+
+def _kinds(blocks: Sequence[Block]) -> list[str]:
+    return [type(b.module).__name__ for b in blocks]
+
+
 def _say(text: str, rank: int) -> None:
     if rank == 0:
         print(text, file=sys.stderr, flush=True)
@@ -149,9 +183,8 @@ class Controller:
         method: the :class:`~memfit.engine.methods.Method`.
         planning: model, planner and cache.
         meter: how memory is read (:attr:`accounting` names it).
-        replaying: set while earlier micro-steps of a window are rerun after an OOM (no records).
-        replays_ooms: the caller replays a step that runs out of memory (the Trainer sets it; ``run_step``
-            its own): protection is then left off where it costs more (NOTE [Protection by expected cost]).
+        replay: the :class:`~memfit.engine.replay.Replayer` every micro-step that may be replayed
+            after an OOM runs through (:meth:`run_step`, the Trainer's ``training_step``).
     """
 
     def __init__(
@@ -175,7 +208,7 @@ class Controller:
         treatments, compile_options = _run_options(treatments, compile)
         named = find_blocks(model, blocks)
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        static_parts = _check_static_need(model, budget_bytes, optimizer)
+        static_parts = check_static_need_of(model, budget_bytes, _state_bytes(optimizer))
         self.grad_params = [p for p in model.parameters() if p.requires_grad]
         self.meter: Meter = make_meter(self.device, self.grad_params, static_parts["parameters"] + static_parts["gradients"])
         self._fingerprint = fingerprint(named)
@@ -200,16 +233,12 @@ class Controller:
         #: print a start line now and a summary at remove(); a str is the budget as the user wrote it
         self.announce = announce
         if announce:
-            _say(start_line(method.name, budget_bytes, announce if isinstance(announce, str) else None, self.meter.kind,
-                            [type(b.module).__name__ for b in self.blocks]), self.rank)
+            _say(start_line(method.name, budget_bytes, _given(announce), self.meter.kind, _kinds(self.blocks)), self.rank)
         self._records: list[StepRecord] = []
         self._step: StepState | None = None
         self._steps_recorded = 0
-        self._oom = replay.OomLog()
-        self.replaying = self.replays_ooms = False
-        self._in_run_step = 0
-        #: ``run_step`` calls of the current accumulation window (NOTE [Replay in a plain loop])
-        self.window: list[tuple[Callable[..., Any], tuple, dict, Any]] = []
+        self.replay = Replayer(model, self.grad_params, self.blocks, self.treatments[RECOMPUTE], self.note_oom,
+                               self.drop_step, self.meter.release)
         self._handles = [
             model.register_forward_pre_hook(self._on_forward_start, with_kwargs=True),
             model.register_forward_hook(self._on_forward_end, always_call=True), *compile_loss(model, compile_options),
@@ -229,19 +258,17 @@ class Controller:
             BudgetTooSmallError: when weights + gradients + its state exceed the budget.
         """
         if check:
-            _check_static_need(self.model, self.budget_bytes, optimizer)
+            check_static_need_of(self.model, self.budget_bytes, _state_bytes(optimizer))
         for h in self._optimizer_handles:
             h.remove()
         self.optimizer = self.meter.optimizer = optimizer
-        while optimizer is not None and isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-            optimizer = optimizer.optimizer  # accelerate's AcceleratedOptimizer wraps the torch one
+        self.replay.closed_by_optimizer = optimizer is not None
+        optimizer = _inner_optimizer(optimizer)
         self.meter.expected_optimizer_bytes = expected_optimizer_bytes(optimizer)  # by the inner one's class
-        self._optimizer_handles = []
-        if optimizer is not None and hasattr(optimizer, "register_step_pre_hook"):
-            self._optimizer_handles = [
-                optimizer.register_step_pre_hook(lambda *_: self.meter.optimizer_step(self._step)),
-                optimizer.register_step_post_hook(lambda *_: self.window.clear()),
-            ]
+        self._optimizer_handles = [
+            optimizer.register_step_pre_hook(lambda *_: self.meter.optimizer_step(self._step)),
+            optimizer.register_step_post_hook(self.replay.close_window),
+        ] if optimizer is not None and hasattr(optimizer, "register_step_pre_hook") else []
 
     @property
     def accounting(self) -> str:
@@ -258,14 +285,12 @@ class Controller:
             return
         self._gathered.check_first_forward()
         self.planning.static_bytes = static_now
-        step = StepState(
-            t0=time.perf_counter(), static_bytes=static_now, replay=self.replaying,
-            replayable=self.replays_ooms or self._in_run_step > 0,
-            # optimizer state counted in `static` that only its first step will create
+        # state_to_come: optimizer state counted in `static` that only its first step will create
+        self._step = step = StepState(
+            t0=time.perf_counter(), static_bytes=static_now, replay=self.replay.replaying, replayable=self.replay.replayable,
             state_to_come=self.meter.expected_optimizer_bytes if self.optimizer is not None and not self.optimizer.state else 0,
         )
         self.meter.start_step(step)
-        self._step = step
         for treatment in self.treatments.values():
             treatment.start_step()
         self.protection.start_step(step)
@@ -313,7 +338,8 @@ class Controller:
         step.shape = list(x.shape) if x is not None else []
         step.key = shape_key(step.shape)
         misses = self.planning.cache.misses
-        failed = self._oom.failed_plan if self._oom.attempts and not self.replaying else None
+        oom = self.replay.oom
+        failed = oom.failed_plan if oom.attempts and not self.replay.replaying else None
         t0 = time.perf_counter()
         decision = self.method.decide(self.planning, step.key, failed)
         step.planner_us = (time.perf_counter() - t0) * 1e6
@@ -356,9 +382,9 @@ class Controller:
             outcome, peaks.reserved, predicted, number=self._steps_recorded, method=self.method.name,
             n_blocks=len(self.blocks), budget_bytes=self.budget_bytes, accounting=self.meter.kind,
             recompute_ms=self.planning.recompute_ms(step.key, step.decision.plan) + step.evicted_ms,
-            oom_retries=len(self._oom.attempts), oom_attempts=self._oom.attempts, rank=self.rank, now=now,
+            oom_retries=len(self.replay.oom.attempts), oom_attempts=self.replay.oom.attempts, rank=self.rank, now=now,
         )
-        self._oom.clear()
+        self.replay.oom.clear()
         self._records.append(record)
         if self._writer is not None:
             self._writer.write(record)
@@ -376,30 +402,20 @@ class Controller:
         """:class:`~memfit.engine.records.RunSummary` of the records so far."""
         return summarize(self.records)
 
-    @property
-    def pending_oom_attempts(self) -> list[dict[str, Any]]:
-        """The failed attempts of the step being replayed (its record gets them when it succeeds)."""
-        return list(self._oom.attempts)
-
     def note_oom(self, error: BaseException | str | None = None) -> None:
-        """Call after catching an OOM inside a step, before replaying it (or use :meth:`run_step`).
-
-        Drops the failed step (nothing learned) and keeps more room free, so that the replay
-        runs a safer plan (:func:`memfit.engine.replay.after_oom`); the step's record, written
-        when the replay succeeds, lists the failed attempt (``oom_attempts``).
-
-        Args:
-            error: the caught error or its message (a message keeps the failed step's frames,
-                and their tensors, out of reach).
+        """After an OOM inside a step, before replaying it (:attr:`replay` calls it): drop the failed
+        step and keep more room free (:func:`~memfit.engine.replay.after_oom`); the replayed
+        step's record lists the failed attempt. ``error``: the error or its message (a message
+        keeps the failed step's frames, and their tensors, out of reach).
 
         Raises:
             BudgetTooSmallError: when no safer plan exists.
         """
         step, self._step = self._step, None
         self._counter.stop()
-        attempt = self._oom.add(step, self.meter, self.planning, self.protection, error)
+        attempt = self.replay.oom.add(step, self.meter, self.planning, self.protection, error)
         self.protection.note_oom(step, attempt)
-        replay.after_oom(self.method, self.planning, step, attempt, len(self.blocks))
+        after_oom(self.method, self.planning, step, attempt, len(self.blocks))
 
     def drop_step(self) -> None:
         """Drop the pending step unrecorded: another rank's OOM replays it (NOTE [Replay under FSDP])."""
@@ -420,11 +436,7 @@ class Controller:
             ...     ctl.run_step(lambda: model(**batch).loss.backward())
             ...     opt.step(); opt.zero_grad(set_to_none=True)
         """
-        self._in_run_step += 1
-        try:
-            return replay.run_step(self, fn, args, kwargs)
-        finally:
-            self._in_run_step -= 1
+        return self.replay.run(fn, args, kwargs, raise_what="the memory budget or the margin")
 
     def plans(self) -> dict[tuple[int, int], Plan]:
         """Plans decided so far, per shape bucket."""
@@ -446,7 +458,7 @@ class Controller:
     def remove(self) -> None:
         """Close the last record, unhook and unwrap: the model is exactly as before ``fit``."""
         if self.records and self.announce and self._handles:
-            _say(end_summary(self.records, self.announce if isinstance(self.announce, str) else None), self.rank)
+            _say(end_summary(self.records, _given(self.announce)), self.rank)
         for h in self._handles + self._optimizer_handles:
             h.remove()
         self._handles = self._optimizer_handles = []

@@ -1,16 +1,18 @@
 """Surviving an OOM: the failed attempt's record, a safer plan, and the replay of the step.
 
-``Controller.note_oom`` drops the failed step and keeps more room free (:func:`after_oom`);
-the caller replays the step. The Trainer replays its accumulation window (NOTE [OOM replay]
-in hf.py); a plain loop calls ``Controller.run_step`` (:func:`run_step`), which does the same.
+One engine replays: the :class:`Replayer` the controller owns (``ctl.replay``). A plain loop
+reaches it through ``Controller.run_step``; the Trainer's ``training_step`` (and so TRL's
+``SFTTrainer``) runs every micro-step through it too, under DDP and FSDP alike (NOTE [OOM
+replay] in memfit/integrations/hf.py). On an OOM it calls ``Controller.note_oom``, which drops
+the failed step and keeps more room free (:func:`after_oom`), then replays.
 
 # NOTE [Replay in a plain loop]
-``run_step(fn)`` runs one micro-step (the forward and backward inside ``fn``). On an OOM the
+``Replayer.run(fn)`` runs one micro-step (the forward and backward inside ``fn``). On an OOM the
 failed attempt has added part of its gradients to ``.grad``, which cannot be taken back; so
 every gradient is dropped and the micro-steps of the accumulation window that ran before it
 are rerun first, each with the RNG state it had, then the failed one, with its own: the
 gradients are then bitwise those of a run without the OOM, as nothing else differs but the
-plans. The window is the ``run_step`` calls since the optimizer's last step (the controller's
+plans. The window (the accumulation window) is the micro-steps since the optimizer's last step (the controller's
 optimizer, whose step hook closes it) or since the gradients were last all ``None``. Without
 an optimizer to close windows, a call that finds gradients already present keeps a copy of
 them to restore instead (memory: one copy of the gradients).
@@ -20,7 +22,7 @@ Under FSDP with several ranks every block's forward and backward hold collective
 all-gathers a block's parameters before it runs and reduce-scatters its gradients after its
 backward), and every rank must issue the same ones in the same order. A rank that stopped at
 an OOM and replayed alone would leave the others waiting in the next all-gather. So inside
-``run_step`` an OOM in a block's forward is not raised: that block runs again under whole-block
+``Replayer.run`` an OOM in a block's forward is not raised: that block runs again under whole-block
 recompute, as does every later block of the step, and the step goes on to the end, its
 collectives in step with the other ranks, its gradients wrong; the failed attempt is noted when
 it is raised (its stage and memory readings are the failure's), and the rest of the step is not
@@ -38,7 +40,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -49,18 +50,17 @@ from memfit.engine.budget import BudgetTooSmallError, format_bytes
 from memfit.integrations.distributed import is_fsdp, world_size
 from memfit.engine.planner import Plan
 from memfit.engine.step import Stage, StepState
-from memfit.engine.treatments import RECOMPUTE
 
 if TYPE_CHECKING:
     from memfit.engine.blocks import Block
     from memfit.engine.methods import Method
     from memfit.engine.planning import Planning
     from memfit.engine.protection import Protection
-    from memfit.engine.controller import Controller
     from memfit.engine.meter import Meter
+    from memfit.engine.treatments import Treatment
 
-__all__ = ["MAX_OOM_RETRIES", "describe_attempt", "OomLog", "after_oom", "run_step", "rng_state", "set_rng_state",
-           "replays_exhausted", "sharded"]
+__all__ = ["MAX_OOM_RETRIES", "describe_attempt", "OomLog", "after_oom", "MicroStep", "Replayer", "rng_state",
+           "set_rng_state"]
 
 logger = logging.getLogger("memfit")
 
@@ -187,99 +187,172 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def replays_exhausted(attempts: list[dict[str, Any]], n_blocks: int, raise_what: str) -> BudgetTooSmallError:
-    """The error after :data:`MAX_OOM_RETRIES` replays; ``raise_what`` names the budget and margin."""
-    return BudgetTooSmallError(
-        f"still out of memory after {MAX_OOM_RETRIES} replays with safer plans; the last: "
-        f"{describe_attempt(attempts[-1], n_blocks) if attempts else 'not recorded'}. Raise {raise_what}, or lower "
-        "the batch size"
-    )
+@dataclass
+class MicroStep:
+    """One micro-step of the accumulation window: ``fn(*args, **kwargs)`` and the RNG state it drew from."""
+
+    fn: Callable[..., Any]
+    args: tuple
+    kwargs: dict[str, Any]
+    rng: dict[str, Any]
 
 
-def run_step(ctl: "Controller", fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
-    """Run ``fn(*args, **kwargs)`` (one micro-step: forward and backward), replaying it on an
-    OOM with the same RNG state and a safer plan (NOTE [Replay in a plain loop]).
+class Replayer:
+    """The one OOM-replay engine (NOTE [Replay in a plain loop], NOTE [Replay under FSDP]).
 
-    Raises:
-        BudgetTooSmallError: when no safer plan exists, or after :data:`MAX_OOM_RETRIES` replays.
+    Owned by the controller (``ctl.replay``); ``Controller.run_step`` and the Trainer's
+    ``training_step`` (TRL's too) run every micro-step through :meth:`run`. It owns the
+    accumulation window (the micro-steps since the optimizer's last step, each with its RNG
+    state), the retries, and under FSDP the ranks' agreement after each micro-step. What it
+    needs of the controller comes in as arguments, so neither imports the other.
+
+    Args:
+        model: the hooked model (read once, at the first micro-step, for FSDP sharding).
+        params: the parameters whose gradients a replay drops.
+        blocks: the wrapped blocks (under FSDP an OOM in one reruns it and the later ones).
+        recompute: the whole-block recompute treatment (NOTE [Recompute always at hand], treatments.py).
+        note_oom: drops the failed step and makes the next plan safer; raises when none is.
+        drop_step: drops the pending step unrecorded (another rank's OOM replays it).
+        release: returns cached memory to the device after an OOM.
+
+    Attributes:
+        accumulation: the accumulation window's micro-steps, oldest first.
+        oom: the failed attempts of the micro-step being replayed (its record takes them).
+        replaying: set while the window's earlier micro-steps are rerun (their steps write no record).
+        closed_by_optimizer: an optimizer's step closes the window (:meth:`close_window` is
+            hooked on it); without one, gradients present before a micro-step are kept to restore.
     """
-    params = ctl.grad_params
-    window = ctl.window
-    has_grads = any(p.grad is not None for p in params)
-    kept = None
-    if not has_grads:
-        window.clear()  # a new accumulation window
-    elif ctl.optimizer is None:
-        window.clear()
-        kept = [None if p.grad is None else p.grad.detach().clone() for p in params]
-    window.append((fn, args, kwargs, rng_state()))
-    together = _InStep(ctl) if sharded(ctl) else None
-    for retry in range(MAX_OOM_RETRIES + 1):
-        message = None
+
+    def __init__(
+        self, model: torch.nn.Module, params: list[torch.nn.Parameter], blocks: "list[Block]", recompute: "Treatment",
+        note_oom: Callable[[str], None], drop_step: Callable[[], None], release: Callable[[], None],
+    ):
+        self._model, self._params, self._blocks, self._recompute = model, params, blocks, recompute
+        self._note_oom, self._drop_step, self._release = note_oom, drop_step, release
+        self.accumulation: list[MicroStep] = []
+        self.oom = OomLog()
+        self.replaying = False
+        self.closed_by_optimizer = False
+        self._running = 0
+        self._sharded: bool | None = None
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is sharded over several ranks (FSDP); read at the first micro-step
+        (memfit hooks a model after it is sharded, so it never changes after that)."""
+        if self._sharded is None:
+            self._sharded = world_size() > 1 and is_fsdp(self._model)
+        return self._sharded
+
+    @property
+    def replayable(self) -> bool:
+        """Whether an OOM in the step now starting would be replayed: it runs inside :meth:`run`,
+        unsharded (under FSDP an OOM outside a block's forward cannot be: NOTE [Protection by
+        expected cost], protection.py)."""
+        return self._running > 0 and not self.sharded
+
+    def close_window(self, *_: Any) -> None:
+        """The optimizer stepped: the next micro-step opens a new window (an optimizer step post-hook)."""
+        self.accumulation.clear()
+
+    def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict[str, Any] | None = None, *,
+            raise_what: str = "the memory budget or the margin") -> Any:
+        """Run ``fn(*args, **kwargs)`` (one micro-step: forward and backward), replaying the
+        window on an OOM with the same RNG states and a safer plan (NOTE [Replay in a plain loop]).
+
+        ``raise_what`` names what the user raises when no replay helps (arguments or flags).
+
+        Raises:
+            BudgetTooSmallError: when no safer plan exists, after :data:`MAX_OOM_RETRIES` replays,
+                or under FSDP for an OOM outside the blocks' forwards (NOTE [Replay under FSDP]).
+        """
+        kwargs = kwargs or {}
+        self._running += 1
         try:
+            return self._run(MicroStep(fn, args, kwargs, rng_state()), raise_what)
+        finally:
+            self._running -= 1
+
+    def _run(self, micro: MicroStep, raise_what: str) -> Any:
+        params, window = self._params, self.accumulation
+        kept = None
+        if not any(p.grad is not None for p in params):
+            window.clear()  # a new accumulation window
+        elif not self.closed_by_optimizer:
+            window.clear()
+            kept = [None if p.grad is None else p.grad.detach().clone() for p in params]
+        window.append(micro)
+        together = _InStep(self) if self.sharded else None
+        for retry in range(MAX_OOM_RETRIES + 1):
+            message = None
+            try:
+                if together is None:
+                    if retry:
+                        self._replay_head()
+                    return micro.fn(*micro.args, **micro.kwargs)
+                with together:  # NOTE [Replay under FSDP]
+                    if retry:
+                        self._replay_head()
+                    result = micro.fn(*micro.args, **micro.kwargs)
+                if not together.any_rank_failed():
+                    return result
+                del result
+            except torch.OutOfMemoryError as err:
+                message = str(err)  # recovered outside the except block, so its frames are freed
+                if together is not None:
+                    raise BudgetTooSmallError(
+                        f"{message}\nmemfit: under FSDP with several ranks, an OOM outside the blocks' forwards (the "
+                        "head after the last block, or a backward) cannot be replayed in step with the other ranks "
+                        f"(NOTE [Replay under FSDP] in memfit/engine/replay.py); raise {raise_what}, or lower the batch size"
+                    ) from None
             if together is None:
-                if retry:
-                    _replay_head(ctl, window)
-                return fn(*args, **kwargs)
-            with together:  # NOTE [Replay under FSDP]
-                if retry:
-                    _replay_head(ctl, window)
-                result = fn(*args, **kwargs)
-            if not together.any_rank_failed():
-                return result
-            del result
-        except torch.OutOfMemoryError as err:
-            message = str(err)  # recovered outside the except block, so its frames are freed
-            if together is not None:
-                raise BudgetTooSmallError(
-                    f"{message}\nmemfit: under FSDP with several ranks, an OOM outside the blocks' forwards (the head "
-                    "after the last block, or a backward) cannot be replayed in step with the other ranks (NOTE [Replay "
-                    "under FSDP]); raise the memory budget or the margin, or lower the batch size"
-                ) from None
-        if together is None:
-            ctl.note_oom(message)  # raises when no safer plan exists
-        elif together.message is None:
-            ctl.drop_step()  # another rank failed: replay with this rank's own plan
-        # else this rank's OOM was noted when it was raised (_InStep)
-        for p, grad in zip(params, kept or [None] * len(params)):
-            p.grad = grad if grad is None else grad.clone()
-        gc.collect()
-        ctl.meter.release()
-    raise replays_exhausted(ctl.pending_oom_attempts, len(ctl.blocks), "the memory budget or the margin")
+                self._note_oom(message)  # raises when no safer plan exists
+            elif together.message is None:
+                self._drop_step()  # another rank failed: replay with this rank's own plan
+            # else this rank's OOM was noted when it was raised (_InStep)
+            for p, grad in zip(params, kept or [None] * len(params)):
+                p.grad = grad if grad is None else grad.clone()
+            gc.collect()
+            self._release()
+        attempts = self.oom.attempts
+        raise BudgetTooSmallError(
+            f"still out of memory after {MAX_OOM_RETRIES} replays with safer plans; the last: "
+            f"{describe_attempt(attempts[-1], len(self._blocks)) if attempts else 'not recorded'}. Raise {raise_what}, "
+            "or lower the batch size"
+        )
 
-
-#: per controller, whether its model is sharded over several ranks (fit comes after fully_shard,
-#: so it never changes; read once instead of walking the modules every micro-step)
-_SHARDED: "weakref.WeakKeyDictionary[Controller, bool]" = weakref.WeakKeyDictionary()
-
-
-def sharded(ctl: "Controller") -> bool:
-    """Whether ``ctl``'s model is sharded over several ranks (FSDP), read once per controller."""
-    if ctl not in _SHARDED:
-        _SHARDED[ctl] = world_size() > 1 and is_fsdp(ctl.model)
-    return _SHARDED[ctl]
+    def _replay_head(self) -> None:
+        """Rerun the window's earlier micro-steps (no records), then restore the failed one's RNG."""
+        self.replaying = True
+        try:
+            for micro in self.accumulation[:-1]:
+                set_rng_state(micro.rng)
+                micro.fn(*micro.args, **micro.kwargs)
+        finally:
+            self.replaying = False
+        set_rng_state(self.accumulation[-1].rng)
 
 
 class _InStep:
     """While entered, an OOM in a block's forward reruns that block and every later one under
     whole-block recompute instead of raising (NOTE [Replay under FSDP])."""
 
-    def __init__(self, ctl: "Controller"):
-        self.ctl = ctl
+    def __init__(self, replayer: Replayer):
+        self.replayer = replayer
         self.message: str | None = None
-        self._recompute = ctl.treatments[RECOMPUTE]  # NOTE [Recompute always at hand], treatments.py
 
     def __enter__(self) -> "_InStep":
         self.message = None
-        for block in self.ctl.blocks:
+        for block in self.replayer._blocks:
             block.on_oom = self._go_on
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for block in self.ctl.blocks:
+        for block in self.replayer._blocks:
             block.on_oom = None
 
     def _go_on(self, block: "Block", args: tuple, kwargs: dict[str, Any], message: str) -> Any:
+        replayer = self.replayer
         if any(is_fsdp(child) for child in block.module.children()):
             raise BudgetTooSmallError(
                 f"{message}\nmemfit: block {block.name} holds FSDP modules of its own, so its failed forward cannot "
@@ -292,12 +365,12 @@ class _InStep:
                            "ranks, then every rank replays it", block.index, block.name)
             # noted now, while the attempt's stage and memory readings are those of the failure;
             # the rest of the step runs unrecorded (raises when no safer plan exists)
-            self.ctl.note_oom(message)
+            replayer._note_oom(message)
         gc.collect()
-        self.ctl.meter.release()
-        for later in self.ctl.blocks[block.index:]:
-            later.treatment = self._recompute
-        return self._recompute.run(block, args, kwargs)
+        replayer._release()
+        for later in replayer._blocks[block.index:]:
+            later.treatment = replayer._recompute
+        return replayer._recompute.run(block, args, kwargs)
 
     def any_rank_failed(self) -> bool:
         """All-reduce of this rank's flag: whether any rank ran out of memory in this attempt."""
@@ -307,15 +380,3 @@ class _InStep:
         flag = torch.tensor([0 if self.message is None else 1], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
-
-
-def _replay_head(ctl: "Controller", window: list) -> None:
-    """Rerun the window's earlier micro-steps (no records), then restore the failed one's RNG."""
-    ctl.replaying = True
-    try:
-        for fn, args, kwargs, rng in window[:-1]:
-            set_rng_state(rng)
-            fn(*args, **kwargs)
-    finally:
-        ctl.replaying = False
-    set_rng_state(window[-1][3])

@@ -18,6 +18,8 @@ replay, records). ``Trainer`` is the mixin on ``transformers.Trainer``; :func:`w
 puts it on another Trainer class (``memfit.trl.SFTTrainer`` is TRL's ``SFTTrainer`` with it).
 
 # NOTE [OOM replay]
+``training_step`` runs every micro-batch through the controller's replayer
+(``Trainer.memfit.replay``, memfit/engine/replay.py), the same engine as ``Controller.run_step``.
 An OOM can hit any micro-batch of a gradient-accumulation window, after earlier
 micro-batches have already added to ``.grad``. Retrying only the failed micro-batch would
 keep a half-accumulated, possibly corrupted gradient; skipping it would lose a batch. So the
@@ -28,14 +30,26 @@ already logged and are not counted again; their replays write no step record. Th
 gradients are those of a run that never hit the OOM. With several DDP ranks the replay stays
 on the rank that hit the OOM, and the others wait for it at the window's gradient sync
 (distributed.py, NOTE [Lockstep under DDP]). Under FSDP every forward and backward holds
-collectives (parameter all-gathers, gradient reduce-scatters), so a replay on one rank
-cannot be made local: the OOM is raised instead, and torchrun stops the other ranks (the
-Trainer refuses ``--fsdp`` for now; the check covers a model sharded some other way).
+collectives (parameter all-gathers, gradient reduce-scatters), so a replay on one rank cannot
+be made local: every rank replays the window together (NOTE [Replay under FSDP] in
+memfit/engine/replay.py); an OOM outside the blocks' forwards is a clear error there.
+
+# NOTE [Hooked after sharding]
+Under FSDP2 (``--fsdp`` with ``fsdp_config`` ``{"fsdp_version": 2}``, or an Accelerate config
+file) Accelerate shards the model in place when training starts (``fully_shard`` replaces each
+parameter by this rank's shard), after ``__init__``. memfit must count the shards, exclude the
+parameters FSDP gathers and hold the sharded parameters' gradients, so the controller is made at
+the first micro-step, on the sharded model and with the optimizer Accelerate prepared:
+``Trainer.memfit`` is None until then, and the budget is checked then, per rank. Each rank
+plans for its own batches under its own cap. Every micro-step reduce-scatters its gradients
+(``set_requires_gradient_sync(True)``), also inside an accumulation window: FSDP2's skipped sync
+accumulates unsharded gradients of the whole model on every rank, which defeats the budget, and
+which a replay could not drop (they live inside FSDP, not in ``.grad``). FSDP1 and FSDP's own
+activation checkpointing are refused (:func:`check_fsdp_plugin`).
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
@@ -46,21 +60,20 @@ from typing import Any
 import torch
 import transformers
 
-from memfit.engine.accounting import static_bytes_logical
-from memfit.engine.budget import check_static_need, parse_bytes
+from memfit.engine.budget import parse_bytes
 from memfit.integrations.distributed import GradientSync, world_size
 from memfit.errors import FlagError, MissingFileError
 from memfit.engine.methods import METHODS, Method, UnknownMethodError
 from memfit.engine.optim_state import expected_state_bytes
 from memfit.engine.records import StepRecord, read_jsonl, summarize
 from memfit.integrations.run_dir import claim_output_dir
-from memfit.engine.controller import Controller, fit
-from memfit.engine.replay import MAX_OOM_RETRIES, replays_exhausted, rng_state, set_rng_state, sharded
+from memfit.engine.controller import Controller, check_static_need_of, fit
 from memfit.engine.summary_text import end_summary, parameters_words, start_line
 from memfit.engine.treatments import KEEP, TREATMENTS
 
 __all__ = [
     "MemfitArguments", "TrainingArguments", "MemfitTrainerMixin", "Trainer", "with_memfit", "STATE_FILE", "rank_path",
+    "check_fsdp_plugin",
 ]
 
 STATE_FILE = "memfit_state.json"
@@ -142,11 +155,6 @@ class MemfitArguments:
     )
 
     def __post_init__(self) -> None:
-        if self.fsdp:
-            raise FlagError(
-                "--fsdp: the memfit Trainer does not support FSDP yet (it hooks the model before Accelerate shards "
-                "it); with FSDP2, call memfit.fit after fully_shard in your own training loop"
-            )
         if self.output_dir and os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
             raise FlagError(f"--output_dir {self.output_dir} is a file; name a folder (new or existing)")
         super().__post_init__()
@@ -188,6 +196,9 @@ class MemfitArguments:
         hf_checkpointing = getattr(self, "activation_checkpointing", None)
         if hf_checkpointing is None:
             hf_checkpointing = self.gradient_checkpointing
+        fsdp_config = self.fsdp_config if self.fsdp and isinstance(self.fsdp_config, dict) else {}
+        _check_fsdp(fsdp_config.get("version", fsdp_config.get("fsdp_version", 2)),
+                    fsdp_config.get("activation_checkpointing", False))
         if hf_checkpointing and self.memfit_method != "none":
             raise FlagError(
                 "--gradient_checkpointing and memfit both checkpoint: drop --gradient_checkpointing "
@@ -211,6 +222,33 @@ class MemfitArguments:
         if self.memory_threshold is not None:
             return int(self.memory_threshold * 10**9)
         return None
+
+
+def _check_fsdp(version: Any, activation_checkpointing: Any) -> None:
+    """Refuse what memfit cannot run under: FSDP1, and FSDP's own activation checkpointing.
+
+    Raises:
+        FlagError: naming the setting to change.
+    """
+    if str(version) not in ("2", "2.0"):
+        raise FlagError(
+            f"--fsdp with fsdp_version {version}: memfit runs under FSDP2 only; set \"fsdp_version\": 2 in --fsdp_config "
+            "(or fsdp_version: 2 in the Accelerate config file)"
+        )
+    if str(activation_checkpointing).lower() in ("true", "1"):
+        raise FlagError(
+            "FSDP's activation_checkpointing and memfit both checkpoint: drop \"activation_checkpointing\" from "
+            "--fsdp_config (fsdp_activation_checkpointing in the Accelerate config file); --memfit_method full does the same"
+        )
+
+
+def check_fsdp_plugin(plugin: Any) -> None:
+    """The FSDP settings Accelerate runs with (from ``--fsdp`` or its config file) suit memfit.
+
+    Raises:
+        FlagError: FSDP1, or FSDP's activation checkpointing on (:func:`_check_fsdp`).
+    """
+    _check_fsdp(getattr(plugin, "fsdp_version", 1), getattr(plugin, "activation_checkpointing", False))
 
 
 def treatment_names(text: str) -> tuple[str, ...] | None:
@@ -267,7 +305,7 @@ class _MemfitCallback(transformers.TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         folder = os.path.join(args.output_dir, f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        if os.path.isdir(folder) and state.is_world_process_zero:
+        if os.path.isdir(folder) and state.is_world_process_zero and self.trainer.memfit is not None:
             with open(os.path.join(folder, STATE_FILE), "w", encoding="utf-8") as fh:
                 json.dump(self.trainer.memfit.state_dict(), fh)
         return control
@@ -300,17 +338,28 @@ class MemfitTrainerMixin:
         #: every rank's step-record file is this path with the rank's suffix (rank_path)
         self._steps_path = getattr(a, "memfit_log", None) or os.path.join(a.output_dir, STEPS_FILE)
         log = rank_path(self._steps_path, a.process_index, a.world_size)
-        self._check_static_need_before_optimizer()
         self._log_path = log
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        if plugin is not None:
+            check_fsdp_plugin(plugin)
+
         # Each rank has its own budget (its own process cap), plans for its own batches and
         # writes its own records; rank 0 merges the summaries.
-        self.memfit: Controller = fit(
-            self.model, getattr(a, "memfit_budget_bytes", None), method, log=log, margin=getattr(a, "memfit_margin", None),
-            announce=False, treatments=treatment_names(getattr(a, "memfit_treatments", "auto")),
-            compile=bool(getattr(a, "memfit_compile", False)), **method_kwargs,
-        )
-        self._window: list[tuple[dict[str, Any], dict[str, Any], Any]] = []
-        self._oom_total = 0
+        def hook(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Controller:
+            return fit(
+                model, getattr(a, "memfit_budget_bytes", None), method, optimizer=optimizer, log=log,
+                margin=getattr(a, "memfit_margin", None), announce=False,
+                treatments=treatment_names(getattr(a, "memfit_treatments", "auto")),
+                compile=bool(getattr(a, "memfit_compile", False)), **method_kwargs,
+            )
+
+        self._hook = hook
+        self._pending_state: dict[str, Any] | None = None
+        #: the controller; under FSDP, None until the first micro-step (NOTE [Hooked after sharding])
+        self.memfit: Controller | None = None
+        if plugin is None:
+            self._check_static_need_before_optimizer()
+            self.memfit = hook(self.model)
         self._grad_sync: GradientSync | None = None
         self._grad_sync_of: torch.nn.Module | None = None  # the DDP wrapper it syncs for
         self.add_callback(_MemfitCallback(self))
@@ -333,57 +382,47 @@ class MemfitTrainerMixin:
             return
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         state = expected_state_bytes(a.optim, trainable, a.optim_args)
-        parts = static_bytes_logical(self.model, None)
         if state is None:
             logger.info("--optim %s: its state is counted once it exists (the first optimizer step)", a.optim)
-            parts.pop("optimizer state")
-        else:
-            parts[f"optimizer state ({getattr(a.optim, 'value', a.optim)}, expected)"] = parts.pop("optimizer state") + state
-        check_static_need(budget, sum(parts.values()), parts)
+        check_static_need_of(self.model, budget, state, f"optimizer state ({getattr(a.optim, 'value', a.optim)}, expected)")
 
     # ------------------------------------------------------------ optimizer
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
-        inner = getattr(optimizer, "optimizer", optimizer)
-        self.memfit.set_optimizer(inner)
-        inner.register_step_post_hook(lambda *_: self._window.clear())
+        if self.memfit is not None:  # under FSDP the controller is made later, with the optimizer
+            self.memfit.set_optimizer(getattr(optimizer, "optimizer", optimizer))  # its steps close the accumulation window
         return optimizer
 
     # ------------------------------------------------------------ OOM replay
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
-        """One micro-step; on OOM, replays the accumulation window (NOTE [OOM replay])."""
+        """One micro-step, through the controller's replayer: on an OOM, the accumulation window is
+        replayed (NOTE [OOM replay])."""
+        if self.memfit is None:
+            self._hook_sharded(model)
         if self.memfit.method.measures_only:
             # Nothing to make safer: the OOM goes to the caller as it is (Accelerate's
             # find_executable_batch_size, behind --auto_find_batch_size, catches it).
             return super().training_step(model, inputs, num_items_in_batch)
-        # an OOM is replayed below, except with several FSDP ranks (NOTE [OOM replay])
-        self.memfit.replays_ooms = not sharded(self.memfit)
         sync = self._lockstep_sync(model)
         if sync is not None:
             model = model.module  # no collective inside a micro-step (NOTE [Lockstep under DDP])
-        self._window.append((inputs, rng_state(), num_items_in_batch))
-        replay = False
-        for _ in range(MAX_OOM_RETRIES + 1):
-            failed = False
-            try:
-                if replay:
-                    self._replay_window_head(model)
-                loss = super().training_step(model, inputs, num_items_in_batch)
-            except torch.OutOfMemoryError as err:
-                if sharded(self.memfit):
-                    raise torch.OutOfMemoryError(
-                        f"{err}\nmemfit: under FSDP with several ranks a step cannot be replayed on one rank alone "
-                        "(NOTE [OOM replay] in memfit/integrations/hf.py); raise --memfit_margin or --memory_budget"
-                    ) from err
-                failed = True  # recover outside the except block, so its frames are freed
-                message = str(err)
-            if not failed:
-                if sync is not None and self.accelerator.sync_gradients:
-                    sync.sync()
-                return loss
-            self._recover_from_oom(model, message)
-            replay = True
-        raise replays_exhausted(self.memfit.pending_oom_attempts, len(self.memfit.blocks), "--memory_budget or --memfit_margin")
+        step = super().training_step
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 (NOTE [Hooked after sharding])
+            def step(model, inputs, num_items_in_batch, _step=step):
+                model.set_requires_gradient_sync(True)
+                return _step(model, inputs, num_items_in_batch)
+        loss = self.memfit.replay.run(step, (model, inputs, num_items_in_batch), raise_what="--memory_budget or --memfit_margin")
+        if sync is not None and self.accelerator.sync_gradients:
+            sync.sync()
+        return loss
+
+    def _hook_sharded(self, model: torch.nn.Module) -> None:
+        """Hook the model Accelerate has just sharded, with its optimizer (NOTE [Hooked after sharding])."""
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        self.memfit = self._hook(model, optimizer)
+        if self._pending_state is not None:
+            self.memfit.load_state_dict(self._pending_state)
+        self._say(self._start_line())
 
     def _lockstep_sync(self, model: torch.nn.Module) -> GradientSync | None:
         """The gradient sync replacing DDP's, or None to train through DDP as it is.
@@ -402,27 +441,9 @@ class MemfitTrainerMixin:
             self._grad_sync_of = model
         return self._grad_sync
 
-    def _recover_from_oom(self, model: torch.nn.Module, message: str) -> None:
-        self._oom_total += 1
-        self.memfit.note_oom(message)  # raises when no safer plan exists
-        model.zero_grad(set_to_none=True)
-        gc.collect()  # the failed attempt's tensors, then its cached blocks back to the device
-        self.memfit.meter.release()
-
-    def _replay_window_head(self, model: torch.nn.Module) -> None:
-        """Re-run the window's earlier micro-batches, then restore the failed one's RNG."""
-        self.memfit.replaying = True
-        try:
-            for inputs, rng, n_items in self._window[:-1]:
-                set_rng_state(rng)
-                super().training_step(model, inputs, n_items)
-        finally:
-            self.memfit.replaying = False
-        set_rng_state(self._window[-1][1])
-
     # ------------------------------------------------------------ logs and files
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        records = self.memfit.records if "loss" in logs else []
+        records = self.memfit.records if "loss" in logs and self.memfit is not None else []
         if records:
             last = records[-1]
             logs["memfit/peak_gib"] = round(last.peak_allocated_bytes / 2**30, 4)
@@ -445,8 +466,11 @@ class MemfitTrainerMixin:
             state_path = os.path.join(folder, STATE_FILE) if folder else None
             if state_path and os.path.exists(state_path):
                 with open(state_path, encoding="utf-8") as fh:
-                    self.memfit.load_state_dict(json.load(fh))
-        self._say(self._start_line())
+                    self._pending_state = json.load(fh)
+                if self.memfit is not None:
+                    self.memfit.load_state_dict(self._pending_state)
+        if self.memfit is not None:  # under FSDP: said when the model is hooked
+            self._say(self._start_line())
         output = super().train(resume_from_checkpoint, *args, **kwargs)
         self.write_summary()
         return output
@@ -480,6 +504,8 @@ class MemfitTrainerMixin:
         every rank's step records into ``memfit_summary.json``, with ``per_rank`` peaks.
         """
         a = self.args
+        if self.memfit is None:
+            return None  # no training step ran under FSDP: nothing was hooked
         os.makedirs(a.output_dir, exist_ok=True)
         if a.world_size > 1:
             with open(rank_path(os.path.join(a.output_dir, SUMMARY_FILE), a.process_index, a.world_size), "w") as fh:
