@@ -50,7 +50,7 @@ class _Clock:
 @contextmanager
 def deterministic_prices():
     """Probe prices from bytes; the reactive store's clock in fixed ticks."""
-    from memfit import store as store_module
+    from memfit.engine import store as store_module
     from memfit.engine import probe as probe_module
 
     original = probe_module.probe_block
