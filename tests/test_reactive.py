@@ -205,8 +205,8 @@ def test_oom_grows_margin_instead_of_failing():
 def _under_predict_blocks(ctl, factor):
     """Make the memory model believe blocks save ``factor`` of what they do: a wrong prediction."""
     for group in ctl.planning.model.group_models.values():
-        data = group.full_bytes.to_dict()
-        group.full_bytes = Curve.from_dict({**data, "ys": [y * factor for y in data["ys"]]})
+        data = group.bytes["keep"].to_dict()
+        group.bytes["keep"] = Curve.from_dict({**data, "ys": [y * factor for y in data["ys"]]})
     ctl.planning.cache.clear()
 
 

@@ -530,7 +530,7 @@ def test_a_blocks_first_run_at_a_size_is_not_its_recompute_cost(monkeypatch):
         block._body = slow_once
     for i, length in enumerate([40, 24, 32]):  # the warm-up steps probe, each at a new size
         _step(model, make_batch(2, length), seed=i)
-    costs = [c for g in ctl.planning.model.group_models.values() for c in g.cost_ms.ys]
+    costs = [c for g in ctl.planning.model.group_models.values() for c in g.ms["recompute"].ys]
     ctl.remove()
     assert len(costs) == 3
     assert max(costs) < first_run_ms / 2, costs
@@ -692,7 +692,7 @@ def _partial_transient_run(monkeypatch):
         saved = ctl._counter.total_bytes
         every = len(ctl._step.decision.plan.blocks) == len(ctl.blocks)
         if every:  # full: the top block is recomputed on top of what is kept
-            block_bytes[length] = max(ctl.planning.model.group_models[0].full_bytes.ys or [0])
+            block_bytes[length] = max(ctl.planning.model.group_models[0].bytes["keep"].ys or [0])
         fake.use(saved + 40 * 4 * length - 2000 + (block_bytes.get(length, 0) if every else 0))
         loss.backward()
         inner.step()

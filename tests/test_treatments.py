@@ -210,16 +210,16 @@ def test_the_planner_keeps_recompute_where_treatments_are_dearer():
     group = model.group_models[0]
     for t in (16, 32, 64):
         key = (4, t)
-        group.full_bytes.add(key, 1000.0 * t)
-        group.kept_bytes.add(key, 50.0 * t)
-        group.cost_ms.add(key, 0.01 * t)
-        group.selective_bytes.add(key, 400.0 * t)
+        group.bytes["keep"].add(key, 1000.0 * t)
+        group.bytes["recompute"].add(key, 50.0 * t)
+        group.ms["recompute"].add(key, 0.01 * t)
+        group.bytes_curve("selective").add(key, 400.0 * t)
         model.outside.add(key, 10.0 * t)
         model.transient_full.add(key, 0.0)
     for ms, cheap in ((1e-6, True), (10.0, False)):
-        group.selective_ms = type(group.selective_ms)(intercept=True)
+        group.ms["selective"] = type(group.ms_curve("selective"))(intercept=True)
         for t in (16, 32, 64):
-            group.selective_ms.add((4, t), ms)
+            group.ms_curve("selective").add((4, t), ms)
         planning = Planning(4, [0] * 4, 200_000, margin_bytes=0, bucket_tokens=1, treatments=("recompute", "selective"))
         planning.model, planning.static_bytes = model, 100_000
         plan = planning.plan_for((4, 64))

@@ -229,8 +229,7 @@ def _backward_start_dominates(planning: Planning, key: tuple[int, int], plan: Pl
     if not model.ready or not model.transient_full.fitted:
         return True
     k = planning.plan_key(key)
-    asked = plan if plan.kinds else plan.blocks
-    return model.backward_start_bytes(k, asked) >= model.recompute_bytes(k, asked)
+    return model.backward_start_bytes(k, plan) >= model.recompute_bytes(k, plan)
 
 
 def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, planning_key: tuple[int, int]) -> None:
@@ -254,13 +253,8 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
     curves: list[tuple] = [(model.outside, outcome.outside)]
     for group_id, group in model.group_models.items():
         members = [i for i, g in enumerate(model.groups) if g == group_id]
-        for kind, curve in (
-            ("recompute", group.kept_bytes), ("keep", group.full_bytes),
-            ("selective", group.selective_bytes), ("offload", group.offload_bytes),
-        ):
-            values = [by_block[i] for i in members if kinds[i] == kind]
-            if values:
-                curves.append((curve, max(values)))
+        for name in dict.fromkeys(kinds[i] for i in members):  # each treatment's curve learns its blocks' bytes
+            curves.append((group.bytes_curve(name), max(by_block[i] for i in members if kinds[i] == name)))
     transient_curve, transient = None, outcome.transient
     if transient is not None and not evicted:  # an evicting step's transient was lowered by its evictions
         if len(planned) == len(model.groups) and not outcome.plan.kinds:
@@ -389,12 +383,10 @@ def learn_probes(
         seen.add(g)
         nbytes, ms = probes[i]
         group = model.group_models[g]
-        group.full_bytes.add(key, nbytes)
-        group.cost_ms.add(key, ms if ms is not None else timed_ms[before[i]])
+        group.bytes_curve("keep").add(key, nbytes)
+        group.ms_curve("recompute").add(key, ms if ms is not None else timed_ms[before[i]])
         source = i if treated and i in treated else next((j for j in sorted(treated or {}) if before[j] == before[i]), None)
-        for kind, (kept, kind_ms) in (treated or {}).get(source, {}).items():
-            if kind == "selective":
-                group.selective_bytes.add(key, kept)
-                group.selective_ms.add(key, kind_ms)
-            elif kind == "offload":
-                group.offload_bytes.add(key, kept)
+        for name, (kept, name_ms) in (treated or {}).get(source, {}).items():
+            group.bytes_curve(name).add(key, kept)
+            if name_ms is not None:  # priced by its own measured time (else by the treatment's price rule)
+                group.ms_curve(name).add(key, name_ms)

@@ -74,16 +74,6 @@ RETRY_SLACK_SHARE = 1 / 32
 MAX_RETRY_SLACK_SHARE = 1 / 8
 
 
-def _blocks(plan: Plan | Sequence[int]) -> tuple[int, ...]:
-    return plan.blocks if isinstance(plan, Plan) else tuple(plan)
-
-
-def _for_model(plan: Plan | Sequence[int]) -> Plan | tuple[int, ...]:
-    """What the memory model is asked with: a plan with treatments as it is, a recompute-only
-    plan as its block indices (the original arithmetic: NOTE [Treated peaks], model.py)."""
-    return plan if getattr(plan, "kinds", ()) else _blocks(plan)
-
-
 class Planning:
     """Memory model + planner + plan cache for one run (what methods see).
 
@@ -146,23 +136,23 @@ class Planning:
         (``key`` itself if none longer was) (NOTE [Plan for the longest shape seen])."""
         return (key[0], max(key[1], self.longest_in_bucket.get(bucket_key(key, self.bucket_tokens), 0)))
 
-    def predict_peak(self, key: tuple[int, int], plan: Plan | Sequence[int]) -> int:
+    def predict_peak(self, key: tuple[int, int], plan: Plan) -> int:
         """Predicted step peak: static + the largest of the step's three peaks (NOTE [Three peaks], model.py)."""
-        return int(self.static_bytes + self.model.step_bytes(self.plan_key(key), _for_model(plan)))
+        return int(self.static_bytes + self.model.step_bytes(self.plan_key(key), plan))
 
     @property
     def room_bytes(self) -> int:
         """What a plan's predicted peak must fit: the budget less the margin and the slack (NOTE [Room])."""
         return self.budget_bytes - self.margin_bytes - self.slack_bytes
 
-    def recompute_ms(self, key: tuple[int, int], plan: Plan | Sequence[int]) -> float:
+    def recompute_ms(self, key: tuple[int, int], plan: Plan) -> float:
         """Predicted extra time of ``plan``'s treatments at ``key`` (0 before the model is fitted)."""
         if not self.model.ready:
             return 0.0
         k = self.plan_key(key)
-        kinds = getattr(plan, "kinds", ())
+        kinds = plan.kinds
         if not kinds:
-            return float(sum(self.model.block_cost_ms(i, k) for i in _blocks(plan)))
+            return float(sum(self.model.block_cost_ms(i, k) for i in plan.blocks))
         options = self.model.options(k, self.treatments, self.offload_ms)
         price = {(i, name): ms for i, opts in enumerate(options) for name, _, ms in opts}
         return float(sum(price.get((i, kind), self.model.block_cost_ms(i, k)) for i, kind in zip(plan.blocks, kinds)))
@@ -217,7 +207,7 @@ class Planning:
         always made too: a mix never costs more than recompute alone would.
         """
         room = self.room_bytes
-        need = int(self.static_bytes + self.model.backward_start_bytes(k, ())) - room
+        need = int(self.static_bytes + self.model.backward_start_bytes(k, Plan(()))) - room
         options = self.model.options(k, self.treatments, self.offload_ms)
         if need <= 0 or all(name == "recompute" for opts in options for name, _, _ in opts):
             return None
@@ -232,13 +222,13 @@ class Planning:
         # against the other two (NOTE [Three peaks], model.py), and mended if one is over
         # (NOTE [Blocks held below a recompute]).
         room = self.room_bytes
-        need = int(self.static_bytes + self.model.backward_start_bytes(k, ())) - room
+        need = int(self.static_bytes + self.model.backward_start_bytes(k, Plan(()))) - room
         try:
             costs, savings = self.model.costs(k), self.model.savings(k)
             plan = plan_blocks(costs, savings, need)
             if not plan.blocks or self.predict_peak(k, plan) <= room:
                 return plan
-            if self.predict_peak(k, self.all_blocks) > room:
+            if self.predict_peak(k, Plan(self.all_blocks)) > room:
                 raise InfeasiblePlanError("the recompute or optimizer-step peak is over the budget")
             return self._mend(k, plan, need, costs, savings)
         except InfeasiblePlanError:
@@ -247,7 +237,7 @@ class Planning:
                 logger.warning(
                     "memfit: shape %s is predicted to need %s even with every block checkpointed, "
                     "over the budget of %s; running it with every block checkpointed",
-                    k, format_bytes(self.predict_peak(k, self.all_blocks) + self.budget_bytes - room), format_bytes(self.budget_bytes),
+                    k, format_bytes(self.predict_peak(k, Plan(self.all_blocks)) + self.budget_bytes - room), format_bytes(self.budget_bytes),
                 )
             return Plan(self.all_blocks)
 
@@ -266,24 +256,24 @@ class Planning:
         below = tuple(range(max(plan.blocks) + 1))  # the plan and every block under it
         covered = itertools.accumulate(savings)
         prefix = tuple(range(next(i for i, total in enumerate(covered, 1) if total >= need)))
-        mended = [p for p in {below, prefix} if self.predict_peak(k, p) <= room]
+        mended = [p for p in {below, prefix} if self.predict_peak(k, Plan(p)) <= room]
         if not mended:
             return Plan(self.all_blocks)
         best = min(mended, key=lambda p: (sum(costs[i] for i in p), p))
         return Plan(best, float(sum(costs[i] for i in best)), int(sum(savings[i] for i in best)))
 
-    def would_plan_less(self, key: tuple[int, int], plan: Plan | Sequence[int], over_bytes: int) -> bool:
+    def would_plan_less(self, key: tuple[int, int], plan: Plan, over_bytes: int) -> bool:
         """Whether a prediction ``over_bytes`` lower would have given a cheaper plan than ``plan``.
 
         An over-predicted step costs time only if it made the plan treat more: one that
         treated nothing, or whose cheaper alternative still needs the same blocks (the
         over-prediction was smaller than what one block saves), cost nothing.
         """
-        blocks = _blocks(plan)
+        blocks = plan.blocks
         if not blocks or self.budget_bytes is None:
             return False
         k = self.plan_key(key)
-        need = int(self.static_bytes + self.model.backward_start_bytes(k, ())) - self.room_bytes - over_bytes
+        need = int(self.static_bytes + self.model.backward_start_bytes(k, Plan(()))) - self.room_bytes - over_bytes
         if need <= 0:
             return True
         costs = self.model.costs(k)
@@ -360,7 +350,8 @@ def _plan_from_row(planning: Planning, k: tuple[int, int], static_bucket: int) -
 
 
 def _plan_row(planning: Planning, k: tuple[int, int]) -> dict[str, Any] | None:
-    """Every length of ``k``'s row, up to the longest shape seen, as lists (one group only)."""
+    """Every length of ``k``'s row, up to the longest shape seen, as lists (one group only):
+    the model's own peak formula over arrays (NOTE [One evaluator], model.py)."""
     model = planning.model
     n, b = k[0], planning.bucket_tokens
     longest = max(k[1], bucket_key(model.max_key, b)[1] if model.max_key else 0)
@@ -368,25 +359,21 @@ def _plan_row(planning: Planning, k: tuple[int, int]) -> dict[str, Any] | None:
     # length, and a step just past it would otherwise replan the whole row
     longest = -(-longest // (8 * b)) * (8 * b)
     ts = np.arange(1, longest + 1, dtype=np.int64)  # per token: plan keys are lengths seen
-    row = model.row(n, ts)
-    if row is None:
+    rows = model.prefix_rows(n, ts)
+    if rows is None:
         return None
     m, room, static = planning.n_blocks, planning.room_bytes, float(planning.static_bytes)
-    outside, full, kept = row["outside"], row["full"], row["kept"]
-    saving = np.floor(np.maximum(0.0, full - kept)).astype(np.int64)
-    # the same float operations, in the same order, as the per-key methods (bit-equal)
-    need = np.trunc(static + ((outside + (0.0 * kept + m * full)) + row["transient"])).astype(np.int64) - room
-    every = np.maximum((outside + (m * kept + 0.0 * full)) + row["transient_full"], model.optimizer_bytes)
+    saving = rows.saving
+    need = np.trunc(static + rows.peaks(0)[0]).astype(np.int64) - room  # as plan_blocks is asked
+    every = rows.peaks(m)[1]
     with np.errstate(divide="ignore", invalid="ignore"):
         count = np.where(need > 0, np.ceil(need / np.maximum(saving, 1)), 0).astype(np.int64)
     count = np.where(m * saving < need, -1, np.minimum(count, m))  # -1: no plan saves enough
     clipped = np.maximum(count, 0)
-    start = (outside + (clipped * kept + (m - clipped) * full)) + row["transient"]
-    recompute = (outside + (m * kept + 0.0 * full)) + row["transient_full"]
-    peak = np.maximum(np.maximum(start, recompute), model.optimizer_bytes)
+    peak = rows.peaks(clipped)[1]
     return {
         "longest": longest, "count": count.tolist(), "every_fits": (np.trunc(static + every) <= room).tolist(),
         "prefix_fits": (np.trunc(static + peak) <= room).tolist(),
-        "cost_ms": np.maximum(row["cost_ms"], 1e-6).tolist(),  # one block's
+        "cost_ms": rows.cost_ms.tolist(),  # one block's
         "saved_bytes": (clipped * saving).tolist(),
     }

@@ -378,7 +378,7 @@ class Backstop(_Evicting):
         index order, and only the stored (kept) blocks add their activations.
         """
         model = self.planning.model
-        per_group = {g: m.full_bytes(k) for g, m in model.group_models.items()}
+        per_group = {g: m.bytes["keep"](k) for g, m in model.group_models.items()}
         pred = [per_group[model.groups[i]] if i in stored else 0.0 for i in range(n_blocks)]
         ahead = list(itertools.accumulate(reversed(pred), max))[::-1]
         behind = [0.0, *itertools.accumulate(pred, max)][:-1]
