@@ -193,7 +193,7 @@ def _random_graphs_whole_pass() -> type:
     import torch._functorch.config as functorch_config
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-    from memfit.engine.treatments import __file__ as treatments_file
+    from memfit.engine.treatments.random_ops import __file__ as random_ops_file
 
     class RandomGraphsWhole(CustomGraphPass):
         def __init__(self, then: Any = None):
@@ -207,9 +207,9 @@ def _random_graphs_whole_pass() -> type:
 
         def uuid(self) -> Any:
             # inductor's caches key a graph on this: the pass's own code (blocks.py, and
-            # treatments.py for draws_random) and the user's pass
+            # treatments/random_ops.py for draws_random) and the user's pass
             then = self.then.uuid() if hasattr(self.then, "uuid") else self.then
-            return (get_hash_for_files((__file__, treatments_file)), then)
+            return (get_hash_for_files((__file__, random_ops_file)), then)
 
     return RandomGraphsWhole
 

@@ -85,11 +85,13 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from memfit.engine.treatments import KEEP, RECOMPUTE, TREATMENTS
 
 if TYPE_CHECKING:
     from memfit.engine.planner import Plan
@@ -367,7 +369,6 @@ def _price_curve() -> Curve:
     return Curve(intercept=True, linear_until=6, envelope=False)
 
 
-KEEP, RECOMPUTE = "keep", "recompute"
 #: a group's saved state before curves were keyed by treatment name: field -> (bytes or ms, name)
 _LEGACY_FIELDS = {
     "full_bytes": ("bytes", KEEP), "kept_bytes": ("bytes", RECOMPUTE), "cost_ms": ("ms", RECOMPUTE),
@@ -441,14 +442,10 @@ class _Layout:
     held: dict[tuple[int, str], int]
     rerun: Any
     every: Any
-    offloaded: list[int] = field(default_factory=list)
-    offloaded_below: list[int] = field(default_factory=list)
+    offloaded: list[tuple[int, str]] = field(default_factory=list)
+    offloaded_below: list[tuple[int, str]] = field(default_factory=list)
 
 
-#: treatments whose block runs again (in whole or in part) in backward: the recompute peak is
-#: bounded from the topmost of them (NOTE [Treated peaks])
-_RERUNS = (RECOMPUTE, "selective")
-_OFFLOAD = "offload"
 
 
 class MemoryModel:
@@ -456,10 +453,14 @@ class MemoryModel:
 
     Args:
         groups: for each block, the id of its group of identical blocks.
+        bucket_tokens: token granularity of the plan buckets this model is asked about.
+        treatments: the run's treatments by name (engine/treatments/: what each does to the
+            peaks and how it is priced); the registered ones by default.
     """
 
-    def __init__(self, groups: Sequence[int], bucket_tokens: int = 1):
+    def __init__(self, groups: Sequence[int], bucket_tokens: int = 1, treatments: Mapping[str, Any] = TREATMENTS):
         self.groups = list(groups)
+        self.treatments = treatments
         #: token granularity of the plan buckets this model is asked about (bucket_key)
         self.bucket_tokens = bucket_tokens
         self.group_models = {g: BlockGroupModel() for g in sorted(set(self.groups))}
@@ -530,7 +531,7 @@ class MemoryModel:
                     continue
                 elif name in m.ms and m.ms[name].fitted:  # priced by its own measured time
                     choices.append((name, int(max(0.0, full - m.bytes[name](key))), max(m.ms[name](key), 1e-6)))
-                elif name == _OFFLOAD and offload_ms is not None:  # priced by the link
+                elif self.treatments[name].priced_by_link and offload_ms is not None:
                     moved = max(0.0, full - m.bytes[name](key))
                     choices.append((name, int(moved), max(offload_ms(moved, fwd), 1e-6)))
             per_group[g] = choices
@@ -596,17 +597,17 @@ class MemoryModel:
         counts: dict[int, dict[str, Any]] = {g: {} for g in self.group_models}
         for g, name in zip(self.groups, names):
             counts[g][name] = counts[g].get(name, 0) + 1
-        reruns = [i for i, name in enumerate(names) if name in _RERUNS]
+        reruns = [i for i, name in enumerate(names) if self.treatments[name].reruns]
         top = max(reruns, default=-1)
         # summed per (group, treatment) in the order a set of the blocks iterates, the order
         # these sums always took (floats: the order is part of the value)
         held: dict[tuple[int, str], int] = {}
         for i in {i for i in range(max(top, 0)) if names[i] != RECOMPUTE}:
             held[(self.groups[i], names[i])] = held.get((self.groups[i], names[i]), 0) + 1
-        offloaded = [i for i, name in enumerate(names) if name == _OFFLOAD]
+        offloaded = [i for i, name in enumerate(names) if self.treatments[name].moves_out]
         return _Layout(
             counts, held, bool(reruns), len(reruns) == len(names) and all(name == RECOMPUTE for name in names),
-            [self.groups[i] for i in offloaded], [self.groups[i] for i in offloaded if i < top],
+            [(self.groups[i], names[i]) for i in offloaded], [(self.groups[i], names[i]) for i in offloaded if i < top],
         )
 
     def _activation(self, values: dict[Any, Any], counts: dict[int, dict[str, Any]]) -> Any:
@@ -621,10 +622,10 @@ class MemoryModel:
             total = total + group
         return total
 
-    def _in_flight(self, values: dict[Any, Any], groups: list[int]) -> float:
-        """Bytes of the two largest offloaded blocks: the one in use and the one being brought
-        back (NOTE [Treated peaks])."""
-        moved = sorted((values[(g, KEEP)] - self._kept(values, g, _OFFLOAD) for g in groups), reverse=True)
+    def _in_flight(self, values: dict[Any, Any], moved_out: list[tuple[int, str]]) -> float:
+        """Bytes of the two largest offloaded blocks (``(group, treatment)`` each): the one in
+        use and the one being brought back (NOTE [Treated peaks])."""
+        moved = sorted((values[(g, KEEP)] - self._kept(values, g, name) for g, name in moved_out), reverse=True)
         return float(sum(moved[:2]))
 
     def _peaks(self, values: dict[Any, Any], layout: _Layout) -> tuple[Any, Any, Any]:
@@ -679,8 +680,8 @@ class MemoryModel:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "MemoryModel":
-        model = cls(data["groups"], int(data.get("bucket_tokens", 1)))
+    def from_dict(cls, data: dict, treatments: Mapping[str, Any] = TREATMENTS) -> "MemoryModel":
+        model = cls(data["groups"], int(data.get("bucket_tokens", 1)), treatments)
         model.group_models = {int(g): BlockGroupModel.from_dict(m) for g, m in data["group_models"].items()}
         model.outside = Curve.from_dict(data["outside"])
         model.transient_full = Curve.from_dict(data["transient_full"])

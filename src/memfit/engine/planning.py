@@ -56,6 +56,7 @@ from memfit.engine.budget import format_bytes
 from memfit.engine.model import MemoryModel
 from memfit.engine.planner import InfeasiblePlanError, Plan, PlanCache, plan_blocks, plan_treatments
 from memfit.engine.shapes import bucket_key
+from memfit.engine.treatments import KEEP, RECOMPUTE, TreatmentSpec, resolve
 
 __all__ = ["Planning", "ROW_AFTER_STEADY_ASKS", "ALLOCATOR_SLACK_BYTES", "RETRY_SLACK_SHARE", "MAX_RETRY_SLACK_SHARE"]
 
@@ -96,11 +97,13 @@ class Planning:
 
     def __init__(
         self, n_blocks: int, groups: Sequence[int], budget_bytes: int | None, margin_bytes: int, bucket_tokens: int,
-        slack_bytes: int = 0, treatments: Sequence[str] = ("recompute",),
+        slack_bytes: int = 0, treatments: Sequence[TreatmentSpec] = (RECOMPUTE,),
     ):
         self.n_blocks = n_blocks
         self.all_blocks = tuple(range(n_blocks))
-        self.model = MemoryModel(groups, bucket_tokens)
+        #: the run's treatments by name, ``keep`` and ``recompute`` first (engine/treatments/)
+        self.registry = resolve(treatments)
+        self.model = MemoryModel(groups, bucket_tokens, self.registry)
         self.budget_bytes = budget_bytes
         self.margin_bytes = margin_bytes
         self.slack_bytes = slack_bytes
@@ -111,20 +114,20 @@ class Planning:
         self.infeasible_keys: set[tuple[int, int]] = set()
         #: per plan bucket, the most tokens per row seen in it (NOTE [Plan for the longest shape seen])
         self.longest_in_bucket: dict[tuple[int, int], int] = {}
-        self.treatments = tuple(treatments)
+        self.treatments = tuple(name for name in self.registry if name != KEEP)
         self.offload_ms: Callable[[float, float], float] | None = None
 
     @property
     def recompute_only(self) -> bool:
         """Whether ``recompute`` is the only treatment (plans are then the original first-k rows)."""
-        return self.treatments == ("recompute",)
+        return self.treatments == (RECOMPUTE,)
 
     def state_dict(self) -> dict[str, Any]:
         """Memory model, margin and slack (what a resumed run needs to skip its warm-up)."""
         return {"model": self.model.to_dict(), "margin_bytes": self.margin_bytes, "slack_bytes": self.slack_bytes}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model = MemoryModel.from_dict(state["model"])
+        self.model = MemoryModel.from_dict(state["model"], self.registry)
         self.model.bucket_tokens = self.bucket_tokens
         self.margin_bytes = int(state["margin_bytes"])
         self.slack_bytes = int(state.get("slack_bytes", self.slack_bytes))
@@ -212,7 +215,7 @@ class Planning:
         if need <= 0 or all(name == "recompute" for opts in options for name, _, _ in opts):
             return None
         try:
-            mixed = plan_treatments(options, need)
+            mixed = plan_treatments(options, need, order={name: t.order for name, t in self.registry.items()})
         except InfeasiblePlanError:
             return None
         return mixed if self.predict_peak(k, mixed) <= room else None
