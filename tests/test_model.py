@@ -255,7 +255,7 @@ def test_allocator_retries_grow_the_slack_in_steps_up_to_a_ceiling():
     from types import SimpleNamespace
 
     from memfit.engine import learner
-    from memfit.engine.planning import MAX_RETRY_SLACK_SHARE, RETRY_SLACK_SHARE
+    from memfit.engine.room import MAX_RETRY_SLACK_SHARE, RETRY_SLACK_SHARE
 
     budget = 1_000_000
     planning = Planning(4, [0, 0, 0, 0], budget, margin_bytes=0, bucket_tokens=1, slack_bytes=100)
@@ -263,7 +263,7 @@ def test_allocator_retries_grow_the_slack_in_steps_up_to_a_ceiling():
     seen = []
     for warmup, retries in [(True, 3), (False, 0), (False, 1), (False, 2), (False, 1), (False, 1), (False, 1)]:
         planning.plan_for((4, 60))
-        learner.grow_slack(planning, SimpleNamespace(warmup=warmup, alloc_retries=retries))
+        planning.apply(learner.grow_slack(planning, SimpleNamespace(warmup=warmup, alloc_retries=retries)))
         seen.append((planning.slack_bytes, planning.cache.items() == []))
     step, ceiling = int(RETRY_SLACK_SHARE * budget), int(MAX_RETRY_SLACK_SHARE * budget)
     assert seen == [(100, False), (100, False), (100 + step, True), (100 + 2 * step, True), (100 + 3 * step, True),
@@ -482,13 +482,13 @@ def test_an_optimizer_peak_that_cannot_change_a_plan_keeps_the_cache():
     planning.model, planning.static_bytes = _model([16, 32, 64]), 200_000  # a 4-block model
     planning.n_blocks, planning.all_blocks = 4, (0, 1, 2, 3)
     cached = {t: planning.plan_for((4, t)).blocks for t in (16, 60, 100)}
-    learn_optimizer_peak(planning, _optimizer_step(700_000, 200_000))  # 200k + 700k <= room: no plan can change
+    planning.apply(learn_optimizer_peak(planning, _optimizer_step(700_000, 200_000)))  # 200k + 700k <= room: no plan can change
     assert planning.model.optimizer_bytes == 700_000 and planning.cache.items() != []
     fresh = Planning(4, [0, 0, 0, 0], 1_000_000, margin_bytes=planning.margin_bytes, bucket_tokens=planning.bucket_tokens,
                      slack_bytes=planning.slack_bytes)
     fresh.model, fresh.static_bytes = planning.model, 200_000
     assert {t: fresh.plan_for((4, t)).blocks for t in cached} == cached
-    learn_optimizer_peak(planning, _optimizer_step(900_000, 200_000))  # over the room: every plan is dropped
+    planning.apply(learn_optimizer_peak(planning, _optimizer_step(900_000, 200_000)))  # over the room: every plan is dropped
     assert planning.cache.items() == []
     ctl.remove()
 

@@ -533,7 +533,7 @@ def test_allocator_retries_grow_the_room_reactive_keeps_free(monkeypatch):
     """NOTE [Room] (planning.py): under ``reactive`` a step the allocator served only by releasing
     its cache grows the slack by RETRY_SLACK_SHARE of the budget, and the next step's block
     entries keep it free: that step evicts blocks where the steps before evicted none."""
-    import memfit.engine.planning
+    import memfit.engine.room
 
     budget = 10**6
     model, make_batch, inner, ctl, fake = _reactive_on_fake_allocator(monkeypatch, budget)
@@ -553,6 +553,6 @@ def test_allocator_retries_grow_the_room_reactive_keeps_free(monkeypatch):
     records = ctl.records
     ctl.remove()
     assert [r.alloc_retries for r in records[:3]] == [0, 1, 0]
-    assert slacks == [0, 0, int(memfit.engine.planning.RETRY_SLACK_SHARE * budget)] == [0, 0, ctl.planning.slack_bytes]
+    assert slacks == [0, 0, int(memfit.engine.room.RETRY_SLACK_SHARE * budget)] == [0, 0, ctl.planning.slack_bytes]
     assert records[0].evicted_blocks == [] == records[1].evicted_blocks
     assert records[2].evicted_blocks, "the grown slack made no room"

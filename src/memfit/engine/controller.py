@@ -48,6 +48,7 @@ from memfit.engine.budget import check_static_need, parse_bytes
 from memfit.engine.methods import Method, make_method, save_plans
 from memfit.engine.planner import Plan
 from memfit.engine.planning import Planning
+from memfit.engine.room import Room
 from memfit.engine.records import JsonlWriter, StepRecord, summarize
 from memfit.engine import probe, replay
 from memfit.engine.meter import Meter, make_meter
@@ -183,10 +184,9 @@ class Controller:
         if budget_bytes is not None and cap:
             self.meter.apply_cap(budget_bytes)
         self.blocks = wrap_blocks(named, allow_hf_checkpointing=method.measures_only, compile=compile_options)
-        margin = self.meter.default_margin if margin is None else margin
         self.planning = Planning(
-            len(self.blocks), _group_ids(self.blocks), budget_bytes, int(margin * (budget_bytes or 0)), bucket_tokens,
-            slack_bytes=self.meter.initial_slack(budget_bytes), treatments=treatments,
+            len(self.blocks), _group_ids(self.blocks), budget_bytes, 0, bucket_tokens, treatments=treatments,
+            room=Room.for_run(budget_bytes, self.meter.kind, margin),
         )
         # Parameters and buffers are never activations (under FSDP: this rank's shards).
         self._counter = SavedTensorCounter(len(self.blocks), exclude=list(model.parameters()) + list(model.buffers()))
@@ -257,7 +257,7 @@ class Controller:
         if not training:
             return
         self._gathered.check_first_forward()
-        self.planning.static_bytes = static_now
+        self.planning.begin_step(static_now)
         step = StepState(
             t0=time.perf_counter(), static_bytes=static_now, replay=self.replaying,
             replayable=self.replays_ooms or self._in_run_step > 0,
@@ -285,7 +285,7 @@ class Controller:
         step.end_forward(counter.outside_bytes if step.counted else 0, by_block)
         if step.probes:
             probes, step.probes = step.probes, {}
-            learner.learn_probes(self.planning, step.key, probes, step.treated_probes)
+            self.planning.apply(learner.learn_probes(self.planning, step.key, probes, step.treated_probes))
 
     def exit(self, block: Block) -> None:
         """Block listener: tensors saved after a block belong to no block until the next."""

@@ -1,23 +1,9 @@
 """Planning for one run: the memory model, the planner and the plan cache, behind one object.
 
-Methods ask :meth:`Planning.plan_for` for a shape's plan; the runtime tells it the step's
-static bytes, and the learner (learner.py) updates its model, margin and slack.
-
-# NOTE [Room]
-A plan must fit the *room*: the budget less the margin and the allocator's slack. The margin
-covers prediction error: it starts at a share of the budget and grows after a step above its
-prediction or an OOM the slack does not explain. The slack is memory the caching allocator
-reserves but cannot hand out (the free tails of partly used pages), which no release returns;
-the CUDA cap limits *reserved* bytes while the model predicts *allocated* ones. On CUDA the
-slack starts at ``min(ALLOCATOR_SLACK_BYTES, budget / 16)`` and an OOM raises it to 1.25 × the
-reserved bytes that were not allocated when it failed, when that is more. A steady step during
-which the allocator served an allocation only after releasing its cache (a device sync, and
-the cache's memory unmapped and mapped again: CUDA's ``num_alloc_retries``) grows the slack by
-``RETRY_SLACK_SHARE`` of the budget, up to ``MAX_RETRY_SLACK_SHARE`` of it: plans that fill the
-cap to its last bytes leave the allocator no room for the step's own fragmentation, and a
-release every step costs more than the recompute that leaves it room. ``reactive`` has no plans
-but the same rule: each block entry keeps the slack free. Logical accounting has no allocator:
-its slack is 0.
+Methods ask :meth:`Planning.plan_for` for a shape's plan; the runtime tells it each step's
+static bytes (:meth:`Planning.begin_step`); the learner (learner.py) returns what a step
+teaches as a :class:`ModelUpdate`, which :meth:`Planning.apply` applies. Planning is the only
+writer of its model, its room (room.py) and its plan cache, so it alone keeps the cache valid.
 
 # NOTE [Plan for the longest shape seen]
 A plan serves every shape of its bucket (tokens rounded up to ``bucket_tokens``) up to the
@@ -48,6 +34,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -55,10 +42,11 @@ import numpy as np
 from memfit.engine.budget import format_bytes
 from memfit.engine.model import MemoryModel
 from memfit.engine.planner import InfeasiblePlanError, Plan, PlanCache, plan_blocks, plan_treatments
+from memfit.engine.room import Room
 from memfit.engine.shapes import bucket_key
 from memfit.engine.treatments import KEEP, RECOMPUTE, TreatmentSpec, resolve
 
-__all__ = ["Planning", "ROW_AFTER_STEADY_ASKS", "ALLOCATOR_SLACK_BYTES", "RETRY_SLACK_SHARE", "MAX_RETRY_SLACK_SHARE"]
+__all__ = ["Planning", "ModelUpdate", "ROW_AFTER_STEADY_ASKS"]
 
 logger = logging.getLogger("memfit")
 
@@ -66,13 +54,30 @@ logger = logging.getLogger("memfit")
 #: more than this many requests: before, the model changes every step or two (NOTE [Planning a row]).
 ROW_AFTER_STEADY_ASKS = 3
 
-#: The allocator's slack kept free on CUDA before any OOM has measured it (NOTE [Room]).
-ALLOCATOR_SLACK_BYTES = 256 * 2**20
-#: A steady step the allocator served only by releasing its cache grows the slack by this
-#: share of the budget (NOTE [Room]) ...
-RETRY_SLACK_SHARE = 1 / 32
-#: ... up to this share of it in all.
-MAX_RETRY_SLACK_SHARE = 1 / 8
+@dataclass
+class ModelUpdate:
+    """What a finished step or a warm-up probe teaches, as the learner returns it (learner.py);
+    :meth:`Planning.apply` applies it.
+
+    Attributes:
+        groups: the blocks' new group ids (a split: NOTE [Blocks alike only in name]), applied first.
+        samples: ``(curve, key, value)``; a curve is named by its path in the model:
+            ``("outside",)``, ``("transient_full",)``, ``("transient_partial",)``,
+            ``("bytes", group, treatment)`` or ``("ms", group, treatment)``.
+        seen_key: a shape the run met (the model's ``max_key``).
+        optimizer_above_static: an optimizer step's peak above ``static_bytes`` (NOTE [Three peaks]).
+        static_bytes: the static bytes of the step that ran that optimizer step.
+        miss_bytes: a steady step's peak above its prediction (the room's margin rule).
+        alloc_retries: the allocator released its cache to serve a steady step (the room's slack rule).
+    """
+
+    groups: list[int] | None = None
+    samples: list[tuple[tuple, tuple[int, int], float]] = field(default_factory=list)
+    seen_key: tuple[int, int] | None = None
+    optimizer_above_static: float | None = None
+    static_bytes: int = 0
+    miss_bytes: int | None = None
+    alloc_retries: bool = False
 
 
 class Planning:
@@ -84,20 +89,21 @@ class Planning:
         budget_bytes: the budget, or ``None`` for no budget.
         margin_bytes: initial safety margin kept free below the budget (prediction error).
         bucket_tokens: token granularity of plan buckets.
-        slack_bytes: the allocator's reserved-but-unusable bytes, also kept free (NOTE [Room]).
-        treatments: what the planner may give a block besides ``keep`` (treatments.py).
+        slack_bytes: the allocator's reserved-but-unusable bytes, also kept free (NOTE [Room], room.py).
+        treatments: what the planner may give a block besides ``keep`` (names or classes: engine/treatments/).
+        room: the room to keep (room.py); made from ``margin_bytes`` and ``slack_bytes`` when None.
 
     Attributes:
         offload_ms: the price of offloading (moved bytes, forward ms) -> ms, once the link
             was measured (engine/probe.py); until then ``offload`` is not planned.
-        static_bytes: bytes no plan changes, as they will be at this step's peak (set by the
-            runtime at each step's start).
+        static_bytes: bytes no plan changes, as they will be at this step's peak
+            (:meth:`begin_step`).
         max_static_bytes: the largest static bytes of a step that ran an optimizer step.
     """
 
     def __init__(
         self, n_blocks: int, groups: Sequence[int], budget_bytes: int | None, margin_bytes: int, bucket_tokens: int,
-        slack_bytes: int = 0, treatments: Sequence[TreatmentSpec] = (RECOMPUTE,),
+        slack_bytes: int = 0, treatments: Sequence[TreatmentSpec] = (RECOMPUTE,), room: Room | None = None,
     ):
         self.n_blocks = n_blocks
         self.all_blocks = tuple(range(n_blocks))
@@ -105,8 +111,7 @@ class Planning:
         self.registry = resolve(treatments)
         self.model = MemoryModel(groups, bucket_tokens, self.registry)
         self.budget_bytes = budget_bytes
-        self.margin_bytes = margin_bytes
-        self.slack_bytes = slack_bytes
+        self.room = room or Room(budget_bytes, margin_bytes, slack_bytes)
         self.bucket_tokens = bucket_tokens
         self.cache = PlanCache()
         self.static_bytes = 0
@@ -116,6 +121,28 @@ class Planning:
         self.longest_in_bucket: dict[tuple[int, int], int] = {}
         self.treatments = tuple(name for name in self.registry if name != KEEP)
         self.offload_ms: Callable[[float, float], float] | None = None
+
+    @property
+    def margin_bytes(self) -> int:
+        return self.room.margin_bytes
+
+    @margin_bytes.setter
+    def margin_bytes(self, value: int) -> None:
+        self.room.margin_bytes = int(value)
+        self.cache.clear()
+
+    @property
+    def slack_bytes(self) -> int:
+        return self.room.slack_bytes
+
+    @slack_bytes.setter
+    def slack_bytes(self, value: int) -> None:
+        self.room.slack_bytes = int(value)
+        self.cache.clear()
+
+    def begin_step(self, static_bytes: int) -> None:
+        """A step starts with ``static_bytes`` no plan changes (its plans are cached per static bucket)."""
+        self.static_bytes = static_bytes
 
     @property
     def recompute_only(self) -> bool:
@@ -129,8 +156,8 @@ class Planning:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model = MemoryModel.from_dict(state["model"], self.registry)
         self.model.bucket_tokens = self.bucket_tokens
-        self.margin_bytes = int(state["margin_bytes"])
-        self.slack_bytes = int(state.get("slack_bytes", self.slack_bytes))
+        self.room.margin_bytes = int(state["margin_bytes"])
+        self.room.slack_bytes = int(state.get("slack_bytes", self.room.slack_bytes))
         self.cache.clear()
 
     # ------------------------------------------------------------ predictions
@@ -145,8 +172,8 @@ class Planning:
 
     @property
     def room_bytes(self) -> int:
-        """What a plan's predicted peak must fit: the budget less the margin and the slack (NOTE [Room])."""
-        return self.budget_bytes - self.margin_bytes - self.slack_bytes
+        """What a plan's predicted peak must fit: the budget less the margin and the slack (NOTE [Room], room.py)."""
+        return self.room.free_bytes
 
     def recompute_ms(self, key: tuple[int, int], plan: Plan) -> float:
         """Predicted extra time of ``plan``'s treatments at ``key`` (0 before the model is fitted)."""
@@ -286,35 +313,66 @@ class Planning:
             return False
         return cheaper.cost_ms < 0.999 * sum(costs[i] for i in blocks)
 
-    # ------------------------------------------------------------ room
+    # ------------------------------------------------------------ the only writer
+    def apply(self, update: ModelUpdate) -> bool:
+        """Apply what the learner returned; drop the cached plans if it changed any (returns that).
+
+        An optimizer step's larger peak changes a plan only once the largest static bytes
+        seen plus it is over the room (plans read it only through ``static + max(activations,
+        it) <= room``), so it keeps the cache until then.
+        """
+        model, changed = self.model, False
+        if update.groups is not None and update.groups != model.groups:
+            model.split(update.groups)
+            changed = True
+        for path, key, value in update.samples:
+            self._curve(path).add(key, value)
+            changed = True
+        if update.seen_key is not None:
+            model.observe_key(update.seen_key)
+        above = update.optimizer_above_static
+        if above is not None:
+            self.max_static_bytes = max(self.max_static_bytes, update.static_bytes)
+            if above > model.optimizer_bytes:
+                model.optimizer_bytes = float(above)
+                changed |= self.budget_bytes is None or self.max_static_bytes + above > self.room_bytes
+        if update.miss_bytes is not None:
+            changed |= self.room.after_miss(update.miss_bytes)
+        if update.alloc_retries:
+            changed |= self.room.after_alloc_retries()
+        if changed:
+            self.cache.clear()
+        return changed
+
+    def _curve(self, path: tuple) -> Any:
+        if path[0] in ("bytes", "ms"):
+            group = self.model.group_models[path[1]]
+            return group.bytes_curve(path[2]) if path[0] == "bytes" else group.ms_curve(path[2])
+        return getattr(self.model, path[0])
+
     def raise_margin(self, extra_bytes: int) -> None:
         """Keep ``extra_bytes`` more free from now on (the cached plans are dropped)."""
-        self.margin_bytes += max(0, int(extra_bytes))
+        self.room.raise_margin(extra_bytes)
         self.cache.clear()
 
     def grow_slack(self) -> bool:
-        """Keep ``RETRY_SLACK_SHARE`` of the budget more free for the allocator, up to
-        ``MAX_RETRY_SLACK_SHARE`` in all; returns whether the slack grew (NOTE [Room])."""
-        if not self.budget_bytes:
-            return False
-        ceiling = int(MAX_RETRY_SLACK_SHARE * self.budget_bytes)
-        if self.slack_bytes >= ceiling:
-            return False
-        self.slack_bytes = min(ceiling, self.slack_bytes + int(RETRY_SLACK_SHARE * self.budget_bytes))
-        self.cache.clear()
-        return True
+        """The allocator released its cache to serve a step: grow the slack (NOTE [Room], room.py)."""
+        grew = self.room.after_alloc_retries()
+        if grew:
+            self.cache.clear()
+        return grew
 
     def learn_slack(self, unusable_bytes: int) -> bool:
-        """Keep 1.25 × ``unusable_bytes`` free for the allocator if that is more than now.
+        """Keep 1.25 × ``unusable_bytes`` free for the allocator if that is more than now (NOTE [Room], room.py)."""
+        grew = self.room.learn_slack(unusable_bytes)
+        if grew:
+            self.cache.clear()
+        return grew
 
-        Returns whether the slack grew (NOTE [Room]).
-        """
-        wanted = int(1.25 * unusable_bytes)
-        if wanted <= self.slack_bytes:
-            return False
-        self.slack_bytes = wanted
+    def after_oom(self, unusable_bytes: int) -> None:
+        """A step ran out of memory: the room grows (NOTE [Room], room.py) and the plans are redone."""
+        self.room.after_oom(unusable_bytes)
         self.cache.clear()
-        return True
 
 
 # ---------------------------------------------------------------- rows (NOTE [Planning a row])

@@ -63,5 +63,5 @@ class Reactive(Method):
     def learn(self, planning: "Planning", outcome: "StepOutcome") -> int | None:
         """No model to learn; a step the allocator served only by releasing its cache grows the
         slack that every block entry keeps free (NOTE [Room], planning.py)."""
-        learner.grow_slack(planning, outcome)
+        planning.apply(learner.grow_slack(planning, outcome))
         return None

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from memfit.engine.methods import Decision, Method, Precomputed, save_plans
+from memfit.engine.planner import Plan
 from memfit.engine.shapes import bucket_key, shape_key
 
 __all__ = ["Oracle", "sweep", "prepare"]
@@ -70,7 +71,7 @@ class _FirstK(Method):
         self.k = k
 
     def decide(self, planning, key: tuple[int, int], failed=None) -> Decision:
-        return Decision(tuple(range(min(self.k, planning.n_blocks))))
+        return Decision(Plan(tuple(range(min(self.k, planning.n_blocks)))))
 
 
 def _batch_key(batch: Any) -> tuple[int, int]:
@@ -129,7 +130,7 @@ def sweep(
         bucket = bucket_key((rows_, tokens), bucket_tokens)
         if bucket not in longest or tokens > longest[bucket][0]:
             longest[bucket] = (tokens, batch)
-    plans: dict[tuple[int, int], tuple[int, ...]] = {}
+    plans: dict[tuple[int, int], Plan] = {}
     rows: list[dict[str, Any]] = []
     for _, group in itertools.groupby(sorted(longest), key=lambda b: b[0]):
         k = 0
@@ -159,7 +160,7 @@ def sweep(
                     break
                 k += 1
             key = shape_key(records[0].shape) if records else bucket
-            plans[key] = tuple(range(k))
+            plans[key] = Plan(tuple(range(k)))
             rows.append({
                 "key": list(key), "bucket": list(bucket), "k": k, "fits": fits,
                 "peak_allocated_bytes": int(peak), "room_bytes": int(room), "trials": trials, "n_blocks": n_blocks,
