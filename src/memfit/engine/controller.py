@@ -532,7 +532,7 @@ def fit(
         4
         >>> ctl.remove()
     """
-    budget_bytes = None if budget is None else parse_bytes(budget)
+    budget_bytes = None if budget is None else parse_bytes(budget, argument="budget")
     method_obj = make_method(method, **method_kwargs)
     shown = (budget if isinstance(budget, str) else True) if announce else False
     return Controller(model, budget_bytes, method_obj, optimizer, blocks, log, margin, bucket_tokens, cap, treatments, shown,

@@ -219,7 +219,7 @@ def _backward_start_dominates(planning: Planning, key: tuple[int, int], plan: Pl
     model = planning.model
     if not model.ready or not model.transient_full.fitted:
         return True
-    k = planning.plan_key(key)
+    k = planning.planned_shape(key)
     return model.backward_start_bytes(k, plan) >= model.recompute_bytes(k, plan)
 
 

@@ -161,14 +161,14 @@ class Planning:
         self.cache.clear()
 
     # ------------------------------------------------------------ predictions
-    def plan_key(self, key: tuple[int, int]) -> tuple[int, int]:
+    def planned_shape(self, key: tuple[int, int]) -> tuple[int, int]:
         """The shape ``key``'s plan is made and predicted for: the longest seen in its bucket
         (``key`` itself if none longer was) (NOTE [Plan for the longest shape seen])."""
         return (key[0], max(key[1], self.longest_in_bucket.get(bucket_key(key, self.bucket_tokens), 0)))
 
     def predict_peak(self, key: tuple[int, int], plan: Plan) -> int:
         """Predicted step peak: static + the largest of the step's three peaks (NOTE [Three peaks], model.py)."""
-        return int(self.static_bytes + self.model.step_bytes(self.plan_key(key), plan))
+        return int(self.static_bytes + self.model.step_bytes(self.planned_shape(key), plan))
 
     @property
     def room_bytes(self) -> int:
@@ -179,7 +179,7 @@ class Planning:
         """Predicted extra time of ``plan``'s treatments at ``key`` (0 before the model is fitted)."""
         if not self.model.ready:
             return 0.0
-        k = self.plan_key(key)
+        k = self.planned_shape(key)
         kinds = plan.kinds
         if not kinds:
             return float(sum(self.model.block_cost_ms(i, k) for i in plan.blocks))
@@ -202,7 +202,7 @@ class Planning:
         """
         if self.budget_bytes is None:
             return Plan(())
-        k, edge = self.plan_key(key), bucket_key(key, self.bucket_tokens)
+        k, edge = self.planned_shape(key), bucket_key(key, self.bucket_tokens)
         self.longest_in_bucket[edge] = k[1]
         static_bucket = self._static_bucket()
         # a plan made for the bucket's edge serves every shape of it
@@ -302,7 +302,7 @@ class Planning:
         blocks = plan.blocks
         if not blocks or self.budget_bytes is None:
             return False
-        k = self.plan_key(key)
+        k = self.planned_shape(key)
         need = int(self.static_bytes + self.model.backward_start_bytes(k, Plan(()))) - self.room_bytes - over_bytes
         if need <= 0:
             return True
