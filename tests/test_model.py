@@ -541,3 +541,22 @@ def test_a_price_is_the_least_squares_line_of_each_keys_fastest_sample():
     loaded = BlockGroupModel.from_dict(old)
     assert not loaded.ms["recompute"].envelope and loaded.bytes["keep"].envelope and not loaded.ms["selective"].envelope
     assert loaded.bytes["keep"]((8, 1206)) == envelope((8, 1206)) and loaded.ms["selective"]((8, 961)) == group.ms["selective"]((8, 961))
+
+
+def test_the_learner_returns_updates_and_planning_alone_applies_them():
+    """Item 3 of issue 38: learner functions write nothing; Planning.apply adds the samples and
+    drops its own cached plans."""
+    from memfit.engine import learner
+    from memfit.engine.learner import StepOutcome
+
+    planning = Planning(4, [0, 0, 0, 0], 1_000_000, margin_bytes=0, bucket_tokens=1)
+    planning.model, planning.static_bytes = _model([16, 32, 64]), 200_000
+    planning.plan_for((4, 60))
+    before = planning.model.to_dict()
+    outcome = StepOutcome(key=(4, 70), plan=Plan(()), warmup=True, outside=10, by_block=[1000] * 4, static=200_000,
+                          peak=0, plain_peak=0, transient=None)
+    update = learner.learn_step(planning, outcome, None, (4, 70))
+    assert planning.model.to_dict() == before and planning.cache.items() != []  # nothing written yet
+    assert (("bytes", 0, "keep"), (4, 70), 1000) in update.samples and update.seen_key == (4, 70)
+    assert planning.apply(update) and planning.cache.items() == []
+    assert planning.model.group_models[0].bytes["keep"].has((4, 70)) and planning.model.max_key == (4, 70)

@@ -160,7 +160,7 @@ class SavedTensorCounter:
 
     def count_tensor(self, index: int, t: torch.Tensor) -> None:
         """Count ``t``'s storage for block ``index`` (once, as a saved tensor is): what a
-        treatment keeps where the hooks cannot see it (treatments.py)."""
+        treatment keeps where the hooks cannot see it (engine/treatments/)."""
         self._add(t, index)
 
     def count_inputs(self, index: int, args: tuple, kwargs: dict[str, Any]) -> None:

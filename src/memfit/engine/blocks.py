@@ -74,7 +74,7 @@ the blocks are wrapped, and put back when they are unwrapped (if nothing changed
 
 # NOTE [Switch is read at call time]
 The wrapper replaces the block's ``forward`` on the *instance* (the class is untouched) and
-reads its ``treatment`` (treatments.py) every call, so a plan can change between steps without
+reads its ``treatment`` (engine/treatments/) every call, so a plan can change between steps without
 re-wrapping and ``unwrap`` restores the model exactly by deleting the instance attribute. A
 treatment applies only while the block is training and grad is enabled: eval and ``no_grad``
 forwards are untouched.
@@ -243,7 +243,7 @@ class Block:
         index: position in the model's block list (execution order).
         name: qualified module name.
         module: the wrapped module.
-        treatment: how the block runs its next training forward (treatments.py); it calls
+        treatment: how the block runs its next training forward (engine/treatments/); it calls
             :meth:`run_body` for each run of the body, recomputes included.
         forwards: training forwards run (whatever the treatment).
         runs: times the block's body actually ran; ``runs - forwards`` are recomputes.

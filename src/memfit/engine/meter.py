@@ -130,7 +130,7 @@ class CudaMeter(Meter):
         super().__init__(device, parameter_bytes)
         #: each trainable parameter with the bytes of its gradient on this rank (read every step)
         self._grad_bytes = [(p, local(p).numel() * p.element_size()) for p in grad_params]
-        #: the allocator's retry count when the last step was read (NOTE [Room], planning.py)
+        #: the allocator's retry count when the last step was read (NOTE [Room], room.py)
         self._retries: int | None = None
 
     def apply_cap(self, budget_bytes: int) -> None:

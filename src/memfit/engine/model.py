@@ -51,7 +51,7 @@ then checked against all three.
 A plan that gives some blocks ``selective`` or ``offload`` changes the three peaks so:
 * each block holds, at the start of backward, what its treatment keeps on the device;
 * ``offload`` brings a block back one block ahead in backward (NOTE [Offload],
-  treatments.py): two offloaded blocks' moved bytes may be on the device at once, which the
+  treatments/offload.py): two offloaded blocks' moved bytes may be on the device at once, which the
   start of backward, and a recompute above them, hold on top;
 * a ``selective`` block recomputes part of itself in backward, as a recomputed block does
   all of itself: the recompute peak is bounded from its topmost such block as from a
@@ -71,7 +71,7 @@ measured bandwidth (engine/probe.py).
 # NOTE [Upper envelope]
 Least squares under-predicts half of its samples. Every fitted curve of bytes is shifted up by
 its largest positive residual, so it bounds every sample it was fitted on; out-of-sample
-errors are caught by the margin (NOTE [Room] in planning.py).
+errors are caught by the margin (NOTE [Room] in room.py).
 
 # NOTE [Central prices]
 The time curves (``ms[name]``) only rank treatments against each other, and

@@ -20,8 +20,9 @@ lengths are checked one by one, not the edge's plan alone.
 For a stack of one group (every block alike) with only ``keep`` and ``recompute``, the plan of
 a shape is the shortest prefix of blocks that fits, so a miss plans the whole row at once:
 every length of the shape's batch size, one token apart, up to a few buckets past the longest
-shape seen, with numpy over the row, doing the per-key planner's float operations in its
-order, so that the plans are the same bit for bit (tested); each length's plan is built from
+shape seen, with numpy over the row: the model's one peak formula evaluated over arrays
+(NOTE [One evaluator], model.py), so that the plans are the same bit for bit as the per-key
+planner's (tested) with no copy of its arithmetic here; each length's plan is built from
 the row's arrays when first asked. A row costs several single plans, so it pays only while the
 model behind it lasts: a miss plans a row once the cache has served more than
 ``ROW_AFTER_STEADY_ASKS`` requests since its last clear, or the model before it did (a settled

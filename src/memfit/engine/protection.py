@@ -230,7 +230,7 @@ class _Evicting(Protection):
         self.store.start_step()
 
     def reserve_bytes(self) -> int:
-        """What making room keeps free: a share of the margin, and the allocator's slack (NOTE [Room], planning.py)."""
+        """What making room keeps free: a share of the margin, and the allocator's slack (NOTE [Room], room.py)."""
         return self.planning.margin_bytes + self.planning.slack_bytes
 
     def _held_bytes(self) -> int:

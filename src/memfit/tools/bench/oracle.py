@@ -19,7 +19,7 @@ count: a plan of the first k blocks runs two training steps (forward, backward a
 optimizer's step, whose transient can be the step's peak) under the budget's hard cap on
 CUDA, or its logical accounting on CPU, and is accepted when neither step ran out of
 memory and the peak left the room ``dynamic`` plans into (the budget less its margin and
-the allocator slack: NOTE [Room] in planning.py) free. k starts at the previous
+the allocator slack: NOTE [Room] in engine/room.py) free. k starts at the previous
 bucket's (a longer batch never needs fewer blocks) and grows by one. First-k plans are the
 fewest blocks for a stack of alike blocks (BERT-like), which the NLP tasks are; for a mixed
 stack (a Swin detector) they are an upper bound, not the oracle. A bucket that does not fit
@@ -130,7 +130,7 @@ def sweep(
         bucket = bucket_key((rows_, tokens), bucket_tokens)
         if bucket not in longest or tokens > longest[bucket][0]:
             longest[bucket] = (tokens, batch)
-    plans: dict[tuple[int, int], Plan] = {}
+    plans: dict[tuple[int, int], tuple[int, ...]] = {}
     rows: list[dict[str, Any]] = []
     for _, group in itertools.groupby(sorted(longest), key=lambda b: b[0]):
         k = 0
@@ -160,7 +160,7 @@ def sweep(
                     break
                 k += 1
             key = shape_key(records[0].shape) if records else bucket
-            plans[key] = Plan(tuple(range(k)))
+            plans[key] = tuple(range(k))
             rows.append({
                 "key": list(key), "bucket": list(bucket), "k": k, "fits": fits,
                 "peak_allocated_bytes": int(peak), "room_bytes": int(room), "trials": trials, "n_blocks": n_blocks,
@@ -234,7 +234,7 @@ def prepare(bundle: Any, args: Any) -> Oracle:
             torch.cuda.reset_peak_memory_stats()
     os.makedirs(args.output_dir, exist_ok=True)
     path = os.path.join(args.output_dir, ORACLE_PLANS_FILE)
-    save_plans(path, rows[0]["n_blocks"] if rows else 0, plans)
+    save_plans(path, rows[0]["n_blocks"] if rows else 0, {key: Plan(blocks) for key, blocks in plans.items()})
     with open(os.path.join(args.output_dir, ORACLE_FILE), "w", encoding="utf-8") as fh:
         json.dump({"budget_bytes": budget, "rows": rows}, fh, indent=1)
     return Oracle(path)
