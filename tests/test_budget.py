@@ -31,3 +31,16 @@ def test_static_need_error_states_bytes():
     with pytest.raises(BudgetTooSmallError, match=r"1600 bytes: parameters 400 B, gradients 400 B, optimizer state 800 B"):
         check_static_need(1000, 1600, parts)
     check_static_need(2000, 1600, parts)  # fits: no error
+
+
+def test_python_api_errors_name_the_argument():
+    """A bad budget given to ``memfit.fit`` names the argument (``budget=``), not a CLI flag."""
+    import torch
+
+    import memfit
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"^budget='6XB': not a memory size: '6XB'; write e\.g\. '6GiB'"):
+        memfit.fit(model, budget="6XB", blocks=[model[0]])
+    with pytest.raises(ValueError, match=r"^budget=-1: a memory size cannot be negative"):
+        parse_bytes(-1, argument="budget")

@@ -157,7 +157,7 @@ def test_blocks_that_draw_random_numbers_are_never_offered_compiled_selective(dr
     ctl.remove()
     ref_ctl.remove()
     assert flags == {dropout}
-    assert all(m.selective_bytes.fitted == (not dropout) for m in curves)
+    assert all(m.bytes_curve("selective").fitted == (not dropout) for m in curves)
     assert bool(lean_runs) == (not dropout)
 
 

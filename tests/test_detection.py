@@ -78,7 +78,7 @@ def test_shape_key_counts_patches_and_swin_memory_is_linear_in_pixels():
     model_ = ctl.planning.model
     first_three_stages = {model_.groups[i] for i in range(sum(model.config.backbone_config.depths[:3]))}
     for group in first_three_stages:
-        curve = model_.group_models[group].full_bytes
+        curve = model_.group_models[group].bytes["keep"]
         patches = np.array([n * t for n, t in curve.xs], dtype=float)
         slope, intercept = np.polyfit(patches, curve.ys, 1)
         assert slope > 0 and abs(intercept) < 1024, (group, slope, intercept)

@@ -4,7 +4,7 @@ import pytest
 
 from memfit.engine.model import Curve, MemoryModel
 from memfit.engine.shapes import bucket_key, shape_key
-from memfit.engine.planner import plan_blocks
+from memfit.engine.planner import Plan, plan_blocks
 from memfit.engine.planning import Planning, _plan_from_row
 
 
@@ -35,8 +35,6 @@ def test_a_size_curve_outside_its_samples_is_bounded_by_its_extreme_samples():
     floor (a transient) keeps its fit."""
     import numpy as np
 
-    from memfit.engine.model import curve_values
-
     samples = {(16, 78400): 0.99, (16, 84672): 1.01, (16, 86240): 0.99}  # bytes per token, noisy
     curve, transient = Curve(), Curve(floor=None)
     for (n, t), per_token in samples.items():
@@ -55,7 +53,7 @@ def test_a_size_curve_outside_its_samples_is_bounded_by_its_extreme_samples():
     assert curve((16, 80000)) == fit(80000)  # inside: the fit
     assert transient((16, 65856)) != transient((16, 78400))
     ts = np.array([1000, 65856, 78399, 78400, 80000, 86240, 86241, 94080])
-    values = curve_values([curve, transient], 16, ts)
+    values = [c.values(16, ts) for c in (curve, transient)]
     assert values[0].tolist() == [curve((16, int(t))) for t in ts]
     assert values[1].tolist() == [transient((16, int(t))) for t in ts]
 
@@ -72,9 +70,9 @@ def _model(partial_keys):
     group = model.group_models[0]
     for t in (16, 32, 64, 128):
         key = (4, t)
-        group.full_bytes.add(key, 1000.0 * 4 * t)
-        group.kept_bytes.add(key, 100.0 * 4 * t)
-        group.cost_ms.add(key, 0.01 * t)
+        group.bytes["keep"].add(key, 1000.0 * 4 * t)
+        group.bytes["recompute"].add(key, 100.0 * 4 * t)
+        group.ms["recompute"].add(key, 0.01 * t)
         model.outside.add(key, 50.0 * 4 * t)
         model.transient_full.add(key, 300.0 * 4 * t)
     for t in partial_keys:
@@ -115,22 +113,22 @@ def test_transient_is_a_line_until_enough_shapes():
 def test_step_peak_is_the_largest_of_three():
     model = _model([16, 32, 64, 128])
     key = (4, 64)
-    start = model.activation_bytes(key, ()) - 200.0 * 4 * 64
-    assert model.step_bytes(key, ()) == pytest.approx(start)
+    start = model.activation_bytes(key, Plan(())) - 200.0 * 4 * 64
+    assert model.step_bytes(key, Plan(())) == pytest.approx(start)
     # the optimizer step's peak sets a floor no plan lowers
     model.optimizer_bytes = 10 * start
-    assert model.step_bytes(key, ()) == model.step_bytes(key, (0, 1, 2, 3)) == 10 * start
+    assert model.step_bytes(key, Plan(())) == model.step_bytes(key, Plan((0, 1, 2, 3))) == 10 * start
     model.optimizer_bytes = 0.0
     # every block: the full regime
     every = (0, 1, 2, 3)
-    assert model.step_bytes(key, every) == pytest.approx(model.activation_bytes(key, every) + 300.0 * 4 * 64)
+    assert model.step_bytes(key, Plan(every)) == pytest.approx(model.activation_bytes(key, Plan(every)) + 300.0 * 4 * 64)
     # checkpointing block 3 only: block 0..2 still hold their activations while 3 is recomputed
     held = 3 * (1000.0 - 100.0) * 4 * 64
-    recompute = model.activation_bytes(key, every) + 300.0 * 4 * 64 + held
-    assert model.recompute_bytes(key, (3,)) == pytest.approx(recompute)
-    assert model.step_bytes(key, (3,)) == pytest.approx(max(recompute, model.backward_start_bytes(key, (3,))))
+    recompute = model.activation_bytes(key, Plan(every)) + 300.0 * 4 * 64 + held
+    assert model.recompute_bytes(key, Plan((3,))) == pytest.approx(recompute)
+    assert model.step_bytes(key, Plan((3,))) == pytest.approx(max(recompute, model.backward_start_bytes(key, Plan((3,)))))
     # a first-k plan holds nothing below its topmost block
-    assert model.recompute_bytes(key, (0, 1)) == pytest.approx(model.activation_bytes(key, every) + 300.0 * 4 * 64)
+    assert model.recompute_bytes(key, Plan((0, 1))) == pytest.approx(model.activation_bytes(key, Plan(every)) + 300.0 * 4 * 64)
 
 
 def test_planner_respects_the_optimizer_floor():
@@ -160,18 +158,18 @@ def test_partial_regime_checkpoints_fewer_blocks():
     planning.model = _model([16, 32, 64])
     planning.static_bytes = 200_000
     k = len(plans["two-regimes"])
-    assert planning.predict_peak((4, 60), tuple(range(k))) <= budget
-    assert k == 0 or planning.predict_peak((4, 60), tuple(range(k - 1))) > budget
+    assert planning.predict_peak((4, 60), Plan(tuple(range(k)))) <= budget
+    assert k == 0 or planning.predict_peak((4, 60), Plan(tuple(range(k - 1)))) > budget
 
 
 def test_model_roundtrip():
     model = _model([16, 32, 64])
     again = MemoryModel.from_dict(model.to_dict())
     for key in [(4, 20), (4, 50), (4, 100)]:
-        assert again.activation_bytes(key, (0, 1)) == pytest.approx(model.activation_bytes(key, (0, 1)))
+        assert again.activation_bytes(key, Plan((0, 1))) == pytest.approx(model.activation_bytes(key, Plan((0, 1))))
         for every in (True, False):
             assert again.transient(key, every) == pytest.approx(model.transient(key, every))
-        assert again.step_bytes(key, (2,)) == pytest.approx(model.step_bytes(key, (2,)))
+        assert again.step_bytes(key, Plan((2,))) == pytest.approx(model.step_bytes(key, Plan((2,))))
     model.optimizer_bytes = 123.0
     assert MemoryModel.from_dict(model.to_dict()).optimizer_bytes == 123.0
 
@@ -183,16 +181,16 @@ def test_over_prediction_matters_only_when_it_checkpointed_more():
     planning.model = _model([16, 32, 64])
     planning.static_bytes = 200_000
     key = (4, 60)
-    plan = planning.plan_for(key).blocks
-    assert plan, "the budget binds at this key"
+    plan = planning.plan_for(key)
+    assert plan.blocks, "the budget binds at this key"
     one_block = planning.model.savings(key)[0]
-    need = int(planning.static_bytes + planning.model.backward_start_bytes(key, ())) - 1_000_000
-    enough = need - (len(plan) - 1) * one_block  # the over-prediction that frees one block
+    need = int(planning.static_bytes + planning.model.backward_start_bytes(key, Plan(()))) - 1_000_000
+    enough = need - (len(plan.blocks) - 1) * one_block  # the over-prediction that frees one block
     assert 0 < enough <= one_block
     assert not planning.would_plan_less(key, plan, 0)
     assert not planning.would_plan_less(key, plan, enough - 1)
     assert planning.would_plan_less(key, plan, enough)
-    assert not planning.would_plan_less(key, (), 10**9)  # checkpointed nothing: nothing to win
+    assert not planning.would_plan_less(key, Plan(()), 10**9)  # checkpointed nothing: nothing to win
 
 
 def test_a_plan_holding_blocks_below_a_recompute_is_mended():
@@ -203,21 +201,21 @@ def test_a_plan_holding_blocks_below_a_recompute_is_mended():
     model = MemoryModel([0, 0, 1, 1, 1, 1])
     for group, (full, cost) in {0: (1000.0, 10.0), 1: (200.0, 1.0)}.items():
         m = model.group_models[group]
-        m.full_bytes.add(key, full)
-        m.kept_bytes.add(key, 10.0)
-        m.cost_ms.add(key, cost)
+        m.bytes["keep"].add(key, full)
+        m.bytes["recompute"].add(key, 10.0)
+        m.ms["recompute"].add(key, cost)
     model.outside.add(key, 0.0)
     model.transient_full.add(key, 100.0)
     for t in (50, 200):  # the partial regime's transient is lower (as on the H200)
         model.transient_partial.add((1, t), -400.0)
     planning = Planning(6, model.groups, 2000, margin_bytes=0, bucket_tokens=1)
     planning.model = model
-    need = int(model.backward_start_bytes(key, ())) - 2000
+    need = int(model.backward_start_bytes(key, Plan(()))) - 2000
     cheapest = plan_blocks(model.costs(key), model.savings(key), need).blocks
     assert cheapest == (2, 3, 4)
-    assert model.recompute_bytes(key, cheapest) > 2000  # blocks 0 and 1 held under block 4
-    plan = planning.plan_for(key).blocks
-    assert plan == (0,)  # cost 10: the closure (0..4) costs 23, every block 24
+    assert model.recompute_bytes(key, Plan(cheapest)) > 2000  # blocks 0 and 1 held under block 4
+    plan = planning.plan_for(key)
+    assert plan.blocks == (0,)  # cost 10: the closure (0..4) costs 23, every block 24
     assert planning.predict_peak(key, plan) <= 2000
 
 
@@ -228,7 +226,7 @@ def test_allocator_slack_is_kept_free_by_plans():
     def fewest_fitting(room):
         planning = Planning(4, [0, 0, 0, 0], budget, margin_bytes=0, bucket_tokens=1)
         planning.model, planning.static_bytes = _model([16, 32, 64]), 200_000
-        return next(k for k in range(5) if planning.predict_peak(key, tuple(range(k))) <= room)
+        return next(k for k in range(5) if planning.predict_peak(key, Plan(tuple(range(k)))) <= room)
 
     plans = {}
     for slack in (0, 150_000):
@@ -257,7 +255,7 @@ def test_allocator_retries_grow_the_slack_in_steps_up_to_a_ceiling():
     from types import SimpleNamespace
 
     from memfit.engine import learner
-    from memfit.engine.planning import MAX_RETRY_SLACK_SHARE, RETRY_SLACK_SHARE
+    from memfit.engine.room import MAX_RETRY_SLACK_SHARE, RETRY_SLACK_SHARE
 
     budget = 1_000_000
     planning = Planning(4, [0, 0, 0, 0], budget, margin_bytes=0, bucket_tokens=1, slack_bytes=100)
@@ -265,7 +263,7 @@ def test_allocator_retries_grow_the_slack_in_steps_up_to_a_ceiling():
     seen = []
     for warmup, retries in [(True, 3), (False, 0), (False, 1), (False, 2), (False, 1), (False, 1), (False, 1)]:
         planning.plan_for((4, 60))
-        learner.grow_slack(planning, SimpleNamespace(warmup=warmup, alloc_retries=retries))
+        planning.apply(learner.grow_slack(planning, SimpleNamespace(warmup=warmup, alloc_retries=retries)))
         seen.append((planning.slack_bytes, planning.cache.items() == []))
     step, ceiling = int(RETRY_SLACK_SHARE * budget), int(MAX_RETRY_SLACK_SHARE * budget)
     assert seen == [(100, False), (100, False), (100 + step, True), (100 + 2 * step, True), (100 + 3 * step, True),
@@ -285,16 +283,16 @@ def test_a_row_of_plans_equals_the_per_key_plans(seed):
     a, q = rng.uniform(500, 2000), rng.uniform(0, 8)
     for t in rng.sample(range(8, 400), 5):
         key = (4, t)
-        group.full_bytes.add(key, (a + q * t) * 4 * t * rng.uniform(0.97, 1.03))
-        group.kept_bytes.add(key, 0.05 * a * 4 * t)
-        group.cost_ms.add(key, 0.01 * t + rng.uniform(0, 0.1))
+        group.bytes["keep"].add(key, (a + q * t) * 4 * t * rng.uniform(0.97, 1.03))
+        group.bytes["recompute"].add(key, 0.05 * a * 4 * t)
+        group.ms["recompute"].add(key, 0.01 * t + rng.uniform(0, 0.1))
         model.outside.add(key, 50.0 * 4 * t)
         model.transient_full.add(key, 300.0 * 4 * t - 5000)
     for t in rng.sample(range(40, 300), rng.choice([0, 1, 3, 5])):
         model.transient_partial.add((4, t), -200.0 * 4 * t + rng.uniform(-2000, 2000))
     model.optimizer_bytes = rng.choice([0.0, 300_000.0])
     model.observe_key((4, 392))
-    every = model.step_bytes((4, 400), tuple(range(6)))
+    every = model.step_bytes((4, 400), Plan(tuple(range(6))))
     for budget in (int(every * f) + 250_000 for f in (0.8, 1.0, 1.3, 2.0, 4.0, 8.0)):
         row = Planning(6, [0] * 6, budget, margin_bytes=20_000, bucket_tokens=8, slack_bytes=5_000)
         row.model, row.static_bytes = model, 250_000
@@ -322,16 +320,16 @@ def test_a_bucket_is_planned_for_its_longest_shape_seen_not_its_edge():
     def fewest(budget, t):
         planning = Planning(4, [0] * 4, budget, margin_bytes=0, bucket_tokens=1)
         planning.model, planning.static_bytes = model, 200_000
-        plan = planning.plan_for((4, t)).blocks
-        return len(plan) if planning.predict_peak((4, t), plan) <= budget else None  # None: nothing fits
+        plan = planning.plan_for((4, t))
+        return len(plan.blocks) if planning.predict_peak((4, t), plan) <= budget else None  # None: nothing fits
 
     budget = next(b for b in range(200_000, 2_000_000, 1000) if fewest(b, 48) and fewest(b, 44) < fewest(b, 48))
     planning = Planning(4, [0] * 4, budget, margin_bytes=0, bucket_tokens=8)
     planning.model, planning.static_bytes = model, 200_000
-    plan_44 = planning.plan_for((4, 44)).blocks  # bucket 41-48
-    assert len(plan_44) == fewest(budget, 44) < fewest(budget, 48)
+    plan_44 = planning.plan_for((4, 44))  # bucket 41-48
+    assert len(plan_44.blocks) == fewest(budget, 44) < fewest(budget, 48)
     assert planning.predict_peak((4, 44), plan_44) == int(200_000 + model.step_bytes((4, 44), plan_44))
-    assert planning.plan_for((4, 42)).blocks == plan_44  # a shorter shape of the bucket: the same plan
+    assert planning.plan_for((4, 42)).blocks == plan_44.blocks  # a shorter shape of the bucket: the same plan
     assert planning.predict_peak((4, 42), plan_44) == planning.predict_peak((4, 44), plan_44)
     assert len(planning.plan_for((4, 47)).blocks) == fewest(budget, 47)  # a longer one: planned anew
     assert planning.plan_for((4, 44)).blocks == planning.plan_for((4, 47)).blocks  # which the bucket then uses
@@ -404,13 +402,11 @@ def test_rows_wait_until_the_plan_cache_has_settled():
 
 
 def test_curve_values_are_each_curves_own_values_bit_for_bit():
-    """``curve_values`` (one numpy pass over a row's curves) returns, for every kind of curve,
-    exactly the floats ``Curve.__call__`` returns key by key."""
+    """``Curve.values`` over a row of shapes (NOTE [One evaluator]) returns, for every kind of
+    curve, exactly the floats ``Curve.__call__`` returns key by key."""
     import random
 
     import numpy as np
-
-    from memfit.engine.model import curve_values
 
     rng = random.Random(3)
     curves = [
@@ -425,7 +421,7 @@ def test_curve_values_are_each_curves_own_values_bit_for_bit():
         for t in rng.sample(range(8, 500), 3 if curve.linear_until else 7):
             curve.add((4, t), rng.uniform(-1e6, 1e7) + 1234.5 * t + 0.37 * t * t)
     ts = np.arange(8, 520, 8)
-    values = curve_values(curves, 4, ts)
+    values = [c.values(4, ts) for c in curves]
     for curve, row in zip(curves, values):
         assert row.tolist() == [curve((4, int(t))) for t in ts]
 
@@ -439,7 +435,11 @@ def test_refit_equals_numpy_least_squares(seed):
 
     import numpy as np
 
-    from memfit.engine.model import _features
+
+    def _features(n, t, intercept, quadratic):  # the least-squares columns: [1,] N, N·T, N·T² (or [1,] N·T)
+        tokens = n * t
+        f = [n, tokens, tokens * t] if quadratic else [tokens]
+        return [1.0] + f if intercept else f
 
     rng = random.Random(seed)
     for _ in range(60):
@@ -482,13 +482,13 @@ def test_an_optimizer_peak_that_cannot_change_a_plan_keeps_the_cache():
     planning.model, planning.static_bytes = _model([16, 32, 64]), 200_000  # a 4-block model
     planning.n_blocks, planning.all_blocks = 4, (0, 1, 2, 3)
     cached = {t: planning.plan_for((4, t)).blocks for t in (16, 60, 100)}
-    learn_optimizer_peak(planning, _optimizer_step(700_000, 200_000))  # 200k + 700k <= room: no plan can change
+    planning.apply(learn_optimizer_peak(planning, _optimizer_step(700_000, 200_000)))  # 200k + 700k <= room: no plan can change
     assert planning.model.optimizer_bytes == 700_000 and planning.cache.items() != []
     fresh = Planning(4, [0, 0, 0, 0], 1_000_000, margin_bytes=planning.margin_bytes, bucket_tokens=planning.bucket_tokens,
                      slack_bytes=planning.slack_bytes)
     fresh.model, fresh.static_bytes = planning.model, 200_000
     assert {t: fresh.plan_for((4, t)).blocks for t in cached} == cached
-    learn_optimizer_peak(planning, _optimizer_step(900_000, 200_000))  # over the room: every plan is dropped
+    planning.apply(learn_optimizer_peak(planning, _optimizer_step(900_000, 200_000)))  # over the room: every plan is dropped
     assert planning.cache.items() == []
     ctl.remove()
 
@@ -497,15 +497,15 @@ def test_split_gives_a_new_group_a_copy_of_its_old_groups_curves():
     """NOTE [Blocks alike only in name] (learner.py): splitting keeps what the group learnt
     for both parts, and a new group may not merge blocks of two groups."""
     model = MemoryModel([0, 0, 1, 0])
-    model.group_models[0].full_bytes.add((2, 8), 100.0)
-    model.group_models[1].full_bytes.add((2, 8), 7.0)
+    model.group_models[0].bytes["keep"].add((2, 8), 100.0)
+    model.group_models[1].bytes["keep"].add((2, 8), 7.0)
     model.split([0, 2, 1, 2])
     assert model.groups == [0, 2, 1, 2]
     assert sorted(model.group_models) == [0, 1, 2]
-    assert model.block_full(1, (2, 8)) == model.block_full(0, (2, 8)) == pytest.approx(100.0)
-    model.group_models[2].full_bytes.add((2, 16), 300.0)  # the copy learns alone
-    assert not model.group_models[0].full_bytes.has((2, 16))
-    assert model.activation_bytes((2, 8)) == pytest.approx(3 * 100.0 + 7.0)
+    assert model.block_bytes(1, (2, 8), "keep") == model.block_bytes(0, (2, 8), "keep") == pytest.approx(100.0)
+    model.group_models[2].bytes["keep"].add((2, 16), 300.0)  # the copy learns alone
+    assert not model.group_models[0].bytes["keep"].has((2, 16))
+    assert model.activation_bytes((2, 8), Plan(())) == pytest.approx(3 * 100.0 + 7.0)
     with pytest.raises(ValueError, match="merge"):
         model.split([0, 0, 0, 2])
 
@@ -520,21 +520,43 @@ def test_a_price_is_the_least_squares_line_of_each_keys_fastest_sample():
     group = BlockGroupModel()
     noisy = {(8, 961): 0.713, (8, 1206): 1.029, (8, 1868): 0.147}  # one H200 repeat's selective prices
     for key, ms in noisy.items():
-        group.selective_ms.add(key, ms)
-    group.selective_ms.add((8, 1206), 1.5)  # a slower run at a key seen: the faster stays
+        group.ms_curve("selective").add(key, ms)
+    group.ms_curve("selective").add((8, 1206), 1.5)  # a slower run at a key seen: the faster stays
     tokens = np.array([n * t for n, t in noisy], dtype=float)
     line = np.polyfit(tokens, list(noisy.values()), 1)
     for (n, t), x in zip(noisy, tokens):
-        assert group.selective_ms((n, t)) == pytest.approx(max(0.0, np.polyval(line, x)), abs=1e-9)
-    assert group.selective_ms((8, 1206)) < 1.029  # through the noise, not above it
+        assert group.ms_curve("selective")((n, t)) == pytest.approx(max(0.0, np.polyval(line, x)), abs=1e-9)
+    assert group.ms_curve("selective")((8, 1206)) < 1.029  # through the noise, not above it
     envelope = Curve(intercept=True)  # what a size gets: above every sample
     for key, ms in noisy.items():
         envelope.add(key, ms)
     assert envelope((8, 1206)) >= 1.029 - 1e-9
     # round trip, and a file written before prices were central loads them central
     again = BlockGroupModel.from_dict(group.to_dict())
-    assert not again.selective_ms.envelope and again.full_bytes.envelope
-    old = group.to_dict()
+    assert not again.ms_curve("selective").envelope and again.bytes["keep"].envelope
+    # state saved with one field per treatment (before curves were keyed by name) loads so
+    old = {"full_bytes": envelope.to_dict(), "cost_ms": group.ms_curve("recompute").to_dict(), "selective_ms": group.ms["selective"].to_dict()}
     for curve in old.values():
         curve.pop("envelope")
-    assert not BlockGroupModel.from_dict(old).cost_ms.envelope and BlockGroupModel.from_dict(old).full_bytes.envelope
+    loaded = BlockGroupModel.from_dict(old)
+    assert not loaded.ms["recompute"].envelope and loaded.bytes["keep"].envelope and not loaded.ms["selective"].envelope
+    assert loaded.bytes["keep"]((8, 1206)) == envelope((8, 1206)) and loaded.ms["selective"]((8, 961)) == group.ms["selective"]((8, 961))
+
+
+def test_the_learner_returns_updates_and_planning_alone_applies_them():
+    """Item 3 of issue 38: learner functions write nothing; Planning.apply adds the samples and
+    drops its own cached plans."""
+    from memfit.engine import learner
+    from memfit.engine.learner import StepOutcome
+
+    planning = Planning(4, [0, 0, 0, 0], 1_000_000, margin_bytes=0, bucket_tokens=1)
+    planning.model, planning.static_bytes = _model([16, 32, 64]), 200_000
+    planning.plan_for((4, 60))
+    before = planning.model.to_dict()
+    outcome = StepOutcome(key=(4, 70), plan=Plan(()), warmup=True, outside=10, by_block=[1000] * 4, static=200_000,
+                          peak=0, plain_peak=0, transient=None)
+    update = learner.learn_step(planning, outcome, None, (4, 70))
+    assert planning.model.to_dict() == before and planning.cache.items() != []  # nothing written yet
+    assert (("bytes", 0, "keep"), (4, 70), 1000) in update.samples and update.seen_key == (4, 70)
+    assert planning.apply(update) and planning.cache.items() == []
+    assert planning.model.group_models[0].bytes["keep"].has((4, 70)) and planning.model.max_key == (4, 70)

@@ -205,8 +205,8 @@ def test_oom_grows_margin_instead_of_failing():
 def _under_predict_blocks(ctl, factor):
     """Make the memory model believe blocks save ``factor`` of what they do: a wrong prediction."""
     for group in ctl.planning.model.group_models.values():
-        data = group.full_bytes.to_dict()
-        group.full_bytes = Curve.from_dict({**data, "ys": [y * factor for y in data["ys"]]})
+        data = group.bytes["keep"].to_dict()
+        group.bytes["keep"] = Curve.from_dict({**data, "ys": [y * factor for y in data["ys"]]})
     ctl.planning.cache.clear()
 
 
@@ -533,7 +533,7 @@ def test_allocator_retries_grow_the_room_reactive_keeps_free(monkeypatch):
     """NOTE [Room] (planning.py): under ``reactive`` a step the allocator served only by releasing
     its cache grows the slack by RETRY_SLACK_SHARE of the budget, and the next step's block
     entries keep it free: that step evicts blocks where the steps before evicted none."""
-    import memfit.engine.planning
+    import memfit.engine.room
 
     budget = 10**6
     model, make_batch, inner, ctl, fake = _reactive_on_fake_allocator(monkeypatch, budget)
@@ -553,6 +553,6 @@ def test_allocator_retries_grow_the_room_reactive_keeps_free(monkeypatch):
     records = ctl.records
     ctl.remove()
     assert [r.alloc_retries for r in records[:3]] == [0, 1, 0]
-    assert slacks == [0, 0, int(memfit.engine.planning.RETRY_SLACK_SHARE * budget)] == [0, 0, ctl.planning.slack_bytes]
+    assert slacks == [0, 0, int(memfit.engine.room.RETRY_SLACK_SHARE * budget)] == [0, 0, ctl.planning.slack_bytes]
     assert records[0].evicted_blocks == [] == records[1].evicted_blocks
     assert records[2].evicted_blocks, "the grown slack made no room"

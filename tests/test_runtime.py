@@ -10,6 +10,7 @@ from torch import nn
 import memfit
 from _models import build, logical_peak
 from memfit.engine.methods import save_plans
+from memfit.engine.planner import Plan
 from memfit.engine.probe import TIMED_RUNS
 
 
@@ -31,7 +32,7 @@ def _counted_bytes_with_first_k(model, batch, k, tmp_path):
     key = (batch["input_ids"].shape[0], batch["input_ids"].shape[1])
     path = tmp_path / f"plan_{k}.json"
     n_blocks = len(memfit.engine.blocks.find_blocks(model))
-    save_plans(path, n_blocks, {key: tuple(range(k))})
+    save_plans(path, n_blocks, {key: Plan(tuple(range(k)))})
     ctl = memfit.fit(model, budget=None, method="precomputed", path=path)
     _step(model, batch)
     peak = ctl.records[-1].peak_allocated_bytes
@@ -84,7 +85,7 @@ def test_stream_within_budget_with_fewest_blocks(tmp_path, backstop):
 def test_recompute_counts_follow_plan(tmp_path):
     model, make_batch = _bert()
     batch = make_batch(2, 16)
-    save_plans(tmp_path / "p.json", 3, {(2, 16): (0, 2)})
+    save_plans(tmp_path / "p.json", 3, {(2, 16): Plan((0, 2))})
     ctl = memfit.fit(model, budget=None, method="precomputed", path=tmp_path / "p.json")
     _step(model, batch)
     assert [b.recomputes for b in ctl.blocks] == [1, 0, 1]
@@ -140,7 +141,7 @@ def test_precomputed_roundtrip_and_fallback(tmp_path):
     budget = None
     ctl = memfit.fit(model, budget=budget, method="full")
     ctl.remove()
-    save_plans(tmp_path / "p.json", 3, {(2, 16): (0,), (2, 32): (0, 1)})
+    save_plans(tmp_path / "p.json", 3, {(2, 16): Plan((0,)), (2, 32): Plan((0, 1))})
     ctl = memfit.fit(model, budget=None, method="precomputed", path=tmp_path / "p.json")
     for length in (16, 24, 32, 48):
         _step(model, make_batch(2, length))
@@ -530,7 +531,7 @@ def test_a_blocks_first_run_at_a_size_is_not_its_recompute_cost(monkeypatch):
         block._body = slow_once
     for i, length in enumerate([40, 24, 32]):  # the warm-up steps probe, each at a new size
         _step(model, make_batch(2, length), seed=i)
-    costs = [c for g in ctl.planning.model.group_models.values() for c in g.cost_ms.ys]
+    costs = [c for g in ctl.planning.model.group_models.values() for c in g.ms["recompute"].ys]
     ctl.remove()
     assert len(costs) == 3
     assert max(costs) < first_run_ms / 2, costs
@@ -603,14 +604,14 @@ def test_allocator_retries_in_steady_steps_grow_the_slack_and_the_plans(monkeypa
     """NOTE [Room]: a steady step the allocator served only by releasing its cache grows the
     slack by RETRY_SLACK_SHARE of the budget, up to MAX_RETRY_SLACK_SHARE, and the plans are
     redone with it; a warm-up step's retries and a step without any leave the slack alone."""
-    import memfit.engine.planning
+    import memfit.engine.room
     from memfit.engine.planner import Plan
 
     # this small model's plans lie further apart than the ceiling: a higher one here
-    monkeypatch.setattr(memfit.engine.planning, "MAX_RETRY_SLACK_SHARE", 1 / 3)
+    monkeypatch.setattr(memfit.engine.room, "MAX_RETRY_SLACK_SHARE", 1 / 3)
     model, make_batch, inner, budget, ctl, fake = _half_budget_on_fake_allocator(monkeypatch, backstop=False)
     planning, key = ctl.planning, (4, 96)
-    step, ceiling = int(memfit.engine.planning.RETRY_SLACK_SHARE * budget), int(budget / 3)
+    step, ceiling = int(memfit.engine.room.RETRY_SLACK_SHARE * budget), int(budget / 3)
     step_retries = {1: 2, 5: 1, 6: 0, 7: 3, 8: 1, 9: 1, 10: 1, 11: 1}  # step index -> retries it causes
     slacks = []  # after each step was learnt (a step is closed when the next one's forward starts)
     for i in range(13):
@@ -692,7 +693,7 @@ def _partial_transient_run(monkeypatch):
         saved = ctl._counter.total_bytes
         every = len(ctl._step.decision.plan.blocks) == len(ctl.blocks)
         if every:  # full: the top block is recomputed on top of what is kept
-            block_bytes[length] = max(ctl.planning.model.group_models[0].full_bytes.ys or [0])
+            block_bytes[length] = max(ctl.planning.model.group_models[0].bytes["keep"].ys or [0])
         fake.use(saved + 40 * 4 * length - 2000 + (block_bytes.get(length, 0) if every else 0))
         loss.backward()
         inner.step()
@@ -732,7 +733,7 @@ def test_a_plan_that_checkpoints_nothing_does_not_extend_the_partial_range(monke
     partial = ctl.planning.model.transient_partial
     covered = partial.max_tokens
     original = ctl.method.decide
-    monkeypatch.setattr(ctl.method, "decide", lambda planning, key, failed=None: Decision(()))
+    monkeypatch.setattr(ctl.method, "decide", lambda planning, key, failed=None: Decision(Plan(())))
     empty = run(92, 20)
     assert empty.n_checkpointed == 0 and partial.max_tokens == covered  # not extended
     monkeypatch.setattr(ctl.method, "decide", original)

@@ -15,7 +15,7 @@ from _models import ARCHS, DECODER_ARCHS, SIZES, TEXT_SIZES, build, build_decode
 from memfit.engine.methods import Decision, Method, load_plans, make_method, save_plans
 from memfit.engine.planner import Plan
 from memfit.engine.controller import Controller
-from memfit.engine.treatments import HostMemoryError, Offload, make_treatments
+from memfit.engine.treatments import HostMemoryError, Offload, Treatment, make_treatments
 
 
 class _Fixed(Method):
@@ -210,16 +210,16 @@ def test_the_planner_keeps_recompute_where_treatments_are_dearer():
     group = model.group_models[0]
     for t in (16, 32, 64):
         key = (4, t)
-        group.full_bytes.add(key, 1000.0 * t)
-        group.kept_bytes.add(key, 50.0 * t)
-        group.cost_ms.add(key, 0.01 * t)
-        group.selective_bytes.add(key, 400.0 * t)
+        group.bytes["keep"].add(key, 1000.0 * t)
+        group.bytes["recompute"].add(key, 50.0 * t)
+        group.ms["recompute"].add(key, 0.01 * t)
+        group.bytes_curve("selective").add(key, 400.0 * t)
         model.outside.add(key, 10.0 * t)
         model.transient_full.add(key, 0.0)
     for ms, cheap in ((1e-6, True), (10.0, False)):
-        group.selective_ms = type(group.selective_ms)(intercept=True)
+        group.ms["selective"] = type(group.ms_curve("selective"))(intercept=True)
         for t in (16, 32, 64):
-            group.selective_ms.add((4, t), ms)
+            group.ms_curve("selective").add((4, t), ms)
         planning = Planning(4, [0] * 4, 200_000, margin_bytes=0, bucket_tokens=1, treatments=("recompute", "selective"))
         planning.model, planning.static_bytes = model, 100_000
         plan = planning.plan_for((4, 64))
@@ -316,3 +316,52 @@ def test_a_selective_price_is_each_parts_fastest_run(monkeypatch):
     assert len(calls) == 3 * probe.TIMED_RUNS
     assert out["selective"][1] == pytest.approx((2.0 - 1.0) + 0.5)  # not (9 - 5) + 9
     assert out["selective"][0] > 0
+
+
+class _Twin(Treatment):
+    """A treatment defined in the test suite, not in src/ (NOTE [A treatment is a plug-in]):
+    a whole-block checkpoint whose own probe measures it at nearly no time, so the planner
+    must prefer it to ``recompute`` wherever a block must give up its activations."""
+
+    name = "twin"
+    help = "recompute, priced by its own probe"
+    holds_inputs = True
+    reruns = True
+    order = 5
+    probed: list = []
+
+    @classmethod
+    def probe(cls, block, kit):
+        cls.probed.append(block.index)
+        return kit.distinct_bytes(kit.inputs()), 1e-3
+
+    def run(self, block, args, kwargs):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(block.run_body, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+
+def test_a_treatment_defined_outside_src_is_probed_priced_and_chosen_with_exact_gradients():
+    """Adding a treatment needs no edit of src/: given by class, warm-up probes it, the model
+    keys its curves by its name, the planner prices and chooses it, blocks run it, and the
+    gradients equal ``none``'s."""
+    _Twin.probed = []
+    torch.manual_seed(0)
+    model, make_batch = build("llama")
+    model.train()
+    reference = copy.deepcopy(model)
+    longest = make_batch(4, 96)
+    budget = (logical_peak(model, longest, "none") + logical_peak(model, longest, "full")) // 2
+    ctl = memfit.fit(model, budget=budget, method="dynamic", treatments=("recompute", _Twin))
+    assert "twin" in ctl.treatments and isinstance(ctl.treatments["twin"], _Twin)
+    for seed, length in enumerate([16, 96, 48, 80, 96, 64, 88, 96]):
+        step_both_and_compare(model, reference, make_batch(4, length), seed, f"step {seed}")
+    records = ctl.records
+    groups = list(ctl.planning.model.group_models.values())
+    ctl.remove()
+    assert _Twin.probed, "warm-up probed it"
+    assert all(g.bytes["twin"].fitted and g.ms["twin"].fitted for g in groups)
+    steady = [r for r in records if r.phase == "steady"]
+    assert all(r.peak_allocated_bytes <= budget for r in records)
+    assert any("twin" in r.treatments for r in steady), [r.treatments for r in steady]
+    assert not any("recompute" in r.treatments for r in steady), [r.treatments for r in steady]

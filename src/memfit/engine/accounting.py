@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from memfit.engine.optim_state import torch_optimizer_state_bytes
 from memfit.integrations.distributed import is_fsdp
 
 __all__ = [
@@ -67,26 +68,15 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     return tensor_bytes(t for state in optimizer.state.values() for t in tree_leaves(state) if isinstance(t, torch.Tensor))
 
 
-# Optimizer state per parameter byte, expected before the optimizer's first step has
-# allocated it (afterwards the state is measured).
-_STATE_PER_PARAM_BYTE = {"Adam": 2.0, "AdamW": 2.0, "NAdam": 2.0, "RAdam": 2.0, "Adamax": 2.0, "SGD": 1.0, "RMSprop": 1.0, "Adagrad": 1.0}
-
-
 def expected_optimizer_bytes(optimizer: torch.optim.Optimizer | None) -> int:
-    """The state ``optimizer`` will hold after its first step (0 for an unknown class).
-
-    Adam-family: two states per parameter in its dtype, a third with ``amsgrad``; SGD with
-    momentum, RMSprop, Adagrad: one.
+    """The state ``optimizer`` will hold after its first step, before it has allocated it
+    (afterwards the state is measured); 0 for a class the optimizer-state table
+    (engine/optim_state.py) does not know. This rank's shards of sharded parameters.
     """
     if optimizer is None:
         return 0
-    per_byte = _STATE_PER_PARAM_BYTE.get(type(optimizer).__name__, 0.0)
-    if type(optimizer).__name__ == "SGD" and not any(g.get("momentum", 0) for g in optimizer.param_groups):
-        per_byte = 0.0
-    if any(g.get("amsgrad") for g in optimizer.param_groups):
-        per_byte += 1.0
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    return int(per_byte * sum(local(p).numel() * p.element_size() for p in params))
+    params = [local(p) for g in optimizer.param_groups for p in g["params"]]
+    return torch_optimizer_state_bytes(optimizer, params) or 0
 
 
 def static_bytes_logical(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
@@ -170,7 +160,7 @@ class SavedTensorCounter:
 
     def count_tensor(self, index: int, t: torch.Tensor) -> None:
         """Count ``t``'s storage for block ``index`` (once, as a saved tensor is): what a
-        treatment keeps where the hooks cannot see it (treatments.py)."""
+        treatment keeps where the hooks cannot see it (engine/treatments/)."""
         self._add(t, index)
 
     def count_inputs(self, index: int, args: tuple, kwargs: dict[str, Any]) -> None:

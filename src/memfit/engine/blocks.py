@@ -74,7 +74,7 @@ the blocks are wrapped, and put back when they are unwrapped (if nothing changed
 
 # NOTE [Switch is read at call time]
 The wrapper replaces the block's ``forward`` on the *instance* (the class is untouched) and
-reads its ``treatment`` (treatments.py) every call, so a plan can change between steps without
+reads its ``treatment`` (engine/treatments/) every call, so a plan can change between steps without
 re-wrapping and ``unwrap`` restores the model exactly by deleting the instance attribute. A
 treatment applies only while the block is training and grad is enabled: eval and ``no_grad``
 forwards are untouched.
@@ -193,7 +193,7 @@ def _random_graphs_whole_pass() -> type:
     import torch._functorch.config as functorch_config
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-    from memfit.engine.treatments import __file__ as treatments_file
+    from memfit.engine.treatments.random_ops import __file__ as random_ops_file
 
     class RandomGraphsWhole(CustomGraphPass):
         def __init__(self, then: Any = None):
@@ -207,9 +207,9 @@ def _random_graphs_whole_pass() -> type:
 
         def uuid(self) -> Any:
             # inductor's caches key a graph on this: the pass's own code (blocks.py, and
-            # treatments.py for draws_random) and the user's pass
+            # treatments/random_ops.py for draws_random) and the user's pass
             then = self.then.uuid() if hasattr(self.then, "uuid") else self.then
-            return (get_hash_for_files((__file__, treatments_file)), then)
+            return (get_hash_for_files((__file__, random_ops_file)), then)
 
     return RandomGraphsWhole
 
@@ -243,7 +243,7 @@ class Block:
         index: position in the model's block list (execution order).
         name: qualified module name.
         module: the wrapped module.
-        treatment: how the block runs its next training forward (treatments.py); it calls
+        treatment: how the block runs its next training forward (engine/treatments/); it calls
             :meth:`run_body` for each run of the body, recomputes included.
         forwards: training forwards run (whatever the treatment).
         runs: times the block's body actually ran; ``runs - forwards`` are recomputes.

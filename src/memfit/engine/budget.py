@@ -12,6 +12,7 @@ past it raises ``torch.OutOfMemoryError``, exactly as on a smaller GPU. The CUDA
 from __future__ import annotations
 
 import re
+from types import MappingProxyType
 
 import torch
 
@@ -23,9 +24,11 @@ __all__ = [
     "format_bytes",
     "apply_cuda_cap",
     "check_static_need",
+    "UNIT_BYTES",
 ]
 
-_UNITS = {
+#: bytes per unit, by the unit's lowercase name (the one table of byte units)
+UNIT_BYTES = MappingProxyType({
     "": 1,
     "b": 1,
     "kb": 10**3,
@@ -36,7 +39,7 @@ _UNITS = {
     "mib": 2**20,
     "gib": 2**30,
     "tib": 2**40,
-}
+})
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -44,12 +47,14 @@ class BudgetTooSmallError(UserError, ValueError):
     """The budget cannot hold the parts of training that no checkpointing can shrink."""
 
 
-def parse_bytes(value: int | float | str) -> int:
+def parse_bytes(value: int | float | str, argument: str | None = None) -> int:
     """Parse a memory size into bytes.
 
     Args:
         value: bytes as an int, or a string with a unit: ``"6GiB"`` (6·2**30), ``"6GB"``
             (6·10**9), ``"512MiB"``, ``"1.5 GB"``, ``"123456"``.
+        argument: the Python argument ``value`` was given as (``"budget"``): an error then
+            names it (``budget='6XB': ...``); the CLI names its flag itself.
 
     Returns:
         The size in bytes.
@@ -61,19 +66,20 @@ def parse_bytes(value: int | float | str) -> int:
         >>> parse_bytes("6GiB"), parse_bytes("6GB")
         (6442450944, 6000000000)
     """
+    named = "" if argument is None else f"{argument}={value!r}: "
     if isinstance(value, bool):
-        raise ValueError(f"not a memory size: {value!r}")
+        raise ValueError(f"{named}not a memory size: {value!r}")
     if isinstance(value, (int, float)):
         if value < 0:
-            raise ValueError(f"a memory size cannot be negative: {value!r}")
+            raise ValueError(f"{named}a memory size cannot be negative: {value!r}")
         return int(value)
     match = _PATTERN.match(str(value))
-    if not match or match.group(2).lower() not in _UNITS:
+    if not match or match.group(2).lower() not in UNIT_BYTES:
         raise ValueError(
-            f"not a memory size: {value!r}; write e.g. '6GiB' (6*2**30 bytes), '6GB' "
+            f"{named}not a memory size: {value!r}; write e.g. '6GiB' (6*2**30 bytes), '6GB' "
             "(6*10**9 bytes), '512MiB' or a plain number of bytes"
         )
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    return int(float(match.group(1)) * UNIT_BYTES[match.group(2).lower()])
 
 
 def format_bytes(n: int | float | None) -> str:

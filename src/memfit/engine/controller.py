@@ -48,6 +48,7 @@ from memfit.engine.budget import check_static_need, parse_bytes
 from memfit.engine.methods import Method, make_method, save_plans
 from memfit.engine.planner import Plan
 from memfit.engine.planning import Planning
+from memfit.engine.room import Room
 from memfit.engine.records import JsonlWriter, StepRecord, summarize
 from memfit.engine import probe
 from memfit.engine.replay import Replayer, after_oom
@@ -103,7 +104,7 @@ def _state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
 def _run_options(
     treatments: Sequence[str] | None, compile: bool | dict[str, Any],
 ) -> tuple[tuple[str, ...], dict[str, Any] | None]:
-    """The run's treatment names (NOTE [Recompute always at hand], treatments.py) and the
+    """The run's treatment names (NOTE [Recompute always at hand], treatments/__init__.py) and the
     ``torch.compile`` arguments of the blocks' bodies, or None (NOTE [Compiled blocks], blocks.py).
 
     ``treatments=None`` gives the default: ``recompute``, and with blocks compiled by inductor
@@ -216,10 +217,9 @@ class Controller:
         if budget_bytes is not None and cap:
             self.meter.apply_cap(budget_bytes)
         self.blocks = wrap_blocks(named, allow_hf_checkpointing=method.measures_only, compile=compile_options)
-        margin = self.meter.default_margin if margin is None else margin
         self.planning = Planning(
-            len(self.blocks), _group_ids(self.blocks), budget_bytes, int(margin * (budget_bytes or 0)), bucket_tokens,
-            slack_bytes=self.meter.initial_slack(budget_bytes), treatments=treatments,
+            len(self.blocks), _group_ids(self.blocks), budget_bytes, 0, bucket_tokens, treatments=treatments,
+            room=Room.for_run(budget_bytes, self.meter.kind, margin),
         )
         # Parameters and buffers are never activations (under FSDP: this rank's shards).
         self._counter = SavedTensorCounter(len(self.blocks), exclude=list(model.parameters()) + list(model.buffers()))
@@ -284,7 +284,7 @@ class Controller:
         if not training:
             return
         self._gathered.check_first_forward()
-        self.planning.static_bytes = static_now
+        self.planning.begin_step(static_now)
         # state_to_come: optimizer state counted in `static` that only its first step will create
         self._step = step = StepState(
             t0=time.perf_counter(), static_bytes=static_now, replay=self.replay.replaying, replayable=self.replay.replayable,
@@ -310,7 +310,7 @@ class Controller:
         step.end_forward(counter.outside_bytes if step.counted else 0, by_block)
         if step.probes:
             probes, step.probes = step.probes, {}
-            learner.learn_probes(self.planning, step.key, probes, step.treated_probes)
+            self.planning.apply(learner.learn_probes(self.planning, step.key, probes, step.treated_probes))
 
     def exit(self, block: Block) -> None:
         """Block listener: tensors saved after a block belong to no block until the next."""
@@ -504,12 +504,12 @@ def fit(
         margin: fraction of the budget kept free as a safety margin (default 3% on CUDA,
             0.1% with logical accounting, which is exact but for the fit's rounding). On
             CUDA the allocator's slack is kept free on top of it: ``min(256 MiB, budget / 16)``
-            at first, more after an OOM that shows more (NOTE [Room] in planning.py).
+            at first, more after an OOM that shows more (NOTE [Room] in room.py).
         bucket_tokens: plans are shared by shapes whose token counts round up to the same
             multiple of this (1 = a plan per exact shape).
         cap: on CUDA, enforce the budget with ``set_per_process_memory_fraction``.
         treatments: what the planner may give a block besides ``keep``: ``recompute``,
-            ``selective``, ``offload`` (treatments.py); it picks per batch and block the
+            ``selective``, ``offload`` (treatments/); it picks per batch and block the
             cheapest mix that fits (NOTE [Treatments never lose] in planning.py). ``recompute``
             is always included (warm-up, ``full`` and replays use it). Default: ``recompute``,
             and ``selective`` too where ``compile`` uses inductor.
@@ -544,7 +544,7 @@ def fit(
         4
         >>> ctl.remove()
     """
-    budget_bytes = None if budget is None else parse_bytes(budget)
+    budget_bytes = None if budget is None else parse_bytes(budget, argument="budget")
     method_obj = make_method(method, **method_kwargs)
     shown = (budget if isinstance(budget, str) else True) if announce else False
     return Controller(model, budget_bytes, method_obj, optimizer, blocks, log, margin, bucket_tokens, cap, treatments, shown,

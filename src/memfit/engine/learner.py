@@ -2,10 +2,11 @@
 
 The runtime reads a step (engine/meter.py) and hands the readings here as :class:`Peaks`;
 :func:`step_outcome` turns them into what the step teaches (:class:`StepOutcome`), and a
-method that plans from the model (``dynamic``, ``static``) applies it with
-:func:`learn_optimizer_peak`, :func:`learn_step`, :func:`grow_margin` and :func:`grow_slack`. Warm-up probes are
-learnt by :func:`learn_probes`. Nothing here touches ``torch``: every function is tested with
-plain numbers.
+method that plans from the model (``dynamic``, ``static``) asks :func:`learn_optimizer_peak`,
+:func:`learn_step`, :func:`grow_margin` and :func:`grow_slack` what to change; warm-up probes
+go to :func:`learn_probes`. Each returns a :class:`~memfit.engine.planning.ModelUpdate` and
+writes nothing: ``Planning.apply`` applies it and keeps its plan cache valid. Nothing here
+touches ``torch``: every function is tested with plain numbers.
 
 # NOTE [What a step teaches]
 Warm-up steps always add samples. A steady step changes the model only when its peak was
@@ -46,7 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from memfit.engine.planner import Plan
-from memfit.engine.planning import Planning
+from memfit.engine.planning import ModelUpdate, Planning
 from memfit.engine.shapes import bucket_key
 
 __all__ = [
@@ -205,22 +206,12 @@ def step_outcome(
     )
 
 
-def learn_optimizer_peak(planning: Planning, outcome: StepOutcome) -> None:
-    """Learn the optimizer step's peak above the step's static bytes (its batch included).
-
-    Plans read it only through ``static + max(activations, optimizer) <= room``: while the
-    largest static seen plus it stays within the room, no plan can change, and the cached
-    plans stay.
-    """
-    above = outcome.optimizer_above_static
-    if above is None:
-        return
-    model = planning.model
-    planning.max_static_bytes = max(planning.max_static_bytes, outcome.static)
-    if above > model.optimizer_bytes:
-        model.optimizer_bytes = float(above)
-        if planning.budget_bytes is None or planning.max_static_bytes + above > planning.room_bytes:
-            planning.cache.clear()
+def learn_optimizer_peak(planning: Planning, outcome: StepOutcome) -> ModelUpdate:
+    """The optimizer step's peak above the step's static bytes (its batch included); Planning
+    keeps its plans while the largest static seen plus it stays within the room."""
+    if outcome.optimizer_above_static is None:
+        return ModelUpdate()
+    return ModelUpdate(optimizer_above_static=outcome.optimizer_above_static, static_bytes=outcome.static)
 
 
 def _backward_start_dominates(planning: Planning, key: tuple[int, int], plan: Plan) -> bool:
@@ -228,16 +219,15 @@ def _backward_start_dominates(planning: Planning, key: tuple[int, int], plan: Pl
     model = planning.model
     if not model.ready or not model.transient_full.fitted:
         return True
-    k = planning.plan_key(key)
-    asked = plan if plan.kinds else plan.blocks
-    return model.backward_start_bytes(k, asked) >= model.recompute_bytes(k, asked)
+    k = planning.planned_shape(key)
+    return model.backward_start_bytes(k, plan) >= model.recompute_bytes(k, plan)
 
 
-def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, planning_key: tuple[int, int]) -> None:
-    """Feed a finished step to the memory model (NOTE [What a step teaches]).
+def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, planning_key: tuple[int, int]) -> ModelUpdate:
+    """What a finished step teaches the memory model (NOTE [What a step teaches]).
 
     Args:
-        planning: the run's planning (its model learns; its cache is cleared on a change).
+        planning: the run's planning (read only: it applies the update).
         outcome: the step.
         predicted: the peak predicted for it before learning, or None.
         planning_key: the shape whose plan the step ran (``static``: the largest one); a step
@@ -246,32 +236,26 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
     model = planning.model
     key, by_block, evicted = outcome.key, outcome.by_block, outcome.evicted
     if not outcome.counted:  # only its peaks are known: the method counts the bucket's next step if they erred
-        model.observe_key(key)
-        return
+        return ModelUpdate(seen_key=key)
     miss = None if predicted is None else outcome.plain_peak - predicted
     planned = set(outcome.plan.blocks)
-    kinds = outcome.plan.treatments(len(model.groups))
-    curves: list[tuple] = [(model.outside, outcome.outside)]
+    names = outcome.plan.treatments(len(model.groups))
+    curves: list[tuple] = [(("outside",), model.outside, outcome.outside)]
     for group_id, group in model.group_models.items():
         members = [i for i, g in enumerate(model.groups) if g == group_id]
-        for kind, curve in (
-            ("recompute", group.kept_bytes), ("keep", group.full_bytes),
-            ("selective", group.selective_bytes), ("offload", group.offload_bytes),
-        ):
-            values = [by_block[i] for i in members if kinds[i] == kind]
-            if values:
-                curves.append((curve, max(values)))
-    transient_curve, transient = None, outcome.transient
+        for name in dict.fromkeys(names[i] for i in members):  # each treatment's curve learns its blocks' bytes
+            value = max(by_block[i] for i in members if names[i] == name)
+            curves.append((("bytes", group_id, name), group.bytes.get(name), value))
+    transient_path, transient = None, outcome.transient
     if transient is not None and not evicted:  # an evicting step's transient was lowered by its evictions
         if len(planned) == len(model.groups) and not outcome.plan.kinds:
-            transient_curve = model.transient_full
+            transient_path = ("transient_full",)
         elif outcome.start_transient is not None:  # NOTE [Reading the backward's start]
-            transient_curve, transient = model.transient_partial, outcome.start_transient
+            transient_path, transient = ("transient_partial",), outcome.start_transient
         elif _backward_start_dominates(planning, key, outcome.plan):
-            transient_curve = model.transient_partial
-        if transient_curve is not None:
-            curves.append((transient_curve, transient))
-    changed = False
+            transient_path = ("transient_partial",)
+        if transient_path is not None:
+            curves.append((transient_path, getattr(model, transient_path[0]), transient))
     step_under = bool(evicted) or (miss is not None and miss > planning.margin_bytes / 4)
     b = planning.bucket_tokens
     step_over = (
@@ -279,27 +263,24 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
         and bucket_key(planning_key, b) == bucket_key(key, b)
         and planning.would_plan_less(key, outcome.plan, -miss)
     )
-    for curve, observed in curves:
-        if outcome.warmup or not curve.fitted:
-            curve.add(key, observed)
-            changed = True
+    samples = []
+    for path, curve, observed in curves:
+        if outcome.warmup or curve is None or not curve.fitted:
+            samples.append((path, key, observed))
             continue
         predicted_value = curve(key)
         under = step_under and observed > predicted_value + 0.005 * abs(observed)
         over = step_over and observed < predicted_value - 0.005 * abs(observed) and not curve.has(key)
         learn = under or over
-        if curve is transient_curve and curve is model.transient_partial:
+        if path == ("transient_partial",) and path == transient_path:
             learn = learn or (not curve.has(key) and curve.distinct_keys < 8)
             # a partial step beyond the partial curve's range extends it (NOTE [Two transient
             # regimes]); one that treated nothing is left out: its transient matters only once
             # a shape that long needs a plan, and it then teaches the curve itself
             learn = learn or (bool(planned) and not model.partial_covers(key[0] * key[1]))
         if learn:
-            curve.add(key, observed)
-            changed = True
-    model.observe_key(key)
-    if changed:
-        planning.cache.clear()
+            samples.append((path, key, observed))
+    return ModelUpdate(samples=samples, seen_key=key)
 
 
 def mispredicted(planning: Planning, outcome: StepOutcome, predicted: int | None) -> bool:
@@ -311,27 +292,23 @@ def mispredicted(planning: Planning, outcome: StepOutcome, predicted: int | None
     return miss > planning.margin_bytes / 4 or (planning.budget_bytes is not None and -miss > 0.01 * planning.budget_bytes)
 
 
-def grow_margin(planning: Planning, outcome: StepOutcome, predicted: int | None) -> None:
-    """A steady step above its prediction grows the margin to 1.25 × the miss, if that is more;
-    the plans are redone with it (NOTE [What a step teaches])."""
+def grow_margin(planning: Planning, outcome: StepOutcome, predicted: int | None) -> ModelUpdate:
+    """A steady step above its prediction: the miss the room's margin rule reads (NOTE [Room], room.py)."""
     if predicted is None or outcome.warmup:
-        return
-    miss = outcome.plain_peak - predicted
-    if miss > 0 and 1.25 * miss > planning.margin_bytes:
-        planning.raise_margin(int(1.25 * miss) - planning.margin_bytes)
+        return ModelUpdate()
+    return ModelUpdate(miss_bytes=outcome.plain_peak - predicted)
 
 
-def grow_slack(planning: Planning, outcome: StepOutcome) -> None:
+def grow_slack(planning: Planning, outcome: StepOutcome) -> ModelUpdate:
     """A steady step whose allocations the caching allocator served only after releasing its
-    cache grows the allocator's slack; the plans are redone with it (NOTE [Room], planning.py)."""
-    if not outcome.warmup and outcome.alloc_retries > 0:
-        planning.grow_slack()
+    cache: the room's slack rule grows the slack (NOTE [Room], room.py)."""
+    return ModelUpdate(alloc_retries=not outcome.warmup and outcome.alloc_retries > 0)
 
 
 def learn_probes(
     planning: Planning, key: tuple[int, int], probes: dict[int, tuple[int, float | None]],
     treated: dict[int, dict[str, tuple[int, float | None]]] | None = None,
-) -> None:
+) -> ModelUpdate:
     """Split groups whose members' probes saved different bytes, then give each group its
     first member's probe (bytes; the time of the group's timed member).
 
@@ -373,28 +350,25 @@ def learn_probes(
                 match = g
             same.append((nbytes, match))
         groups[i] = match
-    if groups != model.groups:
+    if groups != before:
         changed = sorted({g for g in groups if groups.count(g) != before.count(g)})
         logger.info(
             "memfit: blocks of one class and size saved different bytes at shape key %s; planned apart now: %s",
             key, "; ".join(str([i for i, x in enumerate(groups) if x == g]) for g in changed),
         )
-        model.split(groups)
-        planning.cache.clear()
+    samples: list[tuple[tuple, tuple[int, int], float]] = []
     seen: set[int] = set()
     for i in sorted(probes):
-        g = model.groups[i]
+        g = groups[i]
         if g in seen:
             continue
         seen.add(g)
         nbytes, ms = probes[i]
-        group = model.group_models[g]
-        group.full_bytes.add(key, nbytes)
-        group.cost_ms.add(key, ms if ms is not None else timed_ms[before[i]])
+        samples.append((("bytes", g, "keep"), key, nbytes))
+        samples.append((("ms", g, "recompute"), key, ms if ms is not None else timed_ms[before[i]]))
         source = i if treated and i in treated else next((j for j in sorted(treated or {}) if before[j] == before[i]), None)
-        for kind, (kept, kind_ms) in (treated or {}).get(source, {}).items():
-            if kind == "selective":
-                group.selective_bytes.add(key, kept)
-                group.selective_ms.add(key, kind_ms)
-            elif kind == "offload":
-                group.offload_bytes.add(key, kept)
+        for name, (kept, name_ms) in (treated or {}).get(source, {}).items():
+            samples.append((("bytes", g, name), key, kept))
+            if name_ms is not None:  # priced by its own measured time (else by the link)
+                samples.append((("ms", g, name), key, name_ms))
+    return ModelUpdate(groups=groups if groups != before else None, samples=samples)

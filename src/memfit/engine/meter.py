@@ -28,7 +28,6 @@ import torch
 from memfit.engine.accounting import local, optimizer_state_bytes
 from memfit.engine.budget import apply_cuda_cap
 from memfit.engine.learner import Peaks
-from memfit.engine.planning import ALLOCATOR_SLACK_BYTES
 from memfit.engine.step import Stage, StepState
 
 __all__ = ["Meter", "CudaMeter", "LogicalMeter", "make_meter"]
@@ -39,13 +38,11 @@ class Meter:
 
     Attributes:
         kind: ``"cuda"`` or ``"logical"`` (the records' ``accounting``).
-        default_margin: share of the budget kept free for prediction error by default.
         optimizer: the optimizer whose state is static memory (set by the runtime).
         expected_optimizer_bytes: the state it will hold after its first step.
     """
 
     kind: ClassVar[str] = ""
-    default_margin: ClassVar[float] = 0.0
     #: every step counts its saved tensors (they are what this meter reads)
     counts_always: ClassVar[bool] = False
 
@@ -54,10 +51,6 @@ class Meter:
         self.parameter_bytes = parameter_bytes
         self.optimizer: torch.optim.Optimizer | None = None
         self.expected_optimizer_bytes = 0
-
-    def initial_slack(self, budget_bytes: int | None) -> int:
-        """The allocator's slack kept free before any OOM measured it (NOTE [Room], planning.py)."""
-        return 0
 
     def apply_cap(self, budget_bytes: int) -> None:
         """Make the budget a hard cap, where the device has one."""
@@ -130,7 +123,6 @@ class CudaMeter(Meter):
     """The CUDA caching allocator's counters (NOTE [No sync in steady state])."""
 
     kind = "cuda"
-    default_margin = 0.03
 
     def __init__(self, device: torch.device, grad_params: list[torch.nn.Parameter], parameter_bytes: int):
         if device.type == "cuda" and device.index is None:
@@ -138,11 +130,8 @@ class CudaMeter(Meter):
         super().__init__(device, parameter_bytes)
         #: each trainable parameter with the bytes of its gradient on this rank (read every step)
         self._grad_bytes = [(p, local(p).numel() * p.element_size()) for p in grad_params]
-        #: the allocator's retry count when the last step was read (NOTE [Room], planning.py)
+        #: the allocator's retry count when the last step was read (NOTE [Room], room.py)
         self._retries: int | None = None
-
-    def initial_slack(self, budget_bytes: int | None) -> int:
-        return min(ALLOCATOR_SLACK_BYTES, (budget_bytes or 0) // 16)
 
     def apply_cap(self, budget_bytes: int) -> None:
         apply_cuda_cap(budget_bytes, self.device)
@@ -247,8 +236,6 @@ class LogicalMeter(Meter):
     """Parameters + gradients + optimizer state + saved activations, counted from the tensors."""
 
     kind = "logical"
-    # exact up to the least-squares fit's rounding
-    default_margin = 0.001
     counts_always = True
 
     def static_now(self) -> int:

@@ -6,12 +6,14 @@ for text, patches for vision; see :func:`memfit.engine.shapes.shape_key`). Featu
 attention-score term that vanishes with fused attention and for windowed (Swin) attention;
 ``N`` alone covers per-row tensors (pooler, logits of a classification head).
 
-Per *group* of identical blocks (same class, same parameter count) the model keeps:
+Per *group* of identical blocks (same class, same parameter count) the model keeps, per
+treatment name (:class:`BlockGroupModel`):
 
-* ``full_bytes``: bytes the block saves for backward when not checkpointed (measured by the
-  warm-up probe, then by the live counter on every un-checkpointed step);
-* ``kept_bytes``: bytes it keeps when checkpointed (its inputs);
-* ``cost_ms``: its forward time, i.e. the recompute cost (measured by the probe).
+* ``bytes["keep"]``: bytes the block saves for backward when kept (measured by the warm-up
+  probe, then by the live counter on every step that keeps it);
+* ``bytes["recompute"]``: bytes it keeps when recomputed (its inputs);
+* ``ms["recompute"]``: its forward time, i.e. the recompute cost (measured by the probe);
+* the same for each other treatment warm-up measured (``selective``, ``offload``, ...).
 
 Plus, for the whole step, ``outside_bytes`` (embeddings, head, loss) and the *transient*:
 observed peak minus static memory minus saved activations, fitted as an upper envelope, in
@@ -49,13 +51,15 @@ then checked against all three.
 A plan that gives some blocks ``selective`` or ``offload`` changes the three peaks so:
 * each block holds, at the start of backward, what its treatment keeps on the device;
 * ``offload`` brings a block back one block ahead in backward (NOTE [Offload],
-  treatments.py): two offloaded blocks' moved bytes may be on the device at once, which the
+  treatments/offload.py): two offloaded blocks' moved bytes may be on the device at once, which the
   start of backward, and a recompute above them, hold on top;
 * a ``selective`` block recomputes part of itself in backward, as a recomputed block does
   all of itself: the recompute peak is bounded from its topmost such block as from a
   recomputed one (with ``full``'s transient, a whole block's recompute), and the blocks
   below it hold what their treatments keep.
-A plan that treats by recompute alone is predicted by the original arithmetic, bit for bit.
+One formula covers every plan (:meth:`MemoryModel._peaks`): a plan that treats by recompute
+alone adds only zeros for the terms of the others, so it is predicted bit for bit as before
+they existed.
 
 # NOTE [Treatment prices]
 A treatment's price is the time it adds to a step: ``recompute``, the block's forward
@@ -67,10 +71,10 @@ measured bandwidth (engine/probe.py).
 # NOTE [Upper envelope]
 Least squares under-predicts half of its samples. Every fitted curve of bytes is shifted up by
 its largest positive residual, so it bounds every sample it was fitted on; out-of-sample
-errors are caught by the margin (NOTE [Room] in planning.py).
+errors are caught by the margin (NOTE [Room] in room.py).
 
 # NOTE [Central prices]
-The time curves (``cost_ms``, ``selective_ms``) only rank treatments against each other, and
+The time curves (``ms[name]``) only rank treatments against each other, and
 bound nothing: they are plain least squares (no shift), keep the smallest of a key's samples
 (a timing's noise only adds), and fit a line in tokens until six keys are seen. A shifted
 quadratic through the three warm-up samples of a price of a few milliseconds interpolates their
@@ -81,20 +85,31 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-__all__ = ["Curve", "curve_values", "BlockGroupModel", "MemoryModel"]
+from memfit.engine.treatments import KEEP, RECOMPUTE, TREATMENTS
+
+if TYPE_CHECKING:
+    from memfit.engine.planner import Plan
+
+__all__ = ["Curve", "BlockGroupModel", "MemoryModel", "PrefixRows", "KEEP", "RECOMPUTE"]
 
 
-def _features(n: Any, t: Any, intercept: bool, quadratic: bool = True) -> list[Any]:
-    """``[1,] N, N·T, N·T²`` (or ``[1,] N·T``) of floats, or of arrays of keys for a fit."""
-    tokens = n * t
-    f = [n, tokens, tokens * t] if quadratic else [tokens]
-    return [1.0] + f if intercept else f
+def _maximum(a: Any, b: Any) -> Any:
+    """``max(a, b)`` of floats, elementwise where either is an array (NOTE [One evaluator])."""
+    return np.maximum(a, b) if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) else max(a, b)
+
+
+def _select(cond: Any, then: Callable[[], Any], otherwise: Any) -> Any:
+    """``then()`` where ``cond`` holds, else ``otherwise``: of floats, or elementwise of arrays
+    (``then`` is called only when some element needs it)."""
+    if isinstance(cond, np.ndarray):
+        return np.where(cond, then(), otherwise) if cond.any() else otherwise
+    return then() if cond else otherwise
 
 
 # NOTE [Refit in Python]
@@ -248,31 +263,44 @@ class Curve:
 
     def __call__(self, key: tuple[int, int]) -> float:
         value = self._memo.get(key)
-        if value is not None:
-            return value
-        if not self.xs:
-            return 0.0
-        if not self.coef:
-            self._fit()
-        tokens = key[0] * key[1]
-        if self.floor is not None and tokens < self.min_tokens:  # NOTE [Sizes outside the samples]
-            smallest = self._extreme_key(largest=False)
-            value = self._memo[key] = self(smallest) * float(tokens) / float(smallest[0] * smallest[1])
-            return value
-        features = _features(float(key[0]), float(key[1]), self.intercept, self._quadratic)
-        value = sum(c * f for c, f in zip(self.coef, features)) + self.shift
-        value = value if self.floor is None else max(self.floor, value)
-        if self.floor is not None and tokens > self.max_tokens:
-            largest = self._extreme_key(largest=True)
-            value = max(value, self(largest) * float(tokens) / float(largest[0] * largest[1]))
-        self._memo[key] = value
+        if value is None:
+            value = self._memo[key] = self.values(key[0], key[1])
         return value
 
-    def _slots(self) -> tuple[list[float], float, float]:
-        """Coefficients on the slots ``(1, N, N·T, N·T²)``, the shift and the floor, as
-        :func:`curve_values` reads them (zeros for a curve without samples)."""
+    def values(self, n: int, t: Any) -> Any:
+        """The curve at ``(n, t)``: ``t`` an int, or an array of ints for a row of shapes.
+
+        # NOTE [One evaluator]
+        A curve has one formula, written with operators that act on floats and numpy arrays
+        alike: the planner's rows (NOTE [Planning a row], planning.py) and a single shape are
+        the very same float operations, so they agree bit for bit without a copy to keep in
+        step. The slots ``1, N, N·T, N·T²`` are summed in that order; a slot the fit lacks adds
+        ``0.0 · x``, which changes no finite float.
+        """
+        row = isinstance(t, np.ndarray)
         if not self.xs:
-            return [0.0] * 4, 0.0, -math.inf
+            return np.zeros(len(t)) if row else 0.0
+        coef, shift = self._slots()
+        nf, tf = float(n), (t.astype(np.float64) if row else float(t))
+        tokens = nf * tf
+        value = 0.0
+        for c, f in zip(coef, (1.0, nf, tokens, tokens * tf)):
+            value = value + c * f
+        value = value + shift
+        if self.floor is None:
+            return value
+        value = _maximum(self.floor, value)
+        all_tokens = n * t  # NOTE [Sizes outside the samples]
+        all_float = all_tokens.astype(np.float64) if row else float(all_tokens)
+        smallest, largest = self._extremes()
+        value = _select(
+            all_tokens > self.max_tokens,
+            lambda: _maximum(value, self(largest) * all_float / float(largest[0] * largest[1])), value,
+        )
+        return _select(all_tokens < self.min_tokens, lambda: self(smallest) * all_float / float(smallest[0] * smallest[1]), value)
+
+    def _slots(self) -> tuple[list[float], float]:
+        """Coefficients on the slots ``(1, N, N·T, N·T²)`` and the shift (fitted first if needed)."""
         if not self.coef:
             self._fit()
         coef = list(self.coef)
@@ -280,7 +308,7 @@ class Curve:
             coef.insert(0, 0.0)
         if not self._quadratic:  # [1, N·T]
             coef = [coef[0], 0.0, coef[1], 0.0]
-        return coef, self.shift, -math.inf if self.floor is None else self.floor
+        return coef, self.shift
 
     def _extremes(self) -> tuple[tuple[int, int], tuple[int, int]] | None:
         """The sample keys with the fewest and the most ``N·T`` (the largest ``N`` among ties), or None."""
@@ -336,78 +364,88 @@ class Curve:
         )
 
 
-def curve_values(curves: Sequence[Curve], n: int, ts: np.ndarray) -> np.ndarray:
-    """``curve((n, t))`` for each curve and every ``t`` of ``ts``: an array of
-    ``len(curves) × len(ts)`` float64, with the very same arithmetic as ``Curve.__call__``.
-
-    The sum runs over the feature slots ``1, N, N·T, N·T²`` in the order ``__call__`` sums a
-    curve's features; a slot a curve lacks adds ``0.0``, which changes no finite float. One
-    pass over every curve of a row costs a handful of numpy calls instead of a dozen per curve
-    (NOTE [Planning a row] in planning.py).
-    """
-    slots = [c._slots() for c in curves]
-    coef = np.array([s[0] for s in slots])
-    tokens = float(n) * ts.astype(np.float64)
-    value = np.zeros((len(curves), len(ts)))
-    for j, feature in enumerate((1.0, float(n), tokens, tokens * ts)):
-        value = value + coef[:, j : j + 1] * feature
-    value = value + np.array([[s[1]] for s in slots])
-    value = np.maximum(np.array([[s[2]] for s in slots]), value)
-    all_tokens = n * ts
-    for i, curve in enumerate(curves):  # NOTE [Sizes outside the samples]
-        if curve.xs and curve.floor is not None:
-            below, above = all_tokens < curve.min_tokens, all_tokens > curve.max_tokens
-            if below.any():
-                smallest = curve._extreme_key(largest=False)
-                value[i, below] = curve(smallest) * all_tokens[below].astype(np.float64) / float(smallest[0] * smallest[1])
-            if above.any():
-                largest = curve._extreme_key(largest=True)
-                scaled = curve(largest) * all_tokens[above].astype(np.float64) / float(largest[0] * largest[1])
-                value[i, above] = np.maximum(value[i, above], scaled)
-    return value
-
-
 def _price_curve() -> Curve:
     """A curve of a treatment's time (NOTE [Central prices])."""
     return Curve(intercept=True, linear_until=6, envelope=False)
 
 
+#: a group's saved state before curves were keyed by treatment name: field -> (bytes or ms, name)
+_LEGACY_FIELDS = {
+    "full_bytes": ("bytes", KEEP), "kept_bytes": ("bytes", RECOMPUTE), "cost_ms": ("ms", RECOMPUTE),
+    "selective_bytes": ("bytes", "selective"), "selective_ms": ("ms", "selective"), "offload_bytes": ("bytes", "offload"),
+}
+
+
 @dataclass
 class BlockGroupModel:
-    """Model of one group of identical blocks: bytes kept on the device under each treatment,
-    and what each treatment costs (treatments.py)."""
+    """Model of one group of identical blocks, per treatment name (engine/treatments/): the
+    bytes a block keeps on the device under it, and the time it adds to a step.
 
-    #: kept (every saved tensor)
-    full_bytes: Curve = field(default_factory=Curve)
-    #: recomputed: its inputs
-    kept_bytes: Curve = field(default_factory=Curve)
-    #: the forward's time: what a recompute costs (NOTE [Central prices])
-    cost_ms: Curve = field(default_factory=_price_curve)
-    #: selective: inputs and the matmul/attention outputs
-    selective_bytes: Curve = field(default_factory=Curve)
-    #: selective: the time of recomputing the rest
-    selective_ms: Curve = field(default_factory=_price_curve)
-    #: offloaded: the saved tensors too small to move
-    offload_bytes: Curve = field(default_factory=Curve)
+    ``bytes["keep"]`` is every saved tensor, ``bytes["recompute"]`` the block's inputs and
+    ``ms["recompute"]`` its forward (what a recompute costs: NOTE [Central prices]); another
+    treatment's curves appear once warm-up measured it.
+    """
+
+    bytes: dict[str, Curve] = field(default_factory=lambda: {KEEP: Curve(), RECOMPUTE: Curve()})
+    ms: dict[str, Curve] = field(default_factory=lambda: {RECOMPUTE: _price_curve()})
+
+    def bytes_curve(self, name: str) -> Curve:
+        """The curve of what ``name`` keeps on the device (made empty on first use)."""
+        return self.bytes.setdefault(name, Curve())
+
+    def ms_curve(self, name: str) -> Curve:
+        """The curve of the time ``name`` adds (made empty on first use)."""
+        return self.ms.setdefault(name, _price_curve())
+
+    def measured(self, name: str) -> bool:
+        """Whether warm-up measured what ``name`` keeps."""
+        curve = self.bytes.get(name)
+        return curve is not None and curve.fitted
+
+    def kept(self, name: str, key: tuple[int, int]) -> float:
+        """Bytes a block keeps under ``name`` (its full bytes where ``name`` has no sample yet:
+        no saving assumed; ``recompute`` always its own curve)."""
+        if name == RECOMPUTE or self.measured(name):
+            return self.bytes[name](key) if name in self.bytes else 0.0
+        return self.bytes[KEEP](key)
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k).to_dict() for k in _GROUP_CURVES}
+        return {"bytes": {k: c.to_dict() for k, c in self.bytes.items()}, "ms": {k: c.to_dict() for k, c in self.ms.items()}}
 
     @classmethod
     def from_dict(cls, data: dict) -> "BlockGroupModel":
-        return cls(**{k: Curve.from_dict(v, envelope=k not in _PRICE_CURVES) for k, v in data.items() if k in _GROUP_CURVES})
+        """The group of :meth:`to_dict`, or of the older state with one field per treatment."""
+        group = cls()
+        if "bytes" in data:
+            group.bytes.update({k: Curve.from_dict(v) for k, v in data["bytes"].items()})
+            group.ms.update({k: Curve.from_dict(v, envelope=False) for k, v in data.get("ms", {}).items()})
+            return group
+        for old, value in data.items():
+            if old in _LEGACY_FIELDS:
+                kind, name = _LEGACY_FIELDS[old]
+                curve = Curve.from_dict(value, envelope=kind == "bytes")
+                if curve.fitted or name in (KEEP, RECOMPUTE):
+                    getattr(group, kind)[name] = curve
+        return group
 
 
-_GROUP_CURVES = ("full_bytes", "kept_bytes", "cost_ms", "selective_bytes", "selective_ms", "offload_bytes")
-_PRICE_CURVES = ("cost_ms", "selective_ms")
-_RECOMPUTE, _SELECTIVE, _OFFLOAD = "recompute", "selective", "offload"
+@dataclass
+class _Layout:
+    """What the peak formula needs of a plan (NOTE [Three peaks], [Treated peaks]): per group,
+    how many blocks take each treatment; the same below the topmost re-run block for those not
+    recomputed; whether that block exists and whether every block is recomputed; the groups of
+    the offloaded blocks, in all and below it. Counts and flags are ints and bools for one plan,
+    or arrays for a row of plans (first ``c`` blocks recomputed: :meth:`MemoryModel.prefix_rows`).
+    """
+
+    counts: dict[int, dict[str, Any]]
+    held: dict[tuple[int, str], int]
+    rerun: Any
+    every: Any
+    offloaded: list[tuple[int, str]] = field(default_factory=list)
+    offloaded_below: list[tuple[int, str]] = field(default_factory=list)
 
 
-def _kinds(plan: Any) -> dict[int, str] | None:
-    """Per treated block its treatment, or None when the plan treats by recompute alone
-    (a tuple of block indices, or a :class:`~memfit.engine.planner.Plan` without kinds)."""
-    kinds = getattr(plan, "kinds", ())
-    return dict(zip(plan.blocks, kinds)) if kinds else None
 
 
 class MemoryModel:
@@ -415,15 +453,18 @@ class MemoryModel:
 
     Args:
         groups: for each block, the id of its group of identical blocks.
+        bucket_tokens: token granularity of the plan buckets this model is asked about.
+        treatments: the run's treatments by name (engine/treatments/: what each does to the
+            peaks and how it is priced); the registered ones by default.
     """
 
-    def __init__(self, groups: Sequence[int], bucket_tokens: int = 1):
+    def __init__(self, groups: Sequence[int], bucket_tokens: int = 1, treatments: Mapping[str, Any] = TREATMENTS):
         self.groups = list(groups)
+        self.treatments = treatments
         #: token granularity of the plan buckets this model is asked about (bucket_key)
         self.bucket_tokens = bucket_tokens
         self.group_models = {g: BlockGroupModel() for g in sorted(set(self.groups))}
         self._group_sizes = {g: self.groups.count(g) for g in self.group_models}
-        self._every = tuple(range(len(self.groups)))
         self.outside = Curve()
         self.transient_full = Curve(intercept=True, floor=None, linear_until=6)
         self.transient_partial = Curve(intercept=True, floor=None, linear_until=6)
@@ -433,7 +474,7 @@ class MemoryModel:
 
     @property
     def ready(self) -> bool:
-        return all(g.full_bytes.fitted and g.kept_bytes.fitted for g in self.group_models.values())
+        return all(g.bytes[KEEP].fitted and g.bytes[RECOMPUTE].fitted for g in self.group_models.values())
 
     def split(self, groups: Sequence[int]) -> None:
         """Regroup the blocks by splitting groups (NOTE [Blocks alike only in name], learner.py).
@@ -461,70 +502,54 @@ class MemoryModel:
         if self.max_key is None or key[0] * key[1] > self.max_key[0] * self.max_key[1]:
             self.max_key = key
 
-    def block_full(self, i: int, key: tuple[int, int]) -> float:
-        return self.group_models[self.groups[i]].full_bytes(key)
-
-    def block_kept(self, i: int, key: tuple[int, int]) -> float:
-        return self.group_models[self.groups[i]].kept_bytes(key)
+    def block_bytes(self, i: int, key: tuple[int, int], name: str) -> float:
+        """What block ``i`` keeps on the device under treatment ``name`` (BlockGroupModel.kept)."""
+        return self.group_models[self.groups[i]].kept(name, key)
 
     def block_cost_ms(self, i: int, key: tuple[int, int]) -> float:
-        return self.group_models[self.groups[i]].cost_ms(key)
-
-    def block_bytes(self, i: int, key: tuple[int, int], kind: str) -> float:
-        """What block ``i`` keeps on the device under treatment ``kind`` (its full bytes where
-        the treatment's curve has no sample yet: no saving assumed)."""
-        m = self.group_models[self.groups[i]]
-        if kind == "keep":
-            return m.full_bytes(key)
-        if kind == _RECOMPUTE:
-            return m.kept_bytes(key)
-        curve = m.selective_bytes if kind == _SELECTIVE else m.offload_bytes
-        return curve(key) if curve.fitted else m.full_bytes(key)
+        return self.group_models[self.groups[i]].ms[RECOMPUTE](key)
 
     def options(
-        self, key: tuple[int, int], kinds: Sequence[str], offload_ms: Callable[[float, float], float] | None = None,
+        self, key: tuple[int, int], names: Sequence[str], offload_ms: Callable[[float, float], float] | None = None,
     ) -> list[list[tuple[str, int, float]]]:
         """Per block, each available treatment as ``(name, bytes saved, ms)`` (NOTE [Treatment prices]).
 
         Args:
             key: the shape.
-            kinds: the treatments the run may give (``keep`` aside).
+            names: the treatments the run may give (``keep`` aside).
             offload_ms: the price of moving ``bytes`` out and back for a block whose forward
                 takes ``ms`` (engine/probe.py's link model); offload is left out without it.
         """
         per_group = {}
         for g, m in self.group_models.items():
-            full, fwd = m.full_bytes(key), max(m.cost_ms(key), 1e-6)
+            full, fwd = m.bytes[KEEP](key), max(m.ms[RECOMPUTE](key), 1e-6)
             choices = []
-            if _RECOMPUTE in kinds:
-                choices.append((_RECOMPUTE, int(max(0.0, full - m.kept_bytes(key))), fwd))
-            if _SELECTIVE in kinds and m.selective_bytes.fitted and m.selective_ms.fitted:
-                choices.append((_SELECTIVE, int(max(0.0, full - m.selective_bytes(key))), max(m.selective_ms(key), 1e-6)))
-            if _OFFLOAD in kinds and offload_ms is not None and m.offload_bytes.fitted:
-                moved = max(0.0, full - m.offload_bytes(key))
-                choices.append((_OFFLOAD, int(moved), max(offload_ms(moved, fwd), 1e-6)))
+            for name in names:
+                if name == RECOMPUTE:
+                    choices.append((name, int(max(0.0, full - m.bytes[RECOMPUTE](key))), fwd))
+                elif not m.measured(name):
+                    continue
+                elif name in m.ms and m.ms[name].fitted:  # priced by its own measured time
+                    choices.append((name, int(max(0.0, full - m.bytes[name](key))), max(m.ms[name](key), 1e-6)))
+                elif self.treatments[name].priced_by_link and offload_ms is not None:
+                    moved = max(0.0, full - m.bytes[name](key))
+                    choices.append((name, int(moved), max(offload_ms(moved, fwd), 1e-6)))
             per_group[g] = choices
         return [per_group[g] for g in self.groups]
 
     def savings(self, key: tuple[int, int]) -> list[int]:
         per_group = {
-            g: int(max(0.0, m.full_bytes(key) - m.kept_bytes(key))) for g, m in self.group_models.items()
+            g: int(max(0.0, m.bytes[KEEP](key) - m.bytes[RECOMPUTE](key))) for g, m in self.group_models.items()
         }
         return [per_group[g] for g in self.groups]
 
     def costs(self, key: tuple[int, int]) -> list[float]:
-        per_group = {g: max(m.cost_ms(key), 1e-6) for g, m in self.group_models.items()}
+        per_group = {g: max(m.ms[RECOMPUTE](key), 1e-6) for g, m in self.group_models.items()}
         return [per_group[g] for g in self.groups]
 
     def transient(self, key: tuple[int, int], every_block: bool) -> float:
         """Transient bytes of a step (NOTE [Two transient regimes])."""
-        partial = self.transient_partial
-        use_partial = (
-            not every_block
-            and partial.distinct_keys >= 2
-            and self.partial_covers(key[0] * key[1])
-        )
-        return (partial if use_partial else self.transient_full)(key)
+        return self._values(key[0], key[1])["transient_full" if every_block else "transient"]
 
     def partial_covers(self, tokens: Any) -> Any:
         """Whether ``tokens`` (``N·T``: an int, or an array of them) lie in the range the
@@ -538,103 +563,109 @@ class MemoryModel:
         partial = self.transient_partial
         return (partial.min_tokens <= tokens) & (tokens <= partial.max_bucket_tokens(self.bucket_tokens))
 
-    def row(self, n: int, ts: np.ndarray) -> dict[str, np.ndarray] | None:
-        """Per shape ``(n, t)`` for ``t`` in ``ts``, what planning a one-group stack needs.
+    # ------------------------------------------------------------ the one peak evaluator
+    def _values(self, n: int, t: Any) -> dict[Any, Any]:
+        """Every curve the peak formula reads, at ``(n, t)`` (``t`` an int or an array of them):
+        ``outside``, ``transient_full``, ``transient`` (a partial plan's: NOTE [Two transient
+        regimes]) and per ``(group, name)`` the bytes a block keeps under each treatment
+        (BlockGroupModel.kept)."""
+        def at(curve: Curve) -> Any:
+            return curve.values(n, t) if isinstance(t, np.ndarray) else curve((n, t))  # a shape's: memoised
 
-        ``outside``, ``full`` and ``kept`` (one block's bytes), ``transient`` (of a partial
-        plan: NOTE [Two transient regimes]), ``transient_full`` and ``cost_ms`` (one block's),
-        as arrays computed exactly as the per-key methods compute them. ``None`` for a stack of several groups.
-        """
-        if len(self.group_models) != 1:
-            return None
-        (group,) = self.group_models.values()
         partial = self.transient_partial
-        outside, full, kept, transient_full, partial_values, cost = curve_values(
-            (self.outside, group.full_bytes, group.kept_bytes, self.transient_full, partial, group.cost_ms), n, ts
-        )
-        transient = transient_full
+        values: dict[Any, Any] = {"outside": at(self.outside), "transient_full": at(self.transient_full)}
+        transient = values["transient_full"]
         if partial.distinct_keys >= 2:
-            covered = self.partial_covers(n * ts)
-            if covered.any():
-                transient = np.where(covered, partial_values, transient_full)
-        return {
-            "outside": outside, "full": full, "kept": kept, "transient": transient, "transient_full": transient_full,
-            "cost_ms": cost,
-        }
-
-    def backward_start_bytes(self, key: tuple[int, int], plan: Any = ()) -> float:
-        """Peak above static at the start of backward (NOTE [Three peaks]); what plans lower.
-
-        Offloaded blocks add what two of them bring back at once (NOTE [Treated peaks]).
-        """
-        kinds = _kinds(plan)
-        if kinds is not None:
-            return self.activation_bytes(key, plan) + self.transient(key, False) + self._in_flight(key, kinds, len(self.groups))
-        every_block = len(set(plan)) == len(self.groups)
-        return self.activation_bytes(key, plan) + self.transient(key, every_block)
-
-    def _in_flight(self, key: tuple[int, int], kinds: dict[int, str], below: int) -> float:
-        """Bytes of the two largest offloaded blocks under ``below``: the block in use and the
-        one being brought back (NOTE [Treated peaks])."""
-        moved = sorted(
-            (self.block_full(i, key) - self.block_bytes(i, key, _OFFLOAD) for i, k in kinds.items() if k == _OFFLOAD and i < below),
-            reverse=True,
-        )
-        return float(sum(moved[:2]))
-
-    def recompute_bytes(self, key: tuple[int, int], plan: Any) -> float:
-        """Bound on the peak above static while backward recomputes ``plan``'s topmost block."""
-        kinds = _kinds(plan)
-        if kinds is not None:
-            remat = [i for i, k in kinds.items() if k in (_RECOMPUTE, _SELECTIVE)]
-            if not remat:
-                return -math.inf
-            top = max(remat)
-            held = sum(
-                max(0.0, self.block_bytes(i, key, kinds.get(i, "keep")) - self.block_kept(i, key))
-                for i in range(top) if kinds.get(i) != _RECOMPUTE
-            )
-            return self.activation_bytes(key, self._every) + self.transient_full(key) + held + self._in_flight(key, kinds, top)
-        planned = set(plan)
-        if not planned:
-            return -math.inf
-        top = max(planned)
-        if len(planned) == top + 1:  # a run of first blocks: nothing un-checkpointed below
-            return self.activation_bytes(key, self._every) + self.transient_full(key)
-        below = self._count_per_group([i for i in range(top) if i not in planned])
-        held = sum(n * max(0.0, self.group_models[g].full_bytes(key) - self.group_models[g].kept_bytes(key)) for g, n in below.items())
-        return self.activation_bytes(key, self._every) + self.transient_full(key) + held
-
-    def step_bytes(self, key: tuple[int, int], plan: Any = ()) -> float:
-        """Predicted step peak above static memory under ``plan``: the largest of the three."""
-        if _kinds(plan) is not None:
-            backward = max(self.backward_start_bytes(key, plan), self.recompute_bytes(key, plan))
-        elif len(set(plan)) == len(self.groups):
-            backward = self.activation_bytes(key, plan) + self.transient_full(key)
-        else:
-            backward = max(self.backward_start_bytes(key, plan), self.recompute_bytes(key, plan))
-        return max(backward, self.optimizer_bytes)
-
-    def activation_bytes(self, key: tuple[int, int], plan: Any = ()) -> float:
-        """Saved bytes of the whole step under ``plan`` (outside + every block)."""
-        kinds = _kinds(plan)
-        if kinds is not None:
-            return self.outside(key) + sum(self.block_bytes(i, key, kinds.get(i, "keep")) for i in range(len(self.groups)))
-        planned_per_group = self._count_per_group(plan)
-        total = self.outside(key)
+            transient = _select(self.partial_covers(n * t), lambda: at(partial), transient)
+        values["transient"] = transient
         for g, m in self.group_models.items():
-            n_planned = planned_per_group.get(g, 0)
-            total += n_planned * m.kept_bytes(key) + (self._group_sizes[g] - n_planned) * m.full_bytes(key)
+            full = values[(g, KEEP)] = at(m.bytes[KEEP])
+            values[(g, RECOMPUTE)] = at(m.bytes[RECOMPUTE])
+            for name in m.bytes:
+                if name not in (KEEP, RECOMPUTE):
+                    values[(g, name)] = at(m.bytes[name]) if m.measured(name) else full
+        return values
+
+    @staticmethod
+    def _kept(values: dict[Any, Any], g: int, name: str) -> Any:
+        """A block of group ``g``'s bytes under ``name`` (its full bytes for a treatment never measured)."""
+        value = values.get((g, name))
+        return values[(g, KEEP)] if value is None else value
+
+    def _layout(self, plan: "Plan") -> _Layout:
+        names = plan.treatments(len(self.groups))
+        counts: dict[int, dict[str, Any]] = {g: {} for g in self.group_models}
+        for g, name in zip(self.groups, names):
+            counts[g][name] = counts[g].get(name, 0) + 1
+        reruns = [i for i, name in enumerate(names) if self.treatments[name].reruns]
+        top = max(reruns, default=-1)
+        # summed per (group, treatment) in the order a set of the blocks iterates, the order
+        # these sums always took (floats: the order is part of the value)
+        held: dict[tuple[int, str], int] = {}
+        for i in {i for i in range(max(top, 0)) if names[i] != RECOMPUTE}:
+            held[(self.groups[i], names[i])] = held.get((self.groups[i], names[i]), 0) + 1
+        offloaded = [i for i, name in enumerate(names) if self.treatments[name].moves_out]
+        return _Layout(
+            counts, held, bool(reruns), len(reruns) == len(names) and all(name == RECOMPUTE for name in names),
+            [(self.groups[i], names[i]) for i in offloaded], [(self.groups[i], names[i]) for i in offloaded if i < top],
+        )
+
+    def _activation(self, values: dict[Any, Any], counts: dict[int, dict[str, Any]]) -> Any:
+        total = values["outside"]
+        for g in self.group_models:
+            per = counts.get(g, {})
+            # recompute, keep, then the other treatments: a plan without them sums as it always did
+            names = sorted(per, key=lambda name: (name != RECOMPUTE, name != KEEP))
+            group = 0
+            for name in names:
+                group = group + per[name] * self._kept(values, g, name)
+            total = total + group
         return total
 
-    def _count_per_group(self, blocks: Sequence[int]) -> dict[int, int]:
-        if len(self._group_sizes) == 1:  # one group (a homogeneous stack): just count
-            return {self.groups[0]: len(set(blocks))} if blocks else {}
-        counts: dict[int, int] = {}
-        for i in set(blocks):
-            g = self.groups[i]
-            counts[g] = counts.get(g, 0) + 1
-        return counts
+    def _in_flight(self, values: dict[Any, Any], moved_out: list[tuple[int, str]]) -> float:
+        """Bytes of the two largest offloaded blocks (``(group, treatment)`` each): the one in
+        use and the one being brought back (NOTE [Treated peaks])."""
+        moved = sorted((values[(g, KEEP)] - self._kept(values, g, name) for g, name in moved_out), reverse=True)
+        return float(sum(moved[:2]))
+
+    def _peaks(self, values: dict[Any, Any], layout: _Layout) -> tuple[Any, Any, Any]:
+        """``(backward start, recompute, step)`` above static (NOTE [Three peaks]): the one formula
+        for a shape and for the planner's rows (NOTE [One evaluator])."""
+        start = self._activation(values, layout.counts)
+        start = start + _select(layout.every, lambda: values["transient_full"], values["transient"])
+        start = start + self._in_flight(values, layout.offloaded)
+        every = {g: {RECOMPUTE: n} for g, n in self._group_sizes.items()}
+        recompute = self._activation(values, every) + values["transient_full"]
+        held = 0
+        for (g, name), n in layout.held.items():
+            held = held + n * _maximum(0.0, self._kept(values, g, name) - values[(g, RECOMPUTE)])
+        recompute = (recompute + held) + self._in_flight(values, layout.offloaded_below)
+        recompute = _select(layout.rerun, lambda: recompute, -math.inf)
+        return start, recompute, _maximum(_maximum(start, recompute), self.optimizer_bytes)
+
+    def backward_start_bytes(self, key: tuple[int, int], plan: "Plan") -> float:
+        """Peak above static at the start of backward (NOTE [Three peaks]); what plans lower."""
+        return self._peaks(self._values(*key), self._layout(plan))[0]
+
+    def recompute_bytes(self, key: tuple[int, int], plan: "Plan") -> float:
+        """Bound on the peak above static while backward re-runs ``plan``'s topmost re-run block."""
+        return self._peaks(self._values(*key), self._layout(plan))[1]
+
+    def step_bytes(self, key: tuple[int, int], plan: "Plan") -> float:
+        """Predicted step peak above static memory under ``plan``: the largest of the three."""
+        return self._peaks(self._values(*key), self._layout(plan))[2]
+
+    def activation_bytes(self, key: tuple[int, int], plan: "Plan") -> float:
+        """Saved bytes of the whole step under ``plan`` (outside + every block)."""
+        return self._activation(self._values(*key), self._layout(plan).counts)
+
+    def prefix_rows(self, n: int, ts: np.ndarray) -> "PrefixRows | None":
+        """The plans that recompute the first blocks of a stack of one group, for every shape
+        ``(n, t)`` of ``ts`` (what the planner's rows read: NOTE [Planning a row], planning.py);
+        ``None`` for a stack of several groups."""
+        if len(self.group_models) != 1:
+            return None
+        return PrefixRows(self, n, ts)
 
     def to_dict(self) -> dict:
         return {
@@ -649,8 +680,8 @@ class MemoryModel:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "MemoryModel":
-        model = cls(data["groups"], int(data.get("bucket_tokens", 1)))
+    def from_dict(cls, data: dict, treatments: Mapping[str, Any] = TREATMENTS) -> "MemoryModel":
+        model = cls(data["groups"], int(data.get("bucket_tokens", 1)), treatments)
         model.group_models = {int(g): BlockGroupModel.from_dict(m) for g, m in data["group_models"].items()}
         model.outside = Curve.from_dict(data["outside"])
         model.transient_full = Curve.from_dict(data["transient_full"])
@@ -658,3 +689,30 @@ class MemoryModel:
         model.optimizer_bytes = float(data.get("optimizer_bytes", 0.0))
         model.max_key = tuple(data["max_key"]) if data.get("max_key") else None
         return model
+
+
+class PrefixRows:
+    """Peaks of first-``count`` recompute plans over a row of shapes ``(n, t)``, one group:
+    :meth:`MemoryModel.step_bytes`'s formula over arrays (NOTE [One evaluator]).
+
+    Attributes:
+        saving: per shape, the bytes one block's recompute frees (as ``MemoryModel.savings``).
+        cost_ms: per shape, one block's recompute price (as ``MemoryModel.costs``).
+    """
+
+    def __init__(self, model: MemoryModel, n: int, ts: np.ndarray):
+        self._model, self._shape = model, ts.shape
+        (self._group, group), = model.group_models.items()
+        self._values = model._values(n, ts)
+        full, kept = self._values[(self._group, KEEP)], self._values[(self._group, RECOMPUTE)]
+        self.saving = np.floor(np.maximum(0.0, full - kept)).astype(np.int64)
+        self.cost_ms = np.maximum(group.ms[RECOMPUTE].values(n, ts), 1e-6)
+
+    def peaks(self, count: Any) -> tuple[np.ndarray, np.ndarray]:
+        """``(backward start, step)`` above static when the first ``count`` blocks (an int, or
+        one per shape) are recomputed."""
+        m = len(self._model.groups)
+        count = np.broadcast_to(np.asarray(count, dtype=np.int64), self._shape)
+        layout = _Layout({self._group: {RECOMPUTE: count, KEEP: m - count}}, {}, count > 0, count == m)
+        start, _, step = self._model._peaks(self._values, layout)
+        return start, step

@@ -1,4 +1,9 @@
-"""The optimizer state a Hugging Face Trainer will create, known from ``--optim`` before it exists.
+"""The optimizer state an optimizer will create, known before it exists: the one table of it.
+
+One table (``_RULES``) says, per Hugging Face ``--optim`` name, how an optimizer stores its
+state; a torch optimizer class reads the same rows through :data:`TORCH_OPTIMIZERS`
+(engine/accounting.py), and ``memfit estimate`` through :func:`state_bytes_of_shapes`
+(tools/estimate/anatomy.py).
 
 The memfit Trainer checks weights + gradients + this state against the budget before training
 starts, so that a budget too small fails once with the whole need stated, not a second time
@@ -28,12 +33,13 @@ after the first step, as for any optimizer it does not know.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
-__all__ = ["expected_state_bytes", "KNOWN_OPTIMIZERS"]
+__all__ = ["expected_state_bytes", "state_bytes_of_shapes", "torch_optimizer_state_bytes", "KNOWN_OPTIMIZERS", "TORCH_OPTIMIZERS"]
 
 _QUANTISED_MIN_NUMEL = 4096
 
@@ -86,6 +92,13 @@ _RULES: dict[str, _Rule] = {
 }
 #: ``--optim`` names whose state :func:`expected_state_bytes` predicts.
 KNOWN_OPTIMIZERS = frozenset(_RULES)
+#: torch optimizer classes, by name, and the row of ``_RULES`` they store their state as
+TORCH_OPTIMIZERS = MappingProxyType({
+    "Adam": "adamw_torch", "AdamW": "adamw_torch", "NAdam": "adamw_torch", "RAdam": "adamw_torch",
+    "Adamax": "adamw_torch", "SGD": "sgd", "RMSprop": "rmsprop", "Adagrad": "adagrad",
+})
+#: rows whose optimizer takes ``amsgrad`` (a third state, the largest second moment)
+_AMSGRAD = frozenset({"adamw_torch", "adamw_torch_fused"})
 
 
 def _optim_args(text: str | None) -> dict[str, str]:
@@ -103,13 +116,15 @@ def _extra_states(optim: str, args: dict[str, str]) -> int:
         return int(on("momentum"))
     if optim == "rmsprop":
         return int(on("momentum")) + int(on("centered"))
+    if optim in _AMSGRAD:
+        return int(on("amsgrad"))
     return 0
 
 
-def _tensor_state_bytes(p: torch.Tensor, rule: _Rule, states: int) -> int:
-    n = p.numel()
+def _tensor_state_bytes(shape: Sequence[int], itemsize: int, rule: _Rule, states: int) -> int:
+    n = math.prod(shape)
     if rule.storage == "param":
-        return states * n * p.element_size()
+        return states * n * itemsize
     if rule.storage == "fp32" or (rule.storage in ("int8", "int4") and n < _QUANTISED_MIN_NUMEL):
         return states * n * 4
     if rule.storage == "int8":
@@ -117,8 +132,8 @@ def _tensor_state_bytes(p: torch.Tensor, rule: _Rule, states: int) -> int:
     if rule.storage == "int4":
         return states * (math.ceil(n / 2) + 4 * math.ceil(n / 128))
     # factored: float32 row and column second moments of the last two dimensions
-    if p.dim() >= 2:
-        rows, cols = n // p.shape[-1], n // p.shape[-2]
+    if len(shape) >= 2:
+        rows, cols = n // shape[-1], n // shape[-2]
         return states * (rows + cols) * 4
     return states * n * 4
 
@@ -139,9 +154,39 @@ def expected_state_bytes(optim: str, params: Iterable[torch.Tensor], optim_args:
         >>> expected_state_bytes("adamw_torch", [torch.zeros(1000)])
         8000
     """
+    return _state_bytes(optim, ((tuple(p.shape), p.element_size()) for p in params), _optim_args(optim_args))
+
+
+def state_bytes_of_shapes(
+    optim: str, shapes: Iterable[Sequence[int]], itemsize: int = 4, optim_args: str | None = None,
+) -> int | None:
+    """:func:`expected_state_bytes` for parameters known by their shapes, of ``itemsize`` bytes
+    per element (what ``memfit estimate`` has before any model exists).
+
+    Example:
+        >>> state_bytes_of_shapes("adamw_torch", [(10, 100)])
+        8000
+    """
+    return _state_bytes(optim, ((tuple(s), itemsize) for s in shapes), _optim_args(optim_args))
+
+
+def torch_optimizer_state_bytes(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> int | None:
+    """The state a torch ``optimizer`` will hold for ``params`` after its first step, from its
+    class and its parameter groups' options (``momentum``, ``centered``, ``amsgrad``); None
+    for a class not in :data:`TORCH_OPTIMIZERS`."""
+    name = TORCH_OPTIMIZERS.get(type(optimizer).__name__)
+    if name is None:
+        return None
+    options = {
+        key: str(any(bool(g.get(key)) for g in optimizer.param_groups)) for key in ("momentum", "centered", "amsgrad")
+    }
+    return _state_bytes(name, ((tuple(p.shape), p.element_size()) for p in params), options)
+
+
+def _state_bytes(optim: str, shapes: Iterable[tuple[tuple[int, ...], int]], args: dict[str, str]) -> int | None:
     name = str(getattr(optim, "value", optim))
     rule = _RULES.get(name)
     if rule is None:
         return None
-    states = rule.states + _extra_states(name, _optim_args(optim_args))
-    return sum(_tensor_state_bytes(p, rule, states) for p in params)
+    states = rule.states + _extra_states(name, args)
+    return sum(_tensor_state_bytes(shape, itemsize, rule, states) for shape, itemsize in shapes)

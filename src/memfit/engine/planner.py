@@ -39,13 +39,13 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Plan", "InfeasiblePlanError", "plan_blocks", "plan_treatments", "PlanCache", "TREATMENT_ORDER"]
+__all__ = ["Plan", "InfeasiblePlanError", "plan_blocks", "plan_treatments", "PlanCache"]
 
 
 class InfeasiblePlanError(ValueError):
@@ -249,20 +249,20 @@ def _knapsack_cover(costs: Sequence[float], savings: Sequence[int], need: int, r
     return tuple(sorted(result[1]))
 
 
-#: where treatments go in a stack of alike blocks, from the first block up: recomputed blocks
-#: first (nothing held below them: NOTE [Earliest blocks first]), then selective ones, then
-#: offloaded ones (furthest from the backward's start, so the prefetch has time)
-TREATMENT_ORDER = (_RECOMPUTE, "selective", "offload")
-
-
-def plan_treatments(options: Sequence[Sequence[tuple[str, int, float]]], need_bytes: int, resolution: int = 1024) -> Plan:
+def plan_treatments(
+    options: Sequence[Sequence[tuple[str, int, float]]], need_bytes: int, resolution: int = 1024,
+    order: Mapping[str, int] | None = None,
+) -> Plan:
     """Cheapest treatment per block whose savings reach ``need_bytes`` (keep is free and saves nothing).
 
     # NOTE [Choosing treatments]
     A multiple-choice covering knapsack: each block takes one of its options (or stays
     kept). For a stack whose blocks all have the same options it is exact: every count of
     blocks per treatment is scored at once (numpy) and the cheapest that covers the need is
-    placed in :data:`TREATMENT_ORDER` from the first block up; ties go to fewer treated
+    placed in ``order`` from the first block up (each treatment declares its place,
+    ``Treatment.order``: recomputed blocks first, nothing held below them, NOTE [Earliest
+    blocks first]; offloaded ones last, furthest from the backward's start, so the prefetch
+    has time); ties go to fewer treated
     blocks. Otherwise a dynamic programme over savings quantised *downwards* into
     ``resolution`` units, so the chosen savings are never below ``need``.
 
@@ -270,6 +270,8 @@ def plan_treatments(options: Sequence[Sequence[tuple[str, int, float]]], need_by
         options: per block, ``(treatment, bytes saved, ms)`` of each treatment it may take.
         need_bytes: bytes to save; ``<= 0`` keeps every block.
         resolution: DP units for stacks of unlike blocks.
+        order: per treatment name, its place from the first block up (lower first; an
+            unnamed one last); default: the order of the options.
 
     Returns:
         The :class:`Plan`, its ``kinds`` naming each treated block's treatment.
@@ -289,7 +291,7 @@ def plan_treatments(options: Sequence[Sequence[tuple[str, int, float]]], need_by
         raise InfeasiblePlanError(f"treating all {len(options)} blocks saves {best_each} bytes, {need_bytes} are needed")
     first = tuple(options[0]) if options else ()
     if all(tuple(o) == first for o in options):
-        chosen = _alike(first, len(options), need_bytes)
+        chosen = _alike(first, len(options), need_bytes, order or {})
     else:
         chosen = _choose_by_dp(options, need_bytes, resolution)
     blocks = tuple(sorted(chosen))
@@ -309,7 +311,7 @@ def _counts(m: int, t: int) -> np.ndarray:
     return grid
 
 
-def _alike(opts: tuple[tuple[str, int, float], ...], m: int, need: int) -> dict[int, str]:
+def _alike(opts: tuple[tuple[str, int, float], ...], m: int, need: int, order: Mapping[str, int]) -> dict[int, str]:
     """Exact choice for ``m`` blocks with the same options (NOTE [Choosing treatments])."""
     grid = _counts(m, len(opts))
     saved = grid @ np.array([o[1] for o in opts], dtype=np.float64)
@@ -318,9 +320,9 @@ def _alike(opts: tuple[tuple[str, int, float], ...], m: int, need: int) -> dict[
     best = cost.min()
     ties = np.flatnonzero(cost <= best + 1e-12 * max(1.0, abs(best)))
     row = grid[min(ties, key=lambda r: (grid[r].sum(), tuple(-grid[r])))]
-    order = sorted(range(len(opts)), key=lambda j: TREATMENT_ORDER.index(opts[j][0]) if opts[j][0] in TREATMENT_ORDER else 99)
+    placed = sorted(range(len(opts)), key=lambda j: (order.get(opts[j][0], math.inf), j))
     chosen, at = {}, 0
-    for j in order:
+    for j in placed:
         for _ in range(int(row[j])):
             chosen[at] = opts[j][0]
             at += 1

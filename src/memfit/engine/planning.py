@@ -1,23 +1,9 @@
 """Planning for one run: the memory model, the planner and the plan cache, behind one object.
 
-Methods ask :meth:`Planning.plan_for` for a shape's plan; the runtime tells it the step's
-static bytes, and the learner (learner.py) updates its model, margin and slack.
-
-# NOTE [Room]
-A plan must fit the *room*: the budget less the margin and the allocator's slack. The margin
-covers prediction error: it starts at a share of the budget and grows after a step above its
-prediction or an OOM the slack does not explain. The slack is memory the caching allocator
-reserves but cannot hand out (the free tails of partly used pages), which no release returns;
-the CUDA cap limits *reserved* bytes while the model predicts *allocated* ones. On CUDA the
-slack starts at ``min(ALLOCATOR_SLACK_BYTES, budget / 16)`` and an OOM raises it to 1.25 × the
-reserved bytes that were not allocated when it failed, when that is more. A steady step during
-which the allocator served an allocation only after releasing its cache (a device sync, and
-the cache's memory unmapped and mapped again: CUDA's ``num_alloc_retries``) grows the slack by
-``RETRY_SLACK_SHARE`` of the budget, up to ``MAX_RETRY_SLACK_SHARE`` of it: plans that fill the
-cap to its last bytes leave the allocator no room for the step's own fragmentation, and a
-release every step costs more than the recompute that leaves it room. ``reactive`` has no plans
-but the same rule: each block entry keeps the slack free. Logical accounting has no allocator:
-its slack is 0.
+Methods ask :meth:`Planning.plan_for` for a shape's plan; the runtime tells it each step's
+static bytes (:meth:`Planning.begin_step`); the learner (learner.py) returns what a step
+teaches as a :class:`ModelUpdate`, which :meth:`Planning.apply` applies. Planning is the only
+writer of its model, its room (room.py) and its plan cache, so it alone keeps the cache valid.
 
 # NOTE [Plan for the longest shape seen]
 A plan serves every shape of its bucket (tokens rounded up to ``bucket_tokens``) up to the
@@ -34,8 +20,9 @@ lengths are checked one by one, not the edge's plan alone.
 For a stack of one group (every block alike) with only ``keep`` and ``recompute``, the plan of
 a shape is the shortest prefix of blocks that fits, so a miss plans the whole row at once:
 every length of the shape's batch size, one token apart, up to a few buckets past the longest
-shape seen, with numpy over the row, doing the per-key planner's float operations in its
-order, so that the plans are the same bit for bit (tested); each length's plan is built from
+shape seen, with numpy over the row: the model's one peak formula evaluated over arrays
+(NOTE [One evaluator], model.py), so that the plans are the same bit for bit as the per-key
+planner's (tested) with no copy of its arithmetic here; each length's plan is built from
 the row's arrays when first asked. A row costs several single plans, so it pays only while the
 model behind it lasts: a miss plans a row once the cache has served more than
 ``ROW_AFTER_STEADY_ASKS`` requests since its last clear, or the model before it did (a settled
@@ -48,6 +35,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -55,10 +43,12 @@ import numpy as np
 from memfit.engine.budget import format_bytes
 from memfit.engine.model import MemoryModel
 from memfit.engine.planner import InfeasiblePlanError, Plan, PlanCache, plan_blocks, plan_treatments
+from memfit.engine.room import Room
 from memfit.engine.shapes import bucket_key
 from memfit.engine.summary_text import over_budget_words
+from memfit.engine.treatments import KEEP, RECOMPUTE, TreatmentSpec, resolve
 
-__all__ = ["Planning", "ROW_AFTER_STEADY_ASKS", "ALLOCATOR_SLACK_BYTES", "RETRY_SLACK_SHARE", "MAX_RETRY_SLACK_SHARE"]
+__all__ = ["Planning", "ModelUpdate", "ROW_AFTER_STEADY_ASKS"]
 
 logger = logging.getLogger("memfit")
 
@@ -66,23 +56,30 @@ logger = logging.getLogger("memfit")
 #: more than this many requests: before, the model changes every step or two (NOTE [Planning a row]).
 ROW_AFTER_STEADY_ASKS = 3
 
-#: The allocator's slack kept free on CUDA before any OOM has measured it (NOTE [Room]).
-ALLOCATOR_SLACK_BYTES = 256 * 2**20
-#: A steady step the allocator served only by releasing its cache grows the slack by this
-#: share of the budget (NOTE [Room]) ...
-RETRY_SLACK_SHARE = 1 / 32
-#: ... up to this share of it in all.
-MAX_RETRY_SLACK_SHARE = 1 / 8
+@dataclass
+class ModelUpdate:
+    """What a finished step or a warm-up probe teaches, as the learner returns it (learner.py);
+    :meth:`Planning.apply` applies it.
 
+    Attributes:
+        groups: the blocks' new group ids (a split: NOTE [Blocks alike only in name]), applied first.
+        samples: ``(curve, key, value)``; a curve is named by its path in the model:
+            ``("outside",)``, ``("transient_full",)``, ``("transient_partial",)``,
+            ``("bytes", group, treatment)`` or ``("ms", group, treatment)``.
+        seen_key: a shape the run met (the model's ``max_key``).
+        optimizer_above_static: an optimizer step's peak above ``static_bytes`` (NOTE [Three peaks]).
+        static_bytes: the static bytes of the step that ran that optimizer step.
+        miss_bytes: a steady step's peak above its prediction (the room's margin rule).
+        alloc_retries: the allocator released its cache to serve a steady step (the room's slack rule).
+    """
 
-def _blocks(plan: Plan | Sequence[int]) -> tuple[int, ...]:
-    return plan.blocks if isinstance(plan, Plan) else tuple(plan)
-
-
-def _for_model(plan: Plan | Sequence[int]) -> Plan | tuple[int, ...]:
-    """What the memory model is asked with: a plan with treatments as it is, a recompute-only
-    plan as its block indices (the original arithmetic: NOTE [Treated peaks], model.py)."""
-    return plan if getattr(plan, "kinds", ()) else _blocks(plan)
+    groups: list[int] | None = None
+    samples: list[tuple[tuple, tuple[int, int], float]] = field(default_factory=list)
+    seen_key: tuple[int, int] | None = None
+    optimizer_above_static: float | None = None
+    static_bytes: int = 0
+    miss_bytes: int | None = None
+    alloc_retries: bool = False
 
 
 class Planning:
@@ -94,27 +91,29 @@ class Planning:
         budget_bytes: the budget, or ``None`` for no budget.
         margin_bytes: initial safety margin kept free below the budget (prediction error).
         bucket_tokens: token granularity of plan buckets.
-        slack_bytes: the allocator's reserved-but-unusable bytes, also kept free (NOTE [Room]).
-        treatments: what the planner may give a block besides ``keep`` (treatments.py).
+        slack_bytes: the allocator's reserved-but-unusable bytes, also kept free (NOTE [Room], room.py).
+        treatments: what the planner may give a block besides ``keep`` (names or classes: engine/treatments/).
+        room: the room to keep (room.py); made from ``margin_bytes`` and ``slack_bytes`` when None.
 
     Attributes:
         offload_ms: the price of offloading (moved bytes, forward ms) -> ms, once the link
             was measured (engine/probe.py); until then ``offload`` is not planned.
-        static_bytes: bytes no plan changes, as they will be at this step's peak (set by the
-            runtime at each step's start).
+        static_bytes: bytes no plan changes, as they will be at this step's peak
+            (:meth:`begin_step`).
         max_static_bytes: the largest static bytes of a step that ran an optimizer step.
     """
 
     def __init__(
         self, n_blocks: int, groups: Sequence[int], budget_bytes: int | None, margin_bytes: int, bucket_tokens: int,
-        slack_bytes: int = 0, treatments: Sequence[str] = ("recompute",),
+        slack_bytes: int = 0, treatments: Sequence[TreatmentSpec] = (RECOMPUTE,), room: Room | None = None,
     ):
         self.n_blocks = n_blocks
         self.all_blocks = tuple(range(n_blocks))
-        self.model = MemoryModel(groups, bucket_tokens)
+        #: the run's treatments by name, ``keep`` and ``recompute`` first (engine/treatments/)
+        self.registry = resolve(treatments)
+        self.model = MemoryModel(groups, bucket_tokens, self.registry)
         self.budget_bytes = budget_bytes
-        self.margin_bytes = margin_bytes
-        self.slack_bytes = slack_bytes
+        self.room = room or Room(budget_bytes, margin_bytes, slack_bytes)
         self.bucket_tokens = bucket_tokens
         self.cache = PlanCache()
         self.static_bytes = 0
@@ -122,48 +121,70 @@ class Planning:
         self.infeasible_keys: set[tuple[int, int]] = set()
         #: per plan bucket, the most tokens per row seen in it (NOTE [Plan for the longest shape seen])
         self.longest_in_bucket: dict[tuple[int, int], int] = {}
-        self.treatments = tuple(treatments)
+        self.treatments = tuple(name for name in self.registry if name != KEEP)
         self.offload_ms: Callable[[float, float], float] | None = None
+
+    @property
+    def margin_bytes(self) -> int:
+        return self.room.margin_bytes
+
+    @margin_bytes.setter
+    def margin_bytes(self, value: int) -> None:
+        self.room.margin_bytes = int(value)
+        self.cache.clear()
+
+    @property
+    def slack_bytes(self) -> int:
+        return self.room.slack_bytes
+
+    @slack_bytes.setter
+    def slack_bytes(self, value: int) -> None:
+        self.room.slack_bytes = int(value)
+        self.cache.clear()
+
+    def begin_step(self, static_bytes: int) -> None:
+        """A step starts with ``static_bytes`` no plan changes (its plans are cached per static bucket)."""
+        self.static_bytes = static_bytes
 
     @property
     def recompute_only(self) -> bool:
         """Whether ``recompute`` is the only treatment (plans are then the original first-k rows)."""
-        return self.treatments == ("recompute",)
+        return self.treatments == (RECOMPUTE,)
 
     def state_dict(self) -> dict[str, Any]:
         """Memory model, margin and slack (what a resumed run needs to skip its warm-up)."""
         return {"model": self.model.to_dict(), "margin_bytes": self.margin_bytes, "slack_bytes": self.slack_bytes}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model = MemoryModel.from_dict(state["model"])
+        self.model = MemoryModel.from_dict(state["model"], self.registry)
         self.model.bucket_tokens = self.bucket_tokens
-        self.margin_bytes = int(state["margin_bytes"])
-        self.slack_bytes = int(state.get("slack_bytes", self.slack_bytes))
+        self.room.margin_bytes = int(state["margin_bytes"])
+        self.room.slack_bytes = int(state.get("slack_bytes", self.room.slack_bytes))
         self.cache.clear()
 
     # ------------------------------------------------------------ predictions
-    def plan_key(self, key: tuple[int, int]) -> tuple[int, int]:
+    def planned_shape(self, key: tuple[int, int]) -> tuple[int, int]:
         """The shape ``key``'s plan is made and predicted for: the longest seen in its bucket
         (``key`` itself if none longer was) (NOTE [Plan for the longest shape seen])."""
         return (key[0], max(key[1], self.longest_in_bucket.get(bucket_key(key, self.bucket_tokens), 0)))
 
-    def predict_peak(self, key: tuple[int, int], plan: Plan | Sequence[int]) -> int:
+    def predict_peak(self, key: tuple[int, int], plan: Plan) -> int:
         """Predicted step peak: static + the largest of the step's three peaks (NOTE [Three peaks], model.py)."""
-        return int(self.static_bytes + self.model.step_bytes(self.plan_key(key), _for_model(plan)))
+        return int(self.static_bytes + self.model.step_bytes(self.planned_shape(key), plan))
 
     @property
     def room_bytes(self) -> int:
-        """What a plan's predicted peak must fit: the budget less the margin and the slack (NOTE [Room])."""
-        return self.budget_bytes - self.margin_bytes - self.slack_bytes
+        """What a plan's predicted peak must fit: the budget less the margin and the slack (NOTE [Room], room.py)."""
+        return self.room.free_bytes
 
-    def recompute_ms(self, key: tuple[int, int], plan: Plan | Sequence[int]) -> float:
+    def recompute_ms(self, key: tuple[int, int], plan: Plan) -> float:
         """Predicted extra time of ``plan``'s treatments at ``key`` (0 before the model is fitted)."""
         if not self.model.ready:
             return 0.0
-        k = self.plan_key(key)
-        kinds = getattr(plan, "kinds", ())
+        k = self.planned_shape(key)
+        kinds = plan.kinds
         if not kinds:
-            return float(sum(self.model.block_cost_ms(i, k) for i in _blocks(plan)))
+            return float(sum(self.model.block_cost_ms(i, k) for i in plan.blocks))
         options = self.model.options(k, self.treatments, self.offload_ms)
         price = {(i, name): ms for i, opts in enumerate(options) for name, _, ms in opts}
         return float(sum(price.get((i, kind), self.model.block_cost_ms(i, k)) for i, kind in zip(plan.blocks, kinds)))
@@ -183,7 +204,7 @@ class Planning:
         """
         if self.budget_bytes is None:
             return Plan(())
-        k, edge = self.plan_key(key), bucket_key(key, self.bucket_tokens)
+        k, edge = self.planned_shape(key), bucket_key(key, self.bucket_tokens)
         self.longest_in_bucket[edge] = k[1]
         static_bucket = self._static_bucket()
         # a plan made for the bucket's edge serves every shape of it
@@ -218,12 +239,12 @@ class Planning:
         always made too: a mix never costs more than recompute alone would.
         """
         room = self.room_bytes
-        need = int(self.static_bytes + self.model.backward_start_bytes(k, ())) - room
+        need = int(self.static_bytes + self.model.backward_start_bytes(k, Plan(()))) - room
         options = self.model.options(k, self.treatments, self.offload_ms)
         if need <= 0 or all(name == "recompute" for opts in options for name, _, _ in opts):
             return None
         try:
-            mixed = plan_treatments(options, need)
+            mixed = plan_treatments(options, need, order={name: t.order for name, t in self.registry.items()})
         except InfeasiblePlanError:
             return None
         return mixed if self.predict_peak(k, mixed) <= room else None
@@ -233,13 +254,13 @@ class Planning:
         # against the other two (NOTE [Three peaks], model.py), and mended if one is over
         # (NOTE [Blocks held below a recompute]).
         room = self.room_bytes
-        need = int(self.static_bytes + self.model.backward_start_bytes(k, ())) - room
+        need = int(self.static_bytes + self.model.backward_start_bytes(k, Plan(()))) - room
         try:
             costs, savings = self.model.costs(k), self.model.savings(k)
             plan = plan_blocks(costs, savings, need)
             if not plan.blocks or self.predict_peak(k, plan) <= room:
                 return plan
-            if self.predict_peak(k, self.all_blocks) > room:
+            if self.predict_peak(k, Plan(self.all_blocks)) > room:
                 raise InfeasiblePlanError("the recompute or optimizer-step peak is over the budget")
             return self._mend(k, plan, need, costs, savings)
         except InfeasiblePlanError:
@@ -249,11 +270,11 @@ class Planning:
                 self.infeasible_keys.add(k)
                 outside = self.model.outside(k) if self.model.ready else 0.0
                 parts = {"static": self.static_bytes, "outside": outside,
-                         "blocks": self.model.step_bytes(k, self.all_blocks) - outside}
+                         "blocks": self.model.step_bytes(k, Plan(self.all_blocks)) - outside}
                 log(
                     "memfit: shape %s is predicted to need %s even with every block checkpointed, "
                     "over the budget of %s; running it with every block checkpointed; %s",
-                    k, format_bytes(self.predict_peak(k, self.all_blocks) + self.budget_bytes - room), format_bytes(self.budget_bytes),
+                    k, format_bytes(self.predict_peak(k, Plan(self.all_blocks)) + self.budget_bytes - room), format_bytes(self.budget_bytes),
                     over_budget_words(parts),
                 )
             return Plan(self.all_blocks)
@@ -273,24 +294,24 @@ class Planning:
         below = tuple(range(max(plan.blocks) + 1))  # the plan and every block under it
         covered = itertools.accumulate(savings)
         prefix = tuple(range(next(i for i, total in enumerate(covered, 1) if total >= need)))
-        mended = [p for p in {below, prefix} if self.predict_peak(k, p) <= room]
+        mended = [p for p in {below, prefix} if self.predict_peak(k, Plan(p)) <= room]
         if not mended:
             return Plan(self.all_blocks)
         best = min(mended, key=lambda p: (sum(costs[i] for i in p), p))
         return Plan(best, float(sum(costs[i] for i in best)), int(sum(savings[i] for i in best)))
 
-    def would_plan_less(self, key: tuple[int, int], plan: Plan | Sequence[int], over_bytes: int) -> bool:
+    def would_plan_less(self, key: tuple[int, int], plan: Plan, over_bytes: int) -> bool:
         """Whether a prediction ``over_bytes`` lower would have given a cheaper plan than ``plan``.
 
         An over-predicted step costs time only if it made the plan treat more: one that
         treated nothing, or whose cheaper alternative still needs the same blocks (the
         over-prediction was smaller than what one block saves), cost nothing.
         """
-        blocks = _blocks(plan)
+        blocks = plan.blocks
         if not blocks or self.budget_bytes is None:
             return False
-        k = self.plan_key(key)
-        need = int(self.static_bytes + self.model.backward_start_bytes(k, ())) - self.room_bytes - over_bytes
+        k = self.planned_shape(key)
+        need = int(self.static_bytes + self.model.backward_start_bytes(k, Plan(()))) - self.room_bytes - over_bytes
         if need <= 0:
             return True
         costs = self.model.costs(k)
@@ -300,35 +321,61 @@ class Planning:
             return False
         return cheaper.cost_ms < 0.999 * sum(costs[i] for i in blocks)
 
-    # ------------------------------------------------------------ room
-    def raise_margin(self, extra_bytes: int) -> None:
-        """Keep ``extra_bytes`` more free from now on (the cached plans are dropped)."""
-        self.margin_bytes += max(0, int(extra_bytes))
-        self.cache.clear()
+    # ------------------------------------------------------------ the only writer
+    def apply(self, update: ModelUpdate) -> bool:
+        """Apply what the learner returned; drop the cached plans if it changed any (returns that).
+
+        An optimizer step's larger peak changes a plan only once the largest static bytes
+        seen plus it is over the room (plans read it only through ``static + max(activations,
+        it) <= room``), so it keeps the cache until then.
+        """
+        model, changed = self.model, False
+        if update.groups is not None and update.groups != model.groups:
+            model.split(update.groups)
+            changed = True
+        for path, key, value in update.samples:
+            self._curve(path).add(key, value)
+            changed = True
+        if update.seen_key is not None:
+            model.observe_key(update.seen_key)
+        above = update.optimizer_above_static
+        if above is not None:
+            self.max_static_bytes = max(self.max_static_bytes, update.static_bytes)
+            if above > model.optimizer_bytes:
+                model.optimizer_bytes = float(above)
+                changed |= self.budget_bytes is None or self.max_static_bytes + above > self.room_bytes
+        if update.miss_bytes is not None:
+            changed |= self.room.after_miss(update.miss_bytes)
+        if update.alloc_retries:
+            changed |= self.room.after_alloc_retries()
+        if changed:
+            self.cache.clear()
+        return changed
+
+    def _curve(self, path: tuple) -> Any:
+        if path[0] in ("bytes", "ms"):
+            group = self.model.group_models[path[1]]
+            return group.bytes_curve(path[2]) if path[0] == "bytes" else group.ms_curve(path[2])
+        return getattr(self.model, path[0])
 
     def grow_slack(self) -> bool:
-        """Keep ``RETRY_SLACK_SHARE`` of the budget more free for the allocator, up to
-        ``MAX_RETRY_SLACK_SHARE`` in all; returns whether the slack grew (NOTE [Room])."""
-        if not self.budget_bytes:
-            return False
-        ceiling = int(MAX_RETRY_SLACK_SHARE * self.budget_bytes)
-        if self.slack_bytes >= ceiling:
-            return False
-        self.slack_bytes = min(ceiling, self.slack_bytes + int(RETRY_SLACK_SHARE * self.budget_bytes))
-        self.cache.clear()
-        return True
+        """The allocator released its cache to serve a step: grow the slack (NOTE [Room], room.py)."""
+        grew = self.room.after_alloc_retries()
+        if grew:
+            self.cache.clear()
+        return grew
 
     def learn_slack(self, unusable_bytes: int) -> bool:
-        """Keep 1.25 × ``unusable_bytes`` free for the allocator if that is more than now.
+        """Keep 1.25 × ``unusable_bytes`` free for the allocator if that is more than now (NOTE [Room], room.py)."""
+        grew = self.room.learn_slack(unusable_bytes)
+        if grew:
+            self.cache.clear()
+        return grew
 
-        Returns whether the slack grew (NOTE [Room]).
-        """
-        wanted = int(1.25 * unusable_bytes)
-        if wanted <= self.slack_bytes:
-            return False
-        self.slack_bytes = wanted
+    def after_oom(self, unusable_bytes: int) -> None:
+        """A step ran out of memory: the room grows (NOTE [Room], room.py) and the plans are redone."""
+        self.room.after_oom(unusable_bytes)
         self.cache.clear()
-        return True
 
 
 # ---------------------------------------------------------------- rows (NOTE [Planning a row])
@@ -367,7 +414,8 @@ def _plan_from_row(planning: Planning, k: tuple[int, int], static_bucket: int) -
 
 
 def _plan_row(planning: Planning, k: tuple[int, int]) -> dict[str, Any] | None:
-    """Every length of ``k``'s row, up to the longest shape seen, as lists (one group only)."""
+    """Every length of ``k``'s row, up to the longest shape seen, as lists (one group only):
+    the model's own peak formula over arrays (NOTE [One evaluator], model.py)."""
     model = planning.model
     n, b = k[0], planning.bucket_tokens
     longest = max(k[1], bucket_key(model.max_key, b)[1] if model.max_key else 0)
@@ -375,25 +423,21 @@ def _plan_row(planning: Planning, k: tuple[int, int]) -> dict[str, Any] | None:
     # length, and a step just past it would otherwise replan the whole row
     longest = -(-longest // (8 * b)) * (8 * b)
     ts = np.arange(1, longest + 1, dtype=np.int64)  # per token: plan keys are lengths seen
-    row = model.row(n, ts)
-    if row is None:
+    rows = model.prefix_rows(n, ts)
+    if rows is None:
         return None
     m, room, static = planning.n_blocks, planning.room_bytes, float(planning.static_bytes)
-    outside, full, kept = row["outside"], row["full"], row["kept"]
-    saving = np.floor(np.maximum(0.0, full - kept)).astype(np.int64)
-    # the same float operations, in the same order, as the per-key methods (bit-equal)
-    need = np.trunc(static + ((outside + (0.0 * kept + m * full)) + row["transient"])).astype(np.int64) - room
-    every = np.maximum((outside + (m * kept + 0.0 * full)) + row["transient_full"], model.optimizer_bytes)
+    saving = rows.saving
+    need = np.trunc(static + rows.peaks(0)[0]).astype(np.int64) - room  # as plan_blocks is asked
+    every = rows.peaks(m)[1]
     with np.errstate(divide="ignore", invalid="ignore"):
         count = np.where(need > 0, np.ceil(need / np.maximum(saving, 1)), 0).astype(np.int64)
     count = np.where(m * saving < need, -1, np.minimum(count, m))  # -1: no plan saves enough
     clipped = np.maximum(count, 0)
-    start = (outside + (clipped * kept + (m - clipped) * full)) + row["transient"]
-    recompute = (outside + (m * kept + 0.0 * full)) + row["transient_full"]
-    peak = np.maximum(np.maximum(start, recompute), model.optimizer_bytes)
+    peak = rows.peaks(clipped)[1]
     return {
         "longest": longest, "count": count.tolist(), "every_fits": (np.trunc(static + every) <= room).tolist(),
         "prefix_fits": (np.trunc(static + peak) <= room).tolist(),
-        "cost_ms": np.maximum(row["cost_ms"], 1e-6).tolist(),  # one block's
+        "cost_ms": rows.cost_ms.tolist(),  # one block's
         "saved_bytes": (clipped * saving).tolist(),
     }

@@ -23,9 +23,9 @@ activations.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,8 +33,9 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from memfit.engine.accounting import ProbeCounter, SavedTensorCounter
 from memfit.engine.blocks import Block, without_cache
+from memfit.engine.treatments import Treatment, TreatmentSpec, resolve
 
-__all__ = ["probe_block", "probe_treatments", "probe_warmup", "LinkPrice", "measure_link", "TIMED_RUNS"]
+__all__ = ["ProbeKit", "probe_block", "probe_treatments", "probe_warmup", "LinkPrice", "measure_link", "TIMED_RUNS"]
 
 #: runs of a timed probe, the fastest taken (NOTE [Cold runs of a block])
 TIMED_RUNS = 3
@@ -128,93 +129,69 @@ def _distinct_bytes(tensors: list[torch.Tensor], counter: SavedTensorCounter) ->
     return sum(seen.values())
 
 
+@dataclass
+class ProbeKit:
+    """What a treatment's probe (``Treatment.probe``, treatments/base.py) is handed: the block's
+    inputs cut from the step's graph and the probe's tools, so that a treatment file measures
+    itself without importing this module."""
+
+    block: Block
+    detached: tuple[tuple, dict[str, Any]]
+    counter: SavedTensorCounter
+    device: torch.device
+    #: runs of a timed measurement, the fastest taken (NOTE [Cold runs of a block])
+    timed_runs: int = TIMED_RUNS
+
+    def fresh(self) -> tuple[tuple, dict[str, Any]]:
+        """The block's inputs for one run (its cache left out: NOTE [Probe])."""
+        return without_cache(self.block.module, *self.detached)
+
+    def inputs(self) -> list[torch.Tensor]:
+        """The input tensors (what a checkpoint keeps)."""
+        return [t for t in tree_leaves(self.detached) if isinstance(t, torch.Tensor)]
+
+    def elapsed_ms(self, fn: Callable[[], Any]) -> float:
+        return _elapsed_ms(self.device, fn)
+
+    def shield(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return _shield()
+
+    def distinct_bytes(self, tensors: list[torch.Tensor]) -> int:
+        """Bytes of the distinct storages of ``tensors``, parameters and excluded storages aside."""
+        return _distinct_bytes(tensors, self.counter)
+
+    def counter_of_run(self) -> ProbeCounter:
+        """A counter of one run's saved tensors (the step's counter sees none of them)."""
+        return ProbeCounter(self.counter.excluded_ptrs, self.counter.parameter_storages)
+
+    def small_saved_bytes(self, min_bytes: int) -> int:
+        """Bytes of the saved storages under ``min_bytes`` of one plain run."""
+        sizes = _SizeCounter(self.counter.excluded_ptrs, self.counter.parameter_storages, min_bytes)
+        probe_args, probe_kwargs = self.fresh()
+        with torch.autograd.graph.saved_tensors_hooks(sizes._pack, lambda t: t):
+            result = self.block._body(*probe_args, **probe_kwargs)
+        del result, probe_args, probe_kwargs
+        return sizes.small
+
+
 def probe_treatments(
     block: Block, args: tuple, kwargs: dict[str, Any], counter: SavedTensorCounter, device: torch.device,
-    treatments: tuple[str, ...], offload_min_bytes: int = 2**20,
+    treatments: Mapping[str, type[Treatment]] | Sequence[TreatmentSpec],
 ) -> dict[str, tuple[int, float | None]]:
-    """What ``block`` keeps on the device under ``selective`` and ``offload``, and what a
-    selective recompute costs (NOTE [Treatment prices], model.py): ``{name: (bytes, ms or None)}``.
-
-    ``selective``: its inputs plus the selective cache (NOTE [Selective policy],
-    treatments.py), and its price: the recompute under the cache (the unsaved ops only) plus
-    what the forward under the caching mode costs beyond a plain forward (the modes dispatch
-    every op through Python, which small ops feel).
-    ``offload``: the saved storages under ``offload_min_bytes`` (its price comes from the link).
-    """
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    from memfit.engine.treatments import keep_matmul_and_attention, runs_random, selective_cache_tensors
-
-    detached = _detached(args, kwargs)
-    inputs = [t for t in tree_leaves(detached) if isinstance(t, torch.Tensor)]
+    """What ``block`` keeps on the device under each of ``treatments`` (by name, or names and
+    classes) that measures itself, and the time it adds (NOTE [Treatment prices], model.py):
+    ``{name: (bytes, ms or None)}``, from each treatment's own probe (NOTE [A treatment is a
+    plug-in], treatments/base.py)."""
+    treatments = treatments if isinstance(treatments, Mapping) else resolve(treatments)
+    kit = ProbeKit(block, _detached(args, kwargs), counter, device)
     devices = [device] if device.type == "cuda" else []
     out: dict[str, tuple[int, float | None]] = {}
     with torch.random.fork_rng(devices=devices), torch.enable_grad():
-        if "selective" in treatments and block.compiled:
-            if block.draws_random is None:
-                plain_args, plain_kwargs = without_cache(block.module, *detached)
-                block.draws_random = runs_random(block._eager_body, *plain_args, **plain_kwargs)
-            if not block.draws_random:  # else it would keep what keep keeps: never compiled (NOTE [Compiled blocks])
-                out["selective"] = _probe_compiled_selective(block, detached, counter, device)
-        elif "selective" in treatments:
-            def timed(context: Any) -> float:
-                def run() -> None:
-                    with _shield(), context:
-                        block._body(*probe_args, **probe_kwargs)
-
-                return _elapsed_ms(device, run)
-
-            probe_args, probe_kwargs = without_cache(block.module, *detached)
-            plain_ms, forward_ms, recompute_ms = [], [], []
-            for r in range(TIMED_RUNS):  # NOTE [Cold runs of a block]
-                plain_ms.append(timed(contextlib.nullcontext()))
-                caching, cached = create_selective_checkpoint_contexts(keep_matmul_and_attention)
-                forward_ms.append(timed(caching))
-                if r == 0:
-                    nbytes = _distinct_bytes(inputs + selective_cache_tensors(caching), counter)
-                recompute_ms.append(timed(cached))
-                del caching, cached
-            out["selective"] = (nbytes, max(0.0, min(forward_ms) - min(plain_ms)) + min(recompute_ms))
-            del probe_args, probe_kwargs
-        if "offload" in treatments:
-            sizes = _SizeCounter(counter.excluded_ptrs, counter.parameter_storages, offload_min_bytes)
-            probe_args, probe_kwargs = without_cache(block.module, *detached)
-            with torch.autograd.graph.saved_tensors_hooks(sizes._pack, lambda t: t):
-                result = block._body(*probe_args, **probe_kwargs)
-            out["offload"] = (sizes.small, None)
-            del result, probe_args, probe_kwargs
+        for name, treatment in treatments.items():
+            measured = treatment.probe(block, kit)
+            if measured is not None:
+                out[name] = measured
     return out
-
-
-def _probe_compiled_selective(
-    block: Block, detached: tuple[tuple, dict], counter: SavedTensorCounter, device: torch.device,
-) -> tuple[int, float]:
-    """A compiled block's ``selective`` (NOTE [Compiled blocks], blocks.py): what its budgeted
-    compilation saves, and its forward and backward time beyond the plain compilation's (the
-    partitioner's recompute runs inside the backward graph), each the fastest of ``TIMED_RUNS``
-    runs, interleaved (NOTE [Cold runs of a block]: the first may compile). Gradients are returned, not
-    accumulated, and the inputs' and parameters' both asked, as the step's backward asks them."""
-    params = [p for p in block.module.parameters() if p.requires_grad]
-
-    def run(body: Any, hooks: Any) -> float:
-        probe_args, probe_kwargs = without_cache(block.module, *detached)
-        wrt = [t for t in tree_leaves((probe_args, probe_kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
-
-        def forward_backward() -> None:
-            with hooks:
-                result = body(*probe_args, **probe_kwargs)
-            outs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if outs and wrt + params:
-                torch.autograd.grad(outs, wrt + params, [torch.ones_like(t) for t in outs], allow_unused=True)
-
-        return _elapsed_ms(device, forward_backward)
-
-    lean = ProbeCounter(counter.excluded_ptrs, counter.parameter_storages)
-    lean_ms, plain_ms = [], []
-    for r in range(TIMED_RUNS):
-        lean_ms.append(run(block._lean_body, lean.hooks() if r == 0 else _shield()))
-        plain_ms.append(run(block._body, _shield()))
-    return lean.bytes, max(0.0, min(lean_ms) - min(plain_ms))
 
 
 class LinkPrice:
@@ -277,4 +254,4 @@ def probe_warmup(
     step.probed_groups.add(group)
     step.probes[block.index] = probe_block(block, args, kwargs, counter, timed, device)
     if timed and not planning.recompute_only:
-        step.treated_probes[block.index] = probe_treatments(block, args, kwargs, counter, device, planning.treatments)
+        step.treated_probes[block.index] = probe_treatments(block, args, kwargs, counter, device, planning.registry)

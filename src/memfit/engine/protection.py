@@ -87,6 +87,7 @@ from torch.utils._pytree import tree_leaves
 from memfit.engine.planner import Plan
 from memfit.engine.shapes import bucket_key
 from memfit.engine.store import ReactiveStore
+from memfit.engine.budget import UNIT_BYTES
 from memfit.engine.treatments import KEEP, Treatment
 
 if TYPE_CHECKING:
@@ -123,7 +124,6 @@ class _Meter(Protocol):
     def window_peak(self, step: Any) -> int | None: ...
 
 
-_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 _REQUEST = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)")
 
 
@@ -135,7 +135,7 @@ def requested_bytes(message: str | None) -> int | None:
         2097152
     """
     match = _REQUEST.search(message or "")
-    return None if match is None else int(float(match.group(1)) * _UNITS[match.group(2)])
+    return None if match is None else int(float(match.group(1)) * UNIT_BYTES[match.group(2).lower()])
 
 
 class BlockPeaks:
@@ -230,7 +230,7 @@ class _Evicting(Protection):
         self.store.start_step()
 
     def reserve_bytes(self) -> int:
-        """What making room keeps free: a share of the margin, and the allocator's slack (NOTE [Room], planning.py)."""
+        """What making room keeps free: a share of the margin, and the allocator's slack (NOTE [Room], room.py)."""
         return self.planning.margin_bytes + self.planning.slack_bytes
 
     def _held_bytes(self) -> int:
@@ -378,7 +378,7 @@ class Backstop(_Evicting):
         index order, and only the stored (kept) blocks add their activations.
         """
         model = self.planning.model
-        per_group = {g: m.full_bytes(k) for g, m in model.group_models.items()}
+        per_group = {g: m.bytes["keep"](k) for g, m in model.group_models.items()}
         pred = [per_group[model.groups[i]] if i in stored else 0.0 for i in range(n_blocks)]
         ahead = list(itertools.accumulate(reversed(pred), max))[::-1]
         behind = [0.0, *itertools.accumulate(pred, max)][:-1]

@@ -75,10 +75,10 @@ class StepRecord:
     #: [Counting what teaches] in engine/controller.py)
     counted: bool = True
     #: allocations of this step the CUDA caching allocator served only after releasing its
-    #: cache (a device sync each; they grow the planner's slack: NOTE [Room] in planning.py)
+    #: cache (a device sync each; they grow the planner's slack: NOTE [Room] in room.py)
     alloc_retries: int = 0
     #: the treated blocks of the plan, by treatment name (``{"recompute": [0, 1]}``); every
-    #: other block was kept (treatments.py)
+    #: other block was kept (engine/treatments/)
     treatments: dict[str, list[int]] = field(default_factory=dict)
     #: the attempts of this step that ran out of memory and were replayed, oldest first:
     #: ``stage`` (forward / backward / optimizer), ``plan``, ``phase``, ``shape``,

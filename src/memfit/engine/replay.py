@@ -109,7 +109,7 @@ class OomLog:
         ``peak_allocated_bytes`` is the highest allocation since the step's forward began
         (since the optimizer step's start, at that stage), before the request that failed, and
         ``unusable_reserved_bytes`` is reserved less that peak: at least what the allocator
-        held but could not hand out then (NOTE [Room], planning.py). ``margin_bytes`` and
+        held but could not hand out then (NOTE [Room], room.py). ``margin_bytes`` and
         ``slack_bytes`` are those the failed plan was made with.
         """
         decision = step.decision if step is not None else None
@@ -146,7 +146,7 @@ def after_oom(
 
     On CUDA the allocator's slack grows to cover the reserved bytes that were not allocated
     when the step failed; where that explains nothing new, the margin grows by a twentieth of
-    the budget (NOTE [Room], planning.py). The plan cache is cleared either way.
+    the budget (NOTE [Room], room.py). The plan cache is cleared either way.
 
     Raises:
         BudgetTooSmallError: when the method cannot adapt its plans (``none``, ``full``,
@@ -166,9 +166,7 @@ def after_oom(
             "lighter optimizer (see `memfit estimate --advise`)"
         )
     if planning.budget_bytes is not None:
-        unusable = attempt.get("unusable_reserved_bytes") or 0
-        if not planning.learn_slack(unusable):
-            planning.raise_margin(max(planning.budget_bytes // 20, 1))
+        planning.after_oom(attempt.get("unusable_reserved_bytes") or 0)
     logger.warning("memfit: %s; replaying it with %s kept free", describe_attempt(attempt, n_blocks),
                    format_bytes(planning.margin_bytes + planning.slack_bytes))
 
@@ -210,7 +208,7 @@ class Replayer:
         model: the hooked model (read once, at the first micro-step, for FSDP sharding).
         params: the parameters whose gradients a replay drops.
         blocks: the wrapped blocks (under FSDP an OOM in one reruns it and the later ones).
-        recompute: the whole-block recompute treatment (NOTE [Recompute always at hand], treatments.py).
+        recompute: the whole-block recompute treatment (NOTE [Recompute always at hand], treatments/__init__.py).
         note_oom: drops the failed step and makes the next plan safer; raises when none is.
         drop_step: drops the pending step unrecorded (another rank's OOM replays it).
         release: returns cached memory to the device after an OOM.

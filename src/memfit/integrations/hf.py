@@ -131,9 +131,9 @@ class MemfitArguments:
     )
     memfit_treatments: str = field(
         default="auto",
-        metadata={"help": "How the planner may free a block's activation memory, comma-separated: recompute (the "
-                  "whole block again in backward), selective (keep matmul and attention outputs, recompute the rest), "
-                  "offload (saved tensors to pinned host memory, prefetched back). Per batch and block it picks the "
+        metadata={"help": "How the planner may free a block's activation memory, comma-separated: "
+                  + ", ".join(f"{t.name} ({t.help})" for t in TREATMENTS.values() if t.name != KEEP)
+                  + ". Per batch and block it picks the "
                   "cheapest mix that fits, from each treatment's measured bytes and time. recompute is always "
                   "available, named or not (warm-up, --memfit_method full and OOM replays use it). Default: auto, "
                   "recompute, and with --memfit_compile selective too."},
@@ -253,7 +253,7 @@ def check_fsdp_plugin(plugin: Any) -> None:
 
 def treatment_names(text: str) -> tuple[str, ...] | None:
     """``--memfit_treatments``' comma-separated names as a tuple (``keep`` and ``recompute`` are always
-    allowed: NOTE [Recompute always at hand], treatments.py), or None for ``auto`` (``fit``'s default).
+    allowed: NOTE [Recompute always at hand], treatments/__init__.py), or None for ``auto`` (``fit``'s default).
 
     Raises:
         FlagError: an unknown name, or none.

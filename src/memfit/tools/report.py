@@ -465,7 +465,7 @@ def _runs_table(runs: Sequence[_StepRun]) -> list[str]:
     return lines
 
 
-#: Treatments in the order the mix table shows them (treatments.py); ``keep`` is the rest.
+#: Treatments in the order the mix table shows them (engine/treatments/); ``keep`` is the rest.
 _MIX_KINDS = ("recompute", "selective", "offload")
 
 

@@ -28,8 +28,7 @@ class Decision:
     """What a method decided for one step.
 
     Attributes:
-        plan: the treatment of every block (a tuple of block indices is taken as those
-            blocks recomputed).
+        plan: the treatment of every part (one type everywhere: planner, records, plan files).
         warmup: probe blocks this step to fit the memory model.
         count: count the tensors the step saves per block (NOTE [Counting what teaches],
             engine/controller.py); a warm-up step always counts.
@@ -41,7 +40,7 @@ class Decision:
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, Plan):
-            object.__setattr__(self, "plan", Plan(tuple(self.plan)))
+            raise TypeError(f"Decision(plan=...) takes a Plan, not {type(self.plan).__name__}: give Plan(blocks) for recomputed blocks")
 
 
 class Method:

@@ -142,11 +142,11 @@ class Dynamic(Method):
         self._counted_range = (min(low, tokens), max(high, tokens))
 
     def learn(self, planning: "Planning", outcome: "StepOutcome") -> int | None:
-        learner.learn_optimizer_peak(planning, outcome)
+        planning.apply(learner.learn_optimizer_peak(planning, outcome))
         predicted = planning.predict_peak(outcome.key, outcome.plan) if planning.model.ready else None
-        learner.learn_step(planning, outcome, predicted, self.planning_key(planning, outcome.key))
-        learner.grow_margin(planning, outcome, predicted)
-        learner.grow_slack(planning, outcome)
+        planning.apply(learner.learn_step(planning, outcome, predicted, self.planning_key(planning, outcome.key)))
+        planning.apply(learner.grow_margin(planning, outcome, predicted))
+        planning.apply(learner.grow_slack(planning, outcome))
         if not outcome.counted and learner.mispredicted(planning, outcome, predicted):
             self._count_next.add(bucket_key(outcome.key, planning.bucket_tokens))
         return predicted

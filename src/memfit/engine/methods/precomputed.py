@@ -72,19 +72,18 @@ class Precomputed(Method):
 
 
 def save_plans(
-    path: str | os.PathLike[str], n_blocks: int, plans: dict[tuple[int, int], Plan | tuple[int, ...]], fingerprint: str = "",
+    path: str | os.PathLike[str], n_blocks: int, plans: dict[tuple[int, int], Plan], fingerprint: str = "",
 ) -> None:
     """Write plans as JSON (NOTE [Plans files]).
 
     Args:
         path: the file.
         n_blocks: blocks of the model the plans were made for.
-        plans: per shape key, a :class:`~memfit.engine.planner.Plan` or a tuple of recomputed blocks.
+        plans: per shape key, its :class:`~memfit.engine.planner.Plan`.
         fingerprint: :func:`memfit.engine.blocks.fingerprint` of that model ("" when unknown).
     """
     rows = []
     for key, plan in sorted(plans.items()):
-        plan = plan if isinstance(plan, Plan) else Plan(tuple(plan))
         row = {"key": list(key), "blocks": list(plan.blocks)}
         if plan.kinds:
             row["treatments"] = list(plan.kinds)

@@ -62,6 +62,6 @@ class Reactive(Method):
 
     def learn(self, planning: "Planning", outcome: "StepOutcome") -> int | None:
         """No model to learn; a step the allocator served only by releasing its cache grows the
-        slack that every block entry keeps free (NOTE [Room], planning.py)."""
-        learner.grow_slack(planning, outcome)
+        slack that every block entry keeps free (NOTE [Room], room.py)."""
+        planning.apply(learner.grow_slack(planning, outcome))
         return None

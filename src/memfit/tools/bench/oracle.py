@@ -19,7 +19,7 @@ count: a plan of the first k blocks runs two training steps (forward, backward a
 optimizer's step, whose transient can be the step's peak) under the budget's hard cap on
 CUDA, or its logical accounting on CPU, and is accepted when neither step ran out of
 memory and the peak left the room ``dynamic`` plans into (the budget less its margin and
-the allocator slack: NOTE [Room] in planning.py) free. k starts at the previous
+the allocator slack: NOTE [Room] in engine/room.py) free. k starts at the previous
 bucket's (a longer batch never needs fewer blocks) and grows by one. First-k plans are the
 fewest blocks for a stack of alike blocks (BERT-like), which the NLP tasks are; for a mixed
 stack (a Swin detector) they are an upper bound, not the oracle. A bucket that does not fit
@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from memfit.engine.methods import Decision, Method, Precomputed, save_plans
+from memfit.engine.planner import Plan
 from memfit.engine.shapes import bucket_key, shape_key
 
 __all__ = ["Oracle", "sweep", "prepare"]
@@ -70,7 +71,7 @@ class _FirstK(Method):
         self.k = k
 
     def decide(self, planning, key: tuple[int, int], failed=None) -> Decision:
-        return Decision(tuple(range(min(self.k, planning.n_blocks))))
+        return Decision(Plan(tuple(range(min(self.k, planning.n_blocks)))))
 
 
 def _batch_key(batch: Any) -> tuple[int, int]:
@@ -233,7 +234,7 @@ def prepare(bundle: Any, args: Any) -> Oracle:
             torch.cuda.reset_peak_memory_stats()
     os.makedirs(args.output_dir, exist_ok=True)
     path = os.path.join(args.output_dir, ORACLE_PLANS_FILE)
-    save_plans(path, rows[0]["n_blocks"] if rows else 0, plans)
+    save_plans(path, rows[0]["n_blocks"] if rows else 0, {key: Plan(blocks) for key, blocks in plans.items()})
     with open(os.path.join(args.output_dir, ORACLE_FILE), "w", encoding="utf-8") as fh:
         json.dump({"budget_bytes": budget, "rows": rows}, fh, indent=1)
     return Oracle(path)

@@ -127,6 +127,7 @@ from memfit.engine.blocks import find_blocks
 from memfit.engine.budget import apply_cuda_cap
 from memfit.errors import FlagError, UserError
 from memfit.engine.methods import Decision, Method
+from memfit.engine.planner import Plan
 from memfit.engine.shapes import first_tensor
 
 if TYPE_CHECKING:
@@ -530,7 +531,7 @@ class CkptplanPlan(Method):
         self.blocks = tuple(sorted(blocks))
 
     def decide(self, planning: "Planning", key: tuple[int, int], failed: Any = None) -> Decision:
-        return Decision(self.blocks)
+        return Decision(Plan(self.blocks))
 
 
 def plan_blocks(plan: Any, names: Sequence[str]) -> tuple[int, ...]:

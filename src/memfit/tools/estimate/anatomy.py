@@ -77,6 +77,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.engine.optim_state import state_bytes_of_shapes
 from memfit.errors import DataError, FlagError, MissingFileError
 
 __all__ = [
@@ -121,32 +122,10 @@ CUDA_CONTEXT_BYTES = 10**9
 LIBRARY_WORKSPACE_BYTES = 64 * 2**20
 # Encoders whose layers are BertLayer copies, so the analytic formula applies.
 _BERT_FAMILY = frozenset({"bert", "roberta", "xlm-roberta", "camembert"})
-_BNB_MIN_8BIT_SIZE = 4096  # bitsandbytes keeps 32-bit state below this many values
-_BNB_BLOCK = 256  # values per fp32 absmax in blockwise 8-bit optimizer state
 
 
 def _numel(shape: Sequence[int]) -> int:
     return math.prod(shape)
-
-
-def _adamw_state(shapes: Sequence[Sequence[int]]) -> int:
-    return sum(8 * _numel(s) for s in shapes)
-
-
-def _adamw_8bit_state(shapes: Sequence[Sequence[int]]) -> int:
-    def one(n: int) -> int:
-        return 2 * n + 2 * 4 * math.ceil(n / _BNB_BLOCK) if n >= _BNB_MIN_8BIT_SIZE else 8 * n
-
-    return sum(one(_numel(s)) for s in shapes)
-
-
-def _adafactor_state(shapes: Sequence[Sequence[int]]) -> int:
-    def one(s: Sequence[int]) -> int:
-        if len(s) < 2:
-            return 4 * _numel(s)
-        return 4 * (_numel(s[:-1]) + _numel(s[:-2]) * s[-1])
-
-    return sum(one(s) for s in shapes)
 
 
 def _fp32_copy(shapes: Sequence[Sequence[int]]) -> int:
@@ -169,22 +148,26 @@ class _Optimizer:
     """Name on the ``memfit estimate --optimizer`` flag."""
     train_flags: tuple[str, ...]
     """Flags that select it in ``memfit train`` (HF ``--optim`` names)."""
-    state: Callable[[Sequence[Sequence[int]]], int]
-    """Parameter shapes -> bytes of optimizer state."""
     step_temp: Callable[[Sequence[Sequence[int]]], int]
     """Parameter shapes -> bytes of temporaries inside ``optimizer.step()``."""
     needs: str | None = None
     """Python package it needs, if any."""
 
+    def state(self, shapes: Sequence[Sequence[int]]) -> int:
+        """Parameter shapes (float32) -> bytes of optimizer state, read from the one
+        optimizer-state table (engine/optim_state.py) by its ``--optim`` row."""
+        flags = dict(zip(self.train_flags[::2], self.train_flags[1::2]))
+        return state_bytes_of_shapes(flags["--optim"], shapes, 4, flags.get("--optim_args")) or 0
+
 
 OPTIMIZERS = {
     o.name: o
     for o in (
-        _Optimizer("adamw", ("--optim", "adamw_torch"), _adamw_state, _fp32_copy),
-        _Optimizer("adamw-8bit", ("--optim", "adamw_bnb_8bit"), _adamw_8bit_state, _no_bytes, "bitsandbytes"),
-        _Optimizer("adafactor", ("--optim", "adafactor"), _adafactor_state, _adafactor_step_temp),
-        _Optimizer("sgd", ("--optim", "sgd"), _no_bytes, _no_bytes),
-        _Optimizer("sgd-momentum", ("--optim", "sgd", "--optim_args", "momentum=0.9"), _fp32_copy, _no_bytes),
+        _Optimizer("adamw", ("--optim", "adamw_torch"), _fp32_copy),
+        _Optimizer("adamw-8bit", ("--optim", "adamw_bnb_8bit"), _no_bytes, "bitsandbytes"),
+        _Optimizer("adafactor", ("--optim", "adafactor"), _adafactor_step_temp),
+        _Optimizer("sgd", ("--optim", "sgd"), _no_bytes),
+        _Optimizer("sgd-momentum", ("--optim", "sgd", "--optim_args", "momentum=0.9"), _no_bytes),
     )
 }
 

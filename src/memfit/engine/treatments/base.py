@@ -1,0 +1,90 @@
+"""The treatment interface: what one file under ``engine/treatments/`` declares.
+
+# NOTE [A treatment is a plug-in]
+A treatment is a :class:`Treatment` subclass in one file, registered by one line in
+``treatments/__init__.py`` (or, for a run, passed by class to ``memfit.fit(treatments=...)``).
+It declares everything the engine asks of it, so that no other file branches on its name:
+
+* how a part runs one training forward under it (:meth:`Treatment.run`);
+* what warm-up measures of it (:meth:`Treatment.probe`): the bytes a block keeps on the
+  device under it and the time it adds, which the memory model learns as its curves, keyed
+  by its name (``BlockGroupModel.bytes[name]`` and ``ms[name]``, model.py);
+* its price where warm-up gives no time (:attr:`Treatment.priced_by_link`);
+* what its plan does to the step's peaks (:attr:`Treatment.reruns`, :attr:`Treatment.moves_out`:
+  NOTE [Treated peaks], model.py) and where it goes in a stack of alike blocks
+  (:attr:`Treatment.order`: NOTE [Choosing treatments], planner.py);
+* the parts it applies to (:attr:`Treatment.parts`): ``"block"`` today; the LM head
+  registers its own treatments (``keep``, ``chunked``) with ``parts = ("head",)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from memfit.engine.accounting import SavedTensorCounter
+    from memfit.engine.blocks import Block
+    from memfit.engine.probe import ProbeKit
+
+__all__ = ["Treatment", "RunOptions", "KEEP", "RECOMPUTE"]
+
+KEEP = "keep"
+RECOMPUTE = "recompute"
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What a run's treatment instances are made with (:meth:`Treatment.for_run`).
+
+    Attributes:
+        counter: the run's saved-tensor counter (a treatment counts what its hooks hide).
+        compiled: the blocks' bodies are compiled (NOTE [Compiled blocks], blocks.py).
+        offload: ``min_bytes``, ``max_host_bytes`` and ``excluded_ptrs`` for ``offload``.
+    """
+
+    counter: "SavedTensorCounter | None" = None
+    compiled: bool = False
+    offload: dict[str, Any] = field(default_factory=dict)
+
+
+class Treatment:
+    """How a part runs one training forward (NOTE [A treatment is a plug-in]); subclasses set
+    ``name`` and :meth:`run`. An instance is made per run and shared by every part it treats."""
+
+    name: ClassVar[str] = ""
+    #: one line for ``--memfit_treatments``' help
+    help: ClassVar[str] = ""
+    #: the kinds of part it applies to
+    parts: ClassVar[tuple[str, ...]] = ("block",)
+    #: the block keeps only its inputs, which no saved-tensor hook sees (NOTE [Who sees a
+    #: checkpointed block's tensors] in accounting.py): the runtime counts them at block entry
+    holds_inputs: ClassVar[bool] = False
+    #: the block runs again, in whole or in part, in backward: the recompute peak is bounded
+    #: from the topmost such block (NOTE [Treated peaks], model.py)
+    reruns: ClassVar[bool] = False
+    #: its saved tensors leave the device and come back one block ahead in backward
+    moves_out: ClassVar[bool] = False
+    #: priced by the host link's measured bandwidth (engine/probe.py), not by a measured time
+    priced_by_link: ClassVar[bool] = False
+    #: where it goes in a stack of alike blocks, from the first block up (lower first)
+    order: ClassVar[int] = 50
+
+    @classmethod
+    def for_run(cls, options: RunOptions) -> "Treatment":
+        """The run's instance."""
+        return cls()
+
+    @classmethod
+    def probe(cls, block: "Block", kit: "ProbeKit") -> tuple[int, float | None] | None:
+        """What warm-up measures of ``block`` under this treatment: the bytes it keeps on the
+        device and the time it adds in ms (None: priced by the link), or None where it cannot
+        apply (never planned for that block). ``keep`` and ``recompute`` are measured by the
+        plain probe (engine/probe.py) and return None here."""
+        return None
+
+    def run(self, block: "Block", args: tuple, kwargs: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def start_step(self) -> None:
+        """A training step starts (per-step state is dropped)."""
