@@ -229,3 +229,41 @@ def test_saved_bytes_measured_match_formula_and_chunked_is_far_smaller(dtype, so
         assert abs(measured[treatment]["saved_bytes"] - want) <= 64, (treatment, measured, want)  # scalars of the loss
     assert measured["chunked"]["saved_bytes"] * 500 < measured["keep"]["saved_bytes"]
     assert head_saved_bytes(tokens, vocab, 32, dtype, "chunked", n_chunks).transient_bytes * 4 < head_saved_bytes(tokens, vocab, 32, dtype, "keep").saved_bytes
+
+
+def test_fit_trains_a_large_vocabulary_decoder_only_a_chunked_head_fits():
+    """A tiny decoder whose vocabulary dominates its memory, under a logical budget: with the head
+    kept, some steps go over it even with every block checkpointed; with a fixed chunked head (switch
+    attached after ``memfit.fit``) none does, and the weights equal an uncapped keep run's."""
+    import memfit
+
+    config = tf.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=37,
+                            vocab_size=8000, use_cache=False)
+    torch.manual_seed(0)
+    base = tf.LlamaForCausalLM(config)
+    budget = 12_000_000
+
+    def train(chunked: bool, budget_bytes):
+        model = copy.deepcopy(base).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ctl = memfit.fit(model, budget=budget_bytes, method="dynamic", optimizer=optimizer, announce=False)
+        if chunked:
+            attach_head(model).set("chunked", n_chunks=16)
+        generator = torch.Generator().manual_seed(1)
+        for length in [16, 64, 32, 64, 48]:
+            ids = torch.randint(0, 8000, (4, length), generator=generator)
+            torch.manual_seed(0)
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        peaks = [r.peak_allocated_bytes for r in ctl.records]
+        ctl.remove()
+        return model, peaks
+
+    reference, _ = train(False, None)
+    _, kept_peaks = train(False, budget)
+    assert max(kept_peaks) > budget  # the head's float32 logits alone do not fit
+    model, peaks = train(True, budget)
+    assert len(peaks) == 5 and max(peaks) <= budget
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, msg=lambda m: f"{name}: {m}")

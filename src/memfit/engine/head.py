@@ -292,9 +292,11 @@ class HeadSwitch:
         self._hidden: torch.Tensor | None = None
         lm = spec.causal_lm
         self._handles = [
-            lm.register_forward_pre_hook(self._before, with_kwargs=True),
+            lm.register_forward_pre_hook(self._before, with_kwargs=True, prepend=True),
             spec.body.register_forward_hook(self._body_done),
-            lm.register_forward_hook(self._after, with_kwargs=True),
+            # first among the model's forward hooks: memfit's accounting hook (controller.py), which
+            # stops counting saved tensors, sees the forward end after the chunked loss exists
+            lm.register_forward_hook(self._after, with_kwargs=True, prepend=True),
         ]
 
     def set(self, treatment: str, n_chunks: int = 1, implementation: str = "pure") -> None:
