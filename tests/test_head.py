@@ -196,6 +196,8 @@ def test_unknown_architecture_and_custom_loss_keep_their_head(caplog):
     llama.loss_function = lambda logits, labels, vocab_size, **kw: logits.float().mean()
     with pytest.raises(HeadNotFound, match="custom loss"):
         find_head(llama)
+    llama.loss_function = torch.compile(tf.loss.loss_utils.ForCausalLMLoss)  # as memfit.fit(compile=...) sets it
+    assert find_head(llama).vocab_size == VOCAB
     moe, _ = build_decoder("qwen3_moe")
     moe.config.output_router_logits = True
     with pytest.raises(HeadNotFound, match="router loss"):
@@ -211,6 +213,24 @@ def test_switch_rejects_bad_settings():
         switch.set("chunked", n_chunks=0)
     with pytest.raises(ValueError, match="implementation"):
         switch.set("chunked", implementation="triton")
+    assert available_implementations(switch.spec, "cpu") == ["pure"]  # fused kernels: CUDA only, the pure path everywhere
+    with pytest.raises(ValueError, match="'liger' is not usable here"):
+        switch.set("chunked", implementation="liger")
+
+
+def test_tuple_outputs():
+    """``return_dict=False``: the loss first, and no logits (None fields are left out, as transformers does)."""
+    model, make = build_decoder("llama")
+    model.train()
+    batch = make(2, 8)
+    switch = HeadSwitch(find_head(model))
+    torch.manual_seed(0)
+    want = model(**batch, return_dict=False)
+    switch.set("chunked", n_chunks=2)
+    torch.manual_seed(0)
+    got = model(**batch, return_dict=False)
+    assert len(want) == 2 and len(got) == 1
+    torch.testing.assert_close(got[0], want[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

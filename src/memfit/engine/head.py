@@ -138,7 +138,7 @@ def find_head(model: nn.Module) -> HeadSpec:
         raise HeadNotFound(f"{type(lm).__name__} has no decoder body `model` and `lm_head`; memfit keeps its head untreated")
     if "logits_to_keep" not in inspect.signature(lm.forward).parameters:
         raise HeadNotFound(f"{type(lm).__name__}.forward takes no `logits_to_keep`; memfit keeps its head untreated")
-    if "_loss_function" in vars(lm) or not _is_causal_lm_loss(lm):
+    if not _is_causal_lm_loss(lm):
         raise HeadNotFound(f"{type(lm).__name__} has a custom loss function; memfit keeps its head untreated")
     if family in _MOE and getattr(config, "output_router_logits", False):
         raise HeadNotFound(f"{type(lm).__name__} adds a router loss (output_router_logits=True); memfit keeps its head untreated")
@@ -153,9 +153,12 @@ def find_head(model: nn.Module) -> HeadSpec:
 
 
 def _is_causal_lm_loss(lm: nn.Module) -> bool:
+    """Whether the model's loss is transformers' ``ForCausalLMLoss`` (or that compiled, as
+    ``memfit.fit(compile=...)`` sets it): the semantics :func:`chunked_causal_lm_loss` reproduces."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    return getattr(lm, "loss_function", None) is ForCausalLMLoss
+    loss = getattr(lm, "loss_function", None)
+    return loss is ForCausalLMLoss or getattr(loss, "_torchdynamo_orig_callable", None) is ForCausalLMLoss
 
 
 def _peft_calls_module(model: nn.Module) -> bool:
@@ -307,6 +310,10 @@ class HeadSwitch:
             raise ValueError(f"n_chunks must be at least 1, got {n_chunks}")
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"head implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+        usable = available_implementations(self.spec, self.spec.weight.device)
+        if implementation not in usable:
+            raise ValueError(f"head implementation {implementation!r} is not usable here (it needs CUDA, its package and a plain "
+                             f"nn.Linear lm_head without logit scaling); choose one of {usable}")
         self.treatment, self.n_chunks, self.implementation = treatment, n_chunks, implementation
 
     def remove(self) -> None:
@@ -347,8 +354,8 @@ class HeadSwitch:
         if self.logits_mode == "detached":
             with torch.no_grad():
                 logits = self.spec.logits(hidden)
-        if isinstance(output, tuple):
-            return (loss, logits, *output[2:]) if logits is not None else (loss, *output[2:])
+        if isinstance(output, tuple):  # return_dict=False: (logits, *rest) without labels; None fields are left out
+            return (loss, *([] if logits is None else [logits]), *output[1:])
         output["loss"] = loss
         if logits is None:
             output.logits = None
