@@ -14,6 +14,7 @@ import logging
 import pytest
 import torch
 import transformers as tf
+from transformers.loss.loss_utils import ForCausalLMLoss
 
 from _models import VOCAB, build_decoder
 from memfit.engine.head import (
@@ -34,12 +35,12 @@ def _step(model, batch, seed=0):
     return out.loss.detach(), out.logits, grads
 
 
-def _compare(model, switch, batch, n_chunks=3, **close):
+def _compare(model, switch, batch, n_chunks=3, implementation="pure", **close):
     """Keep vs chunked on the same model, same seed (same dropout masks): losses and every gradient close."""
     switch.set("keep")
     loss_keep, logits_keep, grads_keep = _step(model, batch)
     assert logits_keep is not None
-    switch.set("chunked", n_chunks=n_chunks)
+    switch.set("chunked", n_chunks=n_chunks, implementation=implementation)
     before = switch.chunked_forwards
     loss_chunked, logits_chunked, grads_chunked = _step(model, batch)
     assert switch.chunked_forwards == before + 1
@@ -51,14 +52,15 @@ def _compare(model, switch, batch, n_chunks=3, **close):
     return grads_keep
 
 
+@pytest.mark.parametrize("implementation", ["pure", "pure_grad_in_forward"])
 @pytest.mark.parametrize("arch", DENSE)
-def test_chunked_equals_keep(arch):
+def test_chunked_equals_keep(arch, implementation):
     model, make = build_decoder(arch)
     model.train()
     batch = make(3, 11)
     batch["labels"][0, 5:] = -100  # the padded row's tail is ignored, as collators do
     switch = HeadSwitch(find_head(model))
-    _compare(model, switch, batch, n_chunks=4)
+    _compare(model, switch, batch, n_chunks=4, implementation=implementation)
 
 
 def test_softcap_and_scale_are_the_model_s():
@@ -71,7 +73,9 @@ def test_softcap_and_scale_are_the_model_s():
     cohere = tf.CohereForCausalLM(cfg).train()
     assert find_head(cohere).scale == pytest.approx(0.3)
     ids = torch.randint(3, VOCAB, (2, 9))
-    _compare(cohere, HeadSwitch(find_head(cohere)), {"input_ids": ids, "labels": ids})
+    switch = HeadSwitch(find_head(cohere))
+    for implementation in ("pure", "pure_grad_in_forward"):
+        _compare(cohere, switch, {"input_ids": ids, "labels": ids}, implementation=implementation)
 
 
 def test_tied_embeddings():
@@ -80,7 +84,9 @@ def test_tied_embeddings():
     model = tf.LlamaForCausalLM(cfg).train()
     assert model.lm_head.weight is model.model.embed_tokens.weight
     ids = torch.randint(3, VOCAB, (2, 9))
-    grads = _compare(model, HeadSwitch(find_head(model)), {"input_ids": ids, "labels": ids})
+    switch = HeadSwitch(find_head(model))
+    for implementation in ("pure", "pure_grad_in_forward"):
+        grads = _compare(model, switch, {"input_ids": ids, "labels": ids}, implementation=implementation)
     assert "model.embed_tokens.weight" in grads
 
 
@@ -89,7 +95,7 @@ def test_lora_not_on_lm_head():
     model.train()
     switch = attach_head(model)
     assert switch is not None and switch.spec.causal_lm is model.get_base_model()
-    grads = _compare(model, switch, make(2, 10))
+    grads = _compare(model, switch, make(2, 10), implementation="pure_grad_in_forward")  # lm_head frozen: no weight grad kept
     assert any("lora_A" in n for n in grads)
 
 
@@ -103,10 +109,11 @@ def test_lora_on_lm_head():
     assert "lora" in type(switch.spec.lm_head).__module__
     grads = _compare(model, switch, make(2, 10))
     assert any("lm_head.lora_A" in n for n in grads) and any("lm_head.lora_B" in n for n in grads)
-    assert available_implementations(switch.spec, "cuda") == ["pure"]  # LoRA on lm_head: no fused kernel
+    assert available_implementations(switch.spec, "cuda") == ["pure"]  # LoRA on lm_head: no raw weight to take
 
 
-def test_gradient_accumulation_with_num_items_in_batch():
+@pytest.mark.parametrize("implementation", ["pure", "pure_grad_in_forward"])
+def test_gradient_accumulation_with_num_items_in_batch(implementation):
     """Two micro-batches normalised by the window's token count (the Trainer's ``num_items_in_batch``)."""
     model, make = build_decoder("llama")
     model.train()
@@ -116,7 +123,7 @@ def test_gradient_accumulation_with_num_items_in_batch():
     num_items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
     totals = {}
     for treatment in ("keep", "chunked"):
-        switch.set(treatment, n_chunks=5)
+        switch.set(treatment, n_chunks=5, implementation=implementation)
         for i, b in enumerate(batches):
             torch.manual_seed(i)
             model(**b, num_items_in_batch=torch.tensor(num_items)).loss.backward()
@@ -132,7 +139,7 @@ def test_shift_labels_and_all_ignored():
     labels = torch.randint(0, 30, (2, 6))
     shift = torch.full_like(labels, -100)
     shift[:, :3] = labels[:, 1:4]
-    want = tf.loss.loss_utils.ForCausalLMLoss(head(hidden), None, 30, shift_labels=shift)
+    want = ForCausalLMLoss(head(hidden), None, 30, shift_labels=shift)
     got = chunked_causal_lm_loss(head, hidden, None, 4, shift_labels=shift)
     torch.testing.assert_close(got, want)
     # more chunks than tokens, and every label ignored: the model's loss is nan (0/0), so is ours
@@ -145,13 +152,17 @@ def test_bf16_weights_and_autocast():
     model, make = build_decoder("qwen3")
     batch = make(2, 10)
     bf16 = copy.deepcopy(model).to(torch.bfloat16).train()
-    # bfloat16 weights: lm_head's gradient is summed over chunks in bfloat16 (one rounding per chunk,
-    # where the whole matmul rounds once), so entries near zero differ by about 1e-5: atol 1e-4
-    _compare(bf16, HeadSwitch(find_head(bf16)), batch, atol=1e-4, rtol=1.6e-2)
+    # bfloat16 weights: lm_head's gradient is rounded to bfloat16 per chunk (where the whole matmul
+    # rounds once), so entries near zero differ by about 1e-5: atol 1e-4
+    switch = HeadSwitch(find_head(bf16))
+    _compare(bf16, switch, batch, atol=1e-4, rtol=1.6e-2)
+    # in forward: each chunk's lm_head gradient comes out of autograd in bfloat16, then is summed in float32
+    _compare(bf16, switch, batch, implementation="pure_grad_in_forward", atol=1e-4, rtol=1.6e-2)
     model.train()
     switch = HeadSwitch(find_head(model))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        _compare(model, switch, batch, atol=1e-4, rtol=1.6e-2)  # float32 grads of bf16 matmuls
+        for implementation in ("pure", "pure_grad_in_forward"):
+            _compare(model, switch, batch, implementation=implementation, atol=1e-4, rtol=1.6e-2)  # float32 grads of bf16 matmuls
 
 
 def test_untouched_forwards():
@@ -196,7 +207,7 @@ def test_unknown_architecture_and_custom_loss_keep_their_head(caplog):
     llama.loss_function = lambda logits, labels, vocab_size, **kw: logits.float().mean()
     with pytest.raises(HeadNotFound, match="custom loss"):
         find_head(llama)
-    llama.loss_function = torch.compile(tf.loss.loss_utils.ForCausalLMLoss)  # as memfit.fit(compile=...) sets it
+    llama.loss_function = torch.compile(ForCausalLMLoss)  # as memfit.fit(compile=...) sets it
     assert find_head(llama).vocab_size == VOCAB
     moe, _ = build_decoder("qwen3_moe")
     moe.config.output_router_logits = True
@@ -213,7 +224,7 @@ def test_switch_rejects_bad_settings():
         switch.set("chunked", n_chunks=0)
     with pytest.raises(ValueError, match="implementation"):
         switch.set("chunked", implementation="triton")
-    assert available_implementations(switch.spec, "cpu") == ["pure"]  # fused kernels: CUDA only, the pure path everywhere
+    assert available_implementations(switch.spec, "cpu") == ["pure", "pure_grad_in_forward"]  # fused kernels: CUDA only
     with pytest.raises(ValueError, match="'liger' is not usable here"):
         switch.set("chunked", implementation="liger")
 
@@ -248,6 +259,11 @@ def test_saved_bytes_measured_match_formula_and_chunked_is_far_smaller(dtype, so
         want = head_saved_bytes(tokens, vocab, 32, dtype, treatment, n_chunks, softcap=softcap).saved_bytes
         assert abs(measured[treatment]["saved_bytes"] - want) <= 64, (treatment, measured, want)  # scalars of the loss
     assert measured["chunked"]["saved_bytes"] * 500 < measured["keep"]["saved_bytes"]
+    # gradient in forward: lm_head's float32 gradient (vocab x hidden) is kept from forward to backward
+    in_forward = probe_head(spec, torch.randn(2, tokens // 2, 32, dtype=dtype), torch.randint(0, vocab, (2, tokens // 2)), n_chunks,
+                            implementation="pure_grad_in_forward")["chunked"]["saved_bytes"]
+    want = head_saved_bytes(tokens, vocab, 32, dtype, "chunked", n_chunks, implementation="pure_grad_in_forward").saved_bytes
+    assert abs(in_forward - want) <= 64, (in_forward, want)
     assert head_saved_bytes(tokens, vocab, 32, dtype, "chunked", n_chunks).transient_bytes * 4 < head_saved_bytes(tokens, vocab, 32, dtype, "keep").saved_bytes
 
 
@@ -287,3 +303,27 @@ def test_fit_trains_a_large_vocabulary_decoder_only_a_chunked_head_fits():
     assert len(peaks) == 5 and max(peaks) <= budget
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("implementation", ["pure", "pure_grad_in_forward"])
+def test_loss_scaled_after_the_head_with_bias_and_softcap(implementation):
+    """A loss used times 3 (the gradient reaching the head is not 1), a head with a bias, soft-capping:
+    gradients of the hidden states, weight and bias equal the model's loss's."""
+    from memfit.engine import head as head_module
+
+    lm_head = torch.nn.Linear(8, 30)
+    spec = head_module.HeadSpec(causal_lm=lm_head, body=lm_head, lm_head=lm_head, vocab_size=30, softcap=5.0)
+    hidden = torch.randn(2, 7, 8, requires_grad=True)
+    labels = torch.randint(0, 30, (2, 7))
+    labels[1, :3] = -100
+    grads = {}
+    for name in ("model", implementation):
+        if name == "model":
+            loss = ForCausalLMLoss(spec.logits(hidden), labels, 30)
+        elif name == "pure":
+            loss = chunked_causal_lm_loss(spec.logits, hidden, labels, 3)
+        else:
+            loss = head_module._grad_in_forward_loss(spec, hidden, labels, 3)
+        grads[name] = torch.autograd.grad(loss * 3, [hidden, lm_head.weight, lm_head.bias])
+    for got, want in zip(grads[implementation], grads["model"]):
+        torch.testing.assert_close(got, want)

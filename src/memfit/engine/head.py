@@ -23,9 +23,11 @@ Each chunk runs ``lm_head`` -> post-processing -> float32 -> cross-entropy (sum)
 ``torch.utils.checkpoint`` (non-reentrant, RNG kept): forward keeps only the chunk's hidden rows
 (views of the body's output), backward recomputes the chunk's logits. This calls the ``lm_head``
 *module*, so LoRA on ``lm_head``, tied weights, autocast and bf16 behave as in the model. Computing
-each chunk's gradient in forward (Liger's way) saves the recompute but needs the raw weight, which
-LoRA on ``lm_head`` does not offer; the fused kernels that do it are offered as implementations
-(:data:`IMPLEMENTATIONS`) where they apply.
+each chunk's gradient in forward (Liger's way; ``pure_grad_in_forward``, :class:`_GradInForward`)
+saves that recompute but needs the raw weight, which LoRA on ``lm_head`` does not offer, and keeps
+the weight's gradient (float32, ``vocab x hidden``) from forward to backward. Both are offered, with
+the fused kernels where they apply (:data:`IMPLEMENTATIONS`): which is faster is measured
+(:func:`probe_head`), not assumed.
 
 # NOTE [Chunked loss equals the model's loss]
 As ``ForCausalLMLoss``: labels padded with ``ignore_index`` and shifted left (or the caller's
@@ -58,7 +60,7 @@ logger = logging.getLogger("memfit")
 
 HEAD_TREATMENTS = ("keep", "chunked")
 #: chunked-loss implementations: the pure path runs everywhere; the fused ones need CUDA and their package
-IMPLEMENTATIONS = ("pure", "liger", "cce")
+IMPLEMENTATIONS = ("pure", "pure_grad_in_forward", "liger", "cce")
 
 # Families whose ``*ForCausalLM.forward`` is: body -> lm_head -> post-processing -> loss_function,
 # and the post-processing each applies to the logits (read from the model, below).
@@ -99,7 +101,10 @@ class HeadSpec:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's logits for ``hidden`` (final norm's output), in the model's dtype, with
         the family's post-processing in the model's order of operations."""
-        logits = self.lm_head(hidden)
+        return self.post(self.lm_head(hidden))
+
+    def post(self, logits: torch.Tensor) -> torch.Tensor:
+        """The family's post-processing of ``lm_head``'s output (soft-capping, scaling), in the model's order."""
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         if self.scale is not None:
@@ -219,15 +224,75 @@ def _shifted(labels: torch.Tensor | None, shift_labels: torch.Tensor | None, ign
 
 
 def _normalise(total: torch.Tensor, targets: torch.Tensor, num_items_in_batch, ignore_index: int) -> torch.Tensor:
+    return total / _denominator(targets, num_items_in_batch, ignore_index)
+
+
+def _denominator(targets: torch.Tensor, num_items_in_batch, ignore_index: int) -> torch.Tensor | int:
+    """What the model's loss divides the summed cross-entropy by: ``num_items_in_batch``, else the tokens not ignored."""
     if num_items_in_batch is None:
-        return total / (targets != ignore_index).sum()
-    if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(total.device)
-    return total / num_items_in_batch
+        return (targets != ignore_index).sum()
+    return num_items_in_batch.to(targets.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch
 
 
 def _chunk_loss_sum(logits_fn, hidden: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
     return F.cross_entropy(logits_fn(hidden).float(), targets, ignore_index=ignore_index, reduction="sum")
+
+
+class _GradInForward(torch.autograd.Function):
+    """Sum of the chunks' float32 cross-entropies of ``post(rows @ weight.T + bias)``, divided by
+    ``denominator``; each chunk's gradients are taken in forward by autograd on that chunk alone (the
+    same ops as the model's, under the caller's autocast, divided before they meet the model's dtype
+    as in the model's loss), the weight's summed in float32; backward only scales them."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, bias, targets, n_chunks: int, ignore_index: int, post, denominator):
+        grad_rows = torch.empty_like(rows) if rows.requires_grad else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if weight.requires_grad else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and bias.requires_grad else None
+        total = torch.zeros((), dtype=torch.float32, device=rows.device)
+        start = 0
+        for h, t in zip(torch.tensor_split(rows, n_chunks), torch.tensor_split(targets, n_chunks)):
+            # the chunk's own graph lives only here: hooks that count saved tensors (memfit's) must not see it
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+                leaves = [x.detach().requires_grad_(g is not None) for x, g in ((h, grad_rows), (weight, grad_weight), (bias, grad_bias)) if x is not None]
+                loss = F.cross_entropy(post(F.linear(*leaves)).float(), t, ignore_index=ignore_index, reduction="sum") / denominator
+                wanted = [x for x in leaves if x.requires_grad]
+                grads = iter(torch.autograd.grad(loss, wanted) if wanted else [])
+            if grad_rows is not None:
+                grad_rows[start:start + h.shape[0]] = next(grads)
+            for acc in (grad_weight, grad_bias):
+                if acc is not None:
+                    acc += next(grads)
+            total += loss.detach()
+            start += h.shape[0]
+        ctx.save_for_backward(*(g for g in (grad_rows, grad_weight, grad_bias) if g is not None))
+        ctx.has = (grad_rows is not None, grad_weight is not None, grad_bias is not None)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        saved = iter(ctx.saved_tensors)
+        rows, weight, bias = (next(saved) if has else None for has in ctx.has)
+        return (
+            None if rows is None else rows * grad_total.to(rows.dtype),
+            None if weight is None else (weight * grad_total).to(ctx.dtypes[0]),
+            None if bias is None else (bias * grad_total).to(ctx.dtypes[1]),
+            None, None, None, None, None,
+        )
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _grad_in_forward_loss(spec: HeadSpec, hidden, labels, n_chunks: int, *, num_items_in_batch=None, ignore_index=-100, shift_labels=None):
+    """:func:`chunked_causal_lm_loss` with each chunk's gradient computed in forward (plain ``nn.Linear`` heads)."""
+    targets = _shifted(labels, shift_labels, ignore_index).reshape(-1).to(hidden.device)
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    n = min(n_chunks, max(1, rows.shape[0]))
+    denominator = _denominator(targets, num_items_in_batch, ignore_index)
+    return _GradInForward.apply(rows, spec.lm_head.weight, spec.lm_head.bias, targets, n, ignore_index, spec.post, denominator)
 
 
 def _fused_loss(spec: HeadSpec, implementation: str, hidden, labels, *, num_items_in_batch=None, ignore_index=-100, shift_labels=None):
@@ -252,11 +317,14 @@ def _fused_loss(spec: HeadSpec, implementation: str, hidden, labels, *, num_item
 def available_implementations(spec: HeadSpec, device: torch.device | str) -> list[str]:
     """Implementations of the chunked head usable for ``spec`` on ``device``, ``pure`` first.
 
+    ``pure_grad_in_forward`` needs a plain ``nn.Linear`` head (not LoRA on ``lm_head``).
     The fused ones need CUDA, their package importable, and a plain ``nn.Linear`` head with no
     logit scaling (they take the raw weight; LoRA on ``lm_head`` is not one). Which is fastest is
     for the caller to measure (:func:`probe_head`).
     """
     found = ["pure"]
+    if type(spec.lm_head) is nn.Linear:
+        found.append("pure_grad_in_forward")
     if torch.device(device).type != "cuda" or type(spec.lm_head) is not nn.Linear or spec.scale is not None or spec.divisor is not None:
         return found
     for name, module in (("liger", "liger_kernel.transformers.functional"), ("cce", "cut_cross_entropy")):
@@ -347,6 +415,8 @@ class HeadSwitch:
         labels = pending.pop("labels")
         if self.implementation == "pure":
             loss = chunked_causal_lm_loss(self.spec.logits, hidden, labels, self.n_chunks, **pending)
+        elif self.implementation == "pure_grad_in_forward":
+            loss = _grad_in_forward_loss(self.spec, hidden, labels, self.n_chunks, **pending)
         else:
             loss = _fused_loss(self.spec, self.implementation, hidden, labels, **pending)
         self.chunked_forwards += 1
@@ -387,7 +457,10 @@ class HeadBytes:
     transient_bytes: int
 
 
-def head_saved_bytes(tokens: int, vocab: int, hidden: int, dtype: torch.dtype, treatment: str, n_chunks: int = 1, softcap: bool = False) -> HeadBytes:
+def head_saved_bytes(
+    tokens: int, vocab: int, hidden: int, dtype: torch.dtype, treatment: str, n_chunks: int = 1, softcap: bool = False,
+    implementation: str = "pure", weight_trains: bool = True,
+) -> HeadBytes:
     """The head's bytes for ``tokens`` tokens (``batch x length``), by formula.
 
     NOTE [Head bytes]
@@ -397,7 +470,9 @@ def head_saved_bytes(tokens: int, vocab: int, hidden: int, dtype: torch.dtype, t
     half-precision model the float32 upcast lives until ``log_softmax`` has run: the transient.
     ``chunked``: only the hidden rows are kept (``tokens x hidden``, shared with the body's output);
     one chunk at a time holds its logits in the model's dtype, their float32 copy, ``log_softmax``'s
-    output and, in backward, its gradient (float32): the transient. Measured by :func:`probe_head`,
+    output and, in backward, its gradient (float32): the transient. ``pure_grad_in_forward`` keeps the
+    hidden rows' gradient instead of the rows and targets and, when ``lm_head``'s weight trains
+    (``weight_trains``), its float32 gradient (``vocab x hidden x 4``). Measured by :func:`probe_head`,
     checked against this in tests/test_head.py.
     """
     size = torch.tensor([], dtype=dtype).element_size()
@@ -408,6 +483,8 @@ def head_saved_bytes(tokens: int, vocab: int, hidden: int, dtype: torch.dtype, t
         return HeadBytes(saved, transient)
     if treatment == "chunked":
         rows = -(-tokens // max(1, n_chunks))
+        if implementation == "pure_grad_in_forward":
+            return HeadBytes(tokens * hidden * size + (vocab * hidden * 4 if weight_trains else 0), rows * vocab * (size + 4 + 4 + 4))
         return HeadBytes(hidden_bytes, rows * vocab * (size + 4 + 4 + 4))
     raise ValueError(f"head treatment must be one of {HEAD_TREATMENTS}, got {treatment!r}")
 
@@ -441,6 +518,8 @@ def probe_head(spec: HeadSpec, hidden: torch.Tensor, labels: torch.Tensor, n_chu
                 loss = _keep_loss(spec, h, labels)
             elif implementation == "pure":
                 loss = chunked_causal_lm_loss(spec.logits, h, labels, n_chunks)
+            elif implementation == "pure_grad_in_forward":
+                loss = _grad_in_forward_loss(spec, h, labels, n_chunks)
             else:
                 loss = _fused_loss(spec, implementation, h, labels)
         torch.autograd.grad(loss, [h, *weights])
