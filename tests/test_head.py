@@ -165,6 +165,33 @@ def test_bf16_weights_and_autocast():
             _compare(model, switch, batch, implementation=implementation, atol=1e-4, rtol=1.6e-2)  # float32 grads of bf16 matmuls
 
 
+def test_keep_through_the_switch_is_bitwise_the_model_s():
+    """Under ``keep`` the switch computes the model's own head on the same tensors: loss, logits and
+    gradients bitwise equal to the model without the switch."""
+    model, make = build_decoder("gemma2")
+    model.train()
+    batch = make(2, 9)
+    loss, logits, grads = _step(model, batch)
+    switch = HeadSwitch(find_head(model))
+    got_loss, got_logits, got_grads = _step(model, batch)
+    switch.remove()
+    torch.testing.assert_close(got_loss, loss, rtol=0, atol=0)
+    torch.testing.assert_close(got_logits, logits, rtol=0, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_treatment_set_during_the_forward_applies_to_that_step():
+    """A plan is fixed at the first block, after the model's forward began: set there, it applies."""
+    model, make = build_decoder("llama")
+    model.train()
+    switch = HeadSwitch(find_head(model))
+    handle = model.model.layers[0].register_forward_pre_hook(lambda module, args: switch.set("chunked", n_chunks=2))
+    out = model(**make(2, 8))
+    handle.remove()
+    assert switch.chunked_forwards == 1 and out.logits is None
+
+
 def test_untouched_forwards():
     """Eval, no_grad or no labels: the model's own path; and none once the switch is removed."""
     model, make = build_decoder("llama")

@@ -13,8 +13,11 @@ takes ``labels`` out and asks for no logits (``logits_to_keep`` = an empty index
 ``lm_head`` runs on zero tokens); a forward hook on the decoder body keeps its last hidden state
 (the final norm's output); a forward hook on the causal LM computes the loss from it and puts it
 in ``outputs.loss``. Rule 1. Only a forward that is training, has grad enabled and passes
-``labels`` as a keyword (as the Trainer and TRL do) is chunked; any other forward is untouched.
-Rule 2. A chunked step's ``outputs.logits`` is ``None``: the logits are never materialised
+``labels`` as a keyword (as the Trainer and TRL do) is taken over; any other forward is untouched.
+Rule 2. The treatment is read when the loss is computed, after the body has run, so a plan fixed
+at the first block (controller.py) applies to the head of the same step. Under ``keep`` the loss is
+the model's own ops (``lm_head``, its post-processing, its ``loss_function``) on the same tensors:
+bitwise the model's loss, gradients and logits. Rule 3. A chunked step's ``outputs.logits`` is ``None``: the logits are never materialised
 (``logits="detached"`` returns them, computed without grad in the model's dtype, for metrics that
 read them; it costs ``tokens x vocab`` in the model's dtype).
 
@@ -371,7 +374,8 @@ class HeadSwitch:
         ]
 
     def set(self, treatment: str, n_chunks: int = 1, implementation: str = "pure") -> None:
-        """The head's treatment for the next forwards (``keep`` or ``chunked`` with ``n_chunks``)."""
+        """The head's treatment for the next loss computed (``keep`` or ``chunked`` with ``n_chunks``);
+        it may be set during the forward, before the body ends (NOTE [How the chunked head hooks into the model])."""
         if treatment not in HEAD_TREATMENTS:
             raise ValueError(f"head treatment must be one of {HEAD_TREATMENTS}, got {treatment!r}")
         if n_chunks < 1:
@@ -393,7 +397,7 @@ class HeadSwitch:
     def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         self._pending, self._hidden = None, None
         labels = kwargs.get("labels")
-        if self.treatment != "chunked" or labels is None or not module.training or not torch.is_grad_enabled():
+        if labels is None or not module.training or not torch.is_grad_enabled():
             return None
         if not isinstance(kwargs.get("logits_to_keep", 0), int) or kwargs.get("logits_to_keep", 0) != 0:
             return None  # the caller asked for some logits only: the model's own path
@@ -411,8 +415,12 @@ class HeadSwitch:
         if pending is None:
             return None
         if hidden is None:
-            raise RuntimeError("memfit's chunked head saw no output of the decoder body; call attach_head(model, head='keep') to keep the model's own head")
+            raise RuntimeError("memfit's head switch saw no output of the decoder body; call HeadSwitch.remove() to keep the model's own head")
         labels = pending.pop("labels")
+        if self.treatment == "keep":
+            logits = self.spec.logits(hidden)
+            loss = self.spec.causal_lm.loss_function(logits=logits, labels=labels, vocab_size=self.spec.vocab_size, **pending)
+            return self._output(output, loss, logits)
         if self.implementation == "pure":
             loss = chunked_causal_lm_loss(self.spec.logits, hidden, labels, self.n_chunks, **pending)
         elif self.implementation == "pure_grad_in_forward":
@@ -424,6 +432,10 @@ class HeadSwitch:
         if self.logits_mode == "detached":
             with torch.no_grad():
                 logits = self.spec.logits(hidden)
+        return self._output(output, loss, logits)
+
+    @staticmethod
+    def _output(output: Any, loss: torch.Tensor, logits: torch.Tensor | None) -> Any:
         if isinstance(output, tuple):  # return_dict=False: (logits, *rest) without labels; None fields are left out
             return (loss, *([] if logits is None else [logits]), *output[1:])
         output["loss"] = loss
