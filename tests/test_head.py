@@ -354,3 +354,17 @@ def test_loss_scaled_after_the_head_with_bias_and_softcap(implementation):
         grads[name] = torch.autograd.grad(loss * 3, [hidden, lm_head.weight, lm_head.bias])
     for got, want in zip(grads[implementation], grads["model"]):
         torch.testing.assert_close(got, want)
+
+
+def test_chunk_count_for_the_bytes_left():
+    """The issue's shape (16k tokens, 152k vocabulary, bf16): the kept head is about 25 GB (10 GB kept
+    for backward, 15 GB while it runs); 1 GiB of room takes the fewest chunks whose transient fits."""
+    from memfit.engine.head import chunks_for_bytes
+
+    keep = head_saved_bytes(16384, 151936, 1536, torch.bfloat16, "keep")
+    assert 24e9 < keep.saved_bytes + keep.transient_bytes < 26e9
+    n = chunks_for_bytes(16384, 151936, torch.bfloat16, 2**30)
+    assert head_saved_bytes(16384, 151936, 1536, torch.bfloat16, "chunked", n).transient_bytes <= 2**30
+    assert head_saved_bytes(16384, 151936, 1536, torch.bfloat16, "chunked", n - 1).transient_bytes > 2**30
+    assert chunks_for_bytes(10, 100, torch.float32, 1) == 10  # never more chunks than tokens
+    assert chunks_for_bytes(10, 100, torch.float32, 10**9) == 1

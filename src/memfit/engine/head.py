@@ -56,7 +56,7 @@ from torch.utils.checkpoint import checkpoint
 
 __all__ = [
     "HEAD_TREATMENTS", "IMPLEMENTATIONS", "HeadSpec", "HeadNotFound", "HeadSwitch", "HeadBytes", "find_head", "attach_head",
-    "chunked_causal_lm_loss", "head_saved_bytes", "probe_head", "available_implementations",
+    "chunked_causal_lm_loss", "head_saved_bytes", "chunks_for_bytes", "probe_head", "available_implementations",
 ]
 
 logger = logging.getLogger("memfit")
@@ -499,6 +499,20 @@ def head_saved_bytes(
             return HeadBytes(tokens * hidden * size + (vocab * hidden * 4 if weight_trains else 0), rows * vocab * (size + 4 + 4 + 4))
         return HeadBytes(hidden_bytes, rows * vocab * (size + 4 + 4 + 4))
     raise ValueError(f"head treatment must be one of {HEAD_TREATMENTS}, got {treatment!r}")
+
+
+def chunks_for_bytes(tokens: int, vocab: int, dtype: torch.dtype, transient_bytes: int) -> int:
+    """The fewest chunks whose one-chunk transient (:func:`head_saved_bytes`) fits ``transient_bytes``
+    (at most one token per chunk: ``tokens``), so the planner can turn the bytes it has left into a
+    chunk count per batch.
+
+    Example:
+        >>> chunks_for_bytes(16384, 151936, torch.bfloat16, 2**30)
+        33
+    """
+    per_token = head_saved_bytes(1, vocab, 0, dtype, "chunked").transient_bytes
+    rows = max(1, transient_bytes // per_token)
+    return max(1, min(tokens, -(-tokens // rows)))
 
 
 def probe_head(spec: HeadSpec, hidden: torch.Tensor, labels: torch.Tensor, n_chunks: int, implementation: str = "pure") -> dict[str, dict[str, float]]:
