@@ -256,6 +256,16 @@ def test_switch_rejects_bad_settings():
         switch.set("chunked", implementation="liger")
 
 
+def test_output_keys():
+    """A chunked step's output holds no logits key at all (not an empty tensor), the loss first."""
+    model, make = build_decoder("llama")
+    model.train()
+    switch = HeadSwitch(find_head(model))
+    switch.set("chunked", n_chunks=2)
+    out = model(**make(2, 8))
+    assert list(out.keys())[0] == "loss" and "logits" not in out and out.to_tuple()[0] is out.loss
+
+
 def test_tuple_outputs():
     """``return_dict=False``: the loss first, and no logits (None fields are left out, as transformers does)."""
     model, make = build_decoder("llama")

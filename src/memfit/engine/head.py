@@ -438,12 +438,9 @@ class HeadSwitch:
     def _output(output: Any, loss: torch.Tensor, logits: torch.Tensor | None) -> Any:
         if isinstance(output, tuple):  # return_dict=False: (logits, *rest) without labels; None fields are left out
             return (loss, *([] if logits is None else [logits]), *output[1:])
-        output["loss"] = loss
-        if logits is None:
-            output.logits = None
-        else:
-            output["logits"] = logits
-        return output
+        # a new output, so its keys keep transformers' order (loss first) and a dropped logits is no key
+        fields = {k: v for k, v in output.items() if k not in ("loss", "logits")}
+        return type(output)(loss=loss, logits=logits, **fields)
 
 
 def attach_head(model: nn.Module, logits: str = "drop") -> HeadSwitch | None:
