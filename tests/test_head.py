@@ -22,7 +22,7 @@ from memfit.engine.head import (
     probe_head,
 )
 
-DENSE = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3"]
+DENSE = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "qwen3_moe"]  # the mixture without router loss
 
 
 def _step(model, batch, seed=0):
