@@ -5,7 +5,7 @@ import torch
 
 from memfit.engine.head import head_saved_bytes
 from memfit.engine.planner import InfeasiblePlanError, plan_with_head
-from memfit.engine.treatments import BY_PART, TREATMENTS, ChunkedHead, KeepHead, head_options
+from memfit.engine.treatments import BY_PART, TREATMENTS, ChunkedHead, HeadPart, KeepHead, head_options
 
 
 def test_head_registers_its_own_treatments():
@@ -49,3 +49,51 @@ def test_short_batch_keeps_the_head_long_batch_chunks_it():
 def test_budget_below_the_smallest_chunked_head_names_the_head():
     with pytest.raises(InfeasiblePlanError, match="the head's treatments at most"):
         _plan(512, 2**10)
+
+
+def _decoder(vocab: int = 4000):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         intermediate_size=37, vocab_size=vocab, use_cache=False)
+    return tf.LlamaForCausalLM(cfg).train()
+
+
+def test_head_part_plans_and_sets_the_switch_per_batch():
+    from memfit.engine.head import attach_head
+
+    model = _decoder()
+    part = HeadPart(attach_head(model), extra_ms=1.0, per_chunk_ms=0.01)
+    blocks = [[("recompute", 10_000, 5.0)]] * 2
+    # short batch, budget not binding: keep; the model's own loss
+    ids = torch.randint(3, 4000, (2, 8))
+    plan = plan_with_head(blocks, part.options(ids.numel()), 0)
+    part.apply(plan)
+    assert plan.head == ("keep", 1) and part.switch.treatment == "keep"
+    reference = model(input_ids=ids, labels=ids).loss
+    # long batch, the head's float32 logits are most of the need: chunked, fewest chunks that fit
+    ids = torch.randint(3, 4000, (4, 64))
+    options = part.options(ids.numel())
+    need = options[2][2]  # what the second-fewest chunk count saves
+    plan = plan_with_head(blocks, options, need)
+    assert plan.head == options[2][:2] and plan.blocks == ()
+    part.apply(plan)
+    assert (part.switch.treatment, part.switch.n_chunks) == plan.head
+    out = model(input_ids=ids, labels=ids)
+    assert out.logits is None and part.switch.chunked_forwards == 1
+    part.switch.set("keep")
+    torch.testing.assert_close(out.loss, model(input_ids=ids, labels=ids).loss)
+    assert reference.isfinite()
+
+
+def test_head_part_from_probes_prices_the_slope():
+    from memfit.engine.head import attach_head
+
+    switch = attach_head(_decoder())
+    probes = {4: {"keep": {"ms": 10.0}, "chunked": {"ms": 12.0}}, 16: {"keep": {"ms": 10.0}, "chunked": {"ms": 14.4}}}
+    part = HeadPart.from_probes(switch, probes)
+    assert part.per_chunk_ms == pytest.approx(0.2)
+    assert part.extra_ms == pytest.approx(1.2)
+    one = HeadPart.from_probes(switch, {8: {"keep": {"ms": 10.0}, "chunked": {"ms": 9.0}}})
+    assert (one.extra_ms, one.per_chunk_ms) == (0.0, 0.0)

@@ -40,7 +40,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Union
 
 from memfit.engine.treatments.base import KEEP, RECOMPUTE, RunOptions, Treatment
-from memfit.engine.treatments.chunked_head import CHUNKED, ChunkedHead, KeepHead, head_options
+from memfit.engine.treatments.chunked_head import CHUNKED, ChunkedHead, HeadPart, KeepHead, head_options
 from memfit.engine.treatments.keep import Keep
 from memfit.engine.treatments.offload import OFFLOAD, HostMemoryError, Offload
 from memfit.engine.treatments.random_ops import draws_random, runs_random
@@ -56,7 +56,7 @@ __all__ = [
     "KEEP", "RECOMPUTE", "SELECTIVE", "OFFLOAD", "Treatment", "RunOptions", "Keep", "Recompute", "Selective",
     "CompiledSelective", "Offload", "HostMemoryError", "BUILTIN", "TREATMENTS", "TreatmentSpec", "resolve",
     "run_treatment_names", "make_treatments", "keep_matmul_and_attention", "selective_cache_tensors", "draws_random",
-    "runs_random", "CHUNKED", "KeepHead", "ChunkedHead", "HEAD_BUILTIN", "BY_PART", "head_options",
+    "runs_random", "CHUNKED", "KeepHead", "ChunkedHead", "HEAD_BUILTIN", "BY_PART", "HeadPart", "head_options",
 ]
 
 #: the registered treatments, one line each

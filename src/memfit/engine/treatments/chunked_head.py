@@ -14,17 +14,18 @@ bytes and times both rise and the planner's tie rule picks the fewest chunks tha
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memfit.engine.head import head_saved_bytes
+from memfit.engine.head import HeadSwitch, head_saved_bytes
 from memfit.engine.treatments.base import KEEP, Treatment
 
 if TYPE_CHECKING:
     from memfit.engine.blocks import Block
 
-__all__ = ["CHUNKED", "KeepHead", "ChunkedHead", "head_options"]
+__all__ = ["CHUNKED", "KeepHead", "ChunkedHead", "HeadPart", "head_options"]
 
 CHUNKED = "chunked"
 
@@ -76,3 +77,47 @@ def head_options(
         if n_chunks >= tokens:
             return tuple(out)
         n_chunks *= 2
+
+
+class HeadPart:
+    """The head as the planner and the controller see it: its options per shape (NOTE [Head options])
+    and the switch a plan sets (``Plan.head``, NOTE [The head in the plan]).
+
+    Args:
+        switch: the model's head switch (:func:`memfit.engine.head.attach_head`).
+        extra_ms: the chunked head's time over keep.
+        per_chunk_ms: what each chunk adds (0: the planner's tie rule picks the fewest chunks that fit).
+
+    Example:
+        >>> part = HeadPart(attach_head(model))               # doctest: +SKIP
+        >>> plan = plan_with_head(blocks, part.options(n * l), need)  # doctest: +SKIP
+        >>> part.apply(plan)                                    # doctest: +SKIP
+    """
+
+    def __init__(self, switch: HeadSwitch, extra_ms: float = 0.0, per_chunk_ms: float = 0.0):
+        self.switch, self.extra_ms, self.per_chunk_ms = switch, float(extra_ms), float(per_chunk_ms)
+
+    @classmethod
+    def from_probes(cls, switch: HeadSwitch, probes: Mapping[int, Mapping[str, Mapping[str, float]]]) -> "HeadPart":
+        """Priced from :func:`memfit.engine.head.probe_head`'s results by chunk count: the extra time at
+        the fewest chunks probed and, with two or more counts, the slope per chunk (never below 0)."""
+        counts = sorted(probes)
+        extra = {n: max(0.0, probes[n]["chunked"]["ms"] - probes[n]["keep"]["ms"]) for n in counts}
+        slope = (extra[counts[-1]] - extra[counts[0]]) / (counts[-1] - counts[0]) if len(counts) > 1 else 0.0
+        per_chunk = max(0.0, slope)
+        return cls(switch, max(0.0, extra[counts[0]] - per_chunk * counts[0]), per_chunk)
+
+    def options(self, tokens: int) -> tuple[tuple[str, int, int, float], ...]:
+        """The head's options for a batch of ``tokens`` tokens (``batch x length``)."""
+        spec = self.switch.spec
+        weight = spec.weight
+        return head_options(
+            tokens, spec.vocab_size, weight.shape[-1], weight.dtype, self.extra_ms, self.per_chunk_ms,
+            softcap=spec.softcap is not None, implementation=self.switch.implementation,
+        )
+
+    def apply(self, plan: Any) -> None:
+        """Set the switch to ``plan.head`` (a plan without a head leaves it as it is)."""
+        if plan.head is not None:
+            name, n_chunks = plan.head
+            self.switch.set(name, n_chunks, self.switch.implementation)
