@@ -34,6 +34,8 @@ Peers (no memfit at all; the bench reads the allocator): ``plain`` (the same loo
 ``trl-offload`` (TRL's activation offloading around the step), ``compile-F`` (``torch.compile``
 of every block under ``activation_memory_budget`` F, memfit.tools.bench.peers.TorchCompile), and
 ``selective-static`` (every block under memfit's selective policy, for every batch).
+Head peers (issue 39): ``hf-every-1+liger`` and ``hf-every-1+chunked-8``, Hugging Face's
+checkpointing of every layer with a chunked loss fixed for the whole run (:data:`HEAD_PEERS`).
 
 Data: ``--lengths sft`` (the SFT table of memfit.cli.tasks.causal_lm, long-tailed, up to 2,048
 tokens), ``uniform:A:B``, or ``fixed:L1,L2,...`` (long context). Output under ``--output_dir``:
@@ -83,7 +85,32 @@ MEMFIT_METHODS = {
     # this repeat's `dynamic` plans at the same budget, step by step, with nothing else (below)
     "dynamic-plans": (None, {}, ("recompute",)),
 }
-PEERS = ("plain", "hf-every-1", "hf-every-2", "hf-offload", "trl-offload", "selective-static")
+PEERS = ("plain", "hf-every-1", "hf-every-2", "hf-offload", "trl-offload", "selective-static", "hf-every-1+liger",
+         "hf-every-1+chunked-8")
+#: the head peers (issue 39): Hugging Face's checkpointing of every layer with a chunked loss fixed for the
+#: whole run, Liger's fused linear cross-entropy or the pure chunked loss in 8 chunks (memfit.engine.head's
+#: switch set once, never planned)
+HEAD_PEERS = {"hf-every-1+liger": ("liger", 1), "hf-every-1+chunked-8": ("pure", 8)}
+
+
+def fixed_head(model, implementation: str, n_chunks: int):
+    """A head peer's loss: the model's head switched to ``chunked`` once for the whole run.
+
+    Returns:
+        ``(undo, None)``, or ``(None, note)`` saying why the peer is skipped (its package or
+        device missing, or no head found).
+    """
+    from memfit.engine.head import attach_head
+
+    switch = attach_head(model)
+    if switch is None:
+        return None, "skipped: no LM head memfit recognises"
+    try:
+        switch.set("chunked", n_chunks, implementation)
+    except ValueError as err:
+        switch.remove()
+        return None, f"skipped: {err}"
+    return switch.remove, None
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -306,7 +333,17 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
         except memfit.BudgetTooSmallError as err:
             return _failed(args, name, budget, repeat, "oom", str(err)[:300])
     elif name.startswith("hf-"):
-        undo = _hf_checkpointing(model, 2 if name == "hf-every-2" else 1, offload=name == "hf-offload")
+        remove_head = None
+        if name in HEAD_PEERS:
+            remove_head, skipped = fixed_head(model, *HEAD_PEERS[name])
+            if remove_head is None:
+                return _failed(args, name, budget, repeat, "skipped", skipped)
+        undo_hf = _hf_checkpointing(model, 2 if name == "hf-every-2" else 1, offload=name == "hf-offload")
+
+        def undo(undo_hf=undo_hf, remove_head=remove_head):
+            undo_hf()
+            if remove_head is not None:
+                remove_head()
     elif name.startswith("compile-"):  # torch.compile of every block under activation_memory_budget F
         from types import SimpleNamespace
 

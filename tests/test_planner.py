@@ -5,7 +5,9 @@ import random
 
 import pytest
 
-from memfit.engine.planner import InfeasiblePlanError, PlanCache, _is_homogeneous, plan_blocks
+from memfit.engine.planner import (
+    InfeasiblePlanError, Plan, PlanCache, _is_homogeneous, plan_blocks, plan_treatments, plan_with_head,
+)
 
 CASES = [
     # (costs, savings, need, expected blocks)
@@ -142,3 +144,47 @@ def test_treatments_of_unlike_blocks_are_the_cheapest_that_cover_the_need():
         assert plan.cost_ms == pytest.approx(best, abs=1e-9), (options, need)
         checked += 1
     assert checked > 200
+
+
+# The LM head as a part (NOTE [The head in the plan]): two recomputable blocks of 100 bytes at
+# 10 ms each, a head that saves 300 bytes in 4 chunks (3 ms) or 450 in 8 (5 ms).
+HEAD_BLOCKS = [[("recompute", 100, 10.0)]] * 2
+HEAD = [("keep", 1, 0, 0.0), ("chunked", 4, 300, 3.0), ("chunked", 8, 450, 5.0)]
+HEAD_CASES = [
+    # (head options, need, expected blocks, expected head)
+    pytest.param(HEAD, 0, (), ("keep", 1), id="budget-not-binding-keeps-head"),
+    pytest.param(HEAD, -10, (), ("keep", 1), id="budget-slack-keeps-head"),
+    pytest.param(HEAD, 250, (), ("chunked", 4), id="binding-fewest-chunks-that-fit"),
+    pytest.param(HEAD, 301, (), ("chunked", 8), id="binding-more-chunks-beat-a-block"),
+    pytest.param(HEAD, 500, (0,), ("chunked", 8), id="binding-head-and-a-block"),
+    pytest.param(HEAD, 650, (0, 1), ("chunked", 8), id="binding-everything"),
+    pytest.param([("keep", 1, 0, 0.0), ("chunked", 4, 300, 25.0)], 100, (0,), ("keep", 1), id="dear-chunking-loses-to-a-block"),
+    pytest.param([("keep", 1, 0, 0.0), ("chunked", 4, 300, 25.0)], 250, (), ("chunked", 4), id="blocks-cannot-make-room-head-chunks"),
+]
+
+
+@pytest.mark.parametrize("head, need, blocks, expected_head", HEAD_CASES)
+def test_plan_with_head_table(head, need, blocks, expected_head):
+    plan = plan_with_head(HEAD_BLOCKS, head, need)
+    assert (plan.blocks, plan.head) == (blocks, expected_head)
+    costs = dict(((o[0], o[1]), o[3]) for o in head)
+    assert plan.cost_ms == pytest.approx(10.0 * len(blocks) + costs[expected_head])
+    if need > 0:
+        assert plan.saved_bytes >= need
+
+
+def test_plan_with_head_cannot_fit_names_the_head():
+    with pytest.raises(InfeasiblePlanError, match="saves 200 bytes and the head's treatments at most 450 bytes, 651 are needed"):
+        plan_with_head(HEAD_BLOCKS, HEAD, 651)
+
+
+def test_plan_with_head_without_a_head_is_the_blocks_plan():
+    for need in (0, 100, 200):
+        assert plan_with_head(HEAD_BLOCKS, (), need) == plan_treatments(tuple(map(tuple, HEAD_BLOCKS)), need)
+        assert plan_with_head(HEAD_BLOCKS, (), need).head is None
+
+
+def test_head_label():
+    assert Plan(()).head_label is None
+    assert Plan((), head=("keep", 1)).head_label == "keep"
+    assert Plan((0,), head=("chunked", 8)).head_label == "chunked:8"

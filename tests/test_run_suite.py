@@ -182,3 +182,26 @@ def test_a_suite_whose_quick_path_needs_cuda_says_so_on_cpu(tmp_path, monkeypatc
         run_suite.main(["llm", "--quick", "--raw", str(tmp_path / "raw"), "--out", str(tmp_path / "out")])
     assert "llm" not in str(err.value).split("checks", 1)[1].split(", ")  # not offered as a CPU check
     assert not (tmp_path / "raw").exists() and not (tmp_path / "out").exists()  # nothing ran, nothing written
+
+
+def test_loop_bench_head_peers_fix_the_chunked_head_or_say_why_they_skip():
+    import torch
+    import transformers as tf
+
+    spec = importlib.util.spec_from_file_location("loop_bench", ROOT / "benchmarks" / "loop_bench.py")
+    loop_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loop_bench)
+    assert set(loop_bench.HEAD_PEERS) <= set(loop_bench.PEERS)
+    cfg = tf.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         intermediate_size=37, vocab_size=500, use_cache=False)
+    model = tf.LlamaForCausalLM(cfg).train()
+    ids = torch.randint(3, 500, (2, 16))
+    undo, note = loop_bench.fixed_head(model, *loop_bench.HEAD_PEERS["hf-every-1+chunked-8"])
+    assert note is None and model(input_ids=ids, labels=ids).logits is None  # the chunked loss, no logits
+    undo()
+    assert model(input_ids=ids, labels=ids).logits is not None  # the model's own head again
+    undo, note = loop_bench.fixed_head(model, *loop_bench.HEAD_PEERS["hf-every-1+liger"])
+    assert undo is None and note.startswith("skipped: head implementation 'liger' is not usable here")  # CPU
+    args = loop_bench._parse(["--model", "Qwen2.5-1.5B", "--budgets", "--budget_gb", "23.62", "--methods", "none",
+                              "hf-every-1+liger", "--output_dir", "x"])
+    assert args.budgets == [] and args.budget_gb == [23.62]

@@ -8,6 +8,11 @@ LAST = ("hf-every-2", "trl-offload")
 METHODS = ("plain", "none", "full", "static", "dynamic", "dynamic+all", "reactive", "hf-every-1", "hf-offload",
            "compile-0.5")
 
+#: the head call's methods: uncapped none, memfit, and fixed chunked-loss peers beside checkpointing
+HEAD_METHODS = ("none", "dynamic", "full", "hf-every-1", "hf-every-1+liger", "hf-every-1+chunked-8")
+#: the head call's caps in GB: 22 GiB (a 24 GB card) and half of an 80 GB H100 (79.6 GiB usable / 2)
+HEAD_BUDGETS_GB = (round(22 * 2**30 / 1e9, 2), round(79.6 / 2 * 2**30 / 1e9, 2))
+
 SUITE = Suite(
     name="llm",
     about="fine-tuning Llama- and Qwen-architecture decoders (0.36B, 0.5B) in bf16 under caps at half and 0.7 of "
@@ -39,7 +44,10 @@ SUITE = Suite(
           "and left eager, full FT at half of none's peak; room-long, room-qwen: dynamic (its slack grown by allocator "
           "retries) against dynamic with a 15% margin, long context and Qwen at 0.7; room-reactive: reactive (the same rule) on Qwen at 0.7; long, long-compile: the long-context row, eager methods and peers, then "
           "memfit's compiled methods against the compile peer, each beside uncapped none and full recompute; "
-          "benchmarks/loop_bench.py",
+          "head-qwen15: Qwen2.5-1.5B's shape (151,936-token vocabulary), 24 steps, 2 interleaved repeats in one call, at "
+          "22 GiB and half of an 80 GB card, none uncapped, dynamic, full, HF checkpointing alone and with a chunked loss "
+          "fixed for the run (Liger's fused linear cross-entropy, skipped where not importable; the pure chunked loss in "
+          "8 chunks); benchmarks/loop_bench.py",
 )
 QUICK = SUITE.replace(repeats=1, steps=6)
 
@@ -119,6 +127,14 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
         ctx, "loop_bench.py", *setups["qwen"], *common, "--budgets", 0.7, "--repeats", suite.repeats, "--methods",
         "none", "dynamic", "reactive", "--time_limit_s", 400, "--output_dir", ctx.folder("room-reactive"))],
         folder="room-reactive"))
+    # the LM head (issue 39): Qwen2.5-1.5B's shape (151,936-token vocabulary), whose float32 logits are
+    # the step's floor, at 22 GiB (a 24 GB card) and half of an 80 GB card, in GB as --budget_gb takes
+    # them; few steps and repeats interleaved in one call (none uncapped may OOM: its line says so)
+    out.append(Call("head-qwen15", [script(
+        ctx, "loop_bench.py", "--model", "Qwen2.5-1.5B", *sft, "--steps", 8 if ctx.quick else 24,
+        "--steady_from", 2 if ctx.quick else 6, "--budgets", "--budget_gb", HEAD_BUDGETS_GB[0], HEAD_BUDGETS_GB[1],
+        "--repeats", 1 if ctx.quick else 2, "--time_limit_s", 500, "--methods", *HEAD_METHODS,
+        "--output_dir", ctx.folder("head-qwen15"))], folder="head-qwen15"))
     out.append(Call("long-compile", [script(
         ctx, "loop_bench.py", *long, "--methods", "none", "none+compile", "full", "dynamic+compile",
         "dynamic+sel+compile", "compile-0.5", "--output_dir", ctx.folder("long-compile"))], folder="long-compile"))

@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Plan", "InfeasiblePlanError", "plan_blocks", "plan_treatments", "PlanCache"]
+__all__ = ["Plan", "InfeasiblePlanError", "plan_blocks", "plan_treatments", "plan_with_head", "PlanCache"]
 
 
 class InfeasiblePlanError(ValueError):
@@ -66,6 +66,8 @@ class Plan:
         saved_bytes: estimated bytes the plan saves relative to keeping every block.
         kinds: the treatment of each of ``blocks``, in order; empty when every one is
             ``recompute`` (normalised so, so that equal plans compare equal).
+        head: the LM head's treatment and chunk count, ``("keep", 1)`` or ``("chunked", n)``;
+            None for a model without a planned head (NOTE [The head in the plan]).
 
     Example:
         >>> Plan((0, 2)).treatments(3)
@@ -76,6 +78,7 @@ class Plan:
     cost_ms: float = 0.0
     saved_bytes: int = 0
     kinds: tuple[str, ...] = ()
+    head: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
         if self.kinds and len(self.kinds) != len(self.blocks):
@@ -96,6 +99,15 @@ class Plan:
         for i, kind in zip(self.blocks, self.kinds or (_RECOMPUTE,) * len(self.blocks)):
             out.setdefault(kind, []).append(i)
         return out
+
+    @property
+    def head_label(self) -> str | None:
+        """The head's treatment as records, plan files and reports write it: ``"keep"`` or
+        ``"chunked:<n>"``; None without a planned head."""
+        if self.head is None:
+            return None
+        name, n_chunks = self.head
+        return name if name == "keep" else f"{name}:{n_chunks}"
 
     @property
     def layout(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -247,6 +259,68 @@ def _knapsack_cover(costs: Sequence[float], savings: Sequence[int], need: int, r
     if result is None or result[0] == inf:
         raise InfeasiblePlanError("no set of blocks saves enough bytes")
     return tuple(sorted(result[1]))
+
+
+def plan_with_head(
+    options: Sequence[Sequence[tuple[str, int, float]]],
+    head_options: Sequence[tuple[str, int, int, float]],
+    need_bytes: int,
+    resolution: int = 1024,
+    order: Mapping[str, int] | None = None,
+) -> Plan:
+    """Cheapest mix of block treatments and one head treatment whose savings reach ``need_bytes``.
+
+    # NOTE [The head in the plan]
+    The LM head is a part beside the blocks: its treatments (``keep``; ``chunked`` with a
+    chunk count, NOTE [Head bytes] in head.py) save bytes at the head's moment of the step and
+    cost time like a block's. Each head option is tried with the blocks' cheapest plan for what
+    is still needed, and the cheapest sum wins: so chunking the head is chosen over recomputing
+    blocks only when it is cheaper, and the head is kept when the blocks make room more cheaply.
+    Ties go to the earlier option (give keep first, then chunk counts ascending: fewest chunks).
+    A model without a planned head passes no head options and gets :func:`plan_treatments`'
+    plan, ``head`` None.
+
+    Args:
+        options: per block, ``(treatment, bytes saved, ms)`` as :func:`plan_treatments` takes them.
+        head_options: ``(treatment, n_chunks, bytes saved, ms)`` of each head treatment, bytes
+            and ms relative to keeping the head (keep is ``("keep", 1, 0, 0.0)``).
+        need_bytes: bytes to save relative to keeping every part; ``<= 0`` keeps every part.
+        resolution: DP units for stacks of unlike blocks.
+        order: as :func:`plan_treatments`.
+
+    Returns:
+        The :class:`Plan`, its ``head`` naming the head's treatment and chunk count.
+
+    Raises:
+        InfeasiblePlanError: when no head option with every block treated saves enough; the
+            message names the most the head's treatments save, so the user sees what the head takes.
+
+    Example:
+        >>> blocks = [[("recompute", 100, 10.0)]] * 2
+        >>> head = [("keep", 1, 0, 0.0), ("chunked", 4, 500, 3.0)]
+        >>> plan_with_head(blocks, head, 150).head
+        ('chunked', 4)
+    """
+    frozen = tuple(tuple(o) for o in options)
+    if not head_options:
+        return plan_treatments(frozen, need_bytes, resolution, order)
+    best: Plan | None = None
+    for name, n_chunks, saved, ms in head_options:
+        try:
+            blocks = plan_treatments(frozen, need_bytes - int(saved), resolution, order)
+        except InfeasiblePlanError:
+            continue
+        total = blocks.cost_ms + float(ms)
+        if best is None or total < best.cost_ms:
+            best = Plan(blocks.blocks, total, blocks.saved_bytes + int(saved), kinds=blocks.kinds, head=(name, int(n_chunks)))
+    if best is None:
+        blocks_most = sum(max((o[1] for o in opts), default=0) for opts in frozen)
+        head_most = max(int(o[2]) for o in head_options)
+        raise InfeasiblePlanError(
+            f"treating all {len(frozen)} blocks saves {blocks_most} bytes and the head's treatments at most "
+            f"{head_most} bytes, {need_bytes} are needed"
+        )
+    return best
 
 
 def plan_treatments(

@@ -40,6 +40,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Union
 
 from memfit.engine.treatments.base import KEEP, RECOMPUTE, RunOptions, Treatment
+from memfit.engine.treatments.chunked_head import CHUNKED, ChunkedHead, HeadPart, KeepHead, head_options
 from memfit.engine.treatments.keep import Keep
 from memfit.engine.treatments.offload import OFFLOAD, HostMemoryError, Offload
 from memfit.engine.treatments.random_ops import draws_random, runs_random
@@ -55,7 +56,7 @@ __all__ = [
     "KEEP", "RECOMPUTE", "SELECTIVE", "OFFLOAD", "Treatment", "RunOptions", "Keep", "Recompute", "Selective",
     "CompiledSelective", "Offload", "HostMemoryError", "BUILTIN", "TREATMENTS", "TreatmentSpec", "resolve",
     "run_treatment_names", "make_treatments", "keep_matmul_and_attention", "selective_cache_tensors", "draws_random",
-    "runs_random",
+    "runs_random", "CHUNKED", "KeepHead", "ChunkedHead", "HEAD_BUILTIN", "BY_PART", "HeadPart", "head_options",
 ]
 
 #: the registered treatments, one line each
@@ -68,6 +69,18 @@ BUILTIN: tuple[type[Treatment], ...] = (
 
 #: every registered treatment, by name (read-only)
 TREATMENTS = MappingProxyType({t.name: t for t in BUILTIN})
+
+#: the LM head's treatments (a part that is not a block registers its own: NOTE [A treatment is a plug-in])
+HEAD_BUILTIN: tuple[type[Treatment], ...] = (
+    KeepHead,
+    ChunkedHead,
+)
+
+#: every registered treatment by the part it applies to, then by name (read-only); ``"block"`` is :data:`TREATMENTS`
+BY_PART = MappingProxyType({
+    part: MappingProxyType({t.name: t for t in BUILTIN + HEAD_BUILTIN if part in t.parts})
+    for part in ("block", "head")
+})
 
 #: a treatment as a run is given it: a registered name, or a class
 TreatmentSpec = Union[str, type[Treatment]]

@@ -1,0 +1,563 @@
+"""The LM head of a causal LM as a part: final norm's output -> ``lm_head`` -> loss.
+
+:func:`find_head` recognises the head of a Hugging Face causal LM (the decoder body, ``lm_head``,
+the logit post-processing of its family, its loss); :class:`HeadSwitch` makes the model's
+training forward compute that loss with the treatment the caller sets for the step (``keep``:
+the model's own path; ``chunked``: :func:`chunked_causal_lm_loss`, a chunk of tokens at a time);
+:func:`head_saved_bytes` prices both for the planner and :func:`probe_head` measures them.
+
+# NOTE [How the chunked head hooks into the model]
+The model's own forward runs, so everything it does before the head (its kwargs, cache, masks,
+position ids, across transformers versions) stays the model's: a forward pre-hook on the causal LM
+takes ``labels`` out and asks for no logits (``logits_to_keep`` = an empty index tensor, so
+``lm_head`` runs on zero tokens); a forward hook on the decoder body keeps its last hidden state
+(the final norm's output); a forward hook on the causal LM computes the loss from it and puts it
+in ``outputs.loss``. Rule 1. Only a forward that is training, has grad enabled and passes
+``labels`` as a keyword (as the Trainer and TRL do) is taken over; any other forward is untouched.
+Rule 2. The treatment is read when the loss is computed, after the body has run, so a plan fixed
+at the first block (controller.py) applies to the head of the same step. Under ``keep`` the loss is
+the model's own ops (``lm_head``, its post-processing, its ``loss_function``) on the same tensors:
+bitwise the model's loss, gradients and logits. Rule 3. A chunked step's ``outputs.logits`` is ``None``: the logits are never materialised
+(``logits="detached"`` returns them, computed without grad in the model's dtype, for metrics that
+read them; it costs ``tokens x vocab`` in the model's dtype).
+
+# NOTE [Chunk recomputed in backward]
+Each chunk runs ``lm_head`` -> post-processing -> float32 -> cross-entropy (sum) under
+``torch.utils.checkpoint`` (non-reentrant, RNG kept): forward keeps only the chunk's hidden rows
+(views of the body's output), backward recomputes the chunk's logits. This calls the ``lm_head``
+*module*, so LoRA on ``lm_head``, tied weights, autocast and bf16 behave as in the model. Computing
+each chunk's gradient in forward (Liger's way; ``pure_grad_in_forward``, :class:`_GradInForward`)
+saves that recompute but needs the raw weight, which LoRA on ``lm_head`` does not offer, and keeps
+the weight's gradient (float32, ``vocab x hidden``) from forward to backward. Both are offered, with
+the fused kernels where they apply (:data:`IMPLEMENTATIONS`): which is faster is measured
+(:func:`probe_head`), not assumed.
+
+# NOTE [Chunked loss equals the model's loss]
+As ``ForCausalLMLoss``: labels padded with ``ignore_index`` and shifted left (or the caller's
+``shift_labels``), the sum of float32 cross-entropies divided by ``num_items_in_batch`` when given,
+else by the number of tokens not ignored. Ignored tokens are chunked like the others (no
+data-dependent gather, so no device sync) and contribute zero. Only the order of float
+additions differs: loss and gradients equal the model's within float32 rounding, not bitwise.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = [
+    "HEAD_TREATMENTS", "IMPLEMENTATIONS", "HeadSpec", "HeadNotFound", "HeadSwitch", "HeadBytes", "find_head", "attach_head",
+    "chunked_causal_lm_loss", "head_saved_bytes", "chunks_for_bytes", "probe_head", "available_implementations",
+]
+
+logger = logging.getLogger("memfit")
+
+HEAD_TREATMENTS = ("keep", "chunked")
+#: chunked-loss implementations: the pure path runs everywhere; the fused ones need CUDA and their package
+IMPLEMENTATIONS = ("pure", "pure_grad_in_forward", "liger", "cce")
+
+# Families whose ``*ForCausalLM.forward`` is: body -> lm_head -> post-processing -> loss_function,
+# and the post-processing each applies to the logits (read from the model, below).
+_PLAIN = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "olmo2", "smollm3")
+_SOFTCAP = ("gemma2", "gemma3_text")  # tanh(logits / cap) * cap, cap = config.final_logit_softcapping
+_SCALE = ("cohere", "cohere2")  # logits * model.logit_scale
+_DIVIDE = ("granite",)  # logits / config.logits_scaling
+# mixtures add a router loss to the model's loss when output_router_logits is on
+_MOE = ("qwen2_moe", "qwen3_moe", "mixtral")
+
+
+class HeadNotFound(Exception):
+    """The model's head cannot be treated; the message says why (one line)."""
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """What memfit found of a causal LM's head.
+
+    Attributes:
+        causal_lm: the ``*ForCausalLM`` module whose forward computes the loss (under peft, the base model).
+        body: its decoder body (``causal_lm.model``); its output's first item is the final norm's output.
+        lm_head: the output projection module (a peft LoRA layer when LoRA adapts it).
+        vocab_size: the logits' width.
+        softcap: final-logit soft-capping (Gemma 2/3), or None.
+        scale: a factor the logits are multiplied by (Cohere), or None.
+        divisor: a number the logits are divided by (Granite), or None.
+    """
+
+    causal_lm: nn.Module
+    body: nn.Module
+    lm_head: nn.Module
+    vocab_size: int
+    softcap: float | None = None
+    scale: float | None = None
+    divisor: float | None = None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's logits for ``hidden`` (final norm's output), in the model's dtype, with
+        the family's post-processing in the model's order of operations."""
+        return self.post(self.lm_head(hidden))
+
+    def post(self, logits: torch.Tensor) -> torch.Tensor:
+        """The family's post-processing of ``lm_head``'s output (soft-capping, scaling), in the model's order."""
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        if self.scale is not None:
+            logits = logits * self.scale
+        if self.divisor is not None:
+            logits = logits / self.divisor
+        return logits
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The projection's weight (``vocab x hidden``), for the fused implementations."""
+        return self.lm_head.weight
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model under a peft wrapper (or ``model``)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def find_head(model: nn.Module) -> HeadSpec:
+    """Find the head of a Hugging Face causal LM (or a peft model over one).
+
+    Raises:
+        HeadNotFound: the architecture is not one memfit knows, or its loss is custom (the
+            message says which, in one line).
+    """
+    lm = _unwrap(model)
+    config = getattr(lm, "config", None)
+    family = getattr(config, "model_type", None)
+    known = _PLAIN + _SOFTCAP + _SCALE + _DIVIDE + _MOE
+    if family not in known:
+        raise HeadNotFound(f"memfit does not know the head of model type {family!r} ({type(lm).__name__}); it keeps it untreated")
+    body, lm_head = getattr(lm, "model", None), getattr(lm, "lm_head", None)
+    if not isinstance(body, nn.Module) or not isinstance(lm_head, nn.Module):
+        raise HeadNotFound(f"{type(lm).__name__} has no decoder body `model` and `lm_head`; memfit keeps its head untreated")
+    if "logits_to_keep" not in inspect.signature(lm.forward).parameters:
+        raise HeadNotFound(f"{type(lm).__name__}.forward takes no `logits_to_keep`; memfit keeps its head untreated")
+    if not _is_causal_lm_loss(lm):
+        raise HeadNotFound(f"{type(lm).__name__} has a custom loss function; memfit keeps its head untreated")
+    if family in _MOE and getattr(config, "output_router_logits", False):
+        raise HeadNotFound(f"{type(lm).__name__} adds a router loss (output_router_logits=True); memfit keeps its head untreated")
+    if lm is not model and not _peft_calls_module(model):
+        raise HeadNotFound("this peft version calls the base model's forward directly (hooks do not run); memfit keeps the head untreated")
+    return HeadSpec(
+        causal_lm=lm, body=body, lm_head=lm_head, vocab_size=int(config.vocab_size),
+        softcap=getattr(config, "final_logit_softcapping", None) if family in _SOFTCAP else None,
+        scale=float(lm.logit_scale) if family in _SCALE else None,
+        divisor=float(config.logits_scaling) if family in _DIVIDE else None,
+    )
+
+
+def _is_causal_lm_loss(lm: nn.Module) -> bool:
+    """Whether the model's loss is transformers' ``ForCausalLMLoss`` (or that compiled, as
+    ``memfit.fit(compile=...)`` sets it): the semantics :func:`chunked_causal_lm_loss` reproduces."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    loss = getattr(lm, "loss_function", None)
+    return loss is ForCausalLMLoss or getattr(loss, "_torchdynamo_orig_callable", None) is ForCausalLMLoss
+
+
+def _peft_calls_module(model: nn.Module) -> bool:
+    """Whether the peft tuner calls its model as a module (so the model's hooks run)."""
+    tuner = getattr(model, "base_model", None)
+    try:
+        source = inspect.getsource(type(tuner).forward)
+    except (OSError, TypeError):
+        return False
+    return "self.model.forward(" not in source
+
+
+def chunked_causal_lm_loss(
+    logits_fn: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    labels: torch.Tensor | None,
+    n_chunks: int,
+    *,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``ForCausalLMLoss(logits_fn(hidden), labels, ...)`` without the whole logits tensor.
+
+    NOTE [Chunked loss equals the model's loss] and NOTE [Chunk recomputed in backward] (module
+    docstring) state what is computed and what is kept.
+
+    Args:
+        logits_fn: hidden rows ``(n, hidden)`` -> logits ``(n, vocab)`` (e.g. :meth:`HeadSpec.logits`).
+        hidden: the final norm's output, ``(batch, length, hidden)``.
+        labels: ``(batch, length)`` token ids, shifted here; ignored when ``shift_labels`` is given.
+        n_chunks: how many chunks of tokens (at least 1; at most one per token is used).
+        num_items_in_batch: the Trainer's count of tokens over a gradient-accumulation window.
+        ignore_index: the label that contributes nothing.
+        shift_labels: already-shifted labels, as the model's loss accepts them.
+
+    Returns:
+        The float32 scalar loss.
+
+    Example:
+        >>> head = torch.nn.Linear(8, 50, bias=False)
+        >>> h, y = torch.randn(2, 5, 8), torch.randint(0, 50, (2, 5))
+        >>> loss = chunked_causal_lm_loss(head, h, y, n_chunks=3)
+    """
+    if n_chunks < 1:
+        raise ValueError(f"n_chunks must be at least 1, got {n_chunks}")
+    targets = _shifted(labels, shift_labels, ignore_index).reshape(-1).to(hidden.device)
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    pieces = zip(torch.tensor_split(rows, min(n_chunks, max(1, rows.shape[0]))), torch.tensor_split(targets, min(n_chunks, max(1, rows.shape[0]))))
+    total = sum(checkpoint(_chunk_loss_sum, logits_fn, h, t, ignore_index, use_reentrant=False) for h, t in pieces)
+    return _normalise(total, targets, num_items_in_batch, ignore_index)
+
+
+def _shifted(labels: torch.Tensor | None, shift_labels: torch.Tensor | None, ignore_index: int) -> torch.Tensor:
+    if shift_labels is not None:
+        return shift_labels
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def _normalise(total: torch.Tensor, targets: torch.Tensor, num_items_in_batch, ignore_index: int) -> torch.Tensor:
+    return total / _denominator(targets, num_items_in_batch, ignore_index)
+
+
+def _denominator(targets: torch.Tensor, num_items_in_batch, ignore_index: int) -> torch.Tensor | int:
+    """What the model's loss divides the summed cross-entropy by: ``num_items_in_batch``, else the tokens not ignored."""
+    if num_items_in_batch is None:
+        return (targets != ignore_index).sum()
+    return num_items_in_batch.to(targets.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch
+
+
+def _chunk_loss_sum(logits_fn, hidden: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    return F.cross_entropy(logits_fn(hidden).float(), targets, ignore_index=ignore_index, reduction="sum")
+
+
+class _GradInForward(torch.autograd.Function):
+    """Sum of the chunks' float32 cross-entropies of ``post(rows @ weight.T + bias)``, divided by
+    ``denominator``; each chunk's gradients are taken in forward by autograd on that chunk alone (the
+    same ops as the model's, under the caller's autocast, divided before they meet the model's dtype
+    as in the model's loss), the weight's summed in float32; backward only scales them."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, bias, targets, n_chunks: int, ignore_index: int, post, denominator):
+        grad_rows = torch.empty_like(rows) if rows.requires_grad else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if weight.requires_grad else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and bias.requires_grad else None
+        total = torch.zeros((), dtype=torch.float32, device=rows.device)
+        start = 0
+        for h, t in zip(torch.tensor_split(rows, n_chunks), torch.tensor_split(targets, n_chunks)):
+            # the chunk's own graph lives only here: hooks that count saved tensors (memfit's) must not see it
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+                leaves = [x.detach().requires_grad_(g is not None) for x, g in ((h, grad_rows), (weight, grad_weight), (bias, grad_bias)) if x is not None]
+                loss = F.cross_entropy(post(F.linear(*leaves)).float(), t, ignore_index=ignore_index, reduction="sum") / denominator
+                wanted = [x for x in leaves if x.requires_grad]
+                grads = iter(torch.autograd.grad(loss, wanted) if wanted else [])
+            if grad_rows is not None:
+                grad_rows[start:start + h.shape[0]] = next(grads)
+            for acc in (grad_weight, grad_bias):
+                if acc is not None:
+                    acc += next(grads)
+            total += loss.detach()
+            start += h.shape[0]
+        ctx.save_for_backward(*(g for g in (grad_rows, grad_weight, grad_bias) if g is not None))
+        ctx.has = (grad_rows is not None, grad_weight is not None, grad_bias is not None)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        saved = iter(ctx.saved_tensors)
+        rows, weight, bias = (next(saved) if has else None for has in ctx.has)
+        return (
+            None if rows is None else rows * grad_total.to(rows.dtype),
+            None if weight is None else (weight * grad_total).to(ctx.dtypes[0]),
+            None if bias is None else (bias * grad_total).to(ctx.dtypes[1]),
+            None, None, None, None, None,
+        )
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _grad_in_forward_loss(spec: HeadSpec, hidden, labels, n_chunks: int, *, num_items_in_batch=None, ignore_index=-100, shift_labels=None):
+    """:func:`chunked_causal_lm_loss` with each chunk's gradient computed in forward (plain ``nn.Linear`` heads)."""
+    targets = _shifted(labels, shift_labels, ignore_index).reshape(-1).to(hidden.device)
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    n = min(n_chunks, max(1, rows.shape[0]))
+    denominator = _denominator(targets, num_items_in_batch, ignore_index)
+    return _GradInForward.apply(rows, spec.lm_head.weight, spec.lm_head.bias, targets, n, ignore_index, spec.post, denominator)
+
+
+def _fused_loss(spec: HeadSpec, implementation: str, hidden, labels, *, num_items_in_batch=None, ignore_index=-100, shift_labels=None):
+    """The loss through a fused kernel (``liger`` or ``cce``): same semantics as the pure path."""
+    targets = _shifted(labels, shift_labels, ignore_index).reshape(-1).to(hidden.device)
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    bias = getattr(spec.lm_head, "bias", None)
+    if implementation == "liger":
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        out = liger_fused_linear_cross_entropy(rows, spec.weight, targets, bias=bias, ignore_index=ignore_index, reduction="sum", softcap=spec.softcap)
+        total = out[0] if isinstance(out, tuple) else getattr(out, "loss", out)
+    elif implementation == "cce":
+        from cut_cross_entropy import linear_cross_entropy
+
+        total = linear_cross_entropy(rows, spec.weight, targets, bias=bias, ignore_index=ignore_index, softcap=spec.softcap, reduction="sum")
+    else:
+        raise ValueError(f"unknown head implementation {implementation!r}; choose one of {IMPLEMENTATIONS}")
+    return _normalise(total.float(), targets, num_items_in_batch, ignore_index)
+
+
+def available_implementations(spec: HeadSpec, device: torch.device | str) -> list[str]:
+    """Implementations of the chunked head usable for ``spec`` on ``device``, ``pure`` first.
+
+    ``pure_grad_in_forward`` needs a plain ``nn.Linear`` head (not LoRA on ``lm_head``).
+    The fused ones need CUDA, their package importable, and a plain ``nn.Linear`` head with no
+    logit scaling (they take the raw weight; LoRA on ``lm_head`` is not one). Which is fastest is
+    for the caller to measure (:func:`probe_head`).
+    """
+    found = ["pure"]
+    if type(spec.lm_head) is nn.Linear:
+        found.append("pure_grad_in_forward")
+    if torch.device(device).type != "cuda" or type(spec.lm_head) is not nn.Linear or spec.scale is not None or spec.divisor is not None:
+        return found
+    for name, module in (("liger", "liger_kernel.transformers.functional"), ("cce", "cut_cross_entropy")):
+        try:
+            __import__(module)
+        except ImportError:
+            continue
+        found.append(name)
+    return found
+
+
+class HeadSwitch:
+    """Makes a causal LM's training forward compute its loss with the treatment set per step.
+
+    NOTE [How the chunked head hooks into the model] (module docstring) says how and when.
+
+    Args:
+        spec: the head (:func:`find_head`).
+        logits: what a chunked step returns as ``outputs.logits``: ``"drop"`` (None) or
+            ``"detached"`` (computed without grad, in the model's dtype).
+
+    Example:
+        >>> switch = HeadSwitch(find_head(model))        # doctest: +SKIP
+        >>> switch.set("chunked", n_chunks=8)              # doctest: +SKIP
+        >>> model(**batch).loss.backward()                 # doctest: +SKIP
+    """
+
+    def __init__(self, spec: HeadSpec, logits: str = "drop"):
+        if logits not in ("drop", "detached"):
+            raise ValueError(f"logits must be 'drop' or 'detached', got {logits!r}")
+        self.spec, self.logits_mode = spec, logits
+        self.treatment, self.n_chunks, self.implementation = "keep", 1, "pure"
+        #: chunked forwards run so far (what a test or a record can read)
+        self.chunked_forwards = 0
+        self._pending: dict[str, Any] | None = None
+        self._hidden: torch.Tensor | None = None
+        lm = spec.causal_lm
+        self._handles = [
+            lm.register_forward_pre_hook(self._before, with_kwargs=True, prepend=True),
+            spec.body.register_forward_hook(self._body_done),
+            # first among the model's forward hooks: memfit's accounting hook (controller.py), which
+            # stops counting saved tensors, sees the forward end after the chunked loss exists
+            lm.register_forward_hook(self._after, with_kwargs=True, prepend=True),
+        ]
+
+    def set(self, treatment: str, n_chunks: int = 1, implementation: str = "pure") -> None:
+        """The head's treatment for the next loss computed (``keep`` or ``chunked`` with ``n_chunks``);
+        it may be set during the forward, before the body ends (NOTE [How the chunked head hooks into the model])."""
+        if treatment not in HEAD_TREATMENTS:
+            raise ValueError(f"head treatment must be one of {HEAD_TREATMENTS}, got {treatment!r}")
+        if n_chunks < 1:
+            raise ValueError(f"n_chunks must be at least 1, got {n_chunks}")
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"head implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+        usable = available_implementations(self.spec, self.spec.weight.device)
+        if implementation not in usable:
+            raise ValueError(f"head implementation {implementation!r} is not usable here (it needs CUDA, its package and a plain "
+                             f"nn.Linear lm_head without logit scaling); choose one of {usable}")
+        self.treatment, self.n_chunks, self.implementation = treatment, n_chunks, implementation
+
+    def remove(self) -> None:
+        """Take the hooks off; the model computes its head as before."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        self._pending, self._hidden = None, None
+        labels = kwargs.get("labels")
+        if labels is None or not module.training or not torch.is_grad_enabled():
+            return None
+        if not isinstance(kwargs.get("logits_to_keep", 0), int) or kwargs.get("logits_to_keep", 0) != 0:
+            return None  # the caller asked for some logits only: the model's own path
+        self._pending = {"labels": labels, **{k: kwargs[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}}
+        kwargs = {**kwargs, "labels": None, "logits_to_keep": torch.empty(0, dtype=torch.long, device=labels.device)}
+        return args, kwargs
+
+    def _body_done(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._pending is not None:
+            self._hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+
+    def _after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        pending, hidden = self._pending, self._hidden
+        self._pending, self._hidden = None, None
+        if pending is None:
+            return None
+        if hidden is None:
+            raise RuntimeError("memfit's head switch saw no output of the decoder body; call HeadSwitch.remove() to keep the model's own head")
+        labels = pending.pop("labels")
+        if self.treatment == "keep":
+            logits = self.spec.logits(hidden)
+            loss = self.spec.causal_lm.loss_function(logits=logits, labels=labels, vocab_size=self.spec.vocab_size, **pending)
+            return self._output(output, loss, logits)
+        if self.implementation == "pure":
+            loss = chunked_causal_lm_loss(self.spec.logits, hidden, labels, self.n_chunks, **pending)
+        elif self.implementation == "pure_grad_in_forward":
+            loss = _grad_in_forward_loss(self.spec, hidden, labels, self.n_chunks, **pending)
+        else:
+            loss = _fused_loss(self.spec, self.implementation, hidden, labels, **pending)
+        self.chunked_forwards += 1
+        logits = None
+        if self.logits_mode == "detached":
+            with torch.no_grad():
+                logits = self.spec.logits(hidden)
+        return self._output(output, loss, logits)
+
+    @staticmethod
+    def _output(output: Any, loss: torch.Tensor, logits: torch.Tensor | None) -> Any:
+        if isinstance(output, tuple):  # return_dict=False: (logits, *rest) without labels; None fields are left out
+            return (loss, *([] if logits is None else [logits]), *output[1:])
+        # a new output, so its keys keep transformers' order (loss first) and a dropped logits is no key
+        fields = {k: v for k, v in output.items() if k not in ("loss", "logits")}
+        return type(output)(loss=loss, logits=logits, **fields)
+
+
+def attach_head(model: nn.Module, logits: str = "drop") -> HeadSwitch | None:
+    """A :class:`HeadSwitch` on ``model``'s head, or None (and one logged line saying why) when
+    memfit cannot treat it. The switch starts at ``keep``."""
+    try:
+        return HeadSwitch(find_head(model), logits=logits)
+    except HeadNotFound as reason:
+        logger.warning("memfit: %s", reason)
+        return None
+
+
+@dataclass(frozen=True)
+class HeadBytes:
+    """The head's memory for one shape and treatment.
+
+    Attributes:
+        saved_bytes: what autograd keeps for backward from the head's forward until its backward.
+        transient_bytes: what lives only while the head runs (forward or backward), above ``saved_bytes``.
+    """
+
+    saved_bytes: int
+    transient_bytes: int
+
+
+def head_saved_bytes(
+    tokens: int, vocab: int, hidden: int, dtype: torch.dtype, treatment: str, n_chunks: int = 1, softcap: bool = False,
+    implementation: str = "pure", weight_trains: bool = True,
+) -> HeadBytes:
+    """The head's bytes for ``tokens`` tokens (``batch x length``), by formula.
+
+    NOTE [Head bytes]
+    ``keep``: cross-entropy's ``log_softmax`` keeps its float32 output (``tokens x vocab x 4``);
+    soft-capping keeps its ``tanh`` output in the model's dtype; ``lm_head`` keeps its input
+    (``tokens x hidden``), cross-entropy its int64 targets. The returned logits (model dtype) live as long as the outputs, and in a
+    half-precision model the float32 upcast lives until ``log_softmax`` has run: the transient.
+    ``chunked``: only the hidden rows are kept (``tokens x hidden``, shared with the body's output);
+    one chunk at a time holds its logits in the model's dtype, their float32 copy, ``log_softmax``'s
+    output and, in backward, its gradient (float32): the transient. ``pure_grad_in_forward`` keeps the
+    hidden rows' gradient instead of the rows and targets and, when ``lm_head``'s weight trains
+    (``weight_trains``), its float32 gradient (``vocab x hidden x 4``). Measured by :func:`probe_head`,
+    checked against this in tests/test_head.py.
+    """
+    size = torch.tensor([], dtype=dtype).element_size()
+    hidden_bytes = tokens * hidden * size + tokens * 8  # the rows and their int64 targets
+    if treatment == "keep":
+        saved = tokens * vocab * 4 + (tokens * vocab * size if softcap else 0) + hidden_bytes
+        transient = tokens * vocab * size + (tokens * vocab * 4 if size != 4 else 0)
+        return HeadBytes(saved, transient)
+    if treatment == "chunked":
+        rows = -(-tokens // max(1, n_chunks))
+        if implementation == "pure_grad_in_forward":
+            return HeadBytes(tokens * hidden * size + (vocab * hidden * 4 if weight_trains else 0), rows * vocab * (size + 4 + 4 + 4))
+        return HeadBytes(hidden_bytes, rows * vocab * (size + 4 + 4 + 4))
+    raise ValueError(f"head treatment must be one of {HEAD_TREATMENTS}, got {treatment!r}")
+
+
+def chunks_for_bytes(tokens: int, vocab: int, dtype: torch.dtype, transient_bytes: int) -> int:
+    """The fewest chunks whose one-chunk transient (:func:`head_saved_bytes`) fits ``transient_bytes``
+    (at most one token per chunk: ``tokens``), so the planner can turn the bytes it has left into a
+    chunk count per batch.
+
+    Example:
+        >>> chunks_for_bytes(16384, 151936, torch.bfloat16, 2**30)
+        33
+    """
+    per_token = head_saved_bytes(1, vocab, 0, dtype, "chunked").transient_bytes
+    rows = max(1, transient_bytes // per_token)
+    return max(1, min(tokens, -(-tokens // rows)))
+
+
+def probe_head(spec: HeadSpec, hidden: torch.Tensor, labels: torch.Tensor, n_chunks: int, implementation: str = "pure") -> dict[str, dict[str, float]]:
+    """Measure the head under ``keep`` and ``chunked`` on the body's output ``hidden``.
+
+    For each treatment: ``saved_bytes`` (distinct storages autograd keeps, counted with
+    ``saved_tensors_hooks``, parameters excluded) and ``ms`` (forward + backward, wall time; on CUDA
+    synchronised, which is why this is for warm-up only). Gradients are taken with respect to a
+    detached copy of ``hidden`` and of ``lm_head``'s trainable weights by ``torch.autograd.grad``,
+    so no ``.grad`` changes.
+    """
+    params = {p.untyped_storage().data_ptr() for p in spec.causal_lm.parameters()}
+    weights = [p for p in spec.lm_head.parameters() if p.requires_grad]
+    results = {}
+    for treatment in HEAD_TREATMENTS:
+        h = hidden.detach().requires_grad_(True)
+        storages: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            s = t.untyped_storage()
+            if s.data_ptr() not in params:
+                storages[s.data_ptr()] = s.nbytes()
+            return t
+
+        _sync(hidden)
+        start = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if treatment == "keep":
+                loss = _keep_loss(spec, h, labels)
+            elif implementation == "pure":
+                loss = chunked_causal_lm_loss(spec.logits, h, labels, n_chunks)
+            elif implementation == "pure_grad_in_forward":
+                loss = _grad_in_forward_loss(spec, h, labels, n_chunks)
+            else:
+                loss = _fused_loss(spec, implementation, h, labels)
+        torch.autograd.grad(loss, [h, *weights])
+        _sync(hidden)
+        ms = (time.perf_counter() - start) * 1e3
+        results[treatment] = {"saved_bytes": float(sum(storages.values())), "ms": ms}
+    return results
+
+
+def _keep_loss(spec: HeadSpec, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss(spec.logits(hidden), labels, spec.vocab_size)
+
+
+def _sync(t: torch.Tensor) -> None:
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)

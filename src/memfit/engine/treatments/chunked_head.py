@@ -1,0 +1,123 @@
+"""``chunked`` for the LM head: logits and loss a chunk of tokens at a time (engine/head.py runs it),
+and its options for the planner, priced per shape.
+
+# NOTE [Head options]
+The planner (:func:`memfit.engine.planner.plan_with_head`) takes the head's options as
+``(treatment, n_chunks, bytes saved, ms)`` relative to keeping the head. The bytes are the
+head's peak at its moment of the step, ``saved + transient`` of :func:`head_saved_bytes`, kept
+minus chunked; the time is ``extra_ms + per_chunk_ms * n_chunks`` (what warm-up's
+:func:`probe_head` measures: the chunked head's extra time over keep, and what each further
+chunk adds). Chunk counts are powers of two up to the batch's tokens (one token per chunk at
+most); a count is offered only where it saves more than the count before it, so the options'
+bytes and times both rise and the planner's tie rule picks the fewest chunks that fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from memfit.engine.head import HeadSwitch, head_saved_bytes
+from memfit.engine.treatments.base import KEEP, Treatment
+
+if TYPE_CHECKING:
+    from memfit.engine.blocks import Block
+
+__all__ = ["CHUNKED", "KeepHead", "ChunkedHead", "HeadPart", "head_options"]
+
+CHUNKED = "chunked"
+
+
+class KeepHead(Treatment):
+    """The head as the model runs it: the whole ``tokens x vocab`` logits and their float32 loss."""
+
+    name = KEEP
+    help = "the LM head as the model runs it"
+    parts = ("head",)
+    order = 0
+
+
+class ChunkedHead(Treatment):
+    """The head's logits and loss a chunk of tokens at a time (NOTE [Chunk recomputed in backward], head.py)."""
+
+    name = CHUNKED
+    help = "the LM head's logits and loss a chunk of tokens at a time, never the whole float32 tokens x vocab"
+    parts = ("head",)
+    reruns = True
+    order = 10
+
+    def run(self, block: "Block", args: tuple, kwargs: dict[str, Any]) -> Any:
+        raise TypeError("the head's treatment is set on its HeadSwitch (engine/head.py), not run as a block's")
+
+
+def head_options(
+    tokens: int, vocab: int, hidden: int, dtype: torch.dtype, extra_ms: float, per_chunk_ms: float,
+    softcap: bool = False, implementation: str = "pure",
+) -> tuple[tuple[str, int, int, float], ...]:
+    """The head's options for one shape (NOTE [Head options]): keep first, then chunk counts ascending.
+
+    Example:
+        >>> [o[:2] for o in head_options(8, 1000, 16, torch.float32, 1.0, 0.1)]
+        [('keep', 1), ('chunked', 4), ('chunked', 8)]
+    """
+    kept = head_saved_bytes(tokens, vocab, hidden, dtype, KEEP, softcap=softcap)
+    kept_peak = kept.saved_bytes + kept.transient_bytes
+    out: list[tuple[str, int, int, float]] = [(KEEP, 1, 0, 0.0)]
+    last_saved = 0
+    n_chunks = 1
+    while True:
+        n_chunks = min(n_chunks, max(1, tokens))
+        chunked = head_saved_bytes(tokens, vocab, hidden, dtype, CHUNKED, n_chunks, softcap, implementation)
+        saved = kept_peak - (chunked.saved_bytes + chunked.transient_bytes)
+        if saved > last_saved:
+            out.append((CHUNKED, n_chunks, int(saved), float(extra_ms + per_chunk_ms * n_chunks)))
+            last_saved = saved
+        if n_chunks >= tokens:
+            return tuple(out)
+        n_chunks *= 2
+
+
+class HeadPart:
+    """The head as the planner and the controller see it: its options per shape (NOTE [Head options])
+    and the switch a plan sets (``Plan.head``, NOTE [The head in the plan]).
+
+    Args:
+        switch: the model's head switch (:func:`memfit.engine.head.attach_head`).
+        extra_ms: the chunked head's time over keep.
+        per_chunk_ms: what each chunk adds (0: the planner's tie rule picks the fewest chunks that fit).
+
+    Example:
+        >>> part = HeadPart(attach_head(model))               # doctest: +SKIP
+        >>> plan = plan_with_head(blocks, part.options(n * l), need)  # doctest: +SKIP
+        >>> part.apply(plan)                                    # doctest: +SKIP
+    """
+
+    def __init__(self, switch: HeadSwitch, extra_ms: float = 0.0, per_chunk_ms: float = 0.0):
+        self.switch, self.extra_ms, self.per_chunk_ms = switch, float(extra_ms), float(per_chunk_ms)
+
+    @classmethod
+    def from_probes(cls, switch: HeadSwitch, probes: Mapping[int, Mapping[str, Mapping[str, float]]]) -> "HeadPart":
+        """Priced from :func:`memfit.engine.head.probe_head`'s results by chunk count: the extra time at
+        the fewest chunks probed and, with two or more counts, the slope per chunk (never below 0)."""
+        counts = sorted(probes)
+        extra = {n: max(0.0, probes[n]["chunked"]["ms"] - probes[n]["keep"]["ms"]) for n in counts}
+        slope = (extra[counts[-1]] - extra[counts[0]]) / (counts[-1] - counts[0]) if len(counts) > 1 else 0.0
+        per_chunk = max(0.0, slope)
+        return cls(switch, max(0.0, extra[counts[0]] - per_chunk * counts[0]), per_chunk)
+
+    def options(self, tokens: int) -> tuple[tuple[str, int, int, float], ...]:
+        """The head's options for a batch of ``tokens`` tokens (``batch x length``)."""
+        spec = self.switch.spec
+        weight = spec.weight
+        return head_options(
+            tokens, spec.vocab_size, weight.shape[-1], weight.dtype, self.extra_ms, self.per_chunk_ms,
+            softcap=spec.softcap is not None, implementation=self.switch.implementation,
+        )
+
+    def apply(self, plan: Any) -> None:
+        """Set the switch to ``plan.head`` (a plan without a head leaves it as it is)."""
+        if plan.head is not None:
+            name, n_chunks = plan.head
+            self.switch.set(name, n_chunks, self.switch.implementation)

@@ -1,0 +1,99 @@
+"""The LM head's options for the planner (NOTE [Head options]) and its place in the registry."""
+
+import pytest
+import torch
+
+from memfit.engine.head import head_saved_bytes
+from memfit.engine.planner import InfeasiblePlanError, plan_with_head
+from memfit.engine.treatments import BY_PART, TREATMENTS, ChunkedHead, HeadPart, KeepHead, head_options
+
+
+def test_head_registers_its_own_treatments():
+    assert dict(BY_PART["head"]) == {"keep": KeepHead, "chunked": ChunkedHead}
+    assert "chunked" not in TREATMENTS  # a block is never given a head's treatment
+    assert dict(BY_PART["block"]) == dict(TREATMENTS)
+
+
+def test_head_options_bytes_from_the_formula_and_rising():
+    tokens, vocab, hidden = 64, 5000, 32
+    options = head_options(tokens, vocab, hidden, torch.bfloat16, extra_ms=2.0, per_chunk_ms=0.5)
+    assert options[0] == ("keep", 1, 0, 0.0)
+    kept = head_saved_bytes(tokens, vocab, hidden, torch.bfloat16, "keep")
+    for name, n, saved, ms in options[1:]:
+        chunked = head_saved_bytes(tokens, vocab, hidden, torch.bfloat16, "chunked", n)
+        assert name == "chunked"
+        assert saved == kept.saved_bytes + kept.transient_bytes - chunked.saved_bytes - chunked.transient_bytes
+        assert ms == pytest.approx(2.0 + 0.5 * n)
+    assert [o[1] for o in options[1:]] == sorted(o[1] for o in options[1:])
+    assert [o[2] for o in options] == sorted(o[2] for o in options)
+    assert options[-1][1] == tokens  # one token per chunk at most
+
+
+def _plan(tokens: int, free_bytes: int):
+    """A vocabulary-dominated decoder: 2 blocks that save little, its head priced by the formula;
+    ``free_bytes`` is what the budget leaves for the head's peak and the blocks."""
+    vocab, hidden = 5000, 32
+    kept = head_saved_bytes(tokens, vocab, hidden, torch.float32, "keep")
+    blocks = [[("recompute", tokens * hidden * 4, 1.0)]] * 2
+    need = 2 * tokens * hidden * 8 + kept.saved_bytes + kept.transient_bytes - free_bytes
+    return plan_with_head(blocks, head_options(tokens, vocab, hidden, torch.float32, 0.5, 0.05), need)
+
+
+def test_short_batch_keeps_the_head_long_batch_chunks_it():
+    free = 4 * 2**20
+    assert _plan(32, free).head == ("keep", 1)
+    long = _plan(512, free)
+    assert long.head[0] == "chunked" and long.head[1] > 1
+
+
+def test_budget_below_the_smallest_chunked_head_names_the_head():
+    with pytest.raises(InfeasiblePlanError, match="the head's treatments at most"):
+        _plan(512, 2**10)
+
+
+def _decoder(vocab: int = 4000):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         intermediate_size=37, vocab_size=vocab, use_cache=False)
+    return tf.LlamaForCausalLM(cfg).train()
+
+
+def test_head_part_plans_and_sets_the_switch_per_batch():
+    from memfit.engine.head import attach_head
+
+    model = _decoder()
+    part = HeadPart(attach_head(model), extra_ms=1.0, per_chunk_ms=0.01)
+    blocks = [[("recompute", 10_000, 5.0)]] * 2
+    # short batch, budget not binding: keep; the model's own loss
+    ids = torch.randint(3, 4000, (2, 8))
+    plan = plan_with_head(blocks, part.options(ids.numel()), 0)
+    part.apply(plan)
+    assert plan.head == ("keep", 1) and part.switch.treatment == "keep"
+    reference = model(input_ids=ids, labels=ids).loss
+    # long batch, the head's float32 logits are most of the need: chunked, fewest chunks that fit
+    ids = torch.randint(3, 4000, (4, 64))
+    options = part.options(ids.numel())
+    need = options[2][2]  # what the second-fewest chunk count saves
+    plan = plan_with_head(blocks, options, need)
+    assert plan.head == options[2][:2] and plan.blocks == ()
+    part.apply(plan)
+    assert (part.switch.treatment, part.switch.n_chunks) == plan.head
+    out = model(input_ids=ids, labels=ids)
+    assert out.logits is None and part.switch.chunked_forwards == 1
+    part.switch.set("keep")
+    torch.testing.assert_close(out.loss, model(input_ids=ids, labels=ids).loss)
+    assert reference.isfinite()
+
+
+def test_head_part_from_probes_prices_the_slope():
+    from memfit.engine.head import attach_head
+
+    switch = attach_head(_decoder())
+    probes = {4: {"keep": {"ms": 10.0}, "chunked": {"ms": 12.0}}, 16: {"keep": {"ms": 10.0}, "chunked": {"ms": 14.4}}}
+    part = HeadPart.from_probes(switch, probes)
+    assert part.per_chunk_ms == pytest.approx(0.2)
+    assert part.extra_ms == pytest.approx(1.2)
+    one = HeadPart.from_probes(switch, {8: {"keep": {"ms": 10.0}, "chunked": {"ms": 9.0}}})
+    assert (one.extra_ms, one.per_chunk_ms) == (0.0, 0.0)
