@@ -1,7 +1,7 @@
 """Planner time per step on the CPU: what the step records' ``planner_us`` measures.
 
 The planner's cost does not depend on the GPU: it is Python on the host, before the first
-block runs (NOTE [Plan is fixed before forward] in runtime.py). This script times exactly
+block runs (NOTE [Plan is fixed before forward] in engine/controller.py). This script times exactly
 the call the controller times (``method.decide(planning, key)``) on memory models shaped
 like the GPU runs', so a change to the planner can be measured here in seconds:
 
@@ -33,6 +33,7 @@ import time
 
 from memfit.engine.methods import Dynamic, Static
 from memfit.engine.model import Curve
+from memfit.engine.planner import Plan
 from memfit.engine.planning import Planning
 
 GB = 10**9
@@ -117,8 +118,8 @@ def swin_detr_planning(
 def _budget_for(planning: Planning, schedule) -> int:
     """Halfway between the peaks of the largest key with nothing and with every block checkpointed."""
     largest = max(schedule, key=lambda k: k[0] * k[1])
-    none = planning.static_bytes + planning.model.step_bytes(largest, ())
-    full = planning.static_bytes + planning.model.step_bytes(largest, planning.all_blocks)
+    none = planning.static_bytes + planning.model.step_bytes(largest, Plan(()))
+    full = planning.static_bytes + planning.model.step_bytes(largest, Plan(planning.all_blocks))
     return int((none + full) / 2)
 
 
