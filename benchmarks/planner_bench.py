@@ -52,9 +52,9 @@ def bert_planning(budget_bytes: int) -> tuple[Planning, list[tuple[int, int]]]:
     keys = [(32, t) for t in (64, 128, 200, 256, 320, 400, 512)]
     planning = Planning(12, [0] * 12, budget_bytes, int(0.03 * budget_bytes), 8)
     group = planning.model.group_models[0]
-    group.full_bytes = _curve(keys, (0, 0, 37_000, 12 * 4 * 4))
-    group.kept_bytes = _curve(keys, (0, 0, 3_072, 0))
-    group.cost_ms = _curve(keys, (0.1, 0, 2.6e-5, 0), intercept=True)
+    group.bytes["keep"] = _curve(keys, (0, 0, 37_000, 12 * 4 * 4))
+    group.bytes["recompute"] = _curve(keys, (0, 0, 3_072, 0))
+    group.ms["recompute"] = _curve(keys, (0.1, 0, 2.6e-5, 0), intercept=True)
     planning.model.outside = _curve(keys, (0, 0, 9_000, 0))
     planning.model.transient_full = _curve(keys, (-0.39e9, 0, 57_000, 0), intercept=True, floor=None, linear_until=6)
     planning.model.transient_partial = _curve(keys, (-0.43e9, 0, 18_000, 0), intercept=True, floor=None, linear_until=6)
@@ -91,9 +91,9 @@ def swin_detr_planning(
         else:  # the detector's encoder (stride-32 features) and decoder (300 queries)
             per_patch = 2 * 24 * 256 / 64 if kind == "encoder" else 0.0
         decoder = kind == "decoder"
-        m.full_bytes = _curve(keys, (0, 300_000 if decoder else 0, per_patch, 0))
-        m.kept_bytes = _curve(keys, (0, 2 * 300 * 256 if decoder else 0, 2 * embed_dim * 2**s / 4**s if kind == "stage" else 256 / 32, 0))
-        m.cost_ms = _curve(keys, (0.05, 0, 1e-6 * 2**s if kind == "stage" else 2e-7, 0), intercept=True)
+        m.bytes["keep"] = _curve(keys, (0, 300_000 if decoder else 0, per_patch, 0))
+        m.bytes["recompute"] = _curve(keys, (0, 2 * 300 * 256 if decoder else 0, 2 * embed_dim * 2**s / 4**s if kind == "stage" else 256 / 32, 0))
+        m.ms["recompute"] = _curve(keys, (0.05, 0, 1e-6 * 2**s if kind == "stage" else 2e-7, 0), intercept=True)
     planning.model.outside = _curve(keys, (0, 0, 2 * 3 * 16 * 4, 0))
     planning.model.transient_full = _curve(keys, (0.2e9, 0, 800, 0), intercept=True, floor=None, linear_until=6)
     planning.model.transient_partial = _curve(keys, (0.1e9, 0, 600, 0), intercept=True, floor=None, linear_until=6)
@@ -139,7 +139,7 @@ def _learn(planning: Planning, key: tuple[int, int]) -> None:
     """What a step that changes the model does to it: three curves learn a value 3% lower
     at this key (an over-prediction), the plan cache is cleared; curves refit lazily."""
     group = planning.model.group_models[planning.model.groups[0]]
-    for curve in (planning.model.outside, group.full_bytes, planning.model.transient_partial):
+    for curve in (planning.model.outside, group.bytes["keep"], planning.model.transient_partial):
         curve.add(key, 0.97 * curve(key))
     planning.cache.clear()
 
