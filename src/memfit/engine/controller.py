@@ -172,7 +172,7 @@ def _make_treatments(
     holds memory, and priced for the planner (engine/probe.py)."""
     if OFFLOAD not in names:
         return make_treatments(tuple(names), counter, compiled)
-    planning.offload_ms = probe.measure_link(device)
+    planning.price_offload(probe.measure_link(device))
     return make_treatments(tuple(names), counter, compiled, excluded_ptrs=counter.excluded_ptrs)
 
 

@@ -124,6 +124,12 @@ class Planning:
         self.treatments = tuple(name for name in self.registry if name != KEEP)
         self.offload_ms: Callable[[float, float], float] | None = None
 
+    def price_offload(self, offload_ms: Callable[[float, float], float]) -> None:
+        """Offload is priced by ``offload_ms`` (moved bytes, forward ms) -> ms from now on (the measured
+        host link); the cached plans, priced without it, are dropped."""
+        self.offload_ms = offload_ms
+        self.cache.clear()
+
     @property
     def margin_bytes(self) -> int:
         return self.room.margin_bytes
