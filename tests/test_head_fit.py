@@ -91,3 +91,35 @@ def test_the_head_label_is_no_block_in_the_summary_counts():
     _, records = _train(base, BUDGET, method="dynamic", head=True)
     counts = treated_blocks(records)
     assert "head" not in counts and all(v <= len(records) * 2 for v in counts.values()), counts
+
+
+def test_the_one_peak_evaluator_takes_a_chunked_heads_saving_off_and_the_learner_adds_it_back():
+    """NOTE [Head in the peaks]: a plan that chunks the head is predicted its saving lower at the
+    backward's start and at the recompute bound; a plan that keeps it, or has none, exactly as before;
+    a chunked step teaches ``outside`` its observed bytes plus the saving."""
+    from memfit.engine import learner
+    from memfit.engine.model import MemoryModel
+    from memfit.engine.planner import Plan
+    from memfit.engine.planning import Planning
+
+    planning = Planning(2, [0, 0], 10**9, margin_bytes=0, bucket_tokens=1)
+    model: MemoryModel = planning.model
+    for t in (16, 32, 64):
+        key = (4, t)
+        model.group_models[0].bytes["keep"].add(key, 1000.0 * 4 * t)
+        model.group_models[0].bytes["recompute"].add(key, 100.0 * 4 * t)
+        model.group_models[0].ms["recompute"].add(key, 0.01 * t)
+        model.outside.add(key, 5000.0 * 4 * t)
+        model.transient_full.add(key, 300.0 * 4 * t)
+    key, kept, chunked = (4, 64), Plan((0, 1), head=("keep", 1)), Plan((0, 1), head=("chunked", 4))
+    before = [model.backward_start_bytes(key, kept), model.recompute_bytes(key, kept), model.step_bytes(key, kept)]
+    assert before == [model.backward_start_bytes(key, Plan((0, 1))), model.recompute_bytes(key, Plan((0, 1))),
+                      model.step_bytes(key, Plan((0, 1)))]
+    model.head_saving = lambda tokens, head: 0 if head[0] == "keep" else 7 * tokens
+    assert [model.backward_start_bytes(key, kept), model.recompute_bytes(key, kept), model.step_bytes(key, kept)] == before
+    after = [model.backward_start_bytes(key, chunked), model.recompute_bytes(key, chunked), model.step_bytes(key, chunked)]
+    assert after == [pytest.approx(b - 7 * 256) for b in before]
+    outcome = learner.StepOutcome(key=(4, 128), plan=chunked, warmup=True, outside=1000, by_block=[10, 10], static=0,
+                                  peak=0, plain_peak=0, transient=None)
+    update = learner.learn_step(planning, outcome, None, (4, 128))
+    assert (("outside",), (4, 128), 1000 + 7 * 512) in update.samples
