@@ -58,6 +58,7 @@ from memfit.engine.shapes import first_tensor, shape_key
 from memfit.engine.store import ReactiveStore
 from memfit.engine.summary_text import end_summary, start_line
 from memfit.engine.treatments import OFFLOAD, RECOMPUTE, SELECTIVE, Treatment, make_treatments, run_treatment_names
+from memfit.engine.treatments.chunked_head import attach_head_part, head_treatments, with_head
 
 __all__ = ["fit", "Controller", "check_static_need_of"]
 
@@ -202,6 +203,7 @@ class Controller:
         treatments: Sequence[str] | None = None,
         announce: str | bool = False,
         compile: bool | dict[str, Any] = False,
+        head: bool = False,
     ):
         self.model = model
         self.method = method
@@ -224,6 +226,7 @@ class Controller:
         # Parameters and buffers are never activations (under FSDP: this rank's shards).
         self._counter = SavedTensorCounter(len(self.blocks), exclude=list(model.parameters()) + list(model.buffers()))
         self.treatments = _make_treatments(treatments, self._counter, self.planning, self.device, self.blocks[0].compiled)
+        self.head = attach_head_part(model, self.planning, transient=self.meter.kind != "logical") if head else None
         self.protection = method.make_protection(
             lambda: ReactiveStore(self._counter.excluded_ptrs), self.planning, self.meter, self._counter
         )
@@ -242,6 +245,7 @@ class Controller:
         self._handles = [
             model.register_forward_pre_hook(self._on_forward_start, with_kwargs=True),
             model.register_forward_hook(self._on_forward_end, always_call=True), *compile_loss(model, compile_options),
+            *filter(None, [self.head]),
         ]
         for b in self.blocks:
             b.listener = self
@@ -341,7 +345,7 @@ class Controller:
         oom = self.replay.oom
         failed = oom.failed_plan if oom.attempts and not self.replay.replaying else None
         t0 = time.perf_counter()
-        decision = self.method.decide(self.planning, step.key, failed)
+        decision = with_head(self.head, self.method.decide(self.planning, step.key, failed), step.key)
         step.planner_us = (time.perf_counter() - t0) * 1e6
         step.planned = self.planning.cache.misses > misses
         step.decision = decision
@@ -385,6 +389,7 @@ class Controller:
             oom_retries=len(self.replay.oom.attempts), oom_attempts=self.replay.oom.attempts, rank=self.rank, now=now,
         )
         self.replay.oom.clear()
+        record.treatments.update(head_treatments(step.decision.plan))
         self._records.append(record)
         if self._writer is not None:
             self._writer.write(record)
@@ -487,6 +492,7 @@ def fit(
     treatments: Sequence[str] | None = None,
     announce: bool = True,
     compile: bool | dict[str, Any] = False,
+    head: bool = False,
     **method_kwargs: Any,
 ) -> Controller:
     """Train ``model`` inside ``budget`` by treating just enough blocks per batch.
@@ -521,6 +527,9 @@ def fit(
             under the option ``activation_memory_budget`` (default 0.5), and the model's loss
             function (transformers' ``loss_function``) is compiled too unless the option
             ``loss`` is False.
+        head: plan the LM head of a causal LM beside the blocks (NOTE [The head in the plan] in
+            planner.py): per batch ``keep`` or ``chunked`` logits and loss (treatments/chunked_head.py),
+            recorded under ``treatments["head"]``; an unrecognised head is left to the model (one line says why).
         **method_kwargs: passed to the method (``path=`` for ``precomputed``,
             ``max_shape=`` for ``static``, ``warmup_steps=`` for ``dynamic``...).
 
@@ -548,4 +557,4 @@ def fit(
     method_obj = make_method(method, **method_kwargs)
     shown = (budget if isinstance(budget, str) else True) if announce else False
     return Controller(model, budget_bytes, method_obj, optimizer, blocks, log, margin, bucket_tokens, cap, treatments, shown,
-                      compile)
+                      compile, head=head)

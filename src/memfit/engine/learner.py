@@ -240,7 +240,9 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
     miss = None if predicted is None else outcome.plain_peak - predicted
     planned = set(outcome.plan.blocks)
     names = outcome.plan.treatments(len(model.groups))
-    curves: list[tuple] = [(("outside",), model.outside, outcome.outside)]
+    # a chunked head's saving added back: the curves describe the step with the head kept (NOTE [Head in the peaks], model.py)
+    head_saved = model.head_saved_bytes(key, outcome.plan)
+    curves: list[tuple] = [(("outside",), model.outside, outcome.outside + head_saved)]
     for group_id, group in model.group_models.items():
         members = [i for i, g in enumerate(model.groups) if g == group_id]
         for name in dict.fromkeys(names[i] for i in members):  # each treatment's curve learns its blocks' bytes

@@ -471,6 +471,8 @@ class MemoryModel:
         #: largest optimizer-step peak above static memory seen (NOTE [Three peaks])
         self.optimizer_bytes = 0.0
         self.max_key: tuple[int, int] | None = None
+        #: ``(tokens, plan.head) -> bytes`` a plan's head saves (NOTE [Head in the peaks]); None: no planned head
+        self.head_saving: Callable[[int, Any], int] | None = None
 
     @property
     def ready(self) -> bool:
@@ -630,30 +632,54 @@ class MemoryModel:
 
     def _peaks(self, values: dict[Any, Any], layout: _Layout) -> tuple[Any, Any, Any]:
         """``(backward start, recompute, step)`` above static (NOTE [Three peaks]): the one formula
-        for a shape and for the planner's rows (NOTE [One evaluator])."""
+        for a shape and for the planner's rows (NOTE [One evaluator]).
+
+        # NOTE [Head in the peaks]
+        The curves describe the step with the LM head kept (the learner adds a chunked head's saving
+        back to what such a step teaches, learner.py). A plan that chunks the head
+        (NOTE [The head in the plan], planner.py) saves ``values["head_saved"]`` bytes of the kept
+        head's float32 logits: taken off the backward's start, and off the recompute bound too, whose
+        ``full`` transient was fitted on whole-step peaks that the kept head's moment may set.
+        """
+        head_saved = values.get("head_saved", 0)
         start = self._activation(values, layout.counts)
         start = start + _select(layout.every, lambda: values["transient_full"], values["transient"])
         start = start + self._in_flight(values, layout.offloaded)
+        start = start - head_saved
         every = {g: {RECOMPUTE: n} for g, n in self._group_sizes.items()}
         recompute = self._activation(values, every) + values["transient_full"]
         held = 0
         for (g, name), n in layout.held.items():
             held = held + n * _maximum(0.0, self._kept(values, g, name) - values[(g, RECOMPUTE)])
         recompute = (recompute + held) + self._in_flight(values, layout.offloaded_below)
+        recompute = recompute - head_saved
         recompute = _select(layout.rerun, lambda: recompute, -math.inf)
         return start, recompute, _maximum(_maximum(start, recompute), self.optimizer_bytes)
 
+    def head_saved_bytes(self, key: tuple[int, int], plan: "Plan") -> int:
+        """What ``plan``'s head treatment saves at ``key`` against a kept head (NOTE [Head in the peaks])."""
+        if self.head_saving is None or plan.head is None:
+            return 0
+        return int(self.head_saving(key[0] * key[1], plan.head))
+
+    def _plan_peaks(self, key: tuple[int, int], plan: "Plan") -> tuple[Any, Any, Any]:
+        values = self._values(*key)
+        saved = self.head_saved_bytes(key, plan)
+        if saved:
+            values = {**values, "head_saved": saved}
+        return self._peaks(values, self._layout(plan))
+
     def backward_start_bytes(self, key: tuple[int, int], plan: "Plan") -> float:
         """Peak above static at the start of backward (NOTE [Three peaks]); what plans lower."""
-        return self._peaks(self._values(*key), self._layout(plan))[0]
+        return self._plan_peaks(key, plan)[0]
 
     def recompute_bytes(self, key: tuple[int, int], plan: "Plan") -> float:
         """Bound on the peak above static while backward re-runs ``plan``'s topmost re-run block."""
-        return self._peaks(self._values(*key), self._layout(plan))[1]
+        return self._plan_peaks(key, plan)[1]
 
     def step_bytes(self, key: tuple[int, int], plan: "Plan") -> float:
         """Predicted step peak above static memory under ``plan``: the largest of the three."""
-        return self._peaks(self._values(*key), self._layout(plan))[2]
+        return self._plan_peaks(key, plan)[2]
 
     def activation_bytes(self, key: tuple[int, int], plan: "Plan") -> float:
         """Saved bytes of the whole step under ``plan`` (outside + every block)."""

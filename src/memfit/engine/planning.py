@@ -42,7 +42,7 @@ import numpy as np
 
 from memfit.engine.budget import format_bytes
 from memfit.engine.model import MemoryModel
-from memfit.engine.planner import InfeasiblePlanError, Plan, PlanCache, plan_blocks, plan_treatments
+from memfit.engine.planner import InfeasiblePlanError, Plan, PlanCache, plan_blocks, plan_treatments, plan_with_head
 from memfit.engine.room import Room
 from memfit.engine.shapes import bucket_key
 from memfit.engine.summary_text import over_budget_words
@@ -123,6 +123,12 @@ class Planning:
         self.longest_in_bucket: dict[tuple[int, int], int] = {}
         self.treatments = tuple(name for name in self.registry if name != KEEP)
         self.offload_ms: Callable[[float, float], float] | None = None
+        self.head: Any = None  # the LM head as a planned part (treatments/chunked_head.py HeadPart), or None
+
+    def set_head(self, part: Any) -> None:
+        """Plan the LM head beside the blocks from now on (NOTE [The head in the plan], planner.py)."""
+        self.head, self.model.head_saving = part, part.saved_bytes
+        self.cache.clear()
 
     def price_offload(self, offload_ms: Callable[[float, float], float]) -> None:
         """Offload is priced by ``offload_ms`` (moved bytes, forward ms) -> ms from now on (the measured
@@ -163,7 +169,7 @@ class Planning:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model = MemoryModel.from_dict(state["model"], self.registry)
-        self.model.bucket_tokens = self.bucket_tokens
+        self.model.bucket_tokens, self.model.head_saving = self.bucket_tokens, getattr(self.head, "saved_bytes", None)
         self.room.margin_bytes = int(state["margin_bytes"])
         self.room.slack_bytes = int(state.get("slack_bytes", self.room.slack_bytes))
         self.cache.clear()
@@ -218,8 +224,8 @@ class Planning:
         plan = self.cache.get(cache_key)
         if plan is None:
             settled = self.cache.settled(ROW_AFTER_STEADY_ASKS)
-            from_row = _plan_from_row(self, k, static_bucket) if whole_row and settled and self.recompute_only else None
-            plan = from_row or self._plan(k)
+            from_row = _plan_from_row(self, k, static_bucket) if whole_row and settled and self.recompute_only and not self.head else None
+            plan = from_row or (self._plan(k) if self.head is None else _plan_head(self, k))
             if from_row is not None and k != edge and _row_constant(self, k, edge, static_bucket):
                 self.cache.put((edge, static_bucket), plan)  # no longer shape of the bucket will replan
             self.cache.put(cache_key, plan)
@@ -382,6 +388,30 @@ class Planning:
         """A step ran out of memory: the room grows (NOTE [Room], room.py) and the plans are redone."""
         self.room.after_oom(unusable_bytes)
         self.cache.clear()
+
+
+# ---------------------------------------------------------------- the head (NOTE [The head in the plan], planner.py)
+def _plan_head(planning: Planning, k: tuple[int, int]) -> Plan:
+    """``k``'s plan with the LM head a part beside the blocks (NOTE [The head in the plan], planner.py):
+    the cheapest mix of the blocks' treatments and one head treatment that saves what the backward's
+    start needs and fits all three peaks; else every block recomputed with the most chunks."""
+    room = planning.room_bytes
+    need = int(planning.static_bytes + planning.model.backward_start_bytes(k, Plan(()))) - room
+    head = planning.head.options(k[0] * k[1])
+    options = planning.model.options(k, planning.treatments, planning.offload_ms)
+    try:
+        plan = plan_with_head(options, head, need, order={name: t.order for name, t in planning.registry.items()})
+        if planning.predict_peak(k, plan) <= room:
+            return plan
+    except InfeasiblePlanError:
+        pass
+    most = Plan(planning.all_blocks, head=head[-1][:2])
+    if planning.predict_peak(k, most) > room and k not in planning.infeasible_keys:
+        planning.infeasible_keys.add(k)
+        logger.warning("memfit: shape %s is predicted to need %s even with every block checkpointed and the LM head "
+                       "in %d chunks, over the budget of %s", k, format_bytes(planning.predict_peak(k, most) + planning.budget_bytes - room),
+                       most.head[1], format_bytes(planning.budget_bytes))
+    return most
 
 
 # ---------------------------------------------------------------- rows (NOTE [Planning a row])

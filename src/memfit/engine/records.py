@@ -185,11 +185,13 @@ def summarize(records: Iterable[StepRecord]) -> RunSummary:
 
 def treated_blocks(records: Sequence[StepRecord]) -> dict[str, int]:
     """Blocks given each treatment, summed over ``records`` (a record of schema 1, with no
-    ``treatments``, recomputed its ``plan``)."""
+    ``treatments``, recomputed its ``plan``); the LM head's label (``treatments["head"]``) is no block."""
     out: dict[str, int] = {}
     for r in records:
         kinds = r.treatments or ({"recompute": r.plan} if r.plan else {})
         for kind, blocks in kinds.items():
+            if kind == "head":
+                continue
             out[kind] = out.get(kind, 0) + len(blocks)
     return dict(sorted(out.items()))
 

@@ -14,18 +14,19 @@ bytes and times both rise and the planner's tie rule picks the fewest chunks tha
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memfit.engine.head import HeadSwitch, head_saved_bytes
+from memfit.engine.head import HeadSwitch, attach_head, head_saved_bytes
 from memfit.engine.treatments.base import KEEP, Treatment
 
 if TYPE_CHECKING:
     from memfit.engine.blocks import Block
 
-__all__ = ["CHUNKED", "KeepHead", "ChunkedHead", "HeadPart", "head_options"]
+__all__ = ["CHUNKED", "KeepHead", "ChunkedHead", "HeadPart", "head_options", "attach_head_part", "with_head", "head_treatments"]
 
 CHUNKED = "chunked"
 
@@ -54,23 +55,24 @@ class ChunkedHead(Treatment):
 
 def head_options(
     tokens: int, vocab: int, hidden: int, dtype: torch.dtype, extra_ms: float, per_chunk_ms: float,
-    softcap: bool = False, implementation: str = "pure",
+    softcap: bool = False, implementation: str = "pure", transient: bool = True,
 ) -> tuple[tuple[str, int, int, float], ...]:
     """The head's options for one shape (NOTE [Head options]): keep first, then chunk counts ascending.
+    ``transient`` False prices the saved bytes alone (logical accounting: its peaks hold no transient).
 
     Example:
         >>> [o[:2] for o in head_options(8, 1000, 16, torch.float32, 1.0, 0.1)]
         [('keep', 1), ('chunked', 4), ('chunked', 8)]
     """
     kept = head_saved_bytes(tokens, vocab, hidden, dtype, KEEP, softcap=softcap)
-    kept_peak = kept.saved_bytes + kept.transient_bytes
+    kept_peak = kept.saved_bytes + (kept.transient_bytes if transient else 0)
     out: list[tuple[str, int, int, float]] = [(KEEP, 1, 0, 0.0)]
     last_saved = 0
     n_chunks = 1
     while True:
         n_chunks = min(n_chunks, max(1, tokens))
         chunked = head_saved_bytes(tokens, vocab, hidden, dtype, CHUNKED, n_chunks, softcap, implementation)
-        saved = kept_peak - (chunked.saved_bytes + chunked.transient_bytes)
+        saved = kept_peak - (chunked.saved_bytes + (chunked.transient_bytes if transient else 0))
         if saved > last_saved:
             out.append((CHUNKED, n_chunks, int(saved), float(extra_ms + per_chunk_ms * n_chunks)))
             last_saved = saved
@@ -94,8 +96,10 @@ class HeadPart:
         >>> part.apply(plan)                                    # doctest: +SKIP
     """
 
-    def __init__(self, switch: HeadSwitch, extra_ms: float = 0.0, per_chunk_ms: float = 0.0):
+    def __init__(self, switch: HeadSwitch, extra_ms: float = 0.0, per_chunk_ms: float = 0.0, transient: bool = True):
         self.switch, self.extra_ms, self.per_chunk_ms = switch, float(extra_ms), float(per_chunk_ms)
+        #: price the head's transient bytes too (False under logical accounting: NOTE [Head options])
+        self.transient = transient
 
     @classmethod
     def from_probes(cls, switch: HeadSwitch, probes: Mapping[int, Mapping[str, Mapping[str, float]]]) -> "HeadPart":
@@ -113,11 +117,65 @@ class HeadPart:
         weight = spec.weight
         return head_options(
             tokens, spec.vocab_size, weight.shape[-1], weight.dtype, self.extra_ms, self.per_chunk_ms,
-            softcap=spec.softcap is not None, implementation=self.switch.implementation,
+            softcap=spec.softcap is not None, implementation=self.switch.implementation, transient=self.transient,
         )
+
+    def saved_bytes(self, tokens: int, head: tuple[str, int] | None) -> int:
+        """What ``head`` (a plan's, NOTE [The head in the plan]) saves at ``tokens`` tokens against
+        keeping the head: what the memory model takes off the step's peaks (NOTE [Head in the peaks], model.py)."""
+        if head is None or head[0] == KEEP:
+            return 0
+        return next((saved for name, n, saved, _ in self.options(tokens) if (name, n) == tuple(head)), 0)
 
     def apply(self, plan: Any) -> None:
         """Set the switch to ``plan.head`` (a plan without a head leaves it as it is)."""
         if plan.head is not None:
             name, n_chunks = plan.head
             self.switch.set(name, n_chunks, self.switch.implementation)
+
+    def apply_step(self, decision: Any, key: tuple[int, int]) -> Any:
+        """A step's decision (its shape ``key``), fixed at its first block, with the head's treatment set
+        and named in its plan.
+
+        # NOTE [A plan without a head]
+        A plan made without the head (warm-up's, ``full``'s, a replay's: every block recomputed, the
+        most a step can save) runs the head chunked too, at the fewest chunks that save 15/16 of the
+        most any count saves: so warm-up's longest batches fit where a kept head would not, and what
+        the step ran is what its plan says (the learner adds the saving back: NOTE [Head in the peaks]).
+        """
+        plan = decision.plan
+        if plan.head is None:
+            tokens = max(1, key[0] * key[1])
+            options = self.options(tokens)
+            most = max(o[2] for o in options)
+            head = next(o[:2] for o in options if 16 * o[2] >= 15 * most)
+            decision = dataclasses.replace(decision, plan=dataclasses.replace(plan, head=head))
+        self.apply(decision.plan)
+        return decision
+
+    def remove(self) -> None:
+        """Take the switch's hooks off the model."""
+        self.switch.remove()
+
+
+def attach_head_part(model: torch.nn.Module, planning: Any, transient: bool) -> HeadPart | None:
+    """``memfit.fit(..., head=True)``: the model's head as a planned part, or None (with one logged line
+    saying why, :func:`memfit.engine.head.attach_head`) when memfit does not recognise it. Its options are
+    priced by :func:`head_saved_bytes` (``transient``: the meter's peaks hold transients), its time as free
+    (the tie rule keeps the head where nothing is needed); ``planning`` plans with it from now on."""
+    switch = attach_head(model)
+    if switch is None:
+        return None
+    part = HeadPart(switch, transient=transient)
+    planning.set_head(part)
+    return part
+
+
+def with_head(part: HeadPart | None, decision: Any, key: tuple[int, int]) -> Any:
+    """``decision`` with ``part``'s treatment set for the step (:meth:`HeadPart.apply_step`); as it is without a head part."""
+    return decision if part is None else part.apply_step(decision, key)
+
+
+def head_treatments(plan: Any) -> dict[str, str]:
+    """What a step record's ``treatments`` adds for the head: ``{"head": plan.head_label}``; nothing without a planned head."""
+    return {} if plan.head is None else {"head": plan.head_label}

@@ -1,0 +1,125 @@
+"""``memfit.fit(..., head=True)``: the LM head planned per batch beside the blocks (issue 39).
+
+A tiny Llama whose vocabulary dominates its memory trains under a logical budget with batches of
+varying length: short batches keep the head, long ones chunk it, no step goes over the budget, and
+the weights equal an uncapped run's without memfit within float32 tolerance (chunking reorders the
+loss's float additions, so not bitwise). ``head=False`` leaves the records as they were.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+tf = pytest.importorskip("transformers")
+
+import memfit  # noqa: E402
+
+VOCAB = 8000
+BUDGET = 12_000_000
+LENGTHS = [16, 64, 8, 32, 64, 16, 48, 64, 8, 64]
+
+
+def _base() -> "tf.LlamaForCausalLM":
+    config = tf.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                            intermediate_size=37, vocab_size=VOCAB, use_cache=False)
+    torch.manual_seed(0)
+    return tf.LlamaForCausalLM(config)
+
+
+def _train(base, budget, **fit_kwargs):
+    model = copy.deepcopy(base).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ctl = memfit.fit(model, budget=budget, optimizer=optimizer, announce=False, **fit_kwargs) if fit_kwargs else None
+    generator = torch.Generator().manual_seed(1)
+    for length in LENGTHS:
+        ids = torch.randint(0, VOCAB, (4, length), generator=generator)
+        torch.manual_seed(0)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    records = [] if ctl is None else list(ctl.records)
+    if ctl is not None:
+        ctl.remove()
+    return model, records
+
+
+def test_fit_plans_the_head_per_batch_keeps_short_chunks_long_and_stays_in_budget():
+    base = _base()
+    reference, _ = _train(base, None)
+    model, records = _train(base, BUDGET, method="dynamic", head=True)
+    assert len(records) == len(LENGTHS)
+    heads = [r.treatments["head"] for r in records]
+    steady = [(length, h) for length, h, r in zip(LENGTHS, heads, records) if r.phase == "steady"]
+    assert any(h == "keep" for _, h in steady), heads
+    assert any(h.startswith("chunked:") for _, h in steady), heads
+    # long batches chunk, short ones keep
+    assert all(h.startswith("chunked:") for length, h in steady if length == 64), steady
+    assert all(h == "keep" for length, h in steady if length <= 16), steady
+    over = [(r.step, r.peak_allocated_bytes) for r in records if r.peak_allocated_bytes > BUDGET]
+    assert not over, over
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, msg=lambda m: f"{name}: {m}")
+    # the switch is off the model: its own head again
+    assert model(input_ids=torch.arange(8)[None], labels=torch.arange(8)[None]).logits is not None
+
+
+def test_head_false_gives_the_same_records_as_before():
+    base = _base()
+    _, plain = _train(base, BUDGET, method="dynamic")
+    _, off = _train(base, BUDGET, method="dynamic", head=False)
+    assert all("head" not in r.treatments for r in off)
+    keys = ("plan", "treatments", "peak_allocated_bytes", "predicted_peak_bytes", "phase")
+    assert [[getattr(r, k, None) for k in keys] for r in plain] == [[getattr(r, k, None) for k in keys] for r in off]
+
+
+def test_an_unrecognised_head_is_left_to_the_model_with_one_line(caplog):
+    base = _base()
+    base.loss_function = lambda logits, labels, vocab_size, **kw: logits.float().mean()  # a custom loss
+    with caplog.at_level("WARNING", logger="memfit"):
+        _, records = _train(base, None, method="none", head=True)
+    assert any("head" in m.lower() for m in caplog.messages)
+    assert all("head" not in r.treatments for r in records)
+
+
+def test_the_head_label_is_no_block_in_the_summary_counts():
+    from memfit.engine.records import treated_blocks
+
+    base = _base()
+    _, records = _train(base, BUDGET, method="dynamic", head=True)
+    counts = treated_blocks(records)
+    assert "head" not in counts and all(v <= len(records) * 2 for v in counts.values()), counts
+
+
+def test_the_one_peak_evaluator_takes_a_chunked_heads_saving_off_and_the_learner_adds_it_back():
+    """NOTE [Head in the peaks]: a plan that chunks the head is predicted its saving lower at the
+    backward's start and at the recompute bound; a plan that keeps it, or has none, exactly as before;
+    a chunked step teaches ``outside`` its observed bytes plus the saving."""
+    from memfit.engine import learner
+    from memfit.engine.model import MemoryModel
+    from memfit.engine.planner import Plan
+    from memfit.engine.planning import Planning
+
+    planning = Planning(2, [0, 0], 10**9, margin_bytes=0, bucket_tokens=1)
+    model: MemoryModel = planning.model
+    for t in (16, 32, 64):
+        key = (4, t)
+        model.group_models[0].bytes["keep"].add(key, 1000.0 * 4 * t)
+        model.group_models[0].bytes["recompute"].add(key, 100.0 * 4 * t)
+        model.group_models[0].ms["recompute"].add(key, 0.01 * t)
+        model.outside.add(key, 5000.0 * 4 * t)
+        model.transient_full.add(key, 300.0 * 4 * t)
+    key, kept, chunked = (4, 64), Plan((0, 1), head=("keep", 1)), Plan((0, 1), head=("chunked", 4))
+    before = [model.backward_start_bytes(key, kept), model.recompute_bytes(key, kept), model.step_bytes(key, kept)]
+    assert before == [model.backward_start_bytes(key, Plan((0, 1))), model.recompute_bytes(key, Plan((0, 1))),
+                      model.step_bytes(key, Plan((0, 1)))]
+    model.head_saving = lambda tokens, head: 0 if head[0] == "keep" else 7 * tokens
+    assert [model.backward_start_bytes(key, kept), model.recompute_bytes(key, kept), model.step_bytes(key, kept)] == before
+    after = [model.backward_start_bytes(key, chunked), model.recompute_bytes(key, chunked), model.step_bytes(key, chunked)]
+    assert after == [pytest.approx(b - 7 * 256) for b in before]
+    outcome = learner.StepOutcome(key=(4, 128), plan=chunked, warmup=True, outside=1000, by_block=[10, 10], static=0,
+                                  peak=0, plain_peak=0, transient=None)
+    update = learner.learn_step(planning, outcome, None, (4, 128))
+    assert (("outside",), (4, 128), 1000 + 7 * 512) in update.samples
