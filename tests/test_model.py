@@ -238,15 +238,15 @@ def test_allocator_slack_is_kept_free_by_plans():
     assert len(plans[150_000]) > len(plans[0])
 
 
-def test_learn_slack_only_grows_and_replans():
+def test_learn_slack_only_grows_and_an_oom_replans():
     planning = Planning(4, [0, 0, 0, 0], 1_000_000, margin_bytes=0, bucket_tokens=1, slack_bytes=100)
     planning.model, planning.static_bytes = _model([16, 32, 64]), 200_000
+    assert planning.room.learn_slack(200) and planning.slack_bytes == 250
+    assert not planning.room.learn_slack(200) and planning.slack_bytes == 250  # only grows
     planning.plan_for((4, 60))
-    assert planning.learn_slack(200) and planning.slack_bytes == 250
-    assert planning.cache.items() == []  # plans made with the old slack are dropped
-    planning.plan_for((4, 60))
-    assert not planning.learn_slack(200) and planning.slack_bytes == 250
-    assert planning.cache.items() != []  # kept: the slack did not grow
+    planning.after_oom(400)
+    assert planning.slack_bytes == 500 and planning.margin_bytes == 0
+    assert planning.cache.items() == []  # plans made with the old room are dropped
 
 
 def test_allocator_retries_grow_the_slack_in_steps_up_to_a_ceiling():

@@ -377,13 +377,6 @@ class Planning:
             self.cache.clear()
         return grew
 
-    def learn_slack(self, unusable_bytes: int) -> bool:
-        """Keep 1.25 × ``unusable_bytes`` free for the allocator if that is more than now (NOTE [Room], room.py)."""
-        grew = self.room.learn_slack(unusable_bytes)
-        if grew:
-            self.cache.clear()
-        return grew
-
     def after_oom(self, unusable_bytes: int) -> None:
         """A step ran out of memory: the room grows (NOTE [Room], room.py) and the plans are redone."""
         self.room.after_oom(unusable_bytes)
