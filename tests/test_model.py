@@ -268,7 +268,7 @@ def test_allocator_retries_grow_the_slack_in_steps_up_to_a_ceiling():
     step, ceiling = int(RETRY_SLACK_SHARE * budget), int(MAX_RETRY_SLACK_SHARE * budget)
     assert seen == [(100, False), (100, False), (100 + step, True), (100 + 2 * step, True), (100 + 3 * step, True),
                     (ceiling, True), (ceiling, False)]
-    assert Planning(4, [0] * 4, None, margin_bytes=0, bucket_tokens=1).grow_slack() is False  # no budget, no cap
+    assert Planning(4, [0] * 4, None, margin_bytes=0, bucket_tokens=1).room.after_alloc_retries() is False  # no budget, no cap
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -370,13 +370,6 @@ class Planning:
             return group.bytes_curve(path[2]) if path[0] == "bytes" else group.ms_curve(path[2])
         return getattr(self.model, path[0])
 
-    def grow_slack(self) -> bool:
-        """The allocator released its cache to serve a step: grow the slack (NOTE [Room], room.py)."""
-        grew = self.room.after_alloc_retries()
-        if grew:
-            self.cache.clear()
-        return grew
-
     def after_oom(self, unusable_bytes: int) -> None:
         """A step ran out of memory: the room grows (NOTE [Room], room.py) and the plans are redone."""
         self.room.after_oom(unusable_bytes)
