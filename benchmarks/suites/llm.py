@@ -8,10 +8,18 @@ LAST = ("hf-every-2", "trl-offload")
 METHODS = ("plain", "none", "full", "static", "dynamic", "dynamic+all", "reactive", "hf-every-1", "hf-offload",
            "compile-0.5")
 
-#: the head call's methods: uncapped none, memfit, and fixed chunked-loss peers beside checkpointing
-HEAD_METHODS = ("none", "dynamic", "full", "hf-every-1", "hf-every-1+liger", "hf-every-1+chunked-8")
+#: the head call's methods (issue 39), every repeat at each cap: memfit with the head planned (--head on)
+#: and the fixed policies it is compared with (Hugging Face's checkpointing of every layer alone, with
+#: Liger's fused linear cross-entropy, with the pure chunked loss in 8 chunks as TRL's chunked_nll)
+HEAD_METHODS = ("dynamic", "full", "hf-every-1", "hf-every-1+liger", "hf-every-1+chunked-8")
+#: and once per cap after every repeat (its compilation is long): dynamic compiled
+HEAD_LAST = ("dynamic+compile",)
 #: the head call's caps in GB: 22 GiB (a 24 GB card) and half of an 80 GB H100 (79.6 GiB usable / 2)
 HEAD_BUDGETS_GB = (round(22 * 2**30 / 1e9, 2), round(79.6 / 2 * 2**30 / 1e9, 2))
+#: wall seconds of the head job on one GPU: the Qwen call, then the SmolLM call (head auto against off)
+HEAD_JOB_S = {"head-qwen15": 330, "head-smollm": 100}
+#: a configuration stops starting steps after this (the head job's limits hold with one running over)
+HEAD_CONFIG_S = {"head-qwen15": 40, "head-smollm": 20}
 
 SUITE = Suite(
     name="llm",
@@ -127,15 +135,36 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
         ctx, "loop_bench.py", *setups["qwen"], *common, "--budgets", 0.7, "--repeats", suite.repeats, "--methods",
         "none", "dynamic", "reactive", "--time_limit_s", 400, "--output_dir", ctx.folder("room-reactive"))],
         folder="room-reactive"))
-    # the LM head (issue 39): Qwen2.5-1.5B's shape (151,936-token vocabulary), whose float32 logits are
-    # the step's floor, at 22 GiB (a 24 GB card) and half of an 80 GB card, in GB as --budget_gb takes
-    # them; few steps and repeats interleaved in one call (none uncapped may OOM: its line says so)
-    out.append(Call("head-qwen15", [script(
-        ctx, "loop_bench.py", "--model", "Qwen2.5-1.5B", *sft, "--steps", 8 if ctx.quick else 24,
-        "--steady_from", 2 if ctx.quick else 6, "--budgets", "--budget_gb", HEAD_BUDGETS_GB[0], HEAD_BUDGETS_GB[1],
-        "--repeats", 1 if ctx.quick else 2, "--time_limit_s", 500, "--methods", *HEAD_METHODS,
-        "--output_dir", ctx.folder("head-qwen15"))], folder="head-qwen15"))
+    out += head_calls(suite, ctx)
     out.append(Call("long-compile", [script(
         ctx, "loop_bench.py", *long, "--methods", "none", "none+compile", "full", "dynamic+compile",
         "dynamic+sel+compile", "compile-0.5", "--output_dir", ctx.folder("long-compile"))], folder="long-compile"))
     return out
+
+
+def head_calls(suite: Suite, ctx: Context, tiny: bool = False) -> list[Call]:
+    """The LM head's calls (issue 39), one GPU, in turn: ``head-qwen15`` (Qwen2.5-1.5B's shape, 151,936-token
+    vocabulary, whose float32 logits are the step's floor, at 22 GiB and half of an 80 GB card, in GB as
+    --budget_gb takes them; memfit with the head planned against the fixed policies, step by step: vs_fixed.md)
+    and ``head-smollm`` (the SmolLM cells, whose head fits unchunked, at their caps: head auto against off).
+    cuDNN attention is off (an OOM inside it poisons later cuDNN calls). ``tiny``: a 2-layer model of 8,000
+    tokens' vocabulary on CPU (a dry run of the same commands; tests/test_run_suite.py)."""
+    short = ctx.quick or tiny
+    dry = ("--device", "cpu", "--config_overrides", "num_hidden_layers=2", "hidden_size=64", "intermediate_size=128",
+           "num_attention_heads=2", "num_key_value_heads=1", "vocab_size=8000") if tiny else ()
+    data = ("--lengths", "uniform:16:64", "--batch", 2) if tiny else ("--lengths", "sft", "--batch", 8)
+    gb = (0.006, 0.008) if tiny else HEAD_BUDGETS_GB
+    repeats = 1 if short else suite.repeats
+    qwen = script(
+        ctx, "loop_bench.py", "--model", "Qwen2.5-1.5B", *dry, *data, "--steps", 4 if short else 12,
+        "--steady_from", 2 if short else 5, "--budgets", "--budget_gb", *gb, "--repeats", repeats, "--head", "on",
+        "--no_cudnn_sdpa", "--time_limit_s", HEAD_JOB_S["head-qwen15"], "--config_time_limit_s",
+        HEAD_CONFIG_S["head-qwen15"], "--methods", *HEAD_METHODS, "--last", *(() if tiny else HEAD_LAST),
+        "--output_dir", ctx.folder("head-qwen15"))
+    smollm = script(
+        ctx, "loop_bench.py", "--model", "SmolLM-360M", *dry, *data, "--steps", 4 if short else 20,
+        "--steady_from", 2 if short else 6, "--budgets", *suite.budgets["ft"], "--repeats", repeats,
+        "--no_cudnn_sdpa", "--time_limit_s", HEAD_JOB_S["head-smollm"], "--config_time_limit_s",
+        HEAD_CONFIG_S["head-smollm"], "--methods", "none", "dynamic+head-auto", "dynamic+head-off",
+        "--output_dir", ctx.folder("head-smollm"))
+    return [Call("head-qwen15", [qwen], folder="head-qwen15"), Call("head-smollm", [smollm], folder="head-smollm")]
