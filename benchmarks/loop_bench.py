@@ -69,6 +69,7 @@ import inspect
 import json
 import os
 import random
+import signal
 import statistics
 import sys
 import time
@@ -905,6 +906,8 @@ def main(argv: list[str]) -> int:
         print(f"[{time.perf_counter() - started:6.0f}s] {result['method']:>16} {budget:>9} r{result['repeat']}: "
               f"{result['status']} {shown} peak {(peak or 0) / GB:.2f}GB{extra}", flush=True)
 
+    # a wall-clock limit from outside (`timeout` sends SIGTERM) ends the run through the finally below
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         _matrix(args, model, batches, initial, emit, started)
     finally:  # a time limit or a failure still leaves every line compared with the fixed policies

@@ -16,10 +16,12 @@ HEAD_METHODS = ("dynamic", "full", "hf-every-1", "hf-every-1+liger", "hf-every-1
 HEAD_LAST = ("dynamic+compile",)
 #: the head call's caps in GB: 22 GiB (a 24 GB card) and half of an 80 GB H100 (79.6 GiB usable / 2)
 HEAD_BUDGETS_GB = (round(22 * 2**30 / 1e9, 2), round(79.6 / 2 * 2**30 / 1e9, 2))
-#: wall seconds of the head job on one GPU: the Qwen call, then the SmolLM call (head auto against off)
-HEAD_JOB_S = {"head-qwen15": 330, "head-smollm": 100}
-#: a configuration stops starting steps after this (the head job's limits hold with one running over)
-HEAD_CONFIG_S = {"head-qwen15": 40, "head-smollm": 20}
+#: the head job on one GPU (520 s in all): the SmolLM call (head auto against off), then the Qwen call.
+#: Per call: no configuration starts after its time limit, a configuration stops starting steps after
+#: its own, and `timeout` ends the call at its timeout (SIGTERM: loop_bench still writes vs_fixed.md)
+HEAD_JOB_S = {"head-smollm": 95, "head-qwen15": 320}
+HEAD_CONFIG_S = {"head-smollm": 20, "head-qwen15": 40}
+HEAD_TIMEOUT_S = {"head-smollm": 130, "head-qwen15": 375}
 
 SUITE = Suite(
     name="llm",
@@ -52,10 +54,13 @@ SUITE = Suite(
           "and left eager, full FT at half of none's peak; room-long, room-qwen: dynamic (its slack grown by allocator "
           "retries) against dynamic with a 15% margin, long context and Qwen at 0.7; room-reactive: reactive (the same rule) on Qwen at 0.7; long, long-compile: the long-context row, eager methods and peers, then "
           "memfit's compiled methods against the compile peer, each beside uncapped none and full recompute; "
-          "head-qwen15: Qwen2.5-1.5B's shape (151,936-token vocabulary), 24 steps, 2 interleaved repeats in one call, at "
-          "22 GiB and half of an 80 GB card, none uncapped, dynamic, full, HF checkpointing alone and with a chunked loss "
-          "fixed for the run (Liger's fused linear cross-entropy, skipped where not importable; the pure chunked loss in "
-          "8 chunks); benchmarks/loop_bench.py",
+          "head-qwen15: Qwen2.5-1.5B's shape (151,936-token vocabulary), 12 steps, 3 interleaved repeats in one call, at "
+          "22 GiB and half of an 80 GB card, dynamic and full with the LM head planned (--head on), HF checkpointing alone "
+          "and with a chunked loss fixed for the run (Liger's fused linear cross-entropy, skipped where not importable; "
+          "the pure chunked loss in 8 chunks), then dynamic compiled once per cap; each memfit line against the fastest "
+          "fixed policy that fits the same cap, step by step (vs_fixed.md); cuDNN attention off (until 2026-11-27: 24 "
+          "steps, 2 repeats, none uncapped, the head left to fit's default); head-smollm: the SmolLM full-FT cells at 0.5 "
+          "and 0.7 of none's peak, dynamic with the head auto against off, 20 steps, 3 repeats; benchmarks/loop_bench.py",
 )
 QUICK = SUITE.replace(repeats=1, steps=6)
 
@@ -167,4 +172,5 @@ def head_calls(suite: Suite, ctx: Context, tiny: bool = False) -> list[Call]:
         "--no_cudnn_sdpa", "--time_limit_s", HEAD_JOB_S["head-smollm"], "--config_time_limit_s",
         HEAD_CONFIG_S["head-smollm"], "--methods", "none", "dynamic+head-auto", "dynamic+head-off",
         "--output_dir", ctx.folder("head-smollm"))
-    return [Call("head-qwen15", [qwen], folder="head-qwen15"), Call("head-smollm", [smollm], folder="head-smollm")]
+    return [Call(name, [command], folder=name, timeout_s=HEAD_TIMEOUT_S[name])
+            for name, command in (("head-smollm", smollm), ("head-qwen15", qwen))]
