@@ -273,3 +273,25 @@ def test_head_calls_run_end_to_end_on_cpu_with_a_tiny_model(tmp_path):
     smollm = [json.loads(x) for x in (tmp_path / "head-smollm" / "results.jsonl").read_text().splitlines()]
     assert {x["method"] for x in smollm} == {"none", "dynamic+head-auto", "dynamic+head-off"}
     assert all(not x.get("head_steps") for x in smollm if x["method"] == "dynamic+head-off")
+
+
+def test_head_job_line_is_the_suites_head_calls_and_parses():
+    """The one line the GPU session runs is the suite's head calls, each under its timeout, each parsed
+    by loop_bench without an unknown method; their timeouts fit the job's 520 s."""
+    import shlex
+
+    from suites import llm
+
+    loop_bench = _loop_bench()
+    line = llm.head_job("/out/head")
+    parts = [shlex.split(part) for part in line.split(" ; ")]
+    assert [p[:3] for p in parts] == [["timeout", "130", "python3"], ["timeout", "375", "python3"]]
+    assert sum(float(p[1]) for p in parts) <= 520
+    for words, folder in zip(parts, ("head-smollm", "head-qwen15")):
+        assert words[3] == "benchmarks/loop_bench.py"
+        args = loop_bench._parse(words[4:])
+        assert args.output_dir == f"/out/head/{folder}" and args.no_cudnn_sdpa
+        assert all(m == "none" or loop_bench._memfit_config(m) or m in loop_bench.PEERS for m in args.methods + args.last)
+        assert args.time_limit_s + args.config_time_limit_s + 15 <= float(words[1])
+    qwen = loop_bench._parse(parts[1][4:])
+    assert qwen.head == "on" and qwen.budget_gb == [23.62, 42.73] and qwen.repeats >= 3

@@ -1,5 +1,7 @@
 """llm: decoder-LLM fine-tuning under a cap, memfit's methods against every peer, in one plain loop."""
 
+from pathlib import Path
+
 from suites import Call, Context, Suite, script
 
 #: Peers whose OOM at a cap leaves memory behind: they run once per budget, in a call of their own.
@@ -174,3 +176,27 @@ def head_calls(suite: Suite, ctx: Context, tiny: bool = False) -> list[Call]:
         "--output_dir", ctx.folder("head-smollm"))
     return [Call(name, [command], folder=name, timeout_s=HEAD_TIMEOUT_S[name])
             for name, command in (("head-smollm", smollm), ("head-qwen15", qwen))]
+
+
+def head_job(out: str, python: str = "python3") -> str:
+    """The head job as one shell line for a GPU session (run from the repository root, one GPU chosen by
+    CUDA_VISIBLE_DEVICES): :func:`head_calls` in turn, each under ``timeout``, into ``out/<call>``.
+
+    Example:
+        >>> head_job("$OUT/head").startswith("timeout 130 python3 benchmarks/loop_bench.py --model SmolLM-360M")
+        True
+    """
+    import shlex
+
+    from suites import ROOT
+
+    class _Out(Context):
+        def folder(self, call_name: str) -> Path:
+            return Path(f"{out}/{call_name}")
+
+    ctx = _Out(raw=Path(out), quick=False, cuda=True, python=python)
+    words = []
+    for call in head_calls(SUITE, ctx):
+        command = [w.replace(f"{ROOT}/", "") for w in call.commands[0]]
+        words.append(f"timeout {call.timeout_s:g} " + " ".join(w if w.startswith("$") else shlex.quote(w) for w in command))
+    return " ; ".join(words)
