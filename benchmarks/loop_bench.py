@@ -995,14 +995,35 @@ def add_vs_fixed(lines: list[dict], steady_from: int) -> list[dict]:
     return lines
 
 
+def add_vs_head_off(lines: list[dict], steady_from: int) -> list[dict]:
+    """Each line of a memfit configuration with a head part other than ``+head-off`` (``dynamic+head-auto``)
+    gets ``step_ratio_vs_head_off``: the median of its steady steps' ratios to the same configuration with
+    ``+head-off`` at the same budget and repeat, on the same batches (what planning the head costs where
+    it fits unchunked)."""
+    off = {(x["method"], x.get("budget_bytes"), x.get("repeat")): x for x in lines
+           if "+head-off" in x["method"] and x.get("status") == "ok"}
+    for line in lines:
+        for part in HEAD_PARTS:
+            base, at, margin = line["method"].partition("@")
+            if part == "+head-off" or not base.endswith(part):
+                continue
+            twin = off.get((base[: -len(part)] + "+head-off" + at + margin, line.get("budget_bytes"), line.get("repeat")))
+            mine, theirs = line.get("step_ms") or [], (twin or {}).get("step_ms") or []
+            steps = range(steady_from, min(len(mine), len(theirs)))
+            if steps:
+                line["step_ratio_vs_head_off"] = round(statistics.median(mine[i] / theirs[i] for i in steps), 4)
+    return lines
+
+
 def write_vs_fixed(out_dir: str, steady_from: int) -> None:
-    """Rewrite ``results.jsonl`` with :func:`add_vs_fixed`'s fields, and ``vs_fixed.md``: per memfit
-    configuration and budget, the median over repeats of its ratio to the fastest fixed policy."""
+    """Rewrite ``results.jsonl`` with :func:`add_vs_fixed`'s and :func:`add_vs_head_off`'s fields, and
+    ``vs_fixed.md``: per memfit configuration and budget, the median over repeats of its ratio to the
+    fastest fixed policy, and of its ratio to itself with the head off where that ran."""
     path = os.path.join(out_dir, "results.jsonl")
     if not os.path.exists(path):
         return
     with open(path) as fh:
-        lines = add_vs_fixed([json.loads(x) for x in fh if x.strip()], steady_from)
+        lines = add_vs_head_off(add_vs_fixed([json.loads(x) for x in fh if x.strip()], steady_from), steady_from)
     with open(path + ".tmp", "w") as fh:
         fh.writelines(json.dumps(x) + "\n" for x in lines)
     os.replace(path + ".tmp", path)
@@ -1010,15 +1031,17 @@ def write_vs_fixed(out_dir: str, steady_from: int) -> None:
     for x in lines:
         if "fixed_fitting" in x:
             rows.setdefault((x["budget_bytes"], x["method"]), []).append(x)
-    table = ["| budget | method | repeats | fixed policies fitting | fastest fixed | median step ratio | summed ratio | status |",
-             "| ---: | --- | ---: | --- | --- | ---: | ---: | --- |"]
+    table = ["| budget | method | repeats | fixed policies fitting | fastest fixed | median step ratio | summed ratio "
+             "| vs head off | status |", "| ---: | --- | ---: | --- | --- | ---: | ---: | ---: | --- |"]
     for (budget, method), xs in sorted(rows.items()):
         ratios = [x["step_ratio_vs_fastest_fixed"] for x in xs if "step_ratio_vs_fastest_fixed" in x]
         sums = [x["sum_ratio_vs_fastest_fixed"] for x in xs if "sum_ratio_vs_fastest_fixed" in x]
         fastest = sorted({x["fastest_fixed"] for x in xs if "fastest_fixed" in x})
+        head_off = [x["step_ratio_vs_head_off"] for x in xs if "step_ratio_vs_head_off" in x]
         table.append(f"| {budget / GB:.2f} GB | {method} | {len(xs)} | {'/'.join(str(x['fixed_fitting']) for x in xs)} | "
                      f"{', '.join(fastest) or '-'} | {statistics.median(ratios) if ratios else '-'} | "
-                     f"{statistics.median(sums) if sums else '-'} | {', '.join(sorted({x['status'] for x in xs}))} |")
+                     f"{statistics.median(sums) if sums else '-'} | {statistics.median(head_off) if head_off else '-'} | "
+                     f"{', '.join(sorted({x['status'] for x in xs}))} |")
     with open(os.path.join(out_dir, "vs_fixed.md"), "w") as fh:
         fh.write("memfit against the fastest fixed policy that fits the same cap, per repeat (NOTE [Against the fastest "
                  "fixed policy] in benchmarks/loop_bench.py); ratios are medians over repeats\n\n" + "\n".join(table) + "\n")

@@ -295,3 +295,16 @@ def test_head_job_line_is_the_suites_head_calls_and_parses():
         assert args.time_limit_s + args.config_time_limit_s + 15 <= float(words[1])
     qwen = loop_bench._parse(parts[1][4:])
     assert qwen.head == "on" and qwen.budget_gb == [23.62, 42.73] and qwen.repeats >= 3
+
+
+def test_loop_bench_pairs_head_auto_with_head_off_step_by_step():
+    loop_bench = _loop_bench()
+    base = {"budget_bytes": 100, "repeat": 0, "status": "ok"}
+    lines = [
+        {**base, "method": "dynamic+head-auto", "step_ms": [9, 9, 10.0, 11.0, 10.0]},
+        {**base, "method": "dynamic+head-off", "step_ms": [1, 1, 10.0, 10.0, 10.0]},
+        {**base, "method": "dynamic+head-auto", "repeat": 1, "step_ms": [1, 1, 1, 1, 1]},  # no twin in repeat 1
+    ]
+    loop_bench.add_vs_head_off(lines, steady_from=2)
+    assert lines[0]["step_ratio_vs_head_off"] == 1.0  # median of 1.0, 1.1, 1.0
+    assert "step_ratio_vs_head_off" not in lines[1] and "step_ratio_vs_head_off" not in lines[2]
