@@ -41,7 +41,7 @@ memfit configuration, and a name's head part (``dynamic+head``, ``dynamic+head-o
 ``dynamic+head-auto``, before any ``@M``) sets it for that configuration alone; without either, fit's
 default. Every memfit line at a budget is compared with the fastest fixed policy (a peer) that fits the
 same cap, step by step (``fastest_fixed``, ``step_ratio_vs_fastest_fixed``: NOTE [Against the fastest
-fixed policy]), also tabled in ``vs_fixed.md``. ``--no_cudnn_sdpa`` turns cuDNN attention off (an OOM
+fixed policy]), also tabled in ``<folder>.vs_fixed.md`` (the output folder's name: calls publish side by side). ``--no_cudnn_sdpa`` turns cuDNN attention off (an OOM
 inside it poisons later cuDNN calls of the process); ``--config_time_limit_s`` stops a configuration
 that runs long (status ``time_limit``); ``--device cpu`` with ``--config_overrides`` (a tiny model) is a
 dry run of a command: memfit's logical accounting, host-clock times.
@@ -1015,9 +1015,14 @@ def add_vs_head_off(lines: list[dict], steady_from: int) -> list[dict]:
     return lines
 
 
+def vs_fixed_name(out_dir: str) -> str:
+    """``<folder>.vs_fixed.md``: named after the output folder, so two calls' tables publish side by side."""
+    return f"{os.path.basename(os.path.normpath(out_dir))}.vs_fixed.md"
+
+
 def write_vs_fixed(out_dir: str, steady_from: int) -> None:
     """Rewrite ``results.jsonl`` with :func:`add_vs_fixed`'s and :func:`add_vs_head_off`'s fields, and
-    ``vs_fixed.md``: per memfit configuration and budget, the median over repeats of its ratio to the
+    ``<folder>.vs_fixed.md`` (:func:`vs_fixed_name`): per memfit configuration and budget, the median over repeats of its ratio to the
     fastest fixed policy, and of its ratio to itself with the head off where that ran."""
     path = os.path.join(out_dir, "results.jsonl")
     if not os.path.exists(path):
@@ -1042,7 +1047,7 @@ def write_vs_fixed(out_dir: str, steady_from: int) -> None:
                      f"{', '.join(fastest) or '-'} | {statistics.median(ratios) if ratios else '-'} | "
                      f"{statistics.median(sums) if sums else '-'} | {statistics.median(head_off) if head_off else '-'} | "
                      f"{', '.join(sorted({x['status'] for x in xs}))} |")
-    with open(os.path.join(out_dir, "vs_fixed.md"), "w") as fh:
+    with open(os.path.join(out_dir, vs_fixed_name(out_dir)), "w") as fh:
         fh.write("memfit against the fastest fixed policy that fits the same cap, per repeat (NOTE [Against the fastest "
                  "fixed policy] in benchmarks/loop_bench.py); ratios are medians over repeats\n\n" + "\n".join(table) + "\n")
     print("\n".join(table), flush=True)

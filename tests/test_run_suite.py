@@ -254,25 +254,30 @@ def test_loop_bench_compares_memfit_with_the_fastest_fixed_policy_that_fits():
 def test_head_calls_run_end_to_end_on_cpu_with_a_tiny_model(tmp_path):
     """The head job's two commands, as the suite builds them, on a 2-layer model on CPU: arguments parse,
     every configuration writes its line (the liger peer skips on CPU), the head is planned and recorded,
-    and vs_fixed.md is written."""
+    and <call>.vs_fixed.md is written."""
     from suites import Context
     from suites import llm
 
-    ctx = Context(raw=tmp_path, quick=True, cuda=False)
+    raw = tmp_path / "raw"
+    ctx = Context(raw=raw, quick=True, cuda=False)
     for call in llm.head_calls(llm.QUICK, ctx, tiny=True):
         for command in call.commands:
             done = subprocess.run(command, capture_output=True, text=True, timeout=600,
                                   env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
             assert done.returncode == 0, done.stderr[-2000:]
-    qwen = [json.loads(x) for x in (tmp_path / "head-qwen15" / "results.jsonl").read_text().splitlines()]
+    qwen = [json.loads(x) for x in (raw / "head-qwen15" / "results.jsonl").read_text().splitlines()]
     assert {(x["method"], x["status"]) for x in qwen} >= {
         ("dynamic", "ok"), ("full", "ok"), ("hf-every-1+chunked-8", "ok"), ("hf-every-1+liger", "skipped")}
     dynamic = [x for x in qwen if x["method"] == "dynamic"]
     assert all(x["head_steps"] and x["fixed_fitting"] >= 1 and "step_ratio_vs_fastest_fixed" in x for x in dynamic)
-    assert "| dynamic |" in (tmp_path / "head-qwen15" / "vs_fixed.md").read_text()
-    smollm = [json.loads(x) for x in (tmp_path / "head-smollm" / "results.jsonl").read_text().splitlines()]
+    assert "| dynamic |" in (raw / "head-qwen15" / "head-qwen15.vs_fixed.md").read_text()
+    smollm = [json.loads(x) for x in (raw / "head-smollm" / "results.jsonl").read_text().splitlines()]
     assert {x["method"] for x in smollm} == {"none", "dynamic+head-auto", "dynamic+head-off"}
     assert all(not x.get("head_steps") for x in smollm if x["method"] == "dynamic+head-off")
+    # published side by side: both calls' tables, the lines, the report
+    assert run_suite.main(["llm", "--publish", str(raw), "--out", str(tmp_path / "published")]) == 0
+    published = {p.name for p in (tmp_path / "published").iterdir()}
+    assert {"head-qwen15.vs_fixed.md", "head-smollm.vs_fixed.md", "results.jsonl", "report"} <= published
 
 
 def test_head_job_line_is_the_suites_head_calls_and_parses():

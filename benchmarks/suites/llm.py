@@ -20,7 +20,7 @@ HEAD_LAST = ("dynamic+compile",)
 HEAD_BUDGETS_GB = (round(22 * 2**30 / 1e9, 2), round(79.6 / 2 * 2**30 / 1e9, 2))
 #: the head job on one GPU (520 s in all): the SmolLM call (head auto against off), then the Qwen call.
 #: Per call: no configuration starts after its time limit, a configuration stops starting steps after
-#: its own, and `timeout` ends the call at its timeout (SIGTERM: loop_bench still writes vs_fixed.md)
+#: its own, and `timeout` ends the call at its timeout (SIGTERM: loop_bench still writes <call>.vs_fixed.md)
 HEAD_JOB_S = {"head-smollm": 95, "head-qwen15": 320}
 HEAD_CONFIG_S = {"head-smollm": 20, "head-qwen15": 40}
 HEAD_TIMEOUT_S = {"head-smollm": 130, "head-qwen15": 375}
@@ -42,6 +42,7 @@ SUITE = Suite(
     steps=40,
     quick_needs_cuda=True,
     carry=("wheels",),
+    keep=("head-*.vs_fixed.md",),  # the head calls' memfit-against-the-fastest-fixed-policy tables (loop_bench)
     notes="budgets are shares of uncapped none's peak, measured in each call; plain and none run uncapped; steady "
           "time is the median step from step 8 on; memfit methods run through run_step (an OOM replays the step); "
           "dynamic+all may also choose selective recompute and offload; one call per repeat (estimated 4-8 minutes "
@@ -60,7 +61,7 @@ SUITE = Suite(
           "22 GiB and half of an 80 GB card, dynamic and full with the LM head planned (--head on), HF checkpointing alone "
           "and with a chunked loss fixed for the run (Liger's fused linear cross-entropy, skipped where not importable; "
           "the pure chunked loss in 8 chunks), then dynamic compiled once per cap; each memfit line against the fastest "
-          "fixed policy that fits the same cap, step by step (vs_fixed.md); cuDNN attention off (until 2026-11-27: 24 "
+          "fixed policy that fits the same cap, step by step (head-qwen15.vs_fixed.md); cuDNN attention off (until 2026-11-27: 24 "
           "steps, 2 repeats, none uncapped, the head left to fit's default); head-smollm: the SmolLM full-FT cells at 0.5 "
           "and 0.7 of none's peak, dynamic with the head auto against off, 20 steps, 3 repeats; benchmarks/loop_bench.py",
 )
@@ -152,7 +153,7 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
 def head_calls(suite: Suite, ctx: Context, tiny: bool = False) -> list[Call]:
     """The LM head's calls (issue 39), one GPU, in turn: ``head-qwen15`` (Qwen2.5-1.5B's shape, 151,936-token
     vocabulary, whose float32 logits are the step's floor, at 22 GiB and half of an 80 GB card, in GB as
-    --budget_gb takes them; memfit with the head planned against the fixed policies, step by step: vs_fixed.md)
+    --budget_gb takes them; memfit with the head planned against the fixed policies, step by step: <call>.vs_fixed.md)
     and ``head-smollm`` (the SmolLM cells, whose head fits unchunked, at their caps: head auto against off).
     cuDNN attention is off (an OOM inside it poisons later cuDNN calls). ``tiny``: a 2-layer model of 8,000
     tokens' vocabulary on CPU (a dry run of the same commands; tests/test_run_suite.py)."""
