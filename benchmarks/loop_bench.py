@@ -36,6 +36,15 @@ of every block under ``activation_memory_budget`` F, memfit.tools.bench.peers.To
 ``selective-static`` (every block under memfit's selective policy, for every batch).
 Head peers (issue 39): ``hf-every-1+liger`` and ``hf-every-1+chunked-8``, Hugging Face's
 checkpointing of every layer with a chunked loss fixed for the whole run (:data:`HEAD_PEERS`).
+The LM head (issue 39): ``--head on|off|auto`` passes ``memfit.fit(head=True|False|"auto")`` to every
+memfit configuration, and a name's head part (``dynamic+head``, ``dynamic+head-off``,
+``dynamic+head-auto``, before any ``@M``) sets it for that configuration alone; without either, fit's
+default. Every memfit line at a budget is compared with the fastest fixed policy (a peer) that fits the
+same cap, step by step (``fastest_fixed``, ``step_ratio_vs_fastest_fixed``: NOTE [Against the fastest
+fixed policy]), also tabled in ``<folder>.vs_fixed.md`` (the output folder's name: calls publish side by side). ``--no_cudnn_sdpa`` turns cuDNN attention off (an OOM
+inside it poisons later cuDNN calls of the process); ``--config_time_limit_s`` stops a configuration
+that runs long (status ``time_limit``); ``--device cpu`` with ``--config_overrides`` (a tiny model) is a
+dry run of a command: memfit's logical accounting, host-clock times.
 
 Data: ``--lengths sft`` (the SFT table of memfit.cli.tasks.causal_lm, long-tailed, up to 2,048
 tokens), ``uniform:A:B``, or ``fixed:L1,L2,...`` (long context). Output under ``--output_dir``:
@@ -60,6 +69,7 @@ import inspect
 import json
 import os
 import random
+import signal
 import statistics
 import sys
 import time
@@ -134,6 +144,17 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", required=True)
     p.add_argument("--time_limit_s", type=float, default=1e9, help="stop starting configurations after this")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run (memfit's logical "
+                   "accounting, host-clock times, no allocator readings) that checks the command end to end")
+    p.add_argument("--config_overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="model config attributes set after loading --model's (a tiny model for a dry run)")
+    p.add_argument("--head", choices=sorted(HEAD_VALUES), default=None, help="memfit.fit(head=...) of every memfit "
+                   "configuration without a head part in its name (on: True, off: False, auto: 'auto'); "
+                   "default: fit's own default")
+    p.add_argument("--no_cudnn_sdpa", action="store_true", help="turn cuDNN's scaled-dot-product attention off for "
+                   "the process (an OOM inside it poisons later cuDNN calls in the process)")
+    p.add_argument("--config_time_limit_s", type=float, default=1e9, help="a configuration stops starting steps after "
+                   "this (its line's status: time_limit)")
     p.add_argument("--profile", action="store_true", help="run each configuration that runs alone (not alt, "
                    "alt-dynamic) under cProfile, mark its line profiled, and write its costliest functions beside its "
                    "step records: steps/<config>.profile.txt")
@@ -171,20 +192,33 @@ def _build(args):
 
     if args.model == "bert-base":
         torch.manual_seed(0)
-        model = transformers.BertForSequenceClassification(transformers.BertConfig()).cuda()
+        model = transformers.BertForSequenceClassification(transformers.BertConfig()).to(args.device)
         return model.train(), "text-classification"
     from memfit.cli.tasks._common import CONFIGS_DIR
 
     config = transformers.AutoConfig.from_pretrained(str(CONFIGS_DIR / f"{args.model}.json"))
     config.use_cache = False
+    for key, value in _overrides(args.config_overrides).items():
+        setattr(config, key, value)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype), attn_implementation="sdpa")
-    model = model.cuda()
+    model = model.to(args.device)
     if args.lora:
         import peft
 
         model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"))
     return model.train(), "causal-lm"
+
+
+def _overrides(pairs: list[str]) -> dict:
+    """``--config_overrides KEY=VALUE ...`` as config attributes (integers where they parse as one)."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--config_overrides {pair!r}: give KEY=VALUE, e.g. num_hidden_layers=2")
+        out[key] = int(value) if value.lstrip("-").isdigit() else value
+    return out
 
 
 def _batches(args, model, lengths):
@@ -236,11 +270,15 @@ def _remove_new_hooks(model, before: dict[int, tuple[set, set]]) -> None:
             del m._forward_hooks[key]
 
 
-def _versions() -> dict:
+def _versions(args) -> dict:
     import torch
     import transformers
 
-    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__}
+    device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+    out = {"device": device, "torch": torch.__version__, "transformers": transformers.__version__}
+    if args.no_cudnn_sdpa:
+        out["cudnn_sdpa"] = False
+    return out
 
 
 def _reset_weights(model, initial) -> list:
@@ -255,12 +293,48 @@ def _reset_weights(model, initial) -> list:
 
 
 def _release(fraction: float = 1.0) -> None:
-    """Free what the last configuration left, and set the process's cap to ``fraction``."""
+    """Free what the last configuration left, and set the process's cap to ``fraction`` (on CUDA;
+    on CPU, memfit's logical accounting keeps the budget)."""
     import torch
 
     gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.set_per_process_memory_fraction(fraction)
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(fraction)
+
+
+class _Clock:
+    """A step's time: CUDA events on the GPU (no sync per step), the host clock on CPU (dry runs)."""
+
+    def __init__(self, device: str):
+        import torch
+
+        self.cuda = device == "cuda"
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def begin(self) -> None:
+        if self.cuda:
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self.end.record()
+        else:
+            self.ms = (time.perf_counter() - self.t0) * 1e3
+
+    def elapsed_ms(self) -> float:
+        """After a device sync."""
+        return self.start.elapsed_time(self.end) if self.cuda else self.ms
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def _label(budget: int | None) -> str:
@@ -279,7 +353,7 @@ def _memfit_fields(args, records) -> dict:
         recomputed_fraction=round(summary.mean_checkpointed_fraction, 4), oom_count=summary.oom_retries,
         over_budget_steps=summary.over_budget_steps, armed_steps=summary.armed_steps,
         evicting_steps=summary.evicting_steps, counted_steps=summary.counted_steps,
-        treated_blocks=summary.treated_blocks, warmup_steps=summary.warmup_steps,
+        treated_blocks=summary.treated_blocks, head_steps=summary.head_steps, warmup_steps=summary.warmup_steps,
         planner_us_per_step=round(summary.mean_planner_us, 2), lost_steps=args.steps - len(records),
     )
 
@@ -308,8 +382,8 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
     import memfit
 
     trainable = _reset_weights(model, initial)
-    total_memory = torch.cuda.get_device_properties(0).total_memory
-    _release(1.0 if budget is None else min(1.0, budget / total_memory))
+    total_memory = torch.cuda.get_device_properties(0).total_memory if args.device == "cuda" else None
+    _release(1.0 if budget is None or total_memory is None else min(1.0, budget / total_memory))
     optimizer = torch.optim.AdamW(trainable, lr=1e-5)
     hooks_before = _hooks(model)
     ctl, undo, context = None, None, contextlib.nullcontext
@@ -319,8 +393,10 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
         plans = args.dynamic_plans.get((budget, repeat))
         if plans is None:
             return _no_plans(args, name, budget, repeat)
-        ctl = memfit.fit(model, budget=budget, method=_replay(plans), optimizer=optimizer, treatments=MEMFIT_METHODS[name][2])
-    elif (config := _memfit_config(name)) is not None:
+        head = {} if args.head is None else {"head": HEAD_VALUES[args.head]}  # the head as `dynamic`'s
+        ctl = memfit.fit(model, budget=budget, method=_replay(plans), optimizer=optimizer, treatments=MEMFIT_METHODS[name][2],
+                         **head)
+    elif (config := _memfit_config(name, args.head)) is not None:
         method, kwargs, treatments = config
         if kwargs.get("compile"):
             import torch._dynamo
@@ -376,16 +452,20 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
 
         ctl = memfit.fit(model, budget=budget, method=_Every(), optimizer=optimizer, treatments=("recompute", "selective"))
     step_ms, retries_from = [], None  # the allocator's retry count when the steady steps begin
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    _sync(args.device)
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     try:
         for i, batch in enumerate(batches):
+            if time.perf_counter() - t0 > args.config_time_limit_s:
+                status, note = "time_limit", f"stopped after {i} of {len(batches)} steps (--config_time_limit_s {args.config_time_limit_s:g})"
+                break
             if i == args.steady_from:
-                retries_from = _alloc_retries(torch)
-            batch = {k: v.cuda(non_blocking=True) for k, v in batch.items()}
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+                retries_from = _alloc_retries(args)
+            batch = {k: v.to(args.device, non_blocking=True) for k, v in batch.items()}
+            clock = _Clock(args.device)
+            clock.begin()
 
             def micro(batch=batch, i=i):
                 torch.manual_seed(1000 + i)
@@ -399,24 +479,24 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
                 micro()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            end.record()
-            step_ms.append((start, end))
+            clock.stop()
+            step_ms.append(clock)
     except torch.OutOfMemoryError as err:
         status, note, ooms = "oom", str(err).splitlines()[0][:200], 1
     except Exception as err:  # a configuration that breaks is recorded, the matrix goes on
         status, note = "error", f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
-    torch.cuda.synchronize()
+    _sync(args.device)
     total_s = time.perf_counter() - t0
-    # memfit resets the allocator's peak each step: its runs' peak is in its records
-    peak = torch.cuda.max_memory_allocated()
-    times = [s.elapsed_time(e) for s, e in step_ms]
+    # memfit resets the allocator's peak each step: its runs' peak is in its records (on CPU, only there)
+    peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else None
+    times = [clock.elapsed_ms() for clock in step_ms]
     result = {
         **_line(args, name, budget, repeat, times), "status": status,
         "total_s": round(total_s, 4) if status == "ok" else None, "max_peak_allocated_bytes": peak, "oom_count": ooms,
         "note": note,
         # allocations served only after the caching allocator released its cache (a device sync
         # each): the cost of running close to a hard cap, counted from the steady steps on
-        "cuda_alloc_retries": 0 if retries_from is None else _alloc_retries(torch) - retries_from,
+        "cuda_alloc_retries": 0 if retries_from is None else _alloc_retries(args) - retries_from,
     }
     if ctl is not None:
         records = ctl.records
@@ -450,16 +530,16 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
 
 
 def _plan_of(record):
-    """The plan a step record ran: its treated blocks, each with its treatment."""
+    """The plan a step record ran: its treated blocks, each with its treatment, and its head's."""
     from memfit.engine.planner import Plan
 
-    kinds = {i: t for t, blocks in record.treatments.items() for i in blocks}
+    kinds = {i: t for t, blocks in record.block_treatments.items() for i in blocks}
     blocks = tuple(sorted(kinds))
-    return Plan(blocks, kinds=tuple(kinds[i] for i in blocks))
+    return Plan(blocks, kinds=tuple(kinds[i] for i in blocks), head=record.head)
 
 
 def _mix(by_treatment: dict[str, list[int]]) -> dict[str, int]:
-    """Blocks per treatment, from a record's ``treatments`` or a plan's ``by_treatment()``."""
+    """Blocks per treatment, from a record's ``block_treatments`` or a plan's ``by_treatment()``."""
     return {kind: len(blocks) for kind, blocks in by_treatment.items() if blocks}
 
 
@@ -644,7 +724,7 @@ def run_alternating_dynamic(args, model, batches, initial, budget: int, repeat: 
         del twin, opt_dyn, opt_bare, sides, dyn_m, bare_m, opts
         ctl = bare = None
         _release()
-    same = [i for i, r in enumerate(records) if i < len(plans) and _mix(r.treatments) == _mix(plans[i].by_treatment())]
+    same = [i for i, r in enumerate(records) if i < len(plans) and _mix(r.block_treatments) == _mix(plans[i].by_treatment())]
     lines = _paired_lines(
         args, names, budget, repeat, times, total_s,
         f"dynamic and its own plans bare, alternating step by step on two copies of the model under the budget "
@@ -659,13 +739,25 @@ def run_alternating_dynamic(args, model, batches, initial, budget: int, repeat: 
     return lines
 
 
-def _memfit_config(name: str) -> tuple | None:
+#: what ``--head`` and a configuration name's head part pass as ``memfit.fit(head=...)`` (the LM head
+#: planned beside the blocks, issue 39); without either, ``fit``'s default
+HEAD_VALUES = {"on": True, "off": False, "auto": "auto"}
+HEAD_PARTS = {"+head": "on", "+head-off": "off", "+head-auto": "auto"}
+
+
+def _memfit_config(name: str, head: str | None = None) -> tuple | None:
     """(method, fit kwargs, treatments) of a memfit configuration name: one of MEMFIT_METHODS,
-    optionally with ``@M``, the share of the budget memfit keeps as its margin (0 <= M < 0.5)."""
+    optionally with a head part (:data:`HEAD_PARTS`: ``dynamic+head-off``, which overrides ``head``,
+    ``--head``'s value) and then ``@M``, the share of the budget memfit keeps as its margin (0 <= M < 0.5)."""
     base, at, margin = name.partition("@")
+    for part, value in HEAD_PARTS.items():
+        if base.endswith(part) and base[: -len(part)] in MEMFIT_METHODS:
+            base, head = base[: -len(part)], value
     if base not in MEMFIT_METHODS or base == "dynamic-plans" and at:
         return None
     method, kwargs, treatments = MEMFIT_METHODS[base]
+    if head is not None:
+        kwargs = {**kwargs, "head": HEAD_VALUES[head]}
     if at:
         try:
             share = float(margin)
@@ -695,8 +787,10 @@ def _failed(args, name: str, budget: int | None, repeat: int, status: str, note:
     }
 
 
-def _alloc_retries(torch) -> int:
-    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+def _alloc_retries(args) -> int:
+    import torch
+
+    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0)) if args.device == "cuda" else 0
 
 
 def _line(args, method: str, budget: int | None, repeat: int, times: list[float]) -> dict:
@@ -707,7 +801,7 @@ def _line(args, method: str, budget: int | None, repeat: int, times: list[float]
         "model": f"{args.model} (config, random weights{', LoRA r16 all-linear' if args.lora else ''}, {args.dtype})",
         "method": method, "budget_bytes": budget, "batch_size": args.batch, "steps": args.steps, "repeat": repeat,
         **_steady(args, times),
-        "lora": args.lora, "lengths": args.lengths, "step_ms": [round(t, 2) for t in times], **_versions(),
+        "lora": args.lora, "lengths": args.lengths, "step_ms": [round(t, 2) for t in times], **_versions(args),
     }
 
 
@@ -776,16 +870,27 @@ def main(argv: list[str]) -> int:
     args.dynamic_plans = {}  # (budget, repeat) -> the plan of each step of that `dynamic` run
     pairs = ("alt", "alt-dynamic")
     known = lambda m: m in ("plain", "none") or _memfit_config(m) or m in PEERS or _compile_budget(m)  # noqa: E731
+    if args.device != "cuda" and set(pairs) & set(args.methods):
+        raise SystemExit(f"--methods {' '.join(sorted(set(pairs) & set(args.methods)))}: pairs run on CUDA only; "
+                         "leave them out with --device cpu")
+    if args.no_cudnn_sdpa:
+        import torch
+
+        # NOTE [cuDNN attention off]: an OOM inside cuDNN's attention leaves later cuDNN calls of
+        # the process failing, so one configuration's OOM would spoil every later one.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     unknown = [m for m in args.methods if not known(m) and m not in pairs] + [m for m in args.last if not known(m)]
     if unknown:
         raise SystemExit(f"unknown method(s) {', '.join(unknown)}: choose from "
-                         f"{', '.join(sorted(MEMFIT_METHODS) + sorted(PEERS))}, compile-F (0 < F <= 1), a memfit method with @M (margin share, 0 <= M < 0.5), and in --methods "
+                         f"{', '.join(sorted(MEMFIT_METHODS) + sorted(PEERS))}, compile-F (0 < F <= 1), a memfit method with a head part ({', '.join(HEAD_PARTS)}) and/or @M (margin share, 0 <= M < 0.5), and in --methods "
                          f"only {', '.join(pairs)}")
     os.makedirs(os.path.join(args.output_dir, "steps"), exist_ok=True)
     started = time.perf_counter()
     model, _ = _build(args)
     batches = _batches(args, model, _lengths(args.lengths, args.steps, args.batch, args.seed))
-    initial = [p.detach().to("cpu", copy=True).pin_memory() for p in model.parameters() if p.requires_grad]
+    initial = [p.detach().to("cpu", copy=True) for p in model.parameters() if p.requires_grad]
+    if args.device == "cuda":
+        initial = [p.pin_memory() for p in initial]
     results_path = os.path.join(args.output_dir, "results.jsonl")
 
     refs: dict[int, dict[str, list[float]]] = {}  # per repeat, the uncapped none runs' step times
@@ -801,19 +906,33 @@ def main(argv: list[str]) -> int:
         print(f"[{time.perf_counter() - started:6.0f}s] {result['method']:>16} {budget:>9} r{result['repeat']}: "
               f"{result['status']} {shown} peak {(peak or 0) / GB:.2f}GB{extra}", flush=True)
 
+    # a wall-clock limit from outside (`timeout` sends SIGTERM) ends the run through the finally below
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        _matrix(args, model, batches, initial, emit, started)
+    finally:  # a time limit or a failure still leaves every line compared with the fixed policies
+        write_vs_fixed(args.output_dir, args.steady_from)
+    return 0
+
+
+def _matrix(args, model, batches, initial, emit, started: float) -> None:
+    """Every configuration, repeat by repeat (uncapped first, then each budget), then ``--last``."""
     run_config(args, model, batches, initial, "plain", None, -1, args.output_dir)  # untimed: every shape once
-    uncapped = [m for m in ("plain", "none", "none+compile") if m in args.methods or m == "none"]
+    # uncapped none is the reference budgets in shares are set from; with budgets in GB only it runs if asked
+    uncapped = [m for m in ("plain", "none", "none+compile") if m in args.methods or m == "none" and args.budgets]
     reference = None
-    budgets: list[int] = []
+    budgets = sorted({int(g * GB) for g in args.budget_gb})
     for repeat in range(args.first_repeat, args.first_repeat + args.repeats):
         for name in uncapped:
             result = _profiled(args, name, None, repeat, lambda: run_config(
                 args, model, batches, initial, name, None, repeat, args.output_dir))
             emit(result)
-            if name == "none" and reference is None:
+            if name == "none" and reference is None and args.budgets:
+                if not result["max_peak_allocated_bytes"]:
+                    raise SystemExit(f"uncapped none did not finish ({result['note']}): --budgets (shares of its peak) "
+                                     "cannot be set; give --budget_gb instead")
                 reference = result
-                budgets = sorted({int(share * reference["max_peak_allocated_bytes"]) for share in args.budgets}
-                                 | {int(g * GB) for g in args.budget_gb})
+                budgets = sorted(set(budgets) | {int(share * reference["max_peak_allocated_bytes"]) for share in args.budgets})
         if "alt" in args.methods:
             for line in run_alternating(args, model, batches, initial, repeat):
                 emit(line)
@@ -821,7 +940,7 @@ def main(argv: list[str]) -> int:
             for name in [m for m in args.methods if m not in ("plain", "none", "none+compile", "alt")]:
                 if time.perf_counter() - started > args.time_limit_s:
                     print("time limit: stopping", flush=True)
-                    return 0
+                    return
                 if name == "alt-dynamic":
                     for line in run_alternating_dynamic(args, model, batches, initial, budget, repeat, args.output_dir):
                         emit(line)
@@ -831,9 +950,107 @@ def main(argv: list[str]) -> int:
     for budget in budgets:
         for name in args.last:
             if time.perf_counter() - started > args.time_limit_s:
-                return 0
+                print("time limit: stopping", flush=True)
+                return
             emit(run_config(args, model, batches, initial, name, budget, args.first_repeat, args.output_dir))
-    return 0
+
+
+def _is_fixed(method: str) -> bool:
+    """A peer that runs one policy for the whole run (no plan per batch): what memfit is compared to."""
+    return (method in PEERS and method != "plain") or _compile_budget(method) is not None
+
+
+def add_vs_fixed(lines: list[dict], steady_from: int) -> list[dict]:
+    """Each memfit line's comparison with the fastest fixed policy that fits the same cap.
+
+    # NOTE [Against the fastest fixed policy]
+    Per budget and repeat, the fixed policies (:func:`_is_fixed`) that finished every step under the
+    cap (status ok, no OOM) are ranked by their steady step time; the fastest is ``fastest_fixed``, and
+    each memfit line of that budget and repeat gets ``step_ratio_vs_fastest_fixed``, the median of its
+    steady steps' ratios to that policy's on the same batches (below 0.8: at least 20% less time), and
+    ``sum_ratio_vs_fastest_fixed``, the ratio of their summed steady steps. ``fixed_fitting`` counts
+    the fixed policies that fit; where none does, memfit's line has only that (0).
+    """
+    groups: dict[tuple, list[dict]] = {}
+    for line in lines:
+        if line.get("budget_bytes") is not None:
+            groups.setdefault((line["budget_bytes"], line.get("repeat")), []).append(line)
+    for group in groups.values():
+        fits = [x for x in group if _is_fixed(x["method"]) and x.get("status") == "ok" and not x.get("oom_count")
+                and x.get("steady_step_ms") is not None]
+        best = min(fits, key=lambda x: x["steady_step_ms"]) if fits else None
+        for line in group:
+            if _memfit_config(line["method"]) is None:
+                continue
+            line["fixed_fitting"] = len(fits)
+            if best is None:
+                continue
+            mine, theirs = line.get("step_ms") or [], best["step_ms"]
+            steps = range(steady_from, min(len(mine), len(theirs)))
+            if not steps:
+                continue
+            line["fastest_fixed"] = best["method"]
+            line["step_ratio_vs_fastest_fixed"] = round(statistics.median(mine[i] / theirs[i] for i in steps), 4)
+            line["sum_ratio_vs_fastest_fixed"] = round(sum(mine[i] for i in steps) / sum(theirs[i] for i in steps), 4)
+    return lines
+
+
+def add_vs_head_off(lines: list[dict], steady_from: int) -> list[dict]:
+    """Each line of a memfit configuration with a head part other than ``+head-off`` (``dynamic+head-auto``)
+    gets ``step_ratio_vs_head_off``: the median of its steady steps' ratios to the same configuration with
+    ``+head-off`` at the same budget and repeat, on the same batches (what planning the head costs where
+    it fits unchunked)."""
+    off = {(x["method"], x.get("budget_bytes"), x.get("repeat")): x for x in lines
+           if "+head-off" in x["method"] and x.get("status") == "ok"}
+    for line in lines:
+        for part in HEAD_PARTS:
+            base, at, margin = line["method"].partition("@")
+            if part == "+head-off" or not base.endswith(part):
+                continue
+            twin = off.get((base[: -len(part)] + "+head-off" + at + margin, line.get("budget_bytes"), line.get("repeat")))
+            mine, theirs = line.get("step_ms") or [], (twin or {}).get("step_ms") or []
+            steps = range(steady_from, min(len(mine), len(theirs)))
+            if steps:
+                line["step_ratio_vs_head_off"] = round(statistics.median(mine[i] / theirs[i] for i in steps), 4)
+    return lines
+
+
+def vs_fixed_name(out_dir: str) -> str:
+    """``<folder>.vs_fixed.md``: named after the output folder, so two calls' tables publish side by side."""
+    return f"{os.path.basename(os.path.normpath(out_dir))}.vs_fixed.md"
+
+
+def write_vs_fixed(out_dir: str, steady_from: int) -> None:
+    """Rewrite ``results.jsonl`` with :func:`add_vs_fixed`'s and :func:`add_vs_head_off`'s fields, and
+    ``<folder>.vs_fixed.md`` (:func:`vs_fixed_name`): per memfit configuration and budget, the median over repeats of its ratio to the
+    fastest fixed policy, and of its ratio to itself with the head off where that ran."""
+    path = os.path.join(out_dir, "results.jsonl")
+    if not os.path.exists(path):
+        return
+    with open(path) as fh:
+        lines = add_vs_head_off(add_vs_fixed([json.loads(x) for x in fh if x.strip()], steady_from), steady_from)
+    with open(path + ".tmp", "w") as fh:
+        fh.writelines(json.dumps(x) + "\n" for x in lines)
+    os.replace(path + ".tmp", path)
+    rows: dict[tuple, list[dict]] = {}
+    for x in lines:
+        if "fixed_fitting" in x:
+            rows.setdefault((x["budget_bytes"], x["method"]), []).append(x)
+    table = ["| budget | method | repeats | fixed policies fitting | fastest fixed | median step ratio | summed ratio "
+             "| vs head off | status |", "| ---: | --- | ---: | --- | --- | ---: | ---: | ---: | --- |"]
+    for (budget, method), xs in sorted(rows.items()):
+        ratios = [x["step_ratio_vs_fastest_fixed"] for x in xs if "step_ratio_vs_fastest_fixed" in x]
+        sums = [x["sum_ratio_vs_fastest_fixed"] for x in xs if "sum_ratio_vs_fastest_fixed" in x]
+        fastest = sorted({x["fastest_fixed"] for x in xs if "fastest_fixed" in x})
+        head_off = [x["step_ratio_vs_head_off"] for x in xs if "step_ratio_vs_head_off" in x]
+        table.append(f"| {budget / GB:.2f} GB | {method} | {len(xs)} | {'/'.join(str(x['fixed_fitting']) for x in xs)} | "
+                     f"{', '.join(fastest) or '-'} | {statistics.median(ratios) if ratios else '-'} | "
+                     f"{statistics.median(sums) if sums else '-'} | {statistics.median(head_off) if head_off else '-'} | "
+                     f"{', '.join(sorted({x['status'] for x in xs}))} |")
+    with open(os.path.join(out_dir, vs_fixed_name(out_dir)), "w") as fh:
+        fh.write("memfit against the fastest fixed policy that fits the same cap, per repeat (NOTE [Against the fastest "
+                 "fixed policy] in benchmarks/loop_bench.py); ratios are medians over repeats\n\n" + "\n".join(table) + "\n")
+    print("\n".join(table), flush=True)
 
 
 if __name__ == "__main__":

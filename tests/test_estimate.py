@@ -4,6 +4,7 @@ saved-tensor bytes counted on a real BertLayer, the advisor's ranking, budget fl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import re
@@ -24,8 +25,11 @@ from memfit.tools.estimate import (
     ModelProfile,
     TrainingSetup,
     activation_profile,
+    DEFAULT_MARGIN,
     bert_layer_saved_bytes,
     estimate,
+    format_advice,
+    format_table,
 )
 from memfit import cli
 from memfit.tools.estimate.cli import main
@@ -631,3 +635,82 @@ def test_best_line_runs_as_printed_offline(tmp_path, monkeypatch, capsys):
     assert words[:4] == ["memfit", "train", "causal-lm", "--config_name"] and "--synthetic" in words
     assert cli.main(words[1:]) == 0
     assert (tmp_path / "out" / "causal-lm" / "model.safetensors").is_file()
+
+
+# --- the LM head, kept and chunked (issue 39) ---------------------------------------------------
+
+
+def _vocab_heavy() -> ModelProfile:
+    """A decoder whose vocabulary dominates its memory (the head's float32 logits are its floor)."""
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         intermediate_size=128, vocab_size=32000, architectures=["Qwen2ForCausalLM"])
+    return ModelProfile.from_config(config, "causal-lm", name="qwen2-vocab-heavy")
+
+
+def test_lm_head_bytes_are_memfits_head_formula_kept_and_chunked():
+    from memfit.engine.head import head_saved_bytes
+    from memfit.tools.estimate import lm_head_bytes
+
+    profile = _vocab_heavy()
+    head = lm_head_bytes(profile, 4 * 512, "bf16", "bf16")
+    assert head.kept == head_saved_bytes(2048, 32000, 64, torch.bfloat16, "keep")
+    assert head.chunked == head_saved_bytes(2048, 32000, 64, torch.bfloat16, "chunked", head.n_chunks)
+    # the fewest chunks whose one chunk holds at most a sixteenth of the kept head's transient
+    assert head.chunked.transient_bytes <= head.kept.transient_bytes // 16
+    assert head_saved_bytes(2048, 32000, 64, torch.bfloat16, "chunked", head.n_chunks - 1).transient_bytes > head.kept.transient_bytes // 16
+    assert head.bytes("keep") > 10 * head.bytes("chunked")
+    assert lm_head_bytes(profile, 2048, "fp32").kept.transient_bytes == 2048 * 32000 * 4  # fp32 logits: no upcast
+    assert lm_head_bytes(ModelProfile.from_config(tiny_config(), "text-classification"), 2048) is None
+
+
+def test_a_chunked_head_takes_the_kept_heads_bytes_off_the_step():
+    profile = _vocab_heavy()
+    kept = estimate(profile, TrainingSetup("bf16", "adamw", 4, checkpoint="full", weights="bf16"), seq_length=512)
+    chunked = estimate(profile, TrainingSetup("bf16", "adamw", 4, checkpoint="full", weights="bf16", head="chunked"),
+                       seq_length=512)
+    head = kept.lm_head
+    assert kept.static_bytes == chunked.static_bytes
+    # the kept head's moment sets the peak: chunking takes off the head's bytes, saved and transient, but
+    # for what another moment of the chunked step (a block's backward) holds above its own head moment
+    off = head.bytes("keep") - head.bytes("chunked")
+    assert 0.99 * off <= kept.total_bytes - chunked.total_bytes <= off
+    table = format_table(chunked)
+    assert f"| LM head, chunked in {head.n_chunks} (estimated) |" in table and "| LM head, kept |" in table
+    with pytest.raises(ValueError, match="--head chunked: only a causal LM has an LM head"):
+        estimate(ModelProfile.from_config(tiny_config(), "text-classification"), TrainingSetup(head="chunked"), seq_length=8)
+    with pytest.raises(ValueError, match="head"):
+        TrainingSetup(head="fused")
+
+
+def test_advice_says_when_only_a_chunked_head_fits():
+    from memfit.tools.estimate import only_chunked_head_fits
+
+    profile = _vocab_heavy()
+    options = dict(precisions=("bf16",), optimizers=("adamw",), weights=("bf16",), heads=("keep", "chunked"))
+    setup = TrainingSetup("bf16", "adamw", 1, checkpoint="full", weights="bf16")
+    kept = estimate(profile, setup, seq_length=2048).total_bytes
+    chunked = estimate(profile, dataclasses.replace(setup, head="chunked"), seq_length=2048).total_bytes
+    between = (kept + chunked) // 2
+    ranked = advise(profile, 4, int(between / (1 - DEFAULT_MARGIN)), seq_length=2048, **options)
+    assert ranked and all(a.estimate.setup.head == "chunked" for a in ranked)
+    text = format_advice(ranked, "x", margin=DEFAULT_MARGIN)
+    assert "| LM head |" in text and "chunked:" in text
+    assert "only memfit's chunked LM head fits: kept, the head takes" in text
+    with pytest.raises(NothingFitsError, match="LM head kept"):  # keep only: the smallest setup names its head
+        advise(profile, 4, int(between / (1 - DEFAULT_MARGIN)), seq_length=2048, **{**options, "heads": ("keep",)})
+    roomy = advise(profile, 4, 100 * kept, seq_length=2048, **options)
+    assert roomy[0].estimate.setup.head == "keep"  # the chunked head costs time: kept where it fits
+    assert only_chunked_head_fits(roomy) is None
+
+
+def test_cli_prints_the_heads_bytes_per_sequence_length(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["--model", "Qwen2.5-0.5B", "--batch_size", "2", "--seq_length", "1024", "--precision", "bf16",
+                 "--weights", "bf16", "--head", "chunked"]) == 0
+    out = capsys.readouterr().out
+    rows = re.findall(r"^\| (\d+) \| ([\d,]+) \| ([\d.]+) \| ([\d.]+) \| (\d+) \|$", out, flags=re.M)
+    assert [r[0] for r in rows] == ["256", "512", "1024"]
+    assert all(float(kept) > float(chunked) for _, _, kept, chunked, _ in rows)
+    assert "| weights | 0.92 |" in out or "2 B/param bf16" in out  # --weights reaches the table now

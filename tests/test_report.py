@@ -141,11 +141,13 @@ def test_plots_are_written(report):
         "peak_vs_tokens_multiple-choice-bert-base-uncased.png",
         "peak_vs_tokens_train-run.png",
         "time_vs_budget_multiple-choice-bert-base-uncased.png",
+        "treatments_multiple-choice-bert-base-uncased.png",
+        "treatments_train-run.png",
     ]
     for name in names:
         assert f"]({name})" in markdown
         data = (report.parent / name).read_bytes()
-        assert data.startswith(b"\x89PNG") and len(data) > 10_000
+        assert data.startswith(b"\x89PNG") and len(data) > 5_000  # 64 colours: a one-panel plot is about 8 kB
 
 
 def test_output_is_byte_identical(tmp_path):
@@ -348,3 +350,40 @@ def test_each_of_twenty_methods_gets_its_own_colour():
 
     methods = [f"m{i}" for i in range(20)]
     assert len({to_hex(_color(m, methods)) for m in methods}) == 20
+
+
+def test_treatment_mix_shows_the_lm_heads_treatment_per_input_size(tmp_path):
+    """A run that planned the LM head: each input-size range says how many steps kept the head and
+    how many chunked it in how many chunks, beside the blocks' mix, and the treatment plot is drawn."""
+    base = json.loads((FIXTURE / "train_run" / "memfit_steps.jsonl").read_text().splitlines()[0])
+    run = tmp_path / "run"
+    (run / "head").mkdir(parents=True)
+    steps = [  # tokens, blocks' treatments, the head's label
+        (100, {}, "keep"), (120, {}, "keep"),
+        (480, {"recompute": [0]}, "chunked:4"), (500, {"recompute": [0]}, "keep"),
+        (900, {"recompute": [0, 1]}, "chunked:16"), (910, {"recompute": [0, 1]}, "chunked:16"),
+    ]
+    lines = [json.dumps({**base, "step": 1, "tokens": 900, "phase": "warmup", "n_blocks": 4, "plan": [0, 1, 2, 3],
+                         "n_checkpointed": 4, "treatments": {"recompute": [0, 1, 2, 3], "head": "chunked:32"}})]
+    for i, (tokens, kinds, head) in enumerate(steps, 2):
+        plan = sorted(b for blocks in kinds.values() for b in blocks)
+        lines.append(json.dumps({**base, "step": i, "tokens": tokens, "phase": "steady", "n_blocks": 4, "plan": plan,
+                                 "n_checkpointed": len(plan), "treatments": {**kinds, "head": head}}))
+    (run / "head" / "memfit_steps.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    markdown = build_report(run, out).read_text()
+    rows = table_rows(markdown, "Treatment mix per input size", first_column="run")
+    head = {row["tokens"]: row for row in rows if row["run"].startswith(base["method"])}
+    assert [(r["steps"], r["recompute"], r["head (steps)"]) for r in head.values()] == [
+        ("2", "0.0", "keep ×2"), ("2", "1.0", "keep ×1, chunked:4 ×1"), ("2", "2.0", "chunked:16 ×2")]
+    assert "(treatments_" in markdown and list(out.glob("treatments_*.png"))
+
+
+def test_no_head_column_for_runs_that_never_planned_the_head(tmp_path):
+    base = json.loads((FIXTURE / "train_run" / "memfit_steps.jsonl").read_text().splitlines()[0])
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "memfit_steps.jsonl").write_text(json.dumps(
+        {**base, "step": 1, "tokens": 500, "phase": "steady", "n_blocks": 4, "plan": [0], "n_checkpointed": 1,
+         "treatments": {"recompute": [0]}}) + "\n")
+    markdown = build_report(tmp_path / "run", tmp_path / "out").read_text()
+    assert "head (steps)" not in markdown and "Treatment mix per input size" in markdown

@@ -3,6 +3,8 @@
 import gzip
 import importlib.util
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -205,3 +207,109 @@ def test_loop_bench_head_peers_fix_the_chunked_head_or_say_why_they_skip():
     args = loop_bench._parse(["--model", "Qwen2.5-1.5B", "--budgets", "--budget_gb", "23.62", "--methods", "none",
                               "hf-every-1+liger", "--output_dir", "x"])
     assert args.budgets == [] and args.budget_gb == [23.62]
+
+
+def _loop_bench():
+    spec = importlib.util.spec_from_file_location("loop_bench", ROOT / "benchmarks" / "loop_bench.py")
+    loop_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loop_bench)
+    return loop_bench
+
+
+def test_loop_bench_head_part_of_a_name_and_the_flag_set_fits_head():
+    loop_bench = _loop_bench()
+    assert "head" not in loop_bench._memfit_config("dynamic")[1]  # fit's own default
+    assert loop_bench._memfit_config("dynamic", "on")[1]["head"] is True
+    assert loop_bench._memfit_config("dynamic+compile", "on")[1] == {"compile": True, "head": True}
+    assert loop_bench._memfit_config("dynamic+head-off", "on")[1]["head"] is False  # the name wins
+    assert loop_bench._memfit_config("dynamic+head-auto")[1]["head"] == "auto"
+    method, kwargs, _ = loop_bench._memfit_config("full+head@0.1")
+    assert method == "full" and kwargs == {"head": True, "margin": 0.1}
+    assert loop_bench._memfit_config("plain+head") is None and loop_bench._memfit_config("dynamic+head-x") is None
+
+
+def test_loop_bench_compares_memfit_with_the_fastest_fixed_policy_that_fits():
+    loop_bench = _loop_bench()
+    base = {"budget_bytes": 100, "repeat": 0, "oom_count": 0, "status": "ok"}
+    lines = [
+        {**base, "method": "dynamic", "step_ms": [9, 9, 4.0, 8.0, 6.0], "steady_step_ms": 6.0},
+        {**base, "method": "hf-every-1+chunked-8", "step_ms": [9, 9, 5.0, 10.0, 10.0], "steady_step_ms": 10.0},
+        {**base, "method": "hf-every-1+liger", "step_ms": [9, 9, 8.0, 8.0, 8.0], "steady_step_ms": 8.0},
+        # faster, but did not fit: not a candidate
+        {**base, "method": "hf-every-1", "step_ms": [1, 1], "steady_step_ms": 1.0, "status": "oom", "oom_count": 1},
+        {**base, "method": "plain", "step_ms": [1, 1, 1, 1, 1], "steady_step_ms": 1.0},  # no policy
+        {**base, "method": "full", "repeat": 1, "step_ms": [1, 1, 1], "steady_step_ms": 1.0},  # another repeat
+        {**base, "method": "none", "budget_bytes": None, "step_ms": [1, 1, 1], "steady_step_ms": 1.0},
+    ]
+    loop_bench.add_vs_fixed(lines, steady_from=2)
+    dynamic = lines[0]
+    assert dynamic["fastest_fixed"] == "hf-every-1+liger" and dynamic["fixed_fitting"] == 2
+    assert dynamic["step_ratio_vs_fastest_fixed"] == 0.75  # median of 4/8, 8/8, 6/8
+    assert dynamic["sum_ratio_vs_fastest_fixed"] == 0.75
+    assert all("fixed_fitting" not in x for x in lines[1:5] + lines[6:])  # peers and uncapped lines
+    assert lines[5]["fixed_fitting"] == 0 and "fastest_fixed" not in lines[5]  # nothing fixed fits there
+
+
+@pytest.mark.slow
+def test_head_calls_run_end_to_end_on_cpu_with_a_tiny_model(tmp_path):
+    """The head job's two commands, as the suite builds them, on a 2-layer model on CPU: arguments parse,
+    every configuration writes its line (the liger peer skips on CPU), the head is planned and recorded,
+    and <call>.vs_fixed.md is written."""
+    from suites import Context
+    from suites import llm
+
+    raw = tmp_path / "raw"
+    ctx = Context(raw=raw, quick=True, cuda=False)
+    for call in llm.head_calls(llm.QUICK, ctx, tiny=True):
+        for command in call.commands:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+            assert done.returncode == 0, done.stderr[-2000:]
+    qwen = [json.loads(x) for x in (raw / "head-qwen15" / "results.jsonl").read_text().splitlines()]
+    assert {(x["method"], x["status"]) for x in qwen} >= {
+        ("dynamic", "ok"), ("full", "ok"), ("hf-every-1+chunked-8", "ok"), ("hf-every-1+liger", "skipped")}
+    dynamic = [x for x in qwen if x["method"] == "dynamic"]
+    assert all(x["head_steps"] and x["fixed_fitting"] >= 1 and "step_ratio_vs_fastest_fixed" in x for x in dynamic)
+    assert "| dynamic |" in (raw / "head-qwen15" / "head-qwen15.vs_fixed.md").read_text()
+    smollm = [json.loads(x) for x in (raw / "head-smollm" / "results.jsonl").read_text().splitlines()]
+    assert {x["method"] for x in smollm} == {"none", "dynamic+head-auto", "dynamic+head-off"}
+    assert all(not x.get("head_steps") for x in smollm if x["method"] == "dynamic+head-off")
+    # published side by side: both calls' tables, the lines, the report
+    assert run_suite.main(["llm", "--publish", str(raw), "--out", str(tmp_path / "published")]) == 0
+    published = {p.name for p in (tmp_path / "published").iterdir()}
+    assert {"head-qwen15.vs_fixed.md", "head-smollm.vs_fixed.md", "results.jsonl", "report"} <= published
+
+
+def test_head_job_line_is_the_suites_head_calls_and_parses():
+    """The one line the GPU session runs is the suite's head calls, each under its timeout, each parsed
+    by loop_bench without an unknown method; their timeouts fit the job's 520 s."""
+    import shlex
+
+    from suites import llm
+
+    loop_bench = _loop_bench()
+    line = llm.head_job("/out/head")
+    parts = [shlex.split(part) for part in line.split(" ; ")]
+    assert [p[:3] for p in parts] == [["timeout", "130", "python3"], ["timeout", "375", "python3"]]
+    assert sum(float(p[1]) for p in parts) <= 520
+    for words, folder in zip(parts, ("head-smollm", "head-qwen15")):
+        assert words[3] == "benchmarks/loop_bench.py"
+        args = loop_bench._parse(words[4:])
+        assert args.output_dir == f"/out/head/{folder}" and args.no_cudnn_sdpa
+        assert all(m == "none" or loop_bench._memfit_config(m) or m in loop_bench.PEERS for m in args.methods + args.last)
+        assert args.time_limit_s + args.config_time_limit_s + 15 <= float(words[1])
+    qwen = loop_bench._parse(parts[1][4:])
+    assert qwen.head == "on" and qwen.budget_gb == [23.62, 42.73] and qwen.repeats >= 3
+
+
+def test_loop_bench_pairs_head_auto_with_head_off_step_by_step():
+    loop_bench = _loop_bench()
+    base = {"budget_bytes": 100, "repeat": 0, "status": "ok"}
+    lines = [
+        {**base, "method": "dynamic+head-auto", "step_ms": [9, 9, 10.0, 11.0, 10.0]},
+        {**base, "method": "dynamic+head-off", "step_ms": [1, 1, 10.0, 10.0, 10.0]},
+        {**base, "method": "dynamic+head-auto", "repeat": 1, "step_ms": [1, 1, 1, 1, 1]},  # no twin in repeat 1
+    ]
+    loop_bench.add_vs_head_off(lines, steady_from=2)
+    assert lines[0]["step_ratio_vs_head_off"] == 1.0  # median of 1.0, 1.1, 1.0
+    assert "step_ratio_vs_head_off" not in lines[1] and "step_ratio_vs_head_off" not in lines[2]

@@ -1,5 +1,7 @@
 """llm: decoder-LLM fine-tuning under a cap, memfit's methods against every peer, in one plain loop."""
 
+from pathlib import Path
+
 from suites import Call, Context, Suite, script
 
 #: Peers whose OOM at a cap leaves memory behind: they run once per budget, in a call of their own.
@@ -8,10 +10,20 @@ LAST = ("hf-every-2", "trl-offload")
 METHODS = ("plain", "none", "full", "static", "dynamic", "dynamic+all", "reactive", "hf-every-1", "hf-offload",
            "compile-0.5")
 
-#: the head call's methods: uncapped none, memfit, and fixed chunked-loss peers beside checkpointing
-HEAD_METHODS = ("none", "dynamic", "full", "hf-every-1", "hf-every-1+liger", "hf-every-1+chunked-8")
+#: the head call's methods (issue 39), every repeat at each cap: memfit with the head planned (--head on)
+#: and the fixed policies it is compared with (Hugging Face's checkpointing of every layer alone, with
+#: Liger's fused linear cross-entropy, with the pure chunked loss in 8 chunks as TRL's chunked_nll)
+HEAD_METHODS = ("dynamic", "full", "hf-every-1", "hf-every-1+liger", "hf-every-1+chunked-8")
+#: and once per cap after every repeat (its compilation is long): dynamic compiled
+HEAD_LAST = ("dynamic+compile",)
 #: the head call's caps in GB: 22 GiB (a 24 GB card) and half of an 80 GB H100 (79.6 GiB usable / 2)
 HEAD_BUDGETS_GB = (round(22 * 2**30 / 1e9, 2), round(79.6 / 2 * 2**30 / 1e9, 2))
+#: the head job on one GPU (520 s in all): the SmolLM call (head auto against off), then the Qwen call.
+#: Per call: no configuration starts after its time limit, a configuration stops starting steps after
+#: its own, and `timeout` ends the call at its timeout (SIGTERM: loop_bench still writes <call>.vs_fixed.md)
+HEAD_JOB_S = {"head-smollm": 95, "head-qwen15": 320}
+HEAD_CONFIG_S = {"head-smollm": 20, "head-qwen15": 40}
+HEAD_TIMEOUT_S = {"head-smollm": 130, "head-qwen15": 375}
 
 SUITE = Suite(
     name="llm",
@@ -30,6 +42,7 @@ SUITE = Suite(
     steps=40,
     quick_needs_cuda=True,
     carry=("wheels",),
+    keep=("head-*.vs_fixed.md",),  # the head calls' memfit-against-the-fastest-fixed-policy tables (loop_bench)
     notes="budgets are shares of uncapped none's peak, measured in each call; plain and none run uncapped; steady "
           "time is the median step from step 8 on; memfit methods run through run_step (an OOM replays the step); "
           "dynamic+all may also choose selective recompute and offload; one call per repeat (estimated 4-8 minutes "
@@ -44,10 +57,13 @@ SUITE = Suite(
           "and left eager, full FT at half of none's peak; room-long, room-qwen: dynamic (its slack grown by allocator "
           "retries) against dynamic with a 15% margin, long context and Qwen at 0.7; room-reactive: reactive (the same rule) on Qwen at 0.7; long, long-compile: the long-context row, eager methods and peers, then "
           "memfit's compiled methods against the compile peer, each beside uncapped none and full recompute; "
-          "head-qwen15: Qwen2.5-1.5B's shape (151,936-token vocabulary), 24 steps, 2 interleaved repeats in one call, at "
-          "22 GiB and half of an 80 GB card, none uncapped, dynamic, full, HF checkpointing alone and with a chunked loss "
-          "fixed for the run (Liger's fused linear cross-entropy, skipped where not importable; the pure chunked loss in "
-          "8 chunks); benchmarks/loop_bench.py",
+          "head-qwen15: Qwen2.5-1.5B's shape (151,936-token vocabulary), 12 steps, 3 interleaved repeats in one call, at "
+          "22 GiB and half of an 80 GB card, dynamic and full with the LM head planned (--head on), HF checkpointing alone "
+          "and with a chunked loss fixed for the run (Liger's fused linear cross-entropy, skipped where not importable; "
+          "the pure chunked loss in 8 chunks), then dynamic compiled once per cap; each memfit line against the fastest "
+          "fixed policy that fits the same cap, step by step (head-qwen15.vs_fixed.md); cuDNN attention off (until 2026-11-27: 24 "
+          "steps, 2 repeats, none uncapped, the head left to fit's default); head-smollm: the SmolLM full-FT cells at 0.5 "
+          "and 0.7 of none's peak, dynamic with the head auto against off, 20 steps, 3 repeats; benchmarks/loop_bench.py",
 )
 QUICK = SUITE.replace(repeats=1, steps=6)
 
@@ -127,15 +143,61 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
         ctx, "loop_bench.py", *setups["qwen"], *common, "--budgets", 0.7, "--repeats", suite.repeats, "--methods",
         "none", "dynamic", "reactive", "--time_limit_s", 400, "--output_dir", ctx.folder("room-reactive"))],
         folder="room-reactive"))
-    # the LM head (issue 39): Qwen2.5-1.5B's shape (151,936-token vocabulary), whose float32 logits are
-    # the step's floor, at 22 GiB (a 24 GB card) and half of an 80 GB card, in GB as --budget_gb takes
-    # them; few steps and repeats interleaved in one call (none uncapped may OOM: its line says so)
-    out.append(Call("head-qwen15", [script(
-        ctx, "loop_bench.py", "--model", "Qwen2.5-1.5B", *sft, "--steps", 8 if ctx.quick else 24,
-        "--steady_from", 2 if ctx.quick else 6, "--budgets", "--budget_gb", HEAD_BUDGETS_GB[0], HEAD_BUDGETS_GB[1],
-        "--repeats", 1 if ctx.quick else 2, "--time_limit_s", 500, "--methods", *HEAD_METHODS,
-        "--output_dir", ctx.folder("head-qwen15"))], folder="head-qwen15"))
+    out += head_calls(suite, ctx)
     out.append(Call("long-compile", [script(
         ctx, "loop_bench.py", *long, "--methods", "none", "none+compile", "full", "dynamic+compile",
         "dynamic+sel+compile", "compile-0.5", "--output_dir", ctx.folder("long-compile"))], folder="long-compile"))
     return out
+
+
+def head_calls(suite: Suite, ctx: Context, tiny: bool = False) -> list[Call]:
+    """The LM head's calls (issue 39), one GPU, in turn: ``head-qwen15`` (Qwen2.5-1.5B's shape, 151,936-token
+    vocabulary, whose float32 logits are the step's floor, at 22 GiB and half of an 80 GB card, in GB as
+    --budget_gb takes them; memfit with the head planned against the fixed policies, step by step: <call>.vs_fixed.md)
+    and ``head-smollm`` (the SmolLM cells, whose head fits unchunked, at their caps: head auto against off).
+    cuDNN attention is off (an OOM inside it poisons later cuDNN calls). ``tiny``: a 2-layer model of 8,000
+    tokens' vocabulary on CPU (a dry run of the same commands; tests/test_run_suite.py)."""
+    short = ctx.quick or tiny
+    dry = ("--device", "cpu", "--config_overrides", "num_hidden_layers=2", "hidden_size=64", "intermediate_size=128",
+           "num_attention_heads=2", "num_key_value_heads=1", "vocab_size=8000") if tiny else ()
+    data = ("--lengths", "uniform:16:64", "--batch", 2) if tiny else ("--lengths", "sft", "--batch", 8)
+    gb = (0.006, 0.008) if tiny else HEAD_BUDGETS_GB
+    repeats = 1 if short else suite.repeats
+    qwen = script(
+        ctx, "loop_bench.py", "--model", "Qwen2.5-1.5B", *dry, *data, "--steps", 4 if short else 12,
+        "--steady_from", 2 if short else 5, "--budgets", "--budget_gb", *gb, "--repeats", repeats, "--head", "on",
+        "--no_cudnn_sdpa", "--time_limit_s", HEAD_JOB_S["head-qwen15"], "--config_time_limit_s",
+        HEAD_CONFIG_S["head-qwen15"], "--methods", *HEAD_METHODS, "--last", *(() if tiny else HEAD_LAST),
+        "--output_dir", ctx.folder("head-qwen15"))
+    smollm = script(
+        ctx, "loop_bench.py", "--model", "SmolLM-360M", *dry, *data, "--steps", 4 if short else 20,
+        "--steady_from", 2 if short else 6, "--budgets", *suite.budgets["ft"], "--repeats", repeats,
+        "--no_cudnn_sdpa", "--time_limit_s", HEAD_JOB_S["head-smollm"], "--config_time_limit_s",
+        HEAD_CONFIG_S["head-smollm"], "--methods", "none", "dynamic+head-auto", "dynamic+head-off",
+        "--output_dir", ctx.folder("head-smollm"))
+    return [Call(name, [command], folder=name, timeout_s=HEAD_TIMEOUT_S[name])
+            for name, command in (("head-smollm", smollm), ("head-qwen15", qwen))]
+
+
+def head_job(out: str, python: str = "python3") -> str:
+    """The head job as one shell line for a GPU session (run from the repository root, one GPU chosen by
+    CUDA_VISIBLE_DEVICES): :func:`head_calls` in turn, each under ``timeout``, into ``out/<call>``.
+
+    Example:
+        >>> head_job("$OUT/head").startswith("timeout 130 python3 benchmarks/loop_bench.py --model SmolLM-360M")
+        True
+    """
+    import shlex
+
+    from suites import ROOT
+
+    class _Out(Context):
+        def folder(self, call_name: str) -> Path:
+            return Path(f"{out}/{call_name}")
+
+    ctx = _Out(raw=Path(out), quick=False, cuda=True, python=python)
+    words = []
+    for call in head_calls(SUITE, ctx):
+        command = [w.replace(f"{ROOT}/", "") for w in call.commands[0]]
+        words.append(f"timeout {call.timeout_s:g} " + " ".join(w if w.startswith("$") else shlex.quote(w) for w in command))
+    return " ; ".join(words)

@@ -23,10 +23,37 @@ __all__ = [
     "read_jsonl_numbered",
     "summarize",
     "treated_blocks",
+    "head_steps",
+    "HEAD_KEY",
+    "parse_head_label",
 ]
 
 #: Version of the step-record and summary schema. Bump on any incompatible change.
 SCHEMA_VERSION = 1
+
+#: The key of a step record's ``treatments`` that holds the LM head's treatment (NOTE [The head in a record]).
+HEAD_KEY = "head"
+
+
+def parse_head_label(label: str) -> tuple[str, int]:
+    """The head's treatment and chunk count from its label: ``"keep"`` -> ``("keep", 1)``,
+    ``"chunked:8"`` -> ``("chunked", 8)`` (the label is :attr:`memfit.engine.planner.Plan.head_label`).
+
+    Raises:
+        ValueError: naming the label, when it is neither form.
+
+    Example:
+        >>> parse_head_label("chunked:8")
+        ('chunked', 8)
+    """
+    name, sep, count = str(label).partition(":")
+    try:
+        n_chunks = int(count) if sep else 1
+    except ValueError:
+        n_chunks = 0
+    if not name or n_chunks < 1:
+        raise ValueError(f"head label {label!r} is neither 'keep' nor '<treatment>:<chunks>' (e.g. 'chunked:8')")
+    return name, n_chunks
 
 
 @dataclass
@@ -35,6 +62,13 @@ class StepRecord:
 
     ``plan`` lists the blocks the plan treated (not kept), ``n_checkpointed`` counts them and
     ``treatments`` says how each was treated.
+
+    # NOTE [The head in a record]
+    A step whose plan placed the LM head (``fit(head=...)``, NOTE [The head in the plan] in
+    planner.py) has ``treatments["head"]``: the head's label, ``"keep"`` or ``"chunked:<n>"``
+    (``n`` chunks), as the plan files write it. It is the one key of ``treatments`` whose value is
+    no block list: :attr:`head` reads it as ``(treatment, n_chunks)`` and :attr:`block_treatments`
+    leaves it out. A step without a planned head has no such key (``head`` is None).
 
     Byte counts are plain bytes; ``budget_bytes`` is ``None`` when no budget is set.
     With ``accounting == "logical"`` (CPU), ``peak_allocated_bytes`` is parameters +
@@ -78,8 +112,9 @@ class StepRecord:
     #: cache (a device sync each; they grow the planner's slack: NOTE [Room] in room.py)
     alloc_retries: int = 0
     #: the treated blocks of the plan, by treatment name (``{"recompute": [0, 1]}``); every
-    #: other block was kept (engine/treatments/)
-    treatments: dict[str, list[int]] = field(default_factory=dict)
+    #: other block was kept (engine/treatments/); and the LM head's label under ``"head"`` when the
+    #: plan placed it (NOTE [The head in a record])
+    treatments: dict[str, Any] = field(default_factory=dict)
     #: the attempts of this step that ran out of memory and were replayed, oldest first:
     #: ``stage`` (forward / backward / optimizer), ``plan``, ``phase``, ``shape``,
     #: ``predicted_peak_bytes``, ``margin_bytes``, ``slack_bytes``, ``evicted_blocks``,
@@ -93,6 +128,20 @@ class StepRecord:
     def to_dict(self) -> dict[str, Any]:
         """The record as a JSON-ready dict (the JSONL line)."""
         return dataclasses.asdict(self)
+
+    @property
+    def head(self) -> tuple[str, int] | None:
+        """The LM head's treatment and chunk count this step, ``("keep", 1)`` or ``("chunked", n)``;
+        None when the plan did not place the head (NOTE [The head in a record])."""
+        label = self.treatments.get(HEAD_KEY)
+        return None if label is None else parse_head_label(label)
+
+    @property
+    def block_treatments(self) -> dict[str, list[int]]:
+        """The treated blocks by treatment name, the head's label left out (a record of schema 1,
+        with no ``treatments``, recomputed its ``plan``)."""
+        kinds = {k: v for k, v in self.treatments.items() if k != HEAD_KEY}
+        return kinds or ({"recompute": list(self.plan)} if self.plan else {})
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "StepRecord":
@@ -132,6 +181,9 @@ class RunSummary:
     counted_steps: int = 0
     #: per treatment name, how many block-steps it was given (a block in one step counts once)
     treated_blocks: dict[str, int] = field(default_factory=dict)
+    #: per LM head label (``"keep"``, ``"chunked:8"``), how many steps ran the head so; empty
+    #: when no step planned the head (NOTE [The head in a record])
+    head_steps: dict[str, int] = field(default_factory=dict)
     #: with several ranks: each rank's own summary, by rank (as a string key)
     per_rank: dict[str, dict[str, Any]] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
@@ -180,20 +232,35 @@ def summarize(records: Iterable[StepRecord]) -> RunSummary:
         evicting_steps=sum(bool(r.evicted_blocks) for r in records),
         counted_steps=sum(r.counted for r in records),
         treated_blocks=treated_blocks(records),
+        head_steps=head_steps(records),
     )
 
 
 def treated_blocks(records: Sequence[StepRecord]) -> dict[str, int]:
-    """Blocks given each treatment, summed over ``records`` (a record of schema 1, with no
-    ``treatments``, recomputed its ``plan``); the LM head's label (``treatments["head"]``) is no block."""
+    """Blocks given each treatment, summed over ``records`` (:attr:`StepRecord.block_treatments`:
+    the LM head's label is no block)."""
     out: dict[str, int] = {}
     for r in records:
-        kinds = r.treatments or ({"recompute": r.plan} if r.plan else {})
-        for kind, blocks in kinds.items():
-            if kind == "head":
-                continue
+        for kind, blocks in r.block_treatments.items():
             out[kind] = out.get(kind, 0) + len(blocks)
     return dict(sorted(out.items()))
+
+
+def head_steps(records: Sequence[StepRecord]) -> dict[str, int]:
+    """Steps per LM head label over ``records`` (NOTE [The head in a record]), fewest chunks first;
+    empty when none planned the head.
+
+    Example:
+        >>> r = StepRecord(1, [8, 100], 800, "dynamic", [], 0, 2, None, 0, 0, None, "logical", None, 0.0)
+        >>> head_steps([r, dataclasses.replace(r, treatments={"head": "chunked:4"})])
+        {'chunked:4': 1}
+    """
+    out: dict[str, int] = {}
+    for r in records:
+        label = r.treatments.get(HEAD_KEY)
+        if label is not None:
+            out[label] = out.get(label, 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: parse_head_label(kv[0])[::-1]))
 
 
 class JsonlWriter:

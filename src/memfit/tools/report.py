@@ -11,7 +11,8 @@ Reads JSON lines only, never printed text (habit 7), from anywhere under ``<dir>
 and writes ``report.md`` (per task: a table of methods × budgets, a table of memory savers
 when results carry ``eval_metric``, and one of peer sweeps when a peer ran at several settings
 of its knob) and PNG plots: peak memory vs input size, time vs budget, and the
-``memory_count`` histogram over input-size buckets. Units: each table and plot shows sizes in the
+``memory_count`` histogram over input-size buckets, and the treatment mix per input size (the LM
+head's chunks beside the blocks' treatments). Units: each table and plot shows sizes in the
 unit its budget was given in, GiB without one (NOTE [One unit per table]; NOTE [A budget in the
 unit it was given], summary_text.py). Warm-up steps are counted in the tables and drawn as
 crosses in the peak plot; steps over their budget are ringed in red.
@@ -43,7 +44,9 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import ArgumentParser, DataError, MissingFileError
-from memfit.engine.records import RunSummary, StepRecord, read_jsonl_numbered, summarize, treated_blocks
+from memfit.engine.records import (
+    RunSummary, StepRecord, head_steps, parse_head_label, read_jsonl_numbered, summarize, treated_blocks,
+)
 from memfit.engine.summary_text import given_unit, size_in_given_unit
 
 __all__ = ["RESULT_FIELDS", "OPTIONAL_RESULT_FIELDS", "build_report", "main"]
@@ -59,8 +62,9 @@ OPTIONAL_RESULT_FIELDS = (
     "repeat", "warmup_steps", "planner_us_per_step", "steps_file", "eval_metric", "eval_value", "note",
     "peer_metrics", "paired_with", "paired_step_ratio", "paired_sum_ratio",
 )
-# skipped: a peer that cannot run on that machine (not installed, needs CUDA)
-_STATUSES = ("ok", "oom", "error", "skipped")
+# skipped: a peer that cannot run on that machine (not installed, needs CUDA); time_limit: a
+# configuration a bench stopped before its last step (its time limit)
+_STATUSES = ("ok", "oom", "error", "skipped", "time_limit")
 # Table and legend order: memfit's methods first, then peers and savers alphabetically.
 _METHOD_ORDER = ("none", "full", "dynamic", "oracle", "static", "precomputed", "reactive")
 _DASH = "—"
@@ -163,10 +167,13 @@ class _StepRun:
     """File-name stem of the group's plots."""
     repeat: int
     """Repeat number of the bench result that names this file (0 when none does)."""
+    configuration: str | None = None
+    """The method of the bench result that names this file (``dynamic+compile``, where the records
+    say ``dynamic``); None when none does."""
 
     @property
     def method(self) -> str:
-        return self.summary.method
+        return self.configuration or self.summary.method
 
     @property
     def budget_bytes(self) -> int | None:
@@ -295,7 +302,8 @@ def _load(root: Path) -> tuple[list[_Result], list[_StepRun], list[str]]:
         folder = Path(name).parent.as_posix() if "/" in name else root.name
         group, stem = (_table_key(result).title(), _table_key(result).slug()) if result else (folder, _slug(folder))
         repeat = int(result.repeat or 0) if result else 0
-        runs.append(_StepRun(name, tuple(records), summarize(records), group, stem, repeat))
+        runs.append(_StepRun(name, tuple(records), summarize(records), group, stem, repeat,
+                             result.method if result else None))
         step_ms = [r.step_ms for r in records if r.step_ms is not None]
         if result is not None and step_ms and result.steps:
             # records are micro-steps: scale to one optimizer step (gradient accumulation)
@@ -458,7 +466,7 @@ def _runs_table(runs: Sequence[_StepRun]) -> list[str]:
     for run in runs:
         s = run.summary
         lines.append(
-            f"| `{run.path}` | {s.method} | {_budget_cell(s.budget_bytes)} | {s.accounting} | {s.steps} | {s.warmup_steps} | "
+            f"| `{run.path}` | {run.method} | {_budget_cell(s.budget_bytes)} | {s.accounting} | {s.steps} | {s.warmup_steps} | "
             f"{_gib(s.max_peak_allocated_bytes, unit)} | {s.over_budget_steps} | {s.oom_retries} | "
             f"{100 * s.mean_checkpointed_fraction:.1f}% | {s.mean_planner_us:.1f} |"
         )
@@ -469,22 +477,46 @@ def _runs_table(runs: Sequence[_StepRun]) -> list[str]:
 _MIX_KINDS = ("recompute", "selective", "offload")
 
 
-def _mix_table(runs: Sequence[_StepRun], bins: int = 6) -> list[str]:
-    """The treatment mix per input size: for each run that treated blocks, its steady steps in
-    ``bins`` equal ranges of tokens, and the mean number of blocks each treatment got there."""
-    treated = [r for r in runs if any(rec.treatments or rec.plan for rec in r.records)]
-    steady = {id(r): [rec for rec in r.records if rec.phase != "warmup"] for r in treated}
+@dataclass(frozen=True)
+class _MixRow:
+    """One input-size range of a run's steady steps: the mean blocks per step each treatment got,
+    and how many steps ran the LM head each way (``{"keep": 3, "chunked:8": 2}``; empty when no step
+    planned the head: NOTE [The head in a record], records.py)."""
+
+    first: int
+    last: int
+    steps: int
+    mix: tuple[float, ...]
+    kept: float
+    heads: tuple[tuple[str, int], ...]
+
+    def head_text(self) -> str:
+        return ", ".join(f"{label} ×{n}" for label, n in self.heads) or _DASH
+
+    def chunked(self) -> tuple[float, float | None]:
+        """The share of the range's steps that chunked the head, and their mean chunk count (None: none did)."""
+        steps = sum(count for _, count in self.heads)
+        chunked = [(parse_head_label(label)[1], count) for label, count in self.heads if parse_head_label(label)[0] != "keep"]
+        n = sum(count for _, count in chunked)
+        return (n / steps if steps else 0.0), (round(sum(c * k for c, k in chunked) / n, 1) if n else None)
+
+
+def _mixed_runs(runs: Sequence[_StepRun]) -> list[_StepRun]:
+    """The runs whose plans treated a block or placed the LM head."""
+    return [r for r in runs if any(rec.treatments or rec.plan for rec in r.records)]
+
+
+def _mix_rows(runs: Sequence[_StepRun], bins: int = 6) -> dict[int, list[_MixRow]]:
+    """Per run (by ``id``), its steady steps in ``bins`` equal ranges of tokens shared by ``runs``, with
+    the treatment mix of each range; a run with one mix at every size gets one row."""
+    steady = {id(r): [rec for rec in r.records if rec.phase != "warmup"] for r in runs}
     tokens = [rec.tokens for recs in steady.values() for rec in recs]
     if not tokens:
-        return []
+        return {}
     low, high = min(tokens), max(tokens)
     width = max(1, -(-(high - low + 1) // bins))
-    lines = [
-        "", "Treatment mix per input size (steady steps; mean blocks per step given each treatment, the rest kept):", "",
-        "| run | tokens | steps | " + " | ".join(_MIX_KINDS) + " | kept |",
-        "| --- | --- | ---: | " + " | ".join("---:" for _ in _MIX_KINDS) + " | ---: |",
-    ]
-    for run in treated:
+    out = {}
+    for run in runs:
         by_bin: dict[int, list[StepRecord]] = {}
         for rec in steady[id(run)]:
             by_bin.setdefault((rec.tokens - low) // width, []).append(rec)
@@ -493,11 +525,35 @@ def _mix_table(runs: Sequence[_StepRun], bins: int = 6) -> list[str]:
             recs = by_bin[b]
             counts = {k: 0 for k in _MIX_KINDS} | treated_blocks(recs)
             mix = tuple(counts[k] / len(recs) for k in _MIX_KINDS)
-            rows.append((low + b * width, low + (b + 1) * width - 1, len(recs), mix, recs[0].n_blocks - sum(mix)))
-        if len({row[3] for row in rows}) == 1:  # the same mix at every size (full, static): one row
-            rows = [(rows[0][0], rows[-1][1], sum(row[2] for row in rows), rows[0][3], rows[0][4])]
-        for first, last, n, mix, kept in rows:
-            lines.append(f"| {_label(run)} | {first}-{last} | {n} | " + " | ".join(f"{m:.1f}" for m in mix) + f" | {kept:.1f} |")
+            heads = tuple(head_steps(recs).items())
+            rows.append(_MixRow(low + b * width, low + (b + 1) * width - 1, len(recs), mix, recs[0].n_blocks - sum(mix), heads))
+        if len({(row.mix, tuple(label for label, _ in row.heads)) for row in rows}) == 1:  # one mix at every size (full, static)
+            heads = tuple(head_steps([rec for rec in steady[id(run)]]).items())
+            rows = [dataclasses.replace(rows[0], last=rows[-1].last, steps=sum(row.steps for row in rows), heads=heads)]
+        out[id(run)] = rows
+    return out
+
+
+def _mix_table(runs: Sequence[_StepRun], bins: int = 6) -> list[str]:
+    """The treatment mix per input size: for each run that treated blocks or placed the head, its
+    steady steps in ``bins`` equal ranges of tokens, the mean number of blocks each treatment got
+    there, and (when a run planned the head) the steps per head treatment."""
+    treated = _mixed_runs(runs)
+    rows = _mix_rows(treated, bins)
+    if not rows:
+        return []
+    with_head = any(row.heads for run_rows in rows.values() for row in run_rows)
+    head_head, head_rule = (" head (steps) |", " --- |") if with_head else ("", "")
+    lines = [
+        "", "Treatment mix per input size (steady steps; mean blocks per step given each treatment, the rest kept"
+        + ("; the LM head's treatment, `chunked:<n>` in n chunks, and its steps" if with_head else "") + "):", "",
+        "| run | tokens | steps | " + " | ".join(_MIX_KINDS) + " | kept |" + head_head,
+        "| --- | --- | ---: | " + " | ".join("---:" for _ in _MIX_KINDS) + " | ---: |" + head_rule,
+    ]
+    for run in treated:
+        for row in rows.get(id(run), []):
+            lines.append(f"| {_label(run)} | {row.first}-{row.last} | {row.steps} | " + " | ".join(f"{m:.1f}" for m in row.mix)
+                         + f" | {row.kept:.1f} |" + (f" {row.head_text()} |" if with_head else ""))
     return lines
 
 
@@ -690,6 +746,52 @@ def _plot_memory_count(group: str, runs: Sequence[_StepRun], path: Path) -> None
     _save(fig, path)
 
 
+def _plot_treatments(group: str, runs: Sequence[_StepRun], path: Path) -> bool:
+    """Per run with steady steps, the treatment mix per input size (:func:`_mix_rows`) as stacked bars
+    of blocks, and, where the run planned the LM head, the share of steps that chunked it on the right
+    axis, each point labelled with those steps' mean chunk count. Returns whether it drew anything."""
+    rows = _mix_rows(runs)
+    runs = [r for r in runs if rows.get(id(r))]
+    if not runs:
+        return False
+    cols = min(3, len(runs))
+    fig = _figure(figsize=(4.2 * cols, 3.4 * -(-len(runs) // cols)), layout="constrained")
+    axes = fig.subplots(-(-len(runs) // cols), cols, squeeze=False).ravel()
+    colors = {"recompute": "C0", "selective": "C1", "offload": "C2", "kept": "0.8"}
+    for ax, run in zip(axes, runs):
+        mine = rows[id(run)]
+        centres = [(row.first + row.last) / 2 for row in mine]
+        width = 0.8 * min(row.last - row.first + 1 for row in mine)
+        bottom = [0.0] * len(mine)
+        for i, kind in enumerate((*_MIX_KINDS, "kept")):
+            heights = [row.mix[i] if i < len(_MIX_KINDS) else row.kept for row in mine]
+            if any(heights):
+                ax.bar(centres, heights, width=width, bottom=bottom, color=colors[kind], label=kind)
+                bottom = [b + h for b, h in zip(bottom, heights)]
+        heads = [(c, row.chunked()) for c, row in zip(centres, mine) if row.heads]
+        if heads:
+            right = ax.twinx()
+            right.plot([c for c, _ in heads], [100 * share for _, (share, _) in heads], color="black", marker="o",
+                       label="head chunked")
+            for c, (share, chunks) in heads:
+                if chunks:
+                    right.annotate(f"×{chunks:g}", (c, 100 * share), textcoords="offset points", xytext=(0, 5),
+                                   ha="center", fontsize=7)
+            right.set_ylim(-5, 115)
+            right.set_ylabel("LM head: steps chunked (%), ×mean chunks", fontsize=8)
+            right.legend(fontsize=7, loc="lower right")
+        ax.set_title(_label(run), fontsize=9)
+        ax.set_xlabel("input size (tokens per micro-batch)", fontsize=8)
+        ax.set_ylabel("blocks per step (mean)", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left")
+    for ax in axes[len(runs):]:
+        ax.set_visible(False)
+    fig.suptitle(_wrap(f"Treatment mix per input size (steady steps)\n{group}"), fontsize=11)
+    _save(fig, path)
+    return True
+
+
 # ---------------------------------------------------------------------------------- report
 
 
@@ -774,6 +876,7 @@ def build_report(input_dir: str | Path, output_dir: str | Path | None = None) ->
             stem = group_names[group]
             _plot_peak_vs_tokens(group, shown, out / f"peak_vs_tokens_{stem}.png")
             _plot_memory_count(group, shown, out / f"memory_count_{stem}.png")
+            mixed = _plot_treatments(group, _mixed_runs(shown), out / f"treatments_{stem}.png")
             lines += [
                 "",
                 f"Plots show one run per method and budget (the lowest repeat): {', '.join(f'`{r.path}`' for r in shown)}.",
@@ -782,6 +885,7 @@ def build_report(input_dir: str | Path, output_dir: str | Path | None = None) ->
                 "",
                 f"![memory_count, {group}](memory_count_{stem}.png)",
             ]
+            lines += ["", f"![Treatment mix, {group}](treatments_{stem}.png)"] if mixed else []
     if skipped:
         lines += ["", "## Skipped inputs", "", *(f"- {s}" for s in skipped)]
     path = out / "report.md"

@@ -2,9 +2,12 @@
 
 # NOTE [Plans files]
 A plans file is JSON: ``{"schema_version", "n_blocks", "model", "plans": [{"key": [N, T],
-"blocks": [...], "treatments": [...]}]}``. ``blocks`` lists the treated blocks of a shape key;
+"blocks": [...], "treatments": [...], "head": "chunked:8"}]}``. ``blocks`` lists the treated blocks of a shape key;
 ``treatments`` names the treatment of each of them and is left out when every one is
-``recompute``, so a file of schema 1 (blocks only) reads as whole-block recompute. ``model``
+``recompute``, so a file of schema 1 (blocks only) reads as whole-block recompute. ``head`` (schema
+3) is the LM head's label as step records write it (``"keep"`` or ``"chunked:<n>"``, NOTE [The head
+in a record] in records.py), left out for a plan that did not place the head, so files of schema 1
+and 2 read as plans without a head. A run that does not plan its head drops a file's head labels. ``model``
 fingerprints the blocks the plans were made for (their names, classes and parameter counts:
 :func:`memfit.engine.blocks.fingerprint`); a file made for another model is refused when the run
 binds it: by block count always, by fingerprint when both are known.
@@ -12,6 +15,7 @@ binds it: by block count always, by fingerprint when both are known.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import TYPE_CHECKING
@@ -19,13 +23,14 @@ from typing import TYPE_CHECKING
 from memfit.errors import DataError, MissingFileError, UserError
 from memfit.engine.methods.base import Decision, Method
 from memfit.engine.planner import Plan
+from memfit.engine.records import parse_head_label
 
 if TYPE_CHECKING:
     from memfit.engine.planning import Planning
 
 __all__ = ["PLANS_SCHEMA_VERSION", "PlansMismatchError", "Precomputed", "save_plans", "load_plans"]
 
-PLANS_SCHEMA_VERSION = 2
+PLANS_SCHEMA_VERSION = 3
 
 
 class PlansMismatchError(UserError, ValueError):
@@ -68,6 +73,8 @@ class Precomputed(Method):
         if plan is None:
             larger = [k for k in self.plans if k[0] == key[0] and k[1] >= key[1]]
             plan = self.plans[min(larger)] if larger else Plan(planning.all_blocks)
+        if plan.head is not None and planning.head is None:  # this run does not plan its head
+            plan = dataclasses.replace(plan, head=None)
         return Decision(plan)
 
 
@@ -87,6 +94,8 @@ def save_plans(
         row = {"key": list(key), "blocks": list(plan.blocks)}
         if plan.kinds:
             row["treatments"] = list(plan.kinds)
+        if plan.head_label is not None:
+            row["head"] = plan.head_label
         rows.append(row)
     data = {"schema_version": PLANS_SCHEMA_VERSION, "n_blocks": n_blocks, "model": fingerprint, "plans": rows}
     with open(path, "w", encoding="utf-8") as fh:
@@ -94,7 +103,7 @@ def save_plans(
 
 
 def load_plans(path: str) -> tuple[dict[tuple[int, int], Plan], int | None, str]:
-    """Read a plans file written by :func:`save_plans` (schema 1 or 2).
+    """Read a plans file written by :func:`save_plans` (schema 1, 2 or 3).
 
     Returns:
         ``(plans, n_blocks, fingerprint)``: per shape key its plan; the block count and the
@@ -112,11 +121,13 @@ def load_plans(path: str) -> tuple[dict[tuple[int, int], Plan], int | None, str]
         plans = {}
         for p in data["plans"]:
             blocks = tuple(int(i) for i in p["blocks"])
-            plans[tuple(int(x) for x in p["key"])] = Plan(blocks, kinds=tuple(str(k) for k in p.get("treatments", ())))
+            head = parse_head_label(p["head"]) if p.get("head") is not None else None
+            kinds = tuple(str(k) for k in p.get("treatments", ()))
+            plans[tuple(int(x) for x in p["key"])] = Plan(blocks, kinds=kinds, head=head)
         n_blocks = data.get("n_blocks")
         return plans, (None if n_blocks is None else int(n_blocks)), str(data.get("model") or "")
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as exc:
         raise DataError(
             f"plans file {path} is malformed ({exc}); expected JSON with a 'plans' list of "
-            "{'key': [N, T], 'blocks': [...]} as written by Controller.save_plans"
+            "{'key': [N, T], 'blocks': [...]} (and optionally 'treatments', 'head') as written by Controller.save_plans"
         ) from None

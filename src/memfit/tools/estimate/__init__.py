@@ -12,16 +12,18 @@ Example:
     >>> estimate(profile, TrainingSetup(), seq_length=128).total_bytes  # doctest: +SKIP
 """
 
-from memfit.tools.estimate.advise import DEFAULT_MARGIN, Advice, NothingFitsError, advise, format_advice
+from memfit.tools.estimate.advise import DEFAULT_MARGIN, Advice, NothingFitsError, advise, format_advice, only_chunked_head_fits
 from memfit.tools.estimate.anatomy import (
     CUDA_CONTEXT_BYTES,
     GIB,
+    HEAD_CHOICES,
     LIBRARY_WORKSPACE_BYTES,
     OPTIMIZERS,
     PRECISIONS,
     TASKS,
     ActivationProfile,
     ElementBytes,
+    LmHead,
     MemoryEstimate,
     ModelProfile,
     TrainingSetup,
@@ -30,7 +32,9 @@ from memfit.tools.estimate.anatomy import (
     bert_layer_backward_bytes,
     bert_layer_saved_bytes,
     estimate,
+    format_head_table,
     format_table,
+    lm_head_bytes,
     load_config,
     optimizer_available,
 )
@@ -40,4 +44,5 @@ __all__ = [
     "ElementBytes", "bert_layer_saved_bytes", "bert_layer_backward_bytes", "load_config", "ModelProfile",
     "ActivationProfile", "activation_profile", "TrainingSetup", "MemoryEstimate", "backward_phase_bytes", "estimate",
     "format_table", "DEFAULT_MARGIN", "NothingFitsError", "Advice", "advise", "format_advice",
+    "HEAD_CHOICES", "LmHead", "lm_head_bytes", "format_head_table", "only_chunked_head_fits",
 ]

@@ -10,9 +10,12 @@ Time is in units of one fp32 forward + backward of the whole batch without check
 (= 1.0). A setup costs::
 
     _PRECISION_SPEED[precision] * (1 + _RECOMPUTE * checkpointed / blocks) * (_LORA_SPEED if LoRA else 1)
+    * (1 + _RECOMPUTE * head_share if the LM head is chunked else 1)
     + _MICRO_STEP_OVERHEAD * (accumulation - 1)
     + _OPTIMIZER_STEP[optimizer]
 
+``head_share`` is the LM head's share of the matmul weights (``vocab x hidden`` over all of them,
+a proxy for its share of the compute): the chunked head recomputes each chunk's logits in backward.
 The constants below are rough, stated with where they come from; they only have to rank
 setups (is accumulation cheaper than checkpointing here?), not predict seconds. Benchmarks
 (``memfit bench``) are the measurement.
@@ -38,7 +41,7 @@ from memfit.tools.estimate.anatomy import (
     optimizer_available,
 )
 
-__all__ = ["DEFAULT_MARGIN", "NothingFitsError", "Advice", "advise", "format_advice"]
+__all__ = ["DEFAULT_MARGIN", "NothingFitsError", "Advice", "advise", "format_advice", "only_chunked_head_fits"]
 
 # fp16/bf16 matmuls on tensor cores against fp32 (no TF32, the PyTorch default for matmul):
 # the matmuls speed up far more than 2x, elementwise/memory-bound kernels about 2x (half the
@@ -99,9 +102,10 @@ class Advice:
         return flags + ["--memfit_method", self.method, "--memory_budget", memory_budget]
 
 
-def _relative_time(setup: TrainingSetup, checkpointed: int, n_blocks: int) -> float:
+def _relative_time(setup: TrainingSetup, checkpointed: int, n_blocks: int, head_share: float = 0.0) -> float:
     compute = _PRECISION_SPEED[setup.precision] * (1 + _RECOMPUTE * checkpointed / max(n_blocks, 1))
     compute *= _LORA_SPEED if setup.lora_r else 1
+    compute *= 1 + _RECOMPUTE * head_share if setup.head == "chunked" else 1
     return compute + _MICRO_STEP_OVERHEAD * (setup.accumulation_steps - 1) + _OPTIMIZER_STEP[setup.optimizer]
 
 
@@ -115,6 +119,7 @@ def advise(
     margin: float = DEFAULT_MARGIN,
     weights: Sequence[str] = ("fp32",),
     lora_r: int = 0,
+    heads: Sequence[str] = ("keep",),
     **inputs,
 ) -> list[Advice]:
     """Every setup that fits ``budget_bytes`` less ``margin``, fastest first.
@@ -133,6 +138,8 @@ def advise(
         weights: weight dtypes to try (``bf16`` only with precision ``bf16``; causal-lm's
             ``--torch_dtype bfloat16``).
         lora_r: LoRA rank on every linear layer of the blocks; 0 for full fine-tuning.
+        heads: LM head treatments to try (``keep``, ``chunked``: a causal LM's; NOTE [The head in the
+            estimate] in anatomy.py).
         **inputs: ``seq_length`` / ``image_size``, ``attention``, ``num_choices`` as for
             :func:`memfit.tools.estimate.estimate`.
 
@@ -153,13 +160,18 @@ def advise(
     n_blocks = profile.n_blocks
     activations: dict[tuple[int, str], ActivationProfile] = {}
 
-    def candidate(precision: str, optimizer: str, micro: int, checkpointed: int, weight: str = "fp32") -> Advice:
+    config = profile.config
+    head_share = (config.vocab_size * config.hidden_size / max(profile.matmul_weight_params, 1)
+                  if profile.task == "causal-lm" else 0.0)
+
+    def candidate(precision: str, optimizer: str, micro: int, checkpointed: int, weight: str = "fp32",
+                  head: str = "keep") -> Advice:
         if (micro, precision) not in activations:
             activations[micro, precision] = activation_profile(profile, micro, precision=precision, **inputs)
-        setup = TrainingSetup(precision, optimizer, micro, batch_size // micro, str(checkpointed), weight, lora_r)
+        setup = TrainingSetup(precision, optimizer, micro, batch_size // micro, str(checkpointed), weight, lora_r, head)
         est = estimate(profile, setup, activations=activations[micro, precision], **inputs)
         method = {0: "none", n_blocks: "full"}.get(checkpointed, "dynamic")
-        return Advice(method, est, _relative_time(setup, checkpointed, n_blocks))
+        return Advice(method, est, _relative_time(setup, checkpointed, n_blocks, head_share))
 
     fitting: list[Advice] = []
     smallest: MemoryEstimate | None = None
@@ -167,23 +179,25 @@ def advise(
     for precision, weight in combos:
         for optimizer in optimizers:
             for micro in (m for m in range(batch_size, 0, -1) if batch_size % m == 0):
-                for checkpointed in range(n_blocks + 1):
-                    advice = candidate(precision, optimizer, micro, checkpointed, weight)
-                    if smallest is None or advice.estimate.total_bytes <= smallest.total_bytes:
-                        smallest = advice.estimate
-                    if advice.estimate.fits(usable):
-                        fitting.append(advice)
-                        if advice.method == "dynamic":
-                            full = candidate(precision, optimizer, micro, n_blocks, weight)
-                            fitting += [full] if full.estimate.fits(usable) else []
-                        break
+                for head in dict.fromkeys(heads):
+                    for checkpointed in range(n_blocks + 1):
+                        advice = candidate(precision, optimizer, micro, checkpointed, weight, head)
+                        if smallest is None or advice.estimate.total_bytes <= smallest.total_bytes:
+                            smallest = advice.estimate
+                        if advice.estimate.fits(usable):
+                            fitting.append(advice)
+                            if advice.method == "dynamic":
+                                full = candidate(precision, optimizer, micro, n_blocks, weight, head)
+                                fitting += [full] if full.estimate.fits(usable) else []
+                            break
     if not fitting:
         raise NothingFitsError(_nothing_fits_message(smallest, budget_bytes, margin))
     order = {p: i for i, p in enumerate(precisions)}
     return sorted(
         fitting,
         key=lambda a: (round(a.relative_time, 9), a.estimate.total_bytes, order[a.estimate.setup.precision],
-                       a.estimate.setup.weights, a.estimate.setup.optimizer, _METHODS.index(a.method)),
+                       a.estimate.setup.weights, a.estimate.setup.optimizer, _METHODS.index(a.method),
+                       a.estimate.setup.head),
     )
 
 
@@ -194,12 +208,40 @@ def _nothing_fits_message(smallest: MemoryEstimate, budget_bytes: int, margin: f
         f"nothing fits the budget of {size_in_given_unit(budget_bytes)} ({budget_bytes:,} bytes) with "
         f"{100 * margin:g}% of it kept free. The smallest setup "
         f"({s.precision}, {s.weights} weights{f', LoRA r {s.lora_r}' if s.lora_r else ''}, {s.optimizer}, micro-batch {s.micro_batch_size}, {smallest.checkpointed_blocks} of "
-        f"{smallest.n_blocks} blocks checkpointed) needs {smallest.total_bytes / GIB:.2f} GiB "
+        f"{smallest.n_blocks} blocks checkpointed{_head_words(smallest)}) needs {smallest.total_bytes / GIB:.2f} GiB "
         f"({smallest.total_bytes:,} bytes), of which {smallest.static_bytes:,} bytes are static (weights "
         f"{smallest.weights_bytes:,} + gradients {smallest.gradients_bytes:,} + optimizer state "
         f"{smallest.optimizer_state_bytes:,}) and no checkpointing can shrink them. Raise --memory_budget to at "
         f"least {need / GIB:.2f} GiB"
     )
+
+
+def _head_words(est: MemoryEstimate) -> str:
+    """``", LM head chunked in 38"``: the head's treatment of a causal LM's estimate, else nothing."""
+    head = est.lm_head
+    if head is None:
+        return ""
+    return f", LM head chunked in {head.n_chunks}" if est.setup.head == "chunked" else ", LM head kept"
+
+
+def _head_label(est: MemoryEstimate) -> str:
+    head = est.lm_head
+    return _DASH if head is None else ("keep" if est.setup.head == "keep" else f"chunked:{head.n_chunks}")
+
+
+_DASH = "—"
+
+
+def only_chunked_head_fits(ranked: Sequence[Advice]) -> str | None:
+    """A sentence when every setup that fits chunks the LM head (NOTE [The head in the estimate]), else None."""
+    heads = [a.estimate for a in ranked if a.estimate.lm_head is not None]
+    if not heads or len(heads) != len(ranked) or any(e.setup.head == "keep" for e in heads):
+        return None
+    head = heads[0].lm_head
+    return (f"only memfit's chunked LM head fits: kept, the head takes {head.bytes('keep') / GIB:.2f} GiB at this length "
+            f"({head.tokens:,} tokens per micro-batch: cross-entropy's float32 log_softmax, the logits and their float32 "
+            f"copy), chunked in {head.n_chunks} {head.bytes('chunked') / GIB:.2f} GiB; memfit plans it chunked per batch "
+            "with the head planned (memfit.fit(head=True))")
 
 
 def format_advice(
@@ -226,20 +268,26 @@ def format_advice(
         Multi-line text; its ``best:`` line is the whole ``memfit train`` command but the data.
     """
     lines = [title] if title else []
+    with_head = any(a.estimate.lm_head is not None for a in ranked[:top])
     lines += [
         f"setups that fit {memory_budget} less {100 * margin:g}% (CUDA context excluded, as the cap excludes it), "
         "fastest first; time in units of an fp32 un-checkpointed step:",
         "",
-        "| rank | precision | weights | optimizer | micro-batch x accumulation | method | blocks checkpointed | peak GiB | time |",
-        "| ---: | --- | --- | --- | --- | --- | ---: | ---: | ---: |",
+        "| rank | precision | weights | optimizer | micro-batch x accumulation | method | blocks checkpointed"
+        + (" | LM head" if with_head else "") + " | peak GiB | time |",
+        "| ---: | --- | --- | --- | --- | --- | ---:" + (" | ---" if with_head else "") + " | ---: | ---: |",
     ]
     for rank, a in enumerate(ranked[:top], 1):
         s, e = a.estimate.setup, a.estimate
         weights = s.weights + (f" + LoRA r {s.lora_r}" if s.lora_r else "")
         lines.append(
             f"| {rank} | {s.precision} | {weights} | {s.optimizer} | {s.micro_batch_size} x {s.accumulation_steps} | {a.method} "
-            f"| {e.checkpointed_blocks}/{e.n_blocks} | {e.total_bytes / GIB:.2f} | {a.relative_time:.2f} |"
+            f"| {e.checkpointed_blocks}/{e.n_blocks}" + (f" | {_head_label(e)}" if with_head else "")
+            + f" | {e.total_bytes / GIB:.2f} | {a.relative_time:.2f} |"
         )
+    only = only_chunked_head_fits(ranked)
+    if only:
+        lines += ["", only]
     flags = ranked[0].train_flags(memory_budget)
     if command:
         lines += [

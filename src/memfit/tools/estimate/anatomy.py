@@ -33,6 +33,11 @@ Units: GiB = 2**30 bytes, GB = 10**9 bytes. All fields are plain bytes.
 * backward temporaries: the gradients a block's backward holds besides what it saved, from
   :func:`bert_layer_backward_bytes` for BERT-family encoders; twice the block's input (the
   gradients of its output and input) for other models.
+* LM head (causal-lm): the head's bytes by memfit's own formula
+  (:func:`memfit.engine.head.head_saved_bytes`, NOTE [Head bytes]): kept as Hugging Face computes
+  it, cross-entropy's float32 ``log_softmax`` saved for backward, and while the loss runs the
+  logits in the model's dtype and their float32 upcast; chunked (memfit's ``chunked`` head), the
+  hidden rows saved and one chunk's logits at a time (NOTE [The head in the estimate]).
 * CUDA library workspaces: cuBLAS and cuBLASLt allocate their workspaces through PyTorch's
   caching allocator at the first matmul and keep them, so they count against a cap:
   :data:`LIBRARY_WORKSPACE_BYTES`.
@@ -77,6 +82,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.engine.head import HeadBytes, chunks_for_bytes, head_saved_bytes
 from memfit.engine.optim_state import state_bytes_of_shapes
 from memfit.errors import DataError, FlagError, MissingFileError
 
@@ -691,8 +697,12 @@ class TrainingSetup:
     lora_r: int = 0
     """LoRA rank on every linear layer of the blocks (``--use_peft --lora_r R --lora_target_modules
     all-linear``); 0: full fine-tuning."""
+    head: str = "keep"
+    """The LM head of a causal LM: ``keep`` (the model's own loss) or ``chunked`` (memfit's chunked
+    logits and loss, NOTE [The head in the estimate]); other tasks keep theirs."""
 
     def __post_init__(self) -> None:
+        _check_choice("head", self.head, HEAD_CHOICES)
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("weights", self.weights, ("fp32", "bf16"))
         if self.weights == "bf16" and self.precision != "bf16":
@@ -723,6 +733,55 @@ class TrainingSetup:
         if int(self.checkpoint) > n_blocks:
             raise FlagError(f"--checkpoint {self.checkpoint}: the model has only {n_blocks} blocks")
         return int(self.checkpoint)
+
+
+#: what ``--head`` takes (NOTE [The head in the estimate])
+HEAD_CHOICES = ("keep", "chunked")
+
+
+@dataclass(frozen=True)
+class LmHead:
+    """The LM head's bytes for one micro-batch, kept and chunked (NOTE [The head in the estimate]).
+
+    Attributes:
+        tokens: tokens of the micro-batch (``micro-batch x seq_length``).
+        kept: :class:`~memfit.engine.head.HeadBytes` of the head as the model computes it.
+        chunked: the same with memfit's chunked head in ``n_chunks`` chunks.
+        n_chunks: the chunk count estimated.
+    """
+
+    tokens: int
+    kept: HeadBytes
+    chunked: HeadBytes
+    n_chunks: int
+
+    def bytes(self, treatment: str) -> int:
+        """Saved + transient bytes of ``treatment`` (``keep`` or ``chunked``): its peak at the head."""
+        b = self.kept if treatment == "keep" else self.chunked
+        return b.saved_bytes + b.transient_bytes
+
+
+def lm_head_bytes(profile: "ModelProfile", tokens: int, precision: str = "fp32", weights: str = "fp32") -> LmHead | None:
+    """The head's bytes of a causal LM at ``tokens`` tokens per micro-batch; None for another task.
+
+    # NOTE [The head in the estimate]
+    The head's bytes come from :func:`memfit.engine.head.head_saved_bytes` (the formula memfit plans
+    with, NOTE [Head bytes]): its saved bytes replace, in the activations counted on the meta device,
+    what the kept head saved there, and its transient (the logits in the model's dtype and their
+    float32 copy, or one chunk's) is added at the end of the forward, when the loss runs. The logits'
+    dtype is the weights' (bf16 weights), else autocast's (fp16/bf16), else float32. ``chunked`` is
+    estimated at the fewest chunks whose one-chunk transient is at most a sixteenth of the kept head's
+    (:func:`memfit.engine.head.chunks_for_bytes`): beyond that, more chunks save little.
+    """
+    if profile.task != "causal-lm":
+        return None
+    config = profile.config
+    vocab, hidden = int(config.vocab_size), int(config.hidden_size)
+    dtype = torch.bfloat16 if weights == "bf16" else {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    softcap = getattr(config, "final_logit_softcapping", None) is not None
+    kept = head_saved_bytes(tokens, vocab, hidden, dtype, "keep", softcap=softcap)
+    n_chunks = chunks_for_bytes(tokens, vocab, dtype, max(1, kept.transient_bytes // 16))
+    return LmHead(tokens, kept, head_saved_bytes(tokens, vocab, hidden, dtype, "chunked", n_chunks, softcap), n_chunks)
 
 
 @dataclass(frozen=True)
@@ -759,6 +818,8 @@ class MemoryEstimate:
     """CUDA context: outside the caching allocator and outside the budget cap."""
     notes: tuple[str, ...] = field(default=())
     """Caveats that apply to this estimate."""
+    lm_head: LmHead | None = None
+    """A causal LM's head, kept and chunked (NOTE [The head in the estimate]); None for other tasks."""
 
     @property
     def static_bytes(self) -> int:
@@ -791,7 +852,8 @@ class MemoryEstimate:
 
 
 def backward_phase_bytes(
-    profile: ModelProfile, activations: ActivationProfile, n_checkpointed: int, half: bool, grad_bytes: int = 4
+    profile: ModelProfile, activations: ActivationProfile, n_checkpointed: int, half: bool, grad_bytes: int = 4,
+    head_transient_bytes: int = 0,
 ) -> int:
     """Peak over forward and backward above weights and optimizer state (NOTE [Phases of a step]).
 
@@ -802,6 +864,8 @@ def backward_phase_bytes(
         half: fp16/bf16 autocast (2 B copies of the matmul weights).
         grad_bytes: bytes of each parameter's gradient (4; 2 for bf16 weights; 0 when the
             parameters are frozen, as under LoRA, whose own small gradients are left out).
+        head_transient_bytes: what the LM head's loss holds while it runs, at the end of the
+            forward (NOTE [The head in the estimate]).
 
     Returns:
         The largest of: the end of the forward, and each block's backward.
@@ -816,7 +880,7 @@ def backward_phase_bytes(
     temps = activations.block_backward_bytes or (0,) * n
     kept = activations.kept_bytes(n_checkpointed)
     # end of forward: the autocast cache holds every copy, checkpointed blocks' too
-    peak = activations.outside_bytes + sum(kept) + sum(block_copies) + head_copies
+    peak = activations.outside_bytes + sum(kept) + sum(block_copies) + head_copies + head_transient_bytes
     # block j's backward: blocks before it keep theirs (copies of un-checkpointed ones), it
     # holds all it saves and its temporaries, the head and blocks after it have gradients
     before = [0]
@@ -902,6 +966,15 @@ def estimate(
         step_temp = optimizer.step_temp(shapes) * width // 4
         grads, grad_bytes = width * profile.n_params, width
     copies = half and setup.weights == "fp32"
+    head = lm_head_bytes(profile, setup.micro_batch_size * (seq_length or 0), setup.precision, setup.weights)
+    head_transient = 0
+    if head is not None:  # NOTE [The head in the estimate]
+        now = head.kept if setup.head == "keep" else head.chunked
+        activations = dataclasses.replace(
+            activations, outside_bytes=max(0, activations.outside_bytes - _meta_head_saved(profile, head.tokens) + now.saved_bytes))
+        head_transient = now.transient_bytes
+    elif setup.head != "keep":
+        raise FlagError(f"--head {setup.head}: only a causal LM has an LM head memfit chunks; give --head keep")
     return MemoryEstimate(
         setup=setup,
         n_params=profile.n_params,
@@ -912,14 +985,61 @@ def estimate(
         gradients_bytes=grads,
         optimizer_state_bytes=state,
         activations_bytes=activations.total_bytes(k),
-        backward_bytes=backward_phase_bytes(profile, activations, k, copies, grad_bytes),
+        backward_bytes=backward_phase_bytes(profile, activations, k, copies, grad_bytes, head_transient),
         optimizer_step_bytes=step_temp,
         notes=tuple(notes),
+        lm_head=head,
     )
+
+
+def _meta_head_saved(profile: ModelProfile, tokens: int) -> int:
+    """What the kept head saved in the activations counted on the meta device (in the meta model's dtype)."""
+    config = profile.config
+    dtype = next(profile.model.parameters()).dtype
+    softcap = getattr(config, "final_logit_softcapping", None) is not None
+    return head_saved_bytes(tokens, int(config.vocab_size), int(config.hidden_size), dtype, "keep", softcap=softcap).saved_bytes
 
 
 def _gib(n: int) -> str:
     return f"{n / GIB:.2f}"
+
+
+def _head_rows(est: MemoryEstimate) -> list[tuple[str, int, str]]:
+    """The LM head's rows of :func:`format_table` (inside forward + backward), the estimated treatment first."""
+    head = est.lm_head
+    if head is None:
+        return []
+    rows = {
+        "keep": ("LM head, kept", head.bytes("keep"), "in forward + backward: cross-entropy's float32 log_softmax saved, "
+                 "and while the loss runs the logits and their float32 copy"),
+        "chunked": (f"LM head, chunked in {head.n_chunks}", head.bytes("chunked"), "in forward + backward: the hidden rows "
+                    "saved and one chunk's logits at a time (memfit's chunked head)"),
+    }
+    chosen = est.setup.head
+    return [(f"{rows[chosen][0]} (estimated)", *rows[chosen][1:]), *(row for name, row in rows.items() if name != chosen)]
+
+
+def format_head_table(profile: ModelProfile, setup: TrainingSetup, seq_length: int) -> str:
+    """The LM head's bytes per sequence length up to ``seq_length``, kept and chunked (NOTE [The head in
+    the estimate]), as a markdown table; empty for a model that is no causal LM.
+
+    Example:
+        >>> print(format_head_table(profile, TrainingSetup("bf16", weights="bf16"), 2048))  # doctest: +SKIP
+    """
+    lengths = sorted({*(2**k for k in range(8, max(8, seq_length.bit_length())) if 2**k < seq_length), seq_length})
+    heads = [lm_head_bytes(profile, setup.micro_batch_size * length, setup.precision, setup.weights) for length in lengths]
+    if heads[-1] is None:
+        return ""
+    lines = [
+        f"LM head per sequence length (micro-batch {setup.micro_batch_size}, vocabulary {profile.config.vocab_size:,}): "
+        "kept as the model computes it, and memfit's chunked head (peak at the head: saved + while the loss runs)",
+        "",
+        "| seq_length | tokens | kept GiB | chunked GiB | chunks |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+    ]
+    lines += [f"| {length} | {h.tokens:,} | {_gib(h.bytes('keep'))} | {_gib(h.bytes('chunked'))} | {h.n_chunks} |"
+              for length, h in zip(lengths, heads)]
+    return "\n".join(lines)
 
 
 def format_table(est: MemoryEstimate, budget_bytes: int | None = None, *, title: str = "") -> str:
@@ -936,15 +1056,17 @@ def format_table(est: MemoryEstimate, budget_bytes: int | None = None, *, title:
     s = est.setup
     opt = OPTIMIZERS[s.optimizer]
     rows = [
-        ("weights", est.weights_bytes, "4 B/param fp32" + ("" if s.precision == "fp32" else " (master weights)")),
+        ("weights", est.weights_bytes, "2 B/param bf16 (--torch_dtype bfloat16)" if s.weights == "bf16" else
+         "4 B/param fp32" + ("" if s.precision == "fp32" else " (master weights)")),
         ("autocast copies", est.autocast_copies_bytes,
          "none in fp32" if s.precision == "fp32" else "2 B per matmul weight, freed by backward"),
-        ("gradients", est.gradients_bytes, "4 B/param fp32"),
+        ("gradients", est.gradients_bytes, "2 B/param bf16" if s.weights == "bf16" and not s.lora_r else "4 B/param fp32"),
         ("optimizer state", est.optimizer_state_bytes, f"{s.optimizer} (fp32 state)"),
         ("activations", est.activations_bytes,
          f"saved for backward, {est.checkpointed_blocks} of {est.n_blocks} blocks checkpointed"),
         ("forward + backward", est.backward_bytes,
          "above weights + state: copies + activations + gradients made so far + backward temporaries"),
+        *_head_rows(est),
         ("optimizer step temporaries", est.optimizer_step_bytes, "with all gradients, after activations are freed"),
         ("CUDA library workspaces", est.workspace_bytes, "cuBLAS/cuBLASLt, inside the allocator"),
         ("peak of forward + backward", est.backward_peak_bytes, "workspaces + weights + state + forward + backward"),

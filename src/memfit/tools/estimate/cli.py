@@ -11,12 +11,14 @@ from memfit.tools.estimate.advise import DEFAULT_MARGIN, NothingFitsError, advis
 from memfit.cli.tasks import TASKS as TRAIN_TASKS
 from memfit.cli.tasks._common import bundled_config
 from memfit.tools.estimate.anatomy import (
+    HEAD_CHOICES,
     OPTIMIZERS,
     PRECISIONS,
     TASKS,
     ModelProfile,
     TrainingSetup,
     estimate,
+    format_head_table,
     format_table,
     load_config,
     optimizer_available,
@@ -52,6 +54,9 @@ def _parser() -> ArgumentParser:
                    help="dtype of the stored weights (bf16: causal-lm's --torch_dtype bfloat16; needs --precision bf16)")
     p.add_argument("--lora_r", type=int, default=0, help="LoRA rank on every linear layer of the blocks (causal-lm's "
                    "--use_peft); 0: full fine-tuning")
+    p.add_argument("--head", default="keep", choices=HEAD_CHOICES, help="a causal LM's head: keep (the model's own "
+                   "loss: float32 logits and cross-entropy's copy) or chunked (memfit's chunked logits and loss); "
+                   "--advise tries both")
     p.add_argument("--attention", default="sdpa", choices=("sdpa", "eager"), help="attention kernel (sdpa: fused)")
     p.add_argument("--memory_budget", help="budget to check: '6GiB' (6*2**30), '6GB' (6*10**9) or bytes")
     p.add_argument("--advise", action="store_true", help="list the fastest setups that fit --memory_budget")
@@ -156,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         # the others; LoRA changes what is trained, so it is advised only when asked (--lora_r) or
         # named as the change that would fit when nothing does.
         weights = ("fp32", "bf16") if args.task == "causal-lm" else ("fp32",)
-        options = dict(precisions=("fp32", half), optimizers=optimizers, margin=args.margin, weights=weights)
+        heads = HEAD_CHOICES if args.task == "causal-lm" else ("keep",)  # NOTE [The head in the estimate]
+        options = dict(precisions=("fp32", half), optimizers=optimizers, margin=args.margin, weights=weights, heads=heads)
         try:
             ranked = advise(profile, args.batch_size, budget, lora_r=args.lora_r, **options, **inputs)
         except NothingFitsError as err:
@@ -177,8 +183,13 @@ def main(argv: list[str] | None = None) -> int:
         micro_batch_size=args.batch_size // args.gradient_accumulation_steps,
         accumulation_steps=args.gradient_accumulation_steps,
         checkpoint=args.checkpoint,
+        weights=args.weights,
+        lora_r=args.lora_r,
+        head=args.head,
     )
     print(format_table(estimate(profile, setup, **inputs), budget, title=title))
+    if args.task == "causal-lm" and args.seq_length:
+        print("\n" + format_head_table(profile, setup, args.seq_length))
     return 0
 
 
