@@ -262,19 +262,7 @@ class Planning:
         options = self.model.options(k, self.treatments, self.offload_ms)
         if need <= 0 or all(name == "recompute" for opts in options for name, _, _ in opts):
             return None
-        order = {name: t.order for name, t in self.registry.items()}
-        # the prefetched stashes of offloaded blocks (NOTE [Treated peaks], model.py) are not in
-        # the knapsack's savings: a mix over the room asks for what it saved and what it is over by
-        for _ in range(3):
-            try:
-                mixed = plan_treatments(options, need, order=order)
-            except InfeasiblePlanError:
-                return None
-            over = self.predict_peak(k, mixed) - room
-            if over <= 0:
-                return mixed
-            need = int(max(need, mixed.saved_bytes) + over) + 1
-        return None
+        return _mix_that_fits(self, k, options, need, room)
 
     def _plan_recompute(self, k: tuple[int, int]) -> Plan:
         # Treating blocks lowers the start-of-backward peak only; the plan is then checked
@@ -423,6 +411,25 @@ def _row_constant(planning: Planning, k: tuple[int, int], edge: tuple[int, int],
         return False
     span = slice(k[1] - 1, edge[1])
     return all(len(set(row[name][span])) == 1 for name in ("count", "every_fits", "prefix_fits"))
+
+
+def _mix_that_fits(
+    planning: Planning, k: tuple[int, int], options: list[list[tuple[str, int, float]]], need: int, room: int,
+) -> Plan | None:
+    """The cheapest mix saving ``need`` bytes whose predicted peak fits ``room``, or None. The
+    prefetched stashes of offloaded blocks (NOTE [Treated peaks], model.py) are not in the
+    knapsack's savings: a mix over the room asks again for what it saved and what it is over by."""
+    order = {name: t.order for name, t in planning.registry.items()}
+    for _ in range(3):
+        try:
+            mixed = plan_treatments(options, need, order=order)
+        except InfeasiblePlanError:
+            return None
+        over = planning.predict_peak(k, mixed) - room
+        if over <= 0:
+            return mixed
+        need = int(max(need, mixed.saved_bytes) + over) + 1
+    return None
 
 
 def _plan_from_row(planning: Planning, k: tuple[int, int], static_bucket: int) -> Plan | None:
