@@ -66,7 +66,7 @@ def test_backward_fetches_depth_stashes_ahead_and_gradients_stay_exact(depth):
         assert [p for p, _ in reached][0] == n - 1  # the output's hook, before any unpack
         for position, fetched in reached:
             assert fetched == set(range(max(0, position - depth), n)), (position, fetched)
-    assert offload.stats.depth_by_step == [depth, depth] and offload.stats.blocks == 2 * n
+    assert list(offload.stats.depth_by_step) == [depth, depth] and offload.stats.blocks == 2 * n
     ctl.remove()
 
 
@@ -252,3 +252,31 @@ def test_the_offload_fields_of_a_run_are_compact_json():
     link = LinkPrice(100.0, 50.0, fixed_ms=0.05)
     free = loop_bench._FreeOffload(link)
     assert free(1e6, 1.0) == 0.05 and free.depth(1e6, 1.0) == link.depth(1e6, 1.0) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_depth_keeps_the_gradients_and_the_waits_are_timed():
+    """The side-stream path with a deeper prefetch: ``none``'s gradients (to the GPU's run-to-run
+    noise), every stash fetched, and the compute stream's waits read once the steps are done."""
+    n = 6
+    model = _llama(n).cuda()
+    reference = copy.deepcopy(model)
+    ctl = memfit.fit(model, budget=None, method=_Fixed(Plan(tuple(range(n)), kinds=("offload",) * n)),
+                     treatments=("recompute", "offload"))
+    offload: Offload = ctl.treatments["offload"]
+    offload.min_bytes = 0
+    offload.depth_for = lambda key: 3
+    batch = {k: v.cuda() for k, v in _text_batch(2, 64, "lm").items()}
+    for m in (model, reference):
+        for step in range(2):
+            torch.manual_seed(step)
+            m(**batch).loss.backward()
+    torch.cuda.synchronize()
+    assert all(s.fetched and s.unpacked == s.handles for s in offload._stashes)
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-6)
+    offload.start_step()  # reads the finished steps' waits
+    stats = offload.exposed()
+    assert len(stats.exposed_ms_by_step) == 2 and stats.exposed_back_ms >= 0 and offload.pool.pins > 0
+    ctl.remove()

@@ -40,6 +40,7 @@ only what is in use at once can fail, with :class:`HostMemoryError`.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -62,6 +63,8 @@ OFFLOAD = "offload"
 MIN_BYTES = 2**20
 #: the smallest pinned buffer (NOTE [Pinned pool])
 MIN_HOST_BYTES = 4096
+#: steps whose depth and exposed time the stats keep
+STEPS_KEPT = 4096
 
 
 class HostMemoryError(UserError, RuntimeError):
@@ -168,8 +171,9 @@ class OffloadStats:
         moved_bytes: bytes copied out (each came back too).
         exposed_out_ms, exposed_back_ms: time the compute stream waited for copies out (forward)
             and back (backward), summed over the waits read so far (CUDA only).
-        depth_by_step: the prefetch depth of each step that offloaded.
-        exposed_ms_by_step: per step that offloaded, its waits' time (CUDA; read once done).
+        depth_by_step: the prefetch depth of each step that offloaded (the last ``STEPS_KEPT``).
+        exposed_ms_by_step: per step that offloaded, its waits' time (CUDA; read once done; the
+            last ``STEPS_KEPT``).
     """
 
     steps: int = 0
@@ -177,8 +181,8 @@ class OffloadStats:
     moved_bytes: int = 0
     exposed_out_ms: float = 0.0
     exposed_back_ms: float = 0.0
-    depth_by_step: list[int] = field(default_factory=list)
-    exposed_ms_by_step: list[float] = field(default_factory=list)
+    depth_by_step: deque[int] = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
+    exposed_ms_by_step: deque[float] = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
 
 
 class Offload(Treatment):
@@ -368,6 +372,8 @@ class Offload(Treatment):
 
     def _fetch(self, stash: _Stash, device: torch.device) -> None:
         stash.fetched = True
+        if not stash.storages:
+            return
         if device.type != "cuda":
             for entry in stash.storages.values():
                 entry.device = entry.host_bytes().clone().untyped_storage()
