@@ -11,7 +11,8 @@ run uncapped only (under a cap they do not fit, by design).
 
 Methods (memfit under the cap, every micro-step through ``Controller.run_step``):
 ``none`` (memfit only measures), ``full``, ``static``, ``dynamic`` (recompute only),
-``dynamic+sel`` (recompute and selective), ``dynamic+all`` (recompute, selective, offload),
+``dynamic+sel`` (recompute and selective), ``dynamic+all`` (recompute, selective, offload), ``dynamic+offload``
+(recompute, offload; ``-free``: every offload priced at its fixed cost alone),
 ``dynamic-backstop`` (recompute only, the backstop armed as a loop without replay would have
 it, called without run_step), ``reactive``, ``none+compile`` (uncapped), ``full+compile`` and
 ``dynamic+compile`` (every block's body compiled by torch.compile inside memfit's wrapper),
@@ -82,6 +83,11 @@ MEMFIT_METHODS = {
     "dynamic": ("dynamic", {}, ("recompute",)),
     "dynamic+sel": ("dynamic", {}, ("recompute", "selective")),
     "dynamic+all": ("dynamic", {}, ("recompute", "selective", "offload")),
+    # offload beside recompute, priced by its exposed copy time (NOTE [Offload price]); and the
+    # same with every offload priced at its fixed cost alone, so the planner offloads wherever
+    # it saves bytes: what offload costs where the price says it does not pay
+    "dynamic+offload": ("dynamic", {}, ("recompute", "offload")),
+    "dynamic+offload-free": ("dynamic", {}, ("recompute", "offload")),
     "dynamic-backstop": ("dynamic", {"backstop": True}, ("recompute",)),
     "reactive": ("reactive", {}, ("recompute",)),
     # every block's body compiled by torch.compile inside memfit's wrapper (NOTE [Compiled blocks])
@@ -408,6 +414,8 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
             ctl = memfit.fit(model, budget=budget, method=method, optimizer=optimizer, treatments=treatments, **kwargs)
         except memfit.BudgetTooSmallError as err:
             return _failed(args, name, budget, repeat, "oom", str(err)[:300])
+        if name.startswith("dynamic+offload-free"):
+            ctl.planning.price_offload(_FreeOffload(ctl.planning.offload_ms))
     elif name.startswith("hf-"):
         remove_head = None
         if name in HEAD_PEERS:
@@ -500,6 +508,8 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
     }
     if ctl is not None:
         records = ctl.records
+        if "offload" in ctl.treatments:
+            result["offload"] = _offload_fields(args, ctl.treatments["offload"], records)
         ctl.remove()
         fields = _memfit_fields(args, records)
         result.update(fields, oom_count=fields.get("oom_count", 0) + ooms)
@@ -527,6 +537,42 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
     del optimizer
     _release()
     return result
+
+
+class _FreeOffload:
+    """A link price with only its fixed cost, the link's prefetch depth kept (``dynamic+offload-free``)."""
+
+    def __init__(self, link):
+        self.link = link
+
+    def __call__(self, moved_bytes: float, forward_ms: float) -> float:
+        return self.link.fixed_ms
+
+    def depth(self, moved_bytes: float, forward_ms: float) -> int:
+        return self.link.depth(moved_bytes, forward_ms)
+
+
+def _offload_fields(args, offload, records) -> dict:
+    """What ``offload`` did in a run (NOTE [Exposed copy time]): steps and blocks offloaded, bytes
+    moved, prefetch depths, the compute stream's waits for copies (out in forward, back in
+    backward) in all and per step, and per length the blocks the steady steps offloaded."""
+    stats = offload.exposed()
+    per_step = stats.exposed_ms_by_step
+    by_tokens: dict[str, list[list[int]]] = {}
+    for r in records[args.steady_from:]:
+        blocks = r.treatments.get("offload", [])
+        seen = by_tokens.setdefault(str(r.tokens), [])
+        if blocks not in seen:
+            seen.append(blocks)
+    return {
+        "steps": stats.steps, "blocks": stats.blocks, "moved_gib": round(stats.moved_bytes / 2**30, 3),
+        "depths": sorted(set(stats.depth_by_step)), "exposed_out_ms": round(stats.exposed_out_ms, 2),
+        "exposed_back_ms": round(stats.exposed_back_ms, 2),
+        "exposed_ms_per_step_median": round(statistics.median(per_step), 2) if per_step else None,
+        "exposed_ms_per_step_max": round(max(per_step), 2) if per_step else None,
+        "pinned_gib": round(offload.pool.total / 2**30, 3) if offload.pool is not None else 0,
+        "offloaded_blocks_by_tokens": by_tokens,
+    }
 
 
 def _plan_of(record):

@@ -137,7 +137,7 @@ def test_offload_moves_every_block_storage_once_and_frees_device_copies():
     assert [s.index for s in stashes] == [0, 1, 2]
     assert all(s.handles >= len(s.storages) > 0 for s in stashes)
     assert all(s.unpacked == s.handles and s.fetched for s in stashes)
-    assert all(entry[1] is None for s in stashes for entry in s.storages.values())  # device copies released
+    assert all(entry.device is None for s in stashes for entry in s.storages.values())  # device copies released
     ctl.remove()
 
 

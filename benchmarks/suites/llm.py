@@ -147,6 +147,7 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
     out.append(Call("long-compile", [script(
         ctx, "loop_bench.py", *long, "--methods", "none", "none+compile", "full", "dynamic+compile",
         "dynamic+sel+compile", "compile-0.5", "--output_dir", ctx.folder("long-compile"))], folder="long-compile"))
+    out += offload_calls(suite, ctx)
     return out
 
 
@@ -201,3 +202,25 @@ def head_job(out: str, python: str = "python3") -> str:
         command = [w.replace(f"{ROOT}/", "") for w in call.commands[0]]
         words.append(f"timeout {call.timeout_s:g} " + " ".join(w if w.startswith("$") else shlex.quote(w) for w in command))
     return " ; ".join(words)
+
+
+# ---------------------------------------------------------------------------- offload (issue 40)
+#: the offload job's methods at half of uncapped none's peak: dynamic by recompute alone, with offload priced
+#: by its exposed copy time, with offload priced at its fixed cost alone (offloading wherever it saves bytes:
+#: what the price keeps it from), and Hugging Face's checkpointing of every layer, alone and offloaded
+OFFLOAD_METHODS = ("none", "dynamic", "dynamic+offload", "dynamic+offload-free", "hf-every-1", "hf-offload")
+#: seconds the offload call may run, and after how many it starts no configuration (the longest, offload
+#: everywhere, takes about 15 s at 16k tokens): with run_suite's start and publishing, inside the job's 240 s
+OFFLOAD_JOB_S, OFFLOAD_START_S = 215, 160
+
+
+def offload_calls(suite: Suite, ctx: Context) -> list[Call]:
+    """``offload-long``: the long-context cell (SmolLM-360M's config, batch 1, 8,192 and 16,384 tokens
+    alternating) at half of uncapped none's peak, 3 repeats interleaved in one call; each line carries what
+    offload did (blocks offloaded per length, prefetch depths, the compute stream's waits for copies: loop_bench's
+    ``offload`` field)."""
+    steps = ("--steps", 8 if ctx.quick else 14, "--steady_from", 2 if ctx.quick else 6)
+    return [Call("offload-long", [script(
+        ctx, "loop_bench.py", "--model", "SmolLM-360M", "--lengths", "fixed:8192,16384", "--batch", 1, *steps,
+        "--budgets", 0.5, "--repeats", 1 if ctx.quick else 3, "--methods", *OFFLOAD_METHODS, "--time_limit_s",
+        OFFLOAD_START_S, "--output_dir", ctx.folder("offload-long"))], folder="offload-long", timeout_s=OFFLOAD_JOB_S)]

@@ -174,7 +174,9 @@ def _make_treatments(
     if OFFLOAD not in names:
         return make_treatments(tuple(names), counter, compiled)
     planning.price_offload(probe.measure_link(device))
-    return make_treatments(tuple(names), counter, compiled, excluded_ptrs=counter.excluded_ptrs)
+    return make_treatments(
+        tuple(names), counter, compiled, excluded_ptrs=counter.excluded_ptrs, depth_for=planning.offload_depth,
+    )
 
 
 class Controller:

@@ -50,9 +50,11 @@ then checked against all three.
 # NOTE [Treated peaks]
 A plan that gives some blocks ``selective`` or ``offload`` changes the three peaks so:
 * each block holds, at the start of backward, what its treatment keeps on the device;
-* ``offload`` brings a block back one block ahead in backward (NOTE [Offload],
-  treatments/offload.py): two offloaded blocks' moved bytes may be on the device at once, which the
-  start of backward, and a recompute above them, hold on top;
+* ``offload`` brings a block back ``depth`` offloaded blocks ahead in backward (NOTE [Prefetch
+  depth], treatments/offload.py): the moved bytes of ``depth + 1`` offloaded blocks (the largest)
+  may be on the device at once, which the start of backward, and a recompute above them, hold on
+  top. The depth is :meth:`MemoryModel.offload_depth`'s, the one the treatment runs with (its
+  owner is the link's price, engine/probe.py); without a measured link it is 1;
 * a ``selective`` block recomputes part of itself in backward, as a recomputed block does
   all of itself: the recompute peak is bounded from its topmost such block as from a
   recomputed one (with ``full``'s transient, a whole block's recompute), and the blocks
@@ -444,6 +446,8 @@ class _Layout:
     every: Any
     offloaded: list[tuple[int, str]] = field(default_factory=list)
     offloaded_below: list[tuple[int, str]] = field(default_factory=list)
+    #: the offloaded blocks' prefetch depth (NOTE [Treated peaks])
+    depth: int = 1
 
 
 
@@ -473,6 +477,9 @@ class MemoryModel:
         self.max_key: tuple[int, int] | None = None
         #: ``(tokens, plan.head) -> bytes`` a plan's head saves (NOTE [Head in the peaks]); None: no planned head
         self.head_saving: Callable[[int, Any], int] | None = None
+        #: the host link's price, with its ``depth(moved bytes, forward ms)`` (engine/probe.py
+        #: LinkPrice); None until measured: prefetch depth 1 (NOTE [Treated peaks])
+        self.link: Any = None
 
     @property
     def ready(self) -> bool:
@@ -538,6 +545,20 @@ class MemoryModel:
                     choices.append((name, int(moved), max(offload_ms(moved, fwd), 1e-6)))
             per_group[g] = choices
         return [per_group[g] for g in self.groups]
+
+    def offload_depth(self, key: tuple[int, int]) -> int:
+        """The prefetch depth of offloaded blocks at ``key`` (NOTE [Treated peaks]): the link's
+        depth for the group that needs the deepest, 1 without a link."""
+        depth = getattr(self.link, "depth", None)
+        if depth is None:
+            return 1
+        deepest = 1
+        for m in self.group_models.values():
+            for name in m.bytes:
+                if name in self.treatments and self.treatments[name].moves_out and m.measured(name):
+                    moved = max(0.0, m.bytes[KEEP](key) - m.bytes[name](key))
+                    deepest = max(deepest, int(depth(moved, max(m.ms[RECOMPUTE](key), 1e-6))))
+        return deepest
 
     def savings(self, key: tuple[int, int]) -> list[int]:
         per_group = {
@@ -624,11 +645,11 @@ class MemoryModel:
             total = total + group
         return total
 
-    def _in_flight(self, values: dict[Any, Any], moved_out: list[tuple[int, str]]) -> float:
-        """Bytes of the two largest offloaded blocks (``(group, treatment)`` each): the one in
-        use and the one being brought back (NOTE [Treated peaks])."""
+    def _in_flight(self, values: dict[Any, Any], moved_out: list[tuple[int, str]], depth: int) -> float:
+        """Bytes of the ``depth + 1`` largest offloaded blocks (``(group, treatment)`` each): the
+        one in use and those being brought back (NOTE [Treated peaks])."""
         moved = sorted((values[(g, KEEP)] - self._kept(values, g, name) for g, name in moved_out), reverse=True)
-        return float(sum(moved[:2]))
+        return float(sum(moved[: depth + 1]))
 
     def _peaks(self, values: dict[Any, Any], layout: _Layout) -> tuple[Any, Any, Any]:
         """``(backward start, recompute, step)`` above static (NOTE [Three peaks]): the one formula
@@ -644,14 +665,14 @@ class MemoryModel:
         head_saved = values.get("head_saved", 0)
         start = self._activation(values, layout.counts)
         start = start + _select(layout.every, lambda: values["transient_full"], values["transient"])
-        start = start + self._in_flight(values, layout.offloaded)
+        start = start + self._in_flight(values, layout.offloaded, layout.depth)
         start = start - head_saved
         every = {g: {RECOMPUTE: n} for g, n in self._group_sizes.items()}
         recompute = self._activation(values, every) + values["transient_full"]
         held = 0
         for (g, name), n in layout.held.items():
             held = held + n * _maximum(0.0, self._kept(values, g, name) - values[(g, RECOMPUTE)])
-        recompute = (recompute + held) + self._in_flight(values, layout.offloaded_below)
+        recompute = (recompute + held) + self._in_flight(values, layout.offloaded_below, layout.depth)
         recompute = recompute - head_saved
         recompute = _select(layout.rerun, lambda: recompute, -math.inf)
         return start, recompute, _maximum(_maximum(start, recompute), self.optimizer_bytes)
@@ -667,7 +688,10 @@ class MemoryModel:
         saved = self.head_saved_bytes(key, plan)
         if saved:
             values = {**values, "head_saved": saved}
-        return self._peaks(values, self._layout(plan))
+        layout = self._layout(plan)
+        if layout.offloaded:
+            layout.depth = self.offload_depth(key)
+        return self._peaks(values, layout)
 
     def backward_start_bytes(self, key: tuple[int, int], plan: "Plan") -> float:
         """Peak above static at the start of backward (NOTE [Three peaks]); what plans lower."""

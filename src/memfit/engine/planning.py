@@ -132,9 +132,15 @@ class Planning:
 
     def price_offload(self, offload_ms: Callable[[float, float], float]) -> None:
         """Offload is priced by ``offload_ms`` (moved bytes, forward ms) -> ms from now on (the measured
-        host link); the cached plans, priced without it, are dropped."""
-        self.offload_ms = offload_ms
+        host link, engine/probe.py's LinkPrice, whose ``depth`` the memory model counts: NOTE
+        [Treated peaks], model.py); the cached plans, priced without it, are dropped."""
+        self.offload_ms = self.model.link = offload_ms
         self.cache.clear()
+
+    def offload_depth(self, key: tuple[int, int]) -> int:
+        """The prefetch depth ``key``'s plan counted (NOTE [Prefetch depth], treatments/offload.py):
+        the memory model's at the shape the plan was made for."""
+        return self.model.offload_depth(self.planned_shape(key))
 
     @property
     def margin_bytes(self) -> int:
@@ -170,6 +176,7 @@ class Planning:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model = MemoryModel.from_dict(state["model"], self.registry)
         self.model.bucket_tokens, self.model.head_saving = self.bucket_tokens, getattr(self.head, "saved_bytes", None)
+        self.model.link = self.offload_ms
         self.room.margin_bytes = int(state["margin_bytes"])
         self.room.slack_bytes = int(state.get("slack_bytes", self.room.slack_bytes))
         self.cache.clear()
@@ -255,11 +262,7 @@ class Planning:
         options = self.model.options(k, self.treatments, self.offload_ms)
         if need <= 0 or all(name == "recompute" for opts in options for name, _, _ in opts):
             return None
-        try:
-            mixed = plan_treatments(options, need, order={name: t.order for name, t in self.registry.items()})
-        except InfeasiblePlanError:
-            return None
-        return mixed if self.predict_peak(k, mixed) <= room else None
+        return _mix_that_fits(self, k, options, need, room)
 
     def _plan_recompute(self, k: tuple[int, int]) -> Plan:
         # Treating blocks lowers the start-of-backward peak only; the plan is then checked
@@ -408,6 +411,25 @@ def _row_constant(planning: Planning, k: tuple[int, int], edge: tuple[int, int],
         return False
     span = slice(k[1] - 1, edge[1])
     return all(len(set(row[name][span])) == 1 for name in ("count", "every_fits", "prefix_fits"))
+
+
+def _mix_that_fits(
+    planning: Planning, k: tuple[int, int], options: list[list[tuple[str, int, float]]], need: int, room: int,
+) -> Plan | None:
+    """The cheapest mix saving ``need`` bytes whose predicted peak fits ``room``, or None. The
+    prefetched stashes of offloaded blocks (NOTE [Treated peaks], model.py) are not in the
+    knapsack's savings: a mix over the room asks again for what it saved and what it is over by."""
+    order = {name: t.order for name, t in planning.registry.items()}
+    for _ in range(3):
+        try:
+            mixed = plan_treatments(options, need, order=order)
+        except InfeasiblePlanError:
+            return None
+        over = planning.predict_peak(k, mixed) - room
+        if over <= 0:
+            return mixed
+        need = int(max(need, mixed.saved_bytes) + over) + 1
+    return None
 
 
 def _plan_from_row(planning: Planning, k: tuple[int, int], static_bucket: int) -> Plan | None:

@@ -23,6 +23,7 @@ activations.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,7 +36,10 @@ from memfit.engine.accounting import ProbeCounter, SavedTensorCounter
 from memfit.engine.blocks import Block, without_cache
 from memfit.engine.treatments import Treatment, TreatmentSpec, resolve
 
-__all__ = ["ProbeKit", "probe_block", "probe_treatments", "probe_warmup", "LinkPrice", "measure_link", "TIMED_RUNS"]
+__all__ = [
+    "ProbeKit", "probe_block", "probe_treatments", "probe_warmup", "LinkPrice", "measure_link", "TIMED_RUNS", "MAX_DEPTH",
+    "BACKWARD_PER_FORWARD",
+]
 
 #: runs of a timed probe, the fastest taken (NOTE [Cold runs of a block])
 TIMED_RUNS = 3
@@ -194,23 +198,49 @@ def probe_treatments(
     return out
 
 
+#: a block's backward takes about this many of its forwards (what hides a copy back)
+BACKWARD_PER_FORWARD = 2.0
+#: the deepest prefetch (NOTE [Prefetch depth], treatments/offload.py): each level holds one more
+#: block's moved bytes on the device at the backward's start
+MAX_DEPTH = 4
+
+
 class LinkPrice:
-    """The price of offloading a block (NOTE [Treatment prices], model.py): the time moving its
-    bytes out in forward and back in backward takes beyond the compute that hides it (the next
-    block's forward; the previous block's backward, about twice a forward), plus a fixed cost.
+    """The price of offloading a block and its prefetch depth, from the host link's bandwidths.
+
+    # NOTE [Offload price]
+    A block's price is the time its copies add to a step beyond the compute that hides them,
+    plus a fixed cost (hooks, events, launches): ``max(0, out - forward) + max(0, back -
+    backward) + fixed``, where ``out``/``back`` are its moved bytes over the link's measured
+    bandwidths and ``backward`` is ``BACKWARD_PER_FORWARD`` forwards. The link carries one copy
+    at a time, each way: over a run of offloaded blocks a copy can hide only under one block's
+    compute on average, however early it starts, so a deeper prefetch does not lower the price
+    of a link slower than the compute (it moves the wait to the start of the run); it does make
+    the price true where the link keeps up, by issuing each copy back ``depth`` blocks of
+    backward before it is needed (:meth:`depth`), so that a late hook or an uneven block does
+    not expose it. Short sequences are link-bound (the copy grows with tokens as fast as the
+    compute does, and the fixed cost stays): recompute is cheaper there; long ones, whose
+    attention grows the compute faster than the bytes, and wide models, hide the copies.
 
     Args:
         d2h_bytes_per_ms, h2d_bytes_per_ms: the link's measured bandwidths.
         fixed_ms: per offloaded block (hooks, events).
+        max_depth: the deepest prefetch.
     """
 
-    def __init__(self, d2h_bytes_per_ms: float, h2d_bytes_per_ms: float, fixed_ms: float = 0.05):
-        self.d2h, self.h2d, self.fixed_ms = d2h_bytes_per_ms, h2d_bytes_per_ms, fixed_ms
+    def __init__(self, d2h_bytes_per_ms: float, h2d_bytes_per_ms: float, fixed_ms: float = 0.05, max_depth: int = MAX_DEPTH):
+        self.d2h, self.h2d, self.fixed_ms, self.max_depth = d2h_bytes_per_ms, h2d_bytes_per_ms, fixed_ms, max_depth
 
     def __call__(self, moved_bytes: float, forward_ms: float) -> float:
-        return (
-            max(0.0, moved_bytes / self.d2h - forward_ms) + max(0.0, moved_bytes / self.h2d - 2 * forward_ms) + self.fixed_ms
-        )
+        """Exposed ms of offloading a block moving ``moved_bytes`` whose forward takes ``forward_ms``."""
+        backward_ms = BACKWARD_PER_FORWARD * forward_ms
+        return max(0.0, moved_bytes / self.d2h - forward_ms) + max(0.0, moved_bytes / self.h2d - backward_ms) + self.fixed_ms
+
+    def depth(self, moved_bytes: float, forward_ms: float) -> int:
+        """Blocks of backward a block's copy back needs to hide under: 1 to ``max_depth``
+        (NOTE [Offload price]; NOTE [Prefetch depth], treatments/offload.py)."""
+        backward_ms = max(BACKWARD_PER_FORWARD * forward_ms, 1e-6)
+        return int(min(self.max_depth, max(1, math.ceil(moved_bytes / self.h2d / backward_ms))))
 
 
 def measure_link(device: torch.device, nbytes: int = 16 * 2**20) -> LinkPrice:

@@ -140,7 +140,7 @@ def make_treatments(
         names: the treatments the planner may give (names or classes).
         counter: the run's counter (``selective`` and ``offload`` count what the hooks cannot see).
         compiled: the blocks' bodies are compiled (``selective`` is then :class:`CompiledSelective`).
-        **offload: ``min_bytes``, ``max_host_bytes`` and ``excluded_ptrs`` for ``offload``.
+        **offload: ``min_bytes``, ``max_host_bytes``, ``excluded_ptrs`` and ``depth_for`` for ``offload``.
 
     Raises:
         ValueError: for an unknown name, listing the known ones.

@@ -63,7 +63,7 @@ class Treatment:
     #: the block runs again, in whole or in part, in backward: the recompute peak is bounded
     #: from the topmost such block (NOTE [Treated peaks], model.py)
     reruns: ClassVar[bool] = False
-    #: its saved tensors leave the device and come back one block ahead in backward
+    #: its saved tensors leave the device and come back, prefetched, in backward (NOTE [Prefetch depth], offload.py)
     moves_out: ClassVar[bool] = False
     #: priced by the host link's measured bandwidth (engine/probe.py), not by a measured time
     priced_by_link: ClassVar[bool] = False

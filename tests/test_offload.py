@@ -1,0 +1,282 @@
+"""``offload`` (treatments/offload.py): the prefetch depth (NOTE [Prefetch depth]), the pinned pool
+(NOTE [Pinned pool]), what the memory model counts of the prefetched stashes (NOTE [Treated peaks],
+model.py) and the price by exposed time (NOTE [Offload price], probe.py), on CPU."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import memfit
+from _models import VOCAB, _text_batch, step_both_and_compare
+from memfit.engine.methods import Decision, Method
+from memfit.engine.model import MemoryModel
+from memfit.engine.planner import Plan
+from memfit.engine.planning import Planning
+from memfit.engine.probe import LinkPrice
+from memfit.engine.treatments import HostMemoryError, Offload
+from memfit.engine.treatments.offload import _HostPool, size_class
+
+
+class _Fixed(Method):
+    name = "fixed"
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+
+    def decide(self, planning, key, failed=None):
+        return Decision(self.plan, count=True)
+
+
+def _llama(layers: int = 6):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(hidden_size=32, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                         intermediate_size=37, vocab_size=VOCAB, attention_dropout=0.1, max_position_embeddings=600)
+    return tf.LlamaForCausalLM(cfg).train()
+
+
+# ---------------------------------------------------------------------------- prefetch depth
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_backward_fetches_depth_stashes_ahead_and_gradients_stay_exact(depth):
+    """NOTE [Prefetch depth]: when backward reaches offloaded block ``p``, stashes ``p`` down to
+    ``p - depth`` are back, and none below; the gradients are ``none``'s bit for bit."""
+    n = 6
+    model = _llama(n)
+    reference = copy.deepcopy(model)
+    ctl = memfit.fit(model, budget=None, method=_Fixed(Plan(tuple(range(n)), kinds=("offload",) * n)),
+                     treatments=("recompute", "offload"))
+    offload: Offload = ctl.treatments["offload"]
+    offload.min_bytes = 0
+    offload.depth_for = lambda key: depth
+    reached = []
+    prefetch = offload._prefetch
+
+    def watched(position, device):
+        prefetch(position, device)
+        reached.append((position, {s.index for s in offload._stashes if s.fetched}))
+
+    offload._prefetch = watched
+    for seed, length in enumerate((24, 40)):
+        reached.clear()
+        step_both_and_compare(model, reference, _text_batch(2, length, "lm"), seed, f"depth {depth} length {length}")
+        assert [p for p, _ in reached][0] == n - 1  # the output's hook, before any unpack
+        for position, fetched in reached:
+            assert fetched == set(range(max(0, position - depth), n)), (position, fetched)
+    assert list(offload.stats.depth_by_step) == [depth, depth] and offload.stats.blocks == 2 * n
+    ctl.remove()
+
+
+def test_the_run_depth_is_the_plans():
+    """The depth the treatment runs with is the planning's at the step's shape (the memory model's:
+    what the plan counted), read once per step."""
+    model = _llama(3)
+    ctl = memfit.fit(model, budget=None, method=_Fixed(Plan((0, 1, 2), kinds=("offload",) * 3)),
+                     treatments=("recompute", "offload"))
+    offload: Offload = ctl.treatments["offload"]
+    asked = []
+    ctl.planning.offload_depth = lambda key: asked.append(key) or 3
+    offload.depth_for = ctl.planning.offload_depth
+    model(**_text_batch(2, 16, "lm")).loss.backward()
+    assert asked == [(2, 16)] and offload.depth == 3
+    ctl.remove()
+
+
+# ---------------------------------------------------------------------------- pinned pool
+def test_size_classes_are_at_most_a_quarter_over():
+    for n in (1, 4096, 4097, 5000, 2**20, 2**20 + 1, 3 * 2**20 + 7, 10**9):
+        size = size_class(n)
+        assert n <= size <= max(4096, 1.25 * n), (n, size)
+    assert size_class(2**20 + 1) == size_class(2**20 + 2**18)  # near lengths share a buffer
+
+
+def test_the_pool_reuses_buffers_across_steps_and_lengths():
+    """NOTE [Pinned pool]: a repeated length pins nothing new, a near one reuses its class."""
+    n = 4
+    model = _llama(n)
+    ctl = memfit.fit(model, budget=None, method=_Fixed(Plan(tuple(range(n)), kinds=("offload",) * n)),
+                     treatments=("recompute", "offload"))
+    offload: Offload = ctl.treatments["offload"]
+    offload.min_bytes = 0
+    pins = []
+    for length in (64, 64, 63, 64, 40, 64, 40):
+        model(**_text_batch(2, length, "lm")).loss.backward()
+        model.zero_grad(set_to_none=True)
+        pins.append(offload.pool.pins)
+    assert pins[1] == pins[0] and pins[2] == pins[1] and pins[3] == pins[2], pins  # 63 fits 64's buffers
+    assert pins[5] == pins[4] and pins[6] == pins[5], pins
+    ctl.remove()
+
+
+def test_the_pool_drops_free_buffers_before_passing_its_limit():
+    pool = _HostPool(max_bytes=20000, pin=False)
+    a, b = pool.take(8000), pool.take(8000)
+    pool.give(a)
+    pool.give(b)
+    c = pool.take(12000)  # a new class: the free buffers go, not over the limit
+    assert pool.total == size_class(12000) and pool.pins == 3
+    with pytest.raises(HostMemoryError, match="offload needs .* GiB of pinned host memory, over its limit"):
+        pool.take(12000)  # ``c`` is in use: this one would pass the limit
+    pool.give(c)
+    assert pool.take(12000) is c
+
+
+# ---------------------------------------------------------------------------- the model and the price
+def _model(link=None, n_blocks=8, keys=(256, 512, 1024, 2048, 4096, 8192, 16384)):
+    """A stack whose block saves 1000 bytes per token kept, 50 recomputed, 20 offloaded; its forward
+    is linear in tokens plus attention's quadratic term."""
+    model = MemoryModel([0] * n_blocks)
+    group = model.group_models[0]
+    for t in keys:
+        key = (1, t)
+        group.bytes["keep"].add(key, 1000.0 * t)
+        group.bytes["recompute"].add(key, 50.0 * t)
+        group.bytes_curve("offload").add(key, 20.0 * t)
+        group.ms["recompute"].add(key, 0.222 * t + 1.085e-4 * t * t)
+        model.outside.add(key, 10.0 * t)
+        model.transient_full.add(key, 0.0)
+    model.link = link
+    return model
+
+
+def test_the_peak_counts_depth_plus_one_prefetched_stashes():
+    """NOTE [Treated peaks]: an offloading plan holds ``depth + 1`` blocks' moved bytes at the
+    backward's start (2 without a link, as before depth existed)."""
+    key, n = (1, 1024), 8
+    plan = Plan(tuple(range(n)), kinds=("offload",) * n)
+    moved = 980.0 * 1024
+    alone = _model().backward_start_bytes(key, plan)
+    forward_ms = 0.222 * 1024 + 1.085e-4 * 1024**2
+    for depth in (1, 2, 3):
+        # the copy back takes ``depth - 0.5`` blocks of backward (2 forwards each)
+        link = LinkPrice(1e9, moved / ((depth - 0.5) * 2 * forward_ms))
+        model = _model(link)
+        assert model.offload_depth(key) == depth
+        assert model.backward_start_bytes(key, plan) == pytest.approx(alone + (depth - 1) * moved, rel=1e-9)
+
+
+def test_the_depth_is_bounded():
+    link = LinkPrice(1.0, 1.0, max_depth=4)
+    assert link.depth(1e6, 1.0) == 4 and link.depth(1.0, 1e6) == 1
+
+
+def test_the_price_is_the_exposed_copy_time():
+    """NOTE [Offload price]: out beyond the forward, back beyond the backward, plus the fixed cost."""
+    link = LinkPrice(d2h_bytes_per_ms=100.0, h2d_bytes_per_ms=50.0, fixed_ms=0.05)
+    assert link(1000.0, 4.0) == pytest.approx((10 - 4) + (20 - 8) + 0.05)
+    assert link(100.0, 4.0) == pytest.approx(0.05)  # hidden both ways
+
+
+def _chosen(link, tokens: int) -> dict[str, list[int]]:
+    """The plan of a stack that must give up 40% of its activations at ``tokens``."""
+    model, key = _model(link), (1, tokens)
+    n = len(model.groups)
+    budget = int(1000 + 0.6 * model.backward_start_bytes(key, Plan(())))
+    planning = Planning(n, [0] * n, budget, margin_bytes=0, bucket_tokens=1, treatments=("recompute", "offload"))
+    planning.model, planning.static_bytes = model, 1000
+    planning.price_offload(link)
+    plan = planning.plan_for(key)
+    assert plan.blocks and planning.predict_peak(key, plan) <= planning.room_bytes, plan
+    return plan.by_treatment()
+
+
+def test_short_sequences_recompute_and_long_ones_offload_on_a_fast_link():
+    """The block moves 980 bytes per token; a link of 980 bytes/ms copies a block in ``T`` ms each
+    way. Short sequences are copy-bound (the copy costs more than the forward it replaces):
+    recompute. Long ones hide the copy under attention's quadratic compute: offload. A link ten
+    times slower never pays."""
+    fast, slow = LinkPrice(980.0, 980.0), LinkPrice(98.0, 98.0)
+    assert set(_chosen(fast, 256)) == {"recompute"}
+    assert "offload" in _chosen(fast, 16384)
+    assert set(_chosen(slow, 16384)) == {"recompute"}
+
+
+# ---------------------------------------------------------------------------- the GPU job's pieces, on CPU
+def _loop_bench():
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("loop_bench", root / "benchmarks" / "loop_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, root
+
+
+def test_the_offload_call_parses_and_keeps_to_its_time(tmp_path):
+    """The llm suite's ``offload-long`` call: loop_bench takes its arguments, knows its methods, and the
+    call stops inside the job's 240 s."""
+    import sys
+
+    loop_bench, root = _loop_bench()
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        from suites import Context
+        from suites import llm
+    finally:
+        sys.path.remove(str(root / "benchmarks"))
+    (call,) = [c for c in llm.calls(llm.SUITE, Context(raw=tmp_path, quick=False, cuda=True)) if c.name == "offload-long"]
+    (command,) = call.commands
+    assert command[1].endswith("loop_bench.py")
+    args = loop_bench._parse(list(command[2:]))
+    assert args.budgets == [0.5] and args.repeats == 3 and args.lengths == "fixed:8192,16384" and args.batch == 1
+    for name in args.methods:
+        assert name in ("plain", "none") or loop_bench._memfit_config(name) or name in loop_bench.PEERS, name
+    assert call.timeout_s <= 220 and args.time_limit_s <= call.timeout_s - 45 and args.steps - args.steady_from >= 8
+
+
+def test_the_offload_fields_of_a_run_are_compact_json():
+    """loop_bench's ``offload`` field from a CPU run's treatment and records; ``dynamic+offload-free``'s
+    price keeps the link's depth."""
+    import json
+    from types import SimpleNamespace
+
+    loop_bench, _ = _loop_bench()
+    n = 3
+    model = _llama(n)
+    ctl = memfit.fit(model, budget=None, method=_Fixed(Plan((1, 2), kinds=("offload",) * 2)),
+                     treatments=("recompute", "offload"))
+    ctl.treatments["offload"].min_bytes = 0
+    for length in (16, 24, 16):
+        model(**_text_batch(2, length, "lm")).loss.backward()
+        model.zero_grad(set_to_none=True)
+    fields = loop_bench._offload_fields(SimpleNamespace(steady_from=1), ctl.treatments["offload"], ctl.records)
+    ctl.remove()
+    assert fields["steps"] == 3 and fields["blocks"] == 6 and fields["depths"] == [1]
+    assert fields["offloaded_blocks_by_tokens"] == {"48": [[1, 2]], "32": [[1, 2]]}
+    assert fields["exposed_ms_per_step_median"] is None  # no CUDA: no waits timed
+    json.dumps(fields)
+    link = LinkPrice(100.0, 50.0, fixed_ms=0.05)
+    free = loop_bench._FreeOffload(link)
+    assert free(1e6, 1.0) == 0.05 and free.depth(1e6, 1.0) == link.depth(1e6, 1.0) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_depth_keeps_the_gradients_and_the_waits_are_timed():
+    """The side-stream path with a deeper prefetch: ``none``'s gradients (to the GPU's run-to-run
+    noise), every stash fetched, and the compute stream's waits read once the steps are done."""
+    n = 6
+    model = _llama(n).cuda()
+    reference = copy.deepcopy(model)
+    ctl = memfit.fit(model, budget=None, method=_Fixed(Plan(tuple(range(n)), kinds=("offload",) * n)),
+                     treatments=("recompute", "offload"))
+    offload: Offload = ctl.treatments["offload"]
+    offload.min_bytes = 0
+    offload.depth_for = lambda key: 3
+    batch = {k: v.cuda() for k, v in _text_batch(2, 64, "lm").items()}
+    for m in (model, reference):
+        for step in range(2):
+            torch.manual_seed(step)
+            m(**batch).loss.backward()
+    torch.cuda.synchronize()
+    assert all(s.fetched and s.unpacked == s.handles for s in offload._stashes)
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-6)
+    offload.start_step()  # reads the finished steps' waits
+    stats = offload.exposed()
+    assert len(stats.exposed_ms_by_step) == 2 and stats.exposed_back_ms >= 0 and offload.pool.pins > 0
+    ctl.remove()
