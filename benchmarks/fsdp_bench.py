@@ -2,7 +2,7 @@
 
 ``matrix`` (a plain process) runs a list of configurations in ONE ``torchrun`` launch (each
 start costs 15-20 s): the ranks build, train and free each configuration in turn. A
-configuration is ``MODEL[+lora]/METHOD[@SHARE][:STEPS]``:
+configuration is ``MODEL[+lora]/METHOD[@SHARE][:STEPS][#BATCH]``:
 
 * MODEL: a bundled config (``llama-3b`` = memfit/configs/Llama-3.2-3B.json, ``llama-8b`` =
   Llama-3.1-8B, ``llama-1b`` = Llama-3.2-1B, ``tiny`` = llama-tiny, for CPU checks), real
@@ -19,7 +19,8 @@ configuration is ``MODEL[+lora]/METHOD[@SHARE][:STEPS]``:
   ``hf-ckpt`` (Hugging Face's ``gradient_checkpointing_enable``).
 * SHARE: the per-rank cap as a share of the same model's ``none`` peak
   (``torch.cuda.set_per_process_memory_fraction`` on every rank, memfit and peers alike).
-* STEPS: this configuration's steps (default ``--steps``).
+* STEPS: this configuration's steps (default ``--steps``); BATCH: its rows per rank and step
+  (default ``--batch_size``; named in the folder, ``llama-8b-lora-b4-x4-none``).
 
 Each rank draws its own batches of ``--batch_size`` rows with ``memfit train causal-lm``'s SFT
 lengths (seeded by rank, the same in every configuration), AdamW (torch's default: foreach).
@@ -85,7 +86,8 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"llama-1b": "Llama-3.2-1B", "llama-3b": "Llama-3.2-3B", "llama-8b": "Llama-3.1-8B", "tiny": "llama-tiny"}
 MEMFIT = ("none", "full", "static", "dynamic")
 PEERS = ("accelerate-ac", "accelerate-ac-offload", "hf-ckpt")
-_SPEC = re.compile(r"^(?P<model>[\w.-]+?)(?P<lora>\+lora)?/(?P<method>[\w-]+)(?:@(?P<share>[0-9.]+))?(?::(?P<steps>\d+))?$")
+_SPEC = re.compile(r"^(?P<model>[\w.-]+?)(?P<lora>\+lora)?/(?P<method>[\w-]+)(?:@(?P<share>[0-9.]+))?(?::(?P<steps>\d+))?"
+                   r"(?:#(?P<batch>\d+))?$")
 _OOM_CHECK = re.compile(r"^oom-check:(?P<model>[\w.-]+)$")
 GIB = 2**30
 
@@ -106,10 +108,12 @@ class Config:
     reference: str | None
     """The folder of the same model's ``none`` configuration."""
     steps: int
+    batch_size: int | None = None
+    """Rows per rank and step; None: ``--batch_size``."""
 
 
 def parse_config(text: str, world: int, steps: int) -> Config:
-    """``MODEL[+lora]/METHOD[@SHARE][:STEPS]`` or ``oom-check:MODEL`` -> Config.
+    """``MODEL[+lora]/METHOD[@SHARE][:STEPS][#BATCH]`` or ``oom-check:MODEL`` -> Config.
 
     Raises:
         SystemExit: naming the configuration to fix.
@@ -121,15 +125,16 @@ def parse_config(text: str, world: int, steps: int) -> Config:
         return Config(f"oom-check-{check['model']}-x{world}", check["model"], False, "oom-check", None, None, steps)
     m = _SPEC.match(text)
     if not m or m["model"] not in MODELS or m["method"] not in MEMFIT + PEERS:
-        raise SystemExit(f"fsdp_bench: configuration {text!r}: write MODEL[+lora]/METHOD[@SHARE][:STEPS] with MODEL one "
+        raise SystemExit(f"fsdp_bench: configuration {text!r}: write MODEL[+lora]/METHOD[@SHARE][:STEPS][#BATCH] with MODEL one "
                          f"of {', '.join(MODELS)} and METHOD one of {', '.join(MEMFIT + PEERS)}, or oom-check:MODEL")
     share = float(m["share"]) if m["share"] else None
     if (m["method"] == "none") != (share is None):
         raise SystemExit(f"fsdp_bench: configuration {text!r}: none runs uncapped (no @SHARE); every other method needs one")
-    stem = f"{m['model']}{'-lora' if m['lora'] else ''}-x{world}"
+    batch = f"-b{m['batch']}" if m["batch"] else ""
+    stem = f"{m['model']}{'-lora' if m['lora'] else ''}{batch}-x{world}"
     name = f"{stem}-{m['method']}" + (f"-{share:g}" if share else "")
     return Config(name, m["model"], bool(m["lora"]), m["method"], share, None if share is None else f"{stem}-none",
-                  int(m["steps"] or steps))
+                  int(m["steps"] or steps), int(m["batch"]) if m["batch"] else None)
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -299,7 +304,8 @@ def _train(args, config: Config, device, rank: int, budget_bytes: int | None, ou
     static_bytes = int(_agree(sum(need.values()), device))
     base = {
         "name": config.name, "method": method, "rank": rank, "world_size": dist.get_world_size(), "model": config.model,
-        "lora": config.lora, "budget_bytes": budget_bytes, "share": config.share, "batch_size": args.batch_size,
+        "lora": config.lora, "budget_bytes": budget_bytes, "share": config.share,
+        "batch_size": config.batch_size or args.batch_size,
         "static_need_bytes": static_bytes, "static_parts": need,
     }
     # NOTE [One launch, many configurations], rule 1 (offload keeps the shards on the host: not checked)
@@ -316,7 +322,8 @@ def _train(args, config: Config, device, rank: int, budget_bytes: int | None, ou
     # a peer runs under memfit's method none, measuring only, uncapped by memfit (the cap is set above)
     ctl = memfit.fit(model, None if peer else budget_bytes, "none" if peer else method, optimizer=optimizer,
                      log=str(out / f"memfit_steps.rank{rank}.jsonl"), cap=False, announce=False)
-    lengths = _sft_lengths(config.steps, args.batch_size, seed=1000 + rank, cap=args.max_length)
+    batch_size = config.batch_size or args.batch_size
+    lengths = _sft_lengths(config.steps, batch_size, seed=1000 + rank, cap=args.max_length)
     state = {"fired": 0}
     # inside block 1's body (its MLP): FSDP has gathered the block's parameters, and the block's
     # own OOM handling sees it (NOTE [Replay under FSDP])
@@ -640,7 +647,8 @@ def summarize(folders: list[str], summary: str | None = None) -> list[dict]:
 
 def _none_of(rows: list[dict], r: dict) -> dict | None:
     return next((x for x in rows if "step_ms" in x and x["method"] == "none" and x.get("world_size") == r.get("world_size")
-                 and x.get("model") == r.get("model") and x.get("lora") == r.get("lora")), None)
+                 and x.get("model") == r.get("model") and x.get("lora") == r.get("lora")
+                 and x.get("batch_size") == r.get("batch_size")), None)
 
 
 def _fits(r: dict) -> bool:
@@ -671,7 +679,8 @@ def _table(rows: list[dict]) -> str:
         if r.get("method") != "dynamic" or not r.get("share"):
             continue
         peers = [x for x in rows if x.get("method") in PEERS and _fits(x) and x.get("share") == r["share"]
-                 and x.get("model") == r["model"] and x.get("lora") == r["lora"] and x.get("world_size") == r["world_size"]]
+                 and x.get("model") == r["model"] and x.get("lora") == r["lora"] and x.get("world_size") == r["world_size"]
+                 and x.get("batch_size") == r.get("batch_size")]
         best = min(peers, key=lambda x: x["step_ms"], default=None)
         mine = f"{r['step_ms']:.1f}" if _fits(r) else f"did not fit ({r['status']})"
         if best is None:
@@ -686,7 +695,8 @@ def _table(rows: list[dict]) -> str:
     for r in rows:
         if "step_ms" in r and r["world_size"] == 4:
             two = next((x for x in rows if "step_ms" in x and x["world_size"] == 2 and x["method"] == r["method"]
-                        and x["model"] == r["model"] and x["lora"] == r["lora"] and x.get("share") == r.get("share")), None)
+                        and x["model"] == r["model"] and x["lora"] == r["lora"] and x.get("share") == r.get("share")
+                        and x.get("batch_size") == r.get("batch_size")), None)
             if two:  # tokens per second of the whole job (the same batch per rank), 4 ranks over 2
                 scaling.append(f"| {r['name']} | {two['step_ms']:.1f} | {r['step_ms']:.1f} | {2 * two['step_ms'] / r['step_ms']:.2f}× |")
     if scaling:
@@ -699,7 +709,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fsdp_bench.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     m = sub.add_parser("matrix", help="run configurations in one torchrun launch (more only after a failure)")
-    m.add_argument("configs", nargs="+", help="MODEL[+lora]/METHOD[@SHARE][:STEPS] or oom-check:MODEL, in order; "
+    m.add_argument("configs", nargs="+", help="MODEL[+lora]/METHOD[@SHARE][:STEPS][#BATCH] or oom-check:MODEL, in order; "
                                               "a model's none before its capped configurations")
     m.add_argument("--output_dir", required=True)
     m.add_argument("--nproc", type=int, default=2, help="ranks (GPUs) of the launch")

@@ -26,6 +26,7 @@ def _bench():
     ("llama-3b/none", "llama-3b-x2-none", dict(method="none", share=None, reference=None, lora=False, steps=16)),
     ("llama-3b/dynamic@0.5", "llama-3b-x2-dynamic-0.5", dict(share=0.5, reference="llama-3b-x2-none")),
     ("llama-8b+lora/hf-ckpt@0.7:4", "llama-8b-lora-x2-hf-ckpt-0.7", dict(lora=True, steps=4, reference="llama-8b-lora-x2-none")),
+    ("llama-8b+lora/dynamic@0.5#4", "llama-8b-lora-b4-x2-dynamic-0.5", dict(batch_size=4, reference="llama-8b-lora-b4-x2-none")),
     ("oom-check:llama-1b", "oom-check-llama-1b-x2", dict(method="oom-check", model="llama-1b")),
 ])
 def test_configurations_read_from_their_text(text, name, fields):
