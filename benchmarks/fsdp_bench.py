@@ -193,7 +193,8 @@ def _fsdp_on_cpu() -> None:
 
 def _sharded_model(config: Config, device, rank: int):
     """The model, sharded by Accelerate's FSDP2 while on the meta device, then materialised on
-    ``device`` (the host with CPU offload), each rank drawing its own shards' weights."""
+    ``device`` (its parameters on the host with CPU offload), each rank drawing its own shards'
+    weights; buffers (RoPE's frequencies) keep the values they were built with."""
     import torch
     import transformers
     from accelerate import Accelerator, init_empty_weights
@@ -231,7 +232,7 @@ def _sharded_model(config: Config, device, rank: int):
     with torch.no_grad():
         for name, b in buffers.items():
             owner, _, leaf = name.rpartition(".")
-            model.get_submodule(owner)._buffers[leaf] = b.to("cpu" if offload else device)
+            model.get_submodule(owner)._buffers[leaf] = b.to(device)  # offload moves parameters only
         torch.manual_seed(1234 + rank)  # the same weights in every configuration
         for name, p in model.named_parameters():
             shard = p.to_local() if hasattr(p, "to_local") else p
@@ -591,11 +592,23 @@ def _read(path: Path):
 # ---------------------------------------------------------------------------------- the summary
 
 
+def _published_rows(path: Path) -> list[dict]:
+    """The rows a published ``results.jsonl`` holds (written by :func:`summarize`)."""
+    lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [{**line, "model": line["shape"], "status": line["row_status"]} for line in lines if "row_status" in line]
+
+
 def summarize(folders: list[str], summary: str | None = None) -> list[dict]:
     """``results.jsonl`` and ``summary.md`` in the first folder, from the configurations of all;
-    with ``summary``, only the table, to that file (the 4-over-2 table of two published jobs)."""
+    with ``summary``, only the table, to that file: the 4-over-2 table of two jobs, whose folders
+    may be matrix folders or published ones (their ``results.jsonl``). A missing folder is skipped."""
     rows = []
     for root in map(Path, folders):
+        if not root.is_dir():
+            continue
+        if (root / "results.jsonl").exists() and not any((p / "status.json").exists() for p in root.iterdir()):
+            rows += _published_rows(root / "results.jsonl")
+            continue
         for config in sorted(p for p in root.iterdir() if p.is_dir() and (p / "status.json").exists()):
             if config.name.startswith("oom-check"):
                 continue
@@ -635,6 +648,7 @@ def summarize(folders: list[str], summary: str | None = None) -> list[dict]:
             ranks = list(r.get("per_rank", {}).values())
             fh.write(json.dumps({
                 **r, "task": f"fsdp2, {r.get('world_size')} ranks", "model": f"{r.get('model')}{' LoRA' if r.get('lora') else ''}",
+                "shape": r.get("model"), "row_status": r["status"],
                 "oom_count": sum(p["oom_retries"] for p in ranks) if ranks else None,
                 "recomputed_fraction": (statistics.mean(p["mean_treated_blocks"] for p in ranks) / r["n_blocks"])
                 if ranks and r.get("n_blocks") else None,
@@ -682,7 +696,7 @@ def _table(rows: list[dict]) -> str:
                  and x.get("model") == r["model"] and x.get("lora") == r["lora"] and x.get("world_size") == r["world_size"]
                  and x.get("batch_size") == r.get("batch_size")]
         best = min(peers, key=lambda x: x["step_ms"], default=None)
-        mine = f"{r['step_ms']:.1f}" if _fits(r) else f"did not fit ({r['status']})"
+        mine = f"{r['step_ms']:.1f}" if _fits(r) else r["status"] if r["status"] != "ok" else "over its cap"
         if best is None:
             versus.append(f"| {r['name']} | {mine} | none fits | | |")
         else:

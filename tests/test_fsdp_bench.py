@@ -110,3 +110,18 @@ def test_one_launch_runs_many_configurations_and_a_failure_costs_one_relaunch(tm
                           env=env, capture_output=True, text=True, timeout=120)
     assert late.returncode == 0, late.stderr[-2000:]
     assert json.loads((tmp_path / "late" / "tiny-x2-none" / "status.json").read_text())["status"].startswith("not run")
+
+
+def test_the_scaling_table_reads_published_folders_too(tmp_path):
+    bench = _bench()
+    two, four = tmp_path / "x2", tmp_path / "x4"
+    _config(two, "llama-3b-x2-dynamic-0.5", "dynamic", 2, 0.5, 600.0, 19.0, 20.0)
+    _config(four, "llama-3b-x4-dynamic-0.5", "dynamic", 4, 0.5, 660.0, 15.0, 16.0)
+    for folder in (two, four):
+        bench.summarize([str(folder)])
+        published = tmp_path / "published" / folder.name
+        published.mkdir(parents=True)
+        (published / "results.jsonl").write_text((folder / "results.jsonl").read_text())
+    bench.summarize([str(tmp_path / "published" / "x4"), str(tmp_path / "published" / "x2"), str(tmp_path / "absent")],
+                    summary=str(tmp_path / "scaling.md"))
+    assert "| llama-3b-x4-dynamic-0.5 | 601.0 | 663.0 | 1.81× |" in (tmp_path / "scaling.md").read_text()

@@ -17,8 +17,9 @@ The commands (from the repository root; RAW a scratch folder, OUT the published 
     python3 benchmarks/run_suite.py fsdp --calls x2 --raw /tmp/fsdp-raw --out $OUT/fsdp-x2
     python3 benchmarks/run_suite.py fsdp --calls x4-train x4 --raw /tmp/fsdp-raw --out $OUT/fsdp-x4
 
-and afterwards, where both published folders' raw matrices are, the 4-over-2 table:
-``python benchmarks/fsdp_bench.py summarize RAW_X2/fsdp/x2 RAW_X4/fsdp/x4 --summary scaling.md``.
+``x4`` ends with the 4-over-2 table (``x4/scaling.md``) when the x2 job's raw folder is on the
+same machine; else, from the two published folders:
+``python benchmarks/fsdp_bench.py summarize OUT_X2 OUT_X4 --summary scaling.md``.
 """
 
 import time
@@ -55,7 +56,7 @@ SUITE = Suite(
     steps=16,
     gpus=2,
     carry=("tokenizer",),
-    keep=("*/summary.md", "*/oom-check-*/oom_check.rank*.json"),
+    keep=("*/summary.md", "*/scaling.md", "*/oom-check-*/oom_check.rank*.json"),
     notes="budgets are shares of uncapped none's per-rank peak (the largest over the ranks) measured by the same "
           "launch first; time is the slowest rank's median step from step 8 of 16 (one run per configuration: the "
           "job budgets allow no repeats); a configuration stops after 45 s of steps; before training the ranks "
@@ -119,6 +120,11 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
              "--memfit_method", "dynamic", *(fsdp if ctx.cuda else ()))
     out.append(Call("x4-train", [train], folder="fsdp/x4-train", timeout_s=150 if ctx.cuda else 300,
                     env={} if ctx.cuda else {"OMP_NUM_THREADS": "1"}))
-    # made with the train call's: its end counts the train call's time too
-    out.append(_matrix(ctx, "x4", nproc4, 29731, x4, jobs[1], ctx.quick, suite.steps))
+    # made with the train call's: its end counts the train call's time too; then, where the x2 job's
+    # folder is on this machine (the same --raw), the 4-over-2 table
+    x4_call = _matrix(ctx, "x4", nproc4, 29731, x4, jobs[1], ctx.quick, suite.steps)
+    scaling = script(ctx, "fsdp_bench.py", "summarize", ctx.folder("fsdp/x4"), ctx.folder("fsdp/x2"), "--summary",
+                     ctx.folder("fsdp/x4") / "scaling.md")
+    out.append(Call(x4_call.name, [*x4_call.commands, scaling], folder=x4_call.folder, timeout_s=x4_call.timeout_s,
+                    env=x4_call.env))
     return out
