@@ -1,100 +1,143 @@
 """Several ranks under FSDP2 through Accelerate: a decoder LLM, one cap per rank (issue #41).
 
-``run`` (under torchrun, one process per GPU) trains one configuration: a Llama-3- or
-Qwen2.5-shaped decoder (``--shape``) built from its config (random weights, bf16), full
-fine-tuning or LoRA (``--lora``: r 16 on every linear layer, peft), AdamW, sharded by
-Accelerate's FSDP2 plugin (``fully_shard`` on every decoder layer and the root), in a plain
-loop. Each rank draws its own batches of ``--batch_size`` rows with the SFT lengths of
-``memfit train causal-lm`` (seeded by rank: the ranks plan for different lengths). Methods:
+``matrix`` (a plain process) runs a list of configurations in ONE ``torchrun`` launch (each
+start costs 15-20 s): the ranks build, train and free each configuration in turn. A
+configuration is ``MODEL[+lora]/METHOD[@SHARE][:STEPS][#BATCH]``:
 
-* ``none``: memfit measuring only, uncapped: the speed reference; its per-rank peak (the
-  largest over the ranks) is written to ``peak.json`` and gives the caps of the other runs
-  (``--reference DIR --share 0.5``);
-* ``full``, ``static``, ``dynamic``: memfit hooked after Accelerate sharded the model, every
-  micro-step through ``ctl.run_step`` (an OOM in a block's forward is replayed by every rank:
-  NOTE [Replay under FSDP] in memfit/engine/replay.py);
-* peers, memfit only measuring: ``accelerate-ac`` (Accelerate's FSDP2 activation checkpointing,
-  ``fsdp_activation_checkpointing``), ``accelerate-ac-offload`` (the same with its CPU offload,
-  ``fsdp_offload_params``), ``hf-ckpt`` (Hugging Face's ``gradient_checkpointing_enable``).
+* MODEL: a bundled config (``llama-3b`` = memfit/configs/Llama-3.2-3B.json, ``llama-8b`` =
+  Llama-3.1-8B, ``llama-1b`` = Llama-3.2-1B, ``tiny`` = llama-tiny, for CPU checks), real
+  vocabulary, random weights, bf16 on GPUs; ``+lora``: peft r 16 on every linear layer. Built
+  on the meta device, sharded by Accelerate's FSDP2 (``fully_shard`` on every decoder layer,
+  the embeddings and head, the root), then materialised on the GPU (each rank initialises its
+  own shards): an 8B model's init on the host takes minutes.
+* METHOD: ``none`` (uncapped, memfit measuring only: the speed reference, and its per-rank peak,
+  the largest over the ranks, gives the caps of the same model's other configurations),
+  ``full``, ``static``, ``dynamic`` (memfit hooked after sharding, every micro-step through
+  ``ctl.run_step``: NOTE [Replay under FSDP] in memfit/engine/replay.py), and the peers, memfit
+  only measuring: ``accelerate-ac`` (Accelerate's FSDP2 activation checkpointing,
+  ``fsdp_activation_checkpointing``), ``accelerate-ac-offload`` (the same with its CPU offload),
+  ``hf-ckpt`` (Hugging Face's ``gradient_checkpointing_enable``).
+* SHARE: the per-rank cap as a share of the same model's ``none`` peak
+  (``torch.cuda.set_per_process_memory_fraction`` on every rank, memfit and peers alike).
+* STEPS: this configuration's steps (default ``--steps``); BATCH: its rows per rank and step
+  (default ``--batch_size``; named in the folder, ``llama-8b-lora-b4-x4-none``).
 
-The cap is ``torch.cuda.set_per_process_memory_fraction`` on every rank, for memfit and peers
-alike. A rank that fails (an OOM a peer cannot survive, or one memfit cannot replay in step)
-ends the run; every collective has a timeout (``--collective_timeout_s``), so a run fails
-rather than hangs. Each rank writes ``rank{r}.json`` (step times, peaks, OOM replays, blocks
-treated per step) and memfit's step records.
+Each rank draws its own batches of ``--batch_size`` rows with ``memfit train causal-lm``'s SFT
+lengths (seeded by rank, the same in every configuration), AdamW (torch's default: foreach).
 
-``oom-check`` trains ``dynamic`` three times in one process group (clean; an OOM injected on
-rank 1 in block 1's forward at a steady step; and, last, one injected in a backward), and
-writes ``oom_check.json``: whether the injected forward run's final weights equal the clean
-run's bitwise on every rank, the records' OOM replays, and the backward run's error (memfit
-raises a clear error there instead of hanging: it cannot be replayed in step).
+# NOTE [One launch, many configurations]
+Rule 1. Before training, the ranks agree (one all-reduce) whether the cap holds the static
+need (weights, gradients, AdamW state and its step's temporaries: NOTE [Optimizer step
+transient] in memfit/engine/optim_state.py); if not, every rank skips the configuration.
+Rule 2. After each step the ranks agree whether the configuration's time limit
+(``--config_limit_s``) has passed; if so all stop it together and keep the steps done.
+Rule 3. Any error on a rank (an OOM a peer cannot survive, one memfit cannot replay in step)
+leaves the other ranks inside a collective the failed rank never joins; the failed rank writes
+its error and ends its process, torchrun stops the others, and ``matrix`` records the
+configuration as failed and launches the rest again. A launch that outlives the current
+configuration's limit by ``--grace_s`` (a hang) is killed the same way.
+Rule 4. The matrix ends by its deadline (``--deadline_s`` from its start, or ``--end_unix_s``,
+whichever comes first): no configuration starts later than ``--config_limit_s`` before it
+(the ranks agree), and a launch still running ``--grace_s`` after it is killed; what has not
+run is recorded as not run.
 
-``summarize`` writes ``results.jsonl`` (the fields ``memfit report`` reads, per configuration,
-the slowest rank's time and the largest peak) and ``summary.md`` (time per step of the slowest
-rank vs ``none``, every rank's peak vs its cap, OOMs, replays, blocks treated per rank, and
-scaling from 2 to 4 GPUs where both ran).
+``oom-check:MODEL`` (last in a list: it ends the launch) trains ``dynamic`` three times in the
+process group (clean, again, and with an OOM injected on rank 1 in block 1's forward at a steady
+step), then once with one injected in a backward, and writes ``oom_check.rank{r}.json``:
+whether the replayed run's final weights equal the clean run's (on a GPU: within the distance
+between the two clean runs: NOTE [The determinism floor]), the OOM replays, and the backward
+run's error (it cannot be replayed in step; memfit says so and the ranks stop, no hang).
+
+``summarize DIR...`` writes ``results.jsonl`` (the fields ``memfit report`` reads) and
+``summary.md``: slowest rank's median step vs ``none``, every rank's peak vs its cap, OOM
+replays, blocks treated per rank, the static check, "dynamic vs the fastest peer that fits" per
+model and cap, and the throughput of 4 ranks over 2 (same model) where both ran.
 
 Without CUDA (a check of the script on CPU ranks under gloo) Accelerate does not enable FSDP;
 the script then lets its state take the FSDP plugin as on GPUs (as tests/_fsdp_trainer_worker.py
 does), and times and peaks mean nothing.
 
 Usage:
-    torchrun --nproc_per_node 2 benchmarks/fsdp_bench.py run --output_dir OUT/none --method none --shape llama-3b
-    torchrun --nproc_per_node 2 benchmarks/fsdp_bench.py run --output_dir OUT/dynamic-0.5 --method dynamic \\
-        --shape llama-3b --reference OUT/none --share 0.5
-    torchrun --nproc_per_node 2 benchmarks/fsdp_bench.py oom-check --output_dir OUT/oom-check --shape llama-1b
-    python benchmarks/fsdp_bench.py summarize OUT
-(``python benchmarks/run_suite.py fsdp [--quick]`` runs the matrix: benchmarks/suites/fsdp.py.)
+    python benchmarks/fsdp_bench.py matrix --output_dir OUT --nproc 2 \\
+        llama-3b/none llama-3b/dynamic@0.5 llama-3b/accelerate-ac@0.5 oom-check:llama-1b
+    python benchmarks/fsdp_bench.py summarize OUT [OUT4]
+(``python benchmarks/run_suite.py fsdp --calls x2`` runs the suite's 2-GPU job: benchmarks/suites/fsdp.py.)
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import random
+import re
+import signal
 import statistics
+import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-#: Decoder shapes (random weights): Llama-3.2-1B/3B, Llama-3.1-8B, Qwen2.5-1.5B/3B/7B, and a tiny
-#: one for CPU checks; vocabularies cut to 32,000 (the head is not what this suite measures).
-SHAPES = {
-    "llama-1b": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                               num_key_value_heads=8)),
-    "llama-3b": ("llama", dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
-                               num_key_value_heads=8)),
-    "llama-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                               num_key_value_heads=8)),
-    "qwen-1.5b": ("qwen2", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                                num_key_value_heads=2)),
-    "qwen-3b": ("qwen2", dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-                              num_key_value_heads=2)),
-    "qwen-7b": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                              num_key_value_heads=4)),
-    "tiny": ("llama", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                           num_key_value_heads=2)),
-}
-VOCAB = 32000
+ROOT = Path(__file__).resolve().parent.parent
+#: bundled configs (src/memfit/configs/) by the short names the suite uses
+MODELS = {"llama-1b": "Llama-3.2-1B", "llama-3b": "Llama-3.2-3B", "llama-8b": "Llama-3.1-8B", "tiny": "llama-tiny"}
 MEMFIT = ("none", "full", "static", "dynamic")
 PEERS = ("accelerate-ac", "accelerate-ac-offload", "hf-ckpt")
+_SPEC = re.compile(r"^(?P<model>[\w.-]+?)(?P<lora>\+lora)?/(?P<method>[\w-]+)(?:@(?P<share>[0-9.]+))?(?::(?P<steps>\d+))?"
+                   r"(?:#(?P<batch>\d+))?$")
+_OOM_CHECK = re.compile(r"^oom-check:(?P<model>[\w.-]+)$")
+GIB = 2**30
 
 
-def _fsdp_on_cpu() -> None:
-    """Accelerate enables FSDP only on accelerators; on CPU ranks let its state take the plugin."""
-    import accelerate.state as state
-    from accelerate.utils import DistributedType
+@dataclass(frozen=True)
+class Config:
+    """One configuration of the matrix (NOTE [One launch, many configurations])."""
 
-    init = state.AcceleratorState.__init__
+    name: str
+    """Its folder: ``llama-3b-lora-x2-dynamic-0.5``."""
+    model: str
+    """A key of :data:`MODELS`."""
+    lora: bool
+    method: str
+    """A memfit method, a peer, or ``oom-check``."""
+    share: float | None
+    """The cap as a share of ``reference``'s per-rank peak; None: uncapped."""
+    reference: str | None
+    """The folder of the same model's ``none`` configuration."""
+    steps: int
+    batch_size: int | None = None
+    """Rows per rank and step; None: ``--batch_size``."""
 
-    def patched(self, *args, fsdp_plugin=None, **kwargs):
-        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-        if fsdp_plugin is not None and self.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU):
-            self.distributed_type, self.fsdp_plugin = DistributedType.FSDP, fsdp_plugin
 
-    state.AcceleratorState.__init__ = patched
+def parse_config(text: str, world: int, steps: int) -> Config:
+    """``MODEL[+lora]/METHOD[@SHARE][:STEPS][#BATCH]`` or ``oom-check:MODEL`` -> Config.
+
+    Raises:
+        SystemExit: naming the configuration to fix.
+    """
+    check = _OOM_CHECK.match(text)
+    if check:
+        if check["model"] not in MODELS:
+            raise SystemExit(f"fsdp_bench: {text!r}: the model is one of {', '.join(MODELS)}")
+        return Config(f"oom-check-{check['model']}-x{world}", check["model"], False, "oom-check", None, None, steps)
+    m = _SPEC.match(text)
+    if not m or m["model"] not in MODELS or m["method"] not in MEMFIT + PEERS:
+        raise SystemExit(f"fsdp_bench: configuration {text!r}: write MODEL[+lora]/METHOD[@SHARE][:STEPS][#BATCH] with MODEL one "
+                         f"of {', '.join(MODELS)} and METHOD one of {', '.join(MEMFIT + PEERS)}, or oom-check:MODEL")
+    share = float(m["share"]) if m["share"] else None
+    if (m["method"] == "none") != (share is None):
+        raise SystemExit(f"fsdp_bench: configuration {text!r}: none runs uncapped (no @SHARE); every other method needs one")
+    batch = f"-b{m['batch']}" if m["batch"] else ""
+    stem = f"{m['model']}{'-lora' if m['lora'] else ''}{batch}-x{world}"
+    name = f"{stem}-{m['method']}" + (f"-{share:g}" if share else "")
+    return Config(name, m["model"], bool(m["lora"]), m["method"], share, None if share is None else f"{stem}-none",
+                  int(m["steps"] or steps), int(m["batch"]) if m["batch"] else None)
+
+
+# ------------------------------------------------------------------------------------------ data
 
 
 def _sft_lengths(n: int, batch: int, seed: int, cap: int) -> list[list[int]]:
@@ -115,7 +158,7 @@ def _sft_lengths(n: int, batch: int, seed: int, cap: int) -> list[list[int]]:
     return [[draw() for _ in range(batch)] for _ in range(n)]
 
 
-def _batch(lengths: list[int], seed: int, device):
+def _batch(lengths: list[int], seed: int, vocab: int, device):
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -124,44 +167,85 @@ def _batch(lengths: list[int], seed: int, device):
     labels = torch.full((len(lengths), width), -100, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, length in enumerate(lengths):
-        ids[row, :length] = torch.randint(3, VOCAB, (length,), generator=g)
+        ids[row, :length] = torch.randint(3, vocab, (length,), generator=g)
         labels[row, :length] = ids[row, :length]
         mask[row, :length] = 1
     return {k: v.to(device) for k, v in (("input_ids", ids), ("attention_mask", mask), ("labels", labels))}
 
 
-def _model(shape: str, lora: bool, hf_ckpt: bool, device):
+# ----------------------------------------------------------------------------------------- model
+
+
+def _fsdp_on_cpu() -> None:
+    """Accelerate enables FSDP only on accelerators; on CPU ranks let its state take the plugin."""
+    import accelerate.state as state
+    from accelerate.utils import DistributedType
+
+    init = state.AcceleratorState.__init__
+
+    def patched(self, *args, fsdp_plugin=None, **kwargs):
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU):
+            self.distributed_type, self.fsdp_plugin = DistributedType.FSDP, fsdp_plugin
+
+    state.AcceleratorState.__init__ = patched
+
+
+def _sharded_model(config: Config, device, rank: int):
+    """The model, sharded by Accelerate's FSDP2 while on the meta device, then materialised on
+    ``device`` (its parameters on the host with CPU offload), each rank drawing its own shards'
+    weights; buffers (RoPE's frequencies) keep the values they were built with."""
     import torch
     import transformers
+    from accelerate import Accelerator, init_empty_weights
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_apply_ac, fsdp2_prepare_model
 
-    kind, dims = SHAPES[shape]
-    config_cls = transformers.LlamaConfig if kind == "llama" else transformers.Qwen2Config
-    config = config_cls(vocab_size=VOCAB, max_position_embeddings=4096, use_cache=False, tie_word_embeddings=False,
-                        attn_implementation="sdpa", **dims)
-    torch.manual_seed(0)  # the same weights on every rank (FSDP shards what each rank holds)
-    cls = transformers.LlamaForCausalLM if kind == "llama" else transformers.Qwen2ForCausalLM
-    # built on the device, in bf16: an 8B model's float32 init on the host takes minutes and 32 GB a rank
-    with torch.device(device):
-        model = cls._from_config(config, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-    if lora:
+    from memfit.cli.tasks._common import CONFIGS_DIR
+
+    hf_config = transformers.AutoConfig.from_pretrained(CONFIGS_DIR / f"{MODELS[config.model]}.json")
+    hf_config.use_cache = False
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with init_empty_weights(include_buffers=False):  # buffers (RoPE's) keep their values
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="sdpa")
+    layer_cls = type(model.model.layers[0]).__name__
+    if config.method == "hf-ckpt":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if config.lora:
         import peft
 
-        model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
-    if hf_ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model.train(), "LlamaDecoderLayer" if kind == "llama" else "Qwen2DecoderLayer"
-
-
-def _accelerator(layer_cls: str, ac: bool, offload: bool):
-    from accelerate import Accelerator
-    from accelerate.utils import FullyShardedDataParallelPlugin
-
-    plugin = FullyShardedDataParallelPlugin(
+        model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"),
+                                    autocast_adapter_dtype=False)
+    AcceleratorState._reset_state()  # each configuration its own plugin (the process group stays)
+    offload = config.method == "accelerate-ac-offload"
+    accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(
         fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=[layer_cls],
-        reshard_after_forward=True, activation_checkpointing=ac, cpu_offload=offload,
-        state_dict_type="SHARDED_STATE_DICT",
-    )
-    return Accelerator(fsdp_plugin=plugin)
+        reshard_after_forward=True, activation_checkpointing=config.method.startswith("accelerate-ac"),
+        cpu_offload=offload, state_dict_type="SHARDED_STATE_DICT",
+    ))
+    if accelerator.state.fsdp_plugin.activation_checkpointing:
+        model = fsdp2_apply_ac(accelerator, model)
+    model = fsdp2_prepare_model(accelerator, model)
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.to_empty(device="cpu" if offload else device)
+    with torch.no_grad():
+        for name, b in buffers.items():
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner)._buffers[leaf] = b.to(device)  # offload moves parameters only
+        torch.manual_seed(1234 + rank)  # the same weights in every configuration
+        for name, p in model.named_parameters():
+            shard = p.to_local() if hasattr(p, "to_local") else p
+            if "norm" in name:
+                shard.fill_(1.0)
+            elif "lora_B" in name:
+                shard.zero_()
+            else:
+                shard.normal_(0.0, 0.02)
+    return model.train(), accelerator, hf_config.vocab_size
+
+
+# ----------------------------------------------------------------------------------- the worker
 
 
 def _init(timeout_s: float):
@@ -177,6 +261,16 @@ def _init(timeout_s: float):
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"), dist.get_rank()
 
 
+def _agree(flag: float, device, op: str = "max") -> float:
+    """The ranks' largest (or smallest) ``flag``: one all-reduce."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(flag)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN)
+    return float(t.item())
+
+
 def _cap(device, budget_bytes: int | None) -> None:
     import torch
 
@@ -185,27 +279,57 @@ def _cap(device, budget_bytes: int | None) -> None:
         torch.cuda.set_per_process_memory_fraction(1.0 if budget_bytes is None else min(1.0, budget_bytes / total), device)
 
 
-def _train(args, device, rank: int, method: str, budget_bytes: int | None, out: Path, inject: str | None = None):
-    """One configuration on this rank; returns its numbers (and the final weights when asked)."""
+def _static_need(model, optimizer) -> dict[str, int]:
+    """This rank's weights, gradients, AdamW state and step temporaries (memfit's static check)."""
+    from memfit.engine.accounting import expected_optimizer_bytes, local
+    from memfit.engine.controller import check_static_need_of
+    from memfit.engine.optim_state import torch_step_transient_bytes
+
+    return check_static_need_of(model, None, expected_optimizer_bytes(optimizer),
+                                transient_bytes=torch_step_transient_bytes(optimizer, local))
+
+
+def _train(args, config: Config, device, rank: int, budget_bytes: int | None, out: Path, inject: str | None = None):
+    """One configuration on this rank: its numbers (None when the ranks skip it) and the model."""
     import torch
+    import torch.distributed as dist
+
     import memfit
 
+    method = "dynamic" if config.method == "oom-check" else config.method
     peer = method in PEERS
-    model, layer_cls = _model(args.shape, args.lora, method == "hf-ckpt", device)
-    accelerator = _accelerator(layer_cls, ac=method.startswith("accelerate-ac"), offload=method.endswith("offload"))
+    out.mkdir(parents=True, exist_ok=True)
+    model, accelerator, vocab = _sharded_model(config, device, rank)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    need = _static_need(model, optimizer)
+    static_bytes = int(_agree(sum(need.values()), device))
+    base = {
+        "name": config.name, "method": method, "rank": rank, "world_size": dist.get_world_size(), "model": config.model,
+        "lora": config.lora, "budget_bytes": budget_bytes, "share": config.share,
+        "batch_size": config.batch_size or args.batch_size,
+        "static_need_bytes": static_bytes, "static_parts": need,
+    }
+    # NOTE [One launch, many configurations], rule 1 (offload keeps the shards on the host: not checked)
+    fits = budget_bytes is None or method == "accelerate-ac-offload" or static_bytes < budget_bytes
+    if rank == 0:
+        print(f"fsdp_bench: {config.name}: cap {'uncapped' if budget_bytes is None else f'{budget_bytes / GIB:.2f} GiB'}"
+              f" per rank vs static need {static_bytes / GIB:.2f} GiB (largest rank: "
+              + ", ".join(f"{k} {v / GIB:.2f}" for k, v in need.items()) + f"): {'fits' if fits else 'does not fit'}",
+              flush=True)
+    if not fits:
+        return {**base, "status": "cap below the static need"}, model
     _cap(device, budget_bytes)
     # memfit hooks the sharded model (NOTE [Hooked after sharding] in memfit/integrations/hf.py);
     # a peer runs under memfit's method none, measuring only, uncapped by memfit (the cap is set above)
-    ctl = memfit.fit(model, None if peer else budget_bytes, "none" if peer else method, optimizer=optimizer.optimizer,
+    ctl = memfit.fit(model, None if peer else budget_bytes, "none" if peer else method, optimizer=optimizer,
                      log=str(out / f"memfit_steps.rank{rank}.jsonl"), cap=False, announce=False)
-    lengths = _sft_lengths(args.steps, args.batch_size, seed=1000 + rank, cap=args.max_length)
+    batch_size = config.batch_size or args.batch_size
+    lengths = _sft_lengths(config.steps, batch_size, seed=1000 + rank, cap=args.max_length)
     state = {"fired": 0}
     # inside block 1's body (its MLP): FSDP has gathered the block's parameters, and the block's
     # own OOM handling sees it (NOTE [Replay under FSDP])
     target = getattr(ctl.blocks[1].module, "mlp", ctl.blocks[1].module)
-    fire_at = args.steps - 2  # a steady step
+    fire_at = config.steps - 2  # a steady step
 
     def pre(module, inputs):
         if state.get("armed") == "forward" and module.training and torch.is_grad_enabled():
@@ -224,10 +348,12 @@ def _train(args, device, rank: int, method: str, budget_bytes: int | None, out: 
 
     handles = [target.register_forward_pre_hook(pre), target.register_forward_hook(post)] if inject and rank == 1 else []
     step_ms, peaks = [], []
-    for step in range(args.steps):
+    started = time.monotonic()
+    stopped = None
+    for step in range(config.steps):
         if inject and rank == 1 and step == fire_at:
             state["armed"] = inject
-        batch = _batch(lengths[step], seed=100_000 * rank + step, device=device)
+        batch = _batch(lengths[step], seed=100_000 * rank + step, vocab=vocab, device=device)
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -240,197 +366,399 @@ def _train(args, device, rank: int, method: str, budget_bytes: int | None, out: 
             torch.cuda.synchronize()
             peaks.append(torch.cuda.max_memory_allocated())
         step_ms.append((time.perf_counter() - t0) * 1e3)
+        # rule 2: every rank stops at the same step
+        if _agree(time.monotonic() - started > args.config_limit_s, device) and step + 1 < config.steps:
+            stopped = f"time limit {args.config_limit_s:g} s after {step + 1} of {config.steps} steps"
+            break
     records = ctl.records
     ctl.remove()
     for h in handles:
         h.remove()
     steady = step_ms[min(args.steady_from, len(step_ms) - 1):]
-    result = {
-        "method": method, "rank": rank, "world_size": torch.distributed.get_world_size(), "shape": args.shape,
-        "lora": args.lora, "budget_bytes": budget_bytes, "steps": len(step_ms), "batch_size": args.batch_size,
-        "step_ms": step_ms, "median_steady_step_ms": statistics.median(steady),
+    return {
+        **base, "status": stopped or "ok", "steps": len(step_ms), "step_ms": [round(x, 2) for x in step_ms],
+        "median_steady_step_ms": statistics.median(steady), "steady_from": min(args.steady_from, len(step_ms) - 1),
         "max_peak_allocated_bytes": max(peaks) if peaks else max((r.peak_allocated_bytes for r in records), default=0),
         "oom_retries": sum(r.oom_retries for r in records), "records": len(records),
         "mean_treated_blocks": statistics.mean(r.n_checkpointed for r in records) if records else 0.0,
         "n_blocks": records[0].n_blocks if records else 0, "fired": state["fired"],
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
-    }
-    return result, model
+    }, model
+
+
+def _free(device) -> None:
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        _cap(device, None)
+
+
+def _write(path: Path, data) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def worker(args) -> None:
+    """Under torchrun: every configuration of ``--plan`` not done yet, in order."""
+    import torch.distributed as dist
+
+    plan = json.loads(Path(args.plan).read_text())
+    args = argparse.Namespace(**{**vars(args), **plan["settings"]})
+    out = Path(args.output_dir)
+    device, rank = _init(args.collective_timeout_s)
+    for entry in plan["configs"]:
+        config = Config(**entry)
+        folder = out / config.name
+        if (folder / "status.json").exists():
+            continue
+        folder.mkdir(parents=True, exist_ok=True)
+        if _agree(time.time() > args.last_start_unix_s, device):  # rule 4
+            break
+        if rank == 0:
+            _write(out / "current.json", {"name": config.name, "started_unix_s": time.time()})
+        dist.barrier()
+        try:
+            if config.method == "oom-check":
+                oom_check(args, config, device, rank, folder)  # ends the process
+            budget = None
+            if config.reference:
+                reference = out / config.reference / "peak.json"
+                if not reference.exists():
+                    if rank == 0:
+                        _write(folder / "status.json", {"status": f"no reference: {config.reference} did not run"})
+                    continue
+                budget = int(config.share * json.loads(reference.read_text())["max_peak_allocated_bytes"])
+            result, model = _train(args, config, device, rank, budget, folder)
+            del model
+            _free(device)
+        except BaseException as err:  # noqa: BLE001 - rule 3: record, then end this process
+            (folder / f"rank{rank}.error.txt").write_text(f"{type(err).__name__}: {str(err)[-1500:]}\n")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(3)
+        _write(folder / f"rank{rank}.json", result)
+        peak = _agree(result.get("max_peak_allocated_bytes", 0), device)
+        dist.barrier()
+        if rank == 0:
+            if config.method == "none" and result["status"] == "ok":
+                _write(folder / "peak.json", {"max_peak_allocated_bytes": int(peak)})
+            _write(folder / "status.json", {"status": result["status"]})
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def _gathered(model) -> dict:
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in model.state_dict().items()}
 
 
-def run(args) -> None:
+def _max_abs_diff(a: dict, b: dict) -> float:
+    return max((float((a[k].float() - b[k].float()).abs().max()) for k in a if a[k].numel()), default=0.0)
+
+
+def oom_check(args, config: Config, device, rank: int, out: Path) -> None:
+    """The injected-OOM check (module docstring); ends the process."""
     import torch.distributed as dist
 
-    device, rank = _init(args.collective_timeout_s)
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    budget = None
-    if args.reference:
-        peak = json.loads((Path(args.reference) / "peak.json").read_text())["max_peak_allocated_bytes"]
-        budget = int(args.share * peak)
-    result, _ = _train(args, device, rank, args.method, budget, out)
-    result["share"] = args.share if args.reference else None
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
-    import torch
-
-    peak = torch.tensor([result["max_peak_allocated_bytes"]], dtype=torch.int64, device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    if rank == 0 and args.method == "none":
-        (out / "peak.json").write_text(json.dumps({"max_peak_allocated_bytes": int(peak.item())}))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def oom_check(args) -> None:
-    import torch
-    import torch.distributed as dist
-
-    device, rank = _init(args.collective_timeout_s)
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    report: dict = {"rank": rank, "shape": args.shape}
-    clean, clean_model = _train(args, device, rank, "dynamic", None, out / "clean")
+    report: dict = {"rank": rank, "model": config.model, "world_size": dist.get_world_size()}
+    clean, clean_model = _train(args, config, device, rank, None, out / "clean")
     reference = _gathered(clean_model)
     del clean_model
+    _free(device)
     # NOTE [The determinism floor]: on a GPU two clean runs of the same steps need not be bitwise
     # equal (attention's and reductions' kernels accumulate in varying order), so the replayed
     # run is compared with the clean one against the distance between two clean runs.
-    _, again_model = _train(args, device, rank, "dynamic", None, out / "clean-again")
+    _, again_model = _train(args, config, device, rank, None, out / "clean-again")
     floor = _max_abs_diff(reference, _gathered(again_model))
     del again_model
-    failed, failed_model = _train(args, device, rank, "dynamic", None, out / "forward", inject="forward")
+    _free(device)
+    failed, failed_model = _train(args, config, device, rank, None, out / "forward", inject="forward")
     diff = _max_abs_diff(reference, _gathered(failed_model))
     del failed_model
+    _free(device)
     report["forward"] = {
         "fired": failed["fired"], "oom_retries": failed["oom_retries"], "records": failed["records"],
         "clean_records": clean["records"], "weights_equal": diff == 0.0, "max_abs_diff": diff,
         "clean_runs_max_abs_diff": floor, "within_clean_runs_spread": diff <= floor,
     }
-    (out / f"oom_check.rank{rank}.json").write_text(json.dumps(report, indent=1))
+    _write(out / f"oom_check.rank{rank}.json", report)
     dist.barrier()
     try:  # last: the ranks cannot go on together after it
-        _train(args, device, rank, "dynamic", None, out / "backward", inject="backward")
+        _train(args, config, device, rank, None, out / "backward", inject="backward")
         report["backward"] = {"error": None}
     except Exception as err:  # noqa: BLE001 - the error is the result
         report["backward"] = {"error": f"{type(err).__name__}: {str(err)[-600:]}"}
-    (out / f"oom_check.rank{rank}.json.tmp").write_text(json.dumps(report, indent=1))
-    os.replace(out / f"oom_check.rank{rank}.json.tmp", out / f"oom_check.rank{rank}.json")
+    _write(out / f"oom_check.rank{rank}.json", report)
+    if rank == 0 or report["backward"]["error"]:
+        _write(out / "status.json", {"status": "ok"})
     sys.stdout.flush()
     # The rank whose backward failed exits non-zero, as a training script's uncaught error would:
     # torchrun then stops the ranks still waiting in a collective (no hang until its timeout).
     os._exit(3 if report["backward"]["error"] else 0)
 
 
-def _max_abs_diff(a: dict, b: dict) -> float:
-    import torch
-
-    return max((float((a[k].float() - b[k].float()).abs().max()) for k in a if a[k].numel()), default=0.0)
+# ----------------------------------------------------------------------------------- the matrix
 
 
-def summarize(folder: str) -> list[dict]:
-    root = Path(folder)
-    rows = []
-    for config in sorted(p for p in root.iterdir() if p.is_dir()):
-        ranks = [json.loads(p.read_text()) for p in sorted(config.glob("rank*.json"))]
-        if not ranks:
-            rows.append({"name": config.name, "status": "failed"})
+def _launch(args, plan_path: Path, log) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--master_port",
+               str(args.port), str(Path(__file__).resolve()), "worker", "--plan", str(plan_path),
+               "--output_dir", str(args.output_dir)]
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End the torchrun this matrix started (its own process group) and its ranks."""
+    for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait_s)
+            return
+        except subprocess.TimeoutExpired:
             continue
-        first = ranks[0]
-        rows.append({
-            "name": config.name, "status": "ok", "method": first["method"], "world_size": first["world_size"],
-            "shape": first["shape"], "lora": first["lora"], "budget_bytes": first["budget_bytes"], "share": first.get("share"),
-            "steps": first["steps"], "batch_size": first["batch_size"],
-            "step_ms": max(r["median_steady_step_ms"] for r in ranks),  # the slowest rank
-            "total_s": max(sum(r["step_ms"]) for r in ranks) / 1e3, "transformers": first.get("transformers"),
-            "per_rank": {str(r["rank"]): {k: r[k] for k in ("max_peak_allocated_bytes", "oom_retries", "mean_treated_blocks",
-                                                             "median_steady_step_ms", "records")} for r in ranks},
-            "n_blocks": first["n_blocks"], "device": first["device"], "torch": first["torch"],
-        })
+
+
+def matrix(args) -> int:
+    """Run the configurations in as few torchrun launches as failures allow (NOTE [One launch, many configurations])."""
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    configs = [parse_config(text, args.nproc, args.steps) for text in args.configs]
+    settings = {k: getattr(args, k) for k in ("steady_from", "batch_size", "max_length", "collective_timeout_s",
+                                              "config_limit_s")}
+    started = time.monotonic()
+    deadline = min(time.time() + args.deadline_s, args.end_unix_s or float("inf"))  # rule 4
+    settings["last_start_unix_s"] = deadline - args.config_limit_s
+    launches = 0
+    with open(out / "launches.log", "a", encoding="utf-8") as log:
+        while True:
+            todo = [c for c in configs if not (out / c.name / "status.json").exists()]
+            left_s = deadline - time.time()
+            if not todo or left_s < args.config_limit_s:
+                break
+            plan = out / "plan.json"
+            _write(plan, {"settings": settings, "configs": [asdict(c) for c in todo]})
+            (out / "current.json").unlink(missing_ok=True)
+            log.write(f"--- launch {launches + 1}: {len(todo)} configurations, {left_s:.0f} s left\n")
+            log.flush()
+            launches += 1
+            proc = _launch(args, plan, log)
+            reason = None
+            while proc.poll() is None:
+                time.sleep(1.0)
+                current = _read(out / "current.json")
+                if time.time() > deadline + args.grace_s:
+                    reason = f"killed {args.grace_s:g} s after the matrix deadline"
+                elif current and time.time() - current["started_unix_s"] > args.config_limit_s * (
+                        4 if current["name"].startswith("oom-check") else 1) + args.grace_s:
+                    reason = f"killed: over its time limit by {args.grace_s:g} s (a hang)"
+                if reason:
+                    _stop(proc)
+                    break
+            if proc.returncode == 0 and reason is None:
+                continue  # every configuration has its status; the loop ends
+            current = _read(out / "current.json")
+            name = current["name"] if current else todo[0].name
+            folder = out / name
+            folder.mkdir(parents=True, exist_ok=True)
+            if not (folder / "status.json").exists():
+                errors = {p.name: p.read_text().strip() for p in sorted(folder.glob("rank*.error.txt"))}
+                _write(folder / "status.json", {"status": "failed", "why": reason or f"torchrun exit {proc.returncode}",
+                                                 "errors": errors})
+            print(f"fsdp_bench: {name}: {_read(folder / 'status.json')['status']} "
+                  f"({reason or f'torchrun exit {proc.returncode}'})", flush=True)
+    for c in configs:
+        if not (out / c.name / "status.json").exists():
+            (out / c.name).mkdir(parents=True, exist_ok=True)
+            _write(out / c.name / "status.json", {"status": "not run: the matrix deadline"})
+    print(f"fsdp_bench: {len(configs)} configurations in {launches} launches, {time.monotonic() - started:.0f} s", flush=True)
+    print(_table(summarize([str(out)])), end="")
+    return 0
+
+
+def _read(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------------------------- the summary
+
+
+def _published_rows(path: Path) -> list[dict]:
+    """The rows a published ``results.jsonl`` holds (written by :func:`summarize`)."""
+    lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [{**line, "model": line["shape"], "status": line["row_status"]} for line in lines if "row_status" in line]
+
+
+def summarize(folders: list[str], summary: str | None = None) -> list[dict]:
+    """``results.jsonl`` and ``summary.md`` in the first folder, from the configurations of all;
+    with ``summary``, only the table, to that file: the 4-over-2 table of two jobs, whose folders
+    may be matrix folders or published ones (their ``results.jsonl``). A missing folder is skipped."""
+    rows = []
+    for root in map(Path, folders):
+        if not root.is_dir():
+            continue
+        if (root / "results.jsonl").exists() and not any((p / "status.json").exists() for p in root.iterdir()):
+            rows += _published_rows(root / "results.jsonl")
+            continue
+        for config in sorted(p for p in root.iterdir() if p.is_dir() and (p / "status.json").exists()):
+            if config.name.startswith("oom-check"):
+                continue
+            status = _read(config / "status.json") or {"status": "unreadable"}
+            ranks = [json.loads(p.read_text()) for p in sorted(config.glob("rank*.json"))]
+            ran = [r for r in ranks if "median_steady_step_ms" in r]
+            row = {"name": config.name, "status": status["status"], **({"errors": status["errors"]} if status.get("errors") else {})}
+            if ranks:
+                first = ranks[0]
+                row.update({k: first.get(k) for k in ("method", "world_size", "model", "lora", "budget_bytes", "share",
+                                                      "batch_size", "static_need_bytes")})
+            if ran and len(ran) == len(ranks):
+                first = ran[0]
+                row.update({
+                    "steps": first["steps"], "steady_from": first["steady_from"],
+                    "step_ms": max(r["median_steady_step_ms"] for r in ran),  # the slowest rank
+                    "total_s": max(sum(r["step_ms"]) for r in ran) / 1e3, "n_blocks": first["n_blocks"],
+                    "device": first["device"], "torch": first["torch"], "transformers": first["transformers"],
+                    "per_rank": {str(r["rank"]): {k: r[k] for k in ("max_peak_allocated_bytes", "oom_retries",
+                                                                   "mean_treated_blocks", "median_steady_step_ms")}
+                                 for r in ran},
+                })
+            rows.append(row)
     for r in rows:
-        ref = next((x for x in rows if x["status"] == "ok" and x["method"] == "none" and x.get("budget_bytes") is None
-                    and x["world_size"] == r.get("world_size") and x["shape"] == r.get("shape") and x["lora"] == r.get("lora")), None)
-        if r["status"] == "ok" and ref:
+        ref = _none_of(rows, r)
+        if "step_ms" in r and ref:
             r["vs_none"] = r["step_ms"] / ref["step_ms"]
+        if "per_rank" in r:
+            r["max_peak_allocated_bytes"] = max(p["max_peak_allocated_bytes"] for p in r["per_rank"].values())
+            r["under_cap"] = r["budget_bytes"] is None or r["max_peak_allocated_bytes"] <= r["budget_bytes"]
+    if summary:
+        Path(summary).write_text(_table(rows))
+        return rows
+    root = Path(folders[0])
     with open(root / "results.jsonl", "w", encoding="utf-8") as fh:
         for r in rows:
             ranks = list(r.get("per_rank", {}).values())
             fh.write(json.dumps({
-                **r, "task": f"fsdp2, {r.get('world_size')} ranks", "model": f"{r.get('shape')}{' LoRA' if r.get('lora') else ''}",
-                "max_peak_allocated_bytes": max((p["max_peak_allocated_bytes"] for p in ranks), default=None),
-                "oom_count": sum(p["oom_retries"] for p in ranks),
+                **r, "task": f"fsdp2, {r.get('world_size')} ranks", "model": f"{r.get('model')}{' LoRA' if r.get('lora') else ''}",
+                "shape": r.get("model"), "row_status": r["status"],
+                "oom_count": sum(p["oom_retries"] for p in ranks) if ranks else None,
                 "recomputed_fraction": (statistics.mean(p["mean_treated_blocks"] for p in ranks) / r["n_blocks"])
                 if ranks and r.get("n_blocks") else None,
-                "status": "ok" if r["status"] == "ok" else "error",
+                "status": "ok" if r["status"] == "ok" and ranks else "error",
+                "note": None if r["status"] == "ok" else r["status"],
             }) + "\n")
     (root / "summary.md").write_text(_table(rows))
     return rows
 
 
+def _none_of(rows: list[dict], r: dict) -> dict | None:
+    return next((x for x in rows if "step_ms" in x and x["method"] == "none" and x.get("world_size") == r.get("world_size")
+                 and x.get("model") == r.get("model") and x.get("lora") == r.get("lora")
+                 and x.get("batch_size") == r.get("batch_size")), None)
+
+
+def _fits(r: dict) -> bool:
+    """Ran every step under its cap with no failure."""
+    return r["status"] == "ok" and "step_ms" in r and r.get("under_cap", False)
+
+
 def _table(rows: list[dict]) -> str:
-    gib = 2**30
-    lines = ["| config | ranks | method | cap per rank (GiB) | step ms (slowest rank) | vs none | peak per rank (GiB) "
-             "| OOM replays per rank | blocks treated per rank |", "| --- | ---: | --- | ---: | ---: | ---: | --- | --- | --- |"]
+    lines = ["| config | ranks | method | cap per rank (GiB) | static need (GiB) | step ms (slowest rank) | vs none "
+             "| peak per rank (GiB) | under cap | OOM replays per rank | blocks treated per rank | status |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | --- | --- |"]
     for r in rows:
-        if r["status"] != "ok":
-            lines.append(f"| {r['name']} | | failed (see its log: OOM, error or timeout) | | | | | | |")
+        cap = f"{r['budget_bytes'] / GIB:.2f}" if r.get("budget_bytes") else "uncapped" if "budget_bytes" in r else ""
+        need = f"{r['static_need_bytes'] / GIB:.2f}" if r.get("static_need_bytes") else ""
+        if "per_rank" not in r:
+            lines.append(f"| {r['name']} | {r.get('world_size', '')} | {r.get('method', '')} | {cap} | {need} | | | | | | | "
+                         f"{r['status']} |")
             continue
         ranks = [r["per_rank"][k] for k in sorted(r["per_rank"], key=int)]
-        cap = f"{r['budget_bytes'] / gib:.2f}" if r["budget_bytes"] else "uncapped"
-        peaks = " / ".join(f"{p['max_peak_allocated_bytes'] / gib:.2f}" for p in ranks)
+        peaks = " / ".join(f"{p['max_peak_allocated_bytes'] / GIB:.2f}" for p in ranks)
         ooms = " / ".join(str(p["oom_retries"]) for p in ranks)
         treated = " / ".join(f"{p['mean_treated_blocks']:.1f}" for p in ranks)
         vs = f"{r['vs_none']:.2f}×" if "vs_none" in r else ""
-        lines.append(f"| {r['name']} | {r['world_size']} | {r['method']} | {cap} | {r['step_ms']:.1f} | {vs} | {peaks} "
-                     f"| {ooms} | {treated} of {r['n_blocks']} |")
+        lines.append(f"| {r['name']} | {r['world_size']} | {r['method']} | {cap} | {need} | {r['step_ms']:.1f} | {vs} | {peaks} "
+                     f"| {'yes' if r['under_cap'] else 'NO'} | {ooms} | {treated} of {r['n_blocks']} | {r['status']} |")
+    versus = []
+    for r in rows:
+        if r.get("method") != "dynamic" or not r.get("share"):
+            continue
+        peers = [x for x in rows if x.get("method") in PEERS and _fits(x) and x.get("share") == r["share"]
+                 and x.get("model") == r["model"] and x.get("lora") == r["lora"] and x.get("world_size") == r["world_size"]
+                 and x.get("batch_size") == r.get("batch_size")]
+        best = min(peers, key=lambda x: x["step_ms"], default=None)
+        mine = f"{r['step_ms']:.1f}" if _fits(r) else r["status"] if r["status"] != "ok" else "over its cap"
+        if best is None:
+            versus.append(f"| {r['name']} | {mine} | none fits | | |")
+        else:
+            ratio = f"{r['step_ms'] / best['step_ms']:.2f}×" if _fits(r) else ""
+            versus.append(f"| {r['name']} | {mine} | {best['method']} | {best['step_ms']:.1f} | {ratio} |")
+    if versus:
+        lines += ["", "| dynamic config | dynamic step ms | fastest peer that fits | its step ms | dynamic vs it |",
+                  "| --- | ---: | --- | ---: | ---: |", *versus]
     scaling = []
     for r in rows:
-        if r["status"] == "ok" and r["world_size"] == 4:
-            two = next((x for x in rows if x["status"] == "ok" and x["world_size"] == 2 and x["method"] == r["method"]
-                        and x["shape"] == r["shape"] and x["lora"] == r["lora"] and x.get("share") == r.get("share")), None)
-            if two:  # tokens per second of the whole job, 4 ranks over 2
-                scaling.append(f"| {r['name']} | {2 * two['step_ms'] / r['step_ms']:.2f}× |")
+        if "step_ms" in r and r["world_size"] == 4:
+            two = next((x for x in rows if "step_ms" in x and x["world_size"] == 2 and x["method"] == r["method"]
+                        and x["model"] == r["model"] and x["lora"] == r["lora"] and x.get("share") == r.get("share")
+                        and x.get("batch_size") == r.get("batch_size")), None)
+            if two:  # tokens per second of the whole job (the same batch per rank), 4 ranks over 2
+                scaling.append(f"| {r['name']} | {two['step_ms']:.1f} | {r['step_ms']:.1f} | {2 * two['step_ms'] / r['step_ms']:.2f}× |")
     if scaling:
-        lines += ["", "| config | throughput 4 GPUs / 2 GPUs |", "| --- | ---: |", *scaling]
+        lines += ["", "| config (4 ranks) | step ms, 2 ranks | step ms, 4 ranks | throughput 4 GPUs / 2 GPUs |",
+                  "| --- | ---: | ---: | ---: |", *scaling]
     return "\n".join(lines) + "\n"
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fsdp_bench.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("run", "oom-check"):
-        r = sub.add_parser(name)
-        r.add_argument("--output_dir", required=True)
-        r.add_argument("--method", default="dynamic", choices=MEMFIT + PEERS)
-        r.add_argument("--shape", default="llama-3b", choices=sorted(SHAPES))
-        r.add_argument("--lora", action="store_true")
-        r.add_argument("--reference", default=None, help="the none run's folder: its peak.json gives the cap")
-        r.add_argument("--share", type=float, default=0.5, help="the cap as a share of none's per-rank peak")
-        r.add_argument("--steps", type=int, default=30)
-        r.add_argument("--steady_from", type=int, default=8)
-        r.add_argument("--batch_size", type=int, default=4)
-        r.add_argument("--max_length", type=int, default=2048)
-        r.add_argument("--collective_timeout_s", type=float, default=300)
+    m = sub.add_parser("matrix", help="run configurations in one torchrun launch (more only after a failure)")
+    m.add_argument("configs", nargs="+", help="MODEL[+lora]/METHOD[@SHARE][:STEPS][#BATCH] or oom-check:MODEL, in order; "
+                                              "a model's none before its capped configurations")
+    m.add_argument("--output_dir", required=True)
+    m.add_argument("--nproc", type=int, default=2, help="ranks (GPUs) of the launch")
+    m.add_argument("--port", type=int, default=29711)
+    m.add_argument("--steps", type=int, default=16)
+    m.add_argument("--steady_from", type=int, default=8, help="median step time from this step on")
+    m.add_argument("--batch_size", type=int, default=4, help="rows per rank and step")
+    m.add_argument("--max_length", type=int, default=2048, help="longest SFT length drawn")
+    m.add_argument("--config_limit_s", type=float, default=60, help="a configuration's steps stop after this long")
+    m.add_argument("--grace_s", type=float, default=30, help="a launch this long over its configuration's limit, or "
+                                                              "over the deadline, is killed")
+    m.add_argument("--deadline_s", type=float, default=500, help="the matrix ends by this long after its start (rule 4)")
+    m.add_argument("--end_unix_s", type=float, default=None, help="... or by this time (seconds since the epoch), "
+                                                                   "if earlier: a job's end shared by its calls")
+    m.add_argument("--collective_timeout_s", type=float, default=120)
+    w = sub.add_parser("worker", help="(under torchrun, started by matrix)")
+    w.add_argument("--plan", required=True)
+    w.add_argument("--output_dir", required=True)
     s = sub.add_parser("summarize")
-    s.add_argument("output_dir")
+    s.add_argument("output_dir", nargs="+", help="matrix folders; the summary goes to the first")
+    s.add_argument("--summary", help="write only the table, to this file (no results.jsonl)")
     return parser
 
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    if args.command == "run":
-        run(args)
-    elif args.command == "oom-check":
-        oom_check(args)
-    else:
-        print(_table(summarize(args.output_dir)), end="")
+    if args.command == "matrix":
+        return matrix(args)
+    if args.command == "worker":
+        worker(args)
+        return 0
+    print(_table(summarize(args.output_dir, args.summary)), end="")
     return 0
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+    sys.path.insert(0, str(ROOT / "src"))
     sys.exit(main(sys.argv[1:]))

@@ -239,7 +239,8 @@ def test_lora_argument_errors():
 
 @pytest.mark.parametrize(
     "name, model_type, params_m",
-    [("SmolLM-360M", "llama", 361.8), ("Qwen/Qwen2.5-0.5B", "qwen2", 494.0), ("Qwen/Qwen2.5-1.5B", "qwen2", 1543.7), ("meta-llama/Llama-3.2-1B", "llama", 1235.8)],
+    [("SmolLM-360M", "llama", 361.8), ("Qwen/Qwen2.5-0.5B", "qwen2", 494.0), ("Qwen/Qwen2.5-1.5B", "qwen2", 1543.7), ("meta-llama/Llama-3.2-1B", "llama", 1235.8),
+     ("meta-llama/Llama-3.2-3B", "llama", 3212.7), ("meta-llama/Llama-3.1-8B", "llama", 8030.3)],
 )
 def test_bundled_llm_configs_have_their_published_sizes(name, model_type, params_m):
     config = load_config(name)

@@ -265,8 +265,12 @@ def test_first_budget_error_states_the_whole_need(tmp_path, capsys):
     argv = mrpc(tmp_path, tmp_path / "out", "--memory_budget", str(3 * weights), "--optim", "adamw_torch")
     assert cli.main(argv) == 2
     message = capsys.readouterr().err
-    assert f"({4 * weights} bytes: parameters" in message
+    from memfit.engine.optim_state import expected_step_transient_bytes
+
+    transient = expected_step_transient_bytes("adamw_torch", model.parameters())  # its step's temporaries too
+    assert f"({4 * weights + transient} bytes: parameters" in message
     assert f"optimizer state (adamw_torch, expected) {2 * weights / 2**20:.1f} MiB" in message
+    assert f"optimizer step temporaries {transient / 2**20:.1f} MiB" in message
     assert not (tmp_path / "out").exists()
 
 

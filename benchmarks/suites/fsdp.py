@@ -1,88 +1,130 @@
-"""fsdp: a 3-8B decoder sharded by Accelerate's FSDP2 on 2 and 4 GPUs, one cap per rank, each rank planning for its own batches."""
+"""fsdp: a 3-8B decoder sharded by Accelerate's FSDP2 on 2 and 4 GPUs, one cap per rank, each rank planning for its own batches.
 
-from suites import Call, Context, Suite, script, torchrun
+Two calls, one per GPU job, each a single ``fsdp_bench.py matrix`` launch (NOTE [One launch,
+many configurations] there) that keeps to its wall-clock budget:
 
+* ``x2`` (GPUs 0,1; within 520 s): Llama-3.2-3B full fine-tuning at 0.5 and 0.7 of ``none``'s
+  per-rank peak, the same model with LoRA at 0.5, and Accelerate's checkpointing with CPU offload
+  for 4 steps (it was 10.9x slower than ``none``: a full run does not fit the budget).
+* ``x4-train`` then ``x4`` (GPUs 0-3; within 540 s together): ``memfit train causal-lm`` under
+  torchrun with ``--fsdp`` as README.md writes it (the bundled Llama-3.2-1B config, synthetic SFT
+  data, 8 steps, the model saved at the end), then Llama-3.2-3B at 0.5 (the same
+  configurations as ``x2``: scaling), the injected-OOM check on 4 ranks, Llama-3.1-8B with LoRA
+  at 0.5, and Llama-3.2-3B at 0.7, in that order (what the deadline cuts is recorded as not run).
+
+The commands (from the repository root; RAW a scratch folder, OUT the published one):
+
+    python3 benchmarks/run_suite.py fsdp --calls x2 --raw /tmp/fsdp-raw --out $OUT/fsdp-x2
+    python3 benchmarks/run_suite.py fsdp --calls x4-train x4 --raw /tmp/fsdp-raw --out $OUT/fsdp-x4
+
+``x4`` ends with the 4-over-2 table (``x4/scaling.md``) when the x2 job's raw folder is on the
+same machine; else, from the two published folders:
+``python benchmarks/fsdp_bench.py summarize OUT_X2 OUT_X4 --summary scaling.md``.
+"""
+
+import time
+
+from suites import Call, Context, Suite, memfit, script
+
+#: seconds a job keeps for publishing its results and for killing a launch past its deadline
+_PUBLISH_S, _GRACE_S = 20, 30
+#: the jobs' wall-clock budgets (GPU plan): 2 ranks; 4 ranks, the train call included
+JOB_S = {"x2": 520, "x4": 540}
 #: Peers, memfit only measuring, under the same per-rank cap.
 PEERS = ("accelerate-ac", "accelerate-ac-offload", "hf-ckpt")
+#: each configuration's methods at a cap, fastest-to-judge first (dynamic, then what it is compared with)
+CAPPED = ("dynamic", "full", "accelerate-ac", "hf-ckpt", "static")
 
 SUITE = Suite(
     name="fsdp",
     about="fine-tuning under FSDP2 through Accelerate with a cap per rank at 0.5 and 0.7 of uncapped none's per-rank "
           "peak: time per step of the slowest rank, every rank's peak vs its cap, OOMs and replays, blocks treated per "
-          "rank, scaling from 2 to 4 GPUs, and an injected-OOM check (all ranks replay, weights bitwise equal)",
-    model="Llama-3.2-3B's shape for full fine-tuning and Llama-3.1-8B's for LoRA (r 16 on every linear layer, peft), "
-          "random weights, vocabulary cut to 32,000, bf16 weights, SDPA, AdamW; Accelerate's FSDP2 plugin: fully_shard "
-          "on every decoder layer and the root, reshard after forward",
-    data="token ids with memfit train causal-lm's SFT lengths (long-tailed up to 2,048 tokens), batch 4 per rank, "
-         "dynamic padding; each rank draws its own batches (seeded by rank), the same in every run",
+          "rank, dynamic vs the fastest peer that fits, scaling from 2 to 4 GPUs, an injected-OOM check on 4 ranks, "
+          "and memfit train causal-lm --fsdp as the README launches it",
+    model="Llama-3.2-3B (full fine-tuning and LoRA) and Llama-3.1-8B (LoRA: r 16 on every linear layer, peft), "
+          "shapes from memfit/configs with the real 128,256-token vocabulary, random weights, bf16 weights, SDPA, "
+          "AdamW (torch's default foreach step); built on the meta device, sharded by Accelerate's FSDP2 "
+          "(fully_shard on every decoder layer, embeddings and head, the root; reshard after forward), then "
+          "materialised on the GPU",
+    data="token ids with memfit train causal-lm's SFT lengths (long-tailed up to 2,048 tokens), batch 5 per rank "
+         "(8B LoRA: 4), "
+         "dynamic padding; each rank draws its own batches (seeded by rank), the same in every configuration",
     methods=("none", "full", "static", "dynamic"),
     peers=PEERS,
-    budgets={"ft": (0.5, 0.7), "lora": (0.5, 0.7)},
+    budgets={"llama-3b": (0.5, 0.7), "llama-3b+lora": (0.5,), "llama-8b+lora": (0.5,)},
     repeats=1,
-    steps=30,
+    steps=16,
     gpus=2,
-    keep=("summary.md",),
-    notes="budgets are shares of uncapped none's per-rank peak (the largest over the ranks), measured by its run "
-          "first, so they are per rank; the 4-GPU matrix runs where 4 GPUs are visible, and summary.md gives the "
-          "throughput of 4 over 2; time is the slowest rank's median step from step 8 on; memfit methods run a plain "
-          "loop through run_step, hooked after Accelerate sharded the model; peers: Accelerate's FSDP2 activation "
-          "checkpointing (fsdp_activation_checkpointing), the same with its CPU offload (fsdp_offload_params), and "
-          "Hugging Face's gradient_checkpointing_enable; every collective times out after 300 s, so a run fails "
-          "instead of hanging",
+    carry=("tokenizer",),
+    keep=("*/summary.md", "*/scaling.md", "*/oom-check-*/oom_check.rank*.json"),
+    notes="budgets are shares of uncapped none's per-rank peak (the largest over the ranks) measured by the same "
+          "launch first; time is the slowest rank's median step from step 8 of 16 (one run per configuration: the "
+          "job budgets allow no repeats); a configuration stops after 45 s of steps; before training the ranks "
+          "check the cap against the static need (weights, gradients, AdamW state and its foreach step's "
+          "temporaries) and skip it together if it does not fit; an error on a rank ends the launch and the "
+          "rest run in a new one; the 3B model's logits (128,256 x tokens, about 1.2 MiB a token at their peak) "
+          "are a third of its blocks' activations (3.5 MiB a token), so at 0.5 only a plan that checkpoints "
+          "nearly every block fits",
 )
-#: --quick: ONE device call on a 2-GPU machine (under 9 minutes): Llama-3.2-1B's shape, full fine-tuning,
-#: 10 steps, cap 0.9 of none's peak (its weights, gradients and AdamW state take about 0.8 of that peak per rank at batch 4:
-#: half of it is below what training needs before any activation), memfit's dynamic and full and two peers, and the injected-OOM check
-#: (on CPU: a 4-layer decoder under gloo, a check of the scripts, offload left out).
-QUICK = SUITE.replace(budgets={"ft": (0.9,)}, steps=10)
+#: --quick on CPU: 2 gloo ranks, memfit's tiny Llama, 6 steps, a check of the scripts (offload and the
+#: Trainer's --fsdp need GPUs: left out); on GPUs: the 1B shape, a few configurations.
+QUICK = SUITE.replace(budgets={"tiny": (0.7,)}, steps=6)
 
 
-def _gpus() -> int:
-    try:
-        import torch
+def _matrix(ctx: Context, name: str, nproc: int, port: int, configs: list[str], job_s: float, quick: bool,
+            steps: int) -> Call:
+    """One ``fsdp_bench.py matrix`` launch that ends ``job_s`` after the suite's calls were made, less
+    what publishing and a last kill take (rule 4 of NOTE [One launch, many configurations])."""
+    settings = ("--steps", steps, "--steady_from", 3, "--max_length", 64, "--config_limit_s", 60) if quick and not ctx.cuda \
+        else ("--steps", steps, "--steady_from", 8, "--batch_size", 5, "--config_limit_s", 45)
+    end_s = job_s - _PUBLISH_S - _GRACE_S
+    command = script(ctx, "fsdp_bench.py", "matrix", "--output_dir", ctx.folder(f"fsdp/{name}"), "--nproc", nproc,
+                     "--port", port, "--deadline_s", end_s, "--end_unix_s", round(time.time() + end_s),
+                     "--grace_s", _GRACE_S, *settings, *configs)
+    return Call(name, [command], folder=f"fsdp/{name}", timeout_s=job_s, env={} if ctx.cuda else {"OMP_NUM_THREADS": "1"})
 
-        return torch.cuda.device_count()
-    except ImportError:
-        return 0
+
+def _capped(model: str, shares, methods=CAPPED) -> list[str]:
+    return [f"{model}/{m}@{s:g}" for s in shares for m in methods]
 
 
 def calls(suite: Suite, ctx: Context) -> list[Call]:
-    out: list[Call] = []
     if ctx.quick:
-        shape = "llama-1b" if ctx.cuda else "tiny"
-        rows = [("ft", shape, False)]
-        methods = ("dynamic", "full", "accelerate-ac", "hf-ckpt") + (("accelerate-ac-offload",) if ctx.cuda else ())
-        worlds = (2,)
-        common = ("--steps", suite.steps, "--steady_from", 3) + (() if ctx.cuda else ("--max_length", 256))
-        timeout_s = 150
+        model = "llama-1b" if ctx.cuda else "tiny"
+        x2 = [f"{model}/none", *_capped(model, (0.7,), ("dynamic", "full", "accelerate-ac")), f"oom-check:{model}"]
+        x4 = [f"{model}/none", *_capped(model, (0.7,), ("dynamic", "hf-ckpt", "static")), f"{model}+lora/none",
+              f"{model}+lora/dynamic@0.7"]
+        train_model, nproc4 = ("Llama-3.2-1B", 4) if ctx.cuda else ("llama-tiny", 2)
+        jobs = (600, 600)
     else:
-        rows = [("ft", "llama-3b", False), ("lora", "llama-8b", True)]
-        methods = ("full", "static", "dynamic", *PEERS)
-        worlds = (2, 4) if _gpus() >= 4 else (2,)
-        common = ("--steps", suite.steps, "--steady_from", 8)
-        timeout_s = 900
-    env = {} if ctx.cuda else {"OMP_NUM_THREADS": "1"}
-    port = 29700
-    for world in worlds:
-        for row, shape, lora in rows:
-            flags = ("--shape", shape, *(("--lora",) if lora else ()), *common)
-            none = f"{row}-x{world}-none"
-            port += 1
-            out.append(Call(none, [torchrun(ctx, world, port, "fsdp_bench.py", "run", "--output_dir", ctx.folder(f"fsdp/{none}"),
-                                            "--method", "none", *flags)], folder=f"fsdp/{none}", timeout_s=timeout_s, env=env))
-            for share in suite.budgets[row]:
-                for method in methods:
-                    name = f"{row}-x{world}-{method}-{share:g}"
-                    port += 1
-                    out.append(Call(name, [torchrun(ctx, world, port, "fsdp_bench.py", "run", "--output_dir",
-                                                    ctx.folder(f"fsdp/{name}"), "--method", method, *flags, "--reference",
-                                                    ctx.folder(f"fsdp/{none}"), "--share", share)],
-                                    folder=f"fsdp/{name}", timeout_s=timeout_s, env=env))
-    # the injected-OOM check: its own folder, beside the matrix (summarize reads only the matrix)
-    shape = "llama-1b" if ctx.cuda else "tiny"
-    out.append(Call("oom-check", [torchrun(ctx, 2, port + 1, "fsdp_bench.py", "oom-check", "--output_dir",
-                                           ctx.folder("oom-check"), "--shape", shape, "--steps", 10, "--steady_from", 3,
-                                           *(() if ctx.cuda else ("--max_length", 256)))],
-                    folder="oom-check", timeout_s=240, env=env))
-    out.append(Call("summarize", [script(ctx, "fsdp_bench.py", "summarize", ctx.folder("fsdp"))], folder="fsdp"))
+        b = suite.budgets
+        x2 = ["llama-3b/none", *_capped("llama-3b", b["llama-3b"]), "llama-3b+lora/none",
+              *_capped("llama-3b+lora", b["llama-3b+lora"]), "llama-3b/accelerate-ac-offload@0.5:4"]
+        # 8B LoRA at batch 4: at 5 its uncapped peak (about 3.7 GiB of weights + 7.4 MiB a token of activations and
+        # logits, 10k tokens) would not fit an 80 GB card
+        x4 = ["llama-3b/none", *_capped("llama-3b", b["llama-3b"][:1]), "oom-check:llama-1b", "llama-8b+lora/none#4",
+              *(c + "#4" for c in _capped("llama-8b+lora", b["llama-8b+lora"], ("dynamic", "full", "accelerate-ac", "hf-ckpt"))),
+              *_capped("llama-3b", b["llama-3b"][1:])]
+        train_model, nproc4 = "Llama-3.2-1B", 4
+        jobs = (JOB_S["x2"], JOB_S["x4"])
+    out = [_matrix(ctx, "x2", 2, 29711, x2, jobs[0], ctx.quick, suite.steps)]
+    # memfit train causal-lm as README.md launches it under torchrun (CPU: no --fsdp, which the
+    # Trainer runs only on accelerators; the rest of the command is checked)
+    fsdp = ("--fsdp", "full_shard auto_wrap", "--fsdp_config",
+            '{"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "reshard_after_forward": true}')
+    train = (ctx.python, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc4), "--master_port", "29790",
+             *memfit(ctx, "train", "causal-lm")[1:], "--do_train", "--config_name", train_model, *ctx.tokenizer(),
+             *(("--torch_dtype", "bfloat16") if ctx.cuda else ()), "--synthetic", "400", "--per_device_train_batch_size", "4",
+             "--max_steps", "8", "--logging_steps", "1", "--report_to", "none", "--output_dir",
+             str(ctx.folder("fsdp/x4-train")), "--memory_budget", "20GiB" if ctx.cuda else "2GiB",
+             "--memfit_method", "dynamic", *(fsdp if ctx.cuda else ()))
+    out.append(Call("x4-train", [train], folder="fsdp/x4-train", timeout_s=150 if ctx.cuda else 300,
+                    env={} if ctx.cuda else {"OMP_NUM_THREADS": "1"}))
+    # made with the train call's: its end counts the train call's time too; then, where the x2 job's
+    # folder is on this machine (the same --raw), the 4-over-2 table
+    x4_call = _matrix(ctx, "x4", nproc4, 29731, x4, jobs[1], ctx.quick, suite.steps)
+    scaling = script(ctx, "fsdp_bench.py", "summarize", ctx.folder("fsdp/x4"), ctx.folder("fsdp/x2"), "--summary",
+                     ctx.folder("fsdp/x4") / "scaling.md")
+    out.append(Call(x4_call.name, [*x4_call.commands, scaling], folder=x4_call.folder, timeout_s=x4_call.timeout_s,
+                    env=x4_call.env))
     return out

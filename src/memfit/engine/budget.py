@@ -25,7 +25,12 @@ __all__ = [
     "apply_cuda_cap",
     "check_static_need",
     "UNIT_BYTES",
+    "OPTIMIZER_TRANSIENT",
 ]
+
+#: the static part's name for what ``optimizer.step()`` allocates on top of its state
+#: (NOTE [Optimizer step transient] in engine/optim_state.py)
+OPTIMIZER_TRANSIENT = "optimizer step temporaries"
 
 #: bytes per unit, by the unit's lowercase name (the one table of byte units)
 UNIT_BYTES = MappingProxyType({
@@ -113,7 +118,8 @@ def apply_cuda_cap(budget_bytes: int, device: torch.device) -> float:
 
 
 def check_static_need(budget_bytes: int, static_bytes: int, parts: dict[str, int]) -> None:
-    """Raise one clear error when weights + gradients + optimizer state exceed the budget.
+    """Raise one clear error when weights + gradients + optimizer state (and the optimizer
+    step's temporaries, part :data:`OPTIMIZER_TRANSIENT`) exceed the budget.
 
     Args:
         budget_bytes: the budget.
@@ -121,11 +127,21 @@ def check_static_need(budget_bytes: int, static_bytes: int, parts: dict[str, int
         parts: name -> bytes, shown in the message.
 
     Raises:
-        BudgetTooSmallError: stating the bytes needed and what to change.
+        BudgetTooSmallError: stating the bytes needed and what to change; when only the
+            optimizer step's temporaries do not fit, naming them and how to drop them.
     """
     if static_bytes < budget_bytes:
         return
     detail = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items())
+    transient = parts.get(OPTIMIZER_TRANSIENT, 0)
+    if transient and static_bytes - transient < budget_bytes:
+        raise BudgetTooSmallError(
+            f"memory budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below the optimizer step's peak: "
+            f"{format_bytes(static_bytes)} ({static_bytes} bytes: {detail}); its temporaries "
+            f"({format_bytes(transient)}, torch's foreach or for-loop step) do not fit. Make the optimizer with "
+            "fused=True (--optim adamw_torch_fused) or foreach=False, or raise --memory_budget above "
+            f"{format_bytes(static_bytes)}."
+        )
     raise BudgetTooSmallError(
         f"memory budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below what "
         f"training needs before any activation: {format_bytes(static_bytes)} "

@@ -42,9 +42,10 @@ import torch
 from torch import nn
 
 from memfit.engine import learner
-from memfit.engine.accounting import OUTSIDE, GatheredParameters, SavedTensorCounter, expected_optimizer_bytes, optimizer_state_bytes, static_bytes_logical
+from memfit.engine.accounting import OUTSIDE, GatheredParameters, SavedTensorCounter, expected_optimizer_bytes, local, optimizer_state_bytes, static_bytes_logical
+from memfit.engine.optim_state import torch_step_transient_bytes
 from memfit.engine.blocks import SELECTIVE_BUDGET, Block, compile_loss, find_blocks, fingerprint, unwrap_blocks, wrap_blocks
-from memfit.engine.budget import check_static_need, parse_bytes
+from memfit.engine.budget import OPTIMIZER_TRANSIENT, check_static_need, parse_bytes
 from memfit.engine.methods import Method, make_method, save_plans
 from memfit.engine.planner import Plan
 from memfit.engine.planning import Planning
@@ -77,9 +78,12 @@ def _group_ids(blocks: list[Block]) -> list[int]:
 
 def check_static_need_of(
     model: nn.Module, budget_bytes: int | None, state_bytes: int | None, state_name: str = "optimizer state",
+    transient_bytes: int | None = None,
 ) -> dict[str, int]:
-    """The static need: parameters and gradients (this rank's shards under FSDP) and
-    ``state_bytes`` of optimizer state (left out when None: not known yet), counted.
+    """The static need: parameters and gradients (this rank's shards under FSDP),
+    ``state_bytes`` of optimizer state (left out when None: not known yet) and
+    ``transient_bytes`` of the optimizer step's temporaries (NOTE [Optimizer step transient] in
+    optim_state.py; left out when None or 0), counted.
 
     The one check of the static need before training: the controller's for an optimizer it is
     given, the Trainer's for the one ``--optim`` will make (NOTE [Expected optimizer state] in
@@ -92,6 +96,8 @@ def check_static_need_of(
     parts.pop("optimizer state")
     if state_bytes is not None:
         parts[state_name] = state_bytes
+    if transient_bytes:
+        parts[OPTIMIZER_TRANSIENT] = transient_bytes
     if budget_bytes is not None:
         check_static_need(budget_bytes, sum(parts.values()), parts)
     return parts
@@ -100,6 +106,11 @@ def check_static_need_of(
 def _state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     """``optimizer``'s state as it is, or as it will be after its first step if larger."""
     return max(expected_optimizer_bytes(optimizer), optimizer_state_bytes(optimizer))
+
+
+def _transient_bytes(optimizer: torch.optim.Optimizer | None) -> int | None:
+    """What ``optimizer.step()`` allocates on top of its state, this rank's shards (None: not predicted)."""
+    return torch_step_transient_bytes(_inner_optimizer(optimizer), local)
 
 
 def _run_options(
@@ -213,7 +224,7 @@ class Controller:
         treatments, compile_options = _run_options(treatments, compile)
         named = find_blocks(model, blocks)
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        static_parts = check_static_need_of(model, budget_bytes, _state_bytes(optimizer))
+        static_parts = check_static_need_of(model, budget_bytes, _state_bytes(optimizer), transient_bytes=_transient_bytes(optimizer))
         self.grad_params = [p for p in model.parameters() if p.requires_grad]
         self.meter: Meter = make_meter(self.device, self.grad_params, static_parts["parameters"] + static_parts["gradients"])
         self._fingerprint = fingerprint(named)
@@ -264,7 +275,7 @@ class Controller:
             BudgetTooSmallError: when weights + gradients + its state exceed the budget.
         """
         if check:
-            check_static_need_of(self.model, self.budget_bytes, _state_bytes(optimizer))
+            check_static_need_of(self.model, self.budget_bytes, _state_bytes(optimizer), transient_bytes=_transient_bytes(optimizer))
         for h in self._optimizer_handles:
             h.remove()
         self.optimizer = self.meter.optimizer = optimizer

@@ -28,18 +28,43 @@ they are stored; the bytes follow from the parameters alone:
 Optimizers whose state depends on more than the parameters (GaLore and APOLLO project
 gradients to a rank chosen per module) are not predicted: the runtime measures their state
 after the first step, as for any optimizer it does not know.
+
+# NOTE [Optimizer step transient]
+``optimizer.step()`` allocates temporaries on top of the state, while parameters, gradients
+and state are alive and the activations are gone; when activations are small (a large model at
+a small batch) that moment is the step's peak, and a cap that holds weights + gradients + state
+but not these temporaries fails in the first ``step()``, outside any step memfit can replay.
+What torch's Adam, AdamW and SGD allocate (torch/optim/adam.py, sgd.py), by implementation:
+
+* fused (``fused=True``, ``--optim adamw_torch_fused``): nothing (one kernel updates in place).
+* foreach (torch's default when every parameter is on an accelerator, FSDP2's DTensor shards
+  included): per device/dtype group of a parameter group, Adam makes ``_foreach_sqrt`` of the
+  second moments (and, with Adam's coupled weight decay or ``maximize``, a gradient copy freed
+  before it), SGD a gradient copy with weight decay or ``maximize``: one copy of the group's
+  parameters. A group's list is only dropped when the next group's is made, so the transient is
+  the two largest consecutive groups (one group: its size; SGD with momentum but not Nesterov
+  drops its copy within the group). Parameter groups run one at a time.
+* for-loop (``foreach=False``; the default on CPU): per parameter, Adam's ``sqrt`` and its
+  quotient beside the previous parameter's quotient, and SGD's gradient copies: bounded here by
+  three (SGD: two) copies of the largest parameter, one more with a gradient copy.
+
+Which implementation runs is torch's own choice (``_default_to_fused_or_foreach``), asked with
+the optimizer's parameters. Other classes: not predicted (None), counted as 0.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
 
-__all__ = ["expected_state_bytes", "state_bytes_of_shapes", "torch_optimizer_state_bytes", "KNOWN_OPTIMIZERS", "TORCH_OPTIMIZERS"]
+__all__ = [
+    "expected_state_bytes", "state_bytes_of_shapes", "torch_optimizer_state_bytes", "torch_step_transient_bytes",
+    "expected_step_transient_bytes", "KNOWN_OPTIMIZERS", "TORCH_OPTIMIZERS",
+]
 
 _QUANTISED_MIN_NUMEL = 4096
 
@@ -190,3 +215,101 @@ def _state_bytes(optim: str, shapes: Iterable[tuple[tuple[int, ...], int]], args
         return None
     states = rule.states + _extra_states(name, args)
     return sum(_tensor_state_bytes(shape, itemsize, rule, states) for shape, itemsize in shapes)
+
+
+#: torch optimizer classes whose step temporaries are predicted (NOTE [Optimizer step transient])
+_TRANSIENT_CLASSES = frozenset({"Adam", "AdamW", "SGD"})
+#: ``--optim`` names the Trainer makes as torch's AdamW, and whether it is the fused one
+_HF_ADAMW = MappingProxyType({"adamw_torch": False, "adamw_torch_fused": True})
+
+
+def _implementation(params: Sequence[torch.Tensor], group: dict) -> str:
+    """``fused``, ``foreach`` or ``for-loop``: what torch's step runs for one parameter group."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    if group.get("fused"):
+        return "fused"
+    if group.get("foreach") is None and not group.get("differentiable"):
+        _, foreach = _default_to_fused_or_foreach(list(params), False, use_fused=False)
+        return "foreach" if foreach else "for-loop"
+    return "foreach" if group.get("foreach") else "for-loop"
+
+
+def _group_transient_bytes(kind: str, params: Sequence[torch.Tensor], local: Callable, group: dict) -> int:
+    """The step temporaries of one parameter group (NOTE [Optimizer step transient])."""
+    shards = [local(p) for p in params]
+    if kind == "fused" or not shards:
+        return 0
+    copies_grad = bool(group.get("maximize")) or (bool(group.get("weight_decay")) and not group.get("decoupled_weight_decay"))
+    if kind == "SGD" and not copies_grad:
+        return 0
+    if group["_impl"] == "foreach":
+        sizes: dict[tuple, int] = {}  # torch's grouping, in first-seen order
+        for t in shards:
+            key = (t.device, t.dtype)
+            sizes[key] = sizes.get(key, 0) + t.numel() * t.element_size()
+        ordered = list(sizes.values())
+        if kind == "SGD" and group.get("momentum") and not group.get("nesterov"):
+            return max(ordered)  # the copy is dropped for the momentum buffers within its group
+        return max([ordered[0], *(a + b for a, b in zip(ordered, ordered[1:]))])
+    largest = max(t.numel() * t.element_size() for t in shards)
+    return ((2 if kind == "SGD" else 3) + int(copies_grad)) * largest
+
+
+def torch_step_transient_bytes(
+    optimizer: torch.optim.Optimizer | None, local: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> int | None:
+    """Bytes ``optimizer.step()`` allocates on top of its state (NOTE [Optimizer step transient]).
+
+    Args:
+        optimizer: a torch optimizer (its trainable parameters: those that require grad).
+        local: the tensor a rank holds of a parameter (a DTensor's local shard under FSDP2).
+
+    Returns:
+        The largest parameter group's temporaries; 0 for no optimizer; None for a class whose
+        temporaries are not predicted.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.zeros(1000))
+        >>> torch_step_transient_bytes(torch.optim.AdamW([w], foreach=True)), torch_step_transient_bytes(torch.optim.AdamW([w], fused=True))
+        (4000, 0)
+    """
+    if optimizer is None:
+        return 0
+    local = local or _local
+    kind = type(optimizer).__name__
+    if kind not in _TRANSIENT_CLASSES:
+        return None
+    kind = "SGD" if kind == "SGD" else "Adam"
+    decoupled = type(optimizer).__name__ == "AdamW"
+    out = 0
+    for group in optimizer.param_groups:
+        params = [p for p in group["params"] if p.requires_grad]
+        if not params:
+            continue
+        options = {"decoupled_weight_decay": decoupled, **group, "_impl": _implementation(params, group)}
+        out = max(out, _group_transient_bytes("fused" if options["_impl"] == "fused" else kind, params, local, options))
+    return out
+
+
+def expected_step_transient_bytes(optim: str, params: Iterable[torch.Tensor], weight_decay: float = 0.0) -> int | None:
+    """:func:`torch_step_transient_bytes` of the optimizer ``--optim optim`` will make, before it
+    exists: torch's AdamW for ``adamw_torch`` (foreach or for-loop as torch chooses) and
+    ``adamw_torch_fused``; None for other names (not predicted).
+
+    Example:
+        >>> expected_step_transient_bytes("adamw_torch_fused", [torch.zeros(10, requires_grad=True)])
+        0
+    """
+    fused = _HF_ADAMW.get(str(getattr(optim, "value", optim)))
+    if fused is None:
+        return None
+    params = [p for p in params if p.requires_grad]
+    group = {"fused": fused, "foreach": None, "weight_decay": weight_decay, "decoupled_weight_decay": True}
+    group["_impl"] = _implementation(params, group)
+    return _group_transient_bytes("fused" if group["_impl"] == "fused" else "Adam", params, _local, group)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, else ``t`` (engine/accounting.py's ``local``, which imports this module)."""
+    return t.to_local() if hasattr(t, "to_local") else t

@@ -64,7 +64,7 @@ from memfit.engine.budget import parse_bytes
 from memfit.integrations.distributed import GradientSync, world_size
 from memfit.errors import FlagError, MissingFileError
 from memfit.engine.methods import METHODS, Method, UnknownMethodError
-from memfit.engine.optim_state import expected_state_bytes
+from memfit.engine.optim_state import expected_state_bytes, expected_step_transient_bytes
 from memfit.engine.records import StepRecord, read_jsonl, summarize
 from memfit.integrations.run_dir import claim_output_dir
 from memfit.engine.controller import Controller, check_static_need_of, fit
@@ -384,7 +384,8 @@ class MemfitTrainerMixin:
         state = expected_state_bytes(a.optim, trainable, a.optim_args)
         if state is None:
             logger.info("--optim %s: its state is counted once it exists (the first optimizer step)", a.optim)
-        check_static_need_of(self.model, budget, state, f"optimizer state ({getattr(a.optim, 'value', a.optim)}, expected)")
+        check_static_need_of(self.model, budget, state, f"optimizer state ({getattr(a.optim, 'value', a.optim)}, expected)",
+                             transient_bytes=expected_step_transient_bytes(a.optim, trainable, a.weight_decay))
 
     # ------------------------------------------------------------ optimizer
     def create_optimizer(self, model=None):

@@ -1,0 +1,127 @@
+"""benchmarks/fsdp_bench.py: configurations, one launch for many (gloo ranks on CPU), the summary."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("fsdp_bench", ROOT / "benchmarks" / "fsdp_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("fsdp_bench", module)  # its dataclass looks its module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("text, name, fields", [
+    ("llama-3b/none", "llama-3b-x2-none", dict(method="none", share=None, reference=None, lora=False, steps=16)),
+    ("llama-3b/dynamic@0.5", "llama-3b-x2-dynamic-0.5", dict(share=0.5, reference="llama-3b-x2-none")),
+    ("llama-8b+lora/hf-ckpt@0.7:4", "llama-8b-lora-x2-hf-ckpt-0.7", dict(lora=True, steps=4, reference="llama-8b-lora-x2-none")),
+    ("llama-8b+lora/dynamic@0.5#4", "llama-8b-lora-b4-x2-dynamic-0.5", dict(batch_size=4, reference="llama-8b-lora-b4-x2-none")),
+    ("oom-check:llama-1b", "oom-check-llama-1b-x2", dict(method="oom-check", model="llama-1b")),
+])
+def test_configurations_read_from_their_text(text, name, fields):
+    config = _bench().parse_config(text, world=2, steps=16)
+    assert config.name == name
+    assert {k: getattr(config, k) for k in fields} == fields
+
+
+@pytest.mark.parametrize("text, match", [
+    ("llama-3b/dynamic", "every other method needs one"), ("llama-3b/none@0.5", "none runs uncapped"),
+    ("llama-70b/none", "MODEL one of"), ("llama-3b/magic@0.5", "METHOD one of"), ("oom-check:gpt", "the model is one of"),
+])
+def test_a_bad_configuration_names_what_to_write(text, match):
+    with pytest.raises(SystemExit, match=match):
+        _bench().parse_config(text, world=2, steps=16)
+
+
+def _config(root: Path, name: str, method: str, world: int, share, step_ms, peak_gib, cap_gib=None, status="ok"):
+    folder = root / name
+    folder.mkdir(parents=True)
+    (folder / "status.json").write_text(json.dumps({"status": status}))
+    if step_ms is None:
+        return
+    for rank in range(world):
+        (folder / f"rank{rank}.json").write_text(json.dumps({
+            "name": name, "method": method, "rank": rank, "world_size": world, "model": "llama-3b", "lora": False,
+            "budget_bytes": int(cap_gib * 2**30) if cap_gib else None, "share": share, "batch_size": 5,
+            "static_need_bytes": 10 * 2**30, "steps": 16, "steady_from": 8, "step_ms": [step_ms] * 16,
+            "median_steady_step_ms": step_ms + rank, "max_peak_allocated_bytes": int(peak_gib * 2**30),
+            "oom_retries": 0, "records": 16, "mean_treated_blocks": 3.0, "n_blocks": 28, "fired": 0,
+            "device": "cpu", "torch": "x", "transformers": "y",
+        }))
+
+
+def test_summary_compares_dynamic_with_the_fastest_peer_under_the_cap_and_4_ranks_with_2(tmp_path):
+    two, four = tmp_path / "x2", tmp_path / "x4"
+    _config(two, "llama-3b-x2-none", "none", 2, None, 500.0, 40.0)
+    _config(two, "llama-3b-x2-dynamic-0.5", "dynamic", 2, 0.5, 600.0, 19.0, 20.0)
+    _config(two, "llama-3b-x2-hf-ckpt-0.5", "hf-ckpt", 2, 0.5, 700.0, 19.5, 20.0)
+    _config(two, "llama-3b-x2-accelerate-ac-0.5", "accelerate-ac", 2, 0.5, 650.0, 21.0, 20.0)  # over its cap
+    _config(two, "llama-3b-x2-full-0.5", "full", 2, 0.5, None, 0, 20.0, status="failed")
+    _config(four, "llama-3b-x4-dynamic-0.5", "dynamic", 4, 0.5, 660.0, 15.0, 16.0)
+    rows = _bench().summarize([str(two), str(four)], summary=str(tmp_path / "scaling.md"))
+    table = (tmp_path / "scaling.md").read_text()
+    assert "| llama-3b-x2-dynamic-0.5 | 601.0 | hf-ckpt | 701.0 | 0.86× |" in table  # accelerate-ac went over its cap
+    assert "| llama-3b-x4-dynamic-0.5 | 601.0 | 663.0 | 1.81× |" in table  # slowest ranks: 601 on 2, 663 on 4
+    failed = next(line for line in table.splitlines() if line.startswith("| llama-3b-x2-full-0.5 |"))
+    assert failed.endswith("| failed |") and "| full | 20.00 |" not in failed  # no rank files: only the status
+    assert not (two / "results.jsonl").exists()
+    assert {r["name"]: r.get("under_cap") for r in rows}["llama-3b-x2-accelerate-ac-0.5"] is False
+    _bench().summarize([str(two)])
+    lines = [json.loads(line) for line in (two / "results.jsonl").read_text().splitlines()]
+    assert {line["name"]: line["status"] for line in lines}["llama-3b-x2-full-0.5"] == "error"
+
+
+@pytest.mark.slow
+def test_one_launch_runs_many_configurations_and_a_failure_costs_one_relaunch(tmp_path):
+    """Two gloo ranks: none gives the caps; a cap below the static need is skipped by both ranks
+    together; the injected-OOM check ends its launch (rank 1 stops with the backward's clear error)
+    and the configurations after it run in a second launch; one past the deadline is recorded."""
+    out = tmp_path / "m"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    command = [sys.executable, str(ROOT / "benchmarks" / "fsdp_bench.py"), "matrix", "--output_dir", str(out),
+               "--nproc", "2", "--port", "29741", "--steps", "6", "--steady_from", "3", "--max_length", "64",
+               "--config_limit_s", "60", "tiny/none", "tiny/full@0.05", "oom-check:tiny", "tiny/dynamic@0.7"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    status = {p.parent.name: json.loads(p.read_text())["status"] for p in out.glob("*/status.json")}
+    assert status == {"tiny-x2-none": "ok", "tiny-x2-full-0.05": "cap below the static need",
+                      "oom-check-tiny-x2": "ok", "tiny-x2-dynamic-0.7": "ok"}, status
+    assert (out / "launches.log").read_text().count("--- launch") == 2
+    checks = [json.loads((out / "oom-check-tiny-x2" / f"oom_check.rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(c["forward"]["weights_equal"] for c in checks)
+    assert [c["forward"]["oom_retries"] for c in checks] == [0, 1]
+    assert "cannot be replayed in step" in checks[1]["backward"]["error"]
+    dynamic = [json.loads((out / "tiny-x2-dynamic-0.7" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(d["steps"] == 6 and d["budget_bytes"] for d in dynamic)
+    assert "| tiny-x2-dynamic-0.7 | 2 | dynamic |" in (out / "summary.md").read_text()
+    # a matrix whose deadline has passed starts nothing and records why
+    late = subprocess.run([*command[:4], str(tmp_path / "late"), *command[5:-4], "--deadline_s", "1", "tiny/none"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert late.returncode == 0, late.stderr[-2000:]
+    assert json.loads((tmp_path / "late" / "tiny-x2-none" / "status.json").read_text())["status"].startswith("not run")
+
+
+def test_the_scaling_table_reads_published_folders_too(tmp_path):
+    bench = _bench()
+    two, four = tmp_path / "x2", tmp_path / "x4"
+    _config(two, "llama-3b-x2-dynamic-0.5", "dynamic", 2, 0.5, 600.0, 19.0, 20.0)
+    _config(four, "llama-3b-x4-dynamic-0.5", "dynamic", 4, 0.5, 660.0, 15.0, 16.0)
+    for folder in (two, four):
+        bench.summarize([str(folder)])
+        published = tmp_path / "published" / folder.name
+        published.mkdir(parents=True)
+        (published / "results.jsonl").write_text((folder / "results.jsonl").read_text())
+    bench.summarize([str(tmp_path / "published" / "x4"), str(tmp_path / "published" / "x2"), str(tmp_path / "absent")],
+                    summary=str(tmp_path / "scaling.md"))
+    assert "| llama-3b-x4-dynamic-0.5 | 601.0 | 663.0 | 1.81× |" in (tmp_path / "scaling.md").read_text()
