@@ -43,7 +43,7 @@ from torch import nn
 
 from memfit.engine import learner
 from memfit.engine.accounting import OUTSIDE, GatheredParameters, SavedTensorCounter, expected_optimizer_bytes, optimizer_state_bytes, static_bytes_logical
-from memfit.engine.blocks import SELECTIVE_BUDGET, Block, compile_loss, find_blocks, fingerprint, unwrap_blocks, wrap_blocks
+from memfit.engine.blocks import SELECTIVE_BUDGET, Block, compile_clock, compile_loss, find_blocks, fingerprint, unwrap_blocks, wrap_blocks
 from memfit.engine.budget import check_static_need, parse_bytes
 from memfit.engine.methods import Method, make_method, save_plans
 from memfit.engine.planner import Plan
@@ -236,7 +236,8 @@ class Controller:
         #: print a start line now and a summary at remove(); a str is the budget as the user wrote it
         self.announce = announce
         if announce:
-            _say(start_line(method.name, budget_bytes, _given(announce), self.meter.kind, _kinds(self.blocks)), self.rank)
+            _say(start_line(method.name, budget_bytes, _given(announce), self.meter.kind, _kinds(self.blocks),
+                            compiled="" if self.blocks[0].compiled else None), self.rank)
         self._records: list[StepRecord] = []
         self._step: StepState | None = None
         self._steps_recorded = 0
@@ -293,6 +294,7 @@ class Controller:
         self._step = step = StepState(
             t0=time.perf_counter(), static_bytes=static_now, replay=self.replay.replaying, replayable=self.replay.replayable,
             state_to_come=self.meter.expected_optimizer_bytes if self.optimizer is not None and not self.optimizer.state else 0,
+            compile_start=compile_clock() if self.blocks[0].compiled else None,
         )
         self.meter.start_step(step)
         for treatment in self.treatments.values():

@@ -88,6 +88,11 @@ class StepRecord:
     #: ``backward_peak_bytes`` when the OOM was noted
     oom_attempts: list[dict[str, Any]] = field(default_factory=list)
     rank: int = 0
+    #: with compiled blocks: time Dynamo spent compiling during this step, and the graphs it made
+    #: (0 after warm-up when no new batch size or length recompiles: NOTE [Dynamic batch and
+    #: length] in blocks.py)
+    compile_ms: float = 0.0
+    compiled_graphs: int = 0
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -132,6 +137,10 @@ class RunSummary:
     counted_steps: int = 0
     #: per treatment name, how many block-steps it was given (a block in one step counts once)
     treated_blocks: dict[str, int] = field(default_factory=dict)
+    #: with compiled blocks: compile time over the run, and graphs compiled in steady steps
+    #: other than the run's first (recompiles after warm-up)
+    compile_ms: float = 0.0
+    steady_compiled_graphs: int = 0
     #: with several ranks: each rank's own summary, by rank (as a string key)
     per_rank: dict[str, dict[str, Any]] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
@@ -180,6 +189,8 @@ def summarize(records: Iterable[StepRecord]) -> RunSummary:
         evicting_steps=sum(bool(r.evicted_blocks) for r in records),
         counted_steps=sum(r.counted for r in records),
         treated_blocks=treated_blocks(records),
+        compile_ms=sum(r.compile_ms for r in records),
+        steady_compiled_graphs=sum(r.compiled_graphs for r in records[1:] if r.phase == "steady"),
     )
 
 
