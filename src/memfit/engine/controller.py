@@ -372,12 +372,14 @@ class Controller:
             return  # the forward ran no block (or failed): nothing to record
         now = time.perf_counter()
         peaks = self.meter.peaks(step)
+        treated_ms = self.planning.recompute_ms(step.key, step.decision.plan) + step.evicted_ms
         outcome = learner.step_outcome(
             peaks, key=step.key, plan=step.decision.plan, warmup=step.decision.warmup,
             outside=step.saved_outside, by_block=step.saved_by_block, static=step.static_bytes,
             state_to_come=step.state_to_come,
             static_now=self.meter.static_now() if static_now is None else static_now,
             evicted=step.evicted, backstop_input=step.backstop_input, counted=step.counted,
+            net_ms=(now - step.t0) * 1e3 - treated_ms,
         )
         predicted = self.method.learn(self.planning, outcome)
         self.protection.after_step(step, outcome)
@@ -387,7 +389,7 @@ class Controller:
         record = step.to_record(
             outcome, peaks.reserved, predicted, number=self._steps_recorded, method=self.method.name,
             n_blocks=len(self.blocks), budget_bytes=self.budget_bytes, accounting=self.meter.kind,
-            recompute_ms=self.planning.recompute_ms(step.key, step.decision.plan) + step.evicted_ms,
+            recompute_ms=treated_ms,
             oom_retries=len(self.replay.oom.attempts), oom_attempts=self.replay.oom.attempts, rank=self.rank, now=now,
         )
         self.replay.oom.clear()

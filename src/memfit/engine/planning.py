@@ -70,7 +70,10 @@ class ModelUpdate:
         optimizer_above_static: an optimizer step's peak above ``static_bytes`` (NOTE [Three peaks]).
         static_bytes: the static bytes of the step that ran that optimizer step.
         miss_bytes: a steady step's peak above its prediction (the room's margin rule).
-        alloc_retries: the allocator released its cache to serve a steady step (the room's slack rule).
+        alloc_retries: the allocator released its cache to serve the steady step ``steady_key``
+            (the room's slack rules: NOTE [The slack is priced], room.py).
+        steady_key: a steady step's shape key, for the slack rules (None: no steady step).
+        net_ms: that step's time less its treatments' predicted time (None: not timed).
     """
 
     groups: list[int] | None = None
@@ -80,6 +83,8 @@ class ModelUpdate:
     static_bytes: int = 0
     miss_bytes: int | None = None
     alloc_retries: bool = False
+    steady_key: tuple[int, int] | None = None
+    net_ms: float | None = None
 
 
 class Planning:
@@ -358,11 +363,40 @@ class Planning:
                 changed |= self.budget_bytes is None or self.max_static_bytes + above > self.room_bytes
         if update.miss_bytes is not None:
             changed |= self.room.after_miss(update.miss_bytes)
-        if update.alloc_retries:
-            changed |= self.room.after_alloc_retries()
+        if update.steady_key is not None:
+            changed |= self._slack_rules(update)
         if changed:
             self.cache.clear()
         return changed
+
+    def _slack_rules(self, update: ModelUpdate) -> bool:
+        """A steady step with or without allocator retries, to the room's slack rules (NOTE [The
+        slack is priced], room.py): a retry is priced against the bucket's clean steps and the
+        growth against the planner's price of the smaller room."""
+        bucket = bucket_key(update.steady_key, self.bucket_tokens)
+        times = self.room.times
+        if not update.alloc_retries:
+            if update.net_ms is not None:
+                times.add_clean(bucket, update.net_ms)
+            return self.room.after_clean_step()
+        retry_ms = None if update.net_ms is None else times.retry_ms(bucket, update.net_ms)
+        growth_ms = self.slack_cost_ms(update.steady_key, self.room.slack_step_bytes) if retry_ms is not None else 0.0
+        return self.room.after_alloc_retries(retry_ms, growth_ms)
+
+    def slack_cost_ms(self, key: tuple[int, int], extra_bytes: int) -> float:
+        """What ``key``'s recompute plan would cost more were the room ``extra_bytes`` smaller
+        (infinite where it could not fit; 0 before the model is fitted or without a budget)."""
+        if not self.model.ready or self.budget_bytes is None:
+            return 0.0
+        k = self.planned_shape(key)
+        need = int(self.static_bytes + self.model.backward_start_bytes(k, Plan(()))) - self.room_bytes
+        costs, savings = self.model.costs(k), self.model.savings(k)
+        try:
+            now = plan_blocks(costs, savings, need).cost_ms if need > 0 else 0.0
+            smaller = plan_blocks(costs, savings, need + extra_bytes).cost_ms if need + extra_bytes > 0 else 0.0
+        except InfeasiblePlanError:
+            return float("inf")
+        return float(smaller - now)
 
     def _curve(self, path: tuple) -> Any:
         if path[0] in ("bytes", "ms"):

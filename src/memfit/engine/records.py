@@ -75,7 +75,7 @@ class StepRecord:
     #: [Counting what teaches] in engine/controller.py)
     counted: bool = True
     #: allocations of this step the CUDA caching allocator served only after releasing its
-    #: cache (a device sync each; they grow the planner's slack: NOTE [Room] in room.py)
+    #: cache (a device sync each; priced against the slack that would avoid them: NOTE [The slack is priced] in room.py)
     alloc_retries: int = 0
     #: the treated blocks of the plan, by treatment name (``{"recompute": [0, 1]}``); every
     #: other block was kept (engine/treatments/)
