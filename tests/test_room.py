@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from memfit.engine import learner
+from memfit.engine.learner import StepOutcome
 from memfit.engine.planner import Plan
-from memfit.engine.planning import ModelUpdate, Planning
+from memfit.engine.planning import BucketBias, ModelUpdate, Planning
 from memfit.engine.room import (
     ALLOCATOR_SLACK_BYTES, CLEAN_STEPS_KEPT, MAX_RETRY_SLACK_SHARE, RETRY_SLACK_SHARE, SHRINK_AFTER_CLEAN_STEPS, Room,
     StepTimes,
@@ -117,3 +119,60 @@ def test_slack_cost_is_the_recompute_a_smaller_room_adds():
     assert planning.slack_cost_ms(key, one_block) == pytest.approx(cost)  # one more block to recompute
     assert planning.slack_cost_ms(key, 10**15) == float("inf")
     assert Planning(4, [0] * 4, 1_000_000, 0, 1).slack_cost_ms(key, one_block) == 0.0  # no model yet
+
+
+def _steady(planning, key, observed):
+    """A steady step at ``key`` that ran its plan and peaked at ``observed`` (a synthetic meter)."""
+    plan = planning.plan_for(key)
+    predicted = planning.predict_peak(key, plan)
+    outcome = StepOutcome(key=key, plan=plan, warmup=False, outside=0, by_block=[0] * 4, static=planning.static_bytes,
+                          peak=observed, plain_peak=observed, transient=None)
+    return predicted, planning.apply(learner.note_bias(planning, outcome, predicted))
+
+
+def test_a_bias_seen_twice_in_a_bucket_is_corrected_by_its_median():
+    """NOTE [Bias per bucket]: two steady steps of a bucket over-predicted by more than 1% of the
+    budget correct its predictions; the plans are redone and treat less; other buckets keep theirs."""
+    planning = _fitted_planning()
+    key, other = (4, 60), (4, 20)
+    before, other_plan = planning.plan_for(key), planning.plan_for(other)
+    other_before = planning.predict_peak(other, other_plan)
+    predicted, changed = _steady(planning, key, planning.predict_peak(key, before) - 200_000)
+    assert not changed and planning.predict_peak(key, before) == predicted  # once is not a bias
+    predicted, changed = _steady(planning, key, predicted - 300_000)
+    assert changed and [k for (k, _), _ in planning.cache.items()] == [other]  # only its bucket's plans dropped
+    assert planning.predict_peak(key, before) == predicted - 250_000  # the median of 200 kB and 300 kB
+    assert len(planning.plan_for(key).blocks) < len(before.blocks)
+    assert planning.predict_peak(other, planning.plan_for(other)) == other_before
+    # the corrected bucket's next errors are measured against the corrected prediction
+    predicted, changed = _steady(planning, key, planning.predict_peak(key, planning.plan_for(key)) - 5_000)
+    assert not changed  # within 1% of the budget
+
+
+def test_small_or_alternating_errors_correct_nothing_and_new_curves_drop_corrections():
+    planning = _fitted_planning()
+    key = (4, 60)
+    for error in (5_000, -8_000, 9_000, -5_000, 20_000, -20_000, 20_000):  # small, or the sign changes
+        predicted = planning.predict_peak(key, planning.plan_for(key))
+        assert not _steady(planning, key, predicted - error)[1]
+    predicted = planning.predict_peak(key, planning.plan_for(key))
+    assert not _steady(planning, key, predicted + 30_000)[1]
+    assert _steady(planning, key, predicted + 30_000)[1]  # -30 kB twice: under-predicted, raised
+    assert planning.predict_peak(key, planning.plan_for(key)) == predicted + 30_000
+    planning.apply(ModelUpdate(samples=[(("outside",), key, 1.0)]))
+    assert not planning.bias.correction
+    assert learner.note_bias(planning, StepOutcome(key=key, plan=Plan(()), warmup=True, outside=0, by_block=[],
+                                                   static=0, peak=0, plain_peak=0, transient=None), 10) == ModelUpdate()
+
+
+def test_a_bias_that_depends_on_the_plan_is_corrected_by_the_least_one():
+    """Two plans of one bucket over-predicted by 300 kB and 150 kB: the bucket is corrected by
+    150 kB, so neither is then predicted under what it peaked at (NOTE [Bias per bucket])."""
+    bias = BucketBias()
+    bucket, a, b, tolerance = (4, 64), Plan((0, 1, 2)), Plan((0, 1)), 10_000
+    assert not bias.observe(bucket, a, 300_000, tolerance)
+    assert bias.observe(bucket, a, 300_000, tolerance) and bias.correction[bucket] == 300_000
+    # b, measured against the corrected prediction, is under it: once is enough to lower the correction
+    assert bias.observe(bucket, b, 150_000 - 300_000, tolerance) and bias.correction[bucket] == 150_000
+    assert not bias.observe(bucket, b, 0, tolerance)
+    assert not bias.observe(bucket, a, 300_000 - 150_000, tolerance)  # a's own bias is still 300 kB: no change

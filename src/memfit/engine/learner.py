@@ -60,6 +60,7 @@ __all__ = [
     "mispredicted",
     "grow_margin",
     "grow_slack",
+    "note_bias",
     "learn_probes",
 ]
 
@@ -313,6 +314,14 @@ def grow_slack(planning: Planning, outcome: StepOutcome) -> ModelUpdate:
     if outcome.warmup:
         return ModelUpdate()
     return ModelUpdate(alloc_retries=outcome.alloc_retries > 0, steady_key=outcome.key, net_ms=outcome.net_ms)
+
+
+def note_bias(planning: Planning, outcome: StepOutcome, predicted: int | None) -> ModelUpdate:
+    """A steady step that ran its plan whole: its prediction's error, for its bucket's bias
+    (NOTE [Bias per bucket], planning.py). The caller leaves out a step that changed the curves."""
+    if predicted is None or outcome.warmup or outcome.evicted:
+        return ModelUpdate()
+    return ModelUpdate(error=(outcome.key, outcome.plan, float(predicted - outcome.plain_peak)))
 
 
 def learn_probes(
