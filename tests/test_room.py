@@ -7,7 +7,8 @@ import pytest
 from memfit.engine import learner
 from memfit.engine.learner import StepOutcome
 from memfit.engine.planner import Plan
-from memfit.engine.planning import BucketBias, ModelUpdate, Planning
+import memfit.engine.planning
+from memfit.engine.planning import BucketBias, ModelUpdate, Planning, slack_cost_ms
 from memfit.engine.room import (
     ALLOCATOR_SLACK_BYTES, CLEAN_STEPS_KEPT, MAX_RETRY_SLACK_SHARE, RETRY_SLACK_SHARE, SHRINK_AFTER_CLEAN_STEPS, Room,
     StepTimes,
@@ -101,7 +102,7 @@ def test_planning_prices_the_growth_with_the_plan_of_the_smaller_room(monkeypatc
     planning = Planning(4, [0, 0, 0, 0], 1_000_000, 0, 8, room=Room(1_000_000, slack_bytes=1000))
     for _ in range(3):
         assert not planning.apply(ModelUpdate(steady_key=(8, 64), net_ms=100.0))
-    monkeypatch.setattr(planning, "slack_cost_ms", lambda key, extra: 50.0)
+    monkeypatch.setattr(memfit.engine.planning, "slack_cost_ms", lambda planning, key, extra: 50.0)
     assert not planning.apply(ModelUpdate(alloc_retries=True, steady_key=(8, 64), net_ms=130.0))  # 30 ms < 50
     assert planning.slack_bytes == 1000
     planning.cache.put(((8, 64), 0), Plan((0,)))
@@ -113,12 +114,12 @@ def test_planning_prices_the_growth_with_the_plan_of_the_smaller_room(monkeypatc
 def test_slack_cost_is_the_recompute_a_smaller_room_adds():
     planning = _fitted_planning()
     key = (4, 60)
-    assert planning.slack_cost_ms(key, 0) == 0.0
+    assert slack_cost_ms(planning, key, 0) == 0.0
     k = planning.planned_shape(key)
     one_block, cost = planning.model.savings(k)[0], planning.model.costs(k)[0]
-    assert planning.slack_cost_ms(key, one_block) == pytest.approx(cost)  # one more block to recompute
-    assert planning.slack_cost_ms(key, 10**15) == float("inf")
-    assert Planning(4, [0] * 4, 1_000_000, 0, 1).slack_cost_ms(key, one_block) == 0.0  # no model yet
+    assert slack_cost_ms(planning, key, one_block) == pytest.approx(cost)  # one more block to recompute
+    assert slack_cost_ms(planning, key, 10**15) == float("inf")
+    assert slack_cost_ms(Planning(4, [0] * 4, 1_000_000, 0, 1), key, one_block) == 0.0  # no model yet
 
 
 def _steady(planning, key, observed):

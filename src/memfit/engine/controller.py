@@ -161,6 +161,11 @@ def _kinds(blocks: Sequence[Block]) -> list[str]:
     return [type(b.module).__name__ for b in blocks]
 
 
+def _kinds_compiled(blocks: Sequence[Block]) -> tuple[list[str], None, str | None]:
+    """The start line's blocks, no parameters, and ``""`` for compiled blocks (no flag asked: ``fit``)."""
+    return _kinds(blocks), None, "" if blocks[0].compiled else None
+
+
 def _say(text: str, rank: int) -> None:
     if rank == 0:
         print(text, file=sys.stderr, flush=True)
@@ -236,8 +241,7 @@ class Controller:
         #: print a start line now and a summary at remove(); a str is the budget as the user wrote it
         self.announce = announce
         if announce:
-            _say(start_line(method.name, budget_bytes, _given(announce), self.meter.kind, _kinds(self.blocks),
-                            compiled="" if self.blocks[0].compiled else None), self.rank)
+            _say(start_line(method.name, budget_bytes, _given(announce), self.meter.kind, *_kinds_compiled(self.blocks)), self.rank)
         self._records: list[StepRecord] = []
         self._step: StepState | None = None
         self._steps_recorded = 0
@@ -370,16 +374,14 @@ class Controller:
         self._counter.stop()
         if step.decision is None or step.stage is Stage.FORWARD:
             return  # the forward ran no block (or failed): nothing to record
-        now = time.perf_counter()
+        now, treated_ms = time.perf_counter(), self.planning.recompute_ms(step.key, step.decision.plan) + step.evicted_ms
         peaks = self.meter.peaks(step)
-        treated_ms = self.planning.recompute_ms(step.key, step.decision.plan) + step.evicted_ms
         outcome = learner.step_outcome(
             peaks, key=step.key, plan=step.decision.plan, warmup=step.decision.warmup,
             outside=step.saved_outside, by_block=step.saved_by_block, static=step.static_bytes,
             state_to_come=step.state_to_come,
             static_now=self.meter.static_now() if static_now is None else static_now,
-            evicted=step.evicted, backstop_input=step.backstop_input, counted=step.counted,
-            net_ms=(now - step.t0) * 1e3 - treated_ms,
+            evicted=step.evicted, backstop_input=step.backstop_input, counted=step.counted, net_ms=(now - step.t0) * 1e3 - treated_ms,
         )
         predicted = self.method.learn(self.planning, outcome)
         self.protection.after_step(step, outcome)
@@ -388,8 +390,7 @@ class Controller:
         self._steps_recorded += 1
         record = step.to_record(
             outcome, peaks.reserved, predicted, number=self._steps_recorded, method=self.method.name,
-            n_blocks=len(self.blocks), budget_bytes=self.budget_bytes, accounting=self.meter.kind,
-            recompute_ms=treated_ms,
+            n_blocks=len(self.blocks), budget_bytes=self.budget_bytes, accounting=self.meter.kind, recompute_ms=treated_ms,
             oom_retries=len(self.replay.oom.attempts), oom_attempts=self.replay.oom.attempts, rank=self.rank, now=now,
         )
         self.replay.oom.clear()

@@ -415,21 +415,14 @@ class Planning:
         seen plus it is over the room (plans read it only through ``static + max(activations,
         it) <= room``), so it keeps the cache until then.
         """
-        model, changed, corrected = self.model, False, False
+        model, changed = self.model, False
         if update.groups is not None and update.groups != model.groups:
             model.split(update.groups)
             changed = True
         for path, key, value in update.samples:
             self._curve(path).add(key, value)
             changed = True
-        if update.samples:
-            self.bias.clear()  # NOTE [Bias per bucket]: measured against the curves before
-        elif update.error is not None and self.budget_bytes is not None:
-            key, plan, error = update.error
-            bucket = bucket_key(key, self.bucket_tokens)
-            if self.bias.observe(bucket, plan, error, BIAS_SHARE * self.budget_bytes):  # only its bucket's plans change
-                self.cache.drop(lambda cached: bucket_key(cached[0], self.bucket_tokens) == bucket)
-                corrected = True
+        corrected = _bias_rules(self, update)
         if update.seen_key is not None:
             model.observe_key(update.seen_key)
         above = update.optimizer_above_static
@@ -441,39 +434,10 @@ class Planning:
         if update.miss_bytes is not None:
             changed |= self.room.after_miss(update.miss_bytes)
         if update.steady_key is not None:
-            changed |= self._slack_rules(update)
+            changed |= _slack_rules(self, update)
         if changed:
             self.cache.clear()
         return changed or corrected
-
-    def _slack_rules(self, update: ModelUpdate) -> bool:
-        """A steady step with or without allocator retries, to the room's slack rules (NOTE [The
-        slack is priced], room.py): a retry is priced against the bucket's clean steps and the
-        growth against the planner's price of the smaller room."""
-        bucket = bucket_key(update.steady_key, self.bucket_tokens)
-        times = self.room.times
-        if not update.alloc_retries:
-            if update.net_ms is not None:
-                times.add_clean(bucket, update.net_ms)
-            return self.room.after_clean_step()
-        retry_ms = None if update.net_ms is None else times.retry_ms(bucket, update.net_ms)
-        growth_ms = self.slack_cost_ms(update.steady_key, self.room.slack_step_bytes) if retry_ms is not None else 0.0
-        return self.room.after_alloc_retries(retry_ms, growth_ms)
-
-    def slack_cost_ms(self, key: tuple[int, int], extra_bytes: int) -> float:
-        """What ``key``'s recompute plan would cost more were the room ``extra_bytes`` smaller
-        (infinite where it could not fit; 0 before the model is fitted or without a budget)."""
-        if not self.model.ready or self.budget_bytes is None:
-            return 0.0
-        k = self.planned_shape(key)
-        need = int(self._static_for(k) + self.model.backward_start_bytes(k, Plan(()))) - self.room_bytes
-        costs, savings = self.model.costs(k), self.model.savings(k)
-        try:
-            now = plan_blocks(costs, savings, need).cost_ms if need > 0 else 0.0
-            smaller = plan_blocks(costs, savings, need + extra_bytes).cost_ms if need + extra_bytes > 0 else 0.0
-        except InfeasiblePlanError:
-            return float("inf")
-        return float(smaller - now)
 
     def _curve(self, path: tuple) -> Any:
         if path[0] in ("bytes", "ms"):
@@ -485,6 +449,56 @@ class Planning:
         """A step ran out of memory: the room grows (NOTE [Room], room.py) and the plans are redone."""
         self.room.after_oom(unusable_bytes)
         self.cache.clear()
+
+
+# ---------------------------------------------------------------- the bias (NOTE [Bias per bucket])
+def _bias_rules(planning: Planning, update: ModelUpdate) -> bool:
+    """New curve samples drop every correction (they were measured against the curves before); a
+    steady step's prediction error goes to its bucket's bias, and only that bucket's plans are
+    dropped when its correction changes (returns whether it did)."""
+    if update.samples:
+        planning.bias.clear()
+        return False
+    if update.error is None or planning.budget_bytes is None:
+        return False
+    key, plan, error = update.error
+    bucket = bucket_key(key, planning.bucket_tokens)
+    if not planning.bias.observe(bucket, plan, error, BIAS_SHARE * planning.budget_bytes):
+        return False
+    planning.cache.drop(lambda cached: bucket_key(cached[0], planning.bucket_tokens) == bucket)
+    return True
+
+
+# ---------------------------------------------------------------- the slack (NOTE [The slack is priced], room.py)
+def _slack_rules(planning: Planning, update: ModelUpdate) -> bool:
+    """A steady step with or without allocator retries, to the room's slack rules (NOTE [The
+    slack is priced], room.py): a retry is priced against the bucket's clean steps and the
+    growth against the planner's price of the smaller room."""
+    bucket = bucket_key(update.steady_key, planning.bucket_tokens)
+    times, room = planning.room.times, planning.room
+    if not update.alloc_retries:
+        if update.net_ms is not None:
+            times.add_clean(bucket, update.net_ms)
+        return room.after_clean_step()
+    retry_ms = None if update.net_ms is None else times.retry_ms(bucket, update.net_ms)
+    growth_ms = slack_cost_ms(planning, update.steady_key, room.slack_step_bytes) if retry_ms is not None else 0.0
+    return room.after_alloc_retries(retry_ms, growth_ms)
+
+
+def slack_cost_ms(planning: Planning, key: tuple[int, int], extra_bytes: int) -> float:
+    """What ``key``'s recompute plan would cost more were the room ``extra_bytes`` smaller
+    (infinite where it could not fit; 0 before the model is fitted or without a budget)."""
+    if not planning.model.ready or planning.budget_bytes is None:
+        return 0.0
+    k = planning.planned_shape(key)
+    need = int(planning._static_for(k) + planning.model.backward_start_bytes(k, Plan(()))) - planning.room_bytes
+    costs, savings = planning.model.costs(k), planning.model.savings(k)
+    try:
+        now = plan_blocks(costs, savings, need).cost_ms if need > 0 else 0.0
+        smaller = plan_blocks(costs, savings, need + extra_bytes).cost_ms if need + extra_bytes > 0 else 0.0
+    except InfeasiblePlanError:
+        return float("inf")
+    return float(smaller - now)
 
 
 # ---------------------------------------------------------------- the head (NOTE [The head in the plan], planner.py)

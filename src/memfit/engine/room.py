@@ -22,7 +22,7 @@ more, so the slack grows by ``RETRY_SLACK_SHARE`` of the budget (up to ``MAX_RET
 only when what the retry cost is more than what that growth would add: the retry's price is the
 step's time net of its treatments' predicted time, less the median of the same shape bucket's
 steady steps without a retry (:class:`StepTimes`); the growth's price is the planner's: the
-bucket's plan at the smaller room less its plan now (``Planning.slack_cost_ms``). Before a
+bucket's plan at the smaller room less its plan now (``planning.slack_cost_ms``). Before a
 bucket has a step without retries to compare with, a retry is taken to cost more (releasing the
 cache on every step of a bucket is the cost that measured worst). The slack shrinks back by the
 same step, not below where it started, after ``SHRINK_AFTER_CLEAN_STEPS`` steady steps in a row
