@@ -361,7 +361,36 @@ def _memfit_fields(args, records) -> dict:
         evicting_steps=summary.evicting_steps, counted_steps=summary.counted_steps,
         treated_blocks=summary.treated_blocks, head_steps=summary.head_steps, warmup_steps=summary.warmup_steps,
         planner_us_per_step=round(summary.mean_planner_us, 2), lost_steps=args.steps - len(records),
+        compile_s=round(summary.compile_ms / 1e3, 2), steady_compiled_graphs=summary.steady_compiled_graphs,
+        by_length=_by_length(records),
     )
+
+
+#: tokens per row of one band of ``by_length`` (issue 40's per-bucket check)
+LENGTH_BAND = 256
+
+
+def _by_length(records) -> dict:
+    """Per band of ``LENGTH_BAND`` tokens per row, over the steady steps: steps, the largest
+    allocated and reserved peaks over the budget, allocator retries, the median of predicted
+    minus observed peak over the budget (the prediction's bias), and blocks treated per step."""
+    bands: dict[int, list] = {}
+    for r in records:
+        if r.phase == "steady" and r.shape and len(r.shape) >= 2:
+            bands.setdefault(-(-r.shape[1] // LENGTH_BAND) * LENGTH_BAND, []).append(r)
+    out = {}
+    for band, rows in sorted(bands.items()):
+        budget = rows[0].budget_bytes
+        errors = [r.predicted_peak_bytes - r.peak_allocated_bytes for r in rows if r.predicted_peak_bytes is not None]
+        out[str(band)] = {
+            "steps": len(rows),
+            "peak_over_cap": round(max(r.peak_allocated_bytes for r in rows) / budget, 4) if budget else None,
+            "reserved_over_cap": round(max(r.peak_reserved_bytes for r in rows) / budget, 4) if budget else None,
+            "alloc_retries": sum(r.alloc_retries for r in rows),
+            "bias_over_cap": round(statistics.median(errors) / budget, 4) if budget and errors else None,
+            "treated_per_step": round(statistics.mean(r.n_checkpointed for r in rows), 2),
+        }
+    return out
 
 
 def _write_steps(out_dir: str, name: str, budget: int | None, repeat: int, records, step_ms=None) -> str:

@@ -355,3 +355,22 @@ def test_both_compilations_of_a_lora_block_stay_compiled_under_a_limit_enough_fo
         after = torch._dynamo.config.recompile_limit
     assert variants == 4
     assert limits == [2 if takes_limit else 4] * 2 and after == 2
+
+
+def test_a_new_batch_size_or_length_after_the_first_step_compiles_nothing():
+    """NOTE [Dynamic batch and length]: the first step compiles the blocks' bodies (and the loss)
+    with batch and length dynamic, so later sizes reuse those graphs; the records say so (the loss,
+    left to Dynamo's default, stays eager here)."""
+    torch.manual_seed(0)
+    model, make_batch = build_decoder("llama")
+    model.train()
+    ctl = memfit.fit(model, budget=None, method="none", compile={**COMPILE, "loss": False}, announce=False)
+    for n, length in ((2, 9), (2, 17), (3, 13), (4, 40)):
+        model(**make_batch(n, length)).loss.backward()
+    first, *later = ctl.records
+    assert first.compiled_graphs >= 1 and first.compile_ms > 0
+    assert [r.compiled_graphs for r in later] == [0, 0, 0]
+    assert sum(r.compile_ms for r in later) == 0
+    summary = ctl.summary()
+    assert summary.steady_compiled_graphs == 0 and summary.compile_ms == pytest.approx(first.compile_ms)
+    ctl.remove()

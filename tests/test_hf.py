@@ -156,7 +156,6 @@ def test_records_summary_logs_and_state(tmp_path):
         ({"memfit_method": "precomputed"}, "needs --memfit_plans_file"),
         ({"memfit_treatments": "recompute,swap"}, r"unknown treatment 'swap'; give auto or one or more of recompute, selective, offload"),
         ({"memfit_treatments": " , "}, "no treatment; give auto or one or more of"),
-        ({"memfit_compile": True, "torch_compile": True}, "give only --memfit_compile"),
         ({"memory_budget": "six"}, "not a memory size"),
         ({"gradient_checkpointing": True}, "drop --gradient_checkpointing"),
         ({"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_version": 1}}, "memfit runs under FSDP2 only"),
@@ -219,6 +218,24 @@ def test_compile_flag_compiles_each_block_inside_the_wrappers(tmp_path):
     assert "selective" not in lean.memfit.treatments
     eager = _trainer(tmp_path, "eager-sel", budget="30MB", memfit_treatments="recompute,selective")
     assert type(eager.memfit.treatments["selective"]) is memfit.engine.treatments.Selective
+
+
+def test_torch_compile_gives_memfit_compiled_blocks_not_a_compiled_model(tmp_path, capsys):
+    """NOTE [--torch_compile compiles the blocks]: HF's flag reaches memfit's compiled blocks with its
+    backend, Accelerate compiles nothing around the hooks, and the start line says which flag asked."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    trainer = _trainer(tmp_path, "tc", budget=None, torch_compile=True, torch_compile_backend="aot_eager", max_steps=3)
+    assert trainer.args.torch_compile is False and trainer.args.memfit_compile
+    assert trainer.args.memfit_compile_flag == "--torch_compile"
+    assert trainer.memfit.blocks and all(b.compiled for b in trainer.memfit.blocks)
+    trainer.train()
+    assert not hasattr(trainer.model_wrapped, "_orig_mod") and not hasattr(trainer.model, "_orig_mod")
+    assert "compiled blocks (--torch_compile: each block's body" in capsys.readouterr().err
+    records = trainer.memfit.records
+    assert records[0].compiled_graphs >= 1 and records[0].compile_ms > 0
+    torch._dynamo.reset()
 
 
 def test_treatments_flag_reaches_the_planner_and_the_records(tmp_path):

@@ -4,7 +4,24 @@ from __future__ import annotations
 
 import pytest
 
-from memfit.engine.room import ALLOCATOR_SLACK_BYTES, MAX_RETRY_SLACK_SHARE, RETRY_SLACK_SHARE, Room
+from memfit.engine import learner
+from memfit.engine.learner import StepOutcome
+from memfit.engine.planner import Plan
+import memfit.engine.planning
+from memfit.engine.planning import BucketBias, ModelUpdate, Planning, slack_cost_ms
+from memfit.engine.room import (
+    ALLOCATOR_SLACK_BYTES, CLEAN_STEPS_KEPT, MAX_RETRY_SLACK_SHARE, RETRY_SLACK_SHARE, SHRINK_AFTER_CLEAN_STEPS, Room,
+    StepTimes,
+)
+from test_model import _model
+
+
+def _fitted_planning() -> Planning:
+    """Four alike blocks under a 1 MB budget whose largest shapes need some of them recomputed."""
+    planning = Planning(4, [0, 0, 0, 0], 1_000_000, margin_bytes=0, bucket_tokens=1)
+    planning.model = _model([16, 32, 64])
+    planning.static_bytes = 200_000
+    return planning
 
 
 @pytest.mark.parametrize(
@@ -36,3 +53,127 @@ def test_each_rule_says_whether_the_room_shrank():
     assert room.slack_bytes == int(MAX_RETRY_SLACK_SHARE * 1_000_000) and grown[-1] is False
     assert int(RETRY_SLACK_SHARE * 1_000_000) > 0
     assert not Room(None).after_alloc_retries() and not Room(None).after_oom(10)
+
+
+def test_a_retry_grows_the_slack_only_when_it_cost_more_than_the_growth():
+    """NOTE [The slack is priced]: unmeasured, a retry grows the slack; measured, only when its time
+    is over what the growth would add to the plan."""
+    room = Room(1_000_000, slack_bytes=1000)
+    step = room.slack_step_bytes
+    assert room.after_alloc_retries(None, 0.0) and room.slack_bytes == 1000 + step  # not measured yet
+    assert not room.after_alloc_retries(retry_ms=4.0, growth_ms=10.0) and room.slack_bytes == 1000 + step
+    assert room.after_alloc_retries(retry_ms=12.0, growth_ms=10.0) and room.slack_bytes == 1000 + 2 * step
+    assert not room.after_alloc_retries(retry_ms=1.0, growth_ms=float("inf"))  # the growth could not fit
+
+
+def test_the_slack_shrinks_back_after_clean_steps_but_never_below_its_start_or_an_oom():
+    room = Room(1_000_000, slack_bytes=1000)
+    room.after_alloc_retries()
+    room.after_alloc_retries()
+    assert room.slack_bytes == 1000 + 2 * room.slack_step_bytes
+    shrank = [room.after_clean_step() for _ in range(SHRINK_AFTER_CLEAN_STEPS)]
+    assert shrank == [False] * (SHRINK_AFTER_CLEAN_STEPS - 1) + [True] and room.slack_bytes == 1000 + room.slack_step_bytes
+    for _ in range(SHRINK_AFTER_CLEAN_STEPS - 1):
+        room.after_clean_step()
+    room.after_alloc_retries(retry_ms=0.0, growth_ms=1.0)  # a retry (not worth growing for) restarts the count
+    assert not any(room.after_clean_step() for _ in range(SHRINK_AFTER_CLEAN_STEPS - 1))
+    assert room.after_clean_step() and room.slack_bytes == 1000
+    assert not any(room.after_clean_step() for _ in range(3 * SHRINK_AFTER_CLEAN_STEPS))  # not below the start
+    assert room.learn_slack(40_000) and room.slack_bytes == 50_000
+    assert not any(room.after_clean_step() for _ in range(3 * SHRINK_AFTER_CLEAN_STEPS))  # an OOM measured it
+
+
+def test_step_times_price_a_retry_against_the_buckets_clean_steps():
+    times = StepTimes()
+    assert times.retry_ms((8, 64), 130.0) is None  # nothing to compare with yet
+    for ms in (100.0, 104.0, 98.0, 300.0):  # a slow outlier moves a median little
+        times.add_clean((8, 64), ms)
+    assert times.retry_ms((8, 64), 130.0) == pytest.approx(28.0)
+    assert times.retry_ms((8, 64), 90.0) == 0.0
+    assert times.retry_ms((8, 128), 130.0) is None  # another bucket
+    for _ in range(CLEAN_STEPS_KEPT):
+        times.add_clean((8, 64), 120.0)
+    assert times.retry_ms((8, 64), 130.0) == pytest.approx(10.0)  # the latest steps only
+
+
+def test_planning_prices_the_growth_with_the_plan_of_the_smaller_room(monkeypatch):
+    """Planning hands a steady step to the slack rules: clean steps are timed, a retry step priced
+    against them and against ``slack_cost_ms``; the plans are dropped when the slack changes."""
+    planning = Planning(4, [0, 0, 0, 0], 1_000_000, 0, 8, room=Room(1_000_000, slack_bytes=1000))
+    for _ in range(3):
+        assert not planning.apply(ModelUpdate(steady_key=(8, 64), net_ms=100.0))
+    monkeypatch.setattr(memfit.engine.planning, "slack_cost_ms", lambda planning, key, extra: 50.0)
+    assert not planning.apply(ModelUpdate(alloc_retries=True, steady_key=(8, 64), net_ms=130.0))  # 30 ms < 50
+    assert planning.slack_bytes == 1000
+    planning.cache.put(((8, 64), 0), Plan((0,)))
+    assert planning.apply(ModelUpdate(alloc_retries=True, steady_key=(8, 64), net_ms=180.0))  # 80 ms > 50
+    assert planning.slack_bytes == 1000 + planning.room.slack_step_bytes and not list(planning.cache.items())
+    assert not planning.apply(ModelUpdate(alloc_retries=True, net_ms=500.0))  # no steady step: no rule
+
+
+def test_slack_cost_is_the_recompute_a_smaller_room_adds():
+    planning = _fitted_planning()
+    key = (4, 60)
+    assert slack_cost_ms(planning, key, 0) == 0.0
+    k = planning.planned_shape(key)
+    one_block, cost = planning.model.savings(k)[0], planning.model.costs(k)[0]
+    assert slack_cost_ms(planning, key, one_block) == pytest.approx(cost)  # one more block to recompute
+    assert slack_cost_ms(planning, key, 10**15) == float("inf")
+    assert slack_cost_ms(Planning(4, [0] * 4, 1_000_000, 0, 1), key, one_block) == 0.0  # no model yet
+
+
+def _steady(planning, key, observed):
+    """A steady step at ``key`` that ran its plan and peaked at ``observed`` (a synthetic meter)."""
+    plan = planning.plan_for(key)
+    predicted = planning.predict_peak(key, plan)
+    outcome = StepOutcome(key=key, plan=plan, warmup=False, outside=0, by_block=[0] * 4, static=planning.static_bytes,
+                          peak=observed, plain_peak=observed, transient=None)
+    return predicted, planning.apply(learner.note_bias(planning, outcome, predicted))
+
+
+def test_a_bias_seen_twice_in_a_bucket_is_corrected_by_its_median():
+    """NOTE [Bias per bucket]: two steady steps of a bucket over-predicted by more than 1% of the
+    budget correct its predictions; the plans are redone and treat less; other buckets keep theirs."""
+    planning = _fitted_planning()
+    key, other = (4, 60), (4, 20)
+    before, other_plan = planning.plan_for(key), planning.plan_for(other)
+    other_before = planning.predict_peak(other, other_plan)
+    predicted, changed = _steady(planning, key, planning.predict_peak(key, before) - 200_000)
+    assert not changed and planning.predict_peak(key, before) == predicted  # once is not a bias
+    predicted, changed = _steady(planning, key, predicted - 300_000)
+    assert changed and [k for (k, _), _ in planning.cache.items()] == [other]  # only its bucket's plans dropped
+    assert planning.predict_peak(key, before) == predicted - 250_000  # the median of 200 kB and 300 kB
+    assert len(planning.plan_for(key).blocks) < len(before.blocks)
+    assert planning.predict_peak(other, planning.plan_for(other)) == other_before
+    # the corrected bucket's next errors are measured against the corrected prediction
+    predicted, changed = _steady(planning, key, planning.predict_peak(key, planning.plan_for(key)) - 5_000)
+    assert not changed  # within 1% of the budget
+
+
+def test_small_or_alternating_errors_correct_nothing_and_new_curves_drop_corrections():
+    planning = _fitted_planning()
+    key = (4, 60)
+    for error in (5_000, -8_000, 9_000, -5_000, 20_000, -20_000, 20_000):  # small, or the sign changes
+        predicted = planning.predict_peak(key, planning.plan_for(key))
+        assert not _steady(planning, key, predicted - error)[1]
+    predicted = planning.predict_peak(key, planning.plan_for(key))
+    assert not _steady(planning, key, predicted + 30_000)[1]
+    assert _steady(planning, key, predicted + 30_000)[1]  # -30 kB twice: under-predicted, raised
+    assert planning.predict_peak(key, planning.plan_for(key)) == predicted + 30_000
+    planning.apply(ModelUpdate(samples=[(("outside",), key, 1.0)]))
+    assert not planning.bias.correction
+    assert learner.note_bias(planning, StepOutcome(key=key, plan=Plan(()), warmup=True, outside=0, by_block=[],
+                                                   static=0, peak=0, plain_peak=0, transient=None), 10) == ModelUpdate()
+
+
+def test_a_bias_that_depends_on_the_plan_is_corrected_by_the_least_one():
+    """Two plans of one bucket over-predicted by 300 kB and 150 kB: the bucket is corrected by
+    150 kB, so neither is then predicted under what it peaked at (NOTE [Bias per bucket])."""
+    bias = BucketBias()
+    bucket, a, b, tolerance = (4, 64), Plan((0, 1, 2)), Plan((0, 1)), 10_000
+    assert not bias.observe(bucket, a, 300_000, tolerance)
+    assert bias.observe(bucket, a, 300_000, tolerance) and bias.correction[bucket] == 300_000
+    # b, measured against the corrected prediction, is under it: once is enough to lower the correction
+    assert bias.observe(bucket, b, 150_000 - 300_000, tolerance) and bias.correction[bucket] == 150_000
+    assert not bias.observe(bucket, b, 0, tolerance)
+    assert not bias.observe(bucket, a, 300_000 - 150_000, tolerance)  # a's own bias is still 300 kB: no change

@@ -313,3 +313,42 @@ def test_loop_bench_pairs_head_auto_with_head_off_step_by_step():
     loop_bench.add_vs_head_off(lines, steady_from=2)
     assert lines[0]["step_ratio_vs_head_off"] == 1.0  # median of 1.0, 1.1, 1.0
     assert "step_ratio_vs_head_off" not in lines[1] and "step_ratio_vs_head_off" not in lines[2]
+
+
+def test_loop_bench_fields_give_per_length_band_peaks_retries_bias_and_compile_time():
+    """Issue 40's room-compile call: per band of lengths, the steady steps' peak and reserved peak
+    over the cap, retries, the median prediction error over the cap; the compile time and the
+    graphs compiled after the first step."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from memfit.engine.records import StepRecord
+
+    spec = importlib.util.spec_from_file_location("loop_bench", ROOT / "benchmarks" / "loop_bench.py")
+    loop_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loop_bench)
+
+    def record(step, length, peak, predicted, phase="steady", **extra):
+        return StepRecord(step=step, shape=[8, length], tokens=8 * length, method="dynamic", plan=[0], n_checkpointed=1,
+                          n_blocks=4, predicted_peak_bytes=predicted, peak_allocated_bytes=peak,
+                          peak_reserved_bytes=peak + 50, budget_bytes=1000, accounting="cuda", step_ms=1.0,
+                          recompute_ms_est=0.0, phase=phase, **extra)
+
+    records = [record(1, 300, 500, 900, phase="warmup", compile_ms=4000.0, compiled_graphs=3),
+               record(2, 100, 600, 610), record(3, 200, 700, 690, alloc_retries=2),
+               record(4, 2000, 950, 990), record(5, 1990, 900, 990, compile_ms=500.0, compiled_graphs=1)]
+    fields = loop_bench._memfit_fields(SimpleNamespace(steps=5), records)
+    assert fields["compile_s"] == 4.5 and fields["steady_compiled_graphs"] == 1
+    assert fields["by_length"] == {
+        "256": {"steps": 2, "peak_over_cap": 0.7, "reserved_over_cap": 0.75, "alloc_retries": 2,
+                "bias_over_cap": 0.0, "treated_per_step": 1},
+        "2048": {"steps": 2, "peak_over_cap": 0.95, "reserved_over_cap": 1.0, "alloc_retries": 0,
+                 "bias_over_cap": 0.065, "treated_per_step": 1},
+    }
+    from suites import Context
+
+    llm = run_suite.load("llm")
+    (call,) = [c for c in llm.calls(llm.SUITE, Context(raw=ROOT / "runs" / "x", quick=False, cuda=True)) if c.name == "room-compile"]
+    command = " ".join(call.commands[0])
+    assert "--methods none dynamic dynamic+compile hf-every-1" in command and "--repeats 3" in command
+    assert "--budgets 0.5" in command and "--time_limit_s 180" in command

@@ -374,15 +374,17 @@ def test_plans_stay_cached_once_the_model_fits(monkeypatch):
     planned = []  # one entry per plan made (a row or one key): a miss of the plan cache
     _count_plans(monkeypatch, ctl, planned)
     lengths = [24, 96, 48, 72, 88, 40]
-    for rnd in range(4):
+    for rnd in range(6):
         for i, length in enumerate(lengths):
             _step(model, make_batch(4, length), seed=10 * rnd + i)
-        if rnd == 1:  # every shape has run as a steady step
+        # every shape has run as a steady step, and a bucket over-predicted twice had its
+        # prediction corrected, which replans that bucket once (NOTE [Bias per bucket])
+        if rnd == 3:
             seen = len(planned)
     records = ctl.records
     ctl.remove()
     assert seen >= 1
-    assert len(planned) == seen, planned[seen:]  # rounds 3 and 4: cache hits only
+    assert len(planned) == seen, planned[seen:]  # rounds 5 and 6: cache hits only
     assert not any(r.planned for r in records[-2 * len(lengths):])  # and their records say so
     assert sum(r.planned for r in records) >= 1
     assert {r.n_checkpointed for r in records if r.phase == "steady"} != {0}, "budget never bound"
@@ -403,7 +405,7 @@ def test_plans_stay_cached_under_a_noisy_allocator(monkeypatch):
     _count_plans(monkeypatch, ctl, planned)
     rng = random.Random(0)
     lengths = [24, 96, 48, 72, 88, 40, 64, 80]
-    for rnd in range(5):
+    for rnd in range(7):
         for i, length in enumerate(lengths):
             batch = make_batch(4, length)
             torch.manual_seed(10 * rnd + i)
@@ -413,11 +415,13 @@ def test_plans_stay_cached_under_a_noisy_allocator(monkeypatch):
             loss.backward()
             inner.step()
             model.zero_grad(set_to_none=True)
-        if rnd == 2:  # every shape has run as a steady step, and the model has settled
+        # every shape has run as a steady step, the model has settled, and a bucket over-predicted
+        # twice had its prediction corrected (NOTE [Bias per bucket]); noise never corrects one
+        if rnd == 4:
             seen = len(planned)
     records = ctl.records
     ctl.remove()
-    assert len(planned) == seen, planned[seen:]  # rounds 4 and 5: cache hits only
+    assert len(planned) == seen, planned[seen:]  # rounds 6 and 7: cache hits only
     steady = [r for r in records if r.phase == "steady"]
     assert {r.n_checkpointed for r in steady} != {0}, "budget never bound"
     assert all(r.peak_allocated_bytes <= budget for r in steady)
@@ -612,6 +616,9 @@ def test_allocator_retries_in_steady_steps_grow_the_slack_and_the_plans(monkeypa
 
     # this small model's plans lie further apart than the ceiling: a higher one here
     monkeypatch.setattr(memfit.engine.room, "MAX_RETRY_SLACK_SHARE", 1 / 3)
+    # a CPU's step times cannot price a retry: each is taken as unpriced (NOTE [The slack is
+    # priced]; the priced rule is tested in test_room.py)
+    monkeypatch.setattr(memfit.engine.room.StepTimes, "retry_ms", lambda self, bucket, net_ms: None)
     model, make_batch, inner, budget, ctl, fake = _half_budget_on_fake_allocator(monkeypatch, backstop=False)
     planning, key = ctl.planning, (4, 96)
     step, ceiling = int(memfit.engine.room.RETRY_SLACK_SHARE * budget), int(budget / 3)
@@ -1043,3 +1050,24 @@ def test_dynamic_warmup_ends_when_the_data_repeats_its_shapes(lengths, warm):
     )
     warmups = [method.decide(planning, (1, n)).warmup for n in lengths]
     assert warmups == [True] * warm + [False] * (len(lengths) - warm)
+
+
+def test_a_bucket_over_predicted_step_after_step_is_corrected(monkeypatch):
+    """NOTE [Bias per bucket], on a fake allocator: from the first steady step on, every step peaks
+    3% of the budget under what warm-up taught (a synthetic, plan-independent bias); after two such
+    steps the bucket's predictions follow, within 1% of the budget (the issue's criterion)."""
+    model, make_batch, inner, budget, ctl, fake = _half_budget_on_fake_allocator(monkeypatch, backstop=False)
+    key, offset = (4, 96), int(0.03 * budget)
+    for i in range(10):
+        torch.manual_seed(i)
+        loss = model(**make_batch(*key)).loss
+        steady = ctl._step.decision is not None and not ctl._step.decision.warmup
+        fake.use(ctl._counter.total_bytes + 40 * 4 * 96 - (offset if steady else 0))
+        loss.backward()
+        inner.step()
+        model.zero_grad(set_to_none=True)
+    records = [r for r in ctl.records if r.phase == "steady"]
+    ctl.remove()
+    errors = [r.predicted_peak_bytes - r.peak_allocated_bytes for r in records]
+    assert len(errors) >= 5 and min(errors[:2]) > 0.02 * budget  # the bias, seen twice
+    assert abs(sorted(errors[2:])[len(errors[2:]) // 2]) <= 0.01 * budget  # then corrected

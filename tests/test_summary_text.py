@@ -98,3 +98,13 @@ def test_over_budget_words_name_the_largest_part_and_its_flag():
 def test_parameters_words():
     assert parameters_words(10, 1000) == "trainable 10 of 1,000 parameters (1.00%)"
     assert parameters_words(10, 1000, ["q_proj"], 1).endswith("adapters on q_proj (1 module)")
+
+
+def test_compiled_blocks_are_named_at_the_start_and_their_compile_time_at_the_end():
+    line = start_line("dynamic", None, None, "cuda", ["LlamaDecoderLayer"] * 2, compiled="--torch_compile")
+    assert line.endswith("compiled blocks (--torch_compile: each block's body and the loss compiled inside memfit's treatments)")
+    assert "compiled" not in start_line("dynamic", None, None, "cuda", ["LlamaDecoderLayer"] * 2)
+    records = [_record(1, 10, None, [], compile_ms=5000.0, compiled_graphs=3), _record(2, 10, None, []),
+               _record(3, 10, None, [], compile_ms=1500.0, compiled_graphs=1)]
+    assert "memfit: compiling took 6.5 s, 1 graph compiled after warm-up" in end_summary(records)
+    assert "compiling" not in end_summary(records[1:2])

@@ -148,6 +148,7 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
         ctx, "loop_bench.py", *long, "--methods", "none", "none+compile", "full", "dynamic+compile",
         "dynamic+sel+compile", "compile-0.5", "--output_dir", ctx.folder("long-compile"))], folder="long-compile"))
     out += offload_calls(suite, ctx)
+    out.extend(_room_calls(ctx))
     return out
 
 
@@ -224,3 +225,20 @@ def offload_calls(suite: Suite, ctx: Context) -> list[Call]:
         ctx, "loop_bench.py", "--model", "SmolLM-360M", "--lengths", "fixed:8192,16384", "--batch", 1, *steps,
         "--budgets", 0.5, "--repeats", 1 if ctx.quick else 3, "--methods", *OFFLOAD_METHODS, "--time_limit_s",
         OFFLOAD_START_S, "--output_dir", ctx.folder("offload-long"))], folder="offload-long", timeout_s=OFFLOAD_JOB_S)]
+
+
+#: the room-compile call's methods (issue 40): uncapped none, eager dynamic, dynamic with compiled
+#: blocks (what --torch_compile now gives), Hugging Face's checkpointing of every layer
+ROOM_METHODS = ("none", "dynamic", "dynamic+compile", "hf-every-1")
+
+
+def _room_calls(ctx: Context) -> list[Call]:
+    """Issue 40's room and compile check, one call within its job's 280 s: at half of none's peak,
+    per band of lengths the peak against the cap, allocator retries and the prediction's bias
+    (``by_length``), and the compiled run's compile time and graphs compiled after its first step;
+    3 interleaved repeats (the first compiles; later repeats compile again after a reset)."""
+    return [Call("room-compile", [script(
+        ctx, "loop_bench.py", "--model", "SmolLM-360M", "--lengths", "sft", "--batch", 8,
+        "--steps", 6 if ctx.quick else 30, "--steady_from", 2 if ctx.quick else 8, "--budgets", 0.5,
+        "--repeats", 1 if ctx.quick else 3, "--methods", *ROOM_METHODS, "--time_limit_s", 60 if ctx.quick else 180,
+        "--output_dir", ctx.folder("room-compile"))], folder="room-compile")]

@@ -60,6 +60,20 @@ whose float32 upcast and softmax are recomputed in backward rather than kept; gr
 those of the same model compiled the same way without memfit. ``remove()`` puts the model's
 own loss function back.
 
+# NOTE [Dynamic batch and length]
+A compiled body is called with a new batch size or length on most steps of a run with dynamic
+padding, and Dynamo compiles a first call for its exact sizes, then (automatic dynamic) a second
+variant when one changes: a compile in a steady step, seconds on a GPU. So every call of a
+compiled body marks the batch and length dimensions of its inputs dynamic before Dynamo sees them
+(``torch._dynamo.maybe_mark_dynamic``: a hint, never an error where the code needs a size
+static): all dimensions but the last of the first tensor (its features), and each dimension of the
+other tensors (masks, rotary tables, position ids) whose size is one of those. The first call
+then compiles the variant every later size reuses. A size of 1 stays specialised (Dynamo's rule),
+and a feature size that equals the batch or length at that first call is marked too and costs a
+recompile later: both rare, and no worse than the default. The compiled loss is not marked: its
+graph with dynamic sizes keeps a float32 copy of bf16 logits for backward, which its static
+graph recomputes, so it keeps Dynamo's default (static first, dynamic from the first change).
+
 # NOTE [Recompile limit]
 Dynamo keeps the compiled variants of one code object in one list, shared by every
 ``torch.compile`` of it, and once the list holds ``recompile_limit`` entries it runs the frame
@@ -98,7 +112,7 @@ from memfit.engine.treatments import Keep, Treatment, draws_random
 
 __all__ = [
     "NoBlocksError", "Block", "find_blocks", "wrap_blocks", "unwrap_blocks", "without_cache", "fingerprint",
-    "SELECTIVE_BUDGET", "compile_loss",
+    "SELECTIVE_BUDGET", "compile_loss", "compile_clock", "mark_dynamic_dims",
 ]
 
 #: how a block runs until a plan says otherwise (stateless: shared)
@@ -135,6 +149,41 @@ def _with_recompile_limit(options: dict[str, Any]) -> tuple[dict[str, Any], tupl
         return options, None
     torch._dynamo.config.recompile_limit = limit
     return options, (before, limit)
+
+
+def compile_clock() -> tuple[float, int]:
+    """Seconds Dynamo has spent compiling in this process, and the graphs it has made (both
+    only grow): a step's compile time and new graphs are the difference across it."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    return sum(compilation_time_metrics.get("_compile.compile_inner", ())), int(counters["stats"]["unique_graphs"])
+
+
+def _tensors(values: Any) -> Any:
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (tuple, list)):
+            yield from (v for v in value if isinstance(v, torch.Tensor))
+
+
+def mark_dynamic_dims(args: tuple, kwargs: dict[str, Any]) -> None:
+    """Mark the batch and length dimensions of a compiled body's inputs dynamic (NOTE [Dynamic
+    batch and length])."""
+    import torch._dynamo
+
+    tensors = list(_tensors((*args, *kwargs.values())))
+    if not tensors or tensors[0].dim() < 2:
+        return
+    first = tensors[0]
+    sizes = {s for s in first.shape[:-1] if s > 1}
+    for dim in range(first.dim() - 1):
+        if first.shape[dim] > 1:
+            torch._dynamo.maybe_mark_dynamic(first, dim)
+    for t in tensors[1:]:
+        for dim, size in enumerate(t.shape):
+            if size in sizes:
+                torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
 class _LossHandle:
@@ -303,6 +352,8 @@ class Block:
         self.runs += 1
         if self.before_run is not None:
             self.before_run(self)
+        if self.compiled:
+            mark_dynamic_dims(args, kwargs)
         return body(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -44,7 +44,7 @@ from torch import nn
 from memfit.engine import learner
 from memfit.engine.accounting import OUTSIDE, GatheredParameters, SavedTensorCounter, expected_optimizer_bytes, local, optimizer_state_bytes, static_bytes_logical
 from memfit.engine.optim_state import torch_step_transient_bytes
-from memfit.engine.blocks import SELECTIVE_BUDGET, Block, compile_loss, find_blocks, fingerprint, unwrap_blocks, wrap_blocks
+from memfit.engine.blocks import SELECTIVE_BUDGET, Block, compile_clock, compile_loss, find_blocks, fingerprint, unwrap_blocks, wrap_blocks
 from memfit.engine.budget import OPTIMIZER_TRANSIENT, check_static_need, parse_bytes
 from memfit.engine.methods import Method, make_method, save_plans
 from memfit.engine.planner import Plan
@@ -172,6 +172,11 @@ def _kinds(blocks: Sequence[Block]) -> list[str]:
     return [type(b.module).__name__ for b in blocks]
 
 
+def _kinds_compiled(blocks: Sequence[Block]) -> tuple[list[str], None, str | None]:
+    """The start line's blocks, no parameters, and ``""`` for compiled blocks (no flag asked: ``fit``)."""
+    return _kinds(blocks), None, "" if blocks[0].compiled else None
+
+
 def _say(text: str, rank: int) -> None:
     if rank == 0:
         print(text, file=sys.stderr, flush=True)
@@ -249,7 +254,7 @@ class Controller:
         #: print a start line now and a summary at remove(); a str is the budget as the user wrote it
         self.announce = announce
         if announce:
-            _say(start_line(method.name, budget_bytes, _given(announce), self.meter.kind, _kinds(self.blocks)), self.rank)
+            _say(start_line(method.name, budget_bytes, _given(announce), self.meter.kind, *_kinds_compiled(self.blocks)), self.rank)
         self._records: list[StepRecord] = []
         self._step: StepState | None = None
         self._steps_recorded = 0
@@ -306,6 +311,7 @@ class Controller:
         self._step = step = StepState(
             t0=time.perf_counter(), static_bytes=static_now, replay=self.replay.replaying, replayable=self.replay.replayable,
             state_to_come=self.meter.expected_optimizer_bytes if self.optimizer is not None and not self.optimizer.state else 0,
+            compile_start=compile_clock() if self.blocks[0].compiled else None,
         )
         self.meter.start_step(step)
         for treatment in self.treatments.values():
@@ -381,14 +387,14 @@ class Controller:
         self._counter.stop()
         if step.decision is None or step.stage is Stage.FORWARD:
             return  # the forward ran no block (or failed): nothing to record
-        now = time.perf_counter()
+        now, treated_ms = time.perf_counter(), self.planning.recompute_ms(step.key, step.decision.plan) + step.evicted_ms
         peaks = self.meter.peaks(step)
         outcome = learner.step_outcome(
             peaks, key=step.key, plan=step.decision.plan, warmup=step.decision.warmup,
             outside=step.saved_outside, by_block=step.saved_by_block, static=step.static_bytes,
             state_to_come=step.state_to_come,
             static_now=self.meter.static_now() if static_now is None else static_now,
-            evicted=step.evicted, backstop_input=step.backstop_input, counted=step.counted,
+            evicted=step.evicted, backstop_input=step.backstop_input, counted=step.counted, net_ms=(now - step.t0) * 1e3 - treated_ms,
         )
         predicted = self.method.learn(self.planning, outcome)
         self.protection.after_step(step, outcome)
@@ -397,8 +403,7 @@ class Controller:
         self._steps_recorded += 1
         record = step.to_record(
             outcome, peaks.reserved, predicted, number=self._steps_recorded, method=self.method.name,
-            n_blocks=len(self.blocks), budget_bytes=self.budget_bytes, accounting=self.meter.kind,
-            recompute_ms=self.planning.recompute_ms(step.key, step.decision.plan) + step.evicted_ms,
+            n_blocks=len(self.blocks), budget_bytes=self.budget_bytes, accounting=self.meter.kind, recompute_ms=treated_ms,
             oom_retries=len(self.replay.oom.attempts), oom_attempts=self.replay.oom.attempts, rank=self.rank, now=now,
         )
         self.replay.oom.clear()

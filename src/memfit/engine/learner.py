@@ -60,6 +60,7 @@ __all__ = [
     "mispredicted",
     "grow_margin",
     "grow_slack",
+    "note_bias",
     "learn_probes",
 ]
 
@@ -117,6 +118,9 @@ class StepOutcome:
         evicted: blocks the backstop evicted.
         counted: the step counted its saved tensors (``outside`` and ``by_block`` are then
             known; otherwise they are 0 and only the peaks teach).
+        alloc_retries: allocations the caching allocator served only after releasing its cache.
+        net_ms: the step's time less its treatments' predicted time, or None when not timed
+            (what prices a retry: NOTE [The slack is priced], room.py).
     """
 
     key: tuple[int, int]
@@ -133,6 +137,7 @@ class StepOutcome:
     evicted: tuple[int, ...] = field(default_factory=tuple)
     counted: bool = True
     alloc_retries: int = 0
+    net_ms: float | None = None
 
 
 def _plain_peaks(
@@ -164,6 +169,7 @@ def step_outcome(
     evicted: Sequence[int] = (),
     backstop_input: Sequence[int] = (),
     counted: bool = True,
+    net_ms: float | None = None,
 ) -> StepOutcome:
     """What a finished step teaches, from its readings (NOTE [A step's transient]).
 
@@ -177,6 +183,7 @@ def step_outcome(
         evicted: blocks the backstop evicted.
         backstop_input: per block, what an armed step's stores kept only as block inputs.
         counted: the step counted its saved tensors; without the counts no transient is known.
+        net_ms: the step's time less its treatments' predicted time (None: not timed).
     """
     saved = outside + sum(by_block)
     peak = peaks.peak
@@ -202,7 +209,7 @@ def step_outcome(
         key=key, plan=plan, warmup=warmup, outside=outside, by_block=list(by_block), static=static, peak=peak,
         plain_peak=plain_peak, transient=transient, start_transient=start_transient,
         optimizer_above_static=optimizer_above, evicted=tuple(evicted), counted=counted,
-        alloc_retries=peaks.alloc_retries,
+        alloc_retries=peaks.alloc_retries, net_ms=net_ms,
     )
 
 
@@ -302,9 +309,19 @@ def grow_margin(planning: Planning, outcome: StepOutcome, predicted: int | None)
 
 
 def grow_slack(planning: Planning, outcome: StepOutcome) -> ModelUpdate:
-    """A steady step whose allocations the caching allocator served only after releasing its
-    cache: the room's slack rule grows the slack (NOTE [Room], room.py)."""
-    return ModelUpdate(alloc_retries=not outcome.warmup and outcome.alloc_retries > 0)
+    """A steady step, with or without allocations the caching allocator served only after
+    releasing its cache: what the room's slack rules read (NOTE [The slack is priced], room.py)."""
+    if outcome.warmup:
+        return ModelUpdate()
+    return ModelUpdate(alloc_retries=outcome.alloc_retries > 0, steady_key=outcome.key, net_ms=outcome.net_ms)
+
+
+def note_bias(planning: Planning, outcome: StepOutcome, predicted: int | None) -> ModelUpdate:
+    """A steady step that ran its plan whole: its prediction's error, for its bucket's bias
+    (NOTE [Bias per bucket], planning.py). The caller leaves out a step that changed the curves."""
+    if predicted is None or outcome.warmup or outcome.evicted:
+        return ModelUpdate()
+    return ModelUpdate(error=(outcome.key, outcome.plan, float(predicted - outcome.plain_peak)))
 
 
 def learn_probes(

@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -481,6 +481,11 @@ class PlanCache:
         self._plans.clear()
         self.rows.clear()
         self.asked_before_clear, self.asked_since_clear = self.asked_since_clear, 0
+
+    def drop(self, which: Callable[[Hashable], bool]) -> None:
+        """Drop the plans whose key ``which`` names (one bucket's, its prediction corrected), keeping the rest."""
+        for key in [k for k in self._plans if which(k)]:
+            del self._plans[key]
 
     def items(self) -> list[tuple[Hashable, Plan]]:
         return list(self._plans.items())

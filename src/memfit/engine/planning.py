@@ -28,6 +28,21 @@ model behind it lasts: a miss plans a row once the cache has served more than
 ``ROW_AFTER_STEADY_ASKS`` requests since its last clear, or the model before it did (a settled
 model's later changes are corrections that last). Shapes that no plan fits, mixed stacks and
 ``static`` plan per key.
+
+# NOTE [Bias per bucket]
+The curves are upper envelopes (model.py) and one shape's plan is made from several of them, so
+a bucket can be over- or under-predicted by the same bytes step after step: over, it treats
+blocks for nothing; under, the margin absorbs it until it cannot. A steady step that ran its
+plan whole (nothing evicted) leaves its error before correction, predicted minus observed peak,
+with its bucket and plan (:class:`BucketBias`). A plan's bias is the median of its last
+``BIAS_SEEN`` errors; once one plan of a bucket was seen that often, the bucket's correction is
+the least bias of every plan it ran (an error can depend on the plan: corrected by the least, no
+plan seen is predicted under what it peaked at, and an under-predicted one raises the bucket's
+predictions), applied when it is
+more than ``BIAS_SHARE`` of the budget, and the bucket's plans are redone. A correction is an
+offset of the bucket's static bytes, so the one peak formula still makes every prediction and
+plan of it; the bucket then plans per key (a row spans buckets). A change of the model's
+curves drops every correction: they were measured against the curves before.
 """
 
 from __future__ import annotations
@@ -40,6 +55,8 @@ from typing import Any
 
 import numpy as np
 
+import statistics
+
 from memfit.engine.budget import format_bytes
 from memfit.engine.model import MemoryModel
 from memfit.engine.planner import InfeasiblePlanError, Plan, PlanCache, plan_blocks, plan_treatments, plan_with_head
@@ -51,6 +68,49 @@ from memfit.engine.treatments import KEEP, RECOMPUTE, TreatmentSpec, resolve
 __all__ = ["Planning", "ModelUpdate", "ROW_AFTER_STEADY_ASKS"]
 
 logger = logging.getLogger("memfit")
+
+#: steady steps of a bucket in a row that must err the same way before its prediction is
+#: corrected (NOTE [Bias per bucket]) ...
+BIAS_SEEN = 2
+#: ... each by more than this share of the budget
+BIAS_SHARE = 0.01
+
+
+@dataclass
+class BucketBias:
+    """Per shape bucket and plan, the latest steady steps' prediction errors before correction
+    (predicted minus observed peak, bytes), and per bucket the correction learnt from them (NOTE
+    [Bias per bucket])."""
+
+    errors: dict[tuple[tuple[int, int], tuple], list[float]] = field(default_factory=dict)
+    correction: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def observe(self, bucket: tuple[int, int], plan: Plan, error: float, tolerance: float) -> bool:
+        """A steady step of ``bucket`` ran ``plan`` and its (corrected) prediction erred by
+        ``error``; returns whether the bucket's correction changed."""
+        raw = float(error) + self.correction.get(bucket, 0.0)
+        seen = self.errors.setdefault((bucket, (plan.blocks, plan.kinds, plan.head)), [])
+        seen.append(raw)
+        del seen[:-BIAS_SEEN]
+        plans = [e for (b, _), e in self.errors.items() if b == bucket]
+        if len(seen) < BIAS_SEEN and not any(len(e) >= BIAS_SEEN for e in plans):
+            return False
+        biases = [statistics.median(e) for e in plans]
+        # the least of its plans' biases: no plan seen is then predicted under what it peaked at
+        wanted = min(biases) if abs(min(biases)) > tolerance else 0.0
+        before = self.correction.get(bucket, 0.0)
+        if abs(wanted - before) <= tolerance:
+            return False
+        self.correction[bucket] = wanted
+        return True
+
+    def clear(self) -> bool:
+        """Drop every correction (the curves changed); returns whether there was one."""
+        had = bool(self.correction)
+        self.correction.clear()
+        self.errors.clear()
+        return had
+
 
 #: Rows are planned only once the plan cache, or the one before its last clear, has served
 #: more than this many requests: before, the model changes every step or two (NOTE [Planning a row]).
@@ -70,7 +130,11 @@ class ModelUpdate:
         optimizer_above_static: an optimizer step's peak above ``static_bytes`` (NOTE [Three peaks]).
         static_bytes: the static bytes of the step that ran that optimizer step.
         miss_bytes: a steady step's peak above its prediction (the room's margin rule).
-        alloc_retries: the allocator released its cache to serve a steady step (the room's slack rule).
+        alloc_retries: the allocator released its cache to serve the steady step ``steady_key``
+            (the room's slack rules: NOTE [The slack is priced], room.py).
+        steady_key: a steady step's shape key, for the slack rules (None: no steady step).
+        net_ms: that step's time less its treatments' predicted time (None: not timed).
+        error: a steady step's shape key, plan, and predicted minus observed peak (NOTE [Bias per bucket]).
     """
 
     groups: list[int] | None = None
@@ -80,6 +144,9 @@ class ModelUpdate:
     static_bytes: int = 0
     miss_bytes: int | None = None
     alloc_retries: bool = False
+    steady_key: tuple[int, int] | None = None
+    net_ms: float | None = None
+    error: tuple[tuple[int, int], Plan, float] | None = None
 
 
 class Planning:
@@ -124,6 +191,7 @@ class Planning:
         self.treatments = tuple(name for name in self.registry if name != KEEP)
         self.offload_ms: Callable[[float, float], float] | None = None
         self.head: Any = None  # the LM head as a planned part (treatments/chunked_head.py HeadPart), or None
+        self.bias = BucketBias()
 
     def set_head(self, part: Any) -> None:
         """Plan the LM head beside the blocks from now on (NOTE [The head in the plan], planner.py)."""
@@ -189,7 +257,12 @@ class Planning:
 
     def predict_peak(self, key: tuple[int, int], plan: Plan) -> int:
         """Predicted step peak: static + the largest of the step's three peaks (NOTE [Three peaks], model.py)."""
-        return int(self.static_bytes + self.model.step_bytes(self.planned_shape(key), plan))
+        k = self.planned_shape(key)
+        return int(self._static_for(k) + self.model.step_bytes(k, plan))
+
+    def _static_for(self, k: tuple[int, int]) -> float:
+        """The static bytes a prediction at ``k`` starts from: less its bucket's correction (NOTE [Bias per bucket])."""
+        return self.static_bytes - self.bias.correction.get(bucket_key(k, self.bucket_tokens), 0.0)
 
     @property
     def room_bytes(self) -> int:
@@ -231,6 +304,7 @@ class Planning:
         plan = self.cache.get(cache_key)
         if plan is None:
             settled = self.cache.settled(ROW_AFTER_STEADY_ASKS)
+            whole_row = whole_row and edge not in self.bias.correction  # NOTE [Bias per bucket]
             from_row = _plan_from_row(self, k, static_bucket) if whole_row and settled and self.recompute_only and not self.head else None
             plan = from_row or (self._plan(k) if self.head is None else _plan_head(self, k))
             if from_row is not None and k != edge and _row_constant(self, k, edge, static_bucket):
@@ -258,7 +332,7 @@ class Planning:
         always made too: a mix never costs more than recompute alone would.
         """
         room = self.room_bytes
-        need = int(self.static_bytes + self.model.backward_start_bytes(k, Plan(()))) - room
+        need = int(self._static_for(k) + self.model.backward_start_bytes(k, Plan(()))) - room
         options = self.model.options(k, self.treatments, self.offload_ms)
         if need <= 0 or all(name == "recompute" for opts in options for name, _, _ in opts):
             return None
@@ -269,7 +343,7 @@ class Planning:
         # against the other two (NOTE [Three peaks], model.py), and mended if one is over
         # (NOTE [Blocks held below a recompute]).
         room = self.room_bytes
-        need = int(self.static_bytes + self.model.backward_start_bytes(k, Plan(()))) - room
+        need = int(self._static_for(k) + self.model.backward_start_bytes(k, Plan(()))) - room
         try:
             costs, savings = self.model.costs(k), self.model.savings(k)
             plan = plan_blocks(costs, savings, need)
@@ -326,7 +400,7 @@ class Planning:
         if not blocks or self.budget_bytes is None:
             return False
         k = self.planned_shape(key)
-        need = int(self.static_bytes + self.model.backward_start_bytes(k, Plan(()))) - self.room_bytes - over_bytes
+        need = int(self._static_for(k) + self.model.backward_start_bytes(k, Plan(()))) - self.room_bytes - over_bytes
         if need <= 0:
             return True
         costs = self.model.costs(k)
@@ -351,6 +425,7 @@ class Planning:
         for path, key, value in update.samples:
             self._curve(path).add(key, value)
             changed = True
+        corrected = _bias_rules(self, update)
         if update.seen_key is not None:
             model.observe_key(update.seen_key)
         above = update.optimizer_above_static
@@ -361,11 +436,11 @@ class Planning:
                 changed |= self.budget_bytes is None or self.max_static_bytes + above > self.room_bytes
         if update.miss_bytes is not None:
             changed |= self.room.after_miss(update.miss_bytes)
-        if update.alloc_retries:
-            changed |= self.room.after_alloc_retries()
+        if update.steady_key is not None:
+            changed |= _slack_rules(self, update)
         if changed:
             self.cache.clear()
-        return changed
+        return changed or corrected
 
     def _curve(self, path: tuple) -> Any:
         if path[0] in ("bytes", "ms"):
@@ -379,13 +454,63 @@ class Planning:
         self.cache.clear()
 
 
+# ---------------------------------------------------------------- the bias (NOTE [Bias per bucket])
+def _bias_rules(planning: Planning, update: ModelUpdate) -> bool:
+    """New curve samples drop every correction (they were measured against the curves before); a
+    steady step's prediction error goes to its bucket's bias, and only that bucket's plans are
+    dropped when its correction changes (returns whether it did)."""
+    if update.samples:
+        planning.bias.clear()
+        return False
+    if update.error is None or planning.budget_bytes is None:
+        return False
+    key, plan, error = update.error
+    bucket = bucket_key(key, planning.bucket_tokens)
+    if not planning.bias.observe(bucket, plan, error, BIAS_SHARE * planning.budget_bytes):
+        return False
+    planning.cache.drop(lambda cached: bucket_key(cached[0], planning.bucket_tokens) == bucket)
+    return True
+
+
+# ---------------------------------------------------------------- the slack (NOTE [The slack is priced], room.py)
+def _slack_rules(planning: Planning, update: ModelUpdate) -> bool:
+    """A steady step with or without allocator retries, to the room's slack rules (NOTE [The
+    slack is priced], room.py): a retry is priced against the bucket's clean steps and the
+    growth against the planner's price of the smaller room."""
+    bucket = bucket_key(update.steady_key, planning.bucket_tokens)
+    times, room = planning.room.times, planning.room
+    if not update.alloc_retries:
+        if update.net_ms is not None:
+            times.add_clean(bucket, update.net_ms)
+        return room.after_clean_step()
+    retry_ms = None if update.net_ms is None else times.retry_ms(bucket, update.net_ms)
+    growth_ms = slack_cost_ms(planning, update.steady_key, room.slack_step_bytes) if retry_ms is not None else 0.0
+    return room.after_alloc_retries(retry_ms, growth_ms)
+
+
+def slack_cost_ms(planning: Planning, key: tuple[int, int], extra_bytes: int) -> float:
+    """What ``key``'s recompute plan would cost more were the room ``extra_bytes`` smaller
+    (infinite where it could not fit; 0 before the model is fitted or without a budget)."""
+    if not planning.model.ready or planning.budget_bytes is None:
+        return 0.0
+    k = planning.planned_shape(key)
+    need = int(planning._static_for(k) + planning.model.backward_start_bytes(k, Plan(()))) - planning.room_bytes
+    costs, savings = planning.model.costs(k), planning.model.savings(k)
+    try:
+        now = plan_blocks(costs, savings, need).cost_ms if need > 0 else 0.0
+        smaller = plan_blocks(costs, savings, need + extra_bytes).cost_ms if need + extra_bytes > 0 else 0.0
+    except InfeasiblePlanError:
+        return float("inf")
+    return float(smaller - now)
+
+
 # ---------------------------------------------------------------- the head (NOTE [The head in the plan], planner.py)
 def _plan_head(planning: Planning, k: tuple[int, int]) -> Plan:
     """``k``'s plan with the LM head a part beside the blocks (NOTE [The head in the plan], planner.py):
     the cheapest mix of the blocks' treatments and one head treatment that saves what the backward's
     start needs and fits all three peaks; else every block recomputed with the most chunks."""
     room = planning.room_bytes
-    need = int(planning.static_bytes + planning.model.backward_start_bytes(k, Plan(()))) - room
+    need = int(planning._static_for(k) + planning.model.backward_start_bytes(k, Plan(()))) - room
     head = planning.head.options(k[0] * k[1])
     options = planning.model.options(k, planning.treatments, planning.offload_ms)
     try:

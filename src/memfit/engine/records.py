@@ -109,7 +109,7 @@ class StepRecord:
     #: [Counting what teaches] in engine/controller.py)
     counted: bool = True
     #: allocations of this step the CUDA caching allocator served only after releasing its
-    #: cache (a device sync each; they grow the planner's slack: NOTE [Room] in room.py)
+    #: cache (a device sync each; priced against the slack that would avoid them: NOTE [The slack is priced] in room.py)
     alloc_retries: int = 0
     #: the treated blocks of the plan, by treatment name (``{"recompute": [0, 1]}``); every
     #: other block was kept (engine/treatments/); and the LM head's label under ``"head"`` when the
@@ -123,6 +123,11 @@ class StepRecord:
     #: ``backward_peak_bytes`` when the OOM was noted
     oom_attempts: list[dict[str, Any]] = field(default_factory=list)
     rank: int = 0
+    #: with compiled blocks: time Dynamo spent compiling during this step, and the graphs it made
+    #: (0 after warm-up when no new batch size or length recompiles: NOTE [Dynamic batch and
+    #: length] in blocks.py)
+    compile_ms: float = 0.0
+    compiled_graphs: int = 0
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -184,6 +189,10 @@ class RunSummary:
     #: per LM head label (``"keep"``, ``"chunked:8"``), how many steps ran the head so; empty
     #: when no step planned the head (NOTE [The head in a record])
     head_steps: dict[str, int] = field(default_factory=dict)
+    #: with compiled blocks: compile time over the run, and graphs compiled in steady steps
+    #: other than the run's first (recompiles after warm-up)
+    compile_ms: float = 0.0
+    steady_compiled_graphs: int = 0
     #: with several ranks: each rank's own summary, by rank (as a string key)
     per_rank: dict[str, dict[str, Any]] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
@@ -233,6 +242,8 @@ def summarize(records: Iterable[StepRecord]) -> RunSummary:
         counted_steps=sum(r.counted for r in records),
         treated_blocks=treated_blocks(records),
         head_steps=head_steps(records),
+        compile_ms=sum(r.compile_ms for r in records),
+        steady_compiled_graphs=sum(r.compiled_graphs for r in records[1:] if r.phase == "steady"),
     )
 
 

@@ -10,25 +10,38 @@ reserves but cannot hand out (the free tails of partly used pages), which no rel
 the CUDA cap limits *reserved* bytes while the model predicts *allocated* ones. On CUDA the
 slack starts at ``min(ALLOCATOR_SLACK_BYTES, budget / 16)`` and an OOM raises it to
 ``SLACK_FACTOR`` × the reserved bytes that were not allocated when it failed, when that is
-more. A steady step during which the allocator served an allocation only after releasing its
-cache (a device sync, and the cache's memory unmapped and mapped again: CUDA's
-``num_alloc_retries``) grows the slack by ``RETRY_SLACK_SHARE`` of the budget, up to
-``MAX_RETRY_SLACK_SHARE`` of it: plans that fill the cap to its last bytes leave the allocator
-no room for the step's own fragmentation, and a release every step costs more than the
-recompute that leaves it room. ``reactive`` has no plans but the same rule: each block entry
-keeps the slack free. Logical accounting has no allocator: its slack is 0.
+more. ``reactive`` has no plans but the same slack: each block entry keeps it free. Logical
+accounting has no allocator: its slack is 0.
 
-Every rule returns whether the room shrank; its owner (``Planning``) then drops the plans
-made for the larger room.
+# NOTE [The slack is priced]
+A steady step during which the allocator served an allocation only after releasing its cache
+(CUDA's ``num_alloc_retries``: a device sync, the cache's pages unmapped, and under expandable
+segments mapped again chunk by chunk for the rest of the step) left the allocator too little
+room for the step's own fragmentation. More slack stops it but makes the step's plan treat
+more, so the slack grows by ``RETRY_SLACK_SHARE`` of the budget (up to ``MAX_RETRY_SLACK_SHARE``)
+only when what the retry cost is more than what that growth would add: the retry's price is the
+step's time net of its treatments' predicted time, less the median of the same shape bucket's
+steady steps without a retry (:class:`StepTimes`); the growth's price is the planner's: the
+bucket's plan at the smaller room less its plan now (``planning.slack_cost_ms``). Before a
+bucket has a step without retries to compare with, a retry is taken to cost more (releasing the
+cache on every step of a bucket is the cost that measured worst). The slack shrinks back by the
+same step, not below where it started, after ``SHRINK_AFTER_CLEAN_STEPS`` steady steps in a row
+without a retry: plans then use the room again, and a retry that comes back is priced against
+measured clean steps.
+
+Every rule returns whether the room changed; its owner (``Planning``) then drops the plans
+made for the room before.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
 
 __all__ = [
-    "Room", "DEFAULT_MARGIN_SHARE", "ALLOCATOR_SLACK_BYTES", "RETRY_SLACK_SHARE", "MAX_RETRY_SLACK_SHARE",
-    "OOM_MARGIN_PARTS", "MISS_MARGIN_FACTOR", "SLACK_FACTOR",
+    "Room", "StepTimes", "DEFAULT_MARGIN_SHARE", "ALLOCATOR_SLACK_BYTES", "RETRY_SLACK_SHARE", "MAX_RETRY_SLACK_SHARE",
+    "OOM_MARGIN_PARTS", "MISS_MARGIN_FACTOR", "SLACK_FACTOR", "SHRINK_AFTER_CLEAN_STEPS", "CLEAN_STEPS_KEPT",
 ]
 
 #: the margin's share of the budget before any step erred, per accounting (the meter's kind)
@@ -46,6 +59,26 @@ OOM_MARGIN_PARTS = 20
 MISS_MARGIN_FACTOR = 1.25
 #: an OOM grows the slack to this many times the reserved bytes that were not allocated
 SLACK_FACTOR = 1.25
+#: steady steps in a row without a retry after which the slack shrinks a step (NOTE [The slack is priced])
+SHRINK_AFTER_CLEAN_STEPS = 32
+#: per shape bucket, how many of the latest steps without a retry price a retry
+CLEAN_STEPS_KEPT = 8
+
+
+@dataclass
+class StepTimes:
+    """Per shape bucket, the latest steady steps' times without an allocator retry, net of their
+    treatments' predicted time: what a retry's extra time is measured against (NOTE [The slack is priced])."""
+
+    clean_ms: dict[tuple[int, int], deque] = field(default_factory=dict)
+
+    def add_clean(self, bucket: tuple[int, int], net_ms: float) -> None:
+        self.clean_ms.setdefault(bucket, deque(maxlen=CLEAN_STEPS_KEPT)).append(float(net_ms))
+
+    def retry_ms(self, bucket: tuple[int, int], net_ms: float) -> float | None:
+        """What a step's retries cost: its net time over the bucket's median clean one (None before one)."""
+        clean = self.clean_ms.get(bucket)
+        return None if not clean else max(0.0, float(net_ms) - statistics.median(clean))
 
 
 @dataclass
@@ -61,6 +94,16 @@ class Room:
     budget_bytes: int | None
     margin_bytes: int = 0
     slack_bytes: int = 0
+    #: the floor a shrink stops at: the slack the run started with, or what an OOM measured
+    #: (None: the slack given)
+    start_slack_bytes: int | None = None
+    #: steady steps in a row without a retry
+    clean_steps: int = 0
+    times: StepTimes = field(default_factory=StepTimes)
+
+    def __post_init__(self) -> None:
+        if self.start_slack_bytes is None:
+            self.start_slack_bytes = self.slack_bytes
 
     @classmethod
     def for_run(cls, budget_bytes: int | None, accounting: str, margin_share: float | None = None) -> "Room":
@@ -73,7 +116,7 @@ class Room:
         """
         share = DEFAULT_MARGIN_SHARE.get(accounting, 0.0) if margin_share is None else margin_share
         slack = min(ALLOCATOR_SLACK_BYTES, (budget_bytes or 0) // 16) if accounting == "cuda" else 0
-        return cls(budget_bytes, int(share * (budget_bytes or 0)), slack)
+        return cls(budget_bytes, int(share * (budget_bytes or 0)), slack, start_slack_bytes=slack)
 
     @property
     def free_bytes(self) -> int:
@@ -92,15 +135,33 @@ class Room:
             return self.raise_margin(int(MISS_MARGIN_FACTOR * miss_bytes) - self.margin_bytes)
         return False
 
-    def after_alloc_retries(self) -> bool:
-        """The allocator released its cache to serve a steady step: the slack grows by
-        ``RETRY_SLACK_SHARE`` of the budget, up to ``MAX_RETRY_SLACK_SHARE`` in all."""
+    @property
+    def slack_step_bytes(self) -> int:
+        """How much one retry rule grows the slack, or shrinks it (NOTE [The slack is priced])."""
+        return int(RETRY_SLACK_SHARE * (self.budget_bytes or 0))
+
+    def after_alloc_retries(self, retry_ms: float | None = None, growth_ms: float = 0.0) -> bool:
+        """The allocator released its cache to serve a steady step that cost ``retry_ms`` more
+        (None: not measured yet): the slack grows by :attr:`slack_step_bytes`, up to
+        ``MAX_RETRY_SLACK_SHARE`` of the budget, if the retry cost more than ``growth_ms``, what the
+        growth would add to the step's plan (NOTE [The slack is priced])."""
+        self.clean_steps = 0
         if not self.budget_bytes:
             return False
         ceiling = int(MAX_RETRY_SLACK_SHARE * self.budget_bytes)
-        if self.slack_bytes >= ceiling:
+        if self.slack_bytes >= ceiling or (retry_ms is not None and retry_ms <= growth_ms):
             return False
-        self.slack_bytes = min(ceiling, self.slack_bytes + int(RETRY_SLACK_SHARE * self.budget_bytes))
+        self.slack_bytes = min(ceiling, self.slack_bytes + self.slack_step_bytes)
+        return True
+
+    def after_clean_step(self) -> bool:
+        """A steady step ran without a retry: after ``SHRINK_AFTER_CLEAN_STEPS`` in a row the slack
+        shrinks by :attr:`slack_step_bytes`, not below where it started (returns whether it did)."""
+        self.clean_steps += 1
+        if self.clean_steps < SHRINK_AFTER_CLEAN_STEPS or self.slack_bytes <= self.start_slack_bytes:
+            return False
+        self.clean_steps = 0
+        self.slack_bytes = max(self.start_slack_bytes, self.slack_bytes - self.slack_step_bytes)
         return True
 
     def learn_slack(self, unusable_bytes: int) -> bool:
@@ -108,7 +169,7 @@ class Room:
         wanted = int(SLACK_FACTOR * unusable_bytes)
         if wanted <= self.slack_bytes:
             return False
-        self.slack_bytes = wanted
+        self.slack_bytes = self.start_slack_bytes = wanted  # measured: no shrink goes below it
         return True
 
     def after_oom(self, unusable_bytes: int) -> bool:

@@ -56,6 +56,7 @@ class StepState:
         rest_peak: allocator peak read at the optimizer's step (CUDA).
         window_carry: the step's allocator peak before the last block window reset it (NOTE
             [Block windows], engine/meter.py).
+        compile_start: with compiled blocks, :func:`~memfit.engine.blocks.compile_clock` at the step's start.
     """
 
     t0: float
@@ -86,6 +87,7 @@ class StepState:
     start_reserved: int | None = None
     rest_peak: int | None = None
     window_carry: int = 0
+    compile_start: tuple[float, int] | None = None
 
     def end_forward(self, outside: int, by_block: list[int]) -> None:
         """The forward ended having saved ``outside`` bytes outside the blocks and ``by_block`` in them."""
@@ -105,6 +107,12 @@ class StepState:
         """The finished step's record (``number``: its step number; ``now``: when it was closed)."""
         plan = self.decision.plan
         backstop_input = sum(self.backstop_input)  # NOTE [Backstop], protection.py
+        compile_s, graphs = (0.0, 0)
+        if self.compile_start is not None:
+            from memfit.engine.blocks import compile_clock
+
+            now_s, now_graphs = compile_clock()
+            compile_s, graphs = now_s - self.compile_start[0], now_graphs - self.compile_start[1]
         return StepRecord(
             step=number, shape=self.shape, tokens=self.key[0] * self.key[1], method=method,
             plan=list(plan.blocks), n_checkpointed=len(plan.blocks), n_blocks=n_blocks,
@@ -116,4 +124,5 @@ class StepState:
             planner_us=self.planner_us, planned=self.planned, evicted_blocks=self.evicted, backstop_armed=self.armed,
             backstop_input_bytes=backstop_input, oom_attempts=oom_attempts, rank=rank,
             treatments=plan.by_treatment(), counted=self.counted, alloc_retries=outcome.alloc_retries,
+            compile_ms=compile_s * 1e3, compiled_graphs=graphs,
         )

@@ -148,6 +148,7 @@ def start_line(
     accounting: str,
     block_kinds: Sequence[str],
     parameters: str | None = None,
+    compiled: str | None = None,
 ) -> str:
     """The line printed when training starts.
 
@@ -159,10 +160,19 @@ def start_line(
         accounting: ``"cuda"`` or ``"logical"``.
         block_kinds: the class name of each block found, in order.
         parameters: what :func:`parameters_words` says of the model, or ``None`` to leave it out.
+        compiled: for compiled blocks, the flag that asked for them (``"--torch_compile"``), or
+            ``""`` when none did (``fit(compile=...)``); ``None`` for eager blocks.
 
     Returns:
         One line, starting ``memfit:``.
+
+    Example:
+        >>> start_line("dynamic", None, None, "cuda", ["LlamaDecoderLayer"] * 2, compiled="--torch_compile").split(", ")[-1]
+        "compiled blocks (--torch_compile: each block's body and the loss compiled inside memfit's treatments)"
     """
+    compiled_words = None
+    if compiled is not None:
+        compiled_words = f"compiled blocks ({compiled + ': ' if compiled else ''}each block's body and the loss compiled inside memfit's treatments)"
     return ", ".join(
         [
             f"memfit: method {method}",
@@ -170,6 +180,7 @@ def start_line(
             _ACCOUNTING.get(accounting, f"{accounting} accounting"),
             _blocks_words(block_kinds),
             *([parameters] if parameters else []),
+            *([compiled_words] if compiled_words else []),
         ]
     )
 
@@ -210,4 +221,10 @@ def end_summary(records: Sequence[StepRecord], budget_given: str | None = None) 
         f"({100 * s.mean_checkpointed_fraction:.0f}%), recompute about {share_time} of step time (estimated), "
         f"steps took {step_ms / 1e3:.1f} s"
     )
-    return "\n".join([head, peak, blocks, verdict(records)])
+    lines = [head, peak, blocks]
+    if any(r.compiled_graphs for r in records):
+        lines.append(
+            f"memfit: compiling took {s.compile_ms / 1e3:.1f} s, "
+            f"{s.steady_compiled_graphs} graph{'s' * (s.steady_compiled_graphs != 1)} compiled after warm-up"
+        )
+    return "\n".join([*lines, verdict(records)])

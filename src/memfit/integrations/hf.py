@@ -82,6 +82,17 @@ SUMMARY_FILE = "memfit_summary.json"
 logger = logging.getLogger(__name__)
 
 
+# NOTE [--torch_compile compiles the blocks]
+# Hugging Face's --torch_compile compiles the whole model, and with it memfit's hooks: Dynamo
+# breaks its graph at each of them and the treatments' checkpoint and saved-tensor hooks, which
+# leaves it slower than compiled blocks and its saved tensors out of the plans' reach. So with the
+# memfit Trainer the flag asks for memfit's compiled blocks instead (each block's body compiled
+# inside the treatments, and the loss: NOTE [Compiled blocks], blocks.py), with its
+# --torch_compile_backend and --torch_compile_mode; the arguments then say torch_compile False
+# so that the Trainer and Accelerate compile nothing more, and memfit_compile_flag keeps which
+# flag asked (the start line names it). --memfit_compile is the same request by memfit's name.
+
+
 @dataclass
 class MemfitArguments:
     """memfit's flags (all optional), mixed into a ``transformers.TrainingArguments`` subclass
@@ -142,8 +153,8 @@ class MemfitArguments:
         default=False,
         metadata={"help": "Compile each block's body with torch.compile inside memfit's wrapper, the treatments "
                   "around it, and the model's loss function (NOTE [Compiled blocks]); there the selective treatment is "
-                  "the body compiled again under torch.compile's activation memory budget 0.5. Not with --torch_compile "
-                  "(the whole model, memfit's hooks included)."},
+                  "the body compiled again under torch.compile's activation memory budget 0.5. --torch_compile "
+                  "does the same with the memfit Trainer (NOTE [--torch_compile compiles the blocks])."},
     )
     overwrite_output_dir: bool = field(
         default=False,
@@ -185,11 +196,14 @@ class MemfitArguments:
             max_shape(self.memfit_max_shape)  # fail early on a malformed shape
         names = treatment_names(self.memfit_treatments)
         self.memfit_treatments = "auto" if names is None else ",".join(names)
-        if self.memfit_compile and getattr(self, "torch_compile", False):
-            raise FlagError(
-                "--torch_compile compiles the whole model, memfit's hooks included; --memfit_compile compiles each "
-                "block inside them: give only --memfit_compile"
-            )
+        self.memfit_compile_flag = "--memfit_compile" if self.memfit_compile else None
+        if getattr(self, "torch_compile", False):  # NOTE [--torch_compile compiles the blocks]
+            self.memfit_compile_flag = "--torch_compile"
+            self.memfit_compile_options = {
+                k: v for k, v in (("backend", self.torch_compile_backend), ("mode", self.torch_compile_mode)) if v
+            }
+            self.memfit_compile = True
+            self.torch_compile, self.torch_compile_backend, self.torch_compile_mode = False, None, None
         if str(self.memfit_backstop).lower() not in ("auto", "true", "false"):
             raise FlagError(f"--memfit_backstop {self.memfit_backstop!r}: give auto, true or false")
         # the flag's newer name first (reading the old one warns where both exist; older versions have only it)
@@ -276,6 +290,14 @@ class TrainingArguments(MemfitArguments, transformers.TrainingArguments):
     """``transformers.TrainingArguments`` plus memfit's flags (all optional)."""
 
 
+def _compile_option(args: Any) -> bool | dict[str, Any]:
+    """``fit``'s ``compile`` from the arguments: False, True, or the backend and mode
+    ``--torch_compile_backend``/``--torch_compile_mode`` gave (NOTE [--torch_compile compiles the blocks])."""
+    if not getattr(args, "memfit_compile", False):
+        return False
+    return dict(getattr(args, "memfit_compile_options", None) or {}) or True
+
+
 def _budget_flag(flag: str, value: str) -> int:
     try:
         return parse_bytes(value)
@@ -350,7 +372,7 @@ class MemfitTrainerMixin:
                 model, getattr(a, "memfit_budget_bytes", None), method, optimizer=optimizer, log=log,
                 margin=getattr(a, "memfit_margin", None), announce=False,
                 treatments=treatment_names(getattr(a, "memfit_treatments", "auto")),
-                compile=bool(getattr(a, "memfit_compile", False)), **method_kwargs,
+                compile=_compile_option(a), **method_kwargs,
             )
 
         self._hook = hook
@@ -495,7 +517,8 @@ class MemfitTrainerMixin:
         adapted = [adapted] if isinstance(adapted, str) else sorted(adapted)
         words = parameters_words(sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params),
                                  adapted, sum(hasattr(m, "lora_A") for m in self.model.modules()))
-        return start_line(ctl.method.name, ctl.budget_bytes, self._budget_given(), ctl.accounting, kinds, words)
+        compiled = (getattr(self.args, "memfit_compile_flag", None) or "") if ctl.blocks[0].compiled else None
+        return start_line(ctl.method.name, ctl.budget_bytes, self._budget_given(), ctl.accounting, kinds, words, compiled)
 
     def write_summary(self) -> dict[str, Any] | None:
         """Write ``memfit_summary.json``, and for methods with a memory model ``memfit_plans.json``

@@ -144,9 +144,12 @@ class Dynamic(Method):
     def learn(self, planning: "Planning", outcome: "StepOutcome") -> int | None:
         planning.apply(learner.learn_optimizer_peak(planning, outcome))
         predicted = planning.predict_peak(outcome.key, outcome.plan) if planning.model.ready else None
-        planning.apply(learner.learn_step(planning, outcome, predicted, self.planning_key(planning, outcome.key)))
+        taught = learner.learn_step(planning, outcome, predicted, self.planning_key(planning, outcome.key))
+        planning.apply(taught)
         planning.apply(learner.grow_margin(planning, outcome, predicted))
         planning.apply(learner.grow_slack(planning, outcome))
+        if not taught.samples:  # an error measured against curves that just changed says nothing
+            planning.apply(learner.note_bias(planning, outcome, predicted))
         if not outcome.counted and learner.mispredicted(planning, outcome, predicted):
             self._count_next.add(bucket_key(outcome.key, planning.bucket_tokens))
         return predicted

@@ -483,10 +483,12 @@ class TorchCompile(Peer):
             self.frames += 1
 
     def prepare(self, bundle: "TaskBundle", training_args: Any) -> None:
-        if getattr(training_args, "torch_compile", False):
+        # the memfit Trainer's arguments turn --torch_compile into compiled blocks and say which flag asked
+        if getattr(training_args, "torch_compile", False) or getattr(training_args, "memfit_compile", False):
             raise ValueError(
                 "--torch_compile compiles the whole model, memfit's hooks included; the compile peer compiles each "
-                "block itself (NOTE [Compile inside the block wrappers] in memfit/peers.py): drop --torch_compile"
+                "block itself (NOTE [Compile inside the block wrappers] in memfit/peers.py): drop --torch_compile "
+                "and --memfit_compile"
             )
         import torch._dynamo
 
