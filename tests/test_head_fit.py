@@ -123,3 +123,64 @@ def test_the_one_peak_evaluator_takes_a_chunked_heads_saving_off_and_the_learner
                                   peak=0, plain_peak=0, transient=None)
     update = learner.learn_step(planning, outcome, None, (4, 128))
     assert (("outside",), (4, 128), 1000 + 7 * 512) in update.samples
+
+
+def _fake_probe(per_token_ms: dict[str, float]):
+    """probe_head's stand-in: keep 1 ms; chunked 1 ms + per_token_ms[implementation] x tokens + 0.5 ms x chunks."""
+    def probe(spec, hidden, labels, n_chunks, implementation="pure"):
+        tokens = hidden.shape[0] * hidden.shape[1]
+        chunked = 1.0 + per_token_ms[implementation] * tokens + 0.5 * n_chunks
+        return {"keep": {"ms": 1.0, "saved_bytes": 0.0}, "chunked": {"ms": chunked, "saved_bytes": 0.0}}
+    return probe
+
+
+def test_warmup_prices_the_head_by_probe_and_the_price_reaches_the_plans(monkeypatch):
+    """NOTE [Pricing the head]: warm-up times the head under each usable implementation, the fastest
+    is the one run, and its price line (per token, per chunk) is in every chunked plan's cost."""
+    import memfit.engine.treatments.chunked_head as chunked_head
+
+    monkeypatch.setattr(chunked_head, "probe_head", _fake_probe({"pure": 0.02, "pure_grad_in_forward": 0.01}))
+    base = _base()
+    model = copy.deepcopy(base).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ctl = memfit.fit(model, budget=BUDGET, optimizer=optimizer, announce=False, method="dynamic", head=True)
+    generator = torch.Generator().manual_seed(1)
+    for length in LENGTHS:
+        ids = torch.randint(0, VOCAB, (4, length), generator=generator)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    part = ctl.head
+    assert part.probed_steps == chunked_head.PROBE_STEPS
+    assert set(part.probes) == {"pure", "pure_grad_in_forward"}
+    assert part.switch.implementation == "pure_grad_in_forward"
+    assert part.extra_ms_per_token == pytest.approx(0.01) and part.per_chunk_ms == pytest.approx(0.5)
+    plans = [p for p in ctl.plans().values() if p.head is not None and p.head[0] == "chunked"]
+    assert plans
+    for plan in plans:
+        assert plan.cost_ms >= 0.5 * plan.head[1] - 1e-9
+    tokens = 4 * 64
+    options = part.options(tokens)
+    assert [ms for *_, ms in options[1:]] == [pytest.approx(0.01 * tokens + 0.5 * n) for _, n, _, _ in options[1:]]
+    ctl.remove()
+
+
+def test_an_expensive_chunked_head_is_priced_out_where_blocks_make_the_room(monkeypatch):
+    """The planner picks by the probed price: where recomputing a block makes the room for 5 ms, a
+    head probed free chunks and a head probed dear keeps (and blocks are recomputed)."""
+    import memfit.engine.treatments.chunked_head as chunked_head
+    from memfit.engine.head import attach_head
+    from memfit.engine.planner import plan_with_head
+
+    hidden, ids = torch.randn(4, 64, 32), torch.randint(0, VOCAB, (4, 64))
+    blocks = [[("recompute", 10**9, 5.0)]] * 2
+    chosen = {}
+    for name, per_token in (("free", 0.0), ("dear", 1.0)):
+        monkeypatch.setattr(chunked_head, "probe_head", _fake_probe({"pure": per_token, "pure_grad_in_forward": per_token}))
+        part = chunked_head.HeadPart(attach_head(_base()))
+        part.probe(hidden, ids)
+        options = part.options(ids.numel())
+        plan = plan_with_head(blocks, options, options[1][2])
+        chosen[name] = (plan.head[0], plan.blocks)
+        part.remove()
+    assert chosen == {"free": ("chunked", ()), "dear": ("keep", (0,))}

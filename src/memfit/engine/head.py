@@ -56,7 +56,8 @@ from torch.utils.checkpoint import checkpoint
 
 __all__ = [
     "HEAD_TREATMENTS", "IMPLEMENTATIONS", "HeadSpec", "HeadNotFound", "HeadSwitch", "HeadBytes", "find_head", "attach_head",
-    "chunked_causal_lm_loss", "head_saved_bytes", "chunks_for_bytes", "probe_head", "available_implementations",
+    "chunked_causal_lm_loss", "head_saved_bytes", "chunks_for_bytes", "probe_head", "available_implementations", "FUSED",
+    "fused_chunks",
 ]
 
 logger = logging.getLogger("memfit")
@@ -64,6 +65,8 @@ logger = logging.getLogger("memfit")
 HEAD_TREATMENTS = ("keep", "chunked")
 #: chunked-loss implementations: the pure path runs everywhere; the fused ones need CUDA and their package
 IMPLEMENTATIONS = ("pure", "pure_grad_in_forward", "liger", "cce")
+#: the implementations whose kernel chunks the tokens itself (NOTE [Head bytes]: priced at :func:`fused_chunks`)
+FUSED = ("liger", "cce")
 
 # Families whose ``*ForCausalLM.forward`` is: body -> lm_head -> post-processing -> loss_function,
 # and the post-processing each applies to the logits (read from the model, below).
@@ -362,6 +365,9 @@ class HeadSwitch:
         self.treatment, self.n_chunks, self.implementation = "keep", 1, "pure"
         #: chunked forwards run so far (what a test or a record can read)
         self.chunked_forwards = 0
+        #: called once with the body's output and the labels before the next loss is computed (warm-up's
+        #: price probe, treatments/chunked_head.py), then cleared
+        self.probe: Callable[[torch.Tensor, torch.Tensor], None] | None = None
         self._pending: dict[str, Any] | None = None
         self._hidden: torch.Tensor | None = None
         lm = spec.causal_lm
@@ -417,6 +423,9 @@ class HeadSwitch:
         if hidden is None:
             raise RuntimeError("memfit's head switch saw no output of the decoder body; call HeadSwitch.remove() to keep the model's own head")
         labels = pending.pop("labels")
+        if self.probe is not None:
+            probe, self.probe = self.probe, None
+            probe(hidden, labels if "shift_labels" not in pending else None)
         if self.treatment == "keep":
             logits = self.spec.logits(hidden)
             loss = self.spec.causal_lm.loss_function(logits=logits, labels=labels, vocab_size=self.spec.vocab_size, **pending)
@@ -481,8 +490,10 @@ def head_saved_bytes(
     one chunk at a time holds its logits in the model's dtype, their float32 copy, ``log_softmax``'s
     output and, in backward, its gradient (float32): the transient. ``pure_grad_in_forward`` keeps the
     hidden rows' gradient instead of the rows and targets and, when ``lm_head``'s weight trains
-    (``weight_trains``), its float32 gradient (``vocab x hidden x 4``). Measured by :func:`probe_head`,
-    checked against this in tests/test_head.py.
+    (``weight_trains``), its float32 gradient (``vocab x hidden x 4``). The fused kernels (:data:`FUSED`)
+    chunk the tokens themselves and take each chunk's gradient in forward: they are priced as
+    ``pure_grad_in_forward`` at :func:`fused_chunks` chunks, whatever ``n_chunks`` says (an upper bound:
+    they hold less in the model's dtype). Measured by :func:`probe_head`, checked against this in tests/test_head.py.
     """
     size = torch.tensor([], dtype=dtype).element_size()
     hidden_bytes = tokens * hidden * size + tokens * 8  # the rows and their int64 targets
@@ -491,11 +502,20 @@ def head_saved_bytes(
         transient = tokens * vocab * size + (tokens * vocab * 4 if size != 4 else 0)
         return HeadBytes(saved, transient)
     if treatment == "chunked":
+        if implementation in FUSED:
+            n_chunks, implementation = fused_chunks(tokens, vocab, hidden), "pure_grad_in_forward"
         rows = -(-tokens // max(1, n_chunks))
         if implementation == "pure_grad_in_forward":
             return HeadBytes(tokens * hidden * size + (vocab * hidden * 4 if weight_trains else 0), rows * vocab * (size + 4 + 4 + 4))
         return HeadBytes(hidden_bytes, rows * vocab * (size + 4 + 4 + 4))
     raise ValueError(f"head treatment must be one of {HEAD_TREATMENTS}, got {treatment!r}")
+
+
+def fused_chunks(tokens: int, vocab: int, hidden: int) -> int:
+    """How many chunks of tokens a fused kernel (:data:`FUSED`) runs: ``ceil(vocab / hidden)``, as
+    Liger's fused linear cross-entropy does (each chunk's logits about as large as the hidden rows),
+    at most one per token."""
+    return max(1, min(tokens, -(-vocab // max(1, hidden))))
 
 
 def chunks_for_bytes(tokens: int, vocab: int, dtype: torch.dtype, transient_bytes: int) -> int:

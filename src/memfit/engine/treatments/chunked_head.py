@@ -10,25 +10,50 @@ minus chunked; the time is ``extra_ms + per_chunk_ms * n_chunks`` (what warm-up'
 chunk adds). Chunk counts are powers of two up to the batch's tokens (one token per chunk at
 most); a count is offered only where it saves more than the count before it, so the options'
 bytes and times both rise and the planner's tie rule picks the fewest chunks that fit.
+
+# NOTE [Pricing the head]
+The chunked head costs time over keep (``pure`` recomputes each chunk's logits in backward; the
+others compute the gradient in forward or run a fused kernel), and that time decides whether the
+planner chunks the head or treats blocks to make the same room. So the first :data:`PROBE_STEPS`
+warm-up steps time the head (:func:`memfit.engine.head.probe_head`) on the body's real output, cut
+to one chunk's rows of that step (at most :data:`PROBE_TOKENS`: the probe's ``keep`` then holds no
+more than the step's own chunk does), under each implementation usable here, at
+:data:`PROBE_CHUNKS` chunks. The least time of each measurement over those steps is kept (a kernel's
+first call compiles or autotunes), and the price is a line: ``extra_ms_per_token x tokens +
+per_chunk_ms x n_chunks`` (both at least 0, so a head that is measured no slower chunked costs
+nothing and the tie rule still keeps it where nothing is needed: plans stay deterministic). The
+implementation with the least extra time is the one the switch runs from then on; its bytes are
+what :func:`head_options` prices. The probe's gradients go to detached copies
+(``torch.autograd.grad``): training is untouched. Until the price is known the head is free.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memfit.engine.head import HeadSwitch, attach_head, head_saved_bytes
+from memfit.engine.head import FUSED, HeadSwitch, attach_head, available_implementations, fused_chunks, head_saved_bytes, probe_head
 from memfit.engine.treatments.base import KEEP, Treatment
 
 if TYPE_CHECKING:
     from memfit.engine.blocks import Block
 
-__all__ = ["CHUNKED", "KeepHead", "ChunkedHead", "HeadPart", "head_options", "attach_head_part", "with_head", "head_treatments"]
+__all__ = ["CHUNKED", "PROBE_STEPS", "PROBE_TOKENS", "PROBE_CHUNKS", "KeepHead", "ChunkedHead", "HeadPart", "head_options",
+           "attach_head_part", "with_head", "head_treatments"]
+
+logger = logging.getLogger("memfit")
 
 CHUNKED = "chunked"
+#: warm-up steps whose head is timed (NOTE [Pricing the head])
+PROBE_STEPS = 3
+#: the most tokens a probe of the head runs on (NOTE [Pricing the head])
+PROBE_TOKENS = 2048
+#: the chunk counts a probe times: the extra time at the fewest, the slope per chunk between them
+PROBE_CHUNKS = (1, 4)
 
 
 class KeepHead(Treatment):
@@ -69,6 +94,8 @@ def head_options(
     out: list[tuple[str, int, int, float]] = [(KEEP, 1, 0, 0.0)]
     last_saved = 0
     n_chunks = 1
+    if implementation in FUSED:  # the kernel's own chunk count, the only one (NOTE [Head bytes], head.py)
+        n_chunks = fused_chunks(tokens, vocab, hidden)
     while True:
         n_chunks = min(n_chunks, max(1, tokens))
         chunked = head_saved_bytes(tokens, vocab, hidden, dtype, CHUNKED, n_chunks, softcap, implementation)
@@ -76,7 +103,7 @@ def head_options(
         if saved > last_saved:
             out.append((CHUNKED, n_chunks, int(saved), float(extra_ms + per_chunk_ms * n_chunks)))
             last_saved = saved
-        if n_chunks >= tokens:
+        if n_chunks >= tokens or implementation in FUSED:
             return tuple(out)
         n_chunks *= 2
 
@@ -87,8 +114,16 @@ class HeadPart:
 
     Args:
         switch: the model's head switch (:func:`memfit.engine.head.attach_head`).
-        extra_ms: the chunked head's time over keep.
+        extra_ms: the chunked head's time over keep, whatever the tokens.
         per_chunk_ms: what each chunk adds (0: the planner's tie rule picks the fewest chunks that fit).
+        transient: price the head's transient bytes too (False under logical accounting: NOTE [Head options]).
+        extra_ms_per_token: the chunked head's time over keep per token of the batch.
+        on_priced: called when warm-up's probes change the price (the planner's cached plans are stale then).
+
+    Attributes:
+        probes: per implementation and chunk count, the least ``keep`` and ``chunked`` times (ms)
+            and the tokens they were timed on (NOTE [Pricing the head]).
+        probed_steps: warm-up steps whose head was timed so far.
 
     Example:
         >>> part = HeadPart(attach_head(model))               # doctest: +SKIP
@@ -96,10 +131,56 @@ class HeadPart:
         >>> part.apply(plan)                                    # doctest: +SKIP
     """
 
-    def __init__(self, switch: HeadSwitch, extra_ms: float = 0.0, per_chunk_ms: float = 0.0, transient: bool = True):
+    def __init__(
+        self, switch: HeadSwitch, extra_ms: float = 0.0, per_chunk_ms: float = 0.0, transient: bool = True,
+        extra_ms_per_token: float = 0.0, on_priced: Callable[[], None] | None = None,
+    ):
         self.switch, self.extra_ms, self.per_chunk_ms = switch, float(extra_ms), float(per_chunk_ms)
-        #: price the head's transient bytes too (False under logical accounting: NOTE [Head options])
+        self.extra_ms_per_token = float(extra_ms_per_token)
         self.transient = transient
+        self.on_priced = on_priced
+        self.probes: dict[str, dict[int, dict[str, float]]] = {}
+        self.probed_steps = 0
+
+    def probe(self, hidden: torch.Tensor, labels: torch.Tensor | None) -> None:
+        """Time the chunked head against keep on this step's body output, under every implementation
+        usable here, and price the head from the least times so far (NOTE [Pricing the head])."""
+        if labels is None:
+            return  # the caller gave shifted labels only: nothing to cut a probe from
+        self.probed_steps += 1
+        spec = self.switch.spec
+        rows = hidden.detach().reshape(-1, hidden.shape[-1])
+        tokens = max(1, min(rows.shape[0], -(-rows.shape[0] // self.switch.n_chunks), PROBE_TOKENS))
+        h, y = rows[:tokens].unsqueeze(0), labels.reshape(-1)[:tokens].unsqueeze(0)
+        for implementation in available_implementations(spec, rows.device):
+            seen = self.probes.setdefault(implementation, {})
+            for n_chunks in sorted({min(n, tokens) for n in PROBE_CHUNKS}):
+                timed = probe_head(spec, h, y, n_chunks, implementation)
+                was = seen.get(n_chunks, {"keep": float("inf"), "chunked": float("inf")})
+                seen[n_chunks] = {"keep": min(was["keep"], timed["keep"]["ms"]), "chunked": min(was["chunked"], timed["chunked"]["ms"]),
+                                  "tokens": float(tokens)}
+        self._price()
+
+    def _price(self) -> None:
+        """The price line of the fastest implementation probed (NOTE [Pricing the head])."""
+        lines = {}
+        for implementation, seen in self.probes.items():
+            counts = sorted(seen)
+            extra = {n: seen[n]["chunked"] - seen[n]["keep"] for n in counts}
+            slope = max(0.0, (extra[counts[-1]] - extra[counts[0]]) / (counts[-1] - counts[0])) if len(counts) > 1 else 0.0
+            per_token = max(0.0, extra[counts[0]] - slope * counts[0]) / seen[counts[0]]["tokens"]
+            lines[implementation] = (per_token, slope, min(extra.values()))
+        if not lines:
+            return
+        best = min(lines, key=lambda name: lines[name][2])  # dict order: pure first, so it wins ties
+        self.extra_ms_per_token, self.per_chunk_ms = lines[best][:2]
+        self.extra_ms = 0.0
+        self.switch.implementation = best
+        if self.on_priced is not None:
+            self.on_priced()
+        if self.probed_steps == PROBE_STEPS:
+            logger.info("memfit: the LM head chunked (%s) costs %.4f ms per 1k tokens and %.4f ms per chunk over keeping it",
+                        best, 1e3 * self.extra_ms_per_token, self.per_chunk_ms)
 
     @classmethod
     def from_probes(cls, switch: HeadSwitch, probes: Mapping[int, Mapping[str, Mapping[str, float]]]) -> "HeadPart":
@@ -116,7 +197,8 @@ class HeadPart:
         spec = self.switch.spec
         weight = spec.weight
         return head_options(
-            tokens, spec.vocab_size, weight.shape[-1], weight.dtype, self.extra_ms, self.per_chunk_ms,
+            tokens, spec.vocab_size, weight.shape[-1], weight.dtype, self.extra_ms + self.extra_ms_per_token * tokens,
+            self.per_chunk_ms,
             softcap=spec.softcap is not None, implementation=self.switch.implementation, transient=self.transient,
         )
 
@@ -144,6 +226,8 @@ class HeadPart:
         the step ran is what its plan says (the learner adds the saving back: NOTE [Head in the peaks]).
         """
         plan = decision.plan
+        if decision.warmup and self.probed_steps < PROBE_STEPS:
+            self.switch.probe = self.probe  # NOTE [Pricing the head]
         if plan.head is None:
             tokens = max(1, key[0] * key[1])
             options = self.options(tokens)
@@ -161,12 +245,12 @@ class HeadPart:
 def attach_head_part(model: torch.nn.Module, planning: Any, transient: bool) -> HeadPart | None:
     """``memfit.fit(..., head=True)``: the model's head as a planned part, or None (with one logged line
     saying why, :func:`memfit.engine.head.attach_head`) when memfit does not recognise it. Its options are
-    priced by :func:`head_saved_bytes` (``transient``: the meter's peaks hold transients), its time as free
-    (the tie rule keeps the head where nothing is needed); ``planning`` plans with it from now on."""
+    priced by :func:`head_saved_bytes` (``transient``: the meter's peaks hold transients), its time by
+    warm-up's probes (NOTE [Pricing the head]), free until then; ``planning`` plans with it from now on."""
     switch = attach_head(model)
     if switch is None:
         return None
-    part = HeadPart(switch, transient=transient)
+    part = HeadPart(switch, transient=transient, on_priced=planning.cache.clear)
     planning.set_head(part)
     return part
 
