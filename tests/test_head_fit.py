@@ -66,22 +66,84 @@ def test_fit_plans_the_head_per_batch_keeps_short_chunks_long_and_stays_in_budge
     assert model(input_ids=torch.arange(8)[None], labels=torch.arange(8)[None]).logits is not None
 
 
-def test_head_false_gives_the_same_records_as_before():
+def test_head_is_planned_by_default_and_head_false_leaves_it_out_of_the_records():
+    """NOTE [The head by default]: a recognised causal LM under ``dynamic`` with a budget plans its head
+    without being asked; ``head=False`` records no head and runs the model's own."""
     base = _base()
-    _, plain = _train(base, BUDGET, method="dynamic")
+    _, auto = _train(base, BUDGET, method="dynamic")
     _, off = _train(base, BUDGET, method="dynamic", head=False)
+    assert all("head" in r.treatments for r in auto)
     assert all("head" not in r.treatments for r in off)
-    keys = ("plan", "treatments", "peak_allocated_bytes", "predicted_peak_bytes", "phase")
-    assert [[getattr(r, k, None) for k in keys] for r in plain] == [[getattr(r, k, None) for k in keys] for r in off]
 
 
-def test_an_unrecognised_head_is_left_to_the_model_with_one_line(caplog):
+def test_an_unrecognised_head_is_kept_with_the_reason_in_the_start_line_and_head_true_raises(capsys):
     base = _base()
     base.loss_function = lambda logits, labels, vocab_size, **kw: logits.float().mean()  # a custom loss
-    with caplog.at_level("WARNING", logger="memfit"):
-        _, records = _train(base, None, method="none", head=True)
-    assert any("head" in m.lower() for m in caplog.messages)
+    model = copy.deepcopy(base)
+    ctl = memfit.fit(model, budget=BUDGET, method="dynamic")
+    assert ctl.head is None and "custom loss" in ctl.head_words
+    assert "LM head kept (" in capsys.readouterr().err
+    ctl.remove()
+    with pytest.raises(ValueError, match="head=True: .*custom loss"):
+        memfit.fit(copy.deepcopy(base), budget=BUDGET, method="dynamic", head=True, announce=False)
+    _, records = _train(base, BUDGET, method="dynamic")
     assert all("head" not in r.treatments for r in records)
+
+
+@pytest.mark.parametrize("method, budget", [("none", BUDGET), ("full", BUDGET), ("dynamic", None)])
+def test_auto_keeps_the_head_where_the_method_does_not_plan_under_a_budget(method, budget):
+    model = copy.deepcopy(_base())
+    ctl = memfit.fit(model, budget=budget, method=method, announce=False)
+    assert ctl.head is None and "does not plan per batch" in ctl.head_words
+    ctl.remove()
+
+
+def test_bad_head_arguments_name_the_argument():
+    with pytest.raises(ValueError, match="head='yes'"):
+        memfit.fit(_base(), budget=BUDGET, head="yes", announce=False)
+    with pytest.raises(ValueError, match="head_logits='keep'"):
+        memfit.fit(_base(), budget=BUDGET, head_logits="keep", announce=False)
+
+
+def test_a_forward_without_labels_leaves_the_head_to_the_caller_once(caplog):
+    """A loop that computes its own loss from the logits (as TRL does): the head leaves the plans at the
+    first such forward, said once, and the logits are the model's own."""
+    model = copy.deepcopy(_base()).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ctl = memfit.fit(model, budget=BUDGET, optimizer=optimizer, method="dynamic", announce=False)
+    assert ctl.head is not None
+    with caplog.at_level("WARNING", logger="memfit"):
+        for length in (16, 32, 16):
+            ids = torch.randint(0, VOCAB, (2, length))
+            logits = model(input_ids=ids).logits
+            torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    assert ctl.head is None and "without labels" in ctl.head_words
+    assert sum("without labels" in m for m in caplog.messages) == 1
+    assert all("head" not in r.treatments for r in ctl.records)
+    ctl.remove()
+
+
+def test_outputs_logits_are_dropped_where_the_head_is_chunked_and_detached_on_request():
+    """NOTE [How the chunked head hooks into the model], Rule 3, through ``fit``: a training step whose
+    head is chunked returns no logits (``head_logits="drop"``) or the logits without grad
+    (``"detached"``); where the head is kept, and in eval, they are the model's own."""
+    ids = torch.randint(0, VOCAB, (4, 64))
+    for mode in ("drop", "detached"):
+        model = copy.deepcopy(_base()).train()
+        ctl = memfit.fit(model, budget=BUDGET, method="dynamic", announce=False, head_logits=mode)
+        out = model(input_ids=ids, labels=ids)  # warm-up: every block recomputed, the head chunked
+        assert ctl.head.switch.treatment == "chunked"
+        if mode == "drop":
+            assert out.logits is None
+        else:
+            assert out.logits is not None and not out.logits.requires_grad and out.logits.shape == (4, 64, VOCAB)
+        out.loss.backward()
+        model.eval()
+        with torch.no_grad():
+            assert model(input_ids=ids, labels=ids).logits.shape == (4, 64, VOCAB)
+        ctl.remove()
 
 
 def test_the_head_label_is_no_block_in_the_summary_counts():

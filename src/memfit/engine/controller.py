@@ -58,7 +58,8 @@ from memfit.engine.shapes import first_tensor, shape_key
 from memfit.engine.store import ReactiveStore
 from memfit.engine.summary_text import end_summary, start_line
 from memfit.engine.treatments import OFFLOAD, RECOMPUTE, SELECTIVE, Treatment, make_treatments, run_treatment_names
-from memfit.engine.treatments.chunked_head import attach_head_part, head_treatments, with_head
+from memfit.engine.treatments.chunked_head import attach_head_part, check_head_mode, head_treatments, with_head
+from memfit.integrations.distributed import is_fsdp, world_size
 
 __all__ = ["fit", "Controller", "check_static_need_of"]
 
@@ -203,8 +204,10 @@ class Controller:
         treatments: Sequence[str] | None = None,
         announce: str | bool = False,
         compile: bool | dict[str, Any] = False,
-        head: bool = False,
+        head: bool | str = "auto",
+        head_logits: str = "drop",
     ):
+        check_head_mode(head, head_logits)
         self.model = model
         self.method = method
         self.budget_bytes = budget_bytes
@@ -226,7 +229,12 @@ class Controller:
         # Parameters and buffers are never activations (under FSDP: this rank's shards).
         self._counter = SavedTensorCounter(len(self.blocks), exclude=list(model.parameters()) + list(model.buffers()))
         self.treatments = _make_treatments(treatments, self._counter, self.planning, self.device, self.blocks[0].compiled)
-        self.head = attach_head_part(model, self.planning, transient=self.meter.kind != "logical") if head else None
+        sharded = "a sharded model (FSDP)" if world_size() > 1 and is_fsdp(model) else None
+        #: the LM head as a planned part, or None; what the start line says of it (NOTE [The head by default])
+        self.head, self.head_words = attach_head_part(
+            model, self.planning, transient=self.meter.kind != "logical", mode=head, why_not=sharded, logits=head_logits,
+            plans=method.learns and budget_bytes is not None,
+        )
         self.protection = method.make_protection(
             lambda: ReactiveStore(self._counter.excluded_ptrs), self.planning, self.meter, self._counter
         )
@@ -236,7 +244,8 @@ class Controller:
         #: print a start line now and a summary at remove(); a str is the budget as the user wrote it
         self.announce = announce
         if announce:
-            _say(start_line(method.name, budget_bytes, _given(announce), self.meter.kind, _kinds(self.blocks)), self.rank)
+            _say(start_line(method.name, budget_bytes, _given(announce), self.meter.kind, _kinds(self.blocks))
+                 + self.head_start_words(), self.rank)
         self._records: list[StepRecord] = []
         self._step: StepState | None = None
         self._steps_recorded = 0
@@ -253,6 +262,22 @@ class Controller:
         self.optimizer: torch.optim.Optimizer | None = None
         self._optimizer_handles: list = []
         self.set_optimizer(optimizer, check=False)
+
+    def head_start_words(self) -> str:
+        """What the start line adds of the LM head: ``", LM head ..."`` for a causal LM (planned, or why
+        it is kept), nothing for other models."""
+        causal = self.head is not None or type(self.model).__name__.endswith(("ForCausalLM", "LMHeadModel")) or hasattr(self.model, "peft_config")
+        return f", {self.head_words}" if causal else ""
+
+    def _drop_head(self) -> None:
+        """A training forward without labels: the caller computes the loss, so the head leaves the plans
+        for the rest of the run (NOTE [The head by default], treatments/chunked_head.py), said once."""
+        self.head.remove()
+        self._handles = [h for h in self._handles if h is not self.head]
+        self.head, self.head_words = None, "LM head kept (the model is called without labels: the caller computes the loss)"
+        self.planning.set_head(None)
+        logger.warning("memfit: the model is called without labels (its loss is computed outside it), so memfit leaves "
+                       "the LM head to the caller and counts its bytes as the blocks' neighbours")
 
     # ----------------------------------------------------------------- optimizer
     def set_optimizer(self, optimizer: torch.optim.Optimizer | None, check: bool = True) -> None:
@@ -344,6 +369,8 @@ class Controller:
         misses = self.planning.cache.misses
         oom = self.replay.oom
         failed = oom.failed_plan if oom.attempts and not self.replay.replaying else None
+        if self.head is not None and not self.head.taking_over:
+            self._drop_head()
         t0 = time.perf_counter()
         decision = with_head(self.head, self.method.decide(self.planning, step.key, failed), step.key)
         step.planner_us = (time.perf_counter() - t0) * 1e6
@@ -492,7 +519,8 @@ def fit(
     treatments: Sequence[str] | None = None,
     announce: bool = True,
     compile: bool | dict[str, Any] = False,
-    head: bool = False,
+    head: bool | str = "auto",
+    head_logits: str = "drop",
     **method_kwargs: Any,
 ) -> Controller:
     """Train ``model`` inside ``budget`` by treating just enough blocks per batch.
@@ -529,7 +557,18 @@ def fit(
             ``loss`` is False.
         head: plan the LM head of a causal LM beside the blocks (NOTE [The head in the plan] in
             planner.py): per batch ``keep`` or ``chunked`` logits and loss (treatments/chunked_head.py),
-            recorded under ``treatments["head"]``; an unrecognised head is left to the model (one line says why).
+            recorded under ``treatments["head"]``. ``"auto"`` (default): wherever memfit recognises the
+            head, the method is ``dynamic`` or ``static`` and a budget is given, for forwards that pass
+            ``labels`` (a forward without them leaves the head to the caller from then on); elsewhere
+            the model keeps its head and the start line says why (NOTE [The head by default]).
+            ``True``: plan it whatever the method, or raise ValueError where memfit cannot. ``False``:
+            never. A chunked head's loss and gradients equal the model's within float32 rounding
+            (not bitwise: the additions are reordered); the blocks stay bitwise.
+        head_logits: what a training forward with ``labels`` returns as ``outputs.logits`` in a step
+            whose head is chunked: ``"drop"`` (default: None, the ``tokens x vocab`` logits are never
+            made) or ``"detached"`` (computed without grad in the model's dtype, for metrics; costs
+            ``tokens x vocab`` bytes). Where the head is kept, and in eval or no-grad forwards, the
+            logits are the model's own.
         **method_kwargs: passed to the method (``path=`` for ``precomputed``,
             ``max_shape=`` for ``static``, ``warmup_steps=`` for ``dynamic``...).
 
@@ -557,4 +596,4 @@ def fit(
     method_obj = make_method(method, **method_kwargs)
     shown = (budget if isinstance(budget, str) else True) if announce else False
     return Controller(model, budget_bytes, method_obj, optimizer, blocks, log, margin, bucket_tokens, cap, treatments, shown,
-                      compile, head=head)
+                      compile, head=head, head_logits=head_logits)

@@ -394,6 +394,11 @@ class HeadSwitch:
                              f"nn.Linear lm_head without logit scaling); choose one of {usable}")
         self.treatment, self.n_chunks, self.implementation = treatment, n_chunks, implementation
 
+    @property
+    def taking_over(self) -> bool:
+        """Whether the forward now running has its loss computed here (its pre-hook took its ``labels``)."""
+        return self._pending is not None
+
     def remove(self) -> None:
         """Take the hooks off; the model computes its head as before."""
         for handle in self._handles:

@@ -126,8 +126,8 @@ class Planning:
         self.head: Any = None  # the LM head as a planned part (treatments/chunked_head.py HeadPart), or None
 
     def set_head(self, part: Any) -> None:
-        """Plan the LM head beside the blocks from now on (NOTE [The head in the plan], planner.py)."""
-        self.head, self.model.head_saving = part, part.saved_bytes
+        """Plan the LM head beside the blocks from now on (NOTE [The head in the plan], planner.py); None: no more."""
+        self.head, self.model.head_saving = part, None if part is None else part.saved_bytes
         self.cache.clear()
 
     def price_offload(self, offload_ms: Callable[[float, float], float]) -> None:

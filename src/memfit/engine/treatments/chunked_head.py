@@ -42,7 +42,7 @@ from memfit.engine.treatments.base import KEEP, Treatment
 if TYPE_CHECKING:
     from memfit.engine.blocks import Block
 
-__all__ = ["CHUNKED", "PROBE_STEPS", "PROBE_TOKENS", "PROBE_CHUNKS", "KeepHead", "ChunkedHead", "HeadPart", "head_options",
+__all__ = ["CHUNKED", "HEAD_MODES", "HEAD_LOGITS", "check_head_mode", "PROBE_STEPS", "PROBE_TOKENS", "PROBE_CHUNKS", "KeepHead", "ChunkedHead", "HeadPart", "head_options",
            "attach_head_part", "with_head", "head_treatments"]
 
 logger = logging.getLogger("memfit")
@@ -241,18 +241,70 @@ class HeadPart:
         """Take the switch's hooks off the model."""
         self.switch.remove()
 
+    @property
+    def taking_over(self) -> bool:
+        """Whether the switch computes the loss of the forward now running (it has ``labels``; NOTE [How
+        the chunked head hooks into the model], head.py): read at the first block, after the switch's pre-hook."""
+        return self.switch.taking_over
 
-def attach_head_part(model: torch.nn.Module, planning: Any, transient: bool) -> HeadPart | None:
-    """``memfit.fit(..., head=True)``: the model's head as a planned part, or None (with one logged line
-    saying why, :func:`memfit.engine.head.attach_head`) when memfit does not recognise it. Its options are
-    priced by :func:`head_saved_bytes` (``transient``: the meter's peaks hold transients), its time by
-    warm-up's probes (NOTE [Pricing the head]), free until then; ``planning`` plans with it from now on."""
-    switch = attach_head(model)
-    if switch is None:
-        return None
+
+#: what ``memfit.fit(head=...)`` takes
+HEAD_MODES = ("auto", True, False)
+#: what ``memfit.fit(head_logits=...)`` takes (NOTE [How the chunked head hooks into the model], head.py, Rule 3)
+HEAD_LOGITS = ("drop", "detached")
+
+
+def check_head_mode(head: Any, logits: Any = "drop") -> None:
+    """Raises ValueError naming the argument unless ``head`` is one of :data:`HEAD_MODES` and ``logits``
+    one of :data:`HEAD_LOGITS`."""
+    if not any(head is mode or (isinstance(mode, str) and head == mode) for mode in HEAD_MODES):
+        raise ValueError(f"head={head!r}: give 'auto' (plan the LM head where memfit recognises it), True (plan it, or "
+                         "raise where it cannot) or False (leave it to the model)")
+    if logits not in HEAD_LOGITS:
+        raise ValueError(f"head_logits={logits!r}: give 'drop' (no logits where the head is chunked) or 'detached' "
+                         "(computed without grad, tokens x vocab in the model's dtype)")
+
+
+def attach_head_part(
+    model: torch.nn.Module, planning: Any, transient: bool, mode: bool | str = True, plans: bool = True,
+    why_not: str | None = None, logits: str = "drop",
+) -> tuple[HeadPart | None, str]:
+    """``memfit.fit(..., head=mode)``: the model's head as a planned part (or None) and the words the
+    start line says of the head.
+
+    # NOTE [The head by default]
+    ``head="auto"`` (the default) plans the head wherever :func:`memfit.engine.head.find_head`
+    recognises a causal LM's head, the method plans per batch from its memory model (``plans``:
+    ``dynamic``, ``static``) under a budget, and nothing else rules it out (``why_not``: a sharded
+    model); otherwise the model keeps its head and the start line says why. A training forward
+    without ``labels`` (the caller computes the loss, as TRL does) drops the head from the plans
+    for the rest of the run, said once (:meth:`HeadPart.taking_over`). ``True`` plans it whatever
+    the method, and raises where memfit cannot; ``False`` leaves it to the model.
+
+    The part's options are priced by :func:`head_saved_bytes` (``transient``: the meter's peaks hold
+    transients), its time by warm-up's probes (NOTE [Pricing the head]), free until then;
+    ``planning`` plans with it from now on.
+
+    Raises:
+        ValueError: ``mode`` True and the head cannot be planned (the message says why and names ``head``).
+    """
+    from memfit.engine.head import HeadNotFound, HeadSwitch, find_head
+
+    if mode is False:
+        return None, "LM head kept (head=False, --memfit_head keep)"
+    if mode == "auto" and why_not is not None:
+        return None, f"LM head kept ({why_not})"
+    if mode == "auto" and not plans:
+        return None, "LM head kept (the method does not plan per batch under a budget)"
+    try:
+        switch = HeadSwitch(find_head(model), logits=logits)
+    except HeadNotFound as reason:
+        if mode is True:
+            raise ValueError(f"head=True: {reason}; pass head='auto' or head=False") from None
+        return None, f"LM head kept ({reason})"
     part = HeadPart(switch, transient=transient, on_priced=planning.cache.clear)
     planning.set_head(part)
-    return part
+    return part, "LM head planned per batch (kept, or its logits and loss chunked)"
 
 
 def with_head(part: HeadPart | None, decision: Any, key: tuple[int, int]) -> Any:
