@@ -246,3 +246,47 @@ def test_an_expensive_chunked_head_is_priced_out_where_blocks_make_the_room(monk
         chosen[name] = (plan.head[0], plan.blocks)
         part.remove()
     assert chosen == {"free": ("chunked", ()), "dear": ("keep", (0,))}
+
+
+def test_a_budget_below_static_plus_the_least_head_is_the_one_line_budget_error():
+    """NOTE [The head's bytes in a budget error]: the static part fits, the static part plus the head at
+    its most chunks does not: the step's first block raises BudgetTooSmallError naming the head's
+    bytes chunked and kept, instead of replaying in vain."""
+    from memfit.engine.budget import BudgetTooSmallError
+
+    model = copy.deepcopy(_base()).train()
+    tokens = 4 * 512
+    n_params = sum(p.numel() for p in model.parameters())
+    static = 4 * n_params * 4  # float32 weights, gradients and AdamW's two states
+    least = tokens * 32 * 4 + tokens * 8  # logical accounting: the hidden rows and their targets, no transient
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ctl = memfit.fit(model, budget=static + least // 2, optimizer=optimizer, method="dynamic", announce=False)
+    kept, chunked, _ = ctl.head.head_bytes(tokens)
+    assert chunked == least and kept > 100 * least
+    ids = torch.randint(0, VOCAB, (4, 512))
+    with pytest.raises(BudgetTooSmallError, match=r"LM head's logits and loss .* in \d+ chunks \(.* kept\)\. Raise --memory_budget"):
+        for _ in range(3):
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    ctl.remove()
+
+
+def test_the_warning_of_a_shape_that_cannot_fit_names_the_head_and_blames_it_when_it_dominates(caplog):
+    from memfit.engine.planner import Plan
+    from memfit.engine.planning import Planning, _plan_head
+    from memfit.engine.treatments.chunked_head import HeadPart
+    from memfit.engine.head import attach_head
+
+    planning = Planning(2, [0, 0], 10**6, margin_bytes=0, bucket_tokens=1)
+    part = HeadPart(attach_head(_base()), transient=False)
+    planning.set_head(part)
+    planning.begin_step(1_100_000)  # over the budget by itself: no plan fits
+    with caplog.at_level("WARNING", logger="memfit"):
+        plan = _plan_head(planning, (4, 512))
+    assert plan.blocks == (0, 1) and plan.head[0] == "chunked"
+    (message,) = [m for m in caplog.messages if "predicted to need" in m]
+    kept, least, n = part.head_bytes(4 * 512)
+    assert f"LM head in {n} chunks" in message and "kept)" in message
+    assert "most of it is the LM head's logits and loss (kept)" in message
+    part.remove()

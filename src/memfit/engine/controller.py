@@ -373,6 +373,8 @@ class Controller:
             self._drop_head()
         t0 = time.perf_counter()
         decision = with_head(self.head, self.method.decide(self.planning, step.key, failed), step.key)
+        if self.head is not None:  # NOTE [The head's bytes in a budget error]
+            self.head.check_fits(step.key[0] * step.key[1], self.planning.static_bytes + step.state_to_come, self.budget_bytes)
         step.planner_us = (time.perf_counter() - t0) * 1e6
         step.planned = self.planning.cache.misses > misses
         step.decision = decision

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memfit.engine.head import FUSED, HeadSwitch, attach_head, available_implementations, fused_chunks, head_saved_bytes, probe_head
+from memfit.engine.budget import BudgetTooSmallError, format_bytes
 from memfit.engine.treatments.base import KEEP, Treatment
 
 if TYPE_CHECKING:
@@ -200,6 +201,43 @@ class HeadPart:
             tokens, spec.vocab_size, weight.shape[-1], weight.dtype, self.extra_ms + self.extra_ms_per_token * tokens,
             self.per_chunk_ms,
             softcap=spec.softcap is not None, implementation=self.switch.implementation, transient=self.transient,
+        )
+
+    def head_bytes(self, tokens: int) -> tuple[int, int, int]:
+        """The head's peak bytes at ``tokens`` tokens kept, and at its most chunks with that count
+        (``saved + transient`` of :func:`head_saved_bytes`, the transient where the meter sees it):
+        what a budget error or warning names (NOTE [The head's bytes in a budget error])."""
+        options = self.options(tokens)
+        spec, weight = self.switch.spec, self.switch.spec.weight
+        kept = head_saved_bytes(tokens, spec.vocab_size, weight.shape[-1], weight.dtype, KEEP, softcap=spec.softcap is not None)
+        kept_bytes = kept.saved_bytes + (kept.transient_bytes if self.transient else 0)
+        _, n_chunks, saved, _ = max(options, key=lambda o: o[2])
+        return kept_bytes, kept_bytes - saved, n_chunks
+
+    def check_fits(self, tokens: int, static_bytes: int, budget_bytes: int | None) -> None:
+        """Raise the one-line budget error where the static part and the head at its most chunks
+        alone exceed the budget (NOTE [The head's bytes in a budget error]).
+
+        # NOTE [The head's bytes in a budget error]
+        No plan makes a step smaller than its static part plus the head at its most chunks (every
+        block's activations aside). Where those two already exceed the budget, no replay can help,
+        so the step's first block raises at once, naming the head's bytes chunked and kept and what
+        to change; a warning on a step that does not fit names them too (planning.py).
+
+        Raises:
+            BudgetTooSmallError: ``static_bytes`` + the head's least bytes exceed ``budget_bytes``.
+        """
+        if budget_bytes is None:
+            return
+        kept, least, n_chunks = self.head_bytes(tokens)
+        if static_bytes + least <= budget_bytes:
+            return
+        raise BudgetTooSmallError(
+            f"memory budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below what a step of {tokens} tokens "
+            f"needs before any block's activation: the static part {format_bytes(static_bytes)} (weights, gradients, "
+            f"optimizer state) and the LM head's logits and loss {format_bytes(least)} in {n_chunks} chunks "
+            f"({format_bytes(kept)} kept). Raise --memory_budget above {format_bytes(static_bytes + least)}, or lower "
+            "--per_device_train_batch_size or --max_seq_length (the head grows with the tokens)"
         )
 
     def saved_bytes(self, tokens: int, head: tuple[str, int] | None) -> int:
