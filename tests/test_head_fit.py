@@ -60,6 +60,9 @@ def test_fit_plans_the_head_per_batch_keeps_short_chunks_long_and_stays_in_budge
     assert all(h == "keep" for length, h in steady if length <= 16), steady
     over = [(r.step, r.peak_allocated_bytes) for r in records if r.peak_allocated_bytes > BUDGET]
     assert not over, over
+    # only a chunked head meets this budget: with the head kept, every block recomputed is not enough
+    _, kept = _train(base, BUDGET, method="dynamic", head=False)
+    assert any(r.peak_allocated_bytes > BUDGET for r in kept)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, msg=lambda m: f"{name}: {m}")
     # the switch is off the model: its own head again
