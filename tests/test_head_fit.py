@@ -293,3 +293,26 @@ def test_the_warning_of_a_shape_that_cannot_fit_names_the_head_and_blames_it_whe
     assert f"LM head in {n} chunks" in message and "kept)" in message
     assert "most of it is the LM head's logits and loss (kept)" in message
     part.remove()
+
+
+def test_an_implementation_that_fails_its_probe_is_said_once_and_not_used(monkeypatch, caplog):
+    import memfit.engine.treatments.chunked_head as chunked_head
+    from memfit.engine.head import attach_head
+
+    good = _fake_probe({"pure": 0.02, "pure_grad_in_forward": 0.01})
+
+    def probe(spec, hidden, labels, n_chunks, implementation="pure"):
+        if implementation == "pure_grad_in_forward":
+            raise RuntimeError("kernel launch failed")
+        return good(spec, hidden, labels, n_chunks, implementation)
+
+    monkeypatch.setattr(chunked_head, "probe_head", probe)
+    part = chunked_head.HeadPart(attach_head(_base()))
+    hidden, ids = torch.randn(2, 16, 32), torch.randint(0, VOCAB, (2, 16))
+    with caplog.at_level("WARNING", logger="memfit"):
+        part.probe(hidden, ids)
+        part.probe(hidden, ids)
+    assert part.failed == {"pure_grad_in_forward"} and set(part.probes) == {"pure"}
+    assert part.switch.implementation == "pure"
+    assert sum("failed when probed" in m for m in caplog.messages) == 1
+    part.remove()

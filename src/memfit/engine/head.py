@@ -368,6 +368,7 @@ class HeadSwitch:
         #: called once with the body's output and the labels before the next loss is computed (warm-up's
         #: price probe, treatments/chunked_head.py), then cleared
         self.probe: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+        self._usable: list[str] | None = None
         self._pending: dict[str, Any] | None = None
         self._hidden: torch.Tensor | None = None
         lm = spec.causal_lm
@@ -388,7 +389,9 @@ class HeadSwitch:
             raise ValueError(f"n_chunks must be at least 1, got {n_chunks}")
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"head implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-        usable = available_implementations(self.spec, self.spec.weight.device)
+        if self._usable is None:  # the packages and the device do not change during a run
+            self._usable = available_implementations(self.spec, self.spec.weight.device)
+        usable = self._usable
         if implementation not in usable:
             raise ValueError(f"head implementation {implementation!r} is not usable here (it needs CUDA, its package and a plain "
                              f"nn.Linear lm_head without logit scaling); choose one of {usable}")

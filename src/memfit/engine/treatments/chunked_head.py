@@ -24,7 +24,8 @@ per_chunk_ms x n_chunks`` (both at least 0, so a head that is measured no slower
 nothing and the tie rule still keeps it where nothing is needed: plans stay deterministic). The
 implementation with the least extra time is the one the switch runs from then on; its bytes are
 what :func:`head_options` prices. The probe's gradients go to detached copies
-(``torch.autograd.grad``): training is untouched. Until the price is known the head is free.
+(``torch.autograd.grad``): training is untouched. An installed kernel that raises when probed is
+said once and never used. Until the price is known the head is free.
 """
 
 from __future__ import annotations
@@ -142,6 +143,8 @@ class HeadPart:
         self.on_priced = on_priced
         self.probes: dict[str, dict[int, dict[str, float]]] = {}
         self.probed_steps = 0
+        #: implementations that raised when probed, never used (NOTE [Pricing the head])
+        self.failed: set[str] = set()
 
     def probe(self, hidden: torch.Tensor, labels: torch.Tensor | None) -> None:
         """Time the chunked head against keep on this step's body output, under every implementation
@@ -154,12 +157,26 @@ class HeadPart:
         tokens = max(1, min(rows.shape[0], -(-rows.shape[0] // self.switch.n_chunks), PROBE_TOKENS))
         h, y = rows[:tokens].unsqueeze(0), labels.reshape(-1)[:tokens].unsqueeze(0)
         for implementation in available_implementations(spec, rows.device):
-            seen = self.probes.setdefault(implementation, {})
-            for n_chunks in sorted({min(n, tokens) for n in PROBE_CHUNKS}):
-                timed = probe_head(spec, h, y, n_chunks, implementation)
-                was = seen.get(n_chunks, {"keep": float("inf"), "chunked": float("inf")})
-                seen[n_chunks] = {"keep": min(was["keep"], timed["keep"]["ms"]), "chunked": min(was["chunked"], timed["chunked"]["ms"]),
-                                  "tokens": float(tokens)}
+            if implementation in self.failed:
+                continue
+            seen: dict[int, dict[str, float]] = {}
+            try:
+                for n_chunks in sorted({min(n, tokens) for n in PROBE_CHUNKS}):
+                    timed = probe_head(spec, h, y, n_chunks, implementation)
+                    was = self.probes.get(implementation, {}).get(n_chunks, {"keep": float("inf"), "chunked": float("inf")})
+                    seen[n_chunks] = {"keep": min(was["keep"], timed["keep"]["ms"]),
+                                      "chunked": min(was["chunked"], timed["chunked"]["ms"]), "tokens": float(tokens)}
+            except torch.OutOfMemoryError:
+                raise  # the step's: replayed like any OOM in a forward
+            except Exception as err:  # an installed kernel that fails here is not used (the pure path always runs)
+                if implementation == "pure":
+                    raise
+                self.failed.add(implementation)
+                self.probes.pop(implementation, None)
+                logger.warning("memfit: the LM head's %s implementation failed when probed (%s); memfit does not use it",
+                               implementation, str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
+                continue
+            self.probes[implementation] = seen
         self._price()
 
     def _price(self) -> None:
