@@ -84,7 +84,7 @@ def test_an_unrecognised_head_is_kept_with_the_reason_in_the_start_line_and_head
     base.loss_function = lambda logits, labels, vocab_size, **kw: logits.float().mean()  # a custom loss
     model = copy.deepcopy(base)
     ctl = memfit.fit(model, budget=BUDGET, method="dynamic")
-    assert ctl.head is None and "custom loss" in ctl.head_words
+    assert ctl.head.part is None and "custom loss" in ctl.head.words
     assert "LM head kept (" in capsys.readouterr().err
     ctl.remove()
     with pytest.raises(ValueError, match="head=True: .*custom loss"):
@@ -97,7 +97,7 @@ def test_an_unrecognised_head_is_kept_with_the_reason_in_the_start_line_and_head
 def test_auto_keeps_the_head_where_the_method_does_not_plan_under_a_budget(method, budget):
     model = copy.deepcopy(_base())
     ctl = memfit.fit(model, budget=budget, method=method, announce=False)
-    assert ctl.head is None and "does not plan per batch" in ctl.head_words
+    assert ctl.head.part is None and "does not plan per batch" in ctl.head.words
     ctl.remove()
 
 
@@ -114,7 +114,7 @@ def test_a_forward_without_labels_leaves_the_head_to_the_caller_once(caplog):
     model = copy.deepcopy(_base()).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ctl = memfit.fit(model, budget=BUDGET, optimizer=optimizer, method="dynamic", announce=False)
-    assert ctl.head is not None
+    assert ctl.head.part is not None
     with caplog.at_level("WARNING", logger="memfit"):
         for length in (16, 32, 16):
             ids = torch.randint(0, VOCAB, (2, length))
@@ -122,7 +122,7 @@ def test_a_forward_without_labels_leaves_the_head_to_the_caller_once(caplog):
             torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    assert ctl.head is None and "without labels" in ctl.head_words
+    assert ctl.head.part is None and "without labels" in ctl.head.words
     assert sum("without labels" in m for m in caplog.messages) == 1
     assert all("head" not in r.treatments for r in ctl.records)
     ctl.remove()
@@ -137,7 +137,7 @@ def test_outputs_logits_are_dropped_where_the_head_is_chunked_and_detached_on_re
         model = copy.deepcopy(_base()).train()
         ctl = memfit.fit(model, budget=BUDGET, method="dynamic", announce=False, head_logits=mode)
         out = model(input_ids=ids, labels=ids)  # warm-up: every block recomputed, the head chunked
-        assert ctl.head.switch.treatment == "chunked"
+        assert ctl.head.part.switch.treatment == "chunked"
         if mode == "drop":
             assert out.logits is None
         else:
@@ -215,7 +215,7 @@ def test_warmup_prices_the_head_by_probe_and_the_price_reaches_the_plans(monkeyp
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    part = ctl.head
+    part = ctl.head.part
     assert part.probed_steps == chunked_head.PROBE_STEPS
     assert set(part.probes) == {"pure", "pure_grad_in_forward"}
     assert part.switch.implementation == "pure_grad_in_forward"
@@ -264,7 +264,7 @@ def test_a_budget_below_static_plus_the_least_head_is_the_one_line_budget_error(
     least = tokens * 32 * 4 + tokens * 8  # logical accounting: the hidden rows and their targets, no transient
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ctl = memfit.fit(model, budget=static + least // 2, optimizer=optimizer, method="dynamic", announce=False)
-    kept, chunked, _ = ctl.head.head_bytes(tokens)
+    kept, chunked, _ = ctl.head.part.head_bytes(tokens)
     assert chunked == least and kept > 100 * least
     ids = torch.randint(0, VOCAB, (4, 512))
     with pytest.raises(BudgetTooSmallError, match=r"LM head's logits and loss .* in \d+ chunks \(.* kept\)\. Raise --memory_budget"):

@@ -87,18 +87,6 @@ def test_head_part_plans_and_sets_the_switch_per_batch():
     assert reference.isfinite()
 
 
-def test_head_part_from_probes_prices_the_slope():
-    from memfit.engine.head import attach_head
-
-    switch = attach_head(_decoder())
-    probes = {4: {"keep": {"ms": 10.0}, "chunked": {"ms": 12.0}}, 16: {"keep": {"ms": 10.0}, "chunked": {"ms": 14.4}}}
-    part = HeadPart.from_probes(switch, probes)
-    assert part.per_chunk_ms == pytest.approx(0.2)
-    assert part.extra_ms == pytest.approx(1.2)
-    one = HeadPart.from_probes(switch, {8: {"keep": {"ms": 10.0}, "chunked": {"ms": 9.0}}})
-    assert (one.extra_ms, one.per_chunk_ms) == (0.0, 0.0)
-
-
 def test_a_fused_kernel_is_offered_at_its_own_chunk_count_only():
     """NOTE [Head bytes]: Liger/CCE chunk the tokens themselves, so the planner gets one chunked option,
     at fused_chunks(), priced as the gradient taken in forward."""

@@ -57,7 +57,7 @@ def test_the_trainer_chunks_the_head_with_num_items_in_batch_and_matches_a_plain
     assert "LM head planned per batch" in capsys.readouterr().err
     heads = [r.treatments.get("head") for r in trainer.memfit.records]
     assert heads and all(h is not None and h.startswith("chunked:") for h in heads), heads
-    assert trainer.memfit.head.switch.chunked_forwards == len(heads)
+    assert trainer.memfit.head.part.switch.chunked_forwards == len(heads)
     for (name, p), q in zip(plain.model.named_parameters(), trainer.model.parameters()):
         torch.testing.assert_close(q, p, msg=lambda m: f"{name}: {m}")
 
@@ -66,7 +66,7 @@ def test_memfit_head_keep_leaves_the_head_to_the_model(tmp_path, capsys):
     args = memfit.TrainingArguments(**_flags(tmp_path, memory_budget="1GB", memfit_method="dynamic", memfit_head="keep"))
     trainer = memfit.Trainer(model=_llama(), args=args, train_dataset=_Rows())
     trainer.train()
-    assert trainer.memfit.head is None and "LM head kept (" in capsys.readouterr().err
+    assert trainer.memfit.head.part is None and "LM head kept (" in capsys.readouterr().err
     assert all("head" not in r.treatments for r in trainer.memfit.records)
 
 
@@ -79,7 +79,7 @@ def test_a_trainer_class_with_its_own_compute_loss_keeps_the_head_under_auto(tmp
 
     args = memfit.TrainingArguments(**_flags(tmp_path, memory_budget="1GB", memfit_method="dynamic"))
     trainer = Own(model=_llama(), args=args, train_dataset=_Rows())
-    assert trainer.memfit.head is None and "Own.compute_loss" in trainer.memfit.head_words
+    assert trainer.memfit.head.part is None and "Own.compute_loss" in trainer.memfit.head.words
 
 
 def test_cli_start_line_names_the_head_and_a_bad_value_is_one_line(tmp_path, capsys):
@@ -119,7 +119,7 @@ def test_trl_sft_trainer_leaves_the_head_to_trl_and_says_so(tmp_path, capsys):
     args = SFTConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, use_cpu=True, report_to="none",
                      save_strategy="no", bf16=False, memory_budget="1GB", memfit_method="dynamic")
     trainer = SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer)
-    assert trainer.memfit.head is None and "LM head left to TRL" in trainer.memfit.head_words
+    assert trainer.memfit.head.part is None and "LM head left to TRL" in trainer.memfit.head.words
     trainer.train()
     assert "LM head left to TRL" in capsys.readouterr().err
     assert all("head" not in r.treatments for r in trainer.memfit.records)

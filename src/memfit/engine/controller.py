@@ -58,8 +58,7 @@ from memfit.engine.shapes import first_tensor, shape_key
 from memfit.engine.store import ReactiveStore
 from memfit.engine.summary_text import end_summary, start_line
 from memfit.engine.treatments import OFFLOAD, RECOMPUTE, SELECTIVE, Treatment, make_treatments, run_treatment_names
-from memfit.engine.treatments.chunked_head import attach_head_part, check_head_mode, head_treatments, with_head
-from memfit.integrations.distributed import is_fsdp, world_size
+from memfit.engine.treatments.chunked_head import RunHead, head_treatments
 
 __all__ = ["fit", "Controller", "check_static_need_of"]
 
@@ -204,10 +203,8 @@ class Controller:
         treatments: Sequence[str] | None = None,
         announce: str | bool = False,
         compile: bool | dict[str, Any] = False,
-        head: bool | str = "auto",
-        head_logits: str = "drop",
+        head: bool | str = "auto", head_logits: str = "drop",
     ):
-        check_head_mode(head, head_logits)
         self.model = model
         self.method = method
         self.budget_bytes = budget_bytes
@@ -229,12 +226,7 @@ class Controller:
         # Parameters and buffers are never activations (under FSDP: this rank's shards).
         self._counter = SavedTensorCounter(len(self.blocks), exclude=list(model.parameters()) + list(model.buffers()))
         self.treatments = _make_treatments(treatments, self._counter, self.planning, self.device, self.blocks[0].compiled)
-        sharded = "a sharded model (FSDP)" if world_size() > 1 and is_fsdp(model) else None
-        #: the LM head as a planned part, or None; what the start line says of it (NOTE [The head by default])
-        self.head, self.head_words = attach_head_part(
-            model, self.planning, transient=self.meter.kind != "logical", mode=head, why_not=sharded, logits=head_logits,
-            plans=method.learns and budget_bytes is not None,
-        )
+        self.head = RunHead(model, self.planning, self.meter.kind != "logical", head, head_logits, method.learns and budget_bytes is not None)
         self.protection = method.make_protection(
             lambda: ReactiveStore(self._counter.excluded_ptrs), self.planning, self.meter, self._counter
         )
@@ -244,8 +236,7 @@ class Controller:
         #: print a start line now and a summary at remove(); a str is the budget as the user wrote it
         self.announce = announce
         if announce:
-            _say(start_line(method.name, budget_bytes, _given(announce), self.meter.kind, _kinds(self.blocks))
-                 + self.head_start_words(), self.rank)
+            _say(start_line(method.name, budget_bytes, _given(announce), self.meter.kind, _kinds(self.blocks)) + self.head.start_words(), self.rank)
         self._records: list[StepRecord] = []
         self._step: StepState | None = None
         self._steps_recorded = 0
@@ -254,7 +245,7 @@ class Controller:
         self._handles = [
             model.register_forward_pre_hook(self._on_forward_start, with_kwargs=True),
             model.register_forward_hook(self._on_forward_end, always_call=True), *compile_loss(model, compile_options),
-            *filter(None, [self.head]),
+            self.head,
         ]
         for b in self.blocks:
             b.listener = self
@@ -262,22 +253,6 @@ class Controller:
         self.optimizer: torch.optim.Optimizer | None = None
         self._optimizer_handles: list = []
         self.set_optimizer(optimizer, check=False)
-
-    def head_start_words(self) -> str:
-        """What the start line adds of the LM head: ``", LM head ..."`` for a causal LM (planned, or why
-        it is kept), nothing for other models."""
-        causal = self.head is not None or type(self.model).__name__.endswith(("ForCausalLM", "LMHeadModel")) or hasattr(self.model, "peft_config")
-        return f", {self.head_words}" if causal else ""
-
-    def _drop_head(self) -> None:
-        """A training forward without labels: the caller computes the loss, so the head leaves the plans
-        for the rest of the run (NOTE [The head by default], treatments/chunked_head.py), said once."""
-        self.head.remove()
-        self._handles = [h for h in self._handles if h is not self.head]
-        self.head, self.head_words = None, "LM head kept (the model is called without labels: the caller computes the loss)"
-        self.planning.set_head(None)
-        logger.warning("memfit: the model is called without labels (its loss is computed outside it), so memfit leaves "
-                       "the LM head to the caller and counts its bytes as the blocks' neighbours")
 
     # ----------------------------------------------------------------- optimizer
     def set_optimizer(self, optimizer: torch.optim.Optimizer | None, check: bool = True) -> None:
@@ -369,12 +344,8 @@ class Controller:
         misses = self.planning.cache.misses
         oom = self.replay.oom
         failed = oom.failed_plan if oom.attempts and not self.replay.replaying else None
-        if self.head is not None and not self.head.taking_over:
-            self._drop_head()
         t0 = time.perf_counter()
-        decision = with_head(self.head, self.method.decide(self.planning, step.key, failed), step.key)
-        if self.head is not None:  # NOTE [The head's bytes in a budget error]
-            self.head.check_fits(step.key[0] * step.key[1], self.planning.static_bytes + step.state_to_come, self.budget_bytes)
+        decision = self.head.decide(self.method.decide(self.planning, step.key, failed), step.key, step.state_to_come)
         step.planner_us = (time.perf_counter() - t0) * 1e6
         step.planned = self.planning.cache.misses > misses
         step.decision = decision

@@ -368,6 +368,9 @@ class HeadSwitch:
         #: called once with the body's output and the labels before the next loss is computed (warm-up's
         #: price probe, treatments/chunked_head.py), then cleared
         self.probe: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+        #: called at a training forward whose loss the switch does not compute (no ``labels``, or some
+        #: logits asked for), before the body runs (NOTE [The head by default], treatments/chunked_head.py)
+        self.on_left_to_caller: Callable[[], None] | None = None
         self._usable: list[str] | None = None
         self._pending: dict[str, Any] | None = None
         self._hidden: torch.Tensor | None = None
@@ -397,11 +400,6 @@ class HeadSwitch:
                              f"nn.Linear lm_head without logit scaling); choose one of {usable}")
         self.treatment, self.n_chunks, self.implementation = treatment, n_chunks, implementation
 
-    @property
-    def taking_over(self) -> bool:
-        """Whether the forward now running has its loss computed here (its pre-hook took its ``labels``)."""
-        return self._pending is not None
-
     def remove(self) -> None:
         """Take the hooks off; the model computes its head as before."""
         for handle in self._handles:
@@ -411,10 +409,13 @@ class HeadSwitch:
     def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         self._pending, self._hidden = None, None
         labels = kwargs.get("labels")
-        if labels is None or not module.training or not torch.is_grad_enabled():
+        if not module.training or not torch.is_grad_enabled():
             return None
-        if not isinstance(kwargs.get("logits_to_keep", 0), int) or kwargs.get("logits_to_keep", 0) != 0:
-            return None  # the caller asked for some logits only: the model's own path
+        keep = kwargs.get("logits_to_keep", 0)
+        if labels is None or not isinstance(keep, int) or keep != 0:  # no loss here, or some logits asked for
+            if self.on_left_to_caller is not None:
+                self.on_left_to_caller()
+            return None
         self._pending = {"labels": labels, **{k: kwargs[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}}
         kwargs = {**kwargs, "labels": None, "logits_to_keep": torch.empty(0, dtype=torch.long, device=labels.device)}
         return args, kwargs

@@ -399,8 +399,8 @@ class MemfitTrainerMixin:
     def _hooked(self, ctl: Controller) -> Controller:
         """``ctl``, its start line naming who computes the head where the Trainer class does."""
         owner = self._loss_owner()
-        if owner and ctl.head is None and getattr(self.args, "memfit_head", "auto") == "auto":
-            ctl.head_words = f"LM head left to {owner}, its bytes counted with the rest of the step"
+        if owner and ctl.head.part is None and getattr(self.args, "memfit_head", "auto") == "auto":
+            ctl.head.words = f"LM head left to {owner}, its bytes counted with the rest of the step"
         return ctl
 
     def _check_static_need_before_optimizer(self) -> None:
@@ -533,7 +533,7 @@ class MemfitTrainerMixin:
         adapted = [adapted] if isinstance(adapted, str) else sorted(adapted)
         words = parameters_words(sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params),
                                  adapted, sum(hasattr(m, "lora_A") for m in self.model.modules()))
-        return start_line(ctl.method.name, ctl.budget_bytes, self._budget_given(), ctl.accounting, kinds, words) + ctl.head_start_words()
+        return start_line(ctl.method.name, ctl.budget_bytes, self._budget_given(), ctl.accounting, kinds, words) + ctl.head.start_words()
 
     def write_summary(self) -> dict[str, Any] | None:
         """Write ``memfit_summary.json``, and for methods with a memory model ``memfit_plans.json``

@@ -5,9 +5,8 @@ and its options for the planner, priced per shape.
 The planner (:func:`memfit.engine.planner.plan_with_head`) takes the head's options as
 ``(treatment, n_chunks, bytes saved, ms)`` relative to keeping the head. The bytes are the
 head's peak at its moment of the step, ``saved + transient`` of :func:`head_saved_bytes`, kept
-minus chunked; the time is ``extra_ms + per_chunk_ms * n_chunks`` (what warm-up's
-:func:`probe_head` measures: the chunked head's extra time over keep, and what each further
-chunk adds). Chunk counts are powers of two up to the batch's tokens (one token per chunk at
+minus chunked; the time is ``extra_ms + per_chunk_ms * n_chunks`` (the caller's price of the
+chunked head over keep at this shape, and what each further chunk adds: NOTE [Pricing the head]). Chunk counts are powers of two up to the batch's tokens (one token per chunk at
 most); a count is offered only where it saves more than the count before it, so the options'
 bytes and times both rise and the planner's tie rule picks the fewest chunks that fit.
 
@@ -32,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,8 +43,10 @@ from memfit.engine.treatments.base import KEEP, Treatment
 if TYPE_CHECKING:
     from memfit.engine.blocks import Block
 
-__all__ = ["CHUNKED", "HEAD_MODES", "HEAD_LOGITS", "check_head_mode", "PROBE_STEPS", "PROBE_TOKENS", "PROBE_CHUNKS", "KeepHead", "ChunkedHead", "HeadPart", "head_options",
-           "attach_head_part", "with_head", "head_treatments"]
+__all__ = [
+    "CHUNKED", "HEAD_MODES", "HEAD_LOGITS", "check_head_mode", "PROBE_STEPS", "PROBE_TOKENS", "PROBE_CHUNKS", "KeepHead",
+    "ChunkedHead", "HeadPart", "RunHead", "head_options", "attach_head_part", "with_head", "head_treatments",
+]
 
 logger = logging.getLogger("memfit")
 
@@ -200,16 +201,6 @@ class HeadPart:
             logger.info("memfit: the LM head chunked (%s) costs %.4f ms per 1k tokens and %.4f ms per chunk over keeping it",
                         best, 1e3 * self.extra_ms_per_token, self.per_chunk_ms)
 
-    @classmethod
-    def from_probes(cls, switch: HeadSwitch, probes: Mapping[int, Mapping[str, Mapping[str, float]]]) -> "HeadPart":
-        """Priced from :func:`memfit.engine.head.probe_head`'s results by chunk count: the extra time at
-        the fewest chunks probed and, with two or more counts, the slope per chunk (never below 0)."""
-        counts = sorted(probes)
-        extra = {n: max(0.0, probes[n]["chunked"]["ms"] - probes[n]["keep"]["ms"]) for n in counts}
-        slope = (extra[counts[-1]] - extra[counts[0]]) / (counts[-1] - counts[0]) if len(counts) > 1 else 0.0
-        per_chunk = max(0.0, slope)
-        return cls(switch, max(0.0, extra[counts[0]] - per_chunk * counts[0]), per_chunk)
-
     def options(self, tokens: int) -> tuple[tuple[str, int, int, float], ...]:
         """The head's options for a batch of ``tokens`` tokens (``batch x length``)."""
         spec = self.switch.spec
@@ -296,12 +287,6 @@ class HeadPart:
         """Take the switch's hooks off the model."""
         self.switch.remove()
 
-    @property
-    def taking_over(self) -> bool:
-        """Whether the switch computes the loss of the forward now running (it has ``labels``; NOTE [How
-        the chunked head hooks into the model], head.py): read at the first block, after the switch's pre-hook."""
-        return self.switch.taking_over
-
 
 #: what ``memfit.fit(head=...)`` takes
 HEAD_MODES = ("auto", True, False)
@@ -333,7 +318,7 @@ def attach_head_part(
     ``dynamic``, ``static``) under a budget, and nothing else rules it out (``why_not``: a sharded
     model); otherwise the model keeps its head and the start line says why. A training forward
     without ``labels`` (the caller computes the loss, as TRL does) drops the head from the plans
-    for the rest of the run, said once (:meth:`HeadPart.taking_over`). ``True`` plans it whatever
+    for the rest of the run, said once (:meth:`RunHead.leave`). ``True`` plans it whatever
     the method, and raises where memfit cannot; ``False`` leaves it to the model.
 
     The part's options are priced by :func:`head_saved_bytes` (``transient``: the meter's peaks hold
@@ -360,6 +345,69 @@ def attach_head_part(
     part = HeadPart(switch, transient=transient, on_priced=planning.cache.clear)
     planning.set_head(part)
     return part, "LM head planned per batch (kept, or its logits and loss chunked)"
+
+
+class RunHead:
+    """The run's LM head as the controller sees it: the planned part or None, what the start line
+    says of it, and each step's decision with the head's treatment set (NOTE [The head by default]).
+
+    Args:
+        model: the hooked model.
+        planning: the run's planning (it plans with the part).
+        transient: whether the meter's peaks hold the head's transient bytes (not under logical accounting).
+        mode: ``fit``'s ``head``; logits: ``fit``'s ``head_logits``.
+        plans: whether the method plans per batch under a budget (``auto`` plans the head only then).
+
+    Attributes:
+        part: the :class:`HeadPart`, or None where the model keeps its head.
+        words: what the start line says of the head (planned, or why it is kept).
+
+    Raises:
+        ValueError: a bad ``mode`` or ``logits``, or ``mode`` True where memfit cannot plan the head.
+    """
+
+    def __init__(self, model: torch.nn.Module, planning: Any, transient: bool, mode: bool | str, logits: str, plans: bool):
+        from memfit.integrations.distributed import is_fsdp, world_size
+
+        check_head_mode(mode, logits)
+        self.model, self.planning = model, planning
+        sharded = "a sharded model (FSDP)" if world_size() > 1 and is_fsdp(model) else None
+        self.part, self.words = attach_head_part(model, planning, transient, mode, plans, sharded, logits)
+        self._switch = None if self.part is None else self.part.switch
+        if self._switch is not None:
+            self._switch.on_left_to_caller = self.leave
+
+    def start_words(self) -> str:
+        """What the start line adds of the head: ``", <words>"`` for a causal LM, nothing for other models."""
+        model = self.model
+        causal = self.part is not None or type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")) or hasattr(model, "peft_config")
+        return f", {self.words}" if causal else ""
+
+    def leave(self) -> None:
+        """A training forward without labels (the caller computes the loss; called by the switch before the
+        body runs): the head leaves the plans for the rest of the run, said once."""
+        if self.part is None:
+            return
+        self._switch.on_left_to_caller = None
+        self.part, self.words = None, "LM head kept (the model is called without labels: the caller computes the loss)"
+        self.planning.set_head(None)
+        logger.warning("memfit: the model is called without labels (its loss is computed outside it), so memfit leaves "
+                       "the LM head to the caller and counts its bytes with the rest of the step")
+
+    def decide(self, decision: Any, key: tuple[int, int], state_to_come: int = 0) -> Any:
+        """``decision`` with the head's treatment set (:meth:`HeadPart.apply_step`), after checking that the
+        static part (with the optimizer state still to come) and the least head fit the budget
+        (:meth:`HeadPart.check_fits`); as it is without a planned head."""
+        if self.part is None:
+            return decision
+        decision = self.part.apply_step(decision, key)
+        self.part.check_fits(key[0] * key[1], self.planning.static_bytes + state_to_come, self.planning.budget_bytes)
+        return decision
+
+    def remove(self) -> None:
+        """Take the head's hooks off the model (they stay on, inert, after :meth:`leave`, until now)."""
+        if self._switch is not None:
+            self._switch.remove()
 
 
 def with_head(part: HeadPart | None, decision: Any, key: tuple[int, int]) -> Any:
