@@ -125,6 +125,8 @@ def test_a_forward_without_labels_leaves_the_head_to_the_caller_once(caplog):
     assert ctl.head.part is None and "without labels" in ctl.head.words
     assert sum("without labels" in m for m in caplog.messages) == 1
     assert all("head" not in r.treatments for r in ctl.records)
+    ids = torch.randint(0, VOCAB, (2, 16))
+    assert model(input_ids=ids, labels=ids).logits is not None  # a later forward with labels: the model's own head
     ctl.remove()
 
 

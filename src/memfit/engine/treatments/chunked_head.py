@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHUNKED", "HEAD_MODES", "HEAD_LOGITS", "check_head_mode", "PROBE_STEPS", "PROBE_TOKENS", "PROBE_CHUNKS", "KeepHead",
-    "ChunkedHead", "HeadPart", "RunHead", "head_options", "attach_head_part", "with_head", "head_treatments",
+    "ChunkedHead", "HeadPart", "RunHead", "head_options", "attach_head_part", "head_treatments",
 ]
 
 logger = logging.getLogger("memfit")
@@ -389,6 +389,7 @@ class RunHead:
         if self.part is None:
             return
         self._switch.on_left_to_caller = None
+        self._switch.set("keep")  # a later forward with labels: the model's own loss, bitwise
         self.part, self.words = None, "LM head kept (the model is called without labels: the caller computes the loss)"
         self.planning.set_head(None)
         logger.warning("memfit: the model is called without labels (its loss is computed outside it), so memfit leaves "
@@ -408,11 +409,6 @@ class RunHead:
         """Take the head's hooks off the model (they stay on, inert, after :meth:`leave`, until now)."""
         if self._switch is not None:
             self._switch.remove()
-
-
-def with_head(part: HeadPart | None, decision: Any, key: tuple[int, int]) -> Any:
-    """``decision`` with ``part``'s treatment set for the step (:meth:`HeadPart.apply_step`); as it is without a head part."""
-    return decision if part is None else part.apply_step(decision, key)
 
 
 def head_treatments(plan: Any) -> dict[str, str]:
