@@ -60,28 +60,95 @@ def test_fit_plans_the_head_per_batch_keeps_short_chunks_long_and_stays_in_budge
     assert all(h == "keep" for length, h in steady if length <= 16), steady
     over = [(r.step, r.peak_allocated_bytes) for r in records if r.peak_allocated_bytes > BUDGET]
     assert not over, over
+    # only a chunked head meets this budget: with the head kept, every block recomputed is not enough
+    _, kept = _train(base, BUDGET, method="dynamic", head=False)
+    assert any(r.peak_allocated_bytes > BUDGET for r in kept)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, msg=lambda m: f"{name}: {m}")
     # the switch is off the model: its own head again
     assert model(input_ids=torch.arange(8)[None], labels=torch.arange(8)[None]).logits is not None
 
 
-def test_head_false_gives_the_same_records_as_before():
+def test_head_is_planned_by_default_and_head_false_leaves_it_out_of_the_records():
+    """NOTE [The head by default]: a recognised causal LM under ``dynamic`` with a budget plans its head
+    without being asked; ``head=False`` records no head and runs the model's own."""
     base = _base()
-    _, plain = _train(base, BUDGET, method="dynamic")
+    _, auto = _train(base, BUDGET, method="dynamic")
     _, off = _train(base, BUDGET, method="dynamic", head=False)
+    assert all("head" in r.treatments for r in auto)
     assert all("head" not in r.treatments for r in off)
-    keys = ("plan", "treatments", "peak_allocated_bytes", "predicted_peak_bytes", "phase")
-    assert [[getattr(r, k, None) for k in keys] for r in plain] == [[getattr(r, k, None) for k in keys] for r in off]
 
 
-def test_an_unrecognised_head_is_left_to_the_model_with_one_line(caplog):
+def test_an_unrecognised_head_is_kept_with_the_reason_in_the_start_line_and_head_true_raises(capsys):
     base = _base()
     base.loss_function = lambda logits, labels, vocab_size, **kw: logits.float().mean()  # a custom loss
-    with caplog.at_level("WARNING", logger="memfit"):
-        _, records = _train(base, None, method="none", head=True)
-    assert any("head" in m.lower() for m in caplog.messages)
+    model = copy.deepcopy(base)
+    ctl = memfit.fit(model, budget=BUDGET, method="dynamic")
+    assert ctl.head.part is None and "custom loss" in ctl.head.words
+    assert "LM head kept (" in capsys.readouterr().err
+    ctl.remove()
+    with pytest.raises(ValueError, match="head=True: .*custom loss"):
+        memfit.fit(copy.deepcopy(base), budget=BUDGET, method="dynamic", head=True, announce=False)
+    _, records = _train(base, BUDGET, method="dynamic")
     assert all("head" not in r.treatments for r in records)
+
+
+@pytest.mark.parametrize("method, budget", [("none", BUDGET), ("full", BUDGET), ("dynamic", None)])
+def test_auto_keeps_the_head_where_the_method_does_not_plan_under_a_budget(method, budget):
+    model = copy.deepcopy(_base())
+    ctl = memfit.fit(model, budget=budget, method=method, announce=False)
+    assert ctl.head.part is None and "does not plan per batch" in ctl.head.words
+    ctl.remove()
+
+
+def test_bad_head_arguments_name_the_argument():
+    with pytest.raises(ValueError, match="head='yes'"):
+        memfit.fit(_base(), budget=BUDGET, head="yes", announce=False)
+    with pytest.raises(ValueError, match="head_logits='keep'"):
+        memfit.fit(_base(), budget=BUDGET, head_logits="keep", announce=False)
+
+
+def test_a_forward_without_labels_leaves_the_head_to_the_caller_once(caplog):
+    """A loop that computes its own loss from the logits (as TRL does): the head leaves the plans at the
+    first such forward, said once, and the logits are the model's own."""
+    model = copy.deepcopy(_base()).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ctl = memfit.fit(model, budget=BUDGET, optimizer=optimizer, method="dynamic", announce=False)
+    assert ctl.head.part is not None
+    with caplog.at_level("WARNING", logger="memfit"):
+        for length in (16, 32, 16):
+            ids = torch.randint(0, VOCAB, (2, length))
+            logits = model(input_ids=ids).logits
+            torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    assert ctl.head.part is None and "without labels" in ctl.head.words
+    assert sum("without labels" in m for m in caplog.messages) == 1
+    assert all("head" not in r.treatments for r in ctl.records)
+    ids = torch.randint(0, VOCAB, (2, 16))
+    assert model(input_ids=ids, labels=ids).logits is not None  # a later forward with labels: the model's own head
+    ctl.remove()
+
+
+def test_outputs_logits_are_dropped_where_the_head_is_chunked_and_detached_on_request():
+    """NOTE [How the chunked head hooks into the model], Rule 3, through ``fit``: a training step whose
+    head is chunked returns no logits (``head_logits="drop"``) or the logits without grad
+    (``"detached"``); where the head is kept, and in eval, they are the model's own."""
+    ids = torch.randint(0, VOCAB, (4, 64))
+    for mode in ("drop", "detached"):
+        model = copy.deepcopy(_base()).train()
+        ctl = memfit.fit(model, budget=BUDGET, method="dynamic", announce=False, head_logits=mode)
+        out = model(input_ids=ids, labels=ids)  # warm-up: every block recomputed, the head chunked
+        assert ctl.head.part.switch.treatment == "chunked"
+        if mode == "drop":
+            assert out.logits is None
+        else:
+            assert out.logits is not None and not out.logits.requires_grad and out.logits.shape == (4, 64, VOCAB)
+        out.loss.backward()
+        model.eval()
+        with torch.no_grad():
+            assert model(input_ids=ids, labels=ids).logits.shape == (4, 64, VOCAB)
+        ctl.remove()
 
 
 def test_the_head_label_is_no_block_in_the_summary_counts():
@@ -123,3 +190,131 @@ def test_the_one_peak_evaluator_takes_a_chunked_heads_saving_off_and_the_learner
                                   peak=0, plain_peak=0, transient=None)
     update = learner.learn_step(planning, outcome, None, (4, 128))
     assert (("outside",), (4, 128), 1000 + 7 * 512) in update.samples
+
+
+def _fake_probe(per_token_ms: dict[str, float]):
+    """probe_head's stand-in: keep 1 ms; chunked 1 ms + per_token_ms[implementation] x tokens + 0.5 ms x chunks."""
+    def probe(spec, hidden, labels, n_chunks, implementation="pure"):
+        tokens = hidden.shape[0] * hidden.shape[1]
+        chunked = 1.0 + per_token_ms[implementation] * tokens + 0.5 * n_chunks
+        return {"keep": {"ms": 1.0, "saved_bytes": 0.0}, "chunked": {"ms": chunked, "saved_bytes": 0.0}}
+    return probe
+
+
+def test_warmup_prices_the_head_by_probe_and_the_price_reaches_the_plans(monkeypatch):
+    """NOTE [Pricing the head]: warm-up times the head under each usable implementation, the fastest
+    is the one run, and its price line (per token, per chunk) is in every chunked plan's cost."""
+    import memfit.engine.treatments.chunked_head as chunked_head
+
+    monkeypatch.setattr(chunked_head, "probe_head", _fake_probe({"pure": 0.02, "pure_grad_in_forward": 0.01}))
+    base = _base()
+    model = copy.deepcopy(base).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ctl = memfit.fit(model, budget=BUDGET, optimizer=optimizer, announce=False, method="dynamic", head=True)
+    generator = torch.Generator().manual_seed(1)
+    for length in LENGTHS:
+        ids = torch.randint(0, VOCAB, (4, length), generator=generator)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    part = ctl.head.part
+    assert part.probed_steps == chunked_head.PROBE_STEPS
+    assert set(part.probes) == {"pure", "pure_grad_in_forward"}
+    assert part.switch.implementation == "pure_grad_in_forward"
+    assert part.extra_ms_per_token == pytest.approx(0.01) and part.per_chunk_ms == pytest.approx(0.5)
+    plans = [p for p in ctl.plans().values() if p.head is not None and p.head[0] == "chunked"]
+    assert plans
+    for plan in plans:
+        assert plan.cost_ms >= 0.5 * plan.head[1] - 1e-9
+    tokens = 4 * 64
+    options = part.options(tokens)
+    assert [ms for *_, ms in options[1:]] == [pytest.approx(0.01 * tokens + 0.5 * n) for _, n, _, _ in options[1:]]
+    ctl.remove()
+
+
+def test_an_expensive_chunked_head_is_priced_out_where_blocks_make_the_room(monkeypatch):
+    """The planner picks by the probed price: where recomputing a block makes the room for 5 ms, a
+    head probed free chunks and a head probed dear keeps (and blocks are recomputed)."""
+    import memfit.engine.treatments.chunked_head as chunked_head
+    from memfit.engine.head import attach_head
+    from memfit.engine.planner import plan_with_head
+
+    hidden, ids = torch.randn(4, 64, 32), torch.randint(0, VOCAB, (4, 64))
+    blocks = [[("recompute", 10**9, 5.0)]] * 2
+    chosen = {}
+    for name, per_token in (("free", 0.0), ("dear", 1.0)):
+        monkeypatch.setattr(chunked_head, "probe_head", _fake_probe({"pure": per_token, "pure_grad_in_forward": per_token}))
+        part = chunked_head.HeadPart(attach_head(_base()))
+        part.probe(hidden, ids)
+        options = part.options(ids.numel())
+        plan = plan_with_head(blocks, options, options[1][2])
+        chosen[name] = (plan.head[0], plan.blocks)
+        part.remove()
+    assert chosen == {"free": ("chunked", ()), "dear": ("keep", (0,))}
+
+
+def test_a_budget_below_static_plus_the_least_head_is_the_one_line_budget_error():
+    """NOTE [The head's bytes in a budget error]: the static part fits, the static part plus the head at
+    its most chunks does not: the step's first block raises BudgetTooSmallError naming the head's
+    bytes chunked and kept, instead of replaying in vain."""
+    from memfit.engine.budget import BudgetTooSmallError
+
+    model = copy.deepcopy(_base()).train()
+    tokens = 4 * 512
+    n_params = sum(p.numel() for p in model.parameters())
+    static = 4 * n_params * 4  # float32 weights, gradients and AdamW's two states
+    least = tokens * 32 * 4 + tokens * 8  # logical accounting: the hidden rows and their targets, no transient
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ctl = memfit.fit(model, budget=static + least // 2, optimizer=optimizer, method="dynamic", announce=False)
+    kept, chunked, _ = ctl.head.part.head_bytes(tokens)
+    assert chunked == least and kept > 100 * least
+    ids = torch.randint(0, VOCAB, (4, 512))
+    with pytest.raises(BudgetTooSmallError, match=r"LM head's logits and loss .* in \d+ chunks \(.* kept\)\. Raise --memory_budget"):
+        for _ in range(3):
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    ctl.remove()
+
+
+def test_the_warning_of_a_shape_that_cannot_fit_names_the_head_and_blames_it_when_it_dominates(caplog):
+    from memfit.engine.planner import Plan
+    from memfit.engine.planning import Planning, _plan_head
+    from memfit.engine.treatments.chunked_head import HeadPart
+    from memfit.engine.head import attach_head
+
+    planning = Planning(2, [0, 0], 10**6, margin_bytes=0, bucket_tokens=1)
+    part = HeadPart(attach_head(_base()), transient=False)
+    planning.set_head(part)
+    planning.begin_step(1_100_000)  # over the budget by itself: no plan fits
+    with caplog.at_level("WARNING", logger="memfit"):
+        plan = _plan_head(planning, (4, 512))
+    assert plan.blocks == (0, 1) and plan.head[0] == "chunked"
+    (message,) = [m for m in caplog.messages if "predicted to need" in m]
+    kept, least, n = part.head_bytes(4 * 512)
+    assert f"LM head in {n} chunks" in message and "kept)" in message
+    assert "most of it is the LM head's logits and loss (kept)" in message
+    part.remove()
+
+
+def test_an_implementation_that_fails_its_probe_is_said_once_and_not_used(monkeypatch, caplog):
+    import memfit.engine.treatments.chunked_head as chunked_head
+    from memfit.engine.head import attach_head
+
+    good = _fake_probe({"pure": 0.02, "pure_grad_in_forward": 0.01})
+
+    def probe(spec, hidden, labels, n_chunks, implementation="pure"):
+        if implementation == "pure_grad_in_forward":
+            raise RuntimeError("kernel launch failed")
+        return good(spec, hidden, labels, n_chunks, implementation)
+
+    monkeypatch.setattr(chunked_head, "probe_head", probe)
+    part = chunked_head.HeadPart(attach_head(_base()))
+    hidden, ids = torch.randn(2, 16, 32), torch.randint(0, VOCAB, (2, 16))
+    with caplog.at_level("WARNING", logger="memfit"):
+        part.probe(hidden, ids)
+        part.probe(hidden, ids)
+    assert part.failed == {"pure_grad_in_forward"} and set(part.probes) == {"pure"}
+    assert part.switch.implementation == "pure"
+    assert sum("failed when probed" in m for m in caplog.messages) == 1
+    part.remove()

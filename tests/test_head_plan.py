@@ -87,13 +87,15 @@ def test_head_part_plans_and_sets_the_switch_per_batch():
     assert reference.isfinite()
 
 
-def test_head_part_from_probes_prices_the_slope():
-    from memfit.engine.head import attach_head
+def test_a_fused_kernel_is_offered_at_its_own_chunk_count_only():
+    """NOTE [Head bytes]: Liger/CCE chunk the tokens themselves, so the planner gets one chunked option,
+    at fused_chunks(), priced as the gradient taken in forward."""
+    from memfit.engine.head import fused_chunks, head_saved_bytes
 
-    switch = attach_head(_decoder())
-    probes = {4: {"keep": {"ms": 10.0}, "chunked": {"ms": 12.0}}, 16: {"keep": {"ms": 10.0}, "chunked": {"ms": 14.4}}}
-    part = HeadPart.from_probes(switch, probes)
-    assert part.per_chunk_ms == pytest.approx(0.2)
-    assert part.extra_ms == pytest.approx(1.2)
-    one = HeadPart.from_probes(switch, {8: {"keep": {"ms": 10.0}, "chunked": {"ms": 9.0}}})
-    assert (one.extra_ms, one.per_chunk_ms) == (0.0, 0.0)
+    tokens, vocab, hidden = 4096, 151936, 1536
+    for implementation in ("liger", "cce"):
+        options = head_options(tokens, vocab, hidden, torch.bfloat16, 0.0, 0.0, implementation=implementation)
+        n = fused_chunks(tokens, vocab, hidden)
+        assert [o[:2] for o in options] == [("keep", 1), ("chunked", n)] and n == 99
+        fused = head_saved_bytes(tokens, vocab, hidden, torch.bfloat16, "chunked", 7, implementation=implementation)
+        assert fused == head_saved_bytes(tokens, vocab, hidden, torch.bfloat16, "chunked", n, implementation="pure_grad_in_forward")

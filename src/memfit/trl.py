@@ -21,6 +21,13 @@ innermost pair runs (NOTE [Who sees a checkpointed block's tensors] in memfit/en
 TRL would offload nothing, silently. So ``SFTConfig`` refuses the flag; the benchmark's
 ``offload`` peer runs TRL's offloading inside memfit's counter instead (memfit/tools/bench/peers.py).
 
+# NOTE [TRL's loss and memfit's head]
+TRL's ``SFTTrainer`` computes the loss itself: it calls the model with ``fused_lm_head=True`` (its
+own head, chunked or through Liger) and reads log-probabilities, not the model's loss. memfit must
+not chunk the head a second time, so it leaves the head to TRL (``fit(head=False)``), counts the
+head's bytes with the rest of the step as for any model, and the start line says so.
+``--memfit_head plan`` is refused here.
+
 Importing this module imports TRL: ``pip install 'memfit[llm]'`` (or ``pip install trl``).
 
 Example:
@@ -40,6 +47,7 @@ except ImportError:
         "memfit.trl needs TRL: pip install 'memfit[llm]' (or pip install trl); memfit.Trainer works without it"
     ) from None
 
+from memfit.errors import FlagError
 from memfit.integrations.hf import MemfitArguments, with_memfit
 
 __all__ = ["SFTConfig", "SFTTrainer"]
@@ -60,6 +68,11 @@ class SFTConfig(MemfitArguments, trl.SFTConfig):
 
 
     def __post_init__(self) -> None:
+        if self.memfit_head == "plan":
+            raise FlagError(
+                "--memfit_head plan: TRL's SFTTrainer computes the loss through its own head (NOTE [TRL's loss and "
+                "memfit's head] in memfit/trl.py); give --memfit_head auto or keep"
+            )
         if self.activation_offloading:
             raise ValueError(
                 "--activation_offloading: memfit's saved-tensor counter runs inside TRL's offloading hooks, which then "
@@ -72,3 +85,4 @@ class SFTConfig(MemfitArguments, trl.SFTConfig):
 #: ``trl.SFTTrainer`` with memfit (:class:`memfit.integrations.hf.MemfitTrainerMixin`); pass an :class:`SFTConfig`.
 SFTTrainer = with_memfit(trl.SFTTrainer)
 SFTTrainer.__module__ = __name__
+SFTTrainer.memfit_head_owner = "TRL (its SFTTrainer computes the loss: NOTE [TRL's loss and memfit's head])"

@@ -59,7 +59,7 @@ from memfit.engine.shapes import first_tensor, shape_key
 from memfit.engine.store import ReactiveStore
 from memfit.engine.summary_text import end_summary, start_line
 from memfit.engine.treatments import OFFLOAD, RECOMPUTE, SELECTIVE, Treatment, make_treatments, run_treatment_names
-from memfit.engine.treatments.chunked_head import attach_head_part, head_treatments, with_head
+from memfit.engine.treatments.chunked_head import RunHead, head_treatments
 
 __all__ = ["fit", "Controller", "check_static_need_of"]
 
@@ -221,7 +221,7 @@ class Controller:
         treatments: Sequence[str] | None = None,
         announce: str | bool = False,
         compile: bool | dict[str, Any] = False,
-        head: bool = False,
+        head: bool | str = "auto", head_logits: str = "drop",
     ):
         self.model = model
         self.method = method
@@ -244,7 +244,7 @@ class Controller:
         # Parameters and buffers are never activations (under FSDP: this rank's shards).
         self._counter = SavedTensorCounter(len(self.blocks), exclude=list(model.parameters()) + list(model.buffers()))
         self.treatments = _make_treatments(treatments, self._counter, self.planning, self.device, self.blocks[0].compiled)
-        self.head = attach_head_part(model, self.planning, transient=self.meter.kind != "logical") if head else None
+        self.head = RunHead(model, self.planning, self.meter.kind != "logical", head, head_logits, method.learns and budget_bytes is not None)
         self.protection = method.make_protection(
             lambda: ReactiveStore(self._counter.excluded_ptrs), self.planning, self.meter, self._counter
         )
@@ -254,7 +254,7 @@ class Controller:
         #: print a start line now and a summary at remove(); a str is the budget as the user wrote it
         self.announce = announce
         if announce:
-            _say(start_line(method.name, budget_bytes, _given(announce), self.meter.kind, *_kinds_compiled(self.blocks)), self.rank)
+            _say(start_line(method.name, budget_bytes, _given(announce), self.meter.kind, *_kinds_compiled(self.blocks)) + self.head.start_words(), self.rank)
         self._records: list[StepRecord] = []
         self._step: StepState | None = None
         self._steps_recorded = 0
@@ -263,7 +263,7 @@ class Controller:
         self._handles = [
             model.register_forward_pre_hook(self._on_forward_start, with_kwargs=True),
             model.register_forward_hook(self._on_forward_end, always_call=True), *compile_loss(model, compile_options),
-            *filter(None, [self.head]),
+            self.head,
         ]
         for b in self.blocks:
             b.listener = self
@@ -364,7 +364,7 @@ class Controller:
         oom = self.replay.oom
         failed = oom.failed_plan if oom.attempts and not self.replay.replaying else None
         t0 = time.perf_counter()
-        decision = with_head(self.head, self.method.decide(self.planning, step.key, failed), step.key)
+        decision = self.head.decide(self.method.decide(self.planning, step.key, failed), step.key, step.state_to_come)
         step.planner_us = (time.perf_counter() - t0) * 1e6
         step.planned = self.planning.cache.misses > misses
         step.decision = decision
@@ -510,7 +510,8 @@ def fit(
     treatments: Sequence[str] | None = None,
     announce: bool = True,
     compile: bool | dict[str, Any] = False,
-    head: bool = False,
+    head: bool | str = "auto",
+    head_logits: str = "drop",
     **method_kwargs: Any,
 ) -> Controller:
     """Train ``model`` inside ``budget`` by treating just enough blocks per batch.
@@ -547,7 +548,18 @@ def fit(
             ``loss`` is False.
         head: plan the LM head of a causal LM beside the blocks (NOTE [The head in the plan] in
             planner.py): per batch ``keep`` or ``chunked`` logits and loss (treatments/chunked_head.py),
-            recorded under ``treatments["head"]``; an unrecognised head is left to the model (one line says why).
+            recorded under ``treatments["head"]``. ``"auto"`` (default): wherever memfit recognises the
+            head, the method is ``dynamic`` or ``static`` and a budget is given, for forwards that pass
+            ``labels`` (a forward without them leaves the head to the caller from then on); elsewhere
+            the model keeps its head and the start line says why (NOTE [The head by default]).
+            ``True``: plan it whatever the method, or raise ValueError where memfit cannot. ``False``:
+            never. A chunked head's loss and gradients equal the model's within float32 rounding
+            (not bitwise: the additions are reordered); the blocks stay bitwise.
+        head_logits: what a training forward with ``labels`` returns as ``outputs.logits`` in a step
+            whose head is chunked: ``"drop"`` (default: None, the ``tokens x vocab`` logits are never
+            made) or ``"detached"`` (computed without grad in the model's dtype, for metrics; costs
+            ``tokens x vocab`` bytes). Where the head is kept, and in eval or no-grad forwards, the
+            logits are the model's own.
         **method_kwargs: passed to the method (``path=`` for ``precomputed``,
             ``max_shape=`` for ``static``, ``warmup_steps=`` for ``dynamic``...).
 
@@ -575,4 +587,4 @@ def fit(
     method_obj = make_method(method, **method_kwargs)
     shown = (budget if isinstance(budget, str) else True) if announce else False
     return Controller(model, budget_bytes, method_obj, optimizer, blocks, log, margin, bucket_tokens, cap, treatments, shown,
-                      compile, head=head)
+                      compile, head=head, head_logits=head_logits)

@@ -56,7 +56,8 @@ from torch.utils.checkpoint import checkpoint
 
 __all__ = [
     "HEAD_TREATMENTS", "IMPLEMENTATIONS", "HeadSpec", "HeadNotFound", "HeadSwitch", "HeadBytes", "find_head", "attach_head",
-    "chunked_causal_lm_loss", "head_saved_bytes", "chunks_for_bytes", "probe_head", "available_implementations",
+    "chunked_causal_lm_loss", "head_saved_bytes", "chunks_for_bytes", "probe_head", "available_implementations", "FUSED",
+    "fused_chunks",
 ]
 
 logger = logging.getLogger("memfit")
@@ -64,6 +65,8 @@ logger = logging.getLogger("memfit")
 HEAD_TREATMENTS = ("keep", "chunked")
 #: chunked-loss implementations: the pure path runs everywhere; the fused ones need CUDA and their package
 IMPLEMENTATIONS = ("pure", "pure_grad_in_forward", "liger", "cce")
+#: the implementations whose kernel chunks the tokens itself (NOTE [Head bytes]: priced at :func:`fused_chunks`)
+FUSED = ("liger", "cce")
 
 # Families whose ``*ForCausalLM.forward`` is: body -> lm_head -> post-processing -> loss_function,
 # and the post-processing each applies to the logits (read from the model, below).
@@ -362,6 +365,13 @@ class HeadSwitch:
         self.treatment, self.n_chunks, self.implementation = "keep", 1, "pure"
         #: chunked forwards run so far (what a test or a record can read)
         self.chunked_forwards = 0
+        #: called once with the body's output and the labels before the next loss is computed (warm-up's
+        #: price probe, treatments/chunked_head.py), then cleared
+        self.probe: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+        #: called at a training forward whose loss the switch does not compute (no ``labels``, or some
+        #: logits asked for), before the body runs (NOTE [The head by default], treatments/chunked_head.py)
+        self.on_left_to_caller: Callable[[], None] | None = None
+        self._usable: list[str] | None = None
         self._pending: dict[str, Any] | None = None
         self._hidden: torch.Tensor | None = None
         lm = spec.causal_lm
@@ -382,7 +392,9 @@ class HeadSwitch:
             raise ValueError(f"n_chunks must be at least 1, got {n_chunks}")
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"head implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-        usable = available_implementations(self.spec, self.spec.weight.device)
+        if self._usable is None:  # the packages and the device do not change during a run
+            self._usable = available_implementations(self.spec, self.spec.weight.device)
+        usable = self._usable
         if implementation not in usable:
             raise ValueError(f"head implementation {implementation!r} is not usable here (it needs CUDA, its package and a plain "
                              f"nn.Linear lm_head without logit scaling); choose one of {usable}")
@@ -397,10 +409,13 @@ class HeadSwitch:
     def _before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         self._pending, self._hidden = None, None
         labels = kwargs.get("labels")
-        if labels is None or not module.training or not torch.is_grad_enabled():
+        if not module.training or not torch.is_grad_enabled():
             return None
-        if not isinstance(kwargs.get("logits_to_keep", 0), int) or kwargs.get("logits_to_keep", 0) != 0:
-            return None  # the caller asked for some logits only: the model's own path
+        keep = kwargs.get("logits_to_keep", 0)
+        if labels is None or not isinstance(keep, int) or keep != 0:  # no loss here, or some logits asked for
+            if self.on_left_to_caller is not None:
+                self.on_left_to_caller()
+            return None
         self._pending = {"labels": labels, **{k: kwargs[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}}
         kwargs = {**kwargs, "labels": None, "logits_to_keep": torch.empty(0, dtype=torch.long, device=labels.device)}
         return args, kwargs
@@ -417,6 +432,9 @@ class HeadSwitch:
         if hidden is None:
             raise RuntimeError("memfit's head switch saw no output of the decoder body; call HeadSwitch.remove() to keep the model's own head")
         labels = pending.pop("labels")
+        if self.probe is not None:
+            probe, self.probe = self.probe, None
+            probe(hidden, labels if "shift_labels" not in pending else None)
         if self.treatment == "keep":
             logits = self.spec.logits(hidden)
             loss = self.spec.causal_lm.loss_function(logits=logits, labels=labels, vocab_size=self.spec.vocab_size, **pending)
@@ -481,8 +499,10 @@ def head_saved_bytes(
     one chunk at a time holds its logits in the model's dtype, their float32 copy, ``log_softmax``'s
     output and, in backward, its gradient (float32): the transient. ``pure_grad_in_forward`` keeps the
     hidden rows' gradient instead of the rows and targets and, when ``lm_head``'s weight trains
-    (``weight_trains``), its float32 gradient (``vocab x hidden x 4``). Measured by :func:`probe_head`,
-    checked against this in tests/test_head.py.
+    (``weight_trains``), its float32 gradient (``vocab x hidden x 4``). The fused kernels (:data:`FUSED`)
+    chunk the tokens themselves and take each chunk's gradient in forward: they are priced as
+    ``pure_grad_in_forward`` at :func:`fused_chunks` chunks, whatever ``n_chunks`` says (an upper bound:
+    they hold less in the model's dtype). Measured by :func:`probe_head`, checked against this in tests/test_head.py.
     """
     size = torch.tensor([], dtype=dtype).element_size()
     hidden_bytes = tokens * hidden * size + tokens * 8  # the rows and their int64 targets
@@ -491,11 +511,20 @@ def head_saved_bytes(
         transient = tokens * vocab * size + (tokens * vocab * 4 if size != 4 else 0)
         return HeadBytes(saved, transient)
     if treatment == "chunked":
+        if implementation in FUSED:
+            n_chunks, implementation = fused_chunks(tokens, vocab, hidden), "pure_grad_in_forward"
         rows = -(-tokens // max(1, n_chunks))
         if implementation == "pure_grad_in_forward":
             return HeadBytes(tokens * hidden * size + (vocab * hidden * 4 if weight_trains else 0), rows * vocab * (size + 4 + 4 + 4))
         return HeadBytes(hidden_bytes, rows * vocab * (size + 4 + 4 + 4))
     raise ValueError(f"head treatment must be one of {HEAD_TREATMENTS}, got {treatment!r}")
+
+
+def fused_chunks(tokens: int, vocab: int, hidden: int) -> int:
+    """How many chunks of tokens a fused kernel (:data:`FUSED`) runs: ``ceil(vocab / hidden)``, as
+    Liger's fused linear cross-entropy does (each chunk's logits about as large as the hidden rows),
+    at most one per token."""
+    return max(1, min(tokens, -(-vocab // max(1, hidden))))
 
 
 def chunks_for_bytes(tokens: int, vocab: int, dtype: torch.dtype, transient_bytes: int) -> int:

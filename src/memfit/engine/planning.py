@@ -194,8 +194,8 @@ class Planning:
         self.bias = BucketBias()
 
     def set_head(self, part: Any) -> None:
-        """Plan the LM head beside the blocks from now on (NOTE [The head in the plan], planner.py)."""
-        self.head, self.model.head_saving = part, part.saved_bytes
+        """Plan the LM head beside the blocks from now on (NOTE [The head in the plan], planner.py); None: no more."""
+        self.head, self.model.head_saving = part, None if part is None else part.saved_bytes
         self.cache.clear()
 
     def price_offload(self, offload_ms: Callable[[float, float], float]) -> None:
@@ -521,10 +521,18 @@ def _plan_head(planning: Planning, k: tuple[int, int]) -> Plan:
         pass
     most = Plan(planning.all_blocks, head=head[-1][:2])
     if planning.predict_peak(k, most) > room and k not in planning.infeasible_keys:
+        # once per run, later shapes at debug (NOTE [What to change when a step cannot fit], summary_text.py);
+        # the head's bytes come from its formula, known before the model is (NOTE [The head's bytes in a budget error])
+        log = logger.debug if planning.infeasible_keys else logger.warning
         planning.infeasible_keys.add(k)
-        logger.warning("memfit: shape %s is predicted to need %s even with every block checkpointed and the LM head "
-                       "in %d chunks, over the budget of %s", k, format_bytes(planning.predict_peak(k, most) + planning.budget_bytes - room),
-                       most.head[1], format_bytes(planning.budget_bytes))
+        kept, least, n_chunks = planning.head.head_bytes(k[0] * k[1])
+        outside = max(0.0, planning.model.outside(k) - kept) if planning.model.ready else 0.0
+        blocks = max(0.0, planning.model.step_bytes(k, most) - outside - least) if planning.model.ready else 0.0
+        parts = {"static": planning.static_bytes, "head": kept, "outside": outside, "blocks": blocks}
+        log("memfit: shape %s is predicted to need %s even with every block checkpointed and the LM head in %d chunks "
+            "(the head takes %s so, %s kept), over the budget of %s; %s", k,
+            format_bytes(planning.predict_peak(k, most) + planning.budget_bytes - room), n_chunks, format_bytes(least),
+            format_bytes(kept), format_bytes(planning.budget_bytes), over_budget_words(parts))
     return most
 
 

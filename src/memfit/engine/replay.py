@@ -34,6 +34,14 @@ safer plan, the others with their own. An OOM elsewhere (the head after the last
 backward) cannot be kept in step this way: it is raised with an error that says so, and the
 launcher stops the other ranks. So is an OOM in a block that holds FSDP modules of its own:
 its failed forward may have issued some of their all-gathers, which a rerun would repeat.
+
+# NOTE [cuDNN attention after an OOM]
+On CUDA an OOM raised inside cuDNN's scaled-dot-product attention can leave cuDNN's attention
+unusable for the rest of the process (later calls fail in ``mha_graph.execute`` with
+``is_good()``), which would fail the very replay that is meant to recover. So after the first
+OOM on CUDA the replayer turns cuDNN's SDPA backend off for the rest of the process
+(:func:`avoid_cudnn_attention`; PyTorch then picks flash or memory-efficient attention, which
+compute the same attention) and says so once; a process with it already off is left alone.
 """
 
 from __future__ import annotations
@@ -59,8 +67,8 @@ if TYPE_CHECKING:
     from memfit.engine.meter import Meter
     from memfit.engine.treatments import Treatment
 
-__all__ = ["MAX_OOM_RETRIES", "describe_attempt", "OomLog", "after_oom", "MicroStep", "Replayer", "rng_state",
-           "set_rng_state"]
+__all__ = ["MAX_OOM_RETRIES", "describe_attempt", "OomLog", "after_oom", "avoid_cudnn_attention", "MicroStep", "Replayer",
+           "rng_state", "set_rng_state"]
 
 logger = logging.getLogger("memfit")
 
@@ -169,6 +177,18 @@ def after_oom(
         planning.after_oom(attempt.get("unusable_reserved_bytes") or 0)
     logger.warning("memfit: %s; replaying it with %s kept free", describe_attempt(attempt, n_blocks),
                    format_bytes(planning.margin_bytes + planning.slack_bytes))
+
+
+def avoid_cudnn_attention() -> bool:
+    """After an OOM on CUDA, turn cuDNN's SDPA backend off for the rest of the process and say so
+    once (NOTE [cuDNN attention after an OOM]). Returns whether it was turned off now."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()) or not torch.backends.cuda.cudnn_sdp_enabled():
+        return False
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    logger.warning("memfit: after an out-of-memory error, cuDNN's attention is turned off for the rest of this process "
+                   "(an OOM inside it can leave it failing; PyTorch's flash or memory-efficient attention computes "
+                   "the same attention; NOTE [cuDNN attention after an OOM] in memfit/engine/replay.py)")
+    return True
 
 
 def rng_state() -> dict[str, Any]:
@@ -297,6 +317,7 @@ class Replayer:
                 del result
             except torch.OutOfMemoryError as err:
                 message = str(err)  # recovered outside the except block, so its frames are freed
+                avoid_cudnn_attention()
                 if together is not None:
                     raise BudgetTooSmallError(
                         f"{message}\nmemfit: under FSDP with several ranks, an OOM outside the blocks' forwards (the "

@@ -55,7 +55,8 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 import torch
 import transformers
@@ -79,6 +80,8 @@ __all__ = [
 STATE_FILE = "memfit_state.json"
 STEPS_FILE = "memfit_steps.jsonl"
 SUMMARY_FILE = "memfit_summary.json"
+#: ``--memfit_head``'s values and the ``memfit.fit(head=...)`` each means (NOTE [The head by default])
+HEAD_FLAG = MappingProxyType({"auto": "auto", "plan": True, "keep": False})
 logger = logging.getLogger(__name__)
 
 
@@ -156,6 +159,15 @@ class MemfitArguments:
                   "the body compiled again under torch.compile's activation memory budget 0.5. --torch_compile "
                   "does the same with the memfit Trainer (NOTE [--torch_compile compiles the blocks])."},
     )
+    memfit_head: str = field(
+        default="auto",
+        metadata={"help": "The LM head of a causal LM (final norm -> lm_head -> loss) as a part memfit plans per batch: "
+                  "kept, or its logits and loss computed a chunk of tokens at a time (never the whole float32 tokens x "
+                  "vocab), whichever the budget and the measured time call for. auto (default): where memfit "
+                  "recognises the head, --memfit_method is dynamic or static, a budget is given and the model is "
+                  "called with labels; plan: plan it with any method, or stop where memfit cannot; keep: never. "
+                  "Under a chunked head a training step returns no logits."},
+    )
     overwrite_output_dir: bool = field(
         default=False,
         metadata={
@@ -204,6 +216,8 @@ class MemfitArguments:
             }
             self.memfit_compile = True
             self.torch_compile, self.torch_compile_backend, self.torch_compile_mode = False, None, None
+        if self.memfit_head not in HEAD_FLAG:
+            raise FlagError(f"--memfit_head {self.memfit_head!r}: give auto, plan or keep")
         if str(self.memfit_backstop).lower() not in ("auto", "true", "false"):
             raise FlagError(f"--memfit_backstop {self.memfit_backstop!r}: give auto, true or false")
         # the flag's newer name first (reading the old one warns where both exist; older versions have only it)
@@ -346,6 +360,10 @@ class MemfitTrainerMixin:
         memfit: the :class:`~memfit.engine.Controller` hooked on the model.
     """
 
+    #: who computes the loss instead of the model's head, where this Trainer class does (TRL's SFTTrainer):
+    #: memfit then leaves the head to it and says so in the start line (NOTE [The head by default])
+    memfit_head_owner: ClassVar[str | None] = None
+
     def __init__(self, *args: Any, memfit_method: Method | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         a = self.args
@@ -368,12 +386,12 @@ class MemfitTrainerMixin:
         # Each rank has its own budget (its own process cap), plans for its own batches and
         # writes its own records; rank 0 merges the summaries.
         def hook(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Controller:
-            return fit(
+            return self._hooked(fit(
                 model, getattr(a, "memfit_budget_bytes", None), method, optimizer=optimizer, log=log,
                 margin=getattr(a, "memfit_margin", None), announce=False,
                 treatments=treatment_names(getattr(a, "memfit_treatments", "auto")),
-                compile=_compile_option(a), **method_kwargs,
-            )
+                compile=_compile_option(a), head=self._memfit_head(), **method_kwargs,
+            ))
 
         self._hook = hook
         self._pending_state: dict[str, Any] | None = None
@@ -385,6 +403,27 @@ class MemfitTrainerMixin:
         self._grad_sync: GradientSync | None = None
         self._grad_sync_of: torch.nn.Module | None = None  # the DDP wrapper it syncs for
         self.add_callback(_MemfitCallback(self))
+
+    def _loss_owner(self) -> str | None:
+        """Who computes the loss instead of the model's head: :attr:`memfit_head_owner`, or a Trainer class
+        that overrides ``compute_loss`` (it may read ``outputs.logits``, which a chunked head does not make)."""
+        if self.memfit_head_owner:
+            return self.memfit_head_owner
+        overridden = type(self).compute_loss is not transformers.Trainer.compute_loss
+        return f"{type(self).__name__}.compute_loss" if overridden else None
+
+    def _memfit_head(self) -> bool | str:
+        """``fit``'s ``head`` from ``--memfit_head`` (:data:`HEAD_FLAG`); under ``auto``, False where the
+        Trainer class computes the loss itself (:meth:`_loss_owner`)."""
+        head = HEAD_FLAG[getattr(self.args, "memfit_head", "auto")]
+        return False if head == "auto" and self._loss_owner() else head
+
+    def _hooked(self, ctl: Controller) -> Controller:
+        """``ctl``, its start line naming who computes the head where the Trainer class does."""
+        owner = self._loss_owner()
+        if owner and ctl.head.part is None and getattr(self.args, "memfit_head", "auto") == "auto":
+            ctl.head.words = f"LM head left to {owner}, its bytes counted with the rest of the step"
+        return ctl
 
     def _check_static_need_before_optimizer(self) -> None:
         """Check weights + gradients + the optimizer state ``--optim`` will make against the budget.
@@ -518,7 +557,7 @@ class MemfitTrainerMixin:
         words = parameters_words(sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params),
                                  adapted, sum(hasattr(m, "lora_A") for m in self.model.modules()))
         compiled = (getattr(self.args, "memfit_compile_flag", None) or "") if ctl.blocks[0].compiled else None
-        return start_line(ctl.method.name, ctl.budget_bytes, self._budget_given(), ctl.accounting, kinds, words, compiled)
+        return start_line(ctl.method.name, ctl.budget_bytes, self._budget_given(), ctl.accounting, kinds, words, compiled) + ctl.head.start_words()
 
     def write_summary(self) -> dict[str, Any] | None:
         """Write ``memfit_summary.json``, and for methods with a memory model ``memfit_plans.json``

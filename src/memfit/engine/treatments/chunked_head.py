@@ -5,30 +5,58 @@ and its options for the planner, priced per shape.
 The planner (:func:`memfit.engine.planner.plan_with_head`) takes the head's options as
 ``(treatment, n_chunks, bytes saved, ms)`` relative to keeping the head. The bytes are the
 head's peak at its moment of the step, ``saved + transient`` of :func:`head_saved_bytes`, kept
-minus chunked; the time is ``extra_ms + per_chunk_ms * n_chunks`` (what warm-up's
-:func:`probe_head` measures: the chunked head's extra time over keep, and what each further
-chunk adds). Chunk counts are powers of two up to the batch's tokens (one token per chunk at
+minus chunked; the time is ``extra_ms + per_chunk_ms * n_chunks`` (the caller's price of the
+chunked head over keep at this shape, and what each further chunk adds: NOTE [Pricing the head]). Chunk counts are powers of two up to the batch's tokens (one token per chunk at
 most); a count is offered only where it saves more than the count before it, so the options'
 bytes and times both rise and the planner's tie rule picks the fewest chunks that fit.
+
+# NOTE [Pricing the head]
+The chunked head costs time over keep (``pure`` recomputes each chunk's logits in backward; the
+others compute the gradient in forward or run a fused kernel), and that time decides whether the
+planner chunks the head or treats blocks to make the same room. So the first :data:`PROBE_STEPS`
+warm-up steps time the head (:func:`memfit.engine.head.probe_head`) on the body's real output, cut
+to one chunk's rows of that step (at most :data:`PROBE_TOKENS`: the probe's ``keep`` then holds no
+more than the step's own chunk does), under each implementation usable here, at
+:data:`PROBE_CHUNKS` chunks. The least time of each measurement over those steps is kept (a kernel's
+first call compiles or autotunes), and the price is a line: ``extra_ms_per_token x tokens +
+per_chunk_ms x n_chunks`` (both at least 0, so a head that is measured no slower chunked costs
+nothing and the tie rule still keeps it where nothing is needed: plans stay deterministic). The
+implementation with the least extra time is the one the switch runs from then on; its bytes are
+what :func:`head_options` prices. The probe's gradients go to detached copies
+(``torch.autograd.grad``): training is untouched. An installed kernel that raises when probed is
+said once and never used. Until the price is known the head is free.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memfit.engine.head import HeadSwitch, attach_head, head_saved_bytes
+from memfit.engine.head import FUSED, HeadSwitch, attach_head, available_implementations, fused_chunks, head_saved_bytes, probe_head
+from memfit.engine.budget import BudgetTooSmallError, format_bytes
 from memfit.engine.treatments.base import KEEP, Treatment
 
 if TYPE_CHECKING:
     from memfit.engine.blocks import Block
 
-__all__ = ["CHUNKED", "KeepHead", "ChunkedHead", "HeadPart", "head_options", "attach_head_part", "with_head", "head_treatments"]
+__all__ = [
+    "CHUNKED", "HEAD_MODES", "HEAD_LOGITS", "check_head_mode", "PROBE_STEPS", "PROBE_TOKENS", "PROBE_CHUNKS", "KeepHead",
+    "ChunkedHead", "HeadPart", "RunHead", "head_options", "attach_head_part", "head_treatments",
+]
+
+logger = logging.getLogger("memfit")
 
 CHUNKED = "chunked"
+#: warm-up steps whose head is timed (NOTE [Pricing the head])
+PROBE_STEPS = 3
+#: the most tokens a probe of the head runs on (NOTE [Pricing the head])
+PROBE_TOKENS = 2048
+#: the chunk counts a probe times: the extra time at the fewest, the slope per chunk between them
+PROBE_CHUNKS = (1, 4)
 
 
 class KeepHead(Treatment):
@@ -69,6 +97,8 @@ def head_options(
     out: list[tuple[str, int, int, float]] = [(KEEP, 1, 0, 0.0)]
     last_saved = 0
     n_chunks = 1
+    if implementation in FUSED:  # the kernel's own chunk count, the only one (NOTE [Head bytes], head.py)
+        n_chunks = fused_chunks(tokens, vocab, hidden)
     while True:
         n_chunks = min(n_chunks, max(1, tokens))
         chunked = head_saved_bytes(tokens, vocab, hidden, dtype, CHUNKED, n_chunks, softcap, implementation)
@@ -76,7 +106,7 @@ def head_options(
         if saved > last_saved:
             out.append((CHUNKED, n_chunks, int(saved), float(extra_ms + per_chunk_ms * n_chunks)))
             last_saved = saved
-        if n_chunks >= tokens:
+        if n_chunks >= tokens or implementation in FUSED:
             return tuple(out)
         n_chunks *= 2
 
@@ -87,8 +117,16 @@ class HeadPart:
 
     Args:
         switch: the model's head switch (:func:`memfit.engine.head.attach_head`).
-        extra_ms: the chunked head's time over keep.
+        extra_ms: the chunked head's time over keep, whatever the tokens.
         per_chunk_ms: what each chunk adds (0: the planner's tie rule picks the fewest chunks that fit).
+        transient: price the head's transient bytes too (False under logical accounting: NOTE [Head options]).
+        extra_ms_per_token: the chunked head's time over keep per token of the batch.
+        on_priced: called when warm-up's probes change the price (the planner's cached plans are stale then).
+
+    Attributes:
+        probes: per implementation and chunk count, the least ``keep`` and ``chunked`` times (ms)
+            and the tokens they were timed on (NOTE [Pricing the head]).
+        probed_steps: warm-up steps whose head was timed so far.
 
     Example:
         >>> part = HeadPart(attach_head(model))               # doctest: +SKIP
@@ -96,28 +134,118 @@ class HeadPart:
         >>> part.apply(plan)                                    # doctest: +SKIP
     """
 
-    def __init__(self, switch: HeadSwitch, extra_ms: float = 0.0, per_chunk_ms: float = 0.0, transient: bool = True):
+    def __init__(
+        self, switch: HeadSwitch, extra_ms: float = 0.0, per_chunk_ms: float = 0.0, transient: bool = True,
+        extra_ms_per_token: float = 0.0, on_priced: Callable[[], None] | None = None,
+    ):
         self.switch, self.extra_ms, self.per_chunk_ms = switch, float(extra_ms), float(per_chunk_ms)
-        #: price the head's transient bytes too (False under logical accounting: NOTE [Head options])
+        self.extra_ms_per_token = float(extra_ms_per_token)
         self.transient = transient
+        self.on_priced = on_priced
+        self.probes: dict[str, dict[int, dict[str, float]]] = {}
+        self.probed_steps = 0
+        #: implementations that raised when probed, never used (NOTE [Pricing the head])
+        self.failed: set[str] = set()
 
-    @classmethod
-    def from_probes(cls, switch: HeadSwitch, probes: Mapping[int, Mapping[str, Mapping[str, float]]]) -> "HeadPart":
-        """Priced from :func:`memfit.engine.head.probe_head`'s results by chunk count: the extra time at
-        the fewest chunks probed and, with two or more counts, the slope per chunk (never below 0)."""
-        counts = sorted(probes)
-        extra = {n: max(0.0, probes[n]["chunked"]["ms"] - probes[n]["keep"]["ms"]) for n in counts}
-        slope = (extra[counts[-1]] - extra[counts[0]]) / (counts[-1] - counts[0]) if len(counts) > 1 else 0.0
-        per_chunk = max(0.0, slope)
-        return cls(switch, max(0.0, extra[counts[0]] - per_chunk * counts[0]), per_chunk)
+    def probe(self, hidden: torch.Tensor, labels: torch.Tensor | None) -> None:
+        """Time the chunked head against keep on this step's body output, under every implementation
+        usable here, and price the head from the least times so far (NOTE [Pricing the head])."""
+        if labels is None:
+            return  # the caller gave shifted labels only: nothing to cut a probe from
+        self.probed_steps += 1
+        spec = self.switch.spec
+        rows = hidden.detach().reshape(-1, hidden.shape[-1])
+        tokens = max(1, min(rows.shape[0], -(-rows.shape[0] // self.switch.n_chunks), PROBE_TOKENS))
+        h, y = rows[:tokens].unsqueeze(0), labels.reshape(-1)[:tokens].unsqueeze(0)
+        for implementation in available_implementations(spec, rows.device):
+            if implementation in self.failed:
+                continue
+            seen: dict[int, dict[str, float]] = {}
+            try:
+                for n_chunks in sorted({min(n, tokens) for n in PROBE_CHUNKS}):
+                    timed = probe_head(spec, h, y, n_chunks, implementation)
+                    was = self.probes.get(implementation, {}).get(n_chunks, {"keep": float("inf"), "chunked": float("inf")})
+                    seen[n_chunks] = {"keep": min(was["keep"], timed["keep"]["ms"]),
+                                      "chunked": min(was["chunked"], timed["chunked"]["ms"]), "tokens": float(tokens)}
+            except torch.OutOfMemoryError:
+                raise  # the step's: replayed like any OOM in a forward
+            except Exception as err:  # an installed kernel that fails here is not used (the pure path always runs)
+                if implementation == "pure":
+                    raise
+                self.failed.add(implementation)
+                self.probes.pop(implementation, None)
+                logger.warning("memfit: the LM head's %s implementation failed when probed (%s); memfit does not use it",
+                               implementation, str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
+                continue
+            self.probes[implementation] = seen
+        self._price()
+
+    def _price(self) -> None:
+        """The price line of the fastest implementation probed (NOTE [Pricing the head])."""
+        lines = {}
+        for implementation, seen in self.probes.items():
+            counts = sorted(seen)
+            extra = {n: seen[n]["chunked"] - seen[n]["keep"] for n in counts}
+            slope = max(0.0, (extra[counts[-1]] - extra[counts[0]]) / (counts[-1] - counts[0])) if len(counts) > 1 else 0.0
+            per_token = max(0.0, extra[counts[0]] - slope * counts[0]) / seen[counts[0]]["tokens"]
+            lines[implementation] = (per_token, slope, min(extra.values()))
+        if not lines:
+            return
+        best = min(lines, key=lambda name: lines[name][2])  # dict order: pure first, so it wins ties
+        self.extra_ms_per_token, self.per_chunk_ms = lines[best][:2]
+        self.extra_ms = 0.0
+        self.switch.implementation = best
+        if self.on_priced is not None:
+            self.on_priced()
+        if self.probed_steps == PROBE_STEPS:
+            logger.info("memfit: the LM head chunked (%s) costs %.4f ms per 1k tokens and %.4f ms per chunk over keeping it",
+                        best, 1e3 * self.extra_ms_per_token, self.per_chunk_ms)
 
     def options(self, tokens: int) -> tuple[tuple[str, int, int, float], ...]:
         """The head's options for a batch of ``tokens`` tokens (``batch x length``)."""
         spec = self.switch.spec
         weight = spec.weight
         return head_options(
-            tokens, spec.vocab_size, weight.shape[-1], weight.dtype, self.extra_ms, self.per_chunk_ms,
+            tokens, spec.vocab_size, weight.shape[-1], weight.dtype, self.extra_ms + self.extra_ms_per_token * tokens,
+            self.per_chunk_ms,
             softcap=spec.softcap is not None, implementation=self.switch.implementation, transient=self.transient,
+        )
+
+    def head_bytes(self, tokens: int) -> tuple[int, int, int]:
+        """The head's peak bytes at ``tokens`` tokens kept, and at its most chunks with that count
+        (``saved + transient`` of :func:`head_saved_bytes`, the transient where the meter sees it):
+        what a budget error or warning names (NOTE [The head's bytes in a budget error])."""
+        options = self.options(tokens)
+        spec, weight = self.switch.spec, self.switch.spec.weight
+        kept = head_saved_bytes(tokens, spec.vocab_size, weight.shape[-1], weight.dtype, KEEP, softcap=spec.softcap is not None)
+        kept_bytes = kept.saved_bytes + (kept.transient_bytes if self.transient else 0)
+        _, n_chunks, saved, _ = max(options, key=lambda o: o[2])
+        return kept_bytes, kept_bytes - saved, n_chunks
+
+    def check_fits(self, tokens: int, static_bytes: int, budget_bytes: int | None) -> None:
+        """Raise the one-line budget error where the static part and the head at its most chunks
+        alone exceed the budget (NOTE [The head's bytes in a budget error]).
+
+        # NOTE [The head's bytes in a budget error]
+        No plan makes a step smaller than its static part plus the head at its most chunks (every
+        block's activations aside). Where those two already exceed the budget, no replay can help,
+        so the step's first block raises at once, naming the head's bytes chunked and kept and what
+        to change; a warning on a step that does not fit names them too (planning.py).
+
+        Raises:
+            BudgetTooSmallError: ``static_bytes`` + the head's least bytes exceed ``budget_bytes``.
+        """
+        if budget_bytes is None:
+            return
+        kept, least, n_chunks = self.head_bytes(tokens)
+        if static_bytes + least <= budget_bytes:
+            return
+        raise BudgetTooSmallError(
+            f"memory budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below what a step of {tokens} tokens "
+            f"needs before any block's activation: the static part {format_bytes(static_bytes)} (weights, gradients, "
+            f"optimizer state) and the LM head's logits and loss {format_bytes(least)} in {n_chunks} chunks "
+            f"({format_bytes(kept)} kept). Raise --memory_budget above {format_bytes(static_bytes + least)}, or lower "
+            "--per_device_train_batch_size or --max_seq_length (the head grows with the tokens)"
         )
 
     def saved_bytes(self, tokens: int, head: tuple[str, int] | None) -> int:
@@ -144,6 +272,8 @@ class HeadPart:
         the step ran is what its plan says (the learner adds the saving back: NOTE [Head in the peaks]).
         """
         plan = decision.plan
+        if decision.warmup and self.probed_steps < PROBE_STEPS:
+            self.switch.probe = self.probe  # NOTE [Pricing the head]
         if plan.head is None:
             tokens = max(1, key[0] * key[1])
             options = self.options(tokens)
@@ -158,22 +288,127 @@ class HeadPart:
         self.switch.remove()
 
 
-def attach_head_part(model: torch.nn.Module, planning: Any, transient: bool) -> HeadPart | None:
-    """``memfit.fit(..., head=True)``: the model's head as a planned part, or None (with one logged line
-    saying why, :func:`memfit.engine.head.attach_head`) when memfit does not recognise it. Its options are
-    priced by :func:`head_saved_bytes` (``transient``: the meter's peaks hold transients), its time as free
-    (the tie rule keeps the head where nothing is needed); ``planning`` plans with it from now on."""
-    switch = attach_head(model)
-    if switch is None:
-        return None
-    part = HeadPart(switch, transient=transient)
+#: what ``memfit.fit(head=...)`` takes
+HEAD_MODES = ("auto", True, False)
+#: what ``memfit.fit(head_logits=...)`` takes (NOTE [How the chunked head hooks into the model], head.py, Rule 3)
+HEAD_LOGITS = ("drop", "detached")
+
+
+def check_head_mode(head: Any, logits: Any = "drop") -> None:
+    """Raises ValueError naming the argument unless ``head`` is one of :data:`HEAD_MODES` and ``logits``
+    one of :data:`HEAD_LOGITS`."""
+    if not any(head is mode or (isinstance(mode, str) and head == mode) for mode in HEAD_MODES):
+        raise ValueError(f"head={head!r}: give 'auto' (plan the LM head where memfit recognises it), True (plan it, or "
+                         "raise where it cannot) or False (leave it to the model)")
+    if logits not in HEAD_LOGITS:
+        raise ValueError(f"head_logits={logits!r}: give 'drop' (no logits where the head is chunked) or 'detached' "
+                         "(computed without grad, tokens x vocab in the model's dtype)")
+
+
+def attach_head_part(
+    model: torch.nn.Module, planning: Any, transient: bool, mode: bool | str = True, plans: bool = True,
+    why_not: str | None = None, logits: str = "drop",
+) -> tuple[HeadPart | None, str]:
+    """``memfit.fit(..., head=mode)``: the model's head as a planned part (or None) and the words the
+    start line says of the head.
+
+    # NOTE [The head by default]
+    ``head="auto"`` (the default) plans the head wherever :func:`memfit.engine.head.find_head`
+    recognises a causal LM's head, the method plans per batch from its memory model (``plans``:
+    ``dynamic``, ``static``) under a budget, and nothing else rules it out (``why_not``: a sharded
+    model); otherwise the model keeps its head and the start line says why. A training forward
+    without ``labels`` (the caller computes the loss, as TRL does) drops the head from the plans
+    for the rest of the run, said once (:meth:`RunHead.leave`). ``True`` plans it whatever
+    the method, and raises where memfit cannot; ``False`` leaves it to the model.
+
+    The part's options are priced by :func:`head_saved_bytes` (``transient``: the meter's peaks hold
+    transients), its time by warm-up's probes (NOTE [Pricing the head]), free until then;
+    ``planning`` plans with it from now on.
+
+    Raises:
+        ValueError: ``mode`` True and the head cannot be planned (the message says why and names ``head``).
+    """
+    from memfit.engine.head import HeadNotFound, HeadSwitch, find_head
+
+    if mode is False:
+        return None, "LM head kept (head=False, --memfit_head keep)"
+    if mode == "auto" and why_not is not None:
+        return None, f"LM head kept ({why_not})"
+    if mode == "auto" and not plans:
+        return None, "LM head kept (the method does not plan per batch under a budget)"
+    try:
+        switch = HeadSwitch(find_head(model), logits=logits)
+    except HeadNotFound as reason:
+        if mode is True:
+            raise ValueError(f"head=True: {reason}; pass head='auto' or head=False") from None
+        return None, f"LM head kept ({reason})"
+    part = HeadPart(switch, transient=transient, on_priced=planning.cache.clear)
     planning.set_head(part)
-    return part
+    return part, "LM head planned per batch (kept, or its logits and loss chunked)"
 
 
-def with_head(part: HeadPart | None, decision: Any, key: tuple[int, int]) -> Any:
-    """``decision`` with ``part``'s treatment set for the step (:meth:`HeadPart.apply_step`); as it is without a head part."""
-    return decision if part is None else part.apply_step(decision, key)
+class RunHead:
+    """The run's LM head as the controller sees it: the planned part or None, what the start line
+    says of it, and each step's decision with the head's treatment set (NOTE [The head by default]).
+
+    Args:
+        model: the hooked model.
+        planning: the run's planning (it plans with the part).
+        transient: whether the meter's peaks hold the head's transient bytes (not under logical accounting).
+        mode: ``fit``'s ``head``; logits: ``fit``'s ``head_logits``.
+        plans: whether the method plans per batch under a budget (``auto`` plans the head only then).
+
+    Attributes:
+        part: the :class:`HeadPart`, or None where the model keeps its head.
+        words: what the start line says of the head (planned, or why it is kept).
+
+    Raises:
+        ValueError: a bad ``mode`` or ``logits``, or ``mode`` True where memfit cannot plan the head.
+    """
+
+    def __init__(self, model: torch.nn.Module, planning: Any, transient: bool, mode: bool | str, logits: str, plans: bool):
+        from memfit.integrations.distributed import is_fsdp, world_size
+
+        check_head_mode(mode, logits)
+        self.model, self.planning = model, planning
+        sharded = "a sharded model (FSDP)" if world_size() > 1 and is_fsdp(model) else None
+        self.part, self.words = attach_head_part(model, planning, transient, mode, plans, sharded, logits)
+        self._switch = None if self.part is None else self.part.switch
+        if self._switch is not None:
+            self._switch.on_left_to_caller = self.leave
+
+    def start_words(self) -> str:
+        """What the start line adds of the head: ``", <words>"`` for a causal LM, nothing for other models."""
+        model = self.model
+        causal = self.part is not None or type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")) or hasattr(model, "peft_config")
+        return f", {self.words}" if causal else ""
+
+    def leave(self) -> None:
+        """A training forward without labels (the caller computes the loss; called by the switch before the
+        body runs): the head leaves the plans for the rest of the run, said once."""
+        if self.part is None:
+            return
+        self._switch.on_left_to_caller = None
+        self._switch.set("keep")  # a later forward with labels: the model's own loss, bitwise
+        self.part, self.words = None, "LM head kept (the model is called without labels: the caller computes the loss)"
+        self.planning.set_head(None)
+        logger.warning("memfit: the model is called without labels (its loss is computed outside it), so memfit leaves "
+                       "the LM head to the caller and counts its bytes with the rest of the step")
+
+    def decide(self, decision: Any, key: tuple[int, int], state_to_come: int = 0) -> Any:
+        """``decision`` with the head's treatment set (:meth:`HeadPart.apply_step`), after checking that the
+        static part (with the optimizer state still to come) and the least head fit the budget
+        (:meth:`HeadPart.check_fits`); as it is without a planned head."""
+        if self.part is None:
+            return decision
+        decision = self.part.apply_step(decision, key)
+        self.part.check_fits(key[0] * key[1], self.planning.static_bytes + state_to_come, self.planning.budget_bytes)
+        return decision
+
+    def remove(self) -> None:
+        """Take the head's hooks off the model (they stay on, inert, after :meth:`leave`, until now)."""
+        if self._switch is not None:
+            self._switch.remove()
 
 
 def head_treatments(plan: Any) -> dict[str, str]:
