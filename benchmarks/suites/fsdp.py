@@ -22,6 +22,7 @@ same machine; else, from the two published folders:
 ``python benchmarks/fsdp_bench.py summarize OUT_X2 OUT_X4 --summary scaling.md``.
 """
 
+import os
 import time
 
 from suites import Call, Context, Suite, memfit, script
@@ -30,6 +31,8 @@ from suites import Call, Context, Suite, memfit, script
 _PUBLISH_S, _GRACE_S = 20, 30
 #: the jobs' wall-clock budgets (GPU plan): 2 ranks; 4 ranks, the train call included
 JOB_S = {"x2": 520, "x4": 540}
+#: a shorter session sets them in the environment: ``MEMFIT_FSDP_JOB_S="x2=440,x4=420"``
+JOB_S.update({k: int(v) for k, v in (kv.split("=") for kv in filter(None, os.environ.get("MEMFIT_FSDP_JOB_S", "").split(",")))})
 #: Peers, memfit only measuring, under the same per-rank cap.
 PEERS = ("accelerate-ac", "accelerate-ac-offload", "hf-ckpt")
 #: each configuration's methods at a cap, fastest-to-judge first (dynamic, then what it is compared with)

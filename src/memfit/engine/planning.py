@@ -165,8 +165,7 @@ class Planning:
     Attributes:
         offload_ms: the price of offloading (moved bytes, forward ms) -> ms, once the link
             was measured (engine/probe.py); until then ``offload`` is not planned.
-        static_bytes: bytes no plan changes, as they will be at this step's peak
-            (:meth:`begin_step`).
+        static_bytes: bytes no plan changes, as they will be at this step's peak (:meth:`begin_step`).
         max_static_bytes: the largest static bytes of a step that ran an optimizer step.
     """
 
@@ -199,15 +198,13 @@ class Planning:
         self.cache.clear()
 
     def price_offload(self, offload_ms: Callable[[float, float], float]) -> None:
-        """Offload is priced by ``offload_ms`` (moved bytes, forward ms) -> ms from now on (the measured
-        host link, engine/probe.py's LinkPrice, whose ``depth`` the memory model counts: NOTE
-        [Treated peaks], model.py); the cached plans, priced without it, are dropped."""
+        """Offload is priced by ``offload_ms`` (moved bytes, forward ms) -> ms from now on (probe.py's LinkPrice, whose
+        ``depth`` the memory model counts: NOTE [Treated peaks], model.py); cached plans are dropped."""
         self.offload_ms = self.model.link = offload_ms
         self.cache.clear()
 
     def offload_depth(self, key: tuple[int, int]) -> int:
-        """The prefetch depth ``key``'s plan counted (NOTE [Prefetch depth], treatments/offload.py):
-        the memory model's at the shape the plan was made for."""
+        """The prefetch depth ``key``'s plan counted, at its planned shape (NOTE [Prefetch depth], treatments/offload.py)."""
         return self.model.offload_depth(self.planned_shape(key))
 
     @property
