@@ -158,6 +158,12 @@ def _sft_lengths(n: int, batch: int, seed: int, cap: int) -> list[list[int]]:
     return [[draw() for _ in range(batch)] for _ in range(n)]
 
 
+def _uniform_lengths(n: int, batch: int, seed: int, low: int, high: int) -> list[list[int]]:
+    """Per step, ``batch`` lengths uniform in ``[low, high]`` (long sequences: activations over the static part)."""
+    rng = random.Random(seed)
+    return [[rng.randint(low, high) for _ in range(batch)] for _ in range(n)]
+
+
 def _batch(lengths: list[int], seed: int, vocab: int, device):
     import torch
 
@@ -176,8 +182,11 @@ def _batch(lengths: list[int], seed: int, vocab: int, device):
 # ----------------------------------------------------------------------------------------- model
 
 
-def _fsdp_on_cpu() -> None:
-    """Accelerate enables FSDP only on accelerators; on CPU ranks let its state take the plugin."""
+def _fsdp_plugin_taken() -> None:
+    """Accelerate gives its state the FSDP plugin only where its PartialState still says a plain
+    multi-device run: not on CPU ranks, and not after ``AcceleratorState._reset_state()`` once an
+    earlier configuration of the same launch made it FSDP (the next Accelerator then has no
+    ``fsdp_plugin``). Let its state take the plugin whenever one is passed."""
     import accelerate.state as state
     from accelerate.utils import DistributedType
 
@@ -185,7 +194,7 @@ def _fsdp_on_cpu() -> None:
 
     def patched(self, *args, fsdp_plugin=None, **kwargs):
         init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-        if fsdp_plugin is not None and self.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU):
+        if fsdp_plugin is not None and getattr(self, "fsdp_plugin", None) is not fsdp_plugin:
             self.distributed_type, self.fsdp_plugin = DistributedType.FSDP, fsdp_plugin
 
     state.AcceleratorState.__init__ = patched
@@ -255,8 +264,7 @@ def _init(timeout_s: float):
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    else:
-        _fsdp_on_cpu()
+    _fsdp_plugin_taken()
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"), dist.get_rank()
 
@@ -324,7 +332,8 @@ def _train(args, config: Config, device, rank: int, budget_bytes: int | None, ou
     ctl = memfit.fit(model, None if peer else budget_bytes, "none" if peer else method, optimizer=optimizer,
                      log=str(out / f"memfit_steps.rank{rank}.jsonl"), cap=False, announce=False)
     batch_size = config.batch_size or args.batch_size
-    lengths = _sft_lengths(config.steps, batch_size, seed=1000 + rank, cap=args.max_length)
+    lengths = _sft_lengths(config.steps, batch_size, seed=1000 + rank, cap=args.max_length) if not args.min_length \
+        else _uniform_lengths(config.steps, batch_size, 1000 + rank, args.min_length, args.max_length)
     state = {"fired": 0}
     # inside block 1's body (its MLP): FSDP has gathered the block's parameters, and the block's
     # own OOM handling sees it (NOTE [Replay under FSDP])
@@ -530,7 +539,7 @@ def matrix(args) -> int:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     configs = [parse_config(text, args.nproc, args.steps) for text in args.configs]
-    settings = {k: getattr(args, k) for k in ("steady_from", "batch_size", "max_length", "collective_timeout_s",
+    settings = {k: getattr(args, k, 0) for k in ("steady_from", "batch_size", "max_length", "min_length", "collective_timeout_s",
                                               "config_limit_s")}
     started = time.monotonic()
     deadline = min(time.time() + args.deadline_s, args.end_unix_s or float("inf"))  # rule 4
@@ -732,6 +741,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--steady_from", type=int, default=8, help="median step time from this step on")
     m.add_argument("--batch_size", type=int, default=4, help="rows per rank and step")
     m.add_argument("--max_length", type=int, default=2048, help="longest SFT length drawn")
+    m.add_argument("--min_length", type=int, default=0, help="if given, lengths uniform in [min_length, max_length] "
+                   "instead of SFT's")
     m.add_argument("--config_limit_s", type=float, default=60, help="a configuration's steps stop after this long")
     m.add_argument("--grace_s", type=float, default=30, help="a launch this long over its configuration's limit, or "
                                                               "over the deadline, is killed")

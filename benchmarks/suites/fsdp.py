@@ -49,14 +49,14 @@ SUITE = Suite(
           "AdamW (torch's default foreach step); built on the meta device, sharded by Accelerate's FSDP2 "
           "(fully_shard on every decoder layer, embeddings and head, the root; reshard after forward), then "
           "materialised on the GPU",
-    data="token ids with memfit train causal-lm's SFT lengths (long-tailed up to 2,048 tokens), batch 5 per rank "
-         "(8B LoRA: 4), "
-         "dynamic padding; each rank draws its own batches (seeded by rank), the same in every configuration",
+    data="token ids of lengths uniform in 512-3,072 tokens, batch 3 per rank (3k-9k tokens a step: the activations, "
+         "not the optimizer step, set the peak), dynamic padding; each rank draws its own batches (seeded by rank), "
+         "the same in every configuration",
     methods=("none", "full", "static", "dynamic"),
     peers=PEERS,
     budgets={"llama-3b": (0.5, 0.7), "llama-3b+lora": (0.5,), "llama-8b+lora": (0.5,)},
     repeats=1,
-    steps=16,
+    steps=12,
     gpus=2,
     carry=("tokenizer",),
     keep=("*/summary.md", "*/scaling.md", "*/oom-check-*/oom_check.rank*.json"),
@@ -79,7 +79,8 @@ def _matrix(ctx: Context, name: str, nproc: int, port: int, configs: list[str], 
     """One ``fsdp_bench.py matrix`` launch that ends ``job_s`` after the suite's calls were made, less
     what publishing and a last kill take (rule 4 of NOTE [One launch, many configurations])."""
     settings = ("--steps", steps, "--steady_from", 3, "--max_length", 64, "--config_limit_s", 60) if quick and not ctx.cuda \
-        else ("--steps", steps, "--steady_from", 8, "--batch_size", 5, "--config_limit_s", 45)
+        else ("--steps", steps, "--steady_from", 6, "--batch_size", 3, "--min_length", 512, "--max_length", 3072,
+              "--config_limit_s", 45)
     end_s = job_s - _PUBLISH_S - _GRACE_S
     command = script(ctx, "fsdp_bench.py", "matrix", "--output_dir", ctx.folder(f"fsdp/{name}"), "--nproc", nproc,
                      "--port", port, "--deadline_s", end_s, "--end_unix_s", round(time.time() + end_s),
@@ -101,13 +102,14 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
         jobs = (600, 600)
     else:
         b = suite.budgets
-        x2 = ["llama-3b/none", *_capped("llama-3b", b["llama-3b"]), "llama-3b+lora/none",
-              *_capped("llama-3b+lora", b["llama-3b+lora"]), "llama-3b/accelerate-ac-offload@0.5:4"]
-        # 8B LoRA at batch 4: at 5 its uncapped peak (about 3.7 GiB of weights + 7.4 MiB a token of activations and
-        # logits, 10k tokens) would not fit an 80 GB card
-        x4 = ["llama-3b/none", *_capped("llama-3b", b["llama-3b"][:1]), "oom-check:llama-1b", "llama-8b+lora/none#4",
-              *(c + "#4" for c in _capped("llama-8b+lora", b["llama-8b+lora"], ("dynamic", "full", "accelerate-ac", "hf-ckpt"))),
-              *_capped("llama-3b", b["llama-3b"][1:])]
+        # the order is what a short session keeps first: 3B at 0.5 with every method, 0.7 against the
+        # peers, LoRA at 0.5 (x2); the train call, 3B at 0.5 and the injected OOM (x4)
+        x2 = ["llama-3b/none", *_capped("llama-3b", b["llama-3b"][:1]),
+              *_capped("llama-3b", b["llama-3b"][1:], ("dynamic", "accelerate-ac", "hf-ckpt")), "llama-3b+lora/none",
+              *_capped("llama-3b+lora", b["llama-3b+lora"], ("dynamic", "accelerate-ac", "hf-ckpt"))]
+        x4 = ["llama-3b/none", *_capped("llama-3b", b["llama-3b"][:1], ("dynamic", "full", "accelerate-ac", "hf-ckpt")),
+              "oom-check:llama-1b", *_capped("llama-3b", b["llama-3b"][1:], ("dynamic", "accelerate-ac")),
+              "llama-3b/static@0.5"]
         train_model, nproc4 = "Llama-3.2-1B", 4
         jobs = (JOB_S["x2"], JOB_S["x4"])
     out = [_matrix(ctx, "x2", 2, 29711, x2, jobs[0], ctx.quick, suite.steps)]
