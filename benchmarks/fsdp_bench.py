@@ -373,7 +373,9 @@ def _train(args, config: Config, device, rank: int, budget_bytes: int | None, ou
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
-            peaks.append(torch.cuda.max_memory_allocated())
+            # memfit's meter resets the allocator's peak inside run_step: the forward's and backward's
+            # peak is in the step's record, the optimizer step's after it
+            peaks.append(max(torch.cuda.max_memory_allocated(), ctl.records[-1].peak_allocated_bytes if ctl.records else 0))
         step_ms.append((time.perf_counter() - t0) * 1e3)
         # rule 2: every rank stops at the same step
         if _agree(time.monotonic() - started > args.config_limit_s, device) and step + 1 < config.steps:

@@ -474,6 +474,14 @@ def lm_metrics(predictions: np.ndarray, labels: np.ndarray) -> dict[str, float]:
     }
 
 
+def _is_minilm(path: str) -> bool:
+    """Whether ``path`` is the bundled MiniLM's folder (False where its package is not installed)."""
+    try:
+        return Path(path).resolve() == minilm_path().resolve()
+    except MissingPackageError:
+        return False
+
+
 def lm_tokenizer(model_args: ModelArguments, lm_args: CausalLMArguments | None = None) -> PreTrainedTokenizerBase:
     """The tokenizer of the flags, ready for causal LM training.
 
@@ -491,7 +499,7 @@ def lm_tokenizer(model_args: ModelArguments, lm_args: CausalLMArguments | None =
         tokenizer.eos_token = tokenizer.sep_token
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    if Path(tokenizer.name_or_path).resolve() == minilm_path().resolve():
+    if _is_minilm(tokenizer.name_or_path):
         tokenizer.model_max_length = int(1e30)  # a 512-token BERT limit; this LM's is its config's
         if tokenizer.chat_template is None:
             tokenizer.add_special_tokens({"additional_special_tokens": _CHAT_TOKENS})
