@@ -22,7 +22,7 @@ LENGTHS = (12, 20, 9, 16)
 def _train(base, make, **fit_kwargs):
     model = copy.deepcopy(base).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ctl = memfit.fit(model, optimizer=optimizer, announce=False, **fit_kwargs) if fit_kwargs else None
+    ctl = memfit.fit(model, optimizer=optimizer, announce=False, **{"head": "auto", **fit_kwargs}) if fit_kwargs else None
     torch.manual_seed(5)
     batches = [make(3, length) for length in LENGTHS]
     for i, batch in enumerate(batches):

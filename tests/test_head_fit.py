@@ -32,7 +32,7 @@ def _base() -> "tf.LlamaForCausalLM":
 def _train(base, budget, **fit_kwargs):
     model = copy.deepcopy(base).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ctl = memfit.fit(model, budget=budget, optimizer=optimizer, announce=False, **fit_kwargs) if fit_kwargs else None
+    ctl = memfit.fit(model, budget=budget, optimizer=optimizer, announce=False, **{"head": "auto", **fit_kwargs}) if fit_kwargs else None
     generator = torch.Generator().manual_seed(1)
     for length in LENGTHS:
         ids = torch.randint(0, VOCAB, (4, length), generator=generator)
@@ -69,11 +69,11 @@ def test_fit_plans_the_head_per_batch_keeps_short_chunks_long_and_stays_in_budge
     assert model(input_ids=torch.arange(8)[None], labels=torch.arange(8)[None]).logits is not None
 
 
-def test_head_is_planned_by_default_and_head_false_leaves_it_out_of_the_records():
-    """NOTE [The head by default]: a recognised causal LM under ``dynamic`` with a budget plans its head
-    without being asked; ``head=False`` records no head and runs the model's own."""
+def test_head_auto_plans_the_head_and_the_default_leaves_it_out_of_the_records():
+    """NOTE [The head by default]: ``head="auto"`` plans a recognised causal LM's head under ``dynamic``
+    with a budget; the default (``head=False``) records no head and runs the model's own."""
     base = _base()
-    _, auto = _train(base, BUDGET, method="dynamic")
+    _, auto = _train(base, BUDGET, method="dynamic", head="auto")
     _, off = _train(base, BUDGET, method="dynamic", head=False)
     assert all("head" in r.treatments for r in auto)
     assert all("head" not in r.treatments for r in off)
@@ -83,7 +83,7 @@ def test_an_unrecognised_head_is_kept_with_the_reason_in_the_start_line_and_head
     base = _base()
     base.loss_function = lambda logits, labels, vocab_size, **kw: logits.float().mean()  # a custom loss
     model = copy.deepcopy(base)
-    ctl = memfit.fit(model, budget=BUDGET, method="dynamic")
+    ctl = memfit.fit(model, budget=BUDGET, method="dynamic", head="auto")
     assert ctl.head.part is None and "custom loss" in ctl.head.words
     assert "LM head kept (" in capsys.readouterr().err
     ctl.remove()
@@ -96,7 +96,7 @@ def test_an_unrecognised_head_is_kept_with_the_reason_in_the_start_line_and_head
 @pytest.mark.parametrize("method, budget", [("none", BUDGET), ("full", BUDGET), ("dynamic", None)])
 def test_auto_keeps_the_head_where_the_method_does_not_plan_under_a_budget(method, budget):
     model = copy.deepcopy(_base())
-    ctl = memfit.fit(model, budget=budget, method=method, announce=False)
+    ctl = memfit.fit(model, budget=budget, method=method, announce=False, head="auto")
     assert ctl.head.part is None and "does not plan per batch" in ctl.head.words
     ctl.remove()
 
@@ -113,7 +113,7 @@ def test_a_forward_without_labels_leaves_the_head_to_the_caller_once(caplog):
     first such forward, said once, and the logits are the model's own."""
     model = copy.deepcopy(_base()).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ctl = memfit.fit(model, budget=BUDGET, optimizer=optimizer, method="dynamic", announce=False)
+    ctl = memfit.fit(model, budget=BUDGET, optimizer=optimizer, method="dynamic", announce=False, head="auto")
     assert ctl.head.part is not None
     with caplog.at_level("WARNING", logger="memfit"):
         for length in (16, 32, 16):
@@ -137,7 +137,7 @@ def test_outputs_logits_are_dropped_where_the_head_is_chunked_and_detached_on_re
     ids = torch.randint(0, VOCAB, (4, 64))
     for mode in ("drop", "detached"):
         model = copy.deepcopy(_base()).train()
-        ctl = memfit.fit(model, budget=BUDGET, method="dynamic", announce=False, head_logits=mode)
+        ctl = memfit.fit(model, budget=BUDGET, method="dynamic", announce=False, head="auto", head_logits=mode)
         out = model(input_ids=ids, labels=ids)  # warm-up: every block recomputed, the head chunked
         assert ctl.head.part.switch.treatment == "chunked"
         if mode == "drop":
@@ -264,8 +264,8 @@ def test_a_budget_below_static_plus_the_least_head_is_the_one_line_budget_error(
     n_params = sum(p.numel() for p in model.parameters())
     static = 4 * n_params * 4  # float32 weights, gradients and AdamW's two states
     least = tokens * 32 * 4 + tokens * 8  # logical accounting: the hidden rows and their targets, no transient
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ctl = memfit.fit(model, budget=static + least // 2, optimizer=optimizer, method="dynamic", announce=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # no step temporaries in the static need
+    ctl = memfit.fit(model, budget=static + least // 2, optimizer=optimizer, method="dynamic", announce=False, head="auto")
     kept, chunked, _ = ctl.head.part.head_bytes(tokens)
     assert chunked == least and kept > 100 * least
     ids = torch.randint(0, VOCAB, (4, 512))

@@ -51,7 +51,7 @@ def _flags(out, **extra):
 def test_the_trainer_chunks_the_head_with_num_items_in_batch_and_matches_a_plain_trainer(tmp_path, capsys):
     plain = tf.Trainer(model=_llama(), args=tf.TrainingArguments(**_flags(tmp_path / "plain")), train_dataset=_Rows())
     plain.train()
-    args = memfit.TrainingArguments(**_flags(tmp_path / "memfit", memory_budget="12MB", memfit_method="dynamic"))
+    args = memfit.TrainingArguments(**_flags(tmp_path / "memfit", memory_budget="12MB", memfit_method="dynamic", memfit_head="auto"))
     trainer = memfit.Trainer(model=_llama(), args=args, train_dataset=_Rows())
     trainer.train()
     assert "LM head planned per batch" in capsys.readouterr().err
@@ -77,7 +77,7 @@ def test_a_trainer_class_with_its_own_compute_loss_keeps_the_head_under_auto(tmp
             logits = model(**inputs).logits
             return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
 
-    args = memfit.TrainingArguments(**_flags(tmp_path, memory_budget="1GB", memfit_method="dynamic"))
+    args = memfit.TrainingArguments(**_flags(tmp_path, memory_budget="1GB", memfit_method="dynamic", memfit_head="auto"))
     trainer = Own(model=_llama(), args=args, train_dataset=_Rows())
     assert trainer.memfit.head.part is None and "Own.compute_loss" in trainer.memfit.head.words
 
@@ -88,7 +88,7 @@ def test_cli_start_line_names_the_head_and_a_bad_value_is_one_line(tmp_path, cap
     flags = ["--do_train", "--max_steps", "2", "--per_device_train_batch_size", "4", "--report_to", "none",
              "--save_strategy", "no", "--use_cpu", "--memory_budget", "1GB", "--memfit_method", "dynamic",
              "--synthetic", "8", "--max_seq_length", "48"]
-    run("causal-lm", [*flags, "--output_dir", str(tmp_path / "auto")])
+    run("causal-lm", [*flags, "--output_dir", str(tmp_path / "auto"), "--memfit_head", "auto"])
     err = capsys.readouterr().err
     assert "memfit: method dynamic" in err and "LM head planned per batch" in err
     records = [json.loads(line) for line in (tmp_path / "auto" / "memfit_steps.jsonl").read_text().splitlines()]

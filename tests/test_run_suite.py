@@ -268,8 +268,9 @@ def test_head_calls_run_end_to_end_on_cpu_with_a_tiny_model(tmp_path):
     qwen = [json.loads(x) for x in (raw / "head-qwen15" / "results.jsonl").read_text().splitlines()]
     assert {(x["method"], x["status"]) for x in qwen} >= {
         ("dynamic", "ok"), ("full", "ok"), ("hf-every-1+chunked-8", "ok"), ("hf-every-1+liger", "skipped")}
-    dynamic = [x for x in qwen if x["method"] == "dynamic"]
-    assert all(x["head_steps"] and x["fixed_fitting"] >= 1 and "step_ratio_vs_fastest_fixed" in x for x in dynamic)
+    # a tiny budget under the CPU's for-loop AdamW bound is a budget error line; the others ran
+    dynamic = [x for x in qwen if x["method"] == "dynamic" and x["status"] == "ok"]
+    assert dynamic and all(x["head_steps"] and x["fixed_fitting"] >= 1 and "step_ratio_vs_fastest_fixed" in x for x in dynamic)
     assert "| dynamic |" in (raw / "head-qwen15" / "head-qwen15.vs_fixed.md").read_text()
     smollm = [json.loads(x) for x in (raw / "head-smollm" / "results.jsonl").read_text().splitlines()]
     assert {x["method"] for x in smollm} == {"none", "dynamic+head-auto", "dynamic+head-off"}

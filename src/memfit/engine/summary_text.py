@@ -92,9 +92,11 @@ _FIXES = {
                "train LoRA adapters (--use_peft), store bf16 weights (--torch_dtype bfloat16) or use a smaller "
                "optimizer state (--optim adafactor or adamw_bnb_8bit)"),
     "head": ("the LM head's logits and loss (kept)",
-             "lower --per_device_train_batch_size or --max_seq_length (the logits grow with both)"),
+             "let memfit chunk the head (--memfit_head auto, or head='auto' in memfit.fit), or lower "
+             "--per_device_train_batch_size or --max_seq_length (the logits grow with both)"),
     "outside": ("what runs outside the blocks (the head's logits and loss, the embeddings)",
-                "lower --per_device_train_batch_size or --max_seq_length (the logits grow with both)"),
+                "let memfit chunk the head (--memfit_head auto, or head='auto' in memfit.fit), or lower "
+                "--per_device_train_batch_size or --max_seq_length (the logits grow with both)"),
     "blocks": ("the blocks' activations, even checkpointed",
                "lower --per_device_train_batch_size or --max_seq_length"),
 }

@@ -160,12 +160,12 @@ class MemfitArguments:
                   "does the same with the memfit Trainer (NOTE [--torch_compile compiles the blocks])."},
     )
     memfit_head: str = field(
-        default="auto",
+        default="keep",
         metadata={"help": "The LM head of a causal LM (final norm -> lm_head -> loss) as a part memfit plans per batch: "
                   "kept, or its logits and loss computed a chunk of tokens at a time (never the whole float32 tokens x "
-                  "vocab), whichever the budget and the measured time call for. auto (default): where memfit "
+                  "vocab), whichever the budget and the measured time call for. auto: where memfit "
                   "recognises the head, --memfit_method is dynamic or static, a budget is given and the model is "
-                  "called with labels; plan: plan it with any method, or stop where memfit cannot; keep: never. "
+                  "called with labels; plan: plan it with any method, or stop where memfit cannot; keep (default): never. "
                   "Under a chunked head a training step returns no logits."},
     )
     overwrite_output_dir: bool = field(
@@ -415,13 +415,13 @@ class MemfitTrainerMixin:
     def _memfit_head(self) -> bool | str:
         """``fit``'s ``head`` from ``--memfit_head`` (:data:`HEAD_FLAG`); under ``auto``, False where the
         Trainer class computes the loss itself (:meth:`_loss_owner`)."""
-        head = HEAD_FLAG[getattr(self.args, "memfit_head", "auto")]
+        head = HEAD_FLAG[getattr(self.args, "memfit_head", "keep")]
         return False if head == "auto" and self._loss_owner() else head
 
     def _hooked(self, ctl: Controller) -> Controller:
         """``ctl``, its start line naming who computes the head where the Trainer class does."""
         owner = self._loss_owner()
-        if owner and ctl.head.part is None and getattr(self.args, "memfit_head", "auto") == "auto":
+        if owner and ctl.head.part is None:
             ctl.head.words = f"LM head left to {owner}, its bytes counted with the rest of the step"
         return ctl
 

@@ -313,7 +313,12 @@ def attach_head_part(
     start line says of the head.
 
     # NOTE [The head by default]
-    ``head="auto"`` (the default) plans the head wherever :func:`memfit.engine.head.find_head`
+    The default is ``False``: the model keeps its head, and the over-budget warning names
+    ``head="auto"`` (``--memfit_head auto``) where the head's logits dominate. ``auto`` is opt-in
+    while a steady step that chunked the head can still leave the memory model over-predicting
+    the steps after it (they then recompute blocks they could keep: docs/devlog.md, the head's
+    entry); it becomes the default once that is fixed and measured.
+    ``head="auto"`` plans the head wherever :func:`memfit.engine.head.find_head`
     recognises a causal LM's head, the method plans per batch from its memory model (``plans``:
     ``dynamic``, ``static``) under a budget, and nothing else rules it out (``why_not``: a sharded
     model); otherwise the model keeps its head and the start line says why. A training forward
@@ -331,7 +336,7 @@ def attach_head_part(
     from memfit.engine.head import HeadNotFound, HeadSwitch, find_head
 
     if mode is False:
-        return None, "LM head kept (head=False, --memfit_head keep)"
+        return None, "LM head kept (plan it per batch: head='auto', --memfit_head auto)"
     if mode == "auto" and why_not is not None:
         return None, f"LM head kept ({why_not})"
     if mode == "auto" and not plans:
