@@ -192,6 +192,45 @@ def test_the_one_peak_evaluator_takes_a_chunked_heads_saving_off_and_the_learner
     assert (("outside",), (4, 128), 1000 + 7 * 512) in update.samples
 
 
+def test_a_steady_step_that_chunked_the_head_never_raises_outside_nor_teaches_a_transient_nor_a_bias():
+    """NOTE [A chunked head's step teaches less]: a steady step under its prediction (so it would
+    teach) with the head chunked may lower ``outside`` but not raise it, teaches no transient and no
+    bucket bias; the same step with the head kept teaches all three."""
+    from memfit.engine import learner
+    from memfit.engine.planner import Plan
+    from memfit.engine.planning import Planning
+
+    planning = Planning(2, [0, 0], 10**9, margin_bytes=0, bucket_tokens=1)
+    model = planning.model
+    for t in (16, 32, 64):
+        key = (4, t)
+        model.group_models[0].bytes["keep"].add(key, 1000.0 * 4 * t)
+        model.group_models[0].bytes["recompute"].add(key, 100.0 * 4 * t)
+        model.group_models[0].ms["recompute"].add(key, 0.01 * t)
+        model.outside.add(key, 5000.0 * 4 * t)
+        model.transient_full.add(key, 300.0 * 4 * t)
+        model.transient_partial.add(key, 300.0 * 4 * t)
+    model.head_saving = lambda tokens, head: 0 if head[0] == "keep" else 10**6 * tokens  # a gross over-estimate
+    key = (4, 128)  # a new shape: a steady step there teaches the curves it reads above their prediction
+
+    def taught(head, evidence_peak):
+        plan = Plan((0,), head=head)
+        predicted = model.step_bytes(key, plan)
+        outcome = learner.StepOutcome(key=key, plan=plan, warmup=False, outside=6000 * 512, by_block=[100 * 512, 1000 * 512],
+                                      static=0, peak=evidence_peak(predicted), plain_peak=evidence_peak(predicted),
+                                      transient=10**7, start_transient=10**7)
+        return learner.learn_step(planning, outcome, predicted, key), learner.note_bias(planning, outcome, predicted)
+
+    under = lambda predicted: int(predicted) + 10**8  # the step peaked far above its prediction
+    update, bias = taught(("chunked", 4), under)
+    paths = {path for path, _, _ in update.samples}
+    assert ("outside",) not in paths and not paths & {("transient_full",), ("transient_partial",)}
+    assert bias.error is None
+    update, bias = taught(("keep", 1), under)
+    paths = {path for path, _, _ in update.samples}
+    assert ("outside",) in paths and paths & {("transient_full",), ("transient_partial",)} and bias.error is not None
+
+
 def _fake_probe(per_token_ms: dict[str, float]):
     """probe_head's stand-in: keep 1 ms; chunked 1 ms + per_token_ms[implementation] x tokens + 0.5 ms x chunks."""
     def probe(spec, hidden, labels, n_chunks, implementation="pure"):

@@ -114,7 +114,7 @@ def test_precomputed_runs_a_files_head_where_the_head_is_planned_and_drops_it_wh
     ctl = memfit.fit(model, budget=None, method="precomputed", path=path, head=True, announce=False)
     records = _steps(model, ctl, [8, 32])
     assert [r.head for r in records] == [("keep", 1), ("chunked", 4)]
-    assert ctl.head.switch.chunked_forwards == 1
+    assert ctl.head.part.switch.chunked_forwards == 1
     ctl.remove()
     model = copy.deepcopy(base)
     ctl = memfit.fit(model, budget=None, method="precomputed", path=path, announce=False)

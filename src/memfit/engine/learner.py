@@ -250,13 +250,14 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
     # a chunked head's saving added back: the curves describe the step with the head kept (NOTE [Head in the peaks], model.py)
     head_saved = model.head_saved_bytes(key, outcome.plan)
     curves: list[tuple] = [(("outside",), model.outside, outcome.outside + head_saved)]
+    chunked_head = bool(head_saved) and not outcome.warmup  # NOTE [A chunked head's step teaches less]
     for group_id, group in model.group_models.items():
         members = [i for i, g in enumerate(model.groups) if g == group_id]
         for name in dict.fromkeys(names[i] for i in members):  # each treatment's curve learns its blocks' bytes
             value = max(by_block[i] for i in members if names[i] == name)
             curves.append((("bytes", group_id, name), group.bytes.get(name), value))
     transient_path, transient = None, outcome.transient
-    if transient is not None and not evicted:  # an evicting step's transient was lowered by its evictions
+    if transient is not None and not evicted and not chunked_head:  # an evicting step's transient was lowered by its evictions
         if len(planned) == len(model.groups) and not outcome.plan.kinds:
             transient_path = ("transient_full",)
         elif outcome.start_transient is not None:  # NOTE [Reading the backward's start]
@@ -281,6 +282,16 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
         under = step_under and observed > predicted_value + 0.005 * abs(observed)
         over = step_over and observed < predicted_value - 0.005 * abs(observed) and not curve.has(key)
         learn = under or over
+        if path == ("outside",) and chunked_head:
+            # NOTE [A chunked head's step teaches less]
+            # A steady step that chunked the head did not run the step the curves describe (the
+            # head kept). Its outside bytes hold the head part's estimate of what chunking saved,
+            # not a reading, and its backward's start holds the chunks' own work, which no curve
+            # models. So it teaches its blocks' bytes, may lower the outside curve, and teaches
+            # no transient; steps that keep the head raise those from readings. Taught whole, an
+            # over-estimate moved the curves for every shape: each later step was predicted 2-5 GB
+            # above its peak and recomputed blocks it could keep (docs/devlog.md, 2026-11-27).
+            learn = over
         if path == ("transient_partial",) and path == transient_path:
             learn = learn or (not curve.has(key) and curve.distinct_keys < 8)
             # a partial step beyond the partial curve's range extends it (NOTE [Two transient
@@ -320,6 +331,8 @@ def note_bias(planning: Planning, outcome: StepOutcome, predicted: int | None) -
     """A steady step that ran its plan whole: its prediction's error, for its bucket's bias
     (NOTE [Bias per bucket], planning.py). The caller leaves out a step that changed the curves."""
     if predicted is None or outcome.warmup or outcome.evicted:
+        return ModelUpdate()
+    if planning.model.head_saved_bytes(outcome.key, outcome.plan):  # NOTE [A chunked head's step teaches less]
         return ModelUpdate()
     return ModelUpdate(error=(outcome.key, outcome.plan, float(predicted - outcome.plain_peak)))
 
