@@ -290,7 +290,7 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
             # models. So it teaches its blocks' bytes, may lower the outside curve, and teaches
             # no transient; steps that keep the head raise those from readings. Taught whole, an
             # over-estimate moved the curves for every shape: each later step was predicted 2-5 GB
-            # above its peak and recomputed blocks it could keep (docs/devlog.md, 2026-11-27).
+            # above its peak and recomputed blocks it could keep (docs/devlog.md).
             learn = over
         if path == ("transient_partial",) and path == transient_path:
             learn = learn or (not curve.has(key) and curve.distinct_keys < 8)
