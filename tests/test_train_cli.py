@@ -162,3 +162,11 @@ def test_no_library_warnings_memfit_triggers(tmp_path):
     messages = [str(w.message) for w in caught]
     assert not [m for m in messages if "pin_memory" in m or "Could not find a config file" in m], messages
     assert (tmp_path / "adapter_config.json").is_file()
+
+
+def test_a_validation_file_without_do_eval_is_said_once(tiny_flags, tmp_path, capsys):
+    """Nothing silent: --validation_file is read only with --do_eval; without it one line says so."""
+    flags = [f for f in COMMON_FLAGS if f != "--do_eval"]
+    run("text-classification", [*tiny_flags, *_fixture_flags("text-classification"), *flags, "--output_dir", str(tmp_path)])
+    said = [line for line in capsys.readouterr().err.splitlines() if "--validation_file" in line]
+    assert len(said) == 1 and "without --do_eval" in said[0]
