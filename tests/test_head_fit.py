@@ -160,17 +160,12 @@ def test_the_head_label_is_no_block_in_the_summary_counts():
     assert "head" not in counts and all(v <= len(records) * 2 for v in counts.values()), counts
 
 
-def test_the_one_peak_evaluator_takes_a_chunked_heads_saving_off_and_the_learner_adds_it_back():
-    """NOTE [Head in the peaks]: a plan that chunks the head is predicted its saving lower at the
-    backward's start and at the recompute bound; a plan that keeps it, or has none, exactly as before;
-    a chunked step teaches ``outside`` its observed bytes plus the saving."""
-    from memfit.engine import learner
-    from memfit.engine.model import MemoryModel
-    from memfit.engine.planner import Plan
+def _learned_planning(partial: bool = False):
+    """A 2-block Planning whose curves were taught three shapes (a line in tokens each)."""
     from memfit.engine.planning import Planning
 
     planning = Planning(2, [0, 0], 10**9, margin_bytes=0, bucket_tokens=1)
-    model: MemoryModel = planning.model
+    model = planning.model
     for t in (16, 32, 64):
         key = (4, t)
         model.group_models[0].bytes["keep"].add(key, 1000.0 * 4 * t)
@@ -178,6 +173,21 @@ def test_the_one_peak_evaluator_takes_a_chunked_heads_saving_off_and_the_learner
         model.group_models[0].ms["recompute"].add(key, 0.01 * t)
         model.outside.add(key, 5000.0 * 4 * t)
         model.transient_full.add(key, 300.0 * 4 * t)
+        if partial:
+            model.transient_partial.add(key, 300.0 * 4 * t)
+    return planning
+
+
+def test_the_one_peak_evaluator_takes_a_chunked_heads_saving_off_and_the_learner_adds_it_back():
+    """NOTE [Head in the peaks]: a plan that chunks the head is predicted its saving lower at the
+    backward's start and at the recompute bound; a plan that keeps it, or has none, exactly as before;
+    a chunked step teaches ``outside`` its observed bytes plus the saving."""
+    from memfit.engine import learner
+    from memfit.engine.model import MemoryModel
+    from memfit.engine.planner import Plan
+
+    planning = _learned_planning()
+    model: MemoryModel = planning.model
     key, kept, chunked = (4, 64), Plan((0, 1), head=("keep", 1)), Plan((0, 1), head=("chunked", 4))
     before = [model.backward_start_bytes(key, kept), model.recompute_bytes(key, kept), model.step_bytes(key, kept)]
     assert before == [model.backward_start_bytes(key, Plan((0, 1))), model.recompute_bytes(key, Plan((0, 1))),
@@ -198,18 +208,9 @@ def test_a_steady_step_that_chunked_the_head_never_raises_outside_nor_teaches_a_
     bucket bias; the same step with the head kept teaches all three."""
     from memfit.engine import learner
     from memfit.engine.planner import Plan
-    from memfit.engine.planning import Planning
 
-    planning = Planning(2, [0, 0], 10**9, margin_bytes=0, bucket_tokens=1)
+    planning = _learned_planning(partial=True)
     model = planning.model
-    for t in (16, 32, 64):
-        key = (4, t)
-        model.group_models[0].bytes["keep"].add(key, 1000.0 * 4 * t)
-        model.group_models[0].bytes["recompute"].add(key, 100.0 * 4 * t)
-        model.group_models[0].ms["recompute"].add(key, 0.01 * t)
-        model.outside.add(key, 5000.0 * 4 * t)
-        model.transient_full.add(key, 300.0 * 4 * t)
-        model.transient_partial.add(key, 300.0 * 4 * t)
     model.head_saving = lambda tokens, head: 0 if head[0] == "keep" else 10**6 * tokens  # a gross over-estimate
     key = (4, 128)  # a new shape: a steady step there teaches the curves it reads above their prediction
 
