@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from memfit.engine.methods import Decision, Method
+
 VOCAB = 97
 
 
@@ -176,3 +178,16 @@ TINY_BERT = {
     "intermediate_size": 37,
     "vocab_size": 30522,
 }
+
+
+
+class FixedPlan(Method):
+    """A test's own method: every step runs ``plan``."""
+
+    name = "fixed"
+
+    def __init__(self, plan):
+        self.plan = plan
+
+    def decide(self, planning, key, failed=None):
+        return Decision(self.plan, count=True)

@@ -43,6 +43,11 @@ def _budget():
     return (peak_short + peak_long) // 2
 
 
+def _saved_run(folder, name: str, rank: int):
+    """A worker's saved weights and its info (``<name>.rank<rank>.pt`` and ``.json``)."""
+    return torch.load(folder / f"{name}.rank{rank}.pt"), json.loads((folder / f"{name}.rank{rank}.json").read_text())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding, port", [("ddp", 29517), ("fsdp", 29521)])
 def test_two_ranks_match_single_process(tmp_path, sharding, port):
@@ -97,8 +102,7 @@ def test_oom_on_one_rank_is_replayed_in_lockstep(tmp_path):
     assert returncode == 0, output[-3000:]
 
     def load(name, rank):
-        info = json.loads((tmp_path / f"{name}.rank{rank}.json").read_text())
-        return torch.load(tmp_path / f"{name}.rank{rank}.pt"), info
+        return _saved_run(tmp_path, name, rank)
 
     def assert_same(a, b, context):
         for key, value in a.items():
@@ -183,7 +187,7 @@ def test_fsdp_oom_in_a_block_on_one_rank_is_replayed_by_every_rank(tmp_path):
     assert returncode == 0, output[-3000:]
 
     def load(name, rank):
-        return torch.load(tmp_path / f"{name}.rank{rank}.pt"), json.loads((tmp_path / f"{name}.rank{rank}.json").read_text())
+        return _saved_run(tmp_path, name, rank)
 
     for accumulation in (1, 2):
         for rank in (0, 1):
@@ -210,7 +214,7 @@ def test_trainer_under_accelerate_fsdp2_hooks_after_sharding_and_replays_an_oom_
     unsharded = sum(memfit.engine.accounting.static_bytes_logical(build_model(), None).values())
 
     def load(name, rank):
-        return torch.load(tmp_path / f"{name}.rank{rank}.pt"), json.loads((tmp_path / f"{name}.rank{rank}.json").read_text())
+        return _saved_run(tmp_path, name, rank)
 
     for accumulation in (1, 2):
         for rank in (0, 1):

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import memfit
-from _models import VOCAB, _text_batch, step_both_and_compare
-from memfit.engine.methods import Decision, Method
+from _models import FixedPlan, VOCAB, _text_batch, step_both_and_compare
 from memfit.engine.model import MemoryModel
 from memfit.engine.planner import Plan
 from memfit.engine.planning import Planning
@@ -20,14 +19,6 @@ from memfit.engine.treatments import HostMemoryError, Offload
 from memfit.engine.treatments.offload import _HostPool, size_class
 
 
-class _Fixed(Method):
-    name = "fixed"
-
-    def __init__(self, plan: Plan):
-        self.plan = plan
-
-    def decide(self, planning, key, failed=None):
-        return Decision(self.plan, count=True)
 
 
 def _llama(layers: int = 6):
@@ -47,7 +38,7 @@ def test_backward_fetches_depth_stashes_ahead_and_gradients_stay_exact(depth):
     n = 6
     model = _llama(n)
     reference = copy.deepcopy(model)
-    ctl = memfit.fit(model, budget=None, method=_Fixed(Plan(tuple(range(n)), kinds=("offload",) * n)),
+    ctl = memfit.fit(model, budget=None, method=FixedPlan(Plan(tuple(range(n)), kinds=("offload",) * n)),
                      treatments=("recompute", "offload"))
     offload: Offload = ctl.treatments["offload"]
     offload.min_bytes = 0
@@ -74,7 +65,7 @@ def test_the_run_depth_is_the_plans():
     """The depth the treatment runs with is the planning's at the step's shape (the memory model's:
     what the plan counted), read once per step."""
     model = _llama(3)
-    ctl = memfit.fit(model, budget=None, method=_Fixed(Plan((0, 1, 2), kinds=("offload",) * 3)),
+    ctl = memfit.fit(model, budget=None, method=FixedPlan(Plan((0, 1, 2), kinds=("offload",) * 3)),
                      treatments=("recompute", "offload"))
     offload: Offload = ctl.treatments["offload"]
     asked = []
@@ -97,7 +88,7 @@ def test_the_pool_reuses_buffers_across_steps_and_lengths():
     """NOTE [Pinned pool]: a repeated length pins nothing new, a near one reuses its class."""
     n = 4
     model = _llama(n)
-    ctl = memfit.fit(model, budget=None, method=_Fixed(Plan(tuple(range(n)), kinds=("offload",) * n)),
+    ctl = memfit.fit(model, budget=None, method=FixedPlan(Plan(tuple(range(n)), kinds=("offload",) * n)),
                      treatments=("recompute", "offload"))
     offload: Offload = ctl.treatments["offload"]
     offload.min_bytes = 0
@@ -237,7 +228,7 @@ def test_the_offload_fields_of_a_run_are_compact_json():
     loop_bench, _ = _loop_bench()
     n = 3
     model = _llama(n)
-    ctl = memfit.fit(model, budget=None, method=_Fixed(Plan((1, 2), kinds=("offload",) * 2)),
+    ctl = memfit.fit(model, budget=None, method=FixedPlan(Plan((1, 2), kinds=("offload",) * 2)),
                      treatments=("recompute", "offload"))
     ctl.treatments["offload"].min_bytes = 0
     for length in (16, 24, 16):
@@ -262,7 +253,7 @@ def test_on_cuda_depth_keeps_the_gradients_and_the_waits_are_timed():
     n = 6
     model = _llama(n).cuda()
     reference = copy.deepcopy(model)
-    ctl = memfit.fit(model, budget=None, method=_Fixed(Plan(tuple(range(n)), kinds=("offload",) * n)),
+    ctl = memfit.fit(model, budget=None, method=FixedPlan(Plan(tuple(range(n)), kinds=("offload",) * n)),
                      treatments=("recompute", "offload"))
     offload: Offload = ctl.treatments["offload"]
     offload.min_bytes = 0

@@ -11,23 +11,13 @@ import pytest
 import torch
 
 import memfit
-from _models import ARCHS, DECODER_ARCHS, SIZES, TEXT_SIZES, build, build_decoder, logical_peak, step_both_and_compare
-from memfit.engine.methods import Decision, Method, load_plans, make_method, save_plans
+from _models import FixedPlan, ARCHS, DECODER_ARCHS, SIZES, TEXT_SIZES, build, build_decoder, logical_peak, step_both_and_compare
+from memfit.engine.methods import load_plans, make_method, save_plans
 from memfit.engine.planner import Plan
 from memfit.engine.controller import Controller
 from memfit.engine.treatments import HostMemoryError, Offload, Treatment, make_treatments
 
 
-class _Fixed(Method):
-    """Every step runs ``plan`` (a test's own method)."""
-
-    name = "fixed"
-
-    def __init__(self, plan: Plan):
-        self.plan = plan
-
-    def decide(self, planning, key, failed=None):
-        return Decision(self.plan, count=True)
 
 
 def _mixes(n: int) -> dict[str, Plan]:
@@ -65,7 +55,7 @@ def test_every_treatment_and_mix_gives_the_gradients_of_none(arch):
     n = len(memfit.engine.blocks.find_blocks(model))
     sizes = SIZES.get(arch, TEXT_SIZES)[:2]
     for name, plan in _mixes(n).items():
-        ctl = memfit.fit(model, budget=None, method=_Fixed(plan), treatments=("recompute", "selective", "offload"))
+        ctl = memfit.fit(model, budget=None, method=FixedPlan(plan), treatments=("recompute", "selective", "offload"))
         # offload everything of any size: the tiny models' tensors are all small
         ctl.treatments["offload"].min_bytes = 0
         for seed, size in enumerate(sizes):
@@ -84,14 +74,14 @@ def test_llm_families_are_exact_under_selective_and_offload(arch, lora):
     reference = copy.deepcopy(model)
     n = len(memfit.engine.blocks.find_blocks(model))
     for name, plan in _mixes(n).items():
-        ctl = memfit.fit(model, budget=None, method=_Fixed(plan), treatments=("recompute", "selective", "offload"))
+        ctl = memfit.fit(model, budget=None, method=FixedPlan(plan), treatments=("recompute", "selective", "offload"))
         ctl.treatments["offload"].min_bytes = 0
         _step_as_planned(ctl, plan, model, reference, make_batch(2, 24), 1, f"{arch} {name}")
         ctl.remove()
 
 
 def _counted(model, batch, plan, min_bytes=0):
-    ctl = memfit.fit(model, budget=None, method=_Fixed(plan), treatments=("recompute", "selective", "offload"))
+    ctl = memfit.fit(model, budget=None, method=FixedPlan(plan), treatments=("recompute", "selective", "offload"))
     ctl.treatments["offload"].min_bytes = min_bytes
     _step(model, batch, 0)
     model.zero_grad(set_to_none=True)
@@ -128,7 +118,7 @@ def test_offload_moves_every_block_storage_once_and_frees_device_copies():
     torch.manual_seed(0)
     model, make_batch = build("bert")
     model.train()
-    ctl = memfit.fit(model, budget=None, method=_Fixed(Plan((0, 1, 2), kinds=("offload",) * 3)),
+    ctl = memfit.fit(model, budget=None, method=FixedPlan(Plan((0, 1, 2), kinds=("offload",) * 3)),
                      treatments=("recompute", "offload"))
     offload: Offload = ctl.treatments["offload"]
     offload.min_bytes = 0
@@ -145,7 +135,7 @@ def test_the_host_pool_has_a_limit_with_a_clear_error():
     torch.manual_seed(0)
     model, make_batch = build("bert")
     model.train()
-    ctl = memfit.fit(model, budget=None, method=_Fixed(Plan((0,), kinds=("offload",))), treatments=("recompute", "offload"))
+    ctl = memfit.fit(model, budget=None, method=FixedPlan(Plan((0,), kinds=("offload",))), treatments=("recompute", "offload"))
     ctl.treatments["offload"].min_bytes = 0
     ctl.treatments["offload"]._max_host_bytes = 1024
     with pytest.raises(HostMemoryError, match="offload needs .* GiB of pinned host memory, over its limit"):
