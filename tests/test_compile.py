@@ -15,7 +15,7 @@ from torch._dynamo.utils import counters
 
 from _models import build_decoder, step_both_and_compare
 from memfit.engine.planner import Plan
-from test_treatments import _Fixed
+from _models import FixedPlan
 
 # aot_eager traces and partitions as inductor does but runs the graph's ATen ops: quick to
 # compile on a CPU, and deterministic, so gradients can be compared bitwise
@@ -67,7 +67,7 @@ def test_compiled_blocks_recompute_and_offload_give_the_gradients_of_compiled_no
         "mixed": Plan((0, 1), kinds=("offload", "recompute")),
     }
     for name, plan in plans.items():
-        ctl = memfit.fit(model, budget=None, method=_Fixed(plan), treatments=("recompute", "offload"), compile=COMPILE,
+        ctl = memfit.fit(model, budget=None, method=FixedPlan(plan), treatments=("recompute", "offload"), compile=COMPILE,
                          announce=False)
         ctl.treatments["offload"].min_bytes = 0
         assert all(b.compiled for b in ctl.blocks)
@@ -121,7 +121,7 @@ def test_compiled_selective_gives_the_gradients_of_compiled_none_and_keeps_less_
     }
     saved = {}
     for name, plan in plans.items():
-        ctl = memfit.fit(model, budget=None, method=_Fixed(plan), treatments=("recompute", "selective", "offload"),
+        ctl = memfit.fit(model, budget=None, method=FixedPlan(plan), treatments=("recompute", "selective", "offload"),
                          compile={**INDUCTOR, "activation_memory_budget": 0.0}, announce=False)
         ctl.treatments["offload"].min_bytes = 0
         for seed, length in enumerate((9, 17, 9)):
@@ -181,7 +181,7 @@ def test_alike_blocks_share_the_compiled_selective_graph():
     n = len(memfit.engine.blocks.find_blocks(model))
     assert n >= 3
     counters.clear()
-    ctl = memfit.fit(model, budget=None, method=_Fixed(Plan(tuple(range(n)), kinds=("selective",) * n)),
+    ctl = memfit.fit(model, budget=None, method=FixedPlan(Plan(tuple(range(n)), kinds=("selective",) * n)),
                      treatments=("recompute", "selective"), compile={**INDUCTOR, "loss": False}, announce=False)
     torch.manual_seed(0)
     model(**make_batch(2, 9)).loss.backward()
@@ -342,7 +342,7 @@ def test_both_compilations_of_a_lora_block_stay_compiled_under_a_limit_enough_fo
         torch.manual_seed(0)
         model, make_batch = build_decoder("llama", lora=True)
         model.train()
-        method = _Fixed(Plan((0,), kinds=("selective",)))  # block 0 (input without grad) selective, the rest kept
+        method = FixedPlan(Plan((0,), kinds=("selective",)))  # block 0 (input without grad) selective, the rest kept
         ctl = memfit.fit(model, budget=None, method=method, treatments=("recompute", "selective"),
                          compile={**INDUCTOR, "loss": False}, announce=False)
         limits = []
