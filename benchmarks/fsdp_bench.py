@@ -392,6 +392,7 @@ def _train(args, config: Config, device, rank: int, budget_bytes: int | None, ou
         "max_peak_allocated_bytes": max(peaks) if peaks else max((r.peak_allocated_bytes for r in records), default=0),
         "oom_retries": sum(r.oom_retries for r in records), "records": len(records),
         "mean_treated_blocks": statistics.mean(r.n_checkpointed for r in records) if records else 0.0,
+        "armed_steps": sum(r.backstop_armed for r in records), "alloc_retries": sum(r.alloc_retries or 0 for r in records),
         "n_blocks": records[0].n_blocks if records else 0, "fired": state["fired"],
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
@@ -639,7 +640,8 @@ def summarize(folders: list[str], summary: str | None = None) -> list[dict]:
                     "total_s": max(sum(r["step_ms"]) for r in ran) / 1e3, "n_blocks": first["n_blocks"],
                     "device": first["device"], "torch": first["torch"], "transformers": first["transformers"],
                     "per_rank": {str(r["rank"]): {k: r[k] for k in ("max_peak_allocated_bytes", "oom_retries",
-                                                                   "mean_treated_blocks", "median_steady_step_ms")}
+                                                                   "mean_treated_blocks", "median_steady_step_ms",
+                                                                   "armed_steps", "alloc_retries")}
                                  for r in ran},
                 })
             rows.append(row)
