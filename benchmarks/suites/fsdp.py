@@ -9,8 +9,9 @@ many configurations] there) that keeps to its wall-clock budget:
 * ``x4-train`` then ``x4`` (GPUs 0-3; within 540 s together): ``memfit train causal-lm`` under
   torchrun with ``--fsdp`` as README.md writes it (the bundled Llama-3.2-1B config, synthetic SFT
   data, 8 steps, the model saved at the end), then Llama-3.2-3B at 0.5 (the same
-  configurations as ``x2``: scaling), the injected-OOM check on 4 ranks, Llama-3.1-8B with LoRA
-  at 0.5, and Llama-3.2-3B at 0.7, in that order (what the deadline cuts is recorded as not run).
+  configurations as ``x2``: scaling), the injected-OOM check on 4 ranks, Llama-3.2-3B at 0.7 and
+  ``static`` at 0.5, then LoRA at 0.5 on Llama-3.2-3B and on Llama-3.1-8B, in that order (what the
+  deadline cuts is recorded as not run).
 
 The commands (from the repository root; RAW a scratch folder, OUT the published one):
 
@@ -108,8 +109,10 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
               *_capped("llama-3b", b["llama-3b"][1:], ("dynamic", "accelerate-ac", "hf-ckpt")), "llama-3b+lora/none",
               *_capped("llama-3b+lora", b["llama-3b+lora"], ("dynamic", "accelerate-ac", "hf-ckpt"))]
         x4 = ["llama-3b/none", *_capped("llama-3b", b["llama-3b"][:1], ("dynamic", "full", "accelerate-ac", "hf-ckpt")),
-              "oom-check:llama-1b", *_capped("llama-3b", b["llama-3b"][1:], ("dynamic", "accelerate-ac")),
-              "llama-3b/static@0.5"]
+              "oom-check:llama-1b", *_capped("llama-3b", b["llama-3b"][1:], ("dynamic", "accelerate-ac", "hf-ckpt")),
+              "llama-3b/static@0.5", "llama-3b+lora/none",
+              *_capped("llama-3b+lora", b["llama-3b+lora"], ("dynamic", "accelerate-ac", "hf-ckpt")), "llama-8b+lora/none",
+              *_capped("llama-8b+lora", b["llama-8b+lora"], ("dynamic", "accelerate-ac", "hf-ckpt"))]
         train_model, nproc4 = "Llama-3.2-1B", 4
         jobs = (JOB_S["x2"], JOB_S["x4"])
     out = [_matrix(ctx, "x2", 2, 29711, x2, jobs[0], ctx.quick, suite.steps)]
