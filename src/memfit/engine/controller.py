@@ -221,7 +221,7 @@ class Controller:
         treatments: Sequence[str] | None = None,
         announce: str | bool = False,
         compile: bool | dict[str, Any] = False,
-        head: bool | str = False, head_logits: str = "drop",
+        head: bool | str = "auto", head_logits: str = "drop",
     ):
         self.model = model
         self.method = method
@@ -510,7 +510,7 @@ def fit(
     treatments: Sequence[str] | None = None,
     announce: bool = True,
     compile: bool | dict[str, Any] = False,
-    head: bool | str = False,
+    head: bool | str = "auto",
     head_logits: str = "drop",
     **method_kwargs: Any,
 ) -> Controller:
@@ -551,9 +551,9 @@ def fit(
             recorded under ``treatments["head"]``. ``"auto"``: wherever memfit recognises the
             head, the method is ``dynamic`` or ``static`` and a budget is given, for forwards that pass
             ``labels`` (a forward without them leaves the head to the caller from then on); elsewhere
-            the model keeps its head and the start line says why (NOTE [The head by default]).
-            ``True``: plan it whatever the method, or raise ValueError where memfit cannot. ``False``
-            (default): never. A chunked head's loss and gradients equal the model's within float32 rounding
+            the model keeps its head and the start line says why (NOTE [The head by default]); the
+            default. ``True``: plan it whatever the method, or raise ValueError where memfit cannot.
+            ``False``: never. A chunked head's loss and gradients equal the model's within float32 rounding
             (not bitwise: the additions are reordered); the blocks stay bitwise.
         head_logits: what a training forward with ``labels`` returns as ``outputs.logits`` in a step
             whose head is chunked: ``"drop"`` (default: None, the ``tokens x vocab`` logits are never

@@ -160,12 +160,12 @@ class MemfitArguments:
                   "does the same with the memfit Trainer (NOTE [--torch_compile compiles the blocks])."},
     )
     memfit_head: str = field(
-        default="keep",
+        default="auto",
         metadata={"help": "The LM head of a causal LM (final norm -> lm_head -> loss) as a part memfit plans per batch: "
                   "kept, or its logits and loss computed a chunk of tokens at a time (never the whole float32 tokens x "
                   "vocab), whichever the budget and the measured time call for. auto: where memfit "
                   "recognises the head, --memfit_method is dynamic or static, a budget is given and the model is "
-                  "called with labels; plan: plan it with any method, or stop where memfit cannot; keep (default): never. "
+                  "called with labels (default); plan: plan it with any method, or stop where memfit cannot; keep: never. "
                   "Under a chunked head a training step returns no logits."},
     )
     overwrite_output_dir: bool = field(

@@ -313,18 +313,18 @@ def attach_head_part(
     start line says of the head.
 
     # NOTE [The head by default]
-    The default is ``False``: the model keeps its head, and the over-budget warning names
-    ``head="auto"`` (``--memfit_head auto``) where the head's logits dominate. ``auto`` is opt-in
-    while a steady step that chunked the head can still leave the memory model over-predicting
-    the steps after it (they then recompute blocks they could keep: docs/devlog.md, the head's
-    entry); it becomes the default once that is fixed and measured.
+    The default is ``"auto"``: a causal LM's head is planned wherever memfit can plan it, as
+    every block is. A step that chunked the head teaches the memory model less than one that
+    kept it (NOTE [A chunked head's step teaches less], learner.py), so later steps are not
+    over-predicted; ``False`` (``--memfit_head keep``) leaves the head to the model.
     ``head="auto"`` plans the head wherever :func:`memfit.engine.head.find_head`
     recognises a causal LM's head, the method plans per batch from its memory model (``plans``:
     ``dynamic``, ``static``) under a budget, and nothing else rules it out (``why_not``: a sharded
     model); otherwise the model keeps its head and the start line says why. A training forward
     without ``labels`` (the caller computes the loss, as TRL does) drops the head from the plans
     for the rest of the run, said once (:meth:`RunHead.leave`). ``True`` plans it whatever
-    the method, and raises where memfit cannot; ``False`` leaves it to the model.
+    the method, and raises where memfit cannot; ``False`` leaves it to the model, and the
+    over-budget warning then names ``head="auto"`` where the head's logits dominate.
 
     The part's options are priced by :func:`head_saved_bytes` (``transient``: the meter's peaks hold
     transients), its time by warm-up's probes (NOTE [Pricing the head]), free until then;
