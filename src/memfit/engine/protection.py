@@ -55,13 +55,15 @@ it is *armed* only for a step that needs it: one longer (in tokens) than any ste
 the model extrapolates, or one whose activations, ``BACKSTOP_ARM_SHARE`` above their
 prediction, would cross the backstop's threshold, unless the same plan already ran a shape of
 its bucket at least as long and stayed under that threshold (the same blocks on the same shape
-hold the same bytes). That share is insurance against the model's error, so once the run has
-shown its error it is priced by it: after ``BACKSTOP_MEASURED_AFTER`` steady steps it is
-``BACKSTOP_ERROR_FACTOR`` times the largest under-prediction of a steady step's activations seen
-so far (at least ``BACKSTOP_MIN_SHARE``, at most ``BACKSTOP_ARM_SHARE``). A plan fills the room,
-so with the fixed share nearly every steady step of a run near its cap was armed, each paying
-the hooks and the input copies (under FSDP, where every step is unreplayable, that was most of
-``dynamic``'s time over ``full``); a model that keeps erring keeps its share. Room is made only when the bytes in use plus the largest stored block
+hold the same bytes). That share is insurance against an error the run has not measured yet.
+Once ``BACKSTOP_MEASURED_AFTER`` steady steps have measured it, the margin is the insurance: a
+steady step above its prediction grows it to more than the miss (NOTE [Room], room.py), and a
+plan keeps it free. Then a step inside the lengths seen is armed only if its prediction plus the
+largest under-prediction of the last ``BACKSTOP_RECENT_STEPS`` steady steps would cross the
+budget less the allocator's slack: a model that keeps erring by more than its margin keeps
+arming. A plan fills the room, so with the fixed share nearly every steady step of a run near
+its cap was armed, each paying the hooks and the input copies: under FSDP, where no step is
+replayable, that cost about a sixth of ``dynamic``'s step. Room is made only when the bytes in use plus the largest stored block
 *still to run* (predicted, times the largest excess of the blocks run so far this step over
 their prediction) would leave less than a third of the margin free (the plan keeps the whole
 margin free); reserving the stack's largest block instead evicts needlessly in stacks whose
@@ -81,6 +83,7 @@ the inputs or, had it evicted, by the model's prediction, learnt from what its b
 from __future__ import annotations
 
 import itertools
+from collections import deque
 import math
 import re
 import sys
@@ -103,17 +106,14 @@ if TYPE_CHECKING:
     from memfit.engine.planning import Planning
 
 __all__ = [
-    "BACKSTOP_ARM_SHARE", "BACKSTOP_MEASURED_AFTER", "BACKSTOP_ERROR_FACTOR", "BACKSTOP_MIN_SHARE", "Protection", "Unprotected", "Eviction", "Backstop", "Stored", "BlockPeaks", "requested_bytes"]
+    "BACKSTOP_ARM_SHARE", "BACKSTOP_MEASURED_AFTER", "BACKSTOP_RECENT_STEPS", "Protection", "Unprotected", "Eviction", "Backstop", "Stored", "BlockPeaks", "requested_bytes"]
 
 #: The backstop is armed for a step unless its activations could exceed the prediction by
 #: this share and still leave the backstop's reserve free (NOTE [Backstop]) ...
 BACKSTOP_ARM_SHARE = 0.5
-#: ... until this many steady steps have measured the model's error; from then on the share is
-BACKSTOP_MEASURED_AFTER = 4
-#: this many times the largest under-prediction of a steady step's activations seen, ...
-BACKSTOP_ERROR_FACTOR = 2.0
-#: ... and at least this.
-BACKSTOP_MIN_SHARE = 0.05
+#: ... until this many steady steps have measured the model's error; from then on a step is
+#: insured against the largest under-prediction of the last this many steady steps.
+BACKSTOP_MEASURED_AFTER, BACKSTOP_RECENT_STEPS = 4, 16
 
 
 class _Step(Protocol):
@@ -351,10 +351,9 @@ class Backstop(_Evicting):
         #: per plan bucket, the last steady step's (tokens, plan layout, peak above static): a
         #: step that repeats it needs no backstop
         self._held: dict[tuple[int, int], tuple[int, Any, int]] = {}
-        #: steady steps whose prediction was read, and the largest share by which one's
-        #: activations exceeded their prediction (NOTE [Backstop])
+        #: steady steps whose prediction was read, and the latest ones' bytes above it (NOTE [Backstop])
         self._measured_steps = 0
-        self._worst_miss_share = 0.0
+        self._recent_misses: deque[int] = deque(maxlen=BACKSTOP_RECENT_STEPS)
 
     def reserve_bytes(self) -> int:
         """A third of the margin (the plan keeps all of it free) and the allocator's slack."""
@@ -386,14 +385,9 @@ class Backstop(_Evicting):
             if layout == plan.layout and key[0] * key[1] <= tokens and planning.static_bytes + above_static <= threshold:
                 return False  # this plan ran this long a shape before and stayed under the threshold
         predicted = planning.predict_peak(key, plan)
-        return predicted + self.arm_share * max(0, predicted - planning.static_bytes) > threshold
-
-    @property
-    def arm_share(self) -> float:
-        """How far above their prediction a step's activations are insured (NOTE [Backstop])."""
-        if self._measured_steps < BACKSTOP_MEASURED_AFTER:
-            return BACKSTOP_ARM_SHARE
-        return min(BACKSTOP_ARM_SHARE, max(BACKSTOP_MIN_SHARE, BACKSTOP_ERROR_FACTOR * self._worst_miss_share))
+        if self._measured_steps >= BACKSTOP_MEASURED_AFTER:
+            return predicted + max(self._recent_misses, default=0) > planning.budget_bytes - planning.slack_bytes
+        return predicted + BACKSTOP_ARM_SHARE * max(0, predicted - planning.static_bytes) > threshold
 
     def _upcoming(self, k: tuple[int, int], stored: set[int], n_blocks: int) -> list[tuple[float, float]]:
         """Per block: the largest predicted bytes of the stored blocks from it on, and of those before it.
@@ -434,10 +428,9 @@ class Backstop(_Evicting):
         if outcome.warmup:
             return
         planning, key, plan = self.planning, outcome.key, outcome.plan
-        if predicted is not None and predicted > outcome.static:
+        if predicted is not None:
             self._measured_steps += 1
-            miss = (outcome.plain_peak - predicted) / (predicted - outcome.static)
-            self._worst_miss_share = max(self._worst_miss_share, miss)
+            self._recent_misses.append(max(0, int(outcome.plain_peak - predicted)))
         bucket, tokens = bucket_key(key, planning.bucket_tokens), key[0] * key[1]
         held = self._held.get(bucket)
         same = held is not None and held[1] == plan.layout
