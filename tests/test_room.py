@@ -39,6 +39,19 @@ def test_a_run_starts_with_its_accountings_room(budget, accounting, share, margi
     assert (room.margin_bytes, room.slack_bytes) == (margin, slack)
 
 
+def test_a_run_that_cannot_survive_an_oom_starts_with_the_slack_it_may_need():
+    """NOTE [Room where an OOM is fatal]: 1/24 of the budget, on CUDA only, never below the usual start."""
+    from memfit.engine.room import FATAL_OOM_SLACK_PARTS
+
+    big = 40 * 2**30
+    assert Room.for_run(big, "cuda").slack_bytes == ALLOCATOR_SLACK_BYTES
+    fatal = Room.for_run(big, "cuda", oom_fatal=True)
+    assert fatal.slack_bytes == big // FATAL_OOM_SLACK_PARTS > ALLOCATOR_SLACK_BYTES
+    assert fatal.start_slack_bytes == fatal.slack_bytes  # shrinking never goes below it
+    assert Room.for_run(2**20, "cuda", oom_fatal=True).slack_bytes == 2**20 // 16  # tiny budgets: the usual start
+    assert Room.for_run(big, "logical", oom_fatal=True).slack_bytes == 0
+
+
 def test_each_rule_says_whether_the_room_shrank():
     room = Room(1_000_000, margin_bytes=1000, slack_bytes=0)
     assert room.free_bytes == 999_000

@@ -13,6 +13,14 @@ slack starts at ``min(ALLOCATOR_SLACK_BYTES, budget / 16)`` and an OOM raises it
 more. ``reactive`` has no plans but the same slack: each block entry keeps it free. Logical
 accounting has no allocator: its slack is 0.
 
+# NOTE [Room where an OOM is fatal]
+The slack is learnt from an OOM, which a run must survive to learn from. Under FSDP with several
+ranks an OOM outside a block's forward (the head, a backward) stops every rank (NOTE [Replay
+under FSDP], replay.py), so such a run starts with the slack the allocator may need, not the
+least it usually needs: ``budget / FATAL_OOM_SLACK_PARTS``. On 4 H100s two ``dynamic`` LoRA runs
+(Llama-3.2-3B and 3.1-8B shapes) stopped at such an OOM with 0.52 and 0.62 GiB reserved but not
+allocated (2.2% and 1.7% of their budgets), above the 256 MiB that a replayable run starts with.
+
 # NOTE [The slack is priced]
 A steady step during which the allocator served an allocation only after releasing its cache
 (CUDA's ``num_alloc_retries``: a device sync, the cache's pages unmapped, and under expandable
@@ -42,6 +50,7 @@ from dataclasses import dataclass, field
 __all__ = [
     "Room", "StepTimes", "DEFAULT_MARGIN_SHARE", "ALLOCATOR_SLACK_BYTES", "RETRY_SLACK_SHARE", "MAX_RETRY_SLACK_SHARE",
     "OOM_MARGIN_PARTS", "MISS_MARGIN_FACTOR", "SLACK_FACTOR", "SHRINK_AFTER_CLEAN_STEPS", "CLEAN_STEPS_KEPT",
+    "FATAL_OOM_SLACK_PARTS",
 ]
 
 #: the margin's share of the budget before any step erred, per accounting (the meter's kind)
@@ -63,6 +72,8 @@ SLACK_FACTOR = 1.25
 SHRINK_AFTER_CLEAN_STEPS = 32
 #: per shape bucket, how many of the latest steps without a retry price a retry
 CLEAN_STEPS_KEPT = 8
+#: a run that cannot survive an OOM starts its slack at the budget over this (NOTE [Room where an OOM is fatal])
+FATAL_OOM_SLACK_PARTS = 24
 
 
 @dataclass
@@ -106,16 +117,21 @@ class Room:
             self.start_slack_bytes = self.slack_bytes
 
     @classmethod
-    def for_run(cls, budget_bytes: int | None, accounting: str, margin_share: float | None = None) -> "Room":
+    def for_run(cls, budget_bytes: int | None, accounting: str, margin_share: float | None = None,
+                oom_fatal: bool = False) -> "Room":
         """The room a run starts with.
 
         Args:
             budget_bytes: the budget (None: no room to keep).
             accounting: the meter's kind (``cuda``: an allocator, with its slack; ``logical``).
             margin_share: the margin's share of the budget (default ``DEFAULT_MARGIN_SHARE``).
+            oom_fatal: an OOM outside the blocks' forwards stops the run (NOTE [Room where an OOM is fatal]).
         """
         share = DEFAULT_MARGIN_SHARE.get(accounting, 0.0) if margin_share is None else margin_share
-        slack = min(ALLOCATOR_SLACK_BYTES, (budget_bytes or 0) // 16) if accounting == "cuda" else 0
+        slack = 0
+        if accounting == "cuda":
+            least = min(ALLOCATOR_SLACK_BYTES, (budget_bytes or 0) // 16)
+            slack = max(least, (budget_bytes or 0) // FATAL_OOM_SLACK_PARTS) if oom_fatal else least
         return cls(budget_bytes, int(share * (budget_bytes or 0)), slack, start_slack_bytes=slack)
 
     @property
