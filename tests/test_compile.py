@@ -408,3 +408,19 @@ def test_after_a_probing_warm_up_new_lengths_and_batch_sizes_compile_nothing(bac
     assert body_variants == 1
     assert len(_debug_get_cache_entry_list(ForCausalLMLoss.__code__)) == 1
     assert any(r.phase == "steady" for r in records)
+
+
+def test_compile_clock_counts_the_lazy_backward_compile_of_a_static_graph():
+    """A graph compiled for static sizes compiles its backward at its first backward, outside
+    Dynamo's timer: the clock counts it too, so a step's compile_ms is all its compiling."""
+    from memfit.engine.blocks import compile_clock
+
+    f = torch.compile(lambda x: (x.sin() * x.cos()).sum(), backend="aot_eager", dynamic=False)
+    x = torch.randn(8, 8, requires_grad=True)
+    start = compile_clock()
+    y = f(x)
+    after_forward = compile_clock()
+    y.backward()
+    after_backward = compile_clock()
+    assert after_forward[0] > start[0] and after_forward[1] == start[1] + 1
+    assert after_backward[0] > after_forward[0] and after_backward[1] == after_forward[1]
