@@ -365,7 +365,7 @@ def test_both_compilations_of_a_lora_block_stay_compiled_under_a_limit_enough_fo
 def test_a_new_batch_size_or_length_after_the_first_step_compiles_nothing():
     """NOTE [Dynamic batch and length]: the first step compiles the blocks' bodies (and the loss)
     with batch and length dynamic, so later sizes reuse those graphs; the records say so (the loss,
-    left to Dynamo's default, stays eager here)."""
+    by the compile option loss False, stays eager here)."""
     torch.manual_seed(0)
     model, make_batch = build_decoder("llama")
     model.train()

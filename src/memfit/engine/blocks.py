@@ -56,8 +56,9 @@ against a stored one (inductor keeps fused bf16 intermediates in float32 unless
 With compiled blocks the model's loss function is compiled too, with the blocks' arguments:
 transformers' settable ``loss_function`` of the outermost module that has one (the compile
 option ``loss`` False leaves it eager). The cross-entropy of a causal LM then runs as one graph
-whose softmax is recomputed in backward rather than kept (of bf16 logits, the graph with dynamic
-sizes keeps their float32 upcast, as eager does; NOTE [Dynamic batch and length]); gradients are
+whose softmax is recomputed in backward rather than kept (of bf16 logits, the partitioner of the
+graph with dynamic sizes, which every length runs, may keep their float32 upcast instead, as the
+inductor tests measure; NOTE [Dynamic batch and length]); gradients are
 those of the same model compiled the same way without memfit. ``remove()`` puts the model's
 own loss function back.
 
