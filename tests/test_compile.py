@@ -272,24 +272,28 @@ def _loss_saved_bytes(model, labels, dtype) -> tuple[float, int]:
 
 
 @pytest.mark.parametrize("precision", [torch.bfloat16, torch.float32])
-def test_compiled_blocks_compile_the_loss_which_keeps_no_logits_sized_tensor(precision):
-    """With compile, the model's loss function is compiled too: the eager cross-entropy keeps a
-    float32 log-softmax as large as the logits for its backward, the compiled one recomputes it;
-    the loss agrees with the eager one's, and remove() gives the model its own loss function back."""
+def test_compiled_blocks_compile_the_loss_which_keeps_no_log_softmax(precision):
+    """With compile, the model's loss function is compiled too, with batch and length dynamic from
+    its first call (NOTE [Dynamic batch and length]): the eager cross-entropy keeps a float32
+    log-softmax as large as the logits for its backward, the compiled one recomputes it at every
+    length (of bf16 logits it keeps their float32 upcast instead); the loss agrees with the eager
+    one's, and remove() gives the model its own loss function back."""
     model, make_batch = build_decoder("llama")
     _without_dropout(model).train().to(precision)
-    labels = make_batch(2, 24)["labels"]
     results = {}
     for name, compile in (("compiled", INDUCTOR), ("eager", {**INDUCTOR, "loss": False})):
         ctl = memfit.fit(model, budget=None, method="none", compile=compile, announce=False)
         assert ("_loss_function" in model.__dict__) == (name == "compiled")
-        results[name] = _loss_saved_bytes(model, labels, precision)
+        torch.manual_seed(0)
+        results[name] = [_loss_saved_bytes(model, make_batch(2, length)["labels"], precision) for length in (24, 40)]
         ctl.remove()
         assert "_loss_function" not in model.__dict__
-    (compiled_loss, compiled_bytes), (eager_loss, eager_bytes) = results["compiled"], results["eager"]
-    assert eager_bytes >= 2 * 24 * model.config.vocab_size * 4  # the float32 log-softmax
-    assert compiled_bytes == 0
-    assert compiled_loss == pytest.approx(eager_loss, rel=1e-2 if precision == torch.bfloat16 else 1e-5)
+    upcast = 1 if precision == torch.bfloat16 else 0
+    for length, (compiled_loss, compiled_bytes), (eager_loss, eager_bytes) in zip((24, 40), results["compiled"], results["eager"]):
+        float32_logits = 2 * length * model.config.vocab_size * 4
+        assert eager_bytes >= float32_logits  # the float32 log-softmax
+        assert compiled_bytes == upcast * float32_logits, (length, compiled_bytes)
+        assert compiled_loss == pytest.approx(eager_loss, rel=1e-2 if precision == torch.bfloat16 else 1e-5)
 
 
 def test_compile_loss_option_must_be_a_bool():
@@ -361,7 +365,7 @@ def test_both_compilations_of_a_lora_block_stay_compiled_under_a_limit_enough_fo
 def test_a_new_batch_size_or_length_after_the_first_step_compiles_nothing():
     """NOTE [Dynamic batch and length]: the first step compiles the blocks' bodies (and the loss)
     with batch and length dynamic, so later sizes reuse those graphs; the records say so (the loss,
-    left to Dynamo's default, stays eager here)."""
+    by the compile option loss False, stays eager here)."""
     torch.manual_seed(0)
     model, make_batch = build_decoder("llama")
     model.train()
@@ -375,3 +379,48 @@ def test_a_new_batch_size_or_length_after_the_first_step_compiles_nothing():
     summary = ctl.summary()
     assert summary.steady_compiled_graphs == 0 and summary.compile_ms == pytest.approx(first.compile_ms)
     ctl.remove()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_after_a_probing_warm_up_new_lengths_and_batch_sizes_compile_nothing(backend):
+    """NOTE [Dynamic batch and length]: under dynamic the warm-up probe calls each block's compiled
+    body directly, and the loss is compiled too; both are marked at their first call, so the run
+    compiles one graph per body and one for the loss, in its first step, and no later step (new
+    lengths, new batch sizes) compiles any (sizes kept under the 4,096 rows where
+    inductor's C++ code takes a guard)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    torch.manual_seed(0)
+    model, make_batch = build_decoder("llama")
+    _without_dropout(model).train()
+    ctl = memfit.fit(model, budget="1GiB", method="dynamic", treatments=("recompute",), compile={"backend": backend},
+                     announce=False, head=False)
+    shapes = [(2, 9), (2, 17), (3, 13), (4, 40), (2, 33), (5, 21), (3, 64), (2, 100), (6, 7)]
+    for n, length in shapes:
+        model(**make_batch(n, length)).loss.backward()
+    records = ctl.records
+    body_variants = len(_debug_get_cache_entry_list(ctl.blocks[0]._eager_body.__code__))
+    ctl.remove()
+    assert records[0].compiled_graphs == 2 and records[0].compile_ms > 0  # the blocks' body and the loss
+    assert [r.compiled_graphs for r in records[1:]] == [0] * (len(shapes) - 1)
+    assert sum(r.compile_ms for r in records[1:]) == 0
+    assert body_variants == 1
+    assert len(_debug_get_cache_entry_list(ForCausalLMLoss.__code__)) == 1
+    assert any(r.phase == "steady" for r in records)
+
+
+def test_compile_clock_counts_the_lazy_backward_compile_of_a_static_graph():
+    """A graph compiled for static sizes compiles its backward at its first backward, outside
+    Dynamo's timer: the clock counts it too, so a step's compile_ms is all its compiling."""
+    from memfit.engine.blocks import compile_clock
+
+    f = torch.compile(lambda x: (x.sin() * x.cos()).sum(), backend="aot_eager", dynamic=False)
+    x = torch.randn(8, 8, requires_grad=True)
+    start = compile_clock()
+    y = f(x)
+    after_forward = compile_clock()
+    y.backward()
+    after_backward = compile_clock()
+    assert after_forward[0] > start[0] and after_forward[1] == start[1] + 1
+    assert after_backward[0] > after_forward[0] and after_backward[1] == after_forward[1]

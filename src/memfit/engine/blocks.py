@@ -56,23 +56,33 @@ against a stored one (inductor keeps fused bf16 intermediates in float32 unless
 With compiled blocks the model's loss function is compiled too, with the blocks' arguments:
 transformers' settable ``loss_function`` of the outermost module that has one (the compile
 option ``loss`` False leaves it eager). The cross-entropy of a causal LM then runs as one graph
-whose float32 upcast and softmax are recomputed in backward rather than kept; gradients are
+whose softmax is recomputed in backward rather than kept (of bf16 logits, the partitioner of the
+graph with dynamic sizes, which every length runs, may keep their float32 upcast instead, as the
+inductor tests measure; NOTE [Dynamic batch and length]); gradients are
 those of the same model compiled the same way without memfit. ``remove()`` puts the model's
 own loss function back.
 
 # NOTE [Dynamic batch and length]
 A compiled body is called with a new batch size or length on most steps of a run with dynamic
 padding, and Dynamo compiles a first call for its exact sizes, then (automatic dynamic) a second
-variant when one changes: a compile in a steady step, seconds on a GPU. So every call of a
-compiled body marks the batch and length dimensions of its inputs dynamic before Dynamo sees them
+variant when one changes, and a third when the other first changes: compiles in steady steps,
+seconds each on a GPU. So each compiled callable (a block's two compilations, the loss) marks the
+batch and length dimensions of its inputs dynamic at every call, whoever calls it (the warm-up
+probe calls a block's body directly, not through its treatment), before Dynamo sees them
 (``torch._dynamo.maybe_mark_dynamic``: a hint, never an error where the code needs a size
-static): all dimensions but the last of the first tensor (its features), and each dimension of the
-other tensors (masks, rotary tables, position ids) whose size is one of those. The first call
-then compiles the variant every later size reuses. A size of 1 stays specialised (Dynamo's rule),
-and a feature size that equals the batch or length at that first call is marked too and costs a
-recompile later: both rare, and no worse than the default. The compiled loss is not marked: its
-graph with dynamic sizes keeps a float32 copy of bf16 logits for backward, which its static
-graph recomputes, so it keeps Dynamo's default (static first, dynamic from the first change).
+static): all dimensions but the last of the first tensor (its features; the loss's first is the
+logits), and each dimension of the other tensors (masks, rotary tables, position ids, labels)
+whose size is one of those. The first call then compiles the variant every later size reuses. A
+size of 1 stays specialised (Dynamo's rule), and a feature size that equals the batch or length at
+that first call is marked too and costs a recompile later: both rare, and no worse than the
+default. Rule: one graph per compiled callable and input guard (treatment, grad of the input),
+none per size.
+
+What marking cannot remove is a guard the compiler itself takes on a size to choose its code
+(inductor's C++ code generator sums more than 4,096 rows in chunks; its CUDA attention lowering
+asks whether a mask's rows are aligned to 8 elements): each side of such a guard is compiled once,
+at the first size on that side, which may come after warm-up. Marking sizes unbacked (no guard at
+all) breaks the trace where the model's code branches on a length (transformers' attention does).
 
 # NOTE [Recompile limit]
 Dynamo keeps the compiled variants of one code object in one list, shared by every
@@ -151,12 +161,19 @@ def _with_recompile_limit(options: dict[str, Any]) -> tuple[dict[str, Any], tupl
     return options, (before, limit)
 
 
+#: torch's timers of compilation: Dynamo's (which holds the forward's and, for a graph with dynamic
+#: sizes, the backward's) and AOTAutograd's lazy backward (a static graph's, at its first backward)
+_COMPILE_TIMERS = ("_compile.compile_inner", "backward._backward_impl")
+
+
 def compile_clock() -> tuple[float, int]:
-    """Seconds Dynamo has spent compiling in this process, and the graphs it has made (both
-    only grow): a step's compile time and new graphs are the difference across it."""
+    """Seconds torch has spent compiling in this process, backward graphs included, and the
+    graphs Dynamo has made (both only grow): a step's compile time and new graphs are the
+    difference across it."""
     from torch._dynamo.utils import compilation_time_metrics, counters
 
-    return sum(compilation_time_metrics.get("_compile.compile_inner", ())), int(counters["stats"]["unique_graphs"])
+    seconds = sum(sum(compilation_time_metrics.get(timer, ())) for timer in _COMPILE_TIMERS)
+    return seconds, int(counters["stats"]["unique_graphs"])
 
 
 def _tensors(values: Any) -> Any:
@@ -168,8 +185,8 @@ def _tensors(values: Any) -> Any:
 
 
 def mark_dynamic_dims(args: tuple, kwargs: dict[str, Any]) -> None:
-    """Mark the batch and length dimensions of a compiled body's inputs dynamic (NOTE [Dynamic
-    batch and length])."""
+    """Mark the batch and length dimensions of a compiled callable's inputs dynamic (NOTE
+    [Dynamic batch and length])."""
     import torch._dynamo
 
     tensors = list(_tensors((*args, *kwargs.values())))
@@ -184,6 +201,18 @@ def mark_dynamic_dims(args: tuple, kwargs: dict[str, Any]) -> None:
         for dim, size in enumerate(t.shape):
             if size in sizes:
                 torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
+def _marking(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` marking its inputs' batch and length dimensions dynamic at every call, whoever
+    calls it (NOTE [Dynamic batch and length])."""
+
+    @functools.wraps(compiled)
+    def body(*args: Any, **kwargs: Any) -> Any:
+        mark_dynamic_dims(args, kwargs)
+        return compiled(*args, **kwargs)
+
+    return body
 
 
 class _LossHandle:
@@ -211,7 +240,7 @@ def compile_loss(model: nn.Module, options: dict[str, Any] | None) -> list[_Loss
     if owner is None:
         return []
     before = dict(owner.__dict__)
-    owner.loss_function = torch.compile(owner.loss_function, **_torch_compile_kwargs(options))
+    owner.loss_function = _marking(torch.compile(owner.loss_function, **_torch_compile_kwargs(options)))
     return [_LossHandle(owner, before)]
 
 
@@ -330,9 +359,9 @@ class Block:
         """Run the body compiled by ``torch.compile(**options)``, and ``selective`` a second
         compilation by the run's budgeted backend ``lean`` (:func:`_budgeted_backend`; NOTE
         [Compiled blocks])."""
-        self._body = torch.compile(self._eager_body, **_torch_compile_kwargs(options))
+        self._body = _marking(torch.compile(self._eager_body, **_torch_compile_kwargs(options)))
         backend, rest = lean
-        self._lean_body = torch.compile(self._eager_body, backend=backend, **rest)
+        self._lean_body = _marking(torch.compile(self._eager_body, backend=backend, **rest))
         self.compiled = True
 
     @property
@@ -352,8 +381,6 @@ class Block:
         self.runs += 1
         if self.before_run is not None:
             self.before_run(self)
-        if self.compiled:
-            mark_dynamic_dims(args, kwargs)
         return body(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
