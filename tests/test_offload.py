@@ -322,6 +322,12 @@ def test_the_offload_fields_of_a_run_are_compact_json():
     fields = loop_bench._offload_fields(SimpleNamespace(steady_from=1), ctl.treatments["offload"], ctl.records)
     ctl.remove()
     assert fields["steps"] == 3 and fields["blocks"] == 6 and fields["depths"] == [1]
+    # what ran, beside what the records say the plans gave: every step, its two blocks, their bytes
+    assert fields["planned_blocks"] == 6 and fields["blocks_per_step_max"] == 2
+    stats = ctl.treatments["offload"].stats
+    assert list(stats.blocks_by_step) == [2, 2, 2] and sum(stats.moved_bytes_by_step) == stats.moved_bytes > 0
+    assert stats.moved_bytes_by_step[0] == stats.moved_bytes_by_step[2] > 0  # the same length, the same bytes
+    assert fields["moved_gib_per_step_max"] == round(max(stats.moved_bytes_by_step) / 2**30, 3)
     assert fields["offloaded_blocks_by_tokens"] == {"48": [[1, 2]], "32": [[1, 2]]}
     assert fields["exposed_ms_per_step_median"] is None  # no CUDA: no waits timed
     json.dumps(fields)

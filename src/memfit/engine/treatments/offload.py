@@ -172,6 +172,9 @@ class OffloadStats:
         exposed_out_ms, exposed_back_ms: time the compute stream waited for copies out (forward)
             and back (backward), summed over the waits read so far (CUDA only).
         depth_by_step: the prefetch depth of each step that offloaded (the last ``STEPS_KEPT``).
+        blocks_by_step, moved_bytes_by_step: per step that offloaded, the block forwards that ran
+            offloaded and the bytes they copied out (the last ``STEPS_KEPT``; aligned with
+            ``depth_by_step``): what ran, to set beside what the step records say the plans gave.
         exposed_ms_by_step: per step that offloaded, its waits' time (CUDA; read once done; the
             last ``STEPS_KEPT``).
     """
@@ -182,6 +185,8 @@ class OffloadStats:
     exposed_out_ms: float = 0.0
     exposed_back_ms: float = 0.0
     depth_by_step: deque[int] = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
+    blocks_by_step: deque[int] = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
+    moved_bytes_by_step: deque[int] = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
     exposed_ms_by_step: deque[float] = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
 
 
@@ -282,6 +287,8 @@ class Offload(Treatment):
             self.depth = max(1, int(self.depth_for(shape_key(list(x.shape))))) if self.depth_for and x is not None else 1
             self.stats.steps += 1
             self.stats.depth_by_step.append(self.depth)
+            self.stats.blocks_by_step.append(0)
+            self.stats.moved_bytes_by_step.append(0)
             if cuda:
                 self._waits.append([])
         stash = _Stash(block.index)
@@ -289,6 +296,7 @@ class Offload(Treatment):
             self._wait(self._stashes[-2].d2h_done, x.device, backward=False)  # at most two blocks in flight
         self._stashes.append(stash)
         self.stats.blocks += 1
+        self.stats.blocks_by_step[-1] += 1
         return stash
 
     def run(self, block: "Block", args: tuple, kwargs: dict[str, Any]) -> Any:
@@ -330,6 +338,7 @@ class Offload(Treatment):
         if self._side is not None and stash.storages:
             stash.d2h_done = self._side.record_event()
         self.stats.moved_bytes += stash.moved_bytes
+        self.stats.moved_bytes_by_step[-1] += stash.moved_bytes
         for entry in stash.storages.values():
             entry.source = None  # the device storage may go (on CUDA once the copy is done: record_stream)
         if stash.storages:
