@@ -84,6 +84,21 @@ def test_size_classes_are_at_most_a_quarter_over():
     assert size_class(2**20 + 1) == size_class(2**20 + 2**18)  # near lengths share a buffer
 
 
+def test_pinned_classes_are_what_the_host_allocator_pins(monkeypatch):
+    """NOTE [Pinned pool]: PyTorch's caching host allocator pins the power of two at or above a request,
+    so a pinned pool counts that, and its bound holds for what is pinned."""
+    from memfit.engine.treatments import offload as module
+
+    for n in (4097, 5000, 2**20, 2**20 + 1, 675282944):
+        size = size_class(n, pinned=True)
+        assert size >= n and size & (size - 1) == 0 and size < 2 * n, (n, size)
+    asked = []
+    monkeypatch.setattr(module.torch, "empty", lambda size, dtype, pin_memory: asked.append(size) or torch.zeros(1))
+    pool = _HostPool(max_bytes=2**31, pin=True)
+    pool.take(675282944)  # a 16k-token block of SmolLM-360M: 1 GiB pinned, not the 768 MiB of a quarter step
+    assert asked == [2**30] and pool.total == 2**30
+
+
 def test_the_pool_reuses_buffers_across_steps_and_lengths():
     """NOTE [Pinned pool]: a repeated length pins nothing new, a near one reuses its class."""
     n = 4

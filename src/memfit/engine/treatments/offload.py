@@ -31,10 +31,13 @@ stream; their distance is the time the copies were not hidden. They are read wit
 once done (:meth:`Offload.exposed`), for records and benchmarks.
 
 # NOTE [Pinned pool]
-Host buffers come in size classes (a quarter-power-of-two step, at most 25% over what is asked),
-so a stash of a new length reuses a buffer of a near length instead of pinning anew; they are
-kept across steps and reused (pinning costs far more than a copy). The pool is bounded by
-``max_host_bytes``: when a new buffer would pass it, the free buffers go first (unpinned), and
+Host buffers come in size classes, so a stash of a new length reuses a buffer of a near length
+instead of pinning anew; they are kept across steps and reused (pinning costs far more than a
+copy). Pinned buffers come from PyTorch's caching host allocator, which pins the power of two at
+or above each request and keeps what is freed for reuse: their class is that power of two, so
+that the pool counts what is pinned; unpinned ones (a CPU device) step by a quarter of a power
+of two (at most 25% over what is asked). The pool is bounded by ``max_host_bytes``: when a new
+buffer would pass it, the free buffers go first (and the host allocator's cache with them), and
 only what is in use at once can fail, with :class:`HostMemoryError`.
 """
 
@@ -71,16 +74,21 @@ class HostMemoryError(UserError, RuntimeError):
     """The pinned host memory ``offload`` needs cannot be had."""
 
 
-def size_class(nbytes: int) -> int:
-    """The pinned buffer's size for ``nbytes`` (NOTE [Pinned pool]): the next multiple of a quarter
-    of the power of two below it, at least ``MIN_HOST_BYTES``.
+def size_class(nbytes: int, pinned: bool = False) -> int:
+    """The host buffer's size for ``nbytes`` (NOTE [Pinned pool]), at least ``MIN_HOST_BYTES``:
+    pinned, the power of two at or above it (what the caching host allocator pins); else the next
+    multiple of a quarter of the power of two below it.
 
     Example:
         >>> [size_class(n) for n in (1, 4097, 5000, 2**20, 2**20 + 1)]
         [4096, 5120, 5120, 1048576, 1310720]
+        >>> [size_class(n, pinned=True) for n in (1, 4097, 2**20, 2**20 + 1)]
+        [4096, 8192, 1048576, 2097152]
     """
     if nbytes <= MIN_HOST_BYTES:
         return MIN_HOST_BYTES
+    if pinned:
+        return 1 << (nbytes - 1).bit_length()
     quarter = (1 << ((nbytes - 1).bit_length() - 1)) // 4
     return -(-nbytes // quarter) * quarter
 
@@ -99,7 +107,7 @@ class _HostPool:
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A buffer of at least ``nbytes`` (its size class)."""
-        size = size_class(nbytes)
+        size = size_class(nbytes, self.pin)
         free = self.free.get(size)
         if free:
             return free.pop()
@@ -125,6 +133,9 @@ class _HostPool:
         for buffers in self.free.values():
             self.total -= sum(b.numel() for b in buffers)
         self.free = {}
+        empty_cache = getattr(torch._C, "_host_emptyCache", None)
+        if self.pin and empty_cache is not None:
+            empty_cache()  # the host allocator would keep them pinned (NOTE [Pinned pool])
 
 
 class _Storage:
