@@ -584,9 +584,14 @@ class _FreeOffload:
 def _offload_fields(args, offload, records) -> dict:
     """What ``offload`` did in a run (NOTE [Exposed copy time]): steps and blocks offloaded, bytes
     moved, prefetch depths, the compute stream's waits for copies (out in forward, back in
-    backward) in all and per step, and per length the blocks the steady steps offloaded."""
+    backward) in all and per step, and per length the blocks the steady steps offloaded.
+
+    ``blocks`` counts the block forwards that ran offloaded, ``planned_blocks`` those the step records
+    say their plans offloaded: the two differ only where a step was replayed after an OOM (its
+    forward ran twice, recorded once) or a record does not say what ran."""
     stats = offload.exposed()
     per_step = stats.exposed_ms_by_step
+    moved = stats.moved_bytes_by_step
     by_tokens: dict[str, list[list[int]]] = {}
     for r in records[args.steady_from:]:
         blocks = r.treatments.get("offload", [])
@@ -594,7 +599,12 @@ def _offload_fields(args, offload, records) -> dict:
         if blocks not in seen:
             seen.append(blocks)
     return {
-        "steps": stats.steps, "blocks": stats.blocks, "moved_gib": round(stats.moved_bytes / 2**30, 3),
+        "steps": stats.steps, "blocks": stats.blocks,
+        "planned_blocks": sum(len(r.treatments.get("offload", [])) for r in records),
+        "blocks_per_step_max": max(stats.blocks_by_step, default=0),
+        "moved_gib": round(stats.moved_bytes / 2**30, 3),
+        "moved_gib_per_step_median": round(statistics.median(moved) / 2**30, 3) if moved else None,
+        "moved_gib_per_step_max": round(max(moved) / 2**30, 3) if moved else None,
         "depths": sorted(set(stats.depth_by_step)), "exposed_out_ms": round(stats.exposed_out_ms, 2),
         "exposed_back_ms": round(stats.exposed_back_ms, 2),
         "exposed_ms_per_step_median": round(statistics.median(per_step), 2) if per_step else None,
@@ -977,6 +987,10 @@ def main(argv: list[str]) -> int:
         shown = f"{result['total_s']:.2f}s steady {result['steady_step_ms']}ms" if result["status"] == "ok" else result["note"]
         peak = result["max_peak_allocated_bytes"]
         extra = f" treated {result.get('treated_blocks')} ooms {result.get('oom_count')}" if result.get("treated_blocks") is not None else ""
+        if result.get("offload"):  # what ran offloaded beside what the records planned (_offload_fields)
+            off = result["offload"]
+            extra += (f" offloaded {off['blocks']} ran/{off['planned_blocks']} planned, {off['moved_gib']} GiB moved, "
+                      f"{off['pinned_gib']} GiB pinned, exposed {off['exposed_out_ms']}+{off['exposed_back_ms']} ms")
         budget = _label(result["budget_bytes"])
         print(f"[{time.perf_counter() - started:6.0f}s] {result['method']:>16} {budget:>9} r{result['repeat']}: "
               f"{result['status']} {shown} peak {(peak or 0) / GB:.2f}GB{extra}", flush=True)

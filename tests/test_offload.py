@@ -84,6 +84,21 @@ def test_size_classes_are_at_most_a_quarter_over():
     assert size_class(2**20 + 1) == size_class(2**20 + 2**18)  # near lengths share a buffer
 
 
+def test_pinned_classes_are_what_the_host_allocator_pins(monkeypatch):
+    """NOTE [Pinned pool]: PyTorch's caching host allocator pins the power of two at or above a request,
+    so a pinned pool counts that, and its bound holds for what is pinned."""
+    from memfit.engine.treatments import offload as module
+
+    for n in (4097, 5000, 2**20, 2**20 + 1, 675282944):
+        size = size_class(n, pinned=True)
+        assert size >= n and size & (size - 1) == 0 and size < 2 * n, (n, size)
+    asked = []
+    monkeypatch.setattr(module.torch, "empty", lambda size, dtype, pin_memory: asked.append(size) or torch.zeros(1))
+    pool = _HostPool(max_bytes=2**31, pin=True)
+    pool.take(675282944)  # a 16k-token block of SmolLM-360M: 1 GiB pinned, not the 768 MiB of a quarter step
+    assert asked == [2**30] and pool.total == 2**30
+
+
 def test_the_pool_reuses_buffers_across_steps_and_lengths():
     """NOTE [Pinned pool]: a repeated length pins nothing new, a near one reuses its class."""
     n = 4
@@ -185,6 +200,91 @@ def test_short_sequences_recompute_and_long_ones_offload_on_a_fast_link():
     assert set(_chosen(slow, 16384)) == {"recompute"}
 
 
+class _FixedOnly:
+    """A link price with only its fixed cost, the link's depth kept (loop_bench's ``dynamic+offload-free``)."""
+
+    def __init__(self, link):
+        self.link = link
+
+    def __call__(self, moved_bytes: float, forward_ms: float) -> float:
+        return self.link.fixed_ms
+
+    def depth(self, moved_bytes: float, forward_ms: float) -> int:
+        return self.link.depth(moved_bytes, forward_ms)
+
+
+class _Head:
+    """An LM head part for the planner (treatments/chunked_head.py HeadPart's planning side): per token
+    it saves 300 bytes in 2 chunks and 600 in one token a chunk, each priced over a block's recompute."""
+
+    def options(self, tokens: int):
+        return (("keep", 1, 0, 0.0), ("chunked", 2, 300 * tokens, 5e4), ("chunked", tokens, 600 * tokens, 1e6))
+
+    def saved_bytes(self, tokens: int, head) -> int:
+        return next((saved for name, n, saved, _ in self.options(tokens) if (name, n) == tuple(head or ())), 0)
+
+    def head_bytes(self, tokens: int):
+        return 700 * tokens, 100 * tokens, tokens
+
+
+def _planning(price, share: float, tokens: int = 16384, head: bool = True, n_blocks: int = 8):
+    """The stack of ``_model`` on a link slow enough for the deepest prefetch (``depth + 1`` = 5 of its 8
+    blocks' moved bytes back at once), priced by ``price(link)``, its head planned, under a budget that
+    needs ``share`` of one block's recompute saving."""
+    link = LinkPrice(50.0, 50.0)
+    model, key = _model(link, n_blocks), (1, tokens)
+    assert model.offload_depth(key) == 4
+    budget = int(1000 + model.backward_start_bytes(key, Plan(())) - share * 950 * tokens)
+    planning = Planning(n_blocks, [0] * n_blocks, budget, margin_bytes=0, bucket_tokens=1,
+                        treatments=("recompute", "offload"))
+    planning.model, planning.static_bytes = model, 1000
+    if head:
+        planning.set_head(_Head())
+        planning.model.head_saving = planning.head.saved_bytes
+    planning.price_offload(price(link))
+    return planning, key
+
+
+@pytest.mark.parametrize("share, treated", [(0.9, {"offload": 6}), (2.5, {"offload": 8}), (4.5, {"recompute": 5})])
+@pytest.mark.parametrize("head", [True, False])
+def test_offload_priced_at_its_fixed_cost_plans_a_mix_that_fits_not_the_last_resort(share, treated, head):
+    """An offloading plan holds ``depth + 1`` stashes that the knapsack's savings leave out: its first
+    answer is over the room, and is asked again for more (NOTE [Planning with the stashes back]). With
+    the head planned, such a plan once fell to the last resort (every block recomputed, the head one token
+    a chunk: a step at static memory taking seconds) though keeping blocks fitted."""
+    planning, key = _planning(_FixedOnly, share, head=head)
+    plan = planning.plan_for(key)
+    assert planning.predict_peak(key, plan) <= planning.room_bytes, plan
+    # offloading saves only past the 5 stashes back: 1 block's need takes 6, 4.5 blocks' more than 8 have
+    assert {name: len(blocks) for name, blocks in plan.by_treatment().items()} == treated, plan
+    assert plan.head == (("keep", 1) if head else None)  # a chunk costs more than an offloaded block
+    _assert_nothing_treated_that_fits_kept(planning, key, plan)
+
+
+@pytest.mark.parametrize("price", [_FixedOnly, lambda link: link])
+@pytest.mark.parametrize("share", [-1.0, 0.5, 1.5, 3.0, 6.0])
+def test_keep_wins_where_it_fits(price, share):
+    """No block is treated, and the head not chunked, where keeping it would still fit the room."""
+    planning, key = _planning(price, share)
+    plan = planning.plan_for(key)
+    assert planning.predict_peak(key, plan) <= planning.room_bytes, plan
+    if share < 0:
+        assert plan.blocks == () and plan.head == ("keep", 1)
+    _assert_nothing_treated_that_fits_kept(planning, key, plan)
+
+
+def _assert_nothing_treated_that_fits_kept(planning, key, plan):
+    treatments = plan.treatments(planning.n_blocks)
+    for i in plan.blocks:
+        kept = [t if j != i else "keep" for j, t in enumerate(treatments)]
+        blocks = tuple(j for j, t in enumerate(kept) if t != "keep")
+        fewer = Plan(blocks, kinds=tuple(kept[j] for j in blocks), head=plan.head)
+        assert planning.predict_peak(key, fewer) > planning.room_bytes, (plan, i)
+    if plan.head not in (None, ("keep", 1)):
+        kept_head = Plan(plan.blocks, kinds=plan.kinds, head=("keep", 1))
+        assert planning.predict_peak(key, kept_head) > planning.room_bytes, plan
+
+
 # ---------------------------------------------------------------------------- the GPU job's pieces, on CPU
 def _loop_bench():
     import importlib.util
@@ -237,6 +337,12 @@ def test_the_offload_fields_of_a_run_are_compact_json():
     fields = loop_bench._offload_fields(SimpleNamespace(steady_from=1), ctl.treatments["offload"], ctl.records)
     ctl.remove()
     assert fields["steps"] == 3 and fields["blocks"] == 6 and fields["depths"] == [1]
+    # what ran, beside what the records say the plans gave: every step, its two blocks, their bytes
+    assert fields["planned_blocks"] == 6 and fields["blocks_per_step_max"] == 2
+    stats = ctl.treatments["offload"].stats
+    assert list(stats.blocks_by_step) == [2, 2, 2] and sum(stats.moved_bytes_by_step) == stats.moved_bytes > 0
+    assert stats.moved_bytes_by_step[0] == stats.moved_bytes_by_step[2] > 0  # the same length, the same bytes
+    assert fields["moved_gib_per_step_max"] == round(max(stats.moved_bytes_by_step) / 2**30, 3)
     assert fields["offloaded_blocks_by_tokens"] == {"48": [[1, 2]], "32": [[1, 2]]}
     assert fields["exposed_ms_per_step_median"] is None  # no CUDA: no waits timed
     json.dumps(fields)

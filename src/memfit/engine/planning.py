@@ -59,7 +59,7 @@ import statistics
 
 from memfit.engine.budget import format_bytes
 from memfit.engine.model import MemoryModel
-from memfit.engine.planner import InfeasiblePlanError, Plan, PlanCache, plan_blocks, plan_treatments, plan_with_head
+from memfit.engine.planner import InfeasiblePlanError, Plan, PlanCache, plan_blocks, plan_with_head
 from memfit.engine.room import Room
 from memfit.engine.shapes import bucket_key
 from memfit.engine.summary_text import over_budget_words
@@ -505,17 +505,21 @@ def slack_cost_ms(planning: Planning, key: tuple[int, int], extra_bytes: int) ->
 def _plan_head(planning: Planning, k: tuple[int, int]) -> Plan:
     """``k``'s plan with the LM head a part beside the blocks (NOTE [The head in the plan], planner.py):
     the cheapest mix of the blocks' treatments and one head treatment that saves what the backward's
-    start needs and fits all three peaks; else every block recomputed with the most chunks."""
+    start needs and fits all three peaks (NOTE [Planning with the stashes back]), a mix with other
+    treatments than recompute only where it is cheaper (NOTE [Treatments never lose]); else, where
+    nothing fits, every block recomputed with the most chunks."""
     room = planning.room_bytes
     need = int(planning._static_for(k) + planning.model.backward_start_bytes(k, Plan(()))) - room
     head = planning.head.options(k[0] * k[1])
     options = planning.model.options(k, planning.treatments, planning.offload_ms)
-    try:
-        plan = plan_with_head(options, head, need, order={name: t.order for name, t in planning.registry.items()})
-        if planning.predict_peak(k, plan) <= room:
-            return plan
-    except InfeasiblePlanError:
-        pass
+    # NOTE [Treatments never lose]: the mix only where it fits and is cheaper than recompute alone
+    plan = _mix_that_fits(planning, k, [[o for o in opts if o[0] == RECOMPUTE] for opts in options], need, room, head)
+    if not planning.recompute_only:
+        mixed = _mix_that_fits(planning, k, options, need, room, head)
+        if mixed is not None and (plan is None or mixed.cost_ms < 0.999 * plan.cost_ms):
+            plan = mixed
+    if plan is not None:
+        return plan
     most = Plan(planning.all_blocks, head=head[-1][:2])
     if planning.predict_peak(k, most) > room and k not in planning.infeasible_keys:
         # once per run, later shapes at debug (NOTE [What to change when a step cannot fit], summary_text.py);
@@ -545,14 +549,25 @@ def _row_constant(planning: Planning, k: tuple[int, int], edge: tuple[int, int],
 
 def _mix_that_fits(
     planning: Planning, k: tuple[int, int], options: list[list[tuple[str, int, float]]], need: int, room: int,
+    head: Sequence[tuple[str, int, int, float]] = (),
 ) -> Plan | None:
-    """The cheapest mix saving ``need`` bytes whose predicted peak fits ``room``, or None. The
-    prefetched stashes of offloaded blocks (NOTE [Treated peaks], model.py) are not in the
-    knapsack's savings: a mix over the room asks again for what it saved and what it is over by."""
+    """The cheapest mix saving ``need`` bytes (with one of ``head``'s options where the head is
+    planned) whose predicted peak fits ``room``, or None.
+
+    # NOTE [Planning with the stashes back]
+    The ``depth + 1`` stashes of offloaded blocks that backward brings back at once (NOTE [Treated
+    peaks], model.py) are not in the knapsack's savings: offloading ``depth + 1`` blocks or fewer
+    saves nothing at the backward's start. A mix over the room asks again for what it saved and
+    what it is over by; each ask offloads at least as many blocks as the first more, until the
+    stashes back are paid for, so a run asks up to ``depth + 2`` times (3 at least, for the other
+    peaks). A mix that never fits is None: the caller keeps its recompute plan, never a last
+    resort while keeping blocks fits.
+    """
     order = {name: t.order for name, t in planning.registry.items()}
-    for _ in range(3):
+    asks = max(3, planning.model.offload_depth(k) + 2)
+    for _ in range(asks):
         try:
-            mixed = plan_treatments(options, need, order=order)
+            mixed = plan_with_head(options, head, need, order=order)
         except InfeasiblePlanError:
             return None
         over = planning.predict_peak(k, mixed) - room

@@ -31,10 +31,13 @@ stream; their distance is the time the copies were not hidden. They are read wit
 once done (:meth:`Offload.exposed`), for records and benchmarks.
 
 # NOTE [Pinned pool]
-Host buffers come in size classes (a quarter-power-of-two step, at most 25% over what is asked),
-so a stash of a new length reuses a buffer of a near length instead of pinning anew; they are
-kept across steps and reused (pinning costs far more than a copy). The pool is bounded by
-``max_host_bytes``: when a new buffer would pass it, the free buffers go first (unpinned), and
+Host buffers come in size classes, so a stash of a new length reuses a buffer of a near length
+instead of pinning anew; they are kept across steps and reused (pinning costs far more than a
+copy). Pinned buffers come from PyTorch's caching host allocator, which pins the power of two at
+or above each request and keeps what is freed for reuse: their class is that power of two, so
+that the pool counts what is pinned; unpinned ones (a CPU device) step by a quarter of a power
+of two (at most 25% over what is asked). The pool is bounded by ``max_host_bytes``: when a new
+buffer would pass it, the free buffers go first (and the host allocator's cache with them), and
 only what is in use at once can fail, with :class:`HostMemoryError`.
 """
 
@@ -71,16 +74,21 @@ class HostMemoryError(UserError, RuntimeError):
     """The pinned host memory ``offload`` needs cannot be had."""
 
 
-def size_class(nbytes: int) -> int:
-    """The pinned buffer's size for ``nbytes`` (NOTE [Pinned pool]): the next multiple of a quarter
-    of the power of two below it, at least ``MIN_HOST_BYTES``.
+def size_class(nbytes: int, pinned: bool = False) -> int:
+    """The host buffer's size for ``nbytes`` (NOTE [Pinned pool]), at least ``MIN_HOST_BYTES``:
+    pinned, the power of two at or above it (what the caching host allocator pins); else the next
+    multiple of a quarter of the power of two below it.
 
     Example:
         >>> [size_class(n) for n in (1, 4097, 5000, 2**20, 2**20 + 1)]
         [4096, 5120, 5120, 1048576, 1310720]
+        >>> [size_class(n, pinned=True) for n in (1, 4097, 2**20, 2**20 + 1)]
+        [4096, 8192, 1048576, 2097152]
     """
     if nbytes <= MIN_HOST_BYTES:
         return MIN_HOST_BYTES
+    if pinned:
+        return 1 << (nbytes - 1).bit_length()
     quarter = (1 << ((nbytes - 1).bit_length() - 1)) // 4
     return -(-nbytes // quarter) * quarter
 
@@ -99,7 +107,7 @@ class _HostPool:
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A buffer of at least ``nbytes`` (its size class)."""
-        size = size_class(nbytes)
+        size = size_class(nbytes, self.pin)
         free = self.free.get(size)
         if free:
             return free.pop()
@@ -125,6 +133,9 @@ class _HostPool:
         for buffers in self.free.values():
             self.total -= sum(b.numel() for b in buffers)
         self.free = {}
+        empty_cache = getattr(torch._C, "_host_emptyCache", None)
+        if self.pin and empty_cache is not None:
+            empty_cache()  # the host allocator would keep them pinned (NOTE [Pinned pool])
 
 
 class _Storage:
@@ -172,6 +183,9 @@ class OffloadStats:
         exposed_out_ms, exposed_back_ms: time the compute stream waited for copies out (forward)
             and back (backward), summed over the waits read so far (CUDA only).
         depth_by_step: the prefetch depth of each step that offloaded (the last ``STEPS_KEPT``).
+        blocks_by_step, moved_bytes_by_step: per step that offloaded, the block forwards that ran
+            offloaded and the bytes they copied out (the last ``STEPS_KEPT``; aligned with
+            ``depth_by_step``): what ran, to set beside what the step records say the plans gave.
         exposed_ms_by_step: per step that offloaded, its waits' time (CUDA; read once done; the
             last ``STEPS_KEPT``).
     """
@@ -182,6 +196,8 @@ class OffloadStats:
     exposed_out_ms: float = 0.0
     exposed_back_ms: float = 0.0
     depth_by_step: deque[int] = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
+    blocks_by_step: deque[int] = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
+    moved_bytes_by_step: deque[int] = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
     exposed_ms_by_step: deque[float] = field(default_factory=lambda: deque(maxlen=STEPS_KEPT))
 
 
@@ -282,6 +298,8 @@ class Offload(Treatment):
             self.depth = max(1, int(self.depth_for(shape_key(list(x.shape))))) if self.depth_for and x is not None else 1
             self.stats.steps += 1
             self.stats.depth_by_step.append(self.depth)
+            self.stats.blocks_by_step.append(0)
+            self.stats.moved_bytes_by_step.append(0)
             if cuda:
                 self._waits.append([])
         stash = _Stash(block.index)
@@ -289,6 +307,7 @@ class Offload(Treatment):
             self._wait(self._stashes[-2].d2h_done, x.device, backward=False)  # at most two blocks in flight
         self._stashes.append(stash)
         self.stats.blocks += 1
+        self.stats.blocks_by_step[-1] += 1
         return stash
 
     def run(self, block: "Block", args: tuple, kwargs: dict[str, Any]) -> Any:
@@ -330,6 +349,7 @@ class Offload(Treatment):
         if self._side is not None and stash.storages:
             stash.d2h_done = self._side.record_event()
         self.stats.moved_bytes += stash.moved_bytes
+        self.stats.moved_bytes_by_step[-1] += stash.moved_bytes
         for entry in stash.storages.values():
             entry.source = None  # the device storage may go (on CUDA once the copy is done: record_stream)
         if stash.storages:
