@@ -558,27 +558,3 @@ def test_allocator_retries_grow_the_room_reactive_keeps_free(monkeypatch):
     assert slacks == [0, 0, int(memfit.engine.room.RETRY_SLACK_SHARE * budget)] == [0, 0, ctl.planning.slack_bytes]
     assert records[0].evicted_blocks == [] == records[1].evicted_blocks
     assert records[2].evicted_blocks, "the grown slack made no room"
-
-
-def test_the_backstop_prices_its_insurance_by_the_error_measured(monkeypatch):
-    """NOTE [Backstop]: once steady steps have shown the model's error to be small, steps inside
-    the lengths seen no longer arm although their plans fill the room; with the fixed share
-    (the rule before) they all did, and a model that under-predicts keeps arming."""
-    from memfit.engine import protection
-
-    lengths = (40, 60, 80, 96, 70, 90, 84, 76, 92, 88, 72, 94)
-
-    def steady_arming():
-        _, records, budget = _arming(lengths)
-        steady = [r for r in records if r.phase == "steady"]
-        assert all(r.peak_allocated_bytes <= budget for r in records)
-        assert all(r.plan != list(range(r.n_blocks)) for r in steady[1:]), "plans must keep blocks near the cap"
-        return [r.backstop_armed for r in steady]
-
-    measured = steady_arming()
-    assert measured[0], "96 tokens: longer than any before, always armed"
-    late = measured[protection.BACKSTOP_MEASURED_AFTER + 1:]
-    assert late and not any(late), measured
-    monkeypatch.setattr(protection, "BACKSTOP_MEASURED_AFTER", 10**6)  # the fixed share
-    fixed = steady_arming()
-    assert sum(fixed) > sum(measured) + 2, (fixed, measured)

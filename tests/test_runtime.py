@@ -901,17 +901,13 @@ class _Residual(nn.Module):
         return torch.tanh(self.lin(2 * x)) + x
 
 
-def test_an_armed_step_teaches_what_its_plan_holds_run_plainly(monkeypatch):
+def test_an_armed_step_teaches_what_its_plan_holds_run_plainly():
     """NOTE [Backstop]: an armed step holds its stores' inputs on top of its plan; the model
     learns the plan's bytes without them, so the margin does not grow and, once each plan has
     run armed, `dynamic` plans as it does without the backstop (on the H200 Swin-T detector
     those inputs, learnt, left unarmed steps 0.8-2.0 GB over-predicted and the margin at 1.13
     GB where `static`'s stayed at 0.75; on this stack they grew the margin to 29% of the
     budget, and every 96- and 80-token step ran all blocks checkpointed)."""
-    from memfit.engine import protection
-
-    # arm by the fixed share throughout, so that steps of every length run armed at some point
-    monkeypatch.setattr(protection, "BACKSTOP_MEASURED_AFTER", 10**6)
     torch.manual_seed(0)
     net = nn.Sequential(*(_Residual(16) for _ in range(6)), nn.Linear(16, 1)).train()
     x_long = torch.randn(8, 96, 16)

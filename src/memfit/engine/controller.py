@@ -398,7 +398,7 @@ class Controller:
             evicted=step.evicted, backstop_input=step.backstop_input, counted=step.counted, net_ms=(now - step.t0) * 1e3 - treated_ms,
         )
         predicted = self.method.learn(self.planning, outcome)
-        self.protection.after_step(step, outcome, predicted)
+        self.protection.after_step(step, outcome)
         if step.replay:
             return  # a replayed micro-step was recorded when it first ran
         self._steps_recorded += 1

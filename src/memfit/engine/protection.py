@@ -46,7 +46,10 @@ cheaper paid for by an occasional replay (which also grows the margin, so it doe
 than insured against on every uncertain step. So ``dynamic``'s default backstop (``"auto"``)
 arms only on steps that nothing would replay: a plain loop that calls the model directly, or a
 sharded run whose ranks cannot replay alone. ``backstop=True`` arms it wherever the rule of
-NOTE [Backstop] says, replay or not.
+NOTE [Backstop] says, replay or not. So the backstop arms only where an OOM ends the run, and
+there its share stays fixed: insuring only against the misses measured so far (the margin then
+covers them) let a steady step of an FSDP LoRA run on 2 H100s under-predict its head's logits by
+more than any miss before it, unarmed, and stop every rank.
 
 # NOTE [Backstop]
 The backstop runs the blocks its plan keeps under the store, which costs a pack hook per saved
@@ -55,15 +58,7 @@ it is *armed* only for a step that needs it: one longer (in tokens) than any ste
 the model extrapolates, or one whose activations, ``BACKSTOP_ARM_SHARE`` above their
 prediction, would cross the backstop's threshold, unless the same plan already ran a shape of
 its bucket at least as long and stayed under that threshold (the same blocks on the same shape
-hold the same bytes). That share is insurance against an error the run has not measured yet.
-Once ``BACKSTOP_MEASURED_AFTER`` steady steps have measured it, the margin is the insurance: a
-steady step above its prediction grows it to more than the miss (NOTE [Room], room.py), and a
-plan keeps it free. Then a step inside the lengths seen is armed only if its prediction plus the
-largest under-prediction of the last ``BACKSTOP_RECENT_STEPS`` steady steps would cross the
-budget less the allocator's slack: a model that keeps erring by more than its margin keeps
-arming. A plan fills the room, so with the fixed share nearly every steady step of a run near
-its cap was armed, each paying the hooks and the input copies: under FSDP, where no step is
-replayable, that cost about a sixth of ``dynamic``'s step. Room is made only when the bytes in use plus the largest stored block
+hold the same bytes). Room is made only when the bytes in use plus the largest stored block
 *still to run* (predicted, times the largest excess of the blocks run so far this step over
 their prediction) would leave less than a third of the margin free (the plan keeps the whole
 margin free); reserving the stack's largest block instead evicts needlessly in stacks whose
@@ -83,7 +78,6 @@ the inputs or, had it evicted, by the model's prediction, learnt from what its b
 from __future__ import annotations
 
 import itertools
-from collections import deque
 import math
 import re
 import sys
@@ -105,15 +99,11 @@ if TYPE_CHECKING:
     from memfit.engine.learner import StepOutcome
     from memfit.engine.planning import Planning
 
-__all__ = [
-    "BACKSTOP_ARM_SHARE", "BACKSTOP_MEASURED_AFTER", "BACKSTOP_RECENT_STEPS", "Protection", "Unprotected", "Eviction", "Backstop", "Stored", "BlockPeaks", "requested_bytes"]
+__all__ = ["BACKSTOP_ARM_SHARE", "Protection", "Unprotected", "Eviction", "Backstop", "Stored", "BlockPeaks", "requested_bytes"]
 
 #: The backstop is armed for a step unless its activations could exceed the prediction by
-#: this share and still leave the backstop's reserve free (NOTE [Backstop]) ...
+#: this share and still leave the backstop's reserve free (NOTE [Backstop]).
 BACKSTOP_ARM_SHARE = 0.5
-#: ... until this many steady steps have measured the model's error; from then on a step is
-#: insured against the largest under-prediction of the last this many steady steps.
-BACKSTOP_MEASURED_AFTER, BACKSTOP_RECENT_STEPS = 4, 16
 
 
 class _Step(Protocol):
@@ -214,8 +204,8 @@ class Protection:
     def exit(self, step: _Step, block: "Block") -> None:
         """``block`` ended its forward."""
 
-    def after_step(self, step: _Step, outcome: "StepOutcome", predicted: int | None = None) -> None:
-        """The step was learnt (``predicted``: its peak as predicted before, or None)."""
+    def after_step(self, step: _Step, outcome: "StepOutcome") -> None:
+        """The step was learnt."""
 
     def note_oom(self, step: _Step | None, attempt: dict[str, Any]) -> None:
         """The step ran out of memory (``attempt``: its description, engine/replay.py)."""
@@ -351,9 +341,6 @@ class Backstop(_Evicting):
         #: per plan bucket, the last steady step's (tokens, plan layout, peak above static): a
         #: step that repeats it needs no backstop
         self._held: dict[tuple[int, int], tuple[int, Any, int]] = {}
-        #: steady steps whose prediction was read, and the latest ones' bytes above it (NOTE [Backstop])
-        self._measured_steps = 0
-        self._recent_misses: deque[int] = deque(maxlen=BACKSTOP_RECENT_STEPS)
 
     def reserve_bytes(self) -> int:
         """A third of the margin (the plan keeps all of it free) and the allocator's slack."""
@@ -385,8 +372,6 @@ class Backstop(_Evicting):
             if layout == plan.layout and key[0] * key[1] <= tokens and planning.static_bytes + above_static <= threshold:
                 return False  # this plan ran this long a shape before and stayed under the threshold
         predicted = planning.predict_peak(key, plan)
-        if self._measured_steps >= BACKSTOP_MEASURED_AFTER:
-            return predicted + max(self._recent_misses, default=0) > planning.budget_bytes - planning.slack_bytes
         return predicted + BACKSTOP_ARM_SHARE * max(0, predicted - planning.static_bytes) > threshold
 
     def _upcoming(self, k: tuple[int, int], stored: set[int], n_blocks: int) -> list[tuple[float, float]]:
@@ -422,15 +407,11 @@ class Backstop(_Evicting):
         step.backstop_input = self.store.input_only_by_block(n, self.counter.counted_ptrs)  # what arming added
         return [a + b for a, b in zip(by_block, in_store)]
 
-    def after_step(self, step: _Step, outcome: "StepOutcome", predicted: int | None = None) -> None:
-        """Remember what the step's plan held above static, unarmed, and how far above its
-        prediction (NOTE [Backstop])."""
+    def after_step(self, step: _Step, outcome: "StepOutcome") -> None:
+        """Remember what the step's plan held above static, unarmed (NOTE [Backstop])."""
         if outcome.warmup:
             return
         planning, key, plan = self.planning, outcome.key, outcome.plan
-        if predicted is not None:
-            self._measured_steps += 1
-            self._recent_misses.append(max(0, int(outcome.plain_peak - predicted)))
         bucket, tokens = bucket_key(key, planning.bucket_tokens), key[0] * key[1]
         held = self._held.get(bucket)
         same = held is not None and held[1] == plan.layout
