@@ -152,6 +152,16 @@ def test_collator_pads_to_the_longest_with_ignored_labels():
     assert batch["labels"].tolist() == [[-100, 6, 7], [8, -100, -100]]
 
 
+def test_collator_rounds_the_length_up_to_its_multiple():
+    batch = clm.CausalLMCollator(pad_token_id=0, pad_to_multiple_of=4)([
+        {"input_ids": [5, 6, 7, 9, 9], "labels": [-100, 6, 7, 9, 9]},
+        {"input_ids": [8], "labels": [8]},
+    ])
+    assert batch["input_ids"].shape == (2, 8)
+    assert batch["attention_mask"].sum().item() == 6 and (batch["labels"] != -100).sum().item() == 5
+    assert batch["labels"][:, 5:].eq(-100).all() and batch["attention_mask"][:, 5:].eq(0).all()
+
+
 @pytest.mark.parametrize(
     "line, message",
     [
@@ -203,7 +213,8 @@ def test_default_model_is_the_tiny_llama_in_fp32_with_sdpa():
     assert {p.dtype for p in model.parameters()} == {torch.float32} and all(p.requires_grad for p in model.parameters())
     assert model.get_input_embeddings().weight.shape[0] >= len(bundle.tokenizer)
     batch = bundle.data_collator(bundle.train_dataset[:3])
-    assert batch["input_ids"].shape[1] == max(len(f["input_ids"]) for f in bundle.train_dataset[:3])
+    longest = max(len(f["input_ids"]) for f in bundle.train_dataset[:3])
+    assert batch["input_ids"].shape[1] == -(-longest // clm.PAD_TO_MULTIPLE_OF) * clm.PAD_TO_MULTIPLE_OF
     assert torch.isfinite(model(**batch).loss)
 
 

@@ -103,6 +103,8 @@ CHAT_TEMPLATE = (
 _CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
 #: The label of a token the loss skips (padding; prompts with --completion_only_loss).
 IGNORE_INDEX = -100
+#: batches are padded to a multiple of this many tokens (CausalLMCollator)
+PAD_TO_MULTIPLE_OF = 8
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
 #: The error of --use_peft without peft installed (checked at the flags, and at import for LoRA).
 _NO_PEFT = "--use_peft needs peft: pip install 'memfit[llm]' (or pip install peft)"
@@ -416,13 +418,21 @@ def tokenize_examples(
 
 @dataclass
 class CausalLMCollator:
-    """Pads a batch to its longest example: ``pad_token_id`` in ``input_ids``, 0 in
-    ``attention_mask``, -100 in ``labels``."""
+    """Pads a batch to its longest example, rounded up to ``pad_to_multiple_of``: ``pad_token_id``
+    in ``input_ids``, 0 in ``attention_mask``, -100 in ``labels``.
+
+    ``memfit train causal-lm`` rounds to 8: tensor cores want aligned sizes, and compiled blocks
+    then need one graph per block instead of two (inductor guards attention on whether the
+    length is a multiple of 8: NOTE [Dynamic batch and length], engine/blocks.py). The padded
+    positions are masked and carry no label, so the loss and its token count are unchanged.
+    """
 
     pad_token_id: int
+    pad_to_multiple_of: int = 1
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         length = max(len(f["input_ids"]) for f in features)
+        length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
         ids = torch.full((len(features), length), self.pad_token_id, dtype=torch.long)
         labels = torch.full((len(features), length), IGNORE_INDEX, dtype=torch.long)
         mask = torch.zeros((len(features), length), dtype=torch.long)
@@ -664,7 +674,7 @@ def build(
         tokenizer=tokenizer,
         train_dataset=train_features,
         eval_dataset=eval_features,
-        data_collator=CausalLMCollator(tokenizer.pad_token_id),
+        data_collator=CausalLMCollator(tokenizer.pad_token_id, pad_to_multiple_of=PAD_TO_MULTIPLE_OF),
         compute_metrics=lambda p: lm_metrics(p.predictions, p.label_ids),
         preprocess_logits_for_metrics=_predictions_and_losses,
     )
