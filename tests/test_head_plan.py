@@ -29,6 +29,24 @@ def test_head_options_bytes_from_the_formula_and_rising():
     assert options[-1][1] == tokens  # one token per chunk at most
 
 
+def test_head_options_stop_where_a_doubling_saves_too_little():
+    """NOTE [Head options]: at 16k tokens the counts stop well short of one token per chunk, at
+    the first doubling that saves less than MIN_CHUNK_GAIN_SHARE of the kept head more."""
+    from memfit.engine.treatments.chunked_head import MIN_CHUNK_GAIN_SHARE
+
+    tokens, vocab, hidden = 16384, 49152, 960
+    options = head_options(tokens, vocab, hidden, torch.bfloat16, extra_ms=2.0, per_chunk_ms=0.5)
+    kept = head_saved_bytes(tokens, vocab, hidden, torch.bfloat16, "keep")
+    kept_peak = kept.saved_bytes + kept.transient_bytes
+    most = options[-1][1]
+    assert 8 <= most < tokens // 16, options
+    further = head_saved_bytes(tokens, vocab, hidden, torch.bfloat16, "chunked", 2 * most)
+    gain = kept_peak - further.saved_bytes - further.transient_bytes - options[-1][2]
+    assert gain < MIN_CHUNK_GAIN_SHARE * kept_peak
+    gains = [b[2] - a[2] for a, b in zip(options[1:], options[2:])]
+    assert all(g >= MIN_CHUNK_GAIN_SHARE * kept_peak for g in gains), gains
+
+
 def _plan(tokens: int, free_bytes: int):
     """A vocabulary-dominated decoder: 2 blocks that save little, its head priced by the formula;
     ``free_bytes`` is what the budget leaves for the head's peak and the blocks."""

@@ -7,8 +7,13 @@ The planner (:func:`memfit.engine.planner.plan_with_head`) takes the head's opti
 head's peak at its moment of the step, ``saved + transient`` of :func:`head_saved_bytes`, kept
 minus chunked; the time is ``extra_ms + per_chunk_ms * n_chunks`` (the caller's price of the
 chunked head over keep at this shape, and what each further chunk adds: NOTE [Pricing the head]). Chunk counts are powers of two up to the batch's tokens (one token per chunk at
-most); a count is offered only where it saves more than the count before it, so the options'
-bytes and times both rise and the planner's tie rule picks the fewest chunks that fit.
+most); a count is offered only where it saves more than the count before it, and the counts
+stop at the first doubling that saves less than ``MIN_CHUNK_GAIN_SHARE`` of the kept head's peak
+more (each later one saves less still), so the options' bytes and times both rise and the
+planner's tie rule picks the fewest chunks that fit. Each doubling saves about half what the one
+before it did, while its launches double: without that floor a plan with no room left chose
+one-token chunks (8,192 and 16,384 of them at 8k and 16k tokens), which took seconds a step to
+save a few megabytes over 64.
 
 # NOTE [Pricing the head]
 The chunked head costs time over keep (``pure`` recomputes each chunk's logits in backward; the
@@ -57,6 +62,8 @@ PROBE_STEPS = 3
 PROBE_TOKENS = 2048
 #: the chunk counts a probe times: the extra time at the fewest, the slope per chunk between them
 PROBE_CHUNKS = (1, 4)
+#: a chunk count is offered only if it saves this share of the kept head's peak over the count before it
+MIN_CHUNK_GAIN_SHARE = 1 / 64
 
 
 class KeepHead(Treatment):
@@ -103,6 +110,8 @@ def head_options(
         n_chunks = min(n_chunks, max(1, tokens))
         chunked = head_saved_bytes(tokens, vocab, hidden, dtype, CHUNKED, n_chunks, softcap, implementation)
         saved = kept_peak - (chunked.saved_bytes + (chunked.transient_bytes if transient else 0))
+        if last_saved > 0 and saved < last_saved + MIN_CHUNK_GAIN_SHARE * kept_peak:
+            return tuple(out)  # each later doubling saves less still
         if saved > last_saved:
             out.append((CHUNKED, n_chunks, int(saved), float(extra_ms + per_chunk_ms * n_chunks)))
             last_saved = saved
