@@ -639,9 +639,10 @@ def summarize(folders: list[str], summary: str | None = None) -> list[dict]:
                     "step_ms": max(r["median_steady_step_ms"] for r in ran),  # the slowest rank
                     "total_s": max(sum(r["step_ms"]) for r in ran) / 1e3, "n_blocks": first["n_blocks"],
                     "device": first["device"], "torch": first["torch"], "transformers": first["transformers"],
-                    "per_rank": {str(r["rank"]): {k: r[k] for k in ("max_peak_allocated_bytes", "oom_retries",
-                                                                   "mean_treated_blocks", "median_steady_step_ms",
-                                                                   "armed_steps", "alloc_retries")}
+                    # armed_steps and alloc_retries: absent from a rank file written before they were recorded
+                    "per_rank": {str(r["rank"]): {k: r.get(k) for k in ("max_peak_allocated_bytes", "oom_retries",
+                                                                       "mean_treated_blocks", "median_steady_step_ms",
+                                                                       "armed_steps", "alloc_retries")}
                                  for r in ran},
                 })
             rows.append(row)
