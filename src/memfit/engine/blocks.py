@@ -81,9 +81,9 @@ none per size.
 What marking cannot remove is a guard the compiler itself takes on a size to choose its code
 (inductor's C++ code generator sums more than 4,096 rows in chunks; its CUDA attention lowering
 asks whether a mask's rows are aligned to 8 elements): each side of such a guard is compiled once,
-at the first size on that side, which may come after warm-up. On an H100 (SmolLM-360M's shape,
-SFT lengths) those were the length's alignment to 8 and whether batch x length is below 5,461
-tokens (a fusion heuristic): 4 graphs in steady steps. ``memfit train causal-lm`` pads lengths to
+at the first size on that side, which may come after warm-up. On CUDA those seen were the
+length's alignment to 8 and whether batch x length is below a fusion threshold (inductor's
+scheduler): up to 4 graphs after warm-up. ``memfit train causal-lm`` pads lengths to
 a multiple of 8, which leaves one side of the first; a plain loop's collator can do the same.
 Marking sizes unbacked (no guard at all) breaks the trace where the model's code branches on a
 length (transformers' attention does).

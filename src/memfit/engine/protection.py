@@ -48,8 +48,8 @@ arms only on steps that nothing would replay: a plain loop that calls the model 
 sharded run whose ranks cannot replay alone. ``backstop=True`` arms it wherever the rule of
 NOTE [Backstop] says, replay or not. So the backstop arms only where an OOM ends the run, and
 there its share stays fixed: insuring only against the misses measured so far (the margin then
-covers them) let a steady step of an FSDP LoRA run on 2 H100s under-predict its head's logits by
-more than any miss before it, unarmed, and stop every rank.
+covers them) let a steady step of a sharded LoRA run under-predict its head's logits by more
+than any miss before it, unarmed, and stop every rank (docs/devlog.md).
 
 # NOTE [Backstop]
 The backstop runs the blocks its plan keeps under the store, which costs a pack hook per saved

@@ -17,9 +17,9 @@ accounting has no allocator: its slack is 0.
 The slack is learnt from an OOM, which a run must survive to learn from. Under FSDP with several
 ranks an OOM outside a block's forward (the head, a backward) stops every rank (NOTE [Replay
 under FSDP], replay.py), so such a run starts with the slack the allocator may need, not the
-least it usually needs: ``budget / FATAL_OOM_SLACK_PARTS``. On 4 H100s two ``dynamic`` LoRA runs
-(Llama-3.2-3B and 3.1-8B shapes) stopped at such an OOM with 0.52 and 0.62 GiB reserved but not
-allocated (2.2% and 1.7% of their budgets), above the 256 MiB that a replayable run starts with.
+least it usually needs: ``budget / FATAL_OOM_SLACK_PARTS``. Sharded LoRA runs have stopped at
+such an OOM with 1.7-2.2% of their budgets reserved but not allocated, above the 256 MiB that a
+replayable run starts with (docs/devlog.md, FSDP on 2 and 4 GPUs).
 
 # NOTE [The slack is priced]
 A steady step during which the allocator served an allocation only after releasing its cache
