@@ -11,9 +11,8 @@ most); a count is offered only where it saves more than the count before it, and
 stop at the first doubling that saves less than ``MIN_CHUNK_GAIN_SHARE`` of the kept head's peak
 more (each later one saves less still), so the options' bytes and times both rise and the
 planner's tie rule picks the fewest chunks that fit. Each doubling saves about half what the one
-before it did, while its launches double: without that floor a plan with no room left chose
-one-token chunks (8,192 and 16,384 of them at 8k and 16k tokens), which took seconds a step to
-save a few megabytes over 64.
+before it did, while its launches double: without that floor a plan with no room left could
+choose one-token chunks, seconds a step at long lengths to save a few megabytes over 64.
 
 # NOTE [Pricing the head]
 The chunked head costs time over keep (``pure`` recomputes each chunk's logits in backward; the
