@@ -200,17 +200,9 @@ def test_short_sequences_recompute_and_long_ones_offload_on_a_fast_link():
     assert set(_chosen(slow, 16384)) == {"recompute"}
 
 
-class _FixedOnly:
-    """A link price with only its fixed cost, the link's depth kept (loop_bench's ``dynamic+offload-free``)."""
-
-    def __init__(self, link):
-        self.link = link
-
-    def __call__(self, moved_bytes: float, forward_ms: float) -> float:
-        return self.link.fixed_ms
-
-    def depth(self, moved_bytes: float, forward_ms: float) -> int:
-        return self.link.depth(moved_bytes, forward_ms)
+def _FixedOnly(link):  # noqa: N802 (a price class's stand-in)
+    """loop_bench's ``dynamic+offload-free`` price: the link's fixed cost only, its depth kept."""
+    return _loop_bench()[0]._FreeOffload(link)
 
 
 class _Head:
