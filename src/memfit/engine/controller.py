@@ -50,7 +50,7 @@ from memfit.engine.methods import Method, make_method, save_plans
 from memfit.engine.planner import Plan
 from memfit.engine.planning import Planning
 from memfit.engine.room import Room
-from memfit.integrations.distributed import is_fsdp, world_size
+from memfit.integrations.distributed import sharded_over_ranks
 from memfit.engine.records import JsonlWriter, StepRecord, summarize
 from memfit.engine import probe
 from memfit.engine.replay import Replayer, after_oom
@@ -240,7 +240,7 @@ class Controller:
         self.blocks = wrap_blocks(named, allow_hf_checkpointing=method.measures_only, compile=compile_options)
         self.planning = Planning(
             len(self.blocks), _group_ids(self.blocks), budget_bytes, 0, bucket_tokens, treatments=treatments,
-            room=Room.for_run(budget_bytes, self.meter.kind, margin, oom_fatal=world_size() > 1 and is_fsdp(model)),
+            room=Room.for_run(budget_bytes, self.meter.kind, margin, oom_fatal=sharded_over_ranks(model)),
         )
         # Parameters and buffers are never activations (under FSDP: this rank's shards).
         self._counter = SavedTensorCounter(len(self.blocks), exclude=list(model.parameters()) + list(model.buffers()))

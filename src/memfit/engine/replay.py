@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memfit.engine.budget import BudgetTooSmallError, format_bytes
-from memfit.integrations.distributed import is_fsdp, world_size
+from memfit.integrations.distributed import is_fsdp, sharded_over_ranks
 from memfit.engine.planner import Plan
 from memfit.engine.step import Stage, StepState
 
@@ -259,7 +259,7 @@ class Replayer:
         """Whether the model is sharded over several ranks (FSDP); read at the first micro-step
         (memfit hooks a model after it is sharded, so it never changes after that)."""
         if self._sharded is None:
-            self._sharded = world_size() > 1 and is_fsdp(self._model)
+            self._sharded = sharded_over_ranks(self._model)
         return self._sharded
 
     @property

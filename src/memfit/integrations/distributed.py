@@ -68,6 +68,12 @@ def is_fsdp(model: nn.Module) -> bool:
     return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
 
 
+def sharded_over_ranks(model: nn.Module) -> bool:
+    """Whether ``model`` is sharded by FSDP over several ranks: no rank can replay an OOM alone
+    (NOTE [Replay under FSDP], engine/replay.py)."""
+    return world_size() > 1 and is_fsdp(model)
+
+
 class GradientSync:
     """Averages gradients over the ranks with bucketed all-reduces, outside autograd.
 
