@@ -241,4 +241,21 @@ def _room_calls(ctx: Context) -> list[Call]:
         ctx, "loop_bench.py", "--model", "SmolLM-360M", "--lengths", "sft", "--batch", 8,
         "--steps", 6 if ctx.quick else 30, "--steady_from", 2 if ctx.quick else 8, "--budgets", 0.5,
         "--repeats", 1 if ctx.quick else 3, "--methods", *ROOM_METHODS, "--time_limit_s", 60 if ctx.quick else 180,
-        "--output_dir", ctx.folder("room-compile"))], folder="room-compile")]
+        "--output_dir", ctx.folder("room-compile"))], folder="room-compile")] + _room_cells(ctx)
+
+
+def _room_cells(ctx: Context) -> list[Call]:
+    """Issue 40's done-when cells for eager ``dynamic`` at half of none's peak, one GPU, each within
+    170 s: full fine-tuning and LoRA on SFT lengths (batch 8, 30 steps) against Hugging Face's
+    checkpointing, and long context (batch 1, 8k/16k tokens) against it and its offload; 3
+    interleaved repeats (results: nvidia-h100/llm-room, room-ft, room-lora and room-long.jsonl; the last from this call)."""
+    sft = ("--lengths", "sft", "--batch", 8, "--steps", 6 if ctx.quick else 30, "--steady_from", 2 if ctx.quick else 8)
+    long = ("--lengths", "fixed:8192,16384", "--batch", 1, "--steps", 6 if ctx.quick else 14,
+            "--steady_from", 2 if ctx.quick else 6)
+    cells = (("room-ft", (*sft,), ("none", "dynamic", "hf-every-1")),
+             ("room-lora", ("--lora", *sft), ("none", "dynamic", "hf-every-1")),
+             ("room-long-peers", long, ("none", "dynamic", "hf-every-1", "hf-offload")))
+    return [Call(name, [script(
+        ctx, "loop_bench.py", "--model", "SmolLM-360M", *setup, "--budgets", 0.5, "--repeats", 1 if ctx.quick else 3,
+        "--methods", *methods, "--time_limit_s", 60 if ctx.quick else 140, "--output_dir", ctx.folder(name))],
+        folder=name, timeout_s=170) for name, setup, methods in cells]
