@@ -74,12 +74,10 @@ variant = sys.argv[1]
 bfile = f"{out}/budget.txt"
 if variant == "none":
     t, peak, recs = run("none", None)
-    static = ctl_static = None
     if rank == 0:
         open(bfile, "w").write(str(peak))
 else:
     peak = int(open(bfile).read())
-    from memfit.engine.budget import UNIT_BYTES  # noqa: F401  (import check)
     static = int(os.environ.get("STATIC_BYTES", "0"))
     budget = int(static + float(os.environ.get("SHARE", "0.5")) * (peak - static))
     args = {"full": ("full", budget, False), "full+count": ("full", budget, True), "dynamic": ("dynamic", budget),
