@@ -1,0 +1,72 @@
+"""One rank of the 2-process CPU FSDP2 tests of the planned LM head (torchrun, gloo): see
+test_distributed.py. Each rank trains its own lengths under a logical budget that only a chunked
+head meets on the long ones.
+
+argv: OUT_DIR BUDGET_BYTES [plain|oom]
+
+``plain``: a plain loop; rank 0 saves the final weights (``final.pt``) and each rank its records.
+``oom``: ``ctl.run_step``, once clean and once with an OOM raised in rank 1's ``lm_head`` at its
+loss's first cross-entropy in step OOM_STEP (``clean.pt`` / ``oom.pt``, records ``steps-<run>.rank<r>.jsonl``).
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import memfit
+from _ddp_common import leave
+from _head_common import HEAD_LENGTHS, head_batch, head_model
+
+OOM_STEP = 3
+
+out, budget = sys.argv[1], int(sys.argv[2])
+mode = sys.argv[3] if len(sys.argv) > 3 else "plain"
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+
+
+def train(log: str, inject: bool) -> dict:
+    model = head_model()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ctl = memfit.fit(model, budget=budget, method="dynamic", optimizer=opt, log=log, warmup_steps=2, warmup_keys=2, announce=False)
+    now = {"step": -1, "fired": False}
+    cross_entropy = torch.nn.functional.cross_entropy
+
+    def oom(*args, **kwargs):  # the loss's first cross-entropy of step OOM_STEP, whichever way the head computes it
+        if inject and now["step"] == OOM_STEP and not now["fired"]:
+            now["fired"] = True
+            raise torch.OutOfMemoryError("injected: CUDA out of memory in the LM head")
+        return cross_entropy(*args, **kwargs)
+
+    torch.nn.functional.cross_entropy = oom
+    for step, length in enumerate(HEAD_LENGTHS[rank]):
+        now["step"] = step
+        torch.manual_seed(1000 * step + rank)
+        b = head_batch(step, rank, length)
+        if mode == "plain":
+            model(**b).loss.backward()
+        else:
+            ctl.run_step(lambda: model(**b).loss.backward())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.nn.functional.cross_entropy = cross_entropy
+    ctl.remove()
+    assert now["fired"] == inject, now
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+
+
+if mode == "plain":
+    state = train(f"{out}/steps.rank{rank}.jsonl", False)
+    if rank == 0:
+        torch.save(state, f"{out}/final.pt")
+else:
+    for run in ("clean", "oom"):
+        state = train(f"{out}/steps-{run}.rank{rank}.jsonl", run == "oom" and rank == 1)
+        if rank == 0:
+            torch.save(state, f"{out}/{run}.pt")
+leave()
