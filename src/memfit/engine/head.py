@@ -371,9 +371,6 @@ class HeadSwitch:
         #: called at a training forward whose loss the switch does not compute (no ``labels``, or some
         #: logits asked for), before the body runs (NOTE [The head by default], treatments/chunked_head.py)
         self.on_left_to_caller: Callable[[], None] | None = None
-        #: called with an OOM's message and the tokens when the loss ran out of memory; returns the
-        #: chunk count to compute it again with (NOTE [Replay under FSDP], replay.py); None: raised
-        self.on_oom: Callable[[str, int], int] | None = None
         self._usable: list[str] | None = None
         self._pending: dict[str, Any] | None = None
         self._hidden: torch.Tensor | None = None
@@ -438,18 +435,6 @@ class HeadSwitch:
         if self.probe is not None:
             probe, self.probe = self.probe, None
             probe(hidden, labels if "shift_labels" not in pending else None)
-        if self.on_oom is None:
-            return self._loss(output, hidden, labels, pending)
-        message = None
-        try:
-            return self._loss(output, hidden, labels, pending)
-        except torch.OutOfMemoryError as err:
-            message = str(err)  # handled outside the except block, so the failed attempt's frames are freed
-        n_chunks = self.on_oom(message, hidden.shape[:-1].numel())
-        self.treatment, self.n_chunks, self.implementation = "chunked", n_chunks, "pure"
-        return self._loss(output, hidden, labels, pending)
-
-    def _loss(self, output: Any, hidden: torch.Tensor, labels: torch.Tensor, pending: dict[str, Any]) -> Any:
         if self.treatment == "keep":
             logits = self.spec.logits(hidden)
             loss = self.spec.causal_lm.loss_function(logits=logits, labels=labels, vocab_size=self.spec.vocab_size, **pending)
@@ -565,9 +550,7 @@ def probe_head(spec: HeadSpec, hidden: torch.Tensor, labels: torch.Tensor, n_chu
     detached copy of ``hidden`` and of ``lm_head``'s trainable weights by ``torch.autograd.grad``,
     so no ``.grad`` changes.
     """
-    from memfit.engine.accounting import local
-
-    params = {local(p).untyped_storage().data_ptr() for p in spec.causal_lm.parameters()}
+    params = {p.untyped_storage().data_ptr() for p in spec.causal_lm.parameters()}
     weights = [p for p in spec.lm_head.parameters() if p.requires_grad]
     results = {}
     for treatment in HEAD_TREATMENTS:

@@ -315,7 +315,7 @@ def check_head_mode(head: Any, logits: Any = "drop") -> None:
 
 def attach_head_part(
     model: torch.nn.Module, planning: Any, transient: bool, mode: bool | str = True, plans: bool = True,
-    logits: str = "drop",
+    why_not: str | None = None, logits: str = "drop",
 ) -> tuple[HeadPart | None, str]:
     """``memfit.fit(..., head=mode)``: the model's head as a planned part (or None) and the words the
     start line says of the head.
@@ -327,11 +327,8 @@ def attach_head_part(
     over-predicted; ``False`` (``--memfit_head keep``) leaves the head to the model.
     ``head="auto"`` plans the head wherever :func:`memfit.engine.head.find_head`
     recognises a causal LM's head, the method plans per batch from its memory model (``plans``:
-    ``dynamic``, ``static``) under a budget; otherwise the model keeps its head and the start line
-    says why. A model sharded by FSDP2 plans it too: the head runs inside the root module's
-    forward, whose parameters (``lm_head``'s among them) FSDP2 keeps gathered until the end of the
-    backward, so each chunk's recompute reads the whole weight and its gradient reaches the root's
-    reduce-scatter like the model's own. A training forward
+    ``dynamic``, ``static``) under a budget, and nothing else rules it out (``why_not``: a sharded
+    model); otherwise the model keeps its head and the start line says why. A training forward
     without ``labels`` (the caller computes the loss, as TRL does) drops the head from the plans
     for the rest of the run, said once (:meth:`RunHead.leave`). ``True`` plans it whatever
     the method, and raises where memfit cannot; ``False`` leaves it to the model, and the
@@ -348,6 +345,8 @@ def attach_head_part(
 
     if mode is False:
         return None, "LM head kept (plan it per batch: head='auto', --memfit_head auto)"
+    if mode == "auto" and why_not is not None:
+        return None, f"LM head kept ({why_not})"
     if mode == "auto" and not plans:
         return None, "LM head kept (the method does not plan per batch under a budget)"
     try:
@@ -381,9 +380,12 @@ class RunHead:
     """
 
     def __init__(self, model: torch.nn.Module, planning: Any, transient: bool, mode: bool | str, logits: str, plans: bool):
+        from memfit.integrations.distributed import is_fsdp, world_size
+
         check_head_mode(mode, logits)
         self.model, self.planning = model, planning
-        self.part, self.words = attach_head_part(model, planning, transient, mode, plans, logits)
+        sharded = "a sharded model (FSDP)" if world_size() > 1 and is_fsdp(model) else None
+        self.part, self.words = attach_head_part(model, planning, transient, mode, plans, sharded, logits)
         self._switch = None if self.part is None else self.part.switch
         if self._switch is not None:
             self._switch.on_left_to_caller = self.leave
