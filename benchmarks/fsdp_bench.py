@@ -48,8 +48,13 @@ whether the replayed run's final weights equal the clean run's (on a GPU: within
 between the two clean runs: NOTE [The determinism floor]), the OOM replays, and the backward
 run's error (it cannot be replayed in step; memfit says so and the ranks stop, no hang).
 
+``--repeats N`` runs the whole list N times in turn (interleaved: a drift of the machine's speed
+touches every configuration alike); repeat r > 0 writes ``<name>-r<r>`` and takes its cap from
+the first repeat's ``none``.
+
 ``summarize DIR...`` writes ``results.jsonl`` (the fields ``memfit report`` reads) and
-``summary.md``: slowest rank's median step vs ``none``, every rank's peak vs its cap, OOM
+``summary.md``, one row per configuration over its repeats (step time: the median of the
+repeats' slowest-rank medians, each repeat's in ``step_ms_repeats``): slowest rank's median step vs ``none``, every rank's peak vs its cap, OOM
 replays, blocks treated per rank, the static check, "dynamic vs the fastest peer that fits" per
 model and cap, and the throughput of 4 ranks over 2 (same model) where both ran.
 
@@ -78,7 +83,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -541,7 +546,8 @@ def matrix(args) -> int:
     """Run the configurations in as few torchrun launches as failures allow (NOTE [One launch, many configurations])."""
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    configs = [parse_config(text, args.nproc, args.steps) for text in args.configs]
+    once = [parse_config(text, args.nproc, args.steps) for text in args.configs]
+    configs = [c if r == 0 else replace(c, name=f"{c.name}-r{r}") for r in range(max(1, args.repeats)) for c in once]
     settings = {k: getattr(args, k, 0) for k in ("steady_from", "batch_size", "max_length", "min_length", "collective_timeout_s",
                                               "config_limit_s")}
     started = time.monotonic()
@@ -646,6 +652,7 @@ def summarize(folders: list[str], summary: str | None = None) -> list[dict]:
                                  for r in ran},
                 })
             rows.append(row)
+    rows = _over_repeats(rows)
     for r in rows:
         ref = _none_of(rows, r)
         if "step_ms" in r and ref:
@@ -671,6 +678,46 @@ def summarize(folders: list[str], summary: str | None = None) -> list[dict]:
             }) + "\n")
     (root / "summary.md").write_text(_table(rows))
     return rows
+
+
+_REPEAT = re.compile(r"-r(\d+)$")
+
+
+def _over_repeats(rows: list[dict]) -> list[dict]:
+    """One row per configuration: its repeats (``<name>-r<r>``) folded into the first's row. Step
+    time: the median of the repeats' (``step_ms_repeats``); peaks, OOM replays and allocator
+    retries per rank: the largest and the sums over repeats; blocks treated: the mean; status: the
+    first that is not ok, with the count of repeats that ran."""
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(_REPEAT.sub("", row["name"]), []).append(row)
+    out = []
+    for name, group in groups.items():
+        if len(group) == 1:
+            out.append({**group[0], "name": name})
+            continue
+        ran = [g for g in group if "per_rank" in g]
+        first = dict(ran[0] if ran else group[0])
+        first["name"], first["repeats"] = name, len(group)
+        failed = [g["status"] for g in group if g["status"] != "ok"]
+        if failed:
+            first["status"] = f"{failed[0]} ({len(group) - len(failed)} of {len(group)} repeats ran)"
+        if ran:
+            first["step_ms_repeats"] = [g["step_ms"] for g in ran]
+            first["step_ms"] = statistics.median(first["step_ms_repeats"])
+            first["per_rank"] = {
+                rank: {
+                    "max_peak_allocated_bytes": max(g["per_rank"][rank]["max_peak_allocated_bytes"] for g in ran),
+                    "oom_retries": sum(g["per_rank"][rank]["oom_retries"] for g in ran),
+                    "mean_treated_blocks": statistics.mean(g["per_rank"][rank]["mean_treated_blocks"] for g in ran),
+                    "median_steady_step_ms": statistics.median(g["per_rank"][rank]["median_steady_step_ms"] for g in ran),
+                    "armed_steps": sum(g["per_rank"][rank].get("armed_steps") or 0 for g in ran),
+                    "alloc_retries": sum(g["per_rank"][rank].get("alloc_retries") or 0 for g in ran),
+                }
+                for rank in first["per_rank"] if all(rank in g["per_rank"] for g in ran)
+            }
+        out.append(first)
+    return out
 
 
 def _none_of(rows: list[dict], r: dict) -> dict | None:
@@ -700,7 +747,8 @@ def _table(rows: list[dict]) -> str:
         ooms = " / ".join(str(p["oom_retries"]) for p in ranks)
         treated = " / ".join(f"{p['mean_treated_blocks']:.1f}" for p in ranks)
         vs = f"{r['vs_none']:.2f}×" if "vs_none" in r else ""
-        lines.append(f"| {r['name']} | {r['world_size']} | {r['method']} | {cap} | {need} | {r['step_ms']:.1f} | {vs} | {peaks} "
+        step = f"{r['step_ms']:.1f}" + (f" (median of {len(r['step_ms_repeats'])})" if r.get("step_ms_repeats") else "")
+        lines.append(f"| {r['name']} | {r['world_size']} | {r['method']} | {cap} | {need} | {step} | {vs} | {peaks} "
                      f"| {'yes' if r['under_cap'] else 'NO'} | {ooms} | {treated} of {r['n_blocks']} | {r['status']} |")
     versus = []
     for r in rows:
@@ -755,6 +803,7 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--end_unix_s", type=float, default=None, help="... or by this time (seconds since the epoch), "
                                                                    "if earlier: a job's end shared by its calls")
     m.add_argument("--collective_timeout_s", type=float, default=120)
+    m.add_argument("--repeats", type=int, default=1, help="run the list this many times in turn (interleaved repeats)")
     w = sub.add_parser("worker", help="(under torchrun, started by matrix)")
     w.add_argument("--plan", required=True)
     w.add_argument("--output_dir", required=True)

@@ -82,6 +82,34 @@ def test_summary_compares_dynamic_with_the_fastest_peer_under_the_cap_and_4_rank
     assert {line["name"]: line["status"] for line in lines}["llama-3b-x2-full-0.5"] == "error"
 
 
+def test_repeats_fold_into_one_row_per_configuration_by_the_median(tmp_path):
+    """``--repeats``: repeat r > 0 is ``<name>-r<r>``; the summary has one row per configuration,
+    its step time the median of the repeats' (the slowest rank's in each), its peak the largest."""
+    root = tmp_path / "m"
+    for suffix, none_ms, dyn_ms, peak in (("", 500.0, 640.0, 19.0), ("-r1", 520.0, 600.0, 19.6), ("-r2", 480.0, 700.0, 18.0)):
+        _config(root, f"llama-3b-x2-none{suffix}", "none", 2, None, none_ms, 40.0)
+        _config(root, f"llama-3b-x2-dynamic-0.5{suffix}", "dynamic", 2, 0.5, dyn_ms, peak, 20.0)
+    _config(root, "llama-3b-x2-full-0.5", "full", 2, 0.5, 650.0, 15.0, 20.0)
+    _config(root, "llama-3b-x2-full-0.5-r1", "full", 2, 0.5, None, 0, 20.0, status="failed")
+    rows = {r["name"]: r for r in _bench().summarize([str(root)])}
+    assert set(rows) == {"llama-3b-x2-none", "llama-3b-x2-dynamic-0.5", "llama-3b-x2-full-0.5"}
+    dynamic = rows["llama-3b-x2-dynamic-0.5"]
+    assert dynamic["step_ms_repeats"] == [641.0, 601.0, 701.0] and dynamic["step_ms"] == 641.0
+    assert dynamic["vs_none"] == 641.0 / 501.0  # medians of the interleaved repeats, side by side
+    assert dynamic["max_peak_allocated_bytes"] == int(19.6 * 2**30)
+    assert rows["llama-3b-x2-full-0.5"]["status"] == "failed (1 of 2 repeats ran)"
+    assert "| llama-3b-x2-dynamic-0.5 | 2 | dynamic | 20.00 | 10.00 | 641.0 (median of 3) |" in (root / "summary.md").read_text()
+    assert _repeat_plan(tmp_path, 2) == {"tiny-x2-none", "tiny-x2-dynamic-0.7", "tiny-x2-none-r1", "tiny-x2-dynamic-0.7-r1"}
+
+
+def _repeat_plan(tmp_path, repeats):
+    """The configurations ``matrix --repeats`` would run (each recorded as not run: the deadline is past)."""
+    args = _bench()._parser().parse_args(["matrix", "--output_dir", str(tmp_path / "plan"), "--repeats", str(repeats),
+                                          "--deadline_s", "0", "tiny/none", "tiny/dynamic@0.7"])
+    _bench().matrix(args)
+    return {p.parent.name for p in (tmp_path / "plan").glob("*/status.json")}
+
+
 @pytest.mark.slow
 def test_one_launch_runs_many_configurations_and_a_failure_costs_one_relaunch(tmp_path):
     """Two gloo ranks: none gives the caps; a cap below the static need is skipped by both ranks
