@@ -237,3 +237,57 @@ def test_trainer_under_fsdp2_stops_every_rank_with_a_clear_error_for_an_oom_in_a
     returncode, output = _torchrun("_fsdp_trainer_worker.py", [tmp_path, "backward"], port=29525, timeout_s=180)
     assert returncode != 0
     assert "cannot be replayed in step with the other ranks" in output and "raise --memory_budget" in output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrap, port", [("root", 29526), ("unit", 29528)])
+def test_fsdp2_plans_the_lm_head_per_rank_and_matches_one_process(tmp_path, wrap, port):
+    """FSDP2, two gloo ranks, ``dynamic`` with the head planned (the default), ``lm_head`` in the
+    root's unit or in one of its own (as Accelerate shards it: NOTE [The head as its own FSDP
+    unit]): the rank of short batches keeps the head, the rank of long ones chunks it (its logits
+    never whole), no rank waits on the other, no step over the budget, and the final weights equal
+    one process training on both ranks' batches without memfit within float32 tolerance (chunking
+    reorders the loss's additions)."""
+    from _head_common import HEAD_LENGTHS, head_batch, head_model
+
+    budget = 6_000_000
+    returncode, output = _torchrun("_fsdp_head_worker.py", [tmp_path, budget, "plain", wrap], port=port)
+    assert returncode == 0, output[-3000:]
+    records = {r: [json.loads(x) for x in open(tmp_path / f"steps.rank{r}.jsonl")] for r in (0, 1)}
+    steady = {r: [rec["treatments"]["head"] for rec in records[r] if rec["phase"] == "steady"] for r in (0, 1)}
+    assert "keep" in steady[0] and steady[1] and all(h.startswith("chunked:") for h in steady[1]), steady
+    assert any(a != b for a, b in zip(steady[0], steady[1])), steady  # the ranks treat the head differently in a step
+    assert all(rec["peak_allocated_bytes"] <= budget for r in (0, 1) for rec in records[r])
+
+    model = head_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(len(HEAD_LENGTHS[0])):
+        for rank in (0, 1):
+            torch.manual_seed(1000 * step + rank)
+            (model(**head_batch(step, rank, HEAD_LENGTHS[rank][step])).loss / 2).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    final = torch.load(tmp_path / "final.pt")
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(final[name], value, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrap, port", [("root", 29527), ("unit", 29529)])
+def test_fsdp2_oom_in_the_planned_head_on_one_rank_is_replayed_by_every_rank(tmp_path, wrap, port):
+    """FSDP2, two gloo ranks, ``ctl.run_step``: an OOM in rank 1's LM head (after its last block) no
+    longer stops the run: the head's loss is computed again in its most chunks so the step ends in
+    step with rank 0, then both replay it (NOTE [Replay under FSDP]). One record per step on each
+    rank, the failed attempt on rank 1's, and the final weights those of the run without the OOM
+    (within float32 tolerance: the replay may chunk the head differently)."""
+    returncode, output = _torchrun("_fsdp_head_worker.py", [tmp_path, 6_000_000, "oom", wrap], port=port)
+    assert returncode == 0, output[-3000:]
+    assert "out of memory in the LM head" in output
+    for rank in (0, 1):
+        clean = [json.loads(x) for x in open(tmp_path / f"steps-clean.rank{rank}.jsonl")]
+        failed = [json.loads(x) for x in open(tmp_path / f"steps-oom.rank{rank}.jsonl")]
+        assert [r["shape"] for r in failed] == [r["shape"] for r in clean], "a batch was lost or doubled"
+        assert sum(len(r["oom_attempts"]) for r in failed) == (rank == 1)
+    clean, failed = torch.load(tmp_path / "clean.pt"), torch.load(tmp_path / "oom.pt")
+    for name, value in clean.items():
+        torch.testing.assert_close(failed[name], value, msg=lambda m: f"{name}: {m}")

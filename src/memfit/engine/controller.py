@@ -260,7 +260,7 @@ class Controller:
         self._step: StepState | None = None
         self._steps_recorded = 0
         self.replay = Replayer(model, self.grad_params, self.blocks, self.treatments[RECOMPUTE], self.note_oom,
-                               self.drop_step, self.meter.release)
+                               self.drop_step, self.meter.release, head=lambda: self.head.part)
         self._handles = [
             model.register_forward_pre_hook(self._on_forward_start, with_kwargs=True),
             model.register_forward_hook(self._on_forward_end, always_call=True), *compile_loss(model, compile_options),

@@ -21,6 +21,25 @@ bitwise the model's loss, gradients and logits. Rule 3. A chunked step's ``outpu
 (``logits="detached"`` returns them, computed without grad in the model's dtype, for metrics that
 read them; it costs ``tokens x vocab`` in the model's dtype).
 
+# NOTE [The head as its own FSDP unit]
+Where FSDP2 shards ``lm_head`` as a unit of its own, or with the final norm (Accelerate's FSDP2
+wrapping does), its weight is gathered only for a call of ``lm_head`` (and again before its
+backward), each call is a collective every rank must make in the same order, and a grouped
+unit counts the calls of its modules. Calling ``lm_head`` once per chunk, or once more after the
+model's own call, would make ranks with other plans (each plans its own batches) wait on each
+other forever. So there the model's own call is the only one: the pre-hook leaves
+``logits_to_keep`` alone and swaps ``lm_head``'s ``forward``, for that forward, for one that
+computes the loss of the step's treatment from the rows it is given (all of them) and stashes it:
+``keep`` returns the logits (the loss is the model's ops on them, bitwise its own), ``chunked``
+returns an empty tensor made from the loss, which the loss then adds times zero, so that FSDP's
+hook on the call's output gathers the weight before any chunk is recomputed. One gather in
+forward, one before the backward, one reduce-scatter, on every rank whatever its plan; the
+chunks read the gathered weight with ``F.linear`` (the ``pure`` implementation only: those that
+compute the weight's gradient in forward hand it to a parameter FSDP has freed by then). Only a
+plain ``nn.Linear`` head is treated this way (a LoRA layer on ``lm_head`` in its own unit is
+kept). The warm-up's price probe makes no collective either: it times this rank's shard of the
+weight as a head of that many rows and scales its times by the vocabulary over the rows.
+
 # NOTE [Chunk recomputed in backward]
 Each chunk runs ``lm_head`` -> post-processing -> float32 -> cross-entropy (sum) under
 ``torch.utils.checkpoint`` (non-reentrant, RNG kept): forward keeps only the chunk's hidden rows
@@ -53,6 +72,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from memfit.integrations.distributed import is_fsdp
 
 __all__ = [
     "HEAD_TREATMENTS", "IMPLEMENTATIONS", "HeadSpec", "HeadNotFound", "HeadSwitch", "HeadBytes", "find_head", "attach_head",
@@ -320,6 +341,12 @@ def _fused_loss(spec: HeadSpec, implementation: str, hidden, labels, *, num_item
     return _normalise(total.float(), targets, num_items_in_batch, ignore_index)
 
 
+def _plain_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is an ``nn.Linear`` itself (not LoRA's layer nor a quantised subclass), or one
+    that FSDP2 made a unit of its own (its class then derives from ``FSDPModule`` and ``nn.Linear``)."""
+    return type(module) is nn.Linear or (is_fsdp(module) and nn.Linear in type(module).__bases__)
+
+
 def available_implementations(spec: HeadSpec, device: torch.device | str) -> list[str]:
     """Implementations of the chunked head usable for ``spec`` on ``device``, ``pure`` first.
 
@@ -329,9 +356,12 @@ def available_implementations(spec: HeadSpec, device: torch.device | str) -> lis
     for the caller to measure (:func:`probe_head`).
     """
     found = ["pure"]
-    if type(spec.lm_head) is nn.Linear:
+    if is_fsdp(spec.lm_head):  # the chunks read the weight FSDP gathers for them (NOTE [The head as its own FSDP unit])
+        return found
+    plain = _plain_linear(spec.lm_head)
+    if plain:
         found.append("pure_grad_in_forward")
-    if torch.device(device).type != "cuda" or type(spec.lm_head) is not nn.Linear or spec.scale is not None or spec.divisor is not None:
+    if torch.device(device).type != "cuda" or not plain or spec.scale is not None or spec.divisor is not None:
         return found
     for name, module in (("liger", "liger_kernel.transformers.functional"), ("cce", "cut_cross_entropy")):
         try:
@@ -371,6 +401,16 @@ class HeadSwitch:
         #: called at a training forward whose loss the switch does not compute (no ``labels``, or some
         #: logits asked for), before the body runs (NOTE [The head by default], treatments/chunked_head.py)
         self.on_left_to_caller: Callable[[], None] | None = None
+        #: whether ``lm_head`` is an FSDP unit of its own (NOTE [The head as its own FSDP unit])
+        self.unit = is_fsdp(spec.lm_head)
+        #: the loss (and logits) the unit's call computed, and whether chunked, until :meth:`_after` reads them
+        self._stash: tuple[torch.Tensor, torch.Tensor | None, bool] | None = None
+        if self.unit and not _plain_linear(spec.lm_head):
+            raise HeadNotFound(f"lm_head ({type(spec.lm_head).__name__}) is an FSDP unit of its own and no plain nn.Linear, "
+                               "so its chunks cannot read its gathered weight")
+        #: called with an OOM's message and the tokens when the loss ran out of memory; returns the
+        #: chunk count to compute it again with (NOTE [Replay under FSDP], replay.py); None: raised
+        self.on_oom: Callable[[str, int], int] | None = None
         self._usable: list[str] | None = None
         self._pending: dict[str, Any] | None = None
         self._hidden: torch.Tensor | None = None
@@ -380,7 +420,7 @@ class HeadSwitch:
             spec.body.register_forward_hook(self._body_done),
             # first among the model's forward hooks: memfit's accounting hook (controller.py), which
             # stops counting saved tensors, sees the forward end after the chunked loss exists
-            lm.register_forward_hook(self._after, with_kwargs=True, prepend=True),
+            lm.register_forward_hook(self._after, with_kwargs=True, prepend=True, always_call=True),
         ]
 
     def set(self, treatment: str, n_chunks: int = 1, implementation: str = "pure") -> None:
@@ -417,6 +457,9 @@ class HeadSwitch:
                 self.on_left_to_caller()
             return None
         self._pending = {"labels": labels, **{k: kwargs[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}}
+        if self.unit:  # the model's one call of lm_head computes the loss (NOTE [The head as its own FSDP unit])
+            self.spec.lm_head.forward = self._unit_forward
+            return args, {**kwargs, "labels": None}
         kwargs = {**kwargs, "labels": None, "logits_to_keep": torch.empty(0, dtype=torch.long, device=labels.device)}
         return args, kwargs
 
@@ -427,7 +470,24 @@ class HeadSwitch:
     def _after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         pending, hidden = self._pending, self._hidden
         self._pending, self._hidden = None, None
-        if pending is None:
+        if self.unit:
+            self.spec.lm_head.__dict__.pop("forward", None)
+            stash, self._stash = self._stash, None
+            if pending is None or output is None:
+                return None
+            if stash is None:
+                raise RuntimeError("memfit's head switch saw no call of lm_head; call HeadSwitch.remove() to keep the model's own head")
+            if self.probe is not None and hidden is not None:
+                probe, self.probe = self.probe, None
+                probe(hidden, pending["labels"] if "shift_labels" not in pending else None)
+            loss, logits, chunked = stash
+            if not chunked:
+                return self._output(output, loss, output.logits if not isinstance(output, tuple) else output[0])
+            # the empty logits lm_head returned join the loss's graph, so FSDP's hook on them gathers
+            # lm_head's weight before any chunk is recomputed (NOTE [The head as its own FSDP unit])
+            empty = output[0] if isinstance(output, tuple) else output.logits
+            return self._output(output, loss + empty.sum() * 0, logits)
+        if pending is None or output is None:  # not taken over, or the forward raised
             return None
         if hidden is None:
             raise RuntimeError("memfit's head switch saw no output of the decoder body; call HeadSwitch.remove() to keep the model's own head")
@@ -435,22 +495,80 @@ class HeadSwitch:
         if self.probe is not None:
             probe, self.probe = self.probe, None
             probe(hidden, labels if "shift_labels" not in pending else None)
+        if self.on_oom is None:
+            return self._loss(output, hidden, labels, pending)
+        message = None
+        try:
+            return self._loss(output, hidden, labels, pending)
+        except torch.OutOfMemoryError as err:
+            message = str(err)  # handled outside the except block, so the failed attempt's frames are freed
+        n_chunks = self.on_oom(message, hidden.shape[:-1].numel())
+        self.treatment, self.n_chunks, self.implementation = "chunked", n_chunks, "pure"
+        return self._loss(output, hidden, labels, pending)
+
+    def _loss(self, output: Any, hidden: torch.Tensor, labels: torch.Tensor, pending: dict[str, Any]) -> Any:
         if self.treatment == "keep":
             logits = self.spec.logits(hidden)
             loss = self.spec.causal_lm.loss_function(logits=logits, labels=labels, vocab_size=self.spec.vocab_size, **pending)
             return self._output(output, loss, logits)
-        if self.implementation == "pure":
-            loss = chunked_causal_lm_loss(self.spec.logits, hidden, labels, self.n_chunks, **pending)
-        elif self.implementation == "pure_grad_in_forward":
-            loss = _grad_in_forward_loss(self.spec, hidden, labels, self.n_chunks, **pending)
-        else:
-            loss = _fused_loss(self.spec, self.implementation, hidden, labels, **pending)
+
+        def chunked(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            if self.implementation == "pure":
+                loss = chunked_causal_lm_loss(self._logits, h, labels, self.n_chunks, **pending)
+            elif self.implementation == "pure_grad_in_forward":
+                loss = _grad_in_forward_loss(self.spec, h, labels, self.n_chunks, **pending)
+            else:
+                loss = _fused_loss(self.spec, self.implementation, h, labels, **pending)
+            logits = None
+            if self.logits_mode == "detached":
+                with torch.no_grad():
+                    logits = self._logits(h)
+            return loss, logits
+
+        loss, logits = chunked(hidden)
         self.chunked_forwards += 1
+        return self._output(output, loss, logits)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of ``hidden`` as the chunks compute them: ``lm_head`` called, or inside its own
+        FSDP unit its weight read where it is gathered (NOTE [The head as its own FSDP unit])."""
+        if not self.unit:
+            return self.spec.logits(hidden)
+        lm_head = self.spec.lm_head
+        return self.spec.post(F.linear(hidden, lm_head.weight, lm_head.bias))
+
+    def _unit_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``lm_head``'s forward during a taken-over training forward where it is an FSDP unit of its
+        own: the loss of the treatment set, stashed for :meth:`_after`; returns the logits (``keep``)
+        or an empty tensor made from the loss (``chunked``) (NOTE [The head as its own FSDP unit])."""
+        pending = dict(self._pending)
+        labels = pending.pop("labels")
+        message = None
+        try:
+            return self._unit_loss(hidden, labels, pending)
+        except torch.OutOfMemoryError as err:
+            if self.on_oom is None:
+                raise
+            message = str(err)  # handled outside the except block, so the failed attempt's frames are freed
+        n_chunks = self.on_oom(message, hidden.shape[:-1].numel())
+        self.treatment, self.n_chunks, self.implementation = "chunked", n_chunks, "pure"
+        return self._unit_loss(hidden, labels, pending)
+
+    def _unit_loss(self, hidden: torch.Tensor, labels: torch.Tensor, pending: dict[str, Any]) -> torch.Tensor:
+        spec = self.spec
+        if self.treatment == "keep":
+            raw = nn.Linear.forward(spec.lm_head, hidden)
+            loss = spec.causal_lm.loss_function(logits=spec.post(raw), labels=labels, vocab_size=spec.vocab_size, **pending)
+            self._stash = (loss, None, False)
+            return raw
+        loss = chunked_causal_lm_loss(self._logits, hidden, labels, self.n_chunks, **pending)
         logits = None
         if self.logits_mode == "detached":
             with torch.no_grad():
-                logits = self.spec.logits(hidden)
-        return self._output(output, loss, logits)
+                logits = self._logits(hidden)
+        self.chunked_forwards += 1
+        self._stash = (loss, logits, True)
+        return loss.reshape(1, 1, 1).expand(hidden.shape[0], 0, spec.vocab_size)
 
     @staticmethod
     def _output(output: Any, loss: torch.Tensor, logits: torch.Tensor | None) -> Any:
@@ -550,7 +668,9 @@ def probe_head(spec: HeadSpec, hidden: torch.Tensor, labels: torch.Tensor, n_chu
     detached copy of ``hidden`` and of ``lm_head``'s trainable weights by ``torch.autograd.grad``,
     so no ``.grad`` changes.
     """
-    params = {p.untyped_storage().data_ptr() for p in spec.causal_lm.parameters()}
+    from memfit.engine.accounting import local
+
+    params = {local(p).untyped_storage().data_ptr() for p in spec.causal_lm.parameters()}
     weights = [p for p in spec.lm_head.parameters() if p.requires_grad]
     results = {}
     for treatment in HEAD_TREATMENTS:

@@ -26,12 +26,14 @@ an OOM and replayed alone would leave the others waiting in the next all-gather.
 recompute, as does every later block of the step, and the step goes on to the end, its
 collectives in step with the other ranks, its gradients wrong; the failed attempt is noted when
 it is raised (its stage and memory readings are the failure's), and the rest of the step is not
-recorded. After each micro-step the ranks
+recorded. An OOM in a planned LM head (its logits and loss, after the last block) is kept in
+step the same way: the head holds no collectives (FSDP2 keeps the root's parameters gathered
+from the forward to the end of the backward), so its loss is computed again in its most chunks. After each micro-step the ranks
 agree, by one all-reduce of a flag, whether any of them failed (its cost: a collective of four
 bytes and the host waiting for the backward, once per micro-step); if one did, every rank drops
 the window's gradients and replays it (NOTE [Replay in a plain loop]), the failed rank with a
-safer plan, the others with their own. An OOM elsewhere (the head after the last block, a
-backward) cannot be kept in step this way: it is raised with an error that says so, and the
+safer plan, the others with their own. An OOM elsewhere (a backward, a head memfit does not
+plan) cannot be kept in step this way: it is raised with an error that says so, and the
 launcher stops the other ranks. So is an OOM in a block that holds FSDP modules of its own:
 its failed forward may have issued some of their all-gathers, which a rerun would repeat.
 
@@ -232,6 +234,7 @@ class Replayer:
         note_oom: drops the failed step and makes the next plan safer; raises when none is.
         drop_step: drops the pending step unrecorded (another rank's OOM replays it).
         release: returns cached memory to the device after an OOM.
+        head: the planned LM head's part (treatments/chunked_head.py's ``HeadPart``), or None.
 
     Attributes:
         accumulation: the accumulation window's micro-steps, oldest first.
@@ -244,8 +247,10 @@ class Replayer:
     def __init__(
         self, model: torch.nn.Module, params: list[torch.nn.Parameter], blocks: "list[Block]", recompute: "Treatment",
         note_oom: Callable[[str], None], drop_step: Callable[[], None], release: Callable[[], None],
+        head: Callable[[], Any] = lambda: None,
     ):
         self._model, self._params, self._blocks, self._recompute = model, params, blocks, recompute
+        self._head = head
         self._note_oom, self._drop_step, self._release = note_oom, drop_step, release
         self.accumulation: list[MicroStep] = []
         self.oom = OomLog()
@@ -320,8 +325,8 @@ class Replayer:
                 avoid_cudnn_attention()
                 if together is not None:
                     raise BudgetTooSmallError(
-                        f"{message}\nmemfit: under FSDP with several ranks, an OOM outside the blocks' forwards (the "
-                        "head after the last block, or a backward) cannot be replayed in step with the other ranks "
+                        f"{message}\nmemfit: under FSDP with several ranks, an OOM outside the blocks' forwards and the "
+                        "planned LM head (a backward, or a head memfit does not plan) cannot be replayed in step with the other ranks "
                         f"(NOTE [Replay under FSDP] in memfit/engine/replay.py); raise {raise_what}, or lower the batch size"
                     ) from None
             if together is None:
@@ -359,16 +364,40 @@ class _InStep:
     def __init__(self, replayer: Replayer):
         self.replayer = replayer
         self.message: str | None = None
+        self.head: Any = None
 
     def __enter__(self) -> "_InStep":
         self.message = None
         for block in self.replayer._blocks:
             block.on_oom = self._go_on
+        self.head = self.replayer._head()
+        if self.head is not None:
+            self.head.switch.on_oom = self._head_go_on
         return self
 
     def __exit__(self, *exc: object) -> None:
         for block in self.replayer._blocks:
             block.on_oom = None
+        if self.head is not None:
+            self.head.switch.on_oom = None
+
+    def _note(self, message: str, where: str) -> None:
+        """The step's first OOM: said once and noted now, while the attempt's stage and memory
+        readings are those of the failure; the rest of the step runs unrecorded (raises when no
+        safer plan exists). Then the cache goes back to the device."""
+        replayer = self.replayer
+        if self.message is None:
+            self.message = message
+            logger.warning("memfit: out of memory in %s; the step runs to its end in step with the other ranks, then "
+                           "every rank replays it", where)
+            replayer._note_oom(message)
+        gc.collect()
+        replayer._release()
+
+    def _head_go_on(self, message: str, tokens: int) -> int:
+        """The planned head ran out of memory: its loss is computed again in its most chunks."""
+        self._note(message, "the LM head")
+        return self.head.head_bytes(tokens)[2]
 
     def _go_on(self, block: "Block", args: tuple, kwargs: dict[str, Any], message: str) -> Any:
         replayer = self.replayer
@@ -378,15 +407,7 @@ class _InStep:
                 "be rerun in step with the other ranks (NOTE [Replay under FSDP]); shard whole blocks, or raise the "
                 "memory budget or the margin, or lower the batch size"
             )
-        if self.message is None:
-            self.message = message
-            logger.warning("memfit: out of memory in block %d (%s); the step runs to its end in step with the other "
-                           "ranks, then every rank replays it", block.index, block.name)
-            # noted now, while the attempt's stage and memory readings are those of the failure;
-            # the rest of the step runs unrecorded (raises when no safer plan exists)
-            replayer._note_oom(message)
-        gc.collect()
-        replayer._release()
+        self._note(message, f"block {block.index} ({block.name})")
         for later in replayer._blocks[block.index:]:
             later.treatment = replayer._recompute
         return replayer._recompute.run(block, args, kwargs)

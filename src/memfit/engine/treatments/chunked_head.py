@@ -119,6 +119,22 @@ def head_options(
         n_chunks *= 2
 
 
+def shard_head(spec: "HeadSpec") -> tuple["HeadSpec", float]:
+    """This rank's rows of ``lm_head``'s weight as a head of that many rows, and the vocabulary over
+    the rows: what the warm-up's probe times where ``lm_head`` is an FSDP unit of its own (NOTE [The
+    head as its own FSDP unit], head.py)."""
+    from memfit.engine.accounting import local
+
+    lm_head = spec.lm_head
+    weight = local(lm_head.weight).detach()
+    proxy = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=lm_head.bias is not None, device="meta")
+    proxy.weight = torch.nn.Parameter(weight, requires_grad=lm_head.weight.requires_grad)
+    if lm_head.bias is not None:
+        proxy.bias = torch.nn.Parameter(local(lm_head.bias).detach(), requires_grad=lm_head.bias.requires_grad)
+    rows = max(1, weight.shape[0])
+    return dataclasses.replace(spec, lm_head=proxy, vocab_size=rows), spec.vocab_size / rows
+
+
 class HeadPart:
     """The head as the planner and the controller see it: its options per shape (NOTE [Head options])
     and the switch a plan sets (``Plan.head``, NOTE [The head in the plan]).
@@ -161,17 +177,21 @@ class HeadPart:
         if labels is None:
             return  # the caller gave shifted labels only: nothing to cut a probe from
         self.probed_steps += 1
-        spec = self.switch.spec
+        spec, scale = self.switch.spec, 1.0
+        usable = available_implementations(spec, hidden.device)  # the real head's, whatever the probe times
         rows = hidden.detach().reshape(-1, hidden.shape[-1])
         tokens = max(1, min(rows.shape[0], -(-rows.shape[0] // self.switch.n_chunks), PROBE_TOKENS))
         h, y = rows[:tokens].unsqueeze(0), labels.reshape(-1)[:tokens].unsqueeze(0)
-        for implementation in available_implementations(spec, rows.device):
+        if self.switch.unit:  # no collective in a probe (NOTE [The head as its own FSDP unit], head.py)
+            spec, scale = shard_head(spec)
+            y = torch.where(y >= 0, y % spec.vocab_size, y)
+        for implementation in usable:
             if implementation in self.failed:
                 continue
             seen: dict[int, dict[str, float]] = {}
             try:
                 for n_chunks in sorted({min(n, tokens) for n in PROBE_CHUNKS}):
-                    timed = probe_head(spec, h, y, n_chunks, implementation)
+                    timed = {t: {"ms": scale * m["ms"]} for t, m in probe_head(spec, h, y, n_chunks, implementation).items()}
                     was = self.probes.get(implementation, {}).get(n_chunks, {"keep": float("inf"), "chunked": float("inf")})
                     seen[n_chunks] = {"keep": min(was["keep"], timed["keep"]["ms"]),
                                       "chunked": min(was["chunked"], timed["chunked"]["ms"]), "tokens": float(tokens)}
@@ -315,7 +335,7 @@ def check_head_mode(head: Any, logits: Any = "drop") -> None:
 
 def attach_head_part(
     model: torch.nn.Module, planning: Any, transient: bool, mode: bool | str = True, plans: bool = True,
-    why_not: str | None = None, logits: str = "drop",
+    logits: str = "drop",
 ) -> tuple[HeadPart | None, str]:
     """``memfit.fit(..., head=mode)``: the model's head as a planned part (or None) and the words the
     start line says of the head.
@@ -327,8 +347,12 @@ def attach_head_part(
     over-predicted; ``False`` (``--memfit_head keep``) leaves the head to the model.
     ``head="auto"`` plans the head wherever :func:`memfit.engine.head.find_head`
     recognises a causal LM's head, the method plans per batch from its memory model (``plans``:
-    ``dynamic``, ``static``) under a budget, and nothing else rules it out (``why_not``: a sharded
-    model); otherwise the model keeps its head and the start line says why. A training forward
+    ``dynamic``, ``static``) under a budget; otherwise the model keeps its head and the start line
+    says why. A model sharded by FSDP2 plans it too: where ``lm_head``'s parameters belong to the
+    root's unit they are gathered for the root's forward and, before its backward, by FSDP's hook
+    on the root's output (memfit's loss), so each chunk's recompute reads the whole weight and its
+    gradient reaches the root's reduce-scatter like the model's own; where ``lm_head`` is a unit of
+    its own, NOTE [The head as its own FSDP unit] (head.py). A training forward
     without ``labels`` (the caller computes the loss, as TRL does) drops the head from the plans
     for the rest of the run, said once (:meth:`RunHead.leave`). ``True`` plans it whatever
     the method, and raises where memfit cannot; ``False`` leaves it to the model, and the
@@ -345,8 +369,6 @@ def attach_head_part(
 
     if mode is False:
         return None, "LM head kept (plan it per batch: head='auto', --memfit_head auto)"
-    if mode == "auto" and why_not is not None:
-        return None, f"LM head kept ({why_not})"
     if mode == "auto" and not plans:
         return None, "LM head kept (the method does not plan per batch under a budget)"
     try:
@@ -380,12 +402,9 @@ class RunHead:
     """
 
     def __init__(self, model: torch.nn.Module, planning: Any, transient: bool, mode: bool | str, logits: str, plans: bool):
-        from memfit.integrations.distributed import is_fsdp, world_size
-
         check_head_mode(mode, logits)
         self.model, self.planning = model, planning
-        sharded = "a sharded model (FSDP)" if world_size() > 1 and is_fsdp(model) else None
-        self.part, self.words = attach_head_part(model, planning, transient, mode, plans, sharded, logits)
+        self.part, self.words = attach_head_part(model, planning, transient, mode, plans, logits)
         self._switch = None if self.part is None else self.part.switch
         if self._switch is not None:
             self._switch.on_left_to_caller = self.leave
