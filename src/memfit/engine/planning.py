@@ -529,7 +529,7 @@ def _plan_head(planning: Planning, k: tuple[int, int]) -> Plan:
         kept, least, n_chunks = planning.head.head_bytes(k[0] * k[1])
         outside = max(0.0, planning.model.outside(k) - kept) if planning.model.ready else 0.0
         blocks = max(0.0, planning.model.step_bytes(k, most) - outside - least) if planning.model.ready else 0.0
-        parts = {"static": planning.static_bytes, "head": kept, "outside": outside, "blocks": blocks}
+        parts = {"static": planning.static_bytes, "head": kept, "outside-not-head": outside, "blocks": blocks}
         log("memfit: shape %s is predicted to need %s even with every block checkpointed and the LM head in %d chunks "
             "(the head takes %s so, %s kept), over the budget of %s; %s", k,
             format_bytes(planning.predict_peak(k, most) + planning.budget_bytes - room), n_chunks, format_bytes(least),

@@ -97,6 +97,9 @@ _FIXES = {
     "outside": ("what runs outside the blocks (the head's logits and loss, the embeddings)",
                 "let memfit chunk the head (--memfit_head auto, or head='auto' in memfit.fit), or lower "
                 "--per_device_train_batch_size or --max_seq_length (the logits grow with both)"),
+    # with the head planned and counted on its own: the rest outside the blocks
+    "outside-not-head": ("what runs outside the blocks besides the LM head (the embeddings, the model's other outputs)",
+                         "lower --per_device_train_batch_size or --max_seq_length"),
     "blocks": ("the blocks' activations, even checkpointed",
                "lower --per_device_train_batch_size or --max_seq_length"),
 }
