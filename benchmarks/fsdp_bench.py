@@ -667,7 +667,15 @@ def summarize(folders: list[str], summary: str | None = None) -> list[dict]:
     with open(root / "results.jsonl", "w", encoding="utf-8") as fh:
         for r in rows:
             ranks = list(r.get("per_rank", {}).values())
+            if "per_rank" not in r:  # a configuration that ran no step: what its name says, the rest its none's
+                r = {**_from_name(r["name"]), **r}
+                ref = next((x for x in rows if "step_ms" in x and x.get("model") == r.get("model") and x.get("lora") == r.get("lora")
+                            and x.get("world_size") == r.get("world_size")
+                            and r.get("batch_size", x.get("batch_size")) == x.get("batch_size")), {})
+                r = {**{k: ref[k] for k in ("batch_size", "steps", "device", "torch", "transformers") if k in ref}, **r}
             fh.write(json.dumps({
+                **{k: None for k in ("budget_bytes", "batch_size", "steps", "total_s", "max_peak_allocated_bytes", "device",
+                                     "torch", "transformers")},
                 **r, "task": f"fsdp2, {r.get('world_size')} ranks", "model": f"{r.get('model')}{' LoRA' if r.get('lora') else ''}",
                 "shape": r.get("model"), "row_status": r["status"],
                 "oom_count": sum(p["oom_retries"] for p in ranks) if ranks else None,
@@ -681,6 +689,18 @@ def summarize(folders: list[str], summary: str | None = None) -> list[dict]:
 
 
 _REPEAT = re.compile(r"-r(\d+)$")
+_NAME = re.compile(r"^(?P<model>[\w.-]+?)(?P<lora>-lora)?(?:-b(?P<batch>\d+))?-x(?P<world>\d+)-(?P<method>"
+                   + "|".join(sorted(MEMFIT + PEERS, key=len, reverse=True)) + r")(?:-(?P<share>[0-9.]+))?$")
+
+
+def _from_name(name: str) -> dict:
+    """What a configuration's folder name says of it (model, LoRA, ranks, method, share, batch), for
+    the results line of one that wrote no rank file; {} for another name."""
+    m = _NAME.match(name)
+    if not m:
+        return {}
+    return {"model": m["model"], "lora": bool(m["lora"]), "world_size": int(m["world"]), "method": m["method"],
+            "share": float(m["share"]) if m["share"] else None, **({"batch_size": int(m["batch"])} if m["batch"] else {})}
 
 
 def _over_repeats(rows: list[dict]) -> list[dict]:

@@ -79,7 +79,12 @@ def test_summary_compares_dynamic_with_the_fastest_peer_under_the_cap_and_4_rank
     assert {r["name"]: r.get("under_cap") for r in rows}["llama-3b-x2-accelerate-ac-0.5"] is False
     _bench().summarize([str(two)])
     lines = [json.loads(line) for line in (two / "results.jsonl").read_text().splitlines()]
-    assert {line["name"]: line["status"] for line in lines}["llama-3b-x2-full-0.5"] == "error"
+    failed_line = {line["name"]: line for line in lines}["llama-3b-x2-full-0.5"]
+    assert failed_line["status"] == "error" and failed_line["method"] == "full" and failed_line["share"] == 0.5
+    # memfit report reads every line, the failed configuration's too (what its name says, the rest None)
+    from memfit.tools.report import main as report
+
+    assert report([str(two), "--output_dir", str(tmp_path / "report")]) == 0
 
 
 def test_repeats_fold_into_one_row_per_configuration_by_the_median(tmp_path):
