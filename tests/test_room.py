@@ -190,3 +190,46 @@ def test_a_bias_that_depends_on_the_plan_is_corrected_by_the_least_one():
     assert bias.observe(bucket, b, 150_000 - 300_000, tolerance) and bias.correction[bucket] == 150_000
     assert not bias.observe(bucket, b, 0, tolerance)
     assert not bias.observe(bucket, a, 300_000 - 150_000, tolerance)  # a's own bias is still 300 kB: no change
+
+
+def test_over_predictions_in_every_bucket_lower_every_buckets_prediction_by_the_least():
+    """NOTE [Over-prediction across buckets]: four steady steps in a row, in three buckets, each
+    over-predicted by more than 1% of the budget, lower the prediction of every bucket without a
+    correction of its own by the least of them, one never seen too; the plans are redone and
+    treat less. One under-prediction, or new curves, drops it."""
+    planning = _fitted_planning()
+    fresh = (4, 50)
+    fresh_before = planning.predict_peak(fresh, planning.plan_for(fresh))
+    long_plan = planning.plan_for((4, 64))
+    for key, over in (((4, 60), 40_000), ((4, 20), 60_000), ((4, 40), 30_000)):
+        predicted = planning.predict_peak(key, planning.plan_for(key))
+        assert not _steady(planning, key, predicted - over)[1]  # fewer than RUN_BIAS_STEPS
+    predicted = planning.predict_peak((4, 60), planning.plan_for((4, 60)))
+    assert _steady(planning, (4, 60), predicted - 50_000)[1]
+    assert planning.run_bias.offset == 30_000 and not list(planning.cache.items())
+    assert planning.predict_peak(fresh, planning.plan_for(fresh)) == fresh_before - 30_000
+    assert len(planning.plan_for((4, 64)).blocks) <= len(long_plan.blocks)
+    # a step predicted (before any correction) under its peak drops the offset
+    predicted = planning.predict_peak((4, 20), planning.plan_for((4, 20)))
+    assert _steady(planning, (4, 20), predicted + 35_000)[1]  # 30 kB lowered, 35 kB under: raw -5 kB
+    assert planning.run_bias.offset == 0.0
+    assert planning.predict_peak(fresh, planning.plan_for(fresh)) == fresh_before
+    # refilled, then new curves drop it
+    for key in ((4, 60), (4, 20), (4, 40), (4, 60)):
+        _steady(planning, key, planning.predict_peak(key, planning.plan_for(key)) - 40_000)
+    assert planning.run_bias.offset == 40_000
+    planning.apply(ModelUpdate(samples=[(("outside",), (4, 60), 1.0)]))
+    assert planning.run_bias.offset == 0.0
+
+
+def test_a_run_where_an_oom_is_fatal_keeps_the_envelope():
+    """Under FSDP over several ranks a step predicted under its peak is not replayed: the run's
+    offset is learnt but not applied (NOTE [Over-prediction across buckets])."""
+    planning = _fitted_planning()
+    planning.room.oom_fatal = True
+    fresh = (4, 50)
+    fresh_before = planning.predict_peak(fresh, planning.plan_for(fresh))
+    for key in ((4, 60), (4, 20), (4, 40), (4, 60)):
+        _steady(planning, key, planning.predict_peak(key, planning.plan_for(key)) - 40_000)
+    assert planning.run_bias.offset == 40_000
+    assert planning.predict_peak(fresh, planning.plan_for(fresh)) == fresh_before

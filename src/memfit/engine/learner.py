@@ -332,9 +332,11 @@ def note_bias(planning: Planning, outcome: StepOutcome, predicted: int | None) -
     (NOTE [Bias per bucket], planning.py). The caller leaves out a step that changed the curves."""
     if predicted is None or outcome.warmup or outcome.evicted:
         return ModelUpdate()
+    error = float(predicted - outcome.plain_peak)
+    run = (outcome.key, error)  # NOTE [Over-prediction across buckets], planning.py
     if planning.model.head_saved_bytes(outcome.key, outcome.plan):  # NOTE [A chunked head's step teaches less]
-        return ModelUpdate()
-    return ModelUpdate(error=(outcome.key, outcome.plan, float(predicted - outcome.plain_peak)))
+        return ModelUpdate(run_error=run)
+    return ModelUpdate(error=(outcome.key, outcome.plan, error), run_error=run)
 
 
 def learn_probes(

@@ -43,11 +43,24 @@ more than ``BIAS_SHARE`` of the budget, and the bucket's plans are redone. A cor
 offset of the bucket's static bytes, so the one peak formula still makes every prediction and
 plan of it; the bucket then plans per key (a row spans buckets). A change of the model's
 curves drops every correction: they were measured against the curves before.
+
+# NOTE [Over-prediction across buckets]
+Per bucket and plan a correction needs the same plan seen twice in its bucket, which a run of
+uneven lengths meets rarely, so the curves' envelope over-predicts every bucket step after
+step (8-18% of the cap on a 152k-vocabulary model's steps, every length band). So the run also
+keeps its last ``RUN_BIAS_STEPS`` steady steps' raw errors (before any correction; every step
+that ran its plan whole, a chunked head's too), and while all of them are over-predictions by
+more than ``BIAS_SHARE`` of the budget, every bucket without a correction of its own starts its
+predictions from its static bytes less the least of them (:class:`RunBias`): none of those steps
+would have been predicted under its peak. One under-prediction among them, or a change of the
+curves, drops it. A run where an OOM is fatal (NOTE [Room where an OOM is fatal], room.py) keeps
+the envelope: there a step predicted under its peak is not replayed.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import deque
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -74,6 +87,8 @@ logger = logging.getLogger("memfit")
 BIAS_SEEN = 2
 #: ... each by more than this share of the budget
 BIAS_SHARE = 0.01
+#: steady steps whose least over-prediction lowers every bucket's (NOTE [Over-prediction across buckets])
+RUN_BIAS_STEPS = 4
 
 
 @dataclass
@@ -85,10 +100,10 @@ class BucketBias:
     errors: dict[tuple[tuple[int, int], tuple], list[float]] = field(default_factory=dict)
     correction: dict[tuple[int, int], float] = field(default_factory=dict)
 
-    def observe(self, bucket: tuple[int, int], plan: Plan, error: float, tolerance: float) -> bool:
-        """A steady step of ``bucket`` ran ``plan`` and its (corrected) prediction erred by
-        ``error``; returns whether the bucket's correction changed."""
-        raw = float(error) + self.correction.get(bucket, 0.0)
+    def observe(self, bucket: tuple[int, int], plan: Plan, error: float, tolerance: float, applied: float | None = None) -> bool:
+        """A steady step of ``bucket`` ran ``plan`` and its prediction, corrected by ``applied``
+        (default: the bucket's correction), erred by ``error``; returns whether the bucket's correction changed."""
+        raw = float(error) + (self.correction.get(bucket, 0.0) if applied is None else applied)
         seen = self.errors.setdefault((bucket, (plan.blocks, plan.kinds, plan.head)), [])
         seen.append(raw)
         del seen[:-BIAS_SEEN]
@@ -109,6 +124,33 @@ class BucketBias:
         had = bool(self.correction)
         self.correction.clear()
         self.errors.clear()
+        return had
+
+
+@dataclass
+class RunBias:
+    """The run's last steady steps' raw prediction errors (bytes, before any correction) and the
+    offset they give every bucket without a correction of its own (NOTE [Over-prediction across
+    buckets])."""
+
+    errors: deque = field(default_factory=lambda: deque(maxlen=RUN_BIAS_STEPS))
+    offset: float = 0.0
+
+    def observe(self, raw_error: float, tolerance: float) -> bool:
+        """A steady step erred by ``raw_error`` before correction; returns whether the offset changed."""
+        self.errors.append(float(raw_error))
+        least = min(self.errors)
+        wanted = least if len(self.errors) == RUN_BIAS_STEPS and least > tolerance else 0.0
+        if wanted == self.offset or (wanted and self.offset and abs(wanted - self.offset) <= tolerance):
+            return False
+        self.offset = wanted
+        return True
+
+    def clear(self) -> bool:
+        """Drop the errors and the offset (the curves changed); returns whether there was an offset."""
+        had = bool(self.offset)
+        self.errors.clear()
+        self.offset = 0.0
         return had
 
 
@@ -135,6 +177,8 @@ class ModelUpdate:
         steady_key: a steady step's shape key, for the slack rules (None: no steady step).
         net_ms: that step's time less its treatments' predicted time (None: not timed).
         error: a steady step's shape key, plan, and predicted minus observed peak (NOTE [Bias per bucket]).
+        run_error: a steady step's shape key and predicted minus observed peak, a chunked head's
+            step too (NOTE [Over-prediction across buckets]).
     """
 
     groups: list[int] | None = None
@@ -147,6 +191,7 @@ class ModelUpdate:
     steady_key: tuple[int, int] | None = None
     net_ms: float | None = None
     error: tuple[tuple[int, int], Plan, float] | None = None
+    run_error: tuple[tuple[int, int], float] | None = None
 
 
 class Planning:
@@ -191,6 +236,7 @@ class Planning:
         self.offload_ms: Callable[[float, float], float] | None = None
         self.head: Any = None  # the LM head as a planned part (treatments/chunked_head.py HeadPart), or None
         self.bias = BucketBias()
+        self.run_bias = RunBias()
 
     def set_head(self, part: Any) -> None:
         """Plan the LM head beside the blocks from now on (NOTE [The head in the plan], planner.py); None: no more."""
@@ -259,7 +305,14 @@ class Planning:
 
     def _static_for(self, k: tuple[int, int]) -> float:
         """The static bytes a prediction at ``k`` starts from: less its bucket's correction (NOTE [Bias per bucket])."""
-        return self.static_bytes - self.bias.correction.get(bucket_key(k, self.bucket_tokens), 0.0)
+        return self.static_bytes - self.correction(bucket_key(k, self.bucket_tokens))
+
+    def correction(self, bucket: tuple[int, int]) -> float:
+        """What a prediction in ``bucket`` is lowered by: its own correction, else the run's offset
+        where an OOM is not fatal (NOTE [Over-prediction across buckets])."""
+        if bucket in self.bias.correction:
+            return self.bias.correction[bucket]
+        return 0.0 if self.room.oom_fatal else self.run_bias.offset
 
     @property
     def room_bytes(self) -> int:
@@ -458,13 +511,23 @@ def _bias_rules(planning: Planning, update: ModelUpdate) -> bool:
     dropped when its correction changes (returns whether it did)."""
     if update.samples:
         planning.bias.clear()
+        planning.run_bias.clear()
         return False
-    if update.error is None or planning.budget_bytes is None:
+    if planning.budget_bytes is None:
         return False
+    tolerance = BIAS_SHARE * planning.budget_bytes
+    changed = False
+    if update.run_error is not None:  # NOTE [Over-prediction across buckets]
+        key, error = update.run_error
+        if planning.run_bias.observe(error + planning.correction(bucket_key(key, planning.bucket_tokens)), tolerance):
+            planning.cache.clear()
+            changed = True
+    if update.error is None:
+        return changed
     key, plan, error = update.error
     bucket = bucket_key(key, planning.bucket_tokens)
-    if not planning.bias.observe(bucket, plan, error, BIAS_SHARE * planning.budget_bytes):
-        return False
+    if not planning.bias.observe(bucket, plan, error, tolerance, planning.correction(bucket)):
+        return changed
     planning.cache.drop(lambda cached: bucket_key(cached[0], planning.bucket_tokens) == bucket)
     return True
 

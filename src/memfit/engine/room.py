@@ -110,6 +110,8 @@ class Room:
     start_slack_bytes: int | None = None
     #: steady steps in a row without a retry
     clean_steps: int = 0
+    #: an OOM outside the blocks' forwards stops the run (NOTE [Room where an OOM is fatal])
+    oom_fatal: bool = False
     times: StepTimes = field(default_factory=StepTimes)
 
     def __post_init__(self) -> None:
@@ -132,7 +134,7 @@ class Room:
         if accounting == "cuda":
             least = min(ALLOCATOR_SLACK_BYTES, (budget_bytes or 0) // 16)
             slack = max(least, (budget_bytes or 0) // FATAL_OOM_SLACK_PARTS) if oom_fatal else least
-        return cls(budget_bytes, int(share * (budget_bytes or 0)), slack, start_slack_bytes=slack)
+        return cls(budget_bytes, int(share * (budget_bytes or 0)), slack, start_slack_bytes=slack, oom_fatal=oom_fatal)
 
     @property
     def free_bytes(self) -> int:

@@ -22,6 +22,8 @@ that is still too much, the budget is too small (``note_oom`` says so).
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -149,7 +151,10 @@ class Dynamic(Method):
         planning.apply(learner.grow_margin(planning, outcome, predicted))
         planning.apply(learner.grow_slack(planning, outcome))
         if not taught.samples:  # an error measured against curves that just changed says nothing
-            planning.apply(learner.note_bias(planning, outcome, predicted))
+            bias = learner.note_bias(planning, outcome, predicted)
+            if not self.plans_rows:  # one shape planned: the others' errors say nothing of it
+                bias = dataclasses.replace(bias, run_error=None)
+            planning.apply(bias)
         if not outcome.counted and learner.mispredicted(planning, outcome, predicted):
             self._count_next.add(bucket_key(outcome.key, planning.bucket_tokens))
         return predicted
