@@ -335,7 +335,11 @@ def _fused_loss(spec: HeadSpec, implementation: str, hidden, labels, *, num_item
     elif implementation == "cce":
         from cut_cross_entropy import linear_cross_entropy
 
-        total = linear_cross_entropy(rows, spec.weight, targets, bias=bias, ignore_index=ignore_index, softcap=spec.softcap, reduction="sum")
+        # filter_eps=None: every gradient block computed (its default skips those it deems small,
+        # which would leave the loss's gradient short of the model's); bias only where there is one
+        # (versions before it took none)
+        total = linear_cross_entropy(rows, spec.weight, targets, **({"bias": bias} if bias is not None else {}),
+                                     ignore_index=ignore_index, softcap=spec.softcap, reduction="sum", filter_eps=None)
     else:
         raise ValueError(f"unknown head implementation {implementation!r}; choose one of {IMPLEMENTATIONS}")
     return _normalise(total.float(), targets, num_items_in_batch, ignore_index)
