@@ -235,8 +235,7 @@ class Planning:
         self.treatments = tuple(name for name in self.registry if name != KEEP)
         self.offload_ms: Callable[[float, float], float] | None = None
         self.head: Any = None  # the LM head as a planned part (treatments/chunked_head.py HeadPart), or None
-        self.bias = BucketBias()
-        self.run_bias = RunBias()
+        self.bias, self.run_bias = BucketBias(), RunBias()  # NOTE [Bias per bucket], NOTE [Over-prediction across buckets]
 
     def set_head(self, part: Any) -> None:
         """Plan the LM head beside the blocks from now on (NOTE [The head in the plan], planner.py); None: no more."""
@@ -305,14 +304,7 @@ class Planning:
 
     def _static_for(self, k: tuple[int, int]) -> float:
         """The static bytes a prediction at ``k`` starts from: less its bucket's correction (NOTE [Bias per bucket])."""
-        return self.static_bytes - self.correction(bucket_key(k, self.bucket_tokens))
-
-    def correction(self, bucket: tuple[int, int]) -> float:
-        """What a prediction in ``bucket`` is lowered by: its own correction, else the run's offset
-        where an OOM is not fatal (NOTE [Over-prediction across buckets])."""
-        if bucket in self.bias.correction:
-            return self.bias.correction[bucket]
-        return 0.0 if self.room.oom_fatal else self.run_bias.offset
+        return self.static_bytes - _correction(self, bucket_key(k, self.bucket_tokens))
 
     @property
     def room_bytes(self) -> int:
@@ -505,6 +497,14 @@ class Planning:
 
 
 # ---------------------------------------------------------------- the bias (NOTE [Bias per bucket])
+def _correction(planning: Planning, bucket: tuple[int, int]) -> float:
+    """What a prediction in ``bucket`` is lowered by: its own correction, else the run's offset
+    where an OOM is not fatal (NOTE [Over-prediction across buckets])."""
+    if bucket in planning.bias.correction:
+        return planning.bias.correction[bucket]
+    return 0.0 if planning.room.oom_fatal else planning.run_bias.offset
+
+
 def _bias_rules(planning: Planning, update: ModelUpdate) -> bool:
     """New curve samples drop every correction (they were measured against the curves before); a
     steady step's prediction error goes to its bucket's bias, and only that bucket's plans are
@@ -519,14 +519,14 @@ def _bias_rules(planning: Planning, update: ModelUpdate) -> bool:
     changed = False
     if update.run_error is not None:  # NOTE [Over-prediction across buckets]
         key, error = update.run_error
-        if planning.run_bias.observe(error + planning.correction(bucket_key(key, planning.bucket_tokens)), tolerance):
+        if planning.run_bias.observe(error + _correction(planning, bucket_key(key, planning.bucket_tokens)), tolerance):
             planning.cache.clear()
             changed = True
     if update.error is None:
         return changed
     key, plan, error = update.error
     bucket = bucket_key(key, planning.bucket_tokens)
-    if not planning.bias.observe(bucket, plan, error, tolerance, planning.correction(bucket)):
+    if not planning.bias.observe(bucket, plan, error, tolerance, _correction(planning, bucket)):
         return changed
     planning.cache.drop(lambda cached: bucket_key(cached[0], planning.bucket_tokens) == bucket)
     return True
