@@ -18,6 +18,9 @@ The commands (from the repository root; RAW a scratch folder, OUT the published 
     python3 benchmarks/run_suite.py fsdp --calls x2 --raw /tmp/fsdp-raw --out $OUT/fsdp-x2
     python3 benchmarks/run_suite.py fsdp --calls x4-train x4 --raw /tmp/fsdp-raw --out $OUT/fsdp-x4
 
+``x2-repeats`` and ``x4-repeats`` (2 and 4 GPUs, within 560 s each): the comparison of ``dynamic``
+with ``full`` and HF checkpointing at 0.5 (3B full fine-tuning, 8B LoRA), 2 interleaved repeats.
+
 ``x4`` ends with the 4-over-2 table (``x4/scaling.md``) when the x2 job's raw folder is on the
 same machine; else, from the two published folders:
 ``python benchmarks/fsdp_bench.py summarize OUT_X2 OUT_X4 --summary scaling.md``.
@@ -62,8 +65,8 @@ SUITE = Suite(
     carry=("tokenizer",),
     keep=("*/summary.md", "*/scaling.md", "*/oom-check-*/oom_check.rank*.json"),
     notes="budgets are shares of uncapped none's per-rank peak (the largest over the ranks) measured by the same "
-          "launch first; time is the slowest rank's median step from step 8 of 16 (one run per configuration: the "
-          "job budgets allow no repeats); a configuration stops after 45 s of steps; before training the ranks "
+          "launch first; time is the slowest rank's median step from step 6 (x2 and x4: one run per configuration, "
+          "the job budgets allow no repeats; x2-repeats and x4-repeats: their cells twice, interleaved); a configuration stops after 45 s of steps; before training the ranks "
           "check the cap against the static need (weights, gradients, AdamW state and its foreach step's "
           "temporaries) and skip it together if it does not fit; an error on a rank ends the launch and the "
           "rest run in a new one; the 3B model's logits (128,256 x tokens, about 1.2 MiB a token at their peak) "
@@ -76,7 +79,7 @@ QUICK = SUITE.replace(budgets={"tiny": (0.7,)}, steps=6)
 
 
 def _matrix(ctx: Context, name: str, nproc: int, port: int, configs: list[str], job_s: float, quick: bool,
-            steps: int) -> Call:
+            steps: int, repeats: int = 1) -> Call:
     """One ``fsdp_bench.py matrix`` launch that ends ``job_s`` after the suite's calls were made, less
     what publishing and a last kill take (rule 4 of NOTE [One launch, many configurations])."""
     settings = ("--steps", steps, "--steady_from", 3, "--max_length", 64, "--config_limit_s", 60) if quick and not ctx.cuda \
@@ -85,7 +88,7 @@ def _matrix(ctx: Context, name: str, nproc: int, port: int, configs: list[str], 
     end_s = job_s - _PUBLISH_S - _GRACE_S
     command = script(ctx, "fsdp_bench.py", "matrix", "--output_dir", ctx.folder(f"fsdp/{name}"), "--nproc", nproc,
                      "--port", port, "--deadline_s", end_s, "--end_unix_s", round(time.time() + end_s),
-                     "--grace_s", _GRACE_S, *settings, *configs)
+                     "--grace_s", _GRACE_S, "--repeats", repeats, *settings, *configs)
     return Call(name, [command], folder=f"fsdp/{name}", timeout_s=job_s, env={} if ctx.cuda else {"OMP_NUM_THREADS": "1"})
 
 
@@ -135,4 +138,18 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
                      ctx.folder("fsdp/x4") / "scaling.md")
     out.append(Call(x4_call.name, [*x4_call.commands, scaling], folder=x4_call.folder, timeout_s=x4_call.timeout_s,
                     env=x4_call.env))
-    return out
+    return out if ctx.quick else out + _repeated_cells(ctx)
+
+
+#: the cells run with 2 interleaved repeats (``x2-repeats``, ``x4-repeats``): dynamic against full and HF
+#: checkpointing at 0.5, full fine-tuning of the 3B shape and LoRA of the 8B one
+REPEATED = ("llama-3b/none", "llama-3b/dynamic@0.5", "llama-3b/full@0.5", "llama-3b/hf-ckpt@0.5", "llama-8b+lora/none",
+            "llama-8b+lora/dynamic@0.5", "llama-8b+lora/hf-ckpt@0.5")
+
+
+def _repeated_cells(ctx: Context) -> list[Call]:
+    """Issue 41's comparison with 2 interleaved repeats, 14 steps each, one call per GPU count, each
+    within 560 s (results: nvidia-h100-x2/fsdp and nvidia-h100-x4/fsdp, with the 4-over-2 table from
+    ``fsdp_bench.py summarize X4 X2 --summary``)."""
+    return [_matrix(ctx, f"x{n}-repeats", n, port, list(REPEATED), 560, False, 14, repeats=2)
+            for n, port in ((2, 29715), (4, 29714))]
