@@ -499,45 +499,43 @@ class HeadSwitch:
         if self.probe is not None:
             probe, self.probe = self.probe, None
             probe(hidden, labels if "shift_labels" not in pending else None)
+        return self._recovering(lambda: self._loss(output, hidden, labels, pending), hidden)
+
+    def _recovering(self, compute: Callable[[], Any], hidden: torch.Tensor) -> Any:
+        """``compute()``; where an OOM in it is survived (``on_oom`` set: NOTE [Replay under FSDP],
+        replay.py), once more with the head in the chunk count ``on_oom`` returns."""
         if self.on_oom is None:
-            return self._loss(output, hidden, labels, pending)
+            return compute()
         message = None
         try:
-            return self._loss(output, hidden, labels, pending)
+            return compute()
         except torch.OutOfMemoryError as err:
             message = str(err)  # handled outside the except block, so the failed attempt's frames are freed
         n_chunks = self.on_oom(message, hidden.shape[:-1].numel())
         self.treatment, self.n_chunks, self.implementation = "chunked", n_chunks, "pure"
-        return self._loss(output, hidden, labels, pending)
+        return compute()
 
     def _loss(self, output: Any, hidden: torch.Tensor, labels: torch.Tensor, pending: dict[str, Any]) -> Any:
         if self.treatment == "keep":
             logits = self.spec.logits(hidden)
             loss = self.spec.causal_lm.loss_function(logits=logits, labels=labels, vocab_size=self.spec.vocab_size, **pending)
             return self._output(output, loss, logits)
-
-        def chunked(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-            if self.implementation == "pure":
-                loss = chunked_causal_lm_loss(self._logits, h, labels, self.n_chunks, **pending)
-            elif self.implementation == "pure_grad_in_forward":
-                loss = _grad_in_forward_loss(self.spec, h, labels, self.n_chunks, **pending)
-            else:
-                loss = _fused_loss(self.spec, self.implementation, h, labels, **pending)
-            logits = None
-            if self.logits_mode == "detached":
-                with torch.no_grad():
-                    logits = self._logits(h)
-            return loss, logits
-
-        loss, logits = chunked(hidden)
+        if self.implementation == "pure":
+            loss = chunked_causal_lm_loss(self.spec.logits, hidden, labels, self.n_chunks, **pending)
+        elif self.implementation == "pure_grad_in_forward":
+            loss = _grad_in_forward_loss(self.spec, hidden, labels, self.n_chunks, **pending)
+        else:
+            loss = _fused_loss(self.spec, self.implementation, hidden, labels, **pending)
         self.chunked_forwards += 1
+        logits = None
+        if self.logits_mode == "detached":
+            with torch.no_grad():
+                logits = self.spec.logits(hidden)
         return self._output(output, loss, logits)
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The logits of ``hidden`` as the chunks compute them: ``lm_head`` called, or inside its own
-        FSDP unit its weight read where it is gathered (NOTE [The head as its own FSDP unit])."""
-        if not self.unit:
-            return self.spec.logits(hidden)
+    def _unit_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of ``hidden`` from ``lm_head``'s weight where FSDP gathered it, without a call of
+        ``lm_head`` (NOTE [The head as its own FSDP unit])."""
         lm_head = self.spec.lm_head
         return self.spec.post(F.linear(hidden, lm_head.weight, lm_head.bias))
 
@@ -547,16 +545,7 @@ class HeadSwitch:
         or an empty tensor made from the loss (``chunked``) (NOTE [The head as its own FSDP unit])."""
         pending = dict(self._pending)
         labels = pending.pop("labels")
-        message = None
-        try:
-            return self._unit_loss(hidden, labels, pending)
-        except torch.OutOfMemoryError as err:
-            if self.on_oom is None:
-                raise
-            message = str(err)  # handled outside the except block, so the failed attempt's frames are freed
-        n_chunks = self.on_oom(message, hidden.shape[:-1].numel())
-        self.treatment, self.n_chunks, self.implementation = "chunked", n_chunks, "pure"
-        return self._unit_loss(hidden, labels, pending)
+        return self._recovering(lambda: self._unit_loss(hidden, labels, pending), hidden)
 
     def _unit_loss(self, hidden: torch.Tensor, labels: torch.Tensor, pending: dict[str, Any]) -> torch.Tensor:
         spec = self.spec
@@ -565,11 +554,11 @@ class HeadSwitch:
             loss = spec.causal_lm.loss_function(logits=spec.post(raw), labels=labels, vocab_size=spec.vocab_size, **pending)
             self._stash = (loss, None, False)
             return raw
-        loss = chunked_causal_lm_loss(self._logits, hidden, labels, self.n_chunks, **pending)
+        loss = chunked_causal_lm_loss(self._unit_logits, hidden, labels, self.n_chunks, **pending)
         logits = None
         if self.logits_mode == "detached":
             with torch.no_grad():
-                logits = self._logits(hidden)
+                logits = self._unit_logits(hidden)
         self.chunked_forwards += 1
         self._stash = (loss, logits, True)
         return loss.reshape(1, 1, 1).expand(hidden.shape[0], 0, spec.vocab_size)

@@ -27,8 +27,9 @@ recompute, as does every later block of the step, and the step goes on to the en
 collectives in step with the other ranks, its gradients wrong; the failed attempt is noted when
 it is raised (its stage and memory readings are the failure's), and the rest of the step is not
 recorded. An OOM in a planned LM head (its logits and loss, after the last block) is kept in
-step the same way: the head holds no collectives (FSDP2 keeps the root's parameters gathered
-from the forward to the end of the backward), so its loss is computed again in its most chunks. After each micro-step the ranks
+step the same way: its loss is computed again in its most chunks, which makes no collective of
+its own (the weight is gathered for the call it runs in: NOTE [The head as its own FSDP unit],
+head.py). After each micro-step the ranks
 agree, by one all-reduce of a flag, whether any of them failed (its cost: a collective of four
 bytes and the host waiting for the backward, once per micro-step); if one did, every rank drops
 the window's gradients and replays it (NOTE [Replay in a plain loop]), the failed rank with a

@@ -15,8 +15,8 @@ accounting has no allocator: its slack is 0.
 
 # NOTE [Room where an OOM is fatal]
 The slack is learnt from an OOM, which a run must survive to learn from. Under FSDP with several
-ranks an OOM outside a block's forward (the head, a backward) stops every rank (NOTE [Replay
-under FSDP], replay.py), so such a run starts with the slack the allocator may need, not the
+ranks an OOM outside the blocks' forwards and the planned LM head (a backward, or a head memfit
+does not plan) stops every rank (NOTE [Replay under FSDP], replay.py), so such a run starts with the slack the allocator may need, not the
 least it usually needs: ``budget / FATAL_OOM_SLACK_PARTS``. Sharded LoRA runs have stopped at
 such an OOM with 1.7-2.2% of their budgets reserved but not allocated, above the 256 MiB that a
 replayable run starts with (docs/devlog.md, FSDP on 2 and 4 GPUs).
