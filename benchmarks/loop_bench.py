@@ -43,7 +43,8 @@ memfit configuration, and a name's head part (``dynamic+head``, ``dynamic+head-o
 default. Every memfit line at a budget is compared with the fastest fixed policy (a peer) that fits the
 same cap, step by step (``fastest_fixed``, ``step_ratio_vs_fastest_fixed``: NOTE [Against the fastest
 fixed policy]), also tabled in ``<folder>.vs_fixed.md`` (the output folder's name: calls publish side by side). ``--no_cudnn_sdpa`` turns cuDNN attention off (an OOM
-inside it poisons later cuDNN calls of the process); ``--config_time_limit_s`` stops a configuration
+inside it can poison later cuDNN calls of the process); without it, each configuration starts with cuDNN's attention on,
+and its line's ``cudnn_sdpa`` says whether it was still on at its end (memfit turns it off where it fails); ``--config_time_limit_s`` stops a configuration
 that runs long (status ``time_limit``); ``--device cpu`` with ``--config_overrides`` (a tiny model) is a
 dry run of a command: memfit's logical accounting, host-clock times.
 
@@ -282,9 +283,14 @@ def _versions(args) -> dict:
 
     device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     out = {"device": device, "torch": torch.__version__, "transformers": transformers.__version__}
-    if args.no_cudnn_sdpa:
-        out["cudnn_sdpa"] = False
+    if args.device == "cuda":  # at the configuration's end: memfit turns it off where it failed (replay.py)
+        out["cudnn_sdpa"] = torch.backends.cuda.cudnn_sdp_enabled()
     return out
+
+
+#: cuDNN's attention as each configuration starts (off with --no_cudnn_sdpa): one configuration's
+#: switch (memfit turns it off for the process where it fails) does not carry into the next
+CUDNN_SDPA = {"on": True}  # set from torch at the start
 
 
 def _reset_weights(model, initial) -> list:
@@ -307,6 +313,7 @@ def _release(fraction: float = 1.0) -> None:
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(fraction)
+        torch.backends.cuda.enable_cudnn_sdp(CUDNN_SDPA["on"])
 
 
 class _Clock:
@@ -958,12 +965,13 @@ def main(argv: list[str]) -> int:
     if args.device != "cuda" and set(pairs) & set(args.methods):
         raise SystemExit(f"--methods {' '.join(sorted(set(pairs) & set(args.methods)))}: pairs run on CUDA only; "
                          "leave them out with --device cpu")
-    if args.no_cudnn_sdpa:
-        import torch
+    import torch
 
-        # NOTE [cuDNN attention off]: an OOM inside cuDNN's attention leaves later cuDNN calls of
-        # the process failing, so one configuration's OOM would spoil every later one.
+    if args.no_cudnn_sdpa:
+        # NOTE [cuDNN attention off]: an OOM inside cuDNN's attention can leave later cuDNN calls of
+        # the process failing, which a peer (no replay) would meet in a later configuration.
         torch.backends.cuda.enable_cudnn_sdp(False)
+    CUDNN_SDPA["on"] = torch.backends.cuda.cudnn_sdp_enabled()
     unknown = [m for m in args.methods if not known(m) and m not in pairs] + [m for m in args.last if not known(m)]
     if unknown:
         raise SystemExit(f"unknown method(s) {', '.join(unknown)}: choose from "

@@ -15,7 +15,7 @@ def test_head_registers_its_own_treatments():
 
 
 def test_head_options_bytes_from_the_formula_and_rising():
-    tokens, vocab, hidden = 64, 5000, 32
+    tokens, vocab, hidden = 16, 5000, 32
     options = head_options(tokens, vocab, hidden, torch.bfloat16, extra_ms=2.0, per_chunk_ms=0.5)
     assert options[0] == ("keep", 1, 0, 0.0)
     kept = head_saved_bytes(tokens, vocab, hidden, torch.bfloat16, "keep")

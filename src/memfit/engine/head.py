@@ -604,8 +604,11 @@ def head_saved_bytes(
     NOTE [Head bytes]
     ``keep``: cross-entropy's ``log_softmax`` keeps its float32 output (``tokens x vocab x 4``);
     soft-capping keeps its ``tanh`` output in the model's dtype; ``lm_head`` keeps its input
-    (``tokens x hidden``), cross-entropy its int64 targets. The returned logits (model dtype) live as long as the outputs, and in a
-    half-precision model the float32 upcast lives until ``log_softmax`` has run: the transient.
+    (``tokens x hidden``), cross-entropy its int64 targets. The transient is the head's backward,
+    the step's first moment after its forward's end, every activation still held: ``nll_loss``'s
+    gradient and ``log_softmax``'s (float32 each) beside the returned logits (model dtype, alive
+    as long as the outputs): ``tokens x vocab x (size + 8)``, more than the forward's logits and
+    float32 upcast. The caller's loop may drop the outputs first, so this is an upper bound.
     ``chunked``: only the hidden rows are kept (``tokens x hidden``, shared with the body's output);
     one chunk at a time holds its logits in the model's dtype, their float32 copy, ``log_softmax``'s
     output and, in backward, its gradient (float32): the transient. ``pure_grad_in_forward`` keeps the
@@ -619,8 +622,7 @@ def head_saved_bytes(
     hidden_bytes = tokens * hidden * size + tokens * 8  # the rows and their int64 targets
     if treatment == "keep":
         saved = tokens * vocab * 4 + (tokens * vocab * size if softcap else 0) + hidden_bytes
-        transient = tokens * vocab * size + (tokens * vocab * 4 if size != 4 else 0)
-        return HeadBytes(saved, transient)
+        return HeadBytes(saved, tokens * vocab * (size + 8))
     if treatment == "chunked":
         if implementation in FUSED:
             n_chunks, implementation = fused_chunks(tokens, vocab, hidden), "pure_grad_in_forward"

@@ -40,11 +40,16 @@ its failed forward may have issued some of their all-gathers, which a rerun woul
 
 # NOTE [cuDNN attention after an OOM]
 On CUDA an OOM raised inside cuDNN's scaled-dot-product attention can leave cuDNN's attention
-unusable for the rest of the process (later calls fail in ``mha_graph.execute`` with
-``is_good()``), which would fail the very replay that is meant to recover. So after the first
-OOM on CUDA the replayer turns cuDNN's SDPA backend off for the rest of the process
-(:func:`avoid_cudnn_attention`; PyTorch then picks flash or memory-efficient attention, which
-compute the same attention) and says so once; a process with it already off is left alone.
+failing for the rest of the process (later calls raise in ``mha_graph.execute`` with
+``is_good()``), and cuDNN's attention fails so at times under a tight cap without any OOM. Turning
+it off costs much: PyTorch's flash or memory-efficient attention computes the same attention, but
+on an H100 a step of long batches takes up to 40% longer without cuDNN's. So it stays on through
+an OOM, and the failure itself is the signal: a micro-step that raises a ``RuntimeError`` naming
+cuDNN while its attention is on (:func:`cudnn_attention_failed`) turns it off for the rest of the
+process, says so once, and is replayed with the same plan (:func:`avoid_cudnn_attention`); a
+second such error is raised. Under FSDP with several ranks a failure on one rank could not be
+replayed in step (the others would wait in their next collective), so there the first OOM on
+CUDA turns it off at once, as before.
 """
 
 from __future__ import annotations
@@ -70,7 +75,7 @@ if TYPE_CHECKING:
     from memfit.engine.meter import Meter
     from memfit.engine.treatments import Treatment
 
-__all__ = ["MAX_OOM_RETRIES", "describe_attempt", "OomLog", "after_oom", "avoid_cudnn_attention", "MicroStep", "Replayer",
+__all__ = ["MAX_OOM_RETRIES", "describe_attempt", "OomLog", "after_oom", "avoid_cudnn_attention", "cudnn_attention_failed", "MicroStep", "Replayer",
            "rng_state", "set_rng_state"]
 
 logger = logging.getLogger("memfit")
@@ -182,15 +187,22 @@ def after_oom(
                    format_bytes(planning.margin_bytes + planning.slack_bytes))
 
 
+def cudnn_attention_failed(err: BaseException) -> bool:
+    """Whether ``err`` (not an OOM) may be cuDNN's attention failing: it names cuDNN, or cuDNN's
+    attention graph (NOTE [cuDNN attention after an OOM])."""
+    text = str(err)
+    return not isinstance(err, torch.OutOfMemoryError) and ("mha_graph" in text or "cudnn" in text.lower())
+
+
 def avoid_cudnn_attention() -> bool:
-    """After an OOM on CUDA, turn cuDNN's SDPA backend off for the rest of the process and say so
-    once (NOTE [cuDNN attention after an OOM]). Returns whether it was turned off now."""
+    """Turn cuDNN's SDPA backend off for the rest of the process and say so once (NOTE [cuDNN
+    attention after an OOM]). Returns whether it was turned off now (False on CPU, or already off)."""
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()) or not torch.backends.cuda.cudnn_sdp_enabled():
         return False
     torch.backends.cuda.enable_cudnn_sdp(False)
-    logger.warning("memfit: after an out-of-memory error, cuDNN's attention is turned off for the rest of this process "
-                   "(an OOM inside it can leave it failing; PyTorch's flash or memory-efficient attention computes "
-                   "the same attention; NOTE [cuDNN attention after an OOM] in memfit/engine/replay.py)")
+    logger.warning("memfit: cuDNN's attention is turned off for the rest of this process (it failed, or may after an "
+                   "out-of-memory error under FSDP; PyTorch's flash or memory-efficient attention computes the same "
+                   "attention, more slowly; NOTE [cuDNN attention after an OOM] in memfit/engine/replay.py)")
     return True
 
 
@@ -323,14 +335,19 @@ class Replayer:
                 del result
             except torch.OutOfMemoryError as err:
                 message = str(err)  # recovered outside the except block, so its frames are freed
-                avoid_cudnn_attention()
                 if together is not None:
                     raise BudgetTooSmallError(
                         f"{message}\nmemfit: under FSDP with several ranks, an OOM outside the blocks' forwards and the "
                         "planned LM head (a backward, or a head memfit does not plan) cannot be replayed in step with the other ranks "
                         f"(NOTE [Replay under FSDP] in memfit/engine/replay.py); raise {raise_what}, or lower the batch size"
                     ) from None
-            if together is None:
+            except RuntimeError as err:
+                if together is not None or not cudnn_attention_failed(err) or not avoid_cudnn_attention():
+                    raise
+                message = None  # NOTE [cuDNN attention after an OOM]: the same plan again, cuDNN's attention off
+            if together is None and message is None:
+                self._drop_step()
+            elif together is None:
                 self._note_oom(message)  # raises when no safer plan exists
             elif together.message is None:
                 self._drop_step()  # another rank failed: replay with this rank's own plan
@@ -392,6 +409,7 @@ class _InStep:
             logger.warning("memfit: out of memory in %s; the step runs to its end in step with the other ranks, then "
                            "every rank replays it", where)
             replayer._note_oom(message)
+            avoid_cudnn_attention()  # NOTE [cuDNN attention after an OOM]: no failure could be replayed in step
         gc.collect()
         replayer._release()
 

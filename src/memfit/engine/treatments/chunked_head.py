@@ -96,7 +96,7 @@ def head_options(
 
     Example:
         >>> [o[:2] for o in head_options(8, 1000, 16, torch.float32, 1.0, 0.1)]
-        [('keep', 1), ('chunked', 4), ('chunked', 8)]
+        [('keep', 1), ('chunked', 2), ('chunked', 4), ('chunked', 8)]
     """
     kept = head_saved_bytes(tokens, vocab, hidden, dtype, KEEP, softcap=softcap)
     kept_peak = kept.saved_bytes + (kept.transient_bytes if transient else 0)
