@@ -661,7 +661,7 @@ def test_lm_head_bytes_are_memfits_head_formula_kept_and_chunked():
     assert head.chunked.transient_bytes <= head.kept.transient_bytes // 16
     assert head_saved_bytes(2048, 32000, 64, torch.bfloat16, "chunked", head.n_chunks - 1).transient_bytes > head.kept.transient_bytes // 16
     assert head.bytes("keep") > 10 * head.bytes("chunked")
-    assert lm_head_bytes(profile, 2048, "fp32").kept.transient_bytes == 2048 * 32000 * 4  # fp32 logits: no upcast
+    assert lm_head_bytes(profile, 2048, "fp32").kept.transient_bytes == 2048 * 32000 * (4 + 8)  # both float32 gradients beside the logits
     assert lm_head_bytes(ModelProfile.from_config(tiny_config(), "text-classification"), 2048) is None
 
 

@@ -323,11 +323,11 @@ def _peak_bytes(fn) -> int:
 def test_the_kept_heads_peak_is_its_backward_and_the_formula_covers_it(dtype):
     """NOTE [Head bytes]: with the logits held by the outputs, the kept head's peak is its backward
     (both float32 gradients beside the logits), measured by the allocator on CPU: the formula's
-    saved + transient covers it within 5%, and chunking's does too (an upper bound there)."""
+    saved + transient covers it within 5%; so does chunking's, a chunk's backward at its peak."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     tokens, vocab, hidden = 512, 8192, 64
-    weight = torch.randn(vocab, hidden, dtype=dtype, requires_grad=True)
+    weight = torch.randn(vocab, hidden, dtype=dtype)  # its gradient is static memory, not the head's
     rows = torch.randn(1, tokens, hidden, dtype=dtype, requires_grad=True)
     labels = torch.randint(0, vocab, (1, tokens))
 
@@ -344,7 +344,8 @@ def test_the_kept_heads_peak_is_its_backward_and_the_formula_covers_it(dtype):
     assert got <= want.saved_bytes + want.transient_bytes <= 1.05 * got + 4 * tokens * hidden, (got, want)
     assert got > (4 + torch.tensor([], dtype=dtype).element_size() + 4) * logits_bytes  # more than the forward's moment
     want = head_saved_bytes(tokens, vocab, hidden, dtype, "chunked", 4)
-    assert _peak_bytes(chunked) <= want.saved_bytes + want.transient_bytes
+    got = _peak_bytes(chunked)
+    assert got <= want.saved_bytes + want.transient_bytes <= 1.05 * got + 4 * tokens * hidden, (got, want)
 
 
 def test_fit_trains_a_large_vocabulary_decoder_only_a_chunked_head_fits():

@@ -117,3 +117,24 @@ def test_a_fused_kernel_is_offered_at_its_own_chunk_count_only():
         assert [o[:2] for o in options] == [("keep", 1), ("chunked", n)] and n == 99
         fused = head_saved_bytes(tokens, vocab, hidden, torch.bfloat16, "chunked", 7, implementation=implementation)
         assert fused == head_saved_bytes(tokens, vocab, hidden, torch.bfloat16, "chunked", n, implementation="pure_grad_in_forward")
+
+
+def test_a_steps_head_saving_holds_for_a_count_the_options_no_longer_offer():
+    """NOTE [A step's head as it ran]: a warm-up step planned before the probe changed the options
+    (a fused kernel's own count, or pure's) still saves the kept head's bytes less its chunked ones."""
+    from memfit.engine.head import attach_head
+
+    model = _decoder()
+    part = HeadPart(attach_head(model), extra_ms=1.0, per_chunk_ms=0.01)
+    tokens = 4 * 64
+    offered = {n: saved for name, n, saved, _ in part.options(tokens) if name == "chunked"}
+    assert offered and 3 not in offered
+    spec = part.switch.spec
+    kept = head_saved_bytes(tokens, spec.vocab_size, spec.weight.shape[-1], spec.weight.dtype, "keep")
+    three = head_saved_bytes(tokens, spec.vocab_size, spec.weight.shape[-1], spec.weight.dtype, "chunked", 3)
+    saving = part.saved_bytes(tokens, ("chunked", 3))
+    assert saving == kept.saved_bytes + kept.transient_bytes - three.saved_bytes - three.transient_bytes > 0
+    assert min(offered.values()) < saving < max(offered.values())  # between its neighbours' counts
+    n = min(offered)
+    assert part.saved_bytes(tokens, ("chunked", n)) == offered[n]  # an offered count: the option's bytes
+    assert part.saved_bytes(tokens, ("keep", 1)) == 0 and part.saved_bytes(tokens, None) == 0

@@ -96,6 +96,36 @@ def test_the_slack_shrinks_back_after_clean_steps_but_never_below_its_start_or_a
     assert not any(room.after_clean_step() for _ in range(3 * SHRINK_AFTER_CLEAN_STEPS))  # an OOM measured it
 
 
+def test_the_margin_shrinks_while_steps_keep_to_their_predictions():
+    """NOTE [The margin follows the misses]: after MARGIN_CLEAN_STEPS steady steps without a growing
+    miss, the margin shrinks in one step to the larger of the least share and 1.25 x the misses of
+    the last MARGIN_MISS_STEPS; a miss grows it and restarts the count; an OOM's margin is a floor from then on."""
+    from memfit.engine.room import LEAST_MARGIN_SHARE, MARGIN_CLEAN_STEPS, MARGIN_MISS_STEPS
+
+    budget = 2**30
+    room = Room.for_run(budget, "cuda")
+    least = int(LEAST_MARGIN_SHARE["cuda"] * budget)
+    assert room.start_margin_bytes == room.margin_bytes > least
+    small = least // 2  # a miss inside the margin: no growth, but the floor reads it
+    shrank = [room.after_miss(m) for m in [-2**20] * (MARGIN_CLEAN_STEPS - 1) + [small]]
+    assert shrank == [False] * (MARGIN_CLEAN_STEPS - 1) + [True] and room.margin_bytes == least
+    assert not any(room.after_miss(0) for _ in range(3 * MARGIN_CLEAN_STEPS)) and room.margin_bytes == least
+    assert room.after_miss(2 * least) and room.margin_bytes == int(1.25 * 2 * least)  # grows, the count restarts
+    assert not any(room.after_miss(0) for _ in range(MARGIN_MISS_STEPS - 2))  # the miss is among the last steps
+    assert not room.after_miss(0, shrinks=False)  # static's: one plan for every shape
+    assert room.after_miss(0) and room.margin_bytes == least  # the grown miss has left them
+    assert room.after_oom(0) and room.margin_bytes == least + budget // 20
+    assert not any(room.after_miss(0) for _ in range(3 * MARGIN_CLEAN_STEPS))  # an OOM's margin is the floor
+    assert room.start_margin_bytes == int(0.03 * budget)
+
+
+@pytest.mark.parametrize("share, accounting, fatal", [(0.1, "cuda", False), (None, "logical", False), (None, "cuda", True)])
+def test_the_margin_never_shrinks_when_set_by_the_caller_counted_or_where_an_oom_is_fatal(share, accounting, fatal):
+    room = Room.for_run(2**30, accounting, share, oom_fatal=fatal)
+    margin = room.margin_bytes
+    assert not any(room.after_miss(-2**20) for _ in range(40)) and room.margin_bytes == margin
+
+
 def test_step_times_price_a_retry_against_the_buckets_clean_steps():
     times = StepTimes()
     assert times.retry_ms((8, 64), 130.0) is None  # nothing to compare with yet

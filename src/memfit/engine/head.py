@@ -610,8 +610,9 @@ def head_saved_bytes(
     as long as the outputs): ``tokens x vocab x (size + 8)``, more than the forward's logits and
     float32 upcast. The caller's loop may drop the outputs first, so this is an upper bound.
     ``chunked``: only the hidden rows are kept (``tokens x hidden``, shared with the body's output);
-    one chunk at a time holds its logits in the model's dtype, their float32 copy, ``log_softmax``'s
-    output and, in backward, its gradient (float32): the transient. ``pure_grad_in_forward`` keeps the
+    one chunk at a time runs its forward again in backward and holds, at its peak, ``log_softmax``'s
+    float32 output with the two float32 gradients (its logits and their upcast are freed by then:
+    12 bytes per logit, whatever the dtype): the transient. ``pure_grad_in_forward`` keeps the
     hidden rows' gradient instead of the rows and targets and, when ``lm_head``'s weight trains
     (``weight_trains``), its float32 gradient (``vocab x hidden x 4``). The fused kernels (:data:`FUSED`)
     chunk the tokens themselves and take each chunk's gradient in forward: they are priced as
@@ -629,7 +630,7 @@ def head_saved_bytes(
         rows = -(-tokens // max(1, n_chunks))
         if implementation == "pure_grad_in_forward":
             return HeadBytes(tokens * hidden * size + (vocab * hidden * 4 if weight_trains else 0), rows * vocab * (size + 4 + 4 + 4))
-        return HeadBytes(hidden_bytes, rows * vocab * (size + 4 + 4 + 4))
+        return HeadBytes(hidden_bytes, rows * vocab * 12)
     raise ValueError(f"head treatment must be one of {HEAD_TREATMENTS}, got {treatment!r}")
 
 
@@ -647,7 +648,7 @@ def chunks_for_bytes(tokens: int, vocab: int, dtype: torch.dtype, transient_byte
 
     Example:
         >>> chunks_for_bytes(16384, 151936, torch.bfloat16, 2**30)
-        33
+        28
     """
     per_token = head_saved_bytes(1, vocab, 0, dtype, "chunked").transient_bytes
     rows = max(1, transient_bytes // per_token)

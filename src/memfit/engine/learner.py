@@ -266,7 +266,7 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
             transient_path = ("transient_partial",)
         if transient_path is not None:
             curves.append((transient_path, getattr(model, transient_path[0]), transient))
-    step_under = bool(evicted) or (miss is not None and miss > planning.margin_bytes / 4)
+    step_under = bool(evicted) or (miss is not None and miss > _teaching_margin(planning) / 4)
     b = planning.bucket_tokens
     step_over = (
         miss is not None and planning.budget_bytes is not None and -miss > 0.01 * planning.budget_bytes
@@ -309,7 +309,13 @@ def mispredicted(planning: Planning, outcome: StepOutcome, predicted: int | None
     if predicted is None or outcome.warmup:
         return False
     miss = outcome.plain_peak - predicted
-    return miss > planning.margin_bytes / 4 or (planning.budget_bytes is not None and -miss > 0.01 * planning.budget_bytes)
+    return miss > _teaching_margin(planning) / 4 or (planning.budget_bytes is not None and -miss > 0.01 * planning.budget_bytes)
+
+
+def _teaching_margin(planning: Planning) -> int:
+    """The margin whose quarter a miss must pass to teach: the margin, never below the one the run
+    started with (NOTE [The margin follows the misses], room.py: noise must not move the curves)."""
+    return max(planning.margin_bytes, planning.room.start_margin_bytes or 0)
 
 
 def grow_margin(planning: Planning, outcome: StepOutcome, predicted: int | None) -> ModelUpdate:

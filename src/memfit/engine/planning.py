@@ -187,6 +187,8 @@ class ModelUpdate:
     optimizer_above_static: float | None = None
     static_bytes: int = 0
     miss_bytes: int | None = None
+    #: whether the margin may shrink after this step (NOTE [The margin follows the misses], room.py)
+    margin_shrinks: bool = True
     alloc_retries: bool = False
     steady_key: tuple[int, int] | None = None
     net_ms: float | None = None
@@ -257,8 +259,8 @@ class Planning:
         return self.room.margin_bytes
 
     @margin_bytes.setter
-    def margin_bytes(self, value: int) -> None:
-        self.room.margin_bytes = int(value)
+    def margin_bytes(self, value: int) -> None:  # set from outside: only grows from here (NOTE [The margin follows the misses])
+        self.room.margin_bytes = self.room.least_margin_bytes = self.room.start_margin_bytes = int(value)
         self.cache.clear()
 
     @property
@@ -477,7 +479,7 @@ class Planning:
                 model.optimizer_bytes = float(above)
                 changed |= self.budget_bytes is None or self.max_static_bytes + above > self.room_bytes
         if update.miss_bytes is not None:
-            changed |= self.room.after_miss(update.miss_bytes)
+            changed |= self.room.after_miss(update.miss_bytes, shrinks=update.margin_shrinks)
         if update.steady_key is not None:
             changed |= _slack_rules(self, update)
         if changed:

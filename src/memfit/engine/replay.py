@@ -43,13 +43,14 @@ On CUDA an OOM raised inside cuDNN's scaled-dot-product attention can leave cuDN
 failing for the rest of the process (later calls raise in ``mha_graph.execute`` with
 ``is_good()``), and cuDNN's attention fails so at times under a tight cap without any OOM. Turning
 it off costs much: PyTorch's flash or memory-efficient attention computes the same attention, but
-on an H100 a step of long batches takes up to 40% longer without cuDNN's. So it stays on through
+a step of long batches took up to 40% longer without cuDNN's (docs/devlog.md). So it stays on through
 an OOM, and the failure itself is the signal: a micro-step that raises a ``RuntimeError`` naming
 cuDNN while its attention is on (:func:`cudnn_attention_failed`) turns it off for the rest of the
 process, says so once, and is replayed with the same plan (:func:`avoid_cudnn_attention`); a
 second such error is raised. Under FSDP with several ranks a failure on one rank could not be
 replayed in step (the others would wait in their next collective), so there the first OOM on
-CUDA turns it off at once, as before.
+CUDA turns it off at once. ``benchmarks/cudnn_oom.py`` measures both: what cuDNN's attention is
+worth, and whether it survives an OOM raised inside it.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 # NOTE [Room]
 A plan must fit the *room*: the budget less the margin and the allocator's slack. The margin
 covers prediction error: it starts at a share of the budget (``DEFAULT_MARGIN_SHARE``, per
-accounting: the allocator's readings err more than counted tensors) and grows after a steady
+accounting: the allocator's readings err more than counted tensors), shrinks while steps keep
+to their predictions (NOTE [The margin follows the misses]) and grows after a steady
 step above its prediction (to ``MISS_MARGIN_FACTOR`` × the miss) or an OOM the slack does not
 explain (by the budget over ``OOM_MARGIN_PARTS``). The slack is memory the caching allocator
 reserves but cannot hand out (the free tails of partly used pages), which no release returns;
@@ -37,6 +38,21 @@ same step, not below where it started, after ``SHRINK_AFTER_CLEAN_STEPS`` steady
 without a retry: plans then use the room again, and a retry that comes back is priced against
 measured clean steps.
 
+# NOTE [The margin follows the misses]
+A margin fixed at its starting share keeps that share of the budget unused for the whole run
+however well the model predicts: the longest batches of an SFT run peaked at 90-94% of the cap
+with every steady step within 0.5% of the budget above its prediction (docs/devlog.md). So after
+``MARGIN_CLEAN_STEPS`` steady steps in a row without a miss that grew it, the margin shrinks, in
+one step (every change of the room drops the cached plans), to the larger of
+``LEAST_MARGIN_SHARE`` of the budget (the allocator's readings still err) and
+``MISS_MARGIN_FACTOR`` × the largest miss of the last ``MARGIN_MISS_STEPS`` steady steps (a shape
+that missed once recurs: a margin shrunk below its miss would grow and shrink with it). An OOM the slack does not explain raises
+the margin and makes that the floor for the rest of the run (an OOM costs a replay; shrinking back
+would pay one again). What makes a step teach stays a quarter of the starting margin (learner.py:
+noise must not move the curves). It never shrinks where an OOM is fatal, where the caller set the
+margin, for a method with one plan for every shape (``static``), nor under logical accounting
+(its counted bytes do not err as the allocator does).
+
 Every rule returns whether the room changed; its owner (``Planning``) then drops the plans
 made for the room before.
 """
@@ -50,7 +66,7 @@ from dataclasses import dataclass, field
 __all__ = [
     "Room", "StepTimes", "DEFAULT_MARGIN_SHARE", "ALLOCATOR_SLACK_BYTES", "RETRY_SLACK_SHARE", "MAX_RETRY_SLACK_SHARE",
     "OOM_MARGIN_PARTS", "MISS_MARGIN_FACTOR", "SLACK_FACTOR", "SHRINK_AFTER_CLEAN_STEPS", "CLEAN_STEPS_KEPT",
-    "FATAL_OOM_SLACK_PARTS",
+    "FATAL_OOM_SLACK_PARTS", "LEAST_MARGIN_SHARE", "MARGIN_CLEAN_STEPS", "MARGIN_MISS_STEPS",
 ]
 
 #: the margin's share of the budget before any step erred, per accounting (the meter's kind)
@@ -74,6 +90,12 @@ SHRINK_AFTER_CLEAN_STEPS = 32
 CLEAN_STEPS_KEPT = 8
 #: a run that cannot survive an OOM starts its slack at the budget over this (NOTE [Room where an OOM is fatal])
 FATAL_OOM_SLACK_PARTS = 24
+#: the least the margin shrinks to, as a share of the budget, per accounting (NOTE [The margin follows the misses])
+LEAST_MARGIN_SHARE = {"cuda": 0.01, "logical": 0.001}
+#: steady steps without a miss that grew the margin before it shrinks
+MARGIN_CLEAN_STEPS = 8
+#: the latest steady steps whose misses the shrunk margin covers (a shape that missed recurs)
+MARGIN_MISS_STEPS = 64
 
 
 @dataclass
@@ -113,10 +135,23 @@ class Room:
     #: an OOM outside the blocks' forwards stops the run (NOTE [Room where an OOM is fatal])
     oom_fatal: bool = False
     times: StepTimes = field(default_factory=StepTimes)
+    #: the least the margin shrinks to (None: the margin given, so it never shrinks: NOTE [The margin follows the misses])
+    least_margin_bytes: int | None = None
+    #: the latest steady steps' misses (0 for a step at or under its prediction), and how many
+    #: steady steps in a row have not grown the margin
+    misses: deque = field(default_factory=lambda: deque(maxlen=MARGIN_MISS_STEPS))
+    steps_without_growth: int = 0
+
+    #: the margin the run started with: what makes a step teach reads it (NOTE [The margin follows the misses])
+    start_margin_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.start_slack_bytes is None:
             self.start_slack_bytes = self.slack_bytes
+        if self.least_margin_bytes is None:
+            self.least_margin_bytes = self.margin_bytes
+        if self.start_margin_bytes is None:
+            self.start_margin_bytes = self.margin_bytes
 
     @classmethod
     def for_run(cls, budget_bytes: int | None, accounting: str, margin_share: float | None = None,
@@ -134,7 +169,10 @@ class Room:
         if accounting == "cuda":
             least = min(ALLOCATOR_SLACK_BYTES, (budget_bytes or 0) // 16)
             slack = max(least, (budget_bytes or 0) // FATAL_OOM_SLACK_PARTS) if oom_fatal else least
-        return cls(budget_bytes, int(share * (budget_bytes or 0)), slack, start_slack_bytes=slack, oom_fatal=oom_fatal)
+        margin = int(share * (budget_bytes or 0))
+        shrinks = margin_share is None and not oom_fatal  # NOTE [The margin follows the misses]
+        least_margin = min(margin, int(LEAST_MARGIN_SHARE.get(accounting, share) * (budget_bytes or 0))) if shrinks else margin
+        return cls(budget_bytes, margin, slack, start_slack_bytes=slack, oom_fatal=oom_fatal, least_margin_bytes=least_margin)
 
     @property
     def free_bytes(self) -> int:
@@ -146,12 +184,20 @@ class Room:
         self.margin_bytes += max(0, int(extra_bytes))
         return True
 
-    def after_miss(self, miss_bytes: int) -> bool:
-        """A steady step peaked ``miss_bytes`` above its prediction: the margin grows to
-        ``MISS_MARGIN_FACTOR`` × the miss, if that is more."""
+    def after_miss(self, miss_bytes: int, shrinks: bool = True) -> bool:
+        """A steady step peaked ``miss_bytes`` above its prediction (negative: below it): the margin
+        grows to ``MISS_MARGIN_FACTOR`` × the miss, if that is more; else, where ``shrinks``, it may
+        shrink (NOTE [The margin follows the misses])."""
+        self.misses.append(max(0, int(miss_bytes)))
         if miss_bytes > 0 and MISS_MARGIN_FACTOR * miss_bytes > self.margin_bytes:
+            self.steps_without_growth = 0
             return self.raise_margin(int(MISS_MARGIN_FACTOR * miss_bytes) - self.margin_bytes)
-        return False
+        self.steps_without_growth += 1
+        floor = max(self.least_margin_bytes, int(MISS_MARGIN_FACTOR * max(self.misses)))
+        if not shrinks or self.steps_without_growth < MARGIN_CLEAN_STEPS or self.margin_bytes <= floor:
+            return False
+        self.margin_bytes = floor
+        return True
 
     @property
     def slack_step_bytes(self) -> int:
@@ -195,4 +241,9 @@ class Room:
         slack grows to explain it, else the margin by the budget over ``OOM_MARGIN_PARTS``."""
         if self.budget_bytes is None:
             return False
-        return self.learn_slack(unusable_bytes) or self.raise_margin(max(self.budget_bytes // OOM_MARGIN_PARTS, 1))
+        self.steps_without_growth = 0
+        if self.learn_slack(unusable_bytes):
+            return True
+        self.raise_margin(max(self.budget_bytes // OOM_MARGIN_PARTS, 1))
+        self.least_margin_bytes = max(self.least_margin_bytes, self.margin_bytes)  # NOTE [The margin follows the misses]
+        return True

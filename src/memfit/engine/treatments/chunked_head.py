@@ -96,7 +96,7 @@ def head_options(
 
     Example:
         >>> [o[:2] for o in head_options(8, 1000, 16, torch.float32, 1.0, 0.1)]
-        [('keep', 1), ('chunked', 2), ('chunked', 4), ('chunked', 8)]
+        [('keep', 1), ('chunked', 1), ('chunked', 2), ('chunked', 4), ('chunked', 8)]
     """
     kept = head_saved_bytes(tokens, vocab, hidden, dtype, KEEP, softcap=softcap)
     kept_peak = kept.saved_bytes + (kept.transient_bytes if transient else 0)
@@ -281,7 +281,21 @@ class HeadPart:
         keeping the head: what the memory model takes off the step's peaks (NOTE [Head in the peaks], model.py)."""
         if head is None or head[0] == KEEP:
             return 0
-        return next((saved for name, n, saved, _ in self.options(tokens) if (name, n) == tuple(head)), 0)
+        offered = next((saved for name, n, saved, _ in self.options(tokens) if (name, n) == tuple(head)), None)
+        if offered is not None:
+            return offered
+        # NOTE [A step's head as it ran]
+        # A warm-up step may have run a chunk count that the options no longer offer: its plan was
+        # made before the probe chose another implementation (a fused kernel's own count, or pure's
+        # after it) or priced the counts. Its saving is still the kept head's bytes less the chunked
+        # head's, by formula (pure's at that count): taken as 0, a cold process once learnt the
+        # outside curve 5 GB low from two such steps, and every later step was predicted too low.
+        spec, weight = self.switch.spec, self.switch.spec.weight
+        softcap = spec.softcap is not None
+        kept = head_saved_bytes(tokens, spec.vocab_size, weight.shape[-1], weight.dtype, KEEP, softcap=softcap)
+        chunked = head_saved_bytes(tokens, spec.vocab_size, weight.shape[-1], weight.dtype, CHUNKED, max(1, head[1]), softcap)
+        extra = (lambda b: b.transient_bytes) if self.transient else (lambda b: 0)
+        return max(0, kept.saved_bytes + extra(kept) - chunked.saved_bytes - extra(chunked))
 
     def apply(self, plan: Any) -> None:
         """Set the switch to ``plan.head`` (a plan without a head leaves it as it is)."""
