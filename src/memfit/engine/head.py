@@ -663,6 +663,13 @@ def probe_head(spec: HeadSpec, hidden: torch.Tensor, labels: torch.Tensor, n_chu
     synchronised, which is why this is for warm-up only). Gradients are taken with respect to a
     detached copy of ``hidden`` and of ``lm_head``'s trainable weights by ``torch.autograd.grad``,
     so no ``.grad`` changes.
+
+    NOTE [A warm probe]
+    Each treatment runs once untimed before the timed run, at the same shape: a process's first
+    call of a kernel at a shape pays its set-up (cuBLAS heuristics, a fused kernel's compile and
+    autotuning), and memfit's warm-up is when a process is coldest. Timed cold, the chunked head's
+    price per chunk came out several times its warm one in the first run of a process, which then
+    chose 2 chunks where a warm one chose 8 (and treated 4-5 more blocks per long step for it).
     """
     from memfit.engine.accounting import local
 
@@ -679,18 +686,23 @@ def probe_head(spec: HeadSpec, hidden: torch.Tensor, labels: torch.Tensor, n_chu
                 storages[s.data_ptr()] = s.nbytes()
             return t
 
+        def run() -> None:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                if treatment == "keep":
+                    loss = _keep_loss(spec, h, labels)
+                elif implementation == "pure":
+                    loss = chunked_causal_lm_loss(spec.logits, h, labels, n_chunks)
+                elif implementation == "pure_grad_in_forward":
+                    loss = _grad_in_forward_loss(spec, h, labels, n_chunks)
+                else:
+                    loss = _fused_loss(spec, implementation, h, labels)
+            torch.autograd.grad(loss, [h, *weights])
+
+        run()  # untimed: NOTE [A warm probe]
+        storages.clear()
         _sync(hidden)
         start = time.perf_counter()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            if treatment == "keep":
-                loss = _keep_loss(spec, h, labels)
-            elif implementation == "pure":
-                loss = chunked_causal_lm_loss(spec.logits, h, labels, n_chunks)
-            elif implementation == "pure_grad_in_forward":
-                loss = _grad_in_forward_loss(spec, h, labels, n_chunks)
-            else:
-                loss = _fused_loss(spec, implementation, h, labels)
-        torch.autograd.grad(loss, [h, *weights])
+        run()
         _sync(hidden)
         ms = (time.perf_counter() - start) * 1e3
         results[treatment] = {"saved_bytes": float(sum(storages.values())), "ms": ms}

@@ -21,8 +21,8 @@ planner chunks the head or treats blocks to make the same room. So the first :da
 warm-up steps time the head (:func:`memfit.engine.head.probe_head`) on the body's real output, cut
 to one chunk's rows of that step (at most :data:`PROBE_TOKENS`: the probe's ``keep`` then holds no
 more than the step's own chunk does), under each implementation usable here, at
-:data:`PROBE_CHUNKS` chunks. The least time of each measurement over those steps is kept (a kernel's
-first call compiles or autotunes), and the price is a line: ``extra_ms_per_token x tokens +
+:data:`PROBE_CHUNKS` chunks, each after an untimed run at its shape (NOTE [A warm probe], head.py).
+The least time of each measurement over those steps is kept, and the price is a line: ``extra_ms_per_token x tokens +
 per_chunk_ms x n_chunks`` (both at least 0, so a head that is measured no slower chunked costs
 nothing and the tie rule still keeps it where nothing is needed: plans stay deterministic). The
 implementation with the least extra time is the one the switch runs from then on; its bytes are
