@@ -338,11 +338,16 @@ def test_the_kept_heads_peak_is_its_backward_and_the_formula_covers_it(dtype):
     def chunked():
         chunked_causal_lm_loss(lambda h: h @ weight.t(), rows, labels, 4).backward()
 
+    def kept_dropped():
+        ForCausalLMLoss(rows @ weight.t(), labels, vocab).backward()  # the outputs dropped before the backward
+
     logits_bytes = tokens * vocab
     want = head_saved_bytes(tokens, vocab, hidden, dtype, "keep")
     got = _peak_bytes(kept)
     assert got <= want.saved_bytes + want.transient_bytes <= 1.05 * got + 4 * tokens * hidden, (got, want)
     assert got > (4 + torch.tensor([], dtype=dtype).element_size() + 4) * logits_bytes  # more than the forward's moment
+    dropped = head_saved_bytes(tokens, vocab, hidden, dtype, "keep", logits_held=False)
+    assert _peak_bytes(kept_dropped) <= dropped.saved_bytes + dropped.transient_bytes < got  # NOTE [Outputs held through the backward]
     want = head_saved_bytes(tokens, vocab, hidden, dtype, "chunked", 4)
     got = _peak_bytes(chunked)
     assert got <= want.saved_bytes + want.transient_bytes <= 1.05 * got + 4 * tokens * hidden, (got, want)
@@ -451,3 +456,23 @@ def test_a_probe_times_the_head_warm(monkeypatch):
     assert len(calls) == 2 and got["chunked"]["ms"] < 150
     want = head_saved_bytes(16, model.config.vocab_size, model.config.hidden_size, torch.float32, "chunked", 2).saved_bytes
     assert abs(got["chunked"]["saved_bytes"] - want) <= 64  # one run's storages, not two
+
+
+def test_the_switch_reads_whether_the_outputs_are_held_through_the_backward():
+    """NOTE [Outputs held through the backward]: the first backward says whether the caller kept the
+    outputs; until then (and for tuple outputs) the kept head is priced held."""
+    model, make = build_decoder("llama")
+    model.train()
+    switch = HeadSwitch(find_head(model))
+    batch = make(2, 8)
+    assert switch.outputs_held is None
+    model(**batch).loss.backward()
+    assert switch.outputs_held is False
+    out = model(**batch)
+    out.loss.backward()
+    assert switch.outputs_held is True
+    switch.set("chunked", n_chunks=2)
+    model(**batch).loss.backward()
+    assert switch.outputs_held is False
+    model(**batch, return_dict=False)[0].backward()  # a tuple: not read
+    assert switch.outputs_held is False

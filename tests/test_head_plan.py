@@ -138,3 +138,22 @@ def test_a_steps_head_saving_holds_for_a_count_the_options_no_longer_offer():
     n = min(offered)
     assert part.saved_bytes(tokens, ("chunked", n)) == offered[n]  # an offered count: the option's bytes
     assert part.saved_bytes(tokens, ("keep", 1)) == 0 and part.saved_bytes(tokens, None) == 0
+
+
+def test_a_kept_heads_bytes_follow_whether_the_outputs_are_held():
+    """NOTE [Outputs held through the backward]: held (or not yet known), the kept head prices its
+    logits too; dropped, every chunk count saves the logits' bytes less."""
+    from memfit.engine.head import attach_head
+
+    model = _decoder()
+    part = HeadPart(attach_head(model), extra_ms=1.0, per_chunk_ms=0.01)
+    tokens = 4 * 64
+    held = {n: saved for name, n, saved, _ in part.options(tokens) if name == "chunked"}
+    kept_held, three_held = part.head_bytes(tokens)[0], part.saved_bytes(tokens, ("chunked", 3))
+    part.switch.outputs_held = False
+    dropped = {n: saved for name, n, saved, _ in part.options(tokens) if name == "chunked"}
+    logits = tokens * part.switch.spec.vocab_size * part.switch.spec.weight.element_size()
+    assert kept_held - part.head_bytes(tokens)[0] == logits
+    common = set(held) & set(dropped)
+    assert common and all(held[n] - dropped[n] == logits for n in common)
+    assert three_held - part.saved_bytes(tokens, ("chunked", 3)) == logits  # a count not offered: by formula too

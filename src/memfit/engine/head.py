@@ -64,6 +64,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -399,6 +400,9 @@ class HeadSwitch:
         self.treatment, self.n_chunks, self.implementation = "keep", 1, "pure"
         #: chunked forwards run so far (what a test or a record can read)
         self.chunked_forwards = 0
+        #: whether the caller held the last training forward's outputs when its backward began (None:
+        #: not seen yet; NOTE [Outputs held through the backward])
+        self.outputs_held: bool | None = None
         #: called once with the body's output and the labels before the next loss is computed (warm-up's
         #: price probe, treatments/chunked_head.py), then cleared
         self.probe: Callable[[torch.Tensor, torch.Tensor], None] | None = None
@@ -499,7 +503,31 @@ class HeadSwitch:
         if self.probe is not None:
             probe, self.probe = self.probe, None
             probe(hidden, labels if "shift_labels" not in pending else None)
-        return self._recovering(lambda: self._loss(output, hidden, labels, pending), hidden)
+        return self._watch(self._recovering(lambda: self._loss(output, hidden, labels, pending), hidden))
+
+    def _watch(self, result: Any) -> Any:
+        """Note, when the backward of ``result``'s loss begins, whether the caller still holds ``result``.
+
+        NOTE [Outputs held through the backward]
+        A kept head's returned logits (``tokens x vocab`` in the model's dtype) are freed before its
+        backward where the caller drops the outputs first (``model(**batch).loss.backward()``, the
+        Trainer's ``compute_loss``) and held through it where it keeps them (``out = model(...);
+        out.loss.backward()``): 2 bytes per logit in bf16 that the kept head's peak holds or not
+        (NOTE [Head bytes]). So every training forward whose loss the switch computes puts a weak
+        reference on its outputs and a hook on its loss, which reads at the backward's start whether
+        the outputs are alive; the head's bytes are priced held until a step has said otherwise.
+        ``return_dict=False`` outputs (a tuple: no weak reference) are priced held.
+        """
+        loss = None if isinstance(result, tuple) else result.get("loss")
+        if loss is None or not loss.requires_grad:
+            return result
+        held = weakref.ref(result)
+
+        def at_backward(grad: torch.Tensor) -> None:
+            self.outputs_held = held() is not None
+
+        loss.register_hook(at_backward)
+        return result
 
     def _recovering(self, compute: Callable[[], Any], hidden: torch.Tensor) -> Any:
         """``compute()``; where an OOM in it is survived (``on_oom`` set: NOTE [Replay under FSDP],
@@ -597,7 +625,7 @@ class HeadBytes:
 
 def head_saved_bytes(
     tokens: int, vocab: int, hidden: int, dtype: torch.dtype, treatment: str, n_chunks: int = 1, softcap: bool = False,
-    implementation: str = "pure", weight_trains: bool = True,
+    implementation: str = "pure", weight_trains: bool = True, logits_held: bool = True,
 ) -> HeadBytes:
     """The head's bytes for ``tokens`` tokens (``batch x length``), by formula.
 
@@ -606,9 +634,9 @@ def head_saved_bytes(
     soft-capping keeps its ``tanh`` output in the model's dtype; ``lm_head`` keeps its input
     (``tokens x hidden``), cross-entropy its int64 targets. The transient is the head's backward,
     the step's first moment after its forward's end, every activation still held: ``nll_loss``'s
-    gradient and ``log_softmax``'s (float32 each) beside the returned logits (model dtype, alive
-    as long as the outputs): ``tokens x vocab x (size + 8)``, more than the forward's logits and
-    float32 upcast. The caller's loop may drop the outputs first, so this is an upper bound.
+    gradient and ``log_softmax``'s (float32 each), ``tokens x vocab x 8``, more than the forward's
+    logits and float32 upcast; and the returned logits (model dtype) where the caller still holds
+    the outputs then (``logits_held``: NOTE [Outputs held through the backward]).
     ``chunked``: only the hidden rows are kept (``tokens x hidden``, shared with the body's output);
     one chunk at a time runs its forward again in backward and holds, at its peak, ``log_softmax``'s
     float32 output with the two float32 gradients (its logits and their upcast are freed by then:
@@ -623,7 +651,7 @@ def head_saved_bytes(
     hidden_bytes = tokens * hidden * size + tokens * 8  # the rows and their int64 targets
     if treatment == "keep":
         saved = tokens * vocab * 4 + (tokens * vocab * size if softcap else 0) + hidden_bytes
-        return HeadBytes(saved, tokens * vocab * (size + 8))
+        return HeadBytes(saved, tokens * vocab * ((size if logits_held else 0) + 8))
     if treatment == "chunked":
         if implementation in FUSED:
             n_chunks, implementation = fused_chunks(tokens, vocab, hidden), "pure_grad_in_forward"

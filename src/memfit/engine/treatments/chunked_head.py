@@ -89,16 +89,17 @@ class ChunkedHead(Treatment):
 
 def head_options(
     tokens: int, vocab: int, hidden: int, dtype: torch.dtype, extra_ms: float, per_chunk_ms: float,
-    softcap: bool = False, implementation: str = "pure", transient: bool = True,
+    softcap: bool = False, implementation: str = "pure", transient: bool = True, logits_held: bool = True,
 ) -> tuple[tuple[str, int, int, float], ...]:
     """The head's options for one shape (NOTE [Head options]): keep first, then chunk counts ascending.
-    ``transient`` False prices the saved bytes alone (logical accounting: its peaks hold no transient).
+    ``transient`` False prices the saved bytes alone (logical accounting: its peaks hold no transient);
+    ``logits_held``: the kept head's logits held through its backward (NOTE [Head bytes], head.py).
 
     Example:
         >>> [o[:2] for o in head_options(8, 1000, 16, torch.float32, 1.0, 0.1)]
         [('keep', 1), ('chunked', 1), ('chunked', 2), ('chunked', 4), ('chunked', 8)]
     """
-    kept = head_saved_bytes(tokens, vocab, hidden, dtype, KEEP, softcap=softcap)
+    kept = head_saved_bytes(tokens, vocab, hidden, dtype, KEEP, softcap=softcap, logits_held=logits_held)
     kept_peak = kept.saved_bytes + (kept.transient_bytes if transient else 0)
     out: list[tuple[str, int, int, float]] = [(KEEP, 1, 0, 0.0)]
     last_saved = 0
@@ -237,6 +238,7 @@ class HeadPart:
             tokens, spec.vocab_size, weight.shape[-1], weight.dtype, self.extra_ms + self.extra_ms_per_token * tokens,
             self.per_chunk_ms,
             softcap=spec.softcap is not None, implementation=self.switch.implementation, transient=self.transient,
+            logits_held=self.switch.outputs_held is not False,
         )
 
     def head_bytes(self, tokens: int) -> tuple[int, int, int]:
@@ -245,7 +247,8 @@ class HeadPart:
         what a budget error or warning names (NOTE [The head's bytes in a budget error])."""
         options = self.options(tokens)
         spec, weight = self.switch.spec, self.switch.spec.weight
-        kept = head_saved_bytes(tokens, spec.vocab_size, weight.shape[-1], weight.dtype, KEEP, softcap=spec.softcap is not None)
+        kept = head_saved_bytes(tokens, spec.vocab_size, weight.shape[-1], weight.dtype, KEEP, softcap=spec.softcap is not None,
+                                logits_held=self.switch.outputs_held is not False)
         kept_bytes = kept.saved_bytes + (kept.transient_bytes if self.transient else 0)
         _, n_chunks, saved, _ = max(options, key=lambda o: o[2])
         return kept_bytes, kept_bytes - saved, n_chunks
@@ -292,7 +295,8 @@ class HeadPart:
         # outside curve 5 GB low from two such steps, and every later step was predicted too low.
         spec, weight = self.switch.spec, self.switch.spec.weight
         softcap = spec.softcap is not None
-        kept = head_saved_bytes(tokens, spec.vocab_size, weight.shape[-1], weight.dtype, KEEP, softcap=softcap)
+        kept = head_saved_bytes(tokens, spec.vocab_size, weight.shape[-1], weight.dtype, KEEP, softcap=softcap,
+                                logits_held=self.switch.outputs_held is not False)
         chunked = head_saved_bytes(tokens, spec.vocab_size, weight.shape[-1], weight.dtype, CHUNKED, max(1, head[1]), softcap)
         extra = (lambda b: b.transient_bytes) if self.transient else (lambda b: 0)
         return max(0, kept.saved_bytes + extra(kept) - chunked.saved_bytes - extra(chunked))
