@@ -46,9 +46,9 @@ with every steady step within 0.5% of the budget above its prediction (docs/devl
 one step (every change of the room drops the cached plans), to the larger of
 ``LEAST_MARGIN_SHARE`` of the budget (the allocator's readings still err) and
 ``MISS_MARGIN_FACTOR`` × the largest miss of the last ``MARGIN_MISS_STEPS`` steady steps (a shape
-that missed once recurs: a margin shrunk below its miss would grow and shrink with it). An OOM the slack does not explain raises
-the margin and makes that the floor for the rest of the run (an OOM costs a replay; shrinking back
-would pay one again). What makes a step teach stays a quarter of the starting margin (learner.py:
+that missed once recurs: a margin shrunk below its miss would grow and shrink with it). An OOM
+the slack does not explain raises the margin and makes that the floor for the rest of the run (an
+OOM costs a replay; shrinking back would pay one again). What makes a step teach stays a quarter of the starting margin (learner.py:
 noise must not move the curves). It never shrinks where an OOM is fatal, where the caller set the
 margin, for a method with one plan for every shape (``static``), nor under logical accounting
 (its counted bytes do not err as the allocator does).
@@ -141,7 +141,6 @@ class Room:
     #: steady steps in a row have not grown the margin
     misses: deque = field(default_factory=lambda: deque(maxlen=MARGIN_MISS_STEPS))
     steps_without_growth: int = 0
-
     #: the margin the run started with: what makes a step teach reads it (NOTE [The margin follows the misses])
     start_margin_bytes: int | None = None
 
