@@ -695,9 +695,9 @@ def probe_head(spec: HeadSpec, hidden: torch.Tensor, labels: torch.Tensor, n_chu
     NOTE [A warm probe]
     Each treatment runs once untimed before the timed run, at the same shape: a process's first
     call of a kernel at a shape pays its set-up (cuBLAS heuristics, a fused kernel's compile and
-    autotuning), and memfit's warm-up is when a process is coldest. Timed cold, the chunked head's
-    price per chunk came out several times its warm one in the first run of a process, which then
-    chose 2 chunks where a warm one chose 8 (and treated 4-5 more blocks per long step for it).
+    autotuning), and memfit's warm-up is when a process is coldest. Timed cold, a chunk's price
+    comes out several times its warm one, and the planner chooses fewer, larger chunks and treats
+    more blocks to make room for them (docs/devlog.md).
     """
     from memfit.engine.accounting import local
 

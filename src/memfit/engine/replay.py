@@ -43,7 +43,7 @@ On CUDA an OOM raised inside cuDNN's scaled-dot-product attention can leave cuDN
 failing for the rest of the process (later calls raise in ``mha_graph.execute`` with
 ``is_good()``), and cuDNN's attention fails so at times under a tight cap without any OOM. Turning
 it off costs much: PyTorch's flash or memory-efficient attention computes the same attention, but
-a step of long batches took up to 40% longer without cuDNN's (docs/devlog.md). So it stays on through
+a step of long batches takes up to 40% longer without cuDNN's (docs/devlog.md). So it stays on through
 an OOM, and the failure itself is the signal: a micro-step that raises a ``RuntimeError`` naming
 cuDNN while its attention is on (:func:`cudnn_attention_failed`) turns it off for the rest of the
 process, says so once, and is replayed with the same plan (:func:`avoid_cudnn_attention`); a

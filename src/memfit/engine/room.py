@@ -40,8 +40,8 @@ measured clean steps.
 
 # NOTE [The margin follows the misses]
 A margin fixed at its starting share keeps that share of the budget unused for the whole run
-however well the model predicts: the longest batches of an SFT run peaked at 90-94% of the cap
-with every steady step within 0.5% of the budget above its prediction (docs/devlog.md). So after
+however well the model predicts (the longest batches then peak a few percent under the cap with
+every step within half a percent of its prediction: docs/devlog.md). So after
 ``MARGIN_CLEAN_STEPS`` steady steps in a row without a miss that grew it, the margin shrinks, in
 one step (every change of the room drops the cached plans), to the larger of
 ``LEAST_MARGIN_SHARE`` of the budget (the allocator's readings still err) and

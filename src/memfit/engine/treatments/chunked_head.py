@@ -291,8 +291,9 @@ class HeadPart:
         # A warm-up step may have run a chunk count that the options no longer offer: its plan was
         # made before the probe chose another implementation (a fused kernel's own count, or pure's
         # after it) or priced the counts. Its saving is still the kept head's bytes less the chunked
-        # head's, by formula (pure's at that count): taken as 0, a cold process once learnt the
-        # outside curve 5 GB low from two such steps, and every later step was predicted too low.
+        # head's, by formula (pure's at that count): taken as 0, the outside curve would learn the
+        # step without the kept head's bytes, and every later step would be predicted too low
+        # (docs/devlog.md).
         spec, weight = self.switch.spec, self.switch.spec.weight
         softcap = spec.softcap is not None
         kept = head_saved_bytes(tokens, spec.vocab_size, weight.shape[-1], weight.dtype, KEEP, softcap=softcap,
