@@ -111,17 +111,20 @@ def test_the_margin_shrinks_while_steps_keep_to_their_predictions():
     assert shrank == [False] * (MARGIN_CLEAN_STEPS - 1) + [True] and room.margin_bytes == least
     assert not any(room.after_miss(0) for _ in range(3 * MARGIN_CLEAN_STEPS)) and room.margin_bytes == least
     assert room.after_miss(2 * least) and room.margin_bytes == int(1.25 * 2 * least)  # grows, the count restarts
-    assert not any(room.after_miss(0) for _ in range(MARGIN_MISS_STEPS - 2))  # the miss is among the last steps
-    assert not room.after_miss(0, shrinks=False)  # static's: one plan for every shape
+    assert not any(room.after_miss(0) for _ in range(MARGIN_MISS_STEPS - 1))  # the miss is among the last steps
     assert room.after_miss(0) and room.margin_bytes == least  # the grown miss has left them
     assert room.after_oom(0) and room.margin_bytes == least + budget // 20
     assert not any(room.after_miss(0) for _ in range(3 * MARGIN_CLEAN_STEPS))  # an OOM's margin is the floor
     assert room.start_margin_bytes == int(0.03 * budget)
 
 
-@pytest.mark.parametrize("share, accounting, fatal", [(0.1, "cuda", False), (None, "logical", False), (None, "cuda", True)])
-def test_the_margin_never_shrinks_when_set_by_the_caller_counted_or_where_an_oom_is_fatal(share, accounting, fatal):
-    room = Room.for_run(2**30, accounting, share, oom_fatal=fatal)
+@pytest.mark.parametrize("share, accounting, fatal, method_shrinks", [
+    (0.1, "cuda", False, True), (None, "logical", False, True), (None, "cuda", True, True), (None, "cuda", False, False),
+])
+def test_the_margin_never_shrinks_when_set_by_the_caller_counted_where_an_oom_is_fatal_or_for_static(
+    share, accounting, fatal, method_shrinks,
+):
+    room = Room.for_run(2**30, accounting, share, oom_fatal=fatal, margin_shrinks=method_shrinks)
     margin = room.margin_bytes
     assert not any(room.after_miss(-2**20) for _ in range(40)) and room.margin_bytes == margin
 

@@ -67,6 +67,13 @@ __all__ = ["fit", "Controller", "check_static_need_of"]
 logger = logging.getLogger("memfit")
 
 
+def _room(method: Method, model: nn.Module, budget_bytes: int | None, accounting: str, margin: float | None) -> Room:
+    """The run's room (room.py): where an OOM is fatal (sharded), and whether the margin may shrink
+    (not for a method with one plan for every shape, ``static``: NOTE [The margin follows the misses])."""
+    return Room.for_run(budget_bytes, accounting, margin, oom_fatal=sharded_over_ranks(model),
+                        margin_shrinks=getattr(method, "plans_rows", True))
+
+
 def _group_ids(blocks: list[Block]) -> list[int]:
     """Blocks of the same class and parameter count share a group (and a model)."""
     ids: dict[tuple[type, int], int] = {}
@@ -240,7 +247,7 @@ class Controller:
         self.blocks = wrap_blocks(named, allow_hf_checkpointing=method.measures_only, compile=compile_options)
         self.planning = Planning(
             len(self.blocks), _group_ids(self.blocks), budget_bytes, 0, bucket_tokens, treatments=treatments,
-            room=Room.for_run(budget_bytes, self.meter.kind, margin, oom_fatal=sharded_over_ranks(model)),
+            room=_room(method, model, budget_bytes, self.meter.kind, margin),
         )
         # Parameters and buffers are never activations (under FSDP: this rank's shards).
         self._counter = SavedTensorCounter(len(self.blocks), exclude=list(model.parameters()) + list(model.buffers()))

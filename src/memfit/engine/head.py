@@ -505,6 +505,12 @@ class HeadSwitch:
             probe(hidden, labels if "shift_labels" not in pending else None)
         return self._watch(self._recovering(lambda: self._loss(output, hidden, labels, pending), hidden))
 
+    @property
+    def logits_held(self) -> bool:
+        """Whether a kept head's logits are priced as held through its backward: unless a step has
+        said the caller drops the outputs first (NOTE [Outputs held through the backward])."""
+        return self.outputs_held is not False
+
     def _watch(self, result: Any) -> Any:
         """Note, when the backward of ``result``'s loss begins, whether the caller still holds ``result``.
 

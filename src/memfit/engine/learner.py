@@ -315,7 +315,7 @@ def mispredicted(planning: Planning, outcome: StepOutcome, predicted: int | None
 def _teaching_margin(planning: Planning) -> int:
     """The margin whose quarter a miss must pass to teach: the margin, never below the one the run
     started with (NOTE [The margin follows the misses], room.py: noise must not move the curves)."""
-    return max(planning.margin_bytes, planning.room.start_margin_bytes or 0)
+    return max(planning.margin_bytes, planning.room.start_margin_bytes)
 
 
 def grow_margin(planning: Planning, outcome: StepOutcome, predicted: int | None) -> ModelUpdate:

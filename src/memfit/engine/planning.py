@@ -187,8 +187,6 @@ class ModelUpdate:
     optimizer_above_static: float | None = None
     static_bytes: int = 0
     miss_bytes: int | None = None
-    #: whether the margin may shrink after this step (NOTE [The margin follows the misses], room.py)
-    margin_shrinks: bool = True
     alloc_retries: bool = False
     steady_key: tuple[int, int] | None = None
     net_ms: float | None = None
@@ -479,7 +477,7 @@ class Planning:
                 model.optimizer_bytes = float(above)
                 changed |= self.budget_bytes is None or self.max_static_bytes + above > self.room_bytes
         if update.miss_bytes is not None:
-            changed |= self.room.after_miss(update.miss_bytes, shrinks=update.margin_shrinks)
+            changed |= self.room.after_miss(update.miss_bytes)
         if update.steady_key is not None:
             changed |= _slack_rules(self, update)
         if changed:

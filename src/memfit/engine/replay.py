@@ -345,11 +345,10 @@ class Replayer:
             except RuntimeError as err:
                 if together is not None or not cudnn_attention_failed(err) or not avoid_cudnn_attention():
                     raise
-                message = None  # NOTE [cuDNN attention after an OOM]: the same plan again, cuDNN's attention off
-            if together is None and message is None:
-                self._drop_step()
-            elif together is None:
+            if together is None and message is not None:
                 self._note_oom(message)  # raises when no safer plan exists
+            elif together is None:
+                self._drop_step()  # cuDNN's attention failed (NOTE [cuDNN attention after an OOM]): the same plan again
             elif together.message is None:
                 self._drop_step()  # another rank failed: replay with this rank's own plan
             # else this rank's OOM was noted when it was raised (_InStep)

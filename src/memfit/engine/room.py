@@ -154,7 +154,7 @@ class Room:
 
     @classmethod
     def for_run(cls, budget_bytes: int | None, accounting: str, margin_share: float | None = None,
-                oom_fatal: bool = False) -> "Room":
+                oom_fatal: bool = False, margin_shrinks: bool = True) -> "Room":
         """The room a run starts with.
 
         Args:
@@ -162,6 +162,8 @@ class Room:
             accounting: the meter's kind (``cuda``: an allocator, with its slack; ``logical``).
             margin_share: the margin's share of the budget (default ``DEFAULT_MARGIN_SHARE``).
             oom_fatal: an OOM outside the blocks' forwards stops the run (NOTE [Room where an OOM is fatal]).
+            margin_shrinks: the method may let the margin shrink (not one with one plan for every shape:
+                NOTE [The margin follows the misses]).
         """
         share = DEFAULT_MARGIN_SHARE.get(accounting, 0.0) if margin_share is None else margin_share
         slack = 0
@@ -169,7 +171,7 @@ class Room:
             least = min(ALLOCATOR_SLACK_BYTES, (budget_bytes or 0) // 16)
             slack = max(least, (budget_bytes or 0) // FATAL_OOM_SLACK_PARTS) if oom_fatal else least
         margin = int(share * (budget_bytes or 0))
-        shrinks = margin_share is None and not oom_fatal  # NOTE [The margin follows the misses]
+        shrinks = margin_shrinks and margin_share is None and not oom_fatal  # NOTE [The margin follows the misses]
         least_margin = min(margin, int(LEAST_MARGIN_SHARE.get(accounting, share) * (budget_bytes or 0))) if shrinks else margin
         return cls(budget_bytes, margin, slack, start_slack_bytes=slack, oom_fatal=oom_fatal, least_margin_bytes=least_margin)
 
@@ -183,17 +185,17 @@ class Room:
         self.margin_bytes += max(0, int(extra_bytes))
         return True
 
-    def after_miss(self, miss_bytes: int, shrinks: bool = True) -> bool:
+    def after_miss(self, miss_bytes: int) -> bool:
         """A steady step peaked ``miss_bytes`` above its prediction (negative: below it): the margin
-        grows to ``MISS_MARGIN_FACTOR`` × the miss, if that is more; else, where ``shrinks``, it may
-        shrink (NOTE [The margin follows the misses])."""
+        grows to ``MISS_MARGIN_FACTOR`` × the miss, if that is more; else it may shrink (NOTE [The
+        margin follows the misses])."""
         self.misses.append(max(0, int(miss_bytes)))
         if miss_bytes > 0 and MISS_MARGIN_FACTOR * miss_bytes > self.margin_bytes:
             self.steps_without_growth = 0
             return self.raise_margin(int(MISS_MARGIN_FACTOR * miss_bytes) - self.margin_bytes)
         self.steps_without_growth += 1
         floor = max(self.least_margin_bytes, int(MISS_MARGIN_FACTOR * max(self.misses)))
-        if not shrinks or self.steps_without_growth < MARGIN_CLEAN_STEPS or self.margin_bytes <= floor:
+        if self.steps_without_growth < MARGIN_CLEAN_STEPS or self.margin_bytes <= floor:
             return False
         self.margin_bytes = floor
         return True

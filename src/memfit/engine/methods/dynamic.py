@@ -148,8 +148,7 @@ class Dynamic(Method):
         predicted = planning.predict_peak(outcome.key, outcome.plan) if planning.model.ready else None
         taught = learner.learn_step(planning, outcome, predicted, self.planning_key(planning, outcome.key))
         planning.apply(taught)
-        margin = learner.grow_margin(planning, outcome, predicted)  # one plan for every shape: the margin only grows
-        planning.apply(margin if self.plans_rows else dataclasses.replace(margin, margin_shrinks=False))
+        planning.apply(learner.grow_margin(planning, outcome, predicted))
         planning.apply(learner.grow_slack(planning, outcome))
         if not taught.samples:  # an error measured against curves that just changed says nothing
             bias = learner.note_bias(planning, outcome, predicted)

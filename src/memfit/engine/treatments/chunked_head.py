@@ -238,20 +238,24 @@ class HeadPart:
             tokens, spec.vocab_size, weight.shape[-1], weight.dtype, self.extra_ms + self.extra_ms_per_token * tokens,
             self.per_chunk_ms,
             softcap=spec.softcap is not None, implementation=self.switch.implementation, transient=self.transient,
-            logits_held=self.switch.outputs_held is not False,
+            logits_held=self.switch.logits_held,
         )
 
     def head_bytes(self, tokens: int) -> tuple[int, int, int]:
         """The head's peak bytes at ``tokens`` tokens kept, and at its most chunks with that count
         (``saved + transient`` of :func:`head_saved_bytes`, the transient where the meter sees it):
         what a budget error or warning names (NOTE [The head's bytes in a budget error])."""
-        options = self.options(tokens)
-        spec, weight = self.switch.spec, self.switch.spec.weight
-        kept = head_saved_bytes(tokens, spec.vocab_size, weight.shape[-1], weight.dtype, KEEP, softcap=spec.softcap is not None,
-                                logits_held=self.switch.outputs_held is not False)
-        kept_bytes = kept.saved_bytes + (kept.transient_bytes if self.transient else 0)
-        _, n_chunks, saved, _ = max(options, key=lambda o: o[2])
+        kept_bytes = self._peak(tokens, KEEP)
+        _, n_chunks, saved, _ = max(self.options(tokens), key=lambda o: o[2])
         return kept_bytes, kept_bytes - saved, n_chunks
+
+    def _peak(self, tokens: int, treatment: str, n_chunks: int = 1) -> int:
+        """The head's peak at ``tokens`` tokens by formula (``pure`` where chunked): ``saved + transient``,
+        the transient where the meter sees it, the kept logits where the caller holds the outputs."""
+        spec, weight = self.switch.spec, self.switch.spec.weight
+        bytes_ = head_saved_bytes(tokens, spec.vocab_size, weight.shape[-1], weight.dtype, treatment, max(1, n_chunks),
+                                  spec.softcap is not None, logits_held=self.switch.logits_held)
+        return bytes_.saved_bytes + (bytes_.transient_bytes if self.transient else 0)
 
     def check_fits(self, tokens: int, static_bytes: int, budget_bytes: int | None) -> None:
         """Raise the one-line budget error where the static part and the head at its most chunks
@@ -294,13 +298,7 @@ class HeadPart:
         # head's, by formula (pure's at that count): taken as 0, the outside curve would learn the
         # step without the kept head's bytes, and every later step would be predicted too low
         # (docs/devlog.md).
-        spec, weight = self.switch.spec, self.switch.spec.weight
-        softcap = spec.softcap is not None
-        kept = head_saved_bytes(tokens, spec.vocab_size, weight.shape[-1], weight.dtype, KEEP, softcap=softcap,
-                                logits_held=self.switch.outputs_held is not False)
-        chunked = head_saved_bytes(tokens, spec.vocab_size, weight.shape[-1], weight.dtype, CHUNKED, max(1, head[1]), softcap)
-        extra = (lambda b: b.transient_bytes) if self.transient else (lambda b: 0)
-        return max(0, kept.saved_bytes + extra(kept) - chunked.saved_bytes - extra(chunked))
+        return max(0, self._peak(tokens, KEEP) - self._peak(tokens, CHUNKED, head[1]))
 
     def apply(self, plan: Any) -> None:
         """Set the switch to ``plan.head`` (a plan without a head leaves it as it is)."""
