@@ -5,7 +5,11 @@ weights (copied back from host memory), a new AdamW and the same batches, under 
 (``set_per_process_memory_fraction``), and runs ``--steps`` steps; configurations are
 interleaved repeat by repeat, so that every ratio is measured side by side in one process on one
 GPU. First every batch runs once untimed with the plain loop (CUDA, library and kernel set-up for
-every shape: each new shape's first run is slow), then uncapped ``none`` gives the speed
+every shape: each new shape's first run is slow) and once with every layer recomputed (Hugging
+Face's checkpointing): a recompute runs its forward on autograd's thread, and what libraries build
+per shape in thread-local caches (cuDNN's attention graphs: about 65 ms per new length for
+SmolLM-360M on an H100, ``recompute_cold.py``) would otherwise fall on the first memfit
+configuration alone and not on ``none`` (docs/devlog.md). Then uncapped ``none`` gives the speed
 reference and the peak from which ``--budgets`` (shares of it) are set. ``plain`` and ``none``
 run uncapped only (under a cap they do not fit, by design).
 
@@ -1015,6 +1019,7 @@ def main(argv: list[str]) -> int:
 def _matrix(args, model, batches, initial, emit, started: float) -> None:
     """Every configuration, repeat by repeat (uncapped first, then each budget), then ``--last``."""
     run_config(args, model, batches, initial, "plain", None, -1, args.output_dir)  # untimed: every shape once
+    run_config(args, model, batches, initial, "hf-every-1", None, -1, args.output_dir)  # and recomputed (the docstring)
     # uncapped none is the reference budgets in shares are set from; with budgets in GB only it runs if asked
     uncapped = [m for m in ("plain", "none", "none+compile") if m in args.methods or m == "none" and args.budgets]
     reference = None

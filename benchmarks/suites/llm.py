@@ -248,7 +248,7 @@ def _room_cells(ctx: Context) -> list[Call]:
     """Issue 40's done-when cells for eager ``dynamic`` at half of none's peak, one GPU, each within
     170 s: full fine-tuning and LoRA on SFT lengths (batch 8, 30 steps) against Hugging Face's
     checkpointing, and long context (batch 1, 8k/16k tokens) against it and its offload; 3
-    interleaved repeats (results: nvidia-h100/llm-room, room-ft, room-lora and room-long.jsonl; the last from this call)."""
+    interleaved repeats (results: nvidia-h100/llm-room, room.jsonl)."""
     sft = ("--lengths", "sft", "--batch", 8, "--steps", 6 if ctx.quick else 30, "--steady_from", 2 if ctx.quick else 8)
     long = ("--lengths", "fixed:8192,16384", "--batch", 1, "--steps", 6 if ctx.quick else 14,
             "--steady_from", 2 if ctx.quick else 6)
