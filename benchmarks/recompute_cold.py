@@ -140,6 +140,8 @@ def main() -> None:
                    "boolean mask), checkpointed by Hugging Face, instead of the bare layers")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        p.exit(2, "recompute_cold.py: no CUDA device here; run it on a GPU machine\n")
     if args.child:
         print(json.dumps(one_backend(args.child, args.lengths, args.batch, args.layers, args.hf)))
         return

@@ -536,8 +536,8 @@ def test_allocator_retries_grow_the_room_reactive_keeps_free(monkeypatch):
     import memfit.engine.room
 
     budget = 10**6
-    # a CPU's step times cannot price a retry: each is taken as unpriced (NOTE [The slack is priced])
-    monkeypatch.setattr(memfit.engine.room.StepTimes, "retry_ms", lambda self, bucket, net_ms: None)
+    # a CPU's step times cannot price a retry: each is taken to cost more than any growth (NOTE [The slack is priced])
+    monkeypatch.setattr(memfit.engine.room.StepTimes, "retry_ms", lambda self, bucket, net_ms: float("inf"))
     model, make_batch, inner, ctl, fake = _reactive_on_fake_allocator(monkeypatch, budget)
     assert ctl.planning.slack_bytes == 0
     fake.allocated = fake.peak = budget - 40_000  # room for a block's bytes, not for the growth

@@ -148,13 +148,69 @@ def test_planning_prices_the_growth_with_the_plan_of_the_smaller_room(monkeypatc
     planning = Planning(4, [0, 0, 0, 0], 1_000_000, 0, 8, room=Room(1_000_000, slack_bytes=1000))
     for _ in range(3):
         assert not planning.apply(ModelUpdate(steady_key=(8, 64), net_ms=100.0))
-    monkeypatch.setattr(memfit.engine.planning, "slack_cost_ms", lambda planning, key, extra: 50.0)
-    assert not planning.apply(ModelUpdate(alloc_retries=True, steady_key=(8, 64), net_ms=130.0))  # 30 ms < 50
+    monkeypatch.setattr(memfit.engine.planning, "slack_cost_ms", lambda planning, key, extra: 0.5)
+    # per step: 30 ms x 1 retry in (at least) RETRY_RATE_STEPS steps < 0.5 ms; then 80 ms x 2 of them > 0.5 ms
+    assert not planning.apply(ModelUpdate(alloc_retries=True, steady_key=(8, 64), net_ms=130.0))
     assert planning.slack_bytes == 1000
     planning.cache.put(((8, 64), 0), Plan((0,)))
-    assert planning.apply(ModelUpdate(alloc_retries=True, steady_key=(8, 64), net_ms=180.0))  # 80 ms > 50
+    assert planning.apply(ModelUpdate(alloc_retries=True, steady_key=(8, 64), net_ms=180.0))
     assert planning.slack_bytes == 1000 + planning.room.slack_step_bytes and not list(planning.cache.items())
     assert not planning.apply(ModelUpdate(alloc_retries=True, net_ms=500.0))  # no steady step: no rule
+
+
+def test_a_retry_without_clean_steps_waits_for_its_buckets_next_clean_step(monkeypatch):
+    """NOTE [The slack is priced]: a retry in a bucket with no clean step yet grows nothing; the
+    bucket's next clean step prices it, and the slack grows then only if the retries cost more per
+    step than the growth (a retry that cost more than one step's growth, but is rare, does not); a
+    bucket that retries twice before any clean step grows the slack at once, and a retry with no
+    step time grows it too (nothing to price it with)."""
+    planning = Planning(4, [0, 0, 0, 0], 1_000_000, 0, 8, room=Room(1_000_000, slack_bytes=1000))
+    monkeypatch.setattr(memfit.engine.planning, "slack_cost_ms", lambda planning, key, extra: 0.5)
+    step = planning.room.slack_step_bytes
+    # 20 ms once in RETRY_RATE_STEPS steps: 0.31 ms per step < 0.5; it waits, and its bucket's clean step keeps the slack
+    assert not planning.apply(ModelUpdate(alloc_retries=True, steady_key=(8, 64), net_ms=120.0))
+    assert not planning.apply(ModelUpdate(steady_key=(8, 64), net_ms=100.0)) and planning.slack_bytes == 1000
+    # 80 ms, a second retry: 2.5 ms per step > 0.5; it waits, then grows the slack at its bucket's clean step
+    assert not planning.apply(ModelUpdate(alloc_retries=True, steady_key=(8, 512), net_ms=280.0))
+    assert not planning.apply(ModelUpdate(steady_key=(8, 64), net_ms=100.0))  # another bucket's clean step
+    assert planning.slack_bytes == 1000
+    planning.cache.put(((8, 512), 0), Plan((0,)))
+    assert planning.apply(ModelUpdate(steady_key=(8, 512), net_ms=200.0))
+    assert planning.slack_bytes == 1000 + step and not list(planning.cache.items())
+    # twice before a clean step: at once
+    assert not planning.apply(ModelUpdate(alloc_retries=True, steady_key=(8, 1024), net_ms=300.0))
+    assert planning.apply(ModelUpdate(alloc_retries=True, steady_key=(8, 1024), net_ms=310.0))
+    assert planning.slack_bytes == 1000 + 2 * step
+    assert planning.apply(ModelUpdate(alloc_retries=True, steady_key=(8, 2048), net_ms=None))  # no time: at once
+    assert planning.slack_bytes == 1000 + 3 * step
+
+
+def test_a_growth_is_priced_per_step_over_the_latest_shapes(monkeypatch):
+    """NOTE [The slack is priced]: the growth's price is the mean over the latest steady steps'
+    shapes of what the smaller room adds to each one's plan (each shape priced once)."""
+    planning = _fitted_planning()
+    assert memfit.engine.planning.growth_ms_per_step(planning) == 0.0  # no steady step yet
+    priced = []
+
+    def cost(planning, key, extra):
+        priced.append(key)
+        return {16: 0.0, 64: 3.0, 32: 1.0}[key[1]]
+
+    monkeypatch.setattr(memfit.engine.planning, "slack_cost_ms", cost)
+    for key in [(4, 16), (4, 64), (4, 64), (4, 32)]:
+        planning.room.times.note(key, False)
+    assert memfit.engine.planning.growth_ms_per_step(planning) == pytest.approx((0 + 3 + 3 + 1) / 4)
+    assert sorted(priced) == [(4, 16), (4, 32), (4, 64)]
+
+
+def test_step_times_keep_one_waiting_retry_per_bucket():
+    times = StepTimes()
+    assert times.waited_retry_ms((8, 64)) is None  # none kept
+    assert not times.wait((8, 64), 130.0)
+    times.add_clean((8, 64), 100.0)
+    assert times.waited_retry_ms((8, 64)) == pytest.approx(30.0) and times.waited_retry_ms((8, 64)) is None
+    assert not times.wait((8, 128), 130.0) and times.wait((8, 128), 140.0)  # the second before a clean step
+    assert times.waited_retry_ms((8, 128)) is None  # handed back by the second: nothing kept
 
 
 def test_slack_cost_is_the_recompute_a_smaller_room_adds():
@@ -253,6 +309,24 @@ def test_over_predictions_in_every_bucket_lower_every_buckets_prediction_by_the_
     assert planning.run_bias.offset == 40_000
     planning.apply(ModelUpdate(samples=[(("outside",), (4, 60), 1.0)]))
     assert planning.run_bias.offset == 0.0
+
+
+def test_the_runs_offset_does_not_lower_a_longer_shape():
+    """NOTE [Over-prediction across buckets]: the offset lowers buckets no longer than the longest
+    of the steps behind it; a longer shape keeps the envelope until a step that long joins them."""
+    planning = _fitted_planning()
+    longer, shorter = (4, 64), (4, 30)
+    longer_before = planning.predict_peak(longer, planning.plan_for(longer))
+    shorter_before = planning.predict_peak(shorter, planning.plan_for(shorter))
+    for key in ((4, 40), (4, 20), (4, 40), (4, 60)):
+        _steady(planning, key, planning.predict_peak(key, planning.plan_for(key)) - 40_000)
+    assert planning.run_bias.offset == 40_000 and planning.run_bias.max_tokens == 240
+    assert planning.predict_peak(shorter, planning.plan_for(shorter)) == shorter_before - 40_000
+    assert planning.predict_peak(longer, planning.plan_for(longer)) == longer_before
+    planning.cache.put((longer, 0), Plan((0,)))
+    assert _steady(planning, longer, planning.predict_peak(longer, planning.plan_for(longer)) - 45_000)[1]
+    assert planning.run_bias.max_tokens == 256 and not list(planning.cache.items())  # the plans are redone
+    assert planning.predict_peak(longer, planning.plan_for(longer)) == longer_before - 40_000
 
 
 def test_a_run_where_an_oom_is_fatal_keeps_the_envelope():

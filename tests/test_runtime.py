@@ -616,9 +616,9 @@ def test_allocator_retries_in_steady_steps_grow_the_slack_and_the_plans(monkeypa
 
     # this small model's plans lie further apart than the ceiling: a higher one here
     monkeypatch.setattr(memfit.engine.room, "MAX_RETRY_SLACK_SHARE", 1 / 3)
-    # a CPU's step times cannot price a retry: each is taken as unpriced (NOTE [The slack is
-    # priced]; the priced rule is tested in test_room.py)
-    monkeypatch.setattr(memfit.engine.room.StepTimes, "retry_ms", lambda self, bucket, net_ms: None)
+    # a CPU's step times cannot price a retry: each is taken to cost more than any growth (NOTE
+    # [The slack is priced]; the priced rule is tested in test_room.py)
+    monkeypatch.setattr(memfit.engine.room.StepTimes, "retry_ms", lambda self, bucket, net_ms: float("inf"))
     model, make_batch, inner, budget, ctl, fake = _half_budget_on_fake_allocator(monkeypatch, backstop=False)
     planning, key = ctl.planning, (4, 96)
     step, ceiling = int(memfit.engine.room.RETRY_SLACK_SHARE * budget), int(budget / 3)

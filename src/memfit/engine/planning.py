@@ -50,10 +50,13 @@ uneven lengths meets rarely, so the curves' envelope over-predicts every bucket 
 step (8-18% of the cap on a 152k-vocabulary model's steps, every length band). So the run also
 keeps its last ``RUN_BIAS_STEPS`` steady steps' raw errors (before any correction; every step
 that ran its plan whole, a chunked head's too), and while all of them are over-predictions by
-more than ``BIAS_SHARE`` of the budget, every bucket without a correction of its own starts its
-predictions from its static bytes less the least of them (:class:`RunBias`): none of those steps
-would have been predicted under its peak. One under-prediction among them, or a change of the
-curves, drops it. A run where an OOM is fatal (NOTE [Room where an OOM is fatal], room.py) keeps
+more than ``BIAS_SHARE`` of the budget, every bucket without a correction of its own and no
+longer than the longest of those steps (in tokens) starts its predictions from its static bytes
+less the least of them (:class:`RunBias`): none of those steps would have been predicted under
+its peak. A longer shape keeps the envelope: what over-predicted shorter steps says nothing of it
+(on bert-base at 4 GB an offset learnt on 164-293 tokens a row under-predicted a 502-token step,
+every block recomputed, by 8% of the budget: docs/devlog.md). One under-prediction among them, or
+a change of the curves, drops it. A run where an OOM is fatal (NOTE [Room where an OOM is fatal], room.py) keeps
 the envelope: there a step predicted under its peak is not replayed.
 """
 
@@ -135,22 +138,33 @@ class RunBias:
 
     errors: deque = field(default_factory=lambda: deque(maxlen=RUN_BIAS_STEPS))
     offset: float = 0.0
+    #: the most tokens of the steps behind the offset: no longer shape takes it
+    max_tokens: int = 0
 
-    def observe(self, raw_error: float, tolerance: float) -> bool:
-        """A steady step erred by ``raw_error`` before correction; returns whether the offset changed."""
-        self.errors.append(float(raw_error))
-        least = min(self.errors)
+    def observe(self, raw_error: float, tolerance: float, tokens: int = 0) -> bool:
+        """A steady step of a bucket of ``tokens`` tokens erred by ``raw_error`` before correction; returns
+        whether the offset, or the shapes it covers, changed."""
+        self.errors.append((float(raw_error), int(tokens)))
+        least = min(error for error, _ in self.errors)
         wanted = least if len(self.errors) == RUN_BIAS_STEPS and least > tolerance else 0.0
-        if wanted == self.offset or (wanted and self.offset and abs(wanted - self.offset) <= tolerance):
+        longest = max(n for _, n in self.errors) if wanted else 0
+        same = wanted == self.offset or (wanted and self.offset and abs(wanted - self.offset) <= tolerance)
+        if same and longest == self.max_tokens:
             return False
-        self.offset = wanted
+        if not same:
+            self.offset = wanted
+        self.max_tokens = longest
         return True
+
+    def offset_for(self, tokens: int) -> float:
+        """The offset for a bucket of ``tokens`` tokens: 0 for one longer than the steps behind it."""
+        return self.offset if tokens <= self.max_tokens else 0.0
 
     def clear(self) -> bool:
         """Drop the errors and the offset (the curves changed); returns whether there was an offset."""
         had = bool(self.offset)
         self.errors.clear()
-        self.offset = 0.0
+        self.offset, self.max_tokens = 0.0, 0
         return had
 
 
@@ -502,7 +516,7 @@ def _correction(planning: Planning, bucket: tuple[int, int]) -> float:
     where an OOM is not fatal (NOTE [Over-prediction across buckets])."""
     if bucket in planning.bias.correction:
         return planning.bias.correction[bucket]
-    return 0.0 if planning.room.oom_fatal else planning.run_bias.offset
+    return 0.0 if planning.room.oom_fatal else planning.run_bias.offset_for(bucket[0] * bucket[1])
 
 
 def _bias_rules(planning: Planning, update: ModelUpdate) -> bool:
@@ -519,7 +533,8 @@ def _bias_rules(planning: Planning, update: ModelUpdate) -> bool:
     changed = False
     if update.run_error is not None:  # NOTE [Over-prediction across buckets]
         key, error = update.run_error
-        if planning.run_bias.observe(error + _correction(planning, bucket_key(key, planning.bucket_tokens)), tolerance):
+        bucket = bucket_key(key, planning.bucket_tokens)
+        if planning.run_bias.observe(error + _correction(planning, bucket), tolerance, bucket[0] * bucket[1]):
             planning.cache.clear()
             changed = True
     if update.error is None:
@@ -535,17 +550,43 @@ def _bias_rules(planning: Planning, update: ModelUpdate) -> bool:
 # ---------------------------------------------------------------- the slack (NOTE [The slack is priced], room.py)
 def _slack_rules(planning: Planning, update: ModelUpdate) -> bool:
     """A steady step with or without allocator retries, to the room's slack rules (NOTE [The
-    slack is priced], room.py): a retry is priced against the bucket's clean steps and the
-    growth against the planner's price of the smaller room."""
+    slack is priced], room.py): a retry is priced against the bucket's clean steps (waiting for
+    the first where there is none yet), the growth against the planner's price of the smaller
+    room, both per step over the latest steady steps."""
     bucket = bucket_key(update.steady_key, planning.bucket_tokens)
     times, room = planning.room.times, planning.room
+    times.note(update.steady_key, bool(update.alloc_retries))
     if not update.alloc_retries:
-        if update.net_ms is not None:
-            times.add_clean(bucket, update.net_ms)
-        return room.after_clean_step()
-    retry_ms = None if update.net_ms is None else times.retry_ms(bucket, update.net_ms)
-    growth_ms = slack_cost_ms(planning, update.steady_key, room.slack_step_bytes) if retry_ms is not None else 0.0
-    return room.after_alloc_retries(retry_ms, growth_ms)
+        if update.net_ms is None:
+            return room.after_clean_step()
+        times.add_clean(bucket, update.net_ms)
+        changed = room.after_clean_step()
+        waited = times.waited_retry_ms(bucket)
+        if waited is None:
+            return changed
+        return room.price_retry(waited * times.retry_share, growth_ms_per_step(planning)) or changed
+    if update.net_ms is None:
+        return room.after_alloc_retries(None)
+    retry_ms = times.retry_ms(bucket, update.net_ms)
+    if retry_ms is not None:
+        return room.after_alloc_retries(retry_ms * times.retry_share, growth_ms_per_step(planning))
+    if times.wait(bucket, update.net_ms):
+        return room.after_alloc_retries(None)  # the bucket retried twice before a clean step
+    return room.after_waiting_retry()
+
+
+def growth_ms_per_step(planning: Planning) -> float:
+    """What a growth of the slack adds to a step's plan, the mean over the latest steady steps'
+    shapes (NOTE [The slack is priced], room.py)."""
+    keys = [key for key, _ in planning.room.times.recent]
+    if not keys:
+        return 0.0
+    extra, priced = planning.room.slack_step_bytes, {}
+    for key in keys:
+        shape = planning.planned_shape(key)
+        if shape not in priced:
+            priced[shape] = slack_cost_ms(planning, key, extra)
+    return sum(priced[planning.planned_shape(key)] for key in keys) / len(keys)
 
 
 def slack_cost_ms(planning: Planning, key: tuple[int, int], extra_bytes: int) -> float:

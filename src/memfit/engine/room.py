@@ -26,17 +26,26 @@ replayable run starts with (docs/devlog.md, FSDP on 2 and 4 GPUs).
 A steady step during which the allocator served an allocation only after releasing its cache
 (CUDA's ``num_alloc_retries``: a device sync, the cache's pages unmapped, and under expandable
 segments mapped again chunk by chunk for the rest of the step) left the allocator too little
-room for the step's own fragmentation. More slack stops it but makes the step's plan treat
-more, so the slack grows by ``RETRY_SLACK_SHARE`` of the budget (up to ``MAX_RETRY_SLACK_SHARE``)
-only when what the retry cost is more than what that growth would add: the retry's price is the
-step's time net of its treatments' predicted time, less the median of the same shape bucket's
-steady steps without a retry (:class:`StepTimes`); the growth's price is the planner's: the
-bucket's plan at the smaller room less its plan now (``planning.slack_cost_ms``). Before a
-bucket has a step without retries to compare with, a retry is taken to cost more (releasing the
-cache on every step of a bucket is the cost that measured worst). The slack shrinks back by the
-same step, not below where it started, after ``SHRINK_AFTER_CLEAN_STEPS`` steady steps in a row
-without a retry: plans then use the room again, and a retry that comes back is priced against
-measured clean steps.
+room for the step's own fragmentation. More slack stops it, but the slack is one for every
+shape: a growth by ``RETRY_SLACK_SHARE`` of the budget (up to ``MAX_RETRY_SLACK_SHARE``) makes
+every long step's plan treat more for the rest of the run, where a retry costs the steps that
+meet it. So both are priced per step, over the last ``RETRY_RATE_STEPS`` steady steps
+(:class:`StepTimes`), and the slack grows only when the retries cost more:
+
+* a retry's price is its step's time net of its treatments' predicted time, less the median of
+  the same shape bucket's steady steps without a retry, times the share of those steps that
+  retried (a run with fewer steady steps counted as if the rest had not: its first retry is not
+  read as a rate);
+* the growth's price is the planner's: the mean over those steps' shapes of the plan at the
+  smaller room less the plan now (``planning.slack_cost_ms``).
+
+A retry in a bucket with no clean step yet waits for one: the bucket's next clean step prices it
+(growing at once on a run's first retries kept 3-6% of the budget unused on the llm suite:
+docs/devlog.md). A bucket that retries again before any clean step (one that releases the cache
+on every step, the cost that measured worst) grows the slack at once, and so does a retry with
+no step time to price it. The slack shrinks back by the same step, not below where it started,
+after ``SHRINK_AFTER_CLEAN_STEPS`` steady steps in a row without a retry: plans then use the room
+again, and a retry that comes back is priced again.
 
 # NOTE [The margin follows the misses]
 A margin fixed at its starting share keeps that share of the budget unused for the whole run
@@ -65,7 +74,7 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "Room", "StepTimes", "DEFAULT_MARGIN_SHARE", "ALLOCATOR_SLACK_BYTES", "RETRY_SLACK_SHARE", "MAX_RETRY_SLACK_SHARE",
-    "OOM_MARGIN_PARTS", "MISS_MARGIN_FACTOR", "SLACK_FACTOR", "SHRINK_AFTER_CLEAN_STEPS", "CLEAN_STEPS_KEPT",
+    "OOM_MARGIN_PARTS", "MISS_MARGIN_FACTOR", "SLACK_FACTOR", "SHRINK_AFTER_CLEAN_STEPS", "CLEAN_STEPS_KEPT", "RETRY_RATE_STEPS",
     "FATAL_OOM_SLACK_PARTS", "LEAST_MARGIN_SHARE", "MARGIN_CLEAN_STEPS", "MARGIN_MISS_STEPS",
 ]
 
@@ -88,6 +97,8 @@ SLACK_FACTOR = 1.25
 SHRINK_AFTER_CLEAN_STEPS = 32
 #: per shape bucket, how many of the latest steps without a retry price a retry
 CLEAN_STEPS_KEPT = 8
+#: the latest steady steps over which a retry's and a growth's prices are taken per step
+RETRY_RATE_STEPS = 64
 #: a run that cannot survive an OOM starts its slack at the budget over this (NOTE [Room where an OOM is fatal])
 FATAL_OOM_SLACK_PARTS = 24
 #: the least the margin shrinks to, as a share of the budget, per accounting (NOTE [The margin follows the misses])
@@ -101,9 +112,15 @@ MARGIN_MISS_STEPS = 64
 @dataclass
 class StepTimes:
     """Per shape bucket, the latest steady steps' times without an allocator retry, net of their
-    treatments' predicted time: what a retry's extra time is measured against (NOTE [The slack is priced])."""
+    treatments' predicted time: what a retry's extra time is measured against; and the latest
+    steady steps' shapes and whether each retried: what a retry and a growth cost per step (NOTE
+    [The slack is priced])."""
 
     clean_ms: dict[tuple[int, int], deque] = field(default_factory=dict)
+    #: the latest steady steps: (shape, whether the allocator retried)
+    recent: deque = field(default_factory=lambda: deque(maxlen=RETRY_RATE_STEPS))
+    #: per bucket without clean steps, the net time of a retry step waiting for one to price it
+    waiting_ms: dict[tuple[int, int], float] = field(default_factory=dict)
 
     def add_clean(self, bucket: tuple[int, int], net_ms: float) -> None:
         self.clean_ms.setdefault(bucket, deque(maxlen=CLEAN_STEPS_KEPT)).append(float(net_ms))
@@ -112,6 +129,29 @@ class StepTimes:
         """What a step's retries cost: its net time over the bucket's median clean one (None before one)."""
         clean = self.clean_ms.get(bucket)
         return None if not clean else max(0.0, float(net_ms) - statistics.median(clean))
+
+    def note(self, key: tuple[int, int], retried: bool) -> None:
+        """A steady step of shape ``key`` ran, with or without a retry."""
+        self.recent.append((tuple(key), bool(retried)))
+
+    @property
+    def retry_share(self) -> float:
+        """The share of the last ``RETRY_RATE_STEPS`` steady steps that retried (a run's first
+        steps counted as if the rest had not: NOTE [The slack is priced])."""
+        return sum(retried for _, retried in self.recent) / RETRY_RATE_STEPS
+
+    def wait(self, bucket: tuple[int, int], net_ms: float) -> bool:
+        """Keep a retry of ``bucket`` (no clean step yet) until a clean step prices it; returns True,
+        keeping nothing, if one was kept already: the bucket retried twice before a clean step."""
+        if self.waiting_ms.pop(bucket, None) is not None:
+            return True
+        self.waiting_ms[bucket] = float(net_ms)
+        return False
+
+    def waited_retry_ms(self, bucket: tuple[int, int]) -> float | None:
+        """The retry kept for ``bucket``, priced against its clean steps now (None: none kept)."""
+        net_ms = self.waiting_ms.pop(bucket, None)
+        return None if net_ms is None else self.retry_ms(bucket, net_ms)
 
 
 @dataclass
@@ -207,10 +247,21 @@ class Room:
 
     def after_alloc_retries(self, retry_ms: float | None = None, growth_ms: float = 0.0) -> bool:
         """The allocator released its cache to serve a steady step that cost ``retry_ms`` more
-        (None: not measured yet): the slack grows by :attr:`slack_step_bytes`, up to
+        (None: not measured, taken to cost more): the slack grows by :attr:`slack_step_bytes`, up to
         ``MAX_RETRY_SLACK_SHARE`` of the budget, if the retry cost more than ``growth_ms``, what the
         growth would add to the step's plan (NOTE [The slack is priced])."""
         self.clean_steps = 0
+        return self.price_retry(retry_ms, growth_ms)
+
+    def after_waiting_retry(self) -> bool:
+        """A retry kept until its bucket's next clean step prices it (NOTE [The slack is priced]):
+        the shrink's count starts again; nothing else changes yet."""
+        self.clean_steps = 0
+        return False
+
+    def price_retry(self, retry_ms: float | None, growth_ms: float) -> bool:
+        """The growth rule of :meth:`after_alloc_retries` alone (for a retry priced after the clean
+        steps that came since it)."""
         if not self.budget_bytes:
             return False
         ceiling = int(MAX_RETRY_SLACK_SHARE * self.budget_bytes)
