@@ -113,6 +113,8 @@ def main() -> None:
     p.add_argument("--output_dir", required=True)
     p.add_argument("--repeats", type=int, default=20)
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        p.exit(2, "cudnn_oom.py: no CUDA device here; run it on a GPU machine\n")
     os.makedirs(args.output_dir, exist_ok=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "cudnn": torch.backends.cudnn.version(), "cudnn_sdp_enabled": torch.backends.cuda.cudnn_sdp_enabled(),

@@ -145,7 +145,6 @@ def main() -> None:
     if args.child:
         print(json.dumps(one_backend(args.child, args.lengths, args.batch, args.layers, args.hf)))
         return
-    os.makedirs(args.output_dir, exist_ok=True)
     results = []
     for name in args.backends:  # a process each: no cache carries from one backend's run to the next
         cmd = [sys.executable, __file__, "--output_dir", args.output_dir, "--child", name, "--batch", str(args.batch),
@@ -159,8 +158,12 @@ def main() -> None:
         print(f"{name:>9}{' hf' if args.hf else ''}: kernels {result['kernels']}")
         print(f"{name:>9}: a new length costs plain {result['plain_new_length_ms']:.1f} ms, recomputed "
               f"{result['recompute_new_length_ms']:.1f} ms (recomputed step warm {result['recompute_second_median_ms']:.1f} ms)")
-    with open(os.path.join(args.output_dir, f"recompute_cold{'_hf' if args.hf else ''}.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}, f, indent=1)
+    os.makedirs(args.output_dir, exist_ok=True)
+    if results:  # the backends that ran; one that failed is named above and fails the call
+        with open(os.path.join(args.output_dir, f"recompute_cold{'_hf' if args.hf else ''}.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}, f, indent=1)
+    if len(results) < len(args.backends):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

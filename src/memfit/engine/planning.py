@@ -578,15 +578,9 @@ def _slack_rules(planning: Planning, update: ModelUpdate) -> bool:
 def growth_ms_per_step(planning: Planning) -> float:
     """What a growth of the slack adds to a step's plan, the mean over the latest steady steps'
     shapes (NOTE [The slack is priced], room.py)."""
-    keys = [key for key, _ in planning.room.times.recent]
-    if not keys:
-        return 0.0
-    extra, priced = planning.room.slack_step_bytes, {}
-    for key in keys:
-        shape = planning.planned_shape(key)
-        if shape not in priced:
-            priced[shape] = slack_cost_ms(planning, key, extra)
-    return sum(priced[planning.planned_shape(key)] for key in keys) / len(keys)
+    shapes = [planning.planned_shape(key) for key, _ in planning.room.times.recent]
+    priced = {shape: slack_cost_ms(planning, shape, planning.room.slack_step_bytes) for shape in set(shapes)}
+    return sum(priced[shape] for shape in shapes) / len(shapes) if shapes else 0.0
 
 
 def slack_cost_ms(planning: Planning, key: tuple[int, int], extra_bytes: int) -> float:
