@@ -202,16 +202,26 @@ def test_the_one_peak_evaluator_takes_a_chunked_heads_saving_off_and_the_learner
     assert (("outside",), (4, 128), 1000 + 7 * 512) in update.samples
 
 
-def test_a_steady_step_that_chunked_the_head_never_raises_outside_nor_teaches_a_transient_nor_a_bias():
-    """NOTE [A chunked head's step teaches less]: a steady step under its prediction (so it would
-    teach) with the head chunked may lower ``outside`` but not raise it, teaches no transient and no
-    bucket bias; the same step with the head kept teaches all three."""
+def test_a_steady_step_that_chunked_the_head_never_raises_outside_and_teaches_its_transient_in_kept_terms():
+    """NOTE [A chunked head's step teaches less], NOTE [A chunked head's step in kept terms]: a steady
+    step under its prediction (so it would teach) with the head chunked may lower ``outside`` but not
+    raise it, teaches no bucket bias, and teaches the partial transient its reading plus the transient
+    part of the head's saving; the same step with the head kept teaches all three from its readings."""
     from memfit.engine import learner
     from memfit.engine.planner import Plan
 
     planning = _learned_planning(partial=True)
     model = planning.model
-    model.head_saving = lambda tokens, head: 0 if head[0] == "keep" else 10**6 * tokens  # a gross over-estimate
+
+    class Head:  # the head part's two prices: the whole saving, and its transient part
+        def saved_bytes(self, tokens, head):
+            return 0 if head[0] == "keep" else 10**6 * tokens  # a gross over-estimate
+
+        def transient_saved_bytes(self, tokens, head):
+            return 0 if head[0] == "keep" else 4 * 10**5 * tokens
+
+    planning.head = Head()
+    model.head_saving = planning.head.saved_bytes
     key = (4, 128)  # a new shape: a steady step there teaches the curves it reads above their prediction
 
     def taught(head, evidence_peak):
@@ -224,12 +234,67 @@ def test_a_steady_step_that_chunked_the_head_never_raises_outside_nor_teaches_a_
 
     under = lambda predicted: int(predicted) + 10**8  # the step peaked far above its prediction
     update, bias = taught(("chunked", 4), under)
-    paths = {path for path, _, _ in update.samples}
-    assert ("outside",) not in paths and not paths & {("transient_full",), ("transient_partial",)}
+    taught_values = {path: value for path, _, value in update.samples}
+    assert ("outside",) not in taught_values and ("transient_full",) not in taught_values
+    assert taught_values[("transient_partial",)] == 10**7 + 4 * 10**5 * 512
     assert bias.error is None
     update, bias = taught(("keep", 1), under)
-    paths = {path for path, _, _ in update.samples}
-    assert ("outside",) in paths and paths & {("transient_full",), ("transient_partial",)} and bias.error is not None
+    taught_values = {path: value for path, _, value in update.samples}
+    assert ("outside",) in taught_values and taught_values[("transient_partial",)] == 10**7 and bias.error is not None
+
+
+def test_a_warmup_step_that_chunked_the_head_splits_the_saving_between_outside_and_the_transient():
+    """NOTE [A chunked head's step in kept terms]: a warm-up step (every block recomputed, head chunked)
+    teaches ``outside`` its bytes plus the saved part of the head's saving and the full transient its
+    reading plus the transient part, so the two together still add the whole saving back."""
+    from memfit.engine import learner
+    from memfit.engine.planner import Plan
+
+    planning = _learned_planning()
+    model = planning.model
+
+    class Head:
+        def saved_bytes(self, tokens, head):
+            return 0 if head[0] == "keep" else 7 * tokens
+
+        def transient_saved_bytes(self, tokens, head):
+            return 0 if head[0] == "keep" else 3 * tokens
+
+    planning.head = Head()
+    model.head_saving = planning.head.saved_bytes
+    plan = Plan(tuple(range(len(model.groups))), head=("chunked", 4))
+    outcome = learner.StepOutcome(key=(4, 128), plan=plan, warmup=True, outside=1000, by_block=[10] * len(model.groups),
+                                  static=0, peak=0, plain_peak=0, transient=-50)
+    taught_values = {path: value for path, _, value in learner.learn_step(planning, outcome, None, (4, 128)).samples}
+    assert taught_values[("outside",)] == 1000 + 4 * 512
+    assert taught_values[("transient_full",)] == -50 + 3 * 512
+
+
+def test_the_head_parts_transient_saving_is_its_saving_less_the_saved_bytes_it_frees():
+    """NOTE [A chunked head's step in kept terms]: on CUDA the head part's saving splits into the kept
+    head's saved logits less the chunked head's saved rows (by formula) and the rest, its transient
+    part; under logical accounting (no transient priced) the transient part is 0."""
+    from memfit.engine.head import attach_head, head_saved_bytes
+    from memfit.engine.treatments.chunked_head import HeadPart
+
+    tokens = 4 * 64
+    for transient in (True, False):
+        part = HeadPart(attach_head(_base()), transient=transient)
+        spec = part.switch.spec
+        vocab, hidden, dtype = spec.vocab_size, spec.weight.shape[-1], spec.weight.dtype
+        for n_chunks in (2, 4):
+            head = ("chunked", n_chunks)
+            kept = head_saved_bytes(tokens, vocab, hidden, dtype, "keep", logits_held=part.switch.logits_held)
+            chunked = head_saved_bytes(tokens, vocab, hidden, dtype, "chunked", n_chunks)
+            assert part.saved_bytes(tokens, head) > 0
+            split = part.saved_bytes(tokens, head) - part.transient_saved_bytes(tokens, head)
+            if transient:
+                assert split == kept.saved_bytes - chunked.saved_bytes
+                assert part.transient_saved_bytes(tokens, head) == kept.transient_bytes - chunked.transient_bytes
+            else:
+                assert part.transient_saved_bytes(tokens, head) == 0
+        assert part.transient_saved_bytes(tokens, ("keep", 1)) == 0
+        part.remove()
 
 
 def _fake_probe(per_token_ms: dict[str, float]):

@@ -230,6 +230,29 @@ def _backward_start_dominates(planning: Planning, key: tuple[int, int], plan: Pl
     return model.backward_start_bytes(k, plan) >= model.recompute_bytes(k, plan)
 
 
+def _head_transient_saved(planning: Planning, key: tuple[int, int], plan: Plan) -> int:
+    """The transient part of what ``plan``'s head saves at ``key`` (NOTE [A chunked head's step in kept terms]).
+
+    # NOTE [A chunked head's step in kept terms]
+    The curves describe a step with the LM head kept, and a plan that chunks it takes the head part's
+    saving off its peaks (NOTE [Head in the peaks], model.py). That saving has two parts: the kept
+    head's saved float32 logits less the chunked head's saved rows, which live from the head's
+    forward on (outside the blocks), and the kept head's backward transient less the chunk's work,
+    which live at the backward's start (the transient). A step that chunked the head gives each
+    curve its own part back: its outside bytes the saved part, its transient the transient part, so
+    the partial transient learns long shapes, which only ever chunk, as keep-head steps would have
+    taught it. Given all to the outside bytes (warm-up chunks the head), the outside curve held the
+    kept head's transient and the partial transient held it again: keep-head steps were predicted a
+    kept head's transient too high (14% of the cap on the llm suite's model) until a bucket
+    correction took it off, and long partial plans, which no step taught a partial transient, took
+    the full regime's, 3% of the cap too much (docs/devlog.md).
+    """
+    head = planning.head
+    if head is None or plan.head is None or not hasattr(head, "transient_saved_bytes"):
+        return 0
+    return int(head.transient_saved_bytes(key[0] * key[1], plan.head))
+
+
 def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, planning_key: tuple[int, int]) -> ModelUpdate:
     """What a finished step teaches the memory model (NOTE [What a step teaches]).
 
@@ -247,9 +270,11 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
     miss = None if predicted is None else outcome.plain_peak - predicted
     planned = set(outcome.plan.blocks)
     names = outcome.plan.treatments(len(model.groups))
-    # a chunked head's saving added back: the curves describe the step with the head kept (NOTE [Head in the peaks], model.py)
+    # a chunked head's saving added back, its saved part to the outside bytes and its transient part to
+    # the transient: the curves describe the step with the head kept (NOTE [A chunked head's step in kept terms])
     head_saved = model.head_saved_bytes(key, outcome.plan)
-    curves: list[tuple] = [(("outside",), model.outside, outcome.outside + head_saved)]
+    head_transient = _head_transient_saved(planning, key, outcome.plan) if head_saved else 0
+    curves: list[tuple] = [(("outside",), model.outside, outcome.outside + head_saved - head_transient)]
     chunked_head = bool(head_saved) and not outcome.warmup  # NOTE [A chunked head's step teaches less]
     for group_id, group in model.group_models.items():
         members = [i for i, g in enumerate(model.groups) if g == group_id]
@@ -257,7 +282,7 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
             value = max(by_block[i] for i in members if names[i] == name)
             curves.append((("bytes", group_id, name), group.bytes.get(name), value))
     transient_path, transient = None, outcome.transient
-    if transient is not None and not evicted and not chunked_head:  # an evicting step's transient was lowered by its evictions
+    if transient is not None and not evicted:  # an evicting step's transient was lowered by its evictions
         if len(planned) == len(model.groups) and not outcome.plan.kinds:
             transient_path = ("transient_full",)
         elif outcome.start_transient is not None:  # NOTE [Reading the backward's start]
@@ -265,7 +290,7 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
         elif _backward_start_dominates(planning, key, outcome.plan):
             transient_path = ("transient_partial",)
         if transient_path is not None:
-            curves.append((transient_path, getattr(model, transient_path[0]), transient))
+            curves.append((transient_path, getattr(model, transient_path[0]), transient + head_transient))
     step_under = bool(evicted) or (miss is not None and miss > _teaching_margin(planning) / 4)
     b = planning.bucket_tokens
     step_over = (
@@ -285,12 +310,12 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
         if path == ("outside",) and chunked_head:
             # NOTE [A chunked head's step teaches less]
             # A steady step that chunked the head did not run the step the curves describe (the
-            # head kept). Its outside bytes hold the head part's estimate of what chunking saved,
-            # not a reading, and its backward's start holds the chunks' own work, which no curve
-            # models. So it teaches its blocks' bytes, may lower the outside curve, and teaches
-            # no transient; steps that keep the head raise those from readings. Taught whole, an
-            # over-estimate moved the curves for every shape: each later step was predicted 2-5 GB
-            # above its peak and recomputed blocks it could keep (docs/devlog.md).
+            # head kept). Its outside bytes hold the head part's estimate of the kept logits, not a
+            # reading, so it may lower the outside curve but not raise it; steps that keep the head
+            # raise it from readings. Taught whole, an over-estimate moved the curves for every
+            # shape: each later step was predicted 2-5 GB above its peak and recomputed blocks it
+            # could keep (docs/devlog.md). Its blocks' bytes and its transient (in kept terms: NOTE
+            # [A chunked head's step in kept terms]) it teaches as any step does.
             learn = over
         if path == ("transient_partial",) and path == transient_path:
             learn = learn or (not curve.has(key) and curve.distinct_keys < 8)

@@ -657,7 +657,8 @@ class MemoryModel:
 
         # NOTE [Head in the peaks]
         The curves describe the step with the LM head kept (the learner adds a chunked head's saving
-        back to what such a step teaches, learner.py). A plan that chunks the head
+        back to what such a step teaches, its saved part to the outside bytes and its transient part to
+        the transient: NOTE [A chunked head's step in kept terms], learner.py). A plan that chunks the head
         (NOTE [The head in the plan], planner.py) saves ``values["head_saved"]`` bytes of the kept
         head's float32 logits: taken off the backward's start, and off the recompute bound too, whose
         ``full`` transient was fitted on whole-step peaks that the kept head's moment may set.

@@ -300,6 +300,23 @@ class HeadPart:
         # (docs/devlog.md).
         return max(0, self._peak(tokens, KEEP) - self._peak(tokens, CHUNKED, head[1]))
 
+    def transient_saved_bytes(self, tokens: int, head: tuple[str, int] | None) -> int:
+        """The part of :meth:`saved_bytes` that is the heads' transients (the kept head's backward
+        less the chunks' work, negative where a chunk holds more), the rest being the kept head's
+        saved logits less the chunked head's saved rows (NOTE [A chunked head's step in kept terms],
+        learner.py). 0 where transients are not priced (logical accounting)."""
+        saved = self.saved_bytes(tokens, head)
+        if not saved or not self.transient:
+            return 0
+        spec, weight = self.switch.spec, self.switch.spec.weight
+        offered = any((name, n) == tuple(head) for name, n, _, _ in self.options(tokens))
+        implementation = self.switch.implementation if offered else "pure"  # as saved_bytes priced it
+        kept = head_saved_bytes(tokens, spec.vocab_size, weight.shape[-1], weight.dtype, KEEP,
+                                softcap=spec.softcap is not None, logits_held=self.switch.logits_held)
+        chunked = head_saved_bytes(tokens, spec.vocab_size, weight.shape[-1], weight.dtype, CHUNKED, max(1, head[1]),
+                                   spec.softcap is not None, implementation)
+        return int(saved - (kept.saved_bytes - chunked.saved_bytes))
+
     def apply(self, plan: Any) -> None:
         """Set the switch to ``plan.head`` (a plan without a head leaves it as it is)."""
         if plan.head is not None:
