@@ -353,6 +353,34 @@ def test_the_kept_heads_peak_is_its_backward_and_the_formula_covers_it(dtype):
     assert got <= want.saved_bytes + want.transient_bytes <= 1.05 * got + 4 * tokens * hidden, (got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_grad_in_forward_chunks_peak_is_its_held_gradients_and_12_bytes_a_logit(dtype):
+    """NOTE [Head bytes]: ``pure_grad_in_forward`` holds the rows' gradient and the weight's float32
+    one, and at its peak a chunk's float32 logits' log-softmax with its two float32 gradients (12 bytes
+    a logit, the chunk's logits in the model's dtype freed once upcast): measured by the allocator on
+    CPU, the formula's saved + transient covers it within 5% and is not more than 12 bytes a logit."""
+    import transformers as tf
+
+    from memfit.engine.head import _grad_in_forward_loss, find_head
+
+    tokens, vocab, hidden, n_chunks = 512, 8192, 64, 4
+    config = tf.LlamaConfig(hidden_size=hidden, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                            intermediate_size=37, vocab_size=vocab)
+    spec = find_head(tf.LlamaForCausalLM(config).to(dtype))
+    rows = torch.randn(1, tokens, hidden, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, tokens))
+
+    def run():
+        loss = _grad_in_forward_loss(spec, rows, labels, n_chunks)
+        torch.autograd.grad(loss, [rows])  # the weight's gradient into .grad is static memory, not the head's
+
+    got = _peak_bytes(run)
+    want = head_saved_bytes(tokens, vocab, hidden, dtype, "chunked", n_chunks, implementation="pure_grad_in_forward")
+    scalars = 1024  # the loss, its sum and the count of targets
+    assert got <= want.saved_bytes + want.transient_bytes + scalars <= 1.05 * got + 4 * tokens * hidden, (got, want)
+    assert want.transient_bytes <= (tokens // n_chunks) * vocab * 12 + tokens * 8
+
+
 def test_fit_trains_a_large_vocabulary_decoder_only_a_chunked_head_fits():
     """A tiny decoder whose vocabulary dominates its memory, under a logical budget: with the head
     kept, some steps go over it even with every block checkpointed; with a fixed chunked head (switch

@@ -293,6 +293,7 @@ class _GradInForward(torch.autograd.Function):
                     acc += next(grads)
             total += loss.detach()
             start += h.shape[0]
+            del grads  # this chunk's weight gradient, before the next chunk's peak (NOTE [Head bytes])
         ctx.save_for_backward(*(g for g in (grad_rows, grad_weight, grad_bias) if g is not None))
         ctx.has = (grad_rows is not None, grad_weight is not None, grad_bias is not None)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
@@ -648,7 +649,11 @@ def head_saved_bytes(
     float32 output with the two float32 gradients (its logits and their upcast are freed by then:
     12 bytes per logit, whatever the dtype): the transient. ``pure_grad_in_forward`` keeps the
     hidden rows' gradient instead of the rows and targets and, when ``lm_head``'s weight trains
-    (``weight_trains``), its float32 gradient (``vocab x hidden x 4``). The fused kernels (:data:`FUSED`)
+    (``weight_trains``), its float32 gradient (``vocab x hidden x 4``); its chunk's transient is the
+    same 12 bytes per logit (the chunk's logits in the model's dtype are freed once upcast; measured
+    by ``benchmarks/head_peaks.py`` and in tests/test_head.py), or, for chunks of few rows, the
+    chunk's weight gradient in the model's dtype beside its logits' float32 gradient and its cast
+    (6 bytes a logit). The fused kernels (:data:`FUSED`)
     chunk the tokens themselves and take each chunk's gradient in forward: they are priced as
     ``pure_grad_in_forward`` at :func:`fused_chunks` chunks, whatever ``n_chunks`` says (an upper bound:
     they hold less in the model's dtype). Measured by :func:`probe_head`, checked against this in tests/test_head.py.
@@ -663,7 +668,10 @@ def head_saved_bytes(
             n_chunks, implementation = fused_chunks(tokens, vocab, hidden), "pure_grad_in_forward"
         rows = -(-tokens // max(1, n_chunks))
         if implementation == "pure_grad_in_forward":
-            return HeadBytes(tokens * hidden * size + (vocab * hidden * 4 if weight_trains else 0), rows * vocab * (size + 4 + 4 + 4))
+            # the chunk's weight gradient meets its logits' gradient (6 bytes a logit), not their peak
+            weight_grad = vocab * hidden * size if weight_trains else 0
+            return HeadBytes(tokens * hidden * size + (vocab * hidden * 4 if weight_trains else 0),
+                             max(rows * vocab * 12, rows * vocab * 6 + weight_grad) + tokens * 8)  # and the int64 targets
         return HeadBytes(hidden_bytes, rows * vocab * 12)
     raise ValueError(f"head treatment must be one of {HEAD_TREATMENTS}, got {treatment!r}")
 
