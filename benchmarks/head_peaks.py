@@ -57,10 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     from memfit.cli.tasks._common import CONFIGS_DIR
-    from memfit.engine.head import (
-        _grad_in_forward_loss, _fused_loss, _keep_loss, available_implementations, chunked_causal_lm_loss, find_head,
-        fused_chunks, head_saved_bytes,
-    )
+    from memfit.engine.head import available_implementations, find_head, fused_chunks, head_loss, head_saved_bytes
 
     config = transformers.AutoConfig.from_pretrained(str(CONFIGS_DIR / f"{args.model}.json"))
     torch.manual_seed(0)
@@ -79,14 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         def runner(treatment: str, implementation: str, n_chunks: int):
             def run(report_held: bool = False) -> int:
                 h = hidden0.detach().requires_grad_(True)
-                if treatment == "keep":
-                    loss = _keep_loss(spec, h, labels)
-                elif implementation == "pure":
-                    loss = chunked_causal_lm_loss(spec.logits, h, labels, n_chunks)
-                elif implementation == "pure_grad_in_forward":
-                    loss = _grad_in_forward_loss(spec, h, labels, n_chunks)
-                else:
-                    loss = _fused_loss(spec, implementation, h, labels)
+                loss = head_loss(spec, h, labels, treatment, n_chunks, implementation)
                 held = torch.cuda.memory_allocated() if report_held else 0
                 grads = torch.autograd.grad(loss, [h, weight])
                 del grads, loss

@@ -423,3 +423,92 @@ def test_an_implementation_that_fails_its_probe_is_said_once_and_not_used(monkey
     assert part.switch.implementation == "pure"
     assert sum("failed when probed" in m for m in caplog.messages) == 1
     part.remove()
+
+
+def test_the_probe_runs_on_the_most_tokens_whose_kept_head_fits_half_the_free_room(monkeypatch):
+    """NOTE [A probe at the steps' size]: with the room's free bytes known, the probe runs on the most
+    tokens (up to the step's and PROBE_TOKENS) whose kept head fits in half of them, never fewer than
+    one chunk's rows; unknown, on one chunk's rows. A probe of more tokens replaces one of fewer; one
+    of fewer is not kept over it; one of the same size keeps the least times."""
+    import memfit.engine.treatments.chunked_head as chunked_head
+    from memfit.engine.head import attach_head
+
+    sizes = []
+    times = iter([3.0, 1.0, 2.0] * 100)
+
+    def probe(spec, hidden, labels, n_chunks, implementation="pure"):
+        sizes.append(hidden.shape[1])
+        keep = next(times) * hidden.shape[1]
+        return {"keep": {"ms": keep, "saved_bytes": 0.0}, "chunked": {"ms": keep + 0.001 * hidden.shape[1], "saved_bytes": 0.0}}
+
+    monkeypatch.setattr(chunked_head, "probe_head", probe)
+    monkeypatch.setattr(chunked_head, "available_implementations", lambda spec, device: ["pure"])
+    hidden, ids = torch.randn(4, 64, 32), torch.randint(0, VOCAB, (4, 64))
+    part = chunked_head.HeadPart(attach_head(_base()))
+    part.switch.n_chunks = 16
+    part.probe(hidden, ids)
+    assert set(sizes) == {16}  # no free bytes known: one chunk's rows (256 / 16)
+    per_token = part._peak(1, "keep")
+    sizes.clear()
+    part.free_bytes = lambda device: 2 * 100 * per_token  # room for 100 tokens' kept head, in half of it
+    part.probe(hidden, ids)
+    assert set(sizes) == {100} and {s["tokens"] for s in part.probes["pure"].values()} == {100.0}
+    kept = dict(part.probes["pure"][1])
+    part.free_bytes = None  # a later probe of fewer tokens does not replace it
+    part.probe(hidden, ids)
+    assert part.probes["pure"][1] == kept
+    part.free_bytes = lambda device: 10**15  # all of it: the step's 256 tokens, under PROBE_TOKENS
+    sizes.clear()
+    part.probe(hidden, ids)
+    assert set(sizes) == {256}
+    part.remove()
+
+
+def test_a_probe_out_of_memory_at_the_steps_size_runs_again_at_one_chunks_rows(monkeypatch):
+    """NOTE [A probe at the steps' size]: an OOM of the larger probe is the probe's own: it runs again
+    at one chunk's rows; an OOM there is the step's (raised, to be replayed)."""
+    import memfit.engine.treatments.chunked_head as chunked_head
+    from memfit.engine.head import attach_head
+
+    good = _fake_probe({"pure": 0.02})
+    limit = {"tokens": 32}
+
+    def probe(spec, hidden, labels, n_chunks, implementation="pure"):
+        if hidden.shape[1] > limit["tokens"]:
+            raise torch.OutOfMemoryError("out of memory")
+        return good(spec, hidden, labels, n_chunks, implementation)
+
+    monkeypatch.setattr(chunked_head, "probe_head", probe)
+    monkeypatch.setattr(chunked_head, "available_implementations", lambda spec, device: ["pure"])
+    hidden, ids = torch.randn(4, 64, 32), torch.randint(0, VOCAB, (4, 64))
+    part = chunked_head.HeadPart(attach_head(_base()), free_bytes=lambda device: 10**15)
+    part.switch.n_chunks = 16
+    part.probe(hidden, ids)
+    assert {s["tokens"] for s in part.probes["pure"].values()} == {16.0}
+    limit["tokens"] = 8
+    with pytest.raises(torch.OutOfMemoryError):
+        part.probe(hidden, ids)
+    part.remove()
+
+
+def test_a_fused_kernel_is_probed_at_its_own_count_once_and_chosen_when_fastest(monkeypatch):
+    """NOTE [Pricing the head]: a fused kernel runs its own chunk count, so it is timed once per probe
+    (no per-chunk slope from two identical runs: its price is per token alone), and it is the
+    implementation run when it measures the least extra time."""
+    import memfit.engine.treatments.chunked_head as chunked_head
+    from memfit.engine.head import attach_head
+
+    counts = {}
+    good = _fake_probe({"pure": 0.02, "liger": 0.005})
+
+    def probe(spec, hidden, labels, n_chunks, implementation="pure"):
+        counts.setdefault(implementation, set()).add(n_chunks)
+        return good(spec, hidden, labels, n_chunks, implementation)
+
+    monkeypatch.setattr(chunked_head, "probe_head", probe)
+    monkeypatch.setattr(chunked_head, "available_implementations", lambda spec, device: ["pure", "liger"])
+    part = chunked_head.HeadPart(attach_head(_base()))
+    part.probe(torch.randn(4, 64, 32), torch.randint(0, VOCAB, (4, 64)))
+    assert counts["liger"] == {1} and len(counts["pure"]) == 2
+    assert part.switch.implementation == "liger" and part.per_chunk_ms == 0.0
+    part.remove()

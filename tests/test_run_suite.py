@@ -271,10 +271,11 @@ def test_head_calls_run_end_to_end_on_cpu_with_a_tiny_model(tmp_path):
     # a tiny budget under the CPU's for-loop AdamW bound is a budget error line; the others ran
     dynamic = [x for x in qwen if x["method"] == "dynamic" and x["status"] == "ok"]
     assert dynamic and all(x["head_steps"] and x["fixed_fitting"] >= 1 and "step_ratio_vs_fastest_fixed" in x for x in dynamic)
+    assert all(x["head"]["implementation"] in ("pure", "pure_grad_in_forward") for x in dynamic)  # the probe's choice, said
     assert "| dynamic |" in (raw / "head-qwen15" / "head-qwen15.vs_fixed.md").read_text()
     smollm = [json.loads(x) for x in (raw / "head-smollm" / "results.jsonl").read_text().splitlines()]
     assert {x["method"] for x in smollm} == {"none", "dynamic+head-auto", "dynamic+head-off"}
-    assert all(not x.get("head_steps") for x in smollm if x["method"] == "dynamic+head-off")
+    assert all(not x.get("head_steps") and "head" not in x for x in smollm if x["method"] == "dynamic+head-off")
     # published side by side: both calls' tables, the lines, the report
     assert run_suite.main(["llm", "--publish", str(raw), "--out", str(tmp_path / "published")]) == 0
     published = {p.name for p in (tmp_path / "published").iterdir()}

@@ -78,7 +78,7 @@ from memfit.integrations.distributed import is_fsdp
 
 __all__ = [
     "HEAD_TREATMENTS", "IMPLEMENTATIONS", "HeadSpec", "HeadNotFound", "HeadSwitch", "HeadBytes", "find_head", "attach_head",
-    "chunked_causal_lm_loss", "head_saved_bytes", "chunks_for_bytes", "probe_head", "available_implementations", "FUSED",
+    "chunked_causal_lm_loss", "head_saved_bytes", "chunks_for_bytes", "probe_head", "head_loss", "available_implementations", "FUSED",
     "fused_chunks",
 ]
 
@@ -730,14 +730,7 @@ def probe_head(spec: HeadSpec, hidden: torch.Tensor, labels: torch.Tensor, n_chu
 
         def run() -> None:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                if treatment == "keep":
-                    loss = _keep_loss(spec, h, labels)
-                elif implementation == "pure":
-                    loss = chunked_causal_lm_loss(spec.logits, h, labels, n_chunks)
-                elif implementation == "pure_grad_in_forward":
-                    loss = _grad_in_forward_loss(spec, h, labels, n_chunks)
-                else:
-                    loss = _fused_loss(spec, implementation, h, labels)
+                loss = head_loss(spec, h, labels, treatment, n_chunks, implementation)
             torch.autograd.grad(loss, [h, *weights])
 
         run()  # untimed: NOTE [A warm probe]
@@ -749,6 +742,19 @@ def probe_head(spec: HeadSpec, hidden: torch.Tensor, labels: torch.Tensor, n_chu
         ms = (time.perf_counter() - start) * 1e3
         results[treatment] = {"saved_bytes": float(sum(storages.values())), "ms": ms}
     return results
+
+
+def head_loss(spec: HeadSpec, hidden: torch.Tensor, labels: torch.Tensor, treatment: str, n_chunks: int = 1,
+              implementation: str = "pure") -> torch.Tensor:
+    """The causal-LM loss of ``hidden`` (the body's output) under ``treatment`` (``keep``, the model's
+    own loss; ``chunked`` by ``implementation`` at ``n_chunks``): what :func:`probe_head` times."""
+    if treatment == "keep":
+        return _keep_loss(spec, hidden, labels)
+    if implementation == "pure":
+        return chunked_causal_lm_loss(spec.logits, hidden, labels, n_chunks)
+    if implementation == "pure_grad_in_forward":
+        return _grad_in_forward_loss(spec, hidden, labels, n_chunks)
+    return _fused_loss(spec, implementation, hidden, labels)
 
 
 def _keep_loss(spec: HeadSpec, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

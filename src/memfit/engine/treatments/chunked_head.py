@@ -19,16 +19,26 @@ The chunked head costs time over keep (``pure`` recomputes each chunk's logits i
 others compute the gradient in forward or run a fused kernel), and that time decides whether the
 planner chunks the head or treats blocks to make the same room. So the first :data:`PROBE_STEPS`
 warm-up steps time the head (:func:`memfit.engine.head.probe_head`) on the body's real output, cut
-to one chunk's rows of that step (at most :data:`PROBE_TOKENS`: the probe's ``keep`` then holds no
-more than the step's own chunk does), under each implementation usable here, at
-:data:`PROBE_CHUNKS` chunks, each after an untimed run at its shape (NOTE [A warm probe], head.py).
-The least time of each measurement over those steps is kept, and the price is a line: ``extra_ms_per_token x tokens +
+to the probe's size (NOTE [A probe at the steps' size]), under each implementation usable here, at
+:data:`PROBE_CHUNKS` chunks (a fused kernel at its own count only), each after an untimed run at
+its shape (NOTE [A warm probe], head.py). The probe of the most tokens is kept, the least time of
+each measurement where several had that size, and the price is a line: ``extra_ms_per_token x tokens +
 per_chunk_ms x n_chunks`` (both at least 0, so a head that is measured no slower chunked costs
 nothing and the tie rule still keeps it where nothing is needed: plans stay deterministic). The
 implementation with the least extra time is the one the switch runs from then on; its bytes are
 what :func:`head_options` prices. The probe's gradients go to detached copies
 (``torch.autograd.grad``): training is untouched. An installed kernel that raises when probed is
 said once and never used. Until the price is known the head is free.
+
+# NOTE [A probe at the steps' size]
+A probe cut to one chunk's rows of a warm-up step (its ``keep`` then holds no more than the step's
+own chunk does) runs a few hundred tokens, where launches and a fused kernel's fixed chunk count
+decide the times: there Liger's fused cross-entropy was the slowest implementation, at 8-16k
+tokens 2.4-3.3x faster than keeping the head (benchmarks/head_peaks.py, docs/devlog.md), and the
+run chunked with a slower one. So where the meter counts the allocator's bytes and the budget is
+known, the probe runs on the most tokens, up to the step's and :data:`PROBE_TOKENS`, whose kept head
+fits in half of what the room has free at the head's moment (``free_bytes``), and never fewer than
+one chunk's rows; a probe that runs out of memory there is run again at one chunk's rows.
 """
 
 from __future__ import annotations
@@ -57,8 +67,8 @@ logger = logging.getLogger("memfit")
 CHUNKED = "chunked"
 #: warm-up steps whose head is timed (NOTE [Pricing the head])
 PROBE_STEPS = 3
-#: the most tokens a probe of the head runs on (NOTE [Pricing the head])
-PROBE_TOKENS = 2048
+#: the most tokens a probe of the head runs on (NOTE [A probe at the steps' size])
+PROBE_TOKENS = 8192
 #: the chunk counts a probe times: the extra time at the fewest, the slope per chunk between them
 PROBE_CHUNKS = (1, 4)
 #: a chunk count is offered only if it saves this share of the kept head's peak over the count before it
@@ -147,6 +157,8 @@ class HeadPart:
         transient: price the head's transient bytes too (False under logical accounting: NOTE [Head options]).
         extra_ms_per_token: the chunked head's time over keep per token of the batch.
         on_priced: called when warm-up's probes change the price (the planner's cached plans are stale then).
+        free_bytes: what the room has free now, given the probe's device (None: not known; the probe
+            then runs on one chunk's rows: NOTE [A probe at the steps' size]).
 
     Attributes:
         probes: per implementation and chunk count, the least ``keep`` and ``chunked`` times (ms)
@@ -162,11 +174,12 @@ class HeadPart:
     def __init__(
         self, switch: HeadSwitch, extra_ms: float = 0.0, per_chunk_ms: float = 0.0, transient: bool = True,
         extra_ms_per_token: float = 0.0, on_priced: Callable[[], None] | None = None,
+        free_bytes: Callable[[torch.device], int | None] | None = None,
     ):
         self.switch, self.extra_ms, self.per_chunk_ms = switch, float(extra_ms), float(per_chunk_ms)
         self.extra_ms_per_token = float(extra_ms_per_token)
         self.transient = transient
-        self.on_priced = on_priced
+        self.on_priced, self.free_bytes = on_priced, free_bytes
         self.probes: dict[str, dict[int, dict[str, float]]] = {}
         self.probed_steps = 0
         #: implementations that raised when probed, never used (NOTE [Pricing the head])
@@ -181,23 +194,24 @@ class HeadPart:
         spec, scale = self.switch.spec, 1.0
         usable = available_implementations(spec, hidden.device)  # the real head's, whatever the probe times
         rows = hidden.detach().reshape(-1, hidden.shape[-1])
-        tokens = max(1, min(rows.shape[0], -(-rows.shape[0] // self.switch.n_chunks), PROBE_TOKENS))
-        h, y = rows[:tokens].unsqueeze(0), labels.reshape(-1)[:tokens].unsqueeze(0)
+        cut = max(1, min(rows.shape[0], -(-rows.shape[0] // self.switch.n_chunks), PROBE_TOKENS))
+        tokens = self._probe_tokens(rows.shape[0], cut, hidden.device)
         if self.switch.unit:  # no collective in a probe (NOTE [The head as its own FSDP unit], head.py)
             spec, scale = shard_head(spec)
-            y = torch.where(y >= 0, y % spec.vocab_size, y)
         for implementation in usable:
             if implementation in self.failed:
                 continue
-            seen: dict[int, dict[str, float]] = {}
+            counts = (1,) if implementation in FUSED else PROBE_CHUNKS  # a fused kernel runs its own count
             try:
-                for n_chunks in sorted({min(n, tokens) for n in PROBE_CHUNKS}):
-                    timed = {t: {"ms": scale * m["ms"]} for t, m in probe_head(spec, h, y, n_chunks, implementation).items()}
-                    was = self.probes.get(implementation, {}).get(n_chunks, {"keep": float("inf"), "chunked": float("inf")})
-                    seen[n_chunks] = {"keep": min(was["keep"], timed["keep"]["ms"]),
-                                      "chunked": min(was["chunked"], timed["chunked"]["ms"]), "tokens": float(tokens)}
+                try:
+                    seen = self._timed(spec, scale, rows, labels, tokens, counts, implementation)
+                except torch.OutOfMemoryError:
+                    if tokens == cut:
+                        raise  # the step's: replayed like any OOM in a forward
+                    tokens = cut  # NOTE [A probe at the steps' size]
+                    seen = self._timed(spec, scale, rows, labels, tokens, counts, implementation)
             except torch.OutOfMemoryError:
-                raise  # the step's: replayed like any OOM in a forward
+                raise
             except Exception as err:  # an installed kernel that fails here is not used (the pure path always runs)
                 if implementation == "pure":
                     raise
@@ -208,6 +222,34 @@ class HeadPart:
                 continue
             self.probes[implementation] = seen
         self._price()
+
+    def _probe_tokens(self, rows: int, cut: int, device: torch.device) -> int:
+        """The probe's size: the most tokens, up to ``rows`` and :data:`PROBE_TOKENS`, whose kept head fits in
+        half the room's free bytes, never fewer than ``cut`` (NOTE [A probe at the steps' size])."""
+        free = self.free_bytes(device) if self.free_bytes is not None else None
+        per_token = self._peak(1, KEEP)
+        if not free or free <= 0 or per_token <= 0:
+            return cut
+        return max(cut, min(rows, PROBE_TOKENS, int(free // 2 // per_token)))
+
+    def _timed(self, spec: Any, scale: float, rows: torch.Tensor, labels: torch.Tensor, tokens: int,
+               counts: tuple[int, ...], implementation: str) -> dict[int, dict[str, float]]:
+        """``implementation``'s probes at ``tokens`` tokens, merged with those kept: the most tokens win, the
+        least times of one size (NOTE [Pricing the head])."""
+        h, y = rows[:tokens].unsqueeze(0), labels.reshape(-1)[:tokens].unsqueeze(0)
+        if self.switch.unit:
+            y = torch.where(y >= 0, y % spec.vocab_size, y)
+        seen: dict[int, dict[str, float]] = {}
+        for n_chunks in sorted({min(n, tokens) for n in counts}):
+            timed = {t: scale * m["ms"] for t, m in probe_head(spec, h, y, n_chunks, implementation).items()}
+            was = self.probes.get(implementation, {}).get(n_chunks)
+            if was is not None and was["tokens"] > tokens:
+                seen[n_chunks] = was  # a probe of more tokens prices the steps better
+                continue
+            if was is not None and was["tokens"] == tokens:
+                timed = {t: min(was[t], timed[t]) for t in ("keep", "chunked")}
+            seen[n_chunks] = {"keep": timed["keep"], "chunked": timed["chunked"], "tokens": float(tokens)}
+        return seen
 
     def _price(self) -> None:
         """The price line of the fastest implementation probed (NOTE [Pricing the head])."""
@@ -411,9 +453,20 @@ def attach_head_part(
         if mode is True:
             raise ValueError(f"head=True: {reason}; pass head='auto' or head=False") from None
         return None, f"LM head kept ({reason})"
-    part = HeadPart(switch, transient=transient, on_priced=planning.cache.clear)
+    part = HeadPart(switch, transient=transient, on_priced=planning.cache.clear,
+                    free_bytes=_room_free_bytes(planning) if transient else None)
     planning.set_head(part)
     return part, "LM head planned per batch (kept, or its logits and loss chunked)"
+
+
+def _room_free_bytes(planning: Any) -> Callable[[torch.device], int | None]:
+    """What the room has free on a CUDA device now (None elsewhere or without a budget): the probe's size
+    reads it (NOTE [A probe at the steps' size])."""
+    def free(device: torch.device) -> int | None:
+        if planning.budget_bytes is None or torch.device(device).type != "cuda":
+            return None
+        return int(planning.room.free_bytes - torch.cuda.memory_allocated(device))
+    return free
 
 
 class RunHead:
