@@ -454,9 +454,10 @@ def test_the_probe_runs_on_the_most_tokens_whose_kept_head_fits_half_the_free_ro
     part.probe(hidden, ids)
     assert set(sizes) == {100} and {s["tokens"] for s in part.probes["pure"].values()} == {100.0}
     kept = dict(part.probes["pure"][1])
-    part.free_bytes = None  # a later probe of fewer tokens does not replace it
+    part.free_bytes = None  # a later probe of fewer tokens does not replace it, nor runs
+    sizes.clear()
     part.probe(hidden, ids)
-    assert part.probes["pure"][1] == kept
+    assert part.probes["pure"][1] == kept and sizes == []
     part.free_bytes = lambda device: 10**15  # all of it: the step's 256 tokens, under PROBE_TOKENS
     sizes.clear()
     part.probe(hidden, ids)

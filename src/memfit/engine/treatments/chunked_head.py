@@ -241,11 +241,11 @@ class HeadPart:
             y = torch.where(y >= 0, y % spec.vocab_size, y)
         seen: dict[int, dict[str, float]] = {}
         for n_chunks in sorted({min(n, tokens) for n in counts}):
-            timed = {t: scale * m["ms"] for t, m in probe_head(spec, h, y, n_chunks, implementation).items()}
             was = self.probes.get(implementation, {}).get(n_chunks)
             if was is not None and was["tokens"] > tokens:
-                seen[n_chunks] = was  # a probe of more tokens prices the steps better
+                seen[n_chunks] = was  # a probe of more tokens prices the steps better: none of fewer is run
                 continue
+            timed = {t: scale * m["ms"] for t, m in probe_head(spec, h, y, n_chunks, implementation).items()}
             if was is not None and was["tokens"] == tokens:
                 timed = {t: min(was[t], timed[t]) for t in ("keep", "chunked")}
             seen[n_chunks] = {"keep": timed["keep"], "chunked": timed["chunked"], "tokens": float(tokens)}
@@ -259,7 +259,9 @@ class HeadPart:
             extra = {n: seen[n]["chunked"] - seen[n]["keep"] for n in counts}
             slope = max(0.0, (extra[counts[-1]] - extra[counts[0]]) / (counts[-1] - counts[0])) if len(counts) > 1 else 0.0
             per_token = max(0.0, extra[counts[0]] - slope * counts[0]) / seen[counts[0]]["tokens"]
-            lines[implementation] = (per_token, slope, min(extra.values()))
+            # compared per token: an implementation probed again at one chunk's rows after an OOM (NOTE
+            # [A probe at the steps' size]) was timed on fewer tokens than the others
+            lines[implementation] = (per_token, slope, min(extra.values()) / seen[counts[0]]["tokens"])
         if not lines:
             return
         best = min(lines, key=lambda name: lines[name][2])  # dict order: pure first, so it wins ties
