@@ -115,6 +115,12 @@ def test_precomputed_runs_a_files_head_where_the_head_is_planned_and_drops_it_wh
     records = _steps(model, ctl, [8, 32])
     assert [r.head for r in records] == [("keep", 1), ("chunked", 4)]
     assert ctl.head.part.switch.chunked_forwards == 1
+    # the chunked step says which implementation ran it, and the summary says the head's mix
+    assert [r.head_implementation for r in records] == [None, ctl.head.part.switch.implementation]
+    assert StepRecord.from_dict(records[1].to_dict()).head_implementation == ctl.head.part.switch.implementation
+    from memfit.engine.summary_text import end_summary
+
+    assert f"memfit: LM head kept on 1 step, chunked on 1 ({ctl.head.part.switch.implementation})" in end_summary(records)
     ctl.remove()
     model = copy.deepcopy(base)
     ctl = memfit.fit(model, budget=None, method="precomputed", path=path, announce=False)

@@ -60,7 +60,7 @@ from memfit.engine.shapes import first_tensor, shape_key
 from memfit.engine.store import ReactiveStore
 from memfit.engine.summary_text import end_summary, start_line
 from memfit.engine.treatments import OFFLOAD, RECOMPUTE, SELECTIVE, Treatment, make_treatments, run_treatment_names
-from memfit.engine.treatments.chunked_head import RunHead, head_treatments
+from memfit.engine.treatments.chunked_head import RunHead
 
 __all__ = ["fit", "Controller", "check_static_need_of"]
 
@@ -415,7 +415,7 @@ class Controller:
             oom_retries=len(self.replay.oom.attempts), oom_attempts=self.replay.oom.attempts, rank=self.rank, now=now,
         )
         self.replay.oom.clear()
-        record.treatments.update(head_treatments(step.decision.plan))
+        self.head.record(record, step.decision.plan)
         self._records.append(record)
         if self._writer is not None:
             self._writer.write(record)

@@ -68,7 +68,9 @@ class StepRecord:
     planner.py) has ``treatments["head"]``: the head's label, ``"keep"`` or ``"chunked:<n>"``
     (``n`` chunks), as the plan files write it. It is the one key of ``treatments`` whose value is
     no block list: :attr:`head` reads it as ``(treatment, n_chunks)`` and :attr:`block_treatments`
-    leaves it out. A step without a planned head has no such key (``head`` is None).
+    leaves it out. A step without a planned head has no such key (``head`` is None). A step whose
+    head ran chunked names the implementation in ``head_implementation``; the end summary gives
+    the steps kept and chunked, and by which implementation.
 
     Byte counts are plain bytes; ``budget_bytes`` is ``None`` when no budget is set.
     With ``accounting == "logical"`` (CPU), ``peak_allocated_bytes`` is parameters +
@@ -115,6 +117,10 @@ class StepRecord:
     #: other block was kept (engine/treatments/); and the LM head's label under ``"head"`` when the
     #: plan placed it (NOTE [The head in a record])
     treatments: dict[str, Any] = field(default_factory=dict)
+    #: where the LM head ran chunked, the implementation that ran it (``pure``,
+    #: ``pure_grad_in_forward``, ``liger``, ``cce``: NOTE [Pricing the head] in
+    #: treatments/chunked_head.py); None otherwise
+    head_implementation: str | None = None
     #: the attempts of this step that ran out of memory and were replayed, oldest first:
     #: ``stage`` (forward / backward / optimizer), ``plan``, ``phase``, ``shape``,
     #: ``predicted_peak_bytes``, ``margin_bytes``, ``slack_bytes``, ``evicted_blocks``,

@@ -192,6 +192,19 @@ def start_line(
     )
 
 
+def _head_line(records: Sequence[StepRecord]) -> list[str]:
+    """The summary's line on the LM head where a plan placed it: steps kept and chunked, and by which
+    implementation (NOTE [The head in a record], records.py); none otherwise."""
+    placed = [r for r in records if r.head is not None]
+    if not placed:
+        return []
+    chunked = [r for r in placed if r.head[0] != "keep"]
+    ran = Counter(r.head_implementation for r in chunked if r.head_implementation)
+    by = "" if not ran else " (" + ", ".join(name if len(ran) == 1 else f"{name} {n}" for name, n in ran.most_common()) + ")"
+    kept = len(placed) - len(chunked)
+    return [f"memfit: LM head kept on {kept} step{'s' * (kept != 1)}, chunked on {len(chunked)}{by}"]
+
+
 def end_summary(records: Sequence[StepRecord], budget_given: str | None = None) -> str:
     """The short summary printed when training ends (a few lines, each starting ``memfit:``).
 
@@ -228,7 +241,7 @@ def end_summary(records: Sequence[StepRecord], budget_given: str | None = None) 
         f"({100 * s.mean_checkpointed_fraction:.0f}%), recompute about {share_time} of step time (estimated), "
         f"steps took {step_ms / 1e3:.1f} s"
     )
-    lines = [head, peak, blocks]
+    lines = [head, peak, blocks, *_head_line(records)]
     if any(r.compiled_graphs for r in records):
         lines.append(
             f"memfit: compiling took {s.compile_ms / 1e3:.1f} s, "

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHUNKED", "HEAD_MODES", "HEAD_LOGITS", "check_head_mode", "PROBE_STEPS", "PROBE_TOKENS", "PROBE_CHUNKS", "KeepHead",
-    "ChunkedHead", "HeadPart", "RunHead", "head_options", "attach_head_part", "head_treatments",
+    "ChunkedHead", "HeadPart", "RunHead", "head_options", "attach_head_part",
 ]
 
 logger = logging.getLogger("memfit")
@@ -526,12 +526,17 @@ class RunHead:
         self.part.check_fits(key[0] * key[1], self.planning.static_bytes + state_to_come, self.planning.budget_bytes)
         return decision
 
+    def record(self, record: Any, plan: Any) -> None:
+        """What a step's record says of the head: its label under ``treatments["head"]`` and, where it
+        ran chunked, the implementation (NOTE [The head in a record], records.py); nothing without a
+        planned head."""
+        if plan.head is None:
+            return
+        record.treatments["head"] = plan.head_label
+        if plan.head[0] == CHUNKED and self._switch is not None:
+            record.head_implementation = self._switch.implementation
+
     def remove(self) -> None:
         """Take the head's hooks off the model (they stay on, inert, after :meth:`leave`, until now)."""
         if self._switch is not None:
             self._switch.remove()
-
-
-def head_treatments(plan: Any) -> dict[str, str]:
-    """What a step record's ``treatments`` adds for the head: ``{"head": plan.head_label}``; nothing without a planned head."""
-    return {} if plan.head is None else {"head": plan.head_label}
