@@ -513,3 +513,32 @@ def test_a_fused_kernel_is_probed_at_its_own_count_once_and_chosen_when_fastest(
     assert counts["liger"] == {1} and len(counts["pure"]) == 2
     assert part.switch.implementation == "liger" and part.per_chunk_ms == 0.0
     part.remove()
+
+
+def test_a_head_measured_faster_chunked_at_the_steps_size_is_chunked_where_nothing_is_needed(monkeypatch):
+    """NOTE [Pricing the head]: timed at the steps' size (free bytes known), a chunked head faster than
+    keeping it is priced below keeping, so a shape that needs no room chunks it; timed on one chunk's
+    rows, the same gain is read as none, and the shape keeps the head (plans stay deterministic)."""
+    import memfit.engine.treatments.chunked_head as chunked_head
+    from memfit.engine.head import attach_head
+    from memfit.engine.planner import plan_with_head
+
+    def probe(spec, hidden, labels, n_chunks, implementation="pure"):
+        tokens = hidden.shape[1]
+        keep = 1.0 + 0.02 * tokens  # chunking saves 0.01 ms a token, each chunk costs 0.001 ms more
+        return {"keep": {"ms": keep, "saved_bytes": 0.0}, "chunked": {"ms": keep - 0.01 * tokens + 0.001 * n_chunks, "saved_bytes": 0.0}}
+
+    monkeypatch.setattr(chunked_head, "probe_head", probe)
+    monkeypatch.setattr(chunked_head, "available_implementations", lambda spec, device: ["pure"])
+    hidden, ids = torch.randn(4, 64, 32), torch.randint(0, VOCAB, (4, 64))
+    blocks = [[("recompute", 10**9, 5.0)]] * 2
+    chosen = {}
+    for name, free in (("steps' size", lambda device: 10**15), ("one chunk's rows", None)):
+        part = chunked_head.HeadPart(attach_head(_base()), free_bytes=free)
+        part.switch.n_chunks = 16
+        part.probe(hidden, ids)
+        options = part.options(ids.numel())
+        plan = plan_with_head(blocks, options, 0)  # nothing needed
+        chosen[name] = (plan.head[0], plan.blocks, part.extra_ms_per_token < 0)
+        part.remove()
+    assert chosen == {"steps' size": ("chunked", (), True), "one chunk's rows": ("keep", (), False)}

@@ -614,7 +614,8 @@ def _plan_head(planning: Planning, k: tuple[int, int]) -> Plan:
     plan = _mix_that_fits(planning, k, [[o for o in opts if o[0] == RECOMPUTE] for opts in options], need, room, head)
     if not planning.recompute_only:
         mixed = _mix_that_fits(planning, k, options, need, room, head)
-        if mixed is not None and (plan is None or mixed.cost_ms < 0.999 * plan.cost_ms):
+        # a tenth of a percent cheaper, of a cost that may be below 0 (a head priced faster chunked: NOTE [Pricing the head])
+        if mixed is not None and (plan is None or mixed.cost_ms < plan.cost_ms - 0.001 * abs(plan.cost_ms)):
             plan = mixed
     if plan is not None:
         return plan

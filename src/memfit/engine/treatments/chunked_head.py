@@ -23,8 +23,12 @@ to the probe's size (NOTE [A probe at the steps' size]), under each implementati
 :data:`PROBE_CHUNKS` chunks (a fused kernel at its own count only), each after an untimed run at
 its shape (NOTE [A warm probe], head.py). The probe of the most tokens is kept, the least time of
 each measurement where several had that size, and the price is a line: ``extra_ms_per_token x tokens +
-per_chunk_ms x n_chunks`` (both at least 0, so a head that is measured no slower chunked costs
-nothing and the tie rule still keeps it where nothing is needed: plans stay deterministic). The
+per_chunk_ms x n_chunks``. The per-chunk slope is at least 0. The per-token price is at least 0
+too where the probe ran on one chunk's rows: a head measured no slower chunked on a few hundred
+tokens costs nothing, and the tie rule keeps it where nothing is needed, so plans stay
+deterministic. Measured faster than keeping at the steps' size (NOTE [A probe at the steps'
+size]), chunking is priced below keeping, and the planner chunks wherever that is the cheapest
+mix, also where nothing is needed (at 8 x 2,048 tokens every implementation measured faster). The
 implementation with the least extra time is the one the switch runs from then on; its bytes are
 what :func:`head_options` prices. The probe's gradients go to detached copies
 (``torch.autograd.grad``): training is untouched. An installed kernel that raises when probed is
@@ -204,12 +208,12 @@ class HeadPart:
             counts = (1,) if implementation in FUSED else PROBE_CHUNKS  # a fused kernel runs its own count
             try:
                 try:
-                    seen = self._timed(spec, scale, rows, labels, tokens, counts, implementation)
+                    seen = self._timed(spec, scale, rows, labels, tokens, counts, implementation, tokens > cut)
                 except torch.OutOfMemoryError:
                     if tokens == cut:
                         raise  # the step's: replayed like any OOM in a forward
                     tokens = cut  # NOTE [A probe at the steps' size]
-                    seen = self._timed(spec, scale, rows, labels, tokens, counts, implementation)
+                    seen = self._timed(spec, scale, rows, labels, tokens, counts, implementation, False)
             except torch.OutOfMemoryError:
                 raise
             except Exception as err:  # an installed kernel that fails here is not used (the pure path always runs)
@@ -233,9 +237,9 @@ class HeadPart:
         return max(cut, min(rows, PROBE_TOKENS, int(free // 2 // per_token)))
 
     def _timed(self, spec: Any, scale: float, rows: torch.Tensor, labels: torch.Tensor, tokens: int,
-               counts: tuple[int, ...], implementation: str) -> dict[int, dict[str, float]]:
-        """``implementation``'s probes at ``tokens`` tokens, merged with those kept: the most tokens win, the
-        least times of one size (NOTE [Pricing the head])."""
+               counts: tuple[int, ...], implementation: str, sized: bool) -> dict[int, dict[str, float]]:
+        """``implementation``'s probes at ``tokens`` tokens (``sized``: more than one chunk's rows), merged
+        with those kept: the most tokens win, the least times of one size (NOTE [Pricing the head])."""
         h, y = rows[:tokens].unsqueeze(0), labels.reshape(-1)[:tokens].unsqueeze(0)
         if self.switch.unit:
             y = torch.where(y >= 0, y % spec.vocab_size, y)
@@ -248,7 +252,7 @@ class HeadPart:
             timed = {t: scale * m["ms"] for t, m in probe_head(spec, h, y, n_chunks, implementation).items()}
             if was is not None and was["tokens"] == tokens:
                 timed = {t: min(was[t], timed[t]) for t in ("keep", "chunked")}
-            seen[n_chunks] = {"keep": timed["keep"], "chunked": timed["chunked"], "tokens": float(tokens)}
+            seen[n_chunks] = {"keep": timed["keep"], "chunked": timed["chunked"], "tokens": float(tokens), "sized": sized}
         return seen
 
     def _price(self) -> None:
@@ -258,7 +262,9 @@ class HeadPart:
             counts = sorted(seen)
             extra = {n: seen[n]["chunked"] - seen[n]["keep"] for n in counts}
             slope = max(0.0, (extra[counts[-1]] - extra[counts[0]]) / (counts[-1] - counts[0])) if len(counts) > 1 else 0.0
-            per_token = max(0.0, extra[counts[0]] - slope * counts[0]) / seen[counts[0]]["tokens"]
+            per_token = (extra[counts[0]] - slope * counts[0]) / seen[counts[0]]["tokens"]
+            if not seen[counts[0]].get("sized"):  # timed on one chunk's rows: no gain read from it
+                per_token = max(0.0, per_token)
             # compared per token: an implementation probed again at one chunk's rows after an OOM (NOTE
             # [A probe at the steps' size]) was timed on fewer tokens than the others
             lines[implementation] = (per_token, slope, min(extra.values()) / seen[counts[0]]["tokens"])
