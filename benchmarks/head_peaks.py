@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 
-def _measure(run, hidden: torch.Tensor, grads_bytes: int) -> dict[str, float]:
+def _measure(run, grads_bytes: int) -> dict[str, float]:
     run()  # untimed, as the warm probe (NOTE [A warm probe], engine/head.py)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             cases += [("chunked", implementation, n) for n in counts]
         for treatment, implementation, n_chunks in cases:
             try:
-                measured = _measure(runner(treatment, implementation, n_chunks), hidden0, grads_bytes)
+                measured = _measure(runner(treatment, implementation, n_chunks), grads_bytes)
             except Exception as exc:  # a kernel that fails here is reported, not fatal
                 measured = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             formula = head_saved_bytes(tokens, vocab, width, weight.dtype, treatment, n_chunks,

@@ -215,6 +215,9 @@ class _Head:
     def saved_bytes(self, tokens: int, head) -> int:
         return next((saved for name, n, saved, _ in self.options(tokens) if (name, n) == tuple(head or ())), 0)
 
+    def transient_saved_bytes(self, tokens: int, head) -> int:
+        return 0  # all of the saving is saved bytes
+
     def head_bytes(self, tokens: int):
         return 700 * tokens, 100 * tokens, tokens
 

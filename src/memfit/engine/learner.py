@@ -248,7 +248,7 @@ def _head_transient_saved(planning: Planning, key: tuple[int, int], plan: Plan) 
     the full regime's, 3% of the cap too much (docs/devlog.md).
     """
     head = planning.head
-    if head is None or plan.head is None or not hasattr(head, "transient_saved_bytes"):
+    if head is None or plan.head is None:
         return 0
     return int(head.transient_saved_bytes(key[0] * key[1], plan.head))
 

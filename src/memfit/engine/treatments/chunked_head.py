@@ -302,10 +302,14 @@ class HeadPart:
     def _peak(self, tokens: int, treatment: str, n_chunks: int = 1) -> int:
         """The head's peak at ``tokens`` tokens by formula (``pure`` where chunked): ``saved + transient``,
         the transient where the meter sees it, the kept logits where the caller holds the outputs."""
-        spec, weight = self.switch.spec, self.switch.spec.weight
-        bytes_ = head_saved_bytes(tokens, spec.vocab_size, weight.shape[-1], weight.dtype, treatment, max(1, n_chunks),
-                                  spec.softcap is not None, logits_held=self.switch.logits_held)
+        bytes_ = self._bytes(tokens, treatment, n_chunks)
         return bytes_.saved_bytes + (bytes_.transient_bytes if self.transient else 0)
+
+    def _bytes(self, tokens: int, treatment: str, n_chunks: int = 1, implementation: str = "pure") -> Any:
+        """This head's :func:`head_saved_bytes` at ``tokens`` tokens."""
+        spec, weight = self.switch.spec, self.switch.spec.weight
+        return head_saved_bytes(tokens, spec.vocab_size, weight.shape[-1], weight.dtype, treatment, max(1, n_chunks),
+                                spec.softcap is not None, implementation, logits_held=self.switch.logits_held)
 
     def check_fits(self, tokens: int, static_bytes: int, budget_bytes: int | None) -> None:
         """Raise the one-line budget error where the static part and the head at its most chunks
@@ -355,17 +359,12 @@ class HeadPart:
         less the chunks' work, negative where a chunk holds more), the rest being the kept head's
         saved logits less the chunked head's saved rows (NOTE [A chunked head's step in kept terms],
         learner.py). 0 where transients are not priced (logical accounting)."""
-        saved = self.saved_bytes(tokens, head)
-        if not saved or not self.transient:
+        if head is None or head[0] == KEEP or not self.transient:
             return 0
-        spec, weight = self.switch.spec, self.switch.spec.weight
         offered = any((name, n) == tuple(head) for name, n, _, _ in self.options(tokens))
         implementation = self.switch.implementation if offered else "pure"  # as saved_bytes priced it
-        kept = head_saved_bytes(tokens, spec.vocab_size, weight.shape[-1], weight.dtype, KEEP,
-                                softcap=spec.softcap is not None, logits_held=self.switch.logits_held)
-        chunked = head_saved_bytes(tokens, spec.vocab_size, weight.shape[-1], weight.dtype, CHUNKED, max(1, head[1]),
-                                   spec.softcap is not None, implementation)
-        return int(saved - (kept.saved_bytes - chunked.saved_bytes))
+        kept, chunked = self._bytes(tokens, KEEP), self._bytes(tokens, CHUNKED, head[1], implementation)
+        return int(kept.transient_bytes - chunked.transient_bytes)
 
     def apply(self, plan: Any) -> None:
         """Set the switch to ``plan.head`` (a plan without a head leaves it as it is)."""
