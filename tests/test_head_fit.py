@@ -425,6 +425,46 @@ def test_an_implementation_that_fails_its_probe_is_said_once_and_not_used(monkey
     part.remove()
 
 
+def test_the_probes_run_aside_from_the_step_they_are_in(monkeypatch):
+    """NOTE [Work aside from the step]: every warm-up probe runs inside the meter's ``aside`` for the
+    step it is in, so that its kept head is not read as the step's peak."""
+    import contextlib
+
+    import memfit.engine.treatments.chunked_head as chunked_head
+
+    inside, probed = [], []
+
+    def probe(spec, hidden, labels, n_chunks, implementation="pure"):
+        probed.append(bool(inside))
+        return _fake_probe({"pure": 0.02, "pure_grad_in_forward": 0.01})(spec, hidden, labels, n_chunks, implementation)
+
+    monkeypatch.setattr(chunked_head, "probe_head", probe)
+    model = copy.deepcopy(_base()).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ctl = memfit.fit(model, budget=BUDGET, optimizer=optimizer, announce=False, method="dynamic", head=True)
+    steps = []
+
+    @contextlib.contextmanager
+    def aside(step):
+        steps.append(step)
+        inside.append(step)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(ctl.meter, "aside", aside)
+    generator = torch.Generator().manual_seed(1)
+    for length in LENGTHS[:2]:
+        ids = torch.randint(0, VOCAB, (4, length), generator=generator)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert probed and all(probed)  # every probe inside the aside
+    assert len(steps) == 2 and all(step is not None for step in steps) and steps[0] is not steps[1]  # one per step, the step's
+    ctl.remove()
+
+
 def test_the_probe_runs_on_the_most_tokens_whose_kept_head_fits_half_the_free_room(monkeypatch):
     """NOTE [A probe at the steps' size]: with the room's free bytes known, the probe runs on the most
     tokens (up to the step's and PROBE_TOKENS) whose kept head fits in half of them, never fewer than

@@ -1,5 +1,6 @@
 """The controller under a logical (CPU) budget: plans, records, recomputes, errors."""
 
+import contextlib
 import json
 import random
 
@@ -318,6 +319,30 @@ def _half_budget_on_fake_allocator(monkeypatch, method="dynamic", **kwargs):
     ctl = memfit.fit(model, budget=budget, method=method, **kwargs)
     fake = _on_fake_allocator(monkeypatch, ctl, inner, margin=int(0.03 * budget))
     return model, make_batch, inner, budget, ctl, fake
+
+
+def test_work_aside_from_a_step_stays_out_of_its_peak(monkeypatch):
+    """NOTE [Work aside from the step]: what runs in the CUDA meter's ``aside`` (warm-up's head probe)
+    is not in the step's peak, which is the larger of the peaks before and after it."""
+    from memfit.engine.meter import CudaMeter
+    from memfit.engine.step import StepState
+
+    fake = _FakeAllocator()
+    fake.patch(monkeypatch)
+    meter = CudaMeter(torch.device("cpu"), [], 0)
+
+    def step_peak(aside: bool, after: int) -> int:
+        step = StepState(t0=0.0, static_bytes=1000)
+        meter.start_step(step)
+        fake.use(500)  # the forward so far
+        with meter.aside(step) if aside else contextlib.nullcontext():
+            fake.use(10_000)  # the probe's kept head
+        fake.use(after)
+        return meter.peaks(step).peak
+
+    assert step_peak(aside=False, after=200) == 11_000  # read as the step's without it
+    assert step_peak(aside=True, after=200) == 1500  # the forward's, before it
+    assert step_peak(aside=True, after=700) == 1700  # what came after, where higher
 
 
 def test_backward_and_optimizer_peaks_are_read_apart(monkeypatch):

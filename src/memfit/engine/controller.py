@@ -252,7 +252,7 @@ class Controller:
         # Parameters and buffers are never activations (under FSDP: this rank's shards).
         self._counter = SavedTensorCounter(len(self.blocks), exclude=list(model.parameters()) + list(model.buffers()))
         self.treatments = _make_treatments(treatments, self._counter, self.planning, self.device, self.blocks[0].compiled)
-        self.head = RunHead(model, self.planning, self.meter.kind != "logical", head, head_logits, method.learns and budget_bytes is not None)
+        self.head = RunHead(model, self.planning, self.meter.kind != "logical", head, head_logits, method.learns and budget_bytes is not None, lambda: self.meter.aside(self._step))
         self.protection = method.make_protection(
             lambda: ReactiveStore(self._counter.excluded_ptrs), self.planning, self.meter, self._counter
         )

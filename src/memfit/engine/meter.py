@@ -20,7 +20,8 @@ nested dict once per reading, through :func:`_allocator`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -73,6 +74,11 @@ class Meter:
     def window_peak(self, step: StepState) -> int | None:
         """The highest allocation since :meth:`window_start` (None: cannot be read)."""
         return None
+
+    def aside(self, step: StepState | None) -> contextlib.AbstractContextManager:
+        """What runs inside is not the step's: its peak stays out of ``step``'s readings (NOTE [Work
+        aside from the step])."""
+        return contextlib.nullcontext()
 
     def optimizer_step(self, step: StepState | None) -> None:
         """The optimizer's step is about to run."""
@@ -175,6 +181,25 @@ class CudaMeter(Meter):
 
     def window_peak(self, step: StepState) -> int:
         return _allocator(self.device)[1]
+
+    @contextlib.contextmanager
+    def aside(self, step: StepState | None) -> Iterator[None]:
+        """# NOTE [Work aside from the step]
+        Warm-up's head probe (NOTE [A probe at the steps' size], chunked_head.py) runs inside a step's
+        forward and holds a kept head of up to 8,192 tokens for a moment: taken as the step's, its
+        bytes were learnt as the step's transient (on the llm suite's Qwen cell at 60 GB, 6-12 GB on
+        every warm-up step), and every later shape was predicted that much too high. So the peak so
+        far is carried in the step, as a block window's is (NOTE [Block windows]), and the counter
+        is reset after the work: the step's peak is the larger of the two, without the work's.
+        """
+        if step is None:
+            yield
+            return
+        _, step.window_carry, _, _ = self._read(step)
+        try:
+            yield
+        finally:
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def optimizer_step(self, step: StepState | None) -> None:
         """Read the backward's peak apart from the optimizer step's (NOTE [Three peaks], model.py)."""

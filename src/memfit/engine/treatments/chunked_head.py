@@ -47,6 +47,7 @@ one chunk's rows; a probe that runs out of memory there is run again at one chun
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -163,6 +164,8 @@ class HeadPart:
         on_priced: called when warm-up's probes change the price (the planner's cached plans are stale then).
         free_bytes: what the room has free now, given the probe's device (None: not known; the probe
             then runs on one chunk's rows: NOTE [A probe at the steps' size]).
+        aside: a context the probe runs in, so that its bytes are not the step's (the meter's
+            :meth:`~memfit.engine.meter.Meter.aside`: NOTE [Work aside from the step]).
 
     Attributes:
         probes: per implementation and chunk count, the least ``keep`` and ``chunked`` times (ms)
@@ -179,11 +182,12 @@ class HeadPart:
         self, switch: HeadSwitch, extra_ms: float = 0.0, per_chunk_ms: float = 0.0, transient: bool = True,
         extra_ms_per_token: float = 0.0, on_priced: Callable[[], None] | None = None,
         free_bytes: Callable[[torch.device], int | None] | None = None,
+        aside: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ):
         self.switch, self.extra_ms, self.per_chunk_ms = switch, float(extra_ms), float(per_chunk_ms)
         self.extra_ms_per_token = float(extra_ms_per_token)
         self.transient = transient
-        self.on_priced, self.free_bytes = on_priced, free_bytes
+        self.on_priced, self.free_bytes, self.aside = on_priced, free_bytes, aside
         self.probes: dict[str, dict[int, dict[str, float]]] = {}
         self.probed_steps = 0
         #: implementations that raised when probed, never used (NOTE [Pricing the head])
@@ -202,29 +206,30 @@ class HeadPart:
         tokens = self._probe_tokens(rows.shape[0], cut, hidden.device)
         if self.switch.unit:  # no collective in a probe (NOTE [The head as its own FSDP unit], head.py)
             spec, scale = shard_head(spec)
-        for implementation in usable:
-            if implementation in self.failed:
-                continue
-            counts = (1,) if implementation in FUSED else PROBE_CHUNKS  # a fused kernel runs its own count
-            try:
+        with self.aside():  # its bytes are not the step's (NOTE [Work aside from the step], meter.py)
+            for implementation in usable:
+                if implementation in self.failed:
+                    continue
+                counts = (1,) if implementation in FUSED else PROBE_CHUNKS  # a fused kernel runs its own count
                 try:
-                    seen = self._timed(spec, scale, rows, labels, tokens, counts, implementation, tokens > cut)
+                    try:
+                        seen = self._timed(spec, scale, rows, labels, tokens, counts, implementation, tokens > cut)
+                    except torch.OutOfMemoryError:
+                        if tokens == cut:
+                            raise  # the step's: replayed like any OOM in a forward
+                        tokens = cut  # NOTE [A probe at the steps' size]
+                        seen = self._timed(spec, scale, rows, labels, tokens, counts, implementation, False)
                 except torch.OutOfMemoryError:
-                    if tokens == cut:
-                        raise  # the step's: replayed like any OOM in a forward
-                    tokens = cut  # NOTE [A probe at the steps' size]
-                    seen = self._timed(spec, scale, rows, labels, tokens, counts, implementation, False)
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as err:  # an installed kernel that fails here is not used (the pure path always runs)
-                if implementation == "pure":
                     raise
-                self.failed.add(implementation)
-                self.probes.pop(implementation, None)
-                logger.warning("memfit: the LM head's %s implementation failed when probed (%s); memfit does not use it",
-                               implementation, str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
-                continue
-            self.probes[implementation] = seen
+                except Exception as err:  # an installed kernel that fails here is not used (the pure path always runs)
+                    if implementation == "pure":
+                        raise
+                    self.failed.add(implementation)
+                    self.probes.pop(implementation, None)
+                    logger.warning("memfit: the LM head's %s implementation failed when probed (%s); memfit does not use it",
+                                   implementation, str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
+                    continue
+                self.probes[implementation] = seen
         self._price()
 
     def _probe_tokens(self, rows: int, cut: int, device: torch.device) -> int:
@@ -418,7 +423,7 @@ def check_head_mode(head: Any, logits: Any = "drop") -> None:
 
 def attach_head_part(
     model: torch.nn.Module, planning: Any, transient: bool, mode: bool | str = True, plans: bool = True,
-    logits: str = "drop",
+    logits: str = "drop", aside: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> tuple[HeadPart | None, str]:
     """``memfit.fit(..., head=mode)``: the model's head as a planned part (or None) and the words the
     start line says of the head.
@@ -443,7 +448,8 @@ def attach_head_part(
 
     The part's options are priced by :func:`head_saved_bytes` (``transient``: the meter's peaks hold
     transients), its time by warm-up's probes (NOTE [Pricing the head]), free until then;
-    ``planning`` plans with it from now on.
+    ``planning`` plans with it from now on; the probes run in ``aside`` (the meter's: NOTE [Work aside from
+    the step], meter.py).
 
     Raises:
         ValueError: ``mode`` True and the head cannot be planned (the message says why and names ``head``).
@@ -461,7 +467,7 @@ def attach_head_part(
             raise ValueError(f"head=True: {reason}; pass head='auto' or head=False") from None
         return None, f"LM head kept ({reason})"
     part = HeadPart(switch, transient=transient, on_priced=planning.cache.clear,
-                    free_bytes=_room_free_bytes(planning) if transient else None)
+                    free_bytes=_room_free_bytes(planning) if transient else None, aside=aside)
     planning.set_head(part)
     return part, "LM head planned per batch (kept, or its logits and loss chunked)"
 
@@ -486,6 +492,7 @@ class RunHead:
         transient: whether the meter's peaks hold the head's transient bytes (not under logical accounting).
         mode: ``fit``'s ``head``; logits: ``fit``'s ``head_logits``.
         plans: whether the method plans per batch under a budget (``auto`` plans the head only then).
+        aside: the context warm-up's head probes run in (the meter's :meth:`~memfit.engine.meter.Meter.aside`).
 
     Attributes:
         part: the :class:`HeadPart`, or None where the model keeps its head.
@@ -495,10 +502,11 @@ class RunHead:
         ValueError: a bad ``mode`` or ``logits``, or ``mode`` True where memfit cannot plan the head.
     """
 
-    def __init__(self, model: torch.nn.Module, planning: Any, transient: bool, mode: bool | str, logits: str, plans: bool):
+    def __init__(self, model: torch.nn.Module, planning: Any, transient: bool, mode: bool | str, logits: str, plans: bool,
+                 aside: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
         check_head_mode(mode, logits)
         self.model, self.planning = model, planning
-        self.part, self.words = attach_head_part(model, planning, transient, mode, plans, logits)
+        self.part, self.words = attach_head_part(model, planning, transient, mode, plans, logits, aside)
         self._switch = None if self.part is None else self.part.switch
         if self._switch is not None:
             self._switch.on_left_to_caller = self.leave
