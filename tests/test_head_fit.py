@@ -205,8 +205,9 @@ def test_the_one_peak_evaluator_takes_a_chunked_heads_saving_off_and_the_learner
 def test_a_steady_step_that_chunked_the_head_never_raises_outside_and_teaches_its_transient_in_kept_terms():
     """NOTE [A chunked head's step teaches less], NOTE [A chunked head's step in kept terms]: a steady
     step under its prediction (so it would teach) with the head chunked may lower ``outside`` but not
-    raise it, teaches no bucket bias, and teaches the partial transient its reading plus the transient
-    part of the head's saving; the same step with the head kept teaches all three from its readings."""
+    raise it, teaches the partial transient its reading plus the transient part of the head's saving and
+    its bucket's bias (NOTE [A chunked head's step corrects its bucket]); the same step with the head kept
+    teaches all three from its readings."""
     from memfit.engine import learner
     from memfit.engine.planner import Plan
 
@@ -237,7 +238,8 @@ def test_a_steady_step_that_chunked_the_head_never_raises_outside_and_teaches_it
     taught_values = {path: value for path, _, value in update.samples}
     assert ("outside",) not in taught_values and ("transient_full",) not in taught_values
     assert taught_values[("transient_partial",)] == 10**7 + 4 * 10**5 * 512
-    assert bias.error is None
+    assert bias.error is not None and bias.error[1].head == ("chunked", 4)  # the plan, the head in it
+    assert bias.error[2] == pytest.approx(-10**8, abs=1)
     update, bias = taught(("keep", 1), under)
     taught_values = {path: value for path, _, value in update.samples}
     assert ("outside",) in taught_values and taught_values[("transient_partial",)] == 10**7 and bias.error is not None

@@ -364,10 +364,13 @@ def note_bias(planning: Planning, outcome: StepOutcome, predicted: int | None) -
     if predicted is None or outcome.warmup or outcome.evicted:
         return ModelUpdate()
     error = float(predicted - outcome.plain_peak)
-    run = (outcome.key, error)  # NOTE [Over-prediction across buckets], planning.py
-    if planning.model.head_saved_bytes(outcome.key, outcome.plan):  # NOTE [A chunked head's step teaches less]
-        return ModelUpdate(run_error=run)
-    return ModelUpdate(error=(outcome.key, outcome.plan, error), run_error=run)
+    # NOTE [A chunked head's step corrects its bucket]
+    # A step that chunked the head is in its bucket's bias like any other: its plan (the head's
+    # treatment in it) is one of the bucket's plans, whose least bias is the correction. Left out,
+    # no bucket was ever corrected once the head's price chose to chunk every step (a fused kernel
+    # faster than keeping it), and the longest bands kept the curves' envelope, 2-3.5% of the cap
+    # over their peaks on the llm suite's cells (docs/devlog.md).
+    return ModelUpdate(error=(outcome.key, outcome.plan, error), run_error=(outcome.key, error))
 
 
 def learn_probes(
