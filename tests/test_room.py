@@ -281,6 +281,22 @@ def test_a_bias_that_depends_on_the_plan_is_corrected_by_the_least_one():
     assert not bias.observe(bucket, a, 300_000 - 150_000, tolerance)  # a's own bias is still 300 kB: no change
 
 
+def test_a_bias_near_the_tolerance_does_not_toggle_its_buckets_correction():
+    """NOTE [Bias per bucket]: a correction changes only where the least bias moved by more than the
+    tolerance from it; a bias that wanders around the tolerance on noise keeps the correction it
+    has (zeroed below the tolerance, it toggled and replanned its bucket every few steps)."""
+    bias = BucketBias()
+    bucket, a, tolerance = (4, 40), Plan((0, 1)), 10_000
+    assert not bias.observe(bucket, a, 10_500, tolerance)
+    assert bias.observe(bucket, a, 10_500, tolerance) and bias.correction[bucket] == 10_500
+    for raw in (9_500, 9_000, 11_000, 9_800, 10_200):  # measured against the corrected prediction
+        assert not bias.observe(bucket, a, raw - bias.correction[bucket], tolerance)
+    assert bias.correction[bucket] == 10_500
+    # the plan now peaks 5 kB above its uncorrected prediction: once is noise, twice moves the correction
+    assert not bias.observe(bucket, a, -5_000 - bias.correction[bucket], tolerance)
+    assert bias.observe(bucket, a, -5_000 - bias.correction[bucket], tolerance) and bias.correction[bucket] == -5_000
+
+
 def test_over_predictions_in_every_bucket_lower_every_buckets_prediction_by_the_least():
     """NOTE [Over-prediction across buckets]: four steady steps in a row, in three buckets, each
     over-predicted by more than 1% of the budget, lower the prediction of every bucket without a

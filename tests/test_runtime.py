@@ -1096,3 +1096,44 @@ def test_a_bucket_over_predicted_step_after_step_is_corrected(monkeypatch):
     errors = [r.predicted_peak_bytes - r.peak_allocated_bytes for r in records]
     assert len(errors) >= 5 and min(errors[:2]) > 0.02 * budget  # the bias, seen twice
     assert abs(sorted(errors[2:])[len(errors[2:]) // 2]) <= 0.01 * budget  # then corrected
+
+
+def test_a_storage_saved_by_several_blocks_is_counted_outside_them():
+    """NOTE [Storages saved by several blocks]: a storage a second block (or the code outside the
+    blocks) saves too leaves its first block's bytes for the outside bytes, once; one saved twice
+    by one block stays in it; the total is what the storages hold."""
+    from memfit.engine.accounting import OUTSIDE, SavedTensorCounter
+
+    counter = SavedTensorCounter(3)
+    shared, mask, own = torch.zeros(100), torch.zeros(50), [torch.zeros(10 * (i + 1)) for i in range(3)]
+    for i in range(3):
+        counter.count_inputs(i, (own[i], shared), {"mask": mask if i else None})
+        counter.count_tensor(i, own[i])  # again, by the same block
+    counter.count_tensor(OUTSIDE, own[2])  # the head saves the last block's tensor too
+    assert counter.by_block == [40, 80, 0]
+    assert counter.outside_bytes == 400 + 200 + 120
+    assert counter.total_bytes == sum(t.untyped_storage().nbytes() for t in (shared, mask, *own))
+
+
+def test_every_recomputed_block_keeps_its_input_alone_where_the_attention_mask_is_shared():
+    """NOTE [Storages saved by several blocks]: on a padded batch every layer receives one attention
+    mask and the same rotary tables; with every block recomputed, each block's bytes are its own input
+    (the first block's as the others'), and the shared tensors are counted once, outside."""
+    import transformers as tf
+
+    config = tf.LlamaConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+                            intermediate_size=37, vocab_size=128, use_cache=False)
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(config).train()
+    ctl = memfit.fit(model, budget=10**9, method="full", announce=False, head=False)
+    ids = torch.randint(0, 128, (4, 24))
+    mask = torch.ones_like(ids)
+    mask[0, 16:] = 0  # a padded row: the model builds a 4D mask every layer gets
+    seen = {}
+    ctl._counter.stop = lambda stop=ctl._counter.stop: (seen.update(by_block=list(ctl._counter.by_block),
+                                                                    outside=ctl._counter.outside_bytes), stop())[1]
+    model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    hidden = 4 * 24 * 32 * 4  # one block's float32 input
+    assert seen["by_block"] == [hidden] * 3
+    assert seen["outside"] > 0
+    ctl.remove()

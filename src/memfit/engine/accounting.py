@@ -28,7 +28,7 @@ step only, a few bytes too many in warm-up. ``memfit.fit`` must be called after
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import torch
@@ -120,31 +120,50 @@ class SavedTensorCounter:
         self.current = OUTSIDE
         self.by_block = [0] * self.n_blocks
         self.outside_bytes = 0
-        self._seen: set[int] = set()
+        #: per storage counted this forward (by address), the block it is counted in (OUTSIDE: outside
+        #: the blocks, or shared by several: NOTE [Storages saved by several blocks]) and its bytes
+        self._seen: dict[int, tuple[int, int]] = {}
 
     @property
     def total_bytes(self) -> int:
         return self.outside_bytes + sum(self.by_block)
 
     @property
-    def counted_ptrs(self) -> set[int]:
+    def counted_ptrs(self) -> Collection[int]:
         """Addresses of the storages counted this forward (read-only use)."""
-        return self._seen
+        return self._seen.keys()
 
     def exclude_parameters(self, params: Iterable[torch.Tensor]) -> None:
         """Never count the storages of ``params`` (FSDP2's unsharded parameters) as activations."""
         self.parameter_storages.update(local(p).untyped_storage()._cdata for p in params)
 
     def _add(self, t: torch.Tensor, index: int) -> None:
+        """# NOTE [Storages saved by several blocks]
+        A storage is counted once, in the block that saves it. One that a second block (or the
+        code outside the blocks) saves too, such as the attention mask and the rotary tables every
+        layer receives, is no block's own: no plan frees it by treating one block. So it moves to
+        the outside bytes. Left in its first block, the block curves (each treatment's largest
+        block) carried it into every block's bytes: on a padded batch of 8 x 2,048 tokens a 33 MB
+        mask for each recomputed block, 0.5 GB too much at 15 of 32 (docs/devlog.md).
+        """
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        if key in self.excluded_ptrs or key in self._seen or storage._cdata in self.parameter_storages:
+        if key in self.excluded_ptrs or storage._cdata in self.parameter_storages:
             return
-        self._seen.add(key)
-        if index == OUTSIDE:
-            self.outside_bytes += storage.nbytes()
-        else:
-            self.by_block[index] += storage.nbytes()
+        seen = self._seen.get(key)
+        if seen is None:
+            nbytes = storage.nbytes()
+            self._seen[key] = (index, nbytes)
+            if index == OUTSIDE:
+                self.outside_bytes += nbytes
+            else:
+                self.by_block[index] += nbytes
+            return
+        owner, nbytes = seen
+        if owner != OUTSIDE and owner != index:
+            self._seen[key] = (OUTSIDE, nbytes)
+            self.by_block[owner] -= nbytes
+            self.outside_bytes += nbytes
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self._add(t, self.current)

@@ -38,8 +38,9 @@ with its bucket and plan (:class:`BucketBias`). A plan's bias is the median of i
 ``BIAS_SEEN`` errors; once one plan of a bucket was seen that often, the bucket's correction is
 the least bias of every plan it ran (an error can depend on the plan: corrected by the least, no
 plan seen is predicted under what it peaked at, and an under-predicted one raises the bucket's
-predictions), applied when it is
-more than ``BIAS_SHARE`` of the budget, and the bucket's plans are redone. A correction is an
+predictions), applied when it differs from the bucket's correction by more than ``BIAS_SHARE``
+of the budget (so a bias near that share does not toggle it on noise), and the bucket's plans
+are redone. A correction is an
 offset of the bucket's static bytes, so the one peak formula still makes every prediction and
 plan of it; the bucket then plans per key (a row spans buckets). A change of the model's
 curves drops every correction: they were measured against the curves before.
@@ -113,9 +114,10 @@ class BucketBias:
         plans = [e for (b, _), e in self.errors.items() if b == bucket]
         if len(seen) < BIAS_SEEN and not any(len(e) >= BIAS_SEEN for e in plans):
             return False
-        biases = [statistics.median(e) for e in plans]
-        # the least of its plans' biases: no plan seen is then predicted under what it peaked at
-        wanted = min(biases) if abs(min(biases)) > tolerance else 0.0
+        # the least of its plans' biases: no plan seen is then predicted under what it peaked at; it
+        # replaces the correction only where it moved by more than the tolerance (a bias near the
+        # tolerance, zeroed below it, toggled the correction and replanned its bucket on noise)
+        wanted = min(statistics.median(e) for e in plans)
         before = self.correction.get(bucket, 0.0)
         if abs(wanted - before) <= tolerance:
             return False
