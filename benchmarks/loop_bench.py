@@ -550,7 +550,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
         records = ctl.records
         if "offload" in ctl.treatments:
             result["offload"] = _offload_fields(args, ctl.treatments["offload"], records)
-        part = getattr(getattr(ctl, "head", None), "part", None)
+        part = ctl.head.part
         if part is not None:  # which chunked head the warm-up's probe chose, and its price
             result["head"] = {"implementation": part.switch.implementation, "ms_per_1k_tokens": round(1e3 * part.extra_ms_per_token, 4),
                               "ms_per_chunk": round(part.per_chunk_ms, 4)}

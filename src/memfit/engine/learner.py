@@ -368,8 +368,7 @@ def note_bias(planning: Planning, outcome: StepOutcome, predicted: int | None) -
     # A step that chunked the head is in its bucket's bias like any other: its plan (the head's
     # treatment in it) is one of the bucket's plans, whose least bias is the correction. Left out,
     # no bucket was ever corrected once the head's price chose to chunk every step (a fused kernel
-    # faster than keeping it), and the longest bands kept the curves' envelope, 2-3.5% of the cap
-    # over their peaks on the llm suite's cells (docs/devlog.md).
+    # faster than keeping it): a bias only the curves could then take off (docs/devlog.md).
     return ModelUpdate(error=(outcome.key, outcome.plan, error), run_error=(outcome.key, error))
 
 
