@@ -107,7 +107,7 @@ def test_head_part_plans_and_sets_the_switch_per_batch():
 
 def test_a_fused_kernel_is_offered_at_its_own_chunk_count_only():
     """NOTE [Head bytes]: Liger/CCE chunk the tokens themselves, so the planner gets one chunked option,
-    at fused_chunks(), priced as the gradient taken in forward."""
+    at fused_chunks(), priced by what each kernel keeps whatever chunk count it is asked for."""
     from memfit.engine.head import fused_chunks, head_saved_bytes
 
     tokens, vocab, hidden = 4096, 151936, 1536
@@ -116,7 +116,31 @@ def test_a_fused_kernel_is_offered_at_its_own_chunk_count_only():
         n = fused_chunks(tokens, vocab, hidden)
         assert [o[:2] for o in options] == [("keep", 1), ("chunked", n)] and n == 99
         fused = head_saved_bytes(tokens, vocab, hidden, torch.bfloat16, "chunked", 7, implementation=implementation)
-        assert fused == head_saved_bytes(tokens, vocab, hidden, torch.bfloat16, "chunked", n, implementation="pure_grad_in_forward")
+        assert fused == head_saved_bytes(tokens, vocab, hidden, torch.bfloat16, "chunked", n, implementation=implementation)
+
+
+def test_each_fused_kernel_is_priced_by_what_it_keeps():
+    """NOTE [Head bytes]: Liger keeps the rows' and the weight's gradients in the weight's dtype and one
+    power-of-two chunk of logits at a time; Cut Cross-Entropy the rows, a float32 log-sum-exp and int64
+    targets and indices, no weight gradient in forward (priced as pure_grad_in_forward's float32 one, its
+    saving came out vocab x hidden x 4 short of what its steps saved, on the GPU)."""
+    from memfit.engine.head import head_saved_bytes
+
+    vocab, hidden, dtype = 151936, 1536, torch.bfloat16
+    for tokens in (1000, 16384):
+        liger = head_saved_bytes(tokens, vocab, hidden, dtype, "chunked", implementation="liger")
+        rows = 1 << (-(-tokens // 99) - 1).bit_length()  # Liger's chunk: tokens / ceil(vocab / hidden), to a power of 2
+        assert rows >= -(-tokens // 99) and liger.saved_bytes == (tokens + vocab) * hidden * 2
+        assert liger.transient_bytes == rows * vocab * 2 + tokens * 8
+        frozen = head_saved_bytes(tokens, vocab, hidden, dtype, "chunked", implementation="liger", weight_trains=False)
+        assert liger.saved_bytes - frozen.saved_bytes == vocab * hidden * 2  # a frozen lm_head (LoRA): no weight gradient
+        cce = head_saved_bytes(tokens, vocab, hidden, dtype, "chunked", implementation="cce")
+        assert cce == head_saved_bytes(tokens, vocab, hidden, dtype, "chunked", implementation="cce", weight_trains=False)
+        assert cce.saved_bytes == tokens * (hidden * 2 + 8 + 4 + 8) and cce.transient_bytes == tokens * hidden * 2
+        grad_in_forward = head_saved_bytes(tokens, vocab, hidden, dtype, "chunked", 99, implementation="pure_grad_in_forward")
+        assert grad_in_forward.saved_bytes - cce.saved_bytes == vocab * hidden * 4 - tokens * (8 + 4 + 8)
+    part_options = head_options(16384, vocab, hidden, dtype, 0.0, 0.0, implementation="liger", weight_trains=False)
+    assert part_options[1][2] - head_options(16384, vocab, hidden, dtype, 0.0, 0.0, implementation="liger")[1][2] == vocab * hidden * 2
 
 
 def test_a_steps_head_saving_holds_for_a_count_the_options_no_longer_offer():

@@ -653,10 +653,18 @@ def head_saved_bytes(
     same 12 bytes per logit (the chunk's logits in the model's dtype are freed once upcast; measured
     by ``benchmarks/head_peaks.py`` and in tests/test_head.py), or, for chunks of few rows, the
     chunk's weight gradient in the model's dtype beside its logits' float32 gradient and its cast
-    (6 bytes a logit). The fused kernels (:data:`FUSED`)
-    chunk the tokens themselves and take each chunk's gradient in forward: they are priced as
-    ``pure_grad_in_forward`` at :func:`fused_chunks` chunks, whatever ``n_chunks`` says (an upper bound:
-    they hold less in the model's dtype). Measured by :func:`probe_head`, checked against this in tests/test_head.py.
+    (6 bytes a logit). The fused kernels (:data:`FUSED`) chunk the tokens themselves, whatever
+    ``n_chunks`` says, and each holds what its own code keeps (``benchmarks/head_peaks.py`` measures
+    them against this): Liger's fused linear cross-entropy takes the gradients in forward, the rows'
+    and, when the weight trains, the weight's in the weight's dtype (not float32), and its transient
+    is one chunk's logits in the model's dtype, of ``tokens / ceil(vocab / hidden)`` rows rounded up
+    to a power of two; Cut Cross-Entropy keeps the rows, a float32 log-sum-exp and the int64 targets
+    and valid-row indices per token and never materialises logits; its backward holds the rows'
+    gradient (its weight's becomes ``.grad``, as the kept head's does). Priced as
+    ``pure_grad_in_forward``'s float32 weight gradient, Cut Cross-Entropy's saving came out
+    ``vocab x hidden x 4`` bytes short of what its steps saved, and warm-up steps run by different
+    implementations taught the curves samples that far apart (docs/devlog.md).
+    Measured by :func:`probe_head`, checked against this in tests/test_head.py.
     """
     size = torch.tensor([], dtype=dtype).element_size()
     hidden_bytes = tokens * hidden * size + tokens * 8  # the rows and their int64 targets
@@ -664,8 +672,12 @@ def head_saved_bytes(
         saved = tokens * vocab * 4 + (tokens * vocab * size if softcap else 0) + hidden_bytes
         return HeadBytes(saved, tokens * vocab * ((size if logits_held else 0) + 8))
     if treatment == "chunked":
-        if implementation in FUSED:
-            n_chunks, implementation = fused_chunks(tokens, vocab, hidden), "pure_grad_in_forward"
+        if implementation == "liger":
+            rows = min(tokens, 1 << max(0, -(-tokens // fused_chunks(tokens, vocab, hidden)) - 1).bit_length())
+            weight_grad = vocab * hidden * size if weight_trains else 0
+            return HeadBytes(tokens * hidden * size + weight_grad, rows * vocab * size + tokens * 8)
+        if implementation == "cce":
+            return HeadBytes(hidden_bytes + tokens * (4 + 8), tokens * hidden * size)
         rows = -(-tokens // max(1, n_chunks))
         if implementation == "pure_grad_in_forward":
             # the chunk's weight gradient meets its logits' gradient (6 bytes a logit), not their peak

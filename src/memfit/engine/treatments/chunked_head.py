@@ -105,10 +105,12 @@ class ChunkedHead(Treatment):
 def head_options(
     tokens: int, vocab: int, hidden: int, dtype: torch.dtype, extra_ms: float, per_chunk_ms: float,
     softcap: bool = False, implementation: str = "pure", transient: bool = True, logits_held: bool = True,
+    weight_trains: bool = True,
 ) -> tuple[tuple[str, int, int, float], ...]:
     """The head's options for one shape (NOTE [Head options]): keep first, then chunk counts ascending.
     ``transient`` False prices the saved bytes alone (logical accounting: its peaks hold no transient);
-    ``logits_held``: the kept head's logits held through its backward (NOTE [Head bytes], head.py).
+    ``logits_held``: the kept head's logits held through its backward (NOTE [Head bytes], head.py);
+    ``weight_trains``: ``lm_head``'s weight trains (an implementation that takes gradients in forward holds its).
 
     Example:
         >>> [o[:2] for o in head_options(8, 1000, 16, torch.float32, 1.0, 0.1)]
@@ -123,7 +125,7 @@ def head_options(
         n_chunks = fused_chunks(tokens, vocab, hidden)
     while True:
         n_chunks = min(n_chunks, max(1, tokens))
-        chunked = head_saved_bytes(tokens, vocab, hidden, dtype, CHUNKED, n_chunks, softcap, implementation)
+        chunked = head_saved_bytes(tokens, vocab, hidden, dtype, CHUNKED, n_chunks, softcap, implementation, weight_trains)
         saved = kept_peak - (chunked.saved_bytes + (chunked.transient_bytes if transient else 0))
         if last_saved > 0 and saved < last_saved + MIN_CHUNK_GAIN_SHARE * kept_peak:
             return tuple(out)  # each later doubling saves less still
@@ -293,7 +295,7 @@ class HeadPart:
             tokens, spec.vocab_size, weight.shape[-1], weight.dtype, self.extra_ms + self.extra_ms_per_token * tokens,
             self.per_chunk_ms,
             softcap=spec.softcap is not None, implementation=self.switch.implementation, transient=self.transient,
-            logits_held=self.switch.logits_held,
+            logits_held=self.switch.logits_held, weight_trains=weight.requires_grad,
         )
 
     def head_bytes(self, tokens: int) -> tuple[int, int, int]:
@@ -314,7 +316,7 @@ class HeadPart:
         """This head's :func:`head_saved_bytes` at ``tokens`` tokens."""
         spec, weight = self.switch.spec, self.switch.spec.weight
         return head_saved_bytes(tokens, spec.vocab_size, weight.shape[-1], weight.dtype, treatment, max(1, n_chunks),
-                                spec.softcap is not None, implementation, logits_held=self.switch.logits_held)
+                                spec.softcap is not None, implementation, weight.requires_grad, self.switch.logits_held)
 
     def check_fits(self, tokens: int, static_bytes: int, budget_bytes: int | None) -> None:
         """Raise the one-line budget error where the static part and the head at its most chunks
