@@ -22,12 +22,16 @@ from memfit.engine.treatments import HostMemoryError, Offload, Treatment, make_t
 
 def _mixes(n: int) -> dict[str, Plan]:
     everything = tuple(range(n))
-    cycle = ("selective", "offload", "recompute")
+    cycle = ("selective", "offload", "recompute", "elementwise")
     return {
         "selective": Plan(everything, kinds=("selective",) * n),
         "offload": Plan(everything, kinds=("offload",) * n),
-        "mixed": Plan(tuple(range(n - 1)), kinds=tuple(cycle[i % 3] for i in range(n - 1))),  # the last kept
+        "elementwise": Plan(everything, kinds=("elementwise",) * n),
+        "mixed": Plan(tuple(range(n - 1)), kinds=tuple(cycle[i % 4] for i in range(n - 1))),  # the last kept
     }
+
+
+_ALL = ("recompute", "selective", "offload", "elementwise")
 
 
 def _step(model, batch, seed):
@@ -55,7 +59,7 @@ def test_every_treatment_and_mix_gives_the_gradients_of_none(arch):
     n = len(memfit.engine.blocks.find_blocks(model))
     sizes = SIZES.get(arch, TEXT_SIZES)[:2]
     for name, plan in _mixes(n).items():
-        ctl = memfit.fit(model, budget=None, method=FixedPlan(plan), treatments=("recompute", "selective", "offload"))
+        ctl = memfit.fit(model, budget=None, method=FixedPlan(plan), treatments=_ALL)
         # offload everything of any size: the tiny models' tensors are all small
         ctl.treatments["offload"].min_bytes = 0
         for seed, size in enumerate(sizes):
@@ -65,7 +69,7 @@ def test_every_treatment_and_mix_gives_the_gradients_of_none(arch):
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full-ft", "lora"])
 @pytest.mark.parametrize("arch", DECODER_ARCHS)
-def test_llm_families_are_exact_under_selective_and_offload(arch, lora):
+def test_llm_families_are_exact_under_selective_offload_and_elementwise(arch, lora):
     if lora:
         pytest.importorskip("peft")
     torch.manual_seed(0)
@@ -74,7 +78,7 @@ def test_llm_families_are_exact_under_selective_and_offload(arch, lora):
     reference = copy.deepcopy(model)
     n = len(memfit.engine.blocks.find_blocks(model))
     for name, plan in _mixes(n).items():
-        ctl = memfit.fit(model, budget=None, method=FixedPlan(plan), treatments=("recompute", "selective", "offload"))
+        ctl = memfit.fit(model, budget=None, method=FixedPlan(plan), treatments=_ALL)
         ctl.treatments["offload"].min_bytes = 0
         _step_as_planned(ctl, plan, model, reference, make_batch(2, 24), 1, f"{arch} {name}")
         ctl.remove()
@@ -356,3 +360,82 @@ def test_a_treatment_defined_outside_src_is_probed_priced_and_chosen_with_exact_
     assert any("twin" in r.treatments for r in steady), [r.treatments for r in steady]
     # not "never recompute": recompute's price is a line through measured times, which on a loaded
     # machine can fall below the twin's declared 1e-3 ms at some shapes
+
+
+def _block_inputs(ctl, model, batch):
+    captured = {}
+
+    def grab(module, args, kwargs):
+        captured["inputs"] = (args, kwargs)
+
+    handle = ctl.blocks[0].module.register_forward_pre_hook(grab, with_kwargs=True)
+    model(**batch)
+    handle.remove()
+    return captured["inputs"]
+
+
+def test_elementwise_frees_the_mlps_and_norms_outputs_and_reruns_no_matmul():
+    """NOTE [Elementwise recompute]: counted (logical accounting), a block under ``elementwise`` keeps
+    less than kept and more than recomputed; its backward runs the matmuls a kept block's does and no
+    more (``recompute`` runs the forward's again), and no block body runs twice."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMatmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model, make_batch = build_decoder("llama", False)
+    model.train()
+    batch = make_batch(2, 24)
+    n = len(memfit.engine.blocks.find_blocks(model))
+    every = tuple(range(n))
+    saved, matmuls = {}, {}
+    for name, plan in (("keep", Plan(())), ("recompute", Plan(every)), ("elementwise", Plan(every, kinds=("elementwise",) * n))):
+        ctl = memfit.fit(model, budget=None, method=FixedPlan(plan), treatments=_ALL)
+        torch.manual_seed(0)
+        loss = model(**batch).loss
+        with CountMatmuls() as counting:
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+        saved[name], matmuls[name] = ctl.records[-1].saved_activation_bytes, counting.n
+        if name == "elementwise":
+            assert all(b.recomputes == 0 for b in ctl.blocks)
+        ctl.remove()
+    # each block frees its activation's output and the product (less the projection's output the
+    # cache keeps) and each of its two norms its normalised rows: float32, 2 x 24 tokens
+    config, tokens = model.config, 2 * 24
+    freed = n * tokens * 4 * (2 * config.intermediate_size - config.hidden_size + 2 * config.hidden_size)
+    assert saved["recompute"] < saved["elementwise"] <= saved["keep"] - freed, (saved, freed)
+    assert matmuls["elementwise"] == matmuls["keep"] < matmuls["recompute"], matmuls
+
+
+def test_elementwise_is_offered_only_where_the_block_computes_what_its_modules_do():
+    """NOTE [Elementwise recompute]: the probe measures what the block keeps under it and its price;
+    a gated MLP whose forward does more than its four attributes say (a scaling) gets None: never
+    planned, since the treatment's MLP would not be the model's."""
+    from memfit.engine import probe
+
+    torch.manual_seed(0)
+    model, make_batch = build_decoder("llama", False)
+    model.train()
+    ctl = memfit.fit(model, budget=None, method="none", treatments=_ALL)
+    block = ctl.blocks[0]
+    args, kwargs = _block_inputs(ctl, model, make_batch(2, 24))
+    measured = probe.probe_treatments(block, args, kwargs, ctl._counter, torch.device("cpu"), ("elementwise", "selective"))
+    keep_bytes = probe.probe_treatments(block, args, kwargs, ctl._counter, torch.device("cpu"), ("selective",))
+    assert 0 < measured["elementwise"][0] and measured["elementwise"][1] >= 0.0
+    assert set(measured) == {"elementwise", "selective"} and keep_bytes
+    mlp = block.module.mlp
+    plain = type(mlp).forward
+    type(mlp).forward = lambda self, x: plain(self, x) * 2.0
+    try:
+        assert "elementwise" not in probe.probe_treatments(block, args, kwargs, ctl._counter, torch.device("cpu"), ("elementwise",))
+    finally:
+        type(mlp).forward = plain
+    ctl.remove()

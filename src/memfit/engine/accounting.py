@@ -274,3 +274,7 @@ class ProbeCounter:
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, SavedTensorCounter._unpack)
+
+    def count(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage (once): what a treatment keeps where the hooks cannot see it."""
+        self._pack(t)

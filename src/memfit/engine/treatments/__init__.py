@@ -12,6 +12,8 @@ A plan gives every block one treatment; the block runs it at its next training f
 | `selective` | under a selective checkpoint policy       | its inputs, matmul and attention outputs| the cheap rest runs again  |
 |             | (compiled: under an activation budget)    | (compiled: what the partitioner keeps)  |                            |
 | `offload`   | saved tensors copied to pinned host memory| small saved tensors                     | copied back, prefetched    |
+| `elementwise`| plain, its norms and gated MLP's tail     | all but the norms' and the MLP's        | those elementwise ops run  |
+|             | under module-level checkpoints            | elementwise outputs                     | again, never a matmul      |
 
 Gradients are those of ``keep`` under every treatment: ``torch.utils.checkpoint`` is
 non-reentrant and restores the RNG state, so a recompute draws the same dropout masks, and an
@@ -21,7 +23,7 @@ A :class:`Treatment` instance is made per run (a treatment may hold per-run stat
 the host pool) and shared by every block it treats.
 
 Each treatment is one file (NOTE [A treatment is a plug-in], base.py): keep.py,
-recompute.py, selective.py, offload.py. Adding one is a new file and one line in
+recompute.py, selective.py, offload.py, elementwise.py. Adding one is a new file and one line in
 :data:`BUILTIN`; a run may also be given a treatment class that is not registered
 (``memfit.fit(treatments=("recompute", MyTreatment))``): :func:`resolve` takes names and classes.
 
@@ -41,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 from memfit.engine.treatments.base import KEEP, RECOMPUTE, RunOptions, Treatment
 from memfit.engine.treatments.chunked_head import CHUNKED, ChunkedHead, HeadPart, KeepHead, head_options
+from memfit.engine.treatments.elementwise import ELEMENTWISE, Elementwise
 from memfit.engine.treatments.keep import Keep
 from memfit.engine.treatments.offload import OFFLOAD, HostMemoryError, Offload
 from memfit.engine.treatments.random_ops import draws_random, runs_random
@@ -53,7 +56,7 @@ if TYPE_CHECKING:
     from memfit.engine.accounting import SavedTensorCounter
 
 __all__ = [
-    "KEEP", "RECOMPUTE", "SELECTIVE", "OFFLOAD", "Treatment", "RunOptions", "Keep", "Recompute", "Selective",
+    "KEEP", "RECOMPUTE", "SELECTIVE", "OFFLOAD", "ELEMENTWISE", "Elementwise", "Treatment", "RunOptions", "Keep", "Recompute", "Selective",
     "CompiledSelective", "Offload", "HostMemoryError", "BUILTIN", "TREATMENTS", "TreatmentSpec", "resolve",
     "run_treatment_names", "make_treatments", "keep_matmul_and_attention", "selective_cache_tensors", "draws_random",
     "runs_random", "CHUNKED", "KeepHead", "ChunkedHead", "HEAD_BUILTIN", "BY_PART", "HeadPart", "head_options",
@@ -65,6 +68,7 @@ BUILTIN: tuple[type[Treatment], ...] = (
     Recompute,
     Selective,
     Offload,
+    Elementwise,
 )
 
 #: every registered treatment, by name (read-only)
