@@ -584,3 +584,51 @@ def test_a_head_measured_faster_chunked_at_the_steps_size_is_chunked_where_nothi
         chosen[name] = (plan.head[0], plan.blocks, part.extra_ms_per_token < 0)
         part.remove()
     assert chosen == {"steps' size": ("chunked", (), True), "one chunk's rows": ("keep", (), False)}
+
+
+def test_the_probe_corrects_a_formula_the_kernel_does_not_follow(monkeypatch, caplog):
+    """NOTE [The probe checks the formula]: where an implementation's chunked head keeps more for
+    backward than its formula says (by more than 1% of the kept head's saved bytes), the measured
+    difference is added to its saved bytes at every size, once said; one that keeps what its formula
+    says, or a probe that measured nothing, changes nothing."""
+    import logging
+
+    import memfit.engine.treatments.chunked_head as chunked_head
+    from memfit.engine.head import head_saved_bytes
+
+    extra = 300_000
+
+    def probe(spec, hidden, labels, n_chunks, implementation="pure"):
+        tokens = hidden.shape[0] * hidden.shape[1]
+        kept = head_saved_bytes(tokens, VOCAB, 32, torch.float32, "keep").saved_bytes
+        chunked = head_saved_bytes(tokens, VOCAB, 32, torch.float32, "chunked", n_chunks, implementation=implementation).saved_bytes
+        chunked += extra if implementation == "pure_grad_in_forward" else 0
+        ms = 1.0 + (0.01 if implementation == "pure_grad_in_forward" else 0.02) * tokens
+        return {"keep": {"ms": 1.0, "saved_bytes": float(kept)}, "chunked": {"ms": ms, "saved_bytes": float(chunked)}}
+
+    monkeypatch.setattr(chunked_head, "probe_head", probe)
+    model = copy.deepcopy(_base()).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ctl = memfit.fit(model, budget=BUDGET, optimizer=optimizer, announce=False, method="dynamic", head=True)
+    part = ctl.head.part
+    tokens = 4 * 64
+    before = {name: part._bytes(tokens, "chunked", 4, name).saved_bytes for name in ("pure", "pure_grad_in_forward")}
+    generator = torch.Generator().manual_seed(1)
+    with caplog.at_level(logging.INFO, logger="memfit"):
+        for length in LENGTHS[:4]:
+            ids = torch.randint(0, VOCAB, (4, length), generator=generator)
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    assert part.switch.implementation == "pure_grad_in_forward"
+    assert part.saved_gap == {"pure_grad_in_forward": extra}
+    assert part._bytes(tokens, "chunked", 4, "pure_grad_in_forward").saved_bytes == before["pure_grad_in_forward"] + extra
+    assert part._bytes(tokens, "chunked", 4, "pure").saved_bytes == before["pure"]
+    by_formula = {n: saved for name, n, saved, _ in chunked_head.head_options(
+        tokens, VOCAB, 32, torch.float32, 0.0, 0.0, implementation="pure_grad_in_forward",
+        logits_held=part.switch.logits_held, transient=part.transient) if name == "chunked"}
+    offered = {n: saved for name, n, saved, _ in part.options(tokens) if name == "chunked"}
+    assert set(offered) & set(by_formula) and all(offered[n] == by_formula[n] - extra for n in set(offered) & set(by_formula))
+    said = [r.getMessage() for r in caplog.records if "planned with the measured bytes" in r.getMessage()]
+    assert len(said) == 1 and "pure_grad_in_forward" in said[0]
+    ctl.remove()

@@ -34,6 +34,19 @@ what :func:`head_options` prices. The probe's gradients go to detached copies
 (``torch.autograd.grad``): training is untouched. An installed kernel that raises when probed is
 said once and never used. Until the price is known the head is free.
 
+# NOTE [The probe checks the formula]
+What a chunked head keeps for backward is priced by formula (NOTE [Head bytes], head.py), which
+knows each implementation's code as it was written; a kernel's next version may keep another dtype
+or another tensor. The probe counts what each implementation saved (``probe_head``'s
+``saved_bytes``), and where that differs from the formula at the probe's size by more than 1% of
+the kept head's saved bytes, the difference is added to the formula's saved bytes for every size
+(a constant: a weight gradient's dtype, a per-row buffer at the probe's size) and said once.
+Priced as the code was, not as it runs, warm-up steps chunked by different implementations teach
+the curves samples that disagree by the error, and a fit through them dips under the truth
+between them (Cut Cross-Entropy priced with a float32 weight gradient it never holds: 0.93 GB on a
+152k vocabulary, two OOM replays a run at 22 GiB: docs/devlog.md). Not on a head sharded as its own
+FSDP unit: its probe runs a proxy of the local rows.
+
 # NOTE [A probe at the steps' size]
 A probe cut to one chunk's rows of a warm-up step (its ``keep`` then holds no more than the step's
 own chunk does) runs a few hundred tokens, where launches and a fused kernel's fixed chunk count
@@ -105,12 +118,13 @@ class ChunkedHead(Treatment):
 def head_options(
     tokens: int, vocab: int, hidden: int, dtype: torch.dtype, extra_ms: float, per_chunk_ms: float,
     softcap: bool = False, implementation: str = "pure", transient: bool = True, logits_held: bool = True,
-    weight_trains: bool = True,
+    weight_trains: bool = True, saved_gap: int = 0,
 ) -> tuple[tuple[str, int, int, float], ...]:
     """The head's options for one shape (NOTE [Head options]): keep first, then chunk counts ascending.
     ``transient`` False prices the saved bytes alone (logical accounting: its peaks hold no transient);
     ``logits_held``: the kept head's logits held through its backward (NOTE [Head bytes], head.py);
-    ``weight_trains``: ``lm_head``'s weight trains (an implementation that takes gradients in forward holds its).
+    ``weight_trains``: ``lm_head``'s weight trains (an implementation that takes gradients in forward holds its);
+    ``saved_gap``: bytes the chunked head keeps beyond its formula, measured (NOTE [The probe checks the formula]).
 
     Example:
         >>> [o[:2] for o in head_options(8, 1000, 16, torch.float32, 1.0, 0.1)]
@@ -126,7 +140,7 @@ def head_options(
     while True:
         n_chunks = min(n_chunks, max(1, tokens))
         chunked = head_saved_bytes(tokens, vocab, hidden, dtype, CHUNKED, n_chunks, softcap, implementation, weight_trains)
-        saved = kept_peak - (chunked.saved_bytes + (chunked.transient_bytes if transient else 0))
+        saved = kept_peak - (max(0, chunked.saved_bytes + saved_gap) + (chunked.transient_bytes if transient else 0))
         if last_saved > 0 and saved < last_saved + MIN_CHUNK_GAIN_SHARE * kept_peak:
             return tuple(out)  # each later doubling saves less still
         if saved > last_saved:
@@ -194,6 +208,8 @@ class HeadPart:
         self.probed_steps = 0
         #: implementations that raised when probed, never used (NOTE [Pricing the head])
         self.failed: set[str] = set()
+        #: per implementation, bytes its chunked head kept beyond its formula (NOTE [The probe checks the formula])
+        self.saved_gap: dict[str, int] = {}
 
     def probe(self, hidden: torch.Tensor, labels: torch.Tensor | None) -> None:
         """Time the chunked head against keep on this step's body output, under every implementation
@@ -232,6 +248,7 @@ class HeadPart:
                                    implementation, str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
                     continue
                 self.probes[implementation] = seen
+                self._check_formula(implementation, seen)
         self._price()
 
     def _probe_tokens(self, rows: int, cut: int, device: torch.device) -> int:
@@ -247,7 +264,9 @@ class HeadPart:
                counts: tuple[int, ...], implementation: str, sized: bool) -> dict[int, dict[str, float]]:
         """``implementation``'s probes at ``tokens`` tokens (``sized``: more than one chunk's rows), merged
         with those kept: the most tokens win, the least times of one size (NOTE [Pricing the head])."""
-        h, y = rows[:tokens].unsqueeze(0), labels.reshape(-1)[:tokens].unsqueeze(0)
+        # the probe's rows in a storage of their own: a view of the step's would be counted whole as saved
+        h = (rows[:tokens].clone() if tokens < rows.shape[0] else rows).unsqueeze(0)
+        y = labels.reshape(-1)[:tokens].unsqueeze(0)
         if self.switch.unit:
             y = torch.where(y >= 0, y % spec.vocab_size, y)
         seen: dict[int, dict[str, float]] = {}
@@ -256,11 +275,32 @@ class HeadPart:
             if was is not None and was["tokens"] > tokens:
                 seen[n_chunks] = was  # a probe of more tokens prices the steps better: none of fewer is run
                 continue
-            timed = {t: scale * m["ms"] for t, m in probe_head(spec, h, y, n_chunks, implementation).items()}
+            measured = probe_head(spec, h, y, n_chunks, implementation)
+            timed = {t: scale * m["ms"] for t, m in measured.items()}
             if was is not None and was["tokens"] == tokens:
                 timed = {t: min(was[t], timed[t]) for t in ("keep", "chunked")}
-            seen[n_chunks] = {"keep": timed["keep"], "chunked": timed["chunked"], "tokens": float(tokens), "sized": sized}
+            seen[n_chunks] = {"keep": timed["keep"], "chunked": timed["chunked"], "tokens": float(tokens), "sized": sized,
+                              "saved": measured["chunked"]["saved_bytes"], "kept_saved": measured["keep"]["saved_bytes"]}
         return seen
+
+    def _check_formula(self, implementation: str, seen: dict[int, dict[str, float]]) -> None:
+        """What the chunked head kept beyond its formula at the probe's size, kept where it passes 1% of
+        the kept head's saved bytes (NOTE [The probe checks the formula])."""
+        n_chunks = min(seen)
+        probe = seen[n_chunks]
+        if self.switch.unit or "saved" not in probe or probe["kept_saved"] <= 0:
+            return  # a sharded head's proxy, or nothing measured
+        tokens = int(probe["tokens"])
+        formula = self._bytes(tokens, CHUNKED, n_chunks, implementation, gap=False).saved_bytes
+        gap = int(probe["saved"] - formula)
+        if abs(gap) <= 0.01 * max(probe["kept_saved"], 1.0):
+            self.saved_gap.pop(implementation, None)
+            return
+        if implementation not in self.saved_gap:
+            logger.info("memfit: the LM head chunked by %s kept %s for backward at %d tokens where memfit's formula says %s; "
+                        "planned with the measured bytes", implementation, format_bytes(int(probe["saved"])), tokens,
+                        format_bytes(formula))
+        self.saved_gap[implementation] = gap
 
     def _price(self) -> None:
         """The price line of the fastest implementation probed (NOTE [Pricing the head])."""
@@ -296,6 +336,7 @@ class HeadPart:
             self.per_chunk_ms,
             softcap=spec.softcap is not None, implementation=self.switch.implementation, transient=self.transient,
             logits_held=self.switch.logits_held, weight_trains=weight.requires_grad,
+            saved_gap=self.saved_gap.get(self.switch.implementation, 0),
         )
 
     def head_bytes(self, tokens: int) -> tuple[int, int, int]:
@@ -312,11 +353,14 @@ class HeadPart:
         bytes_ = self._bytes(tokens, treatment, n_chunks)
         return bytes_.saved_bytes + (bytes_.transient_bytes if self.transient else 0)
 
-    def _bytes(self, tokens: int, treatment: str, n_chunks: int = 1, implementation: str = "pure") -> Any:
-        """This head's :func:`head_saved_bytes` at ``tokens`` tokens."""
+    def _bytes(self, tokens: int, treatment: str, n_chunks: int = 1, implementation: str = "pure", gap: bool = True) -> Any:
+        """This head's :func:`head_saved_bytes` at ``tokens`` tokens, with what the probe measured beyond its
+        saved bytes (``gap``: NOTE [The probe checks the formula])."""
         spec, weight = self.switch.spec, self.switch.spec.weight
-        return head_saved_bytes(tokens, spec.vocab_size, weight.shape[-1], weight.dtype, treatment, max(1, n_chunks),
-                                spec.softcap is not None, implementation, weight.requires_grad, self.switch.logits_held)
+        out = head_saved_bytes(tokens, spec.vocab_size, weight.shape[-1], weight.dtype, treatment, max(1, n_chunks),
+                               spec.softcap is not None, implementation, weight.requires_grad, self.switch.logits_held)
+        extra = self.saved_gap.get(implementation, 0) if gap and treatment == CHUNKED else 0
+        return dataclasses.replace(out, saved_bytes=max(0, out.saved_bytes + extra)) if extra else out
 
     def check_fits(self, tokens: int, static_bytes: int, budget_bytes: int | None) -> None:
         """Raise the one-line budget error where the static part and the head at its most chunks
