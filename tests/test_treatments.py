@@ -439,3 +439,29 @@ def test_elementwise_is_offered_only_where_the_block_computes_what_its_modules_d
     finally:
         type(mlp).forward = plain
     ctl.remove()
+
+
+def test_elementwise_puts_back_a_forward_wrapped_on_the_instance():
+    """A norm whose forward a library wrapped on the instance runs that wrapper under the checkpoint and
+    keeps it after the step; a gated MLP wrapped so is left as it is (NOTE [Elementwise recompute])."""
+    from memfit.engine.treatments.elementwise import _leaner, elementwise_parts
+
+    torch.manual_seed(0)
+    model, make_batch = build_decoder("llama", False)
+    block = memfit.engine.blocks.find_blocks(model)[0][1]
+    norms, mlps = elementwise_parts(block)
+    calls = []
+    norm, mlp = norms[0], mlps[0]
+    plain = norm.forward
+
+    def wrapped(x, *args, **kwargs):
+        calls.append(1)
+        return plain(x, *args, **kwargs)
+
+    norm.forward = wrapped
+    mlp.forward = mlp.forward  # an instance attribute: the MLP is no longer rewritten
+    assert mlp not in elementwise_parts(block)[1]
+    with _leaner(block, []):
+        assert norm.forward is not wrapped
+        norm(torch.randn(2, 3, model.config.hidden_size, requires_grad=True)).sum().backward()
+    assert norm.forward is wrapped and calls == [1, 1]  # the forward, and its recompute in backward

@@ -64,7 +64,8 @@ def elementwise_parts(module: nn.Module) -> tuple[list[nn.Module], list[nn.Modul
     norms, mlps = [], []
     for m in module.modules():
         if all(hasattr(m, a) for a in _GATED_MLP):
-            mlps.append(m)
+            if "forward" not in vars(m):  # a forward wrapped on the instance (a hook library's) is not rewritten
+                mlps.append(m)
         elif type(m).__name__.endswith("Norm") and not any(True for _ in m.children()):
             norms.append(m)
     return norms, mlps
@@ -120,7 +121,14 @@ class Elementwise(Treatment):
             for d, s in zip(devices, state[1]):
                 torch.cuda.set_rng_state(s, d)
             counter, held = kit.counter_of_run(), []
-            lean, *_ = forward(True, counter.hooks(), held)
+            try:
+                lean, *_ = forward(True, counter.hooks(), held)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as err:  # a norm or MLP that does not run under a checkpoint: never offered
+                logger.info("memfit: block %s does not run with its norms and MLP checkpointed (%s); 'elementwise' "
+                            "is not offered for it", block.index, str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
+                return None
             equal = _equal(plain, lean)
             for t in held:
                 counter.count(t)
@@ -162,13 +170,17 @@ def _leaner(module: nn.Module, held: list[torch.Tensor]) -> Iterator[None]:
     norms, mlps = elementwise_parts(module)
     patched = [(m, functools.partial(_norm_forward, m.forward, held)) for m in norms]
     patched += [(m, functools.partial(_mlp_forward, m, held)) for m in mlps]
+    before = [vars(m).get("forward") for m, _ in patched]  # a norm's forward wrapped on the instance stays
     for m, forward in patched:
-        m.forward = forward  # the instance's attribute, read by Module.__call__, removed below
+        m.forward = forward  # the instance's attribute, read by Module.__call__, put back below
     try:
         yield
     finally:
-        for m, _ in patched:
-            del m.forward
+        for (m, _), was in zip(patched, before):
+            if was is None:
+                del m.forward
+            else:
+                m.forward = was
 
 
 def _norm_forward(forward: Any, held: list[torch.Tensor], x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
