@@ -23,6 +23,7 @@ activations.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -163,6 +164,25 @@ class ProbeKit:
     def distinct_bytes(self, tensors: list[torch.Tensor]) -> int:
         """Bytes of the distinct storages of ``tensors``, parameters and excluded storages aside."""
         return _distinct_bytes(tensors, self.counter)
+
+    def forward_backward_ms(self, body: Callable[..., Any], *contexts: Any) -> float:
+        """One forward of fresh inputs through ``body`` under ``contexts`` (context managers) and its
+        backward, timed: gradients returned to the inputs that need one and the block's trainable
+        parameters, as the step's backward asks them, never accumulated."""
+        params = [p for p in self.block.module.parameters() if p.requires_grad]
+
+        def forward_backward() -> None:
+            probe_args, probe_kwargs = self.fresh()
+            wrt = [t for t in tree_leaves((probe_args, probe_kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+            with contextlib.ExitStack() as stack:
+                for context in contexts:
+                    stack.enter_context(context)
+                result = body(*probe_args, **probe_kwargs)
+            outs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if outs and wrt + params:
+                torch.autograd.grad(outs, wrt + params, [torch.ones_like(t) for t in outs], allow_unused=True)
+
+        return self.elapsed_ms(forward_backward)
 
     def counter_of_run(self) -> ProbeCounter:
         """A counter of one run's saved tensors (the step's counter sees none of them)."""

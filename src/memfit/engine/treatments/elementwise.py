@@ -138,22 +138,10 @@ class Elementwise(Treatment):
                         "'elementwise' is not offered for it", block.index)
             return None
 
-        params = [p for p in block.module.parameters() if p.requires_grad]
-
-        def run(lean: bool) -> float:
-            def forward_backward() -> None:
-                out, probe_args, probe_kwargs = forward(lean, kit.shield(), [])
-                wrt = [t for t in tree_leaves((probe_args, probe_kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
-                outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-                if outs and wrt + params:
-                    torch.autograd.grad(outs, wrt + params, [torch.ones_like(t) for t in outs], allow_unused=True)
-
-            return kit.elapsed_ms(forward_backward)
-
         lean_ms, plain_ms = [], []
         for _ in range(kit.timed_runs):  # NOTE [Cold runs of a block] (probe.py)
-            lean_ms.append(run(True))
-            plain_ms.append(run(False))
+            lean_ms.append(kit.forward_backward_ms(block._body, kit.shield(), _leaner(block.module, [])))
+            plain_ms.append(kit.forward_backward_ms(block._body, kit.shield()))
         return counter.bytes, max(0.0, min(lean_ms) - min(plain_ms))
 
 

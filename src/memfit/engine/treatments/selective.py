@@ -25,7 +25,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from memfit.engine.treatments.base import RunOptions, Treatment
@@ -183,24 +182,9 @@ def _probe_compiled(block: "Block", kit: "ProbeKit") -> tuple[int, float]:
     runs, interleaved (NOTE [Cold runs of a block], probe.py: the first may compile). Gradients
     are returned, not accumulated, and the inputs' and parameters' both asked, as the step's
     backward asks them."""
-    params = [p for p in block.module.parameters() if p.requires_grad]
-
-    def run(body: Any, hooks: Any) -> float:
-        probe_args, probe_kwargs = kit.fresh()
-        wrt = [t for t in tree_leaves((probe_args, probe_kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
-
-        def forward_backward() -> None:
-            with hooks:
-                result = body(*probe_args, **probe_kwargs)
-            outs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if outs and wrt + params:
-                torch.autograd.grad(outs, wrt + params, [torch.ones_like(t) for t in outs], allow_unused=True)
-
-        return kit.elapsed_ms(forward_backward)
-
     lean = kit.counter_of_run()
     lean_ms, plain_ms = [], []
     for r in range(kit.timed_runs):
-        lean_ms.append(run(block._lean_body, lean.hooks() if r == 0 else kit.shield()))
-        plain_ms.append(run(block._body, kit.shield()))
+        lean_ms.append(kit.forward_backward_ms(block._lean_body, lean.hooks() if r == 0 else kit.shield()))
+        plain_ms.append(kit.forward_backward_ms(block._body, kit.shield()))
     return lean.bytes, max(0.0, min(lean_ms) - min(plain_ms))
