@@ -465,3 +465,18 @@ def test_elementwise_puts_back_a_forward_wrapped_on_the_instance():
         assert norm.forward is not wrapped
         norm(torch.randn(2, 3, model.config.hidden_size, requires_grad=True)).sum().backward()
     assert norm.forward is wrapped and calls == [1, 1]  # the forward, and its recompute in backward
+
+
+def test_an_eager_only_treatment_asked_for_with_compiled_blocks_is_said_never_planned(caplog):
+    """Nothing is silent: ``elementwise`` treats eager blocks only (its probe offers it for none that is
+    compiled), so a run that compiles its blocks and names it says once that it is never planned."""
+    import logging
+
+    from memfit.engine.controller import _run_options
+
+    with caplog.at_level(logging.WARNING, logger="memfit"):
+        names, _ = _run_options(("elementwise",), True)
+        _run_options(("elementwise",), False)
+    assert "elementwise" in names
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["memfit: 'elementwise' treats eager blocks only; with the blocks compiled it is never planned"]

@@ -59,7 +59,7 @@ from memfit.engine.step import Stage, StepState
 from memfit.engine.shapes import first_tensor, shape_key
 from memfit.engine.store import ReactiveStore
 from memfit.engine.summary_text import end_summary, start_line
-from memfit.engine.treatments import OFFLOAD, RECOMPUTE, SELECTIVE, Treatment, make_treatments, run_treatment_names
+from memfit.engine.treatments import OFFLOAD, RECOMPUTE, SELECTIVE, Treatment, make_treatments, resolve, run_treatment_names
 from memfit.engine.treatments.chunked_head import RunHead
 
 __all__ = ["fit", "Controller", "check_static_need_of"]
@@ -156,6 +156,9 @@ def _run_options(
         raise ValueError(
             f"compile's loss {options['loss']!r} says whether the model's loss function is compiled: give True or False"
         )
+    for name, treatment in resolve(names).items():
+        if treatment.eager_only:
+            logger.warning("memfit: '%s' treats eager blocks only; with the blocks compiled it is never planned", name)
     if SELECTIVE in names and not inductor:
         raise ValueError(
             f"'selective' on compiled blocks needs the inductor backend (it keeps random ops from being recomputed), "

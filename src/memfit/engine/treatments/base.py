@@ -69,6 +69,8 @@ class Treatment:
     priced_by_link: ClassVar[bool] = False
     #: where it goes in a stack of alike blocks, from the first block up (lower first)
     order: ClassVar[int] = 50
+    #: it treats eager blocks only: a run that compiles the blocks never plans it, and says so
+    eager_only: ClassVar[bool] = False
 
     @classmethod
     def for_run(cls, options: RunOptions) -> "Treatment":

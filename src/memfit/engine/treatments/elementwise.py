@@ -81,6 +81,7 @@ class Elementwise(Treatment):
     name = ELEMENTWISE
     help = "recompute the gated MLP's activation product and the norms in backward (module level)"
     order = 20
+    eager_only = True
 
     @classmethod
     def for_run(cls, options: RunOptions) -> Treatment:
