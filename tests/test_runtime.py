@@ -1137,3 +1137,32 @@ def test_every_recomputed_block_keeps_its_input_alone_where_the_attention_mask_i
     assert seen["by_block"] == [hidden] * 3
     assert seen["outside"] > 0
     ctl.remove()
+
+
+def test_a_partial_plan_the_partial_transient_does_not_predict_yet_counts():
+    """NOTE [Which steps count]: inside the counted range, a step whose plan is partial at a length the
+    partial transient does not predict yet counts (it is what teaches that curve; uncounted, the full
+    regime's guess stayed a block and the gradients too high step after step); a step whose partial
+    plan the curve predicts, one that treats every block and one that treats none do not."""
+    from memfit.engine.methods.dynamic import Dynamic
+    from memfit.engine.planner import Plan
+
+    class Model:
+        ready, groups = True, [0, 0, 0, 0]
+
+        def partial_predicts(self, tokens):
+            return tokens <= 100
+
+    plans = {(4, 20): Plan((0, 1)), (4, 50): Plan((0, 1)), (4, 60): Plan((0, 1, 2, 3)), (4, 70): Plan(()),
+             (4, 80): Plan((0, 1, 2, 3), kinds=("recompute", "recompute", "recompute", "offload"))}
+
+    class Planning:
+        bucket_tokens, model, all_blocks = 1, Model(), (0, 1, 2, 3)
+
+        def plan_for(self, key, whole_row=False):
+            return plans[key]
+
+    method = Dynamic()
+    method._steady, method._counted_range = True, (0, 10**6)
+    counted = {key: method.decide(Planning(), key).count for key in plans}
+    assert counted == {(4, 20): False, (4, 50): True, (4, 60): False, (4, 70): False, (4, 80): True}

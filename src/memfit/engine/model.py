@@ -100,6 +100,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Curve", "BlockGroupModel", "MemoryModel", "PrefixRows", "KEEP", "RECOMPUTE"]
 
+#: shapes the partial transient must have seen before partial plans are predicted from it (NOTE [Two transient regimes])
+PARTIAL_MIN_KEYS = 2
+
 
 def _maximum(a: Any, b: Any) -> Any:
     """``max(a, b)`` of floats, elementwise where either is an array (NOTE [One evaluator])."""
@@ -586,6 +589,11 @@ class MemoryModel:
         partial = self.transient_partial
         return (partial.min_tokens <= tokens) & (tokens <= partial.max_bucket_tokens(self.bucket_tokens))
 
+    def partial_predicts(self, tokens: int) -> bool:
+        """Whether a partial plan at ``tokens`` tokens (``N·T``) is predicted from the partial transient
+        (two shapes seen, ``tokens`` in their range), not from the full regime's (NOTE [Two transient regimes])."""
+        return self.transient_partial.distinct_keys >= PARTIAL_MIN_KEYS and bool(self.partial_covers(tokens))
+
     # ------------------------------------------------------------ the one peak evaluator
     def _values(self, n: int, t: Any) -> dict[Any, Any]:
         """Every curve the peak formula reads, at ``(n, t)`` (``t`` an int or an array of them):
@@ -598,7 +606,7 @@ class MemoryModel:
         partial = self.transient_partial
         values: dict[Any, Any] = {"outside": at(self.outside), "transient_full": at(self.transient_full)}
         transient = values["transient_full"]
-        if partial.distinct_keys >= 2:
+        if partial.distinct_keys >= PARTIAL_MIN_KEYS:
             transient = _select(self.partial_covers(n * t), lambda: at(partial), transient)
         values["transient"] = transient
         for g, m in self.group_models.items():

@@ -4,7 +4,10 @@
 Counting the saved tensors costs a hook call per tensor, and only a step the model learns
 from needs it (NOTE [What a step teaches], learner.py): a warm-up step; a step of more tokens
 than any counted before, or fewer (outside the range the curves were fitted on, where they
-extrapolate); the replay of a step that ran out of memory; a step of a bucket whose last
+extrapolate); a step whose plan is partial at a length the partial transient does not predict
+yet (NOTE [Two transient regimes], model.py: until it does, such a plan's backward start is the
+full regime's guess, the gradients and a block too high, and only a counted step teaches it);
+the replay of a step that ran out of memory; a step of a bucket whose last
 uncounted step peaked above its prediction by more than a quarter of the margin, or below it
 by more than 1% of the budget (the allocator's peak, read whatever the step counts, tells
 both); and one step in ``COUNT_EVERY``, so that a model that drifts is still seen. Every other
@@ -137,6 +140,10 @@ class Dynamic(Method):
         plan = planning.plan_for(self.planning_key(planning, key), whole_row=self.plans_rows)
         if failed is not None and set(plan.blocks) <= set(failed.blocks):
             plan = Plan(planning.all_blocks)  # NOTE [A replay treats more]
+        model = planning.model
+        if not count and plan.blocks and (len(plan.blocks) < len(model.groups) or plan.kinds) and not model.partial_predicts(tokens):
+            count = True  # NOTE [Which steps count]: it teaches the partial transient
+            self._note_counted(tokens)
         return Decision(plan, count=count)
 
     def _note_counted(self, tokens: int) -> None:
