@@ -18,6 +18,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 import sys
@@ -27,7 +28,10 @@ from pathlib import Path
 def latest_lines(path: Path, lora: bool) -> dict[tuple, dict]:
     """The latest ok line per (model, method, budget, repeat, steps), of LoRA runs or of the others."""
     lines = {}
-    for text in path.read_text(encoding="utf-8").splitlines():
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        texts = fh.read().splitlines()
+    for text in texts:
         line = json.loads(text) if text.strip() else {}
         if line.get("step_ms") and line.get("status", "ok") == "ok" and bool(line.get("lora")) == lora:
             lines[line.get("model"), line["method"], line.get("budget_bytes"), line["repeat"], line["steps"]] = line
@@ -48,9 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lora", action="store_true", help="the LoRA runs (default: the others)")
     p.add_argument("--steady_from", type=int, default=8, help="first step index compared (0-based)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    if not (args.folder / "results.jsonl").is_file():
-        p.error(f"{args.folder}: no results.jsonl; give a loop_bench.py output folder or a published llm folder")
-    lines = latest_lines(args.folder / "results.jsonl", args.lora)
+    found = [args.folder / name for name in ("results.jsonl", "results.jsonl.gz") if (args.folder / name).is_file()]
+    if not found:
+        p.error(f"{args.folder}: no results.jsonl(.gz); give a loop_bench.py output folder or a published llm folder")
+    lines = latest_lines(found[0], args.lora)
     rows = 0
     for (model, method, budget, repeat, steps), a in sorted(lines.items(), key=lambda kv: (kv[0][0] or "", kv[0][2] or 0, kv[0][3], kv[0][4])):
         if method != args.a:

@@ -56,9 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     runs: dict[tuple[str, int | None], list[tuple[dict, list[dict]]]] = {}  # per (method, budget)
     for folder in args.folders:
-        if not (folder / "results.jsonl").is_file():
-            p.error(f"{folder}: no results.jsonl; give a published folder or a repeats folder (.../swin-base/repeats)")
-        for result in read_jsonl(folder / "results.jsonl"):
+        found = [folder / name for name in ("results.jsonl", "results.jsonl.gz") if (folder / name).is_file()]
+        if not found:
+            p.error(f"{folder}: no results.jsonl(.gz); give a published folder or a repeats folder (.../swin-base/repeats)")
+        for result in read_jsonl(found[0]):
             if args.model and args.model not in result["model"]:
                 continue
             if args.calls and not any(result.get("steps_file", "").startswith(f"runs/{c}.") for c in args.calls):

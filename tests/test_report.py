@@ -387,3 +387,19 @@ def test_no_head_column_for_runs_that_never_planned_the_head(tmp_path):
          "treatments": {"recompute": [0]}}) + "\n")
     markdown = build_report(tmp_path / "run", tmp_path / "out").read_text()
     assert "head (steps)" not in markdown and "Treatment mix per input size" in markdown
+
+
+def test_compressed_bench_results_give_the_same_report(tmp_path, report):
+    """A ``results.jsonl`` gzipped after the run (as committed results are, to stay compact) is read
+    like the plain file: the report's text is the same."""
+    import gzip
+    import shutil
+
+    root = tmp_path / "input"
+    shutil.copytree(FIXTURE, root)
+    plain = root / "bench" / "results.jsonl"
+    with open(plain, "rb") as src, gzip.open(plain.with_name("results.jsonl.gz"), "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    plain.unlink()
+    compressed = build_report(root, tmp_path / "out")
+    assert compressed.read_text() == report.read_text()

@@ -266,14 +266,17 @@ def _table_key(r: _Result) -> _TableKey:
 
 def _load(root: Path) -> tuple[list[_Result], list[_StepRun], list[str]]:
     """Bench results, step runs and notes on skipped inputs, all in sorted order."""
-    result_files = sorted(root.rglob("results.jsonl"), key=lambda p: _relative(p, root))
+    result_files = sorted(  # compressed after the run, as step records may be
+        (p for name in ("results.jsonl", "results.jsonl.gz") for p in root.rglob(name) if p.is_file()),
+        key=lambda p: _relative(p, root),
+    )
     step_files = sorted(
         (p for pattern in ("*steps*.jsonl", "*steps*.jsonl.gz") for p in root.rglob(pattern) if p.is_file()),
         key=lambda p: _relative(p, root),
     )
     if not result_files and not step_files:
         raise MissingFileError(
-            f"no bench results (results.jsonl) or step records (*steps*.jsonl) under {root}; "
+            f"no bench results (results.jsonl[.gz]) or step records (*steps*.jsonl[.gz]) under {root}; "
             "pass the folder that `memfit bench` or `memfit train` wrote"
         )
     results = [r for f in result_files for r in _read_results(f)]
@@ -811,7 +814,7 @@ def build_report(input_dir: str | Path, output_dir: str | Path | None = None) ->
     """Write ``report.md`` and PNG plots from the JSONL files under ``input_dir``.
 
     Args:
-        input_dir: folder searched recursively for ``results.jsonl`` and ``*steps*.jsonl``.
+        input_dir: folder searched recursively for ``results.jsonl`` and ``*steps*.jsonl`` (each may be gzipped: ``.gz``).
         output_dir: where to write; ``<input_dir>/report`` by default. Existing files of the
             same names are overwritten; others are left alone.
 
@@ -912,7 +915,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Tables (report.md) and PNG plots from bench results (results.jsonl) and step records "
         "(*steps*.jsonl) found under a folder. Reads JSON lines only.",
     )
-    parser.add_argument("input_dir", help="folder searched recursively for results.jsonl and *steps*.jsonl")
+    parser.add_argument("input_dir", help="folder searched recursively for results.jsonl and *steps*.jsonl (or .gz)")
     parser.add_argument("--output_dir", help="where to write report.md and the plots (default: <input_dir>/report)")
     args = parser.parse_args(argv)
     path = build_report(args.input_dir, args.output_dir)
