@@ -164,34 +164,35 @@ def test_plans_files_carry_treatments_and_schema_1_files_load(tmp_path):
     assert plans == {(4, 16): Plan((0, 1))} and n_blocks == 3 and fingerprint == ""
 
 
-def test_dynamic_with_treatments_fits_the_budget_exactly_and_mixes_when_cheaper(monkeypatch):
-    """``dynamic`` given every treatment under a logical budget: gradients equal ``none``'s,
-    every peak within the budget, and, where selective is priced cheaper per byte than
-    recompute (as the probe measures it on a GPU), plans that use it."""
+@pytest.mark.parametrize("treatment", ["selective", "elementwise"])
+def test_dynamic_with_treatments_fits_the_budget_exactly_and_mixes_when_cheaper(monkeypatch, treatment):
+    """``dynamic`` given a treatment beside recompute under a logical budget: gradients equal
+    ``none``'s, every peak within the budget, and, where the treatment is priced cheaper per byte
+    than recompute (as the probe measures it on a GPU), plans that use it."""
     from memfit.engine import probe
 
     original = probe.probe_treatments
 
-    def cheap_selective(*args, **kwargs):
+    def cheap(*args, **kwargs):
         out = original(*args, **kwargs)
-        nbytes, _ = out["selective"]
-        return {**out, "selective": (nbytes, 1e-4)}  # selective nearly free: the planner must take it
+        nbytes, _ = out[treatment]
+        return {**out, treatment: (nbytes, 1e-4)}  # nearly free: the planner must take it
 
-    monkeypatch.setattr(probe, "probe_treatments", cheap_selective)
+    monkeypatch.setattr(probe, "probe_treatments", cheap)
     torch.manual_seed(0)
     model, make_batch = build("llama")
     model.train()
     reference = copy.deepcopy(model)
     longest = make_batch(4, 96)
     budget = (logical_peak(model, longest, "none") + logical_peak(model, longest, "full")) // 2
-    ctl = memfit.fit(model, budget=budget, method="dynamic", treatments=("recompute", "selective"))
+    ctl = memfit.fit(model, budget=budget, method="dynamic", treatments=("recompute", treatment))
     for seed, length in enumerate([16, 96, 48, 80, 96, 64, 88, 96]):
         step_both_and_compare(model, reference, make_batch(4, length), seed, f"step {seed}")
     records = ctl.records
     ctl.remove()
     steady = [r for r in records if r.phase == "steady"]
     assert all(r.peak_allocated_bytes <= budget for r in records)
-    assert any("selective" in r.treatments for r in steady), [r.treatments for r in steady]
+    assert any(treatment in r.treatments for r in steady), [r.treatments for r in steady]
 
 
 def test_the_planner_keeps_recompute_where_treatments_are_dearer():
