@@ -660,11 +660,10 @@ def head_saved_bytes(
     is one chunk's logits in the model's dtype, of ``tokens / ceil(vocab / hidden)`` rows rounded up
     to a power of two; Cut Cross-Entropy keeps the rows, a float32 log-sum-exp and the int64 targets
     and valid-row indices per token and never materialises logits; its backward holds the rows'
-    gradient (its weight's becomes ``.grad``, as the kept head's does). Priced as
-    ``pure_grad_in_forward``'s float32 weight gradient, Cut Cross-Entropy's saving came out
-    ``vocab x hidden x 4`` bytes short of what its steps saved, and warm-up steps run by different
-    implementations taught the curves samples that far apart (docs/devlog.md).
-    Measured by :func:`probe_head`, checked against this in tests/test_head.py.
+    gradient (its weight's becomes ``.grad``, as the kept head's does). A kernel priced by another's
+    formula makes warm-up steps run by different implementations teach the curves samples that
+    disagree (docs/devlog.md). Measured by :func:`probe_head`, checked against
+    this in tests/test_head.py and by the probe (NOTE [The probe checks the formula], chunked_head.py).
     """
     size = torch.tensor([], dtype=dtype).element_size()
     hidden_bytes = tokens * hidden * size + tokens * 8  # the rows and their int64 targets

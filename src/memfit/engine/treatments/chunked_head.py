@@ -43,8 +43,7 @@ the kept head's saved bytes, the difference is added to the formula's saved byte
 (a constant: a weight gradient's dtype, a per-row buffer at the probe's size) and said once.
 Priced as the code was, not as it runs, warm-up steps chunked by different implementations teach
 the curves samples that disagree by the error, and a fit through them dips under the truth
-between them (Cut Cross-Entropy priced with a float32 weight gradient it never holds: 0.93 GB on a
-152k vocabulary, two OOM replays a run at 22 GiB: docs/devlog.md). Not on a head sharded as its own
+between them: an under-prediction, an OOM (docs/devlog.md). Not on a head sharded as its own
 FSDP unit: its probe runs a proxy of the local rows.
 
 # NOTE [A probe at the steps' size]

@@ -89,10 +89,15 @@ class Elementwise(Treatment):
 
     def __init__(self, counter: "SavedTensorCounter | None" = None):
         self.counter = counter
+        #: per block, its norms and gated MLPs, found once (not at every forward)
+        self._parts: dict[int, tuple[list[nn.Module], list[nn.Module]]] = {}
 
     def run(self, block: "Block", args: tuple, kwargs: dict[str, Any]) -> Any:
         held: list[torch.Tensor] = []
-        with _leaner(block.module, held):
+        parts = self._parts.get(block.index)
+        if parts is None:
+            parts = self._parts[block.index] = elementwise_parts(block.module)
+        with _leaner(block.module, held, parts):
             out = block.run_body(*args, **kwargs)
         if self.counter is not None and self.counter.active:
             for t in held:
@@ -153,10 +158,13 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _leaner(module: nn.Module, held: list[torch.Tensor]) -> Iterator[None]:
-    """Run ``module``'s norms and gated MLPs as NOTE [Elementwise recompute] says while the block's
-    forward runs, appending what their checkpoints keep to ``held``."""
-    norms, mlps = elementwise_parts(module)
+def _leaner(
+    module: nn.Module, held: list[torch.Tensor], parts: tuple[list[nn.Module], list[nn.Module]] | None = None,
+) -> Iterator[None]:
+    """Run ``module``'s norms and gated MLPs (``parts``, default :func:`elementwise_parts`) as NOTE
+    [Elementwise recompute] says while the block's forward runs, appending what their checkpoints
+    keep to ``held``."""
+    norms, mlps = elementwise_parts(module) if parts is None else parts
     patched = [(m, functools.partial(_norm_forward, m.forward, held)) for m in norms]
     patched += [(m, functools.partial(_mlp_forward, m, held)) for m in mlps]
     before = [vars(m).get("forward") for m, _ in patched]  # a norm's forward wrapped on the instance stays
