@@ -1,0 +1,77 @@
+"""A run's last memory model replayed on its own steady steps: what it predicts for each step's plan
+against the peak the step read, and the outside curve's samples per token.
+
+loop_bench.py writes each memfit run's step records (``steps/<run>.jsonl.gz``) and last memory model
+(``steps/<run>.model.json.gz``). The model's curves hold the head kept (NOTE [Head in the peaks],
+model.py); a step that chunked the head is predicted less the head's saving, priced here by the
+formula of ``--implementation`` at the step's chunk count (the implementation the run's summary
+names; ``pure_grad_in_forward`` replays a run made before the fused kernels had formulas of their
+own) with the model's vocabulary and width from its bundled config. An error that moves smoothly with the tokens is a
+curve's fit, not noise (docs/devlog.md, seventeenth session: the outside curve's samples disagreed).
+
+    python benchmarks/model_replay.py STEPS.jsonl.gz MODEL.model.json.gz --model Qwen2.5-1.5B --implementation cce
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("steps", type=Path, help="a run's step records (.jsonl.gz)")
+    p.add_argument("model", type=Path, help="the same run's last memory model (.model.json.gz)")
+    p.add_argument("--model_config", "--model", dest="config", required=True, help="the bundled config the run trained")
+    p.add_argument("--implementation", default="pure", help="the chunked head's implementation the run used")
+    p.add_argument("--bucket_tokens", type=int, default=8)
+    args = p.parse_args(argv)
+    from memfit.cli.tasks._common import CONFIGS_DIR
+    from memfit.engine.model import MemoryModel
+    from memfit.engine.planner import Plan
+    from memfit.engine.head import head_saved_bytes
+
+    config_file = CONFIGS_DIR / f"{args.config}.json"
+    if not config_file.is_file():
+        print(f"model_replay.py: no bundled config {args.config!r} in {CONFIGS_DIR}", file=sys.stderr)
+        return 2
+    config = json.loads(config_file.read_text())
+    vocab, hidden = int(config["vocab_size"]), int(config["hidden_size"])
+
+    def saving(tokens: int, head: tuple[str, int]) -> int:  # the kept head's peak less the step's chunked one
+        if head[0] == "keep":
+            return 0
+        kept = head_saved_bytes(tokens, vocab, hidden, torch.bfloat16, "keep", logits_held=False)
+        chunked = head_saved_bytes(tokens, vocab, hidden, torch.bfloat16, "chunked", head[1], implementation=args.implementation)
+        return kept.saved_bytes + kept.transient_bytes - chunked.saved_bytes - chunked.transient_bytes
+
+    model = MemoryModel.from_dict(json.load(gzip.open(args.model))["model"])
+    model.head_saving, model.bucket_tokens = saving, args.bucket_tokens
+    outside = model.outside
+    print("outside curve, bytes a token: " + ", ".join(
+        f"{n * t} tokens {y / (n * t) / 1e3:.0f} KB" for (n, t), y in zip(outside.xs, outside.ys)))
+    print("| step | tokens a row | treated | predicted now GB | read GB | error GB |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for line in gzip.open(args.steps, "rt"):
+        r = json.loads(line)
+        if r.get("phase") != "steady":
+            continue
+        attempt = (r.get("oom_attempts") or [None])[0]  # an OOM's first try: its plan and what it read
+        blocks = attempt["plan"] if attempt else r["plan"]
+        name, _, chunks = r["treatments"].get("head", "keep:1").partition(":")
+        plan = Plan(tuple(blocks), head=(name, int(chunks or 1)))
+        key = (r["shape"][0], r["shape"][1])
+        predicted = r["static_bytes"] + model.step_bytes(key, plan)
+        read = attempt["peak_allocated_bytes"] if attempt else r["peak_allocated_bytes"]
+        print(f"| {r['step']} | {key[1]} | {len(blocks)} | {predicted / 1e9:.2f} | {read / 1e9:.2f} | "
+              f"{(predicted - read) / 1e9:+.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
