@@ -41,7 +41,8 @@ Peers (no memfit at all; the bench reads the allocator): ``plain`` (the same loo
 of every block under ``activation_memory_budget`` F, memfit.tools.bench.peers.TorchCompile), and
 ``selective-static`` (every block under memfit's selective policy, for every batch).
 Head peers (issue 39): ``hf-every-1+liger`` and ``hf-every-1+chunked-8``, Hugging Face's
-checkpointing of every layer with a chunked loss fixed for the whole run (:data:`HEAD_PEERS`).
+checkpointing of every layer with a chunked loss fixed for the whole run (:data:`HEAD_PEERS`), and
+``compile-F+liger``, ``compile-F+chunked-8``, the compile peer with the same fixed loss.
 The LM head (issue 39): ``--head on|off|auto`` passes ``memfit.fit(head=True|False|"auto")`` to every
 memfit configuration, and a name's head part (``dynamic+head``, ``dynamic+head-off``,
 ``dynamic+head-auto``, before any ``@M``) sets it for that configuration alone; without either, fit's
@@ -115,6 +116,8 @@ PEERS = ("plain", "hf-every-1", "hf-every-2", "hf-offload", "trl-offload", "sele
 #: whole run, Liger's fused linear cross-entropy or the pure chunked loss in 8 chunks (memfit.engine.head's
 #: switch set once, never planned)
 HEAD_PEERS = {"hf-every-1+liger": ("liger", 1), "hf-every-1+chunked-8": ("pure", 8)}
+#: a ``compile-F`` peer's head part (``compile-0.5+liger``): the same fixed loss around compiled blocks
+COMPILE_HEADS = {"+liger": ("liger", 1), "+chunked-8": ("pure", 8)}
 
 
 def fixed_head(model, implementation: str, n_chunks: int):
@@ -476,15 +479,22 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
 
         from memfit.tools.bench.peers import TorchCompile
 
-        compiled = TorchCompile(float(name.split("-", 1)[1]))
+        remove_head = None
+        if head := _compile_head(name):
+            remove_head, skipped = fixed_head(model, *COMPILE_HEADS[head])
+            if remove_head is None:
+                return _failed(args, name, budget, repeat, "skipped", skipped)
+        compiled = TorchCompile(_compile_budget(name))
         compiled.__enter__()
         compiled.prepare(SimpleNamespace(model=model), SimpleNamespace(torch_compile=False))
 
-        def undo():
+        def undo(remove_head=remove_head):
             for _, block in memfit.engine.blocks.find_blocks(model):
                 block.__dict__.pop("forward", None)  # the class's forward again
             compiled.__exit__(None, None, None)
             note_compile.append(compiled.record()["note"])
+            if remove_head is not None:
+                remove_head()
     elif name == "trl-offload":
         from trl.models.activation_offloading import get_act_offloading_ctx_manager
 
@@ -872,12 +882,18 @@ def _memfit_config(name: str, head: str | None = None) -> tuple | None:
     return method, kwargs, treatments
 
 
+def _compile_head(name: str) -> str | None:
+    """A ``compile-F`` peer name's head part (:data:`COMPILE_HEADS`), else None."""
+    return next((part for part in COMPILE_HEADS if name.startswith("compile-") and name.endswith(part)), None)
+
+
 def _compile_budget(name: str) -> float | None:
-    """F of a ``compile-F`` peer name (0 < F <= 1), else None."""
+    """F of a ``compile-F`` peer name (0 < F <= 1, a head part after it), else None."""
     if not name.startswith("compile-"):
         return None
+    head = _compile_head(name)
     try:
-        value = float(name.split("-", 1)[1])
+        value = float(name.split("-", 1)[1][: -len(head) if head else None])
     except ValueError:
         return None
     return value if 0 < value <= 1 else None
@@ -986,7 +1002,7 @@ def main(argv: list[str]) -> int:
     unknown = [m for m in args.methods if not known(m) and m not in pairs] + [m for m in args.last if not known(m)]
     if unknown:
         raise SystemExit(f"unknown method(s) {', '.join(unknown)}: choose from "
-                         f"{', '.join(sorted(MEMFIT_METHODS) + sorted(PEERS))}, compile-F (0 < F <= 1), a memfit method with a head part ({', '.join(HEAD_PARTS)}) and/or @M (margin share, 0 <= M < 0.5), and in --methods "
+                         f"{', '.join(sorted(MEMFIT_METHODS) + sorted(PEERS))}, compile-F (0 < F <= 1, optionally +liger or +chunked-8), a memfit method with a head part ({', '.join(HEAD_PARTS)}) and/or @M (margin share, 0 <= M < 0.5), and in --methods "
                          f"only {', '.join(pairs)}")
     os.makedirs(os.path.join(args.output_dir, "steps"), exist_ok=True)
     started = time.perf_counter()

@@ -354,3 +354,13 @@ def test_loop_bench_fields_give_per_length_band_peaks_retries_bias_and_compile_t
     command = " ".join(call.commands[0])
     assert "--methods none dynamic dynamic+compile hf-every-1" in command and "--repeats 3" in command
     assert "--budgets 0.5" in command and "--time_limit_s 180" in command
+
+
+def test_loop_bench_compile_peer_takes_a_fixed_head_part():
+    loop_bench = _loop_bench()
+    assert loop_bench._compile_budget("compile-0.5") == 0.5 and loop_bench._compile_head("compile-0.5") is None
+    assert loop_bench._compile_budget("compile-0.5+chunked-8") == 0.5
+    assert loop_bench._compile_head("compile-0.5+chunked-8") == "+chunked-8"
+    assert loop_bench._compile_head("compile-1+liger") == "+liger" and loop_bench._compile_budget("compile-1+liger") == 1.0
+    assert loop_bench._compile_budget("compile-0.5+head") is None and loop_bench._compile_budget("compile-2+liger") is None
+    assert loop_bench._is_fixed("compile-0.5+liger")  # a fixed policy memfit is compared with
