@@ -131,6 +131,32 @@ def test_step_peak_is_the_largest_of_three():
     assert model.recompute_bytes(key, Plan((0, 1))) == pytest.approx(model.activation_bytes(key, Plan(every)) + 300.0 * 4 * 64)
 
 
+def test_a_part_rerun_is_bounded_at_the_backward_start_plus_what_it_brings_back():
+    """NOTE [Treated peaks]: a block that re-runs part of itself (``selective``, ``elementwise``)
+    adds, at the backward's start, what it did not keep (its ``keep`` bytes less its own), once:
+    not ``full``'s transient over the blocks held below it, as a whole recompute on top would."""
+    model = _model([16, 32, 64, 128])
+    group, key = model.group_models[0], (4, 64)
+    for t in (16, 32, 64, 128):
+        group.bytes_curve("selective").add((4, t), 400.0 * 4 * t)
+        group.bytes_curve("elementwise").add((4, t), 700.0 * 4 * t)
+    back = (1000.0 - 400.0) * 4 * 64  # a selective block's return
+    for plan in (Plan((0, 1, 2, 3), kinds=("recompute", "recompute", "selective", "selective")),
+                 Plan((2, 3), kinds=("selective", "selective")),
+                 Plan((0, 1, 2, 3), kinds=("recompute", "selective", "elementwise", "selective"))):
+        start = model.backward_start_bytes(key, plan)
+        # the whole recompute's bound holds nothing below block 0 or 1, and no selective block over it
+        assert model.recompute_bytes(key, plan) <= model.recompute_bytes(key, Plan((0, 1))) + 1e-6
+        assert model.step_bytes(key, plan) == pytest.approx(max(start + back, model.recompute_bytes(key, plan)))
+    # the largest return counts, once: an elementwise block returns less than a selective one
+    ew = Plan((0, 1, 2, 3), kinds=("recompute", "elementwise", "elementwise", "elementwise"))
+    assert model.step_bytes(key, ew) == pytest.approx(
+        max(model.backward_start_bytes(key, ew) + (1000.0 - 700.0) * 4 * 64, model.recompute_bytes(key, ew)))
+    # recompute alone: unchanged (no part re-run, nothing added)
+    assert model.step_bytes(key, Plan((0, 1))) == pytest.approx(
+        max(model.backward_start_bytes(key, Plan((0, 1))), model.recompute_bytes(key, Plan((0, 1)))))
+
+
 def test_planner_respects_the_optimizer_floor():
     planning = Planning(4, [0, 0, 0, 0], 1_000_000, margin_bytes=0, bucket_tokens=1)
     planning.model = _model([16, 32, 64])

@@ -55,10 +55,15 @@ A plan that gives some blocks ``selective`` or ``offload`` changes the three pea
   may be on the device at once, which the start of backward, and a recompute above them, hold on
   top. The depth is :meth:`MemoryModel.offload_depth`'s, the one the treatment runs with (its
   owner is the link's price, engine/probe.py); without a measured link it is 1;
-* a ``selective`` block recomputes part of itself in backward, as a recomputed block does
-  all of itself: the recompute peak is bounded from its topmost such block as from a
-  recomputed one (with ``full``'s transient, a whole block's recompute), and the blocks
-  below it hold what their treatments keep.
+* a block that re-runs part of itself in backward (``selective``, ``elementwise``:
+  ``Treatment.reruns_part``) brings back, while it does, what its treatment did not keep: up
+  to its ``keep`` bytes. It is bounded at the backward's start plus the largest such return
+  of one block, not from ``full``'s transient as a recomputed block is. ``full``'s transient
+  is read late in backward, with the gradients of nearly every block allocated (NOTE [Two
+  transient regimes]); the partial re-runs come early, while the blocks below still hold
+  their bytes: a bound that added those held bytes to ``full``'s transient counted two
+  moments at once (docs/devlog.md). The blocks below a whole recompute still hold what
+  their treatments keep.
 One formula covers every plan (:meth:`MemoryModel._peaks`): a plan that treats by recompute
 alone adds only zeros for the terms of the others, so it is predicted bit for bit as before
 they existed.
@@ -451,6 +456,8 @@ class _Layout:
     offloaded_below: list[tuple[int, str]] = field(default_factory=list)
     #: the offloaded blocks' prefetch depth (NOTE [Treated peaks])
     depth: int = 1
+    #: ``(group, treatment)`` of the blocks that re-run in part (NOTE [Treated peaks])
+    part_reruns: list[tuple[int, str]] = field(default_factory=list)
 
 
 
@@ -636,9 +643,11 @@ class MemoryModel:
         for i in {i for i in range(max(top, 0)) if names[i] != RECOMPUTE}:
             held[(self.groups[i], names[i])] = held.get((self.groups[i], names[i]), 0) + 1
         offloaded = [i for i, name in enumerate(names) if self.treatments[name].moves_out]
+        parts = {(self.groups[i], name) for i, name in enumerate(names) if self.treatments[name].reruns_part}
         return _Layout(
             counts, held, bool(reruns), len(reruns) == len(names) and all(name == RECOMPUTE for name in names),
             [(self.groups[i], names[i]) for i in offloaded], [(self.groups[i], names[i]) for i in offloaded if i < top],
+            part_reruns=sorted(parts),
         )
 
     def _activation(self, values: dict[Any, Any], counts: dict[int, dict[str, Any]]) -> Any:
@@ -684,7 +693,10 @@ class MemoryModel:
         recompute = (recompute + held) + self._in_flight(values, layout.offloaded_below, layout.depth)
         recompute = recompute - head_saved
         recompute = _select(layout.rerun, lambda: recompute, -math.inf)
-        return start, recompute, _maximum(_maximum(start, recompute), self.optimizer_bytes)
+        part = 0.0
+        for g, name in layout.part_reruns:  # NOTE [Treated peaks]: the largest return of a part re-run
+            part = _maximum(part, values[(g, KEEP)] - self._kept(values, g, name))
+        return start, recompute, _maximum(_maximum(start + part, recompute), self.optimizer_bytes)
 
     def head_saved_bytes(self, key: tuple[int, int], plan: "Plan") -> int:
         """What ``plan``'s head treatment saves at ``key`` against a kept head (NOTE [Head in the peaks])."""

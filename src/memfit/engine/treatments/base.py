@@ -10,7 +10,8 @@ It declares everything the engine asks of it, so that no other file branches on 
   device under it and the time it adds, which the memory model learns as its curves, keyed
   by its name (``BlockGroupModel.bytes[name]`` and ``ms[name]``, model.py);
 * its price where warm-up gives no time (:attr:`Treatment.priced_by_link`);
-* what its plan does to the step's peaks (:attr:`Treatment.reruns`, :attr:`Treatment.moves_out`:
+* what its plan does to the step's peaks (:attr:`Treatment.reruns`, :attr:`Treatment.reruns_part`,
+  :attr:`Treatment.moves_out`:
   NOTE [Treated peaks], model.py) and where it goes in a stack of alike blocks
   (:attr:`Treatment.order`: NOTE [Choosing treatments], planner.py);
 * the parts it applies to (:attr:`Treatment.parts`): ``"block"`` today; the LM head
@@ -60,9 +61,12 @@ class Treatment:
     #: the block keeps only its inputs, which no saved-tensor hook sees (NOTE [Who sees a
     #: checkpointed block's tensors] in accounting.py): the runtime counts them at block entry
     holds_inputs: ClassVar[bool] = False
-    #: the block runs again, in whole or in part, in backward: the recompute peak is bounded
-    #: from the topmost such block (NOTE [Treated peaks], model.py)
+    #: the whole block runs again in backward: the recompute peak is bounded from the topmost
+    #: such block (NOTE [Treated peaks], model.py)
     reruns: ClassVar[bool] = False
+    #: part of the block runs again in backward, bringing back what it did not keep: bounded at
+    #: the backward's start plus those bytes (NOTE [Treated peaks], model.py)
+    reruns_part: ClassVar[bool] = False
     #: its saved tensors leave the device and come back, prefetched, in backward (NOTE [Prefetch depth], offload.py)
     moves_out: ClassVar[bool] = False
     #: priced by the host link's measured bandwidth (engine/probe.py), not by a measured time

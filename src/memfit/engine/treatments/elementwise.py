@@ -80,6 +80,7 @@ class Elementwise(Treatment):
 
     name = ELEMENTWISE
     help = "recompute the gated MLP's activation product and the norms in backward (module level)"
+    reruns_part = True
     order = 20
     eager_only = True
 

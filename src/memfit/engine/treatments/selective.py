@@ -106,7 +106,7 @@ class Selective(Treatment):
     name = SELECTIVE
     help = "keep matmul and attention outputs, recompute the rest"
     holds_inputs = True
-    reruns = True
+    reruns_part = True
     order = 10
 
     @classmethod
@@ -167,7 +167,7 @@ class CompiledSelective(Treatment):
 
     name = SELECTIVE
     holds_inputs = False
-    reruns = True
+    reruns_part = True
     order = 10
 
     def run(self, block: "Block", args: tuple, kwargs: dict[str, Any]) -> Any:
