@@ -327,18 +327,21 @@ def test_over_predictions_in_every_bucket_lower_every_buckets_prediction_by_the_
     assert planning.run_bias.offset == 0.0
 
 
-def test_the_runs_offset_does_not_lower_a_longer_shape():
-    """NOTE [Over-prediction across buckets]: the offset lowers buckets no longer than the longest
-    of the steps behind it; a longer shape keeps the envelope until a step that long joins them."""
+def test_the_runs_offset_lowers_only_shapes_within_the_range_of_its_steps():
+    """NOTE [Over-prediction across buckets]: the offset lowers buckets within the range of the
+    steps behind it; a longer shape keeps the envelope until a step that long joins them, and so
+    does a shorter one."""
     planning = _fitted_planning()
-    longer, shorter = (4, 64), (4, 30)
+    longer, shorter, shortest = (4, 64), (4, 30), (4, 16)
     longer_before = planning.predict_peak(longer, planning.plan_for(longer))
     shorter_before = planning.predict_peak(shorter, planning.plan_for(shorter))
+    shortest_before = planning.predict_peak(shortest, planning.plan_for(shortest))
     for key in ((4, 40), (4, 20), (4, 40), (4, 60)):
         _steady(planning, key, planning.predict_peak(key, planning.plan_for(key)) - 40_000)
-    assert planning.run_bias.offset == 40_000 and planning.run_bias.max_tokens == 240
+    assert planning.run_bias.offset == 40_000 and (planning.run_bias.min_tokens, planning.run_bias.max_tokens) == (80, 240)
     assert planning.predict_peak(shorter, planning.plan_for(shorter)) == shorter_before - 40_000
     assert planning.predict_peak(longer, planning.plan_for(longer)) == longer_before
+    assert planning.predict_peak(shortest, planning.plan_for(shortest)) == shortest_before
     planning.cache.put((longer, 0), Plan((0,)))
     assert _steady(planning, longer, planning.predict_peak(longer, planning.plan_for(longer)) - 45_000)[1]
     assert planning.run_bias.max_tokens == 256 and not list(planning.cache.items())  # the plans are redone

@@ -51,13 +51,15 @@ uneven lengths meets rarely, so the curves' envelope over-predicts every bucket 
 step (8-18% of the cap on a 152k-vocabulary model's steps, every length band). So the run also
 keeps its last ``RUN_BIAS_STEPS`` steady steps' raw errors (before any correction; every step
 that ran its plan whole, a chunked head's too), and while all of them are over-predictions by
-more than ``BIAS_SHARE`` of the budget, every bucket without a correction of its own and no
-longer than the longest of those steps (in tokens) starts its predictions from its static bytes
-less the least of them (:class:`RunBias`): none of those steps would have been predicted under
-its peak. A longer shape keeps the envelope: what over-predicted shorter steps says nothing of it
-(on bert-base at 4 GB an offset learnt on 164-293 tokens a row under-predicted a 502-token step,
-every block recomputed, by 8% of the budget: docs/devlog.md). One under-prediction among them, or
-a change of the curves, drops it. A run where an OOM is fatal (NOTE [Room where an OOM is fatal], room.py) keeps
+more than ``BIAS_SHARE`` of the budget, every bucket without a correction of its own and within
+the range of those steps (in tokens) starts its predictions from its static bytes less the least
+of them (:class:`RunBias`): none of those steps would have been predicted under its peak. A shape
+outside that range keeps the envelope: the over-prediction moves with the tokens (the curves'
+envelopes and the bounds of a treated step's later moments grow with them, the head's part too),
+so what longer or shorter steps erred by says nothing of it (an offset learnt on shorter steps
+under-predicted a longer one, every block recomputed, and one learnt on longer steps a shorter
+one planned otherwise: docs/devlog.md). One under-prediction among them, or a change of the
+curves, drops it. A run where an OOM is fatal (NOTE [Room where an OOM is fatal], room.py) keeps
 the envelope: there a step predicted under its peak is not replayed.
 """
 
@@ -142,6 +144,8 @@ class RunBias:
     offset: float = 0.0
     #: the most tokens of the steps behind the offset: no longer shape takes it
     max_tokens: int = 0
+    #: the fewest tokens of the steps behind the offset: no shorter shape takes it
+    min_tokens: int = 0
 
     def observe(self, raw_error: float, tolerance: float, tokens: int = 0) -> bool:
         """A steady step of a bucket of ``tokens`` tokens erred by ``raw_error`` before correction; returns
@@ -150,23 +154,24 @@ class RunBias:
         least = min(error for error, _ in self.errors)
         wanted = least if len(self.errors) == RUN_BIAS_STEPS and least > tolerance else 0.0
         longest = max(n for _, n in self.errors) if wanted else 0
+        shortest = min(n for _, n in self.errors) if wanted else 0
         same = wanted == self.offset or (wanted and self.offset and abs(wanted - self.offset) <= tolerance)
-        if same and longest == self.max_tokens:
+        if same and (shortest, longest) == (self.min_tokens, self.max_tokens):
             return False
         if not same:
             self.offset = wanted
-        self.max_tokens = longest
+        self.min_tokens, self.max_tokens = shortest, longest
         return True
 
     def offset_for(self, tokens: int) -> float:
-        """The offset for a bucket of ``tokens`` tokens: 0 for one longer than the steps behind it."""
-        return self.offset if tokens <= self.max_tokens else 0.0
+        """The offset for a bucket of ``tokens`` tokens: 0 for one outside the range of the steps behind it."""
+        return self.offset if self.min_tokens <= tokens <= self.max_tokens else 0.0
 
     def clear(self) -> bool:
         """Drop the errors and the offset (the curves changed); returns whether there was an offset."""
         had = bool(self.offset)
         self.errors.clear()
-        self.offset, self.max_tokens = 0.0, 0
+        self.offset, self.min_tokens, self.max_tokens = 0.0, 0, 0
         return had
 
 
