@@ -364,3 +364,22 @@ def test_loop_bench_compile_peer_takes_a_fixed_head_part():
     assert loop_bench._compile_head("compile-1+liger") == "+liger" and loop_bench._compile_budget("compile-1+liger") == 1.0
     assert loop_bench._compile_budget("compile-0.5+head") is None and loop_bench._compile_budget("compile-2+liger") is None
     assert loop_bench._is_fixed("compile-0.5+liger")  # a fixed policy memfit is compared with
+
+
+def test_llm_suite_has_the_compiled_head_call_and_long_context_at_32k():
+    """The calls behind nvidia-h100/llm-head's compiled rows and llm-room's 16k/32k cell: each parsed by
+    loop_bench without an unknown method, within a device command's 10 minutes."""
+    from suites import Context
+
+    loop_bench = _loop_bench()
+    llm = run_suite.load("llm")
+    calls = {c.name: c for c in llm.calls(llm.SUITE, Context(raw=ROOT / "runs" / "x", quick=False, cuda=True))}
+    head, long32 = calls["head-compile"], calls["room-long32"]
+    for call in (head, long32):
+        words = [str(w) for w in call.commands[0]]
+        args = loop_bench._parse(words[words.index(next(w for w in words if w.endswith("loop_bench.py"))) + 1:])
+        assert all(loop_bench._memfit_config(m) or m in loop_bench.PEERS or loop_bench._compile_budget(m)
+                   or m == "none" for m in args.methods), args.methods
+        assert call.timeout_s <= 600
+    assert "compile-0.1+chunked-8" in head.commands[0] and "dynamic+sel+compile" in head.commands[0]
+    assert "fixed:16384,32768" in long32.commands[0] and "hf-offload" in long32.commands[0]

@@ -144,6 +144,7 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
         "none", "dynamic", "reactive", "--time_limit_s", 400, "--output_dir", ctx.folder("room-reactive"))],
         folder="room-reactive"))
     out += head_calls(suite, ctx)
+    out.append(head_compile_call(suite, ctx))
     out.append(Call("long-compile", [script(
         ctx, "loop_bench.py", *long, "--methods", "none", "none+compile", "full", "dynamic+compile",
         "dynamic+sel+compile", "compile-0.5", "--output_dir", ctx.folder("long-compile"))], folder="long-compile"))
@@ -179,6 +180,23 @@ def head_calls(suite: Suite, ctx: Context, tiny: bool = False) -> list[Call]:
         "--output_dir", ctx.folder("head-smollm"))
     return [Call(name, [command], folder=name, timeout_s=HEAD_TIMEOUT_S[name])
             for name, command in (("head-smollm", smollm), ("head-qwen15", qwen))]
+
+
+#: the compiled head call's methods (issue 39): compiled dynamic with compiled selective (what
+#: --torch_compile gives) against the compile peer and Hugging Face's checkpointing, both with the 8-chunk loss
+HEAD_COMPILE_METHODS = ("dynamic+sel+compile", "compile-0.1+chunked-8", "hf-every-1+chunked-8")
+
+
+def head_compile_call(suite: Suite, ctx: Context) -> Call:
+    """``head-compile``: Qwen2.5-1.5B's shape at 22 GiB with compiled blocks, one call within a
+    device command's 10 minutes (each compiled configuration compiles again after a reset: 50-65 s
+    the first time, 5-60 s later; the compile peer recompiles at new lengths' guard sides)."""
+    return Call("head-compile", [script(
+        ctx, "loop_bench.py", "--model", "Qwen2.5-1.5B", "--lengths", "sft", "--batch", 8,
+        "--steps", 6 if ctx.quick else 30, "--steady_from", 2 if ctx.quick else 8, "--budgets", "--budget_gb",
+        HEAD_BUDGETS_GB[0], "--repeats", 1 if ctx.quick else suite.repeats, "--head", "on", "--no_cudnn_sdpa",
+        "--time_limit_s", 420, "--config_time_limit_s", 150, "--methods", *HEAD_COMPILE_METHODS,
+        "--output_dir", ctx.folder("head-compile"))], folder="head-compile", timeout_s=500)
 
 
 def head_job(out: str, python: str = "python3") -> str:
@@ -246,16 +264,18 @@ def _room_calls(ctx: Context) -> list[Call]:
 
 def _room_cells(ctx: Context) -> list[Call]:
     """Issue 40's done-when cells for eager ``dynamic`` at half of none's peak, one GPU, each within
-    170 s: full fine-tuning and LoRA on SFT lengths (batch 8, 30 steps) against Hugging Face's
-    checkpointing, and long context (batch 1, 8k/16k tokens) against it and its offload; 3
-    interleaved repeats (results: nvidia-h100/llm-room, room.jsonl)."""
+    170 s (long context at 32k, 230 s): full fine-tuning and LoRA on SFT lengths (batch 8, 30 steps)
+    against Hugging Face's checkpointing, and long context (batch 1, 8k/16k and 16k/32k tokens)
+    against it and its offload; 3 interleaved repeats (results: nvidia-h100/llm-room, room.jsonl.gz)."""
     sft = ("--lengths", "sft", "--batch", 8, "--steps", 6 if ctx.quick else 30, "--steady_from", 2 if ctx.quick else 8)
     long = ("--lengths", "fixed:8192,16384", "--batch", 1, "--steps", 6 if ctx.quick else 14,
             "--steady_from", 2 if ctx.quick else 6)
-    cells = (("room-ft", (*sft,), ("none", "dynamic", "hf-every-1")),
-             ("room-lora", ("--lora", *sft), ("none", "dynamic", "hf-every-1")),
-             ("room-long-peers", long, ("none", "dynamic", "hf-every-1", "hf-offload")))
+    long32 = ("--lengths", "fixed:16384,32768", *long[2:])
+    cells = (("room-ft", (*sft,), ("none", "dynamic", "hf-every-1"), 140),
+             ("room-lora", ("--lora", *sft), ("none", "dynamic", "hf-every-1"), 140),
+             ("room-long-peers", long, ("none", "dynamic", "hf-every-1", "hf-offload"), 140),
+             ("room-long32", long32, ("none", "dynamic", "hf-every-1", "hf-offload"), 200))
     return [Call(name, [script(
         ctx, "loop_bench.py", "--model", "SmolLM-360M", *setup, "--budgets", 0.5, "--repeats", 1 if ctx.quick else 3,
-        "--methods", *methods, "--time_limit_s", 60 if ctx.quick else 140, "--output_dir", ctx.folder(name))],
-        folder=name, timeout_s=170) for name, setup, methods in cells]
+        "--methods", *methods, "--time_limit_s", 60 if ctx.quick else limit, "--output_dir", ctx.folder(name))],
+        folder=name, timeout_s=limit + 30) for name, setup, methods, limit in cells]
