@@ -55,15 +55,19 @@ A plan that gives some blocks ``selective`` or ``offload`` changes the three pea
   may be on the device at once, which the start of backward, and a recompute above them, hold on
   top. The depth is :meth:`MemoryModel.offload_depth`'s, the one the treatment runs with (its
   owner is the link's price, engine/probe.py); without a measured link it is 1;
-* a block that re-runs part of itself in backward (``selective``, ``elementwise``:
-  ``Treatment.reruns_part``) brings back, while it does, what its treatment did not keep: up
-  to its ``keep`` bytes. It is bounded at the backward's start plus the largest such return
-  of one block, not from ``full``'s transient as a recomputed block is. ``full``'s transient
-  is read late in backward, with the gradients of nearly every block allocated (NOTE [Two
-  transient regimes]); the partial re-runs come early, while the blocks below still hold
-  their bytes: a bound that added those held bytes to ``full``'s transient counted two
-  moments at once (docs/devlog.md). The blocks below a whole recompute still hold what
-  their treatments keep.
+* a block that re-runs its body in part in backward (``selective``: ``Treatment.reruns_part``)
+  brings back, while it does, what its treatment did not keep: up to its ``keep`` bytes. It
+  is bounded at the backward's start plus the largest such return of one block, not from
+  ``full``'s transient as a recomputed block is. ``full``'s transient is read late in
+  backward, with the gradients of nearly every block allocated (NOTE [Two transient
+  regimes]); the partial re-runs come early, while the blocks below still hold their bytes: a
+  bound that added those held bytes to ``full``'s transient counted two moments at once
+  (docs/devlog.md). The return is added because the backward's start is read apart before
+  the first re-run of a body (NOTE [Reading the backward's start], learner.py), so the
+  partial transient never holds it. ``elementwise`` re-runs modules inside its block's
+  backward, never the body: nothing is read apart before them, so the partial transient
+  learns its returns as part of the step, and it declares none. The blocks below a whole
+  recompute still hold what their treatments keep.
 One formula covers every plan (:meth:`MemoryModel._peaks`): a plan that treats by recompute
 alone adds only zeros for the terms of the others, so it is predicted bit for bit as before
 they existed.

@@ -64,8 +64,8 @@ class Treatment:
     #: the whole block runs again in backward: the recompute peak is bounded from the topmost
     #: such block (NOTE [Treated peaks], model.py)
     reruns: ClassVar[bool] = False
-    #: part of the block runs again in backward, bringing back what it did not keep: bounded at
-    #: the backward's start plus those bytes (NOTE [Treated peaks], model.py)
+    #: the block's body runs again in backward in part, bringing back what it did not keep: bounded
+    #: at the backward's start plus those bytes (NOTE [Treated peaks], model.py)
     reruns_part: ClassVar[bool] = False
     #: its saved tensors leave the device and come back, prefetched, in backward (NOTE [Prefetch depth], offload.py)
     moves_out: ClassVar[bool] = False

@@ -80,7 +80,8 @@ class Elementwise(Treatment):
 
     name = ELEMENTWISE
     help = "recompute the gated MLP's activation product and the norms in backward (module level)"
-    reruns_part = True
+    # its re-runs are modules inside the block's backward, not the body: the partial transient learns
+    # their returns (NOTE [Treated peaks], model.py), so it declares neither ``reruns`` nor ``reruns_part``
     order = 20
     eager_only = True
 
