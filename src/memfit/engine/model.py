@@ -62,9 +62,10 @@ A plan that gives some blocks ``selective`` or ``offload`` changes the three pea
   backward, with the gradients of nearly every block allocated (NOTE [Two transient
   regimes]); the partial re-runs come early, while the blocks below still hold their bytes: a
   bound that added those held bytes to ``full``'s transient counted two moments at once
-  (docs/devlog.md). The return is added because the backward's start is read apart before
-  the first re-run of a body (NOTE [Reading the backward's start], learner.py), so the
-  partial transient never holds it. ``elementwise`` re-runs modules inside its block's
+  (docs/devlog.md). The return is added because on CUDA the backward's start is read apart
+  before the first re-run of a body (NOTE [Reading the backward's start], learner.py), so the
+  partial transient never holds it (counted on a CPU, the whole step teaches that curve, and
+  the bound is over by up to the return). ``elementwise`` re-runs modules inside its block's
   backward, never the body: nothing is read apart before them, so the partial transient
   learns its returns as part of the step, and it declares none. The blocks below a whole
   recompute still hold what their treatments keep.
