@@ -115,9 +115,10 @@ PEERS = ("plain", "hf-every-1", "hf-every-2", "hf-offload", "trl-offload", "sele
 #: the head peers (issue 39): Hugging Face's checkpointing of every layer with a chunked loss fixed for the
 #: whole run, Liger's fused linear cross-entropy or the pure chunked loss in 8 chunks (memfit.engine.head's
 #: switch set once, never planned)
-HEAD_PEERS = {"hf-every-1+liger": ("liger", 1), "hf-every-1+chunked-8": ("pure", 8)}
-#: a ``compile-F`` peer's head part (``compile-0.5+liger``): the same fixed loss around compiled blocks
-COMPILE_HEADS = {"+liger": ("liger", 1), "+chunked-8": ("pure", 8)}
+#: the fixed losses a peer's name may end in, (implementation, chunks): the head peers' and a ``compile-F``
+#: peer's (``compile-0.5+liger``: the same fixed loss around compiled blocks)
+FIXED_HEADS = {"+liger": ("liger", 1), "+chunked-8": ("pure", 8)}
+HEAD_PEERS = {f"hf-every-1{part}": head for part, head in FIXED_HEADS.items()}
 
 
 def fixed_head(model, implementation: str, n_chunks: int):
@@ -481,7 +482,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
 
         remove_head = None
         if head := _compile_head(name):
-            remove_head, skipped = fixed_head(model, *COMPILE_HEADS[head])
+            remove_head, skipped = fixed_head(model, *FIXED_HEADS[head])
             if remove_head is None:
                 return _failed(args, name, budget, repeat, "skipped", skipped)
         compiled = TorchCompile(_compile_budget(name))
@@ -883,8 +884,8 @@ def _memfit_config(name: str, head: str | None = None) -> tuple | None:
 
 
 def _compile_head(name: str) -> str | None:
-    """A ``compile-F`` peer name's head part (:data:`COMPILE_HEADS`), else None."""
-    return next((part for part in COMPILE_HEADS if name.startswith("compile-") and name.endswith(part)), None)
+    """A ``compile-F`` peer name's head part (:data:`FIXED_HEADS`), else None."""
+    return next((part for part in FIXED_HEADS if name.startswith("compile-") and name.endswith(part)), None)
 
 
 def _compile_budget(name: str) -> float | None:
