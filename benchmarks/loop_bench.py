@@ -112,11 +112,10 @@ MEMFIT_METHODS = {
 }
 PEERS = ("plain", "hf-every-1", "hf-every-2", "hf-offload", "trl-offload", "selective-static", "hf-every-1+liger",
          "hf-every-1+chunked-8")
-#: the head peers (issue 39): Hugging Face's checkpointing of every layer with a chunked loss fixed for the
-#: whole run, Liger's fused linear cross-entropy or the pure chunked loss in 8 chunks (memfit.engine.head's
-#: switch set once, never planned)
-#: the fixed losses a peer's name may end in, (implementation, chunks): the head peers' and a ``compile-F``
-#: peer's (``compile-0.5+liger``: the same fixed loss around compiled blocks)
+#: the fixed losses a peer's name may end in, (implementation, chunks): Liger's fused linear cross-entropy or
+#: the pure chunked loss in 8 chunks (memfit.engine.head's switch set once, never planned). The head peers
+#: (issue 39) are Hugging Face's checkpointing of every layer with one; a ``compile-F`` peer may take one too
+#: (``compile-0.5+liger``)
 FIXED_HEADS = {"+liger": ("liger", 1), "+chunked-8": ("pure", 8)}
 HEAD_PEERS = {f"hf-every-1{part}": head for part, head in FIXED_HEADS.items()}
 
