@@ -424,3 +424,125 @@ def test_compile_clock_counts_the_lazy_backward_compile_of_a_static_graph():
     after_backward = compile_clock()
     assert after_forward[0] > start[0] and after_forward[1] == start[1] + 1
     assert after_backward[0] > after_forward[0] and after_backward[1] == after_forward[1]
+
+
+@pytest.mark.parametrize("sweep", [True, False])
+def test_warm_up_compiles_the_sides_of_the_size_guards_below_its_steps(monkeypatch, sweep):
+    """NOTE [Guard sides in warm-up]: inductor's C++ code takes a guard on more than 4,096 rows;
+    a warm-up of longer steps compiles both of its sides (the blocks' body and the loss), so no
+    later step, shorter or unaligned, compiles. Without the sweep the first short step does."""
+    from memfit.engine.guard_sides import GuardSides
+
+    if not sweep:
+        monkeypatch.setattr(GuardSides, "open", lambda self: None)
+    torch.manual_seed(0)
+    model, make_batch = build_decoder("llama")
+    _without_dropout(model).train()
+    ctl = memfit.fit(model, budget="1GiB", method="dynamic", treatments=("recompute",), compile=INDUCTOR,
+                     announce=False, head=False)
+    for n, length in ((8, 520), (8, 530), (8, 541), (2, 9), (3, 13), (2, 33), (8, 100), (4, 300)):
+        model(**make_batch(n, length)).loss.backward()
+    records, cut_calls = ctl.records, ctl.sides.cut_calls
+    ctl.remove()
+    assert [r.phase for r in records] == ["warmup"] * 3 + ["steady"] * 5
+    steady_graphs = sum(r.compiled_graphs for r in records[3:])
+    if sweep:
+        assert steady_graphs == 0 and cut_calls > 0
+    else:
+        assert steady_graphs > 0 and cut_calls == 0
+
+
+def test_the_guard_sweep_changes_no_gradient_and_counts_no_saved_tensor(monkeypatch):
+    """NOTE [Guard sides in warm-up] Rule 4: the cut calls draw from a forked RNG (dropout on),
+    return gradients only to their own inputs and save under their own hooks: a warm-up step's
+    gradients are bitwise those of the same step without the sweep, and so are its counted bytes."""
+    from memfit.engine.guard_sides import GuardSides
+
+    results = []
+    for sweep in (True, False):
+        if not sweep:
+            monkeypatch.setattr(GuardSides, "open", lambda self: None)
+        torch.manual_seed(0)
+        model, make_batch = build_decoder("llama")
+        model.train()
+        ctl = memfit.fit(model, budget="1GiB", method="dynamic", treatments=("recompute",), compile=COMPILE,
+                         announce=False)
+        batch = make_batch(3, 40)
+        torch.manual_seed(1)
+        model(**batch).loss.backward()
+        results.append(([p.grad.clone() for p in model.parameters()], ctl.records[0].saved_activation_bytes,
+                        ctl.sides.cut_calls))
+        ctl.remove()
+    (swept, swept_bytes, calls), (plain, plain_bytes, no_calls) = results
+    assert calls > 0 and no_calls == 0
+    assert swept_bytes == plain_bytes
+    for a, b in zip(swept, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_cut_lengths_halve_the_call_on_both_sides_of_an_alignment_to_8():
+    from memfit.engine.guard_sides import cut_lengths
+
+    assert cut_lengths(100) == [96, 95, 48, 47, 24, 23, 8, 7]
+    assert cut_lengths(2048)[:3] == [2047, 1024, 1023] and min(cut_lengths(2048)) == (2048 >> 6) - 1
+    assert 64 not in cut_lengths(130, taken={64}) and 56 in cut_lengths(130, taken={64})  # a head dimension
+    assert cut_lengths(8) == [7] and cut_lengths(7) == []
+
+
+def test_a_call_that_cannot_be_cut_ends_its_sweep_with_one_warning(caplog):
+    from memfit.engine.guard_sides import GuardSides
+
+    def only_40(x):
+        if x.shape[1] != 40:
+            raise RuntimeError("shape mismatch")
+        return x * 2
+
+    sides = GuardSides()
+    sides.open()
+    x = torch.randn(2, 40, 4, requires_grad=True)
+    with caplog.at_level("WARNING"):
+        out = sides.call(only_40, "f", lambda a, k: None, (x,), {})
+        sides.call(only_40, "f", lambda a, k: None, (x.detach(),), {})  # another signature: the callable is done
+    torch.testing.assert_close(out, x * 2)  # the real call's result, whatever the sweep met
+    assert sides.cut_calls == 1
+    assert len([r for r in caplog.records if "could not run a compiled call" in r.getMessage()]) == 1
+    sides.close()
+    sides.call(lambda t: t, "g", lambda a, k: None, (x,), {})
+    assert sides.cut_calls == 1  # closed: nothing runs
+
+
+def test_alike_blocks_share_one_sweep_a_step():
+    """NOTE [Guard sides in warm-up]: alike blocks share their compiled code, so a warm-up step cuts
+    the first block's call only (per compilation and input signature), not every block's."""
+    from memfit.engine.guard_sides import cut_lengths
+
+    torch.manual_seed(0)
+    model, make_batch = build_decoder("llama")
+    _without_dropout(model).train()
+    ctl = memfit.fit(model, budget="1GiB", method="dynamic", treatments=("recompute",), compile={**COMPILE, "loss": False},
+                     announce=False, head=False)
+    model(**make_batch(3, 40)).loss.backward()
+    cut_calls = ctl.sides.cut_calls
+    ctl.remove()
+    assert len(ctl.blocks) > 1 and 0 < cut_calls <= len(cut_lengths(40))
+
+
+def test_a_cut_input_is_laid_out_as_the_model_lays_out_one_of_that_length():
+    """NOTE [Guard sides in warm-up] Rule 3: the compiler guards on strides and views too, so a cut
+    dense tensor is dense in its order of dimensions (size-1 ones included), a broadcast one stays
+    broadcast, and only a view is cut as a view."""
+    from memfit.engine.guard_sides import _cut
+
+    length, new = 40, 24
+    cos = torch.randn(1, length, 16)
+    assert _cut(cos, length, new).stride() == torch.randn(1, new, 16).stride() and not _cut(cos, length, new)._is_view()
+    mask = torch.ones(1, 1, length, length, dtype=torch.bool).expand(3, 1, length, length)
+    assert _cut(mask, length, new).stride() == torch.ones(1, 1, new, new).expand(3, 1, new, new).stride()
+    transposed = torch.randn(3, 16, length).transpose(1, 2)
+    assert _cut(transposed, length, new).stride() == torch.randn(3, 16, new).transpose(1, 2).stride()
+    strided = torch.randn(3, length, 32)[..., ::2]  # not dense: a view, as the model's would be
+    assert _cut(strided, length, new).stride() == strided.stride()
+    hidden = torch.randn(3, length, 16, requires_grad=True)
+    cut = _cut(hidden, length, new)
+    assert cut.shape == (3, new, 16) and cut.requires_grad and cut.is_leaf
+    assert _cut(torch.ones(3, 16), length, new).shape == (3, 16)

@@ -80,13 +80,11 @@ none per size.
 
 What marking cannot remove is a guard the compiler itself takes on a size to choose its code
 (inductor's C++ code generator sums more than 4,096 rows in chunks; its CUDA attention lowering
-asks whether a mask's rows are aligned to 8 elements): each side of such a guard is compiled once,
-at the first size on that side, which may come after warm-up. On CUDA those seen were the
-length's alignment to 8 and whether batch x length is below a fusion threshold (inductor's
-scheduler): up to 4 graphs after warm-up. ``memfit train causal-lm`` pads lengths to
-a multiple of 8, which leaves one side of the first; a plain loop's collator can do the same.
-Marking sizes unbacked (no guard at all) breaks the trace where the model's code branches on a
-length (transformers' attention does).
+asks whether a mask's rows are aligned to 8 elements; its scheduler fuses by batch x length):
+each side of such a guard is compiled once, at the first size on that side. Warm-up compiles
+the sides below its steps' sizes (NOTE [Guard sides in warm-up], guard_sides.py). Marking sizes
+unbacked (no guard at all) breaks the trace where the model's code branches on a length
+(transformers' attention does).
 
 # NOTE [Recompile limit]
 Dynamo keeps the compiled variants of one code object in one list, shared by every
@@ -122,6 +120,7 @@ import torch
 from torch import nn
 
 from memfit.errors import UserError
+from memfit.engine.guard_sides import GuardSides
 from memfit.engine.treatments import Keep, Treatment, draws_random
 
 __all__ = [
@@ -207,16 +206,25 @@ def mark_dynamic_dims(args: tuple, kwargs: dict[str, Any]) -> None:
                 torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
-def _marking(compiled: Callable[..., Any]) -> Callable[..., Any]:
+def _marking(compiled: Callable[..., Any], sides: GuardSides | None = None, code: Any = None) -> Callable[..., Any]:
     """``compiled`` marking its inputs' batch and length dimensions dynamic at every call, whoever
-    calls it (NOTE [Dynamic batch and length])."""
+    calls it (NOTE [Dynamic batch and length]), and in warm-up compiling the sides of its size
+    guards through ``sides`` (NOTE [Guard sides in warm-up], guard_sides.py; ``code``: what is
+    compiled and how, shared by the blocks whose compiled code is shared)."""
 
     @functools.wraps(compiled)
     def body(*args: Any, **kwargs: Any) -> Any:
+        if sides is not None:
+            return sides.call(compiled, code, mark_dynamic_dims, args, kwargs)
         mark_dynamic_dims(args, kwargs)
         return compiled(*args, **kwargs)
 
     return body
+
+
+def _code(fn: Callable[..., Any]) -> Any:
+    """What Dynamo caches ``fn``'s graphs under: its code object (shared by a class's instances)."""
+    return getattr(fn, "__code__", None) or id(fn)
 
 
 class _LossHandle:
@@ -233,7 +241,7 @@ class _LossHandle:
         self.owner.__dict__.update(self.changed)
 
 
-def compile_loss(model: nn.Module, options: dict[str, Any] | None) -> list[_LossHandle]:
+def compile_loss(model: nn.Module, options: dict[str, Any] | None, sides: GuardSides | None = None) -> list[_LossHandle]:
     """With compiled blocks, the model's loss function compiled too (NOTE [Compiled blocks]):
     transformers' settable ``loss_function`` of the outermost module that has one. Returns the
     handle that puts the model's own back, or none where there is nothing to compile (eager
@@ -244,7 +252,8 @@ def compile_loss(model: nn.Module, options: dict[str, Any] | None) -> list[_Loss
     if owner is None:
         return []
     before = dict(owner.__dict__)
-    owner.loss_function = _marking(torch.compile(owner.loss_function, **_torch_compile_kwargs(options)))
+    loss = owner.loss_function
+    owner.loss_function = _marking(torch.compile(loss, **_torch_compile_kwargs(options)), sides, (_code(loss), "loss"))
     return [_LossHandle(owner, before)]
 
 
@@ -359,13 +368,14 @@ class Block:
         #: Dynamo's recompile limit before and after wrapping raised it (NOTE [Recompile limit])
         self.raised_limit: tuple[int, int] | None = None
 
-    def compile(self, options: dict[str, Any], lean: tuple[Any, dict[str, Any]]) -> None:
+    def compile(self, options: dict[str, Any], lean: tuple[Any, dict[str, Any]], sides: GuardSides | None = None) -> None:
         """Run the body compiled by ``torch.compile(**options)``, and ``selective`` a second
         compilation by the run's budgeted backend ``lean`` (:func:`_budgeted_backend`; NOTE
-        [Compiled blocks])."""
-        self._body = _marking(torch.compile(self._eager_body, **_torch_compile_kwargs(options)))
+        [Compiled blocks]); ``sides``: the run's sweep of guard sides (guard_sides.py)."""
+        code = _code(self._eager_body)
+        self._body = _marking(torch.compile(self._eager_body, **_torch_compile_kwargs(options)), sides, (code, "body"))
         backend, rest = lean
-        self._lean_body = _marking(torch.compile(self._eager_body, backend=backend, **rest))
+        self._lean_body = _marking(torch.compile(self._eager_body, backend=backend, **rest), sides, (code, "lean"))
         self.compiled = True
 
     @property
@@ -538,6 +548,7 @@ def _outermost(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]
 
 def wrap_blocks(
     named_blocks: list[tuple[str, nn.Module]], allow_hf_checkpointing: bool = False, compile: dict[str, Any] | None = None,
+    sides: GuardSides | None = None,
 ) -> list[Block]:
     """Install a :class:`Block` switch on each module (see NOTE [Switch is read at call time]).
 
@@ -548,6 +559,8 @@ def wrap_blocks(
             the benchmark).
         compile: ``torch.compile`` arguments to compile each block's body with (NOTE
             [Compiled blocks]); ``None`` runs the bodies eagerly.
+        sides: the run's sweep of guard sides, which compiled bodies call (NOTE [Guard sides in
+            warm-up], guard_sides.py).
 
     Raises:
         ValueError: if a module is already wrapped, or HF gradient checkpointing is on.
@@ -570,7 +583,7 @@ def wrap_blocks(
         block = Block(i, name, module)
         block.raised_limit = raised
         if lean is not None:
-            block.compile(compile, lean)
+            block.compile(compile, lean, sides)
         module.forward = block
         wrapped.append(block)
     return wrapped

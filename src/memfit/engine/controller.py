@@ -44,6 +44,7 @@ from torch import nn
 from memfit.engine import learner
 from memfit.engine.accounting import OUTSIDE, GatheredParameters, SavedTensorCounter, expected_optimizer_bytes, local, optimizer_state_bytes, static_bytes_logical
 from memfit.engine.optim_state import torch_step_transient_bytes
+from memfit.engine.guard_sides import GuardSides
 from memfit.engine.blocks import SELECTIVE_BUDGET, Block, compile_clock, compile_loss, find_blocks, fingerprint, unwrap_blocks, wrap_blocks
 from memfit.engine.budget import OPTIMIZER_TRANSIENT, check_static_need, parse_bytes
 from memfit.engine.methods import Method, make_method, save_plans
@@ -225,12 +226,8 @@ class Controller:
         method: Method,
         optimizer: torch.optim.Optimizer | None = None,
         blocks: Sequence[nn.Module] | str | None = None,
-        log: str | None = None,
-        margin: float | None = None,
-        bucket_tokens: int = 8,
-        cap: bool = True,
-        treatments: Sequence[str] | None = None,
-        announce: str | bool = False,
+        log: str | None = None, margin: float | None = None, bucket_tokens: int = 8, cap: bool = True,
+        treatments: Sequence[str] | None = None, announce: str | bool = False,
         compile: bool | dict[str, Any] = False,
         head: bool | str = "auto", head_logits: str = "drop",
     ):
@@ -247,7 +244,9 @@ class Controller:
         method.bind(len(named), self._fingerprint)
         if budget_bytes is not None and cap:
             self.meter.apply_cap(budget_bytes)
-        self.blocks = wrap_blocks(named, allow_hf_checkpointing=method.measures_only, compile=compile_options)
+        #: compiled callables' guard sides, compiled in warm-up (NOTE [Guard sides in warm-up])
+        self.sides = GuardSides()
+        self.blocks = wrap_blocks(named, allow_hf_checkpointing=method.measures_only, compile=compile_options, sides=self.sides)
         self.planning = Planning(
             len(self.blocks), _group_ids(self.blocks), budget_bytes, 0, bucket_tokens, treatments=treatments,
             room=_room(method, model, budget_bytes, self.meter.kind, margin),
@@ -256,9 +255,7 @@ class Controller:
         self._counter = SavedTensorCounter(len(self.blocks), exclude=list(model.parameters()) + list(model.buffers()))
         self.treatments = _make_treatments(treatments, self._counter, self.planning, self.device, self.blocks[0].compiled)
         self.head = RunHead(model, self.planning, self.meter.kind != "logical", head, head_logits, method.learns and budget_bytes is not None, lambda: self.meter.aside(self._step))
-        self.protection = method.make_protection(
-            lambda: ReactiveStore(self._counter.excluded_ptrs), self.planning, self.meter, self._counter
-        )
+        self.protection = method.make_protection(lambda: ReactiveStore(self._counter.excluded_ptrs), self.planning, self.meter, self._counter)
         self._gathered = GatheredParameters(model, self._counter)
         self.rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
         self._writer = JsonlWriter(log) if log else None
@@ -273,7 +270,7 @@ class Controller:
                                self.drop_step, self.meter.release, head=lambda: self.head.part)
         self._handles = [
             model.register_forward_pre_hook(self._on_forward_start, with_kwargs=True),
-            model.register_forward_hook(self._on_forward_end, always_call=True), *compile_loss(model, compile_options),
+            model.register_forward_hook(self._on_forward_end, always_call=True), *compile_loss(model, compile_options, self.sides),
             self.head,
         ]
         for b in self.blocks:
@@ -335,6 +332,7 @@ class Controller:
         # the counter's hooks come off autograd's stack even when the forward raised (this hook is
         # always called): left on, they would stay pushed under whatever the caller runs next
         self._counter.stop()
+        self.sides.close()
         if (output is None and sys.exc_info()[1] is not None) or step is None:
             return  # the forward raised: nothing to record
         counter = self._counter
@@ -383,6 +381,8 @@ class Controller:
             b.treatment = self.treatments[kind]
         self.protection.arm(step, self.blocks, step.key, decision.plan, decision.warmup)
         step.counted = decision.count or decision.warmup or step.armed or self.meter.counts_always
+        if decision.warmup or not self._records:  # NOTE [Guard sides in warm-up]
+            self.sides.open()
         if not step.counted:  # NOTE [Counting what teaches]
             self._counter.stop()
 
