@@ -381,6 +381,41 @@ def test_a_new_batch_size_or_length_after_the_first_step_compiles_nothing():
     ctl.remove()
 
 
+def test_a_length_or_batch_equal_to_a_feature_size_compiles_nothing():
+    """NOTE [Dynamic batch and length]: the rotary tables' head dimension (16 here) is a feature;
+    once a call has shown it apart from the batch and length, a later length or batch of 16 does
+    not mark it too (which would compile another graph)."""
+    torch.manual_seed(0)
+    model, make_batch = build_decoder("llama")
+    model.train()
+    assert model.config.hidden_size // model.config.num_attention_heads == 16
+    ctl = memfit.fit(model, budget=None, method="none", compile={**COMPILE, "loss": False}, announce=False)
+    for n, length in ((2, 9), (2, 16), (16, 5), (3, 13)):
+        model(**make_batch(n, length)).loss.backward()
+    records = ctl.records
+    ctl.remove()
+    assert records[0].compiled_graphs >= 1 and [r.compiled_graphs for r in records[1:]] == [0, 0, 0]
+
+
+def test_dynamic_dims_never_mark_a_dimension_seen_as_a_feature():
+    from memfit.engine.blocks import DynamicDims
+
+    marked = []
+
+    def dims(t):
+        return sorted(getattr(t, "_dynamo_weak_dynamic_indices", set()))
+
+    mark = DynamicDims()
+    for length in (9, 16):
+        hidden, cos = torch.randn(2, length, 32), torch.randn(1, length, 16)
+        mark((hidden,), {"position_embeddings": (cos,)})
+        marked.append((dims(hidden), dims(cos)))
+    assert marked == [([0, 1], [1]), ([0, 1], [1])]
+    fresh = torch.randn(1, 16, 16)
+    DynamicDims()((torch.randn(2, 16, 32),), {"cos": fresh})  # no history: the coincidence is marked
+    assert dims(fresh) == [1, 2]
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_after_a_probing_warm_up_new_lengths_and_batch_sizes_compile_nothing(backend):
     """NOTE [Dynamic batch and length]: under dynamic the warm-up probe calls each block's compiled

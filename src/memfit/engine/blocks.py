@@ -73,10 +73,13 @@ probe calls a block's body directly, not through its treatment), before Dynamo s
 static): all dimensions but the last of the first tensor (its features; the loss's first is the
 logits), and each dimension of the other tensors (masks, rotary tables, position ids, labels)
 whose size is one of those. The first call then compiles the variant every later size reuses. A
-size of 1 stays specialised (Dynamo's rule), and a feature size that equals the batch or length at
-that first call is marked too and costs a recompile later: both rare, and no worse than the
-default. Rule: one graph per compiled callable and input guard (treatment, grad of the input),
-none per size.
+size of 1 stays specialised (Dynamo's rule). A feature size that equals the batch or the length
+(a rotary table's head dimension at a length of 64) would be marked too, and a call marking more
+dimensions than its graph was compiled with compiles another: so each callable remembers the
+dimensions its calls have shown with another size, and never marks them again (one marked at the
+first call, by such a coincidence, leaves a graph that later calls, marking fewer, still match).
+Rule: one graph per compiled callable and input guard (treatment, grad of the input), none per
+size.
 
 What marking cannot remove is a guard the compiler itself takes on a size to choose its code
 (inductor's C++ code generator sums more than 4,096 rows in chunks; its CUDA attention lowering
@@ -125,7 +128,7 @@ from memfit.engine.treatments import Keep, Treatment, draws_random
 
 __all__ = [
     "NoBlocksError", "Block", "find_blocks", "wrap_blocks", "unwrap_blocks", "without_cache", "fingerprint",
-    "SELECTIVE_BUDGET", "compile_loss", "compile_clock", "mark_dynamic_dims",
+    "SELECTIVE_BUDGET", "compile_loss", "compile_clock", "mark_dynamic_dims", "DynamicDims",
 ]
 
 #: how a block runs until a plan says otherwise (stateless: shared)
@@ -187,23 +190,36 @@ def _tensors(values: Any) -> Any:
             yield from (v for v in value if isinstance(v, torch.Tensor))
 
 
+class DynamicDims:
+    """Marks the batch and length dimensions of one compiled callable's inputs dynamic at each call
+    (NOTE [Dynamic batch and length]), remembering the dimensions its calls have shown to be
+    neither."""
+
+    def __init__(self) -> None:
+        #: per layout of the inputs (each tensor's number of dimensions): (tensor, dim) seen with a
+        #: size above 1 that was neither the batch nor the length
+        self._features: dict[tuple[int, ...], set[tuple[int, int]]] = {}
+
+    def __call__(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        import torch._dynamo
+
+        tensors = list(_tensors((*args, *kwargs.values())))
+        if not tensors or tensors[0].dim() < 2:
+            return
+        sizes = {s for s in tensors[0].shape[:-1] if s > 1}
+        features = self._features.setdefault(tuple(t.dim() for t in tensors), set())
+        features.update((i, d) for i, t in enumerate(tensors) for d, s in enumerate(t.shape) if s > 1 and s not in sizes)
+        for i, t in enumerate(tensors):
+            last = t.dim() - 1 if i == 0 else t.dim()  # the first tensor's last dimension is its features
+            for dim in range(last):
+                if t.shape[dim] in sizes and (i, dim) not in features:
+                    torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
 def mark_dynamic_dims(args: tuple, kwargs: dict[str, Any]) -> None:
     """Mark the batch and length dimensions of a compiled callable's inputs dynamic (NOTE
-    [Dynamic batch and length])."""
-    import torch._dynamo
-
-    tensors = list(_tensors((*args, *kwargs.values())))
-    if not tensors or tensors[0].dim() < 2:
-        return
-    first = tensors[0]
-    sizes = {s for s in first.shape[:-1] if s > 1}
-    for dim in range(first.dim() - 1):
-        if first.shape[dim] > 1:
-            torch._dynamo.maybe_mark_dynamic(first, dim)
-    for t in tensors[1:]:
-        for dim, size in enumerate(t.shape):
-            if size in sizes:
-                torch._dynamo.maybe_mark_dynamic(t, dim)
+    [Dynamic batch and length]), with nothing remembered of earlier calls."""
+    DynamicDims()(args, kwargs)
 
 
 def _marking(compiled: Callable[..., Any], sides: GuardSides | None = None, code: Any = None) -> Callable[..., Any]:
@@ -212,11 +228,13 @@ def _marking(compiled: Callable[..., Any], sides: GuardSides | None = None, code
     guards through ``sides`` (NOTE [Guard sides in warm-up], guard_sides.py; ``code``: what is
     compiled and how, shared by the blocks whose compiled code is shared)."""
 
+    mark = DynamicDims()
+
     @functools.wraps(compiled)
     def body(*args: Any, **kwargs: Any) -> Any:
         if sides is not None:
-            return sides.call(compiled, code, mark_dynamic_dims, args, kwargs)
-        mark_dynamic_dims(args, kwargs)
+            return sides.call(compiled, code, mark, args, kwargs)
+        mark(args, kwargs)
         return compiled(*args, **kwargs)
 
     return body
