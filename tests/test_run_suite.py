@@ -367,15 +367,15 @@ def test_loop_bench_compile_peer_takes_a_fixed_head_part():
 
 
 def test_llm_suite_has_the_compiled_head_call_and_long_context_at_32k():
-    """The calls behind nvidia-h100/llm-head's compiled rows and llm-room's 16k/32k cell: each parsed by
-    loop_bench without an unknown method, within a device command's 10 minutes."""
+    """The calls behind nvidia-h100/llm-head's compiled rows and llm-room's 16k/32k and compiled
+    cells: each parsed by loop_bench without an unknown method, within a device command's 10 minutes."""
     from suites import Context
 
     loop_bench = _loop_bench()
     llm = run_suite.load("llm")
     calls = {c.name: c for c in llm.calls(llm.SUITE, Context(raw=ROOT / "runs" / "x", quick=False, cuda=True))}
-    head, long32 = calls["head-compile"], calls["room-long32"]
-    for call in (head, long32):
+    head, long32, sides = calls["head-compile"], calls["room-long32"], calls["compile-sides"]
+    for call in (head, long32, sides):
         words = [str(w) for w in call.commands[0]]
         args = loop_bench._parse(words[words.index(next(w for w in words if w.endswith("loop_bench.py"))) + 1:])
         assert all(loop_bench._memfit_config(m) or m in loop_bench.PEERS or loop_bench._compile_budget(m)
@@ -383,3 +383,4 @@ def test_llm_suite_has_the_compiled_head_call_and_long_context_at_32k():
         assert call.timeout_s <= 600
     assert "compile-0.1+chunked-8" in head.commands[0] and "dynamic+sel+compile" in head.commands[0]
     assert "fixed:16384,32768" in long32.commands[0] and "hf-offload" in long32.commands[0]
+    assert "dynamic+sel+compile" in sides.commands[0] and "none" in sides.commands[0]

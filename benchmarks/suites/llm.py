@@ -266,7 +266,8 @@ def _room_cells(ctx: Context) -> list[Call]:
     """Issue 40's done-when cells for eager ``dynamic`` at half of none's peak, one GPU, each within
     170 s (long context at 32k, 230 s): full fine-tuning and LoRA on SFT lengths (batch 8, 30 steps)
     against Hugging Face's checkpointing, and long context (batch 1, 8k/16k and 16k/32k tokens)
-    against it and its offload; 3 interleaved repeats (results: nvidia-h100/llm-room, room.jsonl.gz)."""
+    against it and its offload; compiled blocks on SFT lengths (270 s); 3 interleaved repeats (results:
+    nvidia-h100/llm-room, room.jsonl.gz)."""
     sft = ("--lengths", "sft", "--batch", 8, "--steps", 6 if ctx.quick else 30, "--steady_from", 2 if ctx.quick else 8)
     long = ("--lengths", "fixed:8192,16384", "--batch", 1, "--steps", 6 if ctx.quick else 14,
             "--steady_from", 2 if ctx.quick else 6)
@@ -274,7 +275,9 @@ def _room_cells(ctx: Context) -> list[Call]:
     cells = (("room-ft", (*sft,), ("none", "dynamic", "hf-every-1"), 140),
              ("room-lora", ("--lora", *sft), ("none", "dynamic", "hf-every-1"), 140),
              ("room-long-peers", long, ("none", "dynamic", "hf-every-1", "hf-offload"), 140),
-             ("room-long32", long32, ("none", "dynamic", "hf-every-1", "hf-offload"), 200))
+             ("room-long32", long32, ("none", "dynamic", "hf-every-1", "hf-offload"), 200),
+             # compiled blocks: graphs compiled after warm-up (NOTE [Guard sides in warm-up]) and the step
+             ("compile-sides", (*sft,), ("none", "dynamic+compile", "dynamic+sel+compile"), 270))
     return [Call(name, [script(
         ctx, "loop_bench.py", "--model", "SmolLM-360M", *setup, "--budgets", 0.5, "--repeats", 1 if ctx.quick else 3,
         "--methods", *methods, "--time_limit_s", 60 if ctx.quick else limit, "--output_dir", ctx.folder(name))],
