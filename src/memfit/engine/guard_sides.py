@@ -100,7 +100,7 @@ def _cut(value: Any, length: int, new: int) -> Any:
         if size == length:
             cut = cut.narrow(dim, 0, new)
     if cut is t:
-        return value
+        return t.requires_grad_(value.requires_grad)  # cut from the step's graph all the same
     dense_now = _dense_strides(t, list(t.shape))
     if _free_of_size_one(t, dense_now) == _free_of_size_one(t, list(t.stride())):
         # a size-1 dimension keeps a stride that is not the dense one (the compiler guards on it too)
@@ -166,6 +166,8 @@ class GuardSides:
         if not tensors or tensors[0].dim() != 3:
             return
         batch, length, _ = tensors[0].shape
+        if batch == length:  # which dimensions are the length's is not known
+            return
         taken = {s for t in tensors for s in t.shape if s != length} | {batch}
         devices = [d for d in {t.device for t in tensors} if d.type == "cuda"]
         for new in cut_lengths(length, taken):
