@@ -94,9 +94,9 @@ Dynamo keeps the compiled variants of one code object in one list, shared by eve
 ``torch.compile`` of it, and once the list holds ``recompile_limit`` entries it runs the frame
 eagerly for any new variant: here an eager block, which saves what the plans never priced (more
 memory, more time, an OOM). A block's body has a variant per input guard (under LoRA or frozen
-embeddings the first block's input needs no gradient and the others' do; a first length
-compiled static, then the length dynamic), and memfit compiles the body twice (``selective``'s
-second compilation), which doubles them. So memfit's compilations of a block's body get twice
+embeddings the first block's input needs no gradient and the others' do) and per side of the
+compiler's size guards (NOTE [Dynamic batch and length]), as under the user's own compile, and
+memfit compiles the body twice (``selective``'s second compilation), which doubles them. So memfit's compilations of a block's body get twice
 the limit the user's own compile would have (their ``recompile_limit`` option, else Dynamo's
 config): passed to ``torch.compile`` where it takes one, else Dynamo's config raised to it while
 the blocks are wrapped, and put back when they are unwrapped (if nothing changed it since).
