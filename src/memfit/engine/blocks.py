@@ -96,10 +96,11 @@ eagerly for any new variant: here an eager block, which saves what the plans nev
 memory, more time, an OOM). A block's body has a variant per input guard (under LoRA or frozen
 embeddings the first block's input needs no gradient and the others' do) and per side of the
 compiler's size guards (NOTE [Dynamic batch and length]), as under the user's own compile, and
-memfit compiles the body twice (``selective``'s second compilation), which doubles them. So memfit's compilations of a block's body get twice
-the limit the user's own compile would have (their ``recompile_limit`` option, else Dynamo's
-config): passed to ``torch.compile`` where it takes one, else Dynamo's config raised to it while
-the blocks are wrapped, and put back when they are unwrapped (if nothing changed it since).
+memfit compiles the body twice (``selective``'s second compilation), which doubles them. So
+memfit's compilations of a block's body get twice the limit the user's own compile would have
+(their ``recompile_limit`` option, else Dynamo's config): passed to ``torch.compile`` where it
+takes one, else Dynamo's config raised to it while the blocks are wrapped, and put back when they
+are unwrapped (if nothing changed it since).
 
 # NOTE [Switch is read at call time]
 The wrapper replaces the block's ``forward`` on the *instance* (the class is untouched) and
@@ -123,12 +124,12 @@ import torch
 from torch import nn
 
 from memfit.errors import UserError
-from memfit.engine.guard_sides import GuardSides
+from memfit.engine.guard_sides import GuardSides, graphs_made, input_tensors
 from memfit.engine.treatments import Keep, Treatment, draws_random
 
 __all__ = [
     "NoBlocksError", "Block", "find_blocks", "wrap_blocks", "unwrap_blocks", "without_cache", "fingerprint",
-    "SELECTIVE_BUDGET", "compile_loss", "compile_clock", "mark_dynamic_dims", "DynamicDims",
+    "SELECTIVE_BUDGET", "compile_loss", "compile_clock", "DynamicDims",
 ]
 
 #: how a block runs until a plan says otherwise (stateless: shared)
@@ -176,18 +177,10 @@ def compile_clock() -> tuple[float, int]:
     """Seconds torch has spent compiling in this process, backward graphs included, and the
     graphs Dynamo has made (both only grow): a step's compile time and new graphs are the
     difference across it."""
-    from torch._dynamo.utils import compilation_time_metrics, counters
+    from torch._dynamo.utils import compilation_time_metrics
 
     seconds = sum(sum(compilation_time_metrics.get(timer, ())) for timer in _COMPILE_TIMERS)
-    return seconds, int(counters["stats"]["unique_graphs"])
-
-
-def _tensors(values: Any) -> Any:
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (tuple, list)):
-            yield from (v for v in value if isinstance(v, torch.Tensor))
+    return seconds, graphs_made()
 
 
 class DynamicDims:
@@ -203,7 +196,7 @@ class DynamicDims:
     def __call__(self, args: tuple, kwargs: dict[str, Any]) -> None:
         import torch._dynamo
 
-        tensors = list(_tensors((*args, *kwargs.values())))
+        tensors = input_tensors(args, kwargs)
         if not tensors or tensors[0].dim() < 2:
             return
         sizes = {s for s in tensors[0].shape[:-1] if s > 1}
@@ -214,12 +207,6 @@ class DynamicDims:
             for dim in range(last):
                 if t.shape[dim] in sizes and (i, dim) not in features:
                     torch._dynamo.maybe_mark_dynamic(t, dim)
-
-
-def mark_dynamic_dims(args: tuple, kwargs: dict[str, Any]) -> None:
-    """Mark the batch and length dimensions of a compiled callable's inputs dynamic (NOTE
-    [Dynamic batch and length]), with nothing remembered of earlier calls."""
-    DynamicDims()(args, kwargs)
 
 
 def _marking(compiled: Callable[..., Any], sides: GuardSides | None = None, code: Any = None) -> Callable[..., Any]:

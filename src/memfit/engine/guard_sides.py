@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GuardSides", "cut_lengths", "ALIGN", "HALVINGS"]
+__all__ = ["GuardSides", "cut_lengths", "input_tensors", "graphs_made", "ALIGN", "HALVINGS"]
 
 #: the alignment of a length inductor's kernels ask (NOTE [Guard sides in warm-up])
 ALIGN = 8
@@ -113,12 +113,24 @@ def _cut(value: Any, length: int, new: int) -> Any:
     return cut.requires_grad_(value.requires_grad)
 
 
+def input_tensors(args: tuple, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """A compiled callable's input tensors in call order, those in a tuple or list argument
+    included (a rotary table's ``(cos, sin)``): what marking and cutting read."""
+    out: list[torch.Tensor] = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (tuple, list)):
+            out.extend(v for v in value if isinstance(v, torch.Tensor))
+    return out
+
+
 def _signature(args: tuple, kwargs: dict[str, Any]) -> tuple:
-    return (torch.is_grad_enabled(), *(t.requires_grad for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)))
+    return (torch.is_grad_enabled(), *(t.requires_grad for t in input_tensors(args, kwargs)))
 
 
-def _graphs() -> int:
-    """Graphs Dynamo has made in this process (only grows)."""
+def graphs_made() -> int:
+    """Graphs Dynamo has made in this process (only grows; blocks.compile_clock reports it too)."""
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
@@ -152,17 +164,17 @@ class GuardSides:
         mark(args, kwargs)
         if not self.active or code in self._failed:
             return compiled(*args, **kwargs)
-        graphs = _graphs()
+        graphs = graphs_made()
         out = compiled(*args, **kwargs)
         key = (code, _signature(args, kwargs))
-        if key not in self._swept or _graphs() > graphs:
+        if key not in self._swept or graphs_made() > graphs:
             self._swept.add(key)
             self._sweep(compiled, code, mark, args, kwargs)
         return out
 
     def _sweep(self, compiled: Callable[..., Any], code: Any, mark: Callable[[tuple, dict], None], args: tuple,
                kwargs: dict[str, Any]) -> None:
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        tensors = input_tensors(args, kwargs)
         if not tensors or tensors[0].dim() != 3:
             return
         batch, length, _ = tensors[0].shape

@@ -422,8 +422,8 @@ class CausalLMCollator:
     in ``input_ids``, 0 in ``attention_mask``, -100 in ``labels``.
 
     ``memfit train causal-lm`` rounds to 8: tensor cores want aligned sizes, and compiled blocks
-    then need one graph per block instead of two (inductor guards attention on whether the
-    length is a multiple of 8: NOTE [Dynamic batch and length], engine/blocks.py). The padded
+    then need half the graphs (inductor guards attention on whether the length is a multiple of
+    8: NOTE [Dynamic batch and length], engine/blocks.py). The padded
     positions are masked and carry no label, so the loss and its token count are unchanged.
     """
 
