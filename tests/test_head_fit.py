@@ -339,6 +339,73 @@ def test_warmup_prices_the_head_by_probe_and_the_price_reaches_the_plans(monkeyp
     ctl.remove()
 
 
+def test_the_plans_choose_the_implementation_whose_bytes_cost_least():
+    """NOTE [The plans choose the implementation]: once the probes are done, the implementation whose
+    plans cost least over the probed shapes is run: the fastest where bytes cost nothing, the one that
+    holds less where the blocks must pay for every byte the head holds; not before the plans can be
+    priced, and once only."""
+    from memfit.engine.head import attach_head
+    from memfit.engine.treatments.chunked_head import PROBE_STEPS, HeadPart
+
+    part = HeadPart(attach_head(_base()), transient=False)
+    part.lines = {"pure": (0.02, 0.5, 0.02), "pure_grad_in_forward": (0.01, 0.5, 0.01)}  # the second faster
+    part.switch.implementation, part.probed_steps, part.keys = "pure_grad_in_forward", PROBE_STEPS, [(4, 64), (4, 16)]
+    kept = {t: max(saved for _, _, saved, _ in part.options(t)) for t in (256, 64)}
+
+    def plan_ms(ms_per_byte):
+        def cheapest(key):  # the blocks free what the head does not, at ms_per_byte
+            t = key[0] * key[1]
+            return min(ms + ms_per_byte * (kept[t] - saved) for _, _, saved, ms in part.options(t))
+        return cheapest
+
+    holds = {name: None for name in part.lines}
+    for name in holds:
+        part.switch.implementation = name
+        holds[name] = max(saved for _, _, saved, _ in part.options(256))
+    assert holds["pure"] > holds["pure_grad_in_forward"]  # pure saves more: it holds no float32 weight gradient
+    part.switch.implementation = "pure_grad_in_forward"
+
+    assert part.choose_by_plans(lambda key: None) is False  # the plans cannot be priced yet: nothing changes
+    assert part.switch.implementation == "pure_grad_in_forward" and not part.chosen_by_plans
+    assert part.choose_by_plans(plan_ms(1.0)) is True
+    assert part.switch.implementation == "pure" and part.extra_ms_per_token == pytest.approx(0.02)
+    assert part.choose_by_plans(plan_ms(0.0)) is True and part.switch.implementation == "pure"  # once only
+    part.chosen_by_plans = False
+    part.switch.implementation = "pure_grad_in_forward"
+    assert part.choose_by_plans(plan_ms(0.0)) is True and part.switch.implementation == "pure_grad_in_forward"
+    part.remove()
+
+
+@pytest.mark.parametrize("budget, chosen", [(14_000_000, "pure"), (16_000_000, "pure_grad_in_forward")])
+def test_a_run_chunks_its_head_by_the_implementation_its_plans_price_cheapest(monkeypatch, budget, chosen):
+    """A run where ``pure_grad_in_forward`` is probed faster, but holds the weight's float32 gradient:
+    under a budget where those bytes make blocks recompute, its plans run ``pure`` from the first
+    planned step; where the budget leaves room, the fastest."""
+    import memfit.engine.treatments.chunked_head as chunked_head
+    from _pinned_streams import deterministic_prices
+
+    monkeypatch.setattr(chunked_head, "probe_head", _fake_probe({"pure": 0.0105, "pure_grad_in_forward": 0.01}))
+    config = tf.LlamaConfig(hidden_size=32, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
+                            intermediate_size=128, vocab_size=VOCAB, use_cache=False)
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(config).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with deterministic_prices():
+        ctl = memfit.fit(model, budget=budget, optimizer=optimizer, announce=False, method="dynamic", head=True)
+        generator = torch.Generator().manual_seed(1)
+        for length in LENGTHS:
+            ids = torch.randint(0, VOCAB, (4, length), generator=generator)
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    part = ctl.head.part
+    assert part.chosen_by_plans and part.switch.implementation == chosen
+    planned = [r for r in ctl.records if r.phase != "warmup" and r.treatments.get("head", "keep") != "keep"]
+    assert planned and {r.head_implementation for r in planned} == {chosen}
+    assert not any(r.peak_allocated_bytes > budget for r in ctl.records)
+    ctl.remove()
+
+
 def test_an_expensive_chunked_head_is_priced_out_where_blocks_make_the_room(monkeypatch):
     """The planner picks by the probed price: where recomputing a block makes the room for 5 ms, a
     head probed free chunks and a head probed dear keeps (and blocks are recomputed)."""

@@ -613,20 +613,13 @@ def _plan_head(planning: Planning, k: tuple[int, int]) -> Plan:
     start needs and fits all three peaks (NOTE [Planning with the stashes back]), a mix with other
     treatments than recompute only where it is cheaper (NOTE [Treatments never lose]); else, where
     nothing fits, every block recomputed with the most chunks."""
-    room = planning.room_bytes
-    need = int(planning._static_for(k) + planning.model.backward_start_bytes(k, Plan(()))) - room
-    head = planning.head.options(k[0] * k[1])
-    options = planning.model.options(k, planning.treatments, planning.offload_ms)
-    # NOTE [Treatments never lose]: the mix only where it fits and is cheaper than recompute alone
-    plan = _mix_that_fits(planning, k, [[o for o in opts if o[0] == RECOMPUTE] for opts in options], need, room, head)
-    if not planning.recompute_only:
-        mixed = _mix_that_fits(planning, k, options, need, room, head)
-        # a tenth of a percent cheaper, of a cost that may be below 0 (a head priced faster chunked: NOTE [Pricing the head])
-        if mixed is not None and (plan is None or mixed.cost_ms < plan.cost_ms - 0.001 * abs(plan.cost_ms)):
-            plan = mixed
+    if planning.model.ready and planning.budget_bytes is not None and not planning.head.chosen_by_plans:
+        planning.head.choose_by_plans(lambda key: _head_plan_ms(planning, planning.planned_shape(key)))
+    plan = _head_mix(planning, k)
     if plan is not None:
         return plan
-    most = Plan(planning.all_blocks, head=head[-1][:2])
+    most = Plan(planning.all_blocks, head=planning.head.options(k[0] * k[1])[-1][:2])
+    room = planning.room_bytes
     if planning.predict_peak(k, most) > room and k not in planning.infeasible_keys:
         # once per run, later shapes at debug (NOTE [What to change when a step cannot fit], summary_text.py);
         # the head's bytes come from its formula, known before the model is (NOTE [The head's bytes in a budget error])
@@ -641,6 +634,29 @@ def _plan_head(planning: Planning, k: tuple[int, int]) -> Plan:
             format_bytes(planning.predict_peak(k, most) + planning.budget_bytes - room), n_chunks, format_bytes(least),
             format_bytes(kept), format_bytes(planning.budget_bytes), over_budget_words(parts))
     return most
+
+
+def _head_mix(planning: Planning, k: tuple[int, int]) -> Plan | None:
+    """``k``'s cheapest mix of block treatments and one head option that fits (:func:`_plan_head`), or None."""
+    room = planning.room_bytes
+    need = int(planning._static_for(k) + planning.model.backward_start_bytes(k, Plan(()))) - room
+    head = planning.head.options(k[0] * k[1])
+    options = planning.model.options(k, planning.treatments, planning.offload_ms)
+    # NOTE [Treatments never lose]: the mix only where it fits and is cheaper than recompute alone
+    plan = _mix_that_fits(planning, k, [[o for o in opts if o[0] == RECOMPUTE] for opts in options], need, room, head)
+    if not planning.recompute_only:
+        mixed = _mix_that_fits(planning, k, options, need, room, head)
+        # a tenth of a percent cheaper, of a cost that may be below 0 (a head priced faster chunked: NOTE [Pricing the head])
+        if mixed is not None and (plan is None or mixed.cost_ms < plan.cost_ms - 0.001 * abs(plan.cost_ms)):
+            plan = mixed
+    return plan
+
+
+def _head_plan_ms(planning: Planning, k: tuple[int, int]) -> float:
+    """The ms of ``k``'s cheapest plan with the head as priced now (NOTE [The plans choose the
+    implementation], chunked_head.py); infinite where nothing fits."""
+    plan = _head_mix(planning, k)
+    return float("inf") if plan is None else float(plan.cost_ms)
 
 
 # ---------------------------------------------------------------- rows (NOTE [Planning a row])

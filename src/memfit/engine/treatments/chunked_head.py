@@ -29,9 +29,9 @@ tokens costs nothing, and the tie rule keeps it where nothing is needed, so plan
 deterministic. Measured faster than keeping at the steps' size (NOTE [A probe at the steps'
 size]), chunking is priced below keeping, and the planner chunks wherever that is the cheapest
 mix, also where nothing is needed (at 8 x 2,048 tokens every implementation measured faster). The
-implementation with the least extra time is the one the switch runs from then on; its bytes are
-what :func:`head_options` prices. The probe's gradients go to detached copies
-(``torch.autograd.grad``): training is untouched. An installed kernel that raises when probed is
+implementation with the least extra time is the one the switch runs until the plans choose
+(NOTE [The plans choose the implementation]); its bytes are what :func:`head_options` prices. The
+probe's gradients go to detached copies (``torch.autograd.grad``): training is untouched. An installed kernel that raises when probed is
 said once and never used. Until the price is known the head is free.
 
 # NOTE [The probe checks the formula]
@@ -76,7 +76,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHUNKED", "HEAD_MODES", "HEAD_LOGITS", "check_head_mode", "PROBE_STEPS", "PROBE_TOKENS", "PROBE_CHUNKS", "KeepHead",
-    "ChunkedHead", "HeadPart", "RunHead", "head_options", "attach_head_part",
+    "ChunkedHead", "HeadPart", "RunHead", "head_options", "attach_head_part", "choose_by_plans",
 ]
 
 logger = logging.getLogger("memfit")
@@ -150,6 +150,50 @@ def head_options(
         n_chunks *= 2
 
 
+def choose_by_plans(part: "HeadPart", plan_ms: Callable[[tuple[int, int]], float | None]) -> bool:
+    """Set ``part``'s implementation to the one whose plans cost least over the probed steps' shapes, once
+    the probes are done and ``plan_ms`` (a shape's cheapest plan's ms with the head as priced now, None
+    where it cannot tell yet) can price them; True once chosen.
+
+    # NOTE [The plans choose the implementation]
+    The probe times each implementation's chunked head (NOTE [Pricing the head]), but they keep
+    different bytes (NOTE [Head bytes], head.py): ``pure_grad_in_forward`` holds the weight's gradient
+    in float32 from forward to backward, Cut Cross-Entropy holds neither it nor a chunk of logits.
+    Under a budget that binds, bytes the head holds are bytes some block must free, so the fastest
+    head can make the step slower: on Qwen2.5-1.5B's shape at 22 GiB, compiled, runs that chunked
+    by ``pure_grad_in_forward`` (probed the fastest) recomputed 95% of the blocks where runs with
+    Cut Cross-Entropy recomputed 84%, and took 8-10% longer a step (docs/devlog.md). So once the probes
+    are done and the memory model can plan, each implementation is priced as the planner would run
+    it: the sum over the probed steps' shapes of the cheapest plan of blocks and head, with its price
+    line and bytes. The cheapest sum is run from then on (the fastest where the sums tie, as where
+    nothing binds); chosen once, so the steps keep one implementation and the memory model learns
+    one head's bytes.
+    """
+    if part.chosen_by_plans or part.probed_steps < PROBE_STEPS or not part.lines:
+        return part.chosen_by_plans
+    was = (part.switch.implementation, part.extra_ms_per_token, part.per_chunk_ms)
+    fastest = sorted(part.lines, key=lambda name: part.lines[name][2])
+    totals: dict[str, float] = {}
+    for name in fastest:
+        part.switch.implementation = name
+        part.extra_ms_per_token, part.per_chunk_ms = part.lines[name][:2]
+        costs = [plan_ms(key) for key in part.keys]
+        if any(c is None for c in costs):
+            part.switch.implementation, part.extra_ms_per_token, part.per_chunk_ms = was
+            return False
+        totals[name] = float(sum(costs))
+    best = min(fastest, key=lambda name: totals[name])  # the fastest first: it wins ties
+    part.switch.implementation = best
+    part.extra_ms_per_token, part.per_chunk_ms = part.lines[best][:2]
+    part.chosen_by_plans = True
+    if best != was[0]:
+        logger.info("memfit: the LM head chunked by %s: its plans over warm-up's shapes cost %.1f ms, %.1f ms with the "
+                    "fastest head (%s), whose bytes leave the blocks less room", best, totals[best], totals[was[0]], was[0])
+    if part.on_priced is not None:
+        part.on_priced()
+    return True
+
+
 def shard_head(spec: "HeadSpec") -> tuple["HeadSpec", float]:
     """This rank's rows of ``lm_head``'s weight as a head of that many rows, and the vocabulary over
     the rows: what the warm-up's probe times where ``lm_head`` is an FSDP unit of its own (NOTE [The
@@ -209,6 +253,11 @@ class HeadPart:
         self.failed: set[str] = set()
         #: per implementation, bytes its chunked head kept beyond its formula (NOTE [The probe checks the formula])
         self.saved_gap: dict[str, int] = {}
+        #: per implementation its price line (per token, per chunk, least per token), and the probed steps'
+        #: shapes; the plans choose among them once (NOTE [The plans choose the implementation])
+        self.lines: dict[str, tuple[float, float, float]] = {}
+        self.keys: list[tuple[int, int]] = []
+        self.chosen_by_plans = False
 
     def probe(self, hidden: torch.Tensor, labels: torch.Tensor | None) -> None:
         """Time the chunked head against keep on this step's body output, under every implementation
@@ -216,6 +265,7 @@ class HeadPart:
         if labels is None:
             return  # the caller gave shifted labels only: nothing to cut a probe from
         self.probed_steps += 1
+        self.keys.append((int(hidden.shape[0]), int(hidden.shape[1])) if hidden.dim() == 3 else (1, int(hidden.shape[0])))
         spec, scale = self.switch.spec, 1.0
         usable = available_implementations(spec, hidden.device)  # the real head's, whatever the probe times
         rows = hidden.detach().reshape(-1, hidden.shape[-1])
@@ -302,7 +352,8 @@ class HeadPart:
         self.saved_gap[implementation] = gap
 
     def _price(self) -> None:
-        """The price line of the fastest implementation probed (NOTE [Pricing the head])."""
+        """The price line of the fastest implementation probed (NOTE [Pricing the head]), every one's kept
+        for the plans to choose among (NOTE [The plans choose the implementation])."""
         lines = {}
         for implementation, seen in self.probes.items():
             counts = sorted(seen)
@@ -316,6 +367,7 @@ class HeadPart:
             lines[implementation] = (per_token, slope, min(extra.values()) / seen[counts[0]]["tokens"])
         if not lines:
             return
+        self.lines = lines
         best = min(lines, key=lambda name: lines[name][2])  # dict order: pure first, so it wins ties
         self.extra_ms_per_token, self.per_chunk_ms = lines[best][:2]
         self.extra_ms = 0.0
@@ -325,6 +377,10 @@ class HeadPart:
         if self.probed_steps == PROBE_STEPS:
             logger.info("memfit: the LM head chunked (%s) costs %.4f ms per 1k tokens and %.4f ms per chunk over keeping it",
                         best, 1e3 * self.extra_ms_per_token, self.per_chunk_ms)
+
+    def choose_by_plans(self, plan_ms: Callable[[tuple[int, int]], float | None]) -> bool:
+        """:func:`choose_by_plans` (NOTE [The plans choose the implementation])."""
+        return choose_by_plans(self, plan_ms)
 
     def options(self, tokens: int) -> tuple[tuple[str, int, int, float], ...]:
         """The head's options for a batch of ``tokens`` tokens (``batch x length``)."""
