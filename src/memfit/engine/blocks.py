@@ -93,14 +93,16 @@ unbacked (no guard at all) breaks the trace where the model's code branches on a
 Dynamo keeps the compiled variants of one code object in one list, shared by every
 ``torch.compile`` of it, and once the list holds ``recompile_limit`` entries it runs the frame
 eagerly for any new variant: here an eager block, which saves what the plans never priced (more
-memory, more time, an OOM). A block's body has a variant per input guard (under LoRA or frozen
-embeddings the first block's input needs no gradient and the others' do) and per side of the
-compiler's size guards (NOTE [Dynamic batch and length]), as under the user's own compile, and
-memfit compiles the body twice (``selective``'s second compilation), which doubles them. So
-memfit's compilations of a block's body get twice the limit the user's own compile would have
-(their ``recompile_limit`` option, else Dynamo's config): passed to ``torch.compile`` where it
-takes one, else Dynamo's config raised to it while the blocks are wrapped, and put back when they
-are unwrapped (if nothing changed it since).
+memory, more time, an OOM). A block's body has a variant per side of the compiler's size guards
+(NOTE [Dynamic batch and length]), as the user's own compile of the model would, and per input
+guard, which a whole-model compile does not have: under LoRA or frozen embeddings the first
+block's input needs no gradient and the others' do. memfit compiles the body twice
+(``selective``'s second compilation), which doubles them again. So memfit's compilations of a
+block's body get four times the limit the user's own compile would have (their
+``recompile_limit`` option, else Dynamo's config; Qwen2.5-1.5B's shape has six sides on a GPU,
+24 variants under LoRA with ``selective``): passed to ``torch.compile`` where it takes one, else
+Dynamo's config raised to it while the blocks are wrapped, and put back when they are unwrapped
+(if nothing changed it since).
 
 # NOTE [Switch is read at call time]
 The wrapper replaces the block's ``forward`` on the *instance* (the class is untouched) and
@@ -146,6 +148,9 @@ def _torch_compile_kwargs(options: dict[str, Any]) -> dict[str, Any]:
 
 #: how many times memfit compiles a block's body: plain, and under the activation budget
 COMPILATIONS = 2
+#: input signatures of a block's body: under LoRA or frozen embeddings the first block's input needs
+#: no gradient where the others' do (NOTE [Recompile limit])
+INPUT_SIGNATURES = 2
 
 
 def _compile_takes_limit() -> bool:
@@ -158,7 +163,7 @@ def _with_recompile_limit(options: dict[str, Any]) -> tuple[dict[str, Any], tupl
     before and after memfit raised it instead (None where it did not)."""
     import torch._dynamo
 
-    limit = COMPILATIONS * (options.get("recompile_limit") or torch._dynamo.config.recompile_limit)
+    limit = COMPILATIONS * INPUT_SIGNATURES * (options.get("recompile_limit") or torch._dynamo.config.recompile_limit)
     if _compile_takes_limit():
         return {**options, "recompile_limit": limit}, None
     before = torch._dynamo.config.recompile_limit
