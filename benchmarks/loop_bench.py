@@ -22,7 +22,8 @@ Methods (memfit under the cap, every micro-step through ``Controller.run_step``)
 it, called without run_step), ``reactive``, ``none+compile`` (uncapped), ``full+compile`` and
 ``dynamic+compile`` (every block's body compiled by torch.compile inside memfit's wrapper),
 ``dynamic+sel+compile`` (the same, with compiled ``selective``: the body compiled again under
-``activation_memory_budget`` 0.5), ``dynamic+sel+compile+eager-loss`` (the same with the model's
+``activation_memory_budget`` 0.5; ``dynamic+sel-0.25+compile`` and ``dynamic+sel-0.1+compile``
+under 0.25 and 0.1), ``dynamic+sel+compile+eager-loss`` (the same with the model's
 loss function left eager), any of these with ``@M`` (memfit's margin set to the share M of the
 budget, e.g. ``dynamic@0.1``), and ``dynamic-plans``: the plan of each step of this
 repeat's ``dynamic`` run at the same budget, step by step, with no model, counting, protection or
@@ -107,6 +108,9 @@ MEMFIT_METHODS = {
     "dynamic+sel+compile": ("dynamic", {"compile": True}, ("recompute", "selective")),
     # the same with the model's loss function left eager (what compiling it is worth)
     "dynamic+sel+compile+eager-loss": ("dynamic", {"compile": {"loss": False}}, ("recompute", "selective")),
+    # compiled selective under a lower activation_memory_budget (the compile peer's 0.1, and 0.25)
+    "dynamic+sel-0.25+compile": ("dynamic", {"compile": {"activation_memory_budget": 0.25}}, ("recompute", "selective")),
+    "dynamic+sel-0.1+compile": ("dynamic", {"compile": {"activation_memory_budget": 0.1}}, ("recompute", "selective")),
     # this repeat's `dynamic` plans at the same budget, step by step, with nothing else (below)
     "dynamic-plans": (None, {}, ("recompute",)),
 }
