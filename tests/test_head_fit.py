@@ -299,6 +299,16 @@ def test_the_head_parts_transient_saving_is_its_saving_less_the_saved_bytes_it_f
         part.remove()
 
 
+def _steps(model, optimizer, lengths) -> None:
+    """Steps of 4 rows of random ids at each of ``lengths``, the ids seeded alike for every test."""
+    generator = torch.Generator().manual_seed(1)
+    for length in lengths:
+        ids = torch.randint(0, VOCAB, (4, length), generator=generator)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
 def _fake_probe(per_token_ms: dict[str, float]):
     """probe_head's stand-in: keep 1 ms; chunked 1 ms + per_token_ms[implementation] x tokens + 0.5 ms x chunks."""
     def probe(spec, hidden, labels, n_chunks, implementation="pure"):
@@ -318,12 +328,7 @@ def test_warmup_prices_the_head_by_probe_and_the_price_reaches_the_plans(monkeyp
     model = copy.deepcopy(base).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ctl = memfit.fit(model, budget=BUDGET, optimizer=optimizer, announce=False, method="dynamic", head=True)
-    generator = torch.Generator().manual_seed(1)
-    for length in LENGTHS:
-        ids = torch.randint(0, VOCAB, (4, length), generator=generator)
-        model(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    _steps(model, optimizer, LENGTHS)
     part = ctl.head.part
     assert part.probed_steps == chunked_head.PROBE_STEPS
     assert set(part.probes) == {"pure", "pure_grad_in_forward"}
@@ -392,12 +397,7 @@ def test_a_run_chunks_its_head_by_the_implementation_its_plans_price_cheapest(mo
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with deterministic_prices():
         ctl = memfit.fit(model, budget=budget, optimizer=optimizer, announce=False, method="dynamic", head=True)
-        generator = torch.Generator().manual_seed(1)
-        for length in LENGTHS:
-            ids = torch.randint(0, VOCAB, (4, length), generator=generator)
-            model(input_ids=ids, labels=ids).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        _steps(model, optimizer, LENGTHS)
     part = ctl.head.part
     assert part.chosen_by_plans and part.switch.implementation == chosen
     planned = [r for r in ctl.records if r.phase != "warmup" and r.treatments.get("head", "keep") != "keep"]
@@ -523,12 +523,7 @@ def test_the_probes_run_aside_from_the_step_they_are_in(monkeypatch):
             inside.pop()
 
     monkeypatch.setattr(ctl.meter, "aside", aside)
-    generator = torch.Generator().manual_seed(1)
-    for length in LENGTHS[:2]:
-        ids = torch.randint(0, VOCAB, (4, length), generator=generator)
-        model(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    _steps(model, optimizer, LENGTHS[:2])
     assert probed and all(probed)  # every probe inside the aside
     assert len(steps) == 2 and all(step is not None for step in steps) and steps[0] is not steps[1]  # one per step, the step's
     ctl.remove()
@@ -680,13 +675,8 @@ def test_the_probe_corrects_a_formula_the_kernel_does_not_follow(monkeypatch, ca
     part = ctl.head.part
     tokens = 4 * 64
     before = {name: part._bytes(tokens, "chunked", 4, name).saved_bytes for name in ("pure", "pure_grad_in_forward")}
-    generator = torch.Generator().manual_seed(1)
     with caplog.at_level(logging.INFO, logger="memfit"):
-        for length in LENGTHS[:4]:
-            ids = torch.randint(0, VOCAB, (4, length), generator=generator)
-            model(input_ids=ids, labels=ids).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        _steps(model, optimizer, LENGTHS[:4])
     assert part.switch.implementation == "pure_grad_in_forward"
     assert part.saved_gap == {"pure_grad_in_forward": extra}
     assert part._bytes(tokens, "chunked", 4, "pure_grad_in_forward").saved_bytes == before["pure_grad_in_forward"] + extra
