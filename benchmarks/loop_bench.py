@@ -82,6 +82,7 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 
 GB = 10**9
 MEMFIT_METHODS = {
@@ -517,6 +518,8 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
 
         ctl = memfit.fit(model, budget=budget, method=_Every(), optimizer=optimizer, treatments=("recompute", "selective"))
     step_ms, retries_from = [], None  # the allocator's retry count when the steady steps begin
+    compiled = []  # steps during which Dynamo made a graph (NOTE [Steps that compiled])
+    from memfit.engine.guard_sides import graphs_made
     _sync(args.device)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -529,6 +532,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
             if i == args.steady_from:
                 retries_from = _alloc_retries(args)
             batch = {k: v.to(args.device, non_blocking=True) for k, v in batch.items()}
+            graphs = graphs_made()
             clock = _Clock(args.device)
             clock.begin()
 
@@ -546,6 +550,8 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
             optimizer.zero_grad(set_to_none=True)
             clock.stop()
             step_ms.append(clock)
+            if graphs_made() > graphs:
+                compiled.append(i)
     except torch.OutOfMemoryError as err:
         status, note, ooms = "oom", str(err).splitlines()[0][:200], 1
     except Exception as err:  # a configuration that breaks is recorded, the matrix goes on
@@ -556,9 +562,9 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
     peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else None
     times = [clock.elapsed_ms() for clock in step_ms]
     result = {
-        **_line(args, name, budget, repeat, times), "status": status,
+        **_line(args, name, budget, repeat, times, compiled), "status": status,
         "total_s": round(total_s, 4) if status == "ok" else None, "max_peak_allocated_bytes": peak, "oom_count": ooms,
-        "note": note,
+        "note": note, "compiled_steps": compiled,
         # allocations served only after the caching allocator released its cache (a device sync
         # each): the cost of running close to a hard cap, counted from the steady steps on
         "cuda_alloc_retries": 0 if retries_from is None else _alloc_retries(args) - retries_from,
@@ -916,24 +922,25 @@ def _alloc_retries(args) -> int:
     return int(torch.cuda.memory_stats().get("num_alloc_retries", 0)) if args.device == "cuda" else 0
 
 
-def _line(args, method: str, budget: int | None, repeat: int, times: list[float]) -> dict:
+def _line(args, method: str, budget: int | None, repeat: int, times: list[float], compiled: Sequence[int] = ()) -> dict:
     """The fields every result line has: what ran (the same model label in every line, so one
-    report table holds them all) and its step times."""
+    report table holds them all) and its step times (``compiled``: the steps that made a graph,
+    left out of the steady time: NOTE [Steps that compiled])."""
     return {
         "task": "text-classification" if args.model == "bert-base" else "causal-lm",
         "model": f"{args.model} (config, random weights{', LoRA r16 all-linear' if args.lora else ''}, {args.dtype})",
         "method": method, "budget_bytes": budget, "batch_size": args.batch, "steps": args.steps, "repeat": repeat,
-        **_steady(args, times),
+        **_steady(args, times, compiled),
         "lora": args.lora, "lengths": args.lengths, "step_ms": [round(t, 2) for t in times], **_versions(args),
     }
 
 
-def _steady(args, times: list[float]) -> dict:
+def _steady(args, times: list[float], compiled: Sequence[int] = ()) -> dict:
     """``steady_step_ms``: the median step from ``--steady_from`` on. With ``fixed:`` lengths,
     whose steps alternate between a few sizes, that median would fall between two sizes' times,
     so it is the mean over the lengths of each length's median step instead, and
     ``steady_step_ms_by_length`` gives those medians."""
-    steps = list(range(args.steady_from, len(times)))
+    steps = [i for i in range(args.steady_from, len(times)) if i not in set(compiled)]
     if not steps:
         return {"steady_step_ms": None}
     kind, _, rest = args.lengths.partition(":")
@@ -959,10 +966,11 @@ def _paired_with_none(result: dict, refs: dict[int, dict[str, list[float]]], ste
     times, repeat = result.get("step_ms") or [], result["repeat"]
     for name, field in _REFERENCES:
         ref = refs.get(repeat, {}).get(name)
-        if name != result["method"] and ref and len(ref) == len(times) > steady_from:
-            result[field] = round(statistics.median(t / r for t, r in zip(times[steady_from:], ref[steady_from:])), 4)
+        steps = paired_steps(result, ref, steady_from) if ref and len(ref["step_ms"]) == len(times) else []
+        if name != result["method"] and steps:
+            result[field] = round(statistics.median(times[i] / ref["step_ms"][i] for i in steps), 4)
     if result["method"] in dict(_REFERENCES) and result.get("budget_bytes") is None and result.get("status") == "ok":
-        refs.setdefault(repeat, {})[result["method"]] = times
+        refs.setdefault(repeat, {})[result["method"]] = result
 
 
 def _profiled(args, name: str, budget: int | None, repeat: int, run):
@@ -1089,6 +1097,26 @@ def _is_fixed(method: str) -> bool:
     return (method in PEERS and method != "plain") or _compile_budget(method) is not None
 
 
+def paired_steps(mine: dict, theirs: dict, steady_from: int) -> list[int]:
+    """The steps two lines of the same batches are compared on: from ``steady_from`` on, run by
+    both, and neither made a graph in it.
+
+    # NOTE [Steps that compiled]
+    A step during which Dynamo made a graph (a recompile at a new side of a size guard) takes
+    seconds of compiling, not a step's time. Each run records those steps (``compiled_steps``), and
+    they are left out of its steady time and of every per-step ratio it is part of, on both sides:
+    kept in, a peer's recompiles paired with memfit's cached steps read as ratios of 0.01-0.4 and
+    pull the median towards memfit.
+
+    Example:
+        >>> paired_steps({"step_ms": [9, 1, 1, 5]}, {"step_ms": [9, 1, 7, 1], "compiled_steps": [2]}, 1)
+        [1, 3]
+    """
+    n = min(len(mine.get("step_ms") or []), len(theirs.get("step_ms") or []))
+    compiled = set(mine.get("compiled_steps") or ()) | set(theirs.get("compiled_steps") or ())
+    return [i for i in range(steady_from, n) if i not in compiled]
+
+
 def add_vs_fixed(lines: list[dict], steady_from: int) -> list[dict]:
     """Each memfit line's comparison with the fastest fixed policy that fits the same cap.
 
@@ -1115,7 +1143,7 @@ def add_vs_fixed(lines: list[dict], steady_from: int) -> list[dict]:
             if best is None:
                 continue
             mine, theirs = line.get("step_ms") or [], best["step_ms"]
-            steps = range(steady_from, min(len(mine), len(theirs)))
+            steps = paired_steps(line, best, steady_from)
             if not steps:
                 continue
             line["fastest_fixed"] = best["method"]
@@ -1138,7 +1166,7 @@ def add_vs_head_off(lines: list[dict], steady_from: int) -> list[dict]:
                 continue
             twin = off.get((base[: -len(part)] + "+head-off" + at + margin, line.get("budget_bytes"), line.get("repeat")))
             mine, theirs = line.get("step_ms") or [], (twin or {}).get("step_ms") or []
-            steps = range(steady_from, min(len(mine), len(theirs)))
+            steps = paired_steps(line, twin or {}, steady_from)
             if steps:
                 line["step_ratio_vs_head_off"] = round(statistics.median(mine[i] / theirs[i] for i in steps), 4)
     return lines

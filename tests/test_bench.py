@@ -148,3 +148,36 @@ def test_causal_lm_with_the_plain_and_offload_peers(tmp_path):
     assert plain["total_s"] > 0 and plain["steps_file"] is None and plain["oom_count"] == 0
     assert plain["max_peak_allocated_bytes"] is None  # CPU: no allocator peak, and no memfit to count one
     assert "needs CUDA" in offload["note"]
+
+
+def _loop_bench():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "loop_bench.py"
+    spec = importlib.util.spec_from_file_location("loop_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_steps_that_compiled_are_left_out_of_the_steady_time_and_every_paired_ratio():
+    """loop_bench's NOTE [Steps that compiled]: a step in which either side made a graph is not
+    compared, and a run's own such steps are not in its steady time."""
+    loop_bench = _loop_bench()
+    memfit_times = [500.0, 10.0, 10.0, 10.0, 10.0]
+    peer_times = [500.0, 20.0, 20.0, 8000.0, 8000.0]  # the peer recompiled at steps 3 and 4
+    memfit_line = {"method": "dynamic", "budget_bytes": 1, "repeat": 0, "step_ms": memfit_times, "compiled_steps": [0]}
+    peer = {"method": "hf-every-1", "budget_bytes": 1, "repeat": 0, "step_ms": peer_times, "compiled_steps": [0, 3, 4],
+            "status": "ok", "oom_count": 0, "steady_step_ms": 20.0}
+    (out, _) = loop_bench.add_vs_fixed([memfit_line, peer], steady_from=1)
+    assert out["fastest_fixed"] == "hf-every-1"
+    assert out["step_ratio_vs_fastest_fixed"] == 0.5 and out["sum_ratio_vs_fastest_fixed"] == 0.5
+    del peer["compiled_steps"]  # as lines from before the field: every step compared
+    (out, _) = loop_bench.add_vs_fixed([memfit_line, peer], steady_from=1)
+    assert out["step_ratio_vs_fastest_fixed"] < 0.5
+
+    class Args:
+        steady_from, lengths = 1, "sft"
+
+    assert loop_bench._steady(Args, peer_times, [3, 4]) == {"steady_step_ms": 20.0}
+    assert loop_bench._steady(Args, peer_times) == {"steady_step_ms": 4010.0}
