@@ -348,7 +348,7 @@ def test_the_plans_choose_the_implementation_whose_bytes_cost_least():
     """NOTE [The plans choose the implementation]: once the probes are done, the implementation whose
     plans cost least over the probed shapes is run: the fastest where bytes cost nothing, the one that
     holds less where the blocks must pay for every byte the head holds; not before the plans can be
-    priced, and once only."""
+    priced, and again only for a batch with more tokens than every shape judged."""
     from memfit.engine.head import attach_head
     from memfit.engine.treatments.chunked_head import PROBE_STEPS, HeadPart
 
@@ -378,6 +378,17 @@ def test_the_plans_choose_the_implementation_whose_bytes_cost_least():
     part.chosen_by_plans = False
     part.switch.implementation = "pure_grad_in_forward"
     assert part.choose_by_plans(plan_ms(0.0)) is True and part.switch.implementation == "pure_grad_in_forward"
+
+    # a batch longer than every shape judged is judged with them: there the bytes cost
+    kept[4 * 128] = max(saved for _, _, saved, _ in part.options(4 * 128))
+
+    def binding_when_long(key):
+        return plan_ms(1.0 if key[0] * key[1] > 256 else 0.0)(key)
+
+    assert part.choose_by_plans(binding_when_long, key=(4, 64)) and part.switch.implementation == "pure_grad_in_forward"
+    assert part.choose_by_plans(binding_when_long, key=(4, 128)) and part.switch.implementation == "pure"
+    assert part.keys == [(4, 64), (4, 16), (4, 128)]
+    assert part.choose_by_plans(plan_ms(0.0), key=(4, 128)) and part.switch.implementation == "pure"  # judged: kept
     part.remove()
 
 

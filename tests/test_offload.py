@@ -209,7 +209,8 @@ class _Head:
     """An LM head part for the planner (treatments/chunked_head.py HeadPart's planning side): per token
     it saves 300 bytes in 2 chunks and 600 in one token a chunk, each priced over a block's recompute."""
 
-    chosen_by_plans = True  # one implementation: nothing for the plans to choose (NOTE [The plans choose the implementation])
+    def choose_by_plans(self, plan_ms, key=None) -> bool:
+        return True  # one implementation: nothing for the plans to choose (NOTE [The plans choose the implementation])
 
     def options(self, tokens: int):
         return (("keep", 1, 0, 0.0), ("chunked", 2, 300 * tokens, 5e4), ("chunked", tokens, 600 * tokens, 1e6))

@@ -613,8 +613,8 @@ def _plan_head(planning: Planning, k: tuple[int, int]) -> Plan:
     start needs and fits all three peaks (NOTE [Planning with the stashes back]), a mix with other
     treatments than recompute only where it is cheaper (NOTE [Treatments never lose]); else, where
     nothing fits, every block recomputed with the most chunks."""
-    if planning.model.ready and planning.budget_bytes is not None and not planning.head.chosen_by_plans:
-        planning.head.choose_by_plans(lambda key: _head_plan_ms(planning, planning.planned_shape(key)))
+    if planning.model.ready and planning.budget_bytes is not None:  # NOTE [The plans choose the implementation]
+        planning.head.choose_by_plans(lambda key: _head_plan_ms(planning, planning.planned_shape(key)), k)
     plan = _head_mix(planning, k)
     if plan is not None:
         return plan

@@ -150,10 +150,12 @@ def head_options(
         n_chunks *= 2
 
 
-def choose_by_plans(part: "HeadPart", plan_ms: Callable[[tuple[int, int]], float | None]) -> bool:
+def choose_by_plans(part: "HeadPart", plan_ms: Callable[[tuple[int, int]], float | None],
+                    key: tuple[int, int] | None = None) -> bool:
     """Set ``part``'s implementation to the one whose plans cost least over the probed steps' shapes, once
     the probes are done and ``plan_ms`` (a shape's cheapest plan's ms with the head as priced now, None
-    where it cannot tell yet) can price them; True once chosen.
+    where it cannot tell yet) can price them, and again when ``key`` (the shape being planned) has more
+    tokens than every shape judged; True once chosen.
 
     # NOTE [The plans choose the implementation]
     The probe times each implementation's chunked head (NOTE [Pricing the head]), but they keep
@@ -166,9 +168,13 @@ def choose_by_plans(part: "HeadPart", plan_ms: Callable[[tuple[int, int]], float
     are done and the memory model can plan, each implementation is priced as the planner would run
     it: the sum over the probed steps' shapes of the cheapest plan of blocks and head, with its price
     line and bytes. The cheapest sum is run from then on (the fastest where the sums tie, as where
-    nothing binds); chosen once, so the steps keep one implementation and the memory model learns
-    one head's bytes.
+    nothing binds). Warm-up's batches may all be short, where nothing binds, so a batch with more
+    tokens than every shape judged is added to them and the choice made again (each step learns the
+    head's bytes of the implementation it ran: NOTE [A chunked head's step in kept terms], learner.py).
     """
+    if key is not None and part.chosen_by_plans and key[0] * key[1] > max(b * n for b, n in part.keys):
+        part.keys.append(key)
+        part.chosen_by_plans = False
     if part.chosen_by_plans or part.probed_steps < PROBE_STEPS or not part.lines:
         return part.chosen_by_plans
     was = (part.switch.implementation, part.extra_ms_per_token, part.per_chunk_ms)
@@ -187,8 +193,8 @@ def choose_by_plans(part: "HeadPart", plan_ms: Callable[[tuple[int, int]], float
     part.extra_ms_per_token, part.per_chunk_ms = part.lines[best][:2]
     part.chosen_by_plans = True
     if best != was[0]:
-        logger.info("memfit: the LM head chunked by %s: its plans over warm-up's shapes cost %.1f ms, %.1f ms with the "
-                    "fastest head (%s), whose bytes leave the blocks less room", best, totals[best], totals[was[0]], was[0])
+        logger.info("memfit: the LM head chunked by %s from now on: its plans over %d shapes cost %.1f ms, %.1f ms with %s",
+                    best, len(part.keys), totals[best], totals[was[0]], was[0])
     if part.on_priced is not None:
         part.on_priced()
     return True
@@ -378,9 +384,9 @@ class HeadPart:
             logger.info("memfit: the LM head chunked (%s) costs %.4f ms per 1k tokens and %.4f ms per chunk over keeping it",
                         best, 1e3 * self.extra_ms_per_token, self.per_chunk_ms)
 
-    def choose_by_plans(self, plan_ms: Callable[[tuple[int, int]], float | None]) -> bool:
+    def choose_by_plans(self, plan_ms: Callable[[tuple[int, int]], float | None], key: tuple[int, int] | None = None) -> bool:
         """:func:`choose_by_plans` (NOTE [The plans choose the implementation])."""
-        return choose_by_plans(self, plan_ms)
+        return choose_by_plans(self, plan_ms, key)
 
     def options(self, tokens: int) -> tuple[tuple[str, int, int, float], ...]:
         """The head's options for a batch of ``tokens`` tokens (``batch x length``)."""
