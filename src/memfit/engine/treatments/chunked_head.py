@@ -31,8 +31,9 @@ size]), chunking is priced below keeping, and the planner chunks wherever that i
 mix, also where nothing is needed (at 8 x 2,048 tokens every implementation measured faster). The
 implementation with the least extra time is the one the switch runs until the plans choose
 (NOTE [The plans choose the implementation]); its bytes are what :func:`head_options` prices. The
-probe's gradients go to detached copies (``torch.autograd.grad``): training is untouched. An installed kernel that raises when probed is
-said once and never used. Until the price is known the head is free.
+probe's gradients go to detached copies (``torch.autograd.grad``): training is untouched. An
+installed kernel that raises when probed is said once and never used. Until the price is known the
+head is free.
 
 # NOTE [The probe checks the formula]
 What a chunked head keeps for backward is priced by formula (NOTE [Head bytes], head.py), which
@@ -183,7 +184,7 @@ def choose_by_plans(part: "HeadPart", plan_ms: Callable[[tuple[int, int]], float
     for name in fastest:
         part.switch.implementation = name
         part.extra_ms_per_token, part.per_chunk_ms = part.lines[name][:2]
-        costs = [plan_ms(key) for key in part.keys]
+        costs = [plan_ms(shape) for shape in part.keys]
         if any(c is None for c in costs):
             part.switch.implementation, part.extra_ms_per_token, part.per_chunk_ms = was
             return False
@@ -259,8 +260,8 @@ class HeadPart:
         self.failed: set[str] = set()
         #: per implementation, bytes its chunked head kept beyond its formula (NOTE [The probe checks the formula])
         self.saved_gap: dict[str, int] = {}
-        #: per implementation its price line (per token, per chunk, least per token), and the probed steps'
-        #: shapes; the plans choose among them once (NOTE [The plans choose the implementation])
+        #: per implementation its price line (per token, per chunk, least per token), and the shapes the
+        #: plans choose among them on (NOTE [The plans choose the implementation])
         self.lines: dict[str, tuple[float, float, float]] = {}
         self.keys: list[tuple[int, int]] = []
         self.chosen_by_plans = False
