@@ -417,6 +417,30 @@ def test_a_run_chunks_its_head_by_the_implementation_its_plans_price_cheapest(mo
     ctl.remove()
 
 
+def test_a_batch_longer_than_warmups_makes_the_plans_choose_the_implementation_again(monkeypatch):
+    """Warm-up of short batches, where the fastest head (``pure_grad_in_forward``) costs nothing more;
+    the first longer batch, where its float32 weight gradient would make blocks recompute, is judged
+    too and the head is chunked by ``pure`` from that step on (NOTE [The plans choose the implementation])."""
+    import memfit.engine.treatments.chunked_head as chunked_head
+    from _pinned_streams import deterministic_prices
+
+    monkeypatch.setattr(chunked_head, "probe_head", _fake_probe({"pure": 0.0105, "pure_grad_in_forward": 0.01}))
+    config = tf.LlamaConfig(hidden_size=32, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
+                            intermediate_size=128, vocab_size=VOCAB, use_cache=False)
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(config).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with deterministic_prices():
+        ctl = memfit.fit(model, budget=14_000_000, optimizer=optimizer, announce=False, method="dynamic", head=True)
+        _steps(model, optimizer, [8, 16, 8, 16, 8, 64, 16, 64, 8, 64])
+    chunked = [(r.shape[1], r.head_implementation) for r in ctl.records if r.treatments.get("head", "keep") != "keep"]
+    first_long = next(i for i, (length, _) in enumerate(chunked) if length == 64)
+    assert {name for _, name in chunked[:first_long]} == {"pure_grad_in_forward"}
+    assert {name for _, name in chunked[first_long:]} == {"pure"}
+    assert max(b * n for b, n in ctl.head.part.keys) == 4 * 64
+    ctl.remove()
+
+
 def test_an_expensive_chunked_head_is_priced_out_where_blocks_make_the_room(monkeypatch):
     """The planner picks by the probed price: where recomputing a block makes the room for 5 ms, a
     head probed free chunks and a head probed dear keeps (and blocks are recomputed)."""

@@ -614,7 +614,9 @@ def _plan_head(planning: Planning, k: tuple[int, int]) -> Plan:
     treatments than recompute only where it is cheaper (NOTE [Treatments never lose]); else, where
     nothing fits, every block recomputed with the most chunks."""
     if planning.model.ready and planning.budget_bytes is not None:  # NOTE [The plans choose the implementation]
-        planning.head.choose_by_plans(lambda key: _head_plan_ms(planning, planning.planned_shape(key)), k)
+        seen = planning.model.max_key
+        longest = k if seen is None or k[0] * k[1] >= seen[0] * seen[1] else tuple(seen)
+        planning.head.choose_by_plans(lambda key: _head_plan_ms(planning, planning.planned_shape(key)), longest)
     plan = _head_mix(planning, k)
     if plan is not None:
         return plan
@@ -652,11 +654,19 @@ def _head_mix(planning: Planning, k: tuple[int, int]) -> Plan | None:
     return plan
 
 
+#: the price of a shape where nothing fits, before the bytes over the room (NOTE [The plans choose the implementation])
+UNFIT_MS = 1e12
+
+
 def _head_plan_ms(planning: Planning, k: tuple[int, int]) -> float:
     """The ms of ``k``'s cheapest plan with the head as priced now (NOTE [The plans choose the
-    implementation], chunked_head.py); infinite where nothing fits."""
+    implementation], chunked_head.py); where nothing fits, :data:`UNFIT_MS` plus the bytes the most
+    any plan saves leaves over the room, so the head that holds less is the cheaper there too."""
     plan = _head_mix(planning, k)
-    return float("inf") if plan is None else float(plan.cost_ms)
+    if plan is not None:
+        return float(plan.cost_ms)
+    most = Plan(planning.all_blocks, head=planning.head.options(k[0] * k[1])[-1][:2])
+    return UNFIT_MS + max(0.0, float(planning.predict_peak(k, most) - planning.room_bytes))
 
 
 # ---------------------------------------------------------------- rows (NOTE [Planning a row])

@@ -155,8 +155,8 @@ def choose_by_plans(part: "HeadPart", plan_ms: Callable[[tuple[int, int]], float
                     key: tuple[int, int] | None = None) -> bool:
     """Set ``part``'s implementation to the one whose plans cost least over the probed steps' shapes, once
     the probes are done and ``plan_ms`` (a shape's cheapest plan's ms with the head as priced now, None
-    where it cannot tell yet) can price them, and again when ``key`` (the shape being planned) has more
-    tokens than every shape judged; True once chosen.
+    where it cannot tell yet) can price them, with ``key`` (the longest shape seen) among the shapes where it
+    has more tokens than every one judged, and again when it does; True once chosen.
 
     # NOTE [The plans choose the implementation]
     The probe times each implementation's chunked head (NOTE [Pricing the head]), but they keep
@@ -169,12 +169,14 @@ def choose_by_plans(part: "HeadPart", plan_ms: Callable[[tuple[int, int]], float
     are done and the memory model can plan, each implementation is priced as the planner would run
     it: the sum over the probed steps' shapes of the cheapest plan of blocks and head, with its price
     line and bytes. The cheapest sum is run from then on (the fastest where the sums tie, as where
-    nothing binds). Warm-up's batches may all be short, where nothing binds, so a batch with more
-    tokens than every shape judged is added to them and the choice made again (each step learns the
-    head's bytes of the implementation it ran: NOTE [A chunked head's step in kept terms], learner.py).
+    nothing binds). Warm-up's batches may all be short, where nothing binds, so the longest batch
+    seen is judged too where it has more tokens than every probed one, and a longer batch later makes
+    the choice again (each step learns the head's bytes of the implementation it ran: NOTE [A
+    chunked head's step in kept terms], learner.py). A shape where no plan fits is priced above every
+    plan, by the bytes the most any plan saves leaves over the room: the head that holds less wins it.
     """
-    if key is not None and part.chosen_by_plans and key[0] * key[1] > max(b * n for b, n in part.keys):
-        part.keys.append(key)
+    if key is not None and part.keys and key[0] * key[1] > max(b * n for b, n in part.keys):
+        part.keys.append(tuple(key))
         part.chosen_by_plans = False
     if part.chosen_by_plans or part.probed_steps < PROBE_STEPS or not part.lines:
         return part.chosen_by_plans
