@@ -940,7 +940,8 @@ def _steady(args, times: list[float], compiled: Sequence[int] = ()) -> dict:
     whose steps alternate between a few sizes, that median would fall between two sizes' times,
     so it is the mean over the lengths of each length's median step instead, and
     ``steady_step_ms_by_length`` gives those medians."""
-    steps = [i for i in range(args.steady_from, len(times)) if i not in set(compiled)]
+    skipped = set(compiled)
+    steps = [i for i in range(args.steady_from, len(times)) if i not in skipped]
     if not steps:
         return {"steady_step_ms": None}
     kind, _, rest = args.lengths.partition(":")

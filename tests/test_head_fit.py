@@ -392,11 +392,9 @@ def test_the_plans_choose_the_implementation_whose_bytes_cost_least():
     part.remove()
 
 
-@pytest.mark.parametrize("budget, chosen", [(14_000_000, "pure"), (16_000_000, "pure_grad_in_forward")])
-def test_a_run_chunks_its_head_by_the_implementation_its_plans_price_cheapest(monkeypatch, budget, chosen):
-    """A run where ``pure_grad_in_forward`` is probed faster, but holds the weight's float32 gradient:
-    under a budget where those bytes make blocks recompute, its plans run ``pure`` from the first
-    planned step; where the budget leaves room, the fastest."""
+def _run_with_faster_grad_in_forward(monkeypatch, budget: int, lengths):
+    """A 6-block tiny Llama trained under ``budget`` on ``lengths``, its head probed with
+    ``pure_grad_in_forward`` 5% faster than ``pure`` and its blocks priced from their bytes; the controller."""
     import memfit.engine.treatments.chunked_head as chunked_head
     from _pinned_streams import deterministic_prices
 
@@ -408,7 +406,16 @@ def test_a_run_chunks_its_head_by_the_implementation_its_plans_price_cheapest(mo
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with deterministic_prices():
         ctl = memfit.fit(model, budget=budget, optimizer=optimizer, announce=False, method="dynamic", head=True)
-        _steps(model, optimizer, LENGTHS)
+        _steps(model, optimizer, lengths)
+    return ctl
+
+
+@pytest.mark.parametrize("budget, chosen", [(14_000_000, "pure"), (16_000_000, "pure_grad_in_forward")])
+def test_a_run_chunks_its_head_by_the_implementation_its_plans_price_cheapest(monkeypatch, budget, chosen):
+    """A run where ``pure_grad_in_forward`` is probed faster, but holds the weight's float32 gradient:
+    under a budget where those bytes make blocks recompute, its plans run ``pure`` from the first
+    planned step; where the budget leaves room, the fastest."""
+    ctl = _run_with_faster_grad_in_forward(monkeypatch, budget, LENGTHS)
     part = ctl.head.part
     assert part.chosen_by_plans and part.switch.implementation == chosen
     planned = [r for r in ctl.records if r.phase != "warmup" and r.treatments.get("head", "keep") != "keep"]
@@ -421,18 +428,7 @@ def test_a_batch_longer_than_warmups_makes_the_plans_choose_the_implementation_a
     """Warm-up of short batches, where the fastest head (``pure_grad_in_forward``) costs nothing more;
     the first longer batch, where its float32 weight gradient would make blocks recompute, is judged
     too and the head is chunked by ``pure`` from that step on (NOTE [The plans choose the implementation])."""
-    import memfit.engine.treatments.chunked_head as chunked_head
-    from _pinned_streams import deterministic_prices
-
-    monkeypatch.setattr(chunked_head, "probe_head", _fake_probe({"pure": 0.0105, "pure_grad_in_forward": 0.01}))
-    config = tf.LlamaConfig(hidden_size=32, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
-                            intermediate_size=128, vocab_size=VOCAB, use_cache=False)
-    torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(config).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with deterministic_prices():
-        ctl = memfit.fit(model, budget=14_000_000, optimizer=optimizer, announce=False, method="dynamic", head=True)
-        _steps(model, optimizer, [8, 16, 8, 16, 8, 64, 16, 64, 8, 64])
+    ctl = _run_with_faster_grad_in_forward(monkeypatch, 14_000_000, [8, 16, 8, 16, 8, 64, 16, 64, 8, 64])
     chunked = [(r.shape[1], r.head_implementation) for r in ctl.records if r.treatments.get("head", "keep") != "keep"]
     first_long = next(i for i, (length, _) in enumerate(chunked) if length == 64)
     assert {name for _, name in chunked[:first_long]} == {"pure_grad_in_forward"}

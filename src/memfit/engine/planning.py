@@ -620,7 +620,7 @@ def _plan_head(planning: Planning, k: tuple[int, int]) -> Plan:
     plan = _head_mix(planning, k)
     if plan is not None:
         return plan
-    most = Plan(planning.all_blocks, head=planning.head.options(k[0] * k[1])[-1][:2])
+    most = _most(planning, k)
     room = planning.room_bytes
     if planning.predict_peak(k, most) > room and k not in planning.infeasible_keys:
         # once per run, later shapes at debug (NOTE [What to change when a step cannot fit], summary_text.py);
@@ -665,8 +665,12 @@ def _head_plan_ms(planning: Planning, k: tuple[int, int]) -> float:
     plan = _head_mix(planning, k)
     if plan is not None:
         return float(plan.cost_ms)
-    most = Plan(planning.all_blocks, head=planning.head.options(k[0] * k[1])[-1][:2])
-    return UNFIT_MS + max(0.0, float(planning.predict_peak(k, most) - planning.room_bytes))
+    return UNFIT_MS + max(0.0, float(planning.predict_peak(k, _most(planning, k)) - planning.room_bytes))
+
+
+def _most(planning: Planning, k: tuple[int, int]) -> Plan:
+    """The most any plan saves at ``k``: every block recomputed, the head in its most chunks."""
+    return Plan(planning.all_blocks, head=planning.head.options(k[0] * k[1])[-1][:2])
 
 
 # ---------------------------------------------------------------- rows (NOTE [Planning a row])
