@@ -4,6 +4,7 @@ weighs them (planning.py, NOTE [Treatments never lose])."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 
@@ -408,10 +409,10 @@ def test_elementwise_frees_the_mlps_and_norms_outputs_and_reruns_no_matmul():
         if name == "elementwise":
             assert all(b.recomputes == 0 for b in ctl.blocks)
         ctl.remove()
-    # each block frees its activation's output and the product (less the projection's output the
-    # cache keeps) and each of its two norms its normalised rows: float32, 2 x 24 tokens
+    # each block frees its activation's output and the product, and each of its two norms its
+    # normalised rows and its output (the projections save it): float32, 2 x 24 tokens
     config, tokens = model.config, 2 * 24
-    freed = n * tokens * 4 * (2 * config.intermediate_size - config.hidden_size + 2 * config.hidden_size)
+    freed = n * tokens * 4 * (2 * config.intermediate_size + 2 * 2 * config.hidden_size)
     assert saved["recompute"] < saved["elementwise"] <= saved["keep"] - freed, (saved, freed)
     assert matmuls["elementwise"] == matmuls["keep"] < matmuls["recompute"], matmuls
 
@@ -481,3 +482,97 @@ def test_an_eager_only_treatment_asked_for_with_compiled_blocks_is_said_never_pl
     assert "elementwise" in names
     said = [r.getMessage() for r in caplog.records]
     assert said == ["memfit: 'elementwise' treats eager blocks only; with the blocks compiled it is never planned"]
+
+
+class _GatedNormBlock(torch.nn.Module):
+    """A block with a norm (``RMSNorm``: float32 inside, bf16 out) and a gated MLP; ``in_place`` changes
+    the norm's input after the norm has run, as a residual added in place would."""
+
+    def __init__(self, act_fn: torch.nn.Module, in_place: bool = False):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+        import transformers as tf
+
+        config = tf.LlamaConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=2)
+        self.norm = LlamaRMSNorm(8)
+        self.mlp = LlamaMLP(config)
+        self.mlp.act_fn = act_fn
+        self.in_place = in_place
+        self.to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 2.0
+        y = self.norm(h)
+        if self.in_place:
+            h.add_(1.0)
+        return self.mlp(y) + h
+
+
+def test_elementwise_takes_nothing_changed_in_place_for_what_it_computes_again():
+    """NOTE [Elementwise recompute]: an activation that works in place leaves the MLP as the model runs
+    it (gradients bit for bit); a norm whose input is changed in place after it ran cannot be computed
+    again, and backward says so rather than giving other gradients (the probe then never offers it)."""
+    from memfit.engine.treatments.elementwise import _leaner
+
+    def grads(block: torch.nn.Module, lean: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        x = torch.randn(2, 5, 8, dtype=torch.bfloat16, requires_grad=True)
+        with _leaner(block, []) if lean else contextlib.nullcontext():
+            out = block(x)
+        out.float().pow(2).sum().backward()
+        got = [x.grad] + [p.grad.clone() for p in block.parameters()]
+        block.zero_grad(set_to_none=True)
+        return got
+
+    torch.manual_seed(0)
+    block = _GatedNormBlock(torch.nn.SiLU(inplace=True))
+    for a, b in zip(grads(block, False), grads(block, True)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    block = _GatedNormBlock(torch.nn.SiLU(), in_place=True)
+    grads(block, False)
+    with pytest.raises(RuntimeError, match="changed in place"):
+        grads(block, True)
+
+
+class _Jitter(torch.autograd.Function):
+    """The identity, whose backward adds a little more at every call: a kernel that accumulates with
+    atomics in a different order each time (cuDNN's attention backward)."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _Jitter.calls += 1
+        return grad + _Jitter.calls * 1e-3
+
+
+def test_elementwise_is_offered_where_the_plain_blocks_backward_is_not_reproducible():
+    """The probe compares gradients bit for bit only where the plain block's own are reproducible; an
+    attention whose backward is not (atomics) leaves the forward outputs to decide, as they did for
+    every block before, so such a block may still take ``elementwise``; a scaled MLP still may not."""
+    from memfit.engine import probe
+
+    torch.manual_seed(0)
+    model, make_batch = build_decoder("llama", False)
+    model.train()
+    ctl = memfit.fit(model, budget=None, method="none", treatments=_ALL)
+    block = ctl.blocks[0]
+    args, kwargs = _block_inputs(ctl, model, make_batch(2, 24))
+    attention = block.module.self_attn
+    handle = attention.register_forward_hook(lambda m, a, out: (_Jitter.apply(out[0]), *out[1:]))
+    try:
+        assert "elementwise" in probe.probe_treatments(block, args, kwargs, ctl._counter, torch.device("cpu"), ("elementwise",))
+        mlp = block.module.mlp
+        plain = type(mlp).forward
+        type(mlp).forward = lambda self, x: plain(self, x) * 2.0
+        try:
+            assert "elementwise" not in probe.probe_treatments(block, args, kwargs, ctl._counter, torch.device("cpu"), ("elementwise",))
+        finally:
+            type(mlp).forward = plain
+    finally:
+        handle.remove()
+    ctl.remove()

@@ -12,8 +12,8 @@ A plan gives every block one treatment; the block runs it at its next training f
 | `selective` | under a selective checkpoint policy       | its inputs, matmul and attention outputs| the cheap rest runs again  |
 |             | (compiled: under an activation budget)    | (compiled: what the partitioner keeps)  |                            |
 | `offload`   | saved tensors copied to pinned host memory| small saved tensors                     | copied back, prefetched    |
-| `elementwise`| plain, its norms and gated MLP's tail     | all but the norms' and the MLP's        | those elementwise ops run  |
-|             | under module-level checkpoints            | elementwise outputs                     | again, never a matmul      |
+| `elementwise`| plain, under saved-tensor hooks that     | all but what its norms and the gated    | those elementwise ops run  |
+|             | take the norms' and gated MLP's outputs   | MLP's activation and product save       | again, never a matmul      |
 
 Gradients are those of ``keep`` under every treatment: ``torch.utils.checkpoint`` is
 non-reentrant and restores the RNG state, so a recompute draws the same dropout masks, and an
