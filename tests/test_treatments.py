@@ -484,6 +484,26 @@ def test_an_eager_only_treatment_asked_for_with_compiled_blocks_is_said_never_pl
     assert said == ["memfit: 'elementwise' treats eager blocks only; with the blocks compiled it is never planned"]
 
 
+def test_elementwise_is_offered_by_default_to_eager_blocks_with_a_gated_mlp():
+    """A run that names no treatments offers ``elementwise`` where its blocks have a gated MLP and run
+    eagerly (:meth:`Treatment.by_default`); named treatments are taken as named, and BERT's blocks
+    (norms, no gated MLP) and compiled blocks are not offered it."""
+    from memfit.engine.controller import _run_options
+
+    decoder, _ = build_decoder("llama")
+    bert, _ = build("bert")
+    for model, offered in ((decoder, True), (bert, False)):
+        ctl = memfit.fit(model, budget=None, method="dynamic", announce=False)
+        assert ("elementwise" in ctl.planning.treatments) == offered, (type(model).__name__, ctl.planning.treatments)
+        ctl.remove()
+    ctl = memfit.fit(decoder, budget=None, method="dynamic", treatments=("recompute",), announce=False)
+    assert "elementwise" not in ctl.planning.treatments
+    ctl.remove()
+    modules = [m for _, m in memfit.engine.blocks.find_blocks(decoder)]
+    assert "elementwise" in _run_options(None, False, modules)[0]
+    assert "elementwise" not in _run_options(None, True, modules)[0]
+
+
 class _GatedNormBlock(torch.nn.Module):
     """A block with a norm (``RMSNorm``: float32 inside, bf16 out) and a gated MLP; ``in_place`` changes
     the norm's input after the norm has run, as a residual added in place would."""

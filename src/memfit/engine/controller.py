@@ -60,7 +60,9 @@ from memfit.engine.step import Stage, StepState
 from memfit.engine.shapes import first_tensor, shape_key
 from memfit.engine.store import ReactiveStore
 from memfit.engine.summary_text import end_summary, start_line
-from memfit.engine.treatments import OFFLOAD, RECOMPUTE, SELECTIVE, Treatment, make_treatments, resolve, run_treatment_names
+from memfit.engine.treatments import (
+    OFFLOAD, RECOMPUTE, SELECTIVE, TREATMENTS, Treatment, make_treatments, resolve, run_treatment_names,
+)
 from memfit.engine.treatments.chunked_head import RunHead
 
 __all__ = ["fit", "Controller", "check_static_need_of"]
@@ -123,24 +125,28 @@ def _transient_bytes(optimizer: torch.optim.Optimizer | None) -> int | None:
 
 
 def _run_options(
-    treatments: Sequence[str] | None, compile: bool | dict[str, Any],
+    treatments: Sequence[str] | None, compile: bool | dict[str, Any], modules: Sequence[nn.Module] = (),
 ) -> tuple[tuple[str, ...], dict[str, Any] | None]:
     """The run's treatment names (NOTE [Recompute always at hand], treatments/__init__.py) and the
     ``torch.compile`` arguments of the blocks' bodies, or None (NOTE [Compiled blocks], blocks.py).
 
     ``treatments=None`` gives the default: ``recompute``, and with blocks compiled by inductor
     ``selective`` too (the budgeted compilation, priced per block like any treatment: NOTE
-    [Compiled blocks]).
+    [Compiled blocks]), and what a registered treatment offers the blocks (``modules``) by default
+    (:meth:`Treatment.by_default`: ``elementwise`` for eager blocks with a gated MLP).
 
     Raises:
         ValueError: an ``activation_memory_budget`` outside [0, 1), a ``recompile_limit``
             that is not a whole number from 1, a ``loss`` that is not a bool; ``selective`` with a backend other than inductor (NOTE [Compiled blocks]).
     """
-    if compile is False or compile is None:
-        return run_treatment_names(treatments or ()), None
+    compiled, given = compile is not False and compile is not None, treatments
+    if treatments is None:
+        treatments = tuple(n for n, t in TREATMENTS.items() if t.by_default(modules, compiled))
+    if not compiled:
+        return run_treatment_names(treatments), None
     options = {} if compile is True else dict(compile)
     inductor = options.get("backend", "inductor") == "inductor"
-    names = run_treatment_names((SELECTIVE,) if treatments is None and inductor else treatments or ())
+    names = run_treatment_names((SELECTIVE, *treatments) if given is None and inductor else treatments)
     budget = options.get("activation_memory_budget", SELECTIVE_BUDGET)
     if not isinstance(budget, (int, float)) or not 0 <= budget < 1:
         raise ValueError(
@@ -234,8 +240,8 @@ class Controller:
         self.model = model
         self.method = method
         self.budget_bytes = budget_bytes
-        treatments, compile_options = _run_options(treatments, compile)
         named = find_blocks(model, blocks)
+        treatments, compile_options = _run_options(treatments, compile, [m for _, m in named])
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         static_parts = check_static_need_of(model, budget_bytes, _state_bytes(optimizer), transient_bytes=_transient_bytes(optimizer))
         self.grad_params = [p for p in model.parameters() if p.requires_grad]

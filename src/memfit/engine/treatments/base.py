@@ -24,6 +24,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from torch import nn
+
     from memfit.engine.accounting import SavedTensorCounter
     from memfit.engine.blocks import Block
     from memfit.engine.probe import ProbeKit
@@ -80,6 +84,12 @@ class Treatment:
     def for_run(cls, options: RunOptions) -> "Treatment":
         """The run's instance."""
         return cls()
+
+    @classmethod
+    def by_default(cls, modules: "Sequence[nn.Module]", compiled: bool) -> bool:
+        """Whether a run that names no treatments offers it for these blocks (NOTE [Recompute
+        always at hand] adds ``recompute`` to every run whatever this says)."""
+        return False
 
     @classmethod
     def probe(cls, block: "Block", kit: "ProbeKit") -> tuple[int, float | None] | None:

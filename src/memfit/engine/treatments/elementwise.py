@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -96,6 +96,12 @@ class Elementwise(Treatment):
     @classmethod
     def for_run(cls, options: RunOptions) -> Treatment:
         return cls(options.counter)
+
+    @classmethod
+    def by_default(cls, modules: Sequence[nn.Module], compiled: bool) -> bool:
+        """Offered to eager blocks with a gated MLP (decoder LLMs), where it frees about half a block for
+        a few elementwise kernels; a block with norms only frees little (the planner would rarely take it)."""
+        return not compiled and any(elementwise_parts(m)[1] for m in modules)
 
     def __init__(self, counter: "SavedTensorCounter | None" = None):
         self.counter = counter
