@@ -421,6 +421,18 @@ def test_elementwise_is_offered_only_where_the_block_computes_what_its_modules_d
     """NOTE [Elementwise recompute]: the probe measures what the block keeps under it and its price;
     a gated MLP whose forward does more than its four attributes say (a scaling) gets None: never
     planned, since the treatment's MLP would not be the model's."""
+    ctl, block, probe_of = _first_block_probe()
+    measured = probe_of("elementwise", "selective")
+    assert 0 < measured["elementwise"][0] and measured["elementwise"][1] >= 0.0
+    assert set(measured) == {"elementwise", "selective"} and probe_of("selective")
+    with _mlp_scaled(block):
+        assert "elementwise" not in probe_of("elementwise")
+    ctl.remove()
+
+
+def _first_block_probe():
+    """A tiny Llama's run, its first block, and ``probe_of(*names)``: what warm-up's probe measures of
+    that block under each treatment named (on its inputs of a 2 x 24 batch)."""
     from memfit.engine import probe
 
     torch.manual_seed(0)
@@ -429,18 +441,19 @@ def test_elementwise_is_offered_only_where_the_block_computes_what_its_modules_d
     ctl = memfit.fit(model, budget=None, method="none", treatments=_ALL)
     block = ctl.blocks[0]
     args, kwargs = _block_inputs(ctl, model, make_batch(2, 24))
-    measured = probe.probe_treatments(block, args, kwargs, ctl._counter, torch.device("cpu"), ("elementwise", "selective"))
-    keep_bytes = probe.probe_treatments(block, args, kwargs, ctl._counter, torch.device("cpu"), ("selective",))
-    assert 0 < measured["elementwise"][0] and measured["elementwise"][1] >= 0.0
-    assert set(measured) == {"elementwise", "selective"} and keep_bytes
+    return ctl, block, lambda *names: probe.probe_treatments(block, args, kwargs, ctl._counter, torch.device("cpu"), names)
+
+
+@contextlib.contextmanager
+def _mlp_scaled(block):
+    """The block's MLP computing more than its four attributes say (its output doubled)."""
     mlp = block.module.mlp
     plain = type(mlp).forward
     type(mlp).forward = lambda self, x: plain(self, x) * 2.0
     try:
-        assert "elementwise" not in probe.probe_treatments(block, args, kwargs, ctl._counter, torch.device("cpu"), ("elementwise",))
+        yield
     finally:
         type(mlp).forward = plain
-    ctl.remove()
 
 
 def test_elementwise_puts_back_a_forward_wrapped_on_the_instance():
@@ -574,25 +587,12 @@ def test_elementwise_is_offered_where_the_plain_blocks_backward_is_not_reproduci
     """The probe compares gradients bit for bit only where the plain block's own are reproducible; an
     attention whose backward is not (atomics) leaves the forward outputs to decide, as they did for
     every block before, so such a block may still take ``elementwise``; a scaled MLP still may not."""
-    from memfit.engine import probe
-
-    torch.manual_seed(0)
-    model, make_batch = build_decoder("llama", False)
-    model.train()
-    ctl = memfit.fit(model, budget=None, method="none", treatments=_ALL)
-    block = ctl.blocks[0]
-    args, kwargs = _block_inputs(ctl, model, make_batch(2, 24))
-    attention = block.module.self_attn
-    handle = attention.register_forward_hook(lambda m, a, out: (_Jitter.apply(out[0]), *out[1:]))
+    ctl, block, probe_of = _first_block_probe()
+    handle = block.module.self_attn.register_forward_hook(lambda m, a, out: (_Jitter.apply(out[0]), *out[1:]))
     try:
-        assert "elementwise" in probe.probe_treatments(block, args, kwargs, ctl._counter, torch.device("cpu"), ("elementwise",))
-        mlp = block.module.mlp
-        plain = type(mlp).forward
-        type(mlp).forward = lambda self, x: plain(self, x) * 2.0
-        try:
-            assert "elementwise" not in probe.probe_treatments(block, args, kwargs, ctl._counter, torch.device("cpu"), ("elementwise",))
-        finally:
-            type(mlp).forward = plain
+        assert "elementwise" in probe_of("elementwise")
+        with _mlp_scaled(block):
+            assert "elementwise" not in probe_of("elementwise")
     finally:
         handle.remove()
     ctl.remove()
