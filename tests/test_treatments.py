@@ -376,7 +376,8 @@ def _block_inputs(ctl, model, batch):
     return captured["inputs"]
 
 
-def test_elementwise_frees_the_mlps_and_norms_outputs_and_reruns_no_matmul():
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_elementwise_frees_the_mlps_and_norms_outputs_and_reruns_no_matmul(arch):
     """NOTE [Elementwise recompute]: counted (logical accounting), a block under ``elementwise`` keeps
     less than kept and more than recomputed; its backward runs the matmuls a kept block's does and no
     more (``recompute`` runs the forward's again), and no block body runs twice."""
@@ -392,7 +393,7 @@ def test_elementwise_frees_the_mlps_and_norms_outputs_and_reruns_no_matmul():
             return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
-    model, make_batch = build_decoder("llama", False)
+    model, make_batch = build_decoder(arch, False)
     model.train()
     batch = make_batch(2, 24)
     n = len(memfit.engine.blocks.find_blocks(model))

@@ -4,8 +4,9 @@ save for backward is computed again there from their inputs, never a matmul.
 # NOTE [Elementwise recompute]
 Most of a decoder block's saved bytes are not matmul outputs but what the elementwise ops between
 them keep: a gated MLP (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: Llama, Qwen, Mistral,
-Gemma) saves the activation's input, its output, the up projection and their product (four
-``tokens x intermediate`` tensors, about two thirds of a block), and an RMSNorm written in Python
+Gemma; Phi-3 halves one ``gate_up_proj`` instead) saves the activation's input, its output, the up
+projection and their product (four ``tokens x intermediate`` tensors, about two thirds of a
+block), and an RMSNorm written in Python
 saves a float32 copy of its input beside its normalised rows. ``recompute`` frees all of it and
 pays the block's whole forward again; ``selective`` frees the same elementwise outputs but runs
 the block's every op through a dispatch mode, twice. This treatment frees them by saved-tensor
@@ -62,15 +63,22 @@ logger = logging.getLogger("memfit")
 
 ELEMENTWISE = "elementwise"
 
+#: a gated MLP's attributes: its two projections apart (Llama, Qwen, Mistral, Gemma), or fused (Phi-3)
 _GATED_MLP = ("gate_proj", "up_proj", "down_proj", "act_fn")
+_FUSED_GATED_MLP = ("gate_up_proj", "down_proj", "activation_fn")
+
+
+def _is_gated_mlp(m: nn.Module) -> bool:
+    return all(hasattr(m, a) for a in _GATED_MLP) or all(hasattr(m, a) for a in _FUSED_GATED_MLP)
 
 
 def elementwise_parts(module: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
     """The block's norms (leaf modules whose class name ends in ``Norm``) and gated MLPs (modules
-    with ``gate_proj``, ``up_proj``, ``down_proj`` and ``act_fn``) that this treatment runs leaner."""
+    with ``gate_proj``, ``up_proj``, ``down_proj`` and ``act_fn``, or ``gate_up_proj``, ``down_proj``
+    and ``activation_fn``) that this treatment runs leaner."""
     norms, mlps = [], []
     for m in module.modules():
-        if all(hasattr(m, a) for a in _GATED_MLP):
+        if _is_gated_mlp(m):
             if "forward" not in vars(m):  # a forward wrapped on the instance (a hook library's) is not rewritten
                 mlps.append(m)
         elif type(m).__name__.endswith("Norm") and not any(True for _ in m.children()):
@@ -332,10 +340,13 @@ class _MlpForward:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         mlp = self.mlp
-        gate = mlp.gate_proj(x)
-        up = mlp.up_proj(x)
-        record = _MlpRecord(mlp.act_fn, gate, up)
-        act = mlp.act_fn(gate)
+        if hasattr(mlp, "gate_up_proj"):  # Phi-3: one projection, halved
+            gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
+            act_fn = mlp.activation_fn
+        else:
+            gate, up, act_fn = mlp.gate_proj(x), mlp.up_proj(x), mlp.act_fn
+        record = _MlpRecord(act_fn, gate, up)
+        act = act_fn(gate)
         if (gate._version, up._version) != record.versions:  # an activation in place is not computed again
             return mlp.down_proj(act * up)
         self.recipes.register(act, record, "act")  # before the product saves it
