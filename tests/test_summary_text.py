@@ -50,6 +50,22 @@ def test_end_summary_counts():
     assert lines[3].startswith("memfit: verdict: 1 of 4 steps went over the budget; most of it is the activations")
 
 
+def test_end_summary_names_each_treatment_where_a_plan_gave_another_than_recompute():
+    """A block under ``elementwise`` is not recomputed: the summary counts treated blocks and each
+    treatment's blocks per step."""
+    budget = 1000
+    records = [
+        _record(1, 600, budget, [0, 1, 2], treatments={"recompute": [0, 1, 2]}),
+        _record(2, 900, budget, [0, 1, 2, 3], treatments={"recompute": [0], "elementwise": [1, 2, 3], "head": "chunked:4"}),
+    ]
+    line = end_summary(records, "1000").splitlines()[2]
+    # (3 + 4) / 2 steps = 3.5 of 4; recompute (3 + 1) / 2 = 2.0, elementwise 3 / 2 = 1.5
+    assert line == (
+        "memfit: 3.5 of 4 blocks treated per step on average (88%: elementwise 1.5, recompute 2.0), "
+        "treatments about 35% of step time (estimated), steps took 0.2 s"
+    )
+
+
 def test_end_summary_without_budget_and_without_steps():
     text = end_summary([_record(1, 2**20, None, [])])
     assert "no budget: nothing is capped" in text and "peak 1.0 MiB (logical accounting), not capped" in text

@@ -209,8 +209,9 @@ def end_summary(records: Sequence[StepRecord], budget_given: str | None = None) 
     """The short summary printed when training ends (a few lines, each starting ``memfit:``).
 
     Steps, the peak and its share of the budget, steps over budget, OOM replays, blocks
-    recomputed per step, the estimated share of step time spent recomputing, the steps'
-    total time, and a one-line verdict (:func:`verdict`).
+    recomputed per step (treated, with each treatment's share, where a plan gave another), the
+    estimated share of step time spent on them, the steps' total time, and a one-line verdict
+    (:func:`verdict`).
 
     Args:
         records: the run's step records (every rank's, for a merged summary).
@@ -236,11 +237,20 @@ def end_summary(records: Sequence[StepRecord], budget_given: str | None = None) 
         )
     peak += f", {s.oom_retries} OOM replay{'s' * (s.oom_retries != 1)}"
     share_time = f"{100 * recompute_ms / step_ms:.0f}%" if step_ms > 0 else "-"
-    blocks = (
-        f"memfit: {s.mean_checkpointed_fraction * n_blocks:.1f} of {n_blocks} blocks recomputed per step on average "
-        f"({100 * s.mean_checkpointed_fraction:.0f}%), recompute about {share_time} of step time (estimated), "
-        f"steps took {step_ms / 1e3:.1f} s"
-    )
+    kinds = s.treated_blocks
+    if set(kinds) <= {"recompute"}:
+        blocks = (
+            f"memfit: {s.mean_checkpointed_fraction * n_blocks:.1f} of {n_blocks} blocks recomputed per step on average "
+            f"({100 * s.mean_checkpointed_fraction:.0f}%), recompute about {share_time} of step time (estimated), "
+            f"steps took {step_ms / 1e3:.1f} s"
+        )
+    else:  # a block under another treatment is not recomputed: each treatment's share is named
+        each = ", ".join(f"{name} {count / s.steps:.1f}" for name, count in kinds.items())
+        blocks = (
+            f"memfit: {s.mean_checkpointed_fraction * n_blocks:.1f} of {n_blocks} blocks treated per step on average "
+            f"({100 * s.mean_checkpointed_fraction:.0f}%: {each}), treatments about {share_time} of step time "
+            f"(estimated), steps took {step_ms / 1e3:.1f} s"
+        )
     lines = [head, peak, blocks, *_head_line(records)]
     if any(r.compiled_graphs for r in records):
         lines.append(
