@@ -16,7 +16,7 @@ run uncapped only (under a cap they do not fit, by design).
 Methods (memfit under the cap, every micro-step through ``Controller.run_step``):
 ``none`` (memfit only measures), ``full``, ``static``, ``dynamic`` (recompute only),
 ``dynamic+sel`` (recompute and selective), ``dynamic+all`` (recompute, selective, offload), ``dynamic+ew``
-(recompute and elementwise), ``dynamic+offload``
+(recompute and elementwise), ``dynamic+auto`` (the treatments offered by default), ``dynamic+offload``
 (recompute, offload; ``-free``: every offload priced at its fixed cost alone),
 ``dynamic-backstop`` (recompute only, the backstop armed as a loop without replay would have
 it, called without run_step), ``reactive``, ``none+compile`` (uncapped), ``full+compile`` and
@@ -94,6 +94,8 @@ MEMFIT_METHODS = {
     "dynamic+all": ("dynamic", {}, ("recompute", "selective", "offload")),
     # and the norms' and gated MLP's elementwise ops recomputed at module level (NOTE [Elementwise recompute])
     "dynamic+ew": ("dynamic", {}, ("recompute", "elementwise")),
+    # the treatments a run that names none is offered (Treatment.by_default): what a user gets
+    "dynamic+auto": ("dynamic", {}, None),
     # offload beside recompute, priced by its exposed copy time (NOTE [Offload price]); and the
     # same with every offload priced at its fixed cost alone, so the planner offloads wherever
     # it saves bytes: what offload costs where the price says it does not pay
