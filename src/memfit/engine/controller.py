@@ -130,23 +130,22 @@ def _run_options(
     """The run's treatment names (NOTE [Recompute always at hand], treatments/__init__.py) and the
     ``torch.compile`` arguments of the blocks' bodies, or None (NOTE [Compiled blocks], blocks.py).
 
-    ``treatments=None`` gives the default: ``recompute``, and with blocks compiled by inductor
-    ``selective`` too (the budgeted compilation, priced per block like any treatment: NOTE
-    [Compiled blocks]), and what a registered treatment offers the blocks (``modules``) by default
-    (:meth:`Treatment.by_default`: ``elementwise`` for eager blocks with a gated MLP).
+    ``treatments=None`` gives the default: ``recompute`` and what each registered treatment offers
+    these blocks (``modules``) compiled so (:meth:`Treatment.by_default`): ``selective`` where
+    inductor compiles them (the budgeted compilation, priced per block like any treatment: NOTE
+    [Compiled blocks]), ``elementwise`` for eager blocks with a gated MLP.
 
     Raises:
         ValueError: an ``activation_memory_budget`` outside [0, 1), a ``recompile_limit``
             that is not a whole number from 1, a ``loss`` that is not a bool; ``selective`` with a backend other than inductor (NOTE [Compiled blocks]).
     """
-    compiled, given = compile is not False and compile is not None, treatments
+    options = None if compile is False or compile is None else {} if compile is True else dict(compile)
     if treatments is None:
-        treatments = tuple(n for n, t in TREATMENTS.items() if t.by_default(modules, compiled))
-    if not compiled:
+        treatments = tuple(n for n, t in TREATMENTS.items() if t.by_default(modules, options))
+    if options is None:
         return run_treatment_names(treatments), None
-    options = {} if compile is True else dict(compile)
     inductor = options.get("backend", "inductor") == "inductor"
-    names = run_treatment_names((SELECTIVE, *treatments) if given is None and inductor else treatments)
+    names = run_treatment_names(treatments)
     budget = options.get("activation_memory_budget", SELECTIVE_BUDGET)
     if not isinstance(budget, (int, float)) or not 0 <= budget < 1:
         raise ValueError(

@@ -237,20 +237,15 @@ def end_summary(records: Sequence[StepRecord], budget_given: str | None = None) 
         )
     peak += f", {s.oom_retries} OOM replay{'s' * (s.oom_retries != 1)}"
     share_time = f"{100 * recompute_ms / step_ms:.0f}%" if step_ms > 0 else "-"
-    kinds = s.treated_blocks
-    if set(kinds) <= {"recompute"}:
-        blocks = (
-            f"memfit: {s.mean_checkpointed_fraction * n_blocks:.1f} of {n_blocks} blocks recomputed per step on average "
-            f"({100 * s.mean_checkpointed_fraction:.0f}%), recompute about {share_time} of step time (estimated), "
-            f"steps took {step_ms / 1e3:.1f} s"
-        )
-    else:  # a block under another treatment is not recomputed: each treatment's share is named
-        each = ", ".join(f"{name} {count / s.steps:.1f}" for name, count in kinds.items())
-        blocks = (
-            f"memfit: {s.mean_checkpointed_fraction * n_blocks:.1f} of {n_blocks} blocks treated per step on average "
-            f"({100 * s.mean_checkpointed_fraction:.0f}%: {each}), treatments about {share_time} of step time "
-            f"(estimated), steps took {step_ms / 1e3:.1f} s"
-        )
+    # a block under another treatment than recompute is not recomputed: each treatment's share is named
+    recompute_only = set(s.treated_blocks) <= {"recompute"}
+    each = "" if recompute_only else ": " + ", ".join(f"{name} {n / s.steps:.1f}" for name, n in s.treated_blocks.items())
+    blocks = (
+        f"memfit: {s.mean_checkpointed_fraction * n_blocks:.1f} of {n_blocks} blocks "
+        f"{'recomputed' if recompute_only else 'treated'} per step on average "
+        f"({100 * s.mean_checkpointed_fraction:.0f}%{each}), {'recompute' if recompute_only else 'treatments'} about "
+        f"{share_time} of step time (estimated), steps took {step_ms / 1e3:.1f} s"
+    )
     lines = [head, peak, blocks, *_head_line(records)]
     if any(r.compiled_graphs for r in records):
         lines.append(

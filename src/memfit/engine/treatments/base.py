@@ -86,9 +86,10 @@ class Treatment:
         return cls()
 
     @classmethod
-    def by_default(cls, modules: "Sequence[nn.Module]", compiled: bool) -> bool:
-        """Whether a run that names no treatments offers it for these blocks (NOTE [Recompute
-        always at hand] adds ``recompute`` to every run whatever this says)."""
+    def by_default(cls, modules: "Sequence[nn.Module]", compile_options: "dict[str, Any] | None") -> bool:
+        """Whether a run that names no treatments offers it for these blocks, their bodies compiled
+        with ``compile_options`` (None: eager). NOTE [Recompute always at hand] adds ``recompute`` to
+        every run whatever this says."""
         return False
 
     @classmethod

@@ -106,10 +106,10 @@ class Elementwise(Treatment):
         return cls(options.counter)
 
     @classmethod
-    def by_default(cls, modules: Sequence[nn.Module], compiled: bool) -> bool:
+    def by_default(cls, modules: Sequence[nn.Module], compile_options: dict[str, Any] | None) -> bool:
         """Offered to eager blocks with a gated MLP (decoder LLMs), where it frees about half a block for
         a few elementwise kernels; a block with norms only frees little (the planner would rarely take it)."""
-        return not compiled and any(elementwise_parts(m)[1] for m in modules)
+        return compile_options is None and any(elementwise_parts(m)[1] for m in modules)
 
     def __init__(self, counter: "SavedTensorCounter | None" = None):
         self.counter = counter
@@ -134,8 +134,8 @@ class Elementwise(Treatment):
         forward and backward beyond the plain block's, each the fastest of the timed runs,
         interleaved. None for a compiled block, one with nothing to treat, or one whose outputs or
         gradients are not the plain block's bit for bit."""
-        norms, mlps = elementwise_parts(block.module)
-        if block.compiled or not (norms or mlps):
+        parts = elementwise_parts(block.module)
+        if block.compiled or not (parts[0] or parts[1]):
             return None
         devices = [kit.device] if kit.device.type == "cuda" else []
 
@@ -144,7 +144,7 @@ class Elementwise(Treatment):
             for d, s in zip(devices, state[1]):
                 torch.cuda.set_rng_state(s, d)
             probe_args, probe_kwargs = kit.fresh()
-            with hooks, (_leaner(block.module, held) if lean else contextlib.nullcontext()):
+            with hooks, (_leaner(block.module, held, parts) if lean else contextlib.nullcontext()):
                 out = block._body(*probe_args, **probe_kwargs)
             outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
             inputs = [t for t in tree_leaves((probe_args, probe_kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -180,7 +180,7 @@ class Elementwise(Treatment):
 
         lean_ms, plain_ms = [], []
         for _ in range(kit.timed_runs):  # NOTE [Cold runs of a block] (probe.py)
-            lean_ms.append(kit.forward_backward_ms(block._body, kit.shield(), _leaner(block.module, [])))
+            lean_ms.append(kit.forward_backward_ms(block._body, kit.shield(), _leaner(block.module, [], parts)))
             plain_ms.append(kit.forward_backward_ms(block._body, kit.shield()))
         return counter.bytes, max(0.0, min(lean_ms) - min(plain_ms))
 

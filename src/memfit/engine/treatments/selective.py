@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,6 +31,8 @@ from memfit.engine.treatments.base import RunOptions, Treatment
 from memfit.engine.treatments.random_ops import dropout_p, runs_random
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from memfit.engine.accounting import SavedTensorCounter
     from memfit.engine.blocks import Block
     from memfit.engine.probe import ProbeKit
@@ -108,6 +110,12 @@ class Selective(Treatment):
     holds_inputs = True
     reruns_part = True
     order = 10
+
+    @classmethod
+    def by_default(cls, modules: Sequence[nn.Module], compile_options: dict[str, Any] | None) -> bool:
+        """Offered where inductor compiles the blocks (the body compiled again under the activation
+        budget: :class:`CompiledSelective`); an eager run offers it where it names it."""
+        return compile_options is not None and compile_options.get("backend", "inductor") == "inductor"
 
     @classmethod
     def for_run(cls, options: RunOptions) -> Treatment:
