@@ -34,7 +34,9 @@ def test_gradients_equal_no_checkpointing(arch, method):
     if method in ("dynamic", "static"):
         steady = [r for r in records if r.phase == "steady"]
         assert steady, "warm-up never ended"
-        assert any(r.n_checkpointed < r.n_blocks for r in steady)
+        # some step does not recompute every block (by default a Llama's blocks may also take
+        # `elementwise`, priced by a timed probe: a step may treat every block, some that way)
+        assert any(len(r.block_treatments.get("recompute", [])) < r.n_blocks for r in steady)
     if method == "dynamic":
         assert any(0 < r.n_checkpointed for r in steady), "budget never bound: the test checks nothing"
     ctl.remove()

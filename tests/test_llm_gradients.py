@@ -43,7 +43,9 @@ def test_decoder_gradients_equal_no_checkpointing(arch, lora):
             continue
         steady = [r for r in records if r.phase == "steady"]
         assert steady, f"{method}: warm-up never ended"
-        partial = [r for r in steady if 0 < r.n_checkpointed < r.n_blocks]
+        # a plan that treats part of the stack, or recomputes part of it (by default these blocks may
+        # also take `elementwise`, priced by a timed probe: a plan may treat every block, some that way)
+        partial = [r for r in steady if 0 < r.n_checkpointed and len(r.block_treatments.get("recompute", [])) < r.n_blocks]
         assert partial, f"{method}: no partial plan, the budget never bound part of the stack: {[r.plan for r in steady]}"
         if method == "dynamic":  # short inputs need no checkpointing at all
             assert any(r.n_checkpointed == 0 for r in steady), [r.plan for r in steady]
