@@ -55,21 +55,27 @@ def main(argv: list[str] | None = None) -> int:
     outside = model.outside
     print("outside curve, bytes a token: " + ", ".join(
         f"{n * t} tokens {y / (n * t) / 1e3:.0f} KB" for (n, t), y in zip(outside.xs, outside.ys)))
-    print("| step | tokens a row | treated | predicted now GB | read GB | error GB |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| step | tokens a row | treated | backward start GB | recompute GB | predicted now GB | read GB | error GB |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for line in gzip.open(args.steps, "rt"):
         r = json.loads(line)
         if r.get("phase") != "steady":
             continue
         attempt = (r.get("oom_attempts") or [None])[0]  # an OOM's first try: its plan and what it read
-        blocks = attempt["plan"] if attempt else r["plan"]
-        name, _, chunks = r["treatments"].get("head", "keep:1").partition(":")
-        plan = Plan(tuple(blocks), head=(name, int(chunks or 1)))
+        treatments = (attempt or r).get("treatments") or r["treatments"]
+        name, _, chunks = treatments.get("head", "keep:1").partition(":")
+        kind_of = {i: kind for kind, blocks in treatments.items() if kind != "head" for i in blocks}
+        if not kind_of:  # a record from before step records named each block's treatment: all recomputed
+            kind_of = {i: "recompute" for i in (attempt["plan"] if attempt else r["plan"])}
+        blocks = sorted(kind_of)
+        plan = Plan(tuple(blocks), kinds=tuple(kind_of[i] for i in blocks), head=(name, int(chunks or 1)))
         key = (r["shape"][0], r["shape"][1])
+        start, recompute, step = (r["static_bytes"] + float(v) for v in model._plan_peaks(key, plan))
         predicted = r["static_bytes"] + model.step_bytes(key, plan)
         read = attempt["peak_allocated_bytes"] if attempt else r["peak_allocated_bytes"]
-        print(f"| {r['step']} | {key[1]} | {len(blocks)} | {predicted / 1e9:.2f} | {read / 1e9:.2f} | "
-              f"{(predicted - read) / 1e9:+.2f} |")
+        mix = ", ".join(f"{len([i for i in blocks if kind_of[i] == k])} {k}" for k in sorted(set(kind_of.values())))
+        print(f"| {r['step']} | {key[1]} | {mix or 0} | {start / 1e9:.2f} | {recompute / 1e9:.2f} | "
+              f"{predicted / 1e9:.2f} | {read / 1e9:.2f} | {(predicted - read) / 1e9:+.2f} |")
     return 0
 
 
