@@ -491,15 +491,15 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
             remove_head, skipped = fixed_head(model, *FIXED_HEADS[head])
             if remove_head is None:
                 return _failed(args, name, budget, repeat, "skipped", skipped)
-        compiled = TorchCompile(_compile_budget(name))
-        compiled.__enter__()
-        compiled.prepare(SimpleNamespace(model=model), SimpleNamespace(torch_compile=False))
+        peer = TorchCompile(_compile_budget(name))
+        peer.__enter__()
+        peer.prepare(SimpleNamespace(model=model), SimpleNamespace(torch_compile=False))
 
-        def undo(remove_head=remove_head):
+        def undo(remove_head=remove_head, peer=peer):
             for _, block in memfit.engine.blocks.find_blocks(model):
                 block.__dict__.pop("forward", None)  # the class's forward again
-            compiled.__exit__(None, None, None)
-            note_compile.append(compiled.record()["note"])
+            peer.__exit__(None, None, None)
+            note_compile.append(peer.record()["note"])
             if remove_head is not None:
                 remove_head()
     elif name == "trl-offload":

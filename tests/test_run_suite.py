@@ -384,3 +384,24 @@ def test_llm_suite_has_the_compiled_head_call_and_long_context_at_32k():
     assert "compile-0.1+chunked-8" in head.commands[0] and "dynamic+sel+compile" in head.commands[0]
     assert "fixed:16384,32768" in long32.commands[0] and "hf-offload" in long32.commands[0]
     assert "dynamic+sel+compile" in sides.commands[0] and "none" in sides.commands[0]
+
+
+def test_loop_bench_runs_the_compile_peer_and_undoes_it(tmp_path, monkeypatch):
+    """A ``compile-F`` configuration end to end on CPU (Dynamo with AOT's eager backend: no C
+    compiler): it trains, its undo restores the blocks, and its line carries the peer's note (the
+    undo once called ``__exit__`` on the run's list of compiled steps, which had taken its name)."""
+    import memfit.tools.bench.peers as peers
+
+    class AotEager(peers.TorchCompile):
+        def __init__(self, budget, backend="inductor"):
+            super().__init__(budget, backend="aot_eager")
+
+    monkeypatch.setattr(peers, "TorchCompile", AotEager)
+    loop_bench = _loop_bench()
+    out = tmp_path / "out"
+    assert loop_bench.main(["--model", "llama-tiny", "--device", "cpu", "--dtype", "float32", "--lengths", "uniform:8:24",
+                            "--batch", "2", "--steps", "3", "--steady_from", "1", "--budgets", "--budget_gb", "1",
+                            "--repeats", "1", "--methods", "compile-0.5", "--output_dir", str(out)]) == 0
+    (line,) = [json.loads(text) for text in (out / "results.jsonl").read_text().splitlines()]
+    assert line["status"] == "ok" and len(line["step_ms"]) == 3
+    assert line["note"].startswith("torch.compile (aot_eager, activation_memory_budget 0.5)")
