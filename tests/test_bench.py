@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
@@ -181,3 +182,21 @@ def test_steps_that_compiled_are_left_out_of_the_steady_time_and_every_paired_ra
 
     assert loop_bench._steady(Args, peer_times, [3, 4]) == {"steady_step_ms": 20.0}
     assert loop_bench._steady(Args, peer_times) == {"steady_step_ms": 4010.0}
+
+
+def test_saved_inventory_lists_a_layers_saved_tensors_once_each(capsys):
+    """benchmarks/saved_inventory.py: one layer of a bundled config, its saved activations by node,
+    parameters left out, each storage counted once; an unknown config is exit code 2."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "saved_inventory.py"
+    spec = importlib.util.spec_from_file_location("saved_inventory", path)
+    inventory = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(inventory)
+    assert inventory.main(["--model", "llama-tiny", "--batch", "2", "--length", "8", "--dtype", "float32"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    nodes = {row["node"] for row in report["saved"]}
+    assert "SiluBackward0" in nodes and any(n.startswith("MmBackward") for n in nodes)
+    assert all(row["shape"][:2] != [176, 64] for row in report["saved"])  # no weight (64 x 176 / 176 x 64)
+    assert report["bytes"] == sum(row["bytes"] for row in report["saved"] if not row["shared"]) > 0
+    gate = next(row for row in report["saved"] if row["node"] == "SiluBackward0")
+    assert gate["shape"] == [2, 8, 176] and gate["bytes"] == 2 * 8 * 176 * 4  # the gate projection, float32
+    assert inventory.main(["--model", "no-such-model"]) == 2
