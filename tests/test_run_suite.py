@@ -375,7 +375,8 @@ def test_llm_suite_has_the_compiled_head_call_and_long_context_at_32k():
     llm = run_suite.load("llm")
     calls = {c.name: c for c in llm.calls(llm.SUITE, Context(raw=ROOT / "runs" / "x", quick=False, cuda=True))}
     head, long32, sides = calls["head-compile"], calls["room-long32"], calls["compile-sides"]
-    for call in (head, long32, sides):
+    auto = [calls["head-auto-qwen15"], calls["head-auto-llama1b"]]
+    for call in (head, long32, sides, *auto):
         words = [str(w) for w in call.commands[0]]
         args = loop_bench._parse(words[words.index(next(w for w in words if w.endswith("loop_bench.py"))) + 1:])
         assert all(loop_bench._memfit_config(m) or m in loop_bench.PEERS or loop_bench._compile_budget(m)
@@ -384,6 +385,9 @@ def test_llm_suite_has_the_compiled_head_call_and_long_context_at_32k():
     assert "compile-0.1+chunked-8" in head.commands[0] and "dynamic+sel+compile" in head.commands[0]
     assert "fixed:16384,32768" in long32.commands[0] and "hf-offload" in long32.commands[0]
     assert "dynamic+sel+compile" in sides.commands[0] and "none" in sides.commands[0]
+    for call, model in zip(auto, ("Qwen2.5-1.5B", "Llama-3.2-1B")):
+        words = [str(w) for w in call.commands[0]]
+        assert words[words.index("--model") + 1] == model and "dynamic+auto" in words and "hf-every-1+liger" in words
 
 
 def test_loop_bench_runs_the_compile_peer_and_undoes_it(tmp_path, monkeypatch):

@@ -145,6 +145,7 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
         folder="room-reactive"))
     out += head_calls(suite, ctx)
     out.append(head_compile_call(suite, ctx))
+    out += head_default_calls(suite, ctx)
     out.append(Call("long-compile", [script(
         ctx, "loop_bench.py", *long, "--methods", "none", "none+compile", "full", "dynamic+compile",
         "dynamic+sel+compile", "compile-0.5", "--output_dir", ctx.folder("long-compile"))], folder="long-compile"))
@@ -197,6 +198,26 @@ def head_compile_call(suite: Suite, ctx: Context) -> Call:
         HEAD_BUDGETS_GB[0], "--repeats", 1 if ctx.quick else suite.repeats, "--head", "on", "--no_cudnn_sdpa",
         "--time_limit_s", 420, "--config_time_limit_s", 150, "--methods", *HEAD_COMPILE_METHODS,
         "--output_dir", ctx.folder("head-compile"))], folder="head-compile", timeout_s=500)
+
+
+#: the default-treatment head calls' methods: what a run that names no treatments gets, recompute
+#: alone, and the fixed policies (Hugging Face's checkpointing of every layer with each fixed loss)
+HEAD_DEFAULT_METHODS = ("dynamic+auto", "dynamic", "hf-every-1+chunked-8", "hf-every-1+liger")
+
+
+def head_default_calls(suite: Suite, ctx: Context) -> list[Call]:
+    """``head-auto-qwen15`` and ``head-auto-llama1b``: the default treatments (``dynamic+auto``) on
+    Qwen2.5-1.5B's and Llama-3.2-1B's shapes at both head caps, 30 steps, each a device command of
+    its own (about 420 s for 3 repeats of four methods on an H100; llm-head s22-1/s22-2)."""
+    out = []
+    for name, model in (("head-auto-qwen15", "Qwen2.5-1.5B"), ("head-auto-llama1b", "Llama-3.2-1B")):
+        out.append(Call(name, [script(
+            ctx, "loop_bench.py", "--model", model, "--lengths", "sft", "--batch", 8,
+            "--steps", 6 if ctx.quick else 30, "--steady_from", 2 if ctx.quick else 8, "--budgets", "--budget_gb",
+            *HEAD_BUDGETS_GB, "--repeats", 1 if ctx.quick else suite.repeats, "--head", "on", "--no_cudnn_sdpa",
+            "--time_limit_s", 470, "--methods", *HEAD_DEFAULT_METHODS, "--output_dir", ctx.folder(name))],
+            folder=name, timeout_s=540))
+    return out
 
 
 def head_job(out: str, python: str = "python3") -> str:
