@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -70,11 +71,13 @@ def main(argv: list[str] | None = None) -> int:
         blocks = sorted(kind_of)
         plan = Plan(tuple(blocks), kinds=tuple(kind_of[i] for i in blocks), head=(name, int(chunks or 1)))
         key = (r["shape"][0], r["shape"][1])
-        start, recompute, step = (r["static_bytes"] + float(v) for v in model._plan_peaks(key, plan))
+        start = r["static_bytes"] + model.backward_start_bytes(key, plan)
+        recompute = r["static_bytes"] + model.recompute_bytes(key, plan)
         predicted = r["static_bytes"] + model.step_bytes(key, plan)
         read = attempt["peak_allocated_bytes"] if attempt else r["peak_allocated_bytes"]
         mix = ", ".join(f"{len([i for i in blocks if kind_of[i] == k])} {k}" for k in sorted(set(kind_of.values())))
-        print(f"| {r['step']} | {key[1]} | {mix or 0} | {start / 1e9:.2f} | {recompute / 1e9:.2f} | "
+        rerun = f"{recompute / 1e9:.2f}" if math.isfinite(recompute) else "-"  # no block re-runs its body
+        print(f"| {r['step']} | {key[1]} | {mix or 0} | {start / 1e9:.2f} | {rerun} | "
               f"{predicted / 1e9:.2f} | {read / 1e9:.2f} | {(predicted - read) / 1e9:+.2f} |")
     return 0
 

@@ -409,3 +409,39 @@ def test_loop_bench_runs_the_compile_peer_and_undoes_it(tmp_path, monkeypatch):
     (line,) = [json.loads(text) for text in (out / "results.jsonl").read_text().splitlines()]
     assert line["status"] == "ok" and len(line["step_ms"]) == 3
     assert line["note"].startswith("torch.compile (aot_eager, activation_memory_budget 0.5)")
+
+
+def test_model_replay_predicts_each_step_with_its_blocks_treatments(tmp_path, capsys):
+    """benchmarks/model_replay.py on a CPU run of loop_bench: a step record's blocks are replayed under
+    the treatment the record names (it once replayed every treated block as recomputed), each row's
+    prediction the run's last model's for that plan."""
+    from memfit.engine.model import MemoryModel
+    from memfit.engine.planner import Plan
+
+    loop_bench = _loop_bench()
+    out = tmp_path / "out"
+    assert loop_bench.main(["--model", "llama-tiny", "--device", "cpu", "--dtype", "float32", "--lengths", "uniform:64:160",
+                            "--batch", "2", "--steps", "5", "--steady_from", "3", "--budgets", "--budget_gb", "0.061",
+                            "--repeats", "1", "--head", "on", "--methods", "dynamic", "--output_dir", str(out)]) == 0
+    (steps,) = (out / "steps").glob("*-r0.jsonl.gz")
+    model_file = steps.with_name(steps.name.replace(".jsonl.gz", ".model.json.gz"))
+    records = [json.loads(line) for line in gzip.open(steps, "rt")]
+    steady = next(r for r in records if r["phase"] == "steady")
+    mixes = ({"recompute": [0, 1, 2, 3]}, {"elementwise": [0, 1], "recompute": [2, 3]}, {"elementwise": [1, 3]})
+    rewritten = tmp_path / "steps.jsonl.gz"
+    with gzip.open(rewritten, "wt") as fh:
+        for step, mix in enumerate(mixes, start=10):
+            fh.write(json.dumps({**steady, "step": step, "treatments": {**mix, "head": "keep"}}) + "\n")
+    spec = importlib.util.spec_from_file_location("model_replay", ROOT / "benchmarks" / "model_replay.py")
+    replay = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replay)
+    assert replay.main([str(rewritten), str(model_file), "--model", "llama-tiny"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| 1")]
+    assert [row[2].strip() for row in rows] == ["4 recompute", "2 elementwise, 2 recompute", "2 elementwise"]
+    model = MemoryModel.from_dict(json.load(gzip.open(model_file, "rt"))["model"])
+    key = tuple(steady["shape"][:2])
+    for row, mix in zip(rows, mixes):
+        kind = {i: name for name, blocks in mix.items() for i in blocks}
+        plan = Plan(tuple(sorted(kind)), kinds=tuple(kind[i] for i in sorted(kind)), head=("keep", 1))
+        assert float(row[5]) == round((steady["static_bytes"] + model.step_bytes(key, plan)) / 1e9, 2)
+    assert rows[2][4].strip() == "-"  # no block re-runs its body whole
