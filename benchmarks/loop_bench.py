@@ -58,7 +58,7 @@ dry run of a command: memfit's logical accounting, host-clock times.
 Data: ``--lengths sft`` (the SFT table of memfit.cli.tasks.causal_lm, long-tailed, up to 2,048
 tokens), ``uniform:A:B``, or ``fixed:L1,L2,...`` (long context). Output under ``--output_dir``:
 ``results.jsonl`` (the suite schema ``memfit report`` reads, plus loop fields: each line's
-``cuda_alloc_retries`` (allocations the caching allocator served only after releasing its cache, in the steady steps), ``step_ratio_vs_none`` and ``step_ratio_vs_none_compile``, the median of its steady steps'
+``cuda_alloc_retries`` (allocations the caching allocator served only after releasing its cache, in the steady steps), ``head`` (the chunked head's implementation, its price, and ``probed``: what warm-up's probe read of each implementation), ``step_ratio_vs_none`` and ``step_ratio_vs_none_compile``, the median of its steady steps'
 ratios to the same repeat's uncapped ``none`` / ``none+compile`` on the same batches) and
 ``steps/<config>.jsonl.gz`` (memfit's step records).
 
@@ -434,6 +434,20 @@ def _no_plans(args, name: str, budget: int | None, repeat: int) -> dict:
     return _failed(args, name, budget, repeat, "skipped", "no dynamic run before it at this budget and repeat")
 
 
+def _head_probes(part) -> dict:
+    """What warm-up's probe read of each implementation of the chunked head (NOTE [Pricing the head],
+    chunked_head.py): its price line over keeping the head (ms per 1k tokens, ms per chunk) and the
+    tokens and times it was read at; and those that raised when probed."""
+    probed = {}
+    for name, (per_token, per_chunk, _) in part.lines.items():
+        seen = part.probes.get(name, {})
+        fewest = seen[min(seen)] if seen else {}
+        probed[name] = {"ms_per_1k_tokens": round(1e3 * per_token, 4), "ms_per_chunk": round(per_chunk, 4),
+                        "tokens": int(fewest.get("tokens", 0)), "keep_ms": round(fewest.get("keep", 0.0), 3),
+                        "chunked_ms": round(fewest.get("chunked", 0.0), 3)}
+    return {"probed": probed, "failed": sorted(part.failed)}
+
+
 def run_config(args, model, batches, initial, name: str, budget: int | None, repeat: int, out_dir: str) -> dict:
     """One configuration; returns its result line."""
     import torch
@@ -578,7 +592,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
         part = ctl.head.part
         if part is not None:  # which chunked head the warm-up's probe chose, and its price
             result["head"] = {"implementation": part.switch.implementation, "ms_per_1k_tokens": round(1e3 * part.extra_ms_per_token, 4),
-                              "ms_per_chunk": round(part.per_chunk_ms, 4)}
+                              "ms_per_chunk": round(part.per_chunk_ms, 4), **_head_probes(part)}
         ctl.remove()
         fields = _memfit_fields(args, records)
         result.update(fields, oom_count=fields.get("oom_count", 0) + ooms)

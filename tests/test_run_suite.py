@@ -414,7 +414,7 @@ def test_loop_bench_runs_the_compile_peer_and_undoes_it(tmp_path, monkeypatch):
 def test_model_replay_predicts_each_step_with_its_blocks_treatments(tmp_path, capsys):
     """benchmarks/model_replay.py on a CPU run of loop_bench: a step record's blocks are replayed under
     the treatment the record names (it once replayed every treated block as recomputed), each row's
-    prediction the run's last model's for that plan."""
+    prediction the run's last model's for that plan. The run's line says what the head's probe read."""
     from memfit.engine.model import MemoryModel
     from memfit.engine.planner import Plan
 
@@ -423,6 +423,10 @@ def test_model_replay_predicts_each_step_with_its_blocks_treatments(tmp_path, ca
     assert loop_bench.main(["--model", "llama-tiny", "--device", "cpu", "--dtype", "float32", "--lengths", "uniform:64:160",
                             "--batch", "2", "--steps", "5", "--steady_from", "3", "--budgets", "--budget_gb", "0.061",
                             "--repeats", "1", "--head", "on", "--methods", "dynamic", "--output_dir", str(out)]) == 0
+    (line,) = [json.loads(text) for text in (out / "results.jsonl").read_text().splitlines()]
+    probed = line["head"]["probed"]  # what warm-up's probe read of each implementation, for the records
+    assert line["head"]["implementation"] in probed and probed["pure"]["tokens"] > 0 and line["head"]["failed"] == []
+    assert probed["pure"]["keep_ms"] > 0 and probed["pure"]["chunked_ms"] > 0
     (steps,) = (out / "steps").glob("*-r0.jsonl.gz")
     model_file = steps.with_name(steps.name.replace(".jsonl.gz", ".model.json.gz"))
     records = [json.loads(line) for line in gzip.open(steps, "rt")]
