@@ -720,3 +720,38 @@ def test_the_probe_corrects_a_formula_the_kernel_does_not_follow(monkeypatch, ca
     said = [r.getMessage() for r in caplog.records if "planned with the measured bytes" in r.getMessage()]
     assert len(said) == 1 and "pure_grad_in_forward" in said[0]
     ctl.remove()
+
+
+def test_a_fused_kernels_fixed_part_is_priced_per_step_not_spread_over_the_probes_tokens(monkeypatch):
+    """NOTE [A fused kernel's fixed part]: a kernel whose chunks each pass over the whole weight costs
+    a fixed time per step. Timed at the probe's tokens and at half of them, its price is the line
+    through both: at 16k tokens it is its fixed part plus its per-token part, not 64 times what a
+    256-token probe measured per token. A kernel with no fixed part keeps its per-token price."""
+    import memfit.engine.treatments.chunked_head as chunked_head
+    from memfit.engine.head import attach_head, fused_chunks
+
+    sizes = {}
+
+    def probe(spec, hidden, labels, n_chunks, implementation="pure"):
+        tokens = hidden.shape[0] * hidden.shape[1]
+        sizes.setdefault(implementation, set()).add(tokens)
+        keep = 1.0 + 0.01 * tokens
+        extra = {"pure": 0.02 * tokens + 0.5 * n_chunks, "liger": 20.0 + 0.001 * tokens, "cce": 0.006 * tokens}[implementation]
+        return {"keep": {"ms": keep, "saved_bytes": 0.0}, "chunked": {"ms": keep + extra, "saved_bytes": 0.0}}
+
+    monkeypatch.setattr(chunked_head, "probe_head", probe)
+    monkeypatch.setattr(chunked_head, "available_implementations", lambda spec, device: ["pure", "liger", "cce"])
+    part = chunked_head.HeadPart(attach_head(_base()), free_bytes=lambda device: 10**15)  # timed at the steps' size
+    part.switch.n_chunks = 16  # (one chunk's rows, what a probe without the room's bytes is cut to, are 16)
+    part.probe(torch.randn(4, 64, 32), torch.randint(0, VOCAB, (4, 64)))
+    assert sizes["liger"] == sizes["cce"] == {256, 128} and sizes["pure"] == {256}
+
+    def price(name: str, tokens: int) -> float:
+        per_token, per_chunk, _ = part.lines[name]
+        return per_token * tokens + per_chunk * fused_chunks(tokens, VOCAB, 32)
+
+    assert price("liger", 16384) == pytest.approx(20.0 + 0.001 * 16384)
+    assert price("cce", 16384) == pytest.approx(0.006 * 16384) and part.lines["cce"][1] == 0.0
+    assert price("liger", 16384) < price("cce", 16384)  # where a 256-token price per token said 3x the other
+    assert part.lines["liger"][2] > part.lines["cce"][2]  # at the probe's size it is the slower
+    part.remove()
