@@ -402,8 +402,8 @@ class HeadPart:
         over keeping the head, the fixed part priced per chunk of its own count.
 
         # NOTE [A fused kernel's fixed part]
-        A fused kernel runs its own chunk count (:func:`memfit.engine.head.fused_chunks`), about
-        ``vocab / hidden`` chunks whatever the tokens, and Liger's chunks each read the whole weight
+        A fused kernel runs its own chunk count (:func:`memfit.engine.head.fused_chunks`): Liger between
+        half of ``vocab / hidden`` and that many whatever the tokens, and its chunks each read the whole weight
         twice and read and write its whole gradient: a fixed part of the head's time, the same at 2,000
         tokens as at 16,000. Timed at one size, the fixed part is spread over that size's tokens, and a
         probe that the room keeps short (a kept head must fit in half of it: NOTE [A probe at the steps'
