@@ -78,7 +78,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHUNKED", "HEAD_MODES", "HEAD_LOGITS", "check_head_mode", "PROBE_STEPS", "PROBE_TOKENS", "PROBE_CHUNKS", "KeepHead",
-    "ChunkedHead", "HeadPart", "RunHead", "head_options", "attach_head_part", "choose_by_plans",
+    "ChunkedHead", "HeadPart", "RunHead", "head_options", "attach_head_part", "choose_by_plans", "fused_line",
 ]
 
 logger = logging.getLogger("memfit")
@@ -202,6 +202,43 @@ def choose_by_plans(part: "HeadPart", plan_ms: Callable[[tuple[int, int]], float
     if part.on_priced is not None:
         part.on_priced()
     return True
+
+
+def fused_line(probe: dict[str, Any], vocab: int, hidden: int) -> tuple[float, float]:
+    """A fused kernel's price line from its probes at two sizes (``probe`` and ``probe["half"]``):
+    ``(ms per token, ms per chunk)`` over keeping the head, the fixed part priced per chunk of its own count.
+
+    # NOTE [A fused kernel's fixed part]
+    A fused kernel runs its own chunk count (:func:`memfit.engine.head.fused_chunks`): Liger between
+    half of ``vocab / hidden`` and that many whatever the tokens, and its chunks each read the whole weight
+    twice and read and write its whole gradient: a fixed part of the head's time, the same at 2,000
+    tokens as at 16,000. Timed at one size, the fixed part is spread over that size's tokens, and a
+    probe that the room keeps short (a kept head must fit in half of it: NOTE [A probe at the steps'
+    size]) prices every longer step several times too high, where the implementation is chosen (NOTE
+    [The plans choose the implementation]). So a fused kernel is timed at the probe's tokens and at
+    half of them (:func:`_probe_half`), and its price is the line through both: the intercept is its
+    fixed part (at least 0; below, the larger size's time per token prices it as before), per chunk of
+    its count at the probe's size, which is the count of every longer step.
+    """
+    full, half = probe, probe["half"]
+    t1, t2 = full["tokens"], half["tokens"]
+    e1, e2 = full["chunked"] - full["keep"], half["chunked"] - half["keep"]
+    fixed = (e2 * t1 - e1 * t2) / (t1 - t2)
+    if fixed <= 0:
+        return e1 / t1, 0.0
+    return (e1 - fixed) / t1, fixed / fused_chunks(int(t1), vocab, hidden)
+
+
+def _probe_half(spec: Any, scale: float, h: torch.Tensor, y: torch.Tensor, n_chunks: int, implementation: str,
+                was: dict[str, Any] | None) -> dict[str, float]:
+    """A fused kernel's probe at half the probe's tokens (NOTE [A fused kernel's fixed part]), the least
+    times where ``was`` (the probe kept, of the same size) had them too."""
+    half = h.shape[1] // 2
+    measured = probe_head(spec, h[:, :half], y[:, :half], n_chunks, implementation)
+    timed = {t: scale * m["ms"] for t, m in measured.items()}
+    if was is not None and "half" in was and was["half"]["tokens"] == half:
+        timed = {t: min(was["half"][t], timed[t]) for t in ("keep", "chunked")}
+    return {"keep": timed["keep"], "chunked": timed["chunked"], "tokens": float(half)}
 
 
 def shard_head(spec: "HeadSpec") -> tuple["HeadSpec", float]:
@@ -340,13 +377,8 @@ class HeadPart:
                 timed = {t: min(was[t], timed[t]) for t in ("keep", "chunked")}
             seen[n_chunks] = {"keep": timed["keep"], "chunked": timed["chunked"], "tokens": float(tokens), "sized": sized,
                               "saved": measured["chunked"]["saved_bytes"], "kept_saved": measured["keep"]["saved_bytes"]}
-            half = tokens // 2
-            if implementation in FUSED and sized and half > 0:  # NOTE [A fused kernel's fixed part]
-                measured = probe_head(spec, h[:, :half], y[:, :half], n_chunks, implementation)
-                timed = {t: scale * m["ms"] for t, m in measured.items()}
-                if was is not None and was["tokens"] == tokens and "half" in was:
-                    timed = {t: min(was["half"][t], timed[t]) for t in ("keep", "chunked")}
-                seen[n_chunks]["half"] = {"keep": timed["keep"], "chunked": timed["chunked"], "tokens": float(half)}
+            if implementation in FUSED and sized and tokens > 1:  # NOTE [A fused kernel's fixed part]
+                seen[n_chunks]["half"] = _probe_half(spec, scale, h, y, n_chunks, implementation, was)
         return seen
 
     def _check_formula(self, implementation: str, seen: dict[int, dict[str, float]]) -> None:
@@ -378,7 +410,7 @@ class HeadPart:
             slope = max(0.0, (extra[counts[-1]] - extra[counts[0]]) / (counts[-1] - counts[0])) if len(counts) > 1 else 0.0
             per_token = (extra[counts[0]] - slope * counts[0]) / seen[counts[0]]["tokens"]
             if implementation in FUSED and "half" in seen[counts[0]]:
-                per_token, slope = self._fused_line(seen[counts[0]])
+                per_token, slope = fused_line(seen[counts[0]], self.switch.spec.vocab_size, self.switch.spec.weight.shape[-1])
             if not seen[counts[0]].get("sized"):  # timed on one chunk's rows: no gain read from it
                 per_token = max(0.0, per_token)
             # compared per token: an implementation probed again at one chunk's rows after an OOM (NOTE
@@ -396,32 +428,6 @@ class HeadPart:
         if self.probed_steps == PROBE_STEPS:
             logger.info("memfit: the LM head chunked (%s) costs %.4f ms per 1k tokens and %.4f ms per chunk over keeping it",
                         best, 1e3 * self.extra_ms_per_token, self.per_chunk_ms)
-
-    def _fused_line(self, probe: dict[str, Any]) -> tuple[float, float]:
-        """A fused kernel's price line from its probes at two sizes: ``(ms per token, ms per chunk)``
-        over keeping the head, the fixed part priced per chunk of its own count.
-
-        # NOTE [A fused kernel's fixed part]
-        A fused kernel runs its own chunk count (:func:`memfit.engine.head.fused_chunks`): Liger between
-        half of ``vocab / hidden`` and that many whatever the tokens, and its chunks each read the whole weight
-        twice and read and write its whole gradient: a fixed part of the head's time, the same at 2,000
-        tokens as at 16,000. Timed at one size, the fixed part is spread over that size's tokens, and a
-        probe that the room keeps short (a kept head must fit in half of it: NOTE [A probe at the steps'
-        size]) prices every longer step several times too high, where the implementation is chosen (NOTE
-        [The plans choose the implementation]). So a fused kernel is timed at the probe's tokens and at
-        half of them, and its price is the line through both: the intercept is its fixed part (at least
-        0; below, the larger size's time per token prices it as before), per chunk of its count at the
-        probe's size, which is the count of every longer step.
-        """
-        spec = self.switch.spec
-        full, half = probe, probe["half"]
-        t1, t2 = full["tokens"], half["tokens"]
-        e1, e2 = full["chunked"] - full["keep"], half["chunked"] - half["keep"]
-        fixed = (e2 * t1 - e1 * t2) / (t1 - t2)
-        if fixed <= 0:
-            return e1 / t1, 0.0
-        n_chunks = fused_chunks(int(t1), spec.vocab_size, spec.weight.shape[-1])
-        return (e1 - fixed) / t1, fixed / n_chunks
 
     def choose_by_plans(self, plan_ms: Callable[[tuple[int, int]], float | None], key: tuple[int, int] | None = None) -> bool:
         """:func:`choose_by_plans` (NOTE [The plans choose the implementation])."""
