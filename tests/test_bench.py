@@ -200,3 +200,33 @@ def test_saved_inventory_lists_a_layers_saved_tensors_once_each(capsys):
     gate = next(row for row in report["saved"] if row["node"] == "SiluBackward0")
     assert gate["shape"] == [2, 8, 176] and gate["bytes"] == 2 * 8 * 176 * 4  # the gate projection, float32
     assert inventory.main(["--model", "no-such-model"]) == 2
+
+
+def test_step_floor_pairs_two_caps_and_keeps_the_untreated_steps_for_the_floor(tmp_path, capsys):
+    """benchmarks/step_floor.py: the roomy run's untreated steps over the fixed policy's give the floor,
+    the tight run's steps the ratio, their difference what the treatments cost; no pair is exit code 2."""
+    import gzip
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "step_floor.py"
+    spec = importlib.util.spec_from_file_location("step_floor", path)
+    step_floor = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(step_floor)
+    (tmp_path / "steps").mkdir()
+    with gzip.open(tmp_path / "steps" / "roomy.jsonl.gz", "wt") as fh:  # steps 0 and 2 treat a block
+        for i in range(4):
+            fh.write(json.dumps({"step": i + 1, "treatments": {"recompute": [0]} if i % 2 == 0 else {"head": "chunked:4"}}) + "\n")
+    lines = [
+        {"method": "dynamic", "budget_bytes": 10e9, "repeat": 0, "step_ms": [90.0, 80.0, 90.0, 80.0], "steps_file": "steps/tight.jsonl.gz"},
+        {"method": "dynamic", "budget_bytes": 20e9, "repeat": 0, "step_ms": [80.0, 70.0, 80.0, 75.0], "steps_file": "steps/roomy.jsonl.gz"},
+        {"method": "hf", "budget_bytes": 10e9, "repeat": 0, "step_ms": [100.0] * 4},
+        {"method": "hf", "budget_bytes": 20e9, "repeat": 0, "step_ms": [1.0] * 4},  # not the one compared
+    ]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (row,) = step_floor.floor_rows(tmp_path, "dynamic", "hf", 10, 20, steady_from=0)
+    assert row["untreated_steps"] == 2 and row["steps"] == 4
+    assert row["floor"] == pytest.approx(0.725) and row["tight"] == pytest.approx(0.85)
+    assert row["treatments"] == pytest.approx(0.1)  # the median of 0.1, 0.1, 0.1 and 0.05
+    assert step_floor.main([str(tmp_path), "--method", "dynamic", "--fixed", "hf", "--tight", "10", "--roomy", "20",
+                            "--steady_from", "0"]) == 0
+    assert "| 0 | 2 of 4 | 0.725 | 0.850 | 0.100 |" in capsys.readouterr().out
+    assert step_floor.main([str(tmp_path), "--fixed", "none", "--tight", "10", "--roomy", "20"]) == 2
