@@ -208,7 +208,8 @@ HEAD_DEFAULT_METHODS = ("dynamic+auto", "dynamic", "hf-every-1+chunked-8", "hf-e
 def head_default_calls(suite: Suite, ctx: Context) -> list[Call]:
     """``head-auto-qwen15`` and ``head-auto-llama1b``: the default treatments (``dynamic+auto``) on
     Qwen2.5-1.5B's and Llama-3.2-1B's shapes at both head caps, 30 steps, each a device command of
-    its own (about 420 s for 3 repeats of four methods on an H100; llm-head s22-1/s22-2)."""
+    its own (on an H100, 3 repeats: Llama's 426 s; Qwen's 414 s without `dynamic`, whose runs take 15 s
+    each: its third repeat may stop at the time limit; llm-head s22-1/s22-2)."""
     out = []
     for name, model in (("head-auto-qwen15", "Qwen2.5-1.5B"), ("head-auto-llama1b", "Llama-3.2-1B")):
         out.append(Call(name, [script(
