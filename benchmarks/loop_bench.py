@@ -47,7 +47,8 @@ checkpointing of every layer with a chunked loss fixed for the whole run (:data:
 The LM head (issue 39): ``--head on|off|auto`` passes ``memfit.fit(head=True|False|"auto")`` to every
 memfit configuration, and a name's head part (``dynamic+head``, ``dynamic+head-off``,
 ``dynamic+head-auto``, before any ``@M``) sets it for that configuration alone; without either, fit's
-default. Every memfit line at a budget is compared with the fastest fixed policy (a peer) that fits the
+default. A last part ``+only-X`` (X one of memfit.engine.head.IMPLEMENTATIONS: ``dynamic+auto+only-liger``)
+lets the chunked head run X alone, the others never probed. Every memfit line at a budget is compared with the fastest fixed policy (a peer) that fits the
 same cap, step by step (``fastest_fixed``, ``step_ratio_vs_fastest_fixed``: NOTE [Against the fastest
 fixed policy]), also tabled in ``<folder>.vs_fixed.md`` (the output folder's name: calls publish side by side). ``--no_cudnn_sdpa`` turns cuDNN attention off (an OOM
 inside it can poison later cuDNN calls of the process); without it, each configuration starts with cuDNN's attention on,
@@ -483,6 +484,10 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
             return _failed(args, name, budget, repeat, "oom", str(err)[:300])
         if name.startswith("dynamic+offload-free"):
             ctl.planning.price_offload(_FreeOffload(ctl.planning.offload_ms))
+        if (only := _only_head(name)) is not None and ctl.head.part is not None:  # the others never probed, never run
+            from memfit.engine.head import IMPLEMENTATIONS
+
+            ctl.head.part.failed.update(set(IMPLEMENTATIONS) - {only})
     elif name.startswith("hf-"):
         remove_head = None
         if name in HEAD_PEERS:
@@ -882,6 +887,18 @@ def run_alternating_dynamic(args, model, batches, initial, budget: int, repeat: 
 #: planned beside the blocks, issue 39); without either, ``fit``'s default
 HEAD_VALUES = {"on": True, "off": False, "auto": "auto"}
 HEAD_PARTS = {"+head": "on", "+head-off": "off", "+head-auto": "auto"}
+#: a memfit name's last part (before any @M) that lets its chunked head run one implementation alone
+#: (``dynamic+auto+only-liger``): the same plans' head timed by each kernel side by side
+ONLY_HEAD = "+only-"
+
+
+def _only_head(name: str) -> str | None:
+    """The implementation a memfit name's ``+only-X`` part names (:data:`ONLY_HEAD`), else None."""
+    from memfit.engine.head import IMPLEMENTATIONS
+
+    base = name.partition("@")[0]
+    only = base.rpartition(ONLY_HEAD)[2] if ONLY_HEAD in base else None
+    return only if only in IMPLEMENTATIONS else None
 
 
 def _memfit_config(name: str, head: str | None = None) -> tuple | None:
@@ -889,6 +906,10 @@ def _memfit_config(name: str, head: str | None = None) -> tuple | None:
     optionally with a head part (:data:`HEAD_PARTS`: ``dynamic+head-off``, which overrides ``head``,
     ``--head``'s value) and then ``@M``, the share of the budget memfit keeps as its margin (0 <= M < 0.5)."""
     base, at, margin = name.partition("@")
+    if ONLY_HEAD in base:  # +only-X, the head's one implementation (run_config applies it)
+        if _only_head(name) is None:
+            return None
+        base = base.rpartition(ONLY_HEAD)[0]
     for part, value in HEAD_PARTS.items():
         if base.endswith(part) and base[: -len(part)] in MEMFIT_METHODS:
             base, head = base[: -len(part)], value

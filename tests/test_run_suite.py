@@ -376,7 +376,7 @@ def test_llm_suite_has_the_compiled_head_call_and_long_context_at_32k():
     calls = {c.name: c for c in llm.calls(llm.SUITE, Context(raw=ROOT / "runs" / "x", quick=False, cuda=True))}
     head, long32, sides = calls["head-compile"], calls["room-long32"], calls["compile-sides"]
     auto = [calls["head-auto-qwen15"], calls["head-auto-llama1b"]]
-    for call in (head, long32, sides, *auto):
+    for call in (head, long32, sides, *auto, calls["head-kernels-llama1b"]):
         words = [str(w) for w in call.commands[0]]
         args = loop_bench._parse(words[words.index(next(w for w in words if w.endswith("loop_bench.py"))) + 1:])
         assert all(loop_bench._memfit_config(m) or m in loop_bench.PEERS or loop_bench._compile_budget(m)
@@ -449,3 +449,19 @@ def test_model_replay_predicts_each_step_with_its_blocks_treatments(tmp_path, ca
         plan = Plan(tuple(sorted(kind)), kinds=tuple(kind[i] for i in sorted(kind)), head=("keep", 1))
         assert float(row[5]) == round((steady["static_bytes"] + model.step_bytes(key, plan)) / 1e9, 2)
     assert rows[2][4].strip() == "-"  # no block re-runs its body whole
+
+
+def test_loop_bench_only_part_runs_the_chunked_head_by_one_implementation(tmp_path):
+    """``+only-X`` (a memfit name's last part): the head's other implementations are never probed nor run,
+    so two runs of one call time the same plans' head by two kernels; an unknown X is not a method."""
+    loop_bench = _loop_bench()
+    assert loop_bench._memfit_config("dynamic+auto+only-liger") == loop_bench._memfit_config("dynamic+auto")
+    assert loop_bench._only_head("dynamic+auto+only-liger@0.1") == "liger"
+    assert loop_bench._memfit_config("dynamic+only-x") is None and loop_bench._only_head("dynamic") is None
+    out = tmp_path / "out"
+    assert loop_bench.main(["--model", "llama-tiny", "--device", "cpu", "--dtype", "float32", "--lengths", "uniform:64:160",
+                            "--batch", "2", "--steps", "4", "--steady_from", "2", "--budgets", "--budget_gb", "0.061",
+                            "--repeats", "1", "--head", "on", "--methods", "dynamic+only-pure", "--output_dir", str(out)]) == 0
+    (line,) = [json.loads(text) for text in (out / "results.jsonl").read_text().splitlines()]
+    assert line["status"] == "ok" and line["head"]["implementation"] == "pure" and set(line["head"]["probed"]) == {"pure"}
+    assert set(line["head"]["failed"]) == {"pure_grad_in_forward", "liger", "cce"}

@@ -218,6 +218,15 @@ def head_default_calls(suite: Suite, ctx: Context) -> list[Call]:
             *HEAD_BUDGETS_GB, "--repeats", 1 if ctx.quick else suite.repeats, "--head", "on", "--no_cudnn_sdpa",
             "--time_limit_s", 470, "--methods", *HEAD_DEFAULT_METHODS, "--output_dir", ctx.folder(name))],
             folder=name, timeout_s=540))
+    # the same plans' head by each fused kernel alone, beside the fastest fixed policy (NOTE [A fused
+    # kernel's fixed part]): what the probe's choice between them is worth at 22 GiB
+    out.append(Call("head-kernels-llama1b", [script(
+        ctx, "loop_bench.py", "--model", "Llama-3.2-1B", "--lengths", "sft", "--batch", 8,
+        "--steps", 6 if ctx.quick else 30, "--steady_from", 2 if ctx.quick else 8, "--budgets", "--budget_gb",
+        HEAD_BUDGETS_GB[0], "--repeats", 1 if ctx.quick else suite.repeats, "--head", "on", "--no_cudnn_sdpa",
+        "--time_limit_s", 400, "--methods", "dynamic+auto", "dynamic+auto+only-cce", "dynamic+auto+only-liger",
+        "hf-every-1+liger", "--output_dir", ctx.folder("head-kernels-llama1b"))],
+        folder="head-kernels-llama1b", timeout_s=470))
     return out
 
 
