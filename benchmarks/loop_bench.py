@@ -603,7 +603,9 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
         result.update(fields, oom_count=fields.get("oom_count", 0) + ooms)
         steps_file = result["steps_file"] = _write_steps(out_dir, name, budget, repeat, records)
         if name == "dynamic" and len(records) == args.steps:
-            args.dynamic_plans[(budget, repeat)] = [_plan_of(r) for r in records]
+            from memfit.engine.planner import Plan
+
+            args.dynamic_plans[(budget, repeat)] = [Plan.from_treatments(r.block_treatments, r.head) for r in records]
         if ctl.method.learns:  # the memory model as the run ended: what each treatment saved and cost
             with gzip.open(os.path.join(out_dir, steps_file.replace(".jsonl.gz", ".model.json.gz")), "wt") as fh:
                 json.dump(ctl.state_dict(), fh)
@@ -671,15 +673,6 @@ def _offload_fields(args, offload, records) -> dict:
         "pinned_gib": round(offload.pool.total / 2**30, 3) if offload.pool is not None else 0,
         "offloaded_blocks_by_tokens": by_tokens,
     }
-
-
-def _plan_of(record):
-    """The plan a step record ran: its treated blocks, each with its treatment, and its head's."""
-    from memfit.engine.planner import Plan
-
-    kinds = {i: t for t, blocks in record.block_treatments.items() for i in blocks}
-    blocks = tuple(sorted(kinds))
-    return Plan(blocks, kinds=tuple(kinds[i] for i in blocks), head=record.head)
 
 
 def _mix(by_treatment: dict[str, list[int]]) -> dict[str, int]:

@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from memfit.cli.tasks._common import CONFIGS_DIR
     from memfit.engine.model import MemoryModel
     from memfit.engine.planner import Plan
+    from memfit.engine.records import StepRecord
     from memfit.engine.head import head_saved_bytes
 
     config_file = CONFIGS_DIR / f"{args.config}.json"
@@ -63,19 +64,18 @@ def main(argv: list[str] | None = None) -> int:
         if r.get("phase") != "steady":
             continue
         attempt = (r.get("oom_attempts") or [None])[0]  # an OOM's first try: its plan and what it read
-        treatments = (attempt or r).get("treatments") or r["treatments"]
-        name, _, chunks = treatments.get("head", "keep:1").partition(":")
-        kind_of = {i: kind for kind, blocks in treatments.items() if kind != "head" for i in blocks}
-        if not kind_of:  # a record from before step records named each block's treatment: all recomputed
-            kind_of = {i: "recompute" for i in (attempt["plan"] if attempt else r["plan"])}
-        blocks = sorted(kind_of)
-        plan = Plan(tuple(blocks), kinds=tuple(kind_of[i] for i in blocks), head=(name, int(chunks or 1)))
+        record = StepRecord.from_dict(r)
+        head = record.head or ("keep", 1)
+        if attempt:  # its blocks, and their treatments where not all recomputed (the head is the replayed step's)
+            plan = Plan(tuple(attempt["plan"] or ()), kinds=tuple(attempt.get("treatments") or ()), head=head)
+        else:
+            plan = Plan.from_treatments(record.block_treatments, head)
         key = (r["shape"][0], r["shape"][1])
         start = r["static_bytes"] + model.backward_start_bytes(key, plan)
         recompute = r["static_bytes"] + model.recompute_bytes(key, plan)
         predicted = r["static_bytes"] + model.step_bytes(key, plan)
         read = attempt["peak_allocated_bytes"] if attempt else r["peak_allocated_bytes"]
-        mix = ", ".join(f"{len([i for i in blocks if kind_of[i] == k])} {k}" for k in sorted(set(kind_of.values())))
+        mix = ", ".join(f"{len(blocks)} {kind}" for kind, blocks in sorted(plan.by_treatment().items()))
         rerun = f"{recompute / 1e9:.2f}" if math.isfinite(recompute) else "-"  # no block re-runs its body
         print(f"| {r['step']} | {key[1]} | {mix or 0} | {start / 1e9:.2f} | {rerun} | "
               f"{predicted / 1e9:.2f} | {read / 1e9:.2f} | {(predicted - read) / 1e9:+.2f} |")

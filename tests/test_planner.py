@@ -188,3 +188,11 @@ def test_head_label():
     assert Plan(()).head_label is None
     assert Plan((), head=("keep", 1)).head_label == "keep"
     assert Plan((0,), head=("chunked", 8)).head_label == "chunked:8"
+
+
+def test_a_plan_from_a_records_treatments_is_the_plan_that_wrote_them():
+    """Plan.from_treatments is by_treatment's inverse: the plan a step record ran, its head's included."""
+    plan = Plan((0, 2, 3, 5), kinds=("elementwise", "recompute", "offload", "recompute"), head=("chunked", 8))
+    assert Plan.from_treatments(plan.by_treatment(), plan.head) == plan
+    assert Plan.from_treatments({"recompute": [4, 1]}) == Plan((1, 4))  # all recomputed: kinds normalised away
+    assert Plan.from_treatments({}) == Plan(())

@@ -436,12 +436,17 @@ def test_model_replay_predicts_each_step_with_its_blocks_treatments(tmp_path, ca
     with gzip.open(rewritten, "wt") as fh:
         for step, mix in enumerate(mixes, start=10):
             fh.write(json.dumps({**steady, "step": step, "treatments": {**mix, "head": "keep"}}) + "\n")
+        # a step replayed after an OOM: its first try's plan (treatments as a list beside its blocks) and reading
+        attempt = {"plan": [0, 1], "treatments": ["elementwise", "recompute"], "peak_allocated_bytes": steady["peak_allocated_bytes"]}
+        fh.write(json.dumps({**steady, "step": 13, "treatments": {"head": "keep"}, "oom_attempts": [attempt]}) + "\n")
+    mixes += ({"elementwise": [0], "recompute": [1]},)
     spec = importlib.util.spec_from_file_location("model_replay", ROOT / "benchmarks" / "model_replay.py")
     replay = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(replay)
     assert replay.main([str(rewritten), str(model_file), "--model", "llama-tiny"]) == 0
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| 1")]
-    assert [row[2].strip() for row in rows] == ["4 recompute", "2 elementwise, 2 recompute", "2 elementwise"]
+    assert [row[2].strip() for row in rows] == ["4 recompute", "2 elementwise, 2 recompute", "2 elementwise",
+                                                "1 elementwise, 1 recompute"]
     model = MemoryModel.from_dict(json.load(gzip.open(model_file, "rt"))["model"])
     key = tuple(steady["shape"][:2])
     for row, mix in zip(rows, mixes):

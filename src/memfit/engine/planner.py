@@ -100,6 +100,14 @@ class Plan:
             out.setdefault(kind, []).append(i)
         return out
 
+    @classmethod
+    def from_treatments(cls, by_treatment: Mapping[str, Sequence[int]], head: tuple[str, int] | None = None) -> "Plan":
+        """The plan that treats each block as ``by_treatment`` says (the inverse of :meth:`by_treatment`:
+        a step record's ``block_treatments`` and ``head`` give the plan the step ran)."""
+        kinds = {i: kind for kind, blocks in by_treatment.items() for i in blocks}
+        blocks = tuple(sorted(kinds))
+        return cls(blocks, kinds=tuple(kinds[i] for i in blocks), head=head)
+
     @property
     def head_label(self) -> str | None:
         """The head's treatment as records, plan files and reports write it: ``"keep"`` or
