@@ -234,11 +234,16 @@ def _probe_half(spec: Any, scale: float, h: torch.Tensor, y: torch.Tensor, n_chu
     """A fused kernel's probe at half the probe's tokens (NOTE [A fused kernel's fixed part]), the least
     times where ``was`` (the probe kept, of the same size) had them too."""
     half = h.shape[1] // 2
-    measured = probe_head(spec, h[:, :half], y[:, :half], n_chunks, implementation)
-    timed = {t: scale * m["ms"] for t, m in measured.items()}
-    if was is not None and "half" in was and was["half"]["tokens"] == half:
-        timed = {t: min(was["half"][t], timed[t]) for t in ("keep", "chunked")}
-    return {"keep": timed["keep"], "chunked": timed["chunked"], "tokens": float(half)}
+    earlier = was.get("half") if was is not None else None
+    timed = _least_ms(probe_head(spec, h[:, :half], y[:, :half], n_chunks, implementation), scale,
+                      earlier if earlier is not None and earlier["tokens"] == half else None)
+    return {**timed, "tokens": float(half)}
+
+
+def _least_ms(measured: dict[str, dict[str, float]], scale: float, earlier: dict[str, Any] | None) -> dict[str, float]:
+    """A probe's keep and chunked times (scaled), each the least of it and ``earlier``'s of the same size."""
+    timed = {t: scale * measured[t]["ms"] for t in ("keep", "chunked")}
+    return timed if earlier is None else {t: min(earlier[t], timed[t]) for t in timed}
 
 
 def shard_head(spec: "HeadSpec") -> tuple["HeadSpec", float]:
@@ -372,9 +377,7 @@ class HeadPart:
                 seen[n_chunks] = was  # a probe of more tokens prices the steps better: none of fewer is run
                 continue
             measured = probe_head(spec, h, y, n_chunks, implementation)
-            timed = {t: scale * m["ms"] for t, m in measured.items()}
-            if was is not None and was["tokens"] == tokens:
-                timed = {t: min(was[t], timed[t]) for t in ("keep", "chunked")}
+            timed = _least_ms(measured, scale, was if was is not None and was["tokens"] == tokens else None)
             seen[n_chunks] = {"keep": timed["keep"], "chunked": timed["chunked"], "tokens": float(tokens), "sized": sized,
                               "saved": measured["chunked"]["saved_bytes"], "kept_saved": measured["keep"]["saved_bytes"]}
             if implementation in FUSED and sized and tokens > 1:  # NOTE [A fused kernel's fixed part]
