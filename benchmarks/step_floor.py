@@ -29,22 +29,21 @@ from pathlib import Path
 
 
 def _lines(folder: Path, call: str | None) -> list[dict]:
+    from memfit.engine.records import read_jsonl
+
     for name in ("results.jsonl", "head.jsonl.gz"):
-        path = folder / name
-        if path.is_file():
-            opener = gzip.open if name.endswith(".gz") else open
-            with opener(path, "rt", encoding="utf-8") as fh:
-                lines = [json.loads(text) for text in fh if text.strip()]
-            return [line for line in lines if call is None or line.get("call") == call]
+        if (folder / name).is_file():
+            return [line for line in read_jsonl(folder / name) if call is None or line.get("call") == call]
     return []
 
 
 def _steps(folder: Path, call: str | None, line: dict) -> list[dict]:
     """The run's step records: its own file, or its member of the published steps.tgz."""
+    from memfit.engine.records import read_jsonl
+
     own = folder / line["steps_file"]
     if own.is_file():
-        with gzip.open(own, "rt", encoding="utf-8") as fh:
-            return [json.loads(text) for text in fh if text.strip()]
+        return list(read_jsonl(own))
     run = Path(line["steps_file"]).name.removesuffix(".jsonl.gz")
     with tarfile.open(folder / "steps.tgz") as tar:
         member = tar.extractfile(f"steps/{call}.{run}.steps.jsonl.gz")
@@ -89,7 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--roomy", type=float, required=True, help="the roomy cap in GB")
     p.add_argument("--steady_from", type=int, default=8, help="first step index compared (0-based)")
     args = p.parse_args(argv)
-    rows = floor_rows(args.folder, args.method, args.fixed, args.tight, args.roomy, args.call, args.steady_from)
+    try:
+        rows = floor_rows(args.folder, args.method, args.fixed, args.tight, args.roomy, args.call, args.steady_from)
+    except (KeyError, FileNotFoundError) as err:  # a line whose step records are not in the folder
+        print(f"step_floor.py: {args.folder}: the roomy run's step records are missing ({err}); give the call's "
+              f"output folder, or a published one with --call", file=sys.stderr)
+        return 2
     if not rows:
         print(f"step_floor.py: no repeat of {args.method} at {args.tight} and {args.roomy} GB beside {args.fixed} "
               f"with an untreated steady step in {args.folder}", file=sys.stderr)

@@ -230,3 +230,5 @@ def test_step_floor_pairs_two_caps_and_keeps_the_untreated_steps_for_the_floor(t
                             "--steady_from", "0"]) == 0
     assert "| 0 | 2 of 4 | 0.725 | 0.850 | 0.100 |" in capsys.readouterr().out
     assert step_floor.main([str(tmp_path), "--fixed", "none", "--tight", "10", "--roomy", "20"]) == 2
+    (tmp_path / "steps" / "roomy.jsonl.gz").unlink()
+    assert step_floor.main([str(tmp_path), "--method", "dynamic", "--fixed", "hf", "--tight", "10", "--roomy", "20"]) == 2
