@@ -35,7 +35,9 @@ between runs. The memfit side runs on the copy in even repeats and on the origin
 plans run bare, under the budget plus the other copy's weights and optimizer state (lines
 ``alt-dynamic-plans``, ``alt-dynamic``): what counting and protection cost, step by step. Every
 line lists its steps' times (``step_ms``); ``--profile`` writes each configuration's costliest
-functions under cProfile beside its step records.
+functions over its steady steps under cProfile beside its step records; ``--gpu_busy`` adds to each line
+its steady steps' GPU timeline under torch.profiler (``gpu_busy``: per step the span, the GPU's busy time and the
+host's time, and the costliest kernels; benchmarks/gpu_busy.py).
 Peers (no memfit at all; the bench reads the allocator): ``plain`` (the same loop),
 ``hf-every-1``, ``hf-every-2``, ``hf-offload`` (Hugging Face's checkpointing, either API name),
 ``trl-offload`` (TRL's activation offloading around the step), ``compile-F`` (``torch.compile``
@@ -180,9 +182,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    "the process (an OOM inside it poisons later cuDNN calls in the process)")
     p.add_argument("--config_time_limit_s", type=float, default=1e9, help="a configuration stops starting steps after "
                    "this (its line's status: time_limit)")
-    p.add_argument("--profile", action="store_true", help="run each configuration that runs alone (not alt, "
-                   "alt-dynamic) under cProfile, mark its line profiled, and write its costliest functions beside its "
-                   "step records: steps/<config>.profile.txt")
+    p.add_argument("--profile", action="store_true", help="run the steady steps of each configuration that runs "
+                   "alone (not alt, alt-dynamic) under cProfile, mark its line profiled, and write its costliest "
+                   "functions beside its step records: steps/<config>.profile.txt")
+    p.add_argument("--gpu_busy", action="store_true", help="profile each configuration's steady steps (torch.profiler, "
+                   "CUDA activity) and add gpu_busy to its line: per step the GPU's span, its busy time and the host's "
+                   "time, and the costliest kernels (benchmarks/gpu_busy.py; the profiler slows the host, so ratios of "
+                   "such lines are for anatomy, not for comparison)")
     return p.parse_args(argv)
 
 
@@ -359,6 +365,15 @@ class _Clock:
     def elapsed_ms(self) -> float:
         """After a device sync."""
         return self.start.elapsed_time(self.end) if self.cuda else self.ms
+
+
+def _timeline(args):
+    """With ``--gpu_busy`` on CUDA, the steady steps' GPU timeline (benchmarks/gpu_busy.py); else one that
+    records nothing."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gpu_busy import GpuBusy
+
+    return GpuBusy(enabled=args.gpu_busy and args.device == "cuda")
 
 
 def _sync(device: str) -> None:
@@ -544,6 +559,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
     _sync(args.device)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    timeline = _timeline(args)
     t0 = time.perf_counter()
     try:
         for i, batch in enumerate(batches):
@@ -552,9 +568,14 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
                 break
             if i == args.steady_from:
                 retries_from = _alloc_retries(args)
+                timeline.__enter__()  # the steady steps profiled (--gpu_busy)
+                if getattr(args, "cprofile", None) is not None:
+                    args.cprofile.enable()  # and under cProfile (--profile)
             batch = {k: v.to(args.device, non_blocking=True) for k, v in batch.items()}
             graphs = graphs_made()
             clock = _Clock(args.device)
+            step_range = timeline.step(i)
+            step_range.__enter__()
             clock.begin()
 
             def micro(batch=batch, i=i):
@@ -570,6 +591,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             clock.stop()
+            step_range.__exit__(None, None, None)
             step_ms.append(clock)
             if graphs_made() > graphs:
                 compiled.append(i)
@@ -577,6 +599,10 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
         status, note, ooms = "oom", str(err).splitlines()[0][:200], 1
     except Exception as err:  # a configuration that breaks is recorded, the matrix goes on
         status, note = "error", f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+    finally:
+        if getattr(args, "cprofile", None) is not None:
+            args.cprofile.disable()
+        timeline.__exit__(None, None, None)
     _sync(args.device)
     total_s = time.perf_counter() - t0
     # memfit resets the allocator's peak each step: its runs' peak is in its records (on CPU, only there)
@@ -589,6 +615,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
         # allocations served only after the caching allocator released its cache (a device sync
         # each): the cost of running close to a hard cap, counted from the steady steps on
         "cuda_alloc_retries": 0 if retries_from is None else _alloc_retries(args) - retries_from,
+        **timeline.fields(),
     }
     if ctl is not None:
         records = ctl.records
@@ -1013,8 +1040,12 @@ def _profiled(args, name: str, budget: int | None, repeat: int, run):
     import io
     import pstats
 
-    profile = cProfile.Profile()
-    result = profile.runcall(run)
+    profile = args.cprofile = cProfile.Profile()  # run_config enables it over the steady steps
+    try:
+        result = run()
+    finally:
+        profile.disable()
+        args.cprofile = None
     text = io.StringIO()
     stats = pstats.Stats(profile, stream=text)
     stats.sort_stats("tottime").print_stats(40)
@@ -1022,7 +1053,8 @@ def _profiled(args, name: str, budget: int | None, repeat: int, run):
     label = _label(budget)
     result["profiled"] = True  # its times include the profiler's
     with open(os.path.join(args.output_dir, "steps", f"{name}-{label}-r{repeat}.profile.txt"), "w") as fh:
-        fh.write(f"{name} {label} repeat {repeat}: {args.steps} steps, {result.get('total_s')} s under the profiler\n")
+        fh.write(f"{name} {label} repeat {repeat}: steps {args.steady_from}-{args.steps - 1} under the profiler "
+                 f"({result.get('total_s')} s for the run)\n")
         fh.write(text.getvalue())
     return result
 

@@ -232,3 +232,36 @@ def test_step_floor_pairs_two_caps_and_keeps_the_untreated_steps_for_the_floor(t
     assert step_floor.main([str(tmp_path), "--fixed", "none", "--tight", "10", "--roomy", "20"]) == 2
     (tmp_path / "steps" / "roomy.jsonl.gz").unlink()
     assert step_floor.main([str(tmp_path), "--method", "dynamic", "--fixed", "hf", "--tight", "10", "--roomy", "20"]) == 2
+
+
+def test_gpu_busy_splits_each_steps_span_into_kernels_and_the_gap_before_the_next_step():
+    """benchmarks/gpu_busy.py: a step's span runs to the next step's first kernel, so the host's gap after
+    its last kernel is its idle time; overlapping kernels count once; kernels outside any step are left
+    out; its doctests hold."""
+    import doctest
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_busy.py"
+    spec = importlib.util.spec_from_file_location("gpu_busy", path)
+    gpu_busy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_busy)
+    assert doctest.testmod(gpu_busy).failed == 0
+    ev = [
+        {"cat": "kernel", "name": "before", "ts": -5000, "dur": 1000},  # before the first step: left out
+        {"cat": "gpu_user_annotation", "name": "loop_step_7", "ts": 0, "dur": 3000},
+        {"cat": "user_annotation", "name": "loop_step_7", "ts": -100, "dur": 2500},
+        {"cat": "kernel", "name": "a", "ts": 0, "dur": 2000},
+        {"cat": "kernel", "name": "b", "ts": 1000, "dur": 2000},  # overlaps a (another stream)
+        {"cat": "gpu_memcpy", "name": "copy", "ts": 3500, "dur": 500},  # the next batch's copy, in 7's gap
+        {"cat": "gpu_user_annotation", "name": "loop_step_8", "ts": 10000, "dur": 1000},
+        {"cat": "kernel", "name": "a", "ts": 10000, "dur": 1000},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 99999},  # host ops are not the GPU's
+    ]
+    s = gpu_busy.summarise(ev)
+    assert s["steps"] == [7, 8] and s["span_ms"] == [10.0, 1.0] and s["busy_ms"] == [3.5, 1.0]
+    assert s["host_ms"] == [2.5, 0.0]
+    assert s["kernels"][0] == ["a", 1.5, 1.0]
+    assert "note" in gpu_busy.summarise([{"cat": "kernel", "name": "a", "ts": 0, "dur": 1}])
+    timeline = gpu_busy.GpuBusy(enabled=False)  # a CPU run: nothing profiled, nothing added to the line
+    with timeline, timeline.step(0):
+        pass
+    assert timeline.fields() == {}
