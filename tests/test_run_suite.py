@@ -376,7 +376,8 @@ def test_llm_suite_has_the_compiled_head_call_and_long_context_at_32k():
     calls = {c.name: c for c in llm.calls(llm.SUITE, Context(raw=ROOT / "runs" / "x", quick=False, cuda=True))}
     head, long32, sides = calls["head-compile"], calls["room-long32"], calls["compile-sides"]
     auto = [calls["head-auto-qwen15"], calls["head-auto-llama1b"]]
-    for call in (head, long32, sides, *auto, calls["head-kernels-llama1b"]):
+    floor, anatomy = calls["head-floor-llama1b"], calls["head-anatomy-llama1b"]
+    for call in (head, long32, sides, *auto, calls["head-kernels-llama1b"], floor, anatomy):
         words = [str(w) for w in call.commands[0]]
         args = loop_bench._parse(words[words.index(next(w for w in words if w.endswith("loop_bench.py"))) + 1:])
         assert all(loop_bench._memfit_config(m) or m in loop_bench.PEERS or loop_bench._compile_budget(m)
@@ -385,6 +386,8 @@ def test_llm_suite_has_the_compiled_head_call_and_long_context_at_32k():
     assert "compile-0.1+chunked-8" in head.commands[0] and "dynamic+sel+compile" in head.commands[0]
     assert "fixed:16384,32768" in long32.commands[0] and "hf-offload" in long32.commands[0]
     assert "dynamic+sel+compile" in sides.commands[0] and "none" in sides.commands[0]
+    assert "plain" in floor.commands[0] and "dynamic+auto+only-cce" in floor.commands[0]
+    assert "--gpu_busy" in anatomy.commands[0] and "plain" in anatomy.commands[0]
     for call, model in zip(auto, ("Qwen2.5-1.5B", "Llama-3.2-1B")):
         words = [str(w) for w in call.commands[0]]
         assert words[words.index("--model") + 1] == model and "dynamic+auto" in words and "hf-every-1+liger" in words

@@ -227,6 +227,24 @@ def head_default_calls(suite: Suite, ctx: Context) -> list[Call]:
         "--time_limit_s", 400, "--methods", "dynamic+auto", "dynamic+auto+only-cce", "dynamic+auto+only-liger",
         "hf-every-1+liger", "--output_dir", ctx.folder("head-kernels-llama1b"))],
         folder="head-kernels-llama1b", timeout_s=470))
+    # plain training with no cap beside memfit at 22 GiB and both fixed policies: the floor the model's
+    # own kernels set under every eager ratio (llm-head s23-4: 275 s on an H200, 3 repeats)
+    out.append(Call("head-floor-llama1b", [script(
+        ctx, "loop_bench.py", "--model", "Llama-3.2-1B", "--lengths", "sft", "--batch", 8,
+        "--steps", 6 if ctx.quick else 30, "--steady_from", 2 if ctx.quick else 8, "--budgets", "--budget_gb",
+        HEAD_BUDGETS_GB[0], "--repeats", 1 if ctx.quick else suite.repeats, "--head", "on", "--no_cudnn_sdpa",
+        "--time_limit_s", 300, "--methods", "plain", "dynamic+auto", "dynamic+auto+only-cce", "hf-every-1+liger",
+        "hf-every-1+chunked-8", "--output_dir", ctx.folder("head-floor-llama1b"))],
+        folder="head-floor-llama1b", timeout_s=400))
+    # the same steps under torch.profiler, one repeat: each step's GPU busy time and its waits for the host
+    # (llm-head s23-2: 220 s on an H200); its times are for anatomy, not ratios
+    out.append(Call("head-anatomy-llama1b", [script(
+        ctx, "loop_bench.py", "--model", "Llama-3.2-1B", "--lengths", "sft", "--batch", 8,
+        "--steps", 6 if ctx.quick else 30, "--steady_from", 2 if ctx.quick else 8, "--budgets", "--budget_gb",
+        HEAD_BUDGETS_GB[0], 120, "--repeats", 1, "--head", "on", "--no_cudnn_sdpa", "--gpu_busy",
+        "--time_limit_s", 400, "--methods", "dynamic+auto", "hf-every-1+liger", "plain",
+        "--output_dir", ctx.folder("head-anatomy-llama1b"))],
+        folder="head-anatomy-llama1b", timeout_s=470))
     return out
 
 
