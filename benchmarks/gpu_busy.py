@@ -7,8 +7,8 @@ a step's last kernel, where the host prepares the next one, is the step's), ``bu
 of its kernels, copies and memsets inside that span, and ``idle = span - busy``. The kernels'
 summed times by name say where the busy time went.
 
-The profiler costs the host a little per launch; its lines are marked and are for anatomy, not for
-ratios.
+The profiler costs the host a little per launch (and the GPU waits for it where the host is the
+slower side): a line that carries ``gpu_busy`` is for anatomy, not for ratios.
 
 Usage (in a training loop)::
 
@@ -22,6 +22,7 @@ Usage (in a training loop)::
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import os
@@ -131,8 +132,6 @@ def summarise(events: list[dict], top: int = 25) -> dict:
     busy = [[] for _ in steps]
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     starts = [b[0] for b in bounds]
-    import bisect
-
     for e in events:
         if e.get("cat") not in BUSY_CATS or "dur" not in e:
             continue
