@@ -370,7 +370,9 @@ class _Clock:
 def _timeline(args):
     """With ``--gpu_busy`` on CUDA, the steady steps' GPU timeline (benchmarks/gpu_busy.py); else one that
     records nothing."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
     from gpu_busy import GpuBusy
 
     return GpuBusy(enabled=args.gpu_busy and args.device == "cuda")
