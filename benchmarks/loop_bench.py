@@ -576,9 +576,6 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
             batch = {k: v.to(args.device, non_blocking=True) for k, v in batch.items()}
             graphs = graphs_made()
             clock = _Clock(args.device)
-            step_range = timeline.step(i)
-            step_range.__enter__()
-            clock.begin()
 
             def micro(batch=batch, i=i):
                 torch.manual_seed(1000 + i)
@@ -586,14 +583,15 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
                     loss = model(**batch).loss
                     loss.backward()
 
-            if ctl is not None and name not in ("dynamic-backstop", "dynamic-plans"):
-                ctl.run_step(micro)
-            else:
-                micro()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            clock.stop()
-            step_range.__exit__(None, None, None)
+            with timeline.step(i):
+                clock.begin()
+                if ctl is not None and name not in ("dynamic-backstop", "dynamic-plans"):
+                    ctl.run_step(micro)
+                else:
+                    micro()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                clock.stop()
             step_ms.append(clock)
             if graphs_made() > graphs:
                 compiled.append(i)
