@@ -189,6 +189,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    "CUDA activity) and add gpu_busy to its line: per step the GPU's span, its busy time and the host's "
                    "time, and the costliest kernels (benchmarks/gpu_busy.py; the profiler slows the host, so ratios of "
                    "such lines are for anatomy, not for comparison)")
+    p.set_defaults(cprofile=None)  # --profile's cProfile.Profile while a configuration runs (_profiled)
     return p.parse_args(argv)
 
 
@@ -571,7 +572,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
             if i == args.steady_from:
                 retries_from = _alloc_retries(args)
                 timeline.__enter__()  # the steady steps profiled (--gpu_busy)
-                if getattr(args, "cprofile", None) is not None:
+                if args.cprofile is not None:
                     args.cprofile.enable()  # and under cProfile (--profile)
             batch = {k: v.to(args.device, non_blocking=True) for k, v in batch.items()}
             graphs = graphs_made()
@@ -600,7 +601,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
     except Exception as err:  # a configuration that breaks is recorded, the matrix goes on
         status, note = "error", f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
     finally:
-        if getattr(args, "cprofile", None) is not None:
+        if args.cprofile is not None:
             args.cprofile.disable()
         timeline.__exit__(None, None, None)
     _sync(args.device)
