@@ -218,7 +218,9 @@ def fused_line(probe: dict[str, Any], vocab: int, hidden: int) -> tuple[float, f
     [The plans choose the implementation]). So a fused kernel is timed at the probe's tokens and at
     half of them (:func:`_probe_half`), and its price is the line through both: the intercept is its
     fixed part (at least 0; below, the larger size's time per token prices it as before), per chunk of
-    its count at the probe's size, which is the count of every longer step.
+    its count at the probe's size, which is the count of every longer step. Its slope, the price per
+    token over keeping the head, may be below 0: keeping grows with the tokens where such a kernel's
+    time hardly does, so past some length it is the faster of the two.
     """
     full, half = probe, probe["half"]
     t1, t2 = full["tokens"], half["tokens"]
