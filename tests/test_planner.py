@@ -196,3 +196,153 @@ def test_a_plan_from_a_records_treatments_is_the_plan_that_wrote_them():
     assert Plan.from_treatments(plan.by_treatment(), plan.head) == plan
     assert Plan.from_treatments({"recompute": [4, 1]}) == Plan((1, 4))  # all recomputed: kinds normalised away
     assert Plan.from_treatments({}) == Plan(())
+
+
+# NOTE [A bounded planner]: property tests over random stacks of unlike parts.
+KINDS = ["recompute", "selective", "offload", "elementwise"]
+
+
+def _random_stack(rng, n, byte_scale):
+    """``n`` unlike parts of 1-4 treatments each, savings of ``byte_scale`` order (GPU-sized)."""
+    return [
+        [(kind, rng.randint(byte_scale // 10, byte_scale), round(rng.uniform(0.1, 30.0), 3)) for kind in rng.sample(KINDS, rng.randint(1, 4))]
+        for _ in range(n)
+    ]
+
+
+def _most(options):
+    return sum(max(o[1] for o in opts) for opts in options)
+
+
+def _traced_peak_bytes(fn):
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_the_tight_end_of_unlike_blocks_plans_in_bounded_memory():
+    """The case that took a host down: 26 unlike blocks, a need at 0.99 of what they save.
+    A table sized in bytes asked 35 GiB; the bounded planner's tables are parts x resolution."""
+    rng = random.Random(0)
+    opts = [[("recompute", 180_000_000 + rng.randint(0, 9_999_999), 20.0),
+             ("elementwise", 40_000_000 + rng.randint(0, 999_999), 3.0)] for _ in range(26)]
+    most = _most(opts)
+    for frac in (0.5, 0.99, 0.99999, 1.0):
+        need = int(most * frac)
+        plans = []
+        peak = _traced_peak_bytes(lambda: plans.append(plan_treatments(opts, need)))
+        assert plans[0].saved_bytes >= need
+        assert peak < 26 * 1025 * 64, (frac, peak)  # a few int/float rows of 1,025 per part, not bytes
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_unlike_stacks_cover_the_need_in_bounded_memory(seed):
+    """8-128 unlike parts, 1-4 treatments each, with and without head options, needs up to
+    0.99999 of the most they save: every plan covers its need, and planning's memory is
+    bounded by parts x resolution whatever the need (the proxy for its time: the table's cells)."""
+    rng = random.Random(seed)
+    for _ in range(5):
+        n = rng.randint(8, 128)
+        options = _random_stack(rng, n, rng.choice([10**6, 10**8, 10**9]))
+        head = [("keep", 1, 0, 0.0)] + [("chunked", c, rng.randint(1, 10**9), rng.uniform(0.5, 40.0)) for c in (2, 4, 8, 16)]
+        most = _most(options)
+        for frac in (0.1, 0.5, 0.9, 0.999, 0.99999, 1.0):
+            need = int(most * frac)
+            for heads in ((), head):
+                plans = []
+                peak = _traced_peak_bytes(lambda: plans.append(plan_with_head(options, heads, need)))
+                plan = plans[0]
+                kinds = plan.treatments(n)
+                saved = sum(next(o[1] for o in options[i] if o[0] == kinds[i]) for i in plan.blocks)
+                head_saved = next((o[2] for o in heads if (o[0], o[1]) == plan.head), 0)
+                assert saved + head_saved >= need
+                assert plan.saved_bytes == saved + head_saved
+                assert peak < n * 1025 * 64 + 2**20, (n, frac, peak)
+
+
+def test_planning_again_and_again_leaves_memory_flat():
+    """Memory after many plans is what it was after a few: nothing grows per plan."""
+    import tracemalloc
+
+    rng = random.Random(7)
+    stacks = [_random_stack(rng, rng.randint(8, 64), 10**9) for _ in range(4)]
+    tracemalloc.start()
+    try:
+        def plan_all(times):
+            for i in range(times):
+                options = stacks[i % len(stacks)]
+                plan_treatments(options, int(_most(options) * rng.uniform(0.5, 0.99999)))
+
+        plan_all(20)
+        before = tracemalloc.get_traced_memory()[0]
+        plan_all(200)
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert after - before < 64 * 1024, (before, after)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bounded_plans_are_within_one_quantum_per_part_of_the_optimum(seed):
+    """Stacks small enough to enumerate, a coarse resolution so that quantisation bites: the plan
+    covers the need, costs no less than the exact optimum, and no more than the exact optimum of a
+    need larger by one quantum per part, the quantum being min(need, slack) / resolution."""
+    import numpy as np
+
+    rng = random.Random(seed)
+    resolution = 16
+    checked = 0
+    for _ in range(40):
+        n = rng.randint(3, 7)
+        options = _random_stack(rng, n, 10**9)
+        combos = list(itertools.product(*[[None, *opts] for opts in options]))
+        saved = np.array([sum(o[1] for o in c if o) for c in combos], dtype=np.int64)
+        cost = np.array([sum(o[2] for o in c if o) for c in combos])
+        most = _most(options)
+
+        def optimum(need):
+            return cost[saved >= need].min()
+
+        for frac in (0.05, 0.3, 0.6, 0.9, 0.99, 0.99999, 1.0):
+            need = max(1, int(most * frac))
+            plan = plan_treatments(options, need, resolution)
+            assert plan.saved_bytes >= need
+            assert plan.cost_ms >= optimum(need) - 1e-9
+            quantum = max(1, -(-min(need, most - need) // resolution))
+            if need + n * quantum <= most:
+                assert plan.cost_ms <= optimum(need + n * quantum) + 1e-9, (options, need)
+                checked += 1
+    assert checked > 100
+
+
+def test_large_alike_stacks_plan_in_bounded_memory():
+    """128 alike blocks with 4 treatments (too many counts to score one by one): the dynamic
+    programme's counts, placed in treatment order, cover the need."""
+    opts = [("recompute", 200_000_000, 20.0), ("selective", 150_000_000, 9.0), ("offload", 120_000_000, 6.0), ("elementwise", 40_000_000, 3.0)]
+    order = {"recompute": 0, "selective": 1, "elementwise": 2, "offload": 3}
+    options = [opts] * 128
+    for frac in (0.2, 0.7, 0.99999):
+        need = int(128 * 200_000_000 * frac)
+        plans = []
+        peak = _traced_peak_bytes(lambda: plans.append(plan_treatments(options, need, order=order)))
+        plan = plans[0]
+        assert plan.saved_bytes >= need
+        assert peak < 128 * 1025 * 64
+        ranks = [order[k] for k in plan.treatments(128) if k != "keep"]
+        assert ranks == sorted(ranks)  # placed in order from the first block up
+        assert plan.blocks == tuple(range(len(plan.blocks)))
+
+
+def test_alike_counts_rows_are_every_assignment():
+    """The count grid built a column at a time is the filtered product, row for row."""
+    from memfit.engine.planner import _counts
+
+    for m in range(6):
+        for t in range(1, 4):
+            expected = sorted(c for c in itertools.product(range(m + 1), repeat=t) if sum(c) <= m)
+            assert sorted(tuple(int(x) for x in row) for row in _counts(m, t)) == expected

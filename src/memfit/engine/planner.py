@@ -11,9 +11,8 @@ checkpointing block ``i``); find the set ``P`` minimising ``sum(c_i for i in P)`
 * mixed stacks exactly by enumerating how many blocks to take from each class of identical
   blocks (Swin's four stages, T5's encoder and decoder), taking the earliest blocks within a
   class (NOTE [Enumerating classes]);
-* only when that enumeration would be too large, by dynamic programming over savings
-  quantised *downwards* (so the true savings of the chosen set are never below ``need``)
-  into ``resolution`` units: within about ``n/resolution`` of optimal.
+* only when that enumeration would be too large, by a dynamic programme over quantised
+  bytes whose table is ``parts x (resolution + 1)`` whatever the need (NOTE [A bounded planner]).
 
 # NOTE [Enumerating classes]
 For a fixed count from every class but one, the cheapest count of that last class is the
@@ -142,7 +141,8 @@ def plan_blocks(
         costs_ms: recompute cost of each block (any consistent unit; ms by convention).
         savings_bytes: bytes saved by checkpointing each block (negative values count as 0).
         need_bytes: bytes to save; ``<= 0`` means the budget is not binding.
-        resolution: DP units for mixed stacks (higher is closer to optimal, slower).
+        resolution: DP units for mixed stacks (higher is closer to optimal, slower; NOTE [A
+            bounded planner]).
 
     Returns:
         The :class:`Plan`; empty when nothing needs saving.
@@ -170,7 +170,8 @@ def plan_blocks(
     else:
         chosen = _enumerate_classes(costs_ms, savings, need_bytes)
         if chosen is None:
-            chosen = _knapsack_cover(costs_ms, savings, need_bytes, resolution)
+            options = [[(_RECOMPUTE, s, float(c))] for c, s in zip(costs_ms, savings)]
+            chosen = tuple(sorted(_choose_by_dp(options, need_bytes, resolution)))
     return Plan(chosen, float(sum(costs_ms[i] for i in chosen)), int(sum(savings[i] for i in chosen)))
 
 
@@ -238,35 +239,6 @@ def _enumerate_classes(costs: Sequence[float], savings: Sequence[int], need: int
         return tuple(sorted(i for m, k in zip(others + [last], counts) for i in m[:k]))
 
     return min(chosen(r) for r in ties)
-
-
-def _knapsack_cover(costs: Sequence[float], savings: Sequence[int], need: int, resolution: int) -> tuple[int, ...]:
-    """Min-cost cover by DP over quantised savings (see module docstring)."""
-    unit = max(1, math.ceil(need / resolution))
-    target = math.ceil(need / unit)
-    units = [s // unit for s in savings]
-    if sum(units) < target:  # quantisation lost too much: fall back to exact units of 1 byte
-        unit, target, units = 1, need, list(savings)
-    inf = math.inf
-    # best[u] = (cost, chosen) reaching at least u units; u capped at target.
-    best: list[tuple[float, tuple[int, ...]] | None] = [None] * (target + 1)
-    best[0] = (0.0, ())
-    for i in range(len(costs)):
-        if units[i] == 0:
-            continue
-        for u in range(target, -1, -1):
-            entry = best[u]
-            if entry is None:
-                continue
-            v = min(target, u + units[i])
-            candidate = (entry[0] + costs[i], entry[1] + (i,))
-            current = best[v]
-            if current is None or (candidate[0], candidate[1]) < (current[0], current[1]):
-                best[v] = candidate
-    result = best[target]
-    if result is None or result[0] == inf:
-        raise InfeasiblePlanError("no set of blocks saves enough bytes")
-    return tuple(sorted(result[1]))
 
 
 def plan_with_head(
@@ -345,8 +317,9 @@ def plan_treatments(
     ``Treatment.order``: recomputed blocks first, nothing held below them, NOTE [Earliest
     blocks first]; offloaded ones last, furthest from the backward's start, so the prefetch
     has time); ties go to fewer treated
-    blocks. Otherwise a dynamic programme over savings quantised *downwards* into
-    ``resolution`` units, so the chosen savings are never below ``need``.
+    blocks (a stack too large to score every count is chosen by the dynamic programme, then
+    placed alike). Otherwise the dynamic programme of NOTE [A bounded planner]: savings never
+    below ``need``, bounded in time and memory whatever the need.
 
     Args:
         options: per block, ``(treatment, bytes saved, ms)`` of each treatment it may take.
@@ -373,7 +346,7 @@ def plan_treatments(
         raise InfeasiblePlanError(f"treating all {len(options)} blocks saves {best_each} bytes, {need_bytes} are needed")
     first = tuple(options[0]) if options else ()
     if all(tuple(o) == first for o in options):
-        chosen = _alike(first, len(options), need_bytes, order or {})
+        chosen = _alike(first, len(options), need_bytes, order or {}, resolution)
     else:
         chosen = _choose_by_dp(options, need_bytes, resolution)
     blocks = tuple(sorted(chosen))
@@ -386,42 +359,90 @@ def plan_treatments(
 
 @functools.lru_cache(maxsize=16)
 def _counts(m: int, t: int) -> np.ndarray:
-    """Every way to give ``t`` treatments to at most ``m`` blocks: rows of counts (read-only)."""
-    rows = [c for c in itertools.product(range(m + 1), repeat=t) if sum(c) <= m]
-    grid = np.array(rows, dtype=np.float64).reshape(-1, t)
+    """Every way to give ``t`` treatments to at most ``m`` blocks: rows of counts (read-only).
+
+    Built a column at a time (never the ``(m + 1) ** t`` product filtered down); the caller
+    bounds the row count, ``comb(m + t, t)``, by ``_MAX_COMBINATIONS``.
+    """
+    rows = np.zeros((1, 0), dtype=np.int64)  # counts so far, and what each row has left
+    left = np.array([m], dtype=np.int64)
+    for _ in range(t):
+        reps = left + 1
+        base = np.repeat(rows, reps, axis=0)
+        starts = np.repeat(np.cumsum(reps) - reps, reps)
+        take = np.arange(len(base)) - starts
+        rows = np.column_stack([base, take])
+        left = np.repeat(left, reps) - take
+    grid = rows.astype(np.float64)
     grid.flags.writeable = False
     return grid
 
 
-def _alike(opts: tuple[tuple[str, int, float], ...], m: int, need: int, order: Mapping[str, int]) -> dict[int, str]:
-    """Exact choice for ``m`` blocks with the same options (NOTE [Choosing treatments])."""
-    grid = _counts(m, len(opts))
-    saved = grid @ np.array([o[1] for o in opts], dtype=np.float64)
-    cost = grid @ np.array([o[2] for o in opts], dtype=np.float64)
-    cost = np.where(saved >= need, cost, np.inf)
-    best = cost.min()
-    ties = np.flatnonzero(cost <= best + 1e-12 * max(1.0, abs(best)))
-    row = grid[min(ties, key=lambda r: (grid[r].sum(), tuple(-grid[r])))]
+def _alike(opts: tuple[tuple[str, int, float], ...], m: int, need: int, order: Mapping[str, int], resolution: int) -> dict[int, str]:
+    """The choice for ``m`` blocks with the same options (NOTE [Choosing treatments]): exact
+    while every count of blocks per treatment can be scored, else the dynamic programme's counts."""
+    if math.comb(m + len(opts), len(opts)) <= _MAX_COMBINATIONS:
+        grid = _counts(m, len(opts))
+        saved = grid @ np.array([o[1] for o in opts], dtype=np.float64)
+        cost = grid @ np.array([o[2] for o in opts], dtype=np.float64)
+        cost = np.where(saved >= need, cost, np.inf)
+        best = cost.min()
+        ties = np.flatnonzero(cost <= best + 1e-12 * max(1.0, abs(best)))
+        row = [int(c) for c in grid[min(ties, key=lambda r: (grid[r].sum(), tuple(-grid[r])))]]
+    else:
+        taken = list(_choose_by_dp([opts] * m, need, resolution).values())
+        row = [taken.count(o[0]) for o in opts]
     placed = sorted(range(len(opts)), key=lambda j: (order.get(opts[j][0], math.inf), j))
     chosen, at = {}, 0
     for j in placed:
-        for _ in range(int(row[j])):
+        for _ in range(row[j]):
             chosen[at] = opts[j][0]
             at += 1
     return chosen
 
 
 def _choose_by_dp(options: Sequence[Sequence[tuple[str, int, float]]], need: int, resolution: int) -> dict[int, str]:
-    """Min-cost multiple-choice cover by DP over savings quantised downwards (NOTE [Choosing treatments])."""
-    unit = max(1, math.ceil(need / resolution))
-    target = math.ceil(need / unit)
+    """Min-cost multiple-choice cover with a table of ``parts x (resolution + 1)`` (NOTE [A bounded planner]).
+
+    # NOTE [A bounded planner]
+    Planning's time and memory are bounded by parts x ``resolution``, whatever the need: a
+    table sized in bytes (once the fallback when quantised savings could not reach the need)
+    takes the host down at exactly the tight budgets memfit is for. Two forms of one problem,
+    each with a table of ``resolution + 1`` columns:
+
+    * *cover*: savings quantised **down** into units of ``need / resolution``; a plan reaching
+      the target reaches the need. Fails to prove a cover when the need comes within about one
+      unit per part of the most the parts can save.
+    * *pack*: what each part leaves unsaved (its most-saving option's bytes minus its choice's)
+      quantised **up** into units of ``slack / resolution``, where slack is the most saved minus
+      the need; a plan within the slack covers the need, and every part at its most-saving
+      option always fits, so it never fails.
+
+    The form with the finer unit runs (cover falling back to pack). What is lost: the plan costs
+    at most what the exact optimum costs for a need larger by one unit per part, and the unit
+    is ``min(need, slack) / resolution`` (tested against enumeration).
+    """
+    most = [max((o[1] for o in opts), default=0) for opts in options]
+    slack = sum(most) - need
+    cover_unit = max(1, -(-need // resolution))
+    pack_unit = max(1, -(-slack // resolution))
+    if cover_unit <= pack_unit:
+        chosen = _cover(options, need, cover_unit)
+        if chosen is not None:
+            return chosen
+    return _pack(options, most, slack, pack_unit)
+
+
+def _cover(options: Sequence[Sequence[tuple[str, int, float]]], need: int, unit: int) -> dict[int, str] | None:
+    """The cover form of NOTE [A bounded planner]; None when the quantised savings cannot reach the need."""
+    target = -(-need // unit)
     if sum(max((o[1] // unit for o in opts), default=0) for opts in options) < target:
-        unit, target = 1, need  # quantisation lost too much: exact units (slow, rare)
+        return None
     best = np.full(target + 1, np.inf)
     best[0] = 0.0
     picks = []  # per block: the option taken and the units it came from, per units reached
     for opts in options:
-        new, pick, pred = best.copy(), np.full(target + 1, -1), np.arange(target + 1)
+        new, pick, pred = best.copy(), np.full(target + 1, -1, dtype=np.int32), np.arange(target + 1, dtype=np.int32)
         for j, (_, saving, cost) in enumerate(opts):
             units = min(saving // unit, target)
             if units <= 0:
@@ -438,14 +459,41 @@ def _choose_by_dp(options: Sequence[Sequence[tuple[str, int, float]]], need: int
                 new[target], pick[target], pred[target] = tail[src], j, target - units + src
         picks.append((pick, pred))
         best = new
-    if not np.isfinite(best[target]):
-        raise InfeasiblePlanError("no set of treatments saves enough bytes")
-    chosen, u = {}, target
+    return _walk_back(options, picks, target) if np.isfinite(best[target]) else None
+
+
+def _pack(options: Sequence[Sequence[tuple[str, int, float]]], most: Sequence[int], slack: int, unit: int) -> dict[int, str]:
+    """The pack form of NOTE [A bounded planner]: least cost whose quantised unsaved bytes fit the slack."""
+    cap = slack // unit
+    best = np.full(cap + 1, np.inf)  # least cost leaving exactly u units unsaved
+    best[0] = 0.0
+    picks = []
+    for opts, m in zip(options, most):
+        new = np.full(cap + 1, np.inf)
+        pick, pred = np.full(cap + 1, -1, dtype=np.int32), np.zeros(cap + 1, dtype=np.int32)
+        # keep (-1) first: on a tie the part stays kept
+        for j, saving, cost in [(-1, 0, 0.0)] + [(j, o[1], o[2]) for j, o in enumerate(opts) if o[1] > 0]:
+            units = -(-(m - saving) // unit)
+            if units > cap:
+                continue
+            candidate = best[: cap + 1 - units] + cost
+            better = candidate < new[units:] - 1e-12
+            new[units:][better] = candidate[better]
+            pick[units:][better] = j
+            pred[units:][better] = np.flatnonzero(better)
+        picks.append((pick, pred))
+        best = new
+    return _walk_back(options, picks, int(np.argmin(best)))
+
+
+def _walk_back(options: Sequence[Sequence[tuple[str, int, float]]], picks: list[tuple[np.ndarray, np.ndarray]], u: int) -> dict[int, str]:
+    """The treatment of each part from the table's picks, from the last part back (kept parts left out)."""
+    chosen = {}
     for i in range(len(options) - 1, -1, -1):
         pick, pred = picks[i]
         if pick[u] >= 0:
             chosen[i] = options[i][int(pick[u])][0]
-            u = int(pred[u])
+        u = int(pred[u])
     return chosen
 
 
