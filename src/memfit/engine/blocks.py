@@ -588,14 +588,18 @@ def wrap_blocks(
     if compile is not None:
         compile, raised = _with_recompile_limit(compile)
     lean = _budgeted_backend(compile) if compile is not None else None
-    wrapped = []
-    for i, (name, module) in enumerate(named_blocks):
-        block = Block(i, name, module)
-        block.raised_limit = raised
-        if lean is not None:
-            block.compile(compile, lean, sides)
-        module.forward = block
-        wrapped.append(block)
+    wrapped: list[Block] = []
+    try:
+        for i, (name, module) in enumerate(named_blocks):
+            block = Block(i, name, module)
+            block.raised_limit = raised
+            if lean is not None:
+                block.compile(compile, lean, sides)
+            module.forward = block
+            wrapped.append(block)
+    except BaseException:
+        unwrap_blocks(wrapped)  # all or nothing (NOTE [Setup is all or nothing], controller.py)
+        raise
     return wrapped
 
 

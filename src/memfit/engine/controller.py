@@ -24,6 +24,11 @@ the backstop is armed (it learns what the stored blocks saved); the counter star
 forward and stops at the first block otherwise, and the step runs as plain PyTorch plus the
 blocks' treatments.
 
+# NOTE [Setup is all or nothing]
+Whatever setup changes on the model (wrapped blocks, hooks, the head's switch, a compiled loss) is
+recorded where :meth:`Controller._unhook` finds it as soon as it is made, and the cap is set
+last: any error before the first step leaves the model as it was, and a later ``fit`` on it works.
+
 # NOTE [Plan is fixed before forward]
 The shape key is read from the first block's input, so it works for any model input (tokens,
 pixels, kwargs). Every block's treatment is set at that moment, before any block has run, and
@@ -239,51 +244,58 @@ class Controller:
         self.model = model
         self.method = method
         self.budget_bytes = budget_bytes
-        named = find_blocks(model, blocks)
-        treatments, compile_options = _run_options(treatments, compile, [m for _, m in named])
-        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        static_parts = check_static_need_of(model, budget_bytes, _state_bytes(optimizer), transient_bytes=_transient_bytes(optimizer))
-        self.grad_params = [p for p in model.parameters() if p.requires_grad]
-        self.meter: Meter = make_meter(self.device, self.grad_params, static_parts["parameters"] + static_parts["gradients"])
-        self._fingerprint = fingerprint(named)
-        method.bind(len(named), self._fingerprint)
-        if budget_bytes is not None and cap:
-            self.meter.apply_cap(budget_bytes)
-        #: compiled callables' guard sides, compiled in warm-up (NOTE [Guard sides in warm-up])
-        self.sides = GuardSides()
-        self.blocks = wrap_blocks(named, allow_hf_checkpointing=method.measures_only, compile=compile_options, sides=self.sides)
-        self.planning = Planning(
-            len(self.blocks), _group_ids(self.blocks), budget_bytes, 0, bucket_tokens, treatments=treatments,
-            room=_room(method, model, budget_bytes, self.meter.kind, margin),
-        )
-        # Parameters and buffers are never activations (under FSDP: this rank's shards).
-        self._counter = SavedTensorCounter(len(self.blocks), exclude=list(model.parameters()) + list(model.buffers()))
-        self.treatments = _make_treatments(treatments, self._counter, self.planning, self.device, self.blocks[0].compiled)
-        self.head = RunHead(model, self.planning, self.meter.kind != "logical", head, head_logits, method.learns and budget_bytes is not None, lambda: self.meter.aside(self._step))
-        self.protection = method.make_protection(lambda: ReactiveStore(self._counter.excluded_ptrs), self.planning, self.meter, self._counter)
-        self._gathered = GatheredParameters(model, self._counter)
-        self.rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
-        self._writer = JsonlWriter(log) if log else None
-        #: print a start line now and a summary at remove(); a str is the budget as the user wrote it
-        self.announce = announce
-        if announce:
-            _say(start_line(method.name, budget_bytes, _given(announce), self.meter.kind, *_kinds_compiled(self.blocks)) + self.head.start_words(), self.rank)
-        self._records: list[StepRecord] = []
-        self._step: StepState | None = None
-        self._steps_recorded = 0
-        self.replay = Replayer(model, self.grad_params, self.blocks, self.treatments[RECOMPUTE], self.note_oom,
-                               self.drop_step, self.meter.release, head=lambda: self.head.part)
-        self._handles = [
-            model.register_forward_pre_hook(self._on_forward_start, with_kwargs=True),
-            model.register_forward_hook(self._on_forward_end, always_call=True), *compile_loss(model, compile_options, self.sides),
-            self.head,
-        ]
-        for b in self.blocks:
-            b.listener = self
-            b.before_run = lambda _: self.meter.block_run(self._step)
-        self.optimizer: torch.optim.Optimizer | None = None
+        self.blocks: list[Block] = []
+        self._handles: list = []
         self._optimizer_handles: list = []
-        self.set_optimizer(optimizer, check=False)
+        self._counter: SavedTensorCounter | None = None
+        self._writer: JsonlWriter | None = None
+        try:  # NOTE [Setup is all or nothing]
+            named = find_blocks(model, blocks)
+            treatments, compile_options = _run_options(treatments, compile, [m for _, m in named])
+            self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+            static_parts = check_static_need_of(model, budget_bytes, _state_bytes(optimizer), transient_bytes=_transient_bytes(optimizer))
+            self.grad_params = [p for p in model.parameters() if p.requires_grad]
+            self.meter: Meter = make_meter(self.device, self.grad_params, static_parts["parameters"] + static_parts["gradients"])
+            self._fingerprint = fingerprint(named)
+            method.bind(len(named), self._fingerprint)
+            #: compiled callables' guard sides, compiled in warm-up (NOTE [Guard sides in warm-up])
+            self.sides = GuardSides()
+            self.blocks = wrap_blocks(named, allow_hf_checkpointing=method.measures_only, compile=compile_options, sides=self.sides)
+            self.planning = Planning(
+                len(self.blocks), _group_ids(self.blocks), budget_bytes, 0, bucket_tokens, treatments=treatments,
+                room=_room(method, model, budget_bytes, self.meter.kind, margin),
+            )
+            # Parameters and buffers are never activations (under FSDP: this rank's shards).
+            self._counter = SavedTensorCounter(len(self.blocks), exclude=list(model.parameters()) + list(model.buffers()))
+            self.treatments = _make_treatments(treatments, self._counter, self.planning, self.device, self.blocks[0].compiled)
+            self.head = RunHead(model, self.planning, self.meter.kind != "logical", head, head_logits, method.learns and budget_bytes is not None, lambda: self.meter.aside(self._step))
+            self._handles.append(self.head)
+            self.protection = method.make_protection(lambda: ReactiveStore(self._counter.excluded_ptrs), self.planning, self.meter, self._counter)
+            self._gathered = GatheredParameters(model, self._counter)
+            self.rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+            #: print a start line now and a summary at remove(); a str is the budget as the user wrote it
+            self.announce = announce
+            self._records: list[StepRecord] = []
+            self._step: StepState | None = None
+            self._steps_recorded = 0
+            self.replay = Replayer(model, self.grad_params, self.blocks, self.treatments[RECOMPUTE], self.note_oom,
+                                   self.drop_step, self.meter.release, head=lambda: self.head.part)
+            self._handles.extend(compile_loss(model, compile_options, self.sides))
+            self._handles.append(model.register_forward_pre_hook(self._on_forward_start, with_kwargs=True))
+            self._handles.append(model.register_forward_hook(self._on_forward_end, always_call=True))
+            for b in self.blocks:
+                b.listener = self
+                b.before_run = lambda _: self.meter.block_run(self._step)
+            self.optimizer: torch.optim.Optimizer | None = None
+            self.set_optimizer(optimizer, check=False)
+            self._writer = JsonlWriter(log) if log else None
+            if budget_bytes is not None and cap:
+                self.meter.apply_cap(budget_bytes)
+            if announce:
+                _say(start_line(method.name, budget_bytes, _given(announce), self.meter.kind, *_kinds_compiled(self.blocks)) + self.head.start_words(), self.rank)
+        except BaseException:
+            self._unhook()
+            raise
 
     # ----------------------------------------------------------------- optimizer
     def set_optimizer(self, optimizer: torch.optim.Optimizer | None, check: bool = True) -> None:
@@ -498,10 +510,15 @@ class Controller:
         """Close the last record, unhook and unwrap: the model is exactly as before ``fit``."""
         if self.records and self.announce and self._handles:
             _say(end_summary(self.records, _given(self.announce)), self.rank)
-        for h in self._handles + self._optimizer_handles:
+        self._unhook()
+
+    def _unhook(self) -> None:
+        """Remove every hook and wrapper this controller put on the model (NOTE [Setup is all or nothing])."""
+        for h in reversed(self._handles + self._optimizer_handles):
             h.remove()
-        self._handles = self._optimizer_handles = []
-        self._counter.stop()
+        self._handles, self._optimizer_handles = [], []
+        if self._counter is not None:
+            self._counter.stop()
         unwrap_blocks(self.blocks)
         if self._writer is not None:
             self._writer.close()
@@ -600,6 +617,10 @@ def fit(
         >>> ctl.remove()
     """
     budget_bytes = None if budget is None else parse_bytes(budget, argument="budget")
+    if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1):
+        raise ValueError(f"margin={margin!r}: give a share of the budget in [0, 1), e.g. 0.05, or None for the default")
+    if isinstance(bucket_tokens, bool) or not isinstance(bucket_tokens, int) or bucket_tokens < 1:
+        raise ValueError(f"bucket_tokens={bucket_tokens!r}: give a whole number of tokens from 1 (1 = a plan per exact shape)")
     method_obj = make_method(method, **method_kwargs)
     shown = (budget if isinstance(budget, str) else True) if announce else False
     return Controller(model, budget_bytes, method_obj, optimizer, blocks, log, margin, bucket_tokens, cap, treatments, shown,

@@ -397,6 +397,7 @@ class MemfitTrainerMixin:
         self._pending_state: dict[str, Any] | None = None
         #: the controller; under FSDP, None until the first micro-step (NOTE [Hooked after sharding])
         self.memfit: Controller | None = None
+        self._unhooked_before_first_step = False
         if plugin is None:
             self._check_static_need_before_optimizer()
             self.memfit = hook(self.model)
@@ -513,6 +514,19 @@ class MemfitTrainerMixin:
         super().log(logs, *args, **kwargs)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        if self.memfit is None and self._unhooked_before_first_step:
+            self.memfit = self._hook(self.model)  # hooked again after a train() that failed before its first step
+        try:
+            return self._train(resume_from_checkpoint, *args, **kwargs)
+        except BaseException:
+            # all or nothing before the first step (NOTE [Setup is all or nothing], controller.py):
+            # the model is left as it was, and a later train() hooks it again
+            if self.memfit is not None and not self.memfit.records:
+                self.memfit.remove()
+                self.memfit, self._unhooked_before_first_step = None, True
+            raise
+
+    def _train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         a = self.args
         if isinstance(a, MemfitArguments):  # the flag is memfit's, not transformers.TrainingArguments'
             # the step-record file opens at the first record, so the folder is claimed here, where the

@@ -25,6 +25,8 @@ that is still too much, the budget is too small (``note_oom`` says so).
 
 from __future__ import annotations
 
+import numbers
+
 import dataclasses
 
 from collections.abc import Callable
@@ -183,7 +185,10 @@ class Static(Dynamic):
 
     def __init__(self, max_shape: tuple[int, int] | None = None, backstop: bool = False, **kwargs: int):
         super().__init__(backstop=backstop, **kwargs)
-        self.max_shape = tuple(max_shape) if max_shape else None
+        if max_shape and (isinstance(max_shape, (str, bytes)) or len(max_shape) != 2
+                          or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > 0 for v in max_shape)):
+            raise ValueError(f"max_shape={max_shape!r}: give the largest input's (N, T) as two positive whole numbers, e.g. (8, 512)")
+        self.max_shape = tuple(int(v) for v in max_shape) if max_shape else None
 
     def planning_key(self, planning: "Planning", key: tuple[int, int]) -> tuple[int, int]:
         candidates = [key] + [k for k in (self.max_shape, planning.model.max_key) if k]
