@@ -124,7 +124,7 @@ def test_the_pool_drops_free_buffers_before_passing_its_limit():
     pool.give(b)
     c = pool.take(12000)  # a new class: the free buffers go, not over the limit
     assert pool.total == size_class(12000) and pool.pins == 3
-    with pytest.raises(HostMemoryError, match="offload needs .* GiB of pinned host memory, over its limit"):
+    with pytest.raises(HostMemoryError, match="need .* GiB of pinned host memory, over the host budget"):
         pool.take(12000)  # ``c`` is in use: this one would pass the limit
     pool.give(c)
     assert pool.take(12000) is c

@@ -66,9 +66,10 @@ from memfit.engine.shapes import first_tensor, shape_key
 from memfit.engine.store import ReactiveStore
 from memfit.engine.summary_text import end_summary, start_line
 from memfit.engine.treatments import (
-    OFFLOAD, RECOMPUTE, SELECTIVE, TREATMENTS, Treatment, make_treatments, resolve, run_treatment_names,
+    RECOMPUTE, SELECTIVE, TREATMENTS, Treatment, make_treatments, resolve, run_treatment_names,
 )
 from memfit.engine.treatments.chunked_head import RunHead
+from memfit.engine.treatments.offload import default_host_budget_bytes
 
 __all__ = ["fit", "Controller", "check_static_need_of"]
 
@@ -206,14 +207,17 @@ def _say(text: str, rank: int) -> None:
 
 def _make_treatments(
     names: Sequence[str], counter: SavedTensorCounter, planning: Planning, device: torch.device, compiled: bool,
+    host_budget_bytes: int | None = None,
 ) -> dict[str, Treatment]:
-    """The run's treatments; with ``offload``, the host link is measured now, before training
-    holds memory, and priced for the planner (engine/probe.py)."""
-    if OFFLOAD not in names:
+    """The run's treatments; with one that moves tensors to the host (``offload``, ``host_checkpoint``),
+    the host link is measured now, before training holds memory, and priced for the planner
+    (engine/probe.py), and their pinned pool is bounded by the host budget (NOTE [Host budget], offload.py)."""
+    if not any(cls.moves_out for cls in resolve(names).values()):
         return make_treatments(tuple(names), counter, compiled)
     planning.price_offload(probe.measure_link(device))
     return make_treatments(
         tuple(names), counter, compiled, excluded_ptrs=counter.excluded_ptrs, depth_for=planning.offload_depth,
+        max_host_bytes=host_budget_bytes if host_budget_bytes is not None else default_host_budget_bytes(),
     )
 
 
@@ -230,25 +234,17 @@ class Controller:
     """
 
     def __init__(
-        self,
-        model: nn.Module,
-        budget_bytes: int | None,
-        method: Method,
-        optimizer: torch.optim.Optimizer | None = None,
-        blocks: Sequence[nn.Module] | str | None = None,
-        log: str | None = None, margin: float | None = None, bucket_tokens: int = 8, cap: bool = True,
-        treatments: Sequence[str] | None = None, announce: str | bool = False,
-        compile: bool | dict[str, Any] = False,
-        head: bool | str = "auto", head_logits: str = "drop",
+        self, model: nn.Module, budget_bytes: int | None, method: Method, optimizer: torch.optim.Optimizer | None = None,
+        blocks: Sequence[nn.Module] | str | None = None, log: str | None = None, margin: float | None = None,
+        bucket_tokens: int = 8, cap: bool = True, treatments: Sequence[str] | None = None, announce: str | bool = False,
+        compile: bool | dict[str, Any] = False, head: bool | str = "auto", head_logits: str = "drop",
+        host_budget_bytes: int | None = None,
     ):
-        self.model = model
-        self.method = method
-        self.budget_bytes = budget_bytes
+        self.model, self.method, self.budget_bytes = model, method, budget_bytes
         self.blocks: list[Block] = []
-        self._handles: list = []
+        #: how to undo each change to the model, recorded as soon as it is made (NOTE [Setup is all or nothing])
+        self._undo: list[Callable[[], None]] = []
         self._optimizer_handles: list = []
-        self._counter: SavedTensorCounter | None = None
-        self._writer: JsonlWriter | None = None
         try:  # NOTE [Setup is all or nothing]
             named = find_blocks(model, blocks)
             treatments, compile_options = _run_options(treatments, compile, [m for _, m in named])
@@ -261,15 +257,18 @@ class Controller:
             #: compiled callables' guard sides, compiled in warm-up (NOTE [Guard sides in warm-up])
             self.sides = GuardSides()
             self.blocks = wrap_blocks(named, allow_hf_checkpointing=method.measures_only, compile=compile_options, sides=self.sides)
+            self._undo.append(lambda: unwrap_blocks(self.blocks))
             self.planning = Planning(
                 len(self.blocks), _group_ids(self.blocks), budget_bytes, 0, bucket_tokens, treatments=treatments,
                 room=_room(method, model, budget_bytes, self.meter.kind, margin),
             )
             # Parameters and buffers are never activations (under FSDP: this rank's shards).
             self._counter = SavedTensorCounter(len(self.blocks), exclude=list(model.parameters()) + list(model.buffers()))
-            self.treatments = _make_treatments(treatments, self._counter, self.planning, self.device, self.blocks[0].compiled)
+            self._undo.append(self._counter.stop)
+            self.treatments = _make_treatments(treatments, self._counter, self.planning, self.device, self.blocks[0].compiled,
+                                               host_budget_bytes)
             self.head = RunHead(model, self.planning, self.meter.kind != "logical", head, head_logits, method.learns and budget_bytes is not None, lambda: self.meter.aside(self._step))
-            self._handles.append(self.head)
+            self._undo.append(self.head.remove)
             self.protection = method.make_protection(lambda: ReactiveStore(self._counter.excluded_ptrs), self.planning, self.meter, self._counter)
             self._gathered = GatheredParameters(model, self._counter)
             self.rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
@@ -280,15 +279,15 @@ class Controller:
             self._steps_recorded = 0
             self.replay = Replayer(model, self.grad_params, self.blocks, self.treatments[RECOMPUTE], self.note_oom,
                                    self.drop_step, self.meter.release, head=lambda: self.head.part)
-            self._handles.extend(compile_loss(model, compile_options, self.sides))
-            self._handles.append(model.register_forward_pre_hook(self._on_forward_start, with_kwargs=True))
-            self._handles.append(model.register_forward_hook(self._on_forward_end, always_call=True))
+            self._undo += [h.remove for h in (*compile_loss(model, compile_options, self.sides), model.register_forward_pre_hook(
+                self._on_forward_start, with_kwargs=True), model.register_forward_hook(self._on_forward_end, always_call=True))]
             for b in self.blocks:
                 b.listener = self
                 b.before_run = lambda _: self.meter.block_run(self._step)
             self.optimizer: torch.optim.Optimizer | None = None
             self.set_optimizer(optimizer, check=False)
             self._writer = JsonlWriter(log) if log else None
+            self._undo += [self._writer.close] if self._writer is not None else []
             if budget_bytes is not None and cap:
                 self.meter.apply_cap(budget_bytes)
             if announce:
@@ -346,8 +345,7 @@ class Controller:
 
     def _on_forward_end(self, module: nn.Module, args: tuple, output: Any) -> None:
         step = self._step
-        # the counter's hooks come off autograd's stack even when the forward raised (this hook is
-        # always called): left on, they would stay pushed under whatever the caller runs next
+        # the counter's hooks come off autograd's stack even when the forward raised (always called)
         self._counter.stop()
         self.sides.close()
         if (output is None and sys.exc_info()[1] is not None) or step is None:
@@ -508,20 +506,15 @@ class Controller:
 
     def remove(self) -> None:
         """Close the last record, unhook and unwrap: the model is exactly as before ``fit``."""
-        if self.records and self.announce and self._handles:
+        if self._undo and self.records and self.announce:
             _say(end_summary(self.records, _given(self.announce)), self.rank)
         self._unhook()
 
     def _unhook(self) -> None:
-        """Remove every hook and wrapper this controller put on the model (NOTE [Setup is all or nothing])."""
-        for h in reversed(self._handles + self._optimizer_handles):
-            h.remove()
-        self._handles, self._optimizer_handles = [], []
-        if self._counter is not None:
-            self._counter.stop()
-        unwrap_blocks(self.blocks)
-        if self._writer is not None:
-            self._writer.close()
+        """Undo every change this controller made to the model, last first (NOTE [Setup is all or nothing])."""
+        undo, self._undo, self._optimizer_handles = [h.remove for h in self._optimizer_handles] + self._undo, [], []
+        for step in reversed(undo):
+            step()
 
     def __enter__(self) -> "Controller":
         return self
@@ -545,6 +538,7 @@ def fit(
     compile: bool | dict[str, Any] = False,
     head: bool | str = "auto",
     head_logits: str = "drop",
+    host_budget: int | str | None = None,
     **method_kwargs: Any,
 ) -> Controller:
     """Train ``model`` inside ``budget`` by treating just enough blocks per batch.
@@ -567,10 +561,11 @@ def fit(
             multiple of this (1 = a plan per exact shape).
         cap: on CUDA, enforce the budget with ``set_per_process_memory_fraction``.
         treatments: what the planner may give a block besides ``keep``: ``recompute``,
-            ``selective``, ``offload`` (treatments/); it picks per batch and block the
-            cheapest mix that fits (NOTE [Treatments never lose] in planning.py). ``recompute``
-            is always included (warm-up, ``full`` and replays use it). Default: ``recompute``,
-            and ``selective`` too where ``compile`` uses inductor.
+            ``selective``, ``offload``, ``elementwise``, ``host_checkpoint`` (treatments/); it picks per
+            batch and block the cheapest mix that fits (NOTE [Treatments never lose] in planning.py).
+            ``recompute`` is always included (warm-up, ``full`` and replays use it). Default:
+            ``recompute``; ``elementwise`` for eager blocks with a gated MLP; ``selective`` where
+            ``compile`` uses inductor; ``host_checkpoint`` for blocks on a CUDA device.
         announce: print one line on stderr now (method, budget, accounting, blocks) and a short
             summary when :meth:`Controller.remove` is called.
         compile: compile each block's body with ``torch.compile`` inside memfit's wrapper
@@ -593,6 +588,10 @@ def fit(
             made) or ``"detached"`` (computed without grad in the model's dtype, for metrics; costs
             ``tokens x vocab`` bytes). Where the head is kept, and in eval or no-grad forwards, the
             logits are the model's own.
+        host_budget: the pinned host memory the treatments that move tensors to the host
+            (``offload``, ``host_checkpoint``) may hold, bytes or a size string like ``budget``;
+            default: half of what the host has available at the start, shared among its ranks
+            (NOTE [Host budget] in treatments/offload.py).
         **method_kwargs: passed to the method (``path=`` for ``precomputed``,
             ``max_shape=`` for ``static``, ``warmup_steps=`` for ``dynamic``...).
 
@@ -617,6 +616,7 @@ def fit(
         >>> ctl.remove()
     """
     budget_bytes = None if budget is None else parse_bytes(budget, argument="budget")
+    host_budget_bytes = None if host_budget is None else parse_bytes(host_budget, argument="host_budget")
     if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1):
         raise ValueError(f"margin={margin!r}: give a share of the budget in [0, 1), e.g. 0.05, or None for the default")
     if isinstance(bucket_tokens, bool) or not isinstance(bucket_tokens, int) or bucket_tokens < 1:
@@ -624,4 +624,4 @@ def fit(
     method_obj = make_method(method, **method_kwargs)
     shown = (budget if isinstance(budget, str) else True) if announce else False
     return Controller(model, budget_bytes, method_obj, optimizer, blocks, log, margin, bucket_tokens, cap, treatments, shown,
-                      compile, head=head, head_logits=head_logits)
+                      compile, head=head, head_logits=head_logits, host_budget_bytes=host_budget_bytes)

@@ -417,6 +417,10 @@ class BlockGroupModel:
         curve = self.bytes.get(name)
         return curve is not None and curve.fitted
 
+    def moved(self, name: str, moves_from: str, key: tuple[int, int]) -> float:
+        """Bytes a block under ``name`` moves off the device: what it would keep under ``moves_from`` less what it keeps."""
+        return max(0.0, self.kept(moves_from, key) - self.bytes[name](key))
+
     def kept(self, name: str, key: tuple[int, int]) -> float:
         """Bytes a block keeps under ``name`` (its full bytes where ``name`` has no sample yet:
         no saving assumed; ``recompute`` always its own curve)."""
@@ -555,9 +559,9 @@ class MemoryModel:
                     continue
                 elif name in m.ms and m.ms[name].fitted:  # priced by its own measured time
                     choices.append((name, int(max(0.0, full - m.bytes[name](key))), max(m.ms[name](key), 1e-6)))
-                elif self.treatments[name].priced_by_link and offload_ms is not None:
-                    moved = max(0.0, full - m.bytes[name](key))
-                    choices.append((name, int(moved), max(offload_ms(moved, fwd), 1e-6)))
+                elif (t := self.treatments[name]).priced_by_link and offload_ms is not None:  # a re-run block pays its forward too
+                    ms = offload_ms(m.moved(name, t.moves_from, key), fwd) + (fwd if t.reruns else 0.0)
+                    choices.append((name, int(max(0.0, full - m.bytes[name](key))), max(ms, 1e-6)))
             per_group[g] = choices
         return [per_group[g] for g in self.groups]
 
@@ -571,7 +575,7 @@ class MemoryModel:
         for m in self.group_models.values():
             for name in m.bytes:
                 if name in self.treatments and self.treatments[name].moves_out and m.measured(name):
-                    moved = max(0.0, m.bytes[KEEP](key) - m.bytes[name](key))
+                    moved = m.moved(name, self.treatments[name].moves_from, key)
                     deepest = max(deepest, int(depth(moved, max(m.ms[RECOMPUTE](key), 1e-6))))
         return deepest
 
@@ -649,9 +653,9 @@ class MemoryModel:
             held[(self.groups[i], names[i])] = held.get((self.groups[i], names[i]), 0) + 1
         offloaded = [i for i, name in enumerate(names) if self.treatments[name].moves_out]
         parts = {(self.groups[i], name) for i, name in enumerate(names) if self.treatments[name].reruns_part}
-        return _Layout(
+        return _Layout(  # a block re-run whole brings its own stash back for its recompute: at or below the top
             counts, held, bool(reruns), len(reruns) == len(names) and all(name == RECOMPUTE for name in names),
-            [(self.groups[i], names[i]) for i in offloaded], [(self.groups[i], names[i]) for i in offloaded if i < top],
+            [(self.groups[i], names[i]) for i in offloaded], [(self.groups[i], names[i]) for i in offloaded if i <= top],
             part_reruns=sorted(parts),
         )
 
@@ -668,10 +672,10 @@ class MemoryModel:
         return total
 
     def _in_flight(self, values: dict[Any, Any], moved_out: list[tuple[int, str]], depth: int) -> float:
-        """Bytes of the ``depth + 1`` largest offloaded blocks (``(group, treatment)`` each): the
-        one in use and those being brought back (NOTE [Treated peaks])."""
-        moved = sorted((values[(g, KEEP)] - self._kept(values, g, name) for g, name in moved_out), reverse=True)
-        return float(sum(moved[: depth + 1]))
+        """Bytes of the ``depth + 1`` largest offloaded blocks (``(group, treatment)`` each, moving what it would
+        keep by ``Treatment.moves_from`` less what it keeps): the one in use and those coming back (NOTE [Treated peaks])."""
+        moved = [self._kept(values, g, self.treatments[name].moves_from) - self._kept(values, g, name) for g, name in moved_out]
+        return float(sum(sorted(moved, reverse=True)[: depth + 1]))
 
     def _peaks(self, values: dict[Any, Any], layout: _Layout) -> tuple[Any, Any, Any]:
         """``(backward start, recompute, step)`` above static (NOTE [Three peaks]): the one formula
@@ -690,7 +694,9 @@ class MemoryModel:
         start = start + _select(layout.every, lambda: values["transient_full"], values["transient"])
         start = start + self._in_flight(values, layout.offloaded, layout.depth)
         start = start - head_saved
-        every = {g: {RECOMPUTE: n} for g, n in self._group_sizes.items()}
+        # every block as recomputed, but those re-run whole by another treatment (NOTE [Treated peaks]): their own bytes
+        apart = {g: {k: c for k, c in per.items() if k != RECOMPUTE and self.treatments[k].reruns} for g, per in layout.counts.items()}
+        every = {g: {RECOMPUTE: n - sum(apart[g].values()), **apart[g]} for g, n in self._group_sizes.items()}
         recompute = self._activation(values, every) + values["transient_full"]
         held = 0
         for (g, name), n in layout.held.items():

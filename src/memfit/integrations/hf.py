@@ -149,8 +149,15 @@ class MemfitArguments:
                   + ", ".join(f"{t.name} ({t.help})" for t in TREATMENTS.values() if t.name != KEEP)
                   + ". Per batch and block it picks the "
                   "cheapest mix that fits, from each treatment's measured bytes and time. recompute is always "
-                  "available, named or not (warm-up, --memfit_method full and OOM replays use it). Default: auto, "
-                  "recompute, and with --memfit_compile selective too."},
+                  "available, named or not (warm-up, --memfit_method full and OOM replays use it). Default: auto: "
+                  "recompute; elementwise for eager blocks with a gated MLP (decoder LLMs); host_checkpoint for "
+                  "blocks on a GPU; selective with --memfit_compile."},
+    )
+    memfit_host_budget: str | None = field(
+        default=None,
+        metadata={"help": "Pinned host memory the treatments that move tensors to the host (offload, host_checkpoint) "
+                  "may hold, per rank: '16GiB', '16GB' or bytes. Default: half of what the host has available at the "
+                  "start, shared among the ranks of one host."},
     )
     memfit_compile: bool = field(
         default=False,
@@ -193,6 +200,8 @@ class MemfitArguments:
                 f"--memory_budget {self.memory_budget} and --memory_threshold {self.memory_threshold} (GB) "
                 "disagree; give only one of them"
             )
+        if self.memfit_host_budget is not None:
+            _budget_flag("--memfit_host_budget", self.memfit_host_budget)
         if self.memfit_margin is not None and not 0 <= self.memfit_margin < 1:
             raise FlagError(f"--memfit_margin {self.memfit_margin}: give a share of the budget in [0, 1), e.g. 0.05")
         if self.memfit_method == "precomputed" and not self.memfit_plans_file:
@@ -390,7 +399,8 @@ class MemfitTrainerMixin:
                 model, getattr(a, "memfit_budget_bytes", None), method, optimizer=optimizer, log=log,
                 margin=getattr(a, "memfit_margin", None), announce=False,
                 treatments=treatment_names(getattr(a, "memfit_treatments", "auto")),
-                compile=_compile_option(a), head=self._memfit_head(), **method_kwargs,
+                compile=_compile_option(a), head=self._memfit_head(), host_budget=getattr(a, "memfit_host_budget", None),
+                **method_kwargs,
             ))
 
         self._hook = hook

@@ -14,6 +14,8 @@ A plan gives every block one treatment; the block runs it at its next training f
 | `offload`   | saved tensors copied to pinned host memory| small saved tensors                     | copied back, prefetched    |
 | `elementwise`| plain, under saved-tensor hooks that     | all but what its norms and the gated    | those elementwise ops run  |
 |             | take the norms' and gated MLP's outputs   | MLP's activation and product save       | again, never a matmul      |
+| `host_checkpoint`| as `recompute`, its input copied to  | its keyword inputs (shared)             | input copied back, block   |
+|             | pinned host memory                        |                                         | runs again                 |
 
 Gradients are those of ``keep`` under every treatment: ``torch.utils.checkpoint`` is
 non-reentrant and restores the RNG state, so a recompute draws the same dropout masks, and an
@@ -23,7 +25,7 @@ A :class:`Treatment` instance is made per run (a treatment may hold per-run stat
 the host pool) and shared by every block it treats.
 
 Each treatment is one file (NOTE [A treatment is a plug-in], base.py): keep.py,
-recompute.py, selective.py, offload.py, elementwise.py. Adding one is a new file and one line in
+recompute.py, selective.py, offload.py, elementwise.py, host_checkpoint.py. Adding one is a new file and one line in
 :data:`BUILTIN`; a run may also be given a treatment class that is not registered
 (``memfit.fit(treatments=("recompute", MyTreatment))``): :func:`resolve` takes names and classes.
 
@@ -44,8 +46,9 @@ from typing import TYPE_CHECKING, Any, Union
 from memfit.engine.treatments.base import KEEP, RECOMPUTE, RunOptions, Treatment
 from memfit.engine.treatments.chunked_head import CHUNKED, ChunkedHead, HeadPart, KeepHead, head_options
 from memfit.engine.treatments.elementwise import ELEMENTWISE, Elementwise
+from memfit.engine.treatments.host_checkpoint import HOST_CHECKPOINT, HostCheckpoint
 from memfit.engine.treatments.keep import Keep
-from memfit.engine.treatments.offload import OFFLOAD, HostMemoryError, Offload
+from memfit.engine.treatments.offload import OFFLOAD, HostMemoryError, Offload, _HostPool
 from memfit.engine.treatments.random_ops import draws_random, runs_random
 from memfit.engine.treatments.recompute import Recompute
 from memfit.engine.treatments.selective import (
@@ -56,7 +59,7 @@ if TYPE_CHECKING:
     from memfit.engine.accounting import SavedTensorCounter
 
 __all__ = [
-    "KEEP", "RECOMPUTE", "SELECTIVE", "OFFLOAD", "ELEMENTWISE", "Elementwise", "Treatment", "RunOptions", "Keep", "Recompute", "Selective",
+    "KEEP", "RECOMPUTE", "SELECTIVE", "OFFLOAD", "ELEMENTWISE", "HOST_CHECKPOINT", "Elementwise", "HostCheckpoint", "Treatment", "RunOptions", "Keep", "Recompute", "Selective",
     "CompiledSelective", "Offload", "HostMemoryError", "BUILTIN", "TREATMENTS", "TreatmentSpec", "resolve",
     "run_treatment_names", "make_treatments", "keep_matmul_and_attention", "selective_cache_tensors", "draws_random",
     "runs_random", "CHUNKED", "KeepHead", "ChunkedHead", "HEAD_BUILTIN", "BY_PART", "HeadPart", "head_options",
@@ -69,6 +72,7 @@ BUILTIN: tuple[type[Treatment], ...] = (
     Selective,
     Offload,
     Elementwise,
+    HostCheckpoint,
 )
 
 #: every registered treatment, by name (read-only)
@@ -144,10 +148,15 @@ def make_treatments(
         names: the treatments the planner may give (names or classes).
         counter: the run's counter (``selective`` and ``offload`` count what the hooks cannot see).
         compiled: the blocks' bodies are compiled (``selective`` is then :class:`CompiledSelective`).
-        **offload: ``min_bytes``, ``max_host_bytes``, ``excluded_ptrs`` and ``depth_for`` for ``offload``.
+        **offload: ``min_bytes``, ``max_host_bytes``, ``excluded_ptrs`` and ``depth_for`` for the treatments
+            that move tensors to the host (``moves_out``), which share one pinned pool bounded by
+            ``max_host_bytes`` (NOTE [Pinned pool], offload.py).
 
     Raises:
         ValueError: for an unknown name, listing the known ones.
     """
+    classes = resolve(names)
+    if any(cls.moves_out for cls in classes.values()) and "pool" not in offload:
+        offload = {**offload, "pool": _HostPool(offload.get("max_host_bytes", 64 * 2**30))}
     options = RunOptions(counter, compiled, dict(offload))
-    return {name: cls.for_run(options) for name, cls in resolve(names).items()}
+    return {name: cls.for_run(options) for name, cls in classes.items()}

@@ -45,7 +45,8 @@ class RunOptions:
     Attributes:
         counter: the run's saved-tensor counter (a treatment counts what its hooks hide).
         compiled: the blocks' bodies are compiled (NOTE [Compiled blocks], blocks.py).
-        offload: ``min_bytes``, ``max_host_bytes`` and ``excluded_ptrs`` for ``offload``.
+        offload: ``min_bytes``, ``max_host_bytes``, ``excluded_ptrs``, ``depth_for`` and the run's
+            one pinned ``pool`` for the treatments that move tensors to the host (``moves_out``).
     """
 
     counter: "SavedTensorCounter | None" = None
@@ -73,6 +74,9 @@ class Treatment:
     reruns_part: ClassVar[bool] = False
     #: its saved tensors leave the device and come back, prefetched, in backward (NOTE [Prefetch depth], offload.py)
     moves_out: ClassVar[bool] = False
+    #: what a block that ``moves_out`` would keep on the device had it not moved it: the treatment whose
+    #: bytes less its own are the bytes moved (``keep`` for offload; ``recompute`` for a checkpoint on the host)
+    moves_from: ClassVar[str] = KEEP
     #: priced by the host link's measured bandwidth (engine/probe.py), not by a measured time
     priced_by_link: ClassVar[bool] = False
     #: where it goes in a stack of alike blocks, from the first block up (lower first)

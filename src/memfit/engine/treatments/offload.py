@@ -39,10 +39,20 @@ that the pool counts what is pinned; unpinned ones (a CPU device) step by a quar
 of two (at most 25% over what is asked). The pool is bounded by ``max_host_bytes``: when a new
 buffer would pass it, the free buffers go first (and the host allocator's cache with them), and
 only what is in use at once can fail, with :class:`HostMemoryError`.
+
+# NOTE [Host budget]
+Pinned memory cannot be paged out: a pool that grew with the need would take the host down
+(the kernel kills the process, or a neighbour). The run's one pool is bounded by the host budget
+(``fit(host_budget=...)``, ``--memfit_host_budget``); by default half of what the host has
+available when the run starts (the smaller of ``MemAvailable`` and the cgroup's limit less its
+usage), shared out among the ranks of one host (``LOCAL_WORLD_SIZE``), since they share its
+memory. The planner never plans more than it can hold: a plan that would pass it fails with
+:class:`HostMemoryError` naming the flag.
 """
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -70,6 +80,45 @@ MIN_HOST_BYTES = 4096
 STEPS_KEPT = 4096
 
 
+#: the share of the host's available memory the default host budget takes (NOTE [Host budget])
+HOST_SHARE = 0.5
+
+
+def _available_host_bytes() -> int | None:
+    """What the host can still give this process: ``MemAvailable``, capped by the cgroup's limit less its usage."""
+    out = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    out = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_path, usage_path in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_path, encoding="ascii") as fh:
+                limit = fh.read().strip()
+            with open(usage_path, encoding="ascii") as fh:
+                usage = int(fh.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 2**60:
+            left = max(0, int(limit) - usage)
+            out = left if out is None else min(out, left)
+    return out
+
+
+def default_host_budget_bytes() -> int:
+    """The default host budget (NOTE [Host budget]): ``HOST_SHARE`` of the host's available memory over
+    this host's ranks; 8 GiB where the available memory cannot be read."""
+    available = _available_host_bytes()
+    if available is None:
+        return 8 * 2**30
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return int(available * HOST_SHARE) // ranks
+
+
 class HostMemoryError(UserError, RuntimeError):
     """The pinned host memory ``offload`` needs cannot be had."""
 
@@ -94,9 +143,10 @@ def size_class(nbytes: int, pinned: bool = False) -> int:
 
 
 class _HostPool:
-    """Pinned host buffers, reused across steps, bounded in total (NOTE [Pinned pool])."""
+    """Pinned host buffers, reused across steps, bounded in total (NOTE [Pinned pool]); one per run,
+    shared by every treatment that moves tensors to the host (``pin`` None: set by the first user's device)."""
 
-    def __init__(self, max_bytes: int, pin: bool):
+    def __init__(self, max_bytes: int, pin: bool | None = None):
         self.max_bytes = max_bytes
         self.pin = pin
         self.free: dict[int, list[torch.Tensor]] = {}
@@ -115,8 +165,9 @@ class _HostPool:
             self._drop_free()
         if self.total + size > self.max_bytes:
             raise HostMemoryError(
-                f"offload needs {(self.total + size) / 2**30:.2f} GiB of pinned host memory, over its limit of "
-                f"{self.max_bytes / 2**30:.2f} GiB; leave 'offload' out of the treatments, or lower the batch size"
+                f"the treatments that move tensors to the host need {(self.total + size) / 2**30:.2f} GiB of pinned "
+                f"host memory, over the host budget of {self.max_bytes / 2**30:.2f} GiB; raise the host budget "
+                "(host_budget=, --memfit_host_budget), or lower the batch size"
             )
         try:
             buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
@@ -232,7 +283,7 @@ class Offload(Treatment):
     def __init__(
         self, counter: "SavedTensorCounter | None" = None, excluded_ptrs: set[int] | frozenset = frozenset(),
         min_bytes: int = MIN_BYTES, max_host_bytes: int = 64 * 2**30,
-        depth_for: Callable[[tuple[int, int]], int] | None = None,
+        depth_for: Callable[[tuple[int, int]], int] | None = None, pool: _HostPool | None = None,
     ):
         self.counter = counter
         self.excluded = excluded_ptrs
@@ -241,7 +292,7 @@ class Offload(Treatment):
         #: this step's prefetch depth (NOTE [Prefetch depth])
         self.depth = 1
         self.stats = OffloadStats()
-        self._pool: _HostPool | None = None
+        self._pool: _HostPool | None = pool
         self._max_host_bytes = max_host_bytes
         self._side: torch.cuda.Stream | None = None
         self._stashes: list[_Stash] = []
@@ -250,7 +301,7 @@ class Offload(Treatment):
 
     @property
     def pool(self) -> _HostPool | None:
-        """The pinned pool (None before the first offloaded block)."""
+        """The pinned pool (None before the first offloaded block, unless the run shares one)."""
         return self._pool
 
     def start_step(self) -> None:
@@ -345,7 +396,7 @@ class Offload(Treatment):
             return out
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            out = block.run_body(*args, **kwargs)
+            out = self._forward(block, args, kwargs)
         if self._side is not None and stash.storages:
             stash.d2h_done = self._side.record_event()
         self.stats.moved_bytes += stash.moved_bytes
@@ -355,6 +406,10 @@ class Offload(Treatment):
         if stash.storages:
             self._hook_output(out, position)
         return out
+
+    def _forward(self, block: "Block", args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The block's forward under the stash's hooks: every tensor it saves is offered to them."""
+        return block.run_body(*args, **kwargs)
 
     def _hook_output(self, out: Any, position: int) -> None:
         """Prefetch when backward reaches this block: a hook on its output's gradient (NOTE [Prefetch depth])."""
@@ -366,7 +421,9 @@ class Offload(Treatment):
 
     def _pool_for(self, device: torch.device) -> _HostPool:
         if self._pool is None:
-            self._pool = _HostPool(self._max_host_bytes, pin=device.type == "cuda")
+            self._pool = _HostPool(self._max_host_bytes)
+        if self._pool.pin is None:
+            self._pool.pin = device.type == "cuda"
         return self._pool
 
     def _copy_out(self, storage: torch.UntypedStorage, device: torch.device) -> _Storage:
