@@ -97,6 +97,8 @@ MEMFIT_METHODS = {
     "dynamic+all": ("dynamic", {}, ("recompute", "selective", "offload")),
     # and the norms' and gated MLP's elementwise ops recomputed at module level (NOTE [Elementwise recompute])
     "dynamic+ew": ("dynamic", {}, ("recompute", "elementwise")),
+    # and the input of a recomputed block held in pinned host memory (NOTE [Checkpoints on the host])
+    "dynamic+host": ("dynamic", {}, ("recompute", "host_checkpoint")),
     # the treatments a run that names none is offered (Treatment.by_default): what a user gets
     "dynamic+auto": ("dynamic", {}, None),
     # offload beside recompute, priced by its exposed copy time (NOTE [Offload price]); and the
@@ -233,7 +235,10 @@ def _build(args):
     for key, value in _overrides(args.config_overrides).items():
         setattr(config, key, value)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype), attn_implementation="sdpa")
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype), attn_implementation="sdpa")
+    except ValueError:  # a family without SDPA here (Gemma 2: soft-capped attention): its eager attention, as users run it
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype), attn_implementation="eager")
     model = model.to(args.device)
     if args.lora:
         import peft
@@ -557,6 +562,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
 
         ctl = memfit.fit(model, budget=budget, method=_Every(), optimizer=optimizer, treatments=("recompute", "selective"))
     step_ms, retries_from = [], None  # the allocator's retry count when the steady steps begin
+    rss_mib = []  # the process's resident host memory after each step (NOTE [Host budget]: it must stay flat)
     compiled = []  # steps during which Dynamo made a graph (NOTE [Steps that compiled])
     from memfit.engine.guard_sides import graphs_made
     _sync(args.device)
@@ -594,6 +600,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
                 optimizer.zero_grad(set_to_none=True)
                 clock.stop()
             step_ms.append(clock)
+            rss_mib.append(_rss_mib())
             if graphs_made() > graphs:
                 compiled.append(i)
     except torch.OutOfMemoryError as err:
@@ -616,12 +623,14 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
         # allocations served only after the caching allocator released its cache (a device sync
         # each): the cost of running close to a hard cap, counted from the steady steps on
         "cuda_alloc_retries": 0 if retries_from is None else _alloc_retries(args) - retries_from,
-        **timeline.fields(),
+        **timeline.fields(), "rss_mib": rss_mib,
+        # growth of resident host memory over the steady steps (a host leak, or a pool that grows)
+        "rss_growth_mib": round(rss_mib[-1] - rss_mib[min(args.steady_from, len(rss_mib) - 1)], 1) if rss_mib else None,
     }
     if ctl is not None:
         records = ctl.records
-        if "offload" in ctl.treatments:
-            result["offload"] = _offload_fields(args, ctl.treatments["offload"], records)
+        for moving in [n for n, t in ctl.treatments.items() if t.moves_out]:  # offload, host_checkpoint
+            result[moving] = _offload_fields(args, ctl.treatments[moving], records, moving)
         part = ctl.head.part
         if part is not None:  # which chunked head the warm-up's probe chose, and its price
             result["head"] = {"implementation": part.switch.implementation, "ms_per_1k_tokens": round(1e3 * part.extra_ms_per_token, 4),
@@ -670,7 +679,7 @@ class _FreeOffload:
         return self.link.depth(moved_bytes, forward_ms)
 
 
-def _offload_fields(args, offload, records) -> dict:
+def _offload_fields(args, offload, records, name: str = "offload") -> dict:
     """What ``offload`` did in a run (NOTE [Exposed copy time]): steps and blocks offloaded, bytes
     moved, prefetch depths, the compute stream's waits for copies (out in forward, back in
     backward) in all and per step, and per length the blocks the steady steps offloaded.
@@ -683,13 +692,13 @@ def _offload_fields(args, offload, records) -> dict:
     moved = stats.moved_bytes_by_step
     by_tokens: dict[str, list[list[int]]] = {}
     for r in records[args.steady_from:]:
-        blocks = r.treatments.get("offload", [])
+        blocks = r.treatments.get(name, [])
         seen = by_tokens.setdefault(str(r.tokens), [])
         if blocks not in seen:
             seen.append(blocks)
     return {
         "steps": stats.steps, "blocks": stats.blocks,
-        "planned_blocks": sum(len(r.treatments.get("offload", [])) for r in records),
+        "planned_blocks": sum(len(r.treatments.get(name, [])) for r in records),
         "blocks_per_step_max": max(stats.blocks_by_step, default=0),
         "moved_gib": round(stats.moved_bytes / 2**30, 3),
         "moved_gib_per_step_median": round(statistics.median(moved) / 2**30, 3) if moved else None,
@@ -978,6 +987,15 @@ def _alloc_retries(args) -> int:
     import torch
 
     return int(torch.cuda.memory_stats().get("num_alloc_retries", 0)) if args.device == "cuda" else 0
+
+
+def _rss_mib() -> float:
+    """The process's resident host memory, MiB (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as fh:
+            return round(int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def _line(args, method: str, budget: int | None, repeat: int, times: list[float], compiled: Sequence[int] = ()) -> dict:

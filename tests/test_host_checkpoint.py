@@ -163,3 +163,53 @@ def test_it_is_offered_by_default_on_cuda_blocks_only():
     ctl = memfit.fit(model, budget="1GB", announce=False)
     assert HOST_CHECKPOINT not in ctl.treatments
     ctl.remove()
+
+
+class _KeywordStack(torch.nn.Module):
+    """Blocks called with their hidden states by keyword, and a shared mask beside them."""
+
+    def __init__(self, n=3, width=16):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_KeywordBlock(width) for _ in range(n))
+
+    def forward(self, x):
+        mask = torch.ones_like(x)
+        for layer in self.layers:
+            x = layer(hidden_states=x, mask=mask)
+        return x.square().mean()
+
+
+class _KeywordBlock(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+        self.drop = torch.nn.Dropout(0.2)
+
+    def forward(self, hidden_states, mask):
+        return hidden_states + self.drop(torch.tanh(self.lin(hidden_states))) * mask
+
+
+def test_an_input_passed_by_keyword_moves_too_and_the_shared_ones_stay():
+    """Checkpoint's closure would hold a keyword input: the block's own input goes positionally and
+    moves; the mask every block receives stays. Gradients are those of plain training, dropout on."""
+    torch.manual_seed(0)
+    model = _KeywordStack()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 64, 16)
+    torch.manual_seed(1)
+    reference(x).backward()
+    ctl = memfit.fit(model, budget=None, method=FixedPlan(Plan((0, 1, 2), kinds=(HOST_CHECKPOINT,) * 3)),
+                     treatments=("recompute", HOST_CHECKPOINT), blocks=r"layers\.\d+", announce=False)
+    host = ctl.treatments[HOST_CHECKPOINT]
+    host.min_bytes = 0
+    inputs = []
+    handle = model.layers[1].register_forward_pre_hook(lambda m, a, kw: inputs.append(weakref.ref(kw["hidden_states"])), with_kwargs=True)
+    torch.manual_seed(1)
+    loss = model(x)
+    assert inputs[0]() is None
+    loss.backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert host.stats.moved_bytes == 3 * x.numel() * 4  # each block's input once, never the mask
+    handle.remove()
+    ctl.remove()

@@ -369,7 +369,7 @@ class Offload(Treatment):
         def pack(t: torch.Tensor) -> Any:
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
-            if storage.nbytes() < self.min_bytes or ptr in self.excluded or t.device.type == "meta":
+            if storage.nbytes() < self.min_bytes or ptr in self.excluded or t.device.type == "meta" or not self._moves(t):
                 if counting:
                     self.counter.count_tensor(block.index, t)
                 return ("device", t.detach())
@@ -410,6 +410,10 @@ class Offload(Treatment):
     def _forward(self, block: "Block", args: tuple, kwargs: dict[str, Any]) -> Any:
         """The block's forward under the stash's hooks: every tensor it saves is offered to them."""
         return block.run_body(*args, **kwargs)
+
+    def _moves(self, t: torch.Tensor) -> bool:
+        """Whether a saved tensor of at least ``min_bytes`` goes to the host (every one, here)."""
+        return True
 
     def _hook_output(self, out: Any, position: int) -> None:
         """Prefetch when backward reaches this block: a hook on its output's gradient (NOTE [Prefetch depth])."""

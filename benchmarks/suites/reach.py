@@ -1,0 +1,46 @@
+"""reach: the tight end, where nothing else fits: memfit's host checkpoints and planner against the peers at
+caps near the floor, host memory watched (issue 59's reach suite, first cells: fixed caps, no bisection yet)."""
+
+from suites import Call, Context, Suite, script
+
+#: 22 GiB and 24 GiB in GB (loop_bench's --budget_gb): a 24 GB card's usable memory, and the issue's 24 GiB cap
+GIB22, GIB24 = round(22 * 2**30 / 1e9, 2), round(24 * 2**30 / 1e9, 2)
+
+SUITE = Suite(
+    name="reach",
+    about="decoder LLMs at the tight end: does memfit train where the fixed policies stop, at what time per step, "
+          "with its host memory flat (resident memory per step) and its planner bounded",
+    model="gemma-2-2b's shape (26 layers alternating sliding-window and global attention, 256,000-token vocabulary, "
+          "soft-capped logits) and Llama-3.1-8B's, random weights, bf16, SDPA, AdamW; LoRA r 16 on every linear layer",
+    data="gemma: token ids with SFT-like lengths up to 2,048 (seed 0), batch 8; llama8b: batch 1 of 16,384 and 32,768 "
+         "tokens alternating; the same batches in every run",
+    methods=("dynamic+auto", "dynamic", "dynamic+host"),
+    peers=("hf-every-1+liger", "hf-offload"),
+    budgets={"gemma2-lora": (GIB22,), "llama8b-long": (GIB24,)},
+    repeats=1,
+    steps=60,
+    carry=("wheels",),
+    notes="caps in GB (22 and 24 GiB); dynamic+auto is what a user gets (recompute, elementwise, host_checkpoint, the "
+          "head planned); dynamic recompute alone; dynamic+host recompute and host_checkpoint; the peers are Hugging "
+          "Face's checkpointing of every layer with Liger's fused loss, and with its offload; rss_mib per step and "
+          "rss_growth_mib over the steady steps in every line",
+)
+QUICK = SUITE.replace(steps=4)
+
+
+def calls(suite: Suite, ctx: Context) -> list[Call]:
+    steps = 4 if ctx.quick else suite.steps
+    gemma = Call("gemma2-lora", [script(
+        ctx, "loop_bench.py", "--model", "gemma-2-2b", "--lora", "--lengths", "sft", "--batch", 8, "--steps", steps,
+        "--steady_from", 2 if ctx.quick else 10, "--budgets", "--budget_gb", GIB22, "--repeats", suite.repeats,
+        "--no_cudnn_sdpa", "--time_limit_s", 330, "--config_time_limit_s", 150,
+        "--methods", "dynamic+auto", "hf-every-1+liger", "--output_dir", ctx.folder("gemma2-lora"))],
+        folder="gemma2-lora", timeout_s=420)
+    long = Call("llama8b-long", [script(
+        ctx, "loop_bench.py", "--model", "Llama-3.1-8B", "--lora", "--lengths", "fixed:16384,32768", "--batch", 1,
+        "--steps", 4 if ctx.quick else 10, "--steady_from", 2, "--budgets", "--budget_gb", GIB24,
+        "--repeats", suite.repeats, "--no_cudnn_sdpa", "--time_limit_s", 420, "--config_time_limit_s", 120,
+        "--methods", "dynamic+auto", "dynamic+host", "dynamic", "hf-every-1+liger", "hf-offload",
+        "--output_dir", ctx.folder("llama8b-long"))],
+        folder="llama8b-long", timeout_s=540)
+    return [gemma, long]
