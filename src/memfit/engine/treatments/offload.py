@@ -207,8 +207,10 @@ class _Storage:
 class _Stash:
     """One offloaded block forward: its storages on the host, their device copies in backward."""
 
-    def __init__(self, index: int):
+    def __init__(self, index: int, device: torch.device | None = None):
         self.index = index
+        #: the block's device: a saved tensor elsewhere (a CPU scalar of a CUDA block) stays where it is
+        self.device = device
         #: device address (in forward) -> the storage's copies
         self.storages: dict[int, _Storage] = {}
         self.handles = 0
@@ -353,7 +355,7 @@ class Offload(Treatment):
             self.stats.moved_bytes_by_step.append(0)
             if cuda:
                 self._waits.append([])
-        stash = _Stash(block.index)
+        stash = _Stash(block.index, None if x is None else x.device)
         if cuda and len(self._stashes) >= 2 and self._stashes[-2].d2h_done is not None:
             self._wait(self._stashes[-2].d2h_done, x.device, backward=False)  # at most two blocks in flight
         self._stashes.append(stash)
@@ -369,7 +371,8 @@ class Offload(Treatment):
         def pack(t: torch.Tensor) -> Any:
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
-            if storage.nbytes() < self.min_bytes or ptr in self.excluded or t.device.type == "meta" or not self._moves(t):
+            if (storage.nbytes() < self.min_bytes or ptr in self.excluded or t.device != (stash.device or t.device)
+                    or t.device.type == "meta" or not self._moves(t)):
                 if counting:
                     self.counter.count_tensor(block.index, t)
                 return ("device", t.detach())
