@@ -213,3 +213,47 @@ def test_an_input_passed_by_keyword_moves_too_and_the_shared_ones_stay():
     assert host.stats.moved_bytes == 3 * x.numel() * 4  # each block's input once, never the mask
     handle.remove()
     ctl.remove()
+
+
+def test_a_replay_of_every_block_recomputed_runs_the_floor_plan(monkeypatch):
+    """NOTE [A replay treats more]: where recomputing every block runs out of memory (warm-up's plan at the
+    tight end), the replay runs every block on the host checkpoint, and trains: the gradients of none."""
+    from memfit.engine.treatments.recompute import Recompute
+
+    model, make = build_decoder("llama")
+    reference = copy.deepcopy(model)
+
+    def out_of_memory(self, block, args, kwargs):
+        raise torch.OutOfMemoryError("injected: CUDA out of memory")
+
+    monkeypatch.setattr(Recompute, "run", out_of_memory)
+    ctl = memfit.fit(model, budget="1GB", treatments=("recompute", HOST_CHECKPOINT), announce=False)
+    ctl.treatments[HOST_CHECKPOINT].min_bytes = 0
+    batch = make(2, 16)
+    torch.manual_seed(0)
+    ctl.run_step(lambda: model(**batch).loss.backward())
+    torch.manual_seed(0)
+    reference(**batch).loss.backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    record = ctl.records[-1]
+    assert record.oom_retries == 1 and record.phase == "warmup"
+    assert record.block_treatments == {HOST_CHECKPOINT: [0, 1, 2]}
+    ctl.remove()
+
+
+def test_without_a_floor_treatment_the_replays_end_in_one_clear_error(monkeypatch):
+    from memfit.engine.treatments.recompute import Recompute
+    from memfit.engine.budget import BudgetTooSmallError
+
+    model, make = build_decoder("llama")
+
+    def out_of_memory(self, block, args, kwargs):
+        raise torch.OutOfMemoryError("injected: CUDA out of memory")
+
+    monkeypatch.setattr(Recompute, "run", out_of_memory)
+    ctl = memfit.fit(model, budget="1GB", treatments=("recompute",), announce=False)
+    batch = make(2, 16)
+    with pytest.raises(BudgetTooSmallError, match="still out of memory"):
+        ctl.run_step(lambda: model(**batch).loss.backward())
+    ctl.remove()

@@ -19,6 +19,19 @@ runs interleaved with the plain ones it is compared with. The saved tensors of t
 the ones counted; the others' go to counters of their own (the step's counter is outside: it
 must see none), and each run's are freed before the next: the probe's peak stays one block's
 activations.
+
+# NOTE [Probing on a cut]
+At the tight end one block's activations are what the budget cannot spare: a long warm-up
+step's probes (a kept forward, and the treatments' forwards and backwards) took the step over
+its cap, and no replay could help (it runs the same probes). So a step whose probes might not
+fit the room left runs them on a cut of its input: the first ``T'`` positions of the sequence,
+``T'`` the longest whose estimated need (``PROBE_NEED`` times the block's input bytes, scaled
+to ``T'``) fits half of what the budget leaves free at the first block once every block holds
+an input of that size (as a step that recomputes every block does by its last); every tensor input is
+cut along its dimensions of the sequence's length (the hidden states along the sequence only).
+Bytes and times are scaled back by ``T / T'`` (linear in tokens, as fused attention and the MLP
+are: with a quadratic part the keep bytes come out low, so plans treat more, never fewer);
+a cut the block refuses falls back to the whole input. The probes' time falls with the cut too.
 """
 
 from __future__ import annotations
@@ -44,6 +57,11 @@ __all__ = [
 
 #: runs of a timed probe, the fastest taken (NOTE [Cold runs of a block])
 TIMED_RUNS = 3
+#: a block's probes may hold up to this many times its input's bytes at once (NOTE [Probing on a cut]): a
+#: kept forward and a treated forward and backward of a decoder layer whose MLP is 3.5 times its width
+PROBE_NEED = 64
+#: the shortest cut a probe runs on (NOTE [Probing on a cut])
+MIN_CUT = 64
 
 
 def probe_block(
@@ -297,11 +315,72 @@ def probe_warmup(
 ) -> None:
     """A warm-up step's probe of ``block``: every block's kept bytes, and the first of each group
     timed and, where the run may give them, its ``selective`` and ``offload`` bytes and prices
-    (NOTE [Blocks alike only in name], learner.py). The results go to the step (``probes``,
-    ``treated_probes``), learnt at the forward's end."""
+    (NOTE [Blocks alike only in name], learner.py), on a cut of the input where the whole might
+    not fit (NOTE [Probing on a cut]). The results go to the step (``probes``, ``treated_probes``),
+    learnt at the forward's end."""
     group = planning.model.groups[block.index]
     timed = group not in step.probed_groups
     step.probed_groups.add(group)
-    step.probes[block.index] = probe_block(block, args, kwargs, counter, timed, device)
-    if timed and not planning.recompute_only:
-        step.treated_probes[block.index] = probe_treatments(block, args, kwargs, counter, device, planning.registry)
+    if step.probe_length is None:
+        step.probe_length = cut_length(args, kwargs, planning.budget_bytes, device, planning.n_blocks)
+    length = step.probe_length
+    if length:
+        try:
+            cut = _cut(args, kwargs, length)
+            probed = probe_block(block, *cut, counter, timed, device)
+            treated = probe_treatments(block, *cut, counter, device, planning.registry) if timed and not planning.recompute_only else None
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, ValueError, IndexError):  # a block that refuses the cut: the whole input
+            step.probe_length = length = 0
+    if not length:
+        probed = probe_block(block, args, kwargs, counter, timed, device)
+        treated = probe_treatments(block, args, kwargs, counter, device, planning.registry) if timed and not planning.recompute_only else None
+        scale = 1.0
+    else:
+        scale = first_tensor_length(args, kwargs) / length
+    step.probes[block.index] = _scaled(probed, scale)
+    if treated is not None:
+        step.treated_probes[block.index] = {name: _scaled(value, scale) for name, value in treated.items()}
+
+
+def first_tensor_length(args: tuple, kwargs: dict[str, Any]) -> int:
+    """The sequence length of a block's input (its first tensor's second dimension; 0 without one)."""
+    x = next((t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+    return int(x.shape[1]) if x is not None and x.dim() >= 2 else 0
+
+
+def cut_length(args: tuple, kwargs: dict[str, Any], budget_bytes: int | None, device: torch.device, n_blocks: int = 1) -> int:
+    """The length a step's probes run at (NOTE [Probing on a cut]): 0 (the whole input) where its estimated
+    need fits half of what the budget leaves free once ``n_blocks`` hold an input each, or no cap is known;
+    else the longest that does."""
+    x = next((t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+    if budget_bytes is None or device.type != "cuda" or x is None or x.dim() < 3:
+        return 0
+    length = int(x.shape[1])
+    need = PROBE_NEED * x.numel() * x.element_size()
+    free = (budget_bytes - torch.cuda.memory_allocated(device) - n_blocks * x.numel() * x.element_size()) // 2
+    if need <= free or length <= MIN_CUT:
+        return 0
+    return max(MIN_CUT, min(length - 1, int(length * max(free, 0) / need)))
+
+
+def _cut(args: tuple, kwargs: dict[str, Any], length: int) -> tuple[tuple, dict[str, Any]]:
+    """The inputs cut to the first ``length`` positions of the sequence (NOTE [Probing on a cut])."""
+    x = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point())
+    full = int(x.shape[1])
+
+    def cut(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if t is x:
+            return t[:, :length]
+        index = tuple(slice(0, length) if size == full and (d > 0 or t.dim() == 1) else slice(None) for d, size in enumerate(t.shape))
+        return t[index]
+
+    return tree_map(cut, (args, kwargs))
+
+
+def _scaled(measured: tuple[int, float | None], scale: float) -> tuple[int, float | None]:
+    nbytes, ms = measured
+    return int(round(nbytes * scale)), (None if ms is None else ms * scale)

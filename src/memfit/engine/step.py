@@ -74,6 +74,9 @@ class StepState:
     probed_groups: set[int] = field(default_factory=set)
     probes: dict[int, tuple[int, float | None]] = field(default_factory=dict)
     treated_probes: dict[int, dict[str, tuple[int, float | None]]] = field(default_factory=dict)
+    #: the sequence length this step's probes run at, where it is shorter than the step's (NOTE [Probing on a cut],
+    #: probe.py); None: not decided yet; 0: the whole input
+    probe_length: int | None = None
     saved_outside: int = 0
     saved_by_block: list[int] = field(default_factory=list)
     saved_peak: int = 0

@@ -19,8 +19,10 @@ step of data whose lengths rarely repeat (chat).
 An OOM grows the margin or the slack and clears the plans, so the replay is planned with less
 room; but a model that predicts far too little for the shape (a curve extrapolated below its
 samples) plans the same blocks again, and again, however much the margin grows. So a replay
-whose plan treats nothing the failed attempt did not runs every block recomputed instead; if
-that is still too much, the budget is too small (``note_oom`` says so).
+whose plan treats nothing the failed attempt did not runs every block recomputed instead; a
+replay of every block recomputed (warm-up's plan included) runs the floor plan, every block
+re-run whole with its input off the device where the run offers that (``floor_treatment``:
+``host_checkpoint``); if that is still too much, the budget is too small (``note_oom`` says so).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from memfit.engine.methods.base import Decision, Method
 from memfit.engine.planner import Plan
 from memfit.engine.protection import Backstop, Protection, Unprotected
 from memfit.engine.shapes import bucket_key
+from memfit.engine.treatments import floor_treatment
 
 if TYPE_CHECKING:
     from memfit.engine.accounting import SavedTensorCounter
@@ -129,7 +132,7 @@ class Dynamic(Method):
                 self._warm_repeats = self._warm_repeats + 1 if tokens in self._warm_tokens else 0
                 self._warm_tokens.add(tokens)
                 self._note_counted(tokens)
-                return Decision(Plan(planning.all_blocks), warmup=True, count=True)
+                return Decision(_treating_more(planning, Plan(planning.all_blocks), failed), warmup=True, count=True)
             self._steady = True  # the model stays ready and the counts only grow
         low, high = self._counted_range or (tokens, tokens - 1)
         count = (  # NOTE [Which steps count]
@@ -141,7 +144,7 @@ class Dynamic(Method):
             self._note_counted(tokens)
         plan = planning.plan_for(self.planning_key(planning, key), whole_row=self.plans_rows)
         if failed is not None and set(plan.blocks) <= set(failed.blocks):
-            plan = Plan(planning.all_blocks)  # NOTE [A replay treats more]
+            plan = _treating_more(planning, Plan(planning.all_blocks), failed)  # NOTE [A replay treats more]
         model = planning.model
         if not count and plan.blocks and (len(plan.blocks) < len(model.groups) or plan.kinds) and not model.partial_predicts(tokens):
             count = True  # NOTE [Which steps count]: it teaches the partial transient
@@ -167,6 +170,14 @@ class Dynamic(Method):
         if not outcome.counted and learner.mispredicted(planning, outcome, predicted):
             self._count_next.add(bucket_key(outcome.key, planning.bucket_tokens))
         return predicted
+
+
+def _treating_more(planning: "Planning", plan: Plan, failed: Plan | None) -> Plan:
+    """``plan``, or the floor plan where ``failed`` already was ``plan`` (NOTE [A replay treats more])."""
+    if failed is None or failed.layout != plan.layout:
+        return plan
+    floor = floor_treatment(planning.registry)
+    return Plan(planning.all_blocks, kinds=(floor,) * planning.n_blocks)
 
 
 class Static(Dynamic):

@@ -39,7 +39,7 @@ controller, for its planner and its instances, and :func:`make_treatments`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Union
 
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 __all__ = [
     "KEEP", "RECOMPUTE", "SELECTIVE", "OFFLOAD", "ELEMENTWISE", "HOST_CHECKPOINT", "Elementwise", "HostCheckpoint", "Treatment", "RunOptions", "Keep", "Recompute", "Selective",
     "CompiledSelective", "Offload", "HostMemoryError", "BUILTIN", "TREATMENTS", "TreatmentSpec", "resolve",
-    "run_treatment_names", "make_treatments", "keep_matmul_and_attention", "selective_cache_tensors", "draws_random",
+    "run_treatment_names", "make_treatments", "floor_treatment", "keep_matmul_and_attention", "selective_cache_tensors", "draws_random",
     "runs_random", "CHUNKED", "KeepHead", "ChunkedHead", "HEAD_BUILTIN", "BY_PART", "HeadPart", "head_options",
 ]
 
@@ -120,6 +120,20 @@ def resolve(specs: Sequence[TreatmentSpec] = ()) -> dict[str, type[Treatment]]:
         else:
             raise ValueError(f"treatment {spec!r} is neither a registered name nor a Treatment class with a name")
     return out
+
+
+def floor_treatment(registry: Mapping[str, type[Treatment]]) -> str:
+    """The treatment of a run's floor plan (NOTE [A replay treats more], methods/dynamic.py): the one that keeps
+    least on the device for sure, a whole re-run whose input leaves the device, where the run offers one;
+    else ``recompute``.
+
+    Example:
+        >>> floor_treatment(resolve(("offload", "host_checkpoint")))
+        'host_checkpoint'
+        >>> floor_treatment(resolve(("offload",)))
+        'recompute'
+    """
+    return next((name for name, cls in registry.items() if cls.reruns and cls.moves_out), RECOMPUTE)
 
 
 def run_treatment_names(names: Sequence[TreatmentSpec]) -> tuple[TreatmentSpec, ...]:

@@ -1,0 +1,106 @@
+"""Probing on a cut (NOTE [Probing on a cut], engine/probe.py): a long warm-up step's probes run on the first
+positions of its input where the whole might not fit, scaled back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _models import DECODER_ARCHS, VOCAB, build_decoder
+from memfit.engine import probe
+from memfit.engine.accounting import SavedTensorCounter
+from memfit.engine.blocks import find_blocks
+
+
+def _inputs_of(model, block, length):
+    """The (args, kwargs) ``block`` receives in a forward of ``length`` tokens (no padding)."""
+    seen = []
+    handle = block.register_forward_pre_hook(lambda m, a, kw: seen.append((a, kw)), with_kwargs=True)
+    torch.manual_seed(0)
+    ids = torch.randint(3, VOCAB, (2, length))
+    with torch.no_grad():
+        model(input_ids=ids)
+    handle.remove()
+    return seen[0]
+
+
+@pytest.mark.parametrize("arch", DECODER_ARCHS)
+def test_a_cut_input_is_the_input_of_a_shorter_sequence(arch):
+    """Cut to its first positions, a block's input is what the block receives for that shorter sequence
+    (hidden states aside, whose values differ): same shapes for every tensor, same masks and rotary tables."""
+    model, _ = build_decoder(arch)
+    model.eval()
+    block = find_blocks(model, None)[1][1]
+    long_args, long_kwargs = _inputs_of(model, block, 96)
+    short_args, short_kwargs = _inputs_of(model, block, 40)
+    cut_args, cut_kwargs = probe._cut(long_args, long_kwargs, 40)
+    flat = lambda a, kw: [t for t in torch.utils._pytree.tree_leaves((a, kw)) if isinstance(t, torch.Tensor)]
+    cut, short = flat(cut_args, cut_kwargs), flat(short_args, short_kwargs)
+    assert [t.shape for t in cut] == [t.shape for t in short]
+    for a, b in zip(cut[1:], short[1:]):  # masks, positions, rotary tables: equal
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3_moe"])
+def test_a_probe_on_a_cut_scales_to_the_whole(arch):
+    """A block's probe on the first half of its input, scaled by two, is no more than the probe of the whole
+    (what attention keeps per pair of positions comes out low: plans then treat more, never fewer) and
+    most of it (the tiny test blocks are attention-heavy; a real block's MLP is linear in tokens)."""
+    model, _ = build_decoder(arch)
+    model.train()
+    block = find_blocks(model, None)[1][1]
+    args, kwargs = _inputs_of(model, block, 128)
+    args = tuple(a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+    counter = SavedTensorCounter(3)
+
+    class _Block:
+        def __init__(self, module):
+            self.module, self.index = module, 1
+
+        def _body(self, *a, **kw):
+            return self.module.forward(*a, **kw)
+
+    whole, _ = probe.probe_block(_Block(block), args, kwargs, counter, False, torch.device("cpu"))
+    half, _ = probe.probe_block(_Block(block), *probe._cut(args, kwargs, 64), counter, False, torch.device("cpu"))
+    assert 0.6 * whole <= 2 * half <= whole
+
+
+def test_the_cut_is_the_longest_whose_need_fits_half_the_room(monkeypatch):
+    """No cut without a cap, on a CPU, or where the need fits; else the longest length whose estimated need
+    (PROBE_NEED x the input's bytes, scaled) fits half of what the budget leaves free."""
+    x = torch.empty(1, 16384, 4096, dtype=torch.bfloat16, device="meta")
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 15 * 2**30)
+    need = probe.PROBE_NEED * 16384 * 4096 * 2  # 8 GiB
+    assert probe.cut_length((x,), {}, None, cuda) == 0
+    assert probe.cut_length((x,), {}, 24 * 2**30, torch.device("cpu")) == 0
+    assert probe.cut_length((x,), {}, 16 * 2**30 + 2 * need, cuda) == 0
+    length = probe.cut_length((x,), {}, 24 * 2**30, cuda)
+    half_free = (9 * 2**30 - 2**27) // 2  # 9 GiB left, less the block's own 128 MiB input, halved
+    assert length == int(16384 * half_free / need)
+    assert probe.PROBE_NEED * length * 4096 * 2 <= half_free
+    # 32 blocks each holding a 128 MiB input by the last: 4 GiB less free, a shorter cut
+    assert probe.cut_length((x,), {}, 24 * 2**30, cuda, n_blocks=32) == int(16384 * ((9 * 2**30 - 32 * 2**27) // 2) / need)
+    assert probe.cut_length((x,), {}, 15 * 2**30, cuda) == probe.MIN_CUT  # nothing free: the shortest cut
+
+
+def test_a_warm_up_step_on_a_cut_learns_scaled_probes(monkeypatch):
+    """Through a whole run: a warm-up step forced onto a cut records its probes scaled to the step's length,
+    and the gradients are untouched (the probes run apart)."""
+    import copy
+
+    import memfit
+    from _models import step_both_and_compare
+
+    model, make = build_decoder("llama")
+    reference = copy.deepcopy(model)
+    monkeypatch.setattr(probe, "cut_length", lambda args, kwargs, budget, device, n_blocks=1: 24)
+    seen = []
+    learn = memfit.engine.learner.learn_probes
+    monkeypatch.setattr(memfit.engine.learner, "learn_probes", lambda planning, key, probes, treated=None: seen.append((key, dict(probes))) or learn(planning, key, probes, treated))
+    ctl = memfit.fit(model, budget="1GB", announce=False)
+    step_both_and_compare(model, reference, make(2, 48), 0, "cut probes")
+    key, probes = seen[0]
+    assert key == (2, 48)
+    assert all(nbytes > 0 for nbytes, _ in probes.values())
+    ctl.remove()
