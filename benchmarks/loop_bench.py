@@ -399,8 +399,8 @@ def _memfit_fields(args, records) -> dict:
     """What a memfit run's step records say, for its result line."""
     import memfit
 
-    if not records:
-        return {}
+    if not records:  # a run that recorded no step (it failed first): the fields every line has
+        return {"recomputed_fraction": None, "lost_steps": args.steps}
     summary = memfit.engine.records.summarize(records)
     return dict(
         max_peak_allocated_bytes=summary.max_peak_allocated_bytes,
