@@ -403,3 +403,61 @@ def test_compressed_bench_results_give_the_same_report(tmp_path, report):
     plain.unlink()
     compressed = build_report(root, tmp_path / "out")
     assert compressed.read_text() == report.read_text()
+
+
+def _mix_run(tmp_path: Path, steps: list[tuple[int, dict, str | None]], n_blocks: int = 4) -> Path:
+    """A run folder of steady step records: (tokens, blocks' treatments, the head's label or None)."""
+    base = json.loads((FIXTURE / "train_run" / "memfit_steps.jsonl").read_text().splitlines()[0])
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = []
+    for i, (tokens, kinds, head) in enumerate(steps, 1):
+        plan = sorted(b for blocks in kinds.values() for b in blocks)
+        lines.append(json.dumps({**base, "step": i, "tokens": tokens, "phase": "steady", "n_blocks": n_blocks, "plan": plan,
+                                 "n_checkpointed": len(plan), "treatments": {**kinds, **({"head": head} if head else {})}}))
+    (run / "memfit_steps.jsonl").write_text("\n".join(lines) + "\n")
+    return run
+
+
+def test_treatment_mix_has_a_column_per_treatment_the_records_hold(tmp_path):
+    """``elementwise`` and a treatment the registry does not know (a class a run was given) each get
+    their column, in registry order then the unknown ones; they are not counted as kept."""
+    run = _mix_run(tmp_path, [
+        (500, {"recompute": [0], "elementwise": [1, 2], "my_offload": [3]}, None),
+        (510, {"elementwise": [1]}, None),
+    ])
+    rows = table_rows(build_report(run, tmp_path / "out").read_text(), "Treatment mix per input size", first_column="run")
+    assert list(rows[0])[3:] == ["recompute", "elementwise", "my_offload", "kept"]
+    assert [[row[k] for k in ("tokens", "recompute", "elementwise", "my_offload", "kept")] for row in rows] == [
+        ["500-501", "1.0", "2.0", "1.0", "0.0"], ["510-511", "0.0", "1.0", "0.0", "3.0"]]
+
+
+def test_treatment_plot_draws_and_names_every_treatment_with_a_stable_colour(tmp_path, monkeypatch):
+    """Every block and head treatment the records hold gets its bar or line and its legend entry; a
+    registered treatment's colour does not depend on the others in the plot, and an unregistered one
+    gets a fallback colour of its own (NOTE [A colour per treatment])."""
+    from matplotlib.colors import to_hex
+
+    from memfit.tools import report as report_module
+
+    figures = []
+    monkeypatch.setattr(report_module, "_save", lambda fig, path: figures.append(fig))
+    run = _mix_run(tmp_path, [
+        (500, {"recompute": [0], "elementwise": [1, 2], "my_offload": [3]}, "chunked:4"),
+        (900, {"elementwise": [1]}, "my_head:2"),
+    ])
+    build_report(run, tmp_path / "out")
+    (fig,) = [f for f in figures if "Treatment mix" in f.get_suptitle()]
+    labels = {t.get_text() for legend in [*fig.legends, *(ax.get_legend() for ax in fig.axes)] if legend
+              for t in legend.get_texts()}
+    assert {"recompute", "elementwise", "my_offload", "kept", "LM head chunked", "LM head my_head"} <= labels
+
+    colors = report_module._treatment_colors
+    alone, crowded = colors(["recompute", "my_offload"], []), colors(["elementwise", "my_offload", "zz"], ["chunked", "mine"])
+    assert alone[("block", "recompute")] == colors(["recompute", "selective", "offload"], [])[("block", "recompute")]
+    assert alone[("block", "my_offload")] == crowded[("block", "my_offload")]
+    assert alone[("block", "my_offload")][1] == "//"  # unregistered: hatched
+    registered = {to_hex(c) for key, (c, hatch) in colors(["recompute", "selective", "offload", "elementwise"],
+                                                          ["keep", "chunked"]).items()}
+    unknown = [to_hex(c) for key, (c, hatch) in crowded.items() if hatch]
+    assert len(unknown) == 3 and len(set(unknown)) == 3 and not set(unknown) & registered

@@ -59,11 +59,25 @@ def test_end_summary_names_each_treatment_where_a_plan_gave_another_than_recompu
         _record(2, 900, budget, [0, 1, 2, 3], treatments={"recompute": [0], "elementwise": [1, 2, 3], "head": "chunked:4"}),
     ]
     line = end_summary(records, "1000").splitlines()[2]
-    # (3 + 4) / 2 steps = 3.5 of 4; recompute (3 + 1) / 2 = 2.0, elementwise 3 / 2 = 1.5
+    # (3 + 4) / 2 steps = 3.5 of 4; recompute (3 + 1) / 2 = 2.0, elementwise 3 / 2 = 1.5 (registry order)
     assert line == (
-        "memfit: 3.5 of 4 blocks treated per step on average (88%: elementwise 1.5, recompute 2.0), "
+        "memfit: 3.5 of 4 blocks treated per step on average (88%: recompute 2.0, elementwise 1.5), "
         "treatments about 35% of step time (estimated), steps took 0.2 s"
     )
+
+
+def test_end_summary_names_treatments_the_registry_does_not_know():
+    """A treatment class a run was given (not registered) is named beside the registered ones, after
+    them; an unregistered head treatment is named on the head's line, not counted as chunked."""
+    records = [
+        _record(1, 600, None, [0, 1, 2, 3], treatments={"my_offload": [0], "elementwise": [1, 2], "recompute": [3],
+                                                        "head": "my_head:2"}),
+        _record(2, 600, None, [0, 1], treatments={"elementwise": [0, 1], "head": "chunked:4"}, head_implementation="pure"),
+        _record(3, 600, None, [], treatments={"head": "keep"}),
+    ]
+    lines = end_summary(records).splitlines()
+    assert "(50%: recompute 0.3, elementwise 1.3, my_offload 0.3)" in lines[2]
+    assert lines[3] == "memfit: LM head kept on 1 step, chunked on 1 (pure), my_head on 1"
 
 
 def test_end_summary_without_budget_and_without_steps():

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from memfit.engine.budget import format_bytes
 from memfit.engine.records import StepRecord, summarize
+from memfit.engine.treatments import KEEP, RECOMPUTE, in_registry_order
 
 __all__ = [
     "given_unit",
@@ -193,16 +194,20 @@ def start_line(
 
 
 def _head_line(records: Sequence[StepRecord]) -> list[str]:
-    """The summary's line on the LM head where a plan placed it: steps kept and chunked, and by which
-    implementation (NOTE [The head in a record], records.py); none otherwise."""
+    """The summary's line on the LM head where a plan placed it: the steps of each head treatment the
+    records hold (registry order), with the implementations that ran it (NOTE [The head in a
+    record], records.py); none otherwise."""
     placed = [r for r in records if r.head is not None]
     if not placed:
         return []
-    chunked = [r for r in placed if r.head[0] != "keep"]
-    ran = Counter(r.head_implementation for r in chunked if r.head_implementation)
-    by = "" if not ran else " (" + ", ".join(name if len(ran) == 1 else f"{name} {n}" for name, n in ran.most_common()) + ")"
-    kept = len(placed) - len(chunked)
-    return [f"memfit: LM head kept on {kept} step{'s' * (kept != 1)}, chunked on {len(chunked)}{by}"]
+    words = []
+    for name in in_registry_order({r.head[0] for r in placed}, part="head"):
+        mine = [r for r in placed if r.head[0] == name]
+        ran = Counter(r.head_implementation for r in mine if r.head_implementation)
+        by = "" if not ran else " (" + ", ".join(impl if len(ran) == 1 else f"{impl} {n}" for impl, n in ran.most_common()) + ")"
+        unit = "" if words else f" step{'s' * (len(mine) != 1)}"
+        words.append(f"{'kept' if name == KEEP else name} on {len(mine)}{unit}{by}")
+    return [f"memfit: LM head {', '.join(words)}"]
 
 
 def end_summary(records: Sequence[StepRecord], budget_given: str | None = None) -> str:
@@ -238,8 +243,9 @@ def end_summary(records: Sequence[StepRecord], budget_given: str | None = None) 
     peak += f", {s.oom_retries} OOM replay{'s' * (s.oom_retries != 1)}"
     share_time = f"{100 * recompute_ms / step_ms:.0f}%" if step_ms > 0 else "-"
     # a block under another treatment than recompute is not recomputed: each treatment's share is named
-    recompute_only = set(s.treated_blocks) <= {"recompute"}
-    each = "" if recompute_only else ": " + ", ".join(f"{name} {n / s.steps:.1f}" for name, n in s.treated_blocks.items())
+    recompute_only = set(s.treated_blocks) <= {RECOMPUTE}
+    each = "" if recompute_only else ": " + ", ".join(
+        f"{name} {s.treated_blocks[name] / s.steps:.1f}" for name in in_registry_order(s.treated_blocks))
     blocks = (
         f"memfit: {s.mean_checkpointed_fraction * n_blocks:.1f} of {n_blocks} blocks "
         f"{'recomputed' if recompute_only else 'treated'} per step on average "
