@@ -461,3 +461,31 @@ def test_treatment_plot_draws_and_names_every_treatment_with_a_stable_colour(tmp
                                                           ["keep", "chunked"]).items()}
     unknown = [to_hex(c) for key, (c, hatch) in crowded.items() if hatch]
     assert len(unknown) == 3 and len(set(unknown)) == 3 and not set(unknown) & registered
+
+
+def test_treatment_plot_is_its_siblings_size_with_a_legend_that_covers_nothing(tmp_path, monkeypatch):
+    """800 pixels wide like the peak and memory_count plots (one run: the peak plot's size), and one
+    legend outside every axes, so that no bar or line is under it."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from PIL import Image
+
+    from memfit.tools import report as report_module
+
+    run = _mix_run(tmp_path, [
+        (500, {"recompute": [0], "elementwise": [1, 2], "my_offload": [3]}, "chunked:4"),
+        (900, {"recompute": [0, 1, 2, 3]}, "keep"),
+    ])
+    out = build_report(run, tmp_path / "out").parent
+    sizes = {p.name.split("_")[0]: Image.open(p).size for p in out.glob("*.png")}
+    assert sizes["treatments"] == sizes["peak"] == (800, 450) and sizes["memory"][0] == 800
+
+    figures = []
+    monkeypatch.setattr(report_module, "_save", lambda fig, path: figures.append(fig))
+    build_report(run, tmp_path / "again")
+    (fig,) = [f for f in figures if "Treatment mix" in f.get_suptitle()]
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    assert all(ax.get_legend() is None for ax in fig.axes) and len(fig.legends) == 1
+    legend = fig.legends[0].get_window_extent(renderer)
+    assert not any(legend.overlaps(ax.get_window_extent(renderer)) for ax in fig.axes)
+    assert not legend.overlaps(fig._suptitle.get_window_extent(renderer))

@@ -808,9 +808,11 @@ def _plot_treatments(group: str, runs: Sequence[_StepRun], path: Path) -> bool:
     if not runs:
         return False
     colors = _treatment_colors(blocks, heads)
-    cols = min(3, len(runs))
-    fig = _figure(figsize=(4.2 * cols, 3.4 * -(-len(runs) // cols)), layout="constrained")
-    axes = fig.subplots(-(-len(runs) // cols), cols, squeeze=False).ravel()
+    # 800 pixels wide like the other plots, one panel per run on a shared axis of tokens, and one
+    # legend for every panel below them, where it covers no bar or line
+    fig = _figure(figsize=(8, 1.6 + 2.9 * len(runs)), layout="constrained")
+    axes = fig.subplots(len(runs), 1, sharex=True, squeeze=False).ravel()
+    entries: dict[str, Any] = {}  # legend label -> handle, every panel's, in drawing order
     for ax, run in zip(axes, runs):
         mine = rows[id(run)]
         centres = [(row.first + row.last) / 2 for row in mine]
@@ -838,15 +840,16 @@ def _plot_treatments(group: str, runs: Sequence[_StepRun], path: Path) -> bool:
                         right.annotate(f"×{chunks:g}", (c, 100 * share), textcoords="offset points", xytext=(0, 5),
                                        ha="center", fontsize=7)
             right.set_ylim(-5, 115)
-            right.set_ylabel("LM head: steps per treatment (%), ×mean chunks", fontsize=8)
-            right.legend(fontsize=7, loc="lower right")
+            right.set_ylabel("LM head: steps (%)\n×mean chunks", fontsize=8)
+            entries.update(zip(*right.get_legend_handles_labels()[::-1]))
+        entries.update(zip(*ax.get_legend_handles_labels()[::-1]))
         ax.set_title(_label(run), fontsize=9)
-        ax.set_xlabel("input size (tokens per micro-batch)", fontsize=8)
         ax.set_ylabel("blocks per step (mean)", fontsize=8)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper left")
-    for ax in axes[len(runs):]:
-        ax.set_visible(False)
+    axes[-1].set_xlabel("input size (tokens per micro-batch)", fontsize=8)
+    blocks_first = sorted(entries, key=lambda label: label.startswith("LM head"))
+    fig.legend([entries[label] for label in blocks_first], blocks_first, loc="outside lower center",
+               ncol=min(len(entries), 5), fontsize=8)
     fig.suptitle(_wrap(f"Treatment mix per input size (steady steps)\n{group}"), fontsize=11)
     _save(fig, path)
     return True
