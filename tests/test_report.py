@@ -489,3 +489,22 @@ def test_treatment_plot_is_its_siblings_size_with_a_legend_that_covers_nothing(t
     legend = fig.legends[0].get_window_extent(renderer)
     assert not any(legend.overlaps(ax.get_window_extent(renderer)) for ax in fig.axes)
     assert not legend.overlaps(fig._suptitle.get_window_extent(renderer))
+
+
+def test_a_colour_drawn_as_a_thin_line_survives_the_64_colour_png(tmp_path):
+    """The LM head's lines are a few pixels wide beside large grey and coloured bars: the saved
+    palette keeps their colours (NOTE [A colour per treatment] is worth nothing if the PNG greys them)."""
+    import math
+
+    from matplotlib.colors import to_rgb
+    from PIL import Image
+
+    from memfit.tools.report import _treatment_colors
+
+    run = _mix_run(tmp_path, [(500, {"recompute": [0]}, "keep"), (900, {"recompute": [0, 1, 2, 3]}, "chunked:4")])
+    out = build_report(run, tmp_path / "out").parent
+    with Image.open(next(out.glob("treatments_*.png"))) as image:
+        drawn = {c for _, c in image.convert("RGB").getcolors(1 << 16)}
+    for name in ("keep", "chunked"):
+        want = [255 * x for x in to_rgb(_treatment_colors([], ["keep", "chunked"])[("head", name)][0])]
+        assert min(math.dist(want, c) for c in drawn) < 8, name
