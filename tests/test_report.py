@@ -108,7 +108,10 @@ def test_step_records_table(report):
     rows = table_rows(report.read_text(), "## Step records: train_run", first_column="step file")
     records = [json.loads(line) for line in (FIXTURE / "train_run" / "memfit_steps.jsonl").read_text().splitlines()]
     assert len(rows) == 1
-    assert rows[0]["steps"] == str(len(records))
+    assert rows[0]["micro-steps"] == str(len(records))  # a record per micro-step
+    steady = [r for r in records if r["phase"] != "warmup"]
+    treated = sum((r["n_checkpointed"] + len(r["evicted_blocks"])) / r["n_blocks"] for r in steady) / len(steady)
+    assert rows[0]["treated (steady)"] == f"{100 * treated:.1f}%"  # warm-up's blocks left out
     # one unit per table: the budget's (NOTE [One unit per table])
     unit_name, unit = given_unit(records[0]["budget_bytes"])
     assert rows[0][f"max peak ({unit_name})"] == f"{max(r['peak_allocated_bytes'] for r in records) / unit:.2f}"
@@ -338,8 +341,8 @@ def test_treatment_mix_per_input_size(tmp_path):
     by_size = {row["tokens"]: row for row in rows}
     # 6 ranges of 134 tokens from 100 to 900; the warm-up step is left out
     assert list(by_size) == ["100-233", "368-501", "770-903"]
-    assert [by_size["100-233"][k] for k in ("steps", "recompute", "selective", "offload", "kept")] == ["2", "0.0", "0.0", "0.0", "4.0"]
-    assert [by_size["368-501"][k] for k in ("steps", "selective", "kept")] == ["2", "2.5", "1.5"]
+    assert [by_size["100-233"][k] for k in ("micro-steps", "recompute", "selective", "offload", "kept")] == ["2", "0.0", "0.0", "0.0", "4.0"]
+    assert [by_size["368-501"][k] for k in ("micro-steps", "selective", "kept")] == ["2", "2.5", "1.5"]
     assert [by_size["770-903"][k] for k in ("recompute", "selective", "offload", "kept")] == ["1.0", "2.0", "1.0", "0.0"]
 
 
@@ -374,7 +377,7 @@ def test_treatment_mix_shows_the_lm_heads_treatment_per_input_size(tmp_path):
     markdown = build_report(run, out).read_text()
     rows = table_rows(markdown, "Treatment mix per input size", first_column="run")
     head = {row["tokens"]: row for row in rows if row["run"].startswith(base["method"])}
-    assert [(r["steps"], r["recompute"], r["head (steps)"]) for r in head.values()] == [
+    assert [(r["micro-steps"], r["recompute"], r["head (micro-steps)"]) for r in head.values()] == [
         ("2", "0.0", "keep ×2"), ("2", "1.0", "keep ×1, chunked:4 ×1"), ("2", "2.0", "chunked:16 ×2")]
     assert "(treatments_" in markdown and list(out.glob("treatments_*.png"))
 
@@ -386,7 +389,7 @@ def test_no_head_column_for_runs_that_never_planned_the_head(tmp_path):
         {**base, "step": 1, "tokens": 500, "phase": "steady", "n_blocks": 4, "plan": [0], "n_checkpointed": 1,
          "treatments": {"recompute": [0]}}) + "\n")
     markdown = build_report(tmp_path / "run", tmp_path / "out").read_text()
-    assert "head (steps)" not in markdown and "Treatment mix per input size" in markdown
+    assert "head (micro-steps)" not in markdown and "Treatment mix per input size" in markdown
 
 
 def test_compressed_bench_results_give_the_same_report(tmp_path, report):

@@ -287,6 +287,8 @@ class Controller:
                 b.listener = self
                 b.before_run = lambda _: self.meter.block_run(self._step)
             self.optimizer: torch.optim.Optimizer | None = None
+            #: optimizer steps taken while hooked (its step hook counts them); None without an optimizer to hook
+            self.optimizer_steps: int | None = None
             self.set_optimizer(optimizer, check=False)
             self._writer = JsonlWriter(log) if log else None
             if budget_bytes is not None and cap:
@@ -315,7 +317,13 @@ class Controller:
         self._optimizer_handles = [
             optimizer.register_step_pre_hook(lambda *_: self.meter.optimizer_step(self._step)),
             optimizer.register_step_post_hook(self.replay.close_window),
+            optimizer.register_step_post_hook(self._count_optimizer_step),
         ] if optimizer is not None and hasattr(optimizer, "register_step_pre_hook") else []
+        if self._optimizer_handles and self.optimizer_steps is None:
+            self.optimizer_steps = 0
+
+    def _count_optimizer_step(self, *_: Any) -> None:
+        self.optimizer_steps = (self.optimizer_steps or 0) + 1
 
     @property
     def accounting(self) -> str:
@@ -451,7 +459,7 @@ class Controller:
 
     def summary(self):
         """:class:`~memfit.engine.records.RunSummary` of the records so far."""
-        return summarize(self.records)
+        return summarize(self.records, self.optimizer_steps)
 
     def note_oom(self, error: BaseException | str | None = None) -> None:
         """After an OOM inside a step, before replaying it (:attr:`replay` calls it): drop the failed
@@ -509,7 +517,7 @@ class Controller:
     def remove(self) -> None:
         """Close the last record, unhook and unwrap: the model is exactly as before ``fit``."""
         if self.records and self.announce and self._handles:
-            _say(end_summary(self.records, _given(self.announce)), self.rank)
+            _say(end_summary(self.records, _given(self.announce), self.optimizer_steps), self.rank)
         self._unhook()
 
     def _unhook(self) -> None:

@@ -461,10 +461,12 @@ def _paired_table(rows: Sequence[_Row]) -> list[str]:
 
 
 def _runs_table(runs: Sequence[_StepRun]) -> list[str]:
+    """Per step-record file: its micro-steps (a record each, NOTE [What the summary counts] in
+    summary_text.py), peaks, and the share of blocks its steady micro-steps treated."""
     unit = _unit(run.summary.budget_bytes for run in runs)
     lines = [
-        f"| step file | method | budget | accounting | steps | warm-up | max peak ({unit[0]}) | over budget "
-        "| OOM retries | checkpointed | planner µs |",
+        f"| step file | method | budget | accounting | micro-steps | warm-up | max peak ({unit[0]}) | over budget "
+        "| OOM retries | treated (steady) | planner µs |",
         "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for run in runs:
@@ -472,7 +474,8 @@ def _runs_table(runs: Sequence[_StepRun]) -> list[str]:
         lines.append(
             f"| `{run.path}` | {run.method} | {_budget_cell(s.budget_bytes)} | {s.accounting} | {s.steps} | {s.warmup_steps} | "
             f"{_gib(s.max_peak_allocated_bytes, unit)} | {s.over_budget_steps} | {s.oom_retries} | "
-            f"{100 * s.mean_checkpointed_fraction:.1f}% | {s.mean_planner_us:.1f} |"
+            f"{_DASH if s.steady_treated_fraction is None else f'{100 * s.steady_treated_fraction:.1f}%'} | "
+            f"{s.mean_planner_us:.1f} |"
         )
     return lines
 
@@ -560,12 +563,13 @@ def _mix_table(runs: Sequence[_StepRun], bins: int = 6) -> list[str]:
         return []
     names, _ = _treatment_names(treated)
     with_head = any(row.heads for run_rows in rows.values() for row in run_rows)
-    head_head, head_rule = (" head (steps) |", " --- |") if with_head else ("", "")
+    head_head, head_rule = (" head (micro-steps) |", " --- |") if with_head else ("", "")
     lines = [
-        "", "Treatment mix per input size (steady steps; mean blocks per step given each treatment the records "
-        "hold, the rest kept" + ("; the LM head's treatment, `chunked:<n>` in n chunks, and its steps" if with_head else "")
+        "", "Treatment mix per input size (steady micro-steps; mean blocks per micro-step given each treatment the "
+        "records hold, the rest kept" + ("; the LM head's treatment, `chunked:<n>` in n chunks, and its micro-steps"
+                                         if with_head else "")
         + "):", "",
-        "| run | tokens | steps | " + "".join(f"{name} | " for name in names) + "kept |" + head_head,
+        "| run | tokens | micro-steps | " + "".join(f"{name} | " for name in names) + "kept |" + head_head,
         "| --- | --- | ---: | " + "".join("---: | " for _ in names) + "---: |" + head_rule,
     ]
     for run in treated:
@@ -711,7 +715,7 @@ def _plot_peak_vs_tokens(group: str, runs: Sequence[_StepRun], path: Path) -> No
         ax.grid(alpha=0.3)
         _legend(ax)
     accounting = ", ".join(sorted({r.summary.accounting for r in runs}))
-    axes[0].set_ylabel(f"peak allocated per step ({unit_name}, {accounting} accounting)")
+    axes[0].set_ylabel(f"peak allocated per micro-step ({unit_name}, {accounting} accounting)")
     fig.suptitle(_wrap(f"Peak memory vs input size\n{group}"), fontsize=11)
     _save(fig, path)
 
@@ -754,8 +758,8 @@ def _plot_memory_count(group: str, runs: Sequence[_StepRun], path: Path) -> None
                            edgecolors="red", linewidths=1.2, label=f"{_label(run)}: over budget")
     for budget in budgets:
         bottom.axhline(budget / unit, color="gray", linestyle="--", linewidth=1, label=f"budget {_budget_text(budget)}")
-    top.set_ylabel("steps")
-    top.set_title(f"steps per input-size bucket ({len(edges) - 1} buckets)", fontsize=10)
+    top.set_ylabel("micro-steps")
+    top.set_title(f"micro-steps per input-size bucket ({len(edges) - 1} buckets)", fontsize=10)
     bottom.set_ylabel(f"largest peak ({unit_name})")
     bottom.set_title("largest peak per input size", fontsize=10)
     bottom.set_xlabel("input size (tokens per micro-batch)")
@@ -842,17 +846,17 @@ def _plot_treatments(group: str, runs: Sequence[_StepRun], path: Path) -> bool:
                         right.annotate(f"×{chunks:g}", (c, 100 * share), textcoords="offset points", xytext=(0, 5),
                                        ha="center", fontsize=7)
             right.set_ylim(-5, 115)
-            right.set_ylabel("LM head: steps (%)\n×mean chunks", fontsize=8)
+            right.set_ylabel("LM head: micro-steps (%)\n×mean chunks", fontsize=8)
             entries.update(zip(*right.get_legend_handles_labels()[::-1]))
         entries.update(zip(*ax.get_legend_handles_labels()[::-1]))
         ax.set_title(_label(run), fontsize=9)
-        ax.set_ylabel("blocks per step (mean)", fontsize=8)
+        ax.set_ylabel("blocks per micro-step (mean)", fontsize=8)
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("input size (tokens per micro-batch)", fontsize=8)
     blocks_first = sorted(entries, key=lambda label: label.startswith("LM head"))
     fig.legend([entries[label] for label in blocks_first], blocks_first, loc="outside lower center",
                ncol=min(len(entries), 5), fontsize=8)
-    fig.suptitle(_wrap(f"Treatment mix per input size (steady steps)\n{group}"), fontsize=11)
+    fig.suptitle(_wrap(f"Treatment mix per input size (steady micro-steps)\n{group}"), fontsize=11)
     _save(fig, path)
     return True
 
