@@ -120,7 +120,7 @@ def test_precomputed_runs_a_files_head_where_the_head_is_planned_and_drops_it_wh
     assert StepRecord.from_dict(records[1].to_dict()).head_implementation == ctl.head.part.switch.implementation
     from memfit.engine.summary_text import end_summary
 
-    assert f"memfit: LM head kept on 1 step, chunked on 1 ({ctl.head.part.switch.implementation})" in end_summary(records)
+    assert f"memfit: LM head kept on 1 micro-step, chunked on 1 ({ctl.head.part.switch.implementation})" in end_summary(records)
     ctl.remove()
     model = copy.deepcopy(base)
     ctl = memfit.fit(model, budget=None, method="precomputed", path=path, announce=False)

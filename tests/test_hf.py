@@ -128,6 +128,7 @@ def test_records_summary_logs_and_state(tmp_path):
     out = tmp_path / "run"
     summary = json.loads((out / "memfit_summary.json").read_text())
     assert summary["steps"] == 6 and summary["method"] == "dynamic"
+    assert summary["optimizer_steps"] == trainer.state.global_step == 6  # counted by the optimizer's step hook
     assert sum(row["steps"] for row in summary["memory_count"].values()) == 6
     assert summary["max_peak_allocated_bytes"] <= 40 * 10**6
     assert any("memfit/peak_gib" in h for h in trainer.state.log_history)
@@ -144,6 +145,7 @@ def test_records_summary_logs_and_state(tmp_path):
     assert all(r.phase == "steady" for r in resumed.memfit.records), "resume ran a new warm-up"
     assert (out / "memfit_steps.run1.jsonl").read_text() == earlier  # the first run's records, kept
     assert len((out / "memfit_steps.jsonl").read_text().splitlines()) == 3  # the resumed run's steps 4-6
+    assert json.loads((out / "memfit_summary.json").read_text())["optimizer_steps"] == 3  # this run's, as its records
 
 
 @pytest.mark.parametrize(

@@ -84,4 +84,4 @@ def test_readme_commands_make_no_network_call(lookups, tmp_path, capsys):
         assert json.loads((tmp_path / argv[argv.index("--output_dir") + 1] / "memfit_summary.json").read_text())["steps"] == 1
     assert lookups == []
     err = capsys.readouterr().err
-    assert err.count("memfit: method dynamic, budget") == 2 and err.count("steps (") == 2
+    assert err.count("memfit: method dynamic, budget") == 2 and err.count("memfit: 1 optimizer step, 1 micro-step (forward + backward; ") == 2

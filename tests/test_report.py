@@ -108,7 +108,10 @@ def test_step_records_table(report):
     rows = table_rows(report.read_text(), "## Step records: train_run", first_column="step file")
     records = [json.loads(line) for line in (FIXTURE / "train_run" / "memfit_steps.jsonl").read_text().splitlines()]
     assert len(rows) == 1
-    assert rows[0]["steps"] == str(len(records))
+    assert rows[0]["micro-steps"] == str(len(records))  # a record per micro-step
+    steady = [r for r in records if r["phase"] != "warmup"]
+    treated = sum((r["n_checkpointed"] + len(r["evicted_blocks"])) / r["n_blocks"] for r in steady) / len(steady)
+    assert rows[0]["treated (steady)"] == f"{100 * treated:.1f}%"  # warm-up's blocks left out
     # one unit per table: the budget's (NOTE [One unit per table])
     unit_name, unit = given_unit(records[0]["budget_bytes"])
     assert rows[0][f"max peak ({unit_name})"] == f"{max(r['peak_allocated_bytes'] for r in records) / unit:.2f}"
@@ -338,8 +341,8 @@ def test_treatment_mix_per_input_size(tmp_path):
     by_size = {row["tokens"]: row for row in rows}
     # 6 ranges of 134 tokens from 100 to 900; the warm-up step is left out
     assert list(by_size) == ["100-233", "368-501", "770-903"]
-    assert [by_size["100-233"][k] for k in ("steps", "recompute", "selective", "offload", "kept")] == ["2", "0.0", "0.0", "0.0", "4.0"]
-    assert [by_size["368-501"][k] for k in ("steps", "selective", "kept")] == ["2", "2.5", "1.5"]
+    assert [by_size["100-233"][k] for k in ("micro-steps", "recompute", "selective", "offload", "kept")] == ["2", "0.0", "0.0", "0.0", "4.0"]
+    assert [by_size["368-501"][k] for k in ("micro-steps", "selective", "kept")] == ["2", "2.5", "1.5"]
     assert [by_size["770-903"][k] for k in ("recompute", "selective", "offload", "kept")] == ["1.0", "2.0", "1.0", "0.0"]
 
 
@@ -374,7 +377,7 @@ def test_treatment_mix_shows_the_lm_heads_treatment_per_input_size(tmp_path):
     markdown = build_report(run, out).read_text()
     rows = table_rows(markdown, "Treatment mix per input size", first_column="run")
     head = {row["tokens"]: row for row in rows if row["run"].startswith(base["method"])}
-    assert [(r["steps"], r["recompute"], r["head (steps)"]) for r in head.values()] == [
+    assert [(r["micro-steps"], r["recompute"], r["head (micro-steps)"]) for r in head.values()] == [
         ("2", "0.0", "keep ×2"), ("2", "1.0", "keep ×1, chunked:4 ×1"), ("2", "2.0", "chunked:16 ×2")]
     assert "(treatments_" in markdown and list(out.glob("treatments_*.png"))
 
@@ -386,7 +389,7 @@ def test_no_head_column_for_runs_that_never_planned_the_head(tmp_path):
         {**base, "step": 1, "tokens": 500, "phase": "steady", "n_blocks": 4, "plan": [0], "n_checkpointed": 1,
          "treatments": {"recompute": [0]}}) + "\n")
     markdown = build_report(tmp_path / "run", tmp_path / "out").read_text()
-    assert "head (steps)" not in markdown and "Treatment mix per input size" in markdown
+    assert "head (micro-steps)" not in markdown and "Treatment mix per input size" in markdown
 
 
 def test_compressed_bench_results_give_the_same_report(tmp_path, report):
@@ -403,3 +406,108 @@ def test_compressed_bench_results_give_the_same_report(tmp_path, report):
     plain.unlink()
     compressed = build_report(root, tmp_path / "out")
     assert compressed.read_text() == report.read_text()
+
+
+def _mix_run(tmp_path: Path, steps: list[tuple[int, dict, str | None]], n_blocks: int = 4) -> Path:
+    """A run folder of steady step records: (tokens, blocks' treatments, the head's label or None)."""
+    base = json.loads((FIXTURE / "train_run" / "memfit_steps.jsonl").read_text().splitlines()[0])
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = []
+    for i, (tokens, kinds, head) in enumerate(steps, 1):
+        plan = sorted(b for blocks in kinds.values() for b in blocks)
+        lines.append(json.dumps({**base, "step": i, "tokens": tokens, "phase": "steady", "n_blocks": n_blocks, "plan": plan,
+                                 "n_checkpointed": len(plan), "treatments": {**kinds, **({"head": head} if head else {})}}))
+    (run / "memfit_steps.jsonl").write_text("\n".join(lines) + "\n")
+    return run
+
+
+def test_treatment_mix_has_a_column_per_treatment_the_records_hold(tmp_path):
+    """``elementwise`` and a treatment the registry does not know (a class a run was given) each get
+    their column, in registry order then the unknown ones; they are not counted as kept."""
+    run = _mix_run(tmp_path, [
+        (500, {"recompute": [0], "elementwise": [1, 2], "my_offload": [3]}, None),
+        (510, {"elementwise": [1]}, None),
+    ])
+    rows = table_rows(build_report(run, tmp_path / "out").read_text(), "Treatment mix per input size", first_column="run")
+    assert list(rows[0])[3:] == ["recompute", "elementwise", "my_offload", "kept"]
+    assert [[row[k] for k in ("tokens", "recompute", "elementwise", "my_offload", "kept")] for row in rows] == [
+        ["500-501", "1.0", "2.0", "1.0", "0.0"], ["510-511", "0.0", "1.0", "0.0", "3.0"]]
+
+
+def test_treatment_plot_draws_and_names_every_treatment_with_a_stable_colour(tmp_path, monkeypatch):
+    """Every block and head treatment the records hold gets its bar or line and its legend entry; a
+    registered treatment's colour does not depend on the others in the plot, and an unregistered one
+    gets a fallback colour of its own (NOTE [A colour per treatment])."""
+    from matplotlib.colors import to_hex
+
+    from memfit.tools import report as report_module
+
+    figures = []
+    monkeypatch.setattr(report_module, "_save", lambda fig, path: figures.append(fig))
+    run = _mix_run(tmp_path, [
+        (500, {"recompute": [0], "elementwise": [1, 2], "my_offload": [3]}, "chunked:4"),
+        (900, {"elementwise": [1]}, "my_head:2"),
+    ])
+    build_report(run, tmp_path / "out")
+    (fig,) = [f for f in figures if "Treatment mix" in f.get_suptitle()]
+    labels = {t.get_text() for legend in [*fig.legends, *(ax.get_legend() for ax in fig.axes)] if legend
+              for t in legend.get_texts()}
+    assert {"recompute", "elementwise", "my_offload", "kept", "LM head chunked", "LM head my_head"} <= labels
+
+    colors = report_module._treatment_colors
+    alone, crowded = colors(["recompute", "my_offload"], []), colors(["elementwise", "my_offload", "zz"], ["chunked", "mine"])
+    assert alone[("block", "recompute")] == colors(["recompute", "selective", "offload"], [])[("block", "recompute")]
+    assert alone[("block", "my_offload")] == crowded[("block", "my_offload")]
+    assert alone[("block", "my_offload")][1] == "//"  # unregistered: hatched
+    registered = {to_hex(c) for key, (c, hatch) in colors(["recompute", "selective", "offload", "elementwise"],
+                                                          ["keep", "chunked"]).items()}
+    unknown = [to_hex(c) for key, (c, hatch) in crowded.items() if hatch]
+    assert len(unknown) == 3 and len(set(unknown)) == 3 and not set(unknown) & registered
+
+
+def test_treatment_plot_is_its_siblings_size_with_a_legend_that_covers_nothing(tmp_path, monkeypatch):
+    """800 pixels wide like the peak and memory_count plots (one run: the peak plot's size), and one
+    legend outside every axes, so that no bar or line is under it."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from PIL import Image
+
+    from memfit.tools import report as report_module
+
+    run = _mix_run(tmp_path, [
+        (500, {"recompute": [0], "elementwise": [1, 2], "my_offload": [3]}, "chunked:4"),
+        (900, {"recompute": [0, 1, 2, 3]}, "keep"),
+    ])
+    out = build_report(run, tmp_path / "out").parent
+    sizes = {p.name.split("_")[0]: Image.open(p).size for p in out.glob("*.png")}
+    assert sizes["treatments"] == sizes["peak"] == (800, 450) and sizes["memory"][0] == 800
+
+    figures = []
+    monkeypatch.setattr(report_module, "_save", lambda fig, path: figures.append(fig))
+    build_report(run, tmp_path / "again")
+    (fig,) = [f for f in figures if "Treatment mix" in f.get_suptitle()]
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    assert all(ax.get_legend() is None for ax in fig.axes) and len(fig.legends) == 1
+    legend = fig.legends[0].get_window_extent(renderer)
+    assert not any(legend.overlaps(ax.get_window_extent(renderer)) for ax in fig.axes)
+    assert not legend.overlaps(fig._suptitle.get_window_extent(renderer))
+
+
+def test_a_colour_drawn_as_a_thin_line_survives_the_64_colour_png(tmp_path):
+    """The LM head's lines are a few pixels wide beside large grey and coloured bars: the saved
+    palette keeps their colours (NOTE [A colour per treatment] is worth nothing if the PNG greys them)."""
+    import math
+
+    from matplotlib.colors import to_rgb
+    from PIL import Image
+
+    from memfit.tools.report import _treatment_colors
+
+    run = _mix_run(tmp_path, [(500, {"recompute": [0]}, "keep"), (900, {"recompute": [0, 1, 2, 3]}, "chunked:4")])
+    out = build_report(run, tmp_path / "out").parent
+    with Image.open(next(out.glob("treatments_*.png"))) as image:
+        drawn = {c for _, c in image.convert("RGB").getcolors(1 << 16)}
+    for name in ("keep", "chunked"):
+        want = [255 * x for x in to_rgb(_treatment_colors([], ["keep", "chunked"])[("head", name)][0])]
+        assert min(math.dist(want, c) for c in drawn) < 8, name

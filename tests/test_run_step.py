@@ -115,3 +115,27 @@ def test_run_step_gives_up_with_a_clear_error_when_no_plan_is_safer():
     with pytest.raises(memfit.BudgetTooSmallError, match="cannot adapt its plans"):
         ctl.run_step(lambda: model(**make_batch(2, 8)).loss.backward())
     ctl.remove()
+
+
+def test_the_controller_counts_optimizer_steps_and_its_summary_names_them_beside_micro_steps(capfd):
+    """A plain loop of 3 optimizer steps of 2 micro-steps each: 6 records, 3 optimizer steps counted by
+    the optimizer's step hook, and the summary printed at ``remove()`` says both (NOTE [What the summary
+    counts]); without an optimizer to hook the count is unknown (None) and only micro-steps are named."""
+    torch.manual_seed(0)
+    model, make_batch = build("bert")
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ctl = memfit.fit(model, budget=None, method="dynamic", optimizer=optimizer, warmup_steps=1, warmup_keys=1, announce=True)
+    for step in range(3):
+        for length in (12, 20):
+            ctl.run_step(lambda: model(**make_batch(2, length)).loss.backward())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert len(ctl.records) == 6 and ctl.optimizer_steps == 3 and ctl.summary().optimizer_steps == 3
+    ctl.remove()
+    assert "memfit: 3 optimizer steps, 6 micro-steps (forward + backward; " in capfd.readouterr().err
+
+    unhooked = memfit.fit(model, budget=None, method="dynamic", warmup_steps=1, warmup_keys=1)
+    unhooked.run_step(lambda: model(**make_batch(2, 12)).loss.backward())
+    assert unhooked.optimizer_steps is None and unhooked.summary().optimizer_steps is None
+    unhooked.remove()

@@ -40,14 +40,43 @@ def test_end_summary_counts():
     text = end_summary(records, "1000")
     lines = text.splitlines()
     assert len(lines) == 4 and all(line.startswith("memfit: ") for line in lines)
-    assert lines[0] == "memfit: 4 steps (1 warm-up), method dynamic, budget 1000 bytes (1000 B)"
-    assert lines[1] == "memfit: peak 1100 B = 110% of the budget (logical accounting), 1 step over budget, 1 OOM replay"
-    # blocks: (4 + 2 + 0 + 4) / 4 steps = 2.5 of 4; recompute 10 ms a block: 100 of 400 ms
+    assert lines[0] == "memfit: 4 micro-steps (forward + backward; 1 warm-up), method dynamic, budget 1000 bytes (1000 B)"
+    assert lines[1] == "memfit: peak 1100 B = 110% of the budget (logical accounting), 1 micro-step over budget, 1 OOM replay"
+    # blocks over the 3 steady micro-steps: (2 + 0 + 4) / 3 = 2.0 of 4; recompute 10 ms a block: 60 of 300 ms
     assert lines[2] == (
-        "memfit: 2.5 of 4 blocks recomputed per step on average (62%), recompute about 25% of step time "
-        "(estimated), steps took 0.4 s"
+        "memfit: 2.0 of 4 blocks recomputed per micro-step on average (50%) over 3 steady micro-steps, recompute "
+        "about 20% of their time (estimated); 1 warm-up micro-step recomputed every block; the 4 micro-steps took 0.4 s"
     )
-    assert lines[3].startswith("memfit: verdict: 1 of 4 steps went over the budget; most of it is the activations")
+    assert lines[3].startswith("memfit: verdict: 1 of 4 micro-steps went over the budget; most of it is the activations")
+
+
+def test_end_summary_averages_over_steady_micro_steps_and_says_what_warm_up_did():
+    """7 warm-up micro-steps that recompute all 4 blocks beside 89 steady ones that recompute 1:
+    the average is 1.0 (25%), not the 1.2 (30%) that counting warm-up gave, and warm-up is said apart."""
+    records = [_record(i, 600, 1000, [0, 1, 2, 3], phase="warmup") for i in range(1, 8)]
+    records += [_record(i, 600, 1000, [0]) for i in range(8, 97)]
+    line = end_summary(records).splitlines()[2]
+    assert line.startswith("memfit: 1.0 of 4 blocks recomputed per micro-step on average (25%) over 89 steady micro-steps, "
+                           "recompute about 10% of their time (estimated); 7 warm-up micro-steps recomputed every block;")
+    # a warm-up that did not recompute every block says what it did; a run of warm-up only has no average
+    partial = [_record(1, 600, 1000, [0, 1, 2, 3], phase="warmup"), _record(2, 600, 1000, [0, 1], phase="warmup",
+                                                                            treatments={"elementwise": [0, 1]})]
+    assert end_summary(partial).splitlines()[2] == (
+        "memfit: no steady micro-step; 2 warm-up micro-steps: 3.0 of 4 blocks treated per micro-step on average "
+        "(75%: recompute 2.0, elementwise 1.0); the 2 micro-steps took 0.2 s")
+
+
+def test_end_summary_names_micro_steps_and_the_optimizer_steps_where_known():
+    """Records are micro-steps: 96 of them in 12 optimizer steps (accumulation 8) say both; without a
+    count of optimizer steps only micro-steps are named; a merged summary says over how many ranks."""
+    records = [_record(i, 600, 1000, [0], phase="warmup" if i <= 7 else "steady") for i in range(1, 97)]
+    assert end_summary(records, optimizer_steps=12).splitlines()[0] == (
+        "memfit: 12 optimizer steps, 96 micro-steps (forward + backward; 7 warm-up), method dynamic, "
+        "budget 1000 bytes (1000 B)")
+    assert end_summary(records).splitlines()[0].startswith("memfit: 96 micro-steps (forward + backward; 7 warm-up)")
+    assert "step" not in end_summary(records, optimizer_steps=12).replace("micro-step", "").replace("optimizer step", "")
+    two_ranks = records + [_record(i, 600, 1000, [0], rank=1) for i in range(1, 97)]
+    assert end_summary(two_ranks, optimizer_steps=12).startswith("memfit: 12 optimizer steps, 192 micro-steps over 2 ranks")
 
 
 def test_end_summary_names_each_treatment_where_a_plan_gave_another_than_recompute():
@@ -59,11 +88,25 @@ def test_end_summary_names_each_treatment_where_a_plan_gave_another_than_recompu
         _record(2, 900, budget, [0, 1, 2, 3], treatments={"recompute": [0], "elementwise": [1, 2, 3], "head": "chunked:4"}),
     ]
     line = end_summary(records, "1000").splitlines()[2]
-    # (3 + 4) / 2 steps = 3.5 of 4; recompute (3 + 1) / 2 = 2.0, elementwise 3 / 2 = 1.5
+    # (3 + 4) / 2 steps = 3.5 of 4; recompute (3 + 1) / 2 = 2.0, elementwise 3 / 2 = 1.5 (registry order)
     assert line == (
-        "memfit: 3.5 of 4 blocks treated per step on average (88%: elementwise 1.5, recompute 2.0), "
-        "treatments about 35% of step time (estimated), steps took 0.2 s"
+        "memfit: 3.5 of 4 blocks treated per micro-step on average (88%: recompute 2.0, elementwise 1.5) over 2 "
+        "steady micro-steps, treatments about 35% of their time (estimated); the 2 micro-steps took 0.2 s"
     )
+
+
+def test_end_summary_names_treatments_the_registry_does_not_know():
+    """A treatment class a run was given (not registered) is named beside the registered ones, after
+    them; an unregistered head treatment is named on the head's line, not counted as chunked."""
+    records = [
+        _record(1, 600, None, [0, 1, 2, 3], treatments={"my_offload": [0], "elementwise": [1, 2], "recompute": [3],
+                                                        "head": "my_head:2"}),
+        _record(2, 600, None, [0, 1], treatments={"elementwise": [0, 1], "head": "chunked:4"}, head_implementation="pure"),
+        _record(3, 600, None, [], treatments={"head": "keep"}),
+    ]
+    lines = end_summary(records).splitlines()
+    assert "(50%: recompute 0.3, elementwise 1.3, my_offload 0.3)" in lines[2]
+    assert lines[3] == "memfit: LM head kept on 1 micro-step, chunked on 1 (pure), my_head on 1"
 
 
 def test_end_summary_without_budget_and_without_steps():
@@ -91,8 +134,8 @@ def test_a_budget_in_the_unit_it_was_given(n, text):
 # (what, records' static and peak, budget) -> the verdict's words (NOTE [What to change when a step cannot fit])
 VERDICTS = [
     ("no budget", 0, 500, None, "no budget was given"),
-    ("kept", 100, 900, 1000, "every step kept to the budget"),
-    ("static dominates", 900, 1100, 1000, "1 of 1 steps went over the budget; most of it is the static part (weights, "
+    ("kept", 100, 900, 1000, "every micro-step kept to the budget"),
+    ("static dominates", 900, 1100, 1000, "1 of 1 micro-steps went over the budget; most of it is the static part (weights, "
      "gradients, optimizer state), 900 B: train LoRA adapters (--use_peft), store bf16 weights"),
     ("activations dominate", 100, 5000, 1000, "most of it is the activations, 4900 B: lower "
      "--per_device_train_batch_size or --max_seq_length, or raise --memory_budget"),

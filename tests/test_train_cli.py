@@ -88,8 +88,9 @@ def test_default_model_is_the_pretrained_minilm(tmp_path, capsys):
     assert ("memfit: method dynamic, budget 1GiB (1073741824 bytes), logical accounting (tensors counted on the "
             "host), 6 blocks (BertLayer)") in err
     peak = max(r["peak_allocated_bytes"] for r in records)
-    assert f"memfit: 4 steps ({sum(r['phase'] == 'warmup' for r in records)} warm-up), method dynamic" in err
-    assert f"= {100 * peak / 2**30:.0f}% of the budget (logical accounting), 0 steps over budget, 0 OOM replays" in err
+    warmup = sum(r['phase'] == 'warmup' for r in records)
+    assert f"memfit: 4 optimizer steps, 4 micro-steps (forward + backward; {warmup} warm-up), method dynamic" in err
+    assert f"= {100 * peak / 2**30:.0f}% of the budget (logical accounting), 0 micro-steps over budget, 0 OOM replays" in err
 
 
 def test_help_lists_memfits_and_the_tasks_flags_first(capsys):

@@ -300,9 +300,7 @@ class Controller:
     def set_optimizer(self, optimizer: torch.optim.Optimizer | None, check: bool = True) -> None:
         """Count ``optimizer``'s state from now on (for an optimizer made after ``fit``).
 
-        Raises:
-            BudgetTooSmallError: when weights + gradients + its state exceed the budget.
-        """
+        Raises: BudgetTooSmallError: when weights + gradients + its state exceed the budget."""
         if check:
             check_static_need_of(self.model, self.budget_bytes, _state_bytes(optimizer), transient_bytes=_transient_bytes(optimizer))
         for h in self._optimizer_handles:
@@ -315,6 +313,11 @@ class Controller:
             optimizer.register_step_pre_hook(lambda *_: self.meter.optimizer_step(self._step)),
             optimizer.register_step_post_hook(self.replay.close_window),
         ] if optimizer is not None and hasattr(optimizer, "register_step_pre_hook") else []
+
+    @property
+    def optimizer_steps(self) -> int | None:
+        """Optimizer steps taken while hooked; None without an optimizer to hook."""
+        return self.replay.windows_closed if self.replay.closed_by_optimizer else None
 
     @property
     def accounting(self) -> str:
@@ -449,17 +452,14 @@ class Controller:
 
     def summary(self):
         """:class:`~memfit.engine.records.RunSummary` of the records so far."""
-        return summarize(self.records)
+        return summarize(self.records, self.optimizer_steps)
 
     def note_oom(self, error: BaseException | str | None = None) -> None:
-        """After an OOM inside a step, before replaying it (:attr:`replay` calls it): drop the failed
-        step and keep more room free (:func:`~memfit.engine.replay.after_oom`); the replayed
-        step's record lists the failed attempt. ``error``: the error or its message (a message
-        keeps the failed step's frames, and their tensors, out of reach).
+        """After an OOM inside a step, before :attr:`replay` replays it: drop the failed step and keep more room
+        free (:func:`~memfit.engine.replay.after_oom`); the replay's record lists the attempt. ``error``: the error
+        or its message (a message keeps the failed step's frames, and their tensors, out of reach).
 
-        Raises:
-            BudgetTooSmallError: when no safer plan exists.
-        """
+        Raises: BudgetTooSmallError: when no safer plan exists."""
         step, self._step = self._step, None
         self._counter.stop()
         attempt = self.replay.oom.add(step, self.meter, self.planning, self.protection, error)
@@ -507,7 +507,7 @@ class Controller:
     def remove(self) -> None:
         """Close the last record, unhook and unwrap: the model is exactly as before ``fit``."""
         if self._undo and self.records and self.announce:
-            _say(end_summary(self.records, _given(self.announce)), self.rank)
+            _say(end_summary(self.records, _given(self.announce), self.optimizer_steps), self.rank)
         self._unhook()
 
     def _unhook(self) -> None:

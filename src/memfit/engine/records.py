@@ -22,6 +22,7 @@ __all__ = [
     "read_jsonl",
     "read_jsonl_numbered",
     "summarize",
+    "mean_treated_fraction",
     "treated_blocks",
     "head_steps",
     "HEAD_KEY",
@@ -165,6 +166,11 @@ class StepRecord:
 class RunSummary:
     """Totals of one run plus the per-input-size peak table (``memory_count``).
 
+    A record is a micro-step (one forward + backward): ``steps`` counts them, several per optimizer
+    step under gradient accumulation, and those of every rank in a merged summary. Warm-up
+    micro-steps treat blocks to measure them (``dynamic``'s recompute every block), so the
+    ``steady_*`` fields give what the plans did once it ended.
+
     ``memory_count`` maps the input size (tokens per micro-batch, as a string key so the
     JSON round-trips) to ``{"steps": n, "max_peak_bytes": b}``: the per-input-size peak
     table of the original experiments.
@@ -173,13 +179,15 @@ class RunSummary:
     method: str
     budget_bytes: int | None
     accounting: str
+    #: micro-steps recorded (one forward + backward each)
     steps: int
+    #: micro-steps of warm-up (``phase == "warmup"``); the rest are steady
     warmup_steps: int
     oom_retries: int
     max_peak_allocated_bytes: int
     max_peak_reserved_bytes: int
     over_budget_steps: int
-    #: mean fraction of blocks recomputed in backward (checkpointed or evicted)
+    #: mean fraction of blocks treated (by the plan, or evicted), over every micro-step, warm-up included
     mean_checkpointed_fraction: float
     total_step_ms: float
     mean_planner_us: float
@@ -199,6 +207,12 @@ class RunSummary:
     #: other than the run's first (recompiles after warm-up)
     compile_ms: float = 0.0
     steady_compiled_graphs: int = 0
+    #: mean fraction of blocks treated (by the plan, or evicted) over steady micro-steps; None without one
+    steady_treated_fraction: float | None = None
+    #: :attr:`treated_blocks` over steady micro-steps
+    steady_treated_blocks: dict[str, int] = field(default_factory=dict)
+    #: optimizer steps the run took, where its caller counted them (the optimizer's step hook); None otherwise
+    optimizer_steps: int | None = None
     #: with several ranks: each rank's own summary, by rank (as a string key)
     per_rank: dict[str, dict[str, Any]] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
@@ -207,8 +221,12 @@ class RunSummary:
         return dataclasses.asdict(self)
 
 
-def summarize(records: Iterable[StepRecord]) -> RunSummary:
+def summarize(records: Iterable[StepRecord], optimizer_steps: int | None = None) -> RunSummary:
     """Fold step records into a :class:`RunSummary`.
+
+    Args:
+        records: the run's step records (micro-steps).
+        optimizer_steps: the optimizer steps they made up, where the caller counted them.
 
     Raises:
         ValueError: if ``records`` is empty.
@@ -223,6 +241,7 @@ def summarize(records: Iterable[StepRecord]) -> RunSummary:
         row["max_peak_bytes"] = max(row["max_peak_bytes"], r.peak_allocated_bytes)
     memory_count = dict(sorted(memory_count.items(), key=lambda kv: int(kv[0])))
     budget = records[-1].budget_bytes
+    steady = [r for r in records if r.phase != "warmup"]
     return RunSummary(
         method=records[-1].method,
         budget_bytes=budget,
@@ -235,11 +254,7 @@ def summarize(records: Iterable[StepRecord]) -> RunSummary:
         over_budget_steps=sum(
             budget is not None and r.peak_allocated_bytes > budget for r in records
         ),
-        # blocks recomputed in backward: checkpointed by the plan, or evicted (`reactive`)
-        mean_checkpointed_fraction=sum(
-            (r.n_checkpointed + len(r.evicted_blocks)) / max(r.n_blocks, 1) for r in records
-        )
-        / len(records),
+        mean_checkpointed_fraction=mean_treated_fraction(records),
         total_step_ms=sum(r.step_ms or 0.0 for r in records),
         mean_planner_us=sum(r.planner_us for r in records) / len(records),
         memory_count=memory_count,
@@ -250,7 +265,16 @@ def summarize(records: Iterable[StepRecord]) -> RunSummary:
         head_steps=head_steps(records),
         compile_ms=sum(r.compile_ms for r in records),
         steady_compiled_graphs=sum(r.compiled_graphs for r in records[1:] if r.phase == "steady"),
+        steady_treated_fraction=mean_treated_fraction(steady) if steady else None,
+        steady_treated_blocks=treated_blocks(steady),
+        optimizer_steps=optimizer_steps,
     )
+
+
+def mean_treated_fraction(records: Sequence[StepRecord]) -> float:
+    """The mean fraction of blocks a step treated: given a treatment by its plan, or evicted and
+    recomputed (``reactive``, the backstop); 0.0 for no records."""
+    return sum((r.n_checkpointed + len(r.evicted_blocks)) / max(r.n_blocks, 1) for r in records) / max(len(records), 1)
 
 
 def treated_blocks(records: Sequence[StepRecord]) -> dict[str, int]:

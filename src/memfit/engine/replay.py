@@ -256,6 +256,7 @@ class Replayer:
         replaying: set while the window's earlier micro-steps are rerun (their steps write no record).
         closed_by_optimizer: an optimizer's step closes the window (:meth:`close_window` is
             hooked on it); without one, gradients present before a micro-step are kept to restore.
+        windows_closed: optimizer steps taken while hooked (the summary's optimizer steps).
     """
 
     def __init__(
@@ -270,6 +271,7 @@ class Replayer:
         self.oom = OomLog()
         self.replaying = False
         self.closed_by_optimizer = False
+        self.windows_closed = 0
         self._running = 0
         self._sharded: bool | None = None
 
@@ -291,6 +293,7 @@ class Replayer:
     def close_window(self, *_: Any) -> None:
         """The optimizer stepped: the next micro-step opens a new window (an optimizer step post-hook)."""
         self.accumulation.clear()
+        self.windows_closed += 1
 
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict[str, Any] | None = None, *,
             raise_what: str = "the memory budget or the margin") -> Any:

@@ -15,7 +15,8 @@ from collections import Counter
 from collections.abc import Sequence
 
 from memfit.engine.budget import format_bytes
-from memfit.engine.records import StepRecord, summarize
+from memfit.engine.records import StepRecord, mean_treated_fraction, summarize, treated_blocks
+from memfit.engine.treatments import KEEP, RECOMPUTE, in_registry_order
 
 __all__ = [
     "given_unit",
@@ -127,11 +128,11 @@ def verdict(records: Sequence[StepRecord]) -> str:
         return "memfit: verdict: no budget was given; the peak above is what this run needs"
     over = [r for r in records if r.peak_allocated_bytes > (r.budget_bytes or budget)]
     if not over:
-        return "memfit: verdict: every step kept to the budget"
+        return "memfit: verdict: every micro-step kept to the budget"
     worst = max(over, key=lambda r: r.peak_allocated_bytes)
     rest = max(worst.peak_allocated_bytes - worst.static_bytes, 0)
     parts = {"static": worst.static_bytes, "blocks": rest} if worst.static_bytes else {"blocks": rest}
-    return (f"memfit: verdict: {len(over)} of {len(records)} steps went over the budget; "
+    return (f"memfit: verdict: {len(over)} of {len(records)} micro-steps went over the budget; "
             + over_budget_words(parts).replace("the blocks' activations, even checkpointed", "the activations"))
 
 
@@ -193,60 +194,104 @@ def start_line(
 
 
 def _head_line(records: Sequence[StepRecord]) -> list[str]:
-    """The summary's line on the LM head where a plan placed it: steps kept and chunked, and by which
-    implementation (NOTE [The head in a record], records.py); none otherwise."""
+    """The summary's line on the LM head where a plan placed it: the steps of each head treatment the
+    records hold (registry order), with the implementations that ran it (NOTE [The head in a
+    record], records.py); none otherwise."""
     placed = [r for r in records if r.head is not None]
     if not placed:
         return []
-    chunked = [r for r in placed if r.head[0] != "keep"]
-    ran = Counter(r.head_implementation for r in chunked if r.head_implementation)
-    by = "" if not ran else " (" + ", ".join(name if len(ran) == 1 else f"{name} {n}" for name, n in ran.most_common()) + ")"
-    kept = len(placed) - len(chunked)
-    return [f"memfit: LM head kept on {kept} step{'s' * (kept != 1)}, chunked on {len(chunked)}{by}"]
+    words = []
+    for name in in_registry_order({r.head[0] for r in placed}, part="head"):
+        mine = [r for r in placed if r.head[0] == name]
+        ran = Counter(r.head_implementation for r in mine if r.head_implementation)
+        by = "" if not ran else " (" + ", ".join(impl if len(ran) == 1 else f"{impl} {n}" for impl, n in ran.most_common()) + ")"
+        unit = "" if words else f" micro-step{'s' * (len(mine) != 1)}"
+        words.append(f"{'kept' if name == KEEP else name} on {len(mine)}{unit}{by}")
+    return [f"memfit: LM head {', '.join(words)}"]
 
 
-def end_summary(records: Sequence[StepRecord], budget_given: str | None = None) -> str:
+# NOTE [What the summary counts]
+# A step record is a micro-step (one forward + backward; several make an optimizer step under
+# gradient accumulation, and a merged summary holds every rank's), so the summary counts
+# micro-steps and names them so, beside the optimizer steps where its caller counted them: a
+# count of records called "steps" read as optimizer steps, several times too many. Its per-step
+# averages (blocks treated, each treatment's blocks, their share of the step's time) are over
+# steady micro-steps only: warm-up treats blocks to measure them (``dynamic``'s recompute every
+# block), so counting it showed a short run's plans treating several times the blocks they did.
+# What warm-up did is said apart, in a clause of its own.
+def _treated_words(fraction: float, treated: dict[str, int], steps: int, n_blocks: int) -> tuple[str, str]:
+    """``("2.0 of 6 blocks recomputed per micro-step on average (33%)", "recompute")``, or with another
+    treatment than recompute, each one's blocks per micro-step and ``"treatments"`` (a block under
+    another treatment is not recomputed)."""
+    recompute_only = set(treated) <= {RECOMPUTE}
+    each = "" if recompute_only else ": " + ", ".join(f"{name} {treated[name] / steps:.1f}" for name in in_registry_order(treated))
+    words = (f"{fraction * n_blocks:.1f} of {n_blocks} blocks {'recomputed' if recompute_only else 'treated'} per "
+             f"micro-step on average ({100 * fraction:.0f}%{each})")
+    return words, "recompute" if recompute_only else "treatments"
+
+
+def _warmup_words(warmup: Sequence[StepRecord], n_blocks: int) -> str:
+    """What the warm-up micro-steps did with the blocks (NOTE [What the summary counts])."""
+    n = len(warmup)
+    every = all(set(r.block_treatments) <= {RECOMPUTE} and r.n_checkpointed >= r.n_blocks for r in warmup)
+    if every:
+        return f"{n} warm-up micro-step{'s' * (n != 1)} recomputed every block"
+    return f"{n} warm-up micro-step{'s' * (n != 1)}: " + _treated_words(
+        mean_treated_fraction(warmup), treated_blocks(warmup), n, n_blocks)[0]
+
+
+def end_summary(records: Sequence[StepRecord], budget_given: str | None = None, optimizer_steps: int | None = None) -> str:
     """The short summary printed when training ends (a few lines, each starting ``memfit:``).
 
-    Steps, the peak and its share of the budget, steps over budget, OOM replays, blocks
-    recomputed per step (treated, with each treatment's share, where a plan gave another), the
-    estimated share of step time spent on them, the steps' total time, and a one-line verdict
-    (:func:`verdict`).
+    Micro-steps (and optimizer steps, where known), the peak and its share of the budget,
+    micro-steps over budget, OOM replays, blocks treated per steady micro-step (with each
+    treatment's share where a plan gave another than recompute) and the estimated share of their
+    time spent on them, what warm-up did, the micro-steps' total time, and a one-line verdict
+    (:func:`verdict`). NOTE [What the summary counts].
 
     Args:
         records: the run's step records (every rank's, for a merged summary).
         budget_given: the budget as the user wrote it (see :func:`start_line`).
+        optimizer_steps: the optimizer steps the records made up, where the caller counted them.
 
     Returns:
         The summary text (no trailing newline).
     """
     if not records:
         return "memfit: no training step ran"
-    s = summarize(records)
+    s = summarize(records, optimizer_steps)
     n_blocks = max(r.n_blocks for r in records)
-    step_ms = sum(r.step_ms or 0.0 for r in records)
-    recompute_ms = sum(r.recompute_ms_est for r in records)
-    head = f"memfit: {s.steps} steps ({s.warmup_steps} warm-up), method {s.method}, {budget_words(s.budget_bytes, budget_given)}"
+    steady = [r for r in records if r.phase != "warmup"]
+    warmup = [r for r in records if r.phase == "warmup"]
+    ranks = len({r.rank for r in records})
+    head = (
+        f"memfit: {'' if optimizer_steps is None else f'{optimizer_steps} optimizer step' + 's' * (optimizer_steps != 1) + ', '}"
+        f"{s.steps} micro-step{'s' * (s.steps != 1)}{f' over {ranks} ranks' if ranks > 1 else ''} "
+        f"(forward + backward; {s.warmup_steps} warm-up), method {s.method}, {budget_words(s.budget_bytes, budget_given)}"
+    )
     if s.budget_bytes is None:
         peak = f"memfit: peak {format_bytes(s.max_peak_allocated_bytes)} ({s.accounting} accounting), not capped"
     else:
         share = 100 * s.max_peak_allocated_bytes / s.budget_bytes
         peak = (
             f"memfit: peak {format_bytes(s.max_peak_allocated_bytes)} = {share:.0f}% of the budget "
-            f"({s.accounting} accounting), {s.over_budget_steps} step{'s' * (s.over_budget_steps != 1)} over budget"
+            f"({s.accounting} accounting), {s.over_budget_steps} micro-step{'s' * (s.over_budget_steps != 1)} over budget"
         )
     peak += f", {s.oom_retries} OOM replay{'s' * (s.oom_retries != 1)}"
-    share_time = f"{100 * recompute_ms / step_ms:.0f}%" if step_ms > 0 else "-"
-    # a block under another treatment than recompute is not recomputed: each treatment's share is named
-    recompute_only = set(s.treated_blocks) <= {"recompute"}
-    each = "" if recompute_only else ": " + ", ".join(f"{name} {n / s.steps:.1f}" for name, n in s.treated_blocks.items())
-    blocks = (
-        f"memfit: {s.mean_checkpointed_fraction * n_blocks:.1f} of {n_blocks} blocks "
-        f"{'recomputed' if recompute_only else 'treated'} per step on average "
-        f"({100 * s.mean_checkpointed_fraction:.0f}%{each}), {'recompute' if recompute_only else 'treatments'} about "
-        f"{share_time} of step time (estimated), steps took {step_ms / 1e3:.1f} s"
-    )
-    lines = [head, peak, blocks, *_head_line(records)]
+    parts = []
+    if steady:
+        step_ms = sum(r.step_ms or 0.0 for r in steady)
+        share_time = f"{100 * sum(r.recompute_ms_est for r in steady) / step_ms:.0f}%" if step_ms > 0 else "-"
+        words, what = _treated_words(s.steady_treated_fraction, s.steady_treated_blocks, len(steady), n_blocks)
+        parts.append(f"{words} over {len(steady)} steady micro-step{'s' * (len(steady) != 1)}, "
+                     f"{what} about {share_time} of their time (estimated)")
+    else:
+        parts.append("no steady micro-step")
+    if warmup:
+        parts.append(_warmup_words(warmup, n_blocks))
+    total_s = sum(r.step_ms or 0.0 for r in records) / 1e3
+    parts.append(f"the {s.steps} micro-step{'s' * (s.steps != 1)} took {total_s:.1f} s")
+    lines = [head, peak, "memfit: " + "; ".join(parts), *_head_line(records)]
     if any(r.compiled_graphs for r in records):
         lines.append(
             f"memfit: compiling took {s.compile_ms / 1e3:.1f} s, "

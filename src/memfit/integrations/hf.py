@@ -596,7 +596,7 @@ class MemfitTrainerMixin:
         os.makedirs(a.output_dir, exist_ok=True)
         if a.world_size > 1:
             with open(rank_path(os.path.join(a.output_dir, SUMMARY_FILE), a.process_index, a.world_size), "w") as fh:
-                json.dump(summarize(self.memfit.records).to_dict() if self.memfit.records else {}, fh, indent=1)
+                json.dump(self.memfit.summary().to_dict() if self.memfit.records else {}, fh, indent=1)
             self.accelerator.wait_for_everyone()
         if not self.is_world_process_zero() or not self.memfit.records:
             return None
@@ -604,12 +604,12 @@ class MemfitTrainerMixin:
             per_rank = {r: [StepRecord.from_dict(d) for d in read_jsonl(rank_path(self._steps_path, r, a.world_size))]
                         for r in range(a.world_size)}
             records = [rec for recs in per_rank.values() for rec in recs]
-            summary = summarize(records)
+            summary = summarize(records, self.memfit.optimizer_steps)
             summary.per_rank = {str(r): summarize(recs).to_dict() for r, recs in per_rank.items() if recs}
         else:
             records = self.memfit.records
             summary = self.memfit.summary()
-        self._say(end_summary(records, self._budget_given()))
+        self._say(end_summary(records, self._budget_given(), self.memfit.optimizer_steps))
         data = summary.to_dict()
         data.update(self.memfit.meter.run_stats())  # the allocator's retries and device allocations (CUDA)
         with open(os.path.join(a.output_dir, SUMMARY_FILE), "w", encoding="utf-8") as fh:

@@ -11,8 +11,8 @@ Reads JSON lines only, never printed text (habit 7), from anywhere under ``<dir>
 and writes ``report.md`` (per task: a table of methods × budgets, a table of memory savers
 when results carry ``eval_metric``, and one of peer sweeps when a peer ran at several settings
 of its knob) and PNG plots: peak memory vs input size, time vs budget, and the
-``memory_count`` histogram over input-size buckets, and the treatment mix per input size (the LM
-head's chunks beside the blocks' treatments). Units: each table and plot shows sizes in the
+``memory_count`` histogram over input-size buckets, and the treatment mix per input size (every
+treatment the records hold, the LM head's beside the blocks': NOTE [A colour per treatment]). Units: each table and plot shows sizes in the
 unit its budget was given in, GiB without one (NOTE [One unit per table]; NOTE [A budget in the
 unit it was given], summary_text.py). Warm-up steps are counted in the tables and drawn as
 crosses in the peak plot; steps over their budget are ringed in red.
@@ -47,6 +47,7 @@ from memfit.errors import ArgumentParser, DataError, MissingFileError
 from memfit.engine.records import (
     RunSummary, StepRecord, head_steps, parse_head_label, read_jsonl_numbered, summarize, treated_blocks,
 )
+from memfit.engine.treatments import BY_PART, KEEP, in_registry_order
 from memfit.engine.summary_text import given_unit, size_in_given_unit
 
 __all__ = ["RESULT_FIELDS", "OPTIONAL_RESULT_FIELDS", "build_report", "main"]
@@ -460,10 +461,12 @@ def _paired_table(rows: Sequence[_Row]) -> list[str]:
 
 
 def _runs_table(runs: Sequence[_StepRun]) -> list[str]:
+    """Per step-record file: its micro-steps (a record each, NOTE [What the summary counts] in
+    summary_text.py), peaks, and the share of blocks its steady micro-steps treated."""
     unit = _unit(run.summary.budget_bytes for run in runs)
     lines = [
-        f"| step file | method | budget | accounting | steps | warm-up | max peak ({unit[0]}) | over budget "
-        "| OOM retries | checkpointed | planner µs |",
+        f"| step file | method | budget | accounting | micro-steps | warm-up | max peak ({unit[0]}) | over budget "
+        "| OOM retries | treated (steady) | planner µs |",
         "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for run in runs:
@@ -471,13 +474,20 @@ def _runs_table(runs: Sequence[_StepRun]) -> list[str]:
         lines.append(
             f"| `{run.path}` | {run.method} | {_budget_cell(s.budget_bytes)} | {s.accounting} | {s.steps} | {s.warmup_steps} | "
             f"{_gib(s.max_peak_allocated_bytes, unit)} | {s.over_budget_steps} | {s.oom_retries} | "
-            f"{100 * s.mean_checkpointed_fraction:.1f}% | {s.mean_planner_us:.1f} |"
+            f"{_DASH if s.steady_treated_fraction is None else f'{100 * s.steady_treated_fraction:.1f}%'} | "
+            f"{s.mean_planner_us:.1f} |"
         )
     return lines
 
 
-#: Treatments in the order the mix table shows them (engine/treatments/); ``keep`` is the rest.
-_MIX_KINDS = ("recompute", "selective", "offload")
+def _treatment_names(runs: Sequence[_StepRun]) -> tuple[list[str], list[str]]:
+    """The block treatments and the LM head's treatments that ``runs``' records hold, each in
+    registry order, any name the registry does not know after (:func:`in_registry_order`);
+    ``keep`` is no block column: a block no treatment lists was kept."""
+    records = [rec for run in runs for rec in run.records]
+    blocks = in_registry_order({name for rec in records for name in rec.block_treatments} - {KEEP})
+    heads = in_registry_order({rec.head[0] for rec in records if rec.head is not None}, part="head")
+    return blocks, heads
 
 
 @dataclass(frozen=True)
@@ -489,19 +499,23 @@ class _MixRow:
     first: int
     last: int
     steps: int
-    mix: tuple[float, ...]
+    mix: tuple[tuple[str, float], ...]
+    """Per block treatment of the table (:func:`_treatment_names`), the mean blocks per step it got."""
     kept: float
     heads: tuple[tuple[str, int], ...]
 
     def head_text(self) -> str:
         return ", ".join(f"{label} ×{n}" for label, n in self.heads) or _DASH
 
-    def chunked(self) -> tuple[float, float | None]:
-        """The share of the range's steps that chunked the head, and their mean chunk count (None: none did)."""
+    def head_shares(self) -> dict[str, tuple[float, float]]:
+        """Per head treatment the range's steps ran, the share of those steps and their mean chunk count."""
         steps = sum(count for _, count in self.heads)
-        chunked = [(parse_head_label(label)[1], count) for label, count in self.heads if parse_head_label(label)[0] != "keep"]
-        n = sum(count for _, count in chunked)
-        return (n / steps if steps else 0.0), (round(sum(c * k for c, k in chunked) / n, 1) if n else None)
+        out: dict[str, tuple[int, int]] = {}  # treatment -> (steps, chunks summed over them)
+        for label, count in self.heads:
+            name, chunks = parse_head_label(label)
+            n, total = out.get(name, (0, 0))
+            out[name] = (n + count, total + chunks * count)
+        return {name: (n / steps, round(total / n, 1)) for name, (n, total) in out.items()}
 
 
 def _mixed_runs(runs: Sequence[_StepRun]) -> list[_StepRun]:
@@ -511,11 +525,13 @@ def _mixed_runs(runs: Sequence[_StepRun]) -> list[_StepRun]:
 
 def _mix_rows(runs: Sequence[_StepRun], bins: int = 6) -> dict[int, list[_MixRow]]:
     """Per run (by ``id``), its steady steps in ``bins`` equal ranges of tokens shared by ``runs``, with
-    the treatment mix of each range; a run with one mix at every size gets one row."""
+    the treatment mix of each range (a column per block treatment any of ``runs`` holds); a run with one
+    mix at every size gets one row."""
     steady = {id(r): [rec for rec in r.records if rec.phase != "warmup"] for r in runs}
     tokens = [rec.tokens for recs in steady.values() for rec in recs]
     if not tokens:
         return {}
+    names, _ = _treatment_names(runs)
     low, high = min(tokens), max(tokens)
     width = max(1, -(-(high - low + 1) // bins))
     out = {}
@@ -526,10 +542,10 @@ def _mix_rows(runs: Sequence[_StepRun], bins: int = 6) -> dict[int, list[_MixRow
         rows = []
         for b in sorted(by_bin):
             recs = by_bin[b]
-            counts = {k: 0 for k in _MIX_KINDS} | treated_blocks(recs)
-            mix = tuple(counts[k] / len(recs) for k in _MIX_KINDS)
-            heads = tuple(head_steps(recs).items())
-            rows.append(_MixRow(low + b * width, low + (b + 1) * width - 1, len(recs), mix, recs[0].n_blocks - sum(mix), heads))
+            counts = treated_blocks(recs)
+            mix = tuple((name, counts.get(name, 0) / len(recs)) for name in names)
+            kept = recs[0].n_blocks - sum(m for _, m in mix)
+            rows.append(_MixRow(low + b * width, low + (b + 1) * width - 1, len(recs), mix, kept, tuple(head_steps(recs).items())))
         if len({(row.mix, tuple(label for label, _ in row.heads)) for row in rows}) == 1:  # one mix at every size (full, static)
             heads = tuple(head_steps([rec for rec in steady[id(run)]]).items())
             rows = [dataclasses.replace(rows[0], last=rows[-1].last, steps=sum(row.steps for row in rows), heads=heads)]
@@ -545,18 +561,21 @@ def _mix_table(runs: Sequence[_StepRun], bins: int = 6) -> list[str]:
     rows = _mix_rows(treated, bins)
     if not rows:
         return []
+    names, _ = _treatment_names(treated)
     with_head = any(row.heads for run_rows in rows.values() for row in run_rows)
-    head_head, head_rule = (" head (steps) |", " --- |") if with_head else ("", "")
+    head_head, head_rule = (" head (micro-steps) |", " --- |") if with_head else ("", "")
     lines = [
-        "", "Treatment mix per input size (steady steps; mean blocks per step given each treatment, the rest kept"
-        + ("; the LM head's treatment, `chunked:<n>` in n chunks, and its steps" if with_head else "") + "):", "",
-        "| run | tokens | steps | " + " | ".join(_MIX_KINDS) + " | kept |" + head_head,
-        "| --- | --- | ---: | " + " | ".join("---:" for _ in _MIX_KINDS) + " | ---: |" + head_rule,
+        "", "Treatment mix per input size (steady micro-steps; mean blocks per micro-step given each treatment the "
+        "records hold, the rest kept" + ("; the LM head's treatment, `chunked:<n>` in n chunks, and its micro-steps"
+                                         if with_head else "")
+        + "):", "",
+        "| run | tokens | micro-steps | " + "".join(f"{name} | " for name in names) + "kept |" + head_head,
+        "| --- | --- | ---: | " + "".join("---: | " for _ in names) + "---: |" + head_rule,
     ]
     for run in treated:
         for row in rows.get(id(run), []):
-            lines.append(f"| {_label(run)} | {row.first}-{row.last} | {row.steps} | " + " | ".join(f"{m:.1f}" for m in row.mix)
-                         + f" | {row.kept:.1f} |" + (f" {row.head_text()} |" if with_head else ""))
+            lines.append(f"| {_label(run)} | {row.first}-{row.last} | {row.steps} | " + "".join(f"{m:.1f} | " for _, m in row.mix)
+                         + f"{row.kept:.1f} |" + (f" {row.head_text()} |" if with_head else ""))
     return lines
 
 
@@ -584,7 +603,9 @@ def _figure(**kwargs: Any):
 
 def _save(fig: Any, path: Path) -> None:
     """Write ``fig`` as a 64-colour PNG: a quarter of the size of matplotlib's RGBA one, and a
-    plot of a few line colours loses nothing visible (published results stay small)."""
+    plot of a few line colours loses nothing visible (published results stay small). The palette
+    is an octree's: median cut splits by pixel count, so a colour drawn only as a thin line (a
+    method in the time plot, a head treatment) lost its hue to the grey around it."""
     import io
 
     from PIL import Image  # matplotlib's own dependency
@@ -593,7 +614,7 @@ def _save(fig: Any, path: Path) -> None:
     fig.savefig(buffer, format="png", dpi=100, metadata={"Software": None})
     buffer.seek(0)
     with Image.open(buffer) as image:
-        image.convert("RGB").quantize(colors=64, method=Image.Quantize.MEDIANCUT).save(path, format="PNG", optimize=True)
+        image.convert("RGB").quantize(colors=64, method=Image.Quantize.FASTOCTREE).save(path, format="PNG", optimize=True)
 
 
 def _wrap(title: str) -> str:
@@ -694,7 +715,7 @@ def _plot_peak_vs_tokens(group: str, runs: Sequence[_StepRun], path: Path) -> No
         ax.grid(alpha=0.3)
         _legend(ax)
     accounting = ", ".join(sorted({r.summary.accounting for r in runs}))
-    axes[0].set_ylabel(f"peak allocated per step ({unit_name}, {accounting} accounting)")
+    axes[0].set_ylabel(f"peak allocated per micro-step ({unit_name}, {accounting} accounting)")
     fig.suptitle(_wrap(f"Peak memory vs input size\n{group}"), fontsize=11)
     _save(fig, path)
 
@@ -737,8 +758,8 @@ def _plot_memory_count(group: str, runs: Sequence[_StepRun], path: Path) -> None
                            edgecolors="red", linewidths=1.2, label=f"{_label(run)}: over budget")
     for budget in budgets:
         bottom.axhline(budget / unit, color="gray", linestyle="--", linewidth=1, label=f"budget {_budget_text(budget)}")
-    top.set_ylabel("steps")
-    top.set_title(f"steps per input-size bucket ({len(edges) - 1} buckets)", fontsize=10)
+    top.set_ylabel("micro-steps")
+    top.set_title(f"micro-steps per input-size bucket ({len(edges) - 1} buckets)", fontsize=10)
     bottom.set_ylabel(f"largest peak ({unit_name})")
     bottom.set_title("largest peak per input size", fontsize=10)
     bottom.set_xlabel("input size (tokens per micro-batch)")
@@ -749,48 +770,93 @@ def _plot_memory_count(group: str, runs: Sequence[_StepRun], path: Path) -> None
     _save(fig, path)
 
 
+# NOTE [A colour per treatment]
+# A treatment keeps its colour in every plot, whatever else the runs' records hold, so that two
+# reports read alike: a registered one takes the slot of matplotlib's ten given by its place in the
+# registry (BY_PART: the blocks' treatments, then the LM head's), kept blocks are light grey, and a
+# name the registry does not know (a class a run was given) is hatched, in one of Dark2's eight
+# colours picked by a checksum of its name (crc32: the same on every machine and run, unlike
+# hash()); where two unknown names of one plot pick the same, the later (alphabetically) takes the
+# next free one.
+def _treatment_colors(blocks: Sequence[str], heads: Sequence[str]) -> dict[tuple[str, str], tuple[Any, str]]:
+    """The colour and hatch of each ``(part, treatment)`` of a plot (NOTE [A colour per treatment])."""
+    import zlib
+
+    import matplotlib
+
+    registered = [(part, name) for part, names in BY_PART.items() for name in names if (part, name) != ("block", KEEP)]
+    fallback = matplotlib.colormaps["Dark2"].colors
+    out: dict[tuple[str, str], tuple[Any, str]] = {("block", KEEP): ("0.8", "")}
+    taken: set[int] = set()
+    for key in [("block", name) for name in blocks] + [("head", name) for name in heads]:
+        if key in out:
+            continue
+        i = registered.index(key) if key in registered else None
+        if i is not None and i < 10:
+            out[key] = (f"C{i}", "")
+            continue
+        slot = zlib.crc32(key[1].encode()) % len(fallback)
+        while slot in taken and len(taken) < len(fallback):
+            slot = (slot + 1) % len(fallback)
+        taken.add(slot)
+        out[key] = (fallback[slot], "//")
+    return out
+
+
 def _plot_treatments(group: str, runs: Sequence[_StepRun], path: Path) -> bool:
     """Per run with steady steps, the treatment mix per input size (:func:`_mix_rows`) as stacked bars
-    of blocks, and, where the run planned the LM head, the share of steps that chunked it on the right
-    axis, each point labelled with those steps' mean chunk count. Returns whether it drew anything."""
+    of blocks, a bar per treatment the records hold, and, where the run planned the LM head, the share
+    of steps that ran it each way on the right axis, each point labelled with those steps' mean chunk
+    count. Returns whether it drew anything."""
     rows = _mix_rows(runs)
+    blocks, heads = _treatment_names(runs)
     runs = [r for r in runs if rows.get(id(r))]
     if not runs:
         return False
-    cols = min(3, len(runs))
-    fig = _figure(figsize=(4.2 * cols, 3.4 * -(-len(runs) // cols)), layout="constrained")
-    axes = fig.subplots(-(-len(runs) // cols), cols, squeeze=False).ravel()
-    colors = {"recompute": "C0", "selective": "C1", "offload": "C2", "kept": "0.8"}
+    colors = _treatment_colors(blocks, heads)
+    # 800 pixels wide like the other plots, one panel per run on a shared axis of tokens, and one
+    # legend for every panel below them, where it covers no bar or line
+    fig = _figure(figsize=(8, 1.6 + 2.9 * len(runs)), layout="constrained")
+    axes = fig.subplots(len(runs), 1, sharex=True, squeeze=False).ravel()
+    entries: dict[str, Any] = {}  # legend label -> handle, every panel's, in drawing order
     for ax, run in zip(axes, runs):
         mine = rows[id(run)]
         centres = [(row.first + row.last) / 2 for row in mine]
         width = 0.8 * min(row.last - row.first + 1 for row in mine)
         bottom = [0.0] * len(mine)
-        for i, kind in enumerate((*_MIX_KINDS, "kept")):
-            heights = [row.mix[i] if i < len(_MIX_KINDS) else row.kept for row in mine]
+        for name in [*blocks, KEEP]:
+            heights = [row.kept if name == KEEP else dict(row.mix)[name] for row in mine]
             if any(heights):
-                ax.bar(centres, heights, width=width, bottom=bottom, color=colors[kind], label=kind)
+                color, hatch = colors[("block", name)]
+                ax.bar(centres, heights, width=width, bottom=bottom, color=color, hatch=hatch, edgecolor="white",
+                       label="kept" if name == KEEP else name)
                 bottom = [b + h for b, h in zip(bottom, heights)]
-        heads = [(c, row.chunked()) for c, row in zip(centres, mine) if row.heads]
-        if heads:
+        ran = [(c, row.head_shares()) for c, row in zip(centres, mine) if row.heads]
+        if ran:
             right = ax.twinx()
-            right.plot([c for c, _ in heads], [100 * share for _, (share, _) in heads], color="black", marker="o",
-                       label="head chunked")
-            for c, (share, chunks) in heads:
-                if chunks:
-                    right.annotate(f"×{chunks:g}", (c, 100 * share), textcoords="offset points", xytext=(0, 5),
-                                   ha="center", fontsize=7)
+            for name in heads:
+                points = [(c, shares[name]) for c, shares in ran if name in shares]
+                if not points:
+                    continue
+                color, hatch = colors[("head", name)]
+                right.plot([c for c, _ in points], [100 * share for _, (share, _) in points], color=color, marker="o",
+                           linestyle="--" if hatch else "-", label=f"LM head {name}")
+                for c, (share, chunks) in points:
+                    if chunks > 1:
+                        right.annotate(f"×{chunks:g}", (c, 100 * share), textcoords="offset points", xytext=(0, 5),
+                                       ha="center", fontsize=7)
             right.set_ylim(-5, 115)
-            right.set_ylabel("LM head: steps chunked (%), ×mean chunks", fontsize=8)
-            right.legend(fontsize=7, loc="lower right")
+            right.set_ylabel("LM head: micro-steps (%)\n×mean chunks", fontsize=8)
+            entries.update(zip(*right.get_legend_handles_labels()[::-1]))
+        entries.update(zip(*ax.get_legend_handles_labels()[::-1]))
         ax.set_title(_label(run), fontsize=9)
-        ax.set_xlabel("input size (tokens per micro-batch)", fontsize=8)
-        ax.set_ylabel("blocks per step (mean)", fontsize=8)
+        ax.set_ylabel("blocks per micro-step (mean)", fontsize=8)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper left")
-    for ax in axes[len(runs):]:
-        ax.set_visible(False)
-    fig.suptitle(_wrap(f"Treatment mix per input size (steady steps)\n{group}"), fontsize=11)
+    axes[-1].set_xlabel("input size (tokens per micro-batch)", fontsize=8)
+    blocks_first = sorted(entries, key=lambda label: label.startswith("LM head"))
+    fig.legend([entries[label] for label in blocks_first], blocks_first, loc="outside lower center",
+               ncol=min(len(entries), 5), fontsize=8)
+    fig.suptitle(_wrap(f"Treatment mix per input size (steady micro-steps)\n{group}"), fontsize=11)
     _save(fig, path)
     return True
 

@@ -39,7 +39,7 @@ controller, for its planner and its instances, and :func:`make_treatments`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Union
 
@@ -63,6 +63,7 @@ __all__ = [
     "CompiledSelective", "Offload", "HostMemoryError", "BUILTIN", "TREATMENTS", "TreatmentSpec", "resolve",
     "run_treatment_names", "make_treatments", "floor_treatment", "keep_matmul_and_attention", "selective_cache_tensors", "draws_random",
     "runs_random", "CHUNKED", "KeepHead", "ChunkedHead", "HEAD_BUILTIN", "BY_PART", "HeadPart", "head_options",
+    "in_registry_order",
 ]
 
 #: the registered treatments, one line each
@@ -89,6 +90,19 @@ BY_PART = MappingProxyType({
     part: MappingProxyType({t.name: t for t in BUILTIN + HEAD_BUILTIN if part in t.parts})
     for part in ("block", "head")
 })
+
+def in_registry_order(names: Iterable[str], part: str = "block") -> list[str]:
+    """``names`` once each, as every table and summary lists treatments: those :data:`BY_PART`
+    registers for ``part`` in its order, then any other (a class a run was given, NOTE [A treatment
+    is a plug-in]) alphabetically.
+
+    Example:
+        >>> in_registry_order(["mine", "elementwise", "recompute", "another"])
+        ['recompute', 'elementwise', 'another', 'mine']
+    """
+    registered = list(BY_PART.get(part, {}))
+    return sorted(set(names), key=lambda n: (registered.index(n), "") if n in registered else (len(registered), n))
+
 
 #: a treatment as a run is given it: a registered name, or a class
 TreatmentSpec = Union[str, type[Treatment]]
