@@ -600,7 +600,9 @@ def attach_head_part(
     its own, NOTE [The head as its own FSDP unit] (head.py). A training forward
     without ``labels`` (the caller computes the loss, as TRL does) drops the head from the plans
     for the rest of the run, said once (:meth:`RunHead.leave`). ``True`` plans it whatever
-    the method, and raises where memfit cannot; ``False`` leaves it to the model, and the
+    the method, and raises where memfit cannot: under a method that does not plan per batch
+    (``none``, ``full``) each step's plan names no head, so every step chunks it (NOTE [A plan
+    without a head]), as ``memfit estimate --advise`` ranks such a setup; ``False`` leaves it to the model, and the
     over-budget warning then names ``head="auto"`` where the head's logits dominate.
 
     The part's options are priced by :func:`head_saved_bytes` (``transient``: the meter's peaks hold
@@ -626,6 +628,8 @@ def attach_head_part(
     part = HeadPart(switch, transient=transient, on_priced=planning.cache.clear,
                     free_bytes=_room_free_bytes(planning) if transient else None, aside=aside)
     planning.set_head(part)
+    if not plans:  # none, full: their plans name no head, so every step chunks it (NOTE [A plan without a head])
+        return part, "LM head chunked on each step whose plan does not keep it (the method does not plan it per batch)"
     return part, "LM head planned per batch (kept, or its logits and loss chunked)"
 
 
