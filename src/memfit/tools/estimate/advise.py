@@ -115,7 +115,7 @@ class Advice:
 
     def run_words(self) -> str:
         """What :meth:`train_flags` run, in words: ``"method none, 0 of 24 blocks checkpointed, the LM head chunked
-        in 20 on every step (--memfit_head plan), estimated peak 9.72 GiB"``: the row, as the command runs it."""
+        in 16 on every step (--memfit_head plan), estimated peak 9.76 GiB"``: the row, as the command runs it."""
         e = self.estimate
         blocks = f"{e.checkpointed_blocks} of {e.n_blocks} blocks checkpointed"
         if self.method == "dynamic":
