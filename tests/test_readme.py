@@ -1,5 +1,5 @@
 """The README a newcomer reads: at most 250 lines, the two fresh-machine commands first, and its
-offline causal-lm + LoRA command runs as written and leaves an adapter peft loads."""
+offline causal-lm + LoRA command runs as written and leaves a folder peft loads alone, offline."""
 
 from __future__ import annotations
 
@@ -46,7 +46,11 @@ def test_readme_causal_lm_lora_command_runs_as_written(tmp_path, monkeypatch):
     argv[argv.index("--output_dir") + 1] = str(out)  # the only change: where it writes
     assert cli.main(argv) == 0
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 8
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from huggingface_hub import constants
 
-    config = AutoConfig.from_pretrained(ROOT / "src/memfit/configs/llama-tiny.json", vocab_size=30524)
-    peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_config(config), out)
+    # as the README loads it: the output folder alone (its base in base/), offline, from another directory
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    model = peft.AutoPeftModelForCausalLM.from_pretrained(out)
+    assert model.peft_config["default"].r == 8

@@ -150,19 +150,66 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
 # one line, not a silent run.
 
 
+#: where a LoRA run saves a base model that has no name to load it by (NOTE [The model at the end])
+_BASE_FOLDER = "base"
+
+
 # NOTE [The model at the end]
 # As Hugging Face's example scripts do (trainer.save_model() after training), the trained model
 # and its tokenizer are written to --output_dir when training ends, unless --save_strategy no:
 # every weight for full fine-tuning, or the LoRA adapter and its adapter_config.json for a peft
 # model (its save_pretrained writes only those), loadable with from_pretrained /
 # peft.PeftModel.from_pretrained. One line says where.
+# An adapter is only half a model: its adapter_config.json names the base to load it on
+# (base_model_name_or_path), which a base from the hub or a local folder has. A base built from a
+# config with random weights (--config_name, the bundled llama-tiny) has no name (load_model
+# clears it) and exists nowhere else, so its weights, config and tokenizer are saved in
+# <output_dir>/base/ and the adapter names that folder by absolute path: peft and transformers
+# read base_model_name_or_path as given, relative to the working directory, never to the
+# adapter's folder. Moved elsewhere, the folder still loads with
+# PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(<folder>/base), <folder>).
 def _save_final_model(trainer: Any, bundle: TaskBundle) -> None:
+    base = _unnamed_base(bundle.model)
+    if base is not None and (getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False)):
+        logger.warning("the LoRA adapter's base model (random weights) is sharded across ranks and is not saved: to load "
+                       "the adapter later, train it on a saved base (--model_name_or_path)")
+        base = None
+    folder = os.path.abspath(os.path.join(trainer.args.output_dir, _BASE_FOLDER))
+    if base is not None:
+        if trainer.is_world_process_zero():
+            _save_base(base, bundle.tokenizer, folder)
+        for config in bundle.model.peft_config.values():
+            config.base_model_name_or_path = folder
     trainer.save_model()
     if trainer.is_world_process_zero():
         kind = "LoRA adapter" if hasattr(bundle.model, "peft_config") else "model"
         what = f"{kind} and tokenizer" if bundle.tokenizer is not None else kind
-        print(f"memfit: saved the trained {what} to {trainer.args.output_dir} (--save_strategy no skips it)",
+        where = f", and the base model it adapts (random weights) to {folder}" if base is not None else ""
+        print(f"memfit: saved the trained {what} to {trainer.args.output_dir}{where} (--save_strategy no skips it)",
               file=sys.stderr, flush=True)
+
+
+def _unnamed_base(model: Any) -> Any:
+    """The base model under a peft ``model`` when it has no name to load it by (random weights), else None."""
+    if not hasattr(model, "peft_config"):
+        return None
+    base = model.get_base_model()
+    return None if getattr(base, "name_or_path", "") else base
+
+
+def _save_base(base: Any, tokenizer: Any, folder: str) -> None:
+    """Save ``base`` (with adapter layers injected) as the plain model it was: its weights without the
+    adapters' (``lora_*``, ``modules_to_save``), each wrapped layer's own under its original name, and
+    ``tokenizer`` beside them: a folder ``from_pretrained`` loads alone."""
+    state = {}
+    for name, tensor in base.state_dict().items():
+        parts = name.split(".")
+        if any(p.startswith("lora_") or p == "modules_to_save" for p in parts):
+            continue
+        state[".".join(p for p in parts if p not in ("base_layer", "original_module"))] = tensor
+    base.save_pretrained(folder, state_dict=state)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
 
 
 def _has_accelerator() -> bool:

@@ -172,7 +172,8 @@ class MemfitArguments:
                   "kept, or its logits and loss computed a chunk of tokens at a time (never the whole float32 tokens x "
                   "vocab), whichever the budget and the measured time call for. auto: where memfit "
                   "recognises the head, --memfit_method is dynamic or static, a budget is given and the model is "
-                  "called with labels (default); plan: plan it with any method, or stop where memfit cannot; keep: never. "
+                  "called with labels (default); plan: plan it with any method (none and full, which plan no head, chunk it "
+                  "on every step), or stop where memfit cannot; keep: never. "
                   "Under a chunked head a training step returns no logits."},
     )
     overwrite_output_dir: bool = field(

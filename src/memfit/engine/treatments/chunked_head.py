@@ -78,7 +78,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHUNKED", "HEAD_MODES", "HEAD_LOGITS", "check_head_mode", "PROBE_STEPS", "PROBE_TOKENS", "PROBE_CHUNKS", "KeepHead",
-    "ChunkedHead", "HeadPart", "RunHead", "head_options", "attach_head_part", "choose_by_plans", "fused_line",
+    "ChunkedHead", "HeadPart", "RunHead", "head_options", "head_without_a_plan", "attach_head_part", "choose_by_plans",
+    "fused_line",
 ]
 
 logger = logging.getLogger("memfit")
@@ -150,6 +151,18 @@ def head_options(
         if n_chunks >= tokens or implementation in FUSED:
             return tuple(out)
         n_chunks *= 2
+
+
+def head_without_a_plan(options: tuple[tuple[str, int, int, float], ...]) -> tuple[str, int]:
+    """The head a step whose plan names none runs (NOTE [A plan without a head]): among ``options``
+    (:func:`head_options`), the fewest chunks that save 15/16 of the most any count saves; more save little.
+
+    Example:
+        >>> head_without_a_plan(head_options(2048, 32000, 64, torch.bfloat16, 0.0, 0.0))
+        ('chunked', 16)
+    """
+    most = max(o[2] for o in options)
+    return next(o[:2] for o in options if 16 * o[2] >= 15 * most)
 
 
 def choose_by_plans(part: "HeadPart", plan_ms: Callable[[tuple[int, int]], float | None],
@@ -539,19 +552,16 @@ class HeadPart:
         and named in its plan.
 
         # NOTE [A plan without a head]
-        A plan made without the head (warm-up's, ``full``'s, a replay's: every block recomputed, the
-        most a step can save) runs the head chunked too, at the fewest chunks that save 15/16 of the
-        most any count saves: so warm-up's longest batches fit where a kept head would not, and what
-        the step ran is what its plan says (the learner adds the saving back: NOTE [Head in the peaks]).
+        A plan made without the head (warm-up's, ``none``'s and ``full``'s, a replay's) runs the head
+        chunked too, at :func:`head_without_a_plan`'s count: so warm-up's longest batches fit where a
+        kept head would not, and what the step ran is what its plan says (the learner adds the saving
+        back: NOTE [Head in the peaks]). ``memfit estimate`` estimates a chunked head at that count.
         """
         plan = decision.plan
         if decision.warmup and self.probed_steps < PROBE_STEPS:
             self.switch.probe = self.probe  # NOTE [Pricing the head]
         if plan.head is None:
-            tokens = max(1, key[0] * key[1])
-            options = self.options(tokens)
-            most = max(o[2] for o in options)
-            head = next(o[:2] for o in options if 16 * o[2] >= 15 * most)
+            head = head_without_a_plan(self.options(max(1, key[0] * key[1])))
             decision = dataclasses.replace(decision, plan=dataclasses.replace(plan, head=head))
         self.apply(decision.plan)
         return decision
@@ -600,7 +610,9 @@ def attach_head_part(
     its own, NOTE [The head as its own FSDP unit] (head.py). A training forward
     without ``labels`` (the caller computes the loss, as TRL does) drops the head from the plans
     for the rest of the run, said once (:meth:`RunHead.leave`). ``True`` plans it whatever
-    the method, and raises where memfit cannot; ``False`` leaves it to the model, and the
+    the method, and raises where memfit cannot: under a method that does not plan per batch
+    (``none``, ``full``) each step's plan names no head, so every step chunks it (NOTE [A plan
+    without a head]), as ``memfit estimate --advise`` ranks such a setup; ``False`` leaves it to the model, and the
     over-budget warning then names ``head="auto"`` where the head's logits dominate.
 
     The part's options are priced by :func:`head_saved_bytes` (``transient``: the meter's peaks hold
@@ -626,6 +638,8 @@ def attach_head_part(
     part = HeadPart(switch, transient=transient, on_priced=planning.cache.clear,
                     free_bytes=_room_free_bytes(planning) if transient else None, aside=aside)
     planning.set_head(part)
+    if not plans:  # none, full: their plans name no head, so every step chunks it (NOTE [A plan without a head])
+        return part, "LM head chunked on each step whose plan does not keep it (the method does not plan it per batch)"
     return part, "LM head planned per batch (kept, or its logits and loss chunked)"
 
 

@@ -63,6 +63,15 @@ _LORA_SPEED = 2 / 3
 # HF Adafactor loops over tensors in Python with several row/column reductions each.
 _OPTIMIZER_STEP = {"adamw": 0.02, "adamw-8bit": 0.025, "adafactor": 0.06, "sgd": 0.005, "sgd-momentum": 0.008}
 _METHODS = ("none", "dynamic", "full")
+# NOTE [A row's head in its command]
+# A row that chunks a causal LM's head is a setup memfit runs only where it plans the head. Under
+# --memfit_head auto (the default) it plans it under dynamic and static with a budget, and none and
+# full keep it (NOTE [The head by default]). --memfit_head plan (memfit.fit(head=True)) plans it
+# whatever the method: none and full, whose plans never name the head, then chunk it on every step
+# (NOTE [A plan without a head]); dynamic plans it per batch. So the command names the row's head:
+# plan where the row chunks it, keep where the row keeps it (auto would let dynamic chunk a head the
+# row's time and peak keep).
+_HEAD_FLAG = {"keep": "keep", "chunked": "plan"}
 # NOTE [Advice keeps a margin]
 # The cap limits what the caching allocator *reserves*, and it reserves more than it
 # allocates (about 1% more without checkpointing, up to 7% with `full`, with expandable
@@ -99,7 +108,27 @@ class Advice:
         flags += list(OPTIMIZERS[s.optimizer].train_flags)
         flags += ["--per_device_train_batch_size", str(s.micro_batch_size)]
         flags += ["--gradient_accumulation_steps", str(s.accumulation_steps)]
-        return flags + ["--memfit_method", self.method, "--memory_budget", memory_budget]
+        flags += ["--memfit_method", self.method]
+        if self.estimate.lm_head is not None:  # NOTE [A row's head in its command]
+            flags += ["--memfit_head", _HEAD_FLAG[s.head]]
+        return flags + ["--memory_budget", memory_budget]
+
+    def run_words(self) -> str:
+        """What :meth:`train_flags` run, in words: ``"method none, 0 of 24 blocks checkpointed, the LM head chunked
+        in 16 on every step (--memfit_head plan), estimated peak 9.76 GiB"``: the row, as the command runs it."""
+        e = self.estimate
+        blocks = f"{e.checkpointed_blocks} of {e.n_blocks} blocks checkpointed"
+        if self.method == "dynamic":
+            blocks += " at the longest input (planned per batch)"
+        head = ""
+        if e.lm_head is not None:
+            flag = f"--memfit_head {_HEAD_FLAG[e.setup.head]}"
+            if e.setup.head == "keep":
+                head = f", the LM head kept ({flag})"
+            else:
+                when = "at the longest input" if self.method == "dynamic" else "on every step"
+                head = f", the LM head chunked in {e.lm_head.n_chunks} {when} ({flag})"
+        return f"method {self.method}, {blocks}{head}, estimated peak {e.total_bytes / GIB:.2f} GiB"
 
 
 def _relative_time(setup: TrainingSetup, checkpointed: int, n_blocks: int, head_share: float = 0.0) -> float:
@@ -240,8 +269,8 @@ def only_chunked_head_fits(ranked: Sequence[Advice]) -> str | None:
     head = heads[0].lm_head
     return (f"only memfit's chunked LM head fits: kept, the head takes {head.bytes('keep') / GIB:.2f} GiB at this length "
             f"({head.tokens:,} tokens per micro-batch: cross-entropy's float32 log_softmax, the logits and their float32 "
-            f"copy), chunked in {head.n_chunks} {head.bytes('chunked') / GIB:.2f} GiB; memfit plans it chunked per batch "
-            "with the head planned (memfit.fit(head=True))")
+            f"copy), chunked in {head.n_chunks} {head.bytes('chunked') / GIB:.2f} GiB; the commands chunk it with "
+            "--memfit_head plan (memfit.fit(head=True))")
 
 
 def format_advice(
@@ -288,14 +317,15 @@ def format_advice(
     only = only_chunked_head_fits(ranked)
     if only:
         lines += ["", only]
-    flags = ranked[0].train_flags(memory_budget)
+    flags, run = ranked[0].train_flags(memory_budget), "  runs rank 1: " + ranked[0].run_words()
     if command:
         lines += [
             "",
             "best: memfit " + " ".join([*command, *flags, "--synthetic", "64", "--do_train", "--output_dir", f"out/{command[1]}"]),
+            run,
             "  it runs as printed on 64 generated examples; for your data, replace --synthetic 64 by --train_file FILE "
             "(or --dataset_name NAME)",
         ]
     else:
-        lines += ["", "best (memfit train has no task for this model's head; its flags): " + " ".join(flags)]
+        lines += ["", "best (memfit train has no task for this model's head; its flags): " + " ".join(flags), run]
     return "\n".join(lines)

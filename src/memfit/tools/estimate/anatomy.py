@@ -82,7 +82,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.engine.head import HeadBytes, chunks_for_bytes, head_saved_bytes
+from memfit.engine.head import HeadBytes, head_saved_bytes
+from memfit.engine.treatments.chunked_head import head_options, head_without_a_plan
 from memfit.engine.optim_state import state_bytes_of_shapes
 from memfit.errors import DataError, FlagError, MissingFileError
 
@@ -770,8 +771,9 @@ def lm_head_bytes(profile: "ModelProfile", tokens: int, precision: str = "fp32",
     what the kept head saved there, and its transient (the logits in the model's dtype and their
     float32 copy, or one chunk's) is added at the end of the forward, when the loss runs. The logits'
     dtype is the weights' (bf16 weights), else autocast's (fp16/bf16), else float32. ``chunked`` is
-    estimated at the fewest chunks whose one-chunk transient is at most a sixteenth of the kept head's
-    (:func:`memfit.engine.head.chunks_for_bytes`): beyond that, more chunks save little.
+    estimated at the count a step whose plan names no head runs on CUDA (NOTE [A plan without a head],
+    :func:`memfit.engine.treatments.chunked_head.head_without_a_plan`, ``pure``): what ``none`` and
+    ``full`` run with ``--memfit_head plan``, and more than ``dynamic`` chunks in where fewer fit.
     """
     if profile.task != "causal-lm":
         return None
@@ -780,7 +782,7 @@ def lm_head_bytes(profile: "ModelProfile", tokens: int, precision: str = "fp32",
     dtype = torch.bfloat16 if weights == "bf16" else {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     softcap = getattr(config, "final_logit_softcapping", None) is not None
     kept = head_saved_bytes(tokens, vocab, hidden, dtype, "keep", softcap=softcap)
-    n_chunks = chunks_for_bytes(tokens, vocab, dtype, max(1, kept.transient_bytes // 16))
+    n_chunks = head_without_a_plan(head_options(tokens, vocab, hidden, dtype, 0.0, 0.0, softcap=softcap))[1]
     return LmHead(tokens, kept, head_saved_bytes(tokens, vocab, hidden, dtype, "chunked", n_chunks, softcap), n_chunks)
 
 
