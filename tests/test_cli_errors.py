@@ -124,8 +124,17 @@ CASES = [
          r"--max_seq_length 100000 exceeds the model's limit of 512 tokens; lower it"),
     Case("unknown config", lambda t, o: mrpc(t, o, config="no-such-config"),
          r"--config_name no-such-config: cannot load it .* memfit bundles no config of that name .*; pass a config\.json"),
+    # NOTE [Closest flags] in memfit/errors.py
     Case("unknown flag", lambda t, o: mrpc(t, o, "--budget", "1GB"),
-         r"unknown flag\(s\) --budget 1GB; `memfit train text-classification --help-all` lists every flag"),
+         r"unknown flag --budget; did you mean --memory_budget\? `memfit train text-classification --help-all` lists "
+         r"every flag$"),
+    Case("misspelled flag", lambda t, o: mrpc(t, o, "--memory_bugdet", "5GB"),
+         r"unknown flag --memory_bugdet; did you mean --memory_budget\? `memfit train"),
+    Case("two unknown flags", lambda t, o: sft(t, o, "--lora_rank", "8", "--memory-bugdet=5GB", "--no_such_flag"),
+         r"unknown flags --lora_rank \(did you mean --lora_r\?\), --memory-bugdet \(did you mean "
+         r"--memory_budget\?\), --no_such_flag; `memfit train causal-lm --help-all` lists every flag$"),
+    Case("a flag cut short", lambda t, o: mrpc(t, o, "--memory_budg", "5GB"),  # no abbreviation is read silently
+         r"unknown flag --memory_budg; did you mean --memory_budget\?"),
     Case("not an integer", lambda t, o: mrpc(t, o, "--max_steps", "ten"),
          r"argument --max_steps/--max-steps: invalid int value: 'ten'; `memfit train text-classification --help`"),
     Case("margin out of range", lambda t, o: mrpc(t, o, "--memfit_margin", "2"),
@@ -214,6 +223,14 @@ CASES = [
     Case("estimate: config not JSON", lambda t, o: [
         "estimate", "--config", str(t / "bad.json"), "--batch_size", "8", "--seq_length", "32"],
          r"--config .*bad\.json: not JSON", {"bad.json": "{model_type"}),
+    Case("estimate: unknown flag", lambda t, o: [
+        "estimate", "--config", str(t / "tiny.json"), "--batch_size", "8", "--seq_length", "32", "--lora_rank", "8"],
+         r"unknown flag --lora_rank; did you mean --lora_r\? `memfit estimate --help` lists the flags$"),
+    Case("estimate: a flag cut short", lambda t, o: [
+        "estimate", "--config", str(t / "tiny.json"), "--batch", "8", "--seq_length", "32"],
+         r"unknown flag --batch; did you mean --batch_size\?"),
+    Case("report: unknown flag", lambda t, o: ["report", str(t), "--outdir", str(o)],
+         r"unknown flag --outdir; did you mean --output_dir\? `memfit report --help` lists the flags$"),
     Case("estimate: zero tokens", lambda t, o: [
         "estimate", "--config", str(t / "tiny.json"), "--batch_size", "8", "--seq_length", "0"],
          r"--seq_length 0: give a whole number of at least 1"),
