@@ -73,9 +73,21 @@ EARLIER_RUN = {"out/memfit_steps.jsonl": '{"step": 1}\n', "out/memfit_summary.js
 EMPTY_COCO = json.dumps({"images": [], "annotations": [], "categories": [{"id": 1, "name": "box"}]})
 
 CASES = [
+    # NOTE [A budget as typed] in memfit/engine/budget.py: quoted as typed, sizes in its unit family, its flag named
     Case("budget too small", lambda t, o: mrpc(t, o, "--memory_budget", "1MB"),
-         r"memory budget .* is below what training needs before any activation: .*\(\d+ bytes: parameters .*, "
-         r"gradients .*, optimizer state \(adamw_torch\w*, expected\) .*\)\. Raise --memory_budget above that"),
+         r"memory budget 1MB \(1000000 bytes\) is below what training needs before any activation: [\d.]+ MB \(\d+ "
+         r"bytes: parameters [\d.]+ MB, gradients [\d.]+ MB, optimizer state \(adamw_torch\w*, expected\) [\d.]+ MB\)\. "
+         r"Raise --memory_budget above that"),
+    Case("budget too small, as --memory_threshold", lambda t, o: mrpc(t, o, "--memory_threshold", "0.001"),
+         r"memory budget 0\.001 GB \(1000000 bytes\) is below what training needs before any activation: [\d.]+ MB "
+         r".*Raise --memory_threshold above that"),
+    Case("negative budget after =", lambda t, o: mrpc(t, o, "--memory_budget=-3GB"),
+         r"error: --memory_budget -3GB: a memory size cannot be negative; write e\.g\. 3GB$"),
+    Case("budget of 0", lambda t, o: mrpc(t, o, "--memory_budget", "0"),
+         r"error: --memory_budget 0: a budget of 0 bytes holds nothing; give e\.g\. 6GB$"),
+    Case("budget in lower case", lambda t, o: mrpc(t, o, "--memory_budget", "5gb"),
+         r"error: --memory_budget 5gb: the unit 'gb' is not one memfit reads \(units are read as written, case "
+         r"included\): write 5GB \(5\*10\*\*9 = 5000000000 bytes\) or 5GiB \(5\*2\*\*30 = 5368709120 bytes\)$"),
     Case("unknown method", lambda t, o: mrpc(t, o, "--memfit_method", "fastest"),
          r"--memfit_method 'fastest' is unknown; choose one of none, full, dynamic"),
     Case("bad --task_name", lambda t, o: mrpc(t, o, task_name="mprc"),
@@ -91,7 +103,7 @@ CASES = [
     Case("unsupported data file", lambda t, o: mrpc(t, o, train=str(t / "notes.txt")),
          r"notes\.txt: unsupported file type '\.txt'; use \.csv, \.tsv, \.json or \.jsonl", {"notes.txt": "a b\n"}),
     Case("budget flags disagree", lambda t, o: mrpc(t, o, "--memory_budget", "1GB", "--memory_threshold", "2"),
-         r"--memory_budget 1GB and --memory_threshold 2\.0 \(GB\) disagree; give only one of them"),
+         r"--memory_budget 1GB and --memory_threshold 2 \(GB\) disagree; give only one of them"),
     Case("malformed budget", lambda t, o: mrpc(t, o, "--memory_budget", "6XB"),
          r"--memory_budget 6XB: not a memory size: '6XB'; write e\.g\. '6GiB'"),
     Case("both checkpoint", lambda t, o: mrpc(t, o, "--gradient_checkpointing"),
@@ -213,7 +225,11 @@ CASES = [
          r"results\.jsonl:1: not valid JSON", {"bench/results.jsonl": "{not json\n"}),
     Case("estimate: nothing fits", lambda t, o: [
         "estimate", "--config", str(t / "tiny.json"), "--batch_size", "8", "--seq_length", "32", "--memory_budget",
-        "1000", "--advise"], r"nothing fits the budget of 1000 B \(1,000 bytes\).*Raise --memory_budget to at least"),
+        "1000", "--advise"], r"nothing fits the budget of 1000 bytes with .*Raise --memory_budget to at least"),
+    Case("estimate: nothing fits a budget in MB", lambda t, o: [
+        "estimate", "--config", str(t / "tiny.json"), "--batch_size", "8", "--seq_length", "32", "--memory_budget",
+        "1MB", "--advise"], r"nothing fits the budget of 1MB \(1000000 bytes\) with .* needs [\d.]+ MB \([\d,]+ bytes\).*"
+        r"Raise --memory_budget to at least [\d.]+ MB"),
     Case("estimate: malformed budget", lambda t, o: [
         "estimate", "--config", str(t / "tiny.json"), "--batch_size", "8", "--seq_length", "32", "--memory_budget", "6XB"],
         r"--memory_budget 6XB: not a memory size"),
@@ -223,6 +239,9 @@ CASES = [
     Case("estimate: config not JSON", lambda t, o: [
         "estimate", "--config", str(t / "bad.json"), "--batch_size", "8", "--seq_length", "32"],
          r"--config .*bad\.json: not JSON", {"bad.json": "{model_type"}),
+    Case("estimate: budget in lower case", lambda t, o: [
+        "estimate", "--config", str(t / "tiny.json"), "--batch_size", "8", "--seq_length", "32", "--memory_budget", "2gib"],
+         r"error: --memory_budget 2gib: the unit 'gib' is not one memfit reads .*: write 2GiB \(2\*2\*\*30 = 2147483648 bytes\)$"),
     Case("estimate: unknown flag", lambda t, o: [
         "estimate", "--config", str(t / "tiny.json"), "--batch_size", "8", "--seq_length", "32", "--lora_rank", "8"],
          r"unknown flag --lora_rank; did you mean --lora_r\? `memfit estimate --help` lists the flags$"),

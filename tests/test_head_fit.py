@@ -474,7 +474,7 @@ def test_a_budget_below_static_plus_the_least_head_is_the_one_line_budget_error(
     kept, chunked, _ = ctl.head.part.head_bytes(tokens)
     assert chunked == least and kept > 100 * least
     ids = torch.randint(0, VOCAB, (4, 512))
-    with pytest.raises(BudgetTooSmallError, match=r"LM head's logits and loss .* in \d+ chunks \(.* kept\)\. Raise --memory_budget"):
+    with pytest.raises(BudgetTooSmallError, match=r"LM head's logits and loss .* in \d+ chunks \(.* kept\)\. Raise budget= above"):
         for _ in range(3):
             model(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()

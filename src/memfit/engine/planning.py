@@ -76,7 +76,7 @@ import numpy as np
 
 import statistics
 
-from memfit.engine.budget import format_bytes
+from memfit.engine.budget import Budget
 from memfit.engine.model import MemoryModel
 from memfit.engine.planner import InfeasiblePlanError, Plan, PlanCache, plan_blocks, plan_with_head
 from memfit.engine.room import Room
@@ -221,7 +221,8 @@ class Planning:
     Args:
         n_blocks: number of blocks.
         groups: group id of each block (identical blocks share a model).
-        budget_bytes: the budget, or ``None`` for no budget.
+        budget: the budget (a :class:`~memfit.engine.budget.Budget`, quoted as the user gave it in
+            warnings; bytes are a budget given as bytes to ``memfit.fit``), or ``None`` for no budget.
         margin_bytes: initial safety margin kept free below the budget (prediction error).
         bucket_tokens: token granularity of plan buckets.
         slack_bytes: the allocator's reserved-but-unusable bytes, also kept free (NOTE [Room], room.py).
@@ -236,7 +237,7 @@ class Planning:
     """
 
     def __init__(
-        self, n_blocks: int, groups: Sequence[int], budget_bytes: int | None, margin_bytes: int, bucket_tokens: int,
+        self, n_blocks: int, groups: Sequence[int], budget: Budget | int | None, margin_bytes: int, bucket_tokens: int,
         slack_bytes: int = 0, treatments: Sequence[TreatmentSpec] = (RECOMPUTE,), room: Room | None = None,
     ):
         self.n_blocks = n_blocks
@@ -244,8 +245,9 @@ class Planning:
         #: the run's treatments by name, ``keep`` and ``recompute`` first (engine/treatments/)
         self.registry = resolve(treatments)
         self.model = MemoryModel(groups, bucket_tokens, self.registry)
-        self.budget_bytes = budget_bytes
-        self.room = room or Room(budget_bytes, margin_bytes, slack_bytes)
+        self.budget = None if budget is None else Budget.parse(budget)
+        self.budget_bytes = None if self.budget is None else self.budget.bytes
+        self.room = room or Room(self.budget_bytes, margin_bytes, slack_bytes)
         self.bucket_tokens = bucket_tokens
         self.cache = PlanCache()
         self.static_bytes = 0
@@ -426,8 +428,8 @@ class Planning:
                 log(
                     "memfit: shape %s is predicted to need %s even with every block checkpointed, "
                     "over the budget of %s; running it with every block checkpointed; %s",
-                    k, format_bytes(self.predict_peak(k, Plan(self.all_blocks)) + self.budget_bytes - room), format_bytes(self.budget_bytes),
-                    over_budget_words(parts),
+                    k, self.budget.size(self.predict_peak(k, Plan(self.all_blocks)) + self.budget_bytes - room), self.budget,
+                    over_budget_words(parts, self.budget),
                 )
             return Plan(self.all_blocks)
 
@@ -631,10 +633,11 @@ def _plan_head(planning: Planning, k: tuple[int, int]) -> Plan:
         outside = max(0.0, planning.model.outside(k) - kept) if planning.model.ready else 0.0
         blocks = max(0.0, planning.model.step_bytes(k, most) - outside - least) if planning.model.ready else 0.0
         parts = {"static": planning.static_bytes, "head": kept, "outside-not-head": outside, "blocks": blocks}
+        size = planning.budget.size
         log("memfit: shape %s is predicted to need %s even with every block checkpointed and the LM head in %d chunks "
             "(the head takes %s so, %s kept), over the budget of %s; %s", k,
-            format_bytes(planning.predict_peak(k, most) + planning.budget_bytes - room), n_chunks, format_bytes(least),
-            format_bytes(kept), format_bytes(planning.budget_bytes), over_budget_words(parts))
+            size(planning.predict_peak(k, most) + planning.budget_bytes - room), n_chunks, size(least),
+            size(kept), planning.budget, over_budget_words(parts, planning.budget))
     return most
 
 

@@ -70,7 +70,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memfit.engine.head import FUSED, HeadSwitch, attach_head, available_implementations, fused_chunks, head_saved_bytes, probe_head
-from memfit.engine.budget import BudgetTooSmallError, format_bytes
+from memfit.engine.budget import Budget, BudgetTooSmallError, format_bytes
 from memfit.engine.treatments.base import KEEP, Treatment
 
 if TYPE_CHECKING:
@@ -473,7 +473,7 @@ class HeadPart:
         extra = self.saved_gap.get(implementation, 0) if gap and treatment == CHUNKED else 0
         return dataclasses.replace(out, saved_bytes=max(0, out.saved_bytes + extra)) if extra else out
 
-    def check_fits(self, tokens: int, static_bytes: int, budget_bytes: int | None) -> None:
+    def check_fits(self, tokens: int, static_bytes: int, budget: Budget | None) -> None:
         """Raise the one-line budget error where the static part and the head at its most chunks
         alone exceed the budget (NOTE [The head's bytes in a budget error]).
 
@@ -484,19 +484,20 @@ class HeadPart:
         to change; a warning on a step that does not fit names them too (planning.py).
 
         Raises:
-            BudgetTooSmallError: ``static_bytes`` + the head's least bytes exceed ``budget_bytes``.
+            BudgetTooSmallError: ``static_bytes`` + the head's least bytes exceed ``budget``.
         """
-        if budget_bytes is None:
+        if budget is None:
             return
         kept, least, n_chunks = self.head_bytes(tokens)
-        if static_bytes + least <= budget_bytes:
+        if static_bytes + least <= budget.bytes:
             return
+        size = budget.size
         raise BudgetTooSmallError(
-            f"memory budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below what a step of {tokens} tokens "
-            f"needs before any block's activation: the static part {format_bytes(static_bytes)} (weights, gradients, "
-            f"optimizer state) and the LM head's logits and loss {format_bytes(least)} in {n_chunks} chunks "
-            f"({format_bytes(kept)} kept). Raise --memory_budget above {format_bytes(static_bytes + least)}, or lower "
-            "--per_device_train_batch_size or --max_seq_length (the head grows with the tokens)"
+            f"memory budget {budget} is below what a step of {tokens} tokens needs before any block's activation: "
+            f"the static part {size(static_bytes)} (weights, gradients, optimizer state) and the LM head's logits and "
+            f"loss {size(least)} in {n_chunks} chunks ({size(kept)} kept). Raise {budget.name} above "
+            f"{size(static_bytes + least)}, or lower --per_device_train_batch_size or --max_seq_length (the head grows "
+            "with the tokens)"
         )
 
     def saved_bytes(self, tokens: int, head: tuple[str, int] | None) -> int:
@@ -693,7 +694,7 @@ class RunHead:
         if self.part is None:
             return decision
         decision = self.part.apply_step(decision, key)
-        self.part.check_fits(key[0] * key[1], self.planning.static_bytes + state_to_come, self.planning.budget_bytes)
+        self.part.check_fits(key[0] * key[1], self.planning.static_bytes + state_to_come, self.planning.budget)
         return decision
 
     def record(self, record: Any, plan: Any) -> None:
