@@ -81,6 +81,11 @@ CASES = [
     Case("budget too small, as --memory_threshold", lambda t, o: mrpc(t, o, "--memory_threshold", "0.001"),
          r"memory budget 0\.001 GB \(1000000 bytes\) is below what training needs before any activation: [\d.]+ MB "
          r".*Raise --memory_threshold above that"),
+    Case("negative budget", lambda t, o: mrpc(t, o, "--memory_budget", "-3GB"),
+         r"error: --memory_budget -3GB: a memory size cannot be negative; write e\.g\. 3GB$"),
+    # NOTE [A value that starts with a minus] in memfit/errors.py: not argparse's "expected one argument"
+    Case("negative learning rate in e-notation", lambda t, o: mrpc(t, o, "--learning_rate", "-1e-3"),
+         r"error: --learning_rate -0\.001: give a rate of 0 or more$"),
     Case("negative budget after =", lambda t, o: mrpc(t, o, "--memory_budget=-3GB"),
          r"error: --memory_budget -3GB: a memory size cannot be negative; write e\.g\. 3GB$"),
     Case("budget of 0", lambda t, o: mrpc(t, o, "--memory_budget", "0"),
@@ -239,6 +244,9 @@ CASES = [
     Case("estimate: config not JSON", lambda t, o: [
         "estimate", "--config", str(t / "bad.json"), "--batch_size", "8", "--seq_length", "32"],
          r"--config .*bad\.json: not JSON", {"bad.json": "{model_type"}),
+    Case("estimate: negative budget", lambda t, o: [
+        "estimate", "--config", str(t / "tiny.json"), "--batch_size", "8", "--seq_length", "32", "--memory_budget", "-3GB"],
+         r"error: --memory_budget -3GB: a memory size cannot be negative; write e\.g\. 3GB$"),
     Case("estimate: budget in lower case", lambda t, o: [
         "estimate", "--config", str(t / "tiny.json"), "--batch_size", "8", "--seq_length", "32", "--memory_budget", "2gib"],
          r"error: --memory_budget 2gib: the unit 'gib' is not one memfit reads .*: write 2GiB \(2\*2\*\*30 = 2147483648 bytes\)$"),

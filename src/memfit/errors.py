@@ -95,6 +95,14 @@ class OneLineErrors:
         # a flag is added; a flag is typed whole, or named with the closest ones (NOTE [Closest flags])
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        # NOTE [A value that starts with a minus]
+        # argparse reads a word that starts with "-" as a flag unless it is a plain negative number,
+        # so `--memory_budget -3GB` (or `--learning_rate -1e-3`) failed with "expected one argument",
+        # naming neither the value nor what to give. A word of a minus and a digit (or ".digit") is a
+        # value here, as argparse itself reads it from Python 3.13 on; the flag's own check then
+        # refuses it by name ("--memory_budget -3GB: a memory size cannot be negative"). No memfit
+        # flag looks like a negative number, so nothing else is read differently.
+        self._negative_number_matcher = _NUMBER
 
     def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
         words = list(sys.argv[1:] if args is None else args)
