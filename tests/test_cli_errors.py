@@ -294,8 +294,9 @@ def test_user_error_is_one_line_and_writes_nothing(case, tmp_path, capsys):
     assert cli.main(case.argv(tmp_path, tmp_path / "out")) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    errors = [line for line in err.splitlines() if re.match(r"memfit( \w+)*( [\w-]+)?: error: ", line)]
-    assert len(errors) == 1, err
+    # the one error line and nothing else: no INFO line, no warning (NOTE [Quiet until asked] in memfit/cli/__init__.py)
+    errors = err.splitlines()
+    assert len(errors) == 1 and re.match(r"memfit( \w+)*( [\w-]+)?: error: ", errors[0]), err
     assert re.search(case.message, errors[0]), errors[0]
     assert _snapshot(tmp_path) == before  # no records, no summary, no --output_dir, earlier files untouched
 
@@ -329,7 +330,9 @@ def test_console_process_prints_one_line_and_debug_a_traceback(tmp_path):
     argv = mrpc(tmp_path, tmp_path / "out", "--memory_budget", "1MB")
     plain = _console(argv)
     assert plain.returncode == 2 and "Traceback" not in plain.stderr
-    assert plain.stderr.strip().splitlines()[-1].startswith("memfit train: error: memory budget")
+    # the one line, no INFO line before it (NOTE [Quiet until asked] in memfit/cli/said.py)
+    (line,) = plain.stderr.strip().splitlines()
+    assert line.startswith("memfit train: error: memory budget 1MB (1000000 bytes)")
     debug = _console(["--debug", *argv])
     assert debug.returncode == 1
     assert "Traceback" in debug.stderr and "BudgetTooSmallError: memory budget" in debug.stderr
@@ -383,6 +386,74 @@ def test_hub_name_offline_says_so_once(flag, monkeypatch, tmp_path, capsys):
                      r"or the hub is out of reach\) .*give a local folder", err), err
     assert "--tokenizer_name" not in err or flag == "--tokenizer_name"
     assert not (tmp_path / "out").exists()
+
+
+# NOTE [Quiet until asked] in memfit/cli/said.py
+def test_verbose_prints_the_info_lines_that_a_quiet_error_leaves_out(tmp_path, capsys):
+    argv = sft(tmp_path, tmp_path / "out", "--use_peft", "--lora_target_modules", "foo_proj")
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.startswith("memfit train: error: --lora_target_modules foo_proj")
+    assert cli.main([*argv, "--verbose"]) == 2
+    *said, error = capsys.readouterr().err.strip().splitlines()
+    assert error.startswith("memfit train: error: --lora_target_modules foo_proj")
+    assert any(re.search(r" INFO memfit\.cli\.tasks\.causal_lm: no model flag: building llama-tiny", line) for line in said), said
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_librarys_future_warning_is_said_with_verbose_only(tmp_path, monkeypatch):
+    """A FutureWarning is about how memfit calls a library: nothing a user of the command can change."""
+    import warnings
+
+    from memfit.cli import train
+
+    def resume_from(args):
+        warnings.warn("a library's API changes in its next version", FutureWarning)
+        return None
+
+    monkeypatch.setattr(train, "_resume_from", resume_from)
+    argv = sft(tmp_path, tmp_path / "out", "--use_peft", "--lora_target_modules", "foo_proj")
+    for flags, said in (((), 0), (("--verbose",), 1)):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert cli.main([*argv, *flags]) == 2
+        assert len([w for w in seen if issubclass(w.category, FutureWarning)]) == said, flags
+
+
+def test_a_warning_before_the_first_step_is_said_when_training_starts(tmp_path, capsys):
+    """Held back while the run is set up (a mistake would drop it), said once training starts."""
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"text": "word " * 3000}) + "\n" + json.dumps({"text": "short"}) + "\n")
+    assert cli.main(sft(tmp_path, tmp_path / "out", "--max_seq_length", "64", train=str(data))) == 0
+    err = capsys.readouterr().err
+    start = err.index("memfit: method dynamic")
+    warning = err.index("WARNING memfit.cli.tasks.causal_lm: 1 of 2 training examples are longer than --max_seq_length")
+    assert start < warning < err.index("memfit: verdict:"), err
+
+
+def test_said_holds_warnings_back_until_the_setup_is_done_and_drops_them_at_a_mistake(capsys):
+    import logging
+    import warnings
+
+    from memfit.cli.said import Said, setup_done
+
+    logger = logging.getLogger("memfit.tests")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with Said(logging.WARNING):
+            logger.warning("the hub is out of reach")
+            logger.info("building a model")  # --verbose only
+            warnings.warn("a library's UserWarning", UserWarning)
+            assert capsys.readouterr().err == "" and not seen
+            setup_done()
+            assert capsys.readouterr().err.endswith("WARNING memfit.tests: the hub is out of reach\n") and len(seen) == 1
+            logger.warning("an OOM replayed")  # from now on as it comes
+            assert "an OOM replayed" in capsys.readouterr().err
+        with Said(logging.WARNING) as said:
+            logger.warning("examples truncated")
+            warnings.warn("another UserWarning", UserWarning)
+            said.drop()  # a user error: the one error line alone
+        assert capsys.readouterr().err == "" and len(seen) == 1
+    assert logging.getLogger("memfit").handlers == []  # as it was
 
 
 def test_long_examples_truncated_with_one_line(tmp_path, caplog):

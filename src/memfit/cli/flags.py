@@ -172,7 +172,8 @@ class TrainFlagParser(OneLineErrors, HfArgumentParser):
             formatter.end_section()
         formatter.add_text(
             "A bare --debug (no value; `--debug <option>` is transformers' own flag) prints the traceback of an "
-            "error instead of its one-line message."
+            "error instead of its one-line message, and memfit's DEBUG lines; --verbose prints memfit's INFO lines "
+            "(which model is built, what the task sets) and the libraries' FutureWarnings."
         )
         if not full:
             shown = {a.dest for _, section in self._sections(False) for a in section}

@@ -23,6 +23,7 @@ from memfit.tools.bench import oracle
 from memfit.tools.bench.peers import make_peer
 from memfit.errors import DataError, FlagError, MissingFileError
 from memfit.cli.tasks import TASKS, DataTrainingArguments, TaskBundle, get_task
+from memfit.cli.said import setup_done
 from memfit.cli.tasks._hub import hub_names, hub_or_offline
 
 __all__ = ["main", "run"]
@@ -126,6 +127,7 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
                 preprocess_logits_for_metrics=bundle.preprocess_logits_for_metrics,
                 **({"memfit_method": plan_method} if memfit_on else {}),
             )
+            trainer.add_callback(_setup_done_when_training_starts())  # NOTE [Quiet until asked] in said.py
             if training_args.do_train:
                 train_metrics = trainer.train(resume_from_checkpoint=resume).metrics
                 trainer.log_metrics("train", train_metrics)
@@ -134,6 +136,7 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
                 if str(training_args.save_strategy) not in ("no", "SaveStrategy.NO"):
                     _save_final_model(trainer, bundle)
             if training_args.do_eval:
+                setup_done()  # an evaluation alone: what was held back is said now
                 eval_metrics = trainer.evaluate()
                 trainer.log_metrics("eval", eval_metrics)
                 trainer.save_metrics("eval", eval_metrics)
@@ -163,6 +166,18 @@ def _save_final_model(trainer: Any, bundle: TaskBundle) -> None:
         what = f"{kind} and tokenizer" if bundle.tokenizer is not None else kind
         print(f"memfit: saved the trained {what} to {trainer.args.output_dir} (--save_strategy no skips it)",
               file=sys.stderr, flush=True)
+
+
+def _setup_done_when_training_starts() -> Any:
+    """A Trainer callback: the command's setup is done when training starts (after the Trainer's own
+    checks, such as the output folder's), so what was held back is said then (NOTE [Quiet until asked])."""
+    from transformers import TrainerCallback
+
+    class SetupDone(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            setup_done()
+
+    return SetupDone()
 
 
 def _has_accelerator() -> bool:
@@ -242,6 +257,5 @@ def main(argv: list[str]) -> int:
     if argv[0] not in TASKS:
         print(f"memfit train: error: unknown task {argv[0]!r}; choose one of: {', '.join(TASKS)}", file=sys.stderr)
         return 2
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    run(argv[0], argv[1:])
+    run(argv[0], argv[1:])  # what it says on stderr: NOTE [Quiet until asked] in memfit/cli/__init__.py
     return 0
