@@ -197,7 +197,7 @@ def choose_by_plans(part: "HeadPart", plan_ms: Callable[[tuple[int, int]], float
     part.extra_ms_per_token, part.per_chunk_ms = part.lines[best][:2]
     part.chosen_by_plans = True
     if best != was[0]:
-        logger.info("memfit: the LM head chunked by %s from now on: its plans over %d shapes cost %.1f ms, %.1f ms with %s",
+        logger.debug("memfit: the LM head chunked by %s from now on: its plans over %d shapes cost %.1f ms, %.1f ms with %s",
                     best, len(part.keys), totals[best], totals[was[0]], was[0])
     if part.on_priced is not None:
         part.on_priced()
@@ -400,7 +400,7 @@ class HeadPart:
             self.saved_gap.pop(implementation, None)
             return
         if implementation not in self.saved_gap:
-            logger.info("memfit: the LM head chunked by %s kept %s for backward at %d tokens where memfit's formula says %s; "
+            logger.debug("memfit: the LM head chunked by %s kept %s for backward at %d tokens where memfit's formula says %s; "
                         "planned with the measured bytes", implementation, format_bytes(int(probe["saved"])), tokens,
                         format_bytes(formula))
         self.saved_gap[implementation] = gap
@@ -431,7 +431,7 @@ class HeadPart:
         if self.on_priced is not None:
             self.on_priced()
         if self.probed_steps == PROBE_STEPS:
-            logger.info("memfit: the LM head chunked (%s) costs %.4f ms per 1k tokens and %.4f ms per chunk over keeping it",
+            logger.debug("memfit: the LM head chunked (%s) costs %.4f ms per 1k tokens and %.4f ms per chunk over keeping it",
                         best, 1e3 * self.extra_ms_per_token, self.per_chunk_ms)
 
     def choose_by_plans(self, plan_ms: Callable[[tuple[int, int]], float | None], key: tuple[int, int] | None = None) -> bool:
