@@ -29,7 +29,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Union
 
 import torch
 
@@ -96,10 +95,7 @@ def _read(value: int | float | str, argument: str | None) -> tuple[int, str]:
         return int(value), ""
     match = _PATTERN.match(str(value))
     if not match:
-        raise ValueError(
-            f"{named}not a memory size: {value!r}; write e.g. '6GiB' (6*2**30 bytes), '6GB' "
-            "(6*10**9 bytes), '512MiB' or a plain number of bytes"
-        )
+        raise ValueError(f"{named}{_not_a_size(value)}")
     sign, number, unit = match.groups()
     if unit not in UNIT_BYTES:
         raise ValueError(f"{named}{_unread_unit(value, number, unit)}")
@@ -120,9 +116,13 @@ def _unread_unit(value: object, number: str, unit: str) -> str:
         said = " or ".join(f"{number}{name} ({number}*{base}**{power} = {int(float(number) * base**power)} bytes)"
                            for name, base, power in readings)
     else:
-        return (f"not a memory size: {str(value).strip()!r}; write e.g. '6GiB' (6*2**30 bytes), '6GB' (6*10**9 bytes), "
-                "'512MiB' or a plain number of bytes")
+        return _not_a_size(value)
     return f"the unit {unit!r} is not one memfit reads (units are read as written, case included): write {said}"
+
+
+def _not_a_size(value: object) -> str:
+    return (f"not a memory size: {value!r}; write e.g. '6GiB' (6*2**30 bytes), '6GB' (6*10**9 bytes), '512MiB' or "
+            "a plain number of bytes")
 
 
 def parse_bytes(value: int | float | str, argument: str | None = None) -> int:
@@ -184,7 +184,7 @@ class Budget:
     (``memfit.fit``), ``--memory_budget`` or ``--memory_threshold`` (the command line, the Trainer)."""
 
     @classmethod
-    def parse(cls, value: Union[int, float, str, "Budget"], name: str = "budget=") -> "Budget":
+    def parse(cls, value: int | float | str | Budget, name: str = "budget=") -> Budget:
         """Read a budget given as ``name`` (a :class:`Budget` is returned as it is).
 
         Raises:

@@ -238,9 +238,7 @@ class Controller:
     ):
         self.model = model
         self.method = method
-        #: the budget as the user gave it (NOTE [A budget as typed] in budget.py), or None
-        self.budget = budget
-        self.budget_bytes = None if budget is None else budget.bytes
+        self.budget, self.budget_bytes = budget, (None if budget is None else budget.bytes)  # NOTE [A budget as typed]
         self.blocks: list[Block] = []
         self._handles: list = []
         self._optimizer_handles: list = []

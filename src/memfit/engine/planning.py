@@ -221,8 +221,7 @@ class Planning:
     Args:
         n_blocks: number of blocks.
         groups: group id of each block (identical blocks share a model).
-        budget: the budget (a :class:`~memfit.engine.budget.Budget`, quoted as the user gave it in
-            warnings; bytes are a budget given as bytes to ``memfit.fit``), or ``None`` for no budget.
+        budget: the budget (bytes, or a ``Budget`` its warnings quote as given), or ``None`` for no budget.
         margin_bytes: initial safety margin kept free below the budget (prediction error).
         bucket_tokens: token granularity of plan buckets.
         slack_bytes: the allocator's reserved-but-unusable bytes, also kept free (NOTE [Room], room.py).
@@ -245,7 +244,7 @@ class Planning:
         #: the run's treatments by name, ``keep`` and ``recompute`` first (engine/treatments/)
         self.registry = resolve(treatments)
         self.model = MemoryModel(groups, bucket_tokens, self.registry)
-        self.budget = None if budget is None else Budget.parse(budget)
+        self.budget = None if budget is None else Budget.parse(budget)  # NOTE [A budget as typed]
         self.budget_bytes = None if self.budget is None else self.budget.bytes
         self.room = room or Room(self.budget_bytes, margin_bytes, slack_bytes)
         self.bucket_tokens = bucket_tokens
@@ -425,12 +424,10 @@ class Planning:
                 outside = self.model.outside(k) if self.model.ready else 0.0
                 parts = {"static": self.static_bytes, "outside": outside,
                          "blocks": self.model.step_bytes(k, Plan(self.all_blocks)) - outside}
-                log(
-                    "memfit: shape %s is predicted to need %s even with every block checkpointed, "
-                    "over the budget of %s; running it with every block checkpointed; %s",
-                    k, self.budget.size(self.predict_peak(k, Plan(self.all_blocks)) + self.budget_bytes - room), self.budget,
-                    over_budget_words(parts, self.budget),
-                )
+                peak_bytes = self.predict_peak(k, Plan(self.all_blocks)) + self.budget_bytes - room
+                log("memfit: shape %s is predicted to need %s even with every block checkpointed, over the budget of %s; "
+                    "running it with every block checkpointed; %s", k, self.budget.size(peak_bytes), self.budget,
+                    over_budget_words(parts, self.budget))
             return Plan(self.all_blocks)
 
     def _mend(self, k: tuple[int, int], plan: Plan, need: int, costs: list[float], savings: list[int]) -> Plan:
