@@ -165,6 +165,9 @@ CASES = [
     Case("LoRA on modules the model lacks", lambda t, o: sft(t, o, "--use_peft", "--lora_target_modules", "foo_proj"),
          r"--lora_target_modules foo_proj: LlamaForCausalLM has no module named foo_proj; its linear layers are "
          r"down_proj gate_proj k_proj o_proj q_proj up_proj v_proj \(or give all-linear\)"),
+    Case("LoRA target typo, --validation_file unread", lambda t, o: sft(
+        t, o, "--use_peft", "--lora_target_modules", "foo_proj", "--validation_file", str(SFT / "prompt_completion.jsonl")),
+         r"^memfit train: error: --lora_target_modules foo_proj: "),  # the notice that it is unread is not said
     Case("LoRA target typo beside a good one", lambda t, o: sft(t, o, "--use_peft", "--lora_target_modules", "q_prj", "v_proj"),
          r"--lora_target_modules q_prj v_proj: LlamaForCausalLM has no module named q_prj; its linear layers are "),
     Case("completions cut away", lambda t, o: sft(t, o, "--completion_only_loss", "--max_seq_length", "2"),
@@ -423,11 +426,13 @@ def test_a_warning_before_the_first_step_is_said_when_training_starts(tmp_path, 
     """Held back while the run is set up (a mistake would drop it), said once training starts."""
     data = tmp_path / "long.jsonl"
     data.write_text(json.dumps({"text": "word " * 3000}) + "\n" + json.dumps({"text": "short"}) + "\n")
-    assert cli.main(sft(tmp_path, tmp_path / "out", "--max_seq_length", "64", train=str(data))) == 0
+    unread = ["--validation_file", str(SFT / "prompt_completion.jsonl")]  # without --do_eval
+    assert cli.main(sft(tmp_path, tmp_path / "out", "--max_seq_length", "64", *unread, train=str(data))) == 0
     err = capsys.readouterr().err
     start = err.index("memfit: method dynamic")
     warning = err.index("WARNING memfit.cli.tasks.causal_lm: 1 of 2 training examples are longer than --max_seq_length")
-    assert start < warning < err.index("memfit: verdict:"), err
+    notice = err.index(f"WARNING memfit.cli.train: --validation_file {unread[1]} is not read without --do_eval")
+    assert start < min(warning, notice) and max(warning, notice) < err.index("memfit: verdict:"), err
 
 
 def test_said_holds_warnings_back_until_the_setup_is_done_and_drops_them_at_a_mistake(capsys):

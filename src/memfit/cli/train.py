@@ -82,9 +82,8 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
     model_args, data_args, training_args, peer_args, *task_args = parser.parse(argv)
     if not (training_args.do_train or training_args.do_eval):  # NOTE [Nothing to do]
         raise FlagError("nothing to do: add --do_train to train (and --do_eval to evaluate)")
-    if getattr(data_args, "validation_file", None) and not training_args.do_eval:  # nothing silent
-        print(f"memfit: --validation_file {data_args.validation_file} is not read without --do_eval (add it to evaluate)",
-              file=sys.stderr)
+    if getattr(data_args, "validation_file", None) and not training_args.do_eval:  # nothing silent, nothing before an error
+        logger.warning("--validation_file %s is not read without --do_eval (add it to evaluate)", data_args.validation_file)
     with _removed_if_left_empty(training_args.output_dir):
         peer = make_peer(peer_args, training_args.memfit_method)  # fails before the data is built
         if peer_args.oracle and training_args.do_train and training_args.memfit_budget_bytes is None:
