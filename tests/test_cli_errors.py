@@ -73,9 +73,26 @@ EARLIER_RUN = {"out/memfit_steps.jsonl": '{"step": 1}\n', "out/memfit_summary.js
 EMPTY_COCO = json.dumps({"images": [], "annotations": [], "categories": [{"id": 1, "name": "box"}]})
 
 CASES = [
+    # NOTE [A budget as typed] in memfit/engine/budget.py: quoted as typed, sizes in its unit family, its flag named
     Case("budget too small", lambda t, o: mrpc(t, o, "--memory_budget", "1MB"),
-         r"memory budget .* is below what training needs before any activation: .*\(\d+ bytes: parameters .*, "
-         r"gradients .*, optimizer state \(adamw_torch\w*, expected\) .*\)\. Raise --memory_budget above that"),
+         r"memory budget 1MB \(1000000 bytes\) is below what training needs before any activation: [\d.]+ MB \(\d+ "
+         r"bytes: parameters [\d.]+ MB, gradients [\d.]+ MB, optimizer state \(adamw_torch\w*, expected\) [\d.]+ MB\)\. "
+         r"Raise --memory_budget above that"),
+    Case("budget too small, as --memory_threshold", lambda t, o: mrpc(t, o, "--memory_threshold", "0.001"),
+         r"memory budget 0\.001 GB \(1000000 bytes\) is below what training needs before any activation: [\d.]+ MB "
+         r".*Raise --memory_threshold above that"),
+    Case("negative budget", lambda t, o: mrpc(t, o, "--memory_budget", "-3GB"),
+         r"error: --memory_budget -3GB: a memory size cannot be negative; write e\.g\. 3GB$"),
+    # NOTE [A value that starts with a minus] in memfit/errors.py: not argparse's "expected one argument"
+    Case("negative learning rate in e-notation", lambda t, o: mrpc(t, o, "--learning_rate", "-1e-3"),
+         r"error: --learning_rate -0\.001: give a rate of 0 or more$"),
+    Case("negative budget after =", lambda t, o: mrpc(t, o, "--memory_budget=-3GB"),
+         r"error: --memory_budget -3GB: a memory size cannot be negative; write e\.g\. 3GB$"),
+    Case("budget of 0", lambda t, o: mrpc(t, o, "--memory_budget", "0"),
+         r"error: --memory_budget 0: a budget of 0 bytes holds nothing; give e\.g\. 6GB$"),
+    Case("budget in lower case", lambda t, o: mrpc(t, o, "--memory_budget", "5gb"),
+         r"error: --memory_budget 5gb: the unit 'gb' is not one memfit reads \(units are read as written, case "
+         r"included\): write 5GB \(5\*10\*\*9 = 5000000000 bytes\) or 5GiB \(5\*2\*\*30 = 5368709120 bytes\)$"),
     Case("unknown method", lambda t, o: mrpc(t, o, "--memfit_method", "fastest"),
          r"--memfit_method 'fastest' is unknown; choose one of none, full, dynamic"),
     Case("bad --task_name", lambda t, o: mrpc(t, o, task_name="mprc"),
@@ -91,7 +108,7 @@ CASES = [
     Case("unsupported data file", lambda t, o: mrpc(t, o, train=str(t / "notes.txt")),
          r"notes\.txt: unsupported file type '\.txt'; use \.csv, \.tsv, \.json or \.jsonl", {"notes.txt": "a b\n"}),
     Case("budget flags disagree", lambda t, o: mrpc(t, o, "--memory_budget", "1GB", "--memory_threshold", "2"),
-         r"--memory_budget 1GB and --memory_threshold 2\.0 \(GB\) disagree; give only one of them"),
+         r"--memory_budget 1GB and --memory_threshold 2 \(GB\) disagree; give only one of them"),
     Case("malformed budget", lambda t, o: mrpc(t, o, "--memory_budget", "6XB"),
          r"--memory_budget 6XB: not a memory size: '6XB'; write e\.g\. '6GiB'"),
     Case("both checkpoint", lambda t, o: mrpc(t, o, "--gradient_checkpointing"),
@@ -124,8 +141,17 @@ CASES = [
          r"--max_seq_length 100000 exceeds the model's limit of 512 tokens; lower it"),
     Case("unknown config", lambda t, o: mrpc(t, o, config="no-such-config"),
          r"--config_name no-such-config: cannot load it .* memfit bundles no config of that name .*; pass a config\.json"),
+    # NOTE [Closest flags] in memfit/errors.py
     Case("unknown flag", lambda t, o: mrpc(t, o, "--budget", "1GB"),
-         r"unknown flag\(s\) --budget 1GB; `memfit train text-classification --help-all` lists every flag"),
+         r"unknown flag --budget; did you mean --memory_budget\? `memfit train text-classification --help-all` lists "
+         r"every flag$"),
+    Case("misspelled flag", lambda t, o: mrpc(t, o, "--memory_bugdet", "5GB"),
+         r"unknown flag --memory_bugdet; did you mean --memory_budget\? `memfit train"),
+    Case("two unknown flags", lambda t, o: sft(t, o, "--lora_rank", "8", "--memory-bugdet=5GB", "--no_such_flag"),
+         r"unknown flags --lora_rank \(did you mean --lora_r\?\), --memory-bugdet \(did you mean "
+         r"--memory_budget\?\), --no_such_flag; `memfit train causal-lm --help-all` lists every flag$"),
+    Case("a flag cut short", lambda t, o: mrpc(t, o, "--memory_budg", "5GB"),  # no abbreviation is read silently
+         r"unknown flag --memory_budg; did you mean --memory_budget\?"),
     Case("not an integer", lambda t, o: mrpc(t, o, "--max_steps", "ten"),
          r"argument --max_steps/--max-steps: invalid int value: 'ten'; `memfit train text-classification --help`"),
     Case("margin out of range", lambda t, o: mrpc(t, o, "--memfit_margin", "2"),
@@ -139,6 +165,9 @@ CASES = [
     Case("LoRA on modules the model lacks", lambda t, o: sft(t, o, "--use_peft", "--lora_target_modules", "foo_proj"),
          r"--lora_target_modules foo_proj: LlamaForCausalLM has no module named foo_proj; its linear layers are "
          r"down_proj gate_proj k_proj o_proj q_proj up_proj v_proj \(or give all-linear\)"),
+    Case("LoRA target typo, --validation_file unread", lambda t, o: sft(
+        t, o, "--use_peft", "--lora_target_modules", "foo_proj", "--validation_file", str(SFT / "prompt_completion.jsonl")),
+         r"^memfit train: error: --lora_target_modules foo_proj: "),  # the notice that it is unread is not said
     Case("LoRA target typo beside a good one", lambda t, o: sft(t, o, "--use_peft", "--lora_target_modules", "q_prj", "v_proj"),
          r"--lora_target_modules q_prj v_proj: LlamaForCausalLM has no module named q_prj; its linear layers are "),
     Case("completions cut away", lambda t, o: sft(t, o, "--completion_only_loss", "--max_seq_length", "2"),
@@ -204,7 +233,11 @@ CASES = [
          r"results\.jsonl:1: not valid JSON", {"bench/results.jsonl": "{not json\n"}),
     Case("estimate: nothing fits", lambda t, o: [
         "estimate", "--config", str(t / "tiny.json"), "--batch_size", "8", "--seq_length", "32", "--memory_budget",
-        "1000", "--advise"], r"nothing fits the budget of 1000 B \(1,000 bytes\).*Raise --memory_budget to at least"),
+        "1000", "--advise"], r"nothing fits the budget of 1000 bytes with .*Raise --memory_budget to at least"),
+    Case("estimate: nothing fits a budget in MB", lambda t, o: [
+        "estimate", "--config", str(t / "tiny.json"), "--batch_size", "8", "--seq_length", "32", "--memory_budget",
+        "1MB", "--advise"], r"nothing fits the budget of 1MB \(1000000 bytes\) with .* needs [\d.]+ MB \([\d,]+ bytes\).*"
+        r"Raise --memory_budget to at least [\d.]+ MB"),
     Case("estimate: malformed budget", lambda t, o: [
         "estimate", "--config", str(t / "tiny.json"), "--batch_size", "8", "--seq_length", "32", "--memory_budget", "6XB"],
         r"--memory_budget 6XB: not a memory size"),
@@ -214,6 +247,20 @@ CASES = [
     Case("estimate: config not JSON", lambda t, o: [
         "estimate", "--config", str(t / "bad.json"), "--batch_size", "8", "--seq_length", "32"],
          r"--config .*bad\.json: not JSON", {"bad.json": "{model_type"}),
+    Case("estimate: negative budget", lambda t, o: [
+        "estimate", "--config", str(t / "tiny.json"), "--batch_size", "8", "--seq_length", "32", "--memory_budget", "-3GB"],
+         r"error: --memory_budget -3GB: a memory size cannot be negative; write e\.g\. 3GB$"),
+    Case("estimate: budget in lower case", lambda t, o: [
+        "estimate", "--config", str(t / "tiny.json"), "--batch_size", "8", "--seq_length", "32", "--memory_budget", "2gib"],
+         r"error: --memory_budget 2gib: the unit 'gib' is not one memfit reads .*: write 2GiB \(2\*2\*\*30 = 2147483648 bytes\)$"),
+    Case("estimate: unknown flag", lambda t, o: [
+        "estimate", "--config", str(t / "tiny.json"), "--batch_size", "8", "--seq_length", "32", "--lora_rank", "8"],
+         r"unknown flag --lora_rank; did you mean --lora_r\? `memfit estimate --help` lists the flags$"),
+    Case("estimate: a flag cut short", lambda t, o: [
+        "estimate", "--config", str(t / "tiny.json"), "--batch", "8", "--seq_length", "32"],
+         r"unknown flag --batch; did you mean --batch_size\?"),
+    Case("report: unknown flag", lambda t, o: ["report", str(t), "--outdir", str(o)],
+         r"unknown flag --outdir; did you mean --output_dir\? `memfit report --help` lists the flags$"),
     Case("estimate: zero tokens", lambda t, o: [
         "estimate", "--config", str(t / "tiny.json"), "--batch_size", "8", "--seq_length", "0"],
          r"--seq_length 0: give a whole number of at least 1"),
@@ -250,8 +297,9 @@ def test_user_error_is_one_line_and_writes_nothing(case, tmp_path, capsys):
     assert cli.main(case.argv(tmp_path, tmp_path / "out")) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    errors = [line for line in err.splitlines() if re.match(r"memfit( \w+)*( [\w-]+)?: error: ", line)]
-    assert len(errors) == 1, err
+    # the one error line and nothing else: no INFO line, no warning (NOTE [Quiet until asked] in memfit/cli/__init__.py)
+    errors = err.splitlines()
+    assert len(errors) == 1 and re.match(r"memfit( \w+)*( [\w-]+)?: error: ", errors[0]), err
     assert re.search(case.message, errors[0]), errors[0]
     assert _snapshot(tmp_path) == before  # no records, no summary, no --output_dir, earlier files untouched
 
@@ -285,7 +333,9 @@ def test_console_process_prints_one_line_and_debug_a_traceback(tmp_path):
     argv = mrpc(tmp_path, tmp_path / "out", "--memory_budget", "1MB")
     plain = _console(argv)
     assert plain.returncode == 2 and "Traceback" not in plain.stderr
-    assert plain.stderr.strip().splitlines()[-1].startswith("memfit train: error: memory budget")
+    # the one line, no INFO line before it (NOTE [Quiet until asked] in memfit/cli/said.py)
+    (line,) = plain.stderr.strip().splitlines()
+    assert line.startswith("memfit train: error: memory budget 1MB (1000000 bytes)")
     debug = _console(["--debug", *argv])
     assert debug.returncode == 1
     assert "Traceback" in debug.stderr and "BudgetTooSmallError: memory budget" in debug.stderr
@@ -339,6 +389,76 @@ def test_hub_name_offline_says_so_once(flag, monkeypatch, tmp_path, capsys):
                      r"or the hub is out of reach\) .*give a local folder", err), err
     assert "--tokenizer_name" not in err or flag == "--tokenizer_name"
     assert not (tmp_path / "out").exists()
+
+
+# NOTE [Quiet until asked] in memfit/cli/said.py
+def test_verbose_prints_the_info_lines_that_a_quiet_error_leaves_out(tmp_path, capsys):
+    argv = sft(tmp_path, tmp_path / "out", "--use_peft", "--lora_target_modules", "foo_proj")
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.startswith("memfit train: error: --lora_target_modules foo_proj")
+    assert cli.main([*argv, "--verbose"]) == 2
+    *said, error = capsys.readouterr().err.strip().splitlines()
+    assert error.startswith("memfit train: error: --lora_target_modules foo_proj")
+    assert any(re.search(r" INFO memfit\.cli\.tasks\.causal_lm: no model flag: building llama-tiny", line) for line in said), said
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_librarys_future_warning_is_said_with_verbose_only(tmp_path, monkeypatch):
+    """A FutureWarning is about how memfit calls a library: nothing a user of the command can change."""
+    import warnings
+
+    from memfit.cli import train
+
+    def resume_from(args):
+        warnings.warn("a library's API changes in its next version", FutureWarning)
+        return None
+
+    monkeypatch.setattr(train, "_resume_from", resume_from)
+    argv = sft(tmp_path, tmp_path / "out", "--use_peft", "--lora_target_modules", "foo_proj")
+    for flags, said in (((), 0), (("--verbose",), 1)):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert cli.main([*argv, *flags]) == 2
+        assert len([w for w in seen if issubclass(w.category, FutureWarning)]) == said, flags
+
+
+def test_a_warning_before_the_first_step_is_said_when_training_starts(tmp_path, capsys):
+    """Held back while the run is set up (a mistake would drop it), said once training starts."""
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"text": "word " * 3000}) + "\n" + json.dumps({"text": "short"}) + "\n")
+    unread = ["--validation_file", str(SFT / "prompt_completion.jsonl")]  # without --do_eval
+    assert cli.main(sft(tmp_path, tmp_path / "out", "--max_seq_length", "64", *unread, train=str(data))) == 0
+    err = capsys.readouterr().err
+    start = err.index("memfit: method dynamic")
+    warning = err.index("WARNING memfit.cli.tasks.causal_lm: 1 of 2 training examples are longer than --max_seq_length")
+    notice = err.index(f"WARNING memfit.cli.train: --validation_file {unread[1]} is not read without --do_eval")
+    assert start < min(warning, notice) and max(warning, notice) < err.index("memfit: verdict:"), err
+
+
+def test_said_holds_warnings_back_until_the_setup_is_done_and_drops_them_at_a_mistake(capsys):
+    import logging
+    import warnings
+
+    from memfit.cli.said import Said, setup_done
+
+    logger = logging.getLogger("memfit.tests")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with Said(logging.WARNING):
+            logger.warning("the hub is out of reach")
+            logger.info("building a model")  # --verbose only
+            warnings.warn("a library's UserWarning", UserWarning)
+            assert capsys.readouterr().err == "" and not seen
+            setup_done()
+            assert capsys.readouterr().err.endswith("WARNING memfit.tests: the hub is out of reach\n") and len(seen) == 1
+            logger.warning("an OOM replayed")  # from now on as it comes
+            assert "an OOM replayed" in capsys.readouterr().err
+        with Said(logging.WARNING) as said:
+            logger.warning("examples truncated")
+            warnings.warn("another UserWarning", UserWarning)
+            said.drop()  # a user error: the one error line alone
+        assert capsys.readouterr().err == "" and len(seen) == 1
+    assert logging.getLogger("memfit").handlers == []  # as it was
 
 
 def test_long_examples_truncated_with_one_line(tmp_path, caplog):

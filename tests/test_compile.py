@@ -526,7 +526,7 @@ def test_cut_lengths_halve_the_call_on_both_sides_of_an_alignment_to_8():
     assert cut_lengths(8) == [7] and cut_lengths(7) == []
 
 
-def test_a_call_that_cannot_be_cut_ends_its_sweep_with_one_warning(caplog):
+def test_a_call_that_cannot_be_cut_ends_its_sweep_with_one_debug_line(caplog):
     from memfit.engine.guard_sides import GuardSides
 
     def only_40(x):
@@ -537,12 +537,13 @@ def test_a_call_that_cannot_be_cut_ends_its_sweep_with_one_warning(caplog):
     sides = GuardSides()
     sides.open()
     x = torch.randn(2, 40, 4, requires_grad=True)
-    with caplog.at_level("WARNING"):
+    with caplog.at_level("DEBUG", logger="memfit"):
         out = sides.call(only_40, "f", lambda a, k: None, (x,), {})
         sides.call(only_40, "f", lambda a, k: None, (x.detach(),), {})  # another signature: the callable is done
     torch.testing.assert_close(out, x * 2)  # the real call's result, whatever the sweep met
     assert sides.cut_calls == 1
-    assert len([r for r in caplog.records if "could not run a compiled call" in r.getMessage()]) == 1
+    # a diagnostic, nothing to act on: DEBUG, not a warning amid the progress bar (NOTE [Quiet until asked])
+    assert [r.levelname for r in caplog.records if "could not run a compiled call" in r.getMessage()] == ["DEBUG"]
     sides.close()
     sides.call(lambda t: t, "g", lambda a, k: None, (x,), {})
     assert sides.cut_calls == 1  # closed: nothing runs

@@ -17,6 +17,7 @@ from transformers import AutoModelForImageClassification, BertConfig, SwinConfig
 from transformers.models.bert.modeling_bert import BertLayer
 from transformers.optimization import Adafactor
 
+from memfit.engine.budget import Budget
 from memfit.tools.estimate import NothingFitsError, advise
 from memfit.tools.estimate import (
     TASKS,
@@ -487,7 +488,7 @@ def test_advisor_keeps_a_margin(profile):
 
 
 def test_advisor_impossible_budget_names_bytes(profile):
-    with pytest.raises(NothingFitsError, match=r"nothing fits the budget of 1000 B \(1,000 bytes\) with 3% of it kept free.*needs .* \([\d,]+ bytes\).*--memory_budget"):
+    with pytest.raises(NothingFitsError, match=r"nothing fits the budget of 1000 bytes with 3% of it kept free.*needs .* \([\d,]+ bytes\).*--memory_budget"):
         advise(profile, BATCH, 1000, seq_length=S)
 
 
@@ -509,10 +510,23 @@ def config_file(tmp_path):
     return str(path)
 
 
-@pytest.mark.parametrize("text, n", [("6GiB", 6 * 2**30), ("6GB", 6 * 10**9), ("512MiB", 512 * 2**20), ("123456789", 123456789)])
-def test_budget_flag_units(config_file, capsys, text, n):
+BUDGET_UNITS = [  # (typed, what the verdict says of it, the table's size column, the verdict's unit)
+    ("6GiB", "6GiB (6442450944 bytes)", "GiB", "MiB|GiB"),
+    ("6GB", "6GB (6000000000 bytes)", "GB", "MB|GB"),
+    ("512MiB", "512MiB (536870912 bytes)", "MiB", "MiB|GiB"),
+    ("125MB", "125MB (125000000 bytes)", "MB", "MB|GB"),
+    ("123456789", "123456789 bytes (117.7 MiB)", "GiB", "MiB|GiB"),
+]
+
+
+@pytest.mark.parametrize("text, said, column, unit", BUDGET_UNITS, ids=[b[0] for b in BUDGET_UNITS])
+def test_budget_flag_units(config_file, capsys, text, said, column, unit):
+    """NOTE [A budget as typed] in memfit/engine/budget.py: the budget as typed, and sizes in its unit family:
+    a user who typed MB reads MB, never GiB."""
     assert main(["--config", config_file, "--batch_size", "4", "--seq_length", "32", "--memory_budget", text]) == 0
-    assert f"fits the budget of {n / 2**30:.2f} GiB ({n:,} bytes)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert re.search(rf"\nfits the budget of {re.escape(said)}: [\d.]+ ({unit}) to spare", out), out
+    assert f"| part | {column} | bytes | assumption |" in out
 
 
 def test_bad_budget_is_a_clear_error(config_file, capsys):
@@ -713,7 +727,7 @@ def test_advice_says_when_only_a_chunked_head_fits():
     between = (kept + chunked) // 2
     ranked = advise(profile, 4, int(between / (1 - DEFAULT_MARGIN)), seq_length=2048, **options)
     assert ranked and all(a.estimate.setup.head == "chunked" for a in ranked)
-    text = format_advice(ranked, "x", margin=DEFAULT_MARGIN)
+    text = format_advice(ranked, Budget(between), margin=DEFAULT_MARGIN)
     assert "| LM head |" in text and "chunked:" in text
     assert "only memfit's chunked LM head fits: kept, the head takes" in text
     with pytest.raises(NothingFitsError, match="LM head kept"):  # keep only: the smallest setup names its head
@@ -785,7 +799,9 @@ def test_the_best_command_runs_its_row(capsys, monkeypatch, model, batch, length
         assert planned == row["head"].startswith("chunked"), (budget, out)
         assert head == ("plan" if planned else "keep"), (budget, out)  # named either way: the row's time assumed it
         run = next(line for line in out.splitlines() if line.strip().startswith("runs rank 1:"))
-        assert f"method {row['method']}, " in run and f"estimated peak {row['peak']} GiB" in run, run
+        # the table's size and the run line's, in the unit family of the budget typed (NOTE [A budget as typed])
+        said = re.search(r"estimated peak ([\d.]+) (\w+)", run)
+        assert f"method {row['method']}, " in run and said and ("i" in said[2]) == ("i" in budget), run
         assert ("LM head chunked" in run) == planned and (f"--memfit_head {head}" in run), run
 
 

@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import logging
 import random
 
 import pytest
@@ -834,7 +835,7 @@ class _MixedStack(nn.Module):
         return self.head(x).square().mean()
 
 
-def test_blocks_of_one_class_that_save_different_bytes_are_planned_apart():
+def test_blocks_of_one_class_that_save_different_bytes_are_planned_apart(caplog):
     """NOTE [Blocks alike only in name]: warm-up probes every block; a group whose members
     save different bytes is split, so a plan that holds the larger kind predicts its bytes
     (the H200 Swin-B detector's OOM: a held shifted layer priced as the unshifted one)."""
@@ -853,13 +854,17 @@ def test_blocks_of_one_class_that_save_different_bytes_are_planned_apart():
     ctl = memfit.fit(net, budget=budget, method="dynamic", blocks=r"layers\.\d+", bucket_tokens=1)
     assert ctl.planning.model.groups == [0] * 6  # one class, one size: one group before warm-up
     rng = random.Random(0)
-    for step in range(12):
-        torch.manual_seed(step)
-        t = 96 if step in (2, 5, 9) else rng.choice([48, 64, 80])
-        net(torch.randn(8, t, 16)).backward()
-        net.zero_grad(set_to_none=True)
+    with caplog.at_level(logging.DEBUG, logger="memfit"):
+        for step in range(12):
+            torch.manual_seed(step)
+            t = 96 if step in (2, 5, 9) else rng.choice([48, 64, 80])
+            net(torch.randn(8, t, 16)).backward()
+            net.zero_grad(set_to_none=True)
     records = ctl.records
     ctl.remove()
+    # said at DEBUG, not amid the progress bar (NOTE [Quiet until asked] in memfit/cli/said.py)
+    split = [r.levelname for r in caplog.records if "planned apart now" in r.getMessage()]
+    assert split and set(split) == {"DEBUG"}, split
     groups = ctl.planning.model.groups
     assert groups[0] == groups[2] == groups[4] != groups[1] == groups[3] == groups[5]
     steady = [r for r in records if r.phase == "steady" and r.n_checkpointed < r.n_blocks]

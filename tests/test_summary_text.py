@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from memfit.engine.budget import Budget
 from memfit.engine.records import StepRecord
 from memfit.engine.summary_text import end_summary, over_budget_words, parameters_words, size_in_given_unit, start_line, verdict
 
@@ -17,7 +18,7 @@ def _record(step: int, peak: int, budget: int | None, plan: list[int], phase: st
 
 
 def test_start_line_states_method_budget_accounting_and_blocks():
-    line = start_line("dynamic", 500 * 10**6, "500MB", "cuda", ["SwinLayer"] * 2 + ["DetrEncoderLayer"])
+    line = start_line("dynamic", Budget.parse("500MB"), "cuda", ["SwinLayer"] * 2 + ["DetrEncoderLayer"])
     assert line == (
         "memfit: method dynamic, budget 500MB (500000000 bytes), cuda accounting (allocator peaks, budget enforced "
         "as a hard cap), 3 blocks (2 SwinLayer, 1 DetrEncoderLayer)"
@@ -25,7 +26,7 @@ def test_start_line_states_method_budget_accounting_and_blocks():
 
 
 def test_start_line_without_budget_says_nothing_is_capped():
-    line = start_line("dynamic", None, None, "logical", ["BertLayer"] * 6)
+    line = start_line("dynamic", None, "logical", ["BertLayer"] * 6)
     assert "no budget: nothing is capped" in line and "6 blocks (BertLayer)" in line
 
 
@@ -37,10 +38,10 @@ def test_end_summary_counts():
         _record(3, 1100, budget, []),  # over the budget
         _record(4, 800, budget, [0, 1, 2, 3]),
     ]
-    text = end_summary(records, "1000")
+    text = end_summary(records, Budget.parse("1000"))
     lines = text.splitlines()
     assert len(lines) == 4 and all(line.startswith("memfit: ") for line in lines)
-    assert lines[0] == "memfit: 4 micro-steps (forward + backward; 1 warm-up), method dynamic, budget 1000 bytes (1000 B)"
+    assert lines[0] == "memfit: 4 micro-steps (forward + backward; 1 warm-up), method dynamic, budget 1000 bytes"
     assert lines[1] == "memfit: peak 1100 B = 110% of the budget (logical accounting), 1 micro-step over budget, 1 OOM replay"
     # blocks over the 3 steady micro-steps: (2 + 0 + 4) / 3 = 2.0 of 4; recompute 10 ms a block: 60 of 300 ms
     assert lines[2] == (
@@ -72,7 +73,7 @@ def test_end_summary_names_micro_steps_and_the_optimizer_steps_where_known():
     records = [_record(i, 600, 1000, [0], phase="warmup" if i <= 7 else "steady") for i in range(1, 97)]
     assert end_summary(records, optimizer_steps=12).splitlines()[0] == (
         "memfit: 12 optimizer steps, 96 micro-steps (forward + backward; 7 warm-up), method dynamic, "
-        "budget 1000 bytes (1000 B)")
+        "budget 1000 bytes")
     assert end_summary(records).splitlines()[0].startswith("memfit: 96 micro-steps (forward + backward; 7 warm-up)")
     assert "step" not in end_summary(records, optimizer_steps=12).replace("micro-step", "").replace("optimizer step", "")
     two_ranks = records + [_record(i, 600, 1000, [0], rank=1) for i in range(1, 97)]
@@ -87,7 +88,7 @@ def test_end_summary_names_each_treatment_where_a_plan_gave_another_than_recompu
         _record(1, 600, budget, [0, 1, 2], treatments={"recompute": [0, 1, 2]}),
         _record(2, 900, budget, [0, 1, 2, 3], treatments={"recompute": [0], "elementwise": [1, 2, 3], "head": "chunked:4"}),
     ]
-    line = end_summary(records, "1000").splitlines()[2]
+    line = end_summary(records).splitlines()[2]
     # (3 + 4) / 2 steps = 3.5 of 4; recompute (3 + 1) / 2 = 2.0, elementwise 3 / 2 = 1.5 (registry order)
     assert line == (
         "memfit: 3.5 of 4 blocks treated per micro-step on average (88%: recompute 2.0, elementwise 1.5) over 2 "
@@ -107,6 +108,18 @@ def test_end_summary_names_treatments_the_registry_does_not_know():
     lines = end_summary(records).splitlines()
     assert "(50%: recompute 0.3, elementwise 1.3, my_offload 0.3)" in lines[2]
     assert lines[3] == "memfit: LM head kept on 1 micro-step, chunked on 1 (pure), my_head on 1"
+
+
+def test_the_summary_says_sizes_in_the_family_of_the_budget_typed():
+    """NOTE [A budget as typed] in budget.py: a budget typed in MB reads MB back, with its name to raise."""
+    budget = Budget.parse("500MB", "--memory_budget")
+    records = [_record(1, 600 * 10**6, budget.bytes, [], static_bytes=10**8)]
+    lines = end_summary(records, budget).splitlines()
+    assert lines[0].endswith("budget 500MB (500000000 bytes)")
+    assert lines[1].startswith("memfit: peak 600.0 MB = 120% of the budget")
+    assert lines[-1].endswith("most of it is the activations, 500.0 MB: lower --per_device_train_batch_size or "
+                              "--max_seq_length, or raise --memory_budget")
+    assert end_summary(records, Budget.parse("500MB")).endswith(", or raise budget=")  # memfit.fit's argument
 
 
 def test_end_summary_without_budget_and_without_steps():
@@ -138,7 +151,7 @@ VERDICTS = [
     ("static dominates", 900, 1100, 1000, "1 of 1 micro-steps went over the budget; most of it is the static part (weights, "
      "gradients, optimizer state), 900 B: train LoRA adapters (--use_peft), store bf16 weights"),
     ("activations dominate", 100, 5000, 1000, "most of it is the activations, 4900 B: lower "
-     "--per_device_train_batch_size or --max_seq_length, or raise --memory_budget"),
+     "--per_device_train_batch_size or --max_seq_length, or raise the budget"),  # records do not say who gave it
 ]
 
 
@@ -160,9 +173,9 @@ def test_parameters_words():
 
 
 def test_compiled_blocks_are_named_at_the_start_and_their_compile_time_at_the_end():
-    line = start_line("dynamic", None, None, "cuda", ["LlamaDecoderLayer"] * 2, compiled="--torch_compile")
+    line = start_line("dynamic", None, "cuda", ["LlamaDecoderLayer"] * 2, compiled="--torch_compile")
     assert line.endswith("compiled blocks (--torch_compile: each block's body and the loss compiled inside memfit's treatments)")
-    assert "compiled" not in start_line("dynamic", None, None, "cuda", ["LlamaDecoderLayer"] * 2)
+    assert "compiled" not in start_line("dynamic", None, "cuda", ["LlamaDecoderLayer"] * 2)
     records = [_record(1, 10, None, [], compile_ms=5000.0, compiled_graphs=3), _record(2, 10, None, []),
                _record(3, 10, None, [], compile_ms=1500.0, compiled_graphs=1)]
     assert "memfit: compiling took 6.5 s, 1 graph compiled after warm-up" in end_summary(records)

@@ -2,16 +2,21 @@
 
 ``memfit <command> --help`` shows the flags of each command. A user error (a flag, a file or a
 budget to change) prints one line on stderr and exits 2; ``--debug``, before the command or
-among its flags, shows its traceback instead (NOTE [User errors] in errors.py).
+among its flags, shows its traceback instead (NOTE [User errors] in errors.py). What else a
+command says on stderr is :class:`~memfit.cli.said.Said`'s (NOTE [Quiet until asked]): by default
+memfit's warnings, held back until training starts and dropped at a user error; its INFO lines and
+the libraries' FutureWarnings with ``--verbose``, its DEBUG lines with ``--debug``.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import sys
 
 from memfit import __version__
+from memfit.cli.said import Said
 from memfit.errors import is_user_error, one_line
 
 __all__ = ["main"]
@@ -27,12 +32,13 @@ _COMMANDS = {
 
 
 def _usage() -> str:
-    lines = ["usage: memfit [--debug] <command> [flags]", "       memfit --version", "", "commands:"]
+    lines = ["usage: memfit [--debug] [--verbose] <command> [flags]", "       memfit --version", "", "commands:"]
     lines += [f"  {name:<9} {help_}" for name, (_, help_) in _COMMANDS.items()]
     lines += [
         "",
         "`memfit <command> --help` lists the flags of a command. --debug (here or among a command's",
-        "flags) prints the traceback of an error instead of its one-line message.",
+        "flags) prints the traceback of an error instead of its one-line message, and memfit's DEBUG",
+        "lines; --verbose prints memfit's INFO lines and the libraries' FutureWarnings.",
     ]
     return "\n".join(lines)
 
@@ -57,12 +63,26 @@ def take_debug_flag(argv: list[str]) -> tuple[list[str], bool]:
     return kept + argv[end:], debug
 
 
+def take_verbose_flag(argv: list[str]) -> tuple[list[str], bool]:
+    """Remove ``--verbose`` flags from ``argv``, before a ``--`` separator (after it, the flags belong
+    to the command ``memfit bench`` runs).
+
+    Returns:
+        The remaining arguments and whether ``--verbose`` was there.
+    """
+    end = argv.index("--") if "--" in argv else len(argv)
+    kept = [arg for arg in argv[:end] if arg != "--verbose"]
+    return kept + argv[end:], len(kept) < end
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``memfit`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = bool(argv) and argv[0] == "--debug"  # before the command: always memfit's
     argv, debug_among_flags = take_debug_flag(argv[debug:])
     debug = debug or debug_among_flags
+    argv, verbose = take_verbose_flag(argv)
+    level = logging.DEBUG if debug else logging.INFO if verbose else logging.WARNING
     if not argv or argv[0] in {"-h", "--help"}:
         print(_usage())
         return 0
@@ -78,13 +98,24 @@ def main(argv: list[str] | None = None) -> int:
         # is not lost to fragmentation. It must be set before CUDA initialises, and a
         # user's own allocator settings win.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with Said(level) as said:
+        return _run(name, rest, debug, said)
+
+
+def _run(name: str, rest: list[str], debug: bool, said: Said) -> int:
+    """Run command ``name``: its status, or 2 after one line for a user error (NOTE [User errors]),
+    which drops what ``said`` held back (NOTE [Quiet until asked])."""
     module = importlib.import_module(_COMMANDS[name][0])
     try:
         return int(module.main(rest) or 0)
     except SystemExit as exit_:  # argparse's --help and flag errors: return the status
-        return exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+        status = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+        if status:
+            said.drop()
+        return status
     except Exception as error:
         if debug or not is_user_error(error):
             raise
+        said.drop()
         print(f"memfit {name}: error: {one_line(error)}", file=sys.stderr)
         return 2

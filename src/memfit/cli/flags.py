@@ -24,7 +24,7 @@ import transformers
 from transformers import HfArgumentParser
 
 from memfit.tools.bench.peers import PeerArguments
-from memfit.errors import FlagError, OneLineErrors, is_user_error
+from memfit.errors import FlagError, OneLineErrors, is_user_error, then
 from memfit.integrations.hf import TrainingArguments
 from memfit.cli.tasks import TASKS, DataTrainingArguments, ModelArguments
 
@@ -172,7 +172,8 @@ class TrainFlagParser(OneLineErrors, HfArgumentParser):
             formatter.end_section()
         formatter.add_text(
             "A bare --debug (no value; `--debug <option>` is transformers' own flag) prints the traceback of an "
-            "error instead of its one-line message."
+            "error instead of its one-line message, and memfit's DEBUG lines; --verbose prints memfit's INFO lines "
+            "(which model is built, what the task sets) and the libraries' FutureWarnings."
         )
         if not full:
             shown = {a.dest for _, section in self._sections(False) for a in section}
@@ -186,7 +187,7 @@ class TrainFlagParser(OneLineErrors, HfArgumentParser):
         """Parse ``argv`` into the model, data, training and peer dataclasses, then the task's own.
 
         Raises:
-            FlagError: an unknown flag, or a value or combination the dataclasses' checks refuse
+            FlagError: an unknown flag (named with the known flags closest to it), or a value or combination the dataclasses' checks refuse
                 (NOTE [User errors], rule 2, in errors.py).
         """
         try:
@@ -196,7 +197,7 @@ class TrainFlagParser(OneLineErrors, HfArgumentParser):
                 raise
             raise FlagError(str(err)) from err
         if rest:
-            raise FlagError(f"unknown flag(s) {' '.join(rest)}; `{self.prog} --help-all` lists every flag")
+            raise FlagError(then(self.unknown_flags(rest), f"`{self.prog} --help-all` lists every flag"))
         check_ranges(parsed)
         return tuple(parsed)
 

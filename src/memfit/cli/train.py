@@ -23,6 +23,7 @@ from memfit.tools.bench import oracle
 from memfit.tools.bench.peers import make_peer
 from memfit.errors import DataError, FlagError, MissingFileError
 from memfit.cli.tasks import TASKS, DataTrainingArguments, TaskBundle, get_task
+from memfit.cli.said import setup_done
 from memfit.cli.tasks._hub import hub_names, hub_or_offline
 
 __all__ = ["main", "run"]
@@ -81,9 +82,8 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
     model_args, data_args, training_args, peer_args, *task_args = parser.parse(argv)
     if not (training_args.do_train or training_args.do_eval):  # NOTE [Nothing to do]
         raise FlagError("nothing to do: add --do_train to train (and --do_eval to evaluate)")
-    if getattr(data_args, "validation_file", None) and not training_args.do_eval:  # nothing silent
-        print(f"memfit: --validation_file {data_args.validation_file} is not read without --do_eval (add it to evaluate)",
-              file=sys.stderr)
+    if getattr(data_args, "validation_file", None) and not training_args.do_eval:  # nothing silent, nothing before an error
+        logger.warning("--validation_file %s is not read without --do_eval (add it to evaluate)", data_args.validation_file)
     with _removed_if_left_empty(training_args.output_dir):
         peer = make_peer(peer_args, training_args.memfit_method)  # fails before the data is built
         if peer_args.oracle and training_args.do_train and training_args.memfit_budget_bytes is None:
@@ -126,6 +126,7 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
                 preprocess_logits_for_metrics=bundle.preprocess_logits_for_metrics,
                 **({"memfit_method": plan_method} if memfit_on else {}),
             )
+            trainer.add_callback(_setup_done_when_training_starts())  # NOTE [Quiet until asked] in said.py
             if training_args.do_train:
                 train_metrics = trainer.train(resume_from_checkpoint=resume).metrics
                 trainer.log_metrics("train", train_metrics)
@@ -134,6 +135,7 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
                 if str(training_args.save_strategy) not in ("no", "SaveStrategy.NO"):
                     _save_final_model(trainer, bundle)
             if training_args.do_eval:
+                setup_done()  # an evaluation alone: what was held back is said now
                 eval_metrics = trainer.evaluate()
                 trainer.log_metrics("eval", eval_metrics)
                 trainer.save_metrics("eval", eval_metrics)
@@ -210,6 +212,18 @@ def _save_base(base: Any, tokenizer: Any, folder: str) -> None:
     base.save_pretrained(folder, state_dict=state)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
+
+
+def _setup_done_when_training_starts() -> Any:
+    """A Trainer callback: the command's setup is done when training starts (after the Trainer's own
+    checks, such as the output folder's), so what was held back is said then (NOTE [Quiet until asked])."""
+    from transformers import TrainerCallback
+
+    class SetupDone(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            setup_done()
+
+    return SetupDone()
 
 
 def _has_accelerator() -> bool:
@@ -289,6 +303,5 @@ def main(argv: list[str]) -> int:
     if argv[0] not in TASKS:
         print(f"memfit train: error: unknown task {argv[0]!r}; choose one of: {', '.join(TASKS)}", file=sys.stderr)
         return 2
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    run(argv[0], argv[1:])
+    run(argv[0], argv[1:])  # what it says on stderr: NOTE [Quiet until asked] in memfit/cli/__init__.py
     return 0

@@ -51,7 +51,7 @@ from memfit.engine.accounting import OUTSIDE, GatheredParameters, SavedTensorCou
 from memfit.engine.optim_state import torch_step_transient_bytes
 from memfit.engine.guard_sides import GuardSides
 from memfit.engine.blocks import SELECTIVE_BUDGET, Block, compile_clock, compile_loss, find_blocks, fingerprint, unwrap_blocks, wrap_blocks
-from memfit.engine.budget import OPTIMIZER_TRANSIENT, check_static_need, parse_bytes
+from memfit.engine.budget import OPTIMIZER_TRANSIENT, Budget, check_static_need, parse_bytes
 from memfit.engine.methods import Method, make_method, save_plans
 from memfit.engine.planner import Plan
 from memfit.engine.planning import Planning
@@ -94,7 +94,7 @@ def _group_ids(blocks: list[Block]) -> list[int]:
 
 
 def check_static_need_of(
-    model: nn.Module, budget_bytes: int | None, state_bytes: int | None, state_name: str = "optimizer state",
+    model: nn.Module, budget: Budget | None, state_bytes: int | None, state_name: str = "optimizer state",
     transient_bytes: int | None = None,
 ) -> dict[str, int]:
     """The static need: parameters and gradients (this rank's shards under FSDP),
@@ -107,7 +107,7 @@ def check_static_need_of(
     optim_state.py), which names it ``state_name``.
 
     Raises:
-        BudgetTooSmallError: when they exceed ``budget_bytes``.
+        BudgetTooSmallError: when they exceed ``budget`` (its message quotes the budget as the user gave it).
     """
     parts = static_bytes_logical(model, None)
     parts.pop("optimizer state")
@@ -115,8 +115,8 @@ def check_static_need_of(
         parts[state_name] = state_bytes
     if transient_bytes:
         parts[OPTIMIZER_TRANSIENT] = transient_bytes
-    if budget_bytes is not None:
-        check_static_need(budget_bytes, sum(parts.values()), parts)
+    if budget is not None:
+        check_static_need(budget, sum(parts.values()), parts)
     return parts
 
 
@@ -186,11 +186,6 @@ def _inner_optimizer(optimizer: torch.optim.Optimizer | None) -> torch.optim.Opt
     return optimizer
 
 
-def _given(announce: str | bool) -> str | None:
-    """The budget as the user wrote it, if ``announce`` carries it."""
-    return announce if isinstance(announce, str) else None
-
-
 def _kinds(blocks: Sequence[Block]) -> list[str]:
     return [type(b.module).__name__ for b in blocks]
 
@@ -234,22 +229,22 @@ class Controller:
     """
 
     def __init__(
-        self, model: nn.Module, budget_bytes: int | None, method: Method, optimizer: torch.optim.Optimizer | None = None,
+        self, model: nn.Module, budget: Budget | None, method: Method, optimizer: torch.optim.Optimizer | None = None,
         blocks: Sequence[nn.Module] | str | None = None, log: str | None = None, margin: float | None = None,
-        bucket_tokens: int = 8, cap: bool = True, treatments: Sequence[str] | None = None, announce: str | bool = False,
+        bucket_tokens: int = 8, cap: bool = True, treatments: Sequence[str] | None = None, announce: bool = False,
         compile: bool | dict[str, Any] = False, head: bool | str = "auto", head_logits: str = "drop",
         host_budget_bytes: int | None = None,
     ):
-        self.model, self.method, self.budget_bytes = model, method, budget_bytes
+        self.model, self.method, self.budget = model, method, budget  # NOTE [A budget as typed]
+        self.budget_bytes = None if budget is None else budget.bytes
         self.blocks: list[Block] = []
-        #: how to undo each change to the model, recorded as soon as it is made (NOTE [Setup is all or nothing])
-        self._undo: list[Callable[[], None]] = []
+        self._undo: list[Callable[[], None]] = []  # each change to the model's undo, as it is made (NOTE [Setup is all or nothing])
         self._optimizer_handles: list = []
         try:  # NOTE [Setup is all or nothing]
             named = find_blocks(model, blocks)
             treatments, compile_options = _run_options(treatments, compile, [m for _, m in named])
             self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
-            static_parts = check_static_need_of(model, budget_bytes, _state_bytes(optimizer), transient_bytes=_transient_bytes(optimizer))
+            static_parts = check_static_need_of(model, budget, _state_bytes(optimizer), transient_bytes=_transient_bytes(optimizer))
             self.grad_params = [p for p in model.parameters() if p.requires_grad]
             self.meter: Meter = make_meter(self.device, self.grad_params, static_parts["parameters"] + static_parts["gradients"])
             self._fingerprint = fingerprint(named)
@@ -259,20 +254,20 @@ class Controller:
             self.blocks = wrap_blocks(named, allow_hf_checkpointing=method.measures_only, compile=compile_options, sides=self.sides)
             self._undo.append(lambda: unwrap_blocks(self.blocks))
             self.planning = Planning(
-                len(self.blocks), _group_ids(self.blocks), budget_bytes, 0, bucket_tokens, treatments=treatments,
-                room=_room(method, model, budget_bytes, self.meter.kind, margin),
+                len(self.blocks), _group_ids(self.blocks), budget, 0, bucket_tokens, treatments=treatments,
+                room=_room(method, model, self.budget_bytes, self.meter.kind, margin),
             )
             # Parameters and buffers are never activations (under FSDP: this rank's shards).
             self._counter = SavedTensorCounter(len(self.blocks), exclude=list(model.parameters()) + list(model.buffers()))
             self._undo.append(self._counter.stop)
             self.treatments = _make_treatments(treatments, self._counter, self.planning, self.device, self.blocks[0].compiled,
                                                host_budget_bytes)
-            self.head = RunHead(model, self.planning, self.meter.kind != "logical", head, head_logits, method.learns and budget_bytes is not None, lambda: self.meter.aside(self._step))
+            self.head = RunHead(model, self.planning, self.meter.kind != "logical", head, head_logits, method.learns and budget is not None, lambda: self.meter.aside(self._step))
             self._undo.append(self.head.remove)
             self.protection = method.make_protection(lambda: ReactiveStore(self._counter.excluded_ptrs), self.planning, self.meter, self._counter)
             self._gathered = GatheredParameters(model, self._counter)
             self.rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
-            #: print a start line now and a summary at remove(); a str is the budget as the user wrote it
+            #: print a start line now and a summary at remove()
             self.announce = announce
             self._records: list[StepRecord] = []
             self._step: StepState | None = None
@@ -288,10 +283,10 @@ class Controller:
             self.set_optimizer(optimizer, check=False)
             self._writer = JsonlWriter(log) if log else None
             self._undo += [self._writer.close] if self._writer is not None else []
-            if budget_bytes is not None and cap:
-                self.meter.apply_cap(budget_bytes)
+            if budget is not None and cap:
+                self.meter.apply_cap(budget.bytes)
             if announce:
-                _say(start_line(method.name, budget_bytes, _given(announce), self.meter.kind, *_kinds_compiled(self.blocks)) + self.head.start_words(), self.rank)
+                _say(start_line(method.name, budget, self.meter.kind, *_kinds_compiled(self.blocks)) + self.head.start_words(), self.rank)
         except BaseException:
             self._unhook()
             raise
@@ -302,7 +297,7 @@ class Controller:
 
         Raises: BudgetTooSmallError: when weights + gradients + its state exceed the budget."""
         if check:
-            check_static_need_of(self.model, self.budget_bytes, _state_bytes(optimizer), transient_bytes=_transient_bytes(optimizer))
+            check_static_need_of(self.model, self.budget, _state_bytes(optimizer), transient_bytes=_transient_bytes(optimizer))
         for h in self._optimizer_handles:
             h.remove()
         self.optimizer = self.meter.optimizer = optimizer
@@ -485,7 +480,7 @@ class Controller:
             ...     ctl.run_step(lambda: model(**batch).loss.backward())
             ...     opt.step(); opt.zero_grad(set_to_none=True)
         """
-        return self.replay.run(fn, args, kwargs, raise_what="the memory budget or the margin")
+        return self.replay.run(fn, args, kwargs, raise_what=f"{self.budget.name if self.budget else 'budget='} or margin=")
 
     def plans(self) -> dict[tuple[int, int], Plan]:
         """Plans decided so far, per shape bucket."""
@@ -507,7 +502,7 @@ class Controller:
     def remove(self) -> None:
         """Close the last record, unhook and unwrap: the model is exactly as before ``fit``."""
         if self._undo and self.records and self.announce:
-            _say(end_summary(self.records, _given(self.announce), self.optimizer_steps), self.rank)
+            _say(end_summary(self.records, self.budget, self.optimizer_steps), self.rank)
         self._unhook()
 
     def _unhook(self) -> None:
@@ -525,7 +520,7 @@ class Controller:
 
 def fit(
     model: nn.Module,
-    budget: int | str | None,
+    budget: int | str | Budget | None,
     method: str | Method = "dynamic",
     optimizer: torch.optim.Optimizer | None = None,
     blocks: Sequence[nn.Module] | str | None = None,
@@ -545,8 +540,11 @@ def fit(
 
     Args:
         model: the model, already on its device.
-        budget: bytes (int) or a size string: ``"6GiB"`` = 6·2**30, ``"6GB"`` = 6·10**9;
-            ``None`` runs the method with no budget (records only).
+        budget: bytes (int) or a size string, its unit written as in the table (NOTE [A budget as typed]
+            in budget.py): ``"6GiB"`` = 6·2**30, ``"6GB"`` = 6·10**9 (``"6gb"`` is refused, naming both);
+            ``None`` runs the method with no budget (records only). Messages quote it as given and
+            name it ``budget=``; a :class:`~memfit.engine.budget.Budget` keeps its own name
+            (the Trainer's ``--memory_budget``).
         method: ``none | full | dynamic | static | precomputed | reactive`` (or a Method
             instance).
         optimizer: its state is counted in the static need (measured from its tensors on
@@ -615,13 +613,12 @@ def fit(
         4
         >>> ctl.remove()
     """
-    budget_bytes = None if budget is None else parse_bytes(budget, argument="budget")
-    host_budget_bytes = None if host_budget is None else parse_bytes(host_budget, argument="host_budget")
+    budget = None if budget is None else Budget.parse(budget, "budget=")
+    host_budget_bytes = None if host_budget is None else parse_bytes(host_budget, argument="host_budget=")
     if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1):
         raise ValueError(f"margin={margin!r}: give a share of the budget in [0, 1), e.g. 0.05, or None for the default")
     if isinstance(bucket_tokens, bool) or not isinstance(bucket_tokens, int) or bucket_tokens < 1:
         raise ValueError(f"bucket_tokens={bucket_tokens!r}: give a whole number of tokens from 1 (1 = a plan per exact shape)")
     method_obj = make_method(method, **method_kwargs)
-    shown = (budget if isinstance(budget, str) else True) if announce else False
-    return Controller(model, budget_bytes, method_obj, optimizer, blocks, log, margin, bucket_tokens, cap, treatments, shown,
+    return Controller(model, budget, method_obj, optimizer, blocks, log, margin, bucket_tokens, cap, treatments, announce,
                       compile, head=head, head_logits=head_logits, host_budget_bytes=host_budget_bytes)

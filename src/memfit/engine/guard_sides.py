@@ -188,9 +188,9 @@ class GuardSides:
                     self._run(compiled, mark, *tree_map(lambda v: _cut(v, length, new), (args, kwargs)))
             except Exception as err:  # the sweep only saves compile time later: never a reason to stop
                 self._failed.add(code)
-                logger.warning("memfit: compiled blocks: could not run a compiled call at %d of its %d tokens a row in "
-                               "warm-up (%s: %s); a step on another side of its size guards may compile later",
-                               new, length, type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+                logger.debug("memfit: compiled blocks: could not run a compiled call at %d of its %d tokens a row in "
+                             "warm-up (%s: %s); a step on another side of its size guards may compile later",
+                             new, length, type(err).__name__, str(err).splitlines()[0] if str(err) else "")
                 return
 
     def _run(self, compiled: Callable[..., Any], mark: Callable[[tuple, dict], None], args: tuple, kwargs: dict[str, Any]) -> None:

@@ -76,7 +76,7 @@ import numpy as np
 
 import statistics
 
-from memfit.engine.budget import format_bytes
+from memfit.engine.budget import Budget
 from memfit.engine.model import MemoryModel
 from memfit.engine.planner import InfeasiblePlanError, Plan, PlanCache, plan_blocks, plan_with_head
 from memfit.engine.room import Room
@@ -221,7 +221,7 @@ class Planning:
     Args:
         n_blocks: number of blocks.
         groups: group id of each block (identical blocks share a model).
-        budget_bytes: the budget, or ``None`` for no budget.
+        budget: the budget (bytes, or a ``Budget`` its warnings quote as given), or ``None`` for no budget.
         margin_bytes: initial safety margin kept free below the budget (prediction error).
         bucket_tokens: token granularity of plan buckets.
         slack_bytes: the allocator's reserved-but-unusable bytes, also kept free (NOTE [Room], room.py).
@@ -236,7 +236,7 @@ class Planning:
     """
 
     def __init__(
-        self, n_blocks: int, groups: Sequence[int], budget_bytes: int | None, margin_bytes: int, bucket_tokens: int,
+        self, n_blocks: int, groups: Sequence[int], budget: Budget | int | None, margin_bytes: int, bucket_tokens: int,
         slack_bytes: int = 0, treatments: Sequence[TreatmentSpec] = (RECOMPUTE,), room: Room | None = None,
     ):
         self.n_blocks = n_blocks
@@ -244,8 +244,9 @@ class Planning:
         #: the run's treatments by name, ``keep`` and ``recompute`` first (engine/treatments/)
         self.registry = resolve(treatments)
         self.model = MemoryModel(groups, bucket_tokens, self.registry)
-        self.budget_bytes = budget_bytes
-        self.room = room or Room(budget_bytes, margin_bytes, slack_bytes)
+        self.budget = None if budget is None else Budget.parse(budget)  # NOTE [A budget as typed]
+        self.budget_bytes = None if self.budget is None else self.budget.bytes
+        self.room = room or Room(self.budget_bytes, margin_bytes, slack_bytes)
         self.bucket_tokens = bucket_tokens
         self.cache = PlanCache()
         self.static_bytes = 0
@@ -423,12 +424,10 @@ class Planning:
                 outside = self.model.outside(k) if self.model.ready else 0.0
                 parts = {"static": self.static_bytes, "outside": outside,
                          "blocks": self.model.step_bytes(k, Plan(self.all_blocks)) - outside}
-                log(
-                    "memfit: shape %s is predicted to need %s even with every block checkpointed, "
-                    "over the budget of %s; running it with every block checkpointed; %s",
-                    k, format_bytes(self.predict_peak(k, Plan(self.all_blocks)) + self.budget_bytes - room), format_bytes(self.budget_bytes),
-                    over_budget_words(parts),
-                )
+                peak_bytes = self.predict_peak(k, Plan(self.all_blocks)) + self.budget_bytes - room
+                log("memfit: shape %s is predicted to need %s even with every block checkpointed, over the budget of %s; "
+                    "running it with every block checkpointed; %s", k, self.budget.size(peak_bytes), self.budget,
+                    over_budget_words(parts, self.budget))
             return Plan(self.all_blocks)
 
     def _mend(self, k: tuple[int, int], plan: Plan, need: int, costs: list[float], savings: list[int]) -> Plan:
@@ -631,10 +630,11 @@ def _plan_head(planning: Planning, k: tuple[int, int]) -> Plan:
         outside = max(0.0, planning.model.outside(k) - kept) if planning.model.ready else 0.0
         blocks = max(0.0, planning.model.step_bytes(k, most) - outside - least) if planning.model.ready else 0.0
         parts = {"static": planning.static_bytes, "head": kept, "outside-not-head": outside, "blocks": blocks}
+        size = planning.budget.size
         log("memfit: shape %s is predicted to need %s even with every block checkpointed and the LM head in %d chunks "
             "(the head takes %s so, %s kept), over the budget of %s; %s", k,
-            format_bytes(planning.predict_peak(k, most) + planning.budget_bytes - room), n_chunks, format_bytes(least),
-            format_bytes(kept), format_bytes(planning.budget_bytes), over_budget_words(parts))
+            size(planning.predict_peak(k, most) + planning.budget_bytes - room), n_chunks, size(least),
+            size(kept), planning.budget, over_budget_words(parts, planning.budget))
     return most
 
 

@@ -138,7 +138,7 @@ def requested_bytes(message: str | None) -> int | None:
         2097152
     """
     match = _REQUEST.search(message or "")
-    return None if match is None else int(float(match.group(1)) * UNIT_BYTES[match.group(2).lower()])
+    return None if match is None else int(float(match.group(1)) * UNIT_BYTES[match.group(2)])
 
 
 class BlockPeaks:

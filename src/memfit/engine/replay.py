@@ -175,17 +175,17 @@ def after_oom(
             "method 'dynamic', or raise the memory budget"
         )
     decision = step.decision if step is not None else None
+    budget = planning.budget  # a plan of every block is made for a budget
     if decision is not None and decision.plan.layout == (planning.all_blocks, ()) and not decision.warmup:
         raise BudgetTooSmallError(
             f"out of memory with every block checkpointed (shape {step.shape}); static memory is "
-            f"{format_bytes(step.static_bytes)} of the {format_bytes(planning.budget_bytes)} budget. Raise "
-            "--memory_budget, lower the batch size (use gradient accumulation), or use bf16/fp16 or a "
-            "lighter optimizer (see `memfit estimate --advise`)"
+            f"{budget.size(step.static_bytes)} of the budget of {budget}. Raise {budget.name}, lower the batch "
+            "size (use gradient accumulation), or use bf16/fp16 or a lighter optimizer (see `memfit estimate --advise`)"
         )
-    if planning.budget_bytes is not None:
+    if budget is not None:
         planning.after_oom(attempt.get("unusable_reserved_bytes") or 0)
     logger.warning("memfit: %s; replaying it with %s kept free", describe_attempt(attempt, n_blocks),
-                   format_bytes(planning.margin_bytes + planning.slack_bytes))
+                   (budget.size if budget is not None else format_bytes)(planning.margin_bytes + planning.slack_bytes))
 
 
 def cudnn_attention_failed(err: BaseException) -> bool:

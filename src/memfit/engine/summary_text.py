@@ -2,10 +2,11 @@
 
 Pure functions of plain values and step records, so that the Trainer, ``memfit train`` and
 ``memfit.fit`` loops print the same words. Budgets are stated as the user gave them and in
-bytes; measured sizes in binary units (:func:`memfit.engine.budget.format_bytes`).
+bytes, and measured sizes in the family of the budget's unit (:class:`memfit.engine.budget.Budget`,
+NOTE [A budget as typed]); binary units without a budget.
 
 Example:
-    >>> start_line("dynamic", 500 * 10**6, "500MB", "logical", ["BertLayer"] * 6)
+    >>> start_line("dynamic", Budget.parse("500MB"), "logical", ["BertLayer"] * 6)
     'memfit: method dynamic, budget 500MB (500000000 bytes), logical accounting (tensors counted on the host), 6 blocks (BertLayer)'
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from memfit.engine.budget import format_bytes
+from memfit.engine.budget import Budget, format_bytes
 from memfit.engine.records import StepRecord, mean_treated_fraction, summarize, treated_blocks
 from memfit.engine.treatments import KEEP, RECOMPUTE, in_registry_order
 
@@ -65,12 +66,16 @@ def size_in_given_unit(n_bytes: int) -> str:
     return format_bytes(n_bytes)
 
 
-def budget_words(budget_bytes: int | None, given: str | None = None) -> str:
+def budget_words(budget: Budget | None) -> str:
     """``'budget 500MB (500000000 bytes)'``, or that nothing is capped when there is no budget."""
-    if budget_bytes is None:
+    if budget is None:
         return "no budget: nothing is capped (steps are only measured and recorded)"
-    shown = given if given is not None and str(given) != str(budget_bytes) else None
-    return f"budget {shown} ({budget_bytes} bytes)" if shown else f"budget {budget_bytes} bytes ({format_bytes(budget_bytes)})"
+    return f"budget {budget}"
+
+
+def _size(n_bytes: float, budget: Budget | None) -> str:
+    """A size beside ``budget``, in its unit family (NOTE [A budget as typed]); binary units without one."""
+    return budget.size(n_bytes) if budget is not None else format_bytes(n_bytes)
 
 
 def _blocks_words(block_kinds: Sequence[str]) -> str:
@@ -106,34 +111,47 @@ _FIXES = {
 }
 
 
-def over_budget_words(parts_bytes: dict[str, float]) -> str:
+def over_budget_words(parts_bytes: dict[str, float], budget: Budget | None = None) -> str:
     """What dominates a step that cannot fit, and the flag to change (NOTE [What to change when a step cannot fit]).
 
     Args:
         parts_bytes: bytes of ``static``, ``outside`` and ``blocks`` (any may be missing).
+        budget: the budget, whose unit family the size is in and whose name the words say to raise.
 
     Example:
-        >>> over_budget_words({"static": 10, "outside": 500, "blocks": 40})
-        "most of it is what runs outside the blocks (the head's logits and loss, the embeddings), 500 B: lower --per_device_train_batch_size or --max_seq_length (the logits grow with both), or raise --memory_budget"
+        >>> over_budget_words({"static": 10, "outside": 500, "blocks": 40}, Budget.parse("1kB", "--memory_budget"))
+        "most of it is what runs outside the blocks (the head's logits and loss, the embeddings), 500 B: let memfit chunk the head (--memfit_head auto, or head='auto' in memfit.fit), or lower --per_device_train_batch_size or --max_seq_length (the logits grow with both), or raise --memory_budget"
     """
     part = max(parts_bytes, key=parts_bytes.__getitem__)
     what, fix = _FIXES[part]
-    return f"most of it is {what}, {format_bytes(int(parts_bytes[part]))}: {fix}, or raise --memory_budget"
+    name = budget.name if budget is not None else "the budget"
+    return f"most of it is {what}, {_size(int(parts_bytes[part]), budget)}: {fix}, or raise {name}"
 
 
-def verdict(records: Sequence[StepRecord]) -> str:
-    """The summary's last line: whether the run kept its budget, and if not the one thing to change."""
-    budget = next((r.budget_bytes for r in records if r.budget_bytes), None)
+def verdict(records: Sequence[StepRecord], budget: Budget | None = None) -> str:
+    """The summary's last line: whether the run kept its budget, and if not the one thing to change.
+
+    Args:
+        records: the run's step records.
+        budget: the budget as the user gave it; else the records' budget, as bytes.
+    """
+    budget = budget if budget is not None else _recorded_budget(records)
     if budget is None:
         return "memfit: verdict: no budget was given; the peak above is what this run needs"
-    over = [r for r in records if r.peak_allocated_bytes > (r.budget_bytes or budget)]
+    over = [r for r in records if r.peak_allocated_bytes > (r.budget_bytes or budget.bytes)]
     if not over:
         return "memfit: verdict: every micro-step kept to the budget"
     worst = max(over, key=lambda r: r.peak_allocated_bytes)
     rest = max(worst.peak_allocated_bytes - worst.static_bytes, 0)
     parts = {"static": worst.static_bytes, "blocks": rest} if worst.static_bytes else {"blocks": rest}
     return (f"memfit: verdict: {len(over)} of {len(records)} micro-steps went over the budget; "
-            + over_budget_words(parts).replace("the blocks' activations, even checkpointed", "the activations"))
+            + over_budget_words(parts, budget).replace("the blocks' activations, even checkpointed", "the activations"))
+
+
+def _recorded_budget(records: Sequence[StepRecord]) -> Budget | None:
+    """The budget the records hold, in bytes, or None; who gave it is not recorded, so it is "the budget"."""
+    n_bytes = next((r.budget_bytes for r in records if r.budget_bytes), None)
+    return None if n_bytes is None else Budget(n_bytes, name="the budget")
 
 
 def parameters_words(trainable: int, total: int, adapted: Sequence[str] = (), n_adapted: int = 0) -> str:
@@ -151,8 +169,7 @@ def parameters_words(trainable: int, total: int, adapted: Sequence[str] = (), n_
 
 def start_line(
     method: str,
-    budget_bytes: int | None,
-    budget_given: str | None,
+    budget: Budget | None,
     accounting: str,
     block_kinds: Sequence[str],
     parameters: str | None = None,
@@ -162,9 +179,7 @@ def start_line(
 
     Args:
         method: the method's name.
-        budget_bytes: the budget, or ``None``.
-        budget_given: the budget as the user wrote it (``"500MB"``, ``"--memory_threshold 8"``),
-            or ``None`` to state bytes only.
+        budget: the budget as the user gave it (stated as typed, with its bytes), or ``None``.
         accounting: ``"cuda"`` or ``"logical"``.
         block_kinds: the class name of each block found, in order.
         parameters: what :func:`parameters_words` says of the model, or ``None`` to leave it out.
@@ -175,7 +190,7 @@ def start_line(
         One line, starting ``memfit:``.
 
     Example:
-        >>> start_line("dynamic", None, None, "cuda", ["LlamaDecoderLayer"] * 2, compiled="--torch_compile").split(", ")[-1]
+        >>> start_line("dynamic", None, "cuda", ["LlamaDecoderLayer"] * 2, compiled="--torch_compile").split(", ")[-1]
         "compiled blocks (--torch_compile: each block's body and the loss compiled inside memfit's treatments)"
     """
     compiled_words = None
@@ -184,7 +199,7 @@ def start_line(
     return ", ".join(
         [
             f"memfit: method {method}",
-            budget_words(budget_bytes, budget_given),
+            budget_words(budget),
             _ACCOUNTING.get(accounting, f"{accounting} accounting"),
             _blocks_words(block_kinds),
             *([parameters] if parameters else []),
@@ -240,7 +255,7 @@ def _warmup_words(warmup: Sequence[StepRecord], n_blocks: int) -> str:
         mean_treated_fraction(warmup), treated_blocks(warmup), n, n_blocks)[0]
 
 
-def end_summary(records: Sequence[StepRecord], budget_given: str | None = None, optimizer_steps: int | None = None) -> str:
+def end_summary(records: Sequence[StepRecord], budget: Budget | None = None, optimizer_steps: int | None = None) -> str:
     """The short summary printed when training ends (a few lines, each starting ``memfit:``).
 
     Micro-steps (and optimizer steps, where known), the peak and its share of the budget,
@@ -251,7 +266,8 @@ def end_summary(records: Sequence[StepRecord], budget_given: str | None = None, 
 
     Args:
         records: the run's step records (every rank's, for a merged summary).
-        budget_given: the budget as the user wrote it (see :func:`start_line`).
+        budget: the budget as the user gave it (see :func:`start_line`); else the records' budget,
+            stated in bytes.
         optimizer_steps: the optimizer steps the records made up, where the caller counted them.
 
     Returns:
@@ -264,17 +280,18 @@ def end_summary(records: Sequence[StepRecord], budget_given: str | None = None, 
     steady = [r for r in records if r.phase != "warmup"]
     warmup = [r for r in records if r.phase == "warmup"]
     ranks = len({r.rank for r in records})
+    budget = budget if budget is not None else _recorded_budget(records)
     head = (
         f"memfit: {'' if optimizer_steps is None else f'{optimizer_steps} optimizer step' + 's' * (optimizer_steps != 1) + ', '}"
         f"{s.steps} micro-step{'s' * (s.steps != 1)}{f' over {ranks} ranks' if ranks > 1 else ''} "
-        f"(forward + backward; {s.warmup_steps} warm-up), method {s.method}, {budget_words(s.budget_bytes, budget_given)}"
+        f"(forward + backward; {s.warmup_steps} warm-up), method {s.method}, {budget_words(budget)}"
     )
     if s.budget_bytes is None:
-        peak = f"memfit: peak {format_bytes(s.max_peak_allocated_bytes)} ({s.accounting} accounting), not capped"
+        peak = f"memfit: peak {_size(s.max_peak_allocated_bytes, budget)} ({s.accounting} accounting), not capped"
     else:
         share = 100 * s.max_peak_allocated_bytes / s.budget_bytes
         peak = (
-            f"memfit: peak {format_bytes(s.max_peak_allocated_bytes)} = {share:.0f}% of the budget "
+            f"memfit: peak {_size(s.max_peak_allocated_bytes, budget)} = {share:.0f}% of the budget "
             f"({s.accounting} accounting), {s.over_budget_steps} micro-step{'s' * (s.over_budget_steps != 1)} over budget"
         )
     peak += f", {s.oom_retries} OOM replay{'s' * (s.oom_retries != 1)}"
@@ -297,4 +314,4 @@ def end_summary(records: Sequence[StepRecord], budget_given: str | None = None, 
             f"memfit: compiling took {s.compile_ms / 1e3:.1f} s, "
             f"{s.steady_compiled_graphs} graph{'s' * (s.steady_compiled_graphs != 1)} compiled after warm-up"
         )
-    return "\n".join([*lines, verdict(records)])
+    return "\n".join([*lines, verdict(records, budget)])

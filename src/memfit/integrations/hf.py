@@ -61,7 +61,7 @@ from typing import Any, ClassVar
 import torch
 import transformers
 
-from memfit.engine.budget import parse_bytes
+from memfit.engine.budget import Budget
 from memfit.integrations.distributed import GradientSync, world_size
 from memfit.errors import FlagError, MissingFileError
 from memfit.engine.methods import METHODS, Method, UnknownMethodError
@@ -103,7 +103,8 @@ class MemfitArguments:
 
     memory_budget: str | None = field(
         default=None,
-        metadata={"help": "Memory budget of the training process: '6GiB' (6*2**30 bytes), '6GB' (6*10**9) or bytes."},
+        metadata={"help": "Memory budget of the training process: '6GiB' (6*2**30 bytes), '6GB' (6*10**9) or bytes; "
+                  "units are read as written, case included ('6gb' is refused, naming both readings)."},
     )
     memory_threshold: float | None = field(
         default=None,
@@ -193,12 +194,12 @@ class MemfitArguments:
             raise UnknownMethodError(
                 f"--memfit_method {self.memfit_method!r} is unknown; choose one of {', '.join(METHODS)}"
             )
-        budget = _budget_flag("--memory_budget", self.memory_budget) if self.memory_budget is not None else None
+        budget = self.memfit_budget  # refuses a malformed --memory_budget
         if self.memory_threshold is not None and self.memory_threshold <= 0:
-            raise FlagError(f"--memory_threshold {self.memory_threshold}: give a positive number of GB (10**9 bytes)")
-        if budget is not None and self.memory_threshold is not None and budget != int(self.memory_threshold * 10**9):
+            raise FlagError(f"--memory_threshold {self.memory_threshold:g}: give a positive number of GB (10**9 bytes)")
+        if self.memory_budget is not None and self.memory_threshold is not None and budget.bytes != int(self.memory_threshold * 10**9):
             raise FlagError(
-                f"--memory_budget {self.memory_budget} and --memory_threshold {self.memory_threshold} (GB) "
+                f"--memory_budget {self.memory_budget} and --memory_threshold {self.memory_threshold:g} (GB) "
                 "disagree; give only one of them"
             )
         if self.memfit_host_budget is not None:
@@ -244,22 +245,26 @@ class MemfitArguments:
             )
 
     @property
-    def memfit_budget_given(self) -> str | None:
-        """The budget as the user wrote it (``"500MB"``, ``"8 GB"`` for ``--memory_threshold 8``), or None."""
+    def memfit_budget(self) -> Budget | None:
+        """The budget as the user gave it, from either flag (``--memory_threshold 8`` is ``8 GB``), or None.
+
+        Raises:
+            FlagError: a ``--memory_budget`` that is not a budget (NOTE [A budget as typed] in budget.py).
+        """
         if self.memory_budget is not None:
-            return str(self.memory_budget)
+            try:
+                return Budget.parse(self.memory_budget, "--memory_budget")
+            except ValueError as err:
+                raise FlagError(str(err)) from None
         if self.memory_threshold is not None:
-            return f"{self.memory_threshold:g} GB"
+            return Budget(int(self.memory_threshold * 10**9), f"{self.memory_threshold:g} GB", "GB", "--memory_threshold")
         return None
 
     @property
     def memfit_budget_bytes(self) -> int | None:
         """The budget in bytes, from either flag, or None."""
-        if self.memory_budget is not None:
-            return parse_bytes(self.memory_budget)
-        if self.memory_threshold is not None:
-            return int(self.memory_threshold * 10**9)
-        return None
+        budget = self.memfit_budget
+        return None if budget is None else budget.bytes
 
 
 def _check_fsdp(version: Any, activation_checkpointing: Any) -> None:
@@ -320,13 +325,6 @@ def _compile_option(args: Any) -> bool | dict[str, Any]:
     if not getattr(args, "memfit_compile", False):
         return False
     return dict(getattr(args, "memfit_compile_options", None) or {}) or True
-
-
-def _budget_flag(flag: str, value: str) -> int:
-    try:
-        return parse_bytes(value)
-    except ValueError as err:
-        raise FlagError(f"{flag} {value}: {err}") from None
 
 
 def max_shape(text: str) -> tuple[int, int]:
@@ -397,7 +395,7 @@ class MemfitTrainerMixin:
         # writes its own records; rank 0 merges the summaries.
         def hook(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Controller:
             return self._hooked(fit(
-                model, getattr(a, "memfit_budget_bytes", None), method, optimizer=optimizer, log=log,
+                model, getattr(a, "memfit_budget", None), method, optimizer=optimizer, log=log,
                 margin=getattr(a, "memfit_margin", None), announce=False,
                 treatments=treatment_names(getattr(a, "memfit_treatments", "auto")),
                 compile=_compile_option(a), head=self._memfit_head(), host_budget=getattr(a, "memfit_host_budget", None),
@@ -450,7 +448,7 @@ class MemfitTrainerMixin:
                 :func:`memfit.engine.budget.check_static_need`.
         """
         a = self.args
-        budget = getattr(a, "memfit_budget_bytes", None)
+        budget = getattr(a, "memfit_budget", None)
         if budget is None or self.optimizer is not None or self.optimizer_cls_and_kwargs is not None:
             return
         trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -485,7 +483,7 @@ class MemfitTrainerMixin:
             def step(model, inputs, num_items_in_batch, _step=step):
                 model.set_requires_gradient_sync(True)
                 return _step(model, inputs, num_items_in_batch)
-        loss = self.memfit.replay.run(step, (model, inputs, num_items_in_batch), raise_what="--memory_budget or --memfit_margin")
+        loss = self.memfit.replay.run(step, (model, inputs, num_items_in_batch), raise_what=f"{self.memfit.budget.name if self.memfit.budget else '--memory_budget'} or --memfit_margin")
         if sync is not None and self.accelerator.sync_gradients:
             sync.sync()
         return loss
@@ -568,10 +566,6 @@ class MemfitTrainerMixin:
         if self.is_world_process_zero() and str(self.args.log_level) not in ("error", "critical"):
             print(text, file=sys.stderr, flush=True)
 
-    def _budget_given(self) -> str | None:
-        given = getattr(self.args, "memfit_budget_given", None)
-        return given if isinstance(given, str) else None
-
     def _start_line(self) -> str:
         ctl = self.memfit
         kinds = [type(b.module).__name__ for b in ctl.blocks]
@@ -582,7 +576,7 @@ class MemfitTrainerMixin:
         words = parameters_words(sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params),
                                  adapted, sum(hasattr(m, "lora_A") for m in self.model.modules()))
         compiled = (getattr(self.args, "memfit_compile_flag", None) or "") if ctl.blocks[0].compiled else None
-        return start_line(ctl.method.name, ctl.budget_bytes, self._budget_given(), ctl.accounting, kinds, words, compiled) + ctl.head.start_words()
+        return start_line(ctl.method.name, ctl.budget, ctl.accounting, kinds, words, compiled) + ctl.head.start_words()
 
     def write_summary(self) -> dict[str, Any] | None:
         """Write ``memfit_summary.json``, and for methods with a memory model ``memfit_plans.json``
@@ -610,7 +604,7 @@ class MemfitTrainerMixin:
         else:
             records = self.memfit.records
             summary = self.memfit.summary()
-        self._say(end_summary(records, self._budget_given(), self.memfit.optimizer_steps))
+        self._say(end_summary(records, self.memfit.budget, self.memfit.optimizer_steps))
         data = summary.to_dict()
         data.update(self.memfit.meter.run_stats())  # the allocator's retries and device allocations (CUDA)
         with open(os.path.join(a.output_dir, SUMMARY_FILE), "w", encoding="utf-8") as fh:

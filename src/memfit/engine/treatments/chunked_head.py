@@ -70,7 +70,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memfit.engine.head import FUSED, HeadSwitch, attach_head, available_implementations, fused_chunks, head_saved_bytes, probe_head
-from memfit.engine.budget import BudgetTooSmallError, format_bytes
+from memfit.engine.budget import Budget, BudgetTooSmallError, format_bytes
 from memfit.engine.treatments.base import KEEP, Treatment
 
 if TYPE_CHECKING:
@@ -210,7 +210,7 @@ def choose_by_plans(part: "HeadPart", plan_ms: Callable[[tuple[int, int]], float
     part.extra_ms_per_token, part.per_chunk_ms = part.lines[best][:2]
     part.chosen_by_plans = True
     if best != was[0]:
-        logger.info("memfit: the LM head chunked by %s from now on: its plans over %d shapes cost %.1f ms, %.1f ms with %s",
+        logger.debug("memfit: the LM head chunked by %s from now on: its plans over %d shapes cost %.1f ms, %.1f ms with %s",
                     best, len(part.keys), totals[best], totals[was[0]], was[0])
     if part.on_priced is not None:
         part.on_priced()
@@ -413,7 +413,7 @@ class HeadPart:
             self.saved_gap.pop(implementation, None)
             return
         if implementation not in self.saved_gap:
-            logger.info("memfit: the LM head chunked by %s kept %s for backward at %d tokens where memfit's formula says %s; "
+            logger.debug("memfit: the LM head chunked by %s kept %s for backward at %d tokens where memfit's formula says %s; "
                         "planned with the measured bytes", implementation, format_bytes(int(probe["saved"])), tokens,
                         format_bytes(formula))
         self.saved_gap[implementation] = gap
@@ -444,7 +444,7 @@ class HeadPart:
         if self.on_priced is not None:
             self.on_priced()
         if self.probed_steps == PROBE_STEPS:
-            logger.info("memfit: the LM head chunked (%s) costs %.4f ms per 1k tokens and %.4f ms per chunk over keeping it",
+            logger.debug("memfit: the LM head chunked (%s) costs %.4f ms per 1k tokens and %.4f ms per chunk over keeping it",
                         best, 1e3 * self.extra_ms_per_token, self.per_chunk_ms)
 
     def choose_by_plans(self, plan_ms: Callable[[tuple[int, int]], float | None], key: tuple[int, int] | None = None) -> bool:
@@ -486,7 +486,7 @@ class HeadPart:
         extra = self.saved_gap.get(implementation, 0) if gap and treatment == CHUNKED else 0
         return dataclasses.replace(out, saved_bytes=max(0, out.saved_bytes + extra)) if extra else out
 
-    def check_fits(self, tokens: int, static_bytes: int, budget_bytes: int | None) -> None:
+    def check_fits(self, tokens: int, static_bytes: int, budget: Budget | None) -> None:
         """Raise the one-line budget error where the static part and the head at its most chunks
         alone exceed the budget (NOTE [The head's bytes in a budget error]).
 
@@ -497,19 +497,20 @@ class HeadPart:
         to change; a warning on a step that does not fit names them too (planning.py).
 
         Raises:
-            BudgetTooSmallError: ``static_bytes`` + the head's least bytes exceed ``budget_bytes``.
+            BudgetTooSmallError: ``static_bytes`` + the head's least bytes exceed ``budget``.
         """
-        if budget_bytes is None:
+        if budget is None:
             return
         kept, least, n_chunks = self.head_bytes(tokens)
-        if static_bytes + least <= budget_bytes:
+        if static_bytes + least <= budget.bytes:
             return
+        size = budget.size
         raise BudgetTooSmallError(
-            f"memory budget {format_bytes(budget_bytes)} ({budget_bytes} bytes) is below what a step of {tokens} tokens "
-            f"needs before any block's activation: the static part {format_bytes(static_bytes)} (weights, gradients, "
-            f"optimizer state) and the LM head's logits and loss {format_bytes(least)} in {n_chunks} chunks "
-            f"({format_bytes(kept)} kept). Raise --memory_budget above {format_bytes(static_bytes + least)}, or lower "
-            "--per_device_train_batch_size or --max_seq_length (the head grows with the tokens)"
+            f"memory budget {budget} is below what a step of {tokens} tokens needs before any block's activation: "
+            f"the static part {size(static_bytes)} (weights, gradients, optimizer state) and the LM head's logits and "
+            f"loss {size(least)} in {n_chunks} chunks ({size(kept)} kept). Raise {budget.name} above "
+            f"{size(static_bytes + least)}, or lower --per_device_train_batch_size or --max_seq_length (the head grows "
+            "with the tokens)"
         )
 
     def saved_bytes(self, tokens: int, head: tuple[str, int] | None) -> int:
@@ -707,7 +708,7 @@ class RunHead:
         if self.part is None:
             return decision
         decision = self.part.apply_step(decision, key)
-        self.part.check_fits(key[0] * key[1], self.planning.static_bytes + state_to_come, self.planning.budget_bytes)
+        self.part.check_fits(key[0] * key[1], self.planning.static_bytes + state_to_come, self.planning.budget)
         return decision
 
     def record(self, record: Any, plan: Any) -> None:

@@ -162,7 +162,7 @@ class Elementwise(Treatment):
             except torch.OutOfMemoryError:
                 raise
             except Exception as err:  # a norm or MLP whose forward does not run again as it ran: never offered
-                logger.info("memfit: block %s does not run with its norms and MLP computed again in backward (%s); "
+                logger.debug("memfit: block %s does not run with its norms and MLP computed again in backward (%s); "
                             "'elementwise' is not offered for it", block.index,
                             str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
                 return None
@@ -174,7 +174,7 @@ class Elementwise(Treatment):
                 counter.count(t)
         del plain, lean
         if not equal:
-            logger.info("memfit: block %s's MLP or norms compute more than their modules' plain ops; "
+            logger.debug("memfit: block %s's MLP or norms compute more than their modules' plain ops; "
                         "'elementwise' is not offered for it", block.index)
             return None
 

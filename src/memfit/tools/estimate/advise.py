@@ -24,13 +24,12 @@ setups (is accumulation cheaper than checkpointing here?), not predict seconds. 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from memfit.errors import FlagError, UserError
-from memfit.engine.summary_text import size_in_given_unit
+from memfit.engine.budget import Budget, format_bytes
 from memfit.tools.estimate.anatomy import (
-    GIB,
     OPTIMIZERS,
     ActivationProfile,
     MemoryEstimate,
@@ -113,7 +112,7 @@ class Advice:
             flags += ["--memfit_head", _HEAD_FLAG[s.head]]
         return flags + ["--memory_budget", memory_budget]
 
-    def run_words(self) -> str:
+    def run_words(self, size: Callable[[int], str] = format_bytes) -> str:
         """What :meth:`train_flags` run, in words: ``"method none, 0 of 24 blocks checkpointed, the LM head chunked
         in 16 on every step (--memfit_head plan), estimated peak 9.76 GiB"``: the row, as the command runs it."""
         e = self.estimate
@@ -128,7 +127,7 @@ class Advice:
             else:
                 when = "at the longest input" if self.method == "dynamic" else "on every step"
                 head = f", the LM head chunked in {e.lm_head.n_chunks} {when} ({flag})"
-        return f"method {self.method}, {blocks}{head}, estimated peak {e.total_bytes / GIB:.2f} GiB"
+        return f"method {self.method}, {blocks}{head}, estimated peak {size(e.total_bytes)}"
 
 
 def _relative_time(setup: TrainingSetup, checkpointed: int, n_blocks: int, head_share: float = 0.0) -> float:
@@ -141,7 +140,7 @@ def _relative_time(setup: TrainingSetup, checkpointed: int, n_blocks: int, head_
 def advise(
     profile: ModelProfile,
     batch_size: int,
-    budget_bytes: int,
+    budget: Budget | int,
     *,
     precisions: Sequence[str] = ("fp32", "bf16"),
     optimizers: Sequence[str] = ("adamw", "adafactor", "adamw-8bit"),
@@ -151,7 +150,7 @@ def advise(
     heads: Sequence[str] = ("keep",),
     **inputs,
 ) -> list[Advice]:
-    """Every setup that fits ``budget_bytes`` less ``margin``, fastest first.
+    """Every setup that fits ``budget`` less ``margin``, fastest first.
 
     Optimizers whose package is missing (8-bit AdamW without bitsandbytes) are skipped.
     ``dynamic`` is listed with the fewest blocks that fit the longest input, and only when
@@ -160,7 +159,8 @@ def advise(
     Args:
         profile: the model.
         batch_size: examples per optimizer step; split into micro-batch × accumulation.
-        budget_bytes: the budget (CUDA context excluded, as the cap excludes it).
+        budget: the budget (CUDA context excluded, as the cap excludes it): as the user gave it (the
+            error quotes it so), or bytes.
         precisions: precisions to try.
         optimizers: optimizers to try (keys of :data:`memfit.tools.estimate.OPTIMIZERS`).
         margin: share of the budget left free (NOTE [Advice keeps a margin]).
@@ -176,15 +176,16 @@ def advise(
         The fitting setups ordered by (relative time, total bytes).
 
     Raises:
-        NothingFitsError: naming the bytes the smallest setup needs.
+        NothingFitsError: naming the bytes the smallest setup needs, in the budget's unit family.
 
     Example:
-        >>> ranked = advise(profile, 32, parse_bytes("6GiB"), seq_length=128)  # doctest: +SKIP
+        >>> ranked = advise(profile, 32, Budget.parse("6GiB", "--memory_budget"), seq_length=128)  # doctest: +SKIP
         >>> ranked[0].train_flags("6GiB")  # doctest: +SKIP
     """
     if not 0 <= margin < 1:
         raise FlagError(f"--margin {margin}: give a share of the budget in [0, 1)")
-    usable = int(budget_bytes * (1 - margin))
+    budget = Budget.parse(budget, "--memory_budget")
+    usable = int(budget.bytes * (1 - margin))
     optimizers = [o for o in dict.fromkeys(optimizers) if optimizer_available(o)]
     n_blocks = profile.n_blocks
     activations: dict[tuple[int, str], ActivationProfile] = {}
@@ -220,7 +221,7 @@ def advise(
                                 fitting += [full] if full.estimate.fits(usable) else []
                             break
     if not fitting:
-        raise NothingFitsError(_nothing_fits_message(smallest, budget_bytes, margin))
+        raise NothingFitsError(_nothing_fits_message(smallest, budget, margin))
     order = {p: i for i, p in enumerate(precisions)}
     return sorted(
         fitting,
@@ -230,18 +231,17 @@ def advise(
     )
 
 
-def _nothing_fits_message(smallest: MemoryEstimate, budget_bytes: int, margin: float) -> str:
+def _nothing_fits_message(smallest: MemoryEstimate, budget: Budget, margin: float) -> str:
     s = smallest.setup
     need = math.ceil(smallest.total_bytes / (1 - margin))
     return (
-        f"nothing fits the budget of {size_in_given_unit(budget_bytes)} ({budget_bytes:,} bytes) with "
-        f"{100 * margin:g}% of it kept free. The smallest setup "
+        f"nothing fits the budget of {budget} with {100 * margin:g}% of it kept free. The smallest setup "
         f"({s.precision}, {s.weights} weights{f', LoRA r {s.lora_r}' if s.lora_r else ''}, {s.optimizer}, micro-batch {s.micro_batch_size}, {smallest.checkpointed_blocks} of "
-        f"{smallest.n_blocks} blocks checkpointed{_head_words(smallest)}) needs {smallest.total_bytes / GIB:.2f} GiB "
+        f"{smallest.n_blocks} blocks checkpointed{_head_words(smallest)}) needs {budget.size(smallest.total_bytes)} "
         f"({smallest.total_bytes:,} bytes), of which {smallest.static_bytes:,} bytes are static (weights "
         f"{smallest.weights_bytes:,} + gradients {smallest.gradients_bytes:,} + optimizer state "
-        f"{smallest.optimizer_state_bytes:,}) and no checkpointing can shrink them. Raise --memory_budget to at "
-        f"least {need / GIB:.2f} GiB"
+        f"{smallest.optimizer_state_bytes:,}) and no checkpointing can shrink them. Raise {budget.name} to at "
+        f"least {budget.size(need)}"
     )
 
 
@@ -261,21 +261,23 @@ def _head_label(est: MemoryEstimate) -> str:
 _DASH = "—"
 
 
-def only_chunked_head_fits(ranked: Sequence[Advice]) -> str | None:
-    """A sentence when every setup that fits chunks the LM head (NOTE [The head in the estimate]), else None."""
+def only_chunked_head_fits(ranked: Sequence[Advice], budget: Budget | None = None) -> str | None:
+    """A sentence when every setup that fits chunks the LM head (NOTE [The head in the estimate]), else None;
+    its sizes in the family of ``budget``'s unit (binary without one)."""
     heads = [a.estimate for a in ranked if a.estimate.lm_head is not None]
     if not heads or len(heads) != len(ranked) or any(e.setup.head == "keep" for e in heads):
         return None
     head = heads[0].lm_head
-    return (f"only memfit's chunked LM head fits: kept, the head takes {head.bytes('keep') / GIB:.2f} GiB at this length "
+    size = budget.size if budget is not None else format_bytes
+    return (f"only memfit's chunked LM head fits: kept, the head takes {size(head.bytes('keep'))} at this length "
             f"({head.tokens:,} tokens per micro-batch: cross-entropy's float32 log_softmax, the logits and their float32 "
-            f"copy), chunked in {head.n_chunks} {head.bytes('chunked') / GIB:.2f} GiB; the commands chunk it with "
+            f"copy), chunked in {head.n_chunks} {size(head.bytes('chunked'))}; the commands chunk it with "
             "--memfit_head plan (memfit.fit(head=True))")
 
 
 def format_advice(
     ranked: Sequence[Advice],
-    memory_budget: str,
+    budget: Budget,
     *,
     top: int = 10,
     title: str = "",
@@ -286,7 +288,8 @@ def format_advice(
 
     Args:
         ranked: output of :func:`advise`.
-        memory_budget: the budget as the user wrote it (repeated in the flags).
+        budget: the budget as the user gave it (stated in the text and repeated in the flags); the peak
+            column is in its :attr:`~memfit.engine.budget.Budget.column_unit`.
         top: rows shown.
         title: first line.
         margin: the share of the budget :func:`advise` kept free (stated in the text).
@@ -298,12 +301,13 @@ def format_advice(
     """
     lines = [title] if title else []
     with_head = any(a.estimate.lm_head is not None for a in ranked[:top])
+    unit, unit_bytes = budget.column_unit
     lines += [
-        f"setups that fit {memory_budget} less {100 * margin:g}% (CUDA context excluded, as the cap excludes it), "
+        f"setups that fit {budget} less {100 * margin:g}% (CUDA context excluded, as the cap excludes it), "
         "fastest first; time in units of an fp32 un-checkpointed step:",
         "",
         "| rank | precision | weights | optimizer | micro-batch x accumulation | method | blocks checkpointed"
-        + (" | LM head" if with_head else "") + " | peak GiB | time |",
+        + (" | LM head" if with_head else "") + f" | peak {unit} | time |",
         "| ---: | --- | --- | --- | --- | --- | ---:" + (" | ---" if with_head else "") + " | ---: | ---: |",
     ]
     for rank, a in enumerate(ranked[:top], 1):
@@ -312,12 +316,12 @@ def format_advice(
         lines.append(
             f"| {rank} | {s.precision} | {weights} | {s.optimizer} | {s.micro_batch_size} x {s.accumulation_steps} | {a.method} "
             f"| {e.checkpointed_blocks}/{e.n_blocks}" + (f" | {_head_label(e)}" if with_head else "")
-            + f" | {e.total_bytes / GIB:.2f} | {a.relative_time:.2f} |"
+            + f" | {e.total_bytes / unit_bytes:.2f} | {a.relative_time:.2f} |"
         )
-    only = only_chunked_head_fits(ranked)
+    only = only_chunked_head_fits(ranked, budget)
     if only:
         lines += ["", only]
-    flags, run = ranked[0].train_flags(memory_budget), "  runs rank 1: " + ranked[0].run_words()
+    flags, run = ranked[0].train_flags(budget.flag_value), "  runs rank 1: " + ranked[0].run_words(budget.size)
     if command:
         lines += [
             "",

@@ -82,6 +82,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.engine.budget import Budget
 from memfit.engine.head import HeadBytes, head_saved_bytes
 from memfit.engine.treatments.chunked_head import head_options, head_without_a_plan
 from memfit.engine.optim_state import state_bytes_of_shapes
@@ -106,6 +107,7 @@ __all__ = [
     "backward_phase_bytes",
     "estimate",
     "format_table",
+    "table_unit",
 ]
 
 GIB = 2**30
@@ -1002,8 +1004,14 @@ def _meta_head_saved(profile: ModelProfile, tokens: int) -> int:
     return head_saved_bytes(tokens, int(config.vocab_size), int(config.hidden_size), dtype, "keep", softcap=softcap).saved_bytes
 
 
-def _gib(n: int) -> str:
-    return f"{n / GIB:.2f}"
+def table_unit(budget: Budget | None) -> tuple[str, int]:
+    """The unit of the tables' size columns, (name, bytes): the budget's
+    :attr:`~memfit.engine.budget.Budget.column_unit` (NOTE [A budget as typed]), GiB without one."""
+    return budget.column_unit if budget is not None else ("GiB", GIB)
+
+
+def _in(n: int, unit: tuple[str, int]) -> str:
+    return f"{n / unit[1]:.2f}"
 
 
 def _head_rows(est: MemoryEstimate) -> list[tuple[str, int, str]]:
@@ -1021,9 +1029,11 @@ def _head_rows(est: MemoryEstimate) -> list[tuple[str, int, str]]:
     return [(f"{rows[chosen][0]} (estimated)", *rows[chosen][1:]), *(row for name, row in rows.items() if name != chosen)]
 
 
-def format_head_table(profile: ModelProfile, setup: TrainingSetup, seq_length: int) -> str:
+def format_head_table(profile: ModelProfile, setup: TrainingSetup, seq_length: int,
+                      unit: tuple[str, int] = ("GiB", GIB)) -> str:
     """The LM head's bytes per sequence length up to ``seq_length``, kept and chunked (NOTE [The head in
-    the estimate]), as a markdown table; empty for a model that is no causal LM.
+    the estimate]), as a markdown table in ``unit`` (name, bytes: :func:`table_unit`); empty for a model that
+    is no causal LM.
 
     Example:
         >>> print(format_head_table(profile, TrainingSetup("bf16", weights="bf16"), 2048))  # doctest: +SKIP
@@ -1036,20 +1046,21 @@ def format_head_table(profile: ModelProfile, setup: TrainingSetup, seq_length: i
         f"LM head per sequence length (micro-batch {setup.micro_batch_size}, vocabulary {profile.config.vocab_size:,}): "
         "kept as the model computes it, and memfit's chunked head (peak at the head: saved + while the loss runs)",
         "",
-        "| seq_length | tokens | kept GiB | chunked GiB | chunks |",
+        f"| seq_length | tokens | kept {unit[0]} | chunked {unit[0]} | chunks |",
         "| ---: | ---: | ---: | ---: | ---: |",
     ]
-    lines += [f"| {length} | {h.tokens:,} | {_gib(h.bytes('keep'))} | {_gib(h.bytes('chunked'))} | {h.n_chunks} |"
+    lines += [f"| {length} | {h.tokens:,} | {_in(h.bytes('keep'), unit)} | {_in(h.bytes('chunked'), unit)} | {h.n_chunks} |"
               for length, h in zip(lengths, heads)]
     return "\n".join(lines)
 
 
-def format_table(est: MemoryEstimate, budget_bytes: int | None = None, *, title: str = "") -> str:
-    """The breakdown as a markdown table in GiB, with a verdict for ``budget_bytes``.
+def format_table(est: MemoryEstimate, budget: Budget | None = None, *, title: str = "") -> str:
+    """The breakdown as a markdown table, with a verdict for ``budget``; sizes in the budget's
+    :attr:`~memfit.engine.budget.Budget.column_unit` (MB for a budget typed in MB), else GiB.
 
     Args:
         est: the estimate.
-        budget_bytes: the budget to check, or ``None``.
+        budget: the budget to check, as the user gave it, or ``None``.
         title: first line (model, task, input size).
 
     Returns:
@@ -1057,6 +1068,7 @@ def format_table(est: MemoryEstimate, budget_bytes: int | None = None, *, title:
     """
     s = est.setup
     opt = OPTIMIZERS[s.optimizer]
+    unit = table_unit(budget)
     rows = [
         ("weights", est.weights_bytes, "2 B/param bf16 (--torch_dtype bfloat16)" if s.weights == "bf16" else
          "4 B/param fp32" + ("" if s.precision == "fp32" else " (master weights)")),
@@ -1082,13 +1094,13 @@ def format_table(est: MemoryEstimate, budget_bytes: int | None = None, *, title:
         f"setup: {s.precision}, {s.optimizer} ({' '.join(opt.train_flags)}), micro-batch {s.micro_batch_size} "
         f"x {s.accumulation_steps} accumulation step(s), {est.n_params:,} parameters",
         "",
-        "| part | GiB | bytes | assumption |",
+        f"| part | {unit[0]} | bytes | assumption |",
         "| --- | ---: | ---: | --- |",
     ]
-    lines += [f"| {name} | {_gib(n)} | {n:,} | {note} |" for name, n, note in rows]
-    if budget_bytes is not None:
-        margin = budget_bytes - est.total_bytes
+    lines += [f"| {name} | {_in(n, unit)} | {n:,} | {note} |" for name, n, note in rows]
+    if budget is not None:
+        margin = budget.bytes - est.total_bytes
         verdict, rest = ("fits", "to spare") if margin >= 0 else ("does NOT fit", "short")
-        lines += ["", f"{verdict} the budget of {_gib(budget_bytes)} GiB ({budget_bytes:,} bytes): {_gib(abs(margin))} GiB {rest}"]
+        lines += ["", f"{verdict} the budget of {budget}: {budget.size(abs(margin))} {rest}"]
     lines += [f"note: {n}" for n in est.notes]
     return "\n".join(lines)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from memfit.engine.budget import parse_bytes
+from memfit.engine.budget import Budget
 from memfit.errors import ArgumentParser, FlagError
 from memfit.tools.estimate.advise import DEFAULT_MARGIN, NothingFitsError, advise, format_advice
 from memfit.cli.tasks import TASKS as TRAIN_TASKS
@@ -22,6 +22,7 @@ from memfit.tools.estimate.anatomy import (
     format_table,
     load_config,
     optimizer_available,
+    table_unit,
 )
 
 __all__ = ["main"]
@@ -58,7 +59,8 @@ def _parser() -> ArgumentParser:
                    "loss: float32 logits and cross-entropy's copy) or chunked (memfit's chunked logits and loss); "
                    "--advise tries both")
     p.add_argument("--attention", default="sdpa", choices=("sdpa", "eager"), help="attention kernel (sdpa: fused)")
-    p.add_argument("--memory_budget", help="budget to check: '6GiB' (6*2**30), '6GB' (6*10**9) or bytes")
+    p.add_argument("--memory_budget", help="budget to check: '6GiB' (6*2**30), '6GB' (6*10**9) or bytes; sizes are "
+                   "then shown in its unit family (MB/GB, or MiB/GiB)")
     p.add_argument("--advise", action="store_true", help="list the fastest setups that fit --memory_budget")
     p.add_argument("--top", type=int, default=10, help="setups listed by --advise")
     p.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
@@ -84,7 +86,7 @@ def train_command(model: str | None, config: str | None, task: str, seq_length: 
     return words + (["--max_seq_length", str(seq_length)] if seq_length else [])
 
 
-def what_would_fit(profile: ModelProfile, args: Any, budget: int, options: dict, inputs: dict) -> str:
+def what_would_fit(profile: ModelProfile, args: Any, budget: Budget, options: dict, inputs: dict) -> str:
     """When nothing fits: the smallest single change that would, among LoRA (causal-lm), a shorter
     --seq_length (halved, then halved again) and a smaller --batch_size (halved down to 1).
 
@@ -126,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     """
     args = _parser().parse_args(argv)
     try:
-        budget = None if args.memory_budget is None else parse_bytes(args.memory_budget)
+        budget = None if args.memory_budget is None else Budget.parse(args.memory_budget, "--memory_budget")
     except ValueError as err:
-        raise FlagError(f"--memory_budget {args.memory_budget}: {err}") from None
+        raise FlagError(str(err)) from None
     if args.advise and budget is None:
         raise FlagError("--advise needs --memory_budget (e.g. 6GiB)")
     for flag in ("batch_size", "gradient_accumulation_steps", "seq_length", "num_choices", "image_size"):
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         except NothingFitsError as err:
             raise NothingFitsError(f"{err}{what_would_fit(profile, args, budget, options, inputs)}") from None
         command = train_command(args.model, args.config, args.task, args.seq_length)
-        print(format_advice(ranked, args.memory_budget, top=args.top, title=title, margin=args.margin, command=command))
+        print(format_advice(ranked, budget, top=args.top, title=title, margin=args.margin, command=command))
         used = {a.estimate.setup.optimizer for a in ranked[: args.top]}
         if args.optimizer not in used:
             print(f"note: no setup with --optimizer {args.optimizer} fits, so every row uses another optimizer "
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(format_table(estimate(profile, setup, **inputs), budget, title=title))
     if args.task == "causal-lm" and args.seq_length:
-        print("\n" + format_head_table(profile, setup, args.seq_length))
+        print("\n" + format_head_table(profile, setup, args.seq_length, table_unit(budget)))
     return 0
 
 
