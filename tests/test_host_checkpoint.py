@@ -257,3 +257,24 @@ def test_without_a_floor_treatment_the_replays_end_in_one_clear_error(monkeypatc
     with pytest.raises(BudgetTooSmallError, match="still out of memory"):
         ctl.run_step(lambda: model(**batch).loss.backward())
     ctl.remove()
+
+
+def test_out_of_memory_at_the_floor_is_one_clear_error_at_once(monkeypatch):
+    """The floor plan itself out of memory: no safer plan exists, so the first such replay ends in one error
+    naming the shape, the floor and what to change (no eight replays of the same plan)."""
+    from memfit.engine.budget import BudgetTooSmallError
+    from memfit.engine.treatments.recompute import Recompute
+
+    model, make = build_decoder("llama")
+
+    def out_of_memory(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("injected: CUDA out of memory")
+
+    monkeypatch.setattr(Recompute, "run", out_of_memory)
+    monkeypatch.setattr(HostCheckpoint, "_forward", out_of_memory)
+    ctl = memfit.fit(model, budget="1GB", treatments=("recompute", HOST_CHECKPOINT), announce=False)
+    batch = make(2, 16)
+    with pytest.raises(BudgetTooSmallError, match=r"every block on host_checkpoint .*shape \[2, 16, 32\].*--max_seq_length"):
+        ctl.run_step(lambda: model(**batch).loss.backward())
+    assert len(ctl.replay.oom.attempts) == 2  # the warm-up's recompute, then the floor
+    ctl.remove()

@@ -67,6 +67,7 @@ from memfit.engine.budget import BudgetTooSmallError, format_bytes
 from memfit.integrations.distributed import is_fsdp, sharded_over_ranks
 from memfit.engine.planner import Plan
 from memfit.engine.step import Stage, StepState
+from memfit.engine.treatments import RECOMPUTE, floor_treatment
 
 if TYPE_CHECKING:
     from memfit.engine.blocks import Block
@@ -167,7 +168,8 @@ def after_oom(
 
     Raises:
         BudgetTooSmallError: when the method cannot adapt its plans (``none``, ``full``,
-            ``precomputed``), or the failed step already recomputed every block.
+            ``precomputed``), or the failed step already ran the floor plan (every block on the run's
+            ``floor_treatment``; recomputed, outside warm-up, where the run offers nothing below it).
     """
     if not method.adapts:
         raise BudgetTooSmallError(
@@ -176,11 +178,15 @@ def after_oom(
         )
     decision = step.decision if step is not None else None
     budget = planning.budget  # a plan of every block is made for a budget
-    if decision is not None and decision.plan.layout == (planning.all_blocks, ()) and not decision.warmup:
+    floor = floor_treatment(planning.registry)  # NOTE [A replay treats more], methods/dynamic.py
+    at_floor = (planning.all_blocks, () if floor == RECOMPUTE else (floor,) * n_blocks)
+    if decision is not None and decision.plan.layout == at_floor and (floor != RECOMPUTE or not decision.warmup):
+        how = "checkpointed" if floor == RECOMPUTE else f"on {floor} (the floor: its input on the host)"
         raise BudgetTooSmallError(
-            f"out of memory with every block checkpointed (shape {step.shape}); static memory is "
-            f"{budget.size(step.static_bytes)} of the budget of {budget}. Raise {budget.name}, lower the batch "
-            "size (use gradient accumulation), or use bf16/fp16 or a lighter optimizer (see `memfit estimate --advise`)"
+            f"out of memory with every block {how} and the LM head chunked where there is one (shape {step.shape}); "
+            f"static memory is {budget.size(step.static_bytes)} of the budget of {budget}. Raise {budget.name}, lower "
+            "the batch size (use gradient accumulation) or the longest sequence (--max_seq_length), train adapters "
+            "(LoRA), or use bf16/fp16 or a lighter optimizer (see `memfit estimate --advise`)"
         )
     if budget is not None:
         planning.after_oom(attempt.get("unusable_reserved_bytes") or 0)
