@@ -277,7 +277,7 @@ def test_meta_count_matches_cpu_for_a_vision_model():
     pixels = torch.randn(2, 3, 32, 32)
     counted = saved_bytes(model, lambda: model(pixel_values=pixels, labels=torch.zeros(2, dtype=torch.long)))
     profile = ModelProfile.from_config(config, "image-classification")
-    acts = activation_profile(profile, 2, image_size=32)
+    acts = activation_profile(profile, 2, image_size=32, attention="eager")  # the CPU's kernels: no fused attention
     assert profile.n_blocks == len(acts.block_bytes) == 2
     assert acts.total_bytes(0) == counted
     assert acts.total_bytes(2) < acts.total_bytes(0)
@@ -624,7 +624,8 @@ def test_advice_names_the_optimizer_and_the_change_that_would_fit(capsys):
     out = capsys.readouterr().out
     assert "| weights | optimizer |" in out and "--torch_dtype bfloat16" in out
     assert "note: no setup with --optimizer adamw fits, so every row uses another optimizer" in out
-    assert cli.main([*argv, "--memory_budget", "4GB", "--lora_r", "16"]) == 2
+    # 3GB: with fused attention counted (NOTE [Fused kernels on the meta device]) LoRA fits 4GB at this shape
+    assert cli.main([*argv, "--memory_budget", "3GB", "--lora_r", "16"]) == 2
     err = capsys.readouterr().err
     assert re.search(r"nothing fits .* The smallest change that fits: --seq_length 1024, or --batch_size \d+\.$", err.strip()) \
         or re.search(r"The smallest change that fits: --seq_length 1024\.$", err.strip()), err
@@ -821,3 +822,44 @@ def test_the_best_command_for_llama_tiny_trains_as_its_row(tmp_path, monkeypatch
     record = json.loads((tmp_path / "memfit_steps.jsonl").read_text().splitlines()[0])
     assert record["method"] == row["method"] and record["n_checkpointed"] == int(row["blocks"])
     assert record["treatments"]["head"].startswith("chunked:")
+
+
+# --- activations counted as a CUDA step saves them (NOTE [What the meta count runs]) ---------------
+
+
+def test_the_meta_count_saves_what_the_cuda_kernels_save():
+    """NOTE [Fused kernels on the meta device]: with ``sdpa`` a decoder's block saves what flash attention saves (no
+    ``s x s`` matrix: its bytes are linear in the tokens), with ``eager`` the attention weights; and the count of a
+    LoRA model under the stand-ins is the count of the same model run on a CPU under them (peft's float32 dropout
+    copies, CUDA's bool masks), the profile's own model left eager."""
+    import peft
+
+    from memfit.tools.estimate.anatomy import LORA_DROPOUT
+    from memfit.tools.estimate.meta_kernels import cuda_kernels
+
+    profile = _llama_tiny()
+    sdpa = [activation_profile(profile, 1, seq_length=n, weights="bf16") for n in (256, 512)]
+    eager = [activation_profile(profile, 1, seq_length=n, weights="bf16", attention="eager") for n in (256, 512)]
+    assert sdpa[0].fused_attention and not eager[0].fused_attention
+    assert sdpa[1].block_bytes[1] == 2 * sdpa[0].block_bytes[1]
+    assert eager[0].block_bytes[1] - sdpa[0].block_bytes[1] >= profile.config.num_attention_heads * 256 * 256 * 2
+    assert profile.model.config._attn_implementation == "eager"
+
+    from transformers import AutoModelForCausalLM
+
+    from memfit.cli.tasks.causal_lm import CausalLMArguments
+
+    assert CausalLMArguments(use_peft=True).lora_dropout == LORA_DROPOUT  # memfit train's default, as counted
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(profile.config, attn_implementation="eager").to(torch.bfloat16)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=LORA_DROPOUT,
+                                                       target_modules="all-linear", task_type="CAUSAL_LM")).train()
+    ids = torch.randint(0, profile.config.vocab_size, (2, 32))
+    with cuda_kernels(model) as ran:
+        counted = saved_bytes(model, lambda: model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids))
+    assert ran.attention_calls == profile.n_blocks
+    lora = activation_profile(profile, 2, seq_length=32, weights="bf16", lora_r=4)
+    assert lora.total_bytes(0) == counted
+    n_masks = sum(i for i, _ in profile.block_linear_shapes) * 2 * 32  # a bool per adapted input element
+    assert lora.total_bytes(0) - activation_profile(profile, 2, seq_length=32, weights="bf16").total_bytes(0) >= n_masks

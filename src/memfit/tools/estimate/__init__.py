@@ -2,6 +2,7 @@
 
 * :mod:`memfit.tools.estimate.anatomy`: weights, gradients, optimizer state, activations and the
   CUDA context of one step (:func:`estimate`), nothing allocated;
+* :mod:`memfit.tools.estimate.meta_kernels`: what CUDA's fused kernels save, for the count on the meta device;
 * :mod:`memfit.tools.estimate.advise`: the fastest setups (precision, optimizer, accumulation,
   method) that fit a budget (:func:`advise`);
 * :mod:`memfit.tools.estimate.cli`: ``memfit estimate``.

@@ -188,7 +188,7 @@ def advise(
     usable = int(budget.bytes * (1 - margin))
     optimizers = [o for o in dict.fromkeys(optimizers) if optimizer_available(o)]
     n_blocks = profile.n_blocks
-    activations: dict[tuple[int, str], ActivationProfile] = {}
+    activations: dict[tuple[int, str, str], ActivationProfile] = {}
 
     config = profile.config
     head_share = (config.vocab_size * config.hidden_size / max(profile.matmul_weight_params, 1)
@@ -196,10 +196,11 @@ def advise(
 
     def candidate(precision: str, optimizer: str, micro: int, checkpointed: int, weight: str = "fp32",
                   head: str = "keep") -> Advice:
-        if (micro, precision) not in activations:
-            activations[micro, precision] = activation_profile(profile, micro, precision=precision, **inputs)
+        if (micro, precision, weight) not in activations:  # NOTE [What the meta count runs]: the weights' dtype, LoRA
+            activations[micro, precision, weight] = activation_profile(profile, micro, precision=precision, weights=weight,
+                                                                       lora_r=lora_r, **inputs)
         setup = TrainingSetup(precision, optimizer, micro, batch_size // micro, str(checkpointed), weight, lora_r, head)
-        est = estimate(profile, setup, activations=activations[micro, precision], **inputs)
+        est = estimate(profile, setup, activations=activations[micro, precision, weight], **inputs)
         method = {0: "none", n_blocks: "full"}.get(checkpointed, "dynamic")
         return Advice(method, est, _relative_time(setup, checkpointed, n_blocks, head_share))
 

@@ -29,7 +29,8 @@ Units: GiB = 2**30 bytes, GB = 10**9 bytes. All fields are plain bytes.
   one lives).
 * activations: bytes saved for backward (``saved_tensors_hooks`` bytes), from the analytic
   formula of :func:`bert_layer_saved_bytes` for BERT-family encoders, else counted by
-  running the model on the meta device (see :func:`activation_profile`).
+  running the model on the meta device as a CUDA step runs it (NOTE [What the meta count runs]:
+  the weights' dtype, LoRA, the fused kernels' saved tensors).
 * backward temporaries: the gradients a block's backward holds besides what it saved, from
   :func:`bert_layer_backward_bytes` for BERT-family encoders; twice the block's input (the
   gradients of its output and input) for other models.
@@ -81,12 +82,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from memfit.engine.budget import Budget
 from memfit.engine.head import HeadBytes, head_saved_bytes
 from memfit.engine.treatments.chunked_head import head_options, head_without_a_plan
 from memfit.engine.optim_state import state_bytes_of_shapes
 from memfit.errors import DataError, FlagError, MissingFileError
+from memfit.tools.estimate.meta_kernels import cuda_kernels
 
 __all__ = [
     "TASKS",
@@ -514,6 +517,12 @@ class ActivationProfile:
     input_saved: bool = True
     """Whether a block saves its input tensor itself (fp32), so that recomputing it adds
     nothing for the input the checkpoint kept; under autocast it saves half copies instead."""
+    shared_input_bytes: int = 0
+    """Inputs every block is given besides its hidden states (an attention mask, position embeddings) that
+    nothing saved before the first block: a checkpoint keeps them, once for all the blocks."""
+    fused_attention: bool = False
+    """Counted on the meta device with attention as the fused kernel saves it (NOTE [Fused kernels on the
+    meta device]); False for eager attention and for the BERT formula (which takes its kernel itself)."""
 
     def recompute_bytes(self, index: int) -> int:
         """Bytes block ``index`` holds while it is recomputed: what it saves, and its kept input."""
@@ -523,6 +532,10 @@ class ActivationProfile:
         """Per block, what it keeps until backward with the first ``n_checkpointed`` checkpointed."""
         blocks = zip(self.block_bytes, self.block_input_bytes)
         return [given if k < n_checkpointed else saved for k, (saved, given) in enumerate(blocks)]
+
+    def shared_bytes(self, n_checkpointed: int) -> int:
+        """The inputs every block is given, kept once by the checkpoints (none without one)."""
+        return self.shared_input_bytes if n_checkpointed else 0
 
     def total_bytes(self, n_checkpointed: int) -> int:
         """Peak saved bytes with the ``n_checkpointed`` earliest blocks checkpointed.
@@ -539,7 +552,7 @@ class ActivationProfile:
         for k in range(n_checkpointed):
             peak = max(peak, before + self.recompute_bytes(k))
             before += kept[k]
-        return self.outside_bytes + peak
+        return self.outside_bytes + self.shared_bytes(n_checkpointed) + peak
 
 
 def activation_profile(
@@ -553,6 +566,8 @@ def activation_profile(
     num_choices: int = 4,
     padding_mask: bool = True,
     element_bytes: ElementBytes | None = None,
+    weights: str = "fp32",
+    lora_r: int = 0,
 ) -> ActivationProfile:
     """Saved bytes per block for one micro-batch, and each block's backward temporaries.
 
@@ -560,9 +575,10 @@ def activation_profile(
     :func:`bert_layer_backward_bytes` with CUDA element sizes, plus embeddings (token ids,
     LayerNorm, dropout), the task head and the log-softmax of the loss; a checkpointed layer
     keeps its fp32 input (b·s·h·4). Other models are run once on the meta device under
-    ``saved_tensors_hooks`` and the saved bytes are counted per block: exact for fp32 eager
-    kernels, an upper bound for fused CUDA kernels and for fp16/bf16 (autocast does not run on
-    the meta device).
+    ``saved_tensors_hooks`` and the saved bytes are counted per block (NOTE [What the meta count
+    runs]): in the weights' dtype (``weights``), with LoRA of rank ``lora_r`` on every linear layer
+    of the blocks, and ``attention`` ``sdpa`` counted as the fused kernel saves it where the model
+    runs SDPA; an upper bound under fp16/bf16 autocast (the meta device does not run it).
 
     ``padding_mask`` (BERT family): whether batches carry padding, as dynamic padding almost
     always makes them. ``element_bytes`` (BERT family) replaces the CUDA element sizes of
@@ -601,9 +617,11 @@ def activation_profile(
             block_backward_bytes=(backward,) * n,
             input_saved=e.input_copies == 1,
         )
-    counted = _count_on_meta(profile.model, _meta_inputs(profile, micro_batch_size, rows, seq_length, image_size))
+    inputs = _meta_inputs(profile, micro_batch_size, rows, seq_length, image_size)
+    counted, fused = _meta_count(profile, inputs, attention, weights, lora_r)
     # no formula: the gradients of a block's output and input, each the size of its input
-    return dataclasses.replace(counted, block_backward_bytes=tuple(2 * b for b in counted.block_input_bytes))
+    return dataclasses.replace(counted, block_backward_bytes=tuple(2 * b for b in counted.block_input_bytes),
+                               fused_attention=fused)
 
 
 def _meta_inputs(
@@ -634,8 +652,14 @@ def _meta_inputs(
 
 
 def _count_on_meta(model: nn.Module, inputs: dict[str, torch.Tensor]) -> ActivationProfile:
-    """Run ``model`` on the meta device and count the bytes saved for backward per block."""
+    """Run ``model`` on the meta device and count the bytes saved for backward per block.
+
+    A block's input is its hidden states (its first tensor argument); the other tensors it is given
+    (a mask, position embeddings) are every block's: those no saved tensor holds are counted once as
+    :attr:`ActivationProfile.shared_input_bytes` (those a block saves are in its bytes).
+    """
     from memfit.engine.blocks import find_blocks
+    from memfit.engine.shapes import first_tensor
 
     # NOTE [Storage identity on meta]: meta storages have no address (data_ptr() is 0), so
     # storages are told apart by their StorageImpl handle (``_cdata``), shared by all views.
@@ -647,9 +671,14 @@ def _count_on_meta(model: nn.Module, inputs: dict[str, torch.Tensor]) -> Activat
     seen: set[int] = set()
     saved = [0] * (len(blocks) + 1)  # last slot: outside any block
     inputs_bytes = [0] * len(blocks)
+    input_keys: list[int | None] = [None] * len(blocks)
+    input_saved = [False] * len(blocks)
+    shared: dict[int, int] = {}
     current = [len(blocks)]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
+        if current[0] < len(blocks) and key(t) == input_keys[current[0]]:
+            input_saved[current[0]] = True
         if key(t) not in skip and key(t) not in seen:
             seen.add(key(t))
             saved[current[0]] += t.untyped_storage().nbytes()
@@ -658,8 +687,12 @@ def _count_on_meta(model: nn.Module, inputs: dict[str, torch.Tensor]) -> Activat
     def enter(index: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             current[0] = index
-            tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-            inputs_bytes[index] = sum(t.untyped_storage().nbytes() for t in tensors)
+            hidden = first_tensor(args, kwargs)
+            if hidden is not None:
+                inputs_bytes[index], input_keys[index] = hidden.untyped_storage().nbytes(), key(hidden)
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor) and t is not hidden and t.is_floating_point() and key(t) not in skip:
+                    shared[key(t)] = t.untyped_storage().nbytes()
 
         return hook
 
@@ -677,7 +710,47 @@ def _count_on_meta(model: nn.Module, inputs: dict[str, torch.Tensor]) -> Activat
         model.train(was_training)
         for h in handles:
             h.remove()
-    return ActivationProfile(saved[-1], tuple(saved[:-1]), tuple(inputs_bytes))
+    return ActivationProfile(saved[-1], tuple(saved[:-1]), tuple(inputs_bytes), input_saved=all(input_saved),
+                             shared_input_bytes=sum(n for k, n in shared.items() if k not in seen))
+
+
+#: peft's LoRA dropout in the count: ``memfit train --use_peft``'s default ``--lora_dropout``
+LORA_DROPOUT = 0.05
+
+
+def _with_lora(model: nn.Module, r: int) -> nn.Module:
+    """``model`` (a meta copy) with peft's LoRA of rank ``r`` on every linear layer of the blocks, as ``memfit
+    train --use_peft --lora_target_modules all-linear`` puts it: the base frozen (its linear layers save no
+    input), each adapter's input dropped out in float32 (peft casts it to the adapter's dtype)."""
+    import peft
+
+    config = peft.LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=LORA_DROPOUT, target_modules="all-linear",
+                             task_type="CAUSAL_LM")
+    with torch.device("meta"):
+        return peft.get_peft_model(model, config)
+
+
+def _meta_count(profile: ModelProfile, inputs: dict[str, torch.Tensor], attention: str, weights: str,
+                lora_r: int) -> tuple[ActivationProfile, bool]:
+    """Count a meta copy of ``profile.model`` as a CUDA step runs it (NOTE [What the meta count runs]).
+
+    # NOTE [What the meta count runs]
+    A copy of the model on the meta device, in the weights' dtype (bf16 weights: bf16 activations, as
+    ``--torch_dtype bfloat16`` runs; fp32 otherwise, an upper bound under autocast, which the meta
+    device does not run), with LoRA where it is asked (:func:`_with_lora`), and the fused kernels' saved
+    tensors (NOTE [Fused kernels on the meta device], meta_kernels.py): flash attention for ``sdpa``
+    where the model runs it, CUDA's dropout mask. The profile's own model is left as it is.
+
+    Returns:
+        The counted profile, and whether attention was counted as the fused kernel.
+    """
+    model = copy.deepcopy(profile.model)
+    if weights == "bf16":
+        model.to(torch.bfloat16)
+    if lora_r:
+        model = _with_lora(model, lora_r)
+    with cuda_kernels(model, attention) as ran:
+        return _count_on_meta(model, inputs), ran.attention_calls > 0
 
 
 @dataclass(frozen=True)
@@ -779,13 +852,17 @@ def lm_head_bytes(profile: "ModelProfile", tokens: int, precision: str = "fp32",
     """
     if profile.task != "causal-lm":
         return None
-    config = profile.config
-    vocab, hidden = int(config.vocab_size), int(config.hidden_size)
-    dtype = torch.bfloat16 if weights == "bf16" else {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    softcap = getattr(config, "final_logit_softcapping", None) is not None
+    vocab, hidden, dtype, softcap = _head_shape(profile, precision, weights)
     kept = head_saved_bytes(tokens, vocab, hidden, dtype, "keep", softcap=softcap)
     n_chunks = head_without_a_plan(head_options(tokens, vocab, hidden, dtype, 0.0, 0.0, softcap=softcap))[1]
     return LmHead(tokens, kept, head_saved_bytes(tokens, vocab, hidden, dtype, "chunked", n_chunks, softcap), n_chunks)
+
+
+def _head_shape(profile: "ModelProfile", precision: str, weights: str) -> tuple[int, int, torch.dtype, bool]:
+    """Vocabulary, hidden size, the logits' dtype and whether they are soft-capped (NOTE [The head in the estimate])."""
+    config = profile.config
+    dtype = torch.bfloat16 if weights == "bf16" else {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    return int(config.vocab_size), int(config.hidden_size), dtype, getattr(config, "final_logit_softcapping", None) is not None
 
 
 @dataclass(frozen=True)
@@ -883,8 +960,9 @@ def backward_phase_bytes(
     head_grads = grad_bytes * (profile.n_params - sum(block_params) - profile.embedding_params)
     temps = activations.block_backward_bytes or (0,) * n
     kept = activations.kept_bytes(n_checkpointed)
+    outside = activations.outside_bytes + activations.shared_bytes(n_checkpointed)
     # end of forward: the autocast cache holds every copy, checkpointed blocks' too
-    peak = activations.outside_bytes + sum(kept) + sum(block_copies) + head_copies + head_transient_bytes
+    peak = outside + sum(kept) + sum(block_copies) + head_copies + head_transient_bytes
     # block j's backward: blocks before it keep theirs (copies of un-checkpointed ones), it
     # holds all it saves and its temporaries, the head and blocks after it have gradients
     before = [0]
@@ -894,7 +972,7 @@ def backward_phase_bytes(
     for j in reversed(range(n)):
         saved = activations.recompute_bytes(j) if j < n_checkpointed else activations.block_bytes[j]
         current = saved + block_copies[j] + temps[j]
-        peak = max(peak, activations.outside_bytes + before[j] + current + grads_after)
+        peak = max(peak, outside + before[j] + current + grads_after)
         grads_after += grads[j]
     return peak
 
@@ -941,6 +1019,8 @@ def estimate(
             attention=attention,
             num_choices=num_choices,
             padding_mask=padding_mask,
+            weights=setup.weights,
+            lora_r=setup.lora_r,
         )
     shapes = profile.param_shapes
     optimizer = OPTIMIZERS[setup.optimizer]
@@ -950,10 +1030,7 @@ def estimate(
     if not optimizer_available(setup.optimizer):
         notes.append(f"{optimizer.needs} is not installed here: `memfit train {' '.join(optimizer.train_flags)}` needs it")
     if not profile.bert_family:
-        notes.append(
-            f"activations counted on the meta device (no analytic formula for {profile.config.model_type}): "
-            "exact for fp32 eager kernels, an upper bound for fused kernels and fp16/bf16"
-        )
+        notes.append(_meta_count_note(profile, setup, activations.fused_attention, attention))
     # NOTE [Weights dtype and LoRA in the estimate]
     # bf16 weights (--torch_dtype bfloat16) halve weights, gradients and the optimizer's
     # per-parameter state (kept in the parameters' dtype) and need no autocast copies. LoRA
@@ -974,8 +1051,8 @@ def estimate(
     head_transient = 0
     if head is not None:  # NOTE [The head in the estimate]
         now = head.kept if setup.head == "keep" else head.chunked
-        activations = dataclasses.replace(
-            activations, outside_bytes=max(0, activations.outside_bytes - _meta_head_saved(profile, head.tokens) + now.saved_bytes))
+        counted = _meta_head_saved(profile, head.tokens, setup.weights, bool(setup.lora_r))
+        activations = dataclasses.replace(activations, outside_bytes=max(0, activations.outside_bytes - counted + now.saved_bytes))
         head_transient = now.transient_bytes
     elif setup.head != "keep":
         raise FlagError(f"--head {setup.head}: only a causal LM has an LM head memfit chunks; give --head keep")
@@ -996,12 +1073,26 @@ def estimate(
     )
 
 
-def _meta_head_saved(profile: ModelProfile, tokens: int) -> int:
-    """What the kept head saved in the activations counted on the meta device (in the meta model's dtype)."""
-    config = profile.config
-    dtype = next(profile.model.parameters()).dtype
-    softcap = getattr(config, "final_logit_softcapping", None) is not None
-    return head_saved_bytes(tokens, int(config.vocab_size), int(config.hidden_size), dtype, "keep", softcap=softcap).saved_bytes
+def _meta_count_note(profile: ModelProfile, setup: TrainingSetup, fused: bool, attention: str) -> str:
+    """What the activations counted on the meta device assume (NOTE [What the meta count runs])."""
+    kernel = ("attention as SDPA's fused (flash) kernel saves it: query, key, value, output, a float32 log-sum-exp; "
+              "no s x s matrix, no padding mask" if fused else
+              f"eager attention ({'asked' if attention == 'eager' else 'the model does not run SDPA'}): its s x s "
+              "weights counted")
+    dtype = ("bf16 as the bf16 weights run" if setup.weights == "bf16" else
+             "fp32: an upper bound under fp16/bf16 autocast" if setup.precision != "fp32" else "fp32")
+    lora = f", peft's LoRA r {setup.lora_r} with dropout {LORA_DROPOUT:g} on every linear layer" if setup.lora_r else ""
+    return (f"activations counted on the meta device (no analytic formula for {profile.config.model_type}) in {dtype}{lora}; "
+            f"{kernel}; the MLP on every token at once (no tiling); a block's backward holds two block inputs "
+            "besides what it saved (the MLP's own gradient temporaries not counted)")
+
+
+def _meta_head_saved(profile: ModelProfile, tokens: int, weights: str = "fp32", lora: bool = False) -> int:
+    """What the kept head saved in the activations counted on the meta device (NOTE [What the meta count runs]):
+    in the count's dtype; under LoRA the frozen ``lm_head`` saves no input rows."""
+    vocab, hidden, dtype, softcap = _head_shape(profile, "fp32", weights)  # the count's dtype: fp32 but for bf16 weights
+    saved = head_saved_bytes(tokens, vocab, hidden, dtype, "keep", softcap=softcap).saved_bytes
+    return saved - (tokens * hidden * dtype.itemsize if lora else 0)
 
 
 def table_unit(budget: Budget | None) -> tuple[str, int]:

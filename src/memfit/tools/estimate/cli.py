@@ -58,7 +58,8 @@ def _parser() -> ArgumentParser:
     p.add_argument("--head", default="keep", choices=HEAD_CHOICES, help="a causal LM's head: keep (the model's own "
                    "loss: float32 logits and cross-entropy's copy) or chunked (memfit's chunked logits and loss); "
                    "--advise tries both")
-    p.add_argument("--attention", default="sdpa", choices=("sdpa", "eager"), help="attention kernel (sdpa: fused)")
+    p.add_argument("--attention", default="sdpa", choices=("sdpa", "eager"), help="attention kernel (sdpa: fused, its "
+                   "saved tensors counted as flash attention saves them where the model runs SDPA; eager: the s x s weights)")
     p.add_argument("--memory_budget", help="budget to check: '6GiB' (6*2**30), '6GB' (6*10**9) or bytes; sizes are "
                    "then shown in its unit family (MB/GB, or MiB/GiB)")
     p.add_argument("--advise", action="store_true", help="list the fastest setups that fit --memory_budget")
