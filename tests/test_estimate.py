@@ -863,3 +863,37 @@ def test_the_meta_count_saves_what_the_cuda_kernels_save():
     assert lora.total_bytes(0) == counted
     n_masks = sum(i for i, _ in profile.block_linear_shapes) * 2 * 32  # a bool per adapted input element
     assert lora.total_bytes(0) - activation_profile(profile, 2, seq_length=32, weights="bf16").total_bytes(0) >= n_masks
+
+
+# --- the floor, said before it is hit (issue "Train where nothing else fits", point 6) ----------
+
+
+def _floor_setup(**overrides) -> TrainingSetup:
+    return TrainingSetup(**{"precision": "bf16", "optimizer": "adamw", "micro_batch_size": 1, "weights": "bf16", **overrides})
+
+
+def test_the_floor_is_below_full_by_the_blocks_inputs_for_an_8b_at_64k():
+    """Every block on host_checkpoint keeps no block input on the device: Llama-3.1-8B with LoRA at 64k tokens has its
+    floor (``--checkpoint host``, the head chunked the most the planner offers) below ``full`` (every block recomputed,
+    its input kept) by about its blocks' inputs, layers x tokens x hidden x 2 B in bf16, which the host pins instead."""
+    from memfit.tools.estimate import load_config
+    from memfit.tools.estimate import lm_head_bytes
+    from memfit.tools.estimate.anatomy import most_head_chunks
+
+    profile = ModelProfile.from_config(load_config("Llama-3.1-8B"), "causal-lm", name="Llama-3.1-8B")
+    tokens, hidden, layers = 65536, profile.config.hidden_size, profile.n_blocks
+    acts = activation_profile(profile, 1, precision="bf16", seq_length=tokens, weights="bf16", lora_r=16)
+    chunks = most_head_chunks(profile, tokens, "bf16", "bf16")
+    host = _floor_setup(lora_r=16, checkpoint="host", head="chunked", head_chunks=chunks)
+    floor = estimate(profile, host, seq_length=tokens, activations=acts)
+    full = estimate(profile, dataclasses.replace(host, checkpoint="full"), seq_length=tokens, activations=acts)
+    inputs = layers * tokens * hidden * 2
+    assert floor.lm_head.n_chunks == chunks > lm_head_bytes(profile, tokens, "bf16", "bf16").n_chunks  # more than a plan without one
+    assert full.lm_head == floor.lm_head
+    # full peaks at the top block's recompute with the 31 inputs below it kept; the floor holds one block and the
+    # stash fetched ahead of it
+    assert (layers - 2) / layers * inputs <= full.total_bytes - floor.total_bytes <= inputs
+    assert floor.host_bytes == inputs and full.host_bytes == 0  # 512 MiB a block: a power of two, its own size class
+    assert floor.total_bytes >= floor.weights_bytes + floor.optimizer_state_bytes + floor.recompute_bytes
+    table = format_table(floor)
+    assert "every block on host_checkpoint" in table and f"| pinned host memory | 16.00 | {inputs:,} |" in table

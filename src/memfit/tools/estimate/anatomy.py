@@ -87,6 +87,7 @@ from torch.utils._pytree import tree_leaves
 from memfit.engine.budget import Budget
 from memfit.engine.head import HeadBytes, head_saved_bytes
 from memfit.engine.treatments.chunked_head import head_options, head_without_a_plan
+from memfit.engine.treatments.offload import size_class
 from memfit.engine.optim_state import state_bytes_of_shapes
 from memfit.errors import DataError, FlagError, MissingFileError
 from memfit.tools.estimate.meta_kernels import cuda_kernels
@@ -108,6 +109,9 @@ __all__ = [
     "TrainingSetup",
     "MemoryEstimate",
     "backward_phase_bytes",
+    "block_backward_moment",
+    "pinned_host_bytes",
+    "most_head_chunks",
     "estimate",
     "format_table",
     "table_unit",
@@ -524,21 +528,30 @@ class ActivationProfile:
     """Counted on the meta device with attention as the fused kernel saves it (NOTE [Fused kernels on the
     meta device]); False for eager attention and for the BERT formula (which takes its kernel itself)."""
 
-    def recompute_bytes(self, index: int) -> int:
-        """Bytes block ``index`` holds while it is recomputed: what it saves, and its kept input."""
-        return self.block_bytes[index] + (0 if self.input_saved else self.block_input_bytes[index])
+    def recompute_bytes(self, index: int, on_host: bool = False) -> int:
+        """Bytes block ``index`` holds while it is recomputed: what it saves, and its kept input; on the host
+        (``host_checkpoint``), also the stashes fetched ahead of it (NOTE [Checkpoints on the host in the estimate])."""
+        own = self.block_bytes[index] + (0 if self.input_saved else self.block_input_bytes[index])
+        if not on_host:
+            return own
+        return own + sum(self.block_input_bytes[max(0, index - HOST_PREFETCH_DEPTH):index])
 
-    def kept_bytes(self, n_checkpointed: int) -> list[int]:
-        """Per block, what it keeps until backward with the first ``n_checkpointed`` checkpointed."""
+    def kept_bytes(self, n_checkpointed: int, on_host: bool = False) -> list[int]:
+        """Per block, what it keeps until backward with the first ``n_checkpointed`` checkpointed; on the host
+        (``host_checkpoint``), a checkpointed block keeps nothing on the device."""
         blocks = zip(self.block_bytes, self.block_input_bytes)
-        return [given if k < n_checkpointed else saved for k, (saved, given) in enumerate(blocks)]
+        return [(0 if on_host else given) if k < n_checkpointed else saved for k, (saved, given) in enumerate(blocks)]
 
     def shared_bytes(self, n_checkpointed: int) -> int:
         """The inputs every block is given, kept once by the checkpoints (none without one)."""
         return self.shared_input_bytes if n_checkpointed else 0
 
-    def total_bytes(self, n_checkpointed: int) -> int:
-        """Peak saved bytes with the ``n_checkpointed`` earliest blocks checkpointed.
+    def in_flight_bytes(self, on_host: bool) -> int:
+        """At the end of the forward, the last blocks' inputs whose copies to the host may not be done yet."""
+        return sum(self.block_input_bytes[-HOST_IN_FLIGHT:]) if on_host else 0
+
+    def total_bytes(self, n_checkpointed: int, on_host: bool = False) -> int:
+        """Peak saved bytes with the ``n_checkpointed`` earliest blocks checkpointed (on the host: ``on_host``).
 
         # NOTE [Checkpoint the earliest blocks]
         Backward runs the blocks in reverse and recomputes a checkpointed block whole, while
@@ -547,12 +560,34 @@ class ActivationProfile:
         blocks < k plus block k recomputed. Checkpointing the earliest blocks keeps that
         second term lowest (checkpointing only the last block saves nothing at all).
         """
-        kept = self.kept_bytes(n_checkpointed)
-        peak, before = sum(kept), 0
+        kept = self.kept_bytes(n_checkpointed, on_host)
+        peak, before = sum(kept) + self.in_flight_bytes(on_host), 0
         for k in range(n_checkpointed):
-            peak = max(peak, before + self.recompute_bytes(k))
+            peak = max(peak, before + self.recompute_bytes(k, on_host))
             before += kept[k]
         return self.outside_bytes + self.shared_bytes(n_checkpointed) + peak
+
+
+# NOTE [Checkpoints on the host in the estimate]
+# ``--checkpoint host`` puts every block on ``host_checkpoint`` (NOTE [Checkpoints on the host],
+# host_checkpoint.py): a block keeps nothing on the device between its forward and its recompute (its
+# input waits in pinned host memory; the inputs every block is given stay, once). What stays on the device
+# for the blocks is then one block at a time: while block j is recomputed and runs its backward, what it
+# saves, its input back from the host, the stash below it fetched ahead (HOST_PREFETCH_DEPTH: the engine's
+# depth where no link was measured; a slow link deepens it, a block input more each) and its backward's
+# temporaries; at the end of the forward, the last blocks' inputs whose copies may still run (at most
+# HOST_IN_FLIGHT: the forward waits for the copy before the last two). The host holds every block's input
+# in the pool's size classes (:func:`memfit.engine.treatments.offload.size_class`, pinned): :func:`pinned_host_bytes`.
+#: stashes fetched ahead of the block being recomputed (NOTE [Checkpoints on the host in the estimate])
+HOST_PREFETCH_DEPTH = 1
+#: block inputs whose copies to the host may still run at the end of the forward
+HOST_IN_FLIGHT = 2
+
+
+def pinned_host_bytes(activations: "ActivationProfile", n_on_host: int) -> int:
+    """Pinned host memory the ``n_on_host`` blocks on ``host_checkpoint`` hold: each block's input in the
+    pool's size class (the power of two at or above it; NOTE [Pinned pool], offload.py)."""
+    return sum(size_class(b, pinned=True) for b in activations.block_input_bytes[:n_on_host] if b)
 
 
 def activation_profile(
@@ -766,7 +801,9 @@ class TrainingSetup:
     accumulation_steps: int = 1
     """Micro-batches per optimizer step (``--gradient_accumulation_steps``)."""
     checkpoint: str = "none"
-    """``none``, ``full`` (every block) or a number of blocks to checkpoint."""
+    """``none``, ``full`` (every block), a number of blocks to checkpoint, or ``host`` (every block on
+    ``host_checkpoint``: its input in pinned host memory until its recompute; NOTE [Checkpoints on the
+    host in the estimate])."""
     weights: str = "fp32"
     """dtype the weights are stored in: ``fp32``, or ``bf16`` (``--torch_dtype bfloat16``: no fp32
     master copy; gradients and optimizer state in bf16 too). ``bf16`` needs precision ``bf16``."""
@@ -776,6 +813,9 @@ class TrainingSetup:
     head: str = "keep"
     """The LM head of a causal LM: ``keep`` (the model's own loss) or ``chunked`` (memfit's chunked
     logits and loss, NOTE [The head in the estimate]); other tasks keep theirs."""
+    head_chunks: int = 0
+    """The chunked head's chunk count; 0: the count a step whose plan names no head runs (NOTE [The head in
+    the estimate]). The floor (floor.py) gives the most the planner offers."""
 
     def __post_init__(self) -> None:
         _check_choice("head", self.head, HEAD_CHOICES)
@@ -788,8 +828,10 @@ class TrainingSetup:
         _check_choice("optimizer", self.optimizer, tuple(OPTIMIZERS))
         if self.micro_batch_size < 1 or self.accumulation_steps < 1:
             raise FlagError("--batch_size and --gradient_accumulation_steps must be at least 1")
-        if self.checkpoint not in ("none", "full") and not str(self.checkpoint).isdigit():
-            raise FlagError(f"--checkpoint {self.checkpoint!r}: write none, full or a number of blocks")
+        if self.checkpoint not in CHECKPOINT_WORDS and not str(self.checkpoint).isdigit():
+            raise FlagError(f"--checkpoint {self.checkpoint!r}: write none, full, host or a number of blocks")
+        if self.head_chunks < 0:
+            raise FlagError(f"head_chunks {self.head_chunks}: give a chunk count of at least 1, or 0")
 
     @property
     def batch_size(self) -> int:
@@ -804,13 +846,20 @@ class TrainingSetup:
         """
         if self.checkpoint == "none":
             return 0
-        if self.checkpoint == "full":
+        if self.checkpoint in ("full", "host"):
             return n_blocks
         if int(self.checkpoint) > n_blocks:
             raise FlagError(f"--checkpoint {self.checkpoint}: the model has only {n_blocks} blocks")
         return int(self.checkpoint)
 
+    @property
+    def on_host(self) -> bool:
+        """Every block on ``host_checkpoint`` (NOTE [Checkpoints on the host in the estimate])."""
+        return self.checkpoint == "host"
 
+
+#: the words ``--checkpoint`` takes besides a number of blocks
+CHECKPOINT_WORDS = ("none", "full", "host")
 #: what ``--head`` takes (NOTE [The head in the estimate])
 HEAD_CHOICES = ("keep", "chunked")
 
@@ -837,8 +886,10 @@ class LmHead:
         return b.saved_bytes + b.transient_bytes
 
 
-def lm_head_bytes(profile: "ModelProfile", tokens: int, precision: str = "fp32", weights: str = "fp32") -> LmHead | None:
-    """The head's bytes of a causal LM at ``tokens`` tokens per micro-batch; None for another task.
+def lm_head_bytes(profile: "ModelProfile", tokens: int, precision: str = "fp32", weights: str = "fp32",
+                  n_chunks: int = 0) -> LmHead | None:
+    """The head's bytes of a causal LM at ``tokens`` tokens per micro-batch, chunked in ``n_chunks`` (0: the
+    count a plan without a head runs); None for another task.
 
     # NOTE [The head in the estimate]
     The head's bytes come from :func:`memfit.engine.head.head_saved_bytes` (the formula memfit plans
@@ -848,14 +899,25 @@ def lm_head_bytes(profile: "ModelProfile", tokens: int, precision: str = "fp32",
     dtype is the weights' (bf16 weights), else autocast's (fp16/bf16), else float32. ``chunked`` is
     estimated at the count a step whose plan names no head runs on CUDA (NOTE [A plan without a head],
     :func:`memfit.engine.treatments.chunked_head.head_without_a_plan`, ``pure``): what ``none`` and
-    ``full`` run with ``--memfit_head plan``, and more than ``dynamic`` chunks in where fewer fit.
+    ``full`` run with ``--memfit_head plan``, and more than ``dynamic`` chunks in where fewer fit. The
+    floor takes the most chunks the planner offers (:func:`most_head_chunks`).
     """
     if profile.task != "causal-lm":
         return None
     vocab, hidden, dtype, softcap = _head_shape(profile, precision, weights)
     kept = head_saved_bytes(tokens, vocab, hidden, dtype, "keep", softcap=softcap)
-    n_chunks = head_without_a_plan(head_options(tokens, vocab, hidden, dtype, 0.0, 0.0, softcap=softcap))[1]
+    n_chunks = n_chunks or head_without_a_plan(head_options(tokens, vocab, hidden, dtype, 0.0, 0.0, softcap=softcap))[1]
     return LmHead(tokens, kept, head_saved_bytes(tokens, vocab, hidden, dtype, "chunked", n_chunks, softcap), n_chunks)
+
+
+def most_head_chunks(profile: "ModelProfile", tokens: int, precision: str = "fp32", weights: str = "fp32") -> int:
+    """The most chunks the planner offers a causal LM's head at ``tokens`` tokens (the last of
+    :func:`memfit.engine.treatments.chunked_head.head_options`: a doubling past it saves too little); 0 for
+    another task."""
+    if profile.task != "causal-lm":
+        return 0
+    vocab, hidden, dtype, softcap = _head_shape(profile, precision, weights)
+    return head_options(tokens, vocab, hidden, dtype, 0.0, 0.0, softcap=softcap)[-1][1]
 
 
 def _head_shape(profile: "ModelProfile", precision: str, weights: str) -> tuple[int, int, torch.dtype, bool]:
@@ -901,6 +963,12 @@ class MemoryEstimate:
     """Caveats that apply to this estimate."""
     lm_head: LmHead | None = None
     """A causal LM's head, kept and chunked (NOTE [The head in the estimate]); None for other tasks."""
+    recompute_bytes: int = 0
+    """The most one checkpointed block holds while it is recomputed and runs its backward: what it saves,
+    its input, the stash fetched ahead (on the host), its backward's temporaries; 0 with none checkpointed."""
+    host_bytes: int = 0
+    """Pinned host memory the blocks on ``host_checkpoint`` hold (NOTE [Checkpoints on the host in the
+    estimate]); outside the GPU and its budget, bounded by ``--memfit_host_budget``."""
 
     @property
     def static_bytes(self) -> int:
@@ -934,7 +1002,7 @@ class MemoryEstimate:
 
 def backward_phase_bytes(
     profile: ModelProfile, activations: ActivationProfile, n_checkpointed: int, half: bool, grad_bytes: int = 4,
-    head_transient_bytes: int = 0,
+    head_transient_bytes: int = 0, on_host: bool = False,
 ) -> int:
     """Peak over forward and backward above weights and optimizer state (NOTE [Phases of a step]).
 
@@ -947,6 +1015,8 @@ def backward_phase_bytes(
             parameters are frozen, as under LoRA, whose own small gradients are left out).
         head_transient_bytes: what the LM head's loss holds while it runs, at the end of the
             forward (NOTE [The head in the estimate]).
+        on_host: the checkpointed blocks are on ``host_checkpoint`` (NOTE [Checkpoints on the host in the
+            estimate]).
 
     Returns:
         The largest of: the end of the forward, and each block's backward.
@@ -958,11 +1028,10 @@ def backward_phase_bytes(
     head_copies = half_bytes * profile.matmul_weight_params - sum(block_copies)
     grads = [grad_bytes * p for p in block_params]
     head_grads = grad_bytes * (profile.n_params - sum(block_params) - profile.embedding_params)
-    temps = activations.block_backward_bytes or (0,) * n
-    kept = activations.kept_bytes(n_checkpointed)
+    kept = activations.kept_bytes(n_checkpointed, on_host)
     outside = activations.outside_bytes + activations.shared_bytes(n_checkpointed)
     # end of forward: the autocast cache holds every copy, checkpointed blocks' too
-    peak = outside + sum(kept) + sum(block_copies) + head_copies + head_transient_bytes
+    peak = outside + sum(kept) + activations.in_flight_bytes(on_host) + sum(block_copies) + head_copies + head_transient_bytes
     # block j's backward: blocks before it keep theirs (copies of un-checkpointed ones), it
     # holds all it saves and its temporaries, the head and blocks after it have gradients
     before = [0]
@@ -970,11 +1039,21 @@ def backward_phase_bytes(
         before.append(before[-1] + kept[j] + (block_copies[j] if j >= n_checkpointed else 0))
     grads_after = head_grads
     for j in reversed(range(n)):
-        saved = activations.recompute_bytes(j) if j < n_checkpointed else activations.block_bytes[j]
-        current = saved + block_copies[j] + temps[j]
+        current = block_backward_moment(profile, activations, j, n_checkpointed, half, on_host)
         peak = max(peak, outside + before[j] + current + grads_after)
         grads_after += grads[j]
     return peak
+
+
+def block_backward_moment(profile: ModelProfile, activations: ActivationProfile, index: int, n_checkpointed: int,
+                          half: bool, on_host: bool = False) -> int:
+    """What block ``index`` holds while its backward runs (NOTE [Phases of a step]): all it saves (recomputed,
+    with its input and on the host the stash fetched ahead, when checkpointed), its autocast copies and its
+    backward's temporaries."""
+    saved = activations.recompute_bytes(index, on_host) if index < n_checkpointed else activations.block_bytes[index]
+    copies = 2 * profile.block_matmul_params[index] if half and profile.block_matmul_params else 0
+    temps = activations.block_backward_bytes[index] if activations.block_backward_bytes else 0
+    return saved + copies + temps
 
 
 def estimate(
@@ -1047,7 +1126,8 @@ def estimate(
         step_temp = optimizer.step_temp(shapes) * width // 4
         grads, grad_bytes = width * profile.n_params, width
     copies = half and setup.weights == "fp32"
-    head = lm_head_bytes(profile, setup.micro_batch_size * (seq_length or 0), setup.precision, setup.weights)
+    head = lm_head_bytes(profile, setup.micro_batch_size * (seq_length or 0), setup.precision, setup.weights,
+                         setup.head_chunks)
     head_transient = 0
     if head is not None:  # NOTE [The head in the estimate]
         now = head.kept if setup.head == "keep" else head.chunked
@@ -1065,11 +1145,14 @@ def estimate(
         autocast_copies_bytes=2 * profile.matmul_weight_params if copies else 0,
         gradients_bytes=grads,
         optimizer_state_bytes=state,
-        activations_bytes=activations.total_bytes(k),
-        backward_bytes=backward_phase_bytes(profile, activations, k, copies, grad_bytes, head_transient),
+        activations_bytes=activations.total_bytes(k, setup.on_host),
+        backward_bytes=backward_phase_bytes(profile, activations, k, copies, grad_bytes, head_transient, setup.on_host),
         optimizer_step_bytes=step_temp,
         notes=tuple(notes),
         lm_head=head,
+        recompute_bytes=max((block_backward_moment(profile, activations, j, k, copies, setup.on_host) for j in range(k)),
+                            default=0),
+        host_bytes=pinned_host_bytes(activations, k) if setup.on_host else 0,
     )
 
 
@@ -1168,7 +1251,8 @@ def format_table(est: MemoryEstimate, budget: Budget | None = None, *, title: st
         ("gradients", est.gradients_bytes, "2 B/param bf16" if s.weights == "bf16" and not s.lora_r else "4 B/param fp32"),
         ("optimizer state", est.optimizer_state_bytes, f"{s.optimizer} (fp32 state)"),
         ("activations", est.activations_bytes,
-         f"saved for backward, {est.checkpointed_blocks} of {est.n_blocks} blocks checkpointed"),
+         f"saved for backward, every block on host_checkpoint: on the device one block at a time, the inputs on the host"
+         if s.on_host else f"saved for backward, {est.checkpointed_blocks} of {est.n_blocks} blocks checkpointed"),
         ("forward + backward", est.backward_bytes,
          "above weights + state: copies + activations + gradients made so far + backward temporaries"),
         *_head_rows(est),
@@ -1179,6 +1263,8 @@ def format_table(est: MemoryEstimate, budget: Budget | None = None, *, title: st
         ("total (what the budget caps)", est.total_bytes, "the larger peak"),
         ("CUDA context", est.cuda_context_bytes, "outside the caching allocator and the budget cap"),
         ("total on the GPU", est.device_bytes, "total + CUDA context"),
+        *([("pinned host memory", est.host_bytes, "every block's input in the host pool's power-of-two buffers: not on "
+            "the GPU, within --memfit_host_budget")] if s.on_host else []),
     ]
     lines = [title] if title else []
     lines += [

@@ -50,7 +50,8 @@ def _parser() -> ArgumentParser:
     p.add_argument("--precision", default="fp32", choices=PRECISIONS, help="fp32, or mixed precision bf16/fp16")
     p.add_argument("--optimizer", default="adamw", choices=tuple(OPTIMIZERS))
     p.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--checkpoint", default="none", help="none, full, or a number of blocks to checkpoint")
+    p.add_argument("--checkpoint", default="none", help="none, full, host (every block on host_checkpoint: its input in "
+                   "pinned host memory until its recompute), or a number of blocks to checkpoint")
     p.add_argument("--weights", default="fp32", choices=("fp32", "bf16"),
                    help="dtype of the stored weights (bf16: causal-lm's --torch_dtype bfloat16; needs --precision bf16)")
     p.add_argument("--lora_r", type=int, default=0, help="LoRA rank on every linear layer of the blocks (causal-lm's "
