@@ -879,6 +879,7 @@ def test_the_floor_is_below_full_by_the_blocks_inputs_for_an_8b_at_64k():
     from memfit.tools.estimate import load_config
     from memfit.tools.estimate import lm_head_bytes
     from memfit.tools.estimate.anatomy import most_head_chunks
+    from memfit.tools.estimate.floor import floor_estimate
 
     profile = ModelProfile.from_config(load_config("Llama-3.1-8B"), "causal-lm", name="Llama-3.1-8B")
     tokens, hidden, layers = 65536, profile.config.hidden_size, profile.n_blocks
@@ -897,3 +898,110 @@ def test_the_floor_is_below_full_by_the_blocks_inputs_for_an_8b_at_64k():
     assert floor.total_bytes >= floor.weights_bytes + floor.optimizer_state_bytes + floor.recompute_bytes
     table = format_table(floor)
     assert "every block on host_checkpoint" in table and f"| pinned host memory | 16.00 | {inputs:,} |" in table
+    assert floor_estimate(profile, _floor_setup(lora_r=16), tokens, activations=acts) == floor  # the floor is that setup
+
+
+def test_the_longest_length_a_budget_admits_grows_with_the_budget():
+    """The floor grows with the tokens, so the longest length admitted grows with the budget and with the host budget;
+    each answer's floor fits, and the next length the search could answer does not."""
+    from memfit.tools.estimate.floor import Floors
+
+    profile = _llama_tiny()
+    floors = Floors(profile, _floor_setup(micro_batch_size=2))
+    low, high = floors.at(1).total_bytes, floors.at(2048).total_bytes
+    found = []
+    for usable in [low - 1, *range(low, high + (high - low) // 4, (high - low) // 10)]:
+        floors.usable_bytes = usable
+        n = floors.longest(2048)
+        found.append(n or 0)
+        if n is None:
+            continue
+        assert floors.at(n).total_bytes <= usable
+        step = max(1, (1 << (n.bit_length() - 1)) // 8)  # an eighth of the power of two at or below it
+        assert n == 2048 or floors.at(min(2048, n + step)).total_bytes > usable, (usable, n)
+    assert found == sorted(found) and found[0] == 0 and found[-1] == 2048 and len(set(found)) > 3
+    floors.usable_bytes = high
+    by_host = []
+    for host in (0, *(floors.at(n).host_bytes for n in (256, 1024, 2048))):
+        floors.host_budget_bytes = host
+        by_host.append(floors.longest(2048) or 0)
+    assert by_host == sorted(by_host) and by_host[-1] == 2048 and by_host[0] == 0
+
+
+_FLOOR_ROW = re.compile(r"^\| ([\d,]+) \| (\d+) \| ([\d,]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)(?: \((\d+) chunks\))? \| ([\d.]+) \| (yes|no) \|$", re.M)
+
+
+def test_the_floor_line_agrees_with_the_floor_table(capsys, monkeypatch):
+    """``--floor``: a row per power of two from 1k to --seq_length and one for the longest admitted; the longest line
+    names that row's length, micro-batch, floor and pinned bytes (in the unit of the budget typed), the row says it
+    fits and the next row up does not; the line under the plain table gives the same floor for --seq_length."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from memfit.tools.estimate.floor import Floors
+
+    profile = _llama_tiny()
+    floors = Floors(profile, _floor_setup(micro_batch_size=2))
+    mb = (floors.at(1024).total_bytes + floors.at(2048).total_bytes) // 2 / (1 - DEFAULT_MARGIN) / 1e6
+    argv = ["--model", "llama-tiny", "--batch_size", "2", "--seq_length", "2048", "--precision", "bf16", "--weights", "bf16",
+            "--memory_budget", f"{mb:.1f}MB"]
+    from memfit.tools.estimate.floor import FLOOR_ASSUMES, FloorTooHighError
+
+    with pytest.raises(FloorTooHighError):  # the floor of 2 x 2048 does not fit: the table, then the error
+        main([*argv, "--floor"])
+    out = capsys.readouterr().out
+    rows = {int(r[0].replace(",", "")): r for r in _FLOOR_ROW.findall(out)}
+    line = re.search(r"^longest that fits (.+?): ([\d,]+) tokens a row at micro-batch (\d+) \(floor ([\d.]+) MB: .*"
+                     r"pinned host memory ([\d.]+) (\w+)\)$", out, re.M)
+    assert "| floor MB |" in out and line, out
+    longest = int(line[2].replace(",", ""))
+    assert 1024 < longest < 2048 and set(rows) == {1024, 2048, longest}
+    row = rows[longest]
+    assert (row[1], row[8], rows[2048][8]) == (line[3], "yes", "no")
+    assert abs(float(row[3]) - float(line[4])) <= 0.05 and line[1].startswith(f"{mb:.1f}MB (")
+    assert line[6] == "MB" and abs(float(line[5]) - float(row[7])) <= 0.05
+    assert f"note: {FLOOR_ASSUMES}" in out
+    assert main(argv) == 0  # the plain estimate says the same floor at --seq_length in its line
+    said = re.search(r"^floor at this shape .*?\): ([\d.]+) MB: ", capsys.readouterr().out, re.M)
+    assert said and abs(float(said[1]) - float(rows[2048][3])) <= 0.05
+
+
+def _tiny_floor(tokens: int, micro: int = 1, **overrides) -> int:
+    from memfit.tools.estimate.floor import floor_estimate
+
+    return floor_estimate(_llama_tiny(), _floor_setup(micro_batch_size=micro, **overrides), tokens)
+
+
+#: (case, flags after the shape, what the error names, what it must not name): llama-tiny at 4 x 2048 tokens, bf16
+#: weights; budgets (bytes less the margin) between the floors that tell the cases apart
+FLOOR_ERROR_CASES = [
+    ("the GPU is short", lambda: ["--memory_budget", str(int((_tiny_floor(2048).total_bytes + _tiny_floor(2048, 4).total_bytes)
+                                                          / 2 / (1 - DEFAULT_MARGIN)))],
+     [r"the floor of llama-tiny at micro-batch 4 x 2,048 tokens is [\d.]+ MiB", r"--max_seq_length \d+ fits",
+      "--per_device_train_batch_size 1 --gradient_accumulation_steps 4", r"LoRA: --use_peft \(--lora_r 16 here\)",
+      r"a budget of at least [\d.]+ MiB \(--memory_budget\)"], ["more host memory"]),
+    ("the host is short", lambda: ["--memory_budget", "1GiB", "--memfit_host_budget", "1MiB"],
+     [r"its pinned host memory, 4.0 MiB \(4 blocks x 1.0 MiB: each block's input, 8,192 tokens x 64 hidden in bf16",
+      r"more host memory: --memfit_host_budget of at least 4.0 MiB"], ["a budget of at least"]),
+    ("the static part is short", lambda: ["--memory_budget", str(_tiny_floor(1).weights_bytes // 2), "--lora_r", "4"],
+     ["a smaller static part", r"Adafactor or 8-bit AdamW \(--optim; --optimizer here\)"], ["--max_seq_length", "--use_peft"]),
+]
+
+
+@pytest.mark.parametrize("case, flags, named, unnamed", FLOOR_ERROR_CASES, ids=[c[0] for c in FLOOR_ERROR_CASES])
+def test_a_floor_that_does_not_fit_names_the_flags_to_change(capsys, monkeypatch, case, flags, named, unnamed):
+    """Where even the floor of the shape asked does not fit, one error names the shape, its floor and the flags that
+    would make it fit: a shorter --max_seq_length, one row at a time, LoRA, more host memory, a larger budget."""
+    from memfit.tools.estimate.floor import FloorTooHighError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    argv = ["--model", "llama-tiny", "--batch_size", "4", "--seq_length", "2048", "--precision", "bf16", "--weights", "bf16",
+            "--floor", *flags()]
+    with pytest.raises(FloorTooHighError, match=named[0]) as raised:
+        main(argv)
+    for words in named[1:]:
+        assert re.search(words, str(raised.value)), (words, str(raised.value))
+    for words in unnamed:
+        assert words not in str(raised.value)
+    capsys.readouterr()
+    assert cli.main(["estimate", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("memfit estimate: error: the floor of llama-tiny"), err

@@ -5,6 +5,8 @@
 * :mod:`memfit.tools.estimate.meta_kernels`: what CUDA's fused kernels save, for the count on the meta device;
 * :mod:`memfit.tools.estimate.advise`: the fastest setups (precision, optimizer, accumulation,
   method) that fit a budget (:func:`advise`);
+* :mod:`memfit.tools.estimate.floor`: the floor of a shape, the smallest cap memfit's treatments reach
+  (:func:`floor_estimate`), per length and the longest a budget admits (:class:`Floors`);
 * :mod:`memfit.tools.estimate.cli`: ``memfit estimate``.
 
 Example:
@@ -14,6 +16,7 @@ Example:
 """
 
 from memfit.tools.estimate.advise import DEFAULT_MARGIN, Advice, NothingFitsError, advise, format_advice, only_chunked_head_fits
+from memfit.tools.estimate.floor import FloorTooHighError, Floors, floor_estimate
 from memfit.tools.estimate.anatomy import (
     CUDA_CONTEXT_BYTES,
     GIB,
@@ -46,4 +49,5 @@ __all__ = [
     "ActivationProfile", "activation_profile", "TrainingSetup", "MemoryEstimate", "backward_phase_bytes", "estimate",
     "format_table", "DEFAULT_MARGIN", "NothingFitsError", "Advice", "advise", "format_advice",
     "HEAD_CHOICES", "LmHead", "lm_head_bytes", "format_head_table", "only_chunked_head_fits",
+    "FloorTooHighError", "Floors", "floor_estimate",
 ]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any
 
-from memfit.engine.budget import Budget
+from memfit.engine.budget import Budget, format_bytes, parse_bytes
 from memfit.errors import ArgumentParser, FlagError
 from memfit.tools.estimate.advise import DEFAULT_MARGIN, NothingFitsError, advise, format_advice
+from memfit.tools.estimate.floor import FloorTooHighError, Floors, floor_lengths, floor_too_high, floor_words, format_floor
 from memfit.cli.tasks import TASKS as TRAIN_TASKS
 from memfit.cli.tasks._common import bundled_config
 from memfit.tools.estimate.anatomy import (
@@ -64,6 +66,11 @@ def _parser() -> ArgumentParser:
     p.add_argument("--memory_budget", help="budget to check: '6GiB' (6*2**30), '6GB' (6*10**9) or bytes; sizes are "
                    "then shown in its unit family (MB/GB, or MiB/GiB)")
     p.add_argument("--advise", action="store_true", help="list the fastest setups that fit --memory_budget")
+    p.add_argument("--floor", action="store_true", help="the floor per sequence length (text models): the smallest cap "
+                   "memfit's treatments reach, every block on host_checkpoint and the LM head chunked the most, from 1k "
+                   "tokens up to --seq_length (or the model's positions), and with --memory_budget the longest it admits")
+    p.add_argument("--memfit_host_budget", help="pinned host memory host_checkpoint may hold, as memfit train's flag "
+                   "('16GiB', '16GB' or bytes): the floor's pinned bytes are checked against it")
     p.add_argument("--top", type=int, default=10, help="setups listed by --advise")
     p.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
                    help="share of --memory_budget that --advise keeps free (allocator fragmentation, estimate error)")
@@ -121,20 +128,30 @@ def what_would_fit(profile: ModelProfile, args: Any, budget: Budget, options: di
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``memfit estimate``: print the breakdown (or, with ``--advise``, the ranked setups).
+    """``memfit estimate``: print the breakdown and the floor at its shape (or, with ``--advise``, the ranked
+    setups; with ``--floor``, the floor per length).
 
     Raises:
         FlagError: a flag value or combination that cannot work.
         NothingFitsError: ``--advise`` and no setup fits the budget (the ``memfit`` command
             prints it in one line and exits 2).
+        FloorTooHighError: ``--floor`` and even the floor of ``--seq_length`` does not fit the budget
+            (NOTE [The floor] in floor.py), after the table; a NothingFitsError too.
     """
     args = _parser().parse_args(argv)
     try:
         budget = None if args.memory_budget is None else Budget.parse(args.memory_budget, "--memory_budget")
+        host_budget = None if args.memfit_host_budget is None else parse_bytes(args.memfit_host_budget, _HOST_FLAG)
     except ValueError as err:
         raise FlagError(str(err)) from None
     if args.advise and budget is None:
         raise FlagError("--advise needs --memory_budget (e.g. 6GiB)")
+    if not 0 <= args.margin < 1:
+        raise FlagError(f"--margin {args.margin}: give a share of the budget in [0, 1)")
+    if args.advise and args.floor:
+        raise FlagError("--advise and --floor: run them apart (--floor prints the floor per length of the setup flags)")
+    if args.floor and args.image_size:
+        raise FlagError("--floor is per sequence length: a text model's (give --seq_length, not --image_size)")
     for flag in ("batch_size", "gradient_accumulation_steps", "seq_length", "num_choices", "image_size"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise FlagError(f"--{flag} {getattr(args, flag)}: give a whole number of at least 1")
@@ -191,10 +208,65 @@ def main(argv: list[str] | None = None) -> int:
         lora_r=args.lora_r,
         head=args.head,
     )
-    print(format_table(estimate(profile, setup, **inputs), budget, title=title))
-    if args.task == "causal-lm" and args.seq_length:
-        print("\n" + format_head_table(profile, setup, args.seq_length, table_unit(budget)))
+    if not args.floor or args.seq_length:  # without a length the estimate asks for one (--floor: up to the model's)
+        print(format_table(estimate(profile, setup, **inputs), budget, title=title))
+        if args.task == "causal-lm" and args.seq_length:
+            print("\n" + format_head_table(profile, setup, args.seq_length, table_unit(budget)))
+    else:
+        print(f"memfit estimate: {profile.name}, {args.task}, batch {args.batch_size}")
+    usable = None if budget is None else int(budget.bytes * (1 - args.margin))
+    floors = Floors(profile, setup, usable, host_budget, **{k: v for k, v in inputs.items() if k != "seq_length"})
+    if args.floor:
+        return _floor(floors, args, budget)
+    if args.seq_length:
+        print("\n" + _floor_line(floors, args, budget))
     return 0
+
+
+def _floor(floors: Floors, args: Any, budget: Budget | None) -> int:
+    """``--floor``: the floor per length, the longest the budget admits (at the micro-batch asked, else one row at a
+    time), and the error when even the floor of ``--seq_length`` does not fit (NOTE [The floor] in floor.py)."""
+    limit = _positions(floors.profile) or args.seq_length
+    if not limit:
+        raise FlagError(f"--floor: {floors.profile.name}'s config names no max_position_embeddings; give --seq_length")
+    longest = None
+    for micro in dict.fromkeys((floors.setup.micro_batch_size, 1) if budget is not None else ()):
+        if (n := floors.longest(limit, micro)) is not None:
+            longest = (n, micro)
+            break
+    print("\n" + format_floor(floors, floor_lengths(args.seq_length or limit), budget, longest, args.margin))
+    why = None if budget is None or not args.seq_length else floor_too_high(
+        floors, args.seq_length, budget, args.margin, limit, _with_lora(args, floors.setup), _HOST_FLAG)
+    if why:
+        raise FloorTooHighError(why)
+    return 0
+
+
+_HOST_FLAG = "--memfit_host_budget"
+
+
+def _positions(profile: ModelProfile) -> int | None:
+    """The longest sequence the model's position embeddings take (``max_position_embeddings``), if it says."""
+    n = getattr(profile.config, "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
+def _with_lora(args: Any, setup: TrainingSetup) -> TrainingSetup | None:
+    """The setup with LoRA r 16, to name in a floor that does not fit; None where LoRA is on or not the task's."""
+    return None if args.lora_r or args.task != "causal-lm" else dataclasses.replace(setup, lora_r=16)
+
+
+def _floor_line(floors: Floors, args: Any, budget: Budget | None) -> str:
+    """The floor at the shape estimated, in one line under its table (NOTE [The floor] in floor.py)."""
+    est = floors.at(args.seq_length)
+    size = budget.size if budget is not None else format_bytes
+    line = (f"floor at this shape (every block on host_checkpoint, its input in pinned host memory, {size(est.host_bytes)} "
+            f"here; the LM head chunked the most): {floor_words(est, size)}; --floor for the floor per length")
+    if budget is None:
+        return line
+    why = floor_too_high(floors, args.seq_length, budget, args.margin, _positions(floors.profile) or args.seq_length,
+                         _with_lora(args, floors.setup), _HOST_FLAG)
+    return line + (f"\nthe floor fits the budget of {budget} less {100 * args.margin:g}%" if why is None else f"\n{why}")
 
 
 if __name__ == "__main__":
