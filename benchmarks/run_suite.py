@@ -119,15 +119,11 @@ def _versions() -> dict:
 
 
 def _commit() -> str:
-    def git(*args: str) -> str:
-        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
-        return out.stdout.strip()
+    """The code as a call starts it, for SOURCE.md (NOTE [What tree_clean counts], provenance.py)."""
+    from memfit.tools.bench.provenance import code_version
 
-    head = git("rev-parse", "--short=7", "HEAD") or "unknown"
-    # Changes to the code count, not those to documentation or published results.
-    changed = git("status", "--porcelain", "--untracked-files=no", "--", "src/memfit",
-                  ":(glob)benchmarks/**/*.py", ":(glob)benchmarks/*.sh")
-    return head + (" with uncommitted changes" if changed else "")
+    version = code_version(ROOT)
+    return (version["commit"] or "unknown") + (" with uncommitted changes" if version["tree_clean"] is False else "")
 
 
 def _now() -> str:
