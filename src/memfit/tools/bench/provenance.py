@@ -51,7 +51,8 @@ def code_version(root: str | Path | None = None) -> dict[str, str | bool | None]
 
     found = git("rev-parse", "--show-toplevel")
     # an installed memfit may sit inside some other repository (a venv in a project): not memfit's code
-    if found is None or Path(found).resolve() != top.resolve() or (root is None and not (top / "src" / "memfit").is_dir()):
+    not_memfit = root is None and not (top / "src" / "memfit").is_dir()
+    if found is None or Path(found).resolve() != top.resolve() or not_memfit:
         return {"commit": None, "tree_clean": None}
     commit = git("rev-parse", "--short=7", "HEAD")
     changed = git("status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS)
