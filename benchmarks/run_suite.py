@@ -152,6 +152,8 @@ def _environment(raw: Path, suite: Suite) -> dict[str, str]:
 
 
 def _run_call(call: Call, raw: Path, env: dict[str, str]) -> dict:
+    from memfit.tools.bench.provenance import CALL_ENV
+
     folder = raw / call.out
     folder.mkdir(parents=True, exist_ok=True)
     log_path = folder / f"{call.name}.log"
@@ -161,8 +163,9 @@ def _run_call(call: Call, raw: Path, env: dict[str, str]) -> dict:
             log.write(f"$ {' '.join(command)}\n")
             log.flush()
             print(f"[{call.name}] {' '.join(command)}", flush=True)
-            proc = subprocess.Popen(command, cwd=ROOT, env={**env, **call.env}, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, errors="replace")
+            # the drivers write the call's name into each line (memfit.tools.bench.provenance)
+            proc = subprocess.Popen(command, cwd=ROOT, env={**env, **call.env, CALL_ENV: call.name},
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
             timer = threading.Timer(call.timeout_s, proc.kill) if call.timeout_s else None
             if timer:
                 timer.start()

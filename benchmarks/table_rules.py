@@ -16,8 +16,8 @@ the row takes every call. Bold goes to the lowest ratio of the row at the row's 
 method it is.
 
 # NOTE [A line's call and commit]
-Lines written since ``memfit.tools.bench.provenance`` carry ``commit`` and ``tree_clean``; older
-lines carry neither, nor their call. Each results folder's ``SOURCE.md`` says which lines each call
+Lines written since ``memfit.tools.bench.provenance`` carry ``commit`` and ``tree_clean``, and
+``call`` when ``run_suite.py`` ran them; older lines carry none of them. Each results folder's ``SOURCE.md`` says which lines each call
 wrote and at which commit, in a table under the heading ``## Calls and commits`` (``lines``, ``call``,
 ``commit``, ``tree``: ``changed`` when the call ran with code changes its commit lacks, ``clean``, or
 empty when not recorded); the reader here gives every line its call and, where the line has none,

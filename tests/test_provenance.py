@@ -1,13 +1,15 @@
-"""memfit.tools.bench.provenance: every new result line carries the commit it ran and whether its code
-was committed (NOTE [What tree_clean counts]); loop_bench and memfit bench write both."""
+"""memfit.tools.bench.provenance: every new result line carries the commit it ran, whether its code
+was committed (NOTE [What tree_clean counts]) and the suite call that ran it; loop_bench and memfit
+bench write them, run_suite names the call."""
 
 import argparse
 import importlib.util
 import subprocess
+import sys
 from pathlib import Path
 
 from memfit.tools.bench import matrix
-from memfit.tools.bench.provenance import code_version
+from memfit.tools.bench.provenance import CALL_ENV, code_version, provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,12 +39,26 @@ def test_outside_a_checkout_both_are_unknown(tmp_path):
     assert code_version(tmp_path) == {"commit": None, "tree_clean": None}
 
 
-def test_the_drivers_lines_carry_the_commit_of_this_checkout():
-    expected = code_version(ROOT)
-    assert expected == code_version()  # memfit runs from this checkout (PYTHONPATH=src)
-    assert {k: matrix._versions()[k] for k in ("commit", "tree_clean")} == expected
-    spec = importlib.util.spec_from_file_location("loop_bench", ROOT / "benchmarks" / "loop_bench.py")
-    loop_bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(loop_bench)
-    versions = loop_bench._versions(argparse.Namespace(device="cpu"))
-    assert {k: versions[k] for k in ("commit", "tree_clean")} == expected
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_drivers_lines_carry_the_commit_of_this_checkout_and_the_call(monkeypatch):
+    monkeypatch.setenv(CALL_ENV, "ft-r0")
+    expected = {**code_version(ROOT), "call": "ft-r0"}
+    assert expected == provenance()  # memfit runs from this checkout (PYTHONPATH=src)
+    assert {k: matrix._versions()[k] for k in expected} == expected
+    versions = _load("loop_bench")._versions(argparse.Namespace(device="cpu"))
+    assert {k: versions[k] for k in expected} == expected
+    monkeypatch.delenv(CALL_ENV)
+    assert provenance()["call"] is None  # a driver run by hand
+
+
+def test_run_suite_tells_each_command_its_call(tmp_path):
+    run_suite = _load("run_suite")
+    echo = [sys.executable, "-c", f"import os; print('call:', os.environ['{CALL_ENV}'])"]
+    run_suite._run_call(run_suite.Call("tc-fits", [echo]), tmp_path, {})
+    assert "call: tc-fits" in (tmp_path / "tc-fits" / "tc-fits.log").read_text()

@@ -67,6 +67,7 @@ RESULT_FIELDS = (
 OPTIONAL_RESULT_FIELDS = (
     "repeat", "warmup_steps", "planner_us_per_step", "steps_file", "eval_metric", "eval_value", "note",
     "peer_metrics", "paired_with", "paired_step_ratio", "paired_sum_ratio", "steady_step_ms", "commit", "tree_clean",
+    "call",
 )
 # skipped: a peer that cannot run on that machine (not installed, needs CUDA); time_limit: a
 # configuration a bench stopped before its last step (its time limit)

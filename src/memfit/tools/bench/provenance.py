@@ -1,5 +1,6 @@
-"""Which code a benchmark line measured: the commit of memfit's checkout and whether its code was
-committed (``commit``, ``tree_clean``), written into every line the benchmark drivers write.
+"""Which code and which call a benchmark line measured: the commit of memfit's checkout, whether its
+code was committed, and the suite call that ran it (``commit``, ``tree_clean``, ``call``), written
+into every line the benchmark drivers write (:func:`provenance`).
 
 # NOTE [What tree_clean counts]
 A line's ``tree_clean`` is False when ``git status --porcelain`` lists a change to the code (under
@@ -12,10 +13,14 @@ next line. Outside a git checkout (memfit installed as a package, a copy of the 
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
-__all__ = ["CODE_PATHS", "code_version"]
+__all__ = ["CALL_ENV", "CODE_PATHS", "code_version", "provenance"]
+
+#: The environment variable ``benchmarks/run_suite.py`` sets to the name of the call it runs.
+CALL_ENV = "MEMFIT_BENCH_CALL"
 
 #: The pathspecs whose uncommitted changes make a line's code not its commit's (NOTE [What tree_clean counts]).
 CODE_PATHS = ("src/memfit", ":(glob)benchmarks/**/*.py", ":(glob)benchmarks/*.sh")
@@ -57,3 +62,9 @@ def code_version(root: str | Path | None = None) -> dict[str, str | bool | None]
     commit = git("rev-parse", "--short=7", "HEAD")
     changed = git("status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS)
     return {"commit": commit, "tree_clean": None if commit is None or changed is None else changed == ""}
+
+
+def provenance() -> dict[str, str | bool | None]:
+    """What a result line says of its origin: :func:`code_version`'s ``commit`` and ``tree_clean``, and
+    ``call``, the suite call that ran it (:data:`CALL_ENV`; None outside ``run_suite.py``)."""
+    return {**code_version(), "call": os.environ.get(CALL_ENV) or None}
