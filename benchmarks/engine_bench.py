@@ -81,11 +81,14 @@ def _versions() -> dict:
     import torch
     import transformers
 
+    from memfit.tools.bench.provenance import provenance
+
     return {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
+        **provenance(),
     }
 
 

@@ -311,8 +311,10 @@ def _versions(args) -> dict:
     import torch
     import transformers
 
+    from memfit.tools.bench.provenance import provenance
+
     device = torch.cuda.get_device_name() if args.device == "cuda" else args.device
-    out = {"device": device, "torch": torch.__version__, "transformers": transformers.__version__}
+    out = {"device": device, "torch": torch.__version__, "transformers": transformers.__version__, **provenance()}
     if args.device == "cuda":  # at the configuration's end: memfit turns it off where it failed (replay.py)
         out["cudnn_sdpa"] = torch.backends.cuda.cudnn_sdp_enabled()
     return out

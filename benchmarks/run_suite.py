@@ -119,15 +119,11 @@ def _versions() -> dict:
 
 
 def _commit() -> str:
-    def git(*args: str) -> str:
-        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
-        return out.stdout.strip()
+    """The code as a call starts it, for SOURCE.md (NOTE [What tree_clean counts], provenance.py)."""
+    from memfit.tools.bench.provenance import code_version
 
-    head = git("rev-parse", "--short=7", "HEAD") or "unknown"
-    # Changes to the code count, not those to documentation or published results.
-    changed = git("status", "--porcelain", "--untracked-files=no", "--", "src/memfit",
-                  ":(glob)benchmarks/**/*.py", ":(glob)benchmarks/*.sh")
-    return head + (" with uncommitted changes" if changed else "")
+    version = code_version(ROOT)
+    return (version["commit"] or "unknown") + (" with uncommitted changes" if version["tree_clean"] is False else "")
 
 
 def _now() -> str:
@@ -156,6 +152,8 @@ def _environment(raw: Path, suite: Suite) -> dict[str, str]:
 
 
 def _run_call(call: Call, raw: Path, env: dict[str, str]) -> dict:
+    from memfit.tools.bench.provenance import CALL_ENV
+
     folder = raw / call.out
     folder.mkdir(parents=True, exist_ok=True)
     log_path = folder / f"{call.name}.log"
@@ -165,8 +163,9 @@ def _run_call(call: Call, raw: Path, env: dict[str, str]) -> dict:
             log.write(f"$ {' '.join(command)}\n")
             log.flush()
             print(f"[{call.name}] {' '.join(command)}", flush=True)
-            proc = subprocess.Popen(command, cwd=ROOT, env={**env, **call.env}, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, errors="replace")
+            # the drivers write the call's name into each line (memfit.tools.bench.provenance)
+            proc = subprocess.Popen(command, cwd=ROOT, env={**env, **call.env, CALL_ENV: call.name},
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
             timer = threading.Timer(call.timeout_s, proc.kill) if call.timeout_s else None
             if timer:
                 timer.start()

@@ -2,7 +2,8 @@
 through the planned head with ``num_items_in_batch`` over a gradient-accumulation window (weights
 equal a plain ``transformers.Trainer``'s within float32 tolerance), ``--memfit_head`` on the
 command line (the start line names the head's treatment; a bad value is one line, exit 2), and
-TRL's ``SFTTrainer`` leaves the head to TRL and says so (NOTE [TRL's loss and memfit's head])."""
+TRL's ``SFTTrainer`` plans it too, ``--memfit_head keep`` leaving it to TRL's loss (NOTE [TRL's loss
+through memfit's head])."""
 
 from __future__ import annotations
 
@@ -100,10 +101,9 @@ def test_cli_start_line_names_the_head_and_a_bad_value_is_one_line(tmp_path, cap
     assert len(err) == 1 and "--memfit_head 'chunky'" in err[0] and "Traceback" not in err[0]
 
 
-def test_trl_sft_trainer_leaves_the_head_to_trl_and_says_so(tmp_path, capsys):
+def test_trl_sft_trainer_plans_the_head_and_keep_leaves_it_to_trls_loss(tmp_path, capsys):
     pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
-    from memfit.errors import FlagError
     from memfit.trl import SFTConfig, SFTTrainer
 
     from _models import FIXTURES
@@ -112,16 +112,20 @@ def test_trl_sft_trainer_leaves_the_head_to_trl_and_says_so(tmp_path, capsys):
 
     tokenizer = lm_tokenizer(ModelArguments(tokenizer_name=str(minilm_path())))
     rows = datasets.Dataset.from_list([json.loads(line) for line in (FIXTURES / "sft" / "chat.jsonl").read_text().splitlines()])
-    torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(tf.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                               intermediate_size=37, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                                               use_cache=False))
-    args = SFTConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, use_cpu=True, report_to="none",
-                     save_strategy="no", bf16=False, memory_budget="1GB", memfit_method="dynamic")
-    trainer = SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer)
-    assert trainer.memfit.head.part is None and "LM head left to TRL" in trainer.memfit.head.words
-    trainer.train()
-    assert "LM head left to TRL" in capsys.readouterr().err
-    assert all("head" not in r.treatments for r in trainer.memfit.records)
-    with pytest.raises(FlagError, match="--memfit_head plan"):
-        SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", memfit_head="plan")
+
+    def trainer(head):
+        torch.manual_seed(0)
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                                   intermediate_size=37, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                                                   use_cache=False))
+        args = SFTConfig(output_dir=str(tmp_path / head), max_steps=2, per_device_train_batch_size=4, use_cpu=True, report_to="none",
+                         save_strategy="no", bf16=False, memory_budget="1GB", memfit_method="dynamic", memfit_head=head)
+        return SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer)
+
+    auto = trainer("auto")
+    auto.train()
+    assert "LM head planned per batch" in capsys.readouterr().err
+    assert all("head" in r.treatments for r in auto.memfit.records)
+    assert trainer("plan").memfit.head.part is not None
+    keep = trainer("keep")
+    assert keep.memfit.head.part is None and keep.memfit.head.words.startswith("LM head left to TRL's loss (")

@@ -142,7 +142,7 @@ def test_the_host_pool_has_a_limit_with_a_clear_error():
     model.train()
     ctl = memfit.fit(model, budget=None, method=FixedPlan(Plan((0,), kinds=("offload",))), treatments=("recompute", "offload"))
     ctl.treatments["offload"].min_bytes = 0
-    ctl.treatments["offload"]._max_host_bytes = 1024
+    ctl.treatments["offload"].pool.max_bytes = 1024  # the run's one pool (NOTE [Host budget])
     with pytest.raises(HostMemoryError, match="need .* GiB of pinned host memory, over the host budget"):
         _step(model, make_batch(2, 16), 0)
     ctl.remove()

@@ -15,7 +15,8 @@ one line as training starts and a short summary at its end (summary_text.py).
 The memfit behaviour lives in two mixins, so that any ``transformers.Trainer`` subclass can
 have it: :class:`MemfitArguments` (the flags) and :class:`MemfitTrainerMixin` (hooks, OOM
 replay, records). ``Trainer`` is the mixin on ``transformers.Trainer``; :func:`with_memfit`
-puts it on another Trainer class (``memfit.trl.SFTTrainer`` is TRL's ``SFTTrainer`` with it).
+puts it on another Trainer class (``memfit.trl.SFTTrainer`` is TRL's ``SFTTrainer`` with it, computing
+TRL's loss through memfit's head).
 
 # NOTE [OOM replay]
 ``training_step`` runs every micro-batch through the controller's replayer
@@ -56,7 +57,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import transformers
@@ -368,10 +369,6 @@ class MemfitTrainerMixin:
         memfit: the :class:`~memfit.engine.Controller` hooked on the model.
     """
 
-    #: who computes the loss instead of the model's head, where this Trainer class does (TRL's SFTTrainer):
-    #: memfit then leaves the head to it and says so in the start line (NOTE [The head by default])
-    memfit_head_owner: ClassVar[str | None] = None
-
     def __init__(self, *args: Any, memfit_method: Method | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         a = self.args
@@ -415,10 +412,10 @@ class MemfitTrainerMixin:
         self.add_callback(_MemfitCallback(self))
 
     def _loss_owner(self) -> str | None:
-        """Who computes the loss instead of the model's head: :attr:`memfit_head_owner`, or a Trainer class
-        that overrides ``compute_loss`` (it may read ``outputs.logits``, which a chunked head does not make)."""
-        if self.memfit_head_owner:
-            return self.memfit_head_owner
+        """Who computes the loss instead of the model's head, or None: memfit then leaves the head to it and
+        says so in the start line (NOTE [The head by default]). Here a Trainer class that overrides
+        ``compute_loss`` (it may read ``outputs.logits``, which a chunked head does not make); a class that
+        knows its loss overrides this (``memfit.trl.SFTTrainer``: NOTE [TRL's loss through memfit's head])."""
         overridden = type(self).compute_loss is not transformers.Trainer.compute_loss
         return f"{type(self).__name__}.compute_loss" if overridden else None
 

@@ -15,7 +15,9 @@ of its knob) and PNG plots: peak memory vs input size, time vs budget, and the
 treatment the records hold, the LM head's beside the blocks': NOTE [A colour per treatment]). Units: each table and plot shows sizes in the
 unit its budget was given in, GiB without one (NOTE [One unit per table]; NOTE [A budget in the
 unit it was given], summary_text.py). Warm-up steps are counted in the tables and drawn as
-crosses in the peak plot; steps over their budget are ringed in red.
+crosses in the peak plot; steps over their budget are ringed in red. Other readers of the same lines
+(``benchmarks/tables.py``, the README's tables) take them from :func:`read_results` and group them
+with :func:`table_key` and :func:`group_rows`, so that a ratio means the same in both.
 
 # NOTE [Peer sweeps]
 A peer whose knob is relative, not bytes (``compile-F``: torch.compile's activation memory
@@ -50,7 +52,10 @@ from memfit.engine.records import (
 from memfit.engine.treatments import BY_PART, KEEP, in_registry_order
 from memfit.engine.summary_text import given_unit, size_in_given_unit
 
-__all__ = ["RESULT_FIELDS", "OPTIONAL_RESULT_FIELDS", "build_report", "main"]
+__all__ = [
+    "RESULT_FIELDS", "OPTIONAL_RESULT_FIELDS", "Result", "Row", "TableKey", "build_report", "group_rows", "main",
+    "read_results", "reference_row", "table_key",
+]
 
 GIB = 2**30
 #: Fields every line of ``results.jsonl`` must have (``budget_bytes`` is null when uncapped).
@@ -61,7 +66,8 @@ RESULT_FIELDS = (
 #: Fields a result line may have.
 OPTIONAL_RESULT_FIELDS = (
     "repeat", "warmup_steps", "planner_us_per_step", "steps_file", "eval_metric", "eval_value", "note",
-    "peer_metrics", "paired_with", "paired_step_ratio", "paired_sum_ratio",
+    "peer_metrics", "paired_with", "paired_step_ratio", "paired_sum_ratio", "steady_step_ms", "commit", "tree_clean",
+    "call",
 )
 # skipped: a peer that cannot run on that machine (not installed, needs CUDA); time_limit: a
 # configuration a bench stopped before its last step (its time limit)
@@ -72,13 +78,15 @@ _DASH = "—"
 
 
 @dataclass(frozen=True, eq=False)
-class _Result:
+class Result:
     """One line of ``results.jsonl``: one configuration, one repeat."""
 
     data: dict[str, Any]
     """The line's fields."""
     source: Path
     """The results file it came from."""
+    line: int = 0
+    """Its line number in ``source`` (1 for the first)."""
     median_step_ms: float | None = None
     """Median ``step_ms`` of the step records its ``steps_file`` names, times their micro-steps
     per optimizer step (None without them)."""
@@ -90,7 +98,7 @@ class _Result:
 
 
 @dataclass(frozen=True, order=True)
-class _TableKey:
+class TableKey:
     """What a table holds fixed: results are comparable only within one table."""
 
     task: str
@@ -112,18 +120,18 @@ class _TableKey:
 
 
 @dataclass
-class _Row:
+class Row:
     """The repeats of one (method, budget) configuration in one table."""
 
     method: str
     """Method (or peer / saver) name."""
     budget_bytes: int | None
     """Budget, ``None`` when uncapped."""
-    results: list[_Result]
+    results: list[Result]
     """One result per repeat."""
 
     @property
-    def ok(self) -> list[_Result]:
+    def ok(self) -> list[Result]:
         return [r for r in self.results if r.status == "ok"]
 
     @property
@@ -189,7 +197,7 @@ def _method_rank(method: str) -> tuple[int, str]:
     return (_METHOD_ORDER.index(method), "") if method in _METHOD_ORDER else (len(_METHOD_ORDER), method)
 
 
-def _row_order(row: _Row) -> tuple:
+def _row_order(row: Row) -> tuple:
     return (_method_rank(row.method), row.budget_bytes is not None, row.budget_bytes or 0)
 
 
@@ -234,7 +242,7 @@ def _numbered(path: Path) -> Iterable[tuple[int, Any]]:
         raise DataError(str(err)) from None
 
 
-def _read_results(path: Path) -> list[_Result]:
+def _read_results(path: Path) -> list[Result]:
     results = []
     for line, data in _numbered(path):
         where = f"{path}:{line}"
@@ -245,7 +253,7 @@ def _read_results(path: Path) -> list[_Result]:
             raise DataError(f"{where}: missing field(s) {', '.join(missing)}; every line needs {', '.join(RESULT_FIELDS)}")
         if data["status"] not in _STATUSES:
             raise DataError(f"{where}: status {data['status']!r} is not one of {', '.join(_STATUSES)}")
-        results.append(_Result(data, path))
+        results.append(Result(data, path, line))
     return results
 
 
@@ -261,11 +269,29 @@ def _read_steps(path: Path) -> list[StepRecord]:
     return records
 
 
-def _table_key(r: _Result) -> _TableKey:
-    return _TableKey(str(r.task), str(r.model), str(r.device), int(r.batch_size), int(r.steps))
+def table_key(r: Result) -> TableKey:
+    """What ``r`` shares with the results it may be compared with: one table of the report."""
+    return TableKey(str(r.task), str(r.model), str(r.device), int(r.batch_size), int(r.steps))
 
 
-def _load(root: Path) -> tuple[list[_Result], list[_StepRun], list[str]]:
+def read_results(input_dir: str | Path) -> list[Result]:
+    """Every bench result under ``input_dir``, as ``memfit report`` reads them (files and lines in
+    sorted order; ``median_step_ms`` from the step records a line names).
+
+    Args:
+        input_dir: folder searched recursively for ``results.jsonl`` (or ``.gz``) and step records.
+
+    Returns:
+        One :class:`Result` per line; group them with :func:`table_key` and :func:`group_rows`.
+
+    Raises:
+        MissingFileError: no bench results or step records under ``input_dir``.
+        DataError: a malformed line (the file and line named).
+    """
+    return _load(Path(input_dir).resolve())[0]
+
+
+def _load(root: Path) -> tuple[list[Result], list[_StepRun], list[str]]:
     """Bench results, step runs and notes on skipped inputs, all in sorted order."""
     result_files = sorted(  # compressed after the run, as step records may be
         (p for name in ("results.jsonl", "results.jsonl.gz") for p in root.rglob(name) if p.is_file()),
@@ -281,7 +307,7 @@ def _load(root: Path) -> tuple[list[_Result], list[_StepRun], list[str]]:
             "pass the folder that `memfit bench` or `memfit train` wrote"
         )
     results = [r for f in result_files for r in _read_results(f)]
-    linked: dict[str, _Result] = {}
+    linked: dict[str, Result] = {}
     skipped = []
     for r in results:
         if r.steps_file:
@@ -304,7 +330,7 @@ def _load(root: Path) -> tuple[list[_Result], list[_StepRun], list[str]]:
             continue
         result = linked.get(name)
         folder = Path(name).parent.as_posix() if "/" in name else root.name
-        group, stem = (_table_key(result).title(), _table_key(result).slug()) if result else (folder, _slug(folder))
+        group, stem = (table_key(result).title(), table_key(result).slug()) if result else (folder, _slug(folder))
         repeat = int(result.repeat or 0) if result else 0
         runs.append(_StepRun(name, tuple(records), summarize(records), group, stem, repeat,
                              result.method if result else None))
@@ -319,14 +345,15 @@ def _load(root: Path) -> tuple[list[_Result], list[_StepRun], list[str]]:
 # ---------------------------------------------------------------------------------- tables
 
 
-def _rows(results: Iterable[_Result]) -> list[_Row]:
-    rows: dict[tuple[str, int | None], _Row] = {}
+def group_rows(results: Iterable[Result]) -> list[Row]:
+    """``results`` (of one table: :func:`table_key`) grouped by method and budget, in table order."""
+    rows: dict[tuple[str, int | None], Row] = {}
     for r in results:
-        rows.setdefault((r.method, r.budget_bytes), _Row(r.method, r.budget_bytes, [])).results.append(r)
+        rows.setdefault((r.method, r.budget_bytes), Row(r.method, r.budget_bytes, [])).results.append(r)
     return sorted(rows.values(), key=_row_order)
 
 
-def _reference(rows: Sequence[_Row]) -> _Row | None:
+def reference_row(rows: Sequence[Row]) -> Row | None:
     """The uncapped ``none`` row: the speed reference of its table."""
     return next((r for r in rows if r.method == "none" and r.budget_bytes is None and r.median_s), None)
 
@@ -335,7 +362,7 @@ def _ratio(value: float | None, ref: float | None) -> str:
     return _DASH if value is None or not ref else f"{value / ref:.2f}×"
 
 
-def _methods_table(rows: Sequence[_Row], ref: _Row | None) -> list[str]:
+def _methods_table(rows: Sequence[Row], ref: Row | None) -> list[str]:
     unit = _unit(row.budget_bytes for row in rows)
     lines = [
         f"| method | budget | median time (s) | vs none | median step (ms) | step vs none | max peak ({unit[0]}) "
@@ -360,7 +387,7 @@ def _methods_table(rows: Sequence[_Row], ref: _Row | None) -> list[str]:
     return lines
 
 
-def _savers_table(rows: Sequence[_Row], ref: _Row | None) -> list[str]:
+def _savers_table(rows: Sequence[Row], ref: Row | None) -> list[str]:
     savers = [r for r in rows if any(x.eval_metric for x in r.results)]
     if not savers:
         return []
@@ -396,9 +423,9 @@ def _savers_table(rows: Sequence[_Row], ref: _Row | None) -> list[str]:
 _SETTING = re.compile(r"^(?P<peer>.+)-(?P<setting>\d+(?:\.\d+)?)$")
 
 
-def _sweeps_table(rows: Sequence[_Row], ref: _Row | None) -> list[str]:
+def _sweeps_table(rows: Sequence[Row], ref: Row | None) -> list[str]:
     """Per swept peer and budget, the fastest setting within the budget (NOTE [Peer sweeps])."""
-    sweeps: dict[tuple[str, int], list[tuple[float, _Row]]] = {}
+    sweeps: dict[tuple[str, int], list[tuple[float, Row]]] = {}
     for row in rows:
         match = _SETTING.match(row.method)
         if match and row.budget_bytes is not None:
@@ -433,7 +460,7 @@ def _sweeps_table(rows: Sequence[_Row], ref: _Row | None) -> list[str]:
     return lines
 
 
-def _paired_table(rows: Sequence[_Row]) -> list[str]:
+def _paired_table(rows: Sequence[Row]) -> list[str]:
     """Runs timed step by step in turn with another in one process (``paired_with``): per repeat,
     the median of their per-step time ratios and the ratio of their summed steady steps."""
     paired = [(row, r) for row in rows for r in row.results if r.paired_step_ratio is not None]
@@ -640,7 +667,7 @@ def _color(method: str, methods: Sequence[str]) -> Any:
     return f"C{i}" if i < 10 else matplotlib.colormaps["tab20"](2 * (i - 10) + 1)
 
 
-def _plot_time_vs_budget(key: _TableKey, rows: Sequence[_Row], ref: _Row | None, path: Path) -> None:
+def _plot_time_vs_budget(key: TableKey, rows: Sequence[Row], ref: Row | None, path: Path) -> None:
     fig = _figure(figsize=(8, 4.5), layout="constrained")
     ax = fig.add_subplot()
     methods = sorted({r.method for r in rows}, key=_method_rank)
@@ -906,17 +933,17 @@ def build_report(input_dir: str | Path, output_dir: str | Path | None = None) ->
 
     lines = ["# memfit report", ""]
     lines.append(f"{len(results)} bench results and {len(runs)} step-record files under the input folder.")
-    tables: dict[_TableKey, list[_Result]] = {}
+    tables: dict[TableKey, list[Result]] = {}
     for r in results:
-        tables.setdefault(_table_key(r), []).append(r)
+        tables.setdefault(table_key(r), []).append(r)
     keys = sorted(tables)
     with matplotlib.style.context("default"):
         if keys:
             lines += ["", _LEGEND]
-        plot_names = _unique_names(keys, _TableKey.slug)
+        plot_names = _unique_names(keys, TableKey.slug)
         for key in keys:
-            rows = _rows(tables[key])
-            ref = _reference(rows)
+            rows = group_rows(tables[key])
+            ref = reference_row(rows)
             versions = sorted({f"torch {r.torch}, transformers {r.transformers}" for r in tables[key]})
             lines += ["", f"## {key.title()}", "", f"Software: {'; '.join(versions)}.", ""]
             lines += _methods_table(rows, ref)

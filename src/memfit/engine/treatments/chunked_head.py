@@ -609,7 +609,7 @@ def attach_head_part(
     on the root's output (memfit's loss), so each chunk's recompute reads the whole weight and its
     gradient reaches the root's reduce-scatter like the model's own; where ``lm_head`` is a unit of
     its own, NOTE [The head as its own FSDP unit] (head.py). A training forward
-    without ``labels`` (the caller computes the loss, as TRL does) drops the head from the plans
+    without ``labels`` (the caller computes the loss from the logits) drops the head from the plans
     for the rest of the run, said once (:meth:`RunHead.leave`). ``True`` plans it whatever
     the method, and raises where memfit cannot: under a method that does not plan per batch
     (``none``, ``full``) each step's plan names no head, so every step chunks it (NOTE [A plan

@@ -9,4 +9,6 @@ Not part of what users train with: ``memfit bench`` and the suites in ``benchmar
   by ``memfit train`` with memfit only measuring;
 * :mod:`memfit.tools.bench.oracle`: per shape, the fewest first blocks that fit, found by a sweep
   of the run's own batches (what ``dynamic`` is judged against).
+* :mod:`memfit.tools.bench.provenance`: the commit a result line ran, whether its code was
+  committed and the suite call that ran it (``commit``, ``tree_clean``, ``call``), written into every line.
 """

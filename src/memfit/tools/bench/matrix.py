@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 
 from memfit.tools.bench.peers import PEER_FILE
+from memfit.tools.bench.provenance import provenance
 from memfit.errors import ArgumentParser, FlagError
 from memfit.engine.methods import METHODS
 
@@ -219,12 +220,14 @@ def warm_gpu(seconds: float) -> None:
     torch.cuda.empty_cache()
 
 
-def _versions() -> dict[str, str]:
+def _versions() -> dict[str, str | bool | None]:
+    """What a result line says of the software it ran: device, torch, transformers, the code's commit
+    and the suite call (NOTE [What tree_clean counts], provenance.py)."""
     import torch
     import transformers
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-    return {"device": device, "torch": torch.__version__, "transformers": transformers.__version__}
+    return {"device": device, "torch": torch.__version__, "transformers": transformers.__version__, **provenance()}
 
 
 def _run(config: Config, args: argparse.Namespace, extra: list[str], runs: str = "runs") -> dict:
