@@ -55,11 +55,8 @@ def test_every_flag_with_fixed_choices_names_them_all():
 def test_the_default_treatments_in_the_help_are_those_offered():
     """``--memfit_treatments auto``'s help names every treatment that offers itself by default somewhere
     (its class overrides ``Treatment.by_default``), and recompute, which every run has."""
-    from memfit.engine.treatments import Treatment
-
     offered = {name for name, t in TREATMENTS.items() if t.__dict__.get("by_default") is not None} | {"recompute"}
     assert "elementwise" in offered and "host_checkpoint" in offered
     default_part = _helps()["memfit_treatments"].split("Default: auto", 1)[-1]
     for name in offered:
         assert re.search(rf"\b{name}\b", default_part), f"--memfit_treatments' default omits {name}"
-    assert Treatment.__dict__["by_default"] is not None

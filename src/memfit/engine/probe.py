@@ -48,6 +48,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from memfit.engine.accounting import ProbeCounter, SavedTensorCounter
 from memfit.engine.blocks import Block, without_cache
+from memfit.engine.shapes import first_tensor
 from memfit.engine.treatments import Treatment, TreatmentSpec, resolve
 
 __all__ = [
@@ -346,7 +347,7 @@ def probe_warmup(
 
 def first_tensor_length(args: tuple, kwargs: dict[str, Any]) -> int:
     """The sequence length of a block's input (its first tensor's second dimension; 0 without one)."""
-    x = next((t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+    x = first_tensor(args, kwargs)
     return int(x.shape[1]) if x is not None and x.dim() >= 2 else 0
 
 
@@ -354,7 +355,7 @@ def cut_length(args: tuple, kwargs: dict[str, Any], budget_bytes: int | None, de
     """The length a step's probes run at (NOTE [Probing on a cut]): 0 (the whole input) where its estimated
     need fits half of what the budget leaves free once ``n_blocks`` hold an input each, or no cap is known;
     else the longest that does."""
-    x = next((t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+    x = first_tensor(args, kwargs)
     if budget_bytes is None or device.type != "cuda" or x is None or x.dim() < 3:
         return 0
     length = int(x.shape[1])
@@ -367,7 +368,7 @@ def cut_length(args: tuple, kwargs: dict[str, Any], budget_bytes: int | None, de
 
 def _cut(args: tuple, kwargs: dict[str, Any], length: int) -> tuple[tuple, dict[str, Any]]:
     """The inputs cut to the first ``length`` positions of the sequence (NOTE [Probing on a cut])."""
-    x = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point())
+    x = first_tensor(args, kwargs)
     full = int(x.shape[1])
 
     def cut(t: Any) -> Any:

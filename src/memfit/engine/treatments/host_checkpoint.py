@@ -82,6 +82,12 @@ class HostCheckpoint(Offload):
 
     def _forward(self, block: "Block", args: tuple, kwargs: dict[str, Any]) -> Any:
         self._input = first_tensor(args, kwargs)
+        try:
+            return self._checkpoint(block, args, kwargs)
+        finally:
+            self._input = None  # held past the block's forward, it would keep the input on the device
+
+    def _checkpoint(self, block: "Block", args: tuple, kwargs: dict[str, Any]) -> Any:
         if self.counter is not None and self.counter.active:
             for t in tree_leaves((args, kwargs)):  # what stays (the input is counted by the pack hook if it stays)
                 if isinstance(t, torch.Tensor) and t is not self._input:
