@@ -40,14 +40,14 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
     gemma30 = Call("gemma2-lora-30", [script(
         ctx, "loop_bench.py", "--model", "gemma-2-2b", "--lora", "--lengths", "sft", "--batch", 8,
         "--steps", 4 if ctx.quick else 30, "--steady_from", 2 if ctx.quick else 8, "--budgets", "--budget_gb", GIB22,
-        "--repeats", suite.repeats, "--no_cudnn_sdpa", "--time_limit_s", 200, "--config_time_limit_s", 90,
+        "--repeats", suite.repeats, "--no_cudnn_sdpa", "--time_limit_s", 450, "--config_time_limit_s", 150,
         "--methods", "dynamic+auto", "hf-every-1+liger", "--output_dir", ctx.folder("gemma2-lora-30"))],
-        folder="gemma2-lora-30", timeout_s=250)
+        folder="gemma2-lora-30", timeout_s=540)
     long = Call("llama8b-long", [script(
         ctx, "loop_bench.py", "--model", "Llama-3.1-8B", "--lora", "--lengths", "fixed:16384,32768", "--batch", 1,
         "--steps", 4 if ctx.quick else 8, "--steady_from", 2, "--budgets", "--budget_gb", GIB24,
-        "--repeats", suite.repeats, "--no_cudnn_sdpa", "--time_limit_s", 240, "--config_time_limit_s", 100,
+        "--repeats", suite.repeats, "--no_cudnn_sdpa", "--time_limit_s", 500, "--config_time_limit_s", 120,
         "--methods", "dynamic+auto", "hf-every-1+liger", "hf-offload",
         "--output_dir", ctx.folder("llama8b-long"))],
-        folder="llama8b-long", timeout_s=300)
+        folder="llama8b-long", timeout_s=560)
     return [gemma, gemma30, long]
