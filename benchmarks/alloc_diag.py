@@ -40,7 +40,7 @@ def child(args) -> None:
     import loop_bench
 
     import memfit
-    import memfit.engine.room as room
+    import memfit.engine.plan.room as room
 
     if args.variant == "es-noslack":
         room.RETRY_SLACK_SHARE = 0.0

@@ -17,8 +17,8 @@ import transformers
 
 import memfit
 from loop_bench import _replay
-from memfit.engine.planner import Plan
-from memfit.cli.tasks._common import CONFIGS_DIR
+from memfit.engine.plan.planner import Plan
+from memfit.tasks._common import CONFIGS_DIR
 
 out = {}
 for dtype in ("bfloat16", "float32"):

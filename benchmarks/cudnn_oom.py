@@ -1,5 +1,5 @@
 """What cuDNN's attention is worth, and whether it survives an OOM (NOTE [cuDNN attention after an
-OOM], memfit/engine/replay.py). CUDA only.
+OOM], memfit/engine/run/replay.py). CUDA only.
 
 1. Speed: forward + backward of causal ``scaled_dot_product_attention`` (bf16) under each backend
    (cuDNN, flash, memory-efficient), median of ``--repeats`` timed runs after warm-up, at the

@@ -13,7 +13,7 @@ configuration is ``MODEL[+lora]/METHOD[@SHARE][:STEPS][#BATCH]``:
 * METHOD: ``none`` (uncapped, memfit measuring only: the speed reference, and its per-rank peak,
   the largest over the ranks, gives the caps of the same model's other configurations),
   ``full``, ``static``, ``dynamic`` (memfit hooked after sharding, every micro-step through
-  ``ctl.run_step``: NOTE [Replay under FSDP] in memfit/engine/replay.py), and the peers, memfit
+  ``ctl.run_step``: NOTE [Replay under FSDP] in memfit/engine/run/replay.py), and the peers, memfit
   only measuring: ``accelerate-ac`` (Accelerate's FSDP2 activation checkpointing,
   ``fsdp_activation_checkpointing``), ``accelerate-ac-offload`` (the same with its CPU offload),
   ``hf-ckpt`` (Hugging Face's ``gradient_checkpointing_enable``).
@@ -28,7 +28,7 @@ lengths (seeded by rank, the same in every configuration), AdamW (torch's defaul
 # NOTE [One launch, many configurations]
 Rule 1. Before training, the ranks agree (one all-reduce) whether the cap holds the static
 need (weights, gradients, AdamW state and its step's temporaries: NOTE [Optimizer step
-transient] in memfit/engine/optim_state.py); if not, every rank skips the configuration.
+transient] in memfit/engine/parts/optim_state.py); if not, every rank skips the configuration.
 Rule 2. After each step the ranks agree whether the configuration's time limit
 (``--config_limit_s``) has passed; if so all stop it together and keep the steps done.
 Rule 3. Any error on a rank (an OOM a peer cannot survive, one memfit cannot replay in step)
@@ -147,8 +147,8 @@ def parse_config(text: str, world: int, steps: int) -> Config:
 
 def _sft_lengths(n: int, batch: int, seed: int, cap: int) -> list[list[int]]:
     """Per step, ``batch`` lengths drawn from memfit train causal-lm's SFT table."""
-    from memfit.cli.tasks._common import QUANTILE_LEVELS
-    from memfit.cli.tasks.causal_lm import SFT_TOKENS
+    from memfit.tasks._common import QUANTILE_LEVELS
+    from memfit.tasks.causal_lm import SFT_TOKENS
 
     rng = random.Random(seed)
     levels = list(zip(QUANTILE_LEVELS, SFT_TOKENS))
@@ -216,7 +216,7 @@ def _sharded_model(config: Config, device, rank: int):
     from accelerate.utils import FullyShardedDataParallelPlugin
     from accelerate.utils.fsdp_utils import fsdp2_apply_ac, fsdp2_prepare_model
 
-    from memfit.cli.tasks._common import CONFIGS_DIR
+    from memfit.tasks._common import CONFIGS_DIR
 
     hf_config = transformers.AutoConfig.from_pretrained(CONFIGS_DIR / f"{MODELS[config.model]}.json")
     hf_config.use_cache = False
@@ -294,9 +294,9 @@ def _cap(device, budget_bytes: int | None) -> None:
 
 def _static_need(model, optimizer) -> dict[str, int]:
     """This rank's weights, gradients, AdamW state and step temporaries (memfit's static check)."""
-    from memfit.engine.accounting import expected_optimizer_bytes, local
-    from memfit.engine.controller import check_static_need_of
-    from memfit.engine.optim_state import torch_step_transient_bytes
+    from memfit.engine.parts.accounting import expected_optimizer_bytes, local
+    from memfit.engine.run.controller import check_static_need_of
+    from memfit.engine.parts.optim_state import torch_step_transient_bytes
 
     return check_static_need_of(model, None, expected_optimizer_bytes(optimizer),
                                 transient_bytes=torch_step_transient_bytes(optimizer, local))

@@ -9,7 +9,7 @@ measured:
 * ``peak_bytes``: the peak from the forward's start to the end of backward, less the bytes before
   it and less the gradients ``torch.autograd.grad`` returns (a training step adds the weight's into
   ``.grad`` instead);
-* ``formula_saved`` / ``formula_peak``: :func:`memfit.engine.head.head_saved_bytes`'s ``saved`` and
+* ``formula_saved`` / ``formula_peak``: :func:`memfit.engine.parts.head.head_saved_bytes`'s ``saved`` and
   ``saved + transient`` (logits not held by the caller, as loop_bench's steps);
 * ``ms``: forward and backward, synchronised.
 
@@ -30,7 +30,7 @@ import torch
 
 
 def _measure(run, grads_bytes: int) -> dict[str, float]:
-    run()  # untimed, as the warm probe (NOTE [A warm probe], engine/head.py)
+    run()  # untimed, as the warm probe (NOTE [A warm probe], engine/parts/head.py)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import transformers
 
-    from memfit.cli.tasks._common import CONFIGS_DIR
-    from memfit.engine.head import available_implementations, find_head, fused_chunks, head_loss, head_saved_bytes
+    from memfit.tasks._common import CONFIGS_DIR
+    from memfit.engine.parts.head import available_implementations, find_head, fused_chunks, head_loss, head_saved_bytes
 
     config = transformers.AutoConfig.from_pretrained(str(CONFIGS_DIR / f"{args.model}.json"))
     torch.manual_seed(0)

@@ -49,7 +49,7 @@ checkpointing of every layer with a chunked loss fixed for the whole run (:data:
 The LM head (issue 39): ``--head on|off|auto`` passes ``memfit.fit(head=True|False|"auto")`` to every
 memfit configuration, and a name's head part (``dynamic+head``, ``dynamic+head-off``,
 ``dynamic+head-auto``, before any ``@M``) sets it for that configuration alone; without either, fit's
-default. A last part ``+only-X`` (X one of memfit.engine.head.IMPLEMENTATIONS: ``dynamic+auto+only-liger``)
+default. A last part ``+only-X`` (X one of memfit.engine.parts.head.IMPLEMENTATIONS: ``dynamic+auto+only-liger``)
 lets the chunked head run X alone, the others never probed. Every memfit line at a budget is compared with the fastest fixed policy (a peer) that fits the
 same cap, step by step (``fastest_fixed``, ``step_ratio_vs_fastest_fixed``: NOTE [Against the fastest
 fixed policy]), also tabled in ``<folder>.vs_fixed.md`` (the output folder's name: calls publish side by side). ``--no_cudnn_sdpa`` turns cuDNN attention off (an OOM
@@ -58,7 +58,7 @@ and its line's ``cudnn_sdpa`` says whether it was still on at its end (memfit tu
 that runs long (status ``time_limit``); ``--device cpu`` with ``--config_overrides`` (a tiny model) is a
 dry run of a command: memfit's logical accounting, host-clock times.
 
-Data: ``--lengths sft`` (the SFT table of memfit.cli.tasks.causal_lm, long-tailed, up to 2,048
+Data: ``--lengths sft`` (the SFT table of memfit.tasks.causal_lm, long-tailed, up to 2,048
 tokens), ``uniform:A:B``, or ``fixed:L1,L2,...`` (long context). Output under ``--output_dir``:
 ``results.jsonl`` (the suite schema ``memfit report`` reads, plus loop fields: each line's
 ``cuda_alloc_retries`` (allocations the caching allocator served only after releasing its cache, in the steady steps), ``head`` (the chunked head's implementation, its price, and ``probed``: what warm-up's probe read of each implementation), ``step_ratio_vs_none`` and ``step_ratio_vs_none_compile``, the median of its steady steps'
@@ -125,7 +125,7 @@ MEMFIT_METHODS = {
 PEERS = ("plain", "hf-every-1", "hf-every-2", "hf-offload", "trl-offload", "selective-static", "hf-every-1+liger",
          "hf-every-1+chunked-8")
 #: the fixed losses a peer's name may end in, (implementation, chunks): Liger's fused linear cross-entropy or
-#: the pure chunked loss in 8 chunks (memfit.engine.head's switch set once, never planned). The head peers
+#: the pure chunked loss in 8 chunks (memfit.engine.parts.head's switch set once, never planned). The head peers
 #: (issue 39) are Hugging Face's checkpointing of every layer with one; a ``compile-F`` peer may take one too
 #: (``compile-0.5+liger``)
 FIXED_HEADS = {"+liger": ("liger", 1), "+chunked-8": ("pure", 8)}
@@ -139,7 +139,7 @@ def fixed_head(model, implementation: str, n_chunks: int):
         ``(undo, None)``, or ``(None, note)`` saying why the peer is skipped (its package or
         device missing, or no head found).
     """
-    from memfit.engine.head import attach_head
+    from memfit.engine.parts.head import attach_head
 
     switch = attach_head(model)
     if switch is None:
@@ -199,8 +199,8 @@ def _lengths(spec: str, n: int, batch: int, seed: int) -> list[list[int]]:
     """Per step, the lengths of its ``batch`` examples."""
     rng = random.Random(seed)
     if spec == "sft":
-        from memfit.cli.tasks._common import QUANTILE_LEVELS
-        from memfit.cli.tasks.causal_lm import SFT_TOKENS
+        from memfit.tasks._common import QUANTILE_LEVELS
+        from memfit.tasks.causal_lm import SFT_TOKENS
 
         def draw() -> int:
             u = rng.random()
@@ -228,7 +228,7 @@ def _build(args):
         torch.manual_seed(0)
         model = transformers.BertForSequenceClassification(transformers.BertConfig()).to(args.device)
         return model.train(), "text-classification"
-    from memfit.cli.tasks._common import CONFIGS_DIR
+    from memfit.tasks._common import CONFIGS_DIR
 
     config = transformers.AutoConfig.from_pretrained(str(CONFIGS_DIR / f"{args.model}.json"))
     config.use_cache = False
@@ -510,7 +510,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
         if name.startswith("dynamic+offload-free"):
             ctl.planning.price_offload(_FreeOffload(ctl.planning.offload_ms))
         if (only := _only_head(name)) is not None and ctl.head.part is not None:  # the others never probed, never run
-            from memfit.engine.head import IMPLEMENTATIONS
+            from memfit.engine.parts.head import IMPLEMENTATIONS
 
             ctl.head.part.failed.update(set(IMPLEMENTATIONS) - {only})
     elif name.startswith("hf-"):
@@ -540,7 +540,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
         peer.prepare(SimpleNamespace(model=model), SimpleNamespace(torch_compile=False))
 
         def undo(remove_head=remove_head, peer=peer):
-            for _, block in memfit.engine.blocks.find_blocks(model):
+            for _, block in memfit.engine.parts.blocks.find_blocks(model):
                 block.__dict__.pop("forward", None)  # the class's forward again
             peer.__exit__(None, None, None)
             note_compile.append(peer.record()["note"])
@@ -552,9 +552,9 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
         offloading = get_act_offloading_ctx_manager(model, warn_if_no_head=False)
         context = lambda: offloading  # noqa: E731
     elif name == "selective-static":
-        from memfit.engine.planner import Plan
+        from memfit.engine.plan.planner import Plan
 
-        n = len(memfit.engine.blocks.find_blocks(model))
+        n = len(memfit.engine.parts.blocks.find_blocks(model))
 
         class _Every(memfit.engine.methods.Method):
             name = "selective-static"
@@ -566,7 +566,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
     step_ms, retries_from = [], None  # the allocator's retry count when the steady steps begin
     rss_mib = []  # the process's resident host memory after each step (NOTE [Host budget]: it must stay flat)
     compiled = []  # steps during which Dynamo made a graph (NOTE [Steps that compiled])
-    from memfit.engine.guard_sides import graphs_made
+    from memfit.engine.parts.guard_sides import graphs_made
     _sync(args.device)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -642,7 +642,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
         result.update(fields, oom_count=fields.get("oom_count", 0) + ooms)
         steps_file = result["steps_file"] = _write_steps(out_dir, name, budget, repeat, records)
         if name == "dynamic" and len(records) == args.steps:
-            from memfit.engine.planner import Plan
+            from memfit.engine.plan.planner import Plan
 
             args.dynamic_plans[(budget, repeat)] = [Plan.from_treatments(r.block_treatments, r.head) for r in records]
         if ctl.method.learns:  # the memory model as the run ended: what each treatment saved and cost
@@ -859,7 +859,7 @@ def run_alternating_dynamic(args, model, batches, initial, budget: int, repeat: 
     import torch
 
     import memfit
-    from memfit.engine.meter import CudaMeter
+    from memfit.engine.run.meter import CudaMeter
 
     plans = args.dynamic_plans.get((budget, repeat))
     names = ("alt-dynamic-plans", "alt-dynamic")
@@ -926,7 +926,7 @@ ONLY_HEAD = "+only-"
 
 def _only_head(name: str) -> str | None:
     """The implementation a memfit name's ``+only-X`` part names (:data:`ONLY_HEAD`), else None."""
-    from memfit.engine.head import IMPLEMENTATIONS
+    from memfit.engine.parts.head import IMPLEMENTATIONS
 
     base = name.partition("@")[0]
     only = base.rpartition(ONLY_HEAD)[2] if ONLY_HEAD in base else None

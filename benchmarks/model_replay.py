@@ -32,11 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--implementation", default="pure", help="the chunked head's implementation the run used")
     p.add_argument("--bucket_tokens", type=int, default=8)
     args = p.parse_args(argv)
-    from memfit.cli.tasks._common import CONFIGS_DIR
-    from memfit.engine.model import MemoryModel
-    from memfit.engine.planner import Plan
+    from memfit.tasks._common import CONFIGS_DIR
+    from memfit.engine.plan.model import MemoryModel
+    from memfit.engine.plan.planner import Plan
     from memfit.engine.records import StepRecord
-    from memfit.engine.head import head_saved_bytes
+    from memfit.engine.parts.head import head_saved_bytes
 
     config_file = CONFIGS_DIR / f"{args.config}.json"
     if not config_file.is_file():

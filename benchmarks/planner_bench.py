@@ -1,7 +1,7 @@
 """Planner time per step on the CPU: what the step records' ``planner_us`` measures.
 
 The planner's cost does not depend on the GPU: it is Python on the host, before the first
-block runs (NOTE [Plan is fixed before forward] in engine/controller.py). This script times exactly
+block runs (NOTE [Plan is fixed before forward] in engine/run/controller.py). This script times exactly
 the call the controller times (``method.decide(planning, key)``) on memory models shaped
 like the GPU runs', so a change to the planner can be measured here in seconds:
 
@@ -32,9 +32,9 @@ import statistics
 import time
 
 from memfit.engine.methods import Dynamic, Static
-from memfit.engine.model import Curve
-from memfit.engine.planner import Plan
-from memfit.engine.planning import Planning
+from memfit.engine.plan.model import Curve
+from memfit.engine.plan.planner import Plan
+from memfit.engine.plan.planning import Planning
 
 GB = 10**9
 

@@ -88,9 +88,9 @@ def _fwd_bwd(block, args: tuple, kwargs: dict, checkpointed: bool, autocast, dev
     t0 = time.perf_counter()
     with torch.enable_grad(), autocast:
         if checkpointed:
-            out = checkpoint(block._body, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+            out = checkpoint(block.body, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
         else:
-            out = block._body(*args, **kwargs)
+            out = block.body(*args, **kwargs)
         outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
                 if isinstance(o, torch.Tensor) and o.requires_grad]
         loss = sum(o.float().mean() for o in outs)
@@ -104,10 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(_SRC))
     from transformers import AutoModelForObjectDetection
 
-    from memfit.engine.blocks import find_blocks, wrap_blocks
-    from memfit.engine.controller import _group_ids
-    from memfit.cli.tasks._common import CONFIGS_DIR, load_config
-    from memfit.cli.tasks.object_detection import _init_swin_patch_bias
+    from memfit.engine.parts.blocks import find_blocks, wrap_blocks
+    from memfit.engine.run.controller import _group_ids
+    from memfit.tasks._common import CONFIGS_DIR, load_config
+    from memfit.tasks.object_detection import _init_swin_patch_bias
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             with torch.enable_grad(), autocast:
                 _sync(device)
                 t0 = time.perf_counter()
-                out = blocks[i]._body(*a, **k)
+                out = blocks[i].body(*a, **k)
                 _sync(device)
             probes[g].append((time.perf_counter() - t0) * 1e3)
             del out

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    from memfit.cli.tasks._common import CONFIGS_DIR
+    from memfit.tasks._common import CONFIGS_DIR
 
     config_file = CONFIGS_DIR / f"{args.model}.json"
     if not config_file.is_file():

@@ -6,7 +6,7 @@ argv: OUT_DIR BUDGET_BYTES [plain|oom] [unit]
 
 ``plain``: a plain loop; rank 0 saves the final weights (``final.pt``) and each rank its records.
 ``unit``: the final norm and ``lm_head`` sharded as one FSDP unit of their own, as Accelerate
-does (NOTE [The head as its own FSDP unit] in memfit/engine/head.py).
+does (NOTE [The head as its own FSDP unit] in memfit/engine/parts/head.py).
 ``oom``: ``ctl.run_step``, once clean and once with an OOM raised in rank 1's ``lm_head`` at its
 loss's first cross-entropy in step OOM_STEP (``clean.pt`` / ``oom.pt``, records ``steps-<run>.rank<r>.jsonl``).
 """

@@ -34,7 +34,7 @@ def build(arch: str):
     """Return ``(model, make_batch(n, size))`` for a tiny model of ``arch``.
 
     Decoders train without a KV cache (``use_cache=False``), as memfit runs every block
-    whatever the plan (NOTE [No KV cache in training] in memfit/engine/blocks.py): the reference
+    whatever the plan (NOTE [No KV cache in training] in memfit/engine/parts/blocks.py): the reference
     "training without checkpointing" is that same forward.
     """
     import transformers as tf

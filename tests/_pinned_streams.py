@@ -50,8 +50,8 @@ class _Clock:
 @contextmanager
 def deterministic_prices():
     """Probe prices from bytes; the reactive store's clock in fixed ticks."""
-    from memfit.engine import store as store_module
-    from memfit.engine import probe as probe_module
+    from memfit.engine.parts import store as store_module
+    from memfit.engine.parts import probe as probe_module
 
     original = probe_module.probe_block
 

@@ -1,7 +1,7 @@
 import pytest
 
 from _models import ARCHS, build
-from memfit.engine.blocks import find_blocks
+from memfit.engine.parts.blocks import find_blocks
 
 EXPECTED = {
     "bert": ("BertLayer", 3),

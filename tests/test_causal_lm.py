@@ -15,10 +15,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from _models import FIXTURES
-from memfit.engine.blocks import find_blocks
-from memfit.cli.tasks import DataFileError, DataTrainingArguments, ModelArguments, get_task
-from memfit.cli.tasks import causal_lm as clm
-from memfit.cli.tasks._common import QUANTILE_LEVELS, SyntheticText, load_config, minilm_path
+from memfit.engine.parts.blocks import find_blocks
+from memfit.tasks import DataFileError, DataTrainingArguments, ModelArguments, get_task
+from memfit.tasks import causal_lm as clm
+from memfit.tasks._common import QUANTILE_LEVELS, SyntheticText, load_config, minilm_path
 from memfit.cli.train import run
 
 SFT = FIXTURES / "sft"

@@ -15,8 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from _models import FIXTURES
-from memfit.cli.tasks import ModelArguments
-from memfit.cli.tasks import causal_lm as clm
+from memfit.tasks import ModelArguments
+from memfit.tasks import causal_lm as clm
 from memfit.cli.train import run
 
 SFT = FIXTURES / "sft"

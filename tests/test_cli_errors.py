@@ -22,7 +22,7 @@ from transformers import BertConfig, BertForSequenceClassification
 
 from _models import FIXTURES, TINY_BERT
 from memfit import cli
-from memfit.cli.tasks._common import minilm_path
+from memfit.tasks._common import minilm_path
 
 MRPC = FIXTURES / "glue" / "MRPC"
 MRPC_HEADER = "Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
@@ -313,7 +313,7 @@ def test_first_budget_error_states_the_whole_need(tmp_path, capsys):
     argv = mrpc(tmp_path, tmp_path / "out", "--memory_budget", str(3 * weights), "--optim", "adamw_torch")
     assert cli.main(argv) == 2
     message = capsys.readouterr().err
-    from memfit.engine.optim_state import expected_step_transient_bytes
+    from memfit.engine.parts.optim_state import expected_step_transient_bytes
 
     transient = expected_step_transient_bytes("adamw_torch", model.parameters())  # its step's temporaries too
     assert f"({4 * weights + transient} bytes: parameters" in message
@@ -362,7 +362,7 @@ def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path):
     def broken(*_: object, **__: object) -> None:
         raise ValueError("a bug")
 
-    monkeypatch.setattr("memfit.cli.tasks.text_classification.build", broken)
+    monkeypatch.setattr("memfit.tasks.text_classification.build", broken)
     _prepare(tmp_path, CASES[1])
     with pytest.raises(ValueError, match="a bug"):
         cli.main(mrpc(tmp_path, tmp_path / "out"))
@@ -430,7 +430,7 @@ def test_a_warning_before_the_first_step_is_said_when_training_starts(tmp_path, 
     assert cli.main(sft(tmp_path, tmp_path / "out", "--max_seq_length", "64", *unread, train=str(data))) == 0
     err = capsys.readouterr().err
     start = err.index("memfit: method dynamic")
-    warning = err.index("WARNING memfit.cli.tasks.causal_lm: 1 of 2 training examples are longer than --max_seq_length")
+    warning = err.index("WARNING memfit.tasks.causal_lm: 1 of 2 training examples are longer than --max_seq_length")
     notice = err.index(f"WARNING memfit.cli.train: --validation_file {unread[1]} is not read without --do_eval")
     assert start < min(warning, notice) and max(warning, notice) < err.index("memfit: verdict:"), err
 

@@ -14,7 +14,7 @@ import memfit
 from torch._dynamo.utils import counters
 
 from _models import build_decoder, step_both_and_compare
-from memfit.engine.planner import Plan
+from memfit.engine.plan.planner import Plan
 from _models import FixedPlan
 
 # aot_eager traces and partitions as inductor does but runs the graph's ATen ops: quick to
@@ -149,8 +149,8 @@ def test_blocks_that_draw_random_numbers_are_never_offered_compiled_selective(dr
     ctl = memfit.fit(model, budget="1GiB", method="dynamic", compile=INDUCTOR, announce=False, head=False)  # head=False: the blocks' bitwise guarantee is checked; a chunked head is close, not bitwise (test_head_archs.py)
     lean_runs = []
     for b in ctl.blocks:
-        lean = b._lean_body
-        b._lean_body = lambda *a, _lean=lean, **k: (lean_runs.append(1), _lean(*a, **k))[1]
+        lean = b.lean_body
+        b.lean_body = lambda *a, _lean=lean, **k: (lean_runs.append(1), _lean(*a, **k))[1]
     for seed, length in enumerate((9, 17, 13)):
         step_both_and_compare(model, reference, make_batch(2, length), seed, f"dynamic compiled, step {seed}")
     curves = ctl.planning.model.group_models.values()
@@ -164,12 +164,12 @@ def test_blocks_that_draw_random_numbers_are_never_offered_compiled_selective(dr
 
 def test_runs_random_sees_dropout_and_attention_dropout_only_when_they_draw():
     x = torch.randn(2, 3, 4, 8)
-    assert memfit.engine.treatments.runs_random(torch.nn.functional.dropout, x, 0.1, True)
-    assert not memfit.engine.treatments.runs_random(torch.nn.functional.dropout, x, 0.1, False)
+    assert memfit.engine.parts.treatments.runs_random(torch.nn.functional.dropout, x, 0.1, True)
+    assert not memfit.engine.parts.treatments.runs_random(torch.nn.functional.dropout, x, 0.1, False)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    assert memfit.engine.treatments.runs_random(sdpa, x, x, x, dropout_p=0.1)
-    assert not memfit.engine.treatments.runs_random(sdpa, x, x, x, dropout_p=0.0)
-    assert not memfit.engine.treatments.runs_random(torch.nn.functional.gelu, x)
+    assert memfit.engine.parts.treatments.runs_random(sdpa, x, x, x, dropout_p=0.1)
+    assert not memfit.engine.parts.treatments.runs_random(sdpa, x, x, x, dropout_p=0.0)
+    assert not memfit.engine.parts.treatments.runs_random(torch.nn.functional.gelu, x)
 
 
 def test_alike_blocks_share_the_compiled_selective_graph():
@@ -178,7 +178,7 @@ def test_alike_blocks_share_the_compiled_selective_graph():
     compile each block anew, up to the recompile limit)."""
     model, make_batch = build_decoder("llama")
     _without_dropout(model).train()
-    n = len(memfit.engine.blocks.find_blocks(model))
+    n = len(memfit.engine.parts.blocks.find_blocks(model))
     assert n >= 3
     counters.clear()
     ctl = memfit.fit(model, budget=None, method=FixedPlan(Plan(tuple(range(n)), kinds=("selective",) * n)),
@@ -193,7 +193,7 @@ def test_dynamic_with_compiled_selective_probes_it_and_fits_the_budget():
     """The warm-up probe measures the budgeted compilation's bytes and price;
     where selective is the cheaper way to free a byte, dynamic's plans use it, within the budget,
     with the gradients of compiled none."""
-    from memfit.engine import probe
+    from memfit.engine.parts import probe
 
     priced = []
     original = probe.probe_treatments
@@ -339,8 +339,8 @@ def test_both_compilations_of_a_lora_block_stay_compiled_under_a_limit_enough_fo
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     if not takes_limit:
-        monkeypatch.setattr(memfit.engine.blocks, "_compile_takes_limit", lambda: False)
-    elif not memfit.engine.blocks._compile_takes_limit():
+        monkeypatch.setattr(memfit.engine.parts.blocks, "_compile_takes_limit", lambda: False)
+    elif not memfit.engine.parts.blocks._compile_takes_limit():
         pytest.skip("this torch.compile takes no recompile_limit")
     with torch._dynamo.config.patch(recompile_limit=1):
         torch.manual_seed(0)
@@ -355,7 +355,7 @@ def test_both_compilations_of_a_lora_block_stay_compiled_under_a_limit_enough_fo
             torch.manual_seed(0)
             model(**make_batch(2, 9)).loss.backward()
             limits.append(torch._dynamo.config.recompile_limit)
-        variants = len(_debug_get_cache_entry_list(ctl.blocks[0]._eager_body.__code__))
+        variants = len(_debug_get_cache_entry_list(ctl.blocks[0].eager_body.__code__))
         ctl.remove()
         after = torch._dynamo.config.recompile_limit
     assert variants == 4
@@ -398,7 +398,7 @@ def test_a_length_or_batch_equal_to_a_feature_size_compiles_nothing():
 
 
 def test_dynamic_dims_never_mark_a_dimension_seen_as_a_feature():
-    from memfit.engine.blocks import DynamicDims
+    from memfit.engine.parts.blocks import DynamicDims
 
     marked = []
 
@@ -435,7 +435,7 @@ def test_after_a_probing_warm_up_new_lengths_and_batch_sizes_compile_nothing(bac
     for n, length in shapes:
         model(**make_batch(n, length)).loss.backward()
     records = ctl.records
-    body_variants = len(_debug_get_cache_entry_list(ctl.blocks[0]._eager_body.__code__))
+    body_variants = len(_debug_get_cache_entry_list(ctl.blocks[0].eager_body.__code__))
     ctl.remove()
     assert records[0].compiled_graphs == 2 and records[0].compile_ms > 0  # the blocks' body and the loss
     assert [r.compiled_graphs for r in records[1:]] == [0] * (len(shapes) - 1)
@@ -448,7 +448,7 @@ def test_after_a_probing_warm_up_new_lengths_and_batch_sizes_compile_nothing(bac
 def test_compile_clock_counts_the_lazy_backward_compile_of_a_static_graph():
     """A graph compiled for static sizes compiles its backward at its first backward, outside
     Dynamo's timer: the clock counts it too, so a step's compile_ms is all its compiling."""
-    from memfit.engine.blocks import compile_clock
+    from memfit.engine.parts.blocks import compile_clock
 
     f = torch.compile(lambda x: (x.sin() * x.cos()).sum(), backend="aot_eager", dynamic=False)
     x = torch.randn(8, 8, requires_grad=True)
@@ -466,7 +466,7 @@ def test_warm_up_compiles_the_sides_of_the_size_guards_below_its_steps(monkeypat
     """NOTE [Guard sides in warm-up]: inductor's C++ code takes a guard on more than 4,096 rows;
     a warm-up of longer steps compiles both of its sides (the blocks' body and the loss), so no
     later step, shorter or unaligned, compiles. Without the sweep the first short step does."""
-    from memfit.engine.guard_sides import GuardSides
+    from memfit.engine.parts.guard_sides import GuardSides
 
     if not sweep:
         monkeypatch.setattr(GuardSides, "open", lambda self: None)
@@ -493,7 +493,7 @@ def test_the_guard_sweep_changes_no_gradient_and_counts_no_saved_tensor(monkeypa
     gradients are bitwise those of the same step without the sweep, and so are its counted bytes
     (the head kept: its chunks are chosen by timing, and what a chunked head saves differs with
     them)."""
-    from memfit.engine.guard_sides import GuardSides
+    from memfit.engine.parts.guard_sides import GuardSides
 
     results = []
     for sweep in (True, False):
@@ -518,7 +518,7 @@ def test_the_guard_sweep_changes_no_gradient_and_counts_no_saved_tensor(monkeypa
 
 
 def test_cut_lengths_halve_the_call_on_both_sides_of_an_alignment_to_8():
-    from memfit.engine.guard_sides import cut_lengths
+    from memfit.engine.parts.guard_sides import cut_lengths
 
     assert cut_lengths(100) == [96, 95, 48, 47, 24, 23, 8, 7]
     assert cut_lengths(2048)[:3] == [2047, 1024, 1023] and min(cut_lengths(2048)) == (2048 >> 6) - 1
@@ -527,7 +527,7 @@ def test_cut_lengths_halve_the_call_on_both_sides_of_an_alignment_to_8():
 
 
 def test_a_call_that_cannot_be_cut_ends_its_sweep_with_one_debug_line(caplog):
-    from memfit.engine.guard_sides import GuardSides
+    from memfit.engine.parts.guard_sides import GuardSides
 
     def only_40(x):
         if x.shape[1] != 40:
@@ -552,7 +552,7 @@ def test_a_call_that_cannot_be_cut_ends_its_sweep_with_one_debug_line(caplog):
 def test_alike_blocks_share_one_sweep_a_step():
     """NOTE [Guard sides in warm-up]: alike blocks share their compiled code, so a warm-up step cuts
     the first block's call only (per compilation and input signature), not every block's."""
-    from memfit.engine.guard_sides import cut_lengths
+    from memfit.engine.parts.guard_sides import cut_lengths
 
     torch.manual_seed(0)
     model, make_batch = build_decoder("llama")
@@ -569,7 +569,7 @@ def test_a_cut_input_is_laid_out_as_the_model_lays_out_one_of_that_length():
     """NOTE [Guard sides in warm-up] Rule 3: the compiler guards on strides and views too, so a cut
     dense tensor is dense in its order of dimensions (size-1 ones included), a broadcast one stays
     broadcast, and only a view is cut as a view."""
-    from memfit.engine.guard_sides import _cut
+    from memfit.engine.parts.guard_sides import _cut
 
     length, new = 40, 24
     cos = torch.randn(1, length, 16)

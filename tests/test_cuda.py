@@ -36,7 +36,7 @@ class _Counting(memfit.engine.methods.Method):
 
 
 def _plans(n):
-    from memfit.engine.planner import Plan
+    from memfit.engine.plan.planner import Plan
 
     every = tuple(range(n))
     return {
@@ -75,7 +75,7 @@ def test_treatments_on_cuda_give_the_gradients_of_none_and_lower_the_peak(treatm
     leaves allocated drops by what the counter says the treatment keeps off the device; and
     the step's peak is lower. The peak drops by less: it comes in backward, where one block's
     recompute (or prefetched copies) and the backward's own temporaries are live, which the
-    memory model learns per treatment (engine/probe.py)."""
+    memory model learns per treatment (engine/parts/probe.py)."""
     import copy
 
     model = _bert(layers=6)
@@ -146,7 +146,7 @@ def test_host_checkpoint_on_cuda_frees_the_inputs_and_gives_recomputes_gradients
     the host copies came back."""
     import copy
 
-    from memfit.engine.planner import Plan
+    from memfit.engine.plan.planner import Plan
 
     n = 6
     model = _llama_cuda(n)

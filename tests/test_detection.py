@@ -18,10 +18,10 @@ from transformers import HfArgumentParser
 
 import memfit
 from _models import logical_peak, step_both_and_compare
-from memfit.engine.blocks import find_blocks
-from memfit.cli.tasks import DataFileError, DataTrainingArguments, ModelArguments, get_task
-from memfit.cli.tasks import object_detection as det
-from memfit.cli.tasks._common import CONFIGS_DIR, load_config
+from memfit.engine.parts.blocks import find_blocks
+from memfit.tasks import DataFileError, DataTrainingArguments, ModelArguments, get_task
+from memfit.tasks import object_detection as det
+from memfit.tasks._common import CONFIGS_DIR, load_config
 from memfit.cli.train import run
 
 MICRO = str(CONFIGS_DIR / "conditional-detr-swin-micro.json")

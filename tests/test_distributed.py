@@ -61,7 +61,7 @@ def test_two_ranks_match_single_process(tmp_path, sharding, port):
     steady = [(a["n_checkpointed"], b["n_checkpointed"]) for a, b in zip(records[0], records[1]) if a["phase"] == b["phase"] == "steady"]
     assert steady and all(a == 0 for a, _ in steady) and any(b > 0 for _, b in steady), "the ranks should checkpoint differently"
     assert all(rec["peak_allocated_bytes"] <= budget for r in (0, 1) for rec in records[r])
-    unsharded = sum(memfit.engine.accounting.static_bytes_logical(build_model(), None).values())
+    unsharded = sum(memfit.engine.parts.accounting.static_bytes_logical(build_model(), None).values())
     statics = {rec["static_bytes"] for r in (0, 1) for rec in records[r]}
     # Under FSDP each rank counts its shards of the parameters and gradients: about half.
     assert statics == {unsharded} if sharding == "ddp" else max(statics) < 0.6 * unsharded
@@ -211,7 +211,7 @@ def test_trainer_under_accelerate_fsdp2_hooks_after_sharding_and_replays_an_oom_
     with one record per micro-step (NOTE [Hooked after sharding] in memfit/integrations/hf.py)."""
     returncode, output = _torchrun("_fsdp_trainer_worker.py", [tmp_path, "runs"], port=29524)
     assert returncode == 0, output[-3000:]
-    unsharded = sum(memfit.engine.accounting.static_bytes_logical(build_model(), None).values())
+    unsharded = sum(memfit.engine.parts.accounting.static_bytes_logical(build_model(), None).values())
 
     def load(name, rank):
         return _saved_run(tmp_path, name, rank)

@@ -20,7 +20,7 @@ def _launches() -> dict[str, list[str]]:
 
 def test_both_launchers_run_the_same_memfit_train_command_which_parses():
     from memfit.cli.flags import TrainFlagParser
-    from memfit.cli.tasks import causal_lm
+    from memfit.tasks import causal_lm
 
     launches = _launches()
     assert set(launches) == {"accelerate", "torchrun"}

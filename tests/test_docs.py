@@ -10,7 +10,7 @@ from pathlib import Path
 
 import memfit
 from memfit.engine.methods import METHODS
-from memfit.engine.treatments import KEEP, TREATMENTS
+from memfit.engine.parts.treatments import KEEP, TREATMENTS
 
 ROOT = Path(__file__).resolve().parents[1]
 

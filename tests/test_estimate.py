@@ -598,7 +598,7 @@ def test_counts_below_one_are_a_clear_error(config_file, capsys, flag):
 
 
 def _llama_tiny() -> ModelProfile:
-    from memfit.cli.tasks._common import load_config as bundled
+    from memfit.tasks._common import load_config as bundled
 
     return ModelProfile.from_config(bundled("llama-tiny"), "causal-lm", name="llama-tiny")
 
@@ -665,7 +665,7 @@ def _vocab_heavy() -> ModelProfile:
 
 
 def test_lm_head_bytes_are_memfits_head_formula_kept_and_chunked():
-    from memfit.engine.head import head_saved_bytes
+    from memfit.engine.parts.head import head_saved_bytes
     from memfit.tools.estimate import lm_head_bytes
 
     profile = _vocab_heavy()
@@ -682,10 +682,10 @@ def test_the_estimates_chunk_count_is_the_one_a_step_without_a_head_in_its_plan_
     the runtime picks for a plan that names no head; on CUDA (transients priced) that is the estimate's count."""
     from transformers import Qwen2ForCausalLM
 
-    from memfit.engine.head import HeadSwitch, find_head
+    from memfit.engine.parts.head import HeadSwitch, find_head
     from memfit.engine.methods import Decision
-    from memfit.engine.planner import Plan
-    from memfit.engine.treatments.chunked_head import HeadPart
+    from memfit.engine.plan.planner import Plan
+    from memfit.engine.parts.treatments.chunked_head import HeadPart
     from memfit.tools.estimate import lm_head_bytes
 
     profile = _vocab_heavy()
@@ -847,7 +847,7 @@ def test_the_meta_count_saves_what_the_cuda_kernels_save():
 
     from transformers import AutoModelForCausalLM
 
-    from memfit.cli.tasks.causal_lm import CausalLMArguments
+    from memfit.tasks.causal_lm import CausalLMArguments
 
     assert CausalLMArguments(use_peft=True).lora_dropout == LORA_DROPOUT  # memfit train's default, as counted
 

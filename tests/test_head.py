@@ -1,4 +1,4 @@
-"""The LM head as a part (memfit/engine/head.py): a chunked training forward gives the model's loss and
+"""The LM head as a part (memfit/engine/parts/head.py): a chunked training forward gives the model's loss and
 gradients within float32 rounding, keeps far fewer bytes, and leaves every other forward alone.
 
 Tolerance: ``torch.testing.assert_close`` defaults for the dtype compared (float32: rtol 1.3e-6,
@@ -17,7 +17,7 @@ import transformers as tf
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from _models import VOCAB, build_decoder
-from memfit.engine.head import (
+from memfit.engine.parts.head import (
     HeadNotFound, HeadSwitch, attach_head, available_implementations, chunked_causal_lm_loss, find_head, head_saved_bytes,
     probe_head,
 )
@@ -361,7 +361,7 @@ def test_a_grad_in_forward_chunks_peak_is_its_held_gradients_and_12_bytes_a_logi
     CPU, the formula's saved + transient covers it within 5% and is not more than 12 bytes a logit."""
     import transformers as tf
 
-    from memfit.engine.head import _grad_in_forward_loss, find_head
+    from memfit.engine.parts.head import _grad_in_forward_loss, find_head
 
     tokens, vocab, hidden, n_chunks = 512, 8192, 64, 4
     config = tf.LlamaConfig(hidden_size=hidden, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -424,7 +424,7 @@ def test_fit_trains_a_large_vocabulary_decoder_only_a_chunked_head_fits():
 def test_loss_scaled_after_the_head_with_bias_and_softcap(implementation):
     """A loss used times 3 (the gradient reaching the head is not 1), a head with a bias, soft-capping:
     gradients of the hidden states, weight and bias equal the model's loss's."""
-    from memfit.engine import head as head_module
+    from memfit.engine.parts import head as head_module
 
     lm_head = torch.nn.Linear(8, 30)
     spec = head_module.HeadSpec(causal_lm=lm_head, body=lm_head, lm_head=lm_head, vocab_size=30, softcap=5.0)
@@ -447,7 +447,7 @@ def test_loss_scaled_after_the_head_with_bias_and_softcap(implementation):
 def test_chunk_count_for_the_bytes_left():
     """The issue's shape (16k tokens, 152k vocabulary, bf16): the kept head is about 35 GB (10 GB kept
     for backward, 25 GB more while its backward runs); 1 GiB of room takes the fewest chunks whose transient fits."""
-    from memfit.engine.head import chunks_for_bytes
+    from memfit.engine.parts.head import chunks_for_bytes
 
     keep = head_saved_bytes(16384, 151936, 1536, torch.bfloat16, "keep")
     assert 34e9 < keep.saved_bytes + keep.transient_bytes < 36e9
@@ -464,7 +464,7 @@ def test_a_probe_times_the_head_warm(monkeypatch):
     bytes are the timed run's alone."""
     import time
 
-    from memfit.engine import head as head_module
+    from memfit.engine.parts import head as head_module
 
     model, make = build_decoder("llama")
     spec = find_head(model)

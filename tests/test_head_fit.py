@@ -162,7 +162,7 @@ def test_the_head_label_is_no_block_in_the_summary_counts():
 
 def _learned_planning(partial: bool = False):
     """A 2-block Planning whose curves were taught three shapes (a line in tokens each)."""
-    from memfit.engine.planning import Planning
+    from memfit.engine.plan.planning import Planning
 
     planning = Planning(2, [0, 0], 10**9, margin_bytes=0, bucket_tokens=1)
     model = planning.model
@@ -182,9 +182,9 @@ def test_the_one_peak_evaluator_takes_a_chunked_heads_saving_off_and_the_learner
     """NOTE [Head in the peaks]: a plan that chunks the head is predicted its saving lower at the
     backward's start and at the recompute bound; a plan that keeps it, or has none, exactly as before;
     a chunked step teaches ``outside`` its observed bytes plus the saving."""
-    from memfit.engine import learner
-    from memfit.engine.model import MemoryModel
-    from memfit.engine.planner import Plan
+    from memfit.engine.plan import learner
+    from memfit.engine.plan.model import MemoryModel
+    from memfit.engine.plan.planner import Plan
 
     planning = _learned_planning()
     model: MemoryModel = planning.model
@@ -208,8 +208,8 @@ def test_a_steady_step_that_chunked_the_head_never_raises_outside_and_teaches_it
     raise it, teaches the partial transient its reading plus the transient part of the head's saving and
     its bucket's bias (NOTE [A chunked head's step corrects its bucket]); the same step with the head kept
     teaches all three from its readings."""
-    from memfit.engine import learner
-    from memfit.engine.planner import Plan
+    from memfit.engine.plan import learner
+    from memfit.engine.plan.planner import Plan
 
     planning = _learned_planning(partial=True)
     model = planning.model
@@ -249,8 +249,8 @@ def test_a_warmup_step_that_chunked_the_head_splits_the_saving_between_outside_a
     """NOTE [A chunked head's step in kept terms]: a warm-up step (every block recomputed, head chunked)
     teaches ``outside`` its bytes plus the saved part of the head's saving and the full transient its
     reading plus the transient part, so the two together still add the whole saving back."""
-    from memfit.engine import learner
-    from memfit.engine.planner import Plan
+    from memfit.engine.plan import learner
+    from memfit.engine.plan.planner import Plan
 
     planning = _learned_planning()
     model = planning.model
@@ -276,8 +276,8 @@ def test_the_head_parts_transient_saving_is_its_saving_less_the_saved_bytes_it_f
     """NOTE [A chunked head's step in kept terms]: on CUDA the head part's saving splits into the kept
     head's saved logits less the chunked head's saved rows (by formula) and the rest, its transient
     part; under logical accounting (no transient priced) the transient part is 0."""
-    from memfit.engine.head import attach_head, head_saved_bytes
-    from memfit.engine.treatments.chunked_head import HeadPart
+    from memfit.engine.parts.head import attach_head, head_saved_bytes
+    from memfit.engine.parts.treatments.chunked_head import HeadPart
 
     tokens = 4 * 64
     for transient in (True, False):
@@ -321,7 +321,7 @@ def _fake_probe(per_token_ms: dict[str, float]):
 def test_warmup_prices_the_head_by_probe_and_the_price_reaches_the_plans(monkeypatch):
     """NOTE [Pricing the head]: warm-up times the head under each usable implementation, the fastest
     is the one run, and its price line (per token, per chunk) is in every chunked plan's cost."""
-    import memfit.engine.treatments.chunked_head as chunked_head
+    import memfit.engine.parts.treatments.chunked_head as chunked_head
 
     monkeypatch.setattr(chunked_head, "probe_head", _fake_probe({"pure": 0.02, "pure_grad_in_forward": 0.01}))
     base = _base()
@@ -349,8 +349,8 @@ def test_the_plans_choose_the_implementation_whose_bytes_cost_least():
     plans cost least over the probed shapes is run: the fastest where bytes cost nothing, the one that
     holds less where the blocks must pay for every byte the head holds; not before the plans can be
     priced, and again only for a batch with more tokens than every shape judged."""
-    from memfit.engine.head import attach_head
-    from memfit.engine.treatments.chunked_head import PROBE_STEPS, HeadPart
+    from memfit.engine.parts.head import attach_head
+    from memfit.engine.parts.treatments.chunked_head import PROBE_STEPS, HeadPart
 
     part = HeadPart(attach_head(_base()), transient=False)
     part.lines = {"pure": (0.02, 0.5, 0.02), "pure_grad_in_forward": (0.01, 0.5, 0.01)}  # the second faster
@@ -395,7 +395,7 @@ def test_the_plans_choose_the_implementation_whose_bytes_cost_least():
 def _run_with_faster_grad_in_forward(monkeypatch, budget: int, lengths):
     """A 6-block tiny Llama trained under ``budget`` on ``lengths``, its head probed with
     ``pure_grad_in_forward`` 5% faster than ``pure`` and its blocks priced from their bytes; the controller."""
-    import memfit.engine.treatments.chunked_head as chunked_head
+    import memfit.engine.parts.treatments.chunked_head as chunked_head
     from _pinned_streams import deterministic_prices
 
     monkeypatch.setattr(chunked_head, "probe_head", _fake_probe({"pure": 0.0105, "pure_grad_in_forward": 0.01}))
@@ -440,9 +440,9 @@ def test_a_batch_longer_than_warmups_makes_the_plans_choose_the_implementation_a
 def test_an_expensive_chunked_head_is_priced_out_where_blocks_make_the_room(monkeypatch):
     """The planner picks by the probed price: where recomputing a block makes the room for 5 ms, a
     head probed free chunks and a head probed dear keeps (and blocks are recomputed)."""
-    import memfit.engine.treatments.chunked_head as chunked_head
-    from memfit.engine.head import attach_head
-    from memfit.engine.planner import plan_with_head
+    import memfit.engine.parts.treatments.chunked_head as chunked_head
+    from memfit.engine.parts.head import attach_head
+    from memfit.engine.plan.planner import plan_with_head
 
     hidden, ids = torch.randn(4, 64, 32), torch.randint(0, VOCAB, (4, 64))
     blocks = [[("recompute", 10**9, 5.0)]] * 2
@@ -483,10 +483,10 @@ def test_a_budget_below_static_plus_the_least_head_is_the_one_line_budget_error(
 
 
 def test_the_warning_of_a_shape_that_cannot_fit_names_the_head_and_blames_it_when_it_dominates(caplog):
-    from memfit.engine.planner import Plan
-    from memfit.engine.planning import Planning, _plan_head
-    from memfit.engine.treatments.chunked_head import HeadPart
-    from memfit.engine.head import attach_head
+    from memfit.engine.plan.planner import Plan
+    from memfit.engine.plan.planning import Planning, _plan_head
+    from memfit.engine.parts.treatments.chunked_head import HeadPart
+    from memfit.engine.parts.head import attach_head
 
     planning = Planning(2, [0, 0], 10**6, margin_bytes=0, bucket_tokens=1)
     part = HeadPart(attach_head(_base()), transient=False)
@@ -503,8 +503,8 @@ def test_the_warning_of_a_shape_that_cannot_fit_names_the_head_and_blames_it_whe
 
 
 def test_an_implementation_that_fails_its_probe_is_said_once_and_not_used(monkeypatch, caplog):
-    import memfit.engine.treatments.chunked_head as chunked_head
-    from memfit.engine.head import attach_head
+    import memfit.engine.parts.treatments.chunked_head as chunked_head
+    from memfit.engine.parts.head import attach_head
 
     good = _fake_probe({"pure": 0.02, "pure_grad_in_forward": 0.01})
 
@@ -530,7 +530,7 @@ def test_the_probes_run_aside_from_the_step_they_are_in(monkeypatch):
     step it is in, so that its kept head is not read as the step's peak."""
     import contextlib
 
-    import memfit.engine.treatments.chunked_head as chunked_head
+    import memfit.engine.parts.treatments.chunked_head as chunked_head
 
     inside, probed = [], []
 
@@ -565,8 +565,8 @@ def test_the_probe_runs_on_the_most_tokens_whose_kept_head_fits_half_the_free_ro
     tokens (up to the step's and PROBE_TOKENS) whose kept head fits in half of them, never fewer than
     one chunk's rows; unknown, on one chunk's rows. A probe of more tokens replaces one of fewer; one
     of fewer is not kept over it; one of the same size keeps the least times."""
-    import memfit.engine.treatments.chunked_head as chunked_head
-    from memfit.engine.head import attach_head
+    import memfit.engine.parts.treatments.chunked_head as chunked_head
+    from memfit.engine.parts.head import attach_head
 
     sizes = []
     times = iter([3.0, 1.0, 2.0] * 100)
@@ -603,8 +603,8 @@ def test_the_probe_runs_on_the_most_tokens_whose_kept_head_fits_half_the_free_ro
 def test_a_probe_out_of_memory_at_the_steps_size_runs_again_at_one_chunks_rows(monkeypatch):
     """NOTE [A probe at the steps' size]: an OOM of the larger probe is the probe's own: it runs again
     at one chunk's rows; an OOM there is the step's (raised, to be replayed)."""
-    import memfit.engine.treatments.chunked_head as chunked_head
-    from memfit.engine.head import attach_head
+    import memfit.engine.parts.treatments.chunked_head as chunked_head
+    from memfit.engine.parts.head import attach_head
 
     good = _fake_probe({"pure": 0.02})
     limit = {"tokens": 32}
@@ -631,8 +631,8 @@ def test_a_fused_kernel_is_probed_at_its_own_count_once_and_chosen_when_fastest(
     """NOTE [Pricing the head]: a fused kernel runs its own chunk count, so it is timed once per probe
     (no per-chunk slope from two identical runs: its price is per token alone), and it is the
     implementation run when it measures the least extra time."""
-    import memfit.engine.treatments.chunked_head as chunked_head
-    from memfit.engine.head import attach_head
+    import memfit.engine.parts.treatments.chunked_head as chunked_head
+    from memfit.engine.parts.head import attach_head
 
     counts = {}
     good = _fake_probe({"pure": 0.02, "liger": 0.005})
@@ -654,9 +654,9 @@ def test_a_head_measured_faster_chunked_at_the_steps_size_is_chunked_where_nothi
     """NOTE [Pricing the head]: timed at the steps' size (free bytes known), a chunked head faster than
     keeping it is priced below keeping, so a shape that needs no room chunks it; timed on one chunk's
     rows, the same gain is read as none, and the shape keeps the head (plans stay deterministic)."""
-    import memfit.engine.treatments.chunked_head as chunked_head
-    from memfit.engine.head import attach_head
-    from memfit.engine.planner import plan_with_head
+    import memfit.engine.parts.treatments.chunked_head as chunked_head
+    from memfit.engine.parts.head import attach_head
+    from memfit.engine.plan.planner import plan_with_head
 
     def probe(spec, hidden, labels, n_chunks, implementation="pure"):
         tokens = hidden.shape[1]
@@ -686,8 +686,8 @@ def test_the_probe_corrects_a_formula_the_kernel_does_not_follow(monkeypatch, ca
     says, or a probe that measured nothing, changes nothing."""
     import logging
 
-    import memfit.engine.treatments.chunked_head as chunked_head
-    from memfit.engine.head import head_saved_bytes
+    import memfit.engine.parts.treatments.chunked_head as chunked_head
+    from memfit.engine.parts.head import head_saved_bytes
 
     extra = 300_000
 
@@ -730,8 +730,8 @@ def test_a_fused_kernels_fixed_part_is_priced_per_step_not_spread_over_the_probe
     a fixed time per step. Timed at the probe's tokens and at half of them, its price is the line
     through both: at 16k tokens it is its fixed part plus its per-token part, not 64 times what a
     256-token probe measured per token. A kernel with no fixed part keeps its per-token price."""
-    import memfit.engine.treatments.chunked_head as chunked_head
-    from memfit.engine.head import attach_head, fused_chunks
+    import memfit.engine.parts.treatments.chunked_head as chunked_head
+    from memfit.engine.parts.head import attach_head, fused_chunks
 
     sizes = {}
 

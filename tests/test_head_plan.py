@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from memfit.engine.head import head_saved_bytes
-from memfit.engine.planner import InfeasiblePlanError, plan_with_head
-from memfit.engine.treatments import BY_PART, TREATMENTS, ChunkedHead, HeadPart, KeepHead, head_options
+from memfit.engine.parts.head import head_saved_bytes
+from memfit.engine.plan.planner import InfeasiblePlanError, plan_with_head
+from memfit.engine.parts.treatments import BY_PART, TREATMENTS, ChunkedHead, HeadPart, KeepHead, head_options
 
 
 def test_head_registers_its_own_treatments():
@@ -32,7 +32,7 @@ def test_head_options_bytes_from_the_formula_and_rising():
 def test_head_options_stop_where_a_doubling_saves_too_little():
     """NOTE [Head options]: at 16k tokens the counts stop well short of one token per chunk, at
     the first doubling that saves less than MIN_CHUNK_GAIN_SHARE of the kept head more."""
-    from memfit.engine.treatments.chunked_head import MIN_CHUNK_GAIN_SHARE
+    from memfit.engine.parts.treatments.chunked_head import MIN_CHUNK_GAIN_SHARE
 
     tokens, vocab, hidden = 16384, 49152, 960
     options = head_options(tokens, vocab, hidden, torch.bfloat16, extra_ms=2.0, per_chunk_ms=0.5)
@@ -79,7 +79,7 @@ def _decoder(vocab: int = 4000):
 
 
 def test_head_part_plans_and_sets_the_switch_per_batch():
-    from memfit.engine.head import attach_head
+    from memfit.engine.parts.head import attach_head
 
     model = _decoder()
     part = HeadPart(attach_head(model), extra_ms=1.0, per_chunk_ms=0.01)
@@ -108,7 +108,7 @@ def test_head_part_plans_and_sets_the_switch_per_batch():
 def test_a_fused_kernel_is_offered_at_its_own_chunk_count_only():
     """NOTE [Head bytes]: Liger/CCE chunk the tokens themselves, so the planner gets one chunked option,
     at fused_chunks(), priced by what each kernel keeps whatever chunk count it is asked for."""
-    from memfit.engine.head import fused_chunks, head_saved_bytes
+    from memfit.engine.parts.head import fused_chunks, head_saved_bytes
 
     tokens, vocab, hidden = 4096, 151936, 1536
     for implementation in ("liger", "cce"):
@@ -124,7 +124,7 @@ def test_each_fused_kernel_is_priced_by_what_it_keeps():
     power-of-two chunk of logits at a time; Cut Cross-Entropy the rows, a float32 log-sum-exp and int64
     targets and indices, no weight gradient in forward (priced as pure_grad_in_forward's float32 one, its
     saving came out vocab x hidden x 4 short of what its steps saved, on the GPU)."""
-    from memfit.engine.head import head_saved_bytes
+    from memfit.engine.parts.head import head_saved_bytes
 
     vocab, hidden, dtype = 151936, 1536, torch.bfloat16
     for tokens in (1000, 16384):
@@ -146,7 +146,7 @@ def test_each_fused_kernel_is_priced_by_what_it_keeps():
 def test_a_steps_head_saving_holds_for_a_count_the_options_no_longer_offer():
     """NOTE [A step's head as it ran]: a warm-up step planned before the probe changed the options
     (a fused kernel's own count, or pure's) still saves the kept head's bytes less its chunked ones."""
-    from memfit.engine.head import attach_head
+    from memfit.engine.parts.head import attach_head
 
     model = _decoder()
     part = HeadPart(attach_head(model), extra_ms=1.0, per_chunk_ms=0.01)
@@ -167,7 +167,7 @@ def test_a_steps_head_saving_holds_for_a_count_the_options_no_longer_offer():
 def test_a_kept_heads_bytes_follow_whether_the_outputs_are_held():
     """NOTE [Outputs held through the backward]: held (or not yet known), the kept head prices its
     logits too; dropped, every chunk count saves the logits' bytes less."""
-    from memfit.engine.head import attach_head
+    from memfit.engine.parts.head import attach_head
 
     model = _decoder()
     part = HeadPart(attach_head(model), extra_ms=1.0, per_chunk_ms=0.01)

@@ -12,7 +12,7 @@ import torch
 
 import memfit
 from memfit.engine.methods import load_plans, save_plans
-from memfit.engine.planner import Plan
+from memfit.engine.plan.planner import Plan
 from memfit.engine.records import StepRecord, head_steps, parse_head_label, summarize, treated_blocks
 
 tf = pytest.importorskip("transformers")

@@ -107,8 +107,8 @@ def test_trl_sft_trainer_plans_the_head_and_keep_leaves_it_to_trls_loss(tmp_path
     from memfit.trl import SFTConfig, SFTTrainer
 
     from _models import FIXTURES
-    from memfit.cli.tasks._common import ModelArguments, minilm_path
-    from memfit.cli.tasks.causal_lm import lm_tokenizer
+    from memfit.tasks._common import ModelArguments, minilm_path
+    from memfit.tasks.causal_lm import lm_tokenizer
 
     tokenizer = lm_tokenizer(ModelArguments(tokenizer_name=str(minilm_path())))
     rows = datasets.Dataset.from_list([json.loads(line) for line in (FIXTURES / "sft" / "chat.jsonl").read_text().splitlines()])

@@ -10,7 +10,7 @@ import memfit
 from _models import VOCAB, build
 from _models import InjectOOM as _InjectOOM
 from memfit.errors import FlagError
-from memfit.engine.planner import Plan
+from memfit.engine.plan.planner import Plan
 
 
 def _dataset(n=24, seed=0):
@@ -86,10 +86,10 @@ def test_each_oom_is_logged_and_giving_up_names_the_last_attempt(tmp_path, caplo
     with caplog.at_level("WARNING", logger="memfit"), pytest.raises(memfit.BudgetTooSmallError) as error:
         trainer.train()
     replays = [r.getMessage() for r in caplog.records if "replaying it with" in r.getMessage()]
-    assert len(replays) == injector.fired == memfit.engine.replay.MAX_OOM_RETRIES + 1
+    assert len(replays) == injector.fired == memfit.engine.run.replay.MAX_OOM_RETRIES + 1
     assert "out of memory in forward at shape" in replays[0] and "blocks checkpointed" in replays[0]
     message = str(error.value)
-    assert f"still out of memory after {memfit.engine.replay.MAX_OOM_RETRIES} replays" in message
+    assert f"still out of memory after {memfit.engine.run.replay.MAX_OOM_RETRIES} replays" in message
     assert "the last: out of memory in forward at shape" in message and "--memory_budget" in message
     # a steady step that fails with every block checkpointed: one replay (NOTE [A replay
     # checkpoints more]), then the budget is too small
@@ -212,14 +212,14 @@ def test_compile_flag_compiles_each_block_inside_the_wrappers(tmp_path):
     assert trainer.memfit.blocks and all(b.compiled for b in trainer.memfit.blocks)
     # by default (auto) the blocks' second compilation is among the treatments (NOTE [Compiled blocks])
     assert trainer.args.memfit_treatments == "auto"
-    assert isinstance(trainer.memfit.treatments["selective"], memfit.engine.treatments.CompiledSelective)
+    assert isinstance(trainer.memfit.treatments["selective"], memfit.engine.parts.treatments.CompiledSelective)
     plain = _trainer(tmp_path, "eager", budget="30MB")
     assert not any(b.compiled for b in plain.memfit.blocks)
     assert "selective" not in plain.memfit.treatments
     lean = _trainer(tmp_path, "lean", budget="30MB", memfit_compile=True, memfit_treatments="recompute")
     assert "selective" not in lean.memfit.treatments
     eager = _trainer(tmp_path, "eager-sel", budget="30MB", memfit_treatments="recompute,selective")
-    assert type(eager.memfit.treatments["selective"]) is memfit.engine.treatments.Selective
+    assert type(eager.memfit.treatments["selective"]) is memfit.engine.parts.treatments.Selective
 
 
 def test_torch_compile_gives_memfit_compiled_blocks_not_a_compiled_model(tmp_path, capsys):

@@ -13,9 +13,9 @@ import torch
 
 import memfit
 from _models import FixedPlan, VOCAB, _text_batch, build_decoder, step_both_and_compare
-from memfit.engine.model import MemoryModel
-from memfit.engine.planner import Plan
-from memfit.engine.treatments import HOST_CHECKPOINT, TREATMENTS, HostCheckpoint, HostMemoryError
+from memfit.engine.plan.model import MemoryModel
+from memfit.engine.plan.planner import Plan
+from memfit.engine.parts.treatments import HOST_CHECKPOINT, TREATMENTS, HostCheckpoint, HostMemoryError
 
 
 def _llama(layers: int = 4):
@@ -39,7 +39,7 @@ def test_gradients_are_those_of_none_bit_for_bit(arch, lora):
     """Every block on the host checkpoint, dropout on: the gradients of training without memfit."""
     model, make = build_decoder(arch, lora=lora)
     reference = copy.deepcopy(model)
-    from memfit.engine.blocks import find_blocks
+    from memfit.engine.parts.blocks import find_blocks
 
     n = len(find_blocks(model, None))
     ctl = _fit_all(model, n)
@@ -72,8 +72,8 @@ def test_the_input_leaves_the_device_until_the_recompute():
 def test_the_input_is_what_it_moves_and_the_keyword_inputs_stay():
     """What it keeps on the device (warm-up's probe) is the keyword inputs (a decoder's position
     embeddings and mask, shared) and small positional ones; the hidden states are what it moves."""
-    from memfit.engine.probe import ProbeKit
-    from memfit.engine.accounting import SavedTensorCounter
+    from memfit.engine.parts.probe import ProbeKit
+    from memfit.engine.parts.accounting import SavedTensorCounter
 
     model = _llama(2)
     ctl = memfit.fit(model, budget=None, method="none", announce=False)
@@ -82,7 +82,7 @@ def test_the_input_is_what_it_moves_and_the_keyword_inputs_stay():
     cos_sin = (torch.randn(2, 16, 16), torch.randn(2, 16, 16))
     kit = ProbeKit(block, ((hidden,), {"position_embeddings": cos_sin}), SavedTensorCounter(2), torch.device("cpu"))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("memfit.engine.treatments.host_checkpoint.MIN_BYTES", 1)
+        mp.setattr("memfit.engine.parts.treatments.host_checkpoint.MIN_BYTES", 1)
         kept, price = HostCheckpoint.probe(block, kit)
     assert price is None
     assert kept == sum(t.numel() * t.element_size() for t in cos_sin)
@@ -104,7 +104,7 @@ def test_the_planner_prices_it_as_a_recompute_plus_the_unhidden_copies():
     """Its price is the block's forward again plus the copies' unhidden part: where the copies cost
     more than the bytes are worth, ``recompute`` alone wherever it saves enough and the host checkpoint
     only past it; where they are nearly hidden, fewer blocks each freeing more."""
-    from memfit.engine.planner import plan_treatments
+    from memfit.engine.plan.planner import plan_treatments
 
     model = MemoryModel([0] * 4, treatments=TREATMENTS)
     key = (1, 100)
@@ -215,7 +215,7 @@ def test_an_input_passed_by_keyword_moves_too_and_the_shared_ones_stay():
 def test_a_replay_of_every_block_recomputed_runs_the_floor_plan(monkeypatch):
     """NOTE [A replay treats more]: where recomputing every block runs out of memory (warm-up's plan at the
     tight end), the replay runs every block on the host checkpoint, and trains: the gradients of none."""
-    from memfit.engine.treatments.recompute import Recompute
+    from memfit.engine.parts.treatments.recompute import Recompute
 
     model, make = build_decoder("llama")
     reference = copy.deepcopy(model)
@@ -240,7 +240,7 @@ def test_a_replay_of_every_block_recomputed_runs_the_floor_plan(monkeypatch):
 
 
 def test_without_a_floor_treatment_the_replays_end_in_one_clear_error(monkeypatch):
-    from memfit.engine.treatments.recompute import Recompute
+    from memfit.engine.parts.treatments.recompute import Recompute
     from memfit.engine.budget import BudgetTooSmallError
 
     model, make = build_decoder("llama")
@@ -260,7 +260,7 @@ def test_out_of_memory_at_the_floor_is_one_clear_error_at_once(monkeypatch):
     """The floor plan itself out of memory: no safer plan exists, so the first such replay ends in one error
     naming the shape, the floor and what to change (no eight replays of the same plan)."""
     from memfit.engine.budget import BudgetTooSmallError
-    from memfit.engine.treatments.recompute import Recompute
+    from memfit.engine.parts.treatments.recompute import Recompute
 
     model, make = build_decoder("llama")
 

@@ -26,13 +26,13 @@ def _modules() -> dict[str, Path]:
 
 
 class _Imports(ast.NodeVisitor):
-    """memfit modules a module imports; ``lazy``: also inside functions. TYPE_CHECKING imports never."""
+    """memfit modules a module imports; ``lazy``: also inside functions; ``typing``: also under TYPE_CHECKING."""
 
-    def __init__(self, mods: dict[str, Path], lazy: bool):
-        self.mods, self.lazy, self.found = mods, lazy, set()
+    def __init__(self, mods: dict[str, Path], lazy: bool, typing: bool = False):
+        self.mods, self.lazy, self.typing, self.found = mods, lazy, typing, set()
 
     def visit_If(self, node: ast.If) -> None:
-        if isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+        if isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING" and not self.typing:
             for child in node.orelse:
                 self.visit(child)
             return
@@ -56,14 +56,19 @@ class _Imports(ast.NodeVisitor):
             self.found.add(node.module)
 
 
-def _cycles(lazy: bool) -> list[list[str]]:
+def _graph(lazy: bool, typing: bool = False) -> dict[str, set[str]]:
     mods = _modules()
     graph = {}
     for name, path in mods.items():
-        visitor = _Imports(mods, lazy)
+        visitor = _Imports(mods, lazy, typing)
         visitor.visit(ast.parse(path.read_text()))
         # a submodule's import of its own parent package is how packages work, not a cycle
         graph[name] = {d for d in visitor.found if d != name and not name.startswith(d + ".")}
+    return graph
+
+
+def _cycles(lazy: bool, typing: bool = False) -> list[list[str]]:
+    graph = _graph(lazy, typing)
     found, state = [], {}
 
     def visit(node: str, stack: list[str]) -> None:
@@ -81,9 +86,55 @@ def _cycles(lazy: bool) -> list[list[str]]:
     return found
 
 
-@pytest.mark.parametrize("lazy", [False, True], ids=["module-level", "with-lazy-imports"])
-def test_no_import_cycle_inside_the_package(lazy):
-    assert _cycles(lazy) == []
+@pytest.mark.parametrize("lazy, typing", [(False, False), (True, False), (True, True)],
+                         ids=["module-level", "with-lazy-imports", "with-type-checking-imports"])
+def test_no_import_cycle_inside_the_package(lazy, typing):
+    assert _cycles(lazy, typing) == []
+
+
+#: (importer's package, packages it may never import, lazily or under TYPE_CHECKING included): the engine is
+#: used by the integrations, the tools and the CLI, never the other way round; inside it, parts < plan < run
+LAYERS = [
+    ("memfit.engine", ("memfit.integrations", "memfit.cli", "memfit.tools", "memfit.tasks", "memfit.trl")),
+    ("memfit.engine.parts", ("memfit.engine.plan", "memfit.engine.run", "memfit.engine.methods")),
+    ("memfit.engine.plan", ("memfit.engine.run",)),
+    ("memfit.tools", ("memfit.cli",)),
+    ("memfit.tasks", ("memfit.cli", "memfit.tools")),
+]
+
+
+def _crossings(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{mod} -> {dep}"
+        for mod, deps in graph.items()
+        for owner, banned in LAYERS
+        if mod == owner or mod.startswith(owner + ".")
+        for dep in deps
+        if any(dep == b or dep.startswith(b + ".") for b in banned)
+    )
+
+
+def test_layers_import_only_downwards():
+    assert _crossings(_graph(lazy=True, typing=True)) == []
+
+
+def test_the_layer_check_finds_a_crossing():
+    assert _crossings({"memfit.engine.parts.head": {"memfit.integrations.distributed"},
+                       "memfit.tools.report": {"memfit.engine.records"}}) == [
+        "memfit.engine.parts.head -> memfit.integrations.distributed"]
+
+
+#: a folder a reader can scan: more modules than this and it wants subpackages by concern
+MAX_MODULES_PER_FOLDER = 12
+
+
+def test_no_folder_holds_more_than_a_dozen_modules():
+    crowded = {}
+    for folder in [SRC, *(p for p in SRC.rglob("*") if p.is_dir() and (p / "__init__.py").exists())]:
+        n = sum(1 for f in folder.glob("*.py") if f.name != "__init__.py")
+        if n > MAX_MODULES_PER_FOLDER:
+            crowded[str(folder.relative_to(SRC.parent))] = n
+    assert crowded == {}
 
 
 def test_the_cycle_finder_finds_a_cycle(tmp_path, monkeypatch):
@@ -130,7 +181,7 @@ def test_no_run_history_in_src():
 
 
 def test_the_controller_holds_no_branch_per_method():
-    source = (SRC / "engine" / "controller.py").read_text()
+    source = (SRC / "engine" / "run" / "controller.py").read_text()
     from memfit.engine.methods import METHODS
 
     names = {cls.__name__ for cls in METHODS.values()}

@@ -13,7 +13,7 @@ import torch
 
 import memfit
 from _models import DECODER_ARCHS, TEXT_SIZES, build_decoder, logical_peak, step_both_and_compare
-from memfit.engine.blocks import find_blocks
+from memfit.engine.parts.blocks import find_blocks
 
 pytest.importorskip("peft")
 

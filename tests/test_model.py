@@ -2,10 +2,10 @@
 
 import pytest
 
-from memfit.engine.model import Curve, MemoryModel
+from memfit.engine.plan.model import Curve, MemoryModel
 from memfit.engine.shapes import bucket_key, shape_key
-from memfit.engine.planner import Plan, plan_blocks
-from memfit.engine.planning import Planning, _plan_from_row
+from memfit.engine.plan.planner import Plan, plan_blocks
+from memfit.engine.plan.planning import Planning, _plan_from_row
 
 
 def test_shape_and_bucket_keys():
@@ -281,8 +281,8 @@ def test_allocator_retries_grow_the_slack_in_steps_up_to_a_ceiling():
     budget, never past MAX_RETRY_SLACK_SHARE; each growth drops the cached plans."""
     from types import SimpleNamespace
 
-    from memfit.engine import learner
-    from memfit.engine.room import MAX_RETRY_SLACK_SHARE, RETRY_SLACK_SHARE
+    from memfit.engine.plan import learner
+    from memfit.engine.plan.room import MAX_RETRY_SLACK_SHARE, RETRY_SLACK_SHARE
 
     budget = 1_000_000
     planning = Planning(4, [0, 0, 0, 0], budget, margin_bytes=0, bucket_tokens=1, slack_bytes=100)
@@ -491,8 +491,8 @@ def test_refit_equals_numpy_least_squares(seed):
 
 def _optimizer_step(above_static: int, static: int):
     """A finished step whose optimizer step peaked ``above_static`` over its ``static`` bytes."""
-    from memfit.engine.learner import StepOutcome
-    from memfit.engine.planner import Plan
+    from memfit.engine.plan.learner import StepOutcome
+    from memfit.engine.plan.planner import Plan
 
     return StepOutcome(key=(4, 16), plan=Plan(()), warmup=False, outside=0, by_block=[0] * 4, static=static, peak=0,
                        plain_peak=0, transient=0, optimizer_above_static=above_static)
@@ -502,7 +502,7 @@ def test_an_optimizer_peak_that_cannot_change_a_plan_keeps_the_cache():
     """Plans read the optimizer step's peak only through static + max(activations, it) <=
     room: a larger one that stays within the room keeps every cached plan."""
     import memfit
-    from memfit.engine.learner import learn_optimizer_peak
+    from memfit.engine.plan.learner import learn_optimizer_peak
     from _models import build
 
     model, _ = build("bert")
@@ -544,7 +544,7 @@ def test_a_price_is_the_least_squares_line_of_each_keys_fastest_sample():
     them, keeps a key's smallest sample, and is a line in tokens until six keys are seen."""
     import numpy as np
 
-    from memfit.engine.model import BlockGroupModel
+    from memfit.engine.plan.model import BlockGroupModel
 
     group = BlockGroupModel()
     noisy = {(8, 961): 0.713, (8, 1206): 1.029, (8, 1868): 0.147}  # one H200 repeat's selective prices
@@ -575,8 +575,8 @@ def test_a_price_is_the_least_squares_line_of_each_keys_fastest_sample():
 def test_the_learner_returns_updates_and_planning_alone_applies_them():
     """Item 3 of issue 38: learner functions write nothing; Planning.apply adds the samples and
     drops its own cached plans."""
-    from memfit.engine import learner
-    from memfit.engine.learner import StepOutcome
+    from memfit.engine.plan import learner
+    from memfit.engine.plan.learner import StepOutcome
 
     planning = Planning(4, [0, 0, 0, 0], 1_000_000, margin_bytes=0, bucket_tokens=1)
     planning.model, planning.static_bytes = _model([16, 32, 64]), 200_000

@@ -1,5 +1,5 @@
 """Offline runs make no hub round-trip: bundled configs and the MiniLM never contact it, and an
-unreachable hub is asked once (NOTE [One hub probe] in memfit/cli/tasks/_hub.py).
+unreachable hub is asked once (NOTE [One hub probe] in memfit/tasks/_hub.py).
 
 This machine may have no network; every test here also blocks it, counting each attempt (a
 host-name lookup), and turns off the suite's HF_HUB_OFFLINE so that memfit decides alone.
@@ -17,9 +17,9 @@ from huggingface_hub import constants
 
 from _models import FIXTURES
 from memfit import cli
-from memfit.cli.tasks import DataTrainingArguments, ModelArguments
-from memfit.cli.tasks._common import load_tokenizer
-from memfit.cli.tasks._hub import hub_names, hub_or_offline
+from memfit.tasks import DataTrainingArguments, ModelArguments
+from memfit.tasks._common import load_tokenizer
+from memfit.tasks._hub import hub_names, hub_or_offline
 
 
 @pytest.fixture()

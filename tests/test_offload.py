@@ -11,12 +11,12 @@ import torch
 
 import memfit
 from _models import FixedPlan, VOCAB, _text_batch, step_both_and_compare
-from memfit.engine.model import MemoryModel
-from memfit.engine.planner import Plan
-from memfit.engine.planning import Planning
-from memfit.engine.probe import LinkPrice
-from memfit.engine.treatments import HostMemoryError, Offload
-from memfit.engine.treatments.offload import _HostPool, size_class
+from memfit.engine.plan.model import MemoryModel
+from memfit.engine.plan.planner import Plan
+from memfit.engine.plan.planning import Planning
+from memfit.engine.parts.probe import LinkPrice
+from memfit.engine.parts.treatments import HostMemoryError, Offload
+from memfit.engine.parts.treatments.offload import _HostPool, size_class
 
 
 
@@ -87,7 +87,7 @@ def test_size_classes_are_at_most_a_quarter_over():
 def test_pinned_classes_are_what_the_host_allocator_pins(monkeypatch):
     """NOTE [Pinned pool]: PyTorch's caching host allocator pins the power of two at or above a request,
     so a pinned pool counts that, and its bound holds for what is pinned."""
-    from memfit.engine.treatments import offload as module
+    from memfit.engine.parts.treatments import offload as module
 
     for n in (4097, 5000, 2**20, 2**20 + 1, 675282944):
         size = size_class(n, pinned=True)

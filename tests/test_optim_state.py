@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
-from memfit.engine.optim_state import KNOWN_OPTIMIZERS, expected_state_bytes
+from memfit.engine.parts.optim_state import KNOWN_OPTIMIZERS, expected_state_bytes
 
 
 class _Model(nn.Module):

@@ -1,4 +1,4 @@
-"""The optimizer step's temporaries (NOTE [Optimizer step transient] in engine/optim_state.py),
+"""The optimizer step's temporaries (NOTE [Optimizer step transient] in engine/parts/optim_state.py),
 predicted before the step, against torch's own memory tracker around a real ``step()`` on CPU."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from memfit.engine.optim_state import expected_step_transient_bytes, torch_step_transient_bytes
+from memfit.engine.parts.optim_state import expected_step_transient_bytes, torch_step_transient_bytes
 
 
 def _params(mixed: bool) -> list[nn.Parameter]:

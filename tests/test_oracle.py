@@ -9,9 +9,9 @@ import torch
 import memfit
 from _models import TINY_BERT, build
 from memfit.engine.methods import save_plans
-from memfit.engine.planner import Plan
+from memfit.engine.plan.planner import Plan
 from memfit.tools.bench.oracle import sweep
-from memfit.cli.tasks._common import minilm_path
+from memfit.tasks._common import minilm_path
 from memfit.cli.train import run
 
 
@@ -28,7 +28,7 @@ def _counted_with_first_k(model, batch, k, tmp_path) -> int:
     """Logical peak of one step with blocks 0..k-1 checkpointed, through a plans file."""
     key = tuple(batch["input_ids"].shape)
     path = tmp_path / f"first_{k}.json"
-    save_plans(path, len(memfit.engine.blocks.find_blocks(model)), {key: Plan(tuple(range(k)))})
+    save_plans(path, len(memfit.engine.parts.blocks.find_blocks(model)), {key: Plan(tuple(range(k)))})
     ctl = memfit.fit(model, budget=None, method="precomputed", path=path)
     _step(model)(batch)
     peak = ctl.records[-1].peak_allocated_bytes

@@ -18,7 +18,7 @@ import memfit
 from _models import build_decoder, step_both_and_compare
 from memfit.tools.bench import peers
 from memfit.tools.bench.peers import PEER_FILE, PeerArguments, PeerUnavailableError, make_peer, plan_blocks
-from memfit.engine.blocks import find_blocks
+from memfit.engine.parts.blocks import find_blocks
 from memfit.cli.train import run
 
 FIXTURES = Path(__file__).parent / "fixtures" / "glue" / "MRPC"

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from memfit.engine.planner import (
+from memfit.engine.plan.planner import (
     InfeasiblePlanError, Plan, PlanCache, _is_homogeneous, plan_blocks, plan_treatments, plan_with_head,
 )
 
@@ -124,7 +124,7 @@ def test_treatments_of_unlike_blocks_are_the_cheapest_that_cover_the_need():
     import itertools
     import random
 
-    from memfit.engine.planner import InfeasiblePlanError, plan_treatments
+    from memfit.engine.plan.planner import InfeasiblePlanError, plan_treatments
 
     rng = random.Random(0)
     checked = 0
@@ -340,7 +340,7 @@ def test_large_alike_stacks_plan_in_bounded_memory():
 
 def test_alike_counts_rows_are_every_assignment():
     """The count grid built a column at a time is the filtered product, row for row."""
-    from memfit.engine.planner import _counts
+    from memfit.engine.plan.planner import _counts
 
     for m in range(6):
         for t in range(1, 4):

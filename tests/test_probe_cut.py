@@ -1,4 +1,4 @@
-"""Probing on a cut (NOTE [Probing on a cut], engine/probe.py): a long warm-up step's probes run on the first
+"""Probing on a cut (NOTE [Probing on a cut], engine/parts/probe.py): a long warm-up step's probes run on the first
 positions of its input where the whole might not fit, scaled back."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from _models import DECODER_ARCHS, VOCAB, build_decoder
-from memfit.engine import probe
-from memfit.engine.accounting import SavedTensorCounter
-from memfit.engine.blocks import find_blocks
+from memfit.engine.parts import probe
+from memfit.engine.parts.accounting import SavedTensorCounter
+from memfit.engine.parts.blocks import find_blocks
 
 
 def _inputs_of(model, block, length):
@@ -96,8 +96,8 @@ def test_a_warm_up_step_on_a_cut_learns_scaled_probes(monkeypatch):
     reference = copy.deepcopy(model)
     monkeypatch.setattr(probe, "cut_length", lambda args, kwargs, budget, device, n_blocks=1: 24)
     seen = []
-    learn = memfit.engine.learner.learn_probes
-    monkeypatch.setattr(memfit.engine.learner, "learn_probes", lambda planning, key, probes, treated=None: seen.append((key, dict(probes))) or learn(planning, key, probes, treated))
+    learn = memfit.engine.plan.learner.learn_probes
+    monkeypatch.setattr(memfit.engine.plan.learner, "learn_probes", lambda planning, key, probes, treated=None: seen.append((key, dict(probes))) or learn(planning, key, probes, treated))
     ctl = memfit.fit(model, budget="1GB", announce=False)
     step_both_and_compare(model, reference, make(2, 48), 0, "cut probes")
     key, probes = seen[0]

@@ -11,8 +11,8 @@ from torch import nn
 
 import memfit
 from _models import ARCHS, SIZES, TEXT_SIZES, assert_grads_equal, build, logical_peak
-from memfit.engine.model import Curve
-from memfit.engine.store import Candidate, RecomputeMismatchError, choose_evictions
+from memfit.engine.plan.model import Curve
+from memfit.engine.parts.store import Candidate, RecomputeMismatchError, choose_evictions
 
 C = Candidate  # (index, bytes, cost_ms, last_use)
 
@@ -377,7 +377,7 @@ def test_block_peaks_predict_the_largest_at_least_as_long_then_scale():
     """NOTE [Room inside a block]: a block's peak at a length is the largest seen at any
     length at least as long; beyond the longest, scaled by the power its last two samples show
     (clamped to 1..2), 2 from one sample."""
-    from memfit.engine.protection import BlockPeaks, requested_bytes
+    from memfit.engine.run.protection import BlockPeaks, requested_bytes
 
     peaks = BlockPeaks()
     assert peaks.predict(0, 100) == 0
@@ -506,7 +506,7 @@ def test_reactive_keeps_the_heads_peak_free_at_the_last_block(monkeypatch):
         model.zero_grad(set_to_none=True)
     ctl.remove()
     assert evicted_before_head[0] == [] and evicted_before_head[1], evicted_before_head
-    assert ctl.protection.peaks.predict(memfit.engine.protection.BlockPeaks.TAIL, 16) >= 2 * 10**6 - 10**4
+    assert ctl.protection.peaks.predict(memfit.engine.run.protection.BlockPeaks.TAIL, 16) >= 2 * 10**6 - 10**4
 
 
 def test_the_cuda_meter_reads_the_allocator_once_per_reading(monkeypatch):
@@ -533,11 +533,11 @@ def test_allocator_retries_grow_the_room_reactive_keeps_free(monkeypatch):
     """NOTE [Room] (planning.py): under ``reactive`` a step the allocator served only by releasing
     its cache grows the slack by RETRY_SLACK_SHARE of the budget, and the next step's block
     entries keep it free: that step evicts blocks where the steps before evicted none."""
-    import memfit.engine.room
+    import memfit.engine.plan.room
 
     budget = 10**6
     # a CPU's step times cannot price a retry: each is taken to cost more than any growth (NOTE [The slack is priced])
-    monkeypatch.setattr(memfit.engine.room.StepTimes, "retry_ms", lambda self, bucket, net_ms: float("inf"))
+    monkeypatch.setattr(memfit.engine.plan.room.StepTimes, "retry_ms", lambda self, bucket, net_ms: float("inf"))
     model, make_batch, inner, ctl, fake = _reactive_on_fake_allocator(monkeypatch, budget)
     assert ctl.planning.slack_bytes == 0
     fake.allocated = fake.peak = budget - 40_000  # room for a block's bytes, not for the growth
@@ -555,6 +555,6 @@ def test_allocator_retries_grow_the_room_reactive_keeps_free(monkeypatch):
     records = ctl.records
     ctl.remove()
     assert [r.alloc_retries for r in records[:3]] == [0, 1, 0]
-    assert slacks == [0, 0, int(memfit.engine.room.RETRY_SLACK_SHARE * budget)] == [0, 0, ctl.planning.slack_bytes]
+    assert slacks == [0, 0, int(memfit.engine.plan.room.RETRY_SLACK_SHARE * budget)] == [0, 0, ctl.planning.slack_bytes]
     assert records[0].evicted_blocks == [] == records[1].evicted_blocks
     assert records[2].evicted_blocks, "the grown slack made no room"

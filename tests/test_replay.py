@@ -1,5 +1,5 @@
 """One replay engine: the Trainer's ``training_step`` and ``Controller.run_step`` replay an injected
-OOM through the controller's :class:`~memfit.engine.replay.Replayer` and end with the same weights."""
+OOM through the controller's :class:`~memfit.engine.run.replay.Replayer` and end with the same weights."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 import memfit
 from _models import InjectOOM, build, logical_peak
-from memfit.engine.replay import Replayer
+from memfit.engine.run.replay import Replayer
 
 LENGTHS = [12, 40, 24, 40, 8, 32, 40, 16, 36, 20, 40, 28]
 

@@ -1,4 +1,4 @@
-"""NOTE [cuDNN attention after an OOM] (engine/replay.py): an OOM leaves cuDNN's attention on; a
+"""NOTE [cuDNN attention after an OOM] (engine/run/replay.py): an OOM leaves cuDNN's attention on; a
 micro-step that fails in cuDNN turns it off for the rest of the process, says so once, and is
 replayed with the same plan; a second failure, one that does not name cuDNN, or one on CPU is
 raised. No GPU here: CUDA's state is mocked."""
@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from memfit.engine.replay import Replayer, cudnn_attention_failed
+from memfit.engine.run.replay import Replayer, cudnn_attention_failed
 
 CUDNN_FAILURE = "Expected mha_graph.execute(...).is_good() to be true, but got false."
 
@@ -27,7 +27,7 @@ def cudnn_sdp():
 def on_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr("memfit.engine.replay.rng_state", lambda: {"cpu": torch.get_rng_state()})
+    monkeypatch.setattr("memfit.engine.run.replay.rng_state", lambda: {"cpu": torch.get_rng_state()})
 
 
 def _replayer() -> tuple[Replayer, list[str], list[int]]:

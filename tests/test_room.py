@@ -1,15 +1,15 @@
-"""The room (engine/room.py): the margin and the allocator's slack, and the only rules that grow them."""
+"""The room (engine/plan/room.py): the margin and the allocator's slack, and the only rules that grow them."""
 
 from __future__ import annotations
 
 import pytest
 
-from memfit.engine import learner
-from memfit.engine.learner import StepOutcome
-from memfit.engine.planner import Plan
-import memfit.engine.planning
-from memfit.engine.planning import BucketBias, ModelUpdate, Planning, slack_cost_ms
-from memfit.engine.room import (
+from memfit.engine.plan import learner
+from memfit.engine.plan.learner import StepOutcome
+from memfit.engine.plan.planner import Plan
+import memfit.engine.plan.planning
+from memfit.engine.plan.planning import BucketBias, ModelUpdate, Planning, slack_cost_ms
+from memfit.engine.plan.room import (
     ALLOCATOR_SLACK_BYTES, CLEAN_STEPS_KEPT, MAX_RETRY_SLACK_SHARE, RETRY_SLACK_SHARE, SHRINK_AFTER_CLEAN_STEPS, Room,
     StepTimes,
 )
@@ -41,7 +41,7 @@ def test_a_run_starts_with_its_accountings_room(budget, accounting, share, margi
 
 def test_a_run_that_cannot_survive_an_oom_starts_with_the_slack_it_may_need():
     """NOTE [Room where an OOM is fatal]: 1/24 of the budget, on CUDA only, never below the usual start."""
-    from memfit.engine.room import FATAL_OOM_SLACK_PARTS
+    from memfit.engine.plan.room import FATAL_OOM_SLACK_PARTS
 
     big = 40 * 2**30
     assert Room.for_run(big, "cuda").slack_bytes == ALLOCATOR_SLACK_BYTES
@@ -100,7 +100,7 @@ def test_the_margin_shrinks_while_steps_keep_to_their_predictions():
     """NOTE [The margin follows the misses]: after MARGIN_CLEAN_STEPS steady steps without a growing
     miss, the margin shrinks in one step to the larger of the least share and 1.25 x the misses of
     the last MARGIN_MISS_STEPS; a miss grows it and restarts the count; an OOM's margin is a floor from then on."""
-    from memfit.engine.room import LEAST_MARGIN_SHARE, MARGIN_CLEAN_STEPS, MARGIN_MISS_STEPS
+    from memfit.engine.plan.room import LEAST_MARGIN_SHARE, MARGIN_CLEAN_STEPS, MARGIN_MISS_STEPS
 
     budget = 2**30
     room = Room.for_run(budget, "cuda")
@@ -148,7 +148,7 @@ def test_planning_prices_the_growth_with_the_plan_of_the_smaller_room(monkeypatc
     planning = Planning(4, [0, 0, 0, 0], 1_000_000, 0, 8, room=Room(1_000_000, slack_bytes=1000))
     for _ in range(3):
         assert not planning.apply(ModelUpdate(steady_key=(8, 64), net_ms=100.0))
-    monkeypatch.setattr(memfit.engine.planning, "slack_cost_ms", lambda planning, key, extra: 0.5)
+    monkeypatch.setattr(memfit.engine.plan.planning, "slack_cost_ms", lambda planning, key, extra: 0.5)
     # per step: 30 ms x 1 retry in (at least) RETRY_RATE_STEPS steps < 0.5 ms; then 80 ms x 2 of them > 0.5 ms
     assert not planning.apply(ModelUpdate(alloc_retries=True, steady_key=(8, 64), net_ms=130.0))
     assert planning.slack_bytes == 1000
@@ -165,7 +165,7 @@ def test_a_retry_without_clean_steps_waits_for_its_buckets_next_clean_step(monke
     bucket that retries twice before any clean step grows the slack at once, and a retry with no
     step time grows it too (nothing to price it with)."""
     planning = Planning(4, [0, 0, 0, 0], 1_000_000, 0, 8, room=Room(1_000_000, slack_bytes=1000))
-    monkeypatch.setattr(memfit.engine.planning, "slack_cost_ms", lambda planning, key, extra: 0.5)
+    monkeypatch.setattr(memfit.engine.plan.planning, "slack_cost_ms", lambda planning, key, extra: 0.5)
     step = planning.room.slack_step_bytes
     # 20 ms once in RETRY_RATE_STEPS steps: 0.31 ms per step < 0.5; it waits, and its bucket's clean step keeps the slack
     assert not planning.apply(ModelUpdate(alloc_retries=True, steady_key=(8, 64), net_ms=120.0))
@@ -189,17 +189,17 @@ def test_a_growth_is_priced_per_step_over_the_latest_shapes(monkeypatch):
     """NOTE [The slack is priced]: the growth's price is the mean over the latest steady steps'
     shapes of what the smaller room adds to each one's plan (each shape priced once)."""
     planning = _fitted_planning()
-    assert memfit.engine.planning.growth_ms_per_step(planning) == 0.0  # no steady step yet
+    assert memfit.engine.plan.planning.growth_ms_per_step(planning) == 0.0  # no steady step yet
     priced = []
 
     def cost(planning, key, extra):
         priced.append(key)
         return {16: 0.0, 64: 3.0, 32: 1.0}[key[1]]
 
-    monkeypatch.setattr(memfit.engine.planning, "slack_cost_ms", cost)
+    monkeypatch.setattr(memfit.engine.plan.planning, "slack_cost_ms", cost)
     for key in [(4, 16), (4, 64), (4, 64), (4, 32)]:
         planning.room.times.note(key, False)
-    assert memfit.engine.planning.growth_ms_per_step(planning) == pytest.approx((0 + 3 + 3 + 1) / 4)
+    assert memfit.engine.plan.planning.growth_ms_per_step(planning) == pytest.approx((0 + 3 + 3 + 1) / 4)
     assert sorted(priced) == [(4, 16), (4, 32), (4, 64)]
 
 

@@ -418,8 +418,8 @@ def test_model_replay_predicts_each_step_with_its_blocks_treatments(tmp_path, ca
     """benchmarks/model_replay.py on a CPU run of loop_bench: a step record's blocks are replayed under
     the treatment the record names (it once replayed every treated block as recomputed), each row's
     prediction the run's last model's for that plan. The run's line says what the head's probe read."""
-    from memfit.engine.model import MemoryModel
-    from memfit.engine.planner import Plan
+    from memfit.engine.plan.model import MemoryModel
+    from memfit.engine.plan.planner import Plan
 
     loop_bench = _loop_bench()
     out = tmp_path / "out"

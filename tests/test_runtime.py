@@ -12,8 +12,8 @@ from torch import nn
 import memfit
 from _models import build, logical_peak
 from memfit.engine.methods import save_plans
-from memfit.engine.planner import Plan
-from memfit.engine.probe import TIMED_RUNS
+from memfit.engine.plan.planner import Plan
+from memfit.engine.parts.probe import TIMED_RUNS
 
 
 def _bert():
@@ -33,7 +33,7 @@ def _counted_bytes_with_first_k(model, batch, k, tmp_path):
     """Logical peak of one step with blocks 0..k-1 checkpointed, via a plans file."""
     key = (batch["input_ids"].shape[0], batch["input_ids"].shape[1])
     path = tmp_path / f"plan_{k}.json"
-    n_blocks = len(memfit.engine.blocks.find_blocks(model))
+    n_blocks = len(memfit.engine.parts.blocks.find_blocks(model))
     save_plans(path, n_blocks, {key: Plan(tuple(range(k)))})
     ctl = memfit.fit(model, budget=None, method="precomputed", path=path)
     _step(model, batch)
@@ -166,7 +166,7 @@ def test_budget_below_static_need():
     model, _ = _bert()
     opt = torch.optim.AdamW(model.parameters())
     params = sum(p.numel() * 4 for p in model.parameters())
-    from memfit.engine.optim_state import torch_step_transient_bytes
+    from memfit.engine.parts.optim_state import torch_step_transient_bytes
 
     transient = torch_step_transient_bytes(opt)  # the step's temporaries are part of the need
     with pytest.raises(memfit.BudgetTooSmallError, match=f"{4 * params + transient} bytes: parameters"):
@@ -290,7 +290,7 @@ def _use_cuda_meter(ctl, counts_always=True):
     ``counts_always``: every step counts its saved tensors, as the tests that drive a fake
     allocator from the counter's bytes need (a real allocator sees them whether counted or not).
     """
-    from memfit.engine.meter import CudaMeter
+    from memfit.engine.run.meter import CudaMeter
 
     # the fake allocator's static memory is what it says: no gradient is missing
     ctl.meter = CudaMeter(torch.device("cpu"), [], 0)
@@ -325,8 +325,8 @@ def _half_budget_on_fake_allocator(monkeypatch, method="dynamic", **kwargs):
 def test_work_aside_from_a_step_stays_out_of_its_peak(monkeypatch):
     """NOTE [Work aside from the step]: what runs in the CUDA meter's ``aside`` (warm-up's head probe)
     is not in the step's peak, which is the larger of the peaks before and after it."""
-    from memfit.engine.meter import CudaMeter
-    from memfit.engine.step import StepState
+    from memfit.engine.run.meter import CudaMeter
+    from memfit.engine.run.step import StepState
 
     fake = _FakeAllocator()
     fake.patch(monkeypatch)
@@ -381,7 +381,7 @@ def test_backward_and_optimizer_peaks_are_read_apart(monkeypatch):
 
 def _count_plans(monkeypatch, ctl, planned):
     """Append to ``planned`` one entry per plan made (a row or one key): a miss of the plan cache."""
-    from memfit.engine import planning as planning_module
+    from memfit.engine.plan import planning as planning_module
 
     original_plan = ctl.planning._plan
     monkeypatch.setattr(ctl.planning, "_plan", lambda k: planned.append(("_plan", k)) or original_plan(k))
@@ -509,14 +509,14 @@ def test_the_partial_transient_learns_the_backwards_start_not_a_recompute(monkey
     extra = budget // 20
     start = []  # this step's start of backward, above static
     for block in ctl.blocks:
-        body = block._body
+        body = block.body
 
         def recompute_holds_more(*args, _body=body, **kwargs):
             if start:  # in backward, after the block's before_run: the recompute holds more
                 fake.use(start[0] + extra)
             return _body(*args, **kwargs)
 
-        block._body = recompute_holds_more
+        block.body = recompute_holds_more
 
     def transient(length):
         return -300 + 40 * 4 * length
@@ -552,7 +552,7 @@ def test_a_blocks_first_run_at_a_size_is_not_its_recompute_cost(monkeypatch):
     first_run_ms = 300.0
     ran = set()
     for block in ctl.blocks:
-        body = block._body
+        body = block.body
 
         def slow_once(*args, _body=body, _group=type(block.module), **kwargs):
             size = (_group, tuple(args[0].shape))
@@ -561,7 +561,7 @@ def test_a_blocks_first_run_at_a_size_is_not_its_recompute_cost(monkeypatch):
                 _time.sleep(first_run_ms / 1e3)
             return _body(*args, **kwargs)
 
-        block._body = slow_once
+        block.body = slow_once
     for i, length in enumerate([40, 24, 32]):  # the warm-up steps probe, each at a new size
         _step(model, make_batch(2, length), seed=i)
     costs = [c for g in ctl.planning.model.group_models.values() for c in g.ms["recompute"].ys]
@@ -637,17 +637,17 @@ def test_allocator_retries_in_steady_steps_grow_the_slack_and_the_plans(monkeypa
     """NOTE [Room]: a steady step the allocator served only by releasing its cache grows the
     slack by RETRY_SLACK_SHARE of the budget, up to MAX_RETRY_SLACK_SHARE, and the plans are
     redone with it; a warm-up step's retries and a step without any leave the slack alone."""
-    import memfit.engine.room
-    from memfit.engine.planner import Plan
+    import memfit.engine.plan.room
+    from memfit.engine.plan.planner import Plan
 
     # this small model's plans lie further apart than the ceiling: a higher one here
-    monkeypatch.setattr(memfit.engine.room, "MAX_RETRY_SLACK_SHARE", 1 / 3)
+    monkeypatch.setattr(memfit.engine.plan.room, "MAX_RETRY_SLACK_SHARE", 1 / 3)
     # a CPU's step times cannot price a retry: each is taken to cost more than any growth (NOTE
     # [The slack is priced]; the priced rule is tested in test_room.py)
-    monkeypatch.setattr(memfit.engine.room.StepTimes, "retry_ms", lambda self, bucket, net_ms: float("inf"))
+    monkeypatch.setattr(memfit.engine.plan.room.StepTimes, "retry_ms", lambda self, bucket, net_ms: float("inf"))
     model, make_batch, inner, budget, ctl, fake = _half_budget_on_fake_allocator(monkeypatch, backstop=False)
     planning, key = ctl.planning, (4, 96)
-    step, ceiling = int(memfit.engine.room.RETRY_SLACK_SHARE * budget), int(budget / 3)
+    step, ceiling = int(memfit.engine.plan.room.RETRY_SLACK_SHARE * budget), int(budget / 3)
     step_retries = {1: 2, 5: 1, 6: 0, 7: 3, 8: 1, 9: 1, 10: 1, 11: 1}  # step index -> retries it causes
     slacks = []  # after each step was learnt (a step is closed when the next one's forward starts)
     for i in range(13):
@@ -887,7 +887,7 @@ def test_the_record_says_what_the_backstop_kept_only_as_block_inputs(monkeypatch
     """A step with the backstop armed keeps each un-checkpointed block's inputs for a
     recompute; the record counts those that no saved tensor holds (here `bias`, once, though
     every block takes it), and 0 on a step that ran plainly."""
-    from memfit.engine.protection import Backstop
+    from memfit.engine.run.protection import Backstop
 
     torch.manual_seed(0)
     layers = nn.ModuleList(_Biased(8) for _ in range(3))
@@ -976,8 +976,8 @@ def test_an_armed_step_teaches_what_its_plan_holds_run_plainly():
 def test_an_armed_steps_peaks_lose_only_the_inputs_of_the_stores_still_alive():
     """What an armed step's peak holds of its stores' inputs: all of them at the backward's
     start (or with no recompute), only the stores below the first recomputed block after it."""
-    from memfit.engine.learner import Peaks, _plain_peaks
-    from memfit.engine.planner import Plan
+    from memfit.engine.plan.learner import Peaks, _plain_peaks
+    from memfit.engine.plan.planner import Plan
 
     inputs = [10, 0, 20, 40]  # per block; block 1 checkpointed
     plan = Plan((1,))
@@ -1001,7 +1001,7 @@ def test_only_steps_that_can_teach_count_their_saved_tensors(monkeypatch):
     step of its bucket peaked above its prediction, and once in COUNT_EVERY steps; the others
     (a length inside the counted range: 24 here) run no pack hook past the embeddings (the
     counter's pack calls are the proxy)."""
-    from memfit.engine.accounting import SavedTensorCounter
+    from memfit.engine.parts.accounting import SavedTensorCounter
     from memfit.engine.methods import dynamic
 
     monkeypatch.setattr(dynamic, "COUNT_EVERY", 12)
@@ -1071,7 +1071,7 @@ def test_dynamic_warmup_ends_when_the_data_repeats_its_shapes(lengths, warm):
     from types import SimpleNamespace
 
     from memfit.engine.methods import make_method
-    from memfit.engine.planner import Plan
+    from memfit.engine.plan.planner import Plan
 
     method = make_method("dynamic")
     planning = SimpleNamespace(
@@ -1107,7 +1107,7 @@ def test_a_storage_saved_by_several_blocks_is_counted_outside_them():
     """NOTE [Storages saved by several blocks]: a storage a second block (or the code outside the
     blocks) saves too leaves its first block's bytes for the outside bytes, once; one saved twice
     by one block stays in it; the total is what the storages hold."""
-    from memfit.engine.accounting import OUTSIDE, SavedTensorCounter
+    from memfit.engine.parts.accounting import OUTSIDE, SavedTensorCounter
 
     counter = SavedTensorCounter(3)
     shared, mask, own = torch.zeros(100), torch.zeros(50), [torch.zeros(10 * (i + 1)) for i in range(3)]
@@ -1150,7 +1150,7 @@ def test_a_partial_plan_the_partial_transient_does_not_predict_yet_counts():
     regime's guess stayed a block and the gradients too high step after step); a step whose partial
     plan the curve predicts, one that treats every block and one that treats none do not."""
     from memfit.engine.methods.dynamic import Dynamic
-    from memfit.engine.planner import Plan
+    from memfit.engine.plan.planner import Plan
 
     class Model:
         ready, groups = True, [0, 0, 0, 0]

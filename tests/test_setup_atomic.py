@@ -1,4 +1,4 @@
-"""Setup is all or nothing (NOTE [Setup is all or nothing] in engine/controller.py): any error raised by
+"""Setup is all or nothing (NOTE [Setup is all or nothing] in engine/run/controller.py): any error raised by
 ``memfit.fit`` or the memfit Trainer before the first step leaves the model exactly as it was, and a
 later ``fit`` on it works."""
 
@@ -69,8 +69,8 @@ def test_a_rejected_argument_leaves_the_model_as_it_was(kwargs, match):
     _assert_same(before, _snapshot(model))
 
 
-@pytest.mark.parametrize("where", ["memfit.engine.controller.GatheredParameters", "memfit.engine.controller.start_line",
-                                   "memfit.engine.controller.compile_loss"])
+@pytest.mark.parametrize("where", ["memfit.engine.run.controller.GatheredParameters", "memfit.engine.run.controller.start_line",
+                                   "memfit.engine.run.controller.compile_loss"])
 def test_an_error_late_in_setup_undoes_every_earlier_change(monkeypatch, where):
     """An error after the blocks are wrapped and the head switched (in the middle of setup, and at
     its very end: the start line) undoes both."""
@@ -88,7 +88,7 @@ def test_an_error_late_in_setup_undoes_every_earlier_change(monkeypatch, where):
 
 def test_a_failed_block_compile_unwraps_the_blocks_already_wrapped(monkeypatch):
     """Wrapping stops at the third block: the first two are unwrapped again."""
-    from memfit.engine import blocks as blocks_module
+    from memfit.engine.parts import blocks as blocks_module
 
     model, _ = build_decoder("llama")
     before = _snapshot(model)

@@ -14,12 +14,12 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, EvalPrediction
 
 from _models import FIXTURES, TINY_BERT
-from memfit.cli.tasks import DataFileError, DataTrainingArguments, ModelArguments, get_task
-from memfit.cli.tasks import multiple_choice as mc
-from memfit.cli.tasks import question_answering as qa
-from memfit.cli.tasks import text_classification as tc
-from memfit.cli.tasks import token_classification as ner
-from memfit.cli.tasks._common import (
+from memfit.tasks import DataFileError, DataTrainingArguments, ModelArguments, get_task
+from memfit.tasks import multiple_choice as mc
+from memfit.tasks import question_answering as qa
+from memfit.tasks import text_classification as tc
+from memfit.tasks import token_classification as ner
+from memfit.tasks._common import (
     QUANTILE_LEVELS,
     SyntheticText,
     load_model,

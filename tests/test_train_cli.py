@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from _models import FIXTURES, TINY_BERT
-from memfit.cli.tasks._common import minilm_path
+from memfit.tasks._common import minilm_path
 from memfit.cli.train import main, run
 
 # task -> (train file, validation file, other flags)

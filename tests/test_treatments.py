@@ -14,9 +14,9 @@ import torch
 import memfit
 from _models import FixedPlan, ARCHS, DECODER_ARCHS, SIZES, TEXT_SIZES, build, build_decoder, logical_peak, step_both_and_compare
 from memfit.engine.methods import load_plans, make_method, save_plans
-from memfit.engine.planner import Plan
-from memfit.engine.controller import Controller
-from memfit.engine.treatments import HostMemoryError, Offload, Treatment, make_treatments
+from memfit.engine.plan.planner import Plan
+from memfit.engine.run.controller import Controller
+from memfit.engine.parts.treatments import HostMemoryError, Offload, Treatment, make_treatments
 
 
 
@@ -57,7 +57,7 @@ def test_every_treatment_and_mix_gives_the_gradients_of_none(arch):
     model, make_batch = build(arch)
     model.train()
     reference = copy.deepcopy(model)
-    n = len(memfit.engine.blocks.find_blocks(model))
+    n = len(memfit.engine.parts.blocks.find_blocks(model))
     sizes = SIZES.get(arch, TEXT_SIZES)[:2]
     for name, plan in _mixes(n).items():
         ctl = memfit.fit(model, budget=None, method=FixedPlan(plan), treatments=_ALL)
@@ -77,7 +77,7 @@ def test_llm_families_are_exact_under_selective_offload_and_elementwise(arch, lo
     model, make_batch = build_decoder(arch, lora)
     model.train()
     reference = copy.deepcopy(model)
-    n = len(memfit.engine.blocks.find_blocks(model))
+    n = len(memfit.engine.parts.blocks.find_blocks(model))
     for name, plan in _mixes(n).items():
         ctl = memfit.fit(model, budget=None, method=FixedPlan(plan), treatments=_ALL)
         ctl.treatments["offload"].min_bytes = 0
@@ -103,7 +103,7 @@ def test_treatments_keep_less_than_keep_and_selective_more_than_recompute():
     model, make_batch = build("llama")
     model.train()
     batch = make_batch(4, 64)
-    n = len(memfit.engine.blocks.find_blocks(model))
+    n = len(memfit.engine.parts.blocks.find_blocks(model))
     every = tuple(range(n))
     saved = {
         "keep": _counted(model, batch, Plan(())).saved_activation_bytes,
@@ -170,7 +170,7 @@ def test_dynamic_with_treatments_fits_the_budget_exactly_and_mixes_when_cheaper(
     """``dynamic`` given a treatment beside recompute under a logical budget: gradients equal
     ``none``'s, every peak within the budget, and, where the treatment is priced cheaper per byte
     than recompute (as the probe measures it on a GPU), plans that use it."""
-    from memfit.engine import probe
+    from memfit.engine.parts import probe
 
     original = probe.probe_treatments
 
@@ -199,8 +199,8 @@ def test_dynamic_with_treatments_fits_the_budget_exactly_and_mixes_when_cheaper(
 def test_the_planner_keeps_recompute_where_treatments_are_dearer():
     """NOTE [Treatments never lose]: a mix is taken only when it is cheaper than the
     recompute-only plan; priced dearer, selective is never chosen."""
-    from memfit.engine.model import MemoryModel
-    from memfit.engine.planning import Planning
+    from memfit.engine.plan.model import MemoryModel
+    from memfit.engine.plan.planning import Planning
 
     model = MemoryModel([0] * 4)
     group = model.group_models[0]
@@ -232,7 +232,7 @@ def test_the_selective_policy_recomputes_an_attention_that_draws_dropout():
     dropout mask must run, or every later mask of the recompute would differ from the forward's."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from memfit.engine.treatments import keep_matmul_and_attention
+    from memfit.engine.parts.treatments import keep_matmul_and_attention
 
     aten = torch.ops.aten
     q = k = v = torch.zeros(1, 1, 4, 8)
@@ -279,7 +279,7 @@ def test_a_selective_price_is_each_parts_fastest_run(monkeypatch):
     """NOTE [Cold runs of a block]: the selective probe times the plain forward, the forward
     under the cache and the recompute TIMED_RUNS times each, interleaved, and prices the
     fastest of each: one slow run (here the first round's) does not set the price."""
-    from memfit.engine import probe
+    from memfit.engine.parts import probe
 
     torch.manual_seed(0)
     model, make_batch = build("llama")
@@ -396,7 +396,7 @@ def test_elementwise_frees_the_mlps_and_norms_outputs_and_reruns_no_matmul(arch)
     model, make_batch = build_decoder(arch, False)
     model.train()
     batch = make_batch(2, 24)
-    n = len(memfit.engine.blocks.find_blocks(model))
+    n = len(memfit.engine.parts.blocks.find_blocks(model))
     every = tuple(range(n))
     saved, matmuls = {}, {}
     for name, plan in (("keep", Plan(())), ("recompute", Plan(every)), ("elementwise", Plan(every, kinds=("elementwise",) * n))):
@@ -434,7 +434,7 @@ def test_elementwise_is_offered_only_where_the_block_computes_what_its_modules_d
 def _first_block_probe():
     """A tiny Llama's run, its first block, and ``probe_of(*names)``: what warm-up's probe measures of
     that block under each treatment named (on its inputs of a 2 x 24 batch)."""
-    from memfit.engine import probe
+    from memfit.engine.parts import probe
 
     torch.manual_seed(0)
     model, make_batch = build_decoder("llama", False)
@@ -460,11 +460,11 @@ def _mlp_scaled(block):
 def test_elementwise_puts_back_a_forward_wrapped_on_the_instance():
     """A norm whose forward a library wrapped on the instance runs that wrapper under the checkpoint and
     keeps it after the step; a gated MLP wrapped so is left as it is (NOTE [Elementwise recompute])."""
-    from memfit.engine.treatments.elementwise import _leaner, elementwise_parts
+    from memfit.engine.parts.treatments.elementwise import _leaner, elementwise_parts
 
     torch.manual_seed(0)
     model, make_batch = build_decoder("llama", False)
-    block = memfit.engine.blocks.find_blocks(model)[0][1]
+    block = memfit.engine.parts.blocks.find_blocks(model)[0][1]
     norms, mlps = elementwise_parts(block)
     calls = []
     norm, mlp = norms[0], mlps[0]
@@ -488,7 +488,7 @@ def test_an_eager_only_treatment_asked_for_with_compiled_blocks_is_said_never_pl
     compiled), so a run that compiles its blocks and names it says once that it is never planned."""
     import logging
 
-    from memfit.engine.controller import _run_options
+    from memfit.engine.run.controller import _run_options
 
     with caplog.at_level(logging.WARNING, logger="memfit"):
         names, _ = _run_options(("elementwise",), True)
@@ -502,7 +502,7 @@ def test_elementwise_is_offered_by_default_to_eager_blocks_with_a_gated_mlp():
     """A run that names no treatments offers ``elementwise`` where its blocks have a gated MLP and run
     eagerly (:meth:`Treatment.by_default`); named treatments are taken as named, and BERT's blocks
     (norms, no gated MLP) and compiled blocks are not offered it."""
-    from memfit.engine.controller import _run_options
+    from memfit.engine.run.controller import _run_options
 
     decoder, _ = build_decoder("llama")
     bert, _ = build("bert")
@@ -513,7 +513,7 @@ def test_elementwise_is_offered_by_default_to_eager_blocks_with_a_gated_mlp():
     ctl = memfit.fit(decoder, budget=None, method="dynamic", treatments=("recompute",), announce=False)
     assert "elementwise" not in ctl.planning.treatments
     ctl.remove()
-    modules = [m for _, m in memfit.engine.blocks.find_blocks(decoder)]
+    modules = [m for _, m in memfit.engine.parts.blocks.find_blocks(decoder)]
     assert "elementwise" in _run_options(None, False, modules)[0]
     assert "elementwise" not in _run_options(None, True, modules)[0]
 
@@ -546,7 +546,7 @@ def test_elementwise_takes_nothing_changed_in_place_for_what_it_computes_again()
     """NOTE [Elementwise recompute]: an activation that works in place leaves the MLP as the model runs
     it (gradients bit for bit); a norm whose input is changed in place after it ran cannot be computed
     again, and backward says so rather than giving other gradients (the probe then never offers it)."""
-    from memfit.engine.treatments.elementwise import _leaner
+    from memfit.engine.parts.treatments.elementwise import _leaner
 
     def grads(block: torch.nn.Module, lean: bool) -> list[torch.Tensor]:
         torch.manual_seed(0)

@@ -14,8 +14,8 @@ import transformers
 import memfit
 from _models import FIXTURES, InjectOOM
 from memfit.integrations.hf import MemfitTrainerMixin, with_memfit
-from memfit.cli.tasks._common import ModelArguments, minilm_path
-from memfit.cli.tasks.causal_lm import lm_tokenizer
+from memfit.tasks._common import ModelArguments, minilm_path
+from memfit.tasks.causal_lm import lm_tokenizer
 
 pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")

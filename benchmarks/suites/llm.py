@@ -32,7 +32,7 @@ SUITE = Suite(
           "long context",
     model="SmolLM-360M's config (Llama architecture, 32 layers) and Qwen2.5-0.5B's (24 layers), random weights, "
           "bf16 weights, SDPA, AdamW; LoRA: r 16 on every linear layer (peft)",
-    data="token ids with SFT-like lengths (memfit.cli.tasks.causal_lm's SFT table: chat turns, long-tailed up to 2,048 "
+    data="token ids with SFT-like lengths (memfit.tasks.causal_lm's SFT table: chat turns, long-tailed up to 2,048 "
          "tokens, seed 0), batch 8, dynamic padding; long: batch 1 of 8,192 and 16,384 tokens alternating (steady "
          "time: the mean of the two lengths' median steps); the same batches in every run",
     methods=("none", "full", "static", "dynamic", "dynamic+all", "reactive"),

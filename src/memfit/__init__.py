@@ -8,9 +8,9 @@ Example:
     >>> ctl = memfit.fit(model, budget="6GiB", method="dynamic", optimizer=opt)  # doctest: +SKIP
 """
 
-from memfit.engine.blocks import NoBlocksError
+from memfit.engine.parts.blocks import NoBlocksError
 from memfit.engine.budget import BudgetTooSmallError, parse_bytes
-from memfit.engine.controller import Controller, fit
+from memfit.engine.run.controller import Controller, fit
 from memfit.engine.methods import METHODS, UnknownMethodError
 from memfit.engine.records import RunSummary, StepRecord
 

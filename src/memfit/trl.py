@@ -17,7 +17,7 @@ checkpoints every block, as TRL's default did.
 # NOTE [TRL's activation offloading under memfit]
 TRL's ``activation_offloading`` enters its saved-tensor hooks around the whole training step;
 memfit's counter enters its own when the model's forward starts, inside them, and only the
-innermost pair runs (NOTE [Who sees a checkpointed block's tensors] in memfit/engine/accounting.py):
+innermost pair runs (NOTE [Who sees a checkpointed block's tensors] in memfit/engine/parts/accounting.py):
 TRL would offload nothing, silently. So ``SFTConfig`` refuses the flag; the benchmark's
 ``offload`` peer runs TRL's offloading inside memfit's counter instead (memfit/tools/bench/peers.py).
 

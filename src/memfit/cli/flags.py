@@ -1,7 +1,7 @@
 """The flag parser of ``memfit train <task>``: memfit's and the task's flags first.
 
-One ``HfArgumentParser`` over the model flags (:class:`~memfit.cli.tasks.ModelArguments`), the data
-flags (:class:`~memfit.cli.tasks.DataTrainingArguments`), :class:`memfit.integrations.hf.TrainingArguments` and the
+One ``HfArgumentParser`` over the model flags (:class:`~memfit.tasks.ModelArguments`), the data
+flags (:class:`~memfit.tasks.DataTrainingArguments`), :class:`memfit.integrations.hf.TrainingArguments` and the
 benchmark's :class:`~memfit.tools.bench.peers.PeerArguments`. ``--help`` lists the model and data
 flags of the task, memfit's own flags and the training flags most runs set; ``--help-all``
 adds every other ``transformers.TrainingArguments`` flag and the benchmark flags, each under
@@ -26,7 +26,7 @@ from transformers import HfArgumentParser
 from memfit.tools.bench.peers import PeerArguments
 from memfit.errors import FlagError, OneLineErrors, is_user_error, then
 from memfit.integrations.hf import TrainingArguments
-from memfit.cli.tasks import TASKS, DataTrainingArguments, ModelArguments
+from memfit.tasks import TASKS, DataTrainingArguments, ModelArguments
 
 __all__ = ["TrainFlagParser", "COMMON_TRAINING_FLAGS", "FLAG_RANGES"]
 
@@ -116,7 +116,7 @@ class TrainFlagParser(OneLineErrors, HfArgumentParser):
     """The flags of ``memfit train <task>``, with memfit's own listed first (module docstring).
 
     Args:
-        task: a task name of :data:`memfit.cli.tasks.TASKS`.
+        task: a task name of :data:`memfit.tasks.TASKS`.
         task_types: the recipe's own flag dataclasses (its ``ARGUMENTS``), parsed after the others.
     """
 

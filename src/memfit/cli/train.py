@@ -1,8 +1,8 @@
 """``memfit train <task>``: fine-tune a task recipe with the memfit Trainer under a memory budget.
 
 The flags are those of the Hugging Face example scripts (``run_glue.py``, ``run_qa.py``, ...):
-the model flags (:class:`~memfit.cli.tasks.ModelArguments`), the data flags
-(:class:`~memfit.cli.tasks.DataTrainingArguments`) and :class:`memfit.integrations.hf.TrainingArguments`
+the model flags (:class:`~memfit.tasks.ModelArguments`), the data flags
+(:class:`~memfit.tasks.DataTrainingArguments`) and :class:`memfit.integrations.hf.TrainingArguments`
 (``transformers.TrainingArguments`` plus ``--memory_budget``, ``--memfit_method``, ...).
 
 Example:
@@ -22,9 +22,9 @@ from typing import Any
 from memfit.tools.bench import oracle
 from memfit.tools.bench.peers import make_peer
 from memfit.errors import DataError, FlagError, MissingFileError
-from memfit.cli.tasks import TASKS, DataTrainingArguments, TaskBundle, get_task
+from memfit.tasks import TASKS, DataTrainingArguments, TaskBundle, get_task
 from memfit.cli.said import setup_done
-from memfit.cli.tasks._hub import hub_names, hub_or_offline
+from memfit.tasks._hub import hub_names, hub_or_offline
 
 __all__ = ["main", "run"]
 
@@ -51,7 +51,7 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
     (:mod:`memfit.tools.bench.peers`) writes ``memfit_peer.json``.
 
     Args:
-        task: a task name of :data:`memfit.cli.tasks.TASKS`.
+        task: a task name of :data:`memfit.tasks.TASKS`.
         argv: the flags, e.g. ``["--synthetic", "64", "--do_train", "--max_steps", "4"]``.
 
     Raises:

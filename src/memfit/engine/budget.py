@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 #: the static part's name for what ``optimizer.step()`` allocates on top of its state
-#: (NOTE [Optimizer step transient] in engine/optim_state.py)
+#: (NOTE [Optimizer step transient] in engine/parts/optim_state.py)
 OPTIMIZER_TRANSIENT = "optimizer step temporaries"
 
 #: bytes per unit, by the unit as written, case included ("" is a plain number of bytes): the one

@@ -38,7 +38,7 @@ HEAD_KEY = "head"
 
 def parse_head_label(label: str) -> tuple[str, int]:
     """The head's treatment and chunk count from its label: ``"keep"`` -> ``("keep", 1)``,
-    ``"chunked:8"`` -> ``("chunked", 8)`` (the label is :attr:`memfit.engine.planner.Plan.head_label`).
+    ``"chunked:8"`` -> ``("chunked", 8)`` (the label is :attr:`memfit.engine.plan.planner.Plan.head_label`).
 
     Raises:
         ValueError: naming the label, when it is neither form.
@@ -109,13 +109,13 @@ class StepRecord:
     #: what arming added to the step beyond the blocks' own saved tensors
     backstop_input_bytes: int = 0
     #: the step counted its saved tensors (``saved_activation_bytes`` is 0 when it did not: NOTE
-    #: [Counting what teaches] in engine/controller.py)
+    #: [Counting what teaches] in engine/run/controller.py)
     counted: bool = True
     #: allocations of this step the CUDA caching allocator served only after releasing its
     #: cache (a device sync each; priced against the slack that would avoid them: NOTE [The slack is priced] in room.py)
     alloc_retries: int = 0
     #: the treated blocks of the plan, by treatment name (``{"recompute": [0, 1]}``); every
-    #: other block was kept (engine/treatments/); and the LM head's label under ``"head"`` when the
+    #: other block was kept (engine/parts/treatments/); and the LM head's label under ``"head"`` when the
     #: plan placed it (NOTE [The head in a record])
     treatments: dict[str, Any] = field(default_factory=dict)
     #: where the LM head ran chunked, the implementation that ran it (``pure``,
@@ -196,7 +196,7 @@ class RunSummary:
     armed_steps: int = 0
     #: steps that evicted blocks mid-step (the backstop, or ``reactive``)
     evicting_steps: int = 0
-    #: steps that counted their saved tensors (NOTE [Counting what teaches] in engine/controller.py)
+    #: steps that counted their saved tensors (NOTE [Counting what teaches] in engine/run/controller.py)
     counted_steps: int = 0
     #: per treatment name, how many block-steps it was given (a block in one step counts once)
     treated_blocks: dict[str, int] = field(default_factory=dict)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from memfit.engine.budget import Budget, format_bytes
 from memfit.engine.records import StepRecord, mean_treated_fraction, summarize, treated_blocks
-from memfit.engine.treatments import KEEP, RECOMPUTE, in_registry_order
+from memfit.engine.parts.treatments import KEEP, RECOMPUTE, in_registry_order
 
 __all__ = [
     "given_unit",

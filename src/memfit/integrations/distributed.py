@@ -36,42 +36,18 @@ checkpointed does not fit) raises; torchrun then stops the other ranks.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["GradientSync", "is_fsdp", "world_size"]
+from memfit.engine.ranks import world_size
 
-_FSDP_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
+__all__ = ["GradientSync"]
+
 # DDP's default bucket_cap_mb (25 MiB): the one buffer this sync keeps per gradient dtype.
 _BUCKET_BYTES = 25 * 2**20
-
-
-def world_size() -> int:
-    """Ranks in the default process group (1 when torch.distributed is not initialised)."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def is_fsdp(model: nn.Module) -> bool:
-    """Whether ``model`` is sharded by FSDP (FSDP1 wrapper or FSDP2 ``fully_shard``)."""
-    if not dist.is_available() or not any(m in sys.modules for m in _FSDP_MODULES):
-        return False  # FSDP was never imported, so nothing is sharded (importing it costs seconds)
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch < 2.6
-        from torch.distributed._composable.fsdp import FSDPModule
-    return any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in model.modules())
-
-
-def sharded_over_ranks(model: nn.Module) -> bool:
-    """Whether ``model`` is sharded by FSDP over several ranks: no rank can replay an OOM alone
-    (NOTE [Replay under FSDP], engine/replay.py)."""
-    return world_size() > 1 and is_fsdp(model)
 
 
 class GradientSync:

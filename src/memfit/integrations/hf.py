@@ -20,7 +20,7 @@ TRL's loss through memfit's head).
 
 # NOTE [OOM replay]
 ``training_step`` runs every micro-batch through the controller's replayer
-(``Trainer.memfit.replay``, memfit/engine/replay.py), the same engine as ``Controller.run_step``.
+(``Trainer.memfit.replay``, memfit/engine/run/replay.py), the same engine as ``Controller.run_step``.
 An OOM can hit any micro-batch of a gradient-accumulation window, after earlier
 micro-batches have already added to ``.grad``. Retrying only the failed micro-batch would
 keep a half-accumulated, possibly corrupted gradient; skipping it would lose a batch. So the
@@ -33,7 +33,7 @@ on the rank that hit the OOM, and the others wait for it at the window's gradien
 (distributed.py, NOTE [Lockstep under DDP]). Under FSDP every forward and backward holds
 collectives (parameter all-gathers, gradient reduce-scatters), so a replay on one rank cannot
 be made local: every rank replays the window together (NOTE [Replay under FSDP] in
-memfit/engine/replay.py); an OOM outside the blocks' forwards is a clear error there.
+memfit/engine/run/replay.py); an OOM outside the blocks' forwards is a clear error there.
 
 # NOTE [Hooked after sharding]
 Under FSDP2 (``--fsdp`` with ``fsdp_config`` ``{"fsdp_version": 2}``, or an Accelerate config
@@ -63,15 +63,16 @@ import torch
 import transformers
 
 from memfit.engine.budget import Budget
-from memfit.integrations.distributed import GradientSync, world_size
+from memfit.engine.ranks import world_size
+from memfit.integrations.distributed import GradientSync
 from memfit.errors import FlagError, MissingFileError
 from memfit.engine.methods import METHODS, Method, UnknownMethodError
-from memfit.engine.optim_state import expected_state_bytes, expected_step_transient_bytes
+from memfit.engine.parts.optim_state import expected_state_bytes, expected_step_transient_bytes
 from memfit.engine.records import StepRecord, read_jsonl, summarize
 from memfit.integrations.run_dir import claim_output_dir
-from memfit.engine.controller import Controller, check_static_need_of, fit
+from memfit.engine.run.controller import Controller, check_static_need_of, fit
 from memfit.engine.summary_text import end_summary, parameters_words, start_line
-from memfit.engine.treatments import KEEP, TREATMENTS
+from memfit.engine.parts.treatments import KEEP, TREATMENTS
 
 __all__ = [
     "MemfitArguments", "TrainingArguments", "MemfitTrainerMixin", "Trainer", "with_memfit", "STATE_FILE", "rank_path",

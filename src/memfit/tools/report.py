@@ -49,7 +49,7 @@ from memfit.errors import ArgumentParser, DataError, MissingFileError
 from memfit.engine.records import (
     RunSummary, StepRecord, head_steps, parse_head_label, read_jsonl_numbered, summarize, treated_blocks,
 )
-from memfit.engine.treatments import BY_PART, KEEP, in_registry_order
+from memfit.engine.parts.treatments import BY_PART, KEEP, in_registry_order
 from memfit.engine.summary_text import given_unit, size_in_given_unit
 
 __all__ = [

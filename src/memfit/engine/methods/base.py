@@ -7,14 +7,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from memfit.errors import UserError
-from memfit.engine.planner import Plan
-from memfit.engine.protection import Protection, Unprotected
+from memfit.engine.plan.planner import Plan
+from memfit.engine.run.protection import Protection, Unprotected
 
 if TYPE_CHECKING:
-    from memfit.engine.accounting import SavedTensorCounter
-    from memfit.engine.learner import StepOutcome
-    from memfit.engine.planning import Planning
-    from memfit.engine.store import ReactiveStore
+    from memfit.engine.parts.accounting import SavedTensorCounter
+    from memfit.engine.plan.learner import StepOutcome
+    from memfit.engine.plan.planning import Planning
+    from memfit.engine.parts.store import ReactiveStore
 
 __all__ = ["Decision", "Method", "UnknownMethodError"]
 
@@ -31,7 +31,7 @@ class Decision:
         plan: the treatment of every part (one type everywhere: planner, records, plan files).
         warmup: probe blocks this step to fit the memory model.
         count: count the tensors the step saves per block (NOTE [Counting what teaches],
-            engine/controller.py); a warm-up step always counts.
+            engine/run/controller.py); a warm-up step always counts.
     """
 
     plan: Plan
@@ -48,7 +48,7 @@ class Method:
 
     The runtime calls, per run, :meth:`bind` once and :meth:`make_protection` once; per
     step, :meth:`decide` before the first block runs (NOTE [Plan is fixed before forward] in
-    engine/controller.py) and :meth:`learn` once the step's peaks are known.
+    engine/run/controller.py) and :meth:`learn` once the step's peaks are known.
     """
 
     name: ClassVar[str] = ""

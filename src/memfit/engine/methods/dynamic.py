@@ -34,18 +34,18 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from memfit.engine import learner
+from memfit.engine.plan import learner
 from memfit.engine.methods.base import Decision, Method
-from memfit.engine.planner import Plan
-from memfit.engine.protection import Backstop, Protection, Unprotected
+from memfit.engine.plan.planner import Plan
+from memfit.engine.run.protection import Backstop, Protection, Unprotected
 from memfit.engine.shapes import bucket_key
-from memfit.engine.treatments import floor_treatment
+from memfit.engine.parts.treatments import floor_treatment
 
 if TYPE_CHECKING:
-    from memfit.engine.accounting import SavedTensorCounter
-    from memfit.engine.learner import StepOutcome
-    from memfit.engine.planning import Planning
-    from memfit.engine.store import ReactiveStore
+    from memfit.engine.parts.accounting import SavedTensorCounter
+    from memfit.engine.plan.learner import StepOutcome
+    from memfit.engine.plan.planning import Planning
+    from memfit.engine.parts.store import ReactiveStore
 
 __all__ = ["Dynamic", "Static", "COUNT_EVERY"]
 

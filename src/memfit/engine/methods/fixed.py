@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from memfit.engine.methods.base import Decision, Method
-from memfit.engine.planner import Plan
+from memfit.engine.plan.planner import Plan
 
 if TYPE_CHECKING:
-    from memfit.engine.planning import Planning
+    from memfit.engine.plan.planning import Planning
 
 __all__ = ["NoCheckpoint", "FullCheckpoint"]
 

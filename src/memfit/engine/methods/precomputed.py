@@ -9,7 +9,7 @@ A plans file is JSON: ``{"schema_version", "n_blocks", "model", "plans": [{"key"
 in a record] in records.py), left out for a plan that did not place the head, so files of schema 1
 and 2 read as plans without a head. A run that does not plan its head drops a file's head labels. ``model``
 fingerprints the blocks the plans were made for (their names, classes and parameter counts:
-:func:`memfit.engine.blocks.fingerprint`); a file made for another model is refused when the run
+:func:`memfit.engine.parts.blocks.fingerprint`); a file made for another model is refused when the run
 binds it: by block count always, by fingerprint when both are known.
 """
 
@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 
 from memfit.errors import DataError, MissingFileError, UserError
 from memfit.engine.methods.base import Decision, Method
-from memfit.engine.planner import Plan
+from memfit.engine.plan.planner import Plan
 from memfit.engine.records import parse_head_label
 
 if TYPE_CHECKING:
-    from memfit.engine.planning import Planning
+    from memfit.engine.plan.planning import Planning
 
 __all__ = ["PLANS_SCHEMA_VERSION", "PlansMismatchError", "Precomputed", "save_plans", "load_plans"]
 
@@ -86,8 +86,8 @@ def save_plans(
     Args:
         path: the file.
         n_blocks: blocks of the model the plans were made for.
-        plans: per shape key, its :class:`~memfit.engine.planner.Plan`.
-        fingerprint: :func:`memfit.engine.blocks.fingerprint` of that model ("" when unknown).
+        plans: per shape key, its :class:`~memfit.engine.plan.planner.Plan`.
+        fingerprint: :func:`memfit.engine.parts.blocks.fingerprint` of that model ("" when unknown).
     """
     rows = []
     for key, plan in sorted(plans.items()):

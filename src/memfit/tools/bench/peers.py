@@ -123,16 +123,16 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from memfit.engine.blocks import find_blocks
+from memfit.engine.parts.blocks import find_blocks
 from memfit.engine.budget import apply_cuda_cap
 from memfit.errors import FlagError, UserError
 from memfit.engine.methods import Decision, Method
-from memfit.engine.planner import Plan
+from memfit.engine.plan.planner import Plan
 from memfit.engine.shapes import first_tensor
 
 if TYPE_CHECKING:
-    from memfit.engine.planning import Planning
-    from memfit.cli.tasks import TaskBundle
+    from memfit.engine.plan.planning import Planning
+    from memfit.tasks import TaskBundle
 
 __all__ = [
     "PEER_FILE",
@@ -541,7 +541,7 @@ def plan_blocks(plan: Any, names: Sequence[str]) -> tuple[int, ...]:
 
     Args:
         plan: a ``ckptplan.CheckpointPlan`` whose block ids are memfit's block names.
-        names: memfit's block names, in memfit's order (:func:`memfit.engine.blocks.find_blocks`).
+        names: memfit's block names, in memfit's order (:func:`memfit.engine.parts.blocks.find_blocks`).
 
     Raises:
         ValueError: the plan's blocks are not ``names`` in that order.

@@ -35,7 +35,7 @@ Units: GiB = 2**30 bytes, GB = 10**9 bytes. All fields are plain bytes.
   :func:`bert_layer_backward_bytes` for BERT-family encoders; twice the block's input (the
   gradients of its output and input) for other models.
 * LM head (causal-lm): the head's bytes by memfit's own formula
-  (:func:`memfit.engine.head.head_saved_bytes`, NOTE [Head bytes]): kept as Hugging Face computes
+  (:func:`memfit.engine.parts.head.head_saved_bytes`, NOTE [Head bytes]): kept as Hugging Face computes
   it, cross-entropy's float32 ``log_softmax`` saved for backward, and while the loss runs the
   logits in the model's dtype and their float32 upcast; chunked (memfit's ``chunked`` head), the
   hidden rows saved and one chunk's logits at a time (NOTE [The head in the estimate]).
@@ -85,10 +85,10 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from memfit.engine.budget import Budget
-from memfit.engine.head import HeadBytes, head_saved_bytes
-from memfit.engine.treatments.chunked_head import head_options, head_without_a_plan
-from memfit.engine.treatments.offload import size_class
-from memfit.engine.optim_state import state_bytes_of_shapes
+from memfit.engine.parts.head import HeadBytes, head_saved_bytes
+from memfit.engine.parts.treatments.chunked_head import head_options, head_without_a_plan
+from memfit.engine.parts.treatments.offload import size_class
+from memfit.engine.parts.optim_state import state_bytes_of_shapes
 from memfit.errors import DataError, FlagError, MissingFileError
 from memfit.tools.estimate.meta_kernels import cuda_kernels
 
@@ -171,7 +171,7 @@ class _Optimizer:
 
     def state(self, shapes: Sequence[Sequence[int]]) -> int:
         """Parameter shapes (float32) -> bytes of optimizer state, read from the one
-        optimizer-state table (engine/optim_state.py) by its ``--optim`` row."""
+        optimizer-state table (engine/parts/optim_state.py) by its ``--optim`` row."""
         flags = dict(zip(self.train_flags[::2], self.train_flags[1::2]))
         return state_bytes_of_shapes(flags["--optim"], shapes, 4, flags.get("--optim_args")) or 0
 
@@ -472,7 +472,7 @@ class ModelProfile:
                 model = auto.from_config(config, attn_implementation="eager")
             except ValueError as exc:
                 raise FlagError(f"--task {task}: {type(config).__name__} has no such head ({exc})") from None
-        from memfit.engine.blocks import find_blocks
+        from memfit.engine.parts.blocks import find_blocks
 
         params = [p for p in model.parameters() if p.requires_grad]
         blocks = [b for _, b in find_blocks(model)]
@@ -577,7 +577,7 @@ class ActivationProfile:
 # depth where no link was measured; a slow link deepens it, a block input more each) and its backward's
 # temporaries; at the end of the forward, the last blocks' inputs whose copies may still run (at most
 # HOST_IN_FLIGHT: the forward waits for the copy before the last two). The host holds every block's input
-# in the pool's size classes (:func:`memfit.engine.treatments.offload.size_class`, pinned): :func:`pinned_host_bytes`.
+# in the pool's size classes (:func:`memfit.engine.parts.treatments.offload.size_class`, pinned): :func:`pinned_host_bytes`.
 #: stashes fetched ahead of the block being recomputed (NOTE [Checkpoints on the host in the estimate])
 HOST_PREFETCH_DEPTH = 1
 #: block inputs whose copies to the host may still run at the end of the forward
@@ -693,7 +693,7 @@ def _count_on_meta(model: nn.Module, inputs: dict[str, torch.Tensor]) -> Activat
     (a mask, position embeddings) are every block's: those no saved tensor holds are counted once as
     :attr:`ActivationProfile.shared_input_bytes` (those a block saves are in its bytes).
     """
-    from memfit.engine.blocks import find_blocks
+    from memfit.engine.parts.blocks import find_blocks
     from memfit.engine.shapes import first_tensor
 
     # NOTE [Storage identity on meta]: meta storages have no address (data_ptr() is 0), so
@@ -870,7 +870,7 @@ class LmHead:
 
     Attributes:
         tokens: tokens of the micro-batch (``micro-batch x seq_length``).
-        kept: :class:`~memfit.engine.head.HeadBytes` of the head as the model computes it.
+        kept: :class:`~memfit.engine.parts.head.HeadBytes` of the head as the model computes it.
         chunked: the same with memfit's chunked head in ``n_chunks`` chunks.
         n_chunks: the chunk count estimated.
     """
@@ -892,13 +892,13 @@ def lm_head_bytes(profile: "ModelProfile", tokens: int, precision: str = "fp32",
     count a plan without a head runs); None for another task.
 
     # NOTE [The head in the estimate]
-    The head's bytes come from :func:`memfit.engine.head.head_saved_bytes` (the formula memfit plans
+    The head's bytes come from :func:`memfit.engine.parts.head.head_saved_bytes` (the formula memfit plans
     with, NOTE [Head bytes]): its saved bytes replace, in the activations counted on the meta device,
     what the kept head saved there, and its transient (the logits in the model's dtype and their
     float32 copy, or one chunk's) is added at the end of the forward, when the loss runs. The logits'
     dtype is the weights' (bf16 weights), else autocast's (fp16/bf16), else float32. ``chunked`` is
     estimated at the count a step whose plan names no head runs on CUDA (NOTE [A plan without a head],
-    :func:`memfit.engine.treatments.chunked_head.head_without_a_plan`, ``pure``): what ``none`` and
+    :func:`memfit.engine.parts.treatments.chunked_head.head_without_a_plan`, ``pure``): what ``none`` and
     ``full`` run with ``--memfit_head plan``, and more than ``dynamic`` chunks in where fewer fit. The
     floor takes the most chunks the planner offers (:func:`most_head_chunks`).
     """
@@ -912,7 +912,7 @@ def lm_head_bytes(profile: "ModelProfile", tokens: int, precision: str = "fp32",
 
 def most_head_chunks(profile: "ModelProfile", tokens: int, precision: str = "fp32", weights: str = "fp32") -> int:
     """The most chunks the planner offers a causal LM's head at ``tokens`` tokens (the last of
-    :func:`memfit.engine.treatments.chunked_head.head_options`: a doubling past it saves too little); 0 for
+    :func:`memfit.engine.parts.treatments.chunked_head.head_options`: a doubling past it saves too little); 0 for
     another task."""
     if profile.task != "causal-lm":
         return 0

@@ -10,8 +10,8 @@ from memfit.engine.budget import Budget, format_bytes, parse_bytes
 from memfit.errors import ArgumentParser, FlagError
 from memfit.tools.estimate.advise import DEFAULT_MARGIN, NothingFitsError, advise, format_advice
 from memfit.tools.estimate.floor import FloorTooHighError, Floors, floor_lengths, floor_too_high, floor_words, format_floor
-from memfit.cli.tasks import TASKS as TRAIN_TASKS
-from memfit.cli.tasks._common import bundled_config
+from memfit.tasks import TASKS as TRAIN_TASKS
+from memfit.tasks._common import bundled_config
 from memfit.tools.estimate.anatomy import (
     HEAD_CHOICES,
     OPTIMIZERS,

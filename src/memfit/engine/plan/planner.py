@@ -1,0 +1,547 @@
+"""The planner: which blocks to checkpoint so that enough bytes are saved, at least cost.
+
+Pure functions and a small cache; nothing here touches ``torch.cuda`` (habit 4).
+
+Problem: blocks ``i`` with recompute cost ``c_i`` (ms) and savings ``s_i`` (bytes freed by
+checkpointing block ``i``); find the set ``P`` minimising ``sum(c_i for i in P)`` subject to
+``sum(s_i for i in P) >= need``. This is a min-cost covering knapsack:
+
+* homogeneous stacks (all ``c_i`` equal and all ``s_i`` equal — the common case, a stack of
+  identical transformer layers) are solved exactly in O(1): the first ``ceil(need/s)`` blocks;
+* mixed stacks exactly by enumerating how many blocks to take from each class of identical
+  blocks (Swin's four stages, T5's encoder and decoder), taking the earliest blocks within a
+  class (NOTE [Enumerating classes]);
+* only when that enumeration would be too large, by a dynamic programme over quantised
+  bytes whose table is ``parts x (resolution + 1)`` whatever the need (NOTE [A bounded planner]).
+
+# NOTE [Enumerating classes]
+For a fixed count from every class but one, the cheapest count of that last class is the
+fewest that covers what is still needed (every cost is positive): one division, not a loop.
+So only the other classes are enumerated, as one numpy grid, and the class with the most
+members is the one solved by division (a Swin-B detector's classes of 2, 2, 18, 2, 6 and 6
+blocks: 1,323 combinations scored at once instead of 25,137 one by one). The grid's products
+run in float64 through BLAS (integer matrix products do not), into buffers kept with the grid
+(a new array per operation costs page faults on every call). Counts, savings and needs are
+integers below 2**53, so every sum is exact in float64 and so is the ceiling of a quotient (a
+fraction of at least 1/saving cannot round away); beyond 2**53 bytes the DP plans. The costs'
+products are those of the integer grid converted to float64: the same plans, tie for tie, as
+integer arithmetic (tested against brute force).
+
+# NOTE [Earliest blocks first]
+Among plans of equal cost the planner prefers lower block indices. A checkpointed block is
+recomputed when backward reaches it; the first blocks are reached last, when most other
+activations have been freed, so recomputing them adds least to the step's peak.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Plan", "InfeasiblePlanError", "plan_blocks", "plan_treatments", "plan_with_head", "PlanCache"]
+
+
+class InfeasiblePlanError(ValueError):
+    """Checkpointing every block still does not save enough bytes."""
+
+
+#: the name of whole-block recompute (memfit.engine.parts.treatments.RECOMPUTE; the planner imports no torch)
+_RECOMPUTE = "recompute"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The treatment of every block for one shape key: which blocks are not kept, and how.
+
+    Attributes:
+        blocks: treated (not kept) block indices, ascending.
+        cost_ms: estimated extra time of those treatments.
+        saved_bytes: estimated bytes the plan saves relative to keeping every block.
+        kinds: the treatment of each of ``blocks``, in order; empty when every one is
+            ``recompute`` (normalised so, so that equal plans compare equal).
+        head: the LM head's treatment and chunk count, ``("keep", 1)`` or ``("chunked", n)``;
+            None for a model without a planned head (NOTE [The head in the plan]).
+
+    Example:
+        >>> Plan((0, 2)).treatments(3)
+        ['recompute', 'keep', 'recompute']
+    """
+
+    blocks: tuple[int, ...]
+    cost_ms: float = 0.0
+    saved_bytes: int = 0
+    kinds: tuple[str, ...] = ()
+    head: tuple[str, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kinds and len(self.kinds) != len(self.blocks):
+            raise ValueError(f"a plan of {len(self.blocks)} treated blocks has {len(self.kinds)} treatment names")
+        if self.kinds and all(k == _RECOMPUTE for k in self.kinds):
+            object.__setattr__(self, "kinds", ())
+
+    def treatments(self, n_blocks: int) -> list[str]:
+        """The treatment of every block ``0..n_blocks-1``."""
+        out = ["keep"] * n_blocks
+        for i, kind in zip(self.blocks, self.kinds or (_RECOMPUTE,) * len(self.blocks)):
+            out[i] = kind
+        return out
+
+    def by_treatment(self) -> dict[str, list[int]]:
+        """The treated blocks grouped by treatment name (what a step record stores)."""
+        out: dict[str, list[int]] = {}
+        for i, kind in zip(self.blocks, self.kinds or (_RECOMPUTE,) * len(self.blocks)):
+            out.setdefault(kind, []).append(i)
+        return out
+
+    @classmethod
+    def from_treatments(cls, by_treatment: Mapping[str, Sequence[int]], head: tuple[str, int] | None = None) -> "Plan":
+        """The plan that treats each block as ``by_treatment`` says (the inverse of :meth:`by_treatment`:
+        a step record's ``block_treatments`` and ``head`` give the plan the step ran)."""
+        kinds = {i: kind for kind, blocks in by_treatment.items() for i in blocks}
+        blocks = tuple(sorted(kinds))
+        return cls(blocks, kinds=tuple(kinds[i] for i in blocks), head=head)
+
+    @property
+    def head_label(self) -> str | None:
+        """The head's treatment as records, plan files and reports write it: ``"keep"`` or
+        ``"chunked:<n>"``; None without a planned head."""
+        if self.head is None:
+            return None
+        name, n_chunks = self.head
+        return name if name == "keep" else f"{name}:{n_chunks}"
+
+    @property
+    def layout(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """What the plan does, its estimates aside: two plans with one layout run alike."""
+        return self.blocks, self.kinds
+
+
+def _is_homogeneous(values: Sequence[float], rel_tol: float = 1e-9) -> bool:
+    # Blocks of one group get the very same value: an exact count settles it in C.
+    if list(values).count(values[0]) == len(values):
+        return True
+    return all(math.isclose(v, values[0], rel_tol=rel_tol, abs_tol=1e-12) for v in values)
+
+
+def plan_blocks(
+    costs_ms: Sequence[float],
+    savings_bytes: Sequence[int],
+    need_bytes: int,
+    resolution: int = 1024,
+) -> Plan:
+    """Cheapest set of blocks whose savings reach ``need_bytes``.
+
+    Args:
+        costs_ms: recompute cost of each block (any consistent unit; ms by convention).
+        savings_bytes: bytes saved by checkpointing each block (negative values count as 0).
+        need_bytes: bytes to save; ``<= 0`` means the budget is not binding.
+        resolution: DP units for mixed stacks (higher is closer to optimal, slower; NOTE [A
+            bounded planner]).
+
+    Returns:
+        The :class:`Plan`; empty when nothing needs saving.
+
+    Raises:
+        InfeasiblePlanError: if even checkpointing every block saves fewer than ``need_bytes``.
+
+    Example:
+        >>> plan_blocks([1.0, 1.0, 1.0], [100, 100, 100], 150).blocks
+        (0, 1)
+    """
+    if len(costs_ms) != len(savings_bytes):
+        raise ValueError("costs_ms and savings_bytes must have one entry per block")
+    if need_bytes <= 0:
+        return Plan(())
+    savings = [max(0, int(s)) for s in savings_bytes]
+    if sum(savings) < need_bytes:
+        raise InfeasiblePlanError(
+            f"checkpointing all {len(savings)} blocks saves {sum(savings)} bytes, "
+            f"{need_bytes} are needed"
+        )
+    if _is_homogeneous(costs_ms) and _is_homogeneous(savings):
+        k = math.ceil(need_bytes / savings[0])
+        chosen = tuple(range(k))
+    else:
+        chosen = _enumerate_classes(costs_ms, savings, need_bytes)
+        if chosen is None:
+            options = [[(_RECOMPUTE, s, float(c))] for c, s in zip(costs_ms, savings)]
+            chosen = tuple(sorted(_choose_by_dp(options, need_bytes, resolution)))
+    return Plan(chosen, float(sum(costs_ms[i] for i in chosen)), int(sum(savings[i] for i in chosen)))
+
+
+_MAX_COMBINATIONS = 200_000
+
+
+@functools.lru_cache(maxsize=16)
+def _count_grid(sizes: tuple[int, ...]) -> np.ndarray:
+    """Every combination of counts ``0..n`` per class, one row each (read-only: it is shared).
+
+    A pure function of the class sizes, memoised: a model's classes keep their sizes.
+    """
+    grid = np.array(list(itertools.product(*(range(n + 1) for n in sizes))), dtype=np.int64).reshape(-1, len(sizes))
+    grid.flags.writeable = False
+    return grid
+
+
+@functools.lru_cache(maxsize=16)
+def _workspace(sizes: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The count grid as float64 (read-only), and three float64 and one bool buffer of its
+    length that :func:`_enumerate_classes` reuses (NOTE [Enumerating classes]; one planner
+    per process: not for concurrent threads)."""
+    products = _count_grid(sizes).astype(np.float64)
+    products.flags.writeable = False
+    n = len(products)
+    return products, np.empty(n), np.empty(n), np.empty(n), np.empty(n, dtype=bool)
+
+
+def _enumerate_classes(costs: Sequence[float], savings: Sequence[int], need: int) -> tuple[int, ...] | None:
+    """Exact min-cost cover over classes of identical blocks (NOTE [Enumerating classes]).
+
+    Returns None when the grid of the other classes' counts would exceed ``_MAX_COMBINATIONS``.
+    """
+    classes: dict[tuple[float, int], list[int]] = {}
+    for i, pair in enumerate(zip(costs, savings)):
+        classes.setdefault(pair, []).append(i)
+    members = sorted(classes.values(), key=len)
+    last, others = members[-1], members[:-1]
+    if math.prod(len(m) + 1 for m in others) > _MAX_COMBINATIONS:
+        return None
+    if sum(savings) >= 2**53:
+        return None  # the float products below are exact below 2**53 bytes only
+    sizes = tuple(len(m) for m in others)
+    grid = _count_grid(sizes)
+    products, last_count, cost, scratch, feasible = _workspace(sizes)
+    # short of need after the others' counts, then the last class's count covering it
+    np.matmul(products, np.array([savings[m[0]] for m in others], dtype=np.float64), out=last_count)
+    np.maximum(np.subtract(need, last_count, out=last_count), 0.0, out=last_count)
+    last_saving = savings[last[0]]
+    if last_saving > 0:
+        np.ceil(np.divide(last_count, last_saving, out=last_count), out=last_count)
+    else:
+        last_count[:] = np.where(last_count > 0, len(last) + 1, 0)
+    np.less_equal(last_count, len(last), out=feasible)
+    if not feasible.any():
+        return None
+    np.matmul(products, np.array([costs[m[0]] for m in others], dtype=np.float64), out=cost)
+    np.add(cost, np.multiply(last_count, costs[last[0]], out=scratch), out=cost)
+    np.copyto(cost, np.inf, where=np.logical_not(feasible, out=feasible))
+    best_cost = cost.min()
+    ties = np.flatnonzero(cost <= best_cost + 1e-12 * max(1.0, abs(best_cost)))
+
+    def chosen(row: int) -> tuple[int, ...]:
+        counts = list(grid[row]) + [int(last_count[row])]
+        return tuple(sorted(i for m, k in zip(others + [last], counts) for i in m[:k]))
+
+    return min(chosen(r) for r in ties)
+
+
+def plan_with_head(
+    options: Sequence[Sequence[tuple[str, int, float]]],
+    head_options: Sequence[tuple[str, int, int, float]],
+    need_bytes: int,
+    resolution: int = 1024,
+    order: Mapping[str, int] | None = None,
+) -> Plan:
+    """Cheapest mix of block treatments and one head treatment whose savings reach ``need_bytes``.
+
+    # NOTE [The head in the plan]
+    The LM head is a part beside the blocks: its treatments (``keep``; ``chunked`` with a
+    chunk count, NOTE [Head bytes] in head.py) save bytes at the head's moment of the step and
+    cost time like a block's. Each head option is tried with the blocks' cheapest plan for what
+    is still needed, and the cheapest sum wins: so chunking the head is chosen over recomputing
+    blocks only when it is cheaper, and the head is kept when the blocks make room more cheaply.
+    Ties go to the earlier option (give keep first, then chunk counts ascending: fewest chunks).
+    A model without a planned head passes no head options and gets :func:`plan_treatments`'
+    plan, ``head`` None.
+
+    Args:
+        options: per block, ``(treatment, bytes saved, ms)`` as :func:`plan_treatments` takes them.
+        head_options: ``(treatment, n_chunks, bytes saved, ms)`` of each head treatment, bytes
+            and ms relative to keeping the head (keep is ``("keep", 1, 0, 0.0)``).
+        need_bytes: bytes to save relative to keeping every part; ``<= 0`` keeps every part.
+        resolution: DP units for stacks of unlike blocks.
+        order: as :func:`plan_treatments`.
+
+    Returns:
+        The :class:`Plan`, its ``head`` naming the head's treatment and chunk count.
+
+    Raises:
+        InfeasiblePlanError: when no head option with every block treated saves enough; the
+            message names the most the head's treatments save, so the user sees what the head takes.
+
+    Example:
+        >>> blocks = [[("recompute", 100, 10.0)]] * 2
+        >>> head = [("keep", 1, 0, 0.0), ("chunked", 4, 500, 3.0)]
+        >>> plan_with_head(blocks, head, 150).head
+        ('chunked', 4)
+    """
+    frozen = tuple(tuple(o) for o in options)
+    if not head_options:
+        return plan_treatments(frozen, need_bytes, resolution, order)
+    best: Plan | None = None
+    for name, n_chunks, saved, ms in head_options:
+        try:
+            blocks = plan_treatments(frozen, need_bytes - int(saved), resolution, order)
+        except InfeasiblePlanError:
+            continue
+        total = blocks.cost_ms + float(ms)
+        if best is None or total < best.cost_ms:
+            best = Plan(blocks.blocks, total, blocks.saved_bytes + int(saved), kinds=blocks.kinds, head=(name, int(n_chunks)))
+    if best is None:
+        blocks_most = sum(max((o[1] for o in opts), default=0) for opts in frozen)
+        head_most = max(int(o[2]) for o in head_options)
+        raise InfeasiblePlanError(
+            f"treating all {len(frozen)} blocks saves {blocks_most} bytes and the head's treatments at most "
+            f"{head_most} bytes, {need_bytes} are needed"
+        )
+    return best
+
+
+def plan_treatments(
+    options: Sequence[Sequence[tuple[str, int, float]]], need_bytes: int, resolution: int = 1024,
+    order: Mapping[str, int] | None = None,
+) -> Plan:
+    """Cheapest treatment per block whose savings reach ``need_bytes`` (keep is free and saves nothing).
+
+    # NOTE [Choosing treatments]
+    A multiple-choice covering knapsack: each block takes one of its options (or stays
+    kept). For a stack whose blocks all have the same options it is exact: every count of
+    blocks per treatment is scored at once (numpy) and the cheapest that covers the need is
+    placed in ``order`` from the first block up (each treatment declares its place,
+    ``Treatment.order``: recomputed blocks first, nothing held below them, NOTE [Earliest
+    blocks first]; offloaded ones last, furthest from the backward's start, so the prefetch
+    has time); ties go to fewer treated
+    blocks (a stack too large to score every count is chosen by the dynamic programme, then
+    placed alike). Otherwise the dynamic programme of NOTE [A bounded planner]: savings never
+    below ``need``, bounded in time and memory whatever the need.
+
+    Args:
+        options: per block, ``(treatment, bytes saved, ms)`` of each treatment it may take.
+        need_bytes: bytes to save; ``<= 0`` keeps every block.
+        resolution: DP units for stacks of unlike blocks.
+        order: per treatment name, its place from the first block up (lower first; an
+            unnamed one last); default: the order of the options.
+
+    Returns:
+        The :class:`Plan`, its ``kinds`` naming each treated block's treatment.
+
+    Raises:
+        InfeasiblePlanError: when the best option of every block together saves too little.
+
+    Example:
+        >>> opts = [[("recompute", 100, 10.0), ("selective", 60, 2.0)]] * 3
+        >>> plan_treatments(opts, 150).treatments(3)
+        ['selective', 'selective', 'selective']
+    """
+    if need_bytes <= 0:
+        return Plan(())
+    best_each = sum(max((o[1] for o in opts), default=0) for opts in options)
+    if best_each < need_bytes:
+        raise InfeasiblePlanError(f"treating all {len(options)} blocks saves {best_each} bytes, {need_bytes} are needed")
+    first = tuple(options[0]) if options else ()
+    if all(tuple(o) == first for o in options):
+        chosen = _alike(first, len(options), need_bytes, order or {}, resolution)
+    else:
+        chosen = _choose_by_dp(options, need_bytes, resolution)
+    blocks = tuple(sorted(chosen))
+    costs = {i: next(o for o in options[i] if o[0] == chosen[i]) for i in blocks}
+    return Plan(
+        blocks, float(sum(costs[i][2] for i in blocks)), int(sum(costs[i][1] for i in blocks)),
+        kinds=tuple(chosen[i] for i in blocks),
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _counts(m: int, t: int) -> np.ndarray:
+    """Every way to give ``t`` treatments to at most ``m`` blocks: rows of counts (read-only).
+
+    Built a column at a time (never the ``(m + 1) ** t`` product filtered down); the caller
+    bounds the row count, ``comb(m + t, t)``, by ``_MAX_COMBINATIONS``.
+    """
+    rows = np.zeros((1, 0), dtype=np.int64)  # counts so far, and what each row has left
+    left = np.array([m], dtype=np.int64)
+    for _ in range(t):
+        reps = left + 1
+        base = np.repeat(rows, reps, axis=0)
+        starts = np.repeat(np.cumsum(reps) - reps, reps)
+        take = np.arange(len(base)) - starts
+        rows = np.column_stack([base, take])
+        left = np.repeat(left, reps) - take
+    grid = rows.astype(np.float64)
+    grid.flags.writeable = False
+    return grid
+
+
+def _alike(opts: tuple[tuple[str, int, float], ...], m: int, need: int, order: Mapping[str, int], resolution: int) -> dict[int, str]:
+    """The choice for ``m`` blocks with the same options (NOTE [Choosing treatments]): exact
+    while every count of blocks per treatment can be scored, else the dynamic programme's counts."""
+    if math.comb(m + len(opts), len(opts)) <= _MAX_COMBINATIONS:
+        grid = _counts(m, len(opts))
+        saved = grid @ np.array([o[1] for o in opts], dtype=np.float64)
+        cost = grid @ np.array([o[2] for o in opts], dtype=np.float64)
+        cost = np.where(saved >= need, cost, np.inf)
+        best = cost.min()
+        ties = np.flatnonzero(cost <= best + 1e-12 * max(1.0, abs(best)))
+        row = [int(c) for c in grid[min(ties, key=lambda r: (grid[r].sum(), tuple(-grid[r])))]]
+    else:
+        taken = list(_choose_by_dp([opts] * m, need, resolution).values())
+        row = [taken.count(o[0]) for o in opts]
+    placed = sorted(range(len(opts)), key=lambda j: (order.get(opts[j][0], math.inf), j))
+    chosen, at = {}, 0
+    for j in placed:
+        for _ in range(row[j]):
+            chosen[at] = opts[j][0]
+            at += 1
+    return chosen
+
+
+def _choose_by_dp(options: Sequence[Sequence[tuple[str, int, float]]], need: int, resolution: int) -> dict[int, str]:
+    """Min-cost multiple-choice cover with a table of ``parts x (resolution + 1)`` (NOTE [A bounded planner]).
+
+    # NOTE [A bounded planner]
+    Planning's time and memory are bounded by parts x ``resolution``, whatever the need: a
+    table sized in bytes (once the fallback when quantised savings could not reach the need)
+    takes the host down at exactly the tight budgets memfit is for. Two forms of one problem,
+    each with a table of ``resolution + 1`` columns:
+
+    * *cover*: savings quantised **down** into units of ``need / resolution``; a plan reaching
+      the target reaches the need. Fails to prove a cover when the need comes within about one
+      unit per part of the most the parts can save.
+    * *pack*: what each part leaves unsaved (its most-saving option's bytes minus its choice's)
+      quantised **up** into units of ``slack / resolution``, where slack is the most saved minus
+      the need; a plan within the slack covers the need, and every part at its most-saving
+      option always fits, so it never fails.
+
+    The form with the finer unit runs (cover falling back to pack). What is lost: the plan costs
+    at most what the exact optimum costs for a need larger by one unit per part, and the unit
+    is ``min(need, slack) / resolution`` (tested against enumeration).
+    """
+    most = [max((o[1] for o in opts), default=0) for opts in options]
+    slack = sum(most) - need
+    cover_unit = max(1, -(-need // resolution))
+    pack_unit = max(1, -(-slack // resolution))
+    if cover_unit <= pack_unit:
+        chosen = _cover(options, need, cover_unit)
+        if chosen is not None:
+            return chosen
+    return _pack(options, most, slack, pack_unit)
+
+
+def _cover(options: Sequence[Sequence[tuple[str, int, float]]], need: int, unit: int) -> dict[int, str] | None:
+    """The cover form of NOTE [A bounded planner]; None when the quantised savings cannot reach the need."""
+    target = -(-need // unit)
+    if sum(max((o[1] // unit for o in opts), default=0) for opts in options) < target:
+        return None
+    best = np.full(target + 1, np.inf)
+    best[0] = 0.0
+    picks = []  # per block: the option taken and the units it came from, per units reached
+    for opts in options:
+        new, pick, pred = best.copy(), np.full(target + 1, -1, dtype=np.int32), np.arange(target + 1, dtype=np.int32)
+        for j, (_, saving, cost) in enumerate(opts):
+            units = min(saving // unit, target)
+            if units <= 0:
+                continue
+            # below the target each reached units has one source; the target has every source within `units` of it
+            candidate = best[: target - units] + cost
+            better = candidate < new[units:target] - 1e-12
+            new[units:target][better] = candidate[better]
+            pick[units:target][better] = j
+            pred[units:target][better] = np.flatnonzero(better)
+            tail = best[target - units :] + cost
+            src = int(np.argmin(tail))
+            if tail[src] < new[target] - 1e-12:
+                new[target], pick[target], pred[target] = tail[src], j, target - units + src
+        picks.append((pick, pred))
+        best = new
+    return _walk_back(options, picks, target) if np.isfinite(best[target]) else None
+
+
+def _pack(options: Sequence[Sequence[tuple[str, int, float]]], most: Sequence[int], slack: int, unit: int) -> dict[int, str]:
+    """The pack form of NOTE [A bounded planner]: least cost whose quantised unsaved bytes fit the slack."""
+    cap = slack // unit
+    best = np.full(cap + 1, np.inf)  # least cost leaving exactly u units unsaved
+    best[0] = 0.0
+    picks = []
+    for opts, m in zip(options, most):
+        new = np.full(cap + 1, np.inf)
+        pick, pred = np.full(cap + 1, -1, dtype=np.int32), np.zeros(cap + 1, dtype=np.int32)
+        # keep (-1) first: on a tie the part stays kept
+        for j, saving, cost in [(-1, 0, 0.0)] + [(j, o[1], o[2]) for j, o in enumerate(opts) if o[1] > 0]:
+            units = -(-(m - saving) // unit)
+            if units > cap:
+                continue
+            candidate = best[: cap + 1 - units] + cost
+            better = candidate < new[units:] - 1e-12
+            new[units:][better] = candidate[better]
+            pick[units:][better] = j
+            pred[units:][better] = np.flatnonzero(better)
+        picks.append((pick, pred))
+        best = new
+    return _walk_back(options, picks, int(np.argmin(best)))
+
+
+def _walk_back(options: Sequence[Sequence[tuple[str, int, float]]], picks: list[tuple[np.ndarray, np.ndarray]], u: int) -> dict[int, str]:
+    """The treatment of each part from the table's picks, from the last part back (kept parts left out)."""
+    chosen = {}
+    for i in range(len(options) - 1, -1, -1):
+        pick, pred = picks[i]
+        if pick[u] >= 0:
+            chosen[i] = options[i][int(pick[u])][0]
+        u = int(pred[u])
+    return chosen
+
+
+class PlanCache:
+    """Plans per shape bucket; cleared whenever the memory model or margin changes."""
+
+    def __init__(self) -> None:
+        self._plans: dict[Hashable, Plan] = {}
+        #: rows of plans not yet read, per (batch size, static bucket) (NOTE [Planning a row], planning.py)
+        self.rows: dict[Hashable, Any] = {}
+        self.hits = 0
+        self.misses = 0
+        #: plans asked for since the last clear (a cache cleared again and again: a model still learning)
+        self.asked_since_clear = 0
+        #: plans asked for between the last two clears: how long the previous model lasted
+        self.asked_before_clear = 0
+
+    def get(self, key: Hashable) -> Plan | None:
+        self.asked_since_clear += 1
+        plan = self._plans.get(key)
+        if plan is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return plan
+
+    def peek(self, key: Hashable) -> Plan | None:
+        """The cached plan of ``key``, not counted as asked (a lookup on the planner's own behalf)."""
+        return self._plans.get(key)
+
+    def settled(self, asks: int) -> bool:
+        """Whether the memory model behind these plans looks settled: it has served more than
+        ``asks`` requests, or the one before it did (then a change is a correction, not a model
+        still learning every step)."""
+        return self.asked_since_clear > asks or self.asked_before_clear > asks
+
+    def put(self, key: Hashable, plan: Plan) -> None:
+        self._plans[key] = plan
+
+    def clear(self) -> None:
+        self._plans.clear()
+        self.rows.clear()
+        self.asked_before_clear, self.asked_since_clear = self.asked_since_clear, 0
+
+    def drop(self, which: Callable[[Hashable], bool]) -> None:
+        """Drop the plans whose key ``which`` names (one bucket's, its prediction corrected), keeping the rest."""
+        for key in [k for k in self._plans if which(k)]:
+            del self._plans[key]
+
+    def items(self) -> list[tuple[Hashable, Plan]]:
+        return list(self._plans.items())

@@ -1,0 +1,624 @@
+"""The controller: wires a model's hooks to the method, the meter, the learner and the records.
+
+``memfit.fit`` builds a :class:`Controller`, which hooks the model and needs no change to the
+training loop:
+
+* a forward pre-hook on the root module starts a step (and closes the previous one: its
+  record is written then, when the peak of its backward and optimizer step is known);
+* the first block to run asks the method for the plan and applies it (NOTE [Plan is fixed
+  before forward]); the method's protection may change how kept blocks run (protection.py);
+* saved tensors are counted per block while the root forward runs (accounting.py);
+* in warm-up every block is probed (engine/parts/probe.py), and the probes are learnt at the
+  forward's end (learner.py);
+* an optimizer step pre-hook and every block run let the meter read the step's peaks apart
+  (engine/run/meter.py);
+* a closed step is turned into what it teaches (learner.py), which the method learns, and
+  into a :class:`~memfit.engine.records.StepRecord`.
+
+# NOTE [Counting what teaches]
+The counter's pack hook runs for every tensor autograd saves. Logical accounting reads its
+counts as the step's memory, so every step counts there; on CUDA the allocator gives the
+peaks, and the counts only teach the model what each block saves. So a step counts only
+when its method asks (``Decision.count``: NOTE [Which steps count] in methods/dynamic.py) or
+the backstop is armed (it learns what the stored blocks saved); the counter starts with the
+forward and stops at the first block otherwise, and the step runs as plain PyTorch plus the
+blocks' treatments.
+
+# NOTE [Setup is all or nothing]
+Whatever setup changes on the model (wrapped blocks, hooks, the head's switch, a compiled loss) is
+recorded where :meth:`Controller._unhook` finds it as soon as it is made, and the cap is set
+last: any error before the first step leaves the model as it was, and a later ``fit`` on it works.
+
+# NOTE [Plan is fixed before forward]
+The shape key is read from the first block's input, so it works for any model input (tokens,
+pixels, kwargs). Every block's treatment is set at that moment, before any block has run, and
+does not change until the next step: forward and backward see one plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.engine.plan import learner
+from memfit.engine.parts.accounting import OUTSIDE, GatheredParameters, SavedTensorCounter, expected_optimizer_bytes, local, optimizer_state_bytes, static_bytes_logical
+from memfit.engine.parts.optim_state import torch_step_transient_bytes
+from memfit.engine.parts.guard_sides import GuardSides
+from memfit.engine.parts.blocks import SELECTIVE_BUDGET, Block, compile_clock, compile_loss, find_blocks, fingerprint, unwrap_blocks, wrap_blocks
+from memfit.engine.budget import OPTIMIZER_TRANSIENT, Budget, check_static_need, parse_bytes
+from memfit.engine.methods import Method, make_method, save_plans
+from memfit.engine.plan.planner import Plan
+from memfit.engine.plan.planning import Planning
+from memfit.engine.plan.room import Room
+from memfit.engine.ranks import sharded_over_ranks
+from memfit.engine.records import JsonlWriter, StepRecord, summarize
+from memfit.engine.parts import probe
+from memfit.engine.run.replay import Replayer, after_oom
+from memfit.engine.run.meter import Meter, make_meter
+from memfit.engine.run.step import Stage, StepState
+from memfit.engine.shapes import first_tensor, shape_key
+from memfit.engine.parts.store import ReactiveStore
+from memfit.engine.summary_text import end_summary, start_line
+from memfit.engine.parts.treatments import (
+    RECOMPUTE, SELECTIVE, TREATMENTS, Treatment, make_treatments, resolve, run_treatment_names,
+)
+from memfit.engine.parts.treatments.chunked_head import RunHead
+from memfit.engine.parts.treatments.offload import default_host_budget_bytes
+
+__all__ = ["fit", "Controller", "check_static_need_of"]
+
+logger = logging.getLogger("memfit")
+
+
+def _room(method: Method, model: nn.Module, budget_bytes: int | None, accounting: str, margin: float | None) -> Room:
+    """The run's room (room.py): where an OOM is fatal (sharded), and whether the margin may shrink
+    (not for a method with one plan for every shape, ``static``: NOTE [The margin follows the misses])."""
+    return Room.for_run(budget_bytes, accounting, margin, oom_fatal=sharded_over_ranks(model),
+                        margin_shrinks=getattr(method, "plans_rows", True))
+
+
+def _group_ids(blocks: list[Block]) -> list[int]:
+    """Blocks of the same class and parameter count share a group (and a model)."""
+    ids: dict[tuple[type, int], int] = {}
+    out = []
+    for b in blocks:
+        sig = (type(b.module), sum(p.numel() for p in b.module.parameters()))
+        out.append(ids.setdefault(sig, len(ids)))
+    return out
+
+
+def check_static_need_of(
+    model: nn.Module, budget: Budget | None, state_bytes: int | None, state_name: str = "optimizer state",
+    transient_bytes: int | None = None,
+) -> dict[str, int]:
+    """The static need: parameters and gradients (this rank's shards under FSDP),
+    ``state_bytes`` of optimizer state (left out when None: not known yet) and
+    ``transient_bytes`` of the optimizer step's temporaries (NOTE [Optimizer step transient] in
+    optim_state.py; left out when None or 0), counted.
+
+    The one check of the static need before training: the controller's for an optimizer it is
+    given, the Trainer's for the one ``--optim`` will make (NOTE [Expected optimizer state] in
+    optim_state.py), which names it ``state_name``.
+
+    Raises:
+        BudgetTooSmallError: when they exceed ``budget`` (its message quotes the budget as the user gave it).
+    """
+    parts = static_bytes_logical(model, None)
+    parts.pop("optimizer state")
+    if state_bytes is not None:
+        parts[state_name] = state_bytes
+    if transient_bytes:
+        parts[OPTIMIZER_TRANSIENT] = transient_bytes
+    if budget is not None:
+        check_static_need(budget, sum(parts.values()), parts)
+    return parts
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    """``optimizer``'s state as it is, or as it will be after its first step if larger."""
+    return max(expected_optimizer_bytes(optimizer), optimizer_state_bytes(optimizer))
+
+
+def _transient_bytes(optimizer: torch.optim.Optimizer | None) -> int | None:
+    """What ``optimizer.step()`` allocates on top of its state, this rank's shards (None: not predicted)."""
+    return torch_step_transient_bytes(_inner_optimizer(optimizer), local)
+
+
+def _run_options(
+    treatments: Sequence[str] | None, compile: bool | dict[str, Any], modules: Sequence[nn.Module] = (),
+) -> tuple[tuple[str, ...], dict[str, Any] | None]:
+    """The run's treatment names (NOTE [Recompute always at hand], treatments/__init__.py) and the
+    ``torch.compile`` arguments of the blocks' bodies, or None (NOTE [Compiled blocks], blocks.py).
+
+    ``treatments=None`` gives the default: ``recompute`` and what each registered treatment offers
+    these blocks (``modules``) compiled so (:meth:`Treatment.by_default`): ``selective`` where
+    inductor compiles them (the budgeted compilation, priced per block like any treatment: NOTE
+    [Compiled blocks]), ``elementwise`` for eager blocks with a gated MLP.
+
+    Raises:
+        ValueError: an ``activation_memory_budget`` outside [0, 1), a ``recompile_limit``
+            that is not a whole number from 1, a ``loss`` that is not a bool; ``selective`` with a backend other than inductor (NOTE [Compiled blocks]).
+    """
+    options = None if compile is False or compile is None else {} if compile is True else dict(compile)
+    if treatments is None:
+        treatments = tuple(n for n, t in TREATMENTS.items() if t.by_default(modules, options))
+    if options is None:
+        return run_treatment_names(treatments), None
+    inductor = options.get("backend", "inductor") == "inductor"
+    names = run_treatment_names(treatments)
+    budget = options.get("activation_memory_budget", SELECTIVE_BUDGET)
+    if not isinstance(budget, (int, float)) or not 0 <= budget < 1:
+        raise ValueError(
+            f"compile's activation_memory_budget {budget!r} is the share of a compiled block's activations "
+            "'selective' keeps: give a number from 0 up to, not including, 1"
+        )
+    limit = options.get("recompile_limit")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ValueError(
+            f"compile's recompile_limit {limit!r} is how many variants of a block's body Dynamo compiles before it "
+            "runs them eagerly: give a whole number from 1, or leave it out"
+        )
+    if not isinstance(options.get("loss", True), bool):
+        raise ValueError(
+            f"compile's loss {options['loss']!r} says whether the model's loss function is compiled: give True or False"
+        )
+    for name, treatment in resolve(names).items():
+        if treatment.eager_only:
+            logger.warning("memfit: '%s' treats eager blocks only; with the blocks compiled it is never planned", name)
+    if SELECTIVE in names and not inductor:
+        raise ValueError(
+            f"'selective' on compiled blocks needs the inductor backend (it keeps random ops from being recomputed), "
+            f"not {options['backend']!r}: leave out compile's backend, or 'selective' from the treatments"
+        )
+    return names, options
+
+
+def _inner_optimizer(optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
+    """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (or ``optimizer`` itself)."""
+    while optimizer is not None and isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _kinds(blocks: Sequence[Block]) -> list[str]:
+    return [type(b.module).__name__ for b in blocks]
+
+
+def _kinds_compiled(blocks: Sequence[Block]) -> tuple[list[str], None, str | None]:
+    """The start line's blocks, no parameters, and ``""`` for compiled blocks (no flag asked: ``fit``)."""
+    return _kinds(blocks), None, "" if blocks[0].compiled else None
+
+
+def _say(text: str, rank: int) -> None:
+    if rank == 0:
+        print(text, file=sys.stderr, flush=True)
+
+
+def _make_treatments(
+    names: Sequence[str], counter: SavedTensorCounter, planning: Planning, device: torch.device, compiled: bool,
+    host_budget_bytes: int | None = None,
+) -> dict[str, Treatment]:
+    """The run's treatments; with one that moves tensors to the host (``offload``, ``host_checkpoint``),
+    the host link is measured now, before training holds memory, and priced for the planner
+    (engine/parts/probe.py), and their pinned pool is bounded by the host budget (NOTE [Host budget], offload.py)."""
+    if not any(cls.moves_out for cls in resolve(names).values()):
+        return make_treatments(tuple(names), counter, compiled)
+    planning.price_offload(probe.measure_link(device))
+    return make_treatments(
+        tuple(names), counter, compiled, excluded_ptrs=counter.excluded_ptrs, depth_for=planning.offload_depth,
+        max_host_bytes=host_budget_bytes if host_budget_bytes is not None else default_host_budget_bytes(),
+    )
+
+
+class Controller:
+    """Plans, applies and records the treatment of every block for one model; made by :func:`fit`.
+
+    Attributes:
+        blocks: the wrapped blocks, in order.
+        method: the :class:`~memfit.engine.methods.Method`.
+        planning: model, planner and cache.
+        meter: how memory is read (:attr:`accounting` names it).
+        replay: the :class:`~memfit.engine.run.replay.Replayer` every micro-step that may be replayed
+            after an OOM runs through (:meth:`run_step`, the Trainer's ``training_step``).
+    """
+
+    def __init__(
+        self, model: nn.Module, budget: Budget | None, method: Method, optimizer: torch.optim.Optimizer | None = None,
+        blocks: Sequence[nn.Module] | str | None = None, log: str | None = None, margin: float | None = None,
+        bucket_tokens: int = 8, cap: bool = True, treatments: Sequence[str] | None = None, announce: bool = False,
+        compile: bool | dict[str, Any] = False, head: bool | str = "auto", head_logits: str = "drop",
+        host_budget_bytes: int | None = None,
+    ):
+        self.model, self.method, self.budget = model, method, budget  # NOTE [A budget as typed]
+        self.budget_bytes = None if budget is None else budget.bytes
+        self.blocks: list[Block] = []
+        self._undo: list[Callable[[], None]] = []  # each change to the model's undo, as it is made (NOTE [Setup is all or nothing])
+        self._optimizer_handles: list = []
+        try:  # NOTE [Setup is all or nothing]
+            named = find_blocks(model, blocks)
+            treatments, compile_options = _run_options(treatments, compile, [m for _, m in named])
+            self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+            static_parts = check_static_need_of(model, budget, _state_bytes(optimizer), transient_bytes=_transient_bytes(optimizer))
+            self.grad_params = [p for p in model.parameters() if p.requires_grad]
+            self.meter: Meter = make_meter(self.device, self.grad_params, static_parts["parameters"] + static_parts["gradients"])
+            self._fingerprint = fingerprint(named)
+            method.bind(len(named), self._fingerprint)
+            #: compiled callables' guard sides, compiled in warm-up (NOTE [Guard sides in warm-up])
+            self.sides = GuardSides()
+            self.blocks = wrap_blocks(named, allow_hf_checkpointing=method.measures_only, compile=compile_options, sides=self.sides)
+            self._undo.append(lambda: unwrap_blocks(self.blocks))
+            self.planning = Planning(
+                len(self.blocks), _group_ids(self.blocks), budget, 0, bucket_tokens, treatments=treatments,
+                room=_room(method, model, self.budget_bytes, self.meter.kind, margin),
+            )
+            # Parameters and buffers are never activations (under FSDP: this rank's shards).
+            self._counter = SavedTensorCounter(len(self.blocks), exclude=list(model.parameters()) + list(model.buffers()))
+            self._undo.append(self._counter.stop)
+            self.treatments = _make_treatments(treatments, self._counter, self.planning, self.device, self.blocks[0].compiled,
+                                               host_budget_bytes)
+            self.head = RunHead(model, self.planning, self.meter.kind != "logical", head, head_logits, method.learns and budget is not None, lambda: self.meter.aside(self._step))
+            self._undo.append(self.head.remove)
+            self.protection = method.make_protection(lambda: ReactiveStore(self._counter.excluded_ptrs), self.planning, self.meter, self._counter)
+            self._gathered = GatheredParameters(model, self._counter)
+            self.rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
+            #: print a start line now and a summary at remove()
+            self.announce = announce
+            self._records: list[StepRecord] = []
+            self._step: StepState | None = None
+            self._steps_recorded = 0
+            self.replay = Replayer(model, self.grad_params, self.blocks, self.treatments[RECOMPUTE], self.note_oom,
+                                   self.drop_step, self.meter.release, head=lambda: self.head.part)
+            self._undo += [h.remove for h in (*compile_loss(model, compile_options, self.sides), model.register_forward_pre_hook(
+                self._on_forward_start, with_kwargs=True), model.register_forward_hook(self._on_forward_end, always_call=True))]
+            for b in self.blocks:
+                b.listener = self
+                b.before_run = lambda _: self.meter.block_run(self._step)
+            self.optimizer: torch.optim.Optimizer | None = None
+            self.set_optimizer(optimizer, check=False)
+            self._writer = JsonlWriter(log) if log else None
+            self._undo += [self._writer.close] if self._writer is not None else []
+            if budget is not None and cap:
+                self.meter.apply_cap(budget.bytes)
+            if announce:
+                _say(start_line(method.name, budget, self.meter.kind, *_kinds_compiled(self.blocks)) + self.head.start_words(), self.rank)
+        except BaseException:
+            self._unhook()
+            raise
+
+    # ----------------------------------------------------------------- optimizer
+    def set_optimizer(self, optimizer: torch.optim.Optimizer | None, check: bool = True) -> None:
+        """Count ``optimizer``'s state from now on (for an optimizer made after ``fit``).
+
+        Raises: BudgetTooSmallError: when weights + gradients + its state exceed the budget."""
+        if check:
+            check_static_need_of(self.model, self.budget, _state_bytes(optimizer), transient_bytes=_transient_bytes(optimizer))
+        for h in self._optimizer_handles:
+            h.remove()
+        self.optimizer = self.meter.optimizer = optimizer
+        self.replay.closed_by_optimizer = optimizer is not None
+        optimizer = _inner_optimizer(optimizer)
+        self.meter.expected_optimizer_bytes = expected_optimizer_bytes(optimizer)  # by the inner one's class
+        self._optimizer_handles = [
+            optimizer.register_step_pre_hook(lambda *_: self.meter.optimizer_step(self._step)),
+            optimizer.register_step_post_hook(self.replay.close_window),
+        ] if optimizer is not None and hasattr(optimizer, "register_step_pre_hook") else []
+
+    @property
+    def optimizer_steps(self) -> int | None:
+        """Optimizer steps taken while hooked; None without an optimizer to hook."""
+        return self.replay.windows_closed if self.replay.closed_by_optimizer else None
+
+    @property
+    def accounting(self) -> str:
+        """``"cuda"`` (allocator peaks) or ``"logical"`` (counted tensors)."""
+        return self.meter.kind
+
+    # ----------------------------------------------------------------- hooks
+    def _on_forward_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        training = module.training and torch.is_grad_enabled()
+        # read once: the closing step's lasting growth and this step's static bytes
+        static_now = self.meter.static_now() if training else None
+        self._finish_step(static_now)
+        if not training:
+            return
+        self._gathered.check_first_forward()
+        self.planning.begin_step(static_now)
+        # state_to_come: optimizer state counted in `static` that only its first step will create
+        self._step = step = StepState(
+            t0=time.perf_counter(), static_bytes=static_now, replay=self.replay.replaying, replayable=self.replay.replayable,
+            state_to_come=self.meter.expected_optimizer_bytes if self.optimizer is not None and not self.optimizer.state else 0,
+            compile_start=compile_clock() if self.blocks[0].compiled else None,
+        )
+        self.meter.start_step(step)
+        for treatment in self.treatments.values():
+            treatment.start_step()
+        self.protection.start_step(step)
+        self._counter.start()
+
+    def _on_forward_end(self, module: nn.Module, args: tuple, output: Any) -> None:
+        step = self._step
+        # the counter's hooks come off autograd's stack even when the forward raised (always called)
+        self._counter.stop()
+        self.sides.close()
+        if (output is None and sys.exc_info()[1] is not None) or step is None:
+            return  # the forward raised: nothing to record
+        counter = self._counter
+        by_block = list(counter.by_block) if step.counted else [0] * len(self.blocks)
+        if step.decision is not None:
+            by_block = self.protection.forward_end(step, by_block)
+        step.end_forward(counter.outside_bytes if step.counted else 0, by_block)
+        if step.probes:
+            probes, step.probes = step.probes, {}
+            self.planning.apply(learner.learn_probes(self.planning, step.key, probes, step.treated_probes))
+
+    def exit(self, block: Block) -> None:
+        """Block listener: tensors saved after a block belong to no block until the next."""
+        self._counter.current = OUTSIDE
+        if self._step is not None and self._step.stage is Stage.FORWARD:
+            self.protection.exit(self._step, block)
+
+    def enter(self, block: Block, args: tuple, kwargs: dict) -> None:
+        """Block listener: fix the plan at the first block; attribute saved tensors; probe."""
+        step = self._step
+        if step is None or step.stage is not Stage.FORWARD:
+            return
+        self._gathered.enter(block.index, block.module)
+        if step.decision is None:
+            self._decide(step, args, kwargs)
+        self._counter.current = block.index
+        self.protection.enter(step, block, args, kwargs)
+        if block.treatment.holds_inputs and step.counted:
+            self._counter.count_inputs(block.index, args, kwargs)
+        if step.decision.warmup:
+            probe.probe_warmup(step, block, args, kwargs, self._counter, self.device, self.planning)
+
+    def _decide(self, step: StepState, args: tuple, kwargs: dict) -> None:
+        x = first_tensor(args, kwargs)
+        step.shape = list(x.shape) if x is not None else []
+        step.key = shape_key(step.shape)
+        misses = self.planning.cache.misses
+        oom = self.replay.oom
+        failed = oom.failed_plan if oom.attempts and not self.replay.replaying else None
+        t0 = time.perf_counter()
+        decision = self.head.decide(self.method.decide(self.planning, step.key, failed), step.key, step.state_to_come)
+        step.planner_us = (time.perf_counter() - t0) * 1e6
+        step.planned = self.planning.cache.misses > misses
+        step.decision = decision
+        for b, kind in zip(self.blocks, decision.plan.treatments(len(self.blocks))):
+            b.treatment = self.treatments[kind]
+        self.protection.arm(step, self.blocks, step.key, decision.plan, decision.warmup)
+        step.counted = decision.count or decision.warmup or step.armed or self.meter.counts_always
+        if decision.warmup or not self._records:  # NOTE [Guard sides in warm-up]
+            self.sides.open()
+        if not step.counted:  # NOTE [Counting what teaches]
+            self._counter.stop()
+
+    # ----------------------------------------------------------------- records
+    def _finish_step(self, static_now: int | None = None) -> None:
+        """Close the pending step: read its peaks, learn, write its record.
+
+        ``static_now``: the meter's static bytes if the caller has them (a step start reads them anyway).
+        """
+        step, self._step = self._step, None
+        if step is None:
+            return
+        self._counter.stop()
+        if step.decision is None or step.stage is Stage.FORWARD:
+            return  # the forward ran no block (or failed): nothing to record
+        now, treated_ms = time.perf_counter(), self.planning.recompute_ms(step.key, step.decision.plan) + step.evicted_ms
+        peaks = self.meter.peaks(step)
+        outcome = learner.step_outcome(
+            peaks, key=step.key, plan=step.decision.plan, warmup=step.decision.warmup,
+            outside=step.saved_outside, by_block=step.saved_by_block, static=step.static_bytes,
+            state_to_come=step.state_to_come,
+            static_now=self.meter.static_now() if static_now is None else static_now,
+            evicted=step.evicted, backstop_input=step.backstop_input, counted=step.counted, net_ms=(now - step.t0) * 1e3 - treated_ms,
+        )
+        predicted = self.method.learn(self.planning, outcome)
+        self.protection.after_step(step, outcome)
+        if step.replay:
+            return  # a replayed micro-step was recorded when it first ran
+        self._steps_recorded += 1
+        record = step.to_record(
+            outcome, peaks.reserved, predicted, number=self._steps_recorded, method=self.method.name,
+            n_blocks=len(self.blocks), budget_bytes=self.budget_bytes, accounting=self.meter.kind, recompute_ms=treated_ms,
+            oom_retries=len(self.replay.oom.attempts), oom_attempts=self.replay.oom.attempts, rank=self.rank, now=now,
+        )
+        self.replay.oom.clear()
+        self.head.record(record, step.decision.plan)
+        self._records.append(record)
+        if self._writer is not None:
+            self._writer.write(record)
+
+    # ----------------------------------------------------------------- public
+    @property
+    def records(self) -> list[StepRecord]:
+        """Step records so far (the last step's record is closed on access)."""
+        if self._step is not None and self._step.stage is not Stage.FORWARD:
+            self.meter.settle()
+            self._finish_step()
+        return self._records
+
+    def summary(self):
+        """:class:`~memfit.engine.records.RunSummary` of the records so far."""
+        return summarize(self.records, self.optimizer_steps)
+
+    def note_oom(self, error: BaseException | str | None = None) -> None:
+        """After an OOM inside a step, before :attr:`replay` replays it: drop the failed step and keep more room
+        free (:func:`~memfit.engine.run.replay.after_oom`); the replay's record lists the attempt. ``error``: the error
+        or its message (a message keeps the failed step's frames, and their tensors, out of reach).
+
+        Raises: BudgetTooSmallError: when no safer plan exists."""
+        step, self._step = self._step, None
+        self._counter.stop()
+        attempt = self.replay.oom.add(step, self.meter, self.planning, self.protection, error)
+        self.protection.note_oom(step, attempt)
+        after_oom(self.method, self.planning, step, attempt, len(self.blocks))
+
+    def drop_step(self) -> None:
+        """Drop the pending step unrecorded: another rank's OOM replays it (NOTE [Replay under FSDP])."""
+        self._step = None
+        self._counter.stop()
+
+    def run_step(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run one micro-step ``fn(*args, **kwargs)`` (its forward and backward) and return its
+        result; on an OOM, replay it with the same RNG state and a safer plan, so that the
+        gradients are those of a run without the OOM, accumulation windows included (NOTE
+        [Replay in a plain loop] in engine/run/replay.py).
+
+        Raises:
+            BudgetTooSmallError: when no safer plan exists.
+
+        Example:
+            >>> for batch in loader:  # doctest: +SKIP
+            ...     ctl.run_step(lambda: model(**batch).loss.backward())
+            ...     opt.step(); opt.zero_grad(set_to_none=True)
+        """
+        return self.replay.run(fn, args, kwargs, raise_what=f"{self.budget.name if self.budget else 'budget='} or margin=")
+
+    def plans(self) -> dict[tuple[int, int], Plan]:
+        """Plans decided so far, per shape bucket."""
+        return {k: p for (k, _), p in self.planning.cache.items()}
+
+    def save_plans(self, path: str) -> None:
+        """Write the plans of this run as JSON for the ``precomputed`` method."""
+        save_plans(path, len(self.blocks), self.plans(), fingerprint=self._fingerprint)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Memory model and margin, for resuming without a new warm-up."""
+        return {**self.planning.state_dict(), "step": self._steps_recorded}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.planning.load_state_dict(state)
+        self._steps_recorded = int(state.get("step", 0))
+        self.method.resume()
+
+    def remove(self) -> None:
+        """Close the last record, unhook and unwrap: the model is exactly as before ``fit``."""
+        if self._undo and self.records and self.announce:
+            _say(end_summary(self.records, self.budget, self.optimizer_steps), self.rank)
+        self._unhook()
+
+    def _unhook(self) -> None:
+        """Undo every change this controller made to the model, last first (NOTE [Setup is all or nothing])."""
+        undo, self._undo, self._optimizer_handles = [h.remove for h in self._optimizer_handles] + self._undo, [], []
+        for step in reversed(undo):
+            step()
+
+    def __enter__(self) -> "Controller":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def fit(
+    model: nn.Module,
+    budget: int | str | Budget | None,
+    method: str | Method = "dynamic",
+    optimizer: torch.optim.Optimizer | None = None,
+    blocks: Sequence[nn.Module] | str | None = None,
+    log: str | None = None,
+    margin: float | None = None,
+    bucket_tokens: int = 8,
+    cap: bool = True,
+    treatments: Sequence[str] | None = None,
+    announce: bool = True,
+    compile: bool | dict[str, Any] = False,
+    head: bool | str = "auto",
+    head_logits: str = "drop",
+    host_budget: int | str | None = None,
+    **method_kwargs: Any,
+) -> Controller:
+    """Train ``model`` inside ``budget`` by treating just enough blocks per batch.
+
+    Args:
+        model: the model, already on its device.
+        budget: bytes (int) or a size string, its unit written as in the table (NOTE [A budget as typed]
+            in budget.py): ``"6GiB"`` = 6·2**30, ``"6GB"`` = 6·10**9 (``"6gb"`` is refused, naming both);
+            ``None`` runs the method with no budget (records only). Messages quote it as given and
+            name it ``budget=``; a :class:`~memfit.engine.budget.Budget` keeps its own name
+            (the Trainer's ``--memory_budget``).
+        method: ``none | full | dynamic | static | precomputed | reactive`` (or a Method
+            instance).
+        optimizer: its state is counted in the static need (measured from its tensors on
+            CPU, by the allocator on CUDA); its steps close the windows of :meth:`Controller.run_step`.
+        blocks: modules or a name regex, for models memfit cannot analyse.
+        log: path of a JSONL file receiving one :class:`StepRecord` per step.
+        margin: fraction of the budget kept free as a safety margin (default 3% on CUDA,
+            0.1% with logical accounting, which is exact but for the fit's rounding). On
+            CUDA the allocator's slack is kept free on top of it: ``min(256 MiB, budget / 16)``
+            at first, more after an OOM that shows more (NOTE [Room] in room.py).
+        bucket_tokens: plans are shared by shapes whose token counts round up to the same
+            multiple of this (1 = a plan per exact shape).
+        cap: on CUDA, enforce the budget with ``set_per_process_memory_fraction``.
+        treatments: what the planner may give a block besides ``keep``: ``recompute``,
+            ``selective``, ``offload``, ``elementwise``, ``host_checkpoint`` (treatments/); it picks per
+            batch and block the cheapest mix that fits (NOTE [Treatments never lose] in planning.py).
+            ``recompute`` is always included (warm-up, ``full`` and replays use it). Default:
+            ``recompute``; ``elementwise`` for eager blocks with a gated MLP; ``selective`` where
+            ``compile`` uses inductor; ``host_checkpoint`` for blocks on a CUDA device.
+        announce: print one line on stderr now (method, budget, accounting, blocks) and a short
+            summary when :meth:`Controller.remove` is called.
+        compile: compile each block's body with ``torch.compile`` inside memfit's wrapper
+            (``True``, or a dict of its keyword arguments), the treatments around it (NOTE
+            [Compiled blocks] in blocks.py); there ``selective`` runs a second compilation
+            under the option ``activation_memory_budget`` (default 0.5), and the model's loss
+            function (transformers' ``loss_function``) is compiled too unless the option
+            ``loss`` is False.
+        head: plan the LM head of a causal LM beside the blocks (NOTE [The head in the plan] in
+            planner.py): per batch ``keep`` or ``chunked`` logits and loss (treatments/chunked_head.py),
+            recorded under ``treatments["head"]``. ``"auto"``: wherever memfit recognises the
+            head, the method is ``dynamic`` or ``static`` and a budget is given, for forwards that pass
+            ``labels`` (a forward without them leaves the head to the caller from then on); elsewhere
+            the model keeps its head and the start line says why (NOTE [The head by default]); the
+            default. ``True``: plan it whatever the method, or raise ValueError where memfit cannot.
+            ``False``: never. A chunked head's loss and gradients equal the model's within float32 rounding
+            (not bitwise: the additions are reordered); the blocks stay bitwise.
+        head_logits: what a training forward with ``labels`` returns as ``outputs.logits`` in a step
+            whose head is chunked: ``"drop"`` (default: None, the ``tokens x vocab`` logits are never
+            made) or ``"detached"`` (computed without grad in the model's dtype, for metrics; costs
+            ``tokens x vocab`` bytes). Where the head is kept, and in eval or no-grad forwards, the
+            logits are the model's own.
+        host_budget: the pinned host memory the treatments that move tensors to the host
+            (``offload``, ``host_checkpoint``) may hold, bytes or a size string like ``budget``;
+            default: half of what the host has available at the start, shared among its ranks
+            (NOTE [Host budget] in treatments/offload.py).
+        **method_kwargs: passed to the method (``path=`` for ``precomputed``,
+            ``max_shape=`` for ``static``, ``warmup_steps=`` for ``dynamic``...).
+
+    Returns:
+        The :class:`Controller`; ``ctl.records[-1]`` is the last step's record,
+        ``ctl.run_step(fn)`` runs a micro-step with OOM replay, and ``ctl.remove()`` restores
+        the model.
+
+    Raises:
+        BudgetTooSmallError: when weights + gradients + optimizer state exceed the budget.
+        UnknownMethodError: for an unknown method name.
+        NoBlocksError: listing candidates, when no checkpointable block is found.
+        PlansMismatchError: ``precomputed`` plans made for another model.
+
+    Example:
+        >>> import torch, memfit
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.ModuleList([nn.Linear(8, 8) for _ in range(4)]))
+        >>> ctl = memfit.fit(model, budget="1GiB", method="full", blocks=r"0\\.\\d+")
+        >>> len(ctl.blocks)
+        4
+        >>> ctl.remove()
+    """
+    budget = None if budget is None else Budget.parse(budget, "budget=")
+    host_budget_bytes = None if host_budget is None else parse_bytes(host_budget, argument="host_budget=")
+    if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1):
+        raise ValueError(f"margin={margin!r}: give a share of the budget in [0, 1), e.g. 0.05, or None for the default")
+    if isinstance(bucket_tokens, bool) or not isinstance(bucket_tokens, int) or bucket_tokens < 1:
+        raise ValueError(f"bucket_tokens={bucket_tokens!r}: give a whole number of tokens from 1 (1 = a plan per exact shape)")
+    method_obj = make_method(method, **method_kwargs)
+    return Controller(model, budget, method_obj, optimizer, blocks, log, margin, bucket_tokens, cap, treatments, announce,
+                      compile, head=head, head_logits=head_logits, host_budget_bytes=host_budget_bytes)

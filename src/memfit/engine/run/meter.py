@@ -1,0 +1,290 @@
+"""Meters: how a step's memory is read, behind one interface.
+
+* :class:`CudaMeter`: the caching allocator's counters (``memory_allocated``,
+  ``max_memory_allocated``, reset per step); the budget is a hard cap on the allocator;
+* :class:`LogicalMeter` (CPU, or any device without an allocator to read): parameters +
+  gradients + optimizer state + saved activations, counted from the tensors.
+
+# NOTE [No sync in steady state]
+A steady-state step reads only host-side values: the caching allocator's counters, read and
+reset without synchronising the device. Only warm-up probes synchronise (to time a block), and
+the last record when it is closed on request.
+
+# NOTE [Cheap allocator reads]
+``torch.cuda.memory_allocated`` and its kin build and flatten the allocator's whole statistics
+dict per call (about 140 µs each); the nested dict they start from costs about 20 µs, and one
+read gives the current and peak bytes together. A meter that reads at every block entry and
+exit (``reactive``'s windows: four reads per block) pays that per block, so the meter reads the
+nested dict once per reading, through :func:`_allocator`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import torch
+
+from memfit.engine.parts.accounting import local, optimizer_state_bytes
+from memfit.engine.budget import apply_cuda_cap
+from memfit.engine.plan.learner import Peaks
+from memfit.engine.run.step import Stage, StepState
+
+__all__ = ["Meter", "CudaMeter", "LogicalMeter", "make_meter"]
+
+
+class Meter:
+    """How a run reads memory; one per run.
+
+    Attributes:
+        kind: ``"cuda"`` or ``"logical"`` (the records' ``accounting``).
+        optimizer: the optimizer whose state is static memory (set by the runtime).
+        expected_optimizer_bytes: the state it will hold after its first step.
+    """
+
+    kind: ClassVar[str] = ""
+    #: every step counts its saved tensors (they are what this meter reads)
+    counts_always: ClassVar[bool] = False
+
+    def __init__(self, device: torch.device, parameter_bytes: int):
+        self.device = device
+        self.parameter_bytes = parameter_bytes
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.expected_optimizer_bytes = 0
+
+    def apply_cap(self, budget_bytes: int) -> None:
+        """Make the budget a hard cap, where the device has one."""
+
+    def static_now(self) -> int:
+        """Bytes that no plan changes, as they will be at this step's peak."""
+        raise NotImplementedError
+
+    def start_step(self, step: StepState) -> None:
+        """A training step starts."""
+
+    def block_run(self, step: StepState | None) -> None:
+        """A block's body is about to run (in forward, or recomputed in backward)."""
+
+    def window_start(self, step: StepState) -> int | None:
+        """Open a window over one block's forward; returns the bytes allocated at its start (None:
+        this meter cannot read a window)."""
+        return None
+
+    def window_peak(self, step: StepState) -> int | None:
+        """The highest allocation since :meth:`window_start` (None: cannot be read)."""
+        return None
+
+    def aside(self, step: StepState | None) -> contextlib.AbstractContextManager:
+        """What runs inside is not the step's: its peak stays out of ``step``'s readings (NOTE [Work
+        aside from the step])."""
+        return contextlib.nullcontext()
+
+    def optimizer_step(self, step: StepState | None) -> None:
+        """The optimizer's step is about to run."""
+        if step is not None and step.stage is Stage.BACKWARD:
+            step.stage = Stage.OPTIMIZER
+
+    def in_use(self, step: StepState, held: Callable[[], int]) -> int:
+        """Bytes in use now; ``held`` gives the counted bytes beyond static (logical accounting)."""
+        raise NotImplementedError
+
+    def peaks(self, step: StepState) -> Peaks:
+        """What the finished ``step`` peaked at."""
+        raise NotImplementedError
+
+    def oom_readings(self, step: StepState | None) -> dict[str, int | None]:
+        """Memory at an OOM, for the failed attempt's description (engine/run/replay.py)."""
+        return {}
+
+    def settle(self) -> None:
+        """Wait for the device, before a step is closed on request."""
+
+    def release(self) -> None:
+        """After an OOM: return cached memory to the device."""
+
+    def run_stats(self) -> dict[str, int]:
+        """Allocator statistics for the run summary."""
+        return {}
+
+
+def _stats(device: torch.device) -> dict[str, Any] | None:
+    """The allocator's statistics in one read, or None on a torch without the raw reader."""
+    reader = getattr(torch._C, "_cuda_memoryStats", None)
+    return None if reader is None else reader(device.index or 0)
+
+
+def _allocator(device: torch.device, stats: dict[str, Any] | None = None) -> tuple[int, int, int, int]:
+    """The allocator's (allocated now, allocated peak, reserved now, reserved peak) bytes on
+    ``device``, in one read (NOTE [Cheap allocator reads]), or from ``stats`` already read."""
+    stats = stats or _stats(device)
+    if stats is None:  # a torch without the raw reader: the public API, four reads
+        return (torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device),
+                torch.cuda.memory_reserved(device), torch.cuda.max_memory_reserved(device))
+    allocated, reserved = stats["allocated_bytes"]["all"], stats["reserved_bytes"]["all"]
+    return allocated["current"], allocated["peak"], reserved["current"], reserved["peak"]
+
+
+class CudaMeter(Meter):
+    """The CUDA caching allocator's counters (NOTE [No sync in steady state])."""
+
+    kind = "cuda"
+
+    def __init__(self, device: torch.device, grad_params: list[torch.nn.Parameter], parameter_bytes: int):
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        super().__init__(device, parameter_bytes)
+        #: each trainable parameter with the bytes of its gradient on this rank (read every step)
+        self._grad_bytes = [(p, local(p).numel() * p.element_size()) for p in grad_params]
+        #: the allocator's retry count when the last step was read (NOTE [Room], room.py)
+        self._retries: int | None = None
+
+    def apply_cap(self, budget_bytes: int) -> None:
+        apply_cuda_cap(budget_bytes, self.device)
+
+    def static_now(self) -> int:
+        """What is allocated now, plus gradients not yet created (``.grad is None`` after
+        ``zero_grad``) and optimizer state not yet created (before its first step): both
+        appear during the step whatever the plan."""
+        missing = sum(nbytes for p, nbytes in self._grad_bytes if p.grad is None)
+        if self.optimizer is not None and not self.optimizer.state:
+            missing += self.expected_optimizer_bytes
+        return _allocator(self.device)[0] + missing
+
+    def start_step(self, step: StepState) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _read(self, step: StepState | None, stats: dict[str, Any] | None = None) -> tuple[int, int, int, int]:
+        """(allocated, peak since the step's last reading with windows folded in (NOTE [Block
+        windows]), reserved, reserved peak), in one read of the allocator (or from ``stats``)."""
+        allocated, peak, reserved, reserved_peak = _allocator(self.device, stats)
+        return allocated, peak if step is None else max(peak, step.window_carry), reserved, reserved_peak
+
+    def block_run(self, step: StepState | None) -> None:
+        """At a step's first recompute, read its backward's start peak apart (NOTE [Reading
+        the backward's start], learner.py); every other run of a block body passes through."""
+        if step is None or step.stage is not Stage.BACKWARD or step.start_peak is not None:
+            return
+        _, step.start_peak, _, step.start_reserved = self._read(step)
+        step.window_carry = 0
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def window_start(self, step: StepState) -> int:
+        """# NOTE [Block windows]
+        The allocator keeps one peak; reading a block's own peak resets it. So the peak so far
+        is carried in the step (``window_carry``) and every later reading of the step's peak
+        takes the larger of the two.
+        """
+        allocated, step.window_carry, _, _ = self._read(step)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return allocated
+
+    def window_peak(self, step: StepState) -> int:
+        return _allocator(self.device)[1]
+
+    @contextlib.contextmanager
+    def aside(self, step: StepState | None) -> Iterator[None]:
+        """# NOTE [Work aside from the step]
+        Warm-up's head probe (NOTE [A probe at the steps' size], chunked_head.py) runs inside a step's
+        forward and holds a kept head of up to 8,192 tokens for a moment: taken as the step's, its
+        bytes were learnt as the step's transient (on the llm suite's Qwen cell at 60 GB, 6-12 GB on
+        every warm-up step), and every later shape was predicted that much too high. So the peak so
+        far is carried in the step, as a block window's is (NOTE [Block windows]), and the counter
+        is reset after the work: the step's peak is the larger of the two, without the work's.
+        """
+        if step is None:
+            yield
+            return
+        _, step.window_carry, _, _ = self._read(step)
+        try:
+            yield
+        finally:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def optimizer_step(self, step: StepState | None) -> None:
+        """Read the backward's peak apart from the optimizer step's (NOTE [Three peaks], model.py)."""
+        if step is not None and step.stage is Stage.BACKWARD:
+            step.rest_peak = self._read(step)[1]
+            step.window_carry = 0
+            torch.cuda.reset_peak_memory_stats(self.device)
+        super().optimizer_step(step)
+
+    def in_use(self, step: StepState, held: Callable[[], int]) -> int:
+        return _allocator(self.device)[0]
+
+    def peaks(self, step: StepState) -> Peaks:
+        stats = _stats(self.device)
+        _, rest, _, reserved_peak = self._read(step, stats)  # since the last reset
+        reserved = max(reserved_peak, step.start_reserved or 0)
+        optimizer = None
+        if step.rest_peak is not None:  # since the optimizer's pre-hook reset the counter, `rest` is its step's
+            optimizer, rest = rest, step.rest_peak
+        peak = rest if step.start_peak is None else max(rest, step.start_peak)
+        # the allocator's retries since the last step was read: its optimizer step's are this one's
+        retries_now = int((stats if stats is not None else torch.cuda.memory_stats(self.device)).get("num_alloc_retries", 0))
+        retries = 0 if self._retries is None else retries_now - self._retries
+        self._retries = retries_now
+        return Peaks(peak=peak, reserved=reserved, rest=rest, start=step.start_peak, optimizer=optimizer,
+                     alloc_retries=retries)
+
+    def oom_readings(self, step: StepState | None) -> dict[str, int | None]:
+        # the larger of the backward's start, read apart at its first recompute, and what came since
+        start = (step.start_peak or 0) if step is not None and step.rest_peak is None else 0
+        allocated, peak, reserved, _ = self._read(step)
+        peak = max(peak, start)
+        backward = None
+        if step is not None and step.rest_peak is not None:
+            backward = max(step.rest_peak, step.start_peak or 0)
+        return {
+            "allocated_bytes": allocated, "peak_allocated_bytes": peak,
+            "reserved_bytes": reserved, "unusable_reserved_bytes": max(0, reserved - peak),
+            "backward_peak_bytes": backward,
+        }
+
+    def settle(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def release(self) -> None:
+        torch.cuda.empty_cache()
+
+    def run_stats(self) -> dict[str, int]:
+        # Allocations the caching allocator could only serve after releasing its cache (a
+        # device sync and unmapping each time): the cost of running close to a hard cap.
+        stats = torch.cuda.memory_stats(self.device)
+        return {
+            "cuda_alloc_retries": int(stats.get("num_alloc_retries", 0)),
+            "cuda_device_allocs": int(stats.get("num_device_alloc", 0)),
+        }
+
+
+class LogicalMeter(Meter):
+    """Parameters + gradients + optimizer state + saved activations, counted from the tensors."""
+
+    kind = "logical"
+    counts_always = True
+
+    def static_now(self) -> int:
+        return self.parameter_bytes + optimizer_state_bytes(self.optimizer)
+
+    def in_use(self, step: StepState, held: Callable[[], int]) -> int:
+        in_use = step.static_bytes + held()
+        step.saved_peak = max(step.saved_peak, in_use - step.static_bytes)
+        return in_use
+
+    def peaks(self, step: StepState) -> Peaks:
+        held = step.kept_now if step.kept_now is not None else step.saved_bytes
+        peak = step.static_bytes + max(held, step.saved_peak)
+        return Peaks(peak=peak, reserved=peak, rest=peak, exact=True)
+
+
+def make_meter(device: torch.device, grad_params: list[torch.nn.Parameter], parameter_bytes: int) -> Meter:
+    """The allocator's meter on CUDA, logical counting elsewhere.
+
+    Args:
+        device: where the model's parameters are.
+        grad_params: the parameters that get gradients (the CUDA meter counts those not yet created).
+        parameter_bytes: parameters + gradients, counted (what logical accounting calls static).
+    """
+    if device.type == "cuda":
+        return CudaMeter(device, grad_params, parameter_bytes)
+    return LogicalMeter(device, parameter_bytes)
