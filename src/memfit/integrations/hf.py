@@ -67,7 +67,8 @@ from memfit.engine.ranks import world_size
 from memfit.integrations.distributed import GradientSync
 from memfit.errors import FlagError, MissingFileError
 from memfit.engine.methods import METHODS, Method, UnknownMethodError
-from memfit.engine.parts.optim_state import expected_state_bytes, expected_step_transient_bytes
+from memfit.engine.parts.optim_state import expected_state_bytes
+from memfit.engine.parts.optimizer_step import expected_step_bytes
 from memfit.engine.records import StepRecord, read_jsonl, summarize
 from memfit.integrations.run_dir import claim_output_dir
 from memfit.engine.run.controller import Controller, check_static_need_of, fit
@@ -454,7 +455,7 @@ class MemfitTrainerMixin:
         if state is None:
             logger.info("--optim %s: its state is counted once it exists (the first optimizer step)", a.optim)
         check_static_need_of(self.model, budget, state, f"optimizer state ({getattr(a.optim, 'value', a.optim)}, expected)",
-                             transient_bytes=expected_step_transient_bytes(a.optim, trainable, a.weight_decay))
+                             transient_bytes=lambda free: expected_step_bytes(a.optim, trainable, a.weight_decay, free))
 
     # ------------------------------------------------------------ optimizer
     def create_optimizer(self, model=None):

@@ -292,10 +292,13 @@ def torch_step_transient_bytes(
     return out
 
 
-def expected_step_transient_bytes(optim: str, params: Iterable[torch.Tensor], weight_decay: float = 0.0) -> int | None:
+def expected_step_transient_bytes(
+    optim: str, params: Iterable[torch.Tensor], weight_decay: float = 0.0, foreach: bool | None = None,
+) -> int | None:
     """:func:`torch_step_transient_bytes` of the optimizer ``--optim optim`` will make, before it
     exists: torch's AdamW for ``adamw_torch`` (foreach or for-loop as torch chooses) and
-    ``adamw_torch_fused``; None for other names (not predicted).
+    ``adamw_torch_fused``; None for other names (not predicted). ``foreach``: the group's option
+    (None: torch's choice; False: the per-tensor step, parts/optimizer_step.py).
 
     Example:
         >>> expected_step_transient_bytes("adamw_torch_fused", [torch.zeros(10, requires_grad=True)])
@@ -305,7 +308,7 @@ def expected_step_transient_bytes(optim: str, params: Iterable[torch.Tensor], we
     if fused is None:
         return None
     params = [p for p in params if p.requires_grad]
-    group = {"fused": fused, "foreach": None, "weight_decay": weight_decay, "decoupled_weight_decay": True}
+    group = {"fused": fused, "foreach": foreach, "weight_decay": weight_decay, "decoupled_weight_decay": True}
     group["_impl"] = _implementation(params, group)
     return _group_transient_bytes("fused" if group["_impl"] == "fused" else "Adam", params, _local, group)
 

@@ -48,7 +48,7 @@ from torch import nn
 
 from memfit.engine.plan import learner
 from memfit.engine.parts.accounting import OUTSIDE, GatheredParameters, SavedTensorCounter, expected_optimizer_bytes, local, optimizer_state_bytes, static_bytes_logical
-from memfit.engine.parts.optim_state import torch_step_transient_bytes
+from memfit.engine.parts.optimizer_step import choose_step
 from memfit.engine.parts.guard_sides import GuardSides
 from memfit.engine.parts.blocks import SELECTIVE_BUDGET, Block, compile_clock, compile_loss, find_blocks, fingerprint, unwrap_blocks, wrap_blocks
 from memfit.engine.budget import OPTIMIZER_TRANSIENT, Budget, check_static_need, parse_bytes
@@ -95,12 +95,14 @@ def _group_ids(blocks: list[Block]) -> list[int]:
 
 def check_static_need_of(
     model: nn.Module, budget: Budget | None, state_bytes: int | None, state_name: str = "optimizer state",
-    transient_bytes: int | None = None,
+    transient_bytes: int | None | Callable[[int | None], int | None] = None,
 ) -> dict[str, int]:
     """The static need: parameters and gradients (this rank's shards under FSDP),
     ``state_bytes`` of optimizer state (left out when None: not known yet) and
     ``transient_bytes`` of the optimizer step's temporaries (NOTE [Optimizer step transient] in
-    optim_state.py; left out when None or 0), counted.
+    optim_state.py; left out when None or 0), counted. A callable ``transient_bytes`` is handed the
+    bytes the budget leaves above the rest (None without a budget) and treats the step to fit them
+    (NOTE [The optimizer step's treatments], parts/optimizer_step.py).
 
     The one check of the static need before training: the controller's for an optimizer it is
     given, the Trainer's for the one ``--optim`` will make (NOTE [Expected optimizer state] in
@@ -113,6 +115,8 @@ def check_static_need_of(
     parts.pop("optimizer state")
     if state_bytes is not None:
         parts[state_name] = state_bytes
+    if callable(transient_bytes):
+        transient_bytes = transient_bytes(None if budget is None else budget.bytes - sum(parts.values()))
     if transient_bytes:
         parts[OPTIMIZER_TRANSIENT] = transient_bytes
     if budget is not None:
@@ -125,9 +129,15 @@ def _state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     return max(expected_optimizer_bytes(optimizer), optimizer_state_bytes(optimizer))
 
 
-def _transient_bytes(optimizer: torch.optim.Optimizer | None) -> int | None:
-    """What ``optimizer.step()`` allocates on top of its state, this rank's shards (None: not predicted)."""
-    return torch_step_transient_bytes(_inner_optimizer(optimizer), local)
+def _fit_step(optimizer: torch.optim.Optimizer | None, undo: list[Callable[[], None]]) -> Callable[[int | None], int | None]:
+    """What ``optimizer.step()`` will allocate on top of its state (this rank's shards; None: not
+    predicted), the step treated to fit the bytes left free (parts/optimizer_step.py); the
+    change's undo goes into ``undo``."""
+    def fit(free_bytes: int | None) -> int | None:
+        transient, change = choose_step(_inner_optimizer(optimizer), free_bytes, local)
+        undo.extend([change] if change is not None else [])
+        return transient
+    return fit
 
 
 def _run_options(
@@ -244,7 +254,7 @@ class Controller:
             named = find_blocks(model, blocks)
             treatments, compile_options = _run_options(treatments, compile, [m for _, m in named])
             self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
-            static_parts = check_static_need_of(model, budget, _state_bytes(optimizer), transient_bytes=_transient_bytes(optimizer))
+            static_parts = check_static_need_of(model, budget, _state_bytes(optimizer), transient_bytes=_fit_step(optimizer, self._undo))
             self.grad_params = [p for p in model.parameters() if p.requires_grad]
             self.meter: Meter = make_meter(self.device, self.grad_params, static_parts["parameters"] + static_parts["gradients"])
             self._fingerprint = fingerprint(named)
@@ -297,7 +307,7 @@ class Controller:
 
         Raises: BudgetTooSmallError: when weights + gradients + its state exceed the budget."""
         if check:
-            check_static_need_of(self.model, self.budget, _state_bytes(optimizer), transient_bytes=_transient_bytes(optimizer))
+            check_static_need_of(self.model, self.budget, _state_bytes(optimizer), transient_bytes=_fit_step(optimizer, self._undo))
         for h in self._optimizer_handles:
             h.remove()
         self.optimizer = self.meter.optimizer = optimizer

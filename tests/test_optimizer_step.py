@@ -1,0 +1,128 @@
+"""The optimizer step as a part (NOTE [The optimizer step's treatments] in
+engine/parts/optimizer_step.py): a budget that holds weights, gradients and state but not the
+foreach step's temporaries trains with the per-tensor step, whose updates equal foreach's bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
+
+import memfit
+from memfit.engine.budget import BudgetTooSmallError
+from memfit.engine.parts.optimizer_step import PER_TENSOR, _transients, choose_step, expected_step_bytes
+
+
+class _Stack(nn.Module):
+    """Many equal tensors: foreach's temporaries (about all of them at once) far above the
+    per-tensor step's (a few of the largest)."""
+
+    def __init__(self, n: int = 12, width: int = 64) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, ctl=None) -> None:
+    torch.manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(8, 64)
+        loss = (ctl.run_step(model, x) if ctl else model(x)).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _budgets(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, dict]:
+    weights = sum(p.nbytes for p in model.parameters())
+    return 4 * weights, _transients(optimizer, None)  # parameters, gradients, AdamW's two moments
+
+
+@pytest.mark.parametrize("kind", ["AdamW", "SGD"])
+def test_per_tensor_updates_equal_foreach_bit_for_bit(kind):
+    torch.manual_seed(0)
+    ref, treated = _Stack(), _Stack()
+    treated.load_state_dict(ref.state_dict())
+    make = (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True)) if kind == "AdamW" else (
+        lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, weight_decay=0.1, foreach=True))
+    ref_opt, opt = make(ref.parameters()), make(treated.parameters())
+    _train(ref, ref_opt, 2)
+    _train(treated, opt, 2)
+    made = _transients(opt, None)
+    transient, undo = choose_step(opt, made[PER_TENSOR], None)  # room for the per-tensor step only
+    assert undo is not None and transient == made[PER_TENSOR] < made["as_made"]
+    assert all(g["foreach"] is False for g in opt.param_groups)
+    _train(ref, ref_opt, 3)
+    _train(treated, opt, 3)
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), treated.parameters()))
+    undo()
+    assert all(g["foreach"] is True for g in opt.param_groups)
+
+
+def test_choose_step_leaves_a_step_that_fits_and_one_that_cannot_fit_either_way():
+    model = _Stack()
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    made = _transients(opt, None)
+    assert choose_step(opt, made["as_made"], None) == (made["as_made"], None)
+    assert choose_step(opt, made[PER_TENSOR] - 1, None) == (made["as_made"], None)
+    assert choose_step(opt, None, None) == (made["as_made"], None)
+    fused = torch.optim.AdamW(model.parameters(), fused=True) if torch.cuda.is_available() else None
+    if fused is not None:
+        assert choose_step(fused, 0, None) == (0, None)
+
+
+def test_fit_under_a_budget_below_foreach_s_temporaries_trains_per_tensor_and_remove_restores_it():
+    torch.manual_seed(0)
+    model, ref = _Stack(), _Stack()
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    static, made = _budgets(model, opt)
+    budget = static + (made[PER_TENSOR] + made["as_made"]) // 2  # the per-tensor step fits, foreach's does not
+    ctl = memfit.fit(model, budget, "dynamic", optimizer=opt, blocks=r"layers\.\d+", announce=False)
+    assert all(g["foreach"] is False for g in opt.param_groups)
+    _train(model, opt, 3, ctl)
+    ctl.remove()
+    assert all(g["foreach"] is True for g in opt.param_groups)
+    _train(ref, torch.optim.AdamW(ref.parameters(), foreach=True), 3)
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
+
+
+def test_the_per_tensor_step_s_peak_is_what_the_choice_counted():
+    model = _Stack()
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    made = _transients(opt, None)
+    choose_step(opt, made[PER_TENSOR], None)
+    params = list(model.parameters())
+    worst = 0
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        tracker = MemTracker()
+        tracker.track_external(*params, opt)
+        with tracker:
+            opt.step()
+        snap = tracker.get_tracker_snapshot
+        worst = max(worst, snap("peak")[torch.device("cpu")]["Total"] - snap("current")[torch.device("cpu")]["Total"])
+    assert 0 < worst <= made[PER_TENSOR] < made["as_made"]
+
+
+def test_a_budget_below_even_the_per_tensor_step_is_one_error_and_leaves_the_optimizer_as_made():
+    model = _Stack()
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    static, made = _budgets(model, opt)
+    with pytest.raises(BudgetTooSmallError, match=r"optimizer step temporaries"):
+        memfit.fit(model, static + made[PER_TENSOR] // 2, "dynamic", optimizer=opt, blocks=r"layers\.\d+", announce=False)
+    assert all(g["foreach"] is True for g in opt.param_groups)
+
+
+def test_the_trainer_s_expected_step_counts_the_per_tensor_step_where_foreach_would_not_fit():
+    params = list(_Stack().parameters())
+    made = expected_step_bytes("adamw_torch", params, 0.0, None)
+    assert expected_step_bytes("adamw_torch", params, 0.0, made) == made
+    assert expected_step_bytes("adamw_torch", params, 0.0, made - 1) <= made
+    assert expected_step_bytes("adamw_torch_fused", params, 0.0, 0) == 0
