@@ -187,6 +187,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="run the steady steps of each configuration that runs "
                    "alone (not alt, alt-dynamic) under cProfile, mark its line profiled, and write its costliest "
                    "functions beside its step records: steps/<config>.profile.txt")
+    p.add_argument("--profile_warmup", action="store_true", help="with --profile: the steps before --steady_from "
+                   "under cProfile instead of the steady ones (where a run's warm-up time goes)")
     p.add_argument("--gpu_busy", action="store_true", help="profile each configuration's steady steps (torch.profiler, "
                    "CUDA activity) and add gpu_busy to its line: per step the GPU's span, its busy time and the host's "
                    "time, and the costliest kernels (benchmarks/gpu_busy.py; the profiler slows the host, so ratios of "
@@ -577,11 +579,14 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
             if time.perf_counter() - t0 > args.config_time_limit_s:
                 status, note = "time_limit", f"stopped after {i} of {len(batches)} steps (--config_time_limit_s {args.config_time_limit_s:g})"
                 break
+            if i == 0 and args.cprofile is not None and args.profile_warmup:
+                args.cprofile.enable()  # the warm-up steps under cProfile (--profile_warmup)
             if i == args.steady_from:
                 retries_from = _alloc_retries(args)
                 timeline.__enter__()  # the steady steps profiled (--gpu_busy)
                 if args.cprofile is not None:
-                    args.cprofile.enable()  # and under cProfile (--profile)
+                    # under cProfile (--profile), or no longer (--profile_warmup)
+                    args.cprofile.disable() if args.profile_warmup else args.cprofile.enable()
             batch = {k: v.to(args.device, non_blocking=True) for k, v in batch.items()}
             graphs = graphs_made()
             clock = _Clock(args.device)
@@ -1071,10 +1076,13 @@ def _profiled(args, name: str, budget: int | None, repeat: int, run):
     stats = pstats.Stats(profile, stream=text)
     stats.sort_stats("tottime").print_stats(40)
     stats.sort_stats("cumulative").print_stats("memfit", 40)  # where memfit's own time goes, callees included
+    if args.profile_warmup:
+        stats.sort_stats("cumulative").print_stats(60)  # and everyone's: kernels compiled, libraries set up
     label = _label(budget)
     result["profiled"] = True  # its times include the profiler's
     with open(os.path.join(args.output_dir, "steps", f"{name}-{label}-r{repeat}.profile.txt"), "w") as fh:
-        fh.write(f"{name} {label} repeat {repeat}: steps {args.steady_from}-{args.steps - 1} under the profiler "
+        steps = f"0-{args.steady_from - 1}" if args.profile_warmup else f"{args.steady_from}-{args.steps - 1}"
+        fh.write(f"{name} {label} repeat {repeat}: steps {steps} under the profiler "
                  f"({result.get('total_s')} s for the run)\n")
         fh.write(text.getvalue())
     return result
