@@ -51,7 +51,7 @@ _DEFAULT_MAX_SEQ_LENGTH = 512
 # Enough distinct words for random text; checking more of the vocabulary only costs time.
 _SYNTHETIC_WORDS = 4096
 #: memfit's bundled model configs (``<name>.json``; see SOURCE.md there).
-CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 _Example = TypeVar("_Example")
 
