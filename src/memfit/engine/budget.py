@@ -266,9 +266,9 @@ def check_static_need(budget: Budget, static_bytes: int, parts: dict[str, int]) 
     if transient and static_bytes - transient < budget.bytes:
         raise BudgetTooSmallError(
             f"memory budget {budget} is below the optimizer step's peak: {size(static_bytes)} ({static_bytes} bytes: "
-            f"{detail}); its temporaries ({size(transient)}, torch's foreach or for-loop step) do not fit. Make the "
-            f"optimizer with fused=True (--optim adamw_torch_fused) or foreach=False, or raise {budget.name} above "
-            f"{size(static_bytes)}."
+            f"{detail}); its temporaries ({size(transient)}, torch's foreach or for-loop step, the smaller memfit "
+            f"could run) do not fit. Make the optimizer with fused=True (--optim adamw_torch_fused: no temporaries), "
+            f"or raise {budget.name} above {size(static_bytes)}."
         )
     raise BudgetTooSmallError(
         f"memory budget {budget} is below what training needs before any activation: {size(static_bytes)} "
