@@ -59,7 +59,7 @@ that runs long (status ``time_limit``); ``--device cpu`` with ``--config_overrid
 dry run of a command: memfit's logical accounting, host-clock times.
 
 Data: ``--lengths sft`` (the SFT table of memfit.tasks.causal_lm, long-tailed, up to 2,048
-tokens), ``uniform:A:B``, or ``fixed:L1,L2,...`` (long context). Output under ``--output_dir``:
+tokens; ``sft:MAX`` the same table stretched to MAX), ``uniform:A:B``, or ``fixed:L1,L2,...`` (long context). Output under ``--output_dir``:
 ``results.jsonl`` (the suite schema ``memfit report`` reads, plus loop fields: each line's
 ``cuda_alloc_retries`` (allocations the caching allocator served only after releasing its cache, in the steady steps), ``head`` (the chunked head's implementation, its price, and ``probed``: what warm-up's probe read of each implementation), ``step_ratio_vs_none`` and ``step_ratio_vs_none_compile``, the median of its steady steps'
 ratios to the same repeat's uncapped ``none`` / ``none+compile`` on the same batches) and
@@ -157,7 +157,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", default="SmolLM-360M", help="a bundled config name (memfit/configs) or bert-base")
     p.add_argument("--lora", action="store_true", help="LoRA r 16 on every linear layer (peft)")
     p.add_argument("--dtype", default="bfloat16", help="weights' dtype (bert-base: float32)")
-    p.add_argument("--lengths", default="sft", help="sft | uniform:A:B | fixed:L1,L2,...")
+    p.add_argument("--lengths", default="sft", help="sft | sft:MAX | uniform:A:B | fixed:L1,L2,...")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--budgets", nargs="*", type=float, default=[0.5, 0.7], help="shares of uncapped none's peak")
@@ -189,6 +189,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    "functions beside its step records: steps/<config>.profile.txt")
     p.add_argument("--profile_warmup", action="store_true", help="with --profile: the steps before --steady_from "
                    "under cProfile instead of the steady ones (where a run's warm-up time goes)")
+    p.add_argument("--reach_gib", nargs=2, type=float, default=None, metavar=("LO", "HI"),
+                   help="instead of the budgets: per method, the smallest cap in [LO, HI] GiB at which it trains every "
+                   "step (bisection in --reach_step_gib steps: benchmarks/bisect_caps.py); <folder>.reach.jsonl and "
+                   "<folder>.reach.md beside results.jsonl")
+    p.add_argument("--reach_step_gib", type=float, default=1.0, help="the bisection's step, GiB")
     p.add_argument("--gpu_busy", action="store_true", help="profile each configuration's steady steps (torch.profiler, "
                    "CUDA activity) and add gpu_busy to its line: per step the GPU's span, its busy time and the host's "
                    "time, and the costliest kernels (benchmarks/gpu_busy.py; the profiler slows the host, so ratios of "
@@ -200,7 +205,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def _lengths(spec: str, n: int, batch: int, seed: int) -> list[list[int]]:
     """Per step, the lengths of its ``batch`` examples."""
     rng = random.Random(seed)
-    if spec == "sft":
+    if spec == "sft" or spec.startswith("sft:"):
         from memfit.tasks._common import QUANTILE_LEVELS
         from memfit.tasks.causal_lm import SFT_TOKENS
 
@@ -211,7 +216,8 @@ def _lengths(spec: str, n: int, batch: int, seed: int) -> list[list[int]]:
                     return int(v0 + (v1 - v0) * (u - p0) / (p1 - p0))
             return SFT_TOKENS[-1]
 
-        return [[draw() for _ in range(batch)] for _ in range(n)]
+        scale = int(spec.partition(":")[2] or SFT_TOKENS[-1]) / SFT_TOKENS[-1]  # sft:MAX stretches the table to MAX
+        return [[max(1, int(draw() * scale)) for _ in range(batch)] for _ in range(n)]
     kind, _, rest = spec.partition(":")
     if kind == "uniform":
         a, b = (int(x) for x in rest.split(":"))
@@ -219,7 +225,7 @@ def _lengths(spec: str, n: int, batch: int, seed: int) -> list[list[int]]:
     if kind == "fixed":
         values = [int(x) for x in rest.split(",")]
         return [[values[i % len(values)]] * batch for i in range(n)]
-    raise SystemExit(f"--lengths {spec!r}: give sft, uniform:A:B or fixed:L1,L2")
+    raise SystemExit(f"--lengths {spec!r}: give sft, sft:MAX, uniform:A:B or fixed:L1,L2")
 
 
 def _build(args):
@@ -1147,6 +1153,9 @@ def _matrix(args, model, batches, initial, emit, started: float) -> None:
     """Every configuration, repeat by repeat (uncapped first, then each budget), then ``--last``."""
     run_config(args, model, batches, initial, "plain", None, -1, args.output_dir)  # untimed: every shape once
     run_config(args, model, batches, initial, "hf-every-1", None, -1, args.output_dir)  # and recomputed (the docstring)
+    if args.reach_gib:
+        _reach(args, model, batches, initial, emit, started)
+        return
     # uncapped none is the reference budgets in shares are set from; with budgets in GB only it runs if asked
     uncapped = [m for m in ("plain", "none", "none+compile") if m in args.methods or m == "none" and args.budgets]
     reference = None
@@ -1182,6 +1191,42 @@ def _matrix(args, model, batches, initial, emit, started: float) -> None:
                 print("time limit: stopping", flush=True)
                 return
             emit(run_config(args, model, batches, initial, name, budget, args.first_repeat, args.output_dir))
+
+
+class _TimeUp(Exception):
+    """--time_limit_s spent in the middle of a bisection."""
+
+
+def _reach(args, model, batches, initial, emit, started: float) -> None:
+    """Per method, the smallest cap that fits (benchmarks/bisect_caps.py), every trial emitted as a line."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    from bisect_caps import GIB, caps_gib, fits, smallest_fitting, write_reach
+
+    caps = caps_gib(*args.reach_gib, args.reach_step_gib)
+    rows = []
+    for name in [m for m in args.methods if m not in ("plain", "none", "none+compile", "alt", "alt-dynamic")]:
+        def trial(cap_gib: float, name=name) -> bool:
+            if time.perf_counter() - started > args.time_limit_s:
+                raise _TimeUp
+            line = run_config(args, model, batches, initial, name, int(cap_gib * GIB), args.first_repeat, args.output_dir)
+            line["reach_trial_gib"] = cap_gib
+            emit(line)
+            return fits(line, args.steps)
+
+        try:
+            smallest, tried = smallest_fitting(caps, trial)
+            rows.append({"method": name, "smallest_gib": smallest, "trials": tried, "steps": args.steps,
+                         "lo_gib": caps[0], "hi_gib": caps[-1], "step_gib": args.reach_step_gib, "complete": True})
+        except _TimeUp:
+            print("time limit: stopping the bisection", flush=True)
+            rows.append({"method": name, "smallest_gib": None, "trials": [], "steps": args.steps, "complete": False})
+            break
+        finally:
+            write_reach(args.output_dir, rows)
+        print(f"reach: {name} smallest cap {smallest if smallest is not None else 'none'} GiB "
+              f"({len(tried)} trials)", flush=True)
 
 
 def _is_fixed(method: str) -> bool:

@@ -20,6 +20,7 @@ SUITE = Suite(
     repeats=1,
     steps=60,
     carry=("wheels",),
+    keep=("*.reach.jsonl", "*.reach.md"),
     notes="caps in GB (22 and 24 GiB); dynamic+auto is what a user gets (recompute, elementwise, host_checkpoint, the "
           "head planned); dynamic recompute alone; dynamic+host recompute and host_checkpoint; the peers are Hugging "
           "Face's checkpointing of every layer with Liger's fused loss, and with its offload; rss_mib per step and "
@@ -50,4 +51,30 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
         "--methods", "dynamic+auto", "hf-every-1+liger", "hf-offload",
         "--output_dir", ctx.folder("llama8b-long"))],
         folder="llama8b-long", timeout_s=560)
-    return [gemma, gemma30, long]
+    return [gemma, gemma30, long, *_bisections(ctx)]
+
+
+#: issue 59's reach workloads: loop_bench's model and data flags, the caps bisected (GiB), steps
+WORKLOADS = {
+    "a-1b-full": (("--model", "Llama-3.2-1B", "--lengths", "sft:4096", "--batch", 8), (4, 48), 30),
+    "b-8b-lora": (("--model", "Llama-3.1-8B", "--lora", "--lengths", "sft:8192", "--batch", 4), (16, 64), 30),
+    "c-8b-16k": (("--model", "Llama-3.1-8B", "--lora", "--lengths", "fixed:16384", "--batch", 1), (16, 64), 6),
+    "c-8b-32k": (("--model", "Llama-3.1-8B", "--lora", "--lengths", "fixed:32768", "--batch", 1), (16, 64), 6),
+    "c-8b-64k": (("--model", "Llama-3.1-8B", "--lora", "--lengths", "fixed:65536", "--batch", 1), (16, 80), 6),
+    "d-gemma2-lora": (("--model", "gemma-2-2b", "--lora", "--lengths", "sft", "--batch", 8), (6, 40), 30),
+}
+#: what each workload's smallest cap is bisected for: what a user gets, and the peers a user would configure
+REACH_METHODS = ("dynamic+auto", "hf-every-1+liger", "hf-offload")
+
+
+def _bisections(ctx: Context) -> list[Call]:
+    calls = []
+    for workload, (flags, (lo, hi), steps) in WORKLOADS.items():
+        for method in REACH_METHODS:
+            name = f"reach-{workload}-{method}"
+            calls.append(Call(name, [script(
+                ctx, "loop_bench.py", *flags, "--steps", 3 if ctx.quick else steps, "--steady_from", 1 if ctx.quick else 2,
+                "--reach_gib", lo, hi, "--reach_step_gib", 1, "--repeats", 1, "--no_cudnn_sdpa",
+                "--time_limit_s", 540, "--config_time_limit_s", 200, "--methods", method, "--output_dir", ctx.folder(name))],
+                folder=name, timeout_s=580))
+    return calls
