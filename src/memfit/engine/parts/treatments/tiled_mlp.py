@@ -28,8 +28,8 @@ The rules:
   is under these treatments, and the probe offers them only to blocks that tile something. A dropout
   called functionally inside an MLP's forward is caught by the probe's comparison (below).
 * Nothing is assumed of the MLP but that it is token-wise (each token's output depends on its own
-  input only): the probe runs the block tiled in two chunks or more and untiled on the same inputs and
-  RNG state and offers the treatment only where their outputs agree within the dtype's rounding.
+  input only): the probe runs the block tiled in chunks that split every sequence and untiled on the
+  same inputs and RNG state and offers the treatment only where their outputs agree within the dtype's rounding.
 * An MLP whose parameters are sharded (FSDP's DTensors or flat parameters, DeepSpeed ZeRO-3) is not
   tiled: its recompute in backward would differentiate the parameters FSDP gathers and frees around
   each use, which the Function's inputs are not (untested, so not offered).
@@ -64,6 +64,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from memfit.engine.shapes import first_tensor
 from memfit.engine.parts.treatments.base import RunOptions, Treatment
 from memfit.engine.parts.treatments.elementwise import elementwise_parts
 
@@ -101,14 +102,15 @@ class Chunking:
         """Chunks for ``tokens`` through an MLP of ``intermediate`` features.
 
         Example:
-            >>> Chunking().count(65536, 14336, 2)  # an 8B Llama's MLP at 64k tokens: 128 MiB chunks
-            14
+            >>> Chunking().count(65536, 14336, 2)  # an 8B Llama's MLP at 64k tokens: chunks of 128 MiB at most
+            15
             >>> Chunking().count(4096, 14336, 2)  # short: one chunk of 112 MiB
             1
             >>> Chunking().count(3000, 100_000, 2)  # a wide MLP: no chunk under 1,024 tokens
             2
         """
-        by_bytes = math.ceil(tokens * intermediate * element_bytes / max(1, self.chunk_bytes))
+        per_chunk = max(1, self.chunk_bytes // max(1, intermediate * element_bytes))  # tokens in chunk_bytes
+        by_bytes = math.ceil(tokens / per_chunk)
         by_tokens = max(1, tokens // max(1, self.min_tokens))
         return max(1, min(tokens, max(self.at_least, min(by_bytes, by_tokens))))
 
@@ -338,8 +340,8 @@ class TiledMlp(Treatment):
 
 
 def probe_tiled(block: "Block", kit: "ProbeKit") -> tuple[list[nn.Module], int] | None:
-    """The block's MLPs to tile and the bytes it keeps tiled (the counted run, in two chunks at
-    least); None for a compiled block, one with nothing to tile, or one whose outputs tiled are not
+    """The block's MLPs to tile and the bytes it keeps tiled (the counted run, in chunks that split
+    every sequence); None for a compiled block, one with nothing to tile, or one whose outputs tiled are not
     its plain outputs within the dtype's rounding (NOTE [Tiled MLP])."""
     mlps = tileable_mlps(block.module)
     if block.compiled or not mlps:
@@ -355,12 +357,15 @@ def probe_tiled(block: "Block", kit: "ProbeKit") -> tuple[list[nn.Module], int] 
             out = block.body(*probe_args, **probe_kwargs)
         return [t.detach() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
 
+    # chunks that split every sequence of the batch: N + 1 chunks of N sequences never end where one does
+    x = first_tensor(*kit.detached)
+    chunking = Chunking(at_least=(x.shape[0] if x is not None and x.dim() >= 3 else 1) + 1)
     with torch.random.fork_rng(devices=devices):
         state = torch.random.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
         plain = forward(kit.shield(), contextlib.nullcontext())
         counter = kit.counter_of_run()
         try:
-            lean = forward(counter.hooks(), tiled(mlps, Chunking(at_least=2)))
+            lean = forward(counter.hooks(), tiled(mlps, chunking))
         except torch.OutOfMemoryError:
             raise
         except Exception as err:  # an MLP that does not run in chunks: never offered
