@@ -17,7 +17,8 @@ The rules:
   gradient is a partial sum: float32 keeps the chunks' sum as close to the whole's as the whole's
   own rounding). So gradients are ``keep``'s within float32 rounding where there are several
   chunks (the sums reorder, and a matmul of a chunk may block its sum differently), bit for bit
-  with one chunk in float32.
+  with one chunk in float32. The float32 sums live through the MLP's backward: for full fine-tuning in
+  bf16 twice the MLP's weight bytes (a LoRA's adapters are small), which the transient curves learn.
 * The RNG state (CPU, and the input's CUDA device) and the autocast state of the forward are
   restored for the backward's chunks, as ``torch.utils.checkpoint`` restores them: chunks run again
   in the forward's order draw the forward's numbers.
