@@ -310,6 +310,36 @@ def test_the_floor_is_the_re_run_that_keeps_least():
     assert floor_treatment(resolve((TILED_MLP,))) == "recompute"
 
 
+@pytest.mark.parametrize("names, floor", [
+    (("recompute", RECOMPUTE_TILED), RECOMPUTE_TILED),
+    (("recompute", "host_checkpoint", HOST_CHECKPOINT_TILED, RECOMPUTE_TILED), HOST_CHECKPOINT_TILED),
+])
+def test_a_replay_of_every_block_recomputed_runs_the_tiled_floor(monkeypatch, names, floor):
+    """NOTE [A replay treats more]: where recomputing every block runs out of memory (warm-up's plan at the
+    tight end), the replay runs every block on the floor, the tiled re-run that keeps least the run offers,
+    and trains: the gradients of none."""
+    from memfit.engine.treatments.recompute import Recompute
+
+    model, make = _model("llama")
+    reference = copy.deepcopy(model)
+
+    def out_of_memory(self, block, args, kwargs):
+        raise torch.OutOfMemoryError("injected: CUDA out of memory")
+
+    monkeypatch.setattr(Recompute, "run", out_of_memory)
+    ctl = memfit.fit(model, budget="1GB", treatments=names, announce=False)
+    batch = make(2, 16)
+    torch.manual_seed(0)
+    ctl.run_step(lambda: model(**batch).loss.backward())
+    torch.manual_seed(0)
+    reference(**batch).loss.backward()
+    assert_grads_equal(model, reference, f"floor {floor}")
+    record = ctl.records[-1]
+    assert record.oom_retries == 1 and record.phase == "warmup"
+    assert record.block_treatments == {floor: [0, 1, 2]}
+    ctl.remove()
+
+
 # ------------------------------------------------------------------ the memory model and the planner
 def _model_with_tiled(tiled_measured: bool):
     from memfit.engine.model import MemoryModel
