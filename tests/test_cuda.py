@@ -187,9 +187,9 @@ def test_the_tiled_mlp_lowers_the_allocators_peak_by_the_mlps_intermediates():
     a chunk of 2,048 tokens holds an eighth of one each)."""
     import transformers as tf
 
-    from memfit.engine.planner import Plan
-    from memfit.engine.treatments import RECOMPUTE_TILED, TILED_MLP
-    from memfit.engine.treatments.tiled_mlp import Chunking
+    from memfit.engine.plan.planner import Plan
+    from memfit.engine.parts.treatments import RECOMPUTE_TILED, TILED_MLP
+    from memfit.engine.parts.treatments.tiled_mlp import Chunking
 
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(hidden_size=1024, intermediate_size=8192, num_hidden_layers=2, num_attention_heads=8,

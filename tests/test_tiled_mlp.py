@@ -15,13 +15,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import memfit
 from _models import FixedPlan, assert_grads_equal, build_decoder, logical_peak, step_both_and_compare
-from memfit.engine.blocks import find_blocks
-from memfit.engine.planner import Plan
-from memfit.engine.treatments import (
+from memfit.engine.parts.blocks import find_blocks
+from memfit.engine.plan.planner import Plan
+from memfit.engine.parts.treatments import (
     HOST_CHECKPOINT_TILED, RECOMPUTE_TILED, TILED_MLP, TREATMENTS, floor_treatment, resolve,
 )
-from memfit.engine.treatments import tiled_mlp as tiled_module
-from memfit.engine.treatments.tiled_mlp import Chunking, _bounds, tileable_mlps, tiled_mlp
+from memfit.engine.parts.treatments import tiled_mlp as tiled_module
+from memfit.engine.parts.treatments.tiled_mlp import Chunking, _bounds, tileable_mlps, tiled_mlp
 
 TILED = (TILED_MLP, RECOMPUTE_TILED, HOST_CHECKPOINT_TILED)
 #: float32 gradients with the sums over tokens split in chunks: the whole's rounding, a few ulps of the largest
@@ -177,7 +177,7 @@ def test_a_lora_dropout_inside_the_mlp_leaves_it_untiled_and_unoffered():
     """NOTE [Tiled MLP]: a dropout of p > 0 inside the MLP (LoRA's) would draw its masks chunk by chunk:
     the MLP is not tiled (a plan that names the treatment runs it as it is, with ``keep``'s gradients
     bit for bit) and the probe offers the tiled treatments to none of its blocks."""
-    from memfit.engine import probe
+    from memfit.engine.parts import probe
 
     model, make = _model("llama", lora=0.1)
     reference = copy.deepcopy(model)
@@ -257,7 +257,7 @@ def _block_inputs(model, ctl, batch):
 
 
 def _probe_of(model, ctl, make, *names):
-    from memfit.engine import probe
+    from memfit.engine.parts import probe
 
     args, kwargs = _block_inputs(model, ctl, make(2, 24))
     with torch.enable_grad():
@@ -287,7 +287,7 @@ def test_offered_by_default_to_eager_blocks_with_a_gated_mlp_only():
     """A run that names no treatments offers ``tiled_mlp`` and ``recompute_tiled`` to eager blocks with a
     gated MLP to tile; not with compiled blocks, not where every MLP has a dropout inside; and
     ``host_checkpoint_tiled`` only on a GPU (as ``host_checkpoint``)."""
-    from memfit.engine.controller import _run_options
+    from memfit.engine.run.controller import _run_options
 
     model, _ = _model("llama")
     modules = [m for _, m in find_blocks(model)]
@@ -318,7 +318,7 @@ def test_a_replay_of_every_block_recomputed_runs_the_tiled_floor(monkeypatch, na
     """NOTE [A replay treats more]: where recomputing every block runs out of memory (warm-up's plan at the
     tight end), the replay runs every block on the floor, the tiled re-run that keeps least the run offers,
     and trains: the gradients of none."""
-    from memfit.engine.treatments.recompute import Recompute
+    from memfit.engine.parts.treatments.recompute import Recompute
 
     model, make = _model("llama")
     reference = copy.deepcopy(model)
@@ -342,7 +342,7 @@ def test_a_replay_of_every_block_recomputed_runs_the_tiled_floor(monkeypatch, na
 
 # ------------------------------------------------------------------ the memory model and the planner
 def _model_with_tiled(tiled_measured: bool):
-    from memfit.engine.model import MemoryModel
+    from memfit.engine.plan.model import MemoryModel
 
     model = MemoryModel([0] * 4, treatments=resolve(TILED))
     group = model.group_models[0]
@@ -381,7 +381,7 @@ def test_dynamic_tiles_the_mlp_of_long_batches_and_leaves_short_ones_untreated(m
     where it adds one MLP forward and a recompute the whole block's): the longest batches' plans tile and
     no plan recomputes, the short ones' treat nothing; every peak within the budget and the gradients ``keep``'s bit for bit (one
     chunk at these sizes)."""
-    from memfit.engine import probe
+    from memfit.engine.parts import probe
 
     original = probe.probe_treatments
 
