@@ -154,8 +154,9 @@ class MemfitArguments:
                   + ". Per batch and block it picks the "
                   "cheapest mix that fits, from each treatment's measured bytes and time. recompute is always "
                   "available, named or not (warm-up, --memfit_method full and OOM replays use it). Default: auto: "
-                  "recompute; elementwise for eager blocks with a gated MLP (decoder LLMs); host_checkpoint for "
-                  "blocks on a GPU; selective with --memfit_compile."},
+                  "recompute; elementwise, tiled_mlp and recompute_tiled for eager blocks with a gated MLP (decoder "
+                  "LLMs) to tile; host_checkpoint for blocks on a GPU, and host_checkpoint_tiled for those of them "
+                  "with a gated MLP to tile; selective with --memfit_compile."},
     )
     memfit_host_budget: str | None = field(
         default=None,

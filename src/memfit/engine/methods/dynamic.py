@@ -21,8 +21,9 @@ room; but a model that predicts far too little for the shape (a curve extrapolat
 samples) plans the same blocks again, and again, however much the margin grows. So a replay
 whose plan treats nothing the failed attempt did not runs every block recomputed instead; a
 replay of every block recomputed (warm-up's plan included) runs the floor plan, every block
-re-run whole with its input off the device where the run offers that (``floor_treatment``:
-``host_checkpoint``); if that is still too much, the budget is too small (``note_oom`` says so).
+re-run whole on the re-run that keeps least where the run offers one (``floor_treatment``: its
+input off the device, then its MLP tiled: ``host_checkpoint_tiled``, ``host_checkpoint``,
+``recompute_tiled``); if that is still too much, the budget is too small (``note_oom`` says so).
 """
 
 from __future__ import annotations

@@ -68,7 +68,12 @@ A plan that gives some blocks ``selective`` or ``offload`` changes the three pea
   the bound is over by up to the return). ``elementwise`` re-runs modules inside its block's
   backward, never the body: nothing is read apart before them, so the partial transient
   learns its returns as part of the step, and it declares none. The blocks below a whole
-  recompute still hold what their treatments keep.
+  recompute still hold what their treatments keep;
+* ``full``'s transient holds a recomputed block's kept bytes, back for its backward. A block re-run
+  whole whose re-run holds less (its MLP tiled: ``Treatment.rerun_keeps``, NOTE [Tiled MLP],
+  treatments/tiled_mlp.py) brings back what that treatment keeps instead: the recompute bound is
+  lower by the least such difference over the plan's whole re-runs (none where one of them is a
+  plain recompute, or where the run never measured ``rerun_keeps``).
 One formula covers every plan (:meth:`MemoryModel._peaks`): a plan that treats by recompute
 alone adds only zeros for the terms of the others, so it is predicted bit for bit as before
 they existed.
@@ -421,6 +426,11 @@ class BlockGroupModel:
         """Bytes a block under ``name`` moves off the device: what it would keep under ``moves_from`` less what it keeps."""
         return max(0.0, self.kept(moves_from, key) - self.bytes[name](key))
 
+    def added_ms(self, name: str, key: tuple[int, int]) -> float:
+        """The time ``name`` adds where warm-up measured it, else 0 (``keep``'s: nothing)."""
+        curve = self.ms.get(name)
+        return max(0.0, curve(key)) if curve is not None and curve.fitted else 0.0
+
     def kept(self, name: str, key: tuple[int, int]) -> float:
         """Bytes a block keeps under ``name`` (its full bytes where ``name`` has no sample yet:
         no saving assumed; ``recompute`` always its own curve)."""
@@ -448,6 +458,12 @@ class BlockGroupModel:
         return group
 
 
+def _kept(values: dict[Any, Any], g: int, name: str) -> Any:
+    """A block of group ``g``'s bytes under ``name`` (its full bytes for a treatment never measured)."""
+    value = values.get((g, name))
+    return values[(g, KEEP)] if value is None else value
+
+
 @dataclass
 class _Layout:
     """What the peak formula needs of a plan (NOTE [Three peaks], [Treated peaks]): per group,
@@ -467,8 +483,20 @@ class _Layout:
     depth: int = 1
     #: ``(group, treatment)`` of the blocks that re-run in part (NOTE [Treated peaks])
     part_reruns: list[tuple[int, str]] = field(default_factory=list)
+    #: ``(group, Treatment.rerun_keeps)`` of the blocks re-run whole (NOTE [Treated peaks])
+    rerun_keeps: list[tuple[int, str]] = field(default_factory=list)
 
 
+
+
+def _rerun_less(values: dict[Any, Any], rerun_keeps: list[tuple[int, str]]) -> Any:
+    """What every whole re-run of a plan holds less than a kept block's bytes, the least of them (NOTE [Treated
+    peaks]): ``full``'s transient was read with a kept block's bytes back, a plain recompute's."""
+    less: Any = None
+    for g, name in rerun_keeps:
+        value = _maximum(0.0, values[(g, KEEP)] - _kept(values, g, name)) if name != KEEP else 0.0
+        less = value if less is None else -_maximum(-less, -value)  # the smaller
+    return 0.0 if less is None else less
 
 
 class MemoryModel:
@@ -560,7 +588,7 @@ class MemoryModel:
                 elif name in m.ms and m.ms[name].fitted:  # priced by its own measured time
                     choices.append((name, int(max(0.0, full - m.bytes[name](key))), max(m.ms[name](key), 1e-6)))
                 elif (t := self.treatments[name]).priced_by_link and offload_ms is not None:  # a re-run block pays its forward too
-                    ms = offload_ms(m.moved(name, t.moves_from, key), fwd) + (fwd if t.reruns else 0.0)
+                    ms = offload_ms(m.moved(name, t.moves_from, key), fwd) + (fwd if t.reruns else 0.0) + m.added_ms(t.rerun_keeps, key)
                     choices.append((name, int(max(0.0, full - m.bytes[name](key))), max(ms, 1e-6)))
             per_group[g] = choices
         return [per_group[g] for g in self.groups]
@@ -633,12 +661,6 @@ class MemoryModel:
                     values[(g, name)] = at(m.bytes[name]) if m.measured(name) else full
         return values
 
-    @staticmethod
-    def _kept(values: dict[Any, Any], g: int, name: str) -> Any:
-        """A block of group ``g``'s bytes under ``name`` (its full bytes for a treatment never measured)."""
-        value = values.get((g, name))
-        return values[(g, KEEP)] if value is None else value
-
     def _layout(self, plan: "Plan") -> _Layout:
         names = plan.treatments(len(self.groups))
         counts: dict[int, dict[str, Any]] = {g: {} for g in self.group_models}
@@ -656,7 +678,7 @@ class MemoryModel:
         return _Layout(  # a block re-run whole brings its own stash back for its recompute: at or below the top
             counts, held, bool(reruns), len(reruns) == len(names) and all(name == RECOMPUTE for name in names),
             [(self.groups[i], names[i]) for i in offloaded], [(self.groups[i], names[i]) for i in offloaded if i <= top],
-            part_reruns=sorted(parts),
+            part_reruns=sorted(parts), rerun_keeps=sorted({(self.groups[i], self.treatments[names[i]].rerun_keeps) for i in reruns}),
         )
 
     def _activation(self, values: dict[Any, Any], counts: dict[int, dict[str, Any]]) -> Any:
@@ -667,14 +689,14 @@ class MemoryModel:
             names = sorted(per, key=lambda name: (name != RECOMPUTE, name != KEEP))
             group = 0
             for name in names:
-                group = group + per[name] * self._kept(values, g, name)
+                group = group + per[name] * _kept(values, g, name)
             total = total + group
         return total
 
     def _in_flight(self, values: dict[Any, Any], moved_out: list[tuple[int, str]], depth: int) -> float:
         """Bytes of the ``depth + 1`` largest offloaded blocks (``(group, treatment)`` each, moving what it would
         keep by ``Treatment.moves_from`` less what it keeps): the one in use and those coming back (NOTE [Treated peaks])."""
-        moved = [self._kept(values, g, self.treatments[name].moves_from) - self._kept(values, g, name) for g, name in moved_out]
+        moved = [_kept(values, g, self.treatments[name].moves_from) - _kept(values, g, name) for g, name in moved_out]
         return float(sum(sorted(moved, reverse=True)[: depth + 1]))
 
     def _peaks(self, values: dict[Any, Any], layout: _Layout) -> tuple[Any, Any, Any]:
@@ -700,13 +722,13 @@ class MemoryModel:
         recompute = self._activation(values, every) + values["transient_full"]
         held = 0
         for (g, name), n in layout.held.items():
-            held = held + n * _maximum(0.0, self._kept(values, g, name) - values[(g, RECOMPUTE)])
+            held = held + n * _maximum(0.0, _kept(values, g, name) - values[(g, RECOMPUTE)])
         recompute = (recompute + held) + self._in_flight(values, layout.offloaded_below, layout.depth)
-        recompute = recompute - head_saved
+        recompute = recompute - head_saved - _rerun_less(values, layout.rerun_keeps)
         recompute = _select(layout.rerun, lambda: recompute, -math.inf)
         part = 0.0
         for g, name in layout.part_reruns:  # NOTE [Treated peaks]: the largest return of a part re-run
-            part = _maximum(part, values[(g, KEEP)] - self._kept(values, g, name))
+            part = _maximum(part, values[(g, KEEP)] - _kept(values, g, name))
         return start, recompute, _maximum(_maximum(start + part, recompute), self.optimizer_bytes)
 
     def head_saved_bytes(self, key: tuple[int, int], plan: "Plan") -> int:

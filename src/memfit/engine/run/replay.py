@@ -181,7 +181,7 @@ def after_oom(
     floor = floor_treatment(planning.registry)  # NOTE [A replay treats more], methods/dynamic.py
     at_floor = (planning.all_blocks, () if floor == RECOMPUTE else (floor,) * n_blocks)
     if decision is not None and decision.plan.layout == at_floor and (floor != RECOMPUTE or not decision.warmup):
-        how = "checkpointed" if floor == RECOMPUTE else f"on {floor} (the floor: its input on the host)"
+        how = "checkpointed" if floor == RECOMPUTE else f"on {floor} (the floor)"
         raise BudgetTooSmallError(
             f"out of memory with every block {how} and the LM head chunked where there is one (shape {step.shape}); "
             f"static memory is {budget.size(step.static_bytes)} of the budget of {budget}. Raise {budget.name}, lower "

@@ -16,6 +16,12 @@ A plan gives every block one treatment; the block runs it at its next training f
 |             | take the norms' and gated MLP's outputs   | MLP's activation and product save       | again, never a matmul      |
 | `host_checkpoint`| as `recompute`, its input copied to  | its keyword inputs (shared)             | input copied back, block   |
 |             | pinned host memory                        |                                         | runs again                 |
+| `tiled_mlp` | plain, its gated MLP in chunks of tokens  | all but the MLP's intermediates         | the MLP again, a chunk at  |
+|             | (one autograd Function saving its input)  |                                         | a time                     |
+| `recompute_tiled`| as `recompute`, the MLP tiled        | its inputs                              | the block again, its MLP a |
+|             |                                           |                                         | chunk at a time            |
+| `host_checkpoint_tiled`| as `host_checkpoint`, the MLP  | its keyword inputs (shared)             | as `host_checkpoint`, its  |
+|             | tiled                                     |                                         | MLP a chunk at a time      |
 
 Gradients are those of ``keep`` under every treatment: ``torch.utils.checkpoint`` is
 non-reentrant and restores the RNG state, so a recompute draws the same dropout masks, and an
@@ -25,7 +31,8 @@ A :class:`Treatment` instance is made per run (a treatment may hold per-run stat
 the host pool) and shared by every block it treats.
 
 Each treatment is one file (NOTE [A treatment is a plug-in], base.py): keep.py,
-recompute.py, selective.py, offload.py, elementwise.py, host_checkpoint.py. Adding one is a new file and one line in
+recompute.py, selective.py, offload.py, elementwise.py, host_checkpoint.py, tiled_mlp.py (NOTE [Tiled MLP]),
+recompute_tiled.py, host_checkpoint_tiled.py. Adding one is a new file and one line in
 :data:`BUILTIN`; a run may also be given a treatment class that is not registered
 (``memfit.fit(treatments=("recompute", MyTreatment))``): :func:`resolve` takes names and classes.
 
@@ -47,10 +54,13 @@ from memfit.engine.parts.treatments.base import KEEP, RECOMPUTE, RunOptions, Tre
 from memfit.engine.parts.treatments.chunked_head import CHUNKED, ChunkedHead, HeadPart, KeepHead, head_options
 from memfit.engine.parts.treatments.elementwise import ELEMENTWISE, Elementwise
 from memfit.engine.parts.treatments.host_checkpoint import HOST_CHECKPOINT, HostCheckpoint
+from memfit.engine.parts.treatments.host_checkpoint_tiled import HOST_CHECKPOINT_TILED, HostCheckpointTiled
 from memfit.engine.parts.treatments.keep import Keep
 from memfit.engine.parts.treatments.offload import OFFLOAD, HostMemoryError, Offload, _HostPool
 from memfit.engine.parts.treatments.random_ops import draws_random, runs_random
 from memfit.engine.parts.treatments.recompute import Recompute
+from memfit.engine.parts.treatments.recompute_tiled import RECOMPUTE_TILED, RecomputeTiled
+from memfit.engine.parts.treatments.tiled_mlp import TILED_MLP, TiledMlp
 from memfit.engine.parts.treatments.selective import (
     SELECTIVE, CompiledSelective, Selective, keep_matmul_and_attention, selective_cache_tensors,
 )
@@ -59,7 +69,8 @@ if TYPE_CHECKING:
     from memfit.engine.parts.accounting import SavedTensorCounter
 
 __all__ = [
-    "KEEP", "RECOMPUTE", "SELECTIVE", "OFFLOAD", "ELEMENTWISE", "HOST_CHECKPOINT", "Elementwise", "HostCheckpoint", "Treatment", "RunOptions", "Keep", "Recompute", "Selective",
+    "KEEP", "RECOMPUTE", "SELECTIVE", "OFFLOAD", "ELEMENTWISE", "HOST_CHECKPOINT", "Elementwise", "HostCheckpoint",
+    "TILED_MLP", "RECOMPUTE_TILED", "HOST_CHECKPOINT_TILED", "TiledMlp", "RecomputeTiled", "HostCheckpointTiled", "Treatment", "RunOptions", "Keep", "Recompute", "Selective",
     "CompiledSelective", "Offload", "HostMemoryError", "BUILTIN", "TREATMENTS", "TreatmentSpec", "resolve",
     "run_treatment_names", "make_treatments", "floor_treatment", "keep_matmul_and_attention", "selective_cache_tensors", "draws_random",
     "runs_random", "CHUNKED", "KeepHead", "ChunkedHead", "HEAD_BUILTIN", "BY_PART", "HeadPart", "head_options",
@@ -74,6 +85,9 @@ BUILTIN: tuple[type[Treatment], ...] = (
     Offload,
     Elementwise,
     HostCheckpoint,
+    TiledMlp,
+    RecomputeTiled,
+    HostCheckpointTiled,
 )
 
 #: every registered treatment, by name (read-only)
@@ -138,16 +152,22 @@ def resolve(specs: Sequence[TreatmentSpec] = ()) -> dict[str, type[Treatment]]:
 
 def floor_treatment(registry: Mapping[str, type[Treatment]]) -> str:
     """The treatment of a run's floor plan (NOTE [A replay treats more], methods/dynamic.py): the one that keeps
-    least on the device for sure, a whole re-run whose input leaves the device, where the run offers one;
-    else ``recompute``.
+    least on the device for sure, of those that re-run a block whole: one whose input leaves the device first,
+    then one whose re-run holds less than the kept block (a tiled MLP: NOTE [Tiled MLP]), where the run offers
+    them; else ``recompute``.
 
     Example:
         >>> floor_treatment(resolve(("offload", "host_checkpoint")))
         'host_checkpoint'
+        >>> floor_treatment(resolve(("host_checkpoint", "recompute_tiled", "host_checkpoint_tiled")))
+        'host_checkpoint_tiled'
+        >>> floor_treatment(resolve(("recompute_tiled",)))
+        'recompute_tiled'
         >>> floor_treatment(resolve(("offload",)))
         'recompute'
     """
-    return next((name for name, cls in registry.items() if cls.reruns and cls.moves_out), RECOMPUTE)
+    rerun = [(not cls.moves_out, cls.rerun_keeps == KEEP, i, name) for i, (name, cls) in enumerate(registry.items()) if cls.reruns]
+    return min(rerun, default=(0, 0, 0, RECOMPUTE))[3]
 
 
 def run_treatment_names(names: Sequence[TreatmentSpec]) -> tuple[TreatmentSpec, ...]:

@@ -10,8 +10,8 @@ It declares everything the engine asks of it, so that no other file branches on 
   device under it and the time it adds, which the memory model learns as its curves, keyed
   by its name (``BlockGroupModel.bytes[name]`` and ``ms[name]``, model.py);
 * its price where warm-up gives no time (:attr:`Treatment.priced_by_link`);
-* what its plan does to the step's peaks (:attr:`Treatment.reruns`, :attr:`Treatment.reruns_part`,
-  :attr:`Treatment.moves_out`:
+* what its plan does to the step's peaks (:attr:`Treatment.reruns`, :attr:`Treatment.rerun_keeps`,
+  :attr:`Treatment.reruns_part`, :attr:`Treatment.moves_out`:
   NOTE [Treated peaks], model.py) and where it goes in a stack of alike blocks
   (:attr:`Treatment.order`: NOTE [Choosing treatments], planner.py);
 * the parts it applies to (:attr:`Treatment.parts`): ``"block"`` today; the LM head
@@ -114,6 +114,9 @@ class Treatment:
     #: the whole block runs again in backward: the recompute peak is bounded from the topmost
     #: such block (NOTE [Treated peaks], model.py)
     reruns: ClassVar[bool] = False
+    #: what a block that ``reruns`` holds again while its backward runs: the bytes it would keep under this
+    #: treatment (``keep``: everything it saves; ``tiled_mlp`` for a re-run whose MLP is tiled: NOTE [Tiled MLP])
+    rerun_keeps: ClassVar[str] = KEEP
     #: the block's body runs again in backward in part, bringing back what it did not keep: bounded
     #: at the backward's start plus those bytes (NOTE [Treated peaks], model.py)
     reruns_part: ClassVar[bool] = False

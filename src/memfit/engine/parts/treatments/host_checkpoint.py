@@ -92,12 +92,17 @@ class HostCheckpoint(Offload):
                     self.counter.count_tensor(block.index, t)
         # checkpoint's closure holds its keyword arguments: an input passed by keyword goes positionally
         key = next((k for k, v in kwargs.items() if v is self._input), None) if self._input is not None else None
+        run = self._body(block)
         if key is None:
-            return checkpoint(block.run_body, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+            return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
         rest = {k: v for k, v in kwargs.items() if k != key}
         n = len(args)
 
         def body(*inputs: Any, **others: Any) -> Any:
-            return block.run_body(*inputs[:n], **{key: inputs[n]}, **others)
+            return run(*inputs[:n], **{key: inputs[n]}, **others)
 
         return checkpoint(body, *args, self._input, use_reentrant=False, preserve_rng_state=True, **rest)
+
+    def _body(self, block: "Block") -> Any:
+        """What the checkpoint runs, in forward and again in backward: the block's body."""
+        return block.run_body

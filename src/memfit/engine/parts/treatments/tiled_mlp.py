@@ -1,0 +1,392 @@
+"""``tiled_mlp``: the block runs once, but its gated MLP runs in chunks of tokens and keeps only its input.
+
+# NOTE [Tiled MLP]
+A gated MLP (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, or Phi-3's halved ``gate_up_proj``:
+found as ``elementwise`` finds it, :func:`elementwise_parts`) makes four or five ``tokens x
+intermediate`` tensors, which a kept block saves and which a recomputed block makes again, all at
+once, in backward: for a long sequence the largest tensors of a step. Tiled, the MLP runs through
+one ``torch.autograd.Function`` (:class:`_TiledMlpFunction`) that saves only its input. Its forward
+runs the MLP's own forward on each chunk of tokens under ``no_grad`` (one chunk's intermediates
+alive at a time) and writes each chunk's output into one output tensor; its backward runs each chunk
+again with grad and ``torch.autograd.grad`` on (the chunk's input, the MLP's trainable parameters).
+The rules:
+
+* The MLP's trainable parameters are inputs of the Function: autograd accumulates each one's
+  gradient once, as for an untiled MLP (DDP's hook fires once per parameter); nothing writes
+  ``.grad`` aside. Per-chunk parameter gradients are summed in float32 and cast once (a chunk's
+  gradient is a partial sum: float32 keeps the chunks' sum as close to the whole's as the whole's
+  own rounding). So gradients are ``keep``'s within float32 rounding where there are several
+  chunks (the sums reorder, and a matmul of a chunk may block its sum differently), bit for bit
+  with one chunk in float32. The float32 sums live through the MLP's backward: for full fine-tuning in
+  bf16 twice the MLP's weight bytes (a LoRA's adapters are small), which the transient curves learn.
+* The RNG state (CPU, and the input's CUDA device) and the autocast state of the forward are
+  restored for the backward's chunks, as ``torch.utils.checkpoint`` restores them: chunks run again
+  in the forward's order draw the forward's numbers.
+* An MLP with a dropout module of ``p > 0`` inside (a LoRA dropout) is not tiled: its chunks would
+  draw their masks chunk by chunk, not as one tensor, so the masks (though consistent between the
+  forward and its recompute) would not be ``keep``'s, and memfit's rule is that every plan gives the
+  gradients of training without it (design: gradients equal under any plan). Such an MLP runs as it
+  is under these treatments, and the probe offers them only to blocks that tile something. A dropout
+  called functionally inside an MLP's forward is caught by the probe's comparison (below).
+* Nothing is assumed of the MLP but that it is token-wise (each token's output depends on its own
+  input only): the probe runs the block tiled in chunks that split every sequence and untiled on the
+  same inputs and RNG state and offers the treatment only where their outputs agree within the dtype's rounding.
+* An MLP whose parameters are sharded (FSDP's DTensors or flat parameters, DeepSpeed ZeRO-3) is not
+  tiled: its recompute in backward would differentiate the parameters FSDP gathers and frees around
+  each use, which the Function's inputs are not (untested, so not offered).
+* Eager blocks only: a compiled block's graph never calls the patched forward.
+
+The chunk count comes from the shape (:class:`Chunking`): enough chunks that one chunk's ``tokens x
+intermediate`` tensor is at most ``chunk_bytes`` (:data:`CHUNK_BYTES`, in the input's element size),
+and no chunk under ``min_tokens`` (:data:`MIN_CHUNK_TOKENS`) tokens, so a chunk's matmuls stay large
+enough to run at the matmul's speed. With these a chunk's transient in backward (its intermediates and
+their gradients, about eight such tensors) stays near a GiB however long the sequence; the planner
+does not choose the count (the saving at the backward's start, what plans are chosen on, is the same
+for any count: only the MLP's input is kept).
+
+What a tiled block keeps is the plain block's saved tensors less the MLP's intermediates (the MLP's
+input is saved by the Function; its projections would have saved it too), which the probe counts;
+its price is its forward and backward beyond the plain block's (about one more forward of the MLP),
+measured. ``recompute_tiled`` and ``host_checkpoint_tiled`` re-run a block whole with its MLP tiled
+inside: their recompute brings back what a tiled block keeps, not what a kept one does
+(``Treatment.rerun_keeps``: NOTE [Treated peaks], model.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from memfit.engine.shapes import first_tensor
+from memfit.engine.parts.treatments.base import RunOptions, Treatment
+from memfit.engine.parts.treatments.elementwise import elementwise_parts
+
+if TYPE_CHECKING:
+    from memfit.engine.parts.accounting import SavedTensorCounter
+    from memfit.engine.parts.treatments.base import Block, ProbeKit
+
+__all__ = ["TILED_MLP", "TiledMlp", "Chunking", "tiled_mlp", "tileable_mlps", "tiled", "CHUNK_BYTES", "MIN_CHUNK_TOKENS"]
+
+logger = logging.getLogger("memfit")
+
+TILED_MLP = "tiled_mlp"
+
+#: the most bytes of one chunk's ``tokens x intermediate`` tensor (NOTE [Tiled MLP])
+CHUNK_BYTES = 128 * 2**20
+#: the fewest tokens of a chunk: its matmuls stay large (NOTE [Tiled MLP])
+MIN_CHUNK_TOKENS = 1024
+
+
+@dataclass
+class Chunking:
+    """How many chunks an MLP's tokens run in (NOTE [Tiled MLP]).
+
+    Attributes:
+        chunk_bytes: the most bytes of one chunk's ``tokens x intermediate`` tensor.
+        min_tokens: the fewest tokens of a chunk.
+        at_least: the fewest chunks (a test's, or the probe's: two, to see that the MLP is token-wise).
+    """
+
+    chunk_bytes: int = CHUNK_BYTES
+    min_tokens: int = MIN_CHUNK_TOKENS
+    at_least: int = 1
+
+    def count(self, tokens: int, intermediate: int, element_bytes: int) -> int:
+        """Chunks for ``tokens`` through an MLP of ``intermediate`` features.
+
+        Example:
+            >>> Chunking().count(65536, 14336, 2)  # an 8B Llama's MLP at 64k tokens: chunks of 128 MiB at most
+            15
+            >>> Chunking().count(4096, 14336, 2)  # short: one chunk of 112 MiB
+            1
+            >>> Chunking().count(3000, 100_000, 2)  # a wide MLP: no chunk under 1,024 tokens
+            2
+        """
+        per_chunk = max(1, self.chunk_bytes // max(1, intermediate * element_bytes))  # tokens in chunk_bytes
+        by_bytes = math.ceil(tokens / per_chunk)
+        by_tokens = max(1, tokens // max(1, self.min_tokens))
+        return max(1, min(tokens, max(self.at_least, min(by_bytes, by_tokens))))
+
+
+def _sharded(module: nn.Module) -> bool:
+    """Whether ``module``'s parameters are sharded (FSDP, DeepSpeed ZeRO-3): NOTE [Tiled MLP]."""
+    for m in module.modules():
+        if "FSDP" in type(m).__name__ or "FullyShardedDataParallel" in type(m).__name__:
+            return True
+    return any(type(p).__name__ in ("DTensor", "FlatParameter") or hasattr(p, "ds_id") for p in module.parameters())
+
+
+def _draws(mlp: nn.Module) -> bool:
+    """Whether a dropout module of ``p > 0`` is inside ``mlp`` (a LoRA dropout): NOTE [Tiled MLP]."""
+    return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in mlp.modules())
+
+
+def tileable_mlps(module: nn.Module) -> list[nn.Module]:
+    """The gated MLPs of ``module`` that the tiled treatments run in chunks (NOTE [Tiled MLP]): those
+    :func:`elementwise_parts` finds, less those with a dropout inside or sharded parameters."""
+    if _sharded(module):
+        return []
+    return [m for m in elementwise_parts(module)[1] if not _draws(m)]
+
+
+def _intermediate(mlp: nn.Module) -> int:
+    """The MLP's intermediate features: what ``down_proj`` takes."""
+    down = mlp.down_proj
+    features = getattr(down, "in_features", None)
+    return int(features) if features else int(down.weight.shape[1])
+
+
+def _autocast_states(device_type: str) -> list[tuple[str, bool, torch.dtype]]:
+    types = [device_type] if device_type == "cpu" else [device_type, "cpu"]
+    return [(t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types]
+
+
+class _TiledMlpFunction(torch.autograd.Function):
+    """``forward(ctx, run, x, chunks, *params)``: ``run`` (the MLP's own forward) over ``chunks`` runs
+    of ``x``'s tokens, saving only ``x`` (NOTE [Tiled MLP]); ``params`` are the MLP's trainable
+    parameters, which ``run`` uses."""
+
+    @staticmethod
+    def forward(ctx: Any, run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunks: int, *params: torch.Tensor) -> torch.Tensor:
+        ctx.run, ctx.chunks, ctx.params = run, chunks, params
+        ctx.autocast = _autocast_states(x.device.type)
+        ctx.devices = [x.device] if x.device.type == "cuda" else []
+        ctx.rng = torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in ctx.devices]
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            if chunks == 1:
+                return run(x)
+            rows = x.reshape(-1, x.shape[-1])
+            out = None
+            for start, stop in _bounds(rows.shape[0], chunks):
+                y = run(rows[start:stop])
+                if out is None:
+                    out = y.new_empty((*x.shape[:-1], y.shape[-1]))
+                out.view(-1, y.shape[-1])[start:stop].copy_(y)
+                del y
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (x,) = ctx.saved_tensors
+        params = ctx.params
+        wants_x = ctx.needs_input_grad[1]
+        whole = ctx.chunks == 1  # the input as it came, as the untiled MLP runs it
+        rows = x.detach() if whole else x.detach().reshape(-1, x.shape[-1])
+        grads_out = grad_out if whole else grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = None
+        sums: list[torch.Tensor | None] = [None] * len(params)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=ctx.devices))
+            torch.set_rng_state(ctx.rng[0])
+            for device, state in zip(ctx.devices, ctx.rng[1]):
+                torch.cuda.set_rng_state(state, device)
+            for device_type, enabled, dtype in ctx.autocast:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+            stack.enter_context(torch.enable_grad())
+            for start, stop in [(0, None)] if whole else _bounds(rows.shape[0], ctx.chunks):
+                chunk = rows[start:stop].detach().requires_grad_(wants_x)
+                y = ctx.run(chunk)
+                wrt = ([chunk] if wants_x else []) + list(params)
+                grads = torch.autograd.grad(y, wrt, grads_out[start:stop], allow_unused=True)
+                del y
+                if wants_x:
+                    if whole:
+                        grad_x = grads[0]
+                    else:
+                        if grad_x is None:
+                            grad_x = torch.empty_like(rows)
+                        grad_x[start:stop].copy_(grads[0])
+                    grads = grads[1:]
+                for j, g in enumerate(grads):
+                    if g is not None:  # float32 sums, cast once (NOTE [Tiled MLP])
+                        sums[j] = g.float() if sums[j] is None else sums[j].add_(g)
+                del grads
+        param_grads = [None if s is None else s.to(p.dtype) for s, p in zip(sums, params)]
+        return (None, None if grad_x is None else grad_x.view(x.shape), None, *param_grads)
+
+
+def _bounds(rows: int, chunks: int) -> list[tuple[int, int]]:
+    """``chunks`` runs of ``rows`` rows, as even as can be (the first ones one row longer)."""
+    chunks = max(1, min(chunks, rows))
+    size, extra = divmod(rows, chunks)
+    out, at = [], 0
+    for i in range(chunks):
+        stop = at + size + (i < extra)
+        out.append((at, stop))
+        at = stop
+    return out
+
+
+def tiled_mlp(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunks: int, params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``run(x)`` (a token-wise MLP whose trainable parameters are ``params``) in ``chunks`` runs of
+    tokens, saving only ``x`` for backward (NOTE [Tiled MLP]).
+
+    Example:
+        >>> mlp = nn.Sequential(nn.Linear(4, 16), nn.SiLU(), nn.Linear(16, 4))
+        >>> x = torch.randn(2, 5, 4, requires_grad=True)
+        >>> y = tiled_mlp(mlp, x, 3, [p for p in mlp.parameters()])
+        >>> torch.testing.assert_close(y, mlp(x))
+    """
+    return _TiledMlpFunction.apply(run, x, chunks, *params)
+
+
+class _TiledForward:
+    """A gated MLP's forward as the model's, its tokens in chunks (NOTE [Tiled MLP])."""
+
+    def __init__(self, mlp: nn.Module, chunking: Chunking):
+        self.mlp, self.chunking = mlp, chunking
+        self.plain = type(mlp).forward.__get__(mlp)
+        self.intermediate = _intermediate(mlp)
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        params = [p for p in self.mlp.parameters() if p.requires_grad]
+        if args or kwargs or not isinstance(x, torch.Tensor) or x.dim() < 2 or not torch.is_grad_enabled() or not (params or x.requires_grad):
+            return self.plain(x, *args, **kwargs)
+        tokens = x.numel() // x.shape[-1]
+        chunks = self.chunking.count(tokens, self.intermediate, x.element_size())
+        return tiled_mlp(self.plain, x, chunks, params)
+
+
+@contextlib.contextmanager
+def tiled(mlps: Sequence[nn.Module], chunking: Chunking) -> Iterator[None]:
+    """Run ``mlps`` (:func:`tileable_mlps`) tiled while the context is open (their instances'
+    ``forward``, put back after)."""
+    for mlp in mlps:
+        mlp.forward = _TiledForward(mlp, chunking)  # read by Module.__call__
+    try:
+        yield
+    finally:
+        for mlp in mlps:
+            if isinstance(vars(mlp).get("forward"), _TiledForward):
+                del mlp.forward
+
+
+def tiled_body(body: Callable[..., Any], mlps: Sequence[nn.Module], chunking: Chunking) -> Callable[..., Any]:
+    """``body`` (a block's) with ``mlps`` tiled, for every run of it (a checkpoint's recompute included)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with tiled(mlps, chunking):
+            return body(*args, **kwargs)
+
+    return run
+
+
+def offered(modules: Sequence[nn.Module], compile_options: dict[str, Any] | None) -> bool:
+    """Whether the tiled treatments are offered by default: eager blocks with a gated MLP to tile."""
+    return compile_options is None and any(tileable_mlps(m) for m in modules)
+
+
+class TiledMlp(Treatment):
+    """The block runs once, its gated MLP in chunks of tokens keeping only its input (NOTE [Tiled MLP]).
+
+    Args:
+        chunking: how many chunks an MLP's tokens run in.
+    """
+
+    name = TILED_MLP
+    help = "the gated MLP in chunks of tokens, keeping only its input (its intermediates made again in backward, a chunk at a time)"
+    # what it computes again is the MLP inside the block's backward, not the body: the partial
+    # transient learns it (NOTE [Treated peaks], model.py), as for ``elementwise``
+    order = 20
+    eager_only = True
+
+    @classmethod
+    def for_run(cls, options: RunOptions) -> Treatment:
+        return cls()
+
+    @classmethod
+    def by_default(cls, modules: Sequence[nn.Module], compile_options: dict[str, Any] | None) -> bool:
+        """Offered to eager blocks with a gated MLP to tile (NOTE [Tiled MLP])."""
+        return offered(modules, compile_options)
+
+    def __init__(self, chunking: Chunking | None = None):
+        self.chunking = chunking or Chunking()
+        #: per block, its MLPs to tile, found once
+        self._mlps: dict[int, list[nn.Module]] = {}
+
+    def mlps(self, block: "Block") -> list[nn.Module]:
+        found = self._mlps.get(block.index)
+        if found is None:
+            found = self._mlps[block.index] = tileable_mlps(block.module)
+        return found
+
+    def run(self, block: "Block", args: tuple, kwargs: dict[str, Any]) -> Any:
+        with tiled(self.mlps(block), self.chunking):
+            return block.run_body(*args, **kwargs)
+
+    @classmethod
+    def probe(cls, block: "Block", kit: "ProbeKit") -> tuple[int, float | None] | None:
+        """What the block keeps tiled and its price (forward and backward beyond the plain block's, the
+        fastest of the timed runs, interleaved); None where it tiles nothing or its outputs tiled are
+        not the plain block's (NOTE [Tiled MLP])."""
+        measured = probe_tiled(block, kit)
+        if measured is None:
+            return None
+        mlps, nbytes = measured
+        chunking = Chunking()
+        lean_ms, plain_ms = [], []
+        for _ in range(kit.timed_runs):  # NOTE [Cold runs of a block] (probe.py)
+            lean_ms.append(kit.forward_backward_ms(block.body, kit.shield(), tiled(mlps, chunking)))
+            plain_ms.append(kit.forward_backward_ms(block.body, kit.shield()))
+        return nbytes, max(0.0, min(lean_ms) - min(plain_ms))
+
+
+def probe_tiled(block: "Block", kit: "ProbeKit") -> tuple[list[nn.Module], int] | None:
+    """The block's MLPs to tile and the bytes it keeps tiled (the counted run, in chunks that split
+    every sequence); None for a compiled block, one with nothing to tile, or one whose outputs tiled are not
+    its plain outputs within the dtype's rounding (NOTE [Tiled MLP])."""
+    mlps = tileable_mlps(block.module)
+    if block.compiled or not mlps:
+        return None
+    devices = [kit.device] if kit.device.type == "cuda" else []
+
+    def forward(hooks: Any, context: Any) -> list[torch.Tensor]:
+        torch.random.set_rng_state(state[0])
+        for d, s in zip(devices, state[1]):
+            torch.cuda.set_rng_state(s, d)
+        probe_args, probe_kwargs = kit.fresh()
+        with hooks, context:
+            out = block.body(*probe_args, **probe_kwargs)
+        return [t.detach() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+    # chunks that split every sequence of the batch: N + 1 chunks of N sequences never end where one does
+    x = first_tensor(*kit.detached)
+    chunking = Chunking(at_least=(x.shape[0] if x is not None and x.dim() >= 3 else 1) + 1)
+    with torch.random.fork_rng(devices=devices):
+        state = torch.random.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
+        plain = forward(kit.shield(), contextlib.nullcontext())
+        counter = kit.counter_of_run()
+        try:
+            lean = forward(counter.hooks(), tiled(mlps, chunking))
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as err:  # an MLP that does not run in chunks: never offered
+            logger.debug("memfit: block %s's MLP does not run in chunks (%s); the tiled treatments are not offered for it",
+                         block.index, str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
+            return None
+    if not _close(plain, lean):
+        logger.debug("memfit: block %s's MLP is not token-wise (its outputs in chunks differ); "
+                     "the tiled treatments are not offered for it", block.index)
+        return None
+    return mlps, counter.bytes
+
+
+def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Equal within the dtype's rounding (a chunk's matmul may sum in another order)."""
+    if len(a) != len(b) or any(x.shape != y.shape or x.dtype != y.dtype for x, y in zip(a, b)):
+        return False
+    try:
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y)
+    except AssertionError:
+        return False
+    return True

@@ -1,0 +1,414 @@
+"""The tiled MLP (treatments/tiled_mlp.py, NOTE [Tiled MLP]) and its treatments ``tiled_mlp``,
+``recompute_tiled`` and ``host_checkpoint_tiled``: ``keep``'s gradients (bit for bit in one chunk,
+within float32 rounding in several), what a tiled block keeps and makes at once (proxies on CPU),
+where it is offered, what the memory model predicts of a tiled re-run, and the planner's choice."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import memfit
+from _models import FixedPlan, assert_grads_equal, build_decoder, logical_peak, step_both_and_compare
+from memfit.engine.parts.blocks import find_blocks
+from memfit.engine.plan.planner import Plan
+from memfit.engine.parts.treatments import (
+    HOST_CHECKPOINT_TILED, RECOMPUTE_TILED, TILED_MLP, TREATMENTS, floor_treatment, resolve,
+)
+from memfit.engine.parts.treatments import tiled_mlp as tiled_module
+from memfit.engine.parts.treatments.tiled_mlp import Chunking, _bounds, tileable_mlps, tiled_mlp
+
+TILED = (TILED_MLP, RECOMPUTE_TILED, HOST_CHECKPOINT_TILED)
+#: float32 gradients with the sums over tokens split in chunks: the whole's rounding, a few ulps of the largest
+TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+
+
+def _lora(model, dropout: float):
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules="all-linear", init_lora_weights=False)
+    return peft.get_peft_model(model, config)
+
+
+def _model(arch: str, lora: float | None = None):
+    """A tiny decoder of ``arch`` (dropout on in its attention), with LoRA on every linear layer of dropout
+    ``lora`` (None: full fine-tuning)."""
+    torch.manual_seed(0)
+    model, make = build_decoder(arch, False)
+    if lora is not None:
+        model = _lora(model, lora)
+    return model.train(), make
+
+
+def _fit(model, name: str, chunks: int):
+    n = len(find_blocks(model))
+    ctl = memfit.fit(model, budget=None, method=FixedPlan(Plan(tuple(range(n)), kinds=(name,) * n)), treatments=(name,), announce=False)
+    ctl.treatments[name].chunking = Chunking(at_least=chunks)
+    if name == HOST_CHECKPOINT_TILED:
+        ctl.treatments[name].min_bytes = 0  # tiny test tensors move too
+    return ctl, n
+
+
+@contextlib.contextmanager
+def _tiled_calls():
+    """How many MLP calls ran tiled (the mechanism's one entry), per chunk count."""
+    calls: list[int] = []
+    plain = tiled_module.tiled_mlp
+
+    def counted(run, x, chunks, params):
+        calls.append(chunks)
+        return plain(run, x, chunks, params)
+
+    tiled_module.tiled_mlp = counted
+    try:
+        yield calls
+    finally:
+        tiled_module.tiled_mlp = plain
+
+
+def _step_and_compare(model, reference, batch, seed, chunks, context):
+    """One step of both; gradients bit for bit in one chunk, within float32 rounding in several."""
+    if chunks == 1:
+        step_both_and_compare(model, reference, batch, seed, context)
+        return
+    for m in (model, reference):
+        torch.manual_seed(seed)
+        m(**batch).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, **TOLERANCE, msg=lambda m: f"{context} {name}: {m}")
+    model.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+
+
+# ------------------------------------------------------------------ the mechanism
+def test_the_function_recomputes_the_forwards_masks_and_sums_the_chunks_in_float32():
+    """A dropout inside the MLP draws the same masks in the backward's chunks as in the forward's: the
+    gradients are those of running the chunks with autograd, the input's bit for bit; the parameters'
+    are those sums, within float32 rounding (bit for bit in one chunk)."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 32), nn.SiLU(), nn.Dropout(0.3), nn.Linear(32, 8))
+    reference = copy.deepcopy(mlp)
+    weights = torch.linspace(-1, 1, 8)
+    for chunks in (1, 3, 26):
+        x = torch.randn(2, 13, 8, requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_()
+        torch.manual_seed(chunks)
+        y = tiled_mlp(mlp, x, chunks, list(mlp.parameters()))
+        (y * weights).sum().backward()
+        torch.manual_seed(chunks)
+        rows = x_ref.reshape(-1, 8)
+        y_ref = reference(x_ref) if chunks == 1 else torch.cat([reference(rows[a:b]) for a, b in _bounds(26, chunks)]).view(2, 13, 8)
+        (y_ref * weights).sum().backward()
+        exact = dict(rtol=0, atol=0)
+        torch.testing.assert_close(y, y_ref, **exact)
+        torch.testing.assert_close(x.grad, x_ref.grad, **exact)
+        for p, q in zip(mlp.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **(exact if chunks == 1 else TOLERANCE))
+        mlp.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+
+
+def test_each_parameter_gets_one_gradient_accumulation():
+    """The MLP's parameters are the Function's inputs: autograd accumulates each one's gradient once
+    (DDP's per-parameter hook fires once), not once per chunk, and nothing is written to ``.grad`` aside."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 32), nn.SiLU(), nn.Linear(32, 8))
+    fired = {id(p): 0 for p in mlp.parameters()}
+    for p in mlp.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: fired.__setitem__(id(p), fired[id(p)] + 1))
+    x = torch.randn(3, 10, 8, requires_grad=True)
+    tiled_mlp(mlp, x, 5, list(mlp.parameters())).sum().backward()
+    assert set(fired.values()) == {1}, fired
+
+
+def test_the_chunk_count_bounds_one_chunks_tensor():
+    """NOTE [Tiled MLP]: chunks enough that one chunk's tokens x intermediate tensor is at most
+    ``chunk_bytes``, none under ``min_tokens`` tokens, one at least."""
+    chunking = Chunking()
+    for tokens, intermediate in ((65536, 14336), (131072, 8960), (8192, 14336), (300, 14336)):
+        n = chunking.count(tokens, intermediate, 2)
+        per_chunk = -(-tokens // n)
+        assert n >= 1 and (per_chunk * intermediate * 2 <= chunking.chunk_bytes or per_chunk <= 2 * chunking.min_tokens), (tokens, n)
+        assert n == 1 or per_chunk >= chunking.min_tokens, (tokens, n)
+    assert chunking.count(100, 10, 4) == 1 and Chunking(at_least=3).count(100, 10, 4) == 3
+
+
+# ------------------------------------------------------------------ gradients per family
+@pytest.mark.parametrize("chunks", [1, 3])
+@pytest.mark.parametrize("name", TILED)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2", "phi3"])
+def test_gradients_are_those_of_keep(arch, name, chunks):
+    """Every block tiled (dropout on in the attention, and in Phi-3 around the MLP): the gradients of
+    every parameter of training without memfit, bit for bit in one chunk; the MLP ran tiled."""
+    model, make = _model(arch)
+    reference = copy.deepcopy(model)
+    ctl, n = _fit(model, name, chunks)
+    with _tiled_calls() as calls:
+        for seed, length in enumerate((9, 23)):
+            _step_and_compare(model, reference, make(2, length), seed, chunks, f"{arch} {name} {chunks} chunks, length {length}")
+    reruns = 2 if name != TILED_MLP else 1  # the re-run blocks' MLP runs tiled in their recompute too
+    assert len(calls) == 2 * n * reruns and set(calls) == {chunks}, calls
+    assert all(b.recomputes == (0 if name == TILED_MLP else 2) for b in ctl.blocks)
+    ctl.remove()
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+@pytest.mark.parametrize("name", [TILED_MLP, RECOMPUTE_TILED])
+def test_lora_on_every_linear_layer_gives_keeps_gradients(name, chunks):
+    """peft LoRA on every linear layer (the MLP's projections among them), no dropout in the adapters:
+    the adapters' gradients are ``keep``'s, the base weights get none."""
+    model, make = _model("llama", lora=0.0)
+    reference = copy.deepcopy(model)
+    ctl, n = _fit(model, name, chunks)
+    with _tiled_calls() as calls:
+        _step_and_compare(model, reference, make(2, 23), 3, chunks, f"lora {name} {chunks} chunks")
+    assert calls and set(calls) == {chunks}
+    assert all(p.grad is None for nm, p in model.named_parameters() if "mlp" in nm and not p.requires_grad)
+    ctl.remove()
+
+
+def test_a_lora_dropout_inside_the_mlp_leaves_it_untiled_and_unoffered():
+    """NOTE [Tiled MLP]: a dropout of p > 0 inside the MLP (LoRA's) would draw its masks chunk by chunk:
+    the MLP is not tiled (a plan that names the treatment runs it as it is, with ``keep``'s gradients
+    bit for bit) and the probe offers the tiled treatments to none of its blocks."""
+    from memfit.engine.parts import probe
+
+    model, make = _model("llama", lora=0.1)
+    reference = copy.deepcopy(model)
+    assert all(not tileable_mlps(b) for _, b in find_blocks(model))
+    ctl, n = _fit(model, TILED_MLP, 3)
+    with _tiled_calls() as calls:
+        step_both_and_compare(model, reference, make(2, 23), 1, "lora dropout")
+    assert calls == []
+    args, kwargs = _block_inputs(model, ctl, make(2, 24))
+    measured = probe.probe_treatments(ctl.blocks[0], args, kwargs, ctl._counter, torch.device("cpu"), TILED)
+    assert not set(measured) & set(TILED), measured
+    ctl.remove()
+
+
+# ------------------------------------------------------------------ memory, by proxies
+class _LargestIntermediate(TorchDispatchMode):
+    """The most elements of one tensor an op makes whose last dimension is the MLP's intermediate."""
+
+    def __init__(self, widths, hidden):
+        super().__init__()
+        self.widths, self.hidden, self.largest = set(widths), hidden, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            # made (not a view: a weight's transpose is one), and not weight-shaped (its gradient)
+            if (isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] in self.widths and not t._is_view()
+                    and t.numel() // t.shape[-1] != self.hidden):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_a_tiled_block_keeps_less_by_the_mlps_intermediates_and_makes_one_chunk_at_a_time(arch):
+    """Counted (logical accounting), every block under ``tiled_mlp`` keeps ``keep``'s bytes less the MLP's
+    intermediates (Llama: gate, its activation, up and their product; Phi-3: the fused projection, the
+    activation and the product), no block runs twice, and in the forward and the backward no op makes an
+    intermediate-wide tensor of more than one chunk's tokens (``keep`` and ``recompute``: all of them)."""
+    model, make = _model(arch)
+    config = model.config
+    inter, tokens, chunks = config.intermediate_size, 2 * 48, 4
+    widths = (inter, 2 * inter)
+    batch = make(2, 48)
+    saved, largest = {}, {}
+    for name in ("keep", "recompute", TILED_MLP, RECOMPUTE_TILED):
+        n = len(find_blocks(model))
+        plan = Plan(()) if name == "keep" else Plan(tuple(range(n)), kinds=() if name == "recompute" else (name,) * n)
+        ctl = memfit.fit(model, budget=None, method=FixedPlan(plan), treatments=(TILED_MLP, RECOMPUTE_TILED), announce=False)
+        for t in (TILED_MLP, RECOMPUTE_TILED):
+            ctl.treatments[t].chunking = Chunking(at_least=chunks)
+        torch.manual_seed(0)
+        with _LargestIntermediate(widths, config.hidden_size) as watch:
+            model(**batch).loss.backward()
+        model.zero_grad(set_to_none=True)
+        saved[name], largest[name] = ctl.records[-1].saved_activation_bytes, watch.largest
+        if name == TILED_MLP:
+            assert all(b.recomputes == 0 for b in ctl.blocks)
+        ctl.remove()
+    per_token = (4 * inter) if arch == "llama" else (2 * inter + inter + inter)  # float32 elements a token's MLP saves
+    assert saved["keep"] - saved[TILED_MLP] == n * tokens * per_token * 4, (saved, n * tokens * per_token * 4)
+    assert saved[RECOMPUTE_TILED] == saved["recompute"] < saved[TILED_MLP], saved
+    chunk = -(-tokens // chunks)
+    assert largest["keep"] == largest["recompute"] >= tokens * inter, largest
+    assert largest[TILED_MLP] <= chunk * max(widths) and largest[RECOMPUTE_TILED] <= chunk * max(widths), largest
+    assert largest[TILED_MLP] < tokens * inter, largest
+
+
+# ------------------------------------------------------------------ where it is offered
+def _block_inputs(model, ctl, batch):
+    captured = {}
+    handle = ctl.blocks[0].module.register_forward_pre_hook(lambda m, a, k: captured.update(inputs=(a, k)), with_kwargs=True)
+    with torch.no_grad():
+        model.eval()(**batch)
+    model.train()
+    handle.remove()
+    return captured["inputs"]
+
+
+def _probe_of(model, ctl, make, *names):
+    from memfit.engine.parts import probe
+
+    args, kwargs = _block_inputs(model, ctl, make(2, 24))
+    with torch.enable_grad():
+        return probe.probe_treatments(ctl.blocks[0], args, kwargs, ctl._counter, torch.device("cpu"), names)
+
+
+def test_the_probe_measures_what_a_tiled_block_keeps_and_refuses_an_mlp_that_is_not_token_wise():
+    """The probe offers ``tiled_mlp`` (less than kept, more than recomputed) and ``recompute_tiled`` (its
+    inputs), each with a price; an MLP whose tokens' outputs depend on the others (a mean over the
+    sequence) differs in chunks: never offered."""
+    model, make = _model("llama")
+    ctl = memfit.fit(model, budget=None, method="none", treatments=(TILED_MLP, RECOMPUTE_TILED), announce=False)
+    measured = _probe_of(model, ctl, make, TILED_MLP, RECOMPUTE_TILED, "selective")
+    assert set(measured) == {TILED_MLP, RECOMPUTE_TILED, "selective"}, measured
+    assert 0 < measured[RECOMPUTE_TILED][0] < measured[TILED_MLP][0] and measured[TILED_MLP][1] >= 0.0
+    mlp_type = type(ctl.blocks[0].module.mlp)
+    plain = mlp_type.forward
+    mlp_type.forward = lambda self, x: plain(self, x) - plain(self, x).mean(dim=-2, keepdim=True)
+    try:
+        assert _probe_of(model, ctl, make, TILED_MLP, RECOMPUTE_TILED, "selective").keys() == {"selective"}
+    finally:
+        mlp_type.forward = plain
+    ctl.remove()
+
+
+def test_offered_by_default_to_eager_blocks_with_a_gated_mlp_only():
+    """A run that names no treatments offers ``tiled_mlp`` and ``recompute_tiled`` to eager blocks with a
+    gated MLP to tile; not with compiled blocks, not where every MLP has a dropout inside; and
+    ``host_checkpoint_tiled`` only on a GPU (as ``host_checkpoint``)."""
+    from memfit.engine.run.controller import _run_options
+
+    model, _ = _model("llama")
+    modules = [m for _, m in find_blocks(model)]
+    names = _run_options(None, False, modules)[0]
+    assert TILED_MLP in names and RECOMPUTE_TILED in names and HOST_CHECKPOINT_TILED not in names, names
+    compiled = _run_options(None, True, modules)[0]
+    assert not set(TILED) & set(compiled), compiled
+    with_dropout, _ = _model("llama", lora=0.1)
+    assert not set(TILED) & set(_run_options(None, False, [m for _, m in find_blocks(with_dropout)])[0])
+    assert all(TREATMENTS[t].eager_only for t in TILED)
+
+
+def test_the_floor_is_the_re_run_that_keeps_least():
+    """NOTE [A replay treats more]: the floor prefers a re-run whose input leaves the device, then one whose
+    MLP is tiled; whatever order the run names them in."""
+    assert floor_treatment(resolve((HOST_CHECKPOINT_TILED, "host_checkpoint", RECOMPUTE_TILED))) == HOST_CHECKPOINT_TILED
+    assert floor_treatment(resolve(("host_checkpoint", HOST_CHECKPOINT_TILED))) == HOST_CHECKPOINT_TILED
+    assert floor_treatment(resolve((RECOMPUTE_TILED, "host_checkpoint"))) == "host_checkpoint"
+    assert floor_treatment(resolve((TILED_MLP, RECOMPUTE_TILED))) == RECOMPUTE_TILED
+    assert floor_treatment(resolve((TILED_MLP,))) == "recompute"
+
+
+@pytest.mark.parametrize("names, floor", [
+    (("recompute", RECOMPUTE_TILED), RECOMPUTE_TILED),
+    (("recompute", "host_checkpoint", HOST_CHECKPOINT_TILED, RECOMPUTE_TILED), HOST_CHECKPOINT_TILED),
+])
+def test_a_replay_of_every_block_recomputed_runs_the_tiled_floor(monkeypatch, names, floor):
+    """NOTE [A replay treats more]: where recomputing every block runs out of memory (warm-up's plan at the
+    tight end), the replay runs every block on the floor, the tiled re-run that keeps least the run offers,
+    and trains: the gradients of none."""
+    from memfit.engine.parts.treatments.recompute import Recompute
+
+    model, make = _model("llama")
+    reference = copy.deepcopy(model)
+
+    def out_of_memory(self, block, args, kwargs):
+        raise torch.OutOfMemoryError("injected: CUDA out of memory")
+
+    monkeypatch.setattr(Recompute, "run", out_of_memory)
+    ctl = memfit.fit(model, budget="1GB", treatments=names, announce=False)
+    batch = make(2, 16)
+    torch.manual_seed(0)
+    ctl.run_step(lambda: model(**batch).loss.backward())
+    torch.manual_seed(0)
+    reference(**batch).loss.backward()
+    assert_grads_equal(model, reference, f"floor {floor}")
+    record = ctl.records[-1]
+    assert record.oom_retries == 1 and record.phase == "warmup"
+    assert record.block_treatments == {floor: [0, 1, 2]}
+    ctl.remove()
+
+
+# ------------------------------------------------------------------ the memory model and the planner
+def _model_with_tiled(tiled_measured: bool):
+    from memfit.engine.plan.model import MemoryModel
+
+    model = MemoryModel([0] * 4, treatments=resolve(TILED))
+    group = model.group_models[0]
+    for t in (16, 32, 64):
+        key = (4, t)
+        group.bytes["keep"].add(key, 1000.0 * t)
+        group.bytes["recompute"].add(key, 50.0 * t)
+        group.bytes_curve(RECOMPUTE_TILED).add(key, 50.0 * t)
+        group.ms["recompute"].add(key, 0.01 * t)
+        if tiled_measured:
+            group.bytes_curve(TILED_MLP).add(key, 400.0 * t)
+        model.outside.add(key, 10.0 * t)
+        model.transient_full.add(key, 2000.0 * t)
+    return model
+
+
+def test_a_tiled_re_run_lowers_the_recompute_bound_by_what_a_tiled_block_keeps_less():
+    """NOTE [Treated peaks]: the recompute bound of a plan whose whole re-runs all tile their MLP is lower by
+    ``keep`` less ``tiled_mlp`` of a block; with one plain recompute among them, or ``tiled_mlp`` never
+    measured, it is the plain bound."""
+    key, every = (4, 64), tuple(range(4))
+    model = _model_with_tiled(True)
+    plain = model.recompute_bytes(key, Plan(every))
+    tiled = model.recompute_bytes(key, Plan(every, kinds=(RECOMPUTE_TILED,) * 4))
+    mixed = model.recompute_bytes(key, Plan(every, kinds=(RECOMPUTE_TILED, "recompute", RECOMPUTE_TILED, RECOMPUTE_TILED)))
+    assert plain - tiled == pytest.approx((1000.0 - 400.0) * 64), (plain, tiled)
+    assert mixed == pytest.approx(plain)
+    unmeasured = _model_with_tiled(False)
+    assert unmeasured.recompute_bytes(key, Plan(every, kinds=(RECOMPUTE_TILED,) * 4)) == pytest.approx(
+        unmeasured.recompute_bytes(key, Plan(every)))
+
+
+def test_dynamic_tiles_the_mlp_of_long_batches_and_leaves_short_ones_untreated(monkeypatch):
+    """``dynamic`` with ``tiled_mlp`` beside recompute under a logical budget a block's MLP intermediates
+    under the longest batch's untreated peak, ``tiled_mlp`` priced cheaper than recompute per byte (as on a GPU,
+    where it adds one MLP forward and a recompute the whole block's): the longest batches' plans tile and
+    no plan recomputes, the short ones' treat nothing; every peak within the budget and the gradients ``keep``'s bit for bit (one
+    chunk at these sizes)."""
+    from memfit.engine.parts import probe
+
+    original = probe.probe_treatments
+
+    def priced(*args, **kwargs):
+        out = original(*args, **kwargs)
+        if TILED_MLP in out:
+            out[TILED_MLP] = (out[TILED_MLP][0], 1e-4)
+        return out
+
+    monkeypatch.setattr(probe, "probe_treatments", priced)
+    model, make = _model("llama")
+    reference = copy.deepcopy(model)
+    longest = make(4, 96)
+    # one block's MLP intermediates (float32) under the longest batch's untreated peak: tiling two or
+    # three blocks covers it with the margin, recomputing one would too, for more time
+    saved_per_block = 4 * 96 * 4 * model.config.intermediate_size * 4
+    budget = logical_peak(model, longest, "none") - saved_per_block
+    ctl = memfit.fit(model, budget=budget, method="dynamic", treatments=("recompute", TILED_MLP), announce=False)
+    lengths = [16, 96, 48, 80, 96, 8, 88, 96, 12, 92]
+    for seed, length in enumerate(lengths):
+        step_both_and_compare(model, reference, make(4, length), seed, f"step {seed}")
+    records = ctl.records
+    ctl.remove()
+    assert all(r.peak_allocated_bytes <= budget for r in records)
+    steady = [(r.tokens, r.treatments) for r in records if r.phase == "steady"]
+    longest_plans = [t for tokens, t in steady if tokens == 4 * 96]
+    short_plans = [t for tokens, t in steady if tokens <= 4 * 16]
+    assert longest_plans and all(TILED_MLP in t for t in longest_plans), steady
+    assert not any("recompute" in t for _, t in steady), steady  # tiling covers the need, for less time
+    assert short_plans and not any(set(t) - {"head"} for t in short_plans), steady
