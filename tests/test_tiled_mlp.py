@@ -412,3 +412,38 @@ def test_dynamic_tiles_the_mlp_of_long_batches_and_leaves_short_ones_untreated(m
     assert longest_plans and all(TILED_MLP in t for t in longest_plans), steady
     assert not any("recompute" in t for _, t in steady), steady  # tiling covers the need, for less time
     assert short_plans and not any(set(t) - {"head"} for t in short_plans), steady
+
+
+def test_the_planner_swaps_in_the_leaner_re_run_where_only_the_re_run_peak_is_over():
+    """NOTE [Leaner re-runs]: a mix whose recompute peak is what is over the room gets every treated block's
+    twin that keeps as it does at the backward's start (``recompute_tiled`` for ``recompute``), priced by the
+    twins' difference; where even that is over, no mix (the caller keeps its plan); with room, the cheaper
+    plain re-run stays."""
+    from types import SimpleNamespace
+
+    from memfit.engine.parts.treatments import RECOMPUTE, resolve as resolve_names
+    from memfit.engine.plan.planning import _mix_that_fits
+
+    model = _model_with_tiled(True)
+    for t in (16, 32, 64):
+        model.group_models[0].ms_curve(RECOMPUTE_TILED).add((4, t), 0.013 * t)  # a little dearer than recompute
+        model.transient_partial.add((4, t), 50.0 * t)  # the backward's start of a partial plan under its re-run peak
+    key, names = (4, 64), ("recompute", RECOMPUTE_TILED)
+    registry = resolve_names(names)
+    options = model.options(key, names)
+    planning = SimpleNamespace(registry=registry, treatments=names, model=model,
+                               predict_peak=lambda k, plan: int(model.step_bytes(k, plan)))
+
+    def mix(room: int) -> Plan | None:
+        need = int(model.backward_start_bytes(key, Plan(()))) - room
+        return _mix_that_fits(planning, key, options, need, room)
+
+    two = Plan((0, 1))
+    two_tiled = Plan((0, 1), kinds=(RECOMPUTE_TILED,) * 2)
+    start = model.backward_start_bytes(key, two)
+    assert model.recompute_bytes(key, two_tiled) < start < model.recompute_bytes(key, two)  # only the re-run peak is over
+    plan = mix(int(start) + 1)  # two blocks cover the need; their plain re-run is over the room, the tiled one is not
+    assert plan is not None and plan.treatments(4) == [RECOMPUTE_TILED, RECOMPUTE_TILED, "keep", "keep"], plan
+    assert plan.cost_ms == pytest.approx(2 * 0.013 * 64)
+    roomy = int(model.step_bytes(key, two)) + 1
+    assert mix(roomy).treatments(4) == [RECOMPUTE, RECOMPUTE, "keep", "keep"]  # room for the plain re-run: the cheaper stays

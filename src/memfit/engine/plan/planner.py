@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Plan", "InfeasiblePlanError", "plan_blocks", "plan_treatments", "plan_with_head", "PlanCache"]
+__all__ = ["Plan", "InfeasiblePlanError", "plan_blocks", "plan_treatments", "plan_with_head", "with_leaner_reruns", "PlanCache"]
 
 
 class InfeasiblePlanError(ValueError):
@@ -239,6 +239,32 @@ def _enumerate_classes(costs: Sequence[float], savings: Sequence[int], need: int
         return tuple(sorted(i for m, k in zip(others + [last], counts) for i in m[:k]))
 
     return min(chosen(r) for r in ties)
+
+
+def with_leaner_reruns(
+    plan: Plan, options: Sequence[Sequence[tuple[str, int, float]]], leaner: Mapping[str, str],
+) -> Plan | None:
+    """``plan`` with each treated block's treatment swapped for its leaner re-run (``leaner``: a
+    treatment's name -> the one that keeps as it does at the backward's start, NOTE [Leaner re-runs]
+    in planning.py) where the block's ``options`` price both; its cost moved by their difference,
+    its savings unchanged. None when no block swaps.
+
+    Example:
+        >>> opts = [[("recompute", 100, 10.0), ("recompute_tiled", 100, 12.0)]] * 2
+        >>> with_leaner_reruns(Plan((1,), 10.0, 100), opts, {"recompute": "recompute_tiled"}).treatments(2)
+        ['keep', 'recompute_tiled']
+    """
+    kinds = plan.treatments(len(options))
+    cost, swapped = plan.cost_ms, False
+    for i in plan.blocks:
+        lean = leaner.get(kinds[i])
+        prices = {name: ms for name, _, ms in options[i]}
+        if lean is not None and lean in prices and kinds[i] in prices:
+            cost += prices[lean] - prices[kinds[i]]
+            kinds[i], swapped = lean, True
+    if not swapped:
+        return None
+    return Plan(plan.blocks, cost, plan.saved_bytes, kinds=tuple(kinds[i] for i in plan.blocks), head=plan.head)
 
 
 def plan_with_head(

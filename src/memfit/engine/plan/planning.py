@@ -78,7 +78,7 @@ import statistics
 
 from memfit.engine.budget import Budget
 from memfit.engine.plan.model import MemoryModel
-from memfit.engine.plan.planner import InfeasiblePlanError, Plan, PlanCache, plan_blocks, plan_with_head
+from memfit.engine.plan.planner import with_leaner_reruns, InfeasiblePlanError, Plan, PlanCache, plan_blocks, plan_with_head
 from memfit.engine.plan.room import Room
 from memfit.engine.shapes import bucket_key
 from memfit.engine.summary_text import over_budget_words
@@ -379,12 +379,11 @@ class Planning:
     def _plan(self, k: tuple[int, int]) -> Plan:
         """``k``'s plan: the cheapest by recompute alone, or, where the run may give other
         treatments, the cheapest mix when that is cheaper still and fits (NOTE [Treatments never lose])."""
-        plan = self._plan_recompute(k)
-        if self.recompute_only or not self.model.ready:
-            return plan
-        mixed = self._plan_mixed(k)
-        if mixed is None:
-            return plan
+        mixes = not (self.recompute_only or not self.model.ready)
+        plan = self._plan_recompute(k, warn=not mixes)
+        mixed = self._plan_mixed(k) if mixes else None
+        if plan is None or mixed is None:  # where recompute alone fits nothing, a mix that fits wins (NOTE [Leaner re-runs])
+            return plan or mixed or self._plan_recompute(k, warn=True)
         base_ms = plan.cost_ms if plan.blocks != self.all_blocks or plan.cost_ms else sum(self.model.costs(k))
         return mixed if mixed.cost_ms < 0.999 * base_ms else plan
 
@@ -402,10 +401,10 @@ class Planning:
             return None
         return _mix_that_fits(self, k, options, need, room)
 
-    def _plan_recompute(self, k: tuple[int, int]) -> Plan:
+    def _plan_recompute(self, k: tuple[int, int], warn: bool = True) -> Plan | None:
         # Treating blocks lowers the start-of-backward peak only; the plan is then checked
         # against the other two (NOTE [Three peaks], model.py), and mended if one is over
-        # (NOTE [Blocks held below a recompute]).
+        # (NOTE [Blocks held below a recompute]). Where none fits: every block, said once (``warn``), or None.
         room = self.room_bytes
         need = int(self._static_for(k) + self.model.backward_start_bytes(k, Plan(()))) - room
         try:
@@ -417,6 +416,8 @@ class Planning:
                 raise InfeasiblePlanError("the recompute or optimizer-step peak is over the budget")
             return self._mend(k, plan, need, costs, savings)
         except InfeasiblePlanError:
+            if not warn:
+                return None
             if k not in self.infeasible_keys:
                 # once per run (NOTE [What to change when a step cannot fit], summary_text.py); later shapes at debug
                 log = logger.debug if self.infeasible_keys else logger.warning
@@ -698,8 +699,18 @@ def _mix_that_fits(
     stashes back are paid for, so a run asks up to ``depth + 2`` times (3 at least, for the other
     peaks). A mix that never fits is None: the caller keeps its recompute plan, never a last
     resort while keeping blocks fits.
+
+    # NOTE [Leaner re-runs]
+    A treatment may keep what another keeps at the backward's start and re-run leaner (``keeps_as``:
+    ``recompute_tiled`` keeps as ``recompute`` does, its re-run holding one chunk of the MLP's
+    intermediates, NOTE [Tiled MLP]). The knapsack, which sees savings at the backward's start only,
+    never picks the dearer twin; so a mix whose re-run peak is what is over the room is asked again
+    with every treated block's twin swapped in (its price the twins' difference), and taken if that
+    fits. Where recompute alone fits nothing, a mix that fits this way is the plan (never every
+    block recomputed over the room, which would only run out of memory and replay).
     """
     order = {name: t.order for name, t in planning.registry.items()}
+    leaner = {t.keeps_as: name for name, t in planning.registry.items() if t.keeps_as and name in planning.treatments}
     asks = max(3, planning.model.offload_depth(k) + 2)
     for _ in range(asks):
         try:
@@ -709,6 +720,9 @@ def _mix_that_fits(
         over = planning.predict_peak(k, mixed) - room
         if over <= 0:
             return mixed
+        lean = with_leaner_reruns(mixed, options, leaner) if leaner else None  # NOTE [Leaner re-runs]
+        if lean is not None and planning.predict_peak(k, lean) <= room:
+            return lean
         need = int(max(need, mixed.saved_bytes) + over) + 1
     return None
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from memfit.engine.parts.treatments.host_checkpoint import HostCheckpoint
+from memfit.engine.parts.treatments.host_checkpoint import HOST_CHECKPOINT, HostCheckpoint
 from memfit.engine.parts.treatments.tiled_mlp import TILED_MLP, Chunking, TiledMlp, probe_tiled, tileable_mlps, tiled_body
 
 if TYPE_CHECKING:
@@ -36,6 +36,7 @@ class HostCheckpointTiled(HostCheckpoint):
     name = HOST_CHECKPOINT_TILED
     help = "as host_checkpoint, the gated MLP in chunks of tokens in the block's runs (the floor)"
     rerun_keeps = TILED_MLP
+    keeps_as = HOST_CHECKPOINT
     order = 12  # with the host checkpoints, above the recomputed blocks
     eager_only = True
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.checkpoint import checkpoint
 
-from memfit.engine.parts.treatments.base import RunOptions, Treatment
+from memfit.engine.parts.treatments.base import RECOMPUTE, RunOptions, Treatment
 from memfit.engine.parts.treatments.tiled_mlp import TILED_MLP, Chunking, TiledMlp, offered, probe_tiled, tiled_body
 
 if TYPE_CHECKING:
@@ -38,6 +38,7 @@ class RecomputeTiled(Treatment):
     holds_inputs = True
     reruns = True
     rerun_keeps = TILED_MLP
+    keeps_as = RECOMPUTE
     order = 5  # with the recomputed blocks: nothing held below it (NOTE [Earliest blocks first], planner.py)
     eager_only = True
 
