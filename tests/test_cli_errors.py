@@ -399,7 +399,7 @@ def test_verbose_prints_the_info_lines_that_a_quiet_error_leaves_out(tmp_path, c
     assert cli.main([*argv, "--verbose"]) == 2
     *said, error = capsys.readouterr().err.strip().splitlines()
     assert error.startswith("memfit train: error: --lora_target_modules foo_proj")
-    assert any(re.search(r" INFO memfit\.cli\.tasks\.causal_lm: no model flag: building llama-tiny", line) for line in said), said
+    assert any(re.search(r" INFO memfit\.tasks\.causal_lm: no model flag: building llama-tiny", line) for line in said), said
     assert not (tmp_path / "out").exists()
 
 
