@@ -1,5 +1,6 @@
 """The memory model: envelopes, the two transient regimes, persistence, and what planning does with them."""
 
+import numpy as np
 import pytest
 
 from memfit.engine.plan.model import Curve, MemoryModel
@@ -93,6 +94,27 @@ def test_partial_regime_only_interpolates():
     assert _model([16, 32]).transient((4, 24), every_block=False) == pytest.approx(-200.0 * 4 * 24, rel=1e-6)
 
 
+def test_a_transient_below_its_samples_is_at_least_the_chord_from_zero():
+    """NOTE [Transients below the samples]: warm-up saw long batches only (a 256k-vocabulary model's full
+    transient on an H200, convex in the tokens); the line through them, extrapolated to a short batch, gave
+    a quarter less than that batch then held (7.0 GB, read), and the step ran out of memory. Below the samples the
+    transient is at least the chord from zero to the smallest sample; one that is negative there (gradients
+    dominate) keeps its fit, falling with the tokens."""
+    warm = Curve(intercept=True, floor=None, linear_until=6)
+    for key, y in (((8, 961), 16056860552.0), ((8, 1206), 20178155584.0), ((8, 1868), 34120398304.0)):
+        warm.add(key, y)
+    (c0, _, c2, _), shift = warm._slots()  # a line on (1, N·T) until six shapes
+    fit_alone = c0 + c2 * 8 * 424 + shift
+    assert fit_alone < 6.99e9  # the line's own extrapolation: under what the short step held
+    assert 6.99e9 <= warm((8, 424)) == pytest.approx(16056860552.0 * 424 / 961, rel=1e-9)
+    assert warm((8, 1000)) == pytest.approx(fit_alone + c2 * 8 * (1000 - 424))  # inside: the fit
+    assert (warm.values(8, np.array([424, 1000])) == np.array([warm((8, 424)), warm((8, 1000))])).all()  # one evaluator
+    falling = Curve(intercept=True, floor=None, linear_until=6)
+    for t in (400, 500, 600):
+        falling.add((8, t), -3e9 + 1e5 * 8 * t)
+    assert falling((8, 100)) == pytest.approx(-3e9 + 1e5 * 800)
+
+
 def test_transient_is_a_line_until_enough_shapes():
     # Three noisy samples of a linear transient (the H200 warm-up): a quadratic through them
     # would predict far below the line for short batches.
@@ -101,9 +123,9 @@ def test_transient_is_a_line_until_enough_shapes():
     for t, noise in ((464, 0.0), (229, 30e6), (420, -20e6)):
         curve.add((32, t), -390e6 + 57e3 * 32 * t + noise)
         quadratic.add((32, t), -390e6 + 57e3 * 32 * t + noise)
-    line = -390e6 + 57e3 * 32 * 52
-    assert line <= curve((32, 52)) <= line + 100e6  # above the line by about the noise
-    assert abs(quadratic((32, 52)) - line) > 2 * abs(curve((32, 52)) - line)
+    line = lambda t: -390e6 + 57e3 * 32 * t  # noqa: E731
+    assert line(300) <= curve((32, 300)) <= line(300) + 60e6  # above the line by about the noise
+    assert abs(quadratic((32, 800)) - line(800)) > 2 * abs(curve((32, 800)) - line(800))
     for t in (100, 200, 300, 400, 500, 600):
         curve.add((32, t), -390e6 + 57e3 * 32 * t)
     curve((32, 52))

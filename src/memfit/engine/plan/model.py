@@ -124,6 +124,12 @@ def _maximum(a: Any, b: Any) -> Any:
     return np.maximum(a, b) if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) else max(a, b)
 
 
+def _chord_above(value: Any, at_smallest: float, share: Any) -> Any:
+    """``value``, raised to the chord ``at_smallest · share`` where ``at_smallest`` is above 0
+    (NOTE [Transients below the samples]); ``share``: the tokens over the smallest sample's."""
+    return _maximum(value, at_smallest * share) if at_smallest > 0 else value
+
+
 def _select(cond: Any, then: Callable[[], Any], otherwise: Any) -> Any:
     """``then()`` where ``cond`` holds, else ``otherwise``: of floats, or elementwise of arrays
     (``then`` is called only when some element needs it)."""
@@ -200,6 +206,16 @@ def _min_norm_solve(gram: list[list[float]], rhs: list[float]) -> list[float]:
 #
 # A curve with ``linear_until`` set fits ``a + b·N·T`` until it has seen that many distinct
 # keys: a quadratic through three noisy points extrapolates wildly (to negative bytes).
+#
+# NOTE [Transients below the samples]
+# A transient is convex in the tokens (loss and backward temporaries grow with them, attention's
+# and the head's part faster) and at no tokens at most 0 (gradients not yet made, if any). So below
+# its smallest sample ``T0`` the chord from ``(0, 0)`` to ``(T0, f(T0))`` lies above it; a line fitted
+# on long shapes alone, extrapolated down, may not: on a 256k-vocabulary model whose warm-up saw
+# only long batches, the full transient's line gave a quarter less than a short batch's step then
+# held, and that step, planned with no block treated, ran out of memory. Where ``f(T0)`` is above 0, a
+# transient below its samples is the larger of its fit and that chord; where it is not (gradients
+# dominate, full fine-tuning), the fit stays, falling with the tokens as the transient does.
 
 
 @dataclass
@@ -307,8 +323,10 @@ class Curve:
         for c, f in zip(coef, (1.0, nf, tokens, tokens * tf)):
             value = value + c * f
         value = value + shift
-        if self.floor is None:
-            return value
+        if self.floor is None:  # a transient: NOTE [Transients below the samples]
+            smallest = self._extremes()[0]
+            t0 = float(smallest[0] * smallest[1])
+            return _select(n * t < self.min_tokens, lambda: _chord_above(value, self(smallest), (nf * tf) / t0), value)
         value = _maximum(self.floor, value)
         all_tokens = n * t  # NOTE [Sizes outside the samples]
         all_float = all_tokens.astype(np.float64) if row else float(all_tokens)
