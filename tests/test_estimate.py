@@ -498,6 +498,11 @@ def test_advice_train_flags(profile):
         "--bf16", "--optim", "adamw_torch", "--per_device_train_batch_size", str(BATCH),
         "--gradient_accumulation_steps", "1", "--memfit_method", "none", "--memory_budget", "6GiB",
     ]
+    for dropout, flags in ((0.05, []), (0.0, ["--lora_dropout", "0"])):  # memfit train's default is not repeated
+        setup = dataclasses.replace(best.estimate.setup, lora_r=4, lora_dropout=dropout)
+        lora = dataclasses.replace(best, estimate=dataclasses.replace(best.estimate, setup=setup))
+        got = lora.train_flags("6GiB")
+        assert got[1:got.index("--optim")] == ["--use_peft", "--lora_r", "4", "--lora_target_modules", "all-linear", *flags]
 
 
 # ----------------------------------------------------------------------- CLI and budgets
@@ -587,11 +592,20 @@ def test_a_decoder_config_is_estimated_as_causal_lm(capsys, monkeypatch):
     assert activations > 4 * 32 * vocab * 4  # at least the log-probabilities the loss saves, fp32
 
 
-@pytest.mark.parametrize("flag", ["--batch_size", "--gradient_accumulation_steps"])
-def test_counts_below_one_are_a_clear_error(config_file, capsys, flag):
-    argv = ["estimate", "--config", config_file, "--batch_size", "4", "--seq_length", "32", flag, "0"]
+BAD_FLAGS = [  # (flags after the shape, the error's start): each one line, exit code 2
+    (["--batch_size", "0"], "--batch_size 0: give a whole number of at least 1"),
+    (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps 0: give a whole number of at least 1"),
+    (["--lora_r", "4", "--lora_dropout", "1"], "--lora_dropout 1.0: give a probability, 0 <= p < 1"),  # memfit train's
+    (["--lora_dropout", "0.1"], "--lora_dropout configures LoRA: give --lora_r"),
+]
+
+
+@pytest.mark.parametrize("flags, said", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_bad_flags_are_a_clear_error(config_file, capsys, flags, said):
+    argv = ["estimate", "--config", config_file, "--batch_size", "4", "--seq_length", "32", *flags]
     assert cli.main(argv) == 2
-    assert f"memfit estimate: error: {flag} 0: give a whole number of at least 1" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"memfit estimate: error: {said}"), err
 
 
 # --- advice a fine-tuner can run (issue 42) ----------------------------------------------------
@@ -899,6 +913,79 @@ def test_the_floor_is_below_full_by_the_blocks_inputs_for_an_8b_at_64k():
     table = format_table(floor)
     assert "every block on host_checkpoint" in table and f"| pinned host memory | 16.00 | {inputs:,} |" in table
     assert floor_estimate(profile, _floor_setup(lora_r=16), tokens, activations=acts) == floor  # the floor is that setup
+
+
+def _long_mlp_llama() -> tuple[dict, ModelProfile]:
+    """A tiny Llama whose MLP is an 8B's width: at 64k tokens its intermediates are most of a block, and the engine
+    tiles them in several chunks (counting it on the meta device costs no memory)."""
+    from transformers import LlamaConfig
+
+    config = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=14336,
+                  vocab_size=1000, max_position_embeddings=65536, architectures=["LlamaForCausalLM"], model_type="llama")
+    return config, ModelProfile.from_config(LlamaConfig(**config), "causal-lm", name="long-mlp-llama")
+
+
+def test_the_floor_tiles_the_mlp_as_the_engine_does():
+    """NOTE [The tiled MLP in the estimate]: the floor (and ``--checkpoint tiled``) counts every block with its MLP run
+    by the engine's tiled function, in the chunks the engine's ``Chunking`` gives: the block saves the MLP's input only,
+    and its backward holds one chunk's intermediates (4 tensors of tokens x intermediate in bf16: gate, its activation,
+    up, their product) and the float32 sums of the MLP's bf16 gradients, so the floor is below the untiled one by the
+    intermediates of every token less one chunk's."""
+    from memfit.engine.parts.treatments.tiled_mlp import Chunking
+    from memfit.tools.estimate.anatomy import MlpTiling
+    from memfit.tools.estimate.floor import floor_estimate
+
+    _, profile = _long_mlp_llama()
+    tokens, hidden, inter = 65536, 64, 14336
+    chunks = Chunking().count(tokens, inter, 2)
+    rows = -(-tokens // chunks)
+    untiled = activation_profile(profile, 1, precision="bf16", seq_length=tokens, weights="bf16")
+    floor = floor_estimate(profile, _floor_setup(), tokens)
+    plain = floor_estimate(profile, _floor_setup(), tokens, activations=untiled)  # host_checkpoint, the MLP untiled
+    assert chunks > 1 and floor.mlp_tiling == MlpTiling(tiled_blocks=2, chunks=chunks, chunk_tokens=rows)
+    assert (floor.block_treatment, plain.block_treatment) == ("host_checkpoint_tiled", "host_checkpoint")
+    lighter = 4 * 2 * inter * (tokens - rows) - 4 * 3 * hidden * inter
+    assert plain.recompute_bytes - floor.recompute_bytes == lighter
+    assert plain.total_bytes - floor.total_bytes == lighter  # the peak is a block's recompute and backward
+    assert floor.host_bytes == plain.host_bytes
+    recomputed = estimate(profile, _floor_setup(checkpoint="tiled"), seq_length=tokens)
+    full = estimate(profile, _floor_setup(checkpoint="full"), seq_length=tokens, activations=untiled)
+    assert recomputed.block_treatment == "recompute_tiled" and full.recompute_bytes - recomputed.recompute_bytes == lighter
+    assert "the MLP tiled as host_checkpoint_tiled runs it, in 15 chunks of at most 4,370 tokens" in floor.notes[-1]
+
+
+def test_a_lora_dropout_keeps_the_mlp_untiled_and_the_floor_says_why(tmp_path, capsys, monkeypatch):
+    """peft's LoRA dropout sits inside the MLP, so memfit does not tile it: with ``--lora_dropout 0.05`` (memfit train's
+    default) the floor is host_checkpoint's, above ``--lora_dropout 0``'s by at least the MLP's intermediates less a
+    chunk's, and the note says why; the error of a floor that does not fit names --lora_dropout 0 with its floor."""
+    from memfit.tools.estimate.floor import FloorTooHighError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config, _ = _long_mlp_llama()
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    argv = ["--config", str(path), "--batch_size", "1", "--seq_length", "65536", "--precision", "bf16", "--weights", "bf16",
+            "--lora_r", "4", "--head", "chunked", "--checkpoint", "host"]
+    floors, notes = {}, {}
+    for dropout in ("0", "0.05"):
+        assert main([*argv, "--lora_dropout", dropout]) == 0
+        out = capsys.readouterr().out
+        line = re.search(r"^floor at this shape \(every block on (\w+), its input in pinned host memory(.*?); the LM head "
+                         r"chunked the most; .*?\): ([\d.]+) (MiB|GiB): ", out, re.M)
+        assert line, out
+        floors[dropout] = (line[1], line[2], float(line[3]) * 2 ** {"MiB": 20, "GiB": 30}[line[4]])
+        notes[dropout] = next(n for n in out.splitlines() if n.startswith("note: activations counted"))
+    why = "an MLP with a dropout of p > 0 inside: peft's LoRA dropout 0.05, --lora_dropout 0 tiles it"
+    assert floors["0"][:2] == ("host_checkpoint_tiled", " and its MLP in 15 chunks of tokens")
+    assert floors["0.05"][:2] == ("host_checkpoint", f", its MLP not tiled (memfit does not tile {why})")
+    assert floors["0.05"][2] - floors["0"][2] >= 4 * 2 * 14336 * (65536 - 4370)
+    assert "the MLP tiled as host_checkpoint_tiled runs it" in notes["0"] and "dropout 0 on every" in notes["0"]
+    assert f"the MLP on every token at once: not tiled, as memfit does not tile {why}" in notes["0.05"]
+    budget = str(int(floors["0"][2] / (1 - DEFAULT_MARGIN)) + 2**20)  # the floor without dropout fits, with it not
+    with pytest.raises(FloorTooHighError, match=r"every block on host_checkpoint and the LM head") as raised:
+        main([*argv, "--memory_budget", budget, "--floor", "--seq_length", "65536"])
+    assert re.search(r"or no LoRA dropout, so that memfit tiles the MLP: --lora_dropout 0 \(here too\), its floor "
+                     r"[\d.]+ (MiB|GiB); or", str(raised.value)), str(raised.value)
 
 
 def test_the_longest_length_a_budget_admits_grows_with_the_budget():

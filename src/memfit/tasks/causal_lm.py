@@ -77,10 +77,12 @@ __all__ = [
     "CHAT_TEMPLATE",
     "DEFAULT_CONFIG",
     "IGNORE_INDEX",
+    "LORA_DROPOUT",
     "LMExample",
     "SFT_TOKENS",
     "CausalLMCollator",
     "build",
+    "check_lora_dropout",
     "example_from_record",
     "lm_metrics",
     "lm_tokenizer",
@@ -106,8 +108,20 @@ IGNORE_INDEX = -100
 #: batches are padded to a multiple of this many tokens (CausalLMCollator)
 PAD_TO_MULTIPLE_OF = 8
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
+#: LoRA's dropout by default (``--lora_dropout``; ``memfit estimate`` counts with it too)
+LORA_DROPOUT = 0.05
 #: The error of --use_peft without peft installed (checked at the flags, and at import for LoRA).
 _NO_PEFT = "--use_peft needs peft: pip install 'memfit[llm]' (or pip install peft)"
+
+
+def check_lora_dropout(p: float) -> None:
+    """Raise the error of a ``--lora_dropout`` that is no probability (``memfit train``'s and ``memfit estimate``'s).
+
+    Raises:
+        FlagError: ``p`` outside ``[0, 1)``.
+    """
+    if not 0 <= p < 1:
+        raise FlagError(f"--lora_dropout {p}: give a probability, 0 <= p < 1")
 
 
 @dataclass
@@ -128,7 +142,7 @@ class CausalLMArguments:
     use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters (peft) instead of every weight."})
     lora_r: int | None = field(default=None, metadata={"help": "With --use_peft: LoRA rank (default 16)."})
     lora_alpha: int | None = field(default=None, metadata={"help": "With --use_peft: LoRA alpha (default 32)."})
-    lora_dropout: float | None = field(default=None, metadata={"help": "With --use_peft: LoRA dropout (default 0.05)."})
+    lora_dropout: float | None = field(default=None, metadata={"help": f"With --use_peft: LoRA dropout (default {LORA_DROPOUT})."})
     lora_target_modules: list[str] | None = field(
         default=None,
         metadata={
@@ -163,11 +177,10 @@ class CausalLMArguments:
         if self.use_peft:
             self.lora_r = 16 if self.lora_r is None else self.lora_r
             self.lora_alpha = 32 if self.lora_alpha is None else self.lora_alpha
-            self.lora_dropout = 0.05 if self.lora_dropout is None else self.lora_dropout
+            self.lora_dropout = LORA_DROPOUT if self.lora_dropout is None else self.lora_dropout
             if self.lora_r < 1:
                 raise FlagError(f"--lora_r {self.lora_r}: the rank must be at least 1")
-            if not 0 <= self.lora_dropout < 1:
-                raise FlagError(f"--lora_dropout {self.lora_dropout}: give a probability, 0 <= p < 1")
+            check_lora_dropout(self.lora_dropout)
         if self.torch_dtype is not None and self.torch_dtype not in _DTYPES:
             raise FlagError(f"--torch_dtype {self.torch_dtype}: choose one of {', '.join(_DTYPES)}")
 

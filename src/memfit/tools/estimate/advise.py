@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from memfit.errors import FlagError, UserError
 from memfit.engine.budget import Budget, format_bytes
+from memfit.tasks.causal_lm import LORA_DROPOUT
 from memfit.tools.estimate.anatomy import (
     OPTIMIZERS,
     ActivationProfile,
@@ -104,6 +105,7 @@ class Advice:
             flags = {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}[s.precision]
         if s.lora_r:
             flags += ["--use_peft", "--lora_r", str(s.lora_r), "--lora_target_modules", "all-linear"]
+            flags += ["--lora_dropout", f"{s.lora_dropout:g}"] if s.lora_dropout != LORA_DROPOUT else []
         flags += list(OPTIMIZERS[s.optimizer].train_flags)
         flags += ["--per_device_train_batch_size", str(s.micro_batch_size)]
         flags += ["--gradient_accumulation_steps", str(s.accumulation_steps)]
@@ -148,6 +150,7 @@ def advise(
     weights: Sequence[str] = ("fp32",),
     lora_r: int = 0,
     heads: Sequence[str] = ("keep",),
+    lora_dropout: float = LORA_DROPOUT,
     **inputs,
 ) -> list[Advice]:
     """Every setup that fits ``budget`` less ``margin``, fastest first.
@@ -169,6 +172,7 @@ def advise(
         lora_r: LoRA rank on every linear layer of the blocks; 0 for full fine-tuning.
         heads: LM head treatments to try (``keep``, ``chunked``: a causal LM's; NOTE [The head in the
             estimate] in anatomy.py).
+        lora_dropout: peft's LoRA dropout with ``lora_r`` (memfit train's ``--lora_dropout``).
         **inputs: ``seq_length`` / ``image_size``, ``attention``, ``num_choices`` as for
             :func:`memfit.tools.estimate.estimate`.
 
@@ -198,8 +202,9 @@ def advise(
                   head: str = "keep") -> Advice:
         if (micro, precision, weight) not in activations:  # NOTE [What the meta count runs]: the weights' dtype, LoRA
             activations[micro, precision, weight] = activation_profile(profile, micro, precision=precision, weights=weight,
-                                                                       lora_r=lora_r, **inputs)
-        setup = TrainingSetup(precision, optimizer, micro, batch_size // micro, str(checkpointed), weight, lora_r, head)
+                                                                       lora_r=lora_r, lora_dropout=lora_dropout, **inputs)
+        setup = TrainingSetup(precision, optimizer, micro, batch_size // micro, str(checkpointed), weight, lora_r, head,
+                              lora_dropout=lora_dropout)
         est = estimate(profile, setup, activations=activations[micro, precision, weight], **inputs)
         method = {0: "none", n_blocks: "full"}.get(checkpointed, "dynamic")
         return Advice(method, est, _relative_time(setup, checkpointed, n_blocks, head_share))

@@ -86,10 +86,17 @@ from torch.utils._pytree import tree_leaves
 
 from memfit.engine.budget import Budget
 from memfit.engine.parts.head import HeadBytes, head_saved_bytes
+from memfit.engine.parts.treatments.base import RECOMPUTE
 from memfit.engine.parts.treatments.chunked_head import head_options, head_without_a_plan
+from memfit.engine.parts.treatments.elementwise import elementwise_parts
+from memfit.engine.parts.treatments.host_checkpoint import HOST_CHECKPOINT
+from memfit.engine.parts.treatments.host_checkpoint_tiled import HOST_CHECKPOINT_TILED
 from memfit.engine.parts.treatments.offload import size_class
+from memfit.engine.parts.treatments.recompute_tiled import RECOMPUTE_TILED
+from memfit.engine.parts.treatments.tiled_mlp import Chunking, mlp_chunks, tileable_mlps, tiled
 from memfit.engine.parts.optim_state import state_bytes_of_shapes
 from memfit.errors import DataError, FlagError, MissingFileError
+from memfit.tasks.causal_lm import LORA_DROPOUT, check_lora_dropout
 from memfit.tools.estimate.meta_kernels import cuda_kernels
 
 __all__ = [
@@ -105,6 +112,7 @@ __all__ = [
     "load_config",
     "ModelProfile",
     "ActivationProfile",
+    "MlpTiling",
     "activation_profile",
     "TrainingSetup",
     "MemoryEstimate",
@@ -507,6 +515,27 @@ def _trainable_params(*modules: nn.Module) -> int:
 
 
 @dataclass(frozen=True)
+class MlpTiling:
+    """How the count ran the blocks' gated MLPs where the setup tiles them (NOTE [The tiled MLP in the estimate]).
+
+    Attributes:
+        tiled_blocks: blocks whose MLP was counted tiled (0: none, and ``why_not`` says why).
+        chunks: the most chunks a tiled MLP ran in: the engine's :class:`~memfit.engine.parts.treatments.tiled_mlp.Chunking`
+            at this shape.
+        chunk_tokens: tokens of the longest chunk.
+        why_not: why the engine would not tile the blocks' MLPs; empty where it tiles them.
+        dropout_inside: the blocks' MLPs are gated, but a dropout of p > 0 inside them (peft's LoRA dropout) keeps
+            the engine from tiling them.
+    """
+
+    tiled_blocks: int = 0
+    chunks: int = 0
+    chunk_tokens: int = 0
+    why_not: str = ""
+    dropout_inside: bool = False
+
+
+@dataclass(frozen=True)
 class ActivationProfile:
     """Saved-for-backward bytes of one micro-batch, split by block."""
 
@@ -527,6 +556,9 @@ class ActivationProfile:
     fused_attention: bool = False
     """Counted on the meta device with attention as the fused kernel saves it (NOTE [Fused kernels on the
     meta device]); False for eager attention and for the BERT formula (which takes its kernel itself)."""
+    mlp_tiling: MlpTiling | None = None
+    """How the blocks' gated MLPs were counted where the setup tiles them (NOTE [The tiled MLP in the estimate]);
+    None where it does not ask: every MLP on every token at once."""
 
     def recompute_bytes(self, index: int, on_host: bool = False) -> int:
         """Bytes block ``index`` holds while it is recomputed: what it saves, and its kept input; on the host
@@ -570,7 +602,8 @@ class ActivationProfile:
 
 # NOTE [Checkpoints on the host in the estimate]
 # ``--checkpoint host`` puts every block on ``host_checkpoint`` (NOTE [Checkpoints on the host],
-# host_checkpoint.py): a block keeps nothing on the device between its forward and its recompute (its
+# host_checkpoint.py), as ``host_checkpoint_tiled`` where the engine tiles the model's MLP (NOTE [The tiled MLP
+# in the estimate]): a block keeps nothing on the device between its forward and its recompute (its
 # input waits in pinned host memory; the inputs every block is given stay, once). What stays on the device
 # for the blocks is then one block at a time: while block j is recomputed and runs its backward, what it
 # saves, its input back from the host, the stash below it fetched ahead (HOST_PREFETCH_DEPTH: the engine's
@@ -603,6 +636,8 @@ def activation_profile(
     element_bytes: ElementBytes | None = None,
     weights: str = "fp32",
     lora_r: int = 0,
+    lora_dropout: float = LORA_DROPOUT,
+    tile_mlp: bool = False,
 ) -> ActivationProfile:
     """Saved bytes per block for one micro-batch, and each block's backward temporaries.
 
@@ -612,8 +647,9 @@ def activation_profile(
     keeps its fp32 input (b·s·h·4). Other models are run once on the meta device under
     ``saved_tensors_hooks`` and the saved bytes are counted per block (NOTE [What the meta count
     runs]): in the weights' dtype (``weights``), with LoRA of rank ``lora_r`` on every linear layer
-    of the blocks, and ``attention`` ``sdpa`` counted as the fused kernel saves it where the model
-    runs SDPA; an upper bound under fp16/bf16 autocast (the meta device does not run it).
+    of the blocks (its dropout ``lora_dropout``), and ``attention`` ``sdpa`` counted as the fused kernel saves it
+    where the model runs SDPA; an upper bound under fp16/bf16 autocast (the meta device does not run it). With
+    ``tile_mlp`` the gated MLPs the engine tiles run tiled (NOTE [The tiled MLP in the estimate]).
 
     ``padding_mask`` (BERT family): whether batches carry padding, as dynamic padding almost
     always makes them. ``element_bytes`` (BERT family) replaces the CUDA element sizes of
@@ -651,12 +687,14 @@ def activation_profile(
             block_input_bytes=(rows * seq_length * config.hidden_size * e.residual,) * n,
             block_backward_bytes=(backward,) * n,
             input_saved=e.input_copies == 1,
+            mlp_tiling=MlpTiling(why_not=_NOT_GATED) if tile_mlp else None,
         )
     inputs = _meta_inputs(profile, micro_batch_size, rows, seq_length, image_size)
-    counted, fused = _meta_count(profile, inputs, attention, weights, lora_r)
-    # no formula: the gradients of a block's output and input, each the size of its input
-    return dataclasses.replace(counted, block_backward_bytes=tuple(2 * b for b in counted.block_input_bytes),
-                               fused_attention=fused)
+    counted, fused, tiling, chunk_bytes = _meta_count(profile, inputs, attention, weights, lora_r, lora_dropout, tile_mlp)
+    # no formula: the gradients of a block's output and input, each the size of its input; a tiled MLP's backward
+    # holds one chunk's intermediates besides (NOTE [The tiled MLP in the estimate])
+    backward = tuple(2 * b + c for b, c in zip(counted.block_input_bytes, chunk_bytes))
+    return dataclasses.replace(counted, block_backward_bytes=backward, fused_attention=fused, mlp_tiling=tiling)
 
 
 def _meta_inputs(
@@ -686,6 +724,15 @@ def _meta_inputs(
     return inputs
 
 
+def _storage_key(t: torch.Tensor) -> int:
+    """A tensor's storage, told apart from others on the meta device.
+
+    NOTE [Storage identity on meta]: meta storages have no address (data_ptr() is 0), so
+    storages are told apart by their StorageImpl handle (``_cdata``), shared by all views.
+    """
+    return t.untyped_storage()._cdata
+
+
 def _count_on_meta(model: nn.Module, inputs: dict[str, torch.Tensor]) -> ActivationProfile:
     """Run ``model`` on the meta device and count the bytes saved for backward per block.
 
@@ -696,11 +743,7 @@ def _count_on_meta(model: nn.Module, inputs: dict[str, torch.Tensor]) -> Activat
     from memfit.engine.parts.blocks import find_blocks
     from memfit.engine.shapes import first_tensor
 
-    # NOTE [Storage identity on meta]: meta storages have no address (data_ptr() is 0), so
-    # storages are told apart by their StorageImpl handle (``_cdata``), shared by all views.
-    def key(t: torch.Tensor) -> int:
-        return t.untyped_storage()._cdata
-
+    key = _storage_key
     blocks = [m for _, m in find_blocks(model)]
     skip = {key(t) for t in [*model.parameters(), *model.buffers()]}
     seen: set[int] = set()
@@ -749,43 +792,115 @@ def _count_on_meta(model: nn.Module, inputs: dict[str, torch.Tensor]) -> Activat
                              shared_input_bytes=sum(n for k, n in shared.items() if k not in seen))
 
 
-#: peft's LoRA dropout in the count: ``memfit train --use_peft``'s default ``--lora_dropout``
-LORA_DROPOUT = 0.05
-
-
-def _with_lora(model: nn.Module, r: int) -> nn.Module:
-    """``model`` (a meta copy) with peft's LoRA of rank ``r`` on every linear layer of the blocks, as ``memfit
-    train --use_peft --lora_target_modules all-linear`` puts it: the base frozen (its linear layers save no
-    input), each adapter's input dropped out in float32 (peft casts it to the adapter's dtype)."""
+def _with_lora(model: nn.Module, r: int, dropout: float = LORA_DROPOUT) -> nn.Module:
+    """``model`` (a meta copy) with peft's LoRA of rank ``r`` and dropout ``dropout`` (memfit train's
+    ``--lora_dropout``, :data:`~memfit.tasks.causal_lm.LORA_DROPOUT` by default) on every linear layer of the blocks,
+    as ``memfit train --use_peft --lora_target_modules all-linear`` puts it: the base frozen (its linear layers save
+    no input), each adapter's input (dropped out where ``dropout`` > 0) in float32 (peft casts it to the adapter's dtype)."""
     import peft
 
-    config = peft.LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=LORA_DROPOUT, target_modules="all-linear",
+    config = peft.LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=dropout, target_modules="all-linear",
                              task_type="CAUSAL_LM")
     with torch.device("meta"):
         return peft.get_peft_model(model, config)
 
 
-def _meta_count(profile: ModelProfile, inputs: dict[str, torch.Tensor], attention: str, weights: str,
-                lora_r: int) -> tuple[ActivationProfile, bool]:
+#: why a model's MLPs are not tiled when its blocks have no gated MLP (NOTE [Tiled MLP], tiled_mlp.py)
+_NOT_GATED = ("an MLP that is not gated (memfit tiles gate_proj, up_proj, down_proj and act_fn, or gate_up_proj, "
+              "down_proj and activation_fn)")
+
+
+def _meta_count(profile: ModelProfile, inputs: dict[str, torch.Tensor], attention: str, weights: str, lora_r: int,
+                lora_dropout: float = LORA_DROPOUT, tile_mlp: bool = False,
+                ) -> tuple[ActivationProfile, bool, MlpTiling | None, tuple[int, ...]]:
     """Count a meta copy of ``profile.model`` as a CUDA step runs it (NOTE [What the meta count runs]).
 
     # NOTE [What the meta count runs]
     A copy of the model on the meta device, in the weights' dtype (bf16 weights: bf16 activations, as
     ``--torch_dtype bfloat16`` runs; fp32 otherwise, an upper bound under autocast, which the meta
-    device does not run), with LoRA where it is asked (:func:`_with_lora`), and the fused kernels' saved
-    tensors (NOTE [Fused kernels on the meta device], meta_kernels.py): flash attention for ``sdpa``
-    where the model runs it, CUDA's dropout mask. The profile's own model is left as it is.
+    device does not run), with LoRA where it is asked (:func:`_with_lora`, its dropout ``--lora_dropout``), the
+    fused kernels' saved tensors (NOTE [Fused kernels on the meta device], meta_kernels.py): flash attention for
+    ``sdpa`` where the model runs it, CUDA's dropout mask; and with ``tile_mlp`` the gated MLPs the engine tiles
+    run tiled (NOTE [The tiled MLP in the estimate]). The profile's own model is left as it is.
+
+    # NOTE [The tiled MLP in the estimate]
+    Where the setup's blocks re-run with their MLP tiled (``--checkpoint host``: ``host_checkpoint_tiled``, the
+    engine's floor treatment where it tiles; ``--checkpoint tiled``: ``recompute_tiled``), the count runs the
+    engine's own tiled MLP (:func:`~memfit.engine.parts.treatments.tiled_mlp.tiled`, in the chunks the engine's
+    ``Chunking`` gives at this shape) on the MLPs the engine tiles
+    (:func:`~memfit.engine.parts.treatments.tiled_mlp.tileable_mlps`: gated, with no dropout of p > 0 inside, so
+    none under peft's LoRA dropout; a meta copy is neither sharded nor compiled). So what the block saves is
+    measured as the rest of the count measures it: its MLP keeps only its input. The MLP's backward runs it
+    again a chunk at a time, which the count does not run (it runs no backward): the block's backward
+    temporaries get what the plain MLP saves on the longest chunk's tokens, counted on the meta device (the
+    chunk's gradients, like an untiled MLP's, not counted), and the float32 sums of its parameters' gradients
+    where those are not float32 (full fine-tuning in bf16: 4 B a parameter). Elsewhere, and where the engine
+    would not tile, the MLP runs on every token at once, and the estimate's note says why (:class:`MlpTiling`).
 
     Returns:
-        The counted profile, and whether attention was counted as the fused kernel.
+        The counted profile, whether attention was counted as the fused kernel, how the MLPs were tiled (None
+        without ``tile_mlp``) and per block what its tiled MLP's backward holds (zeros where none is tiled).
     """
+    from memfit.engine.parts.blocks import find_blocks
+
     model = copy.deepcopy(profile.model)
     if weights == "bf16":
         model.to(torch.bfloat16)
     if lora_r:
-        model = _with_lora(model, lora_r)
-    with cuda_kernels(model, attention) as ran:
-        return _count_on_meta(model, inputs), ran.attention_calls > 0
+        model = _with_lora(model, lora_r, lora_dropout)
+    blocks = [b for _, b in find_blocks(model)]
+    mlps = [tileable_mlps(b) if tile_mlp else [] for b in blocks]
+    chunking = Chunking()
+    ran_on: dict[nn.Module, torch.Tensor] = {}  # each tiled MLP's input (a meta tensor)
+
+    def seen(mlp: nn.Module, args: tuple) -> None:
+        ran_on[mlp] = args[0]
+
+    handles = [m.register_forward_pre_hook(seen) for ms in mlps for m in ms]
+    try:
+        with cuda_kernels(model, attention) as ran, tiled([m for ms in mlps for m in ms], chunking):
+            counted = _count_on_meta(model, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    held = tuple(sum(_tiled_backward_bytes(m, ran_on[m], chunking) for m in ms if m in ran_on) for ms in mlps)
+    tiling = _mlp_tiling(blocks, [[m for m in ms if m in ran_on] for ms in mlps], ran_on, chunking,
+                         lora_dropout if lora_r else 0.0) if tile_mlp else None
+    return counted, ran.attention_calls > 0, tiling, held
+
+
+def _tiled_backward_bytes(mlp: nn.Module, x: torch.Tensor, chunking: Chunking) -> int:
+    """What ``mlp``'s tiled backward holds besides what the block saved, at input ``x`` (NOTE [The tiled MLP in the
+    estimate]): what the plain MLP saves on the longest chunk (its input, a view of the saved ``x``, not counted)
+    and the float32 sums of its gradients where its trainable parameters are not float32."""
+    chunks = mlp_chunks(mlp, x, chunking)
+    rows = -(-(x.numel() // x.shape[-1]) // chunks)  # the longest chunk: the first ones are a row longer
+    chunk = torch.empty(rows, x.shape[-1], dtype=x.dtype, device=x.device, requires_grad=True)
+    skip = {_storage_key(t) for t in [chunk, *mlp.parameters(), *mlp.buffers()]}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if _storage_key(t) not in skip:
+            saved[_storage_key(t)] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        mlp(chunk)
+    sums = 4 * sum(p.numel() for p in mlp.parameters() if p.requires_grad and p.dtype != torch.float32)
+    return sum(saved.values()) + sums
+
+
+def _mlp_tiling(blocks: list[nn.Module], tiled_mlps: list[list[nn.Module]], ran_on: dict[nn.Module, torch.Tensor],
+                chunking: Chunking, lora_dropout: float) -> MlpTiling:
+    """How the count tiled the blocks' MLPs, or why the engine would not (NOTE [The tiled MLP in the estimate])."""
+    if any(tiled_mlps):
+        chunks, tokens = max((mlp_chunks(m, ran_on[m], chunking), ran_on[m].numel() // ran_on[m].shape[-1])
+                             for ms in tiled_mlps for m in ms)
+        return MlpTiling(sum(1 for ms in tiled_mlps if ms), chunks, -(-tokens // chunks))
+    if not any(elementwise_parts(b)[1] for b in blocks):
+        return MlpTiling(why_not=_NOT_GATED)
+    lora = f": peft's LoRA dropout {lora_dropout:g}, --lora_dropout 0 tiles it" if lora_dropout else ""
+    return MlpTiling(why_not=f"an MLP with a dropout of p > 0 inside{lora}", dropout_inside=True)
 
 
 @dataclass(frozen=True)
@@ -801,9 +916,11 @@ class TrainingSetup:
     accumulation_steps: int = 1
     """Micro-batches per optimizer step (``--gradient_accumulation_steps``)."""
     checkpoint: str = "none"
-    """``none``, ``full`` (every block), a number of blocks to checkpoint, or ``host`` (every block on
-    ``host_checkpoint``: its input in pinned host memory until its recompute; NOTE [Checkpoints on the
-    host in the estimate])."""
+    """``none``, ``full`` (every block), a number of blocks to checkpoint, ``tiled`` (every block on
+    ``recompute_tiled``: recomputed, its gated MLP in chunks of tokens) or ``host`` (every block on
+    ``host_checkpoint_tiled``: its input in pinned host memory until its recompute, its MLP in chunks; NOTE
+    [Checkpoints on the host in the estimate]). Where the engine tiles no MLP of the model, ``tiled`` is
+    ``recompute`` and ``host`` ``host_checkpoint`` (NOTE [The tiled MLP in the estimate])."""
     weights: str = "fp32"
     """dtype the weights are stored in: ``fp32``, or ``bf16`` (``--torch_dtype bfloat16``: no fp32
     master copy; gradients and optimizer state in bf16 too). ``bf16`` needs precision ``bf16``."""
@@ -816,6 +933,9 @@ class TrainingSetup:
     head_chunks: int = 0
     """The chunked head's chunk count; 0: the count a step whose plan names no head runs (NOTE [The head in
     the estimate]). The floor (floor.py) gives the most the planner offers."""
+    lora_dropout: float = LORA_DROPOUT
+    """peft's LoRA dropout with ``lora_r`` (``--lora_dropout``; memfit train's default): its masks are counted,
+    and an MLP with a dropout inside is not tiled (NOTE [The tiled MLP in the estimate])."""
 
     def __post_init__(self) -> None:
         _check_choice("head", self.head, HEAD_CHOICES)
@@ -829,9 +949,10 @@ class TrainingSetup:
         if self.micro_batch_size < 1 or self.accumulation_steps < 1:
             raise FlagError("--batch_size and --gradient_accumulation_steps must be at least 1")
         if self.checkpoint not in CHECKPOINT_WORDS and not str(self.checkpoint).isdigit():
-            raise FlagError(f"--checkpoint {self.checkpoint!r}: write none, full, host or a number of blocks")
+            raise FlagError(f"--checkpoint {self.checkpoint!r}: write none, full, tiled, host or a number of blocks")
         if self.head_chunks < 0:
             raise FlagError(f"head_chunks {self.head_chunks}: give a chunk count of at least 1, or 0")
+        check_lora_dropout(self.lora_dropout)
 
     @property
     def batch_size(self) -> int:
@@ -846,7 +967,7 @@ class TrainingSetup:
         """
         if self.checkpoint == "none":
             return 0
-        if self.checkpoint in ("full", "host"):
+        if self.checkpoint in ("full", "tiled", "host"):
             return n_blocks
         if int(self.checkpoint) > n_blocks:
             raise FlagError(f"--checkpoint {self.checkpoint}: the model has only {n_blocks} blocks")
@@ -857,9 +978,14 @@ class TrainingSetup:
         """Every block on ``host_checkpoint`` (NOTE [Checkpoints on the host in the estimate])."""
         return self.checkpoint == "host"
 
+    @property
+    def tiles_mlp(self) -> bool:
+        """Every block re-run with its gated MLP tiled where the engine tiles it (NOTE [The tiled MLP in the estimate])."""
+        return self.checkpoint in ("tiled", "host")
+
 
 #: the words ``--checkpoint`` takes besides a number of blocks
-CHECKPOINT_WORDS = ("none", "full", "host")
+CHECKPOINT_WORDS = ("none", "full", "tiled", "host")
 #: what ``--head`` takes (NOTE [The head in the estimate])
 HEAD_CHOICES = ("keep", "chunked")
 
@@ -969,6 +1095,18 @@ class MemoryEstimate:
     host_bytes: int = 0
     """Pinned host memory the blocks on ``host_checkpoint`` hold (NOTE [Checkpoints on the host in the
     estimate]); outside the GPU and its budget, bounded by ``--memfit_host_budget``."""
+    mlp_tiling: MlpTiling | None = None
+    """How the blocks' gated MLPs were counted where the setup tiles them; None where it does not (NOTE [The
+    tiled MLP in the estimate])."""
+
+    @property
+    def block_treatment(self) -> str:
+        """The treatment every checkpointed block is counted on: ``recompute``, ``recompute_tiled``,
+        ``host_checkpoint`` or ``host_checkpoint_tiled`` (the tiled ones where the count tiled the MLP)."""
+        tiled = self.mlp_tiling is not None and self.mlp_tiling.tiled_blocks > 0
+        if self.setup.on_host:
+            return HOST_CHECKPOINT_TILED if tiled else HOST_CHECKPOINT
+        return RECOMPUTE_TILED if tiled else RECOMPUTE
 
     @property
     def static_bytes(self) -> int:
@@ -1100,6 +1238,8 @@ def estimate(
             padding_mask=padding_mask,
             weights=setup.weights,
             lora_r=setup.lora_r,
+            lora_dropout=setup.lora_dropout,
+            tile_mlp=setup.tiles_mlp,
         )
     shapes = profile.param_shapes
     optimizer = OPTIMIZERS[setup.optimizer]
@@ -1109,7 +1249,7 @@ def estimate(
     if not optimizer_available(setup.optimizer):
         notes.append(f"{optimizer.needs} is not installed here: `memfit train {' '.join(optimizer.train_flags)}` needs it")
     if not profile.bert_family:
-        notes.append(_meta_count_note(profile, setup, activations.fused_attention, attention))
+        notes.append(_meta_count_note(profile, setup, activations, attention))
     # NOTE [Weights dtype and LoRA in the estimate]
     # bf16 weights (--torch_dtype bfloat16) halve weights, gradients and the optimizer's
     # per-parameter state (kept in the parameters' dtype) and need no autocast copies. LoRA
@@ -1153,21 +1293,35 @@ def estimate(
         recompute_bytes=max((block_backward_moment(profile, activations, j, k, copies, setup.on_host) for j in range(k)),
                             default=0),
         host_bytes=pinned_host_bytes(activations, k) if setup.on_host else 0,
+        mlp_tiling=activations.mlp_tiling,
     )
 
 
-def _meta_count_note(profile: ModelProfile, setup: TrainingSetup, fused: bool, attention: str) -> str:
+def _meta_count_note(profile: ModelProfile, setup: TrainingSetup, activations: ActivationProfile, attention: str) -> str:
     """What the activations counted on the meta device assume (NOTE [What the meta count runs])."""
     kernel = ("attention as SDPA's fused (flash) kernel saves it: query, key, value, output, a float32 log-sum-exp; "
-              "no s x s matrix, no padding mask" if fused else
+              "no s x s matrix, no padding mask" if activations.fused_attention else
               f"eager attention ({'asked' if attention == 'eager' else 'the model does not run SDPA'}): its s x s "
               "weights counted")
     dtype = ("bf16 as the bf16 weights run" if setup.weights == "bf16" else
              "fp32: an upper bound under fp16/bf16 autocast" if setup.precision != "fp32" else "fp32")
-    lora = f", peft's LoRA r {setup.lora_r} with dropout {LORA_DROPOUT:g} on every linear layer" if setup.lora_r else ""
+    lora = f", peft's LoRA r {setup.lora_r} with dropout {setup.lora_dropout:g} on every linear layer" if setup.lora_r else ""
     return (f"activations counted on the meta device (no analytic formula for {profile.config.model_type}) in {dtype}{lora}; "
-            f"{kernel}; the MLP on every token at once (no tiling); a block's backward holds two block inputs "
+            f"{kernel}; {_mlp_words(activations.mlp_tiling, setup)}; a block's backward holds two block inputs "
             "besides what it saved (the MLP's own gradient temporaries not counted)")
+
+
+def _mlp_words(tiling: MlpTiling | None, setup: TrainingSetup) -> str:
+    """How the count ran the MLP, in words (NOTE [The tiled MLP in the estimate])."""
+    if tiling is None:
+        return "the MLP on every token at once (--checkpoint tiled or host count it tiled)"
+    if not tiling.tiled_blocks:
+        return f"the MLP on every token at once: not tiled, as memfit does not tile {tiling.why_not}"
+    treatment = HOST_CHECKPOINT_TILED if setup.on_host else RECOMPUTE_TILED
+    return (f"the MLP tiled as {treatment} runs it, in {tiling.chunks} chunk{'s' * (tiling.chunks > 1)} of at most "
+            f"{tiling.chunk_tokens:,} tokens (the engine's chunking at this shape): it saves its input only, and its "
+            "backward holds one chunk's intermediates (and the float32 sums of its gradients where its weights are "
+            "trained in bf16)")
 
 
 def _meta_head_saved(profile: ModelProfile, tokens: int, weights: str = "fp32", lora: bool = False) -> int:
@@ -1251,8 +1405,9 @@ def format_table(est: MemoryEstimate, budget: Budget | None = None, *, title: st
         ("gradients", est.gradients_bytes, "2 B/param bf16" if s.weights == "bf16" and not s.lora_r else "4 B/param fp32"),
         ("optimizer state", est.optimizer_state_bytes, f"{s.optimizer} (fp32 state)"),
         ("activations", est.activations_bytes,
-         f"saved for backward, every block on host_checkpoint: on the device one block at a time, the inputs on the host"
-         if s.on_host else f"saved for backward, {est.checkpointed_blocks} of {est.n_blocks} blocks checkpointed"),
+         f"saved for backward, every block on {est.block_treatment}: on the device one block at a time, the inputs on the host"
+         if s.on_host else f"saved for backward, {est.checkpointed_blocks} of {est.n_blocks} blocks checkpointed"
+         + (f" (every block on {est.block_treatment})" if s.tiles_mlp else "")),
         ("forward + backward", est.backward_bytes,
          "above weights + state: copies + activations + gradients made so far + backward temporaries"),
         *_head_rows(est),

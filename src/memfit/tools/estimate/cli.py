@@ -9,9 +9,18 @@ from typing import Any
 from memfit.engine.budget import Budget, format_bytes, parse_bytes
 from memfit.errors import ArgumentParser, FlagError
 from memfit.tools.estimate.advise import DEFAULT_MARGIN, NothingFitsError, advise, format_advice
-from memfit.tools.estimate.floor import FloorTooHighError, Floors, floor_lengths, floor_too_high, floor_words, format_floor
+from memfit.tools.estimate.floor import (
+    FloorTooHighError,
+    Floors,
+    floor_lengths,
+    floor_too_high,
+    floor_words,
+    format_floor,
+    plan_words,
+)
 from memfit.tasks import TASKS as TRAIN_TASKS
 from memfit.tasks._common import bundled_config
+from memfit.tasks.causal_lm import LORA_DROPOUT, check_lora_dropout
 from memfit.tools.estimate.anatomy import (
     HEAD_CHOICES,
     OPTIMIZERS,
@@ -52,12 +61,17 @@ def _parser() -> ArgumentParser:
     p.add_argument("--precision", default="fp32", choices=PRECISIONS, help="fp32, or mixed precision bf16/fp16")
     p.add_argument("--optimizer", default="adamw", choices=tuple(OPTIMIZERS))
     p.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--checkpoint", default="none", help="none, full, host (every block on host_checkpoint: its input in "
-                   "pinned host memory until its recompute), or a number of blocks to checkpoint")
+    p.add_argument("--checkpoint", default="none", help="none, full, tiled (every block on recompute_tiled: recomputed, its "
+                   "gated MLP in chunks of tokens), host (every block on host_checkpoint_tiled: its input in pinned host "
+                   "memory until its recompute, its MLP in chunks; host_checkpoint where memfit tiles no MLP of the model), "
+                   "or a number of blocks to checkpoint")
     p.add_argument("--weights", default="fp32", choices=("fp32", "bf16"),
                    help="dtype of the stored weights (bf16: causal-lm's --torch_dtype bfloat16; needs --precision bf16)")
     p.add_argument("--lora_r", type=int, default=0, help="LoRA rank on every linear layer of the blocks (causal-lm's "
                    "--use_peft); 0: full fine-tuning")
+    p.add_argument("--lora_dropout", type=float, help=f"with --lora_r: peft's LoRA dropout, as memfit train's flag "
+                   f"(default {LORA_DROPOUT}); memfit tiles no MLP with a dropout inside, so the floor and --checkpoint "
+                   "host and tiled count the MLP tiled only with 0")
     p.add_argument("--head", default="keep", choices=HEAD_CHOICES, help="a causal LM's head: keep (the model's own "
                    "loss: float32 logits and cross-entropy's copy) or chunked (memfit's chunked logits and loss); "
                    "--advise tries both")
@@ -67,8 +81,9 @@ def _parser() -> ArgumentParser:
                    "then shown in its unit family (MB/GB, or MiB/GiB)")
     p.add_argument("--advise", action="store_true", help="list the fastest setups that fit --memory_budget")
     p.add_argument("--floor", action="store_true", help="the floor per sequence length (text models): the smallest cap "
-                   "memfit's treatments reach, every block on host_checkpoint and the LM head chunked the most, from 1k "
-                   "tokens up to --seq_length (or the model's positions), and with --memory_budget the longest it admits")
+                   "memfit's treatments reach, every block on host_checkpoint_tiled (host_checkpoint where the MLP is not "
+                   "tiled) and the LM head chunked the most, from 1k tokens up to --seq_length (or the model's positions), "
+                   "and with --memory_budget the longest it admits")
     p.add_argument("--memfit_host_budget", help="pinned host memory host_checkpoint may hold, as memfit train's flag "
                    "('16GiB', '16GB' or bytes): the floor's pinned bytes are checked against it")
     p.add_argument("--top", type=int, default=10, help="setups listed by --advise")
@@ -160,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
             f"--batch_size {args.batch_size} is not a multiple of --gradient_accumulation_steps "
             f"{args.gradient_accumulation_steps}"
         )
+    if args.lora_dropout is not None and not args.lora_r:  # as memfit train's, without --use_peft
+        raise FlagError("--lora_dropout configures LoRA: give --lora_r (or drop it for full fine-tuning)")
+    args.lora_dropout = LORA_DROPOUT if args.lora_dropout is None else args.lora_dropout
+    check_lora_dropout(args.lora_dropout)
     config = load_config(args.model, args.config)
     if args.task is None:
         decoder = any(a.endswith("ForCausalLM") for a in getattr(config, "architectures", None) or ())
@@ -183,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         # named as the change that would fit when nothing does.
         weights = ("fp32", "bf16") if args.task == "causal-lm" else ("fp32",)
         heads = HEAD_CHOICES if args.task == "causal-lm" else ("keep",)  # NOTE [The head in the estimate]
-        options = dict(precisions=("fp32", half), optimizers=optimizers, margin=args.margin, weights=weights, heads=heads)
+        options = dict(precisions=("fp32", half), optimizers=optimizers, margin=args.margin, weights=weights, heads=heads,
+                       lora_dropout=args.lora_dropout)
         try:
             ranked = advise(profile, args.batch_size, budget, lora_r=args.lora_r, **options, **inputs)
         except NothingFitsError as err:
@@ -207,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         weights=args.weights,
         lora_r=args.lora_r,
         head=args.head,
+        lora_dropout=args.lora_dropout,
     )
     if not args.floor or args.seq_length:  # without a length the estimate asks for one (--floor: up to the model's)
         print(format_table(estimate(profile, setup, **inputs), budget, title=title))
@@ -260,8 +281,8 @@ def _floor_line(floors: Floors, args: Any, budget: Budget | None) -> str:
     """The floor at the shape estimated, in one line under its table (NOTE [The floor] in floor.py)."""
     est = floors.at(args.seq_length)
     size = budget.size if budget is not None else format_bytes
-    line = (f"floor at this shape (every block on host_checkpoint, its input in pinned host memory, {size(est.host_bytes)} "
-            f"here; the LM head chunked the most): {floor_words(est, size)}; --floor for the floor per length")
+    line = (f"floor at this shape ({plan_words(est)}; {size(est.host_bytes)} pinned): {floor_words(est, size)}; "
+            "--floor for the floor per length")
     if budget is None:
         return line
     why = floor_too_high(floors, args.seq_length, budget, args.margin, _positions(floors.profile) or args.seq_length,

@@ -1,14 +1,18 @@
 """The floor of a shape: the smallest cap memfit's treatments reach, said before it is hit (``memfit estimate --floor``).
 
 # NOTE [The floor]
-The floor of a shape (micro-batch x sequence length) is the estimate of its step with every block on
-``host_checkpoint`` (NOTE [Checkpoints on the host in the estimate], anatomy.py: no block input on the
-device) and the LM head chunked in the most chunks the planner offers (:func:`most_head_chunks`): the
+The floor of a shape (micro-batch x sequence length) is the estimate of its step with every block on the
+engine's floor treatment (``floor_treatment``, treatments/__init__.py): ``host_checkpoint_tiled`` where the
+engine tiles the model's MLP, else ``host_checkpoint`` (NOTE [Checkpoints on the host in the estimate] and NOTE
+[The tiled MLP in the estimate], anatomy.py: no block input on the device, and the MLP's intermediates one chunk
+at a time), and the LM head chunked in the most chunks the planner offers (:func:`most_head_chunks`): the
 static memory (weights, gradients, optimizer state, library workspaces) and one block's recompute and
 backward at a time, with the head's rows and one chunk's logits. No plan of memfit's treatments keeps
 less on the device (the others keep a block's input, or its saved tensors, or fetch a whole block's saved
-tensors back): a budget under it cannot train that shape, whatever the method, and the pinned host memory
-it holds (every block's input) must fit the host budget (``--memfit_host_budget``). Whether it fits is judged
+tensors back, or make its MLP's intermediates for every token at once): a budget under it cannot train that
+shape, whatever the method, and the pinned host memory it holds (every block's input) must fit the host budget
+(``--memfit_host_budget``). Whether the MLP tiles depends on the setup as well as the model (peft's LoRA
+dropout inside the MLP rules it out): the estimate's note says which was counted. Whether it fits is judged
 against the budget less ``--margin``, as ``--advise`` judges (NOTE [Advice keeps a margin], advise.py).
 It is an estimate, with the assumptions of the count (NOTE [What the meta count runs], anatomy.py: the
 estimate's note says them for the model) and its own (:data:`FLOOR_ASSUMES`), both said under every floor
@@ -37,7 +41,7 @@ from memfit.tools.estimate.anatomy import (
 )
 
 __all__ = ["FLOOR_ASSUMES", "FloorTooHighError", "Floors", "floor_estimate", "floor_lengths", "format_floor",
-           "floor_words", "floor_too_high"]
+           "floor_words", "floor_too_high", "plan_words"]
 
 #: the shortest length of the floor table (a shorter one is searched only where it does not fit)
 SHORTEST = 1024
@@ -55,8 +59,9 @@ class FloorTooHighError(NothingFitsError):
 
 
 def floor_estimate(profile: ModelProfile, setup: TrainingSetup, seq_length: int, **inputs) -> MemoryEstimate:
-    """The estimate of ``setup``'s step at its floor (NOTE [The floor]): every block on ``host_checkpoint``,
-    the head chunked in the most chunks the planner offers at these tokens.
+    """The estimate of ``setup``'s step at its floor (NOTE [The floor]): every block on ``host_checkpoint_tiled``
+    (``host_checkpoint`` where the engine tiles no MLP), the head chunked in the most chunks the planner offers at
+    these tokens.
 
     Example:
         >>> floor_estimate(profile, TrainingSetup("bf16", weights="bf16", micro_batch_size=1), 65536).total_bytes  # doctest: +SKIP
@@ -166,10 +171,10 @@ def format_floor(floors: Floors, lengths: Sequence[int], budget: Budget | None, 
     size = budget.size if budget is not None else format_bytes
     micro = floors.setup.micro_batch_size
     rows = sorted({*((n, micro) for n in lengths), *([longest] if longest else [])})
+    first = floors.at(*rows[0])
     lines = [
-        f"floor per sequence length: the smallest cap memfit's treatments reach (every block on host_checkpoint, its "
-        f"input in pinned host memory; the LM head chunked the most), {floors.setup.precision}, {floors.setup.weights} "
-        f"weights{f', LoRA r {floors.setup.lora_r}' if floors.setup.lora_r else ''}, {floors.setup.optimizer}",
+        f"floor per sequence length: the smallest cap memfit's treatments reach ({plan_words(first)}), "
+        f"{floors.setup.precision}, {floors.setup.weights} weights{_lora_words(floors.setup)}, {floors.setup.optimizer}",
         "",
         f"| seq_length | micro-batch | tokens | floor {unit[0]} | one block {unit[0]} | LM head {unit[0]} | pinned host {unit[0]} |"
         + (" fits |" if budget is not None else ""),
@@ -191,8 +196,23 @@ def format_floor(floors: Floors, lengths: Sequence[int], budget: Budget | None, 
             est = floors.at(*longest)
             lines += ["", f"longest that fits {within}: {longest[0]:,} tokens a row at micro-batch {longest[1]} (floor "
                           f"{floor_words(est, size)}; pinned host memory {size(est.host_bytes)})"]
-    lines += [""] + [f"note: {n}" for n in (*floors.at(*rows[0]).notes, FLOOR_ASSUMES)]
+    lines += [""] + [f"note: {n}" for n in (*first.notes, FLOOR_ASSUMES)]
     return "\n".join(lines)
+
+
+def plan_words(est: MemoryEstimate) -> str:
+    """The floor's plan in words: ``"every block on host_checkpoint_tiled, its input in pinned host memory and its MLP
+    in 15 chunks of tokens; the LM head chunked the most"``, or why the MLP is not tiled (NOTE [The floor])."""
+    tiling = est.mlp_tiling
+    if tiling is not None and tiling.tiled_blocks:
+        mlp = f" and its MLP in {tiling.chunks} chunk{'s' * (tiling.chunks > 1)} of tokens"
+    else:
+        mlp = f", its MLP not tiled (memfit does not tile {tiling.why_not})" if tiling is not None else ""
+    return f"every block on {est.block_treatment}, its input in pinned host memory{mlp}; the LM head chunked the most"
+
+
+def _lora_words(setup: TrainingSetup) -> str:
+    return f", LoRA r {setup.lora_r} (dropout {setup.lora_dropout:g})" if setup.lora_r else ""
 
 
 def _host_words(floors: Floors, size: Callable[[int], str]) -> str:
@@ -236,7 +256,7 @@ def floor_too_high(floors: Floors, seq_length: int, budget: Budget, margin: floa
     if not host_short:
         bound = _HOST_DEFAULT if floors.host_budget_bytes is None else f"{size(floors.host_budget_bytes)} given"
         said.append(f"; it pins {size(est.host_bytes)} of host memory ({host_budget_name}: {bound})")
-    said.append(". Even every block on host_checkpoint and the LM head chunked the most do not fit; change one of:")
+    said.append(f". Even every block on {est.block_treatment} and the LM head chunked the most do not fit; change one of:")
     changes = []
     longest = floors.longest(min(seq_length, limit))
     if longest:
@@ -250,6 +270,14 @@ def floor_too_high(floors: Floors, seq_length: int, budget: Budget, margin: floa
         at = with_lora.at(seq_length)
         changes.append(f"LoRA: --use_peft (--lora_r {lora_setup.lora_r} here), its floor {size(at.total_bytes)}"
                        + ("" if with_lora.admits(at) else ", not enough alone"))
+    if floors.setup.lora_r and floors.setup.lora_dropout and est.mlp_tiling and est.mlp_tiling.dropout_inside:
+        # NOTE [The tiled MLP in the estimate]: without peft's dropout the MLP may tile
+        without = Floors(floors.profile, dataclasses.replace(floors.setup, lora_dropout=0.0), floors.usable_bytes,
+                         floors.host_budget_bytes, **floors.inputs)
+        at = without.at(seq_length)
+        if at.mlp_tiling and at.mlp_tiling.tiled_blocks:
+            changes.append(f"no LoRA dropout, so that memfit tiles the MLP: --lora_dropout 0 (here too), its floor "
+                           f"{size(at.total_bytes)}" + ("" if without.admits(at) else ", not enough alone"))
     if gpu_short and est.static_bytes + est.workspace_bytes > floors.usable_bytes:
         lighter = [] if floors.setup.weights == "bf16" else ["bf16 weights (--torch_dtype bfloat16; --weights bf16 here)"]
         changes.append("a smaller static part (weights, gradients, optimizer state: "

@@ -73,7 +73,8 @@ if TYPE_CHECKING:
     from memfit.engine.parts.accounting import SavedTensorCounter
     from memfit.engine.parts.treatments.base import Block, ProbeKit
 
-__all__ = ["TILED_MLP", "TiledMlp", "Chunking", "tiled_mlp", "tileable_mlps", "tiled", "CHUNK_BYTES", "MIN_CHUNK_TOKENS"]
+__all__ = ["TILED_MLP", "TiledMlp", "Chunking", "tiled_mlp", "tileable_mlps", "tiled", "mlp_chunks", "CHUNK_BYTES",
+           "MIN_CHUNK_TOKENS"]
 
 logger = logging.getLogger("memfit")
 
@@ -145,8 +146,10 @@ def _intermediate(mlp: nn.Module) -> int:
 
 
 def _autocast_states(device_type: str) -> list[tuple[str, bool, torch.dtype]]:
+    """The autocast state of ``device_type`` and the CPU's, for the device types autocast knows (not
+    ``meta``, which ``memfit estimate`` counts tiled MLPs on)."""
     types = [device_type] if device_type == "cpu" else [device_type, "cpu"]
-    return [(t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types]
+    return [(t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types if torch.amp.is_autocast_available(t)]
 
 
 class _TiledMlpFunction(torch.autograd.Function):
@@ -239,21 +242,23 @@ def tiled_mlp(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chun
     return _TiledMlpFunction.apply(run, x, chunks, *params)
 
 
+def mlp_chunks(mlp: nn.Module, x: torch.Tensor, chunking: Chunking) -> int:
+    """The chunks ``mlp`` (a gated MLP) runs ``x``'s tokens in when tiled (NOTE [Tiled MLP])."""
+    return chunking.count(x.numel() // x.shape[-1], _intermediate(mlp), x.element_size())
+
+
 class _TiledForward:
     """A gated MLP's forward as the model's, its tokens in chunks (NOTE [Tiled MLP])."""
 
     def __init__(self, mlp: nn.Module, chunking: Chunking):
         self.mlp, self.chunking = mlp, chunking
         self.plain = type(mlp).forward.__get__(mlp)
-        self.intermediate = _intermediate(mlp)
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         params = [p for p in self.mlp.parameters() if p.requires_grad]
         if args or kwargs or not isinstance(x, torch.Tensor) or x.dim() < 2 or not torch.is_grad_enabled() or not (params or x.requires_grad):
             return self.plain(x, *args, **kwargs)
-        tokens = x.numel() // x.shape[-1]
-        chunks = self.chunking.count(tokens, self.intermediate, x.element_size())
-        return tiled_mlp(self.plain, x, chunks, params)
+        return tiled_mlp(self.plain, x, mlp_chunks(self.mlp, x, self.chunking), params)
 
 
 @contextlib.contextmanager
