@@ -337,6 +337,13 @@ def test_a_replay_of_every_block_recomputed_runs_the_tiled_floor(monkeypatch, na
     record = ctl.records[-1]
     assert record.oom_retries == 1 and record.phase == "warmup"
     assert record.block_treatments == {floor: [0, 1, 2]}
+    # NOTE [Warm-up on the floor]: the next warm-up steps of as many tokens or more start there (no failed
+    # forward); a shorter one tries every block recomputed again
+    for length, retries in ((16, 0), (24, 0), (8, 1)):
+        batch = make(2, length)
+        ctl.run_step(lambda batch=batch: model(**batch).loss.backward())
+        record = ctl.records[-1]
+        assert (record.phase, record.oom_retries, record.block_treatments) == ("warmup", retries, {floor: [0, 1, 2]}), length
     ctl.remove()
 
 

@@ -24,6 +24,13 @@ replay of every block recomputed (warm-up's plan included) runs the floor plan, 
 re-run whole on the re-run that keeps least where the run offers one (``floor_treatment``: its
 input off the device, then its MLP tiled: ``host_checkpoint_tiled``, ``host_checkpoint``,
 ``recompute_tiled``); if that is still too much, the budget is too small (``note_oom`` says so).
+
+# NOTE [Warm-up on the floor]
+Warm-up recomputes every block while the probes measure. At the tight end that plan does not fit a
+long batch (a recomputed block's MLP, all its tokens at once, over the room), so each warm-up step
+ran out of memory once and replayed on the floor: every step of a run of one long length paid a
+failed forward. Once warm-up's plan has run out of memory at some number of tokens, later warm-up
+steps of at least as many start on the floor plan.
 """
 
 from __future__ import annotations
@@ -102,6 +109,8 @@ class Dynamic(Method):
         self._counted_range: tuple[int, int] | None = None
         #: buckets whose next step counts: an uncounted step of theirs peaked above its prediction
         self._count_next: set[tuple[int, int]] = set()
+        #: the fewest tokens at which warm-up's every-block-recomputed plan ran out of memory (NOTE [Warm-up on the floor])
+        self._floor_tokens: int | None = None
 
     def make_protection(
         self, new_store: Callable[[], "ReactiveStore"], planning: "Planning", meter: object, counter: "SavedTensorCounter",
@@ -133,7 +142,11 @@ class Dynamic(Method):
                 self._warm_repeats = self._warm_repeats + 1 if tokens in self._warm_tokens else 0
                 self._warm_tokens.add(tokens)
                 self._note_counted(tokens)
-                return Decision(_treating_more(planning, Plan(planning.all_blocks), failed), warmup=True, count=True)
+                every = Plan(planning.all_blocks)
+                if failed is not None and failed.layout == every.layout:  # NOTE [Warm-up on the floor]
+                    self._floor_tokens = min(tokens, self._floor_tokens or tokens)
+                warm = _floor(planning) if self._floor_tokens is not None and tokens >= self._floor_tokens else every
+                return Decision(_treating_more(planning, warm, failed), warmup=True, count=True)
             self._steady = True  # the model stays ready and the counts only grow
         low, high = self._counted_range or (tokens, tokens - 1)
         count = (  # NOTE [Which steps count]
@@ -177,6 +190,11 @@ def _treating_more(planning: "Planning", plan: Plan, failed: Plan | None) -> Pla
     """``plan``, or the floor plan where ``failed`` already was ``plan`` (NOTE [A replay treats more])."""
     if failed is None or failed.layout != plan.layout:
         return plan
+    return _floor(planning)
+
+
+def _floor(planning: "Planning") -> Plan:
+    """Every block on the re-run that keeps least (NOTE [A replay treats more])."""
     floor = floor_treatment(planning.registry)
     return Plan(planning.all_blocks, kinds=(floor,) * planning.n_blocks)
 
