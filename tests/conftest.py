@@ -3,4 +3,15 @@ import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# NOTE [One thread per test process]: the tests' models are tiny, so torch's intra-op threads
+# only add the cost of waking them; where another process holds a core (a second test
+# process, a torchrun rank, another job) a parallel region waits on a descheduled thread,
+# which made some tests 5-20x slower. Set before torch is imported, so the processes the
+# tests start (the CLI, torchrun's ranks, the benchmark scripts) inherit it too; a value
+# already set wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

@@ -130,13 +130,14 @@ def what_would_fit(profile: ModelProfile, args: Any, budget: Budget, options: di
         tries.append((f"--batch_size {batch}", {"lora_r": args.lora_r, "batch_size": batch}, {}))
     fits = []
     for words, extra, changed in tries:
+        if any(f.split()[0] == words.split()[0] for f in fits):  # values shrink: the first that fits is the largest
+            continue  # said already: no need to count the smaller values on the meta device
         batch_size = extra.pop("batch_size", args.batch_size)
         try:
             advise(profile, batch_size, budget, **options, **extra, **{**inputs, **changed})
         except NothingFitsError:
             continue
-        if not any(f.split()[0] == words.split()[0] for f in fits):  # values shrink: the first is the largest
-            fits.append(words)
+        fits.append(words)
     if not fits:
         return ". No single change of batch size, length or LoRA fits either; else pick a smaller model."
     return ". The smallest change that fits: " + ", or ".join(fits) + "."
