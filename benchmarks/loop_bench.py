@@ -1204,7 +1204,10 @@ def _reach(args, model, batches, initial, emit, started: float) -> None:
         sys.path.insert(0, here)
     from bisect_caps import GIB, caps_gib, fits, smallest_fitting, write_reach
 
-    caps = caps_gib(*args.reach_gib, args.reach_step_gib)
+    try:
+        caps = caps_gib(*args.reach_gib, args.reach_step_gib)
+    except ValueError as e:
+        raise SystemExit(f"loop_bench: {e}") from None
     rows = []
     for name in [m for m in args.methods if m not in ("plain", "none", "none+compile", "alt", "alt-dynamic")]:
         def trial(cap_gib: float, name=name) -> bool:

@@ -120,9 +120,17 @@ def test_a_budget_below_even_the_per_tensor_step_is_one_error_and_leaves_the_opt
     assert all(g["foreach"] is True for g in opt.param_groups)
 
 
-def test_the_trainer_s_expected_step_counts_the_per_tensor_step_where_foreach_would_not_fit():
+def test_the_trainer_s_expected_step_counts_the_per_tensor_step_where_foreach_would_not_fit(monkeypatch):
+    from memfit.engine.parts import optim_state
+
+    chosen = optim_state._implementation
+    # torch's choice on an accelerator (foreach), where a CPU's is the for-loop
+    monkeypatch.setattr(optim_state, "_implementation",
+                        lambda params, group: "foreach" if group.get("foreach") is None else chosen(params, group))
     params = list(_Stack().parameters())
     made = expected_step_bytes("adamw_torch", params, 0.0, None)
-    assert expected_step_bytes("adamw_torch", params, 0.0, made) == made
-    assert expected_step_bytes("adamw_torch", params, 0.0, made - 1) <= made
+    per_tensor = optim_state.expected_step_transient_bytes("adamw_torch", params, 0.0, foreach=False)
+    assert per_tensor < made
+    assert expected_step_bytes("adamw_torch", params, 0.0, made) == made  # foreach's fits: as made
+    assert expected_step_bytes("adamw_torch", params, 0.0, made - 1) == per_tensor  # it does not: per tensor
     assert expected_step_bytes("adamw_torch_fused", params, 0.0, 0) == 0

@@ -258,12 +258,14 @@ def _group_transient_bytes(kind: str, params: Sequence[torch.Tensor], local: Cal
 
 def torch_step_transient_bytes(
     optimizer: torch.optim.Optimizer | None, local: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    per_tensor: bool = False,
 ) -> int | None:
     """Bytes ``optimizer.step()`` allocates on top of its state (NOTE [Optimizer step transient]).
 
     Args:
         optimizer: a torch optimizer (its trainable parameters: those that require grad).
         local: the tensor a rank holds of a parameter (a DTensor's local shard under FSDP2).
+        per_tensor: as if the groups that are not fused ran torch's for-loop step (parts/optimizer_step.py).
 
     Returns:
         The largest parameter group's temporaries; 0 for no optimizer; None for a class whose
@@ -287,7 +289,8 @@ def torch_step_transient_bytes(
         params = [p for p in group["params"] if p.requires_grad]
         if not params:
             continue
-        options = {"decoupled_weight_decay": decoupled, **group, "_impl": _implementation(params, group)}
+        impl = _implementation(params, group)
+        options = {"decoupled_weight_decay": decoupled, **group, "_impl": "for-loop" if per_tensor and impl != "fused" else impl}
         out = max(out, _group_transient_bytes("fused" if options["_impl"] == "fused" else kind, params, local, options))
     return out
 

@@ -44,17 +44,8 @@ def _per_tensor_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
 
 def _transients(optimizer: torch.optim.Optimizer, local: Callable | None) -> dict[str, int | None]:
     """Each treatment's temporaries (None: the optimizer's class is not predicted)."""
-    out = {AS_MADE: torch_step_transient_bytes(optimizer, local)}
-    groups = _per_tensor_groups(optimizer)
-    before = [g.get("foreach") for g in groups]
-    for g in groups:
-        g["foreach"] = False
-    try:
-        out[PER_TENSOR] = torch_step_transient_bytes(optimizer, local)
-    finally:
-        for g, was in zip(groups, before):
-            g["foreach"] = was
-    return out
+    return {AS_MADE: torch_step_transient_bytes(optimizer, local),
+            PER_TENSOR: torch_step_transient_bytes(optimizer, local, per_tensor=True)}
 
 
 def choose_step(

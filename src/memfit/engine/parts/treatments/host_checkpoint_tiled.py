@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from memfit.engine.parts.treatments.host_checkpoint import HOST_CHECKPOINT, HostCheckpoint
-from memfit.engine.parts.treatments.tiled_mlp import TILED_MLP, Chunking, TiledMlp, probe_tiled, tileable_mlps, tiled_body
+from memfit.engine.parts.treatments.tiled_mlp import TILED_MLP, Chunking, TiledMlp, TiledReruns, offered, probe_tiled
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -30,7 +30,7 @@ __all__ = ["HOST_CHECKPOINT_TILED", "HostCheckpointTiled"]
 HOST_CHECKPOINT_TILED = "host_checkpoint_tiled"
 
 
-class HostCheckpointTiled(HostCheckpoint):
+class HostCheckpointTiled(TiledReruns, HostCheckpoint):
     """``host_checkpoint`` with the gated MLP tiled in the block's runs (NOTE [Tiled MLP])."""
 
     name = HOST_CHECKPOINT_TILED
@@ -44,19 +44,10 @@ class HostCheckpointTiled(HostCheckpoint):
         super().__init__(*args, **kwargs)
         self._tiled = TiledMlp(chunking)
 
-    @property
-    def chunking(self) -> Chunking:
-        """How many chunks an MLP's tokens run in (NOTE [Tiled MLP])."""
-        return self._tiled.chunking
-
-    @chunking.setter
-    def chunking(self, value: Chunking) -> None:
-        self._tiled.chunking = value
-
     @classmethod
     def by_default(cls, modules: "Sequence[nn.Module]", compile_options: "dict[str, Any] | None") -> bool:
         """Offered where ``host_checkpoint`` is (blocks on a GPU) to eager blocks with a gated MLP to tile."""
-        return compile_options is None and HostCheckpoint.by_default(modules, compile_options) and any(tileable_mlps(m) for m in modules)
+        return HostCheckpoint.by_default(modules, compile_options) and offered(modules, compile_options)
 
     @classmethod
     def probe(cls, block: "Block", kit: "ProbeKit") -> tuple[int, float | None] | None:
@@ -66,4 +57,4 @@ class HostCheckpointTiled(HostCheckpoint):
         return super().probe(block, kit)
 
     def _body(self, block: "Block") -> Any:
-        return tiled_body(block.run_body, self._tiled.mlps(block), self.chunking)
+        return self.tiled_run_body(block)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.checkpoint import checkpoint
 
 from memfit.engine.parts.treatments.base import RECOMPUTE, RunOptions, Treatment
-from memfit.engine.parts.treatments.tiled_mlp import TILED_MLP, Chunking, TiledMlp, offered, probe_tiled, tiled_body
+from memfit.engine.parts.treatments.tiled_mlp import TILED_MLP, Chunking, TiledMlp, TiledReruns, offered, probe_tiled, tiled_body
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -30,7 +30,7 @@ __all__ = ["RECOMPUTE_TILED", "RecomputeTiled"]
 RECOMPUTE_TILED = "recompute_tiled"
 
 
-class RecomputeTiled(Treatment):
+class RecomputeTiled(TiledReruns, Treatment):
     """Whole-block checkpoint whose recompute runs the gated MLP in chunks of tokens (NOTE [Tiled MLP])."""
 
     name = RECOMPUTE_TILED
@@ -54,18 +54,8 @@ class RecomputeTiled(Treatment):
     def __init__(self, chunking: Chunking | None = None):
         self._tiled = TiledMlp(chunking)
 
-    @property
-    def chunking(self) -> Chunking:
-        """How many chunks an MLP's tokens run in (NOTE [Tiled MLP])."""
-        return self._tiled.chunking
-
-    @chunking.setter
-    def chunking(self, value: Chunking) -> None:
-        self._tiled.chunking = value
-
     def run(self, block: "Block", args: tuple, kwargs: dict[str, Any]) -> Any:
-        body = tiled_body(block.run_body, self._tiled.mlps(block), self.chunking)
-        return checkpoint(body, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        return checkpoint(self.tiled_run_body(block), *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
     @classmethod
     def probe(cls, block: "Block", kit: "ProbeKit") -> tuple[int, float | None] | None:

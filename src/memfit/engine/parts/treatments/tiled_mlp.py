@@ -73,7 +73,7 @@ if TYPE_CHECKING:
     from memfit.engine.parts.accounting import SavedTensorCounter
     from memfit.engine.parts.treatments.base import Block, ProbeKit
 
-__all__ = ["TILED_MLP", "TiledMlp", "Chunking", "tiled_mlp", "tileable_mlps", "tiled", "mlp_chunks", "CHUNK_BYTES",
+__all__ = ["TILED_MLP", "TiledMlp", "TiledReruns", "Chunking", "tiled_mlp", "tileable_mlps", "tiled", "mlp_chunks", "CHUNK_BYTES",
            "MIN_CHUNK_TOKENS"]
 
 logger = logging.getLogger("memfit")
@@ -395,3 +395,24 @@ def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     except AssertionError:
         return False
     return True
+
+
+class TiledReruns:
+    """What the re-runs with their MLP tiled share (``recompute_tiled``, ``host_checkpoint_tiled``): a
+    ``tiled_mlp`` of their own (its ``chunking`` theirs) and the block's body run with it."""
+
+    _tiled: TiledMlp
+
+    @property
+    def chunking(self) -> Chunking:
+        """How many chunks an MLP's tokens run in (NOTE [Tiled MLP])."""
+        return self._tiled.chunking
+
+    @chunking.setter
+    def chunking(self, value: Chunking) -> None:
+        self._tiled.chunking = value
+
+    def tiled_run_body(self, block: "Block") -> Callable[..., Any]:
+        """The block's body with its gated MLPs tiled while it runs."""
+        return tiled_body(block.run_body, self._tiled.mlps(block), self.chunking)
+
