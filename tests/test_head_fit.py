@@ -394,7 +394,8 @@ def test_the_plans_choose_the_implementation_whose_bytes_cost_least():
 
 def _run_with_faster_grad_in_forward(monkeypatch, budget: int, lengths):
     """A 6-block tiny Llama trained under ``budget`` on ``lengths``, its head probed with
-    ``pure_grad_in_forward`` 5% faster than ``pure`` and its blocks priced from their bytes; the controller."""
+    ``pure_grad_in_forward`` 5% faster than ``pure`` and its blocks priced from their bytes, recompute their
+    only treatment; the controller."""
     import memfit.engine.parts.treatments.chunked_head as chunked_head
     from _pinned_streams import deterministic_prices
 
@@ -405,7 +406,10 @@ def _run_with_faster_grad_in_forward(monkeypatch, budget: int, lengths):
     model = tf.LlamaForCausalLM(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with deterministic_prices():
-        ctl = memfit.fit(model, budget=budget, optimizer=optimizer, announce=False, method="dynamic", head=True)
+        # recompute alone: the other treatments' probes are timed by the clock, and their prices would move the plans
+        # (and with them the head's choice) with the machine's load
+        ctl = memfit.fit(model, budget=budget, optimizer=optimizer, announce=False, method="dynamic", head=True,
+                         treatments=("recompute",))
         _steps(model, optimizer, lengths)
     return ctl
 
