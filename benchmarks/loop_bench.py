@@ -4,7 +4,7 @@ The model is built once; each configuration (method or peer × budget) starts fr
 weights (copied back from host memory), a new AdamW and the same batches, under its own cap
 (``set_per_process_memory_fraction``), and runs ``--steps`` steps; configurations are
 interleaved repeat by repeat, so that every ratio is measured side by side in one process on one
-GPU. First every batch runs once untimed with the plain loop (CUDA, library and kernel set-up for
+GPU. First (unless ``--no_untimed``) every batch runs once untimed with the plain loop (CUDA, library and kernel set-up for
 every shape: each new shape's first run is slow) and once with every layer recomputed (Hugging
 Face's checkpointing): a recompute runs its forward on autograd's thread, and what libraries build
 per shape in thread-local caches (cuDNN's attention graphs: about 65 ms per new length for
@@ -194,6 +194,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    "step (bisection in --reach_step_gib steps: benchmarks/bisect_caps.py); <folder>.reach.jsonl and "
                    "<folder>.reach.md beside results.jsonl")
     p.add_argument("--reach_step_gib", type=float, default=1.0, help="the bisection's step, GiB")
+    p.add_argument("--no_untimed", action="store_true", help="skip the untimed passes over every batch (plain, then every "
+                   "layer recomputed) before the first configuration: it then pays each shape's first run (a cap's reach "
+                   "does not depend on it; a time does)")
     p.add_argument("--gpu_busy", action="store_true", help="profile each configuration's steady steps (torch.profiler, "
                    "CUDA activity) and add gpu_busy to its line: per step the GPU's span, its busy time and the host's "
                    "time, and the costliest kernels (benchmarks/gpu_busy.py; the profiler slows the host, so ratios of "
@@ -243,10 +246,12 @@ def _build(args):
     for key, value in _overrides(args.config_overrides).items():
         setattr(config, key, value)
     torch.manual_seed(0)
-    try:
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype), attn_implementation="sdpa")
-    except ValueError:  # a family without SDPA here (Gemma 2: soft-capped attention): its eager attention, as users run it
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype), attn_implementation="eager")
+    # built on the device: an 8B model's random initialisation on the host takes minutes, on the GPU seconds
+    with torch.device(args.device):
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype), attn_implementation="sdpa")
+        except ValueError:  # a family without SDPA here (Gemma 2: soft-capped attention): its eager attention, as users run it
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype), attn_implementation="eager")
     model = model.to(args.device)
     if args.lora:
         import peft
@@ -1151,8 +1156,9 @@ def main(argv: list[str]) -> int:
 
 def _matrix(args, model, batches, initial, emit, started: float) -> None:
     """Every configuration, repeat by repeat (uncapped first, then each budget), then ``--last``."""
-    run_config(args, model, batches, initial, "plain", None, -1, args.output_dir)  # untimed: every shape once
-    run_config(args, model, batches, initial, "hf-every-1", None, -1, args.output_dir)  # and recomputed (the docstring)
+    if not args.no_untimed:
+        run_config(args, model, batches, initial, "plain", None, -1, args.output_dir)  # untimed: every shape once
+        run_config(args, model, batches, initial, "hf-every-1", None, -1, args.output_dir)  # and recomputed (the docstring)
     if args.reach_gib:
         _reach(args, model, batches, initial, emit, started)
         return

@@ -454,3 +454,110 @@ def test_the_planner_swaps_in_the_leaner_re_run_where_only_the_re_run_peak_is_ov
     assert plan.cost_ms == pytest.approx(2 * 0.013 * 64)
     roomy = int(model.step_bytes(key, two)) + 1
     assert mix(roomy).treatments(4) == [RECOMPUTE, RECOMPUTE, "keep", "keep"]  # room for the plain re-run: the cheaper stays
+
+
+# ------------------------------------------------------------------ lean norms and adapters (bf16)
+def _bf16_model(arch: str, lora: float | None):
+    """``_model`` with bfloat16 weights; a LoRA's adapters float32, as peft makes them over bfloat16 weights."""
+    torch.manual_seed(0)
+    model, make = build_decoder(arch, False)
+    model.to(torch.bfloat16)
+    if lora is not None:
+        model = _lora(model, lora)
+    return model.train(), make
+
+
+@pytest.mark.parametrize("name", TILED)
+@pytest.mark.parametrize("arch,lora", [("llama", 0.0), ("llama", None), ("qwen2", 0.0), ("gemma2", 0.0), ("phi3", 0.0)])
+def test_lean_norms_and_adapters_give_keeps_gradients_bit_for_bit(arch, lora, name):
+    """NOTE [Lean inputs in a tiled block]: bfloat16 weights, LoRA (float32 adapters) or full fine-tuning, the MLP
+    in one chunk: every gradient is ``keep``'s bit for bit with the norms and the adapters outside the MLP re-run
+    from their input, which they did (the re-run Function ran for each)."""
+    from memfit.engine.parts.treatments.tiled_mlp import lean_parts
+
+    model, make = _bf16_model(arch, lora)
+    reference = copy.deepcopy(model)
+    ctl, n = _fit(model, name, 1)
+    lean = [m for _, b in find_blocks(model) for m in lean_parts(b, tileable_mlps(b))]
+    adapters = [m for m in lean if hasattr(m, "lora_A")]
+    casts = [vars(m).get("cast_input_dtype_enabled") for m in adapters]
+    assert lean and (adapters if lora is not None else not adapters), lean
+    runs = []
+    plain = tiled_module._rerun
+    tiled_module._rerun = lambda run, x, params: runs.append(x.dtype) or plain(run, x, params)
+    try:
+        for seed, length in enumerate((9, 23)):
+            step_both_and_compare(model, reference, make(2, length), seed, f"{arch} lora={lora} {name}, length {length}")
+    finally:
+        tiled_module._rerun = plain
+    # every lean part ran re-run in both steps, but the first norm where nothing before it trains (a LoRA's frozen
+    # embeddings: nothing to differentiate, it runs plainly)
+    assert len(runs) >= 2 * (len(lean) - (lora is not None)) and set(runs) == {torch.bfloat16}, (len(runs), len(lean))
+    ctl.remove()
+    assert all("forward" not in vars(m) for m in model.modules()), "the lean forwards are put back"
+    assert [vars(m).get("cast_input_dtype_enabled") for m in adapters] == casts, "peft's switch is put back"
+
+
+def test_a_lora_dropout_outside_the_mlp_draws_the_same_masks_in_the_re_run():
+    """A LoRA dropout (p > 0) on the attention's adapters, none in the MLP's (which then tiles): the adapters run lean,
+    their masks drawn again from the forward's RNG state: ``keep``'s gradients bit for bit."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model, make = build_decoder("llama", False)
+    model.to(torch.bfloat16)
+    attention = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                init_lora_weights=False)
+    model = peft.get_peft_model(model, attention).train()
+    reference = copy.deepcopy(model)
+    ctl, n = _fit(model, RECOMPUTE_TILED, 1)
+    for seed, length in enumerate((9, 23)):
+        step_both_and_compare(model, reference, make(2, length), seed, f"lora dropout, length {length}")
+    ctl.remove()
+
+
+def _saved_by_blocks(model, batch, lean: bool):
+    """Elements of the hidden-wide float32 tensors saved in one step with every block's MLP tiled (and its norms and
+    adapters lean or not), and the bytes of every distinct storage saved."""
+    from memfit.engine.parts.treatments.tiled_mlp import lean_parts, tiled
+
+    blocks = [b for _, b in find_blocks(model)]
+    mlps = [m for b in blocks for m in tileable_mlps(b)]
+    parts = [m for b in blocks for m in lean_parts(b, tileable_mlps(b))] if lean else []
+    hidden, wide, storages, forward = model.config.hidden_size, {}, {}, [True]
+    tokens = batch["input_ids"].numel()
+
+    def pack(t):  # what the forward saves (not what the re-runs in backward hold a moment)
+        if not forward[0]:
+            return t
+        if t.dtype == torch.float32 and t.dim() >= 2 and t.shape[-1] == hidden and t.numel() >= tokens * hidden:  # not an adapter's weight
+            wide[t.untyped_storage().data_ptr()] = t.numel()
+        if not isinstance(t, nn.Parameter):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    torch.manual_seed(0)
+    with tiled(mlps, Chunking(), parts), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(**batch).loss
+        forward[0] = False
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(wide.values()), sum(v for k, v in storages.items() if k not in params)
+
+
+def test_a_lean_lora_block_keeps_no_float32_copy_of_its_hidden_states():
+    """Counted (every saved tensor of a step, its MLPs tiled): a bfloat16 LoRA block's norms save a float32 copy of
+    their input and q, k, v and o's adapters one of theirs; lean, none is saved (the inputs are saved in bfloat16, q,
+    k and v's one input once), and the step saves less by at least those copies less the bfloat16 inputs saved
+    instead."""
+    model, make = _bf16_model("llama", 0.0)
+    batch = make(2, 48)
+    tokens, hidden, n = 2 * 48, model.config.hidden_size, len(find_blocks(model))
+    wide_plain, saved_plain = _saved_by_blocks(model, batch, False)
+    wide_lean, saved_lean = _saved_by_blocks(model, batch, True)
+    # per block: the two norms' copies and q, k, v and o's adapters' copies (the final norm's outside the blocks)
+    assert wide_plain >= n * 6 * tokens * hidden, wide_plain
+    assert wide_lean <= tokens * hidden, wide_lean  # the final norm's, outside every block
+    # lean saves, per block, the norms' two inputs and the adapters' two (q, k and v's one, o's) in bfloat16 for the six
+    # float32 copies; the first block's first norm runs plainly (nothing before it trains: its copy stays)
+    assert saved_plain - saved_lean >= (n * (6 * 4 - 4 * 2) - 4) * tokens * hidden, (saved_plain, saved_lean)

@@ -74,7 +74,7 @@ def _bisections(ctx: Context) -> list[Call]:
             name = f"reach-{workload}-{method}"
             calls.append(Call(name, [script(
                 ctx, "loop_bench.py", *flags, "--steps", 3 if ctx.quick else steps, "--steady_from", 1 if ctx.quick else 2,
-                "--reach_gib", lo, hi, "--reach_step_gib", 1, "--repeats", 1, "--no_cudnn_sdpa",
+                "--reach_gib", lo, hi, "--reach_step_gib", 1, "--repeats", 1, "--no_cudnn_sdpa", "--no_untimed",
                 "--time_limit_s", 540, "--config_time_limit_s", 200, "--methods", method, "--output_dir", ctx.folder(name))],
                 folder=name, timeout_s=580))
     return calls

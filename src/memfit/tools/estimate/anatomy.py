@@ -93,7 +93,7 @@ from memfit.engine.parts.treatments.host_checkpoint import HOST_CHECKPOINT
 from memfit.engine.parts.treatments.host_checkpoint_tiled import HOST_CHECKPOINT_TILED
 from memfit.engine.parts.treatments.offload import size_class
 from memfit.engine.parts.treatments.recompute_tiled import RECOMPUTE_TILED
-from memfit.engine.parts.treatments.tiled_mlp import Chunking, mlp_chunks, tileable_mlps, tiled
+from memfit.engine.parts.treatments.tiled_mlp import Chunking, lean_parts, mlp_chunks, tileable_mlps, tiled
 from memfit.engine.parts.optim_state import state_bytes_of_shapes
 from memfit.errors import DataError, FlagError, MissingFileError
 from memfit.tasks.causal_lm import LORA_DROPOUT, check_lora_dropout
@@ -858,7 +858,8 @@ def _meta_count(profile: ModelProfile, inputs: dict[str, torch.Tensor], attentio
 
     handles = [m.register_forward_pre_hook(seen) for ms in mlps for m in ms]
     try:
-        with cuda_kernels(model, attention) as ran, tiled([m for ms in mlps for m in ms], chunking):
+        lean = [m for b, ms in zip(blocks, mlps) if ms for m in lean_parts(b, ms)]  # NOTE [Lean inputs in a tiled block]
+        with cuda_kernels(model, attention) as ran, tiled([m for ms in mlps for m in ms], chunking, lean):
             counted = _count_on_meta(model, inputs)
     finally:
         for h in handles:
@@ -1321,7 +1322,7 @@ def _mlp_words(tiling: MlpTiling | None, setup: TrainingSetup) -> str:
     return (f"the MLP tiled as {treatment} runs it, in {tiling.chunks} chunk{'s' * (tiling.chunks > 1)} of at most "
             f"{tiling.chunk_tokens:,} tokens (the engine's chunking at this shape): it saves its input only, and its "
             "backward holds one chunk's intermediates (and the float32 sums of its gradients where its weights are "
-            "trained in bf16)")
+            "trained in bf16); its norms and LoRA adapters save their bf16 input, not a float32 copy")
 
 
 def _meta_head_saved(profile: ModelProfile, tokens: int, weights: str = "fp32", lora: bool = False) -> int:

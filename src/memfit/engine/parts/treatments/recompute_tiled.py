@@ -65,7 +65,8 @@ class RecomputeTiled(TiledReruns, Treatment):
         measured = probe_tiled(block, kit)
         if measured is None:
             return None
-        body = tiled_body(block.body, measured[0], Chunking())
+        (mlps, lean), _ = measured
+        body = tiled_body(block.body, mlps, Chunking(), lean)
 
         def checkpointed(*args: Any, **kwargs: Any) -> Any:
             return checkpoint(body, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)

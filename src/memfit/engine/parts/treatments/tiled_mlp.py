@@ -50,6 +50,29 @@ its price is its forward and backward beyond the plain block's (about one more f
 measured. ``recompute_tiled`` and ``host_checkpoint_tiled`` re-run a block whole with its MLP tiled
 inside: their recompute brings back what a tiled block keeps, not what a kept one does
 (``Treatment.rerun_keeps``: NOTE [Treated peaks], model.py).
+
+# NOTE [Lean inputs in a tiled block]
+Outside the MLP, what a block saves at its input's width is mostly float32 copies of bfloat16 tensors:
+an RMSNorm written in Python saves its input cast to float32 (twice the input's bytes), and a peft LoRA
+layer whose adapters are float32 (peft's default over bfloat16 weights) casts its input to float32 and
+its ``lora_A`` saves that copy: one each for q, k and v of the same input, and o's. For a LoRA Llama
+block that is about eight hidden-wide bfloat16 tensors' worth beside two for the attention. The tiled
+treatments run these parts as the MLP runs in one chunk (:func:`tiled_mlp` with ``chunks=1``): each
+saves only its input (the bfloat16 one, which q, k and v share: one tensor saved once) and computes
+again in backward what it would have saved, from that input, under the forward's RNG and autocast
+state. So their gradients are ``keep``'s bit for bit (the same ops on the same inputs; the
+autograd Function's node takes the place of the part's first node, so gradients reach a tensor
+with several consumers in the same order). That holds where the part's first op is the input's one
+consumer inside it: a norm runs lean for a bfloat16 or float16 input only (its first op, the cast to
+float32; a float32 input is used by several of its ops, whose gradients would be summed in another order,
+and it saves no copy to spare), an adapter only where its input is cast. The parts (:func:`lean_parts`): the block's norms
+(:func:`elementwise_parts`) and its vanilla peft LoRA linear layers (no DoRA or other variant),
+outside the MLPs tiled. For a LoRA layer the input's cast moves inside the re-run: peft's own switch
+(``cast_input_dtype_enabled``) is turned off while the block runs and ``lora_A`` casts, drops out
+(its dropout module, any ``p``: the RNG state is restored for the re-run) and projects inside the
+Function, the layer's dropout module passing its input through meanwhile. What this costs is a
+norm's elementwise ops and an adapter's rank-wide projection again in backward: priced with the
+tiled MLP, measured.
 """
 
 from __future__ import annotations
@@ -74,7 +97,7 @@ if TYPE_CHECKING:
     from memfit.engine.parts.treatments.base import Block, ProbeKit
 
 __all__ = ["TILED_MLP", "TiledMlp", "TiledReruns", "Chunking", "tiled_mlp", "tileable_mlps", "tiled", "mlp_chunks", "CHUNK_BYTES",
-           "MIN_CHUNK_TOKENS"]
+           "MIN_CHUNK_TOKENS", "lean_parts"]
 
 logger = logging.getLogger("memfit")
 
@@ -261,25 +284,126 @@ class _TiledForward:
         return tiled_mlp(self.plain, x, mlp_chunks(self.mlp, x, self.chunking), params)
 
 
+def _is_lora_layer(m: nn.Module) -> bool:
+    """A vanilla peft LoRA linear layer (NOTE [Lean inputs in a tiled block]): ``lora_A`` linear adapters, a
+    linear base layer, the input cast peft can switch off, no variant (DoRA and the like)."""
+    adapters = getattr(m, "lora_A", None)
+    return (isinstance(adapters, nn.ModuleDict) and len(adapters) > 0 and hasattr(m, "_cast_input_dtype")
+            and isinstance(getattr(m, "lora_dropout", None), nn.ModuleDict) and isinstance(getattr(m, "base_layer", None), nn.Linear)
+            and not getattr(m, "lora_variant", None) and all(isinstance(a, nn.Linear) for a in adapters.values()))
+
+
+def lean_parts(module: nn.Module, mlps: Sequence[nn.Module] = ()) -> list[nn.Module]:
+    """The norms and vanilla peft LoRA layers of ``module`` outside ``mlps`` (tiled already), which the tiled
+    treatments run saving only their input (NOTE [Lean inputs in a tiled block])."""
+    inside = {id(m) for mlp in mlps for m in mlp.modules()}
+    norms, _ = elementwise_parts(module)
+    return [m for m in module.modules() if id(m) not in inside and (_is_lora_layer(m) or any(m is n for n in norms))]
+
+
+def _rerun(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``run(x)`` saving only ``x``, ``run`` again in backward (the tiled MLP's Function in one chunk)."""
+    return _TiledMlpFunction.apply(run, x, 1, *params)
+
+
+#: the input dtypes a norm runs lean for: a norm casts them first (one consumer of the input, whose gradient then
+#: reaches it in one piece as without the re-run); a float32 input a norm uses in several ops would get their
+#: gradients summed in another order (NOTE [Lean inputs in a tiled block])
+_NARROW = (torch.bfloat16, torch.float16)
+
+
+class _LeanForward:
+    """A norm's forward saving only its input (NOTE [Lean inputs in a tiled block])."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.plain = type(module).forward.__get__(module)
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if (args or kwargs or not isinstance(x, torch.Tensor) or x.dtype not in _NARROW or not torch.is_grad_enabled()
+                or not (params or x.requires_grad)):
+            return self.plain(x, *args, **kwargs)
+        return _rerun(self.plain, x, params)
+
+
+class _LeanAdapter:
+    """A LoRA layer's ``lora_A`` given the layer's input uncast: the cast, the dropout and the projection in
+    one re-run saving that input (NOTE [Lean inputs in a tiled block])."""
+
+    def __init__(self, adapter: nn.Linear, dropout: nn.Module):
+        self.adapter, self.dropout = adapter, type(dropout).forward.__get__(dropout)
+        self.project = type(adapter).forward.__get__(adapter)
+
+    def plain(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(self.dropout(x.to(self.adapter.weight.dtype)))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        params = [p for p in self.adapter.parameters() if p.requires_grad]
+        if x.dtype == self.adapter.weight.dtype or not torch.is_grad_enabled() or not (params or x.requires_grad):
+            return self.plain(x)
+        return _rerun(self.plain, x, params)
+
+
+def _passes(x: Any) -> Any:
+    return x
+
+
+_UNSET = object()
+
+
+def _lean_lora(layer: nn.Module) -> Callable[[], None]:
+    """Run ``layer`` lean until the returned undo is called."""
+    cast = vars(layer).get("cast_input_dtype_enabled", _UNSET)
+    layer.cast_input_dtype_enabled = False  # peft's switch: the adapters' input arrives uncast
+    for key, adapter in layer.lora_A.items():
+        dropout = layer.lora_dropout[key] if key in layer.lora_dropout else nn.Identity()
+        adapter.forward = _LeanAdapter(adapter, dropout)
+        dropout.forward = _passes
+
+    def undo() -> None:
+        if cast is _UNSET:
+            vars(layer).pop("cast_input_dtype_enabled", None)
+        else:
+            layer.cast_input_dtype_enabled = cast
+        for key, adapter in layer.lora_A.items():
+            vars(adapter).pop("forward", None)
+            if key in layer.lora_dropout:
+                vars(layer.lora_dropout[key]).pop("forward", None)
+
+    return undo
+
+
 @contextlib.contextmanager
-def tiled(mlps: Sequence[nn.Module], chunking: Chunking) -> Iterator[None]:
-    """Run ``mlps`` (:func:`tileable_mlps`) tiled while the context is open (their instances'
-    ``forward``, put back after)."""
+def tiled(mlps: Sequence[nn.Module], chunking: Chunking, lean: Sequence[nn.Module] = ()) -> Iterator[None]:
+    """Run ``mlps`` (:func:`tileable_mlps`) tiled and ``lean`` (:func:`lean_parts`) saving only their input while
+    the context is open (their instances' ``forward``, put back after)."""
     for mlp in mlps:
         mlp.forward = _TiledForward(mlp, chunking)  # read by Module.__call__
+    undo = []
+    for m in lean:
+        if _is_lora_layer(m):
+            undo.append(_lean_lora(m))
+        else:
+            m.forward = _LeanForward(m)
+            undo.append(lambda m=m: vars(m).pop("forward", None))
     try:
         yield
     finally:
         for mlp in mlps:
             if isinstance(vars(mlp).get("forward"), _TiledForward):
                 del mlp.forward
+        for step in undo:
+            step()
 
 
-def tiled_body(body: Callable[..., Any], mlps: Sequence[nn.Module], chunking: Chunking) -> Callable[..., Any]:
-    """``body`` (a block's) with ``mlps`` tiled, for every run of it (a checkpoint's recompute included)."""
+def tiled_body(body: Callable[..., Any], mlps: Sequence[nn.Module], chunking: Chunking,
+               lean: Sequence[nn.Module] = ()) -> Callable[..., Any]:
+    """``body`` (a block's) with ``mlps`` tiled and ``lean`` saving their inputs, for every run of it (a checkpoint's
+    recompute included)."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        with tiled(mlps, chunking):
+        with tiled(mlps, chunking, lean):
             return body(*args, **kwargs)
 
     return run
@@ -315,17 +439,20 @@ class TiledMlp(Treatment):
 
     def __init__(self, chunking: Chunking | None = None):
         self.chunking = chunking or Chunking()
-        #: per block, its MLPs to tile, found once
-        self._mlps: dict[int, list[nn.Module]] = {}
+        #: per block, its MLPs to tile and its parts to run lean, found once
+        self._parts: dict[int, tuple[list[nn.Module], list[nn.Module]]] = {}
 
-    def mlps(self, block: "Block") -> list[nn.Module]:
-        found = self._mlps.get(block.index)
+    def tiled_parts(self, block: "Block") -> tuple[list[nn.Module], list[nn.Module]]:
+        """The block's MLPs to tile and the parts it runs lean (NOTE [Lean inputs in a tiled block])."""
+        found = self._parts.get(block.index)
         if found is None:
-            found = self._mlps[block.index] = tileable_mlps(block.module)
+            mlps = tileable_mlps(block.module)
+            found = self._parts[block.index] = (mlps, lean_parts(block.module, mlps) if mlps else [])
         return found
 
     def run(self, block: "Block", args: tuple, kwargs: dict[str, Any]) -> Any:
-        with tiled(self.mlps(block), self.chunking):
+        mlps, lean = self.tiled_parts(block)
+        with tiled(mlps, self.chunking, lean):
             return block.run_body(*args, **kwargs)
 
     @classmethod
@@ -336,22 +463,23 @@ class TiledMlp(Treatment):
         measured = probe_tiled(block, kit)
         if measured is None:
             return None
-        mlps, nbytes = measured
+        (mlps, lean), nbytes = measured
         chunking = Chunking()
         lean_ms, plain_ms = [], []
         for _ in range(kit.timed_runs):  # NOTE [Cold runs of a block] (probe.py)
-            lean_ms.append(kit.forward_backward_ms(block.body, kit.shield(), tiled(mlps, chunking)))
+            lean_ms.append(kit.forward_backward_ms(block.body, kit.shield(), tiled(mlps, chunking, lean)))
             plain_ms.append(kit.forward_backward_ms(block.body, kit.shield()))
         return nbytes, max(0.0, min(lean_ms) - min(plain_ms))
 
 
-def probe_tiled(block: "Block", kit: "ProbeKit") -> tuple[list[nn.Module], int] | None:
-    """The block's MLPs to tile and the bytes it keeps tiled (the counted run, in chunks that split
-    every sequence); None for a compiled block, one with nothing to tile, or one whose outputs tiled are not
+def probe_tiled(block: "Block", kit: "ProbeKit") -> tuple[tuple[list[nn.Module], list[nn.Module]], int] | None:
+    """The block's MLPs to tile and parts to run lean, and the bytes it keeps so (the counted run, in chunks that
+    split every sequence); None for a compiled block, one with nothing to tile, or one whose outputs tiled are not
     its plain outputs within the dtype's rounding (NOTE [Tiled MLP])."""
     mlps = tileable_mlps(block.module)
     if block.compiled or not mlps:
         return None
+    lean = lean_parts(block.module, mlps)
     devices = [kit.device] if kit.device.type == "cuda" else []
 
     def forward(hooks: Any, context: Any) -> list[torch.Tensor]:
@@ -371,18 +499,18 @@ def probe_tiled(block: "Block", kit: "ProbeKit") -> tuple[list[nn.Module], int] 
         plain = forward(kit.shield(), contextlib.nullcontext())
         counter = kit.counter_of_run()
         try:
-            lean = forward(counter.hooks(), tiled(mlps, chunking))
+            tiled_out = forward(counter.hooks(), tiled(mlps, chunking, lean))
         except torch.OutOfMemoryError:
             raise
         except Exception as err:  # an MLP that does not run in chunks: never offered
             logger.debug("memfit: block %s's MLP does not run in chunks (%s); the tiled treatments are not offered for it",
                          block.index, str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
             return None
-    if not _close(plain, lean):
+    if not _close(plain, tiled_out):
         logger.debug("memfit: block %s's MLP is not token-wise (its outputs in chunks differ); "
                      "the tiled treatments are not offered for it", block.index)
         return None
-    return mlps, counter.bytes
+    return (mlps, lean), counter.bytes
 
 
 def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -413,6 +541,7 @@ class TiledReruns:
         self._tiled.chunking = value
 
     def tiled_run_body(self, block: "Block") -> Callable[..., Any]:
-        """The block's body with its gated MLPs tiled while it runs."""
-        return tiled_body(block.run_body, self._tiled.mlps(block), self.chunking)
+        """The block's body with its gated MLPs tiled and its norms and adapters lean while it runs."""
+        mlps, lean = self._tiled.tiled_parts(block)
+        return tiled_body(block.run_body, mlps, self.chunking, lean)
 
