@@ -337,6 +337,10 @@ def test_a_replay_of_every_block_recomputed_runs_the_tiled_floor(monkeypatch, na
     record = ctl.records[-1]
     assert record.oom_retries == 1 and record.phase == "warmup"
     assert record.block_treatments == {floor: [0, 1, 2]}
+    # the floor's head is its option that saves most, not the count a plan without a head runs
+    options = ctl.planning.head.options(2 * 16)
+    leanest = max(options, key=lambda o: o[2])
+    assert record.treatments["head"] == f"{leanest[0]}:{leanest[1]}", (record.treatments, options)
     # NOTE [Warm-up on the floor]: the next warm-up steps of as many tokens or more start there (no failed
     # forward); a shorter one tries every block recomputed again
     for length, retries in ((16, 0), (24, 0), (8, 1)):
@@ -345,6 +349,23 @@ def test_a_replay_of_every_block_recomputed_runs_the_tiled_floor(monkeypatch, na
         record = ctl.records[-1]
         assert (record.phase, record.oom_retries, record.block_treatments) == ("warmup", retries, {floor: [0, 1, 2]}), length
     ctl.remove()
+
+
+def test_the_floor_plan_chunks_the_head_the_most():
+    """NOTE [A replay treats more]: at an 8B Llama's shape at 64k tokens the floor's head is chunked more than a plan
+    without a head runs it (15/16 of the most saved: 16 chunks, 6.4 GiB at the head's moment), in the count that
+    saves most."""
+    from types import SimpleNamespace
+
+    from memfit.engine.methods.dynamic import _floor
+    from memfit.engine.parts.treatments.chunked_head import head_options, head_without_a_plan
+
+    options = head_options(65536, 128256, 4096, torch.bfloat16, 0.0, 0.0)
+    planning = SimpleNamespace(registry=resolve(TILED), all_blocks=(0, 1), n_blocks=2, head=SimpleNamespace(options=lambda t: options))
+    plan = _floor(planning, 65536)
+    assert plan.kinds == (HOST_CHECKPOINT_TILED,) * 2
+    assert plan.head == max(options, key=lambda o: o[2])[:2] and plan.head[1] > head_without_a_plan(options)[1], (plan.head, options)
+    assert _floor(SimpleNamespace(**{**vars(planning), "head": None}), 65536).head is None
 
 
 # ------------------------------------------------------------------ the memory model and the planner

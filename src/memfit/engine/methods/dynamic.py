@@ -23,7 +23,9 @@ whose plan treats nothing the failed attempt did not runs every block recomputed
 replay of every block recomputed (warm-up's plan included) runs the floor plan, every block
 re-run whole on the re-run that keeps least where the run offers one (``floor_treatment``: its
 input off the device, then its MLP tiled: ``host_checkpoint_tiled``, ``host_checkpoint``,
-``recompute_tiled``); if that is still too much, the budget is too small (``note_oom`` says so).
+``recompute_tiled``) and the LM head, where the run plans one, in the chunk count that keeps least
+(not the count a plan without a head runs: NOTE [A plan without a head], chunked_head.py); if that
+is still too much, the budget is too small (``note_oom`` says so).
 
 # NOTE [Warm-up on the floor]
 Warm-up recomputes every block while the probes measure. At the tight end that plan does not fit a
@@ -145,8 +147,8 @@ class Dynamic(Method):
                 every = Plan(planning.all_blocks)
                 if failed is not None and failed.layout == every.layout:  # NOTE [Warm-up on the floor]
                     self._floor_tokens = min(tokens, self._floor_tokens or tokens)
-                warm = _floor(planning) if self._floor_tokens is not None and tokens >= self._floor_tokens else every
-                return Decision(_treating_more(planning, warm, failed), warmup=True, count=True)
+                warm = _floor(planning, tokens) if self._floor_tokens is not None and tokens >= self._floor_tokens else every
+                return Decision(_treating_more(planning, warm, failed, tokens), warmup=True, count=True)
             self._steady = True  # the model stays ready and the counts only grow
         low, high = self._counted_range or (tokens, tokens - 1)
         count = (  # NOTE [Which steps count]
@@ -158,7 +160,7 @@ class Dynamic(Method):
             self._note_counted(tokens)
         plan = planning.plan_for(self.planning_key(planning, key), whole_row=self.plans_rows)
         if failed is not None and set(plan.blocks) <= set(failed.blocks):
-            plan = _treating_more(planning, Plan(planning.all_blocks), failed)  # NOTE [A replay treats more]
+            plan = _treating_more(planning, Plan(planning.all_blocks), failed, tokens)  # NOTE [A replay treats more]
         model = planning.model
         if not count and plan.blocks and (len(plan.blocks) < len(model.groups) or plan.kinds) and not model.partial_predicts(tokens):
             count = True  # NOTE [Which steps count]: it teaches the partial transient
@@ -186,17 +188,21 @@ class Dynamic(Method):
         return predicted
 
 
-def _treating_more(planning: "Planning", plan: Plan, failed: Plan | None) -> Plan:
+def _treating_more(planning: "Planning", plan: Plan, failed: Plan | None, tokens: int) -> Plan:
     """``plan``, or the floor plan where ``failed`` already was ``plan`` (NOTE [A replay treats more])."""
     if failed is None or failed.layout != plan.layout:
         return plan
-    return _floor(planning)
+    return _floor(planning, tokens)
 
 
-def _floor(planning: "Planning") -> Plan:
-    """Every block on the re-run that keeps least (NOTE [A replay treats more])."""
+def _floor(planning: "Planning", tokens: int) -> Plan:
+    """Every block on the re-run that keeps least, the head (if planned) on its option that saves most at ``tokens``
+    tokens (NOTE [A replay treats more])."""
     floor = floor_treatment(planning.registry)
-    return Plan(planning.all_blocks, kinds=(floor,) * planning.n_blocks)
+    head = None
+    if planning.head is not None:
+        head = tuple(max(planning.head.options(max(1, tokens)), key=lambda option: option[2])[:2])
+    return Plan(planning.all_blocks, kinds=(floor,) * planning.n_blocks, head=head)
 
 
 class Static(Dynamic):
