@@ -945,6 +945,10 @@ def test_the_floor_tiles_the_mlp_as_the_engine_does():
     assert chunks > 1 and floor.mlp_tiling == MlpTiling(tiled_blocks=2, chunks=chunks, chunk_tokens=rows)
     assert (floor.block_treatment, plain.block_treatment) == ("host_checkpoint_tiled", "host_checkpoint")
     lighter = 4 * 2 * inter * (tokens - rows) - 4 * 3 * hidden * inter
+    # and its norms run lean (NOTE [Lean inputs in a tiled block]): neither saves its float32 copy (4 B), its bf16
+    # normalised rows for its weight's gradient (2 B) or its float32 rsqrt (4 B a token); the second saves its bf16
+    # input instead (2 B; the first's is the block's input, held anyway)
+    lighter += (6 + 6 - 2) * tokens * hidden + 2 * 4 * tokens
     assert plain.recompute_bytes - floor.recompute_bytes == lighter
     assert plain.total_bytes - floor.total_bytes == lighter  # the peak is a block's recompute and backward
     assert floor.host_bytes == plain.host_bytes
@@ -1092,3 +1096,22 @@ def test_a_floor_that_does_not_fit_names_the_flags_to_change(capsys, monkeypatch
     assert cli.main(["estimate", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("memfit estimate: error: the floor of llama-tiny"), err
+
+
+def test_a_blocks_backward_holds_the_attentions_or_its_adapters_float32_sum():
+    """NOTE [Attention and adapter backwards in the estimate]: Llama-3.1-8B at 64k tokens, untiled (no chunk of a tiled
+    MLP in its backward): beyond two block inputs, a block's backward holds the fused attention's (the query's float32
+    accumulator and the query, key and value gradients at the query's width: 2.5 GiB) or, with peft's float32 adapters,
+    the q and o projections' float32 sum (12 B an output element: 3.0 GiB), the larger."""
+    from memfit.tools.estimate import load_config
+
+    profile = ModelProfile.from_config(load_config("Llama-3.1-8B"), "causal-lm", name="Llama-3.1-8B")
+    tokens = 65536
+
+    def beyond_inputs(**kwargs) -> float:
+        acts = activation_profile(profile, 1, precision="bf16", seq_length=tokens, weights="bf16", **kwargs)
+        assert acts.fused_attention
+        return (acts.block_backward_bytes[0] - 2 * acts.block_input_bytes[0]) / 2**30
+
+    assert beyond_inputs() == 2.5
+    assert beyond_inputs(lora_r=16) == 3.0

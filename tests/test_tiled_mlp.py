@@ -582,3 +582,42 @@ def test_a_lean_lora_block_keeps_no_float32_copy_of_its_hidden_states():
     # lean saves, per block, the norms' two inputs and the adapters' two (q, k and v's one, o's) in bfloat16 for the six
     # float32 copies; the first block's first norm runs plainly (nothing before it trains: its copy stays)
     assert saved_plain - saved_lean >= (n * (6 * 4 - 4 * 2) - 4) * tokens * hidden, (saved_plain, saved_lean)
+
+
+@pytest.mark.parametrize("sum_chunk", [64, 2**24])
+def test_a_lean_lora_layer_holds_one_float32_output_not_three(monkeypatch, sum_chunk):
+    """NOTE [Lean inputs in a tiled block], tracked (torch's MemTracker, every live tensor): a peft LoRA projection over
+    bfloat16 weights with float32 adapters sums ``base + lora * scaling`` in float32 (the scaled output, the sum and,
+    in backward, their gradients: tokens x out float32 tensors alive together); lean, in chunks of rows, the peak of
+    its forward and backward is lower by more than one such tensor, and its output and gradients are peft's bit for
+    bit, in one chunk or many."""
+    peft = pytest.importorskip("peft")
+    from torch.distributed._tools import mem_tracker
+
+    from memfit.engine.parts.treatments.tiled_mlp import tiled
+
+    monkeypatch.setattr(tiled_module, "SUM_CHUNK_ELEMENTS", sum_chunk)
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(64, 128, bias=False)).to(torch.bfloat16)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["0"], init_lora_weights=False))
+    layer = model.base_model.model[0]
+    assert layer.lora_A["default"].weight.dtype == torch.float32
+    layer.base_layer.weight.requires_grad_(True)  # MemTracker hooks every parameter's gradient: none frozen
+    x = torch.randn(4, 256, 64, dtype=torch.bfloat16)
+    weights = torch.randn(4, 256, 128, dtype=torch.bfloat16)  # a loss that saves nothing of the output
+    peaks, results = {}, {}
+    for lean in (False, True):
+        xi = x.clone().requires_grad_()
+        tracker = mem_tracker.MemTracker()
+        tracker.track_external(model)
+        with tiled((), Chunking(), [layer] if lean else []), tracker:
+            out = model(xi)
+            (out * weights).sum().backward()
+        peaks[lean] = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+        results[lean] = [out.detach(), xi.grad] + [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        model.zero_grad(set_to_none=True)
+    for a, b in zip(results[False], results[True]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # peft at its peak: the base output, the float32 scaled output and sum (forward), or the float32 gradient, its
+    # cast and its scaled copy (backward): 14 or 12 bytes an output element; lean 8 or 6 (one float32, the chunks')
+    assert peaks[False] - peaks[True] >= 1.25 * (4 * 256 * 128 * 4), peaks

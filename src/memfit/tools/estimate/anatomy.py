@@ -109,6 +109,7 @@ __all__ = [
     "ElementBytes",
     "bert_layer_saved_bytes",
     "bert_layer_backward_bytes",
+    "attention_and_adapter_backward_bytes",
     "load_config",
     "ModelProfile",
     "ActivationProfile",
@@ -692,9 +693,47 @@ def activation_profile(
     inputs = _meta_inputs(profile, micro_batch_size, rows, seq_length, image_size)
     counted, fused, tiling, chunk_bytes = _meta_count(profile, inputs, attention, weights, lora_r, lora_dropout, tile_mlp)
     # no formula: the gradients of a block's output and input, each the size of its input; a tiled MLP's backward
-    # holds one chunk's intermediates besides (NOTE [The tiled MLP in the estimate])
-    backward = tuple(2 * b + c for b, c in zip(counted.block_input_bytes, chunk_bytes))
+    # holds one chunk's intermediates besides (NOTE [The tiled MLP in the estimate]); and the larger of the fused
+    # attention's backward and an adapted projection's (NOTE [Attention and adapter backwards in the estimate])
+    extra = attention_and_adapter_backward_bytes(profile.config, rows * (seq_length or 0), weights, lora_r, fused,
+                                                 lean=bool(tiling is not None and tiling.tiled_blocks))
+    backward = tuple(2 * b + c + extra for b, c in zip(counted.block_input_bytes, chunk_bytes))
     return dataclasses.replace(counted, block_backward_bytes=backward, fused_attention=fused, mlp_tiling=tiling)
+
+
+def attention_and_adapter_backward_bytes(config: Any, tokens: int, weights: str, lora_r: int, fused: bool, lean: bool) -> int:
+    """What a decoder block's backward holds a moment beyond what it saved and the gradients of its input and output:
+    the larger of the fused attention's backward and the widest LoRA projection's float32 sum (they run one after
+    the other).
+
+    # NOTE [Attention and adapter backwards in the estimate]
+    A fused (flash) attention's backward makes the gradients of the query, key and value, the key's and value's at
+    the query's width where there are fewer key-value heads (expanded, then summed), and a float32 accumulator of
+    the query's gradient: ``tokens x query width x (4 + 3 x element)``. A peft LoRA projection over bf16 weights
+    whose adapters are float32 (peft's default) backs its float32 sum (NOTE [Lean inputs in a tiled block],
+    tiled_mlp.py): the sum's float32 gradient, its cast and its scaled copy beside the incoming gradient, 12 bytes
+    an output element, or 6 where memfit runs the layer lean (a block whose MLP it tiles); the widest projection
+    outside the MLP counts (a tiled MLP's run a chunk at a time). Both by formula: the meta count runs no backward.
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> c = LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336)
+        >>> attention_and_adapter_backward_bytes(c, 65536, "bf16", 0, True, False) / 2**30  # the attention's
+        2.5
+        >>> attention_and_adapter_backward_bytes(c, 65536, "bf16", 16, True, False) / 2**30  # q's and o's float32 sum
+        3.0
+    """
+    if tokens <= 0 or not isinstance(getattr(config, "hidden_size", None), int):
+        return 0  # a vision model (no sequence of tokens) or a config without one hidden width
+    element = 2 if weights == "bf16" else 4
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    head_dim = int(getattr(config, "head_dim", 0) or (config.hidden_size // heads if heads else 0))
+    query = heads * head_dim
+    attention = tokens * query * (4 + 3 * element) if fused and query else 0
+    adapter = 0
+    if lora_r and weights == "bf16":  # float32 adapters over bf16 weights: peft's float32 sum
+        adapter = tokens * max(query, int(config.hidden_size)) * (6 if lean else 12)
+    return max(attention, adapter)
 
 
 def _meta_inputs(
@@ -1309,7 +1348,8 @@ def _meta_count_note(profile: ModelProfile, setup: TrainingSetup, activations: A
     lora = f", peft's LoRA r {setup.lora_r} with dropout {setup.lora_dropout:g} on every linear layer" if setup.lora_r else ""
     return (f"activations counted on the meta device (no analytic formula for {profile.config.model_type}) in {dtype}{lora}; "
             f"{kernel}; {_mlp_words(activations.mlp_tiling, setup)}; a block's backward holds two block inputs "
-            "besides what it saved (the MLP's own gradient temporaries not counted)")
+            "besides what it saved and the larger of the fused attention's backward and the widest LoRA projection's "
+            "float32 sum's (the MLP's own gradient temporaries not counted)")
 
 
 def _mlp_words(tiling: MlpTiling | None, setup: TrainingSetup) -> str:

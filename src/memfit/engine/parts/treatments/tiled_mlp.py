@@ -65,14 +65,24 @@ autograd Function's node takes the place of the part's first node, so gradients 
 with several consumers in the same order). That holds where the part's first op is the input's one
 consumer inside it: a norm runs lean for a bfloat16 or float16 input only (its first op, the cast to
 float32; a float32 input is used by several of its ops, whose gradients would be summed in another order,
-and it saves no copy to spare), an adapter only where its input is cast. The parts (:func:`lean_parts`): the block's norms
-(:func:`elementwise_parts`) and its vanilla peft LoRA linear layers (no DoRA or other variant),
-outside the MLPs tiled. For a LoRA layer the input's cast moves inside the re-run: peft's own switch
-(``cast_input_dtype_enabled``) is turned off while the block runs and ``lora_A`` casts, drops out
-(its dropout module, any ``p``: the RNG state is restored for the re-run) and projects inside the
-Function, the layer's dropout module passing its input through meanwhile. What this costs is a
-norm's elementwise ops and an adapter's rank-wide projection again in backward: priced with the
-tiled MLP, measured.
+and it saves no copy to spare), an adapter only where its input is cast.
+
+A LoRA layer also makes float32 tensors of its whole output: peft adds ``lora_B``'s float32 output, scaled,
+to the base layer's output in float32 and casts the sum back (the scaled output and the sum, then in
+backward the sum's float32 gradient, its cast and its scaled copy: 14 bytes an output element at the
+forward's peak where the model's dtype is 2). The lean layer (:class:`_LeanLoraForward`, a vanilla
+layer with one active adapter; any other call runs peft's own forward) computes what peft computes, in
+peft's order: the base layer, ``lora_B(lora_A(dropout(x cast)))`` with ``lora_A``'s part re-run from the
+uncast input as above (its dropout, any ``p``, draws the forward's mask again), then the scaled sum and
+its cast in chunks of rows into the output (:class:`_LoraSum`: the same elementwise ops on the same
+values, so the same bits) and, in backward, the scaled float32 gradient in chunks (the sum's gradient cast
+back to the model's dtype is the incoming gradient itself). At its peak it holds ``lora_B``'s output and
+the result: 8 bytes an output element, 6 in backward.
+
+The parts (:func:`lean_parts`): the block's norms (:func:`elementwise_parts`) and its vanilla peft LoRA
+linear layers (no DoRA or other variant), outside the MLPs tiled. What this costs is a norm's
+elementwise ops and an adapter's rank-wide projection again in backward, and the sums' chunks: priced
+with the tiled MLP, measured.
 """
 
 from __future__ import annotations
@@ -332,11 +342,10 @@ class _LeanAdapter:
     one re-run saving that input (NOTE [Lean inputs in a tiled block])."""
 
     def __init__(self, adapter: nn.Linear, dropout: nn.Module):
-        self.adapter, self.dropout = adapter, type(dropout).forward.__get__(dropout)
-        self.project = type(adapter).forward.__get__(adapter)
+        self.adapter, self.dropout = adapter, dropout
 
     def plain(self, x: torch.Tensor) -> torch.Tensor:
-        return self.project(self.dropout(x.to(self.adapter.weight.dtype)))
+        return self.adapter(self.dropout(x.to(self.adapter.weight.dtype)))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         params = [p for p in self.adapter.parameters() if p.requires_grad]
@@ -345,33 +354,68 @@ class _LeanAdapter:
         return _rerun(self.plain, x, params)
 
 
-def _passes(x: Any) -> Any:
-    return x
+#: the most elements of one chunk of a LoRA layer's sum, and the fewest chunks (a chunk's float32 temporaries are
+#: two of its size beside the whole output's: NOTE [Lean inputs in a tiled block])
+SUM_CHUNK_ELEMENTS = 2**24
+MIN_SUM_CHUNKS = 8
 
 
-_UNSET = object()
+class _LoraSum(torch.autograd.Function):
+    """``(base + lora * scaling).to(base.dtype)``, ``base`` in the model's dtype and ``lora`` float32, as peft's
+    LoRA layer sums them, chunk by chunk of rows: no float32 tensor of the whole output beside ``lora`` itself,
+    forward or backward (NOTE [Lean inputs in a tiled block])."""
+
+    @staticmethod
+    def forward(ctx: Any, base: torch.Tensor, lora: torch.Tensor, scaling: float) -> torch.Tensor:
+        ctx.scaling, ctx.lora_dtype = scaling, lora.dtype
+        out = torch.empty_like(base)
+        rows_in, rows_out = base.reshape(-1, base.shape[-1]), out.view(-1, base.shape[-1])
+        lora_rows = lora.reshape(-1, lora.shape[-1])
+        for start, stop in _sum_chunks(rows_in.shape):
+            rows_out[start:stop].copy_(rows_in[start:stop] + lora_rows[start:stop] * scaling)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # the sum's float32 gradient cast back to the base's dtype is the incoming gradient, exactly
+        grad_lora = None
+        if ctx.needs_input_grad[1]:
+            grad_lora = torch.empty(grad.shape, dtype=ctx.lora_dtype, device=grad.device)
+            rows, out = grad.reshape(-1, grad.shape[-1]), grad_lora.view(-1, grad.shape[-1])
+            for start, stop in _sum_chunks(rows.shape):
+                out[start:stop].copy_(rows[start:stop].to(ctx.lora_dtype) * ctx.scaling)
+        return grad if ctx.needs_input_grad[0] else None, grad_lora, None
 
 
-def _lean_lora(layer: nn.Module) -> Callable[[], None]:
-    """Run ``layer`` lean until the returned undo is called."""
-    cast = vars(layer).get("cast_input_dtype_enabled", _UNSET)
-    layer.cast_input_dtype_enabled = False  # peft's switch: the adapters' input arrives uncast
-    for key, adapter in layer.lora_A.items():
-        dropout = layer.lora_dropout[key] if key in layer.lora_dropout else nn.Identity()
-        adapter.forward = _LeanAdapter(adapter, dropout)
-        dropout.forward = _passes
+def _sum_chunks(shape: torch.Size) -> list[tuple[int, int]]:
+    rows, width = shape[0], max(1, shape[-1])
+    return _bounds(rows, max(MIN_SUM_CHUNKS, -(-rows * width // SUM_CHUNK_ELEMENTS))) if rows else []
 
-    def undo() -> None:
-        if cast is _UNSET:
-            vars(layer).pop("cast_input_dtype_enabled", None)
-        else:
-            layer.cast_input_dtype_enabled = cast
-        for key, adapter in layer.lora_A.items():
-            vars(adapter).pop("forward", None)
-            if key in layer.lora_dropout:
-                vars(layer.lora_dropout[key]).pop("forward", None)
 
-    return undo
+class _LeanLoraForward:
+    """A vanilla peft LoRA linear layer's forward with one active adapter, computed as peft computes it (the base
+    layer, then ``lora_B(lora_A(dropout(x cast)))`` scaled and added in float32, cast back), with ``lora_A`` re-run
+    from the uncast input and the sum in chunks (NOTE [Lean inputs in a tiled block]); any other case runs peft's."""
+
+    def __init__(self, layer: nn.Module):
+        self.layer = layer
+        self.plain = type(layer).forward.__get__(layer)
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        layer = self.layer
+        active = [a for a in layer.active_adapters if a in layer.lora_A]
+        if (args or kwargs or not isinstance(x, torch.Tensor) or layer.disable_adapters or layer.merged or len(active) != 1
+                or not getattr(layer, "cast_input_dtype_enabled", True) or not torch.is_grad_enabled()):
+            return self.plain(x, *args, **kwargs)
+        key = active[0]
+        adapter, up = layer.lora_A[key], layer.lora_B[key]
+        if x.dtype == adapter.weight.dtype or up.weight.dtype != adapter.weight.dtype:
+            return self.plain(x, *args, **kwargs)  # nothing cast: nothing to spare
+        result = layer.base_layer(x)
+        lora = up(_LeanAdapter(adapter, layer.lora_dropout[key])(x))
+        if lora.dtype == result.dtype or not result.is_floating_point():
+            return self.plain(x, *args, **kwargs)
+        return _LoraSum.apply(result, lora, layer.scaling[key])
 
 
 @contextlib.contextmanager
@@ -380,21 +424,17 @@ def tiled(mlps: Sequence[nn.Module], chunking: Chunking, lean: Sequence[nn.Modul
     the context is open (their instances' ``forward``, put back after)."""
     for mlp in mlps:
         mlp.forward = _TiledForward(mlp, chunking)  # read by Module.__call__
-    undo = []
     for m in lean:
-        if _is_lora_layer(m):
-            undo.append(_lean_lora(m))
-        else:
-            m.forward = _LeanForward(m)
-            undo.append(lambda m=m: vars(m).pop("forward", None))
+        m.forward = _LeanLoraForward(m) if _is_lora_layer(m) else _LeanForward(m)
     try:
         yield
     finally:
         for mlp in mlps:
             if isinstance(vars(mlp).get("forward"), _TiledForward):
                 del mlp.forward
-        for step in undo:
-            step()
+        for m in lean:
+            if isinstance(vars(m).get("forward"), (_LeanForward, _LeanLoraForward)):
+                del m.forward
 
 
 def tiled_body(body: Callable[..., Any], mlps: Sequence[nn.Module], chunking: Chunking,
