@@ -294,7 +294,7 @@ def _random_graphs_whole_pass() -> type:
     import torch._functorch.config as functorch_config
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-    from memfit.engine.parts.treatments.random_ops import __file__ as random_ops_file
+    from memfit.engine.parts.random_ops import __file__ as random_ops_file
 
     class RandomGraphsWhole(CustomGraphPass):
         def __init__(self, then: Any = None):
@@ -308,7 +308,7 @@ def _random_graphs_whole_pass() -> type:
 
         def uuid(self) -> Any:
             # inductor's caches key a graph on this: the pass's own code (blocks.py, and
-            # treatments/random_ops.py for draws_random) and the user's pass
+            # parts/random_ops.py for draws_random) and the user's pass
             then = self.then.uuid() if hasattr(self.then, "uuid") else self.then
             return (get_hash_for_files((__file__, random_ops_file)), then)
 

@@ -22,6 +22,8 @@ A plan gives every block one treatment; the block runs it at its next training f
 |             |                                           |                                         | chunk at a time            |
 | `host_checkpoint_tiled`| as `host_checkpoint`, the MLP  | its keyword inputs (shared)             | as `host_checkpoint`, its  |
 |             | tiled                                     |                                         | MLP a chunk at a time      |
+| `lean`      | plain, its norms and LoRA layers saving   | all but the norms' and adapters'        | those norms and adapters'  |
+|             | their bf16 input                          | float32 copies                          | down-projections again     |
 
 Gradients are those of ``keep`` under every treatment: ``torch.utils.checkpoint`` is
 non-reentrant and restores the RNG state, so a recompute draws the same dropout masks, and an
@@ -32,7 +34,7 @@ the host pool) and shared by every block it treats.
 
 Each treatment is one file (NOTE [A treatment is a plug-in], base.py): keep.py,
 recompute.py, selective.py, offload.py, elementwise.py, host_checkpoint.py, tiled_mlp.py (NOTE [Tiled MLP]),
-recompute_tiled.py, host_checkpoint_tiled.py. Adding one is a new file and one line in
+recompute_tiled.py, host_checkpoint_tiled.py, lean.py (NOTE [Lean inputs in a tiled block]). Adding one is a new file and one line in
 :data:`BUILTIN`; a run may also be given a treatment class that is not registered
 (``memfit.fit(treatments=("recompute", MyTreatment))``): :func:`resolve` takes names and classes.
 
@@ -56,8 +58,9 @@ from memfit.engine.parts.treatments.elementwise import ELEMENTWISE, Elementwise
 from memfit.engine.parts.treatments.host_checkpoint import HOST_CHECKPOINT, HostCheckpoint
 from memfit.engine.parts.treatments.host_checkpoint_tiled import HOST_CHECKPOINT_TILED, HostCheckpointTiled
 from memfit.engine.parts.treatments.keep import Keep
+from memfit.engine.parts.treatments.lean import LEAN, Lean
 from memfit.engine.parts.treatments.offload import OFFLOAD, HostMemoryError, Offload, _HostPool
-from memfit.engine.parts.treatments.random_ops import draws_random, runs_random
+from memfit.engine.parts.random_ops import draws_random, runs_random
 from memfit.engine.parts.treatments.recompute import Recompute
 from memfit.engine.parts.treatments.recompute_tiled import RECOMPUTE_TILED, RecomputeTiled
 from memfit.engine.parts.treatments.tiled_mlp import TILED_MLP, TiledMlp
@@ -70,7 +73,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "KEEP", "RECOMPUTE", "SELECTIVE", "OFFLOAD", "ELEMENTWISE", "HOST_CHECKPOINT", "Elementwise", "HostCheckpoint",
-    "TILED_MLP", "RECOMPUTE_TILED", "HOST_CHECKPOINT_TILED", "TiledMlp", "RecomputeTiled", "HostCheckpointTiled", "Treatment", "RunOptions", "Keep", "Recompute", "Selective",
+    "TILED_MLP", "RECOMPUTE_TILED", "HOST_CHECKPOINT_TILED", "LEAN", "Lean", "TiledMlp", "RecomputeTiled", "HostCheckpointTiled", "Treatment", "RunOptions", "Keep", "Recompute", "Selective",
     "CompiledSelective", "Offload", "HostMemoryError", "BUILTIN", "TREATMENTS", "TreatmentSpec", "resolve",
     "run_treatment_names", "make_treatments", "floor_treatment", "keep_matmul_and_attention", "selective_cache_tensors", "draws_random",
     "runs_random", "CHUNKED", "KeepHead", "ChunkedHead", "HEAD_BUILTIN", "BY_PART", "HeadPart", "head_options",
@@ -88,6 +91,7 @@ BUILTIN: tuple[type[Treatment], ...] = (
     TiledMlp,
     RecomputeTiled,
     HostCheckpointTiled,
+    Lean,
 )
 
 #: every registered treatment, by name (read-only)

@@ -28,7 +28,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from memfit.engine.parts.treatments.base import RunOptions, Treatment
-from memfit.engine.parts.treatments.random_ops import dropout_p, runs_random
+from memfit.engine.parts.random_ops import dropout_p, runs_random
 
 if TYPE_CHECKING:
     from torch import nn
