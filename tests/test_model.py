@@ -611,3 +611,18 @@ def test_the_learner_returns_updates_and_planning_alone_applies_them():
     assert (("bytes", 0, "keep"), (4, 70), 1000) in update.samples and update.seen_key == (4, 70)
     assert planning.apply(update) and planning.cache.items() == []
     assert planning.model.group_models[0].bytes["keep"].has((4, 70)) and planning.model.max_key == (4, 70)
+
+
+def test_a_curves_memo_stays_bounded_over_many_shapes():
+    """Chat data asks a new shape nearly every step and a curve gains no sample on most of them: what it memoises
+    stays under ``MEMO_LIMIT`` values, and a value asked after the memo was dropped is the same."""
+    from memfit.engine.plan.model import MEMO_LIMIT, Curve
+
+    curve = Curve()
+    for t in (16, 64, 256):
+        curve.add((2, t), 1000.0 * t)
+    first = curve((2, 100))
+    for t in range(3 * MEMO_LIMIT):
+        curve((2, 300 + t))
+        assert len(curve._memo) <= MEMO_LIMIT
+    assert curve((2, 100)) == first

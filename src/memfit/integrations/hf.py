@@ -156,7 +156,8 @@ class MemfitArguments:
                   "available, named or not (warm-up, --memfit_method full and OOM replays use it). Default: auto: "
                   "recompute; elementwise, tiled_mlp and recompute_tiled for eager blocks with a gated MLP (decoder "
                   "LLMs) to tile; host_checkpoint for blocks on a GPU, and host_checkpoint_tiled for those of them "
-                  "with a gated MLP to tile; selective with --memfit_compile."},
+                  "with a gated MLP to tile; lean for eager bf16 or fp16 blocks with norms or LoRA layers; selective with "
+                  "--memfit_compile."},
     )
     memfit_host_budget: str | None = field(
         default=None,

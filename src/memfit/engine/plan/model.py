@@ -218,6 +218,10 @@ def _min_norm_solve(gram: list[list[float]], rhs: list[float]) -> list[float]:
 # dominate, full fine-tuning), the fit stays, falling with the tokens as the transient does.
 
 
+#: the most values a curve memoises between two samples (NOTE [One evaluator])
+MEMO_LIMIT = 4096
+
+
 @dataclass
 class Curve:
     """A non-negative upper-envelope fit of ``y`` on the shape features (NOTE [Upper envelope]);
@@ -300,6 +304,8 @@ class Curve:
     def __call__(self, key: tuple[int, int]) -> float:
         value = self._memo.get(key)
         if value is None:
+            if len(self._memo) >= MEMO_LIMIT:  # chat data asks a new shape nearly every step: the memo stays bounded
+                self._memo.clear()
             value = self._memo[key] = self.values(key[0], key[1])
         return value
 
