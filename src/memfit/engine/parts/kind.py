@@ -5,7 +5,8 @@ The LM head is one (treatments/chunked_head.py's ``HeadPart``); a user's part is
 treatments (NOTE [Parts beside the blocks], plan/planner.py), the memory model takes the chosen
 option's saving off the step's peaks (NOTE [Head in the peaks], plan/model.py), the controller
 sets it before the step's forward and the step record holds its label under the kind's name
-(NOTE [Parts in a record], records.py), where the summary line and ``memfit report`` read it.
+(NOTE [Parts in a record], records.py: :func:`~memfit.engine.records.part_label`, ``"chunked:8"``),
+where the summary line and ``memfit report`` read it.
 
 # NOTE [A part kind's moment]
 A part kind's bytes are held from after the last block's forward until its own backward, as the
@@ -22,12 +23,13 @@ for any option a step ran (the learner adds it back: the curves describe the par
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from memfit.engine.records import part_label
+from memfit.engine.records import HEAD_KEY
 
-__all__ = ["PartKind", "Option"]
+__all__ = ["PartKind", "Option", "RunParts", "check_parts"]
 
 #: ``(treatment, param, bytes saved, ms)`` of a part's option (NOTE [A part kind's options])
 Option = tuple[str, int, int, float]
@@ -48,8 +50,8 @@ class PartKind:
         ...         return (("keep", 1, 0, 0.0), ("squeezed", 1, 64 * tokens, 0.5))
         ...     def apply(self, option):
         ...         self.now = option
-        >>> Squeeze().saved_bytes(10, ("squeezed", 1)), Squeeze().label(("squeezed", 1))
-        (640, 'squeezed:1')
+        >>> Squeeze().saved_bytes(10, ("squeezed", 1)), Squeeze().most(10)
+        (640, ('squeezed', 1))
     """
 
     name: str = ""
@@ -76,10 +78,6 @@ class PartKind:
         """Choose among the part's own implementations by what ``plan_ms`` prices the plans at (none by default)."""
         return False
 
-    def label(self, option: tuple[str, int]) -> str:
-        """``option`` as records write it (:func:`memfit.engine.records.part_label`)."""
-        return part_label(*option)
-
     def untreated(self, tokens: int) -> tuple[str, int]:
         """The option a step runs whose plan placed no option of the part."""
         name, param, _, _ = self.options(max(1, tokens))[0]
@@ -104,3 +102,44 @@ def check_parts(parts: Sequence[Any], reserved: Sequence[str]) -> None:
         if not part.name or part.name in seen or part.name in reserved:
             raise ValueError(f"parts: {part!r} needs a name of its own (not empty, repeated, nor one of {sorted(reserved)})")
         seen.add(part.name)
+
+
+class RunParts:
+    """The run's parts beside the blocks as the controller sees them: the LM head's run
+    (treatments/chunked_head.py ``RunHead``) and the part kinds given to ``fit(parts=...)``,
+    planned from now on.
+
+    Args:
+        head: the run's ``RunHead``.
+        parts: the user's part kinds (:func:`check_parts`).
+        planning: the run's planning (each part is added to it).
+
+    Raises:
+        TypeError, ValueError: as :func:`check_parts`.
+    """
+
+    def __init__(self, head: Any, parts: Sequence[Any], planning: Any):
+        check_parts(parts, reserved=(HEAD_KEY, *planning.registry, "key", "blocks", "treatments"))
+        self.head, self.kinds = head, tuple(parts)
+        for part in self.kinds:
+            planning.add_part(part)
+
+    def decide(self, decision: Any, key: tuple[int, int], state_to_come: int = 0) -> Any:
+        """``decision`` with the head's treatment set (``RunHead.decide``) and every part kind's option
+        applied; a plan made without a part (warm-up's, ``none``'s, ``full``'s, a replay's) runs it
+        untreated, and says so."""
+        decision = self.head.decide(decision, key, state_to_come)
+        plan, tokens = decision.plan, key[0] * key[1]
+        missing = [(part.name, *part.untreated(tokens)) for part in self.kinds if plan.option(part.name) is None]
+        if missing:
+            plan = dataclasses.replace(plan, parts=(*plan.parts, *missing))
+            decision = dataclasses.replace(decision, plan=plan)
+        for part in self.kinds:
+            part.apply(plan.option(part.name))
+        return decision
+
+    def record(self, record: Any, plan: Any) -> None:
+        """What a step's record says of the parts: each one's label under its kind (NOTE [Parts in a
+        record], records.py), and the head's implementation where it ran chunked (``RunHead.record``)."""
+        self.head.record(record, plan)
+        record.treatments.update(plan.part_labels())
