@@ -192,7 +192,7 @@ def test_the_one_peak_evaluator_takes_a_chunked_heads_saving_off_and_the_learner
     before = [model.backward_start_bytes(key, kept), model.recompute_bytes(key, kept), model.step_bytes(key, kept)]
     assert before == [model.backward_start_bytes(key, Plan((0, 1))), model.recompute_bytes(key, Plan((0, 1))),
                       model.step_bytes(key, Plan((0, 1)))]
-    model.head_saving = lambda tokens, head: 0 if head[0] == "keep" else 7 * tokens
+    model.part_saving["head"] = lambda tokens, head: 0 if head[0] == "keep" else 7 * tokens
     assert [model.backward_start_bytes(key, kept), model.recompute_bytes(key, kept), model.step_bytes(key, kept)] == before
     after = [model.backward_start_bytes(key, chunked), model.recompute_bytes(key, chunked), model.step_bytes(key, chunked)]
     assert after == [pytest.approx(b - 7 * 256) for b in before]
@@ -222,7 +222,7 @@ def test_a_steady_step_that_chunked_the_head_never_raises_outside_and_teaches_it
             return 0 if head[0] == "keep" else 4 * 10**5 * tokens
 
     planning.head = Head()
-    model.head_saving = planning.head.saved_bytes
+    model.part_saving["head"] = planning.head.saved_bytes
     key = (4, 128)  # a new shape: a steady step there teaches the curves it reads above their prediction
 
     def taught(head, evidence_peak):
@@ -263,7 +263,7 @@ def test_a_warmup_step_that_chunked_the_head_splits_the_saving_between_outside_a
             return 0 if head[0] == "keep" else 3 * tokens
 
     planning.head = Head()
-    model.head_saving = planning.head.saved_bytes
+    model.part_saving["head"] = planning.head.saved_bytes
     plan = Plan(tuple(range(len(model.groups))), head=("chunked", 4))
     outcome = learner.StepOutcome(key=(4, 128), plan=plan, warmup=True, outside=1000, by_block=[10] * len(model.groups),
                                   static=0, peak=0, plain_peak=0, transient=-50)
@@ -488,7 +488,7 @@ def test_a_budget_below_static_plus_the_least_head_is_the_one_line_budget_error(
 
 def test_the_warning_of_a_shape_that_cannot_fit_names_the_head_and_blames_it_when_it_dominates(caplog):
     from memfit.engine.plan.planner import Plan
-    from memfit.engine.plan.planning import Planning, _plan_head
+    from memfit.engine.plan.planning import Planning, _plan_parts
     from memfit.engine.parts.treatments.chunked_head import HeadPart
     from memfit.engine.parts.head import attach_head
 
@@ -497,7 +497,7 @@ def test_the_warning_of_a_shape_that_cannot_fit_names_the_head_and_blames_it_whe
     planning.set_head(part)
     planning.begin_step(1_100_000)  # over the budget by itself: no plan fits
     with caplog.at_level("WARNING", logger="memfit"):
-        plan = _plan_head(planning, (4, 512))
+        plan = _plan_parts(planning, (4, 512))
     assert plan.blocks == (0, 1) and plan.head[0] == "chunked"
     (message,) = [m for m in caplog.messages if "predicted to need" in m]
     kept, least, n = part.head_bytes(4 * 512)

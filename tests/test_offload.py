@@ -238,7 +238,7 @@ def _planning(price, share: float, tokens: int = 16384, head: bool = True, n_blo
     planning.model, planning.static_bytes = model, 1000
     if head:
         planning.set_head(_Head())
-        planning.model.head_saving = planning.head.saved_bytes
+        planning.model.part_saving["head"] = planning.head.saved_bytes
     planning.price_offload(price(link))
     return planning, key
 

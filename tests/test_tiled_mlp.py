@@ -361,11 +361,11 @@ def test_the_floor_plan_chunks_the_head_the_most():
     from memfit.engine.parts.treatments.chunked_head import head_options, head_without_a_plan
 
     options = head_options(65536, 128256, 4096, torch.bfloat16, 0.0, 0.0)
-    planning = SimpleNamespace(registry=resolve(TILED), all_blocks=(0, 1), n_blocks=2, head=SimpleNamespace(options=lambda t: options))
+    planning = SimpleNamespace(registry=resolve(TILED), all_blocks=(0, 1), n_blocks=2, parts={"head": SimpleNamespace(options=lambda t: options)})
     plan = _floor(planning, 65536)
     assert plan.kinds == (HOST_CHECKPOINT_TILED,) * 2
     assert plan.head == max(options, key=lambda o: o[2])[:2] and plan.head[1] > head_without_a_plan(options)[1], (plan.head, options)
-    assert _floor(SimpleNamespace(**{**vars(planning), "head": None}), 65536).head is None
+    assert _floor(SimpleNamespace(**{**vars(planning), "parts": {}}), 65536).head is None
 
 
 # ------------------------------------------------------------------ the memory model and the planner

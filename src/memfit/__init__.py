@@ -13,10 +13,12 @@ from memfit.engine.budget import BudgetTooSmallError, parse_bytes
 from memfit.engine.run.controller import Controller, fit
 from memfit.engine.methods import METHODS, UnknownMethodError
 from memfit.engine.records import RunSummary, StepRecord
+from memfit.engine.parts.kind import PartKind
 
 __all__ = [
     "fit",
     "Controller",
+    "PartKind",
     "StepRecord",
     "RunSummary",
     "METHODS",

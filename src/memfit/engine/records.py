@@ -25,7 +25,10 @@ __all__ = [
     "mean_treated_fraction",
     "treated_blocks",
     "head_steps",
+    "part_steps",
     "HEAD_KEY",
+    "part_label",
+    "parse_part_label",
     "parse_head_label",
 ]
 
@@ -36,15 +39,26 @@ SCHEMA_VERSION = 1
 HEAD_KEY = "head"
 
 
-def parse_head_label(label: str) -> tuple[str, int]:
-    """The head's treatment and chunk count from its label: ``"keep"`` -> ``("keep", 1)``,
-    ``"chunked:8"`` -> ``("chunked", 8)`` (the label is :attr:`memfit.engine.plan.planner.Plan.head_label`).
-
-    Raises:
-        ValueError: naming the label, when it is neither form.
+def part_label(treatment: str, param: int = 1) -> str:
+    """A part's option as records, plan files and reports write it: ``"keep"`` for the untreated
+    option, else ``"<treatment>:<param>"`` (``"chunked:8"``: the head in 8 chunks) (NOTE [Parts in a record]).
 
     Example:
-        >>> parse_head_label("chunked:8")
+        >>> part_label("chunked", 8), part_label("keep")
+        ('chunked:8', 'keep')
+    """
+    return treatment if treatment == "keep" else f"{treatment}:{int(param)}"
+
+
+def parse_part_label(label: str, kind: str = "part") -> tuple[str, int]:
+    """A part's treatment and parameter from its label (the inverse of :func:`part_label`):
+    ``"keep"`` -> ``("keep", 1)``, ``"chunked:8"`` -> ``("chunked", 8)``.
+
+    Raises:
+        ValueError: naming the label and the part's ``kind``, when it is neither form.
+
+    Example:
+        >>> parse_part_label("chunked:8")
         ('chunked', 8)
     """
     name, sep, count = str(label).partition(":")
@@ -53,8 +67,18 @@ def parse_head_label(label: str) -> tuple[str, int]:
     except ValueError:
         n_chunks = 0
     if not name or n_chunks < 1:
-        raise ValueError(f"head label {label!r} is neither 'keep' nor '<treatment>:<chunks>' (e.g. 'chunked:8')")
+        raise ValueError(f"{kind} label {label!r} is neither 'keep' nor '<treatment>:<n>' (e.g. the head's 'chunked:8')")
     return name, n_chunks
+
+
+def parse_head_label(label: str) -> tuple[str, int]:
+    """The LM head's treatment and chunk count from its label (:func:`parse_part_label`).
+
+    Example:
+        >>> parse_head_label("chunked:8")
+        ('chunked', 8)
+    """
+    return parse_part_label(label, HEAD_KEY)
 
 
 @dataclass
@@ -63,6 +87,13 @@ class StepRecord:
 
     ``plan`` lists the blocks the plan treated (not kept), ``n_checkpointed`` counts them and
     ``treatments`` says how each was treated.
+
+    # NOTE [Parts in a record]
+    A step whose plan placed parts beside the blocks (the LM head, a part kind given to
+    ``fit(parts=...)``: memfit.engine.parts.kind) holds each one's label (:func:`part_label`)
+    under its kind's name in ``treatments``: a string where a block treatment's value is a list
+    of block indices, so readers tell them apart by the value and know no kind's name
+    (:attr:`parts`, :attr:`block_treatments`, :func:`part_steps`).
 
     # NOTE [The head in a record]
     A step whose plan placed the LM head (``fit(head=...)``, NOTE [The head in the plan] in
@@ -145,14 +176,18 @@ class StepRecord:
     def head(self) -> tuple[str, int] | None:
         """The LM head's treatment and chunk count this step, ``("keep", 1)`` or ``("chunked", n)``;
         None when the plan did not place the head (NOTE [The head in a record])."""
-        label = self.treatments.get(HEAD_KEY)
-        return None if label is None else parse_head_label(label)
+        return self.parts.get(HEAD_KEY)
+
+    @property
+    def parts(self) -> dict[str, tuple[str, int]]:
+        """Per part kind placed beside the blocks, its ``(treatment, param)`` this step (NOTE [Parts in a record])."""
+        return {k: parse_part_label(v) for k, v in self.treatments.items() if isinstance(v, str)}
 
     @property
     def block_treatments(self) -> dict[str, list[int]]:
-        """The treated blocks by treatment name, the head's label left out (a record of schema 1,
-        with no ``treatments``, recomputed its ``plan``)."""
-        kinds = {k: v for k, v in self.treatments.items() if k != HEAD_KEY}
+        """The treated blocks by treatment name, the parts' labels left out (NOTE [Parts in a record];
+        a record of schema 1, with no ``treatments``, recomputed its ``plan``)."""
+        kinds = {k: v for k, v in self.treatments.items() if not isinstance(v, str)}
         return kinds or ({"recompute": list(self.plan)} if self.plan else {})
 
     @classmethod
@@ -203,6 +238,9 @@ class RunSummary:
     #: per LM head label (``"keep"``, ``"chunked:8"``), how many steps ran the head so; empty
     #: when no step planned the head (NOTE [The head in a record])
     head_steps: dict[str, int] = field(default_factory=dict)
+    #: per part kind placed beside the blocks (the head's ``"head"`` among them), steps per label
+    #: (:func:`part_steps`, NOTE [Parts in a record])
+    part_steps: dict[str, dict[str, int]] = field(default_factory=dict)
     #: with compiled blocks: compile time over the run, and graphs compiled in steady steps
     #: other than the run's first (recompiles after warm-up)
     compile_ms: float = 0.0
@@ -263,6 +301,7 @@ def summarize(records: Iterable[StepRecord], optimizer_steps: int | None = None)
         counted_steps=sum(r.counted for r in records),
         treated_blocks=treated_blocks(records),
         head_steps=head_steps(records),
+        part_steps=part_steps(records),
         compile_ms=sum(r.compile_ms for r in records),
         steady_compiled_graphs=sum(r.compiled_graphs for r in records[1:] if r.phase == "steady"),
         steady_treated_fraction=mean_treated_fraction(steady) if steady else None,
@@ -287,21 +326,35 @@ def treated_blocks(records: Sequence[StepRecord]) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
+def part_steps(records: Sequence[StepRecord]) -> dict[str, dict[str, int]]:
+    """Per part kind the records hold (NOTE [Parts in a record]), steps per label, each kind's
+    labels by parameter then treatment (the head's fewest chunks first); empty when no plan
+    placed a part beside the blocks.
+
+    Example:
+        >>> r = StepRecord(1, [8, 100], 800, "dynamic", [], 0, 2, None, 0, 0, None, "logical", None, 0.0)
+        >>> part_steps([r, dataclasses.replace(r, treatments={"head": "chunked:4"})])
+        {'head': {'chunked:4': 1}}
+    """
+    out: dict[str, dict[str, int]] = {}
+    for r in records:
+        for kind, label in r.treatments.items():
+            if isinstance(label, str):
+                counts = out.setdefault(kind, {})
+                counts[label] = counts.get(label, 0) + 1
+    return {kind: dict(sorted(counts.items(), key=lambda kv: parse_part_label(kv[0])[::-1])) for kind, counts in out.items()}
+
+
 def head_steps(records: Sequence[StepRecord]) -> dict[str, int]:
     """Steps per LM head label over ``records`` (NOTE [The head in a record]), fewest chunks first;
-    empty when none planned the head.
+    empty when none planned the head (the head's row of :func:`part_steps`).
 
     Example:
         >>> r = StepRecord(1, [8, 100], 800, "dynamic", [], 0, 2, None, 0, 0, None, "logical", None, 0.0)
         >>> head_steps([r, dataclasses.replace(r, treatments={"head": "chunked:4"})])
         {'chunked:4': 1}
     """
-    out: dict[str, int] = {}
-    for r in records:
-        label = r.treatments.get(HEAD_KEY)
-        if label is not None:
-            out[label] = out.get(label, 0) + 1
-    return dict(sorted(out.items(), key=lambda kv: parse_head_label(kv[0])[::-1]))
+    return part_steps(records).get(HEAD_KEY, {})
 
 
 class JsonlWriter:

@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from memfit.engine.budget import Budget, format_bytes
-from memfit.engine.records import StepRecord, mean_treated_fraction, summarize, treated_blocks
+from memfit.engine.records import HEAD_KEY, StepRecord, mean_treated_fraction, summarize, treated_blocks
 from memfit.engine.parts.treatments import KEEP, RECOMPUTE, in_registry_order
 
 __all__ = [
@@ -208,21 +208,25 @@ def start_line(
     )
 
 
-def _head_line(records: Sequence[StepRecord]) -> list[str]:
-    """The summary's line on the LM head where a plan placed it: the steps of each head treatment the
-    records hold (registry order), with the implementations that ran it (NOTE [The head in a
-    record], records.py); none otherwise."""
-    placed = [r for r in records if r.head is not None]
-    if not placed:
-        return []
-    words = []
-    for name in in_registry_order({r.head[0] for r in placed}, part="head"):
-        mine = [r for r in placed if r.head[0] == name]
-        ran = Counter(r.head_implementation for r in mine if r.head_implementation)
-        by = "" if not ran else " (" + ", ".join(impl if len(ran) == 1 else f"{impl} {n}" for impl, n in ran.most_common()) + ")"
-        unit = "" if words else f" micro-step{'s' * (len(mine) != 1)}"
-        words.append(f"{'kept' if name == KEEP else name} on {len(mine)}{unit}{by}")
-    return [f"memfit: LM head {', '.join(words)}"]
+def _parts_lines(records: Sequence[StepRecord]) -> list[str]:
+    """The summary's line on each part beside the blocks the records hold (the LM head; a part kind
+    given to ``fit(parts=...)``: NOTE [Parts in a record], records.py): the steps of each of its
+    treatments (registry order, ``keep`` first), with the implementations that ran it where the
+    records name them (NOTE [The head in a record]); none without such parts."""
+    kinds = list(dict.fromkeys(kind for r in records for kind in r.parts))
+    lines = []
+    for kind in kinds:
+        placed = [(r, r.parts[kind][0]) for r in records if kind in r.parts]
+        names = in_registry_order({name for _, name in placed}, part=kind)
+        words = []
+        for name in sorted(names, key=lambda n: n != KEEP):
+            mine = [r for r, ran_as in placed if ran_as == name]
+            ran = Counter(r.head_implementation for r in mine if r.head_implementation) if kind == HEAD_KEY else Counter()
+            by = "" if not ran else " (" + ", ".join(impl if len(ran) == 1 else f"{impl} {n}" for impl, n in ran.most_common()) + ")"
+            unit = "" if words else f" micro-step{'s' * (len(mine) != 1)}"
+            words.append(f"{'kept' if name == KEEP else name} on {len(mine)}{unit}{by}")
+        lines.append(f"memfit: {'LM head' if kind == HEAD_KEY else f'part {kind}'} {', '.join(words)}")
+    return lines
 
 
 # NOTE [What the summary counts]
@@ -308,7 +312,7 @@ def end_summary(records: Sequence[StepRecord], budget: Budget | None = None, opt
         parts.append(_warmup_words(warmup, n_blocks))
     total_s = sum(r.step_ms or 0.0 for r in records) / 1e3
     parts.append(f"the {s.steps} micro-step{'s' * (s.steps != 1)} took {total_s:.1f} s")
-    lines = [head, peak, "memfit: " + "; ".join(parts), *_head_line(records)]
+    lines = [head, peak, "memfit: " + "; ".join(parts), *_parts_lines(records)]
     if any(r.compiled_graphs for r in records):
         lines.append(
             f"memfit: compiling took {s.compile_ms / 1e3:.1f} s, "

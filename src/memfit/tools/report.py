@@ -47,7 +47,7 @@ from typing import Any
 
 from memfit.errors import ArgumentParser, DataError, MissingFileError
 from memfit.engine.records import (
-    RunSummary, StepRecord, head_steps, parse_head_label, read_jsonl_numbered, summarize, treated_blocks,
+    HEAD_KEY, RunSummary, StepRecord, parse_head_label, part_steps, read_jsonl_numbered, summarize, treated_blocks,
 )
 from memfit.engine.parts.treatments import BY_PART, KEEP, in_registry_order
 from memfit.engine.summary_text import given_unit, size_in_given_unit
@@ -529,10 +529,16 @@ class _MixRow:
     mix: tuple[tuple[str, float], ...]
     """Per block treatment of the table (:func:`_treatment_names`), the mean blocks per step it got."""
     kept: float
-    heads: tuple[tuple[str, int], ...]
+    parts: tuple[tuple[str, tuple[tuple[str, int], ...]], ...]
+    """Per part kind beside the blocks the records hold (NOTE [Parts in a record], records.py), its steps per label."""
 
-    def head_text(self) -> str:
-        return ", ".join(f"{label} ×{n}" for label, n in self.heads) or _DASH
+    @property
+    def heads(self) -> tuple[tuple[str, int], ...]:
+        """The LM head's steps per label (its row of :attr:`parts`)."""
+        return dict(self.parts).get(HEAD_KEY, ())
+
+    def part_text(self, kind: str) -> str:
+        return ", ".join(f"{label} ×{n}" for label, n in dict(self.parts).get(kind, ())) or _DASH
 
     def head_shares(self) -> dict[str, tuple[float, float]]:
         """Per head treatment the range's steps ran, the share of those steps and their mean chunk count."""
@@ -572,37 +578,44 @@ def _mix_rows(runs: Sequence[_StepRun], bins: int = 6) -> dict[int, list[_MixRow
             counts = treated_blocks(recs)
             mix = tuple((name, counts.get(name, 0) / len(recs)) for name in names)
             kept = recs[0].n_blocks - sum(m for _, m in mix)
-            rows.append(_MixRow(low + b * width, low + (b + 1) * width - 1, len(recs), mix, kept, tuple(head_steps(recs).items())))
-        if len({(row.mix, tuple(label for label, _ in row.heads)) for row in rows}) == 1:  # one mix at every size (full, static)
-            heads = tuple(head_steps([rec for rec in steady[id(run)]]).items())
-            rows = [dataclasses.replace(rows[0], last=rows[-1].last, steps=sum(row.steps for row in rows), heads=heads)]
+            rows.append(_MixRow(low + b * width, low + (b + 1) * width - 1, len(recs), mix, kept, _part_rows(recs)))
+        if len({(row.mix, tuple((kind, tuple(label for label, _ in counts)) for kind, counts in row.parts)) for row in rows}) == 1:
+            # one mix at every size (full, static)
+            rows = [dataclasses.replace(rows[0], last=rows[-1].last, steps=sum(row.steps for row in rows), parts=_part_rows(steady[id(run)]))]
         out[id(run)] = rows
     return out
+
+
+def _part_rows(records: Sequence[StepRecord]) -> tuple[tuple[str, tuple[tuple[str, int], ...]], ...]:
+    """Per part kind ``records`` hold beside the blocks, its steps per label (:func:`part_steps`)."""
+    return tuple((kind, tuple(counts.items())) for kind, counts in part_steps(records).items())
 
 
 def _mix_table(runs: Sequence[_StepRun], bins: int = 6) -> list[str]:
     """The treatment mix per input size: for each run that treated blocks or placed the head, its
     steady steps in ``bins`` equal ranges of tokens, the mean number of blocks each treatment got
-    there, and (when a run planned the head) the steps per head treatment."""
+    there, and per part kind beside the blocks a run's records hold (the LM head, a user's part kind)
+    the steps per label of it, a column each (NOTE [Parts in a record], records.py)."""
     treated = _mixed_runs(runs)
     rows = _mix_rows(treated, bins)
     if not rows:
         return []
     names, _ = _treatment_names(treated)
-    with_head = any(row.heads for run_rows in rows.values() for row in run_rows)
-    head_head, head_rule = (" head (micro-steps) |", " --- |") if with_head else ("", "")
+    kinds = list(dict.fromkeys(kind for run_rows in rows.values() for row in run_rows for kind, _ in row.parts))
+    about = ""
+    if kinds:
+        about = ("; per part beside the blocks, its treatment as `<treatment>:<n>`" + (" (the LM head's `chunked:<n>` in n chunks)"
+                 if HEAD_KEY in kinds else "") + " and its micro-steps")
     lines = [
         "", "Treatment mix per input size (steady micro-steps; mean blocks per micro-step given each treatment the "
-        "records hold, the rest kept" + ("; the LM head's treatment, `chunked:<n>` in n chunks, and its micro-steps"
-                                         if with_head else "")
-        + "):", "",
-        "| run | tokens | micro-steps | " + "".join(f"{name} | " for name in names) + "kept |" + head_head,
-        "| --- | --- | ---: | " + "".join("---: | " for _ in names) + "---: |" + head_rule,
+        "records hold, the rest kept" + about + "):", "",
+        "| run | tokens | micro-steps | " + "".join(f"{name} | " for name in names) + "kept |" + "".join(f" {kind} (micro-steps) |" for kind in kinds),
+        "| --- | --- | ---: | " + "".join("---: | " for _ in names) + "---: |" + " --- |" * len(kinds),
     ]
     for run in treated:
         for row in rows.get(id(run), []):
             lines.append(f"| {_label(run)} | {row.first}-{row.last} | {row.steps} | " + "".join(f"{m:.1f} | " for _, m in row.mix)
-                         + f"{row.kept:.1f} |" + (f" {row.head_text()} |" if with_head else ""))
+                         + f"{row.kept:.1f} |" + "".join(f" {row.part_text(kind)} |" for kind in kinds))
     return lines
 
 

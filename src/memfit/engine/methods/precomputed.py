@@ -7,7 +7,9 @@ A plans file is JSON: ``{"schema_version", "n_blocks", "model", "plans": [{"key"
 ``recompute``, so a file of schema 1 (blocks only) reads as whole-block recompute. ``head`` (schema
 3) is the LM head's label as step records write it (``"keep"`` or ``"chunked:<n>"``, NOTE [The head
 in a record] in records.py), left out for a plan that did not place the head, so files of schema 1
-and 2 read as plans without a head. A run that does not plan its head drops a file's head labels. ``model``
+and 2 read as plans without a head; every other part beside the blocks is written so too, its label
+under its kind's name (a string where the row's other values are lists: NOTE [Parts in a record]).
+A run that does not plan a part drops a file's labels of it. ``model``
 fingerprints the blocks the plans were made for (their names, classes and parameter counts:
 :func:`memfit.engine.parts.blocks.fingerprint`); a file made for another model is refused when the run
 binds it: by block count always, by fingerprint when both are known.
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING
 from memfit.errors import DataError, MissingFileError, UserError
 from memfit.engine.methods.base import Decision, Method
 from memfit.engine.plan.planner import Plan
-from memfit.engine.records import parse_head_label
+from memfit.engine.records import parse_part_label
 
 if TYPE_CHECKING:
     from memfit.engine.plan.planning import Planning
@@ -73,8 +75,8 @@ class Precomputed(Method):
         if plan is None:
             larger = [k for k in self.plans if k[0] == key[0] and k[1] >= key[1]]
             plan = self.plans[min(larger)] if larger else Plan(planning.all_blocks)
-        if plan.head is not None and planning.head is None:  # this run does not plan its head
-            plan = dataclasses.replace(plan, head=None)
+        if any(kind not in planning.parts for kind, _, _ in plan.parts):  # this run does not plan that part
+            plan = dataclasses.replace(plan, parts=[p for p in plan.parts if p[0] in planning.parts])
         return Decision(plan)
 
 
@@ -94,8 +96,7 @@ def save_plans(
         row = {"key": list(key), "blocks": list(plan.blocks)}
         if plan.kinds:
             row["treatments"] = list(plan.kinds)
-        if plan.head_label is not None:
-            row["head"] = plan.head_label
+        row.update(plan.part_labels())
         rows.append(row)
     data = {"schema_version": PLANS_SCHEMA_VERSION, "n_blocks": n_blocks, "model": fingerprint, "plans": rows}
     with open(path, "w", encoding="utf-8") as fh:
@@ -121,13 +122,13 @@ def load_plans(path: str) -> tuple[dict[tuple[int, int], Plan], int | None, str]
         plans = {}
         for p in data["plans"]:
             blocks = tuple(int(i) for i in p["blocks"])
-            head = parse_head_label(p["head"]) if p.get("head") is not None else None
+            parts = [(kind, *parse_part_label(label, kind)) for kind, label in p.items() if isinstance(label, str)]
             kinds = tuple(str(k) for k in p.get("treatments", ()))
-            plans[tuple(int(x) for x in p["key"])] = Plan(blocks, kinds=kinds, head=head)
+            plans[tuple(int(x) for x in p["key"])] = Plan(blocks, kinds=kinds, parts=parts)
         n_blocks = data.get("n_blocks")
         return plans, (None if n_blocks is None else int(n_blocks)), str(data.get("model") or "")
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError) as exc:
         raise DataError(
             f"plans file {path} is malformed ({exc}); expected JSON with a 'plans' list of "
-            "{'key': [N, T], 'blocks': [...]} (and optionally 'treatments', 'head') as written by Controller.save_plans"
+            "{'key': [N, T], 'blocks': [...]} (and optionally 'treatments', 'head' and each other part's label) as written by Controller.save_plans"
         ) from None

@@ -231,7 +231,7 @@ def _backward_start_dominates(planning: Planning, key: tuple[int, int], plan: Pl
 
 
 def _head_transient_saved(planning: Planning, key: tuple[int, int], plan: Plan) -> int:
-    """The transient part of what ``plan``'s head saves at ``key`` (NOTE [A chunked head's step in kept terms]).
+    """The transient part of what ``plan``'s parts beside the blocks save at ``key`` (NOTE [A chunked head's step in kept terms]).
 
     # NOTE [A chunked head's step in kept terms]
     The curves describe a step with the LM head kept, and a plan that chunks it takes the head part's
@@ -247,10 +247,9 @@ def _head_transient_saved(planning: Planning, key: tuple[int, int], plan: Plan) 
     correction took it off, and long partial plans, which no step taught a partial transient, took
     the full regime's, 3% of the cap too much (docs/devlog.md).
     """
-    head = planning.head
-    if head is None or plan.head is None:
-        return 0
-    return int(head.transient_saved_bytes(key[0] * key[1], plan.head))
+    tokens = key[0] * key[1]
+    return int(sum(planning.parts[kind].transient_saved_bytes(tokens, (name, param))
+                   for kind, name, param in plan.parts if kind in planning.parts))
 
 
 def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, planning_key: tuple[int, int]) -> ModelUpdate:
@@ -272,7 +271,7 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
     names = outcome.plan.treatments(len(model.groups))
     # a chunked head's saving added back, its saved part to the outside bytes and its transient part to
     # the transient: the curves describe the step with the head kept (NOTE [A chunked head's step in kept terms])
-    head_saved = model.head_saved_bytes(key, outcome.plan)
+    head_saved = model.parts_saved_bytes(key, outcome.plan)
     head_transient = _head_transient_saved(planning, key, outcome.plan) if head_saved else 0
     curves: list[tuple] = [(("outside",), model.outside, outcome.outside + head_saved - head_transient)]
     chunked_head = bool(head_saved) and not outcome.warmup  # NOTE [A chunked head's step teaches less]

@@ -546,8 +546,9 @@ class MemoryModel:
         #: largest optimizer-step peak above static memory seen (NOTE [Three peaks])
         self.optimizer_bytes = 0.0
         self.max_key: tuple[int, int] | None = None
-        #: ``(tokens, plan.head) -> bytes`` a plan's head saves (NOTE [Head in the peaks]); None: no planned head
-        self.head_saving: Callable[[int, Any], int] | None = None
+        #: per part kind beside the blocks, ``(tokens, (treatment, param)) -> bytes`` its option saves
+        #: (NOTE [Head in the peaks]); the LM head's under ``"head"``
+        self.part_saving: dict[str, Callable[[int, Any], int]] = {}
         #: the host link's price, with its ``depth(moved bytes, forward ms)`` (engine/parts/probe.py
         #: LinkPrice); None until measured: prefetch depth 1 (NOTE [Treated peaks])
         self.link: Any = None
@@ -728,14 +729,16 @@ class MemoryModel:
         for a shape and for the planner's rows (NOTE [One evaluator]).
 
         # NOTE [Head in the peaks]
-        The curves describe the step with the LM head kept (the learner adds a chunked head's saving
-        back to what such a step teaches, its saved part to the outside bytes and its transient part to
-        the transient: NOTE [A chunked head's step in kept terms], learner.py). A plan that chunks the head
-        (NOTE [The head in the plan], planner.py) saves ``values["head_saved"]`` bytes of the kept
-        head's float32 logits: taken off the backward's start, and off the recompute bound too, whose
-        ``full`` transient was fitted on whole-step peaks that the kept head's moment may set.
+        The curves describe the step with the LM head, and every part beside the blocks, untreated
+        (the learner adds a treated part's saving back to what such a step teaches, its saved part to
+        the outside bytes and its transient part to the transient: NOTE [A chunked head's step in kept
+        terms], learner.py). A plan that chunks the head (NOTE [The head in the plan], planner.py)
+        saves ``values["parts_saved"]`` bytes of the kept head's float32 logits, and a part beside the
+        blocks its option's bytes, held from after the last block's forward (NOTE [A part kind's
+        moment], parts/kind.py): taken off the backward's start, and off the recompute bound too,
+        whose ``full`` transient was fitted on whole-step peaks that the kept head's moment may set.
         """
-        head_saved = values.get("head_saved", 0)
+        head_saved = values.get("parts_saved", 0)
         start = self._activation(values, layout.counts)
         start = start + _select(layout.every, lambda: values["transient_full"], values["transient"])
         start = start + self._in_flight(values, layout.offloaded, layout.depth)
@@ -755,17 +758,16 @@ class MemoryModel:
             part = _maximum(part, values[(g, KEEP)] - _kept(values, g, name))
         return start, recompute, _maximum(_maximum(start + part, recompute), self.optimizer_bytes)
 
-    def head_saved_bytes(self, key: tuple[int, int], plan: "Plan") -> int:
-        """What ``plan``'s head treatment saves at ``key`` against a kept head (NOTE [Head in the peaks])."""
-        if self.head_saving is None or plan.head is None:
-            return 0
-        return int(self.head_saving(key[0] * key[1], plan.head))
+    def parts_saved_bytes(self, key: tuple[int, int], plan: "Plan") -> int:
+        """What ``plan``'s parts beside the blocks save at ``key`` against their untreated options (NOTE [Head in the peaks])."""
+        tokens = key[0] * key[1]
+        return int(sum(self.part_saving[kind](tokens, (name, param)) for kind, name, param in plan.parts if kind in self.part_saving))
 
     def _plan_peaks(self, key: tuple[int, int], plan: "Plan") -> tuple[Any, Any, Any]:
         values = self._values(*key)
-        saved = self.head_saved_bytes(key, plan)
+        saved = self.parts_saved_bytes(key, plan)
         if saved:
-            values = {**values, "head_saved": saved}
+            values = {**values, "parts_saved": saved}
         layout = self._layout(plan)
         if layout.offloaded:
             layout.depth = self.offload_depth(key)

@@ -44,7 +44,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Plan", "InfeasiblePlanError", "plan_blocks", "plan_treatments", "plan_with_head", "with_leaner_reruns", "PlanCache"]
+from memfit.engine.records import HEAD_KEY, part_label
+
+__all__ = ["Plan", "InfeasiblePlanError", "plan_blocks", "plan_treatments", "plan_with_parts", "plan_with_head",
+           "with_leaner_reruns", "PlanCache"]
 
 
 class InfeasiblePlanError(ValueError):
@@ -53,11 +56,14 @@ class InfeasiblePlanError(ValueError):
 
 #: the name of whole-block recompute (memfit.engine.parts.treatments.RECOMPUTE; the planner imports no torch)
 _RECOMPUTE = "recompute"
+_HEAD = HEAD_KEY
+_NO_CHANGE: Any = object()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Plan:
-    """The treatment of every block for one shape key: which blocks are not kept, and how.
+    """The treatment of every part for one shape key: which blocks are not kept, and how, and the
+    option of each part placed beside the blocks (NOTE [Parts beside the blocks]).
 
     Attributes:
         blocks: treated (not kept) block indices, ascending.
@@ -65,25 +71,54 @@ class Plan:
         saved_bytes: estimated bytes the plan saves relative to keeping every block.
         kinds: the treatment of each of ``blocks``, in order; empty when every one is
             ``recompute`` (normalised so, so that equal plans compare equal).
-        head: the LM head's treatment and chunk count, ``("keep", 1)`` or ``("chunked", n)``;
-            None for a model without a planned head (NOTE [The head in the plan]).
+        parts: ``(kind, treatment, param)`` of each part placed beside the blocks (the LM head's
+            kind is ``"head"``, its param the chunk count), in the order the planning holds them;
+            empty for a plan that places none.
+
+    ``head`` (a constructor argument and a read-only attribute) is the LM head's entry of
+    ``parts``: ``("keep", 1)`` or ``("chunked", n)``, None without a planned head (NOTE [The
+    head in the plan]); given to the constructor, it sets (None: drops) the head's entry.
 
     Example:
         >>> Plan((0, 2)).treatments(3)
         ['recompute', 'keep', 'recompute']
+        >>> Plan((0,), head=("chunked", 4)).parts
+        (('head', 'chunked', 4),)
     """
 
     blocks: tuple[int, ...]
     cost_ms: float = 0.0
     saved_bytes: int = 0
     kinds: tuple[str, ...] = ()
-    head: tuple[str, int] | None = None
+    parts: tuple[tuple[str, str, int], ...] = ()
 
-    def __post_init__(self) -> None:
-        if self.kinds and len(self.kinds) != len(self.blocks):
-            raise ValueError(f"a plan of {len(self.blocks)} treated blocks has {len(self.kinds)} treatment names")
-        if self.kinds and all(k == _RECOMPUTE for k in self.kinds):
-            object.__setattr__(self, "kinds", ())
+    def __init__(self, blocks: tuple[int, ...], cost_ms: float = 0.0, saved_bytes: int = 0, kinds: tuple[str, ...] = (),
+                 parts: Sequence[tuple[str, str, int]] = (), head: Any = _NO_CHANGE) -> None:
+        parts = tuple((str(kind), str(name), int(param)) for kind, name, param in parts)
+        if head is not _NO_CHANGE:
+            others = tuple(p for p in parts if p[0] != _HEAD)
+            parts = others if head is None else ((_HEAD, str(head[0]), int(head[1])),) + others
+        if kinds and len(kinds) != len(blocks):
+            raise ValueError(f"a plan of {len(blocks)} treated blocks has {len(kinds)} treatment names")
+        if kinds and all(k == _RECOMPUTE for k in kinds):
+            kinds = ()
+        for name, value in (("blocks", tuple(blocks)), ("cost_ms", cost_ms), ("saved_bytes", saved_bytes),
+                            ("kinds", tuple(kinds)), ("parts", parts)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def head(self) -> tuple[str, int] | None:
+        """The LM head's treatment and chunk count, ``("keep", 1)`` or ``("chunked", n)``; None for a
+        plan without a planned head (NOTE [The head in the plan])."""
+        return self.option(_HEAD)
+
+    def option(self, kind: str) -> tuple[str, int] | None:
+        """The ``(treatment, param)`` of the part of ``kind`` beside the blocks, None where the plan places none."""
+        return next(((name, param) for k, name, param in self.parts if k == kind), None)
+
+    def part_labels(self) -> dict[str, str]:
+        """Each placed part's label by kind, as records and plan files write it (``"chunked:8"``)."""
+        return {kind: part_label(name, param) for kind, name, param in self.parts}
 
     def treatments(self, n_blocks: int) -> list[str]:
         """The treatment of every block ``0..n_blocks-1``."""
@@ -111,10 +146,7 @@ class Plan:
     def head_label(self) -> str | None:
         """The head's treatment as records, plan files and reports write it: ``"keep"`` or
         ``"chunked:<n>"``; None without a planned head."""
-        if self.head is None:
-            return None
-        name, n_chunks = self.head
-        return name if name == "keep" else f"{name}:{n_chunks}"
+        return self.part_labels().get(_HEAD)
 
     @property
     def layout(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -264,7 +296,7 @@ def with_leaner_reruns(
             kinds[i], swapped = lean, True
     if not swapped:
         return None
-    return Plan(plan.blocks, cost, plan.saved_bytes, kinds=tuple(kinds[i] for i in plan.blocks), head=plan.head)
+    return Plan(plan.blocks, cost, plan.saved_bytes, kinds=tuple(kinds[i] for i in plan.blocks), parts=plan.parts)
 
 
 def plan_with_head(
@@ -274,7 +306,8 @@ def plan_with_head(
     resolution: int = 1024,
     order: Mapping[str, int] | None = None,
 ) -> Plan:
-    """Cheapest mix of block treatments and one head treatment whose savings reach ``need_bytes``.
+    """Cheapest mix of block treatments and one head treatment whose savings reach ``need_bytes``
+    (:func:`plan_with_parts` with the head the one part beside the blocks).
 
     # NOTE [The head in the plan]
     The LM head is a part beside the blocks: its treatments (``keep``; ``chunked`` with a
@@ -307,26 +340,86 @@ def plan_with_head(
         >>> plan_with_head(blocks, head, 150).head
         ('chunked', 4)
     """
+    return plan_with_parts(options, [(_HEAD, head_options)] if head_options else [], need_bytes, resolution, order)
+
+
+#: the most combinations of the parts' options :func:`plan_with_parts` tries (NOTE [Parts beside the blocks])
+MAX_PART_COMBINATIONS = 64
+
+
+def plan_with_parts(
+    options: Sequence[Sequence[tuple[str, int, float]]],
+    parts: Sequence[tuple[str, Sequence[tuple[str, int, int, float]]]],
+    need_bytes: int,
+    resolution: int = 1024,
+    order: Mapping[str, int] | None = None,
+) -> Plan:
+    """Cheapest mix of block treatments and one option per part beside the blocks whose savings reach ``need_bytes``.
+
+    # NOTE [Parts beside the blocks]
+    A part beside the blocks (the LM head; a part kind given to ``fit(parts=...)``,
+    memfit.engine.parts.kind) offers options ``(treatment, param, bytes saved, ms)``, the first
+    untreated. Each combination of one option per part is tried with the blocks' cheapest plan
+    for what is still needed, and the cheapest sum wins; ties go to the earlier combination
+    (every part's earlier options first). The combinations are bounded by
+    :data:`MAX_PART_COMBINATIONS`: past it, options another option of the same part dominates
+    (saves no more, costs no less) are dropped, then each part keeps its untreated option and
+    those that save most, so a plan's time stays bounded whatever the parts offer. The head
+    alone offers fewer, and is planned over all of its options (NOTE [The head in the plan]).
+
+    Args:
+        options: per block, ``(treatment, bytes saved, ms)`` as :func:`plan_treatments` takes them.
+        parts: per part, its kind and its options, bytes and ms relative to its untreated option.
+        need_bytes: bytes to save relative to keeping every part; ``<= 0`` keeps every part.
+        resolution: DP units for stacks of unlike blocks.
+        order: as :func:`plan_treatments`.
+
+    Returns:
+        The :class:`Plan`, its ``parts`` naming each part's option (none without parts).
+
+    Raises:
+        InfeasiblePlanError: when no combination with every block treated saves enough; the
+            message names the most each part's treatments save.
+
+    Example:
+        >>> blocks = [[("recompute", 100, 10.0)]] * 2
+        >>> norm = [("keep", 1, 0, 0.0), ("squeezed", 1, 80, 1.0)]
+        >>> plan_with_parts(blocks, [("norm", norm)], 150).parts
+        (('norm', 'squeezed', 1),)
+    """
     frozen = tuple(tuple(o) for o in options)
-    if not head_options:
+    parts = [(kind, tuple(tuple(o) for o in opts)) for kind, opts in parts if opts]
+    if not parts:
         return plan_treatments(frozen, need_bytes, resolution, order)
     best: Plan | None = None
-    for name, n_chunks, saved, ms in head_options:
+    for combo in itertools.product(*_bounded_options([opts for _, opts in parts])):
+        saved, ms = sum(int(o[2]) for o in combo), sum(float(o[3]) for o in combo)
         try:
-            blocks = plan_treatments(frozen, need_bytes - int(saved), resolution, order)
+            blocks = plan_treatments(frozen, need_bytes - saved, resolution, order)
         except InfeasiblePlanError:
             continue
-        total = blocks.cost_ms + float(ms)
+        total = blocks.cost_ms + ms
         if best is None or total < best.cost_ms:
-            best = Plan(blocks.blocks, total, blocks.saved_bytes + int(saved), kinds=blocks.kinds, head=(name, int(n_chunks)))
+            placed = tuple((kind, str(o[0]), int(o[1])) for (kind, _), o in zip(parts, combo))
+            best = Plan(blocks.blocks, total, blocks.saved_bytes + saved, kinds=blocks.kinds, parts=placed)
     if best is None:
         blocks_most = sum(max((o[1] for o in opts), default=0) for opts in frozen)
-        head_most = max(int(o[2]) for o in head_options)
-        raise InfeasiblePlanError(
-            f"treating all {len(frozen)} blocks saves {blocks_most} bytes and the head's treatments at most "
-            f"{head_most} bytes, {need_bytes} are needed"
-        )
+        parts_most = ", ".join(f"the {kind}'s treatments at most {max(int(o[2]) for o in opts)} bytes" for kind, opts in parts)
+        raise InfeasiblePlanError(f"treating all {len(frozen)} blocks saves {blocks_most} bytes and {parts_most}, {need_bytes} are needed")
     return best
+
+
+def _bounded_options(per_part: list[tuple[tuple, ...]]) -> list[tuple[tuple, ...]]:
+    """Each part's options, fewer where their combinations pass :data:`MAX_PART_COMBINATIONS` (NOTE [Parts beside the blocks])."""
+    if math.prod(len(opts) for opts in per_part) <= MAX_PART_COMBINATIONS:
+        return per_part
+    kept = []
+    for opts in per_part:
+        rest = [o for o in opts[1:] if not any(p is not o and p[2] >= o[2] and p[3] <= o[3] and (p[2], p[3]) != (o[2], o[3])
+                                               for p in opts)]
+        kept.append((opts[0], *rest))
+    each = max(2, int(MAX_PART_COMBINATIONS ** (1 / len(kept))))
+    return [(opts[0], *sorted(opts[1:], key=lambda o: -o[2])[: each - 1]) for opts in kept]
 
 
 def plan_treatments(

@@ -78,7 +78,8 @@ import statistics
 
 from memfit.engine.budget import Budget
 from memfit.engine.plan.model import MemoryModel
-from memfit.engine.plan.planner import with_leaner_reruns, InfeasiblePlanError, Plan, PlanCache, plan_blocks, plan_with_head
+from memfit.engine.plan.planner import with_leaner_reruns, InfeasiblePlanError, Plan, PlanCache, plan_blocks, plan_with_parts
+from memfit.engine.records import HEAD_KEY
 from memfit.engine.plan.room import Room
 from memfit.engine.shapes import bucket_key
 from memfit.engine.summary_text import over_budget_words
@@ -256,12 +257,28 @@ class Planning:
         self.longest_in_bucket: dict[tuple[int, int], int] = {}
         self.treatments = tuple(name for name in self.registry if name != KEEP)
         self.offload_ms: Callable[[float, float], float] | None = None
-        self.head: Any = None  # the LM head as a planned part (treatments/chunked_head.py HeadPart), or None
+        #: the parts beside the blocks by kind, the LM head's (treatments/chunked_head.py HeadPart) first (parts/kind.py)
+        self.parts: dict[str, Any] = {}
         self.bias, self.run_bias = BucketBias(), RunBias()  # NOTE [Bias per bucket], NOTE [Over-prediction across buckets]
+
+    @property
+    def head(self) -> Any:
+        """The LM head as a planned part (treatments/chunked_head.py HeadPart), or None."""
+        return self.parts.get(HEAD_KEY)
+
+    @head.setter
+    def head(self, part: Any) -> None:
+        _set_part(self, HEAD_KEY, part)
 
     def set_head(self, part: Any) -> None:
         """Plan the LM head beside the blocks from now on (NOTE [The head in the plan], planner.py); None: no more."""
-        self.head, self.model.head_saving = part, None if part is None else part.saved_bytes
+        self.head = part
+        self.cache.clear()
+
+    def add_part(self, part: Any) -> None:
+        """Plan ``part`` (a :class:`~memfit.engine.parts.kind.PartKind`) beside the blocks from now on
+        (NOTE [Parts beside the blocks], planner.py)."""
+        _set_part(self, part.name, part)
         self.cache.clear()
 
     def price_offload(self, offload_ms: Callable[[float, float], float]) -> None:
@@ -307,7 +324,8 @@ class Planning:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model = MemoryModel.from_dict(state["model"], self.registry)
-        self.model.bucket_tokens, self.model.head_saving = self.bucket_tokens, getattr(self.head, "saved_bytes", None)
+        self.model.bucket_tokens = self.bucket_tokens
+        self.model.part_saving = {kind: part.saved_bytes for kind, part in self.parts.items()}
         self.model.link = self.offload_ms
         self.room.margin_bytes = int(state["margin_bytes"])
         self.room.slack_bytes = int(state.get("slack_bytes", self.room.slack_bytes))
@@ -369,8 +387,8 @@ class Planning:
         if plan is None:
             settled = self.cache.settled(ROW_AFTER_STEADY_ASKS)
             whole_row = whole_row and edge not in self.bias.correction  # NOTE [Bias per bucket]
-            from_row = _plan_from_row(self, k, static_bucket) if whole_row and settled and self.recompute_only and not self.head else None
-            plan = from_row or (self._plan(k) if self.head is None else _plan_head(self, k))
+            from_row = _plan_from_row(self, k, static_bucket) if whole_row and settled and self.recompute_only and not self.parts else None
+            plan = from_row or (_plan_parts(self, k) if self.parts else self._plan(k))
             if from_row is not None and k != edge and _row_constant(self, k, edge, static_bucket):
                 self.cache.put((edge, static_bucket), plan)  # no longer shape of the bucket will replan
             self.cache.put(cache_key, plan)
@@ -414,7 +432,7 @@ class Planning:
                 return plan
             if self.predict_peak(k, Plan(self.all_blocks)) > room:
                 raise InfeasiblePlanError("the recompute or optimizer-step peak is over the budget")
-            return self._mend(k, plan, need, costs, savings)
+            return _mend(self, k, plan, need, costs, savings)
         except InfeasiblePlanError:
             if not warn:
                 return None
@@ -430,27 +448,6 @@ class Planning:
                     "running it with every block checkpointed; %s", k, self.budget.size(peak_bytes), self.budget,
                     over_budget_words(parts, self.budget))
             return Plan(self.all_blocks)
-
-    def _mend(self, k: tuple[int, int], plan: Plan, need: int, costs: list[float], savings: list[int]) -> Plan:
-        """A plan whose recompute peak is over the room, mended.
-
-        # NOTE [Blocks held below a recompute]
-        While backward recomputes a checkpointed block, every kept block below it still holds
-        its activations. The cheapest set of blocks can leave such blocks (the largest layers
-        of a Swin stack, under checkpointed later ones), and the recompute then peaks over
-        the room. Such a plan is mended, not replaced by every block: the cheaper of the plan
-        with every block under its topmost one added, and the shortest run of first blocks
-        that saves enough; both hold nothing below a recompute.
-        """
-        room = self.room_bytes
-        below = tuple(range(max(plan.blocks) + 1))  # the plan and every block under it
-        covered = itertools.accumulate(savings)
-        prefix = tuple(range(next(i for i, total in enumerate(covered, 1) if total >= need)))
-        mended = [p for p in {below, prefix} if self.predict_peak(k, Plan(p)) <= room]
-        if not mended:
-            return Plan(self.all_blocks)
-        best = min(mended, key=lambda p: (sum(costs[i] for i in p), p))
-        return Plan(best, float(sum(costs[i] for i in best)), int(sum(savings[i] for i in best)))
 
     def would_plan_less(self, key: tuple[int, int], plan: Plan, over_bytes: int) -> bool:
         """Whether a prediction ``over_bytes`` lower would have given a cheaper plan than ``plan``.
@@ -515,6 +512,28 @@ class Planning:
         """A step ran out of memory: the room grows (NOTE [Room], room.py) and the plans are redone."""
         self.room.after_oom(unusable_bytes)
         self.cache.clear()
+
+
+def _mend(planning: Planning, k: tuple[int, int], plan: Plan, need: int, costs: list[float], savings: list[int]) -> Plan:
+    """A plan whose recompute peak is over the room, mended.
+
+    # NOTE [Blocks held below a recompute]
+    While backward recomputes a checkpointed block, every kept block below it still holds
+    its activations. The cheapest set of blocks can leave such blocks (the largest layers
+    of a Swin stack, under checkpointed later ones), and the recompute then peaks over
+    the room. Such a plan is mended, not replaced by every block: the cheaper of the plan
+    with every block under its topmost one added, and the shortest run of first blocks
+    that saves enough; both hold nothing below a recompute.
+    """
+    room = planning.room_bytes
+    below = tuple(range(max(plan.blocks) + 1))  # the plan and every block under it
+    covered = itertools.accumulate(savings)
+    prefix = tuple(range(next(i for i, total in enumerate(covered, 1) if total >= need)))
+    mended = [p for p in {below, prefix} if planning.predict_peak(k, Plan(p)) <= room]
+    if not mended:
+        return Plan(planning.all_blocks)
+    best = min(mended, key=lambda p: (sum(costs[i] for i in p), p))
+    return Plan(best, float(sum(costs[i] for i in best)), int(sum(savings[i] for i in best)))
 
 
 # ---------------------------------------------------------------- the bias (NOTE [Bias per bucket])
@@ -606,49 +625,66 @@ def slack_cost_ms(planning: Planning, key: tuple[int, int], extra_bytes: int) ->
     return float(smaller - now)
 
 
-# ---------------------------------------------------------------- the head (NOTE [The head in the plan], planner.py)
-def _plan_head(planning: Planning, k: tuple[int, int]) -> Plan:
-    """``k``'s plan with the LM head a part beside the blocks (NOTE [The head in the plan], planner.py):
-    the cheapest mix of the blocks' treatments and one head treatment that saves what the backward's
-    start needs and fits all three peaks (NOTE [Planning with the stashes back]), a mix with other
-    treatments than recompute only where it is cheaper (NOTE [Treatments never lose]); else, where
-    nothing fits, every block recomputed with the most chunks."""
+# ---------------------------------------------------------------- parts beside the blocks (NOTE [Parts beside the blocks], planner.py)
+def _set_part(planning: Planning, kind: str, part: Any) -> None:
+    """Plan ``part`` as the part of ``kind`` from now on (None: no more), the LM head's first; the memory
+    model prices its options' savings (NOTE [Head in the peaks], model.py)."""
+    parts = {k: p for k, p in planning.parts.items() if k != kind}
+    if part is not None:
+        parts = {kind: part, **parts} if kind == HEAD_KEY else {**parts, kind: part}
+    planning.parts = parts
+    planning.model.part_saving = {k: p.saved_bytes for k, p in parts.items()}
+
+
+def _plan_parts(planning: Planning, k: tuple[int, int]) -> Plan:
+    """``k``'s plan with the parts beside the blocks (NOTE [Parts beside the blocks], planner.py; the LM
+    head: NOTE [The head in the plan]): the cheapest mix of the blocks' treatments and one option per
+    part that saves what the backward's start needs and fits all three peaks (NOTE [Planning with the
+    stashes back]), a mix with other treatments than recompute only where it is cheaper (NOTE
+    [Treatments never lose]); else, where nothing fits, every block recomputed, each part at its most."""
     if planning.model.ready and planning.budget_bytes is not None:  # NOTE [The plans choose the implementation]
         seen = planning.model.max_key
         longest = k if seen is None or k[0] * k[1] >= seen[0] * seen[1] else tuple(seen)
-        planning.head.choose_by_plans(lambda key: _head_plan_ms(planning, planning.planned_shape(key)), longest)
-    plan = _head_mix(planning, k)
+        for part in list(planning.parts.values()):
+            part.choose_by_plans(lambda key: _parts_plan_ms(planning, planning.planned_shape(key)), longest)
+    plan = _parts_mix(planning, k)
     if plan is not None:
         return plan
     most = _most(planning, k)
     room = planning.room_bytes
     if planning.predict_peak(k, most) > room and k not in planning.infeasible_keys:
-        # once per run, later shapes at debug (NOTE [What to change when a step cannot fit], summary_text.py);
-        # the head's bytes come from its formula, known before the model is (NOTE [The head's bytes in a budget error])
+        # once per run, later shapes at debug (NOTE [What to change when a step cannot fit], summary_text.py)
         log = logger.debug if planning.infeasible_keys else logger.warning
         planning.infeasible_keys.add(k)
+        peak = planning.budget.size(planning.predict_peak(k, most) + planning.budget_bytes - room)
+        if planning.head is None:
+            outside = planning.model.outside(k) if planning.model.ready else 0.0
+            parts = {"static": planning.static_bytes, "outside": outside, "blocks": planning.model.step_bytes(k, most) - outside}
+            log("memfit: shape %s is predicted to need %s even with every block checkpointed and every part beside the "
+                "blocks at its most saving, over the budget of %s; %s", k, peak, planning.budget, over_budget_words(parts, planning.budget))
+            return most
+        # the head's bytes come from its formula, known before the model is (NOTE [The head's bytes in a budget error])
         kept, least, n_chunks = planning.head.head_bytes(k[0] * k[1])
         outside = max(0.0, planning.model.outside(k) - kept) if planning.model.ready else 0.0
         blocks = max(0.0, planning.model.step_bytes(k, most) - outside - least) if planning.model.ready else 0.0
         parts = {"static": planning.static_bytes, "head": kept, "outside-not-head": outside, "blocks": blocks}
         size = planning.budget.size
         log("memfit: shape %s is predicted to need %s even with every block checkpointed and the LM head in %d chunks "
-            "(the head takes %s so, %s kept), over the budget of %s; %s", k,
-            size(planning.predict_peak(k, most) + planning.budget_bytes - room), n_chunks, size(least),
+            "(the head takes %s so, %s kept), over the budget of %s; %s", k, peak, n_chunks, size(least),
             size(kept), planning.budget, over_budget_words(parts, planning.budget))
     return most
 
 
-def _head_mix(planning: Planning, k: tuple[int, int]) -> Plan | None:
-    """``k``'s cheapest mix of block treatments and one head option that fits (:func:`_plan_head`), or None."""
+def _parts_mix(planning: Planning, k: tuple[int, int]) -> Plan | None:
+    """``k``'s cheapest mix of block treatments and one option per part that fits (:func:`_plan_parts`), or None."""
     room = planning.room_bytes
     need = int(planning._static_for(k) + planning.model.backward_start_bytes(k, Plan(()))) - room
-    head = planning.head.options(k[0] * k[1])
+    parts = [(kind, part.options(k[0] * k[1])) for kind, part in planning.parts.items()]
     options = planning.model.options(k, planning.treatments, planning.offload_ms)
     # NOTE [Treatments never lose]: the mix only where it fits and is cheaper than recompute alone
-    plan = _mix_that_fits(planning, k, [[o for o in opts if o[0] == RECOMPUTE] for opts in options], need, room, head)
+    plan = _mix_that_fits(planning, k, [[o for o in opts if o[0] == RECOMPUTE] for opts in options], need, room, parts)
     if not planning.recompute_only:
-        mixed = _mix_that_fits(planning, k, options, need, room, head)
+        mixed = _mix_that_fits(planning, k, options, need, room, parts)
         # a tenth of a percent cheaper, of a cost that may be below 0 (a head priced faster chunked: NOTE [Pricing the head])
         if mixed is not None and (plan is None or mixed.cost_ms < plan.cost_ms - 0.001 * abs(plan.cost_ms)):
             plan = mixed
@@ -659,19 +695,20 @@ def _head_mix(planning: Planning, k: tuple[int, int]) -> Plan | None:
 UNFIT_MS = 1e12
 
 
-def _head_plan_ms(planning: Planning, k: tuple[int, int]) -> float:
-    """The ms of ``k``'s cheapest plan with the head as priced now (NOTE [The plans choose the
+def _parts_plan_ms(planning: Planning, k: tuple[int, int]) -> float:
+    """The ms of ``k``'s cheapest plan with the parts as priced now (NOTE [The plans choose the
     implementation], chunked_head.py); where nothing fits, :data:`UNFIT_MS` plus the bytes the most
     any plan saves leaves over the room, so the head that holds less is the cheaper there too."""
-    plan = _head_mix(planning, k)
+    plan = _parts_mix(planning, k)
     if plan is not None:
         return float(plan.cost_ms)
     return UNFIT_MS + max(0.0, float(planning.predict_peak(k, _most(planning, k)) - planning.room_bytes))
 
 
 def _most(planning: Planning, k: tuple[int, int]) -> Plan:
-    """The most any plan saves at ``k``: every block recomputed, the head in its most chunks."""
-    return Plan(planning.all_blocks, head=planning.head.options(k[0] * k[1])[-1][:2])
+    """The most any plan saves at ``k``: every block recomputed, each part at its last option (the head in its most chunks)."""
+    tokens = k[0] * k[1]
+    return Plan(planning.all_blocks, parts=[(kind, *part.options(tokens)[-1][:2]) for kind, part in planning.parts.items()])
 
 
 # ---------------------------------------------------------------- rows (NOTE [Planning a row])
@@ -686,10 +723,10 @@ def _row_constant(planning: Planning, k: tuple[int, int], edge: tuple[int, int],
 
 def _mix_that_fits(
     planning: Planning, k: tuple[int, int], options: list[list[tuple[str, int, float]]], need: int, room: int,
-    head: Sequence[tuple[str, int, int, float]] = (),
+    parts: Sequence[tuple[str, Sequence[tuple[str, int, int, float]]]] = (),
 ) -> Plan | None:
-    """The cheapest mix saving ``need`` bytes (with one of ``head``'s options where the head is
-    planned) whose predicted peak fits ``room``, or None.
+    """The cheapest mix saving ``need`` bytes (with one of each part's options, ``(kind, options)``,
+    for the parts beside the blocks) whose predicted peak fits ``room``, or None.
 
     # NOTE [Planning with the stashes back]
     The ``depth + 1`` stashes of offloaded blocks that backward brings back at once (NOTE [Treated
@@ -714,7 +751,7 @@ def _mix_that_fits(
     asks = max(3, planning.model.offload_depth(k) + 2)
     for _ in range(asks):
         try:
-            mixed = plan_with_head(options, head, need, order=order)
+            mixed = plan_with_parts(options, parts, need, order=order)
         except InfeasiblePlanError:
             return None
         over = planning.predict_peak(k, mixed) - room

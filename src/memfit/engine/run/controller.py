@@ -68,6 +68,7 @@ from memfit.engine.summary_text import end_summary, start_line
 from memfit.engine.parts.treatments import (
     RECOMPUTE, SELECTIVE, TREATMENTS, Treatment, make_treatments, resolve, run_treatment_names,
 )
+from memfit.engine.parts.kind import PartKind, RunParts
 from memfit.engine.parts.treatments.chunked_head import RunHead
 from memfit.engine.parts.treatments.offload import default_host_budget_bytes
 
@@ -196,6 +197,13 @@ def _inner_optimizer(optimizer: torch.optim.Optimizer | None) -> torch.optim.Opt
     return optimizer
 
 
+def _optimizer_hooks(optimizer: torch.optim.Optimizer | None, before: Callable[..., Any], after: Callable[..., Any]) -> list:
+    """``before`` and ``after`` hooked around ``optimizer``'s steps (none where it has no step hooks): their handles."""
+    if optimizer is None or not hasattr(optimizer, "register_step_pre_hook"):
+        return []
+    return [optimizer.register_step_pre_hook(before), optimizer.register_step_post_hook(after)]
+
+
 def _kinds(blocks: Sequence[Block]) -> list[str]:
     return [type(b.module).__name__ for b in blocks]
 
@@ -243,7 +251,7 @@ class Controller:
         blocks: Sequence[nn.Module] | str | None = None, log: str | None = None, margin: float | None = None,
         bucket_tokens: int = 8, cap: bool = True, treatments: Sequence[str] | None = None, announce: bool = False,
         compile: bool | dict[str, Any] = False, head: bool | str = "auto", head_logits: str = "drop",
-        host_budget_bytes: int | None = None,
+        host_budget_bytes: int | None = None, parts: Sequence[Any] = (),
     ):
         self.model, self.method, self.budget = model, method, budget  # NOTE [A budget as typed]
         self.budget_bytes = None if budget is None else budget.bytes
@@ -273,6 +281,7 @@ class Controller:
             self.treatments = _make_treatments(treatments, self._counter, self.planning, self.device, self.blocks[0].compiled,
                                                host_budget_bytes)
             self.head = RunHead(model, self.planning, self.meter.kind != "logical", head, head_logits, method.learns and budget is not None, lambda: self.meter.aside(self._step))
+            self.parts = RunParts(self.head, parts, self.planning)  # the head's and the user's (parts/kind.py)
             self._undo.append(self.head.remove)
             self.protection = method.make_protection(lambda: ReactiveStore(self._counter.excluded_ptrs), self.planning, self.meter, self._counter)
             self._gathered = GatheredParameters(model, self._counter)
@@ -314,10 +323,7 @@ class Controller:
         self.replay.closed_by_optimizer = optimizer is not None
         optimizer = _inner_optimizer(optimizer)
         self.meter.expected_optimizer_bytes = expected_optimizer_bytes(optimizer)  # by the inner one's class
-        self._optimizer_handles = [
-            optimizer.register_step_pre_hook(lambda *_: self.meter.optimizer_step(self._step)),
-            optimizer.register_step_post_hook(self.replay.close_window),
-        ] if optimizer is not None and hasattr(optimizer, "register_step_pre_hook") else []
+        self._optimizer_handles = _optimizer_hooks(optimizer, lambda *_: self.meter.optimizer_step(self._step), self.replay.close_window)
 
     @property
     def optimizer_steps(self) -> int | None:
@@ -396,7 +402,7 @@ class Controller:
         oom = self.replay.oom
         failed = oom.failed_plan if oom.attempts and not self.replay.replaying else None
         t0 = time.perf_counter()
-        decision = self.head.decide(self.method.decide(self.planning, step.key, failed), step.key, step.state_to_come)
+        decision = self.parts.decide(self.method.decide(self.planning, step.key, failed), step.key, step.state_to_come)
         step.planner_us = (time.perf_counter() - t0) * 1e6
         step.planned = self.planning.cache.misses > misses
         step.decision = decision
@@ -441,7 +447,7 @@ class Controller:
             oom_retries=len(self.replay.oom.attempts), oom_attempts=self.replay.oom.attempts, rank=self.rank, now=now,
         )
         self.replay.oom.clear()
-        self.head.record(record, step.decision.plan)
+        self.parts.record(record, step.decision.plan)
         self._records.append(record)
         if self._writer is not None:
             self._writer.write(record)
@@ -544,6 +550,7 @@ def fit(
     head: bool | str = "auto",
     head_logits: str = "drop",
     host_budget: int | str | None = None,
+    parts: Sequence[PartKind] = (),
     **method_kwargs: Any,
 ) -> Controller:
     """Train ``model`` inside ``budget`` by treating just enough blocks per batch.
@@ -600,6 +607,9 @@ def fit(
             (``offload``, ``host_checkpoint``) may hold, bytes or a size string like ``budget``;
             default: half of what the host has available at the start, shared among its ranks
             (NOTE [Host budget] in treatments/offload.py).
+        parts: part kinds beside the blocks the planner treats per batch too
+            (:class:`~memfit.engine.parts.kind.PartKind`, ``memfit.PartKind``: NOTE [A part kind's
+            options]): one option of each per plan, recorded under ``treatments[part.name]``.
         **method_kwargs: passed to the method (``path=`` for ``precomputed``,
             ``max_shape=`` for ``static``, ``warmup_steps=`` for ``dynamic``...).
 
@@ -631,4 +641,4 @@ def fit(
         raise ValueError(f"bucket_tokens={bucket_tokens!r}: give a whole number of tokens from 1 (1 = a plan per exact shape)")
     method_obj = make_method(method, **method_kwargs)
     return Controller(model, budget, method_obj, optimizer, blocks, log, margin, bucket_tokens, cap, treatments, announce,
-                      compile, head=head, head_logits=head_logits, host_budget_bytes=host_budget_bytes)
+                      compile, head=head, head_logits=head_logits, host_budget_bytes=host_budget_bytes, parts=parts)

@@ -1,0 +1,145 @@
+"""A part kind: a part of the step beside the blocks that the planner treats per batch.
+
+The LM head is one (treatments/chunked_head.py's ``HeadPart``); a user's part is another, given to
+``memfit.fit(..., parts=[...])``. The planner chooses one option of each beside the blocks'
+treatments (NOTE [Parts beside the blocks], plan/planner.py), the memory model takes the chosen
+option's saving off the step's peaks (NOTE [Head in the peaks], plan/model.py), the controller
+sets it before the step's forward and the step record holds its label under the kind's name
+(NOTE [Parts in a record], records.py: :func:`~memfit.engine.records.part_label`, ``"chunked:8"``),
+where the summary line and ``memfit report`` read it.
+
+# NOTE [A part kind's moment]
+A part kind's bytes are held from after the last block's forward until its own backward, as the
+LM head's logits are: its options' savings are taken off the backward's start (and the recompute
+bound), never off a block's moment. A part whose bytes peak elsewhere is not a part kind.
+
+# NOTE [A part kind's options]
+``options(tokens)`` lists ``(treatment, param, bytes saved, ms)`` for a batch of ``tokens`` tokens,
+the untreated option first (``("keep", 1, 0, 0.0)``), bytes and ms relative to it: what the part
+measured or priced, the planner's only view of it. ``saved_bytes`` must give an option's saving
+for any option a step ran (the learner adds it back: the curves describe the part untreated), and
+``transient_saved_bytes`` the part of it that lives at the backward's start only (0 by default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from memfit.engine.records import HEAD_KEY
+
+__all__ = ["PartKind", "Option", "RunParts", "check_parts"]
+
+#: ``(treatment, param, bytes saved, ms)`` of a part's option (NOTE [A part kind's options])
+Option = tuple[str, int, int, float]
+
+
+class PartKind:
+    """A part beside the blocks (NOTE [A part kind's options]); subclass it and give ``name``,
+    :meth:`options` and :meth:`apply`.
+
+    Attributes:
+        name: the part's kind: its key in a step record's ``treatments`` and in a plan's ``parts``
+            (the LM head's is ``"head"``); never a block treatment's name.
+
+    Example:
+        >>> class Squeeze(PartKind):
+        ...     name = "norm"
+        ...     def options(self, tokens):
+        ...         return (("keep", 1, 0, 0.0), ("squeezed", 1, 64 * tokens, 0.5))
+        ...     def apply(self, option):
+        ...         self.now = option
+        >>> Squeeze().saved_bytes(10, ("squeezed", 1)), Squeeze().most(10)
+        (640, ('squeezed', 1))
+    """
+
+    name: str = ""
+
+    def options(self, tokens: int) -> Sequence[Option]:
+        """The part's options for a batch of ``tokens`` tokens, untreated first."""
+        raise NotImplementedError
+
+    def apply(self, option: tuple[str, int]) -> None:
+        """Run the coming step's part as ``option`` (``(treatment, param)``) says."""
+        raise NotImplementedError
+
+    def saved_bytes(self, tokens: int, option: tuple[str, int] | None) -> int:
+        """What ``option`` saves at ``tokens`` tokens against the untreated option (0 for None or one not offered)."""
+        if option is None:
+            return 0
+        return next((int(saved) for name, param, saved, _ in self.options(tokens) if (name, param) == tuple(option)), 0)
+
+    def transient_saved_bytes(self, tokens: int, option: tuple[str, int] | None) -> int:
+        """The part of :meth:`saved_bytes` that lives at the backward's start only (none by default)."""
+        return 0
+
+    def choose_by_plans(self, plan_ms: Callable[[tuple[int, int]], float | None], key: tuple[int, int] | None = None) -> bool:
+        """Choose among the part's own implementations by what ``plan_ms`` prices the plans at (none by default)."""
+        return False
+
+    def untreated(self, tokens: int) -> tuple[str, int]:
+        """The option a step runs whose plan placed no option of the part."""
+        name, param, _, _ = self.options(max(1, tokens))[0]
+        return name, int(param)
+
+    def most(self, tokens: int) -> tuple[str, int]:
+        """The option that saves most at ``tokens`` tokens (the earlier on a tie)."""
+        name, param, _, _ = max(self.options(max(1, tokens)), key=lambda option: option[2])
+        return name, int(param)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+def check_parts(parts: Sequence[Any], reserved: Sequence[str]) -> None:
+    """Raise where ``fit(parts=...)`` holds a part that is no :class:`PartKind` or whose name is
+    empty, repeated or one of ``reserved`` (the head's, a block treatment's)."""
+    seen: set[str] = set()
+    for part in parts:
+        if not isinstance(part, PartKind):
+            raise TypeError(f"parts={list(parts)!r}: each must be a memfit.PartKind (got {type(part).__name__})")
+        if not part.name or part.name in seen or part.name in reserved:
+            raise ValueError(f"parts: {part!r} needs a name of its own (not empty, repeated, nor one of {sorted(reserved)})")
+        seen.add(part.name)
+
+
+class RunParts:
+    """The run's parts beside the blocks as the controller sees them: the LM head's run
+    (treatments/chunked_head.py ``RunHead``) and the part kinds given to ``fit(parts=...)``,
+    planned from now on.
+
+    Args:
+        head: the run's ``RunHead``.
+        parts: the user's part kinds (:func:`check_parts`).
+        planning: the run's planning (each part is added to it).
+
+    Raises:
+        TypeError, ValueError: as :func:`check_parts`.
+    """
+
+    def __init__(self, head: Any, parts: Sequence[Any], planning: Any):
+        check_parts(parts, reserved=(HEAD_KEY, *planning.registry, "key", "blocks", "treatments"))
+        self.head, self.kinds = head, tuple(parts)
+        for part in self.kinds:
+            planning.add_part(part)
+
+    def decide(self, decision: Any, key: tuple[int, int], state_to_come: int = 0) -> Any:
+        """``decision`` with the head's treatment set (``RunHead.decide``) and every part kind's option
+        applied; a plan made without a part (warm-up's, ``none``'s, ``full``'s, a replay's) runs it
+        untreated, and says so."""
+        decision = self.head.decide(decision, key, state_to_come)
+        plan, tokens = decision.plan, key[0] * key[1]
+        missing = [(part.name, *part.untreated(tokens)) for part in self.kinds if plan.option(part.name) is None]
+        if missing:
+            plan = dataclasses.replace(plan, parts=(*plan.parts, *missing))
+            decision = dataclasses.replace(decision, plan=plan)
+        for part in self.kinds:
+            part.apply(plan.option(part.name))
+        return decision
+
+    def record(self, record: Any, plan: Any) -> None:
+        """What a step's record says of the parts: each one's label under its kind (NOTE [Parts in a
+        record], records.py), and the head's implementation where it ran chunked (``RunHead.record``)."""
+        self.head.record(record, plan)
+        record.treatments.update(plan.part_labels())

@@ -1,0 +1,99 @@
+"""A part kind defined here only (memfit.PartKind, fit(parts=...)): measured, priced, planned, recorded,
+summarised and reported with nothing in src/ knowing its name (NOTE [A part kind's options] in parts/kind.py)."""
+
+import pytest
+import torch
+
+import memfit
+from memfit.engine.plan.planner import Plan, plan_with_parts
+from memfit.engine.records import StepRecord, part_steps
+from memfit.engine.summary_text import end_summary
+from memfit.tools.report import build_report
+
+from _models import build_decoder
+
+#: the ballast's float32 copies of the final norm's output per hidden unit (what "squeezed" does not hold)
+WIDTH = 48
+
+
+class Ballast(memfit.PartKind):
+    """The final norm, kept: it holds ``WIDTH`` float32 copies of its output for backward (a ballast of
+    known bytes, live from after the last block until the backward: NOTE [A part kind's moment]);
+    squeezed: it holds none, for a little time."""
+
+    name = "ballast"
+
+    def __init__(self, norm: torch.nn.Module, hidden: int):
+        self.hidden, self.now, self.applied = hidden, None, []
+        self.handle = norm.register_forward_hook(self._hook)
+
+    def _bytes(self, tokens: int) -> int:
+        return tokens * self.hidden * WIDTH * 4
+
+    def options(self, tokens):
+        return (("keep", 1, 0, 0.0), ("squeezed", 1, self._bytes(tokens), 0.01))
+
+    def apply(self, option):
+        self.now = option
+        self.applied.append(option)
+
+    def _hook(self, module, args, out):
+        if self.now is not None and self.now[0] == "squeezed" or not torch.is_grad_enabled():
+            return out
+        ballast = out.float().unsqueeze(-1).expand(*out.shape, WIDTH).contiguous()
+        return out + (ballast * ballast).sum(-1).to(out.dtype) * 0
+
+
+def _run(budget, method, lengths, log=None):
+    torch.manual_seed(0)
+    model, batch = build_decoder("llama")
+    model.train()
+    part = Ballast(model.model.norm, model.config.hidden_size)
+    ctl = memfit.fit(model, budget=budget, method=method, parts=[part], head=False, announce=False, log=log)
+    for length in lengths:
+        inputs = batch(2, length)
+        ctl.run_step(lambda: model(**inputs).loss.backward())
+        model.zero_grad(set_to_none=True)
+    records = list(ctl.records)
+    ctl.remove()
+    part.handle.remove()
+    return records, part
+
+
+def test_the_planner_takes_a_parts_options_beside_the_blocks():
+    blocks = [[("recompute", 100, 10.0)]] * 2
+    squeeze = [("keep", 1, 0, 0.0), ("squeezed", 1, 150, 1.0)]
+    for need, option, n_blocks in [(0, "keep", 0), (50, "squeezed", 0), (150, "squeezed", 0), (250, "squeezed", 1), (350, "squeezed", 2)]:
+        plan = plan_with_parts(blocks, [("ballast", squeeze)], need)
+        assert (plan.parts, len(plan.blocks)) == ((("ballast", option, 1),), n_blocks), need
+    assert Plan((), parts=[("ballast", "squeezed", 1)]).part_labels() == {"ballast": "squeezed:1"}
+
+
+def test_a_part_kind_of_the_tests_is_planned_recorded_summarised_and_reported(tmp_path):
+    lengths = [48] * 10
+    free, _ = _run(None, "full", lengths[:3])
+    assert all(r.parts == {"ballast": ("keep", 1)} for r in free)  # a plan without the part runs it untreated
+    ballast = 2 * 48 * 32 * WIDTH * 4
+    # every block recomputed, the part kept: over the budget by half the ballast; squeezed, it fits
+    budget = max(r.peak_allocated_bytes for r in free) - ballast // 2
+    log = tmp_path / "run" / "memfit_steps.jsonl"
+    records, part = _run(budget, "dynamic", lengths, log=str(log))
+    steady = [r for r in records if r.phase == "steady"]
+    assert steady and all(r.treatments["ballast"] == "squeezed:1" for r in steady), [r.treatments for r in records]
+    assert ("squeezed", 1) in part.applied
+    assert all(r.peak_allocated_bytes <= budget for r in steady), [(r.peak_allocated_bytes, budget) for r in steady]
+    # the records read back from JSONL hold it; the summary line and the report's table name it
+    again = [StepRecord.from_dict(r.to_dict()) for r in records]
+    assert part_steps(again)["ballast"]["squeezed:1"] == len(steady)
+    summary = end_summary(records)
+    assert f"memfit: part ballast kept on {len(records) - len(steady)} micro-steps, squeezed on {len(steady)}" in summary, summary
+    markdown = build_report(tmp_path / "run", tmp_path / "out").read_text()
+    assert "ballast (micro-steps)" in markdown and f"squeezed:1 ×{len(steady)}" in markdown, markdown
+
+
+def test_a_part_kind_needs_a_name_of_its_own():
+    model, _ = build_decoder("llama")
+    with pytest.raises(ValueError, match="needs a name of its own"):
+        memfit.fit(model, budget=None, parts=[Ballast(model.model.norm, 32), Ballast(model.model.norm, 32)], announce=False)
+    with pytest.raises(TypeError, match="must be a memfit.PartKind"):
+        memfit.fit(model, budget=None, parts=[object()], announce=False)
