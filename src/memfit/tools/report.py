@@ -813,7 +813,8 @@ def _plot_memory_count(group: str, runs: Sequence[_StepRun], path: Path) -> None
 # NOTE [A colour per treatment]
 # A treatment keeps its colour in every plot, whatever else the runs' records hold, so that two
 # reports read alike: a registered one takes the slot of matplotlib's ten given by its place in the
-# registry (BY_PART: the blocks' treatments, then the LM head's), kept blocks are light grey, and a
+# registry (BY_PART: the blocks' treatments, then the LM head's; the eleventh to twentieth take tab20's
+# lighter twins of those ten, in order), kept blocks are light grey, and a
 # name the registry does not know (a class a run was given) is hatched, in one of Dark2's eight
 # colours picked by a checksum of its name (crc32: the same on every machine and run, unlike
 # hash()); where two unknown names of one plot pick the same, the later (alphabetically) takes the
@@ -834,6 +835,9 @@ def _treatment_colors(blocks: Sequence[str], heads: Sequence[str]) -> dict[tuple
         i = registered.index(key) if key in registered else None
         if i is not None and i < 10:
             out[key] = (f"C{i}", "")
+            continue
+        if i is not None and i < 20:  # past matplotlib's ten: tab20's lighter twins of them, in order
+            out[key] = (matplotlib.colormaps["tab20"].colors[2 * (i - 10) + 1], "")
             continue
         slot = zlib.crc32(key[1].encode()) % len(fallback)
         while slot in taken and len(taken) < len(fallback):
