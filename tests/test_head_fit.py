@@ -762,3 +762,22 @@ def test_a_fused_kernels_fixed_part_is_priced_per_step_not_spread_over_the_probe
     assert price("liger", 16384) < price("cce", 16384)  # where a 256-token price per token said 3x the other
     assert part.lines["liger"][2] > part.lines["cce"][2]  # at the probe's size it is the slower
     part.remove()
+
+
+def test_a_record_names_no_head_where_the_run_does_not_plan_it():
+    """A method that does not plan the head runs it kept (the start line says so); a plan it gives that names a head
+    chunked must not make the records say the head ran chunked."""
+    import memfit
+    from _models import FixedPlan, build_decoder
+    from memfit.engine.parts.blocks import find_blocks
+    from memfit.engine.plan.planner import Plan
+
+    torch.manual_seed(0)
+    model, make = build_decoder("llama", False)
+    n = len(find_blocks(model))
+    ctl = memfit.fit(model, budget="100GB", method=FixedPlan(Plan(tuple(range(n)), head=("chunked", 4))), announce=False)
+    batch = make(2, 16)
+    ctl.run_step(lambda: model(**batch).loss.backward())
+    record = ctl.records[-1]
+    ctl.remove()
+    assert "head" not in record.treatments, record.treatments

@@ -142,4 +142,5 @@ class RunParts:
         """What a step's record says of the parts: each one's label under its kind (NOTE [Parts in a
         record], records.py), and the head's implementation where it ran chunked (``RunHead.record``)."""
         self.head.record(record, plan)
-        record.treatments.update(plan.part_labels())
+        ran = {part.name for part in self.kinds}  # a plan's label for a part the run does not plan says nothing ran
+        record.treatments.update({kind: label for kind, label in plan.part_labels().items() if kind in ran})

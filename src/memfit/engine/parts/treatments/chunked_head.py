@@ -714,8 +714,8 @@ class RunHead:
     def record(self, record: Any, plan: Any) -> None:
         """What a step's record says of the head: its label under ``treatments["head"]`` and, where it
         ran chunked, the implementation (NOTE [The head in a record], records.py); nothing without a
-        planned head."""
-        if plan.head is None:
+        planned head (a plan that names one, from a method that does not plan the head, ran it kept: not said)."""
+        if self.part is None or plan.head is None:
             return
         record.treatments["head"] = plan.head_label
         if plan.head[0] == CHUNKED and self._switch is not None:
