@@ -1,0 +1,126 @@
+"""Where a step peaks: the allocator's peak between each two moments of one memfit step, by module and phase.
+
+Hooks on every block (forward, and backward through ``register_full_backward_pre_hook`` / ``_hook``), the final
+norm and ``lm_head`` read ``torch.cuda.max_memory_allocated()`` and reset it at each moment, so each line is the
+highest allocation since the moment before: the step's peak is in the line with the largest value, and its label
+says between which two moments it happened. No memory history is recorded (its recorder under the autograd
+engine's thread ended a run in a ``SystemError``). Diagnostic, not a suite: it prints, and writes
+``--output`` (JSON lines) when given.
+
+Example (one H200; Llama-3.1-8B's shape, LoRA r16, 64k tokens, a 28 GiB cap):
+
+    python benchmarks/step_peaks.py --model Llama-3.1-8B --lora --tokens 65536 --budget 28GiB --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+
+def _args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="Llama-3.1-8B", help="a config shipped in memfit/configs")
+    p.add_argument("--lora", action="store_true", help="peft LoRA r16 on every linear layer (dropout 0)")
+    p.add_argument("--tokens", type=int, default=65536, help="tokens of the one sequence each step trains on")
+    p.add_argument("--budget", default="28GiB", help="memfit.fit's budget")
+    p.add_argument("--steps", type=int, default=3, help="steps; the last one is read")
+    p.add_argument("--top", type=int, default=15, help="lines printed, the highest first")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run (no allocator readings)")
+    p.add_argument("--config_overrides", nargs="*", default=[], metavar="KEY=VALUE", help="config attributes (a tiny model)")
+    p.add_argument("--output", default=None, help="write every line here (JSON lines)")
+    return p.parse_args(argv)
+
+
+class Moments:
+    """The allocator's peak since the previous moment, at every moment of a step."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.lines: list[tuple[str, int, int]] = []
+        self.on = False
+        self.last = "start"
+
+    def mark(self, label: str) -> None:
+        if not self.on:
+            return
+        if self.cuda:
+            self.lines.append((f"{self.last} -> {label}", torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()))
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            self.lines.append((f"{self.last} -> {label}", 0, 0))
+        self.last = label
+
+    def watch(self, name: str, module: torch.nn.Module) -> None:
+        module.register_forward_pre_hook(lambda m, a: self.mark(f"{name} forward starts"))
+        module.register_forward_hook(lambda m, a, o: self.mark(f"{name} forward ends"))
+        module.register_full_backward_pre_hook(lambda m, g: self.mark(f"{name} backward starts"))
+        module.register_full_backward_hook(lambda m, gi, go: self.mark(f"{name} backward ends"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    import transformers
+
+    import memfit
+    from memfit.engine.parts.blocks import find_blocks
+    from memfit.tasks._common import CONFIGS_DIR
+
+    device = torch.device(args.device)
+    config = transformers.AutoConfig.from_pretrained(str(CONFIGS_DIR / f"{args.model}.json"))
+    config.use_cache = False
+    for pair in args.config_overrides:
+        key, _, value = pair.partition("=")
+        setattr(config, key, int(value) if value.lstrip("-").isdigit() else value)
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    torch.manual_seed(0)
+    with device:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    if args.lora:
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"))
+    model.train()
+    moments = Moments(device)
+    for name, block in find_blocks(model):
+        moments.watch(name.split(".")[-1] if name.split(".")[-1].isdigit() else name, block)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for name, module in (("final norm", base.model.norm), ("lm_head", base.lm_head)):
+        moments.watch(name, module)
+    ctl = memfit.fit(model, budget=args.budget)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    ids = torch.randint(0, config.vocab_size, (1, args.tokens), device=device)
+    for step in range(args.steps):
+        last = step == args.steps - 1
+        moments.on, moments.last = last, "step starts"
+        if last and moments.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        ctl.run_step(lambda: model(input_ids=ids, labels=ids).loss.backward())
+        moments.mark("backward ends")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        moments.mark("optimizer step ends")
+        moments.on = False
+        record = ctl.records[-1]
+        print(f"step {step}: {record.treatments} peak {record.peak_allocated_bytes / 2**30:.2f} GiB, static "
+              f"{record.static_bytes / 2**30:.2f} GiB, {record.step_ms / 1000:.1f} s", flush=True)
+    ctl.remove()
+    print(f"the last step, between two moments: the allocator's peak (GiB) and what was allocated at the later one")
+    for label, peak, now in sorted(moments.lines, key=lambda line: -line[1])[:args.top]:
+        print(f"{peak / 2**30:8.2f} {now / 2**30:8.2f}  {label}")
+    if args.output:
+        with open(args.output, "w") as fh:
+            for label, peak, now in moments.lines:
+                fh.write(json.dumps({"between": label, "peak_bytes": peak, "allocated_bytes": now}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
