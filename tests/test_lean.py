@@ -132,3 +132,23 @@ def test_dynamic_runs_long_lora_batches_lean_and_short_ones_untreated(monkeypatc
     assert longest_plans and all(LEAN in t for t in longest_plans), steady
     assert not any("recompute" in t for _, t in steady), steady
     assert short_plans and not any(set(t) - {"head"} for t in short_plans), steady
+
+
+def test_under_autocast_a_lora_layer_runs_as_peft_runs_it_and_draws_its_dropout_once():
+    """Under autocast the adapters' output is not float32 and the lean sum does not apply: the layer runs peft's own
+    forward, decided before anything runs, so a LoRA dropout draws its mask once (``keep``'s gradients bit for bit)."""
+    from memfit.engine.parts.treatments import tiled_mlp as tiled_module
+
+    model, make = _model("llama", 0.1)
+    reference = copy.deepcopy(model)
+    ctl, n = _fit_lean(model)
+    sums = []
+    plain = tiled_module._LoraSum.apply
+    tiled_module._LoraSum.apply = lambda *a: sums.append(1) or plain(*a)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            step_both_and_compare(model, reference, make(2, 17), 0, "lean under autocast")
+    finally:
+        tiled_module._LoraSum.apply = plain
+    ctl.remove()
+    assert sums == []

@@ -306,6 +306,8 @@ def _is_lora_layer(m: nn.Module) -> bool:
 def lean_parts(module: nn.Module, mlps: Sequence[nn.Module] = ()) -> list[nn.Module]:
     """The norms and vanilla peft LoRA layers of ``module`` outside ``mlps`` (tiled already), which the tiled
     treatments run saving only their input (NOTE [Lean inputs in a tiled block])."""
+    if _sharded(module):  # as the tiled MLP: its re-run would differentiate parameters FSDP gathers and frees
+        return []
     inside = {id(m) for mlp in mlps for m in mlp.modules()}
     norms, _ = elementwise_parts(module)
     return [m for m in module.modules() if id(m) not in inside and (_is_lora_layer(m) or any(m is n for n in norms))]
@@ -409,13 +411,13 @@ class _LeanLoraForward:
             return self.plain(x, *args, **kwargs)
         key = active[0]
         adapter, up = layer.lora_A[key], layer.lora_B[key]
-        if x.dtype == adapter.weight.dtype or up.weight.dtype != adapter.weight.dtype:
-            return self.plain(x, *args, **kwargs)  # nothing cast: nothing to spare
-        result = layer.base_layer(x)
-        lora = up(_LeanAdapter(adapter, layer.lora_dropout[key])(x))
-        if lora.dtype == result.dtype or not result.is_floating_point():
+        dtype = adapter.weight.dtype
+        # decided before anything runs (a dropout's draw must happen once): nothing cast, nothing to spare; under
+        # autocast the adapters' output is not float32, and peft's sum is then its own
+        if (x.dtype == dtype or up.weight.dtype != dtype or layer.base_layer.weight.dtype == dtype
+                or torch.is_autocast_enabled(x.device.type)):
             return self.plain(x, *args, **kwargs)
-        return _LoraSum.apply(result, lora, layer.scaling[key])
+        return _LoraSum.apply(layer.base_layer(x), up(_LeanAdapter(adapter, layer.lora_dropout[key])(x)), layer.scaling[key])
 
 
 @contextlib.contextmanager
