@@ -6,6 +6,7 @@ import pytest
 from memfit.engine.plan.model import Curve, MemoryModel
 from memfit.engine.shapes import bucket_key, shape_key
 from memfit.engine.plan.planner import Plan, plan_blocks
+from memfit.engine.plan.learner import would_plan_less
 from memfit.engine.plan.planning import Planning, _plan_from_row
 
 
@@ -236,10 +237,10 @@ def test_over_prediction_matters_only_when_it_checkpointed_more():
     need = int(planning.static_bytes + planning.model.backward_start_bytes(key, Plan(()))) - 1_000_000
     enough = need - (len(plan.blocks) - 1) * one_block  # the over-prediction that frees one block
     assert 0 < enough <= one_block
-    assert not planning.would_plan_less(key, plan, 0)
-    assert not planning.would_plan_less(key, plan, enough - 1)
-    assert planning.would_plan_less(key, plan, enough)
-    assert not planning.would_plan_less(key, Plan(()), 10**9)  # checkpointed nothing: nothing to win
+    assert not would_plan_less(planning, key, plan, 0)
+    assert not would_plan_less(planning, key, plan, enough - 1)
+    assert would_plan_less(planning, key, plan, enough)
+    assert not would_plan_less(planning, key, Plan(()), 10**9)  # checkpointed nothing: nothing to win
 
 
 def test_a_plan_holding_blocks_below_a_recompute_is_mended():

@@ -97,3 +97,36 @@ def test_a_part_kind_needs_a_name_of_its_own():
         memfit.fit(model, budget=None, parts=[Ballast(model.model.norm, 32), Ballast(model.model.norm, 32)], announce=False)
     with pytest.raises(TypeError, match="must be a memfit.PartKind"):
         memfit.fit(model, budget=None, parts=[object()], announce=False)
+
+
+def test_a_part_priced_anew_has_planning_drop_its_cached_plans_itself():
+    """NOTE [Parts priced anew]: a part counts its new prices in ``priced``; the next plan asked for is made anew (a
+    miss), with no part calling into Planning's cache; a plan asked again with nothing priced anew is a hit."""
+    from memfit.engine.plan.planning import Planning
+    from test_model import _model
+
+    planning = Planning(4, [0, 0, 0, 0], 1_000_000, margin_bytes=0, bucket_tokens=1)
+    planning.model = _model([16, 32, 64])
+    planning.static_bytes = 200_000
+
+    class Priced(memfit.PartKind):
+        name, priced = "priced", 0
+
+        def options(self, tokens):
+            return (("keep", 1, 0, 0.0), ("thin", 1, 1000 * tokens, 0.01 + self.priced))
+
+        def apply(self, option):
+            pass
+
+    part = Priced()
+    planning.add_part(part)
+    key = (4, 60)
+    planning.plan_for(key)
+    misses = planning.cache.misses
+    planning.plan_for(key)
+    assert planning.cache.misses == misses  # cached
+    part.priced += 1
+    planning.plan_for(key)
+    assert planning.cache.misses == misses + 1  # made anew
+    planning.plan_for(key)
+    assert planning.cache.misses == misses + 1

@@ -46,11 +46,12 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from memfit.engine.plan.planner import Plan
+from memfit.engine.plan.planner import InfeasiblePlanError, Plan, plan_blocks
 from memfit.engine.plan.planning import ModelUpdate, Planning
 from memfit.engine.shapes import bucket_key
 
 __all__ = [
+    "would_plan_less",
     "GROUP_SPLIT_SHARE",
     "Peaks",
     "StepOutcome",
@@ -295,7 +296,7 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
     step_over = (
         miss is not None and planning.budget_bytes is not None and -miss > 0.01 * planning.budget_bytes
         and bucket_key(planning_key, b) == bucket_key(key, b)
-        and planning.would_plan_less(key, outcome.plan, -miss)
+        and would_plan_less(planning, key, outcome.plan, -miss)
     )
     samples = []
     for path, curve, observed in curves:
@@ -438,3 +439,25 @@ def learn_probes(
             if name_ms is not None:  # priced by its own measured time (else by the link)
                 samples.append((("ms", g, name), key, name_ms))
     return ModelUpdate(groups=groups if groups != before else None, samples=samples)
+
+
+def would_plan_less(planning: "Planning", key: tuple[int, int], plan: Plan, over_bytes: int) -> bool:
+    """Whether a prediction ``over_bytes`` lower would have given a cheaper plan than ``plan``.
+
+    An over-predicted step costs time only if it made the plan treat more: one that
+    treated nothing, or whose cheaper alternative still needs the same blocks (the
+    over-prediction was smaller than what one block saves), cost nothing.
+    """
+    blocks = plan.blocks
+    if not blocks or planning.budget_bytes is None:
+        return False
+    k = planning.planned_shape(key)
+    need = int(planning._static_for(k) + planning.model.backward_start_bytes(k, Plan(()))) - planning.room_bytes - over_bytes
+    if need <= 0:
+        return True
+    costs = planning.model.costs(k)
+    try:
+        cheaper = plan_blocks(costs, planning.model.savings(k), need)
+    except InfeasiblePlanError:
+        return False
+    return cheaper.cost_ms < 0.999 * sum(costs[i] for i in blocks)

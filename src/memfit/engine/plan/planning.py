@@ -250,6 +250,7 @@ class Planning:
         self.room = room or Room(self.budget_bytes, margin_bytes, slack_bytes)
         self.bucket_tokens = bucket_tokens
         self.cache = PlanCache()
+        self._priced: tuple[int, ...] = ()  # the parts' ``priced`` counts the cached plans were made under
         self.static_bytes = 0
         self.max_static_bytes = 0
         self.infeasible_keys: set[tuple[int, int]] = set()
@@ -378,6 +379,7 @@ class Planning:
         """
         if self.budget_bytes is None:
             return Plan(())
+        self._drop_stale_plans()
         k, edge = self.planned_shape(key), bucket_key(key, self.bucket_tokens)
         self.longest_in_bucket[edge] = k[1]
         static_bucket = self._static_bucket()
@@ -389,10 +391,20 @@ class Planning:
             whole_row = whole_row and edge not in self.bias.correction  # NOTE [Bias per bucket]
             from_row = _plan_from_row(self, k, static_bucket) if whole_row and settled and self.recompute_only and not self.parts else None
             plan = from_row or (_plan_parts(self, k) if self.parts else self._plan(k))
+            self._drop_stale_plans()  # a part priced anew while this plan was made: those made before are stale
             if from_row is not None and k != edge and _row_constant(self, k, edge, static_bucket):
                 self.cache.put((edge, static_bucket), plan)  # no longer shape of the bucket will replan
             self.cache.put(cache_key, plan)
         return plan
+
+    def _drop_stale_plans(self) -> None:
+        """# NOTE [Parts priced anew]
+        A part that prices itself anew (the head's implementation measured or chosen by plans) counts it in
+        ``priced``; the plans cached before are stale, and Planning drops them itself (no part clears its cache)."""
+        priced = tuple(getattr(part, "priced", 0) for part in self.parts.values())
+        if priced != self._priced:
+            self.cache.clear()
+            self._priced = priced
 
     def _plan(self, k: tuple[int, int]) -> Plan:
         """``k``'s plan: the cheapest by recompute alone, or, where the run may give other
@@ -448,27 +460,6 @@ class Planning:
                     "running it with every block checkpointed; %s", k, self.budget.size(peak_bytes), self.budget,
                     over_budget_words(parts, self.budget))
             return Plan(self.all_blocks)
-
-    def would_plan_less(self, key: tuple[int, int], plan: Plan, over_bytes: int) -> bool:
-        """Whether a prediction ``over_bytes`` lower would have given a cheaper plan than ``plan``.
-
-        An over-predicted step costs time only if it made the plan treat more: one that
-        treated nothing, or whose cheaper alternative still needs the same blocks (the
-        over-prediction was smaller than what one block saves), cost nothing.
-        """
-        blocks = plan.blocks
-        if not blocks or self.budget_bytes is None:
-            return False
-        k = self.planned_shape(key)
-        need = int(self._static_for(k) + self.model.backward_start_bytes(k, Plan(()))) - self.room_bytes - over_bytes
-        if need <= 0:
-            return True
-        costs = self.model.costs(k)
-        try:
-            cheaper = plan_blocks(costs, self.model.savings(k), need)
-        except InfeasiblePlanError:
-            return False
-        return cheaper.cost_ms < 0.999 * sum(costs[i] for i in blocks)
 
     # ------------------------------------------------------------ the only writer
     def apply(self, update: ModelUpdate) -> bool:

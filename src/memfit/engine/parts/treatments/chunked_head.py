@@ -212,8 +212,7 @@ def choose_by_plans(part: "HeadPart", plan_ms: Callable[[tuple[int, int]], float
     if best != was[0]:
         logger.debug("memfit: the LM head chunked by %s from now on: its plans over %d shapes cost %.1f ms, %.1f ms with %s",
                     best, len(part.keys), totals[best], totals[was[0]], was[0])
-    if part.on_priced is not None:
-        part.on_priced()
+    part.priced += 1  # the plans cached before are stale (NOTE [Parts priced anew], planning.py)
     return True
 
 
@@ -287,7 +286,6 @@ class HeadPart:
         per_chunk_ms: what each chunk adds (0: the planner's tie rule picks the fewest chunks that fit).
         transient: price the head's transient bytes too (False under logical accounting: NOTE [Head options]).
         extra_ms_per_token: the chunked head's time over keep per token of the batch.
-        on_priced: called when warm-up's probes change the price (the planner's cached plans are stale then).
         free_bytes: what the room has free now, given the probe's device (None: not known; the probe
             then runs on one chunk's rows: NOTE [A probe at the steps' size]).
         aside: a context the probe runs in, so that its bytes are not the step's (the meter's
@@ -306,14 +304,16 @@ class HeadPart:
 
     def __init__(
         self, switch: HeadSwitch, extra_ms: float = 0.0, per_chunk_ms: float = 0.0, transient: bool = True,
-        extra_ms_per_token: float = 0.0, on_priced: Callable[[], None] | None = None,
+        extra_ms_per_token: float = 0.0,
         free_bytes: Callable[[torch.device], int | None] | None = None,
         aside: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ):
         self.switch, self.extra_ms, self.per_chunk_ms = switch, float(extra_ms), float(per_chunk_ms)
         self.extra_ms_per_token = float(extra_ms_per_token)
         self.transient = transient
-        self.on_priced, self.free_bytes, self.aside = on_priced, free_bytes, aside
+        self.free_bytes, self.aside = free_bytes, aside
+        #: how many times its price changed (warm-up's probes, the plans' choice): NOTE [Parts priced anew]
+        self.priced = 0
         self.probes: dict[str, dict[int, dict[str, float]]] = {}
         self.probed_steps = 0
         #: implementations that raised when probed, never used (NOTE [Pricing the head])
@@ -441,8 +441,7 @@ class HeadPart:
         self.extra_ms_per_token, self.per_chunk_ms = lines[best][:2]
         self.extra_ms = 0.0
         self.switch.implementation = best
-        if self.on_priced is not None:
-            self.on_priced()
+        self.priced += 1  # NOTE [Parts priced anew] (planning.py)
         if self.probed_steps == PROBE_STEPS:
             logger.debug("memfit: the LM head chunked (%s) costs %.4f ms per 1k tokens and %.4f ms per chunk over keeping it",
                         best, 1e3 * self.extra_ms_per_token, self.per_chunk_ms)
@@ -636,7 +635,7 @@ def attach_head_part(
         if mode is True:
             raise ValueError(f"head=True: {reason}; pass head='auto' or head=False") from None
         return None, f"LM head kept ({reason})"
-    part = HeadPart(switch, transient=transient, on_priced=planning.cache.clear,
+    part = HeadPart(switch, transient=transient,
                     free_bytes=_room_free_bytes(planning) if transient else None, aside=aside)
     planning.set_head(part)
     if not plans:  # none, full: their plans name no head, so every step chunks it (NOTE [A plan without a head])
