@@ -415,7 +415,7 @@ class _LeanLoraForward:
         # decided before anything runs (a dropout's draw must happen once): nothing cast, nothing to spare; under
         # autocast the adapters' output is not float32, and peft's sum is then its own
         if (x.dtype == dtype or up.weight.dtype != dtype or layer.base_layer.weight.dtype == dtype
-                or torch.is_autocast_enabled(x.device.type)):
+                or (torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type))):
             return self.plain(x, *args, **kwargs)
         return _LoraSum.apply(layer.base_layer(x), up(_LeanAdapter(adapter, layer.lora_dropout[key])(x)), layer.scaling[key])
 
