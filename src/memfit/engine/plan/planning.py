@@ -766,7 +766,7 @@ def _plan_from_row(planning: Planning, k: tuple[int, int], static_bucket: int) -
         row = _plan_row(planning, k)
         if row is None:
             return None
-        planning.cache.rows[(k[0], static_bucket)] = row
+        planning.cache.put_row((k[0], static_bucket), row)
     i = k[1] - 1
     c, m = row["count"][i], planning.n_blocks
     if c == 0:
