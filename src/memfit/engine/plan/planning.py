@@ -269,7 +269,16 @@ class Planning:
 
     @head.setter
     def head(self, part: Any) -> None:
-        _set_part(self, HEAD_KEY, part)
+        self._set_part(HEAD_KEY, part)
+
+    def _set_part(self, kind: str, part: Any) -> None:
+        """Plan ``part`` as the part of ``kind`` from now on (None: no more), the LM head's first; the memory
+        model prices its options' savings (NOTE [Head in the peaks], model.py)."""
+        parts = {k: p for k, p in self.parts.items() if k != kind}
+        if part is not None:
+            parts = {kind: part, **parts} if kind == HEAD_KEY else {**parts, kind: part}
+        self.parts = parts
+        self.model.part_saving = {k: p.saved_bytes for k, p in parts.items()}
 
     def set_head(self, part: Any) -> None:
         """Plan the LM head beside the blocks from now on (NOTE [The head in the plan], planner.py); None: no more."""
@@ -279,7 +288,7 @@ class Planning:
     def add_part(self, part: Any) -> None:
         """Plan ``part`` (a :class:`~memfit.engine.parts.kind.PartKind`) beside the blocks from now on
         (NOTE [Parts beside the blocks], planner.py)."""
-        _set_part(self, part.name, part)
+        self._set_part(part.name, part)
         self.cache.clear()
 
     def price_offload(self, offload_ms: Callable[[float, float], float]) -> None:
@@ -411,25 +420,11 @@ class Planning:
         treatments, the cheapest mix when that is cheaper still and fits (NOTE [Treatments never lose])."""
         mixes = not (self.recompute_only or not self.model.ready)
         plan = self._plan_recompute(k, warn=not mixes)
-        mixed = self._plan_mixed(k) if mixes else None
+        mixed = _plan_mixed(self, k) if mixes else None
         if plan is None or mixed is None:  # where recompute alone fits nothing, a mix that fits wins (NOTE [Leaner re-runs])
             return plan or mixed or self._plan_recompute(k, warn=True)
         base_ms = plan.cost_ms if plan.blocks != self.all_blocks or plan.cost_ms else sum(self.model.costs(k))
         return mixed if mixed.cost_ms < 0.999 * base_ms else plan
-
-    def _plan_mixed(self, k: tuple[int, int]) -> Plan | None:
-        """# NOTE [Treatments never lose]
-        The cheapest mix of treatments that saves what is needed at the start of backward, if
-        it also fits the other two peaks (NOTE [Treated peaks], model.py); else None. It is
-        taken only when its predicted price is under the recompute-only plan's, which is
-        always made too: a mix never costs more than recompute alone would.
-        """
-        room = self.room_bytes
-        need = int(self._static_for(k) + self.model.backward_start_bytes(k, Plan(()))) - room
-        options = self.model.options(k, self.treatments, self.offload_ms)
-        if need <= 0 or all(name == "recompute" for opts in options for name, _, _ in opts):
-            return None
-        return _mix_that_fits(self, k, options, need, room)
 
     def _plan_recompute(self, k: tuple[int, int], warn: bool = True) -> Plan | None:
         # Treating blocks lowers the start-of-backward peak only; the plan is then checked
@@ -503,6 +498,21 @@ class Planning:
         """A step ran out of memory: the room grows (NOTE [Room], room.py) and the plans are redone."""
         self.room.after_oom(unusable_bytes)
         self.cache.clear()
+
+
+def _plan_mixed(planning: Planning, k: tuple[int, int]) -> Plan | None:
+    """# NOTE [Treatments never lose]
+    The cheapest mix of treatments that saves what is needed at the start of backward, if
+    it also fits the other two peaks (NOTE [Treated peaks], model.py); else None. It is
+    taken only when its predicted price is under the recompute-only plan's, which is
+    always made too: a mix never costs more than recompute alone would.
+    """
+    room = planning.room_bytes
+    need = int(planning._static_for(k) + planning.model.backward_start_bytes(k, Plan(()))) - room
+    options = planning.model.options(k, planning.treatments, planning.offload_ms)
+    if need <= 0 or all(name == "recompute" for opts in options for name, _, _ in opts):
+        return None
+    return _mix_that_fits(planning, k, options, need, room)
 
 
 def _mend(planning: Planning, k: tuple[int, int], plan: Plan, need: int, costs: list[float], savings: list[int]) -> Plan:
@@ -617,16 +627,6 @@ def slack_cost_ms(planning: Planning, key: tuple[int, int], extra_bytes: int) ->
 
 
 # ---------------------------------------------------------------- parts beside the blocks (NOTE [Parts beside the blocks], planner.py)
-def _set_part(planning: Planning, kind: str, part: Any) -> None:
-    """Plan ``part`` as the part of ``kind`` from now on (None: no more), the LM head's first; the memory
-    model prices its options' savings (NOTE [Head in the peaks], model.py)."""
-    parts = {k: p for k, p in planning.parts.items() if k != kind}
-    if part is not None:
-        parts = {kind: part, **parts} if kind == HEAD_KEY else {**parts, kind: part}
-    planning.parts = parts
-    planning.model.part_saving = {k: p.saved_bytes for k, p in parts.items()}
-
-
 def _plan_parts(planning: Planning, k: tuple[int, int]) -> Plan:
     """``k``'s plan with the parts beside the blocks (NOTE [Parts beside the blocks], planner.py; the LM
     head: NOTE [The head in the plan]): the cheapest mix of the blocks' treatments and one option per
