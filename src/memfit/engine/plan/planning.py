@@ -419,42 +419,21 @@ class Planning:
         """``k``'s plan: the cheapest by recompute alone, or, where the run may give other
         treatments, the cheapest mix when that is cheaper still and fits (NOTE [Treatments never lose])."""
         mixes = not (self.recompute_only or not self.model.ready)
-        plan = self._plan_recompute(k, warn=not mixes)
+        plan = _plan_recompute(self, k, warn=not mixes)
         mixed = _plan_mixed(self, k) if mixes else None
         if plan is None or mixed is None:  # where recompute alone fits nothing, a mix that fits wins (NOTE [Leaner re-runs])
-            return plan or mixed or self._plan_recompute(k, warn=True)
+            return plan or mixed or _plan_recompute(self, k, warn=True)
         base_ms = plan.cost_ms if plan.blocks != self.all_blocks or plan.cost_ms else sum(self.model.costs(k))
         return mixed if mixed.cost_ms < 0.999 * base_ms else plan
 
-    def _plan_recompute(self, k: tuple[int, int], warn: bool = True) -> Plan | None:
-        # Treating blocks lowers the start-of-backward peak only; the plan is then checked
-        # against the other two (NOTE [Three peaks], model.py), and mended if one is over
-        # (NOTE [Blocks held below a recompute]). Where none fits: every block, said once (``warn``), or None.
-        room = self.room_bytes
-        need = int(self._static_for(k) + self.model.backward_start_bytes(k, Plan(()))) - room
-        try:
-            costs, savings = self.model.costs(k), self.model.savings(k)
-            plan = plan_blocks(costs, savings, need)
-            if not plan.blocks or self.predict_peak(k, plan) <= room:
-                return plan
-            if self.predict_peak(k, Plan(self.all_blocks)) > room:
-                raise InfeasiblePlanError("the recompute or optimizer-step peak is over the budget")
-            return _mend(self, k, plan, need, costs, savings)
-        except InfeasiblePlanError:
-            if not warn:
-                return None
-            if k not in self.infeasible_keys:
-                # once per run (NOTE [What to change when a step cannot fit], summary_text.py); later shapes at debug
-                log = logger.debug if self.infeasible_keys else logger.warning
-                self.infeasible_keys.add(k)
-                outside = self.model.outside(k) if self.model.ready else 0.0
-                parts = {"static": self.static_bytes, "outside": outside,
-                         "blocks": self.model.step_bytes(k, Plan(self.all_blocks)) - outside}
-                peak_bytes = self.predict_peak(k, Plan(self.all_blocks)) + self.budget_bytes - room
-                log("memfit: shape %s is predicted to need %s even with every block checkpointed, over the budget of %s; "
-                    "running it with every block checkpointed; %s", k, self.budget.size(peak_bytes), self.budget,
-                    over_budget_words(parts, self.budget))
-            return Plan(self.all_blocks)
+    def _infeasible_log(self, k: tuple[int, int]) -> Callable[..., None] | None:
+        """How to say that no plan fits ``k``: the run's first such shape at warning, later ones at debug, and a
+        shape said before not again (None) (NOTE [What to change when a step cannot fit], summary_text.py)."""
+        if k in self.infeasible_keys:
+            return None
+        log = logger.debug if self.infeasible_keys else logger.warning
+        self.infeasible_keys.add(k)
+        return log
 
     # ------------------------------------------------------------ the only writer
     def apply(self, update: ModelUpdate) -> bool:
@@ -498,6 +477,35 @@ class Planning:
         """A step ran out of memory: the room grows (NOTE [Room], room.py) and the plans are redone."""
         self.room.after_oom(unusable_bytes)
         self.cache.clear()
+
+
+def _plan_recompute(planning: Planning, k: tuple[int, int], warn: bool = True) -> Plan | None:
+    # Treating blocks lowers the start-of-backward peak only; the plan is then checked
+    # against the other two (NOTE [Three peaks], model.py), and mended if one is over
+    # (NOTE [Blocks held below a recompute]). Where none fits: every block, said once (``warn``), or None.
+    room = planning.room_bytes
+    need = int(planning._static_for(k) + planning.model.backward_start_bytes(k, Plan(()))) - room
+    try:
+        costs, savings = planning.model.costs(k), planning.model.savings(k)
+        plan = plan_blocks(costs, savings, need)
+        if not plan.blocks or planning.predict_peak(k, plan) <= room:
+            return plan
+        if planning.predict_peak(k, Plan(planning.all_blocks)) > room:
+            raise InfeasiblePlanError("the recompute or optimizer-step peak is over the budget")
+        return _mend(planning, k, plan, need, costs, savings)
+    except InfeasiblePlanError:
+        if not warn:
+            return None
+        log = planning._infeasible_log(k)
+        if log is not None:
+            outside = planning.model.outside(k) if planning.model.ready else 0.0
+            parts = {"static": planning.static_bytes, "outside": outside,
+                     "blocks": planning.model.step_bytes(k, Plan(planning.all_blocks)) - outside}
+            peak_bytes = planning.predict_peak(k, Plan(planning.all_blocks)) + planning.budget_bytes - room
+            log("memfit: shape %s is predicted to need %s even with every block checkpointed, over the budget of %s; "
+                "running it with every block checkpointed; %s", k, planning.budget.size(peak_bytes), planning.budget,
+                over_budget_words(parts, planning.budget))
+        return Plan(planning.all_blocks)
 
 
 def _plan_mixed(planning: Planning, k: tuple[int, int]) -> Plan | None:
@@ -643,10 +651,8 @@ def _plan_parts(planning: Planning, k: tuple[int, int]) -> Plan:
         return plan
     most = _most(planning, k)
     room = planning.room_bytes
-    if planning.predict_peak(k, most) > room and k not in planning.infeasible_keys:
-        # once per run, later shapes at debug (NOTE [What to change when a step cannot fit], summary_text.py)
-        log = logger.debug if planning.infeasible_keys else logger.warning
-        planning.infeasible_keys.add(k)
+    log = planning._infeasible_log(k) if planning.predict_peak(k, most) > room else None
+    if log is not None:
         peak = planning.budget.size(planning.predict_peak(k, most) + planning.budget_bytes - room)
         if planning.head is None:
             outside = planning.model.outside(k) if planning.model.ready else 0.0
