@@ -450,7 +450,7 @@ class Planning:
         for path, key, value in update.samples:
             self._curve(path).add(key, value)
             changed = True
-        corrected = _bias_rules(self, update)
+        corrected = self._bias_rules(update)
         if update.seen_key is not None:
             model.observe_key(update.seen_key)
         above = update.optimizer_above_static
@@ -466,6 +466,33 @@ class Planning:
         if changed:
             self.cache.clear()
         return changed or corrected
+
+    def _bias_rules(self, update: ModelUpdate) -> bool:
+        """New curve samples drop every correction (they were measured against the curves before); a
+        steady step's prediction error goes to its bucket's bias, and only that bucket's plans are
+        dropped when its correction changes (returns whether it did: NOTE [Bias per bucket])."""
+        if update.samples:
+            self.bias.clear()
+            self.run_bias.clear()
+            return False
+        if self.budget_bytes is None:
+            return False
+        tolerance = BIAS_SHARE * self.budget_bytes
+        changed = False
+        if update.run_error is not None:  # NOTE [Over-prediction across buckets]
+            key, error = update.run_error
+            bucket = bucket_key(key, self.bucket_tokens)
+            if self.run_bias.observe(error + _correction(self, bucket), tolerance, bucket[0] * bucket[1]):
+                self.cache.clear()
+                changed = True
+        if update.error is None:
+            return changed
+        key, plan, error = update.error
+        bucket = bucket_key(key, self.bucket_tokens)
+        if not self.bias.observe(bucket, plan, error, tolerance, _correction(self, bucket)):
+            return changed
+        self.cache.drop(lambda cached: bucket_key(cached[0], self.bucket_tokens) == bucket)
+        return True
 
     def _curve(self, path: tuple) -> Any:
         if path[0] in ("bytes", "ms"):
@@ -553,33 +580,6 @@ def _correction(planning: Planning, bucket: tuple[int, int]) -> float:
         return planning.bias.correction[bucket]
     return 0.0 if planning.room.oom_fatal else planning.run_bias.offset_for(bucket[0] * bucket[1])
 
-
-def _bias_rules(planning: Planning, update: ModelUpdate) -> bool:
-    """New curve samples drop every correction (they were measured against the curves before); a
-    steady step's prediction error goes to its bucket's bias, and only that bucket's plans are
-    dropped when its correction changes (returns whether it did)."""
-    if update.samples:
-        planning.bias.clear()
-        planning.run_bias.clear()
-        return False
-    if planning.budget_bytes is None:
-        return False
-    tolerance = BIAS_SHARE * planning.budget_bytes
-    changed = False
-    if update.run_error is not None:  # NOTE [Over-prediction across buckets]
-        key, error = update.run_error
-        bucket = bucket_key(key, planning.bucket_tokens)
-        if planning.run_bias.observe(error + _correction(planning, bucket), tolerance, bucket[0] * bucket[1]):
-            planning.cache.clear()
-            changed = True
-    if update.error is None:
-        return changed
-    key, plan, error = update.error
-    bucket = bucket_key(key, planning.bucket_tokens)
-    if not planning.bias.observe(bucket, plan, error, tolerance, _correction(planning, bucket)):
-        return changed
-    planning.cache.drop(lambda cached: bucket_key(cached[0], planning.bucket_tokens) == bucket)
-    return True
 
 
 # ---------------------------------------------------------------- the slack (NOTE [The slack is priced], room.py)
