@@ -621,7 +621,8 @@ class PlanCache:
 
     def __init__(self) -> None:
         self._plans: dict[Hashable, Plan] = {}
-        #: rows of plans not yet read, per (batch size, static bucket) (NOTE [Planning a row], planning.py)
+        #: rows of plans not yet read, per (batch size, static bucket) (NOTE [Planning a row], planning.py);
+        #: readers read it, :meth:`put_row` and :meth:`clear` alone write it
         self.rows: dict[Hashable, Any] = {}
         self.hits = 0
         self.misses = 0
@@ -651,6 +652,10 @@ class PlanCache:
 
     def put(self, key: Hashable, plan: Plan) -> None:
         self._plans[key] = plan
+
+    def put_row(self, key: Hashable, row: Any) -> None:
+        """Store ``row``, the plans of every length of a (batch size, static bucket), until the next clear."""
+        self.rows[key] = row
 
     def clear(self) -> None:
         self._plans.clear()

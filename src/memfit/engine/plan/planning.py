@@ -269,7 +269,16 @@ class Planning:
 
     @head.setter
     def head(self, part: Any) -> None:
-        _set_part(self, HEAD_KEY, part)
+        self._set_part(HEAD_KEY, part)
+
+    def _set_part(self, kind: str, part: Any) -> None:
+        """Plan ``part`` as the part of ``kind`` from now on (None: no more), the LM head's first; the memory
+        model prices its options' savings (NOTE [Head in the peaks], model.py)."""
+        parts = {k: p for k, p in self.parts.items() if k != kind}
+        if part is not None:
+            parts = {kind: part, **parts} if kind == HEAD_KEY else {**parts, kind: part}
+        self.parts = parts
+        self.model.part_saving = {k: p.saved_bytes for k, p in parts.items()}
 
     def set_head(self, part: Any) -> None:
         """Plan the LM head beside the blocks from now on (NOTE [The head in the plan], planner.py); None: no more."""
@@ -279,7 +288,7 @@ class Planning:
     def add_part(self, part: Any) -> None:
         """Plan ``part`` (a :class:`~memfit.engine.parts.kind.PartKind`) beside the blocks from now on
         (NOTE [Parts beside the blocks], planner.py)."""
-        _set_part(self, part.name, part)
+        self._set_part(part.name, part)
         self.cache.clear()
 
     def price_offload(self, offload_ms: Callable[[float, float], float]) -> None:
@@ -410,56 +419,21 @@ class Planning:
         """``k``'s plan: the cheapest by recompute alone, or, where the run may give other
         treatments, the cheapest mix when that is cheaper still and fits (NOTE [Treatments never lose])."""
         mixes = not (self.recompute_only or not self.model.ready)
-        plan = self._plan_recompute(k, warn=not mixes)
-        mixed = self._plan_mixed(k) if mixes else None
+        plan = _plan_recompute(self, k, warn=not mixes)
+        mixed = _plan_mixed(self, k) if mixes else None
         if plan is None or mixed is None:  # where recompute alone fits nothing, a mix that fits wins (NOTE [Leaner re-runs])
-            return plan or mixed or self._plan_recompute(k, warn=True)
+            return plan or mixed or _plan_recompute(self, k, warn=True)
         base_ms = plan.cost_ms if plan.blocks != self.all_blocks or plan.cost_ms else sum(self.model.costs(k))
         return mixed if mixed.cost_ms < 0.999 * base_ms else plan
 
-    def _plan_mixed(self, k: tuple[int, int]) -> Plan | None:
-        """# NOTE [Treatments never lose]
-        The cheapest mix of treatments that saves what is needed at the start of backward, if
-        it also fits the other two peaks (NOTE [Treated peaks], model.py); else None. It is
-        taken only when its predicted price is under the recompute-only plan's, which is
-        always made too: a mix never costs more than recompute alone would.
-        """
-        room = self.room_bytes
-        need = int(self._static_for(k) + self.model.backward_start_bytes(k, Plan(()))) - room
-        options = self.model.options(k, self.treatments, self.offload_ms)
-        if need <= 0 or all(name == "recompute" for opts in options for name, _, _ in opts):
+    def _infeasible_log(self, k: tuple[int, int]) -> Callable[..., None] | None:
+        """How to say that no plan fits ``k``: the run's first such shape at warning, later ones at debug, and a
+        shape said before not again (None) (NOTE [What to change when a step cannot fit], summary_text.py)."""
+        if k in self.infeasible_keys:
             return None
-        return _mix_that_fits(self, k, options, need, room)
-
-    def _plan_recompute(self, k: tuple[int, int], warn: bool = True) -> Plan | None:
-        # Treating blocks lowers the start-of-backward peak only; the plan is then checked
-        # against the other two (NOTE [Three peaks], model.py), and mended if one is over
-        # (NOTE [Blocks held below a recompute]). Where none fits: every block, said once (``warn``), or None.
-        room = self.room_bytes
-        need = int(self._static_for(k) + self.model.backward_start_bytes(k, Plan(()))) - room
-        try:
-            costs, savings = self.model.costs(k), self.model.savings(k)
-            plan = plan_blocks(costs, savings, need)
-            if not plan.blocks or self.predict_peak(k, plan) <= room:
-                return plan
-            if self.predict_peak(k, Plan(self.all_blocks)) > room:
-                raise InfeasiblePlanError("the recompute or optimizer-step peak is over the budget")
-            return _mend(self, k, plan, need, costs, savings)
-        except InfeasiblePlanError:
-            if not warn:
-                return None
-            if k not in self.infeasible_keys:
-                # once per run (NOTE [What to change when a step cannot fit], summary_text.py); later shapes at debug
-                log = logger.debug if self.infeasible_keys else logger.warning
-                self.infeasible_keys.add(k)
-                outside = self.model.outside(k) if self.model.ready else 0.0
-                parts = {"static": self.static_bytes, "outside": outside,
-                         "blocks": self.model.step_bytes(k, Plan(self.all_blocks)) - outside}
-                peak_bytes = self.predict_peak(k, Plan(self.all_blocks)) + self.budget_bytes - room
-                log("memfit: shape %s is predicted to need %s even with every block checkpointed, over the budget of %s; "
-                    "running it with every block checkpointed; %s", k, self.budget.size(peak_bytes), self.budget,
-                    over_budget_words(parts, self.budget))
-            return Plan(self.all_blocks)
+        log = logger.debug if self.infeasible_keys else logger.warning
+        self.infeasible_keys.add(k)
+        return log
 
     # ------------------------------------------------------------ the only writer
     def apply(self, update: ModelUpdate) -> bool:
@@ -476,7 +450,7 @@ class Planning:
         for path, key, value in update.samples:
             self._curve(path).add(key, value)
             changed = True
-        corrected = _bias_rules(self, update)
+        corrected = self._bias_rules(update)
         if update.seen_key is not None:
             model.observe_key(update.seen_key)
         above = update.optimizer_above_static
@@ -493,6 +467,33 @@ class Planning:
             self.cache.clear()
         return changed or corrected
 
+    def _bias_rules(self, update: ModelUpdate) -> bool:
+        """New curve samples drop every correction (they were measured against the curves before); a
+        steady step's prediction error goes to its bucket's bias, and only that bucket's plans are
+        dropped when its correction changes (returns whether it did: NOTE [Bias per bucket])."""
+        if update.samples:
+            self.bias.clear()
+            self.run_bias.clear()
+            return False
+        if self.budget_bytes is None:
+            return False
+        tolerance = BIAS_SHARE * self.budget_bytes
+        changed = False
+        if update.run_error is not None:  # NOTE [Over-prediction across buckets]
+            key, error = update.run_error
+            bucket = bucket_key(key, self.bucket_tokens)
+            if self.run_bias.observe(error + _correction(self, bucket), tolerance, bucket[0] * bucket[1]):
+                self.cache.clear()
+                changed = True
+        if update.error is None:
+            return changed
+        key, plan, error = update.error
+        bucket = bucket_key(key, self.bucket_tokens)
+        if not self.bias.observe(bucket, plan, error, tolerance, _correction(self, bucket)):
+            return changed
+        self.cache.drop(lambda cached: bucket_key(cached[0], self.bucket_tokens) == bucket)
+        return True
+
     def _curve(self, path: tuple) -> Any:
         if path[0] in ("bytes", "ms"):
             group = self.model.group_models[path[1]]
@@ -503,6 +504,50 @@ class Planning:
         """A step ran out of memory: the room grows (NOTE [Room], room.py) and the plans are redone."""
         self.room.after_oom(unusable_bytes)
         self.cache.clear()
+
+
+def _plan_recompute(planning: Planning, k: tuple[int, int], warn: bool = True) -> Plan | None:
+    # Treating blocks lowers the start-of-backward peak only; the plan is then checked
+    # against the other two (NOTE [Three peaks], model.py), and mended if one is over
+    # (NOTE [Blocks held below a recompute]). Where none fits: every block, said once (``warn``), or None.
+    room = planning.room_bytes
+    need = int(planning._static_for(k) + planning.model.backward_start_bytes(k, Plan(()))) - room
+    try:
+        costs, savings = planning.model.costs(k), planning.model.savings(k)
+        plan = plan_blocks(costs, savings, need)
+        if not plan.blocks or planning.predict_peak(k, plan) <= room:
+            return plan
+        if planning.predict_peak(k, Plan(planning.all_blocks)) > room:
+            raise InfeasiblePlanError("the recompute or optimizer-step peak is over the budget")
+        return _mend(planning, k, plan, need, costs, savings)
+    except InfeasiblePlanError:
+        if not warn:
+            return None
+        log = planning._infeasible_log(k)
+        if log is not None:
+            outside = planning.model.outside(k) if planning.model.ready else 0.0
+            parts = {"static": planning.static_bytes, "outside": outside,
+                     "blocks": planning.model.step_bytes(k, Plan(planning.all_blocks)) - outside}
+            peak_bytes = planning.predict_peak(k, Plan(planning.all_blocks)) + planning.budget_bytes - room
+            log("memfit: shape %s is predicted to need %s even with every block checkpointed, over the budget of %s; "
+                "running it with every block checkpointed; %s", k, planning.budget.size(peak_bytes), planning.budget,
+                over_budget_words(parts, planning.budget))
+        return Plan(planning.all_blocks)
+
+
+def _plan_mixed(planning: Planning, k: tuple[int, int]) -> Plan | None:
+    """# NOTE [Treatments never lose]
+    The cheapest mix of treatments that saves what is needed at the start of backward, if
+    it also fits the other two peaks (NOTE [Treated peaks], model.py); else None. It is
+    taken only when its predicted price is under the recompute-only plan's, which is
+    always made too: a mix never costs more than recompute alone would.
+    """
+    room = planning.room_bytes
+    need = int(planning._static_for(k) + planning.model.backward_start_bytes(k, Plan(()))) - room
+    options = planning.model.options(k, planning.treatments, planning.offload_ms)
+    if need <= 0 or all(name == "recompute" for opts in options for name, _, _ in opts):
+        return None
+    return _mix_that_fits(planning, k, options, need, room)
 
 
 def _mend(planning: Planning, k: tuple[int, int], plan: Plan, need: int, costs: list[float], savings: list[int]) -> Plan:
@@ -535,33 +580,6 @@ def _correction(planning: Planning, bucket: tuple[int, int]) -> float:
         return planning.bias.correction[bucket]
     return 0.0 if planning.room.oom_fatal else planning.run_bias.offset_for(bucket[0] * bucket[1])
 
-
-def _bias_rules(planning: Planning, update: ModelUpdate) -> bool:
-    """New curve samples drop every correction (they were measured against the curves before); a
-    steady step's prediction error goes to its bucket's bias, and only that bucket's plans are
-    dropped when its correction changes (returns whether it did)."""
-    if update.samples:
-        planning.bias.clear()
-        planning.run_bias.clear()
-        return False
-    if planning.budget_bytes is None:
-        return False
-    tolerance = BIAS_SHARE * planning.budget_bytes
-    changed = False
-    if update.run_error is not None:  # NOTE [Over-prediction across buckets]
-        key, error = update.run_error
-        bucket = bucket_key(key, planning.bucket_tokens)
-        if planning.run_bias.observe(error + _correction(planning, bucket), tolerance, bucket[0] * bucket[1]):
-            planning.cache.clear()
-            changed = True
-    if update.error is None:
-        return changed
-    key, plan, error = update.error
-    bucket = bucket_key(key, planning.bucket_tokens)
-    if not planning.bias.observe(bucket, plan, error, tolerance, _correction(planning, bucket)):
-        return changed
-    planning.cache.drop(lambda cached: bucket_key(cached[0], planning.bucket_tokens) == bucket)
-    return True
 
 
 # ---------------------------------------------------------------- the slack (NOTE [The slack is priced], room.py)
@@ -617,16 +635,6 @@ def slack_cost_ms(planning: Planning, key: tuple[int, int], extra_bytes: int) ->
 
 
 # ---------------------------------------------------------------- parts beside the blocks (NOTE [Parts beside the blocks], planner.py)
-def _set_part(planning: Planning, kind: str, part: Any) -> None:
-    """Plan ``part`` as the part of ``kind`` from now on (None: no more), the LM head's first; the memory
-    model prices its options' savings (NOTE [Head in the peaks], model.py)."""
-    parts = {k: p for k, p in planning.parts.items() if k != kind}
-    if part is not None:
-        parts = {kind: part, **parts} if kind == HEAD_KEY else {**parts, kind: part}
-    planning.parts = parts
-    planning.model.part_saving = {k: p.saved_bytes for k, p in parts.items()}
-
-
 def _plan_parts(planning: Planning, k: tuple[int, int]) -> Plan:
     """``k``'s plan with the parts beside the blocks (NOTE [Parts beside the blocks], planner.py; the LM
     head: NOTE [The head in the plan]): the cheapest mix of the blocks' treatments and one option per
@@ -643,10 +651,8 @@ def _plan_parts(planning: Planning, k: tuple[int, int]) -> Plan:
         return plan
     most = _most(planning, k)
     room = planning.room_bytes
-    if planning.predict_peak(k, most) > room and k not in planning.infeasible_keys:
-        # once per run, later shapes at debug (NOTE [What to change when a step cannot fit], summary_text.py)
-        log = logger.debug if planning.infeasible_keys else logger.warning
-        planning.infeasible_keys.add(k)
+    log = planning._infeasible_log(k) if planning.predict_peak(k, most) > room else None
+    if log is not None:
         peak = planning.budget.size(planning.predict_peak(k, most) + planning.budget_bytes - room)
         if planning.head is None:
             outside = planning.model.outside(k) if planning.model.ready else 0.0
@@ -766,7 +772,7 @@ def _plan_from_row(planning: Planning, k: tuple[int, int], static_bucket: int) -
         row = _plan_row(planning, k)
         if row is None:
             return None
-        planning.cache.rows[(k[0], static_bucket)] = row
+        planning.cache.put_row((k[0], static_bucket), row)
     i = k[1] - 1
     c, m = row["count"][i], planning.n_blocks
     if c == 0:
