@@ -87,7 +87,7 @@ def test_head_part_plans_and_sets_the_switch_per_batch():
     # short batch, budget not binding: keep; the model's own loss
     ids = torch.randint(3, 4000, (2, 8))
     plan = plan_with_head(blocks, part.options(ids.numel()), 0)
-    part.apply(plan)
+    part.apply(plan.head)
     assert plan.head == ("keep", 1) and part.switch.treatment == "keep"
     reference = model(input_ids=ids, labels=ids).loss
     # long batch, the head's float32 logits are most of the need: chunked, fewest chunks that fit
@@ -96,7 +96,7 @@ def test_head_part_plans_and_sets_the_switch_per_batch():
     need = options[2][2]  # what the second-fewest chunk count saves
     plan = plan_with_head(blocks, options, need)
     assert plan.head == options[2][:2] and plan.blocks == ()
-    part.apply(plan)
+    part.apply(plan.head)
     assert (part.switch.treatment, part.switch.n_chunks) == plan.head
     out = model(input_ids=ids, labels=ids)
     assert out.logits is None and part.switch.chunked_forwards == 1

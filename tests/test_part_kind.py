@@ -130,3 +130,11 @@ def test_a_part_priced_anew_has_planning_drop_its_cached_plans_itself():
     assert planning.cache.misses == misses + 1  # made anew
     planning.plan_for(key)
     assert planning.cache.misses == misses + 1
+
+
+def test_the_lm_head_is_a_part_kind():
+    """The LM head is planned as a part kind like a user's (parts/kind.py): its name is the records' key."""
+    from memfit.engine.parts.treatments.chunked_head import HeadPart
+    from memfit.engine.records import HEAD_KEY
+
+    assert issubclass(HeadPart, memfit.PartKind) and HeadPart.name == HEAD_KEY == "head"

@@ -71,7 +71,9 @@ import torch
 
 from memfit.engine.parts.head import FUSED, HeadSwitch, attach_head, available_implementations, fused_chunks, head_saved_bytes, probe_head
 from memfit.engine.budget import Budget, BudgetTooSmallError, format_bytes
+from memfit.engine.parts.kind import PartKind
 from memfit.engine.parts.treatments.base import KEEP, Treatment
+from memfit.engine.records import HEAD_KEY
 
 if TYPE_CHECKING:
     from memfit.engine.parts.treatments.base import Block
@@ -276,9 +278,9 @@ def shard_head(spec: "HeadSpec") -> tuple["HeadSpec", float]:
     return dataclasses.replace(spec, lm_head=proxy, vocab_size=rows), spec.vocab_size / rows
 
 
-class HeadPart:
-    """The head as the planner and the controller see it: its options per shape (NOTE [Head options])
-    and the switch a plan sets (``Plan.head``, NOTE [The head in the plan]).
+class HeadPart(PartKind):
+    """The head as the planner and the controller see it, a part kind (parts/kind.py): its options per shape
+    (NOTE [Head options]) and the switch a plan sets (``Plan.head``, NOTE [The head in the plan]).
 
     Args:
         switch: the model's head switch (:func:`memfit.engine.parts.head.attach_head`).
@@ -299,8 +301,10 @@ class HeadPart:
     Example:
         >>> part = HeadPart(attach_head(model))               # doctest: +SKIP
         >>> plan = plan_with_head(blocks, part.options(n * l), need)  # doctest: +SKIP
-        >>> part.apply(plan)                                    # doctest: +SKIP
+        >>> part.apply(plan.head)                               # doctest: +SKIP
     """
+
+    name = HEAD_KEY
 
     def __init__(
         self, switch: HeadSwitch, extra_ms: float = 0.0, per_chunk_ms: float = 0.0, transient: bool = True,
@@ -541,10 +545,10 @@ class HeadPart:
         kept, chunked = self._bytes(tokens, KEEP), self._bytes(tokens, CHUNKED, head[1], implementation)
         return int(kept.transient_bytes - chunked.transient_bytes)
 
-    def apply(self, plan: Any) -> None:
-        """Set the switch to ``plan.head`` (a plan without a head leaves it as it is)."""
-        if plan.head is not None:
-            name, n_chunks = plan.head
+    def apply(self, option: tuple[str, int] | None) -> None:
+        """Set the switch to ``option`` (a plan's ``head``; None, a plan without one, leaves it as it is)."""
+        if option is not None:
+            name, n_chunks = option
             self.switch.set(name, n_chunks, self.switch.implementation)
 
     def apply_step(self, decision: Any, key: tuple[int, int]) -> Any:
@@ -563,7 +567,7 @@ class HeadPart:
         if plan.head is None:
             head = head_without_a_plan(self.options(max(1, key[0] * key[1])))
             decision = dataclasses.replace(decision, plan=dataclasses.replace(plan, head=head))
-        self.apply(decision.plan)
+        self.apply(decision.plan.head)
         return decision
 
     def remove(self) -> None:
