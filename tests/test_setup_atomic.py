@@ -50,6 +50,8 @@ REJECTED = [
     pytest.param(dict(budget="1KB"), "is below what training needs", id="budget-too-small"),
     pytest.param(dict(budget="-3GB"), "budget='-3GB'", id="budget-negative"),
     pytest.param(dict(warmup_steps=-1), "warmup_steps", id="warmup_steps"),
+    pytest.param(dict(parts=["x"]), "each must be a memfit.PartKind", id="parts-not-a-kind"),
+    pytest.param(dict(parts=[memfit.PartKind()]), "needs a name of its own", id="parts-unnamed"),
 ]
 
 

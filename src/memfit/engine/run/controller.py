@@ -281,8 +281,8 @@ class Controller:
             self.treatments = _make_treatments(treatments, self._counter, self.planning, self.device, self.blocks[0].compiled,
                                                host_budget_bytes)
             self.head = RunHead(model, self.planning, self.meter.kind != "logical", head, head_logits, method.learns and budget is not None, lambda: self.meter.aside(self._step))
+            self._undo.append(self.head.remove)  # before anything else can raise: the head's hooks are on
             self.parts = RunParts(self.head, parts, self.planning)  # the head's and the user's (parts/kind.py)
-            self._undo.append(self.head.remove)
             self.protection = method.make_protection(lambda: ReactiveStore(self._counter.excluded_ptrs), self.planning, self.meter, self._counter)
             self._gathered = GatheredParameters(model, self._counter)
             self.rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
