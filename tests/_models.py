@@ -191,3 +191,40 @@ class FixedPlan(Method):
 
     def decide(self, planning, key, failed=None):
         return Decision(self.plan, count=True)
+
+
+def assert_dynamic_treats_long_batches_only(monkeypatch, model, make, under_bytes: int, treatment: str) -> None:
+    """``dynamic`` with ``treatment`` beside recompute under a logical budget ``under_bytes`` below the longest
+    batch's (4 x 96) untreated peak, ``treatment`` priced cheaper than recompute per byte (as on a GPU, where a
+    recompute runs the whole block again): over steps of mixed lengths, each compared with the reference's gradients
+    bit for bit, the longest batches' plans give blocks ``treatment`` and none recomputed, the short ones' (4 x 16
+    tokens or fewer) treat nothing, and every peak is within the budget."""
+    import copy
+
+    import memfit
+    from memfit.engine.parts import probe
+
+    original = probe.probe_treatments
+
+    def priced(*args, **kwargs):
+        out = original(*args, **kwargs)
+        if treatment in out:
+            out[treatment] = (out[treatment][0], 1e-4)
+        return out
+
+    monkeypatch.setattr(probe, "probe_treatments", priced)
+    reference = copy.deepcopy(model)
+    budget = logical_peak(model, make(4, 96), "none") - under_bytes
+    ctl = memfit.fit(model, budget=budget, method="dynamic", treatments=("recompute", treatment), announce=False)
+    for seed, length in enumerate([16, 96, 48, 80, 96, 8, 88, 96, 12, 92]):
+        step_both_and_compare(model, reference, make(4, length), seed, f"step {seed}")
+    records = ctl.records
+    ctl.remove()
+    assert all(r.peak_allocated_bytes <= budget for r in records)
+    steady = [(r.tokens, r.treatments) for r in records if r.phase == "steady"]
+    longest_plans = [t for tokens, t in steady if tokens == 4 * 96]
+    short_plans = [t for tokens, t in steady if tokens <= 4 * 16]
+    assert longest_plans and all(treatment in t for t in longest_plans), steady
+    assert not any("recompute" in t for _, t in steady), steady
+    assert short_plans and not any(set(t) - {"head"} for t in short_plans), steady
+

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import memfit
-from _models import FixedPlan, build_decoder, step_both_and_compare
+from _models import FixedPlan, assert_dynamic_treats_long_batches_only, build_decoder, step_both_and_compare
 from memfit.engine.parts.blocks import find_blocks
 from memfit.engine.parts.treatments import LEAN, TREATMENTS
 from memfit.engine.plan.planner import Plan
@@ -100,39 +100,9 @@ def test_dynamic_runs_long_lora_batches_lean_and_short_ones_untreated(monkeypatc
     rank-wide projection's forward again against the whole block's): the longest batches' plans run blocks lean and
     none recomputed, the short ones' treat nothing; every peak within the budget and every gradient ``keep``'s bit for
     bit."""
-    from memfit.engine.parts import probe
-
-    original = probe.probe_treatments
-
-    def priced(*args, **kwargs):
-        out = original(*args, **kwargs)
-        if LEAN in out:
-            out[LEAN] = (out[LEAN][0], 1e-4)
-        return out
-
-    monkeypatch.setattr(probe, "probe_treatments", priced)
     model, make = _model("llama", 0.0)
-    reference = copy.deepcopy(model)
-    from _models import logical_peak
-
-    longest = make(4, 96)
-    hidden = model.config.hidden_size
-    copies_per_block = 4 * 96 * hidden * (6 * 4 - 4 * 2)  # six float32 copies, for two bf16 inputs (test_tiled_mlp)
-    budget = logical_peak(model, longest, "none") - copies_per_block
-    ctl = memfit.fit(model, budget=budget, method="dynamic", treatments=("recompute", LEAN), announce=False)
-    lengths = [16, 96, 48, 80, 96, 8, 88, 96, 12, 92]
-    for seed, length in enumerate(lengths):
-        step_both_and_compare(model, reference, make(4, length), seed, f"step {seed}")
-    records = ctl.records
-    ctl.remove()
-    assert all(r.peak_allocated_bytes <= budget for r in records)
-    steady = [(r.tokens, r.treatments) for r in records if r.phase == "steady"]
-    longest_plans = [t for tokens, t in steady if tokens == 4 * 96]
-    short_plans = [t for tokens, t in steady if tokens <= 4 * 16]
-    assert longest_plans and all(LEAN in t for t in longest_plans), steady
-    assert not any("recompute" in t for _, t in steady), steady
-    assert short_plans and not any(set(t) - {"head"} for t in short_plans), steady
-
+    copies_per_block = 4 * 96 * model.config.hidden_size * (6 * 4 - 4 * 2)  # six float32 copies, two bf16 inputs
+    assert_dynamic_treats_long_batches_only(monkeypatch, model, make, copies_per_block, LEAN)
 
 def test_under_autocast_a_lora_layer_runs_as_peft_runs_it_and_draws_its_dropout_once():
     """Under autocast the adapters' output is not float32 and the lean sum does not apply: the layer runs peft's own

@@ -14,7 +14,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memfit
-from _models import FixedPlan, assert_grads_equal, build_decoder, logical_peak, step_both_and_compare
+from _models import (
+    FixedPlan, assert_dynamic_treats_long_batches_only, assert_grads_equal, build_decoder, step_both_and_compare,
+)
 from memfit.engine.parts.blocks import find_blocks
 from memfit.engine.plan.planner import Plan
 from memfit.engine.parts.treatments import (
@@ -361,7 +363,16 @@ def test_the_floor_plan_chunks_the_head_the_most():
     from memfit.engine.parts.treatments.chunked_head import head_options, head_without_a_plan
 
     options = head_options(65536, 128256, 4096, torch.bfloat16, 0.0, 0.0)
-    planning = SimpleNamespace(registry=resolve(TILED), all_blocks=(0, 1), n_blocks=2, parts={"head": SimpleNamespace(options=lambda t: options)})
+    class Head(memfit.PartKind):
+        name = "head"
+
+        def options(self, tokens):
+            return options
+
+        def apply(self, option):
+            pass
+
+    planning = SimpleNamespace(registry=resolve(TILED), all_blocks=(0, 1), n_blocks=2, parts={"head": Head()})
     plan = _floor(planning, 65536)
     assert plan.kinds == (HOST_CHECKPOINT_TILED,) * 2
     assert plan.head == max(options, key=lambda o: o[2])[:2] and plan.head[1] > head_without_a_plan(options)[1], (plan.head, options)
@@ -409,38 +420,11 @@ def test_dynamic_tiles_the_mlp_of_long_batches_and_leaves_short_ones_untreated(m
     where it adds one MLP forward and a recompute the whole block's): the longest batches' plans tile and
     no plan recomputes, the short ones' treat nothing; every peak within the budget and the gradients ``keep``'s bit for bit (one
     chunk at these sizes)."""
-    from memfit.engine.parts import probe
-
-    original = probe.probe_treatments
-
-    def priced(*args, **kwargs):
-        out = original(*args, **kwargs)
-        if TILED_MLP in out:
-            out[TILED_MLP] = (out[TILED_MLP][0], 1e-4)
-        return out
-
-    monkeypatch.setattr(probe, "probe_treatments", priced)
     model, make = _model("llama")
-    reference = copy.deepcopy(model)
-    longest = make(4, 96)
     # one block's MLP intermediates (float32) under the longest batch's untreated peak: tiling two or
     # three blocks covers it with the margin, recomputing one would too, for more time
     saved_per_block = 4 * 96 * 4 * model.config.intermediate_size * 4
-    budget = logical_peak(model, longest, "none") - saved_per_block
-    ctl = memfit.fit(model, budget=budget, method="dynamic", treatments=("recompute", TILED_MLP), announce=False)
-    lengths = [16, 96, 48, 80, 96, 8, 88, 96, 12, 92]
-    for seed, length in enumerate(lengths):
-        step_both_and_compare(model, reference, make(4, length), seed, f"step {seed}")
-    records = ctl.records
-    ctl.remove()
-    assert all(r.peak_allocated_bytes <= budget for r in records)
-    steady = [(r.tokens, r.treatments) for r in records if r.phase == "steady"]
-    longest_plans = [t for tokens, t in steady if tokens == 4 * 96]
-    short_plans = [t for tokens, t in steady if tokens <= 4 * 16]
-    assert longest_plans and all(TILED_MLP in t for t in longest_plans), steady
-    assert not any("recompute" in t for _, t in steady), steady  # tiling covers the need, for less time
-    assert short_plans and not any(set(t) - {"head"} for t in short_plans), steady
-
+    assert_dynamic_treats_long_batches_only(monkeypatch, model, make, saved_per_block, TILED_MLP)
 
 def test_the_planner_swaps_in_the_leaner_re_run_where_only_the_re_run_peak_is_over():
     """NOTE [Leaner re-runs]: a mix whose recompute peak is what is over the room gets every treated block's

@@ -199,7 +199,7 @@ def _floor(planning: "Planning", tokens: int) -> Plan:
     """Every block on the re-run that keeps least, the head (if planned) on its option that saves most at ``tokens``
     tokens (NOTE [A replay treats more])."""
     floor = floor_treatment(planning.registry)
-    parts = [(kind, *max(part.options(max(1, tokens)), key=lambda option: option[2])[:2]) for kind, part in planning.parts.items()]
+    parts = [(kind, *part.most(tokens)) for kind, part in planning.parts.items()]
     return Plan(planning.all_blocks, kinds=(floor,) * planning.n_blocks, parts=parts)
 
 

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from memfit.engine.parts.accounting import SavedTensorCounter
     from memfit.engine.parts.treatments.base import Block, ProbeKit
 
-__all__ = ["ELEMENTWISE", "Elementwise", "elementwise_parts"]
+__all__ = ["ELEMENTWISE", "Elementwise", "elementwise_parts", "runs_as_plain"]
 
 logger = logging.getLogger("memfit")
 
@@ -136,42 +136,18 @@ class Elementwise(Treatment):
         parts = elementwise_parts(block.module)
         if block.compiled or not (parts[0] or parts[1]):
             return None
-        devices = [kit.device] if kit.device.type == "cuda" else []
-
-        def forward_backward(lean: bool, hooks: Any, held: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-            torch.random.set_rng_state(state[0])
-            for d, s in zip(devices, state[1]):
-                torch.cuda.set_rng_state(s, d)
-            probe_args, probe_kwargs = kit.fresh()
-            with hooks, (_leaner(block.module, held, parts) if lean else contextlib.nullcontext()):
-                out = block.body(*probe_args, **probe_kwargs)
-            outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-            inputs = [t for t in tree_leaves((probe_args, probe_kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
-            inputs += [p for p in block.module.parameters() if p.requires_grad]
-            grown = [t for t in outs if t.requires_grad]
-            grads = torch.autograd.grad(grown, inputs, [torch.ones_like(t) for t in grown], allow_unused=True) if grown and inputs else ()
-            return [t.detach() for t in outs], [g for g in grads if g is not None]
-
-        with torch.random.fork_rng(devices=devices):
-            state = torch.random.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
-            plain = forward_backward(False, kit.shield(), [])
-            counter, held = kit.counter_of_run(), []
-            try:
-                lean = forward_backward(True, counter.hooks(), held)
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as err:  # a norm or MLP whose forward does not run again as it ran: never offered
-                logger.debug("memfit: block %s does not run with its norms and MLP computed again in backward (%s); "
-                            "'elementwise' is not offered for it", block.index,
-                            str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
-                return None
-            # gradients bit for bit, unless the plain block's own backward is not (an attention kernel
-            # that accumulates with atomics): then its forward outputs decide
-            equal = _same(plain[0], lean[0]) and (
-                _same(plain[1], lean[1]) or not _same(plain[1], forward_backward(False, kit.shield(), [])[1]))
-            for t in held:
-                counter.count(t)
-        del plain, lean
+        counter, held = kit.counter_of_run(), []
+        try:
+            equal = runs_as_plain(block, kit, lambda: _leaner(block.module, held, parts), counter.hooks())
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as err:  # a norm or MLP whose forward does not run again as it ran: never offered
+            logger.debug("memfit: block %s does not run with its norms and MLP computed again in backward (%s); "
+                        "'elementwise' is not offered for it", block.index,
+                        str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
+            return None
+        for t in held:
+            counter.count(t)
         if not equal:
             logger.debug("memfit: block %s's MLP or norms compute more than their modules' plain ops; "
                         "'elementwise' is not offered for it", block.index)
@@ -182,6 +158,35 @@ class Elementwise(Treatment):
             lean_ms.append(kit.forward_backward_ms(block.body, kit.shield(), _leaner(block.module, [], parts)))
             plain_ms.append(kit.forward_backward_ms(block.body, kit.shield()))
         return counter.bytes, max(0.0, min(lean_ms) - min(plain_ms))
+
+
+def runs_as_plain(block: "Block", kit: "ProbeKit", context: Callable[[], Any], hooks: Any, plain_hooks: Any = None) -> bool:
+    """Whether ``block`` run under ``context()`` (its saved tensors to ``hooks``) gives the plain block's outputs and
+    gradients (of its inputs and trainable parameters) bit for bit, each run from one RNG state; where the plain
+    block's own backward is not bit for bit twice (an attention kernel that accumulates with atomics), its forward
+    outputs decide. ``plain_hooks`` take the plain run's saved tensors (default: the kit's shield)."""
+    devices = [kit.device] if kit.device.type == "cuda" else []
+
+    def forward_backward(treated: bool, run_hooks: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        torch.random.set_rng_state(state[0])
+        for d, s in zip(devices, state[1]):
+            torch.cuda.set_rng_state(s, d)
+        probe_args, probe_kwargs = kit.fresh()
+        with run_hooks, (context() if treated else contextlib.nullcontext()):
+            out = block.body(*probe_args, **probe_kwargs)
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        inputs = [t for t in tree_leaves((probe_args, probe_kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+        inputs += [p for p in block.module.parameters() if p.requires_grad]
+        grown = [t for t in outs if t.requires_grad]
+        grads = torch.autograd.grad(grown, inputs, [torch.ones_like(t) for t in grown], allow_unused=True) if grown and inputs else ()
+        return [t.detach() for t in outs], [g for g in grads if g is not None]
+
+    with torch.random.fork_rng(devices=devices):
+        state = torch.random.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
+        plain = forward_backward(False, plain_hooks if plain_hooks is not None else kit.shield())
+        treated = forward_backward(True, hooks)
+        return _same(plain[0], treated[0]) and (
+            _same(plain[1], treated[1]) or not _same(plain[1], forward_backward(False, kit.shield())[1]))
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:

@@ -13,16 +13,15 @@ treatments run outside the MLP, without the MLP tiled: the planner's lever for k
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from memfit.engine.parts.treatments.base import Treatment
+from memfit.engine.parts.treatments.elementwise import runs_as_plain
 from memfit.engine.parts.treatments.tiled_mlp import Chunking, lean_parts, tiled
 
 if TYPE_CHECKING:
@@ -78,39 +77,15 @@ class Lean(Treatment):
         parts = lean_parts(block.module)
         if block.compiled or not parts:
             return None
-        devices = [kit.device] if kit.device.type == "cuda" else []
-
-        def forward_backward(lean: bool, hooks: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-            torch.random.set_rng_state(state[0])
-            for d, s in zip(devices, state[1]):
-                torch.cuda.set_rng_state(s, d)
-            probe_args, probe_kwargs = kit.fresh()
-            with hooks, (_lean(parts) if lean else contextlib.nullcontext()):
-                out = block.body(*probe_args, **probe_kwargs)
-            outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-            inputs = [t for t in tree_leaves((probe_args, probe_kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
-            inputs += [p for p in block.module.parameters() if p.requires_grad]
-            grown = [t for t in outs if t.requires_grad]
-            grads = torch.autograd.grad(grown, inputs, [torch.ones_like(t) for t in grown], allow_unused=True) if grown and inputs else ()
-            return [t.detach() for t in outs], [g for g in grads if g is not None]
-
-        with torch.random.fork_rng(devices=devices):
-            state = torch.random.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
-            plain_counter, lean_counter = kit.counter_of_run(), kit.counter_of_run()
-            plain = forward_backward(False, plain_counter.hooks())
-            try:
-                lean = forward_backward(True, lean_counter.hooks())
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as err:  # a part whose forward does not run again as it ran: never offered
-                logger.debug("memfit: block %s does not run lean (%s); 'lean' is not offered for it", block.index,
-                             str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
-                return None
-            # gradients bit for bit, unless the plain block's own backward is not (an attention kernel that
-            # accumulates with atomics): then its forward outputs decide
-            equal = _same(plain[0], lean[0]) and (
-                _same(plain[1], lean[1]) or not _same(plain[1], forward_backward(False, kit.shield())[1]))
-        del plain, lean
+        plain_counter, lean_counter = kit.counter_of_run(), kit.counter_of_run()
+        try:
+            equal = runs_as_plain(block, kit, lambda: _lean(parts), lean_counter.hooks(), plain_counter.hooks())
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as err:  # a part whose forward does not run again as it ran: never offered
+            logger.debug("memfit: block %s does not run lean (%s); 'lean' is not offered for it", block.index,
+                         str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
+            return None
         if not equal or lean_counter.bytes >= plain_counter.bytes:
             logger.debug("memfit: block %s keeps no less lean, or its outputs lean differ; 'lean' is not offered for it",
                          block.index)
@@ -121,6 +96,3 @@ class Lean(Treatment):
             plain_ms.append(kit.forward_backward_ms(block.body, kit.shield()))
         return lean_counter.bytes, max(0.0, min(lean_ms) - min(plain_ms))
 
-
-def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))

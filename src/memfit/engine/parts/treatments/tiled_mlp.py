@@ -103,7 +103,6 @@ from memfit.engine.parts.treatments.base import RunOptions, Treatment
 from memfit.engine.parts.treatments.elementwise import elementwise_parts
 
 if TYPE_CHECKING:
-    from memfit.engine.parts.accounting import SavedTensorCounter
     from memfit.engine.parts.treatments.base import Block, ProbeKit
 
 __all__ = ["TILED_MLP", "TiledMlp", "TiledReruns", "Chunking", "tiled_mlp", "tileable_mlps", "tiled", "mlp_chunks", "CHUNK_BYTES",
