@@ -73,7 +73,12 @@ def main(argv: list[str] | None = None) -> int:
     from memfit.tasks._common import CONFIGS_DIR
 
     device = torch.device(args.device)
-    config = transformers.AutoConfig.from_pretrained(str(CONFIGS_DIR / f"{args.model}.json"))
+    path = CONFIGS_DIR / f"{args.model}.json"
+    if not path.exists():
+        known = ", ".join(sorted(p.stem for p in CONFIGS_DIR.glob("*.json")))
+        print(f"--model {args.model}: no such config in memfit/configs; give one of {known}", file=sys.stderr)
+        return 2
+    config = transformers.AutoConfig.from_pretrained(str(path))
     config.use_cache = False
     for pair in args.config_overrides:
         key, _, value = pair.partition("=")
