@@ -15,6 +15,7 @@ Example (one H200; Llama-3.1-8B's shape, LoRA r16, 64k tokens, a 28 GiB cap):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -35,6 +36,10 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run (no allocator readings)")
     p.add_argument("--config_overrides", nargs="*", default=[], metavar="KEY=VALUE", help="config attributes (a tiny model)")
     p.add_argument("--output", default=None, help="write every line here (JSON lines)")
+    p.add_argument("--inner", type=int, default=None, metavar="BLOCK",
+                   help="also mark every submodule of this block: its forward (and re-runs) and when its output's gradient arrives")
+    p.add_argument("--profile", action="store_true",
+                   help="run the last step under torch.profiler too and print the ops that allocated most, by input shape")
     return p.parse_args(argv)
 
 
@@ -62,6 +67,32 @@ class Moments:
         module.register_forward_hook(lambda m, a, o: self.mark(f"{name} forward ends"))
         module.register_full_backward_pre_hook(lambda m, g: self.mark(f"{name} backward starts"))
         module.register_full_backward_hook(lambda m, gi, go: self.mark(f"{name} backward ends"))
+
+    def watch_inside(self, name: str, module: torch.nn.Module) -> None:
+        """Forward hooks only (they fire in re-runs too), and a hook on each output that needs a gradient."""
+        module.register_forward_pre_hook(lambda m, a: self.mark(f"{name} forward starts"))
+
+        def ends(m, a, out):
+            self.mark(f"{name} forward ends" + ("" if torch.is_grad_enabled() else " (no grad)"))
+            tensors = [out] if isinstance(out, torch.Tensor) else [t for t in (out if isinstance(out, tuple) else ()) if isinstance(t, torch.Tensor)]
+            for t in tensors:
+                if t.requires_grad:
+                    t.register_hook(lambda g: self.mark(f"{name} output's gradient"))
+
+        module.register_forward_hook(ends)
+
+
+def _profiler():
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], profile_memory=True, record_shapes=True)
+
+
+def _allocating_ops(prof) -> str:
+    """The profiled step's op calls by the device memory they allocated net, the largest first (per shape)."""
+    averages = prof.key_averages(group_by_input_shape=True)
+    key = "self_device_memory_usage" if hasattr(averages[0], "self_device_memory_usage") else "self_cuda_memory_usage"
+    return averages.table(sort_by=key, row_limit=40, max_name_column_width=40, max_shapes_column_width=80)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,6 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     moments = Moments(device)
     for name, block in find_blocks(model):
         moments.watch(name.split(".")[-1] if name.split(".")[-1].isdigit() else name, block)
+    if args.inner is not None:
+        block = find_blocks(model)[args.inner][1]
+        for sub_name, sub in block.named_modules():
+            if sub_name and "lora_" not in sub_name.split(".")[-1] and not sub_name.split(".")[-1].isdigit():
+                moments.watch_inside(f"{args.inner}.{sub_name}", sub)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     for name, module in (("final norm", base.model.norm), ("lm_head", base.lm_head)):
         moments.watch(name, module)
@@ -107,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         moments.on, moments.last = last, "step starts"
         if last and moments.cuda:
             torch.cuda.reset_peak_memory_stats()
-        ctl.run_step(lambda: model(input_ids=ids, labels=ids).loss.backward())
+        profiler = _profiler() if last and args.profile else contextlib.nullcontext()
+        with profiler as prof:
+            ctl.run_step(lambda: model(input_ids=ids, labels=ids).loss.backward())
         moments.mark("backward ends")
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -120,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"the last step, between two moments: the allocator's peak (GiB) and what was allocated at the later one")
     for label, peak, now in sorted(moments.lines, key=lambda line: -line[1])[:args.top]:
         print(f"{peak / 2**30:8.2f} {now / 2**30:8.2f}  {label}")
+    if args.profile:
+        print(_allocating_ops(prof))
     if args.output:
         with open(args.output, "w") as fh:
             for label, peak, now in moments.lines:

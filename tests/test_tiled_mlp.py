@@ -489,7 +489,7 @@ def test_lean_norms_and_adapters_give_keeps_gradients_bit_for_bit(arch, lora, na
     assert lean and (adapters if lora is not None else not adapters), lean
     runs = []
     plain = tiled_module._rerun
-    tiled_module._rerun = lambda run, x, params: runs.append(x.dtype) or plain(run, x, params)
+    tiled_module._rerun = lambda run, x, params, chunks=1: runs.append(x.dtype) or plain(run, x, params, chunks)
     try:
         for seed, length in enumerate((9, 23)):
             step_both_and_compare(model, reference, make(2, length), seed, f"{arch} lora={lora} {name}, length {length}")
@@ -605,3 +605,66 @@ def test_a_lean_lora_layer_holds_one_float32_output_not_three(monkeypatch, sum_c
     # peft at its peak: the base output, the float32 scaled output and sum (forward), or the float32 gradient, its
     # cast and its scaled copy (backward): 14 or 12 bytes an output element; lean 8 or 6 (one float32, the chunks')
     assert peaks[False] - peaks[True] >= 1.25 * (4 * 256 * 128 * 4), peaks
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2", "phi3"])
+def test_a_frozen_lean_norm_runs_in_chunks_of_tokens_with_the_same_bits(monkeypatch, arch):
+    """NOTE [Lean inputs in a tiled block]: a norm that trains no parameter (a LoRA's) runs lean in chunks of tokens,
+    forward and backward (its own forward once per chunk each way), and its output and its input's gradient are the
+    plain norm's bit for bit; with its weight trainable it runs in one piece (one forward each way)."""
+    from memfit.engine.parts.treatments.tiled_mlp import tiled
+
+    model, _ = _bf16_model(arch, None)
+    norm = find_blocks(model)[0][1].input_layernorm
+    x = torch.randn(2, 37, model.config.hidden_size, dtype=torch.bfloat16)
+    g = torch.randn_like(x)
+    calls, plain = [], type(norm).forward
+    monkeypatch.setattr(type(norm), "forward", lambda self, h: calls.append(h.shape) or plain(self, h))
+    for trains, runs in ((False, 2 * 5), (True, 2)):
+        norm.weight.requires_grad_(trains)
+        results = []
+        for lean in (False, True):
+            calls.clear()
+            xi = x.clone().requires_grad_()
+            with tiled((), Chunking(at_least=5), [norm] if lean else []):
+                out = norm(xi)
+            out.backward(g)
+            results.append([out.detach(), xi.grad] + ([norm.weight.grad] if trains else []))
+            norm.weight.grad = None
+        assert len(calls) == runs, (trains, calls)  # the lean runs: 5 chunks forward and 5 again in backward, or 1 + 1
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class _LargestFloat32(TorchDispatchMode):
+    """The most elements of one float32 tensor an op makes (not a view)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and not t._is_view():
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_a_chunked_lean_norm_makes_its_float32_temporaries_a_chunk_at_a_time():
+    """Counted (every op's output): a frozen RMSNorm over a bfloat16 input makes float32 tensors of its whole input in
+    forward and backward, lean in one piece too; in 8 chunks no op makes a float32 tensor of more than one chunk's
+    tokens."""
+    from memfit.engine.parts.treatments.tiled_mlp import tiled
+
+    model, _ = _bf16_model("llama", None)
+    norm = find_blocks(model)[0][1].input_layernorm.requires_grad_(False)
+    x = torch.randn(4, 512, model.config.hidden_size, dtype=torch.bfloat16)
+    largest = {}
+    for at_least in (1, 8):
+        xi = x.clone().requires_grad_()
+        mode = _LargestFloat32()
+        with mode, tiled((), Chunking(at_least=at_least, min_tokens=1), [norm]):
+            norm(xi).backward(torch.ones_like(x))
+        largest[at_least] = mode.largest
+    assert largest[1] == x.numel() and largest[8] == x.numel() // 8, largest

@@ -62,7 +62,13 @@ saves only its input (the bfloat16 one, which q, k and v share: one tensor saved
 again in backward what it would have saved, from that input, under the forward's RNG and autocast
 state. So their gradients are ``keep``'s bit for bit (the same ops on the same inputs; the
 autograd Function's node takes the place of the part's first node, so gradients reach a tensor
-with several consumers in the same order). That holds where the part's first op is the input's one
+with several consumers in the same order). A norm that trains no parameter (a LoRA's norms) runs in
+chunks of tokens (:func:`norm_chunks`), forward and backward: its backward otherwise holds about a
+dozen tensors of its input's size at once, half of them float32 (6.5 GiB above the block's other
+bytes for a 64k x 4096 bfloat16 input, measured on an H200: the step's peak, twice a block), and a
+norm is token-wise, each token's output and input gradient its own row's, so chunked they are the
+same bits. A norm with a trainable weight runs in one piece: the weight's gradient is a sum over
+tokens, which chunks would sum in another order. That holds where the part's first op is the input's one
 consumer inside it: a norm runs lean for a bfloat16 or float16 input only (its first op, the cast to
 float32; a float32 input is used by several of its ops, whose gradients would be summed in another order,
 and it saves no copy to spare), an adapter only where its input is cast.
@@ -106,7 +112,7 @@ if TYPE_CHECKING:
     from memfit.engine.parts.treatments.base import Block, ProbeKit
 
 __all__ = ["TILED_MLP", "TiledMlp", "TiledReruns", "Chunking", "tiled_mlp", "tileable_mlps", "tiled", "mlp_chunks", "CHUNK_BYTES",
-           "MIN_CHUNK_TOKENS", "lean_parts"]
+           "MIN_CHUNK_TOKENS", "lean_parts", "norm_chunks"]
 
 logger = logging.getLogger("memfit")
 
@@ -312,9 +318,10 @@ def lean_parts(module: nn.Module, mlps: Sequence[nn.Module] = ()) -> list[nn.Mod
     return [m for m in module.modules() if id(m) not in inside and (_is_lora_layer(m) or any(m is n for n in norms))]
 
 
-def _rerun(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``run(x)`` saving only ``x``, ``run`` again in backward (the tiled MLP's Function in one chunk)."""
-    return _TiledMlpFunction.apply(run, x, 1, *params)
+def _rerun(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: Sequence[torch.Tensor],
+           chunks: int = 1) -> torch.Tensor:
+    """``run(x)`` saving only ``x``, ``run`` again in backward (the tiled MLP's Function, in one chunk unless told)."""
+    return _TiledMlpFunction.apply(run, x, chunks, *params)
 
 
 #: the input dtypes a norm runs lean for: a norm casts them first (one consumer of the input, whose gradient then
@@ -323,11 +330,28 @@ def _rerun(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params:
 _NARROW = (torch.bfloat16, torch.float16)
 
 
-class _LeanForward:
-    """A norm's forward saving only its input (NOTE [Lean inputs in a tiled block])."""
+#: a norm's chunk is counted as an MLP chunk of this many times its width: its backward holds about a dozen tensors
+#: of its input's size, half of them float32, so its chunk's transient stays under half an MLP chunk's (NOTE [Lean
+#: inputs in a tiled block])
+NORM_SPREAD = 4
 
-    def __init__(self, module: nn.Module):
-        self.module = module
+
+def norm_chunks(x: torch.Tensor, chunking: Chunking) -> int:
+    """The chunks a lean norm without trainable parameters runs ``x``'s tokens in (NOTE [Lean inputs in a tiled block]).
+
+    Example:
+        >>> norm_chunks(torch.empty(1, 65536, 4096, dtype=torch.bfloat16, device="meta"), Chunking())  # 32 MiB a chunk
+        16
+    """
+    return chunking.count(x.numel() // x.shape[-1], NORM_SPREAD * x.shape[-1], x.element_size())
+
+
+class _LeanForward:
+    """A norm's forward saving only its input, in chunks of tokens where it trains no parameter (NOTE [Lean inputs
+    in a tiled block])."""
+
+    def __init__(self, module: nn.Module, chunking: Chunking):
+        self.module, self.chunking = module, chunking
         self.plain = type(module).forward.__get__(module)
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
@@ -335,7 +359,9 @@ class _LeanForward:
         if (args or kwargs or not isinstance(x, torch.Tensor) or x.dtype not in _NARROW or not torch.is_grad_enabled()
                 or not (params or x.requires_grad)):
             return self.plain(x, *args, **kwargs)
-        return _rerun(self.plain, x, params)
+        if params or x.dim() < 2:  # a weight's gradient is a sum over tokens: in one piece, as the plain norm sums it
+            return _rerun(self.plain, x, params)
+        return _rerun(self.plain, x, (), norm_chunks(x, self.chunking))
 
 
 class _LeanAdapter:
@@ -426,7 +452,7 @@ def tiled(mlps: Sequence[nn.Module], chunking: Chunking, lean: Sequence[nn.Modul
     for mlp in mlps:
         mlp.forward = _TiledForward(mlp, chunking)  # read by Module.__call__
     for m in lean:
-        m.forward = _LeanLoraForward(m) if _is_lora_layer(m) else _LeanForward(m)
+        m.forward = _LeanLoraForward(m) if _is_lora_layer(m) else _LeanForward(m, chunking)
     try:
         yield
     finally:
