@@ -319,6 +319,14 @@ def probe_warmup(
     (NOTE [Blocks alike only in name], learner.py), on a cut of the input where the whole might
     not fit (NOTE [Probing on a cut]). The results go to the step (``probes``, ``treated_probes``),
     learnt at the forward's end."""
+    with _shield():  # nothing a probe saves reaches the step's counter, its backwards' re-runs included
+        _probe_warmup(step, block, args, kwargs, counter, device, planning)
+
+
+def _probe_warmup(
+    step: Any, block: Block, args: tuple, kwargs: dict[str, Any], counter: SavedTensorCounter, device: torch.device,
+    planning: Any,
+) -> None:
     group = planning.model.groups[block.index]
     timed = group not in step.probed_groups
     step.probed_groups.add(group)
