@@ -32,7 +32,12 @@ Warm-up recomputes every block while the probes measure. At the tight end that p
 long batch (a recomputed block's MLP, all its tokens at once, over the room), so each warm-up step
 ran out of memory once and replayed on the floor: every step of a run of one long length paid a
 failed forward. Once warm-up's plan has run out of memory at some number of tokens, later warm-up
-steps of at least as many start on the floor plan.
+steps of at least as many start on the floor plan. The first one does too where the plan cannot fit
+by a bound that needs no measurement: every block recomputed keeps every block's input on the
+device, ``blocks x tokens x`` the first block's input bytes a token beside the static bytes (an 8B
+model at 64k tokens: 16 GiB of inputs beside 15.7 GiB of weights, against a 24 GiB cap). Under
+that bound the first warm-up step still tries the plan (what a block's re-run makes beside the inputs
+is not known before it is measured).
 """
 
 from __future__ import annotations
@@ -145,7 +150,7 @@ class Dynamic(Method):
                 self._warm_tokens.add(tokens)
                 self._note_counted(tokens)
                 every = Plan(planning.all_blocks)
-                if failed is not None and failed.layout == every.layout:  # NOTE [Warm-up on the floor]
+                if (failed is not None and failed.layout == every.layout) or _inputs_over(planning, tokens):  # NOTE [Warm-up on the floor]
                     self._floor_tokens = min(tokens, self._floor_tokens or tokens)
                 warm = _floor(planning, tokens) if self._floor_tokens is not None and tokens >= self._floor_tokens else every
                 return Decision(_treating_more(planning, warm, failed, tokens), warmup=True, count=True)
@@ -186,6 +191,13 @@ class Dynamic(Method):
         if not outcome.counted and learner.mispredicted(planning, outcome, predicted):
             self._count_next.add(bucket_key(outcome.key, planning.bucket_tokens))
         return predicted
+
+
+def _inputs_over(planning: "Planning", tokens: int) -> bool:
+    """Whether every block's input at ``tokens`` tokens, beside the static bytes, is over the budget: every block
+    recomputed cannot fit (NOTE [Warm-up on the floor])."""
+    budget, per_token = planning.budget_bytes, planning.input_bytes_per_token
+    return bool(budget and per_token and planning.static_bytes + planning.n_blocks * per_token * tokens > budget)
 
 
 def _treating_more(planning: "Planning", plan: Plan, failed: Plan | None, tokens: int) -> Plan:

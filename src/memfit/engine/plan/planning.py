@@ -253,6 +253,7 @@ class Planning:
         self._priced: tuple[int, ...] = ()  # the parts' ``priced`` counts the cached plans were made under
         self.static_bytes = 0
         self.max_static_bytes = 0
+        self.input_bytes_per_token = 0  # the first block's, at the step being decided (note_block_input)
         self.infeasible_keys: set[tuple[int, int]] = set()
         #: per plan bucket, the most tokens per row seen in it (NOTE [Plan for the longest shape seen])
         self.longest_in_bucket: dict[tuple[int, int], int] = {}
@@ -322,6 +323,10 @@ class Planning:
     def begin_step(self, static_bytes: int) -> None:
         """A step starts with ``static_bytes`` no plan changes (its plans are cached per static bucket)."""
         self.static_bytes = static_bytes
+
+    def note_block_input(self, x: "torch.Tensor | None") -> None:
+        """The first block's input of the step being decided: its bytes a token (NOTE [Warm-up on the floor])."""
+        self.input_bytes_per_token = x.element_size() * x.shape[-1] if x is not None and x.dim() >= 3 else 0
 
     @property
     def recompute_only(self) -> bool:
