@@ -62,16 +62,16 @@ saves only its input (the bfloat16 one, which q, k and v share: one tensor saved
 again in backward what it would have saved, from that input, under the forward's RNG and autocast
 state. So their gradients are ``keep``'s bit for bit (the same ops on the same inputs; the
 autograd Function's node takes the place of the part's first node, so gradients reach a tensor
-with several consumers in the same order). A norm that trains no parameter (a LoRA's norms) runs in
-chunks of tokens (:func:`norm_chunks`), forward and backward: its backward otherwise holds about a
-dozen tensors of its input's size at once, half of them float32 (6.5 GiB above the block's other
-bytes for a 64k x 4096 bfloat16 input, measured on an H200: the step's peak, twice a block), and a
-norm is token-wise, each token's output and input gradient its own row's, so chunked they are the
-same bits. A norm with a trainable weight runs in one piece: the weight's gradient is a sum over
-tokens, which chunks would sum in another order. That holds where the part's first op is the input's one
+with several consumers in the same order). That holds where the part's first op is the input's one
 consumer inside it: a norm runs lean for a bfloat16 or float16 input only (its first op, the cast to
 float32; a float32 input is used by several of its ops, whose gradients would be summed in another order,
-and it saves no copy to spare), an adapter only where its input is cast.
+and it saves no copy to spare), an adapter only where its input is cast. A norm that trains no parameter
+(a LoRA's norms) runs in chunks of tokens (:func:`norm_chunks`), forward and backward: in one piece its
+backward holds about a dozen tensors of its input's size at once, half of them float32 (6.5 GiB above a
+block's other bytes for a 64k x 4096 bfloat16 input: a long step's peak, twice a block), and a norm is
+token-wise, each token's output and input gradient its own row's, so chunked they are the same bits. A
+norm with a trainable weight runs in one piece: the weight's gradient is a sum over tokens, which chunks
+would sum in another order.
 
 A LoRA layer also makes float32 tensors of its whole output: peft adds ``lora_B``'s float32 output, scaled,
 to the base layer's output in float32 and casts the sum back (the scaled output and the sum, then in
