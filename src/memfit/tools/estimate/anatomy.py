@@ -55,7 +55,9 @@ optimizer state and the library workspaces:
   autocast copies (the cache holds even those of checkpointed blocks until autocast exits).
   Backward then runs the blocks in reverse; while block j runs, the blocks before it still
   hold what they kept, block j holds all it saved (recomputed, when checkpointed) and its
-  backward temporaries, and the gradients of the head and of every block after j exist.
+  backward temporaries, and the gradients of the head and of every block after j exist. What
+  the code after the last block saved (the final norm's copy, the head's, the loss's) is gone:
+  their backward ran first (a float32 norm copy at 64k x 4096 is 1 GiB).
   For long inputs the first block to run backward (the last one) sets the peak, for short
   ones the last (gradients have replaced most activations). The embeddings' gradients
   appear after every block has run, so they count in the optimizer step only.
@@ -560,11 +562,18 @@ class ActivationProfile:
     mlp_tiling: MlpTiling | None = None
     """How the blocks' gated MLPs were counted where the setup tiles them (NOTE [The tiled MLP in the estimate]);
     None where it does not ask: every MLP on every token at once."""
+    outside_after_bytes: int = 0
+    """Of :attr:`outside_bytes`, what the code after the last block saves (the final norm, the head, the loss): its
+    backward runs, and frees it, before any block's (NOTE [Phases of a step]); 0 where not counted apart."""
+    inputs_saved: tuple[bool, ...] = ()
+    """Per block, whether it saves its input tensor itself (:attr:`input_saved` for every block where empty): a
+    LoRA model's first block, whose input needs no gradient, runs its norm plainly and saves a float32 copy instead."""
 
     def recompute_bytes(self, index: int, on_host: bool = False) -> int:
         """Bytes block ``index`` holds while it is recomputed: what it saves, and its kept input; on the host
         (``host_checkpoint``), also the stashes fetched ahead of it (NOTE [Checkpoints on the host in the estimate])."""
-        own = self.block_bytes[index] + (0 if self.input_saved else self.block_input_bytes[index])
+        saved = self.inputs_saved[index] if self.inputs_saved else self.input_saved
+        own = self.block_bytes[index] + (0 if saved else self.block_input_bytes[index])
         if not on_host:
             return own
         return own + sum(self.block_input_bytes[max(0, index - HOST_PREFETCH_DEPTH):index])
@@ -692,12 +701,13 @@ def activation_profile(
         )
     inputs = _meta_inputs(profile, micro_batch_size, rows, seq_length, image_size)
     counted, fused, tiling, chunk_bytes = _meta_count(profile, inputs, attention, weights, lora_r, lora_dropout, tile_mlp)
-    # no formula: the gradients of a block's output and input, each the size of its input; a tiled MLP's backward
-    # holds one chunk's intermediates besides (NOTE [The tiled MLP in the estimate]); and the larger of the fused
-    # attention's backward and an adapted projection's (NOTE [Attention and adapter backwards in the estimate])
+    # no formula: the gradients of a block's output and input, each the size of its input; and the larger of what a
+    # tiled MLP's backward holds, one chunk's intermediates (NOTE [The tiled MLP in the estimate]), and the fused
+    # attention's backward or an adapted projection's (NOTE [Attention and adapter backwards in the estimate]): the
+    # MLP's backward has ended when the attention's starts
     extra = attention_and_adapter_backward_bytes(profile.config, rows * (seq_length or 0), weights, lora_r, fused,
                                                  lean=bool(tiling is not None and tiling.tiled_blocks))
-    backward = tuple(2 * b + c + extra for b, c in zip(counted.block_input_bytes, chunk_bytes))
+    backward = tuple(2 * b + max(c, extra) for b, c in zip(counted.block_input_bytes, chunk_bytes))
     return dataclasses.replace(counted, block_backward_bytes=backward, fused_attention=fused, mlp_tiling=tiling)
 
 
@@ -792,13 +802,17 @@ def _count_on_meta(model: nn.Module, inputs: dict[str, torch.Tensor]) -> Activat
     input_saved = [False] * len(blocks)
     shared: dict[int, int] = {}
     current = [len(blocks)]
+    after = [False, 0]  # past the last block's forward; what is saved there
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if current[0] < len(blocks) and key(t) == input_keys[current[0]]:
             input_saved[current[0]] = True
         if key(t) not in skip and key(t) not in seen:
             seen.add(key(t))
-            saved[current[0]] += t.untyped_storage().nbytes()
+            if after[0] and current[0] == len(blocks):
+                after[1] += t.untyped_storage().nbytes()
+            else:
+                saved[current[0]] += t.untyped_storage().nbytes()
         return t
 
     def enter(index: int):
@@ -814,6 +828,7 @@ def _count_on_meta(model: nn.Module, inputs: dict[str, torch.Tensor]) -> Activat
         return hook
 
     def leave(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        after[0] = after[0] or current[0] == len(blocks) - 1
         current[0] = len(blocks)
 
     handles = [b.register_forward_pre_hook(enter(k), with_kwargs=True) for k, b in enumerate(blocks)]
@@ -827,8 +842,9 @@ def _count_on_meta(model: nn.Module, inputs: dict[str, torch.Tensor]) -> Activat
         model.train(was_training)
         for h in handles:
             h.remove()
-    return ActivationProfile(saved[-1], tuple(saved[:-1]), tuple(inputs_bytes), input_saved=all(input_saved),
-                             shared_input_bytes=sum(n for k, n in shared.items() if k not in seen))
+    return ActivationProfile(saved[-1] + after[1], tuple(saved[:-1]), tuple(inputs_bytes), input_saved=all(input_saved),
+                             shared_input_bytes=sum(n for k, n in shared.items() if k not in seen),
+                             outside_after_bytes=after[1], inputs_saved=tuple(input_saved))
 
 
 def _with_lora(model: nn.Module, r: int, dropout: float = LORA_DROPOUT) -> nn.Module:
@@ -1218,7 +1234,7 @@ def backward_phase_bytes(
     grads_after = head_grads
     for j in reversed(range(n)):
         current = block_backward_moment(profile, activations, j, n_checkpointed, half, on_host)
-        peak = max(peak, outside + before[j] + current + grads_after)
+        peak = max(peak, outside - activations.outside_after_bytes + before[j] + current + grads_after)
         grads_after += grads[j]
     return peak
 
@@ -1312,7 +1328,9 @@ def estimate(
     if head is not None:  # NOTE [The head in the estimate]
         now = head.kept if setup.head == "keep" else head.chunked
         counted = _meta_head_saved(profile, head.tokens, setup.weights, bool(setup.lora_r))
-        activations = dataclasses.replace(activations, outside_bytes=max(0, activations.outside_bytes - counted + now.saved_bytes))
+        activations = dataclasses.replace(
+            activations, outside_bytes=max(0, activations.outside_bytes - counted + now.saved_bytes),
+            outside_after_bytes=max(0, activations.outside_after_bytes - counted + now.saved_bytes) if activations.outside_after_bytes else 0)
         head_transient = now.transient_bytes
     elif setup.head != "keep":
         raise FlagError(f"--head {setup.head}: only a causal LM has an LM head memfit chunks; give --head keep")

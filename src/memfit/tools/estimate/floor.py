@@ -171,9 +171,9 @@ def format_floor(floors: Floors, lengths: Sequence[int], budget: Budget | None, 
     size = budget.size if budget is not None else format_bytes
     micro = floors.setup.micro_batch_size
     rows = sorted({*((n, micro) for n in lengths), *([longest] if longest else [])})
-    first = floors.at(*rows[0])
+    last = floors.at(*rows[-1])  # the headline and the notes speak of the longest row's shape (its MLP chunks)
     lines = [
-        f"floor per sequence length: the smallest cap memfit's treatments reach ({plan_words(first)}), "
+        f"floor per sequence length: the smallest cap memfit's treatments reach ({plan_words(last)}), "
         f"{floors.setup.precision}, {floors.setup.weights} weights{_lora_words(floors.setup)}, {floors.setup.optimizer}",
         "",
         f"| seq_length | micro-batch | tokens | floor {unit[0]} | one block {unit[0]} | LM head {unit[0]} | pinned host {unit[0]} |"
@@ -196,7 +196,7 @@ def format_floor(floors: Floors, lengths: Sequence[int], budget: Budget | None, 
             est = floors.at(*longest)
             lines += ["", f"longest that fits {within}: {longest[0]:,} tokens a row at micro-batch {longest[1]} (floor "
                           f"{floor_words(est, size)}; pinned host memory {size(est.host_bytes)})"]
-    lines += [""] + [f"note: {n}" for n in (*first.notes, FLOOR_ASSUMES)]
+    lines += [""] + [f"note: {n}" for n in (*last.notes, FLOOR_ASSUMES)]
     return "\n".join(lines)
 
 
