@@ -131,3 +131,36 @@ def test_a_trainer_whose_train_fails_before_its_first_step_leaves_the_model_and_
     trainer.args.overwrite_output_dir = True
     trainer.train()
     assert trainer.memfit is not None and trainer.memfit.records
+
+
+def test_deepspeed_is_refused_once_naming_fsdp_and_the_model_is_left_as_it_was(monkeypatch, tmp_path):
+    """NOTE [DeepSpeed is refused]: ``memfit.fit`` on a model whose parameters ZeRO-3 partitioned (``ds_id``) raises one
+    ValueError naming FSDP2, and the memfit Trainer under ``--deepspeed`` one FlagError (``memfit train`` exits 2 on it)
+    naming ``--fsdp``; neither changes the model."""
+    import transformers
+
+    from memfit import Trainer, TrainingArguments
+    from memfit.errors import FlagError
+
+    model, make = build_decoder("llama")
+    before = _snapshot(model)
+    first = next(model.parameters())
+    first.ds_id = 0  # what ZeRO-3 sets on every parameter it partitions
+    with pytest.raises(ValueError, match="DeepSpeed .*ZeRO-3 partitioned parameters.*FSDP2"):
+        memfit.fit(model, budget="100MB", announce=False)
+    del first.ds_id
+    _assert_same(before, _snapshot(model))
+
+    made = transformers.Trainer.create_accelerator_and_postprocess
+
+    def as_under_deepspeed(self):  # what Trainer sets where Accelerate holds a DeepSpeed plugin
+        made(self)
+        self.is_deepspeed_enabled = True
+
+    monkeypatch.setattr(transformers.Trainer, "create_accelerator_and_postprocess", as_under_deepspeed)
+    data = [{k: v[0] for k, v in make(1, 8).items()} for _ in range(2)]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=2, report_to="none",
+                             save_strategy="no", use_cpu=True, memory_budget="100MB")
+    with pytest.raises(FlagError, match="--deepspeed: memfit does not run under DeepSpeed ZeRO; drop --deepspeed and .*--fsdp"):
+        Trainer(model=model, args=args, train_dataset=data)
+    _assert_same(before, _snapshot(model))

@@ -71,7 +71,7 @@ from memfit.engine.parts.optim_state import expected_state_bytes
 from memfit.engine.parts.optimizer_step import expected_step_bytes
 from memfit.engine.records import StepRecord, read_jsonl, summarize
 from memfit.integrations.run_dir import claim_output_dir
-from memfit.engine.run.controller import Controller, check_static_need_of, fit
+from memfit.engine.run.controller import DEEPSPEED_INSTEAD, Controller, check_static_need_of, fit
 from memfit.engine.summary_text import end_summary, parameters_words, start_line
 from memfit.engine.parts.treatments import KEEP, TREATMENTS
 
@@ -375,6 +375,8 @@ class MemfitTrainerMixin:
 
     def __init__(self, *args: Any, memfit_method: Method | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        if getattr(self, "is_deepspeed_enabled", False):  # NOTE [DeepSpeed is refused] (controller.py)
+            raise FlagError(f"--deepspeed: memfit does not run under DeepSpeed ZeRO; drop --deepspeed and {DEEPSPEED_INSTEAD}")
         a = self.args
         method: str | Method = memfit_method or getattr(a, "memfit_method", "dynamic")
         method_kwargs: dict[str, Any] = {}

@@ -72,7 +72,7 @@ from memfit.engine.parts.kind import PartKind, RunParts
 from memfit.engine.parts.treatments.chunked_head import RunHead
 from memfit.engine.parts.treatments.offload import default_host_budget_bytes
 
-__all__ = ["fit", "Controller", "check_static_need_of"]
+__all__ = ["fit", "Controller", "check_static_need_of", "refuse_deepspeed", "DEEPSPEED_INSTEAD"]
 
 logger = logging.getLogger("memfit")
 
@@ -640,6 +640,31 @@ def fit(
         raise ValueError(f"margin={margin!r}: give a share of the budget in [0, 1), e.g. 0.05, or None for the default")
     if isinstance(bucket_tokens, bool) or not isinstance(bucket_tokens, int) or bucket_tokens < 1:
         raise ValueError(f"bucket_tokens={bucket_tokens!r}: give a whole number of tokens from 1 (1 = a plan per exact shape)")
+    refuse_deepspeed(model)
     method_obj = make_method(method, **method_kwargs)
     return Controller(model, budget, method_obj, optimizer, blocks, log, margin, bucket_tokens, cap, treatments, announce,
                       compile, head=head, head_logits=head_logits, host_budget_bytes=host_budget_bytes, parts=parts)
+
+
+#: what a user shards with instead of DeepSpeed (NOTE [DeepSpeed is refused])
+DEEPSPEED_INSTEAD = "shard with FSDP2 instead (the Trainer's --fsdp, or torch's fully_shard before memfit.fit)"
+
+
+def refuse_deepspeed(model: nn.Module) -> None:
+    """Raise where ``model`` runs under DeepSpeed (its engine, or ZeRO-3's partitioned parameters).
+
+    # NOTE [DeepSpeed is refused]
+    memfit counts, replays and treats a step on the assumption that a block's parameters are whole during its
+    forward and that an OOM leaves every rank able to run the step again; DeepSpeed's engine owns the backward, the
+    gradient partitions and the parameter gathers (ZeRO-3), none of which memfit has been tested against. Rather
+    than train with plans it cannot vouch for, it refuses, once, naming FSDP2, under which the same treatments,
+    per-rank caps and replays are tested.
+
+    Raises:
+        ValueError: naming what to use instead.
+    """
+    engine = "DeepSpeedEngine" in {c.__name__ for c in type(model).__mro__}
+    partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
+    if engine or partitioned:
+        raise ValueError(f"memfit.fit: the model runs under DeepSpeed ({'its engine' if engine else 'ZeRO-3 partitioned parameters'}), "
+                         f"which memfit does not support; {DEEPSPEED_INSTEAD}")
