@@ -65,13 +65,13 @@ def _train(tmp_path, through: str, budget: int, accumulation: int, inject_at: in
 def test_trainer_and_run_step_replay_an_oom_through_one_replayer_to_the_same_weights(tmp_path, monkeypatch, accumulation):
     budget = _budget()
     replayed = []
-    replay_head = Replayer._replay_head
+    replay_head = Replayer._replay_window
 
     def spy(self):
         replayed.append(self)
         return replay_head(self)
 
-    monkeypatch.setattr(Replayer, "_replay_head", spy)
+    monkeypatch.setattr(Replayer, "_replay_window", spy)
     clean, clean_records = _train(tmp_path, "run_step", budget, accumulation, None)
     assert replayed == []
     at = 5 if accumulation == 1 else 8  # a steady micro-step (with accumulation 2, the second of its window)

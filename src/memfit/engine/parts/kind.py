@@ -78,6 +78,11 @@ class PartKind:
         """Choose among the part's own implementations by what ``plan_ms`` prices the plans at (none by default)."""
         return False
 
+    def recover_in_step(self, note: "Callable[[str, str], None] | None") -> None:
+        """While ``note`` is set, an OOM in the part's own run is noted (``note(message, where)``) and the part runs
+        again in its option that saves most, in step with the other ranks (NOTE [Replay under FSDP], replay.py);
+        None ends it. A part that cannot recover so lets its OOM reach the replay (the default)."""
+
     def untreated(self, tokens: int) -> tuple[str, int]:
         """The option a step runs whose plan placed no option of the part."""
         name, param, _, _ = self.options(max(1, tokens))[0]

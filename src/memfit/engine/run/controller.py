@@ -292,7 +292,7 @@ class Controller:
             self._step: StepState | None = None
             self._steps_recorded = 0
             self.replay = Replayer(model, self.grad_params, self.blocks, self.treatments[RECOMPUTE], self.note_oom,
-                                   self.drop_step, self.meter.release, head=lambda: self.head.part)
+                                   self.drop_step, self.meter.release, parts=lambda: tuple(self.planning.parts.values()))
             self._undo += [h.remove for h in (*compile_loss(model, compile_options, self.sides), model.register_forward_pre_hook(
                 self._on_forward_start, with_kwargs=True), model.register_forward_hook(self._on_forward_end, always_call=True))]
             for b in self.blocks:

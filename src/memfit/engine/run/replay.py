@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -254,7 +254,8 @@ class Replayer:
         note_oom: drops the failed step and makes the next plan safer; raises when none is.
         drop_step: drops the pending step unrecorded (another rank's OOM replays it).
         release: returns cached memory to the device after an OOM.
-        head: the planned LM head's part (treatments/chunked_head.py's ``HeadPart``), or None.
+        parts: the planned parts beside the blocks (parts/kind.py), each recovering from an OOM in its own run
+            in step with the other ranks where it can (``PartKind.recover_in_step``).
 
     Attributes:
         accumulation: the accumulation window's micro-steps, oldest first.
@@ -268,10 +269,10 @@ class Replayer:
     def __init__(
         self, model: torch.nn.Module, params: list[torch.nn.Parameter], blocks: "list[Block]", recompute: "Treatment",
         note_oom: Callable[[str], None], drop_step: Callable[[], None], release: Callable[[], None],
-        head: Callable[[], Any] = lambda: None,
+        parts: Callable[[], Sequence[Any]] = tuple,
     ):
         self._model, self._params, self._blocks, self._recompute = model, params, blocks, recompute
-        self._head = head
+        self._parts = parts
         self._note_oom, self._drop_step, self._release = note_oom, drop_step, release
         self.accumulation: list[MicroStep] = []
         self.oom = OomLog()
@@ -334,11 +335,11 @@ class Replayer:
             try:
                 if together is None:
                     if retry:
-                        self._replay_head()
+                        self._replay_window()
                     return micro.fn(*micro.args, **micro.kwargs)
                 with together:  # NOTE [Replay under FSDP]
                     if retry:
-                        self._replay_head()
+                        self._replay_window()
                     result = micro.fn(*micro.args, **micro.kwargs)
                 if not together.any_rank_failed():
                     return result
@@ -372,7 +373,7 @@ class Replayer:
             "or lower the batch size"
         )
 
-    def _replay_head(self) -> None:
+    def _replay_window(self) -> None:
         """Rerun the window's earlier micro-steps (no records), then restore the failed one's RNG."""
         self.replaying = True
         try:
@@ -391,22 +392,22 @@ class _InStep:
     def __init__(self, replayer: Replayer):
         self.replayer = replayer
         self.message: str | None = None
-        self.head: Any = None
+        self.parts: Sequence[Any] = ()
 
     def __enter__(self) -> "_InStep":
         self.message = None
         for block in self.replayer._blocks:
             block.on_oom = self._go_on
-        self.head = self.replayer._head()
-        if self.head is not None:
-            self.head.switch.on_oom = self._head_go_on
+        self.parts = tuple(self.replayer._parts())
+        for part in self.parts:
+            part.recover_in_step(self._note)
         return self
 
     def __exit__(self, *exc: object) -> None:
         for block in self.replayer._blocks:
             block.on_oom = None
-        if self.head is not None:
-            self.head.switch.on_oom = None
+        for part in self.parts:
+            part.recover_in_step(None)
 
     def _note(self, message: str, where: str) -> None:
         """The step's first OOM: said once and noted now, while the attempt's stage and memory
@@ -421,11 +422,6 @@ class _InStep:
             avoid_cudnn_attention()  # NOTE [cuDNN attention after an OOM]: no failure could be replayed in step
         gc.collect()
         replayer._release()
-
-    def _head_go_on(self, message: str, tokens: int) -> int:
-        """The planned head ran out of memory: its loss is computed again in its most chunks."""
-        self._note(message, "the LM head")
-        return self.head.head_bytes(tokens)[2]
 
     def _go_on(self, block: "Block", args: tuple, kwargs: dict[str, Any], message: str) -> Any:
         replayer = self.replayer

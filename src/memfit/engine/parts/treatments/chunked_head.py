@@ -450,6 +450,11 @@ class HeadPart(PartKind):
             logger.debug("memfit: the LM head chunked (%s) costs %.4f ms per 1k tokens and %.4f ms per chunk over keeping it",
                         best, 1e3 * self.extra_ms_per_token, self.per_chunk_ms)
 
+    def recover_in_step(self, note: "Callable[[str, str], None] | None") -> None:
+        """An OOM in the head's loss, while ``note`` is set, computes it again in its most chunks (the switch's
+        ``on_oom``, given the message and the tokens: NOTE [Replay under FSDP], replay.py)."""
+        self.switch.on_oom = note and (lambda message, tokens: note(message, "the LM head") or self.head_bytes(tokens)[2])
+
     def choose_by_plans(self, plan_ms: Callable[[tuple[int, int]], float | None], key: tuple[int, int] | None = None) -> bool:
         """:func:`choose_by_plans` (NOTE [The plans choose the implementation])."""
         return choose_by_plans(self, plan_ms, key)
