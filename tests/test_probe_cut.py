@@ -132,3 +132,40 @@ def test_a_warm_up_steps_probes_leave_the_recomputed_blocks_counting_their_input
     curve = ctl.planning.model.group_models[0].bytes["recompute"]
     assert list(curve.ys) == [hidden], (list(curve.ys), hidden)
     ctl.remove()
+
+
+def test_a_blocks_probe_times_the_plain_block_once_for_every_treatment(monkeypatch):
+    """NOTE [Cold runs of a block]: the treatments a block's probe times (elementwise, lean, the tiled ones) are each
+    compared with the same plain runs, timed beside the first: the plain block runs TIMED_RUNS times in all, and the
+    tiled treatments' token-wise check runs once."""
+    import memfit
+    from memfit.engine.parts.treatments import tiled_mlp as tiled_module
+
+    peft = pytest.importorskip("peft")
+    model, make = build_decoder("llama")
+    model.to(torch.bfloat16)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
+    model = peft.get_peft_model(model, config).train()
+    ctl = memfit.fit(model, budget="60MB", announce=False)
+    timed = {"elementwise", "lean", "tiled_mlp", "recompute_tiled"}
+    assert timed <= set(ctl.treatments), sorted(ctl.treatments)
+    block = ctl.blocks[1]
+    captured = {}
+    handle = block.module.register_forward_pre_hook(lambda m, a, k: captured.update(inputs=(a, k)), with_kwargs=True)
+    with torch.no_grad():
+        model.eval()(**make(2, 24))
+    model.train()
+    handle.remove()
+    plain, checks = [], []
+    timing = probe.ProbeKit.forward_backward_ms
+    monkeypatch.setattr(probe.ProbeKit, "forward_backward_ms",
+                        lambda kit, body, *contexts: (plain.append(1) if body is block.body and len(contexts) == 1 else None)
+                        or timing(kit, body, *contexts))
+    checking = tiled_module._probe_tiled
+    monkeypatch.setattr(tiled_module, "_probe_tiled", lambda b, kit: checks.append(1) or checking(b, kit))
+    args, kwargs = captured["inputs"]
+    with torch.enable_grad():
+        measured = probe.probe_treatments(block, args, kwargs, ctl._counter, torch.device("cpu"), tuple(sorted(timed)))
+    assert timed == set(measured), measured
+    assert (len(plain), len(checks)) == (probe.TIMED_RUNS, 1)
+    ctl.remove()

@@ -15,7 +15,9 @@ for the new shapes), so a single timed run can price a block many times its wort
 plans follow the noise. So a timed probe runs the block ``TIMED_RUNS`` times with autograd,
 the later runs reusing what the first set up, and the price is the fastest run (a timing's
 noise only adds: NOTE [Central prices], model.py); a treatment's price is timed as often, its
-runs interleaved with the plain ones it is compared with. The saved tensors of the opening run are
+runs interleaved with the plain ones it is compared with: the first treatment's with plain runs of their
+own, which every later treatment of the block's probe is compared with (timing the plain block again
+for each treatment ran it a dozen more times a warm-up step for nothing). The saved tensors of the opening run are
 the ones counted; the others' go to counters of their own (the step's counter is outside: it
 must see none), and each run's are freed before the next: the probe's peak stays one block's
 activations.
@@ -40,7 +42,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -165,6 +167,17 @@ class ProbeKit:
     device: torch.device
     #: runs of a timed measurement, the fastest taken (NOTE [Cold runs of a block])
     timed_runs: int = TIMED_RUNS
+    #: the plain block's timed runs so far, shared by the treatments probed (:meth:`plain_run_ms`)
+    plain_runs_ms: list[float] = field(default_factory=list)
+    #: what one treatment's probe found that another's reads (the tiled treatments' check that the MLP is token-wise)
+    found: dict[str, Any] = field(default_factory=dict)
+
+    def plain_run_ms(self, run: int) -> float:
+        """The plain block's ``run``-th timed forward and backward (NOTE [Cold runs of a block]): run at the first
+        treatment's ``run``-th run, beside it, and the same number for every treatment probed after."""
+        while len(self.plain_runs_ms) <= run:
+            self.plain_runs_ms.append(self.forward_backward_ms(self.block.body, self.shield()))
+        return self.plain_runs_ms[run]
 
     def fresh(self) -> tuple[tuple, dict[str, Any]]:
         """The block's inputs for one run (its cache left out: NOTE [Probe])."""

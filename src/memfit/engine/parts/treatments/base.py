@@ -62,6 +62,7 @@ class ProbeKit(Protocol):
     counter: "SavedTensorCounter"
     device: "torch.device"
     timed_runs: int
+    found: dict[str, Any]
 
     def fresh(self) -> tuple[tuple, dict[str, Any]]: ...
 
@@ -74,6 +75,8 @@ class ProbeKit(Protocol):
     def distinct_bytes(self, tensors: list["torch.Tensor"]) -> int: ...
 
     def forward_backward_ms(self, body: Callable[..., Any], *contexts: Any) -> float: ...
+
+    def plain_run_ms(self, run: int) -> float: ...
 
     def counter_of_run(self) -> Any: ...
 

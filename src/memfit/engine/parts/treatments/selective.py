@@ -193,5 +193,5 @@ def _probe_compiled(block: "Block", kit: "ProbeKit") -> tuple[int, float]:
     lean_ms, plain_ms = [], []
     for r in range(kit.timed_runs):
         lean_ms.append(kit.forward_backward_ms(block.lean_body, lean.hooks() if r == 0 else kit.shield()))
-        plain_ms.append(kit.forward_backward_ms(block.body, kit.shield()))
+        plain_ms.append(kit.plain_run_ms(r))
     return lean.bytes, max(0.0, min(lean_ms) - min(plain_ms))

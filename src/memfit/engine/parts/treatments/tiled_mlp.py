@@ -533,16 +533,23 @@ class TiledMlp(Treatment):
         (mlps, lean), nbytes = measured
         chunking = Chunking()
         lean_ms, plain_ms = [], []
-        for _ in range(kit.timed_runs):  # NOTE [Cold runs of a block] (probe.py)
+        for run in range(kit.timed_runs):  # NOTE [Cold runs of a block] (probe.py)
             lean_ms.append(kit.forward_backward_ms(block.body, kit.shield(), tiled(mlps, chunking, lean)))
-            plain_ms.append(kit.forward_backward_ms(block.body, kit.shield()))
+            plain_ms.append(kit.plain_run_ms(run))
         return nbytes, max(0.0, min(lean_ms) - min(plain_ms))
 
 
 def probe_tiled(block: "Block", kit: "ProbeKit") -> tuple[tuple[list[nn.Module], list[nn.Module]], int] | None:
     """The block's MLPs to tile and parts to run lean, and the bytes it keeps so (the counted run, in chunks that
     split every sequence); None for a compiled block, one with nothing to tile, or one whose outputs tiled are not
-    its plain outputs within the dtype's rounding (NOTE [Tiled MLP])."""
+    its plain outputs within the dtype's rounding (NOTE [Tiled MLP]). Found once a block's probe, for every tiled
+    treatment (``kit.found``)."""
+    if "tiled" not in kit.found:
+        kit.found["tiled"] = _probe_tiled(block, kit)
+    return kit.found["tiled"]
+
+
+def _probe_tiled(block: "Block", kit: "ProbeKit") -> tuple[tuple[list[nn.Module], list[nn.Module]], int] | None:
     mlps = tileable_mlps(block.module)
     if block.compiled or not mlps:
         return None
