@@ -315,3 +315,47 @@ def test_train_synthetic_bf16_weights(tmp_path):
     assert np.isfinite(metrics["train_loss"])
     records = [json.loads(line) for line in (tmp_path / "memfit_steps.jsonl").read_text().splitlines()]
     assert len(records) == 3 and max(r["shape"][1] for r in records) <= 96
+
+
+def test_the_floor_of_the_longest_batch_is_said_at_start(tmp_path, monkeypatch, caplog):
+    """NOTE [The floor at start]: on CUDA, ``memfit train`` says the floor of the data's longest batch against the
+    budget before the first step: one INFO line where it fits; a WARNING where it does not, naming a --max_seq_length
+    whose floor fits (and the next length up does not fit); nothing off CUDA or where no estimate can be made."""
+    import logging
+    from types import SimpleNamespace
+
+    from memfit.cli import start_floor, train
+    from memfit.tools.estimate.anatomy import ModelProfile
+    from memfit.tools.estimate.floor import Floors
+
+    peft = pytest.importorskip("peft")
+    model = get_task("causal-lm").build(ModelArguments(), DataTrainingArguments(train_file=str(SFT / "text.jsonl"))).model
+    model = model.to(torch.bfloat16)  # the bundled tiny llama
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
+    data = [{"input_ids": [1] * n} for n in (100, 3000, 700)]
+    args = SimpleNamespace(memfit_budget_bytes=10**9, memfit_margin=None, memfit_host_budget=None, per_device_train_batch_size=2,
+                           bf16=False, fp16=False, optim="adamw_torch")
+    assert start_floor.say_floor_at_start(model, data, args, on_cuda=False) is None
+    with caplog.at_level(logging.INFO, logger="memfit"):
+        line = start_floor.say_floor_at_start(model, data, args, on_cuda=True)
+    assert line.startswith("memfit: the floor of the data's longest batch (2 x 3,000 tokens) is ") and "within the budget" in line
+    # a budget the longest batch's floor is over: the length named fits, the next one up does not
+    setup = start_floor._setup(model, args)
+    floors = Floors(ModelProfile.from_config(model.config, "causal-lm"), setup)
+    need = floors.at(3000).total_bytes
+    args.memfit_budget_bytes = int((need + floors.at(1000).total_bytes) / 2 / 0.97)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="memfit"):
+        line = start_floor.say_floor_at_start(model, data, args, on_cuda=True)
+    assert caplog.records and caplog.records[-1].levelno == logging.WARNING
+    fits = int(line.split("--max_seq_length ")[1].split(" fits")[0].replace(",", ""))
+    usable = int(args.memfit_budget_bytes * 0.97)
+    assert floors.at(fits).total_bytes <= usable < floors.at(3000).total_bytes, (fits, usable)
+    assert "over the budget less its 3% margin" in line and "--per_device_train_batch_size" in line
+    assert start_floor.say_floor_at_start(SimpleNamespace(parameters=lambda: iter([torch.zeros(1)])), data, args, True) is None
+    # memfit train asks it where a causal-lm run trains on CUDA under a budget
+    said = []
+    monkeypatch.setattr(train, "_on_cuda", lambda a: True)
+    monkeypatch.setattr(train, "say_floor_at_start", lambda *a, **k: said.append(k["on_cuda"]))
+    run("causal-lm", ["--synthetic", "8", "--max_seq_length", "64", *TRAIN_FLAGS, "--output_dir", str(tmp_path)])
+    assert said == [True]

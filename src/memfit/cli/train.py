@@ -24,6 +24,7 @@ from memfit.tools.bench.peers import make_peer
 from memfit.errors import DataError, FlagError, MissingFileError
 from memfit.tasks import TASKS, DataTrainingArguments, TaskBundle, get_task
 from memfit.cli.said import setup_done
+from memfit.cli.start_floor import say_floor_at_start
 from memfit.tasks._hub import hub_names, hub_or_offline
 
 __all__ = ["main", "run"]
@@ -93,6 +94,8 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
         with hub_or_offline(hub_names(model_args, data_args, tokenizer=getattr(recipe, "TOKENIZER", True))):
             bundle = recipe.build(model_args, data_args, training_args.seed, *task_args)
         _check_data(task, data_args, training_args, bundle)
+        if task == "causal-lm" and training_args.do_train and (peer is None or peer.uses_memfit):  # NOTE [The floor at start]
+            say_floor_at_start(bundle.model, bundle.train_dataset, training_args, on_cuda=_on_cuda(training_args))
         if training_args.dataloader_pin_memory and (training_args.use_cpu or not _has_accelerator()):
             # pinned host memory only speeds copies to an accelerator; without one torch warns at every loader
             training_args.dataloader_pin_memory = False
@@ -224,6 +227,13 @@ def _setup_done_when_training_starts() -> Any:
             setup_done()
 
     return SetupDone()
+
+
+def _on_cuda(training_args: Any) -> bool:
+    """Whether the run trains on a CUDA device."""
+    import torch
+
+    return not training_args.use_cpu and torch.cuda.is_available()
 
 
 def _has_accelerator() -> bool:

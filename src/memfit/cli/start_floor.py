@@ -1,0 +1,86 @@
+"""The floor of the data's longest batch, said when ``memfit train`` starts a causal-LM run under a budget.
+
+# NOTE [The floor at start]
+Users hit the wall on their longest samples. Before the first step, ``memfit train`` knows the model, the
+setup (weights' dtype, LoRA's rank and dropout, the optimizer, the micro-batch) and every training example's
+length, so it asks ``memfit estimate``'s floor (NOTE [The floor], tools/estimate/floor.py) of the longest batch
+the data can make (the micro-batch x its longest example): one line at INFO where it fits the budget less its
+margin, and a WARNING where it does not, naming the longest length that fits at that micro-batch (a
+``--max_seq_length`` to truncate to), a smaller micro-batch, or a larger budget. A warning, not an error: the
+floor is an estimate (it errs a few percent above a measured peak at 64k tokens), and memfit's own error
+names the shape at the step that cannot fit. Said on CUDA only, where the budget is a hard cap and the floor's
+treatments (checkpoints on the host) run; an estimate that cannot be made (a model the meta count does not
+run) says nothing beyond a DEBUG line: it never stops a run.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from memfit.engine.budget import format_bytes
+
+__all__ = ["say_floor_at_start"]
+
+logger = logging.getLogger("memfit")
+
+
+def _setup(model: Any, training_args: Any) -> Any:
+    """The estimate's setup of this run: weights' dtype, precision, LoRA, optimizer, micro-batch."""
+    from memfit.tools.estimate.anatomy import TrainingSetup
+
+    dtype = next(model.parameters()).dtype
+    weights = "bf16" if dtype == torch.bfloat16 else "fp32"
+    precision = "bf16" if weights == "bf16" or training_args.bf16 else "fp16" if training_args.fp16 else "fp32"
+    lora = next(iter(getattr(model, "peft_config", {}).values()), None)
+    optim = str(getattr(training_args.optim, "value", training_args.optim))
+    optimizer = "adafactor" if "adafactor" in optim else "adamw-8bit" if "8bit" in optim else "adamw"
+    return TrainingSetup(precision=precision, optimizer=optimizer, micro_batch_size=training_args.per_device_train_batch_size,
+                         weights=weights, lora_r=int(getattr(lora, "r", 0) or 0),
+                         lora_dropout=float(getattr(lora, "lora_dropout", 0.0) or 0.0))
+
+
+def say_floor_at_start(model: Any, train_dataset: Any, training_args: Any, on_cuda: bool) -> str | None:
+    """Say the floor of the data's longest batch against the budget (NOTE [The floor at start]); return the line said.
+
+    Args:
+        model: the model to train (a peft model for LoRA).
+        train_dataset: the training features (``input_ids`` each).
+        training_args: the run's ``TrainingArguments`` (its budget, margin, host budget, batch size, precision, optimizer).
+        on_cuda: whether the run trains on a CUDA device.
+    """
+    budget = training_args.memfit_budget_bytes
+    if not on_cuda or budget is None or not train_dataset:
+        return None
+    try:
+        from memfit.engine.budget import parse_bytes
+        from memfit.tools.estimate.anatomy import ModelProfile
+        from memfit.tools.estimate.advise import DEFAULT_MARGIN  # memfit estimate's --margin
+        from memfit.tools.estimate.floor import Floors, floor_words
+
+        longest = max(len(f["input_ids"]) for f in train_dataset)
+        setup = _setup(model, training_args)
+        profile = ModelProfile.from_config(model.config, "causal-lm", name=getattr(model.config, "_name_or_path", None) or "the model")
+        margin = training_args.memfit_margin if training_args.memfit_margin is not None else DEFAULT_MARGIN
+        host = training_args.memfit_host_budget
+        host_bytes = None if host is None else parse_bytes(host, argument="--memfit_host_budget")
+        floors = Floors(profile, setup, int(budget * (1 - margin)), host_bytes)
+        est = floors.at(longest)
+        shape = f"{setup.micro_batch_size} x {longest:,} tokens"
+        if floors.admits(est):
+            line = f"memfit: the floor of the data's longest batch ({shape}) is {format_bytes(est.total_bytes)}, within the budget"
+            logger.info("%s (memfit estimate --floor)", line)
+            return line
+        fits = floors.longest(longest)
+        instead = (f"--max_seq_length {fits:,} fits at this micro-batch" if fits else "no length fits at this micro-batch")
+        line = (f"memfit: the data's longest batch ({shape}) has a floor of {floor_words(est)}, over the budget less its "
+                f"{100 * margin:g}% margin ({format_bytes(int(budget * (1 - margin)))}): no plan of memfit's is expected to fit "
+                f"it, and training stops with one error at the first such batch; {instead}, or lower "
+                "--per_device_train_batch_size, or raise --memory_budget (memfit estimate --floor)")
+        logger.warning("%s", line)
+        return line
+    except Exception as err:  # an estimate never stops a run (NOTE [The floor at start])
+        logger.debug("memfit: no floor estimate at start (%s)", str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
+        return None
