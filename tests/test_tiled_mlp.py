@@ -489,7 +489,7 @@ def test_lean_norms_and_adapters_give_keeps_gradients_bit_for_bit(arch, lora, na
     assert lean and (adapters if lora is not None else not adapters), lean
     runs = []
     plain = tiled_module._rerun
-    tiled_module._rerun = lambda run, x, params, chunks=1: runs.append(x.dtype) or plain(run, x, params, chunks)
+    tiled_module._rerun = lambda run, x, params, chunks=1, draws=True: runs.append(x.dtype) or plain(run, x, params, chunks, draws)
     try:
         for seed, length in enumerate((9, 23)):
             step_both_and_compare(model, reference, make(2, length), seed, f"{arch} lora={lora} {name}, length {length}")
@@ -689,3 +689,30 @@ def test_a_first_warm_up_step_whose_block_inputs_alone_are_over_the_budget_start
         record = ctl.records[-1]
         assert (record.phase, record.oom_retries, record.block_treatments) == ("warmup", 0, {treatment: list(range(n))}), length
     ctl.remove()
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_lean_parts_that_draw_nothing_keep_no_rng_state(monkeypatch, dropout):
+    """A lean norm, and a lean adapter without dropout, draw no random numbers: their re-run keeps no RNG state (a
+    copy of the CPU generator's and each device's at every call, and a fork in backward); an adapter with dropout
+    keeps it, and draws its masks again from it (its gradients bit for bit ``keep``'s: test_lean.py)."""
+    peft = pytest.importorskip("peft")
+    from memfit.engine.parts.treatments.tiled_mlp import lean_parts, tiled
+
+    torch.manual_seed(0)
+    model, make = build_decoder("llama", False)
+    model.to(torch.bfloat16)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                             init_lora_weights=False)
+    model = peft.get_peft_model(model, config).train()
+    blocks = [b for _, b in find_blocks(model)]
+    parts = [m for b in blocks for m in lean_parts(b, tileable_mlps(b))]
+    reads = []
+    state = torch.get_rng_state
+    monkeypatch.setattr(torch, "get_rng_state", lambda: reads.append(1) or state())
+    with tiled([m for b in blocks for m in tileable_mlps(b)], Chunking(), parts):
+        model(**make(2, 12)).loss.backward()
+    mlps = sum(len(tileable_mlps(b)) for b in blocks)
+    adapters = 4 * len(blocks)  # q, k, v and o's lora_A re-run (q, k and v each its own call)
+    # each re-run that keeps it reads it twice: kept in forward, forked in backward
+    assert len(reads) == 2 * (mlps + (adapters if dropout else 0)), (len(reads), mlps, adapters)

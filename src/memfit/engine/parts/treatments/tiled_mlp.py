@@ -59,8 +59,8 @@ its ``lora_A`` saves that copy: one each for q, k and v of the same input, and o
 block that is about eight hidden-wide bfloat16 tensors' worth beside two for the attention. The tiled
 treatments run these parts as the MLP runs in one chunk (:func:`tiled_mlp` with ``chunks=1``): each
 saves only its input (the bfloat16 one, which q, k and v share: one tensor saved once) and computes
-again in backward what it would have saved, from that input, under the forward's RNG and autocast
-state. So their gradients are ``keep``'s bit for bit (the same ops on the same inputs; the
+again in backward what it would have saved, from that input, under the forward's autocast state and,
+where the part may draw random numbers (an adapter's dropout of p > 0; never a norm), its RNG state. So their gradients are ``keep``'s bit for bit (the same ops on the same inputs; the
 autograd Function's node takes the place of the part's first node, so gradients reach a tensor
 with several consumers in the same order). That holds where the part's first op is the input's one
 consumer inside it: a norm runs lean for a bfloat16 or float16 input only (its first op, the cast to
@@ -168,6 +168,12 @@ def _draws(mlp: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in mlp.modules())
 
 
+def _may_draw(dropout: nn.Module) -> bool:
+    """Whether an adapter's ``dropout`` may draw random numbers: all but peft's ``nn.Identity`` (dropout 0) and a
+    dropout of ``p == 0``."""
+    return not (isinstance(dropout, nn.Identity) or (isinstance(dropout, nn.modules.dropout._DropoutNd) and dropout.p == 0))
+
+
 def tileable_mlps(module: nn.Module) -> list[nn.Module]:
     """The gated MLPs of ``module`` that the tiled treatments run in chunks (NOTE [Tiled MLP]): those
     :func:`elementwise_parts` finds, less those with a dropout inside or sharded parameters."""
@@ -191,16 +197,18 @@ def _autocast_states(device_type: str) -> list[tuple[str, bool, torch.dtype]]:
 
 
 class _TiledMlpFunction(torch.autograd.Function):
-    """``forward(ctx, run, x, chunks, *params)``: ``run`` (the MLP's own forward) over ``chunks`` runs
+    """``forward(ctx, run, x, chunks, draws, *params)``: ``run`` (the MLP's own forward) over ``chunks`` runs
     of ``x``'s tokens, saving only ``x`` (NOTE [Tiled MLP]); ``params`` are the MLP's trainable
-    parameters, which ``run`` uses."""
+    parameters, which ``run`` uses; ``draws``: whether ``run`` may draw random numbers (the RNG state is then
+    kept for the backward's runs; a norm's or a dropout-free adapter's run draws none)."""
 
     @staticmethod
-    def forward(ctx: Any, run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunks: int, *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunks: int, draws: bool,
+                *params: torch.Tensor) -> torch.Tensor:
         ctx.run, ctx.chunks, ctx.params = run, chunks, params
         ctx.autocast = _autocast_states(x.device.type)
         ctx.devices = [x.device] if x.device.type == "cuda" else []
-        ctx.rng = torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in ctx.devices]
+        ctx.rng = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in ctx.devices]) if draws else None
         ctx.save_for_backward(x)
         with torch.no_grad():
             if chunks == 1:
@@ -226,10 +234,11 @@ class _TiledMlpFunction(torch.autograd.Function):
         grad_x = None
         sums: list[torch.Tensor | None] = [None] * len(params)
         with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.random.fork_rng(devices=ctx.devices))
-            torch.set_rng_state(ctx.rng[0])
-            for device, state in zip(ctx.devices, ctx.rng[1]):
-                torch.cuda.set_rng_state(state, device)
+            if ctx.rng is not None:
+                stack.enter_context(torch.random.fork_rng(devices=ctx.devices))
+                torch.set_rng_state(ctx.rng[0])
+                for device, state in zip(ctx.devices, ctx.rng[1]):
+                    torch.cuda.set_rng_state(state, device)
             for device_type, enabled, dtype in ctx.autocast:
                 stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
             stack.enter_context(torch.enable_grad())
@@ -252,7 +261,7 @@ class _TiledMlpFunction(torch.autograd.Function):
                         sums[j] = g.float() if sums[j] is None else sums[j].add_(g)
                 del grads
         param_grads = [None if s is None else s.to(p.dtype) for s, p in zip(sums, params)]
-        return (None, None if grad_x is None else grad_x.view(x.shape), None, *param_grads)
+        return (None, None if grad_x is None else grad_x.view(x.shape), None, None, *param_grads)
 
 
 def _bounds(rows: int, chunks: int) -> list[tuple[int, int]]:
@@ -277,7 +286,7 @@ def tiled_mlp(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chun
         >>> y = tiled_mlp(mlp, x, 3, [p for p in mlp.parameters()])
         >>> torch.testing.assert_close(y, mlp(x))
     """
-    return _TiledMlpFunction.apply(run, x, chunks, *params)
+    return _TiledMlpFunction.apply(run, x, chunks, True, *params)
 
 
 def mlp_chunks(mlp: nn.Module, x: torch.Tensor, chunking: Chunking) -> int:
@@ -319,9 +328,10 @@ def lean_parts(module: nn.Module, mlps: Sequence[nn.Module] = ()) -> list[nn.Mod
 
 
 def _rerun(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, params: Sequence[torch.Tensor],
-           chunks: int = 1) -> torch.Tensor:
-    """``run(x)`` saving only ``x``, ``run`` again in backward (the tiled MLP's Function, in one chunk unless told)."""
-    return _TiledMlpFunction.apply(run, x, chunks, *params)
+           chunks: int = 1, draws: bool = True) -> torch.Tensor:
+    """``run(x)`` saving only ``x``, ``run`` again in backward (the tiled MLP's Function, in one chunk unless told;
+    under the forward's RNG state where it ``draws``)."""
+    return _TiledMlpFunction.apply(run, x, chunks, draws, *params)
 
 
 #: the input dtypes a norm runs lean for: a norm casts them first (one consumer of the input, whose gradient then
@@ -360,8 +370,8 @@ class _LeanForward:
                 or not (params or x.requires_grad)):
             return self.plain(x, *args, **kwargs)
         if params or x.dim() < 2:  # a weight's gradient is a sum over tokens: in one piece, as the plain norm sums it
-            return _rerun(self.plain, x, params)
-        return _rerun(self.plain, x, (), norm_chunks(x, self.chunking))
+            return _rerun(self.plain, x, params, draws=False)
+        return _rerun(self.plain, x, (), norm_chunks(x, self.chunking), draws=False)
 
 
 class _LeanAdapter:
@@ -378,7 +388,7 @@ class _LeanAdapter:
         params = [p for p in self.adapter.parameters() if p.requires_grad]
         if x.dtype == self.adapter.weight.dtype or not torch.is_grad_enabled() or not (params or x.requires_grad):
             return self.plain(x)
-        return _rerun(self.plain, x, params)
+        return _rerun(self.plain, x, params, draws=_may_draw(self.dropout))
 
 
 #: the most elements of one chunk of a LoRA layer's sum, and the fewest chunks (a chunk's float32 temporaries are
