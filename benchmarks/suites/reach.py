@@ -51,7 +51,14 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
         "--methods", "dynamic+auto", "hf-every-1+liger", "hf-offload",
         "--output_dir", ctx.folder("llama8b-long"))],
         folder="llama8b-long", timeout_s=560)
-    return [gemma, gemma30, long, *_bisections(ctx)]
+    # issue 59's (c) at its caps: 64k tokens in 24 GiB, 128k under 40 GiB (memfit alone: both peers OOM at 16k in 24 GiB)
+    at_caps = [Call(f"llama8b-{k}k", [script(
+        ctx, "loop_bench.py", "--model", "Llama-3.1-8B", "--lora", "--lengths", f"fixed:{k * 1024}", "--batch", 1,
+        "--steps", 2 if ctx.quick else steps, "--steady_from", 1, "--budgets", "--budget_gb", round(cap * 2**30 / 1e9, 2),
+        "--repeats", 1, "--no_cudnn_sdpa", "--no_untimed", "--time_limit_s", 480, "--config_time_limit_s", 480,
+        "--methods", "dynamic+auto", "--output_dir", ctx.folder(f"llama8b-{k}k"))], folder=f"llama8b-{k}k", timeout_s=560)
+        for k, cap, steps in ((64, 24, 6), (128, 40, 3))]
+    return [gemma, gemma30, long, *at_caps, *_bisections(ctx)]
 
 
 #: issue 59's reach workloads: loop_bench's model and data flags, the caps bisected (GiB), steps
