@@ -1077,7 +1077,7 @@ def test_dynamic_warmup_ends_when_the_data_repeats_its_shapes(lengths, warm):
     planning = SimpleNamespace(
         model=SimpleNamespace(ready=True), all_blocks=(0, 1), bucket_tokens=8,
         plan_for=lambda key, whole_row=False: Plan(()),
-        budget_bytes=None, input_bytes_per_token=0, static_bytes=0, n_blocks=2,  # no budget: never on the floor
+        budget_bytes=None, input_bytes_per_token=0, mlp_bytes_per_token=0, static_bytes=0, n_blocks=2,  # no budget: no floor
     )
     warmups = [method.decide(planning, (1, n)).warmup for n in lengths]
     assert warmups == [True] * warm + [False] * (len(lengths) - warm)

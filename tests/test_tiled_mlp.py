@@ -671,24 +671,27 @@ def test_a_chunked_lean_norm_makes_its_float32_temporaries_a_chunk_at_a_time():
 
 
 def test_a_first_warm_up_step_whose_block_inputs_alone_are_over_the_budget_starts_on_the_floor():
-    """NOTE [Warm-up on the floor]: where every block's input beside the static bytes is already over the budget,
-    the first warm-up step of that length runs the floor plan at once (no failed forward to replay); a shorter
-    one, under that bound, tries every block recomputed."""
+    """NOTE [Warm-up on the floor]: where every block's input and the last block's MLP run (its gate and up outputs)
+    beside the static bytes are already over the budget, the first warm-up step of that length runs the floor plan at
+    once (no failed forward to replay); a shorter one, under that bound, tries every block recomputed."""
     model, make = _model("llama")
     probe_ctl = memfit.fit(model, budget="1GB", treatments=("recompute", RECOMPUTE_TILED), announce=False)
     probe_ctl.run_step(lambda: model(**make(2, 8)).loss.backward())
     static = probe_ctl.records[-1].static_bytes
     probe_ctl.remove()
     model.zero_grad(set_to_none=True)
-    n, hidden = len(find_blocks(model)), model.config.hidden_size
+    n, hidden, inter = len(find_blocks(model)), model.config.hidden_size, model.config.intermediate_size
     inputs = n * 2 * 48 * hidden * 4  # every block's float32 input at 2 x 48 tokens
-    ctl = memfit.fit(model, budget=static + inputs - 1, treatments=("recompute", RECOMPUTE_TILED), announce=False)
-    for length, treatment in ((48, RECOMPUTE_TILED), (16, "recompute")):
-        batch = make(2, length)
-        ctl.run_step(lambda batch=batch: model(**batch).loss.backward())
-        record = ctl.records[-1]
-        assert (record.phase, record.oom_retries, record.block_treatments) == ("warmup", 0, {treatment: list(range(n))}), length
-    ctl.remove()
+    mlp = 2 * 2 * 48 * inter * 4  # the last block's gate and up outputs beside them
+    for budget in (static + inputs - 1, static + inputs + mlp // 2):  # the inputs alone over; with the last MLP run
+        ctl = memfit.fit(model, budget=budget, treatments=("recompute", RECOMPUTE_TILED), announce=False)
+        for length, treatment in ((48, RECOMPUTE_TILED), (16, "recompute")):
+            batch = make(2, length)
+            ctl.run_step(lambda batch=batch: model(**batch).loss.backward())
+            record = ctl.records[-1]
+            assert (record.phase, record.oom_retries, record.block_treatments) == ("warmup", 0, {treatment: list(range(n))}), length
+        ctl.remove()
+        model.zero_grad(set_to_none=True)
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3])

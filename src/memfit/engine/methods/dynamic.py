@@ -34,10 +34,11 @@ ran out of memory once and replayed on the floor: every step of a run of one lon
 failed forward. Once warm-up's plan has run out of memory at some number of tokens, later warm-up
 steps of at least as many start on the floor plan. The first one does too where the plan cannot fit
 by a bound that needs no measurement: every block recomputed keeps every block's input on the
-device, ``blocks x tokens x`` the first block's input bytes a token beside the static bytes (an 8B
-model at 64k tokens: 16 GiB of inputs beside 15.7 GiB of weights, against a 24 GiB cap). Under
-that bound the first warm-up step still tries the plan (what a block's re-run makes beside the inputs
-is not known before it is measured).
+device, ``blocks x tokens x`` the first block's input bytes a token, and the last block's forward
+holds besides them its gated MLP's gate and up outputs, ``2 x tokens x`` its intermediate width in
+the input's dtype, all beside the static bytes (an 8B model at 64k tokens: 16 + 3.5 GiB beside
+15.7 GiB of weights, against a 24 GiB cap; at 32k, 8 + 1.75 GiB). Under that bound the first warm-up
+step still tries the plan (what else a block's re-run makes is not known before it is measured).
 """
 
 from __future__ import annotations
@@ -194,10 +195,11 @@ class Dynamic(Method):
 
 
 def _inputs_over(planning: "Planning", tokens: int) -> bool:
-    """Whether every block's input at ``tokens`` tokens, beside the static bytes, is over the budget: every block
-    recomputed cannot fit (NOTE [Warm-up on the floor])."""
+    """Whether every block's input at ``tokens`` tokens and the last block's MLP run, beside the static bytes, are over
+    the budget: every block recomputed cannot fit (NOTE [Warm-up on the floor])."""
     budget, per_token = planning.budget_bytes, planning.input_bytes_per_token
-    return bool(budget and per_token and planning.static_bytes + planning.n_blocks * per_token * tokens > budget)
+    held = (planning.n_blocks * per_token + planning.mlp_bytes_per_token) * tokens
+    return bool(budget and per_token and planning.static_bytes + held > budget)
 
 
 def _treating_more(planning: "Planning", plan: Plan, failed: Plan | None, tokens: int) -> Plan:

@@ -84,6 +84,7 @@ from memfit.engine.plan.room import Room
 from memfit.engine.shapes import bucket_key
 from memfit.engine.summary_text import over_budget_words
 from memfit.engine.parts.treatments import KEEP, RECOMPUTE, TreatmentSpec, resolve
+from memfit.engine.parts.treatments.tiled_mlp import widest_intermediate
 
 __all__ = ["Planning", "ModelUpdate", "ROW_AFTER_STEADY_ASKS"]
 
@@ -253,7 +254,8 @@ class Planning:
         self._priced: tuple[int, ...] = ()  # the parts' ``priced`` counts the cached plans were made under
         self.static_bytes = 0
         self.max_static_bytes = 0
-        self.input_bytes_per_token = 0  # the first block's, at the step being decided (note_block_input)
+        self.input_bytes_per_token = self.mlp_bytes_per_token = 0  # at the step being decided (note_block_input)
+        self._widest: int | None = None
         self.infeasible_keys: set[tuple[int, int]] = set()
         #: per plan bucket, the most tokens per row seen in it (NOTE [Plan for the longest shape seen])
         self.longest_in_bucket: dict[tuple[int, int], int] = {}
@@ -324,9 +326,14 @@ class Planning:
         """A step starts with ``static_bytes`` no plan changes (its plans are cached per static bucket)."""
         self.static_bytes = static_bytes
 
-    def note_block_input(self, x: "torch.Tensor | None") -> None:
-        """The first block's input of the step being decided: its bytes a token (NOTE [Warm-up on the floor])."""
-        self.input_bytes_per_token = x.element_size() * x.shape[-1] if x is not None and x.dim() >= 3 else 0
+    def note_block_input(self, x: "torch.Tensor | None", blocks: Sequence[Any] = ()) -> None:
+        """The first block's input of the step being decided: its bytes a token, and what a plain forward of the widest
+        gated MLP of ``blocks`` holds at once a token (NOTE [Warm-up on the floor])."""
+        if self._widest is None:
+            self._widest = widest_intermediate([b.module for b in blocks])
+        wide = x is not None and x.dim() >= 3
+        self.input_bytes_per_token = x.element_size() * x.shape[-1] if wide else 0
+        self.mlp_bytes_per_token = 2 * x.element_size() * self._widest if wide else 0
 
     @property
     def recompute_only(self) -> bool:

@@ -398,7 +398,7 @@ class Controller:
         x = first_tensor(args, kwargs)
         step.shape = list(x.shape) if x is not None else []
         step.key = shape_key(step.shape)
-        self.planning.note_block_input(x)
+        self.planning.note_block_input(x, self.blocks)
         misses = self.planning.cache.misses
         oom = self.replay.oom
         failed = oom.failed_plan if oom.attempts and not self.replay.replaying else None

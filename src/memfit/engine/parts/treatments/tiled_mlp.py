@@ -112,7 +112,8 @@ if TYPE_CHECKING:
     from memfit.engine.parts.treatments.base import Block, ProbeKit
 
 __all__ = ["TILED_MLP", "TiledMlp", "TiledReruns", "Chunking", "tiled_mlp", "tileable_mlps", "tiled", "mlp_chunks", "CHUNK_BYTES",
-           "MIN_CHUNK_TOKENS", "lean_parts", "norm_chunks"]
+           "MIN_CHUNK_TOKENS", "lean_parts", "norm_chunks",
+           "widest_intermediate"]
 
 logger = logging.getLogger("memfit")
 
@@ -187,6 +188,12 @@ def _intermediate(mlp: nn.Module) -> int:
     down = mlp.down_proj
     features = getattr(down, "in_features", None)
     return int(features) if features else int(down.weight.shape[1])
+
+
+def widest_intermediate(modules: Sequence[nn.Module]) -> int:
+    """The widest gated MLP's intermediate features among ``modules`` (0 without one): a plain forward of it holds its
+    gate's and up projection's outputs together, twice that a token (NOTE [Warm-up on the floor], methods/dynamic.py)."""
+    return max((_intermediate(m) for module in modules for m in elementwise_parts(module)[1]), default=0)
 
 
 def _autocast_states(device_type: str) -> list[tuple[str, bool, torch.dtype]]:
