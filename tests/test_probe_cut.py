@@ -130,7 +130,7 @@ def test_a_warm_up_steps_probes_leave_the_recomputed_blocks_counting_their_input
     assert set(record.block_treatments) == {"recompute"}, record.treatments
     hidden = 8 * 96 * model.config.hidden_size * 2
     curve = ctl.planning.model.group_models[0].bytes["recompute"]
-    assert list(curve.ys) == [hidden], (list(curve.ys), hidden)
+    assert set(curve.ys) == {hidden}, (list(curve.ys), hidden)  # the step's count and the probe's, alike
     ctl.remove()
 
 
@@ -166,6 +166,6 @@ def test_a_blocks_probe_times_the_plain_block_once_for_every_treatment(monkeypat
     args, kwargs = captured["inputs"]
     with torch.enable_grad():
         measured = probe.probe_treatments(block, args, kwargs, ctl._counter, torch.device("cpu"), tuple(sorted(timed)))
-    assert timed == set(measured), measured
+    assert timed | {"recompute"} == set(measured), measured  # recompute's probe reads its input, untimed
     assert (len(plain), len(checks)) == (probe.TIMED_RUNS, 1)
     ctl.remove()

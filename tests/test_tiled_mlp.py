@@ -273,13 +273,13 @@ def test_the_probe_measures_what_a_tiled_block_keeps_and_refuses_an_mlp_that_is_
     model, make = _model("llama")
     ctl = memfit.fit(model, budget=None, method="none", treatments=(TILED_MLP, RECOMPUTE_TILED), announce=False)
     measured = _probe_of(model, ctl, make, TILED_MLP, RECOMPUTE_TILED, "selective")
-    assert set(measured) == {TILED_MLP, RECOMPUTE_TILED, "selective"}, measured
-    assert 0 < measured[RECOMPUTE_TILED][0] < measured[TILED_MLP][0] and measured[TILED_MLP][1] >= 0.0
+    assert set(measured) == {"recompute", TILED_MLP, RECOMPUTE_TILED, "selective"}, measured  # recompute: its input
+    assert 0 < measured[RECOMPUTE_TILED][0] == measured["recompute"][0] < measured[TILED_MLP][0] and measured[TILED_MLP][1] >= 0.0
     mlp_type = type(ctl.blocks[0].module.mlp)
     plain = mlp_type.forward
     mlp_type.forward = lambda self, x: plain(self, x) - plain(self, x).mean(dim=-2, keepdim=True)
     try:
-        assert _probe_of(model, ctl, make, TILED_MLP, RECOMPUTE_TILED, "selective").keys() == {"selective"}
+        assert _probe_of(model, ctl, make, TILED_MLP, RECOMPUTE_TILED, "selective").keys() == {"recompute", "selective"}
     finally:
         mlp_type.forward = plain
     ctl.remove()
@@ -329,7 +329,8 @@ def test_a_replay_of_every_block_recomputed_runs_the_tiled_floor(monkeypatch, na
         raise torch.OutOfMemoryError("injected: CUDA out of memory")
 
     monkeypatch.setattr(Recompute, "run", out_of_memory)
-    ctl = memfit.fit(model, budget="1GB", treatments=names, announce=False)
+    # warm-up long enough for the steps below (the floor's probes make the model ready: it would end after three)
+    ctl = memfit.fit(model, budget="1GB", treatments=names, announce=False, warmup_steps=6)
     batch = make(2, 16)
     torch.manual_seed(0)
     ctl.run_step(lambda: model(**batch).loss.backward())
@@ -719,3 +720,27 @@ def test_lean_parts_that_draw_nothing_keep_no_rng_state(monkeypatch, dropout):
     adapters = 4 * len(blocks)  # q, k, v and o's lora_A re-run (q, k and v each its own call)
     # each re-run that keeps it reads it twice: kept in forward, forked in backward
     assert len(reads) == 2 * (mlps + (adapters if dropout else 0)), (len(reads), mlps, adapters)
+
+
+def test_a_run_of_one_length_warmed_up_on_the_floor_leaves_warm_up():
+    """NOTE [Warm-up on the floor]: where every step of a run of one length starts on the floor (its block inputs over
+    the budget), no block ever runs recomputed; the probe teaches what a checkpoint keeps (``Recompute.probe``), so the
+    memory model gets ready and warm-up ends after its steps, as for any run of one length, instead of probing and
+    counting every step. The recompute curve holds a block's input bytes."""
+    model, make = _model("llama")
+    probe_ctl = memfit.fit(model, budget="1GB", treatments=("recompute", RECOMPUTE_TILED), announce=False)
+    probe_ctl.run_step(lambda: model(**make(2, 8)).loss.backward())
+    static = probe_ctl.records[-1].static_bytes
+    probe_ctl.remove()
+    model.zero_grad(set_to_none=True)
+    n, hidden = len(find_blocks(model)), model.config.hidden_size
+    ctl = memfit.fit(model, budget=static + n * 2 * 48 * hidden * 4 - 1, treatments=("recompute", RECOMPUTE_TILED), announce=False)
+    batch = make(2, 48)
+    for _ in range(6):
+        ctl.run_step(lambda: model(**batch).loss.backward())
+    phases = [r.phase for r in ctl.records]
+    assert all(r.block_treatments == {RECOMPUTE_TILED: list(range(n))} for r in ctl.records if r.phase == "warmup")
+    assert "steady" in phases and ctl.planning.model.ready, phases
+    curve = ctl.planning.model.group_models[0].bytes["recompute"]
+    assert set(curve.ys) == {2 * 48 * hidden * 4}, list(curve.ys)
+    ctl.remove()

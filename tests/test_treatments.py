@@ -425,7 +425,7 @@ def test_elementwise_is_offered_only_where_the_block_computes_what_its_modules_d
     ctl, block, probe_of = _first_block_probe()
     measured = probe_of("elementwise", "selective")
     assert 0 < measured["elementwise"][0] and measured["elementwise"][1] >= 0.0
-    assert set(measured) == {"elementwise", "selective"} and probe_of("selective")
+    assert set(measured) == {"recompute", "elementwise", "selective"} and probe_of("selective")  # recompute: its input
     with _mlp_scaled(block):
         assert "elementwise" not in probe_of("elementwise")
     ctl.remove()

@@ -39,6 +39,9 @@ holds besides them its gated MLP's gate and up outputs, ``2 x tokens x`` its int
 the input's dtype, all beside the static bytes (an 8B model at 64k tokens: 16 + 3.5 GiB beside
 15.7 GiB of weights, against a 24 GiB cap; at 32k, 8 + 1.75 GiB). Under that bound the first warm-up
 step still tries the plan (what else a block's re-run makes is not known before it is measured).
+A warm-up on the floor runs no block recomputed, so the probe measures what a checkpoint keeps
+(``Recompute.probe``: the block's input): else the memory model, which needs it, is never ready and
+every step of a run of one long length stays in warm-up, probed and counted.
 """
 
 from __future__ import annotations

@@ -187,6 +187,13 @@ class ProbeKit:
         """The input tensors (what a checkpoint keeps)."""
         return [t for t in tree_leaves(self.detached) if isinstance(t, torch.Tensor)]
 
+    def input_bytes(self) -> int:
+        """Bytes of the block's hidden-state input (its first tensor): what a checkpoint keeps of the block's own (the
+        masks and position tables every block is given the step counts outside the blocks: NOTE [Storages saved by
+        several blocks], accounting.py)."""
+        x = first_tensor(*self.detached)
+        return self.distinct_bytes([x]) if x is not None else 0
+
     def elapsed_ms(self, fn: Callable[[], Any]) -> float:
         return _elapsed_ms(self.device, fn)
 

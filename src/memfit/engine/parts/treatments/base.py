@@ -68,6 +68,8 @@ class ProbeKit(Protocol):
 
     def inputs(self) -> list["torch.Tensor"]: ...
 
+    def input_bytes(self) -> int: ...
+
     def elapsed_ms(self, fn: Callable[[], Any]) -> float: ...
 
     def shield(self) -> Any: ...
@@ -154,8 +156,8 @@ class Treatment:
     def probe(cls, block: "Block", kit: "ProbeKit") -> tuple[int, float | None] | None:
         """What warm-up measures of ``block`` under this treatment: the bytes it keeps on the
         device and the time it adds in ms (None: priced by the link), or None where it cannot
-        apply (never planned for that block). ``keep`` and ``recompute`` are measured by the
-        plain probe (engine/parts/probe.py) and return None here."""
+        apply (never planned for that block). ``keep`` is measured by the plain probe
+        (engine/parts/probe.py) and returns None here."""
         return None
 
     def run(self, block: "Block", args: tuple, kwargs: dict[str, Any]) -> Any:

@@ -10,7 +10,7 @@ from torch.utils.checkpoint import checkpoint
 from memfit.engine.parts.treatments.base import RECOMPUTE, Treatment
 
 if TYPE_CHECKING:
-    from memfit.engine.parts.treatments.base import Block
+    from memfit.engine.parts.treatments.base import Block, ProbeKit
 
 __all__ = ["Recompute"]
 
@@ -23,6 +23,13 @@ class Recompute(Treatment):
     holds_inputs = True
     reruns = True
     order = 0  # nothing held below a recompute (NOTE [Earliest blocks first], planner.py)
+
+    @classmethod
+    def probe(cls, block: "Block", kit: "ProbeKit") -> tuple[int, float | None]:
+        """What a checkpoint keeps of the block's own, its hidden-state input, priced by the plain probe's forward (None
+        here). The step's count teaches it too where the block runs recomputed; a warm-up on the floor runs none, and
+        without it the memory model would never be ready (NOTE [Warm-up on the floor], methods/dynamic.py)."""
+        return kit.input_bytes(), None
 
     def run(self, block: "Block", args: tuple, kwargs: dict[str, Any]) -> Any:
         return checkpoint(block.run_body, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)

@@ -75,5 +75,5 @@ class RecomputeTiled(TiledReruns, Treatment):
         for run in range(kit.timed_runs):  # NOTE [Cold runs of a block] (probe.py)
             lean_ms.append(kit.forward_backward_ms(checkpointed, kit.shield()))
             plain_ms.append(kit.plain_run_ms(run))
-        return kit.distinct_bytes(kit.inputs()), max(0.0, min(lean_ms) - min(plain_ms))
+        return kit.input_bytes(), max(0.0, min(lean_ms) - min(plain_ms))
 
