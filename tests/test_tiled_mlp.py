@@ -360,7 +360,7 @@ def test_the_floor_plan_chunks_the_head_the_most():
     saves most."""
     from types import SimpleNamespace
 
-    from memfit.engine.methods.dynamic import _floor
+    from memfit.engine.plan.planning import floor_plan as _floor
     from memfit.engine.parts.treatments.chunked_head import head_options, head_without_a_plan
 
     options = head_options(65536, 128256, 4096, torch.bfloat16, 0.0, 0.0)
@@ -378,6 +378,9 @@ def test_the_floor_plan_chunks_the_head_the_most():
     assert plan.kinds == (HOST_CHECKPOINT_TILED,) * 2
     assert plan.head == max(options, key=lambda o: o[2])[:2] and plan.head[1] > head_without_a_plan(options)[1], (plan.head, options)
     assert _floor(SimpleNamespace(**{**vars(planning), "parts": {}}), 65536).head is None
+    # where the run offers no other re-run, the floor is every block plainly recomputed (no kinds: the full plan)
+    plain = _floor(SimpleNamespace(**{**vars(planning), "registry": resolve(("recompute",))}), 65536)
+    assert plain.blocks == (0, 1) and plain.kinds == ()
 
 
 # ------------------------------------------------------------------ the memory model and the planner
@@ -726,7 +729,8 @@ def test_a_run_of_one_length_warmed_up_on_the_floor_leaves_warm_up():
     """NOTE [Warm-up on the floor]: where every step of a run of one length starts on the floor (its block inputs over
     the budget), no block ever runs recomputed; the probe teaches what a checkpoint keeps (``Recompute.probe``), so the
     memory model gets ready and warm-up ends after its steps, as for any run of one length, instead of probing and
-    counting every step. The recompute curve holds a block's input bytes."""
+    counting every step; its steady steps, which no plan is predicted to fit, run the floor too. The recompute curve
+    holds a block's input bytes."""
     model, make = _model("llama")
     probe_ctl = memfit.fit(model, budget="1GB", treatments=("recompute", RECOMPUTE_TILED), announce=False)
     probe_ctl.run_step(lambda: model(**make(2, 8)).loss.backward())
@@ -739,7 +743,9 @@ def test_a_run_of_one_length_warmed_up_on_the_floor_leaves_warm_up():
     for _ in range(6):
         ctl.run_step(lambda: model(**batch).loss.backward())
     phases = [r.phase for r in ctl.records]
-    assert all(r.block_treatments == {RECOMPUTE_TILED: list(range(n))} for r in ctl.records if r.phase == "warmup")
+    # every step on the floor: warm-up's by its bound, the steady ones as the plan where none is predicted to fit
+    # (``floor_plan``: the re-run that keeps least, not plain recompute, which keeps the blocks' inputs)
+    assert all(r.block_treatments == {RECOMPUTE_TILED: list(range(n))} for r in ctl.records), [r.treatments for r in ctl.records]
     assert "steady" in phases and ctl.planning.model.ready, phases
     curve = ctl.planning.model.group_models[0].bytes["recompute"]
     assert set(curve.ys) == {2 * 48 * hidden * 4}, list(curve.ys)

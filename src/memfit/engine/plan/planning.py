@@ -83,7 +83,7 @@ from memfit.engine.records import HEAD_KEY
 from memfit.engine.plan.room import Room
 from memfit.engine.shapes import bucket_key
 from memfit.engine.summary_text import over_budget_words
-from memfit.engine.parts.treatments import KEEP, RECOMPUTE, TreatmentSpec, resolve
+from memfit.engine.parts.treatments import KEEP, RECOMPUTE, TreatmentSpec, floor_treatment, resolve
 from memfit.engine.parts.treatments.tiled_mlp import widest_intermediate
 
 __all__ = ["Planning", "ModelUpdate", "ROW_AFTER_STEADY_ASKS"]
@@ -535,16 +535,15 @@ def _plan_recompute(planning: Planning, k: tuple[int, int], warn: bool = True) -
     except InfeasiblePlanError:
         if not warn:
             return None
-        log = planning._infeasible_log(k)
+        log, most = planning._infeasible_log(k), _most(planning, k)
         if log is not None:
             outside = planning.model.outside(k) if planning.model.ready else 0.0
-            parts = {"static": planning.static_bytes, "outside": outside,
-                     "blocks": planning.model.step_bytes(k, Plan(planning.all_blocks)) - outside}
-            peak_bytes = planning.predict_peak(k, Plan(planning.all_blocks)) + planning.budget_bytes - room
+            parts = {"static": planning.static_bytes, "outside": outside, "blocks": planning.model.step_bytes(k, most) - outside}
+            peak_bytes = planning.predict_peak(k, most) + planning.budget_bytes - room
             log("memfit: shape %s is predicted to need %s even with every block checkpointed, over the budget of %s; "
                 "running it with every block checkpointed; %s", k, planning.budget.size(peak_bytes), planning.budget,
                 over_budget_words(parts, planning.budget))
-        return Plan(planning.all_blocks)
+        return most
 
 
 def _plan_mixed(planning: Planning, k: tuple[int, int]) -> Plan | None:
@@ -714,10 +713,18 @@ def _parts_plan_ms(planning: Planning, k: tuple[int, int]) -> float:
     return UNFIT_MS + max(0.0, float(planning.predict_peak(k, _most(planning, k)) - planning.room_bytes))
 
 
+def floor_plan(planning: Planning, tokens: int) -> Plan:
+    """The plan that keeps least, what runs where no plan is predicted to fit: every block on the run's floor treatment
+    (the re-run that keeps least it offers: NOTE [A replay treats more], methods/dynamic.py; plain ``recompute`` where it
+    offers no other), each part beside the blocks at its option that saves most at ``tokens`` tokens."""
+    floor = floor_treatment(planning.registry)
+    parts = [(kind, *part.most(tokens)) for kind, part in planning.parts.items()]
+    return Plan(planning.all_blocks, kinds=() if floor == RECOMPUTE else (floor,) * planning.n_blocks, parts=parts)
+
+
 def _most(planning: Planning, k: tuple[int, int]) -> Plan:
-    """The most any plan saves at ``k``: every block recomputed, each part at its last option (the head in its most chunks)."""
-    tokens = k[0] * k[1]
-    return Plan(planning.all_blocks, parts=[(kind, *part.options(tokens)[-1][:2]) for kind, part in planning.parts.items()])
+    """The most any plan saves at ``k`` (:func:`floor_plan`)."""
+    return floor_plan(planning, k[0] * k[1])
 
 
 # ---------------------------------------------------------------- rows (NOTE [Planning a row])
