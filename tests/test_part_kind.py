@@ -138,3 +138,37 @@ def test_the_lm_head_is_a_part_kind():
     from memfit.engine.records import HEAD_KEY
 
     assert issubclass(HeadPart, memfit.PartKind) and HeadPart.name == HEAD_KEY == "head"
+
+
+def test_a_step_no_plan_fits_names_each_parts_own_bytes_in_its_warning(caplog):
+    """NOTE [The head's bytes in a budget error]: where no plan fits, the warning names each part beside the blocks at
+    its most saving option in the part's own words (``PartKind.budget_share``; the head's are its chunk count and
+    sizes), counts its bytes apart from the rest outside the blocks, and the plan run has the part at its most."""
+    import logging
+
+    from memfit.engine.plan.planning import Planning
+    from test_model import _model
+
+    planning = Planning(4, [0, 0, 0, 0], 1_000_000, margin_bytes=0, bucket_tokens=1)
+    planning.model = _model([16, 32, 64])
+    planning.static_bytes = 2_000_000  # over the budget by itself: nothing fits
+
+    class Sized(memfit.PartKind):
+        name = "sized"
+
+        def options(self, tokens):
+            return (("keep", 1, 0, 0.0), ("thin", 1, 10 * tokens, 0.01))
+
+        def apply(self, option):
+            pass
+
+        def budget_share(self, tokens, size):
+            return 12 * tokens, 2 * tokens, f"the sized part thin ({size(2 * tokens)})"
+
+    planning.add_part(Sized())
+    with caplog.at_level(logging.WARNING, logger="memfit"):
+        plan = planning.plan_for((4, 60))
+    said = [r.getMessage() for r in caplog.records if "predicted to need" in r.getMessage()]
+    assert len(said) == 1 and "even with every block checkpointed and the sized part thin (480 B)" in said[0], said
+    assert "most of it is the static part" in said[0]
+    assert plan.option("sized") == ("thin", 1) and plan.blocks == (0, 1, 2, 3)

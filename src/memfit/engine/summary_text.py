@@ -103,9 +103,9 @@ _FIXES = {
     "outside": ("what runs outside the blocks (the head's logits and loss, the embeddings)",
                 "let memfit chunk the head (--memfit_head auto, or head='auto' in memfit.fit), or lower "
                 "--per_device_train_batch_size or --max_seq_length (the logits grow with both)"),
-    # with the head planned and counted on its own: the rest outside the blocks
-    "outside-not-head": ("what runs outside the blocks besides the LM head (the embeddings, the model's other outputs)",
-                         "lower --per_device_train_batch_size or --max_seq_length"),
+    # with the parts beside the blocks (the LM head) counted on their own: the rest outside the blocks
+    "outside-not-parts": ("what runs outside the blocks besides the LM head (the embeddings, the model's other outputs)",
+                          "lower --per_device_train_batch_size or --max_seq_length"),
     "blocks": ("the blocks' activations, even checkpointed",
                "lower --per_device_train_batch_size or --max_seq_length"),
 }
@@ -123,7 +123,7 @@ def over_budget_words(parts_bytes: dict[str, float], budget: Budget | None = Non
         "most of it is what runs outside the blocks (the head's logits and loss, the embeddings), 500 B: let memfit chunk the head (--memfit_head auto, or head='auto' in memfit.fit), or lower --per_device_train_batch_size or --max_seq_length (the logits grow with both), or raise --memory_budget"
     """
     part = max(parts_bytes, key=parts_bytes.__getitem__)
-    what, fix = _FIXES[part]
+    what, fix = _FIXES.get(part, (f"the part {part!r} beside the blocks", "lower --per_device_train_batch_size or --max_seq_length"))
     name = budget.name if budget is not None else "the budget"
     return f"most of it is {what}, {_size(int(parts_bytes[part]), budget)}: {fix}, or raise {name}"
 

@@ -78,6 +78,12 @@ class PartKind:
         """Choose among the part's own implementations by what ``plan_ms`` prices the plans at (none by default)."""
         return False
 
+    def budget_share(self, tokens: int, size: Callable[[float], str]) -> tuple[float, float, str] | None:
+        """For the error of a step no plan fits: the part's bytes untreated and at its most saving option at ``tokens``
+        tokens, and words naming that option with those sizes (``size`` writes one in the budget's units); None where
+        the part knows no bytes of its own (the default: they are in what runs outside the blocks)."""
+        return None
+
     def recover_in_step(self, note: "Callable[[str, str], None] | None") -> None:
         """While ``note`` is set, an OOM in the part's own run is noted (``note(message, where)``) and the part runs
         again in its option that saves most, in step with the other ranks (NOTE [Replay under FSDP], replay.py);

@@ -665,21 +665,17 @@ def _plan_parts(planning: Planning, k: tuple[int, int]) -> Plan:
     log = planning._infeasible_log(k) if planning.predict_peak(k, most) > room else None
     if log is not None:
         peak = planning.budget.size(planning.predict_peak(k, most) + planning.budget_bytes - room)
-        if planning.head is None:
-            outside = planning.model.outside(k) if planning.model.ready else 0.0
-            parts = {"static": planning.static_bytes, "outside": outside, "blocks": planning.model.step_bytes(k, most) - outside}
-            log("memfit: shape %s is predicted to need %s even with every block checkpointed and every part beside the "
-                "blocks at its most saving, over the budget of %s; %s", k, peak, planning.budget, over_budget_words(parts, planning.budget))
-            return most
-        # the head's bytes come from its formula, known before the model is (NOTE [The head's bytes in a budget error])
-        kept, least, n_chunks = planning.head.head_bytes(k[0] * k[1])
+        # each part's bytes from its own formula, known before the model is (NOTE [The head's bytes in a budget error])
+        shares = {kind: share for kind, part in planning.parts.items()
+                  if (share := part.budget_share(k[0] * k[1], planning.budget.size)) is not None}
+        kept, least = sum(s[0] for s in shares.values()), sum(s[1] for s in shares.values())
         outside = max(0.0, planning.model.outside(k) - kept) if planning.model.ready else 0.0
         blocks = max(0.0, planning.model.step_bytes(k, most) - outside - least) if planning.model.ready else 0.0
-        parts = {"static": planning.static_bytes, "head": kept, "outside-not-head": outside, "blocks": blocks}
-        size = planning.budget.size
-        log("memfit: shape %s is predicted to need %s even with every block checkpointed and the LM head in %d chunks "
-            "(the head takes %s so, %s kept), over the budget of %s; %s", k, peak, n_chunks, size(least),
-            size(kept), planning.budget, over_budget_words(parts, planning.budget))
+        parts = {"static": planning.static_bytes, **{kind: s[0] for kind, s in shares.items()},
+                 "outside-not-parts" if shares else "outside": outside, "blocks": blocks}
+        at_most = " and ".join(s[2] for s in shares.values()) or "every part beside the blocks at its most saving"
+        log("memfit: shape %s is predicted to need %s even with every block checkpointed and %s, over the budget of %s; %s",
+            k, peak, at_most, planning.budget, over_budget_words(parts, planning.budget))
     return most
 
 

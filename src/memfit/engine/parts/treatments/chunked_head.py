@@ -450,14 +450,16 @@ class HeadPart(PartKind):
             logger.debug("memfit: the LM head chunked (%s) costs %.4f ms per 1k tokens and %.4f ms per chunk over keeping it",
                         best, 1e3 * self.extra_ms_per_token, self.per_chunk_ms)
 
+    def budget_share(self, tokens: int, size: Callable[[float], str]) -> tuple[float, float, str]:
+        """The head's bytes kept and in its most chunks, from its formula (NOTE [The head's bytes in a budget error])."""
+        kept, least, n = self.head_bytes(tokens)
+        return kept, least, f"the LM head in {n} chunks (the head takes {size(least)} so, {size(kept)} kept)"
+
     def recover_in_step(self, note: "Callable[[str, str], None] | None") -> None:
-        """An OOM in the head's loss, while ``note`` is set, computes it again in its most chunks (the switch's
-        ``on_oom``, given the message and the tokens: NOTE [Replay under FSDP], replay.py)."""
+        """While ``note`` is set, an OOM in the head's loss computes it again in its most chunks (NOTE [Replay under FSDP])."""
         self.switch.on_oom = note and (lambda message, tokens: note(message, "the LM head") or self.head_bytes(tokens)[2])
 
-    def choose_by_plans(self, plan_ms: Callable[[tuple[int, int]], float | None], key: tuple[int, int] | None = None) -> bool:
-        """:func:`choose_by_plans` (NOTE [The plans choose the implementation])."""
-        return choose_by_plans(self, plan_ms, key)
+    choose_by_plans = choose_by_plans  # the module's (NOTE [The plans choose the implementation])
 
     def options(self, tokens: int) -> tuple[tuple[str, int, int, float], ...]:
         """The head's options for a batch of ``tokens`` tokens (``batch x length``)."""
@@ -539,10 +541,9 @@ class HeadPart(PartKind):
         return max(0, self._peak(tokens, KEEP) - self._peak(tokens, CHUNKED, head[1]))
 
     def transient_saved_bytes(self, tokens: int, head: tuple[str, int] | None) -> int:
-        """The part of :meth:`saved_bytes` that is the heads' transients (the kept head's backward
-        less the chunks' work, negative where a chunk holds more), the rest being the kept head's
-        saved logits less the chunked head's saved rows (NOTE [A chunked head's step in kept terms],
-        learner.py). 0 where transients are not priced (logical accounting)."""
+        """The part of :meth:`saved_bytes` that is the heads' transients (the kept head's backward less the chunks' work,
+        negative where a chunk holds more), the rest being the kept head's saved logits less the chunked head's saved
+        rows (NOTE [A chunked head's step in kept terms], learner.py). 0 where transients are not priced (logical accounting)."""
         if head is None or head[0] == KEEP or not self.transient:
             return 0
         offered = any((name, n) == tuple(head) for name, n, _, _ in self.options(tokens))
@@ -553,8 +554,7 @@ class HeadPart(PartKind):
     def apply(self, option: tuple[str, int] | None) -> None:
         """Set the switch to ``option`` (a plan's ``head``; None, a plan without one, leaves it as it is)."""
         if option is not None:
-            name, n_chunks = option
-            self.switch.set(name, n_chunks, self.switch.implementation)
+            self.switch.set(option[0], option[1], self.switch.implementation)
 
     def apply_step(self, decision: Any, key: tuple[int, int]) -> Any:
         """A step's decision (its shape ``key``), fixed at its first block, with the head's treatment set
