@@ -112,7 +112,7 @@ class BucketBias:
         """A steady step of ``bucket`` ran ``plan`` and its prediction, corrected by ``applied``
         (default: the bucket's correction), erred by ``error``; returns whether the bucket's correction changed."""
         raw = float(error) + (self.correction.get(bucket, 0.0) if applied is None else applied)
-        seen = self.errors.setdefault((bucket, (plan.blocks, plan.kinds, plan.head)), [])
+        seen = self.errors.setdefault((bucket, (plan.blocks, plan.kinds, plan.parts)), [])
         seen.append(raw)
         del seen[:-BIAS_SEEN]
         plans = [e for (b, _), e in self.errors.items() if b == bucket]
