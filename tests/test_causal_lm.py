@@ -353,6 +353,11 @@ def test_the_floor_of_the_longest_batch_is_said_at_start(tmp_path, monkeypatch, 
     assert floors.at(fits).total_bytes <= usable < floors.at(3000).total_bytes, (fits, usable)
     assert "over the budget less its 3% margin" in line and "--per_device_train_batch_size" in line
     assert start_floor.say_floor_at_start(SimpleNamespace(parameters=lambda: iter([torch.zeros(1)])), data, args, True) is None
+    # the optimizer as the estimate names it: by memfit train's flags, or the one whose --optim the name begins with
+    for optim, name in (("adamw_torch", "adamw"), ("adamw_torch_fused", "adamw"), ("adafactor", "adafactor"),
+                        ("adamw_bnb_8bit", "adamw-8bit")):
+        assert start_floor._optimizer(SimpleNamespace(optim=optim, optim_args=None)) == name, optim
+    assert start_floor.say_floor_at_start(model, data, SimpleNamespace(**{**vars(args), "optim": "lion_32bit"}), True) is None
     # memfit train asks it where a causal-lm run trains on CUDA under a budget
     said = []
     monkeypatch.setattr(train, "_on_cuda", lambda a: True)

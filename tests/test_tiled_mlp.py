@@ -674,16 +674,22 @@ def test_a_chunked_lean_norm_makes_its_float32_temporaries_a_chunk_at_a_time():
     assert largest[1] == x.numel() and largest[8] == x.numel() // 8, largest
 
 
+def _with_static_bytes():
+    """A tiny Llama, its batch maker, and the static bytes a step of it starts with (read from one step's record)."""
+    model, make = _model("llama")
+    ctl = memfit.fit(model, budget="1GB", treatments=("recompute", RECOMPUTE_TILED), announce=False)
+    ctl.run_step(lambda: model(**make(2, 8)).loss.backward())
+    static = ctl.records[-1].static_bytes
+    ctl.remove()
+    model.zero_grad(set_to_none=True)
+    return model, make, static
+
+
 def test_a_first_warm_up_step_whose_block_inputs_alone_are_over_the_budget_starts_on_the_floor():
     """NOTE [Warm-up on the floor]: where every block's input and the last block's MLP run (its gate and up outputs)
     beside the static bytes are already over the budget, the first warm-up step of that length runs the floor plan at
     once (no failed forward to replay); a shorter one, under that bound, tries every block recomputed."""
-    model, make = _model("llama")
-    probe_ctl = memfit.fit(model, budget="1GB", treatments=("recompute", RECOMPUTE_TILED), announce=False)
-    probe_ctl.run_step(lambda: model(**make(2, 8)).loss.backward())
-    static = probe_ctl.records[-1].static_bytes
-    probe_ctl.remove()
-    model.zero_grad(set_to_none=True)
+    model, make, static = _with_static_bytes()
     n, hidden, inter = len(find_blocks(model)), model.config.hidden_size, model.config.intermediate_size
     inputs = n * 2 * 48 * hidden * 4  # every block's float32 input at 2 x 48 tokens
     mlp = 2 * 2 * 48 * inter * 4  # the last block's gate and up outputs beside them
@@ -731,12 +737,7 @@ def test_a_run_of_one_length_warmed_up_on_the_floor_leaves_warm_up():
     memory model gets ready and warm-up ends after its steps, as for any run of one length, instead of probing and
     counting every step; its steady steps, which no plan is predicted to fit, run the floor too. The recompute curve
     holds a block's input bytes."""
-    model, make = _model("llama")
-    probe_ctl = memfit.fit(model, budget="1GB", treatments=("recompute", RECOMPUTE_TILED), announce=False)
-    probe_ctl.run_step(lambda: model(**make(2, 8)).loss.backward())
-    static = probe_ctl.records[-1].static_bytes
-    probe_ctl.remove()
-    model.zero_grad(set_to_none=True)
+    model, make, static = _with_static_bytes()
     n, hidden = len(find_blocks(model)), model.config.hidden_size
     ctl = memfit.fit(model, budget=static + n * 2 * 48 * hidden * 4 - 1, treatments=("recompute", RECOMPUTE_TILED), announce=False)
     batch = make(2, 48)

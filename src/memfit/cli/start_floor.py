@@ -27,6 +27,26 @@ __all__ = ["say_floor_at_start"]
 logger = logging.getLogger("memfit")
 
 
+def _optimizer(training_args: Any) -> str:
+    """The estimate's optimizer of ``--optim`` (and ``--optim_args``): the one whose ``memfit train`` flags are these, or
+    whose ``--optim`` the flag's name begins with (``adamw_torch_fused``: ``adamw``'s state).
+
+    Raises:
+        ValueError: for an optimizer the estimate does not know (no floor is said).
+    """
+    from memfit.tools.estimate.anatomy import OPTIMIZERS
+
+    optim = str(getattr(training_args.optim, "value", training_args.optim))
+    given = ("--optim", optim) + (("--optim_args", training_args.optim_args) if getattr(training_args, "optim_args", None) else ())
+    known = {o.train_flags: name for name, o in OPTIMIZERS.items()}
+    if given in known:
+        return known[given]
+    prefixes = [(len(flags[1]), name) for flags, name in known.items() if len(flags) == 2 and optim.startswith(flags[1])]
+    if not prefixes:
+        raise ValueError(f"--optim {optim}: not an optimizer memfit estimate knows")
+    return max(prefixes)[1]
+
+
 def _setup(model: Any, training_args: Any) -> Any:
     """The estimate's setup of this run: weights' dtype, precision, LoRA, optimizer, micro-batch."""
     from memfit.tools.estimate.anatomy import TrainingSetup
@@ -35,8 +55,7 @@ def _setup(model: Any, training_args: Any) -> Any:
     weights = "bf16" if dtype == torch.bfloat16 else "fp32"
     precision = "bf16" if weights == "bf16" or training_args.bf16 else "fp16" if training_args.fp16 else "fp32"
     lora = next(iter(getattr(model, "peft_config", {}).values()), None)
-    optim = str(getattr(training_args.optim, "value", training_args.optim))
-    optimizer = "adafactor" if "adafactor" in optim else "adamw-8bit" if "8bit" in optim else "adamw"
+    optimizer = _optimizer(training_args)
     return TrainingSetup(precision=precision, optimizer=optimizer, micro_batch_size=training_args.per_device_train_batch_size,
                          weights=weights, lora_r=int(getattr(lora, "r", 0) or 0),
                          lora_dropout=float(getattr(lora, "lora_dropout", 0.0) or 0.0))

@@ -535,7 +535,7 @@ def _plan_recompute(planning: Planning, k: tuple[int, int], warn: bool = True) -
     except InfeasiblePlanError:
         if not warn:
             return None
-        log, most = planning._infeasible_log(k), _most(planning, k)
+        log, most = planning._infeasible_log(k), floor_plan(planning, k[0] * k[1])
         if log is not None:
             outside = planning.model.outside(k) if planning.model.ready else 0.0
             parts = {"static": planning.static_bytes, "outside": outside, "blocks": planning.model.step_bytes(k, most) - outside}
@@ -660,7 +660,7 @@ def _plan_parts(planning: Planning, k: tuple[int, int]) -> Plan:
     plan = _parts_mix(planning, k)
     if plan is not None:
         return plan
-    most = _most(planning, k)
+    most = floor_plan(planning, k[0] * k[1])
     room = planning.room_bytes
     log = planning._infeasible_log(k) if planning.predict_peak(k, most) > room else None
     if log is not None:
@@ -706,7 +706,7 @@ def _parts_plan_ms(planning: Planning, k: tuple[int, int]) -> float:
     plan = _parts_mix(planning, k)
     if plan is not None:
         return float(plan.cost_ms)
-    return UNFIT_MS + max(0.0, float(planning.predict_peak(k, _most(planning, k)) - planning.room_bytes))
+    return UNFIT_MS + max(0.0, float(planning.predict_peak(k, floor_plan(planning, k[0] * k[1])) - planning.room_bytes))
 
 
 def floor_plan(planning: Planning, tokens: int) -> Plan:
@@ -716,11 +716,6 @@ def floor_plan(planning: Planning, tokens: int) -> Plan:
     floor = floor_treatment(planning.registry)
     parts = [(kind, *part.most(tokens)) for kind, part in planning.parts.items()]
     return Plan(planning.all_blocks, kinds=() if floor == RECOMPUTE else (floor,) * planning.n_blocks, parts=parts)
-
-
-def _most(planning: Planning, k: tuple[int, int]) -> Plan:
-    """The most any plan saves at ``k`` (:func:`floor_plan`)."""
-    return floor_plan(planning, k[0] * k[1])
 
 
 # ---------------------------------------------------------------- rows (NOTE [Planning a row])

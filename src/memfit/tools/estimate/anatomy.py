@@ -550,9 +550,6 @@ class ActivationProfile:
     """Per block, when it is checkpointed: the inputs the checkpoint keeps."""
     block_backward_bytes: tuple[int, ...] = ()
     """Per block, the temporaries of its backward on top of what it saved (empty: none)."""
-    input_saved: bool = True
-    """Whether a block saves its input tensor itself (fp32), so that recomputing it adds
-    nothing for the input the checkpoint kept; under autocast it saves half copies instead."""
     shared_input_bytes: int = 0
     """Inputs every block is given besides its hidden states (an attention mask, position embeddings) that
     nothing saved before the first block: a checkpoint keeps them, once for all the blocks."""
@@ -566,13 +563,14 @@ class ActivationProfile:
     """Of :attr:`outside_bytes`, what the code after the last block saves (the final norm, the head, the loss): its
     backward runs, and frees it, before any block's (NOTE [Phases of a step]); 0 where not counted apart."""
     inputs_saved: tuple[bool, ...] = ()
-    """Per block, whether it saves its input tensor itself (:attr:`input_saved` for every block where empty): a
-    LoRA model's first block, whose input needs no gradient, runs its norm plainly and saves a float32 copy instead."""
+    """Per block, whether it saves its input tensor itself, so that recomputing it adds nothing for the input the
+    checkpoint kept (empty: every block does). Under autocast a block saves half copies instead; a LoRA model's first
+    block, whose input needs no gradient, runs its norm plainly and saves a float32 copy instead."""
 
     def recompute_bytes(self, index: int, on_host: bool = False) -> int:
         """Bytes block ``index`` holds while it is recomputed: what it saves, and its kept input; on the host
         (``host_checkpoint``), also the stashes fetched ahead of it (NOTE [Checkpoints on the host in the estimate])."""
-        saved = self.inputs_saved[index] if self.inputs_saved else self.input_saved
+        saved = self.inputs_saved[index] if self.inputs_saved else True
         own = self.block_bytes[index] + (0 if saved else self.block_input_bytes[index])
         if not on_host:
             return own
@@ -696,7 +694,7 @@ def activation_profile(
             block_bytes=(layer,) * n,
             block_input_bytes=(rows * seq_length * config.hidden_size * e.residual,) * n,
             block_backward_bytes=(backward,) * n,
-            input_saved=e.input_copies == 1,
+            inputs_saved=(e.input_copies == 1,) * n,
             mlp_tiling=MlpTiling(why_not=_NOT_GATED) if tile_mlp else None,
         )
     inputs = _meta_inputs(profile, micro_batch_size, rows, seq_length, image_size)
@@ -842,7 +840,7 @@ def _count_on_meta(model: nn.Module, inputs: dict[str, torch.Tensor]) -> Activat
         model.train(was_training)
         for h in handles:
             h.remove()
-    return ActivationProfile(saved[-1] + after[1], tuple(saved[:-1]), tuple(inputs_bytes), input_saved=all(input_saved),
+    return ActivationProfile(saved[-1] + after[1], tuple(saved[:-1]), tuple(inputs_bytes),
                              shared_input_bytes=sum(n for k, n in shared.items() if k not in seen),
                              outside_after_bytes=after[1], inputs_saved=tuple(input_saved))
 

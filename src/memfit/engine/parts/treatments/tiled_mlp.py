@@ -60,9 +60,10 @@ block that is about eight hidden-wide bfloat16 tensors' worth beside two for the
 treatments run these parts as the MLP runs in one chunk (:func:`tiled_mlp` with ``chunks=1``): each
 saves only its input (the bfloat16 one, which q, k and v share: one tensor saved once) and computes
 again in backward what it would have saved, from that input, under the forward's autocast state and,
-where the part may draw random numbers (an adapter's dropout of p > 0; never a norm), its RNG state. So their gradients are ``keep``'s bit for bit (the same ops on the same inputs; the
-autograd Function's node takes the place of the part's first node, so gradients reach a tensor
-with several consumers in the same order). That holds where the part's first op is the input's one
+where the part may draw random numbers (an adapter's dropout of p > 0; never a norm), its RNG state.
+So their gradients are ``keep``'s bit for bit (the same ops on the same inputs; the autograd
+Function's node takes the place of the part's first node, so gradients reach a tensor with several
+consumers in the same order). That holds where the part's first op is the input's one
 consumer inside it: a norm runs lean for a bfloat16 or float16 input only (its first op, the cast to
 float32; a float32 input is used by several of its ops, whose gradients would be summed in another order,
 and it saves no copy to spare), an adapter only where its input is cast. A norm that trains no parameter
@@ -112,8 +113,7 @@ if TYPE_CHECKING:
     from memfit.engine.parts.treatments.base import Block, ProbeKit
 
 __all__ = ["TILED_MLP", "TiledMlp", "TiledReruns", "Chunking", "tiled_mlp", "tileable_mlps", "tiled", "mlp_chunks", "CHUNK_BYTES",
-           "MIN_CHUNK_TOKENS", "lean_parts", "norm_chunks",
-           "widest_intermediate"]
+           "MIN_CHUNK_TOKENS", "lean_parts", "norm_chunks", "widest_intermediate"]
 
 logger = logging.getLogger("memfit")
 
@@ -165,14 +165,9 @@ def _sharded(module: nn.Module) -> bool:
 
 
 def _draws(mlp: nn.Module) -> bool:
-    """Whether a dropout module of ``p > 0`` is inside ``mlp`` (a LoRA dropout): NOTE [Tiled MLP]."""
+    """Whether a dropout module of ``p > 0`` is inside ``mlp`` (a LoRA dropout: NOTE [Tiled MLP]), or is it (a vanilla
+    peft adapter's, ``nn.Dropout`` or ``nn.Identity``)."""
     return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in mlp.modules())
-
-
-def _may_draw(dropout: nn.Module) -> bool:
-    """Whether an adapter's ``dropout`` may draw random numbers: all but peft's ``nn.Identity`` (dropout 0) and a
-    dropout of ``p == 0``."""
-    return not (isinstance(dropout, nn.Identity) or (isinstance(dropout, nn.modules.dropout._DropoutNd) and dropout.p == 0))
 
 
 def tileable_mlps(module: nn.Module) -> list[nn.Module]:
@@ -395,7 +390,7 @@ class _LeanAdapter:
         params = [p for p in self.adapter.parameters() if p.requires_grad]
         if x.dtype == self.adapter.weight.dtype or not torch.is_grad_enabled() or not (params or x.requires_grad):
             return self.plain(x)
-        return _rerun(self.plain, x, params, draws=_may_draw(self.dropout))
+        return _rerun(self.plain, x, params, draws=_draws(self.dropout))
 
 
 #: the most elements of one chunk of a LoRA layer's sum, and the fewest chunks (a chunk's float32 temporaries are
