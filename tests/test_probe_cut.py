@@ -103,7 +103,23 @@ def test_a_warm_up_step_on_a_cut_learns_scaled_probes(monkeypatch):
     key, probes = seen[0]
     assert key == (2, 48)
     assert all(nbytes > 0 for nbytes, _ in probes.values())
+    # a recomputed block keeps its input: the cut's, scaled back, is the whole input's (a view of the whole input was
+    # counted by its storage and scaled again: 65,536 tokens cut to 64 on an H200 made it 512 GiB, not 512 MiB)
+    hidden = 2 * 48 * model.config.hidden_size * 4
+    assert set(ctl.planning.model.group_models[0].bytes["recompute"].ys) == {hidden}
     ctl.remove()
+
+
+def test_a_cut_owns_its_storage():
+    """Every cut tensor is a copy of the first positions, not a view: a probe counts storages."""
+    x = torch.randn(1, 96, 8, requires_grad=True)
+    cos = torch.randn(1, 96, 4)
+    mask = torch.zeros(1, 1, 96, 96).expand(2, 1, 96, 96)
+    args, kwargs = probe._cut((x,), {"position_embeddings": (cos, cos), "attention_mask": mask}, 24)
+    cut = [args[0], *kwargs["position_embeddings"], kwargs["attention_mask"]]
+    assert [tuple(t.shape) for t in cut] == [(1, 24, 8), (1, 24, 4), (1, 24, 4), (2, 1, 24, 24)]
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in cut)
+    assert args[0].requires_grad and torch.equal(args[0], x[:, :24]) and torch.equal(cut[3], mask[..., :24, :24])
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
@@ -169,3 +185,24 @@ def test_a_blocks_probe_times_the_plain_block_once_for_every_treatment(monkeypat
     assert timed | {"recompute"} == set(measured), measured  # recompute's probe reads its input, untimed
     assert (len(plain), len(checks)) == (probe.TIMED_RUNS, 1)
     ctl.remove()
+
+
+@pytest.mark.parametrize("plan_kinds, holding", [((), 3), (("host_checkpoint",) * 3, 0), (("recompute", "host_checkpoint", "recompute"), 2)])
+def test_the_cut_counts_the_inputs_the_plan_holds_on_the_device(monkeypatch, plan_kinds, holding):
+    """The cut leaves room for the inputs the warm-up plan's blocks hold on the device by the last: every block's where
+    they are recomputed, none where they go to the host (a floor warm-up step is cut no shorter than its room asks)."""
+    from types import SimpleNamespace
+
+    from memfit.engine.parts.treatments import resolve
+    from memfit.engine.plan.planner import Plan
+
+    asked = []
+    monkeypatch.setattr(probe, "cut_length", lambda args, kwargs, budget, device, n_blocks=1: asked.append(n_blocks) or 0)
+    monkeypatch.setattr(probe, "probe_block", lambda *a: (1, None))
+    plan = Plan((0, 1, 2), kinds=plan_kinds)
+    step = SimpleNamespace(probed_groups={0}, probe_length=None, decision=SimpleNamespace(plan=plan), probes={}, treated_probes={})
+    planning = SimpleNamespace(model=SimpleNamespace(groups=[0, 0, 0]), budget_bytes=2**30, n_blocks=3,
+                               registry=resolve(("recompute", "host_checkpoint")), recompute_only=True)
+    x = torch.zeros(1, 8, 4)
+    probe._probe_warmup(step, SimpleNamespace(index=1), (x,), {}, None, torch.device("cpu"), planning)
+    assert asked == [holding]

@@ -28,9 +28,13 @@ step's probes (a kept forward, and the treatments' forwards and backwards) took 
 its cap, and no replay could help (it runs the same probes). So a step whose probes might not
 fit the room left runs them on a cut of its input: the first ``T'`` positions of the sequence,
 ``T'`` the longest whose estimated need (``PROBE_NEED`` times the block's input bytes, scaled
-to ``T'``) fits half of what the budget leaves free at the first block once every block holds
-an input of that size (as a step that recomputes every block does by its last); every tensor input is
-cut along its dimensions of the sequence's length (the hidden states along the sequence only).
+to ``T'``) fits half of what the budget leaves free at the first block once each block whose
+treatment in the step's plan holds its input on the device holds one of that size (a step that
+recomputes every block does by its last; one on the floor sends them to the host, and counting
+them anyway would cut a long step to a few positions, where a block's time is its launches', not
+its work); every tensor input is cut along its dimensions of the sequence's length (the hidden
+states along the sequence only), each a copy of its own (a probe counts storages, and a view's is
+the whole input's).
 Bytes and times are scaled back by ``T / T'`` (linear in tokens, as fused attention and the MLP
 are: with a quadratic part the keep bytes come out low, so plans treat more, never fewer);
 a cut the block refuses falls back to the whole input. The probes' time falls with the cut too.
@@ -350,8 +354,10 @@ def _probe_warmup(
     group = planning.model.groups[block.index]
     timed = group not in step.probed_groups
     step.probed_groups.add(group)
-    if step.probe_length is None:
-        step.probe_length = cut_length(args, kwargs, planning.budget_bytes, device, planning.n_blocks)
+    if step.probe_length is None:  # the blocks that will hold an input on the device by the last: those the plan gives one
+        names = step.decision.plan.treatments(planning.n_blocks)
+        holding = sum(planning.registry[name].holds_inputs for name in names if name in planning.registry)
+        step.probe_length = cut_length(args, kwargs, planning.budget_bytes, device, holding)
     length = step.probe_length
     if length:
         try:
@@ -403,9 +409,11 @@ def _cut(args: tuple, kwargs: dict[str, Any], length: int) -> tuple[tuple, dict[
         if not isinstance(t, torch.Tensor):
             return t
         if t is x:
-            return t[:, :length]
-        index = tuple(slice(0, length) if size == full and (d > 0 or t.dim() == 1) else slice(None) for d, size in enumerate(t.shape))
-        return t[index]
+            index = (slice(None), slice(0, length))
+        else:
+            index = tuple(slice(0, length) if size == full and (d > 0 or t.dim() == 1) else slice(None) for d, size in enumerate(t.shape))
+        # a copy of its own: a view's storage is the whole input's, and what a probe counts is storages
+        return t.detach()[index].clone().requires_grad_(t.requires_grad)
 
     return tree_map(cut, (args, kwargs))
 
