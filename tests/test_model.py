@@ -1,5 +1,7 @@
 """The memory model: envelopes, the two transient regimes, persistence, and what planning does with them."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -93,6 +95,20 @@ def test_partial_regime_only_interpolates():
     # a single shape seen: not used at all
     assert _model([16]).transient((4, 16), every_block=False) == pytest.approx(300.0 * 4 * 16, rel=1e-6)
     assert _model([16, 32]).transient((4, 24), every_block=False) == pytest.approx(-200.0 * 4 * 24, rel=1e-6)
+
+
+def test_without_a_full_sample_both_regimes_read_the_partial_transient():
+    """A run warmed up on the floor never recomputes every block plainly: its one measured transient, the partial
+    one, is read for both regimes and at any length (an empty full curve read 0, and a chunked head's saving, which
+    holds the kept head's transient, came off nothing: 64k-token plans keeping 60 GiB too much were predicted to fit)."""
+    model = MemoryModel([0, 0])
+    model.transient_partial.add((1, 64), 5000.0)
+    for every in (True, False):
+        assert model.transient((1, 64), every_block=every) == pytest.approx(5000.0)
+        assert model.transient((1, 128), every_block=every) == pytest.approx(model.transient_partial((1, 128)))
+    assert model.transient_partial((1, 128)) > 5000.0
+    model.transient_full.add((1, 64), 7000.0)  # a full sample once there is one
+    assert model.transient((1, 64), every_block=True) == pytest.approx(7000.0)
 
 
 def test_a_transient_below_its_samples_is_at_least_the_chord_from_zero():
@@ -627,3 +643,35 @@ def test_a_curves_memo_stays_bounded_over_many_shapes():
         curve((2, 300 + t))
         assert len(curve._memo) <= MEMO_LIMIT
     assert curve((2, 100)) == first
+
+
+def test_a_floor_step_teaches_the_full_regime_in_full_terms():
+    """NOTE [Full terms of a re-run step]: a step whose every block re-ran as a tiled host checkpoint teaches the full
+    transient its whole-step transient plus what a kept block's re-run holds beyond the tiled one's, less the stashes
+    back during the re-run; the plan it ran is then predicted at the peak it read, and plain host checkpoints (whose
+    re-run holds a kept block) that much higher. A step with a block not re-run teaches no full sample."""
+    from memfit.engine.plan import learner
+    from memfit.engine.plan.learner import StepOutcome
+
+    planning = Planning(4, [0, 0, 0, 0], 10**9, margin_bytes=0, bucket_tokens=1,
+                        treatments=("recompute", "host_checkpoint", "tiled_mlp", "host_checkpoint_tiled"))
+    group, key = planning.model.group_models[0], (1, 64)
+    for name, nbytes in (("keep", 9000), ("recompute", 500), ("host_checkpoint", 30), ("tiled_mlp", 2000),
+                         ("host_checkpoint_tiled", 30)):
+        group.bytes_curve(name).add(key, nbytes)
+    planning.model.outside.add(key, 100)
+    floor = Plan((0, 1, 2, 3), kinds=("host_checkpoint_tiled",) * 4)
+    gap = planning.model.rerun_gap(key, floor)
+    assert gap is not None and gap < 9000 - 2000  # the kept block's bytes beyond the tiled re-run's, less a stash back
+    outcome = StepOutcome(key=key, plan=floor, warmup=True, outside=100, by_block=[30] * 4, static=0, peak=4000,
+                          plain_peak=4000, transient=4000 - 220)
+    update = learner.learn_step(planning, outcome, None, key)
+    assert (("transient_full",), key, 4000 - 220 + gap) in update.samples
+    planning.apply(update)
+    assert planning.model.step_bytes(key, floor) == pytest.approx(4000, rel=1e-6)
+    plain = Plan((0, 1, 2, 3), kinds=("host_checkpoint",) * 4)
+    assert planning.model.step_bytes(key, plain) == pytest.approx(4000 + 9000 - 2000, rel=1e-6)
+    mixed = Plan((0, 1, 2), kinds=("host_checkpoint_tiled",) * 3)
+    assert planning.model.rerun_gap(key, mixed) is None
+    assert not [s for s in learner.learn_step(planning, dataclasses.replace(outcome, plan=mixed), None, key).samples
+                if s[0] == ("transient_full",)]

@@ -291,6 +291,9 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
             transient_path = ("transient_partial",)
         if transient_path is not None:
             curves.append((transient_path, getattr(model, transient_path[0]), transient + head_transient))
+        gap = model.rerun_gap(key, outcome.plan) if outcome.plan.kinds and len(planned) == len(model.groups) else None
+        if gap is not None:  # NOTE [Full terms of a re-run step], model.py
+            curves.append((("transient_full",), model.transient_full, outcome.transient + head_transient + gap))
     step_under = bool(evicted) or (miss is not None and miss > _teaching_margin(planning) / 4)
     b = planning.bucket_tokens
     step_over = (

@@ -32,6 +32,21 @@ token counts it has seen (interpolation, up to the plan bucket of its longest sa
 the full one (conservative). A steady partial step outside that range always teaches the
 partial curve, so the range grows to the lengths the run meets: the full curve at a partial
 plan's backward start counts a recomputed block that is not there, a block's worth too much.
+The range's top is its longest sample rounded up to its plan bucket: a range that ended at the
+longest sample itself would leave that sample's own bucket outside, with the full regime's guess
+(a block's worth too much) until a longer sample fell in it.
+
+# NOTE [Full terms of a re-run step]
+A step whose every block re-runs whole under other treatments than plain recompute (the floor:
+host checkpoints, tiled re-runs) peaks in a re-run too, as ``full`` does, but its re-run holds
+what its treatment keeps, not a kept block, and its stashes come back while it runs. Its
+whole-step transient with the first given back and the second taken off (``rerun_gap``) is a
+full-regime sample, and the recompute bound takes both off again for such a plan (NOTE [Treated
+peaks]). So a run warmed up on the floor (NOTE [Warm-up on the floor], methods/dynamic.py)
+learns the full regime; one with no full sample yet reads the partial curve for both, its only
+measured transient. An empty curve reads 0, and the parts' savings, which hold the kept head's
+backward transient (NOTE [Head in the peaks]), came off a transient never added: the plans that
+keep most were predicted to fit.
 
 # NOTE [Three peaks]
 A step's peak is the largest of three moments:
@@ -492,7 +507,7 @@ def _kept(values: dict[Any, Any], g: int, name: str) -> Any:
 class _Layout:
     """What the peak formula needs of a plan (NOTE [Three peaks], [Treated peaks]): per group,
     how many blocks take each treatment; the same below the topmost re-run block for those not
-    recomputed; whether that block exists and whether every block is recomputed; the groups of
+    recomputed; whether that block exists and whether every block re-runs whole; the groups of
     the offloaded blocks, in all and below it. Counts and flags are ints and bools for one plan,
     or arrays for a row of plans (first ``c`` blocks recomputed: :meth:`MemoryModel.prefix_rows`).
     """
@@ -633,9 +648,7 @@ class MemoryModel:
         return deepest
 
     def savings(self, key: tuple[int, int]) -> list[int]:
-        per_group = {
-            g: int(max(0.0, m.bytes[KEEP](key) - m.bytes[RECOMPUTE](key))) for g, m in self.group_models.items()
-        }
+        per_group = {g: int(max(0.0, m.bytes[KEEP](key) - m.bytes[RECOMPUTE](key))) for g, m in self.group_models.items()}
         return [per_group[g] for g in self.groups]
 
     def costs(self, key: tuple[int, int]) -> list[float]:
@@ -647,20 +660,22 @@ class MemoryModel:
         return self._values(key[0], key[1])["transient_full" if every_block else "transient"]
 
     def partial_covers(self, tokens: Any) -> Any:
-        """Whether ``tokens`` (``N·T``: an int, or an array of them) lie in the range the
-        partial transient has seen.
-
-        The range's top is its longest sample rounded up to its plan bucket: a range that
-        ended at the longest sample itself would leave that sample's own bucket outside, with
-        the full regime's guess (a block's worth too much) until a longer sample fell in it. A
-        longer shape of that bucket is still planned with the partial curve, a few tokens past it.
-        """
+        """Whether ``tokens`` (``N·T``: an int, or an array of them) lie in the range the partial transient has
+        seen, up to its longest sample's plan bucket (NOTE [Two transient regimes])."""
         partial = self.transient_partial
         return (partial.min_tokens <= tokens) & (tokens <= partial.max_bucket_tokens(self.bucket_tokens))
 
+    def rerun_gap(self, key: tuple[int, int], plan: "Plan") -> float | None:
+        """What a whole-step transient read under ``plan`` lacks of a full-regime sample, where every block re-runs
+        whole (NOTE [Full terms of a re-run step]); None where one does not."""
+        if not all(self.treatments[name].reruns for name in plan.treatments(len(self.groups))):
+            return None
+        values, layout = self._values(*key), self._layout(plan)
+        depth = self.offload_depth(key) if layout.offloaded else 0
+        return float(_rerun_less(values, layout.rerun_keeps) - self._in_flight(values, layout.offloaded_below, depth))
+
     def partial_predicts(self, tokens: int) -> bool:
-        """Whether a partial plan at ``tokens`` tokens (``N·T``) is predicted from the partial transient
-        (two shapes seen, ``tokens`` in their range), not from the full regime's (NOTE [Two transient regimes])."""
+        """Whether a partial plan at ``tokens`` (``N·T``) reads the partial transient (NOTE [Two transient regimes])."""
         return self.transient_partial.distinct_keys >= PARTIAL_MIN_KEYS and bool(self.partial_covers(tokens))
 
     # ------------------------------------------------------------ the one peak evaluator
@@ -673,7 +688,9 @@ class MemoryModel:
             return curve.values(n, t) if isinstance(t, np.ndarray) else curve((n, t))  # a shape's: memoised
 
         partial = self.transient_partial
-        values: dict[Any, Any] = {"outside": at(self.outside), "transient_full": at(self.transient_full)}
+        # no full regime measured (no step recomputed every block plainly): the partial one, the only transient read
+        full = self.transient_full if self.transient_full.fitted or not partial.fitted else partial
+        values: dict[Any, Any] = {"outside": at(self.outside), "transient_full": at(full)}
         transient = values["transient_full"]
         if partial.distinct_keys >= PARTIAL_MIN_KEYS:
             transient = _select(self.partial_covers(n * t), lambda: at(partial), transient)
@@ -701,7 +718,7 @@ class MemoryModel:
         offloaded = [i for i, name in enumerate(names) if self.treatments[name].moves_out]
         parts = {(self.groups[i], name) for i, name in enumerate(names) if self.treatments[name].reruns_part}
         return _Layout(  # a block re-run whole brings its own stash back for its recompute: at or below the top
-            counts, held, bool(reruns), len(reruns) == len(names) and all(name == RECOMPUTE for name in names),
+            counts, held, bool(reruns), len(reruns) == len(names),
             [(self.groups[i], names[i]) for i in offloaded], [(self.groups[i], names[i]) for i in offloaded if i <= top],
             part_reruns=sorted(parts), rerun_keeps=sorted({(self.groups[i], self.treatments[names[i]].rerun_keeps) for i in reruns}),
         )
@@ -740,7 +757,8 @@ class MemoryModel:
         """
         head_saved = values.get("parts_saved", 0)
         start = self._activation(values, layout.counts)
-        start = start + _select(layout.every, lambda: values["transient_full"], values["transient"])
+        # every block re-run whole: the full regime's transient, read in its terms (NOTE [Full terms of a re-run step])
+        start = start + _select(layout.every, lambda: values["transient_full"] - _rerun_less(values, layout.rerun_keeps), values["transient"])
         start = start + self._in_flight(values, layout.offloaded, layout.depth)
         start = start - head_saved
         # every block as recomputed, but those re-run whole by another treatment (NOTE [Treated peaks]): their own bytes
