@@ -675,3 +675,26 @@ def test_a_floor_step_teaches_the_full_regime_in_full_terms():
     assert planning.model.rerun_gap(key, mixed) is None
     assert not [s for s in learner.learn_step(planning, dataclasses.replace(outcome, plan=mixed), None, key).samples
                 if s[0] == ("transient_full",)]
+
+
+@pytest.mark.parametrize("over_budget", [False, True])
+def test_a_floor_inside_the_margins_is_run_without_saying_it_is_over_the_budget(caplog, over_budget):
+    """NOTE [Over the room, not the budget]: where no plan fits the room, the floor runs; it is said to need more than
+    the budget only where its predicted peak is over the budget itself, and the figure said is that peak."""
+    import logging
+
+    from memfit.engine.plan.planning import floor_plan
+
+    probe = Planning(4, [0, 0, 0, 0], 10**9, margin_bytes=0, bucket_tokens=1)
+    probe.model, probe.static_bytes = _model([16, 32, 64]), 200_000
+    peak = probe.predict_peak((4, 64), floor_plan(probe, 256))
+    budget = peak - 1000 if over_budget else peak + 1000
+    planning = Planning(4, [0, 0, 0, 0], budget, margin_bytes=5000, bucket_tokens=1)
+    planning.model, planning.static_bytes = _model([16, 32, 64]), 200_000
+    with caplog.at_level(logging.DEBUG, logger="memfit"):
+        plan = planning.plan_for((4, 64))
+    assert plan.blocks == (0, 1, 2, 3)
+    said = [r.getMessage() for r in caplog.records if "predicted to need" in r.getMessage()]
+    assert len(said) == int(over_budget), said
+    if over_budget:
+        assert planning.budget.size(peak) in said[0]

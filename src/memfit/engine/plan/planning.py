@@ -535,11 +535,12 @@ def _plan_recompute(planning: Planning, k: tuple[int, int], warn: bool = True) -
     except InfeasiblePlanError:
         if not warn:
             return None
-        log, most = planning._infeasible_log(k), floor_plan(planning, k[0] * k[1])
+        most = floor_plan(planning, k[0] * k[1])
+        peak_bytes = planning.predict_peak(k, most)  # NOTE [Over the room, not the budget]
+        log = planning._infeasible_log(k) if peak_bytes > planning.budget_bytes else None
         if log is not None:
             outside = planning.model.outside(k) if planning.model.ready else 0.0
             parts = {"static": planning.static_bytes, "outside": outside, "blocks": planning.model.step_bytes(k, most) - outside}
-            peak_bytes = planning.predict_peak(k, most) + planning.budget_bytes - room
             log("memfit: shape %s is predicted to need %s even with every block checkpointed, over the budget of %s; "
                 "running it with every block checkpointed; %s", k, planning.budget.size(peak_bytes), planning.budget,
                 over_budget_words(parts, planning.budget))
@@ -661,10 +662,13 @@ def _plan_parts(planning: Planning, k: tuple[int, int]) -> Plan:
     if plan is not None:
         return plan
     most = floor_plan(planning, k[0] * k[1])
-    room = planning.room_bytes
-    log = planning._infeasible_log(k) if planning.predict_peak(k, most) > room else None
+    # NOTE [Over the room, not the budget]
+    # Where no plan fits the room (the budget less its margins), the floor runs. It is said to need more than the
+    # budget only where its predicted peak is over the budget itself: a floor predicted inside the budget's margins
+    # may well fit (a 65,536-token step predicted at 23.2 GiB, margins 2 GiB, ran at 22.2 GiB of a 24 GiB cap).
+    log = planning._infeasible_log(k) if planning.predict_peak(k, most) > planning.budget_bytes else None
     if log is not None:
-        peak = planning.budget.size(planning.predict_peak(k, most) + planning.budget_bytes - room)
+        peak = planning.budget.size(planning.predict_peak(k, most))
         # each part's bytes from its own formula, known before the model is (NOTE [The head's bytes in a budget error])
         shares = {kind: share for kind, part in planning.parts.items()
                   if (share := part.budget_share(k[0] * k[1], planning.budget.size)) is not None}
