@@ -9,7 +9,11 @@ every shape: each new shape's first run is slow) and once with every layer recom
 Face's checkpointing): a recompute runs its forward on autograd's thread, and what libraries build
 per shape in thread-local caches (cuDNN's attention graphs: about 65 ms per new length for
 SmolLM-360M on an H100, ``recompute_cold.py``) would otherwise fall on the first memfit
-configuration alone and not on ``none`` (docs/devlog.md). Then uncapped ``none`` gives the speed
+configuration alone and not on ``none`` (docs/devlog.md); and, for a model with an LM head, once
+with each fused loss (Liger's, Cut Cross-Entropy's, where installed): Triton compiles their kernels
+per length class on first use, seconds each, and caches them on disk for every later run; paid by the
+first configuration to use them (memfit's head probes both) and found compiled by the next, they
+made whole-run ratios depend on the order. Then uncapped ``none`` gives the speed
 reference and the peak from which ``--budgets`` (shares of it) are set. ``plain`` and ``none``
 run uncapped only (under a cap they do not fit, by design).
 
@@ -123,12 +127,12 @@ MEMFIT_METHODS = {
     "dynamic-plans": (None, {}, ("recompute",)),
 }
 PEERS = ("plain", "hf-every-1", "hf-every-2", "hf-offload", "trl-offload", "selective-static", "hf-every-1+liger",
-         "hf-every-1+chunked-8")
-#: the fixed losses a peer's name may end in, (implementation, chunks): Liger's fused linear cross-entropy or
-#: the pure chunked loss in 8 chunks (memfit.engine.parts.head's switch set once, never planned). The head peers
-#: (issue 39) are Hugging Face's checkpointing of every layer with one; a ``compile-F`` peer may take one too
+         "hf-every-1+cce", "hf-every-1+chunked-8")
+#: the fixed losses a peer's name may end in, (implementation, chunks): Liger's or Cut Cross-Entropy's fused linear
+#: cross-entropy or the pure chunked loss in 8 chunks (memfit.engine.parts.head's switch set once, never planned). The
+#: head peers (issue 39) are Hugging Face's checkpointing of every layer with one; a ``compile-F`` peer may take one too
 #: (``compile-0.5+liger``)
-FIXED_HEADS = {"+liger": ("liger", 1), "+chunked-8": ("pure", 8)}
+FIXED_HEADS = {"+liger": ("liger", 1), "+cce": ("cce", 1), "+chunked-8": ("pure", 8)}
 HEAD_PEERS = {f"hf-every-1{part}": head for part, head in FIXED_HEADS.items()}
 
 
@@ -1159,6 +1163,11 @@ def _matrix(args, model, batches, initial, emit, started: float) -> None:
     if not args.no_untimed:
         run_config(args, model, batches, initial, "plain", None, -1, args.output_dir)  # untimed: every shape once
         run_config(args, model, batches, initial, "hf-every-1", None, -1, args.output_dir)  # and recomputed (the docstring)
+        from memfit.engine.parts.head import FUSED
+
+        for part, (implementation, _) in FIXED_HEADS.items():  # and the fused losses' kernels compiled (the docstring)
+            if implementation in FUSED:
+                run_config(args, model, batches, initial, f"hf-every-1{part}", None, -1, args.output_dir)
     if args.reach_gib:
         _reach(args, model, batches, initial, emit, started)
         return
