@@ -15,19 +15,29 @@ from _ddp_common import LENGTHS, STEPS, batch, build_model
 HERE = os.path.dirname(__file__)
 
 
-def _torchrun(script, args, port, timeout_s=240):
-    """Run ``script`` on 2 CPU ranks; a run past ``timeout_s`` (a hang) kills every rank and fails."""
+def _torchrun(script, args, port, timeout_s=240, nodes=1):
+    """Run ``script`` on 2 CPU ranks; a run past ``timeout_s`` (a hang) kills every rank and fails. With ``nodes=2``
+    the two ranks are two node ranks on this host (two torchrun agents, one rank each, meeting at a c10d rendezvous on
+    localhost, as several machines would: docs/distributed.md); the return code is the first non-zero of the two."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           os.path.join(HERE, script), *map(str, args)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    if nodes == 1:
+        launches = [["--nproc_per_node", "2", "--master_port", str(port)]]
+    else:
+        launches = [["--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint",
+                     f"127.0.0.1:{port}", "--rdzv_id", f"memfit-{port}"]] * 2
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *launch, os.path.join(HERE, script),
+                               *map(str, args)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for launch in launches]
+    outputs = []
     try:
-        output, _ = proc.communicate(timeout=timeout_s)
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout_s)[0])
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGKILL)
+        output = "".join(proc.communicate()[0] or "" for proc in procs)
         pytest.fail(f"{script} {args} hung for {timeout_s} s:\n{output[-3000:]}")
-    return proc.returncode, output
+    return next((p.returncode for p in procs if p.returncode), 0), "".join(outputs)
 
 
 def _budget():
@@ -178,12 +188,14 @@ def test_fit_before_fully_shard_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_oom_in_a_block_on_one_rank_is_replayed_by_every_rank(tmp_path):
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_fsdp_oom_in_a_block_on_one_rank_is_replayed_by_every_rank(tmp_path, nodes):
     """FSDP2, two gloo ranks, plain loop with run_step: rank 1 runs out of memory inside a
     block's forward (accumulation 1 and 2). No hang, one record per micro-step on each rank,
     the failed attempt recorded on rank 1, and both ranks end with the weights of the run
-    without the OOM, bitwise (NOTE [Replay under FSDP])."""
-    returncode, output = _torchrun("_fsdp_oom_worker.py", [tmp_path, _budget()], port=29523)
+    without the OOM, bitwise (NOTE [Replay under FSDP]). The same with the ranks on two nodes
+    (two node ranks on this host, a c10d rendezvous on localhost)."""
+    returncode, output = _torchrun("_fsdp_oom_worker.py", [tmp_path, _budget()], port=29523 + 40 * (nodes - 1), nodes=nodes)
     assert returncode == 0, output[-3000:]
 
     def load(name, rank):
