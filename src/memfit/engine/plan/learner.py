@@ -231,7 +231,7 @@ def _backward_start_dominates(planning: Planning, key: tuple[int, int], plan: Pl
     return model.backward_start_bytes(k, plan) >= model.recompute_bytes(k, plan)
 
 
-def _head_transient_saved(planning: Planning, key: tuple[int, int], plan: Plan) -> int:
+def _parts_transient_saved(planning: Planning, key: tuple[int, int], plan: Plan) -> int:
     """The transient part of what ``plan``'s parts beside the blocks save at ``key`` (NOTE [A chunked head's step in kept terms]).
 
     # NOTE [A chunked head's step in kept terms]
@@ -272,10 +272,10 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
     names = outcome.plan.treatments(len(model.groups))
     # a chunked head's saving added back, its saved part to the outside bytes and its transient part to
     # the transient: the curves describe the step with the head kept (NOTE [A chunked head's step in kept terms])
-    head_saved = model.parts_saved_bytes(key, outcome.plan)
-    head_transient = _head_transient_saved(planning, key, outcome.plan) if head_saved else 0
-    curves: list[tuple] = [(("outside",), model.outside, outcome.outside + head_saved - head_transient)]
-    chunked_head = bool(head_saved) and not outcome.warmup  # NOTE [A chunked head's step teaches less]
+    parts_saved = model.parts_saved_bytes(key, outcome.plan)
+    parts_transient = _parts_transient_saved(planning, key, outcome.plan) if parts_saved else 0
+    curves: list[tuple] = [(("outside",), model.outside, outcome.outside + parts_saved - parts_transient)]
+    treated_parts = bool(parts_saved) and not outcome.warmup  # NOTE [A chunked head's step teaches less]
     for group_id, group in model.group_models.items():
         members = [i for i, g in enumerate(model.groups) if g == group_id]
         for name in dict.fromkeys(names[i] for i in members):  # each treatment's curve learns its blocks' bytes
@@ -290,10 +290,10 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
         elif _backward_start_dominates(planning, key, outcome.plan):
             transient_path = ("transient_partial",)
         if transient_path is not None:
-            curves.append((transient_path, getattr(model, transient_path[0]), transient + head_transient))
+            curves.append((transient_path, getattr(model, transient_path[0]), transient + parts_transient))
         gap = model.rerun_gap(key, outcome.plan) if outcome.plan.kinds and len(planned) == len(model.groups) else None
         if gap is not None:  # NOTE [Full terms of a re-run step], model.py
-            curves.append((("transient_full",), model.transient_full, outcome.transient + head_transient + gap))
+            curves.append((("transient_full",), model.transient_full, outcome.transient + parts_transient + gap))
     step_under = bool(evicted) or (miss is not None and miss > _teaching_margin(planning) / 4)
     b = planning.bucket_tokens
     step_over = (
@@ -310,7 +310,7 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
         under = step_under and observed > predicted_value + 0.005 * abs(observed)
         over = step_over and observed < predicted_value - 0.005 * abs(observed) and not curve.has(key)
         learn = under or over
-        if path == ("outside",) and chunked_head:
+        if path == ("outside",) and treated_parts:
             # NOTE [A chunked head's step teaches less]
             # A steady step that chunked the head did not run the step the curves describe (the
             # head kept). Its outside bytes hold the head part's estimate of the kept logits, not a
