@@ -105,6 +105,8 @@ MEMFIT_METHODS = {
     "dynamic+host": ("dynamic", {}, ("recompute", "host_checkpoint")),
     # the treatments a run that names none is offered (Treatment.by_default): what a user gets
     "dynamic+auto": ("dynamic", {}, None),
+    # the one plan of the longest batch for every batch, with the same treatments: the static recipe that makes it fit
+    "static+auto": ("static", {}, None),
     # offload beside recompute, priced by its exposed copy time (NOTE [Offload price]); and the
     # same with every offload priced at its fixed cost alone, so the planner offloads wherever
     # it saves bytes: what offload costs where the price says it does not pay

@@ -14,7 +14,7 @@ SUITE = Suite(
           "soft-capped logits) and Llama-3.1-8B's, random weights, bf16, SDPA, AdamW; LoRA r 16 on every linear layer",
     data="gemma: token ids with SFT-like lengths up to 2,048 (seed 0), batch 8; llama8b: batch 1 of 16,384 and 32,768 "
          "tokens alternating; the same batches in every run",
-    methods=("dynamic+auto", "dynamic", "dynamic+host"),
+    methods=("dynamic+auto", "dynamic", "dynamic+host", "static+auto"),
     peers=("hf-every-1+liger", "hf-offload"),
     budgets={"gemma2-lora": (GIB22,), "llama8b-long": (GIB24,)},
     repeats=1,
@@ -58,7 +58,15 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
         "--repeats", 1, "--no_cudnn_sdpa", "--no_untimed", "--time_limit_s", 480, "--config_time_limit_s", 480,
         "--methods", "dynamic+auto", "--output_dir", ctx.folder(f"llama8b-{k}k"))], folder=f"llama8b-{k}k", timeout_s=560)
         for k, cap, steps in ((64, 24, 6), (128, 40, 3))]
-    return [gemma, gemma30, long, *at_caps, *_bisections(ctx)]
+    # issue 59's (c) at mixed lengths: SFT lengths up to 32k in 24 GiB, memfit against the one plan of the longest batch
+    # for every batch (the static recipe that makes it fit: every block on the host and tiled, the head chunked)
+    mixed = Call("llama8b-mixed-32k", [script(
+        ctx, "loop_bench.py", "--model", "Llama-3.1-8B", "--lora", "--lengths", "sft:32768", "--batch", 1,
+        "--steps", 4 if ctx.quick else 40, "--steady_from", 2 if ctx.quick else 6, "--budgets", "--budget_gb", GIB24,
+        "--repeats", 1, "--no_cudnn_sdpa", "--time_limit_s", 500, "--config_time_limit_s", 240,
+        "--methods", "dynamic+auto", "static+auto", "--output_dir", ctx.folder("llama8b-mixed-32k"))],
+        folder="llama8b-mixed-32k", timeout_s=580)
+    return [gemma, gemma30, long, *at_caps, mixed, *_bisections(ctx)]
 
 
 #: issue 59's reach workloads: loop_bench's model and data flags, the caps bisected (GiB), steps
