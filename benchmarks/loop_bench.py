@@ -666,7 +666,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
         if name == "dynamic" and len(records) == args.steps:
             from memfit.engine.plan.planner import Plan
 
-            args.dynamic_plans[(budget, repeat)] = [Plan.from_treatments(r.block_treatments, r.head) for r in records]
+            args.dynamic_plans[(budget, repeat)] = [Plan.from_treatments(r.block_treatments, [(kind, *option) for kind, option in r.parts.items()]) for r in records]
         if ctl.method.learns:  # the memory model as the run ended: what each treatment saved and cost
             with gzip.open(os.path.join(out_dir, steps_file.replace(".jsonl.gz", ".model.json.gz")), "wt") as fh:
                 json.dump(ctl.state_dict(), fh)

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         return kept.saved_bytes + kept.transient_bytes - chunked.saved_bytes - chunked.transient_bytes
 
     model = MemoryModel.from_dict(json.load(gzip.open(args.model))["model"])
-    model.head_saving, model.bucket_tokens = saving, args.bucket_tokens
+    model.part_saving, model.bucket_tokens = {"head": saving}, args.bucket_tokens
     outside = model.outside
     print("outside curve, bytes a token: " + ", ".join(
         f"{n * t} tokens {y / (n * t) / 1e3:.0f} KB" for (n, t), y in zip(outside.xs, outside.ys)))
@@ -67,9 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         record = StepRecord.from_dict(r)
         head = record.head or ("keep", 1)
         if attempt:  # its blocks, and their treatments where not all recomputed (the head is the replayed step's)
-            plan = Plan(tuple(attempt["plan"] or ()), kinds=tuple(attempt.get("treatments") or ()), head=head)
+            plan = Plan(tuple(attempt["plan"] or ()), kinds=tuple(attempt.get("treatments") or ()), parts=[("head", *head)])
         else:
-            plan = Plan.from_treatments(record.block_treatments, head)
+            plan = Plan.from_treatments(record.block_treatments, [("head", *head)])
         key = (r["shape"][0], r["shape"][1])
         start = r["static_bytes"] + model.backward_start_bytes(key, plan)
         recompute = r["static_bytes"] + model.recompute_bytes(key, plan)

@@ -20,3 +20,10 @@ def head_batch(step: int, rank: int, length: int) -> dict:
     g = torch.Generator().manual_seed(100 * step + rank)
     ids = torch.randint(0, HEAD_VOCAB, (4, length), generator=g)
     return {"input_ids": ids, "labels": ids}
+
+
+def plan_with_head(options, head_options, need_bytes, resolution=1024, order=None):
+    """The planner's plan with the LM head the one part beside the blocks (NOTE [The head in the plan])."""
+    from memfit.engine.plan.planner import plan_with_parts
+
+    return plan_with_parts(options, [("head", head_options)] if head_options else [], need_bytes, resolution, order)

@@ -707,7 +707,7 @@ def test_the_estimates_chunk_count_is_the_one_a_step_without_a_head_in_its_plan_
     part = HeadPart(HeadSwitch(find_head(model)), transient=True)
     for rows, length in ((4, 512), (1, 100), (8, 2048)):
         head = lm_head_bytes(profile, rows * length, "bf16", "bf16")
-        ran = part.apply_step(Decision(Plan(())), (rows, length)).plan.head
+        ran = part.apply_step(Decision(Plan(())), (rows, length)).plan.option("head")
         assert ran == ("chunked", head.n_chunks), (rows, length)
     part.remove()
 

@@ -188,7 +188,7 @@ def test_the_one_peak_evaluator_takes_a_chunked_heads_saving_off_and_the_learner
 
     planning = _learned_planning()
     model: MemoryModel = planning.model
-    key, kept, chunked = (4, 64), Plan((0, 1), head=("keep", 1)), Plan((0, 1), head=("chunked", 4))
+    key, kept, chunked = (4, 64), Plan((0, 1)).with_option("head", ("keep", 1)), Plan((0, 1)).with_option("head", ("chunked", 4))
     before = [model.backward_start_bytes(key, kept), model.recompute_bytes(key, kept), model.step_bytes(key, kept)]
     assert before == [model.backward_start_bytes(key, Plan((0, 1))), model.recompute_bytes(key, Plan((0, 1))),
                       model.step_bytes(key, Plan((0, 1)))]
@@ -215,18 +215,20 @@ def test_a_steady_step_that_chunked_the_head_never_raises_outside_and_teaches_it
     model = planning.model
 
     class Head:  # the head part's two prices: the whole saving, and its transient part
+        name = "head"
+
         def saved_bytes(self, tokens, head):
             return 0 if head[0] == "keep" else 10**6 * tokens  # a gross over-estimate
 
         def transient_saved_bytes(self, tokens, head):
             return 0 if head[0] == "keep" else 4 * 10**5 * tokens
 
-    planning.head = Head()
-    model.part_saving["head"] = planning.head.saved_bytes
+    planning.add_part(Head())
+    model.part_saving["head"] = planning.parts["head"].saved_bytes
     key = (4, 128)  # a new shape: a steady step there teaches the curves it reads above their prediction
 
     def taught(head, evidence_peak):
-        plan = Plan((0,), head=head)
+        plan = Plan((0,)).with_option("head", head)
         predicted = model.step_bytes(key, plan)
         outcome = learner.StepOutcome(key=key, plan=plan, warmup=False, outside=6000 * 512, by_block=[100 * 512, 1000 * 512],
                                       static=0, peak=evidence_peak(predicted), plain_peak=evidence_peak(predicted),
@@ -238,7 +240,7 @@ def test_a_steady_step_that_chunked_the_head_never_raises_outside_and_teaches_it
     taught_values = {path: value for path, _, value in update.samples}
     assert ("outside",) not in taught_values and ("transient_full",) not in taught_values
     assert taught_values[("transient_partial",)] == 10**7 + 4 * 10**5 * 512
-    assert bias.error is not None and bias.error[1].head == ("chunked", 4)  # the plan, the head in it
+    assert bias.error is not None and bias.error[1].option("head") == ("chunked", 4)  # the plan, the head in it
     assert bias.error[2] == pytest.approx(-10**8, abs=1)
     update, bias = taught(("keep", 1), under)
     taught_values = {path: value for path, _, value in update.samples}
@@ -256,15 +258,17 @@ def test_a_warmup_step_that_chunked_the_head_splits_the_saving_between_outside_a
     model = planning.model
 
     class Head:
+        name = "head"
+
         def saved_bytes(self, tokens, head):
             return 0 if head[0] == "keep" else 7 * tokens
 
         def transient_saved_bytes(self, tokens, head):
             return 0 if head[0] == "keep" else 3 * tokens
 
-    planning.head = Head()
-    model.part_saving["head"] = planning.head.saved_bytes
-    plan = Plan(tuple(range(len(model.groups))), head=("chunked", 4))
+    planning.add_part(Head())
+    model.part_saving["head"] = planning.parts["head"].saved_bytes
+    plan = Plan(tuple(range(len(model.groups)))).with_option("head", ("chunked", 4))
     outcome = learner.StepOutcome(key=(4, 128), plan=plan, warmup=True, outside=1000, by_block=[10] * len(model.groups),
                                   static=0, peak=0, plain_peak=0, transient=-50)
     taught_values = {path: value for path, _, value in learner.learn_step(planning, outcome, None, (4, 128)).samples}
@@ -334,10 +338,10 @@ def test_warmup_prices_the_head_by_probe_and_the_price_reaches_the_plans(monkeyp
     assert set(part.probes) == {"pure", "pure_grad_in_forward"}
     assert part.switch.implementation == "pure_grad_in_forward"
     assert part.extra_ms_per_token == pytest.approx(0.01) and part.per_chunk_ms == pytest.approx(0.5)
-    plans = [p for p in ctl.plans().values() if p.head is not None and p.head[0] == "chunked"]
+    plans = [p for p in ctl.plans().values() if p.option("head") is not None and p.option("head")[0] == "chunked"]
     assert plans
     for plan in plans:
-        assert plan.cost_ms >= 0.5 * plan.head[1] - 1e-9
+        assert plan.cost_ms >= 0.5 * plan.option("head")[1] - 1e-9
     tokens = 4 * 64
     options = part.options(tokens)
     assert [ms for *_, ms in options[1:]] == [pytest.approx(0.01 * tokens + 0.5 * n) for _, n, _, _ in options[1:]]
@@ -446,7 +450,7 @@ def test_an_expensive_chunked_head_is_priced_out_where_blocks_make_the_room(monk
     head probed free chunks and a head probed dear keeps (and blocks are recomputed)."""
     import memfit.engine.parts.treatments.chunked_head as chunked_head
     from memfit.engine.parts.head import attach_head
-    from memfit.engine.plan.planner import plan_with_head
+    from _head_common import plan_with_head
 
     hidden, ids = torch.randn(4, 64, 32), torch.randint(0, VOCAB, (4, 64))
     blocks = [[("recompute", 10**9, 5.0)]] * 2
@@ -457,7 +461,7 @@ def test_an_expensive_chunked_head_is_priced_out_where_blocks_make_the_room(monk
         part.probe(hidden, ids)
         options = part.options(ids.numel())
         plan = plan_with_head(blocks, options, options[1][2])
-        chosen[name] = (plan.head[0], plan.blocks)
+        chosen[name] = (plan.option("head")[0], plan.blocks)
         part.remove()
     assert chosen == {"free": ("chunked", ()), "dear": ("keep", (0,))}
 
@@ -494,11 +498,11 @@ def test_the_warning_of_a_shape_that_cannot_fit_names_the_head_and_blames_it_whe
 
     planning = Planning(2, [0, 0], 10**6, margin_bytes=0, bucket_tokens=1)
     part = HeadPart(attach_head(_base()), transient=False)
-    planning.set_head(part)
+    planning.add_part(part)
     planning.begin_step(1_100_000)  # over the budget by itself: no plan fits
     with caplog.at_level("WARNING", logger="memfit"):
         plan = _plan_parts(planning, (4, 512))
-    assert plan.blocks == (0, 1) and plan.head[0] == "chunked"
+    assert plan.blocks == (0, 1) and plan.option("head")[0] == "chunked"
     (message,) = [m for m in caplog.messages if "predicted to need" in m]
     kept, least, n = part.head_bytes(4 * 512)
     assert f"LM head in {n} chunks" in message and "kept)" in message
@@ -660,7 +664,7 @@ def test_a_head_measured_faster_chunked_at_the_steps_size_is_chunked_where_nothi
     rows, the same gain is read as none, and the shape keeps the head (plans stay deterministic)."""
     import memfit.engine.parts.treatments.chunked_head as chunked_head
     from memfit.engine.parts.head import attach_head
-    from memfit.engine.plan.planner import plan_with_head
+    from _head_common import plan_with_head
 
     def probe(spec, hidden, labels, n_chunks, implementation="pure"):
         tokens = hidden.shape[1]
@@ -678,7 +682,7 @@ def test_a_head_measured_faster_chunked_at_the_steps_size_is_chunked_where_nothi
         part.probe(hidden, ids)
         options = part.options(ids.numel())
         plan = plan_with_head(blocks, options, 0)  # nothing needed
-        chosen[name] = (plan.head[0], plan.blocks, part.extra_ms_per_token < 0)
+        chosen[name] = (plan.option("head")[0], plan.blocks, part.extra_ms_per_token < 0)
         part.remove()
     assert chosen == {"steps' size": ("chunked", (), True), "one chunk's rows": ("keep", (), False)}
 
@@ -775,7 +779,7 @@ def test_a_record_names_no_head_where_the_run_does_not_plan_it():
     torch.manual_seed(0)
     model, make = build_decoder("llama", False)
     n = len(find_blocks(model))
-    ctl = memfit.fit(model, budget="100GB", method=FixedPlan(Plan(tuple(range(n)), head=("chunked", 4))), announce=False)
+    ctl = memfit.fit(model, budget="100GB", method=FixedPlan(Plan(tuple(range(n))).with_option("head", ("chunked", 4))), announce=False)
     batch = make(2, 16)
     ctl.run_step(lambda: model(**batch).loss.backward())
     record = ctl.records[-1]

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from memfit.engine.parts.head import head_saved_bytes
-from memfit.engine.plan.planner import InfeasiblePlanError, plan_with_head
+from _head_common import plan_with_head
+from memfit.engine.plan.planner import InfeasiblePlanError
 from memfit.engine.parts.treatments import BY_PART, TREATMENTS, ChunkedHead, HeadPart, KeepHead, head_options
 
 
@@ -59,9 +60,9 @@ def _plan(tokens: int, free_bytes: int):
 
 def test_short_batch_keeps_the_head_long_batch_chunks_it():
     free = 4 * 2**20
-    assert _plan(32, free).head == ("keep", 1)
+    assert _plan(32, free).option("head") == ("keep", 1)
     long = _plan(512, free)
-    assert long.head[0] == "chunked" and long.head[1] > 1
+    assert long.option("head")[0] == "chunked" and long.option("head")[1] > 1
 
 
 def test_budget_below_the_smallest_chunked_head_names_the_head():
@@ -87,17 +88,17 @@ def test_head_part_plans_and_sets_the_switch_per_batch():
     # short batch, budget not binding: keep; the model's own loss
     ids = torch.randint(3, 4000, (2, 8))
     plan = plan_with_head(blocks, part.options(ids.numel()), 0)
-    part.apply(plan.head)
-    assert plan.head == ("keep", 1) and part.switch.treatment == "keep"
+    part.apply(plan.option("head"))
+    assert plan.option("head") == ("keep", 1) and part.switch.treatment == "keep"
     reference = model(input_ids=ids, labels=ids).loss
     # long batch, the head's float32 logits are most of the need: chunked, fewest chunks that fit
     ids = torch.randint(3, 4000, (4, 64))
     options = part.options(ids.numel())
     need = options[2][2]  # what the second-fewest chunk count saves
     plan = plan_with_head(blocks, options, need)
-    assert plan.head == options[2][:2] and plan.blocks == ()
-    part.apply(plan.head)
-    assert (part.switch.treatment, part.switch.n_chunks) == plan.head
+    assert plan.option("head") == options[2][:2] and plan.blocks == ()
+    part.apply(plan.option("head"))
+    assert (part.switch.treatment, part.switch.n_chunks) == plan.option("head")
     out = model(input_ids=ids, labels=ids)
     assert out.logits is None and part.switch.chunked_forwards == 1
     part.switch.set("keep")

@@ -60,8 +60,8 @@ def test_summary_counts_steps_per_head_label_and_no_head_block():
 
 def test_plans_file_saves_and_loads_a_plans_head(tmp_path):
     plans = {
-        (4, 8): Plan((), head=("keep", 1)),
-        (4, 64): Plan((0, 1), kinds=("selective", "recompute"), head=("chunked", 16)),
+        (4, 8): Plan(()).with_option("head", ("keep", 1)),
+        (4, 64): Plan((0, 1), kinds=("selective", "recompute")).with_option("head", ("chunked", 16)),
         (4, 32): Plan((1,)),  # a plan that did not place the head
     }
     path = tmp_path / "plans.json"
@@ -80,7 +80,7 @@ def test_plans_files_of_before_the_head_still_load_without_a_head(tmp_path, sche
     path = tmp_path / "old.json"
     path.write_text(json.dumps({"schema_version": schema, "n_blocks": 2, "plans": [row]}))
     plans, _, _ = load_plans(str(path))
-    assert plans[(4, 16)].head is None and plans[(4, 16)].blocks == tuple(row["blocks"])
+    assert plans[(4, 16)].option("head") is None and plans[(4, 16)].blocks == tuple(row["blocks"])
 
 
 def test_a_bad_head_label_in_a_plans_file_names_the_file(tmp_path):
@@ -109,7 +109,7 @@ def _steps(model, ctl, lengths, rows=2):
 def test_precomputed_runs_a_files_head_where_the_head_is_planned_and_drops_it_where_not(tmp_path):
     base = _llama()
     path = tmp_path / "plans.json"
-    save_plans(path, 2, {(2, 8): Plan((), head=("keep", 1)), (2, 32): Plan((0,), head=("chunked", 4))})
+    save_plans(path, 2, {(2, 8): Plan(()).with_option("head", ("keep", 1)), (2, 32): Plan((0,)).with_option("head", ("chunked", 4))})
     model = copy.deepcopy(base)
     ctl = memfit.fit(model, budget=None, method="precomputed", path=path, head=True, announce=False)
     records = _steps(model, ctl, [8, 32])
@@ -140,10 +140,10 @@ def test_a_dynamic_runs_plans_file_keeps_each_shapes_head(tmp_path):
     ctl.save_plans(str(tmp_path / "plans.json"))
     ctl.remove()
     plans, _, _ = load_plans(str(tmp_path / "plans.json"))
-    assert {p.head[0] for p in plans.values()} == {"keep", "chunked"}, plans
-    assert all(plans[key].head == head for key, head in ran.items() if key in plans)
+    assert {p.option("head")[0] for p in plans.values()} == {"keep", "chunked"}, plans
+    assert all(plans[key].option("head") == head for key, head in ran.items() if key in plans)
     model = copy.deepcopy(base)
     ctl = memfit.fit(model, budget=None, method="precomputed", path=tmp_path / "plans.json", head=True, announce=False)
     again = {tuple(r.shape): r.head for r in _steps(model, ctl, lengths, rows=4)}
     ctl.remove()
-    assert all(again[key] == plans[key].head for key in plans if key in again)
+    assert all(again[key] == plans[key].option("head") for key in plans if key in again)

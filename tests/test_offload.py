@@ -209,6 +209,8 @@ class _Head:
     """An LM head part for the planner (treatments/chunked_head.py HeadPart's planning side): per token
     it saves 300 bytes in 2 chunks and 600 in one token a chunk, each priced over a block's recompute."""
 
+    name = "head"
+
     def choose_by_plans(self, plan_ms, key=None) -> bool:
         return True  # one implementation: nothing for the plans to choose (NOTE [The plans choose the implementation])
 
@@ -237,8 +239,8 @@ def _planning(price, share: float, tokens: int = 16384, head: bool = True, n_blo
                         treatments=("recompute", "offload"))
     planning.model, planning.static_bytes = model, 1000
     if head:
-        planning.set_head(_Head())
-        planning.model.part_saving["head"] = planning.head.saved_bytes
+        planning.add_part(_Head())
+        planning.model.part_saving["head"] = planning.parts["head"].saved_bytes
     planning.price_offload(price(link))
     return planning, key
 
@@ -255,7 +257,7 @@ def test_offload_priced_at_its_fixed_cost_plans_a_mix_that_fits_not_the_last_res
     assert planning.predict_peak(key, plan) <= planning.room_bytes, plan
     # offloading saves only past the 5 stashes back: 1 block's need takes 6, 4.5 blocks' more than 8 have
     assert {name: len(blocks) for name, blocks in plan.by_treatment().items()} == treated, plan
-    assert plan.head == (("keep", 1) if head else None)  # a chunk costs more than an offloaded block
+    assert plan.option("head") == (("keep", 1) if head else None)  # a chunk costs more than an offloaded block
     _assert_nothing_treated_that_fits_kept(planning, key, plan)
 
 
@@ -267,7 +269,7 @@ def test_keep_wins_where_it_fits(price, share):
     plan = planning.plan_for(key)
     assert planning.predict_peak(key, plan) <= planning.room_bytes, plan
     if share < 0:
-        assert plan.blocks == () and plan.head == ("keep", 1)
+        assert plan.blocks == () and plan.option("head") == ("keep", 1)
     _assert_nothing_treated_that_fits_kept(planning, key, plan)
 
 
@@ -276,10 +278,10 @@ def _assert_nothing_treated_that_fits_kept(planning, key, plan):
     for i in plan.blocks:
         kept = [t if j != i else "keep" for j, t in enumerate(treatments)]
         blocks = tuple(j for j, t in enumerate(kept) if t != "keep")
-        fewer = Plan(blocks, kinds=tuple(kept[j] for j in blocks), head=plan.head)
+        fewer = Plan(blocks, kinds=tuple(kept[j] for j in blocks)).with_option("head", plan.option("head"))
         assert planning.predict_peak(key, fewer) > planning.room_bytes, (plan, i)
-    if plan.head not in (None, ("keep", 1)):
-        kept_head = Plan(plan.blocks, kinds=plan.kinds, head=("keep", 1))
+    if plan.option("head") not in (None, ("keep", 1)):
+        kept_head = Plan(plan.blocks, kinds=plan.kinds).with_option("head", ("keep", 1))
         assert planning.predict_peak(key, kept_head) > planning.room_bytes, plan
 
 

@@ -5,8 +5,9 @@ import random
 
 import pytest
 
+from _head_common import plan_with_head
 from memfit.engine.plan.planner import (
-    InfeasiblePlanError, Plan, PlanCache, _is_homogeneous, plan_blocks, plan_treatments, plan_with_head,
+    InfeasiblePlanError, Plan, PlanCache, _is_homogeneous, plan_blocks, plan_treatments,
 )
 
 CASES = [
@@ -166,7 +167,7 @@ HEAD_CASES = [
 @pytest.mark.parametrize("head, need, blocks, expected_head", HEAD_CASES)
 def test_plan_with_head_table(head, need, blocks, expected_head):
     plan = plan_with_head(HEAD_BLOCKS, head, need)
-    assert (plan.blocks, plan.head) == (blocks, expected_head)
+    assert (plan.blocks, plan.option("head")) == (blocks, expected_head)
     costs = dict(((o[0], o[1]), o[3]) for o in head)
     assert plan.cost_ms == pytest.approx(10.0 * len(blocks) + costs[expected_head])
     if need > 0:
@@ -181,19 +182,19 @@ def test_plan_with_head_cannot_fit_names_the_head():
 def test_plan_with_head_without_a_head_is_the_blocks_plan():
     for need in (0, 100, 200):
         assert plan_with_head(HEAD_BLOCKS, (), need) == plan_treatments(tuple(map(tuple, HEAD_BLOCKS)), need)
-        assert plan_with_head(HEAD_BLOCKS, (), need).head is None
+        assert plan_with_head(HEAD_BLOCKS, (), need).option("head") is None
 
 
 def test_head_label():
-    assert Plan(()).head_label is None
-    assert Plan((), head=("keep", 1)).head_label == "keep"
-    assert Plan((0,), head=("chunked", 8)).head_label == "chunked:8"
+    assert Plan(()).part_labels().get("head") is None
+    assert Plan(()).with_option("head", ("keep", 1)).part_labels()["head"] == "keep"
+    assert Plan((0,)).with_option("head", ("chunked", 8)).part_labels()["head"] == "chunked:8"
 
 
 def test_a_plan_from_a_records_treatments_is_the_plan_that_wrote_them():
     """Plan.from_treatments is by_treatment's inverse: the plan a step record ran, its head's included."""
-    plan = Plan((0, 2, 3, 5), kinds=("elementwise", "recompute", "offload", "recompute"), head=("chunked", 8))
-    assert Plan.from_treatments(plan.by_treatment(), plan.head) == plan
+    plan = Plan((0, 2, 3, 5), kinds=("elementwise", "recompute", "offload", "recompute")).with_option("head", ("chunked", 8))
+    assert Plan.from_treatments(plan.by_treatment(), plan.parts) == plan
     assert Plan.from_treatments({"recompute": [4, 1]}) == Plan((1, 4))  # all recomputed: kinds normalised away
     assert Plan.from_treatments({}) == Plan(())
 
@@ -259,7 +260,7 @@ def test_random_unlike_stacks_cover_the_need_in_bounded_memory(seed):
                 plan = plans[0]
                 kinds = plan.treatments(n)
                 saved = sum(next(o[1] for o in options[i] if o[0] == kinds[i]) for i in plan.blocks)
-                head_saved = next((o[2] for o in heads if (o[0], o[1]) == plan.head), 0)
+                head_saved = next((o[2] for o in heads if (o[0], o[1]) == plan.option("head")), 0)
                 assert saved + head_saved >= need
                 assert plan.saved_bytes == saved + head_saved
                 assert peak < n * 1025 * 64 + 2**20, (n, frac, peak)

@@ -454,7 +454,7 @@ def test_model_replay_predicts_each_step_with_its_blocks_treatments(tmp_path, ca
     key = tuple(steady["shape"][:2])
     for row, mix in zip(rows, mixes):
         kind = {i: name for name, blocks in mix.items() for i in blocks}
-        plan = Plan(tuple(sorted(kind)), kinds=tuple(kind[i] for i in sorted(kind)), head=("keep", 1))
+        plan = Plan(tuple(sorted(kind)), kinds=tuple(kind[i] for i in sorted(kind))).with_option("head", ("keep", 1))
         assert float(row[5]) == round((steady["static_bytes"] + model.step_bytes(key, plan)) / 1e9, 2)
     assert rows[2][4].strip() == "-"  # no block re-runs its body whole
 

@@ -341,7 +341,7 @@ def test_a_replay_of_every_block_recomputed_runs_the_tiled_floor(monkeypatch, na
     assert record.oom_retries == 1 and record.phase == "warmup"
     assert record.block_treatments == {floor: [0, 1, 2]}
     # the floor's head is its option that saves most, not the count a plan without a head runs
-    options = ctl.planning.head.options(2 * 16)
+    options = ctl.planning.parts["head"].options(2 * 16)
     leanest = max(options, key=lambda o: o[2])
     assert record.treatments["head"] == f"{leanest[0]}:{leanest[1]}", (record.treatments, options)
     # NOTE [Warm-up on the floor]: the next warm-up steps of as many tokens or more start there (no failed
@@ -376,8 +376,8 @@ def test_the_floor_plan_chunks_the_head_the_most():
     planning = SimpleNamespace(registry=resolve(TILED), all_blocks=(0, 1), n_blocks=2, parts={"head": Head()})
     plan = _floor(planning, 65536)
     assert plan.kinds == (HOST_CHECKPOINT_TILED,) * 2
-    assert plan.head == max(options, key=lambda o: o[2])[:2] and plan.head[1] > head_without_a_plan(options)[1], (plan.head, options)
-    assert _floor(SimpleNamespace(**{**vars(planning), "parts": {}}), 65536).head is None
+    assert plan.option("head") == max(options, key=lambda o: o[2])[:2] and plan.option("head")[1] > head_without_a_plan(options)[1], (plan.option("head"), options)
+    assert _floor(SimpleNamespace(**{**vars(planning), "parts": {}}), 65536).option("head") is None
     # where the run offers no other re-run, the floor is every block plainly recomputed (no kinds: the full plan)
     plain = _floor(SimpleNamespace(**{**vars(planning), "registry": resolve(("recompute",))}), 65536)
     assert plain.blocks == (0, 1) and plain.kinds == ()

@@ -39,14 +39,15 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from memfit.engine.records import HEAD_KEY, part_label
+from memfit.engine.records import part_label
 
-__all__ = ["Plan", "InfeasiblePlanError", "plan_blocks", "plan_treatments", "plan_with_parts", "plan_with_head",
+__all__ = ["Plan", "InfeasiblePlanError", "plan_blocks", "plan_treatments", "plan_with_parts",
            "with_leaner_reruns", "PlanCache"]
 
 
@@ -56,8 +57,6 @@ class InfeasiblePlanError(ValueError):
 
 #: the name of whole-block recompute (memfit.engine.parts.treatments.RECOMPUTE; the planner imports no torch)
 _RECOMPUTE = "recompute"
-_HEAD = HEAD_KEY
-_NO_CHANGE: Any = object()
 
 
 @dataclass(frozen=True, init=False)
@@ -75,14 +74,10 @@ class Plan:
             kind is ``"head"``, its param the chunk count), in the order the planning holds them;
             empty for a plan that places none.
 
-    ``head`` (a constructor argument and a read-only attribute) is the LM head's entry of
-    ``parts``: ``("keep", 1)`` or ``("chunked", n)``, None without a planned head (NOTE [The
-    head in the plan]); given to the constructor, it sets (None: drops) the head's entry.
-
     Example:
         >>> Plan((0, 2)).treatments(3)
         ['recompute', 'keep', 'recompute']
-        >>> Plan((0,), head=("chunked", 4)).parts
+        >>> Plan((0,)).with_option("head", ("chunked", 4)).parts
         (('head', 'chunked', 4),)
     """
 
@@ -93,11 +88,8 @@ class Plan:
     parts: tuple[tuple[str, str, int], ...] = ()
 
     def __init__(self, blocks: tuple[int, ...], cost_ms: float = 0.0, saved_bytes: int = 0, kinds: tuple[str, ...] = (),
-                 parts: Sequence[tuple[str, str, int]] = (), head: Any = _NO_CHANGE) -> None:
+                 parts: Sequence[tuple[str, str, int]] = ()) -> None:
         parts = tuple((str(kind), str(name), int(param)) for kind, name, param in parts)
-        if head is not _NO_CHANGE:
-            others = tuple(p for p in parts if p[0] != _HEAD)
-            parts = others if head is None else ((_HEAD, str(head[0]), int(head[1])),) + others
         if kinds and len(kinds) != len(blocks):
             raise ValueError(f"a plan of {len(blocks)} treated blocks has {len(kinds)} treatment names")
         if kinds and all(k == _RECOMPUTE for k in kinds):
@@ -106,15 +98,16 @@ class Plan:
                             ("kinds", tuple(kinds)), ("parts", parts)):
             object.__setattr__(self, name, value)
 
-    @property
-    def head(self) -> tuple[str, int] | None:
-        """The LM head's treatment and chunk count, ``("keep", 1)`` or ``("chunked", n)``; None for a
-        plan without a planned head (NOTE [The head in the plan])."""
-        return self.option(_HEAD)
-
     def option(self, kind: str) -> tuple[str, int] | None:
         """The ``(treatment, param)`` of the part of ``kind`` beside the blocks, None where the plan places none."""
         return next(((name, param) for k, name, param in self.parts if k == kind), None)
+
+    def with_option(self, kind: str, option: tuple[str, int] | None) -> "Plan":
+        """The same plan with the part of ``kind`` at ``option`` (in its place, or last where the plan placed none;
+        None: not placed)."""
+        entry = () if option is None else ((kind, str(option[0]), int(option[1])),)
+        at = next((i for i, part in enumerate(self.parts) if part[0] == kind), len(self.parts))
+        return dataclasses.replace(self, parts=(*self.parts[:at], *entry, *self.parts[at + 1:]))
 
     def part_labels(self) -> dict[str, str]:
         """Each placed part's label by kind, as records and plan files write it (``"chunked:8"``)."""
@@ -135,18 +128,12 @@ class Plan:
         return out
 
     @classmethod
-    def from_treatments(cls, by_treatment: Mapping[str, Sequence[int]], head: tuple[str, int] | None = None) -> "Plan":
+    def from_treatments(cls, by_treatment: Mapping[str, Sequence[int]], parts: Sequence[tuple[str, str, int]] = ()) -> "Plan":
         """The plan that treats each block as ``by_treatment`` says (the inverse of :meth:`by_treatment`:
-        a step record's ``block_treatments`` and ``head`` give the plan the step ran)."""
+        a step record's ``block_treatments`` and its parts give the plan the step ran)."""
         kinds = {i: kind for kind, blocks in by_treatment.items() for i in blocks}
         blocks = tuple(sorted(kinds))
-        return cls(blocks, kinds=tuple(kinds[i] for i in blocks), head=head)
-
-    @property
-    def head_label(self) -> str | None:
-        """The head's treatment as records, plan files and reports write it: ``"keep"`` or
-        ``"chunked:<n>"``; None without a planned head."""
-        return self.part_labels().get(_HEAD)
+        return cls(blocks, kinds=tuple(kinds[i] for i in blocks), parts=parts)
 
     @property
     def layout(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -299,50 +286,6 @@ def with_leaner_reruns(
     return Plan(plan.blocks, cost, plan.saved_bytes, kinds=tuple(kinds[i] for i in plan.blocks), parts=plan.parts)
 
 
-def plan_with_head(
-    options: Sequence[Sequence[tuple[str, int, float]]],
-    head_options: Sequence[tuple[str, int, int, float]],
-    need_bytes: int,
-    resolution: int = 1024,
-    order: Mapping[str, int] | None = None,
-) -> Plan:
-    """Cheapest mix of block treatments and one head treatment whose savings reach ``need_bytes``
-    (:func:`plan_with_parts` with the head the one part beside the blocks).
-
-    # NOTE [The head in the plan]
-    The LM head is a part beside the blocks: its treatments (``keep``; ``chunked`` with a
-    chunk count, NOTE [Head bytes] in head.py) save bytes at the head's moment of the step and
-    cost time like a block's. Each head option is tried with the blocks' cheapest plan for what
-    is still needed, and the cheapest sum wins: so chunking the head is chosen over recomputing
-    blocks only when it is cheaper, and the head is kept when the blocks make room more cheaply.
-    Ties go to the earlier option (give keep first, then chunk counts ascending: fewest chunks).
-    A model without a planned head passes no head options and gets :func:`plan_treatments`'
-    plan, ``head`` None.
-
-    Args:
-        options: per block, ``(treatment, bytes saved, ms)`` as :func:`plan_treatments` takes them.
-        head_options: ``(treatment, n_chunks, bytes saved, ms)`` of each head treatment, bytes
-            and ms relative to keeping the head (keep is ``("keep", 1, 0, 0.0)``).
-        need_bytes: bytes to save relative to keeping every part; ``<= 0`` keeps every part.
-        resolution: DP units for stacks of unlike blocks.
-        order: as :func:`plan_treatments`.
-
-    Returns:
-        The :class:`Plan`, its ``head`` naming the head's treatment and chunk count.
-
-    Raises:
-        InfeasiblePlanError: when no head option with every block treated saves enough; the
-            message names the most the head's treatments save, so the user sees what the head takes.
-
-    Example:
-        >>> blocks = [[("recompute", 100, 10.0)]] * 2
-        >>> head = [("keep", 1, 0, 0.0), ("chunked", 4, 500, 3.0)]
-        >>> plan_with_head(blocks, head, 150).head
-        ('chunked', 4)
-    """
-    return plan_with_parts(options, [(_HEAD, head_options)] if head_options else [], need_bytes, resolution, order)
-
-
 #: the most combinations of the parts' options :func:`plan_with_parts` tries (NOTE [Parts beside the blocks])
 MAX_PART_COMBINATIONS = 64
 
@@ -365,7 +308,8 @@ def plan_with_parts(
     :data:`MAX_PART_COMBINATIONS`: past it, options another option of the same part dominates
     (saves no more, costs no less) are dropped, then each part keeps its untreated option and
     those that save most, so a plan's time stays bounded whatever the parts offer. The head
-    alone offers fewer, and is planned over all of its options (NOTE [The head in the plan]).
+    alone offers fewer, and is planned over all of its options (NOTE [The head in the plan],
+    treatments/chunked_head.py).
 
     Args:
         options: per block, ``(treatment, bytes saved, ms)`` as :func:`plan_treatments` takes them.

@@ -79,7 +79,6 @@ import statistics
 from memfit.engine.budget import Budget
 from memfit.engine.plan.model import MemoryModel
 from memfit.engine.plan.planner import with_leaner_reruns, InfeasiblePlanError, Plan, PlanCache, plan_blocks, plan_with_parts
-from memfit.engine.records import HEAD_KEY
 from memfit.engine.plan.room import Room
 from memfit.engine.shapes import bucket_key
 from memfit.engine.summary_text import over_budget_words
@@ -265,34 +264,24 @@ class Planning:
         self.parts: dict[str, Any] = {}
         self.bias, self.run_bias = BucketBias(), RunBias()  # NOTE [Bias per bucket], NOTE [Over-prediction across buckets]
 
-    @property
-    def head(self) -> Any:
-        """The LM head as a planned part (treatments/chunked_head.py HeadPart), or None."""
-        return self.parts.get(HEAD_KEY)
-
-    @head.setter
-    def head(self, part: Any) -> None:
-        self._set_part(HEAD_KEY, part)
-
     def _set_part(self, kind: str, part: Any) -> None:
-        """Plan ``part`` as the part of ``kind`` from now on (None: no more), the LM head's first; the memory
-        model prices its options' savings (NOTE [Head in the peaks], model.py)."""
+        """Plan ``part`` as the part of ``kind`` from now on (None: no more), in the order added; the memory model
+        prices its options' savings (NOTE [Head in the peaks], model.py)."""
         parts = {k: p for k, p in self.parts.items() if k != kind}
         if part is not None:
-            parts = {kind: part, **parts} if kind == HEAD_KEY else {**parts, kind: part}
+            parts[kind] = part
         self.parts = parts
         self.model.part_saving = {k: p.saved_bytes for k, p in parts.items()}
-
-    def set_head(self, part: Any) -> None:
-        """Plan the LM head beside the blocks from now on (NOTE [The head in the plan], planner.py); None: no more."""
-        self.head = part
         self.cache.clear()
 
     def add_part(self, part: Any) -> None:
         """Plan ``part`` (a :class:`~memfit.engine.parts.kind.PartKind`) beside the blocks from now on
         (NOTE [Parts beside the blocks], planner.py)."""
         self._set_part(part.name, part)
-        self.cache.clear()
+
+    def remove_part(self, kind: str) -> None:
+        """Plan the part of ``kind`` no more (its option then runs as the model runs it)."""
+        self._set_part(kind, None)
 
     def price_offload(self, offload_ms: Callable[[float, float], float]) -> None:
         """Offload is priced by ``offload_ms`` (moved bytes, forward ms) -> ms from now on (probe.py's LinkPrice, whose

@@ -1,8 +1,18 @@
 """``chunked`` for the LM head: logits and loss a chunk of tokens at a time (engine/parts/head.py runs it),
 and its options for the planner, priced per shape.
 
+# NOTE [The head in the plan]
+The LM head is a part beside the blocks (``HeadPart``, kind ``"head"``; NOTE [Parts beside the
+blocks], plan/planner.py): its treatments (``keep``; ``chunked`` with a chunk count, NOTE [Head
+bytes] in head.py) save bytes at the head's moment of the step and cost time like a block's. Each
+head option is tried with the blocks' cheapest plan for what is still needed, and the cheapest sum
+wins: so chunking the head is chosen over recomputing blocks only when it is cheaper, and the head
+is kept when the blocks make room more cheaply. Ties go to the earlier option (keep first, then
+chunk counts ascending: fewest chunks). A plan's ``option("head")`` is ``("keep", 1)`` or
+``("chunked", n)``, None without a planned head.
+
 # NOTE [Head options]
-The planner (:func:`memfit.engine.plan.planner.plan_with_head`) takes the head's options as
+The planner (:func:`memfit.engine.plan.planner.plan_with_parts`) takes the head's options as
 ``(treatment, n_chunks, bytes saved, ms)`` relative to keeping the head. The bytes are the
 head's peak at its moment of the step, ``saved + transient`` of :func:`head_saved_bytes`, kept
 minus chunked; the time is ``extra_ms + per_chunk_ms * n_chunks`` (the caller's price of the
@@ -280,7 +290,7 @@ def shard_head(spec: "HeadSpec") -> tuple["HeadSpec", float]:
 
 class HeadPart(PartKind):
     """The head as the planner and the controller see it, a part kind (parts/kind.py): its options per shape
-    (NOTE [Head options]) and the switch a plan sets (``Plan.head``, NOTE [The head in the plan]).
+    (NOTE [Head options]) and the switch a plan sets (``plan.option("head")``, NOTE [The head in the plan]).
 
     Args:
         switch: the model's head switch (:func:`memfit.engine.parts.head.attach_head`).
@@ -300,8 +310,8 @@ class HeadPart(PartKind):
 
     Example:
         >>> part = HeadPart(attach_head(model))               # doctest: +SKIP
-        >>> plan = plan_with_head(blocks, part.options(n * l), need)  # doctest: +SKIP
-        >>> part.apply(plan.head)                               # doctest: +SKIP
+        >>> plan = plan_with_parts(blocks, [("head", part.options(n * l))], need)  # doctest: +SKIP
+        >>> part.apply(plan.option("head"))                      # doctest: +SKIP
     """
 
     name = HEAD_KEY
@@ -569,10 +579,10 @@ class HeadPart(PartKind):
         plan = decision.plan
         if decision.warmup and self.probed_steps < PROBE_STEPS:
             self.switch.probe = self.probe  # NOTE [Pricing the head]
-        if plan.head is None:
+        if plan.option(HEAD_KEY) is None:
             head = head_without_a_plan(self.options(max(1, key[0] * key[1])))
-            decision = dataclasses.replace(decision, plan=dataclasses.replace(plan, head=head))
-        self.apply(decision.plan.head)
+            decision = dataclasses.replace(decision, plan=plan.with_option(HEAD_KEY, head))
+        self.apply(decision.plan.option(HEAD_KEY))
         return decision
 
     def remove(self) -> None:
@@ -646,7 +656,7 @@ def attach_head_part(
         return None, f"LM head kept ({reason})"
     part = HeadPart(switch, transient=transient,
                     free_bytes=_room_free_bytes(planning) if transient else None, aside=aside)
-    planning.set_head(part)
+    planning.add_part(part)
     if not plans:  # none, full: their plans name no head, so every step chunks it (NOTE [A plan without a head])
         return part, "LM head chunked on each step whose plan does not keep it (the method does not plan it per batch)"
     return part, "LM head planned per batch (kept, or its logits and loss chunked)"
@@ -705,7 +715,7 @@ class RunHead:
         self._switch.on_left_to_caller = None
         self._switch.set("keep")  # a later forward with labels: the model's own loss, bitwise
         self.part, self.words = None, "LM head kept (the model is called without labels: the caller computes the loss)"
-        self.planning.set_head(None)
+        self.planning.remove_part(HEAD_KEY)
         logger.warning("memfit: the model is called without labels (its loss is computed outside it), so memfit leaves "
                        "the LM head to the caller and counts its bytes with the rest of the step")
 
@@ -723,10 +733,11 @@ class RunHead:
         """What a step's record says of the head: its label under ``treatments["head"]`` and, where it
         ran chunked, the implementation (NOTE [The head in a record], records.py); nothing without a
         planned head (a plan that names one, from a method that does not plan the head, ran it kept: not said)."""
-        if self.part is None or plan.head is None:
+        head = plan.option(HEAD_KEY)
+        if self.part is None or head is None:
             return
-        record.treatments["head"] = plan.head_label
-        if plan.head[0] == CHUNKED and self._switch is not None:
+        record.treatments[HEAD_KEY] = plan.part_labels()[HEAD_KEY]
+        if head[0] == CHUNKED and self._switch is not None:
             record.head_implementation = self._switch.implementation
 
     def remove(self) -> None:
