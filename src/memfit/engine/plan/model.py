@@ -688,7 +688,7 @@ class MemoryModel:
             return curve.values(n, t) if isinstance(t, np.ndarray) else curve((n, t))  # a shape's: memoised
 
         partial = self.transient_partial
-        # no full regime measured (no step recomputed every block plainly): the partial one, the only transient read
+        # no full sample yet (NOTE [Full terms of a re-run step]): the partial curve, the only transient measured
         full = self.transient_full if self.transient_full.fitted or not partial.fitted else partial
         values: dict[Any, Any] = {"outside": at(self.outside), "transient_full": at(full)}
         transient = values["transient_full"]
