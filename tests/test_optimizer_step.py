@@ -11,7 +11,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 import memfit
 from memfit.engine.budget import BudgetTooSmallError
-from memfit.engine.parts.optimizer_step import PER_TENSOR, _transients, choose_step, expected_step_bytes
+from memfit.engine.parts.optimizer_step import PER_TENSOR, OptimizerStepPart, _transients, choose_step, expected_step_bytes
 
 
 class _Stack(nn.Module):
@@ -54,13 +54,15 @@ def test_per_tensor_updates_equal_foreach_bit_for_bit(kind):
     _train(ref, ref_opt, 2)
     _train(treated, opt, 2)
     made = _transients(opt, None)
-    transient, undo = choose_step(opt, made[PER_TENSOR], None)  # room for the per-tensor step only
-    assert undo is not None and transient == made[PER_TENSOR] < made["as_made"]
+    assert choose_step(opt, made[PER_TENSOR], None) == made[PER_TENSOR] < made["as_made"]  # room for per tensor only
+    part = OptimizerStepPart(opt)
+    assert part.at_moment(made[PER_TENSOR], 0)[:2] == (PER_TENSOR, 1) and part.at_moment(made["as_made"], 0)[:2] == ("keep", 1)
+    part.apply((PER_TENSOR, 1))
     assert all(g["foreach"] is False for g in opt.param_groups)
     _train(ref, ref_opt, 3)
     _train(treated, opt, 3)
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), treated.parameters()))
-    undo()
+    part.apply(None)
     assert all(g["foreach"] is True for g in opt.param_groups)
 
 
@@ -68,12 +70,13 @@ def test_choose_step_leaves_a_step_that_fits_and_one_that_cannot_fit_either_way(
     model = _Stack()
     opt = torch.optim.AdamW(model.parameters(), foreach=True)
     made = _transients(opt, None)
-    assert choose_step(opt, made["as_made"], None) == (made["as_made"], None)
-    assert choose_step(opt, made[PER_TENSOR] - 1, None) == (made["as_made"], None)
-    assert choose_step(opt, None, None) == (made["as_made"], None)
+    assert choose_step(opt, made["as_made"], None) == made["as_made"]
+    assert choose_step(opt, made[PER_TENSOR] - 1, None) == made["as_made"]
+    assert choose_step(opt, None, None) == made["as_made"]
+    assert all(g["foreach"] is True for g in opt.param_groups)  # counting changes nothing
     fused = torch.optim.AdamW(model.parameters(), fused=True) if torch.cuda.is_available() else None
     if fused is not None:
-        assert choose_step(fused, 0, None) == (0, None)
+        assert choose_step(fused, 0, None) == 0 and OptimizerStepPart(fused).options(0) == (("keep", 1, 0, 0.0),)
 
 
 def test_fit_under_a_budget_below_foreach_s_temporaries_trains_per_tensor_and_remove_restores_it():
@@ -84,8 +87,9 @@ def test_fit_under_a_budget_below_foreach_s_temporaries_trains_per_tensor_and_re
     static, made = _budgets(model, opt)
     budget = static + (made[PER_TENSOR] + made["as_made"]) // 2  # the per-tensor step fits, foreach's does not
     ctl = memfit.fit(model, budget, "dynamic", optimizer=opt, blocks=r"layers\.\d+", announce=False)
-    assert all(g["foreach"] is False for g in opt.param_groups)
     _train(model, opt, 3, ctl)
+    assert all(g["foreach"] is False for g in opt.param_groups)  # each step's plan ran it per tensor
+    assert [r.treatments.get("optimizer_step") for r in ctl.records] == ["per_tensor:1"] * 3
     ctl.remove()
     assert all(g["foreach"] is True for g in opt.param_groups)
     _train(ref, torch.optim.AdamW(ref.parameters(), foreach=True), 3)
@@ -96,7 +100,7 @@ def test_the_per_tensor_step_s_peak_is_what_the_choice_counted():
     model = _Stack()
     opt = torch.optim.AdamW(model.parameters(), foreach=True)
     made = _transients(opt, None)
-    choose_step(opt, made[PER_TENSOR], None)
+    OptimizerStepPart(opt).apply((PER_TENSOR, 1))
     params = list(model.parameters())
     worst = 0
     for _ in range(2):
@@ -134,3 +138,36 @@ def test_the_trainer_s_expected_step_counts_the_per_tensor_step_where_foreach_wo
     assert expected_step_bytes("adamw_torch", params, 0.0, made) == made  # foreach's fits: as made
     assert expected_step_bytes("adamw_torch", params, 0.0, made - 1) == per_tensor  # it does not: per tensor
     assert expected_step_bytes("adamw_torch_fused", params, 0.0, 0) == 0
+
+
+def test_the_step_part_is_chosen_per_step_from_the_room_and_taught_in_untreated_terms():
+    """NOTE [A part kind's moment]: Planning runs the optimizer step's cheapest option whose temporaries fit the room
+    above static (the larger of the formula's and what steps read), takes its saving off the step's moment in the
+    memory model, lets a larger margin switch it to per tensor and a smaller one back, and the learner adds the
+    saving back to what a treated step read."""
+    from memfit.engine.plan import learner
+    from memfit.engine.plan.learner import StepOutcome
+    from memfit.engine.plan.planner import Plan
+    from memfit.engine.plan.planning import Planning
+
+    opt = torch.optim.AdamW(_Stack().parameters(), foreach=True)
+    part = OptimizerStepPart(opt)
+    made, per_tensor = part.made, part.made - part.options(0)[1][2]
+    static = 10_000
+    planning = Planning(2, [0, 0], static + (made + per_tensor) // 2, margin_bytes=0, bucket_tokens=1)
+    planning.static_bytes = static
+    planning.add_part(part)
+    assert planning.parts == {} and planning.moment_parts == {"optimizer_step": part}
+    assert planning.moment_options((1, 8)) == {"optimizer_step": (PER_TENSOR, 1)}
+    assert planning.model.step_saved == made - per_tensor
+    planning.model.optimizer_bytes = float(made)  # as a step would have read it untreated
+    assert planning.model.step_bytes((1, 8), Plan(())) == per_tensor  # the moment's peak, per tensor
+    outcome = StepOutcome(key=(1, 8), plan=Plan(()), warmup=False, outside=0, by_block=[0, 0], static=static,
+                          peak=static + per_tensor, plain_peak=static + per_tensor, transient=None,
+                          optimizer_above_static=per_tensor)
+    assert learner.learn_optimizer_peak(planning, outcome).optimizer_above_static == made  # untreated terms
+    planning.room.margin_bytes = -made  # room for foreach's temporaries
+    assert planning.moment_options((1, 8)) == {"optimizer_step": ("keep", 1)} and planning.model.step_saved == 0
+    assert planning.moment_options((1, 8), state_to_come=2 * made) == {"optimizer_step": (PER_TENSOR, 1)}
+    planning.remove_part("optimizer_step")
+    assert planning.moment_options((1, 8)) == {}

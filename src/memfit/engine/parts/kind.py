@@ -9,9 +9,19 @@ sets it before the step's forward and the step record holds its label under the 
 where the summary line and ``memfit report`` read it.
 
 # NOTE [A part kind's moment]
-A part kind's bytes are held from after the last block's forward until its own backward, as the
-LM head's logits are: its options' savings are taken off the backward's start (and the recompute
-bound), never off a block's moment. A part whose bytes peak elsewhere is not a part kind.
+A part kind's bytes are held at one moment of the step, its ``moment``:
+
+* ``AFTER_BLOCKS`` (the default): from after the last block's forward until its own backward, as
+  the LM head's logits are. Its options' savings are taken off the backward's start (and the
+  recompute bound), never off a block's moment, and the planner chooses them beside the blocks'.
+* ``OPTIMIZER_STEP``: during the optimizer step, when no activation is held (the step's
+  temporaries: parts/optimizer_step.py). Its bytes are the same for every batch and meet no
+  block's, so no knapsack weighs them against the blocks: Planning runs the cheapest option whose
+  bytes there fit the room above static (:meth:`PartKind.at_moment`), its untreated bytes the
+  larger of what steps read there and what the part predicts (:meth:`PartKind.moment_bytes`), and
+  the memory model takes its saving off that moment's peak.
+
+A part whose bytes peak at another moment is not a part kind yet.
 
 # NOTE [A part kind's options]
 ``options(tokens)`` lists ``(treatment, param, bytes saved, ms)`` for a batch of ``tokens`` tokens,
@@ -29,10 +39,12 @@ from typing import Any
 
 from memfit.engine.records import HEAD_KEY
 
-__all__ = ["PartKind", "Option", "RunParts", "check_parts"]
+__all__ = ["PartKind", "Option", "RunParts", "check_parts", "AFTER_BLOCKS", "OPTIMIZER_STEP"]
 
 #: ``(treatment, param, bytes saved, ms)`` of a part's option (NOTE [A part kind's options])
 Option = tuple[str, int, int, float]
+#: the moments a part kind's bytes may be held at (NOTE [A part kind's moment])
+AFTER_BLOCKS, OPTIMIZER_STEP = "after_blocks", "optimizer_step"
 
 
 class PartKind:
@@ -55,6 +67,8 @@ class PartKind:
     """
 
     name: str = ""
+    #: when its bytes are held (NOTE [A part kind's moment])
+    moment: str = AFTER_BLOCKS
 
     def options(self, tokens: int) -> Sequence[Option]:
         """The part's options for a batch of ``tokens`` tokens, untreated first."""
@@ -88,6 +102,18 @@ class PartKind:
         """While ``note`` is set, an OOM in the part's own run is noted (``note(message, where)``) and the part runs
         again in its option that saves most, in step with the other ranks (NOTE [Replay under FSDP], replay.py);
         None ends it. A part that cannot recover so lets its OOM reach the replay (the default)."""
+
+    def moment_bytes(self) -> int:
+        """What the part holds untreated at a moment of its own, as predicted before a step reads it (0: not predicted)."""
+        return 0
+
+    def at_moment(self, free_bytes: float, measured: float) -> Option:
+        """The option a part held at a moment of its own runs (NOTE [A part kind's moment]): the cheapest whose bytes there
+        fit ``free_bytes``, untreated the larger of ``measured`` and :meth:`moment_bytes`; where none fits, the one that
+        saves most."""
+        untreated, options = max(measured, self.moment_bytes()), self.options(0)
+        fits = [option for option in options if untreated - option[2] <= free_bytes]
+        return min(fits, key=lambda option: option[3]) if fits else max(options, key=lambda option: option[2])
 
     def untreated(self, tokens: int) -> tuple[str, int]:
         """The option a step runs whose plan placed no option of the part."""
@@ -131,27 +157,32 @@ class RunParts:
 
     def __init__(self, head: Any, parts: Sequence[Any], planning: Any):
         check_parts(parts, reserved=(HEAD_KEY, *planning.registry, "key", "blocks", "treatments"))
-        self.head, self.kinds = head, tuple(parts)
+        self.head, self.kinds, self.planning = head, tuple(parts), planning
         for part in self.kinds:
             planning.add_part(part)
 
     def decide(self, decision: Any, key: tuple[int, int], state_to_come: int = 0) -> Any:
         """``decision`` with the head's treatment set (``RunHead.decide``) and every part kind's option
         applied; a plan made without a part (warm-up's, ``none``'s, ``full``'s, a replay's) runs it
-        untreated, and says so."""
+        untreated, and says so; a part held at a moment of its own runs what Planning chooses for it
+        (NOTE [A part kind's moment])."""
         decision = self.head.decide(decision, key, state_to_come)
         plan, tokens = decision.plan, key[0] * key[1]
         missing = [(part.name, *part.untreated(tokens)) for part in self.kinds if plan.option(part.name) is None]
-        if missing:
-            plan = dataclasses.replace(plan, parts=(*plan.parts, *missing))
-            decision = dataclasses.replace(decision, plan=plan)
-        for part in self.kinds:
+        for kind, option in self.planning.moment_options(key, state_to_come).items():
+            plan = plan.with_option(kind, option)
+        plan = dataclasses.replace(plan, parts=(*plan.parts, *missing))
+        decision = dataclasses.replace(decision, plan=plan)
+        for part in (*self.kinds, *self.planning.moment_parts.values()):
             part.apply(plan.option(part.name))
         return decision
 
     def record(self, record: Any, plan: Any) -> None:
         """What a step's record says of the parts: each one's label under its kind (NOTE [Parts in a
-        record], records.py), and the head's implementation where it ran chunked (``RunHead.record``)."""
+        record], records.py), and the head's implementation where it ran chunked (``RunHead.record``).
+        A part held at a moment of its own is said where the step treated it (untreated, every step of
+        every run with an optimizer would say so)."""
         self.head.record(record, plan)
         ran = {part.name for part in self.kinds}  # a plan's label for a part the run does not plan says nothing ran
+        ran |= {kind for kind in self.planning.moment_parts if (plan.option(kind) or ("keep",))[0] != "keep"}
         record.treatments.update({kind: label for kind, label in plan.part_labels().items() if kind in ran})

@@ -4,20 +4,23 @@ state, and memfit's lever on it.
 # NOTE [The optimizer step's treatments]
 The step's moment holds no activations (backward has freed them), so its peak is static bytes
 plus the step's temporaries (NOTE [Optimizer step transient], optim_state.py), the same for
-every batch. Two treatments:
+every batch. The step is a part held at a moment of its own (``OptimizerStepPart``, NOTE [A part
+kind's moment] in kind.py), with two options:
 
-* ``as_made``: the implementation torch chose for each parameter group (fused, foreach or the
+* ``keep``: the implementation torch chose for each parameter group (fused, foreach or the
   for-loop): foreach holds about one copy of a group's parameters at once;
 * ``per_tensor``: the groups that would run foreach run torch's for-loop step instead
   (``group["foreach"] = False``, which torch reads at every step): a few copies of the largest
   parameter at once. The same arithmetic on the same tensors: the updates are equal bit for bit
   (tests/test_optimizer_step.py); it costs a kernel launch per tensor instead of per group.
 
-Since no batch changes the need, the choice is made when the optimizer and the budget are known
-(``memfit.fit``, ``Controller.set_optimizer``, and before the Trainer's ``--optim`` makes its
-optimizer): ``as_made`` where static + its temporaries fit the budget, else ``per_tensor`` where
-that fits and is smaller, else the one error naming the step (budget.py). It is said once, at
-INFO. A fused step has no temporaries and is never changed.
+Planning runs ``keep`` where static + its temporaries (the larger of the formula's and what
+steps read) fit the room, else ``per_tensor``, chosen per step from the room it has then: a
+margin grown by an OOM, or a step's larger static bytes, switches it, and a later room switches
+it back. The check before training (``memfit.fit``, ``Controller.set_optimizer``, and before the
+Trainer's ``--optim`` makes its optimizer) counts the temporaries of the option that will fit,
+and is the one error naming the step where neither does. A step record names the part where
+the step ran ``per_tensor``. A fused step has no temporaries and is never changed.
 """
 
 from __future__ import annotations
@@ -27,13 +30,14 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from memfit.engine.parts.kind import OPTIMIZER_STEP, PartKind
 from memfit.engine.parts.optim_state import expected_step_transient_bytes, torch_step_transient_bytes
 
-__all__ = ["AS_MADE", "PER_TENSOR", "choose_step", "expected_step_bytes"]
+__all__ = ["AS_MADE", "PER_TENSOR", "OptimizerStepPart", "choose_step", "expected_step_bytes"]
 
 logger = logging.getLogger("memfit")
 
-AS_MADE, PER_TENSOR = "as_made", "per_tensor"
+AS_MADE, PER_TENSOR, KEEP = "as_made", "per_tensor", "keep"
 
 
 def _per_tensor_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
@@ -48,35 +52,60 @@ def _transients(optimizer: torch.optim.Optimizer, local: Callable | None) -> dic
             PER_TENSOR: torch_step_transient_bytes(optimizer, local, per_tensor=True)}
 
 
-def choose_step(
-    optimizer: torch.optim.Optimizer | None, free_bytes: int | None, local: Callable | None = None,
-) -> tuple[int | None, Callable[[], None] | None]:
-    """Treat the optimizer step so that its temporaries fit ``free_bytes`` (the budget less the
-    static bytes), when ``as_made``'s do not (NOTE [The optimizer step's treatments]).
-
-    Returns:
-        The temporaries of the step as it will run (None: not predicted) and an undo of the change
-        (None: nothing changed).
-    """
+def choose_step(optimizer: torch.optim.Optimizer | None, free_bytes: int | None, local: Callable | None = None) -> int | None:
+    """The temporaries of ``optimizer``'s step as its part will run it with ``free_bytes`` above the static bytes
+    (NOTE [The optimizer step's treatments]): ``keep``'s where they fit, else ``per_tensor``'s where those fit;
+    ``keep``'s where neither does (the static check's one error names the step). None: not predicted."""
     if optimizer is None:
-        return 0, None
+        return 0
     bytes_by = _transients(optimizer, local)
     made, per_tensor = bytes_by[AS_MADE], bytes_by[PER_TENSOR]
     if free_bytes is None or made is None or made <= free_bytes or per_tensor is None or per_tensor > free_bytes:
-        return made, None  # fits as made, or does not fit either way: the static check's one error names the step
-    groups = _per_tensor_groups(optimizer)
-    before = [g.get("foreach") for g in groups]
-    for g in groups:
-        g["foreach"] = False
-    logger.info("memfit: the optimizer step runs per tensor (foreach=False): its foreach temporaries (%d bytes) do not "
-                "fit the %d bytes the budget leaves above weights, gradients and state; per tensor they are %d",
-                made, max(free_bytes, 0), per_tensor)
+        return made
+    return per_tensor
 
-    def undo() -> None:
-        for g, was in zip(groups, before):
-            g["foreach"] = was
 
-    return per_tensor, undo
+#: the price of a per-tensor step over foreach, per tensor it updates (a few kernel launches; never weighed
+#: against a block's price: the step's options are chosen apart, NOTE [A part kind's moment])
+PER_TENSOR_MS = 0.05
+
+
+class OptimizerStepPart(PartKind):
+    """The optimizer step as a part held at its own moment (NOTE [The optimizer step's treatments]).
+
+    Args:
+        optimizer: the torch optimizer whose step it is.
+        local: the tensor a rank holds of a parameter (a DTensor's local shard under FSDP2), or None.
+    """
+
+    name = "optimizer_step"
+    moment = OPTIMIZER_STEP
+
+    def __init__(self, optimizer: torch.optim.Optimizer, local: Callable | None = None):
+        bytes_by = _transients(optimizer, local)
+        self.made, per_tensor = bytes_by[AS_MADE], bytes_by[PER_TENSOR]
+        self._groups = _per_tensor_groups(optimizer)
+        self._as_made = [g.get("foreach") for g in self._groups]
+        saved = self.made - per_tensor if self.made is not None and per_tensor is not None and self._groups else 0
+        tensors = sum(len(g["params"]) for g in self._groups)
+        self._options = ((KEEP, 1, 0, 0.0),) + (((PER_TENSOR, 1, int(saved), PER_TENSOR_MS * tensors),) if saved > 0 else ())
+        self._said = False
+
+    def options(self, tokens: int) -> tuple:
+        return self._options
+
+    def moment_bytes(self) -> int:
+        return self.made or 0
+
+    def apply(self, option: tuple[str, int] | None) -> None:
+        per_tensor = option is not None and option[0] == PER_TENSOR
+        for group, as_made in zip(self._groups, self._as_made):
+            group["foreach"] = False if per_tensor else as_made
+        if per_tensor and not self._said:
+            self._said = True
+            logger.info("memfit: the optimizer step runs per tensor (foreach=False) while foreach's temporaries (%d bytes) "
+                        "do not fit the room above weights, gradients and state; per tensor they are %d",
+                        self.made, self.made - self._options[1][2])
 
 
 def expected_step_bytes(optim: str, params: Iterable[torch.Tensor], weight_decay: float, free_bytes: int | None) -> int | None:

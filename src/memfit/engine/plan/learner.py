@@ -219,7 +219,9 @@ def learn_optimizer_peak(planning: Planning, outcome: StepOutcome) -> ModelUpdat
     keeps its plans while the largest static seen plus it stays within the room."""
     if outcome.optimizer_above_static is None:
         return ModelUpdate()
-    return ModelUpdate(optimizer_above_static=outcome.optimizer_above_static, static_bytes=outcome.static)
+    # in untreated terms, as the curves are: what the step's part saved added back (NOTE [A part kind's moment])
+    above = outcome.optimizer_above_static + int(planning.model.step_saved)
+    return ModelUpdate(optimizer_above_static=above, static_bytes=outcome.static)
 
 
 def _backward_start_dominates(planning: Planning, key: tuple[int, int], plan: Plan) -> bool:

@@ -560,6 +560,7 @@ class MemoryModel:
         self.transient_partial = Curve(intercept=True, floor=None, linear_until=6)
         #: largest optimizer-step peak above static memory seen (NOTE [Three peaks])
         self.optimizer_bytes = 0.0
+        self.step_saved = 0.0  # what the optimizer step's part saves at its moment (NOTE [A part kind's moment], parts/kind.py)
         self.max_key: tuple[int, int] | None = None
         #: per part kind beside the blocks, ``(tokens, (treatment, param)) -> bytes`` its option saves
         #: (NOTE [Head in the peaks]); the LM head's under ``"head"``
@@ -774,7 +775,7 @@ class MemoryModel:
         part = 0.0
         for g, name in layout.part_reruns:  # NOTE [Treated peaks]: the largest return of a part re-run
             part = _maximum(part, values[(g, KEEP)] - _kept(values, g, name))
-        return start, recompute, _maximum(_maximum(start + part, recompute), self.optimizer_bytes)
+        return start, recompute, _maximum(_maximum(start + part, recompute), self.optimizer_bytes - self.step_saved)
 
     def parts_saved_bytes(self, key: tuple[int, int], plan: "Plan") -> int:
         """What ``plan``'s parts beside the blocks save at ``key`` against their untreated options (NOTE [Head in the peaks])."""

@@ -66,6 +66,7 @@ the envelope: there a step predicted under its peak is not replayed.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 import logging
 from collections.abc import Callable, Sequence
@@ -84,6 +85,7 @@ from memfit.engine.shapes import bucket_key
 from memfit.engine.summary_text import over_budget_words
 from memfit.engine.parts.treatments import KEEP, RECOMPUTE, TreatmentSpec, floor_treatment, resolve
 from memfit.engine.parts.treatments.tiled_mlp import widest_intermediate
+from memfit.engine.parts.kind import AFTER_BLOCKS
 
 __all__ = ["Planning", "ModelUpdate", "ROW_AFTER_STEADY_ASKS"]
 
@@ -220,20 +222,15 @@ class Planning:
     """Memory model + planner + plan cache for one run (what methods see).
 
     Args:
-        n_blocks: number of blocks.
-        groups: group id of each block (identical blocks share a model).
+        n_blocks, groups: the number of blocks and each one's group id (identical blocks share a model).
         budget: the budget (bytes, or a ``Budget`` its warnings quote as given), or ``None`` for no budget.
-        margin_bytes: initial safety margin kept free below the budget (prediction error).
+        margin_bytes, slack_bytes: kept free below the budget: the safety margin (prediction error) and the
+            allocator's reserved-but-unusable bytes (NOTE [Room], room.py), or ``room``, made from them when None.
         bucket_tokens: token granularity of plan buckets.
-        slack_bytes: the allocator's reserved-but-unusable bytes, also kept free (NOTE [Room], room.py).
         treatments: what the planner may give a block besides ``keep`` (names or classes: engine/parts/treatments/).
-        room: the room to keep (room.py); made from ``margin_bytes`` and ``slack_bytes`` when None.
 
-    Attributes:
-        offload_ms: the price of offloading (moved bytes, forward ms) -> ms, once the link
-            was measured (engine/parts/probe.py); until then ``offload`` is not planned.
-        static_bytes: bytes no plan changes, as they will be at this step's peak (:meth:`begin_step`).
-        max_static_bytes: the largest static bytes of a step that ran an optimizer step.
+    Attributes: ``offload_ms`` (offload's price, once the link was measured: probe.py), ``static_bytes`` (no plan
+    changes them: :meth:`begin_step`), ``max_static_bytes`` (the largest of a step that ran an optimizer step).
     """
 
     def __init__(
@@ -260,8 +257,10 @@ class Planning:
         self.longest_in_bucket: dict[tuple[int, int], int] = {}
         self.treatments = tuple(name for name in self.registry if name != KEEP)
         self.offload_ms: Callable[[float, float], float] | None = None
-        #: the parts beside the blocks by kind, the LM head's (treatments/chunked_head.py HeadPart) first (parts/kind.py)
+        #: the parts beside the blocks by kind, the LM head's (treatments/chunked_head.py HeadPart) first (parts/kind.py),
+        #: and those held at a moment of their own (the optimizer step's: NOTE [A part kind's moment])
         self.parts: dict[str, Any] = {}
+        self.moment_parts: dict[str, Any] = {}
         self.bias, self.run_bias = BucketBias(), RunBias()  # NOTE [Bias per bucket], NOTE [Over-prediction across buckets]
 
     def _set_part(self, kind: str, part: Any) -> None:
@@ -275,13 +274,27 @@ class Planning:
         self.cache.clear()
 
     def add_part(self, part: Any) -> None:
-        """Plan ``part`` (a :class:`~memfit.engine.parts.kind.PartKind`) beside the blocks from now on
-        (NOTE [Parts beside the blocks], planner.py)."""
-        self._set_part(part.name, part)
+        """Plan ``part`` (a ``PartKind``) from now on, beside the blocks or at a moment of its own (parts/kind.py)."""
+        self.remove_part(part.name)
+        if getattr(part, "moment", AFTER_BLOCKS) == AFTER_BLOCKS:
+            self._set_part(part.name, part)
+        else:
+            self.moment_parts[part.name] = part
 
     def remove_part(self, kind: str) -> None:
         """Plan the part of ``kind`` no more (its option then runs as the model runs it)."""
         self._set_part(kind, None)
+        self.moment_parts.pop(kind, None)
+
+    def moment_options(self, key: tuple[int, int], state_to_come: int = 0) -> dict[str, tuple[str, int]]:
+        """Each part at a moment of its own: its option at ``key`` (NOTE [A part kind's moment]), its saving in the model;
+        ``state_to_come``: static bytes the step adds before that moment (the optimizer's state, made by its first step)."""
+        free = math.inf if self.budget_bytes is None else self.room_bytes - self._static_for(self.planned_shape(key)) - state_to_come
+        chosen = {kind: part.at_moment(free, self.model.optimizer_bytes) for kind, part in self.moment_parts.items()}
+        if (saved := float(sum(option[2] for option in chosen.values()))) != self.model.step_saved:
+            self.model.step_saved = saved
+            self.cache.clear()
+        return {kind: (option[0], int(option[1])) for kind, option in chosen.items()}
 
     def price_offload(self, offload_ms: Callable[[float, float], float]) -> None:
         """Offload is priced by ``offload_ms`` (moved bytes, forward ms) -> ms from now on (probe.py's LinkPrice, whose
@@ -366,8 +379,7 @@ class Planning:
         """Predicted extra time of ``plan``'s treatments at ``key`` (0 before the model is fitted)."""
         if not self.model.ready:
             return 0.0
-        k = self.planned_shape(key)
-        kinds = plan.kinds
+        k, kinds = self.planned_shape(key), plan.kinds
         if not kinds:
             return float(sum(self.model.block_cost_ms(i, k) for i in plan.blocks))
         options = self.model.options(k, self.treatments, self.offload_ms)
@@ -389,6 +401,7 @@ class Planning:
         """
         if self.budget_bytes is None:
             return Plan(())
+        self.moment_options(key)  # their savings in the model before it plans the blocks
         self._drop_stale_plans()
         k, edge = self.planned_shape(key), bucket_key(key, self.bucket_tokens)
         self.longest_in_bucket[edge] = k[1]

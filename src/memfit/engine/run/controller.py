@@ -48,7 +48,7 @@ from torch import nn
 
 from memfit.engine.plan import learner
 from memfit.engine.parts.accounting import OUTSIDE, GatheredParameters, SavedTensorCounter, expected_optimizer_bytes, local, optimizer_state_bytes, static_bytes_logical
-from memfit.engine.parts.optimizer_step import choose_step
+from memfit.engine.parts.optimizer_step import OptimizerStepPart, choose_step
 from memfit.engine.parts.guard_sides import GuardSides
 from memfit.engine.parts.blocks import SELECTIVE_BUDGET, Block, compile_clock, compile_loss, find_blocks, fingerprint, unwrap_blocks, wrap_blocks
 from memfit.engine.budget import OPTIMIZER_TRANSIENT, Budget, check_static_need, parse_bytes
@@ -130,15 +130,10 @@ def _state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     return max(expected_optimizer_bytes(optimizer), optimizer_state_bytes(optimizer))
 
 
-def _fit_step(optimizer: torch.optim.Optimizer | None, undo: list[Callable[[], None]]) -> Callable[[int | None], int | None]:
+def _fit_step(optimizer: torch.optim.Optimizer | None) -> Callable[[int | None], int | None]:
     """What ``optimizer.step()`` will allocate on top of its state (this rank's shards; None: not
-    predicted), the step treated to fit the bytes left free (parts/optimizer_step.py); the
-    change's undo goes into ``undo``."""
-    def fit(free_bytes: int | None) -> int | None:
-        transient, change = choose_step(_inner_optimizer(optimizer), free_bytes, local)
-        undo.extend([change] if change is not None else [])
-        return transient
-    return fit
+    predicted) given the bytes left free, as its part will run it (parts/optimizer_step.py)."""
+    return lambda free_bytes: choose_step(_inner_optimizer(optimizer), free_bytes, local)
 
 
 def _run_options(
@@ -262,7 +257,7 @@ class Controller:
             named = find_blocks(model, blocks)
             treatments, compile_options = _run_options(treatments, compile, [m for _, m in named])
             self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
-            static_parts = check_static_need_of(model, budget, _state_bytes(optimizer), transient_bytes=_fit_step(optimizer, self._undo))
+            static_parts = check_static_need_of(model, budget, _state_bytes(optimizer), transient_bytes=_fit_step(optimizer))
             self.grad_params = [p for p in model.parameters() if p.requires_grad]
             self.meter: Meter = make_meter(self.device, self.grad_params, static_parts["parameters"] + static_parts["gradients"])
             self._fingerprint = fingerprint(named)
@@ -316,13 +311,17 @@ class Controller:
 
         Raises: BudgetTooSmallError: when weights + gradients + its state exceed the budget."""
         if check:
-            check_static_need_of(self.model, self.budget, _state_bytes(optimizer), transient_bytes=_fit_step(optimizer, self._undo))
+            check_static_need_of(self.model, self.budget, _state_bytes(optimizer), transient_bytes=_fit_step(optimizer))
         for h in self._optimizer_handles:
             h.remove()
         self.optimizer = self.meter.optimizer = optimizer
         self.replay.closed_by_optimizer = optimizer is not None
         optimizer = _inner_optimizer(optimizer)
         self.meter.expected_optimizer_bytes = expected_optimizer_bytes(optimizer)  # by the inner one's class
+        self.planning.remove_part(OptimizerStepPart.name)
+        if optimizer is not None:  # its step, a part held at its own moment (NOTE [The optimizer step's treatments])
+            self.planning.add_part(step := OptimizerStepPart(optimizer, local))
+            self._undo.append(lambda: step.apply(None))  # as made again at remove()
         self._optimizer_handles = _optimizer_hooks(optimizer, lambda *_: self.meter.optimizer_step(self._step), self.replay.close_window)
 
     @property
@@ -469,9 +468,8 @@ class Controller:
     def note_oom(self, error: BaseException | str | None = None) -> None:
         """After an OOM inside a step, before :attr:`replay` replays it: drop the failed step and keep more room
         free (:func:`~memfit.engine.run.replay.after_oom`); the replay's record lists the attempt. ``error``: the error
-        or its message (a message keeps the failed step's frames, and their tensors, out of reach).
-
-        Raises: BudgetTooSmallError: when no safer plan exists."""
+        or its message (a message keeps the failed step's frames, and their tensors, out of reach). Raises:
+        BudgetTooSmallError: when no safer plan exists."""
         step, self._step = self._step, None
         self._counter.stop()
         attempt = self.replay.oom.add(step, self.meter, self.planning, self.protection, error)
@@ -484,13 +482,11 @@ class Controller:
         self._counter.stop()
 
     def run_step(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run one micro-step ``fn(*args, **kwargs)`` (its forward and backward) and return its
-        result; on an OOM, replay it with the same RNG state and a safer plan, so that the
-        gradients are those of a run without the OOM, accumulation windows included (NOTE
-        [Replay in a plain loop] in engine/run/replay.py).
+        """Run one micro-step ``fn(*args, **kwargs)`` (its forward and backward) and return its result; on an OOM,
+        replay it with the same RNG state and a safer plan, so that the gradients are those of a run without the OOM,
+        accumulation windows included (NOTE [Replay in a plain loop] in engine/run/replay.py).
 
-        Raises:
-            BudgetTooSmallError: when no safer plan exists.
+        Raises: BudgetTooSmallError: when no safer plan exists.
 
         Example:
             >>> for batch in loader:  # doctest: +SKIP
