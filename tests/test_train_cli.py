@@ -172,3 +172,18 @@ def test_a_validation_file_without_do_eval_is_said_once(tiny_flags, tmp_path, ca
     run("text-classification", [*tiny_flags, *_fixture_flags("text-classification"), *flags, "--output_dir", str(tmp_path)])
     said = [r for r in caplog.records if "--validation_file" in r.getMessage()]
     assert len(said) == 1 and said[0].levelname == "WARNING" and "without --do_eval" in said[0].getMessage()
+
+
+def test_processes_that_would_each_train_alone_are_one_error(tiny_flags, tmp_path, monkeypatch, capsys):
+    """Under a launcher's several processes on a machine without GPUs, transformers makes each process a job of its
+    own unless --use_cpu is given: N copies of the run writing one set of files. memfit train says so, exit 2, before
+    any data is built or any file written."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = tmp_path / "out"
+    from memfit import cli
+
+    assert cli.main(["train", "text-classification", *tiny_flags, "--synthetic", "8", "--do_train", "--output_dir",
+                     str(out), "--report_to", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "started 2 processes, but each would train alone" in err and "--use_cpu" in err
+    assert not out.exists()

@@ -18,6 +18,9 @@ The commands (from the repository root; RAW a scratch folder, OUT the published 
     python3 benchmarks/run_suite.py fsdp --calls x2 --raw /tmp/fsdp-raw --out $OUT/fsdp-x2
     python3 benchmarks/run_suite.py fsdp --calls x4-train x4 --raw /tmp/fsdp-raw --out $OUT/fsdp-x4
 
+``x2-nodes`` (GPUs 0,1; within 180 s): the same ``memfit train`` command on two node ranks of one host (two
+torchrun agents of one rank each, a c10d rendezvous on localhost, each agent on one GPU): issue 61's two nodes.
+
 ``x2-repeats`` and ``x4-repeats`` (2 and 4 GPUs, within 560 s each): the comparison of ``dynamic``
 with ``full`` and HF checkpointing at 0.5 (3B full fine-tuning, 8B LoRA), 2 interleaved repeats.
 
@@ -27,6 +30,7 @@ same machine; else, from the two published folders:
 """
 
 import os
+import shlex
 import time
 
 from suites import Call, Context, Suite, memfit, script
@@ -128,9 +132,18 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
              *(("--torch_dtype", "bfloat16") if ctx.cuda else ()), "--synthetic", "400", "--per_device_train_batch_size", "4",
              "--max_steps", "8", "--logging_steps", "1", "--report_to", "none", "--output_dir",
              str(ctx.folder("fsdp/x4-train")), "--memory_budget", "20GiB" if ctx.cuda else "2GiB",
-             "--memfit_method", "dynamic", *(fsdp if ctx.cuda else ()))
+             "--memfit_method", "dynamic", *(fsdp if ctx.cuda else ("--use_cpu",)))  # CPU ranks: one job only so
     out.append(Call("x4-train", [train], folder="fsdp/x4-train", timeout_s=150 if ctx.cuda else 300,
                     env={} if ctx.cuda else {"OMP_NUM_THREADS": "1"}))
+    # the same command on two node ranks of this host (two torchrun agents of one rank each, a c10d rendezvous on
+    # localhost: docs/distributed.md's several nodes), each agent on a GPU of its own
+    tail = list(train[train.index("--master_port") + 2:])
+    tail[tail.index("--output_dir") + 1] = str(ctx.folder("fsdp/x2-nodes"))
+    agent = (ctx.python, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
+             "--rdzv_endpoint", "127.0.0.1:29795", "--rdzv_id", "memfit-nodes", *tail)
+    node = lambda r: (f"CUDA_VISIBLE_DEVICES={r} " if ctx.cuda else "") + shlex.join(agent)  # noqa: E731
+    out.append(Call("x2-nodes", [("bash", "-c", f"{node(0)} & a=$!; {node(1)} & b=$!; wait $a; x=$?; wait $b; exit $((x | $?))")],
+                    folder="fsdp/x2-nodes", timeout_s=180 if ctx.cuda else 300, env={} if ctx.cuda else {"OMP_NUM_THREADS": "1"}))
     # made with the train call's: its end counts the train call's time too; then, where the x2 job's
     # folder is on this machine (the same --raw), the 4-over-2 table
     x4_call = _matrix(ctx, "x4", nproc4, 29731, x4, jobs[1], ctx.quick, suite.steps)

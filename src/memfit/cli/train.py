@@ -83,6 +83,11 @@ def run(task: str, argv: list[str]) -> dict[str, float]:
     model_args, data_args, training_args, peer_args, *task_args = parser.parse(argv)
     if not (training_args.do_train or training_args.do_eval):  # NOTE [Nothing to do]
         raise FlagError("nothing to do: add --do_train to train (and --do_eval to evaluate)")
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and training_args.world_size == 1:  # N copies writing one set of files: nothing silent
+        raise FlagError(f"the launcher started {launched} processes, but each would train alone on a copy of the model "
+                        "(transformers runs them as one job only on accelerators or with --use_cpu): add --use_cpu to "
+                        "train on CPU processes together, or launch one process")
     if getattr(data_args, "validation_file", None) and not training_args.do_eval:  # nothing silent, nothing before an error
         logger.warning("--validation_file %s is not read without --do_eval (add it to evaluate)", data_args.validation_file)
     with _removed_if_left_empty(training_args.output_dir):
