@@ -172,3 +172,55 @@ def test_a_step_no_plan_fits_names_each_parts_own_bytes_in_its_warning(caplog):
     assert len(said) == 1 and "even with every block checkpointed and the sized part thin (480 B)" in said[0], said
     assert "most of it is the static part" in said[0]
     assert plan.option("sized") == ("thin", 1) and plan.blocks == (0, 1, 2, 3)
+
+
+class StepBallast(memfit.PartKind):
+    """A part held at the optimizer step (NOTE [A part kind's moment]): a pre-hook on the step allocates ``nbytes`` of
+    ballast, and ``"light"`` a quarter of it. Defined here only."""
+
+    name = "step_ballast"
+    moment = memfit.engine.parts.kind.OPTIMIZER_STEP
+
+    def __init__(self, optimizer, nbytes):
+        self.nbytes, self.now, self.held = nbytes, None, []
+        optimizer.register_step_pre_hook(lambda *_: self.held.append(torch.empty(self.bytes_now() // 4)))
+        optimizer.register_step_post_hook(lambda *_: self.held.clear())
+
+    def bytes_now(self):
+        return self.nbytes // 4 if self.now is not None and self.now[0] == "light" else self.nbytes
+
+    def options(self, tokens):
+        return (("keep", 1, 0, 0.0), ("light", 1, self.nbytes - self.nbytes // 4, 0.01))
+
+    def moment_bytes(self):
+        return self.nbytes
+
+    def apply(self, option):
+        self.now = option
+
+
+def test_a_part_of_the_tests_held_at_the_optimizer_step_is_chosen_by_the_room_recorded_and_summarised():
+    """A part kind held at the optimizer step's moment, defined here only: kept where its bytes fit the room above
+    static, light where only that fits; recorded under its name each step and named by the summary line."""
+    from memfit.engine.summary_text import end_summary
+
+    def run(budget):
+        torch.manual_seed(0)
+        model, batch = build_decoder("llama")
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        part = StepBallast(opt, 64 * 2**20)
+        ctl = memfit.fit(model, budget=budget, optimizer=opt, parts=[part], head=False, announce=False)
+        for _ in range(3):
+            inputs = batch(2, 32)
+            ctl.run_step(lambda: model(**inputs).loss.backward())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        records = list(ctl.records)
+        ctl.remove()
+        return records
+
+    roomy = run("4GB")
+    assert [r.parts.get("step_ballast") for r in roomy] == [("keep", 1)] * 3
+    tight = run(int(max(r.peak_allocated_bytes for r in roomy) + 40 * 2**20))  # 64 MiB do not fit, 16 MiB do
+    assert [r.parts.get("step_ballast") for r in tight] == [("light", 1)] * 3
+    assert "part step_ballast light on 3 micro-steps" in end_summary(tight, None, 3)

@@ -168,12 +168,14 @@ class RunParts:
         (NOTE [A part kind's moment])."""
         decision = self.head.decide(decision, key, state_to_come)
         plan, tokens = decision.plan, key[0] * key[1]
-        missing = [(part.name, *part.untreated(tokens)) for part in self.kinds if plan.option(part.name) is None]
-        for kind, option in self.planning.moment_options(key, state_to_come).items():
+        moments = self.planning.moment_options(key, state_to_come)
+        missing = [(part.name, *part.untreated(tokens)) for part in self.kinds
+                   if part.name not in moments and plan.option(part.name) is None]
+        for kind, option in moments.items():
             plan = plan.with_option(kind, option)
         plan = dataclasses.replace(plan, parts=(*plan.parts, *missing))
         decision = dataclasses.replace(decision, plan=plan)
-        for part in (*self.kinds, *self.planning.moment_parts.values()):
+        for part in {part.name: part for part in (*self.kinds, *self.planning.moment_parts.values())}.values():
             part.apply(plan.option(part.name))
         return decision
 
