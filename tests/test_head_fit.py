@@ -16,6 +16,7 @@ import torch
 tf = pytest.importorskip("transformers")
 
 import memfit  # noqa: E402
+from memfit.engine.parts.kind import PartKind  # noqa: E402
 
 VOCAB = 8000
 BUDGET = 12_000_000
@@ -214,7 +215,7 @@ def test_a_steady_step_that_chunked_the_head_never_raises_outside_and_teaches_it
     planning = _learned_planning(partial=True)
     model = planning.model
 
-    class Head:  # the head part's two prices: the whole saving, and its transient part
+    class Head(PartKind):  # the head part's two prices: the whole saving, and its transient part
         name = "head"
 
         def saved_bytes(self, tokens, head):
@@ -257,7 +258,7 @@ def test_a_warmup_step_that_chunked_the_head_splits_the_saving_between_outside_a
     planning = _learned_planning()
     model = planning.model
 
-    class Head:
+    class Head(PartKind):
         name = "head"
 
         def saved_bytes(self, tokens, head):

@@ -17,6 +17,7 @@ from memfit.engine.plan.planning import Planning
 from memfit.engine.parts.probe import LinkPrice
 from memfit.engine.parts.treatments import HostMemoryError, Offload
 from memfit.engine.parts.treatments.offload import _HostPool, size_class
+from memfit.engine.parts.kind import PartKind
 
 
 
@@ -205,7 +206,7 @@ def _FixedOnly(link):  # noqa: N802 (a price class's stand-in)
     return _loop_bench()[0]._FreeOffload(link)
 
 
-class _Head:
+class _Head(PartKind):
     """An LM head part for the planner (treatments/chunked_head.py HeadPart's planning side): per token
     it saves 300 bytes in 2 chunks and 600 in one token a chunk, each priced over a block's recompute."""
 

@@ -71,7 +71,7 @@ def test_choose_step_leaves_a_step_that_fits_and_one_that_cannot_fit_either_way(
     opt = torch.optim.AdamW(model.parameters(), foreach=True)
     made = _transients(opt, None)
     assert choose_step(opt, made["as_made"], None) == made["as_made"]
-    assert choose_step(opt, made[PER_TENSOR] - 1, None) == made["as_made"]
+    assert choose_step(opt, made[PER_TENSOR] - 1, None) == made[PER_TENSOR]  # neither fits: the least, which the check names
     assert choose_step(opt, None, None) == made["as_made"]
     assert all(g["foreach"] is True for g in opt.param_groups)  # counting changes nothing
     fused = torch.optim.AdamW(model.parameters(), fused=True) if torch.cuda.is_available() else None

@@ -52,24 +52,6 @@ def _transients(optimizer: torch.optim.Optimizer, local: Callable | None) -> dic
             PER_TENSOR: torch_step_transient_bytes(optimizer, local, per_tensor=True)}
 
 
-def choose_step(optimizer: torch.optim.Optimizer | None, free_bytes: int | None, local: Callable | None = None) -> int | None:
-    """The temporaries of ``optimizer``'s step as its part will run it with ``free_bytes`` above the static bytes
-    (NOTE [The optimizer step's treatments]): ``keep``'s where they fit, else ``per_tensor``'s where those fit;
-    ``keep``'s where neither does (the static check's one error names the step). None: not predicted."""
-    if optimizer is None:
-        return 0
-    bytes_by = _transients(optimizer, local)
-    made, per_tensor = bytes_by[AS_MADE], bytes_by[PER_TENSOR]
-    if free_bytes is None or made is None or made <= free_bytes or per_tensor is None or per_tensor > free_bytes:
-        return made
-    return per_tensor
-
-
-#: the price of a per-tensor step over foreach, per tensor it updates (a few kernel launches; never weighed
-#: against a block's price: the step's options are chosen apart, NOTE [A part kind's moment])
-PER_TENSOR_MS = 0.05
-
-
 class OptimizerStepPart(PartKind):
     """The optimizer step as a part held at its own moment (NOTE [The optimizer step's treatments]).
 
@@ -87,8 +69,8 @@ class OptimizerStepPart(PartKind):
         self._groups = _per_tensor_groups(optimizer)
         self._as_made = [g.get("foreach") for g in self._groups]
         saved = self.made - per_tensor if self.made is not None and per_tensor is not None and self._groups else 0
-        tensors = sum(len(g["params"]) for g in self._groups)
-        self._options = ((KEEP, 1, 0, 0.0),) + (((PER_TENSOR, 1, int(saved), PER_TENSOR_MS * tensors),) if saved > 0 else ())
+        # not priced (its launches were never timed): it runs only where ``keep``, first and so chosen on a tie, does not fit
+        self._options = ((KEEP, 1, 0, 0.0),) + (((PER_TENSOR, 1, int(saved), 0.0),) if saved > 0 else ())
         self._said = False
 
     def options(self, tokens: int) -> tuple:
@@ -106,6 +88,17 @@ class OptimizerStepPart(PartKind):
             logger.info("memfit: the optimizer step runs per tensor (foreach=False) while foreach's temporaries (%d bytes) "
                         "do not fit the room above weights, gradients and state; per tensor they are %d",
                         self.made, self.made - self._options[1][2])
+
+
+def choose_step(optimizer: torch.optim.Optimizer | None, free_bytes: int | None, local: Callable | None = None) -> int | None:
+    """The temporaries of ``optimizer``'s step as its part runs it with ``free_bytes`` above the static bytes
+    (``PartKind.at_moment``: ``keep``'s where they fit, else the per-tensor step's); None: not predicted."""
+    if optimizer is None:
+        return 0
+    part = OptimizerStepPart(optimizer, local)
+    if part.made is None or free_bytes is None:
+        return part.made
+    return part.made - part.at_moment(free_bytes, 0)[2]
 
 
 def expected_step_bytes(optim: str, params: Iterable[torch.Tensor], weight_decay: float, free_bytes: int | None) -> int | None:

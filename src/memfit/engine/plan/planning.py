@@ -276,7 +276,7 @@ class Planning:
     def add_part(self, part: Any) -> None:
         """Plan ``part`` (a ``PartKind``) from now on, beside the blocks or at a moment of its own (parts/kind.py)."""
         self.remove_part(part.name)
-        if getattr(part, "moment", AFTER_BLOCKS) == AFTER_BLOCKS:
+        if part.moment == AFTER_BLOCKS:
             self._set_part(part.name, part)
         else:
             self.moment_parts[part.name] = part
