@@ -698,3 +698,22 @@ def test_a_floor_inside_the_margins_is_run_without_saying_it_is_over_the_budget(
     assert len(said) == int(over_budget), said
     if over_budget:
         assert planning.budget.size(peak) in said[0]
+
+
+def test_planning_s_records_per_shape_and_plan_stay_bounded(caplog):
+    """A run of ever new shapes (chat data, any length) grows neither the bias record per bucket and plan nor the
+    set of shapes already said not to fit past MAX_KEPT, and a shape no plan fits is still said at warning once."""
+    import logging
+
+    from memfit.engine.plan import planning as planning_module
+    from memfit.engine.plan.planning import MAX_KEPT, BucketBias
+
+    bias = BucketBias()
+    for t in range(MAX_KEPT + 500):
+        bias.observe((1, t), Plan((0,)), 1000.0, 1.0)
+    assert len(bias.errors) == MAX_KEPT
+    planning = Planning(2, [0, 0], 10**9, margin_bytes=0, bucket_tokens=1)
+    with caplog.at_level(logging.DEBUG, logger="memfit"):
+        logs = [planning._infeasible_log((1, t)) for t in range(MAX_KEPT + 500)]
+    assert len(planning.infeasible_keys) <= MAX_KEPT
+    assert logs[0] == planning_module.logger.warning and all(log == planning_module.logger.debug for log in logs[1:])

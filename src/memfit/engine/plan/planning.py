@@ -98,6 +98,8 @@ BIAS_SEEN = 2
 BIAS_SHARE = 0.01
 #: steady steps whose least over-prediction lowers every bucket's (NOTE [Over-prediction across buckets])
 RUN_BIAS_STEPS = 4
+#: the most entries a per-shape or per-plan record of Planning's holds (a long run's shapes are not bounded)
+MAX_KEPT = 4096
 
 
 @dataclass
@@ -114,6 +116,8 @@ class BucketBias:
         (default: the bucket's correction), erred by ``error``; returns whether the bucket's correction changed."""
         raw = float(error) + (self.correction.get(bucket, 0.0) if applied is None else applied)
         seen = self.errors.setdefault((bucket, (plan.blocks, plan.kinds, plan.parts)), [])
+        if len(self.errors) > MAX_KEPT:  # bounded whatever the shapes: the first recorded goes first
+            del self.errors[next(iter(self.errors))]
         seen.append(raw)
         del seen[:-BIAS_SEEN]
         plans = [e for (b, _), e in self.errors.items() if b == bucket]
@@ -446,7 +450,7 @@ class Planning:
         if k in self.infeasible_keys:
             return None
         log = logger.debug if self.infeasible_keys else logger.warning
-        self.infeasible_keys.add(k)
+        self.infeasible_keys = (self.infeasible_keys if len(self.infeasible_keys) < MAX_KEPT else set()) | {k}  # bounded
         return log
 
     # ------------------------------------------------------------ the only writer
