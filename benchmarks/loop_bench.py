@@ -20,7 +20,7 @@ run uncapped only (under a cap they do not fit, by design).
 Methods (memfit under the cap, every micro-step through ``Controller.run_step``):
 ``none`` (memfit only measures), ``full``, ``static``, ``dynamic`` (recompute only),
 ``dynamic+sel`` (recompute and selective), ``dynamic+all`` (recompute, selective, offload), ``dynamic+ew``
-(recompute and elementwise), ``dynamic+auto`` (the treatments offered by default), ``dynamic+offload``
+(recompute and elementwise), ``dynamic+auto`` (the treatments offered by default), ``static+auto`` (the same treatments, the one plan of the longest batch for every batch), ``dynamic+offload``
 (recompute, offload; ``-free``: every offload priced at its fixed cost alone),
 ``dynamic-backstop`` (recompute only, the backstop armed as a loop without replay would have
 it, called without run_step), ``reactive``, ``none+compile`` (uncapped), ``full+compile`` and
@@ -47,7 +47,7 @@ Peers (no memfit at all; the bench reads the allocator): ``plain`` (the same loo
 ``trl-offload`` (TRL's activation offloading around the step), ``compile-F`` (``torch.compile``
 of every block under ``activation_memory_budget`` F, memfit.tools.bench.peers.TorchCompile), and
 ``selective-static`` (every block under memfit's selective policy, for every batch).
-Head peers (issue 39): ``hf-every-1+liger`` and ``hf-every-1+chunked-8``, Hugging Face's
+Head peers (issue 39): ``hf-every-1+liger``, ``hf-every-1+cce`` and ``hf-every-1+chunked-8``, Hugging Face's
 checkpointing of every layer with a chunked loss fixed for the whole run (:data:`HEAD_PEERS`), and
 ``compile-F+liger``, ``compile-F+chunked-8``, the compile peer with the same fixed loss.
 The LM head (issue 39): ``--head on|off|auto`` passes ``memfit.fit(head=True|False|"auto")`` to every
