@@ -151,6 +151,7 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
         "dynamic+sel+compile", "compile-0.5", "--output_dir", ctx.folder("long-compile"))], folder="long-compile"))
     out += offload_calls(suite, ctx)
     out.extend(_room_calls(ctx))
+    out.append(optimizer_call(ctx))
     return out
 
 
@@ -280,6 +281,23 @@ OFFLOAD_METHODS = ("none", "dynamic", "dynamic+offload", "dynamic+offload-free",
 #: seconds the offload call may run, and after how many it starts no configuration (the longest, offload
 #: everywhere, takes about 15 s at 16k tokens): with run_suite's start and publishing, inside the job's 240 s
 OFFLOAD_JOB_S, OFFLOAD_START_S = 215, 160
+
+
+#: the optimizer-step call's cap in GB: 11 GiB, under a 1.24B model's full fine-tuning in bf16 with AdamW whose
+#: foreach step (weights, gradients, state and a parameter-sized temporary: 11.57 GiB, memfit estimate) does not fit
+OPTIMIZER_BUDGET_GB = round(11 * 2**30 / 1e9, 2)
+
+
+def optimizer_call(ctx: Context) -> Call:
+    """``optimizer-llama1b``: a shape whose peak is the optimizer step (issue 60). Llama-3.2-1B's shape, full
+    fine-tuning, SFT lengths, batch 4, at 11 GiB: memfit (its step per tensor where foreach's temporaries do not
+    fit) against Hugging Face's checkpointing with Liger's loss (its AdamW as made), uncapped ``none`` beside."""
+    return Call("optimizer-llama1b", [script(
+        ctx, "loop_bench.py", "--model", "Llama-3.2-1B", "--lengths", "sft", "--batch", 4,
+        "--steps", 6 if ctx.quick else 30, "--steady_from", 2 if ctx.quick else 8, "--budgets", "--budget_gb",
+        OPTIMIZER_BUDGET_GB, "--repeats", 1, "--no_cudnn_sdpa", "--time_limit_s", 300, "--config_time_limit_s", 120,
+        "--methods", "none", "dynamic+auto", "hf-every-1+liger", "--output_dir", ctx.folder("optimizer-llama1b"))],
+        folder="optimizer-llama1b", timeout_s=360)
 
 
 def offload_calls(suite: Suite, ctx: Context) -> list[Call]:
