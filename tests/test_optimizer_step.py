@@ -168,6 +168,47 @@ def test_the_step_part_is_chosen_per_step_from_the_room_and_taught_in_untreated_
     assert learner.learn_optimizer_peak(planning, outcome).optimizer_above_static == made  # untreated terms
     planning.room.margin_bytes = -made  # room for foreach's temporaries
     assert planning.moment_options((1, 8)) == {"optimizer_step": ("keep", 1)} and planning.model.step_saved == 0
-    assert planning.moment_options((1, 8), state_to_come=2 * made) == {"optimizer_step": (PER_TENSOR, 1)}
+    planning.static_bytes = static + 2 * made  # the state still to come is in static (NOTE [Static at the step's peak])
+    assert planning.moment_options((1, 8)) == {"optimizer_step": (PER_TENSOR, 1)}
     planning.remove_part("optimizer_step")
     assert planning.moment_options((1, 8)) == {}
+
+
+def test_the_state_still_to_come_is_static_once(monkeypatch):
+    """NOTE [Static at the step's peak]: before the optimizer's first step both meters count its whole state to come in
+    the static bytes, and the head's check reads those bytes as they are (it added the state again: on CUDA, a 1.24B
+    model's AdamW state counted twice refused a cap it fits); after the step the state is there and counted once."""
+    from _head_common import head_batch, head_model
+
+    from memfit.engine.parts.accounting import expected_optimizer_bytes, optimizer_state_bytes
+    from memfit.engine.parts.treatments.chunked_head import HeadPart
+    from memfit.engine.run import meter as meters
+
+    model = head_model()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    expected = expected_optimizer_bytes(opt)
+    assert expected == 2 * params
+    cuda = meters.CudaMeter(torch.device("cpu"), list(model.parameters()), 2 * params)
+    logical = meters.LogicalMeter(torch.device("cpu"), 2 * params)
+    monkeypatch.setattr(meters, "_allocator", lambda device, stats=None: (params, params, params, params))
+    for meter in (cuda, logical):
+        meter.optimizer, meter.expected_optimizer_bytes = opt, expected
+        assert meter.static_now() == 2 * params + expected, meter.kind  # no gradient yet (cuda), none counted twice
+
+    seen = []
+    check = HeadPart.check_fits
+    monkeypatch.setattr(HeadPart, "check_fits", lambda self, tokens, static, budget: (seen.append(static),
+                                                                                       check(self, tokens, static, budget)))
+    ctl = memfit.fit(model, budget="1GB", method="dynamic", optimizer=opt, head=True)
+    try:
+        for step in range(2):
+            batch = head_batch(step, 0, 16)
+            model(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    finally:
+        ctl.remove()
+    assert seen and seen[0] == 2 * params + expected  # weights, gradients, the state to come: each once
+    assert seen[-1] == 2 * params + optimizer_state_bytes(opt)  # after the first step: the state made (its step counters
+    assert 0 <= seen[-1] - seen[0] < 1024                         # too), counted once

@@ -161,14 +161,14 @@ class RunParts:
         for part in self.kinds:
             planning.add_part(part)
 
-    def decide(self, decision: Any, key: tuple[int, int], state_to_come: int = 0) -> Any:
+    def decide(self, decision: Any, key: tuple[int, int]) -> Any:
         """``decision`` with the head's treatment set (``RunHead.decide``) and every part kind's option
         applied; a plan made without a part (warm-up's, ``none``'s, ``full``'s, a replay's) runs it
         untreated, and says so; a part held at a moment of its own runs what Planning chooses for it
         (NOTE [A part kind's moment])."""
-        decision = self.head.decide(decision, key, state_to_come)
+        decision = self.head.decide(decision, key)
         plan, tokens = decision.plan, key[0] * key[1]
-        moments = self.planning.moment_options(key, state_to_come)
+        moments = self.planning.moment_options(key)
         missing = [(part.name, *part.untreated(tokens)) for part in self.kinds
                    if part.name not in moments and plan.option(part.name) is None]
         for kind, option in moments.items():

@@ -290,10 +290,9 @@ class Planning:
         self._set_part(kind, None)
         self.moment_parts.pop(kind, None)
 
-    def moment_options(self, key: tuple[int, int], state_to_come: int = 0) -> dict[str, tuple[str, int]]:
-        """Each part at a moment of its own: its option at ``key`` (NOTE [A part kind's moment]), its saving in the model;
-        ``state_to_come``: static bytes the step adds before that moment (the optimizer's state, made by its first step)."""
-        free = math.inf if self.budget_bytes is None else self.room_bytes - self._static_for(self.planned_shape(key)) - state_to_come
+    def moment_options(self, key: tuple[int, int]) -> dict[str, tuple[str, int]]:
+        """Each part at a moment of its own: its option at ``key`` (NOTE [A part kind's moment]), its saving in the model."""
+        free = math.inf if self.budget_bytes is None else self.room_bytes - self._static_for(self.planned_shape(key))
         chosen = {kind: part.at_moment(free, self.model.optimizer_bytes) for kind, part in self.moment_parts.items()}
         if (saved := float(sum(option[2] for option in chosen.values()))) != self.model.step_saved:
             self.model.step_saved = saved

@@ -402,7 +402,7 @@ class Controller:
         oom = self.replay.oom
         failed = oom.failed_plan if oom.attempts and not self.replay.replaying else None
         t0 = time.perf_counter()
-        decision = self.parts.decide(self.method.decide(self.planning, step.key, failed), step.key, step.state_to_come)
+        decision = self.parts.decide(self.method.decide(self.planning, step.key, failed), step.key)
         step.planner_us = (time.perf_counter() - t0) * 1e6
         step.planned = self.planning.cache.misses > misses
         step.decision = decision

@@ -719,14 +719,15 @@ class RunHead:
         logger.warning("memfit: the model is called without labels (its loss is computed outside it), so memfit leaves "
                        "the LM head to the caller and counts its bytes with the rest of the step")
 
-    def decide(self, decision: Any, key: tuple[int, int], state_to_come: int = 0) -> Any:
+    def decide(self, decision: Any, key: tuple[int, int]) -> Any:
         """``decision`` with the head's treatment set (:meth:`HeadPart.apply_step`), after checking that the
-        static part (with the optimizer state still to come) and the least head fit the budget
+        static part (the optimizer state still to come in it: NOTE [Static at the step's peak], meter.py) and the least
+        head fit the budget
         (:meth:`HeadPart.check_fits`); as it is without a planned head."""
         if self.part is None:
             return decision
         decision = self.part.apply_step(decision, key)
-        self.part.check_fits(key[0] * key[1], self.planning.static_bytes + state_to_come, self.planning.budget)
+        self.part.check_fits(key[0] * key[1], self.planning.static_bytes, self.planning.budget)
         return decision
 
     def record(self, record: Any, plan: Any) -> None:
