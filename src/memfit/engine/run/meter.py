@@ -111,8 +111,10 @@ class Meter:
     def settle(self) -> None:
         """Wait for the device, before a step is closed on request."""
 
-    def release(self) -> None:
-        """After an OOM: return cached memory to the device."""
+    def release(self) -> int | None:
+        """After an OOM's clean-up: return cached memory to the device; the static bytes now (None: not read),
+        which the failed attempt's own should equal (NOTE [What a failed attempt leaves], replay.py)."""
+        return None
 
     def run_stats(self) -> dict[str, int]:
         """Allocator statistics for the run summary."""
@@ -255,8 +257,9 @@ class CudaMeter(Meter):
     def settle(self) -> None:
         torch.cuda.synchronize(self.device)
 
-    def release(self) -> None:
+    def release(self) -> int:
         torch.cuda.empty_cache()
+        return self.static_now()
 
     def run_stats(self) -> dict[str, int]:
         # Allocations the caching allocator could only serve after releasing its cache (a
