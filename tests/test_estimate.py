@@ -899,7 +899,7 @@ def test_the_floor_is_below_full_by_the_blocks_inputs_for_an_8b_at_64k():
     tokens, hidden, layers = 65536, profile.config.hidden_size, profile.n_blocks
     acts = activation_profile(profile, 1, precision="bf16", seq_length=tokens, weights="bf16", lora_r=16)
     chunks = most_head_chunks(profile, tokens, "bf16", "bf16")
-    host = _floor_setup(lora_r=16, checkpoint="host", head="chunked", head_chunks=chunks)
+    host = _floor_setup(lora_r=16, checkpoint="host", head="chunked", head_chunks=chunks, optimizer_step="per_tensor")
     floor = estimate(profile, host, seq_length=tokens, activations=acts)
     full = estimate(profile, dataclasses.replace(host, checkpoint="full"), seq_length=tokens, activations=acts)
     inputs = layers * tokens * hidden * 2
@@ -947,6 +947,37 @@ def _long_mlp_llama() -> tuple[dict, ModelProfile]:
     config = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=14336,
                   vocab_size=1000, max_position_embeddings=65536, architectures=["LlamaForCausalLM"], model_type="llama")
     return config, ModelProfile.from_config(LlamaConfig(**config), "causal-lm", name="long-mlp-llama")
+
+
+def test_the_floor_runs_the_optimizer_step_per_tensor_and_advice_offers_it_where_foreach_does_not_fit(capsys):
+    """NOTE [The floor], parts/optimizer_step.py: the optimizer step is a part whose least treatment runs torch's AdamW
+    per tensor, so the floor counts one tensor's temporaries by the engine's rule, not foreach's parameter-sized ones;
+    and ``--advise`` offers AdamW with its step per tensor where only that fits (Llama-3.2-1B, full fine-tuning in bf16:
+    foreach's step peaks at 11.57 GiB, over 11.5 GiB; one H200 trained it at 11.5 GiB, llm s29-2)."""
+    from memfit.engine.parts.optim_state import expected_step_transient_bytes
+    from memfit.tools.estimate.floor import floor_estimate
+
+    from memfit.tools.estimate import load_config
+
+    for profile, per_tensor_fewer in ((ModelProfile.from_config(load_config("Llama-3.2-1B"), "causal-lm"), True),
+                                      (_llama_tiny(), False)):  # the tiny one's embedding is most of its weights
+        floor = floor_estimate(profile, _floor_setup(micro_batch_size=2), 32)
+        kept = estimate(profile, dataclasses.replace(floor.setup, optimizer_step="keep"), seq_length=32)
+        params = [torch.empty(s, dtype=torch.bfloat16, device="meta", requires_grad=True) for s in profile.param_shapes]
+        per_tensor = expected_step_transient_bytes("adamw_torch", params, foreach=False)
+        assert floor.setup.optimizer_step == "per_tensor" and kept.optimizer_step_bytes == 2 * profile.n_params  # foreach
+        assert floor.step_per_tensor is per_tensor_fewer is (per_tensor < kept.optimizer_step_bytes)
+        assert floor.optimizer_step_bytes == min(per_tensor, kept.optimizer_step_bytes)  # the engine offers the fewer
+        assert ("the step run per tensor" in format_table(floor)) is per_tensor_fewer
+        assert "the step run per tensor" not in format_table(kept)
+    argv = ["estimate", "--model", "Llama-3.2-1B", "--batch_size", "4", "--seq_length", "2048", "--precision", "bf16",
+            "--weights", "bf16", "--advise", "--top", "30"]
+    assert cli.main([*argv, "--memory_budget", "11.5GiB"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "| bf16 |" in line]
+    assert any("| adamw (step per tensor) |" in row for row in rows) and not any("| adamw |" in row for row in rows)
+    assert cli.main([*argv, "--memory_budget", "16GiB"]) == 0  # where foreach's step fits, it is kept
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "| bf16 |" in line]
+    assert any("| adamw |" in row for row in rows)
 
 
 def test_the_floor_tiles_the_mlp_as_the_engine_does():

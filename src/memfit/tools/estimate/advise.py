@@ -23,12 +23,14 @@ setups (is accumulation cheaper than checkpointing here?), not predict seconds. 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from memfit.errors import FlagError, UserError
 from memfit.engine.budget import Budget, format_bytes
+from memfit.engine.parts.optimizer_step import PER_TENSOR
 from memfit.tasks.causal_lm import LORA_DROPOUT
 from memfit.tools.estimate.anatomy import (
     OPTIMIZERS,
@@ -206,6 +208,10 @@ def advise(
         setup = TrainingSetup(precision, optimizer, micro, batch_size // micro, str(checkpointed), weight, lora_r, head,
                               lora_dropout=lora_dropout)
         est = estimate(profile, setup, activations=activations[micro, precision, weight], **inputs)
+        if not est.fits(usable) and OPTIMIZERS[optimizer].per_tensor:  # memfit runs the step per tensor then
+            per_tensor = dataclasses.replace(setup, optimizer_step=PER_TENSOR)
+            lighter = estimate(profile, per_tensor, activations=activations[micro, precision, weight], **inputs)
+            est = lighter if lighter.total_bytes < est.total_bytes else est
         method = {0: "none", n_blocks: "full"}.get(checkpointed, "dynamic")
         return Advice(method, est, _relative_time(setup, checkpointed, n_blocks, head_share))
 
@@ -320,7 +326,8 @@ def format_advice(
         s, e = a.estimate.setup, a.estimate
         weights = s.weights + (f" + LoRA r {s.lora_r}" if s.lora_r else "")
         lines.append(
-            f"| {rank} | {s.precision} | {weights} | {s.optimizer} | {s.micro_batch_size} x {s.accumulation_steps} | {a.method} "
+            f"| {rank} | {s.precision} | {weights} | {s.optimizer}{' (step per tensor)' if e.step_per_tensor else ''} "
+            f"| {s.micro_batch_size} x {s.accumulation_steps} | {a.method} "
             f"| {e.checkpointed_blocks}/{e.n_blocks}" + (f" | {_head_label(e)}" if with_head else "")
             + f" | {e.total_bytes / unit_bytes:.2f} | {a.relative_time:.2f} |"
         )

@@ -96,7 +96,8 @@ from memfit.engine.parts.treatments.host_checkpoint_tiled import HOST_CHECKPOINT
 from memfit.engine.parts.treatments.offload import size_class
 from memfit.engine.parts.treatments.recompute_tiled import RECOMPUTE_TILED
 from memfit.engine.parts.treatments.tiled_mlp import Chunking, lean_parts, mlp_chunks, tileable_mlps, tiled
-from memfit.engine.parts.optim_state import state_bytes_of_shapes
+from memfit.engine.parts.optim_state import expected_step_transient_bytes, state_bytes_of_shapes
+from memfit.engine.parts.optimizer_step import KEEP, PER_TENSOR
 from memfit.errors import DataError, FlagError, MissingFileError
 from memfit.tasks.causal_lm import LORA_DROPOUT, check_lora_dropout
 from memfit.tools.estimate.meta_kernels import cuda_kernels
@@ -163,6 +164,14 @@ def _no_bytes(shapes: Sequence[Sequence[int]]) -> int:
     return 0
 
 
+def _per_tensor_step_bytes(optim: str, shapes: Sequence[Sequence[int]], width: int) -> int:
+    """The temporaries of ``optim``'s step run per tensor over parameters of ``shapes`` in ``width`` bytes, by the
+    engine's own rule (engine/parts/optim_state.py), on meta tensors."""
+    dtype = torch.float32 if width == 4 else torch.bfloat16
+    params = [torch.empty(tuple(s), dtype=dtype, device="meta", requires_grad=True) for s in shapes]
+    return expected_step_transient_bytes(optim, params, foreach=False) or 0
+
+
 def _adafactor_step_temp(shapes: Sequence[Sequence[int]]) -> int:
     return 2 * 4 * max((_numel(s) for s in shapes), default=0)
 
@@ -179,6 +188,9 @@ class _Optimizer:
     """Parameter shapes -> bytes of temporaries inside ``optimizer.step()``."""
     needs: str | None = None
     """Python package it needs, if any."""
+    per_tensor: str | None = None
+    """The ``--optim`` name whose step memfit can run per tensor where its temporaries do not fit (NOTE [The
+    optimizer step's treatments], parts/optimizer_step.py): torch's AdamW; None for a step that runs as made."""
 
     def state(self, shapes: Sequence[Sequence[int]]) -> int:
         """Parameter shapes (float32) -> bytes of optimizer state, read from the one
@@ -190,7 +202,7 @@ class _Optimizer:
 OPTIMIZERS = {
     o.name: o
     for o in (
-        _Optimizer("adamw", ("--optim", "adamw_torch"), _fp32_copy),
+        _Optimizer("adamw", ("--optim", "adamw_torch"), _fp32_copy, per_tensor="adamw_torch"),
         _Optimizer("adamw-8bit", ("--optim", "adamw_bnb_8bit"), _no_bytes, "bitsandbytes"),
         _Optimizer("adafactor", ("--optim", "adafactor"), _adafactor_step_temp),
         _Optimizer("sgd", ("--optim", "sgd"), _no_bytes),
@@ -990,6 +1002,10 @@ class TrainingSetup:
     lora_dropout: float = LORA_DROPOUT
     """peft's LoRA dropout with ``lora_r`` (``--lora_dropout``; memfit train's default): its masks are counted,
     and an MLP with a dropout inside is not tiled (NOTE [The tiled MLP in the estimate])."""
+    optimizer_step: str = KEEP
+    """The optimizer step's treatment (parts/optimizer_step.py): ``keep`` (as torch makes it: foreach AdamW on
+    CUDA) or ``per_tensor`` (torch's for-loop step, its temporaries one tensor's: what memfit runs where
+    foreach's do not fit); an optimizer without a per-tensor step (:attr:`_Optimizer.per_tensor`) runs as made."""
 
     def __post_init__(self) -> None:
         _check_choice("head", self.head, HEAD_CHOICES)
@@ -1007,6 +1023,7 @@ class TrainingSetup:
         if self.head_chunks < 0:
             raise FlagError(f"head_chunks {self.head_chunks}: give a chunk count of at least 1, or 0")
         check_lora_dropout(self.lora_dropout)
+        _check_choice("optimizer_step", self.optimizer_step, (KEEP, PER_TENSOR))
 
     @property
     def batch_size(self) -> int:
@@ -1135,6 +1152,8 @@ class MemoryEstimate:
     (NOTE [Phases of a step])."""
     optimizer_step_bytes: int
     """Temporaries inside ``optimizer.step()`` (after activations are freed)."""
+    step_per_tensor: bool = False
+    """Whether those are the step's run per tensor (``TrainingSetup.optimizer_step``, where fewer than as made)."""
     workspace_bytes: int = LIBRARY_WORKSPACE_BYTES
     """cuBLAS/cuBLASLt workspaces: inside the caching allocator and the cap."""
     cuda_context_bytes: int = CUDA_CONTEXT_BYTES
@@ -1319,6 +1338,11 @@ def estimate(
         state = optimizer.state(shapes) * width // 4
         step_temp = optimizer.step_temp(shapes) * width // 4
         grads, grad_bytes = width * profile.n_params, width
+    step_per_tensor = False
+    if setup.optimizer_step == PER_TENSOR and optimizer.per_tensor:
+        per_tensor = _per_tensor_step_bytes(optimizer.per_tensor, trained if setup.lora_r else shapes, 4 if setup.lora_r else width)
+        # the engine offers it only where its temporaries are fewer (parts/optimizer_step.py)
+        step_per_tensor, step_temp = per_tensor < step_temp, min(step_temp, per_tensor)
     copies = half and setup.weights == "fp32"
     head = lm_head_bytes(profile, setup.micro_batch_size * (seq_length or 0), setup.precision, setup.weights,
                          setup.head_chunks)
@@ -1344,6 +1368,7 @@ def estimate(
         activations_bytes=activations.total_bytes(k, setup.on_host),
         backward_bytes=backward_phase_bytes(profile, activations, k, copies, grad_bytes, head_transient, setup.on_host),
         optimizer_step_bytes=step_temp,
+        step_per_tensor=step_per_tensor,
         notes=tuple(notes),
         lm_head=head,
         recompute_bytes=max((block_backward_moment(profile, activations, j, k, copies, setup.on_host) for j in range(k)),
@@ -1468,7 +1493,8 @@ def format_table(est: MemoryEstimate, budget: Budget | None = None, *, title: st
         ("forward + backward", est.backward_bytes,
          "above weights + state: copies + activations + gradients made so far + backward temporaries"),
         *_head_rows(est),
-        ("optimizer step temporaries", est.optimizer_step_bytes, "with all gradients, after activations are freed"),
+        ("optimizer step temporaries", est.optimizer_step_bytes, "with all gradients, after activations are freed"
+         + (", the step run per tensor (memfit's where foreach's do not fit)" if est.step_per_tensor else "")),
         ("CUDA library workspaces", est.workspace_bytes, "cuBLAS/cuBLASLt, inside the allocator"),
         ("peak of forward + backward", est.backward_peak_bytes, "workspaces + weights + state + forward + backward"),
         ("peak of optimizer step", est.step_peak_bytes, "workspaces + weights + gradients + state + step temporaries"),

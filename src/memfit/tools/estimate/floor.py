@@ -7,7 +7,8 @@ engine tiles the model's MLP, else ``host_checkpoint`` (NOTE [Checkpoints on the
 [The tiled MLP in the estimate], anatomy.py: no block input on the device, and the MLP's intermediates one chunk
 at a time), and the LM head chunked in the most chunks the planner offers (:func:`most_head_chunks`): the
 static memory (weights, gradients, optimizer state, library workspaces) and one block's recompute and
-backward at a time, with the head's rows and one chunk's logits. No plan of memfit's treatments keeps
+backward at a time, with the head's rows and one chunk's logits; at the optimizer step, the step run per tensor
+where the optimizer has such a step (torch's AdamW: one tensor's temporaries, not foreach's). No plan of memfit's treatments keeps
 less on the device (the others keep a block's input, or its saved tensors, or fetch a whole block's saved
 tensors back, or make its MLP's intermediates for every token at once): a budget under it cannot train that
 shape, whatever the method, and the pinned host memory it holds (every block's input) must fit the host budget
@@ -30,6 +31,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from memfit.engine.budget import Budget, format_bytes
+from memfit.engine.parts.optimizer_step import PER_TENSOR
 from memfit.tools.estimate.advise import NothingFitsError
 from memfit.tools.estimate.anatomy import (
     MemoryEstimate,
@@ -67,7 +69,8 @@ def floor_estimate(profile: ModelProfile, setup: TrainingSetup, seq_length: int,
         >>> floor_estimate(profile, TrainingSetup("bf16", weights="bf16", micro_batch_size=1), 65536).total_bytes  # doctest: +SKIP
     """
     chunks = most_head_chunks(profile, setup.micro_batch_size * seq_length, setup.precision, setup.weights)
-    at = dataclasses.replace(setup, checkpoint="host", head="chunked" if chunks else "keep", head_chunks=chunks)
+    at = dataclasses.replace(setup, checkpoint="host", head="chunked" if chunks else "keep", head_chunks=chunks,
+                             optimizer_step=PER_TENSOR)
     return estimate(profile, at, seq_length=seq_length, **inputs)
 
 
