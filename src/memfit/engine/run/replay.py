@@ -383,10 +383,10 @@ class Replayer:
         """# NOTE [What a failed attempt leaves]
         Once an OOM's attempt is cleaned up (its gradients put back, its frames freed, the collector run, the
         cache returned), the static bytes should be what the attempt started with. Where they are more, the
-        failed attempt's tensors are still held by something the clean-up cannot reach: seen on an H200 after
-        a backward OOM among host checkpoints (2.6 GiB of a 1.24B model's activations held until the next
-        attempt failed; the holder was not found from Python). The replay's static reading counts them, so its
-        plan allows for them; the record's attempt says how much (``left_bytes``) and the run says it once.
+        failed attempt's tensors are still held by something the clean-up cannot reach (after a backward OOM
+        among checkpointed blocks, the failed backward's saved tensors can outlive it: docs/devlog.md, session 29).
+        The replay's static reading counts them, so its plan allows for them; the record's attempt says how
+        much (``left_bytes``) and the run says it once.
         """
         attempt = self.oom.attempts[-1] if self.oom.attempts else None
         if static_now is None or attempt is None or attempt.get("static_bytes") is None:
