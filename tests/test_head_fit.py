@@ -493,7 +493,7 @@ def test_a_budget_below_static_plus_the_least_head_is_the_one_line_budget_error(
 
 def test_the_warning_of_a_shape_that_cannot_fit_names_the_head_and_blames_it_when_it_dominates(caplog):
     from memfit.engine.plan.planner import Plan
-    from memfit.engine.plan.planning import Planning, _plan_parts
+    from memfit.engine.plan.planning import Planning
     from memfit.engine.parts.treatments.chunked_head import HeadPart
     from memfit.engine.parts.head import attach_head
 
@@ -502,7 +502,7 @@ def test_the_warning_of_a_shape_that_cannot_fit_names_the_head_and_blames_it_whe
     planning.add_part(part)
     planning.begin_step(1_100_000)  # over the budget by itself: no plan fits
     with caplog.at_level("WARNING", logger="memfit"):
-        plan = _plan_parts(planning, (4, 512))
+        plan = planning.search.parts_plan((4, 512))
     assert plan.blocks == (0, 1) and plan.option("head")[0] == "chunked"
     (message,) = [m for m in caplog.messages if "predicted to need" in m]
     kept, least, n = part.head_bytes(4 * 512)

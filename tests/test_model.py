@@ -9,7 +9,7 @@ from memfit.engine.plan.model import Curve, MemoryModel
 from memfit.engine.shapes import bucket_key, shape_key
 from memfit.engine.plan.planner import Plan, plan_blocks
 from memfit.engine.plan.learner import would_plan_less
-from memfit.engine.plan.planning import Planning, _plan_from_row
+from memfit.engine.plan.planning import Planning
 
 
 def test_shape_and_bucket_keys():
@@ -206,7 +206,7 @@ def test_planner_respects_the_optimizer_floor():
     planning.model.optimizer_bytes = 900_000
     planning.cache.clear()
     assert planning.plan_for((4, 60)).blocks == (0, 1, 2, 3)
-    assert (4, 60) in planning.infeasible_keys
+    assert (4, 60) in planning.search.infeasible_keys
 
 
 def test_partial_regime_checkpoints_fewer_blocks():
@@ -365,14 +365,14 @@ def test_a_row_of_plans_equals_the_per_key_plans(seed):
         row = Planning(6, [0] * 6, budget, margin_bytes=20_000, bucket_tokens=8, slack_bytes=5_000)
         row.model, row.static_bytes = model, 250_000
         static_bucket = row._static_bucket()
-        _plan_from_row(row, (4, 8), static_bucket)  # one miss plans the whole row
+        row.search.from_row((4, 8), static_bucket)  # one miss plans the whole row
         assert len(row.cache.rows) == 1
-        from_row = {(4, t): _plan_from_row(row, (4, t), static_bucket) for t in range(1, 400)}
+        from_row = {(4, t): row.search.from_row((4, t), static_bucket) for t in range(1, 400)}
         assert len(row.cache.rows) == 1  # every length up to the longest shape came from that row
         alone = Planning(6, [0] * 6, budget, margin_bytes=20_000, bucket_tokens=8, slack_bytes=5_000)
         alone.model, alone.static_bytes = model, 250_000
         for key, plan in from_row.items():
-            assert plan is None or plan == alone._plan(key), (budget, key)
+            assert plan is None or plan == alone.search.plan(key), (budget, key)
         planned = [p for p in from_row.values() if p is not None]
         assert len(planned) > len(from_row) // 2 or budget < every  # None: infeasible, planned per key
         assert any(p.blocks for p in planned) or budget > 2 * every
@@ -683,11 +683,9 @@ def test_a_floor_inside_the_margins_is_run_without_saying_it_is_over_the_budget(
     the budget only where its predicted peak is over the budget itself, and the figure said is that peak."""
     import logging
 
-    from memfit.engine.plan.planning import floor_plan
-
     probe = Planning(4, [0, 0, 0, 0], 10**9, margin_bytes=0, bucket_tokens=1)
     probe.model, probe.static_bytes = _model([16, 32, 64]), 200_000
-    peak = probe.predict_peak((4, 64), floor_plan(probe, 256))
+    peak = probe.predict_peak((4, 64), probe.search.floor(256))
     budget = peak - 1000 if over_budget else peak + 1000
     planning = Planning(4, [0, 0, 0, 0], budget, margin_bytes=5000, bucket_tokens=1)
     planning.model, planning.static_bytes = _model([16, 32, 64]), 200_000
@@ -714,6 +712,6 @@ def test_planning_s_records_per_shape_and_plan_stay_bounded(caplog):
     assert len(bias.errors) == MAX_KEPT
     planning = Planning(2, [0, 0], 10**9, margin_bytes=0, bucket_tokens=1)
     with caplog.at_level(logging.DEBUG, logger="memfit"):
-        logs = [planning._infeasible_log((1, t)) for t in range(MAX_KEPT + 500)]
-    assert len(planning.infeasible_keys) <= MAX_KEPT
+        logs = [planning.search._infeasible_log((1, t)) for t in range(MAX_KEPT + 500)]
+    assert len(planning.search.infeasible_keys) <= MAX_KEPT
     assert logs[0] == planning_module.logger.warning and all(log == planning_module.logger.debug for log in logs[1:])

@@ -8,7 +8,7 @@ from memfit.engine.plan import learner
 from memfit.engine.plan.learner import StepOutcome
 from memfit.engine.plan.planner import Plan
 import memfit.engine.plan.planning
-from memfit.engine.plan.planning import BucketBias, ModelUpdate, Planning, slack_cost_ms
+from memfit.engine.plan.planning import BucketBias, ModelUpdate, Planning
 from memfit.engine.plan.room import (
     ALLOCATOR_SLACK_BYTES, CLEAN_STEPS_KEPT, MAX_RETRY_SLACK_SHARE, RETRY_SLACK_SHARE, SHRINK_AFTER_CLEAN_STEPS, Room,
     StepTimes,
@@ -148,7 +148,7 @@ def test_planning_prices_the_growth_with_the_plan_of_the_smaller_room(monkeypatc
     planning = Planning(4, [0, 0, 0, 0], 1_000_000, 0, 8, room=Room(1_000_000, slack_bytes=1000))
     for _ in range(3):
         assert not planning.apply(ModelUpdate(steady_key=(8, 64), net_ms=100.0))
-    monkeypatch.setattr(memfit.engine.plan.planning, "slack_cost_ms", lambda planning, key, extra: 0.5)
+    monkeypatch.setattr(planning.search, "slack_cost_ms", lambda key, extra: 0.5)
     # per step: 30 ms x 1 retry in (at least) RETRY_RATE_STEPS steps < 0.5 ms; then 80 ms x 2 of them > 0.5 ms
     assert not planning.apply(ModelUpdate(alloc_retries=True, steady_key=(8, 64), net_ms=130.0))
     assert planning.slack_bytes == 1000
@@ -165,7 +165,7 @@ def test_a_retry_without_clean_steps_waits_for_its_buckets_next_clean_step(monke
     bucket that retries twice before any clean step grows the slack at once, and a retry with no
     step time grows it too (nothing to price it with)."""
     planning = Planning(4, [0, 0, 0, 0], 1_000_000, 0, 8, room=Room(1_000_000, slack_bytes=1000))
-    monkeypatch.setattr(memfit.engine.plan.planning, "slack_cost_ms", lambda planning, key, extra: 0.5)
+    monkeypatch.setattr(planning.search, "slack_cost_ms", lambda key, extra: 0.5)
     step = planning.room.slack_step_bytes
     # 20 ms once in RETRY_RATE_STEPS steps: 0.31 ms per step < 0.5; it waits, and its bucket's clean step keeps the slack
     assert not planning.apply(ModelUpdate(alloc_retries=True, steady_key=(8, 64), net_ms=120.0))
@@ -189,17 +189,17 @@ def test_a_growth_is_priced_per_step_over_the_latest_shapes(monkeypatch):
     """NOTE [The slack is priced]: the growth's price is the mean over the latest steady steps'
     shapes of what the smaller room adds to each one's plan (each shape priced once)."""
     planning = _fitted_planning()
-    assert memfit.engine.plan.planning.growth_ms_per_step(planning) == 0.0  # no steady step yet
+    assert planning.search.growth_ms_per_step() == 0.0  # no steady step yet
     priced = []
 
-    def cost(planning, key, extra):
+    def cost(key, extra):
         priced.append(key)
         return {16: 0.0, 64: 3.0, 32: 1.0}[key[1]]
 
-    monkeypatch.setattr(memfit.engine.plan.planning, "slack_cost_ms", cost)
+    monkeypatch.setattr(planning.search, "slack_cost_ms", cost)
     for key in [(4, 16), (4, 64), (4, 64), (4, 32)]:
         planning.room.times.note(key, False)
-    assert memfit.engine.plan.planning.growth_ms_per_step(planning) == pytest.approx((0 + 3 + 3 + 1) / 4)
+    assert planning.search.growth_ms_per_step() == pytest.approx((0 + 3 + 3 + 1) / 4)
     assert sorted(priced) == [(4, 16), (4, 32), (4, 64)]
 
 
@@ -216,12 +216,12 @@ def test_step_times_keep_one_waiting_retry_per_bucket():
 def test_slack_cost_is_the_recompute_a_smaller_room_adds():
     planning = _fitted_planning()
     key = (4, 60)
-    assert slack_cost_ms(planning, key, 0) == 0.0
+    assert planning.search.slack_cost_ms(key, 0) == 0.0
     k = planning.planned_shape(key)
     one_block, cost = planning.model.savings(k)[0], planning.model.costs(k)[0]
-    assert slack_cost_ms(planning, key, one_block) == pytest.approx(cost)  # one more block to recompute
-    assert slack_cost_ms(planning, key, 10**15) == float("inf")
-    assert slack_cost_ms(Planning(4, [0] * 4, 1_000_000, 0, 1), key, one_block) == 0.0  # no model yet
+    assert planning.search.slack_cost_ms(key, one_block) == pytest.approx(cost)  # one more block to recompute
+    assert planning.search.slack_cost_ms(key, 10**15) == float("inf")
+    assert Planning(4, [0] * 4, 1_000_000, 0, 1).search.slack_cost_ms(key, one_block) == 0.0  # no model yet
 
 
 def _steady(planning, key, observed):

@@ -381,12 +381,10 @@ def test_backward_and_optimizer_peaks_are_read_apart(monkeypatch):
 
 def _count_plans(monkeypatch, ctl, planned):
     """Append to ``planned`` one entry per plan made (a row or one key): a miss of the plan cache."""
-    from memfit.engine.plan import planning as planning_module
-
-    original_plan = ctl.planning._plan
-    monkeypatch.setattr(ctl.planning, "_plan", lambda k: planned.append(("_plan", k)) or original_plan(k))
-    original_row = planning_module._plan_row
-    monkeypatch.setattr(planning_module, "_plan_row", lambda p, k: planned.append(("_plan_row", k)) or original_row(p, k))
+    search = ctl.planning.search
+    original_plan, original_row = search.plan, search._row
+    monkeypatch.setattr(search, "plan", lambda k: planned.append(("plan", k)) or original_plan(k))
+    monkeypatch.setattr(search, "_row", lambda k: planned.append(("_row", k)) or original_row(k))
 
 
 def test_plans_stay_cached_once_the_model_fits(monkeypatch):
@@ -784,8 +782,8 @@ def test_static_does_not_relearn_from_shorter_over_predicted_steps(monkeypatch):
     must not change the model (each change replans: an H200 static run replanned in half its steps)."""
     model, make_batch, inner, budget, ctl, fake = _half_budget_on_fake_allocator(monkeypatch, "static", max_shape=(4, 96))
     planned = []
-    original = ctl.planning._plan
-    monkeypatch.setattr(ctl.planning, "_plan", lambda k: planned.append(k) or original(k))
+    original = ctl.planning.search.plan
+    monkeypatch.setattr(ctl.planning.search, "plan", lambda k: planned.append(k) or original(k))
     # warm-up, then 9 steady shapes (the partial transient's first-shapes rule is spent), then
     # new shapes inside that range: only an over-prediction could teach the model there
     first = [96, 48, 72] + [24, 32, 40, 48, 56, 64, 72, 80, 88]

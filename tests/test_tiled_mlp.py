@@ -360,7 +360,7 @@ def test_the_floor_plan_chunks_the_head_the_most():
     saves most."""
     from types import SimpleNamespace
 
-    from memfit.engine.plan.planning import floor_plan as _floor
+    from memfit.engine.plan.search import Search
     from memfit.engine.parts.treatments.chunked_head import head_options, head_without_a_plan
 
     options = head_options(65536, 128256, 4096, torch.bfloat16, 0.0, 0.0)
@@ -374,12 +374,12 @@ def test_the_floor_plan_chunks_the_head_the_most():
             pass
 
     planning = SimpleNamespace(registry=resolve(TILED), all_blocks=(0, 1), n_blocks=2, parts={"head": Head()})
-    plan = _floor(planning, 65536)
+    plan = Search(planning).floor(65536)
     assert plan.kinds == (HOST_CHECKPOINT_TILED,) * 2
     assert plan.option("head") == max(options, key=lambda o: o[2])[:2] and plan.option("head")[1] > head_without_a_plan(options)[1], (plan.option("head"), options)
-    assert _floor(SimpleNamespace(**{**vars(planning), "parts": {}}), 65536).option("head") is None
+    assert Search(SimpleNamespace(**{**vars(planning), "parts": {}})).floor(65536).option("head") is None
     # where the run offers no other re-run, the floor is every block plainly recomputed (no kinds: the full plan)
-    plain = _floor(SimpleNamespace(**{**vars(planning), "registry": resolve(("recompute",))}), 65536)
+    plain = Search(SimpleNamespace(**{**vars(planning), "registry": resolve(("recompute",))})).floor(65536)
     assert plain.blocks == (0, 1) and plain.kinds == ()
 
 
@@ -438,7 +438,7 @@ def test_the_planner_swaps_in_the_leaner_re_run_where_only_the_re_run_peak_is_ov
     from types import SimpleNamespace
 
     from memfit.engine.parts.treatments import RECOMPUTE, resolve as resolve_names
-    from memfit.engine.plan.planning import _mix_that_fits
+    from memfit.engine.plan.search import Search
 
     model = _model_with_tiled(True)
     for t in (16, 32, 64):
@@ -452,7 +452,7 @@ def test_the_planner_swaps_in_the_leaner_re_run_where_only_the_re_run_peak_is_ov
 
     def mix(room: int) -> Plan | None:
         need = int(model.backward_start_bytes(key, Plan(()))) - room
-        return _mix_that_fits(planning, key, options, need, room)
+        return Search(planning)._mix_that_fits(key, options, need, room)
 
     two = Plan((0, 1))
     two_tiled = Plan((0, 1), kinds=(RECOMPUTE_TILED,) * 2)

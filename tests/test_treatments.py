@@ -200,7 +200,7 @@ def test_the_planner_keeps_recompute_where_treatments_are_dearer():
     """NOTE [Treatments never lose]: a mix is taken only when it is cheaper than the
     recompute-only plan; priced dearer, selective is never chosen."""
     from memfit.engine.plan.model import MemoryModel
-    from memfit.engine.plan.planning import Planning, _plan_recompute
+    from memfit.engine.plan.planning import Planning
 
     model = MemoryModel([0] * 4)
     group = model.group_models[0]
@@ -219,7 +219,7 @@ def test_the_planner_keeps_recompute_where_treatments_are_dearer():
         planning = Planning(4, [0] * 4, 200_000, margin_bytes=0, bucket_tokens=1, treatments=("recompute", "selective"))
         planning.model, planning.static_bytes = model, 100_000
         plan = planning.plan_for((4, 64))
-        alone = _plan_recompute(planning, (4, 64))  # what recompute alone would run
+        alone = planning.search.recompute_plan((4, 64))  # what recompute alone would run
         assert plan.blocks and planning.predict_peak((4, 64), plan) <= planning.room_bytes
         if cheap:
             assert "selective" in plan.by_treatment() and plan.cost_ms < alone.cost_ms, (plan, alone)

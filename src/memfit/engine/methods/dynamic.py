@@ -56,7 +56,6 @@ from typing import TYPE_CHECKING
 from memfit.engine.plan import learner
 from memfit.engine.methods.base import Decision, Method
 from memfit.engine.plan.planner import Plan
-from memfit.engine.plan.planning import floor_plan
 from memfit.engine.run.protection import Backstop, Protection, Unprotected
 from memfit.engine.shapes import bucket_key
 
@@ -156,7 +155,7 @@ class Dynamic(Method):
                 every = Plan(planning.all_blocks)
                 if (failed is not None and failed.layout == every.layout) or _inputs_over(planning, tokens):  # NOTE [Warm-up on the floor]
                     self._floor_tokens = min(tokens, self._floor_tokens or tokens)
-                warm = floor_plan(planning, tokens) if self._floor_tokens is not None and tokens >= self._floor_tokens else every
+                warm = planning.search.floor(tokens) if self._floor_tokens is not None and tokens >= self._floor_tokens else every
                 return Decision(_treating_more(planning, warm, failed, tokens), warmup=True, count=True)
             self._steady = True  # the model stays ready and the counts only grow
         low, high = self._counted_range or (tokens, tokens - 1)
@@ -209,7 +208,7 @@ def _treating_more(planning: "Planning", plan: Plan, failed: Plan | None, tokens
     """``plan``, or the floor plan where ``failed`` already was ``plan`` (NOTE [A replay treats more])."""
     if failed is None or failed.layout != plan.layout:
         return plan
-    return floor_plan(planning, tokens)
+    return planning.search.floor(tokens)
 
 
 class Static(Dynamic):

@@ -2,7 +2,8 @@
 
 :mod:`.model` (the one peak evaluator: memory and time per part and treatment), :mod:`.planner`
 (pure and bounded: options -> the cheapest plan), :mod:`.planning` (the owner of the model, the
-plan cache and the room), :mod:`.room` (what is free under the cap), :mod:`.learner` (pure: a
+plan cache and the room), :mod:`.search` (one shape's plan on a cache miss, read from the planning's
+public face), :mod:`.room` (what is free under the cap), :mod:`.learner` (pure: a
 finished step's readings -> updates of the model).
 
 Imports: :mod:`memfit.engine.parts` and the engine's shared modules; never ``run``.

@@ -457,7 +457,7 @@ def would_plan_less(planning: "Planning", key: tuple[int, int], plan: Plan, over
     if not blocks or planning.budget_bytes is None:
         return False
     k = planning.planned_shape(key)
-    need = int(planning._static_for(k) + planning.model.backward_start_bytes(k, Plan(()))) - planning.room_bytes - over_bytes
+    need = int(planning.static_for(k) + planning.model.backward_start_bytes(k, Plan(()))) - planning.room_bytes - over_bytes
     if need <= 0:
         return True
     costs = planning.model.costs(k)

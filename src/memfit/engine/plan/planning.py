@@ -81,6 +81,7 @@ from memfit.engine.budget import Budget
 from memfit.engine.plan.model import MemoryModel
 from memfit.engine.plan.planner import with_leaner_reruns, InfeasiblePlanError, Plan, PlanCache, plan_blocks, plan_with_parts
 from memfit.engine.plan.room import Room
+from memfit.engine.plan.search import MAX_KEPT, Search
 from memfit.engine.shapes import bucket_key
 from memfit.engine.summary_text import over_budget_words
 from memfit.engine.parts.treatments import KEEP, RECOMPUTE, TreatmentSpec, floor_treatment, resolve
@@ -98,8 +99,6 @@ BIAS_SEEN = 2
 BIAS_SHARE = 0.01
 #: steady steps whose least over-prediction lowers every bucket's (NOTE [Over-prediction across buckets])
 RUN_BIAS_STEPS = 4
-#: the most entries a per-shape or per-plan record of Planning's holds (a long run's shapes are not bounded)
-MAX_KEPT = 4096
 
 
 @dataclass
@@ -256,7 +255,7 @@ class Planning:
         self.max_static_bytes = 0
         self.input_bytes_per_token = self.mlp_bytes_per_token = 0  # at the step being decided (note_block_input)
         self._widest: int | None = None
-        self.infeasible_keys: set[tuple[int, int]] = set()
+        self.search = Search(self)  # the plan of a shape on a cache miss (search.py)
         #: per plan bucket, the most tokens per row seen in it (NOTE [Plan for the longest shape seen])
         self.longest_in_bucket: dict[tuple[int, int], int] = {}
         self.treatments = tuple(name for name in self.registry if name != KEEP)
@@ -292,7 +291,7 @@ class Planning:
 
     def moment_options(self, key: tuple[int, int]) -> dict[str, tuple[str, int]]:
         """Each part at a moment of its own: its option at ``key`` (NOTE [A part kind's moment]), its saving in the model."""
-        free = math.inf if self.budget_bytes is None else self.room_bytes - self._static_for(self.planned_shape(key))
+        free = math.inf if self.budget_bytes is None else self.room_bytes - self.static_for(self.planned_shape(key))
         chosen = {kind: part.at_moment(free, self.model.optimizer_bytes) for kind, part in self.moment_parts.items()}
         if (saved := float(sum(option[2] for option in chosen.values()))) != self.model.step_saved:
             self.model.step_saved = saved
@@ -367,11 +366,18 @@ class Planning:
     def predict_peak(self, key: tuple[int, int], plan: Plan) -> int:
         """Predicted step peak: static + the largest of the step's three peaks (NOTE [Three peaks], model.py)."""
         k = self.planned_shape(key)
-        return int(self._static_for(k) + self.model.step_bytes(k, plan))
+        return int(self.static_for(k) + self.model.step_bytes(k, plan))
 
-    def _static_for(self, k: tuple[int, int]) -> float:
+    def static_for(self, k: tuple[int, int]) -> float:
         """The static bytes a prediction at ``k`` starts from: less its bucket's correction (NOTE [Bias per bucket])."""
-        return self.static_bytes - _correction(self, bucket_key(k, self.bucket_tokens))
+        return self.static_bytes - self.correction(bucket_key(k, self.bucket_tokens))
+
+    def correction(self, bucket: tuple[int, int]) -> float:
+        """What a prediction in ``bucket`` is lowered by: its own correction, else the run's offset
+        where an OOM is not fatal (NOTE [Over-prediction across buckets])."""
+        if bucket in self.bias.correction:
+            return self.bias.correction[bucket]
+        return 0.0 if self.room.oom_fatal else self.run_bias.offset_for(bucket[0] * bucket[1])
 
     @property
     def room_bytes(self) -> int:
@@ -415,10 +421,10 @@ class Planning:
         if plan is None:
             settled = self.cache.settled(ROW_AFTER_STEADY_ASKS)
             whole_row = whole_row and edge not in self.bias.correction  # NOTE [Bias per bucket]
-            from_row = _plan_from_row(self, k, static_bucket) if whole_row and settled and self.recompute_only and not self.parts else None
-            plan = from_row or (_plan_parts(self, k) if self.parts else self._plan(k))
+            from_row = self.search.from_row(k, static_bucket) if whole_row and settled and self.recompute_only and not self.parts else None
+            plan = from_row or self.search.plan(k)
             self._drop_stale_plans()  # a part priced anew while this plan was made: those made before are stale
-            if from_row is not None and k != edge and _row_constant(self, k, edge, static_bucket):
+            if from_row is not None and k != edge and self.search.row_constant(k, edge, static_bucket):
                 self.cache.put((edge, static_bucket), plan)  # no longer shape of the bucket will replan
             self.cache.put(cache_key, plan)
         return plan
@@ -431,26 +437,6 @@ class Planning:
         if priced != self._priced:
             self.cache.clear()
             self._priced = priced
-
-    def _plan(self, k: tuple[int, int]) -> Plan:
-        """``k``'s plan: the cheapest by recompute alone, or, where the run may give other
-        treatments, the cheapest mix when that is cheaper still and fits (NOTE [Treatments never lose])."""
-        mixes = not (self.recompute_only or not self.model.ready)
-        plan = _plan_recompute(self, k, warn=not mixes)
-        mixed = _plan_mixed(self, k) if mixes else None
-        if plan is None or mixed is None:  # where recompute alone fits nothing, a mix that fits wins (NOTE [Leaner re-runs])
-            return plan or mixed or _plan_recompute(self, k, warn=True)
-        base_ms = plan.cost_ms if plan.blocks != self.all_blocks or plan.cost_ms else sum(self.model.costs(k))
-        return mixed if mixed.cost_ms < 0.999 * base_ms else plan
-
-    def _infeasible_log(self, k: tuple[int, int]) -> Callable[..., None] | None:
-        """How to say that no plan fits ``k``: the run's first such shape at warning, later ones at debug, and a
-        shape said before not again (None) (NOTE [What to change when a step cannot fit], summary_text.py)."""
-        if k in self.infeasible_keys:
-            return None
-        log = logger.debug if self.infeasible_keys else logger.warning
-        self.infeasible_keys = (self.infeasible_keys if len(self.infeasible_keys) < MAX_KEPT else set()) | {k}  # bounded
-        return log
 
     # ------------------------------------------------------------ the only writer
     def apply(self, update: ModelUpdate) -> bool:
@@ -479,7 +465,8 @@ class Planning:
         if update.miss_bytes is not None:
             changed |= self.room.after_miss(update.miss_bytes)
         if update.steady_key is not None:
-            changed |= _slack_rules(self, update)
+            changed |= self.room.after_steady(update.steady_key, bucket_key(update.steady_key, self.bucket_tokens),
+                                              update.alloc_retries, update.net_ms, self.search.growth_ms_per_step)
         if changed:
             self.cache.clear()
         return changed or corrected
@@ -499,14 +486,14 @@ class Planning:
         if update.run_error is not None:  # NOTE [Over-prediction across buckets]
             key, error = update.run_error
             bucket = bucket_key(key, self.bucket_tokens)
-            if self.run_bias.observe(error + _correction(self, bucket), tolerance, bucket[0] * bucket[1]):
+            if self.run_bias.observe(error + self.correction(bucket), tolerance, bucket[0] * bucket[1]):
                 self.cache.clear()
                 changed = True
         if update.error is None:
             return changed
         key, plan, error = update.error
         bucket = bucket_key(key, self.bucket_tokens)
-        if not self.bias.observe(bucket, plan, error, tolerance, _correction(self, bucket)):
+        if not self.bias.observe(bucket, plan, error, tolerance, self.correction(bucket)):
             return changed
         self.cache.drop(lambda cached: bucket_key(cached[0], self.bucket_tokens) == bucket)
         return True
@@ -521,315 +508,3 @@ class Planning:
         """A step ran out of memory: the room grows (NOTE [Room], room.py) and the plans are redone."""
         self.room.after_oom(unusable_bytes)
         self.cache.clear()
-
-
-def _plan_recompute(planning: Planning, k: tuple[int, int], warn: bool = True) -> Plan | None:
-    # Treating blocks lowers the start-of-backward peak only; the plan is then checked
-    # against the other two (NOTE [Three peaks], model.py), and mended if one is over
-    # (NOTE [Blocks held below a recompute]). Where none fits: every block, said once (``warn``), or None.
-    room = planning.room_bytes
-    need = int(planning._static_for(k) + planning.model.backward_start_bytes(k, Plan(()))) - room
-    try:
-        costs, savings = planning.model.costs(k), planning.model.savings(k)
-        plan = plan_blocks(costs, savings, need)
-        if not plan.blocks or planning.predict_peak(k, plan) <= room:
-            return plan
-        if planning.predict_peak(k, Plan(planning.all_blocks)) > room:
-            raise InfeasiblePlanError("the recompute or optimizer-step peak is over the budget")
-        return _mend(planning, k, plan, need, costs, savings)
-    except InfeasiblePlanError:
-        if not warn:
-            return None
-        most = floor_plan(planning, k[0] * k[1])
-        peak_bytes = planning.predict_peak(k, most)  # NOTE [Over the room, not the budget]
-        log = planning._infeasible_log(k) if peak_bytes > planning.budget_bytes else None
-        if log is not None:
-            outside = planning.model.outside(k) if planning.model.ready else 0.0
-            parts = {"static": planning.static_bytes, "outside": outside, "blocks": planning.model.step_bytes(k, most) - outside}
-            log("memfit: shape %s is predicted to need %s even with every block checkpointed, over the budget of %s; "
-                "running it with every block checkpointed; %s", k, planning.budget.size(peak_bytes), planning.budget,
-                over_budget_words(parts, planning.budget))
-        return most
-
-
-def _plan_mixed(planning: Planning, k: tuple[int, int]) -> Plan | None:
-    """# NOTE [Treatments never lose]
-    The cheapest mix of treatments that saves what is needed at the start of backward, if
-    it also fits the other two peaks (NOTE [Treated peaks], model.py); else None. It is
-    taken only when its predicted price is under the recompute-only plan's, which is
-    always made too: a mix never costs more than recompute alone would.
-    """
-    room = planning.room_bytes
-    need = int(planning._static_for(k) + planning.model.backward_start_bytes(k, Plan(()))) - room
-    options = planning.model.options(k, planning.treatments, planning.offload_ms)
-    if need <= 0 or all(name == "recompute" for opts in options for name, _, _ in opts):
-        return None
-    return _mix_that_fits(planning, k, options, need, room)
-
-
-def _mend(planning: Planning, k: tuple[int, int], plan: Plan, need: int, costs: list[float], savings: list[int]) -> Plan:
-    """A plan whose recompute peak is over the room, mended.
-
-    # NOTE [Blocks held below a recompute]
-    While backward recomputes a checkpointed block, every kept block below it still holds
-    its activations. The cheapest set of blocks can leave such blocks (the largest layers
-    of a Swin stack, under checkpointed later ones), and the recompute then peaks over
-    the room. Such a plan is mended, not replaced by every block: the cheaper of the plan
-    with every block under its topmost one added, and the shortest run of first blocks
-    that saves enough; both hold nothing below a recompute.
-    """
-    room = planning.room_bytes
-    below = tuple(range(max(plan.blocks) + 1))  # the plan and every block under it
-    covered = itertools.accumulate(savings)
-    prefix = tuple(range(next(i for i, total in enumerate(covered, 1) if total >= need)))
-    mended = [p for p in {below, prefix} if planning.predict_peak(k, Plan(p)) <= room]
-    if not mended:
-        return Plan(planning.all_blocks)
-    best = min(mended, key=lambda p: (sum(costs[i] for i in p), p))
-    return Plan(best, float(sum(costs[i] for i in best)), int(sum(savings[i] for i in best)))
-
-
-# ---------------------------------------------------------------- the bias (NOTE [Bias per bucket])
-def _correction(planning: Planning, bucket: tuple[int, int]) -> float:
-    """What a prediction in ``bucket`` is lowered by: its own correction, else the run's offset
-    where an OOM is not fatal (NOTE [Over-prediction across buckets])."""
-    if bucket in planning.bias.correction:
-        return planning.bias.correction[bucket]
-    return 0.0 if planning.room.oom_fatal else planning.run_bias.offset_for(bucket[0] * bucket[1])
-
-
-
-# ---------------------------------------------------------------- the slack (NOTE [The slack is priced], room.py)
-def _slack_rules(planning: Planning, update: ModelUpdate) -> bool:
-    """A steady step with or without allocator retries, to the room's slack rules (NOTE [The
-    slack is priced], room.py): a retry is priced against the bucket's clean steps (waiting for
-    the first where there is none yet), the growth against the planner's price of the smaller
-    room, both per step over the latest steady steps."""
-    bucket = bucket_key(update.steady_key, planning.bucket_tokens)
-    times, room = planning.room.times, planning.room
-    times.note(update.steady_key, bool(update.alloc_retries))
-    if not update.alloc_retries:
-        if update.net_ms is None:
-            return room.after_clean_step()
-        times.add_clean(bucket, update.net_ms)
-        changed = room.after_clean_step()
-        waited = times.waited_retry_ms(bucket)
-        if waited is None:
-            return changed
-        return room.price_retry(waited * times.retry_share, growth_ms_per_step(planning)) or changed
-    if update.net_ms is None:
-        return room.after_alloc_retries(None)
-    retry_ms = times.retry_ms(bucket, update.net_ms)
-    if retry_ms is not None:
-        return room.after_alloc_retries(retry_ms * times.retry_share, growth_ms_per_step(planning))
-    if times.wait(bucket, update.net_ms):
-        return room.after_alloc_retries(None)  # the bucket retried twice before a clean step
-    return room.after_waiting_retry()
-
-
-def growth_ms_per_step(planning: Planning) -> float:
-    """What a growth of the slack adds to a step's plan, the mean over the latest steady steps'
-    shapes (NOTE [The slack is priced], room.py)."""
-    shapes = [planning.planned_shape(key) for key, _ in planning.room.times.recent]
-    priced = {shape: slack_cost_ms(planning, shape, planning.room.slack_step_bytes) for shape in set(shapes)}
-    return sum(priced[shape] for shape in shapes) / len(shapes) if shapes else 0.0
-
-
-def slack_cost_ms(planning: Planning, key: tuple[int, int], extra_bytes: int) -> float:
-    """What ``key``'s recompute plan would cost more were the room ``extra_bytes`` smaller
-    (infinite where it could not fit; 0 before the model is fitted or without a budget)."""
-    if not planning.model.ready or planning.budget_bytes is None:
-        return 0.0
-    k = planning.planned_shape(key)
-    need = int(planning._static_for(k) + planning.model.backward_start_bytes(k, Plan(()))) - planning.room_bytes
-    costs, savings = planning.model.costs(k), planning.model.savings(k)
-    try:
-        now = plan_blocks(costs, savings, need).cost_ms if need > 0 else 0.0
-        smaller = plan_blocks(costs, savings, need + extra_bytes).cost_ms if need + extra_bytes > 0 else 0.0
-    except InfeasiblePlanError:
-        return float("inf")
-    return float(smaller - now)
-
-
-# ---------------------------------------------------------------- parts beside the blocks (NOTE [Parts beside the blocks], planner.py)
-def _plan_parts(planning: Planning, k: tuple[int, int]) -> Plan:
-    """``k``'s plan with the parts beside the blocks (NOTE [Parts beside the blocks], planner.py; the LM
-    head: NOTE [The head in the plan]): the cheapest mix of the blocks' treatments and one option per
-    part that saves what the backward's start needs and fits all three peaks (NOTE [Planning with the
-    stashes back]), a mix with other treatments than recompute only where it is cheaper (NOTE
-    [Treatments never lose]); else, where nothing fits, every block recomputed, each part at its most."""
-    if planning.model.ready and planning.budget_bytes is not None:  # NOTE [The plans choose the implementation]
-        seen = planning.model.max_key
-        longest = k if seen is None or k[0] * k[1] >= seen[0] * seen[1] else tuple(seen)
-        for part in list(planning.parts.values()):
-            part.choose_by_plans(lambda key: _parts_plan_ms(planning, planning.planned_shape(key)), longest)
-    plan = _parts_mix(planning, k)
-    if plan is not None:
-        return plan
-    most = floor_plan(planning, k[0] * k[1])
-    # NOTE [Over the room, not the budget]
-    # Where no plan fits the room (the budget less its margins), the floor runs. It is said to need more than the
-    # budget only where its predicted peak is over the budget itself: a floor predicted inside the budget's margins
-    # may well fit (a 65,536-token step predicted at 23.2 GiB, margins 2 GiB, ran at 22.2 GiB of a 24 GiB cap).
-    log = planning._infeasible_log(k) if planning.predict_peak(k, most) > planning.budget_bytes else None
-    if log is not None:
-        peak = planning.budget.size(planning.predict_peak(k, most))
-        # each part's bytes from its own formula, known before the model is (NOTE [The head's bytes in a budget error])
-        shares = {kind: share for kind, part in planning.parts.items()
-                  if (share := part.budget_share(k[0] * k[1], planning.budget.size)) is not None}
-        kept, least = sum(s[0] for s in shares.values()), sum(s[1] for s in shares.values())
-        outside = max(0.0, planning.model.outside(k) - kept) if planning.model.ready else 0.0
-        blocks = max(0.0, planning.model.step_bytes(k, most) - outside - least) if planning.model.ready else 0.0
-        parts = {"static": planning.static_bytes, **{kind: s[0] for kind, s in shares.items()},
-                 "outside-not-parts" if shares else "outside": outside, "blocks": blocks}
-        at_most = " and ".join(s[2] for s in shares.values()) or "every part beside the blocks at its most saving"
-        log("memfit: shape %s is predicted to need %s even with every block checkpointed and %s, over the budget of %s; %s",
-            k, peak, at_most, planning.budget, over_budget_words(parts, planning.budget))
-    return most
-
-
-def _parts_mix(planning: Planning, k: tuple[int, int]) -> Plan | None:
-    """``k``'s cheapest mix of block treatments and one option per part that fits (:func:`_plan_parts`), or None."""
-    room = planning.room_bytes
-    need = int(planning._static_for(k) + planning.model.backward_start_bytes(k, Plan(()))) - room
-    parts = [(kind, part.options(k[0] * k[1])) for kind, part in planning.parts.items()]
-    options = planning.model.options(k, planning.treatments, planning.offload_ms)
-    # NOTE [Treatments never lose]: the mix only where it fits and is cheaper than recompute alone
-    plan = _mix_that_fits(planning, k, [[o for o in opts if o[0] == RECOMPUTE] for opts in options], need, room, parts)
-    if not planning.recompute_only:
-        mixed = _mix_that_fits(planning, k, options, need, room, parts)
-        # a tenth of a percent cheaper, of a cost that may be below 0 (a head priced faster chunked: NOTE [Pricing the head])
-        if mixed is not None and (plan is None or mixed.cost_ms < plan.cost_ms - 0.001 * abs(plan.cost_ms)):
-            plan = mixed
-    return plan
-
-
-#: the price of a shape where nothing fits, before the bytes over the room (NOTE [The plans choose the implementation])
-UNFIT_MS = 1e12
-
-
-def _parts_plan_ms(planning: Planning, k: tuple[int, int]) -> float:
-    """The ms of ``k``'s cheapest plan with the parts as priced now (NOTE [The plans choose the
-    implementation], chunked_head.py); where nothing fits, :data:`UNFIT_MS` plus the bytes the most
-    any plan saves leaves over the room, so the head that holds less is the cheaper there too."""
-    plan = _parts_mix(planning, k)
-    if plan is not None:
-        return float(plan.cost_ms)
-    return UNFIT_MS + max(0.0, float(planning.predict_peak(k, floor_plan(planning, k[0] * k[1])) - planning.room_bytes))
-
-
-def floor_plan(planning: Planning, tokens: int) -> Plan:
-    """The plan that keeps least, what runs where no plan is predicted to fit: every block on the run's floor treatment
-    (the re-run that keeps least it offers: NOTE [A replay treats more], methods/dynamic.py; plain ``recompute`` where it
-    offers no other), each part beside the blocks at its option that saves most at ``tokens`` tokens."""
-    floor = floor_treatment(planning.registry)
-    parts = [(kind, *part.most(tokens)) for kind, part in planning.parts.items()]
-    return Plan(planning.all_blocks, kinds=() if floor == RECOMPUTE else (floor,) * planning.n_blocks, parts=parts)
-
-
-# ---------------------------------------------------------------- rows (NOTE [Planning a row])
-def _row_constant(planning: Planning, k: tuple[int, int], edge: tuple[int, int], static_bucket: int) -> bool:
-    """Whether the row plans every length from ``k`` to ``edge`` alike (NOTE [Plan for the longest shape seen])."""
-    row = planning.cache.rows.get((k[0], static_bucket))
-    if row is None or row["longest"] < edge[1]:
-        return False
-    span = slice(k[1] - 1, edge[1])
-    return all(len(set(row[name][span])) == 1 for name in ("count", "every_fits", "prefix_fits"))
-
-
-def _mix_that_fits(
-    planning: Planning, k: tuple[int, int], options: list[list[tuple[str, int, float]]], need: int, room: int,
-    parts: Sequence[tuple[str, Sequence[tuple[str, int, int, float]]]] = (),
-) -> Plan | None:
-    """The cheapest mix saving ``need`` bytes (with one of each part's options, ``(kind, options)``,
-    for the parts beside the blocks) whose predicted peak fits ``room``, or None.
-
-    # NOTE [Planning with the stashes back]
-    The ``depth + 1`` stashes of offloaded blocks that backward brings back at once (NOTE [Treated
-    peaks], model.py) are not in the knapsack's savings: offloading ``depth + 1`` blocks or fewer
-    saves nothing at the backward's start. A mix over the room asks again for what it saved and
-    what it is over by; each ask offloads at least as many blocks as the first more, until the
-    stashes back are paid for, so a run asks up to ``depth + 2`` times (3 at least, for the other
-    peaks). A mix that never fits is None: the caller keeps its recompute plan, never a last
-    resort while keeping blocks fits.
-
-    # NOTE [Leaner re-runs]
-    A treatment may keep what another keeps at the backward's start and re-run leaner (``keeps_as``:
-    ``recompute_tiled`` keeps as ``recompute`` does, its re-run holding one chunk of the MLP's
-    intermediates, NOTE [Tiled MLP]). The knapsack, which sees savings at the backward's start only,
-    never picks the dearer twin; so a mix whose re-run peak is what is over the room is asked again
-    with every treated block's twin swapped in (its price the twins' difference), and taken if that
-    fits. Where recompute alone fits nothing, a mix that fits this way is the plan (never every
-    block recomputed over the room, which would only run out of memory and replay).
-    """
-    order = {name: t.order for name, t in planning.registry.items()}
-    leaner = {t.keeps_as: name for name, t in planning.registry.items() if t.keeps_as and name in planning.treatments}
-    asks = max(3, planning.model.offload_depth(k) + 2)
-    for _ in range(asks):
-        try:
-            mixed = plan_with_parts(options, parts, need, order=order)
-        except InfeasiblePlanError:
-            return None
-        over = planning.predict_peak(k, mixed) - room
-        if over <= 0:
-            return mixed
-        lean = with_leaner_reruns(mixed, options, leaner) if leaner else None  # NOTE [Leaner re-runs]
-        if lean is not None and planning.predict_peak(k, lean) <= room:
-            return lean
-        need = int(max(need, mixed.saved_bytes) + over) + 1
-    return None
-
-
-def _plan_from_row(planning: Planning, k: tuple[int, int], static_bucket: int) -> Plan | None:
-    """``k``'s plan read from its row's arrays, planned first if needed.
-
-    ``None`` (plan ``k`` alone) for a stack of several groups or a shape that no plan fits
-    (the per-key path warns then).
-    """
-    row = planning.cache.rows.get((k[0], static_bucket))
-    if row is None or row["longest"] < k[1]:
-        row = _plan_row(planning, k)
-        if row is None:
-            return None
-        planning.cache.put_row((k[0], static_bucket), row)
-    i = k[1] - 1
-    c, m = row["count"][i], planning.n_blocks
-    if c == 0:
-        return Plan(())
-    if c < 0 or not row["every_fits"][i]:
-        return None  # over the budget with every block
-    if c == m or row["prefix_fits"][i]:
-        # what the chosen blocks cost, summed one block at a time as plan_blocks sums them
-        cost = float(sum(itertools.repeat(row["cost_ms"][i], c)))
-        return Plan(planning.all_blocks if c == m else tuple(range(c)), cost, row["saved_bytes"][i])
-    return Plan(planning.all_blocks)  # the mend's candidates are this very prefix (NOTE [Blocks held below a recompute])
-
-
-def _plan_row(planning: Planning, k: tuple[int, int]) -> dict[str, Any] | None:
-    """Every length of ``k``'s row, up to the longest shape seen, as lists (one group only):
-    the model's own peak formula over arrays (NOTE [One evaluator], model.py)."""
-    model = planning.model
-    n, b = k[0], planning.bucket_tokens
-    longest = max(k[1], bucket_key(model.max_key, b)[1] if model.max_key else 0)
-    # a few buckets past the longest shape seen: a row costs about the same at any
-    # length, and a step just past it would otherwise replan the whole row
-    longest = -(-longest // (8 * b)) * (8 * b)
-    ts = np.arange(1, longest + 1, dtype=np.int64)  # per token: plan keys are lengths seen
-    rows = model.prefix_rows(n, ts)
-    if rows is None:
-        return None
-    m, room, static = planning.n_blocks, planning.room_bytes, float(planning.static_bytes)
-    saving = rows.saving
-    need = np.trunc(static + rows.peaks(0)[0]).astype(np.int64) - room  # as plan_blocks is asked
-    every = rows.peaks(m)[1]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        count = np.where(need > 0, np.ceil(need / np.maximum(saving, 1)), 0).astype(np.int64)
-    count = np.where(m * saving < need, -1, np.minimum(count, m))  # -1: no plan saves enough
-    clipped = np.maximum(count, 0)
-    peak = rows.peaks(clipped)[1]
-    return {
-        "longest": longest, "count": count.tolist(), "every_fits": (np.trunc(static + every) <= room).tolist(),
-        "prefix_fits": (np.trunc(static + peak) <= room).tolist(),
-        "cost_ms": rows.cost_ms.tolist(),  # one block's
-        "saved_bytes": (clipped * saving).tolist(),
-    }

@@ -37,7 +37,7 @@ meet it. So both are priced per step, over the last ``RETRY_RATE_STEPS`` steady 
   retried (a run with fewer steady steps counted as if the rest had not: its first retry is not
   read as a rate);
 * the growth's price is the planner's: the mean over those steps' shapes of the plan at the
-  smaller room less the plan now (``planning.slack_cost_ms``).
+  smaller room less the plan now (``Search.slack_cost_ms``, search.py).
 
 A retry in a bucket with no clean step yet waits for one: the bucket's next clean step prices it
 (growing at once on a run's first retries kept 3-6% of the budget unused on the llm suite:
@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -219,6 +220,32 @@ class Room:
     def free_bytes(self) -> int:
         """What a plan's predicted peak must fit: the budget less the margin and the slack."""
         return self.budget_bytes - self.margin_bytes - self.slack_bytes
+
+    def after_steady(self, key: tuple[int, int], bucket: tuple[int, int], alloc_retries: int, net_ms: float | None,
+                     growth_ms: Callable[[], float]) -> bool:
+        """A steady step at ``key`` (its plan bucket ``bucket``) with or without allocator retries, to the slack's
+        rules (NOTE [The slack is priced]): a retry is priced against the bucket's clean steps (waiting for the
+        first where there is none yet), a growth by ``growth_ms()`` (the planner's price of the smaller room), both
+        per step over the latest steady steps. Returns whether the room changed."""
+        times = self.times
+        times.note(key, bool(alloc_retries))
+        if not alloc_retries:
+            if net_ms is None:
+                return self.after_clean_step()
+            times.add_clean(bucket, net_ms)
+            changed = self.after_clean_step()
+            waited = times.waited_retry_ms(bucket)
+            if waited is None:
+                return changed
+            return self.price_retry(waited * times.retry_share, growth_ms()) or changed
+        if net_ms is None:
+            return self.after_alloc_retries(None)
+        retry_ms = times.retry_ms(bucket, net_ms)
+        if retry_ms is not None:
+            return self.after_alloc_retries(retry_ms * times.retry_share, growth_ms())
+        if times.wait(bucket, net_ms):
+            return self.after_alloc_retries(None)  # the bucket retried twice before a clean step
+        return self.after_waiting_retry()
 
     def raise_margin(self, extra_bytes: int) -> bool:
         """Keep ``extra_bytes`` more free from now on."""

@@ -66,7 +66,6 @@ import torch
 from memfit.engine.budget import BudgetTooSmallError, format_bytes
 from memfit.engine.ranks import any_rank, is_fsdp, sharded_over_ranks
 from memfit.engine.plan.planner import Plan
-from memfit.engine.plan.planning import floor_plan
 from memfit.engine.run.step import Stage, StepState
 from memfit.engine.parts.treatments import RECOMPUTE, floor_treatment
 
@@ -185,7 +184,7 @@ def after_oom(
     decision = step.decision if step is not None else None
     budget = planning.budget  # a plan of every block is made for a budget
     floor = floor_treatment(planning.registry)  # NOTE [A replay treats more], methods/dynamic.py
-    if decision is not None and decision.plan.layout == floor_plan(planning, 1).layout and (floor != RECOMPUTE or not decision.warmup):
+    if decision is not None and decision.plan.layout == planning.search.floor(1).layout and (floor != RECOMPUTE or not decision.warmup):
         how = "checkpointed" if floor == RECOMPUTE else f"on {floor} (the floor)"
         raise BudgetTooSmallError(
             f"out of memory with every block {how} and the LM head chunked where there is one (shape {step.shape}); "

@@ -1,0 +1,344 @@
+"""The search for one shape's plan: the cheapest treatment of every block and one option of each part beside
+them whose predicted peaks fit the room (``Search``, one per ``Planning``, which asks it on a cache miss).
+
+It reads the run's planning through its public face (the memory model, the room, the static bytes of a shape,
+the registry and the parts) and writes nothing of it but the plan cache's rows (``PlanCache.put_row``); what it
+keeps of its own is the shapes already said not to fit. Planning caches, learns and keeps the room; the search
+only plans (NOTE [Three peaks], model.py; NOTE [Treatments never lose], NOTE [Planning a row]).
+
+# NOTE [Planning with the stashes back]
+The ``depth + 1`` stashes of offloaded blocks that backward brings back at once (NOTE [Treated
+peaks], model.py) are not in the knapsack's savings: offloading ``depth + 1`` blocks or fewer
+saves nothing at the backward's start. A mix over the room asks again for what it saved and
+what it is over by; each ask offloads at least as many blocks as the first more, until the
+stashes back are paid for, so a run asks up to ``depth + 2`` times (3 at least, for the other
+peaks). A mix that never fits is None: the caller keeps its recompute plan, never a last
+resort while keeping blocks fits.
+
+# NOTE [Leaner re-runs]
+A treatment may keep what another keeps at the backward's start and re-run leaner (``keeps_as``:
+``recompute_tiled`` keeps as ``recompute`` does, its re-run holding one chunk of the MLP's
+intermediates, NOTE [Tiled MLP]). The knapsack, which sees savings at the backward's start only,
+never picks the dearer twin; so a mix whose re-run peak is what is over the room is asked again
+with every treated block's twin swapped in (its price the twins' difference), and taken if that
+fits. Where recompute alone fits nothing, a mix that fits this way is the plan (never every
+block recomputed over the room, which would only run out of memory and replay).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from memfit.engine.plan.planner import InfeasiblePlanError, Plan, plan_blocks, plan_with_parts, with_leaner_reruns
+from memfit.engine.parts.treatments import RECOMPUTE, floor_treatment
+from memfit.engine.shapes import bucket_key
+from memfit.engine.summary_text import over_budget_words
+
+__all__ = ["Search", "UNFIT_MS", "MAX_KEPT"]
+
+logger = logging.getLogger("memfit")
+
+#: the price of a shape where nothing fits, before the bytes over the room (NOTE [The plans choose the implementation])
+UNFIT_MS = 1e12
+#: the most entries a per-shape or per-plan record of the planning's holds (a long run's shapes are not bounded)
+MAX_KEPT = 4096
+
+
+class Search:
+    """The plan of one shape for a run's :class:`~memfit.engine.plan.planning.Planning` (the module's docstring).
+
+    Args:
+        planning: the run's :class:`~memfit.engine.plan.planning.Planning` (not imported: planning.py imports this
+            module), read through its public attributes.
+
+    Attributes:
+        infeasible_keys: shapes already said not to fit (at most :data:`MAX_KEPT`).
+    """
+
+    def __init__(self, planning: Any):
+        self.planning = planning
+        self.infeasible_keys: set[tuple[int, int]] = set()
+
+    def plan(self, k: tuple[int, int]) -> Plan:
+        """``k``'s plan: with the parts beside the blocks where the run has any (:meth:`parts_plan`); else the cheapest
+        by recompute alone, or, where the run may give other treatments, the cheapest mix when that is cheaper still
+        and fits (NOTE [Treatments never lose])."""
+        planning = self.planning
+        if planning.parts:
+            return self.parts_plan(k)
+        mixes = not (planning.recompute_only or not planning.model.ready)
+        plan = self.recompute_plan(k, warn=not mixes)
+        mixed = self.mixed_plan(k) if mixes else None
+        if plan is None or mixed is None:  # where recompute alone fits nothing, a mix that fits wins (NOTE [Leaner re-runs])
+            return plan or mixed or self.recompute_plan(k, warn=True)
+        base_ms = plan.cost_ms if plan.blocks != planning.all_blocks or plan.cost_ms else sum(planning.model.costs(k))
+        return mixed if mixed.cost_ms < 0.999 * base_ms else plan
+
+    def _infeasible_log(self, k: tuple[int, int]) -> Callable[..., None] | None:
+        """How to say that no plan fits ``k``: the run's first such shape at warning, later ones at debug, and a
+        shape said before not again (None) (NOTE [What to change when a step cannot fit], summary_text.py)."""
+        if k in self.infeasible_keys:
+            return None
+        log = logger.debug if self.infeasible_keys else logger.warning
+        self.infeasible_keys = (self.infeasible_keys if len(self.infeasible_keys) < MAX_KEPT else set()) | {k}  # bounded
+        return log
+
+
+    def recompute_plan(self, k: tuple[int, int], warn: bool = True) -> Plan | None:
+        planning = self.planning
+        # Treating blocks lowers the start-of-backward peak only; the plan is then checked
+        # against the other two (NOTE [Three peaks], model.py), and mended if one is over
+        # (NOTE [Blocks held below a recompute]). Where none fits: every block, said once (``warn``), or None.
+        room = planning.room_bytes
+        need = int(planning.static_for(k) + planning.model.backward_start_bytes(k, Plan(()))) - room
+        try:
+            costs, savings = planning.model.costs(k), planning.model.savings(k)
+            plan = plan_blocks(costs, savings, need)
+            if not plan.blocks or planning.predict_peak(k, plan) <= room:
+                return plan
+            if planning.predict_peak(k, Plan(planning.all_blocks)) > room:
+                raise InfeasiblePlanError("the recompute or optimizer-step peak is over the budget")
+            return self._mend(k, plan, need, costs, savings)
+        except InfeasiblePlanError:
+            if not warn:
+                return None
+            most = self.floor(k[0] * k[1])
+            peak_bytes = planning.predict_peak(k, most)  # NOTE [Over the room, not the budget]
+            log = self._infeasible_log(k) if peak_bytes > planning.budget_bytes else None
+            if log is not None:
+                outside = planning.model.outside(k) if planning.model.ready else 0.0
+                parts = {"static": planning.static_bytes, "outside": outside, "blocks": planning.model.step_bytes(k, most) - outside}
+                log("memfit: shape %s is predicted to need %s even with every block checkpointed, over the budget of %s; "
+                    "running it with every block checkpointed; %s", k, planning.budget.size(peak_bytes), planning.budget,
+                    over_budget_words(parts, planning.budget))
+            return most
+
+    def mixed_plan(self, k: tuple[int, int]) -> Plan | None:
+        """# NOTE [Treatments never lose]
+        The cheapest mix of treatments that saves what is needed at the start of backward, if
+        it also fits the other two peaks (NOTE [Treated peaks], model.py); else None. It is
+        taken only when its predicted price is under the recompute-only plan's, which is
+        always made too: a mix never costs more than recompute alone would.
+        """
+        planning = self.planning
+        room = planning.room_bytes
+        need = int(planning.static_for(k) + planning.model.backward_start_bytes(k, Plan(()))) - room
+        options = planning.model.options(k, planning.treatments, planning.offload_ms)
+        if need <= 0 or all(name == "recompute" for opts in options for name, _, _ in opts):
+            return None
+        return self._mix_that_fits(k, options, need, room)
+
+    def _mend(self, k: tuple[int, int], plan: Plan, need: int, costs: list[float], savings: list[int]) -> Plan:
+        """A plan whose recompute peak is over the room, mended.
+
+        # NOTE [Blocks held below a recompute]
+        While backward recomputes a checkpointed block, every kept block below it still holds
+        its activations. The cheapest set of blocks can leave such blocks (the largest layers
+        of a Swin stack, under checkpointed later ones), and the recompute then peaks over
+        the room. Such a plan is mended, not replaced by every block: the cheaper of the plan
+        with every block under its topmost one added, and the shortest run of first blocks
+        that saves enough; both hold nothing below a recompute.
+        """
+        planning = self.planning
+        room = planning.room_bytes
+        below = tuple(range(max(plan.blocks) + 1))  # the plan and every block under it
+        covered = itertools.accumulate(savings)
+        prefix = tuple(range(next(i for i, total in enumerate(covered, 1) if total >= need)))
+        mended = [p for p in {below, prefix} if planning.predict_peak(k, Plan(p)) <= room]
+        if not mended:
+            return Plan(planning.all_blocks)
+        best = min(mended, key=lambda p: (sum(costs[i] for i in p), p))
+        return Plan(best, float(sum(costs[i] for i in best)), int(sum(savings[i] for i in best)))
+
+    # ---------------------------------------------------------------- the slack's price (NOTE [The slack is priced], room.py)
+
+    def growth_ms_per_step(self) -> float:
+        """What a growth of the slack adds to a step's plan, the mean over the latest steady steps'
+        shapes (NOTE [The slack is priced], room.py)."""
+        planning = self.planning
+        shapes = [planning.planned_shape(key) for key, _ in planning.room.times.recent]
+        priced = {shape: self.slack_cost_ms(shape, planning.room.slack_step_bytes) for shape in set(shapes)}
+        return sum(priced[shape] for shape in shapes) / len(shapes) if shapes else 0.0
+
+    def slack_cost_ms(self, key: tuple[int, int], extra_bytes: int) -> float:
+        """What ``key``'s recompute plan would cost more were the room ``extra_bytes`` smaller
+        (infinite where it could not fit; 0 before the model is fitted or without a budget)."""
+        planning = self.planning
+        if not planning.model.ready or planning.budget_bytes is None:
+            return 0.0
+        k = planning.planned_shape(key)
+        need = int(planning.static_for(k) + planning.model.backward_start_bytes(k, Plan(()))) - planning.room_bytes
+        costs, savings = planning.model.costs(k), planning.model.savings(k)
+        try:
+            now = plan_blocks(costs, savings, need).cost_ms if need > 0 else 0.0
+            smaller = plan_blocks(costs, savings, need + extra_bytes).cost_ms if need + extra_bytes > 0 else 0.0
+        except InfeasiblePlanError:
+            return float("inf")
+        return float(smaller - now)
+
+    # ---------------------------------------------------------------- parts beside the blocks (NOTE [Parts beside the blocks], planner.py)
+
+    def parts_plan(self, k: tuple[int, int]) -> Plan:
+        """``k``'s plan with the parts beside the blocks (NOTE [Parts beside the blocks], planner.py; the LM
+        head: NOTE [The head in the plan]): the cheapest mix of the blocks' treatments and one option per
+        part that saves what the backward's start needs and fits all three peaks (NOTE [Planning with the
+        stashes back]), a mix with other treatments than recompute only where it is cheaper (NOTE
+        [Treatments never lose]); else, where nothing fits, every block recomputed, each part at its most."""
+        planning = self.planning
+        if planning.model.ready and planning.budget_bytes is not None:  # NOTE [The plans choose the implementation]
+            seen = planning.model.max_key
+            longest = k if seen is None or k[0] * k[1] >= seen[0] * seen[1] else tuple(seen)
+            for part in list(planning.parts.values()):
+                part.choose_by_plans(lambda key: self._parts_plan_ms(planning.planned_shape(key)), longest)
+        plan = self._parts_mix(k)
+        if plan is not None:
+            return plan
+        most = self.floor(k[0] * k[1])
+        # NOTE [Over the room, not the budget]
+        # Where no plan fits the room (the budget less its margins), the floor runs. It is said to need more than the
+        # budget only where its predicted peak is over the budget itself: a floor predicted inside the budget's margins
+        # may well fit (a 65,536-token step predicted at 23.2 GiB, margins 2 GiB, ran at 22.2 GiB of a 24 GiB cap).
+        log = self._infeasible_log(k) if planning.predict_peak(k, most) > planning.budget_bytes else None
+        if log is not None:
+            peak = planning.budget.size(planning.predict_peak(k, most))
+            # each part's bytes from its own formula, known before the model is (NOTE [The head's bytes in a budget error])
+            shares = {kind: share for kind, part in planning.parts.items()
+                      if (share := part.budget_share(k[0] * k[1], planning.budget.size)) is not None}
+            kept, least = sum(s[0] for s in shares.values()), sum(s[1] for s in shares.values())
+            outside = max(0.0, planning.model.outside(k) - kept) if planning.model.ready else 0.0
+            blocks = max(0.0, planning.model.step_bytes(k, most) - outside - least) if planning.model.ready else 0.0
+            parts = {"static": planning.static_bytes, **{kind: s[0] for kind, s in shares.items()},
+                     "outside-not-parts" if shares else "outside": outside, "blocks": blocks}
+            at_most = " and ".join(s[2] for s in shares.values()) or "every part beside the blocks at its most saving"
+            log("memfit: shape %s is predicted to need %s even with every block checkpointed and %s, over the budget of %s; %s",
+                k, peak, at_most, planning.budget, over_budget_words(parts, planning.budget))
+        return most
+
+    def _parts_mix(self, k: tuple[int, int]) -> Plan | None:
+        """``k``'s cheapest mix of block treatments and one option per part that fits (:meth:`parts_plan`), or None."""
+        planning = self.planning
+        room = planning.room_bytes
+        need = int(planning.static_for(k) + planning.model.backward_start_bytes(k, Plan(()))) - room
+        parts = [(kind, part.options(k[0] * k[1])) for kind, part in planning.parts.items()]
+        options = planning.model.options(k, planning.treatments, planning.offload_ms)
+        # NOTE [Treatments never lose]: the mix only where it fits and is cheaper than recompute alone
+        plan = self._mix_that_fits(k, [[o for o in opts if o[0] == RECOMPUTE] for opts in options], need, room, parts)
+        if not planning.recompute_only:
+            mixed = self._mix_that_fits(k, options, need, room, parts)
+            # a tenth of a percent cheaper, of a cost that may be below 0 (a head priced faster chunked: NOTE [Pricing the head])
+            if mixed is not None and (plan is None or mixed.cost_ms < plan.cost_ms - 0.001 * abs(plan.cost_ms)):
+                plan = mixed
+        return plan
+
+    def _parts_plan_ms(self, k: tuple[int, int]) -> float:
+        """The ms of ``k``'s cheapest plan with the parts as priced now (NOTE [The plans choose the
+        implementation], chunked_head.py); where nothing fits, :data:`UNFIT_MS` plus the bytes the most
+        any plan saves leaves over the room, so the head that holds less is the cheaper there too."""
+        planning = self.planning
+        plan = self._parts_mix(k)
+        if plan is not None:
+            return float(plan.cost_ms)
+        return UNFIT_MS + max(0.0, float(planning.predict_peak(k, self.floor(k[0] * k[1])) - planning.room_bytes))
+
+    def floor(self, tokens: int) -> Plan:
+        """The plan that keeps least, what runs where no plan is predicted to fit: every block on the run's floor treatment
+        (the re-run that keeps least it offers: NOTE [A replay treats more], methods/dynamic.py; plain ``recompute`` where it
+        offers no other), each part beside the blocks at its option that saves most at ``tokens`` tokens."""
+        planning = self.planning
+        floor = floor_treatment(planning.registry)
+        parts = [(kind, *part.most(tokens)) for kind, part in planning.parts.items()]
+        return Plan(planning.all_blocks, kinds=() if floor == RECOMPUTE else (floor,) * planning.n_blocks, parts=parts)
+
+    # ---------------------------------------------------------------- rows (NOTE [Planning a row])
+
+    def row_constant(self, k: tuple[int, int], edge: tuple[int, int], static_bucket: int) -> bool:
+        """Whether the row plans every length from ``k`` to ``edge`` alike (NOTE [Plan for the longest shape seen])."""
+        planning = self.planning
+        row = planning.cache.rows.get((k[0], static_bucket))
+        if row is None or row["longest"] < edge[1]:
+            return False
+        span = slice(k[1] - 1, edge[1])
+        return all(len(set(row[name][span])) == 1 for name in ("count", "every_fits", "prefix_fits"))
+
+    def _mix_that_fits(self, k: tuple[int, int], options: list[list[tuple[str, int, float]]], need: int, room: int,
+                       parts: Sequence[tuple[str, Sequence[tuple[str, int, int, float]]]] = ()) -> Plan | None:
+        """The cheapest mix saving ``need`` bytes (with one of each part's options, ``(kind, options)``, for the parts
+        beside the blocks) whose predicted peak fits ``room``, or None (NOTE [Planning with the stashes back], NOTE
+        [Leaner re-runs])."""
+        planning = self.planning
+        order = {name: t.order for name, t in planning.registry.items()}
+        leaner = {t.keeps_as: name for name, t in planning.registry.items() if t.keeps_as and name in planning.treatments}
+        asks = max(3, planning.model.offload_depth(k) + 2)
+        for _ in range(asks):
+            try:
+                mixed = plan_with_parts(options, parts, need, order=order)
+            except InfeasiblePlanError:
+                return None
+            over = planning.predict_peak(k, mixed) - room
+            if over <= 0:
+                return mixed
+            lean = with_leaner_reruns(mixed, options, leaner) if leaner else None  # NOTE [Leaner re-runs]
+            if lean is not None and planning.predict_peak(k, lean) <= room:
+                return lean
+            need = int(max(need, mixed.saved_bytes) + over) + 1
+        return None
+
+    def from_row(self, k: tuple[int, int], static_bucket: int) -> Plan | None:
+        """``k``'s plan read from its row's arrays, planned first if needed.
+
+        ``None`` (plan ``k`` alone) for a stack of several groups or a shape that no plan fits
+        (the per-key path warns then).
+        """
+        planning = self.planning
+        row = planning.cache.rows.get((k[0], static_bucket))
+        if row is None or row["longest"] < k[1]:
+            row = self._row(k)
+            if row is None:
+                return None
+            planning.cache.put_row((k[0], static_bucket), row)
+        i = k[1] - 1
+        c, m = row["count"][i], planning.n_blocks
+        if c == 0:
+            return Plan(())
+        if c < 0 or not row["every_fits"][i]:
+            return None  # over the budget with every block
+        if c == m or row["prefix_fits"][i]:
+            # what the chosen blocks cost, summed one block at a time as plan_blocks sums them
+            cost = float(sum(itertools.repeat(row["cost_ms"][i], c)))
+            return Plan(planning.all_blocks if c == m else tuple(range(c)), cost, row["saved_bytes"][i])
+        return Plan(planning.all_blocks)  # the mend's candidates are this very prefix (NOTE [Blocks held below a recompute])
+
+    def _row(self, k: tuple[int, int]) -> dict[str, Any] | None:
+        """Every length of ``k``'s row, up to the longest shape seen, as lists (one group only):
+        the model's own peak formula over arrays (NOTE [One evaluator], model.py)."""
+        planning = self.planning
+        model = planning.model
+        n, b = k[0], planning.bucket_tokens
+        longest = max(k[1], bucket_key(model.max_key, b)[1] if model.max_key else 0)
+        # a few buckets past the longest shape seen: a row costs about the same at any
+        # length, and a step just past it would otherwise replan the whole row
+        longest = -(-longest // (8 * b)) * (8 * b)
+        ts = np.arange(1, longest + 1, dtype=np.int64)  # per token: plan keys are lengths seen
+        rows = model.prefix_rows(n, ts)
+        if rows is None:
+            return None
+        m, room, static = planning.n_blocks, planning.room_bytes, float(planning.static_bytes)
+        saving = rows.saving
+        need = np.trunc(static + rows.peaks(0)[0]).astype(np.int64) - room  # as plan_blocks is asked
+        every = rows.peaks(m)[1]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            count = np.where(need > 0, np.ceil(need / np.maximum(saving, 1)), 0).astype(np.int64)
+        count = np.where(m * saving < need, -1, np.minimum(count, m))  # -1: no plan saves enough
+        clipped = np.maximum(count, 0)
+        peak = rows.peaks(clipped)[1]
+        return {
+            "longest": longest, "count": count.tolist(), "every_fits": (np.trunc(static + every) <= room).tolist(),
+            "prefix_fits": (np.trunc(static + peak) <= room).tolist(),
+            "cost_ms": rows.cost_ms.tolist(),  # one block's
+            "saved_bytes": (clipped * saving).tolist(),
+        }
