@@ -665,7 +665,7 @@ def head_saved_bytes(
     disagree (docs/devlog.md). Measured by :func:`probe_head`, checked against
     this in tests/test_head.py and by the probe (NOTE [The probe checks the formula], chunked_head.py).
     """
-    size = torch.tensor([], dtype=dtype).element_size()
+    size = dtype.itemsize
     hidden_bytes = tokens * hidden * size + tokens * 8  # the rows and their int64 targets
     if treatment == "keep":
         saved = tokens * vocab * 4 + (tokens * vocab * size if softcap else 0) + hidden_bytes

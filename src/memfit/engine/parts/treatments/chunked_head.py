@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -129,6 +130,7 @@ class ChunkedHead(Treatment):
         raise TypeError("the head's treatment is set on its HeadSwitch (engine/parts/head.py), not run as a block's")
 
 
+@functools.lru_cache(maxsize=4096)  # pure, and asked for every peak a plan's evaluation reads (its saving)
 def head_options(
     tokens: int, vocab: int, hidden: int, dtype: torch.dtype, extra_ms: float, per_chunk_ms: float,
     softcap: bool = False, implementation: str = "pure", transient: bool = True, logits_held: bool = True,
