@@ -102,7 +102,7 @@ def test_dynamic_with_compiled_blocks_fits_a_budget_with_compiled_none_gradients
         step_both_and_compare(model, reference, batch, seed, f"dynamic compiled step {seed}")
     steady = ctl.records[-1]
     assert steady.phase != "warmup" and steady.n_checkpointed >= 1  # under the budget only by recomputing
-    assert max(r.peak_allocated_bytes for r in ctl.records) <= ctl.budget_bytes
+    assert max(r.peak_allocated_bytes for r in ctl.records) <= ctl.planning.budget_bytes
     ctl.remove()
     ref_ctl.remove()
 

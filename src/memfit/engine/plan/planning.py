@@ -245,9 +245,9 @@ class Planning:
         #: the run's treatments by name, ``keep`` and ``recompute`` first (engine/parts/treatments/)
         self.registry = resolve(treatments)
         self.model = MemoryModel(groups, bucket_tokens, self.registry)
-        self.budget = None if budget is None else Budget.parse(budget)  # NOTE [A budget as typed]
-        self.budget_bytes = None if self.budget is None else self.budget.bytes
-        self.room = room or Room(self.budget_bytes, margin_bytes, slack_bytes)
+        self.room = room or Room(budget, margin_bytes, slack_bytes)  # the run's one copy of the budget
+        if room is not None and budget is not None and room.budget_bytes != Budget.parse(budget).bytes:
+            raise ValueError(f"a room for {room.budget} given with the budget {budget}")
         self.bucket_tokens = bucket_tokens
         self.cache = PlanCache()
         self._priced: tuple[int, ...] = ()  # the parts' ``priced`` counts the cached plans were made under
@@ -378,6 +378,15 @@ class Planning:
         if bucket in self.bias.correction:
             return self.bias.correction[bucket]
         return 0.0 if self.room.oom_fatal else self.run_bias.offset_for(bucket[0] * bucket[1])
+
+    @property
+    def budget(self) -> Budget | None:
+        """The budget as typed (NOTE [A budget as typed]): the room's."""
+        return self.room.budget
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return self.room.budget_bytes
 
     @property
     def room_bytes(self) -> int:

@@ -73,6 +73,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from memfit.engine.budget import Budget
+
 __all__ = [
     "Room", "StepTimes", "DEFAULT_MARGIN_SHARE", "ALLOCATOR_SLACK_BYTES", "RETRY_SLACK_SHARE", "MAX_RETRY_SLACK_SHARE",
     "OOM_MARGIN_PARTS", "MISS_MARGIN_FACTOR", "SLACK_FACTOR", "SHRINK_AFTER_CLEAN_STEPS", "CLEAN_STEPS_KEPT", "RETRY_RATE_STEPS",
@@ -160,12 +162,13 @@ class Room:
     """The margin and the allocator's slack kept free below the budget (NOTE [Room]).
 
     Attributes:
-        budget_bytes: the budget, or None for none.
+        budget: the budget as typed (NOTE [A budget as typed]), the run's one copy of it; bytes are read as one; None
+            for none.
         margin_bytes: kept free for prediction error.
         slack_bytes: kept free for what the allocator reserves but cannot hand out.
     """
 
-    budget_bytes: int | None
+    budget: "Budget | int | None"
     margin_bytes: int = 0
     slack_bytes: int = 0
     #: the floor a shrink stops at: the slack the run started with, or what an OOM measured
@@ -186,6 +189,8 @@ class Room:
     start_margin_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        if self.budget is not None and not isinstance(self.budget, Budget):
+            self.budget = Budget.parse(self.budget)
         if self.start_slack_bytes is None:
             self.start_slack_bytes = self.slack_bytes
         if self.least_margin_bytes is None:
@@ -194,18 +199,19 @@ class Room:
             self.start_margin_bytes = self.margin_bytes
 
     @classmethod
-    def for_run(cls, budget_bytes: int | None, accounting: str, margin_share: float | None = None,
+    def for_run(cls, budget: "Budget | int | None", accounting: str, margin_share: float | None = None,
                 oom_fatal: bool = False, margin_shrinks: bool = True) -> "Room":
         """The room a run starts with.
 
         Args:
-            budget_bytes: the budget (None: no room to keep).
+            budget: the budget (None: no room to keep).
             accounting: the meter's kind (``cuda``: an allocator, with its slack; ``logical``).
             margin_share: the margin's share of the budget (default ``DEFAULT_MARGIN_SHARE``).
             oom_fatal: an OOM outside the blocks' forwards stops the run (NOTE [Room where an OOM is fatal]).
             margin_shrinks: the method may let the margin shrink (not one with one plan for every shape:
                 NOTE [The margin follows the misses]).
         """
+        budget_bytes = None if budget is None else Budget.parse(budget).bytes
         share = DEFAULT_MARGIN_SHARE.get(accounting, 0.0) if margin_share is None else margin_share
         slack = 0
         if accounting == "cuda":
@@ -214,7 +220,12 @@ class Room:
         margin = int(share * (budget_bytes or 0))
         shrinks = margin_shrinks and margin_share is None and not oom_fatal  # NOTE [The margin follows the misses]
         least_margin = min(margin, int(LEAST_MARGIN_SHARE.get(accounting, share) * (budget_bytes or 0))) if shrinks else margin
-        return cls(budget_bytes, margin, slack, start_slack_bytes=slack, oom_fatal=oom_fatal, least_margin_bytes=least_margin)
+        return cls(budget, margin, slack, start_slack_bytes=slack, oom_fatal=oom_fatal, least_margin_bytes=least_margin)
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """The budget in bytes (None: no budget)."""
+        return None if self.budget is None else self.budget.bytes
 
     @property
     def free_bytes(self) -> int:

@@ -77,10 +77,10 @@ __all__ = ["fit", "Controller", "check_static_need_of", "refuse_deepspeed", "DEE
 logger = logging.getLogger("memfit")
 
 
-def _room(method: Method, model: nn.Module, budget_bytes: int | None, accounting: str, margin: float | None) -> Room:
+def _room(method: Method, model: nn.Module, budget: Budget | None, accounting: str, margin: float | None) -> Room:
     """The run's room (room.py): where an OOM is fatal (sharded), and whether the margin may shrink
     (not for a method with one plan for every shape, ``static``: NOTE [The margin follows the misses])."""
-    return Room.for_run(budget_bytes, accounting, margin, oom_fatal=sharded_over_ranks(model),
+    return Room.for_run(budget, accounting, margin, oom_fatal=sharded_over_ranks(model),
                         margin_shrinks=getattr(method, "plans_rows", True))
 
 
@@ -248,8 +248,7 @@ class Controller:
         compile: bool | dict[str, Any] = False, head: bool | str = "auto", head_logits: str = "drop",
         host_budget_bytes: int | None = None, parts: Sequence[Any] = (),
     ):
-        self.model, self.method, self.budget = model, method, budget  # NOTE [A budget as typed]
-        self.budget_bytes = None if budget is None else budget.bytes
+        self.model, self.method = model, method  # the budget: the planning's room holds it (NOTE [A budget as typed])
         self.blocks: list[Block] = []
         self._undo: list[Callable[[], None]] = []  # each change to the model's undo, as it is made (NOTE [Setup is all or nothing])
         self._optimizer_handles: list = []
@@ -268,7 +267,7 @@ class Controller:
             self._undo.append(lambda: unwrap_blocks(self.blocks))
             self.planning = Planning(
                 len(self.blocks), _group_ids(self.blocks), budget, 0, bucket_tokens, treatments=treatments,
-                room=_room(method, model, self.budget_bytes, self.meter.kind, margin),
+                room=_room(method, model, budget, self.meter.kind, margin),
             )
             # Parameters and buffers are never activations (under FSDP: this rank's shards).
             self._counter = SavedTensorCounter(len(self.blocks), exclude=list(model.parameters()) + list(model.buffers()))
@@ -307,11 +306,10 @@ class Controller:
 
     # ----------------------------------------------------------------- optimizer
     def set_optimizer(self, optimizer: torch.optim.Optimizer | None, check: bool = True) -> None:
-        """Count ``optimizer``'s state from now on (for an optimizer made after ``fit``).
-
-        Raises: BudgetTooSmallError: when weights + gradients + its state exceed the budget."""
+        """Count ``optimizer``'s state from now on (for an optimizer made after ``fit``). Raises:
+        BudgetTooSmallError: when weights + gradients + its state exceed the budget."""
         if check:
-            check_static_need_of(self.model, self.budget, _state_bytes(optimizer), transient_bytes=_fit_step(optimizer))
+            check_static_need_of(self.model, self.planning.budget, _state_bytes(optimizer), transient_bytes=_fit_step(optimizer))
         for h in self._optimizer_handles:
             h.remove()
         self.optimizer = self.meter.optimizer = optimizer
@@ -330,6 +328,11 @@ class Controller:
         return self.replay.windows_closed if self.replay.closed_by_optimizer else None
 
     @property
+    def budget(self) -> Budget | None:
+        """The budget as typed (NOTE [A budget as typed]): the room's, its one copy (room.py)."""
+        return self.planning.budget
+
+    @property
     def accounting(self) -> str:
         """``"cuda"`` (allocator peaks) or ``"logical"`` (counted tensors)."""
         return self.meter.kind
@@ -344,7 +347,6 @@ class Controller:
             return
         self._gathered.check_first_forward()
         self.planning.begin_step(static_now)
-        # state_to_come: optimizer state counted in `static` that only its first step will create
         self._step = step = StepState(
             t0=time.perf_counter(), static_bytes=static_now, replay=self.replay.replaying, replayable=self.replay.replayable,
             state_to_come=self.meter.expected_optimizer_bytes if self.optimizer is not None and not self.optimizer.state else 0,
@@ -417,10 +419,8 @@ class Controller:
 
     # ----------------------------------------------------------------- records
     def _finish_step(self, static_now: int | None = None) -> None:
-        """Close the pending step: read its peaks, learn, write its record.
-
-        ``static_now``: the meter's static bytes if the caller has them (a step start reads them anyway).
-        """
+        """Close the pending step: read its peaks, learn, write its record (``static_now``: the meter's static bytes
+        if the caller has them: a step start reads them anyway)."""
         step, self._step = self._step, None
         if step is None:
             return
@@ -443,7 +443,7 @@ class Controller:
         self._steps_recorded += 1
         record = step.to_record(
             outcome, peaks.reserved, predicted, number=self._steps_recorded, method=self.method.name,
-            n_blocks=len(self.blocks), budget_bytes=self.budget_bytes, accounting=self.meter.kind, recompute_ms=treated_ms,
+            n_blocks=len(self.blocks), budget_bytes=self.planning.budget_bytes, accounting=self.meter.kind, recompute_ms=treated_ms,
             oom_retries=len(self.replay.oom.attempts), oom_attempts=self.replay.oom.attempts, rank=self.rank, now=now,
         )
         self.replay.oom.clear()
@@ -493,7 +493,7 @@ class Controller:
             ...     ctl.run_step(lambda: model(**batch).loss.backward())
             ...     opt.step(); opt.zero_grad(set_to_none=True)
         """
-        return self.replay.run(fn, args, kwargs, raise_what=f"{self.budget.name if self.budget else 'budget='} or margin=")
+        return self.replay.run(fn, args, kwargs, raise_what=f"{self.planning.budget.name if self.planning.budget else 'budget='} or margin=")
 
     def plans(self) -> dict[tuple[int, int], Plan]:
         """Plans decided so far, per shape bucket."""
@@ -515,7 +515,7 @@ class Controller:
     def remove(self) -> None:
         """Close the last record, unhook and unwrap: the model is exactly as before ``fit``."""
         if self._undo and self.records and self.announce:
-            _say(end_summary(self.records, self.budget, self.optimizer_steps), self.rank)
+            _say(end_summary(self.records, self.planning.budget, self.optimizer_steps), self.rank)
         self._unhook()
 
     def _unhook(self) -> None:
