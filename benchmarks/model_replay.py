@@ -5,7 +5,7 @@ loop_bench.py writes each memfit run's step records (``steps/<run>.jsonl.gz``) a
 (``steps/<run>.model.json.gz``). The model's curves hold the head kept (NOTE [Head in the peaks],
 model.py); a step that chunked the head is predicted less the head's saving, priced here by the
 formula of ``--implementation`` at the step's chunk count (the implementation the run's summary
-names; ``pure_grad_in_forward`` replays a run made before the fused kernels had formulas of their
+names; a step whose optimizer step ran per tensor less that step's saving, for full fine-tuning in bf16; ``pure_grad_in_forward`` replays a run made before the fused kernels had formulas of their
 own) with the model's vocabulary and width from its bundled config. An error that moves smoothly with the tokens is a
 curve's fit, not noise (docs/devlog.md, seventeenth session: the outside curve's samples disagreed).
 
@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = MemoryModel.from_dict(json.load(gzip.open(args.model))["model"])
     model.part_saving, model.bucket_tokens = {"head": saving}, args.bucket_tokens
+    step_saved = _per_tensor_saving(config_file)  # what a step run per tensor takes off the optimizer step's moment
     outside = model.outside
     print("outside curve, bytes a token: " + ", ".join(
         f"{n * t} tokens {y / (n * t) / 1e3:.0f} KB" for (n, t), y in zip(outside.xs, outside.ys)))
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             plan = Plan.from_treatments(record.block_treatments, [("head", *head)])
         key = (r["shape"][0], r["shape"][1])
+        model.step_saved = step_saved if str(r.get("treatments", {}).get("optimizer_step", "")).startswith("per_tensor") else 0.0
         start = r["static_bytes"] + model.backward_start_bytes(key, plan)
         recompute = r["static_bytes"] + model.recompute_bytes(key, plan)
         predicted = r["static_bytes"] + model.step_bytes(key, plan)
@@ -80,6 +82,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['step']} | {key[1]} | {mix or 0} | {start / 1e9:.2f} | {rerun} | "
               f"{predicted / 1e9:.2f} | {read / 1e9:.2f} | {(predicted - read) / 1e9:+.2f} |")
     return 0
+
+
+def _per_tensor_saving(config_file: Path) -> float:
+    """foreach AdamW's step temporaries less the per-tensor step's (parts/optimizer_step.py), for full fine-tuning of
+    the bundled config in bf16: what a record whose optimizer step ran ``per_tensor`` saved at that moment (a LoRA
+    run's step is small and keeps foreach)."""
+    from transformers import AutoConfig
+
+    from memfit.engine.parts.optim_state import expected_step_transient_bytes
+    from memfit.tools.estimate import ModelProfile
+
+    profile = ModelProfile.from_config(AutoConfig.from_pretrained(config_file), "causal-lm")
+    params = [torch.empty(s, dtype=torch.bfloat16, device="meta", requires_grad=True) for s in profile.param_shapes]
+    made = expected_step_transient_bytes("adamw_torch", params, foreach=True) or 0
+    return float(made - min(made, expected_step_transient_bytes("adamw_torch", params, foreach=False) or 0))
 
 
 if __name__ == "__main__":
