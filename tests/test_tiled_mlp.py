@@ -448,7 +448,7 @@ def test_the_planner_swaps_in_the_leaner_re_run_where_only_the_re_run_peak_is_ov
     registry = resolve_names(names)
     options = model.options(key, names)
     planning = SimpleNamespace(registry=registry, treatments=names, model=model,
-                               predict_peak=lambda k, plan: int(model.step_bytes(k, plan)))
+                               plan_peak=lambda k, plan: int(model.plan_bytes(k, plan)))
 
     def mix(room: int) -> Plan | None:
         need = int(model.backward_start_bytes(key, Plan(()))) - room

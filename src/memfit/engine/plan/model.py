@@ -60,7 +60,16 @@ A step's peak is the largest of three moments:
   which no low-degree curve fits. The meter reads the two phases' peaks apart (an optimizer
   step pre-hook); ``optimizer_bytes`` is the largest optimizer-step peak above static seen.
 Checkpointing lowers only the first; the planner removes bytes from it and the plan is
-then checked against all three.
+then checked against the first two.
+
+# NOTE [A plan fits what it decides]
+A plan of the blocks and the parts beside them decides the first two moments
+(:meth:`MemoryModel.plan_bytes`), not the optimizer step's, which the step's own part decides at its
+moment (NOTE [A part kind's moment], parts/kind.py); a step's prediction (``step_bytes``) is the
+largest of the three. Checked against all three, a step whose optimizer moment alone was over the
+room fit no plan, and every shape ran the floor (every block on the host, its MLP tiled) for nothing:
+a 1.24B model's steps took up to twice their time once its margin had grown above the room the
+per-tensor step left (docs/devlog.md, session 29).
 
 # NOTE [Treated peaks]
 A plan that gives some blocks ``selective`` or ``offload`` changes the three peaks so:
@@ -544,15 +553,13 @@ class MemoryModel:
     Args:
         groups: for each block, the id of its group of identical blocks.
         bucket_tokens: token granularity of the plan buckets this model is asked about.
-        treatments: the run's treatments by name (engine/parts/treatments/: what each does to the
-            peaks and how it is priced); the registered ones by default.
+        treatments: the run's treatments by name (engine/parts/treatments/: their peaks and prices); the registered ones.
     """
 
     def __init__(self, groups: Sequence[int], bucket_tokens: int = 1, treatments: Mapping[str, Any] = TREATMENTS):
         self.groups = list(groups)
         self.treatments = treatments
-        #: token granularity of the plan buckets this model is asked about (bucket_key)
-        self.bucket_tokens = bucket_tokens
+        self.bucket_tokens = bucket_tokens  # token granularity of the plan buckets this model is asked about (bucket_key)
         self.group_models = {g: BlockGroupModel() for g in sorted(set(self.groups))}
         self._group_sizes = {g: self.groups.count(g) for g in self.group_models}
         self.outside = Curve()
@@ -562,8 +569,7 @@ class MemoryModel:
         self.optimizer_bytes = 0.0
         self.step_saved = 0.0  # what the optimizer step's part saves at its moment (NOTE [A part kind's moment], parts/kind.py)
         self.max_key: tuple[int, int] | None = None
-        #: per part kind beside the blocks, ``(tokens, (treatment, param)) -> bytes`` its option saves
-        #: (NOTE [Head in the peaks]); the LM head's under ``"head"``
+        #: per part kind beside the blocks, ``(tokens, (treatment, param)) -> bytes`` its option saves (NOTE [Head in the peaks])
         self.part_saving: dict[str, Callable[[int, Any], int]] = {}
         #: the host link's price, with its ``depth(moved bytes, forward ms)`` (engine/parts/probe.py
         #: LinkPrice); None until measured: prefetch depth 1 (NOTE [Treated peaks])
@@ -606,9 +612,8 @@ class MemoryModel:
     def block_cost_ms(self, i: int, key: tuple[int, int]) -> float:
         return self.group_models[self.groups[i]].ms[RECOMPUTE](key)
 
-    def options(
-        self, key: tuple[int, int], names: Sequence[str], offload_ms: Callable[[float, float], float] | None = None,
-    ) -> list[list[tuple[str, int, float]]]:
+    def options(self, key: tuple[int, int], names: Sequence[str],
+                offload_ms: Callable[[float, float], float] | None = None) -> list[list[tuple[str, int, float]]]:
         """Per block, each available treatment as ``(name, bytes saved, ms)`` (NOTE [Treatment prices]).
 
         Args:
@@ -775,7 +780,7 @@ class MemoryModel:
         part = 0.0
         for g, name in layout.part_reruns:  # NOTE [Treated peaks]: the largest return of a part re-run
             part = _maximum(part, values[(g, KEEP)] - _kept(values, g, name))
-        return start, recompute, _maximum(_maximum(start + part, recompute), self.optimizer_bytes - self.step_saved)
+        return start, recompute, _maximum(_maximum(start + part, recompute), 0.0)  # no moment under static
 
     def parts_saved_bytes(self, key: tuple[int, int], plan: "Plan") -> int:
         """What ``plan``'s parts beside the blocks save at ``key`` against their untreated options (NOTE [Head in the peaks])."""
@@ -802,6 +807,10 @@ class MemoryModel:
 
     def step_bytes(self, key: tuple[int, int], plan: "Plan") -> float:
         """Predicted step peak above static memory under ``plan``: the largest of the three."""
+        return _maximum(self._plan_peaks(key, plan)[2], self.optimizer_bytes - self.step_saved)
+
+    def plan_bytes(self, key: tuple[int, int], plan: "Plan") -> float:
+        """The peak above static that ``plan`` decides: forward and backward's (NOTE [A plan fits what it decides])."""
         return self._plan_peaks(key, plan)[2]
 
     def activation_bytes(self, key: tuple[int, int], plan: "Plan") -> float:
@@ -858,8 +867,8 @@ class PrefixRows:
         self.cost_ms = np.maximum(group.ms[RECOMPUTE].values(n, ts), 1e-6)
 
     def peaks(self, count: Any) -> tuple[np.ndarray, np.ndarray]:
-        """``(backward start, step)`` above static when the first ``count`` blocks (an int, or
-        one per shape) are recomputed."""
+        """``(backward start, the plan's peak)`` above static when the first ``count`` blocks (an int, or one per
+        shape) are recomputed (the plan's peak: :meth:`MemoryModel.plan_bytes`)."""
         m = len(self._model.groups)
         count = np.broadcast_to(np.asarray(count, dtype=np.int64), self._shape)
         layout = _Layout({self._group: {RECOMPUTE: count, KEEP: m - count}}, {}, count > 0, count == m)

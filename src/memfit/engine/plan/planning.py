@@ -368,6 +368,10 @@ class Planning:
         k = self.planned_shape(key)
         return int(self.static_for(k) + self.model.step_bytes(k, plan))
 
+    def plan_peak(self, key: tuple[int, int], plan: Plan) -> int:
+        """What a plan must fit the room with: static + the peaks the plan decides (NOTE [A plan fits what it decides])."""
+        return int(self.static_for(k := self.planned_shape(key)) + self.model.plan_bytes(k, plan))
+
     def static_for(self, k: tuple[int, int]) -> float:
         """The static bytes a prediction at ``k`` starts from: less its bucket's correction (NOTE [Bias per bucket])."""
         return self.static_bytes - self.correction(bucket_key(k, self.bucket_tokens))

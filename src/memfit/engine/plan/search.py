@@ -65,12 +65,19 @@ class Search:
         self.infeasible_keys: set[tuple[int, int]] = set()
 
     def plan(self, k: tuple[int, int]) -> Plan:
-        """``k``'s plan: with the parts beside the blocks where the run has any (:meth:`parts_plan`); else the cheapest
-        by recompute alone, or, where the run may give other treatments, the cheapest mix when that is cheaper still
-        and fits (NOTE [Treatments never lose])."""
+        """``k``'s plan (:meth:`parts_plan` where the run has parts beside the blocks, else recompute alone or a cheaper
+        mix: NOTE [Treatments never lose]); an optimizer step over the budget whatever the plan is said once."""
         planning = self.planning
-        if planning.parts:
-            return self.parts_plan(k)
+        plan = self.parts_plan(k) if planning.parts else self._blocks_plan(k)
+        peak = planning.predict_peak(k, plan)  # NOTE [A plan fits what it decides]
+        if peak > planning.budget_bytes >= planning.plan_peak(k, plan) and (log := self._infeasible_log(("optimizer step",))):
+            log("memfit: the optimizer step is predicted at %s, over the budget of %s, whatever the blocks' plan (their "
+                "peaks fit); a smaller optimizer state (--optim adafactor or adamw_bnb_8bit) or LoRA would fit it",
+                planning.budget.size(peak), planning.budget)
+        return plan
+
+    def _blocks_plan(self, k: tuple[int, int]) -> Plan:
+        planning = self.planning
         mixes = not (planning.recompute_only or not planning.model.ready)
         plan = self.recompute_plan(k, warn=not mixes)
         mixed = self.mixed_plan(k) if mixes else None
@@ -99,16 +106,16 @@ class Search:
         try:
             costs, savings = planning.model.costs(k), planning.model.savings(k)
             plan = plan_blocks(costs, savings, need)
-            if not plan.blocks or planning.predict_peak(k, plan) <= room:
+            if not plan.blocks or planning.plan_peak(k, plan) <= room:
                 return plan
-            if planning.predict_peak(k, Plan(planning.all_blocks)) > room:
+            if planning.plan_peak(k, Plan(planning.all_blocks)) > room:
                 raise InfeasiblePlanError("the recompute or optimizer-step peak is over the budget")
             return self._mend(k, plan, need, costs, savings)
         except InfeasiblePlanError:
             if not warn:
                 return None
             most = self.floor(k[0] * k[1])
-            peak_bytes = planning.predict_peak(k, most)  # NOTE [Over the room, not the budget]
+            peak_bytes = planning.plan_peak(k, most)  # NOTE [Over the room, not the budget]
             log = self._infeasible_log(k) if peak_bytes > planning.budget_bytes else None
             if log is not None:
                 outside = planning.model.outside(k) if planning.model.ready else 0.0
@@ -149,7 +156,7 @@ class Search:
         below = tuple(range(max(plan.blocks) + 1))  # the plan and every block under it
         covered = itertools.accumulate(savings)
         prefix = tuple(range(next(i for i, total in enumerate(covered, 1) if total >= need)))
-        mended = [p for p in {below, prefix} if planning.predict_peak(k, Plan(p)) <= room]
+        mended = [p for p in {below, prefix} if planning.plan_peak(k, Plan(p)) <= room]
         if not mended:
             return Plan(planning.all_blocks)
         best = min(mended, key=lambda p: (sum(costs[i] for i in p), p))
@@ -203,9 +210,9 @@ class Search:
         # Where no plan fits the room (the budget less its margins), the floor runs. It is said to need more than the
         # budget only where its predicted peak is over the budget itself: a floor predicted inside the budget's margins
         # may well fit (a 65,536-token step predicted at 23.2 GiB, margins 2 GiB, ran at 22.2 GiB of a 24 GiB cap).
-        log = self._infeasible_log(k) if planning.predict_peak(k, most) > planning.budget_bytes else None
+        log = self._infeasible_log(k) if planning.plan_peak(k, most) > planning.budget_bytes else None
         if log is not None:
-            peak = planning.budget.size(planning.predict_peak(k, most))
+            peak = planning.budget.size(planning.plan_peak(k, most))
             # each part's bytes from its own formula, known before the model is (NOTE [The head's bytes in a budget error])
             shares = {kind: share for kind, part in planning.parts.items()
                       if (share := part.budget_share(k[0] * k[1], planning.budget.size)) is not None}
@@ -243,7 +250,7 @@ class Search:
         plan = self._parts_mix(k)
         if plan is not None:
             return float(plan.cost_ms)
-        return UNFIT_MS + max(0.0, float(planning.predict_peak(k, self.floor(k[0] * k[1])) - planning.room_bytes))
+        return UNFIT_MS + max(0.0, float(planning.plan_peak(k, self.floor(k[0] * k[1])) - planning.room_bytes))
 
     def floor(self, tokens: int) -> Plan:
         """The plan that keeps least, what runs where no plan is predicted to fit: every block on the run's floor treatment
@@ -279,11 +286,11 @@ class Search:
                 mixed = plan_with_parts(options, parts, need, order=order)
             except InfeasiblePlanError:
                 return None
-            over = planning.predict_peak(k, mixed) - room
+            over = planning.plan_peak(k, mixed) - room
             if over <= 0:
                 return mixed
             lean = with_leaner_reruns(mixed, options, leaner) if leaner else None  # NOTE [Leaner re-runs]
-            if lean is not None and planning.predict_peak(k, lean) <= room:
+            if lean is not None and planning.plan_peak(k, lean) <= room:
                 return lean
             need = int(max(need, mixed.saved_bytes) + over) + 1
         return None

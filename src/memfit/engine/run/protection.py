@@ -371,7 +371,7 @@ class Backstop(_Evicting):
             tokens, layout, above_static = held
             if layout == plan.layout and key[0] * key[1] <= tokens and planning.static_bytes + above_static <= threshold:
                 return False  # this plan ran this long a shape before and stayed under the threshold
-        predicted = planning.predict_peak(key, plan)
+        predicted = planning.plan_peak(key, plan)  # the optimizer step's moment is no block's (NOTE [A plan fits what it decides])
         return predicted + BACKSTOP_ARM_SHARE * max(0, predicted - planning.static_bytes) > threshold
 
     def _upcoming(self, k: tuple[int, int], stored: set[int], n_blocks: int) -> list[tuple[float, float]]:
