@@ -50,18 +50,16 @@ MAX_KEPT = 4096
 
 
 class Search:
-    """The plan of one shape for a run's :class:`~memfit.engine.plan.planning.Planning` (the module's docstring).
-
-    Args:
-        planning: the run's :class:`~memfit.engine.plan.planning.Planning` (not imported: planning.py imports this
-            module), read through its public attributes.
+    """The plan of one shape for a run's ``planning`` (a :class:`~memfit.engine.plan.planning.Planning`, not imported:
+    planning.py imports this module), read through its public attributes (the module's docstring).
 
     Attributes:
         infeasible_keys: shapes already said not to fit (at most :data:`MAX_KEPT`).
+        optimizer_said: an optimizer step over the budget whatever the plan has been said.
     """
 
     def __init__(self, planning: Any):
-        self.planning = planning
+        self.planning, self.optimizer_said = planning, False
         self.infeasible_keys: set[tuple[int, int]] = set()
 
     def plan(self, k: tuple[int, int]) -> Plan:
@@ -70,10 +68,11 @@ class Search:
         planning = self.planning
         plan = self.parts_plan(k) if planning.parts else self._blocks_plan(k)
         peak = planning.predict_peak(k, plan)  # NOTE [A plan fits what it decides]
-        if peak > planning.budget_bytes >= planning.plan_peak(k, plan) and (log := self._infeasible_log(("optimizer step",))):
-            log("memfit: the optimizer step is predicted at %s, over the budget of %s, whatever the blocks' plan (their "
-                "peaks fit); a smaller optimizer state (--optim adafactor or adamw_bnb_8bit) or LoRA would fit it",
-                planning.budget.size(peak), planning.budget)
+        if not self.optimizer_said and peak > planning.budget_bytes >= planning.plan_peak(k, plan):
+            self.optimizer_said = True
+            logger.warning("memfit: the optimizer step is predicted at %s, over the budget of %s, whatever the blocks' "
+                           "plan (their peaks fit); a smaller optimizer state (--optim adafactor or adamw_bnb_8bit) or LoRA "
+                           "would fit it", planning.budget.size(peak), planning.budget)
         return plan
 
     def _blocks_plan(self, k: tuple[int, int]) -> Plan:
