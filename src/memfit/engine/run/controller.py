@@ -574,7 +574,7 @@ def fit(
         cap: on CUDA, enforce the budget with ``set_per_process_memory_fraction``.
         treatments: what the planner may give a block besides ``keep``: ``recompute``,
             ``selective``, ``offload``, ``elementwise``, ``host_checkpoint`` (treatments/); it picks per
-            batch and block the cheapest mix that fits (NOTE [Treatments never lose] in planning.py).
+            batch and block the cheapest mix that fits (NOTE [Treatments never lose] in search.py).
             ``recompute`` is always included (warm-up, ``full`` and replays use it). Default:
             ``recompute``; ``elementwise`` for eager blocks with a gated MLP; ``selective`` where
             ``compile`` uses inductor; ``host_checkpoint`` for blocks on a CUDA device.

@@ -123,7 +123,7 @@ class Treatment:
     #: treatment (``keep``: everything it saves; ``tiled_mlp`` for a re-run whose MLP is tiled: NOTE [Tiled MLP])
     rerun_keeps: ClassVar[str] = KEEP
     #: the treatment that keeps the same bytes at the backward's start (None: none): a leaner re-run of it, which
-    #: the planner swaps in where only the re-run's peak is over the room (NOTE [Leaner re-runs], planning.py)
+    #: the planner swaps in where only the re-run's peak is over the room (NOTE [Leaner re-runs], search.py)
     keeps_as: ClassVar[str | None] = None
     #: the block's body runs again in backward in part, bringing back what it did not keep: bounded
     #: at the backward's start plus those bytes (NOTE [Treated peaks], model.py)
