@@ -2,7 +2,8 @@
 attempt leaves], engine/run/replay.py): loop_bench.py as given, with the CUDA meter's release wrapped.
 
 After each clean-up it prints the allocated bytes (at once, after half a second, after a backward on the
-device and after a synchronisation: is the release only late?), the live tensors that have a graph
+device, after a synchronisation and after a backward that fails on the device: is the release only late, or
+held until autograd's next failure?), the live tensors that have a graph
 (``grad_fn``) and what refers to them, the live ``torch.utils.checkpoint`` frames and what refers to
 them, and the largest live CUDA tensors beside the parameters. ``--no_check`` lets the replay go on
 past the head's static check, to see whether the bytes left are freed later.
@@ -61,6 +62,20 @@ def _report(device: torch.device) -> None:
     torch.cuda.synchronize(device)
     gc.collect()
     _say(f"after a synchronisation {torch.cuda.memory_allocated(device) / GIB:.2f} GiB")
+    # the bytes were freed when the next attempt failed (devlog, session 29): does any failing backward on the
+    # device free them, that is, does autograd keep its last failure (pytorch/pytorch#82218)?
+    def fail(grad: torch.Tensor) -> None:
+        raise RuntimeError("oom_leftover: a backward that fails")
+
+    y = torch.ones(1, device=device, requires_grad=True) * 2
+    y.register_hook(fail)
+    try:
+        y.sum().backward()
+    except RuntimeError:
+        pass
+    del y
+    gc.collect()
+    _say(f"after a backward that fails on the device {torch.cuda.memory_allocated(device) / GIB:.2f} GiB")
     live = gc.get_objects()
     tensors = [o for o in live if isinstance(o, torch.Tensor)]
     roots = [t for t in tensors if t.grad_fn is not None]

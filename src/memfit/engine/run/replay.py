@@ -383,7 +383,8 @@ class Replayer:
         Once an OOM's attempt is cleaned up (its gradients put back, its frames freed, the collector run, the
         cache returned), the static bytes should be what the attempt started with. Where they are more, the
         failed attempt's tensors are still held by something the clean-up cannot reach (after a backward OOM
-        among checkpointed blocks, the failed backward's saved tensors can outlive it: docs/devlog.md, session 29).
+        among checkpointed blocks, the failed backward's saved tensors can outlive it, as pytorch/pytorch#82218
+        reports of an OOM in backward: docs/devlog.md, session 29).
         The replay's static reading counts them, so its plan allows for them; the record's attempt says how
         much (``left_bytes``) and the run says it once.
         """
