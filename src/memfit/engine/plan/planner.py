@@ -333,13 +333,14 @@ def plan_with_parts(
     """
     frozen = tuple(tuple(o) for o in options)
     parts = [(kind, tuple(tuple(o) for o in opts)) for kind, opts in parts if opts]
+    knapsack = _Knapsack(frozen, resolution, order)  # the same blocks for every combination: prepared once
     if not parts:
-        return plan_treatments(frozen, need_bytes, resolution, order)
+        return knapsack.plan(need_bytes)
     best: Plan | None = None
     for combo in itertools.product(*_bounded_options([opts for _, opts in parts])):
         saved, ms = sum(int(o[2]) for o in combo), sum(float(o[3]) for o in combo)
         try:
-            blocks = plan_treatments(frozen, need_bytes - saved, resolution, order)
+            blocks = knapsack.plan(need_bytes - saved)
         except InfeasiblePlanError:
             continue
         total = blocks.cost_ms + ms
@@ -402,22 +403,39 @@ def plan_treatments(
         >>> plan_treatments(opts, 150).treatments(3)
         ['selective', 'selective', 'selective']
     """
-    if need_bytes <= 0:
-        return Plan(())
-    best_each = sum(max((o[1] for o in opts), default=0) for opts in options)
-    if best_each < need_bytes:
-        raise InfeasiblePlanError(f"treating all {len(options)} blocks saves {best_each} bytes, {need_bytes} are needed")
-    first = tuple(options[0]) if options else ()
-    if all(tuple(o) == first for o in options):
-        chosen = _alike(first, len(options), need_bytes, order or {}, resolution)
-    else:
-        chosen = _choose_by_dp(options, need_bytes, resolution)
-    blocks = tuple(sorted(chosen))
-    costs = {i: next(o for o in options[i] if o[0] == chosen[i]) for i in blocks}
-    return Plan(
-        blocks, float(sum(costs[i][2] for i in blocks)), int(sum(costs[i][1] for i in blocks)),
-        kinds=tuple(chosen[i] for i in blocks),
-    )
+    return _Knapsack(options, resolution, order).plan(need_bytes)
+
+
+class _Knapsack:
+    """One stack's options, read once and planned for any need (:func:`plan_treatments`; :func:`plan_with_parts`
+    asks one for each combination of the parts' options)."""
+
+    def __init__(self, options: Sequence[Sequence[tuple[str, int, float]]], resolution: int, order: Mapping[str, int] | None):
+        self.options, self.resolution, self.order = options, resolution, order or {}
+        self.best_each = sum(max((o[1] for o in opts), default=0) for opts in options)
+        first = tuple(options[0]) if options else ()
+        self.alike = first if all(tuple(opts) == first for opts in options) else None
+        self.by_name = [{o[0]: o for o in reversed(opts)} for opts in options]  # a name's first option, as next() read it
+        self._scored: tuple | None = None  # the alike stack's counts scored, once (() where too many to score)
+
+    def plan(self, need_bytes: int) -> Plan:
+        options = self.options
+        if need_bytes <= 0:
+            return Plan(())
+        if self.best_each < need_bytes:
+            raise InfeasiblePlanError(f"treating all {len(options)} blocks saves {self.best_each} bytes, {need_bytes} are needed")
+        if self.alike is not None:
+            if self._scored is None:
+                self._scored = _scored(self.alike, len(options)) or ()
+            chosen = _alike(self.alike, len(options), need_bytes, self.order, self.resolution, self._scored or None)
+        else:
+            chosen = _choose_by_dp(options, need_bytes, self.resolution)
+        blocks = tuple(sorted(chosen))
+        costs = {i: self.by_name[i][chosen[i]] for i in blocks}
+        return Plan(
+            blocks, float(sum(costs[i][2] for i in blocks)), int(sum(costs[i][1] for i in blocks)),
+            kinds=tuple(chosen[i] for i in blocks),
+        )
 
 
 @functools.lru_cache(maxsize=16)
@@ -441,13 +459,23 @@ def _counts(m: int, t: int) -> np.ndarray:
     return grid
 
 
-def _alike(opts: tuple[tuple[str, int, float], ...], m: int, need: int, order: Mapping[str, int], resolution: int) -> dict[int, str]:
+def _scored(opts: tuple[tuple[str, int, float], ...], m: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Every count of ``m`` alike blocks per treatment, with what each saves and costs; None where there are too
+    many counts to score (the dynamic programme chooses then)."""
+    if math.comb(m + len(opts), len(opts)) > _MAX_COMBINATIONS:
+        return None
+    grid = _counts(m, len(opts))
+    return grid, grid @ np.array([o[1] for o in opts], dtype=np.float64), grid @ np.array([o[2] for o in opts], dtype=np.float64)
+
+
+def _alike(opts: tuple[tuple[str, int, float], ...], m: int, need: int, order: Mapping[str, int], resolution: int,
+           scored: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> dict[int, str]:
     """The choice for ``m`` blocks with the same options (NOTE [Choosing treatments]): exact
-    while every count of blocks per treatment can be scored, else the dynamic programme's counts."""
-    if math.comb(m + len(opts), len(opts)) <= _MAX_COMBINATIONS:
-        grid = _counts(m, len(opts))
-        saved = grid @ np.array([o[1] for o in opts], dtype=np.float64)
-        cost = grid @ np.array([o[2] for o in opts], dtype=np.float64)
+    while every count of blocks per treatment can be scored (``scored``: :func:`_scored`'s, where the caller kept
+    it), else the dynamic programme's counts."""
+    scored = scored if scored is not None else _scored(opts, m)
+    if scored is not None:
+        grid, saved, cost = scored
         cost = np.where(saved >= need, cost, np.inf)
         best = cost.min()
         ties = np.flatnonzero(cost <= best + 1e-12 * max(1.0, abs(best)))
