@@ -2,7 +2,8 @@
 against the peak the step read, and the outside curve's samples per token.
 
 loop_bench.py writes each memfit run's step records (``steps/<run>.jsonl.gz``) and last memory model
-(``steps/<run>.model.json.gz``). The model's curves hold the head kept (NOTE [Head in the peaks],
+(``steps/<run>.model.json.gz``); published step files keep ``static_bytes`` since 2026-11-29 (older ones need the
+run's raw files). The model's curves hold the head kept (NOTE [Head in the peaks],
 model.py); a step that chunked the head is predicted less the head's saving, priced here by the
 formula of ``--implementation`` at the step's chunk count (the implementation the run's summary
 names; a step whose optimizer step ran per tensor less that step's saving, for full fine-tuning in bf16; ``pure_grad_in_forward`` replays a run made before the fused kernels had formulas of their
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for line in gzip.open(args.steps, "rt"):
         r = json.loads(line)
-        if r.get("phase") != "steady":
+        if r.get("phase", "steady") != "steady":  # published step files leave defaults out
             continue
         attempt = (r.get("oom_attempts") or [None])[0]  # an OOM's first try: its plan and what it read
         record = StepRecord.from_dict(r)

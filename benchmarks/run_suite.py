@@ -224,8 +224,9 @@ def _step_defaults() -> dict:
     return out
 
 
-#: Step-record fields that neither memfit report nor step_sums.py reads: left out when published.
-UNREAD_STEP_FIELDS = ("saved_activation_bytes", "static_bytes", "planned", "backstop_input_bytes")
+#: Step-record fields that neither memfit report, step_sums.py nor model_replay.py (which reads ``static_bytes``)
+#: reads: left out when published.
+UNREAD_STEP_FIELDS = ("saved_activation_bytes", "planned", "backstop_input_bytes")
 #: Decimals kept of the step records' times: 10 µs of a step (report prints 100 µs), 0.1 µs of the planner.
 STEP_DECIMALS = {"step_ms": 2, "recompute_ms_est": 2, "planner_us": 1}
 

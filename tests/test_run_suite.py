@@ -37,6 +37,7 @@ def test_compacted_step_records_keep_what_the_report_reads(tmp_path):
                 for r in records]
     assert back == expected
     assert "rank" not in next(iter(read_jsonl(tmp_path / "a.jsonl.gz")))  # a default left out
+    assert back[1].static_bytes == 98765  # kept: benchmarks/model_replay.py predicts from it
     run_suite.compact_steps(src, tmp_path / "b.jsonl.gz")  # no time in the gzip header: the same bytes
     assert (tmp_path / "a.jsonl.gz").read_bytes() == (tmp_path / "b.jsonl.gz").read_bytes()
 
