@@ -65,26 +65,21 @@ the envelope: there a step predicted under its peak is not replayed.
 
 from __future__ import annotations
 
-import itertools
-import math
-from collections import deque
 import logging
+import math
+import statistics
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-import statistics
-
 from memfit.engine.budget import Budget
 from memfit.engine.plan.model import MemoryModel
-from memfit.engine.plan.planner import with_leaner_reruns, InfeasiblePlanError, Plan, PlanCache, plan_blocks, plan_with_parts
+from memfit.engine.plan.planner import Plan, PlanCache
 from memfit.engine.plan.room import Room
 from memfit.engine.plan.search import MAX_KEPT, Search
 from memfit.engine.shapes import bucket_key
-from memfit.engine.summary_text import over_budget_words
-from memfit.engine.parts.treatments import KEEP, RECOMPUTE, TreatmentSpec, floor_treatment, resolve
+from memfit.engine.parts.treatments import KEEP, RECOMPUTE, TreatmentSpec, resolve
 from memfit.engine.parts.treatments.tiled_mlp import widest_intermediate
 from memfit.engine.parts.kind import AFTER_BLOCKS
 
