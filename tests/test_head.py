@@ -504,3 +504,18 @@ def test_the_switch_reads_whether_the_outputs_are_held_through_the_backward():
     assert switch.outputs_held is False
     model(**batch, return_dict=False)[0].backward()  # a tuple: not read
     assert switch.outputs_held is False
+
+
+def test_the_head_options_cache_is_bounded_and_returns_what_the_formula_does():
+    """head_options is cached (it is read at every peak a plan's evaluation reads): a run of ever new lengths and prices
+    holds at most its maxsize entries, and a cached answer is the formula's."""
+    from memfit.engine.parts.treatments.chunked_head import head_options
+
+    head_options.cache_clear()
+    for tokens in range(1, 6000):
+        head_options(tokens, 32000, 64, torch.bfloat16, 0.001 * tokens, 0.01)
+    info = head_options.cache_info()
+    assert info.maxsize == 4096 and info.currsize <= info.maxsize
+    first = head_options(5000, 32000, 64, torch.bfloat16, 5.0, 0.01)
+    assert head_options(5000, 32000, 64, torch.bfloat16, 5.0, 0.01) is first
+    assert head_options.__wrapped__(5000, 32000, 64, torch.bfloat16, 5.0, 0.01) == first
