@@ -18,7 +18,8 @@ configuration is ``MODEL[+lora]/METHOD[@SHARE][:STEPS][#BATCH]``:
   ``fsdp_activation_checkpointing``), ``accelerate-ac-offload`` (the same with its CPU offload),
   ``hf-ckpt`` (Hugging Face's ``gradient_checkpointing_enable``).
 * SHARE: the per-rank cap as a share of the same model's ``none`` peak
-  (``torch.cuda.set_per_process_memory_fraction`` on every rank, memfit and peers alike).
+  (``torch.cuda.set_per_process_memory_fraction`` on every rank, memfit and peers alike), or a size
+  in GiB (``@24GiB``: the same cap whatever ``none`` takes; no ``none`` needed).
 * STEPS: this configuration's steps (default ``--steps``); BATCH: its rows per rank and step
   (default ``--batch_size``; named in the folder, ``llama-8b-lora-b4-x4-none``).
 
@@ -72,12 +73,15 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import gc
 import json
 import os
 import random
 import re
+import resource
+import shlex
 import signal
 import statistics
 import subprocess
@@ -91,7 +95,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = {"llama-1b": "Llama-3.2-1B", "llama-3b": "Llama-3.2-3B", "llama-8b": "Llama-3.1-8B", "tiny": "llama-tiny"}
 MEMFIT = ("none", "full", "static", "dynamic")
 PEERS = ("accelerate-ac", "accelerate-ac-offload", "hf-ckpt")
-_SPEC = re.compile(r"^(?P<model>[\w.-]+?)(?P<lora>\+lora)?/(?P<method>[\w-]+)(?:@(?P<share>[0-9.]+))?(?::(?P<steps>\d+))?"
+_SPEC = re.compile(r"^(?P<model>[\w.-]+?)(?P<lora>\+lora)?/(?P<method>[\w-]+)(?:@(?P<share>[0-9.]+)(?P<gib>GiB)?)?(?::(?P<steps>\d+))?"
                    r"(?:#(?P<batch>\d+))?$")
 _OOM_CHECK = re.compile(r"^oom-check:(?P<model>[\w.-]+)$")
 GIB = 2**30
@@ -115,6 +119,8 @@ class Config:
     steps: int
     batch_size: int | None = None
     """Rows per rank and step; None: ``--batch_size``."""
+    cap_gib: float | None = None
+    """A cap per rank in GiB (``@24GiB``) instead of a share."""
 
 
 def parse_config(text: str, world: int, steps: int) -> Config:
@@ -132,14 +138,15 @@ def parse_config(text: str, world: int, steps: int) -> Config:
     if not m or m["model"] not in MODELS or m["method"] not in MEMFIT + PEERS:
         raise SystemExit(f"fsdp_bench: configuration {text!r}: write MODEL[+lora]/METHOD[@SHARE][:STEPS][#BATCH] with MODEL one "
                          f"of {', '.join(MODELS)} and METHOD one of {', '.join(MEMFIT + PEERS)}, or oom-check:MODEL")
-    share = float(m["share"]) if m["share"] else None
-    if (m["method"] == "none") != (share is None):
+    value = float(m["share"]) if m["share"] else None
+    share, cap_gib = (None, value) if m["gib"] else (value, None)
+    if (m["method"] == "none") != (value is None):
         raise SystemExit(f"fsdp_bench: configuration {text!r}: none runs uncapped (no @SHARE); every other method needs one")
     batch = f"-b{m['batch']}" if m["batch"] else ""
     stem = f"{m['model']}{'-lora' if m['lora'] else ''}{batch}-x{world}"
-    name = f"{stem}-{m['method']}" + (f"-{share:g}" if share else "")
+    name = f"{stem}-{m['method']}" + (f"-{share:g}" if share else f"-{cap_gib:g}GiB" if cap_gib else "")
     return Config(name, m["model"], bool(m["lora"]), m["method"], share, None if share is None else f"{stem}-none",
-                  int(m["steps"] or steps), int(m["batch"]) if m["batch"] else None)
+                  int(m["steps"] or steps), int(m["batch"]) if m["batch"] else None, cap_gib)
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -387,6 +394,8 @@ def _train(args, config: Config, device, rank: int, budget_bytes: int | None, ou
             stopped = f"time limit {args.config_limit_s:g} s after {step + 1} of {config.steps} steps"
             break
     records = ctl.records
+    # the run's one host pool (NOTE [Host budget]): its pinned bytes at the end
+    host_pool = max((getattr(getattr(t, "pool", None), "total", 0) for t in ctl.treatments.values()), default=0)
     ctl.remove()
     for h in handles:
         h.remove()
@@ -399,6 +408,10 @@ def _train(args, config: Config, device, rank: int, budget_bytes: int | None, ou
         "mean_treated_blocks": statistics.mean(r.n_checkpointed for r in records) if records else 0.0,
         "armed_steps": sum(r.backstop_armed for r in records), "alloc_retries": sum(r.alloc_retries or 0 for r in records),
         "n_blocks": records[0].n_blocks if records else 0, "fired": state["fired"],
+        # what the blocks ran as, over every step of every rank (a long-context run's host checkpoints and tiles)
+        "block_treatments": dict(sum((collections.Counter({k: len(v) for k, v in r.block_treatments.items()}) for r in records),
+                                     collections.Counter())),
+        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "host_pool_bytes": host_pool,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
     }, model
@@ -442,7 +455,7 @@ def worker(args) -> None:
         try:
             if config.method == "oom-check":
                 oom_check(args, config, device, rank, folder)  # ends the process
-            budget = None
+            budget = None if config.cap_gib is None else int(config.cap_gib * GIB)
             if config.reference:
                 reference = out / config.reference / "peak.json"
                 if not reference.exists():
@@ -522,10 +535,25 @@ def oom_check(args, config: Config, device, rank: int, out: Path) -> None:
 
 
 def _launch(args, plan_path: Path, log) -> subprocess.Popen:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--master_port",
-               str(args.port), str(Path(__file__).resolve()), "worker", "--plan", str(plan_path),
-               "--output_dir", str(args.output_dir)]
-    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    """One torchrun of ``--nproc`` ranks; with ``--nodes N``, N torchrun agents of ``nproc / N`` ranks each meeting at a
+    c10d rendezvous on localhost (N node ranks of this host, each on GPUs of its own), under one shell whose exit is
+    the first failure's."""
+    worker = [str(Path(__file__).resolve()), "worker", "--plan", str(plan_path), "--output_dir", str(args.output_dir)]
+    if args.nodes <= 1:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--master_port",
+                   str(args.port), *worker]
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    per = args.nproc // args.nodes
+    agents = []
+    for node in range(args.nodes):
+        gpus = ",".join(str(g) for g in range(node * per, (node + 1) * per))
+        agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(args.nodes), "--nproc_per_node", str(per),
+                 "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{args.port}", "--rdzv_id",
+                 f"fsdp-bench-{args.port}", *worker]
+        agents.append(f"CUDA_VISIBLE_DEVICES={gpus} {shlex.join(agent)} & p{node}=$!")
+    waits = "; ".join(f"wait $p{node} || x=$?" for node in range(args.nodes))
+    return subprocess.Popen(["bash", "-c", f"{'; '.join(agents)}; x=0; {waits}; exit $x"], stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -648,7 +676,8 @@ def summarize(folders: list[str], summary: str | None = None) -> list[dict]:
                     # armed_steps and alloc_retries: absent from a rank file written before they were recorded
                     "per_rank": {str(r["rank"]): {k: r.get(k) for k in ("max_peak_allocated_bytes", "oom_retries",
                                                                        "mean_treated_blocks", "median_steady_step_ms",
-                                                                       "armed_steps", "alloc_retries")}
+                                                                       "armed_steps", "alloc_retries", "block_treatments",
+                                                                       "max_rss_bytes", "host_pool_bytes")}
                                  for r in ran},
                 })
             rows.append(row)
@@ -690,7 +719,7 @@ def summarize(folders: list[str], summary: str | None = None) -> list[dict]:
 
 _REPEAT = re.compile(r"-r(\d+)$")
 _NAME = re.compile(r"^(?P<model>[\w.-]+?)(?P<lora>-lora)?(?:-b(?P<batch>\d+))?-x(?P<world>\d+)-(?P<method>"
-                   + "|".join(sorted(MEMFIT + PEERS, key=len, reverse=True)) + r")(?:-(?P<share>[0-9.]+))?$")
+                   + "|".join(sorted(MEMFIT + PEERS, key=len, reverse=True)) + r")(?:-(?P<share>[0-9.]+)(?P<gib>GiB)?)?$")
 
 
 def _from_name(name: str) -> dict:
@@ -699,8 +728,9 @@ def _from_name(name: str) -> dict:
     m = _NAME.match(name)
     if not m:
         return {}
+    value = float(m["share"]) if m["share"] else None
     return {"model": m["model"], "lora": bool(m["lora"]), "world_size": int(m["world"]), "method": m["method"],
-            "share": float(m["share"]) if m["share"] else None, **({"batch_size": int(m["batch"])} if m["batch"] else {})}
+            "share": None if m["gib"] else value, **({"budget_bytes": int(value * GIB)} if m["gib"] else {}), **({"batch_size": int(m["batch"])} if m["batch"] else {})}
 
 
 def _over_repeats(rows: list[dict]) -> list[dict]:
@@ -810,6 +840,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--output_dir", required=True)
     m.add_argument("--nproc", type=int, default=2, help="ranks (GPUs) of the launch")
     m.add_argument("--port", type=int, default=29711)
+    m.add_argument("--nodes", type=int, default=1, help="node ranks of this host (torchrun agents at a c10d rendezvous on "
+                   "localhost), --nproc split evenly among them")
     m.add_argument("--steps", type=int, default=16)
     m.add_argument("--steady_from", type=int, default=8, help="median step time from this step on")
     m.add_argument("--batch_size", type=int, default=4, help="rows per rank and step")

@@ -305,3 +305,25 @@ def test_fsdp2_oom_in_the_planned_head_on_one_rank_is_replayed_by_every_rank(tmp
     clean, failed = torch.load(tmp_path / "clean.pt"), torch.load(tmp_path / "oom.pt")
     for name, value in clean.items():
         torch.testing.assert_close(failed[name], value, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, chunks, lora, port", [
+    ("tiled_mlp", 1, "", 29531), ("recompute_tiled", 3, "", 29532), ("host_checkpoint_tiled", 3, "lora", 29533),
+])
+def test_fsdp2_blocks_run_tiled_with_the_gradients_of_fsdp_without_memfit(tmp_path, name, chunks, lora, port):
+    """FSDP2 (every decoder layer and the root ``fully_shard``-ed), two gloo ranks, every block on a tiled
+    treatment: the MLPs run tiled (their parameters are the ones FSDP gathered for the forward, and again for the
+    backward's re-runs), and the final weights are those of FSDP without memfit: bit for bit in one chunk, within
+    float32 rounding in several (NOTE [Tiled MLP])."""
+    from test_tiled_mlp import TOLERANCE
+
+    returncode, output = _torchrun("_fsdp_tiled_worker.py", [tmp_path, name, chunks, lora], port=port)
+    assert returncode == 0, output[-3000:]
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"calls.rank{rank}.json").read_text())["tiled_calls"] >= 3 * 3  # 3 blocks, 3 steps
+    plain, tiled = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "tiled.pt")
+    tolerance = dict(rtol=0, atol=0) if chunks == 1 else TOLERANCE
+    assert plain.keys() == tiled.keys()
+    for key, value in plain.items():
+        torch.testing.assert_close(tiled[key], value, **tolerance, msg=lambda m: f"{name} {key}: {m}")

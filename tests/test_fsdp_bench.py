@@ -28,6 +28,8 @@ def _bench():
     ("llama-8b+lora/hf-ckpt@0.7:4", "llama-8b-lora-x2-hf-ckpt-0.7", dict(lora=True, steps=4, reference="llama-8b-lora-x2-none")),
     ("llama-8b+lora/dynamic@0.5#4", "llama-8b-lora-b4-x2-dynamic-0.5", dict(batch_size=4, reference="llama-8b-lora-b4-x2-none")),
     ("oom-check:llama-1b", "oom-check-llama-1b-x2", dict(method="oom-check", model="llama-1b")),
+    ("llama-8b+lora/dynamic@24GiB:4#1", "llama-8b-lora-b1-x2-dynamic-24GiB", dict(share=None, cap_gib=24.0, reference=None,
+                                                                                 steps=4, batch_size=1)),
 ])
 def test_configurations_read_from_their_text(text, name, fields):
     config = _bench().parse_config(text, world=2, steps=16)
@@ -158,3 +160,24 @@ def test_the_scaling_table_reads_published_folders_too(tmp_path):
     bench.summarize([str(tmp_path / "published" / "x4"), str(tmp_path / "published" / "x2"), str(tmp_path / "absent")],
                     summary=str(tmp_path / "scaling.md"))
     assert "| llama-3b-x4-dynamic-0.5 | 601.0 | 663.0 | 1.81× |" in (tmp_path / "scaling.md").read_text()
+
+
+def test_node_ranks_run_the_matrix_and_replay_an_oom_together(tmp_path):
+    """``--nodes 2``: two torchrun agents of one gloo rank each at a c10d rendezvous on localhost (two node ranks of
+    one host): a cap in GiB needs no ``none`` first and its rank files say what the blocks ran as and the host memory
+    taken; the injected-OOM check's forward OOM on rank 1 is replayed by both, weights bitwise."""
+    out = tmp_path / "m"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    command = [sys.executable, str(ROOT / "benchmarks" / "fsdp_bench.py"), "matrix", "--output_dir", str(out),
+               "--nproc", "2", "--nodes", "2", "--port", "29743", "--steps", "6", "--steady_from", "3", "--max_length", "64",
+               "--config_limit_s", "60", "tiny/full@1GiB", "oom-check:tiny"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    status = {p.parent.name: json.loads(p.read_text())["status"] for p in out.glob("*/status.json")}
+    assert status == {"tiny-x2-full-1GiB": "ok", "oom-check-tiny-x2": "ok"}, status
+    full = [json.loads((out / "tiny-x2-full-1GiB" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(f["budget_bytes"] == 2**30 and f["world_size"] == 2 and f["max_rss_bytes"] > 0 for f in full)
+    assert all(f["block_treatments"] == {"recompute": 6 * f["n_blocks"]} for f in full), full[0]["block_treatments"]
+    checks = [json.loads((out / "oom-check-tiny-x2" / f"oom_check.rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(c["forward"]["weights_equal"] and c["world_size"] == 2 for c in checks)
+    assert [c["forward"]["oom_retries"] for c in checks] == [0, 1]

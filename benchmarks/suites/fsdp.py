@@ -21,6 +21,10 @@ The commands (from the repository root; RAW a scratch folder, OUT the published 
 ``x2-nodes`` (GPUs 0,1; within 180 s): the same ``memfit train`` command on two node ranks of one host (two
 torchrun agents of one rank each, a c10d rendezvous on localhost, each agent on one GPU): issue 61's two nodes.
 
+``x2-nodes-oom`` (GPUs 0,1; within 300 s): the injected-OOM check on two node ranks (``fsdp_bench.py matrix --nodes 2``).
+``x2-long`` (GPUs 0,1; within 560 s): Llama-3.1-8B with LoRA on one sequence of 65,536 tokens per rank in 24 GiB per
+rank, 6 steps, then HF checkpointing at that cap for 2 (issue 61).
+
 ``x2-repeats`` and ``x4-repeats`` (2 and 4 GPUs, within 560 s each): the comparison of ``dynamic``
 with ``full`` and HF checkpointing at 0.5 (3B full fine-tuning, 8B LoRA), 2 interleaved repeats.
 
@@ -83,16 +87,17 @@ QUICK = SUITE.replace(budgets={"tiny": (0.7,)}, steps=6)
 
 
 def _matrix(ctx: Context, name: str, nproc: int, port: int, configs: list[str], job_s: float, quick: bool,
-            steps: int, repeats: int = 1) -> Call:
+            steps: int, repeats: int = 1, nodes: int = 1, settings: tuple = ()) -> Call:
     """One ``fsdp_bench.py matrix`` launch that ends ``job_s`` after the suite's calls were made, less
-    what publishing and a last kill take (rule 4 of NOTE [One launch, many configurations])."""
+    what publishing and a last kill take (rule 4 of NOTE [One launch, many configurations]); ``settings``
+    (on GPUs) instead of the SFT batches'."""
     settings = ("--steps", steps, "--steady_from", 3, "--max_length", 64, "--config_limit_s", 60) if quick and not ctx.cuda \
-        else ("--steps", steps, "--steady_from", 6, "--batch_size", 3, "--min_length", 512, "--max_length", 3072,
-              "--config_limit_s", 45)
+        else settings or ("--steps", steps, "--steady_from", 6, "--batch_size", 3, "--min_length", 512, "--max_length", 3072,
+                          "--config_limit_s", 45)
     end_s = job_s - _PUBLISH_S - _GRACE_S
     command = script(ctx, "fsdp_bench.py", "matrix", "--output_dir", ctx.folder(f"fsdp/{name}"), "--nproc", nproc,
                      "--port", port, "--deadline_s", end_s, "--end_unix_s", round(time.time() + end_s),
-                     "--grace_s", _GRACE_S, "--repeats", repeats, *settings, *configs)
+                     "--grace_s", _GRACE_S, "--repeats", repeats, "--nodes", nodes, *settings, *configs)
     return Call(name, [command], folder=f"fsdp/{name}", timeout_s=job_s, env={} if ctx.cuda else {"OMP_NUM_THREADS": "1"})
 
 
@@ -144,6 +149,15 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
     node = lambda r: (f"CUDA_VISIBLE_DEVICES={r} " if ctx.cuda else "") + shlex.join(agent)  # noqa: E731
     out.append(Call("x2-nodes", [("bash", "-c", f"{node(0)} & a=$!; {node(1)} & b=$!; wait $a; x=$?; wait $b; exit $((x | $?))")],
                     folder="fsdp/x2-nodes", timeout_s=180 if ctx.cuda else 300, env={} if ctx.cuda else {"OMP_NUM_THREADS": "1"}))
+    # an OOM injected in a block's forward on one of two node ranks (one GPU each), replayed by both
+    out.append(_matrix(ctx, "x2-nodes-oom", 2, 29797, ["oom-check:llama-1b" if ctx.cuda else "oom-check:tiny"], 300, ctx.quick,
+                       suite.steps, nodes=2))
+    # issue 61's long context: Llama-3.1-8B with LoRA, one sequence of 65,536 tokens per rank, 24 GiB per rank (host
+    # checkpoints and the tiled MLP under FSDP2), then HF checkpointing at the same cap
+    long_settings = ("--steps", 6, "--steady_from", 4, "--batch_size", 1, "--min_length", 65536, "--max_length", 65536,
+                     "--config_limit_s", 240)
+    out.append(_matrix(ctx, "x2-long", 2, 29799, ["llama-8b+lora/dynamic@24GiB", "llama-8b+lora/hf-ckpt@24GiB:2"]
+                       if ctx.cuda else ["tiny+lora/dynamic@1GiB"], 560, ctx.quick, 6, settings=long_settings))
     # made with the train call's: its end counts the train call's time too; then, where the x2 job's
     # folder is on this machine (the same --raw), the 4-over-2 table
     x4_call = _matrix(ctx, "x4", nproc4, 29731, x4, jobs[1], ctx.quick, suite.steps)

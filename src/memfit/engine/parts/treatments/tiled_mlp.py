@@ -31,9 +31,13 @@ The rules:
 * Nothing is assumed of the MLP but that it is token-wise (each token's output depends on its own
   input only): the probe runs the block tiled in chunks that split every sequence and untiled on the
   same inputs and RNG state and offers the treatment only where their outputs agree within the dtype's rounding.
-* An MLP whose parameters are sharded (FSDP's DTensors or flat parameters, DeepSpeed ZeRO-3) is not
-  tiled: its recompute in backward would differentiate the parameters FSDP gathers and frees around
-  each use, which the Function's inputs are not (untested, so not offered).
+* Under FSDP2 (``fully_shard``) an MLP is tiled as any other: while a block runs, its forward or its
+  backward, FSDP2 has set the module's parameters to the unsharded ones it gathered (the same tensors
+  in both, their storage freed between), so the Function's re-runs in backward use, and return the
+  gradients of, exactly the tensors FSDP2 reduce-scatters from (tests/test_distributed.py: FSDP2's
+  weights without memfit, bit for bit in one chunk). Under FSDP1 (flat parameters, whose module
+  tensors are views) and DeepSpeed ZeRO-3 (which gathers inside each module's hooks) nothing is tiled:
+  untested, so not offered.
 * Eager blocks only: a compiled block's graph never calls the patched forward.
 
 The chunk count comes from the shape (:class:`Chunking`): enough chunks that one chunk's ``tokens x
@@ -157,11 +161,11 @@ class Chunking:
 
 
 def _sharded(module: nn.Module) -> bool:
-    """Whether ``module``'s parameters are sharded (FSDP, DeepSpeed ZeRO-3): NOTE [Tiled MLP]."""
-    for m in module.modules():
-        if "FSDP" in type(m).__name__ or "FullyShardedDataParallel" in type(m).__name__:
-            return True
-    return any(type(p).__name__ in ("DTensor", "FlatParameter") or hasattr(p, "ds_id") for p in module.parameters())
+    """Whether ``module``'s parameters are sharded as nothing tiled may be (FSDP1, DeepSpeed ZeRO-3: NOTE [Tiled
+    MLP]; FSDP2's are not)."""
+    if any("FullyShardedDataParallel" in type(m).__name__ for m in module.modules()):
+        return True
+    return any(type(p).__name__ == "FlatParameter" or hasattr(p, "ds_id") for p in module.parameters())
 
 
 def _draws(mlp: nn.Module) -> bool:
@@ -322,7 +326,7 @@ def _is_lora_layer(m: nn.Module) -> bool:
 def lean_parts(module: nn.Module, mlps: Sequence[nn.Module] = ()) -> list[nn.Module]:
     """The norms and vanilla peft LoRA layers of ``module`` outside ``mlps`` (tiled already), which the tiled
     treatments run saving only their input (NOTE [Lean inputs in a tiled block])."""
-    if _sharded(module):  # as the tiled MLP: its re-run would differentiate parameters FSDP gathers and frees
+    if _sharded(module):  # as the tiled MLP (NOTE [Tiled MLP])
         return []
     inside = {id(m) for mlp in mlps for m in mlp.modules()}
     norms, _ = elementwise_parts(module)
