@@ -43,7 +43,7 @@ from suites import Call, Context, Suite, memfit, script
 _PUBLISH_S, _GRACE_S = 20, 30
 #: the jobs' wall-clock budgets (GPU plan): 2 ranks; 4 ranks, the train call included
 JOB_S = {"x2": 520, "x4": 540}
-#: a shorter session sets them in the environment: ``MEMFIT_FSDP_JOB_S="x2=440,x4=420"``
+#: a shorter session sets them in the environment: ``MEMFIT_FSDP_JOB_S="x2=440,x4=420,x2-repeats=400"``
 JOB_S.update({k: int(v) for k, v in (kv.split("=") for kv in filter(None, os.environ.get("MEMFIT_FSDP_JOB_S", "").split(",")))})
 #: Peers, memfit only measuring, under the same per-rank cap.
 PEERS = ("accelerate-ac", "accelerate-ac-offload", "hf-ckpt")
@@ -87,7 +87,7 @@ QUICK = SUITE.replace(budgets={"tiny": (0.7,)}, steps=6)
 
 
 def _matrix(ctx: Context, name: str, nproc: int, port: int, configs: list[str], job_s: float, quick: bool,
-            steps: int, repeats: int = 1, nodes: int = 1, settings: tuple = ()) -> Call:
+            steps: int, repeats: int = 1, nodes: int = 1, settings: tuple = (), extra: tuple = ()) -> Call:
     """One ``fsdp_bench.py matrix`` launch that ends ``job_s`` after the suite's calls were made, less
     what publishing and a last kill take (rule 4 of NOTE [One launch, many configurations]); ``settings``
     (on GPUs) instead of the SFT batches'."""
@@ -97,7 +97,7 @@ def _matrix(ctx: Context, name: str, nproc: int, port: int, configs: list[str], 
     end_s = job_s - _PUBLISH_S - _GRACE_S
     command = script(ctx, "fsdp_bench.py", "matrix", "--output_dir", ctx.folder(f"fsdp/{name}"), "--nproc", nproc,
                      "--port", port, "--deadline_s", end_s, "--end_unix_s", round(time.time() + end_s),
-                     "--grace_s", _GRACE_S, "--repeats", repeats, "--nodes", nodes, *settings, *configs)
+                     "--grace_s", _GRACE_S, "--repeats", repeats, "--nodes", nodes, *settings, *extra, *configs)
     return Call(name, [command], folder=f"fsdp/{name}", timeout_s=job_s, env={} if ctx.cuda else {"OMP_NUM_THREADS": "1"})
 
 
@@ -151,7 +151,7 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
                     folder="fsdp/x2-nodes", timeout_s=180 if ctx.cuda else 300, env={} if ctx.cuda else {"OMP_NUM_THREADS": "1"}))
     # an OOM injected in a block's forward on one of two node ranks (one GPU each), replayed by both
     out.append(_matrix(ctx, "x2-nodes-oom", 2, 29797, ["oom-check:llama-1b" if ctx.cuda else "oom-check:tiny"], 300, ctx.quick,
-                       suite.steps, nodes=2))
+                       suite.steps, nodes=2, extra=("--collective_timeout_s", 30)))
     # issue 61's long context: Llama-3.1-8B with LoRA, one sequence of 65,536 tokens per rank, 24 GiB per rank (host
     # checkpoints and the tiled MLP under FSDP2), then HF checkpointing at the same cap
     long_settings = ("--steps", 6, "--steady_from", 4, "--batch_size", 1, "--min_length", 65536, "--max_length", 65536,
@@ -178,5 +178,5 @@ def _repeated_cells(ctx: Context) -> list[Call]:
     """Issue 41's comparison with 2 interleaved repeats, 14 steps each, one call per GPU count, each
     within 560 s (results: nvidia-h100-x2/fsdp and nvidia-h100-x4/fsdp, with the 4-over-2 table from
     ``fsdp_bench.py summarize X4 X2 --summary``)."""
-    return [_matrix(ctx, f"x{n}-repeats", n, port, list(REPEATED), 560, False, 14, repeats=2)
+    return [_matrix(ctx, f"x{n}-repeats", n, port, list(REPEATED), JOB_S.get(f"x{n}-repeats", 560), False, 14, repeats=2)
             for n, port in ((2, 29715), (4, 29714))]
