@@ -342,7 +342,8 @@ def _train(args, config: Config, device, rank: int, budget_bytes: int | None, ou
     # memfit hooks the sharded model (NOTE [Hooked after sharding] in memfit/integrations/hf.py);
     # a peer runs under memfit's method none, measuring only, uncapped by memfit (the cap is set above)
     ctl = memfit.fit(model, None if peer else budget_bytes, "none" if peer else method, optimizer=optimizer,
-                     log=str(out / f"memfit_steps.rank{rank}.jsonl"), cap=False, announce=False)
+                     log=str(out / f"memfit_steps.rank{rank}.jsonl"), cap=False, announce=False,
+                     treatments=args.treatments.split(",") if getattr(args, "treatments", None) and not peer else None)
     batch_size = config.batch_size or args.batch_size
     lengths = _sft_lengths(config.steps, batch_size, seed=1000 + rank, cap=args.max_length) if not args.min_length \
         else _uniform_lengths(config.steps, batch_size, 1000 + rank, args.min_length, args.max_length)
@@ -577,7 +578,7 @@ def matrix(args) -> int:
     once = [parse_config(text, args.nproc, args.steps) for text in args.configs]
     configs = [c if r == 0 else replace(c, name=f"{c.name}-r{r}") for r in range(max(1, args.repeats)) for c in once]
     settings = {k: getattr(args, k, 0) for k in ("steady_from", "batch_size", "max_length", "min_length", "collective_timeout_s",
-                                              "config_limit_s")}
+                                              "config_limit_s", "treatments")}
     started = time.monotonic()
     deadline = min(time.time() + args.deadline_s, args.end_unix_s or float("inf"))  # rule 4
     settings["last_start_unix_s"] = deadline - args.config_limit_s
@@ -855,6 +856,7 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--end_unix_s", type=float, default=None, help="... or by this time (seconds since the epoch), "
                                                                    "if earlier: a job's end shared by its calls")
     m.add_argument("--collective_timeout_s", type=float, default=120)
+    m.add_argument("--treatments", default=None, help="memfit's treatments, comma-separated (default: memfit's own)")
     m.add_argument("--repeats", type=int, default=1, help="run the list this many times in turn (interleaved repeats)")
     w = sub.add_parser("worker", help="(under torchrun, started by matrix)")
     w.add_argument("--plan", required=True)

@@ -359,3 +359,22 @@ def test_a_run_where_an_oom_is_fatal_keeps_the_envelope():
         _steady(planning, key, planning.predict_peak(key, planning.plan_for(key)) - 40_000)
     assert planning.run_bias.offset == 40_000
     assert planning.predict_peak(fresh, planning.plan_for(fresh)) == fresh_before
+
+
+def test_retries_in_a_row_grow_the_slack_though_no_bucket_repeats(monkeypatch):
+    """NOTE [The slack is priced]: steady steps that all retry, each in a bucket of its own (uneven lengths under
+    FSDP, where no clean step ever comes to price one), grow the slack every RETRY_STREAK steps; a clean step
+    between them starts the count again."""
+    from memfit.engine.plan.room import RETRY_STREAK
+
+    planning = Planning(4, [0, 0, 0, 0], 1_000_000, 0, 8, room=Room(1_000_000, slack_bytes=1000))
+    monkeypatch.setattr(planning.search, "slack_cost_ms", lambda key, extra: 0.5)
+    step = planning.room.slack_step_bytes
+    lengths = iter(range(64, 64 + 8 * 100, 8))
+    grown = [planning.apply(ModelUpdate(alloc_retries=True, steady_key=(8, next(lengths)), net_ms=300.0))
+             for _ in range(2 * RETRY_STREAK)]
+    assert grown == ([False] * (RETRY_STREAK - 1) + [True]) * 2 and planning.slack_bytes == 1000 + 2 * step
+    assert not planning.apply(ModelUpdate(steady_key=(8, next(lengths)), net_ms=100.0))  # clean: the count restarts
+    assert not any(planning.apply(ModelUpdate(alloc_retries=True, steady_key=(8, next(lengths)), net_ms=300.0))
+                   for _ in range(RETRY_STREAK - 1))
+    assert planning.slack_bytes == 1000 + 2 * step

@@ -43,7 +43,10 @@ A retry in a bucket with no clean step yet waits for one: the bucket's next clea
 (growing at once on a run's first retries kept 3-6% of the budget unused on the llm suite:
 docs/devlog.md). A bucket that retries again before any clean step (one that releases the cache
 on every step, the cost that measured worst) grows the slack at once, and so does a retry with
-no step time to price it. The slack shrinks back by the same step, not below where it started,
+no step time to price it, and so do ``RETRY_STREAK`` steady steps in a row that retried, whatever
+their buckets: where every step retries and no two steps share a bucket (batches of uneven length
+under FSDP, whose gather and reduce streams keep cache of their own) no clean step ever comes to
+price one, and every step pays the release. The slack shrinks back by the same step, not below where it started,
 after ``SHRINK_AFTER_CLEAN_STEPS`` steady steps in a row without a retry: plans then use the room
 again, and a retry that comes back is priced again.
 
@@ -77,7 +80,7 @@ from memfit.engine.budget import Budget
 
 __all__ = [
     "Room", "StepTimes", "DEFAULT_MARGIN_SHARE", "ALLOCATOR_SLACK_BYTES", "RETRY_SLACK_SHARE", "MAX_RETRY_SLACK_SHARE",
-    "OOM_MARGIN_PARTS", "MISS_MARGIN_FACTOR", "SLACK_FACTOR", "SHRINK_AFTER_CLEAN_STEPS", "CLEAN_STEPS_KEPT", "RETRY_RATE_STEPS",
+    "OOM_MARGIN_PARTS", "MISS_MARGIN_FACTOR", "SLACK_FACTOR", "SHRINK_AFTER_CLEAN_STEPS", "CLEAN_STEPS_KEPT", "RETRY_RATE_STEPS", "RETRY_STREAK",
     "FATAL_OOM_SLACK_PARTS", "LEAST_MARGIN_SHARE", "MARGIN_CLEAN_STEPS", "MARGIN_MISS_STEPS",
 ]
 
@@ -102,6 +105,9 @@ SHRINK_AFTER_CLEAN_STEPS = 32
 CLEAN_STEPS_KEPT = 8
 #: the latest steady steps over which a retry's and a growth's prices are taken per step
 RETRY_RATE_STEPS = 64
+#: steady steps in a row that retried, in any buckets, after which the slack grows without a price (NOTE [The slack
+#: is priced])
+RETRY_STREAK = 3
 #: a run that cannot survive an OOM starts its slack at the budget over this (NOTE [Room where an OOM is fatal])
 FATAL_OOM_SLACK_PARTS = 24
 #: the least the margin shrinks to, as a share of the budget, per accounting (NOTE [The margin follows the misses])
@@ -124,6 +130,8 @@ class StepTimes:
     recent: deque = field(default_factory=lambda: deque(maxlen=RETRY_RATE_STEPS))
     #: per bucket without clean steps, the net time of a retry step waiting for one to price it
     waiting_ms: dict[tuple[int, int], float] = field(default_factory=dict)
+    #: steady steps in a row that retried since the last clean step or the last growth of the slack it made
+    streak: int = 0
 
     def add_clean(self, bucket: tuple[int, int], net_ms: float) -> None:
         self.clean_ms.setdefault(bucket, deque(maxlen=CLEAN_STEPS_KEPT)).append(float(net_ms))
@@ -136,6 +144,7 @@ class StepTimes:
     def note(self, key: tuple[int, int], retried: bool) -> None:
         """A steady step of shape ``key`` ran, with or without a retry."""
         self.recent.append((tuple(key), bool(retried)))
+        self.streak = self.streak + 1 if retried else 0
 
     @property
     def retry_share(self) -> float:
@@ -256,6 +265,9 @@ class Room:
             return self.after_alloc_retries(retry_ms * times.retry_share, growth_ms())
         if times.wait(bucket, net_ms):
             return self.after_alloc_retries(None)  # the bucket retried twice before a clean step
+        if times.streak >= RETRY_STREAK:
+            times.streak = 0  # counted again at the grown slack
+            return self.after_alloc_retries(None)
         return self.after_waiting_retry()
 
     def raise_margin(self, extra_bytes: int) -> bool:
