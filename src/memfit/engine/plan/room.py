@@ -44,9 +44,8 @@ A retry in a bucket with no clean step yet waits for one: the bucket's next clea
 docs/devlog.md). A bucket that retries again before any clean step (one that releases the cache
 on every step, the cost that measured worst) grows the slack at once, and so does a retry with
 no step time to price it, and so do ``RETRY_STREAK`` steady steps in a row that retried, whatever
-their buckets: where every step retries and no two steps share a bucket (batches of uneven length
-under FSDP, whose gather and reduce streams keep cache of their own) no clean step ever comes to
-price one, and every step pays the release. The slack shrinks back by the same step, not below where it started,
+their buckets: where every step retries and no two steps share a bucket (SFT lengths under FSDP2 on
+2 GPUs: docs/devlog.md) no clean step ever comes to price one, and every step pays the release. The slack shrinks back by the same step, not below where it started,
 after ``SHRINK_AFTER_CLEAN_STEPS`` steady steps in a row without a retry: plans then use the room
 again, and a retry that comes back is priced again.
 
@@ -80,8 +79,8 @@ from memfit.engine.budget import Budget
 
 __all__ = [
     "Room", "StepTimes", "DEFAULT_MARGIN_SHARE", "ALLOCATOR_SLACK_BYTES", "RETRY_SLACK_SHARE", "MAX_RETRY_SLACK_SHARE",
-    "OOM_MARGIN_PARTS", "MISS_MARGIN_FACTOR", "SLACK_FACTOR", "SHRINK_AFTER_CLEAN_STEPS", "CLEAN_STEPS_KEPT", "RETRY_RATE_STEPS", "RETRY_STREAK",
-    "FATAL_OOM_SLACK_PARTS", "LEAST_MARGIN_SHARE", "MARGIN_CLEAN_STEPS", "MARGIN_MISS_STEPS",
+    "OOM_MARGIN_PARTS", "MISS_MARGIN_FACTOR", "SLACK_FACTOR", "SHRINK_AFTER_CLEAN_STEPS", "CLEAN_STEPS_KEPT", "RETRY_RATE_STEPS",
+    "RETRY_STREAK", "FATAL_OOM_SLACK_PARTS", "LEAST_MARGIN_SHARE", "MARGIN_CLEAN_STEPS", "MARGIN_MISS_STEPS",
 ]
 
 #: the margin's share of the budget before any step erred, per accounting (the meter's kind)
