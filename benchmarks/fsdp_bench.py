@@ -49,6 +49,11 @@ whether the replayed run's final weights equal the clean run's (on a GPU: within
 between the two clean runs: NOTE [The determinism floor]), the OOM replays, and the backward
 run's error (it cannot be replayed in step; memfit says so and the ranks stop, no hang).
 
+``--profile`` runs one more step after each configuration's (the batch of step ``--steady_from`` again, untimed)
+under ``torch.profiler`` and records each rank's time in collectives (``collective_ms``: NCCL's kernels run from a
+collective's launch until its last rank joins, so what a configuration spends beyond ``full``'s, where every rank
+runs the same plan, is waiting for the slowest rank).
+
 ``--repeats N`` runs the whole list N times in turn (interleaved: a drift of the machine's speed
 touches every configuration alike); repeat r > 0 writes ``<name>-r<r>`` and takes its cap from
 the first repeat's ``none``.
@@ -394,6 +399,8 @@ def _train(args, config: Config, device, rank: int, budget_bytes: int | None, ou
         if _agree(time.monotonic() - started > args.config_limit_s, device) and step + 1 < config.steps:
             stopped = f"time limit {args.config_limit_s:g} s after {step + 1} of {config.steps} steps"
             break
+    collective_ms = _profiled_step(ctl, model, accelerator, optimizer, lengths[min(args.steady_from, len(lengths) - 1)],
+                                   rank, vocab, device) if getattr(args, "profile", False) and config.method != "oom-check" else None
     records = ctl.records
     # the run's one host pool (NOTE [Host budget]): its pinned bytes at the end
     host_pool = max((getattr(getattr(t, "pool", None), "total", 0) for t in ctl.treatments.values()), default=0)
@@ -413,9 +420,34 @@ def _train(args, config: Config, device, rank: int, budget_bytes: int | None, ou
         "block_treatments": dict(sum((collections.Counter({k: len(v) for k, v in r.block_treatments.items()}) for r in records),
                                      collections.Counter())),
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "host_pool_bytes": host_pool,
+        "collective_ms": collective_ms,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
     }, model
+
+
+def _profiled_step(ctl, model, accelerator, optimizer, lengths: list[int], rank: int, vocab: int, device) -> float:
+    """The time this rank's collectives took in one more step (the batch of step ``--steady_from`` again, under
+    ``torch.profiler``, untimed): on GPUs the NCCL kernels' device time, which runs from a collective's launch until
+    the last rank joins it, so beyond ``full``'s (every rank the same plan) it is the wait for the slowest rank; on CPU
+    (gloo, synchronous) the ``c10d::`` operators' host time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    batch = _batch(lengths, seed=100_000 * rank + 999, vocab=vocab, device=device)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        ctl.run_step(lambda: accelerator.backward(model(**batch).loss))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    if cuda:
+        us = sum(getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) for e in events if "nccl" in e.key.lower())
+    else:
+        us = sum(e.cpu_time_total for e in events if e.key.startswith("c10d::"))
+    return round(us / 1e3, 3)
 
 
 def _free(device) -> None:
@@ -578,7 +610,7 @@ def matrix(args) -> int:
     once = [parse_config(text, args.nproc, args.steps) for text in args.configs]
     configs = [c if r == 0 else replace(c, name=f"{c.name}-r{r}") for r in range(max(1, args.repeats)) for c in once]
     settings = {k: getattr(args, k, 0) for k in ("steady_from", "batch_size", "max_length", "min_length", "collective_timeout_s",
-                                              "config_limit_s", "treatments")}
+                                              "config_limit_s", "treatments", "profile")}
     started = time.monotonic()
     deadline = min(time.time() + args.deadline_s, args.end_unix_s or float("inf"))  # rule 4
     settings["last_start_unix_s"] = deadline - args.config_limit_s
@@ -678,7 +710,7 @@ def summarize(folders: list[str], summary: str | None = None) -> list[dict]:
                     "per_rank": {str(r["rank"]): {k: r.get(k) for k in ("max_peak_allocated_bytes", "oom_retries",
                                                                        "mean_treated_blocks", "median_steady_step_ms",
                                                                        "armed_steps", "alloc_retries", "block_treatments",
-                                                                       "max_rss_bytes", "host_pool_bytes")}
+                                                                       "max_rss_bytes", "host_pool_bytes", "collective_ms")}
                                  for r in ran},
                 })
             rows.append(row)
@@ -764,6 +796,9 @@ def _over_repeats(rows: list[dict]) -> list[dict]:
                     "median_steady_step_ms": statistics.median(g["per_rank"][rank]["median_steady_step_ms"] for g in ran),
                     "armed_steps": sum(g["per_rank"][rank].get("armed_steps") or 0 for g in ran),
                     "alloc_retries": sum(g["per_rank"][rank].get("alloc_retries") or 0 for g in ran),
+                    "collective_ms": statistics.median(c) if (c := [g["per_rank"][rank]["collective_ms"] for g in ran
+                                                                   if g["per_rank"][rank].get("collective_ms") is not None])
+                    else None,
                 }
                 for rank in first["per_rank"] if all(rank in g["per_rank"] for g in ran)
             }
@@ -784,13 +819,14 @@ def _fits(r: dict) -> bool:
 
 def _table(rows: list[dict]) -> str:
     lines = ["| config | ranks | method | cap per rank (GiB) | static need (GiB) | step ms (slowest rank) | vs none "
-             "| peak per rank (GiB) | under cap | OOM replays per rank | blocks treated per rank | status |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | --- | --- |"]
+             "| peak per rank (GiB) | under cap | OOM replays per rank | blocks treated per rank | collectives ms per rank "
+             "(profiled step) | status |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         cap = f"{r['budget_bytes'] / GIB:.2f}" if r.get("budget_bytes") else "uncapped" if "budget_bytes" in r else ""
         need = f"{r['static_need_bytes'] / GIB:.2f}" if r.get("static_need_bytes") else ""
         if "per_rank" not in r:
-            lines.append(f"| {r['name']} | {r.get('world_size', '')} | {r.get('method', '')} | {cap} | {need} | | | | | | | "
+            lines.append(f"| {r['name']} | {r.get('world_size', '')} | {r.get('method', '')} | {cap} | {need} | | | | | | | | "
                          f"{r['status']} |")
             continue
         ranks = [r["per_rank"][k] for k in sorted(r["per_rank"], key=int)]
@@ -799,8 +835,10 @@ def _table(rows: list[dict]) -> str:
         treated = " / ".join(f"{p['mean_treated_blocks']:.1f}" for p in ranks)
         vs = f"{r['vs_none']:.2f}×" if "vs_none" in r else ""
         step = f"{r['step_ms']:.1f}" + (f" (median of {len(r['step_ms_repeats'])})" if r.get("step_ms_repeats") else "")
+        waits = " / ".join(f"{p['collective_ms']:.1f}" for p in ranks) if all(p.get("collective_ms") is not None for p in ranks) \
+            else ""
         lines.append(f"| {r['name']} | {r['world_size']} | {r['method']} | {cap} | {need} | {step} | {vs} | {peaks} "
-                     f"| {'yes' if r['under_cap'] else 'NO'} | {ooms} | {treated} of {r['n_blocks']} | {r['status']} |")
+                     f"| {'yes' if r['under_cap'] else 'NO'} | {ooms} | {treated} of {r['n_blocks']} | {waits} | {r['status']} |")
     versus = []
     for r in rows:
         if r.get("method") != "dynamic" or not r.get("share"):
@@ -856,6 +894,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--end_unix_s", type=float, default=None, help="... or by this time (seconds since the epoch), "
                                                                    "if earlier: a job's end shared by its calls")
     m.add_argument("--collective_timeout_s", type=float, default=120)
+    m.add_argument("--profile", action="store_true", help="after each configuration's steps, one more under torch.profiler: "
+                   "each rank's time in collectives (collective_ms)")
     m.add_argument("--treatments", default=None, help="memfit's treatments, comma-separated (default: memfit's own)")
     m.add_argument("--repeats", type=int, default=1, help="run the list this many times in turn (interleaved repeats)")
     w = sub.add_parser("worker", help="(under torchrun, started by matrix)")

@@ -164,20 +164,25 @@ def test_the_scaling_table_reads_published_folders_too(tmp_path):
 
 def test_node_ranks_run_the_matrix_and_replay_an_oom_together(tmp_path):
     """``--nodes 2``: two torchrun agents of one gloo rank each at a c10d rendezvous on localhost (two node ranks of
-    one host): a cap in GiB needs no ``none`` first and its rank files say what the blocks ran as and the host memory
-    taken; the injected-OOM check's forward OOM on rank 1 is replayed by both, weights bitwise."""
+    one host): a cap in GiB needs no ``none`` first, its rank files say what the blocks ran as, the host memory
+    taken and (``--profile``) the time in collectives of one more step; the injected-OOM check's forward OOM on rank
+    1 is replayed by both, weights bitwise."""
     out = tmp_path / "m"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     command = [sys.executable, str(ROOT / "benchmarks" / "fsdp_bench.py"), "matrix", "--output_dir", str(out),
                "--nproc", "2", "--nodes", "2", "--port", "29743", "--steps", "6", "--steady_from", "3", "--max_length", "64",
-               "--config_limit_s", "60", "tiny/full@1GiB", "oom-check:tiny"]
+               "--config_limit_s", "60", "--profile", "tiny/full@1GiB", "oom-check:tiny"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     status = {p.parent.name: json.loads(p.read_text())["status"] for p in out.glob("*/status.json")}
     assert status == {"tiny-x2-full-1GiB": "ok", "oom-check-tiny-x2": "ok"}, status
     full = [json.loads((out / "tiny-x2-full-1GiB" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(f["budget_bytes"] == 2**30 and f["world_size"] == 2 and f["max_rss_bytes"] > 0 for f in full)
-    assert all(f["block_treatments"] == {"recompute": 6 * f["n_blocks"]} for f in full), full[0]["block_treatments"]
+    # six timed steps and the profiled one (gloo's collectives are synchronous: their host time is counted)
+    assert all(f["block_treatments"] == {"recompute": 7 * f["n_blocks"]} for f in full), full[0]["block_treatments"]
+    assert all(f["collective_ms"] > 0 and f["steps"] == 6 for f in full), [f["collective_ms"] for f in full]
+    row = next(line for line in (out / "summary.md").read_text().splitlines() if line.startswith("| tiny-x2-full-1GiB |"))
+    assert row.split(" | ")[-2] == " / ".join(f"{f['collective_ms']:.1f}" for f in full)
     checks = [json.loads((out / "oom-check-tiny-x2" / f"oom_check.rank{r}.json").read_text()) for r in (0, 1)]
     assert all(c["forward"]["weights_equal"] and c["world_size"] == 2 for c in checks)
     assert [c["forward"]["oom_retries"] for c in checks] == [0, 1]

@@ -26,7 +26,8 @@ torchrun agents of one rank each, a c10d rendezvous on localhost, each agent on 
 rank, 6 steps, then HF checkpointing at that cap for 2 (issue 61).
 
 ``x2-repeats`` and ``x4-repeats`` (2 and 4 GPUs, within 560 s each): the comparison of ``dynamic``
-with ``full`` and HF checkpointing at 0.5 (3B full fine-tuning, 8B LoRA), 2 interleaved repeats.
+with ``full`` and HF checkpointing at 0.5 (3B full fine-tuning, 8B LoRA), 2 interleaved repeats, each
+configuration's time in collectives measured on one more step (``--profile``).
 
 ``x4`` ends with the 4-over-2 table (``x4/scaling.md``) when the x2 job's raw folder is on the
 same machine; else, from the two published folders:
@@ -178,5 +179,6 @@ def _repeated_cells(ctx: Context) -> list[Call]:
     """Issue 41's comparison with 2 interleaved repeats, 14 steps each, one call per GPU count, each
     within 560 s (results: nvidia-h100-x2/fsdp and nvidia-h100-x4/fsdp, with the 4-over-2 table from
     ``fsdp_bench.py summarize X4 X2 --summary``)."""
-    return [_matrix(ctx, f"x{n}-repeats", n, port, list(REPEATED), JOB_S.get(f"x{n}-repeats", 560), False, 14, repeats=2)
+    return [_matrix(ctx, f"x{n}-repeats", n, port, list(REPEATED), JOB_S.get(f"x{n}-repeats", 560), False, 14, repeats=2,
+                    extra=("--profile",))
             for n, port in ((2, 29715), (4, 29714))]
