@@ -25,6 +25,8 @@ torchrun agents of one rank each, a c10d rendezvous on localhost, each agent on 
 ``x2-long`` (GPUs 0,1; within 560 s): Llama-3.1-8B with LoRA on one sequence of 65,536 tokens per rank in 24 GiB per
 rank, 6 steps, then HF checkpointing at that cap for 2 (issue 61).
 
+``x2-reach`` (2 GPUs, within 560 s): the smallest per-rank cap, memfit's against each peer's need (``REACH``).
+
 ``x2-repeats`` and ``x4-repeats`` (2 and 4 GPUs, within 560 s each): the comparison of ``dynamic``
 with ``full`` and HF checkpointing at 0.5 (3B full fine-tuning, 8B LoRA), 2 interleaved repeats, each
 configuration's time in collectives measured on one more step (``--profile``).
@@ -166,7 +168,7 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
                      ctx.folder("fsdp/x4") / "scaling.md")
     out.append(Call(x4_call.name, [*x4_call.commands, scaling], folder=x4_call.folder, timeout_s=x4_call.timeout_s,
                     env=x4_call.env))
-    return out if ctx.quick else out + _repeated_cells(ctx)
+    return out if ctx.quick else out + _repeated_cells(ctx) + [_reach(ctx)]
 
 
 #: the cells run with 2 interleaved repeats (``x2-repeats``, ``x4-repeats``): dynamic against full and HF
@@ -182,3 +184,18 @@ def _repeated_cells(ctx: Context) -> list[Call]:
     return [_matrix(ctx, f"x{n}-repeats", n, port, list(REPEATED), JOB_S.get(f"x{n}-repeats", 560), False, 14, repeats=2,
                     extra=("--profile",))
             for n, port in ((2, 29715), (4, 29714))]
+
+
+#: issue 61's smallest per-rank cap: each peer's need read at a cap that does not bind (its peak: HF checkpointing and
+#: Accelerate's recompute every block, so nothing smaller fits them), HF checkpointing again at 0.7 of its need on
+#: the 3B shape (2 H200s: 26.73 GiB, s30-5), and memfit at that and below (3B: 16.80 GiB of static need per rank)
+REACH = ("llama-3b/hf-ckpt@40GiB:8", "llama-3b/accelerate-ac@40GiB:8", "llama-8b+lora/hf-ckpt@40GiB:8",
+         "llama-8b+lora/accelerate-ac@40GiB:8", "llama-3b/dynamic@18.5GiB", "llama-3b/dynamic@17.5GiB",
+         "llama-8b+lora/dynamic@18GiB", "llama-8b+lora/dynamic@14GiB", "llama-8b+lora/dynamic@11GiB",
+         "llama-3b/hf-ckpt@18.5GiB:4")
+
+
+def _reach(ctx: Context) -> Call:
+    """``x2-reach`` (2 GPUs, within 560 s): :data:`REACH`, the SFT batches of the other cells, each rank's time in
+    collectives profiled."""
+    return _matrix(ctx, "x2-reach", 2, 29716, list(REACH), JOB_S.get("x2-reach", 560), False, 12, extra=("--profile",))
