@@ -347,3 +347,35 @@ def test_alike_counts_rows_are_every_assignment():
         for t in range(1, 4):
             expected = sorted(c for c in itertools.product(range(m + 1), repeat=t) if sum(c) <= m)
             assert sorted(tuple(int(x) for x in row) for row in _counts(m, t)) == expected
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_alike_stacks_too_large_to_score_plan_the_least_cost_over_every_count(seed, monkeypatch):
+    """12 alike blocks with 9 treatments (293,930 counts: more than are scored) are planned over the options no other
+    beats, by scoring their counts, not by the dynamic programme (a GPU run's 28 blocks and 9 treatments spent most of
+    its decisions there), exactly: the least cost of every count of blocks per treatment that covers the need
+    (enumerated here in full)."""
+    import numpy as np
+
+    from memfit.engine.plan import planner
+    from memfit.engine.plan.planner import _MAX_COMBINATIONS, _counts
+
+    def no_dp(*args):
+        raise AssertionError("the dynamic programme ran")
+
+    monkeypatch.setattr(planner, "_choose_by_dp", no_dp)
+
+    rng = random.Random(seed)
+    opts = [(f"t{j}", rng.randrange(1, 100) * 1_000_000, round(rng.uniform(0.5, 20.0), 3)) for j in range(9)]
+    opts[3] = (opts[3][0], opts[5][1], opts[5][2] + 1.0)  # beaten by t5: saves as much for more time
+    m = 12
+    grid = _counts(m, len(opts))
+    assert len(grid) > _MAX_COMBINATIONS
+    saved, cost = grid @ np.array([o[1] for o in opts], float), grid @ np.array([o[2] for o in opts], float)
+    most = m * max(o[1] for o in opts)
+    for frac in (0.05, 0.3, 0.6, 0.95, 1.0):
+        need = int(most * frac)
+        plan = plan_treatments([opts] * m, need)
+        least = cost[saved >= need].min()
+        assert plan.saved_bytes >= need and plan.cost_ms == pytest.approx(least, rel=1e-9), (frac, plan, least)
+        assert "t3" not in plan.kinds

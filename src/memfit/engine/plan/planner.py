@@ -381,8 +381,10 @@ def plan_treatments(
     ``Treatment.order``: recomputed blocks first, nothing held below them, NOTE [Earliest
     blocks first]; offloaded ones last, furthest from the backward's start, so the prefetch
     has time); ties go to fewer treated
-    blocks (a stack too large to score every count is chosen by the dynamic programme, then
-    placed alike). Otherwise the dynamic programme of NOTE [A bounded planner]: savings never
+    blocks. A stack too large to score every count (28 blocks and 9 treatments: 124 million
+    counts) first drops the options another beats (saves as much for no more time), which no
+    cheapest plan needs; the rest are scored where they can be (4 of them: 36 thousand counts),
+    else chosen by the dynamic programme, then placed alike. Otherwise the dynamic programme of NOTE [A bounded planner]: savings never
     below ``need``, bounded in time and memory whatever the need.
 
     Args:
@@ -427,6 +429,9 @@ class _Knapsack:
         if self.alike is not None:
             if self._scored is None:
                 self._scored = _scored(self.alike, len(options)) or ()
+                if not self._scored:  # too many counts to score: the options no other beats (NOTE [Choosing treatments])
+                    self.alike = _frontier(self.alike)
+                    self._scored = _scored(self.alike, len(options)) or ()
             chosen = _alike(self.alike, len(options), need_bytes, self.order, self.resolution, self._scored or None)
         else:
             chosen = _choose_by_dp(options, need_bytes, self.resolution)
@@ -466,6 +471,21 @@ def _scored(opts: tuple[tuple[str, int, float], ...], m: int) -> tuple[np.ndarra
         return None
     grid = _counts(m, len(opts))
     return grid, grid @ np.array([o[1] for o in opts], dtype=np.float64), grid @ np.array([o[2] for o in opts], dtype=np.float64)
+
+
+def _frontier(opts: tuple[tuple[str, int, float], ...]) -> tuple[tuple[str, int, float], ...]:
+    """``opts`` less those that save nothing and those another option beats: saves at least as much for at most the
+    cost (of two equal options, the first stays). No cheapest plan needs one of them (NOTE [Choosing treatments]).
+
+    Example:
+        >>> _frontier((("a", 10, 5.0), ("b", 12, 5.0), ("c", 4, 1.0), ("d", 4, 2.0), ("e", 0, 0.0), ("f", 12, 5.0)))
+        (('b', 12, 5.0), ('c', 4, 1.0))
+    """
+    def beaten(j: int, o: tuple[str, int, float]) -> bool:
+        return any(k != j and p[1] >= o[1] and p[2] <= o[2] and (p[1] > o[1] or p[2] < o[2] or k < j)
+                   for k, p in enumerate(opts))
+
+    return tuple(o for j, o in enumerate(opts) if o[1] > 0 and not beaten(j, o))
 
 
 def _alike(opts: tuple[tuple[str, int, float], ...], m: int, need: int, order: Mapping[str, int], resolution: int,
