@@ -399,9 +399,9 @@ def _train(args, config: Config, device, rank: int, budget_bytes: int | None, ou
         if _agree(time.monotonic() - started > args.config_limit_s, device) and step + 1 < config.steps:
             stopped = f"time limit {args.config_limit_s:g} s after {step + 1} of {config.steps} steps"
             break
+    records = list(ctl.records)  # the timed steps' (not the profiled one's)
     collective_ms = _profiled_step(ctl, model, accelerator, optimizer, lengths[min(args.steady_from, len(lengths) - 1)],
                                    rank, vocab, device) if getattr(args, "profile", False) and config.method != "oom-check" else None
-    records = ctl.records
     # the run's one host pool (NOTE [Host budget]): its pinned bytes at the end
     host_pool = max((getattr(getattr(t, "pool", None), "total", 0) for t in ctl.treatments.values()), default=0)
     ctl.remove()
@@ -763,7 +763,8 @@ def _from_name(name: str) -> dict:
         return {}
     value = float(m["share"]) if m["share"] else None
     return {"model": m["model"], "lora": bool(m["lora"]), "world_size": int(m["world"]), "method": m["method"],
-            "share": None if m["gib"] else value, **({"budget_bytes": int(value * GIB)} if m["gib"] else {}), **({"batch_size": int(m["batch"])} if m["batch"] else {})}
+            "share": None if m["gib"] else value, **({"budget_bytes": int(value * GIB)} if m["gib"] else {}),
+            **({"batch_size": int(m["batch"])} if m["batch"] else {})}
 
 
 def _over_repeats(rows: list[dict]) -> list[dict]:
