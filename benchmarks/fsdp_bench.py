@@ -605,6 +605,8 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def matrix(args) -> int:
     """Run the configurations in as few torchrun launches as failures allow (NOTE [One launch, many configurations])."""
+    if args.nodes < 1 or args.nproc % args.nodes:
+        raise SystemExit(f"fsdp_bench: --nodes {args.nodes} must divide --nproc {args.nproc} (each node rank gets as many ranks)")
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     once = [parse_config(text, args.nproc, args.steps) for text in args.configs]
@@ -704,6 +706,8 @@ def summarize(folders: list[str], summary: str | None = None) -> list[dict]:
                 row.update({
                     "steps": first["steps"], "steady_from": first["steady_from"],
                     "step_ms": max(r["median_steady_step_ms"] for r in ran),  # the slowest rank
+                    # each steady step's slowest rank, for ratios per step against configurations of the same batches
+                    "steady_ms": [max(r["step_ms"][i] for r in ran) for i in range(first["steady_from"], min(len(r["step_ms"]) for r in ran))],
                     "total_s": max(sum(r["step_ms"]) for r in ran) / 1e3, "n_blocks": first["n_blocks"],
                     "device": first["device"], "torch": first["torch"], "transformers": first["transformers"],
                     # armed_steps and alloc_retries: absent from a rank file written before they were recorded
@@ -777,12 +781,13 @@ def _over_repeats(rows: list[dict]) -> list[dict]:
         groups.setdefault(_REPEAT.sub("", row["name"]), []).append(row)
     out = []
     for name, group in groups.items():
+        by_repeat = {m[1] if (m := _REPEAT.search(g["name"])) else "0": g["steady_ms"] for g in group if "steady_ms" in g}
         if len(group) == 1:
-            out.append({**group[0], "name": name})
+            out.append({**group[0], "name": name, "steady_ms_repeats": by_repeat})
             continue
         ran = [g for g in group if "per_rank" in g]
         first = dict(ran[0] if ran else group[0])
-        first["name"], first["repeats"] = name, len(group)
+        first["name"], first["repeats"], first["steady_ms_repeats"] = name, len(group), by_repeat
         failed = [g["status"] for g in group if g["status"] != "ok"]
         if failed:
             first["status"] = f"{failed[0]} ({len(group) - len(failed)} of {len(group)} repeats ran)"
@@ -805,6 +810,13 @@ def _over_repeats(rows: list[dict]) -> list[dict]:
             }
         out.append(first)
     return out
+
+
+def _per_step_ratios(a: dict, b: dict) -> list[float]:
+    """``a``'s steady steps over ``b``'s, step by step within each repeat both ran (the same batches: NOTE [One launch,
+    many configurations])."""
+    ra, rb = a.get("steady_ms_repeats") or {}, b.get("steady_ms_repeats") or {}
+    return [x / y for k in sorted(set(ra) & set(rb)) for x, y in zip(ra[k], rb[k]) if y > 0]
 
 
 def _none_of(rows: list[dict], r: dict) -> dict | None:
@@ -857,6 +869,20 @@ def _table(rows: list[dict]) -> str:
     if versus:
         lines += ["", "| dynamic config | dynamic step ms | fastest peer that fits | its step ms | dynamic vs it |",
                   "| --- | ---: | --- | ---: | ---: |", *versus]
+    per_step = []
+    for r in rows:  # dynamic over each configuration of the same batches that fits: none, and the others at its cap
+        if r.get("method") != "dynamic" or not r.get("budget_bytes") or not _fits(r):
+            continue
+        for x in rows:
+            if (x is not r and _fits(x) and x.get("budget_bytes") in (r["budget_bytes"], None) and x.get("model") == r["model"]
+                    and x.get("lora") == r["lora"] and x.get("world_size") == r["world_size"]
+                    and x.get("batch_size") == r.get("batch_size")):
+                ratios = _per_step_ratios(r, x)
+                if ratios:
+                    per_step.append(f"| {r['name']} | {x['name']} | {statistics.median(ratios):.3f}× | {len(ratios)} |")
+    if per_step:
+        lines += ["", "| dynamic config | against | dynamic over it, per step (median of ratios) | steps |",
+                  "| --- | --- | ---: | ---: |", *per_step]
     scaling = []
     for r in rows:
         if "step_ms" in r and r["world_size"] == 4:

@@ -105,7 +105,12 @@ def test_repeats_fold_into_one_row_per_configuration_by_the_median(tmp_path):
     assert dynamic["vs_none"] == 641.0 / 501.0  # medians of the interleaved repeats, side by side
     assert dynamic["max_peak_allocated_bytes"] == int(19.6 * 2**30)
     assert rows["llama-3b-x2-full-0.5"]["status"] == "failed (1 of 2 repeats ran)"
-    assert "| llama-3b-x2-dynamic-0.5 | 2 | dynamic | 20.00 | 10.00 | 641.0 (median of 3) |" in (root / "summary.md").read_text()
+    summary = (root / "summary.md").read_text()
+    assert "| llama-3b-x2-dynamic-0.5 | 2 | dynamic | 20.00 | 10.00 | 641.0 (median of 3) |" in summary
+    # per step, within each repeat (the same batches): 8 steady steps each of 640/500, 600/520 and 700/480; not against
+    # full, which failed a repeat
+    assert "| llama-3b-x2-dynamic-0.5 | llama-3b-x2-none | 1.280× | 24 |" in summary
+    assert "| llama-3b-x2-dynamic-0.5 | llama-3b-x2-full-0.5 |" not in summary
     assert _repeat_plan(tmp_path, 2) == {"tiny-x2-none", "tiny-x2-dynamic-0.7", "tiny-x2-none-r1", "tiny-x2-dynamic-0.7-r1"}
 
 

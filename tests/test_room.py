@@ -7,7 +7,6 @@ import pytest
 from memfit.engine.plan import learner
 from memfit.engine.plan.learner import StepOutcome
 from memfit.engine.plan.planner import Plan
-import memfit.engine.plan.planning
 from memfit.engine.plan.planning import BucketBias, ModelUpdate, Planning
 from memfit.engine.plan.room import (
     ALLOCATOR_SLACK_BYTES, CLEAN_STEPS_KEPT, MAX_RETRY_SLACK_SHARE, RETRY_SLACK_SHARE, SHRINK_AFTER_CLEAN_STEPS, Room,
@@ -378,3 +377,19 @@ def test_retries_in_a_row_grow_the_slack_though_no_bucket_repeats(monkeypatch):
     assert not any(planning.apply(ModelUpdate(alloc_retries=True, steady_key=(8, next(lengths)), net_ms=300.0))
                    for _ in range(RETRY_STREAK - 1))
     assert planning.slack_bytes == 1000 + 2 * step
+
+
+def test_step_times_keep_a_bounded_number_of_buckets():
+    """A run that meets a new shape bucket every step keeps at most BUCKETS_KEPT buckets' clean steps and waiting
+    retries, the latest ones (NOTE [The slack is priced]): host memory bounded whatever the run's length."""
+    from memfit.engine.plan.room import BUCKETS_KEPT
+
+    times = StepTimes()
+    times.add_clean((8, -1), 90.0)
+    for n in range(3 * BUCKETS_KEPT):
+        if n % 16 == 0:
+            times.add_clean((8, -1), 90.0)  # a bucket seen again and again stays
+        times.add_clean((8, n), 100.0)
+        times.wait((4, n), 120.0)
+    assert len(times.clean_ms) == len(times.waiting_ms) == BUCKETS_KEPT
+    assert (8, 3 * BUCKETS_KEPT - 1) in times.clean_ms and (8, 0) not in times.clean_ms and (8, -1) in times.clean_ms

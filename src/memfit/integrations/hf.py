@@ -579,7 +579,7 @@ class MemfitTrainerMixin:
         words = parameters_words(sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params),
                                  adapted, sum(hasattr(m, "lora_A") for m in self.model.modules()))
         compiled = (getattr(self.args, "memfit_compile_flag", None) or "") if ctl.blocks[0].compiled else None
-        return start_line(ctl.method.name, ctl.planning.budget, ctl.accounting, kinds, words, compiled) + ctl.head.start_words()
+        return start_line(ctl.method.name, ctl.budget, ctl.accounting, kinds, words, compiled) + ctl.head.start_words()
 
     def write_summary(self) -> dict[str, Any] | None:
         """Write ``memfit_summary.json``, and for methods with a memory model ``memfit_plans.json``

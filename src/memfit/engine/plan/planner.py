@@ -418,7 +418,9 @@ class _Knapsack:
         first = tuple(options[0]) if options else ()
         self.alike = first if all(tuple(opts) == first for opts in options) else None
         self.by_name = [{o[0]: o for o in reversed(opts)} for opts in options]  # a name's first option, as next() read it
-        self._scored: tuple | None = None  # the alike stack's counts scored, once (() where too many to score)
+        #: the alike stack's options it is chosen over and their counts scored (() where too many to score), found once
+        self._scored: tuple | None = None
+        self._scored_opts = self.alike
 
     def plan(self, need_bytes: int) -> Plan:
         options = self.options
@@ -430,9 +432,9 @@ class _Knapsack:
             if self._scored is None:
                 self._scored = _scored(self.alike, len(options)) or ()
                 if not self._scored:  # too many counts to score: the options no other beats (NOTE [Choosing treatments])
-                    self.alike = _frontier(self.alike)
-                    self._scored = _scored(self.alike, len(options)) or ()
-            chosen = _alike(self.alike, len(options), need_bytes, self.order, self.resolution, self._scored or None)
+                    self._scored_opts = _frontier(self.alike)
+                    self._scored = _scored(self._scored_opts, len(options)) or ()
+            chosen = _alike(self._scored_opts, len(options), need_bytes, self.order, self.resolution, self._scored or None)
         else:
             chosen = _choose_by_dp(options, need_bytes, self.resolution)
         blocks = tuple(sorted(chosen))

@@ -325,7 +325,7 @@ class Planning:
         """A step starts with ``static_bytes`` no plan changes (its plans are cached per static bucket)."""
         self.static_bytes = static_bytes
 
-    def note_block_input(self, x: "torch.Tensor | None", blocks: Sequence[Any] = ()) -> None:
+    def note_block_input(self, x: Any, blocks: Sequence[Any] = ()) -> None:
         """The first block's input of the step being decided: its bytes a token, and what a plain forward of the widest
         gated MLP of ``blocks`` holds at once a token (NOTE [Warm-up on the floor])."""
         if self._widest is None:

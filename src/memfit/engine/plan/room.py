@@ -80,7 +80,7 @@ from memfit.engine.budget import Budget
 __all__ = [
     "Room", "StepTimes", "DEFAULT_MARGIN_SHARE", "ALLOCATOR_SLACK_BYTES", "RETRY_SLACK_SHARE", "MAX_RETRY_SLACK_SHARE",
     "OOM_MARGIN_PARTS", "MISS_MARGIN_FACTOR", "SLACK_FACTOR", "SHRINK_AFTER_CLEAN_STEPS", "CLEAN_STEPS_KEPT", "RETRY_RATE_STEPS",
-    "RETRY_STREAK", "FATAL_OOM_SLACK_PARTS", "LEAST_MARGIN_SHARE", "MARGIN_CLEAN_STEPS", "MARGIN_MISS_STEPS",
+    "RETRY_STREAK", "BUCKETS_KEPT", "FATAL_OOM_SLACK_PARTS", "LEAST_MARGIN_SHARE", "MARGIN_CLEAN_STEPS", "MARGIN_MISS_STEPS",
 ]
 
 #: the margin's share of the budget before any step erred, per accounting (the meter's kind)
@@ -104,6 +104,9 @@ SHRINK_AFTER_CLEAN_STEPS = 32
 CLEAN_STEPS_KEPT = 8
 #: the latest steady steps over which a retry's and a growth's prices are taken per step
 RETRY_RATE_STEPS = 64
+#: shape buckets whose clean steps and waiting retry :class:`StepTimes` keeps, the latest seen (a run of uneven lengths
+#: meets a new bucket most steps: bounded whatever the run's length)
+BUCKETS_KEPT = 1024
 #: steady steps in a row that retried, in any buckets, after which the slack grows without a price (NOTE [The slack
 #: is priced])
 RETRY_STREAK = 3
@@ -133,7 +136,10 @@ class StepTimes:
     streak: int = 0
 
     def add_clean(self, bucket: tuple[int, int], net_ms: float) -> None:
-        self.clean_ms.setdefault(bucket, deque(maxlen=CLEAN_STEPS_KEPT)).append(float(net_ms))
+        kept = self.clean_ms.pop(bucket, None) or deque(maxlen=CLEAN_STEPS_KEPT)  # re-inserted: the latest seen last
+        kept.append(float(net_ms))
+        self.clean_ms[bucket] = kept
+        _keep_latest(self.clean_ms)
 
     def retry_ms(self, bucket: tuple[int, int], net_ms: float) -> float | None:
         """What a step's retries cost: its net time over the bucket's median clean one (None before one)."""
@@ -157,12 +163,19 @@ class StepTimes:
         if self.waiting_ms.pop(bucket, None) is not None:
             return True
         self.waiting_ms[bucket] = float(net_ms)
+        _keep_latest(self.waiting_ms)
         return False
 
     def waited_retry_ms(self, bucket: tuple[int, int]) -> float | None:
         """The retry kept for ``bucket``, priced against its clean steps now (None: none kept)."""
         net_ms = self.waiting_ms.pop(bucket, None)
         return None if net_ms is None else self.retry_ms(bucket, net_ms)
+
+
+def _keep_latest(by_bucket: dict) -> None:
+    """At most ``BUCKETS_KEPT`` buckets, the latest seen kept."""
+    while len(by_bucket) > BUCKETS_KEPT:
+        del by_bucket[next(iter(by_bucket))]
 
 
 @dataclass

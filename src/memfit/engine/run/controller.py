@@ -309,7 +309,7 @@ class Controller:
         """Count ``optimizer``'s state from now on (for an optimizer made after ``fit``). Raises:
         BudgetTooSmallError: when weights + gradients + its state exceed the budget."""
         if check:
-            check_static_need_of(self.model, self.planning.budget, _state_bytes(optimizer), transient_bytes=_fit_step(optimizer))
+            check_static_need_of(self.model, self.budget, _state_bytes(optimizer), transient_bytes=_fit_step(optimizer))
         for h in self._optimizer_handles:
             h.remove()
         self.optimizer = self.meter.optimizer = optimizer
@@ -493,7 +493,7 @@ class Controller:
             ...     ctl.run_step(lambda: model(**batch).loss.backward())
             ...     opt.step(); opt.zero_grad(set_to_none=True)
         """
-        return self.replay.run(fn, args, kwargs, raise_what=f"{self.planning.budget.name if self.planning.budget else 'budget='} or margin=")
+        return self.replay.run(fn, args, kwargs, raise_what=f"{self.budget.name if self.budget else 'budget='} or margin=")
 
     def plans(self) -> dict[tuple[int, int], Plan]:
         """Plans decided so far, per shape bucket."""
@@ -515,7 +515,7 @@ class Controller:
     def remove(self) -> None:
         """Close the last record, unhook and unwrap: the model is exactly as before ``fit``."""
         if self._undo and self.records and self.announce:
-            _say(end_summary(self.records, self.planning.budget, self.optimizer_steps), self.rank)
+            _say(end_summary(self.records, self.budget, self.optimizer_steps), self.rank)
         self._unhook()
 
     def _unhook(self) -> None:
