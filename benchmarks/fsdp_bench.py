@@ -420,10 +420,24 @@ def _train(args, config: Config, device, rank: int, budget_bytes: int | None, ou
         "block_treatments": dict(sum((collections.Counter({k: len(v) for k, v in r.block_treatments.items()}) for r in records),
                                      collections.Counter())),
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "host_pool_bytes": host_pool,
-        "collective_ms": collective_ms,
+        "collective_ms": collective_ms, "stream_pools": _stream_pools(device),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
     }, model
+
+
+def _stream_pools(device) -> dict[str, list[int]] | None:
+    """At the run's end, per stream of this rank's device, the caching allocator's reserved and allocated bytes (the
+    current stream's is "current"): what other streams' pools hold (NOTE [Other streams' pools], room.py)."""
+    if device.type != "cuda":
+        return None
+    current, pools = torch.cuda.current_stream(device).cuda_stream, {}
+    for segment in torch.cuda.memory_snapshot():
+        if segment.get("device", device.index) == device.index:
+            name = "current" if segment["stream"] == current else str(segment["stream"])
+            total, allocated = pools.get(name, (0, 0))
+            pools[name] = [total + int(segment["total_size"]), allocated + int(segment["allocated_size"])]
+    return pools
 
 
 def _profiled_step(ctl, model, accelerator, optimizer, lengths: list[int], rank: int, vocab: int, device) -> float:
@@ -714,7 +728,8 @@ def summarize(folders: list[str], summary: str | None = None) -> list[dict]:
                     "per_rank": {str(r["rank"]): {k: r.get(k) for k in ("max_peak_allocated_bytes", "oom_retries",
                                                                        "mean_treated_blocks", "median_steady_step_ms",
                                                                        "armed_steps", "alloc_retries", "block_treatments",
-                                                                       "max_rss_bytes", "host_pool_bytes", "collective_ms")}
+                                                                       "max_rss_bytes", "host_pool_bytes", "collective_ms",
+                                                                       "stream_pools")}
                                  for r in ran},
                 })
             rows.append(row)
@@ -832,26 +847,27 @@ def _fits(r: dict) -> bool:
 
 def _table(rows: list[dict]) -> str:
     lines = ["| config | ranks | method | cap per rank (GiB) | static need (GiB) | step ms (slowest rank) | vs none "
-             "| peak per rank (GiB) | under cap | OOM replays per rank | blocks treated per rank | collectives ms per rank "
-             "(profiled step) | status |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | --- | --- | --- |"]
+             "| peak per rank (GiB) | under cap | OOM replays per rank | allocator retries per rank | blocks treated per rank "
+             "| collectives ms per rank (profiled step) | status |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         cap = f"{r['budget_bytes'] / GIB:.2f}" if r.get("budget_bytes") else "uncapped" if "budget_bytes" in r else ""
         need = f"{r['static_need_bytes'] / GIB:.2f}" if r.get("static_need_bytes") else ""
         if "per_rank" not in r:
-            lines.append(f"| {r['name']} | {r.get('world_size', '')} | {r.get('method', '')} | {cap} | {need} | | | | | | | | "
+            lines.append(f"| {r['name']} | {r.get('world_size', '')} | {r.get('method', '')} | {cap} | {need} | | | | | | | | | "
                          f"{r['status']} |")
             continue
         ranks = [r["per_rank"][k] for k in sorted(r["per_rank"], key=int)]
         peaks = " / ".join(f"{p['max_peak_allocated_bytes'] / GIB:.2f}" for p in ranks)
         ooms = " / ".join(str(p["oom_retries"]) for p in ranks)
+        retries = " / ".join(str(p.get("alloc_retries", "")) for p in ranks)
         treated = " / ".join(f"{p['mean_treated_blocks']:.1f}" for p in ranks)
         vs = f"{r['vs_none']:.2f}×" if "vs_none" in r else ""
         step = f"{r['step_ms']:.1f}" + (f" (median of {len(r['step_ms_repeats'])})" if r.get("step_ms_repeats") else "")
         waits = " / ".join(f"{p['collective_ms']:.1f}" for p in ranks) if all(p.get("collective_ms") is not None for p in ranks) \
             else ""
         lines.append(f"| {r['name']} | {r['world_size']} | {r['method']} | {cap} | {need} | {step} | {vs} | {peaks} "
-                     f"| {'yes' if r['under_cap'] else 'NO'} | {ooms} | {treated} of {r['n_blocks']} | {waits} | {r['status']} |")
+                     f"| {'yes' if r['under_cap'] else 'NO'} | {ooms} | {retries} | {treated} of {r['n_blocks']} | {waits} | {r['status']} |")
     versus = []
     for r in rows:
         if r.get("method") != "dynamic" or not r.get("share"):

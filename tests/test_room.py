@@ -393,3 +393,29 @@ def test_step_times_keep_a_bounded_number_of_buckets():
         times.wait((4, n), 120.0)
     assert len(times.clean_ms) == len(times.waiting_ms) == BUCKETS_KEPT
     assert (8, 3 * BUCKETS_KEPT - 1) in times.clean_ms and (8, 0) not in times.clean_ms and (8, -1) in times.clean_ms
+
+
+def test_other_streams_pools_are_kept_free_apart_from_the_slack():
+    """NOTE [Other streams' pools]: the most the pools were read to hold free is kept free, apart from the slack (its
+    retry ceiling untouched); Planning drops its plans when it grows; an OOM's unusable bytes grow the slack only by
+    what the pools do not explain."""
+    budget = 1_000_000
+    room = Room(budget, margin_bytes=1000, slack_bytes=2000)
+    assert not room.learn_pools(None) and not room.learn_pools(0)
+    assert room.learn_pools(50_000) and room.free_bytes == budget - 1000 - 2000 - 50_000
+    assert not room.learn_pools(30_000) and room.pool_bytes == 50_000  # the most read
+    assert room.allocator_bytes == 52_000
+    assert room.after_oom(40_000) and room.slack_bytes == 2000 and room.margin_bytes > 1000  # the pools explain it
+    assert room.after_oom(90_000) and room.slack_bytes == int(1.25 * 40_000)  # the rest is the slack's
+    for _ in range(8):  # retries grow the slack up to its ceiling, the pools beside it
+        room.after_alloc_retries(None)
+    assert room.slack_bytes == int(MAX_RETRY_SLACK_SHARE * budget) and room.pool_bytes == 50_000
+
+    planning = Planning(4, [0, 0, 0, 0], budget, 0, 8, room=Room(budget))
+    planning.cache.put(((8, 64), 0), Plan((0,)))
+    assert not planning.apply(ModelUpdate(pool_bytes=None)) and list(planning.cache.items())
+    assert planning.apply(ModelUpdate(pool_bytes=10_000)) and not list(planning.cache.items())
+    assert planning.room_bytes == budget - 10_000
+    outcome = StepOutcome(key=(8, 64), plan=Plan(()), warmup=True, outside=0, by_block=[0] * 4, static=0, peak=0,
+                          plain_peak=0, transient=None, pool_bytes=20_000)
+    assert learner.grow_slack(planning, outcome).pool_bytes == 20_000  # a warm-up step's reading is learnt too

@@ -4,6 +4,7 @@ import contextlib
 import json
 import logging
 import random
+import types
 
 import pytest
 import torch
@@ -259,6 +260,9 @@ class _FakeAllocator:
         self.peak = 1000
         self.reserved = None  # what the allocator holds beyond the peak, when the test says
         self.retries = 0  # allocations served only after releasing the cache (num_alloc_retries)
+        #: the allocator's snapshot of segments: (stream, total, allocated) on device 0; the current stream is 0
+        self.segments: list[tuple[int, int, int]] = []
+        self.snapshots = 0
 
     def use(self, nbytes):
         self.peak = max(self.peak, self.allocated + nbytes)
@@ -276,6 +280,13 @@ class _FakeAllocator:
         monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
         # the meter's one-read path (NOTE [Cheap allocator reads]) where torch has it
         monkeypatch.setattr(torch._C, "_cuda_memoryStats", self.stats, raising=False)
+        monkeypatch.setattr(torch.cuda, "memory_snapshot", self.snapshot)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
+
+    def snapshot(self):
+        self.snapshots += 1
+        return [{"device": 0, "stream": stream, "total_size": total, "allocated_size": allocated}
+                for stream, total, allocated in self.segments]
 
     def stats(self, device=None):
         reserved = max(self.peak, self.reserved or 0)
@@ -1170,3 +1181,31 @@ def test_a_partial_plan_the_partial_transient_does_not_predict_yet_counts():
     method._steady, method._counted_range = True, (0, 10**6)
     counted = {key: method.decide(Planning(), key).count for key in plans}
     assert counted == {(4, 20): False, (4, 50): True, (4, 60): False, (4, 70): False, (4, 80): True}
+
+
+def test_other_streams_pools_are_read_at_the_first_step_and_after_a_retry_and_kept_free(monkeypatch):
+    """NOTE [Other streams' pools] (room.py): the CUDA meter reads what other streams' pools hold free at the run's
+    first step and after a step the allocator retried, not at the others; the record says it, and the room keeps
+    the most read free (the current stream's free bytes and other streams' allocated bytes not counted)."""
+    import memfit.engine.plan.room
+
+    monkeypatch.setattr(memfit.engine.plan.room.StepTimes, "retry_ms", lambda self, bucket, net_ms: 0.0)
+    model, make_batch, inner, budget, ctl, fake = _half_budget_on_fake_allocator(monkeypatch)
+    fake.segments = [(0, 10**6, 10), (7, 5000, 1000), (9, 3000, 3000)]  # the current stream's, two others'
+    room = ctl.planning.room
+    free_before = room.free_bytes
+    for seed in range(4):
+        torch.manual_seed(seed)
+        model(**make_batch(4, 32)).loss.backward()
+        if seed == 2:  # this step retried, and a third stream's pool grew
+            fake.segments.append((11, 6000, 0))
+            fake.retries += 1
+        elif seed == 3:
+            fake.segments = [(7, 5000, 1000)]  # a pool that shrank: the most read is kept
+        inner.step()
+        model.zero_grad(set_to_none=True)
+    records = ctl.records
+    ctl.remove()
+    assert [r.stream_pool_bytes for r in records] == [4000, None, 10_000, None]
+    assert fake.snapshots == 2
+    assert room.pool_bytes == 10_000 and room.free_bytes == free_before - 10_000

@@ -145,6 +145,9 @@ class StepRecord:
     #: allocations of this step the CUDA caching allocator served only after releasing its
     #: cache (a device sync each; priced against the slack that would avoid them: NOTE [The slack is priced] in room.py)
     alloc_retries: int = 0
+    #: the bytes the CUDA caching allocator held free in other streams' pools at the step's end, where read (the
+    #: run's first step and a step that retried: NOTE [Other streams' pools] in room.py); None where not read
+    stream_pool_bytes: int | None = None
     #: the treated blocks of the plan, by treatment name (``{"recompute": [0, 1]}``); every
     #: other block was kept (engine/parts/treatments/); and the LM head's label under ``"head"`` when the
     #: plan placed it (NOTE [The head in a record])
@@ -155,7 +158,7 @@ class StepRecord:
     head_implementation: str | None = None
     #: the attempts of this step that ran out of memory and were replayed, oldest first:
     #: ``stage`` (forward / backward / optimizer), ``plan``, ``phase``, ``shape``,
-    #: ``predicted_peak_bytes``, ``margin_bytes``, ``slack_bytes``, ``evicted_blocks``,
+    #: ``predicted_peak_bytes``, ``margin_bytes``, ``slack_bytes``, ``pool_bytes``, ``evicted_blocks``,
     #: ``error`` (the allocator's message), and on CUDA ``allocated_bytes``,
     #: ``peak_allocated_bytes``, ``reserved_bytes``, ``unusable_reserved_bytes`` and
     #: ``backward_peak_bytes`` when the OOM was noted

@@ -86,6 +86,8 @@ class Peaks:
         exact: logical accounting (counted tensors): the peak holds no transient.
         alloc_retries: allocations the caching allocator served only after releasing its
             cache during the step (CUDA).
+        pool_bytes: what other streams' pools held free at the step's end, when read (CUDA: NOTE [Other streams'
+            pools], room.py).
     """
 
     peak: int
@@ -95,6 +97,7 @@ class Peaks:
     optimizer: int | None = None
     exact: bool = False
     alloc_retries: int = 0
+    pool_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,7 @@ class StepOutcome:
         counted: the step counted its saved tensors (``outside`` and ``by_block`` are then
             known; otherwise they are 0 and only the peaks teach).
         alloc_retries: allocations the caching allocator served only after releasing its cache.
+        pool_bytes: what other streams' pools held free at the step's end, when read.
         net_ms: the step's time less its treatments' predicted time, or None when not timed
             (what prices a retry: NOTE [The slack is priced], room.py).
     """
@@ -138,6 +142,7 @@ class StepOutcome:
     evicted: tuple[int, ...] = field(default_factory=tuple)
     counted: bool = True
     alloc_retries: int = 0
+    pool_bytes: int | None = None
     net_ms: float | None = None
 
 
@@ -210,7 +215,7 @@ def step_outcome(
         key=key, plan=plan, warmup=warmup, outside=outside, by_block=list(by_block), static=static, peak=peak,
         plain_peak=plain_peak, transient=transient, start_transient=start_transient,
         optimizer_above_static=optimizer_above, evicted=tuple(evicted), counted=counted,
-        alloc_retries=peaks.alloc_retries, net_ms=net_ms,
+        alloc_retries=peaks.alloc_retries, pool_bytes=peaks.pool_bytes, net_ms=net_ms,
     )
 
 
@@ -357,10 +362,12 @@ def grow_margin(planning: Planning, outcome: StepOutcome, predicted: int | None)
 
 def grow_slack(planning: Planning, outcome: StepOutcome) -> ModelUpdate:
     """A steady step, with or without allocations the caching allocator served only after
-    releasing its cache: what the room's slack rules read (NOTE [The slack is priced], room.py)."""
+    releasing its cache: what the room's slack rules read (NOTE [The slack is priced], room.py); and
+    any step's reading of other streams' pools (NOTE [Other streams' pools], room.py)."""
     if outcome.warmup:
-        return ModelUpdate()
-    return ModelUpdate(alloc_retries=outcome.alloc_retries > 0, steady_key=outcome.key, net_ms=outcome.net_ms)
+        return ModelUpdate(pool_bytes=outcome.pool_bytes)
+    return ModelUpdate(alloc_retries=outcome.alloc_retries > 0, steady_key=outcome.key, net_ms=outcome.net_ms,
+                       pool_bytes=outcome.pool_bytes)
 
 
 def note_bias(planning: Planning, outcome: StepOutcome, predicted: int | None) -> ModelUpdate:

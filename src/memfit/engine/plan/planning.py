@@ -197,6 +197,7 @@ class ModelUpdate:
         alloc_retries: the allocator released its cache to serve the steady step ``steady_key``
             (the room's slack rules: NOTE [The slack is priced], room.py).
         steady_key: a steady step's shape key, for the slack rules (None: no steady step).
+        pool_bytes: what other streams' pools held free at a step's end, when read (NOTE [Other streams' pools]).
         net_ms: that step's time less its treatments' predicted time (None: not timed).
         error: a steady step's shape key, plan, and predicted minus observed peak (NOTE [Bias per bucket]).
         run_error: a steady step's shape key and predicted minus observed peak, a chunked head's
@@ -211,6 +212,7 @@ class ModelUpdate:
     miss_bytes: int | None = None
     alloc_retries: bool = False
     steady_key: tuple[int, int] | None = None
+    pool_bytes: int | None = None
     net_ms: float | None = None
     error: tuple[tuple[int, int], Plan, float] | None = None
     run_error: tuple[tuple[int, int], float] | None = None
@@ -389,7 +391,7 @@ class Planning:
 
     @property
     def room_bytes(self) -> int:
-        """What a plan's predicted peak must fit: the budget less the margin and the slack (NOTE [Room], room.py)."""
+        """What a plan's predicted peak must fit: the budget less the margin, slack and pools (NOTE [Room], room.py)."""
         return self.room.free_bytes
 
     def recompute_ms(self, key: tuple[int, int], plan: Plan) -> float:
@@ -470,8 +472,8 @@ class Planning:
             if above > model.optimizer_bytes:
                 model.optimizer_bytes = float(above)
                 changed |= self.budget_bytes is None or self.max_static_bytes + above > self.room_bytes
-        if update.miss_bytes is not None:
-            changed |= self.room.after_miss(update.miss_bytes)
+        changed |= self.room.after_miss(update.miss_bytes)
+        changed |= self.room.learn_pools(update.pool_bytes)
         if update.steady_key is not None:
             changed |= self.room.after_steady(update.steady_key, bucket_key(update.steady_key, self.bucket_tokens),
                                               update.alloc_retries, update.net_ms, self.search.growth_ms_per_step)

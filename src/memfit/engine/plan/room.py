@@ -14,6 +14,19 @@ slack starts at ``min(ALLOCATOR_SLACK_BYTES, budget / 16)`` and an OOM raises it
 more. ``reactive`` has no plans but the same slack: each block entry keeps it free. Logical
 accounting has no allocator: its slack is 0.
 
+# NOTE [Other streams' pools]
+The caching allocator keeps a pool per stream: a block freed on one stream serves only that stream
+until a release (an OOM, or an allocator retry: NOTE [The slack is priced]) returns it. A run whose
+work allocates on streams beside the step's (FSDP2's all-gather copy-in and reduce-scatter streams,
+offload's copies) keeps those pools mapped the whole step, so the step's own stream can use the cap
+less them. On 2 H200s under FSDP2 the gap between reserved and allocated bytes stayed 3.5-5 GiB of
+29 (every steady step released the cache twice while the slack grew a step at a time toward its
+ceiling: docs/devlog.md). So the CUDA meter reads, from the allocator's snapshot, the bytes those
+pools hold free at a step's end (at the run's first step and after any step that retried: a read
+walks every block) and the room keeps the most it read free (``pool_bytes``), apart from the slack
+and its ceiling. It over-counts what those pools hold in use at the step's peak (a block's gathered
+weights), which the prediction counts too: a few hundred MB kept free for no retry.
+
 # NOTE [Room where an OOM is fatal]
 The slack is learnt from an OOM, which a run must survive to learn from. Under FSDP with several
 ranks an OOM outside the blocks' forwards and the planned LM head (a backward, or a head memfit
@@ -187,11 +200,13 @@ class Room:
             for none.
         margin_bytes: kept free for prediction error.
         slack_bytes: kept free for what the allocator reserves but cannot hand out.
+        pool_bytes: kept free for what other streams' pools hold (NOTE [Other streams' pools]).
     """
 
     budget: "Budget | int | None"
     margin_bytes: int = 0
     slack_bytes: int = 0
+    pool_bytes: int = 0
     #: the floor a shrink stops at: the slack the run started with, or what an OOM measured
     #: (None: the slack given)
     start_slack_bytes: int | None = None
@@ -250,8 +265,21 @@ class Room:
 
     @property
     def free_bytes(self) -> int:
-        """What a plan's predicted peak must fit: the budget less the margin and the slack."""
-        return self.budget_bytes - self.margin_bytes - self.slack_bytes
+        """What a plan's predicted peak must fit: the budget less the margin, the slack and other streams' pools."""
+        return self.budget_bytes - self.margin_bytes - self.slack_bytes - self.pool_bytes
+
+    @property
+    def allocator_bytes(self) -> int:
+        """What the allocator holds beyond the counted bytes: the slack and other streams' pools."""
+        return self.slack_bytes + self.pool_bytes
+
+    def learn_pools(self, free_bytes: int | None) -> bool:
+        """Other streams' pools held ``free_bytes`` free at a step's end (None: not read): keep the most read free
+        (NOTE [Other streams' pools]); returns whether the room changed."""
+        if free_bytes is None or self.budget_bytes is None or free_bytes <= self.pool_bytes:
+            return False
+        self.pool_bytes = int(free_bytes)
+        return True
 
     def after_steady(self, key: tuple[int, int], bucket: tuple[int, int], alloc_retries: int, net_ms: float | None,
                      growth_ms: Callable[[], float]) -> bool:
@@ -287,10 +315,12 @@ class Room:
         self.margin_bytes += max(0, int(extra_bytes))
         return True
 
-    def after_miss(self, miss_bytes: int) -> bool:
-        """A steady step peaked ``miss_bytes`` above its prediction (negative: below it): the margin
-        grows to ``MISS_MARGIN_FACTOR`` × the miss, if that is more; else it may shrink (NOTE [The
-        margin follows the misses])."""
+    def after_miss(self, miss_bytes: int | None) -> bool:
+        """A steady step peaked ``miss_bytes`` above its prediction (negative: below it; None: no steady step): the
+        margin grows to ``MISS_MARGIN_FACTOR`` × the miss, if that is more; else it may shrink (NOTE [The margin
+        follows the misses])."""
+        if miss_bytes is None:
+            return False
         self.misses.append(max(0, int(miss_bytes)))
         if miss_bytes > 0 and MISS_MARGIN_FACTOR * miss_bytes > self.margin_bytes:
             self.steps_without_growth = 0
@@ -352,11 +382,12 @@ class Room:
 
     def after_oom(self, unusable_bytes: int) -> bool:
         """A step ran out of memory with ``unusable_bytes`` reserved but not allocated: the
-        slack grows to explain it, else the margin by the budget over ``OOM_MARGIN_PARTS``."""
+        slack grows to explain what other streams' pools do not, else the margin by the budget over
+        ``OOM_MARGIN_PARTS``."""
         if self.budget_bytes is None:
             return False
         self.steps_without_growth = 0
-        if self.learn_slack(unusable_bytes):
+        if self.learn_slack(max(0, unusable_bytes - self.pool_bytes)):
             return True
         self.raise_margin(max(self.budget_bytes // OOM_MARGIN_PARTS, 1))
         self.least_margin_bytes = max(self.least_margin_bytes, self.margin_bytes)  # NOTE [The margin follows the misses]

@@ -138,6 +138,17 @@ def _allocator(device: torch.device, stats: dict[str, Any] | None = None) -> tup
     return allocated["current"], allocated["peak"], reserved["current"], reserved["peak"]
 
 
+def _other_pools_free(device: torch.device) -> int:
+    """The bytes the caching allocator holds free in the pools of streams other than the current one on ``device``
+    (NOTE [Other streams' pools], room.py)."""
+    current, index = torch.cuda.current_stream(device).cuda_stream, device.index or 0
+    free = 0
+    for segment in torch.cuda.memory_snapshot():
+        if segment.get("device", index) == index and segment.get("stream", current) != current:
+            free += int(segment["total_size"]) - int(segment["allocated_size"])
+    return free
+
+
 class CudaMeter(Meter):
     """The CUDA caching allocator's counters (NOTE [No sync in steady state])."""
 
@@ -151,6 +162,8 @@ class CudaMeter(Meter):
         self._grad_bytes = [(p, local(p).numel() * p.element_size()) for p in grad_params]
         #: the allocator's retry count when the last step was read (NOTE [Room], room.py)
         self._retries: int | None = None
+        #: other streams' pools were read at a step's end (NOTE [Other streams' pools], room.py)
+        self._pools_read = False
 
     def apply_cap(self, budget_bytes: int) -> None:
         apply_cuda_cap(budget_bytes, self.device)
@@ -237,8 +250,11 @@ class CudaMeter(Meter):
         retries_now = int((stats if stats is not None else torch.cuda.memory_stats(self.device)).get("num_alloc_retries", 0))
         retries = 0 if self._retries is None else retries_now - self._retries
         self._retries = retries_now
+        pools = None
+        if retries or not self._pools_read:  # the run's first step, and a step that retried: a read walks every block
+            pools, self._pools_read = _other_pools_free(self.device), True
         return Peaks(peak=peak, reserved=reserved, rest=rest, start=step.start_peak, optimizer=optimizer,
-                     alloc_retries=retries)
+                     alloc_retries=retries, pool_bytes=pools)
 
     def oom_readings(self, step: StepState | None) -> dict[str, int | None]:
         # the larger of the backward's start, read apart at its first recompute, and what came since

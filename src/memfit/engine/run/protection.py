@@ -233,8 +233,8 @@ class _Evicting(Protection):
         self.store.start_step()
 
     def reserve_bytes(self) -> int:
-        """What making room keeps free: a share of the margin, and the allocator's slack (NOTE [Room], room.py)."""
-        return self.planning.margin_bytes + self.planning.slack_bytes
+        """What making room keeps free: the margin, and the allocator's slack and other pools (NOTE [Room], room.py)."""
+        return self.planning.margin_bytes + self.planning.room.allocator_bytes
 
     def _held_bytes(self) -> int:
         """Logical bytes in use beyond static: the counter's and the stores', each storage once."""
@@ -343,8 +343,8 @@ class Backstop(_Evicting):
         self._held: dict[tuple[int, int], tuple[int, Any, int]] = {}
 
     def reserve_bytes(self) -> int:
-        """A third of the margin (the plan keeps all of it free) and the allocator's slack."""
-        return self.planning.margin_bytes // 3 + self.planning.slack_bytes
+        """A third of the margin (the plan keeps all of it free) and the allocator's slack and other pools."""
+        return self.planning.margin_bytes // 3 + self.planning.room.allocator_bytes
 
     def arm(self, step: _Step, blocks: Sequence["Block"], key: tuple[int, int], plan: Plan, warmup: bool) -> None:
         if warmup or (step.replayable and not self.always) or not self._armed(key, plan):

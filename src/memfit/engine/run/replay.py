@@ -145,6 +145,7 @@ class OomLog:
             ),
             "margin_bytes": planning.margin_bytes,
             "slack_bytes": planning.slack_bytes,
+            "pool_bytes": planning.room.pool_bytes,
             "evicted_blocks": protection.evicted_so_far() if decision is not None else [],
             "error": str(error).splitlines()[0][:300] if error else None,
         }
@@ -195,7 +196,7 @@ def after_oom(
     if budget is not None:
         planning.after_oom(attempt.get("unusable_reserved_bytes") or 0)
     logger.warning("memfit: %s; replaying it with %s kept free", describe_attempt(attempt, n_blocks),
-                   (budget.size if budget is not None else format_bytes)(planning.margin_bytes + planning.slack_bytes))
+                   (budget.size if budget is not None else format_bytes)(planning.margin_bytes + planning.room.allocator_bytes))
 
 
 def cudnn_attention_failed(err: BaseException) -> bool:
