@@ -429,6 +429,8 @@ def _train(args, config: Config, device, rank: int, budget_bytes: int | None, ou
 def _stream_pools(device) -> dict[str, list[int]] | None:
     """At the run's end, per stream of this rank's device, the caching allocator's reserved and allocated bytes (the
     current stream's is "current"): what other streams' pools hold (NOTE [Other streams' pools], room.py)."""
+    import torch
+
     if device.type != "cuda":
         return None
     current, pools = torch.cuda.current_stream(device).cuda_stream, {}
