@@ -349,6 +349,7 @@ def _train(args, config: Config, device, rank: int, budget_bytes: int | None, ou
     ctl = memfit.fit(model, None if peer else budget_bytes, "none" if peer else method, optimizer=optimizer,
                      log=str(out / f"memfit_steps.rank{rank}.jsonl"), cap=False, announce=False,
                      treatments=args.treatments.split(",") if getattr(args, "treatments", None) and not peer else None)
+    decisions = _profile_decisions(ctl, args.steady_from) if getattr(args, "profile_decisions", False) else None
     batch_size = config.batch_size or args.batch_size
     lengths = _sft_lengths(config.steps, batch_size, seed=1000 + rank, cap=args.max_length) if not args.min_length \
         else _uniform_lengths(config.steps, batch_size, 1000 + rank, args.min_length, args.max_length)
@@ -421,9 +422,56 @@ def _train(args, config: Config, device, rank: int, budget_bytes: int | None, ou
                                      collections.Counter())),
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "host_pool_bytes": host_pool,
         "collective_ms": collective_ms, "stream_pools": _stream_pools(device),
+        **({"decisions": decisions.report()} if decisions is not None else {}),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
     }, model
+
+
+class _profile_decisions:
+    """cProfile around the controller's decisions from the ``steady_from``-th on, and the garbage collector's passes
+    (a diagnosis of decision times that the CPU does not show: NOTE in docs/devlog.md, session 31)."""
+
+    def __init__(self, ctl, steady_from: int):
+        import cProfile
+        import gc
+
+        self.profile, self.calls, self.ms, self.gc = cProfile.Profile(), 0, [], {}
+        decide, self._start = ctl._decide, None
+
+        def timed(step, *rest):
+            self.calls += 1
+            if self.calls <= steady_from:
+                return decide(step, *rest)
+            t0 = time.perf_counter()
+            self.profile.enable()
+            try:
+                return decide(step, *rest)
+            finally:
+                self.profile.disable()
+                self.ms.append(round((time.perf_counter() - t0) * 1e3, 2))
+
+        def collected(phase, info):
+            if phase == "start":
+                self._start = time.perf_counter()
+            elif self._start is not None:
+                passes, ms = self.gc.get(info["generation"], (0, 0.0))
+                self.gc[info["generation"]] = (passes + 1, ms + (time.perf_counter() - self._start) * 1e3)
+
+        ctl._decide = timed
+        gc.callbacks.append(collected)
+        self._callback = collected
+
+    def report(self) -> dict:
+        import gc
+        import io
+        import pstats
+
+        gc.callbacks.remove(self._callback)
+        text = io.StringIO()
+        pstats.Stats(self.profile, stream=text).sort_stats("cumulative").print_stats(30)
+        return {"decision_ms": self.ms, "gc": {str(g): [n, round(ms, 1)] for g, (n, ms) in self.gc.items()},
+                "top": text.getvalue().splitlines()[:80]}
 
 
 def _stream_pools(device) -> dict[str, list[int]] | None:
@@ -628,7 +676,7 @@ def matrix(args) -> int:
     once = [parse_config(text, args.nproc, args.steps) for text in args.configs]
     configs = [c if r == 0 else replace(c, name=f"{c.name}-r{r}") for r in range(max(1, args.repeats)) for c in once]
     settings = {k: getattr(args, k, 0) for k in ("steady_from", "batch_size", "max_length", "min_length", "collective_timeout_s",
-                                              "config_limit_s", "treatments", "profile")}
+                                              "config_limit_s", "treatments", "profile", "profile_decisions")}
     started = time.monotonic()
     deadline = min(time.time() + args.deadline_s, args.end_unix_s or float("inf"))  # rule 4
     settings["last_start_unix_s"] = deadline - args.config_limit_s
@@ -941,6 +989,9 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--collective_timeout_s", type=float, default=120)
     m.add_argument("--profile", action="store_true", help="after each configuration's steps, one more under torch.profiler: "
                    "each rank's time in collectives (collective_ms)")
+    m.add_argument("--profile_decisions", action="store_true", help="profile memfit's decisions of the steady steps and "
+                   "count the garbage collector's passes (decisions: their top functions; gc: per generation, passes and ms); "
+                   "a diagnosis: its step times are not comparable")
     m.add_argument("--treatments", default=None, help="memfit's treatments, comma-separated (default: memfit's own)")
     m.add_argument("--repeats", type=int, default=1, help="run the list this many times in turn (interleaved repeats)")
     w = sub.add_parser("worker", help="(under torchrun, started by matrix)")

@@ -49,6 +49,13 @@ def test_a_run_that_cannot_survive_an_oom_starts_with_the_slack_it_may_need():
     assert fatal.start_slack_bytes == fatal.slack_bytes  # shrinking never goes below it
     assert Room.for_run(2**20, "cuda", oom_fatal=True).slack_bytes == 2**20 // 16  # tiny budgets: the usual start
     assert Room.for_run(big, "logical", oom_fatal=True).slack_bytes == 0
+    # other streams' pools, once read, come off that start (they were in it), down to the usual start
+    start = fatal.slack_bytes
+    assert fatal.learn_pools(2**28) and (fatal.slack_bytes, fatal.start_slack_bytes) == (start - 2**28, start - 2**28)
+    assert fatal.learn_pools(4 * 2**30) and fatal.slack_bytes == fatal.start_slack_bytes == ALLOCATOR_SLACK_BYTES
+    assert fatal.pool_bytes == 4 * 2**30
+    usual = Room.for_run(big, "cuda")
+    assert usual.learn_pools(2**30) and usual.slack_bytes == ALLOCATOR_SLACK_BYTES  # a replayable run's slack stays
 
 
 def test_each_rule_says_whether_the_room_shrank():

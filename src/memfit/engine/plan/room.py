@@ -33,7 +33,9 @@ ranks an OOM outside the blocks' forwards and the planned LM head (a backward, o
 does not plan) stops every rank (NOTE [Replay under FSDP], replay.py), so such a run starts with the slack the allocator may need, not the
 least it usually needs: ``budget / FATAL_OOM_SLACK_PARTS``. Sharded LoRA runs have stopped at
 such an OOM with 1.7-2.2% of their budgets reserved but not allocated, above the 256 MiB that a
-replayable run starts with (docs/devlog.md, FSDP on 2 and 4 GPUs).
+replayable run starts with (docs/devlog.md, FSDP on 2 and 4 GPUs). Most of that was other streams'
+pools (FSDP2's: NOTE [Other streams' pools]), which the room keeps apart once read, so the pools read
+come off this start, down to the slack a replayable run starts with.
 
 # NOTE [The slack is priced]
 A steady step during which the allocator served an allocation only after releasing its cache
@@ -278,7 +280,10 @@ class Room:
         (NOTE [Other streams' pools]); returns whether the room changed."""
         if free_bytes is None or self.budget_bytes is None or free_bytes <= self.pool_bytes:
             return False
-        self.pool_bytes = int(free_bytes)
+        grown, self.pool_bytes = int(free_bytes) - self.pool_bytes, int(free_bytes)
+        if self.oom_fatal:  # the slack such a run starts with held these pools (NOTE [Room where an OOM is fatal])
+            cut = max(0, min(grown, self.start_slack_bytes - min(ALLOCATOR_SLACK_BYTES, self.budget_bytes // 16)))
+            self.start_slack_bytes, self.slack_bytes = self.start_slack_bytes - cut, self.slack_bytes - cut
         return True
 
     def after_steady(self, key: tuple[int, int], bucket: tuple[int, int], alloc_retries: int, net_ms: float | None,
