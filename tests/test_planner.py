@@ -7,7 +7,7 @@ import pytest
 
 from _head_common import plan_with_head
 from memfit.engine.plan.planner import (
-    InfeasiblePlanError, Plan, PlanCache, _is_homogeneous, plan_blocks, plan_treatments,
+    InfeasiblePlanError, Plan, PlanCache, _is_homogeneous, plan_blocks, plan_treatments, plan_with_parts,
 )
 
 CASES = [
@@ -379,3 +379,66 @@ def test_alike_stacks_too_large_to_score_plan_the_least_cost_over_every_count(se
         least = cost[saved >= need].min()
         assert plan.saved_bytes >= need and plan.cost_ms == pytest.approx(least, rel=1e-9), (frac, plan, least)
         assert "t3" not in plan.kinds
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_relaxations_bound_is_never_above_the_exact_optimum(seed):
+    """NOTE [Parts beside the blocks]: ``_Knapsack.lower_bound`` (each block's options on their lower convex hull,
+    shares of two options allowed) is at most the least cost of every assignment that covers the need, and grows
+    with the need; inf past what every block treated saves."""
+    import numpy as np
+
+    from memfit.engine.plan.planner import _Knapsack
+
+    rng = random.Random(seed)
+    for _ in range(30):
+        options = _random_stack(rng, rng.randint(2, 6), 10**9)
+        combos = list(itertools.product(*[[None, *opts] for opts in options]))
+        saved = np.array([sum(o[1] for o in c if o) for c in combos], dtype=np.int64)
+        cost = np.array([sum(o[2] for o in c if o) for c in combos])
+        knapsack, most = _Knapsack(options, 1024, None), _most(options)
+        bounds = [knapsack.lower_bound(max(1, int(most * frac))) for frac in (0.01, 0.2, 0.5, 0.8, 0.99, 1.0)]
+        assert bounds == sorted(bounds)
+        for frac, bound in zip((0.01, 0.2, 0.5, 0.8, 0.99, 1.0), bounds):
+            assert bound <= cost[saved >= max(1, int(most * frac))].min() + 1e-9
+        assert knapsack.lower_bound(0) == 0.0 and knapsack.lower_bound(most + 1) == float("inf")
+    one = _Knapsack([[("recompute", 100, 10.0), ("selective", 60, 2.0)]] * 2, 1024, None)
+    # each block: selective (60 bytes, 2 ms), then recompute's 40 more bytes at 8 ms more: cheapest per byte first
+    assert [one.lower_bound(n) for n in (60, 120, 160)] == [2.0, 4.0, pytest.approx(12.0)]
+    assert one.lower_bound(30) == pytest.approx(1.0) and one.lower_bound(200) == pytest.approx(20.0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_parts_combinations_the_bound_rules_out_are_not_planned_and_the_plan_is_the_same(seed, monkeypatch):
+    """NOTE [Parts beside the blocks]: combinations of the parts' options are planned cheapest bound first, and those
+    whose bound is above the best plan found are not planned: the plan is the one every combination planned gives
+    (ties to the earlier combination), for fewer plans of the blocks."""
+    from memfit.engine.plan import planner
+
+    rng = random.Random(seed)
+    planned = {"n": 0, "on": False}
+    real = planner._Knapsack.plan
+
+    def counted(self, need):
+        planned["n"] += planned["on"]
+        return real(self, need)
+
+    monkeypatch.setattr(planner._Knapsack, "plan", counted)
+    searches = 0
+    for _ in range(40):
+        options = _random_stack(rng, rng.randint(4, 24), 10**8)
+        most = _most(options)
+        head = [("keep", 0, 0, 0.0)] + [("chunked", c, rng.randint(0, most // 8), rng.uniform(0.0, 20.0)) for c in (2, 4, 8, 16)]
+        head.append(("chunked", 32, head[2][2], head[2][3]))  # a tie: the earlier combination wins
+        parts = [("head", head), ("optimizer", [("keep", 0, 0, 0.0), ("per_tensor", 0, rng.randint(0, most // 16), 3.0)])]
+        for frac in (0.2, 0.6, 0.9, 0.99):
+            need = int(most * frac)
+            with monkeypatch.context() as every:
+                every.setattr(planner._Knapsack, "lower_bound", lambda self, need: 0.0)  # every combination planned
+                whole = plan_with_parts(options, parts, need)
+            planned["on"] = True
+            plan = plan_with_parts(options, parts, need)
+            planned["on"] = False
+            searches += 1
+            assert (plan.blocks, plan.kinds, plan.parts, plan.cost_ms) == (whole.blocks, whole.kinds, whole.parts, whole.cost_ms)
+    assert planned["n"] < 0.5 * 12 * searches, planned  # of the 12 combinations, under half planned

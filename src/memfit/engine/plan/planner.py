@@ -304,7 +304,14 @@ def plan_with_parts(
     memfit.engine.parts.kind) offers options ``(treatment, param, bytes saved, ms)``, the first
     untreated. Each combination of one option per part is tried with the blocks' cheapest plan
     for what is still needed, and the cheapest sum wins; ties go to the earlier combination
-    (every part's earlier options first). The combinations are bounded by
+    (every part's earlier options first). They are tried cheapest *bound* first: the
+    combination's ms plus the least the blocks can cost for what is still needed when a block may
+    take a share of two options (``_Knapsack.lower_bound``: each block's options on their lower
+    convex hull, the hulls' steps cheapest per byte first), which no plan of the blocks costs
+    less than; once a bound is above the best sum found, no later combination can win and none
+    is planned. The plan is the one trying all would give, for a fifth to a third of the blocks'
+    plans (a 1B-8B stack's dynamic programme planned for each of a head's 7 options took 35-50 ms a
+    decision on an H200's host: docs/devlog.md). The combinations are bounded by
     :data:`MAX_PART_COMBINATIONS`: past it, options another option of the same part dominates
     (saves no more, costs no less) are dropped, then each part keeps its untreated option and
     those that save most, so a plan's time stays bounded whatever the parts offer. The head
@@ -336,22 +343,26 @@ def plan_with_parts(
     knapsack = _Knapsack(frozen, resolution, order)  # the same blocks for every combination: prepared once
     if not parts:
         return knapsack.plan(need_bytes)
-    best: Plan | None = None
-    for combo in itertools.product(*_bounded_options([opts for _, opts in parts])):
-        saved, ms = sum(int(o[2]) for o in combo), sum(float(o[3]) for o in combo)
+    best: tuple[float, int, Plan] | None = None  # (ms, the combination's place, plan): ties go to the earlier one
+    combos = [(sum(float(o[3]) for o in combo), sum(int(o[2]) for o in combo), at, combo)
+              for at, combo in enumerate(itertools.product(*_bounded_options([opts for _, opts in parts])))]
+    bounded = sorted(((ms + knapsack.lower_bound(need_bytes - saved), at), ms, saved, combo) for ms, saved, at, combo in combos)
+    for (bound, at), ms, saved, combo in bounded:
+        if best is not None and bound > best[0] + 1e-9 * max(1.0, abs(best[0])):
+            break  # this one and every later one cost more than the best found, whatever the blocks' plan
         try:
             blocks = knapsack.plan(need_bytes - saved)
         except InfeasiblePlanError:
             continue
         total = blocks.cost_ms + ms
-        if best is None or total < best.cost_ms:
+        if best is None or (total, at) < best[:2]:
             placed = tuple((kind, str(o[0]), int(o[1])) for (kind, _), o in zip(parts, combo))
-            best = Plan(blocks.blocks, total, blocks.saved_bytes + saved, kinds=blocks.kinds, parts=placed)
+            best = (total, at, Plan(blocks.blocks, total, blocks.saved_bytes + saved, kinds=blocks.kinds, parts=placed))
     if best is None:
         blocks_most = sum(max((o[1] for o in opts), default=0) for opts in frozen)
         parts_most = ", ".join(f"the {kind}'s treatments at most {max(int(o[2]) for o in opts)} bytes" for kind, opts in parts)
         raise InfeasiblePlanError(f"treating all {len(frozen)} blocks saves {blocks_most} bytes and {parts_most}, {need_bytes} are needed")
-    return best
+    return best[2]
 
 
 def _bounded_options(per_part: list[tuple[tuple, ...]]) -> list[tuple[tuple, ...]]:
@@ -421,6 +432,26 @@ class _Knapsack:
         #: the alike stack's options it is chosen over and their counts scored (() where too many to score), found once
         self._scored: tuple | None = None
         self._scored_opts = self.alike
+        #: the fractional relaxation's steps, cumulative (saved, ms) from (0, 0), found once (:meth:`lower_bound`)
+        self._steps: tuple[np.ndarray, np.ndarray] | None = None
+
+    def lower_bound(self, need_bytes: int) -> float:
+        """No plan of this stack saving ``need_bytes`` costs less (NOTE [Parts beside the blocks]): the relaxation that
+        lets a block take a share of two options, each block's options on their lower convex hull from keep, the
+        hulls' steps taken cheapest per byte first (inf where every block treated saves too little)."""
+        if need_bytes <= 0:
+            return 0.0
+        if need_bytes > self.best_each:
+            return math.inf
+        if self._steps is None:
+            steps = sorted(step for opts in self.options for step in _hull_steps(opts))
+            saved = np.cumsum([0.0] + [step[1] for step in steps])
+            self._steps = saved, np.cumsum([0.0] + [step[1] * step[0] for step in steps])
+        saved, ms = self._steps
+        i = min(int(np.searchsorted(saved, need_bytes)), len(saved) - 1)
+        if saved[i] <= saved[i - 1]:
+            return float(ms[i])
+        return float(ms[i - 1] + (need_bytes - saved[i - 1]) * (ms[i] - ms[i - 1]) / (saved[i] - saved[i - 1]))
 
     def plan(self, need_bytes: int) -> Plan:
         options = self.options
@@ -443,6 +474,21 @@ class _Knapsack:
             blocks, float(sum(costs[i][2] for i in blocks)), int(sum(costs[i][1] for i in blocks)),
             kinds=tuple(chosen[i] for i in blocks),
         )
+
+
+def _hull_steps(opts: Sequence[tuple[str, int, float]]) -> list[tuple[float, float]]:
+    """One block's options as steps ``(ms per byte, bytes)`` along their lower convex hull from keep ``(0, 0)`` to the
+    most-saving option, each step dearer per byte than the one before."""
+    hull = [(0.0, 0.0)]
+    for saved, ms in sorted({(float(o[1]), float(o[2])) for o in opts if o[1] > 0}):
+        if ms >= hull[-1][1] and saved == hull[-1][0]:
+            continue
+        while len(hull) >= 2 and (hull[-1][1] - hull[-2][1]) * (saved - hull[-2][0]) >= (ms - hull[-2][1]) * (hull[-1][0] - hull[-2][0]):
+            hull.pop()
+        if saved == hull[-1][0]:
+            hull.pop()
+        hull.append((saved, ms))
+    return [((b[1] - a[1]) / (b[0] - a[0]), b[0] - a[0]) for a, b in zip(hull, hull[1:])]
 
 
 @functools.lru_cache(maxsize=16)
