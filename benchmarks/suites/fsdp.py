@@ -28,7 +28,7 @@ rank, 6 steps, then HF checkpointing at that cap for 2 (issue 61).
 ``x2-reach`` (2 GPUs, within 560 s): the smallest per-rank cap, memfit's against each peer's need (``REACH``).
 
 ``x2-repeats`` and ``x4-repeats`` (2 and 4 GPUs, within 560 s each): the comparison of ``dynamic``
-with ``full`` and HF checkpointing at 0.5 (3B full fine-tuning, 8B LoRA), 2 interleaved repeats, each
+with ``full``, HF checkpointing and Accelerate's activation checkpointing at 0.5 (3B full fine-tuning, 8B LoRA), 2 interleaved repeats, each
 configuration's time in collectives measured on one more step (``--profile``).
 
 ``x4`` ends with the 4-over-2 table (``x4/scaling.md``) when the x2 job's raw folder is on the
@@ -171,10 +171,10 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
     return out if ctx.quick else out + _repeated_cells(ctx) + [_reach(ctx)]
 
 
-#: the cells run with 2 interleaved repeats (``x2-repeats``, ``x4-repeats``): dynamic against full and HF
-#: checkpointing at 0.5, full fine-tuning of the 3B shape and LoRA of the 8B one
-REPEATED = ("llama-3b/none", "llama-3b/dynamic@0.5", "llama-3b/full@0.5", "llama-3b/hf-ckpt@0.5", "llama-8b+lora/none",
-            "llama-8b+lora/dynamic@0.5", "llama-8b+lora/hf-ckpt@0.5")
+#: the cells run with 2 interleaved repeats (``x2-repeats``, ``x4-repeats``): dynamic against full, HF checkpointing
+#: and Accelerate's activation checkpointing at 0.5, full fine-tuning of the 3B shape and LoRA of the 8B one
+REPEATED = ("llama-3b/none", "llama-3b/dynamic@0.5", "llama-3b/full@0.5", "llama-3b/hf-ckpt@0.5", "llama-3b/accelerate-ac@0.5",
+            "llama-8b+lora/none", "llama-8b+lora/dynamic@0.5", "llama-8b+lora/hf-ckpt@0.5", "llama-8b+lora/accelerate-ac@0.5")
 
 
 def _repeated_cells(ctx: Context) -> list[Call]:
