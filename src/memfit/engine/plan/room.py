@@ -19,12 +19,12 @@ The caching allocator keeps a pool per stream: a block freed on one stream serve
 until a release (an OOM, or an allocator retry: NOTE [The slack is priced]) returns it. A run whose
 work allocates on streams beside the step's (FSDP2's all-gather copy-in and reduce-scatter streams,
 offload's copies) keeps those pools mapped the whole step, so the step's own stream can use the cap
-less them. On 2 H200s under FSDP2 the gap between reserved and allocated bytes stayed 3.5-5 GiB of
-29 (every steady step released the cache twice while the slack grew a step at a time toward its
+less them. Under FSDP2 the gap between reserved and allocated bytes stayed 3.5-5 GiB of a 29 GiB
+cap (every steady step released the cache twice while the slack grew a step at a time toward its
 ceiling: docs/devlog.md). So the CUDA meter reads, from the allocator's snapshot, the bytes those
 pools hold free at a step's end (at the run's first step and after any step that retried: a read
-walks every block) and the room keeps the most it read free (``pool_bytes``), apart from the slack
-and its ceiling. It over-counts what those pools hold in use at the step's peak (a block's gathered
+walks every block, which costs less than the retry's sync and unmapping it follows) and the room
+keeps the most it read free (``pool_bytes``), apart from the slack and its ceiling. It over-counts what those pools hold in use at the step's peak (a block's gathered
 weights), which the prediction counts too: a few hundred MB kept free for no retry.
 
 # NOTE [Room where an OOM is fatal]
