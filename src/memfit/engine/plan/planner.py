@@ -310,7 +310,7 @@ def plan_with_parts(
     convex hull, the hulls' steps cheapest per byte first), which no plan of the blocks costs
     less than; once a bound is above the best sum found, no later combination can win and none
     is planned. The plan is the one trying all would give, for a fifth to a third of the blocks'
-    plans (a programme planned for each of a head's 7 options made a decision 3-4% of an 8B shape's
+    plans (a programme planned for each of a head's 7 options made a decision about 4% of an 8B shape's
     step: docs/devlog.md). The combinations are bounded by
     :data:`MAX_PART_COMBINATIONS`: past it, options another option of the same part dominates
     (saves no more, costs no less) are dropped, then each part keeps its untreated option and
