@@ -422,9 +422,6 @@ def _train(args, config: Config, device, rank: int, budget_bytes: int | None, ou
                                      collections.Counter())),
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "host_pool_bytes": host_pool,
         "collective_ms": collective_ms, "stream_pools": _stream_pools(device),
-        # each steady step's wait for the other ranks at its end (NOTE [The wait at a step's end], memfit/engine/ranks.py)
-        "rank_wait_ms": statistics.median(w) if (w := [r.rank_wait_ms for r in records[min(args.steady_from, len(records) - 1):]
-                                                        if r.rank_wait_ms is not None]) else None,
         **({"decisions": decisions.report()} if decisions is not None else {}),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
@@ -782,7 +779,7 @@ def summarize(folders: list[str], summary: str | None = None) -> list[dict]:
                                                                        "mean_treated_blocks", "median_steady_step_ms",
                                                                        "armed_steps", "alloc_retries", "block_treatments",
                                                                        "max_rss_bytes", "host_pool_bytes", "collective_ms",
-                                                                       "stream_pools", "rank_wait_ms")}
+                                                                       "stream_pools")}
                                  for r in ran},
                 })
             rows.append(row)
@@ -873,9 +870,6 @@ def _over_repeats(rows: list[dict]) -> list[dict]:
                     "collective_ms": statistics.median(c) if (c := [g["per_rank"][rank]["collective_ms"] for g in ran
                                                                    if g["per_rank"][rank].get("collective_ms") is not None])
                     else None,
-                    "rank_wait_ms": statistics.median(c) if (c := [g["per_rank"][rank]["rank_wait_ms"] for g in ran
-                                                                  if g["per_rank"][rank].get("rank_wait_ms") is not None])
-                    else None,
                 }
                 for rank in first["per_rank"] if all(rank in g["per_rank"] for g in ran)
             }
@@ -904,13 +898,13 @@ def _fits(r: dict) -> bool:
 def _table(rows: list[dict]) -> str:
     lines = ["| config | ranks | method | cap per rank (GiB) | static need (GiB) | step ms (slowest rank) | vs none "
              "| peak per rank (GiB) | under cap | OOM replays per rank | allocator retries per rank | blocks treated per rank "
-             "| collectives ms per rank (profiled step) | step-end wait ms per rank (median) | status |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| collectives ms per rank (profiled step) | status |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         cap = f"{r['budget_bytes'] / GIB:.2f}" if r.get("budget_bytes") else "uncapped" if "budget_bytes" in r else ""
         need = f"{r['static_need_bytes'] / GIB:.2f}" if r.get("static_need_bytes") else ""
         if "per_rank" not in r:
-            lines.append(f"| {r['name']} | {r.get('world_size', '')} | {r.get('method', '')} | {cap} | {need} | | | | | | | | | | "
+            lines.append(f"| {r['name']} | {r.get('world_size', '')} | {r.get('method', '')} | {cap} | {need} | | | | | | | | | "
                          f"{r['status']} |")
             continue
         ranks = [r["per_rank"][k] for k in sorted(r["per_rank"], key=int)]
@@ -922,11 +916,8 @@ def _table(rows: list[dict]) -> str:
         step = f"{r['step_ms']:.1f}" + (f" (median of {len(r['step_ms_repeats'])})" if r.get("step_ms_repeats") else "")
         waits = " / ".join(f"{p['collective_ms']:.1f}" for p in ranks) if all(p.get("collective_ms") is not None for p in ranks) \
             else ""
-        ends = " / ".join(f"{p['rank_wait_ms']:.1f}" for p in ranks) if all(p.get("rank_wait_ms") is not None for p in ranks) \
-            else ""
         lines.append(f"| {r['name']} | {r['world_size']} | {r['method']} | {cap} | {need} | {step} | {vs} | {peaks} "
-                     f"| {'yes' if r['under_cap'] else 'NO'} | {ooms} | {retries} | {treated} of {r['n_blocks']} | {waits} | {ends} "
-                     f"| {r['status']} |")
+                     f"| {'yes' if r['under_cap'] else 'NO'} | {ooms} | {retries} | {treated} of {r['n_blocks']} | {waits} | {r['status']} |")
     versus = []
     for r in rows:
         if r.get("method") != "dynamic" or not r.get("share"):

@@ -187,9 +187,7 @@ def test_node_ranks_run_the_matrix_and_replay_an_oom_together(tmp_path):
     assert all(f["block_treatments"] == {"recompute": 6 * f["n_blocks"]} and f["records"] == 6 for f in full), full[0]
     assert all(f["collective_ms"] > 0 and f["steps"] == 6 for f in full), [f["collective_ms"] for f in full]
     row = next(line for line in (out / "summary.md").read_text().splitlines() if line.startswith("| tiny-x2-full-1GiB |"))
-    assert row.split(" | ")[-3] == " / ".join(f"{f['collective_ms']:.1f}" for f in full)
-    # each rank's median wait for the other at its steady steps' ends (NOTE [The wait at a step's end])
-    assert all(f["rank_wait_ms"] >= 0 for f in full) and row.split(" | ")[-2] == " / ".join(f"{f['rank_wait_ms']:.1f}" for f in full)
+    assert row.split(" | ")[-2] == " / ".join(f"{f['collective_ms']:.1f}" for f in full)
     checks = [json.loads((out / "oom-check-tiny-x2" / f"oom_check.rank{r}.json").read_text()) for r in (0, 1)]
     assert all(c["forward"]["weights_equal"] and c["world_size"] == 2 for c in checks)
     assert [c["forward"]["oom_retries"] for c in checks] == [0, 1]

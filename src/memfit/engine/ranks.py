@@ -9,7 +9,6 @@ other way round.
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -44,27 +43,9 @@ def sharded_over_ranks(model: nn.Module) -> bool:
     return world_size() > 1 and is_fsdp(model)
 
 
-def any_rank(flag: bool) -> tuple[bool, float]:
-    """All-reduce of this rank's flag over the default group: whether it is true on any rank, and how long this rank
-    waited in it, in ms.
-
-    # NOTE [The wait at a step's end]
-    Ranks with different batches and plans reach the end of a micro-step at different times, and the
-    first to arrive waits in this all-reduce for the last: its time is what the slowest rank costs the
-    others at the step's end (the waits inside the step's all-gathers are not in it). On NCCL it is
-    timed on the device by two events around the collective on the current stream (from when this
-    rank's step work reached it until every rank had, with no sync beyond the one the agreement
-    makes), on gloo by the host's clock. The step's record keeps it (``rank_wait_ms``).
-    """
-    nccl = dist.get_backend() == "nccl"
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=torch.device("cuda", torch.cuda.current_device())
-                     if nccl else torch.device("cpu"))
-    if not nccl:
-        t0 = time.perf_counter()
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item()), (time.perf_counter() - t0) * 1e3
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+def any_rank(flag: bool) -> bool:
+    """All-reduce of this rank's flag over the default group: whether it is true on any rank."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    end.record()
-    return bool(t.item()), start.elapsed_time(end)  # .item() waited for both events
+    return bool(t.item())

@@ -164,9 +164,6 @@ class StepRecord:
     #: ``backward_peak_bytes`` when the OOM was noted
     oom_attempts: list[dict[str, Any]] = field(default_factory=list)
     rank: int = 0
-    #: under FSDP with several ranks, how long this rank waited for the others at the step's end, in ms (the
-    #: agreement's all-reduce after its micro-step: NOTE [The wait at a step's end] in engine/ranks.py); None elsewhere
-    rank_wait_ms: float | None = None
     #: with compiled blocks: time Dynamo spent compiling during this step, and the graphs it made
     #: (0 after warm-up when no new batch size or length recompiles: NOTE [Dynamic batch and
     #: length] in blocks.py)

@@ -444,7 +444,7 @@ class Controller:
         record = step.to_record(
             outcome, peaks.reserved, predicted, number=self._steps_recorded, method=self.method.name,
             n_blocks=len(self.blocks), budget_bytes=self.planning.budget_bytes, accounting=self.meter.kind, recompute_ms=treated_ms,
-            oom=self.replay.oom, rank=self.rank, now=now,
+            oom_retries=len(self.replay.oom.attempts), oom_attempts=self.replay.oom.attempts, rank=self.rank, now=now,
         )
         self.replay.oom.clear()
         self.parts.record(record, step.decision.plan)

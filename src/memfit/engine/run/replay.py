@@ -114,13 +114,10 @@ class OomLog:
     Attributes:
         attempts: what each was (:meth:`add`), oldest first.
         failed_plan: the last failed attempt's plan (None before a plan was made).
-        wait_ms: under FSDP with several ranks, how long this rank waited in the agreement after the step's attempts
-            (NOTE [The wait at a step's end], ranks.py); None where no agreement ran.
     """
 
     attempts: list[dict[str, Any]] = field(default_factory=list)
     failed_plan: Plan | None = None
-    wait_ms: float | None = None
 
     def add(
         self, step: StepState | None, meter: "Meter", planning: "Planning", protection: "Protection",
@@ -162,8 +159,8 @@ class OomLog:
         return attempt
 
     def clear(self) -> None:
-        """The step succeeded: its record has taken the attempts and the wait."""
-        self.attempts, self.failed_plan, self.wait_ms = [], None, None
+        """The step succeeded: its record has taken the attempts."""
+        self.attempts, self.failed_plan = [], None
 
 
 def after_oom(
@@ -468,9 +465,5 @@ class _InStep:
         return replayer._recompute.run(block, args, kwargs)
 
     def any_rank_failed(self) -> bool:
-        """All-reduce of this rank's flag: whether any rank ran out of memory in this attempt (the wait in it kept for
-        the step's record: NOTE [The wait at a step's end], ranks.py)."""
-        failed, waited_ms = any_rank(self.message is not None)
-        log = self.replayer.oom
-        log.wait_ms = (log.wait_ms or 0.0) + waited_ms
-        return failed
+        """All-reduce of this rank's flag: whether any rank ran out of memory in this attempt."""
+        return any_rank(self.message is not None)

@@ -104,10 +104,10 @@ class StepState:
 
     def to_record(
         self, outcome: "StepOutcome", reserved: int, predicted: int | None, *, number: int, method: str, n_blocks: int,
-        budget_bytes: int | None, accounting: str, recompute_ms: float, oom: Any, rank: int, now: float,
+        budget_bytes: int | None, accounting: str, recompute_ms: float, oom_retries: int,
+        oom_attempts: list[dict[str, Any]], rank: int, now: float,
     ) -> StepRecord:
-        """The finished step's record (``number``: its step number; ``oom``: replay.py's ``OomLog``, the step's failed
-        attempts and its wait for the other ranks; ``now``: when it was closed)."""
+        """The finished step's record (``number``: its step number; ``now``: when it was closed)."""
         plan = self.decision.plan
         backstop_input = sum(self.backstop_input)  # NOTE [Backstop], protection.py
         compile_s, graphs = (0.0, 0)
@@ -121,11 +121,11 @@ class StepState:
             plan=list(plan.blocks), n_checkpointed=len(plan.blocks), n_blocks=n_blocks,
             predicted_peak_bytes=predicted, peak_allocated_bytes=int(outcome.peak), peak_reserved_bytes=int(reserved),
             budget_bytes=budget_bytes, accounting=accounting, step_ms=(now - self.t0) * 1e3,
-            recompute_ms_est=recompute_ms, oom_retries=len(oom.attempts), rank_wait_ms=oom.wait_ms,
+            recompute_ms_est=recompute_ms, oom_retries=oom_retries,
             phase="warmup" if self.decision.warmup else "steady",
             saved_activation_bytes=int(self.saved_bytes + backstop_input), static_bytes=int(self.static_bytes),
             planner_us=self.planner_us, planned=self.planned, evicted_blocks=self.evicted, backstop_armed=self.armed,
-            backstop_input_bytes=backstop_input, oom_attempts=oom.attempts, rank=rank,
+            backstop_input_bytes=backstop_input, oom_attempts=oom_attempts, rank=rank,
             treatments=plan.by_treatment(), counted=self.counted, alloc_retries=outcome.alloc_retries,
             stream_pool_bytes=outcome.pool_bytes, compile_ms=compile_s * 1e3, compiled_graphs=graphs,
         )
