@@ -444,7 +444,11 @@ class _Knapsack:
         if need_bytes > self.best_each:
             return math.inf
         if self._steps is None:
-            steps = sorted(step for opts in self.options for step in _hull_steps(opts))
+            hulls: dict[tuple, list[tuple[float, float]]] = {}  # alike blocks: one hull
+            for opts in self.options:
+                if (key := tuple(opts)) not in hulls:
+                    hulls[key] = _hull_steps(opts)
+            steps = sorted(step for opts in self.options for step in hulls[tuple(opts)])
             saved = np.cumsum([0.0] + [step[1] for step in steps])
             self._steps = saved, np.cumsum([0.0] + [step[1] * step[0] for step in steps])
         saved, ms = self._steps
