@@ -432,8 +432,9 @@ class _Knapsack:
         #: the alike stack's options it is chosen over and their counts scored (() where too many to score), found once
         self._scored: tuple | None = None
         self._scored_opts = self.alike
-        #: the fractional relaxation's steps, cumulative (saved, ms) from (0, 0), found once (:meth:`lower_bound`)
-        self._steps: tuple[np.ndarray, np.ndarray] | None = None
+        #: the fractional relaxation's steps, cumulative (saved, ms) from (0, 0), and the bytes its steps of negative
+        #: cost save, found once (:meth:`lower_bound`)
+        self._steps: tuple[np.ndarray, np.ndarray, float] | None = None
 
     def lower_bound(self, need_bytes: int) -> float:
         """No plan of this stack saving ``need_bytes`` costs less (NOTE [Parts beside the blocks]): the relaxation that
@@ -450,8 +451,11 @@ class _Knapsack:
                     hulls[key] = _hull_steps(opts)
             steps = sorted(step for opts in self.options for step in hulls[tuple(opts)])
             saved = np.cumsum([0.0] + [step[1] for step in steps])
-            self._steps = saved, np.cumsum([0.0] + [step[1] * step[0] for step in steps])
-        saved, ms = self._steps
+            # steps that cost less than nothing (an option priced faster than keep) are taken whatever the need
+            self._steps = saved, np.cumsum([0.0] + [step[1] * step[0] for step in steps]), \
+                float(saved[sum(step[0] < 0 for step in steps)])
+        saved, ms, free = self._steps
+        need_bytes = max(need_bytes, free)
         i = min(int(np.searchsorted(saved, need_bytes)), len(saved) - 1)
         if saved[i] <= saved[i - 1]:
             return float(ms[i])
