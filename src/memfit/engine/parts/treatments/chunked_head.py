@@ -80,7 +80,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memfit.engine.parts.head import FUSED, HeadSwitch, attach_head, available_implementations, fused_chunks, head_saved_bytes, probe_head
+from memfit.engine.parts.head import FUSED, HeadSwitch, available_implementations, fused_chunks, head_saved_bytes, probe_head
 from memfit.engine.budget import Budget, BudgetTooSmallError, format_bytes
 from memfit.engine.parts.kind import PartKind
 from memfit.engine.parts.treatments.base import KEEP, Treatment
