@@ -159,6 +159,7 @@ def test_records_summary_logs_and_state(tmp_path):
         ({"memfit_treatments": "recompute,swap"}, r"unknown treatment 'swap'; give auto or one or more of recompute, selective, offload"),
         ({"memfit_treatments": " , "}, "no treatment; give auto or one or more of"),
         ({"memory_budget": "six"}, "not a memory size"),
+        ({"memfit_host_budget": "lots"}, "--memfit_host_budget lots: .*not a memory size"),
         ({"gradient_checkpointing": True}, "drop --gradient_checkpointing"),
         ({"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_version": 1}}, "memfit runs under FSDP2 only"),
         ({"fsdp": "full_shard auto_wrap", "fsdp_config": {"fsdp_version": 2, "activation_checkpointing": True}},
@@ -168,6 +169,11 @@ def test_records_summary_logs_and_state(tmp_path):
 def test_argument_errors(tmp_path, flags, message):
     with pytest.raises(ValueError, match=message):
         memfit.TrainingArguments(output_dir=str(tmp_path), report_to="none", **flags)
+
+
+def test_a_host_budget_flag_is_read_as_a_memory_size(tmp_path):
+    args = memfit.TrainingArguments(output_dir=str(tmp_path), report_to="none", memfit_host_budget="2GiB")
+    assert args.memfit_host_budget == "2GiB"
 
 
 def test_accelerate_fsdp_settings_memfit_cannot_run_under_are_refused():

@@ -42,8 +42,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from memfit.engine.ranks import world_size
-
 __all__ = ["GradientSync"]
 
 # DDP's default bucket_cap_mb (25 MiB): the one buffer this sync keeps per gradient dtype.

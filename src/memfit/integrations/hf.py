@@ -62,7 +62,7 @@ from typing import Any
 import torch
 import transformers
 
-from memfit.engine.budget import Budget
+from memfit.engine.budget import Budget, parse_bytes
 from memfit.engine.ranks import world_size
 from memfit.integrations.distributed import GradientSync
 from memfit.errors import FlagError, MissingFileError
@@ -208,7 +208,10 @@ class MemfitArguments:
                 "disagree; give only one of them"
             )
         if self.memfit_host_budget is not None:
-            _budget_flag("--memfit_host_budget", self.memfit_host_budget)
+            try:
+                parse_bytes(self.memfit_host_budget, argument="--memfit_host_budget")
+            except ValueError as err:
+                raise FlagError(str(err)) from None
         if self.memfit_margin is not None and not 0 <= self.memfit_margin < 1:
             raise FlagError(f"--memfit_margin {self.memfit_margin}: give a share of the budget in [0, 1), e.g. 0.05")
         if self.memfit_method == "precomputed" and not self.memfit_plans_file:

@@ -777,8 +777,6 @@ def size_buckets(sizes: Sequence[int]) -> list[float]:
 
 
 def _plot_memory_count(group: str, runs: Sequence[_StepRun], path: Path) -> None:
-    import numpy as np
-
     methods, budgets = _run_styles(runs)
     fig = _figure(figsize=(8, 6.5), layout="constrained")
     top, bottom = fig.subplots(2, 1, sharex=True)
