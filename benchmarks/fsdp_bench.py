@@ -72,6 +72,7 @@ Usage:
     python benchmarks/fsdp_bench.py matrix --output_dir OUT --nproc 2 \\
         llama-3b/none llama-3b/dynamic@0.5 llama-3b/accelerate-ac@0.5 oom-check:llama-1b
     python benchmarks/fsdp_bench.py summarize OUT [OUT4]
+    python benchmarks/fsdp_bench.py decisions OUT/llama-3b-x2-dynamic-0.5*/memfit_steps.rank*.jsonl
 (``python benchmarks/run_suite.py fsdp --calls x2`` runs the suite's 2-GPU job: benchmarks/suites/fsdp.py.)
 """
 
@@ -349,7 +350,7 @@ def _train(args, config: Config, device, rank: int, budget_bytes: int | None, ou
     ctl = memfit.fit(model, None if peer else budget_bytes, "none" if peer else method, optimizer=optimizer,
                      log=str(out / f"memfit_steps.rank{rank}.jsonl"), cap=False, announce=False,
                      treatments=args.treatments.split(",") if getattr(args, "treatments", None) and not peer else None)
-    decisions = _profile_decisions(ctl, args.steady_from) if getattr(args, "profile_decisions", False) else None
+    decisions = _DecisionProfile(ctl, args.steady_from) if getattr(args, "profile_decisions", False) else None
     batch_size = config.batch_size or args.batch_size
     lengths = _sft_lengths(config.steps, batch_size, seed=1000 + rank, cap=args.max_length) if not args.min_length \
         else _uniform_lengths(config.steps, batch_size, 1000 + rank, args.min_length, args.max_length)
@@ -428,7 +429,7 @@ def _train(args, config: Config, device, rank: int, budget_bytes: int | None, ou
     }, model
 
 
-class _profile_decisions:
+class _DecisionProfile:
     """cProfile around the controller's decisions from the ``steady_from``-th on, and the garbage collector's passes
     (a diagnosis of decision times that the CPU does not show: NOTE in docs/devlog.md, session 31)."""
 
@@ -477,17 +478,9 @@ class _profile_decisions:
 def _stream_pools(device) -> dict[str, list[int]] | None:
     """At the run's end, per stream of this rank's device, the caching allocator's reserved and allocated bytes (the
     current stream's is "current"): what other streams' pools hold (NOTE [Other streams' pools], room.py)."""
-    import torch
+    from memfit.engine.run.meter import stream_pools
 
-    if device.type != "cuda":
-        return None
-    current, pools = torch.cuda.current_stream(device).cuda_stream, {}
-    for segment in torch.cuda.memory_snapshot():
-        if segment.get("device", device.index) == device.index:
-            name = "current" if segment["stream"] == current else str(segment["stream"])
-            total, allocated = pools.get(name, (0, 0))
-            pools[name] = [total + int(segment["total_size"]), allocated + int(segment["allocated_size"])]
-    return pools
+    return None if device.type != "cuda" else {name: list(pool) for name, pool in stream_pools(device).items()}
 
 
 def _profiled_step(ctl, model, accelerator, optimizer, lengths: list[int], rank: int, vocab: int, device) -> float:
@@ -1000,7 +993,23 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("summarize")
     s.add_argument("output_dir", nargs="+", help="matrix folders; the summary goes to the first")
     s.add_argument("--summary", help="write only the table, to this file (no results.jsonl)")
+    d = sub.add_parser("decisions", help="memfit's decision times of the steady steps in step-record files")
+    d.add_argument("steps", nargs="+", help="step records (.jsonl or .jsonl.gz), e.g. a configuration's ranks and repeats")
     return parser
+
+
+def decisions(paths: list[str]) -> str:
+    """The steady steps' decision times (the records' ``planner_us``) over every file given: how many, median, 90th
+    percentile and most, in ms."""
+    import gzip
+
+    ms = sorted(r["planner_us"] / 1e3 for path in paths
+                for r in map(json.loads, (gzip.open if path.endswith(".gz") else open)(path, "rt"))
+                if r.get("phase") == "steady")
+    if not ms:
+        raise SystemExit("fsdp_bench decisions: no steady step in " + ", ".join(paths))
+    return (f"{len(ms)} steady decisions: median {statistics.median(ms):.1f} ms, 90th percentile "
+            f"{ms[min(len(ms) - 1, int(0.9 * len(ms)))]:.1f} ms, most {ms[-1]:.1f} ms\n")
 
 
 def main(argv: list[str]) -> int:
@@ -1009,6 +1018,9 @@ def main(argv: list[str]) -> int:
         return matrix(args)
     if args.command == "worker":
         worker(args)
+        return 0
+    if args.command == "decisions":
+        print(decisions(args.steps), end="")
         return 0
     print(_table(summarize(args.output_dir, args.summary)), end="")
     return 0

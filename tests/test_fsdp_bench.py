@@ -191,3 +191,15 @@ def test_node_ranks_run_the_matrix_and_replay_an_oom_together(tmp_path):
     checks = [json.loads((out / "oom-check-tiny-x2" / f"oom_check.rank{r}.json").read_text()) for r in (0, 1)]
     assert all(c["forward"]["weights_equal"] and c["world_size"] == 2 for c in checks)
     assert [c["forward"]["oom_retries"] for c in checks] == [0, 1]
+
+
+def test_decisions_reads_the_steady_steps_of_every_file(tmp_path):
+    """``fsdp_bench.py decisions``: the steady steps' ``planner_us`` over every file given (warm-up left out)."""
+    import gzip
+
+    rows = [{"phase": "warmup", "planner_us": 900_000.0}] + [{"phase": "steady", "planner_us": 1000.0 * ms} for ms in (1, 2, 3)]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt") as fh:
+        fh.write(json.dumps({"phase": "steady", "planner_us": 10_000.0}) + "\n")
+    text = _bench().decisions([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl.gz")])
+    assert text == "4 steady decisions: median 2.5 ms, 90th percentile 10.0 ms, most 10.0 ms\n"

@@ -411,7 +411,7 @@ def test_other_streams_pools_are_kept_free_apart_from_the_slack():
     assert not room.learn_pools(None) and not room.learn_pools(0)
     assert room.learn_pools(50_000) and room.free_bytes == budget - 1000 - 2000 - 50_000
     assert not room.learn_pools(30_000) and room.pool_bytes == 50_000  # the most read
-    assert room.allocator_bytes == 52_000
+    assert room.allocator_bytes == 52_000 and room.kept_bytes == 53_000 == budget - room.free_bytes
     assert room.after_oom(40_000) and room.slack_bytes == 2000 and room.margin_bytes > 1000  # the pools explain it
     assert room.after_oom(90_000) and room.slack_bytes == int(1.25 * 40_000)  # the rest is the slack's
     for _ in range(8):  # retries grow the slack up to its ceiling, the pools beside it

@@ -187,6 +187,11 @@ class StepTimes:
         return None if net_ms is None else self.retry_ms(bucket, net_ms)
 
 
+def _least_slack(budget_bytes: int) -> int:
+    """The slack a run on CUDA starts with, where an OOM is not fatal, and the least it is cut to where one is."""
+    return min(ALLOCATOR_SLACK_BYTES, budget_bytes // 16)
+
+
 def _keep_latest(by_bucket: dict) -> None:
     """At most ``BUCKETS_KEPT`` buckets, the latest seen kept."""
     while len(by_bucket) > BUCKETS_KEPT:
@@ -253,7 +258,7 @@ class Room:
         share = DEFAULT_MARGIN_SHARE.get(accounting, 0.0) if margin_share is None else margin_share
         slack = 0
         if accounting == "cuda":
-            least = min(ALLOCATOR_SLACK_BYTES, (budget_bytes or 0) // 16)
+            least = _least_slack(budget_bytes or 0)
             slack = max(least, (budget_bytes or 0) // FATAL_OOM_SLACK_PARTS) if oom_fatal else least
         margin = int(share * (budget_bytes or 0))
         shrinks = margin_shrinks and margin_share is None and not oom_fatal  # NOTE [The margin follows the misses]
@@ -267,13 +272,18 @@ class Room:
 
     @property
     def free_bytes(self) -> int:
-        """What a plan's predicted peak must fit: the budget less the margin, the slack and other streams' pools."""
-        return self.budget_bytes - self.margin_bytes - self.slack_bytes - self.pool_bytes
+        """What a plan's predicted peak must fit: the budget less what the room keeps free."""
+        return self.budget_bytes - self.kept_bytes
 
     @property
     def allocator_bytes(self) -> int:
         """What the allocator holds beyond the counted bytes: the slack and other streams' pools."""
         return self.slack_bytes + self.pool_bytes
+
+    @property
+    def kept_bytes(self) -> int:
+        """What the room keeps free below the budget: the margin, the slack and other streams' pools."""
+        return self.margin_bytes + self.allocator_bytes
 
     def learn_pools(self, free_bytes: int | None) -> bool:
         """Other streams' pools held ``free_bytes`` free at a step's end (None: not read): keep the most read free
@@ -282,7 +292,7 @@ class Room:
             return False
         grown, self.pool_bytes = int(free_bytes) - self.pool_bytes, int(free_bytes)
         if self.oom_fatal:  # the slack such a run starts with held these pools (NOTE [Room where an OOM is fatal])
-            cut = max(0, min(grown, self.start_slack_bytes - min(ALLOCATOR_SLACK_BYTES, self.budget_bytes // 16)))
+            cut = max(0, min(grown, self.start_slack_bytes - _least_slack(self.budget_bytes)))
             self.start_slack_bytes, self.slack_bytes = self.start_slack_bytes - cut, self.slack_bytes - cut
         return True
 

@@ -31,7 +31,7 @@ from memfit.engine.budget import apply_cuda_cap
 from memfit.engine.plan.learner import Peaks
 from memfit.engine.run.step import Stage, StepState
 
-__all__ = ["Meter", "CudaMeter", "LogicalMeter", "make_meter"]
+__all__ = ["Meter", "CudaMeter", "LogicalMeter", "make_meter", "stream_pools"]
 
 
 class Meter:
@@ -138,15 +138,22 @@ def _allocator(device: torch.device, stats: dict[str, Any] | None = None) -> tup
     return allocated["current"], allocated["peak"], reserved["current"], reserved["peak"]
 
 
-def _other_pools_free(device: torch.device) -> int:
-    """The bytes the caching allocator holds free in the pools of streams other than the current one on ``device``
-    (NOTE [Other streams' pools], room.py)."""
+def stream_pools(device: torch.device) -> dict[str, tuple[int, int]]:
+    """Per stream of ``device`` (the current one named ``"current"``), the caching allocator's reserved and allocated
+    bytes now, from its snapshot (NOTE [Other streams' pools], room.py)."""
     current, index = torch.cuda.current_stream(device).cuda_stream, device.index or 0
-    free = 0
+    pools: dict[str, tuple[int, int]] = {}
     for segment in torch.cuda.memory_snapshot():
-        if segment.get("device", index) == index and segment.get("stream", current) != current:
-            free += int(segment["total_size"]) - int(segment["allocated_size"])
-    return free
+        if segment.get("device", index) == index:
+            name = "current" if segment.get("stream", current) == current else str(segment["stream"])
+            total, allocated = pools.get(name, (0, 0))
+            pools[name] = (total + int(segment["total_size"]), allocated + int(segment["allocated_size"]))
+    return pools
+
+
+def _other_pools_free(device: torch.device) -> int:
+    """The bytes the caching allocator holds free in the pools of streams other than the current one on ``device``."""
+    return sum(total - allocated for name, (total, allocated) in stream_pools(device).items() if name != "current")
 
 
 class CudaMeter(Meter):

@@ -234,7 +234,7 @@ class _Evicting(Protection):
 
     def reserve_bytes(self) -> int:
         """What making room keeps free: the margin, and the allocator's slack and other pools (NOTE [Room], room.py)."""
-        return self.planning.margin_bytes + self.planning.room.allocator_bytes
+        return self.planning.room.kept_bytes
 
     def _held_bytes(self) -> int:
         """Logical bytes in use beyond static: the counter's and the stores', each storage once."""

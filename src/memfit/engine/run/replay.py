@@ -196,7 +196,7 @@ def after_oom(
     if budget is not None:
         planning.after_oom(attempt.get("unusable_reserved_bytes") or 0)
     logger.warning("memfit: %s; replaying it with %s kept free", describe_attempt(attempt, n_blocks),
-                   (budget.size if budget is not None else format_bytes)(planning.margin_bytes + planning.room.allocator_bytes))
+                   (budget.size if budget is not None else format_bytes)(planning.room.kept_bytes))
 
 
 def cudnn_attention_failed(err: BaseException) -> bool:
