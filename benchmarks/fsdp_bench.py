@@ -1003,9 +1003,13 @@ def decisions(paths: list[str]) -> str:
     percentile and most, in ms."""
     import gzip
 
-    ms = sorted(r["planner_us"] / 1e3 for path in paths
-                for r in map(json.loads, (gzip.open if path.endswith(".gz") else open)(path, "rt"))
-                if r.get("phase") == "steady")
+    if missing := [path for path in paths if not Path(path).is_file()]:
+        raise SystemExit("fsdp_bench decisions: no file " + ", ".join(missing))
+    ms = []
+    for path in paths:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt") as fh:
+            ms += [r["planner_us"] / 1e3 for r in map(json.loads, fh) if r.get("phase") == "steady"]
+    ms.sort()
     if not ms:
         raise SystemExit("fsdp_bench decisions: no steady step in " + ", ".join(paths))
     return (f"{len(ms)} steady decisions: median {statistics.median(ms):.1f} ms, 90th percentile "
