@@ -129,6 +129,41 @@ def test_each_parameter_gets_one_gradient_accumulation():
     assert set(fired.values()) == {1}, fired
 
 
+class _Float32Made(TorchDispatchMode):
+    """Elements of the float32 tensors ops make, by shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: dict[tuple[int, ...], int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and not t._is_view():
+                self.made[tuple(t.shape)] = self.made.get(tuple(t.shape), 0) + 1
+        return out
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_one_chunk_returns_its_gradients_with_no_float32_sums(chunks):
+    """A bfloat16 MLP's parameter gradients are summed in float32 only where there are several chunks: one
+    chunk's are returned as they come (the untiled MLP's bits, and no float32 copy of its weights' size)."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 32), nn.SiLU(), nn.Linear(32, 8)).to(torch.bfloat16)
+    reference = copy.deepcopy(mlp)
+    x = torch.randn(2, 12, 8, dtype=torch.bfloat16, requires_grad=True)
+    y = tiled_mlp(mlp, x, chunks, list(mlp.parameters()))
+    with _Float32Made() as made:
+        y.float().square().sum().backward()
+    weight_shapes = {tuple(p.shape) for p in mlp.parameters()}
+    summed = {shape for shape in made.made if shape in weight_shapes}
+    assert summed == (set() if chunks == 1 else weight_shapes), made.made
+    if chunks == 1:
+        reference(x.detach()).float().square().sum().backward()
+        for p, q in zip(mlp.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
 def test_the_chunk_count_bounds_one_chunks_tensor():
     """NOTE [Tiled MLP]: chunks enough that one chunk's tokens x intermediate tensor is at most
     ``chunk_bytes``, none under ``min_tokens`` tokens, one at least."""

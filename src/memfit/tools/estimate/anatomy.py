@@ -898,8 +898,8 @@ def _meta_count(profile: ModelProfile, inputs: dict[str, torch.Tensor], attentio
     measured as the rest of the count measures it: its MLP keeps only its input. The MLP's backward runs it
     again a chunk at a time, which the count does not run (it runs no backward): the block's backward
     temporaries get what the plain MLP saves on the longest chunk's tokens, counted on the meta device (the
-    chunk's gradients, like an untiled MLP's, not counted), and the float32 sums of its parameters' gradients
-    where those are not float32 (full fine-tuning in bf16: 4 B a parameter). Elsewhere, and where the engine
+    chunk's gradients, like an untiled MLP's, not counted), and where it runs in several chunks the float32 sums of
+    its parameters' gradients where those are not float32 (full fine-tuning in bf16: 4 B a parameter). Elsewhere, and where the engine
     would not tile, the MLP runs on every token at once, and the estimate's note says why (:class:`MlpTiling`).
 
     Returns:
@@ -938,7 +938,8 @@ def _meta_count(profile: ModelProfile, inputs: dict[str, torch.Tensor], attentio
 def _tiled_backward_bytes(mlp: nn.Module, x: torch.Tensor, chunking: Chunking) -> int:
     """What ``mlp``'s tiled backward holds besides what the block saved, at input ``x`` (NOTE [The tiled MLP in the
     estimate]): what the plain MLP saves on the longest chunk (its input, a view of the saved ``x``, not counted)
-    and the float32 sums of its gradients where its trainable parameters are not float32."""
+    and, in several chunks, the float32 sums of its gradients where its trainable parameters are not float32 (one
+    chunk's gradients are returned as they come: NOTE [Tiled MLP])."""
     chunks = mlp_chunks(mlp, x, chunking)
     rows = -(-(x.numel() // x.shape[-1]) // chunks)  # the longest chunk: the first ones are a row longer
     chunk = torch.empty(rows, x.shape[-1], dtype=x.dtype, device=x.device, requires_grad=True)
@@ -952,7 +953,7 @@ def _tiled_backward_bytes(mlp: nn.Module, x: torch.Tensor, chunking: Chunking) -
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         mlp(chunk)
-    sums = 4 * sum(p.numel() for p in mlp.parameters() if p.requires_grad and p.dtype != torch.float32)
+    sums = 4 * sum(p.numel() for p in mlp.parameters() if p.requires_grad and p.dtype != torch.float32) if chunks > 1 else 0
     return sum(saved.values()) + sums
 
 
@@ -1402,8 +1403,8 @@ def _mlp_words(tiling: MlpTiling | None, setup: TrainingSetup) -> str:
     treatment = HOST_CHECKPOINT_TILED if setup.on_host else RECOMPUTE_TILED
     return (f"the MLP tiled as {treatment} runs it, in {tiling.chunks} chunk{'s' * (tiling.chunks > 1)} of at most "
             f"{tiling.chunk_tokens:,} tokens (the engine's chunking at this shape): it saves its input only, and its "
-            "backward holds one chunk's intermediates (and the float32 sums of its gradients where its weights are "
-            "trained in bf16); its norms and LoRA adapters save their bf16 input, not a float32 copy")
+            "backward holds one chunk's intermediates (and, in several chunks, the float32 sums of its gradients where "
+            "its weights are trained in bf16); its norms and LoRA adapters save their bf16 input, not a float32 copy")
 
 
 def _meta_head_saved(profile: ModelProfile, tokens: int, weights: str = "fp32", lora: bool = False) -> int:

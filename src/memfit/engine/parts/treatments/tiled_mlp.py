@@ -16,9 +16,11 @@ The rules:
   ``.grad`` aside. Per-chunk parameter gradients are summed in float32 and cast once (a chunk's
   gradient is a partial sum: float32 keeps the chunks' sum as close to the whole's as the whole's
   own rounding). So gradients are ``keep``'s within float32 rounding where there are several
-  chunks (the sums reorder, and a matmul of a chunk may block its sum differently), bit for bit
-  with one chunk in float32. The float32 sums live through the MLP's backward: for full fine-tuning in
-  bf16 twice the MLP's weight bytes (a LoRA's adapters are small), which the transient curves learn.
+  chunks (the sums reorder, and a matmul of a chunk may block its sum differently). One chunk's
+  gradients are returned as they come, with no sum: bit for bit ``keep``'s, and the MLP's backward
+  holds what an untiled one does. Several chunks' float32 sums live through the MLP's backward: for
+  full fine-tuning in bf16 twice the MLP's weight bytes (a LoRA's adapters are small), beside one
+  chunk's gradients.
 * The RNG state (CPU, and the input's CUDA device) and the autocast state of the forward are
   restored for the backward's chunks, as ``torch.utils.checkpoint`` restores them: chunks run again
   in the forward's order draw the forward's numbers.
@@ -262,11 +264,16 @@ class _TiledMlpFunction(torch.autograd.Function):
                             grad_x = torch.empty_like(rows)
                         grad_x[start:stop].copy_(grads[0])
                     grads = grads[1:]
+                if whole:  # one chunk's gradients are the whole's: no float32 sum (NOTE [Tiled MLP])
+                    return (None, grad_x, None, None, *grads)
                 for j, g in enumerate(grads):
                     if g is not None:  # float32 sums, cast once (NOTE [Tiled MLP])
                         sums[j] = g.float() if sums[j] is None else sums[j].add_(g)
                 del grads
-        param_grads = [None if s is None else s.to(p.dtype) for s, p in zip(sums, params)]
+        param_grads: list[torch.Tensor | None] = []
+        for j, p in enumerate(params):  # each sum freed as it is cast: one parameter's two copies at a time
+            param_grads.append(None if sums[j] is None else sums[j].to(p.dtype))
+            sums[j] = None
         return (None, None if grad_x is None else grad_x.view(x.shape), None, None, *param_grads)
 
 
