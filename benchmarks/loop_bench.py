@@ -203,6 +203,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no_untimed", action="store_true", help="skip the untimed passes over every batch (plain, then every "
                    "layer recomputed) before the first configuration: it then pays each shape's first run (a cap's reach "
                    "does not depend on it; a time does)")
+    p.add_argument("--models_every_step", action="store_true",
+                   help="also write memfit's memory model after every step (steps/<run>.models.jsonl.gz, one line a step): "
+                        "what planned each next step, for benchmarks/model_replay.py --at_step")
     p.add_argument("--gpu_busy", action="store_true", help="profile each configuration's steady steps (torch.profiler, "
                    "CUDA activity) and add gpu_busy to its line: per step the GPU's span, its busy time and the host's "
                    "time, and the costliest kernels (benchmarks/gpu_busy.py; the profiler slows the host, so ratios of "
@@ -583,6 +586,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
 
         ctl = memfit.fit(model, budget=budget, method=_Every(), optimizer=optimizer, treatments=("recompute", "selective"))
     step_ms, retries_from = [], None  # the allocator's retry count when the steady steps begin
+    models: list[str] = []  # --models_every_step
     rss_mib = []  # the process's resident host memory after each step (NOTE [Host budget]: it must stay flat)
     compiled = []  # steps during which Dynamo made a graph (NOTE [Steps that compiled])
     from memfit.engine.parts.guard_sides import graphs_made
@@ -625,6 +629,8 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
                 clock.stop()
             step_ms.append(clock)
             rss_mib.append(_rss_mib())
+            if ctl is not None and args.models_every_step and ctl.method.learns:
+                models.append(json.dumps(ctl.state_dict()))
             if graphs_made() > graphs:
                 compiled.append(i)
     except torch.OutOfMemoryError as err:
@@ -670,6 +676,9 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
         if ctl.method.learns:  # the memory model as the run ended: what each treatment saved and cost
             with gzip.open(os.path.join(out_dir, steps_file.replace(".jsonl.gz", ".model.json.gz")), "wt") as fh:
                 json.dump(ctl.state_dict(), fh)
+            if models:
+                with gzip.open(os.path.join(out_dir, steps_file.replace(".jsonl.gz", ".models.jsonl.gz")), "wt") as fh:
+                    fh.write("\n".join(models) + "\n")
     else:
         result.update(recomputed_fraction=None)
     if undo is not None:

@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model_config", "--model", dest="config", required=True, help="the bundled config the run trained")
     p.add_argument("--implementation", default="pure", help="the chunked head's implementation the run used")
     p.add_argument("--bucket_tokens", type=int, default=8)
+    p.add_argument("--models", type=Path, default=None,
+                   help="the run's models after every step (loop_bench --models_every_step): each step is replayed on "
+                        "the model that planned it (the one after the step before), not the last")
     args = p.parse_args(argv)
     from memfit.tasks._common import CONFIGS_DIR
     from memfit.engine.plan.model import MemoryModel
@@ -53,14 +56,20 @@ def main(argv: list[str] | None = None) -> int:
         chunked = head_saved_bytes(tokens, vocab, hidden, torch.bfloat16, "chunked", head[1], implementation=args.implementation)
         return kept.saved_bytes + kept.transient_bytes - chunked.saved_bytes - chunked.transient_bytes
 
-    model = MemoryModel.from_dict(json.load(gzip.open(args.model))["model"])
-    model.part_saving, model.bucket_tokens = {"head": saving}, args.bucket_tokens
+    def bound(state: dict) -> MemoryModel:
+        m = MemoryModel.from_dict(state["model"])
+        m.part_saving, m.bucket_tokens = {"head": saving}, args.bucket_tokens
+        return m
+
+    model = bound(json.load(gzip.open(args.model)))
+    planned_by = [json.loads(line) for line in gzip.open(args.models, "rt")] if args.models else None
     step_saved = _per_tensor_saving(config_file)  # what a step run per tensor takes off the optimizer step's moment
     outside = model.outside
     print("outside curve, bytes a token: " + ", ".join(
         f"{n * t} tokens {y / (n * t) / 1e3:.0f} KB" for (n, t), y in zip(outside.xs, outside.ys)))
-    print("| step | tokens a row | treated | backward start GB | recompute GB | predicted now GB | read GB | error GB |")
-    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| step | tokens a row | treated | backward start GB | recompute GB | predicted now GB | read GB | error GB "
+          "| transient curve GB | head saving GB |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for line in gzip.open(args.steps, "rt"):
         r = json.loads(line)
         if r.get("phase", "steady") != "steady":  # published step files leave defaults out
@@ -73,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             plan = Plan.from_treatments(record.block_treatments, [("head", *head)])
         key = (r["shape"][0], r["shape"][1])
+        if planned_by is not None:
+            if r["step"] < 2 or r["step"] - 2 >= len(planned_by):
+                continue
+            model = bound(planned_by[r["step"] - 2])
         model.step_saved = step_saved if str(r.get("treatments", {}).get("optimizer_step", "")).startswith("per_tensor") else 0.0
         start = r["static_bytes"] + model.backward_start_bytes(key, plan)
         recompute = r["static_bytes"] + model.recompute_bytes(key, plan)
@@ -80,8 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         read = attempt["peak_allocated_bytes"] if attempt else r["peak_allocated_bytes"]
         mix = ", ".join(f"{len(blocks)} {kind}" for kind, blocks in sorted(plan.by_treatment().items()))
         rerun = f"{recompute / 1e9:.2f}" if math.isfinite(recompute) else "-"  # no block re-runs its body
+        transient = model.transient(key, every_block=len(plan.blocks) == len(model.groups) and not plan.kinds)
         print(f"| {r['step']} | {key[1]} | {mix or 0} | {start / 1e9:.2f} | {rerun} | "
-              f"{predicted / 1e9:.2f} | {read / 1e9:.2f} | {(predicted - read) / 1e9:+.2f} |")
+              f"{predicted / 1e9:.2f} | {read / 1e9:.2f} | {(predicted - read) / 1e9:+.2f} | {transient / 1e9:.2f} | "
+              f"{model.parts_saved_bytes(key, plan) / 1e9:.2f} |")
     return 0
 
 

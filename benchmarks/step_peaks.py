@@ -29,7 +29,11 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="Llama-3.1-8B", help="a config shipped in memfit/configs")
     p.add_argument("--lora", action="store_true", help="peft LoRA r16 on every linear layer (dropout 0)")
-    p.add_argument("--tokens", type=int, default=65536, help="tokens of the one sequence each step trains on")
+    p.add_argument("--tokens", type=int, default=65536, help="tokens of each sequence a step trains on")
+    p.add_argument("--batch", type=int, default=1, help="sequences a step trains on")
+    p.add_argument("--plans", default=None,
+                   help="a plans file (NOTE [Plans files]): run memfit's precomputed method on it, the head planned, "
+                        "every treatment it names offered (a plan forced, to read where it peaks)")
     p.add_argument("--budget", default="28GiB", help="memfit.fit's budget")
     p.add_argument("--steps", type=int, default=3, help="steps; the last one is read")
     p.add_argument("--top", type=int, default=15, help="lines printed, the highest first")
@@ -135,9 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     for name, module in (("final norm", base.model.norm), ("lm_head", base.lm_head)):
         moments.watch(name, module)
-    ctl = memfit.fit(model, budget=args.budget)
+    if args.plans:
+        names = sorted({t for row in json.load(open(args.plans))["plans"] for t in row.get("treatments", [])} | {"recompute"})
+        ctl = memfit.fit(model, budget=args.budget, method="precomputed", path=args.plans, treatments=names, head=True)
+    else:
+        ctl = memfit.fit(model, budget=args.budget)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    ids = torch.randint(0, config.vocab_size, (1, args.tokens), device=device)
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.tokens), device=device)
     for step in range(args.steps):
         last = step == args.steps - 1
         moments.on, moments.last = last, "step starts"
