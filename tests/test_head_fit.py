@@ -786,3 +786,125 @@ def test_a_record_names_no_head_where_the_run_does_not_plan_it():
     record = ctl.records[-1]
     ctl.remove()
     assert "head" not in record.treatments, record.treatments
+
+
+def _apart_planning(apart: bool):
+    """A 2-block Planning with its blocks' bytes known and no transient yet, a head part whose kept transient is
+    20 bytes a token and whose chunked options hold 100 (``chunked:8``, as ``pure_grad_in_forward``) or 0
+    (``chunked:64``, as a fused kernel) bytes a token at the head's backward; ``apart``: its moment read apart."""
+    from memfit.engine.plan.planning import Planning
+
+    planning = Planning(2, [0, 0], 10**9, margin_bytes=0, bucket_tokens=1)
+    model = planning.model
+    for t in (16, 32, 64, 256):
+        model.group_models[0].bytes["keep"].add((4, t), 1000.0 * 4 * t)
+        model.group_models[0].bytes["recompute"].add((4, t), 100.0 * 4 * t)
+        model.group_models[0].ms["recompute"].add((4, t), 0.01 * t)
+
+    class Head(PartKind):
+        name = "head"
+        moment_apart = apart
+        chunk = {8: 100, 64: 0}  # the chunked head's transient, bytes a token
+
+        def saved_bytes(self, tokens, head):  # the kept head's saved (5 a token) and transient (20) less the option's
+            return 0 if head[0] == "keep" else 25 * tokens - self.chunk[head[1]] * tokens
+
+        def transient_saved_bytes(self, tokens, head):
+            return 0 if head[0] == "keep" else 20 * tokens - self.chunk[head[1]] * tokens
+
+    planning.add_part(Head())
+    return planning
+
+
+@pytest.mark.parametrize("apart", [False, True])
+def test_the_parts_moment_read_apart_bounds_a_chunked_heads_step_far_from_the_warmups(apart):
+    """NOTE [The parts' moment]: warm-up steps (every block recomputed, the head chunked by an implementation whose
+    chunks hold 100 bytes a token) peak late in backward, 10,000 bytes under their saved bytes, where the head's
+    moment held 60,000 under plus the chunks' transient. Taught in one curve in the kept head's terms, the chunks'
+    transient comes off as though held at the peak, and a long step run with a head that holds nothing, whose
+    peak is the head's moment, is predicted below it; read apart, the head's moment is learnt in its own terms and
+    the prediction bounds it."""
+    from memfit.engine.plan import learner
+    from memfit.engine.plan.planner import Plan
+
+    planning = _apart_planning(apart)
+    model = planning.model
+    assert model.parts_apart is apart
+    rest, head_moment = -10_000, -60_000  # above the step's saved bytes: the late moment, the head's (less its chunks)
+    for t in (16, 32, 64):
+        tokens = 4 * t
+        plan = Plan((0, 1)).with_option("head", ("chunked", 8))
+        at_head = head_moment + 100 * tokens
+        assert at_head < rest  # the warm-up's peak is the late moment
+        outcome = learner.StepOutcome(
+            key=(4, t), plan=plan, warmup=True, outside=5000 * tokens, by_block=[100 * tokens] * 2, static=0, peak=0,
+            plain_peak=0, transient=rest if apart else max(rest, at_head), parts_transient=at_head if apart else None)
+        planning.apply(learner.learn_step(planning, outcome, None, (4, t)))
+    key = (4, 256)  # four times the warm-up's longest
+    steady = Plan(()).with_option("head", ("chunked", 64))  # every block kept: the head's moment is the peak
+    saved = 5000 * 1024 + 2 * 1000 * 1024  # what the step saves: the outside bytes (the chunked head's) and the blocks'
+    truth = saved + head_moment  # above static, at the head's moment (its chunks hold nothing)
+    predicted = model.backward_start_bytes(key, steady)
+    if apart:
+        assert predicted >= truth
+        assert model.transient_parts.fitted
+    else:  # the one curve's failure, kept here as the reason for the other
+        assert predicted < truth - 40_000
+
+
+def test_a_step_with_the_parts_moment_apart_teaches_each_curve_in_its_terms():
+    """NOTE [The parts' moment]: the head's moment is taught its reading plus the head's transient saving (kept
+    terms), the rest its reading less the head's saved bytes (gone by then, though the outside curve holds them);
+    a step whose parts' moment was not read teaches no transient."""
+    from memfit.engine.plan import learner
+    from memfit.engine.plan.planner import Plan
+
+    planning = _apart_planning(True)
+    plan = Plan((0, 1)).with_option("head", ("chunked", 8))
+    tokens = 4 * 16
+    outcome = learner.StepOutcome(key=(4, 16), plan=plan, warmup=True, outside=1000, by_block=[10, 10], static=0,
+                                  peak=0, plain_peak=0, transient=-50, parts_transient=-70)
+    taught = {path: value for path, _, value in learner.learn_step(planning, outcome, None, (4, 16)).samples}
+    assert taught[("transient_parts",)] == -70 + (20 - 100) * tokens
+    assert taught[("transient_full",)] == -50 - 5 * tokens  # the saving's saved part off
+    assert taught[("outside",)] == 1000 + 5 * tokens
+    unread = learner.StepOutcome(key=(4, 16), plan=plan, warmup=True, outside=1000, by_block=[10, 10], static=0,
+                                 peak=0, plain_peak=0, transient=-50)
+    taught = {path for path, _, _ in learner.learn_step(planning, unread, None, (4, 16)).samples}
+    assert not taught & {("transient_parts",), ("transient_full",), ("transient_partial",)}
+
+
+def test_step_outcome_reads_the_parts_moment_and_the_rest_apart():
+    """The meter's parts' reading is the outcome's parts' transient; the rest (after it) is the transient, and the
+    step's peak holds both (NOTE [The parts' moment])."""
+    from memfit.engine.plan import learner
+    from memfit.engine.plan.planner import Plan
+
+    peaks = learner.Peaks(peak=900, reserved=900, rest=700, start=800, parts=900)
+    outcome = learner.step_outcome(peaks, key=(1, 8), plan=Plan((0,)), warmup=False, outside=100, by_block=[50],
+                                   static=400, state_to_come=0, static_now=400)
+    assert (outcome.parts_transient, outcome.transient, outcome.start_transient) == (900 - 550, 800 - 550, 800 - 550)
+    assert outcome.plain_peak == 900
+    alone = learner.step_outcome(learner.Peaks(peak=800, reserved=800, rest=700, start=800), key=(1, 8), plan=Plan((0,)),
+                                 warmup=False, outside=100, by_block=[50], static=400, state_to_come=0, static_now=400)
+    assert (alone.parts_transient, alone.transient) == (None, 800 - 550)
+
+
+def test_the_top_blocks_output_gradient_marks_the_parts_moment_once_a_step():
+    """NOTE [The parts' moment]: where the model reads the parts' moment apart, the meter is told once a step, when
+    the top block's output gradient arrives (after the head's backward, before any block's); elsewhere never."""
+    model = _base().train()
+    ctl = memfit.fit(model, budget=BUDGET, announce=False)
+    order: list[str] = []
+    ctl.meter.parts_done = lambda step: order.append("parts")
+    top = ctl.blocks[-1].module
+    top.register_full_backward_hook(lambda m, gi, go: order.append("top block done"))
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    ctl.run_step(lambda: model(input_ids=ids, labels=ids).loss.backward())
+    assert "parts" not in order  # not read apart: the model learns one curve
+    ctl.planning.model.parts_apart = True
+    for _ in range(2):
+        order.clear()
+        ctl.run_step(lambda: model(input_ids=ids, labels=ids).loss.backward())
+        assert order[0] == "parts" and order.count("parts") == 1, order
+    ctl.remove()

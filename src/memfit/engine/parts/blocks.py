@@ -415,18 +415,21 @@ class Block:
         listener = self.listener
         if listener is not None:
             listener.enter(self, args, kwargs)
+        out = None
         try:
             args, kwargs = without_cache(self.module, args, kwargs)  # NOTE [No KV cache in training]
             try:
-                return self.treatment.run(self, args, kwargs)
+                out = self.treatment.run(self, args, kwargs)
+                return out
             except torch.OutOfMemoryError as err:
                 if self.on_oom is None:
                     raise
                 message = str(err)  # handled outside the except block, so the failed frames are freed
-            return self.on_oom(self, args, kwargs, message)
+            out = self.on_oom(self, args, kwargs, message)
+            return out
         finally:
             if listener is not None:
-                listener.exit(self)
+                listener.exit(self, out)
 
 
 @functools.cache
@@ -468,7 +471,7 @@ class BlockListener(Protocol):
 
     def enter(self, block: Block, args: tuple, kwargs: dict) -> None: ...
 
-    def exit(self, block: Block) -> None: ...
+    def exit(self, block: Block, output: Any = None) -> None: ...
 
 
 def _gradient_checkpointing_layer_type() -> type | None:

@@ -69,6 +69,9 @@ class PartKind:
     name: str = ""
     #: when its bytes are held (NOTE [A part kind's moment])
     moment: str = AFTER_BLOCKS
+    #: its backward's moment is read apart and learnt as a curve of its own (NOTE [The parts' moment], model.py):
+    #: where its options' transients are priced
+    moment_apart: bool = False
 
     def options(self, tokens: int) -> Sequence[Option]:
         """The part's options for a batch of ``tokens`` tokens, untreated first."""

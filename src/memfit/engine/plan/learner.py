@@ -82,6 +82,8 @@ class Peaks:
         rest: the peak from the first recompute on, when the backward's start was read apart;
             else the peak.
         start: the backward's start, read at its first recompute (CUDA), or None.
+        parts: the peak until the LM head's backward was done, read apart (CUDA: NOTE [The parts' moment],
+            model.py), or None; ``start`` and ``rest`` are then what came after it, and ``peak`` holds it.
         optimizer: the optimizer step's peak, read apart (CUDA), or None.
         exact: logical accounting (counted tensors): the peak holds no transient.
         alloc_retries: allocations the caching allocator served only after releasing its
@@ -94,6 +96,7 @@ class Peaks:
     reserved: int
     rest: int
     start: int | None = None
+    parts: int | None = None
     optimizer: int | None = None
     exact: bool = False
     alloc_retries: int = 0
@@ -118,6 +121,8 @@ class StepOutcome:
         transient: the backward's transient (NOTE [A step's transient]); None under logical
             accounting.
         start_transient: the transient at the backward's start, when read apart.
+        parts_transient: the transient at the parts' moment (the LM head's backward done), when read apart (NOTE
+            [The parts' moment], model.py); ``transient`` and ``start_transient`` are then the rest's.
         optimizer_above_static: the optimizer step's peak above static, when read apart.
         evicted: blocks the backstop evicted.
         counted: the step counted its saved tensors (``outside`` and ``by_block`` are then
@@ -138,6 +143,7 @@ class StepOutcome:
     plain_peak: int
     transient: int | None
     start_transient: int | None = None
+    parts_transient: int | None = None
     optimizer_above_static: int | None = None
     evicted: tuple[int, ...] = field(default_factory=tuple)
     counted: bool = True
@@ -193,8 +199,12 @@ def step_outcome(
     """
     saved = outside + sum(by_block)
     peak = peaks.peak
-    plain_peak, plain_start = _plain_peaks(peaks, plan, evicted, backstop_input, peak)
-    start_transient = optimizer_above = None
+    # the rest of the step apart from the parts' moment, where that was read (NOTE [The parts' moment], model.py)
+    rest_peak = peak if peaks.parts is None else max(peaks.rest, peaks.start or 0)
+    plain_peak, plain_start = _plain_peaks(peaks, plan, evicted, backstop_input, rest_peak)
+    plain_parts = None if peaks.parts is None else peaks.parts - sum(backstop_input)  # every store alive then
+    rest_plain, plain_peak = plain_peak, max(plain_peak, plain_parts or 0)
+    start_transient = optimizer_above = parts_transient = None
     if peaks.exact or not counted:
         transient = None
         if peaks.optimizer is not None:
@@ -203,17 +213,19 @@ def step_outcome(
     elif peaks.optimizer is not None:
         grown = max(0, static_now - static)
         base = static - state_to_come + grown + saved
-        transient = plain_peak - base
+        transient = rest_plain - base
         start_transient = None if plain_start is None else plain_start - base
+        parts_transient = None if plain_parts is None else plain_parts - base
         optimizer_above = peaks.optimizer - static
         peak, plain_peak = max(peak, peaks.optimizer), max(plain_peak, peaks.optimizer)
     else:
         base = max(static, static_now) + saved
-        transient = plain_peak - base
+        transient = rest_plain - base
         start_transient = None if plain_start is None else plain_start - base
+        parts_transient = None if plain_parts is None else plain_parts - base
     return StepOutcome(
         key=key, plan=plan, warmup=warmup, outside=outside, by_block=list(by_block), static=static, peak=peak,
-        plain_peak=plain_peak, transient=transient, start_transient=start_transient,
+        plain_peak=plain_peak, transient=transient, start_transient=start_transient, parts_transient=parts_transient,
         optimizer_above_static=optimizer_above, evicted=tuple(evicted), counted=counted,
         alloc_retries=peaks.alloc_retries, pool_bytes=peaks.pool_bytes, net_ms=net_ms,
     )
@@ -282,6 +294,10 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
     parts_saved = model.parts_saved_bytes(key, outcome.plan)
     parts_transient = _parts_transient_saved(planning, key, outcome.plan) if parts_saved else 0
     curves: list[tuple] = [(("outside",), model.outside, outcome.outside + parts_saved - parts_transient)]
+    # NOTE [The parts' moment], model.py: the parts' moment in kept terms, the rest less the parts' saved bytes
+    rest_terms = parts_transient if not model.parts_apart else parts_transient - parts_saved
+    if model.parts_apart and outcome.parts_transient is not None and not evicted:
+        curves.append((("transient_parts",), model.transient_parts, outcome.parts_transient + parts_transient))
     treated_parts = bool(parts_saved) and not outcome.warmup  # NOTE [A chunked head's step teaches less]
     for group_id, group in model.group_models.items():
         members = [i for i, g in enumerate(model.groups) if g == group_id]
@@ -289,7 +305,8 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
             value = max(by_block[i] for i in members if names[i] == name)
             curves.append((("bytes", group_id, name), group.bytes.get(name), value))
     transient_path, transient = None, outcome.transient
-    if transient is not None and not evicted:  # an evicting step's transient was lowered by its evictions
+    apart = not model.parts_apart or outcome.parts_transient is not None  # the rest known apart from the parts' moment
+    if transient is not None and not evicted and apart:  # an evicting step's transient was lowered by its evictions
         if len(planned) == len(model.groups) and not outcome.plan.kinds:
             transient_path = ("transient_full",)
         elif outcome.start_transient is not None:  # NOTE [Reading the backward's start]
@@ -297,10 +314,10 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
         elif _backward_start_dominates(planning, key, outcome.plan):
             transient_path = ("transient_partial",)
         if transient_path is not None:
-            curves.append((transient_path, getattr(model, transient_path[0]), transient + parts_transient))
+            curves.append((transient_path, getattr(model, transient_path[0]), transient + rest_terms))
         gap = model.rerun_gap(key, outcome.plan) if outcome.plan.kinds and len(planned) == len(model.groups) else None
         if gap is not None:  # NOTE [Full terms of a re-run step], model.py
-            curves.append((("transient_full",), model.transient_full, outcome.transient + parts_transient + gap))
+            curves.append((("transient_full",), model.transient_full, outcome.transient + rest_terms + gap))
     step_under = bool(evicted) or (miss is not None and miss > _teaching_margin(planning) / 4)
     b = planning.bucket_tokens
     step_over = (

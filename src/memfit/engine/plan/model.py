@@ -102,6 +102,33 @@ One formula covers every plan (:meth:`MemoryModel._peaks`): a plan that treats b
 alone adds only zeros for the terms of the others, so it is predicted bit for bit as before
 they existed.
 
+# NOTE [Head in the peaks]
+The curves describe the step with the LM head, and every part beside the blocks, untreated
+(the learner adds a treated part's saving back to what such a step teaches, its saved part to
+the outside bytes and its transient part to the transient: NOTE [A chunked head's step in kept
+terms], learner.py). A plan that chunks the head (NOTE [The head in the plan], planner.py)
+saves ``values["parts_saved"]`` bytes of the kept head's float32 logits, and a part beside the
+blocks its option's bytes, held from after the last block's forward (NOTE [A part kind's
+moment], parts/kind.py): taken off the backward's start, and off the recompute bound too,
+whose ``full`` transient was fitted on whole-step peaks that the kept head's moment may set.
+
+# NOTE [The parts' moment]
+The parts beside the blocks run their backward first (the LM head and its loss), with every block's
+saved bytes held and no block's gradient made yet: a moment of its own, often the step's peak where the
+blocks keep much. Its transient changes with the part's option (a chunked head's work per chunk, by
+formula); the rest of the backward's does not (the part's bytes are gone by then). One curve in the
+kept head's terms cannot hold both: a warm-up step whose head ran ``pure_grad_in_forward`` and which
+peaked late in backward taught the kept head's transient less that head's 0.9 GiB, as though held at its
+peak, and steps that ran Cut Cross-Entropy then came 0.37 GB over their prediction (docs/devlog.md,
+session 32). So where a part prices its transient (on CUDA: ``PartKind.moment_apart``), the meter reads
+the peak apart when the top block's output gradient arrives (``Meter.parts_done``), and the model holds
+``transient_parts`` (that moment, in kept terms: the learner adds the part's transient saving back, where
+it was held) beside the transients of the rest, which hold no part's bytes: the learner takes the part's
+saved bytes off them (gone by then, though the outside curve counts them), and the rest's moments take
+no saving off. The backward's start is the larger of the parts' moment (the plan's saving off) and the
+rest's. ``parts_apart`` says a model learns so, set before its first sample; a model that learnt the
+other way (an older state, or logical accounting where no transient is priced) keeps one curve.
+
 # NOTE [Treatment prices]
 A treatment's price is the time it adds to a step: ``recompute``, the block's forward
 (measured by the probe); ``selective``, the recompute of its unsaved ops (measured by the
@@ -565,6 +592,8 @@ class MemoryModel:
         self.outside = Curve()
         self.transient_full = Curve(intercept=True, floor=None, linear_until=6)
         self.transient_partial = Curve(intercept=True, floor=None, linear_until=6)
+        self.transient_parts = Curve(intercept=True, floor=None, linear_until=6)
+        self.parts_apart = False  # the parts' moment read apart (NOTE [The parts' moment])
         #: largest optimizer-step peak above static memory seen (NOTE [Three peaks])
         self.optimizer_bytes = 0.0
         self.step_saved = 0.0  # what the optimizer step's part saves at its moment (NOTE [A part kind's moment], parts/kind.py)
@@ -701,6 +730,8 @@ class MemoryModel:
         if partial.distinct_keys >= PARTIAL_MIN_KEYS:
             transient = _select(self.partial_covers(n * t), lambda: at(partial), transient)
         values["transient"] = transient
+        if self.parts_apart and self.transient_parts.fitted:
+            values["transient_parts"] = at(self.transient_parts)
         for g, m in self.group_models.items():
             full = values[(g, KEEP)] = at(m.bytes[KEEP])
             values[(g, RECOMPUTE)] = at(m.bytes[RECOMPUTE])
@@ -749,24 +780,17 @@ class MemoryModel:
 
     def _peaks(self, values: dict[Any, Any], layout: _Layout) -> tuple[Any, Any, Any]:
         """``(backward start, recompute, step)`` above static (NOTE [Three peaks]): the one formula
-        for a shape and for the planner's rows (NOTE [One evaluator]).
-
-        # NOTE [Head in the peaks]
-        The curves describe the step with the LM head, and every part beside the blocks, untreated
-        (the learner adds a treated part's saving back to what such a step teaches, its saved part to
-        the outside bytes and its transient part to the transient: NOTE [A chunked head's step in kept
-        terms], learner.py). A plan that chunks the head (NOTE [The head in the plan], planner.py)
-        saves ``values["parts_saved"]`` bytes of the kept head's float32 logits, and a part beside the
-        blocks its option's bytes, held from after the last block's forward (NOTE [A part kind's
-        moment], parts/kind.py): taken off the backward's start, and off the recompute bound too,
-        whose ``full`` transient was fitted on whole-step peaks that the kept head's moment may set.
-        """
+        for a shape and for the planner's rows (NOTE [One evaluator]); the parts' savings: NOTE [Head in the peaks]."""
         head_saved = values.get("parts_saved", 0)
-        start = self._activation(values, layout.counts)
+        parts = values.get("transient_parts")  # the parts' moment read apart: the rest holds no part (NOTE [The parts' moment])
+        rest_saved = head_saved if parts is None else 0
+        activation = self._activation(values, layout.counts)
+        in_flight = self._in_flight(values, layout.offloaded, layout.depth)
         # every block re-run whole: the full regime's transient, read in its terms (NOTE [Full terms of a re-run step])
-        start = start + _select(layout.every, lambda: values["transient_full"] - _rerun_less(values, layout.rerun_keeps), values["transient"])
-        start = start + self._in_flight(values, layout.offloaded, layout.depth)
-        start = start - head_saved
+        start = activation + _select(layout.every, lambda: values["transient_full"] - _rerun_less(values, layout.rerun_keeps), values["transient"])
+        start = start + in_flight - rest_saved
+        if parts is not None:
+            start = _maximum(start, activation + in_flight + parts - head_saved)
         # every block as recomputed, but those re-run whole by another treatment (NOTE [Treated peaks]): their own bytes
         apart = {g: {k: c for k, c in per.items() if k != RECOMPUTE and self.treatments[k].reruns} for g, per in layout.counts.items()}
         every = {g: {RECOMPUTE: n - sum(apart[g].values()), **apart[g]} for g, n in self._group_sizes.items()}
@@ -775,7 +799,7 @@ class MemoryModel:
         for (g, name), n in layout.held.items():
             held = held + n * _maximum(0.0, _kept(values, g, name) - values[(g, RECOMPUTE)])
         recompute = (recompute + held) + self._in_flight(values, layout.offloaded_below, layout.depth)
-        recompute = recompute - head_saved - _rerun_less(values, layout.rerun_keeps)
+        recompute = recompute - rest_saved - _rerun_less(values, layout.rerun_keeps)
         recompute = _select(layout.rerun, lambda: recompute, -math.inf)
         part = 0.0
         for g, name in layout.part_reruns:  # NOTE [Treated peaks]: the largest return of a part re-run
@@ -832,6 +856,7 @@ class MemoryModel:
             "outside": self.outside.to_dict(),
             "transient_full": self.transient_full.to_dict(),
             "transient_partial": self.transient_partial.to_dict(),
+            "transient_parts": self.transient_parts.to_dict(), "parts_apart": self.parts_apart,
             "optimizer_bytes": self.optimizer_bytes,
             "max_key": list(self.max_key) if self.max_key else None,
             "bucket_tokens": self.bucket_tokens,
@@ -844,6 +869,8 @@ class MemoryModel:
         model.outside = Curve.from_dict(data["outside"])
         model.transient_full = Curve.from_dict(data["transient_full"])
         model.transient_partial = Curve.from_dict(data["transient_partial"])
+        model.transient_parts = Curve.from_dict(data["transient_parts"]) if "transient_parts" in data else model.transient_parts
+        model.parts_apart = bool(data.get("parts_apart", False))
         model.optimizer_bytes = float(data.get("optimizer_bytes", 0.0))
         model.max_key = tuple(data["max_key"]) if data.get("max_key") else None
         return model

@@ -271,6 +271,7 @@ class Planning:
             parts[kind] = part
         self.parts = parts
         self.model.part_saving = {k: p.saved_bytes for k, p in parts.items()}
+        self.model.parts_apart |= part is not None and getattr(part, "moment_apart", False) and not self.model.transient_full.fitted  # NOTE [The parts' moment]
         self.cache.clear()
 
     def add_part(self, part: Any) -> None:
@@ -407,8 +408,7 @@ class Planning:
 
     # ------------------------------------------------------------ plans
     def _static_bucket(self) -> int:
-        # Static bytes differ between micro-steps (gradients present or not); plans are
-        # cached per (shape bucket, static bucket) so both stay cached.
+        # static bytes differ between micro-steps (gradients present or not): plans are cached per both buckets
         unit = max(1, (self.budget_bytes or 1) // 64)
         return self.static_bytes // unit
 

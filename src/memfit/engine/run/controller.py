@@ -237,8 +237,7 @@ class Controller:
         method: the :class:`~memfit.engine.methods.Method`.
         planning: model, planner and cache.
         meter: how memory is read (:attr:`accounting` names it).
-        replay: the :class:`~memfit.engine.run.replay.Replayer` every micro-step that may be replayed
-            after an OOM runs through (:meth:`run_step`, the Trainer's ``training_step``).
+        replay: the :class:`~memfit.engine.run.replay.Replayer` each micro-step runs through (:meth:`run_step`).
     """
 
     def __init__(
@@ -374,11 +373,13 @@ class Controller:
             probes, step.probes = step.probes, {}
             self.planning.apply(learner.learn_probes(self.planning, step.key, probes, step.treated_probes))
 
-    def exit(self, block: Block) -> None:
-        """Block listener: tensors saved after a block belong to no block until the next."""
+    def exit(self, block: Block, output: Any = None) -> None:
+        """Block listener: saved tensors go to no block until the next; the top block's output is watched (NOTE [The parts' moment])."""
         self._counter.current = OUTSIDE
         if self._step is not None and self._step.stage is Stage.FORWARD:
             self.protection.exit(self._step, block)
+            if self.planning.model.parts_apart and block is self.blocks[-1]:
+                self.meter.watch_parts(self._step, output)
 
     def enter(self, block: Block, args: tuple, kwargs: dict) -> None:
         """Block listener: fix the plan at the first block; attribute saved tensors; probe."""
@@ -484,9 +485,8 @@ class Controller:
     def run_step(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run one micro-step ``fn(*args, **kwargs)`` (its forward and backward) and return its result; on an OOM,
         replay it with the same RNG state and a safer plan, so that the gradients are those of a run without the OOM,
-        accumulation windows included (NOTE [Replay in a plain loop] in engine/run/replay.py).
-
-        Raises: BudgetTooSmallError: when no safer plan exists.
+        accumulation windows included (NOTE [Replay in a plain loop] in engine/run/replay.py). Raises:
+        BudgetTooSmallError: when no safer plan exists.
 
         Example:
             >>> for batch in loader:  # doctest: +SKIP

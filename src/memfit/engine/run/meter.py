@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from memfit.engine.parts.accounting import local, optimizer_state_bytes
 from memfit.engine.budget import apply_cuda_cap
@@ -76,6 +77,16 @@ class Meter:
 
     def block_run(self, step: StepState | None) -> None:
         """A block's body is about to run (in forward, or recomputed in backward)."""
+
+    def parts_done(self, step: StepState | None) -> None:
+        """The top block's output gradient arrived: the LM head's backward is done (NOTE [The parts' moment],
+        engine/plan/model.py)."""
+
+    def watch_parts(self, step: StepState, output: Any) -> None:
+        """Call :meth:`parts_done` when the gradient of ``output`` (the top block's, in a training forward) arrives."""
+        out = next((t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if out is not None:
+            out.register_hook(lambda grad: self.parts_done(step))
 
     def window_start(self, step: StepState) -> int | None:
         """Open a window over one block's forward; returns the bytes allocated at its start (None:
@@ -202,6 +213,15 @@ class CudaMeter(Meter):
         step.window_carry = 0
         torch.cuda.reset_peak_memory_stats(self.device)
 
+    def parts_done(self, step: StepState | None) -> None:
+        """Read the peak so far apart, the LM head's backward's moment (NOTE [The parts' moment], engine/plan/model.py):
+        once a step, before its first recompute."""
+        if step is None or step.stage is not Stage.BACKWARD or step.parts_peak is not None or step.start_peak is not None:
+            return
+        _, step.parts_peak, _, _ = self._read(step)
+        step.window_carry = 0
+        torch.cuda.reset_peak_memory_stats(self.device)
+
     def window_start(self, step: StepState) -> int:
         """# NOTE [Block windows]
         The allocator keeps one peak; reading a block's own peak resets it. So the peak so far
@@ -252,7 +272,7 @@ class CudaMeter(Meter):
         optimizer = None
         if step.rest_peak is not None:  # since the optimizer's pre-hook reset the counter, `rest` is its step's
             optimizer, rest = rest, step.rest_peak
-        peak = rest if step.start_peak is None else max(rest, step.start_peak)
+        peak = max(rest if step.start_peak is None else max(rest, step.start_peak), step.parts_peak or 0)
         # the allocator's retries since the last step was read: its optimizer step's are this one's
         retries_now = int((stats if stats is not None else torch.cuda.memory_stats(self.device)).get("num_alloc_retries", 0))
         retries = 0 if self._retries is None else retries_now - self._retries
@@ -260,17 +280,17 @@ class CudaMeter(Meter):
         pools = None
         if retries or not self._pools_read:  # the run's first step, and a step that retried: a read walks every block
             pools, self._pools_read = _other_pools_free(self.device), True
-        return Peaks(peak=peak, reserved=reserved, rest=rest, start=step.start_peak, optimizer=optimizer,
+        return Peaks(peak=peak, reserved=reserved, rest=rest, start=step.start_peak, parts=step.parts_peak, optimizer=optimizer,
                      alloc_retries=retries, pool_bytes=pools)
 
     def oom_readings(self, step: StepState | None) -> dict[str, int | None]:
-        # the larger of the backward's start, read apart at its first recompute, and what came since
-        start = (step.start_peak or 0) if step is not None and step.rest_peak is None else 0
+        # the larger of the head's moment and the backward's start, each read apart, and what came since
+        start = max(step.start_peak or 0, step.parts_peak or 0) if step is not None and step.rest_peak is None else 0
         allocated, peak, reserved, _ = self._read(step)
         peak = max(peak, start)
         backward = None
         if step is not None and step.rest_peak is not None:
-            backward = max(step.rest_peak, step.start_peak or 0)
+            backward = max(step.rest_peak, step.start_peak or 0, step.parts_peak or 0)
         return {
             "allocated_bytes": allocated, "peak_allocated_bytes": peak,
             "reserved_bytes": reserved, "unusable_reserved_bytes": max(0, reserved - peak),

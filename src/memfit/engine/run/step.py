@@ -52,6 +52,8 @@ class StepState:
         upcoming: per block, the backstop's (bytes still to come, bytes before) predictions.
         evicted, evicted_ms: blocks evicted this step, and their recompute time.
         backstop_input: per block, what the stores kept only as block inputs.
+        parts_peak: allocator peak when the top block's output gradient arrived: the LM head's backward done (CUDA,
+            where the model reads that moment apart: NOTE [The parts' moment], engine/plan/model.py).
         start_peak, start_reserved: allocator peaks at the backward's first recompute (CUDA).
         rest_peak: allocator peak read at the optimizer's step (CUDA).
         window_carry: the step's allocator peak before the last block window reset it (NOTE
@@ -86,6 +88,7 @@ class StepState:
     evicted: list[int] = field(default_factory=list)
     evicted_ms: float = 0.0
     backstop_input: list[int] = field(default_factory=list)
+    parts_peak: int | None = None
     start_peak: int | None = None
     start_reserved: int | None = None
     rest_peak: int | None = None

@@ -326,7 +326,7 @@ class HeadPart(PartKind):
     ):
         self.switch, self.extra_ms, self.per_chunk_ms = switch, float(extra_ms), float(per_chunk_ms)
         self.extra_ms_per_token = float(extra_ms_per_token)
-        self.transient = transient
+        self.transient = self.moment_apart = transient  # priced transients: its moment read apart (NOTE [The parts' moment])
         self.free_bytes, self.aside = free_bytes, aside
         #: how many times its price changed (warm-up's probes, the plans' choice): NOTE [Parts priced anew]
         self.priced = 0
