@@ -855,7 +855,8 @@ def test_the_parts_moment_read_apart_bounds_a_chunked_heads_step_far_from_the_wa
 def test_a_step_with_the_parts_moment_apart_teaches_each_curve_in_its_terms():
     """NOTE [The parts' moment]: the head's moment is taught its reading plus the head's transient saving (kept
     terms), the rest its reading less the head's saved bytes (gone by then, though the outside curve holds them);
-    a step whose parts' moment was not read teaches no transient."""
+    a step whose parts' moment was not read teaches the rest its whole transient (at least the rest's), and the
+    parts' curve nothing."""
     from memfit.engine.plan import learner
     from memfit.engine.plan.planner import Plan
 
@@ -869,9 +870,9 @@ def test_a_step_with_the_parts_moment_apart_teaches_each_curve_in_its_terms():
     assert taught[("transient_full",)] == -50 - 5 * tokens  # the saving's saved part off
     assert taught[("outside",)] == 1000 + 5 * tokens
     unread = learner.StepOutcome(key=(4, 16), plan=plan, warmup=True, outside=1000, by_block=[10, 10], static=0,
-                                 peak=0, plain_peak=0, transient=-50)
-    taught = {path for path, _, _ in learner.learn_step(planning, unread, None, (4, 16)).samples}
-    assert not taught & {("transient_parts",), ("transient_full",), ("transient_partial",)}
+                                 peak=0, plain_peak=0, transient=-40)
+    taught = {path: value for path, _, value in learner.learn_step(planning, unread, None, (4, 16)).samples}
+    assert ("transient_parts",) not in taught and taught[("transient_full",)] == -40 - 5 * tokens
 
 
 def test_step_outcome_reads_the_parts_moment_and_the_rest_apart():

@@ -304,9 +304,9 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
         for name in dict.fromkeys(names[i] for i in members):  # each treatment's curve learns its blocks' bytes
             value = max(by_block[i] for i in members if names[i] == name)
             curves.append((("bytes", group_id, name), group.bytes.get(name), value))
+    # a step whose parts' moment was not read apart teaches the rest its whole transient: at least the rest's
     transient_path, transient = None, outcome.transient
-    apart = not model.parts_apart or outcome.parts_transient is not None  # the rest known apart from the parts' moment
-    if transient is not None and not evicted and apart:  # an evicting step's transient was lowered by its evictions
+    if transient is not None and not evicted:  # an evicting step's transient was lowered by its evictions
         if len(planned) == len(model.groups) and not outcome.plan.kinds:
             transient_path = ("transient_full",)
         elif outcome.start_transient is not None:  # NOTE [Reading the backward's start]

@@ -127,7 +127,9 @@ it was held) beside the transients of the rest, which hold no part's bytes: the 
 saved bytes off them (gone by then, though the outside curve counts them), and the rest's moments take
 no saving off. The backward's start is the larger of the parts' moment (the plan's saving off) and the
 rest's. ``parts_apart`` says a model learns so, set before its first sample; a model that learnt the
-other way (an older state, or logical accounting where no transient is priced) keeps one curve.
+other way (an older state, or logical accounting where no transient is priced) keeps one curve. A step
+whose parts' moment was not read (its top block's output needs no gradient) teaches the rest its whole
+transient, which bounds the rest's.
 
 # NOTE [Treatment prices]
 A treatment's price is the time it adds to a step: ``recompute``, the block's forward
