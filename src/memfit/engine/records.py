@@ -148,6 +148,9 @@ class StepRecord:
     #: the bytes the CUDA caching allocator held free in other streams' pools at the step's end, where read (the
     #: run's first step and a step that retried: NOTE [Other streams' pools] in room.py); None where not read
     stream_pool_bytes: int | None = None
+    #: the peak until the parts beside the blocks (the LM head) finished their backward, read apart where the model
+    #: learns that moment so (CUDA: NOTE [The parts' moment] in plan/model.py); None elsewhere
+    parts_peak_bytes: int | None = None
     #: the treated blocks of the plan, by treatment name (``{"recompute": [0, 1]}``); every
     #: other block was kept (engine/parts/treatments/); and the LM head's label under ``"head"`` when the
     #: plan placed it (NOTE [The head in a record])

@@ -130,5 +130,5 @@ class StepState:
             planner_us=self.planner_us, planned=self.planned, evicted_blocks=self.evicted, backstop_armed=self.armed,
             backstop_input_bytes=backstop_input, oom_attempts=oom_attempts, rank=rank,
             treatments=plan.by_treatment(), counted=self.counted, alloc_retries=outcome.alloc_retries,
-            stream_pool_bytes=outcome.pool_bytes, compile_ms=compile_s * 1e3, compiled_graphs=graphs,
+            stream_pool_bytes=outcome.pool_bytes, parts_peak_bytes=self.parts_peak, compile_ms=compile_s * 1e3, compiled_graphs=graphs,
         )
