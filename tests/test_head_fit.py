@@ -492,7 +492,6 @@ def test_a_budget_below_static_plus_the_least_head_is_the_one_line_budget_error(
 
 
 def test_the_warning_of_a_shape_that_cannot_fit_names_the_head_and_blames_it_when_it_dominates(caplog):
-    from memfit.engine.plan.planner import Plan
     from memfit.engine.plan.planning import Planning
     from memfit.engine.parts.treatments.chunked_head import HeadPart
     from memfit.engine.parts.head import attach_head
@@ -897,7 +896,7 @@ def test_the_top_blocks_output_gradient_marks_the_parts_moment_once_a_step():
     model = _base().train()
     ctl = memfit.fit(model, budget=BUDGET, announce=False)
     order: list[str] = []
-    ctl.meter.parts_done = lambda step: order.append("parts")
+    ctl.meter.parts_done = lambda step: (order.append("parts"), setattr(step, "parts_peak", 123))
     top = ctl.blocks[-1].module
     top.register_full_backward_hook(lambda m, gi, go: order.append("top block done"))
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -908,4 +907,22 @@ def test_the_top_blocks_output_gradient_marks_the_parts_moment_once_a_step():
         order.clear()
         ctl.run_step(lambda: model(input_ids=ids, labels=ids).loss.backward())
         assert order[0] == "parts" and order.count("parts") == 1, order
+        assert ctl.records[-1].parts_peak_bytes == 123  # the reading, in the step's record
     ctl.remove()
+
+
+def test_a_model_that_learnt_one_curve_keeps_it_when_a_part_reads_its_moment_apart():
+    """NOTE [The parts' moment]: the mode is set before a model's first transient sample, never after (its curves
+    would mix two terms); a part that prices no transient never sets it."""
+    class Apart(PartKind):
+        name = "head"
+        moment_apart = True
+
+    for partial in (False, True):
+        planning = _learned_planning(partial=partial)
+        if partial:
+            planning.model.transient_full = type(planning.model.transient_full)(intercept=True, floor=None, linear_until=6)
+        planning.add_part(Apart())
+        assert planning.model.parts_apart is False
+    fresh = _apart_planning(False)
+    assert fresh.model.parts_apart is False

@@ -271,7 +271,7 @@ class Planning:
             parts[kind] = part
         self.parts = parts
         self.model.part_saving = {k: p.saved_bytes for k, p in parts.items()}
-        self.model.parts_apart |= part is not None and getattr(part, "moment_apart", False) and not self.model.transient_full.fitted  # NOTE [The parts' moment]
+        self.model.parts_apart |= part is not None and getattr(part, "moment_apart", False) and not (self.model.transient_full.fitted or self.model.transient_partial.fitted)  # NOTE [The parts' moment]
         self.cache.clear()
 
     def add_part(self, part: Any) -> None:

@@ -84,9 +84,12 @@ class Meter:
 
     def watch_parts(self, step: StepState, output: Any) -> None:
         """Call :meth:`parts_done` when the gradient of ``output`` (the top block's, in a training forward) arrives."""
+        def done(grad: torch.Tensor) -> None:  # a hook that returns nothing leaves the gradient as it is
+            self.parts_done(step)
+
         out = next((t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad), None)
         if out is not None:
-            out.register_hook(lambda grad: self.parts_done(step))
+            out.register_hook(done)
 
     def window_start(self, step: StepState) -> int | None:
         """Open a window over one block's forward; returns the bytes allocated at its start (None:

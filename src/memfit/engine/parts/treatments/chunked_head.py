@@ -302,8 +302,7 @@ class HeadPart(PartKind):
         extra_ms_per_token: the chunked head's time over keep per token of the batch.
         free_bytes: what the room has free now, given the probe's device (None: not known; the probe
             then runs on one chunk's rows: NOTE [A probe at the steps' size]).
-        aside: a context the probe runs in, so that its bytes are not the step's (the meter's
-            :meth:`~memfit.engine.run.meter.Meter.aside`: NOTE [Work aside from the step]).
+        aside: a context the probe runs in, its bytes not the step's (``Meter.aside``: NOTE [Work aside from the step]).
 
     Attributes:
         probes: per implementation and chunk count, the least ``keep`` and ``chunked`` times (ms)
@@ -317,6 +316,7 @@ class HeadPart(PartKind):
     """
 
     name = HEAD_KEY
+    moment_apart = property(lambda self: self.transient)  # its moment read apart where priced (NOTE [The parts' moment])
 
     def __init__(
         self, switch: HeadSwitch, extra_ms: float = 0.0, per_chunk_ms: float = 0.0, transient: bool = True,
@@ -326,7 +326,7 @@ class HeadPart(PartKind):
     ):
         self.switch, self.extra_ms, self.per_chunk_ms = switch, float(extra_ms), float(per_chunk_ms)
         self.extra_ms_per_token = float(extra_ms_per_token)
-        self.transient = self.moment_apart = transient  # priced transients: its moment read apart (NOTE [The parts' moment])
+        self.transient = transient
         self.free_bytes, self.aside = free_bytes, aside
         #: how many times its price changed (warm-up's probes, the plans' choice): NOTE [Parts priced anew]
         self.priced = 0
