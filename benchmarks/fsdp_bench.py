@@ -305,14 +305,20 @@ def _cap(device, budget_bytes: int | None) -> None:
         torch.cuda.set_per_process_memory_fraction(1.0 if budget_bytes is None else min(1.0, budget_bytes / total), device)
 
 
-def _static_need(model, optimizer) -> dict[str, int]:
-    """This rank's weights, gradients, AdamW state and step temporaries (memfit's static check)."""
+def _static_need(model, optimizer, budget_bytes: int | None = None, treated: bool = False) -> dict[str, int]:
+    """This rank's weights, gradients, AdamW state and step temporaries (memfit's static check): foreach's, or where
+    ``treated`` (memfit's methods) those its optimizer step part runs in what ``budget_bytes`` leaves (the per-tensor
+    step where foreach's do not fit: NOTE [The optimizer step's treatments])."""
     from memfit.engine.parts.accounting import expected_optimizer_bytes, local
     from memfit.engine.run.controller import check_static_need_of
     from memfit.engine.parts.optim_state import torch_step_transient_bytes
+    from memfit.engine.parts.optimizer_step import choose_step
 
-    return check_static_need_of(model, None, expected_optimizer_bytes(optimizer),
-                                transient_bytes=torch_step_transient_bytes(optimizer, local))
+    state = expected_optimizer_bytes(optimizer)
+    if treated and budget_bytes is not None:
+        rest = sum(check_static_need_of(model, None, state).values())
+        return check_static_need_of(model, None, state, transient_bytes=choose_step(optimizer, budget_bytes - rest, local))
+    return check_static_need_of(model, None, state, transient_bytes=torch_step_transient_bytes(optimizer, local))
 
 
 def _train(args, config: Config, device, rank: int, budget_bytes: int | None, out: Path, inject: str | None = None):
@@ -327,7 +333,7 @@ def _train(args, config: Config, device, rank: int, budget_bytes: int | None, ou
     out.mkdir(parents=True, exist_ok=True)
     model, accelerator, vocab = _sharded_model(config, device, rank)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    need = _static_need(model, optimizer)
+    need = _static_need(model, optimizer, budget_bytes, treated=not peer)
     static_bytes = int(_agree(sum(need.values()), device))
     base = {
         "name": config.name, "method": method, "rank": rank, "world_size": dist.get_world_size(), "model": config.model,

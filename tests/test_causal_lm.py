@@ -364,3 +364,22 @@ def test_the_floor_of_the_longest_batch_is_said_at_start(tmp_path, monkeypatch, 
     monkeypatch.setattr(train, "say_floor_at_start", lambda *a, **k: said.append(k["on_cuda"]))
     run("causal-lm", ["--synthetic", "8", "--max_seq_length", "64", *TRAIN_FLAGS, "--output_dir", str(tmp_path)])
     assert said == [True]
+
+
+def test_the_floor_at_start_is_a_ranks_under_fsdp(monkeypatch):
+    """NOTE [The floor at start] under ``--fsdp``: the floor said is one rank's of the ranks the model is sharded over
+    (every rank under full_shard, a node's under hybrid_shard); shard_grad_op is not counted (no floor said)."""
+    from types import SimpleNamespace
+
+    from memfit.cli import start_floor
+
+    def args(*fsdp, world=4):
+        return SimpleNamespace(fsdp=list(fsdp), world_size=world)
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert start_floor._shards(args()) == 1 and start_floor._shards(SimpleNamespace(world_size=4)) == 1
+    assert start_floor._shards(args("full_shard", "auto_wrap")) == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert start_floor._shards(args("hybrid_shard", "auto_wrap")) == 2
+    with pytest.raises(ValueError, match="shard_grad_op"):
+        start_floor._shards(args("shard_grad_op"))

@@ -1177,3 +1177,48 @@ def test_a_blocks_backward_holds_the_attentions_or_its_adapters_float32_sum():
 
     assert beyond_inputs() == 2.5
     assert beyond_inputs(lora_r=16) == 3.0
+
+
+def test_a_sharded_rank_holds_its_shares_and_the_gathered_parameters():
+    """NOTE [Sharded ranks in the estimate]: under FSDP2 over N ranks a rank holds 1/N of the weights, gradients,
+    optimizer state and step temporaries, and beside them the root's parameters and up to three blocks' gathered
+    (two and their unsharded gradients and the reduce-scatter's input in backward, where the blocks train)."""
+    from memfit.tools.estimate.sharded import gathered_bytes, per_rank
+
+    profile = _llama_tiny()
+    block, root = max(profile.block_params), profile.n_params - sum(profile.block_params)
+    for lora_r, weights in ((0, "bf16"), (0, "fp32"), (8, "bf16")):
+        one = estimate(profile, TrainingSetup("bf16", "adamw", 2, weights=weights, lora_r=lora_r, checkpoint="full"), seq_length=64)
+        four = estimate(profile, TrainingSetup("bf16", "adamw", 2, weights=weights, lora_r=lora_r, checkpoint="full",
+                                               shards=4), seq_length=64)
+        for name in ("weights_bytes", "gradients_bytes", "optimizer_state_bytes", "optimizer_step_bytes"):
+            assert getattr(four, name) == per_rank(getattr(one, name), 4), (name, lora_r, weights)
+        width = 2 if weights == "bf16" else 4
+        grads = 0 if lora_r else width
+        assert four.gathered_bytes == 2 * root + max(3 * 2 * block, 2 * 2 * block + 2 * grads * block) > 0
+        assert four.gathered_bytes == gathered_bytes(profile.block_params, root, 2, grads)
+        assert one.gathered_bytes == 0 and four.autocast_copies_bytes == 0  # gathered in bf16: no autocast copy
+        assert four.backward_peak_bytes == (four.workspace_bytes + four.weights_bytes + four.optimizer_state_bytes
+                                            + four.backward_bytes + four.gathered_bytes)
+        # the activations are a rank's own micro-batch's, unsharded; the gradients made so far are shares
+        assert four.activations_bytes == one.activations_bytes
+        assert four.backward_bytes <= one.backward_bytes
+        assert four.step_peak_bytes < one.step_peak_bytes  # (the whole may grow: a small model's root is most of it)
+        assert any("FSDP2 ranks" in n for n in four.notes) and not any("FSDP2" in n for n in one.notes)
+    with pytest.raises(ValueError, match="--shards 0"):
+        TrainingSetup(shards=0)
+
+
+def test_the_cli_estimates_one_rank_of_several(capsys, monkeypatch):
+    from memfit.errors import FlagError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["--model", "llama-tiny", "--batch_size", "2", "--seq_length", "64", "--precision", "bf16",
+                     "--weights", "bf16", "--shards", "2", "--memory_budget", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "one rank of 2 FSDP2 ranks" in out.splitlines()[0]
+    assert "| gathered by FSDP2 |" in out and "gathered by FSDP2" in out.split("floor at this shape")[1]
+    assert main(["--model", "llama-tiny", "--batch_size", "2", "--seq_length", "64", "--precision", "bf16",
+                     "--weights", "bf16", "--shards", "2", "--advise", "--memory_budget", "1GiB"]) == 0
+    with pytest.raises(FlagError, match="--shards 0"):
+        main(["--model", "llama-tiny", "--batch_size", "2", "--seq_length", "64", "--shards", "0"])

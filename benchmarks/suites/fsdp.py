@@ -25,7 +25,8 @@ torchrun agents of one rank each, a c10d rendezvous on localhost, each agent on 
 ``x2-long`` (GPUs 0,1; within 560 s): Llama-3.1-8B with LoRA on one sequence of 65,536 tokens per rank in 24 GiB per
 rank, 6 steps, then HF checkpointing at that cap for 2 (issue 61).
 
-``x2-reach`` (2 GPUs, within 560 s): the smallest per-rank cap, memfit's against each peer's need (``REACH``).
+``x2-reach`` (2 GPUs, within 560 s): the smallest per-rank cap, memfit's against each peer's need (``REACH``);
+``x2-reach-below`` (within 400 s) the caps below it and the offloading peer's need (``REACH_BELOW``).
 
 ``x2-repeats`` and ``x4-repeats`` (2 and 4 GPUs, within 560 s each): the comparison of ``dynamic``
 with ``full``, HF checkpointing and Accelerate's activation checkpointing at 0.5 (3B full fine-tuning, 8B LoRA), 2 interleaved repeats, each
@@ -168,7 +169,7 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
                      ctx.folder("fsdp/x4") / "scaling.md")
     out.append(Call(x4_call.name, [*x4_call.commands, scaling], folder=x4_call.folder, timeout_s=x4_call.timeout_s,
                     env=x4_call.env))
-    return out if ctx.quick else out + _repeated_cells(ctx) + [_reach(ctx)]
+    return out if ctx.quick else out + _repeated_cells(ctx) + [_reach(ctx), _reach_below(ctx)]
 
 
 #: the cells run with 2 interleaved repeats (``x2-repeats``, ``x4-repeats``): dynamic against full, HF checkpointing
@@ -195,7 +196,20 @@ REACH = ("llama-3b/hf-ckpt@40GiB:8", "llama-3b/accelerate-ac@40GiB:8", "llama-8b
          "llama-3b/hf-ckpt@18.5GiB:4")
 
 
+#: below s31's reach (``x2-reach-below``): memfit's static check now counts the optimizer step its part runs (the
+#: per-tensor step where foreach's do not fit), so the 3B shape is tried under the foreach count (16.80 GiB); the 8B
+#: LoRA between 11 GiB (stopped) and 14 (ran); Accelerate's activation checkpointing with its CPU offload, 4 steps
+#: (10.9x ``none`` a step in s29), for its need
+REACH_BELOW = ("llama-8b+lora/dynamic@13GiB", "llama-3b/dynamic@16GiB", "llama-8b+lora/dynamic@12GiB",
+               "llama-3b/dynamic@15GiB", "llama-3b/accelerate-ac-offload@40GiB:4", "llama-8b+lora/accelerate-ac-offload@40GiB:4")
+
+
 def _reach(ctx: Context) -> Call:
     """``x2-reach`` (2 GPUs, within 560 s): :data:`REACH`, the SFT batches of the other cells, each rank's time in
     collectives profiled."""
     return _matrix(ctx, "x2-reach", 2, 29716, list(REACH), JOB_S.get("x2-reach", 560), False, 12, extra=("--profile",))
+
+
+def _reach_below(ctx: Context) -> Call:
+    """``x2-reach-below`` (2 GPUs, within 400 s): :data:`REACH_BELOW`, the SFT batches of the other cells."""
+    return _matrix(ctx, "x2-reach-below", 2, 29717, list(REACH_BELOW), JOB_S.get("x2-reach-below", 400), False, 12)

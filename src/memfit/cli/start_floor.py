@@ -2,7 +2,8 @@
 
 # NOTE [The floor at start]
 Users hit the wall on their longest samples. Before the first step, ``memfit train`` knows the model, the
-setup (weights' dtype, LoRA's rank and dropout, the optimizer, the micro-batch) and every training example's
+setup (weights' dtype, LoRA's rank and dropout, the optimizer, the micro-batch, under ``--fsdp`` the ranks it
+shards over: the floor is then a rank's, NOTE [Sharded ranks in the estimate]) and every training example's
 length, so it asks ``memfit estimate``'s floor (NOTE [The floor], tools/estimate/floor.py) of the longest batch
 the data can make (the micro-batch x its longest example): one line at INFO where it fits the budget less its
 margin, and a WARNING where it does not, naming the longest length that fits at that micro-batch (a
@@ -16,6 +17,7 @@ run) says nothing beyond a DEBUG line: it never stops a run.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -58,7 +60,24 @@ def _setup(model: Any, training_args: Any) -> Any:
     optimizer = _optimizer(training_args)
     return TrainingSetup(precision=precision, optimizer=optimizer, micro_batch_size=training_args.per_device_train_batch_size,
                          weights=weights, lora_r=int(getattr(lora, "r", 0) or 0),
-                         lora_dropout=float(getattr(lora, "lora_dropout", 0.0) or 0.0))
+                         lora_dropout=float(getattr(lora, "lora_dropout", 0.0) or 0.0), shards=_shards(training_args))
+
+
+def _shards(training_args: Any) -> int:
+    """The ranks the run's FSDP shards the model over (NOTE [Sharded ranks in the estimate]): every rank under
+    ``--fsdp``'s full shard, a node's under its hybrid shard; 1 without ``--fsdp``.
+
+    Raises:
+        ValueError: for an FSDP option the estimate does not count (``shard_grad_op``: no floor is said).
+    """
+    options = {str(getattr(o, "value", o)) for o in getattr(training_args, "fsdp", None) or ()}
+    if not options:
+        return 1
+    if "shard_grad_op" in options:
+        raise ValueError("--fsdp shard_grad_op: the estimate counts full sharding only")
+    if "hybrid_shard" in options or "hybrid_shard_zero2" in options:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", training_args.world_size))
+    return int(training_args.world_size)
 
 
 def say_floor_at_start(model: Any, train_dataset: Any, training_args: Any, on_cuda: bool) -> str | None:

@@ -153,6 +153,7 @@ def advise(
     lora_r: int = 0,
     heads: Sequence[str] = ("keep",),
     lora_dropout: float = LORA_DROPOUT,
+    shards: int = 1,
     **inputs,
 ) -> list[Advice]:
     """Every setup that fits ``budget`` less ``margin``, fastest first.
@@ -175,6 +176,7 @@ def advise(
         heads: LM head treatments to try (``keep``, ``chunked``: a causal LM's; NOTE [The head in the
             estimate] in anatomy.py).
         lora_dropout: peft's LoRA dropout with ``lora_r`` (memfit train's ``--lora_dropout``).
+        shards: ranks FSDP2 shards over; the setups are then one rank's (NOTE [Sharded ranks in the estimate]).
         **inputs: ``seq_length`` / ``image_size``, ``attention``, ``num_choices`` as for
             :func:`memfit.tools.estimate.estimate`.
 
@@ -206,7 +208,7 @@ def advise(
             activations[micro, precision, weight] = activation_profile(profile, micro, precision=precision, weights=weight,
                                                                        lora_r=lora_r, lora_dropout=lora_dropout, **inputs)
         setup = TrainingSetup(precision, optimizer, micro, batch_size // micro, str(checkpointed), weight, lora_r, head,
-                              lora_dropout=lora_dropout)
+                              lora_dropout=lora_dropout, shards=shards)
         est = estimate(profile, setup, activations=activations[micro, precision, weight], **inputs)
         if not est.fits(usable) and OPTIMIZERS[optimizer].per_tensor:  # memfit runs the step per tensor then
             per_tensor = dataclasses.replace(setup, optimizer_step=PER_TENSOR)

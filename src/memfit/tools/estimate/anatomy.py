@@ -101,6 +101,7 @@ from memfit.engine.parts.optimizer_step import KEEP, PER_TENSOR
 from memfit.errors import DataError, FlagError, MissingFileError
 from memfit.tasks.causal_lm import LORA_DROPOUT, check_lora_dropout
 from memfit.tools.estimate.meta_kernels import cuda_kernels
+from memfit.tools.estimate.sharded import gathered_bytes, per_rank
 
 __all__ = [
     "TASKS",
@@ -1007,6 +1008,9 @@ class TrainingSetup:
     """The optimizer step's treatment (parts/optimizer_step.py): ``keep`` (as torch makes it: foreach AdamW on
     CUDA) or ``per_tensor`` (torch's for-loop step, its temporaries one tensor's: what memfit runs where
     foreach's do not fit); an optimizer without a per-tensor step (:attr:`_Optimizer.per_tensor`) runs as made."""
+    shards: int = 1
+    """Ranks FSDP2 shards the weights, gradients and optimizer state over (the Trainer's ``--fsdp``, every rank of
+    every node); the estimate is then one rank's (NOTE [Sharded ranks in the estimate], sharded.py)."""
 
     def __post_init__(self) -> None:
         _check_choice("head", self.head, HEAD_CHOICES)
@@ -1025,6 +1029,8 @@ class TrainingSetup:
             raise FlagError(f"head_chunks {self.head_chunks}: give a chunk count of at least 1, or 0")
         check_lora_dropout(self.lora_dropout)
         _check_choice("optimizer_step", self.optimizer_step, (KEEP, PER_TENSOR))
+        if self.shards < 1:
+            raise FlagError(f"--shards {self.shards}: give the number of ranks FSDP shards over (1: one GPU, unsharded)")
 
     @property
     def batch_size(self) -> int:
@@ -1172,6 +1178,9 @@ class MemoryEstimate:
     mlp_tiling: MlpTiling | None = None
     """How the blocks' gated MLPs were counted where the setup tiles them; None where it does not (NOTE [The
     tiled MLP in the estimate])."""
+    gathered_bytes: int = 0
+    """Under FSDP2 (``setup.shards`` > 1): the unsharded parameters and gradients a rank holds at once in forward
+    and backward beside its shares (NOTE [Sharded ranks in the estimate], sharded.py); 0 on one GPU."""
 
     @property
     def block_treatment(self) -> str:
@@ -1189,8 +1198,8 @@ class MemoryEstimate:
 
     @property
     def backward_peak_bytes(self) -> int:
-        """Allocator peak of forward and backward (workspaces included)."""
-        return self.workspace_bytes + self.weights_bytes + self.optimizer_state_bytes + self.backward_bytes
+        """Allocator peak of forward and backward (workspaces and, under FSDP2, the gathered parameters included)."""
+        return self.workspace_bytes + self.weights_bytes + self.optimizer_state_bytes + self.backward_bytes + self.gathered_bytes
 
     @property
     def step_peak_bytes(self) -> int:
@@ -1214,7 +1223,7 @@ class MemoryEstimate:
 
 def backward_phase_bytes(
     profile: ModelProfile, activations: ActivationProfile, n_checkpointed: int, half: bool, grad_bytes: int = 4,
-    head_transient_bytes: int = 0, on_host: bool = False,
+    head_transient_bytes: int = 0, on_host: bool = False, shards: int = 1,
 ) -> int:
     """Peak over forward and backward above weights and optimizer state (NOTE [Phases of a step]).
 
@@ -1229,6 +1238,8 @@ def backward_phase_bytes(
             forward (NOTE [The head in the estimate]).
         on_host: the checkpointed blocks are on ``host_checkpoint`` (NOTE [Checkpoints on the host in the
             estimate]).
+        shards: ranks the gradients are sharded over (NOTE [Sharded ranks in the estimate], sharded.py: the
+            gathered parameters are counted apart).
 
     Returns:
         The largest of: the end of the forward, and each block's backward.
@@ -1238,8 +1249,8 @@ def backward_phase_bytes(
     block_params = profile.block_params or (0,) * n
     block_copies = [half_bytes * m for m in (profile.block_matmul_params or (0,) * n)]
     head_copies = half_bytes * profile.matmul_weight_params - sum(block_copies)
-    grads = [grad_bytes * p for p in block_params]
-    head_grads = grad_bytes * (profile.n_params - sum(block_params) - profile.embedding_params)
+    grads = [per_rank(grad_bytes * p, shards) for p in block_params]
+    head_grads = per_rank(grad_bytes * (profile.n_params - sum(block_params) - profile.embedding_params), shards)
     kept = activations.kept_bytes(n_checkpointed, on_host)
     outside = activations.outside_bytes + activations.shared_bytes(n_checkpointed)
     # end of forward: the autocast cache holds every copy, checkpointed blocks' too
@@ -1344,7 +1355,19 @@ def estimate(
         per_tensor = _per_tensor_step_bytes(optimizer.per_tensor, trained if setup.lora_r else shapes, 4 if setup.lora_r else width)
         # the engine offers it only where its temporaries are fewer (parts/optimizer_step.py)
         step_per_tensor, step_temp = per_tensor < step_temp, min(step_temp, per_tensor)
-    copies = half and setup.weights == "fp32"
+    # NOTE [Sharded ranks in the estimate] (sharded.py): a rank's shares, the gathered parameters apart, which
+    # FSDP2 gathers in the half precision (no autocast copy of them is made)
+    copies = half and setup.weights == "fp32" and setup.shards == 1
+    gathered = 0
+    if setup.shards > 1:
+        shards = setup.shards
+        state, step_temp, grads = per_rank(state, shards), per_rank(step_temp, shards), per_rank(grads, shards)
+        blocks = profile.block_params or (0,)
+        gathered = gathered_bytes(blocks, profile.n_params - sum(profile.block_params), 2 if half else width,
+                                  0 if setup.lora_r else width)
+        notes.append(f"one rank's bytes of {shards} FSDP2 ranks: weights, gradients and optimizer state a 1/{shards} "
+                     "share each, the parameters gathered for the blocks and the root apart (NOTE [Sharded ranks in "
+                     "the estimate])")
     head = lm_head_bytes(profile, setup.micro_batch_size * (seq_length or 0), setup.precision, setup.weights,
                          setup.head_chunks)
     head_transient = 0
@@ -1362,12 +1385,13 @@ def estimate(
         n_params=profile.n_params,
         n_blocks=profile.n_blocks,
         checkpointed_blocks=k,
-        weights_bytes=width * profile.n_params + 4 * n_trained,
+        weights_bytes=per_rank(width * profile.n_params + 4 * n_trained, setup.shards),
         autocast_copies_bytes=2 * profile.matmul_weight_params if copies else 0,
         gradients_bytes=grads,
         optimizer_state_bytes=state,
         activations_bytes=activations.total_bytes(k, setup.on_host),
-        backward_bytes=backward_phase_bytes(profile, activations, k, copies, grad_bytes, head_transient, setup.on_host),
+        backward_bytes=backward_phase_bytes(profile, activations, k, copies, grad_bytes, head_transient, setup.on_host,
+                                            setup.shards),
         optimizer_step_bytes=step_temp,
         step_per_tensor=step_per_tensor,
         notes=tuple(notes),
@@ -1376,6 +1400,7 @@ def estimate(
                             default=0),
         host_bytes=pinned_host_bytes(activations, k) if setup.on_host else 0,
         mlp_tiling=activations.mlp_tiling,
+        gathered_bytes=gathered,
     )
 
 
@@ -1493,11 +1518,14 @@ def format_table(est: MemoryEstimate, budget: Budget | None = None, *, title: st
          + (f" (every block on {est.block_treatment})" if s.tiles_mlp else "")),
         ("forward + backward", est.backward_bytes,
          "above weights + state: copies + activations + gradients made so far + backward temporaries"),
+        *([("gathered by FSDP2", est.gathered_bytes, "the root's parameters and up to three blocks' (two and their "
+            "unsharded gradients in backward) at once, unsharded")] if s.shards > 1 else []),
         *_head_rows(est),
         ("optimizer step temporaries", est.optimizer_step_bytes, "with all gradients, after activations are freed"
          + (", the step run per tensor (memfit's where foreach's do not fit)" if est.step_per_tensor else "")),
         ("CUDA library workspaces", est.workspace_bytes, "cuBLAS/cuBLASLt, inside the allocator"),
-        ("peak of forward + backward", est.backward_peak_bytes, "workspaces + weights + state + forward + backward"),
+        ("peak of forward + backward", est.backward_peak_bytes, "workspaces + weights + state + forward + backward"
+         + (" + gathered" if s.shards > 1 else "")),
         ("peak of optimizer step", est.step_peak_bytes, "workspaces + weights + gradients + state + step temporaries"),
         ("total (what the budget caps)", est.total_bytes, "the larger peak"),
         ("CUDA context", est.cuda_context_bytes, "outside the caching allocator and the budget cap"),
@@ -1508,7 +1536,8 @@ def format_table(est: MemoryEstimate, budget: Budget | None = None, *, title: st
     lines = [title] if title else []
     lines += [
         f"setup: {s.precision}, {s.optimizer} ({' '.join(opt.train_flags)}), micro-batch {s.micro_batch_size} "
-        f"x {s.accumulation_steps} accumulation step(s), {est.n_params:,} parameters",
+        f"x {s.accumulation_steps} accumulation step(s), {est.n_params:,} parameters"
+        + (f"; one rank's bytes of {s.shards} FSDP2 ranks" if s.shards > 1 else ""),
         "",
         f"| part | {unit[0]} | bytes | assumption |",
         "| --- | ---: | ---: | --- |",

@@ -84,6 +84,10 @@ def _parser() -> ArgumentParser:
                    "memfit's treatments reach, every block on host_checkpoint_tiled (host_checkpoint where the MLP is not "
                    "tiled) and the LM head chunked the most, from 1k tokens up to --seq_length (or the model's positions), "
                    "and with --memory_budget the longest it admits")
+    p.add_argument("--shards", type=int, default=1, help="ranks FSDP2 shards the model over (the Trainer's --fsdp "
+                   "full_shard on that many GPUs, every node's): the estimate, the advice and the floor are then one "
+                   "rank's, its share of weights, gradients and optimizer state and the parameters it gathers "
+                   "(default 1: one GPU)")
     p.add_argument("--memfit_host_budget", help="pinned host memory host_checkpoint may hold, as memfit train's flag "
                    "('16GiB', '16GB' or bytes): the floor's pinned bytes are checked against it")
     p.add_argument("--top", type=int, default=10, help="setups listed by --advise")
@@ -168,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         raise FlagError("--advise and --floor: run them apart (--floor prints the floor per length of the setup flags)")
     if args.floor and args.image_size:
         raise FlagError("--floor is per sequence length: a text model's (give --seq_length, not --image_size)")
-    for flag in ("batch_size", "gradient_accumulation_steps", "seq_length", "num_choices", "image_size"):
+    for flag in ("batch_size", "gradient_accumulation_steps", "seq_length", "num_choices", "image_size", "shards"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise FlagError(f"--{flag} {getattr(args, flag)}: give a whole number of at least 1")
     if args.batch_size % args.gradient_accumulation_steps:
@@ -189,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
               "num_choices": args.num_choices}
     title = f"memfit estimate: {profile.name}, {args.task}, " + (
         f"{args.image_size}x{args.image_size} pixels" if args.image_size else f"{args.seq_length} tokens"
-    ) + f", batch {args.batch_size}" + (f", {args.attention} attention" if profile.bert_family else "")
+    ) + f", batch {args.batch_size}" + (f", {args.attention} attention" if profile.bert_family else "") + (
+        f", one rank of {args.shards} FSDP2 ranks" if args.shards > 1 else "")
     if args.lora_r < 0:
         raise FlagError(f"--lora_r {args.lora_r}: give a rank of at least 1 (or 0 for full fine-tuning)")
     if (args.lora_r or args.weights != "fp32") and args.task != "causal-lm":
@@ -204,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         weights = ("fp32", "bf16") if args.task == "causal-lm" else ("fp32",)
         heads = HEAD_CHOICES if args.task == "causal-lm" else ("keep",)  # NOTE [The head in the estimate]
         options = dict(precisions=("fp32", half), optimizers=optimizers, margin=args.margin, weights=weights, heads=heads,
-                       lora_dropout=args.lora_dropout)
+                       lora_dropout=args.lora_dropout, shards=args.shards)
         try:
             ranked = advise(profile, args.batch_size, budget, lora_r=args.lora_r, **options, **inputs)
         except NothingFitsError as err:
@@ -229,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         lora_r=args.lora_r,
         head=args.head,
         lora_dropout=args.lora_dropout,
+        shards=args.shards,
     )
     if not args.floor or args.seq_length:  # without a length the estimate asks for one (--floor: up to the model's)
         print(format_table(estimate(profile, setup, **inputs), budget, title=title))

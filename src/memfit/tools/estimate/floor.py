@@ -144,7 +144,8 @@ def floor_words(est: MemoryEstimate, size: Callable[[int], str] = format_bytes) 
     + ..."`` (NOTE [Phases of a step], anatomy.py: the gradients are whole only in the optimizer step)."""
     if est.backward_peak_bytes >= est.step_peak_bytes:
         parts = [("weights", est.weights_bytes), ("optimizer state", est.optimizer_state_bytes),
-                 ("workspaces", est.workspace_bytes), ("forward and backward", est.backward_bytes)]
+                 ("workspaces", est.workspace_bytes), ("forward and backward", est.backward_bytes),
+                 ("gathered by FSDP2", est.gathered_bytes)]
         tail = f" (at its peak, one block's recompute and backward: {size(est.recompute_bytes)}"
         if est.lm_head is not None:
             tail += f"; at its own moment, the LM head chunked in {est.lm_head.n_chunks}: {size(est.lm_head.bytes('chunked'))}"
