@@ -383,3 +383,18 @@ def test_the_floor_at_start_is_a_ranks_under_fsdp(monkeypatch):
     assert start_floor._shards(args("hybrid_shard", "auto_wrap")) == 2
     with pytest.raises(ValueError, match="shard_grad_op"):
         start_floor._shards(args("shard_grad_op"))
+    with pytest.raises(ValueError, match="offload"):
+        start_floor._shards(args("full_shard", "offload"))
+    # the Trainer's own arguments, as this transformers keeps them (later ones: fsdp True, the strategy in fsdp_config)
+    from transformers import TrainingArguments
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    trainer = TrainingArguments(output_dir="/tmp/unused", fsdp="full_shard auto_wrap", report_to="none", use_cpu=True,
+                                fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+    assert start_floor._shards(trainer) == trainer.world_size == 1
+    monkeypatch.setattr(type(trainer), "world_size", property(lambda self: 8))
+    assert start_floor._shards(trainer) == 8
+    grad_op = TrainingArguments(output_dir="/tmp/unused", fsdp="shard_grad_op auto_wrap", report_to="none", use_cpu=True,
+                                fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+    with pytest.raises(ValueError, match="shard_grad_op"):
+        start_floor._shards(grad_op)

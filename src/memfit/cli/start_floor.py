@@ -65,17 +65,25 @@ def _setup(model: Any, training_args: Any) -> Any:
 
 def _shards(training_args: Any) -> int:
     """The ranks the run's FSDP shards the model over (NOTE [Sharded ranks in the estimate]): every rank under
-    ``--fsdp``'s full shard, a node's under its hybrid shard; 1 without ``--fsdp``.
+    full sharding, a node's under hybrid sharding; 1 without ``--fsdp``. Read from ``--fsdp``'s words (transformers
+    up to 5.2x: a list of options) or, where the Trainer has moved them there (later: ``fsdp`` is then True), from
+    ``fsdp_config``'s ``reshard_after_forward``.
 
     Raises:
-        ValueError: for an FSDP option the estimate does not count (``shard_grad_op``: no floor is said).
+        ValueError: for sharding the estimate does not count (``shard_grad_op``, or the parameters offloaded to the
+            host: no floor is said).
     """
-    options = {str(getattr(o, "value", o)) for o in getattr(training_args, "fsdp", None) or ()}
-    if not options:
+    fsdp = getattr(training_args, "fsdp", None)
+    if not fsdp:
         return 1
-    if "shard_grad_op" in options:
+    config = getattr(training_args, "fsdp_config", None) or {}
+    words = {str(getattr(o, "value", o)) for o in (fsdp.split() if isinstance(fsdp, str) else fsdp)} if fsdp is not True else set()
+    words.add(str(config.get("reshard_after_forward", "")).lower())
+    if words & {"shard_grad_op", "false", "no_shard"}:
         raise ValueError("--fsdp shard_grad_op: the estimate counts full sharding only")
-    if "hybrid_shard" in options or "hybrid_shard_zero2" in options:
+    if "offload" in words or config.get("cpu_offload") or config.get("offload_params"):
+        raise ValueError("--fsdp offload: the estimate counts parameters on the GPU only")
+    if words & {"hybrid_shard", "hybrid_shard_zero2"}:
         return int(os.environ.get("LOCAL_WORLD_SIZE", training_args.world_size))
     return int(training_args.world_size)
 
