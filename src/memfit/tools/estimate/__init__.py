@@ -5,6 +5,7 @@
 * :mod:`memfit.tools.estimate.meta_kernels`: what CUDA's fused kernels save, for the count on the meta device;
 * :mod:`memfit.tools.estimate.advise`: the fastest setups (precision, optimizer, accumulation,
   method) that fit a budget (:func:`advise`);
+* :mod:`memfit.tools.estimate.sharded`: one rank's share under FSDP2 and the parameters it gathers (``--shards``);
 * :mod:`memfit.tools.estimate.floor`: the floor of a shape, the smallest cap memfit's treatments reach
   (:func:`floor_estimate`), per length and the longest a budget admits (:class:`Floors`);
 * :mod:`memfit.tools.estimate.cli`: ``memfit estimate``.
