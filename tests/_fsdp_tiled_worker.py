@@ -70,7 +70,9 @@ def train(treated: bool) -> tuple[dict, int]:
             opt.zero_grad(set_to_none=True)
     finally:
         tiled_module._TiledMlpFunction.forward = staticmethod(run)
-    if ctl is not None:
+    if ctl is not None:  # NOTE [Warm-up on the floor]: a block's parameters as FSDP2 gathers them, not this rank's shards
+        whole = max(sum(p.full_tensor().numel() * p.element_size() for p in layer.parameters()) for layer in layers)
+        assert ctl.planning.gathered_block_bytes == whole > 0, (ctl.planning.gathered_block_bytes, whole)
         ctl.remove()
     state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()}
     return state, calls["n"]

@@ -1087,9 +1087,36 @@ def test_dynamic_warmup_ends_when_the_data_repeats_its_shapes(lengths, warm):
         model=SimpleNamespace(ready=True), all_blocks=(0, 1), bucket_tokens=8,
         plan_for=lambda key, whole_row=False: Plan(()),
         budget_bytes=None, input_bytes_per_token=0, mlp_bytes_per_token=0, static_bytes=0, n_blocks=2,  # no budget: no floor
+        gathered_block_bytes=0,
     )
     warmups = [method.decide(planning, (1, n)).warmup for n in lengths]
     assert warmups == [True] * warm + [False] * (len(lengths) - warm)
+
+
+def test_the_warm_up_bound_counts_a_blocks_gathered_parameters():
+    """NOTE [Warm-up on the floor] under FSDP2: every block's input, the last block's MLP and the parameters FSDP2
+    gathers for that block are held at once beside the rank's static shards; a budget the inputs alone fit but not with
+    the gathered block is over the bound. ``gathered_bytes`` counts a DTensor shard's parameters whole, and a
+    parameter the rank holds whole not at all."""
+    from types import SimpleNamespace
+
+    from memfit.engine.methods.dynamic import _inputs_over
+    from memfit.engine.parts.accounting import gathered_bytes
+
+    planning = SimpleNamespace(budget_bytes=10_000, input_bytes_per_token=4, mlp_bytes_per_token=8, static_bytes=5_000,
+                               n_blocks=10, gathered_block_bytes=0)
+    tokens = 90  # 5,000 + (10 x 4 + 8) x 90 = 9,320: under
+    assert not _inputs_over(planning, tokens)
+    planning.gathered_block_bytes = 1_000  # 10,320: over
+    assert _inputs_over(planning, tokens)
+
+    class Shard(torch.nn.Parameter):  # what a rank holds of a DTensor parameter: numel() is the whole's
+        def to_local(self):
+            return self
+
+    whole, shard = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    shard.weight = Shard(torch.zeros(4, 4, dtype=torch.bfloat16))
+    assert gathered_bytes(whole) == 0 and gathered_bytes(shard) == 16 * 2
 
 
 def test_a_bucket_over_predicted_step_after_step_is_corrected(monkeypatch):

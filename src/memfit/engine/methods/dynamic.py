@@ -37,7 +37,8 @@ by a bound that needs no measurement: every block recomputed keeps every block's
 device, ``blocks x tokens x`` the first block's input bytes a token, and the last block's forward
 holds besides them its gated MLP's gate and up outputs, ``2 x tokens x`` its intermediate width in
 the input's dtype, all beside the static bytes (an 8B model at 64k tokens: 16 + 3.5 GiB beside
-15.7 GiB of weights, against a 24 GiB cap; at 32k, 8 + 1.75 GiB). Under that bound the first warm-up
+15.7 GiB of weights, against a 24 GiB cap; at 32k, 8 + 1.75 GiB) and, under FSDP2, beside the last
+block's parameters gathered for it (static bytes are a rank's shards: 0.41 GiB for an 8B block). Under that bound the first warm-up
 step still tries the plan (what else a block's re-run makes is not known before it is measured).
 A warm-up on the floor runs no block recomputed, so the probe measures what a checkpoint keeps
 (``Recompute.probe``: the block's input): else the memory model, which needs it, is never ready and
@@ -200,7 +201,7 @@ def _inputs_over(planning: "Planning", tokens: int) -> bool:
     """Whether every block's input at ``tokens`` tokens and the last block's MLP run, beside the static bytes, are over
     the budget: every block recomputed cannot fit (NOTE [Warm-up on the floor])."""
     budget, per_token = planning.budget_bytes, planning.input_bytes_per_token
-    held = (planning.n_blocks * per_token + planning.mlp_bytes_per_token) * tokens
+    held = (planning.n_blocks * per_token + planning.mlp_bytes_per_token) * tokens + planning.gathered_block_bytes
     return bool(budget and per_token and planning.static_bytes + held > budget)
 
 

@@ -80,6 +80,7 @@ from memfit.engine.plan.room import Room
 from memfit.engine.plan.search import MAX_KEPT, Search
 from memfit.engine.shapes import bucket_key
 from memfit.engine.parts.treatments import KEEP, RECOMPUTE, TreatmentSpec, resolve
+from memfit.engine.parts.accounting import gathered_bytes
 from memfit.engine.parts.treatments.tiled_mlp import widest_intermediate
 from memfit.engine.parts.kind import AFTER_BLOCKS
 
@@ -248,9 +249,8 @@ class Planning:
         self.bucket_tokens = bucket_tokens
         self.cache = PlanCache()
         self._priced: tuple[int, ...] = ()  # the parts' ``priced`` counts the cached plans were made under
-        self.static_bytes = 0
-        self.max_static_bytes = 0
-        self.input_bytes_per_token = self.mlp_bytes_per_token = 0  # at the step being decided (note_block_input)
+        self.static_bytes = self.max_static_bytes = 0
+        self.input_bytes_per_token = self.mlp_bytes_per_token = self.gathered_block_bytes = 0  # note_block_input
         self._widest: int | None = None
         self.search = Search(self)  # the plan of a shape on a cache miss (search.py)
         #: per plan bucket, the most tokens per row seen in it (NOTE [Plan for the longest shape seen])
@@ -329,10 +329,11 @@ class Planning:
         self.static_bytes = static_bytes
 
     def note_block_input(self, x: Any, blocks: Sequence[Any] = ()) -> None:
-        """The first block's input of the step being decided: its bytes a token, and what a plain forward of the widest
-        gated MLP of ``blocks`` holds at once a token (NOTE [Warm-up on the floor])."""
+        """The first block's input of the step being decided: its bytes a token, what a plain forward of the widest gated
+        MLP of ``blocks`` holds at once a token, and the most FSDP2 gathers for a block (NOTE [Warm-up on the floor])."""
         if self._widest is None:
-            self._widest = widest_intermediate([b.module for b in blocks])
+            modules = [b.module for b in blocks]
+            self._widest, self.gathered_block_bytes = widest_intermediate(modules), max(map(gathered_bytes, modules), default=0)
         wide = x is not None and x.dim() >= 3
         self.input_bytes_per_token = x.element_size() * x.shape[-1] if wide else 0
         self.mlp_bytes_per_token = 2 * x.element_size() * self._widest if wide else 0
