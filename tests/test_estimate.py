@@ -1220,5 +1220,6 @@ def test_the_cli_estimates_one_rank_of_several(capsys, monkeypatch):
     assert "| gathered by FSDP2 |" in out and "gathered by FSDP2" in out.split("floor at this shape")[1]
     assert main(["--model", "llama-tiny", "--batch_size", "2", "--seq_length", "64", "--precision", "bf16",
                      "--weights", "bf16", "--shards", "2", "--advise", "--memory_budget", "1GiB"]) == 0
+    assert "every row is one rank's of 2" in capsys.readouterr().out
     with pytest.raises(FlagError, match="--shards 0"):
         main(["--model", "llama-tiny", "--batch_size", "2", "--seq_length", "64", "--shards", "0"])

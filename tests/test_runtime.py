@@ -1096,12 +1096,12 @@ def test_dynamic_warmup_ends_when_the_data_repeats_its_shapes(lengths, warm):
 def test_the_warm_up_bound_counts_a_blocks_gathered_parameters():
     """NOTE [Warm-up on the floor] under FSDP2: every block's input, the last block's MLP and the parameters FSDP2
     gathers for that block are held at once beside the rank's static shards; a budget the inputs alone fit but not with
-    the gathered block is over the bound. ``gathered_bytes`` counts a DTensor shard's parameters whole, and a
+    the gathered block is over the bound. ``gathered_param_bytes`` counts a DTensor shard's parameters whole, and a
     parameter the rank holds whole not at all."""
     from types import SimpleNamespace
 
     from memfit.engine.methods.dynamic import _inputs_over
-    from memfit.engine.parts.accounting import gathered_bytes
+    from memfit.engine.parts.accounting import gathered_param_bytes
 
     planning = SimpleNamespace(budget_bytes=10_000, input_bytes_per_token=4, mlp_bytes_per_token=8, static_bytes=5_000,
                                n_blocks=10, gathered_block_bytes=0)
@@ -1116,7 +1116,7 @@ def test_the_warm_up_bound_counts_a_blocks_gathered_parameters():
 
     whole, shard = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
     shard.weight = Shard(torch.zeros(4, 4, dtype=torch.bfloat16))
-    assert gathered_bytes(whole) == 0 and gathered_bytes(shard) == 16 * 2
+    assert gathered_param_bytes(whole) == 0 and gathered_param_bytes(shard) == 16 * 2
 
 
 def test_a_bucket_over_predicted_step_after_step_is_corrected(monkeypatch):

@@ -38,8 +38,9 @@ device, ``blocks x tokens x`` the first block's input bytes a token, and the las
 holds besides them its gated MLP's gate and up outputs, ``2 x tokens x`` its intermediate width in
 the input's dtype, all beside the static bytes (an 8B model at 64k tokens: 16 + 3.5 GiB beside
 15.7 GiB of weights, against a 24 GiB cap; at 32k, 8 + 1.75 GiB) and, under FSDP2, beside the last
-block's parameters gathered for it (static bytes are a rank's shards: 0.41 GiB for an 8B block). Under that bound the first warm-up
-step still tries the plan (what else a block's re-run makes is not known before it is measured).
+block's parameters gathered for it (static bytes are a rank's shards: 0.41 GiB for an 8B block).
+Under that bound the first warm-up step still tries the plan (what else a block's re-run makes is
+not known before it is measured).
 A warm-up on the floor runs no block recomputed, so the probe measures what a checkpoint keeps
 (``Recompute.probe``: the block's input): else the memory model, which needs it, is never ready and
 every step of a run of one long length stays in warm-up, probed and counted.

@@ -39,7 +39,7 @@ from memfit.engine.parts.optim_state import torch_optimizer_state_bytes
 from memfit.engine.ranks import is_fsdp
 
 __all__ = [
-    "gathered_bytes",
+    "gathered_param_bytes",
     "SavedTensorCounter", "ProbeCounter", "GatheredParameters", "local", "tensor_bytes", "static_bytes_logical", "optimizer_state_bytes",
     "expected_optimizer_bytes",
 ]
@@ -53,7 +53,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def gathered_bytes(module: nn.Module) -> int:
+def gathered_param_bytes(module: nn.Module) -> int:
     """What FSDP2 gathers of ``module``'s parameters while it runs: their unsharded bytes where the rank holds them as
     DTensor shards, in the shards' dtype (NOTE [Warm-up on the floor], methods/dynamic.py); 0 where it holds them whole,
     where they are static bytes."""

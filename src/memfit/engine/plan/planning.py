@@ -80,7 +80,7 @@ from memfit.engine.plan.room import Room
 from memfit.engine.plan.search import MAX_KEPT, Search
 from memfit.engine.shapes import bucket_key
 from memfit.engine.parts.treatments import KEEP, RECOMPUTE, TreatmentSpec, resolve
-from memfit.engine.parts.accounting import gathered_bytes
+from memfit.engine.parts.accounting import gathered_param_bytes
 from memfit.engine.parts.treatments.tiled_mlp import widest_intermediate
 from memfit.engine.parts.kind import AFTER_BLOCKS
 
@@ -333,7 +333,7 @@ class Planning:
         MLP of ``blocks`` holds at once a token, and the most FSDP2 gathers for a block (NOTE [Warm-up on the floor])."""
         if self._widest is None:
             modules = [b.module for b in blocks]
-            self._widest, self.gathered_block_bytes = widest_intermediate(modules), max(map(gathered_bytes, modules), default=0)
+            self._widest, self.gathered_block_bytes = widest_intermediate(modules), max(map(gathered_param_bytes, modules), default=0)
         wide = x is not None and x.dim() >= 3
         self.input_bytes_per_token = x.element_size() * x.shape[-1] if wide else 0
         self.mlp_bytes_per_token = 2 * x.element_size() * self._widest if wide else 0

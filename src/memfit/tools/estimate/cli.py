@@ -220,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.optimizer not in used:
             print(f"note: no setup with --optimizer {args.optimizer} fits, so every row uses another optimizer "
                   "(the optimizer column)")
+        if args.shards > 1:
+            print(f"note: every row is one rank's of {args.shards}: launch the command on {args.shards} ranks under torchrun "
+                  "with --fsdp (docs/distributed.md), --memory_budget then caps each rank")
         for name in optimizers:
             if not optimizer_available(name):
                 print(f"note: {name} not considered: {OPTIMIZERS[name].needs} is not installed")
