@@ -699,8 +699,8 @@ def matrix(args) -> int:
                 current = _read(out / "current.json")
                 if time.time() > deadline + args.grace_s:
                     reason = f"killed {args.grace_s:g} s after the matrix deadline"
-                elif current and time.time() - current["started_unix_s"] > args.config_limit_s * (
-                        4 if current["name"].startswith("oom-check") else 1) + args.grace_s:
+                elif current and time.time() - current["started_unix_s"] > args.config_limit_s * (  # the slow ones
+                        4 if current["name"].startswith("oom-check") or "offload" in current["name"] else 1) + args.grace_s:
                     reason = f"killed: over its time limit by {args.grace_s:g} s (a hang)"
                 if reason:
                     _stop(proc)
