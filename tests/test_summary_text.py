@@ -67,6 +67,20 @@ def test_end_summary_averages_over_steady_micro_steps_and_says_what_warm_up_did(
         "(75%: recompute 2.0, elementwise 1.0); the 2 micro-steps took 0.2 s")
 
 
+def test_end_summary_says_what_share_of_the_steady_steps_memfits_decisions_took():
+    """The planner's time (``planner_us``, measured around the method's decision) over the steady micro-steps' time, said
+    beside the treatments' estimate; warm-up's decisions are left out, and a run whose decisions were not timed says
+    nothing of them."""
+    import dataclasses
+
+    records = [dataclasses.replace(_record(1, 600, 1000, [0], phase="warmup"), planner_us=90_000.0)]
+    records += [dataclasses.replace(_record(i, 600, 1000, [0]), planner_us=us) for i, us in ((2, 400.0), (3, 200.0))]
+    line = end_summary(records).splitlines()[2]  # (0.4 + 0.2) ms of 2 x 100 ms
+    assert "recompute about 10% of their time (estimated), deciding 0.3% (measured); 1 warm-up" in line, line
+    untimed = [_record(1, 600, 1000, [0], phase="warmup"), _record(2, 600, 1000, [0])]
+    assert "deciding" not in end_summary(untimed)
+
+
 def test_end_summary_names_micro_steps_and_the_optimizer_steps_where_known():
     """Records are micro-steps: 96 of them in 12 optimizer steps (accumulation 8) say both; without a
     count of optimizer steps only micro-steps are named; a merged summary says over how many ranks."""

@@ -304,8 +304,11 @@ def end_summary(records: Sequence[StepRecord], budget: Budget | None = None, opt
         step_ms = sum(r.step_ms or 0.0 for r in steady)
         share_time = f"{100 * sum(r.recompute_ms_est for r in steady) / step_ms:.0f}%" if step_ms > 0 else "-"
         words, what = _treated_words(s.steady_treated_fraction, s.steady_treated_blocks, len(steady), n_blocks)
+        # memfit's own decisions (planner_us), measured, where any was timed: issue 59 asks under 1% of a step
+        decided_ms = sum(r.planner_us for r in steady) / 1e3
+        decided = f", deciding {100 * decided_ms / step_ms:.1f}% (measured)" if decided_ms > 0 and step_ms > 0 else ""
         parts.append(f"{words} over {len(steady)} steady micro-step{'s' * (len(steady) != 1)}, "
-                     f"{what} about {share_time} of their time (estimated)")
+                     f"{what} about {share_time} of their time (estimated){decided}")
     else:
         parts.append("no steady micro-step")
     if warmup:
