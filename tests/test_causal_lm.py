@@ -366,7 +366,7 @@ def test_the_floor_of_the_longest_batch_is_said_at_start(tmp_path, monkeypatch, 
     assert said == [True]
 
 
-def test_the_floor_at_start_is_a_ranks_under_fsdp(monkeypatch):
+def test_the_floor_at_start_is_a_ranks_under_fsdp(monkeypatch, tmp_path):
     """NOTE [The floor at start] under ``--fsdp``: the floor said is one rank's of the ranks the model is sharded over
     (every rank under full_shard, a node's under hybrid_shard); shard_grad_op is not counted (no floor said)."""
     from types import SimpleNamespace
@@ -389,12 +389,12 @@ def test_the_floor_at_start_is_a_ranks_under_fsdp(monkeypatch):
     from transformers import TrainingArguments
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    trainer = TrainingArguments(output_dir="/tmp/unused", fsdp="full_shard auto_wrap", report_to="none", use_cpu=True,
+    trainer = TrainingArguments(output_dir=str(tmp_path), fsdp="full_shard auto_wrap", report_to="none", use_cpu=True,
                                 fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
     assert start_floor._shards(trainer) == trainer.world_size == 1
     monkeypatch.setattr(type(trainer), "world_size", property(lambda self: 8))
     assert start_floor._shards(trainer) == 8
-    grad_op = TrainingArguments(output_dir="/tmp/unused", fsdp="shard_grad_op auto_wrap", report_to="none", use_cpu=True,
+    grad_op = TrainingArguments(output_dir=str(tmp_path), fsdp="shard_grad_op auto_wrap", report_to="none", use_cpu=True,
                                 fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
     with pytest.raises(ValueError, match="shard_grad_op"):
         start_floor._shards(grad_op)

@@ -24,8 +24,9 @@ cap (every steady step released the cache twice while the slack grew a step at a
 ceiling: docs/devlog.md). So the CUDA meter reads, from the allocator's snapshot, the bytes those
 pools hold free at a step's end (at the run's first step and after any step that retried: a read
 walks every block, which costs less than the retry's sync and unmapping it follows) and the room
-keeps the most it read free (``pool_bytes``), apart from the slack and its ceiling. It over-counts what those pools hold in use at the step's peak (a block's gathered
-weights), which the prediction counts too: a few hundred MB kept free for no retry.
+keeps the most it read free (``pool_bytes``), apart from the slack and its ceiling. It over-counts
+what those pools hold in use at the step's peak (a block's gathered weights), which the prediction
+counts too: a few hundred MB kept free for no retry.
 
 # NOTE [Room where an OOM is fatal]
 The slack is learnt from an OOM, which a run must survive to learn from. Under FSDP with several
