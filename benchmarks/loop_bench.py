@@ -129,13 +129,14 @@ MEMFIT_METHODS = {
     "dynamic-plans": (None, {}, ("recompute",)),
 }
 PEERS = ("plain", "hf-every-1", "hf-every-2", "hf-offload", "trl-offload", "selective-static", "hf-every-1+liger",
-         "hf-every-1+cce", "hf-every-1+chunked-8")
+         "hf-every-1+cce", "hf-every-1+chunked-8", "hf-offload+liger")
 #: the fixed losses a peer's name may end in, (implementation, chunks): Liger's or Cut Cross-Entropy's fused linear
 #: cross-entropy or the pure chunked loss in 8 chunks (memfit.engine.parts.head's switch set once, never planned). The
 #: head peers (issue 39) are Hugging Face's checkpointing of every layer with one; a ``compile-F`` peer may take one too
 #: (``compile-0.5+liger``)
 FIXED_HEADS = {"+liger": ("liger", 1), "+cce": ("cce", 1), "+chunked-8": ("pure", 8)}
 HEAD_PEERS = {f"hf-every-1{part}": head for part, head in FIXED_HEADS.items()}
+HEAD_PEERS["hf-offload+liger"] = FIXED_HEADS["+liger"]  # the checkpoints on the host and the fused loss: the static floor
 
 
 def fixed_head(model, implementation: str, n_chunks: int):
@@ -541,7 +542,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
             remove_head, skipped = fixed_head(model, *HEAD_PEERS[name])
             if remove_head is None:
                 return _failed(args, name, budget, repeat, "skipped", skipped)
-        undo_hf = _hf_checkpointing(model, 2 if name == "hf-every-2" else 1, offload=name == "hf-offload")
+        undo_hf = _hf_checkpointing(model, 2 if name == "hf-every-2" else 1, offload=name.startswith("hf-offload"))
 
         def undo(undo_hf=undo_hf, remove_head=remove_head):
             undo_hf()
@@ -629,6 +630,9 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
                 clock.stop()
             step_ms.append(clock)
             rss_mib.append(_rss_mib())
+            if ctl is not None and args.max_replays is not None and (n := sum(r.oom_retries for r in ctl.records)) > args.max_replays:
+                status, note = "replays", f"stopped after step {i}: {n} OOM replays, over --max_replays {args.max_replays}"
+                break
             if ctl is not None and args.models_every_step and ctl.method.learns:
                 models.append(json.dumps(ctl.state_dict()))
             if graphs_made() > graphs:
@@ -1117,6 +1121,7 @@ def _profiled(args, name: str, budget: int | None, repeat: int, run):
 def main(argv: list[str]) -> int:
     args = _parse(argv)
     args.dynamic_plans = {}  # (budget, repeat) -> the plan of each step of that `dynamic` run
+    args.max_replays = None  # a trial stops past these OOM replays (the reach suite sets it: _reach)
     pairs = ("alt", "alt-dynamic")
     known = lambda m: m in ("plain", "none") or _memfit_config(m) or m in PEERS or _compile_budget(m)  # noqa: E731
     if args.device != "cuda" and set(pairs) & set(args.methods):
@@ -1224,7 +1229,10 @@ class _TimeUp(Exception):
 
 
 def _reach(args, model, batches, initial, emit, started: float) -> None:
-    """Per method, the smallest cap that fits (benchmarks/bisect_caps.py), every trial emitted as a line."""
+    """Per method, the smallest cap that fits (benchmarks/bisect_caps.py), every trial emitted as a line:
+    the fixed policies first, each guessing its answer from its peak; then memfit's methods, each tried
+    first at the best peer's smallest cap, where its per-step ratio to that peer is the row's
+    ``vs_best_peer`` (NOTE [Fewer trials, the same certificate])."""
     here = os.path.dirname(os.path.abspath(__file__))
     if here not in sys.path:
         sys.path.insert(0, here)
@@ -1234,20 +1242,31 @@ def _reach(args, model, batches, initial, emit, started: float) -> None:
         caps = caps_gib(*args.reach_gib, args.reach_step_gib)
     except ValueError as e:
         raise SystemExit(f"loop_bench: {e}") from None
-    rows = []
-    for name in [m for m in args.methods if m not in ("plain", "none", "none+compile", "alt", "alt-dynamic")]:
-        def trial(cap_gib: float, name=name) -> bool:
+    args.max_replays = args.steps // 100  # the rule's replays: a trial past them cannot fit (bisect_caps.fits)
+    names = [m for m in args.methods if m not in ("plain", "none", "none+compile", "alt", "alt-dynamic")]
+    rows, lines, best = [], {}, None  # best: the fixed policies' smallest cap, (GiB, method)
+    for name in sorted(names, key=lambda m: not _is_fixed(m)):
+        def trial(cap_gib: float, name=name) -> bool | tuple[bool, float | None]:
             if time.perf_counter() - started > args.time_limit_s:
                 raise _TimeUp
             line = run_config(args, model, batches, initial, name, int(cap_gib * GIB), args.first_repeat, args.output_dir)
             line["reach_trial_gib"] = cap_gib
             emit(line)
-            return fits(line, args.steps)
+            lines[(name, cap_gib)] = line
+            ok = fits(line, args.steps)
+            peak = line.get("max_peak_allocated_bytes")
+            return (ok, peak / GIB if peak else None) if _is_fixed(name) else ok
 
+        first = caps.index(best[0]) if best is not None and not _is_fixed(name) else None
         try:
-            smallest, tried = smallest_fitting(caps, trial)
-            rows.append({"method": name, "smallest_gib": smallest, "trials": tried, "steps": args.steps,
-                         "lo_gib": caps[0], "hi_gib": caps[-1], "step_gib": args.reach_step_gib, "complete": True})
+            smallest, tried = smallest_fitting(caps, trial, first)
+            row = {"method": name, "smallest_gib": smallest, "trials": tried, "steps": args.steps,
+                   "lo_gib": caps[0], "hi_gib": caps[-1], "step_gib": args.reach_step_gib, "complete": True}
+            if _is_fixed(name) and smallest is not None and (best is None or smallest < best[0]):
+                best = (smallest, name)
+            elif not _is_fixed(name) and best is not None:
+                row["vs_best_peer"] = _vs_peer(lines.get((name, best[0])), lines[(best[1], best[0])], best, args.steady_from)
+            rows.append(row)
         except _TimeUp:
             print("time limit: stopping the bisection", flush=True)
             rows.append({"method": name, "smallest_gib": None, "trials": [], "steps": args.steps, "complete": False})
@@ -1255,7 +1274,19 @@ def _reach(args, model, batches, initial, emit, started: float) -> None:
         finally:
             write_reach(args.output_dir, rows)
         print(f"reach: {name} smallest cap {smallest if smallest is not None else 'none'} GiB "
-              f"({len(tried)} trials)", flush=True)
+              f"({len(tried)} trials){' ' + str(row.get('vs_best_peer')) if row.get('vs_best_peer') else ''}", flush=True)
+
+
+def _vs_peer(mine: dict | None, theirs: dict, best: tuple[float, str], steady_from: int) -> dict:
+    """memfit's line at the best peer's smallest cap against that peer's: the median of per-step ratios
+    and of the summed steady steps, on the steps both ran (paired_steps)."""
+    out = {"peer": best[1], "cap_gib": best[0]}
+    steps = paired_steps(mine, theirs, steady_from) if mine and mine.get("status") == "ok" else []
+    if steps:
+        a, b = mine["step_ms"], theirs["step_ms"]
+        out.update(step_ratio=round(statistics.median(a[i] / b[i] for i in steps), 4),
+                   sum_ratio=round(sum(a[i] for i in steps) / sum(b[i] for i in steps), 4), steps=len(steps))
+    return out
 
 
 def _is_fixed(method: str) -> bool:

@@ -28,6 +28,45 @@ def test_bisection_finds_the_smallest_fitting_cap_in_log_trials(n, threshold):
     assert all(ok == (threshold is not None and c >= caps[threshold]) for c, ok in tried)
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_guesses_and_a_first_cap_never_change_the_answer_or_its_certificate(seed):
+    """Whatever a trial guesses (right, wrong, absent) and wherever the search starts, the answer is the
+    smallest fitting cap, proven by a fitting trial and a failing one a step below (or the range's lowest)."""
+    import random
+
+    rng = random.Random(seed)
+    n = rng.randint(1, 40)
+    caps = [float(c) for c in range(4, 4 + n)]
+    threshold = rng.choice([None, *range(n)])
+    fitting = lambda c: threshold is not None and c >= caps[threshold]  # noqa: E731
+    first = rng.choice([None, rng.randrange(n)])
+
+    def trial(c):
+        ok = fitting(c)
+        return (ok, rng.choice([None, rng.uniform(0, 50), caps[threshold] - rng.random() if threshold is not None else 1.0]))
+
+    smallest, tried = smallest_fitting(caps, trial, first)
+    assert smallest == (None if threshold is None else caps[threshold])
+    assert len({c for c, _ in tried}) == len(tried) and all(ok == fitting(c) for c, ok in tried)
+    assert tried[0][0] == caps[-1 if first is None else first]
+    if smallest is not None:
+        assert (smallest, True) in tried and (smallest == caps[0] or (smallest - 1, False) in tried)
+
+
+def test_a_fixed_policys_peak_finds_its_cap_in_three_trials():
+    caps = [float(c) for c in range(4, 65)]  # 61 caps: a plain bisection tries 7
+    need = 27.3  # the policy's peak, read at any cap that fits
+
+    smallest, tried = smallest_fitting(caps, lambda c: (c >= need, need if c >= need else None))
+    assert smallest == 28.0 and tried == [(64.0, True), (28.0, True), (27.0, False)]
+    # memfit first at the peer's cap: a fit there bisects below it only
+    smallest, tried = smallest_fitting(caps, lambda c: c >= 17, first=caps.index(28.0))
+    assert smallest == 17.0 and tried[0] == (28.0, True) and all(c <= 28 for c, _ in tried)
+    # and where it does not fit there, the largest, then the range above
+    smallest, tried = smallest_fitting(caps, lambda c: c >= 40, first=caps.index(28.0))
+    assert smallest == 40.0 and tried[:2] == [(28.0, False), (64.0, True)] and all(c > 28 for c, _ in tried[1:])
+
+
 def test_caps_and_the_rule_a_trial_is_judged_by():
     assert caps_gib(20, 24, 1) == [20, 21, 22, 23, 24] and caps_gib(0.5, 0.6, 0.05) == [0.5, 0.55, 0.6]
     with pytest.raises(ValueError, match="LO <= HI"):
@@ -56,3 +95,61 @@ def test_loop_bench_reach_on_a_cpu_dry_run(tmp_path):
     assert row["smallest_gib"] == min(fitting)  # logical accounting: the static need bounds it from below
     assert all(not ok for c, ok in row["trials"] if c < row["smallest_gib"])
     assert "| dynamic |" in (out / "out.reach.md").read_text()
+
+
+def test_loop_bench_reach_tries_memfit_first_at_the_best_peers_cap(tmp_path):
+    """On CPU a peer has no cap (it fits everywhere, smallest is the lowest); memfit's first trial is that
+    cap, and its row compares the two there; a replay past the rule's would stop a trial (max_replays)."""
+    spec = importlib.util.spec_from_file_location("loop_bench", ROOT / "benchmarks" / "loop_bench.py")
+    loop_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loop_bench)
+    out = tmp_path / "out"
+    assert loop_bench.main(["--model", "llama-tiny", "--device", "cpu", "--dtype", "float32", "--lengths", "uniform:16:24",
+                            "--batch", "2", "--steps", "3", "--steady_from", "1", "--reach_gib", "0.06", "0.12",
+                            "--reach_step_gib", "0.03", "--repeats", "1", "--no_untimed", "--methods", "dynamic",
+                            "hf-every-1", "--output_dir", str(out)]) == 0
+    rows = {r["method"]: r for r in map(json.loads, (out / "out.reach.jsonl").read_text().splitlines())}
+    assert list(rows) == ["hf-every-1", "dynamic"]  # the fixed policy first, whatever the order given
+    assert rows["hf-every-1"]["smallest_gib"] == 0.06
+    mine = rows["dynamic"]
+    assert mine["trials"][0][0] == 0.06
+    if mine["trials"][0][1]:
+        assert mine["vs_best_peer"]["peer"] == "hf-every-1" and mine["vs_best_peer"]["steps"] == 2
+        assert mine["vs_best_peer"]["step_ratio"] > 0
+
+
+def test_a_trial_past_the_rules_replays_stops_there(tmp_path, monkeypatch):
+    """A memfit trial that replayed an OOM has failed the rule (0 replays in under 100 steps): it stops at that
+    step, not after every step, and the bisection goes on to the next cap."""
+    import torch
+
+    spec = importlib.util.spec_from_file_location("loop_bench", ROOT / "benchmarks" / "loop_bench.py")
+    loop_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loop_bench)
+    build = loop_bench._build
+    calls = {"n": 0}
+
+    def build_failing_once(args):
+        model, rest = build(args)
+        forward = model.forward
+
+        def once(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == 6:  # the second trial's step 1 (the first, at the largest cap, ran 4)
+                raise torch.OutOfMemoryError("injected: CUDA out of memory")
+            return forward(*a, **k)
+
+        model.forward = once
+        return model, rest
+
+    monkeypatch.setattr(loop_bench, "_build", build_failing_once)
+    out = tmp_path / "out"
+    assert loop_bench.main(["--model", "llama-tiny", "--device", "cpu", "--dtype", "float32", "--lengths", "uniform:16:24",
+                            "--batch", "2", "--steps", "4", "--steady_from", "1", "--reach_gib", "0.06", "0.12",
+                            "--reach_step_gib", "0.03", "--repeats", "1", "--no_untimed", "--methods", "dynamic",
+                            "--output_dir", str(out)]) == 0
+    lines = [json.loads(t) for t in (out / "results.jsonl").read_text().splitlines()]
+    assert lines[1]["status"] == "replays" and lines[1]["oom_count"] == 1 and len(lines[1]["step_ms"]) == 2
+    assert all(x["status"] == "ok" and len(x["step_ms"]) == 4 for x in lines[:1] + lines[2:])
+    (row,) = [json.loads(t) for t in (out / "out.reach.jsonl").read_text().splitlines()]
+    assert row["trials"][0] == [0.12, True] and row["trials"][1][1] is False and row["smallest_gib"] is not None

@@ -78,18 +78,20 @@ WORKLOADS = {
     "c-8b-64k": (("--model", "Llama-3.1-8B", "--lora", "--lengths", "fixed:65536", "--batch", 1), (16, 80), 6),
     "d-gemma2-lora": (("--model", "gemma-2-2b", "--lora", "--lengths", "sft", "--batch", 8), (6, 40), 30),
 }
-#: what each workload's smallest cap is bisected for: what a user gets, and the peers a user would configure
-REACH_METHODS = ("dynamic+auto", "hf-every-1+liger", "hf-offload")
+#: what each workload's smallest cap is bisected for: what a user gets, and the peers a user would configure (Hugging
+#: Face's checkpointing with Liger's fused loss, and with its checkpoints on the host too: the static floor)
+REACH_METHODS = ("dynamic+auto", "hf-every-1+liger", "hf-offload+liger")
 
 
 def _bisections(ctx: Context) -> list[Call]:
+    """One call per workload, every method in it: the peers first (each from its peak's guess), then memfit from the
+    best peer's smallest cap, its steps there compared with that peer's (NOTE [Fewer trials, the same certificate])."""
     calls = []
     for workload, (flags, (lo, hi), steps) in WORKLOADS.items():
-        for method in REACH_METHODS:
-            name = f"reach-{workload}-{method}"
-            calls.append(Call(name, [script(
-                ctx, "loop_bench.py", *flags, "--steps", 3 if ctx.quick else steps, "--steady_from", 1 if ctx.quick else 2,
-                "--reach_gib", lo, hi, "--reach_step_gib", 1, "--repeats", 1, "--no_cudnn_sdpa", "--no_untimed",
-                "--time_limit_s", 540, "--config_time_limit_s", 200, "--methods", method, "--output_dir", ctx.folder(name))],
-                folder=name, timeout_s=580))
+        name = f"reach-{workload}"
+        calls.append(Call(name, [script(
+            ctx, "loop_bench.py", *flags, "--steps", 3 if ctx.quick else steps, "--steady_from", 1 if ctx.quick else 2,
+            "--reach_gib", lo, hi, "--reach_step_gib", 1, "--repeats", 1, "--no_cudnn_sdpa", "--no_untimed",
+            "--time_limit_s", 540, "--config_time_limit_s", 200, "--methods", *REACH_METHODS,
+            "--output_dir", ctx.folder(name))], folder=name, timeout_s=580))
     return calls
