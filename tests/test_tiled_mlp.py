@@ -723,20 +723,57 @@ def _with_static_bytes():
 def test_a_first_warm_up_step_whose_block_inputs_alone_are_over_the_budget_starts_on_the_floor():
     """NOTE [Warm-up on the floor]: where every block's input and the last block's MLP run (its gate and up outputs)
     beside the static bytes are already over the budget, the first warm-up step of that length runs the floor plan at
-    once (no failed forward to replay); a shorter one, under that bound, tries every block recomputed."""
+    once (no failed forward to replay); one short enough to be under that bound and the bound of a block's re-run
+    tries every block recomputed."""
     model, make, static = _with_static_bytes()
     n, hidden, inter = len(find_blocks(model)), model.config.hidden_size, model.config.intermediate_size
     inputs = n * 2 * 48 * hidden * 4  # every block's float32 input at 2 x 48 tokens
     mlp = 2 * 2 * 48 * inter * 4  # the last block's gate and up outputs beside them
     for budget in (static + inputs - 1, static + inputs + mlp // 2):  # the inputs alone over; with the last MLP run
         ctl = memfit.fit(model, budget=budget, treatments=("recompute", RECOMPUTE_TILED), announce=False)
-        for length, treatment in ((48, RECOMPUTE_TILED), (16, "recompute")):
+        for length, treatment in ((48, RECOMPUTE_TILED), (2, "recompute")):  # 2 x 2 x (3 + PROBE_NEED) < 288 inputs
             batch = make(2, length)
             ctl.run_step(lambda batch=batch: model(**batch).loss.backward())
             record = ctl.records[-1]
             assert (record.phase, record.oom_retries, record.block_treatments) == ("warmup", 0, {treatment: list(range(n))}), length
         ctl.remove()
         model.zero_grad(set_to_none=True)
+
+
+def test_a_warm_up_step_tries_every_block_recomputed_only_where_it_is_expected_to_fit():
+    """NOTE [Warm-up on the floor]: under the inputs' bound, before the model can predict, a warm-up step whose block
+    inputs and one block's re-run (``PROBE_NEED`` times its input) are over the budget runs the floor, with no failed
+    forward, and is not remembered; once the model is ready its prediction decides; a run whose floor is plain
+    recompute is unchanged (its floor is that plan)."""
+    from memfit.engine.parts.probe import PROBE_NEED
+
+    model, make, static = _with_static_bytes()
+    n, hidden = len(find_blocks(model)), model.config.hidden_size
+    a_token = hidden * 4  # a block's float32 input a token
+    tokens = 2 * 16
+    budget = static + (n + PROBE_NEED // 2) * a_token * tokens  # over the re-run's bound, far under the inputs'
+    ctl = memfit.fit(model, budget=budget, treatments=("recompute", RECOMPUTE_TILED), announce=False, warmup_steps=6)
+    batch = make(2, 16)
+    ctl.run_step(lambda: model(**batch).loss.backward())
+    first = ctl.records[-1]
+    assert (first.phase, first.oom_retries, first.block_treatments) == ("warmup", 0, {RECOMPUTE_TILED: list(range(n))})
+    assert ctl.method._floor_tokens is None  # judged again at the next step
+    for _ in range(3):
+        if not ctl.planning.model.ready:
+            ctl.run_step(lambda: model(**batch).loss.backward())
+    planning = ctl.planning
+    assert planning.model.ready and ctl.method.in_warmup(planning)
+    for over, treatment in ((1, RECOMPUTE_TILED), (-1, "recompute")):  # the prediction, whatever the bound says
+        planning.plan_peak = lambda key, plan, over=over: planning.room_bytes + over
+        ctl.run_step(lambda: model(**batch).loss.backward())
+        record = ctl.records[-1]
+        assert (record.phase, record.block_treatments) == ("warmup", {treatment: list(range(n))}), over
+    ctl.remove()
+    model.zero_grad(set_to_none=True)
+    plain = memfit.fit(model, budget=budget, treatments=("recompute",), announce=False)
+    plain.run_step(lambda: model(**batch).loss.backward())
+    assert plain.records[-1].block_treatments == {"recompute": list(range(n))}
+    plain.remove()
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3])

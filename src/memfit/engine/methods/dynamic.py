@@ -39,8 +39,16 @@ holds besides them its gated MLP's gate and up outputs, ``2 x tokens x`` its int
 the input's dtype, all beside the static bytes (an 8B model at 64k tokens: 16 + 3.5 GiB beside
 15.7 GiB of weights, against a 24 GiB cap; at 32k, 8 + 1.75 GiB) and, under FSDP2, beside the last
 block's parameters gathered for it (static bytes are a rank's shards: 0.41 GiB for an 8B block).
-Under that bound the first warm-up step still tries the plan (what else a block's re-run makes is
-not known before it is measured).
+Under that bound a warm-up step tries the plan only where it is expected to fit, which a failed
+forward would otherwise cost a replay the tight end cannot afford (a 30-step run at the smallest cap
+may replay none): where the memory model can predict (it is ready), the plan's predicted peak within
+the room; before it can, a bound of what the re-run of one block holds besides the inputs, its kept
+forward and its backward, which the probes take to be at most ``PROBE_NEED`` times its input (NOTE
+[Probing on a cut], probe.py): ``(blocks + PROBE_NEED) x tokens x`` the input's bytes a token beside the
+static bytes. Where neither says it fits, that one step runs the floor (an 8B model at 16k tokens
+under 23 GiB: 4 GiB of inputs and at most 8 GiB of one block's re-run beside 15.7 GiB). Unlike a
+failed plan, this is not remembered: the next warm-up step is judged again, by what the model has
+learnt since. A run whose floor is plain recompute is unchanged by it (its floor is this plan).
 A warm-up on the floor runs no block recomputed, so the probe measures what a checkpoint keeps
 (``Recompute.probe``: the block's input): else the memory model, which needs it, is never ready and
 every step of a run of one long length stays in warm-up, probed and counted.
@@ -57,6 +65,8 @@ from typing import TYPE_CHECKING
 
 from memfit.engine.plan import learner
 from memfit.engine.methods.base import Decision, Method
+from memfit.engine.parts.probe import PROBE_NEED
+from memfit.engine.parts.treatments import RECOMPUTE, floor_treatment
 from memfit.engine.plan.planner import Plan
 from memfit.engine.run.protection import Backstop, Protection, Unprotected
 from memfit.engine.shapes import bucket_key
@@ -157,7 +167,8 @@ class Dynamic(Method):
                 every = Plan(planning.all_blocks)
                 if (failed is not None and failed.layout == every.layout) or _inputs_over(planning, tokens):  # NOTE [Warm-up on the floor]
                     self._floor_tokens = min(tokens, self._floor_tokens or tokens)
-                warm = planning.search.floor(tokens) if self._floor_tokens is not None and tokens >= self._floor_tokens else every
+                on_floor = self._floor_tokens is not None and tokens >= self._floor_tokens
+                warm = planning.search.floor(tokens) if on_floor or _may_not_fit(planning, key, every, tokens) else every
                 return Decision(_treating_more(planning, warm, failed, tokens), warmup=True, count=True)
             self._steady = True  # the model stays ready and the counts only grow
         low, high = self._counted_range or (tokens, tokens - 1)
@@ -204,6 +215,18 @@ def _inputs_over(planning: "Planning", tokens: int) -> bool:
     budget, per_token = planning.budget_bytes, planning.input_bytes_per_token
     held = (planning.n_blocks * per_token + planning.mlp_bytes_per_token) * tokens + planning.gathered_block_bytes
     return bool(budget and per_token and planning.static_bytes + held > budget)
+
+
+def _may_not_fit(planning: "Planning", key: tuple[int, int], every: Plan, tokens: int) -> bool:
+    """Whether every block recomputed is not expected to fit at ``key``: predicted over the room where the model is
+    ready, else over the budget by the bound of one block's re-run (NOTE [Warm-up on the floor]); never where the
+    run's floor is plain recompute."""
+    if floor_treatment(planning.registry) == RECOMPUTE or not planning.budget_bytes:
+        return False
+    if planning.model.ready:
+        return planning.plan_peak(key, every) > planning.room_bytes
+    held = (planning.n_blocks + PROBE_NEED) * planning.input_bytes_per_token * tokens + planning.gathered_block_bytes
+    return bool(planning.input_bytes_per_token) and planning.static_bytes + held > planning.budget_bytes
 
 
 def _treating_more(planning: "Planning", plan: Plan, failed: Plan | None, tokens: int) -> Plan:

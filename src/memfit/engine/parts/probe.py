@@ -59,7 +59,7 @@ from memfit.engine.parts.treatments import Treatment, TreatmentSpec, resolve
 
 __all__ = [
     "ProbeKit", "probe_block", "probe_treatments", "probe_warmup", "LinkPrice", "measure_link", "TIMED_RUNS", "MAX_DEPTH",
-    "BACKWARD_PER_FORWARD",
+    "BACKWARD_PER_FORWARD", "PROBE_NEED",
 ]
 
 #: runs of a timed probe, the fastest taken (NOTE [Cold runs of a block])
