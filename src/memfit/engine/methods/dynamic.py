@@ -221,7 +221,7 @@ def _may_not_fit(planning: "Planning", key: tuple[int, int], every: Plan, tokens
     """Whether every block recomputed is not expected to fit at ``key``: predicted over the room where the model is
     ready, else over the budget by the bound of one block's re-run (NOTE [Warm-up on the floor]); never where the
     run's floor is plain recompute."""
-    if floor_treatment(planning.registry) == RECOMPUTE or not planning.budget_bytes:
+    if not planning.budget_bytes or floor_treatment(planning.registry) == RECOMPUTE:
         return False
     if planning.model.ready:
         return planning.plan_peak(key, every) > planning.room_bytes
