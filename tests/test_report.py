@@ -13,6 +13,7 @@ import pytest
 from memfit.engine.summary_text import given_unit
 
 from memfit import cli
+from memfit.errors import DataError
 from memfit.tools.report import build_report
 
 FIXTURE = Path(__file__).parent / "fixtures" / "report"
@@ -296,6 +297,23 @@ def test_peer_sweep_names_the_fastest_setting_within_budget(tmp_path):
     ]
     skipped = next(r for r in table_rows(markdown, "## token-classification") if r["method"] == "ckptplan-0.5")
     assert skipped["status"] == "skipped 1/1"
+
+
+def test_a_trial_stopped_past_its_replays_is_reported_and_an_unknown_status_refused(tmp_path):
+    """The reach suite's ``replays`` status (a trial stopped once it replayed more OOMs than its rule allows) is a
+    status of its own in the method table; a status the report does not know is one clear error."""
+    base = {"task": "causal-lm", "model": "m", "batch_size": 8, "steps": 30, "device": "cpu", "torch": "t",
+            "transformers": "t", "recomputed_fraction": None, "max_peak_allocated_bytes": None, "total_s": None}
+    lines = [{**base, "method": "none", "budget_bytes": None, "status": "ok", "total_s": 10.0, "oom_count": 0},
+             {**base, "method": "dynamic", "budget_bytes": 4 * GIB, "status": "replays", "oom_count": 1}]
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "results.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    markdown = build_report(tmp_path / "in", tmp_path / "out").read_text()
+    row = next(r for r in table_rows(markdown, "## causal-lm") if r["method"] == "dynamic")
+    assert row["status"] == "replays 1/1", row
+    (tmp_path / "in" / "results.jsonl").write_text(json.dumps({**lines[1], "status": "stalled"}) + "\n")
+    with pytest.raises(DataError, match="status 'stalled' is not one of"):
+        build_report(tmp_path / "in", tmp_path / "out2")
 
 
 def test_paired_runs_table_lists_each_repeat_and_the_median(tmp_path):

@@ -70,8 +70,9 @@ OPTIONAL_RESULT_FIELDS = (
     "call",
 )
 # skipped: a peer that cannot run on that machine (not installed, needs CUDA); time_limit: a
-# configuration a bench stopped before its last step (its time limit)
-_STATUSES = ("ok", "oom", "error", "skipped", "time_limit")
+# configuration a bench stopped before its last step (its time limit); replays: one stopped once it had replayed
+# more OOMs than its rule allows (the reach suite's bisection: benchmarks/bisect_caps.py)
+_STATUSES = ("ok", "oom", "error", "skipped", "time_limit", "replays")
 # Table and legend order: memfit's methods first, then peers and savers alphabetically.
 _METHOD_ORDER = ("none", "full", "dynamic", "oracle", "static", "precomputed", "reactive")
 _DASH = "—"
