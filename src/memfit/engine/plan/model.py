@@ -136,7 +136,8 @@ A treatment's price is the time it adds to a step: ``recompute``, the block's fo
 (measured by the probe); ``selective``, the recompute of its unsaved ops (measured by the
 probe under the selective cache); ``offload``, the part of moving its bytes out in forward
 and back in backward that the neighbouring blocks' compute does not hide, from the link's
-measured bandwidth (engine/parts/probe.py).
+measured bandwidth (engine/parts/probe.py); a checkpoint on the host, those copies and its re-run, which is
+``recompute``'s (the forward) or, for a tiled body, ``recompute_tiled``'s measured price (``reruns_as``).
 
 # NOTE [Upper envelope]
 Least squares under-predicts half of its samples. Every fitted curve of bytes is shifted up by
@@ -508,6 +509,13 @@ class BlockGroupModel:
         curve = self.ms.get(name)
         return max(0.0, curve(key)) if curve is not None and curve.fitted else 0.0
 
+    def rerun_ms(self, t: Any, key: tuple[int, int], fwd: float) -> float:
+        """What a moving treatment ``t``'s re-run adds: the measured price of the treatment it re-runs as where warm-up
+        measured it (``Treatment.reruns_as``), else its forward again (where it ``reruns``) and what its re-run keeps adds."""
+        if t.reruns_as is not None and (curve := self.ms.get(t.reruns_as)) is not None and curve.fitted:
+            return max(0.0, curve(key))
+        return (fwd if t.reruns else 0.0) + self.added_ms(t.rerun_keeps, key)
+
     def kept(self, name: str, key: tuple[int, int]) -> float:
         """Bytes a block keeps under ``name`` (its full bytes where ``name`` has no sample yet:
         no saving assumed; ``recompute`` always its own curve)."""
@@ -665,7 +673,7 @@ class MemoryModel:
                 elif name in m.ms and m.ms[name].fitted:  # priced by its own measured time
                     choices.append((name, int(max(0.0, full - m.bytes[name](key))), max(m.ms[name](key), 1e-6)))
                 elif (t := self.treatments[name]).priced_by_link and offload_ms is not None:  # a re-run block pays its forward too
-                    ms = offload_ms(m.moved(name, t.moves_from, key), fwd) + (fwd if t.reruns else 0.0) + m.added_ms(t.rerun_keeps, key)
+                    ms = offload_ms(m.moved(name, t.moves_from, key), fwd) + m.rerun_ms(t, key, fwd)
                     choices.append((name, int(max(0.0, full - m.bytes[name](key))), max(ms, 1e-6)))
             per_group[g] = choices
         return [per_group[g] for g in self.groups]

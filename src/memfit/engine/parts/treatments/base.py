@@ -122,6 +122,10 @@ class Treatment:
     #: what a block that ``reruns`` holds again while its backward runs: the bytes it would keep under this
     #: treatment (``keep``: everything it saves; ``tiled_mlp`` for a re-run whose MLP is tiled: NOTE [Tiled MLP])
     rerun_keeps: ClassVar[str] = KEEP
+    #: the treatment whose measured price is this one's re-run (its forward again and what the re-run adds), where
+    #: warm-up measured it: a checkpoint on the host re-runs as the checkpoint on the device of the same body (None:
+    #: the block's forward and what ``rerun_keeps`` adds: NOTE [Treatment prices], model.py)
+    reruns_as: ClassVar[str | None] = None
     #: the treatment that keeps the same bytes at the backward's start (None: none): a leaner re-run of it, which
     #: the planner swaps in where only the re-run's peak is over the room (NOTE [Leaner re-runs], search.py)
     keeps_as: ClassVar[str | None] = None

@@ -6,9 +6,10 @@ Between its forward and its recompute a block keeps on the device only the input
 intermediates: no treatment keeps less for a block at any moment of the step, so a run that offers it
 replays with it when every block recomputed still ran out of memory (``floor_treatment``, NOTE [A
 replay treats more], methods/dynamic.py). What it keeps is ``host_checkpoint``'s; its price is
-``host_checkpoint``'s (the link's unhidden copies and the forward again) plus what tiling adds, read
-from ``tiled_mlp``'s measured price where the run offers it, and its recompute brings back what a
-tiled block keeps (``rerun_keeps``: NOTE [Treated peaks], model.py).
+the link's unhidden copies and its re-run's, which is ``recompute_tiled``'s (``reruns_as``: the same tiled body,
+hollow where it may be, NOTE [Hollow re-runs], tiled_mlp.py) where the run offers it, else ``host_checkpoint``'s
+forward again plus what tiling adds (``tiled_mlp``'s measured price); its recompute brings back what a tiled block
+keeps (``rerun_keeps``: NOTE [Treated peaks], model.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from memfit.engine.parts.treatments.host_checkpoint import HOST_CHECKPOINT, HostCheckpoint
+from memfit.engine.parts.treatments.recompute_tiled import RECOMPUTE_TILED
 from memfit.engine.parts.treatments.tiled_mlp import TILED_MLP, Chunking, TiledMlp, TiledReruns, offered, probe_tiled
 
 if TYPE_CHECKING:
@@ -36,6 +38,7 @@ class HostCheckpointTiled(TiledReruns, HostCheckpoint):
     name = HOST_CHECKPOINT_TILED
     help = "as host_checkpoint, the gated MLP in chunks of tokens in the block's runs (the floor)"
     rerun_keeps = TILED_MLP
+    reruns_as = RECOMPUTE_TILED
     keeps_as = HOST_CHECKPOINT
     order = 12  # with the host checkpoints, above the recomputed blocks
     eager_only = True

@@ -3,7 +3,8 @@ tiled_mlp.py): only the inputs are kept, and backward runs the block again with 
 tokens, so the recompute holds one chunk of the MLP's intermediates, not all of them.
 
 Its price is measured: the block's forward and backward checkpointed and tiled, beyond the plain
-block's (the forward again, and the MLP's forward a third time, a chunk at a time). It keeps what
+block's (the forward again, and the MLP's forward a third time, a chunk at a time, unless the re-run's
+MLP runs hollow: NOTE [Hollow re-runs], tiled_mlp.py). It keeps what
 ``recompute`` keeps for more time, so the planner takes it where the recompute's peak binds: a
 re-run brings back what a tiled block keeps (``rerun_keeps``: NOTE [Treated peaks], model.py),
 learnt from ``tiled_mlp``'s probe where the run offers it (without it, nothing is assumed saved).
@@ -66,9 +67,10 @@ class RecomputeTiled(TiledReruns, Treatment):
         if measured is None:
             return None
         (mlps, lean), _ = measured
-        body = tiled_body(block.body, mlps, Chunking(), lean)
+        verdict: dict[str, set[int]] = {}  # the block's, for every run timed (NOTE [Hollow re-runs], tiled_mlp.py)
 
-        def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        def checkpointed(*args: Any, **kwargs: Any) -> Any:  # a body of its own per checkpoint, as the treatment's
+            body = tiled_body(block.body, mlps, Chunking(), lean, verdict)
             return checkpoint(body, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
         lean_ms, plain_ms = [], []

@@ -96,6 +96,23 @@ The parts (:func:`lean_parts`): the block's norms (:func:`elementwise_parts`) an
 linear layers (no DoRA or other variant), outside the MLPs tiled. What this costs is a norm's
 elementwise ops and an adapter's rank-wide projection again in backward, and the sums' chunks: priced
 with the tiled MLP, measured.
+
+# NOTE [Hollow re-runs]
+A re-run's forward (``recompute_tiled``'s and ``host_checkpoint_tiled``'s: a non-reentrant checkpoint's
+recompute, in backward) runs for what it saves; its outputs are dropped. A tiled MLP saves only its
+input and its own backward computes its chunks again, so in the re-run its forward's chunks (a whole
+forward of the MLP, the step's third) are wasted wherever nothing the block computes after the MLP
+saves a tensor (a Llama block: the residual add, which saves none). There the re-run's MLP runs
+hollow: the Function saves its input as before (the checkpoint matches saved tensors by their order)
+and returns zeros of the output's shape and dtype, computing nothing; the ops after it save nothing
+(and the checkpoint's early stop ends the re-run at its last saved tensor). Where something after the
+MLP saves (Gemma-2's norm after it, Phi-3's dropout around it) the MLP runs whole. Which MLPs may run
+hollow is read once per block from its first tiled forward's autograd graph (:func:`_hollow_mlps`):
+walking from the block's outputs back to its inputs, no node between an MLP's node and the outputs
+saves a tensor (its ``_raw_saved_*`` attributes; a custom Function's node counts as saving). A body's
+first call is its forward, every later one a re-run, so each checkpoint gets a body of its own
+(:func:`tiled_body`). The saved tensors and the backward are the whole re-run's, so are the gradients,
+bit for bit; the treatments' probes time the hollow re-run, so their prices follow.
 """
 
 from __future__ import annotations
@@ -214,6 +231,10 @@ class _TiledMlpFunction(torch.autograd.Function):
     def forward(ctx: Any, run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunks: int, draws: bool,
                 *params: torch.Tensor) -> torch.Tensor:
         ctx.run, ctx.chunks, ctx.params = run, chunks, params
+        if isinstance(run, _Hollow):  # a re-run's MLP: its input saved, nothing computed (NOTE [Hollow re-runs])
+            ctx.autocast, ctx.devices, ctx.rng = (), [], None
+            ctx.save_for_backward(x)
+            return x.new_zeros((*x.shape[:-1], run.width), dtype=run.dtype)
         ctx.autocast = _autocast_states(x.device.type)
         ctx.devices = [x.device] if x.device.type == "cuda" else []
         ctx.rng = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in ctx.devices]) if draws else None
@@ -289,6 +310,62 @@ def _bounds(rows: int, chunks: int) -> list[tuple[int, int]]:
     return out
 
 
+@dataclass(frozen=True)
+class _Hollow:
+    """The ``run`` of a hollow re-run's MLP (NOTE [Hollow re-runs]): the output's width and dtype, and nothing to run."""
+
+    width: int
+    dtype: torch.dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("memfit: a hollow re-run's MLP was differentiated (its re-run's outputs should be dropped)")
+
+
+#: the most autograd nodes a block's walk for hollow MLPs visits before it gives up (none then runs hollow)
+HOLLOW_WALK_NODES = 20_000
+
+
+def _saves(node: Any) -> bool:
+    """Whether an autograd node holds a tensor for its backward (a custom Function's node is taken to)."""
+    if isinstance(node, torch.autograd.function.BackwardCFunction):
+        return True
+    for name in dir(node):
+        if name.startswith("_raw_saved_"):
+            held = getattr(node, name, None)
+            if held is not None and not (isinstance(held, (list, tuple)) and not held):
+                return True
+    return False
+
+
+def _hollow_mlps(out: Any, inputs: Any, nodes: dict[int, Any]) -> set[int]:
+    """Of a block's tiled MLPs (``nodes``: each one's id and its Function's node in the block's first run), those after
+    which nothing the block computes saves a tensor: the walk goes from the block's outputs back to its inputs' nodes
+    (NOTE [Hollow re-runs])."""
+    targets = {node: key for key, node in nodes.items()}
+    stops = {t.grad_fn for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    reach: dict[Any, frozenset[int]] = {}  # per node, the MLPs below it (on a path to the inputs)
+    stack = [(t.grad_fn, False) for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while stack:
+        node, children_done = stack.pop()
+        if node in reach:
+            continue
+        if node in stops:
+            reach[node] = frozenset()
+        elif not children_done:
+            if len(reach) + len(stack) > HOLLOW_WALK_NODES:
+                return set()
+            stack.append((node, True))
+            stack.extend((child, False) for child, _ in node.next_functions if child is not None and child not in reach)
+        else:
+            below = {k for child, _ in node.next_functions if child is not None for k in reach.get(child, ())}
+            reach[node] = frozenset(below | ({targets[node]} if node in targets else set()))
+    dirty: set[int] = set()
+    for node, below in reach.items():
+        if below and _saves(node):
+            dirty |= below - {targets.get(node)}
+    return set(targets.values()) - dirty
+
+
 def tiled_mlp(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunks: int, params: Sequence[torch.Tensor]) -> torch.Tensor:
     """``run(x)`` (a token-wise MLP whose trainable parameters are ``params``) in ``chunks`` runs of
     tokens, saving only ``x`` for backward (NOTE [Tiled MLP]).
@@ -308,17 +385,26 @@ def mlp_chunks(mlp: nn.Module, x: torch.Tensor, chunking: Chunking) -> int:
 
 
 class _TiledForward:
-    """A gated MLP's forward as the model's, its tokens in chunks (NOTE [Tiled MLP])."""
+    """A gated MLP's forward as the model's, its tokens in chunks (NOTE [Tiled MLP]); in a re-run, hollow where
+    ``hollow`` gives its output's width and dtype, and in a body's first run noting its node, width and dtype in
+    ``seen`` (NOTE [Hollow re-runs])."""
 
-    def __init__(self, mlp: nn.Module, chunking: Chunking):
-        self.mlp, self.chunking = mlp, chunking
+    def __init__(self, mlp: nn.Module, chunking: Chunking, hollow: tuple[int, torch.dtype] | None = None,
+                 seen: dict[int, tuple[Any, int, torch.dtype]] | None = None):
+        self.mlp, self.chunking, self.hollow, self.seen = mlp, chunking, hollow, seen
         self.plain = type(mlp).forward.__get__(mlp)
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         params = [p for p in self.mlp.parameters() if p.requires_grad]
         if args or kwargs or not isinstance(x, torch.Tensor) or x.dim() < 2 or not torch.is_grad_enabled() or not (params or x.requires_grad):
             return self.plain(x, *args, **kwargs)
-        return tiled_mlp(self.plain, x, mlp_chunks(self.mlp, x, self.chunking), params)
+        chunks = mlp_chunks(self.mlp, x, self.chunking)
+        if self.hollow is not None:
+            return _TiledMlpFunction.apply(_Hollow(*self.hollow), x, chunks, False, *params)
+        y = tiled_mlp(self.plain, x, chunks, params)
+        if self.seen is not None and isinstance(y, torch.Tensor):
+            self.seen[id(self.mlp)] = (y.grad_fn, y.shape[-1], y.dtype)
+        return y
 
 
 def _is_lora_layer(m: nn.Module) -> bool:
@@ -469,11 +555,13 @@ class _LeanLoraForward:
 
 
 @contextlib.contextmanager
-def tiled(mlps: Sequence[nn.Module], chunking: Chunking, lean: Sequence[nn.Module] = ()) -> Iterator[None]:
+def tiled(mlps: Sequence[nn.Module], chunking: Chunking, lean: Sequence[nn.Module] = (),
+          hollow: dict[int, tuple[int, torch.dtype]] | None = None, seen: dict[int, Any] | None = None) -> Iterator[None]:
     """Run ``mlps`` (:func:`tileable_mlps`) tiled and ``lean`` (:func:`lean_parts`) saving only their input while
-    the context is open (their instances' ``forward``, put back after)."""
+    the context is open (their instances' ``forward``, put back after); the MLPs ``hollow`` names hollow, and each
+    other's node, width and dtype noted in ``seen`` (NOTE [Hollow re-runs])."""
     for mlp in mlps:
-        mlp.forward = _TiledForward(mlp, chunking)  # read by Module.__call__
+        mlp.forward = _TiledForward(mlp, chunking, (hollow or {}).get(id(mlp)), seen)  # read by Module.__call__
     for m in lean:
         m.forward = _LeanLoraForward(m) if _is_lora_layer(m) else _LeanForward(m, chunking)
     try:
@@ -488,12 +576,27 @@ def tiled(mlps: Sequence[nn.Module], chunking: Chunking, lean: Sequence[nn.Modul
 
 
 def tiled_body(body: Callable[..., Any], mlps: Sequence[nn.Module], chunking: Chunking,
-               lean: Sequence[nn.Module] = ()) -> Callable[..., Any]:
+               lean: Sequence[nn.Module] = (), verdict: dict[str, set[int]] | None = None) -> Callable[..., Any]:
     """``body`` (a block's) with ``mlps`` tiled and ``lean`` saving their inputs, for every run of it (a checkpoint's
-    recompute included)."""
+    recompute included). With ``verdict`` (the block's, kept across steps) it is one checkpoint's body: its first call
+    the forward, which notes which MLPs may run hollow where the verdict has none yet, its later ones re-runs, whose
+    MLPs the verdict names run hollow (NOTE [Hollow re-runs])."""
+    seen: dict[int, tuple[Any, int, torch.dtype]] = {}
+    calls = [0]
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        with tiled(mlps, chunking, lean):
+        calls[0] += 1
+        if verdict is None:
+            with tiled(mlps, chunking, lean):
+                return body(*args, **kwargs)
+        if calls[0] == 1:
+            with tiled(mlps, chunking, lean, seen=seen):
+                out = body(*args, **kwargs)
+            if "hollow" not in verdict and seen:
+                verdict["hollow"] = _hollow_mlps(out, (args, kwargs), {k: node for k, (node, _, _) in seen.items() if node is not None})
+            return out
+        hollow = {k: (width, dtype) for k, (_, width, dtype) in seen.items() if k in verdict.get("hollow", ())}
+        with tiled(mlps, chunking, lean, hollow=hollow):
             return body(*args, **kwargs)
 
     return run
@@ -531,6 +634,8 @@ class TiledMlp(Treatment):
         self.chunking = chunking or Chunking()
         #: per block, its MLPs to tile and its parts to run lean, found once
         self._parts: dict[int, tuple[list[nn.Module], list[nn.Module]]] = {}
+        #: per block, which MLPs its re-runs may run hollow, read from its first tiled forward (NOTE [Hollow re-runs])
+        self.verdicts: dict[int, dict[str, set[int]]] = {}
 
     def tiled_parts(self, block: "Block") -> tuple[list[nn.Module], list[nn.Module]]:
         """The block's MLPs to tile and the parts it runs lean (NOTE [Lean inputs in a tiled block])."""
@@ -638,7 +743,8 @@ class TiledReruns:
         self._tiled.chunking = value
 
     def tiled_run_body(self, block: "Block") -> Callable[..., Any]:
-        """The block's body with its gated MLPs tiled and its norms and adapters lean while it runs."""
+        """One checkpoint's body: the block's with its gated MLPs tiled and its norms and adapters lean while it
+        runs, its re-runs' MLPs hollow where the block's verdict allows (NOTE [Hollow re-runs])."""
         mlps, lean = self._tiled.tiled_parts(block)
-        return tiled_body(block.run_body, mlps, self.chunking, lean)
+        return tiled_body(block.run_body, mlps, self.chunking, lean, self._tiled.verdicts.setdefault(block.index, {}))
 
