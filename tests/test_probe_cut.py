@@ -206,3 +206,37 @@ def test_the_cut_counts_the_inputs_the_plan_holds_on_the_device(monkeypatch, pla
     x = torch.zeros(1, 8, 4)
     probe._probe_warmup(step, SimpleNamespace(index=1), (x,), {}, None, torch.device("cpu"), planning)
     assert asked == [holding]
+
+
+def test_a_key_every_curve_has_sampled_is_not_probed_again(monkeypatch):
+    """NOTE [Probing a key once]: a run of one length probes every block in its first warm-up step only; its later
+    warm-up steps probe none (their curves hold that key); a new length is probed; the curves are the same as with a
+    probe every step (bytes: each key's largest, the same bytes)."""
+    import memfit
+
+    probed = []
+    plain = probe._probe_warmup
+    monkeypatch.setattr(probe, "_probe_warmup", lambda step, block, *a: probed.append((step.key, block.index)) or plain(step, block, *a))
+    model, make = build_decoder("llama")
+    n = len(find_blocks(model))
+    ctl = memfit.fit(model, budget="1GB", announce=False, treatments=("recompute", "elementwise"), warmup_steps=4)
+    for length in (24, 24, 24, 32):
+        batch = make(2, length)
+        ctl.run_step(lambda batch=batch: model(**batch).loss.backward())
+        model.zero_grad(set_to_none=True)
+    assert [r.phase for r in ctl.records] == ["warmup"] * 4
+    assert [key for key, _ in probed] == [(2, 24)] * n + [(2, 32)] * n, probed
+    bytes_once = {name: list(c.ys) for name, c in ctl.planning.model.group_models[0].bytes.items()}
+    ctl.remove()
+    monkeypatch.setattr(probe, "_probe_warmup", plain)
+    # the same run with every warm-up step probed (the check off): the same largest bytes per key
+    model2, make2 = build_decoder("llama")
+    ctl = memfit.fit(model2, budget="1GB", announce=False, treatments=("recompute", "elementwise"), warmup_steps=4)
+    monkeypatch.setattr(probe, "sampled_at", lambda planning, index, key: False)
+    for length in (24, 24, 24, 32):
+        batch = make2(2, length)
+        ctl.run_step(lambda batch=batch: model2(**batch).loss.backward())
+        model2.zero_grad(set_to_none=True)
+    again = ctl.planning.model.group_models[0].bytes
+    assert {name: max(c.ys) for name, c in again.items() if c.ys} == {name: max(ys) for name, ys in bytes_once.items() if ys}
+    ctl.remove()
