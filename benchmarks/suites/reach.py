@@ -1,5 +1,6 @@
 """reach: the tight end, where nothing else fits: memfit's host checkpoints and planner against the peers at
-caps near the floor, host memory watched (issue 59's reach suite, first cells: fixed caps, no bisection yet)."""
+caps near the floor, host memory watched (issue 59's reach suite): cells at fixed caps, and per workload the
+smallest cap of each method by bisection (``reach-<workload>``: benchmarks/bisect_caps.py)."""
 
 from suites import Call, Context, Suite, script
 
