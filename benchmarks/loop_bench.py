@@ -201,6 +201,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    "step (bisection in --reach_step_gib steps: benchmarks/bisect_caps.py); <folder>.reach.jsonl and "
                    "<folder>.reach.md beside results.jsonl")
     p.add_argument("--reach_step_gib", type=float, default=1.0, help="the bisection's step, GiB")
+    p.add_argument("--reach_start_gib", type=float, default=None, help="memfit's first trial where no fixed policy of "
+                   "the call gives one (the best peer's smallest cap from another call, when the methods of a workload "
+                   "are split over calls); a cap of the bisection's steps")
     p.add_argument("--no_untimed", action="store_true", help="skip the untimed passes over every batch (plain, then every "
                    "layer recomputed) before the first configuration: it then pays each shape's first run (a cap's reach "
                    "does not depend on it; a time does)")
@@ -1257,7 +1260,8 @@ def _reach(args, model, batches, initial, emit, started: float) -> None:
             peak = line.get("max_peak_allocated_bytes")
             return (ok, peak / GIB if peak else None) if _is_fixed(name) else ok
 
-        first = caps.index(best[0]) if best is not None and not _is_fixed(name) else None
+        start = best[0] if best is not None else args.reach_start_gib
+        first = None if _is_fixed(name) or start is None else min(range(len(caps)), key=lambda i: abs(caps[i] - start))
         try:
             smallest, tried = smallest_fitting(caps, trial, first)
             row = {"method": name, "smallest_gib": smallest, "trials": tried, "steps": args.steps,

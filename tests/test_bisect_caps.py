@@ -153,3 +153,18 @@ def test_a_trial_past_the_rules_replays_stops_there(tmp_path, monkeypatch):
     assert all(x["status"] == "ok" and len(x["step_ms"]) == 4 for x in lines[:1] + lines[2:])
     (row,) = [json.loads(t) for t in (out / "out.reach.jsonl").read_text().splitlines()]
     assert row["trials"][0] == [0.12, True] and row["trials"][1][1] is False and row["smallest_gib"] is not None
+
+
+def test_loop_bench_reach_starts_memfit_where_told_without_a_peer(tmp_path):
+    """--reach_start_gib: memfit's first trial when the call has no fixed policy (the workload's methods split over
+    calls), the cap of the bisection nearest to it."""
+    spec = importlib.util.spec_from_file_location("loop_bench", ROOT / "benchmarks" / "loop_bench.py")
+    loop_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loop_bench)
+    out = tmp_path / "out"
+    assert loop_bench.main(["--model", "llama-tiny", "--device", "cpu", "--dtype", "float32", "--lengths", "uniform:16:24",
+                            "--batch", "2", "--steps", "2", "--steady_from", "1", "--reach_gib", "0.03", "0.12",
+                            "--reach_step_gib", "0.03", "--reach_start_gib", "0.085", "--repeats", "1", "--no_untimed",
+                            "--methods", "dynamic", "--output_dir", str(out)]) == 0
+    (row,) = [json.loads(t) for t in (out / "out.reach.jsonl").read_text().splitlines()]
+    assert row["trials"][0][0] == 0.09 and "vs_best_peer" not in row

@@ -67,7 +67,7 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
         "--repeats", 1, "--no_cudnn_sdpa", "--time_limit_s", 500, "--config_time_limit_s", 240,
         "--methods", "dynamic+auto", "static+auto", "--output_dir", ctx.folder("llama8b-mixed-32k"))],
         folder="llama8b-mixed-32k", timeout_s=580)
-    return [gemma, gemma30, long, *at_caps, mixed, *_bisections(ctx)]
+    return [gemma, gemma30, long, *at_caps, mixed, *_bisections(ctx), *_split(ctx), *_shares(ctx)]
 
 
 #: issue 59's reach workloads: loop_bench's model and data flags, the caps bisected (GiB), steps
@@ -95,4 +95,35 @@ def _bisections(ctx: Context) -> list[Call]:
             "--reach_gib", lo, hi, "--reach_step_gib", 1, "--repeats", 1, "--no_cudnn_sdpa", "--no_untimed",
             "--time_limit_s", 540, "--config_time_limit_s", 200, "--methods", *REACH_METHODS,
             "--output_dir", ctx.folder(name))], folder=name, timeout_s=580))
+    return calls
+
+
+#: (b)'s best peer's smallest cap, GiB (s34-3: ``hf-offload+liger``): memfit's first trial where its bisection runs apart
+#: (a fitting trial of (b) takes about two minutes: the three methods do not fit one ten-minute call)
+B_BEST_PEER_GIB = 30
+
+
+def _split(ctx: Context) -> list[Call]:
+    """(b)'s memfit bisection in a call of its own, from the best peer's smallest cap measured apart."""
+    flags, (lo, hi), steps = WORKLOADS["b-8b-lora"]
+    name = "reach-b-8b-lora-memfit"
+    return [Call(name, [script(
+        ctx, "loop_bench.py", *flags, "--steps", 3 if ctx.quick else steps, "--steady_from", 1 if ctx.quick else 2,
+        "--reach_gib", lo, hi, "--reach_step_gib", 1, "--reach_start_gib", B_BEST_PEER_GIB, "--repeats", 1,
+        "--no_cudnn_sdpa", "--no_untimed", "--time_limit_s", 540, "--config_time_limit_s", 200,
+        "--methods", "dynamic+auto", "--output_dir", ctx.folder(name))], folder=name, timeout_s=580)]
+
+
+def _shares(ctx: Context) -> list[Call]:
+    """Issue 59's cells at 0.18 and 0.25 of plain's peak: (a)'s workload, 200 steps, memfit against Hugging Face's
+    checkpointing with Liger's loss on the same batches, warm-up included (``--steady_from 0``: every step paired)."""
+    flags, _, _ = WORKLOADS["a-1b-full"]
+    calls = []
+    for share in (0.18, 0.25):
+        name = f"reach-a-share-{share}"
+        calls.append(Call(name, [script(
+            ctx, "loop_bench.py", *flags, "--steps", 4 if ctx.quick else 200, "--steady_from", 0, "--budgets", share,
+            "--repeats", 1, "--no_cudnn_sdpa", "--time_limit_s", 560, "--config_time_limit_s", 240,
+            "--methods", "none", "dynamic+auto", "hf-every-1+liger", "--output_dir", ctx.folder(name))],
+            folder=name, timeout_s=590))
     return calls
