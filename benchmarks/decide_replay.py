@@ -11,7 +11,7 @@ the probes' price lines are not in the files), the optimizer step as a part (Ada
 foreach) and a host link of ``--link_gb_s`` for the treatments it prices. Prints the median and mean µs of a
 decision over ``--repeats`` passes, and how many steps' blocks and parts match their records (the head's price
 and the room's learnt state are not in the files, so a few may not). ``--json`` writes every plan; ``--same_as``
-checks the plans against such a file (a change to the planner passes with 0 differing plans).
+checks the plans and their estimates against such a file (a change to the planner passes with 0 differing plans).
 
     python benchmarks/decide_replay.py STEPS.jsonl.gz MODELS.jsonl.gz --model Llama-3.2-1B --repeats 20
 """
@@ -124,13 +124,15 @@ def replay(steps: Path, models: Path, config: str, treatments: tuple[str, ...], 
         treated = {kind: blocks for kind, blocks in plan.by_treatment().items()}
         treated.update(plan.part_labels())
         ran = {kind: value for kind, value in r["treatments"].items() if kind != "optimizer_step"}
-        plans.append({"step": r["step"], "plan": treated, "recorded": ran, "same_as_record": treated == ran})
+        plans.append({"step": r["step"], "plan": treated, "cost_ms": plan.cost_ms, "saved_bytes": plan.saved_bytes,
+                      "recorded": ran, "same_as_record": treated == ran})
         longest = dict(planning.longest_in_bucket)
         for t in range(1, sweep + 1):
             planning.cache.clear()
             length = t * 2 * max(k[1] for k in planning.longest_in_bucket) // sweep
             swept = planning.plan_for((key[0], length))
-            plans.append({"step": r["step"], "length": length, "plan": {**swept.by_treatment(), **swept.part_labels()}})
+            plans.append({"step": r["step"], "length": length, "plan": {**swept.by_treatment(), **swept.part_labels()},
+                          "cost_ms": swept.cost_ms, "saved_bytes": swept.saved_bytes})
         planning.longest_in_bucket = longest
         planning.room.learn_pools(r.get("stream_pool_bytes"))  # what the step read of other streams' pools, as learnt
     return times, plans
@@ -159,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({"times_us": times, "plans": plans}, indent=1))
     if args.same_as:
         before = json.loads(args.same_as.read_text())["plans"]
-        differ = [a["step"] for a, b in zip(plans, before) if a["plan"] != b["plan"]]
+        fields = ("plan", "cost_ms", "saved_bytes")  # the estimates too: the same arithmetic, the same ties
+        differ = [a["step"] for a, b in zip(plans, before) if [a.get(f) for f in fields] != [b.get(f) for f in fields]]
         print(f"plans against {args.same_as}: {len(differ)} differ {differ}")
         return 1 if differ or len(before) != len(plans) else 0
     return 0

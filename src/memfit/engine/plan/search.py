@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from memfit.engine.plan.planner import InfeasiblePlanError, Plan, plan_blocks, plan_with_parts, with_leaner_reruns
+from memfit.engine.plan.planner import InfeasiblePlanError, Knapsack, Plan, plan_blocks, with_leaner_reruns
 from memfit.engine.parts.treatments import RECOMPUTE, floor_treatment
 from memfit.engine.shapes import bucket_key
 from memfit.engine.summary_text import over_budget_words
@@ -279,10 +279,10 @@ class Search:
         planning = self.planning
         order = {name: t.order for name, t in planning.registry.items()}
         leaner = {t.keeps_as: name for name, t in planning.registry.items() if t.keeps_as and name in planning.treatments}
-        asks = max(3, planning.model.offload_depth(k) + 2)
+        asks, stack = max(3, planning.model.offload_depth(k) + 2), Knapsack(options, order=order)  # one stack, each ask's need
         for _ in range(asks):
             try:
-                mixed = plan_with_parts(options, parts, need, order=order)
+                mixed = stack.with_parts(parts, need)
             except InfeasiblePlanError:
                 return None
             over = planning.plan_peak(k, mixed) - room
