@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from collections.abc import Callable
 
 #: the treatments ``dynamic+auto`` offers a bf16 decoder with gated MLPs on a GPU (Treatment.by_default)
 AUTO_ON_GPU = ("elementwise", "host_checkpoint", "tiled_mlp", "recompute_tiled", "host_checkpoint_tiled", "lean")
@@ -62,6 +63,21 @@ def _curves(model) -> dict[tuple, Any]:
         out.update({("bytes", g, name): c for name, c in group.bytes.items()})
         out.update({("ms", g, name): c for name, c in group.ms.items()})
     return out
+
+
+def _as_found(model) -> Callable[[], None]:
+    """What puts back the caches a decision fills, as they are now: each curve's fit and memo, the plans' layouts
+    the model keeps (where it keeps them); each repeat of a decision then finds what the run's step found."""
+    fitted = [(c, list(c.coef), c.shift, c._quadratic, dict(c._memo)) for c in _curves(model).values()]
+    layouts = getattr(model, "layouts", None)
+    made = dict(layouts._made) if layouts is not None else None
+
+    def restore() -> None:
+        for c, coef, shift, quadratic, memo in fitted:
+            c.coef, c.shift, c._quadratic, c._memo = list(coef), shift, quadratic, dict(memo)
+        if layouts is not None:
+            layouts._made = dict(made)
+    return restore
 
 
 def _teach(planning, state: dict) -> None:
@@ -110,11 +126,9 @@ def replay(steps: Path, models: Path, config: str, treatments: tuple[str, ...], 
         planning.begin_step(r["static_bytes"])
         head.switch.implementation = r.get("head_implementation") or "pure"
         key = (r["shape"][0], r["shape"][1])
-        curves = _curves(planning.model).values()
-        fitted = [(c, list(c.coef), c.shift, c._quadratic, dict(c._memo)) for c in curves]
+        as_found = _as_found(planning.model)
         for _ in range(repeats):
-            for c, coef, shift, quadratic, memo in fitted:  # as the step found them
-                c.coef, c.shift, c._quadratic, c._memo = list(coef), shift, quadratic, dict(memo)
+            as_found()
             planning.cache.clear()
             head_options.cache_clear()
             t0 = time.perf_counter()
@@ -126,7 +140,7 @@ def replay(steps: Path, models: Path, config: str, treatments: tuple[str, ...], 
         ran = {kind: value for kind, value in r["treatments"].items() if kind != "optimizer_step"}
         plans.append({"step": r["step"], "plan": treated, "cost_ms": plan.cost_ms, "saved_bytes": plan.saved_bytes,
                       "recorded": ran, "same_as_record": treated == ran})
-        longest = dict(planning.longest_in_bucket)
+        longest, as_decided = dict(planning.longest_in_bucket), _as_found(planning.model)
         for t in range(1, sweep + 1):
             planning.cache.clear()
             length = t * 2 * max(k[1] for k in planning.longest_in_bucket) // sweep
@@ -134,6 +148,7 @@ def replay(steps: Path, models: Path, config: str, treatments: tuple[str, ...], 
             plans.append({"step": r["step"], "length": length, "plan": {**swept.by_treatment(), **swept.part_labels()},
                           "cost_ms": swept.cost_ms, "saved_bytes": swept.saved_bytes})
         planning.longest_in_bucket = longest
+        as_decided()  # what the run's next step finds: its decision's caches, not the other lengths'
         planning.room.learn_pools(r.get("stream_pool_bytes"))  # what the step read of other streams' pools, as learnt
     return times, plans
 
