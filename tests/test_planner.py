@@ -426,9 +426,10 @@ def test_one_knapsack_plans_each_need_as_a_knapsack_made_for_it(seed):
             options = _random_stack(rng, rng.randint(2, 10), 10**8)
         most = _most(options)
         head = [("keep", 1, 0, 0.0), ("chunked", 8, rng.randint(0, most // 4), rng.uniform(-1.0, 5.0))]
-        parts = [("head", head)] if n % 3 else []
+        priced = [head[0], (*head[1][:3], head[1][3] + 2.0)]  # the same head priced anew: other parts
         stack = Knapsack(options)
-        for need in [int(most * f) for f in (0.3, 0.1, 0.6, 0.6, 0.95, 1.2, 0.5)] + [most + head[1][2] // 2, -5]:
+        for i, need in enumerate([int(most * f) for f in (0.3, 0.1, 0.6, 0.6, 0.95, 1.2, 0.5)] + [most + head[1][2] // 2, -5]):
+            parts = [("head", priced if i % 4 == 3 else head)] if n % 3 else []
             try:
                 want = plan_with_parts(options, parts, need)
             except InfeasiblePlanError:

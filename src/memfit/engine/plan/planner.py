@@ -425,6 +425,8 @@ class Knapsack:
         #: the fractional relaxation's steps, cumulative (saved, ms) from (0, 0), and the bytes its steps of negative
         #: cost save, found once (:meth:`lower_bound`)
         self._steps: tuple[list[float], list[float], float] | None = None
+        #: the parts :meth:`with_parts` was last given (frozen) and their combinations
+        self._combos: tuple[list, list] | None = None
 
     def lower_bound(self, need_bytes: int) -> float:
         """No plan of this stack saving ``need_bytes`` costs less (NOTE [Parts beside the blocks]): the relaxation that
@@ -478,11 +480,13 @@ class Knapsack:
     def with_parts(self, parts: Sequence[tuple[str, Sequence[tuple[str, int, int, float]]]], need_bytes: int) -> Plan:
         """The cheapest mix of this stack's treatments and one option per part beside the blocks (:func:`plan_with_parts`)."""
         parts = [(kind, tuple(tuple(o) for o in opts)) for kind, opts in parts if opts]
+        if self._combos is None or parts != self._combos[0]:  # the parts' combinations, kept for the next need
+            self._combos = parts, [(sum(float(o[3]) for o in combo), sum(int(o[2]) for o in combo), at, combo)
+                                   for at, combo in enumerate(itertools.product(*_bounded_options([o for _, o in parts])))]
+        combos = self._combos[1]
         if not parts:
             return self.plan(need_bytes)
         best: tuple[float, int, Plan] | None = None  # (ms, the combination's place, plan): ties go to the earlier one
-        combos = [(sum(float(o[3]) for o in combo), sum(int(o[2]) for o in combo), at, combo)
-                  for at, combo in enumerate(itertools.product(*_bounded_options([opts for _, opts in parts])))]
         bounded = sorted(((ms + self.lower_bound(need_bytes - saved), at), ms, saved, combo) for ms, saved, at, combo in combos)
         for (bound, at), ms, saved, combo in bounded:
             if best is not None and bound > best[0] + 1e-9 * max(1.0, abs(best[0])):
@@ -574,7 +578,8 @@ def _alike(opts: tuple[tuple[str, int, float], ...], m: int, need: int, order: M
         cost = np.where(saved >= need, cost, np.inf)
         best = cost.min()
         ties = np.flatnonzero(cost <= best + 1e-12 * max(1.0, abs(best)))
-        row = [int(c) for c in grid[min(ties, key=lambda r: (grid[r].sum(), tuple(-grid[r])))]]
+        best_row = ties[0] if len(ties) == 1 else min(ties, key=lambda r: (grid[r].sum(), tuple(-grid[r])))
+        row = [int(c) for c in grid[best_row]]
     else:
         taken = list(_choose_by_dp([opts] * m, need, resolution).values())
         row = [taken.count(o[0]) for o in opts]
