@@ -722,3 +722,73 @@ def test_planning_s_records_per_shape_and_plan_stay_bounded(caplog):
         logs = [planning.search._infeasible_log((1, t)) for t in range(MAX_KEPT + 500)]
     assert len(planning.search.infeasible_keys) <= MAX_KEPT
     assert logs[0] == planning_module.logger.warning and all(log == planning_module.logger.debug for log in logs[1:])
+
+
+def test_a_search_reads_the_curves_once_and_each_peak_is_the_plans_own(monkeypatch):
+    """NOTE [A search reads the curves once]: inside ``with ShapePeaks(model, key)`` each peak at ``key`` is the one the
+    plan asked alone gives, bit for bit (treated and offloaded blocks, the link's depth, a part's saving), from the
+    curves read once; a part priced anew inside the block is priced anew; another shape reads its own; each block ends
+    as it began. A search (Planning.plan_for on a miss) is such a block."""
+    from memfit.engine.parts.probe import LinkPrice
+    from memfit.engine.plan.model import ShapePeaks
+
+    model = _model([16, 32, 64, 128])
+    group = model.group_models[0]
+    for t in (16, 32, 64, 128):
+        group.bytes_curve("selective").add((4, t), 400.0 * 4 * t)
+        group.bytes_curve("offload").add((4, t), 20.0 * 4 * t)
+    model.link = LinkPrice(100.0, 50.0, max_depth=3)
+    saving = {"chunked": 5_000.0}
+    model.part_saving = {"head": lambda tokens, option: int(saving.get(option[0], 0) * tokens)}
+    key, other = (4, 64), (4, 100)
+    plans = [Plan(()), Plan((0, 1)), Plan((3,)), Plan((0, 1, 2, 3), kinds=("recompute", "selective", "offload", "offload")),
+             Plan((1, 2), kinds=("offload", "selective")).with_option("head", ("chunked", 8))]
+
+    def peaks(k):
+        return [(model.backward_start_bytes(k, p), model.recompute_bytes(k, p), model.step_bytes(k, p), model.plan_bytes(k, p))
+                for p in plans]
+
+    alone, alone_other, depth = peaks(key), peaks(other), model.offload_depth(key)
+    assert depth > 1  # the link's, at this shape
+    read, real = [], MemoryModel._values
+    monkeypatch.setattr(MemoryModel, "_values", lambda self, n, t: read.append((n, t)) or real(self, n, t))
+    with ShapePeaks(model, key) as shape:
+        assert model.searched is shape and peaks(key) == alone and peaks(key) == alone and model.offload_depth(key) == depth
+        assert read == [key]  # once, whatever is asked there
+        assert peaks(other) == alone_other
+        with ShapePeaks(model, other):
+            assert peaks(other) == alone_other and peaks(key) == alone
+        assert model.searched is shape
+        saving["chunked"] = 9_000.0  # the head priced anew while the search runs
+        anew = peaks(key)
+    assert model.searched is None and anew[-1] != alone[-1] and anew[:-1] == alone[:-1]
+    assert anew == peaks(key)  # what the plans give alone, priced so
+    planning = Planning(4, [0] * 4, 10**9, 0, 8, treatments=("recompute", "selective"))
+    planning.model = model
+    planning.static_bytes = int(10**9 - 0.9 * model.backward_start_bytes(key, Plan(())))
+    read.clear()
+    assert planning.plan_for(key).blocks and read == [key]
+
+
+def test_a_plans_layout_is_made_once_and_anew_after_a_split():
+    """A plan's layout (what the peak formula needs of it) is made once and kept, read only (the same plans come back
+    step after step), at most ``LAYOUTS_KEPT`` of them; a split of the groups makes them anew: a plan's peaks after it
+    are those of a model made with the new groups."""
+    from memfit.engine.plan.model import LAYOUTS_KEPT
+
+    model = MemoryModel([0] * 12)
+    group = model.group_models[0]
+    for t in (16, 32, 64):
+        group.bytes["keep"].add((4, t), 1000.0 * 4 * t)
+        group.bytes["recompute"].add((4, t), 100.0 * 4 * t)
+        model.transient_full.add((4, t), 300.0 * 4 * t)
+    plan, key = Plan((0, 5), kinds=("recompute", "selective")), (4, 32)
+    assert model.layouts(plan) is model.layouts(Plan((0, 5), kinds=("recompute", "selective")))
+    before = model.step_bytes(key, plan)
+    model.split([0] * 6 + [1] * 6)
+    model.group_models[1].bytes["keep"].add((4, 32), 3000.0 * 4 * 32)  # the new group keeps more
+    fresh = MemoryModel.from_dict(model.to_dict())
+    assert model.step_bytes(key, plan) == fresh.step_bytes(key, plan) != before
+    for n in range(LAYOUTS_KEPT + 10):
+        model.layouts(Plan(tuple(i for i in range(12) if n >> i & 1)))
+    assert len(model.layouts._made) <= LAYOUTS_KEPT

@@ -383,12 +383,12 @@ def test_alike_stacks_too_large_to_score_plan_the_least_cost_over_every_count(se
 
 @pytest.mark.parametrize("seed", range(3))
 def test_the_relaxations_bound_is_never_above_the_exact_optimum(seed):
-    """NOTE [Parts beside the blocks]: ``_Knapsack.lower_bound`` (each block's options on their lower convex hull,
+    """NOTE [Parts beside the blocks]: ``Knapsack.lower_bound`` (each block's options on their lower convex hull,
     shares of two options allowed) is at most the least cost of every assignment that covers the need, and grows
     with the need; inf past what every block treated saves."""
     import numpy as np
 
-    from memfit.engine.plan.planner import _Knapsack
+    from memfit.engine.plan.planner import Knapsack
 
     rng = random.Random(seed)
     for n in range(30):
@@ -398,16 +398,47 @@ def test_the_relaxations_bound_is_never_above_the_exact_optimum(seed):
         combos = list(itertools.product(*[[None, *opts] for opts in options]))
         saved = np.array([sum(o[1] for o in c if o) for c in combos], dtype=np.int64)
         cost = np.array([sum(o[2] for o in c if o) for c in combos])
-        knapsack, most = _Knapsack(options, 1024, None), _most(options)
+        knapsack, most = Knapsack(options, 1024, None), _most(options)
         bounds = [knapsack.lower_bound(max(1, int(most * frac))) for frac in (0.01, 0.2, 0.5, 0.8, 0.99, 1.0)]
         assert bounds == sorted(bounds)
         for frac, bound in zip((0.01, 0.2, 0.5, 0.8, 0.99, 1.0), bounds):
             assert bound <= cost[saved >= max(1, int(most * frac))].min() + 1e-9
         assert knapsack.lower_bound(0) == 0.0 and knapsack.lower_bound(most + 1) == float("inf")
-    one = _Knapsack([[("recompute", 100, 10.0), ("selective", 60, 2.0)]] * 2, 1024, None)
+    one = Knapsack([[("recompute", 100, 10.0), ("selective", 60, 2.0)]] * 2, 1024, None)
     # each block: selective (60 bytes, 2 ms), then recompute's 40 more bytes at 8 ms more: cheapest per byte first
     assert [one.lower_bound(n) for n in (60, 120, 160)] == [2.0, 4.0, pytest.approx(12.0)]
     assert one.lower_bound(30) == pytest.approx(1.0) and one.lower_bound(200) == pytest.approx(20.0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_one_knapsack_plans_each_need_as_a_knapsack_made_for_it(seed):
+    """A ``Knapsack`` keeps what it found of its stack (the alike stack's counts scored, the relaxation's steps) from
+    one need to the next, as the search's asks use one (NOTE [Planning with the stashes back], search.py): each need's
+    plan, estimates included, is the one a knapsack made for that need alone gives, infeasible where that one is."""
+    from memfit.engine.plan.planner import Knapsack
+
+    rng = random.Random(seed)
+    for n in range(24):
+        if n % 2:  # alike blocks: the counts scored, once
+            block = [(kind, rng.randint(10**7, 10**8), round(rng.uniform(-2.0, 30.0), 3)) for kind in rng.sample(KINDS, rng.randint(1, 4))]
+            options = [block] * rng.randint(2, 16)
+        else:
+            options = _random_stack(rng, rng.randint(2, 10), 10**8)
+        most = _most(options)
+        head = [("keep", 1, 0, 0.0), ("chunked", 8, rng.randint(0, most // 4), rng.uniform(-1.0, 5.0))]
+        priced = [head[0], (*head[1][:3], head[1][3] + 2.0)]  # the same head priced anew: other parts
+        stack = Knapsack(options)
+        for i, need in enumerate([int(most * f) for f in (0.3, 0.1, 0.6, 0.6, 0.95, 1.2, 0.5)] + [most + head[1][2] // 2, -5]):
+            parts = [("head", priced if i % 4 == 3 else head)] if n % 3 else []
+            try:
+                want = plan_with_parts(options, parts, need)
+            except InfeasiblePlanError:
+                with pytest.raises(InfeasiblePlanError):
+                    stack.with_parts(parts, need)
+                continue
+            got = stack.with_parts(parts, need)
+            assert (got.blocks, got.kinds, got.parts, got.cost_ms, got.saved_bytes) == \
+                (want.blocks, want.kinds, want.parts, want.cost_ms, want.saved_bytes), (n, need)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -419,13 +450,13 @@ def test_parts_combinations_the_bound_rules_out_are_not_planned_and_the_plan_is_
 
     rng = random.Random(seed)
     planned = {"n": 0, "on": False}
-    real = planner._Knapsack.plan
+    real = planner.Knapsack.plan
 
     def counted(self, need):
         planned["n"] += planned["on"]
         return real(self, need)
 
-    monkeypatch.setattr(planner._Knapsack, "plan", counted)
+    monkeypatch.setattr(planner.Knapsack, "plan", counted)
     searches = 0
     for _ in range(40):
         options = _random_stack(rng, rng.randint(4, 24), 10**8)
@@ -436,7 +467,7 @@ def test_parts_combinations_the_bound_rules_out_are_not_planned_and_the_plan_is_
         for frac in (0.2, 0.6, 0.9, 0.99):
             need = int(most * frac)
             with monkeypatch.context() as every:
-                every.setattr(planner._Knapsack, "lower_bound", lambda self, need: 0.0)  # every combination planned
+                every.setattr(planner.Knapsack, "lower_bound", lambda self, need: 0.0)  # every combination planned
                 whole = plan_with_parts(options, parts, need)
             planned["on"] = True
             plan = plan_with_parts(options, parts, need)

@@ -474,3 +474,29 @@ def test_loop_bench_only_part_runs_the_chunked_head_by_one_implementation(tmp_pa
     (line,) = [json.loads(text) for text in (out / "results.jsonl").read_text().splitlines()]
     assert line["status"] == "ok" and line["head"]["implementation"] == "pure" and set(line["head"]["probed"]) == {"pure"}
     assert set(line["head"]["failed"]) == {"pure_grad_in_forward", "liger", "cce"}
+
+
+def test_decide_replay_decides_each_steady_step_on_the_model_that_planned_it(tmp_path, capsys):
+    """benchmarks/decide_replay.py on an H200 run's files: every steady step is decided again on the model
+    after the step before (its curves taught as the run taught them), timed, and its plan written; a plan
+    that needs only what the files hold comes out as the run recorded it, and ``--same_as`` fails where a
+    plan differs from an earlier replay's."""
+    spec = importlib.util.spec_from_file_location("decide_replay", ROOT / "benchmarks" / "decide_replay.py")
+    replay = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replay)
+    run = ROOT / "tests" / "fixtures" / "h200_llm_optimizer" / "optimizer-llama1b.s32-5.dynamic+auto-12.35GB-r0"
+    files = [f"{run}.steps.jsonl.gz", f"{run}.models.jsonl.gz", "--repeats", "2", "--sweep", "2"]
+    out = tmp_path / "plans.json"
+    assert replay.main([*files, "--json", str(out)]) == 0
+    written = json.loads(out.read_text())
+    stepped = [p for p in written["plans"] if "recorded" in p]
+    assert [p["step"] for p in stepped] == list(range(4, 31)) and len(written["times_us"]) == 2 * 27
+    assert len(written["plans"]) == 27 * 3 and all(t > 0 for t in written["times_us"])
+    # the longest batch yet (4 x 1,868), planned with room the run had learnt by then: as it ran
+    assert next(p for p in stepped if p["step"] == 5)["same_as_record"]
+    assert "27 steady steps x 2" in capsys.readouterr().out
+    assert replay.main([*files, "--same_as", str(out)]) == 0
+    assert "0 differ" in capsys.readouterr().out
+    written["plans"][3]["plan"] = {"recompute": list(range(16))}
+    out.write_text(json.dumps(written))
+    assert replay.main([*files, "--same_as", str(out)]) == 1

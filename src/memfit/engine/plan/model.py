@@ -155,6 +155,7 @@ noise, and the noise then chooses the treatment.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -167,7 +168,7 @@ from memfit.engine.parts.treatments import KEEP, RECOMPUTE, TREATMENTS
 if TYPE_CHECKING:
     from memfit.engine.plan.planner import Plan
 
-__all__ = ["Curve", "BlockGroupModel", "MemoryModel", "PrefixRows", "KEEP", "RECOMPUTE"]
+__all__ = ["Curve", "BlockGroupModel", "MemoryModel", "ShapePeaks", "PrefixRows", "KEEP", "RECOMPUTE"]
 
 #: shapes the partial transient must have seen before partial plans are predicted from it (NOTE [Two transient regimes])
 PARTIAL_MIN_KEYS = 2
@@ -398,15 +399,18 @@ class Curve:
         return _select(all_tokens < self.min_tokens, lambda: self(smallest) * all_float / float(smallest[0] * smallest[1]), value)
 
     def _slots(self) -> tuple[list[float], float]:
-        """Coefficients on the slots ``(1, N, N·T, N·T²)`` and the shift (fitted first if needed)."""
-        if not self.coef:
-            self._fit()
-        coef = list(self.coef)
-        if not self.intercept:
-            coef.insert(0, 0.0)
-        if not self._quadratic:  # [1, N·T]
-            coef = [coef[0], 0.0, coef[1], 0.0]
-        return coef, self.shift
+        """Coefficients on the slots ``(1, N, N·T, N·T²)`` and the shift (fitted first if needed; kept until a sample)."""
+        slots = self._memo.get("slots")
+        if slots is None:
+            if not self.coef:
+                self._fit()
+            coef = list(self.coef)
+            if not self.intercept:
+                coef.insert(0, 0.0)
+            if not self._quadratic:  # [1, N·T]
+                coef = [coef[0], 0.0, coef[1], 0.0]
+            slots = self._memo["slots"] = coef, self.shift
+        return slots
 
     def _extremes(self) -> tuple[tuple[int, int], tuple[int, int]] | None:
         """The sample keys with the fewest and the most ``N·T`` (the largest ``N`` among ties), or None."""
@@ -572,6 +576,49 @@ class _Layout:
     rerun_keeps: list[tuple[int, str]] = field(default_factory=list)
 
 
+#: the most plans whose layouts a model keeps (a long run's plans are not bounded)
+LAYOUTS_KEPT = 1024
+
+
+class _Layouts:
+    """Each plan's :class:`_Layout` for a model's blocks (their groups and the run's treatments), made once per plan
+    (the same plans come back step after step) and read, never changed, by the peak formula; the model makes a new
+    one when its groups change. Also each group's number of blocks (``sizes``)."""
+
+    def __init__(self, groups: list[int], treatments: Mapping[str, Any]):
+        self.groups, self.treatments = groups, treatments
+        self.sizes = {g: groups.count(g) for g in sorted(set(groups))}
+        self._made: dict[tuple, _Layout] = {}
+
+    def __call__(self, plan: "Plan") -> _Layout:
+        layout = self._made.get(seen := (plan.blocks, plan.kinds))
+        if layout is None:
+            if len(self._made) >= LAYOUTS_KEPT:
+                self._made.clear()
+            layout = self._made[seen] = self._make(plan)
+        return layout
+
+    def _make(self, plan: "Plan") -> _Layout:
+        names, groups, treatments = plan.treatments(len(self.groups)), self.groups, self.treatments
+        counts: dict[int, dict[str, Any]] = {g: {} for g in self.sizes}
+        for g, name in zip(groups, names):
+            counts[g][name] = counts[g].get(name, 0) + 1
+        reruns = [i for i, name in enumerate(names) if treatments[name].reruns]
+        top = max(reruns, default=-1)
+        # summed per (group, treatment) in the order a set of the blocks iterates, the order
+        # these sums always took (floats: the order is part of the value)
+        held: dict[tuple[int, str], int] = {}
+        for i in {i for i in range(max(top, 0)) if names[i] != RECOMPUTE}:
+            held[(groups[i], names[i])] = held.get((groups[i], names[i]), 0) + 1
+        offloaded = [i for i, name in enumerate(names) if treatments[name].moves_out]
+        parts = {(groups[i], name) for i, name in enumerate(names) if treatments[name].reruns_part}
+        return _Layout(  # a block re-run whole brings its own stash back for its recompute: at or below the top
+            counts, held, bool(reruns), len(reruns) == len(names),
+            [(groups[i], names[i]) for i in offloaded], [(groups[i], names[i]) for i in offloaded if i <= top],
+            part_reruns=sorted(parts), rerun_keeps=sorted({(groups[i], treatments[names[i]].rerun_keeps) for i in reruns}),
+        )
+
+
 
 
 def _rerun_less(values: dict[Any, Any], rerun_keeps: list[tuple[int, str]]) -> Any:
@@ -598,12 +645,13 @@ class MemoryModel:
         self.treatments = treatments
         self.bucket_tokens = bucket_tokens  # token granularity of the plan buckets this model is asked about (bucket_key)
         self.group_models = {g: BlockGroupModel() for g in sorted(set(self.groups))}
-        self._group_sizes = {g: self.groups.count(g) for g in self.group_models}
+        self.layouts = _Layouts(self.groups, treatments)  # each plan's, and each group's size
         self.outside = Curve()
         self.transient_full = Curve(intercept=True, floor=None, linear_until=6)
         self.transient_partial = Curve(intercept=True, floor=None, linear_until=6)
         self.transient_parts = Curve(intercept=True, floor=None, linear_until=6)
         self.parts_apart = False  # the parts' moment read apart (NOTE [The parts' moment])
+        self.searched: ShapePeaks | None = None  # the shape a search plans, while it does (NOTE [A search reads the curves once])
         #: largest optimizer-step peak above static memory seen (NOTE [Three peaks])
         self.optimizer_bytes = 0.0
         self.step_saved = 0.0  # what the optimizer step's part saves at its moment (NOTE [A part kind's moment], parts/kind.py)
@@ -638,7 +686,7 @@ class MemoryModel:
             for g in sorted(parents)
         }
         self.groups = groups
-        self._group_sizes = {g: groups.count(g) for g in self.group_models}
+        self.layouts = _Layouts(groups, self.treatments)
 
     def observe_key(self, key: tuple[int, int]) -> None:
         if self.max_key is None or key[0] * key[1] > self.max_key[0] * self.max_key[1]:
@@ -681,6 +729,8 @@ class MemoryModel:
     def offload_depth(self, key: tuple[int, int]) -> int:
         """The prefetch depth of offloaded blocks at ``key`` (NOTE [Treated peaks]): the link's
         depth for the group that needs the deepest, 1 without a link."""
+        if self.searched is not None and self.searched.key == key:  # NOTE [A search reads the curves once]
+            return self.searched.depth
         depth = getattr(self.link, "depth", None)
         if depth is None:
             return 1
@@ -715,7 +765,7 @@ class MemoryModel:
         whole (NOTE [Full terms of a re-run step]); None where one does not."""
         if not all(self.treatments[name].reruns for name in plan.treatments(len(self.groups))):
             return None
-        values, layout = self._values(*key), self._layout(plan)
+        values, layout = self._values(*key), self.layouts(plan)
         depth = self.offload_depth(key) if layout.offloaded else 0
         return float(_rerun_less(values, layout.rerun_keeps) - self._in_flight(values, layout.offloaded_below, depth))
 
@@ -750,26 +800,6 @@ class MemoryModel:
                     values[(g, name)] = at(m.bytes[name]) if m.measured(name) else full
         return values
 
-    def _layout(self, plan: "Plan") -> _Layout:
-        names = plan.treatments(len(self.groups))
-        counts: dict[int, dict[str, Any]] = {g: {} for g in self.group_models}
-        for g, name in zip(self.groups, names):
-            counts[g][name] = counts[g].get(name, 0) + 1
-        reruns = [i for i, name in enumerate(names) if self.treatments[name].reruns]
-        top = max(reruns, default=-1)
-        # summed per (group, treatment) in the order a set of the blocks iterates, the order
-        # these sums always took (floats: the order is part of the value)
-        held: dict[tuple[int, str], int] = {}
-        for i in {i for i in range(max(top, 0)) if names[i] != RECOMPUTE}:
-            held[(self.groups[i], names[i])] = held.get((self.groups[i], names[i]), 0) + 1
-        offloaded = [i for i, name in enumerate(names) if self.treatments[name].moves_out]
-        parts = {(self.groups[i], name) for i, name in enumerate(names) if self.treatments[name].reruns_part}
-        return _Layout(  # a block re-run whole brings its own stash back for its recompute: at or below the top
-            counts, held, bool(reruns), len(reruns) == len(names),
-            [(self.groups[i], names[i]) for i in offloaded], [(self.groups[i], names[i]) for i in offloaded if i <= top],
-            part_reruns=sorted(parts), rerun_keeps=sorted({(self.groups[i], self.treatments[names[i]].rerun_keeps) for i in reruns}),
-        )
-
     def _activation(self, values: dict[Any, Any], counts: dict[int, dict[str, Any]]) -> Any:
         total = values["outside"]
         for g in self.group_models:
@@ -803,7 +833,7 @@ class MemoryModel:
             start = _maximum(start, activation + in_flight + parts - head_saved)
         # every block as recomputed, but those re-run whole by another treatment (NOTE [Treated peaks]): their own bytes
         apart = {g: {k: c for k, c in per.items() if k != RECOMPUTE and self.treatments[k].reruns} for g, per in layout.counts.items()}
-        every = {g: {RECOMPUTE: n - sum(apart[g].values()), **apart[g]} for g, n in self._group_sizes.items()}
+        every = {g: {RECOMPUTE: n - sum(apart[g].values()), **apart[g]} for g, n in self.layouts.sizes.items()}
         recompute = self._activation(values, every) + values["transient_full"]
         held = 0
         for (g, name), n in layout.held.items():
@@ -822,14 +852,8 @@ class MemoryModel:
         return int(sum(self.part_saving[kind](tokens, (name, param)) for kind, name, param in plan.parts if kind in self.part_saving))
 
     def _plan_peaks(self, key: tuple[int, int], plan: "Plan") -> tuple[Any, Any, Any]:
-        values = self._values(*key)
-        saved = self.parts_saved_bytes(key, plan)
-        if saved:
-            values = {**values, "parts_saved": saved}
-        layout = self._layout(plan)
-        if layout.offloaded:
-            layout.depth = self.offload_depth(key)
-        return self._peaks(values, layout)
+        shape = self.searched if self.searched is not None and self.searched.key == key else ShapePeaks(self, key)
+        return shape.peaks(plan)
 
     def backward_start_bytes(self, key: tuple[int, int], plan: "Plan") -> float:
         """Peak above static at the start of backward (NOTE [Three peaks]); what plans lower."""
@@ -849,7 +873,7 @@ class MemoryModel:
 
     def activation_bytes(self, key: tuple[int, int], plan: "Plan") -> float:
         """Saved bytes of the whole step under ``plan`` (outside + every block)."""
-        return self._activation(self._values(*key), self._layout(plan).counts)
+        return self._activation(self._values(*key), self.layouts(plan).counts)
 
     def prefix_rows(self, n: int, ts: np.ndarray) -> "PrefixRows | None":
         """The plans that recompute the first blocks of a stack of one group, for every shape
@@ -884,6 +908,45 @@ class MemoryModel:
         model.optimizer_bytes = float(data.get("optimizer_bytes", 0.0))
         model.max_key = tuple(data["max_key"]) if data.get("max_key") else None
         return model
+
+
+class ShapePeaks:
+    """The peaks of plans at one shape while a search plans it: :meth:`MemoryModel._peaks` over the curves read once.
+
+    # NOTE [A search reads the curves once]
+    A search plans one shape (plan/search.py): it asks the peaks of a dozen plans there (the need, each ask's mix,
+    its leaner re-runs, the plan it returns), each of which read every curve at the shape (and the offload depth
+    there), while nothing in the model changes. ``with ShapePeaks(model, key):`` makes the model's peaks at ``key``
+    read them once and each plan's peaks once until it ends, with the very values and formula of a plan asked
+    alone (NOTE [One evaluator]): the same floats. What the plan's parts beside the blocks save is asked each time
+    and keys its peaks: a part may be priced anew while the search runs (the LM head's implementation, while the
+    plans choose it: NOTE [The plans choose the implementation], chunked_head.py). The model must not change
+    inside the block.
+    """
+
+    def __init__(self, model: MemoryModel, key: tuple[int, int]):
+        self.model, self.key, self._outer, self.values = model, key, None, model._values(*key)
+        self.depth: int | None = None  # the offload depth at the shape, read once inside the block
+        self._peaks: dict[tuple, tuple[Any, Any, Any]] = {}
+
+    def __enter__(self) -> "ShapePeaks":
+        self.depth = self.model.offload_depth(self.key)  # before the model reads it from here
+        self._outer, self.model.searched = self.model.searched, self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.model.searched = self._outer
+
+    def peaks(self, plan: "Plan") -> tuple[Any, Any, Any]:
+        """``(backward start, recompute, step)`` above static of ``plan`` at this shape (:meth:`MemoryModel._peaks`)."""
+        model, saved = self.model, self.model.parts_saved_bytes(self.key, plan)
+        found = self._peaks.get(seen := (plan.blocks, plan.kinds, saved))
+        if found is None:
+            layout = model.layouts(plan)  # the model's, read only: the depth at this shape on a copy of its own
+            if layout.offloaded:
+                layout = dataclasses.replace(layout, depth=model.offload_depth(self.key) if self.depth is None else self.depth)
+            found = self._peaks[seen] = model._peaks({**self.values, "parts_saved": saved} if saved else self.values, layout)
+        return found
 
 
 class PrefixRows:

@@ -35,6 +35,7 @@ activations have been freed, so recomputing them adds least to the step's peak.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import math
@@ -48,7 +49,7 @@ import numpy as np
 from memfit.engine.records import part_label
 
 __all__ = ["Plan", "InfeasiblePlanError", "plan_blocks", "plan_treatments", "plan_with_parts",
-           "with_leaner_reruns", "PlanCache"]
+           "with_leaner_reruns", "Knapsack", "PlanCache"]
 
 
 class InfeasiblePlanError(ValueError):
@@ -306,7 +307,7 @@ def plan_with_parts(
     for what is still needed, and the cheapest sum wins; ties go to the earlier combination
     (every part's earlier options first). They are tried cheapest *bound* first: the
     combination's ms plus the least the blocks can cost for what is still needed when a block may
-    take a share of two options (``_Knapsack.lower_bound``: each block's options on their lower
+    take a share of two options (``Knapsack.lower_bound``: each block's options on their lower
     convex hull, the hulls' steps cheapest per byte first), which no plan of the blocks costs
     less than; once a bound is above the best sum found, no later combination can win and none
     is planned. The plan is the one trying all would give, for a fifth to a third of the blocks'
@@ -338,31 +339,7 @@ def plan_with_parts(
         >>> plan_with_parts(blocks, [("norm", norm)], 150).parts
         (('norm', 'squeezed', 1),)
     """
-    frozen = tuple(tuple(o) for o in options)
-    parts = [(kind, tuple(tuple(o) for o in opts)) for kind, opts in parts if opts]
-    knapsack = _Knapsack(frozen, resolution, order)  # the same blocks for every combination: prepared once
-    if not parts:
-        return knapsack.plan(need_bytes)
-    best: tuple[float, int, Plan] | None = None  # (ms, the combination's place, plan): ties go to the earlier one
-    combos = [(sum(float(o[3]) for o in combo), sum(int(o[2]) for o in combo), at, combo)
-              for at, combo in enumerate(itertools.product(*_bounded_options([opts for _, opts in parts])))]
-    bounded = sorted(((ms + knapsack.lower_bound(need_bytes - saved), at), ms, saved, combo) for ms, saved, at, combo in combos)
-    for (bound, at), ms, saved, combo in bounded:
-        if best is not None and bound > best[0] + 1e-9 * max(1.0, abs(best[0])):
-            break  # this one and every later one cost more than the best found, whatever the blocks' plan
-        try:
-            blocks = knapsack.plan(need_bytes - saved)
-        except InfeasiblePlanError:
-            continue
-        total = blocks.cost_ms + ms
-        if best is None or (total, at) < best[:2]:
-            placed = tuple((kind, str(o[0]), int(o[1])) for (kind, _), o in zip(parts, combo))
-            best = (total, at, Plan(blocks.blocks, total, blocks.saved_bytes + saved, kinds=blocks.kinds, parts=placed))
-    if best is None:
-        blocks_most = sum(max((o[1] for o in opts), default=0) for opts in frozen)
-        parts_most = ", ".join(f"the {kind}'s treatments at most {max(int(o[2]) for o in opts)} bytes" for kind, opts in parts)
-        raise InfeasiblePlanError(f"treating all {len(frozen)} blocks saves {blocks_most} bytes and {parts_most}, {need_bytes} are needed")
-    return best[2]
+    return Knapsack(options, resolution, order).with_parts(parts, need_bytes)
 
 
 def _bounded_options(per_part: list[tuple[tuple, ...]]) -> list[tuple[tuple, ...]]:
@@ -416,25 +393,40 @@ def plan_treatments(
         >>> plan_treatments(opts, 150).treatments(3)
         ['selective', 'selective', 'selective']
     """
-    return _Knapsack(options, resolution, order).plan(need_bytes)
+    return Knapsack(options, resolution, order).plan(need_bytes)
 
 
-class _Knapsack:
-    """One stack's options, read once and planned for any need (:func:`plan_treatments`; :func:`plan_with_parts`
-    asks one for each combination of the parts' options)."""
+class Knapsack:
+    """One stack's options, read once and planned for any need (:func:`plan_treatments`), with the parts beside the
+    blocks too (:func:`plan_with_parts`: once for each combination of the parts' options). A caller that plans one
+    stack for several needs (the search's asks: NOTE [Planning with the stashes back], search.py) makes one.
 
-    def __init__(self, options: Sequence[Sequence[tuple[str, int, float]]], resolution: int, order: Mapping[str, int] | None):
-        self.options, self.resolution, self.order = options, resolution, order or {}
-        self.best_each = sum(max((o[1] for o in opts), default=0) for opts in options)
-        first = tuple(options[0]) if options else ()
-        self.alike = first if all(tuple(opts) == first for opts in options) else None
-        self.by_name = [{o[0]: o for o in reversed(opts)} for opts in options]  # a name's first option, as next() read it
+    Args:
+        options: per block, ``(treatment, bytes saved, ms)`` of each treatment it may take.
+        resolution: DP units for stacks of unlike blocks (NOTE [A bounded planner]).
+        order: per treatment name, its place from the first block up (:func:`plan_treatments`).
+    """
+
+    def __init__(self, options: Sequence[Sequence[tuple[str, int, float]]], resolution: int = 1024,
+                 order: Mapping[str, int] | None = None):
+        self.options, self.resolution, self.order = tuple(map(tuple, options)), resolution, order or {}
+        options = self.options
+        first = options[0] if options else ()
+        self.alike = first if all(opts == first for opts in options) else None
+        if self.alike is not None:  # alike blocks: one block's reading, repeated (the same sums, term by term)
+            self.best_each = sum(itertools.repeat(max((o[1] for o in first), default=0), len(options)))
+            self.by_name = [{o[0]: o for o in reversed(first)}] * len(options)
+        else:
+            self.best_each = sum(max((o[1] for o in opts), default=0) for opts in options)
+            self.by_name = [{o[0]: o for o in reversed(opts)} for opts in options]  # a name's first option, as next() read it
         #: the alike stack's options it is chosen over and their counts scored (() where too many to score), found once
         self._scored: tuple | None = None
         self._scored_opts = self.alike
         #: the fractional relaxation's steps, cumulative (saved, ms) from (0, 0), and the bytes its steps of negative
         #: cost save, found once (:meth:`lower_bound`)
-        self._steps: tuple[np.ndarray, np.ndarray, float] | None = None
+        self._steps: tuple[list[float], list[float], float] | None = None
+        #: the parts :meth:`with_parts` was last given (frozen) and their combinations
+        self._combos: tuple[list, list] | None = None
 
     def lower_bound(self, need_bytes: int) -> float:
         """No plan of this stack saving ``need_bytes`` costs less (NOTE [Parts beside the blocks]): the relaxation that
@@ -447,19 +439,20 @@ class _Knapsack:
         if self._steps is None:
             hulls: dict[tuple, list[tuple[float, float]]] = {}  # alike blocks: one hull
             for opts in self.options:
-                if (key := tuple(opts)) not in hulls:
-                    hulls[key] = _hull_steps(opts)
-            steps = sorted(step for opts in self.options for step in hulls[tuple(opts)])
-            saved = np.cumsum([0.0] + [step[1] for step in steps])
+                if opts not in hulls:
+                    hulls[opts] = _hull_steps(opts)
+            steps = sorted(step for opts in self.options for step in hulls[opts])
+            # plain floats, summed in order (numpy's cumulative sums would add them alike, at a call's cost each)
+            saved = list(itertools.accumulate((step[1] for step in steps), initial=0.0))
             # steps that cost less than nothing (an option priced faster than keep) are taken whatever the need
-            self._steps = saved, np.cumsum([0.0] + [step[1] * step[0] for step in steps]), \
-                float(saved[sum(step[0] < 0 for step in steps)])
+            self._steps = saved, list(itertools.accumulate((step[1] * step[0] for step in steps), initial=0.0)), \
+                saved[sum(step[0] < 0 for step in steps)]
         saved, ms, free = self._steps
-        need_bytes = max(need_bytes, free)
-        i = min(int(np.searchsorted(saved, need_bytes)), len(saved) - 1)
+        need = float(max(need_bytes, free))
+        i = min(bisect.bisect_left(saved, need), len(saved) - 1)
         if saved[i] <= saved[i - 1]:
-            return float(ms[i])
-        return float(ms[i - 1] + (need_bytes - saved[i - 1]) * (ms[i] - ms[i - 1]) / (saved[i] - saved[i - 1]))
+            return ms[i]
+        return ms[i - 1] + (need - saved[i - 1]) * (ms[i] - ms[i - 1]) / (saved[i] - saved[i - 1])
 
     def plan(self, need_bytes: int) -> Plan:
         options = self.options
@@ -482,6 +475,36 @@ class _Knapsack:
             blocks, float(sum(costs[i][2] for i in blocks)), int(sum(costs[i][1] for i in blocks)),
             kinds=tuple(chosen[i] for i in blocks),
         )
+
+
+    def with_parts(self, parts: Sequence[tuple[str, Sequence[tuple[str, int, int, float]]]], need_bytes: int) -> Plan:
+        """The cheapest mix of this stack's treatments and one option per part beside the blocks (:func:`plan_with_parts`)."""
+        parts = [(kind, tuple(tuple(o) for o in opts)) for kind, opts in parts if opts]
+        if self._combos is None or parts != self._combos[0]:  # the parts' combinations, kept for the next need
+            self._combos = parts, [(sum(float(o[3]) for o in combo), sum(int(o[2]) for o in combo), at, combo)
+                                   for at, combo in enumerate(itertools.product(*_bounded_options([o for _, o in parts])))]
+        combos = self._combos[1]
+        if not parts:
+            return self.plan(need_bytes)
+        best: tuple[float, int, Plan] | None = None  # (ms, the combination's place, plan): ties go to the earlier one
+        bounded = sorted(((ms + self.lower_bound(need_bytes - saved), at), ms, saved, combo) for ms, saved, at, combo in combos)
+        for (bound, at), ms, saved, combo in bounded:
+            if best is not None and bound > best[0] + 1e-9 * max(1.0, abs(best[0])):
+                break  # this one and every later one cost more than the best found, whatever the blocks' plan
+            try:
+                blocks = self.plan(need_bytes - saved)
+            except InfeasiblePlanError:
+                continue
+            total = blocks.cost_ms + ms
+            if best is None or (total, at) < best[:2]:
+                placed = tuple((kind, str(o[0]), int(o[1])) for (kind, _), o in zip(parts, combo))
+                best = (total, at, Plan(blocks.blocks, total, blocks.saved_bytes + saved, kinds=blocks.kinds, parts=placed))
+        if best is None:
+            blocks_most = sum(max((o[1] for o in opts), default=0) for opts in self.options)
+            parts_most = ", ".join(f"the {kind}'s treatments at most {max(int(o[2]) for o in opts)} bytes" for kind, opts in parts)
+            raise InfeasiblePlanError(f"treating all {len(self.options)} blocks saves {blocks_most} bytes and {parts_most}, "
+                                      f"{need_bytes} are needed")
+        return best[2]
 
 
 def _hull_steps(opts: Sequence[tuple[str, int, float]]) -> list[tuple[float, float]]:
@@ -555,7 +578,8 @@ def _alike(opts: tuple[tuple[str, int, float], ...], m: int, need: int, order: M
         cost = np.where(saved >= need, cost, np.inf)
         best = cost.min()
         ties = np.flatnonzero(cost <= best + 1e-12 * max(1.0, abs(best)))
-        row = [int(c) for c in grid[min(ties, key=lambda r: (grid[r].sum(), tuple(-grid[r])))]]
+        best_row = ties[0] if len(ties) == 1 else min(ties, key=lambda r: (grid[r].sum(), tuple(-grid[r])))
+        row = [int(c) for c in grid[best_row]]
     else:
         taken = list(_choose_by_dp([opts] * m, need, resolution).values())
         row = [taken.count(o[0]) for o in opts]

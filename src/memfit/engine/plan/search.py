@@ -2,7 +2,8 @@
 them whose predicted peaks fit the room (``Search``, one per ``Planning``, which asks it on a cache miss).
 
 It reads the run's planning through its public face (the memory model, the room, the static bytes of a shape,
-the registry and the parts) and writes nothing of it but the plan cache's rows (``PlanCache.put_row``); what it
+the registry and the parts) and writes nothing of it but the plan cache's rows (``PlanCache.put_row``) and, while
+it plans a shape, the model's evaluator of that shape (NOTE [A search reads the curves once], model.py); what it
 keeps of its own is the shapes already said not to fit. Planning caches, learns and keeps the room; the search
 only plans (NOTE [Three peaks], model.py; NOTE [Treatments never lose], NOTE [Planning a row]).
 
@@ -34,7 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from memfit.engine.plan.planner import InfeasiblePlanError, Plan, plan_blocks, plan_with_parts, with_leaner_reruns
+from memfit.engine.plan.model import ShapePeaks
+from memfit.engine.plan.planner import InfeasiblePlanError, Knapsack, Plan, plan_blocks, with_leaner_reruns
 from memfit.engine.parts.treatments import RECOMPUTE, floor_treatment
 from memfit.engine.shapes import bucket_key
 from memfit.engine.summary_text import over_budget_words
@@ -66,8 +68,9 @@ class Search:
         """``k``'s plan (:meth:`parts_plan` where the run has parts beside the blocks, else recompute alone or a cheaper
         mix: NOTE [Treatments never lose]); an optimizer step over the budget whatever the plan is said once."""
         planning = self.planning
-        plan = self.parts_plan(k) if planning.parts else self._blocks_plan(k)
-        peak = planning.predict_peak(k, plan)  # NOTE [A plan fits what it decides]
+        with ShapePeaks(planning.model, k):  # NOTE [A search reads the curves once], model.py
+            plan = self.parts_plan(k) if planning.parts else self._blocks_plan(k)
+            peak = planning.predict_peak(k, plan)  # NOTE [A plan fits what it decides]
         if not self.optimizer_said and peak > planning.budget_bytes >= planning.plan_peak(k, plan):
             self.optimizer_said = True
             logger.warning("memfit: the optimizer step is predicted at %s, over the budget of %s, whatever the blocks' "
@@ -279,10 +282,10 @@ class Search:
         planning = self.planning
         order = {name: t.order for name, t in planning.registry.items()}
         leaner = {t.keeps_as: name for name, t in planning.registry.items() if t.keeps_as and name in planning.treatments}
-        asks = max(3, planning.model.offload_depth(k) + 2)
+        asks, stack = max(3, planning.model.offload_depth(k) + 2), Knapsack(options, order=order)  # one stack, each ask's need
         for _ in range(asks):
             try:
-                mixed = plan_with_parts(options, parts, need, order=order)
+                mixed = stack.with_parts(parts, need)
             except InfeasiblePlanError:
                 return None
             over = planning.plan_peak(k, mixed) - room
