@@ -67,7 +67,7 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
         "--repeats", 1, "--no_cudnn_sdpa", "--time_limit_s", 500, "--config_time_limit_s", 240,
         "--methods", "dynamic+auto", "static+auto", "--output_dir", ctx.folder("llama8b-mixed-32k"))],
         folder="llama8b-mixed-32k", timeout_s=580)
-    return [gemma, gemma30, long, *at_caps, mixed, *_bisections(ctx), *_split(ctx), *_shares(ctx)]
+    return [gemma, gemma30, long, *at_caps, mixed, *_bisections(ctx), *_split(ctx), *_shares(ctx), *_at_peer(ctx)]
 
 
 #: issue 59's reach workloads: loop_bench's model and data flags, the caps bisected (GiB), steps
@@ -126,4 +126,29 @@ def _shares(ctx: Context) -> list[Call]:
             "--repeats", 1, "--no_cudnn_sdpa", "--time_limit_s", 560, "--config_time_limit_s", 240,
             "--methods", "none", "dynamic+auto", "hf-every-1+liger", "--output_dir", ctx.folder(name))],
             folder=name, timeout_s=590))
+    return calls
+
+
+#: per workload, its best peer and that peer's smallest cap (GiB) from the bisections (s34-2), the steps and the first
+#: steady step of the side-by-side runs there (a run of one length warms up for four steps: twelve, compared from six)
+AT_PEER = {
+    "a-1b-full": ("hf-every-1+liger", 15, 30, 4),
+    "c-8b-16k": ("hf-offload+liger", 23, 12, 6),
+    "d-gemma2-lora": ("hf-offload+liger", 10, 30, 4),
+}
+
+
+def _at_peer(ctx: Context) -> list[Call]:
+    """memfit against the best peer at that peer's smallest cap, three repeats interleaved (the same batches, the
+    methods alternating within each repeat; the first repeat pays the fused kernels' compiles, the median of the
+    repeats' ratios does not): the issue's per-step target at the tight end, by the protocol."""
+    calls = []
+    for workload, (peer, cap, steps, steady) in AT_PEER.items():
+        flags, _, _ = WORKLOADS[workload]
+        name = f"at-peer-{workload}"
+        calls.append(Call(name, [script(
+            ctx, "loop_bench.py", *flags, "--steps", 3 if ctx.quick else steps, "--steady_from", 1 if ctx.quick else steady,
+            "--budgets", "--budget_gb", round(cap * 2**30 / 1e9, 2), "--repeats", 3, "--no_cudnn_sdpa", "--no_untimed",
+            "--time_limit_s", 540, "--config_time_limit_s", 200, "--methods", "dynamic+auto", peer,
+            "--output_dir", ctx.folder(name))], folder=name, timeout_s=580))
     return calls
