@@ -476,7 +476,6 @@ class Knapsack:
             kinds=tuple(chosen[i] for i in blocks),
         )
 
-
     def with_parts(self, parts: Sequence[tuple[str, Sequence[tuple[str, int, int, float]]]], need_bytes: int) -> Plan:
         """The cheapest mix of this stack's treatments and one option per part beside the blocks (:func:`plan_with_parts`)."""
         parts = [(kind, tuple(tuple(o) for o in opts)) for kind, opts in parts if opts]
