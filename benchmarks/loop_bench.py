@@ -203,7 +203,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--reach_step_gib", type=float, default=1.0, help="the bisection's step, GiB")
     p.add_argument("--reach_start_gib", type=float, default=None, help="memfit's first trial where no fixed policy of "
                    "the call gives one (the best peer's smallest cap from another call, when the methods of a workload "
-                   "are split over calls); a cap of the bisection's steps")
+                   "are split over calls): the bisection's cap nearest to it, inside --reach_gib")
     p.add_argument("--no_untimed", action="store_true", help="skip the untimed passes over every batch (plain, then every "
                    "layer recomputed) before the first configuration: it then pays each shape's first run (a cap's reach "
                    "does not depend on it; a time does)")
@@ -1142,6 +1142,8 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"unknown method(s) {', '.join(unknown)}: choose from "
                          f"{', '.join(sorted(MEMFIT_METHODS) + sorted(PEERS))}, compile-F (0 < F <= 1, optionally +liger or +chunked-8), a memfit method with a head part ({', '.join(HEAD_PARTS)}) and/or @M (margin share, 0 <= M < 0.5), and in --methods "
                          f"only {', '.join(pairs)}")
+    if args.reach_gib:
+        _reach_caps(args)  # a range that cannot be bisected is said before anything is built or written
     os.makedirs(os.path.join(args.output_dir, "steps"), exist_ok=True)
     started = time.perf_counter()
     model, _ = _build(args)
@@ -1239,12 +1241,9 @@ def _reach(args, model, batches, initial, emit, started: float) -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     if here not in sys.path:
         sys.path.insert(0, here)
-    from bisect_caps import GIB, caps_gib, fits, smallest_fitting, write_reach
+    from bisect_caps import GIB, fits, smallest_fitting, write_reach
 
-    try:
-        caps = caps_gib(*args.reach_gib, args.reach_step_gib)
-    except ValueError as e:
-        raise SystemExit(f"loop_bench: {e}") from None
+    caps = _reach_caps(args)
     args.max_replays = args.steps // 100  # the rule's replays: a trial past them cannot fit (bisect_caps.fits)
     names = [m for m in args.methods if m not in ("plain", "none", "none+compile", "alt", "alt-dynamic")]
     rows, lines, best = [], {}, None  # best: the fixed policies' smallest cap, (GiB, method)
@@ -1279,6 +1278,24 @@ def _reach(args, model, batches, initial, emit, started: float) -> None:
             write_reach(args.output_dir, rows)
         print(f"reach: {name} smallest cap {smallest if smallest is not None else 'none'} GiB "
               f"({len(tried)} trials){' ' + str(row.get('vs_best_peer')) if row.get('vs_best_peer') else ''}", flush=True)
+
+
+def _reach_caps(args) -> list[float]:
+    """--reach_gib's caps, with one clear error for a range, step or start that cannot be bisected (checked before
+    the model is built, again where the bisection starts)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    from bisect_caps import caps_gib
+
+    try:
+        caps = caps_gib(*args.reach_gib, args.reach_step_gib)
+    except ValueError as e:
+        raise SystemExit(f"loop_bench: {e}") from None
+    if args.reach_start_gib is not None and not caps[0] <= args.reach_start_gib <= caps[-1]:
+        raise SystemExit(f"loop_bench: --reach_start_gib {args.reach_start_gib:g} is outside --reach_gib "
+                         f"{caps[0]:g} {caps[-1]:g}: give a cap inside the range")
+    return caps
 
 
 def _vs_peer(mine: dict | None, theirs: dict, best: tuple[float, str], steady_from: int) -> dict:

@@ -17,6 +17,21 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bisect_caps import caps_gib, fits, smallest_fitting  # noqa: E402
 
 
+def _loop_bench():
+    """benchmarks/loop_bench.py as a module (it is a script)."""
+    spec = importlib.util.spec_from_file_location("loop_bench", ROOT / "benchmarks" / "loop_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _dry_run(loop_bench, out, steps, lo, hi, *extra):
+    """A reach run of llama-tiny on CPU (caps in GiB, 0.03 apart) into ``out``; its exit status."""
+    return loop_bench.main(["--model", "llama-tiny", "--device", "cpu", "--dtype", "float32", "--lengths", "uniform:16:24",
+                            "--batch", "2", "--steps", str(steps), "--steady_from", "1", "--reach_gib", lo, hi,
+                            "--reach_step_gib", "0.03", "--repeats", "1", *extra, "--output_dir", str(out)])
+
+
 @pytest.mark.parametrize("n, threshold", [(1, 0), (1, None), (2, 1), (7, 0), (7, 3), (7, 6), (7, None), (16, 5), (31, 30)])
 def test_bisection_finds_the_smallest_fitting_cap_in_log_trials(n, threshold):
     caps = [float(c) for c in range(10, 10 + n)]
@@ -79,14 +94,9 @@ def test_caps_and_the_rule_a_trial_is_judged_by():
 
 
 def test_loop_bench_reach_on_a_cpu_dry_run(tmp_path):
-    spec = importlib.util.spec_from_file_location("loop_bench", ROOT / "benchmarks" / "loop_bench.py")
-    loop_bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(loop_bench)
+    loop_bench = _loop_bench()
     out = tmp_path / "out"
-    assert loop_bench.main(["--model", "llama-tiny", "--device", "cpu", "--dtype", "float32", "--lengths", "uniform:16:24",
-                            "--batch", "2", "--steps", "2", "--steady_from", "1", "--reach_gib", "0.03", "0.09",
-                            "--reach_step_gib", "0.03", "--repeats", "1", "--methods", "dynamic",
-                            "--output_dir", str(out)]) == 0
+    assert _dry_run(loop_bench, out, 2, "0.03", "0.09", "--methods", "dynamic") == 0
     (row,) = [json.loads(t) for t in (out / "out.reach.jsonl").read_text().splitlines()]
     lines = [json.loads(t) for t in (out / "results.jsonl").read_text().splitlines()]
     assert row["method"] == "dynamic" and row["complete"] and len(row["trials"]) == len(lines) >= 2
@@ -100,14 +110,9 @@ def test_loop_bench_reach_on_a_cpu_dry_run(tmp_path):
 def test_loop_bench_reach_tries_memfit_first_at_the_best_peers_cap(tmp_path):
     """On CPU a peer has no cap (it fits everywhere, smallest is the lowest); memfit's first trial is that
     cap, and its row compares the two there; a replay past the rule's would stop a trial (max_replays)."""
-    spec = importlib.util.spec_from_file_location("loop_bench", ROOT / "benchmarks" / "loop_bench.py")
-    loop_bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(loop_bench)
+    loop_bench = _loop_bench()
     out = tmp_path / "out"
-    assert loop_bench.main(["--model", "llama-tiny", "--device", "cpu", "--dtype", "float32", "--lengths", "uniform:16:24",
-                            "--batch", "2", "--steps", "3", "--steady_from", "1", "--reach_gib", "0.06", "0.12",
-                            "--reach_step_gib", "0.03", "--repeats", "1", "--no_untimed", "--methods", "dynamic",
-                            "hf-every-1", "--output_dir", str(out)]) == 0
+    assert _dry_run(loop_bench, out, 3, "0.06", "0.12", "--no_untimed", "--methods", "dynamic", "hf-every-1") == 0
     rows = {r["method"]: r for r in map(json.loads, (out / "out.reach.jsonl").read_text().splitlines())}
     assert list(rows) == ["hf-every-1", "dynamic"]  # the fixed policy first, whatever the order given
     assert rows["hf-every-1"]["smallest_gib"] == 0.06
@@ -123,9 +128,7 @@ def test_a_trial_past_the_rules_replays_stops_there(tmp_path, monkeypatch):
     step, not after every step, and the bisection goes on to the next cap."""
     import torch
 
-    spec = importlib.util.spec_from_file_location("loop_bench", ROOT / "benchmarks" / "loop_bench.py")
-    loop_bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(loop_bench)
+    loop_bench = _loop_bench()
     build = loop_bench._build
     calls = {"n": 0}
 
@@ -144,10 +147,7 @@ def test_a_trial_past_the_rules_replays_stops_there(tmp_path, monkeypatch):
 
     monkeypatch.setattr(loop_bench, "_build", build_failing_once)
     out = tmp_path / "out"
-    assert loop_bench.main(["--model", "llama-tiny", "--device", "cpu", "--dtype", "float32", "--lengths", "uniform:16:24",
-                            "--batch", "2", "--steps", "4", "--steady_from", "1", "--reach_gib", "0.06", "0.12",
-                            "--reach_step_gib", "0.03", "--repeats", "1", "--no_untimed", "--methods", "dynamic",
-                            "--output_dir", str(out)]) == 0
+    assert _dry_run(loop_bench, out, 4, "0.06", "0.12", "--no_untimed", "--methods", "dynamic") == 0
     lines = [json.loads(t) for t in (out / "results.jsonl").read_text().splitlines()]
     assert lines[1]["status"] == "replays" and lines[1]["oom_count"] == 1 and len(lines[1]["step_ms"]) == 2
     assert all(x["status"] == "ok" and len(x["step_ms"]) == 4 for x in lines[:1] + lines[2:])
@@ -158,13 +158,14 @@ def test_a_trial_past_the_rules_replays_stops_there(tmp_path, monkeypatch):
 def test_loop_bench_reach_starts_memfit_where_told_without_a_peer(tmp_path):
     """--reach_start_gib: memfit's first trial when the call has no fixed policy (the workload's methods split over
     calls), the cap of the bisection nearest to it."""
-    spec = importlib.util.spec_from_file_location("loop_bench", ROOT / "benchmarks" / "loop_bench.py")
-    loop_bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(loop_bench)
+    loop_bench = _loop_bench()
     out = tmp_path / "out"
-    assert loop_bench.main(["--model", "llama-tiny", "--device", "cpu", "--dtype", "float32", "--lengths", "uniform:16:24",
-                            "--batch", "2", "--steps", "2", "--steady_from", "1", "--reach_gib", "0.03", "0.12",
-                            "--reach_step_gib", "0.03", "--reach_start_gib", "0.085", "--repeats", "1", "--no_untimed",
-                            "--methods", "dynamic", "--output_dir", str(out)]) == 0
+    assert _dry_run(loop_bench, out, 2, "0.03", "0.12", "--reach_start_gib", "0.085", "--no_untimed", "--methods", "dynamic") == 0
     (row,) = [json.loads(t) for t in (out / "out.reach.jsonl").read_text().splitlines()]
     assert row["trials"][0][0] == 0.09 and "vs_best_peer" not in row
+
+
+def test_a_start_outside_the_range_is_one_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="--reach_start_gib 0.5 is outside --reach_gib 0.03 0.12"):
+        _dry_run(_loop_bench(), tmp_path / "out", 2, "0.03", "0.12", "--reach_start_gib", "0.5", "--methods", "dynamic")
+    assert not (tmp_path / "out").exists()  # said before anything is built or written

@@ -212,8 +212,14 @@ class Dynamic(Method):
 def _inputs_over(planning: "Planning", tokens: int) -> bool:
     """Whether every block's input at ``tokens`` tokens and the last block's MLP run, beside the static bytes, are over
     the budget: every block recomputed cannot fit (NOTE [Warm-up on the floor])."""
+    return _held_over(planning, tokens, planning.mlp_bytes_per_token)
+
+
+def _held_over(planning: "Planning", tokens: int, besides_per_token: float) -> bool:
+    """Whether every block's input at ``tokens`` tokens, ``besides_per_token`` bytes a token more and the last block's
+    gathered parameters are over the budget beside the static bytes (NOTE [Warm-up on the floor])."""
     budget, per_token = planning.budget_bytes, planning.input_bytes_per_token
-    held = (planning.n_blocks * per_token + planning.mlp_bytes_per_token) * tokens + planning.gathered_block_bytes
+    held = (planning.n_blocks * per_token + besides_per_token) * tokens + planning.gathered_block_bytes
     return bool(budget and per_token and planning.static_bytes + held > budget)
 
 
@@ -225,8 +231,7 @@ def _may_not_fit(planning: "Planning", key: tuple[int, int], every: Plan, tokens
         return False
     if planning.model.ready:
         return planning.plan_peak(key, every) > planning.room_bytes
-    held = (planning.n_blocks + PROBE_NEED) * planning.input_bytes_per_token * tokens + planning.gathered_block_bytes
-    return bool(planning.input_bytes_per_token) and planning.static_bytes + held > planning.budget_bytes
+    return _held_over(planning, tokens, PROBE_NEED * planning.input_bytes_per_token)
 
 
 def _treating_more(planning: "Planning", plan: Plan, failed: Plan | None, tokens: int) -> Plan:

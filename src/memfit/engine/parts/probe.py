@@ -45,8 +45,8 @@ curves keep: the bytes at one key are the same bytes, and a byte curve keeps eac
 (NOTE [Upper envelope], model.py); a time curve keeps each key's smallest, which more runs could only
 lower by their noise. So a warm-up step does not probe a block there. A run of one length (packed
 sequences, a long context) probes its first warm-up step and no other: its later warm-up steps cost
-what counting costs, not a probe of every block and of each treatment three times (an 8B LoRA at 16k
-tokens: 6.0-6.4 s a warm-up step against 4.1 s a steady one, s34-2). A new length is probed as before.
+what counting costs, not a probe of every block and of each treatment ``TIMED_RUNS`` times. A new length
+is probed as before.
 """
 
 from __future__ import annotations

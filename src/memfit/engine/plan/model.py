@@ -117,10 +117,9 @@ The parts beside the blocks run their backward first (the LM head and its loss),
 saved bytes held and no block's gradient made yet: a moment of its own, often the step's peak where the
 blocks keep much. Its transient changes with the part's option (a chunked head's work per chunk, by
 formula); the rest of the backward's does not (the part's bytes are gone by then). One curve in the
-kept head's terms cannot hold both: a warm-up step whose head ran ``pure_grad_in_forward`` and which
-peaked late in backward taught the kept head's transient less that head's 0.9 GiB, as though held at its
-peak, and steps that ran Cut Cross-Entropy then came 0.37 GB over their prediction (docs/devlog.md,
-session 32). So where a part prices its transient (on CUDA: ``PartKind.moment_apart``), the meter reads
+kept head's terms cannot hold both: a warm-up step whose head's transient was not held at its peak (it
+peaked late in backward) would teach the kept head's transient less that head's, and steps whose head
+holds its transient at the part's moment would come over their prediction. So where a part prices its transient (on CUDA: ``PartKind.moment_apart``), the meter reads
 the peak apart when the top block's output gradient arrives (``Meter.parts_done``), and the model holds
 ``transient_parts`` (that moment, in kept terms: the learner adds the part's transient saving back, where
 it was held) beside the transients of the rest, which hold no part's bytes: the learner takes the part's

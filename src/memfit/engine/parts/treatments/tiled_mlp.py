@@ -575,20 +575,16 @@ def tiled(mlps: Sequence[nn.Module], chunking: Chunking, lean: Sequence[nn.Modul
                 del m.forward
 
 
-def tiled_body(body: Callable[..., Any], mlps: Sequence[nn.Module], chunking: Chunking,
-               lean: Sequence[nn.Module] = (), verdict: dict[str, set[int]] | None = None) -> Callable[..., Any]:
-    """``body`` (a block's) with ``mlps`` tiled and ``lean`` saving their inputs, for every run of it (a checkpoint's
-    recompute included). With ``verdict`` (the block's, kept across steps) it is one checkpoint's body: its first call
-    the forward, which notes which MLPs may run hollow where the verdict has none yet, its later ones re-runs, whose
-    MLPs the verdict names run hollow (NOTE [Hollow re-runs])."""
+def tiled_body(body: Callable[..., Any], mlps: Sequence[nn.Module], chunking: Chunking, lean: Sequence[nn.Module],
+               verdict: dict[str, set[int]]) -> Callable[..., Any]:
+    """One checkpoint's body: ``body`` (a block's) with ``mlps`` tiled and ``lean`` saving their inputs. Its first call is
+    the forward, which notes which MLPs may run hollow where ``verdict`` (the block's, kept across steps) has none yet;
+    its later ones are re-runs, whose MLPs the verdict names run hollow (NOTE [Hollow re-runs])."""
     seen: dict[int, tuple[Any, int, torch.dtype]] = {}
     calls = [0]
 
     def run(*args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
-        if verdict is None:
-            with tiled(mlps, chunking, lean):
-                return body(*args, **kwargs)
         if calls[0] == 1:
             with tiled(mlps, chunking, lean, seen=seen):
                 out = body(*args, **kwargs)
