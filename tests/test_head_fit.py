@@ -434,14 +434,18 @@ def test_a_run_chunks_its_head_by_the_implementation_its_plans_price_cheapest(mo
 
 
 def test_a_batch_longer_than_warmups_makes_the_plans_choose_the_implementation_again(monkeypatch):
-    """Warm-up of short batches, where the fastest head (``pure_grad_in_forward``) costs nothing more;
-    the first longer batch, where its float32 weight gradient would make blocks recompute, is judged
-    too and the head is chunked by ``pure`` from that step on (NOTE [The plans choose the implementation])."""
-    ctl = _run_with_faster_grad_in_forward(monkeypatch, 14_000_000, [8, 16, 8, 16, 8, 64, 16, 64, 8, 64])
-    chunked = [(r.shape[1], r.head_implementation) for r in ctl.records if r.treatments.get("head", "keep") != "keep"]
-    first_long = next(i for i, (length, _) in enumerate(chunked) if length == 64)
-    assert {name for _, name in chunked[:first_long]} == {"pure_grad_in_forward"}
-    assert {name for _, name in chunked[first_long:]} == {"pure"}
+    """Warm-up of short batches runs the head that keeps least (``pure``: NOTE [Warm-up's head keeps least]); after
+    it, the fastest (``pure_grad_in_forward``) where it costs nothing more; the first longer batch, where its float32
+    weight gradient would make blocks recompute, is judged too and the head is chunked by ``pure`` from that step on
+    (NOTE [The plans choose the implementation])."""
+    ctl = _run_with_faster_grad_in_forward(monkeypatch, 14_000_000, [8, 16, 8, 16, 8, 16, 8])
+    part = ctl.head.part
+    assert {r.head_implementation for r in ctl.records if r.phase == "warmup"} == {"pure"}
+    assert part.chosen_by_plans and part.switch.implementation == "pure_grad_in_forward"
+    _steps(ctl.model, ctl.optimizer, [64, 16, 64, 8, 64])
+    longer = [r for r in ctl.records if r.shape[1] == 64]
+    assert longer and {r.head_implementation for r in longer} == {"pure"}
+    assert part.switch.implementation == "pure"
     assert max(b * n for b, n in ctl.head.part.keys) == 4 * 64
     ctl.remove()
 
@@ -530,6 +534,32 @@ def test_an_implementation_that_fails_its_probe_is_said_once_and_not_used(monkey
     assert part.failed == {"pure_grad_in_forward"} and set(part.probes) == {"pure"}
     assert part.switch.implementation == "pure"
     assert sum("failed when probed" in m for m in caplog.messages) == 1
+    part.remove()
+
+
+@pytest.mark.parametrize("trains", [True, False])
+def test_warmups_head_keeps_least_and_the_floor_out_of_memory_drops_what_keeps_more(monkeypatch, trains):
+    """NOTE [Warm-up's head keeps least]: until the plans choose, the head runs the implementation that keeps least
+    (``pure``, where ``pure_grad_in_forward`` holds the trained weight's float32 gradient), the fastest among those
+    that keep as little (a frozen weight: ``pure_grad_in_forward``); the floor out of memory with one that keeps more
+    drops it for the rest of the run (``leaner``), and the plans never choose it again."""
+    import memfit.engine.parts.treatments.chunked_head as chunked_head
+    from memfit.engine.parts.head import attach_head
+
+    monkeypatch.setattr(chunked_head, "probe_head", _fake_probe({"pure": 0.02, "pure_grad_in_forward": 0.01}))
+    model = _base()
+    model.lm_head.weight.requires_grad_(trains)
+    part = chunked_head.HeadPart(attach_head(model))
+    part.probe(torch.randn(4, 64, 32), torch.randint(0, VOCAB, (4, 64)))
+    lean = "pure" if trains else "pure_grad_in_forward"
+    assert part.leanest(256) == part.switch.implementation == lean
+    assert part.extra_ms_per_token == pytest.approx(0.02 if trains else 0.01)
+    assert not part.leaner(256)  # it runs the leanest already
+    part.switch.implementation = "pure_grad_in_forward"  # the plans chose the fastest: their prediction missed
+    assert part.leaner(256) is trains and part.switch.implementation == lean
+    assert part.failed == ({"pure_grad_in_forward"} if trains else set())
+    part.probed_steps, part.keys = chunked_head.PROBE_STEPS, [(4, 64)]
+    assert part.choose_by_plans(lambda key: 0.0) and part.switch.implementation == lean  # it would win a tie
     part.remove()
 
 
@@ -638,7 +668,7 @@ def test_a_probe_out_of_memory_at_the_steps_size_runs_again_at_one_chunks_rows(m
 def test_a_fused_kernel_is_probed_at_its_own_count_once_and_chosen_when_fastest(monkeypatch):
     """NOTE [Pricing the head]: a fused kernel runs its own chunk count, so it is timed once per probe
     (no per-chunk slope from two identical runs: its price is per token alone), and it is the
-    implementation run when it measures the least extra time."""
+    implementation the plans run when it measures the least extra time (warm-up runs the one that keeps least)."""
     import memfit.engine.parts.treatments.chunked_head as chunked_head
     from memfit.engine.parts.head import attach_head
 
@@ -654,7 +684,9 @@ def test_a_fused_kernel_is_probed_at_its_own_count_once_and_chosen_when_fastest(
     part = chunked_head.HeadPart(attach_head(_base()))
     part.probe(torch.randn(4, 64, 32), torch.randint(0, VOCAB, (4, 64)))
     assert counts["liger"] == {1} and len(counts["pure"]) == 2
-    assert part.switch.implementation == "liger" and part.per_chunk_ms == 0.0
+    assert part.lines["liger"][1] == 0.0 and part.switch.implementation == part.leanest(4 * 64)
+    part.probed_steps = chunked_head.PROBE_STEPS
+    assert part.choose_by_plans(lambda key: 0.0) and part.switch.implementation == "liger" and part.per_chunk_ms == 0.0
     part.remove()
 
 

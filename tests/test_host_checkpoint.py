@@ -275,3 +275,44 @@ def test_out_of_memory_at_the_floor_is_one_clear_error_at_once(monkeypatch):
         ctl.run_step(lambda: model(**batch).loss.backward())
     assert len(ctl.replay.oom.attempts) == 2  # the warm-up's recompute, then the floor
     ctl.remove()
+
+
+def test_a_part_with_a_leaner_way_replays_the_floor_once_more(monkeypatch):
+    """NOTE [A replay treats more]: the floor out of memory asks each part beside the blocks for a leaner way
+    (``PartKind.leaner``: the LM head's leanest implementation); one that has one replays the step, and the floor
+    out of memory again with none left is the one clear error."""
+    from memfit.engine.budget import BudgetTooSmallError
+    from memfit.engine.parts.kind import PartKind
+    from memfit.engine.parts.treatments.recompute import Recompute
+
+    class Thinning(PartKind):
+        name = "thin"
+
+        def __init__(self):
+            self.asked = []
+
+        def options(self, tokens):
+            return (("keep", 1, 0, 0.0),)
+
+        def apply(self, option):
+            pass
+
+        def leaner(self, tokens):
+            self.asked.append(tokens)
+            return len(self.asked) == 1  # one leaner way, then none
+
+    model, make = build_decoder("llama")
+
+    def out_of_memory(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("injected: CUDA out of memory")
+
+    monkeypatch.setattr(Recompute, "run", out_of_memory)
+    monkeypatch.setattr(HostCheckpoint, "_forward", out_of_memory)
+    part = Thinning()
+    ctl = memfit.fit(model, budget="1GB", treatments=("recompute", HOST_CHECKPOINT), parts=[part], announce=False)
+    batch = make(2, 16)
+    with pytest.raises(BudgetTooSmallError, match=r"every block on host_checkpoint"):
+        ctl.run_step(lambda: model(**batch).loss.backward())
+    assert part.asked == [32, 32]
+    assert len(ctl.replay.oom.attempts) == 3  # the warm-up's recompute, the floor, the floor with the part leaner
+    ctl.remove()

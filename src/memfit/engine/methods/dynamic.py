@@ -25,7 +25,9 @@ re-run whole on the re-run that keeps least where the run offers one (``floor_tr
 input off the device, then its MLP tiled: ``host_checkpoint_tiled``, ``host_checkpoint``,
 ``recompute_tiled``) and the LM head, where the run plans one, in the chunk count that keeps least
 (not the count a plan without a head runs: NOTE [A plan without a head], chunked_head.py); if that
-is still too much, the budget is too small (``note_oom`` says so).
+is still too much and no part beside the blocks has a way that keeps less (``PartKind.leaner``: the
+head's leanest implementation, NOTE [Warm-up's head keeps least], chunked_head.py), the budget is too
+small (``note_oom`` says so).
 
 # NOTE [Warm-up on the floor]
 Warm-up recomputes every block while the probes measure. At the tight end that plan does not fit a

@@ -106,6 +106,12 @@ class PartKind:
         again in its option that saves most, in step with the other ranks (NOTE [Replay under FSDP], replay.py);
         None ends it. A part that cannot recover so lets its OOM reach the replay (the default)."""
 
+    def leaner(self, tokens: int) -> bool:
+        """A step on the floor ran out of memory at ``tokens`` tokens: run the part a way that keeps less from now on and
+        return True (the step is replayed: NOTE [A replay treats more], methods/dynamic.py); False where it has none (the
+        default)."""
+        return False
+
     def moment_bytes(self) -> int:
         """What the part holds untreated at a moment of its own, as predicted before a step reads it (0: not predicted)."""
         return 0

@@ -175,7 +175,8 @@ def after_oom(
     Raises:
         BudgetTooSmallError: when the method cannot adapt its plans (``none``, ``full``,
             ``precomputed``), or the failed step already ran the floor plan (every block on the run's
-            ``floor_treatment``; recomputed, outside warm-up, where the run offers nothing below it).
+            ``floor_treatment``; recomputed, outside warm-up, where the run offers nothing below it) and no part
+            beside the blocks has a way that keeps less (``PartKind.leaner``).
     """
     if not method.adapts:
         raise BudgetTooSmallError(
@@ -185,7 +186,9 @@ def after_oom(
     decision = step.decision if step is not None else None
     budget = planning.budget  # a plan of every block is made for a budget
     floor = floor_treatment(planning.registry)  # NOTE [A replay treats more], methods/dynamic.py
-    if decision is not None and decision.plan.layout == planning.search.floor(1).layout and (floor != RECOMPUTE or not decision.warmup):
+    on_floor = decision is not None and decision.plan.layout == planning.search.floor(1).layout
+    if on_floor and (floor != RECOMPUTE or not decision.warmup) and not any(
+            [part.leaner(step.key[0] * step.key[1]) for part in planning.parts.values()]):  # each part asked
         how = "checkpointed" if floor == RECOMPUTE else f"on {floor} (the floor)"
         raise BudgetTooSmallError(
             f"out of memory with every block {how} and the LM head chunked where there is one (shape {step.shape}); "

@@ -39,12 +39,25 @@ too where the probe ran on one chunk's rows: a head measured no slower chunked o
 tokens costs nothing, and the tie rule keeps it where nothing is needed, so plans stay
 deterministic. Measured faster than keeping at the steps' size (NOTE [A probe at the steps'
 size]), chunking is priced below keeping, and the planner chunks wherever that is the cheapest
-mix, also where nothing is needed (at 8 x 2,048 tokens every implementation measured faster). The
-implementation with the least extra time is the one the switch runs until the plans choose
-(NOTE [The plans choose the implementation]); its bytes are what :func:`head_options` prices. The
+mix, also where nothing is needed (at 8 x 2,048 tokens every implementation measured faster). Until
+the plans choose (NOTE [The plans choose the implementation]) the switch runs the one that keeps
+least (NOTE [Warm-up's head keeps least]); its bytes are what :func:`head_options` prices. The
 probe's gradients go to detached copies (``torch.autograd.grad``): training is untouched. An
 installed kernel that raises when probed is said once and never used. Until the price is known the
 head is free.
+
+# NOTE [Warm-up's head keeps least]
+Warm-up's steps run near the floor (NOTE [Warm-up on the floor], methods/dynamic.py), and the
+implementations keep different bytes: ``pure_grad_in_forward`` holds a trained head weight's gradient
+in float32 from forward to backward (1.05 GB for a tied 128k x 2,048 embedding), which a warm-up step
+run by it on the floor held above the cap where ``pure`` or a fused kernel would have fitted. So until
+the plans choose, the head runs the implementation whose most chunks keep least at the probed step's
+tokens (the fastest of those that keep as little: ``pure`` and ``pure_grad_in_forward`` on a frozen
+weight). The few warm-up steps may run a slower head so; the plans then choose by cost. And where
+a step on the floor runs out of memory with the head chunked by one that keeps more than that (the
+plans chose it by a prediction that missed), it is not used again, the leanest runs from then on
+and the step is replayed (:meth:`HeadPart.leaner`, ``PartKind.leaner``: NOTE [A replay treats
+more], methods/dynamic.py).
 
 # NOTE [The probe checks the formula]
 What a chunked head keeps for backward is priced by formula (NOTE [Head bytes], head.py), which
@@ -209,7 +222,7 @@ def choose_by_plans(part: "HeadPart", plan_ms: Callable[[tuple[int, int]], float
     if part.chosen_by_plans or part.probed_steps < PROBE_STEPS or not part.lines:
         return part.chosen_by_plans
     was = (part.switch.implementation, part.extra_ms_per_token, part.per_chunk_ms)
-    fastest = sorted(part.lines, key=lambda name: part.lines[name][2])
+    fastest = sorted((name for name in part.lines if name not in part.failed), key=lambda name: part.lines[name][2])
     totals: dict[str, float] = {}
     for name in fastest:
         part.switch.implementation = name
@@ -228,6 +241,34 @@ def choose_by_plans(part: "HeadPart", plan_ms: Callable[[tuple[int, int]], float
                     best, len(part.keys), totals[best], totals[was[0]], was[0])
     part.priced += 1  # the plans cached before are stale (NOTE [Parts priced anew], planning.py)
     return True
+
+
+def check_fits(part: "HeadPart", tokens: int, static_bytes: int, budget: Budget | None) -> None:
+    """Raise the one-line budget error where the static part and the head at its most chunks
+    alone exceed the budget (NOTE [The head's bytes in a budget error]).
+
+    # NOTE [The head's bytes in a budget error]
+    No plan makes a step smaller than its static part plus the head at its most chunks (every
+    block's activations aside). Where those two already exceed the budget, no replay can help,
+    so the step's first block raises at once, naming the head's bytes chunked and kept and what
+    to change; a warning on a step that does not fit names them too (planning.py).
+
+    Raises:
+        BudgetTooSmallError: ``static_bytes`` + the head's least bytes exceed ``budget``.
+    """
+    if budget is None:
+        return
+    kept, least, n_chunks = part.head_bytes(tokens)
+    if static_bytes + least <= budget.bytes:
+        return
+    size = budget.size
+    raise BudgetTooSmallError(
+        f"memory budget {budget} is below what a step of {tokens} tokens needs before any block's activation: "
+        f"the static part {size(static_bytes)} (weights, gradients, optimizer state) and the LM head's logits and "
+        f"loss {size(least)} in {n_chunks} chunks ({size(kept)} kept). Raise {budget.name} above "
+        f"{size(static_bytes + least)}, or lower --per_device_train_batch_size or --max_seq_length (the head grows "
+        "with the tokens)"
+    )
 
 
 def fused_line(probe: dict[str, Any], vocab: int, hidden: int) -> tuple[float, float]:
@@ -332,7 +373,8 @@ class HeadPart(PartKind):
         self.priced = 0
         self.probes: dict[str, dict[int, dict[str, float]]] = {}
         self.probed_steps = 0
-        #: implementations that raised when probed, never used (NOTE [Pricing the head])
+        #: implementations not used: one that raised when probed (NOTE [Pricing the head]), or kept more than the
+        #: leanest where the floor ran out of memory (:meth:`leaner`)
         self.failed: set[str] = set()
         #: per implementation, bytes its chunked head kept beyond its formula (NOTE [The probe checks the formula])
         self.saved_gap: dict[str, int] = {}
@@ -453,7 +495,7 @@ class HeadPart(PartKind):
         if not lines:
             return
         self.lines = lines
-        best = min(lines, key=lambda name: lines[name][2])  # dict order: pure first, so it wins ties
+        best = self.leanest(self.keys[-1][0] * self.keys[-1][1])  # NOTE [Warm-up's head keeps least]
         self.extra_ms_per_token, self.per_chunk_ms = lines[best][:2]
         self.extra_ms = 0.0
         self.switch.implementation = best
@@ -473,17 +515,39 @@ class HeadPart(PartKind):
 
     choose_by_plans = choose_by_plans  # the module's (NOTE [The plans choose the implementation])
 
-    def options(self, tokens: int) -> tuple[tuple[str, int, int, float], ...]:
-        """The head's options for a batch of ``tokens`` tokens (``batch x length``)."""
-        spec = self.switch.spec
+    def options(self, tokens: int, implementation: str | None = None) -> tuple[tuple[str, int, int, float], ...]:
+        """The head's options for a batch of ``tokens`` tokens (``batch x length``), chunked by ``implementation``
+        (None: the one the switch runs), priced by the price line of the one the switch runs."""
+        spec, implementation = self.switch.spec, implementation or self.switch.implementation
         weight = spec.weight
         return head_options(
             tokens, spec.vocab_size, weight.shape[-1], weight.dtype, self.extra_ms + self.extra_ms_per_token * tokens,
             self.per_chunk_ms,
-            softcap=spec.softcap is not None, implementation=self.switch.implementation, transient=self.transient,
+            softcap=spec.softcap is not None, implementation=implementation, transient=self.transient,
             logits_held=self.switch.logits_held, weight_trains=weight.requires_grad,
-            saved_gap=self.saved_gap.get(self.switch.implementation, 0),
+            saved_gap=self.saved_gap.get(implementation, 0),
         )
+
+    def leanest(self, tokens: int) -> str:
+        """Of the implementations probed and in use (else the switch's), the one that keeps least at ``tokens`` tokens
+        (NOTE [Warm-up's head keeps least])."""
+        names = [name for name in self.lines if name not in self.failed] or [self.switch.implementation]
+        most = {name: max(option[2] for option in self.options(tokens, name)) for name in names}
+        return min(names, key=lambda name: (-most[name], self.lines[name][2] if name in self.lines else 0.0))
+
+    def leaner(self, tokens: int) -> bool:
+        """The floor ran out of memory at ``tokens`` tokens: the head runs its leanest from now on, the one it ran never
+        again; True where that changed it (NOTE [Warm-up's head keeps least])."""
+        lean, was = self.leanest(tokens), self.switch.implementation
+        if lean == was:
+            return False
+        self.failed.add(was)  # the plans no longer choose it (choose_by_plans)
+        self.switch.implementation = lean
+        self.extra_ms_per_token, self.per_chunk_ms = self.lines[lean][:2] if lean in self.lines else (0.0, 0.0)
+        self.priced += 1  # NOTE [Parts priced anew] (planning.py)
+        logger.warning("memfit: the floor ran out of memory with the LM head chunked by %s; it is chunked by %s from "
+                       "now on, which keeps less", was, lean)
+        return True
 
     def head_bytes(self, tokens: int) -> tuple[int, int, int]:
         """The head's peak bytes at ``tokens`` tokens kept, and at its most chunks with that count
@@ -508,32 +572,7 @@ class HeadPart(PartKind):
         extra = self.saved_gap.get(implementation, 0) if gap and treatment == CHUNKED else 0
         return dataclasses.replace(out, saved_bytes=max(0, out.saved_bytes + extra)) if extra else out
 
-    def check_fits(self, tokens: int, static_bytes: int, budget: Budget | None) -> None:
-        """Raise the one-line budget error where the static part and the head at its most chunks
-        alone exceed the budget (NOTE [The head's bytes in a budget error]).
-
-        # NOTE [The head's bytes in a budget error]
-        No plan makes a step smaller than its static part plus the head at its most chunks (every
-        block's activations aside). Where those two already exceed the budget, no replay can help,
-        so the step's first block raises at once, naming the head's bytes chunked and kept and what
-        to change; a warning on a step that does not fit names them too (planning.py).
-
-        Raises:
-            BudgetTooSmallError: ``static_bytes`` + the head's least bytes exceed ``budget``.
-        """
-        if budget is None:
-            return
-        kept, least, n_chunks = self.head_bytes(tokens)
-        if static_bytes + least <= budget.bytes:
-            return
-        size = budget.size
-        raise BudgetTooSmallError(
-            f"memory budget {budget} is below what a step of {tokens} tokens needs before any block's activation: "
-            f"the static part {size(static_bytes)} (weights, gradients, optimizer state) and the LM head's logits and "
-            f"loss {size(least)} in {n_chunks} chunks ({size(kept)} kept). Raise {budget.name} above "
-            f"{size(static_bytes + least)}, or lower --per_device_train_batch_size or --max_seq_length (the head grows "
-            "with the tokens)"
-        )
+    check_fits = check_fits  # the module's (NOTE [The head's bytes in a budget error])
 
     def saved_bytes(self, tokens: int, head: tuple[str, int] | None) -> int:
         """What ``head`` (a plan's, NOTE [The head in the plan]) saves at ``tokens`` tokens against
