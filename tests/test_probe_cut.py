@@ -240,3 +240,33 @@ def test_a_key_every_curve_has_sampled_is_not_probed_again(monkeypatch):
     again = ctl.planning.model.group_models[0].bytes
     assert {name: max(c.ys) for name, c in again.items() if c.ys} == {name: max(ys) for name, ys in bytes_once.items() if ys}
     ctl.remove()
+
+
+def test_a_blocks_warm_up_probe_runs_aside_from_its_step(monkeypatch):
+    """NOTE [Work aside from the step] (meter.py): every block's warm-up probe runs inside the meter's ``aside`` of
+    its step (on CUDA the step's peak is carried and the allocator's counter reset after it, so what the probe held
+    is never read as the step's)."""
+    import contextlib
+
+    import memfit
+    from memfit.engine.run.meter import Meter
+
+    inside, probed = [], []
+
+    @contextlib.contextmanager
+    def aside(self, step):
+        inside.append(step)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    plain = probe._probe_warmup
+    monkeypatch.setattr(Meter, "aside", aside)
+    monkeypatch.setattr(probe, "_probe_warmup", lambda step, block, *a: probed.append(list(inside)) or plain(step, block, *a))
+    model, make = build_decoder("llama")
+    ctl = memfit.fit(model, budget="1GB", announce=False, treatments=("recompute",))
+    batch = make(2, 24)
+    ctl.run_step(lambda: model(**batch).loss.backward())
+    assert probed and all(len(seen) == 1 and seen[0] is not None for seen in probed)
+    ctl.remove()
