@@ -246,11 +246,10 @@ class CudaMeter(Meter):
         bytes were learnt as the step's transient (on the llm suite's Qwen cell at 60 GB, 6-12 GB on
         every warm-up step), and every later shape was predicted that much too high. So are the
         blocks' warm-up probes (NOTE [Probe], probe.py): a kept block's forward on a cut, beside
-        treated ones, holds more than a step whose blocks keep nothing does at its peak (an 8B model
-        at 16k tokens on the floor: warm-up steps read 18.79 GiB at the parts' moment, steady ones
-        17.0, and the floor was predicted 1.5 GiB too high). So the peak so far is carried in the
-        step, as a block window's is (NOTE [Block windows]), and the counter is reset after the
-        work: the step's peak is the larger of the two, without the work's.
+        treated ones, holds more than a step on the floor does at its peak, and read as the step's it
+        raised every warm-up reading of a long shape, the floor predicted over what it holds (docs/devlog.md).
+        So the peak so far is carried in the step, as a block window's is (NOTE [Block windows]), and
+        the counter is reset after the work: the step's peak is the larger of the two, without the work's.
         """
         if step is None:
             yield

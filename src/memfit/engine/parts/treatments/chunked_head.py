@@ -49,8 +49,8 @@ head is free.
 # NOTE [Warm-up's head keeps least]
 Warm-up's steps run near the floor (NOTE [Warm-up on the floor], methods/dynamic.py), and the
 implementations keep different bytes: ``pure_grad_in_forward`` holds a trained head weight's gradient
-in float32 from forward to backward (1.05 GB for a tied 128k x 2,048 embedding), which a warm-up step
-run by it on the floor held above the cap where ``pure`` or a fused kernel would have fitted. So until
+in float32 from forward to backward (vocabulary x hidden x 4 bytes), which a warm-up step run by it on
+the floor may hold above the cap where ``pure`` or a fused kernel would fit (docs/devlog.md). So until
 the plans choose, the head runs the implementation whose most chunks keep least at the probed step's
 tokens (the fastest of those that keep as little: ``pure`` and ``pure_grad_in_forward`` on a frozen
 weight). The few warm-up steps may run a slower head so; the plans then choose by cost. And where
