@@ -270,3 +270,55 @@ def test_a_blocks_warm_up_probe_runs_aside_from_its_step(monkeypatch):
     ctl.run_step(lambda: model(**batch).loss.backward())
     assert probed and all(len(seen) == 1 and seen[0] is not None for seen in probed)
     ctl.remove()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_a_probe_counts_what_the_step_counts_of_a_kept_block(arch, monkeypatch):
+    """NOTE [A probe counts the block's own]: on a padded batch every layer is given the same mask and rotary tables,
+    which the step counts outside the blocks; a probe of one block, whole or on a cut, counts none of them: its kept
+    bytes are the step's count of that block kept, and ``host_checkpoint``'s (the inputs that stay) are 0."""
+    from memfit.engine.parts.accounting import SavedTensorCounter
+    from memfit.engine.parts.treatments import host_checkpoint
+    from memfit.engine.parts.treatments.host_checkpoint import HostCheckpoint
+
+    monkeypatch.setattr(host_checkpoint, "MIN_BYTES", 0)  # the tiny blocks' inputs are worth a copy here
+
+    model, make = build_decoder(arch)
+    model.train()
+    blocks = [module for _, module in find_blocks(model, None)]
+    seen, counter = [], SavedTensorCounter(len(blocks), exclude=list(model.parameters()))
+
+    def enter(index):
+        def hook(module, args, kwargs):
+            seen.append((args, kwargs)) if index == 1 else None
+            counter.current = index
+        return hook
+
+    handles = [b.register_forward_pre_hook(enter(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    handles += [b.register_forward_hook(lambda *a: setattr(counter, "current", -1)) for b in blocks]
+    torch.manual_seed(0)
+    counter.start()
+    model(**make(2, 96))
+    counter.stop()
+    for h in handles:
+        h.remove()
+    args, kwargs = seen[0]
+    given = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)][1:]
+    assert given, "the block is given no mask or rotary table: nothing to test"
+
+    class _Block:
+        def __init__(self, module):
+            self.module, self.index = module, 1
+
+        def body(self, *a, **kw):
+            return self.module.forward(*a, **kw)
+
+    block, cpu = _Block(blocks[1]), torch.device("cpu")
+    detached = probe._detached(args, kwargs)
+    kept, _ = probe.probe_block(block, *detached, probe.OwnCounter(counter, *detached), False, cpu)
+    assert kept == counter.by_block[1] > 0
+    plain, _ = probe.probe_block(block, *detached, counter, False, cpu)
+    assert plain > kept  # counted as the block's, the shared tables were in it
+    for inputs in (detached, probe._cut(*detached, 48)):
+        kit = probe.ProbeKit(block, inputs, probe.OwnCounter(counter, *inputs), cpu)
+        assert HostCheckpoint.probe(block, kit) == (0, None)
