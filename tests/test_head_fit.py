@@ -594,7 +594,8 @@ def test_the_probes_run_aside_from_the_step_they_are_in(monkeypatch):
     monkeypatch.setattr(ctl.meter, "aside", aside)
     _steps(model, optimizer, LENGTHS[:2])
     assert probed and all(probed)  # every probe inside the aside
-    assert len(steps) == 2 and all(step is not None for step in steps) and steps[0] is not steps[1]  # one per step, the step's
+    # the step's each time (the blocks' probes run aside too: NOTE [Work aside from the step]), two steps
+    assert all(step is not None for step in steps) and len({id(step) for step in steps}) == 2
     ctl.remove()
 
 

@@ -68,7 +68,7 @@ from memfit.engine.parts.treatments import Treatment, TreatmentSpec, resolve
 
 __all__ = [
     "ProbeKit", "probe_block", "probe_treatments", "probe_warmup", "LinkPrice", "measure_link", "TIMED_RUNS", "MAX_DEPTH",
-    "BACKWARD_PER_FORWARD", "PROBE_NEED", "OwnCounter",
+    "BACKWARD_PER_FORWARD", "PROBE_NEED",
 ]
 
 #: runs of a timed probe, the fastest taken (NOTE [Cold runs of a block])
@@ -381,47 +381,21 @@ def _probe_warmup(
     if length:
         try:
             cut = _cut(args, kwargs, length)
-            own = OwnCounter(counter, *cut)  # NOTE [A probe counts the block's own]
-            probed = probe_block(block, *cut, own, timed, device)
-            treated = probe_treatments(block, *cut, own, device, planning.registry) if timed and not planning.recompute_only else None
+            probed = probe_block(block, *cut, counter, timed, device)
+            treated = probe_treatments(block, *cut, counter, device, planning.registry) if timed and not planning.recompute_only else None
         except torch.OutOfMemoryError:
             raise
         except (RuntimeError, ValueError, IndexError):  # a block that refuses the cut: the whole input
             step.probe_length = length = 0
     if not length:
-        own = OwnCounter(counter, args, kwargs)
-        probed = probe_block(block, args, kwargs, own, timed, device)
-        treated = probe_treatments(block, args, kwargs, own, device, planning.registry) if timed and not planning.recompute_only else None
+        probed = probe_block(block, args, kwargs, counter, timed, device)
+        treated = probe_treatments(block, args, kwargs, counter, device, planning.registry) if timed and not planning.recompute_only else None
         scale = 1.0
     else:
         scale = first_tensor_length(args, kwargs) / length
     step.probes[block.index] = _scaled(probed, scale)
     if treated is not None:
         step.treated_probes[block.index] = {name: _scaled(value, scale) for name, value in treated.items()}
-
-
-class OwnCounter:
-    """The step's counter as a warm-up probe of a block reads it: what it excludes, and the storages of the block's
-    inputs but its hidden states (its first tensor).
-
-    # NOTE [A probe counts the block's own]
-    A step counts a storage that several blocks save (the attention mask and rotary tables every layer is given)
-    outside the blocks (NOTE [Storages saved by several blocks], accounting.py), once. A probe runs one block alone,
-    where nothing shows the sharing: counted as the block's, a padded batch's mask went into every block's bytes
-    (a kept block's, and all that ``host_checkpoint`` keeps), and on a cut the mask's copy is cut in both of its
-    sequence dimensions and scaled back in one, so its bytes came out wrong besides (docs/devlog.md). So a probe
-    counts no storage of the block's inputs but its hidden states, as ``ProbeKit.input_bytes`` does for a checkpoint.
-    A block input of its own beside the hidden states (none in the model families memfit knows) is then missing from
-    the probe only: the step's own count of the block, which the byte curves keep where it is larger (NOTE [Upper
-    envelope], model.py), holds it.
-    """
-
-    def __init__(self, counter: SavedTensorCounter, args: tuple, kwargs: dict[str, Any]):
-        x = first_tensor(args, kwargs)
-        own = x.untyped_storage().data_ptr() if x is not None else None
-        given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        self.excluded_ptrs = counter.excluded_ptrs | (given - {own})
-        self.parameter_storages = counter.parameter_storages
 
 
 def first_tensor_length(args: tuple, kwargs: dict[str, Any]) -> int:

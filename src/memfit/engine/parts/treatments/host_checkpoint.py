@@ -14,8 +14,15 @@ in backward the stash comes back ``depth`` blocks ahead (NOTE [Prefetch depth]),
 recompute finds its input on the device. The other inputs (a decoder's position embeddings and
 mask) are every block's: they stay.
 
-What it keeps on the device is what warm-up measures (every input but the hidden states);
-what it moves is ``recompute``'s bytes less those (``moves_from``); its price is the block's
+What stays on the device, every input but the hidden states (a decoder's mask and rotary tables),
+is every block's, which the step counts outside the blocks (NOTE [Storages saved by several
+blocks], accounting.py), so its probe counts none of it as the block's: counted so, a padded
+batch's mask went into every host-checkpointed block's bytes (on a cut probe the mask is cut in
+both its sequence dimensions and scaled back in one), and the host checkpoints' in-flight bytes
+(``recompute``'s less these) came out short (docs/devlog.md). A block input of its own beside its
+hidden states (none in the model families memfit knows) is counted by the step's own count of the
+block, which the byte curves keep where it is larger (NOTE [Upper envelope], model.py).
+What it moves is ``recompute``'s bytes less those (``moves_from``); its price is the block's
 forward again plus the copies' unhidden part from the link's measured bandwidth (NOTE
 [Treatment prices], model.py). It frees more than ``recompute`` for more time, so the planner
 gives it where its price per byte freed wins: past what recomputing saves at the tight end, and
@@ -65,14 +72,13 @@ class HostCheckpoint(Offload):
 
     @classmethod
     def probe(cls, block: "Block", kit: "ProbeKit") -> tuple[int, float | None] | None:
-        """The inputs that stay on the device (all but the hidden states); priced by the link. None where
-        the hidden states are under ``MIN_BYTES``: nothing worth a copy."""
+        """Nothing of the block's own stays on the device (the other inputs are every block's: NOTE [Checkpoints on the
+        host]); priced by the link. None where the hidden states are under ``MIN_BYTES``: nothing worth a copy."""
         args, kwargs = kit.detached
         moved = first_tensor(args, kwargs)
         if moved is None or moved.untyped_storage().nbytes() < MIN_BYTES:
             return None
-        staying = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t is not moved]
-        return kit.distinct_bytes(staying), None
+        return 0, None
 
     def _moves(self, t: torch.Tensor) -> bool:
         """Only the block's own input moves: the other inputs (a mask, position embeddings) are every block's."""
