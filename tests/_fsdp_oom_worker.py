@@ -6,6 +6,7 @@ argv: OUT_DIR. Trains the scenarios of ``SCENARIOS`` one after the other in this
 
 import json
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,9 @@ from _ddp_common import LENGTHS, STEPS, batch, build_model, leave
 from _models import InjectOOM
 
 # name: (gradient accumulation, rank 1's micro-step (0-based) in whose block 1 it runs out of memory)
-SCENARIOS = {"clean-1": (1, None), "forward-1": (1, 3), "clean-2": (2, None), "forward-2": (2, 3)}
+SCENARIOS = {"clean-1": (1, None), "forward-1": (1, 3), "clean-2": (2, None), "forward-2": (2, 3), "slow-1": (1, None)}
+#: in "slow-1", rank 1 sleeps this long inside block 1's body on every run of it: rank 0 waits for it at a gather
+SLOW_S = 0.05
 
 
 def train(out, rank, name, accumulation, fail_at, budget):
@@ -27,6 +30,8 @@ def train(out, rank, name, accumulation, fail_at, budget):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     # inside block 1's body: FSDP has all-gathered its parameters when this raises
     inject = InjectOOM(model.bert.encoder.layer[1].intermediate, at=0)
+    if name.startswith("slow") and rank == 1:  # NOTE [The collective wait]: the other rank waits at the next gather
+        model.bert.encoder.layer[1].intermediate.register_forward_pre_hook(lambda *_: time.sleep(SLOW_S))
     ctl = memfit.fit(model, budget=budget, method="dynamic", optimizer=opt, warmup_steps=2, warmup_keys=2, announce=False)
     for step in range(STEPS):
         if rank == 1 and step == fail_at:

@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 
@@ -171,6 +172,19 @@ def test_gradient_sync_packs_buckets_and_restores_every_gradient(tmp_path):
         dist.destroy_process_group()
 
 
+def test_the_collective_wait_is_read_only_for_a_model_sharded_over_several_ranks():
+    """NOTE [The collective wait]: one process, no process group: nothing is timed and every record says None."""
+    from memfit.engine.run.collectives import CollectiveWait
+
+    model = build_model()
+    assert CollectiveWait(model, torch.device("cpu")).take() is None
+    ctl = memfit.fit(model, budget="1GB", announce=False)
+    b = batch(0, 0, 8)
+    ctl.run_step(lambda: model(**b).loss.backward())
+    assert [r.collective_wait_ms for r in ctl.records] == [None]
+    ctl.remove()
+
+
 def test_fit_before_fully_shard_is_a_clear_error(tmp_path):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -213,6 +227,12 @@ def test_fsdp_oom_in_a_block_on_one_rank_is_replayed_by_every_rank(tmp_path, nod
             assert [a["stage"] for at in attempts for a in at] == ["forward"] * (rank == 1), attempts
             for key, value in clean.items():
                 torch.testing.assert_close(failed[key], value, rtol=0, atol=0, msg=lambda m: f"{accumulation} {rank} {key}: {m}")
+    # NOTE [The collective wait]: every record holds its step's wait on the all-gathers; where rank 1 sleeps inside a
+    # block, rank 0 waits for it at the next gather, about as long
+    waits = {rank: [r["collective_wait_ms"] for r in load("slow-1", rank)[1]["records"]] for rank in (0, 1)}
+    assert all(w is not None and w >= 0 for ws in waits.values() for w in ws), waits
+    slept_ms = 1e3 * 0.05
+    assert statistics.median(waits[0]) - statistics.median(waits[1]) >= 0.6 * slept_ms, waits
 
 
 @pytest.mark.slow
@@ -242,6 +262,12 @@ def test_trainer_under_accelerate_fsdp2_hooks_after_sharding_and_replays_an_oom_
             assert info["records"][0]["static_bytes"] < 0.6 * unsharded
             for key, value in clean.items():
                 torch.testing.assert_close(failed[key], value, rtol=0, atol=0, msg=lambda m: f"{accumulation} {rank} {key}: {m}")
+    # NOTE [The collective wait]: every record holds its step's wait on the all-gathers; where rank 1 sleeps inside a
+    # block, rank 0 waits for it at the next gather, about as long
+    waits = {rank: [r["collective_wait_ms"] for r in load("slow-1", rank)[1]["records"]] for rank in (0, 1)}
+    assert all(w is not None and w >= 0 for ws in waits.values() for w in ws), waits
+    slept_ms = 1e3 * 0.05
+    assert statistics.median(waits[0]) - statistics.median(waits[1]) >= 0.6 * slept_ms, waits
 
 
 @pytest.mark.slow

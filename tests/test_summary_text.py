@@ -81,6 +81,18 @@ def test_end_summary_says_what_share_of_the_steady_steps_memfits_decisions_took(
     assert "deciding" not in end_summary(untimed)
 
 
+def test_end_summary_says_what_share_of_the_steady_steps_the_all_gathers_held_up():
+    """NOTE [The collective wait]: under FSDP over several ranks each record holds its step's wait on the all-gathers,
+    said as a share of the steady micro-steps' time; a run that did not read it (None) says nothing of it."""
+    import dataclasses
+
+    records = [dataclasses.replace(_record(1, 600, 1000, [0], phase="warmup"), collective_wait_ms=80.0)]
+    records += [dataclasses.replace(_record(i, 600, 1000, [0]), collective_wait_ms=ms) for i, ms in ((2, 6.0), (3, 0.0))]
+    line = end_summary(records).splitlines()[2]  # (6 + 0) ms of 2 x 100 ms
+    assert "of their time (estimated), waiting on all-gathers 3.0% (measured); 1 warm-up" in line, line
+    assert "all-gathers" not in end_summary([_record(1, 600, 1000, [0], phase="warmup"), _record(2, 600, 1000, [0])])
+
+
 def test_end_summary_names_micro_steps_and_the_optimizer_steps_where_known():
     """Records are micro-steps: 96 of them in 12 optimizer steps (accumulation 8) say both; without a
     count of optimizer steps only micro-steps are named; a merged summary says over how many ranks."""

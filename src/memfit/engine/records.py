@@ -172,6 +172,9 @@ class StepRecord:
     #: length] in blocks.py)
     compile_ms: float = 0.0
     compiled_graphs: int = 0
+    #: under FSDP2 over several ranks, the ms this step's compute waited on the parameters' all-gathers (NOTE [The
+    #: collective wait] in engine/run/collectives.py); None elsewhere
+    collective_wait_ms: float | None = None
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:

@@ -59,8 +59,9 @@ from memfit.engine.plan.room import Room
 from memfit.engine.ranks import sharded_over_ranks
 from memfit.engine.records import JsonlWriter, StepRecord, summarize
 from memfit.engine.parts import probe
-from memfit.engine.run.replay import Replayer, after_oom
+from memfit.engine.run.collectives import CollectiveWait
 from memfit.engine.run.meter import Meter, make_meter
+from memfit.engine.run.replay import Replayer, after_oom
 from memfit.engine.run.step import Stage, StepState
 from memfit.engine.shapes import first_tensor, shape_key
 from memfit.engine.parts.store import ReactiveStore
@@ -277,10 +278,10 @@ class Controller:
             self._undo.append(self.head.remove)  # before anything else can raise: the head's hooks are on
             self.parts = RunParts(self.head, parts, self.planning)  # the head's and the user's (parts/kind.py)
             self.protection = method.make_protection(lambda: ReactiveStore(self._counter.excluded_ptrs), self.planning, self.meter, self._counter)
-            self._gathered = GatheredParameters(model, self._counter)
+            self._gathered, self._waits = GatheredParameters(model, self._counter), CollectiveWait(model, self.device)
+            self._undo.append(self._waits.remove)  # NOTE [The collective wait], collectives.py
             self.rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
-            #: print a start line now and a summary at remove()
-            self.announce = announce
+            self.announce = announce  # a start line now and a summary at remove()
             self._records: list[StepRecord] = []
             self._step: StepState | None = None
             self._steps_recorded = 0
@@ -446,7 +447,7 @@ class Controller:
             outcome, peaks.reserved, predicted, number=self._steps_recorded, method=self.method.name,
             n_blocks=len(self.blocks), budget_bytes=self.planning.budget_bytes, accounting=self.meter.kind, recompute_ms=treated_ms,
             oom_retries=len(self.replay.oom.attempts), oom_attempts=self.replay.oom.attempts, rank=self.rank, now=now,
-        )
+            collective_wait_ms=self._waits.take())
         self.replay.oom.clear()
         self.parts.record(record, step.decision.plan)
         self._records.append(record)
