@@ -169,6 +169,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--budgets", nargs="*", type=float, default=[0.5, 0.7], help="shares of uncapped none's peak")
     p.add_argument("--budget_gb", nargs="*", type=float, default=[], help="absolute budgets in GB, besides")
+    p.add_argument("--reference_longest", action="store_true",
+                   help="where none is not among --methods, the uncapped none that --budgets' shares are of runs the "
+                        "longest batch only, twice (its peak is the run's: no plan, the most tokens): a run of many "
+                        "steps compares its methods without paying none's steps")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--first_repeat", type=int, default=0, help="number of the first repeat (a suite that runs one "
                    "repeat per call into one folder numbers them apart)")
@@ -1198,8 +1202,13 @@ def _matrix(args, model, batches, initial, emit, started: float) -> None:
     budgets = sorted({int(g * GB) for g in args.budget_gb})
     for repeat in range(args.first_repeat, args.first_repeat + args.repeats):
         for name in uncapped:
-            result = _profiled(args, name, None, repeat, lambda: run_config(
-                args, model, batches, initial, name, None, repeat, args.output_dir))
+            ran = batches
+            if name == "none" and args.reference_longest and "none" not in args.methods:
+                ran = [max(batches, key=lambda b: b["input_ids"].numel())] * 2  # the reference only: its peak
+            result = _profiled(args, name, None, repeat, lambda ran=ran: run_config(
+                args, model, ran, initial, name, None, repeat, args.output_dir))
+            if ran is not batches:
+                result["note"] = "the reference of --budgets: the longest batch only, twice (--reference_longest)"
             emit(result)
             if name == "none" and reference is None and args.budgets:
                 if not result["max_peak_allocated_bytes"]:

@@ -169,3 +169,20 @@ def test_a_start_outside_the_range_is_one_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="--reach_start_gib 0.5 is outside --reach_gib 0.03 0.12"):
         _dry_run(_loop_bench(), tmp_path / "out", 2, "0.03", "0.12", "--reach_start_gib", "0.5", "--methods", "dynamic")
     assert not (tmp_path / "out").exists()  # said before anything is built or written
+
+
+def test_loop_bench_sets_its_share_budgets_from_none_on_the_longest_batch_alone(tmp_path):
+    """``--reference_longest``: where none is not a method compared, the uncapped none whose peak ``--budgets``' shares
+    are of runs the longest batch twice (its peak is the run's), its line saying so; the methods run every step."""
+    loop_bench = _loop_bench()
+    out = tmp_path / "out"
+    # a share of 2: under logical accounting the static need (the optimizer step's temporaries in it) is over none's peak
+    assert loop_bench.main(["--model", "llama-tiny", "--device", "cpu", "--dtype", "float32", "--lengths", "uniform:8:24",
+                            "--batch", "2", "--steps", "5", "--steady_from", "1", "--budgets", "2", "--reference_longest",
+                            "--repeats", "1", "--no_untimed", "--methods", "dynamic", "--output_dir", str(out)]) == 0
+    none, dynamic = [json.loads(t) for t in (out / "results.jsonl").read_text().splitlines()]
+    assert none["method"] == "none" and len(none["step_ms"]) == 2 and "--reference_longest" in none["note"]
+    assert dynamic["method"] == "dynamic" and len(dynamic["step_ms"]) == 5
+    assert dynamic["budget_bytes"] == int(2 * none["max_peak_allocated_bytes"]) and dynamic["status"] == "ok"
+    assert "step_ratio_vs_none" not in dynamic  # two steps of another batch pair with none of its steps
+
