@@ -13,8 +13,9 @@ gather and its copy-out; the gather's own stream is not timed), read when the st
 gather blocks the host. The sum is the record's ``collective_wait_ms``: the gathers' exposed time,
 communication not hidden behind compute plus the wait for the slowest rank. Reduce-scatters in
 backward run on their own stream and are waited for once, at the end of backward: not counted. The
-calls are private to torch; where a version has no such group the wait is not read (None) and the
-start of the run says so once. A step's events are bounded (:data:`MAX_EVENTS`): past that, a step's
+calls are private to torch; where a version has no such group (or the model is sharded by FSDP1) the
+wait is not read (None) and ``fit`` says so once. A replayed step's record holds its failed attempts'
+waits too, as its time does. A step's events are bounded (:data:`MAX_EVENTS`): past that, a step's
 wait is a lower bound.
 """
 
@@ -67,8 +68,8 @@ class CollectiveWait:
     def __init__(self, model: nn.Module, device: torch.device):
         self.groups = _param_groups(model) if world_size() > 1 and is_fsdp(model) else None
         if self.groups is None and world_size() > 1 and is_fsdp(model):
-            logger.warning("memfit: this torch's FSDP keeps its parameter groups where memfit does not read them; the "
-                           "records' collective_wait_ms is left empty")
+            logger.warning("memfit: the model's FSDP parameter groups are not FSDP2's as memfit reads them (FSDP1, or "
+                           "another torch); the records' collective_wait_ms is left empty")
         self.cuda = torch.device(device).type == "cuda"
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._host_ms = 0.0
