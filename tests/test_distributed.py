@@ -177,7 +177,7 @@ def test_the_collective_wait_is_read_only_for_a_model_sharded_over_several_ranks
     from memfit.engine.run.collectives import CollectiveWait
 
     model = build_model()
-    assert CollectiveWait(model, torch.device("cpu")).take() is None
+    assert CollectiveWait(model, torch.device("cpu")).take(0.0) is None
     ctl = memfit.fit(model, budget="1GB", announce=False)
     b = batch(0, 0, 8)
     ctl.run_step(lambda: model(**b).loss.backward())

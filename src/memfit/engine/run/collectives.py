@@ -14,9 +14,10 @@ gather blocks the host. The sum is the record's ``collective_wait_ms``: the gath
 communication not hidden behind compute plus the wait for the slowest rank. Reduce-scatters in
 backward run on their own stream and are waited for once, at the end of backward: not counted. The
 calls are private to torch; where a version has no such group (or the model is sharded by FSDP1) the
-wait is not read (None) and ``fit`` says so once. A replayed step's record holds its failed attempts'
-waits too, as its time does. A step's events are bounded (:data:`MAX_EVENTS`): past that, a step's
-wait is a lower bound.
+wait is not read (None) and ``fit`` says so once. A record holds the waits since the record before it
+(the root's gather at the forward's start runs before memfit's hook marks the step's start); a step
+replayed after an OOM, those since its replay began, not its failed attempts'. A step's timed calls are
+bounded (:data:`MAX_EVENTS`): past that, a step's wait is a lower bound.
 """
 
 from __future__ import annotations
@@ -71,40 +72,41 @@ class CollectiveWait:
             logger.warning("memfit: the model's FSDP parameter groups are not FSDP2's as memfit reads them (FSDP1, or "
                            "another torch); the records' collective_wait_ms is left empty")
         self.cuda = torch.device(device).type == "cuda"
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._host_ms = 0.0
+        #: per timed call since the last :meth:`take`: when it began (the host's clock), and its two events on CUDA or
+        #: its ms on a CPU
+        self._calls: list[tuple[float, Any, Any]] = []
         for group in self.groups or ():
             for name in TIMED:
                 setattr(group, name, self._timed(getattr(group, name)))  # the instance's, over the class's method
 
     def _timed(self, call: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            if len(self._calls) >= MAX_EVENTS:
+                return call(*args, **kwargs)
+            start = end = None
             if self.cuda:
-                if len(self._events) >= MAX_EVENTS:
-                    return call(*args, **kwargs)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                try:
-                    return call(*args, **kwargs)
-                finally:
-                    end.record()
-                    self._events.append((start, end))
-            t0 = time.perf_counter()
             try:
                 return call(*args, **kwargs)
             finally:
-                self._host_ms += (time.perf_counter() - t0) * 1e3
+                if self.cuda:
+                    end.record()
+                    self._calls.append((t0, start, end))
+                else:
+                    self._calls.append((t0, (time.perf_counter() - t0) * 1e3, None))
         return timed
 
-    def take(self) -> float | None:
-        """The wait since the last call, in ms (None where nothing is timed); the count starts again."""
+    def take(self, since: float) -> float | None:
+        """The wait of the calls begun at ``since`` (``time.perf_counter()``) or later, in ms (None where nothing is
+        timed); every call so far is dropped."""
         if self.groups is None:
             return None
-        if self._events:
-            self._events[-1][1].synchronize()
-        waited = self._host_ms + sum(start.elapsed_time(end) for start, end in self._events)
-        self._events, self._host_ms = [], 0.0
-        return float(waited)
+        calls, self._calls = [c for c in self._calls if c[0] >= since], []
+        if self.cuda and calls:
+            calls[-1][2].synchronize()
+        return float(sum(start.elapsed_time(end) if self.cuda else start for _, start, end in calls))
 
     def remove(self) -> None:
         """The groups' own calls back."""

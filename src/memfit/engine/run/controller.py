@@ -447,7 +447,7 @@ class Controller:
             outcome, peaks.reserved, predicted, number=self._steps_recorded, method=self.method.name,
             n_blocks=len(self.blocks), budget_bytes=self.planning.budget_bytes, accounting=self.meter.kind, recompute_ms=treated_ms,
             oom_retries=len(self.replay.oom.attempts), oom_attempts=self.replay.oom.attempts, rank=self.rank, now=now,
-            collective_wait_ms=self._waits.take())
+            collective_wait_ms=self._waits.take(step.t0 if self.replay.oom.attempts else 0.0))  # NOTE [The collective wait]
         self.replay.oom.clear()
         self.parts.record(record, step.decision.plan)
         self._records.append(record)
