@@ -202,6 +202,24 @@ def test_step_records_alone(tmp_path):
     assert "| method | budget | median time (s)" not in markdown
 
 
+def test_step_records_table_gives_the_all_gather_wait_where_a_run_read_it(tmp_path):
+    """NOTE [The collective wait]: a run whose records read the wait on FSDP2's all-gathers (two ranks' files) gets
+    its steady steps' share in a column of its own; a table of runs that read none has no such column."""
+    records = [json.loads(line) for line in (FIXTURE / "train_run" / "memfit_steps.jsonl").read_text().splitlines()]
+    for rank, wait_ms in ((0, 3.0), (1, None)):
+        lines = [json.dumps({**r, "collective_wait_ms": None if wait_ms is None or r["phase"] == "warmup" else wait_ms})
+                 for r in records]
+        (tmp_path / "run").mkdir(exist_ok=True)
+        (tmp_path / "run" / f"memfit_steps.rank{rank}.jsonl").write_text("\n".join(lines) + "\n")
+    rows = table_rows(build_report(tmp_path / "run", tmp_path / "out").read_text(), "## Step records: run", first_column="step file")
+    steady = [r for r in records if r["phase"] != "warmup"]
+    share = 3.0 * len(steady) / sum(r["step_ms"] for r in steady)
+    assert {row["step file"]: row["all-gather wait (steady)"] for row in rows} == {
+        "`memfit_steps.rank0.jsonl`": f"{100 * share:.1f}%", "`memfit_steps.rank1.jsonl`": "—"}
+    markdown = build_report(FIXTURE / "train_run", tmp_path / "plain").read_text()
+    assert "all-gather wait" not in markdown
+
+
 def test_cli(tmp_path, capsys):
     assert cli.main(["report", str(FIXTURE), "--output_dir", str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / "report.md").is_file()

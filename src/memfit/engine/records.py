@@ -260,6 +260,9 @@ class RunSummary:
     steady_treated_blocks: dict[str, int] = field(default_factory=dict)
     #: optimizer steps the run took, where its caller counted them (the optimizer's step hook); None otherwise
     optimizer_steps: int | None = None
+    #: the steady micro-steps' waits on FSDP2's all-gathers over their time (NOTE [The collective wait] in
+    #: engine/run/collectives.py); None where no record read one
+    steady_collective_wait_share: float | None = None
     #: with several ranks: each rank's own summary, by rank (as a string key)
     per_rank: dict[str, dict[str, Any]] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
@@ -316,7 +319,15 @@ def summarize(records: Iterable[StepRecord], optimizer_steps: int | None = None)
         steady_treated_fraction=mean_treated_fraction(steady) if steady else None,
         steady_treated_blocks=treated_blocks(steady),
         optimizer_steps=optimizer_steps,
+        steady_collective_wait_share=_wait_share(steady),
     )
+
+
+def _wait_share(steady: Sequence[StepRecord]) -> float | None:
+    """The steady steps' ``collective_wait_ms`` over their time, where any step read it (NOTE [The collective wait])."""
+    waits = [r.collective_wait_ms for r in steady if r.collective_wait_ms is not None]
+    step_ms = sum(r.step_ms or 0.0 for r in steady)
+    return sum(waits) / step_ms if waits and step_ms > 0 else None
 
 
 def mean_treated_fraction(records: Sequence[StepRecord]) -> float:

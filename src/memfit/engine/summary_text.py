@@ -307,8 +307,8 @@ def end_summary(records: Sequence[StepRecord], budget: Budget | None = None, opt
         # memfit's own decisions (planner_us), measured, where any was timed: issue 59 asks under 1% of a step
         decided_ms = sum(r.planner_us for r in steady) / 1e3
         decided = f", deciding {100 * decided_ms / step_ms:.1f}% (measured)" if decided_ms > 0 and step_ms > 0 else ""
-        waits = [r.collective_wait_ms for r in steady if r.collective_wait_ms is not None]  # NOTE [The collective wait]
-        waited = f", waiting on all-gathers {100 * sum(waits) / step_ms:.1f}% (measured)" if waits and step_ms > 0 else ""
+        share = s.steady_collective_wait_share  # NOTE [The collective wait]
+        waited = f", waiting on all-gathers {100 * share:.1f}% (measured)" if share is not None else ""
         parts.append(f"{words} over {len(steady)} steady micro-step{'s' * (len(steady) != 1)}, "
                      f"{what} about {share_time} of their time (estimated){decided}{waited}")
     else:

@@ -492,18 +492,20 @@ def _runs_table(runs: Sequence[_StepRun]) -> list[str]:
     """Per step-record file: its micro-steps (a record each, NOTE [What the summary counts] in
     summary_text.py), peaks, and the share of blocks its steady micro-steps treated."""
     unit = _unit(run.summary.budget_bytes for run in runs)
+    # under FSDP over several ranks: the steady steps' share waited on the all-gathers (NOTE [The collective wait])
+    waits = any(run.summary.steady_collective_wait_share is not None for run in runs)
     lines = [
         f"| step file | method | budget | accounting | micro-steps | warm-up | max peak ({unit[0]}) | over budget "
-        "| OOM retries | treated (steady) | planner µs |",
-        "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| OOM retries | treated (steady) | planner µs |{' all-gather wait (steady) |' * waits}",
+        f"| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |{' ---: |' * waits}",
     ]
     for run in runs:
-        s = run.summary
+        s, share = run.summary, run.summary.steady_collective_wait_share
         lines.append(
             f"| `{run.path}` | {run.method} | {_budget_cell(s.budget_bytes)} | {s.accounting} | {s.steps} | {s.warmup_steps} | "
             f"{_gib(s.max_peak_allocated_bytes, unit)} | {s.over_budget_steps} | {s.oom_retries} | "
             f"{_DASH if s.steady_treated_fraction is None else f'{100 * s.steady_treated_fraction:.1f}%'} | "
-            f"{s.mean_planner_us:.1f} |"
+            f"{s.mean_planner_us:.1f} |{(f' {_DASH} |' if share is None else f' {100 * share:.1f}% |') * waits}"
         )
     return lines
 
