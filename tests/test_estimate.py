@@ -1223,3 +1223,25 @@ def test_the_cli_estimates_one_rank_of_several(capsys, monkeypatch):
     assert "every row is one rank's of 2" in capsys.readouterr().out
     with pytest.raises(FlagError, match="--shards 0"):
         main(["--model", "llama-tiny", "--batch_size", "2", "--seq_length", "64", "--shards", "0"])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_tied_embeddings_gradient_is_the_heads_from_the_start_of_backward(tied):
+    """NOTE [Phases of a step]: an input embedding's gradient appears after every block has run, so the backward's
+    moments leave it out; an embedding tied to the LM head is the head's weight, whose gradient the head's backward
+    makes first: every block's backward moment holds it (a tied Llama-3.2-1B's is 0.49 GiB in bf16)."""
+    import dataclasses
+
+    from transformers import LlamaConfig
+
+    config = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=128,
+                  vocab_size=32000, tie_word_embeddings=tied, architectures=["LlamaForCausalLM"], model_type="llama")
+    profile = ModelProfile.from_config(LlamaConfig(**config), "causal-lm", name="tiny-llama")
+    assert profile.embedding_params == (0 if tied else 32000 * 64)
+    setup = TrainingSetup("fp32", micro_batch_size=1)
+    late = dataclasses.replace(profile, embedding_params=32000 * 64)  # counted as an input embedding's, made last
+    with_it, without = (estimate(p, setup, seq_length=8).backward_bytes for p in (profile, late))
+    if tied:  # the head's gradient (fp32, 4 bytes a value) held through the blocks' backward: that moment is the peak
+        assert with_it > without and with_it >= 4 * 32000 * 64
+    else:
+        assert with_it == without

@@ -60,7 +60,8 @@ optimizer state and the library workspaces:
   their backward ran first (a float32 norm copy at 64k x 4096 is 1 GiB).
   For long inputs the first block to run backward (the last one) sets the peak, for short
   ones the last (gradients have replaced most activations). The embeddings' gradients
-  appear after every block has run, so they count in the optimizer step only.
+  appear after every block has run, so they count in the optimizer step only; an embedding
+  tied to the LM head is the head's weight, whose gradient the head's backward makes first.
 * optimizer step: all gradients plus the step's temporaries; activations and autocast
   copies are gone.
 
@@ -458,7 +459,8 @@ class ModelProfile:
     block_matmul_params: tuple[int, ...] = ()
     """Matmul weight values of each block (their autocast copies are saved by the block)."""
     embedding_params: int = 0
-    """Trainable parameters of the input embeddings, whose gradients backward makes last."""
+    """Trainable parameters of the input embeddings, whose gradients backward makes last; an embedding tied to the
+    output head is the head's (its gradient is made at the head's backward, first)."""
     block_linear_shapes: tuple[tuple[int, int], ...] = ()
     """``(in_features, out_features)`` of every linear layer inside the blocks (LoRA's all-linear)."""
 
@@ -503,6 +505,8 @@ class ModelProfile:
         if config.model_type in _BERT_FAMILY and len(blocks) != config.num_hidden_layers:
             raise ValueError(f"found {len(blocks)} blocks in a model with {config.num_hidden_layers} layers")
         embeddings = [m for n, m in model.named_modules() if n.split(".")[-1] == "embeddings" or isinstance(m, nn.Embedding)]
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        tied = {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
         return cls(
             name=name or getattr(config, "name_or_path", "") or config.model_type,
             task=task,
@@ -513,7 +517,7 @@ class ModelProfile:
             n_blocks=len(blocks),
             block_params=tuple(_trainable_params(b) for b in blocks),
             block_matmul_params=tuple(_matmul_params(b) for b in blocks),
-            embedding_params=_trainable_params(*embeddings),
+            embedding_params=_trainable_params(*embeddings, exclude=tied),
             block_linear_shapes=tuple(
                 (m.in_features, m.out_features) for b in blocks for m in b.modules() if isinstance(m, nn.Linear)
             ),
@@ -524,9 +528,10 @@ def _matmul_params(module: nn.Module) -> int:
     return sum(m.weight.numel() for m in module.modules() if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)))
 
 
-def _trainable_params(*modules: nn.Module) -> int:
-    """Trainable values of ``modules``, each parameter counted once (modules may nest)."""
-    unique = {id(p): p for m in modules for p in m.parameters() if p.requires_grad}
+def _trainable_params(*modules: nn.Module, exclude: set[int] = frozenset()) -> int:
+    """Trainable values of ``modules``, each parameter counted once (modules may nest), those in ``exclude`` (ids) left
+    out."""
+    unique = {id(p): p for m in modules for p in m.parameters() if p.requires_grad and id(p) not in exclude}
     return sum(p.numel() for p in unique.values())
 
 
