@@ -47,8 +47,8 @@ may replay none): where the memory model can predict (it is ready), the plan's p
 the room; before it can, a bound of what the re-run of one block holds besides the inputs, its kept
 forward and its backward, which the probes take to be at most ``PROBE_NEED`` times its input (NOTE
 [Probing on a cut], probe.py): ``(blocks + PROBE_NEED) x tokens x`` the input's bytes a token beside the
-static bytes. Where neither says it fits, that one step runs the floor (an 8B model at 16k tokens
-under 23 GiB: 4 GiB of inputs and at most 8 GiB of one block's re-run beside 15.7 GiB). Unlike a
+static bytes. Where neither says it fits, that one step runs the floor (docs/devlog.md has the run
+that needed it). Unlike a
 failed plan, this is not remembered: the next warm-up step is judged again, by what the model has
 learnt since. A run whose floor is plain recompute is unchanged by it (its floor is this plan).
 A warm-up on the floor runs no block recomputed, so the probe measures what a checkpoint keeps

@@ -39,7 +39,7 @@ too where the probe ran on one chunk's rows: a head measured no slower chunked o
 tokens costs nothing, and the tie rule keeps it where nothing is needed, so plans stay
 deterministic. Measured faster than keeping at the steps' size (NOTE [A probe at the steps'
 size]), chunking is priced below keeping, and the planner chunks wherever that is the cheapest
-mix, also where nothing is needed (at 8 x 2,048 tokens every implementation measured faster). Until
+mix, also where nothing is needed (where every implementation measured faster: docs/devlog.md). Until
 the plans choose (NOTE [The plans choose the implementation]) the switch runs the one that keeps
 least (NOTE [Warm-up's head keeps least]); its bytes are what :func:`head_options` prices. The
 probe's gradients go to detached copies (``torch.autograd.grad``): training is untouched. An
