@@ -348,3 +348,32 @@ def test_fsdp2_blocks_run_tiled_with_the_gradients_of_fsdp_without_memfit(tmp_pa
     assert plain.keys() == tiled.keys()
     for key, value in plain.items():
         torch.testing.assert_close(tiled[key], value, **tolerance, msg=lambda m: f"{name} {key}: {m}")
+
+
+def test_the_collective_wait_keeps_a_bounded_list_and_waits_for_no_device(monkeypatch):
+    """NOTE [The collective wait]: the timed calls a step keeps are at most MAX_EVENTS, whatever the calls between two
+    records; a record takes the calls done (on CUDA those the device reached, the rest kept for the next), and the
+    calls before a replayed step's start are dropped."""
+    from memfit.engine.run import collectives
+
+    class Group:
+        def unshard(self):
+            return "gathered"
+
+        def wait_for_unshard(self):
+            return None
+
+    group = Group()
+    monkeypatch.setattr(collectives, "world_size", lambda: 2)
+    monkeypatch.setattr(collectives, "is_fsdp", lambda model: True)
+    monkeypatch.setattr(collectives, "_param_groups", lambda model: [group])
+    waits = collectives.CollectiveWait(torch.nn.Linear(2, 2), torch.device("cpu"))
+    for _ in range(collectives.MAX_EVENTS + 50):
+        assert group.unshard() == "gathered"
+        group.wait_for_unshard()
+    assert len(waits._calls) == collectives.MAX_EVENTS
+    assert waits.take(0.0) >= 0.0 and waits._calls == []
+    group.unshard()
+    assert waits.take(float("inf")) == 0.0 and waits._calls == []  # begun before the step: dropped
+    waits.remove()
+    assert "unshard" not in vars(group) and "wait_for_unshard" not in vars(group)

@@ -8,8 +8,9 @@ the last rank joins it, so a rank whose plan is cheaper than another's reaches e
 waits there for the slower one: ranks with different plans wait on each other, and the step's time
 says nothing of where it went. So memfit times those two calls on every parameter group of a sharded
 model: on CUDA by two events on the current stream around each (the compute stream's stall behind the
-gather and its copy-out; the gather's own stream is not timed), read when the step's record is made
-(the last event is waited for then, once a step); on a CPU (gloo) by the host's clock, where the
+gather and its copy-out; the gather's own stream is not timed), read when a record is made without
+waiting for the device (a sync a step would stall the host's run-ahead): the calls whose events the
+device has not reached yet go to the next record; on a CPU (gloo) by the host's clock, where the
 gather blocks the host. The sum is the record's ``collective_wait_ms``: the gathers' exposed time,
 communication not hidden behind compute plus the wait for the slowest rank. Reduce-scatters in
 backward run on their own stream and are waited for once, at the end of backward: not counted. The
@@ -99,13 +100,14 @@ class CollectiveWait:
         return timed
 
     def take(self, since: float) -> float | None:
-        """The wait of the calls begun at ``since`` (``time.perf_counter()``) or later, in ms (None where nothing is
-        timed); every call so far is dropped."""
+        """The wait of the calls begun at ``since`` (``time.perf_counter()``) or later and done on the device, in ms
+        (None where nothing is timed); those done and those before ``since`` are dropped, those the device has not
+        reached yet kept for the next (events on one stream complete in order)."""
         if self.groups is None:
             return None
-        calls, self._calls = [c for c in self._calls if c[0] >= since], []
-        if self.cuda and calls:
-            calls[-1][2].synchronize()
+        calls = [c for c in self._calls if c[0] >= since]
+        done = next((i for i, c in enumerate(calls) if not c[2].query()), len(calls)) if self.cuda else len(calls)
+        calls, self._calls = calls[:done], calls[done:]
         return float(sum(start.elapsed_time(end) if self.cuda else start for _, start, end in calls))
 
     def remove(self) -> None:
