@@ -220,6 +220,18 @@ def test_step_records_table_gives_the_all_gather_wait_where_a_run_read_it(tmp_pa
     assert "all-gather wait" not in markdown
 
 
+def test_a_tables_only_report_writes_no_plot_and_says_so(tmp_path, capsys):
+    """``--no_plots``: the same tables, no PNG and no image link, and a line saying how to draw them."""
+    assert cli.main(["report", str(FIXTURE), "--output_dir", str(tmp_path / "tables"), "--no_plots"]) == 0
+    assert "and 0 plots" in capsys.readouterr().out
+    tables = (tmp_path / "tables" / "report.md").read_text()
+    full = build_report(FIXTURE, tmp_path / "full").read_text()
+    assert not list((tmp_path / "tables").glob("*.png")) and list((tmp_path / "full").glob("*.png"))
+    assert "![" not in tables and "Tables only (`memfit report --no_plots`)" in tables
+    assert [line for line in full.splitlines() if line.startswith("|")] == [
+        line for line in tables.splitlines() if line.startswith("|")]  # every table as the full report has it
+
+
 def test_cli(tmp_path, capsys):
     assert cli.main(["report", str(FIXTURE), "--output_dir", str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / "report.md").is_file()

@@ -921,13 +921,15 @@ def _unique_names(keys: Sequence[Any], slug: Any) -> dict[Any, str]:
     return names
 
 
-def build_report(input_dir: str | Path, output_dir: str | Path | None = None) -> Path:
+def build_report(input_dir: str | Path, output_dir: str | Path | None = None, plots: bool = True) -> Path:
     """Write ``report.md`` and PNG plots from the JSONL files under ``input_dir``.
 
     Args:
         input_dir: folder searched recursively for ``results.jsonl`` and ``*steps*.jsonl`` (each may be gzipped: ``.gz``).
         output_dir: where to write; ``<input_dir>/report`` by default. Existing files of the
             same names are overwritten; others are left alone.
+        plots: draw the plots (False: the tables alone, the report saying so; a committed results folder's report
+            stays small, and ``memfit report`` of the folder draws them).
 
     Returns:
         Path of ``report.md``.
@@ -951,6 +953,8 @@ def build_report(input_dir: str | Path, output_dir: str | Path | None = None) ->
 
     lines = ["# memfit report", ""]
     lines.append(f"{len(results)} bench results and {len(runs)} step-record files under the input folder.")
+    if not plots:
+        lines += ["", "Tables only (`memfit report --no_plots`): `memfit report` of the folder draws the plots as well."]
     tables: dict[TableKey, list[Result]] = {}
     for r in results:
         tables.setdefault(table_key(r), []).append(r)
@@ -972,7 +976,7 @@ def build_report(input_dir: str | Path, output_dir: str | Path | None = None) ->
             lines += _paired_table(rows)
             notes = [f"- {row.label}: {r.note}" for row in rows for r in row.results if r.note]
             lines += ["", "Notes:", "", *dict.fromkeys(notes)] if notes else []
-            if any(r.budget_bytes is not None for r in rows):
+            if plots and any(r.budget_bytes is not None for r in rows):
                 name = f"time_vs_budget_{plot_names[key]}.png"
                 ran = [r for r in rows if any(x.status != "skipped" for x in r.results)]  # skipped: not a failure
                 _plot_time_vs_budget(key, ran, ref, out / name)
@@ -988,6 +992,8 @@ def build_report(input_dir: str | Path, output_dir: str | Path | None = None) ->
             lines += _runs_table(groups[group])
             lines += _mix_table(shown)
             stem = group_names[group]
+            if not plots:
+                continue
             _plot_peak_vs_tokens(group, shown, out / f"peak_vs_tokens_{stem}.png")
             _plot_memory_count(group, shown, out / f"memory_count_{stem}.png")
             mixed = _plot_treatments(group, _mixed_runs(shown), out / f"treatments_{stem}.png")
@@ -1028,8 +1034,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("input_dir", help="folder searched recursively for results.jsonl and *steps*.jsonl (or .gz)")
     parser.add_argument("--output_dir", help="where to write report.md and the plots (default: <input_dir>/report)")
+    parser.add_argument("--no_plots", action="store_true", help="write the tables alone (report.md), no plot")
     args = parser.parse_args(argv)
-    path = build_report(args.input_dir, args.output_dir)
+    path = build_report(args.input_dir, args.output_dir, plots=not args.no_plots)
     print(f"wrote {path} and {len(list(path.parent.glob('*.png')))} plots")
     return 0
 
