@@ -10,6 +10,10 @@ engine's thread ended a run in a ``SystemError``). Diagnostic, not a suite: it p
 Example (one H200; Llama-3.1-8B's shape, LoRA r16, 64k tokens, a 28 GiB cap):
 
     python benchmarks/step_peaks.py --model Llama-3.1-8B --lora --tokens 65536 --budget 28GiB --steps 3
+
+A padded batch (Llama-3.2-1B's shape, full fine-tuning, the longest batch of the reach suite's (a)):
+
+    python benchmarks/step_peaks.py --model Llama-3.2-1B --rows 572,338,536,1680,2130,1704,210,4084 --budget 13GiB
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora", action="store_true", help="peft LoRA r16 on every linear layer (dropout 0)")
     p.add_argument("--tokens", type=int, default=65536, help="tokens of each sequence a step trains on")
     p.add_argument("--batch", type=int, default=1, help="sequences a step trains on")
+    p.add_argument("--rows", default=None, metavar="L1,L2,...",
+                   help="instead of --batch and --tokens: each sequence's length, padded to the longest with an "
+                        "attention mask and labels -100 on the padding (as loop_bench's batches; a padded batch's "
+                        "attention takes a mask)")
     p.add_argument("--plans", default=None,
                    help="a plans file (NOTE [Plans files]): run memfit's precomputed method on it, the head planned, "
                         "every treatment it names offered (a plan forced, to read where it peaks)")
@@ -145,7 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ctl = memfit.fit(model, budget=args.budget)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    ids = torch.randint(0, config.vocab_size, (args.batch, args.tokens), device=device)
+    rows = [int(n) for n in args.rows.split(",")] if args.rows else [args.tokens] * args.batch
+    ids = torch.randint(0, config.vocab_size, (len(rows), max(rows)), device=device)
+    mask = (torch.arange(max(rows), device=device)[None, :] < torch.tensor(rows, device=device)[:, None]).long()
+    labels = ids.masked_fill(mask == 0, -100)
+    inputs = {"input_ids": ids, "labels": labels, **({"attention_mask": mask} if args.rows else {})}
     for step in range(args.steps):
         last = step == args.steps - 1
         moments.on, moments.last = last, "step starts"
@@ -153,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.reset_peak_memory_stats()
         profiler = _profiler() if last and args.profile else contextlib.nullcontext()
         with profiler as prof:
-            ctl.run_step(lambda: model(input_ids=ids, labels=ids).loss.backward())
+            ctl.run_step(lambda: model(**inputs).loss.backward())
         moments.mark("backward ends")
         opt.step()
         opt.zero_grad(set_to_none=True)
