@@ -730,10 +730,11 @@ def test_a_lean_lora_layer_holds_one_float32_output_not_three(monkeypatch, sum_c
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2", "phi3"])
-def test_a_frozen_lean_norm_runs_in_chunks_of_tokens_with_the_same_bits(monkeypatch, arch):
-    """NOTE [Lean inputs in a tiled block]: a norm that trains no parameter (a LoRA's) runs lean in chunks of tokens,
-    forward and backward (its own forward once per chunk each way), and its output and its input's gradient are the
-    plain norm's bit for bit; with its weight trainable it runs in one piece (one forward each way)."""
+def test_a_lean_norm_runs_in_chunks_of_tokens_with_the_same_bits(monkeypatch, arch):
+    """NOTE [Lean inputs in a tiled block]: a lean norm runs in chunks of tokens, forward and backward (its own forward
+    once per chunk each way), and its output and its input's gradient are the plain norm's bit for bit; a trained
+    weight's gradient (a sum over tokens) is the chunks' summed in float32, within rounding of the plain one, and in
+    one chunk bit for bit."""
     from memfit.engine.parts.treatments.tiled_mlp import tiled
 
     model, _ = _bf16_model(arch, None)
@@ -742,20 +743,29 @@ def test_a_frozen_lean_norm_runs_in_chunks_of_tokens_with_the_same_bits(monkeypa
     g = torch.randn_like(x)
     calls, plain = [], type(norm).forward
     monkeypatch.setattr(type(norm), "forward", lambda self, h: calls.append(h.shape) or plain(self, h))
-    for trains, runs in ((False, 2 * 5), (True, 2)):
+    for trains, chunks in ((False, 5), (True, 5), (True, 1)):
         norm.weight.requires_grad_(trains)
         results = []
         for lean in (False, True):
             calls.clear()
             xi = x.clone().requires_grad_()
-            with tiled((), Chunking(at_least=5), [norm] if lean else []):
+            with tiled((), Chunking(at_least=chunks), [norm] if lean else []):
                 out = norm(xi)
             out.backward(g)
             results.append([out.detach(), xi.grad] + ([norm.weight.grad] if trains else []))
             norm.weight.grad = None
-        assert len(calls) == runs, (trains, calls)  # the lean runs: 5 chunks forward and 5 again in backward, or 1 + 1
-        for a, b in zip(*results):
+        assert len(calls) == 2 * chunks, (trains, calls)  # the lean runs: the chunks forward and again in backward
+        for a, b in zip(results[0][:2], results[1][:2]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+        if trains and chunks == 1:
+            torch.testing.assert_close(results[0][2], results[1][2], rtol=0, atol=0)
+        elif trains:  # bfloat16 sums either way: the chunks' as close to float64's as the plain one's, within an ulp
+            wide = copy.deepcopy(norm).double()
+            wide(x.double()).backward(g.double())
+            truth = wide.weight.grad
+            plain_err, chunked_err = ((r[2].double() - truth).abs().max() for r in results)
+            assert results[1][2].dtype == norm.weight.dtype
+            assert chunked_err <= plain_err + truth.abs().max() * 2**-8, (plain_err, chunked_err)
 
 
 class _LargestFloat32(TorchDispatchMode):

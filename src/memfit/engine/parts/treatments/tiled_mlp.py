@@ -77,8 +77,11 @@ and it saves no copy to spare), an adapter only where its input is cast. A norm 
 backward holds about a dozen tensors of its input's size at once, half of them float32 (6.5 GiB above a
 block's other bytes for a 64k x 4096 bfloat16 input: a long step's peak, twice a block), and a norm is
 token-wise, each token's output and input gradient its own row's, so chunked they are the same bits. A
-norm with a trainable weight runs in one piece: the weight's gradient is a sum over tokens, which chunks
-would sum in another order.
+norm with a trainable weight (full fine-tuning) runs in the same chunks: its output and input gradient are
+the same bits, and its weight's gradient, a sum over tokens, is the chunks' gradients summed in float32 and
+cast once, as a tiled MLP's parameters' (within float32 rounding of ``keep``'s: the sum reorders; in one
+chunk, where the input is short, bit for bit). In one piece its backward was the largest moment of a
+recomputed block of a full fine-tuning at the floor (docs/devlog.md, session 36).
 
 A LoRA layer also makes float32 tensors of its whole output: peft adds ``lora_B``'s float32 output, scaled,
 to the base layer's output in float32 and casts the sum back (the scaled output and the sum, then in
@@ -446,7 +449,7 @@ NORM_SPREAD = 4
 
 
 def norm_chunks(x: torch.Tensor, chunking: Chunking) -> int:
-    """The chunks a lean norm without trainable parameters runs ``x``'s tokens in (NOTE [Lean inputs in a tiled block]).
+    """The chunks a lean norm runs ``x``'s tokens in (NOTE [Lean inputs in a tiled block]).
 
     Example:
         >>> norm_chunks(torch.empty(1, 65536, 4096, dtype=torch.bfloat16, device="meta"), Chunking())  # 32 MiB a chunk
@@ -456,8 +459,7 @@ def norm_chunks(x: torch.Tensor, chunking: Chunking) -> int:
 
 
 class _LeanForward:
-    """A norm's forward saving only its input, in chunks of tokens where it trains no parameter (NOTE [Lean inputs
-    in a tiled block])."""
+    """A norm's forward saving only its input, in chunks of tokens (NOTE [Lean inputs in a tiled block])."""
 
     def __init__(self, module: nn.Module, chunking: Chunking):
         self.module, self.chunking = module, chunking
@@ -468,9 +470,8 @@ class _LeanForward:
         if (args or kwargs or not isinstance(x, torch.Tensor) or x.dtype not in _NARROW or not torch.is_grad_enabled()
                 or not (params or x.requires_grad)):
             return self.plain(x, *args, **kwargs)
-        if params or x.dim() < 2:  # a weight's gradient is a sum over tokens: in one piece, as the plain norm sums it
-            return _rerun(self.plain, x, params, draws=False)
-        return _rerun(self.plain, x, (), norm_chunks(x, self.chunking), draws=False)
+        # a trained weight's gradient is a sum over tokens: in several chunks summed in float32, in one as the plain norm's
+        return _rerun(self.plain, x, params, 1 if x.dim() < 2 else norm_chunks(x, self.chunking), draws=False)
 
 
 class _LeanAdapter:
