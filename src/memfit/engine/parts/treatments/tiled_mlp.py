@@ -146,7 +146,7 @@ logger = logging.getLogger("memfit")
 TILED_MLP = "tiled_mlp"
 
 #: the most bytes of one chunk's ``tokens x intermediate`` tensor (NOTE [Tiled MLP])
-CHUNK_BYTES = 128 * 2**20
+CHUNK_BYTES = 64 * 2**20
 #: the fewest tokens of a chunk: its matmuls stay large (NOTE [Tiled MLP])
 MIN_CHUNK_TOKENS = 1024
 
