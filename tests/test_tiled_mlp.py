@@ -733,28 +733,32 @@ def test_a_lean_lora_layer_holds_one_float32_output_not_three(monkeypatch, sum_c
 def test_a_lean_norm_runs_in_chunks_of_tokens_with_the_same_bits(monkeypatch, arch):
     """NOTE [Lean inputs in a tiled block]: a lean norm runs in chunks of tokens, forward and backward (its own forward
     once per chunk each way), and its output and its input's gradient are the plain norm's bit for bit; a trained
-    weight's gradient (a sum over tokens) is the chunks' summed in float32, within rounding of the plain one, and in
-    one chunk bit for bit."""
+    weight's gradient (a sum over tokens) is the chunks' summed in float32 in a tiled block (an MLP tiled beside it),
+    within rounding of the plain one, and in one chunk bit for bit; under ``lean`` alone (no MLP tiled) a trained
+    norm runs in one piece, bit for bit."""
     from memfit.engine.parts.treatments.tiled_mlp import tiled
 
     model, _ = _bf16_model(arch, None)
-    norm = find_blocks(model)[0][1].input_layernorm
+    block = find_blocks(model)[0][1]
+    norm = block.input_layernorm
     x = torch.randn(2, 37, model.config.hidden_size, dtype=torch.bfloat16)
     g = torch.randn_like(x)
     calls, plain = [], type(norm).forward
     monkeypatch.setattr(type(norm), "forward", lambda self, h: calls.append(h.shape) or plain(self, h))
-    for trains, chunks in ((False, 5), (True, 5), (True, 1)):
+    for trains, chunks, mlps, runs in ((False, 5, [], 5), (True, 5, [block.mlp], 5), (True, 1, [block.mlp], 1),
+                                       (True, 5, [], 1)):
         norm.weight.requires_grad_(trains)
         results = []
         for lean in (False, True):
             calls.clear()
             xi = x.clone().requires_grad_()
-            with tiled((), Chunking(at_least=chunks), [norm] if lean else []):
+            with tiled(mlps, Chunking(at_least=chunks), [norm] if lean else []):
                 out = norm(xi)
             out.backward(g)
             results.append([out.detach(), xi.grad] + ([norm.weight.grad] if trains else []))
             norm.weight.grad = None
-        assert len(calls) == 2 * chunks, (trains, calls)  # the lean runs: the chunks forward and again in backward
+        assert len(calls) == 2 * runs, (trains, calls)  # the lean runs: the chunks forward and again in backward
+        chunks = runs
         for a, b in zip(results[0][:2], results[1][:2]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         if trains and chunks == 1:

@@ -921,7 +921,7 @@ def _meta_count(profile: ModelProfile, inputs: dict[str, torch.Tensor], attentio
         model = _with_lora(model, lora_r, lora_dropout)
     blocks = [b for _, b in find_blocks(model)]
     mlps = [tileable_mlps(b) if tile_mlp else [] for b in blocks]
-    chunking = Chunking()
+    chunking = Chunking.rerun()  # every block re-run tiled
     ran_on: dict[nn.Module, torch.Tensor] = {}  # each tiled MLP's input (a meta tensor)
 
     def seen(mlp: nn.Module, args: tuple) -> None:

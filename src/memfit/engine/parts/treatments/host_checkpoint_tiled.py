@@ -45,7 +45,7 @@ class HostCheckpointTiled(TiledReruns, HostCheckpoint):
 
     def __init__(self, *args: Any, chunking: Chunking | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self._tiled = TiledMlp(chunking)
+        self._tiled = TiledMlp(chunking or Chunking.rerun())
 
     @classmethod
     def by_default(cls, modules: "Sequence[nn.Module]", compile_options: "dict[str, Any] | None") -> bool:

@@ -53,7 +53,7 @@ class RecomputeTiled(TiledReruns, Treatment):
         return offered(modules, compile_options)
 
     def __init__(self, chunking: Chunking | None = None):
-        self._tiled = TiledMlp(chunking)
+        self._tiled = TiledMlp(chunking or Chunking.rerun())
 
     def run(self, block: "Block", args: tuple, kwargs: dict[str, Any]) -> Any:
         return checkpoint(self.tiled_run_body(block), *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
@@ -70,7 +70,7 @@ class RecomputeTiled(TiledReruns, Treatment):
         verdict: dict[str, set[int]] = {}  # the block's, for every run timed (NOTE [Hollow re-runs], tiled_mlp.py)
 
         def checkpointed(*args: Any, **kwargs: Any) -> Any:  # a body of its own per checkpoint, as the treatment's
-            body = tiled_body(block.body, mlps, Chunking(), lean, verdict)
+            body = tiled_body(block.body, mlps, Chunking.rerun(), lean, verdict)
             return checkpoint(body, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
         lean_ms, plain_ms = [], []

@@ -43,12 +43,16 @@ The rules:
 * Eager blocks only: a compiled block's graph never calls the patched forward.
 
 The chunk count comes from the shape (:class:`Chunking`): enough chunks that one chunk's ``tokens x
-intermediate`` tensor is at most ``chunk_bytes`` (:data:`CHUNK_BYTES`, in the input's element size),
-and no chunk under ``min_tokens`` (:data:`MIN_CHUNK_TOKENS`) tokens, so a chunk's matmuls stay large
-enough to run at the matmul's speed. With these a chunk's transient in backward (its intermediates and
-their gradients, about eight such tensors) stays near a GiB however long the sequence; the planner
-does not choose the count (the saving at the backward's start, what plans are chosen on, is the same
-for any count: only the MLP's input is kept).
+intermediate`` tensor is at most ``chunk_bytes`` (in the input's element size), and no chunk under
+``min_tokens`` (:data:`MIN_CHUNK_TOKENS`) tokens, so a chunk's matmuls stay large enough to run at the
+matmul's speed. With these a chunk's transient in backward (its intermediates and their gradients, about
+eight such tensors) stays near a GiB however long the sequence; the planner does not choose the count
+(the saving at the backward's start, what plans are chosen on, is the same for any count: only the MLP's
+input is kept). A re-run's chunks (``recompute_tiled``'s, ``host_checkpoint_tiled``'s) are half a kept
+block's (:data:`RERUN_CHUNK_BYTES` against :data:`CHUNK_BYTES`): those treatments are chosen where a
+block's backward sets the step's peak, and there a chunk's transient sits on top of everything the
+re-run brought back, so a smaller chunk lowers the floor itself; a kept tiled block, chosen for what it
+saves at the backward's start, keeps the larger chunks, whose matmuls cost less in count.
 
 What a tiled block keeps is the plain block's saved tensors less the MLP's intermediates (the MLP's
 input is saved by the Function; its projections would have saved it too), which the probe counts;
@@ -77,10 +81,11 @@ and it saves no copy to spare), an adapter only where its input is cast. A norm 
 backward holds about a dozen tensors of its input's size at once, half of them float32 (6.5 GiB above a
 block's other bytes for a 64k x 4096 bfloat16 input: a long step's peak, twice a block), and a norm is
 token-wise, each token's output and input gradient its own row's, so chunked they are the same bits. A
-norm with a trainable weight (full fine-tuning) runs in the same chunks: its output and input gradient are
-the same bits, and its weight's gradient, a sum over tokens, is the chunks' gradients summed in float32 and
-cast once, as a tiled MLP's parameters' (within float32 rounding of ``keep``'s: the sum reorders; in one
-chunk, where the input is short, bit for bit). In one piece its backward was the largest moment of a
+norm with a trainable weight (full fine-tuning) runs in the same chunks in a tiled block (an MLP tiled
+beside it): its output and input gradient are the same bits, and its weight's gradient, a sum over tokens,
+is the chunks' gradients summed in float32 and cast once, as the tiled MLP's parameters' (within float32
+rounding of ``keep``'s: the sum reorders; in one chunk, where the input is short, bit for bit). Under
+``lean`` alone, whose gradients are ``keep``'s bit for bit, it runs in one piece. In one piece its backward was the largest moment of a
 recomputed block of a full fine-tuning at the floor (docs/devlog.md, session 36).
 
 A LoRA layer also makes float32 tensors of its whole output: peft adds ``lora_B``'s float32 output, scaled,
@@ -139,14 +144,16 @@ if TYPE_CHECKING:
     from memfit.engine.parts.treatments.base import Block, ProbeKit
 
 __all__ = ["TILED_MLP", "TiledMlp", "TiledReruns", "Chunking", "tiled_mlp", "tileable_mlps", "tiled", "mlp_chunks", "CHUNK_BYTES",
-           "MIN_CHUNK_TOKENS", "lean_parts", "norm_chunks", "widest_intermediate"]
+           "MIN_CHUNK_TOKENS", "RERUN_CHUNK_BYTES", "lean_parts", "norm_chunks", "widest_intermediate"]
 
 logger = logging.getLogger("memfit")
 
 TILED_MLP = "tiled_mlp"
 
-#: the most bytes of one chunk's ``tokens x intermediate`` tensor (NOTE [Tiled MLP])
-CHUNK_BYTES = 64 * 2**20
+#: the most bytes of one chunk's ``tokens x intermediate`` tensor in a kept block (NOTE [Tiled MLP])
+CHUNK_BYTES = 128 * 2**20
+#: the same in a re-run (``recompute_tiled``, ``host_checkpoint_tiled``: NOTE [Tiled MLP])
+RERUN_CHUNK_BYTES = 64 * 2**20
 #: the fewest tokens of a chunk: its matmuls stay large (NOTE [Tiled MLP])
 MIN_CHUNK_TOKENS = 1024
 
@@ -164,6 +171,11 @@ class Chunking:
     chunk_bytes: int = CHUNK_BYTES
     min_tokens: int = MIN_CHUNK_TOKENS
     at_least: int = 1
+
+    @classmethod
+    def rerun(cls) -> "Chunking":
+        """The chunks of a re-run's MLP (NOTE [Tiled MLP]): at most :data:`RERUN_CHUNK_BYTES`."""
+        return cls(chunk_bytes=RERUN_CHUNK_BYTES)
 
     def count(self, tokens: int, intermediate: int, element_bytes: int) -> int:
         """Chunks for ``tokens`` through an MLP of ``intermediate`` features.
@@ -461,8 +473,8 @@ def norm_chunks(x: torch.Tensor, chunking: Chunking) -> int:
 class _LeanForward:
     """A norm's forward saving only its input, in chunks of tokens (NOTE [Lean inputs in a tiled block])."""
 
-    def __init__(self, module: nn.Module, chunking: Chunking):
-        self.module, self.chunking = module, chunking
+    def __init__(self, module: nn.Module, chunking: Chunking, sums: bool):
+        self.module, self.chunking, self.sums = module, chunking, sums
         self.plain = type(module).forward.__get__(module)
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
@@ -470,8 +482,9 @@ class _LeanForward:
         if (args or kwargs or not isinstance(x, torch.Tensor) or x.dtype not in _NARROW or not torch.is_grad_enabled()
                 or not (params or x.requires_grad)):
             return self.plain(x, *args, **kwargs)
-        # a trained weight's gradient is a sum over tokens: in several chunks summed in float32, in one as the plain norm's
-        return _rerun(self.plain, x, params, 1 if x.dim() < 2 else norm_chunks(x, self.chunking), draws=False)
+        # a trained weight's gradient is a sum over tokens: chunked (summed in float32) only where ``sums`` allows
+        chunks = 1 if x.dim() < 2 or (params and not self.sums) else norm_chunks(x, self.chunking)
+        return _rerun(self.plain, x, params, chunks, draws=False)
 
 
 class _LeanAdapter:
@@ -563,8 +576,8 @@ def tiled(mlps: Sequence[nn.Module], chunking: Chunking, lean: Sequence[nn.Modul
     other's node, width and dtype noted in ``seen`` (NOTE [Hollow re-runs])."""
     for mlp in mlps:
         mlp.forward = _TiledForward(mlp, chunking, (hollow or {}).get(id(mlp)), seen)  # read by Module.__call__
-    for m in lean:
-        m.forward = _LeanLoraForward(m) if _is_lora_layer(m) else _LeanForward(m, chunking)
+    for m in lean:  # a trained norm's weight summed over chunks where an MLP is tiled (NOTE [Lean inputs in a tiled block])
+        m.forward = _LeanLoraForward(m) if _is_lora_layer(m) else _LeanForward(m, chunking, sums=bool(mlps))
     try:
         yield
     finally:
