@@ -366,8 +366,7 @@ class HeadPart(PartKind):
         aside: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ):
         self.switch, self.extra_ms, self.per_chunk_ms = switch, float(extra_ms), float(per_chunk_ms)
-        self.extra_ms_per_token = float(extra_ms_per_token)
-        self.transient = transient
+        self.extra_ms_per_token, self.transient = float(extra_ms_per_token), transient
         self.free_bytes, self.aside = free_bytes, aside
         #: how many times its price changed (warm-up's probes, the plans' choice): NOTE [Parts priced anew]
         self.priced = 0
@@ -602,6 +601,10 @@ class HeadPart(PartKind):
         kept, chunked = self._bytes(tokens, KEEP), self._bytes(tokens, CHUNKED, head[1], implementation)
         return int(kept.transient_bytes - chunked.transient_bytes)
 
+    def untreated(self, tokens: int) -> tuple[str, int]:
+        """What a step whose plan names no head runs: chunked (NOTE [A plan without a head])."""
+        return head_without_a_plan(self.options(max(1, tokens)))
+
     def apply(self, option: tuple[str, int] | None) -> None:
         """Set the switch to ``option`` (a plan's ``head``; None, a plan without one, leaves it as it is)."""
         if option is not None:
@@ -621,8 +624,7 @@ class HeadPart(PartKind):
         if decision.warmup and self.probed_steps < PROBE_STEPS:
             self.switch.probe = self.probe  # NOTE [Pricing the head]
         if plan.option(HEAD_KEY) is None:
-            head = head_without_a_plan(self.options(max(1, key[0] * key[1])))
-            decision = dataclasses.replace(decision, plan=plan.with_option(HEAD_KEY, head))
+            decision = dataclasses.replace(decision, plan=plan.with_option(HEAD_KEY, self.untreated(key[0] * key[1])))
         self.apply(decision.plan.option(HEAD_KEY))
         return decision
 
