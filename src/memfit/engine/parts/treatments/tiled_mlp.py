@@ -52,7 +52,7 @@ input is kept). A re-run's chunks (``recompute_tiled``'s, ``host_checkpoint_tile
 block's (:data:`RERUN_CHUNK_BYTES` against :data:`CHUNK_BYTES`): those treatments are chosen where a
 block's backward sets the step's peak, and there a chunk's transient sits on top of everything the
 re-run brought back, so a smaller chunk lowers the floor itself; a kept tiled block, chosen for what it
-saves at the backward's start, keeps the larger chunks, whose matmuls cost less in count.
+saves at the backward's start, keeps the larger chunks: fewer of them, fewer launches.
 
 What a tiled block keeps is the plain block's saved tensors less the MLP's intermediates (the MLP's
 input is saved by the Function; its projections would have saved it too), which the probe counts;
@@ -85,8 +85,7 @@ norm with a trainable weight (full fine-tuning) runs in the same chunks in a til
 beside it): its output and input gradient are the same bits, and its weight's gradient, a sum over tokens,
 is the chunks' gradients summed in float32 and cast once, as the tiled MLP's parameters' (within float32
 rounding of ``keep``'s: the sum reorders; in one chunk, where the input is short, bit for bit). Under
-``lean`` alone, whose gradients are ``keep``'s bit for bit, it runs in one piece. In one piece its backward was the largest moment of a
-recomputed block of a full fine-tuning at the floor (docs/devlog.md, session 36).
+``lean`` alone, whose gradients are ``keep``'s bit for bit, it runs in one piece.
 
 A LoRA layer also makes float32 tensors of its whole output: peft adds ``lora_B``'s float32 output, scaled,
 to the base layer's output in float32 and casts the sum back (the scaled output and the sum, then in
