@@ -9,9 +9,10 @@
 #              them (87 MB in fp32; relative error at most 2**-11); config.json says float32, so
 #              from_pretrained loads fp32 weights (estimate, mrpc-minilm)
 #   data       .carry/data/glue/MRPC/: GLUE MRPC train.tsv, dev.tsv, SOURCE.md (estimate, mrpc-minilm)
-#   wheels     .carry/wheels/: the optional peers' and fused losses' wheels, all pure Python (~2 MB):
-#              ckptplan 0.1.0rc1 (torch >= 2.5, < 2.14, Python < 3.13), liger-kernel, cut-cross-entropy
-#              and trl (the newest PyPI has; the GPU image lacks all four); run_suite.py installs
+#   wheels     .carry/wheels/: the optional peers' and fused losses' wheels, all pure Python (~1 MB):
+#              ckptplan 0.1.0rc1 (torch >= 2.5, < 2.14, Python < 3.13), liger-kernel 0.8.5 and
+#              cut-cross-entropy 25.1.1 (the versions the reach results name; the GPU image has none of
+#              them; TRL would need datasets and its needs too); run_suite.py installs
 #              them on the GPU machine (pip --no-index --no-deps --target), and a peer that cannot
 #              be installed there is recorded as skipped
 # Usage (repository root): bash benchmarks/carry.sh PART... [--data_dir DIR]   (DIR: ../shared/data)
@@ -56,7 +57,7 @@ PY
     wheels)
         mkdir -p .carry/wheels
         $python -m pip download -q --no-deps --only-binary :all: --dest .carry/wheels "ckptplan==0.1.0rc1" \
-            liger-kernel cut-cross-entropy trl ;;
+            "liger-kernel==0.8.5" "cut-cross-entropy==25.1.1" ;;
     esac
     echo "carried: $part"
 done
