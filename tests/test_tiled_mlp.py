@@ -787,20 +787,22 @@ class _LargestFloat32(TorchDispatchMode):
         return out
 
 
-def test_a_chunked_lean_norm_makes_its_float32_temporaries_a_chunk_at_a_time():
-    """Counted (every op's output): a frozen RMSNorm over a bfloat16 input makes float32 tensors of its whole input in
+@pytest.mark.parametrize("trained", [False, True])
+def test_a_chunked_lean_norm_makes_its_float32_temporaries_a_chunk_at_a_time(trained):
+    """Counted (every op's output): an RMSNorm over a bfloat16 input makes float32 tensors of its whole input in
     forward and backward, lean in one piece too; in 8 chunks no op makes a float32 tensor of more than one chunk's
-    tokens."""
+    tokens: a frozen norm's anywhere, a trained one's in a tiled block (its weight's float32 sums are one row wide)."""
     from memfit.engine.parts.treatments.tiled_mlp import tiled
 
     model, _ = _bf16_model("llama", None)
-    norm = find_blocks(model)[0][1].input_layernorm.requires_grad_(False)
+    block = find_blocks(model)[0][1]
+    norm = block.input_layernorm.requires_grad_(trained)
     x = torch.randn(4, 512, model.config.hidden_size, dtype=torch.bfloat16)
     largest = {}
     for at_least in (1, 8):
         xi = x.clone().requires_grad_()
         mode = _LargestFloat32()
-        with mode, tiled((), Chunking(at_least=at_least, min_tokens=1), [norm]):
+        with mode, tiled([block.mlp] if trained else (), Chunking(at_least=at_least, min_tokens=1), [norm]):
             norm(xi).backward(torch.ones_like(x))
         largest[at_least] = mode.largest
     assert largest[1] == x.numel() and largest[8] == x.numel() // 8, largest
