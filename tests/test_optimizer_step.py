@@ -181,7 +181,7 @@ def test_the_state_still_to_come_is_static_once(monkeypatch):
     from _head_common import head_batch, head_model
 
     from memfit.engine.parts.accounting import expected_optimizer_bytes, optimizer_state_bytes
-    from memfit.engine.parts.treatments.chunked_head import HeadPart
+    from memfit.engine.parts.treatments.chunked_head import RunHead
     from memfit.engine.run import meter as meters
 
     model = head_model()
@@ -197,8 +197,8 @@ def test_the_state_still_to_come_is_static_once(monkeypatch):
         assert meter.static_now() == 2 * params + expected, meter.kind  # no gradient yet (cuda), none counted twice
 
     seen = []
-    check = HeadPart.check_fits
-    monkeypatch.setattr(HeadPart, "check_fits", lambda self, tokens, static, budget: (seen.append(static),
+    check = RunHead.check_fits
+    monkeypatch.setattr(RunHead, "check_fits", lambda self, tokens, static, budget: (seen.append(static),
                                                                                        check(self, tokens, static, budget)))
     ctl = memfit.fit(model, budget="1GB", method="dynamic", optimizer=opt, head=True)
     try:

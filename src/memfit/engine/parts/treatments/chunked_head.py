@@ -243,34 +243,6 @@ def choose_by_plans(part: "HeadPart", plan_ms: Callable[[tuple[int, int]], float
     return True
 
 
-def check_fits(part: "HeadPart", tokens: int, static_bytes: int, budget: Budget | None) -> None:
-    """Raise the one-line budget error where the static part and the head at its most chunks
-    alone exceed the budget (NOTE [The head's bytes in a budget error]).
-
-    # NOTE [The head's bytes in a budget error]
-    No plan makes a step smaller than its static part plus the head at its most chunks (every
-    block's activations aside). Where those two already exceed the budget, no replay can help,
-    so the step's first block raises at once, naming the head's bytes chunked and kept and what
-    to change; a warning on a step that does not fit names them too (planning.py).
-
-    Raises:
-        BudgetTooSmallError: ``static_bytes`` + the head's least bytes exceed ``budget``.
-    """
-    if budget is None:
-        return
-    kept, least, n_chunks = part.head_bytes(tokens)
-    if static_bytes + least <= budget.bytes:
-        return
-    size = budget.size
-    raise BudgetTooSmallError(
-        f"memory budget {budget} is below what a step of {tokens} tokens needs before any block's activation: "
-        f"the static part {size(static_bytes)} (weights, gradients, optimizer state) and the LM head's logits and "
-        f"loss {size(least)} in {n_chunks} chunks ({size(kept)} kept). Raise {budget.name} above "
-        f"{size(static_bytes + least)}, or lower --per_device_train_batch_size or --max_seq_length (the head grows "
-        "with the tokens)"
-    )
-
-
 def fused_line(probe: dict[str, Any], vocab: int, hidden: int) -> tuple[float, float]:
     """A fused kernel's price line from its probes at two sizes (``probe`` and ``probe["half"]``):
     ``(ms per token, ms per chunk)`` over keeping the head, the fixed part priced per chunk of its own count.
@@ -571,8 +543,6 @@ class HeadPart(PartKind):
         extra = self.saved_gap.get(implementation, 0) if gap and treatment == CHUNKED else 0
         return dataclasses.replace(out, saved_bytes=max(0, out.saved_bytes + extra)) if extra else out
 
-    check_fits = check_fits  # the module's (NOTE [The head's bytes in a budget error])
-
     def saved_bytes(self, tokens: int, head: tuple[str, int] | None) -> int:
         """What ``head`` (a plan's, NOTE [The head in the plan]) saves at ``tokens`` tokens against
         keeping the head: what the memory model takes off the step's peaks (NOTE [Head in the peaks], model.py)."""
@@ -766,12 +736,39 @@ class RunHead:
         """``decision`` with the head's treatment set (:meth:`HeadPart.apply_step`), after checking that the
         static part (the optimizer state still to come in it: NOTE [Static at the step's peak], meter.py) and the least
         head fit the budget
-        (:meth:`HeadPart.check_fits`); as it is without a planned head."""
+        (:meth:`check_fits`); as it is without a planned head."""
         if self.part is None:
             return decision
         decision = self.part.apply_step(decision, key)
-        self.part.check_fits(key[0] * key[1], self.planning.static_bytes, self.planning.budget)
+        self.check_fits(key[0] * key[1], self.planning.static_bytes, self.planning.budget)
         return decision
+
+    def check_fits(self, tokens: int, static_bytes: int, budget: Budget | None) -> None:
+        """Raise the one-line budget error where the static part and the head at its most chunks
+        alone exceed the budget (NOTE [The head's bytes in a budget error]).
+
+        # NOTE [The head's bytes in a budget error]
+        No plan makes a step smaller than its static part plus the head at its most chunks (every
+        block's activations aside). Where those two already exceed the budget, no replay can help,
+        so the step's first block raises at once, naming the head's bytes chunked and kept and what
+        to change; a warning on a step that does not fit names them too (planning.py).
+
+        Raises:
+            BudgetTooSmallError: ``static_bytes`` + the head's least bytes exceed ``budget``.
+        """
+        if budget is None or self.part is None:
+            return
+        kept, least, n_chunks = self.part.head_bytes(tokens)
+        if static_bytes + least <= budget.bytes:
+            return
+        size = budget.size
+        raise BudgetTooSmallError(
+            f"memory budget {budget} is below what a step of {tokens} tokens needs before any block's activation: "
+            f"the static part {size(static_bytes)} (weights, gradients, optimizer state) and the LM head's logits and "
+            f"loss {size(least)} in {n_chunks} chunks ({size(kept)} kept). Raise {budget.name} above "
+            f"{size(static_bytes + least)}, or lower --per_device_train_batch_size or --max_seq_length (the head grows "
+            "with the tokens)"
+        )
 
     def record(self, record: Any, plan: Any) -> None:
         """What a step's record says of the head: its label under ``treatments["head"]`` and, where it
