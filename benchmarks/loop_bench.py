@@ -1148,6 +1148,9 @@ def main(argv: list[str]) -> int:
                          f"only {', '.join(pairs)}")
     if args.reach_gib:
         _reach_caps(args)  # a range that cannot be bisected is said before anything is built or written
+    if args.reference_longest and ("none" in args.methods or not args.budgets):
+        print("loop_bench: --reference_longest changes nothing here: " + ("none is among --methods and runs every batch"
+              if "none" in args.methods else "no --budgets share needs a reference"), file=sys.stderr, flush=True)
     os.makedirs(os.path.join(args.output_dir, "steps"), exist_ok=True)
     started = time.perf_counter()
     model, _ = _build(args)

@@ -33,8 +33,8 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="Llama-3.1-8B", help="a config shipped in memfit/configs")
     p.add_argument("--lora", action="store_true", help="peft LoRA r16 on every linear layer (dropout 0)")
-    p.add_argument("--tokens", type=int, default=65536, help="tokens of each sequence a step trains on")
-    p.add_argument("--batch", type=int, default=1, help="sequences a step trains on")
+    p.add_argument("--tokens", type=int, default=None, help="tokens of each sequence a step trains on (default 65536)")
+    p.add_argument("--batch", type=int, default=None, help="sequences a step trains on (default 1)")
     p.add_argument("--rows", default=None, metavar="L1,L2,...",
                    help="instead of --batch and --tokens: each sequence's length, padded to the longest with an "
                         "attention mask and labels -100 on the padding (as loop_bench's batches; a padded batch's "
@@ -52,7 +52,11 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also mark every submodule of this block: its forward (and re-runs) and when its output's gradient arrives")
     p.add_argument("--profile", action="store_true",
                    help="run the last step under torch.profiler too and print the ops that allocated most, by input shape")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.rows and (args.tokens is not None or args.batch is not None):
+        p.error("--rows gives each sequence's length: leave out --tokens and --batch")
+    args.tokens, args.batch = args.tokens or 65536, args.batch or 1
+    return args
 
 
 class Moments:
