@@ -50,6 +50,9 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output", default=None, help="write every line here (JSON lines)")
     p.add_argument("--inner", type=int, default=None, metavar="BLOCK",
                    help="also mark every submodule of this block: its forward (and re-runs) and when its output's gradient arrives")
+    p.add_argument("--rerun_chunk_mib", type=int, default=None, metavar="MIB",
+                   help="the re-runs' MLP chunks, MiB (recompute_tiled, host_checkpoint_tiled; default the engine's "
+                        "RERUN_CHUNK_BYTES): where a floor step peaks at another chunk size")
     p.add_argument("--profile", action="store_true",
                    help="run the last step under torch.profiler too and print the ops that allocated most, by input shape")
     args = p.parse_args(argv)
@@ -116,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     import memfit
+    from memfit.engine.parts.treatments import tiled_mlp
+
+    if args.rerun_chunk_mib is not None:  # read by Chunking.rerun() at each treatment's making
+        tiled_mlp.RERUN_CHUNK_BYTES = args.rerun_chunk_mib * 2**20
     from memfit.engine.parts.blocks import find_blocks
     from memfit.tasks._common import CONFIGS_DIR
 
