@@ -5,7 +5,7 @@ Usage (repository root; DEVICE cuda or cpu, BUDGET as memfit.fit takes it, STEPS
 
     python benchmarks/narrow_steps.py cuda 28.6GiB 40
 """
-import sys, time, json, torch, transformers
+import sys, time, torch, transformers
 sys.path.insert(0, 'benchmarks')
 import memfit, loop_bench as lb
 from memfit.tasks._common import CONFIGS_DIR

@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"step {step}: {record.treatments} peak {record.peak_allocated_bytes / 2**30:.2f} GiB, static "
               f"{record.static_bytes / 2**30:.2f} GiB, {record.step_ms / 1000:.1f} s", flush=True)
     ctl.remove()
-    print(f"the last step, between two moments: the allocator's peak (GiB) and what was allocated at the later one")
+    print("the last step, between two moments: the allocator's peak (GiB) and what was allocated at the later one")
     for label, peak, now in sorted(moments.lines, key=lambda line: -line[1])[:args.top]:
         print(f"{peak / 2**30:8.2f} {now / 2**30:8.2f}  {label}")
     if args.profile:
