@@ -368,12 +368,17 @@ def _reset_weights(model, initial) -> list:
 
 def _release(fraction: float = 1.0) -> None:
     """Free what the last configuration left, and set the process's cap to ``fraction`` (on CUDA;
-    on CPU, memfit's logical accounting keeps the budget)."""
+    on CPU, memfit's logical accounting keeps the budget). The pinned host buffers it left go too:
+    torch's host allocator keeps them pinned, and the next configuration that moves tensors to the
+    host would find them free, where the one before paid seconds to pin them."""
     import torch
 
     gc.collect()
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+        empty_host = getattr(torch._C, "_host_emptyCache", None)
+        if empty_host is not None:
+            empty_host()
         torch.cuda.set_per_process_memory_fraction(fraction)
         torch.backends.cuda.enable_cudnn_sdp(CUDNN_SDPA["on"])
 

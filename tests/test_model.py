@@ -266,6 +266,49 @@ def test_over_prediction_matters_only_when_it_checkpointed_more():
     assert not would_plan_less(planning, key, Plan(()), 10**9)  # checkpointed nothing: nothing to win
 
 
+def _floor_planning(budget: int) -> Planning:
+    """Four alike blocks that every treatment can treat: recompute alone saves too little to be the plan near the
+    floor, where host checkpoints (tiled or not) and the tiled MLP make the mixes."""
+    planning = Planning(4, [0, 0, 0, 0], budget, margin_bytes=0, bucket_tokens=1,
+                        treatments=("recompute", "host_checkpoint", "tiled_mlp", "host_checkpoint_tiled"))
+    group = planning.model.group_models[0]
+    for t in (32, 64):
+        key, share = (1, t), t / 64
+        for name, nbytes in (("keep", 9000), ("recompute", 500), ("host_checkpoint", 30), ("tiled_mlp", 2000),
+                             ("host_checkpoint_tiled", 30)):
+            group.bytes_curve(name).add(key, nbytes * share)
+        for name, ms in (("recompute", 1.0), ("host_checkpoint", 1.2), ("tiled_mlp", 0.3), ("host_checkpoint_tiled", 1.5),
+                         ("recompute_tiled", 1.3)):
+            group.ms_curve(name).add(key, ms * share)
+        planning.model.outside.add(key, 100 * share)
+        planning.model.transient_full.add(key, 4000 * share)
+        planning.model.transient_partial.add(key, 3000 * share)
+    planning.static_bytes = 1000
+    return planning
+
+
+def test_an_over_predicted_floor_step_would_plan_less_with_every_treatment():
+    """NOTE [What a step teaches]: a step that ran every block as a tiled host checkpoint, over-predicted by more than
+    the cheaper mix needs, would have planned less; recompute alone cannot tell (it is no cheaper there, or fits
+    nothing), so the run's search answers with every treatment it offers. Where no plan fits the room at all, one
+    that fits with the bytes over-predicted is cheaper than the floor."""
+    key = (1, 64)
+    planning = _floor_planning(6000)
+    floor = planning.plan_for(key)
+    assert floor.by_treatment() == {"host_checkpoint_tiled": [0, 1, 2, 3]}
+    assert planning.search.cost_with_room(key) == pytest.approx(floor.cost_ms)
+    cheaper = planning.search.cost_with_room(key, 500)
+    assert cheaper < floor.cost_ms
+    assert planning.room_bytes == 6000  # asked with more room, the room itself unchanged
+    assert not would_plan_less(planning, key, floor, 10)  # the same plan with 10 bytes more
+    assert would_plan_less(planning, key, floor, 500)
+    assert planning.plan_for(key) == floor  # nothing cached or changed by the asking
+    unfit = _floor_planning(900)  # the static bytes alone are over: no plan fits, the floor runs
+    floor = unfit.plan_for(key)
+    assert unfit.search.cost_with_room(key) == float("inf")
+    assert would_plan_less(unfit, key, floor, 5000) and not would_plan_less(unfit, key, floor, 10)
+
+
 def test_a_plan_holding_blocks_below_a_recompute_is_mended():
     """NOTE [Blocks held below a recompute]: the cheapest set leaves two large blocks under
     its topmost one, so the recompute peak is over; the mended plan is the cheapest of the
@@ -372,9 +415,9 @@ def test_a_row_of_plans_equals_the_per_key_plans(seed):
         row = Planning(6, [0] * 6, budget, margin_bytes=20_000, bucket_tokens=8, slack_bytes=5_000)
         row.model, row.static_bytes = model, 250_000
         static_bucket = row._static_bucket()
-        row.search.from_row((4, 8), static_bucket)  # one miss plans the whole row
+        row.rows.from_row((4, 8), static_bucket)  # one miss plans the whole row
         assert len(row.cache.rows) == 1
-        from_row = {(4, t): row.search.from_row((4, t), static_bucket) for t in range(1, 400)}
+        from_row = {(4, t): row.rows.from_row((4, t), static_bucket) for t in range(1, 400)}
         assert len(row.cache.rows) == 1  # every length up to the longest shape came from that row
         alone = Planning(6, [0] * 6, budget, margin_bytes=20_000, bucket_tokens=8, slack_bytes=5_000)
         alone.model, alone.static_bytes = model, 250_000

@@ -392,10 +392,10 @@ def test_backward_and_optimizer_peaks_are_read_apart(monkeypatch):
 
 def _count_plans(monkeypatch, ctl, planned):
     """Append to ``planned`` one entry per plan made (a row or one key): a miss of the plan cache."""
-    search = ctl.planning.search
-    original_plan, original_row = search.plan, search._row
+    search, rows = ctl.planning.search, ctl.planning.rows
+    original_plan, original_row = search.plan, rows._row
     monkeypatch.setattr(search, "plan", lambda k: planned.append(("plan", k)) or original_plan(k))
-    monkeypatch.setattr(search, "_row", lambda k: planned.append(("_row", k)) or original_row(k))
+    monkeypatch.setattr(rows, "_row", lambda k: planned.append(("_row", k)) or original_row(k))
 
 
 def test_plans_stay_cached_once_the_model_fits(monkeypatch):

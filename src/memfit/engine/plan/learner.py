@@ -42,6 +42,8 @@ larger of the static bytes at its start and at its end.
 
 from __future__ import annotations
 
+import functools
+
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -320,11 +322,12 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
             curves.append((("transient_full",), model.transient_full, outcome.transient + rest_terms + gap))
     step_under = bool(evicted) or (miss is not None and miss > _teaching_margin(planning) / 4)
     b = planning.bucket_tokens
-    step_over = (
+    may_over = (
         miss is not None and planning.budget_bytes is not None and -miss > 0.01 * planning.budget_bytes
         and bucket_key(planning_key, b) == bucket_key(key, b)
-        and would_plan_less(planning, key, outcome.plan, -miss)
     )
+    # asked once, and only where a curve would learn from it: the search it may run is a plan's (or two)
+    step_over = functools.cache(lambda: would_plan_less(planning, key, outcome.plan, -miss))
     samples = []
     for path, curve, observed in curves:
         if outcome.warmup or curve is None or not curve.fitted:
@@ -332,7 +335,7 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
             continue
         predicted_value = curve(key)
         under = step_under and observed > predicted_value + 0.005 * abs(observed)
-        over = step_over and observed < predicted_value - 0.005 * abs(observed) and not curve.has(key)
+        over = may_over and observed < predicted_value - 0.005 * abs(observed) and not curve.has(key) and step_over()
         learn = under or over
         if path == ("outside",) and treated_parts:
             # NOTE [A chunked head's step teaches less]
@@ -475,7 +478,10 @@ def would_plan_less(planning: "Planning", key: tuple[int, int], plan: Plan, over
 
     An over-predicted step costs time only if it made the plan treat more: one that
     treated nothing, or whose cheaper alternative still needs the same blocks (the
-    over-prediction was smaller than what one block saves), cost nothing.
+    over-prediction was smaller than what one block saves), cost nothing. Recompute alone
+    answers first; a run that offers other treatments or parts beside the blocks asks its
+    search too, with every one of them: a step on the floor (every block on the host and
+    tiled), where recompute alone fits nothing, is the step whose over-prediction costs most.
     """
     blocks = plan.blocks
     if not blocks or planning.budget_bytes is None:
@@ -486,7 +492,10 @@ def would_plan_less(planning: "Planning", key: tuple[int, int], plan: Plan, over
         return True
     costs = planning.model.costs(k)
     try:
-        cheaper = plan_blocks(costs, planning.model.savings(k), need)
+        if plan_blocks(costs, planning.model.savings(k), need).cost_ms < 0.999 * sum(costs[i] for i in blocks):
+            return True
     except InfeasiblePlanError:
+        pass
+    if planning.recompute_only and not planning.parts:
         return False
-    return cheaper.cost_ms < 0.999 * sum(costs[i] for i in blocks)
+    return planning.search.cost_with_room(k, over_bytes) < 0.999 * planning.search.cost_with_room(k)

@@ -77,6 +77,7 @@ from memfit.engine.budget import Budget
 from memfit.engine.plan.model import MemoryModel
 from memfit.engine.plan.planner import Plan, PlanCache
 from memfit.engine.plan.room import Room
+from memfit.engine.plan.rows import RowSearch
 from memfit.engine.plan.search import MAX_KEPT, Search
 from memfit.engine.shapes import bucket_key
 from memfit.engine.parts.treatments import KEEP, RECOMPUTE, TreatmentSpec, resolve
@@ -252,7 +253,7 @@ class Planning:
         self.static_bytes = self.max_static_bytes = 0
         self.input_bytes_per_token = self.mlp_bytes_per_token = self.gathered_block_bytes = 0  # note_block_input
         self._widest: int | None = None
-        self.search = Search(self)  # the plan of a shape on a cache miss (search.py)
+        self.search, self.rows = Search(self), RowSearch(self)  # a shape's plan on a cache miss (search.py), a row's (rows.py)
         #: per plan bucket, the most tokens per row seen in it (NOTE [Plan for the longest shape seen])
         self.longest_in_bucket: dict[tuple[int, int], int] = {}
         self.treatments = tuple(name for name in self.registry if name != KEEP)
@@ -432,10 +433,10 @@ class Planning:
         if plan is None:
             settled = self.cache.settled(ROW_AFTER_STEADY_ASKS)
             whole_row = whole_row and edge not in self.bias.correction  # NOTE [Bias per bucket]
-            from_row = self.search.from_row(k, static_bucket) if whole_row and settled and self.recompute_only and not self.parts else None
+            from_row = self.rows.from_row(k, static_bucket) if whole_row and settled and self.recompute_only and not self.parts else None
             plan = from_row or self.search.plan(k)
             self._drop_stale_plans()  # a part priced anew while this plan was made: those made before are stale
-            if from_row is not None and k != edge and self.search.row_constant(k, edge, static_bucket):
+            if from_row is not None and k != edge and self.rows.row_constant(k, edge, static_bucket):
                 self.cache.put((edge, static_bucket), plan)  # no longer shape of the bucket will replan
             self.cache.put(cache_key, plan)
         return plan

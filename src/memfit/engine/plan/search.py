@@ -5,7 +5,8 @@ It reads the run's planning through its public face (the memory model, the room,
 the registry and the parts) and writes nothing of it but the plan cache's rows (``PlanCache.put_row``) and, while
 it plans a shape, the model's evaluator of that shape (NOTE [A search reads the curves once], model.py); what it
 keeps of its own is the shapes already said not to fit. Planning caches, learns and keeps the room; the search
-only plans (NOTE [Three peaks], model.py; NOTE [Treatments never lose], NOTE [Planning a row]).
+only plans (NOTE [Three peaks], model.py; NOTE [Treatments never lose]); a row of
+shapes at once is rows.py's (NOTE [Planning a row]).
 
 # NOTE [Planning with the stashes back]
 The ``depth + 1`` stashes of offloaded blocks that backward brings back at once (NOTE [Treated
@@ -33,12 +34,9 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 from memfit.engine.plan.model import ShapePeaks
 from memfit.engine.plan.planner import InfeasiblePlanError, Knapsack, Plan, plan_blocks, with_leaner_reruns
 from memfit.engine.parts.treatments import RECOMPUTE, floor_treatment
-from memfit.engine.shapes import bucket_key
 from memfit.engine.summary_text import over_budget_words
 
 __all__ = ["Search", "UNFIT_MS", "MAX_KEPT"]
@@ -63,6 +61,35 @@ class Search:
     def __init__(self, planning: Any):
         self.planning, self.optimizer_said = planning, False
         self.infeasible_keys: set[tuple[int, int]] = set()
+        #: bytes added to the room while :meth:`cost_with_room` plans (0 otherwise)
+        self._extra_room = 0
+
+    def _room(self) -> int:
+        """The room the search plans in: the planning's, and what :meth:`cost_with_room` adds while it asks."""
+        return self.planning.room_bytes + self._extra_room
+
+    def cost_with_room(self, k: tuple[int, int], extra_bytes: int = 0) -> float:
+        """What ``k``'s cheapest plan would cost (ms) were the room ``extra_bytes`` larger: every treatment and part the
+        run offers, as :meth:`plan` chooses, with nothing said; infinite where no plan would fit (the floor would run).
+        What an over-predicted step is judged by (NOTE [What a step teaches], learner.py)."""
+        planning = self.planning
+        self._extra_room = int(extra_bytes)
+        try:
+            with ShapePeaks(planning.model, k):
+                if planning.parts:
+                    plan = self._parts_mix(k)
+                else:
+                    plan = self.recompute_plan(k, warn=False)
+                    mixed = self.mixed_plan(k) if not planning.recompute_only and planning.model.ready else None
+                    if plan is None or (mixed is not None and mixed.cost_ms < plan.cost_ms):
+                        plan = mixed
+        finally:
+            self._extra_room = 0
+        if plan is None:
+            return float("inf")
+        if plan.blocks == planning.all_blocks and not plan.cost_ms and not plan.kinds:  # the mend's every block, unpriced
+            return float(sum(planning.model.costs(k)))
+        return float(plan.cost_ms)
 
     def plan(self, k: tuple[int, int]) -> Plan:
         """``k``'s plan (:meth:`parts_plan` where the run has parts beside the blocks, else recompute alone or a cheaper
@@ -103,7 +130,7 @@ class Search:
         # Treating blocks lowers the start-of-backward peak only; the plan is then checked
         # against the other two (NOTE [Three peaks], model.py), and mended if one is over
         # (NOTE [Blocks held below a recompute]). Where none fits: every block, said once (``warn``), or None.
-        room = planning.room_bytes
+        room = self._room()
         need = int(planning.static_for(k) + planning.model.backward_start_bytes(k, Plan(()))) - room
         try:
             costs, savings = planning.model.costs(k), planning.model.savings(k)
@@ -135,7 +162,7 @@ class Search:
         always made too: a mix never costs more than recompute alone would.
         """
         planning = self.planning
-        room = planning.room_bytes
+        room = self._room()
         need = int(planning.static_for(k) + planning.model.backward_start_bytes(k, Plan(()))) - room
         options = planning.model.options(k, planning.treatments, planning.offload_ms)
         if need <= 0 or all(name == "recompute" for opts in options for name, _, _ in opts):
@@ -154,7 +181,7 @@ class Search:
         that saves enough; both hold nothing below a recompute.
         """
         planning = self.planning
-        room = planning.room_bytes
+        room = self._room()
         below = tuple(range(max(plan.blocks) + 1))  # the plan and every block under it
         covered = itertools.accumulate(savings)
         prefix = tuple(range(next(i for i, total in enumerate(covered, 1) if total >= need)))
@@ -231,7 +258,7 @@ class Search:
     def _parts_mix(self, k: tuple[int, int]) -> Plan | None:
         """``k``'s cheapest mix of block treatments and one option per part that fits (:meth:`parts_plan`), or None."""
         planning = self.planning
-        room = planning.room_bytes
+        room = self._room()
         need = int(planning.static_for(k) + planning.model.backward_start_bytes(k, Plan(()))) - room
         parts = [(kind, part.options(k[0] * k[1])) for kind, part in planning.parts.items()]
         options = planning.model.options(k, planning.treatments, planning.offload_ms)
@@ -263,17 +290,6 @@ class Search:
         parts = [(kind, *part.most(tokens)) for kind, part in planning.parts.items()]
         return Plan(planning.all_blocks, kinds=() if floor == RECOMPUTE else (floor,) * planning.n_blocks, parts=parts)
 
-    # ---------------------------------------------------------------- rows (NOTE [Planning a row])
-
-    def row_constant(self, k: tuple[int, int], edge: tuple[int, int], static_bucket: int) -> bool:
-        """Whether the row plans every length from ``k`` to ``edge`` alike (NOTE [Plan for the longest shape seen])."""
-        planning = self.planning
-        row = planning.cache.rows.get((k[0], static_bucket))
-        if row is None or row["longest"] < edge[1]:
-            return False
-        span = slice(k[1] - 1, edge[1])
-        return all(len(set(row[name][span])) == 1 for name in ("count", "every_fits", "prefix_fits"))
-
     def _mix_that_fits(self, k: tuple[int, int], options: list[list[tuple[str, int, float]]], need: int, room: int,
                        parts: Sequence[tuple[str, Sequence[tuple[str, int, int, float]]]] = ()) -> Plan | None:
         """The cheapest mix saving ``need`` bytes (with one of each part's options, ``(kind, options)``, for the parts
@@ -296,58 +312,3 @@ class Search:
                 return lean
             need = int(max(need, mixed.saved_bytes) + over) + 1
         return None
-
-    def from_row(self, k: tuple[int, int], static_bucket: int) -> Plan | None:
-        """``k``'s plan read from its row's arrays, planned first if needed.
-
-        ``None`` (plan ``k`` alone) for a stack of several groups or a shape that no plan fits
-        (the per-key path warns then).
-        """
-        planning = self.planning
-        row = planning.cache.rows.get((k[0], static_bucket))
-        if row is None or row["longest"] < k[1]:
-            row = self._row(k)
-            if row is None:
-                return None
-            planning.cache.put_row((k[0], static_bucket), row)
-        i = k[1] - 1
-        c, m = row["count"][i], planning.n_blocks
-        if c == 0:
-            return Plan(())
-        if c < 0 or not row["every_fits"][i]:
-            return None  # over the budget with every block
-        if c == m or row["prefix_fits"][i]:
-            # what the chosen blocks cost, summed one block at a time as plan_blocks sums them
-            cost = float(sum(itertools.repeat(row["cost_ms"][i], c)))
-            return Plan(planning.all_blocks if c == m else tuple(range(c)), cost, row["saved_bytes"][i])
-        return Plan(planning.all_blocks)  # the mend's candidates are this very prefix (NOTE [Blocks held below a recompute])
-
-    def _row(self, k: tuple[int, int]) -> dict[str, Any] | None:
-        """Every length of ``k``'s row, up to the longest shape seen, as lists (one group only):
-        the model's own peak formula over arrays (NOTE [One evaluator], model.py)."""
-        planning = self.planning
-        model = planning.model
-        n, b = k[0], planning.bucket_tokens
-        longest = max(k[1], bucket_key(model.max_key, b)[1] if model.max_key else 0)
-        # a few buckets past the longest shape seen: a row costs about the same at any
-        # length, and a step just past it would otherwise replan the whole row
-        longest = -(-longest // (8 * b)) * (8 * b)
-        ts = np.arange(1, longest + 1, dtype=np.int64)  # per token: plan keys are lengths seen
-        rows = model.prefix_rows(n, ts)
-        if rows is None:
-            return None
-        m, room, static = planning.n_blocks, planning.room_bytes, float(planning.static_bytes)
-        saving = rows.saving
-        need = np.trunc(static + rows.peaks(0)[0]).astype(np.int64) - room  # as plan_blocks is asked
-        every = rows.peaks(m)[1]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            count = np.where(need > 0, np.ceil(need / np.maximum(saving, 1)), 0).astype(np.int64)
-        count = np.where(m * saving < need, -1, np.minimum(count, m))  # -1: no plan saves enough
-        clipped = np.maximum(count, 0)
-        peak = rows.peaks(clipped)[1]
-        return {
-            "longest": longest, "count": count.tolist(), "every_fits": (np.trunc(static + every) <= room).tolist(),
-            "prefix_fits": (np.trunc(static + peak) <= room).tolist(),
-            "cost_ms": rows.cost_ms.tolist(),  # one block's
-            "saved_bytes": (clipped * saving).tolist(),
-        }
