@@ -495,22 +495,30 @@ def test_a_budget_below_static_plus_the_least_head_is_the_one_line_budget_error(
     ctl.remove()
 
 
-def test_the_warning_of_a_shape_that_cannot_fit_names_the_head_and_blames_it_when_it_dominates(caplog):
+def test_the_warning_of_a_shape_that_cannot_fit_names_the_head_at_its_most_chunks(caplog):
+    """NOTE [The head's bytes in a budget error]: the floor runs the head in its most chunks, so its share of the peak
+    said is those bytes, not the kept head's (which the floor does not hold): the static bytes are blamed where they
+    are the most, the chunked head where it is, with what shrinks it; never "let memfit chunk the head", which it does."""
     from memfit.engine.plan.planning import Planning
     from memfit.engine.parts.treatments.chunked_head import HeadPart
     from memfit.engine.parts.head import attach_head
+    from memfit.engine.summary_text import over_budget_words
 
-    planning = Planning(2, [0, 0], 10**6, margin_bytes=0, bucket_tokens=1)
     part = HeadPart(attach_head(_base()), transient=False)
+    kept, least, n = part.head_bytes(4 * 512)
+    assert kept > 2 * 1_100_000 > 4 * least  # counted kept, the head would be blamed
+    planning = Planning(2, [0, 0], 10**6, margin_bytes=0, bucket_tokens=1)
     planning.add_part(part)
     planning.begin_step(1_100_000)  # over the budget by itself: no plan fits
     with caplog.at_level("WARNING", logger="memfit"):
         plan = planning.search.parts_plan((4, 512))
     assert plan.blocks == (0, 1) and plan.option("head")[0] == "chunked"
     (message,) = [m for m in caplog.messages if "predicted to need" in m]
-    kept, least, n = part.head_bytes(4 * 512)
     assert f"LM head in {n} chunks" in message and "kept)" in message
-    assert "most of it is the LM head's logits and loss (kept)" in message
+    assert "let memfit chunk the head" not in message and "most of it is the static part" in message
+    words = over_budget_words({"static": 1_000, "head": least, "outside-not-parts": 0, "blocks": 0}, planning.budget)
+    assert words.startswith(f"most of it is the LM head's logits and loss, in its most chunks, {planning.budget.size(least)}")
+    assert "--max_seq_length" in words and "chunk the head" not in words
     part.remove()
 
 

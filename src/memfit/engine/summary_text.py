@@ -97,9 +97,9 @@ _FIXES = {
     "static": ("the static part (weights, gradients, optimizer state)",
                "train LoRA adapters (--use_peft), store bf16 weights (--torch_dtype bfloat16) or use a smaller "
                "optimizer state (--optim adafactor or adamw_bnb_8bit)"),
-    "head": ("the LM head's logits and loss (kept)",
-             "let memfit chunk the head (--memfit_head auto, or head='auto' in memfit.fit), or lower "
-             "--per_device_train_batch_size or --max_seq_length (the logits grow with both)"),
+    # the head planned (a part beside the blocks) is counted at its most chunks, as the floor runs it
+    "head": ("the LM head's logits and loss, in its most chunks",
+             "lower --per_device_train_batch_size or --max_seq_length (its chunks grow with both)"),
     "outside": ("what runs outside the blocks (the head's logits and loss, the embeddings)",
                 "let memfit chunk the head (--memfit_head auto, or head='auto' in memfit.fit), or lower "
                 "--per_device_train_batch_size or --max_seq_length (the logits grow with both)"),

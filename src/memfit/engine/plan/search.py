@@ -248,7 +248,8 @@ class Search:
             kept, least = sum(s[0] for s in shares.values()), sum(s[1] for s in shares.values())
             outside = max(0.0, planning.model.outside(k) - kept) if planning.model.ready else 0.0
             blocks = max(0.0, planning.model.step_bytes(k, most) - outside - least) if planning.model.ready else 0.0
-            parts = {"static": planning.static_bytes, **{kind: s[0] for kind, s in shares.items()},
+            # each part at its most saving, as the floor runs it: the kept bytes are not in the peak said
+            parts = {"static": planning.static_bytes, **{kind: s[1] for kind, s in shares.items()},
                      "outside-not-parts" if shares else "outside": outside, "blocks": blocks}
             at_most = " and ".join(s[2] for s in shares.values()) or "every part beside the blocks at its most saving"
             log("memfit: shape %s is predicted to need %s even with every block checkpointed and %s, over the budget of %s; %s",
