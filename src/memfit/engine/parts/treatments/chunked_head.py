@@ -104,7 +104,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHUNKED", "HEAD_MODES", "HEAD_LOGITS", "check_head_mode", "PROBE_STEPS", "PROBE_TOKENS", "PROBE_CHUNKS", "KeepHead",
-    "ChunkedHead", "HeadPart", "RunHead", "head_options", "head_without_a_plan", "attach_head_part", "choose_by_plans",
+    "ChunkedHead", "HeadPart", "RunHead", "head_options", "head_without_a_plan", "attach_head_part",
     "fused_line",
 ]
 
@@ -192,55 +192,22 @@ def head_without_a_plan(options: tuple[tuple[str, int, int, float], ...]) -> tup
     return next(o[:2] for o in options if 16 * o[2] >= 15 * most)
 
 
-def choose_by_plans(part: "HeadPart", plan_ms: Callable[[tuple[int, int]], float | None],
-                    key: tuple[int, int] | None = None) -> bool:
-    """Set ``part``'s implementation to the one whose plans cost least over the probed steps' shapes, once
-    the probes are done and ``plan_ms`` (a shape's cheapest plan's ms with the head as priced now, None
-    where it cannot tell yet) can price them, with ``key`` (the longest shape seen) among the shapes where it
-    has more tokens than every one judged, and again when it does; True once chosen.
-
-    # NOTE [The plans choose the implementation]
-    The probe times each implementation's chunked head (NOTE [Pricing the head]), but they keep
-    different bytes (NOTE [Head bytes], head.py): ``pure_grad_in_forward`` holds the weight's gradient
-    in float32 from forward to backward, Cut Cross-Entropy holds neither it nor a chunk of logits.
-    Under a budget that binds, bytes the head holds are bytes some block must free, so the fastest
-    head can make the step slower: on Qwen2.5-1.5B's shape at 22 GiB, compiled, runs that chunked
-    by ``pure_grad_in_forward`` (probed the fastest) recomputed 95% of the blocks where runs with
-    Cut Cross-Entropy recomputed 84%, and took 8-10% longer a step (docs/devlog.md). So once the probes
-    are done and the memory model can plan, each implementation is priced as the planner would run
-    it: the sum over the probed steps' shapes of the cheapest plan of blocks and head, with its price
-    line and bytes. The cheapest sum is run from then on (the fastest where the sums tie, as where
-    nothing binds). Warm-up's batches may all be short, where nothing binds, so the longest batch
-    seen is judged too where it has more tokens than every probed one, and a longer batch later makes
-    the choice again (each step learns the head's bytes of the implementation it ran: NOTE [A
-    chunked head's step in kept terms], learner.py). A shape where no plan fits is priced above every
-    plan, by the bytes the most any plan saves leaves over the room: the head that holds less wins it.
-    """
-    if key is not None and part.keys and key[0] * key[1] > max(b * n for b, n in part.keys):
-        part.keys.append(tuple(key))
-        part.chosen_by_plans = False
-    if part.chosen_by_plans or part.probed_steps < PROBE_STEPS or not part.lines:
-        return part.chosen_by_plans
-    was = (part.switch.implementation, part.extra_ms_per_token, part.per_chunk_ms)
-    fastest = sorted((name for name in part.lines if name not in part.failed), key=lambda name: part.lines[name][2])
-    totals: dict[str, float] = {}
-    for name in fastest:
-        part.switch.implementation = name
-        part.extra_ms_per_token, part.per_chunk_ms = part.lines[name][:2]
-        costs = [plan_ms(shape) for shape in part.keys]
-        if any(c is None for c in costs):
-            part.switch.implementation, part.extra_ms_per_token, part.per_chunk_ms = was
-            return False
-        totals[name] = float(sum(costs))
-    best = min(fastest, key=lambda name: totals[name])  # the fastest first: it wins ties
-    part.switch.implementation = best
-    part.extra_ms_per_token, part.per_chunk_ms = part.lines[best][:2]
-    part.chosen_by_plans = True
-    if best != was[0]:
-        logger.debug("memfit: the LM head chunked by %s from now on: its plans over %d shapes cost %.1f ms, %.1f ms with %s",
-                    best, len(part.keys), totals[best], totals[was[0]], was[0])
-    part.priced += 1  # the plans cached before are stale (NOTE [Parts priced anew], planning.py)
-    return True
+# NOTE [The plans choose the implementation]
+# The probe times each implementation's chunked head (NOTE [Pricing the head]), but they keep
+# different bytes (NOTE [Head bytes], head.py): ``pure_grad_in_forward`` holds the weight's gradient
+# in float32 from forward to backward, Cut Cross-Entropy holds neither it nor a chunk of logits.
+# Under a budget that binds, bytes the head holds are bytes some block must free, so the fastest
+# head can make the step slower: on Qwen2.5-1.5B's shape at 22 GiB, compiled, runs that chunked
+# by ``pure_grad_in_forward`` (probed the fastest) recomputed 95% of the blocks where runs with
+# Cut Cross-Entropy recomputed 84%, and took 8-10% longer a step (docs/devlog.md). So once the probes
+# are done and the memory model can plan, each implementation is priced as the planner would run
+# it: the sum over the probed steps' shapes of the cheapest plan of blocks and head, with its price
+# line and bytes. The cheapest sum is run from then on (the fastest where the sums tie, as where
+# nothing binds). Warm-up's batches may all be short, where nothing binds, so the longest batch
+# seen is judged too where it has more tokens than every probed one, and a longer batch later makes
+# the choice again (each step learns the head's bytes of the implementation it ran: NOTE [A
+# chunked head's step in kept terms], learner.py). A shape where no plan fits is priced above every
+# plan, by the bytes the most any plan saves leaves over the room: the head that holds less wins it.
 
 
 def fused_line(probe: dict[str, Any], vocab: int, hidden: int) -> tuple[float, float]:
@@ -268,6 +235,22 @@ def fused_line(probe: dict[str, Any], vocab: int, hidden: int) -> tuple[float, f
     if fixed <= 0:
         return e1 / t1, 0.0
     return (e1 - fixed) / t1, fixed / fused_chunks(int(t1), vocab, hidden)
+
+
+def price_line(implementation: str, seen: dict[int, dict[str, Any]], vocab: int, hidden: int) -> tuple[float, float, float]:
+    """``implementation``'s price line from its probes ``seen`` (per chunk count: NOTE [Pricing the head]): ms per token
+    and per chunk over keeping the head, and the least ms per token it was timed at (how the implementations compare)."""
+    counts = sorted(seen)
+    extra = {n: seen[n]["chunked"] - seen[n]["keep"] for n in counts}
+    slope = max(0.0, (extra[counts[-1]] - extra[counts[0]]) / (counts[-1] - counts[0])) if len(counts) > 1 else 0.0
+    per_token = (extra[counts[0]] - slope * counts[0]) / seen[counts[0]]["tokens"]
+    if implementation in FUSED and "half" in seen[counts[0]]:
+        per_token, slope = fused_line(seen[counts[0]], vocab, hidden)
+    if not seen[counts[0]].get("sized"):  # timed on one chunk's rows: no gain read from it
+        per_token = max(0.0, per_token)
+    # compared per token: an implementation probed again at one chunk's rows after an OOM (NOTE [A probe at the
+    # steps' size]) was timed on fewer tokens than the others
+    return per_token, slope, min(extra.values()) / seen[counts[0]]["tokens"]
 
 
 def _probe_half(spec: Any, scale: float, h: torch.Tensor, y: torch.Tensor, n_chunks: int, implementation: str,
@@ -301,6 +284,21 @@ def shard_head(spec: "HeadSpec") -> tuple["HeadSpec", float]:
         proxy.bias = torch.nn.Parameter(local(lm_head.bias).detach(), requires_grad=lm_head.bias.requires_grad)
     rows = max(1, weight.shape[0])
     return dataclasses.replace(spec, lm_head=proxy, vocab_size=rows), spec.vocab_size / rows
+
+
+# NOTE [A step's head as it ran]
+# A warm-up step may have run a chunk count that the options no longer offer: its plan was
+# made before the probe chose another implementation (a fused kernel's own count, or pure's
+# after it) or priced the counts. Its saving is still the kept head's bytes less the chunked
+# head's, by formula (pure's at that count): taken as 0, the outside curve would learn the
+# step without the kept head's bytes, and every later step would be predicted too low
+# (docs/devlog.md).
+#
+# NOTE [A plan without a head]
+# A plan made without the head (warm-up's, ``none``'s and ``full``'s, a replay's) runs the head
+# chunked too, at :func:`head_without_a_plan`'s count: so warm-up's longest batches fit where a
+# kept head would not, and what the step ran is what its plan says (the learner adds the saving
+# back: NOTE [Head in the peaks]). ``memfit estimate`` estimates a chunked head at that count.
 
 
 class HeadPart(PartKind):
@@ -450,19 +448,8 @@ class HeadPart(PartKind):
     def _price(self) -> None:
         """The price line of the fastest implementation probed (NOTE [Pricing the head]), every one's kept
         for the plans to choose among (NOTE [The plans choose the implementation])."""
-        lines = {}
-        for implementation, seen in self.probes.items():
-            counts = sorted(seen)
-            extra = {n: seen[n]["chunked"] - seen[n]["keep"] for n in counts}
-            slope = max(0.0, (extra[counts[-1]] - extra[counts[0]]) / (counts[-1] - counts[0])) if len(counts) > 1 else 0.0
-            per_token = (extra[counts[0]] - slope * counts[0]) / seen[counts[0]]["tokens"]
-            if implementation in FUSED and "half" in seen[counts[0]]:
-                per_token, slope = fused_line(seen[counts[0]], self.switch.spec.vocab_size, self.switch.spec.weight.shape[-1])
-            if not seen[counts[0]].get("sized"):  # timed on one chunk's rows: no gain read from it
-                per_token = max(0.0, per_token)
-            # compared per token: an implementation probed again at one chunk's rows after an OOM (NOTE
-            # [A probe at the steps' size]) was timed on fewer tokens than the others
-            lines[implementation] = (per_token, slope, min(extra.values()) / seen[counts[0]]["tokens"])
+        lines = {name: price_line(name, seen, self.switch.spec.vocab_size, self.switch.spec.weight.shape[-1])
+                 for name, seen in self.probes.items()}
         if not lines:
             return
         self.lines = lines
@@ -484,7 +471,34 @@ class HeadPart(PartKind):
         """While ``note`` is set, an OOM in the head's loss computes it again in its most chunks (NOTE [Replay under FSDP])."""
         self.switch.on_oom = note and (lambda message, tokens: note(message, "the LM head") or self.head_bytes(tokens)[2])
 
-    choose_by_plans = choose_by_plans  # the module's (NOTE [The plans choose the implementation])
+    def choose_by_plans(self, plan_ms: Callable[[tuple[int, int]], float | None], key: tuple[int, int] | None = None) -> bool:
+        """Run the implementation whose plans cost least (``plan_ms``: a shape's, None where not known yet) over the probed
+        shapes and ``key``, the longest seen; True once chosen (NOTE [The plans choose the implementation])."""
+        if key is not None and self.keys and key[0] * key[1] > max(b * n for b, n in self.keys):
+            self.keys.append(tuple(key))
+            self.chosen_by_plans = False
+        if self.chosen_by_plans or self.probed_steps < PROBE_STEPS or not self.lines:
+            return self.chosen_by_plans
+        was = (self.switch.implementation, self.extra_ms_per_token, self.per_chunk_ms)
+        fastest = sorted((name for name in self.lines if name not in self.failed), key=lambda name: self.lines[name][2])
+        totals: dict[str, float] = {}
+        for name in fastest:
+            self.switch.implementation = name
+            self.extra_ms_per_token, self.per_chunk_ms = self.lines[name][:2]
+            costs = [plan_ms(shape) for shape in self.keys]
+            if any(c is None for c in costs):
+                self.switch.implementation, self.extra_ms_per_token, self.per_chunk_ms = was
+                return False
+            totals[name] = float(sum(costs))
+        best = min(fastest, key=lambda name: totals[name])  # the fastest first: it wins ties
+        self.switch.implementation = best
+        self.extra_ms_per_token, self.per_chunk_ms = self.lines[best][:2]
+        self.chosen_by_plans = True
+        if best != was[0]:
+            logger.debug("memfit: the LM head chunked by %s from now on: its plans over %d shapes cost %.1f ms, %.1f ms with %s",
+                        best, len(self.keys), totals[best], totals[was[0]], was[0])
+        self.priced += 1  # the plans cached before are stale (NOTE [Parts priced anew], planning.py)
+        return True
 
     def options(self, tokens: int, implementation: str | None = None) -> tuple[tuple[str, int, int, float], ...]:
         """The head's options for a batch of ``tokens`` tokens (``batch x length``), chunked by ``implementation``
@@ -551,14 +565,7 @@ class HeadPart(PartKind):
         offered = next((saved for name, n, saved, _ in self.options(tokens) if (name, n) == tuple(head)), None)
         if offered is not None:
             return offered
-        # NOTE [A step's head as it ran]
-        # A warm-up step may have run a chunk count that the options no longer offer: its plan was
-        # made before the probe chose another implementation (a fused kernel's own count, or pure's
-        # after it) or priced the counts. Its saving is still the kept head's bytes less the chunked
-        # head's, by formula (pure's at that count): taken as 0, the outside curve would learn the
-        # step without the kept head's bytes, and every later step would be predicted too low
-        # (docs/devlog.md).
-        return max(0, self._peak(tokens, KEEP) - self._peak(tokens, CHUNKED, head[1]))
+        return max(0, self._peak(tokens, KEEP) - self._peak(tokens, CHUNKED, head[1]))  # NOTE [A step's head as it ran]
 
     def transient_saved_bytes(self, tokens: int, head: tuple[str, int] | None) -> int:
         """The part of :meth:`saved_bytes` that is the heads' transients (the kept head's backward less the chunks' work,
@@ -582,14 +589,7 @@ class HeadPart(PartKind):
 
     def apply_step(self, decision: Any, key: tuple[int, int]) -> Any:
         """A step's decision (its shape ``key``), fixed at its first block, with the head's treatment set
-        and named in its plan.
-
-        # NOTE [A plan without a head]
-        A plan made without the head (warm-up's, ``none``'s and ``full``'s, a replay's) runs the head
-        chunked too, at :func:`head_without_a_plan`'s count: so warm-up's longest batches fit where a
-        kept head would not, and what the step ran is what its plan says (the learner adds the saving
-        back: NOTE [Head in the peaks]). ``memfit estimate`` estimates a chunked head at that count.
-        """
+        and named in its plan (NOTE [A plan without a head])."""
         plan = decision.plan
         if decision.warmup and self.probed_steps < PROBE_STEPS:
             self.switch.probe = self.probe  # NOTE [Pricing the head]
