@@ -211,6 +211,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no_untimed", action="store_true", help="skip the untimed passes over every batch (plain, then every "
                    "layer recomputed) before the first configuration: it then pays each shape's first run (a cap's reach "
                    "does not depend on it; a time does)")
+    p.add_argument("--untimed_fused", type=int, default=0, metavar="N", help="with --no_untimed, still run each fused "
+                   "loss untimed on the first N batches: Triton compiles their kernels on first use, seconds each, and "
+                   "the first configuration to use them would pay for every later one")
     p.add_argument("--models_every_step", action="store_true",
                    help="also write memfit's memory model after every step (steps/<run>.models.jsonl.gz, one line a step): "
                         "what planned each next step, for benchmarks/model_replay.py --at_step")
@@ -1196,11 +1199,13 @@ def _matrix(args, model, batches, initial, emit, started: float) -> None:
     if not args.no_untimed:
         run_config(args, model, batches, initial, "plain", None, -1, args.output_dir)  # untimed: every shape once
         run_config(args, model, batches, initial, "hf-every-1", None, -1, args.output_dir)  # and recomputed (the docstring)
+    if not args.no_untimed or args.untimed_fused:  # and the fused losses' kernels compiled (the docstring)
         from memfit.engine.parts.head import FUSED
 
-        for part, (implementation, _) in FIXED_HEADS.items():  # and the fused losses' kernels compiled (the docstring)
+        warm = batches if not args.no_untimed else batches[: args.untimed_fused]
+        for part, (implementation, _) in FIXED_HEADS.items():
             if implementation in FUSED:
-                run_config(args, model, batches, initial, f"hf-every-1{part}", None, -1, args.output_dir)
+                run_config(args, model, warm, initial, f"hf-every-1{part}", None, -1, args.output_dir)
     if args.reach_gib:
         _reach(args, model, batches, initial, emit, started)
         return

@@ -186,3 +186,26 @@ def test_loop_bench_sets_its_share_budgets_from_none_on_the_longest_batch_alone(
     assert dynamic["budget_bytes"] == int(2 * none["max_peak_allocated_bytes"]) and dynamic["status"] == "ok"
     assert "step_ratio_vs_none" not in dynamic  # two steps of another batch pair with none of its steps
 
+
+
+@pytest.mark.parametrize("extra, warmed", [((), 0), (("--untimed_fused", "2"), 2)])
+def test_loop_bench_compiles_the_fused_losses_untimed_on_a_few_batches_when_asked(tmp_path, monkeypatch, extra, warmed):
+    """``--untimed_fused N`` beside ``--no_untimed``: each fused loss's peer runs untimed (repeat -1, no line) on the first
+    N batches before the first configuration, so that no configuration compiles Triton's kernels for the ones after."""
+    loop_bench = _loop_bench()
+    from memfit.engine.parts.head import FUSED
+
+    ran, original = [], loop_bench.run_config
+    monkeypatch.setattr(loop_bench, "run_config", lambda args, model, batches, initial, name, budget, repeat, out_dir:
+                        ran.append((name, len(batches), repeat)) or original(args, model, batches, initial, name, budget,
+                                                                             repeat, out_dir))
+    out = tmp_path / "out"
+    assert loop_bench.main(["--model", "llama-tiny", "--device", "cpu", "--dtype", "float32", "--lengths", "uniform:8:24",
+                            "--batch", "2", "--steps", "4", "--steady_from", "1", "--budget_gb", "1", "--repeats", "1",
+                            "--no_untimed", *extra, "--methods", "dynamic", "--output_dir", str(out)]) == 0
+    fused = sorted(f"hf-every-1{part}" for part, (impl, _) in loop_bench.FIXED_HEADS.items() if impl in FUSED)
+    untimed = [r for r in ran if r[2] == -1]
+    assert sorted(name for name, _, _ in untimed) == (fused if warmed else [])
+    assert all(n == warmed for _, n, _ in untimed) and ran[-1][0] == "dynamic"
+    lines = [json.loads(t)["method"] for t in (out / "results.jsonl").read_text().splitlines()]
+    assert "dynamic" in lines and not set(lines) & set(fused)  # the untimed runs write no line

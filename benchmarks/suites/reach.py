@@ -118,14 +118,15 @@ def _shares(ctx: Context) -> list[Call]:
     """Issue 59's cells at 0.18 and 0.25 of plain's peak: (a)'s workload, 200 steps, memfit against Hugging Face's
     checkpointing with Liger's loss on the same batches, warm-up included (``--steady_from 0``: every step paired).
     Uncapped ``none`` sets the cap from the longest batch alone (``--reference_longest``): its 200 steps beside the
-    two methods' did not fit a ten-minute call (s35-3)."""
+    two methods' did not fit a ten-minute call (s35-3). The fused losses' kernels are compiled first, untimed, on three
+    batches (``--untimed_fused``): memfit's first step would otherwise compile Liger's for the peer too (s36-2)."""
     flags, _, _ = WORKLOADS["a-1b-full"]
     calls = []
     for share in (0.18, 0.25):
         name = f"reach-a-share-{share}"
         calls.append(Call(name, [script(
             ctx, "loop_bench.py", *flags, "--steps", 4 if ctx.quick else 200, "--steady_from", 0, "--budgets", share,
-            "--reference_longest", "--repeats", 1, "--no_cudnn_sdpa", "--no_untimed", "--time_limit_s", 560,
+            "--reference_longest", "--repeats", 1, "--no_cudnn_sdpa", "--no_untimed", "--untimed_fused", 3, "--time_limit_s", 560,
             "--config_time_limit_s", 270, "--methods", "dynamic+auto", "hf-every-1+liger", "--output_dir", ctx.folder(name))],
             folder=name, timeout_s=590))
     return calls
