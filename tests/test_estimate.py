@@ -870,13 +870,35 @@ def test_the_meta_count_saves_what_the_cuda_kernels_save():
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=LORA_DROPOUT,
                                                        target_modules="all-linear", task_type="CAUSAL_LM")).train()
     ids = torch.randint(0, profile.config.vocab_size, (2, 32))
-    with cuda_kernels(model) as ran:
-        counted = saved_bytes(model, lambda: model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids))
-    assert ran.attention_calls == profile.n_blocks
-    lora = activation_profile(profile, 2, seq_length=32, weights="bf16", lora_r=4)
-    assert lora.total_bytes(0) == counted
+    for padded in (True, False):  # two rows: padded by default (dynamic padding), as the count's stand-in runs it
+        with cuda_kernels(model, padded=padded) as ran:
+            counted = saved_bytes(model, lambda: model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids))
+        assert ran.attention_calls == profile.n_blocks
+        lora = activation_profile(profile, 2, seq_length=32, weights="bf16", lora_r=4, padding_mask=padded)
+        assert lora.total_bytes(0) == counted and lora.padded == padded
     n_masks = sum(i for i, _ in profile.block_linear_shapes) * 2 * 32  # a bool per adapted input element
     assert lora.total_bytes(0) - activation_profile(profile, 2, seq_length=32, weights="bf16").total_bytes(0) >= n_masks
+
+
+def test_a_padded_batch_saves_its_mask_bias_per_block_and_its_boolean_mask_once():
+    """NOTE [Fused kernels on the meta device]: a batch of several rows carries padding, so a decoder's fused attention
+    runs the memory-efficient kernel, which saves the mask as a bias in the query's dtype per block (b x s x s, its last
+    dimension aligned to 16: the quadratic term a GPU read, 2 B per b x s x s a block in bf16, reach s37-3's learnt
+    bytes of Llama-3.2-1B at 8 x 848 to 8 x 3,736); the boolean mask every block reads is held once, where a checkpoint
+    keeps the blocks' inputs. One row pads nothing."""
+    profile = _llama_tiny()
+    b, s = 4, 100
+    padded = activation_profile(profile, b, seq_length=s, weights="bf16")
+    plain = activation_profile(profile, b, seq_length=s, weights="bf16", padding_mask=False)
+    assert padded.padded and not plain.padded
+    assert [p - q for p, q in zip(padded.block_bytes, plain.block_bytes)] == [b * s * 112 * 2] * profile.n_blocks
+    assert padded.shared_input_bytes - plain.shared_input_bytes == b * s * s
+    assert padded.shared_bytes(0) == 0 and padded.shared_bytes(1) == padded.shared_input_bytes  # held by checkpoints
+    one = activation_profile(profile, 1, seq_length=s, weights="bf16")
+    assert not one.padded and one.block_bytes == activation_profile(profile, 1, seq_length=s, weights="bf16",
+                                                                    padding_mask=False).block_bytes
+    fp32 = activation_profile(profile, b, seq_length=s)
+    assert fp32.block_bytes[1] - activation_profile(profile, b, seq_length=s, padding_mask=False).block_bytes[1] == b * s * 112 * 4
 
 
 # --- the floor, said before it is hit (issue "Train where nothing else fits", point 6) ----------

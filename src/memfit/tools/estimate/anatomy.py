@@ -574,6 +574,9 @@ class ActivationProfile:
     fused_attention: bool = False
     """Counted on the meta device with attention as the fused kernel saves it (NOTE [Fused kernels on the
     meta device]); False for eager attention and for the BERT formula (which takes its kernel itself)."""
+    padded: bool = False
+    """Counted with a padded batch's mask (NOTE [Fused kernels on the meta device]): the fused attention's bias per
+    block and the boolean mask once."""
     mlp_tiling: MlpTiling | None = None
     """How the blocks' gated MLPs were counted where the setup tiles them (NOTE [The tiled MLP in the estimate]);
     None where it does not ask: every MLP on every token at once."""
@@ -677,8 +680,8 @@ def activation_profile(
     where the model runs SDPA; an upper bound under fp16/bf16 autocast (the meta device does not run it). With
     ``tile_mlp`` the gated MLPs the engine tiles run tiled (NOTE [The tiled MLP in the estimate]).
 
-    ``padding_mask`` (BERT family): whether batches carry padding, as dynamic padding almost
-    always makes them. ``element_bytes`` (BERT family) replaces the CUDA element sizes of
+    ``padding_mask``: whether batches of several rows carry padding, as dynamic padding almost always makes
+    them (a decoder's fused attention then saves the mask per block: NOTE [Fused kernels on the meta device]). ``element_bytes`` (BERT family) replaces the CUDA element sizes of
     ``precision``, e.g. with those of CPU kernels.
 
     Raises:
@@ -716,7 +719,9 @@ def activation_profile(
             mlp_tiling=MlpTiling(why_not=_NOT_GATED) if tile_mlp else None,
         )
     inputs = _meta_inputs(profile, micro_batch_size, rows, seq_length, image_size)
-    counted, fused, tiling, chunk_bytes = _meta_count(profile, inputs, attention, weights, lora_r, lora_dropout, tile_mlp)
+    padded = padding_mask and rows > 1 and not vision  # one row pads nothing
+    counted, fused, tiling, chunk_bytes = _meta_count(profile, inputs, attention, weights, lora_r, lora_dropout, tile_mlp,
+                                                      padded)
     # no formula: the gradients of a block's output and input, each the size of its input; and the larger of what a
     # tiled MLP's backward holds, one chunk's intermediates (NOTE [The tiled MLP in the estimate]), and the fused
     # attention's backward or an adapted projection's (NOTE [Attention and adapter backwards in the estimate]): the
@@ -724,7 +729,8 @@ def activation_profile(
     extra = attention_and_adapter_backward_bytes(profile.config, rows * (seq_length or 0), weights, lora_r, fused,
                                                  lean=bool(tiling is not None and tiling.tiled_blocks))
     backward = tuple(2 * b + max(c, extra) for b, c in zip(counted.block_input_bytes, chunk_bytes))
-    return dataclasses.replace(counted, block_backward_bytes=backward, fused_attention=fused, mlp_tiling=tiling)
+    return dataclasses.replace(counted, block_backward_bytes=backward, fused_attention=fused, mlp_tiling=tiling,
+                               padded=padded and fused)
 
 
 def attention_and_adapter_backward_bytes(config: Any, tokens: int, weights: str, lora_r: int, fused: bool, lean: bool) -> int:
@@ -882,7 +888,7 @@ _NOT_GATED = ("an MLP that is not gated (memfit tiles gate_proj, up_proj, down_p
 
 
 def _meta_count(profile: ModelProfile, inputs: dict[str, torch.Tensor], attention: str, weights: str, lora_r: int,
-                lora_dropout: float = LORA_DROPOUT, tile_mlp: bool = False,
+                lora_dropout: float = LORA_DROPOUT, tile_mlp: bool = False, padded: bool = False,
                 ) -> tuple[ActivationProfile, bool, MlpTiling | None, tuple[int, ...]]:
     """Count a meta copy of ``profile.model`` as a CUDA step runs it (NOTE [What the meta count runs]).
 
@@ -892,7 +898,9 @@ def _meta_count(profile: ModelProfile, inputs: dict[str, torch.Tensor], attentio
     device does not run), with LoRA where it is asked (:func:`_with_lora`, its dropout ``--lora_dropout``), the
     fused kernels' saved tensors (NOTE [Fused kernels on the meta device], meta_kernels.py): flash attention for
     ``sdpa`` where the model runs it, CUDA's dropout mask; and with ``tile_mlp`` the gated MLPs the engine tiles
-    run tiled (NOTE [The tiled MLP in the estimate]). The profile's own model is left as it is.
+    run tiled (NOTE [The tiled MLP in the estimate]); ``padded``, the batch's padding mask as the fused attention
+    saves it per call and the boolean mask every block reads once (NOTE [Fused kernels on the meta device]). The
+    profile's own model is left as it is.
 
     # NOTE [The tiled MLP in the estimate]
     Where the setup's blocks re-run with their MLP tiled (``--checkpoint host``: ``host_checkpoint_tiled``, the
@@ -930,11 +938,15 @@ def _meta_count(profile: ModelProfile, inputs: dict[str, torch.Tensor], attentio
     handles = [m.register_forward_pre_hook(seen) for ms in mlps for m in ms]
     try:
         lean = [m for b, ms in zip(blocks, mlps) if ms for m in lean_parts(b, ms)]  # NOTE [Lean inputs in a tiled block]
-        with cuda_kernels(model, attention) as ran, tiled([m for ms in mlps for m in ms], chunking, lean):
+        with cuda_kernels(model, attention, padded) as ran, tiled([m for ms in mlps for m in ms], chunking, lean):
             counted = _count_on_meta(model, inputs)
     finally:
         for h in handles:
             h.remove()
+    if padded and ran.attention_calls:  # the boolean mask every block reads, one byte an element, held once
+        ids = inputs["input_ids"]
+        mask = ids.shape[0] * ids.shape[-1] ** 2
+        counted = dataclasses.replace(counted, shared_input_bytes=counted.shared_input_bytes + mask)
     held = tuple(sum(_tiled_backward_bytes(m, ran_on[m], chunking) for m in ms if m in ran_on) for ms in mlps)
     tiling = _mlp_tiling(blocks, [[m for m in ms if m in ran_on] for ms in mlps], ran_on, chunking,
                          lora_dropout if lora_r else 0.0) if tile_mlp else None
@@ -1304,7 +1316,7 @@ def estimate(
         image_size: pixels per side (vision models).
         attention: ``sdpa`` (fused, the transformers default) or ``eager``.
         num_choices: choices per example for ``multiple-choice``.
-        padding_mask: whether batches carry padding (BERT family; dynamic padding: yes).
+        padding_mask: whether batches of several rows carry padding (dynamic padding: yes).
         activations: a precomputed :func:`activation_profile` for this micro-batch and
             precision (the advisor reuses them); computed when ``None``.
 
@@ -1411,8 +1423,10 @@ def estimate(
 
 def _meta_count_note(profile: ModelProfile, setup: TrainingSetup, activations: ActivationProfile, attention: str) -> str:
     """What the activations counted on the meta device assume (NOTE [What the meta count runs])."""
-    kernel = ("attention as SDPA's fused (flash) kernel saves it: query, key, value, output, a float32 log-sum-exp; "
-              "no s x s matrix, no padding mask" if activations.fused_attention else
+    kernel = ("attention as SDPA's fused (flash) kernel saves it: query, key, value, output, a float32 log-sum-exp"
+              + ("; a padded batch (several rows): the memory-efficient kernel, its padding mask's bias (b x s x s, "
+                 "the query's dtype) saved per block, the boolean mask once" if activations.padded else
+                 "; no s x s matrix, no padding mask") if activations.fused_attention else
               f"eager attention ({'asked' if attention == 'eager' else 'the model does not run SDPA'}): its s x s "
               "weights counted")
     dtype = ("bf16 as the bf16 weights run" if setup.weights == "bf16" else

@@ -14,9 +14,13 @@ count with two stand-ins that save what the CUDA kernels save:
   query and head; no ``s x s`` matrix. The stand-in is an attention function registered, for the
   count only, under :data:`FUSED_ATTENTION` in transformers' attention interface; transformers
   builds no causal mask for an implementation it has no mask function for, as for a batch without
-  padding (a padded batch makes a ``b x s x s`` mask every block reads and rules out flash). A mask
-  the model makes itself (a vision model's window mask) is saved too, as the memory-efficient
-  kernel, which takes one, saves it;
+  padding. A padded batch (``padded``: several rows, as dynamic padding makes them) rules out flash:
+  transformers makes a boolean ``b x 1 x s x s`` mask every block reads, and each attention call runs
+  the memory-efficient kernel, which takes the mask as a bias in the query's dtype, made per call and
+  saved for backward (``b x 1 x s x s`` rounded up to 16 in its last dimension): so the stand-in saves
+  such a bias per call, and the boolean mask is the count's caller's to add once. A mask the model makes
+  itself (a vision model's window mask) is saved too, as the memory-efficient kernel, which takes one,
+  saves it;
 * dropout: CUDA's fused dropout saves a bool mask (1 B an element; peft's LoRA dropout is the one
   that matters: every adapted layer's input, in float32).
 
@@ -60,15 +64,18 @@ class _FlashStandIn(torch.autograd.Function):
 
 
 class _Counted:
-    """What a count ran: how many attention calls the stand-in answered."""
+    """What a count ran: how many attention calls the stand-in answered; ``padded``: each call saves the padding
+    mask's bias (NOTE [Fused kernels on the meta device])."""
 
-    def __init__(self) -> None:
-        self.attention_calls = 0
+    def __init__(self, padded: bool = False) -> None:
+        self.attention_calls, self.padded = 0, padded
 
     def attention(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
         """An attention function of transformers' interface: (b, heads, s, d) in, (b, s, heads, d) out."""
         self.attention_calls += 1
+        if attention_mask is None and self.padded:  # the memory-efficient kernel's bias, its rows aligned to 16
+            attention_mask = query.new_empty(query.shape[0], 1, query.shape[2], -(-key.shape[2] // 16) * 16)
         return _FlashStandIn.apply(query, key, value, attention_mask).transpose(1, 2), None
 
 
@@ -94,17 +101,18 @@ def runs_fused_attention(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def cuda_kernels(model: nn.Module, attention: str = "sdpa") -> Iterator[_Counted]:
+def cuda_kernels(model: nn.Module, attention: str = "sdpa", padded: bool = False) -> Iterator[_Counted]:
     """Count ``model`` (a meta copy the caller owns) with the CUDA kernels' saved tensors (NOTE [Fused kernels
     on the meta device]): fused dropout always, flash attention where ``attention`` is ``sdpa`` and the
-    model runs SDPA. Sets the model's attention implementation; leaves transformers' registry as it found it.
+    model runs SDPA (``padded``: the memory-efficient kernel with the padding mask's bias). Sets the model's
+    attention implementation; leaves transformers' registry as it found it.
 
     Yields:
         What the count ran: its ``attention_calls`` (0: attention was counted as the model's own code ran it).
     """
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    counted = _Counted()
+    counted = _Counted(padded)
     fused = attention == "sdpa" and runs_fused_attention(model)
     if fused:
         ALL_ATTENTION_FUNCTIONS[FUSED_ATTENTION] = counted.attention
