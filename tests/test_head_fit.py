@@ -397,6 +397,64 @@ def test_the_plans_choose_the_implementation_whose_bytes_cost_least():
     part.remove()
 
 
+@pytest.mark.parametrize("seed", range(60))
+def test_leaving_out_dominated_implementations_never_changes_the_choice(seed):
+    """NOTE [A dominated implementation is not judged]: over random options of 2-5 implementations at 1-4 shapes, priced
+    by a planner whose blocks free what the head does not (at a price per byte, or not at all past what they can), the
+    cheapest total over the implementations left is the cheapest over all, the earlier winning ties as before."""
+    import random
+
+    from memfit.engine.parts.treatments.chunked_head import undominated
+
+    rng = random.Random(seed)
+    names = [f"i{k}" for k in range(rng.randint(2, 5))]
+    shapes = rng.randint(1, 4)
+    offered = {}
+    for name in names:
+        offered[name] = [(("keep", 1, 0, 0.0),) + tuple(
+            ("chunked", n, rng.choice([0, 50, 100, 100, 150]), float(rng.choice([0, 1, 1, 2, 3]))) for n in (2, 4)[: rng.randint(1, 2)])
+            for _ in range(shapes)]
+    if rng.random() < 0.5:  # a copy of an earlier one: dominated, and it could only tie
+        offered[names[-1]] = list(offered[names[0]])
+    need = [rng.choice([0, 60, 120, 200]) for _ in range(shapes)]
+    per_byte, most = rng.choice([0.0, 0.01, 0.05]), rng.choice([50, 100, 1000])
+
+    def total(name):
+        cost = 0.0
+        for options, n in zip(offered[name], need):
+            fits = [ms + per_byte * max(0, n - saved) for _, _, saved, ms in options if n - saved <= most]
+            cost += min(fits) if fits else 1e12 + min(max(0, n - saved) for _, _, saved, _ in options)
+        return cost
+
+    kept = undominated(names, offered)
+    assert kept and kept[0] == names[0] and all(name in names for name in kept)
+    assert min(names, key=total) == min(kept, key=total)
+    if offered[names[-1]] == offered[names[0]] and len(names) > 1:
+        assert names[-1] not in kept
+
+
+def test_a_dominated_implementation_is_never_priced():
+    """``choose_by_plans`` prices only the implementations no earlier one dominates: with a frozen head weight ``pure``
+    keeps what ``pure_grad_in_forward`` keeps and is priced slower, so its plans are never asked for."""
+    from memfit.engine.parts.head import attach_head
+    from memfit.engine.parts.treatments.chunked_head import PROBE_STEPS, HeadPart
+
+    part = HeadPart(attach_head(_base()), transient=False)
+    part.switch.spec.weight.requires_grad_(False)
+    part.lines = {"pure": (0.02, 0.5, 0.02), "pure_grad_in_forward": (0.01, 0.5, 0.01)}
+    part.probed_steps, part.keys = PROBE_STEPS, [(4, 64), (4, 16)]
+    asked = []
+
+    def plan_ms(key):
+        asked.append(part.switch.implementation)
+        return 1.0
+
+    assert part.choose_by_plans(plan_ms) and part.switch.implementation == "pure_grad_in_forward"
+    assert set(asked) == {"pure_grad_in_forward"} and len(asked) == 2
+    part.switch.spec.weight.requires_grad_(True)
+    part.remove()
+
+
 def _run_with_faster_grad_in_forward(monkeypatch, budget: int, lengths):
     """A 6-block tiny Llama trained under ``budget`` on ``lengths``, its head probed with
     ``pure_grad_in_forward`` 5% faster than ``pure`` and its blocks priced from their bytes, recompute their

@@ -212,7 +212,7 @@ class _Head(PartKind):
 
     name = "head"
 
-    def choose_by_plans(self, plan_ms, key=None) -> bool:
+    def choose_by_plans(self, plan_ms, key=None, shape=None) -> bool:
         return True  # one implementation: nothing for the plans to choose (NOTE [The plans choose the implementation])
 
     def options(self, tokens: int):

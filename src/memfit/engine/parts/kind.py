@@ -91,8 +91,10 @@ class PartKind:
         """The part of :meth:`saved_bytes` that lives at the backward's start only (none by default)."""
         return 0
 
-    def choose_by_plans(self, plan_ms: Callable[[tuple[int, int]], float | None], key: tuple[int, int] | None = None) -> bool:
-        """Choose among the part's own implementations by what ``plan_ms`` prices the plans at (none by default)."""
+    def choose_by_plans(self, plan_ms: Callable[[tuple[int, int]], float | None], key: tuple[int, int] | None = None,
+                        shape: Callable[[tuple[int, int]], tuple[int, int]] = lambda k: k) -> bool:
+        """Choose among the part's own implementations by what ``plan_ms`` prices the plans at (none by default);
+        ``shape`` gives the shape a key's plan is made for, where the part reads its own options."""
         return False
 
     def budget_share(self, tokens: int, size: Callable[[float], str]) -> tuple[float, float, str] | None:

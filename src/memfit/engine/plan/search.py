@@ -230,7 +230,8 @@ class Search:
             seen = planning.model.max_key
             longest = k if seen is None or k[0] * k[1] >= seen[0] * seen[1] else tuple(seen)
             for part in list(planning.parts.values()):
-                part.choose_by_plans(lambda key: self._parts_plan_ms(planning.planned_shape(key)), longest)
+                part.choose_by_plans(lambda key: self._parts_plan_ms(planning.planned_shape(key)), longest,
+                                     shape=planning.planned_shape)
         plan = self._parts_mix(k)
         if plan is not None:
             return plan

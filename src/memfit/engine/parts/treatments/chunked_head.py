@@ -210,6 +210,31 @@ def head_without_a_plan(options: tuple[tuple[str, int, int, float], ...]) -> tup
 # plan, by the bytes the most any plan saves leaves over the room: the head that holds less wins it.
 
 
+def undominated(names: list[str], offered: dict[str, list[tuple[tuple[str, int, int, float], ...]]]) -> list[str]:
+    """``names`` (in the order that wins ties) less each one dominated by one before it: at every shape of ``offered``
+    (per name, its :func:`head_options` per shape), every option of the later is matched by an option of the earlier
+    that saves at least as many bytes for at most its time.
+
+    # NOTE [A dominated implementation is not judged]
+    Choosing the implementation plans every shape judged once per implementation (NOTE [The plans choose the
+    implementation]): a few hundred milliseconds where a new longest shape asks again, the planner's largest cost in
+    a step. An implementation whose every option some earlier one matches or beats in bytes and time at every shape
+    cannot have a cheaper plan there (any plan with its option has one as cheap with the earlier's) nor win a tie (the
+    earlier wins ties): it is left out, and the choice is the same. With a frozen head weight ``pure`` keeps what
+    ``pure_grad_in_forward`` keeps and is slower, for one.
+
+    Example:
+        >>> undominated(["a", "b"], {"a": [(("keep", 1, 0, 0.0), ("chunked", 4, 90, 1.0))],
+        ...                          "b": [(("keep", 1, 0, 0.0), ("chunked", 4, 80, 2.0))]})
+        ['a']
+    """
+    def covers(a: str, b: str) -> bool:
+        return all(any(sa >= sb and ma <= mb for _, _, sa, ma in oa) for oa, ob in zip(offered[a], offered[b])
+                   for _, _, sb, mb in ob)
+
+    return [b for i, b in enumerate(names) if not any(covers(a, b) for a in names[:i])]
+
+
 def fused_line(probe: dict[str, Any], vocab: int, hidden: int) -> tuple[float, float]:
     """A fused kernel's price line from its probes at two sizes (``probe`` and ``probe["half"]``):
     ``(ms per token, ms per chunk)`` over keeping the head, the fixed part priced per chunk of its own count.
@@ -329,12 +354,9 @@ class HeadPart(PartKind):
     name = HEAD_KEY
     moment_apart = property(lambda self: self.transient)  # its moment read apart where priced (NOTE [The parts' moment])
 
-    def __init__(
-        self, switch: HeadSwitch, extra_ms: float = 0.0, per_chunk_ms: float = 0.0, transient: bool = True,
-        extra_ms_per_token: float = 0.0,
-        free_bytes: Callable[[torch.device], int | None] | None = None,
-        aside: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-    ):
+    def __init__(self, switch: HeadSwitch, extra_ms: float = 0.0, per_chunk_ms: float = 0.0, transient: bool = True,
+                 extra_ms_per_token: float = 0.0, free_bytes: Callable[[torch.device], int | None] | None = None,
+                 aside: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
         self.switch, self.extra_ms, self.per_chunk_ms = switch, float(extra_ms), float(per_chunk_ms)
         self.extra_ms_per_token, self.transient = float(extra_ms_per_token), transient
         self.free_bytes, self.aside = free_bytes, aside
@@ -429,8 +451,7 @@ class HeadPart(PartKind):
     def _check_formula(self, implementation: str, seen: dict[int, dict[str, float]]) -> None:
         """What the chunked head kept beyond its formula at the probe's size, kept where it passes 1% of
         the kept head's saved bytes (NOTE [The probe checks the formula])."""
-        n_chunks = min(seen)
-        probe = seen[n_chunks]
+        probe = seen[n_chunks := min(seen)]
         if self.switch.unit or "saved" not in probe or probe["kept_saved"] <= 0:
             return  # a sharded head's proxy, or nothing measured
         tokens = int(probe["tokens"])
@@ -440,14 +461,13 @@ class HeadPart(PartKind):
             self.saved_gap.pop(implementation, None)
             return
         if implementation not in self.saved_gap:
-            logger.debug("memfit: the LM head chunked by %s kept %s for backward at %d tokens where memfit's formula says %s; "
-                        "planned with the measured bytes", implementation, format_bytes(int(probe["saved"])), tokens,
-                        format_bytes(formula))
+            logger.debug("memfit: the LM head chunked by %s kept %s for backward at %d tokens where memfit's formula says "
+                         "%s; planned with the measured bytes", implementation, format_bytes(int(probe["saved"])), tokens, format_bytes(formula))
         self.saved_gap[implementation] = gap
 
     def _price(self) -> None:
-        """The price line of the fastest implementation probed (NOTE [Pricing the head]), every one's kept
-        for the plans to choose among (NOTE [The plans choose the implementation])."""
+        """Every implementation's price line from the probes so far (NOTE [Pricing the head]), kept for the plans to
+        choose among (NOTE [The plans choose the implementation]); until they do, the leanest runs."""
         lines = {name: price_line(name, seen, self.switch.spec.vocab_size, self.switch.spec.weight.shape[-1])
                  for name, seen in self.probes.items()}
         if not lines:
@@ -455,8 +475,7 @@ class HeadPart(PartKind):
         self.lines = lines
         best = self.leanest(self.keys[-1][0] * self.keys[-1][1])  # NOTE [Warm-up's head keeps least]
         self.extra_ms_per_token, self.per_chunk_ms = lines[best][:2]
-        self.extra_ms = 0.0
-        self.switch.implementation = best
+        self.extra_ms, self.switch.implementation = 0.0, best
         self.priced += 1  # NOTE [Parts priced anew] (planning.py)
         if self.probed_steps == PROBE_STEPS:
             logger.debug("memfit: the LM head chunked (%s) costs %.4f ms per 1k tokens and %.4f ms per chunk over keeping it",
@@ -471,9 +490,11 @@ class HeadPart(PartKind):
         """While ``note`` is set, an OOM in the head's loss computes it again in its most chunks (NOTE [Replay under FSDP])."""
         self.switch.on_oom = note and (lambda message, tokens: note(message, "the LM head") or self.head_bytes(tokens)[2])
 
-    def choose_by_plans(self, plan_ms: Callable[[tuple[int, int]], float | None], key: tuple[int, int] | None = None) -> bool:
+    def choose_by_plans(self, plan_ms: Callable[[tuple[int, int]], float | None], key: tuple[int, int] | None = None,
+                        shape: Callable[[tuple[int, int]], tuple[int, int]] = lambda k: k) -> bool:
         """Run the implementation whose plans cost least (``plan_ms``: a shape's, None where not known yet) over the probed
-        shapes and ``key``, the longest seen; True once chosen (NOTE [The plans choose the implementation])."""
+        shapes and ``key``, the longest seen (``shape``: where each is planned); True once chosen (NOTE [The plans choose
+        the implementation])."""
         if key is not None and self.keys and key[0] * key[1] > max(b * n for b, n in self.keys):
             self.keys.append(tuple(key))
             self.chosen_by_plans = False
@@ -481,10 +502,14 @@ class HeadPart(PartKind):
             return self.chosen_by_plans
         was = (self.switch.implementation, self.extra_ms_per_token, self.per_chunk_ms)
         fastest = sorted((name for name in self.lines if name not in self.failed), key=lambda name: self.lines[name][2])
+        offered = {}
+        for name in fastest:  # each one's options as priced by its own line, at every shape judged
+            self.switch.implementation, (self.extra_ms_per_token, self.per_chunk_ms) = name, self.lines[name][:2]
+            offered[name] = [self.options(b * n) for b, n in map(shape, self.keys)]
+        fastest = undominated(fastest, offered)  # NOTE [A dominated implementation is not judged]
         totals: dict[str, float] = {}
         for name in fastest:
-            self.switch.implementation = name
-            self.extra_ms_per_token, self.per_chunk_ms = self.lines[name][:2]
+            self.switch.implementation, (self.extra_ms_per_token, self.per_chunk_ms) = name, self.lines[name][:2]
             costs = [plan_ms(shape) for shape in self.keys]
             if any(c is None for c in costs):
                 self.switch.implementation, self.extra_ms_per_token, self.per_chunk_ms = was
@@ -496,7 +521,7 @@ class HeadPart(PartKind):
         self.chosen_by_plans = True
         if best != was[0]:
             logger.debug("memfit: the LM head chunked by %s from now on: its plans over %d shapes cost %.1f ms, %.1f ms with %s",
-                        best, len(self.keys), totals[best], totals[was[0]], was[0])
+                        best, len(self.keys), totals[best], totals.get(was[0], float("nan")), was[0])  # nan: dominated
         self.priced += 1  # the plans cached before are stale (NOTE [Parts priced anew], planning.py)
         return True
 
