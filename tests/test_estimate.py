@@ -901,6 +901,33 @@ def test_a_padded_batch_saves_its_mask_bias_per_block_and_its_boolean_mask_once(
     assert fp32.block_bytes[1] - activation_profile(profile, b, seq_length=s, padding_mask=False).block_bytes[1] == b * s * 112 * 4
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_padded_decoder_batch_saves_the_mask_bias_the_count_says_on_cuda():
+    """NOTE [Fused kernels on the meta device]: a bf16 decoder on CUDA with SDPA saves more for a padded batch than for
+    the same batch unpadded by the memory-efficient kernel's bias per block, as the meta count says (lengths a multiple
+    of 32: no kernel's alignment in the difference)."""
+    from transformers import AutoModelForCausalLM
+
+    profile = _llama_tiny()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(profile.config, attn_implementation="sdpa").to("cuda", torch.bfloat16).train()
+    rows, seq = 4, 96
+    ids = torch.randint(0, profile.config.vocab_size, (rows, seq), device="cuda")
+    counted = {}
+    for padded in (False, True):
+        mask = torch.ones_like(ids)
+        if padded:
+            mask[0, seq // 2:] = 0
+        counted[padded] = saved_bytes(model, lambda: model(input_ids=ids, attention_mask=mask, labels=ids))
+    acts = {p: activation_profile(profile, rows, seq_length=seq, weights="bf16", padding_mask=p) for p in (False, True)}
+    said = acts[True].total_bytes(0) - acts[False].total_bytes(0)
+    assert said == profile.n_blocks * rows * seq * seq * 2
+    print(f"padded minus unpadded on CUDA: {counted[True] - counted[False]} B; the count: {said} B; "
+          f"unpadded on CUDA {counted[False]} B, counted {acts[False].total_bytes(0)} B")
+    assert abs((counted[True] - counted[False]) - said) <= 4096 * profile.n_blocks
+
+
 # --- the floor, said before it is hit (issue "Train where nothing else fits", point 6) ----------
 
 
