@@ -53,11 +53,13 @@ def saved_bytes(module: nn.Module, run) -> int:
     """Bytes of the distinct storages autograd saves while ``run()`` executes, parameters and buffers excluded."""
     skip = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
     seen: dict[int, int] = {}
+    held = []  # alive to the end: a freed storage's address may come back for another
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         ptr = t.untyped_storage().data_ptr()
         if ptr not in skip:
             seen[ptr] = t.untyped_storage().nbytes()
+            held.append(t)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -883,30 +885,34 @@ def test_the_meta_count_saves_what_the_cuda_kernels_save():
 def test_a_padded_batch_saves_its_mask_bias_per_block_and_its_boolean_mask_once():
     """NOTE [Fused kernels on the meta device]: a batch of several rows carries padding, so a decoder's fused attention
     runs the memory-efficient kernel, which saves the mask as a bias in the query's dtype per block (b x s x s, its last
-    dimension aligned to 16: the quadratic term a GPU read, 2 B per b x s x s a block in bf16, reach s37-3's learnt
-    bytes of Llama-3.2-1B at 8 x 848 to 8 x 3,736); the boolean mask every block reads is held once, where a checkpoint
-    keeps the blocks' inputs. One row pads nothing."""
+    dimension aligned to 16), and key and value at the query's heads (transformers repeats them where a mask rules
+    SDPA's grouped-query path out): what reach s37-3's learnt bytes of Llama-3.2-1B at 8 x 848 to 8 x 3,736 hold beyond
+    the unpadded count (2 B per b x s x s and 6,144 B per token, a block). The boolean mask every block reads is held
+    once, where a checkpoint keeps the blocks' inputs. One row pads nothing."""
     profile = _llama_tiny()
     b, s = 4, 100
     padded = activation_profile(profile, b, seq_length=s, weights="bf16")
     plain = activation_profile(profile, b, seq_length=s, weights="bf16", padding_mask=False)
     assert padded.padded and not plain.padded
-    assert [p - q for p, q in zip(padded.block_bytes, plain.block_bytes)] == [b * s * 112 * 2] * profile.n_blocks
+    config = profile.config
+    d, repeated = config.hidden_size // config.num_attention_heads, config.num_attention_heads - config.num_key_value_heads
+    per_block = b * s * 112 * 2 + 2 * b * repeated * s * d * 2  # the bias, and key and value at the query's heads
+    assert repeated > 0 and [p - q for p, q in zip(padded.block_bytes, plain.block_bytes)] == [per_block] * profile.n_blocks
     assert padded.shared_input_bytes - plain.shared_input_bytes == b * s * s
     assert padded.shared_bytes(0) == 0 and padded.shared_bytes(1) == padded.shared_input_bytes  # held by checkpoints
     one = activation_profile(profile, 1, seq_length=s, weights="bf16")
     assert not one.padded and one.block_bytes == activation_profile(profile, 1, seq_length=s, weights="bf16",
                                                                     padding_mask=False).block_bytes
     fp32 = activation_profile(profile, b, seq_length=s)
-    assert fp32.block_bytes[1] - activation_profile(profile, b, seq_length=s, padding_mask=False).block_bytes[1] == b * s * 112 * 4
+    assert fp32.block_bytes[1] - activation_profile(profile, b, seq_length=s, padding_mask=False).block_bytes[1] == 2 * per_block
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_padded_decoder_batch_saves_the_mask_bias_the_count_says_on_cuda():
     """NOTE [Fused kernels on the meta device]: a bf16 decoder on CUDA with SDPA saves more for a padded batch than for
-    the same batch unpadded by the memory-efficient kernel's bias per block, as the meta count says (lengths a multiple
-    of 32: no kernel's alignment in the difference)."""
+    the same batch unpadded by the memory-efficient kernel's bias per block and the key and value transformers repeats
+    to the query's heads, as the meta count says (lengths a multiple of 32: no kernel's alignment in the difference)."""
     from transformers import AutoModelForCausalLM
 
     profile = _llama_tiny()
@@ -922,7 +928,9 @@ def test_a_padded_decoder_batch_saves_the_mask_bias_the_count_says_on_cuda():
         counted[padded] = saved_bytes(model, lambda: model(input_ids=ids, attention_mask=mask, labels=ids))
     acts = {p: activation_profile(profile, rows, seq_length=seq, weights="bf16", padding_mask=p) for p in (False, True)}
     said = acts[True].total_bytes(0) - acts[False].total_bytes(0)
-    assert said == profile.n_blocks * rows * seq * seq * 2
+    config = profile.config
+    repeated_kv = 2 * rows * (config.num_attention_heads - config.num_key_value_heads) * seq * (config.hidden_size // config.num_attention_heads) * 2
+    assert said == profile.n_blocks * (rows * seq * seq * 2 + repeated_kv)  # the bias, key and value at the query's heads
     print(f"padded minus unpadded on CUDA: {counted[True] - counted[False]} B; the count: {said} B; "
           f"unpadded on CUDA {counted[False]} B, counted {acts[False].total_bytes(0)} B")
     assert abs((counted[True] - counted[False]) - said) <= 4096 * profile.n_blocks

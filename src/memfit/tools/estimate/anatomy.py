@@ -818,6 +818,7 @@ def _count_on_meta(model: nn.Module, inputs: dict[str, torch.Tensor]) -> Activat
     blocks = [m for _, m in find_blocks(model)]
     skip = {key(t) for t in [*model.parameters(), *model.buffers()]}
     seen: set[int] = set()
+    held: list[torch.Tensor] = []
     saved = [0] * (len(blocks) + 1)  # last slot: outside any block
     inputs_bytes = [0] * len(blocks)
     input_keys: list[int | None] = [None] * len(blocks)
@@ -831,6 +832,7 @@ def _count_on_meta(model: nn.Module, inputs: dict[str, torch.Tensor]) -> Activat
             input_saved[current[0]] = True
         if key(t) not in skip and key(t) not in seen:
             seen.add(key(t))
+            held.append(t)  # alive to the count's end: a freed storage's handle may come back for another (NOTE [Storage identity on meta])
             if after[0] and current[0] == len(blocks):
                 after[1] += t.untyped_storage().nbytes()
             else:

@@ -17,8 +17,11 @@ count with two stand-ins that save what the CUDA kernels save:
   padding. A padded batch (``padded``: several rows, as dynamic padding makes them) rules out flash:
   transformers makes a boolean ``b x 1 x s x s`` mask every block reads, and each attention call runs
   the memory-efficient kernel, which takes the mask as a bias in the query's dtype, made per call and
-  saved for backward (``b x 1 x s x s`` rounded up to 16 in its last dimension): so the stand-in saves
-  such a bias per call, and the boolean mask is the count's caller's to add once. A mask the model makes
+  saved for backward (``b x 1 x s x s`` rounded up to 16 in its last dimension); and where the model's
+  key and value have fewer heads than its query (grouped-query attention), transformers repeats them to
+  the query's heads before the call (SDPA's own grouped-query path is flash's, without a mask), so the
+  kernel saves them at the query's heads. The stand-in saves both so per call, and the boolean mask is
+  the count's caller's to add once. A mask the model makes
   itself (a vision model's window mask) is saved too, as the memory-efficient kernel, which takes one,
   saves it;
 * dropout: CUDA's fused dropout saves a bool mask (1 B an element; peft's LoRA dropout is the one
@@ -74,8 +77,10 @@ class _Counted:
                   attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
         """An attention function of transformers' interface: (b, heads, s, d) in, (b, s, heads, d) out."""
         self.attention_calls += 1
-        if attention_mask is None and self.padded:  # the memory-efficient kernel's bias, its rows aligned to 16
+        if attention_mask is None and self.padded:  # the memory-efficient kernel's bias, its rows aligned to 16,
             attention_mask = query.new_empty(query.shape[0], 1, query.shape[2], -(-key.shape[2] // 16) * 16)
+            heads = query.shape[1]  # and key and value repeated to the query's heads
+            key, value = (t.new_empty(t.shape[0], heads, *t.shape[2:]) if t.shape[1] != heads else t for t in (key, value))
         return _FlashStandIn.apply(query, key, value, attention_mask).transpose(1, 2), None
 
 
