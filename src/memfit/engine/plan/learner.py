@@ -43,7 +43,6 @@ larger of the static bytes at its start and at its end.
 from __future__ import annotations
 
 import functools
-
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field

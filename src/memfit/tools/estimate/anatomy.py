@@ -575,8 +575,8 @@ class ActivationProfile:
     """Counted on the meta device with attention as the fused kernel saves it (NOTE [Fused kernels on the
     meta device]); False for eager attention and for the BERT formula (which takes its kernel itself)."""
     padded: bool = False
-    """Counted with a padded batch's mask (NOTE [Fused kernels on the meta device]): the fused attention's bias per
-    block and the boolean mask once."""
+    """Counted with a padded batch's mask (NOTE [Fused kernels on the meta device]): the fused attention's bias and key
+    and value at the query's heads per block, the boolean mask once."""
     mlp_tiling: MlpTiling | None = None
     """How the blocks' gated MLPs were counted where the setup tiles them (NOTE [The tiled MLP in the estimate]);
     None where it does not ask: every MLP on every token at once."""
@@ -681,8 +681,8 @@ def activation_profile(
     ``tile_mlp`` the gated MLPs the engine tiles run tiled (NOTE [The tiled MLP in the estimate]).
 
     ``padding_mask``: whether batches of several rows carry padding, as dynamic padding almost always makes
-    them (a decoder's fused attention then saves the mask per block: NOTE [Fused kernels on the meta device]). ``element_bytes`` (BERT family) replaces the CUDA element sizes of
-    ``precision``, e.g. with those of CPU kernels.
+    them (a decoder's fused attention then saves the mask per block: NOTE [Fused kernels on the meta device]).
+    ``element_bytes`` (BERT family) replaces the CUDA element sizes of ``precision``, e.g. with those of CPU kernels.
 
     Raises:
         FlagError: when the input size flag does not match the model (text vs vision).
@@ -799,7 +799,9 @@ def _storage_key(t: torch.Tensor) -> int:
     """A tensor's storage, told apart from others on the meta device.
 
     NOTE [Storage identity on meta]: meta storages have no address (data_ptr() is 0), so
-    storages are told apart by their StorageImpl handle (``_cdata``), shared by all views.
+    storages are told apart by their StorageImpl handle (``_cdata``), shared by all views. A
+    handle is an address too: once its storage is freed, a later one may get it, and would be
+    taken for one already counted. So the count holds every tensor it counts to its end.
     """
     return t.untyped_storage()._cdata
 
@@ -832,7 +834,7 @@ def _count_on_meta(model: nn.Module, inputs: dict[str, torch.Tensor]) -> Activat
             input_saved[current[0]] = True
         if key(t) not in skip and key(t) not in seen:
             seen.add(key(t))
-            held.append(t)  # alive to the count's end: a freed storage's handle may come back for another (NOTE [Storage identity on meta])
+            held.append(t)  # NOTE [Storage identity on meta]
             if after[0] and current[0] == len(blocks):
                 after[1] += t.untyped_storage().nbytes()
             else:
@@ -1427,7 +1429,8 @@ def _meta_count_note(profile: ModelProfile, setup: TrainingSetup, activations: A
     """What the activations counted on the meta device assume (NOTE [What the meta count runs])."""
     kernel = ("attention as SDPA's fused (flash) kernel saves it: query, key, value, output, a float32 log-sum-exp"
               + ("; a padded batch (several rows): the memory-efficient kernel, its padding mask's bias (b x s x s, "
-                 "the query's dtype) saved per block, the boolean mask once" if activations.padded else
+                 "the query's dtype) and key and value at the query's heads saved per block, the boolean mask once"
+                 if activations.padded else
                  "; no s x s matrix, no padding mask") if activations.fused_attention else
               f"eager attention ({'asked' if attention == 'eager' else 'the model does not run SDPA'}): its s x s "
               "weights counted")

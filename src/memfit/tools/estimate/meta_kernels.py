@@ -21,9 +21,8 @@ count with two stand-ins that save what the CUDA kernels save:
   key and value have fewer heads than its query (grouped-query attention), transformers repeats them to
   the query's heads before the call (SDPA's own grouped-query path is flash's, without a mask), so the
   kernel saves them at the query's heads. The stand-in saves both so per call, and the boolean mask is
-  the count's caller's to add once. A mask the model makes
-  itself (a vision model's window mask) is saved too, as the memory-efficient kernel, which takes one,
-  saves it;
+  the count's caller's to add once. A mask the model makes itself (a vision model's window mask) is
+  saved too, as the memory-efficient kernel, which takes one, saves it;
 * dropout: CUDA's fused dropout saves a bool mask (1 B an element; peft's LoRA dropout is the one
   that matters: every adapted layer's input, in float32).
 
@@ -68,7 +67,7 @@ class _FlashStandIn(torch.autograd.Function):
 
 class _Counted:
     """What a count ran: how many attention calls the stand-in answered; ``padded``: each call saves the padding
-    mask's bias (NOTE [Fused kernels on the meta device])."""
+    mask's bias and key and value at the query's heads (NOTE [Fused kernels on the meta device])."""
 
     def __init__(self, padded: bool = False) -> None:
         self.attention_calls, self.padded = 0, padded
