@@ -13,7 +13,8 @@ configuration alone and not on ``none`` (docs/devlog.md); and, for a model with 
 with each fused loss (Liger's, Cut Cross-Entropy's, where installed): Triton compiles their kernels
 per length class on first use, seconds each, and caches them on disk for every later run; paid by the
 first configuration to use them (memfit's head probes both) and found compiled by the next, they
-made whole-run ratios depend on the order. Then uncapped ``none`` gives the speed
+made whole-run ratios depend on the order (``--no_untimed`` skips these passes; ``--untimed_fused N``
+keeps the fused losses' on the first N batches). Then uncapped ``none`` gives the speed
 reference and the peak from which ``--budgets`` (shares of it) are set. ``plain`` and ``none``
 run uncapped only (under a cap they do not fit, by design).
 
