@@ -394,6 +394,12 @@ def test_the_plans_choose_the_implementation_whose_bytes_cost_least():
     assert part.choose_by_plans(binding_when_long, key=(4, 128)) and part.switch.implementation == "pure"
     assert part.keys == [(4, 64), (4, 16), (4, 128)]
     assert part.choose_by_plans(plan_ms(0.0), key=(4, 128)) and part.switch.implementation == "pure"  # judged: kept
+    # a batch a little longer than every one judged asks for no choice; a quarter longer does (JUDGED_GROWTH)
+    asked = []
+    assert part.choose_by_plans(lambda key: asked.append(key) or 0.0, key=(4, 159)) and not asked
+    assert part.keys == [(4, 64), (4, 16), (4, 128)]
+    assert part.choose_by_plans(lambda key: asked.append(key) or 0.0, key=(4, 160)) and (4, 160) in asked
+    assert part.keys[-1] == (4, 160)
     part.remove()
 
 

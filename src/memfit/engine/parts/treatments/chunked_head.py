@@ -119,6 +119,10 @@ PROBE_TOKENS = 8192
 PROBE_CHUNKS = (1, 4)
 #: a chunk count is offered only if it saves this share of the kept head's peak over the count before it
 MIN_CHUNK_GAIN_SHARE = 1 / 64
+#: a batch makes the plans choose the implementation again where it has this many times the tokens of every shape
+#: judged (NOTE [The plans choose the implementation]): a bounded number of choices, each a plan per shape and
+#: implementation
+JUDGED_GROWTH = 1.25
 
 
 class KeepHead(Treatment):
@@ -208,6 +212,10 @@ def head_without_a_plan(options: tuple[tuple[str, int, int, float], ...]) -> tup
 # the choice again (each step learns the head's bytes of the implementation it ran: NOTE [A
 # chunked head's step in kept terms], learner.py). A shape where no plan fits is priced above every
 # plan, by the bytes the most any plan saves leaves over the room: the head that holds less wins it.
+# A choice plans every judged shape once per implementation, a few hundred milliseconds at 32 blocks
+# (docs/devlog.md), so a batch asks again only where it is at least ``JUDGED_GROWTH`` times the
+# longest judged: a run meets at most log(longest / shortest) / log(1.25) choices, and a batch a few
+# tokens longer than one judged, whose choice would hardly move, asks for none.
 
 
 def undominated(names: list[str], offered: dict[str, list[tuple[tuple[str, int, int, float], ...]]]) -> list[str]:
@@ -495,7 +503,7 @@ class HeadPart(PartKind):
         """Run the implementation whose plans cost least (``plan_ms``: a shape's, None where not known yet) over the probed
         shapes and ``key``, the longest seen (``shape``: where each is planned); True once chosen (NOTE [The plans choose
         the implementation])."""
-        if key is not None and self.keys and key[0] * key[1] > max(b * n for b, n in self.keys):
+        if key is not None and self.keys and key[0] * key[1] >= JUDGED_GROWTH * max(b * n for b, n in self.keys):
             self.keys.append(tuple(key))
             self.chosen_by_plans = False
         if self.chosen_by_plans or self.probed_steps < PROBE_STEPS or not self.lines:
