@@ -212,8 +212,8 @@ def head_without_a_plan(options: tuple[tuple[str, int, int, float], ...]) -> tup
 # the choice again (each step learns the head's bytes of the implementation it ran: NOTE [A
 # chunked head's step in kept terms], learner.py). A shape where no plan fits is priced above every
 # plan, by the bytes the most any plan saves leaves over the room: the head that holds less wins it.
-# A choice plans every judged shape once per implementation, a few hundred milliseconds at 32 blocks
-# (docs/devlog.md), so a batch asks again only where it is at least ``JUDGED_GROWTH`` times the
+# A choice plans every judged shape once per implementation, the planner's largest cost in a step,
+# so a batch asks again only where it is at least ``JUDGED_GROWTH`` times the
 # longest judged: a run meets at most log(longest / shortest) / log(1.25) choices, and a batch a few
 # tokens longer than one judged, whose choice would hardly move, asks for none.
 
@@ -225,8 +225,7 @@ def undominated(names: list[str], offered: dict[str, list[tuple[tuple[str, int, 
 
     # NOTE [A dominated implementation is not judged]
     Choosing the implementation plans every shape judged once per implementation (NOTE [The plans choose the
-    implementation]): a few hundred milliseconds where a new longest shape asks again, the planner's largest cost in
-    a step. An implementation whose every option some earlier one matches or beats in bytes and time at every shape
+    implementation]), the planner's largest cost in a step. An implementation whose every option some earlier one matches or beats in bytes and time at every shape
     cannot have a cheaper plan there (any plan with its option has one as cheap with the earlier's) nor win a tie (the
     earlier wins ties): it is left out, and the choice is the same. With a frozen head weight ``pure`` keeps what
     ``pure_grad_in_forward`` keeps and is slower, for one.
