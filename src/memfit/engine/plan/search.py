@@ -76,20 +76,13 @@ class Search:
         self._extra_room = int(extra_bytes)
         try:
             with ShapePeaks(planning.model, k):
-                if planning.parts:
-                    plan = self._parts_mix(k)
-                else:
-                    plan = self.recompute_plan(k, warn=False)
-                    mixed = self.mixed_plan(k) if not planning.recompute_only and planning.model.ready else None
-                    if plan is None or (mixed is not None and mixed.cost_ms < plan.cost_ms):
-                        plan = mixed
+                plan = self._parts_mix(k) if planning.parts else self._blocks_plan(k, quiet=True)
         finally:
             self._extra_room = 0
         if plan is None:
             return float("inf")
-        if plan.blocks == planning.all_blocks and not plan.cost_ms and not plan.kinds:  # the mend's every block, unpriced
-            return float(sum(planning.model.costs(k)))
-        return float(plan.cost_ms)
+        unpriced = plan.blocks == planning.all_blocks and not plan.cost_ms and not plan.kinds  # the mend's every block
+        return float(sum(planning.model.costs(k)) if unpriced else plan.cost_ms)
 
     def plan(self, k: tuple[int, int]) -> Plan:
         """``k``'s plan (:meth:`parts_plan` where the run has parts beside the blocks, else recompute alone or a cheaper
@@ -105,13 +98,14 @@ class Search:
                            "would fit it", planning.budget.size(peak), planning.budget)
         return plan
 
-    def _blocks_plan(self, k: tuple[int, int]) -> Plan:
+    def _blocks_plan(self, k: tuple[int, int], quiet: bool = False) -> Plan | None:
+        """``k``'s plan of the blocks alone; where none fits, the floor, said once (``quiet``: None, nothing said)."""
         planning = self.planning
         mixes = not (planning.recompute_only or not planning.model.ready)
-        plan = self.recompute_plan(k, warn=not mixes)
+        plan = self.recompute_plan(k, warn=not (mixes or quiet))
         mixed = self.mixed_plan(k) if mixes else None
         if plan is None or mixed is None:  # where recompute alone fits nothing, a mix that fits wins (NOTE [Leaner re-runs])
-            return plan or mixed or self.recompute_plan(k, warn=True)
+            return plan or mixed or (None if quiet else self.recompute_plan(k, warn=True))
         base_ms = plan.cost_ms if plan.blocks != planning.all_blocks or plan.cost_ms else sum(planning.model.costs(k))
         return mixed if mixed.cost_ms < 0.999 * base_ms else plan
 
@@ -281,7 +275,7 @@ class Search:
         plan = self._parts_mix(k)
         if plan is not None:
             return float(plan.cost_ms)
-        return UNFIT_MS + max(0.0, float(planning.plan_peak(k, self.floor(k[0] * k[1])) - planning.room_bytes))
+        return UNFIT_MS + max(0.0, float(planning.plan_peak(k, self.floor(k[0] * k[1])) - self._room()))
 
     def floor(self, tokens: int) -> Plan:
         """The plan that keeps least, what runs where no plan is predicted to fit: every block on the run's floor treatment

@@ -948,8 +948,8 @@ def _meta_count(profile: ModelProfile, inputs: dict[str, torch.Tensor], attentio
         for h in handles:
             h.remove()
     if padded and ran.attention_calls:  # the boolean mask every block reads, one byte an element, held once
-        ids = inputs["input_ids"]
-        mask = ids.shape[0] * ids.shape[-1] ** 2
+        ids = inputs["input_ids"]  # rows x length, or examples x choices x length
+        mask = ids.numel() * ids.shape[-1]
         counted = dataclasses.replace(counted, shared_input_bytes=counted.shared_input_bytes + mask)
     held = tuple(sum(_tiled_backward_bytes(m, ran_on[m], chunking) for m in ms if m in ran_on) for ms in mlps)
     tiling = _mlp_tiling(blocks, [[m for m in ms if m in ran_on] for ms in mlps], ran_on, chunking,
