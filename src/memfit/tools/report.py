@@ -1037,7 +1037,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no_plots", action="store_true", help="write the tables alone (report.md), no plot")
     args = parser.parse_args(argv)
     path = build_report(args.input_dir, args.output_dir, plots=not args.no_plots)
-    print(f"wrote {path} and {len(list(path.parent.glob('*.png')))} plots")
+    drawn = f"{len(list(path.parent.glob('*.png')))} plots" if not args.no_plots else "no plot (--no_plots)"
+    print(f"wrote {path} and {drawn}")
     return 0
 
 
