@@ -31,8 +31,15 @@ def _steps(folder: Path) -> dict[str, list[dict]]:
     return runs
 
 
-def _plan(record: dict) -> dict[int, str]:
-    return {i: kind for kind, blocks in (record.get("treatments") or {}).items() for i in blocks}
+def _plan(record: dict) -> dict:
+    """Each treated block's treatment, and each part's label (a string: the LM head's ``"chunked:8"``)."""
+    plan: dict = {}
+    for kind, value in (record.get("treatments") or {}).items():
+        if isinstance(value, str):
+            plan[kind] = value
+        else:
+            plan.update((i, kind) for i in value)
+    return plan
 
 
 def compare(out: Path, steady_from: int) -> list[dict]:

@@ -257,8 +257,11 @@ def _build(args):
     import transformers
 
     if args.model == "bert-base":
+        config = transformers.BertConfig()
+        for key, value in _overrides(args.config_overrides).items():
+            setattr(config, key, value)
         torch.manual_seed(0)
-        model = transformers.BertForSequenceClassification(transformers.BertConfig()).to(args.device)
+        model = transformers.BertForSequenceClassification(config).to(args.device)
         return model.train(), "text-classification"
     from memfit.tasks._common import CONFIGS_DIR
 
