@@ -875,6 +875,34 @@ def test_a_warm_up_step_tries_every_block_recomputed_only_where_it_is_expected_t
     plain.remove()
 
 
+def test_a_warm_up_step_is_judged_with_the_head_it_runs():
+    """NOTE [Warm-up on the floor]: once the model predicts, warm-up's every-block-recomputed plan is judged with the
+    LM head as the step runs it (``untreated``: chunked), not kept: the kept head's logits may be over the room where
+    the step's own head leaves every block recomputed room to fit."""
+    model, make, static = _with_static_bytes()
+    n = len(find_blocks(model))
+    ctl = memfit.fit(model, budget=static + 2**30, treatments=("recompute", RECOMPUTE_TILED), head=True, announce=False,
+                     warmup_steps=6)
+    batch = make(2, 16)
+    while not ctl.planning.model.ready:
+        ctl.run_step(lambda: model(**batch).loss.backward())
+    planning = ctl.planning
+    assert ctl.method.in_warmup(planning)
+    judged, predict = [], planning.plan_peak
+
+    def plan_peak(key, plan):  # over the room with the head kept, within it as the step runs
+        judged.append(plan)
+        return planning.room_bytes + (1 if plan.option("head") in (None, ("keep", 1)) else -1)
+
+    planning.plan_peak = plan_peak
+    ctl.run_step(lambda: model(**batch).loss.backward())
+    planning.plan_peak = predict
+    record = ctl.records[-1]
+    assert judged and judged[-1].option("head") == record.head != ("keep", 1), (judged, record.treatments)
+    assert (record.phase, record.block_treatments) == ("warmup", {"recompute": list(range(n))})
+    ctl.remove()
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 def test_lean_parts_that_draw_nothing_keep_no_rng_state(monkeypatch, dropout):
     """A lean norm, and a lean adapter without dropout, draw no random numbers: their re-run keeps no RNG state (a

@@ -44,7 +44,9 @@ block's parameters gathered for it (static bytes are a rank's shards: 0.41 GiB f
 Under that bound a warm-up step tries the plan only where it is expected to fit, which a failed
 forward would otherwise cost a replay the tight end cannot afford (a 30-step run at the smallest cap
 may replay none): where the memory model can predict (it is ready), the plan's predicted peak within
-the room; before it can, a bound of what the re-run of one block holds besides the inputs, its kept
+the room, each part beside the blocks at the option the step runs it with (the LM head chunked: NOTE [A
+plan without a head]; priced with the head kept, whose float32 logits alone may be over the room, long
+warm-up steps ran the floor where every block recomputed fit: docs/devlog.md); before it can, a bound of what the re-run of one block holds besides the inputs, its kept
 forward and its backward, which the probes take to be at most ``PROBE_NEED`` times its input (NOTE
 [Probing on a cut], probe.py): ``(blocks + PROBE_NEED) x tokens x`` the input's bytes a token beside the
 static bytes. Where neither says it fits, that one step runs the floor (docs/devlog.md has the run
@@ -232,8 +234,18 @@ def _may_not_fit(planning: "Planning", key: tuple[int, int], every: Plan, tokens
     if not planning.budget_bytes or floor_treatment(planning.registry) == RECOMPUTE:
         return False
     if planning.model.ready:
-        return planning.plan_peak(key, every) > planning.room_bytes
+        return planning.plan_peak(key, _as_run(planning, every, tokens)) > planning.room_bytes
     return _held_over(planning, tokens, PROBE_NEED * planning.input_bytes_per_token)
+
+
+def _as_run(planning: "Planning", plan: Plan, tokens: int) -> Plan:
+    """``plan`` with each part it names no option of at the option a step of ``tokens`` tokens runs it with (``untreated``:
+    the LM head chunked, NOTE [A plan without a head]): warm-up's plan is judged as it will run, not with the head kept,
+    whose logits alone may be over the room where the chunked head's step fits."""
+    for kind, part in planning.parts.items():
+        if plan.option(kind) is None:
+            plan = plan.with_option(kind, part.untreated(tokens))
+    return plan
 
 
 def _treating_more(planning: "Planning", plan: Plan, failed: Plan | None, tokens: int) -> Plan:
