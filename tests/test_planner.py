@@ -1,6 +1,7 @@
 """The planner is pure: table-driven cases (habit 4)."""
 
 import itertools
+import math
 import random
 
 import pytest
@@ -347,6 +348,37 @@ def test_alike_counts_rows_are_every_assignment():
         for t in range(1, 4):
             expected = sorted(c for c in itertools.product(range(m + 1), repeat=t) if sum(c) <= m)
             assert sorted(tuple(int(x) for x in row) for row in _counts(m, t)) == expected
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_alike_counts_scored_but_for_the_last_option_choose_as_every_count_does(seed, monkeypatch):
+    """NOTE [Choosing treatments]: where every count of alike blocks per option is too many to score but those of
+    all options but the last are not, the last one's count is the fewest that cover the need (every block left
+    where it is priced below keep): the same choice, ties included, as scoring every count, and no dynamic
+    programme (a 32-block stack with 5 options took it on every decision, 60% of a decision's time)."""
+    import numpy as np
+
+    from memfit.engine.plan import planner
+
+    def no_dp(*args):
+        raise AssertionError("the dynamic programme ran")
+
+    rng = random.Random(seed)
+    for _ in range(12):
+        m, k = rng.randrange(3, 13), rng.randrange(2, 6)
+        opts = tuple((f"t{j}", rng.randrange(1, 40) * 1_000_000, rng.choice([0.0, -0.5, 1.0, 2.0, round(rng.uniform(0.5, 9), 2)]))
+                     for j in range(k))
+        order = {o[0]: j for j, o in enumerate(opts)}
+        grid = planner._counts(m, k)
+        every = (grid, grid @ np.array([o[1] for o in opts], float), grid @ np.array([o[2] for o in opts], float), None)
+        most = int(every[1].max())
+        monkeypatch.setattr(planner, "_MAX_COMBINATIONS", math.comb(m + k - 1, k - 1))  # every count is one too many
+        monkeypatch.setattr(planner, "_choose_by_dp", no_dp)
+        reduced = planner._scored(opts, m)
+        assert reduced is not None and reduced[3] is not None and len(reduced[0]) < len(grid)
+        for need in sorted({1, most // 3, most // 2, most - 1, most, *(rng.randrange(1, most + 1) for _ in range(6))}):
+            assert planner._alike(opts, m, need, order, 1024, reduced) == planner._alike(opts, m, need, order, 1024, every), (opts, m, need)
+        monkeypatch.undo()
 
 
 @pytest.mark.parametrize("seed", range(6))
