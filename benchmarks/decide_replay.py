@@ -114,6 +114,8 @@ def replay(steps: Path, models: Path, config: str, treatments: tuple[str, ...], 
 
     records = [json.loads(line) for line in gzip.open(steps, "rt") if line.strip()]
     planned_by = [json.loads(line) for line in gzip.open(models, "rt") if line.strip()]
+    if models.name.endswith(".model.json.gz"):  # one model (loop_bench's last): every step planned on it
+        planned_by = planned_by * (max(r["step"] for r in records) - 1)
     planning, head = _planning(config, records[0]["budget_bytes"], treatments, link_gb_s)
     planning.load_state_dict(planned_by[0])
     method = Dynamic()
@@ -156,7 +158,8 @@ def replay(steps: Path, models: Path, config: str, treatments: tuple[str, ...], 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("steps", type=Path, help="a run's step records (.jsonl.gz)")
-    p.add_argument("models", type=Path, help="the same run's models after every step (.models.jsonl.gz)")
+    p.add_argument("models", type=Path, help="the same run's models after every step (.models.jsonl.gz), or its last "
+                   "model (.model.json.gz: every step planned on it, the curves as the run ended)")
     p.add_argument("--model_config", "--model", dest="config", default="Llama-3.2-1B", help="the bundled config the run trained")
     p.add_argument("--treatments", nargs="+", default=list(AUTO_ON_GPU))
     p.add_argument("--link_gb_s", type=float, default=50.0, help="the host link's bandwidth each way, GB/s")
