@@ -46,12 +46,12 @@ forward would otherwise cost a replay the tight end cannot afford (a 30-step run
 may replay none): where the memory model can predict (it is ready), the plan's predicted peak within
 the room, each part beside the blocks at the option the step runs it with (the LM head chunked: NOTE [A
 plan without a head]; priced with the head kept, whose float32 logits alone may be over the room, long
-warm-up steps ran the floor where every block recomputed fit: docs/devlog.md); before it can, a bound of what the re-run of one block holds besides the inputs, its kept
-forward and its backward, which the probes take to be at most ``PROBE_NEED`` times its input (NOTE
-[Probing on a cut], probe.py): ``(blocks + PROBE_NEED) x tokens x`` the input's bytes a token beside the
-static bytes. Where neither says it fits, that one step runs the floor (docs/devlog.md has the run
-that needed it). Unlike a
-failed plan, this is not remembered: the next warm-up step is judged again, by what the model has
+warm-up steps ran the floor where every block recomputed fit: docs/devlog.md); before it can, a bound
+of what the re-run of one block holds besides the inputs, its kept forward and its backward, which the
+probes take to be at most ``PROBE_NEED`` times its input (NOTE [Probing on a cut], probe.py):
+``(blocks + PROBE_NEED) x tokens x`` the input's bytes a token beside the static bytes. Where neither says
+it fits, that one step runs the floor (docs/devlog.md has the run that needed it). Unlike a failed plan,
+this is not remembered: the next warm-up step is judged again, by what the model has
 learnt since. A run whose floor is plain recompute is unchanged by it (its floor is this plan).
 A warm-up on the floor runs no block recomputed, so the probe measures what a checkpoint keeps
 (``Recompute.probe``: the block's input): else the memory model, which needs it, is never ready and
@@ -239,9 +239,8 @@ def _may_not_fit(planning: "Planning", key: tuple[int, int], every: Plan, tokens
 
 
 def _as_run(planning: "Planning", plan: Plan, tokens: int) -> Plan:
-    """``plan`` with each part it names no option of at the option a step of ``tokens`` tokens runs it with (``untreated``:
-    the LM head chunked, NOTE [A plan without a head]): warm-up's plan is judged as it will run, not with the head kept,
-    whose logits alone may be over the room where the chunked head's step fits."""
+    """``plan`` with each part it names no option of at the option a step of ``tokens`` tokens runs it with
+    (``untreated``: the LM head chunked, NOTE [A plan without a head]), as it will run (NOTE [Warm-up on the floor])."""
     for kind, part in planning.parts.items():
         if plan.option(kind) is None:
             plan = plan.with_option(kind, part.untreated(tokens))

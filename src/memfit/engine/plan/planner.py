@@ -371,11 +371,13 @@ def plan_treatments(
     has time); ties go to fewer treated
     blocks. A stack too large to score every count (28 blocks and 9 treatments: 124 million
     counts) first drops the options another beats (saves as much for no more time), which no
-    cheapest plan needs; the rest are scored where they can be (4 of them: 36 thousand counts), or
-    where they are too many, every count of all but the last option, that one's count the fewest that cover the
-    need (exact as scoring every count: no cheaper count of it covers, a dearer one costs more; 32 blocks and 5
-    options: 59 thousand counts for 436 thousand), else chosen by the dynamic programme, then placed alike. Otherwise the dynamic programme of NOTE [A bounded planner]: savings never
-    below ``need``, bounded in time and memory whatever the need.
+    cheapest plan needs; the rest are scored where they can be (4 of them: 36 thousand counts). Where
+    they are too many, every count of all but the last option is scored, that one's count the fewest that cover
+    the need (every block left where it is priced below keep): as exact as scoring every count, for given other
+    counts fewer of it do not cover and more cost no less and treat more blocks (32 blocks and 5 options: 59
+    thousand counts for 436 thousand). Else the dynamic programme chooses the counts, placed alike. Otherwise
+    the dynamic programme of NOTE [A bounded planner]: savings never below ``need``, bounded in time and memory
+    whatever the need.
 
     Args:
         options: per block, ``(treatment, bytes saved, ms)`` of each treatment it may take.
@@ -554,7 +556,7 @@ def _scored(opts: tuple[tuple[str, int, float], ...], m: int) -> tuple | None:
         grid, scored, last = _counts(m, k), opts, None
     elif k > 1 and math.comb(m + k - 1, k - 1) <= _MAX_COMBINATIONS:
         grid, scored = _counts(m, k - 1), opts[:-1]
-        last = (int(opts[-1][1]), float(opts[-1][2]), m - (grid @ np.ones(k - 1)).astype(np.int64))  # a matvec: sum(axis=1) is 6x slower
+        last = (int(opts[-1][1]), float(opts[-1][2]), m - (grid @ np.ones(k - 1)).astype(np.int64))  # sum(axis=1): 6x slower
     else:
         return None
     return (grid, grid @ np.array([o[1] for o in scored], dtype=np.float64),
