@@ -126,7 +126,7 @@ def replay(steps: Path, models: Path, config: str, treatments: tuple[str, ...], 
             continue
         _teach(planning, planned_by[r["step"] - 2])
         planning.begin_step(r["static_bytes"])
-        head.switch.implementation = r.get("head_implementation") or "pure"
+        head.switch.implementation = (r.get("implementations") or {}).get("head") or r.get("head_implementation") or "pure"
         key = (r["shape"][0], r["shape"][1])
         as_found = _as_found(planning.model)
         for _ in range(repeats):

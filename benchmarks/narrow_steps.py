@@ -35,7 +35,7 @@ def step(b):
     r = ctl.records[-1]
     mix = {k: len(v) for k, v in r.treatments.items() if isinstance(v, list)}
     return dict(shape=r.shape[:2], ms=round((t2 - t) * 1e3, 1), fb_ms=round((t1 - t) * 1e3, 1), rec_ms=round(r.step_ms, 1), counted=r.counted,
-                mix=mix, head=r.head_implementation, retries=r.alloc_retries, planner_us=round(r.planner_us))
+                mix=mix, head=r.implementations.get("head"), retries=r.alloc_retries, planner_us=round(r.planner_us))
 for i, b in enumerate(batches):
     out = step(b)
     if max(lengths[i]) < 1100 or i < 5 or i % 10 == 0: print(i, out, flush=True)

@@ -492,7 +492,7 @@ def test_a_run_chunks_its_head_by_the_implementation_its_plans_price_cheapest(mo
     part = ctl.head.part
     assert part.chosen_by_plans and part.switch.implementation == chosen
     planned = [r for r in ctl.records if r.phase != "warmup" and r.treatments.get("head", "keep") != "keep"]
-    assert planned and {r.head_implementation for r in planned} == {chosen}
+    assert planned and {r.implementations.get("head") for r in planned} == {chosen}
     assert not any(r.peak_allocated_bytes > budget for r in ctl.records)
     ctl.remove()
 
@@ -504,11 +504,11 @@ def test_a_batch_longer_than_warmups_makes_the_plans_choose_the_implementation_a
     (NOTE [The plans choose the implementation])."""
     ctl = _run_with_faster_grad_in_forward(monkeypatch, 14_000_000, [8, 16, 8, 16, 8, 16, 8])
     part = ctl.head.part
-    assert {r.head_implementation for r in ctl.records if r.phase == "warmup"} == {"pure"}
+    assert {r.implementations.get("head") for r in ctl.records if r.phase == "warmup"} == {"pure"}
     assert part.chosen_by_plans and part.switch.implementation == "pure_grad_in_forward"
     _steps(ctl.model, ctl.optimizer, [64, 16, 64, 8, 64])
     longer = [r for r in ctl.records if r.shape[1] == 64]
-    assert longer and {r.head_implementation for r in longer} == {"pure"}
+    assert longer and {r.implementations.get("head") for r in longer} == {"pure"}
     assert part.switch.implementation == "pure"
     assert max(b * n for b, n in ctl.head.part.keys) == 4 * 64
     ctl.remove()

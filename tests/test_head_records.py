@@ -116,8 +116,8 @@ def test_precomputed_runs_a_files_head_where_the_head_is_planned_and_drops_it_wh
     assert [r.head for r in records] == [("keep", 1), ("chunked", 4)]
     assert ctl.head.part.switch.chunked_forwards == 1
     # the chunked step says which implementation ran it, and the summary says the head's mix
-    assert [r.head_implementation for r in records] == [None, ctl.head.part.switch.implementation]
-    assert StepRecord.from_dict(records[1].to_dict()).head_implementation == ctl.head.part.switch.implementation
+    assert [r.implementations.get("head") for r in records] == [None, ctl.head.part.switch.implementation]
+    assert StepRecord.from_dict(records[1].to_dict()).implementations.get("head") == ctl.head.part.switch.implementation
     from memfit.engine.summary_text import end_summary
 
     assert f"memfit: LM head kept on 1 micro-step, chunked on 1 ({ctl.head.part.switch.implementation})" in end_summary(records)
@@ -147,3 +147,19 @@ def test_a_dynamic_runs_plans_file_keeps_each_shapes_head(tmp_path):
     again = {tuple(r.shape): r.head for r in _steps(model, ctl, lengths, rows=4)}
     ctl.remove()
     assert all(again[key] == plans[key].option("head") for key in plans if key in again)
+
+
+def test_a_parts_implementation_loads_from_a_record_of_either_version():
+    """A part's implementation is ``implementations[<kind>]``; an earlier version wrote the LM head's as
+    ``head_implementation``, read into the same place; the summary names it either way."""
+    from memfit.engine.summary_text import end_summary
+
+    line = StepRecord(1, [2, 8], 16, "dynamic", [], 0, 2, None, 0, 0, None, "logical", 1.0, 0.0,
+                      treatments={"head": "chunked:4"}, implementations={"head": "liger"}).to_dict()
+    assert "head_implementation" not in line and StepRecord.from_dict(line).implementations == {"head": "liger"}
+    old = {k: v for k, v in line.items() if k != "implementations"} | {"head_implementation": "liger"}
+    assert StepRecord.from_dict(old).implementations == {"head": "liger"}
+    assert StepRecord.from_dict({**old, "head_implementation": None}).implementations == {}
+    for data in (line, old):
+        assert "memfit: LM head chunked on 1 micro-step (liger)" in end_summary([StepRecord.from_dict(data)])
+

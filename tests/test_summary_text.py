@@ -128,7 +128,7 @@ def test_end_summary_names_treatments_the_registry_does_not_know():
     records = [
         _record(1, 600, None, [0, 1, 2, 3], treatments={"my_offload": [0], "elementwise": [1, 2], "recompute": [3],
                                                         "head": "my_head:2"}),
-        _record(2, 600, None, [0, 1], treatments={"elementwise": [0, 1], "head": "chunked:4"}, head_implementation="pure"),
+        _record(2, 600, None, [0, 1], treatments={"elementwise": [0, 1], "head": "chunked:4"}, implementations={"head": "pure"}),
         _record(3, 600, None, [], treatments={"head": "keep"}),
     ]
     lines = end_summary(records).splitlines()

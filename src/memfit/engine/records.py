@@ -37,6 +37,8 @@ SCHEMA_VERSION = 1
 
 #: The key of a step record's ``treatments`` that holds the LM head's treatment (NOTE [The head in a record]).
 HEAD_KEY = "head"
+#: how an earlier version named a part's implementation in a record: ``<kind>_implementation``
+_IMPLEMENTATION = "_implementation"
 
 
 def part_label(treatment: str, param: int = 1) -> str:
@@ -101,8 +103,9 @@ class StepRecord:
     (``n`` chunks), as the plan files write it. It is the one key of ``treatments`` whose value is
     no block list: :attr:`head` reads it as ``(treatment, n_chunks)`` and :attr:`block_treatments`
     leaves it out. A step without a planned head has no such key (``head`` is None). A step whose
-    head ran chunked names the implementation in ``head_implementation``; the end summary gives
-    the steps kept and chunked, and by which implementation.
+    head ran chunked names the implementation in ``implementations["head"]``, as any part that runs by one
+    of several does under its kind; the end summary gives the steps kept and chunked, and by which
+    implementation.
 
     Byte counts are plain bytes; ``budget_bytes`` is ``None`` when no budget is set.
     With ``accounting == "logical"`` (CPU), ``peak_allocated_bytes`` is parameters +
@@ -155,10 +158,10 @@ class StepRecord:
     #: other block was kept (engine/parts/treatments/); and the LM head's label under ``"head"`` when the
     #: plan placed it (NOTE [The head in a record])
     treatments: dict[str, Any] = field(default_factory=dict)
-    #: where the LM head ran chunked, the implementation that ran it (``pure``,
-    #: ``pure_grad_in_forward``, ``liger``, ``cce``: NOTE [Pricing the head] in
-    #: treatments/chunked_head.py); None otherwise
-    head_implementation: str | None = None
+    #: per part kind beside the blocks that runs by one of several implementations, the one that ran it this step
+    #: (the LM head chunked: ``pure``, ``pure_grad_in_forward``, ``liger``, ``cce``, NOTE [Pricing the head] in
+    #: treatments/chunked_head.py); a record of an earlier version holds it as ``<kind>_implementation``
+    implementations: dict[str, str] = field(default_factory=dict)
     #: the attempts of this step that ran out of memory and were replayed, oldest first:
     #: ``stage`` (forward / backward / optimizer), ``plan``, ``phase``, ``shape``,
     #: ``predicted_peak_bytes``, ``margin_bytes``, ``slack_bytes``, ``pool_bytes``, ``evicted_blocks``,
@@ -201,9 +204,14 @@ class StepRecord:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "StepRecord":
-        """Build a record from a JSONL line, ignoring fields this version does not know."""
+        """Build a record from a JSONL line, ignoring fields this version does not know (a part's implementation
+        written as ``<kind>_implementation`` by an earlier version goes to :attr:`implementations`)."""
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        record = cls(**{k: v for k, v in data.items() if k in names})
+        for key, value in data.items():
+            if key.endswith(_IMPLEMENTATION) and isinstance(value, str) and key not in names:
+                record.implementations.setdefault(key[: -len(_IMPLEMENTATION)], value)
+        return record
 
 
 @dataclass

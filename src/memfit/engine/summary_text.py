@@ -212,7 +212,7 @@ def _parts_lines(records: Sequence[StepRecord]) -> list[str]:
     """The summary's line on each part beside the blocks the records hold (the LM head; a part kind
     given to ``fit(parts=...)``: NOTE [Parts in a record], records.py): the steps of each of its
     treatments (registry order, ``keep`` first), with the implementations that ran it where the
-    records name them (NOTE [The head in a record]); none without such parts."""
+    records name them (``implementations``: NOTE [The head in a record]); none without such parts."""
     kinds = list(dict.fromkeys(kind for r in records for kind in r.parts))
     lines = []
     for kind in kinds:
@@ -221,7 +221,7 @@ def _parts_lines(records: Sequence[StepRecord]) -> list[str]:
         words = []
         for name in sorted(names, key=lambda n: n != KEEP):
             mine = [r for r, ran_as in placed if ran_as == name]
-            ran = Counter(r.head_implementation for r in mine if r.head_implementation) if kind == HEAD_KEY else Counter()
+            ran = Counter(r.implementations[kind] for r in mine if kind in r.implementations)
             by = "" if not ran else " (" + ", ".join(impl if len(ran) == 1 else f"{impl} {n}" for impl, n in ran.most_common()) + ")"
             unit = "" if words else f" micro-step{'s' * (len(mine) != 1)}"
             words.append(f"{'kept' if name == KEEP else name} on {len(mine)}{unit}{by}")

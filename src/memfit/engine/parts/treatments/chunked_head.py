@@ -811,7 +811,7 @@ class RunHead:
             return
         record.treatments[HEAD_KEY] = plan.part_labels()[HEAD_KEY]
         if head[0] == CHUNKED and self._switch is not None:
-            record.head_implementation = self._switch.implementation
+            record.implementations[HEAD_KEY] = self._switch.implementation
 
     def remove(self) -> None:
         """Take the head's hooks off the model (they stay on, inert, after :meth:`leave`, until now)."""
