@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         attempt = (r.get("oom_attempts") or [None])[0]  # an OOM's first try: its plan and what it read
         record = StepRecord.from_dict(r)
-        head = record.head or ("keep", 1)
+        head = record.parts.get("head") or ("keep", 1)
         if attempt:  # its blocks, and their treatments where not all recomputed (the head is the replayed step's)
             plan = Plan(tuple(attempt["plan"] or ()), kinds=tuple(attempt.get("treatments") or ()), parts=[("head", *head)])
         else:

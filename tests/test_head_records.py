@@ -13,7 +13,7 @@ import torch
 import memfit
 from memfit.engine.methods import load_plans, save_plans
 from memfit.engine.plan.planner import Plan
-from memfit.engine.records import StepRecord, head_steps, parse_head_label, summarize, treated_blocks
+from memfit.engine.records import StepRecord, parse_part_label, part_steps, summarize, treated_blocks
 
 tf = pytest.importorskip("transformers")
 
@@ -24,24 +24,24 @@ def _record(step: int, tokens: int, treatments: dict, plan=()) -> StepRecord:
 
 
 def test_head_label_reads_as_treatment_and_chunk_count():
-    assert parse_head_label("keep") == ("keep", 1)
-    assert parse_head_label("chunked:16") == ("chunked", 16)
+    assert parse_part_label("keep", "head") == ("keep", 1)
+    assert parse_part_label("chunked:16", "head") == ("chunked", 16)
     for bad in ("", "chunked:", "chunked:0", "chunked:x", ":4"):
         with pytest.raises(ValueError, match="neither 'keep' nor"):
-            parse_head_label(bad)
+            parse_part_label(bad, "head")
 
 
 def test_a_record_says_the_heads_treatment_apart_from_its_blocks():
     rec = _record(1, 400, {"recompute": [0, 1], "head": "chunked:8"}, plan=(0, 1))
-    assert rec.head == ("chunked", 8)
+    assert rec.parts == {"head": ("chunked", 8)}
     assert rec.block_treatments == {"recompute": [0, 1]}
     again = StepRecord.from_dict(json.loads(json.dumps(rec.to_dict())))
-    assert again.head == ("chunked", 8) and again.treatments == rec.treatments
-    assert _record(2, 40, {"head": "keep"}).head == ("keep", 1)
+    assert again.parts == {"head": ("chunked", 8)} and again.treatments == rec.treatments
+    assert _record(2, 40, {"head": "keep"}).parts == {"head": ("keep", 1)}
     assert _record(2, 40, {"head": "keep"}).block_treatments == {}
     # no planned head (head=False, or records of before): no head; schema 1 recomputed its plan
     old = _record(3, 40, {}, plan=(2,))
-    assert old.head is None and old.block_treatments == {"recompute": [2]}
+    assert old.parts == {} and old.block_treatments == {"recompute": [2]}
 
 
 def test_summary_counts_steps_per_head_label_and_no_head_block():
@@ -52,10 +52,10 @@ def test_summary_counts_steps_per_head_label_and_no_head_block():
         _record(4, 400, {"recompute": [0], "head": "chunked:16"}, plan=(0,)),
     ]
     summary = summarize(records)
-    assert summary.head_steps == {"keep": 1, "chunked:4": 1, "chunked:16": 2}  # fewest chunks first
-    assert list(summary.head_steps) == ["keep", "chunked:4", "chunked:16"]
+    assert summary.part_steps == {"head": {"keep": 1, "chunked:4": 1, "chunked:16": 2}}  # fewest chunks first
+    assert list(summary.part_steps["head"]) == ["keep", "chunked:4", "chunked:16"]
     assert summary.treated_blocks == treated_blocks(records) == {"recompute": 4}
-    assert summarize([_record(1, 40, {})]).head_steps == {} == head_steps([])
+    assert summarize([_record(1, 40, {})]).part_steps == {} == part_steps([])
 
 
 def test_plans_file_saves_and_loads_a_plans_head(tmp_path):
@@ -113,7 +113,7 @@ def test_precomputed_runs_a_files_head_where_the_head_is_planned_and_drops_it_wh
     model = copy.deepcopy(base)
     ctl = memfit.fit(model, budget=None, method="precomputed", path=path, head=True, announce=False)
     records = _steps(model, ctl, [8, 32])
-    assert [r.head for r in records] == [("keep", 1), ("chunked", 4)]
+    assert [r.parts.get("head") for r in records] == [("keep", 1), ("chunked", 4)]
     assert ctl.head.part.switch.chunked_forwards == 1
     # the chunked step says which implementation ran it, and the summary says the head's mix
     assert [r.implementations.get("head") for r in records] == [None, ctl.head.part.switch.implementation]
@@ -126,7 +126,7 @@ def test_precomputed_runs_a_files_head_where_the_head_is_planned_and_drops_it_wh
     ctl = memfit.fit(model, budget=None, method="precomputed", path=path, announce=False)
     records = _steps(model, ctl, [8, 32])
     ctl.remove()
-    assert [r.head for r in records] == [None, None] and records[1].block_treatments == {"recompute": [0]}
+    assert [r.parts.get("head") for r in records] == [None, None] and records[1].block_treatments == {"recompute": [0]}
 
 
 def test_a_dynamic_runs_plans_file_keeps_each_shapes_head(tmp_path):
@@ -136,7 +136,7 @@ def test_a_dynamic_runs_plans_file_keeps_each_shapes_head(tmp_path):
     lengths = [16, 64, 8, 32, 64, 16, 48, 64, 8, 64]
     model = copy.deepcopy(base)
     ctl = memfit.fit(model, budget=12_000_000, method="dynamic", head=True, announce=False)
-    ran = {tuple(r.shape): r.head for r in _steps(model, ctl, lengths, rows=4) if r.phase == "steady"}
+    ran = {tuple(r.shape): r.parts.get("head") for r in _steps(model, ctl, lengths, rows=4) if r.phase == "steady"}
     ctl.save_plans(str(tmp_path / "plans.json"))
     ctl.remove()
     plans, _, _ = load_plans(str(tmp_path / "plans.json"))
@@ -144,7 +144,7 @@ def test_a_dynamic_runs_plans_file_keeps_each_shapes_head(tmp_path):
     assert all(plans[key].option("head") == head for key, head in ran.items() if key in plans)
     model = copy.deepcopy(base)
     ctl = memfit.fit(model, budget=None, method="precomputed", path=tmp_path / "plans.json", head=True, announce=False)
-    again = {tuple(r.shape): r.head for r in _steps(model, ctl, lengths, rows=4)}
+    again = {tuple(r.shape): r.parts.get("head") for r in _steps(model, ctl, lengths, rows=4)}
     ctl.remove()
     assert all(again[key] == plans[key].option("head") for key in plans if key in again)
 

@@ -140,7 +140,7 @@ def test_a_part_priced_anew_has_planning_drop_its_cached_plans_itself():
 def test_the_lm_head_is_a_part_kind():
     """The LM head is planned as a part kind like a user's (parts/kind.py): its name is the records' key."""
     from memfit.engine.parts.treatments.chunked_head import HeadPart
-    from memfit.engine.records import HEAD_KEY
+    from memfit.engine.parts.head import HEAD_KEY
 
     assert issubclass(HeadPart, memfit.PartKind) and HeadPart.name == HEAD_KEY == "head"
 

@@ -898,7 +898,7 @@ def test_a_warm_up_step_is_judged_with_the_head_it_runs():
     ctl.run_step(lambda: model(**batch).loss.backward())
     planning.plan_peak = predict
     record = ctl.records[-1]
-    assert judged and judged[-1].option("head") == record.head != ("keep", 1), (judged, record.treatments)
+    assert judged and judged[-1].option("head") == record.parts.get("head") != ("keep", 1), (judged, record.treatments)
     assert (record.phase, record.block_treatments) == ("warmup", {"recompute": list(range(n))})
     ctl.remove()
 

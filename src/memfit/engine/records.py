@@ -24,19 +24,14 @@ __all__ = [
     "summarize",
     "mean_treated_fraction",
     "treated_blocks",
-    "head_steps",
     "part_steps",
-    "HEAD_KEY",
     "part_label",
     "parse_part_label",
-    "parse_head_label",
 ]
 
 #: Version of the step-record and summary schema. Bump on any incompatible change.
 SCHEMA_VERSION = 1
 
-#: The key of a step record's ``treatments`` that holds the LM head's treatment (NOTE [The head in a record]).
-HEAD_KEY = "head"
 #: how an earlier version named a part's implementation in a record: ``<kind>_implementation``
 _IMPLEMENTATION = "_implementation"
 
@@ -73,16 +68,6 @@ def parse_part_label(label: str, kind: str = "part") -> tuple[str, int]:
     return name, n_chunks
 
 
-def parse_head_label(label: str) -> tuple[str, int]:
-    """The LM head's treatment and chunk count from its label (:func:`parse_part_label`).
-
-    Example:
-        >>> parse_head_label("chunked:8")
-        ('chunked', 8)
-    """
-    return parse_part_label(label, HEAD_KEY)
-
-
 @dataclass
 class StepRecord:
     """One optimizer micro-step (one training forward + backward).
@@ -101,8 +86,8 @@ class StepRecord:
     A step whose plan placed the LM head (``fit(head=...)``, NOTE [The head in the plan] in
     planner.py) has ``treatments["head"]``: the head's label, ``"keep"`` or ``"chunked:<n>"``
     (``n`` chunks), as the plan files write it. It is the one key of ``treatments`` whose value is
-    no block list: :attr:`head` reads it as ``(treatment, n_chunks)`` and :attr:`block_treatments`
-    leaves it out. A step without a planned head has no such key (``head`` is None). A step whose
+    no block list: :attr:`parts` reads it as ``(treatment, n_chunks)`` under ``"head"`` and
+    :attr:`block_treatments` leaves it out. A step without a planned head has no such key. A step whose
     head ran chunked names the implementation in ``implementations["head"]``, as any part that runs by one
     of several does under its kind; the end summary gives the steps kept and chunked, and by which
     implementation.
@@ -185,12 +170,6 @@ class StepRecord:
         return dataclasses.asdict(self)
 
     @property
-    def head(self) -> tuple[str, int] | None:
-        """The LM head's treatment and chunk count this step, ``("keep", 1)`` or ``("chunked", n)``;
-        None when the plan did not place the head (NOTE [The head in a record])."""
-        return self.parts.get(HEAD_KEY)
-
-    @property
     def parts(self) -> dict[str, tuple[str, int]]:
         """Per part kind placed beside the blocks, its ``(treatment, param)`` this step (NOTE [Parts in a record])."""
         return {k: parse_part_label(v) for k, v in self.treatments.items() if isinstance(v, str)}
@@ -252,11 +231,8 @@ class RunSummary:
     counted_steps: int = 0
     #: per treatment name, how many block-steps it was given (a block in one step counts once)
     treated_blocks: dict[str, int] = field(default_factory=dict)
-    #: per LM head label (``"keep"``, ``"chunked:8"``), how many steps ran the head so; empty
-    #: when no step planned the head (NOTE [The head in a record])
-    head_steps: dict[str, int] = field(default_factory=dict)
-    #: per part kind placed beside the blocks (the head's ``"head"`` among them), steps per label
-    #: (:func:`part_steps`, NOTE [Parts in a record])
+    #: per part kind placed beside the blocks (the LM head's ``"head"`` among them: ``{"head": {"keep": 3,
+    #: "chunked:8": 2}}``), steps per label (:func:`part_steps`, NOTE [Parts in a record])
     part_steps: dict[str, dict[str, int]] = field(default_factory=dict)
     #: with compiled blocks: compile time over the run, and graphs compiled in steady steps
     #: other than the run's first (recompiles after warm-up)
@@ -320,7 +296,6 @@ def summarize(records: Iterable[StepRecord], optimizer_steps: int | None = None)
         evicting_steps=sum(bool(r.evicted_blocks) for r in records),
         counted_steps=sum(r.counted for r in records),
         treated_blocks=treated_blocks(records),
-        head_steps=head_steps(records),
         part_steps=part_steps(records),
         compile_ms=sum(r.compile_ms for r in records),
         steady_compiled_graphs=sum(r.compiled_graphs for r in records[1:] if r.phase == "steady"),
@@ -371,18 +346,6 @@ def part_steps(records: Sequence[StepRecord]) -> dict[str, dict[str, int]]:
                 counts = out.setdefault(kind, {})
                 counts[label] = counts.get(label, 0) + 1
     return {kind: dict(sorted(counts.items(), key=lambda kv: parse_part_label(kv[0])[::-1])) for kind, counts in out.items()}
-
-
-def head_steps(records: Sequence[StepRecord]) -> dict[str, int]:
-    """Steps per LM head label over ``records`` (NOTE [The head in a record]), fewest chunks first;
-    empty when none planned the head (the head's row of :func:`part_steps`).
-
-    Example:
-        >>> r = StepRecord(1, [8, 100], 800, "dynamic", [], 0, 2, None, 0, 0, None, "logical", None, 0.0)
-        >>> head_steps([r, dataclasses.replace(r, treatments={"head": "chunked:4"})])
-        {'chunked:4': 1}
-    """
-    return part_steps(records).get(HEAD_KEY, {})
 
 
 class JsonlWriter:

@@ -16,7 +16,8 @@ from collections import Counter
 from collections.abc import Sequence
 
 from memfit.engine.budget import Budget, format_bytes
-from memfit.engine.records import HEAD_KEY, StepRecord, mean_treated_fraction, summarize, treated_blocks
+from memfit.engine.records import StepRecord, mean_treated_fraction, summarize, treated_blocks
+from memfit.engine.parts.head import HEAD_KEY
 from memfit.engine.parts.treatments import KEEP, RECOMPUTE, in_registry_order
 
 __all__ = [

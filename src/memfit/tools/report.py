@@ -47,8 +47,9 @@ from typing import Any
 
 from memfit.errors import ArgumentParser, DataError, MissingFileError
 from memfit.engine.records import (
-    HEAD_KEY, RunSummary, StepRecord, parse_head_label, part_steps, read_jsonl_numbered, summarize, treated_blocks,
+    RunSummary, StepRecord, parse_part_label, part_steps, read_jsonl_numbered, summarize, treated_blocks,
 )
+from memfit.engine.parts.head import HEAD_KEY
 from memfit.engine.parts.treatments import BY_PART, KEEP, in_registry_order
 from memfit.engine.summary_text import given_unit, size_in_given_unit
 
@@ -516,7 +517,7 @@ def _treatment_names(runs: Sequence[_StepRun]) -> tuple[list[str], list[str]]:
     ``keep`` is no block column: a block no treatment lists was kept."""
     records = [rec for run in runs for rec in run.records]
     blocks = in_registry_order({name for rec in records for name in rec.block_treatments} - {KEEP})
-    heads = in_registry_order({rec.head[0] for rec in records if rec.head is not None}, part="head")
+    heads = in_registry_order({rec.parts[HEAD_KEY][0] for rec in records if HEAD_KEY in rec.parts}, part="head")
     return blocks, heads
 
 
@@ -548,7 +549,7 @@ class _MixRow:
         steps = sum(count for _, count in self.heads)
         out: dict[str, tuple[int, int]] = {}  # treatment -> (steps, chunks summed over them)
         for label, count in self.heads:
-            name, chunks = parse_head_label(label)
+            name, chunks = parse_part_label(label, HEAD_KEY)
             n, total = out.get(name, (0, 0))
             out[name] = (n + count, total + chunks * count)
         return {name: (n / steps, round(total / n, 1)) for name, (n, total) in out.items()}

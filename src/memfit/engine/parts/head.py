@@ -77,10 +77,14 @@ from torch.utils.checkpoint import checkpoint
 from memfit.engine.ranks import is_fsdp
 
 __all__ = [
-    "HEAD_TREATMENTS", "IMPLEMENTATIONS", "HeadSpec", "HeadNotFound", "HeadSwitch", "HeadBytes", "find_head", "attach_head",
+    "HEAD_KEY", "HEAD_TREATMENTS", "IMPLEMENTATIONS", "HeadSpec", "HeadNotFound", "HeadSwitch", "HeadBytes", "find_head", "attach_head",
     "chunked_causal_lm_loss", "head_saved_bytes", "chunks_for_bytes", "probe_head", "head_loss", "available_implementations", "FUSED",
     "fused_chunks",
 ]
+
+#: The LM head's part kind: its key in a step record's ``treatments`` and ``implementations`` and in a plan's parts
+#: (NOTE [The head in a record], records.py)
+HEAD_KEY = "head"
 
 logger = logging.getLogger("memfit")
 

@@ -37,7 +37,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from memfit.engine.records import HEAD_KEY
+from memfit.engine.parts.head import HEAD_KEY
 
 __all__ = ["PartKind", "Option", "RunParts", "check_parts", "AFTER_BLOCKS", "OPTIMIZER_STEP"]
 

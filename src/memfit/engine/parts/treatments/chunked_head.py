@@ -93,11 +93,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memfit.engine.parts.head import FUSED, HeadSwitch, available_implementations, fused_chunks, head_saved_bytes, probe_head
+from memfit.engine.parts.head import FUSED, HEAD_KEY, HeadSwitch, available_implementations, fused_chunks, head_saved_bytes, probe_head
 from memfit.engine.budget import Budget, BudgetTooSmallError, format_bytes
 from memfit.engine.parts.kind import PartKind
 from memfit.engine.parts.treatments.base import KEEP, Treatment
-from memfit.engine.records import HEAD_KEY
 
 if TYPE_CHECKING:
     from memfit.engine.parts.treatments.base import Block
