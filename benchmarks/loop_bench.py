@@ -442,6 +442,7 @@ def _label(budget: int | None) -> str:
 def _memfit_fields(args, records) -> dict:
     """What a memfit run's step records say, for its result line."""
     import memfit
+    from memfit.engine.parts.head import HEAD_KEY
 
     if not records:  # a run that recorded no step (it failed first): the fields every line has
         return {"recomputed_fraction": None, "lost_steps": args.steps}
@@ -451,7 +452,7 @@ def _memfit_fields(args, records) -> dict:
         recomputed_fraction=round(summary.mean_checkpointed_fraction, 4), oom_count=summary.oom_retries,
         over_budget_steps=summary.over_budget_steps, armed_steps=summary.armed_steps,
         evicting_steps=summary.evicting_steps, counted_steps=summary.counted_steps,
-        treated_blocks=summary.treated_blocks, head_steps=summary.part_steps.get("head", {}), warmup_steps=summary.warmup_steps,
+        treated_blocks=summary.treated_blocks, head_steps=summary.part_steps.get(HEAD_KEY, {}), warmup_steps=summary.warmup_steps,
         planner_us_per_step=round(summary.mean_planner_us, 2), lost_steps=args.steps - len(records),
         compile_s=round(summary.compile_ms / 1e3, 2), steady_compiled_graphs=summary.steady_compiled_graphs,
         by_length=_by_length(records),

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from memfit.engine.plan.model import MemoryModel
     from memfit.engine.plan.planner import Plan
     from memfit.engine.records import StepRecord
-    from memfit.engine.parts.head import head_saved_bytes
+    from memfit.engine.parts.head import HEAD_KEY, head_saved_bytes
 
     config_file = CONFIGS_DIR / f"{args.config}.json"
     if not config_file.is_file():
@@ -76,9 +76,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         attempt = (r.get("oom_attempts") or [None])[0]  # an OOM's first try: its plan and what it read
         record = StepRecord.from_dict(r)
-        head = record.parts.get("head") or ("keep", 1)
+        head = record.parts.get(HEAD_KEY) or ("keep", 1)
         if attempt:  # its blocks, and their treatments where not all recomputed (the head is the replayed step's)
-            plan = Plan(tuple(attempt["plan"] or ()), kinds=tuple(attempt.get("treatments") or ()), parts=[("head", *head)])
+            plan = Plan(tuple(attempt["plan"] or ()), kinds=tuple(attempt.get("treatments") or ()), parts=[(HEAD_KEY, *head)])
         else:
             plan = Plan.from_treatments(record.block_treatments, [("head", *head)])
         key = (r["shape"][0], r["shape"][1])

@@ -553,14 +553,15 @@ def _scored(opts: tuple[tuple[str, int, float], ...], m: int) -> tuple | None:
     where even those are too many (the dynamic programme chooses then)."""
     k = len(opts)
     if math.comb(m + k, k) <= _MAX_COMBINATIONS:
-        grid, scored, last = _counts(m, k), opts, None
-    elif k > 1 and math.comb(m + k - 1, k - 1) <= _MAX_COMBINATIONS:
-        grid, scored = _counts(m, k - 1), opts[:-1]
-        last = (int(opts[-1][1]), float(opts[-1][2]), m - (grid @ np.ones(k - 1)).astype(np.int64))  # sum(axis=1): 6x slower
-    else:
+        grid = _counts(m, k)
+        return grid, grid @ np.array([o[1] for o in opts], dtype=np.float64), grid @ np.array([o[2] for o in opts], dtype=np.float64), None
+    if k < 2 or math.comb(m + k - 1, k - 1) > _MAX_COMBINATIONS:
         return None
-    return (grid, grid @ np.array([o[1] for o in scored], dtype=np.float64),
-            grid @ np.array([o[2] for o in scored], dtype=np.float64), last)
+    grid, scored = _counts(m, k - 1), opts[:-1]
+    # whole bytes (exact in float64 below 2**53), for the last option's count by integer division
+    saved = (grid @ np.array([o[1] for o in scored], dtype=np.float64)).astype(np.int64)
+    left = m - (grid @ np.ones(k - 1)).astype(np.int64)  # a matvec: sum(axis=1) took 6x as long
+    return grid, saved, grid @ np.array([o[2] for o in scored], dtype=np.float64), (int(opts[-1][1]), float(opts[-1][2]), left)
 
 
 def _frontier(opts: tuple[tuple[str, int, float], ...]) -> tuple[tuple[str, int, float], ...]:
@@ -586,17 +587,20 @@ def _alike(opts: tuple[tuple[str, int, float], ...], m: int, need: int, order: M
     scored = scored if scored is not None else _scored(opts, m)
     if scored is not None:
         grid, saved, cost, last = scored
-        counts = grid
+        n = None
         if last is not None:  # the last option's count: the fewest that cover the need (all that are left, priced below keep)
             bytes_last, ms_last, left = last
-            n = left if ms_last < 0 else np.maximum(0, -((saved.astype(np.int64) - need) // bytes_last))
+            n = left if ms_last < 0 else np.maximum(0, -((saved - need) // bytes_last))
             saved, cost = saved + n * bytes_last, np.where(n <= left, cost + n * ms_last, np.inf)
-            counts = _Columns(grid, n)
+
+        def counts(r: int) -> np.ndarray:
+            return grid[r] if n is None else np.append(grid[r], n[r])
+
         cost = np.where(saved >= need, cost, np.inf)
         best = cost.min()
         ties = np.flatnonzero(cost <= best + 1e-12 * max(1.0, abs(best)))
-        best_row = ties[0] if len(ties) == 1 else min(ties, key=lambda r: (counts[r].sum(), tuple(-counts[r])))
-        row = [int(c) for c in counts[best_row]]
+        best_row = ties[0] if len(ties) == 1 else min(ties, key=lambda r: (counts(r).sum(), tuple(-counts(r))))
+        row = [int(c) for c in counts(best_row)]
     else:
         taken = list(_choose_by_dp([opts] * m, need, resolution).values())
         row = [taken.count(o[0]) for o in opts]
@@ -607,16 +611,6 @@ def _alike(opts: tuple[tuple[str, int, float], ...], m: int, need: int, order: M
             chosen[at] = opts[j][0]
             at += 1
     return chosen
-
-
-class _Columns:
-    """Rows of scored counts with the last option's count beside them, read a row at a time (:func:`_alike`)."""
-
-    def __init__(self, grid: np.ndarray, last: np.ndarray):
-        self.grid, self.last = grid, last
-
-    def __getitem__(self, r: int) -> np.ndarray:
-        return np.append(self.grid[r], self.last[r])
 
 
 def _choose_by_dp(options: Sequence[Sequence[tuple[str, int, float]]], need: int, resolution: int) -> dict[int, str]:
