@@ -97,6 +97,39 @@ def test_partial_regime_only_interpolates():
     assert _model([16, 32]).transient((4, 24), every_block=False) == pytest.approx(-200.0 * 4 * 24, rel=1e-6)
 
 
+def test_above_the_partial_range_the_parts_apart_carry_the_gap_up():
+    """NOTE [Above the partial range]: with the parts' moment read apart, a partial plan above the partial curve's
+    largest sample reads the full curve less the gap between the two there (never more than the full curve); below
+    the range, and in a model that does not read the parts apart, the full curve as before. The planner's rows read
+    the same values as a single shape."""
+    model = _model([16, 32, 64])
+    model.parts_apart = True
+    gap = model.transient_full((4, 64)) - model.transient_partial((4, 64))
+    assert gap > 0
+    for t in (64, 96, 128, 300):
+        expected = model.transient_full((4, t)) - gap if t > 64 else model.transient_partial((4, t))
+        assert model.transient((4, t), every_block=False) == pytest.approx(expected, rel=1e-9)
+        assert model.transient((4, t), every_block=False) < model.transient((4, t), every_block=True)
+    assert model.transient((4, 8), every_block=False) == pytest.approx(300.0 * 4 * 8, rel=1e-6)  # below: full
+    assert model.transient((4, 128), every_block=True) == pytest.approx(300.0 * 4 * 128, rel=1e-6)
+    ts = np.array([8, 16, 48, 64, 66, 72, 128, 300])
+    row = model._values(4, ts)["transient"]
+    assert row.tolist() == [model._values(4, int(t))["transient"] for t in ts]
+    # one shape seen: itself, and the gap above it
+    single = _model([64])
+    single.parts_apart = True
+    assert single.transient((4, 64), every_block=False) == pytest.approx(single.transient_partial((4, 64)))
+    assert single.transient((4, 100), every_block=False) < single.transient_full((4, 100))
+    assert single.transient((4, 32), every_block=False) == pytest.approx(300.0 * 4 * 32, rel=1e-6)
+    # a partial curve above the full one where it was read: the full curve, never more
+    over = _model([16, 32, 64])
+    over.parts_apart = True
+    over.transient_partial.add((4, 64), 1e9)
+    assert over.transient((4, 128), every_block=False) == pytest.approx(300.0 * 4 * 128, rel=1e-6)
+    # the parts not apart: the full curve above the range, as before
+    assert _model([16, 32, 64]).transient((4, 128), every_block=False) == pytest.approx(300.0 * 4 * 128, rel=1e-6)
+
+
 def test_without_a_full_sample_both_regimes_read_the_partial_transient():
     """A run warmed up on the floor never recomputes every block plainly: its one measured transient, the partial
     one, is read for both regimes and at any length (an empty full curve read 0, and a chunked head's saving, which
