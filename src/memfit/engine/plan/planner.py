@@ -466,8 +466,8 @@ class Knapsack:
             raise InfeasiblePlanError(f"treating all {len(options)} blocks saves {self.best_each} bytes, {need_bytes} are needed")
         if self.alike is not None:
             if self._scored is None:
-                self._scored = _scored(self.alike, len(options)) or ()
-                if not self._scored:  # too many counts to score: the options no other beats (NOTE [Choosing treatments])
+                self._scored = _scored(self.alike, len(options), last_apart=False) or ()
+                if not self._scored:  # too many counts to score: the options no other beats first (NOTE [Choosing treatments])
                     self._scored_opts = _frontier(self.alike)
                     self._scored = _scored(self._scored_opts, len(options)) or ()
             chosen = _alike(self._scored_opts, len(options), need_bytes, self.order, self.resolution, self._scored or None)
@@ -546,16 +546,16 @@ def _counts(m: int, t: int) -> np.ndarray:
     return grid
 
 
-def _scored(opts: tuple[tuple[str, int, float], ...], m: int) -> tuple | None:
+def _scored(opts: tuple[tuple[str, int, float], ...], m: int, last_apart: bool = True) -> tuple | None:
     """Every count of ``m`` alike blocks per treatment, with what each saves and costs: ``(grid, saved, cost, last)``,
-    ``last`` None (NOTE [Choosing treatments]). Where those are too many to score, the counts of every option but the
-    last, ``last`` that option's ``(bytes, ms, blocks left)``: its count follows from the need (:func:`_alike`). None
-    where even those are too many (the dynamic programme chooses then)."""
+    ``last`` None (NOTE [Choosing treatments]). Where those are too many to score and ``last_apart``, the counts of
+    every option but the last, ``last`` that option's ``(bytes, ms, blocks left)``: its count follows from the need
+    (:func:`_alike`). None where even those are too many (the dynamic programme chooses then)."""
     k = len(opts)
     if math.comb(m + k, k) <= _MAX_COMBINATIONS:
         grid = _counts(m, k)
         return grid, grid @ np.array([o[1] for o in opts], dtype=np.float64), grid @ np.array([o[2] for o in opts], dtype=np.float64), None
-    if k < 2 or math.comb(m + k - 1, k - 1) > _MAX_COMBINATIONS:
+    if not last_apart or k < 2 or math.comb(m + k - 1, k - 1) > _MAX_COMBINATIONS:
         return None
     grid, scored = _counts(m, k - 1), opts[:-1]
     # whole bytes (exact in float64 below 2**53), for the last option's count by integer division
