@@ -92,6 +92,11 @@ import sys
 import time
 from collections.abc import Sequence
 
+# the allocator settings `memfit train` and run_suite.py use, before torch is imported: every configuration of a
+# process alike (memfit under a cap turns them on otherwise, for the configurations after it: NOTE [Expandable
+# segments under a cap], engine/run/meter.py)
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
 GB = 10**9
 MEMFIT_METHODS = {
     "none": ("none", {}, ("recompute",)),

@@ -1,4 +1,5 @@
 import re
+import os
 
 import pytest
 
@@ -126,3 +127,29 @@ def test_a_budget_too_small_for_memfit_fit_names_budget_not_a_flag(budget, said)
     with pytest.raises(memfit.BudgetTooSmallError, match=rf"^memory budget {re.escape(said)} is below .*Raise budget= above") as error:
         memfit.fit(model, budget=budget, blocks=[model[0]], announce=False)
     assert "--memory_budget" not in str(error.value)
+
+
+def test_a_cap_turns_expandable_segments_on_unless_the_user_named_them(monkeypatch):
+    """NOTE [Expandable segments under a cap]: without them a 1B model's optimizer step ran out of memory at 12 GiB
+    in fragments memfit cannot replay. Under a cap the meter turns them on once and says so; allocator settings
+    that name them stand, and a torch that refuses them leaves everything as it was."""
+    import torch
+
+    from memfit.engine.run import meter
+
+    calls = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert meter.expandable_segments_on() and calls == ["expandable_segments:True"]
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128,expandable_segments:True"
+    assert not meter.expandable_segments_on() and len(calls) == 1  # the settings now name them: said once
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    assert not meter.expandable_segments_on() and len(calls) == 1
+
+    def refuse(_):
+        raise RuntimeError("expandable_segments not supported on this platform")
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", refuse, raising=False)
+    assert not meter.expandable_segments_on() and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ

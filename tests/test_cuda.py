@@ -1,6 +1,7 @@
 """GPU checks of the CPU proxies against the real allocator (skipped without CUDA)."""
 
 import gc
+import os
 
 import pytest
 import torch
@@ -127,6 +128,23 @@ def test_dynamic_stays_under_cap_and_predicts_peak():
     assert any(0 < r.n_checkpointed < r.n_blocks for r in steady)
     for r in steady:
         assert r.peak_allocated_bytes <= r.predicted_peak_bytes * 1.10 + 2**20, r
+
+
+def test_a_cap_makes_the_allocators_new_segments_expandable(monkeypatch):
+    """NOTE [Expandable segments under a cap]: ``memfit.fit`` under a cap turns the allocator's expandable segments
+    on where the user's settings do not name them: a segment made after it expands."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    model = _bert(layers=2)
+    ctl = memfit.fit(model, budget=3 * 10**9, method="dynamic")
+    block = torch.empty(96 * 2**20, dtype=torch.uint8, device="cuda")
+    ptr = block.data_ptr()
+    segments = [s for s in torch.cuda.memory_snapshot()
+                if s["address"] <= ptr < s["address"] + s["total_size"]]
+    ctl.remove()
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    assert segments and segments[0].get("is_expandable"), segments
+    assert "expandable_segments:True" in os.environ["PYTORCH_CUDA_ALLOC_CONF"]
 
 
 def _llama_cuda(layers=6):

@@ -296,10 +296,11 @@ class Controller:
             self.set_optimizer(optimizer, check=False)
             self._writer = JsonlWriter(log) if log else None
             self._undo += [self._writer.close] if self._writer is not None else []
-            if budget is not None and cap:
-                self.meter.apply_cap(budget.bytes)
+            capped = self.meter.apply_cap(budget.bytes) if budget is not None and cap else None
             if announce:
                 _say(start_line(method.name, budget, self.meter.kind, *_kinds_compiled(self.blocks)) + self.head.start_words(), self.rank)
+            if capped:
+                _say(capped, self.rank)
         except BaseException:
             self._unhook()
             raise

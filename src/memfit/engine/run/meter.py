@@ -16,11 +16,24 @@ dict per call (about 140 µs each); the nested dict they start from costs about 
 read gives the current and peak bytes together. A meter that reads at every block entry and
 exit (``reactive``'s windows: four reads per block) pays that per block, so the meter reads the
 nested dict once per reading, through :func:`_allocator`.
+
+# NOTE [Expandable segments under a cap]
+Without expandable segments the caching allocator keeps fixed segments, and near a hard cap their
+free fragments cannot serve a large block: a 1B model at 12 GiB ran out of memory in its optimizer
+step (one 502 MiB temporary, 11.2 GiB allocated, 12 reserved), which memfit cannot replay, and at 22
+GiB a backward OOM's replay was refused with the failed attempt's 12 GiB still held (docs/devlog.md,
+session 39); the same runs with the segments expandable ran clean. ``memfit train`` sets them before
+CUDA starts; a program that calls ``memfit.fit`` has started CUDA already, so under a cap the meter
+turns them on in the allocator's settings (new segments expand; those already made stay), and says so,
+unless ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``) names ``expandable_segments``: the
+user's choice stands.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -54,8 +67,9 @@ class Meter:
         self.optimizer: torch.optim.Optimizer | None = None
         self.expected_optimizer_bytes = 0
 
-    def apply_cap(self, budget_bytes: int) -> None:
-        """Make the budget a hard cap, where the device has one."""
+    def apply_cap(self, budget_bytes: int) -> str | None:
+        """Make the budget a hard cap, where the device has one; what the run should say of it, if anything."""
+        return None
 
     def static_now(self) -> int:
         """Bytes that no plan changes, as they will be at this step's peak.
@@ -165,6 +179,26 @@ def stream_pools(device: torch.device) -> dict[str, tuple[int, int]]:
     return pools
 
 
+def expandable_segments_on() -> bool:
+    """Turn the CUDA allocator's expandable segments on, unless the user's allocator settings name them (NOTE
+    [Expandable segments under a cap]); whether this call turned them on."""
+    if any("expandable_segments" in os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
+        return False
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:  # torch before the accelerator-wide settings
+        setter = getattr(torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None)
+    if setter is None:
+        return False
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            setter("expandable_segments:True")
+    except RuntimeError:  # a platform without them
+        return False
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, (os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "expandable_segments:True")))
+    return True
+
+
 def _other_pools_free(device: torch.device) -> int:
     """The bytes the caching allocator holds free in the pools of streams other than the current one on ``device``."""
     return sum(total - allocated for name, (total, allocated) in stream_pools(device).items() if name != "current")
@@ -186,8 +220,12 @@ class CudaMeter(Meter):
         #: other streams' pools were read at a step's end (NOTE [Other streams' pools], room.py)
         self._pools_read = False
 
-    def apply_cap(self, budget_bytes: int) -> None:
+    def apply_cap(self, budget_bytes: int) -> str | None:
         apply_cuda_cap(budget_bytes, self.device)
+        if expandable_segments_on():
+            return ("memfit: the CUDA allocator's segments made expandable, so the cap is not lost to fragmentation "
+                    "(set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False before CUDA starts to keep them fixed)")
+        return None
 
     def static_now(self) -> int:
         """What is allocated now, plus gradients not yet created (``.grad is None`` after
