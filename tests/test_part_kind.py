@@ -22,6 +22,7 @@ class Ballast(memfit.PartKind):
     squeezed: it holds none, for a little time."""
 
     name = "ballast"
+    title = "the final norm's ballast"
 
     def __init__(self, norm: torch.nn.Module, hidden: int):
         self.hidden, self.now, self.applied = hidden, None, []
@@ -90,10 +91,17 @@ def test_a_part_kind_of_the_tests_is_planned_recorded_summarised_and_reported(tm
     assert all(r.peak_allocated_bytes <= budget for r in records), [(r.peak_allocated_bytes, budget) for r in records]
     again = [StepRecord.from_dict(r.to_dict()) for r in records]
     assert part_steps(again)["ballast"]["squeezed:1"] == len(squeezed)
-    summary = end_summary(records)
-    assert f"memfit: part ballast squeezed on {len(squeezed)} micro-steps" in summary, summary
-    markdown = build_report(tmp_path / "run", tmp_path / "out").read_text()
+    summary = end_summary(records)  # said by the title its class gives (PartKind.title)
+    assert f"memfit: the final norm's ballast squeezed on {len(squeezed)} micro-steps" in summary, summary
+    from memfit.tools import report as report_module
+
+    figures = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(report_module, "_save", lambda fig, path: figures.append(fig))
+        markdown = build_report(tmp_path / "run", tmp_path / "out").read_text()
     assert "ballast (micro-steps)" in markdown and f"squeezed:1 ×{len(steady)}" in markdown, markdown  # steady steps
+    (mix,) = [f for f in figures if "Treatment mix" in f.get_suptitle()]  # its line in the treatment plot
+    assert "the final norm's ballast squeezed" in {t.get_text() for legend in mix.legends for t in legend.get_texts()}
 
 
 def test_a_part_kind_needs_a_name_of_its_own():

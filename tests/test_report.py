@@ -507,12 +507,12 @@ def test_treatment_plot_draws_and_names_every_treatment_with_a_stable_colour(tmp
     assert {"recompute", "elementwise", "my_offload", "kept", "LM head chunked", "LM head my_head"} <= labels
 
     colors = report_module._treatment_colors
-    alone, crowded = colors(["recompute", "my_offload"], []), colors(["elementwise", "my_offload", "zz"], ["chunked", "mine"])
-    assert alone[("block", "recompute")] == colors(["recompute", "selective", "offload"], [])[("block", "recompute")]
+    alone, crowded = colors(["recompute", "my_offload"], {}), colors(["elementwise", "my_offload", "zz"], {"head": ["chunked", "mine"]})
+    assert alone[("block", "recompute")] == colors(["recompute", "selective", "offload"], {})[("block", "recompute")]
     assert alone[("block", "my_offload")] == crowded[("block", "my_offload")]
     assert alone[("block", "my_offload")][1] == "//"  # unregistered: hatched
     registered = {to_hex(c) for key, (c, hatch) in colors(["recompute", "selective", "offload", "elementwise"],
-                                                          ["keep", "chunked"]).items()}
+                                                          {"head": ["keep", "chunked"]}).items()}
     unknown = [to_hex(c) for key, (c, hatch) in crowded.items() if hatch]
     assert len(unknown) == 3 and len(set(unknown)) == 3 and not set(unknown) & registered
 
@@ -560,5 +560,5 @@ def test_a_colour_drawn_as_a_thin_line_survives_the_64_colour_png(tmp_path):
     with Image.open(next(out.glob("treatments_*.png"))) as image:
         drawn = {c for _, c in image.convert("RGB").getcolors(1 << 16)}
     for name in ("keep", "chunked"):
-        want = [255 * x for x in to_rgb(_treatment_colors([], ["keep", "chunked"])[("head", name)][0])]
+        want = [255 * x for x in to_rgb(_treatment_colors([], {"head": ["keep", "chunked"]})[("head", name)][0])]
         assert min(math.dist(want, c) for c in drawn) < 8, name

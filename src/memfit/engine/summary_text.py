@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from memfit.engine.budget import Budget, format_bytes
 from memfit.engine.records import StepRecord, mean_treated_fraction, summarize, treated_blocks
-from memfit.engine.parts.head import HEAD_KEY
+from memfit.engine.parts.kind import part_title
 from memfit.engine.parts.treatments import KEEP, RECOMPUTE, in_registry_order
 
 __all__ = [
@@ -226,7 +226,7 @@ def _parts_lines(records: Sequence[StepRecord]) -> list[str]:
             by = "" if not ran else " (" + ", ".join(impl if len(ran) == 1 else f"{impl} {n}" for impl, n in ran.most_common()) + ")"
             unit = "" if words else f" micro-step{'s' * (len(mine) != 1)}"
             words.append(f"{'kept' if name == KEEP else name} on {len(mine)}{unit}{by}")
-        lines.append(f"memfit: {'LM head' if kind == HEAD_KEY else f'part {kind}'} {', '.join(words)}")
+        lines.append(f"memfit: {part_title(kind)} {', '.join(words)}")
     return lines
 
 

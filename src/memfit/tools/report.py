@@ -40,7 +40,7 @@ import dataclasses
 import re
 import statistics
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,7 +49,7 @@ from memfit.errors import ArgumentParser, DataError, MissingFileError
 from memfit.engine.records import (
     RunSummary, StepRecord, parse_part_label, part_steps, read_jsonl_numbered, summarize, treated_blocks,
 )
-from memfit.engine.parts.head import HEAD_KEY
+from memfit.engine.parts.kind import part_param_words, part_title
 from memfit.engine.parts.treatments import BY_PART, KEEP, in_registry_order
 from memfit.engine.summary_text import given_unit, size_in_given_unit
 
@@ -511,14 +511,15 @@ def _runs_table(runs: Sequence[_StepRun]) -> list[str]:
     return lines
 
 
-def _treatment_names(runs: Sequence[_StepRun]) -> tuple[list[str], list[str]]:
-    """The block treatments and the LM head's treatments that ``runs``' records hold, each in
-    registry order, any name the registry does not know after (:func:`in_registry_order`);
-    ``keep`` is no block column: a block no treatment lists was kept."""
+def _treatment_names(runs: Sequence[_StepRun]) -> tuple[list[str], dict[str, list[str]]]:
+    """The block treatments ``runs``' records hold, and per part kind beside the blocks they hold (in the
+    records' order) its treatments, each in registry order, any name the registry does not know after
+    (:func:`in_registry_order`); ``keep`` is no block column: a block no treatment lists was kept."""
     records = [rec for run in runs for rec in run.records]
     blocks = in_registry_order({name for rec in records for name in rec.block_treatments} - {KEEP})
-    heads = in_registry_order({rec.parts[HEAD_KEY][0] for rec in records if HEAD_KEY in rec.parts}, part="head")
-    return blocks, heads
+    kinds = dict.fromkeys(kind for rec in records for kind in rec.parts)
+    parts = {kind: in_registry_order({rec.parts[kind][0] for rec in records if kind in rec.parts}, part=kind) for kind in kinds}
+    return blocks, parts
 
 
 @dataclass(frozen=True)
@@ -536,22 +537,19 @@ class _MixRow:
     parts: tuple[tuple[str, tuple[tuple[str, int], ...]], ...]
     """Per part kind beside the blocks the records hold (NOTE [Parts in a record], records.py), its steps per label."""
 
-    @property
-    def heads(self) -> tuple[tuple[str, int], ...]:
-        """The LM head's steps per label (its row of :attr:`parts`)."""
-        return dict(self.parts).get(HEAD_KEY, ())
-
     def part_text(self, kind: str) -> str:
         return ", ".join(f"{label} ×{n}" for label, n in dict(self.parts).get(kind, ())) or _DASH
 
-    def head_shares(self) -> dict[str, tuple[float, float]]:
-        """Per head treatment the range's steps ran, the share of those steps and their mean chunk count."""
-        steps = sum(count for _, count in self.heads)
-        out: dict[str, tuple[int, int]] = {}  # treatment -> (steps, chunks summed over them)
-        for label, count in self.heads:
-            name, chunks = parse_part_label(label, HEAD_KEY)
+    def shares(self, kind: str) -> dict[str, tuple[float, float]]:
+        """Per treatment of the part kind ``kind`` the range's steps ran, the share of those steps and the mean of
+        their labels' parameter (the LM head's chunk count); empty where none ran it."""
+        labels = dict(self.parts).get(kind, ())
+        steps = sum(count for _, count in labels)
+        out: dict[str, tuple[int, int]] = {}  # treatment -> (steps, parameter summed over them)
+        for label, count in labels:
+            name, param = parse_part_label(label, kind)
             n, total = out.get(name, (0, 0))
-            out[name] = (n + count, total + chunks * count)
+            out[name] = (n + count, total + param * count)
         return {name: (n / steps, round(total / n, 1)) for name, (n, total) in out.items()}
 
 
@@ -608,8 +606,8 @@ def _mix_table(runs: Sequence[_StepRun], bins: int = 6) -> list[str]:
     kinds = list(dict.fromkeys(kind for run_rows in rows.values() for row in run_rows for kind, _ in row.parts))
     about = ""
     if kinds:
-        about = ("; per part beside the blocks, its treatment as `<treatment>:<n>`" + (" (the LM head's `chunked:<n>` in n chunks)"
-                 if HEAD_KEY in kinds else "") + " and its micro-steps")
+        counted = "".join(f" (the {part_title(kind)}'s n: {part_param_words(kind)})" for kind in kinds if part_param_words(kind))
+        about = f"; per part beside the blocks, its treatment as `<treatment>:<n>`{counted} and its micro-steps"
     lines = [
         "", "Treatment mix per input size (steady micro-steps; mean blocks per micro-step given each treatment the "
         "records hold, the rest kept" + about + "):", "",
@@ -821,7 +819,7 @@ def _plot_memory_count(group: str, runs: Sequence[_StepRun], path: Path) -> None
 # colours picked by a checksum of its name (crc32: the same on every machine and run, unlike
 # hash()); where two unknown names of one plot pick the same, the later (alphabetically) takes the
 # next free one.
-def _treatment_colors(blocks: Sequence[str], heads: Sequence[str]) -> dict[tuple[str, str], tuple[Any, str]]:
+def _treatment_colors(blocks: Sequence[str], parts: Mapping[str, Sequence[str]]) -> dict[tuple[str, str], tuple[Any, str]]:
     """The colour and hatch of each ``(part, treatment)`` of a plot (NOTE [A colour per treatment])."""
     import zlib
 
@@ -831,7 +829,7 @@ def _treatment_colors(blocks: Sequence[str], heads: Sequence[str]) -> dict[tuple
     fallback = matplotlib.colormaps["Dark2"].colors
     out: dict[tuple[str, str], tuple[Any, str]] = {("block", KEEP): ("0.8", "")}
     taken: set[int] = set()
-    for key in [("block", name) for name in blocks] + [("head", name) for name in heads]:
+    for key in [("block", name) for name in blocks] + [(kind, name) for kind, names in parts.items() for name in names]:
         if key in out:
             continue
         i = registered.index(key) if key in registered else None
@@ -855,11 +853,11 @@ def _plot_treatments(group: str, runs: Sequence[_StepRun], path: Path) -> bool:
     of steps that ran it each way on the right axis, each point labelled with those steps' mean chunk
     count. Returns whether it drew anything."""
     rows = _mix_rows(runs)
-    blocks, heads = _treatment_names(runs)
+    blocks, parts = _treatment_names(runs)
     runs = [r for r in runs if rows.get(id(r))]
     if not runs:
         return False
-    colors = _treatment_colors(blocks, heads)
+    colors = _treatment_colors(blocks, parts)
     # 800 pixels wide like the other plots, one panel per run on a shared axis of tokens, and one
     # legend for every panel below them, where it covers no bar or line
     fig = _figure(figsize=(8, 1.6 + 2.9 * len(runs)), layout="constrained")
@@ -877,29 +875,34 @@ def _plot_treatments(group: str, runs: Sequence[_StepRun], path: Path) -> bool:
                 ax.bar(centres, heights, width=width, bottom=bottom, color=color, hatch=hatch, edgecolor="white",
                        label="kept" if name == KEEP else name)
                 bottom = [b + h for b, h in zip(bottom, heights)]
-        ran = [(c, row.head_shares()) for c, row in zip(centres, mine) if row.heads]
-        if ran:
+        drawn = [kind for kind in parts if any(dict(row.parts).get(kind) for row in mine)]
+        if drawn:
             right = ax.twinx()
-            for name in heads:
-                points = [(c, shares[name]) for c, shares in ran if name in shares]
-                if not points:
-                    continue
-                color, hatch = colors[("head", name)]
-                right.plot([c for c, _ in points], [100 * share for _, (share, _) in points], color=color, marker="o",
-                           linestyle="--" if hatch else "-", label=f"LM head {name}")
-                for c, (share, chunks) in points:
-                    if chunks > 1:
-                        right.annotate(f"×{chunks:g}", (c, 100 * share), textcoords="offset points", xytext=(0, 5),
-                                       ha="center", fontsize=7)
+            for kind in drawn:
+                ran = [(c, row.shares(kind)) for c, row in zip(centres, mine)]
+                for name in parts[kind]:
+                    points = [(c, shares[name]) for c, shares in ran if name in shares]
+                    if not points:
+                        continue
+                    color, hatch = colors[(kind, name)]
+                    right.plot([c for c, _ in points], [100 * share for _, (share, _) in points], color=color, marker="o",
+                               linestyle="--" if hatch else "-", label=f"{part_title(kind)} {name}")
+                    for c, (share, param) in points:
+                        if param > 1:
+                            right.annotate(f"×{param:g}", (c, 100 * share), textcoords="offset points", xytext=(0, 5),
+                                           ha="center", fontsize=7)
             right.set_ylim(-5, 115)
-            right.set_ylabel("LM head: micro-steps (%)\n×mean chunks", fontsize=8)
+            words = sorted({part_param_words(kind) for kind in drawn} - {""})
+            title = part_title(drawn[0]) if len(drawn) == 1 else "parts beside the blocks"
+            right.set_ylabel(f"{title}: micro-steps (%)" + "".join(f"\n×mean {w}" for w in words), fontsize=8)
             entries.update(zip(*right.get_legend_handles_labels()[::-1]))
         entries.update(zip(*ax.get_legend_handles_labels()[::-1]))
         ax.set_title(_label(run), fontsize=9)
         ax.set_ylabel("blocks per micro-step (mean)", fontsize=8)
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("input size (tokens per micro-batch)", fontsize=8)
-    blocks_first = sorted(entries, key=lambda label: label.startswith("LM head"))
+    parts_labels = {f"{part_title(kind)} {name}" for kind, names in parts.items() for name in names}
+    blocks_first = sorted(entries, key=lambda label: label in parts_labels)
     fig.legend([entries[label] for label in blocks_first], blocks_first, loc="outside lower center",
                ncol=min(len(entries), 5), fontsize=8)
     fig.suptitle(_wrap(f"Treatment mix per input size (steady micro-steps)\n{group}"), fontsize=11)

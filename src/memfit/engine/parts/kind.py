@@ -39,12 +39,30 @@ from typing import Any
 
 from memfit.engine.parts.head import HEAD_KEY
 
-__all__ = ["PartKind", "Option", "RunParts", "check_parts", "AFTER_BLOCKS", "OPTIMIZER_STEP"]
+__all__ = ["PartKind", "Option", "RunParts", "check_parts", "part_title", "part_param_words", "AFTER_BLOCKS", "OPTIMIZER_STEP"]
 
 #: ``(treatment, param, bytes saved, ms)`` of a part's option (NOTE [A part kind's options])
 Option = tuple[str, int, int, float]
 #: the moments a part kind's bytes may be held at (NOTE [A part kind's moment])
 AFTER_BLOCKS, OPTIMIZER_STEP = "after_blocks", "optimizer_step"
+#: each part kind's class by its name, where it declares a title (PartKind.title): records name a part by its kind
+#: alone, and the summary and the report say it by the class's words
+_KINDS: dict[str, type["PartKind"]] = {}
+
+
+def part_title(kind: str) -> str:
+    """What people call the part kind named ``kind``: its class's ``title``, else ``part <kind>``.
+
+    Example:
+        >>> part_title("a_kind_no_class_declared")
+        'part a_kind_no_class_declared'
+    """
+    return _KINDS[kind].title if kind in _KINDS else f"part {kind}"
+
+
+def part_param_words(kind: str) -> str:
+    """What the parameter of the part kind named ``kind`` counts (its class's ``param_words``), "" where not said."""
+    return _KINDS[kind].param_words if kind in _KINDS else ""
 
 
 class PartKind:
@@ -67,11 +85,20 @@ class PartKind:
     """
 
     name: str = ""
+    #: what people call it (the summary's line, the report's table and plot: :func:`part_title`); ``part <name>`` unset
+    title: str = ""
+    #: what its option's parameter counts, where the report gives its mean (the LM head's chunks); "" for none
+    param_words: str = ""
     #: when its bytes are held (NOTE [A part kind's moment])
     moment: str = AFTER_BLOCKS
     #: its backward's moment is read apart and learnt as a curve of its own (NOTE [The parts' moment], model.py):
     #: where its options' transients are priced
     moment_apart: bool = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.name and cls.title:
+            _KINDS[cls.name] = cls
 
     def options(self, tokens: int) -> Sequence[Option]:
         """The part's options for a batch of ``tokens`` tokens, untreated first."""

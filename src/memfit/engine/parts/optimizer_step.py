@@ -61,6 +61,7 @@ class OptimizerStepPart(PartKind):
     """
 
     name = "optimizer_step"
+    title = "optimizer step"
     moment = OPTIMIZER_STEP
 
     def __init__(self, optimizer: torch.optim.Optimizer, local: Callable | None = None):

@@ -209,8 +209,8 @@ def _kinds_compiled(blocks: Sequence[Block]) -> tuple[list[str], None, str | Non
     return _kinds(blocks), None, "" if blocks[0].compiled else None
 
 
-def _say(text: str, rank: int) -> None:
-    if rank == 0:
+def _say(text: str | None, rank: int) -> None:
+    if rank == 0 and text:
         print(text, file=sys.stderr, flush=True)
 
 
@@ -299,8 +299,7 @@ class Controller:
             capped = self.meter.apply_cap(budget.bytes) if budget is not None and cap else None
             if announce:
                 _say(start_line(method.name, budget, self.meter.kind, *_kinds_compiled(self.blocks)) + self.head.start_words(), self.rank)
-            if capped:
-                _say(capped, self.rank)
+            _say(capped, self.rank)  # what the cap changed, if anything
         except BaseException:
             self._unhook()
             raise

@@ -52,6 +52,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Union
 
+from memfit.engine.parts.optimizer_step import OptimizerStepPart
 from memfit.engine.parts.treatments.base import KEEP, RECOMPUTE, RunOptions, Treatment
 from memfit.engine.parts.treatments.chunked_head import CHUNKED, ChunkedHead, HeadPart, KeepHead, head_options
 from memfit.engine.parts.treatments.elementwise import ELEMENTWISE, Elementwise
@@ -102,6 +103,10 @@ HEAD_BUILTIN: tuple[type[Treatment], ...] = (
     KeepHead,
     ChunkedHead,
 )
+
+#: the part kinds memfit ships beside the blocks (parts/kind.py): imported here, with the registry every reader
+#: uses, so their titles are known wherever records are read (:func:`~memfit.engine.parts.kind.part_title`)
+PART_KINDS: tuple[type, ...] = (HeadPart, OptimizerStepPart)
 
 #: every registered treatment by the part it applies to, then by name (read-only); ``"block"`` is :data:`TREATMENTS`
 BY_PART = MappingProxyType({

@@ -358,6 +358,7 @@ class HeadPart(PartKind):
     """
 
     name = HEAD_KEY
+    title, param_words = "LM head", "chunks"
     moment_apart = property(lambda self: self.transient)  # its moment read apart where priced (NOTE [The parts' moment])
 
     def __init__(self, switch: HeadSwitch, extra_ms: float = 0.0, per_chunk_ms: float = 0.0, transient: bool = True,
@@ -366,10 +367,9 @@ class HeadPart(PartKind):
         self.switch, self.extra_ms, self.per_chunk_ms = switch, float(extra_ms), float(per_chunk_ms)
         self.extra_ms_per_token, self.transient = float(extra_ms_per_token), transient
         self.free_bytes, self.aside = free_bytes, aside
-        #: how many times its price changed (warm-up's probes, the plans' choice): NOTE [Parts priced anew]
-        self.priced = 0
+        #: how many times its price changed (warm-up's probes, the plans' choice): NOTE [Parts priced anew]; probed_steps
+        self.priced = self.probed_steps = 0
         self.probes: dict[str, dict[int, dict[str, float]]] = {}
-        self.probed_steps = 0
         #: implementations not used: one that raised when probed (NOTE [Pricing the head]), or kept more than the
         #: leanest where the floor ran out of memory (:meth:`leaner`)
         self.failed: set[str] = set()
