@@ -193,6 +193,24 @@ def test_over_budget_words_name_the_largest_part_and_its_flag():
     assert "--max_seq_length (the logits grow with both)" in over_budget_words({"static": 1, "outside": 3, "blocks": 2})
 
 
+def test_a_part_kind_that_cannot_fit_is_named_by_its_own_words():
+    """NOTE [What to change when a step cannot fit]: a part kind beside the blocks says what it is and what to change
+    (``floor_words``), and the rest outside the blocks is named besides it by its title; one that says nothing is
+    named by its kind (records name a part by its kind alone)."""
+    import memfit
+
+    class Squeezer(memfit.PartKind):
+        name = "squeezer_of_the_summary_test"
+        title = "the final norm's squeezer"
+        floor_words = ("the squeezer's copies, squeezed", "lower --squeeze")
+
+    assert over_budget_words({"static": 1, Squeezer.name: 9, "outside-not-parts": 2, "blocks": 3}) == (
+        "most of it is the squeezer's copies, squeezed, 9 B: lower --squeeze, or raise the budget")
+    assert over_budget_words({"static": 1, Squeezer.name: 2, "outside-not-parts": 9, "blocks": 3}).startswith(
+        "most of it is what runs outside the blocks besides the final norm's squeezer (the embeddings")
+    assert over_budget_words({"static": 1, "untitled": 9, "blocks": 3}).startswith("most of it is the part untitled beside")
+
+
 def test_parameters_words():
     assert parameters_words(10, 1000) == "trainable 10 of 1,000 parameters (1.00%)"
     assert parameters_words(10, 1000, ["q_proj"], 1).endswith("adapters on q_proj (1 module)")

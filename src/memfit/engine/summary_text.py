@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from memfit.engine.budget import Budget, format_bytes
 from memfit.engine.records import StepRecord, mean_treated_fraction, summarize, treated_blocks
-from memfit.engine.parts.kind import part_title
+from memfit.engine.parts.kind import part_floor_words, part_title
 from memfit.engine.parts.treatments import KEEP, RECOMPUTE, in_registry_order
 
 __all__ = [
@@ -93,23 +93,28 @@ def _blocks_words(block_kinds: Sequence[str]) -> str:
 # LoRA, bf16 weights or a smaller optimizer state; the part outside the blocks (the LM head's
 # logits and loss, the embeddings) and the blocks' own bytes shrink with a smaller batch or
 # shorter inputs. The warning (once per run) and the summary's verdict both say it with these
-# words, so a user reads one fix, not a count of shapes.
+# words, so a user reads one fix, not a count of shapes. A part kind beside the blocks says its
+# own (``PartKind.floor_words``: the LM head's, at its most chunks), and is named by its title.
 _FIXES = {
     "static": ("the static part (weights, gradients, optimizer state)",
                "train LoRA adapters (--use_peft), store bf16 weights (--torch_dtype bfloat16) or use a smaller "
                "optimizer state (--optim adafactor or adamw_bnb_8bit)"),
-    # the head planned (a part beside the blocks) is counted at its most chunks, as the floor runs it
-    "head": ("the LM head's logits and loss, in its most chunks",
-             "lower --per_device_train_batch_size or --max_seq_length (its chunks grow with both)"),
     "outside": ("what runs outside the blocks (the head's logits and loss, the embeddings)",
                 "let memfit chunk the head (--memfit_head auto, or head='auto' in memfit.fit), or lower "
                 "--per_device_train_batch_size or --max_seq_length (the logits grow with both)"),
-    # with the parts beside the blocks (the LM head) counted on their own: the rest outside the blocks
-    "outside-not-parts": ("what runs outside the blocks besides the LM head (the embeddings, the model's other outputs)",
+    # with the parts beside the blocks (the LM head) counted on their own, each at its most saving as the floor runs
+    # it (a part kind's own words: PartKind.floor_words): the rest outside the blocks
+    "outside-not-parts": ("what runs outside the blocks besides {parts} (the embeddings, the model's other outputs)",
                           "lower --per_device_train_batch_size or --max_seq_length"),
     "blocks": ("the blocks' activations, even checkpointed",
                "lower --per_device_train_batch_size or --max_seq_length"),
 }
+
+
+def _the(title: str) -> str:
+    """A part's title after "besides": "the LM head", "the ballast" (``part ballast``'s)."""
+    title = title.removeprefix("part ")
+    return title if title.startswith("the ") else f"the {title}"
 
 
 def over_budget_words(parts_bytes: dict[str, float], budget: Budget | None = None) -> str:
@@ -124,7 +129,11 @@ def over_budget_words(parts_bytes: dict[str, float], budget: Budget | None = Non
         "most of it is what runs outside the blocks (the head's logits and loss, the embeddings), 500 B: let memfit chunk the head (--memfit_head auto, or head='auto' in memfit.fit), or lower --per_device_train_batch_size or --max_seq_length (the logits grow with both), or raise --memory_budget"
     """
     part = max(parts_bytes, key=parts_bytes.__getitem__)
-    what, fix = _FIXES.get(part, (f"the part {part!r} beside the blocks", "lower --per_device_train_batch_size or --max_seq_length"))
+    what, fix = _FIXES.get(part) or part_floor_words(part) or (
+        f"the {part_title(part)} beside the blocks", "lower --per_device_train_batch_size or --max_seq_length")
+    if part == "outside-not-parts":  # named by the part kinds beside the blocks counted apart
+        kinds = [kind for kind in parts_bytes if kind not in _FIXES]
+        what = what.format(parts=" and ".join(_the(part_title(kind)) for kind in kinds) or "the parts beside them")
     name = budget.name if budget is not None else "the budget"
     return f"most of it is {what}, {_size(int(parts_bytes[part]), budget)}: {fix}, or raise {name}"
 

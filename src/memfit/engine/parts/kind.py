@@ -39,7 +39,7 @@ from typing import Any
 
 from memfit.engine.parts.head import HEAD_KEY
 
-__all__ = ["PartKind", "Option", "RunParts", "check_parts", "part_title", "part_param_words", "AFTER_BLOCKS", "OPTIMIZER_STEP"]
+__all__ = ["PartKind", "Option", "RunParts", "check_parts", "part_title", "part_param_words", "part_floor_words", "AFTER_BLOCKS", "OPTIMIZER_STEP"]
 
 #: ``(treatment, param, bytes saved, ms)`` of a part's option (NOTE [A part kind's options])
 Option = tuple[str, int, int, float]
@@ -58,6 +58,12 @@ def part_title(kind: str) -> str:
         'part a_kind_no_class_declared'
     """
     return _KINDS[kind].title if kind in _KINDS else f"part {kind}"
+
+
+def part_floor_words(kind: str) -> tuple[str, str] | None:
+    """What the part kind named ``kind`` is when it dominates a step that cannot fit, and what to change (its class's
+    ``floor_words``: NOTE [What to change when a step cannot fit], summary_text.py); None where not said."""
+    return (_KINDS[kind].floor_words or None) if kind in _KINDS else None
 
 
 def part_param_words(kind: str) -> str:
@@ -89,6 +95,8 @@ class PartKind:
     title: str = ""
     #: what its option's parameter counts, where the report gives its mean (the LM head's chunks); "" for none
     param_words: str = ""
+    #: ``(what it is at its most saving, what to change)`` where it dominates a step that cannot fit (:func:`part_floor_words`)
+    floor_words: tuple[str, str] | tuple[()] = ()
     #: when its bytes are held (NOTE [A part kind's moment])
     moment: str = AFTER_BLOCKS
     #: its backward's moment is read apart and learnt as a curve of its own (NOTE [The parts' moment], model.py):

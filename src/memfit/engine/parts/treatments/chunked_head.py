@@ -357,8 +357,8 @@ class HeadPart(PartKind):
         >>> part.apply(plan.option("head"))                      # doctest: +SKIP
     """
 
-    name = HEAD_KEY
-    title, param_words = "LM head", "chunks"
+    name, title, param_words = HEAD_KEY, "LM head", "chunks"
+    floor_words = ("the LM head's logits and loss, in its most chunks", "lower --per_device_train_batch_size or --max_seq_length (its chunks grow with both)")
     moment_apart = property(lambda self: self.transient)  # its moment read apart where priced (NOTE [The parts' moment])
 
     def __init__(self, switch: HeadSwitch, extra_ms: float = 0.0, per_chunk_ms: float = 0.0, transient: bool = True,
