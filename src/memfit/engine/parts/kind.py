@@ -39,13 +39,14 @@ from typing import Any
 
 from memfit.engine.parts.head import HEAD_KEY
 
-__all__ = ["PartKind", "Option", "RunParts", "check_parts", "part_title", "part_param_words", "part_floor_words", "AFTER_BLOCKS", "OPTIMIZER_STEP"]
+__all__ = ["PartKind", "Option", "RunParts", "check_parts", "part_title", "part_param_words", "part_floor_words",
+           "AFTER_BLOCKS", "OPTIMIZER_STEP"]
 
 #: ``(treatment, param, bytes saved, ms)`` of a part's option (NOTE [A part kind's options])
 Option = tuple[str, int, int, float]
 #: the moments a part kind's bytes may be held at (NOTE [A part kind's moment])
 AFTER_BLOCKS, OPTIMIZER_STEP = "after_blocks", "optimizer_step"
-#: each part kind's class by its name, where it declares a title (PartKind.title): records name a part by its kind
+#: each part kind's class by its name (PartKind's subclasses, as they are defined): records name a part by its kind
 #: alone, and the summary and the report say it by the class's words
 _KINDS: dict[str, type["PartKind"]] = {}
 
@@ -57,7 +58,7 @@ def part_title(kind: str) -> str:
         >>> part_title("a_kind_no_class_declared")
         'part a_kind_no_class_declared'
     """
-    return _KINDS[kind].title if kind in _KINDS else f"part {kind}"
+    return (_KINDS[kind].title if kind in _KINDS else "") or f"part {kind}"
 
 
 def part_floor_words(kind: str) -> tuple[str, str] | None:
@@ -105,7 +106,7 @@ class PartKind:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if cls.name and cls.title:
+        if cls.name:
             _KINDS[cls.name] = cls
 
     def options(self, tokens: int) -> Sequence[Option]:
