@@ -210,6 +210,13 @@ def test_a_part_kind_that_cannot_fit_is_named_by_its_own_words():
         "most of it is what runs outside the blocks besides the final norm's squeezer (the embeddings")
     assert over_budget_words({"static": 1, "untitled": 9, "blocks": 3}).startswith("most of it is the part untitled beside")
 
+    class StandIn(memfit.PartKind):  # a test's stand-in under the head's name, no title of its own: the head's words stay
+        name = "head"
+
+    from memfit.engine.parts.kind import part_title
+
+    assert part_title("head") == "LM head" and "in its most chunks" in over_budget_words({"static": 1, "head": 9})
+
 
 def test_parameters_words():
     assert parameters_words(10, 1000) == "trainable 10 of 1,000 parameters (1.00%)"

@@ -46,8 +46,8 @@ __all__ = ["PartKind", "Option", "RunParts", "check_parts", "part_title", "part_
 Option = tuple[str, int, int, float]
 #: the moments a part kind's bytes may be held at (NOTE [A part kind's moment])
 AFTER_BLOCKS, OPTIMIZER_STEP = "after_blocks", "optimizer_step"
-#: each part kind's class by its name (PartKind's subclasses, as they are defined): records name a part by its kind
-#: alone, and the summary and the report say it by the class's words
+#: each part kind's class by its name, where the class declares its title (PartKind.title): records name a part by its
+#: kind alone, and the summary and the report say it by the class's words
 _KINDS: dict[str, type["PartKind"]] = {}
 
 
@@ -106,7 +106,7 @@ class PartKind:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if cls.name:
+        if cls.name and "title" in vars(cls):  # a class that says its title claims its name's words (a stand-in does not)
             _KINDS[cls.name] = cls
 
     def options(self, tokens: int) -> Sequence[Option]:
