@@ -878,15 +878,16 @@ def _plot_treatments(group: str, runs: Sequence[_StepRun], path: Path) -> bool:
         drawn = [kind for kind in parts if any(dict(row.parts).get(kind) for row in mine)]
         if drawn:
             right = ax.twinx()
-            for kind in drawn:
+            for at, kind in enumerate(drawn):  # a marker per kind: two kinds' lines at one share both show
                 ran = [(c, row.shares(kind)) for c, row in zip(centres, mine)]
                 for name in parts[kind]:
                     points = [(c, shares[name]) for c, shares in ran if name in shares]
                     if not points:
                         continue
                     color, hatch = colors[(kind, name)]
-                    right.plot([c for c, _ in points], [100 * share for _, (share, _) in points], color=color, marker="o",
-                               linestyle="--" if hatch else "-", label=f"{part_title(kind)} {name}")
+                    right.plot([c for c, _ in points], [100 * share for _, (share, _) in points], color=color,
+                               marker="os^Dv"[at % 5], markersize=7 - 2 * (at % 2), linestyle="--" if hatch else "-",
+                               label=f"{part_title(kind)} {name}")
                     for c, (share, param) in points:
                         if param > 1:
                             right.annotate(f"×{param:g}", (c, 100 * share), textcoords="offset points", xytext=(0, 5),
