@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         if attempt:  # its blocks, and their treatments where not all recomputed (the head is the replayed step's)
             plan = Plan(tuple(attempt["plan"] or ()), kinds=tuple(attempt.get("treatments") or ()), parts=[(HEAD_KEY, *head)])
         else:
-            plan = Plan.from_treatments(record.block_treatments, [("head", *head)])
+            plan = Plan.from_treatments(record.block_treatments, [(HEAD_KEY, *head)])
         key = (r["shape"][0], r["shape"][1])
         if planned_by is not None:
             if r["step"] < 2 or r["step"] - 2 >= len(planned_by):

@@ -146,6 +146,8 @@ def test_a_cap_turns_expandable_segments_on_unless_the_user_named_them(monkeypat
     assert not meter.expandable_segments_on() and len(calls) == 1  # the settings now name them: said once
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
     assert not meter.expandable_segments_on() and len(calls) == 1
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")  # not the caching allocator's to change
+    assert not meter.expandable_segments_on() and len(calls) == 1
 
     def refuse(_):
         raise RuntimeError("expandable_segments not supported on this platform")

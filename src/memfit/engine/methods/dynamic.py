@@ -69,6 +69,7 @@ from typing import TYPE_CHECKING
 
 from memfit.engine.plan import learner
 from memfit.engine.methods.base import Decision, Method
+from memfit.engine.parts.kind import with_untreated
 from memfit.engine.parts.probe import PROBE_NEED
 from memfit.engine.parts.treatments import RECOMPUTE, floor_treatment
 from memfit.engine.plan.planner import Plan
@@ -234,17 +235,8 @@ def _may_not_fit(planning: "Planning", key: tuple[int, int], every: Plan, tokens
     if not planning.budget_bytes or floor_treatment(planning.registry) == RECOMPUTE:
         return False
     if planning.model.ready:
-        return planning.plan_peak(key, _as_run(planning, every, tokens)) > planning.room_bytes
+        return planning.plan_peak(key, with_untreated(every, planning.parts.values(), tokens)) > planning.room_bytes
     return _held_over(planning, tokens, PROBE_NEED * planning.input_bytes_per_token)
-
-
-def _as_run(planning: "Planning", plan: Plan, tokens: int) -> Plan:
-    """``plan`` with each part it names no option of at the option a step of ``tokens`` tokens runs it with
-    (``untreated``: the LM head chunked, NOTE [A plan without a head]), as it will run (NOTE [Warm-up on the floor])."""
-    for kind, part in planning.parts.items():
-        if plan.option(kind) is None:
-            plan = plan.with_option(kind, part.untreated(tokens))
-    return plan
 
 
 def _treating_more(planning: "Planning", plan: Plan, failed: Plan | None, tokens: int) -> Plan:

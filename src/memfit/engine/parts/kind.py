@@ -34,12 +34,12 @@ for any option a step ran (the learner adds it back: the curves describe the par
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from memfit.engine.parts.head import HEAD_KEY
 
-__all__ = ["PartKind", "Option", "RunParts", "check_parts", "part_title", "part_param_words", "part_floor_words",
+__all__ = ["PartKind", "Option", "RunParts", "check_parts", "with_untreated", "part_title", "part_param_words", "part_floor_words",
            "AFTER_BLOCKS", "OPTIMIZER_STEP"]
 
 #: ``(treatment, param, bytes saved, ms)`` of a part's option (NOTE [A part kind's options])
@@ -65,6 +65,24 @@ def part_floor_words(kind: str) -> tuple[str, str] | None:
     """What the part kind named ``kind`` is when it dominates a step that cannot fit, and what to change (its class's
     ``floor_words``: NOTE [What to change when a step cannot fit], summary_text.py); None where not said."""
     return (_KINDS[kind].floor_words or None) if kind in _KINDS else None
+
+
+def with_untreated(plan: Any, parts: Iterable["PartKind"], tokens: int) -> Any:
+    """``plan`` with each of ``parts`` it names no option of at the option a step of ``tokens`` tokens runs it with
+    untreated (``PartKind.untreated``; the LM head's: chunked, NOTE [A plan without a head]), placed last: what a plan
+    made without a part runs, and what judging such a plan must price.
+
+    Example:
+        >>> from memfit.engine.plan.planner import Plan
+        >>> class Squeeze(PartKind):
+        ...     name = "norm_of_the_doctest"
+        >>> with_untreated(Plan((0,)), [Squeeze()], 10).parts
+        (('norm_of_the_doctest', 'keep', 1),)
+    """
+    for part in parts:
+        if plan.option(part.name) is None:
+            plan = plan.with_option(part.name, part.untreated(tokens))
+    return plan
 
 
 def part_param_words(kind: str) -> str:
@@ -216,11 +234,9 @@ class RunParts:
         decision = self.head.decide(decision, key)
         plan, tokens = decision.plan, key[0] * key[1]
         moments = self.planning.moment_options(key)
-        missing = [(part.name, *part.untreated(tokens)) for part in self.kinds
-                   if part.name not in moments and plan.option(part.name) is None]
         for kind, option in moments.items():
             plan = plan.with_option(kind, option)
-        plan = dataclasses.replace(plan, parts=(*plan.parts, *missing))
+        plan = with_untreated(plan, [part for part in self.kinds if part.name not in moments], tokens)
         decision = dataclasses.replace(decision, plan=plan)
         for part in {part.name: part for part in (*self.kinds, *self.planning.moment_parts.values())}.values():
             part.apply(plan.option(part.name))

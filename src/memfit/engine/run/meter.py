@@ -26,7 +26,7 @@ session 39); the same runs with the segments expandable ran clean. ``memfit trai
 CUDA starts; a program that calls ``memfit.fit`` has started CUDA already, so under a cap the meter
 turns them on in the allocator's settings (new segments expand; those already made stay), and says so,
 unless ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``) names ``expandable_segments``: the
-user's choice stands.
+user's choice stands (and `backend:cudaMallocAsync`, which has no such segments).
 """
 
 from __future__ import annotations
@@ -182,7 +182,8 @@ def stream_pools(device: torch.device) -> dict[str, tuple[int, int]]:
 def expandable_segments_on() -> bool:
     """Turn the CUDA allocator's expandable segments on, unless the user's allocator settings name them (NOTE
     [Expandable segments under a cap]); whether this call turned them on."""
-    if any("expandable_segments" in os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
+    settings = ",".join(os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    if "expandable_segments" in settings or "cudaMallocAsync" in settings:  # the user's choice, or another allocator
         return False
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if setter is None:  # torch before the accelerator-wide settings

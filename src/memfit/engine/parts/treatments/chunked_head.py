@@ -95,7 +95,7 @@ import torch
 
 from memfit.engine.parts.head import FUSED, HEAD_KEY, HeadSwitch, available_implementations, fused_chunks, head_saved_bytes, probe_head
 from memfit.engine.budget import Budget, BudgetTooSmallError, format_bytes
-from memfit.engine.parts.kind import PartKind
+from memfit.engine.parts.kind import PartKind, with_untreated
 from memfit.engine.parts.treatments.base import KEEP, Treatment
 
 if TYPE_CHECKING:
@@ -624,8 +624,7 @@ class HeadPart(PartKind):
         plan = decision.plan
         if decision.warmup and self.probed_steps < PROBE_STEPS:
             self.switch.probe = self.probe  # NOTE [Pricing the head]
-        if plan.option(HEAD_KEY) is None:
-            decision = dataclasses.replace(decision, plan=plan.with_option(HEAD_KEY, self.untreated(key[0] * key[1])))
+        decision = dataclasses.replace(decision, plan=with_untreated(plan, [self], key[0] * key[1]))
         self.apply(decision.plan.option(HEAD_KEY))
         return decision
 
