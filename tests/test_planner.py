@@ -522,3 +522,94 @@ def test_parts_combinations_the_bound_rules_out_are_not_planned_and_the_plan_is_
             searches += 1
             assert (plan.blocks, plan.kinds, plan.parts, plan.cost_ms) == (whole.blocks, whole.kinds, whole.parts, whole.cost_ms)
     assert planned["n"] < 0.5 * 12 * searches, planned  # of the 12 combinations, under half planned
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_few_odd_blocks_beside_an_alike_group_are_planned_exactly(monkeypatch, seed):
+    """NOTE [A few odd blocks]: one or two blocks unlike an alike group (a LoRA stack's first block) are planned as
+    their combinations beside the group, never by the quantised dynamic programme: the cheapest cover of every
+    assignment of keep or one option per block, the group's treatments in their order from its first block up."""
+    import itertools
+    import random
+
+    from memfit.engine.plan import planner
+    from memfit.engine.plan.planner import InfeasiblePlanError, Knapsack
+
+    def no_dp(*args, **kwargs):
+        raise AssertionError("the dynamic programme planned a stack of a few odd blocks")
+
+    monkeypatch.setattr(planner, "_choose_by_dp", no_dp)
+    rng = random.Random(seed)
+    order = {"recompute": 0, "host": 10, "tiled": 20}
+    checked = 0
+    for _ in range(40):
+        group = [(name, rng.randint(1, 300), round(rng.uniform(0.1, 20.0), 3)) for name in rng.sample(sorted(order), rng.randint(2, 3))]
+        odd = [[(name, rng.randint(1, 300), round(rng.uniform(0.1, 20.0), 3)) for name in rng.sample(sorted(order), rng.randint(1, 3))]
+               for _ in range(rng.randint(1, 2))]
+        m = rng.randint(3, 5)
+        options = [*odd[:1], *[group] * m, *odd[1:]]  # the odd ones first and, for two, last
+        need = rng.randint(1, sum(max(o[1] for o in opts) for opts in options))
+        picks = [pick for pick in itertools.product(*[[None, *opts] for opts in options]) if sum(o[1] for o in pick if o) >= need]
+        stack = Knapsack(options, order=order)
+        assert stack._odd is not None
+        if not picks:
+            with pytest.raises(InfeasiblePlanError):
+                stack.plan(need)
+            continue
+        plan = stack.plan(need)
+        assert plan.saved_bytes >= need
+        assert plan.cost_ms == pytest.approx(min(sum(o[2] for o in pick if o) for pick in picks), abs=1e-9)
+        names = plan.treatments(len(options))
+        inside = [names[i] for i in range(1, 1 + m)]
+        treated = [n for n in inside if n != "keep"]
+        assert inside[:len(treated)] == treated and treated == sorted(treated, key=order.__getitem__)  # placed in order
+        checked += 1
+    assert checked > 20
+
+
+def test_every_block_re_run_finds_the_full_regime_where_no_mix_with_kept_blocks_fits():
+    """NOTE [Every block re-run]: a plan that re-runs every block reads the full regime's transient, here far below
+    the partial one, so it fits a room no need in bytes reaches (the kept stack's need is over what every block
+    saves). The search plans it as its own stack: every block at its cheapest re-run, the knapsack choosing the host
+    checkpoints that bring its own overshoot under the room: the cheapest of the every-block plans that fit."""
+    import itertools
+    from types import SimpleNamespace
+
+    from memfit.engine.parts.treatments import resolve
+    from memfit.engine.plan.model import MemoryModel
+    from memfit.engine.plan.search import Search
+
+    names = ("recompute", "host_checkpoint", "tiled_mlp")
+    model = MemoryModel([0] * 4, treatments=resolve(names))
+    group = model.group_models[0]
+    for t in (16, 32, 64):
+        key = (4, t)
+        group.bytes["keep"].add(key, 1000.0 * t)
+        group.bytes["recompute"].add(key, 50.0 * t)
+        group.ms["recompute"].add(key, 0.01 * t)
+        group.bytes_curve("host_checkpoint").add(key, 10.0 * t)
+        group.ms_curve("host_checkpoint").add(key, 0.011 * t)
+        group.bytes_curve("tiled_mlp").add(key, 400.0 * t)
+        group.ms_curve("tiled_mlp").add(key, 0.001 * t)
+        model.outside.add(key, 10.0 * t)
+        model.transient_partial.add(key, 3000.0 * t)
+        model.transient_full.add(key, 500.0 * t)
+    key = (4, 64)
+    registry = resolve(names)
+    options = model.options(key, names)
+    planning = SimpleNamespace(registry=registry, treatments=names, model=model,
+                               plan_peak=lambda k, plan: int(model.plan_bytes(k, plan)))
+    every = [Plan(tuple(range(4)), kinds=kinds) for kinds in itertools.product(("recompute", "host_checkpoint"), repeat=4)]
+    peaks = sorted(int(model.plan_bytes(key, p)) for p in every)
+    room = (peaks[0] + peaks[-1]) // 2  # some every-block plans fit, not all
+    need = int(model.backward_start_bytes(key, Plan(()))) - room
+    assert need > sum(max(o[1] for o in opts) for opts in options)  # no mix covers the kept stack's need
+
+    search = Search(planning)
+    assert search._mix_that_fits(key, options, need, room) is None
+    plan = search._mix_that_fits(key, options, need, room, every=True)
+    assert plan is not None and "keep" not in plan.treatments(4) and planning.plan_peak(key, plan) <= room
+    costs = {"recompute": 0.01 * 64, "host_checkpoint": 0.011 * 64}
+    fits = [sum(costs[n] for n in p.treatments(4)) for p in every if planning.plan_peak(key, p) <= room]
+    assert plan.cost_ms == pytest.approx(min(fits))
+    assert search._mix_that_fits(key, options, need, room, every=True, below=4 * 0.01 * 64) is None  # none cheaper

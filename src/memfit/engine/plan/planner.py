@@ -196,6 +196,8 @@ def plan_blocks(
 
 
 _MAX_COMBINATIONS = 200_000
+#: the most combinations of odd blocks' options planned beside one alike group (NOTE [A few odd blocks])
+_MAX_ODD_COMBINATIONS = 64
 
 
 @functools.lru_cache(maxsize=16)
@@ -287,6 +289,44 @@ def with_leaner_reruns(
     return Plan(plan.blocks, cost, plan.saved_bytes, kinds=tuple(kinds[i] for i in plan.blocks), parts=plan.parts)
 
 
+def every_block_rerun(
+    options: Sequence[Sequence[tuple[str, int, float]]], reruns: Callable[[str], bool],
+) -> tuple[list[tuple[str, int, float]], list[list[tuple[str, int, float]]]] | None:
+    """Per block its cheapest option that ``reruns`` (the base), and the other re-runs that save more as steps up
+    from it, ``(name, bytes more, ms more)``; None where a block has no re-run.
+
+    # NOTE [Every block re-run]
+    The knapsack covers a need in bytes, which assumes the step's peak falls by what the treatments save. A plan
+    that re-runs every block breaks that: its backward reads the full regime's transient, not the partial one
+    (NOTE [Two transient regimes], model.py), which may be lower by gigabytes, so such a plan can fit where the
+    cheapest mix that saves more does not (an 8B LoRA at 16k tokens under 24.7 GB: 29 host checkpoints and three
+    recomputed blocks fit at 829 ms; the cheapest mixes with kept blocks fit at 957). No need in bytes
+    finds that regime, so the search also plans it as its own stack: every block at its base, and the knapsack
+    choosing which blocks step up (:func:`on_base` puts the bases back).
+
+    Example:
+        >>> opts = [[("recompute", 100, 10.0), ("host", 120, 12.0), ("lean", 30, 1.0)]] * 2
+        >>> every_block_rerun(opts, lambda name: name != "lean")[1][0]
+        [('host', 20, 2.0)]
+    """
+    bases, steps = [], []
+    for opts in options:
+        rerun = [o for o in opts if reruns(o[0])]
+        if not rerun:
+            return None
+        base = min(rerun, key=lambda o: (o[2], -o[1]))
+        bases.append(base)
+        steps.append([(o[0], o[1] - base[1], o[2] - base[2]) for o in rerun if o[1] > base[1]])
+    return bases, steps
+
+
+def on_base(plan: Plan, bases: Sequence[tuple[str, int, float]]) -> Plan:
+    """``plan`` of the steps up (:func:`every_block_rerun`) with every other block at its base: each block treated."""
+    names = [base[0] if name == "keep" else name for name, base in zip(plan.treatments(len(bases)), bases)]
+    return Plan(tuple(range(len(bases))), plan.cost_ms + float(sum(b[2] for b in bases)),
+                plan.saved_bytes + int(sum(b[1] for b in bases)), kinds=tuple(names), parts=plan.parts)
+
+
 #: the most combinations of the parts' options :func:`plan_with_parts` tries (NOTE [Parts beside the blocks])
 MAX_PART_COMBINATIONS = 64
 
@@ -375,7 +415,8 @@ def plan_treatments(
     they are too many, every count of all but the last option is scored, that one's count the fewest that cover
     the need (every block left where it is priced below keep): as exact as scoring every count, for given other
     counts fewer of it do not cover and more cost no less and treat more blocks (32 blocks and 5 options: 59
-    thousand counts for 436 thousand). Else the dynamic programme chooses the counts, placed alike. Otherwise
+    thousand counts for 436 thousand). Else the dynamic programme chooses the counts, placed alike. A few odd
+    blocks beside one alike group are planned exactly too (NOTE [A few odd blocks]). Otherwise
     the dynamic programme of NOTE [A bounded planner]: savings never below ``need``, bounded in time and memory
     whatever the need.
 
@@ -417,6 +458,9 @@ class Knapsack:
         options = self.options
         first = options[0] if options else ()
         self.alike = first if all(opts == first for opts in options) else None
+        #: unlike blocks that are a few beside one alike group: (that group's blocks, its Knapsack, the others' blocks
+        #: and their combinations) (NOTE [A few odd blocks]); None where the dynamic programme plans
+        self._odd: tuple | None = None if self.alike is not None else self._few_odd()
         if self.alike is not None:  # alike blocks: one block's reading, repeated (the same sums, term by term)
             self.best_each = sum(itertools.repeat(max((o[1] for o in first), default=0), len(options)))
             self.by_name = [{o[0]: o for o in reversed(first)}] * len(options)
@@ -464,7 +508,9 @@ class Knapsack:
             return Plan(())
         if self.best_each < need_bytes:
             raise InfeasiblePlanError(f"treating all {len(options)} blocks saves {self.best_each} bytes, {need_bytes} are needed")
-        if self.alike is not None:
+        if self._odd is not None:
+            chosen = self._plan_odd(need_bytes)
+        elif self.alike is not None:
             if self._scored is None:
                 self._scored = _scored(self.alike, len(options), last_apart=False) or ()
                 if not self._scored:  # too many counts to score: the options no other beats first (NOTE [Choosing treatments])
@@ -479,6 +525,56 @@ class Knapsack:
             blocks, float(sum(costs[i][2] for i in blocks)), int(sum(costs[i][1] for i in blocks)),
             kinds=tuple(chosen[i] for i in blocks),
         )
+
+    def _few_odd(self) -> tuple | None:
+        """The largest alike group's blocks, its own Knapsack, the other blocks, and every combination of their
+        options (keep first) as ``(ms, saved, treated, place, picks)``; None where those are more than
+        ``_MAX_ODD_COMBINATIONS`` or the group holds under half of the blocks.
+
+        # NOTE [A few odd blocks]
+        A stack is often one alike group but for a block or two: under LoRA the first block's input (the frozen
+        embeddings' output) needs no gradient, so it keeps less than the others and is planned apart. The dynamic
+        programme would plan every such stack, quantised, at every ask (32 blocks of 7 options: 2.5 ms each, most of an
+        8B LoRA decision). Planned as the few odd blocks' combinations beside the group, each combination's rest
+        chosen exactly by the group (NOTE [Choosing treatments]), cheapest bound first (the group's relaxation,
+        :meth:`lower_bound`) until no later combination can cost less, the plan is the exact optimum and the group's
+        treatments lie in their order. Ties go to fewer treated blocks, then the earlier combination.
+        """
+        groups: dict[tuple, list[int]] = {}
+        for i, opts in enumerate(self.options):
+            groups.setdefault(opts, []).append(i)
+        opts, alike = max(groups.items(), key=lambda kv: len(kv[1]))
+        odd = [i for i in range(len(self.options)) if self.options[i] != opts]
+        if 2 * len(alike) < len(self.options) or math.prod(len(self.options[i]) + 1 for i in odd) > _MAX_ODD_COMBINATIONS:
+            return None
+        choices = [((None, 0, 0.0), *self.options[i]) for i in odd]
+        combos = [(sum(float(o[2]) for o in picks), sum(int(o[1]) for o in picks), sum(o[0] is not None for o in picks), at,
+                   picks) for at, picks in enumerate(itertools.product(*choices))]
+        return alike, Knapsack([opts] * len(alike), self.resolution, self.order), odd, combos
+
+    def _plan_odd(self, need_bytes: int) -> dict[int, str]:
+        """The cheapest choice for a few odd blocks beside one alike group (NOTE [A few odd blocks])."""
+        alike, group, odd, combos = self._odd
+        best: tuple | None = None  # (ms, treated, place, group's plan, picks)
+        for bound, ms, saved, treated, at, picks in sorted((ms + group.lower_bound(need_bytes - saved), ms, saved, treated,
+                                                            at, picks) for ms, saved, treated, at, picks in combos):
+            if best is not None and bound > best[0] + 1e-9 * max(1.0, abs(best[0])):
+                break  # this one and every later one cost more than the best found, whatever the group's plan
+            try:
+                sub = group.plan(need_bytes - saved)
+            except InfeasiblePlanError:
+                continue
+            key = (ms + sub.cost_ms, treated + len(sub.blocks), at)
+            if best is None or key[0] < best[0] - 1e-12 * max(1.0, abs(best[0])) or (
+                    key[0] <= best[0] + 1e-12 * max(1.0, abs(best[0])) and key[1:] < best[1:3]):
+                best = (*key, sub, picks)
+        if best is None:
+            raise InfeasiblePlanError(f"treating all {len(self.options)} blocks saves {self.best_each} bytes, "
+                                      f"{need_bytes} are needed")
+        names = best[3].treatments(len(alike))  # a plan of recomputes alone names none (Plan.kinds)
+        chosen = {alike[j]: names[j] for j in best[3].blocks}
+        chosen.update((i, o[0]) for i, o in zip(odd, best[4]) if o[0] is not None)
+        return chosen
 
     def with_parts(self, parts: Sequence[tuple[str, Sequence[tuple[str, int, int, float]]]], need_bytes: int) -> Plan:
         """The cheapest mix of this stack's treatments and one option per part beside the blocks (:func:`plan_with_parts`)."""
@@ -558,10 +654,13 @@ def _scored(opts: tuple[tuple[str, int, float], ...], m: int, last_apart: bool =
     if not last_apart or k < 2 or math.comb(m + k - 1, k - 1) > _MAX_COMBINATIONS:
         return None
     grid, scored = _counts(m, k - 1), opts[:-1]
-    # whole bytes (exact in float64 below 2**53), for the last option's count by integer division
-    saved = (grid @ np.array([o[1] for o in scored], dtype=np.float64)).astype(np.int64)
-    left = m - (grid @ np.ones(k - 1)).astype(np.int64)  # a matvec: sum(axis=1) took 6x as long
-    return grid, saved, grid @ np.array([o[2] for o in scored], dtype=np.float64), (int(opts[-1][1]), float(opts[-1][2]), left)
+    # whole bytes, exact in float64 below 2**53, and so is the ceiling of their quotient (NOTE [Enumerating classes])
+    saved = grid @ np.array([o[1] for o in scored], dtype=np.float64)
+    left = m - grid @ np.ones(k - 1)  # a matvec: sum(axis=1) took 6x as long
+    # the last option's count and the rows' costs with it are worked in these buffers: a new array per operation
+    # cost page faults on every call (NOTE [Enumerating classes])
+    last = (int(opts[-1][1]), float(opts[-1][2]), left, np.empty(len(grid)), np.empty(len(grid)), np.empty(len(grid), dtype=bool))
+    return grid, saved, grid @ np.array([o[2] for o in scored], dtype=np.float64), last
 
 
 def _frontier(opts: tuple[tuple[str, int, float], ...]) -> tuple[tuple[str, int, float], ...]:
@@ -588,15 +687,21 @@ def _alike(opts: tuple[tuple[str, int, float], ...], m: int, need: int, order: M
     if scored is not None:
         grid, saved, cost, last = scored
         n = None
-        if last is not None:  # the last option's count: the fewest that cover the need (all that are left, priced below keep)
-            bytes_last, ms_last, left = last
-            n = left if ms_last < 0 else np.maximum(0, -((saved - need) // bytes_last))
-            saved, cost = saved + n * bytes_last, np.where(n <= left, cost + n * ms_last, np.inf)
+        if last is not None and last[1] < 0:  # the last option priced below keep: all that are left take it
+            n, bytes_last = last[2], last[0]
+            cost = np.where(saved + n * bytes_last >= need, cost + n * last[1], np.inf)
+        elif last is not None:  # the last option's count: the fewest that cover the need
+            bytes_last, ms_last, left, n, total, over = last
+            np.maximum(np.ceil(np.divide(np.subtract(need, saved, out=n), bytes_last, out=n), out=n), 0.0, out=n)
+            np.add(np.multiply(n, ms_last, out=total), cost, out=total)
+            np.copyto(total, np.inf, where=np.greater(n, left, out=over))
+            cost = total
+        else:
+            cost = np.where(saved >= need, cost, np.inf)
 
         def counts(r: int) -> np.ndarray:
             return grid[r] if n is None else np.append(grid[r], n[r])
 
-        cost = np.where(saved >= need, cost, np.inf)
         best = cost.min()
         ties = np.flatnonzero(cost <= best + 1e-12 * max(1.0, abs(best)))
         best_row = ties[0] if len(ties) == 1 else min(ties, key=lambda r: (counts(r).sum(), tuple(-counts(r))))

@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from memfit.engine.plan.model import ShapePeaks
-from memfit.engine.plan.planner import InfeasiblePlanError, Knapsack, Plan, plan_blocks, with_leaner_reruns
+from memfit.engine.plan.planner import (InfeasiblePlanError, Knapsack, Plan, every_block_rerun, on_base, plan_blocks,
+                                        with_leaner_reruns)
 from memfit.engine.parts.treatments import RECOMPUTE, floor_treatment
 from memfit.engine.summary_text import over_budget_words
 
@@ -260,8 +262,8 @@ class Search:
         options = planning.model.options(k, planning.treatments, planning.offload_ms)
         # NOTE [Treatments never lose]: the mix only where it fits and is cheaper than recompute alone
         plan = self._mix_that_fits(k, [[o for o in opts if o[0] == RECOMPUTE] for opts in options], need, room, parts)
-        if not planning.recompute_only:
-            mixed = self._mix_that_fits(k, options, need, room, parts)
+        for every in (False, True) if not planning.recompute_only else ():  # NOTE [Every block re-run], planner.py
+            mixed = self._mix_that_fits(k, options, need, room, parts, every, below=plan.cost_ms if plan else math.inf)
             # a tenth of a percent cheaper, of a cost that may be below 0 (a head priced faster chunked: NOTE [Pricing the head])
             if mixed is not None and (plan is None or mixed.cost_ms < plan.cost_ms - 0.001 * abs(plan.cost_ms)):
                 plan = mixed
@@ -287,24 +289,38 @@ class Search:
         return Plan(planning.all_blocks, kinds=() if floor == RECOMPUTE else (floor,) * planning.n_blocks, parts=parts)
 
     def _mix_that_fits(self, k: tuple[int, int], options: list[list[tuple[str, int, float]]], need: int, room: int,
-                       parts: Sequence[tuple[str, Sequence[tuple[str, int, int, float]]]] = ()) -> Plan | None:
+                       parts: Sequence[tuple[str, Sequence[tuple[str, int, int, float]]]] = (), every: bool = False,
+                       below: float = math.inf) -> Plan | None:
         """The cheapest mix saving ``need`` bytes (with one of each part's options, ``(kind, options)``, for the parts
         beside the blocks) whose predicted peak fits ``room``, or None (NOTE [Planning with the stashes back], NOTE
-        [Leaner re-runs])."""
+        [Leaner re-runs]); with ``every``, of the mixes that re-run every block (NOTE [Every block re-run]), None
+        where none of them can cost less than ``below``."""
         planning = self.planning
         order = {name: t.order for name, t in planning.registry.items()}
         leaner = {t.keeps_as: name for name, t in planning.registry.items() if t.keeps_as and name in planning.treatments}
-        asks, stack = max(3, planning.model.offload_depth(k) + 2), Knapsack(options, order=order)  # one stack, each ask's need
+        found = every_block_rerun(options, lambda name: planning.registry[name].reruns) if every else (None, options)
+        if found is None:
+            return None
+        bases, steps = found
+        if bases is not None and sum(b[2] for b in bases) + sum(min(0.0, *(o[3] for o in opts)) for _, opts in parts) >= below:
+            return None  # every block at its cheapest re-run costs more already
+        if bases is not None:  # what the steps up save: the every-block plan's own overshoot, not the kept stack's
+            need = int(planning.plan_peak(k, on_base(Plan(()), bases))) - room
+        asks, stack = max(3, planning.model.offload_depth(k) + 2), Knapsack(steps, order=order)  # one stack, each ask's need
+        fits: Plan | None = None  # a leaner re-run that fits, kept while a plan saving more may cost less
         for _ in range(asks):
             try:
                 mixed = stack.with_parts(parts, need)
             except InfeasiblePlanError:
-                return None
+                break
+            saved, mixed = mixed.saved_bytes, on_base(mixed, bases) if bases else mixed
+            if fits is not None and mixed.cost_ms >= fits.cost_ms:
+                break  # every later ask saves more and costs no less
             over = planning.plan_peak(k, mixed) - room
             if over <= 0:
                 return mixed
             lean = with_leaner_reruns(mixed, options, leaner) if leaner else None  # NOTE [Leaner re-runs]
-            if lean is not None and planning.plan_peak(k, lean) <= room:
-                return lean
-            need = int(max(need, mixed.saved_bytes) + over) + 1
-        return None
+            if lean is not None and (fits is None or lean.cost_ms < fits.cost_ms) and planning.plan_peak(k, lean) <= room:
+                fits = lean
+            need = int(max(need, saved) + over) + 1
+        return fits
