@@ -155,3 +155,22 @@ def test_a_cap_turns_expandable_segments_on_unless_the_user_named_them(monkeypat
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", refuse, raising=False)
     assert not meter.expandable_segments_on() and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+
+
+def test_turning_expandable_segments_on_empties_the_allocators_cache(monkeypatch):
+    """NOTE [Expandable segments under a cap]: the fixed segments cached before the cap (a model's setup, FSDP2's
+    sharding, an earlier run of the process) go once the segments are made expandable, so the run's allocations
+    come from expandable ones; where the user's settings name them, the cache is left as it is."""
+    import torch
+
+    from memfit.engine.run import meter
+
+    emptied = []
+    monkeypatch.setattr(meter, "apply_cuda_cap", lambda budget, device: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", lambda settings: None, raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    cuda = meter.CudaMeter(torch.device("cuda", 0), [], 0)
+    assert "expandable" in cuda.apply_cap(10**9) and emptied == [True]
+    assert cuda.apply_cap(10**9) is None and emptied == [True]  # the settings now name them: the cache stays

@@ -26,7 +26,11 @@ session 39); the same runs with the segments expandable ran clean. ``memfit trai
 CUDA starts; a program that calls ``memfit.fit`` has started CUDA already, so under a cap the meter
 turns them on in the allocator's settings (new segments expand; those already made stay), and says so,
 unless ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``) names ``expandable_segments``: the
-user's choice stands (and `backend:cudaMallocAsync`, which has no such segments).
+user's choice stands (and `backend:cudaMallocAsync`, which has no such segments). It then empties the
+allocator's cache: the fixed segments cached until then (a model's setup, FSDP2's sharding, an earlier
+run of the same process) would otherwise serve the run's next allocations, fragments and all. A
+sharded 8B LoRA whose process had run eight configurations without them ran out of memory in a backward
+with 5.3 GiB reserved but not allocated (docs/devlog.md, session 40).
 """
 
 from __future__ import annotations
@@ -224,6 +228,7 @@ class CudaMeter(Meter):
     def apply_cap(self, budget_bytes: int) -> str | None:
         apply_cuda_cap(budget_bytes, self.device)
         if expandable_segments_on():
+            torch.cuda.empty_cache()  # the fixed segments cached so far go: what the run allocates next expands
             return ("memfit: the CUDA allocator's segments made expandable, so the cap is not lost to fragmentation "
                     "(set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False before CUDA starts to keep them fixed)")
         return None
