@@ -172,5 +172,24 @@ def test_turning_expandable_segments_on_empties_the_allocators_cache(monkeypatch
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     cuda = meter.CudaMeter(torch.device("cuda", 0), [], 0)
-    assert "expandable" in cuda.apply_cap(10**9) and emptied == [True]
+    said = cuda.apply_cap(10**9)
+    assert "expandable" in said and "before launching" not in said and emptied == [True]
     assert cuda.apply_cap(10**9) is None and emptied == [True]  # the settings now name them: the cache stays
+
+
+def test_on_several_ranks_the_toggle_says_to_set_expandable_segments_at_launch(monkeypatch):
+    """NOTE [Expandable segments under a cap]: a rank's shards were made before the cap, in fixed segments that stay;
+    on several ranks the line says to set them before launching (memfit train does)."""
+    import torch
+
+    from memfit.engine.run import meter
+
+    monkeypatch.setattr(meter, "apply_cuda_cap", lambda budget, device: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", lambda settings: None, raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    said = meter.CudaMeter(torch.device("cuda", 0), [], 0).apply_cap(10**9)
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before launching" in said

@@ -30,7 +30,10 @@ user's choice stands (and `backend:cudaMallocAsync`, which has no such segments)
 allocator's cache: the fixed segments cached until then (a model's setup, FSDP2's sharding, an earlier
 run of the same process) would otherwise serve the run's next allocations, fragments and all. A
 sharded 8B LoRA whose process had run eight configurations without them ran out of memory in a backward
-with 5.3 GiB reserved but not allocated (docs/devlog.md, session 40).
+with 5.3 GiB reserved but not allocated (docs/devlog.md, session 40). What is still in use stays in fixed
+segments: under FSDP2 a rank's shards. A sharded 3B at half of ``none``'s peak ran 682 ms a step with the
+segments turned on here against 626-660 with them set at launch, so on several ranks the line says to set
+them before launching.
 """
 
 from __future__ import annotations
@@ -229,8 +232,11 @@ class CudaMeter(Meter):
         apply_cuda_cap(budget_bytes, self.device)
         if expandable_segments_on():
             torch.cuda.empty_cache()  # the fixed segments cached so far go: what the run allocates next expands
+            sharded = torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
             return ("memfit: the CUDA allocator's segments made expandable, so the cap is not lost to fragmentation "
-                    "(set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False before CUDA starts to keep them fixed)")
+                    + ("(the segments this rank made before, its shards among them, stay fixed: set "
+                       "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before launching, as memfit train does)" if sharded else
+                       "(set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False before CUDA starts to keep them fixed)"))
         return None
 
     def static_now(self) -> int:
