@@ -82,6 +82,7 @@ import argparse
 import collections
 import datetime
 import gc
+import gzip
 import json
 import os
 import random
@@ -382,7 +383,7 @@ def _train(args, config: Config, device, rank: int, budget_bytes: int | None, ou
             (output[0] if isinstance(output, tuple) else output).register_hook(fail)
 
     handles = [target.register_forward_pre_hook(pre), target.register_forward_hook(post)] if inject and rank == 1 else []
-    step_ms, peaks = [], []
+    step_ms, peaks, models = [], [], []
     started = time.monotonic()
     stopped = None
     for step in range(config.steps):
@@ -397,6 +398,8 @@ def _train(args, config: Config, device, rank: int, budget_bytes: int | None, ou
         ctl.run_step(lambda: accelerator.backward(model(**batch).loss))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if getattr(args, "models_every_step", False) and ctl.method.learns:
+            models.append(json.dumps(ctl.state_dict()))
         if device.type == "cuda":
             torch.cuda.synchronize()
             # memfit's meter resets the allocator's peak inside run_step: the forward's and backward's
@@ -408,6 +411,9 @@ def _train(args, config: Config, device, rank: int, budget_bytes: int | None, ou
             stopped = f"time limit {args.config_limit_s:g} s after {step + 1} of {config.steps} steps"
             break
     records = list(ctl.records)  # the timed steps' (not the profiled one's)
+    if models:  # the model after each step: step s was planned by line s - 2 (decide_replay.py)
+        with gzip.open(out / f"memfit_models.rank{rank}.jsonl.gz", "wt") as fh:
+            fh.write("\n".join(models) + "\n")
     collective_ms = _profiled_step(ctl, model, accelerator, optimizer, lengths[min(args.steady_from, len(lengths) - 1)],
                                    rank, vocab, device) if getattr(args, "profile", False) and config.method != "oom-check" else None
     # the run's one host pool (NOTE [Host budget]): its pinned bytes at the end
@@ -675,7 +681,8 @@ def matrix(args) -> int:
     once = [parse_config(text, args.nproc, args.steps) for text in args.configs]
     configs = [c if r == 0 else replace(c, name=f"{c.name}-r{r}") for r in range(max(1, args.repeats)) for c in once]
     settings = {k: getattr(args, k, 0) for k in ("steady_from", "batch_size", "max_length", "min_length", "collective_timeout_s",
-                                              "config_limit_s", "treatments", "profile", "profile_decisions")}
+                                              "config_limit_s", "treatments", "profile", "profile_decisions",
+                                              "models_every_step")}
     started = time.monotonic()
     deadline = min(time.time() + args.deadline_s, args.end_unix_s or float("inf"))  # rule 4
     settings["last_start_unix_s"] = deadline - args.config_limit_s
@@ -988,6 +995,9 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--collective_timeout_s", type=float, default=120)
     m.add_argument("--profile", action="store_true", help="after each configuration's steps, one more under torch.profiler: "
                    "each rank's time in collectives (collective_ms)")
+    m.add_argument("--models_every_step", action="store_true", help="also write each rank's memory model after every "
+                   "step (memfit_models.rank<r>.jsonl.gz in the configuration's folder): decide_replay.py and "
+                   "model_replay.py replay a rank's decisions and predictions from them on a CPU")
     m.add_argument("--profile_decisions", action="store_true", help="profile memfit's decisions of the steady steps and "
                    "count the garbage collector's passes (decisions: their top functions; gc: per generation, passes and ms); "
                    "a diagnosis: its step times are not comparable")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import os
@@ -131,7 +132,7 @@ def test_one_launch_runs_many_configurations_and_a_failure_costs_one_relaunch(tm
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     command = [sys.executable, str(ROOT / "benchmarks" / "fsdp_bench.py"), "matrix", "--output_dir", str(out),
                "--nproc", "2", "--port", "29741", "--steps", "6", "--steady_from", "3", "--max_length", "64",
-               "--config_limit_s", "60", "tiny/none", "tiny/full@0.05", "oom-check:tiny", "tiny/dynamic@0.7"]
+               "--config_limit_s", "60", "--models_every_step", "tiny/none", "tiny/full@0.05", "oom-check:tiny", "tiny/dynamic@0.7"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     status = {p.parent.name: json.loads(p.read_text())["status"] for p in out.glob("*/status.json")}
@@ -144,6 +145,10 @@ def test_one_launch_runs_many_configurations_and_a_failure_costs_one_relaunch(tm
     assert "cannot be replayed in step" in checks[1]["backward"]["error"]
     dynamic = [json.loads((out / "tiny-x2-dynamic-0.7" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(d["steps"] == 6 and d["budget_bytes"] for d in dynamic)
+    for r in (0, 1):  # --models_every_step: each rank's model after each step, for the CPU replays
+        models = gzip.open(out / "tiny-x2-dynamic-0.7" / f"memfit_models.rank{r}.jsonl.gz", "rt").read().splitlines()
+        assert len(models) == 6 and all("model" in json.loads(m) for m in models)
+    assert not (out / "tiny-x2-none" / "memfit_models.rank0.jsonl.gz").exists()  # none learns nothing
     assert "| tiny-x2-dynamic-0.7 | 2 | dynamic |" in (out / "summary.md").read_text()
     # a matrix whose deadline has passed starts nothing and records why
     late = subprocess.run([*command[:4], str(tmp_path / "late"), *command[5:-4], "--deadline_s", "1", "tiny/none"],
