@@ -613,3 +613,30 @@ def test_every_block_re_run_finds_the_full_regime_where_no_mix_with_kept_blocks_
     fits = [sum(costs[n] for n in p.treatments(4)) for p in every if planning.plan_peak(key, p) <= room]
     assert plan.cost_ms == pytest.approx(min(fits))
     assert search._mix_that_fits(key, options, need, room, every=True, below=4 * 0.01 * 64) is None  # none cheaper
+
+
+@pytest.mark.parametrize("later_fits", [True, False])
+def test_a_fitting_leaner_re_run_is_kept_while_a_later_ask_may_cost_less(later_fits):
+    """NOTE [Leaner re-runs]: the first ask's mix is over the room and its leaner twin fits at 21.5 ms; the next ask
+    saves more for 5.0 ms. Where that fits it is the plan (the twin had ended the asks before); where it does not,
+    the plan is the first twin, never a dearer twin of a later ask."""
+    from types import SimpleNamespace
+
+    from memfit.engine.parts.treatments import resolve
+    from memfit.engine.plan.search import Search
+
+    names = ("recompute", "recompute_tiled", "elementwise")
+    options = [[("recompute", 100, 2.0), ("recompute_tiled", 100, 20.0), ("elementwise", 60, 1.5)]] * 4
+    room = 1000
+
+    def peak(key, plan):  # over the room but for the twins (21.5 ms and up) and, where it fits, the second ask's mix
+        return room if plan.cost_ms >= 21.5 or (later_fits and plan.cost_ms == pytest.approx(5.0)) else room + 50
+
+    planning = SimpleNamespace(registry=resolve(names), treatments=names, plan_peak=peak,
+                               model=SimpleNamespace(offload_depth=lambda key: 1))
+    plan = Search(planning)._mix_that_fits((1, 64), options, 150, room)
+    assert plan is not None
+    if later_fits:
+        assert plan.cost_ms == pytest.approx(5.0) and sorted(plan.kinds) == ["elementwise", "elementwise", "recompute"]
+    else:
+        assert plan.cost_ms == pytest.approx(21.5) and sorted(plan.kinds) == ["elementwise", "recompute_tiled"]

@@ -22,9 +22,11 @@ A treatment may keep what another keeps at the backward's start and re-run leane
 ``recompute_tiled`` keeps as ``recompute`` does, its re-run holding one chunk of the MLP's
 intermediates, NOTE [Tiled MLP]). The knapsack, which sees savings at the backward's start only,
 never picks the dearer twin; so a mix whose re-run peak is what is over the room is asked again
-with every treated block's twin swapped in (its price the twins' difference), and taken if that
-fits. Where recompute alone fits nothing, a mix that fits this way is the plan (never every
-block recomputed over the room, which would only run out of memory and replay).
+with every treated block's twin swapped in (its price the twins' difference), and kept if that
+fits while the next asks look for a mix that saves more and still costs less than it: the
+cheapest that fits of those the asks saw is the plan (the cheaper twins kept, never a dearer
+one after them). Where recompute alone fits nothing, a mix that fits this way is the plan (never every block
+recomputed over the room, which would only run out of memory and replay).
 """
 
 from __future__ import annotations
@@ -302,7 +304,7 @@ class Search:
         if found is None:
             return None
         bases, steps = found
-        if bases is not None and sum(b[2] for b in bases) + sum(min(0.0, *(o[3] for o in opts)) for _, opts in parts) >= below:
+        if bases is not None and sum(b[2] for b in bases) + sum(min(0.0, *(o[3] for o in opts)) for _, opts in parts if opts) >= below:
             return None  # every block at its cheapest re-run costs more already
         if bases is not None:  # what the steps up save: the every-block plan's own overshoot, not the kept stack's
             need = int(planning.plan_peak(k, on_base(Plan(()), bases))) - room
