@@ -640,3 +640,14 @@ def test_a_fitting_leaner_re_run_is_kept_while_a_later_ask_may_cost_less(later_f
         assert plan.cost_ms == pytest.approx(5.0) and sorted(plan.kinds) == ["elementwise", "elementwise", "recompute"]
     else:
         assert plan.cost_ms == pytest.approx(21.5) and sorted(plan.kinds) == ["elementwise", "recompute_tiled"]
+
+
+def test_the_planners_examples_hold():
+    """The docstrings' examples (plan_treatments, Plan, with_leaner_reruns, every_block_rerun, _frontier) run as
+    written."""
+    import doctest
+
+    from memfit.engine.plan import planner
+
+    result = doctest.testmod(planner)
+    assert result.attempted >= 10 and result.failed == 0
