@@ -537,8 +537,8 @@ class Knapsack:
         programme would plan every such stack, quantised, at every ask (32 blocks of 7 options: 2.5 ms each, most of an
         8B LoRA decision). Planned as the few odd blocks' combinations beside the group, each combination's rest
         chosen exactly by the group (NOTE [Choosing treatments]), cheapest bound first (the group's relaxation,
-        :meth:`lower_bound`) until no later combination can cost less, the plan is the exact optimum and the group's
-        treatments lie in their order. Ties go to fewer treated blocks, then the earlier combination.
+        :meth:`lower_bound`) until no later combination can cost less, the plan is as exact as the group's own choice
+        (exact where its counts are scored) and the group's treatments lie in their order. Ties go to fewer treated blocks, then the earlier combination.
         """
         groups: dict[tuple, list[int]] = {}
         for i, opts in enumerate(self.options):
