@@ -97,6 +97,11 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+# the allocator settings `memfit train` and run_suite.py use, set before torch is imported (the ranks inherit them): every
+# configuration alike, peers included, which do not fit 0.5 without them (s40-4); `expandable_segments:False` in the
+# environment measures the other setting (NOTE [Expandable segments under a cap], engine/run/meter.py)
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
 ROOT = Path(__file__).resolve().parent.parent
 #: bundled configs (src/memfit/configs/) by the short names the suite uses
 MODELS = {"llama-1b": "Llama-3.2-1B", "llama-3b": "Llama-3.2-3B", "llama-8b": "Llama-3.1-8B", "tiny": "llama-tiny"}

@@ -61,6 +61,11 @@ def part_title(kind: str) -> str:
     return (_KINDS[kind].title if kind in _KINDS else "") or f"part {kind}"
 
 
+def part_param_words(kind: str) -> str:
+    """What the parameter of the part kind named ``kind`` counts (its class's ``param_words``), "" where not said."""
+    return _KINDS[kind].param_words if kind in _KINDS else ""
+
+
 def part_floor_words(kind: str) -> tuple[str, str] | None:
     """What the part kind named ``kind`` is when it dominates a step that cannot fit, and what to change (its class's
     ``floor_words``: NOTE [What to change when a step cannot fit], summary_text.py); None where not said."""
@@ -83,11 +88,6 @@ def with_untreated(plan: Any, parts: Iterable["PartKind"], tokens: int) -> Any:
         if plan.option(part.name) is None:
             plan = plan.with_option(part.name, part.untreated(tokens))
     return plan
-
-
-def part_param_words(kind: str) -> str:
-    """What the parameter of the part kind named ``kind`` counts (its class's ``param_words``), "" where not said."""
-    return _KINDS[kind].param_words if kind in _KINDS else ""
 
 
 class PartKind:

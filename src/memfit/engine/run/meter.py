@@ -24,7 +24,8 @@ step (one 502 MiB temporary, 11.2 GiB allocated, 12 reserved), which memfit cann
 GiB a backward OOM's replay was refused with the failed attempt's 12 GiB still held (docs/devlog.md,
 session 39); the same runs with the segments expandable ran clean. ``memfit train`` sets them before
 CUDA starts; a program that calls ``memfit.fit`` has started CUDA already, so under a cap the meter
-turns them on in the allocator's settings (new segments expand; those already made stay), and says so,
+turns them on in the allocator's settings (new segments expand; those already made stay; the process
+keeps the setting after ``remove()``), and says so,
 unless ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``) names ``expandable_segments``: the
 user's choice stands (and `backend:cudaMallocAsync`, which has no such segments). It then empties the
 allocator's cache: the fixed segments cached until then (a model's setup, FSDP2's sharding, an earlier
@@ -50,6 +51,7 @@ from torch.utils._pytree import tree_leaves
 from memfit.engine.parts.accounting import local, optimizer_state_bytes
 from memfit.engine.budget import apply_cuda_cap
 from memfit.engine.plan.learner import Peaks
+from memfit.engine.ranks import world_size
 from memfit.engine.run.step import Stage, StepState
 
 __all__ = ["Meter", "CudaMeter", "LogicalMeter", "make_meter", "stream_pools"]
@@ -232,7 +234,7 @@ class CudaMeter(Meter):
         apply_cuda_cap(budget_bytes, self.device)
         if expandable_segments_on():
             torch.cuda.empty_cache()  # the fixed segments cached so far go: what the run allocates next expands
-            sharded = torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+            sharded = world_size() > 1
             return ("memfit: the CUDA allocator's segments made expandable, so the cap is not lost to fragmentation "
                     + ("(the segments this rank made before, its shards among them, stay fixed: set "
                        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before launching, as memfit train does)" if sharded else
