@@ -172,6 +172,30 @@ def test_gradient_sync_packs_buckets_and_restores_every_gradient(tmp_path):
         dist.destroy_process_group()
 
 
+def test_the_ranks_agree_on_the_host_over_a_gloo_group_of_their_own(tmp_path):
+    """NOTE [The ranks' agreement on the host]: where the default group's backend reduces no host tensors, the flag
+    is reduced over one gloo group made at the first agreement (a device flag would need CUDA here)."""
+    returncode, output = _torchrun("_agreement_worker.py", [tmp_path], port=29541)
+    assert returncode == 0, output[-3000:]
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"agreement.rank{rank}.json").read_text())
+        assert got == {"results": [True, False, True], "made": ["gloo"]}
+
+
+def test_the_ranks_agreement_uses_the_default_group_where_it_reduces_host_tensors(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    from memfit.engine.ranks import Agreement
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(dist, "new_group", lambda *a, **k: pytest.fail("a group was made beside gloo's default one"))
+        agreement = Agreement()
+        assert [agreement.any(True), agreement.any(False)] == [True, False]
+    finally:
+        dist.destroy_process_group()
+
+
 def test_the_collective_wait_is_read_only_for_a_model_sharded_over_several_ranks():
     """NOTE [The collective wait]: one process, no process group: nothing is timed and every record says None."""
     from memfit.engine.run.collectives import CollectiveWait

@@ -1,7 +1,20 @@
 """The process group as the engine sees it: how many ranks, whether a model is sharded over them,
 and the one agreement a replay needs (did any rank run out of memory).
 
-The engine reads the process group through these four functions only; the integrations
+# NOTE [The ranks' agreement on the host]
+After each micro-step of a sharded model the ranks agree whether any of them ran out of memory
+(NOTE [Replay under FSDP], replay.py). The flag is the host's: an OOM is raised on the host as the
+allocation is made, never found later on the device. An all-reduce of it on the device (NCCL)
+would be read back with ``.item()``, a device sync after every backward: the host would wait for
+the backward to finish before it launches the optimizer step, whose launch (FSDP2's sharded
+parameters dispatch every foreach kernel through DTensor) otherwise overlaps the backward's tail,
+and the GPU would idle for it every step. So the flag is reduced on the host: over the default group
+where its backend reduces host tensors (gloo, or a backend per device that names gloo), else over
+a gloo group of the same ranks, made at the first agreement (every rank reaches it at the same
+micro-step, as ``new_group`` requires). The host still waits for the slowest rank's host to reach
+the agreement, never for a device. Where this torch has no gloo the device all-reduce is kept.
+
+The engine reads the process group through these functions and :class:`Agreement` only; the integrations
 (:mod:`memfit.integrations.distributed`: DDP, FSDP2, the gradient sync) build on them, never the
 other way round.
 """
@@ -9,12 +22,13 @@ other way round.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["any_rank", "is_fsdp", "sharded_over_ranks", "world_size"]
+__all__ = ["Agreement", "any_rank", "is_fsdp", "sharded_over_ranks", "world_size"]
 
 _FSDP_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
 
@@ -43,9 +57,36 @@ def sharded_over_ranks(model: nn.Module) -> bool:
     return world_size() > 1 and is_fsdp(model)
 
 
-def any_rank(flag: bool) -> bool:
-    """All-reduce of this rank's flag over the default group: whether it is true on any rank."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+def any_rank(flag: bool, group: Any = None) -> bool:
+    """All-reduce of this rank's flag over ``group`` (the default group when None): whether it is true on any rank.
+    A host tensor where the group's backend reduces them, else a device tensor read back (a device sync)."""
+    device = torch.device("cpu") if _reduces_host_tensors(group) else torch.device("cuda", torch.cuda.current_device())
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
+
+
+def _reduces_host_tensors(group: Any = None) -> bool:
+    """Whether ``group``'s backend (the default group's when None) all-reduces host tensors: gloo, or a backend per
+    device that names gloo (``"cpu:gloo,cuda:nccl"``)."""
+    return "gloo" in str(dist.get_backend(group))
+
+
+class Agreement:
+    """Whether a host flag is true on any rank, reduced on the host (NOTE [The ranks' agreement on the host]).
+
+    Made per run (the replay engine's); its gloo group, where one is needed, is made at the first :meth:`any`, which
+    every rank of the default group must reach at the same point.
+    """
+
+    def __init__(self) -> None:
+        self._group: Any = None
+        self._made = False
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank of the default group."""
+        if not self._made:
+            self._made = True
+            if not _reduces_host_tensors() and dist.is_gloo_available():
+                self._group = dist.new_group(backend="gloo")
+        return any_rank(flag, self._group)

@@ -30,8 +30,9 @@ recorded. An OOM in a planned LM head (its logits and loss, after the last block
 step the same way: its loss is computed again in its most chunks, which makes no collective of
 its own (the weight is gathered for the call it runs in: NOTE [The head as its own FSDP unit],
 head.py). After each micro-step the ranks
-agree, by one all-reduce of a flag, whether any of them failed (its cost: a collective of four
-bytes and the host waiting for the backward, once per micro-step); if one did, every rank drops
+agree, by one all-reduce of a flag on the host, whether any of them failed (its cost: the host
+waiting for the slowest rank's host, never for the device: NOTE [The ranks' agreement on the
+host], ranks.py); if one did, every rank drops
 the window's gradients and replays it (NOTE [Replay in a plain loop]), the failed rank with a
 safer plan, the others with their own. An OOM elsewhere (a backward, a head memfit does not
 plan) cannot be kept in step this way: it is raised with an error that says so, and the
@@ -64,7 +65,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memfit.engine.budget import BudgetTooSmallError, format_bytes
-from memfit.engine.ranks import any_rank, is_fsdp, sharded_over_ranks
+from memfit.engine.ranks import Agreement, is_fsdp, sharded_over_ranks
 from memfit.engine.plan.planner import Plan
 from memfit.engine.run.step import Stage, StepState
 from memfit.engine.parts.treatments import RECOMPUTE, floor_treatment
@@ -290,6 +291,7 @@ class Replayer:
         self._running = 0
         self._sharded: bool | None = None
         self._said_left = False
+        self.agreement = Agreement()  # NOTE [The ranks' agreement on the host]
 
     @property
     def sharded(self) -> bool:
@@ -469,4 +471,4 @@ class _InStep:
 
     def any_rank_failed(self) -> bool:
         """All-reduce of this rank's flag: whether any rank ran out of memory in this attempt."""
-        return any_rank(self.message is not None)
+        return self.replayer.agreement.any(self.message is not None)
