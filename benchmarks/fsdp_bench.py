@@ -54,6 +54,13 @@ under ``torch.profiler`` and records each rank's time in collectives (``collecti
 collective's launch until its last rank joins, so what a configuration spends beyond ``full``'s, where every rank
 runs the same plan, is waiting for the slowest rank).
 
+# NOTE [A launch warms up untimed]
+A launch's first configuration ran its steady steps 10-20% slower than its own second repeat did (s41-1: the 3B's
+`none` 602 against 535 ms at one step, every step alike), while the configurations after it in the same launch did
+not: what a process does first (CUDA's, cuBLAS's and NCCL's first calls, the GPU's clocks) is paid by whatever comes
+first, and a ratio against it flatters the others. So every launch first runs ``--warmup_steps`` (6) untimed steps of
+its first configuration's model under ``none``, uncapped, and keeps nothing of them.
+
 ``--repeats N`` runs the whole list N times in turn (interleaved: a drift of the machine's speed
 touches every configuration alike); repeat r > 0 writes ``<name>-r<r>`` and takes its cap from
 the first repeat's ``none``.
@@ -420,7 +427,7 @@ def _train(args, config: Config, device, rank: int, budget_bytes: int | None, ou
         with gzip.open(out / f"memfit_models.rank{rank}.jsonl.gz", "wt") as fh:
             fh.write("\n".join(models) + "\n")
     collective_ms = _profiled_step(ctl, model, accelerator, optimizer, lengths[min(args.steady_from, len(lengths) - 1)],
-                                   rank, vocab, device) if getattr(args, "profile", False) and config.method != "oom-check" else None
+                                   rank, vocab, device, out) if getattr(args, "profile", False) and config.method != "oom-check" else None
     # the run's one host pool (NOTE [Host budget]): its pinned bytes at the end
     host_pool = max((getattr(getattr(t, "pool", None), "total", 0) for t in ctl.treatments.values()), default=0)
     ctl.remove()
@@ -500,11 +507,12 @@ def _stream_pools(device) -> dict[str, list[int]] | None:
     return None if device.type != "cuda" else {name: list(pool) for name, pool in stream_pools(device).items()}
 
 
-def _profiled_step(ctl, model, accelerator, optimizer, lengths: list[int], rank: int, vocab: int, device) -> float:
+def _profiled_step(ctl, model, accelerator, optimizer, lengths: list[int], rank: int, vocab: int, device, out: Path) -> float:
     """The time this rank's collectives took in one more step (the batch of step ``--steady_from`` again, under
     ``torch.profiler``, untimed): on GPUs the NCCL kernels' device time, which runs from a collective's launch until
     the last rank joins it, so beyond ``full``'s (every rank the same plan) it is the wait for the slowest rank; on CPU
-    (gloo, synchronous) the ``c10d::`` operators' host time."""
+    (gloo, synchronous) the ``c10d::`` operators' host time. Writes ``profile.rank<r>.json`` (:func:`_device_streams`)
+    and ``profile.rank<r>.txt`` (the operators by their device time, then by their host time)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -517,11 +525,39 @@ def _profiled_step(ctl, model, accelerator, optimizer, lengths: list[int], rank:
         if cuda:
             torch.cuda.synchronize()
     events = prof.key_averages()
+    by = "self_device_time_total" if cuda else "self_cpu_time_total"
+    (out / f"profile.rank{rank}.txt").write_text(events.table(sort_by=by, row_limit=60) + "\n"
+                                                 + events.table(sort_by="cpu_time_total", row_limit=40))
+    _write(out / f"profile.rank{rank}.json", _device_streams(prof) if cuda else {})
     if cuda:
         us = sum(getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) for e in events if "nccl" in e.key.lower())
     else:
         us = sum(e.cpu_time_total for e in events if e.key.startswith("c10d::"))
     return round(us / 1e3, 3)
+
+
+def _device_streams(prof) -> dict:
+    """Per CUDA stream of a profiled step: its kernels' and copies' time, the union of their intervals (busy) and the
+    span from its first start to its last end, in ms; and the step's span over every stream. A compute stream busy for
+    less than the step's span idled (waiting on the host, or on another stream)."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type().name != "CUDA" or e.duration_ns() <= 0:
+            continue
+        spans.setdefault(str(e.device_resource_id()), []).append((e.start_ns(), e.start_ns() + e.duration_ns()))
+    streams = {}
+    for stream, intervals in spans.items():
+        intervals.sort()
+        busy, (lo, hi) = 0, intervals[0]
+        for a, b in intervals[1:]:
+            if a > hi:
+                busy, lo = busy + hi - lo, a
+            hi = max(hi, b)
+        busy += hi - lo
+        streams[stream] = {"events": len(intervals), "total_ms": sum(b - a for a, b in intervals) / 1e6, "busy_ms": busy / 1e6,
+                           "span_ms": (max(b for _, b in intervals) - intervals[0][0]) / 1e6}
+    every = [x for v in spans.values() for x in v]
+    return {"span_ms": (max(b for _, b in every) - min(a for a, _ in every)) / 1e6 if every else 0.0, "streams": streams}
 
 
 def _free(device) -> None:
@@ -548,6 +584,7 @@ def worker(args) -> None:
     args = argparse.Namespace(**{**vars(args), **plan["settings"]})
     out = Path(args.output_dir)
     device, rank = _init(args.collective_timeout_s)
+    _warm_up(args, [Config(**entry) for entry in plan["configs"]], device, rank, out)
     for entry in plan["configs"]:
         config = Config(**entry)
         folder = out / config.name
@@ -587,6 +624,21 @@ def worker(args) -> None:
             _write(folder / "status.json", {"status": result["status"]})
         dist.barrier()
     dist.destroy_process_group()
+
+
+def _warm_up(args, configs: list[Config], device, rank: int, out: Path) -> None:
+    """NOTE [A launch warms up untimed]: ``--warmup_steps`` of the first configuration still to run, uncapped under
+    ``none``, before any timed one (nothing is kept)."""
+    first = next((c for c in configs if not (out / c.name / "status.json").exists() and c.method != "oom-check"), None)
+    if first is None or not getattr(args, "warmup_steps", 0):
+        return
+    warm = replace(first, name="warmup", method="none", share=None, reference=None, cap_gib=None, steps=args.warmup_steps)
+    if rank == 0:
+        print(f"fsdp_bench: warming up: {args.warmup_steps} untimed steps of {first.model}{'+lora' if first.lora else ''} "
+              "under none", flush=True)
+    _, model = _train(args, warm, device, rank, None, out / "warmup")
+    del model
+    _free(device)
 
 
 def _gathered(model) -> dict:
@@ -687,7 +739,7 @@ def matrix(args) -> int:
     configs = [c if r == 0 else replace(c, name=f"{c.name}-r{r}") for r in range(max(1, args.repeats)) for c in once]
     settings = {k: getattr(args, k, 0) for k in ("steady_from", "batch_size", "max_length", "min_length", "collective_timeout_s",
                                               "config_limit_s", "treatments", "profile", "profile_decisions",
-                                              "models_every_step")}
+                                              "models_every_step", "warmup_steps")}
     started = time.monotonic()
     deadline = min(time.time() + args.deadline_s, args.end_unix_s or float("inf"))  # rule 4
     settings["last_start_unix_s"] = deadline - args.config_limit_s
@@ -1007,6 +1059,8 @@ def _parser() -> argparse.ArgumentParser:
                    "count the garbage collector's passes (decisions: their top functions; gc: per generation, passes and ms); "
                    "a diagnosis: its step times are not comparable")
     m.add_argument("--treatments", default=None, help="memfit's treatments, comma-separated (default: memfit's own)")
+    m.add_argument("--warmup_steps", type=int, default=6, help="untimed steps of the first configuration's model under "
+                   "none before a launch's first timed configuration (NOTE [A launch warms up untimed]); 0: none")
     m.add_argument("--repeats", type=int, default=1, help="run the list this many times in turn (interleaved repeats)")
     w = sub.add_parser("worker", help="(under torchrun, started by matrix)")
     w.add_argument("--plan", required=True)

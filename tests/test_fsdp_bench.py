@@ -191,6 +191,9 @@ def test_node_ranks_run_the_matrix_and_replay_an_oom_together(tmp_path):
     # the six timed steps' records; the profiled step's collectives (gloo's are synchronous: their host time counts)
     assert all(f["block_treatments"] == {"recompute": 6 * f["n_blocks"]} and f["records"] == 6 for f in full), full[0]
     assert all(f["collective_ms"] > 0 and f["steps"] == 6 for f in full), [f["collective_ms"] for f in full]
+    assert all("Self CPU" in (out / "tiny-x2-full-1GiB" / f"profile.rank{r}.txt").read_text() for r in (0, 1))
+    # NOTE [A launch warms up untimed]: the launch's untimed steps left no configuration of their own
+    assert (out / "warmup").is_dir() and not (out / "warmup" / "status.json").exists()
     row = next(line for line in (out / "summary.md").read_text().splitlines() if line.startswith("| tiny-x2-full-1GiB |"))
     assert row.split(" | ")[-2] == " / ".join(f"{f['collective_ms']:.1f}" for f in full)
     checks = [json.loads((out / "oom-check-tiny-x2" / f"oom_check.rank{r}.json").read_text()) for r in (0, 1)]
