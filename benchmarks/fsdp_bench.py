@@ -55,11 +55,14 @@ collective's launch until its last rank joins, so what a configuration spends be
 runs the same plan, is waiting for the slowest rank).
 
 # NOTE [A launch warms up untimed]
-A launch's first configuration ran its steady steps 10-20% slower than its own second repeat did (s41-1: the 3B's
-`none` 602 against 535 ms at one step, every step alike), while the configurations after it in the same launch did
-not: what a process does first (CUDA's, cuBLAS's and NCCL's first calls, the GPU's clocks) is paid by whatever comes
-first, and a ratio against it flatters the others. So every launch first runs ``--warmup_steps`` (6) untimed steps of
-its first configuration's model under ``none``, uncapped, and keeps nothing of them.
+A launch's first configuration of each model ran its steady steps 10-30% slower in the first repeat than in the
+second (s41-1, s41-2: the 3B's `none` 703 against 547 ms at one step; the 8B LoRA's 1,030 against 873), every step
+alike, while the configurations after it ran as fast in both: each new shape's first run builds its kernels' plans
+(cuDNN's attention graphs, cuBLAS's choices) and the process's first calls warm up, and a process pays that once
+for every configuration after it. Six untimed steps did not remove it (s41-2): the steady steps' shapes were new.
+So every launch first runs each of its models' whole schedule (every shape its configurations will see) untimed under
+``none``, uncapped, keeping nothing (``--warmup_steps`` sets another count; 0: none), and a ratio against the first
+configuration compares like with like.
 
 ``--repeats N`` runs the whole list N times in turn (interleaved: a drift of the machine's speed
 touches every configuration alike); repeat r > 0 writes ``<name>-r<r>`` and takes its cap from
@@ -95,6 +98,7 @@ import os
 import random
 import re
 import resource
+import shutil
 import shlex
 import signal
 import statistics
@@ -427,7 +431,7 @@ def _train(args, config: Config, device, rank: int, budget_bytes: int | None, ou
         with gzip.open(out / f"memfit_models.rank{rank}.jsonl.gz", "wt") as fh:
             fh.write("\n".join(models) + "\n")
     collective_ms = _profiled_step(ctl, model, accelerator, optimizer, lengths[min(args.steady_from, len(lengths) - 1)],
-                                   rank, vocab, device, out) if getattr(args, "profile", False) and config.method != "oom-check" else None
+                                   rank, vocab, device, out, trace=getattr(args, "profile_trace", False)) if getattr(args, "profile", False) and config.method != "oom-check" else None
     # the run's one host pool (NOTE [Host budget]): its pinned bytes at the end
     host_pool = max((getattr(getattr(t, "pool", None), "total", 0) for t in ctl.treatments.values()), default=0)
     ctl.remove()
@@ -507,12 +511,14 @@ def _stream_pools(device) -> dict[str, list[int]] | None:
     return None if device.type != "cuda" else {name: list(pool) for name, pool in stream_pools(device).items()}
 
 
-def _profiled_step(ctl, model, accelerator, optimizer, lengths: list[int], rank: int, vocab: int, device, out: Path) -> float:
+def _profiled_step(ctl, model, accelerator, optimizer, lengths: list[int], rank: int, vocab: int, device, out: Path,
+                   trace: bool = False) -> float:
     """The time this rank's collectives took in one more step (the batch of step ``--steady_from`` again, under
     ``torch.profiler``, untimed): on GPUs the NCCL kernels' device time, which runs from a collective's launch until
     the last rank joins it, so beyond ``full``'s (every rank the same plan) it is the wait for the slowest rank; on CPU
     (gloo, synchronous) the ``c10d::`` operators' host time. Writes ``profile.rank<r>.json`` (:func:`_device_streams`)
-    and ``profile.rank<r>.txt`` (the operators by their device time, then by their host time)."""
+    and ``profile.rank<r>.txt`` (the operators by their device time, then by their host time); ``trace``: also the
+    step's chrome trace (``trace.rank<r>.json.gz``)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -529,6 +535,12 @@ def _profiled_step(ctl, model, accelerator, optimizer, lengths: list[int], rank:
     (out / f"profile.rank{rank}.txt").write_text(events.table(sort_by=by, row_limit=60) + "\n"
                                                  + events.table(sort_by="cpu_time_total", row_limit=40))
     _write(out / f"profile.rank{rank}.json", _device_streams(prof) if cuda else {})
+    if trace:
+        trace = out / f"trace.rank{rank}.json"
+        prof.export_chrome_trace(str(trace))
+        with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        trace.unlink()
     if cuda:
         us = sum(getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) for e in events if "nccl" in e.key.lower())
     else:
@@ -627,18 +639,23 @@ def worker(args) -> None:
 
 
 def _warm_up(args, configs: list[Config], device, rank: int, out: Path) -> None:
-    """NOTE [A launch warms up untimed]: ``--warmup_steps`` of the first configuration still to run, uncapped under
-    ``none``, before any timed one (nothing is kept)."""
-    first = next((c for c in configs if not (out / c.name / "status.json").exists() and c.method != "oom-check"), None)
-    if first is None or not getattr(args, "warmup_steps", 0):
-        return
-    warm = replace(first, name="warmup", method="none", share=None, reference=None, cap_gib=None, steps=args.warmup_steps)
-    if rank == 0:
-        print(f"fsdp_bench: warming up: {args.warmup_steps} untimed steps of {first.model}{'+lora' if first.lora else ''} "
-              "under none", flush=True)
-    _, model = _train(args, warm, device, rank, None, out / "warmup")
-    del model
-    _free(device)
+    """NOTE [A launch warms up untimed]: each model still to run, its longest schedule (or ``--warmup_steps``) untimed
+    under ``none``, uncapped, before any timed configuration; nothing is kept."""
+    steps = getattr(args, "warmup_steps", None)
+    todo = [c for c in configs if not (out / c.name / "status.json").exists() and c.method != "oom-check"]
+    for model, lora in dict.fromkeys((c.model, c.lora) for c in todo):
+        n = steps if steps is not None else max(c.steps for c in todo if (c.model, c.lora) == (model, lora))
+        if n <= 0:
+            return
+        first = next(c for c in todo if (c.model, c.lora) == (model, lora))
+        warm = replace(first, name=f"warmup-{model}{'+lora' if lora else ''}", method="none", share=None, reference=None,
+                       cap_gib=None, steps=n)
+        if rank == 0:
+            print(f"fsdp_bench: warming up: {n} untimed steps of {warm.name[7:]} under none", flush=True)
+        _, trained = _train(argparse.Namespace(**{**vars(args), "profile": False, "models_every_step": False}), warm,
+                            device, rank, None, out / warm.name)
+        del trained
+        _free(device)
 
 
 def _gathered(model) -> dict:
@@ -739,7 +756,7 @@ def matrix(args) -> int:
     configs = [c if r == 0 else replace(c, name=f"{c.name}-r{r}") for r in range(max(1, args.repeats)) for c in once]
     settings = {k: getattr(args, k, 0) for k in ("steady_from", "batch_size", "max_length", "min_length", "collective_timeout_s",
                                               "config_limit_s", "treatments", "profile", "profile_decisions",
-                                              "models_every_step", "warmup_steps")}
+                                              "models_every_step", "warmup_steps", "profile_trace")}
     started = time.monotonic()
     deadline = min(time.time() + args.deadline_s, args.end_unix_s or float("inf"))  # rule 4
     settings["last_start_unix_s"] = deadline - args.config_limit_s
@@ -1059,8 +1076,10 @@ def _parser() -> argparse.ArgumentParser:
                    "count the garbage collector's passes (decisions: their top functions; gc: per generation, passes and ms); "
                    "a diagnosis: its step times are not comparable")
     m.add_argument("--treatments", default=None, help="memfit's treatments, comma-separated (default: memfit's own)")
-    m.add_argument("--warmup_steps", type=int, default=6, help="untimed steps of the first configuration's model under "
-                   "none before a launch's first timed configuration (NOTE [A launch warms up untimed]); 0: none")
+    m.add_argument("--warmup_steps", type=int, default=None, help="untimed steps of each model under none before a "
+                   "launch's first timed configuration (default: its longest schedule: NOTE [A launch warms up untimed]); 0: none")
+    m.add_argument("--profile_trace", action="store_true", help="with --profile, also write each rank's chrome trace of "
+                   "the profiled step (trace.rank<r>.json.gz; megabytes each)")
     m.add_argument("--repeats", type=int, default=1, help="run the list this many times in turn (interleaved repeats)")
     w = sub.add_parser("worker", help="(under torchrun, started by matrix)")
     w.add_argument("--plan", required=True)

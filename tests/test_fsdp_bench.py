@@ -181,7 +181,7 @@ def test_node_ranks_run_the_matrix_and_replay_an_oom_together(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     command = [sys.executable, str(ROOT / "benchmarks" / "fsdp_bench.py"), "matrix", "--output_dir", str(out),
                "--nproc", "2", "--nodes", "2", "--port", "29743", "--steps", "6", "--steady_from", "3", "--max_length", "64",
-               "--config_limit_s", "60", "--profile", "tiny/full@1GiB", "oom-check:tiny"]
+               "--config_limit_s", "60", "--profile", "--profile_trace", "tiny/full@1GiB", "oom-check:tiny"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     status = {p.parent.name: json.loads(p.read_text())["status"] for p in out.glob("*/status.json")}
@@ -192,8 +192,11 @@ def test_node_ranks_run_the_matrix_and_replay_an_oom_together(tmp_path):
     assert all(f["block_treatments"] == {"recompute": 6 * f["n_blocks"]} and f["records"] == 6 for f in full), full[0]
     assert all(f["collective_ms"] > 0 and f["steps"] == 6 for f in full), [f["collective_ms"] for f in full]
     assert all("Self CPU" in (out / "tiny-x2-full-1GiB" / f"profile.rank{r}.txt").read_text() for r in (0, 1))
+    assert all(json.loads(gzip.open(out / "tiny-x2-full-1GiB" / f"trace.rank{r}.json.gz").read())["traceEvents"] for r in (0, 1))
     # NOTE [A launch warms up untimed]: the launch's untimed steps left no configuration of their own
-    assert (out / "warmup").is_dir() and not (out / "warmup" / "status.json").exists()
+    assert (out / "warmup-tiny").is_dir() and not (out / "warmup-tiny" / "status.json").exists()
+    warm = [json.loads(line) for line in (out / "warmup-tiny" / "memfit_steps.rank0.jsonl").read_text().splitlines()]
+    assert [w["shape"][1] for w in warm] == [r["shape"][1] for r in map(json.loads, (out / "tiny-x2-full-1GiB" / "memfit_steps.rank0.jsonl").read_text().splitlines())][:6]
     row = next(line for line in (out / "summary.md").read_text().splitlines() if line.startswith("| tiny-x2-full-1GiB |"))
     assert row.split(" | ")[-2] == " / ".join(f"{f['collective_ms']:.1f}" for f in full)
     checks = [json.loads((out / "oom-check-tiny-x2" / f"oom_check.rank{r}.json").read_text()) for r in (0, 1)]
