@@ -1,6 +1,6 @@
 """Two gloo ranks: the replay engine's agreement where the default group's backend reduces no host tensors
 (as NCCL's does not) is reduced over a gloo group of its own, made once (NOTE [The ranks' agreement on the host]).
-Writes ``agreement.rank<r>.json``: the three agreements' results and the backends of the groups made."""
+Writes ``agreement.rank<r>.json``: the agreements' results and keys, and the backends of the groups made."""
 
 import json
 import sys
@@ -27,5 +27,10 @@ dist.new_group = counted
 ranks._reduces_host_tensors = lambda group=None: group is not None
 agreement = ranks.Agreement()
 results = [agreement.any(rank == 1), agreement.any(False), agreement.any(rank == 0)]
-Path(sys.argv[1], f"agreement.rank{rank}.json").write_text(json.dumps({"results": results, "made": made}))
+keys = [agreement.key]
+agreement.any(False, [(3, 100), (2, 300)][rank])  # each rank's step shape: the largest rows and length of the two
+keys.append(agreement.key)
+agreement.any(False, (4, 50) if rank else None)  # a rank without a shape counts as none
+keys.append(agreement.key)
+Path(sys.argv[1], f"agreement.rank{rank}.json").write_text(json.dumps({"results": results, "made": made, "keys": keys}))
 leave()

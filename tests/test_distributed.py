@@ -174,12 +174,13 @@ def test_gradient_sync_packs_buckets_and_restores_every_gradient(tmp_path):
 
 def test_the_ranks_agree_on_the_host_over_a_gloo_group_of_their_own(tmp_path):
     """NOTE [The ranks' agreement on the host]: where the default group's backend reduces no host tensors, the flag
-    is reduced over one gloo group made at the first agreement (a device flag would need CUDA here)."""
+    is reduced over one gloo group made at the first agreement (a device flag would need CUDA here), with it the ranks'
+    largest step shape (NOTE [A retry beside no clean step of its bucket])."""
     returncode, output = _torchrun("_agreement_worker.py", [tmp_path], port=29541)
     assert returncode == 0, output[-3000:]
     for rank in (0, 1):
         got = json.loads((tmp_path / f"agreement.rank{rank}.json").read_text())
-        assert got == {"results": [True, False, True], "made": ["gloo"]}
+        assert got == {"results": [True, False, True], "made": ["gloo"], "keys": [None, [3, 300], [4, 50]]}
 
 
 def test_the_ranks_agreement_uses_the_default_group_where_it_reduces_host_tensors(tmp_path, monkeypatch):

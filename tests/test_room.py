@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import pytest
+from test_model import _model
 
 from memfit.engine.plan import learner
 from memfit.engine.plan.learner import StepOutcome
 from memfit.engine.plan.planner import Plan
 from memfit.engine.plan.planning import BucketBias, ModelUpdate, Planning
 from memfit.engine.plan.room import (
-    ALLOCATOR_SLACK_BYTES, CLEAN_STEPS_KEPT, MAX_RETRY_SLACK_SHARE, RETRY_SLACK_SHARE, SHRINK_AFTER_CLEAN_STEPS, Room,
+    ALLOCATOR_SLACK_BYTES,
+    CLEAN_STEPS_KEPT,
+    MAX_RETRY_SLACK_SHARE,
+    RETRY_SLACK_SHARE,
+    SHRINK_AFTER_CLEAN_STEPS,
+    Room,
     StepTimes,
 )
-from test_model import _model
+from memfit.engine.shapes import bucket_key
 
 
 def _fitted_planning() -> Planning:
@@ -106,7 +112,11 @@ def test_the_margin_shrinks_while_steps_keep_to_their_predictions():
     """NOTE [The margin follows the misses]: after MARGIN_CLEAN_STEPS steady steps without a growing
     miss, the margin shrinks in one step to the larger of the least share and 1.25 x the misses of
     the last MARGIN_MISS_STEPS; a miss grows it and restarts the count; an OOM's margin is a floor from then on."""
-    from memfit.engine.plan.room import LEAST_MARGIN_SHARE, MARGIN_CLEAN_STEPS, MARGIN_MISS_STEPS
+    from memfit.engine.plan.room import (
+        LEAST_MARGIN_SHARE,
+        MARGIN_CLEAN_STEPS,
+        MARGIN_MISS_STEPS,
+    )
 
     budget = 2**30
     room = Room.for_run(budget, "cuda")
@@ -207,6 +217,53 @@ def test_a_growth_is_priced_per_step_over_the_latest_shapes(monkeypatch):
         planning.room.times.note(key, False)
     assert planning.search.growth_ms_per_step() == pytest.approx((0 + 3 + 3 + 1) / 4)
     assert sorted(priced) == [(4, 16), (4, 32), (4, 64)]
+
+
+def test_step_times_bound_a_clean_step_by_larger_buckets():
+    """NOTE [A retry beside no clean step of its bucket]: the least median of the buckets with at least the rows and
+    the length bounds a clean step from above; smaller or narrower buckets do not."""
+    times = StepTimes()
+    assert times.bound_ms((8, 64)) is None and times.excess_ms((8, 64), 100.0) is None
+    times.add_clean((8, 32), 50.0)  # shorter
+    times.add_clean((4, 512), 60.0)  # fewer rows
+    assert times.bound_ms((8, 64)) is None
+    times.add_clean((8, 512), 300.0)
+    times.add_clean((16, 128), 200.0)
+    times.add_clean((16, 128), 220.0)
+    assert times.bound_ms((8, 64)) == pytest.approx(210.0)  # the least median of the larger ones
+    assert times.excess_ms((8, 64), 500.0) == pytest.approx(290.0) and times.excess_ms((8, 64), 100.0) == 0.0
+    times.add_clean((8, 64), 120.0)
+    assert times.excess_ms((8, 64), 500.0) == pytest.approx(380.0)  # its own bucket's clean steps first
+
+
+def test_a_retry_in_a_new_bucket_is_priced_with_the_next_step_against_larger_buckets(monkeypatch):
+    """NOTE [A retry beside no clean step of its bucket]: under SFT lengths a retry's bucket has no clean step; it is
+    priced against larger buckets' clean steps one steady step later, that step's time over a clean one (the release's
+    aftermath) added and not kept as a clean step; the slack grows where that costs more per step than the growth,
+    not where less. Under the rule before, such retries waited for clean steps of their buckets that never came."""
+    planning = Planning(4, [0, 0, 0, 0], 1_000_000, 0, 8, room=Room(1_000_000, slack_bytes=1000))
+    monkeypatch.setattr(planning.search, "slack_cost_ms", lambda key, extra: 4.0)
+    step = planning.room.slack_step_bytes
+    for length in (3000, 2980):
+        assert not planning.apply(ModelUpdate(steady_key=(3, length), net_ms=900.0))
+    # a retry at 2700 that cost little in its own step; the step after it ran 350 ms over the bound
+    assert not planning.apply(ModelUpdate(alloc_retries=True, steady_key=(3, 2700), net_ms=880.0))
+    assert planning.room.times.after_retry_ms == 0.0 and planning.slack_bytes == 1000
+    # 350 ms once in RETRY_RATE_STEPS steps: 5.5 ms per step > 4: the slack grows at the step after
+    assert planning.apply(ModelUpdate(steady_key=(3, 2900), net_ms=1250.0))
+    assert planning.slack_bytes == 1000 + step and bucket_key((3, 2900), 8) not in planning.room.times.clean_ms
+    # a retry whose step and the next cost 100 ms: 2 retries x 100 / 64 = 3.1 ms per step < 4: no growth
+    assert not planning.apply(ModelUpdate(alloc_retries=True, steady_key=(3, 1200), net_ms=950.0))
+    assert not planning.apply(ModelUpdate(steady_key=(3, 1100), net_ms=950.0)) and planning.slack_bytes == 1000 + step
+
+
+def test_the_ranks_largest_shape_is_the_bucket_a_step_is_timed_in():
+    """NOTE [A retry beside no clean step of its bucket]: under FSDP a step's time is the slowest rank's, so its clean
+    time is kept in the bucket of the ranks' largest shape (``timed_key``), its plan's shape kept for the rest."""
+    planning = Planning(4, [0, 0, 0, 0], 1_000_000, 0, 8, room=Room(1_000_000, slack_bytes=1000))
+    planning.apply(ModelUpdate(steady_key=(3, 1000), timed_key=(3, 3000), net_ms=900.0))
+    assert list(planning.room.times.clean_ms) == [(3, 3000)]
+    assert list(planning.room.times.recent) == [((3, 1000), False)]  # the growth is priced at the rank's own shape
 
 
 def test_step_times_keep_one_waiting_retry_per_bucket():

@@ -22,13 +22,14 @@ other way round.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Agreement", "any_rank", "is_fsdp", "sharded_over_ranks", "world_size"]
+__all__ = ["Agreement", "any_rank", "is_fsdp", "max_over_ranks", "sharded_over_ranks", "world_size"]
 
 _FSDP_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
 
@@ -60,10 +61,16 @@ def sharded_over_ranks(model: nn.Module) -> bool:
 def any_rank(flag: bool, group: Any = None) -> bool:
     """All-reduce of this rank's flag over ``group`` (the default group when None): whether it is true on any rank.
     A host tensor where the group's backend reduces them, else a device tensor read back (a device sync)."""
+    return bool(max_over_ranks([1 if flag else 0], group)[0])
+
+
+def max_over_ranks(values: Sequence[int], group: Any = None) -> list[int]:
+    """Each of ``values``' largest over the ranks of ``group`` (the default group when None), in one all-reduce: of
+    a host tensor where the group's backend reduces them, else of a device tensor read back (a device sync)."""
     device = torch.device("cpu") if _reduces_host_tensors(group) else torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    t = torch.tensor(list(values), dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item())
+    return t.tolist()
 
 
 def _reduces_host_tensors(group: Any = None) -> bool:
@@ -73,20 +80,28 @@ def _reduces_host_tensors(group: Any = None) -> bool:
 
 
 class Agreement:
-    """Whether a host flag is true on any rank, reduced on the host (NOTE [The ranks' agreement on the host]).
+    """Whether a host flag is true on any rank, reduced on the host (NOTE [The ranks' agreement on the host]), and
+    with it the ranks' largest step shape (NOTE [A retry beside no clean step of its bucket], room.py).
 
     Made per run (the replay engine's); its gloo group, where one is needed, is made at the first :meth:`any`, which
     every rank of the default group must reach at the same point.
+
+    Attributes:
+        key: the ranks' largest rows and length at the last agreement that was given a shape (None: none given).
     """
 
     def __init__(self) -> None:
         self._group: Any = None
         self._made = False
+        self.key: tuple[int, int] | None = None
 
-    def any(self, flag: bool) -> bool:
-        """Whether ``flag`` is true on any rank of the default group."""
+    def any(self, flag: bool, key: tuple[int, int] | None = None) -> bool:
+        """Whether ``flag`` is true on any rank of the default group; :attr:`key` becomes the largest rows and length
+        of the ranks' ``key`` (each rank's step shape; None on a rank counts as none)."""
         if not self._made:
             self._made = True
             if not _reduces_host_tensors() and dist.is_gloo_available():
                 self._group = dist.new_group(backend="gloo")
-        return any_rank(flag, self._group)
+        values = max_over_ranks([1 if flag else 0, *(key or (0, 0))], self._group)
+        self.key = (values[1], values[2]) if values[1] > 0 else None
+        return bool(values[0])

@@ -132,6 +132,8 @@ class StepOutcome:
         pool_bytes: what other streams' pools held free at the step's end, when read.
         net_ms: the step's time less its treatments' predicted time, or None when not timed
             (what prices a retry: NOTE [The slack is priced], room.py).
+        timed_key: the shape whose time ``net_ms`` is: under FSDP the ranks' largest rows and length (the slowest
+            rank sets the step's time); None: ``key`` (NOTE [A retry beside no clean step of its bucket], room.py).
     """
 
     key: tuple[int, int]
@@ -151,6 +153,7 @@ class StepOutcome:
     alloc_retries: int = 0
     pool_bytes: int | None = None
     net_ms: float | None = None
+    timed_key: tuple[int, int] | None = None
 
 
 def _plain_peaks(
@@ -183,6 +186,7 @@ def step_outcome(
     backstop_input: Sequence[int] = (),
     counted: bool = True,
     net_ms: float | None = None,
+    timed_key: tuple[int, int] | None = None,
 ) -> StepOutcome:
     """What a finished step teaches, from its readings (NOTE [A step's transient]).
 
@@ -197,6 +201,7 @@ def step_outcome(
         backstop_input: per block, what an armed step's stores kept only as block inputs.
         counted: the step counted its saved tensors; without the counts no transient is known.
         net_ms: the step's time less its treatments' predicted time (None: not timed).
+        timed_key: the shape ``net_ms`` is the time of, where not ``key`` (the ranks' largest under FSDP).
     """
     saved = outside + sum(by_block)
     peak = peaks.peak
@@ -228,7 +233,7 @@ def step_outcome(
         key=key, plan=plan, warmup=warmup, outside=outside, by_block=list(by_block), static=static, peak=peak,
         plain_peak=plain_peak, transient=transient, start_transient=start_transient, parts_transient=parts_transient,
         optimizer_above_static=optimizer_above, evicted=tuple(evicted), counted=counted,
-        alloc_retries=peaks.alloc_retries, pool_bytes=peaks.pool_bytes, net_ms=net_ms,
+        alloc_retries=peaks.alloc_retries, pool_bytes=peaks.pool_bytes, net_ms=net_ms, timed_key=timed_key,
     )
 
 
@@ -386,7 +391,7 @@ def grow_slack(planning: Planning, outcome: StepOutcome) -> ModelUpdate:
     if outcome.warmup:
         return ModelUpdate(pool_bytes=outcome.pool_bytes)
     return ModelUpdate(alloc_retries=outcome.alloc_retries > 0, steady_key=outcome.key, net_ms=outcome.net_ms,
-                       pool_bytes=outcome.pool_bytes)
+                       pool_bytes=outcome.pool_bytes, timed_key=outcome.timed_key)
 
 
 def note_bias(planning: Planning, outcome: StepOutcome, predicted: int | None) -> ModelUpdate:

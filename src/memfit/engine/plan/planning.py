@@ -201,6 +201,8 @@ class ModelUpdate:
         steady_key: a steady step's shape key, for the slack rules (None: no steady step).
         pool_bytes: what other streams' pools held free at a step's end, when read (NOTE [Other streams' pools]).
         net_ms: that step's time less its treatments' predicted time (None: not timed).
+        timed_key: the shape ``net_ms`` is the time of, where not ``steady_key`` (under FSDP the ranks' largest: NOTE
+            [A retry beside no clean step of its bucket], room.py).
         error: a steady step's shape key, plan, and predicted minus observed peak (NOTE [Bias per bucket]).
         run_error: a steady step's shape key and predicted minus observed peak, a chunked head's
             step too (NOTE [Over-prediction across buckets]).
@@ -216,6 +218,7 @@ class ModelUpdate:
     steady_key: tuple[int, int] | None = None
     pool_bytes: int | None = None
     net_ms: float | None = None
+    timed_key: tuple[int, int] | None = None
     error: tuple[tuple[int, int], Plan, float] | None = None
     run_error: tuple[tuple[int, int], float] | None = None
 
@@ -477,7 +480,7 @@ class Planning:
         changed |= self.room.after_miss(update.miss_bytes)
         changed |= self.room.learn_pools(update.pool_bytes)
         if update.steady_key is not None:
-            changed |= self.room.after_steady(update.steady_key, bucket_key(update.steady_key, self.bucket_tokens),
+            changed |= self.room.after_steady(update.steady_key, bucket_key(update.timed_key or update.steady_key, self.bucket_tokens),
                                               update.alloc_retries, update.net_ms, self.search.growth_ms_per_step)
         if changed:
             self.cache.clear()

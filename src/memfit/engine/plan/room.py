@@ -65,6 +65,23 @@ their buckets: where every step retries and no two steps share a bucket (SFT len
 after ``SHRINK_AFTER_CLEAN_STEPS`` steady steps in a row without a retry: plans then use the room
 again, and a retry that comes back is priced again.
 
+# NOTE [A retry beside no clean step of its bucket]
+Buckets are 8 tokens wide: under SFT lengths a bucket recurs after hundreds of steps, so a retry's bucket has no
+clean step yet, nearly always, and its retry waited for one that did not come; retries that each cost a fifth to
+two-fifths of a step recurred at a third of the steps of an 8B LoRA under FSDP2 on 2 GPUs, with the slack unmoved
+(s41: docs/devlog.md). And the release's cost does not end with its step: the cache's pages, unmapped, are mapped
+again by the steps after it, and the step after a retry ran as much as 370 ms over its like. So a retry whose bucket
+has no clean step is priced, where it can be, against the clean steps of buckets at least as large (as many rows or
+more, as long or longer): a step's time net of its treatments' predicted time grows with its rows and its length,
+so the least of their medians bounds its clean time from above and its time over that bound is at least what the
+retry cost. The price waits one steady step, whose own time over a clean one (its bucket's, or such a bound) is
+added: the release's aftermath, which is not kept as a clean step. Then it is priced against the growth as above.
+It is a lower bound: a retry priced so grows the slack only where it cost more than the growth for certain. Under
+FSDP a step's time is the slowest rank's, so the bucket timed is the ranks' largest rows and length, agreed on the
+host with the OOM flag (NOTE [The ranks' agreement on the host], ranks.py); where ranks' batches have different
+rows the bound may not hold (the largest rows and length may come from different ranks). Where no larger bucket
+has a clean step the retry waits as before.
+
 # NOTE [The margin follows the misses]
 A margin fixed at its starting share keeps that share of the budget unused for the whole run
 however well the model predicts (the longest batches then peak a few percent under the cap with
@@ -148,6 +165,9 @@ class StepTimes:
     recent: deque = field(default_factory=lambda: deque(maxlen=RETRY_RATE_STEPS))
     #: per bucket without clean steps, the net time of a retry step waiting for one to price it
     waiting_ms: dict[tuple[int, int], float] = field(default_factory=dict)
+    #: a retry priced against larger buckets' clean steps, waiting for the next steady step's aftermath (NOTE [A retry
+    #: beside no clean step of its bucket])
+    after_retry_ms: float | None = None
     #: steady steps in a row that retried since the last clean step or the last growth of the slack it made
     streak: int = 0
 
@@ -161,6 +181,22 @@ class StepTimes:
         """What a step's retries cost: its net time over the bucket's median clean one (None before one)."""
         clean = self.clean_ms.get(bucket)
         return None if not clean else max(0.0, float(net_ms) - statistics.median(clean))
+
+    def bound_ms(self, bucket: tuple[int, int]) -> float | None:
+        """An upper bound of a clean step's time at ``bucket``: the least median of the kept buckets with at least its
+        rows and its length (None: none kept), NOTE [A retry beside no clean step of its bucket]."""
+        rows, length = bucket
+        larger = [statistics.median(kept) for (n, t), kept in self.clean_ms.items() if n >= rows and t >= length and kept]
+        return min(larger, default=None)
+
+    def excess_ms(self, bucket: tuple[int, int], net_ms: float) -> float | None:
+        """What a step took over a clean one: against its bucket's clean steps (:meth:`retry_ms`), else at least its
+        time over :meth:`bound_ms` (None: neither known)."""
+        exact = self.retry_ms(bucket, net_ms)
+        if exact is not None:
+            return exact
+        bound = self.bound_ms(bucket)
+        return None if bound is None else max(0.0, float(net_ms) - bound)
 
     def note(self, key: tuple[int, int], retried: bool) -> None:
         """A steady step of shape ``key`` ran, with or without a retry."""
@@ -305,9 +341,14 @@ class Room:
         per step over the latest steady steps. Returns whether the room changed."""
         times = self.times
         times.note(key, bool(alloc_retries))
+        pending, times.after_retry_ms = times.after_retry_ms, None
         if not alloc_retries:
             if net_ms is None:
                 return self.after_clean_step()
+            if pending is not None:  # NOTE [A retry beside no clean step of its bucket]: its aftermath, not a clean step
+                changed = self.after_clean_step()
+                after = times.excess_ms(bucket, net_ms) or 0.0
+                return self.price_retry((pending + after) * times.retry_share, growth_ms()) or changed
             times.add_clean(bucket, net_ms)
             changed = self.after_clean_step()
             waited = times.waited_retry_ms(bucket)
@@ -318,7 +359,11 @@ class Room:
             return self.after_alloc_retries(None)
         retry_ms = times.retry_ms(bucket, net_ms)
         if retry_ms is not None:
-            return self.after_alloc_retries(retry_ms * times.retry_share, growth_ms())
+            return self.after_alloc_retries((retry_ms + (pending or 0.0)) * times.retry_share, growth_ms())
+        excess = times.excess_ms(bucket, net_ms)
+        if excess is not None and times.streak < RETRY_STREAK:  # NOTE [A retry beside no clean step of its bucket]
+            times.after_retry_ms = excess + (pending or 0.0)  # a retry before it: its aftermath is in this step's time
+            return self.after_waiting_retry()
         if times.wait(bucket, net_ms):
             return self.after_alloc_retries(None)  # the bucket retried twice before a clean step
         if times.streak >= RETRY_STREAK:

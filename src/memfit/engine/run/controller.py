@@ -281,17 +281,16 @@ class Controller:
             self._gathered, self._waits = GatheredParameters(model, self._counter), CollectiveWait(model, self.device)
             self._undo.append(self._waits.remove)  # NOTE [The collective wait], collectives.py
             self.rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
-            self.announce = announce  # a start line now and a summary at remove()
+            self.announce, self._steps_recorded = announce, 0  # announce: a start line now and a summary at remove()
             self._records: list[StepRecord] = []
             self._step: StepState | None = None
-            self._steps_recorded = 0
             self.replay = Replayer(model, self.grad_params, self.blocks, self.treatments[RECOMPUTE], self.note_oom,
-                                   self.drop_step, self.meter.release, parts=lambda: tuple(self.planning.parts.values()))
+                                   self.drop_step, self.meter.release, parts=lambda: tuple(self.planning.parts.values()),
+                                   step_key=lambda: None if self._step is None else self._step.key)
             self._undo += [h.remove for h in (*compile_loss(model, compile_options, self.sides), model.register_forward_pre_hook(
                 self._on_forward_start, with_kwargs=True), model.register_forward_hook(self._on_forward_end, always_call=True))]
             for b in self.blocks:
-                b.listener = self
-                b.before_run = lambda _: self.meter.block_run(self._step)
+                b.listener, b.before_run = self, lambda _: self.meter.block_run(self._step)
             self.optimizer: torch.optim.Optimizer | None = None
             self.set_optimizer(optimizer, check=False)
             self._writer = JsonlWriter(log) if log else None
@@ -437,6 +436,7 @@ class Controller:
             state_to_come=step.state_to_come,
             static_now=self.meter.static_now() if static_now is None else static_now,
             evicted=step.evicted, backstop_input=step.backstop_input, counted=step.counted, net_ms=(now - step.t0) * 1e3 - treated_ms,
+            timed_key=self.replay.take_agreed_key(),  # NOTE [A retry beside no clean step of its bucket]
         )
         predicted = self.method.learn(self.planning, outcome)
         self.protection.after_step(step, outcome)

@@ -265,6 +265,8 @@ class Replayer:
         release: returns cached memory to the device after an OOM.
         parts: the planned parts beside the blocks (parts/kind.py), each recovering from an OOM in its own run
             in step with the other ranks where it can (``PartKind.recover_in_step``).
+        step_key: the running micro-step's shape key (rows, length), which the ranks' agreement takes the largest of
+            (NOTE [A retry beside no clean step of its bucket], room.py); None before its first block.
 
     Attributes:
         accumulation: the accumulation window's micro-steps, oldest first.
@@ -279,9 +281,10 @@ class Replayer:
         self, model: torch.nn.Module, params: list[torch.nn.Parameter], blocks: "list[Block]", recompute: "Treatment",
         note_oom: Callable[[str], None], drop_step: Callable[[], None], release: Callable[[], None],
         parts: Callable[[], Sequence[Any]] = tuple,
+        step_key: Callable[[], tuple[int, int] | None] = lambda: None,
     ):
         self._model, self._params, self._blocks, self._recompute = model, params, blocks, recompute
-        self._parts = parts
+        self._parts, self._step_key = parts, step_key
         self._note_oom, self._drop_step, self._release = note_oom, drop_step, release
         self.accumulation: list[MicroStep] = []
         self.oom = OomLog()
@@ -307,6 +310,12 @@ class Replayer:
         unsharded (under FSDP an OOM outside a block's forward cannot be: NOTE [Protection by
         expected cost], protection.py)."""
         return self._running > 0 and not self.sharded
+
+    def take_agreed_key(self) -> tuple[int, int] | None:
+        """The ranks' largest step shape at the last micro-step's agreement (None: none since the last take; NOTE [A
+        retry beside no clean step of its bucket], room.py)."""
+        key, self.agreement.key = self.agreement.key, None
+        return key
 
     def close_window(self, *_: Any) -> None:
         """The optimizer stepped: the next micro-step opens a new window (an optimizer step post-hook)."""
@@ -471,4 +480,4 @@ class _InStep:
 
     def any_rank_failed(self) -> bool:
         """All-reduce of this rank's flag: whether any rank ran out of memory in this attempt."""
-        return self.replayer.agreement.any(self.message is not None)
+        return self.replayer.agreement.any(self.message is not None, self.replayer._step_key())
