@@ -413,7 +413,8 @@ def test_allocator_retries_grow_the_slack_in_steps_up_to_a_ceiling():
     for warmup, retries in [(True, 3), (False, 0), (False, 1), (False, 2), (False, 1), (False, 1), (False, 1)]:
         planning.plan_for((4, 60))
         # a retry not priced yet (net_ms None) grows the slack: NOTE [The slack is priced]
-        step = SimpleNamespace(warmup=warmup, alloc_retries=retries, key=(4, 60), net_ms=None, pool_bytes=None)
+        step = SimpleNamespace(warmup=warmup, alloc_retries=retries, key=(4, 60), net_ms=None, pool_bytes=None,
+                               timed_key=None)
         planning.apply(learner.grow_slack(planning, step))
         seen.append((planning.slack_bytes, planning.cache.items() == []))
     step, ceiling = int(RETRY_SLACK_SHARE * budget), int(MAX_RETRY_SLACK_SHARE * budget)
