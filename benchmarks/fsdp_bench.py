@@ -62,7 +62,10 @@ alike, while the configurations after it ran as fast in both: each new shape's f
 for every configuration after it. Six untimed steps did not remove it (s41-2): the steady steps' shapes were new.
 So every launch first runs each of its models' whole schedule (every shape its configurations will see) untimed under
 ``none``, uncapped, keeping nothing (``--warmup_steps`` sets another count; 0: none), and a ratio against the first
-configuration compares like with like.
+configuration compares like with like. Then once more under ``full``: a recompute runs its forward on autograd's
+thread, and what libraries build per shape in thread-local caches (cuDNN's attention graphs) fell on the first
+configuration that recomputes (s41-3: the 3B's `dynamic` ran four of its first repeat's steady steps 90-130 ms slower
+than its second, the peers after it did not; loop_bench.py's untimed passes do the same for the same reason).
 
 ``--repeats N`` runs the whole list N times in turn (interleaved: a drift of the machine's speed
 touches every configuration alike); repeat r > 0 writes ``<name>-r<r>`` and takes its cap from
@@ -640,7 +643,7 @@ def worker(args) -> None:
 
 def _warm_up(args, configs: list[Config], device, rank: int, out: Path) -> None:
     """NOTE [A launch warms up untimed]: each model still to run, its longest schedule (or ``--warmup_steps``) untimed
-    under ``none``, uncapped, before any timed configuration; nothing is kept."""
+    under ``none`` and then ``full``, uncapped, before any timed configuration; nothing is kept."""
     steps = getattr(args, "warmup_steps", None)
     todo = [c for c in configs if not (out / c.name / "status.json").exists() and c.method != "oom-check"]
     for model, lora in dict.fromkeys((c.model, c.lora) for c in todo):
@@ -648,14 +651,15 @@ def _warm_up(args, configs: list[Config], device, rank: int, out: Path) -> None:
         if n <= 0:
             return
         first = next(c for c in todo if (c.model, c.lora) == (model, lora))
-        warm = replace(first, name=f"warmup-{model}{'+lora' if lora else ''}", method="none", share=None, reference=None,
-                       cap_gib=None, steps=n)
-        if rank == 0:
-            print(f"fsdp_bench: warming up: {n} untimed steps of {warm.name[7:]} under none", flush=True)
-        _, trained = _train(argparse.Namespace(**{**vars(args), "profile": False, "models_every_step": False}), warm,
-                            device, rank, None, out / warm.name)
-        del trained
-        _free(device)
+        for method in ("none", "full"):
+            warm = replace(first, name=f"warmup-{model}{'+lora' if lora else ''}-{method}", method=method, share=None,
+                           reference=None, cap_gib=None, steps=n)
+            if rank == 0:
+                print(f"fsdp_bench: warming up: {n} untimed steps of {model}{'+lora' if lora else ''} under {method}", flush=True)
+            _, trained = _train(argparse.Namespace(**{**vars(args), "profile": False, "models_every_step": False}), warm,
+                                device, rank, None, out / warm.name)
+            del trained
+            _free(device)
 
 
 def _gathered(model) -> dict:
@@ -1089,7 +1093,91 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--summary", help="write only the table, to this file (no results.jsonl)")
     d = sub.add_parser("decisions", help="memfit's decision times of the steady steps in step-record files")
     d.add_argument("steps", nargs="+", help="step records (.jsonl or .jsonl.gz), e.g. a configuration's ranks and repeats")
+    k = sub.add_parser("kernels", help="two profiled steps' device time per kind of kernel on their busiest stream")
+    k.add_argument("traces", nargs=2, help="chrome traces (--profile_trace: trace.rank<r>.json.gz), the base first")
+    r = sub.add_parser("slack", help="replay the ranks' steady steps through memfit's slack rules: where the slack grows")
+    r.add_argument("steps", nargs="+", help="one configuration's step records, one file per rank, rank 0 first")
+    r.add_argument("--growth_ms", type=float, required=True, help="the growth's price per step, taken as constant")
     return parser
+
+
+def slack(paths: list[str], growth_ms: float) -> str:
+    """Each rank's steady steps of one configuration through the room's slack rules (NOTE [The slack is priced],
+    room.py) as this tree has them, the step's time net of its treatments' estimate, timed in the bucket of the ranks'
+    largest shape as the ranks agree it, the growth priced at ``growth_ms`` a step: the steps after which the slack
+    grew (their plans the next step's). The slack's start is the budget over 24, as a sharded run's."""
+    from memfit.engine.plan.room import FATAL_OOM_SLACK_PARTS, Room
+    from memfit.engine.shapes import bucket_key
+
+    if missing := [path for path in paths if not Path(path).is_file()]:
+        raise SystemExit("fsdp_bench slack: no file " + ", ".join(missing))
+    ranks = []
+    for path in paths:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt") as fh:
+            ranks.append([json.loads(line) for line in fh if line.strip()])
+    lines = []
+    for rank, records in enumerate(ranks):
+        budget = records[0]["budget_bytes"]
+        room = Room(budget, slack_bytes=budget // FATAL_OOM_SLACK_PARTS)
+        grew = []
+        for i, r in enumerate(records):
+            if r.get("phase") != "steady":
+                continue
+            shapes = [rs[i]["shape"] for rs in ranks if i < len(rs)]
+            timed = (max(x[0] for x in shapes), max(x[1] for x in shapes))
+            before = room.slack_bytes
+            room.after_steady((r["shape"][0], r["shape"][1]), bucket_key(timed, 8), r["alloc_retries"] or 0,
+                              r["step_ms"] - (r.get("recompute_ms_est") or 0.0), lambda: growth_ms)
+            if room.slack_bytes != before:
+                grew.append(r["step"])
+        retried = [r["step"] for r in records if r.get("phase") == "steady" and r["alloc_retries"]]
+        lines.append(f"rank {rank}: steady steps that retried {retried}; the slack grew after steps {grew}")
+    return "\n".join(lines) + "\n"
+
+
+#: a kernel's kind by the first of these its name holds (case-insensitive), else "other"
+KERNEL_KINDS = (("matmul", ("nvjet", "gemm", "cutlass")), ("attention", ("sdpa", "flash", "fmha")),
+                ("softmax", ("softmax",)), ("collective", ("nccl",)), ("optimizer (foreach)", ("multi_tensor_apply",)),
+                ("copy to/from host", ("memcpy htod", "memcpy dtoh")), ("copy on the device", ("memcpy dtod",)),
+                ("reduction", ("reduce_kernel",)),
+                ("elementwise and copies", ("elementwise", "catarray", "chunk_cat", "split_with_sizes", "memset")))
+
+
+def _kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, marks in KERNEL_KINDS if any(m in low for m in marks)), "other")
+
+
+def kernels(paths: list[str]) -> str:
+    """Per kind of kernel (:data:`KERNEL_KINDS`), the device time on each trace's busiest stream (the compute stream),
+    the second trace's over the first's, and each stream's span and idle time: where a treated step's extra time
+    goes on the device."""
+    if missing := [path for path in paths if not Path(path).is_file()]:
+        raise SystemExit("fsdp_bench kernels: no file " + ", ".join(missing))
+    sums, spans = [], []
+    for path in paths:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt") as fh:
+            events = [e for e in json.load(fh)["traceEvents"]
+                      if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+        if not events:
+            raise SystemExit(f"fsdp_bench kernels: {path} holds no device event (a CPU run's trace?)")
+        by_stream = collections.Counter()
+        for e in events:
+            by_stream[e["tid"]] += e["dur"]
+        stream = by_stream.most_common(1)[0][0]
+        mine = [e for e in events if e["tid"] == stream]
+        kinds = collections.Counter()
+        for e in mine:
+            kinds[_kernel_kind(e["name"])] += e["dur"] / 1e3
+        span = (max(e["ts"] + e["dur"] for e in mine) - min(e["ts"] for e in mine)) / 1e3
+        sums.append(kinds)
+        spans.append((span, sum(kinds.values())))
+    rows = ["| kind | first (ms) | second (ms) | second - first (ms) |", "| --- | ---: | ---: | ---: |"]
+    for kind in sorted(set(sums[0]) | set(sums[1]), key=lambda k: sums[0][k] - sums[1][k]):
+        rows.append(f"| {kind} | {sums[0][kind]:.1f} | {sums[1][kind]:.1f} | {sums[1][kind] - sums[0][kind]:+.1f} |")
+    rows.append(f"| all (busy) | {spans[0][1]:.1f} | {spans[1][1]:.1f} | {spans[1][1] - spans[0][1]:+.1f} |")
+    rows.append(f"| span (first kernel to last) | {spans[0][0]:.1f} | {spans[1][0]:.1f} | {spans[1][0] - spans[0][0]:+.1f} |")
+    return "\n".join(rows) + "\n"
 
 
 def decisions(paths: list[str]) -> str:
@@ -1119,6 +1207,12 @@ def main(argv: list[str]) -> int:
         return 0
     if args.command == "decisions":
         print(decisions(args.steps), end="")
+        return 0
+    if args.command == "slack":
+        print(slack(args.steps, args.growth_ms), end="")
+        return 0
+    if args.command == "kernels":
+        print(kernels(args.traces), end="")
         return 0
     print(_table(summarize(args.output_dir, args.summary)), end="")
     return 0

@@ -194,8 +194,10 @@ def test_node_ranks_run_the_matrix_and_replay_an_oom_together(tmp_path):
     assert all("Self CPU" in (out / "tiny-x2-full-1GiB" / f"profile.rank{r}.txt").read_text() for r in (0, 1))
     assert all(json.loads(gzip.open(out / "tiny-x2-full-1GiB" / f"trace.rank{r}.json.gz").read())["traceEvents"] for r in (0, 1))
     # NOTE [A launch warms up untimed]: the launch's untimed steps left no configuration of their own
-    assert (out / "warmup-tiny").is_dir() and not (out / "warmup-tiny" / "status.json").exists()
-    warm = [json.loads(line) for line in (out / "warmup-tiny" / "memfit_steps.rank0.jsonl").read_text().splitlines()]
+    assert not any((out / f"warmup-tiny-{m}" / "status.json").exists() for m in ("none", "full"))
+    recomputed = [json.loads(line) for line in (out / "warmup-tiny-full" / "memfit_steps.rank0.jsonl").read_text().splitlines()]
+    assert {r["method"] for r in recomputed} == {"full"}
+    warm = [json.loads(line) for line in (out / "warmup-tiny-none" / "memfit_steps.rank0.jsonl").read_text().splitlines()]
     assert [w["shape"][1] for w in warm] == [r["shape"][1] for r in map(json.loads, (out / "tiny-x2-full-1GiB" / "memfit_steps.rank0.jsonl").read_text().splitlines())][:6]
     row = next(line for line in (out / "summary.md").read_text().splitlines() if line.startswith("| tiny-x2-full-1GiB |"))
     assert row.split(" | ")[-2] == " / ".join(f"{f['collective_ms']:.1f}" for f in full)
@@ -214,3 +216,41 @@ def test_decisions_reads_the_steady_steps_of_every_file(tmp_path):
         fh.write(json.dumps({"phase": "steady", "planner_us": 10_000.0}) + "\n")
     text = _bench().decisions([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl.gz")])
     assert text == "4 steady decisions: median 2.5 ms, 90th percentile 10.0 ms, most 10.0 ms\n"
+
+
+def test_kernels_compares_two_traces_busiest_streams_by_kind(tmp_path):
+    """``fsdp_bench.py kernels``: per kind of kernel, the device time on each trace's busiest stream and the
+    difference; other streams' kernels (a collective's) are left out."""
+    def trace(path, kernels):
+        events = [{"ph": "X", "cat": "kernel", "name": name, "tid": tid, "ts": ts, "dur": dur} for name, tid, ts, dur in kernels]
+        events.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "tid": 1, "ts": 0, "dur": 99})
+        path.write_text(json.dumps({"traceEvents": events}))
+        return str(path)
+
+    base = trace(tmp_path / "a.json", [("nvjet_sm90_tst", 7, 0, 3000), ("ncclDevKernel_AllGather", 9, 0, 500)])
+    treated = trace(tmp_path / "b.json", [("nvjet_sm90_tst", 7, 0, 3000), ("nvjet_sm90_tst", 7, 3000, 1000),
+                                          ("vectorized_elementwise_kernel", 7, 5000, 2000), ("ncclDevKernel", 9, 0, 5500)])
+    table = _bench().kernels([base, treated])
+    assert "| matmul | 3.0 | 4.0 | +1.0 |" in table and "| elementwise and copies | 0.0 | 2.0 | +2.0 |" in table
+    assert "collective" not in table and "| span (first kernel to last) | 3.0 | 7.0 | +4.0 |" in table
+    with pytest.raises(SystemExit, match="holds no device event"):
+        _bench().kernels([trace(tmp_path / "c.json", []), treated])
+
+
+def test_slack_replays_the_ranks_steps_through_the_slack_rules(tmp_path):
+    """``fsdp_bench.py slack``: a rank's retry in a bucket without clean steps, priced against the clean steps of the
+    ranks' larger shapes with the next step's excess (NOTE [A retry beside no clean step of its bucket]), grows its
+    slack; the rank that never retried keeps it."""
+    def records(path, rows):
+        path.write_text("".join(json.dumps({"step": i + 1, "phase": phase, "shape": [3, length, 64], "step_ms": ms,
+                                            "recompute_ms_est": 0.0, "alloc_retries": retries, "budget_bytes": 2**34}) + "\n"
+                                for i, (phase, length, ms, retries) in enumerate(rows)))
+        return str(path)
+
+    zero = records(tmp_path / "r0.jsonl", [("warmup", 900, 5000.0, 0), ("steady", 3000, 900.0, 0),
+                                           ("steady", 2700, 880.0, 1), ("steady", 2500, 1300.0, 0)])
+    one = records(tmp_path / "r1.jsonl", [("warmup", 900, 5000.0, 0), ("steady", 2900, 900.0, 0),
+                                          ("steady", 2000, 880.0, 0), ("steady", 2400, 1300.0, 0)])
+    out = _bench().slack([zero, one], growth_ms=1.0)
+    assert out == ("rank 0: steady steps that retried [3]; the slack grew after steps [4]\n"
+                   "rank 1: steady steps that retried []; the slack grew after steps []\n")
