@@ -1121,17 +1121,29 @@ def slack(paths: list[str], growth_ms: float) -> str:
         room = Room(budget, slack_bytes=budget // FATAL_OOM_SLACK_PARTS)
         grew = []
         for i, r in enumerate(records):
-            if r.get("phase") != "steady":
+            if r.get("phase") == "warmup":  # a compact record leaves a steady step's phase out
                 continue
             shapes = [rs[i]["shape"] for rs in ranks if i < len(rs)]
             timed = (max(x[0] for x in shapes), max(x[1] for x in shapes))
             before = room.slack_bytes
-            room.after_steady((r["shape"][0], r["shape"][1]), bucket_key(timed, 8), r["alloc_retries"] or 0,
+            room.after_steady((r["shape"][0], r["shape"][1]), bucket_key(timed, 8), r.get("alloc_retries") or 0,
                               r["step_ms"] - (r.get("recompute_ms_est") or 0.0), lambda: growth_ms)
             if room.slack_bytes != before:
                 grew.append(r["step"])
-        retried = [r["step"] for r in records if r.get("phase") == "steady" and r["alloc_retries"]]
+        steady = [r for r in records if r.get("phase") != "warmup"]
+        retried = [r["step"] for r in steady if r.get("alloc_retries")]
         lines.append(f"rank {rank}: steady steps that retried {retried}; the slack grew after steps {grew}")
+        # each step's net time over the clean steps' median net time per token, at its tokens
+        net = {r["step"]: r["step_ms"] - (r.get("recompute_ms_est") or 0.0) for r in steady}
+        tokens = {r["step"]: r["shape"][0] * r["shape"][1] for r in steady}
+        clean = [s for s in net if s not in retried and s - 1 not in retried]
+        if clean and retried:
+            per_token = statistics.median(net[s] / tokens[s] for s in clean)
+            over = {s: net[s] - per_token * tokens[s] for s in net}
+            after = [over[s + 1] for s in retried if s + 1 in over and s + 1 not in retried]
+            lines.append(f"rank {rank}: over the clean steps' time per token, median: retry steps {statistics.median(over[s] for s in retried):.1f} ms, "
+                         f"the steps after them {statistics.median(after) if after else float('nan'):.1f} ms, clean steps "
+                         f"{statistics.median(over[s] for s in clean):.1f} ms ({len(retried)} of {len(net)} steady steps retried)")
     return "\n".join(lines) + "\n"
 
 
