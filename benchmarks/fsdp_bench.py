@@ -1106,7 +1106,7 @@ def slack(paths: list[str], growth_ms: float) -> str:
     room.py) as this tree has them, the step's time net of its treatments' estimate, timed in the bucket of the ranks'
     largest shape as the ranks agree it, the growth priced at ``growth_ms`` a step: the steps after which the slack
     grew (their plans the next step's). The slack's start is the budget over 24, as a sharded run's."""
-    from memfit.engine.plan.room import FATAL_OOM_SLACK_PARTS, Room
+    from memfit.engine.plan.room import BOUND_BUCKETS, FATAL_OOM_SLACK_PARTS, Room
     from memfit.engine.shapes import bucket_key
 
     if missing := [path for path in paths if not Path(path).is_file()]:
@@ -1133,17 +1133,24 @@ def slack(paths: list[str], growth_ms: float) -> str:
         steady = [r for r in records if r.get("phase") != "warmup"]
         retried = [r["step"] for r in steady if r.get("alloc_retries")]
         lines.append(f"rank {rank}: steady steps that retried {retried}; the slack grew after steps {grew}")
-        # each step's net time over the clean steps' median net time per token, at its tokens
+        # each step's net time over the rule's bound: the median of the BOUND_BUCKETS clean steps nearest above it in
+        # tokens with at least its rows and length (of the whole run here), where there is one
         net = {r["step"]: r["step_ms"] - (r.get("recompute_ms_est") or 0.0) for r in steady}
-        tokens = {r["step"]: r["shape"][0] * r["shape"][1] for r in steady}
+        shape = {r["step"]: (r["shape"][0], r["shape"][1]) for r in steady}
         clean = [s for s in net if s not in retried and s - 1 not in retried]
-        if clean and retried:
-            per_token = statistics.median(net[s] / tokens[s] for s in clean)
-            over = {s: net[s] - per_token * tokens[s] for s in net}
-            after = [over[s + 1] for s in retried if s + 1 in over and s + 1 not in retried]
-            lines.append(f"rank {rank}: over the clean steps' time per token, median: retry steps {statistics.median(over[s] for s in retried):.1f} ms, "
-                         f"the steps after them {statistics.median(after) if after else float('nan'):.1f} ms, clean steps "
-                         f"{statistics.median(over[s] for s in clean):.1f} ms ({len(retried)} of {len(net)} steady steps retried)")
+
+        def over(step: int) -> float | None:
+            larger = sorted((shape[c][0] * shape[c][1], net[c]) for c in clean
+                            if c != step and shape[c][0] >= shape[step][0] and shape[c][1] >= shape[step][1])
+            return net[step] - statistics.median(ms for _, ms in larger[:BOUND_BUCKETS]) if larger else None
+
+        bounded = [x for x in map(over, retried) if x is not None]
+        after = [x for x in (over(s + 1) for s in retried if s + 1 in net and s + 1 not in retried) if x is not None]
+        if bounded:
+            lines.append(f"rank {rank}: over the clean steps nearest above, median: retry steps "
+                         f"{statistics.median(bounded):.1f} ms ({len(bounded)} bounded), the steps after them "
+                         f"{statistics.median(after) if after else float('nan'):.1f} ms ({len(after)}); {len(retried)} of "
+                         f"{len(net)} steady steps retried, mean step {statistics.mean(r['step_ms'] for r in steady):.1f} ms")
     return "\n".join(lines) + "\n"
 
 

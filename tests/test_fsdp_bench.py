@@ -254,5 +254,6 @@ def test_slack_replays_the_ranks_steps_through_the_slack_rules(tmp_path):
     out = _bench().slack([zero, one], growth_ms=1.0)
     assert out.splitlines()[0] == "rank 0: steady steps that retried [3]; the slack grew after steps [4]"
     assert out.splitlines()[-1] == "rank 1: steady steps that retried []; the slack grew after steps []"
-    # rank 0's one clean step (step 2: 900 ms for 9,000 tokens) sets the time per token: step 3 ran 880 - 810 over it
-    assert "retry steps 70.0 ms, the steps after them 550.0 ms, clean steps 0.0 ms (1 of 3 steady steps retried)" in out
+    # rank 0's one clean step (step 2, 900 ms, the longest) bounds the others: step 3 ran 20 ms under it, step 4 400 over
+    assert ("rank 0: over the clean steps nearest above, median: retry steps -20.0 ms (1 bounded), the steps after them "
+            "400.0 ms (1); 1 of 3 steady steps retried, mean step 1026.7 ms") in out

@@ -219,18 +219,23 @@ def test_a_growth_is_priced_per_step_over_the_latest_shapes(monkeypatch):
     assert sorted(priced) == [(4, 16), (4, 32), (4, 64)]
 
 
-def test_step_times_bound_a_clean_step_by_larger_buckets():
-    """NOTE [A retry beside no clean step of its bucket]: the least median of the buckets with at least the rows and
-    the length bounds a clean step from above; smaller or narrower buckets do not."""
+def test_step_times_bound_a_clean_step_by_the_larger_buckets_nearest_above():
+    """NOTE [A retry beside no clean step of its bucket]: the median of the medians of the BOUND_BUCKETS buckets
+    nearest above in tokens, with at least the rows and the length, bounds a clean step from above; smaller or
+    narrower buckets do not, nor larger ones further up."""
     times = StepTimes()
     assert times.bound_ms((8, 64)) is None and times.excess_ms((8, 64), 100.0) is None
     times.add_clean((8, 32), 50.0)  # shorter
     times.add_clean((4, 512), 60.0)  # fewer rows
     assert times.bound_ms((8, 64)) is None
     times.add_clean((8, 512), 300.0)
+    assert times.bound_ms((8, 64)) == pytest.approx(300.0)
     times.add_clean((16, 128), 200.0)
     times.add_clean((16, 128), 220.0)
-    assert times.bound_ms((8, 64)) == pytest.approx(210.0)  # the least median of the larger ones
+    assert times.bound_ms((8, 64)) == pytest.approx(255.0)  # the median of 210 (2,048 tokens) and 300 (4,096)
+    times.add_clean((8, 128), 150.0)  # 1,024 tokens, the nearest: 150, 210, 300
+    times.add_clean((8, 4096), 10.0)  # a fast step far above, beyond the three nearest: not read
+    assert times.bound_ms((8, 64)) == pytest.approx(210.0)
     assert times.excess_ms((8, 64), 500.0) == pytest.approx(290.0) and times.excess_ms((8, 64), 100.0) == 0.0
     times.add_clean((8, 64), 120.0)
     assert times.excess_ms((8, 64), 500.0) == pytest.approx(380.0)  # its own bucket's clean steps first

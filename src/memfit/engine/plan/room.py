@@ -73,11 +73,13 @@ two-fifths of a step recurred at a third of the steps of an 8B LoRA under FSDP2 
 again by the steps after it (a step after a retry ran up to 270 ms over its like there). So a retry whose bucket has
 no clean step is priced, where it can be, against the clean steps of buckets at least as large (as many rows or
 more, as long or longer): a step's time net of its treatments' predicted time grows with its rows and its length,
-so the least of their medians bounds its clean time from above and its time over that bound is at least what the
-retry cost. The price waits one steady step, whose own time over a clean one (its bucket's, or such a bound) is
+so their clean times bound its own from above, and its time over that bound is at least what the retry cost. One
+step's time is noisy, and the least of many leans low by the noise (on issue 59's 0.25 share cell, records of s39-4,
+it read retries at twice what steps of nearly the same length said), so the bound is the median of the medians of
+the ``BOUND_BUCKETS`` buckets nearest above in tokens: each at least as large, the middle one of them. The price waits one steady step, whose own time over a clean one (its bucket's, or such a bound) is
 added: the release's aftermath, which is not kept as a clean step. Then it is priced against the growth as above.
-It is a lower bound as far as the treatments' prices hold, up to the clean steps' noise (the least of several
-medians leans low by it): a retry priced so grows the slack only where even the bound cost more than the growth. Under FSDP a step's time is the slowest rank's, so the bucket timed is the ranks'
+It is a lower bound as far as the treatments' prices hold: a retry priced so grows the slack only where even the
+bound cost more than the growth. Under FSDP a step's time is the slowest rank's, so the bucket timed is the ranks'
 largest rows and length, agreed on the host with the OOM flag (NOTE [The ranks' agreement on the host], ranks.py);
 where ranks' batches have different rows the bound may not hold (the largest rows and length may come from
 different ranks), nor under DDP, where no such agreement runs and each rank times its own shape. Where no larger
@@ -114,7 +116,7 @@ from memfit.engine.budget import Budget
 __all__ = [
     "Room", "StepTimes", "DEFAULT_MARGIN_SHARE", "ALLOCATOR_SLACK_BYTES", "RETRY_SLACK_SHARE", "MAX_RETRY_SLACK_SHARE",
     "OOM_MARGIN_PARTS", "MISS_MARGIN_FACTOR", "SLACK_FACTOR", "SHRINK_AFTER_CLEAN_STEPS", "CLEAN_STEPS_KEPT", "RETRY_RATE_STEPS",
-    "RETRY_STREAK", "BUCKETS_KEPT", "FATAL_OOM_SLACK_PARTS", "LEAST_MARGIN_SHARE", "MARGIN_CLEAN_STEPS", "MARGIN_MISS_STEPS",
+    "RETRY_STREAK", "BUCKETS_KEPT", "BOUND_BUCKETS", "FATAL_OOM_SLACK_PARTS", "LEAST_MARGIN_SHARE", "MARGIN_CLEAN_STEPS", "MARGIN_MISS_STEPS",
 ]
 
 #: the margin's share of the budget before any step erred, per accounting (the meter's kind)
@@ -144,6 +146,9 @@ BUCKETS_KEPT = 1024
 #: steady steps in a row that retried, in any buckets, after which the slack grows without a price (NOTE [The slack
 #: is priced])
 RETRY_STREAK = 3
+#: the larger buckets nearest above a retry's whose clean steps bound its clean time (NOTE [A retry beside no clean
+#: step of its bucket])
+BOUND_BUCKETS = 3
 #: a run that cannot survive an OOM starts its slack at the budget over this (NOTE [Room where an OOM is fatal])
 FATAL_OOM_SLACK_PARTS = 24
 #: the least the margin shrinks to, as a share of the budget, per accounting (NOTE [The margin follows the misses])
@@ -184,11 +189,13 @@ class StepTimes:
         return None if not clean else max(0.0, float(net_ms) - statistics.median(clean))
 
     def bound_ms(self, bucket: tuple[int, int]) -> float | None:
-        """An upper bound of a clean step's time at ``bucket``: the least median of the kept buckets with at least its
-        rows and its length (None: none kept), NOTE [A retry beside no clean step of its bucket]."""
+        """An upper bound of a clean step's time at ``bucket``: the median of the medians of the ``BOUND_BUCKETS``
+        kept buckets nearest above it in tokens with at least its rows and its length (None: none kept), NOTE [A retry
+        beside no clean step of its bucket]."""
         rows, length = bucket
-        larger = [statistics.median(kept) for (n, t), kept in self.clean_ms.items() if n >= rows and t >= length and kept]
-        return min(larger, default=None)
+        larger = sorted((n * t, statistics.median(kept)) for (n, t), kept in self.clean_ms.items()
+                        if n >= rows and t >= length and kept)
+        return statistics.median(ms for _, ms in larger[:BOUND_BUCKETS]) if larger else None
 
     def excess_ms(self, bucket: tuple[int, int], net_ms: float) -> float | None:
         """What a step took over a clean one: against its bucket's clean steps (:meth:`retry_ms`), else at least its
