@@ -12,7 +12,9 @@ and the GPU would idle for it every step. So the flag is reduced on the host: ov
 where its backend reduces host tensors (gloo, or a backend per device that names gloo), else over
 a gloo group of the same ranks, made at the first agreement (every rank reaches it at the same
 micro-step, as ``new_group`` requires). The host still waits for the slowest rank's host to reach
-the agreement, never for a device. Where this torch has no gloo the device all-reduce is kept.
+the agreement, never for a device. Where this torch has no gloo the device all-reduce is kept. On 2
+H200s the step times of the two could not be told apart beside the spread between launches (s41-1:
+docs/devlog.md): the sync was not what made FSDP steps slow, and it is gone at no cost.
 
 The engine reads the process group through these functions and :class:`Agreement` only; the integrations
 (:mod:`memfit.integrations.distributed`: DDP, FSDP2, the gradient sync) build on them, never the

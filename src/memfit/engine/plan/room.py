@@ -72,18 +72,19 @@ two-fifths of a step recurred at a third of the steps of an 8B LoRA under FSDP2 
 (s41: docs/devlog.md). And the release's cost does not end with its step: the cache's pages, unmapped, are mapped
 again by the steps after it (a step after a retry ran up to 270 ms over its like there). So a retry whose bucket has
 no clean step is priced, where it can be, against the clean steps of buckets at least as large (as many rows or
-more, as long or longer): a step's time net of its treatments' predicted time grows with its rows and its length,
-so their clean times bound its own from above, and its time over that bound is at least what the retry cost. One
-step's time is noisy, and the least of many leans low by the noise (on issue 59's 0.25 share cell, records of s39-4,
-it read retries at twice what steps of nearly the same length said), so the bound is the median of the medians of
-the ``BOUND_BUCKETS`` buckets nearest above in tokens: each at least as large, the middle one of them. The price waits one steady step, whose own time over a clean one (its bucket's, or such a bound) is
-added: the release's aftermath, which is not kept as a clean step. Then it is priced against the growth as above.
-It is a lower bound as far as the treatments' prices hold: a retry priced so grows the slack only where even the
-bound cost more than the growth. Under FSDP a step's time is the slowest rank's, so the bucket timed is the ranks'
-largest rows and length, agreed on the host with the OOM flag (NOTE [The ranks' agreement on the host], ranks.py);
-where ranks' batches have different rows the bound may not hold (the largest rows and length may come from
-different ranks), nor under DDP, where no such agreement runs and each rank times its own shape. Where no larger
-bucket has a clean step the retry waits as before.
+more, as long or longer): a step's time net of its treatments' predicted time grows with its rows and its length, so
+their clean times bound its own from above, and its time over that bound is at least what the retry cost. One step's
+time is noisy, and the least of many leans low by the noise (on issue 59's 0.25 share cell, records of s39-4, it
+read retries at twice what steps of nearly the same length said), so the bound is the median of the medians of the
+``BOUND_BUCKETS`` buckets nearest above in tokens: each at least as large, the middle one of them. The price waits
+one steady step, whose own time over a clean one (its bucket's, or such a bound) is added: the release's aftermath,
+which is not kept as a clean step. Then it is priced against the growth as above. It is a lower bound as far as the
+treatments' prices hold: a retry priced so grows the slack only where even the bound cost more than the growth.
+Under FSDP a step's time is the slowest rank's, so the bucket timed is the ranks' largest rows and length, agreed on
+the host with the OOM flag (NOTE [The ranks' agreement on the host], ranks.py); where ranks' batches have different
+rows the bound may not hold (the largest rows and length may come from different ranks), nor under DDP, where no
+such agreement runs and each rank times its own shape. Where no larger bucket has a clean step the retry waits as
+before.
 
 # NOTE [The margin follows the misses]
 A margin fixed at its starting share keeps that share of the budget unused for the whole run
