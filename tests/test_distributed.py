@@ -183,6 +183,19 @@ def test_the_ranks_agree_on_the_host_over_a_gloo_group_of_their_own(tmp_path):
         assert got == {"results": [True, False, True], "made": ["gloo"], "keys": [None, [3, 300], [4, 50]]}
 
 
+@pytest.mark.parametrize("local, expected", [("1", True), ("2", False), ("", False), (None, False)])
+def test_the_ranks_agree_on_the_host_only_where_every_rank_is_on_one(monkeypatch, local, expected):
+    """NOTE [The ranks' agreement on the host]: a gloo group is made only where torchrun's LOCAL_WORLD_SIZE is the
+    world's size (one process here: a world of 1); unset or smaller, the device all-reduce is kept."""
+    from memfit.engine import ranks
+
+    if local is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    assert ranks._one_host() is expected
+
+
 def test_the_ranks_agreement_uses_the_default_group_where_it_reduces_host_tensors(tmp_path, monkeypatch):
     import torch.distributed as dist
 

@@ -12,9 +12,12 @@ and the GPU would idle for it every step. So the flag is reduced on the host: ov
 where its backend reduces host tensors (gloo, or a backend per device that names gloo), else over
 a gloo group of the same ranks, made at the first agreement (every rank reaches it at the same
 micro-step, as ``new_group`` requires). The host still waits for the slowest rank's host to reach
-the agreement, never for a device. Where this torch has no gloo the device all-reduce is kept. On 2
-H200s the step times of the two could not be told apart beside the spread between launches (s41-1:
-docs/devlog.md): the sync was not what made FSDP steps slow, and it is gone at no cost.
+the agreement, never for a device. On 2 H200s the step times of the two could not be told apart
+beside the spread between launches (s41-1: docs/devlog.md): the sync was not what made FSDP steps
+slow. So the gloo group is made only where it cannot fail: where this torch has gloo and every rank
+is on one host (torchrun's ``LOCAL_WORLD_SIZE`` is the world's size). Across hosts gloo finds each
+host's address from its hostname, which on many machines names the loopback, and a group that cannot
+connect would hang the first step for the group's timeout: there the device all-reduce is kept.
 
 The engine reads the process group through these functions and :class:`Agreement` only; the integrations
 (:mod:`memfit.integrations.distributed`: DDP, FSDP2, the gradient sync) build on them, never the
@@ -23,6 +26,7 @@ other way round.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -81,12 +85,19 @@ def _reduces_host_tensors(group: Any = None) -> bool:
     return "gloo" in str(dist.get_backend(group))
 
 
+def _one_host() -> bool:
+    """Whether every rank of the default group runs on this host, as torchrun (and Accelerate's launcher) says:
+    ``LOCAL_WORLD_SIZE`` equal to the world's size (unset: not known, so not taken to be)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return local.isdigit() and int(local) == world_size()
+
+
 class Agreement:
     """Whether a host flag is true on any rank, reduced on the host (NOTE [The ranks' agreement on the host]), and
     with it the ranks' largest step shape (NOTE [A retry beside no clean step of its bucket], room.py).
 
-    Made per run (the replay engine's); its gloo group, where one is needed, is made at the first :meth:`any`, which
-    every rank of the default group must reach at the same point.
+    Made per run (the replay engine's); its gloo group, where one is needed and every rank is on one host, is made at
+    the first :meth:`any`, which every rank of the default group must reach at the same point.
 
     Attributes:
         key: the ranks' largest rows and length at the last agreement that was given a shape (None: none given).
@@ -102,7 +113,7 @@ class Agreement:
         of the ranks' ``key`` (each rank's step shape; None on a rank counts as none)."""
         if not self._made:
             self._made = True
-            if not _reduces_host_tensors() and dist.is_gloo_available():
+            if not _reduces_host_tensors() and dist.is_gloo_available() and _one_host():
                 self._group = dist.new_group(backend="gloo")
         values = max_over_ranks([1 if flag else 0, *(key or (0, 0))], self._group)
         self.key = (values[1], values[2]) if values[1] > 0 else None

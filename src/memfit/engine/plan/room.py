@@ -80,11 +80,10 @@ read retries at twice what steps of nearly the same length said), so the bound i
 one steady step, whose own time over a clean one (its bucket's, or such a bound) is added: the release's aftermath,
 which is not kept as a clean step. Then it is priced against the growth as above. It is a lower bound as far as the
 treatments' prices hold: a retry priced so grows the slack only where even the bound cost more than the growth.
-Under FSDP a step's time is the slowest rank's, so the bucket timed is the ranks' largest rows and length, agreed on
-the host with the OOM flag (NOTE [The ranks' agreement on the host], ranks.py); where ranks' batches have different
-rows the bound may not hold (the largest rows and length may come from different ranks), nor under DDP, where no
-such agreement runs and each rank times its own shape. Where no larger bucket has a clean step the retry waits as
-before.
+Under FSDP a step's time is the slowest rank's, so the bucket timed is the ranks' largest rows and length, agreed
+with the OOM flag (NOTE [The ranks' agreement on the host], ranks.py); where ranks' batches have different rows the
+bound may not hold (the largest rows and length may come from different ranks), nor under DDP, where no such
+agreement runs and each rank times its own shape. Where no larger bucket has a clean step the retry waits as before.
 
 # NOTE [The margin follows the misses]
 A margin fixed at its starting share keeps that share of the budget unused for the whole run
