@@ -262,6 +262,19 @@ def test_a_retry_in_a_new_bucket_is_priced_with_the_next_step_against_larger_buc
     assert not planning.apply(ModelUpdate(steady_key=(3, 1100), net_ms=950.0)) and planning.slack_bytes == 1000 + step
 
 
+def test_the_step_after_a_retry_is_not_kept_as_a_clean_step():
+    """NOTE [A retry beside no clean step of its bucket]: the step after a retry ran the release's aftermath; kept as a
+    clean step it would raise its bucket's median and price the next retries low (here 50 ms instead of 200)."""
+    planning = Planning(4, [0, 0, 0, 0], 1_000_000, 0, 8, room=Room(1_000_000, slack_bytes=1000))
+    for _ in range(2):
+        planning.apply(ModelUpdate(steady_key=(8, 64), net_ms=100.0))
+    for _ in range(2):
+        planning.apply(ModelUpdate(alloc_retries=True, steady_key=(8, 64), net_ms=130.0))  # priced at once: 30 ms
+        planning.apply(ModelUpdate(steady_key=(8, 64), net_ms=400.0))  # its aftermath
+    assert list(planning.room.times.clean_ms[(8, 64)]) == [100.0, 100.0]
+    assert planning.room.times.retry_ms((8, 64), 300.0) == pytest.approx(200.0)
+
+
 def test_the_ranks_largest_shape_is_the_bucket_a_step_is_timed_in():
     """NOTE [A retry beside no clean step of its bucket]: under FSDP a step's time is the slowest rank's, so its clean
     time is kept in the bucket of the ranks' largest shape (``timed_key``), its plan's shape kept for the rest."""

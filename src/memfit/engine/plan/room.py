@@ -78,12 +78,14 @@ time is noisy, and the least of many leans low by the noise (on issue 59's 0.25 
 read retries at twice what steps of nearly the same length said), so the bound is the median of the medians of the
 ``BOUND_BUCKETS`` buckets nearest above in tokens: each at least as large, the middle one of them. The price waits
 one steady step, whose own time over a clean one (its bucket's, or such a bound) is added: the release's aftermath,
-which is not kept as a clean step. Then it is priced against the growth as above. It is a lower bound as far as the
-treatments' prices hold: a retry priced so grows the slack only where even the bound cost more than the growth.
-Under FSDP a step's time is the slowest rank's, so the bucket timed is the ranks' largest rows and length, agreed
-with the OOM flag (NOTE [The ranks' agreement on the host], ranks.py); where ranks' batches have different rows the
-bound may not hold (the largest rows and length may come from different ranks), nor under DDP, where no such
-agreement runs and each rank times its own shape. Where no larger bucket has a clean step the retry waits as before.
+which is not kept as a clean step; then the retry is priced against the growth as above. Nor is the step after any
+retry kept as a clean step, wherever that retry was priced: kept, it would raise its bucket's median clean time and
+price the bucket's next retries low. It is a lower bound as far as the treatments' prices hold: a retry priced so
+grows the slack only where even the bound cost more than the growth. Under FSDP a step's time is the slowest rank's,
+so the bucket timed is the ranks' largest rows and length, agreed with the OOM flag (NOTE [The ranks' agreement on
+the host], ranks.py); where ranks' batches have different rows the bound may not hold (the largest rows and length
+may come from different ranks), nor under DDP, where no such agreement runs and each rank times its own shape. Where
+no larger bucket has a clean step the retry waits as before.
 
 # NOTE [The margin follows the misses]
 A margin fixed at its starting share keeps that share of the budget unused for the whole run
@@ -357,8 +359,10 @@ class Room:
                 changed = self.after_clean_step()
                 after = times.excess_ms(bucket, net_ms) or 0.0
                 return self.price_retry((pending + after) * times.retry_share, growth_ms()) or changed
-            times.add_clean(bucket, net_ms)
             changed = self.after_clean_step()
+            if len(times.recent) > 1 and times.recent[-2][1]:
+                return changed  # after a retry: its aftermath (NOTE [A retry beside no clean step of its bucket])
+            times.add_clean(bucket, net_ms)
             waited = times.waited_retry_ms(bucket)
             if waited is None:
                 return changed
