@@ -645,11 +645,11 @@ def _warm_up(args, configs: list[Config], device, rank: int, out: Path) -> None:
     """NOTE [A launch warms up untimed]: each model still to run, its longest schedule (or ``--warmup_steps``) untimed
     under ``none`` and then ``full``, uncapped, before any timed configuration; nothing is kept."""
     steps = getattr(args, "warmup_steps", None)
+    if steps == 0:
+        return
     todo = [c for c in configs if not (out / c.name / "status.json").exists() and c.method != "oom-check"]
     for model, lora in dict.fromkeys((c.model, c.lora) for c in todo):
-        n = steps if steps is not None else max(c.steps for c in todo if (c.model, c.lora) == (model, lora))
-        if n <= 0:
-            return
+        n = steps or max(c.steps for c in todo if (c.model, c.lora) == (model, lora))
         first = next(c for c in todo if (c.model, c.lora) == (model, lora))
         for method in ("none", "full"):
             warm = replace(first, name=f"warmup-{model}{'+lora' if lora else ''}-{method}", method=method, share=None,
@@ -1105,8 +1105,9 @@ def slack(paths: list[str], growth_ms: float) -> str:
     """Each rank's steady steps of one configuration through the room's slack rules (NOTE [The slack is priced],
     room.py) as this tree has them, the step's time net of its treatments' estimate, timed in the bucket of the ranks'
     largest shape as the ranks agree it, the growth priced at ``growth_ms`` a step: the steps after which the slack
-    grew (their plans the next step's). The slack's start is the budget over 24, as a sharded run's."""
-    from memfit.engine.plan.room import BOUND_BUCKETS, FATAL_OOM_SLACK_PARTS, Room
+    grew (their plans the next step's). The room is the one a run on CUDA starts with (``Room.for_run``; several
+    ranks: one where an OOM is fatal), the plans' buckets 8 tokens wide (``fit``'s default)."""
+    from memfit.engine.plan.room import BOUND_BUCKETS, Room
     from memfit.engine.shapes import bucket_key
 
     if missing := [path for path in paths if not Path(path).is_file()]:
@@ -1117,8 +1118,7 @@ def slack(paths: list[str], growth_ms: float) -> str:
             ranks.append([json.loads(line) for line in fh if line.strip()])
     lines = []
     for rank, records in enumerate(ranks):
-        budget = records[0]["budget_bytes"]
-        room = Room(budget, slack_bytes=budget // FATAL_OOM_SLACK_PARTS)
+        room = Room.for_run(records[0]["budget_bytes"], "cuda", oom_fatal=len(ranks) > 1)
         grew = []
         for i, r in enumerate(records):
             if r.get("phase") == "warmup":  # a compact record leaves a steady step's phase out

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Agreement", "any_rank", "is_fsdp", "max_over_ranks", "sharded_over_ranks", "world_size"]
+__all__ = ["Agreement", "is_fsdp", "max_over_ranks", "sharded_over_ranks", "world_size"]
 
 _FSDP_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
 
@@ -62,12 +62,6 @@ def sharded_over_ranks(model: nn.Module) -> bool:
     """Whether ``model`` is sharded by FSDP over several ranks: no rank can replay an OOM alone
     (NOTE [Replay under FSDP], engine/run/replay.py)."""
     return world_size() > 1 and is_fsdp(model)
-
-
-def any_rank(flag: bool, group: Any = None) -> bool:
-    """All-reduce of this rank's flag over ``group`` (the default group when None): whether it is true on any rank.
-    A host tensor where the group's backend reduces them, else a device tensor read back (a device sync)."""
-    return bool(max_over_ranks([1 if flag else 0], group)[0])
 
 
 def max_over_ranks(values: Sequence[int], group: Any = None) -> list[int]:
