@@ -233,3 +233,21 @@ def test_the_tiled_mlp_lowers_the_allocators_peak_by_the_mlps_intermediates():
     intermediate = tokens * cfg.intermediate_size * 2  # one tokens x intermediate tensor, bf16
     assert peaks[TILED_MLP] < peaks["keep"] - 2 * intermediate, peaks
     assert peaks[RECOMPUTE_TILED] < peaks["recompute"] - 2 * intermediate, peaks
+
+
+@pytest.mark.parametrize("method", ["dynamic", "none"])
+def test_a_treating_run_on_cuda_freezes_the_heap_once_steady_and_remove_unfreezes(method):
+    gc.unfreeze()
+    unfrozen = gc.get_freeze_count()  # CPython 3.12 keeps objects there that no unfreeze moves
+    model = _bert(2)
+    ctl = memfit.fit(model, budget="20GB" if method == "dynamic" else None, method=method, announce=False)
+    try:
+        for i in range(12):  # three lengths again and again: warm-up ends
+            ctl.run_step(lambda i=i: model(**_batch(4, (64, 128, 96)[i % 3])).loss.backward())
+            model.zero_grad(set_to_none=True)
+        steady = [r for r in ctl.records if r.phase == "steady"]
+        assert steady, [r.phase for r in ctl.records]
+        assert (gc.get_freeze_count() > unfrozen) == (method == "dynamic")  # NOTE [The collector's pauses]
+    finally:
+        ctl.remove()
+    assert gc.get_freeze_count() == unfrozen

@@ -163,6 +163,9 @@ class StepRecord:
     #: under FSDP2 over several ranks, the ms this step's compute waited on the parameters' all-gathers (NOTE [The
     #: collective wait] in engine/run/collectives.py); None elsewhere
     collective_wait_ms: float | None = None
+    #: the ms the process spent in the garbage collector's passes since the record before (NOTE [The collector's
+    #: pauses] in engine/run/collector.py)
+    gc_ms: float = 0.0
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:

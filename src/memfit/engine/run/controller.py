@@ -60,6 +60,7 @@ from memfit.engine.ranks import sharded_over_ranks
 from memfit.engine.records import JsonlWriter, StepRecord, summarize
 from memfit.engine.parts import probe
 from memfit.engine.run.collectives import CollectiveWait
+from memfit.engine.run.collector import Pauses
 from memfit.engine.run.meter import Meter, make_meter
 from memfit.engine.run.replay import Replayer, after_oom
 from memfit.engine.run.step import Stage, StepState
@@ -272,14 +273,14 @@ class Controller:
             # Parameters and buffers are never activations (under FSDP: this rank's shards).
             self._counter = SavedTensorCounter(len(self.blocks), exclude=list(model.parameters()) + list(model.buffers()))
             self._undo.append(self._counter.stop)
-            self.treatments = _make_treatments(treatments, self._counter, self.planning, self.device, self.blocks[0].compiled,
-                                               host_budget_bytes)
+            self.treatments = _make_treatments(treatments, self._counter, self.planning, self.device, self.blocks[0].compiled, host_budget_bytes)
             self.head = RunHead(model, self.planning, self.meter.kind != "logical", head, head_logits, method.learns and budget is not None, lambda: self.meter.aside(self._step))
             self._undo.append(self.head.remove)  # before anything else can raise: the head's hooks are on
             self.parts = RunParts(self.head, parts, self.planning)  # the head's and the user's (parts/kind.py)
             self.protection = method.make_protection(lambda: ReactiveStore(self._counter.excluded_ptrs), self.planning, self.meter, self._counter)
             self._gathered, self._waits = GatheredParameters(model, self._counter), CollectiveWait(model, self.device)
-            self._undo.append(self._waits.remove)  # NOTE [The collective wait], collectives.py
+            self._pauses = Pauses(freeze=not method.measures_only and self.meter.kind == "cuda")  # NOTE [The collector's pauses]
+            self._undo += [self._waits.remove, self._pauses.remove]  # NOTE [The collective wait], collectives.py
             self.rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
             self.announce, self._steps_recorded = announce, 0  # announce: a start line now and a summary at remove()
             self._records: list[StepRecord] = []
@@ -291,8 +292,7 @@ class Controller:
                 self._on_forward_start, with_kwargs=True), model.register_forward_hook(self._on_forward_end, always_call=True))]
             for b in self.blocks:
                 b.listener, b.before_run = self, lambda _: self.meter.block_run(self._step)
-            self.optimizer: torch.optim.Optimizer | None = None
-            self.set_optimizer(optimizer, check=False)
+            self.set_optimizer(optimizer, check=False)  # sets self.optimizer
             self._writer = JsonlWriter(log) if log else None
             self._undo += [self._writer.close] if self._writer is not None else []
             capped = self.meter.apply_cap(budget.bytes) if budget is not None and cap else None
@@ -447,7 +447,8 @@ class Controller:
             outcome, peaks.reserved, predicted, number=self._steps_recorded, method=self.method.name,
             n_blocks=len(self.blocks), budget_bytes=self.planning.budget_bytes, accounting=self.meter.kind, recompute_ms=treated_ms,
             oom_retries=len(self.replay.oom.attempts), oom_attempts=self.replay.oom.attempts, rank=self.rank, now=now,
-            collective_wait_ms=self._waits.take(step.t0 if self.replay.oom.attempts else 0.0))  # NOTE [The collective wait]
+            collective_wait_ms=self._waits.take(step.t0 if self.replay.oom.attempts else 0.0),  # NOTE [The collective wait]
+            gc_ms=self._pauses.take(steady=not step.decision.warmup))  # NOTE [The collector's pauses], collector.py
         self.replay.oom.clear()
         self.parts.record(record, step.decision.plan)
         self._records.append(record)

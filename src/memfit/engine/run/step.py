@@ -108,7 +108,7 @@ class StepState:
     def to_record(
         self, outcome: "StepOutcome", reserved: int, predicted: int | None, *, number: int, method: str, n_blocks: int,
         budget_bytes: int | None, accounting: str, recompute_ms: float, oom_retries: int,
-        oom_attempts: list[dict[str, Any]], rank: int, now: float, collective_wait_ms: float | None = None,
+        oom_attempts: list[dict[str, Any]], rank: int, now: float, collective_wait_ms: float | None = None, gc_ms: float = 0.0,
     ) -> StepRecord:
         """The finished step's record (``number``: its step number; ``now``: when it was closed; ``collective_wait_ms``:
         NOTE [The collective wait], collectives.py)."""
@@ -132,5 +132,5 @@ class StepState:
             backstop_input_bytes=backstop_input, oom_attempts=oom_attempts, rank=rank,
             treatments=plan.by_treatment(), counted=self.counted, alloc_retries=outcome.alloc_retries,
             stream_pool_bytes=outcome.pool_bytes, parts_peak_bytes=self.parts_peak, compile_ms=compile_s * 1e3, compiled_graphs=graphs,
-            collective_wait_ms=collective_wait_ms,
+            collective_wait_ms=collective_wait_ms, gc_ms=gc_ms,
         )
