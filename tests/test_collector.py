@@ -113,3 +113,31 @@ def test_records_hold_the_collectors_time_and_a_cpu_run_does_not_freeze(unfrozen
     finally:
         ctl.remove()
     assert len(gc.callbacks) == callbacks
+
+
+def test_a_trainers_train_leaves_the_heap_unfrozen_and_the_next_train_freezes_again(tmp_path, monkeypatch, unfrozen):
+    from memfit.engine.run import collector
+    from test_hf import _trainer
+
+    made, frozen_during = [], []
+    init, take = collector.Pauses.__init__, collector.Pauses.take
+
+    def forced(self, freeze):  # as on CUDA: a CPU run does not freeze
+        init(self, True)
+        made.append(self)
+
+    def noted(self, steady):
+        ms = take(self, steady)
+        frozen_during.append(gc.get_freeze_count() > unfrozen)
+        return ms
+
+    monkeypatch.setattr(collector.Pauses, "__init__", forced)
+    monkeypatch.setattr(collector.Pauses, "take", noted)
+    trainer = _trainer(tmp_path, "thaw", max_steps=8, overwrite_output_dir=True)
+    trainer.train()
+    assert made and any(frozen_during)  # frozen once steady
+    assert gc.get_freeze_count() == unfrozen  # train() returned: unfrozen, still hooked
+    assert trainer.memfit is not None and trainer.memfit.pauses.freeze
+    frozen_during.clear()
+    trainer.train()
+    assert any(frozen_during) and gc.get_freeze_count() == unfrozen

@@ -540,6 +540,9 @@ class MemfitTrainerMixin:
                 self.memfit.remove()
                 self.memfit, self._unhooked_before_first_step = None, True
             raise
+        finally:
+            if self.memfit is not None:  # hooked between train() calls, the heap unfrozen (NOTE [The collector's pauses])
+                self.memfit.pauses.thaw()
 
     def _train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         a = self.args

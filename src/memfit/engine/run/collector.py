@@ -4,7 +4,7 @@
 CPython collects its oldest generation when the objects promoted into it since its last full
 collection reach a quarter of those that survived that one, and a full collection walks every
 tracked object of the process: with torch, transformers, peft and a model loaded, about half a
-million, 0.26 s on an H200 host; frozen, 0.0 (docs/devlog.md, session 42). A step that
+million, a quarter of a second on a GPU host; frozen, nothing (docs/devlog.md). A step that
 checkpoints makes Python objects that live through the step (checkpoints' frames, saved-tensor
 packs, events), which the young collections promote, so full collections come every few dozen
 steps (HF checkpointing of an 8B LoRA under FSDP2 on 2 GPUs: every 20 steps or so, 0.27-0.42 s
@@ -16,9 +16,11 @@ each), and under FSDP a pause on one rank holds every rank at the next collectiv
   first steady step it collects once and freezes the heap (``gc.collect()``, ``gc.freeze()``: what is
   alive then, the libraries, the model, the optimizer's state, moves to a permanent generation that
   collections skip), as inference servers do after their start (vLLM): a full collection then walks
-  only what the run made since, and the step's own objects. ``remove()`` unfreezes it. Objects
-  frozen that become cyclic garbage during the run are freed only then (a tensor freed by its last
-  reference is freed at once, frozen or not: only cycles wait). A process that froze its heap itself
+  only what the run made since, and the step's own objects. ``remove()`` unfreezes it, and so does
+  the end of a memfit Trainer's ``train()``, which stays hooked (a notebook's ``del trainer, model;
+  gc.collect()`` then frees their cycles; the next ``train()`` freezes again). Objects frozen that
+  become cyclic garbage during the run are freed only then (a tensor freed by its last reference is
+  freed at once, frozen or not: only cycles wait). A process that froze its heap itself
   keeps its own: memfit then neither freezes nor unfreezes. Not on a CPU (steps there are long beside
   a collection) nor under ``none`` (and the peers' runs the benchmarks measure through it), which
   changes nothing.
@@ -64,11 +66,16 @@ class Pauses:
             self.frozen = True
         return round(ms, 3)
 
+    def thaw(self) -> None:
+        """The heap unfrozen where this froze it; the next steady step freezes it again (between a Trainer's
+        ``train()`` calls: NOTE [The collector's pauses])."""
+        if self.frozen:
+            gc.unfreeze()
+            self.frozen = False
+
     def remove(self) -> None:
         """The callback off, the heap unfrozen where this froze it."""
         self.freeze = False  # a record closed after this (the model's last forward) freezes nothing
         if self._timed in gc.callbacks:
             gc.callbacks.remove(self._timed)
-        if self.frozen:
-            gc.unfreeze()
-            self.frozen = False
+        self.thaw()

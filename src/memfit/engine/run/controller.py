@@ -279,8 +279,8 @@ class Controller:
             self.parts = RunParts(self.head, parts, self.planning)  # the head's and the user's (parts/kind.py)
             self.protection = method.make_protection(lambda: ReactiveStore(self._counter.excluded_ptrs), self.planning, self.meter, self._counter)
             self._gathered, self._waits = GatheredParameters(model, self._counter), CollectiveWait(model, self.device)
-            self._pauses = Pauses(freeze=not method.measures_only and self.meter.kind == "cuda")  # NOTE [The collector's pauses]
-            self._undo += [self._waits.remove, self._pauses.remove]  # NOTE [The collective wait], collectives.py
+            self.pauses = Pauses(freeze=not method.measures_only and self.meter.kind == "cuda")  # NOTE [The collector's pauses]
+            self._undo += [self._waits.remove, self.pauses.remove]  # NOTE [The collective wait], collectives.py
             self.rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
             self.announce, self._steps_recorded = announce, 0  # announce: a start line now and a summary at remove()
             self._records: list[StepRecord] = []
@@ -448,7 +448,7 @@ class Controller:
             n_blocks=len(self.blocks), budget_bytes=self.planning.budget_bytes, accounting=self.meter.kind, recompute_ms=treated_ms,
             oom_retries=len(self.replay.oom.attempts), oom_attempts=self.replay.oom.attempts, rank=self.rank, now=now,
             collective_wait_ms=self._waits.take(step.t0 if self.replay.oom.attempts else 0.0),  # NOTE [The collective wait]
-            gc_ms=self._pauses.take(steady=not step.decision.warmup))  # NOTE [The collector's pauses], collector.py
+            gc_ms=self.pauses.take(steady=not step.decision.warmup))  # NOTE [The collector's pauses], collector.py
         self.replay.oom.clear()
         self.parts.record(record, step.decision.plan)
         self._records.append(record)
