@@ -49,9 +49,11 @@ meet it. So both are priced per step, over the last ``RETRY_RATE_STEPS`` steady 
 (:class:`StepTimes`), and the slack grows only when the retries cost more:
 
 * a retry's price is its step's time net of its treatments' predicted time, less the median of
-  the same shape bucket's steady steps without a retry, times the share of those steps that
-  retried (a run with fewer steady steps counted as if the rest had not: its first retry is not
-  read as a rate);
+  the same shape bucket's steady steps without a retry, plus the next steady step's own time over
+  a clean one (the release's aftermath: the cache's pages, unmapped, are mapped again by the steps
+  after it; that step is not kept as a clean one), times the share of those steps that retried (a
+  run with fewer steady steps counted as if the rest had not: its first retry is not read as a
+  rate); retries in a row (``RETRY_STREAK``) are priced at once;
 * the growth's price is the planner's: the mean over those steps' shapes of the plan at the
   smaller room less the plan now (``Search.slack_cost_ms``, search.py).
 
@@ -78,9 +80,9 @@ time is noisy, and the least of many leans low by the noise (on issue 59's 0.25 
 read retries at twice what steps of nearly the same length said), so the bound is the median of the medians of the
 ``BOUND_BUCKETS`` buckets nearest above in tokens: each at least as large, the middle one of them. The price waits
 one steady step, whose own time over a clean one (its bucket's, or such a bound) is added: the release's aftermath,
-which is not kept as a clean step; then the retry is priced against the growth as above. Nor is the step after any
-retry kept as a clean step, wherever that retry was priced: kept, it would raise its bucket's median clean time and
-price the bucket's next retries low. It is a lower bound as far as the treatments' prices hold: a retry priced so
+which is not kept as a clean step; then the retry is priced against the growth as above, as a retry of a bucket
+with clean steps is. Nor is the step after any retry kept as a clean step: kept, it would raise its bucket's median
+clean time and price the bucket's next retries low. It is a lower bound as far as the treatments' prices hold: a retry priced so
 grows the slack only where even the bound cost more than the growth. Under FSDP a step's time is the slowest rank's,
 so the bucket timed is the ranks' largest rows and length, agreed with the OOM flag (NOTE [The ranks' agreement on
 the host], ranks.py); where ranks' batches have different rows the bound may not hold (the largest rows and length
@@ -369,13 +371,12 @@ class Room:
             return self.price_retry(waited * times.retry_share, growth_ms()) or changed
         if net_ms is None:
             return self.after_alloc_retries(None)
-        retry_ms = times.retry_ms(bucket, net_ms)
-        if retry_ms is not None:
-            return self.after_alloc_retries((retry_ms + (pending or 0.0)) * times.retry_share, growth_ms())
-        excess = times.excess_ms(bucket, net_ms)
-        if excess is not None and times.streak < RETRY_STREAK:  # NOTE [A retry beside no clean step of its bucket]
+        excess = times.excess_ms(bucket, net_ms)  # against its bucket's clean steps, else their bound
+        if excess is not None and times.streak < RETRY_STREAK:  # priced with the next step's aftermath (NOTE [The slack is priced])
             times.after_retry_ms = excess + (pending or 0.0)  # a retry before it: its aftermath is in this step's time
             return self.after_waiting_retry()
+        if times.retry_ms(bucket, net_ms) is not None:  # retries in a row: priced now
+            return self.after_alloc_retries((excess + (pending or 0.0)) * times.retry_share, growth_ms())
         if times.wait(bucket, net_ms):
             return self.after_alloc_retries(None)  # the bucket retried twice before a clean step
         if times.streak >= RETRY_STREAK:
