@@ -448,6 +448,9 @@ def _train(args, config: Config, device, rank: int, budget_bytes: int | None, ou
         "oom_retries": sum(r.oom_retries for r in records), "records": len(records),
         "mean_treated_blocks": statistics.mean(r.n_checkpointed for r in records) if records else 0.0,
         "armed_steps": sum(r.backstop_armed for r in records), "alloc_retries": sum(r.alloc_retries or 0 for r in records),
+        # the garbage collector's passes over the steady steps, and the longest (NOTE [The collector's pauses])
+        "gc_ms": round(sum(r.gc_ms for r in records[args.steady_from:]), 1),
+        "max_gc_ms": max((r.gc_ms for r in records[args.steady_from:]), default=0.0),
         "n_blocks": records[0].n_blocks if records else 0, "fired": state["fired"],
         # what the blocks ran as, over every step of every rank (a long-context run's host checkpoints and tiles)
         "block_treatments": dict(sum((collections.Counter({k: len(v) for k, v in r.block_treatments.items()}) for r in records),
@@ -863,7 +866,7 @@ def summarize(folders: list[str], summary: str | None = None) -> list[dict]:
                                                                        "mean_treated_blocks", "median_steady_step_ms",
                                                                        "armed_steps", "alloc_retries", "block_treatments",
                                                                        "max_rss_bytes", "host_pool_bytes", "collective_ms",
-                                                                       "stream_pools")}
+                                                                       "stream_pools", "gc_ms", "max_gc_ms")}
                                  for r in ran},
                 })
             rows.append(row)
@@ -951,6 +954,8 @@ def _over_repeats(rows: list[dict]) -> list[dict]:
                     "median_steady_step_ms": statistics.median(g["per_rank"][rank]["median_steady_step_ms"] for g in ran),
                     "armed_steps": sum(g["per_rank"][rank].get("armed_steps") or 0 for g in ran),
                     "alloc_retries": sum(g["per_rank"][rank].get("alloc_retries") or 0 for g in ran),
+                    "gc_ms": sum(g["per_rank"][rank].get("gc_ms") or 0.0 for g in ran),
+                    "max_gc_ms": max(g["per_rank"][rank].get("max_gc_ms") or 0.0 for g in ran),
                     "collective_ms": statistics.median(c) if (c := [g["per_rank"][rank]["collective_ms"] for g in ran
                                                                    if g["per_rank"][rank].get("collective_ms") is not None])
                     else None,
@@ -959,6 +964,14 @@ def _over_repeats(rows: list[dict]) -> list[dict]:
             }
         out.append(first)
     return out
+
+
+def _summed_ratio(a: dict, b: dict) -> float | None:
+    """``a``'s steady steps summed over ``b``'s, over the steps of each repeat both ran (whole runs, where
+    :func:`_per_step_ratios` reads single steps)."""
+    ra, rb = a.get("steady_ms_repeats") or {}, b.get("steady_ms_repeats") or {}
+    pairs = [(x, y) for k in sorted(set(ra) & set(rb)) for x, y in zip(ra[k], rb[k])]
+    return sum(x for x, _ in pairs) / sum(y for _, y in pairs) if pairs and sum(y for _, y in pairs) > 0 else None
 
 
 def _per_step_ratios(a: dict, b: dict) -> list[float]:
@@ -1029,10 +1042,11 @@ def _table(rows: list[dict]) -> str:
                     and x.get("batch_size") == r.get("batch_size")):
                 ratios = _per_step_ratios(r, x)
                 if ratios:
-                    per_step.append(f"| {r['name']} | {x['name']} | {statistics.median(ratios):.3f}× | {len(ratios)} |")
+                    per_step.append(f"| {r['name']} | {x['name']} | {statistics.median(ratios):.3f}× "
+                                    f"| {_summed_ratio(r, x):.3f}× | {len(ratios)} |")
     if per_step:
-        lines += ["", "| dynamic config | against | dynamic over it, per step (median of ratios) | steps |",
-                  "| --- | --- | ---: | ---: |", *per_step]
+        lines += ["", "| dynamic config | against | dynamic over it, per step (median of ratios) | summed over the steps "
+                  "| steps |", "| --- | --- | ---: | ---: | ---: |", *per_step]
     scaling = []
     for r in rows:
         if "step_ms" in r and r["world_size"] == 4:

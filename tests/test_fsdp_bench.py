@@ -109,8 +109,8 @@ def test_repeats_fold_into_one_row_per_configuration_by_the_median(tmp_path):
     summary = (root / "summary.md").read_text()
     assert "| llama-3b-x2-dynamic-0.5 | 2 | dynamic | 20.00 | 10.00 | 641.0 (median of 3) |" in summary
     # per step, within each repeat (the same batches): 8 steady steps each of 640/500, 600/520 and 700/480; not against
-    # full, which failed a repeat
-    assert "| llama-3b-x2-dynamic-0.5 | llama-3b-x2-none | 1.280× | 24 |" in summary
+    # full, which failed a repeat; summed over those steps (whole runs): (641 + 601 + 701) / (501 + 521 + 481)
+    assert "| llama-3b-x2-dynamic-0.5 | llama-3b-x2-none | 1.280× | 1.293× | 24 |" in summary
     assert "| llama-3b-x2-dynamic-0.5 | llama-3b-x2-full-0.5 |" not in summary
     assert _repeat_plan(tmp_path, 2) == {"tiny-x2-none", "tiny-x2-dynamic-0.7", "tiny-x2-none-r1", "tiny-x2-dynamic-0.7-r1"}
 
