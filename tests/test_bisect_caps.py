@@ -183,6 +183,7 @@ def test_loop_bench_sets_its_share_budgets_from_none_on_the_longest_batch_alone(
     none, dynamic = [json.loads(t) for t in (out / "results.jsonl").read_text().splitlines()]
     assert none["method"] == "none" and len(none["step_ms"]) == 2 and "--reference_longest" in none["note"]
     assert dynamic["method"] == "dynamic" and len(dynamic["step_ms"]) == 5
+    assert len(dynamic["gc_ms"]) == 5 and len(none["gc_ms"]) == 2  # the collector's ms per step, every configuration
     assert dynamic["budget_bytes"] == int(2 * none["max_peak_allocated_bytes"]) and dynamic["status"] == "ok"
     assert "step_ratio_vs_none" not in dynamic  # two steps of another batch pair with none of its steps
 
