@@ -675,7 +675,7 @@ def test_the_probe_runs_on_the_most_tokens_whose_kept_head_fits_half_the_free_ro
     """NOTE [A probe at the steps' size]: with the room's free bytes known, the probe runs on the most
     tokens (up to the step's and PROBE_TOKENS) whose kept head fits in half of them, never fewer than
     one chunk's rows; unknown, on one chunk's rows. A probe of more tokens replaces one of fewer; one
-    of fewer is not kept over it; one of the same size keeps the least times."""
+    of fewer is not kept over it, nor one of the same size run again (NOTE [Pricing the head])."""
     import memfit.engine.parts.treatments.chunked_head as chunked_head
     from memfit.engine.parts.head import attach_head
 
@@ -708,6 +708,10 @@ def test_the_probe_runs_on_the_most_tokens_whose_kept_head_fits_half_the_free_ro
     sizes.clear()
     part.probe(hidden, ids)
     assert set(sizes) == {256}
+    kept = dict(part.probes["pure"][1])
+    sizes.clear()
+    part.probe(hidden, ids)  # the same size again (a run of one length, or a probe at PROBE_TOKENS): not run
+    assert sizes == [] and part.probes["pure"][1] == kept and part.probed_steps == 5
     part.remove()
 
 
@@ -733,6 +737,7 @@ def test_a_probe_out_of_memory_at_the_steps_size_runs_again_at_one_chunks_rows(m
     part.probe(hidden, ids)
     assert {s["tokens"] for s in part.probes["pure"].values()} == {16.0}
     limit["tokens"] = 8
+    part.switch.n_chunks = 8  # one chunk's rows now 32: a size not probed yet (one probed is not run again)
     with pytest.raises(torch.OutOfMemoryError):
         part.probe(hidden, ids)
     part.remove()

@@ -32,8 +32,12 @@ warm-up steps time the head (:func:`memfit.engine.parts.head.probe_head`) on the
 to the probe's size (NOTE [A probe at the steps' size]), under each implementation usable here, at
 :data:`PROBE_CHUNKS` chunks (a fused kernel at its own count only), each after an untimed run at
 its shape (NOTE [A warm probe], head.py); a fused kernel at half the tokens too (NOTE [A fused
-kernel's fixed part]). The probe of the most tokens is kept, the least time of
-each measurement where several had that size, and the price is a line: ``extra_ms_per_token x tokens +
+kernel's fixed part]). The probe of the most tokens is kept, and a later warm-up
+step's probe of no more tokens is not run: the probe's size stops at :data:`PROBE_TOKENS`, which
+a long batch passes at once, and a run of one length has one size, so timing every
+implementation at each chunk count again would repeat a measurement the warm run already makes
+steady: with four implementations installed, two dozen passes of the head at the probe's size
+(keep and chunked, each warm then timed) a warm-up step. The price is a line: ``extra_ms_per_token x tokens +
 per_chunk_ms x n_chunks``. The per-chunk slope is at least 0. The per-token price is at least 0
 too where the probe ran on one chunk's rows: a head measured no slower chunked on a few hundred
 tokens costs nothing, and the tie rule keeps it where nothing is needed, so plans stay
@@ -284,21 +288,15 @@ def price_line(implementation: str, seen: dict[int, dict[str, Any]], vocab: int,
     return per_token, slope, min(extra.values()) / seen[counts[0]]["tokens"]
 
 
-def _probe_half(spec: Any, scale: float, h: torch.Tensor, y: torch.Tensor, n_chunks: int, implementation: str,
-                was: dict[str, Any] | None) -> dict[str, float]:
-    """A fused kernel's probe at half the probe's tokens (NOTE [A fused kernel's fixed part]), the least
-    times where ``was`` (the probe kept, of the same size) had them too."""
+def _probe_half(spec: Any, scale: float, h: torch.Tensor, y: torch.Tensor, n_chunks: int, implementation: str) -> dict[str, float]:
+    """A fused kernel's probe at half the probe's tokens (NOTE [A fused kernel's fixed part])."""
     half = h.shape[1] // 2
-    earlier = was.get("half") if was is not None else None
-    timed = _least_ms(probe_head(spec, h[:, :half], y[:, :half], n_chunks, implementation), scale,
-                      earlier if earlier is not None and earlier["tokens"] == half else None)
-    return {**timed, "tokens": float(half)}
+    return {**_scaled_ms(probe_head(spec, h[:, :half], y[:, :half], n_chunks, implementation), scale), "tokens": float(half)}
 
 
-def _least_ms(measured: dict[str, dict[str, float]], scale: float, earlier: dict[str, Any] | None) -> dict[str, float]:
-    """A probe's keep and chunked times (scaled), each the least of it and ``earlier``'s of the same size."""
-    timed = {t: scale * measured[t]["ms"] for t in ("keep", "chunked")}
-    return timed if earlier is None else {t: min(earlier[t], timed[t]) for t in timed}
+def _scaled_ms(measured: dict[str, dict[str, float]], scale: float) -> dict[str, float]:
+    """A probe's keep and chunked times, scaled (a sharded head's proxy: NOTE [The head as its own FSDP unit])."""
+    return {t: scale * measured[t]["ms"] for t in ("keep", "chunked")}
 
 
 def shard_head(spec: "HeadSpec") -> tuple["HeadSpec", float]:
@@ -434,7 +432,7 @@ class HeadPart(PartKind):
     def _timed(self, spec: Any, scale: float, rows: torch.Tensor, labels: torch.Tensor, tokens: int,
                counts: tuple[int, ...], implementation: str, sized: bool) -> dict[int, dict[str, float]]:
         """``implementation``'s probes at ``tokens`` tokens (``sized``: more than one chunk's rows), merged
-        with those kept: the most tokens win, the least times of one size (NOTE [Pricing the head])."""
+        with those kept: the most tokens win, and a size probed already is not run again (NOTE [Pricing the head])."""
         # the probe's rows in a storage of their own: a view of the step's would be counted whole as saved
         h = (rows[:tokens].clone() if tokens < rows.shape[0] else rows).unsqueeze(0)
         y = labels.reshape(-1)[:tokens].unsqueeze(0)
@@ -443,15 +441,15 @@ class HeadPart(PartKind):
         seen: dict[int, dict[str, float]] = {}
         for n_chunks in sorted({min(n, tokens) for n in counts}):
             was = self.probes.get(implementation, {}).get(n_chunks)
-            if was is not None and was["tokens"] > tokens:
-                seen[n_chunks] = was  # a probe of more tokens prices the steps better: none of fewer is run
+            if was is not None and was["tokens"] >= tokens:
+                seen[n_chunks] = was  # a probe of as many tokens or more prices the steps as well: none is run
                 continue
             measured = probe_head(spec, h, y, n_chunks, implementation)
-            timed = _least_ms(measured, scale, was if was is not None and was["tokens"] == tokens else None)
+            timed = _scaled_ms(measured, scale)
             seen[n_chunks] = {"keep": timed["keep"], "chunked": timed["chunked"], "tokens": float(tokens), "sized": sized,
                               "saved": measured["chunked"]["saved_bytes"], "kept_saved": measured["keep"]["saved_bytes"]}
             if implementation in FUSED and sized and tokens > 1:  # NOTE [A fused kernel's fixed part]
-                seen[n_chunks]["half"] = _probe_half(spec, scale, h, y, n_chunks, implementation, was)
+                seen[n_chunks]["half"] = _probe_half(spec, scale, h, y, n_chunks, implementation)
         return seen
 
     def _check_formula(self, implementation: str, seen: dict[int, dict[str, float]]) -> None:
