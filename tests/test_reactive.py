@@ -543,18 +543,20 @@ def test_allocator_retries_grow_the_room_reactive_keeps_free(monkeypatch):
     fake.allocated = fake.peak = budget - 40_000  # room for a block's bytes, not for the growth
     batch = make_batch(2, 8)
     slacks = []
-    for seed in range(3):
+    for seed in range(4):
         torch.manual_seed(seed)
         model(**batch).loss.backward()
         fake.retries += int(seed == 1)
         inner.step()
         model.zero_grad(set_to_none=True)
         slacks.append(ctl.planning.slack_bytes)  # a step is learnt when the next one starts
-    torch.manual_seed(3)
+    torch.manual_seed(4)
     model(**batch).loss.backward()
     records = ctl.records
     ctl.remove()
-    assert [r.alloc_retries for r in records[:3]] == [0, 1, 0]
-    assert slacks == [0, 0, int(memfit.engine.plan.room.RETRY_SLACK_SHARE * budget)] == [0, 0, ctl.planning.slack_bytes]
-    assert records[0].evicted_blocks == [] == records[1].evicted_blocks
-    assert records[2].evicted_blocks, "the grown slack made no room"
+    assert [r.alloc_retries for r in records[:4]] == [0, 1, 0, 0]
+    # priced with the step after it (its aftermath: NOTE [The slack is priced]), learnt as the next one starts
+    grown = int(memfit.engine.plan.room.RETRY_SLACK_SHARE * budget)
+    assert slacks == [0, 0, 0, grown] and ctl.planning.slack_bytes == grown
+    assert records[0].evicted_blocks == [] == records[1].evicted_blocks == records[2].evicted_blocks
+    assert records[3].evicted_blocks, "the grown slack made no room"

@@ -657,9 +657,9 @@ def test_allocator_retries_in_steady_steps_grow_the_slack_and_the_plans(monkeypa
     model, make_batch, inner, budget, ctl, fake = _half_budget_on_fake_allocator(monkeypatch, backstop=False)
     planning, key = ctl.planning, (4, 96)
     step, ceiling = int(memfit.engine.plan.room.RETRY_SLACK_SHARE * budget), int(budget / 3)
-    step_retries = {1: 2, 5: 1, 6: 0, 7: 3, 8: 1, 9: 1, 10: 1, 11: 1}  # step index -> retries it causes
+    step_retries = {1: 2, 5: 1, 6: 0, 7: 3, 8: 1, 9: 1, 10: 1, 11: 1, 12: 1, 13: 1, 14: 1}  # step index -> retries it causes
     slacks = []  # after each step was learnt (a step is closed when the next one's forward starts)
-    for i in range(13):
+    for i in range(16):
         torch.manual_seed(i)
         if i == 4:  # after the warm-up: room for two treated blocks, half a growth to spare
             assert [r.phase for r in ctl.records] == ["warmup"] * 4 and slacks[-1] == planning.slack_bytes
@@ -674,15 +674,23 @@ def test_allocator_retries_in_steady_steps_grow_the_slack_and_the_plans(monkeypa
         loss.backward()
         inner.step()
         model.zero_grad(set_to_none=True)
-    records = ctl.records[:12]
+    records = ctl.records[:15]
     ctl.remove()
-    assert [r.alloc_retries for r in records] == [step_retries.get(i, 0) for i in range(12)]
-    expected = [slacks[3]]
-    for i in range(4, 12):
-        expected.append(min(ceiling, expected[-1] + step) if step_retries.get(i, 0) else expected[-1])
+    assert [r.alloc_retries for r in records] == [step_retries.get(i, 0) for i in range(15)]
+    # a retry is priced with the step after it (its aftermath), from RETRY_STREAK in a row at once (NOTE [The slack is
+    # priced]): the slack grows after steps 6, 9, 10, ...
+    expected, streak, pending = [slacks[3]], 0, False
+    for i in range(4, 15):
+        if step_retries.get(i, 0):
+            streak += 1
+            grows, pending = (True, False) if streak >= memfit.engine.plan.room.RETRY_STREAK else (False, True)
+        else:
+            streak, grows, pending = 0, pending, False
+        expected.append(min(ceiling, expected[-1] + step) if grows else expected[-1])
     assert slacks[3:] == expected and expected[-1] == expected[-2] == ceiling  # it stops at the ceiling
-    assert records[4].n_checkpointed == 2 and records[6].n_checkpointed == 3  # less room: one more block treated
-    for i in range(4, 12):  # each plan fits the room its step began with
+    assert expected[3] > expected[2] == expected[1]  # the retry at 5 grew it after 6, its aftermath
+    assert records[6].n_checkpointed == 2 and records[7].n_checkpointed == 3  # less room: one more block treated
+    for i in range(4, 15):  # each plan fits the room its step began with
         assert records[i].predicted_peak_bytes <= budget - planning.margin_bytes - slacks[i - 1]
 
 
