@@ -79,6 +79,14 @@ def test_garbage_is_collected_before_the_heap_is_frozen(unfrozen, no_automatic_c
         pauses.remove()
 
 
+def test_a_run_told_not_to_freeze_leaves_the_heap_as_it_is(unfrozen):
+    pauses = Pauses(freeze=True)
+    pauses.freeze = False  # the FAQ's opt-out: ctl.pauses.freeze = False after fit
+    pauses.take(steady=True)
+    assert not pauses.frozen and gc.get_freeze_count() == unfrozen
+    pauses.remove()
+
+
 def test_a_heap_the_process_froze_itself_is_left_to_it(unfrozen):
     gc.freeze()
     theirs = gc.get_freeze_count()

@@ -21,7 +21,8 @@ each), and under FSDP a pause on one rank holds every rank at the next collectiv
   gc.collect()`` then frees their cycles; the next ``train()`` freezes again). Objects frozen that
   become cyclic garbage during the run are freed only then (a tensor freed by its last reference is
   freed at once, frozen or not: only cycles wait). A process that froze its heap itself
-  keeps its own: memfit then neither freezes nor unfreezes. Not on a CPU (steps there are long beside
+  keeps its own: memfit then neither freezes nor unfreezes; nor where the caller set
+  ``ctl.pauses.freeze = False`` after ``fit``. Not on a CPU (steps there are long beside
   a collection) nor under ``none`` (and the peers' runs the benchmarks measure through it), which
   changes nothing.
 """
