@@ -966,19 +966,22 @@ def _over_repeats(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _summed_ratio(a: dict, b: dict) -> float | None:
-    """``a``'s steady steps summed over ``b``'s, over the steps of each repeat both ran (whole runs, where
-    :func:`_per_step_ratios` reads single steps)."""
+def _paired_steps(a: dict, b: dict) -> list[tuple[float, float]]:
+    """``a``'s and ``b``'s steady steps side by side, within each repeat both ran (the same batches: NOTE [One launch,
+    many configurations])."""
     ra, rb = a.get("steady_ms_repeats") or {}, b.get("steady_ms_repeats") or {}
-    pairs = [(x, y) for k in sorted(set(ra) & set(rb)) for x, y in zip(ra[k], rb[k])]
-    return sum(x for x, _ in pairs) / sum(y for _, y in pairs) if pairs and sum(y for _, y in pairs) > 0 else None
+    return [(x, y) for k in sorted(set(ra) & set(rb)) for x, y in zip(ra[k], rb[k]) if y > 0]
+
+
+def _summed_ratio(a: dict, b: dict) -> float | None:
+    """``a``'s paired steady steps summed over ``b``'s (whole runs, where :func:`_per_step_ratios` reads single steps)."""
+    pairs = _paired_steps(a, b)
+    return sum(x for x, _ in pairs) / sum(y for _, y in pairs) if pairs else None
 
 
 def _per_step_ratios(a: dict, b: dict) -> list[float]:
-    """``a``'s steady steps over ``b``'s, step by step within each repeat both ran (the same batches: NOTE [One launch,
-    many configurations])."""
-    ra, rb = a.get("steady_ms_repeats") or {}, b.get("steady_ms_repeats") or {}
-    return [x / y for k in sorted(set(ra) & set(rb)) for x, y in zip(ra[k], rb[k]) if y > 0]
+    """``a``'s steady steps over ``b``'s, step by step (:func:`_paired_steps`)."""
+    return [x / y for x, y in _paired_steps(a, b)]
 
 
 def _none_of(rows: list[dict], r: dict) -> dict | None:

@@ -614,9 +614,11 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
     step_ms, retries_from = [], None  # the allocator's retry count when the steady steps begin
     models: list[str] = []  # --models_every_step
     rss_mib = []  # the process's resident host memory after each step (NOTE [Host budget]: it must stay flat)
-    collector = _Collector()  # the garbage collector's ms in each step, the peers' too
     compiled = []  # steps during which Dynamo made a graph (NOTE [Steps that compiled])
     from memfit.engine.parts.guard_sides import graphs_made
+    from memfit.engine.run.collector import Pauses
+
+    collector, gc_ms = Pauses(freeze=False), []  # the collector's ms in each step, the peers' too (NOTE [The collector's pauses])
     _sync(args.device)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -656,7 +658,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
                 clock.stop()
             step_ms.append(clock)
             rss_mib.append(_rss_mib())
-            collector.step()
+            gc_ms.append(collector.take(steady=False))
             if ctl is not None and args.max_replays is not None and (n := sum(r.oom_retries for r in ctl.records)) > args.max_replays:
                 status, note = "replays", f"stopped after step {i}: {n} OOM replays, over --max_replays {args.max_replays}"
                 break
@@ -669,7 +671,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
     except Exception as err:  # a configuration that breaks is recorded, the matrix goes on
         status, note = "error", f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
     finally:
-        collector.close()
+        collector.remove()
         if args.cprofile is not None:
             args.cprofile.disable()
         timeline.__exit__(None, None, None)
@@ -685,7 +687,7 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
         # allocations served only after the caching allocator released its cache (a device sync
         # each): the cost of running close to a hard cap, counted from the steady steps on
         "cuda_alloc_retries": 0 if retries_from is None else _alloc_retries(args) - retries_from,
-        **timeline.fields(), "rss_mib": rss_mib, "gc_ms": collector.ms,
+        **timeline.fields(), "rss_mib": rss_mib, "gc_ms": gc_ms,
         # growth of resident host memory over the steady steps (a host leak, or a pool that grows)
         "rss_growth_mib": round(rss_mib[-1] - rss_mib[min(args.steady_from, len(rss_mib) - 1)], 1) if rss_mib else None,
     }
@@ -1052,31 +1054,6 @@ def _alloc_retries(args) -> int:
     import torch
 
     return int(torch.cuda.memory_stats().get("num_alloc_retries", 0)) if args.device == "cuda" else 0
-
-
-class _Collector:
-    """The ms each step spent in the garbage collector's passes (a full one walks every object of the process: NOTE
-    [The collector's pauses] in memfit's engine/run/collector.py), timed by a ``gc.callbacks`` entry for any
-    configuration, memfit's records holding their own."""
-
-    def __init__(self):
-        self.ms: list[float] = []
-        self._sum, self._start = 0.0, None
-        gc.callbacks.append(self._timed)
-
-    def _timed(self, phase, info) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        elif self._start is not None:
-            self._sum, self._start = self._sum + (time.perf_counter() - self._start) * 1e3, None
-
-    def step(self) -> None:
-        self.ms.append(round(self._sum, 1))
-        self._sum = 0.0
-
-    def close(self) -> None:
-        if self._timed in gc.callbacks:
-            gc.callbacks.remove(self._timed)
 
 
 def _rss_mib() -> float:

@@ -4,6 +4,8 @@ later ``fit`` on it works."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -83,9 +85,11 @@ def test_an_error_late_in_setup_undoes_every_earlier_change(monkeypatch, where):
         raise RuntimeError("injected")
 
     monkeypatch.setattr(where, fail)
+    callbacks = list(gc.callbacks)
     with pytest.raises(RuntimeError, match="injected"):
         memfit.fit(model, budget="100MB", announce=True)
     _assert_same(before, _snapshot(model))
+    assert gc.callbacks == callbacks  # the collector's timer off again (NOTE [The collector's pauses])
 
 
 def test_a_failed_block_compile_unwraps_the_blocks_already_wrapped(monkeypatch):

@@ -375,7 +375,7 @@ class Room:
         if excess is not None and times.streak < RETRY_STREAK:  # priced with the next step's aftermath (NOTE [The slack is priced])
             times.after_retry_ms = excess + (pending or 0.0)  # a retry before it: its aftermath is in this step's time
             return self.after_waiting_retry()
-        if times.retry_ms(bucket, net_ms) is not None:  # retries in a row: priced now
+        if times.clean_ms.get(bucket):  # retries in a row, priced now against the bucket's own clean steps
             return self.after_alloc_retries((excess + (pending or 0.0)) * times.retry_share, growth_ms())
         if times.wait(bucket, net_ms):
             return self.after_alloc_retries(None)  # the bucket retried twice before a clean step

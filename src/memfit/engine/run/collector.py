@@ -33,11 +33,17 @@ import gc
 import time
 from typing import Any
 
-__all__ = ["Pauses"]
+__all__ = ["Pauses", "freezes"]
 
 #: the permanent generation's size before anything froze: CPython 3.12 keeps objects there that ``gc.unfreeze()`` does
 #: not move (375 on the GPU hosts), so a process that froze nothing reads this, not 0
 UNFROZEN = gc.get_freeze_count()
+
+
+def freezes(treats: bool, accounting: str) -> bool:
+    """Whether a run freezes the heap once steady: where it treats (every method but ``none``) on CUDA (NOTE [The
+    collector's pauses])."""
+    return treats and accounting == "cuda"
 
 
 class Pauses:

@@ -60,7 +60,7 @@ from memfit.engine.ranks import sharded_over_ranks
 from memfit.engine.records import JsonlWriter, StepRecord, summarize
 from memfit.engine.parts import probe
 from memfit.engine.run.collectives import CollectiveWait
-from memfit.engine.run.collector import Pauses
+from memfit.engine.run.collector import Pauses, freezes
 from memfit.engine.run.meter import Meter, make_meter
 from memfit.engine.run.replay import Replayer, after_oom
 from memfit.engine.run.step import Stage, StepState
@@ -279,7 +279,7 @@ class Controller:
             self.parts = RunParts(self.head, parts, self.planning)  # the head's and the user's (parts/kind.py)
             self.protection = method.make_protection(lambda: ReactiveStore(self._counter.excluded_ptrs), self.planning, self.meter, self._counter)
             self._gathered, self._waits = GatheredParameters(model, self._counter), CollectiveWait(model, self.device)
-            self.pauses = Pauses(freeze=not method.measures_only and self.meter.kind == "cuda")  # NOTE [The collector's pauses]
+            self.pauses = Pauses(freeze=freezes(not method.measures_only, self.meter.kind))  # NOTE [The collector's pauses]
             self._undo += [self._waits.remove, self.pauses.remove]  # NOTE [The collective wait], collectives.py
             self.rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
             self.announce, self._steps_recorded = announce, 0  # announce: a start line now and a summary at remove()
