@@ -316,7 +316,7 @@ def _steps(model, optimizer, lengths) -> None:
 
 def _fake_probe(per_token_ms: dict[str, float]):
     """probe_head's stand-in: keep 1 ms; chunked 1 ms + per_token_ms[implementation] x tokens + 0.5 ms x chunks."""
-    def probe(spec, hidden, labels, n_chunks, implementation="pure"):
+    def probe(spec, hidden, labels, n_chunks, implementation="pure", treatments=("keep", "chunked")):
         tokens = hidden.shape[0] * hidden.shape[1]
         chunked = 1.0 + per_token_ms[implementation] * tokens + 0.5 * n_chunks
         return {"keep": {"ms": 1.0, "saved_bytes": 0.0}, "chunked": {"ms": chunked, "saved_bytes": 0.0}}
@@ -592,7 +592,7 @@ def test_an_implementation_that_fails_its_probe_is_said_once_and_not_used(monkey
 
     good = _fake_probe({"pure": 0.02, "pure_grad_in_forward": 0.01})
 
-    def probe(spec, hidden, labels, n_chunks, implementation="pure"):
+    def probe(spec, hidden, labels, n_chunks, implementation="pure", treatments=("keep", "chunked")):
         if implementation == "pure_grad_in_forward":
             raise RuntimeError("kernel launch failed")
         return good(spec, hidden, labels, n_chunks, implementation)
@@ -644,7 +644,7 @@ def test_the_probes_run_aside_from_the_step_they_are_in(monkeypatch):
 
     inside, probed = [], []
 
-    def probe(spec, hidden, labels, n_chunks, implementation="pure"):
+    def probe(spec, hidden, labels, n_chunks, implementation="pure", treatments=("keep", "chunked")):
         probed.append(bool(inside))
         return _fake_probe({"pure": 0.02, "pure_grad_in_forward": 0.01})(spec, hidden, labels, n_chunks, implementation)
 
@@ -682,7 +682,7 @@ def test_the_probe_runs_on_the_most_tokens_whose_kept_head_fits_half_the_free_ro
     sizes = []
     times = iter([3.0, 1.0, 2.0] * 100)
 
-    def probe(spec, hidden, labels, n_chunks, implementation="pure"):
+    def probe(spec, hidden, labels, n_chunks, implementation="pure", treatments=("keep", "chunked")):
         sizes.append(hidden.shape[1])
         keep = next(times) * hidden.shape[1]
         return {"keep": {"ms": keep, "saved_bytes": 0.0}, "chunked": {"ms": keep + 0.001 * hidden.shape[1], "saved_bytes": 0.0}}
@@ -724,7 +724,7 @@ def test_a_probe_out_of_memory_at_the_steps_size_runs_again_at_one_chunks_rows(m
     good = _fake_probe({"pure": 0.02})
     limit = {"tokens": 32}
 
-    def probe(spec, hidden, labels, n_chunks, implementation="pure"):
+    def probe(spec, hidden, labels, n_chunks, implementation="pure", treatments=("keep", "chunked")):
         if hidden.shape[1] > limit["tokens"]:
             raise torch.OutOfMemoryError("out of memory")
         return good(spec, hidden, labels, n_chunks, implementation)
@@ -753,7 +753,7 @@ def test_a_fused_kernel_is_probed_at_its_own_count_once_and_chosen_when_fastest(
     counts = {}
     good = _fake_probe({"pure": 0.02, "liger": 0.005})
 
-    def probe(spec, hidden, labels, n_chunks, implementation="pure"):
+    def probe(spec, hidden, labels, n_chunks, implementation="pure", treatments=("keep", "chunked")):
         counts.setdefault(implementation, set()).add(n_chunks)
         return good(spec, hidden, labels, n_chunks, implementation)
 
@@ -776,7 +776,7 @@ def test_a_head_measured_faster_chunked_at_the_steps_size_is_chunked_where_nothi
     from memfit.engine.parts.head import attach_head
     from _head_common import plan_with_head
 
-    def probe(spec, hidden, labels, n_chunks, implementation="pure"):
+    def probe(spec, hidden, labels, n_chunks, implementation="pure", treatments=("keep", "chunked")):
         tokens = hidden.shape[1]
         keep = 1.0 + 0.02 * tokens  # chunking saves 0.01 ms a token, each chunk costs 0.001 ms more
         return {"keep": {"ms": keep, "saved_bytes": 0.0}, "chunked": {"ms": keep - 0.01 * tokens + 0.001 * n_chunks, "saved_bytes": 0.0}}
@@ -809,7 +809,7 @@ def test_the_probe_corrects_a_formula_the_kernel_does_not_follow(monkeypatch, ca
 
     extra = 300_000
 
-    def probe(spec, hidden, labels, n_chunks, implementation="pure"):
+    def probe(spec, hidden, labels, n_chunks, implementation="pure", treatments=("keep", "chunked")):
         tokens = hidden.shape[0] * hidden.shape[1]
         kept = head_saved_bytes(tokens, VOCAB, 32, torch.float32, "keep").saved_bytes
         chunked = head_saved_bytes(tokens, VOCAB, 32, torch.float32, "chunked", n_chunks, implementation=implementation).saved_bytes
@@ -853,7 +853,7 @@ def test_a_fused_kernels_fixed_part_is_priced_per_step_not_spread_over_the_probe
 
     sizes = {}
 
-    def probe(spec, hidden, labels, n_chunks, implementation="pure"):
+    def probe(spec, hidden, labels, n_chunks, implementation="pure", treatments=("keep", "chunked")):
         tokens = hidden.shape[0] * hidden.shape[1]
         sizes.setdefault(implementation, set()).add(tokens)
         keep = 1.0 + 0.01 * tokens
@@ -1036,3 +1036,44 @@ def test_a_model_that_learnt_one_curve_keeps_it_when_a_part_reads_its_moment_apa
         assert planning.model.parts_apart is False
     fresh = _apart_planning(False)
     assert fresh.model.parts_apart is False
+
+
+def test_a_steps_probe_times_keep_once_per_size_and_every_implementation_reads_it(monkeypatch):
+    """NOTE [Pricing the head]: keep does not change with the implementation or the chunk count, so a step's probe
+    times it once per size, with the first chunked head there; every other implementation and count reads that
+    keep. On the real probe (CPU: pure and pure_grad_in_forward at two counts each) the kept head's loss runs twice
+    (warm, then timed) where it ran twice for each of the four pairs."""
+    import memfit.engine.parts.head as head
+    import memfit.engine.parts.treatments.chunked_head as chunked_head
+    from memfit.engine.parts.head import attach_head
+
+    asked = []
+    keeps = iter([5.0, 7.0, 9.0] * 10)
+
+    def probe(spec, hidden, labels, n_chunks, implementation="pure", treatments=("keep", "chunked")):
+        asked.append((implementation, n_chunks, hidden.shape[1], tuple(treatments)))
+        return {"keep": {"ms": next(keeps), "saved_bytes": 1.0}, "chunked": {"ms": 6.0 + n_chunks, "saved_bytes": 0.0}}
+
+    monkeypatch.setattr(chunked_head, "probe_head", probe)
+    monkeypatch.setattr(chunked_head, "available_implementations", lambda spec, device: ["pure", "pure_grad_in_forward"])
+    hidden, ids = torch.randn(4, 64, 32), torch.randint(0, VOCAB, (4, 64))
+    part = chunked_head.HeadPart(attach_head(_base()), free_bytes=lambda device: 10**15)
+    part.switch.n_chunks = 16
+    part.probe(hidden, ids)
+    assert len(asked) == 4 and [a[3] for a in asked] == [("keep", "chunked")] + [("chunked",)] * 3, asked
+    assert {s["keep"] for seen in part.probes.values() for s in seen.values()} == {5.0}  # the one keep, read by all
+    assert {(name, n) for name, seen in part.probes.items() for n in seen} == {(i, n) for i in ("pure", "pure_grad_in_forward") for n in (1, 4)}
+    part.remove()
+
+    monkeypatch.undo()
+    runs = []
+    keep_loss = head._keep_loss
+    monkeypatch.setattr(head, "_keep_loss", lambda *a, **k: runs.append(1) or keep_loss(*a, **k))
+    monkeypatch.setattr(chunked_head, "available_implementations", lambda spec, device: ["pure", "pure_grad_in_forward"])
+    part = chunked_head.HeadPart(attach_head(_base()), free_bytes=lambda device: 10**15)
+    part.switch.n_chunks = 16
+    part.probe(hidden, ids)
+    assert len(runs) == 2 and len({n for seen in part.probes.values() for n in seen}) == 2
+    seen = part.probes["pure"][4]
+    assert seen["keep"] == part.probes["pure_grad_in_forward"][1]["keep"] > 0 and seen["kept_saved"] > 0
+    part.remove()

@@ -712,8 +712,9 @@ def chunks_for_bytes(tokens: int, vocab: int, dtype: torch.dtype, transient_byte
     return max(1, min(tokens, -(-tokens // rows)))
 
 
-def probe_head(spec: HeadSpec, hidden: torch.Tensor, labels: torch.Tensor, n_chunks: int, implementation: str = "pure") -> dict[str, dict[str, float]]:
-    """Measure the head under ``keep`` and ``chunked`` on the body's output ``hidden``.
+def probe_head(spec: HeadSpec, hidden: torch.Tensor, labels: torch.Tensor, n_chunks: int, implementation: str = "pure",
+               treatments: tuple[str, ...] = HEAD_TREATMENTS) -> dict[str, dict[str, float]]:
+    """Measure the head under ``treatments`` (``keep`` and ``chunked``) on the body's output ``hidden``.
 
     For each treatment: ``saved_bytes`` (distinct storages autograd keeps, counted with
     ``saved_tensors_hooks``, parameters excluded) and ``ms`` (forward + backward, wall time; on CUDA
@@ -733,7 +734,7 @@ def probe_head(spec: HeadSpec, hidden: torch.Tensor, labels: torch.Tensor, n_chu
     params = {local(p).untyped_storage().data_ptr() for p in spec.causal_lm.parameters()}
     weights = [p for p in spec.lm_head.parameters() if p.requires_grad]
     results = {}
-    for treatment in HEAD_TREATMENTS:
+    for treatment in treatments:
         h = hidden.detach().requires_grad_(True)
         storages: dict[int, int] = {}
 

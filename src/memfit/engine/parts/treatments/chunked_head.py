@@ -37,7 +37,11 @@ step's probe of no more tokens is not run: the probe's size stops at :data:`PROB
 a long batch passes at once, and a run of one length has one size, so timing every
 implementation at each chunk count again would repeat a measurement the warm run already makes
 steady: with four implementations installed, two dozen passes of the head at the probe's size
-(keep and chunked, each warm then timed) a warm-up step. The price is a line: ``extra_ms_per_token x tokens +
+(keep and chunked, each warm then timed) a warm-up step. Within a step's probe keep is timed once per
+size, beside the first chunked head timed there, and every other implementation and count reads it: keep
+does not change with them, and timing it again for each took about a dozen more passes of the head (the
+largest, its logits whole) at a new size; the implementations then compare by their chunked times
+against one keep, its noise common to all. The price is a line: ``extra_ms_per_token x tokens +
 per_chunk_ms x n_chunks``. The per-chunk slope is at least 0. The per-token price is at least 0
 too where the probe ran on one chunk's rows: a head measured no slower chunked on a few hundred
 tokens costs nothing, and the tie rule keeps it where nothing is needed, so plans stay
@@ -288,10 +292,23 @@ def price_line(implementation: str, seen: dict[int, dict[str, Any]], vocab: int,
     return per_token, slope, min(extra.values()) / seen[counts[0]]["tokens"]
 
 
-def _probe_half(spec: Any, scale: float, h: torch.Tensor, y: torch.Tensor, n_chunks: int, implementation: str) -> dict[str, float]:
+def _probe_half(spec: Any, scale: float, h: torch.Tensor, y: torch.Tensor, n_chunks: int, implementation: str,
+                kept: dict[int, dict[str, float]]) -> dict[str, float]:
     """A fused kernel's probe at half the probe's tokens (NOTE [A fused kernel's fixed part])."""
     half = h.shape[1] // 2
-    return {**_scaled_ms(probe_head(spec, h[:, :half], y[:, :half], n_chunks, implementation), scale), "tokens": float(half)}
+    return {**_scaled_ms(_measured(spec, h[:, :half], y[:, :half], n_chunks, implementation, kept), scale), "tokens": float(half)}
+
+
+def _measured(spec: Any, h: torch.Tensor, y: torch.Tensor, n_chunks: int, implementation: str,
+              kept: dict[int, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """``probe_head``'s keep and chunked at ``h``'s size, keep timed at a size's first probe of the step and read
+    by the others (``kept``, per size: NOTE [Pricing the head])."""
+    size = int(h.shape[1])
+    if size in kept:
+        return {"keep": kept[size], "chunked": probe_head(spec, h, y, n_chunks, implementation, treatments=("chunked",))["chunked"]}
+    measured = probe_head(spec, h, y, n_chunks, implementation)
+    kept[size] = measured["keep"]
+    return measured
 
 
 def _scaled_ms(measured: dict[str, dict[str, float]], scale: float) -> dict[str, float]:
@@ -393,6 +410,7 @@ class HeadPart(PartKind):
         tokens = self._probe_tokens(rows.shape[0], cut, hidden.device)
         if self.switch.unit:  # no collective in a probe (NOTE [The head as its own FSDP unit], head.py)
             spec, scale = shard_head(spec)
+        kept: dict[int, dict[str, float]] = {}  # keep's probe per size, timed once a step (NOTE [Pricing the head])
         with self.aside():  # its bytes are not the step's (NOTE [Work aside from the step], meter.py)
             for implementation in usable:
                 if implementation in self.failed:
@@ -400,12 +418,12 @@ class HeadPart(PartKind):
                 counts = (1,) if implementation in FUSED else PROBE_CHUNKS  # a fused kernel runs its own count
                 try:
                     try:
-                        seen = self._timed(spec, scale, rows, labels, tokens, counts, implementation, tokens > cut)
+                        seen = self._timed(spec, scale, rows, labels, tokens, counts, implementation, tokens > cut, kept)
                     except torch.OutOfMemoryError:
                         if tokens == cut:
                             raise  # the step's: replayed like any OOM in a forward
                         tokens = cut  # NOTE [A probe at the steps' size]
-                        seen = self._timed(spec, scale, rows, labels, tokens, counts, implementation, False)
+                        seen = self._timed(spec, scale, rows, labels, tokens, counts, implementation, False, kept)
                 except torch.OutOfMemoryError:
                     raise
                 except Exception as err:  # an installed kernel that fails here is not used (the pure path always runs)
@@ -430,7 +448,7 @@ class HeadPart(PartKind):
         return max(cut, min(rows, PROBE_TOKENS, int(free // 2 // per_token)))
 
     def _timed(self, spec: Any, scale: float, rows: torch.Tensor, labels: torch.Tensor, tokens: int,
-               counts: tuple[int, ...], implementation: str, sized: bool) -> dict[int, dict[str, float]]:
+               counts: tuple[int, ...], implementation: str, sized: bool, kept: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
         """``implementation``'s probes at ``tokens`` tokens (``sized``: more than one chunk's rows), merged
         with those kept: the most tokens win, and a size probed already is not run again (NOTE [Pricing the head])."""
         # the probe's rows in a storage of their own: a view of the step's would be counted whole as saved
@@ -444,12 +462,12 @@ class HeadPart(PartKind):
             if was is not None and was["tokens"] >= tokens:
                 seen[n_chunks] = was  # a probe of as many tokens or more prices the steps as well: none is run
                 continue
-            measured = probe_head(spec, h, y, n_chunks, implementation)
+            measured = _measured(spec, h, y, n_chunks, implementation, kept)
             timed = _scaled_ms(measured, scale)
             seen[n_chunks] = {"keep": timed["keep"], "chunked": timed["chunked"], "tokens": float(tokens), "sized": sized,
                               "saved": measured["chunked"]["saved_bytes"], "kept_saved": measured["keep"]["saved_bytes"]}
             if implementation in FUSED and sized and tokens > 1:  # NOTE [A fused kernel's fixed part]
-                seen[n_chunks]["half"] = _probe_half(spec, scale, h, y, n_chunks, implementation)
+                seen[n_chunks]["half"] = _probe_half(spec, scale, h, y, n_chunks, implementation, kept)
         return seen
 
     def _check_formula(self, implementation: str, seen: dict[int, dict[str, float]]) -> None:
