@@ -15,3 +15,21 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test starts from one RNG state: torch seeds itself at random when a process starts, so a
+    test that draws its model or data without seeding got other numbers in every run (a tolerance that
+    held for most draws failed on some: docs/devlog.md, session 43). A test that seeds keeps its own."""
+    import random
+
+    import numpy
+
+    random.seed(0)
+    numpy.random.seed(0)
+    torch.manual_seed(0)
+    yield

@@ -296,7 +296,8 @@ def _probe_half(spec: Any, scale: float, h: torch.Tensor, y: torch.Tensor, n_chu
                 kept: dict[int, dict[str, float]]) -> dict[str, float]:
     """A fused kernel's probe at half the probe's tokens (NOTE [A fused kernel's fixed part])."""
     half = h.shape[1] // 2
-    return {**_scaled_ms(_measured(spec, h[:, :half], y[:, :half], n_chunks, implementation, kept), scale), "tokens": float(half)}
+    measured = _measured(spec, h[:, :half], y[:, :half], n_chunks, implementation, kept)
+    return {**_scaled_ms(measured, scale), "tokens": float(half)}
 
 
 def _measured(spec: Any, h: torch.Tensor, y: torch.Tensor, n_chunks: int, implementation: str,
@@ -305,7 +306,8 @@ def _measured(spec: Any, h: torch.Tensor, y: torch.Tensor, n_chunks: int, implem
     by the others (``kept``, per size: NOTE [Pricing the head])."""
     size = int(h.shape[1])
     if size in kept:
-        return {"keep": kept[size], "chunked": probe_head(spec, h, y, n_chunks, implementation, treatments=("chunked",))["chunked"]}
+        chunked = probe_head(spec, h, y, n_chunks, implementation, treatments=("chunked",))["chunked"]
+        return {"keep": kept[size], "chunked": chunked}
     measured = probe_head(spec, h, y, n_chunks, implementation)
     kept[size] = measured["keep"]
     return measured
@@ -448,7 +450,7 @@ class HeadPart(PartKind):
         return max(cut, min(rows, PROBE_TOKENS, int(free // 2 // per_token)))
 
     def _timed(self, spec: Any, scale: float, rows: torch.Tensor, labels: torch.Tensor, tokens: int,
-               counts: tuple[int, ...], implementation: str, sized: bool, kept: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
+               counts: tuple[int, ...], implementation: str, sized: bool, kept: dict[int, dict]) -> dict[int, dict[str, float]]:
         """``implementation``'s probes at ``tokens`` tokens (``sized``: more than one chunk's rows), merged
         with those kept: the most tokens win, and a size probed already is not run again (NOTE [Pricing the head])."""
         # the probe's rows in a storage of their own: a view of the step's would be counted whole as saved
