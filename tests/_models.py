@@ -92,6 +92,11 @@ def build_decoder(arch: str, lora: bool = False):
         "gemma3": lambda: tf.Gemma3TextConfig(**d, head_dim=16, query_pre_attn_scalar=16, sliding_window=16, pad_token_id=0),
         # mixture of experts: which experts run, and so what a block saves, depends on the routing
         "qwen3_moe": lambda: tf.Qwen3MoeConfig(**d, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+        # blocks whose MLP input has another use (NOTE [Tiled MLP]): post-norm, a parallel block, a shared expert
+        "olmo2": lambda: tf.Olmo2Config(**d, pad_token_id=0),
+        "cohere": lambda: tf.CohereConfig(**d, pad_token_id=0),
+        "qwen2_moe": lambda: tf.Qwen2MoeConfig(**d, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                               shared_expert_intermediate_size=37),
     }
     try:
         config = configs[arch]()
@@ -108,7 +113,7 @@ def build_decoder(arch: str, lora: bool = False):
     return model, lambda n, s: _text_batch(n, s, "lm")
 
 
-DECODER_ARCHS = ["llama", "qwen2", "mistral", "gemma2", "phi3", "qwen3", "gemma3", "qwen3_moe"]
+DECODER_ARCHS = ["llama", "qwen2", "mistral", "gemma2", "phi3", "qwen3", "gemma3", "qwen3_moe", "olmo2", "cohere", "qwen2_moe"]
 
 
 class InjectOOM:

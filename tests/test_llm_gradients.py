@@ -1,4 +1,4 @@
-"""Decoder LLMs (Llama, Qwen2, Mistral, Gemma 2, Phi-3, Qwen3, Gemma 3, Qwen3-MoE), full fine-tuning and LoRA: every
+"""Decoder LLMs (Llama, Qwen2, Mistral, Gemma 2, Phi-3, Qwen3, Gemma 3, Qwen3-MoE, OLMo 2, Cohere, Qwen2-MoE), full fine-tuning and LoRA: every
 checkpointing plan gives the gradients of training without checkpointing, bitwise.
 
 Dropout is on (attention, and Phi-3's residual and embedding dropout; LoRA's dropout), fp32 on

@@ -950,3 +950,77 @@ def test_a_run_of_one_length_warmed_up_on_the_floor_leaves_warm_up():
     curve = ctl.planning.model.group_models[0].bytes["recompute"]
     assert set(curve.ys) == {2 * 48 * hidden * 4}, list(curve.ys)
     ctl.remove()
+
+
+@pytest.mark.parametrize("arch, offered, verdict", [
+    ("llama", True, True),  # pre-norm: the MLP is its input's one consumer (read from the graph once)
+    ("cohere", True, None),  # parallel block: autograd sums the MLP's uses first (compared at every probe)
+    ("olmo2", False, False),  # post-norm: the residual uses the MLP's input
+    ("qwen2_moe", False, False),  # the router and the shared expert's gate use the shared expert's input
+])
+def test_a_tiled_mlp_is_offered_only_where_its_inputs_gradient_is_summed_in_the_same_order(arch, offered, verdict):
+    """NOTE [Tiled MLP]: the tiled Function returns its input's gradient summed over the MLP's own uses; where the
+    input has another use and autograd would have summed them in another order, one chunk's gradients are a
+    rounding apart from keep's, so the tiled treatments are not offered, and the verdict kept on the block stops
+    them from running there (a plan that names them runs the block untiled: keep's gradients bit for bit)."""
+    model, make = _model(arch)
+    ctl = memfit.fit(model, budget=None, method="none", treatments=TILED, announce=False)
+    block = ctl.blocks[0]
+    for _ in range(2):  # a second probe: the verdict holds
+        measured = _probe_of(model, ctl, make, *TILED)
+        assert ({TILED_MLP, RECOMPUTE_TILED} <= set(measured)) is offered and (offered or not set(TILED) & set(measured)), measured
+        assert block.tiles_exactly is verdict
+    ctl.remove()
+    if offered:
+        return
+    reference = copy.deepcopy(model)
+    ctl, _ = _fit(model, TILED_MLP, 1)
+    for blk in ctl.blocks:
+        blk.tiles_exactly = False
+    step_both_and_compare(model, reference, make(3, 40), 7, f"{arch}: a plan naming tiled_mlp")
+    ctl.remove()
+
+
+def test_a_block_whose_mlp_input_has_another_use_tiles_a_rounding_apart():
+    """Why the verdict exists (NOTE [Tiled MLP]): ``x + mlp(x)`` tiled in one chunk, forced, gives other bits than keep
+    in the gradients before the block; ``mlp(x)`` alone gives keep's."""
+
+    class Mlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj, self.down_proj, self.act_fn = nn.Linear(32, 37), nn.Linear(32, 37), nn.Linear(37, 32), nn.SiLU()
+
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    class Block(nn.Module):
+        def __init__(self, residual):
+            super().__init__()
+            self.mlp, self.residual = Mlp(), residual
+
+        def forward(self, x):
+            return x + self.mlp(x) if self.residual else self.mlp(x)
+
+    class Net(nn.Module):
+        def __init__(self, residual):
+            super().__init__()
+            self.first, self.layers = nn.Linear(32, 32), nn.ModuleList(Block(residual) for _ in range(2))
+
+        def forward(self, x):
+            x = self.first(x)
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    for residual in (True, False):
+        torch.manual_seed(0)
+        model = Net(residual)
+        reference = copy.deepcopy(model)
+        ctl = memfit.fit(model, budget=None, method=FixedPlan(Plan((0, 1), kinds=(TILED_MLP,) * 2)), treatments=(TILED_MLP,),
+                         announce=False)
+        x = torch.randn(2, 23, 32)
+        model(x).pow(2).sum().backward()
+        reference(x).pow(2).sum().backward()
+        assert ctl.records[-1].block_treatments == {TILED_MLP: [0, 1]}
+        assert torch.equal(model.first.weight.grad, reference.first.weight.grad) is (not residual)
+        ctl.remove()

@@ -375,6 +375,9 @@ class Block:
         self.compiled = False
         #: whether the body draws random numbers (measured once, by the probe of a compiled block)
         self.draws_random: bool | None = None
+        #: whether its MLPs tiled in one chunk give the plain body's outputs and gradients bit for bit (measured
+        #: once, by the tiled treatments' probe: NOTE [Tiled MLP]); False: nothing of it is tiled
+        self.tiles_exactly: bool | None = None
         #: Dynamo's recompile limit before and after wrapping raised it (NOTE [Recompile limit])
         self.raised_limit: tuple[int, int] | None = None
 

@@ -160,11 +160,13 @@ class Elementwise(Treatment):
         return counter.bytes, max(0.0, min(lean_ms) - min(plain_ms))
 
 
-def runs_as_plain(block: "Block", kit: "ProbeKit", context: Callable[[], Any], hooks: Any, plain_hooks: Any = None) -> bool:
+def runs_as_plain(block: "Block", kit: "ProbeKit", context: Callable[[], Any], hooks: Any, plain_hooks: Any = None,
+                  cotangent: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> bool:
     """Whether ``block`` run under ``context()`` (its saved tensors to ``hooks``) gives the plain block's outputs and
     gradients (of its inputs and trainable parameters) bit for bit, each run from one RNG state; where the plain
     block's own backward is not bit for bit twice (an attention kernel that accumulates with atomics), its forward
-    outputs decide. ``plain_hooks`` take the plain run's saved tensors (default: the kit's shield)."""
+    outputs decide. ``plain_hooks`` take the plain run's saved tensors (default: the kit's shield); ``cotangent(t, i)``
+    gives the gradient of the ``i``-th output ``t`` (default: ones)."""
     devices = [kit.device] if kit.device.type == "cuda" else []
 
     def forward_backward(treated: bool, run_hooks: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -178,7 +180,8 @@ def runs_as_plain(block: "Block", kit: "ProbeKit", context: Callable[[], Any], h
         inputs = [t for t in tree_leaves((probe_args, probe_kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
         inputs += [p for p in block.module.parameters() if p.requires_grad]
         grown = [t for t in outs if t.requires_grad]
-        grads = torch.autograd.grad(grown, inputs, [torch.ones_like(t) for t in grown], allow_unused=True) if grown and inputs else ()
+        seeds = [cotangent(t, i) if cotangent is not None else torch.ones_like(t) for i, t in enumerate(grown)]
+        grads = torch.autograd.grad(grown, inputs, seeds, allow_unused=True) if grown and inputs else ()
         return [t.detach() for t in outs], [g for g in grads if g is not None]
 
     with torch.random.fork_rng(devices=devices):

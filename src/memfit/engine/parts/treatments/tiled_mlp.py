@@ -33,6 +33,21 @@ The rules:
 * Nothing is assumed of the MLP but that it is token-wise (each token's output depends on its own
   input only): the probe runs the block tiled in chunks that split every sequence and untiled on the
   same inputs and RNG state and offers the treatment only where their outputs agree within the dtype's rounding.
+* Nor that the MLP's input has no other use, which one chunk's bit-for-bit gradients need: the Function
+  returns that input's gradient summed over the MLP's own uses (gate and up), which autograd then adds to
+  another use's (a post-norm block's residual: Exaone 4, OLMo 2 and 3; a mixture's router and shared-expert
+  gate: Qwen2-MoE, Qwen3-Next) in another order than the untiled graph's, a float32 rounding apart in
+  every gradient before the block (the rule of NOTE [Lean inputs in a tiled block]: the Function's node
+  takes the place of the MLP's first nodes, which keeps the order only where the MLP uses its input once,
+  as Phi-3's fused ``gate_up_proj`` does, or is its one consumer, as a pre-norm block's MLP is; or where
+  autograd happens to sum the MLP's own uses first, as in Cohere's parallel block). A block's first probe
+  reads the first two cases from a plain forward's autograd graph (the edges to the MLP's input from inside
+  the MLP and from outside) and keeps the verdict on the block (``Block.tiles_exactly``). Where neither holds,
+  every probe compares the block tiled in one chunk with the plain block, outputs and gradients bit for bit,
+  under random output gradients (``runs_as_plain``, elementwise.py; with ones the sums can come out exact),
+  and one difference ends the treatments for the block: nothing of it is tiled, offered or run. A single
+  comparison is not enough: whether a reordered sum rounds apart depends on the numbers (a tiny Qwen2-MoE
+  block came out bit for bit at 24 tokens, not at 8 or 40), and warm-up probes several lengths.
 * Under FSDP2 (``fully_shard``) an MLP is tiled as any other: while a block runs, its forward or its
   backward, FSDP2 has set the module's parameters to the unsharded ones it gathered (the same tensors
   in both, their storage freed between), so the Function's re-runs in backward use, and return the
@@ -137,7 +152,7 @@ from torch.utils._pytree import tree_leaves
 
 from memfit.engine.shapes import first_tensor
 from memfit.engine.parts.treatments.base import RunOptions, Treatment
-from memfit.engine.parts.treatments.elementwise import elementwise_parts
+from memfit.engine.parts.treatments.elementwise import elementwise_parts, runs_as_plain
 
 if TYPE_CHECKING:
     from memfit.engine.parts.treatments.base import Block, ProbeKit
@@ -652,7 +667,7 @@ class TiledMlp(Treatment):
         if found is None:
             mlps = tileable_mlps(block.module)
             found = self._parts[block.index] = (mlps, lean_parts(block.module, mlps) if mlps else [])
-        return found
+        return ([], []) if block.tiles_exactly is False else found  # NOTE [Tiled MLP]: run as it is
 
     def run(self, block: "Block", args: tuple, kwargs: dict[str, Any]) -> Any:
         mlps, lean = self.tiled_parts(block)
@@ -721,7 +736,88 @@ def _probe_tiled(block: "Block", kit: "ProbeKit") -> tuple[tuple[list[nn.Module]
         logger.debug("memfit: block %s's MLP is not token-wise (its outputs in chunks differ); "
                      "the tiled treatments are not offered for it", block.index)
         return None
-    return (mlps, lean), counter.bytes
+    if block.tiles_exactly is None and not _summed_in_order(block, kit, mlps):
+        # the order may change: the sums taken here decide, at this probe and every later one (NOTE [Tiled MLP])
+        if not runs_as_plain(block, kit, lambda: tiled(mlps, ONE_CHUNK), kit.shield(), cotangent=_cotangent):
+            block.tiles_exactly = False
+            logger.debug("memfit: block %s tiled sums its MLP input's gradient in another order (it has another use); "
+                         "the tiled treatments are not offered for it", block.index)
+        return None if block.tiles_exactly is False else ((mlps, lean), counter.bytes)
+    if block.tiles_exactly is None:
+        block.tiles_exactly = True
+    return ((mlps, lean), counter.bytes) if block.tiles_exactly else None
+
+
+#: one chunk whatever the tokens (NOTE [Tiled MLP]: the run whose gradients are compared)
+ONE_CHUNK = Chunking(chunk_bytes=2**62)
+
+
+def _cotangent(t: torch.Tensor, i: int) -> torch.Tensor:
+    """An output's gradient for the comparison: numbers whose sums round (ones sum exactly)."""
+    return torch.randn(t.shape, generator=torch.Generator().manual_seed(i), dtype=torch.float32).to(t.device, t.dtype)
+
+
+def _summed_in_order(block: "Block", kit: "ProbeKit", mlps: list[nn.Module]) -> bool:
+    """Whether every one of ``mlps`` tiled keeps the order in which its input's gradient is summed (NOTE [Tiled MLP]),
+    read from a plain forward of ``block``'s autograd graph (:func:`keeps_sum_order`)."""
+    seen: dict[int, tuple[Any, Any]] = {}
+    hooks = noting_mlps(mlps, seen)
+    devices = [kit.device] if kit.device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.enable_grad(), kit.shield():
+            args, kwargs = kit.fresh()
+            edges = graph_edges(tree_leaves(block.body(*args, **kwargs)))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return all(keeps_sum_order(x, y, edges) for x, y in seen.values())
+
+
+def noting_mlps(mlps: Sequence[nn.Module], seen: dict[int, tuple[Any, Any]]) -> list[Any]:
+    """Forward hooks noting each of ``mlps``' first call's input and output in ``seen`` (by ``id``): their handles."""
+    def note(module: nn.Module, args: tuple, out: Any) -> None:
+        if args:
+            seen.setdefault(id(module), (args[0], out))
+
+    return [m.register_forward_hook(note) for m in mlps]
+
+
+def graph_edges(outputs: Sequence[Any]) -> list[tuple[Any, int]]:
+    """Every edge of the autograd graph behind ``outputs`` (tensors and anything else: only tensors with a node count)."""
+    return _edges_from([t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None], stop=None)
+
+
+def keeps_sum_order(x: Any, y: Any, edges: list[tuple[Any, int]]) -> bool:
+    """Whether an MLP run on ``x`` that gave ``y``, tiled, keeps the order in which ``x``'s gradient is summed in the
+    graph of ``edges`` (:func:`graph_edges`; NOTE [Tiled MLP]): ``x`` takes no gradient, or the MLP uses it once, or
+    nothing outside the MLP does (the edges to ``x``'s node from the MLP's nodes, and from the others)."""
+    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.requires_grad):
+        return True
+    to_x = _edge_matcher(x)
+    inside = sum(1 for e in _edges_from([y.grad_fn] if y.grad_fn is not None else [], stop=to_x) if to_x(e))
+    return inside <= 1 or sum(1 for e in edges if to_x(e)) <= inside
+
+
+def _edge_matcher(x: torch.Tensor) -> Callable[[tuple[Any, int]], bool]:
+    """Whether an autograd edge leads to ``x`` (its node and output, or its accumulator where it is a leaf)."""
+    if x.grad_fn is None:
+        return lambda e: e[0] is not None and getattr(e[0], "variable", None) is x
+    return lambda e: e[0] is x.grad_fn and e[1] == x.output_nr
+
+
+def _edges_from(nodes: list[Any], stop: Callable[[tuple[Any, int]], bool] | None) -> list[tuple[Any, int]]:
+    """Every edge of the graph behind ``nodes``, each node's once; an edge ``stop`` matches is listed, not followed."""
+    edges, done, todo = [], set(), list(nodes)
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in done:
+            continue
+        done.add(id(node))
+        for edge in node.next_functions:
+            edges.append(edge)
+            if edge[0] is not None and not (stop is not None and stop(edge)):
+                todo.append(edge[0])
+    return edges
 
 
 def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
