@@ -1302,3 +1302,24 @@ def test_a_tied_embeddings_gradient_is_the_heads_from_the_start_of_backward(tied
         assert with_it > without and with_it >= 4 * 32000 * 64
     else:
         assert with_it == without
+
+
+def test_the_floor_counts_untiled_an_mlp_whose_input_another_op_uses():
+    """NOTE [Tiled MLP] and NOTE [The tiled MLP in the estimate]: where a gated MLP's input has another use (OLMo 2's
+    post-norm residual) a tiled run would sum its gradient in another order, and the engine tiles it only where warm-up
+    finds keep's gradients; the estimate counts it untiled and says why, a floor as high as the engine's can be. The
+    same shape as a pre-norm Llama's is tiled."""
+    from transformers import LlamaConfig, Olmo2Config
+
+    from memfit.tools.estimate.anatomy import _REORDERED
+    from memfit.tools.estimate.floor import floor_estimate
+
+    shape = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=14336,
+                 vocab_size=1000, max_position_embeddings=65536)
+    llama = ModelProfile.from_config(LlamaConfig(**shape, architectures=["LlamaForCausalLM"]), "causal-lm", name="llama")
+    olmo2 = ModelProfile.from_config(Olmo2Config(**shape, architectures=["Olmo2ForCausalLM"]), "causal-lm", name="olmo2")
+    tiled, untiled = (floor_estimate(p, _floor_setup(), 65536) for p in (llama, olmo2))
+    assert tiled.mlp_tiling.tiled_blocks == 2 and tiled.block_treatment == "host_checkpoint_tiled"
+    assert untiled.mlp_tiling.tiled_blocks == 0 and untiled.mlp_tiling.why_not == _REORDERED
+    assert untiled.block_treatment == "host_checkpoint"
+    assert untiled.recompute_bytes > tiled.recompute_bytes + 2 * 14336 * 65536  # an untiled MLP's intermediates at least

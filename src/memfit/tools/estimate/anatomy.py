@@ -96,7 +96,9 @@ from memfit.engine.parts.treatments.host_checkpoint import HOST_CHECKPOINT
 from memfit.engine.parts.treatments.host_checkpoint_tiled import HOST_CHECKPOINT_TILED
 from memfit.engine.parts.treatments.offload import size_class
 from memfit.engine.parts.treatments.recompute_tiled import RECOMPUTE_TILED
-from memfit.engine.parts.treatments.tiled_mlp import Chunking, lean_parts, mlp_chunks, tileable_mlps, tiled
+from memfit.engine.parts.treatments.tiled_mlp import (
+    Chunking, graph_edges, keeps_sum_order, lean_parts, mlp_chunks, noting_mlps, tileable_mlps, tiled,
+)
 from memfit.engine.parts.optim_state import expected_step_transient_bytes, state_bytes_of_shapes
 from memfit.engine.parts.optimizer_step import KEEP, PER_TENSOR
 from memfit.errors import DataError, FlagError, MissingFileError
@@ -891,6 +893,11 @@ _NOT_GATED = ("an MLP that is not gated (memfit tiles gate_proj, up_proj, down_p
               "down_proj and activation_fn)")
 
 
+#: why a model's gated MLPs are counted untiled where their input has another use (NOTE [Tiled MLP], tiled_mlp.py)
+_REORDERED = ("an MLP whose input another op uses too (a post-norm residual, a router): tiled, its gradient would be "
+              "summed in another order, so memfit tiles it only where warm-up finds keep's gradients bit for bit")
+
+
 def _meta_count(profile: ModelProfile, inputs: dict[str, torch.Tensor], attention: str, weights: str, lora_r: int,
                 lora_dropout: float = LORA_DROPOUT, tile_mlp: bool = False, padded: bool = False,
                 ) -> tuple[ActivationProfile, bool, MlpTiling | None, tuple[int, ...]]:
@@ -933,6 +940,9 @@ def _meta_count(profile: ModelProfile, inputs: dict[str, torch.Tensor], attentio
         model = _with_lora(model, lora_r, lora_dropout)
     blocks = [b for _, b in find_blocks(model)]
     mlps = [tileable_mlps(b) if tile_mlp else [] for b in blocks]
+    gated = any(mlps)
+    if gated:  # those the engine tiles for sure: the order of their input's gradient sums kept (NOTE [Tiled MLP])
+        mlps = _in_order(model, inputs, mlps)
     chunking = Chunking.rerun()  # every block re-run tiled
     ran_on: dict[nn.Module, torch.Tensor] = {}  # each tiled MLP's input (a meta tensor)
 
@@ -953,8 +963,25 @@ def _meta_count(profile: ModelProfile, inputs: dict[str, torch.Tensor], attentio
         counted = dataclasses.replace(counted, shared_input_bytes=counted.shared_input_bytes + mask)
     held = tuple(sum(_tiled_backward_bytes(m, ran_on[m], chunking) for m in ms if m in ran_on) for ms in mlps)
     tiling = _mlp_tiling(blocks, [[m for m in ms if m in ran_on] for ms in mlps], ran_on, chunking,
-                         lora_dropout if lora_r else 0.0) if tile_mlp else None
+                         lora_dropout if lora_r else 0.0, reordered=gated) if tile_mlp else None
     return counted, ran.attention_calls > 0, tiling, held
+
+
+def _in_order(model: nn.Module, inputs: dict[str, torch.Tensor], mlps: list[list[nn.Module]]) -> list[list[nn.Module]]:
+    """Of each block's tileable ``mlps``, those whose input's gradient a tiled run sums in the untiled order, read from a
+    plain meta forward's autograd graph (:func:`~memfit.engine.parts.treatments.tiled_mlp.keeps_sum_order`). The
+    others the engine tiles only where warm-up's comparison finds keep's gradients (NOTE [Tiled MLP]): counted
+    untiled, a floor as high as it can be."""
+    seen: dict[int, tuple[Any, Any]] = {}
+    hooks = noting_mlps([m for ms in mlps for m in ms], seen)
+    try:
+        with torch.enable_grad():
+            out = model(**inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    edges = graph_edges(list(out.values()) if isinstance(out, dict) else tree_leaves(out))
+    return [[m for m in ms if id(m) in seen and keeps_sum_order(*seen[id(m)], edges)] for ms in mlps]
 
 
 def _tiled_backward_bytes(mlp: nn.Module, x: torch.Tensor, chunking: Chunking) -> int:
@@ -980,14 +1007,17 @@ def _tiled_backward_bytes(mlp: nn.Module, x: torch.Tensor, chunking: Chunking) -
 
 
 def _mlp_tiling(blocks: list[nn.Module], tiled_mlps: list[list[nn.Module]], ran_on: dict[nn.Module, torch.Tensor],
-                chunking: Chunking, lora_dropout: float) -> MlpTiling:
-    """How the count tiled the blocks' MLPs, or why the engine would not (NOTE [The tiled MLP in the estimate])."""
+                chunking: Chunking, lora_dropout: float, reordered: bool = False) -> MlpTiling:
+    """How the count tiled the blocks' MLPs, or why the engine would not (NOTE [The tiled MLP in the estimate];
+    ``reordered``: tileable MLPs were found, none of which keeps its input's gradient sums in order)."""
     if any(tiled_mlps):
         chunks, tokens = max((mlp_chunks(m, ran_on[m], chunking), ran_on[m].numel() // ran_on[m].shape[-1])
                              for ms in tiled_mlps for m in ms)
         return MlpTiling(sum(1 for ms in tiled_mlps if ms), chunks, -(-tokens // chunks))
     if not any(elementwise_parts(b)[1] for b in blocks):
         return MlpTiling(why_not=_NOT_GATED)
+    if reordered:
+        return MlpTiling(why_not=_REORDERED)
     lora = f": peft's LoRA dropout {lora_dropout:g}, --lora_dropout 0 tiles it" if lora_dropout else ""
     return MlpTiling(why_not=f"an MLP with a dropout of p > 0 inside{lora}", dropout_inside=True)
 
