@@ -44,7 +44,8 @@ The rules:
   reads the first two cases from a plain forward's autograd graph (the edges to the MLP's input from inside
   the MLP and from outside) and keeps the verdict on the block (``Block.tiles_exactly``). Where neither holds,
   every probe compares the block tiled in one chunk with the plain block, outputs and gradients bit for bit,
-  under random output gradients (``runs_as_plain``, elementwise.py; with ones the sums can come out exact),
+  under random output gradients (``runs_as_plain``, elementwise.py; ones are a special case: through a
+  router's softmax their gradient is about zero, and a sum with a zero hides the order),
   and one difference ends the treatments for the block: nothing of it is tiled, offered or run. A single
   comparison is not enough: whether a reordered sum rounds apart depends on the numbers (a tiny Qwen2-MoE
   block came out bit for bit at 24 tokens, not at 8 or 40), and warm-up probes several lengths.
@@ -753,7 +754,7 @@ ONE_CHUNK = Chunking(chunk_bytes=2**62)
 
 
 def _cotangent(t: torch.Tensor, i: int) -> torch.Tensor:
-    """An output's gradient for the comparison: numbers whose sums round (ones sum exactly)."""
+    """An output's gradient for the comparison: random numbers, which reach every path (NOTE [Tiled MLP])."""
     return torch.randn(t.shape, generator=torch.Generator().manual_seed(i), dtype=torch.float32).to(t.device, t.dtype)
 
 
