@@ -919,7 +919,10 @@ def _meta_count(profile: ModelProfile, inputs: dict[str, torch.Tensor], attentio
     engine's own tiled MLP (:func:`~memfit.engine.parts.treatments.tiled_mlp.tiled`, in the chunks the engine's
     ``Chunking`` gives at this shape) on the MLPs the engine tiles
     (:func:`~memfit.engine.parts.treatments.tiled_mlp.tileable_mlps`: gated, with no dropout of p > 0 inside, so
-    none under peft's LoRA dropout; a meta copy is neither sharded nor compiled). So what the block saves is
+    none under peft's LoRA dropout; a meta copy is neither sharded nor compiled) and tiles for sure: those whose
+    input's gradient a tiled run sums in the untiled order, read from a plain meta forward's autograd graph
+    (:func:`~memfit.engine.parts.treatments.tiled_mlp.keeps_sum_order`; the others, which the engine tiles only
+    where warm-up's comparison finds keep's gradients, are counted untiled: NOTE [Tiled MLP]). So what the block saves is
     measured as the rest of the count measures it: its MLP keeps only its input. The MLP's backward runs it
     again a chunk at a time, which the count does not run (it runs no backward): the block's backward
     temporaries get what the plain MLP saves on the longest chunk's tokens, counted on the meta device (the
