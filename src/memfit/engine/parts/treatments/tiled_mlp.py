@@ -755,7 +755,7 @@ ONE_CHUNK = Chunking(chunk_bytes=2**62)
 
 def _cotangent(t: torch.Tensor, i: int) -> torch.Tensor:
     """An output's gradient for the comparison: random numbers, which reach every path (NOTE [Tiled MLP])."""
-    return torch.randn(t.shape, generator=torch.Generator().manual_seed(i), dtype=torch.float32).to(t.device, t.dtype)
+    return torch.randn(t.shape, generator=torch.Generator(t.device).manual_seed(i), device=t.device, dtype=t.dtype)
 
 
 def _summed_in_order(block: "Block", kit: "ProbeKit", mlps: list[nn.Module]) -> bool:
