@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from _models import ARCHS, build
 from memfit.engine.parts.blocks import find_blocks
@@ -43,3 +44,55 @@ def test_module_list_fallback_takes_most_common_class():
     model.stages = nn.ModuleList([Stage(2), Stage(3)])
     names = [n for n, _ in find_blocks(model)]
     assert names == ["stages.0.layers.0", "stages.0.layers.1", "stages.1.layers.0", "stages.1.layers.1", "stages.1.layers.2"]
+
+
+def test_a_layer_holding_a_layers_worth_of_its_own_work_is_the_block():
+    """NOTE [Nested layers]: checkpointing layers inside another are the blocks (a stage's layers) unless the outer
+    layer holds, outside them, at least as many parameters as its smallest inner layer (Zamba 2's hybrid layer: a
+    shared transformer beside a Mamba layer), which would otherwise be in no block."""
+    from torch import nn
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    class Inner(GradientCheckpointingLayer):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+    class Outer(GradientCheckpointingLayer):
+        def __init__(self, own: int):
+            super().__init__()
+            self.layers = nn.ModuleList([Inner(), Inner()])
+            self.own = nn.Linear(own, own, bias=False)
+
+    model = nn.Module()
+    model.stages = nn.ModuleList([Outer(2), Outer(9)])  # 4 parameters of its own (a stage), 81 (a hybrid)
+    assert [n for n, _ in find_blocks(model)] == ["stages.0.layers.0", "stages.0.layers.1", "stages.1"]
+
+
+def test_zamba2s_hybrid_layer_is_one_block_and_its_gradients_stay_exact():
+    """Zamba 2 (transformers' tiny config): its hybrid layer, a shared transformer beside a Mamba layer, is a block
+    whole; every plan gives the gradients of training without memfit, bit for bit."""
+    import copy
+
+    import memfit
+    import transformers as tf
+    from _models import VOCAB, _text_batch, logical_peak, step_both_and_compare
+
+    if not hasattr(tf, "Zamba2Config"):
+        pytest.skip(f"transformers {tf.__version__} has no Zamba2")
+    config = tf.Zamba2Config(hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=37,
+                             vocab_size=VOCAB, max_position_embeddings=600, use_cache=False, attention_dropout=0.1,
+                             pad_token_id=0, bos_token_id=1, eos_token_id=2, layers_block_type=["mamba", "hybrid", "mamba"],
+                             hybrid_layer_ids=[1], mamba_d_state=16, n_mamba_heads=4, mamba_headdim=16,
+                             attention_head_dim=16, use_mamba_kernels=False, chunk_size=16)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).train()
+    assert [n for n, _ in find_blocks(model)] == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    batches = [_text_batch(3, s, "lm") for s in (8, 40, 24, 40)]
+    budget = (logical_peak(model, batches[1], "none") + logical_peak(model, batches[1], "full")) // 2
+    reference = copy.deepcopy(model)
+    ctl = memfit.fit(model, budget=budget, method="dynamic", warmup_steps=2, warmup_keys=2, announce=False)
+    for step, batch in enumerate(batches):
+        step_both_and_compare(model, reference, batch, 100 + step, f"zamba2 step {step}")
+    assert any(r.n_checkpointed for r in ctl.records)
+    ctl.remove()

@@ -5,7 +5,8 @@ A *block* is one unit memfit may checkpoint: a transformer layer (``BertLayer``,
 
 1. blocks the user names (``blocks=`` modules, or a regular expression on module names);
 2. Hugging Face ``GradientCheckpointingLayer`` modules, innermost ones (Swin stages hold
-   Swin layers: the layers are the blocks, which gives 2·depth units instead of 4);
+   Swin layers: the layers are the blocks, which gives 2·depth units instead of 4), unless the
+   outer layer does a layer's worth of work besides them (NOTE [Nested layers]);
 3. otherwise the modules of ``nn.ModuleList`` containers whose items share a class, taking
    the class with the most such items (nested lists such as stages → layers included).
 
@@ -536,10 +537,11 @@ def find_blocks(model: nn.Module, blocks: Sequence[nn.Module] | str | None = Non
 
     gc_type = _gradient_checkpointing_layer_type()
     if gc_type is not None:
-        layers = [(n, m) for n, m in named if isinstance(m, gc_type)]
-        inner = [(n, m) for n, m in layers if not any(isinstance(c, gc_type) for c in m.modules() if c is not m)]
-        if inner:
-            return inner
+        order = {id(m): (i, n) for i, (n, m) in enumerate(named)}
+        layers = [m for _, m in named if isinstance(m, gc_type)]
+        units = [u for m in _top_layers(layers, layers) for u in _units(m, gc_type)]
+        if units:
+            return [(order[id(m)][1], m) for m in sorted(units, key=lambda m: order[id(m)][0])]
 
     counts: Counter[type] = Counter()
     for _, ml in _module_lists(model):
@@ -554,6 +556,33 @@ def find_blocks(model: nn.Module, blocks: Sequence[nn.Module] | str | None = Non
         )
     best = max(counts, key=lambda c: counts[c])
     return [(n, m) for n, m in named if type(m) is best]
+
+
+def _top_layers(layers: list[nn.Module], within: list[nn.Module]) -> list[nn.Module]:
+    """Those of ``layers`` inside none of the others of ``within``."""
+    inside = {id(c) for m in within for c in m.modules() if c is not m}
+    return [m for m in layers if id(m) not in inside]
+
+
+def _units(layer: nn.Module, gc_type: type) -> list[nn.Module]:
+    """The blocks ``layer`` gives: itself, or the blocks of the layers it holds (NOTE [Nested layers]).
+
+    # NOTE [Nested layers]
+    A checkpointing layer that holds others is usually a stage of them (Swin's stage: its layers and a
+    patch merging), and its layers are the blocks: more units, each a smaller treatment. But some hold a
+    layer beside a layer's worth of their own work (Zamba 2's hybrid layer: a shared transformer, attention
+    and MLP, beside a Mamba layer). Taken apart, that work would be in no block: never treated, and the
+    floor higher by it. So a layer is a block of its own where the parameters it holds outside its inner
+    layers number at least its smallest inner layer's; else its inner layers are, by the same rule."""
+    inner = _top_layers([c for c in layer.modules() if c is not layer and isinstance(c, gc_type)],
+                        [c for c in layer.modules() if c is not layer and isinstance(c, gc_type)])
+    if not inner:
+        return [layer]
+    held = {id(p): p.numel() for i in inner for p in i.parameters()}
+    own = sum(p.numel() for p in layer.parameters() if id(p) not in held)
+    if own >= min(sum(p.numel() for p in i.parameters()) for i in inner):
+        return [layer]
+    return [u for i in inner for u in _units(i, gc_type)]
 
 
 def _outermost(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
