@@ -1024,3 +1024,16 @@ def test_a_block_whose_mlp_input_has_another_use_tiles_a_rounding_apart():
         assert ctl.records[-1].block_treatments == {TILED_MLP: [0, 1]}
         assert torch.equal(model.first.weight.grad, reference.first.weight.grad) is (not residual)
         ctl.remove()
+
+
+@pytest.mark.parametrize("arch, verdict", [("llama", True), ("olmo2", False)])
+def test_the_tiled_mlps_verdict_is_its_groups(arch, verdict):
+    """NOTE [Tiled MLP]: warm-up probes the first block of a group; what it finds of the tiled MLP's order holds for
+    every block of the group, which a floor plan (every block on ``host_checkpoint_tiled`` or ``recompute_tiled``)
+    runs tiled or not by it."""
+    model, make = _model(arch)
+    ctl = memfit.fit(model, budget=10**9, method="dynamic", treatments=TILED, warmup_steps=2, warmup_keys=2, announce=False)
+    for length in (16, 24, 32):
+        model(**make(2, length)).loss.backward()
+    assert [b.tiles_exactly for b in ctl.blocks] == [verdict] * len(ctl.blocks)
+    ctl.remove()

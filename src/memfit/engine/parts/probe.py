@@ -346,17 +346,24 @@ def measure_link(device: torch.device, nbytes: int = 16 * 2**20) -> LinkPrice:
 def probe_warmup(
     step: Any, block: Block, args: tuple, kwargs: dict[str, Any], counter: SavedTensorCounter, device: torch.device,
     planning: Any, aside: Callable[[Any], contextlib.AbstractContextManager] = lambda step: contextlib.nullcontext(),
+    blocks: Sequence[Block] = (),
 ) -> None:
     """A warm-up step's probe of ``block``: every block's kept bytes, and the first of each group
     timed and, where the run may give them, its ``selective`` and ``offload`` bytes and prices
     (NOTE [Blocks alike only in name], learner.py), on a cut of the input where the whole might
     not fit (NOTE [Probing on a cut]). The results go to the step (``probes``, ``treated_probes``),
     learnt at the forward's end. The probe runs in ``aside(step)``, its peak not the step's (the meter's:
-    NOTE [Work aside from the step], meter.py)."""
+    NOTE [Work aside from the step], meter.py). What the timed probe found of the tiled MLP's order holds for the
+    group's other ``blocks`` too (``Block.tiles_exactly``: NOTE [Tiled MLP]): a floor plan runs every block so."""
     if step.key is not None and sampled_at(planning, block.index, tuple(step.key)):
         return  # NOTE [Probing a key once]
     with _shield(), aside(step):  # nothing a probe saves reaches the step's counter, its backwards' re-runs included
         _probe_warmup(step, block, args, kwargs, counter, device, planning)
+    if block.tiles_exactly is not None:  # found by the group's timed probe, or given it by one
+        group = planning.model.groups[block.index]
+        for other in blocks:
+            if planning.model.groups[other.index] == group:
+                other.tiles_exactly = block.tiles_exactly
 
 
 def sampled_at(planning: Any, index: int, key: tuple[int, int]) -> bool:

@@ -394,7 +394,7 @@ class Controller:
         if block.treatment.holds_inputs and step.counted:
             self._counter.count_inputs(block.index, args, kwargs)
         if step.decision.warmup:
-            probe.probe_warmup(step, block, args, kwargs, self._counter, self.device, self.planning, self.meter.aside)
+            probe.probe_warmup(step, block, args, kwargs, self._counter, self.device, self.planning, self.meter.aside, self.blocks)
 
     def _decide(self, step: StepState, args: tuple, kwargs: dict) -> None:
         x = first_tensor(args, kwargs)

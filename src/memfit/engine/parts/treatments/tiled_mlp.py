@@ -42,7 +42,8 @@ The rules:
   as Phi-3's fused ``gate_up_proj`` does, or is its one consumer, as a pre-norm block's MLP is; or where
   autograd happens to sum the MLP's own uses first, as in Cohere's parallel block). A block's first probe
   reads the first two cases from a plain forward's autograd graph (the edges to the MLP's input from inside
-  the MLP and from outside) and keeps the verdict on the block (``Block.tiles_exactly``). Where neither holds,
+  the MLP and from outside) and keeps the verdict on the block (``Block.tiles_exactly``), and warm-up hands it on
+  to the blocks of its group (``probe_warmup``: a floor plan runs every block tiled). Where neither holds,
   every probe compares the block tiled in one chunk with the plain block, outputs and gradients bit for bit,
   under random output gradients (``runs_as_plain``, elementwise.py; ones are a special case: through a
   router's softmax their gradient is about zero, and a sum with a zero hides the order),
