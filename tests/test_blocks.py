@@ -96,3 +96,41 @@ def test_zamba2s_hybrid_layer_is_one_block_and_its_gradients_stay_exact():
         step_both_and_compare(model, reference, batch, 100 + step, f"zamba2 step {step}")
     assert any(r.n_checkpointed for r in ctl.records)
     ctl.remove()
+
+
+def test_a_list_of_lists_gives_the_inner_lists_items_never_the_lists():
+    """Funnel's encoder holds a list of lists of layers: the layers are the blocks (a list is never called, and
+    blocks that are lists ran no step: nothing was recorded or treated)."""
+    from torch import nn
+
+    model = nn.Module()
+    model.blocks = nn.ModuleList([nn.ModuleList([nn.Linear(4, 4)]) for _ in range(3)])  # a stage of one layer each
+    model.head = nn.ModuleList([nn.Conv1d(4, 4, 1) for _ in range(2)])
+    assert [n for n, _ in find_blocks(model)] == ["blocks.0.0", "blocks.1.0", "blocks.2.0"]
+
+
+@pytest.mark.parametrize("method", ["full", "dynamic"])
+def test_a_block_called_twice_in_one_forward_is_refused_with_what_to_change(method):
+    """NOTE [A block runs once a step]: a module whose weights are shared across layers (ALBERT runs its one layer
+    group once per layer) would be counted, treated and probed as one block running once (the learner failed with a
+    KeyError); the second start of its forward in one step is refused, naming the block and what to change."""
+    from torch import nn
+
+    import memfit
+    from memfit.engine.parts.blocks import NoBlocksError
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(8, 8)
+
+        def forward(self, x):
+            for _ in range(3):
+                x = torch.tanh(self.layer(x))
+            return x
+
+    model = Shared().train()
+    ctl = memfit.fit(model, budget=None if method == "full" else 10**9, method=method, blocks=[model.layer], announce=False)
+    with pytest.raises(NoBlocksError, match=r"block 0 \(layer\) ran twice in one forward.*pass blocks="):
+        model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    ctl.remove()

@@ -8,7 +8,8 @@ A *block* is one unit memfit may checkpoint: a transformer layer (``BertLayer``,
    Swin layers: the layers are the blocks, which gives 2·depth units instead of 4), unless the
    outer layer does a layer's worth of work besides them (NOTE [Nested layers]);
 3. otherwise the modules of ``nn.ModuleList`` containers whose items share a class, taking
-   the class with the most such items (nested lists such as stages → layers included).
+   the class with the most such items (nested lists such as stages → layers included; a list of
+   lists gives the inner lists' items, never the lists, which are never called).
 
 # NOTE [No KV cache in training]
 Every block's training forward runs without a KV cache, whatever the plan. A block that
@@ -545,9 +546,12 @@ def find_blocks(model: nn.Module, blocks: Sequence[nn.Module] | str | None = Non
 
     counts: Counter[type] = Counter()
     for _, ml in _module_lists(model):
-        classes = {type(m) for m in ml}
-        if len(classes) == 1 and len(ml) >= 2:
-            counts[classes.pop()] += len(ml)
+        items = list(ml)
+        if items and all(isinstance(m, _CONTAINERS) for m in items):  # a list of lists: their items, one sequence
+            items = [c for m in items for c in (m.values() if isinstance(m, nn.ModuleDict) else m)]
+        classes = {type(m) for m in items}
+        if len(classes) == 1 and len(items) >= 2 and not issubclass(next(iter(classes)), _CONTAINERS):
+            counts[classes.pop()] += len(items)
     if not counts:
         raise NoBlocksError(
             "found no checkpointable blocks (no GradientCheckpointingLayer, no nn.ModuleList of "
@@ -556,6 +560,10 @@ def find_blocks(model: nn.Module, blocks: Sequence[nn.Module] | str | None = Non
         )
     best = max(counts, key=lambda c: counts[c])
     return [(n, m) for n, m in named if type(m) is best]
+
+
+#: modules that hold others and are never called: a list of lists (Funnel's stages of layers) gives its layers
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
 
 def _top_layers(layers: list[nn.Module], within: list[nn.Module]) -> list[nn.Module]:
