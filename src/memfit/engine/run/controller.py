@@ -389,7 +389,7 @@ class Controller:
         self._gathered.enter(block.index, block.module)
         if step.decision is None:
             self._decide(step, args, kwargs)
-        self._counter.current = block.index
+        self._counter.current = step.enter(block)  # NOTE [A block runs once a step]
         self.protection.enter(step, block, args, kwargs)
         if block.treatment.holds_inputs and step.counted:
             self._counter.count_inputs(block.index, args, kwargs)

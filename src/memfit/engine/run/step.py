@@ -11,6 +11,7 @@ from memfit.engine.methods import Decision
 from memfit.engine.records import StepRecord
 
 if TYPE_CHECKING:
+    from memfit.engine.parts.blocks import Block
     from memfit.engine.plan.learner import StepOutcome
 
 __all__ = ["Stage", "StepState"]
@@ -74,6 +75,8 @@ class StepState:
     planned: bool = False
     counted: bool = True
     probed_groups: set[int] = field(default_factory=set)
+    #: the blocks whose training forward started in this step (NOTE [A block runs once a step])
+    entered: set[int] = field(default_factory=set)
     probes: dict[int, tuple[int, float | None]] = field(default_factory=dict)
     treated_probes: dict[int, dict[str, tuple[int, float | None]]] = field(default_factory=dict)
     #: the sequence length this step's probes run at, where it is shorter than the step's (NOTE [Probing on a cut],
@@ -94,6 +97,25 @@ class StepState:
     rest_peak: int | None = None
     window_carry: int = 0
     compile_start: tuple[float, int] | None = None
+
+    def enter(self, block: "Block") -> int:
+        """``block`` starts its training forward: its index.
+
+        # NOTE [A block runs once a step]
+        Everything memfit learns and plans is per block and step: what a block saved, its treatment, its probe. A
+        module called twice in one forward (shared weights: ALBERT runs its one layer group once per layer) would
+        be counted, treated and probed as one block running once, and the learner's groups break on it. So a
+        second start of a block's forward in one step is refused with what to change.
+        """
+        if block.index in self.entered:
+            from memfit.engine.parts.blocks import NoBlocksError
+
+            raise NoBlocksError(
+                f"block {block.index} ({block.name}) ran twice in one forward: its module is called more than once "
+                "(shared weights, as ALBERT's layer group, run once per layer), and memfit plans each block once a "
+                "step: pass blocks= modules that each run once a forward (the model's own layers, if it has them)")
+        self.entered.add(block.index)
+        return block.index
 
     def end_forward(self, outside: int, by_block: list[int]) -> None:
         """The forward ended having saved ``outside`` bytes outside the blocks and ``by_block`` in them."""
