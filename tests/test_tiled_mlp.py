@@ -1037,3 +1037,33 @@ def test_the_tiled_mlps_verdict_is_its_groups(arch, verdict):
         model(**make(2, length)).loss.backward()
     assert [b.tiles_exactly for b in ctl.blocks] == [verdict] * len(ctl.blocks)
     ctl.remove()
+
+
+def test_the_order_check_reads_an_mlp_called_by_keyword():
+    """NOTE [Tiled MLP]: an MLP called with its input by keyword is read as one called by position (its input's other
+    use found: not in order); one never called is not noted, and the block's check then says the order may change."""
+    from memfit.engine.parts.treatments.tiled_mlp import graph_edges, keeps_sum_order, noting_mlps
+
+    class Mlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, hidden_states):
+            return self.gate_proj(hidden_states) * self.up_proj(hidden_states)
+
+    mlp, unused = Mlp(), Mlp()
+    seen = {}
+    hooks = noting_mlps([mlp, unused], seen)
+    x = torch.randn(2, 4, requires_grad=True) * 1.0
+    out = x + mlp(hidden_states=x)
+    for hook in hooks:
+        hook.remove()
+    assert set(seen) == {id(mlp)} and seen[id(mlp)][0] is x
+    assert not keeps_sum_order(*seen[id(mlp)], graph_edges([out]))
+    alone = {}  # the MLP its input's one consumer: in order
+    hooks = noting_mlps([mlp], alone)
+    y = x * 2.0
+    out = mlp(hidden_states=y)
+    hooks[0].remove()
+    assert keeps_sum_order(*alone[id(mlp)], graph_edges([out]))

@@ -772,16 +772,18 @@ def _summed_in_order(block: "Block", kit: "ProbeKit", mlps: list[nn.Module]) -> 
     finally:
         for hook in hooks:
             hook.remove()
-    return all(keeps_sum_order(x, y, edges) for x, y in seen.values())
+    return len(seen) == len(mlps) and all(keeps_sum_order(x, y, edges) for x, y in seen.values())
 
 
 def noting_mlps(mlps: Sequence[nn.Module], seen: dict[int, tuple[Any, Any]]) -> list[Any]:
-    """Forward hooks noting each of ``mlps``' first call's input and output in ``seen`` (by ``id``): their handles."""
-    def note(module: nn.Module, args: tuple, out: Any) -> None:
-        if args:
-            seen.setdefault(id(module), (args[0], out))
+    """Forward hooks noting each of ``mlps``' first call's input (its first tensor, by position or keyword) and output
+    in ``seen`` (by ``id``): their handles. An MLP not called is not noted."""
+    def note(module: nn.Module, args: tuple, kwargs: dict[str, Any], out: Any) -> None:
+        x = first_tensor(args, kwargs)
+        if x is not None:
+            seen.setdefault(id(module), (x, out))
 
-    return [m.register_forward_hook(note) for m in mlps]
+    return [m.register_forward_hook(note, with_kwargs=True) for m in mlps]
 
 
 def graph_edges(outputs: Sequence[Any]) -> list[tuple[Any, int]]:
