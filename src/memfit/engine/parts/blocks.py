@@ -582,8 +582,8 @@ def _units(layer: nn.Module, gc_type: type) -> list[nn.Module]:
     and MLP, beside a Mamba layer). Taken apart, that work would be in no block: never treated, and the
     floor higher by it. So a layer is a block of its own where the parameters it holds outside its inner
     layers number at least its smallest inner layer's; else its inner layers are, by the same rule."""
-    inner = _top_layers([c for c in layer.modules() if c is not layer and isinstance(c, gc_type)],
-                        [c for c in layer.modules() if c is not layer and isinstance(c, gc_type)])
+    nested = [c for c in layer.modules() if c is not layer and isinstance(c, gc_type)]
+    inner = _top_layers(nested, nested)
     if not inner:
         return [layer]
     held = {id(p): p.numel() for i in inner for p in i.parameters()}

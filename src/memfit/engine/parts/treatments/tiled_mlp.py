@@ -710,21 +710,33 @@ def _probe_tiled(block: "Block", kit: "ProbeKit") -> tuple[tuple[list[nn.Module]
     lean = lean_parts(block.module, mlps)
     devices = [kit.device] if kit.device.type == "cuda" else []
 
-    def forward(hooks: Any, context: Any) -> list[torch.Tensor]:
+    ordered: list[bool] = []  # read from the plain run's graph where the block's verdict is not known yet
+
+    def forward(hooks: Any, context: Any, read_order: bool = False) -> list[torch.Tensor]:
         torch.random.set_rng_state(state[0])
         for d, s in zip(devices, state[1]):
             torch.cuda.set_rng_state(s, d)
         probe_args, probe_kwargs = kit.fresh()
-        with hooks, context:
-            out = block.body(*probe_args, **probe_kwargs)
-        return [t.detach() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        seen: dict[int, tuple[Any, Any]] = {}
+        noted = noting_mlps(mlps, seen) if read_order else []
+        try:
+            with hooks, context:
+                out = block.body(*probe_args, **probe_kwargs)
+        finally:
+            for hook in noted:
+                hook.remove()
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if read_order:  # before the graph goes (NOTE [Tiled MLP])
+            edges = graph_edges(outs)
+            ordered.append(len(seen) == len(mlps) and all(keeps_sum_order(x, y, edges) for x, y in seen.values()))
+        return [t.detach() for t in outs]
 
     # chunks that split every sequence of the batch: N + 1 chunks of N sequences never end where one does
     x = first_tensor(*kit.detached)
     chunking = Chunking(at_least=(x.shape[0] if x is not None and x.dim() >= 3 else 1) + 1)
     with torch.random.fork_rng(devices=devices):
         state = torch.random.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
-        plain = forward(kit.shield(), contextlib.nullcontext())
+        plain = forward(kit.shield(), contextlib.nullcontext(), read_order=block.tiles_exactly is None)
         counter = kit.counter_of_run()
         try:
             tiled_out = forward(counter.hooks(), tiled(mlps, chunking, lean))
@@ -738,7 +750,7 @@ def _probe_tiled(block: "Block", kit: "ProbeKit") -> tuple[tuple[list[nn.Module]
         logger.debug("memfit: block %s's MLP is not token-wise (its outputs in chunks differ); "
                      "the tiled treatments are not offered for it", block.index)
         return None
-    if block.tiles_exactly is None and not _summed_in_order(block, kit, mlps):
+    if block.tiles_exactly is None and not ordered[0]:
         # the order may change: the sums taken here decide, at this probe and every later one (NOTE [Tiled MLP])
         if not runs_as_plain(block, kit, lambda: tiled(mlps, ONE_CHUNK), kit.shield(), cotangent=_cotangent):
             block.tiles_exactly = False
@@ -757,22 +769,6 @@ ONE_CHUNK = Chunking(chunk_bytes=2**62)
 def _cotangent(t: torch.Tensor, i: int) -> torch.Tensor:
     """An output's gradient for the comparison: random numbers, which reach every path (NOTE [Tiled MLP])."""
     return torch.randn(t.shape, generator=torch.Generator(t.device).manual_seed(i), device=t.device, dtype=t.dtype)
-
-
-def _summed_in_order(block: "Block", kit: "ProbeKit", mlps: list[nn.Module]) -> bool:
-    """Whether every one of ``mlps`` tiled keeps the order in which its input's gradient is summed (NOTE [Tiled MLP]),
-    read from a plain forward of ``block``'s autograd graph (:func:`keeps_sum_order`)."""
-    seen: dict[int, tuple[Any, Any]] = {}
-    hooks = noting_mlps(mlps, seen)
-    devices = [kit.device] if kit.device.type == "cuda" else []
-    try:
-        with torch.random.fork_rng(devices=devices), torch.enable_grad(), kit.shield():
-            args, kwargs = kit.fresh()
-            edges = graph_edges(tree_leaves(block.body(*args, **kwargs)))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return len(seen) == len(mlps) and all(keeps_sum_order(x, y, edges) for x, y in seen.values())
 
 
 def noting_mlps(mlps: Sequence[nn.Module], seen: dict[int, tuple[Any, Any]]) -> list[Any]:
