@@ -67,7 +67,7 @@ def calls(suite: Suite, ctx: Context) -> list[Call]:
         "--repeats", 1, "--no_cudnn_sdpa", "--time_limit_s", 500, "--config_time_limit_s", 240,
         "--methods", "dynamic+auto", "static+auto", "--output_dir", ctx.folder("llama8b-mixed-32k"))],
         folder="llama8b-mixed-32k", timeout_s=580)
-    return [gemma, gemma30, long, *at_caps, mixed, *_bisections(ctx), *_split(ctx), *_shares(ctx), *_at_peer(ctx)]
+    return [gemma, gemma30, long, *at_caps, mixed, *_bisections(ctx), *_split(ctx), *_shares(ctx), *_families(ctx), *_at_peer(ctx)]
 
 
 #: issue 59's reach workloads: loop_bench's model and data flags, the caps bisected (GiB), steps
@@ -129,6 +129,26 @@ def _shares(ctx: Context) -> list[Call]:
             "--reference_longest", "--repeats", 1, "--no_cudnn_sdpa", "--no_untimed", "--untimed_fused", 3, "--time_limit_s", 560,
             "--config_time_limit_s", 270, "--methods", "dynamic+auto", "hf-every-1+liger", "--output_dir", ctx.folder(name))],
             folder=name, timeout_s=590))
+    return calls
+
+
+#: families beside Llama at the 0.25 share cell's flags: a post-norm block whose tiled MLP would reorder its input's
+#: gradient sums (NOTE [Tiled MLP]: never tiled), and one with norms on its queries and keys, a 151,936-token vocabulary
+#: and tied embeddings
+FAMILIES = ("OLMo-2-0425-1B", "Qwen3-1.7B")
+
+
+def _families(ctx: Context) -> list[Call]:
+    """The 0.25 share cell's workload on other families' shapes (SFT lengths to 4k, batch 8, full fine-tuning), 60 steps
+    each: memfit against Hugging Face's checkpointing with Liger's loss on the same batches, every step paired."""
+    calls = []
+    for model in FAMILIES:
+        name = f"reach-share-0.25-{model}"
+        calls.append(Call(name, [script(
+            ctx, "loop_bench.py", "--model", model, "--lengths", "sft:4096", "--batch", 8, "--steps", 4 if ctx.quick else 60,
+            "--steady_from", 0, "--budgets", 0.25, "--reference_longest", "--repeats", 1, "--no_cudnn_sdpa", "--no_untimed",
+            "--untimed_fused", 3, "--time_limit_s", 280, "--config_time_limit_s", 130, "--methods", "dynamic+auto",
+            "hf-every-1+liger", "--output_dir", ctx.folder(name))], folder=name, timeout_s=290))
     return calls
 
 

@@ -40,6 +40,7 @@ them before launching.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -231,6 +232,9 @@ class CudaMeter(Meter):
         self._pools_read = False
 
     def apply_cap(self, budget_bytes: int) -> str | None:
+        # Cycles no longer referenced (an earlier model and its optimizer) hold device memory until the collector's
+        # next full pass: gone before the cap, they count neither against it nor in the static part read next.
+        gc.collect()
         apply_cuda_cap(budget_bytes, self.device)
         if expandable_segments_on():
             torch.cuda.empty_cache()  # the fixed segments cached so far go: what the run allocates next expands
