@@ -189,6 +189,91 @@ def test_a_blocks_probe_times_the_plain_block_once_for_every_treatment(monkeypat
     ctl.remove()
 
 
+def _probe_runs(monkeypatch, names):
+    """A tiny Llama's second block probed under ``names``: its timed plain runs, each treatment's timed runs (by the
+    contexts' types) and the block's forwards in all."""
+    import memfit
+
+    model, make = build_decoder("llama")
+    model.to(torch.bfloat16).train()  # half precision: lean keeps less than plain (NOTE [Lean inputs in a tiled block])
+    ctl = memfit.fit(model, budget=None, method="none", treatments=names, announce=False)
+    block = ctl.blocks[1]
+    captured = {}
+    handle = block.module.register_forward_pre_hook(lambda m, a, k: captured.update(inputs=(a, k)), with_kwargs=True)
+    with torch.no_grad():
+        model.eval()(**make(2, 24))
+    model.train()
+    handle.remove()
+    plain, treated, forwards = [], [], []
+    timing = probe.ProbeKit.forward_backward_ms
+    monkeypatch.setattr(probe.ProbeKit, "forward_backward_ms", lambda kit, body, *contexts: (
+        plain.append(1) if body is block.body and len(contexts) == 1 else treated.append(1)) or timing(kit, body, *contexts))
+    body = block.body
+    block.body = lambda *a, **k: forwards.append(1) or body(*a, **k)
+    args, kwargs = captured["inputs"]
+    with torch.enable_grad():
+        measured = probe.probe_treatments(block, args, kwargs, ctl._counter, torch.device("cpu"), names)
+    ctl.remove()
+    return measured, len(plain), len(treated), len(forwards), block
+
+
+@pytest.mark.parametrize("name", ["elementwise", "lean"])
+def test_a_treatment_checked_bit_for_bit_is_timed_once_fewer_with_the_plain_block(monkeypatch, name):
+    """NOTE [Cold runs of a block]: the bit-for-bit check ran the treatment and the plain block at this size (their cold
+    runs), so its price takes TIMED_RUNS - 1 timed runs of each; the check's two runs and these are all the block ran."""
+    measured, plain, treated, forwards, _ = _probe_runs(monkeypatch, (name,))
+    assert name in measured, measured
+    assert (plain, treated) == (probe.TIMED_RUNS - 1, probe.TIMED_RUNS - 1)
+    assert forwards == 2 + 2 * (probe.TIMED_RUNS - 1)
+
+
+def test_a_block_whose_gradients_do_not_repeat_is_found_so_once():
+    """``runs_as_plain``: where the plain block's gradients differ from run to run (an attention backward that sums with
+    atomics), the outputs decide, and the block remembers it: a later check runs the plain block once, not twice."""
+    from memfit.engine.parts.treatments.elementwise import _leaner, runs_as_plain
+
+    class Noisy(torch.autograd.Function):
+        calls = 0
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            Noisy.calls += 1
+            return g * (1 + Noisy.calls * 2.0**-10)
+
+    model, make = build_decoder("llama")
+    block_module = model.model.layers[1]
+    plain_forward = type(block_module).forward
+
+    def noisy_forward(self, *args, **kwargs):  # the output's gradient scaled anew at every backward
+        out = plain_forward(self, *args, **kwargs)
+        return (Noisy.apply(out[0]), *out[1:]) if isinstance(out, tuple) else Noisy.apply(out)
+
+    import memfit
+
+    ctl = memfit.fit(model.train(), budget=None, method="none", treatments=("elementwise",), announce=False)
+    block = ctl.blocks[1]
+    captured = {}
+    handle = block.module.register_forward_pre_hook(lambda m, a, k: captured.update(inputs=(a, k)), with_kwargs=True)
+    with torch.no_grad():
+        model.eval()(**make(2, 24))
+    model.train()
+    handle.remove()
+    noisy = noisy_forward.__get__(block.module)
+    runs = []
+    block.body = lambda *a, **k: runs.append(1) or noisy(*a, **k)
+    kit = probe.ProbeKit(block, probe._detached(*captured["inputs"]), ctl._counter, torch.device("cpu"))
+    with torch.enable_grad():
+        for expected_runs in (3, 2, 2):
+            runs.clear()
+            assert runs_as_plain(block, kit, lambda: _leaner(block.module, []), kit.shield())
+            assert (len(runs), block.repeats_gradients) == (expected_runs, False)
+    ctl.remove()
+
+
 @pytest.mark.parametrize("plan_kinds, holding", [((), 3), (("host_checkpoint",) * 3, 0), (("recompute", "host_checkpoint", "recompute"), 2)])
 def test_the_cut_counts_the_inputs_the_plan_holds_on_the_device(monkeypatch, plan_kinds, holding):
     """The cut leaves room for the inputs the warm-up plan's blocks hold on the device by the last: every block's where

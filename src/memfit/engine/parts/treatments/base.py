@@ -48,6 +48,7 @@ class Block(Protocol):
     lean_body: Callable[..., Any] | None
     compiled: bool
     draws_random: bool | None
+    repeats_gradients: bool | None
 
     def run_body(self, *args: Any, **kwargs: Any) -> Any: ...
 
@@ -79,6 +80,8 @@ class ProbeKit(Protocol):
     def forward_backward_ms(self, body: Callable[..., Any], *contexts: Any) -> float: ...
 
     def plain_run_ms(self, run: int) -> float: ...
+
+    def runs_after(self, checked: bool) -> int: ...
 
     def counter_of_run(self) -> Any: ...
 

@@ -154,7 +154,7 @@ class Elementwise(Treatment):
             return None
 
         lean_ms, plain_ms = [], []
-        for run in range(kit.timed_runs):  # NOTE [Cold runs of a block] (probe.py)
+        for run in range(kit.runs_after(checked=True)):  # its check ran it cold: NOTE [Cold runs of a block] (probe.py)
             lean_ms.append(kit.forward_backward_ms(block.body, kit.shield(), _leaner(block.module, [], parts)))
             plain_ms.append(kit.plain_run_ms(run))
         return counter.bytes, max(0.0, min(lean_ms) - min(plain_ms))
@@ -165,7 +165,8 @@ def runs_as_plain(block: "Block", kit: "ProbeKit", context: Callable[[], Any], h
     """Whether ``block`` run under ``context()`` (its saved tensors to ``hooks``) gives the plain block's outputs and
     gradients (of its inputs and trainable parameters) bit for bit, each run from one RNG state; where the plain
     block's own backward is not bit for bit twice (an attention kernel that accumulates with atomics), its forward
-    outputs decide. ``plain_hooks`` take the plain run's saved tensors (default: the kit's shield); ``cotangent(t, i)``
+    outputs decide, and the block remembers it (``Block.repeats_gradients``): its later checks do not run the plain
+    block a third time to find it again. ``plain_hooks`` take the plain run's saved tensors (default: the kit's shield); ``cotangent(t, i)``
     gives the gradient of the ``i``-th output ``t`` (default: ones)."""
     devices = [kit.device] if kit.device.type == "cuda" else []
 
@@ -188,8 +189,15 @@ def runs_as_plain(block: "Block", kit: "ProbeKit", context: Callable[[], Any], h
         state = torch.random.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
         plain = forward_backward(False, plain_hooks if plain_hooks is not None else kit.shield())
         treated = forward_backward(True, hooks)
-        return _same(plain[0], treated[0]) and (
-            _same(plain[1], treated[1]) or not _same(plain[1], forward_backward(False, kit.shield())[1]))
+        if not _same(plain[0], treated[0]):
+            return False
+        if _same(plain[1], treated[1]) or block.repeats_gradients is False:  # not repeatable: found once, not run again
+            return True
+        if _same(plain[1], forward_backward(False, kit.shield())[1]):
+            block.repeats_gradients = True
+            return False
+        block.repeats_gradients = False
+        return True
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
