@@ -315,7 +315,8 @@ def test_default_model_is_the_pretrained_minilm(tokenizer):
 
 
 def test_unknown_config_lists_the_bundled_ones():
-    bundled = "Llama-3.1-8B, Llama-3.2-1B, Llama-3.2-3B, Qwen2.5-0.5B, Qwen2.5-1.5B, SmolLM-360M, bert-base-cased, bert-base-uncased, bert-large-uncased, " \
+    bundled = "Llama-3.1-8B, Llama-3.2-1B, Llama-3.2-3B, OLMo-2-0425-1B, Qwen2.5-0.5B, Qwen2.5-1.5B, Qwen3-1.7B, SmolLM-360M, " \
+        "bert-base-cased, bert-base-uncased, bert-large-uncased, " \
         "conditional-detr-swin-base, conditional-detr-swin-micro, conditional-detr-swin-small, " \
         "conditional-detr-swin-tiny, gemma-2-2b, llama-tiny, roberta-base"
     with pytest.raises(OSError, match=f"bundled: {bundled}"):

@@ -19,7 +19,7 @@ runs interleaved with the plain ones it is compared with: the first treatment's 
 own, which every later treatment of the block's probe is compared with (timing the plain block again
 for each treatment ran it a dozen more times a warm-up step for nothing). A treatment whose bit-for-bit check ran it
 and the plain block at this size already (``elementwise``, ``lean``: ``runs_as_plain``) had its cold run there, so
-its price takes one timed run fewer (:meth:`ProbeKit.runs_after`), and so do the plain runs beside it: the fastest of
+its price takes one timed run fewer (:meth:`ProbeKit.runs_after_check`), and so do the plain runs beside it: the fastest of
 the warm runs, as before, a few block passes fewer a probe. The saved tensors of the opening run are
 the ones counted; the others' go to counters of their own (the step's counter is outside: it
 must see none), and each run's are freed before the next: the probe's peak stays one block's
@@ -195,10 +195,11 @@ class ProbeKit:
             self.plain_runs_ms.append(self.forward_backward_ms(self.block.body, self.shield()))
         return self.plain_runs_ms[run]
 
-    def runs_after(self, checked: bool) -> int:
-        """How many timed runs price a treatment: ``timed_runs``, one fewer where its bit-for-bit check ran it and the
-        plain block at this size just before (their cold runs: NOTE [Cold runs of a block])."""
-        return max(1, self.timed_runs - 1) if checked else self.timed_runs
+    def runs_after_check(self) -> int:
+        """How many timed runs price a treatment whose bit-for-bit check (``runs_as_plain``) just ran it and the plain
+        block at this size: one fewer than ``timed_runs``, the check's runs being their cold ones (NOTE [Cold runs of a
+        block])."""
+        return max(1, self.timed_runs - 1)
 
     def fresh(self) -> tuple[tuple, dict[str, Any]]:
         """The block's inputs for one run (its cache left out: NOTE [Probe])."""

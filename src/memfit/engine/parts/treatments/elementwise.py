@@ -154,7 +154,7 @@ class Elementwise(Treatment):
             return None
 
         lean_ms, plain_ms = [], []
-        for run in range(kit.runs_after(checked=True)):  # its check ran it cold: NOTE [Cold runs of a block] (probe.py)
+        for run in range(kit.runs_after_check()):  # its check ran it cold: NOTE [Cold runs of a block] (probe.py)
             lean_ms.append(kit.forward_backward_ms(block.body, kit.shield(), _leaner(block.module, [], parts)))
             plain_ms.append(kit.plain_run_ms(run))
         return counter.bytes, max(0.0, min(lean_ms) - min(plain_ms))

@@ -91,7 +91,7 @@ class Lean(Treatment):
                          block.index)
             return None
         lean_ms, plain_ms = [], []
-        for run in range(kit.runs_after(checked=True)):  # its check ran it cold: NOTE [Cold runs of a block] (probe.py)
+        for run in range(kit.runs_after_check()):  # its check ran it cold: NOTE [Cold runs of a block] (probe.py)
             lean_ms.append(kit.forward_backward_ms(block.body, kit.shield(), _lean(parts)))
             plain_ms.append(kit.plain_run_ms(run))
         return lean_counter.bytes, max(0.0, min(lean_ms) - min(plain_ms))
