@@ -128,6 +128,7 @@ import torch
 from torch import nn
 
 from memfit.errors import UserError
+from memfit.engine.parts.buffers import buffer_versions, stateful_buffers
 from memfit.engine.parts.guard_sides import GuardSides, graphs_made, input_tensors
 from memfit.engine.parts.treatments import Keep, Treatment, draws_random
 
@@ -368,6 +369,10 @@ class Block:
         self.treatment: Treatment = _PLAIN
         self.forwards = 0
         self.runs = 0
+        #: its buffers' version counters at ``fit``, and the buffers its forwards may change once a run has shown them
+        #: (NOTE [Running statistics], buffers.py)
+        self._buffer_versions = buffer_versions(module)
+        self._stateful: list[torch.Tensor] | None = None
         self.listener: BlockListener | None = None
         self.before_run: Callable[[Block], None] | None = None
         self.on_oom: Callable[[Block, tuple, dict, str], Any] | None = None
@@ -399,6 +404,16 @@ class Block:
     @property
     def recomputes(self) -> int:
         return self.runs - self.forwards
+
+    def stateful_buffers(self) -> list[torch.Tensor]:
+        """The buffers its forwards may change, to restore after a re-run or a probe (NOTE [Running statistics],
+        buffers.py): read again until the body has run once (an in-place update moves a version only then), then kept."""
+        if self._stateful is not None:
+            return self._stateful
+        found = stateful_buffers(self.module, self._buffer_versions)
+        if self.runs:
+            self._stateful = found
+        return found
 
     def run_body(self, *args: Any, **kwargs: Any) -> Any:
         return self._run(self.body, args, kwargs)

@@ -65,6 +65,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from memfit.engine.parts.accounting import ProbeCounter, SavedTensorCounter
+from memfit.engine.parts.buffers import restoring
 from memfit.engine.parts.blocks import Block, without_cache
 from memfit.engine.shapes import first_tensor
 from memfit.engine.parts.treatments import Treatment, TreatmentSpec, resolve
@@ -366,7 +367,9 @@ def probe_warmup(
     group's other ``blocks`` too (``Block.tiles_exactly``: NOTE [Tiled MLP]): a floor plan runs every block so."""
     if step.key is not None and sampled_at(planning, block.index, tuple(step.key)):
         return  # NOTE [Probing a key once]
-    with _shield(), aside(step):  # nothing a probe saves reaches the step's counter, its backwards' re-runs included
+    # nothing a probe saves reaches the step's counter, its backwards' re-runs included; nor do its runs move the block's
+    # running statistics (NOTE [Running statistics], buffers.py)
+    with _shield(), aside(step), restoring(block.stateful_buffers()):
         _probe_warmup(step, block, args, kwargs, counter, device, planning)
     if block.tiles_exactly is not None:  # found by the group's timed probe, or given it by one
         group = planning.model.groups[block.index]

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._pytree import tree_leaves
 
 from memfit.engine.parts.treatments.base import RunOptions, Treatment
@@ -72,15 +73,16 @@ def _is_gated_mlp(m: nn.Module) -> bool:
 
 
 def elementwise_parts(module: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
-    """The block's norms (leaf modules whose class name ends in ``Norm``) and gated MLPs (modules
-    with ``gate_proj``, ``up_proj``, ``down_proj`` and ``act_fn``, or ``gate_up_proj``, ``down_proj``
-    and ``activation_fn``) that this treatment runs leaner."""
+    """The block's norms (leaf modules whose class name ends in ``Norm``, not one keeping running statistics: run again,
+    it would update them again, NOTE [Running statistics] in buffers.py) and gated MLPs (modules with ``gate_proj``,
+    ``up_proj``, ``down_proj`` and ``act_fn``, or ``gate_up_proj``, ``down_proj`` and ``activation_fn``) that this
+    treatment runs leaner."""
     norms, mlps = [], []
     for m in module.modules():
         if _is_gated_mlp(m):
             if "forward" not in vars(m):  # a forward wrapped on the instance (a hook library's) is not rewritten
                 mlps.append(m)
-        elif type(m).__name__.endswith("Norm") and not any(True for _ in m.children()):
+        elif type(m).__name__.endswith("Norm") and not any(True for _ in m.children()) and not isinstance(m, _NormBase):
             norms.append(m)
     return norms, mlps
 

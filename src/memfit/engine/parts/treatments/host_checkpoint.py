@@ -37,6 +37,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
+from memfit.engine.parts.buffers import restoring_rerun
 from memfit.engine.shapes import first_tensor
 from memfit.engine.parts.treatments.base import RECOMPUTE
 from memfit.engine.parts.treatments.offload import MIN_BYTES, Offload
@@ -100,14 +101,15 @@ class HostCheckpoint(Offload):
         key = next((k for k, v in kwargs.items() if v is self._input), None) if self._input is not None else None
         run = self._body(block)
         if key is None:
-            return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+            return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, context_fn=restoring_rerun(block), **kwargs)
         rest = {k: v for k, v in kwargs.items() if k != key}
         n = len(args)
 
         def body(*inputs: Any, **others: Any) -> Any:
             return run(*inputs[:n], **{key: inputs[n]}, **others)
 
-        return checkpoint(body, *args, self._input, use_reentrant=False, preserve_rng_state=True, **rest)
+        return checkpoint(body, *args, self._input, use_reentrant=False, preserve_rng_state=True,
+                          context_fn=restoring_rerun(block), **rest)
 
     def _body(self, block: "Block") -> Any:
         """What the checkpoint runs, in forward and again in backward: the block's body."""

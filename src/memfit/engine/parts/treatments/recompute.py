@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.checkpoint import checkpoint
 
+from memfit.engine.parts.buffers import restoring_rerun
 from memfit.engine.parts.treatments.base import RECOMPUTE, Treatment
 
 if TYPE_CHECKING:
@@ -32,4 +33,5 @@ class Recompute(Treatment):
         return kit.input_bytes(), None
 
     def run(self, block: "Block", args: tuple, kwargs: dict[str, Any]) -> Any:
-        return checkpoint(block.run_body, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        return checkpoint(block.run_body, *args, use_reentrant=False, preserve_rng_state=True, context_fn=restoring_rerun(block),
+                          **kwargs)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.checkpoint import checkpoint
 
+from memfit.engine.parts.buffers import restoring_rerun
 from memfit.engine.parts.treatments.base import RECOMPUTE, RunOptions, Treatment
 from memfit.engine.parts.treatments.tiled_mlp import TILED_MLP, Chunking, TiledMlp, TiledReruns, offered, probe_tiled, tiled_body
 
@@ -56,7 +57,8 @@ class RecomputeTiled(TiledReruns, Treatment):
         self._tiled = TiledMlp(chunking or Chunking.rerun())
 
     def run(self, block: "Block", args: tuple, kwargs: dict[str, Any]) -> Any:
-        return checkpoint(self.tiled_run_body(block), *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        return checkpoint(self.tiled_run_body(block), *args, use_reentrant=False, preserve_rng_state=True,
+                          context_fn=restoring_rerun(block), **kwargs)
 
     @classmethod
     def probe(cls, block: "Block", kit: "ProbeKit") -> tuple[int, float | None] | None:

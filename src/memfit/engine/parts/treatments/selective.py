@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from memfit.engine.parts.buffers import restoring_rerun
 from memfit.engine.parts.treatments.base import RunOptions, Treatment
 from memfit.engine.parts.random_ops import dropout_p, runs_random
 
@@ -159,7 +160,8 @@ class Selective(Treatment):
     def run(self, block: "Block", args: tuple, kwargs: dict[str, Any]) -> Any:
         contexts = _Contexts(self.policy)
         out = checkpoint(
-            block.run_body, *args, use_reentrant=False, preserve_rng_state=True, context_fn=contexts, **kwargs
+            block.run_body, *args, use_reentrant=False, preserve_rng_state=True, context_fn=restoring_rerun(block, contexts),
+            **kwargs
         )
         if self.counter is not None and self.counter.active and contexts.caching is not None:
             for t in selective_cache_tensors(contexts.caching):
