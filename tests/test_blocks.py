@@ -46,6 +46,46 @@ def test_module_list_fallback_takes_most_common_class():
     assert names == ["stages.0.layers.0", "stages.0.layers.1", "stages.1.layers.0", "stages.1.layers.1", "stages.1.layers.2"]
 
 
+def test_layers_listed_beside_checkpointing_layers_are_blocks_too():
+    """NOTE [A layer's list]: an item of a list that holds checkpointing layers is a block too where it has parameters,
+    holds no block and is no container (MobileViT's MobileNet stages before its MobileViT layers); one without
+    parameters, and a list elsewhere, are not."""
+    from torch import nn
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    class Layer(GradientCheckpointingLayer):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+    model = nn.Module()
+    model.stem = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+    model.layers = nn.ModuleList([nn.Conv1d(8, 8, 1), nn.Identity(), Layer(), nn.ModuleList([nn.Linear(8, 8)]), Layer()])
+    assert [n for n, _ in find_blocks(model)] == ["layers.0", "layers.2", "layers.4"]
+
+
+def test_mobilevits_mobilenet_stages_are_blocks_and_full_recomputes_them():
+    """MobileViT (a tiny config): its two MobileNet stages, listed before its MobileViT layers and not checkpointing
+    layers, are blocks; ``full`` then keeps under a fifth of what it kept without them (the stages' activations)."""
+    tf = pytest.importorskip("transformers")
+    import memfit
+
+    config = tf.MobileViTConfig(image_size=64, patch_size=2, hidden_sizes=[16, 24, 32], neck_hidden_sizes=[8, 8, 16, 16, 24, 24, 32],
+                                num_attention_heads=2, num_labels=2)
+    torch.manual_seed(0)
+    model = tf.MobileViTForImageClassification(config).train()
+    assert [type(m).__name__ for _, m in find_blocks(model)] == ["MobileViTMobileNetLayer"] * 2 + ["MobileViTLayer"] * 3
+    batch = {"pixel_values": torch.randn(2, 3, 64, 64), "labels": torch.tensor([0, 1])}
+    peaks = {}
+    for method in ("none", "full"):
+        ctl = memfit.fit(model, budget=None, method=method, announce=False)
+        model(**batch).loss.backward()
+        peaks[method] = ctl.records[-1].peak_allocated_bytes
+        model.zero_grad(set_to_none=True)
+        ctl.remove()
+    assert peaks["full"] < peaks["none"] / 5, peaks
+
+
 def test_a_layer_holding_a_layers_worth_of_its_own_work_is_the_block():
     """NOTE [Nested layers]: checkpointing layers inside another are the blocks (a stage's layers) unless the outer
     layer holds, outside them, at least as many parameters as its smallest inner layer (Zamba 2's hybrid layer: a

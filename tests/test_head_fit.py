@@ -562,7 +562,7 @@ def test_a_budget_below_static_plus_the_least_head_is_the_one_line_budget_error(
 def test_the_warning_of_a_shape_that_cannot_fit_names_the_head_at_its_most_chunks(caplog):
     """NOTE [The head's bytes in a budget error]: the floor runs the head in its most chunks, so its share of the peak
     said is those bytes, not the kept head's (which the floor does not hold): the static bytes are blamed where they
-    are the most, the chunked head where it is, with what shrinks it; never "let memfit chunk the head", which it does."""
+    are the most, the chunked head where it is, with what shrinks it; never "let memfit chunk an LM head", which it does."""
     from memfit.engine.plan.planning import Planning
     from memfit.engine.parts.treatments.chunked_head import HeadPart
     from memfit.engine.parts.head import attach_head
@@ -579,10 +579,10 @@ def test_the_warning_of_a_shape_that_cannot_fit_names_the_head_at_its_most_chunk
     assert plan.blocks == (0, 1) and plan.option("head")[0] == "chunked"
     (message,) = [m for m in caplog.messages if "predicted to need" in m]
     assert f"LM head in {n} chunks" in message and "kept)" in message
-    assert "let memfit chunk the head" not in message and "most of it is the static part" in message
+    assert "let memfit chunk an LM head" not in message and "most of it is the static part" in message
     words = over_budget_words({"static": 1_000, "head": least, "outside-not-parts": 0, "blocks": 0}, planning.budget)
     assert words.startswith(f"most of it is the LM head's logits and loss, in its most chunks, {planning.budget.size(least)}")
-    assert "--max_seq_length" in words and "chunk the head" not in words
+    assert "--max_seq_length" in words and "chunk an LM head" not in words
     part.remove()
 
 

@@ -91,7 +91,8 @@ def _blocks_words(block_kinds: Sequence[str]) -> str:
 # A step over the budget even with every block checkpointed has one part that dominates, and
 # each part has its own fix: the static part (weights, gradients, optimizer state) shrinks with
 # LoRA, bf16 weights or a smaller optimizer state; the part outside the blocks (the LM head's
-# logits and loss, the embeddings) and the blocks' own bytes shrink with a smaller batch or
+# logits and loss, the embeddings, a vision model's layers that no block holds) with a chunked head,
+# more of the model named as blocks or smaller inputs, and the blocks' own bytes with a smaller batch or
 # shorter inputs. The warning (once per run) and the summary's verdict both say it with these
 # words, so a user reads one fix, not a count of shapes. A part kind beside the blocks says its
 # own (``PartKind.floor_words``: the LM head's, at its most chunks), and is named by its title.
@@ -99,9 +100,11 @@ _FIXES = {
     "static": ("the static part (weights, gradients, optimizer state)",
                "train LoRA adapters (--use_peft), store bf16 weights (--torch_dtype bfloat16) or use a smaller "
                "optimizer state (--optim adafactor or adamw_bnb_8bit)"),
-    "outside": ("what runs outside the blocks (the head's logits and loss, the embeddings)",
-                "let memfit chunk the head (--memfit_head auto, or head='auto' in memfit.fit), or lower "
-                "--per_device_train_batch_size or --max_seq_length (the logits grow with both)"),
+    # no part beside the blocks: an LM head kept, or a model with none (a vision model's stem and stages no block holds)
+    "outside": ("what runs outside the blocks (an LM head's logits and loss, the embeddings, layers no block holds)",
+                "let memfit chunk an LM head (--memfit_head auto, or head='auto' in memfit.fit), name the layers no "
+                "block holds as blocks (memfit.fit's blocks=), or lower --per_device_train_batch_size or the inputs' "
+                "length (the logits grow with both)"),
     # with the parts beside the blocks (the LM head) counted on their own, each at its most saving as the floor runs
     # it (a part kind's own words: PartKind.floor_words): the rest outside the blocks
     "outside-not-parts": ("what runs outside the blocks besides {parts} (the embeddings, the model's other outputs)",
@@ -126,7 +129,7 @@ def over_budget_words(parts_bytes: dict[str, float], budget: Budget | None = Non
 
     Example:
         >>> over_budget_words({"static": 10, "outside": 500, "blocks": 40}, Budget.parse("1kB", "--memory_budget"))
-        "most of it is what runs outside the blocks (the head's logits and loss, the embeddings), 500 B: let memfit chunk the head (--memfit_head auto, or head='auto' in memfit.fit), or lower --per_device_train_batch_size or --max_seq_length (the logits grow with both), or raise --memory_budget"
+        "most of it is what runs outside the blocks (an LM head's logits and loss, the embeddings, layers no block holds), 500 B: let memfit chunk an LM head (--memfit_head auto, or head='auto' in memfit.fit), name the layers no block holds as blocks (memfit.fit's blocks=), or lower --per_device_train_batch_size or the inputs' length (the logits grow with both), or raise --memory_budget"
     """
     part = max(parts_bytes, key=parts_bytes.__getitem__)
     what, fix = _FIXES.get(part) or part_floor_words(part) or (
