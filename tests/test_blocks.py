@@ -174,3 +174,63 @@ def test_a_block_called_twice_in_one_forward_is_refused_with_what_to_change(meth
     with pytest.raises(NoBlocksError, match=r"block 0 \(layer\) ran twice in one forward.*pass blocks="):
         model(torch.randn(2, 8, requires_grad=True)).sum().backward()
     ctl.remove()
+
+
+def _seq2seq(width=16):
+    """Two stacks of blocks: an encoder on the source, a decoder on the target (a length of its own)."""
+    from torch import nn
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(width, width)
+
+        def forward(self, x):
+            return x + torch.relu(self.proj(x))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder, self.decoder = nn.ModuleList(Layer() for _ in range(2)), nn.ModuleList(Layer() for _ in range(2))
+
+        def forward(self, source, target):
+            for layer in self.encoder:
+                source = layer(source)
+            for layer in self.decoder:
+                target = layer(target)
+            return source.pow(2).mean() + target.pow(2).mean()
+
+    return Net().train()
+
+
+@pytest.mark.parametrize("decoder_lengths, said", [((8, 24, 40), True), ((8, 8, 8), False)])
+def test_a_block_whose_length_the_key_does_not_carry_is_said_once(caplog, decoder_lengths, said):
+    """NOTE [What the key cannot see]: a decoder whose length varies under one source length (the step's key) is said
+    once, with what to change; one whose length follows the key is not."""
+    import memfit
+
+    model = _seq2seq()
+    ctl = memfit.fit(model, budget=10**8, method="dynamic", announce=False)
+    with caplog.at_level("WARNING", logger="memfit"):
+        for _ in range(3):
+            for length in decoder_lengths:
+                model(torch.randn(2, 16, 16), torch.randn(2, length, 16)).backward()
+    ctl.remove()
+    messages = [m for m in caplog.messages if "the plans follow the first block's input" in m]
+    assert len(messages) == int(said), messages
+    if said:
+        assert "rows and length (2, 16), but block 2" in messages[0] and "blocks=" in messages[0]
+
+
+def test_a_decoder_llm_of_uneven_lengths_is_not_said(caplog):
+    """Every block of a decoder runs on the first block's rows and length: nothing to say."""
+    import memfit
+    from _models import build_decoder
+
+    model, make = build_decoder("llama")
+    ctl = memfit.fit(model.train(), budget=10**8, method="dynamic", announce=False)
+    with caplog.at_level("WARNING", logger="memfit"):
+        for length in (8, 24, 40, 8, 24, 40):
+            model(**make(2, length)).loss.backward()
+    ctl.remove()
+    assert not [m for m in caplog.messages if "the plans follow the first block's input" in m]

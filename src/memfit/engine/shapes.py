@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["shape_key", "bucket_key", "first_tensor"]
+__all__ = ["shape_key", "bucket_key", "first_tensor", "input_key", "KeyCheck"]
 
 
 def shape_key(shape: Sequence[int]) -> tuple[int, int]:
@@ -56,3 +56,52 @@ def first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
         if isinstance(t, torch.Tensor) and t.is_floating_point():
             return t
     return None
+
+
+def input_key(args: tuple, kwargs: dict) -> tuple[int, int] | None:
+    """A block's own ``(N, T)``: :func:`shape_key` of its first floating-point input (None without one)."""
+    x = args[0] if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point() else first_tensor(args, kwargs)
+    return shape_key(x.shape) if x is not None else None
+
+
+class KeyCheck:
+    """Whether the step's key carries every block's shape (NOTE [What the key cannot see]).
+
+    # NOTE [What the key cannot see]
+    A step's plan follows its key, the first block's ``(N, T)``, and the memory model predicts every block from
+    it. That holds where each block's own shape follows the first block's (a decoder's layers, a vision stack
+    whose stages shrink the patches by fixed factors). It does not where a block's length varies apart from it:
+    an encoder-decoder's decoder layers under a fixed source length (T5, Whisper's 3,000 frames), an audio model
+    whose first block is a convolution over raw samples (read ``(N, 1)``, its encoder's frames unseen). There
+    the predictions miss: over the budget, or replays on a GPU. So each step's blocks' own keys are kept per
+    step key (the first ``MAX_KEYS`` keys' worth: bounded), and the first block seen with two shapes under one
+    step key is said once, with what to change.
+    """
+
+    #: step keys whose blocks' shapes are kept
+    MAX_KEYS = 256
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[tuple[int, int], int], tuple[int, int]] = {}
+        self._keys: set[tuple[int, int]] = set()
+        self.said = False
+
+    def note(self, key: tuple[int, int], block_keys: dict[int, tuple[int, int]]) -> str | None:
+        """The step ``key``'s blocks' own keys: the words to say, the first time a block's differ under one key."""
+        if self.said or not block_keys:
+            return None
+        if key not in self._keys:
+            if len(self._keys) >= self.MAX_KEYS:
+                return None
+            self._keys.add(key)
+        for index, own in block_keys.items():
+            first = self._seen.setdefault((key, index), own)
+            if first != own:
+                self.said = True
+                return (f"memfit: the plans follow the first block's input, rows and length {key}, but block {index} "
+                        f"(of the blocks memfit found, from 0) ran with {first} and with {own} under it: its memory varies with a "
+                        "length the first block does not carry (an encoder-decoder's decoder length, an audio model's "
+                        "frames behind a convolution over samples), and the predictions will miss (over the budget, "
+                        "or replays on a GPU). Pad that input to one length, pass blocks= a pattern whose first block "
+                        "carries every length (an audio model's encoder layers), or use method='full'")
+        return None

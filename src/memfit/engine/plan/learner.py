@@ -134,6 +134,7 @@ class StepOutcome:
             (what prices a retry: NOTE [The slack is priced], room.py).
         timed_key: the shape whose time ``net_ms`` is: under FSDP the ranks' largest rows and length (the slowest
             rank sets the step's time); None: ``key`` (NOTE [A retry beside no clean step of its bucket], room.py).
+        block_keys: each block's own (N, T) (NOTE [What the key cannot see], shapes.py).
     """
 
     key: tuple[int, int]
@@ -154,6 +155,7 @@ class StepOutcome:
     pool_bytes: int | None = None
     net_ms: float | None = None
     timed_key: tuple[int, int] | None = None
+    block_keys: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 def _plain_peaks(
@@ -187,6 +189,7 @@ def step_outcome(
     counted: bool = True,
     net_ms: float | None = None,
     timed_key: tuple[int, int] | None = None,
+    block_keys: dict[int, tuple[int, int]] | None = None,
 ) -> StepOutcome:
     """What a finished step teaches, from its readings (NOTE [A step's transient]).
 
@@ -234,6 +237,7 @@ def step_outcome(
         plain_peak=plain_peak, transient=transient, start_transient=start_transient, parts_transient=parts_transient,
         optimizer_above_static=optimizer_above, evicted=tuple(evicted), counted=counted,
         alloc_retries=peaks.alloc_retries, pool_bytes=peaks.pool_bytes, net_ms=net_ms, timed_key=timed_key,
+        block_keys=dict(block_keys or {}),
     )
 
 
@@ -290,6 +294,9 @@ def learn_step(planning: Planning, outcome: StepOutcome, predicted: int | None, 
     """
     model = planning.model
     key, by_block, evicted = outcome.key, outcome.by_block, outcome.evicted
+    words = model.key_check.note(key, outcome.block_keys)  # NOTE [What the key cannot see] (shapes.py)
+    if words is not None:
+        logger.warning(words)
     if not outcome.counted:  # only its peaks are known: the method counts the bucket's next step if they erred
         return ModelUpdate(seen_key=key)
     miss = None if predicted is None else outcome.plain_peak - predicted

@@ -181,6 +181,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from memfit.engine.parts.treatments import KEEP, RECOMPUTE, TREATMENTS
+from memfit.engine.shapes import KeyCheck
 
 if TYPE_CHECKING:
     from memfit.engine.plan.planner import Plan
@@ -678,6 +679,7 @@ class MemoryModel:
         #: the host link's price, with its ``depth(moved bytes, forward ms)`` (engine/parts/probe.py
         #: LinkPrice); None until measured: prefetch depth 1 (NOTE [Treated peaks])
         self.link: Any = None
+        self.key_check = KeyCheck()  # whether the key carries every block's shape (NOTE [What the key cannot see])
 
     @property
     def ready(self) -> bool:

@@ -389,7 +389,7 @@ class Controller:
         self._gathered.enter(block.index, block.module)
         if step.decision is None:
             self._decide(step, args, kwargs)
-        self._counter.current = step.enter(block)  # NOTE [A block runs once a step]
+        self._counter.current = step.enter(block, args, kwargs)  # NOTE [A block runs once a step]
         self.protection.enter(step, block, args, kwargs)
         if block.treatment.holds_inputs and step.counted:
             self._counter.count_inputs(block.index, args, kwargs)
@@ -433,7 +433,7 @@ class Controller:
         outcome = learner.step_outcome(
             peaks, key=step.key, plan=step.decision.plan, warmup=step.decision.warmup,
             outside=step.saved_outside, by_block=step.saved_by_block, static=step.static_bytes,
-            state_to_come=step.state_to_come,
+            state_to_come=step.state_to_come, block_keys=step.block_keys,
             static_now=self.meter.static_now() if static_now is None else static_now,
             evicted=step.evicted, backstop_input=step.backstop_input, counted=step.counted, net_ms=(now - step.t0) * 1e3 - treated_ms,
             timed_key=self.replay.take_agreed_key(),  # NOTE [A retry beside no clean step of its bucket]

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from memfit.engine.methods import Decision
 from memfit.engine.records import StepRecord
+from memfit.engine.shapes import input_key
 
 if TYPE_CHECKING:
     from memfit.engine.parts.blocks import Block
@@ -97,9 +98,11 @@ class StepState:
     rest_peak: int | None = None
     window_carry: int = 0
     compile_start: tuple[float, int] | None = None
+    #: each block's own (N, T) this step (NOTE [What the key cannot see], shapes.py)
+    block_keys: dict[int, tuple[int, int]] = field(default_factory=dict)
 
-    def enter(self, block: "Block") -> int:
-        """``block`` starts its training forward: its index.
+    def enter(self, block: "Block", args: tuple = (), kwargs: dict | None = None) -> int:
+        """``block`` starts its training forward on ``args``/``kwargs``: its index (its own key kept in ``block_keys``).
 
         # NOTE [A block runs once a step]
         Everything memfit learns and plans is per block and step: what a block saved, its treatment, its probe. A
@@ -115,6 +118,9 @@ class StepState:
                 "(shared weights, as ALBERT's layer group, run once per layer), and memfit plans each block once a "
                 "step: pass blocks= modules that each run once a forward (the model's own layers, if it has them)")
         self.entered.add(block.index)
+        own = input_key(args, kwargs or {})
+        if own is not None:
+            self.block_keys[block.index] = own  # NOTE [What the key cannot see] (shapes.py)
         return block.index
 
     def end_forward(self, outside: int, by_block: list[int]) -> None:
