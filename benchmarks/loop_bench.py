@@ -1242,6 +1242,9 @@ def _matrix(args, model, batches, initial, emit, started: float) -> None:
                 if not result["max_peak_allocated_bytes"]:
                     raise SystemExit(f"uncapped none did not finish ({result['note']}): --budgets (shares of its peak) "
                                      "cannot be set; give --budget_gb instead")
+                if result.get("status") != "ok":  # said: a share of an unfinished run's peak is a share of a lower bound
+                    print(f"loop_bench: uncapped none did not finish ({result.get('status')}); --budgets are shares of the "
+                          "peak it recorded before it stopped, a lower bound of what it needs", flush=True)
                 reference = result
                 budgets = sorted(set(budgets) | {int(share * reference["max_peak_allocated_bytes"]) for share in args.budgets})
         if "alt" in args.methods:
