@@ -50,9 +50,9 @@ The rules:
   and one difference ends the treatments for the block: nothing of it is tiled, offered or run. A single
   comparison is not enough: whether a reordered sum rounds apart depends on the numbers (a tiny Qwen2-MoE
   block came out bit for bit at 24 tokens, not at 8 or 40), and warm-up probes several lengths. Where the
-  plain block's own gradients do not repeat (a GPU attention backward that sums with atomics) the comparison
-  goes by the outputs, as every ``runs_as_plain`` does, and such a block is tiled (OLMo 2 on a GPU:
-  docs/faq.md); without memfit its gradients differ from run to run by as much.
+  plain block's own gradients do not repeat (a kernel that sums with atomics) the comparison goes by the
+  outputs, as every ``runs_as_plain`` does, and such a block is tiled (OLMo 2 on a GPU: docs/faq.md);
+  without memfit its gradients differ from run to run by as much.
 * Under FSDP2 (``fully_shard``) an MLP is tiled as any other: while a block runs, its forward or its
   backward, FSDP2 has set the module's parameters to the unsharded ones it gathered (the same tensors
   in both, their storage freed between), so the Function's re-runs in backward use, and return the
