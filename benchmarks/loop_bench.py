@@ -14,7 +14,10 @@ with each fused loss (Liger's, Cut Cross-Entropy's, where installed): Triton com
 per length class on first use, seconds each, and caches them on disk for every later run; paid by the
 first configuration to use them (memfit's head probes both) and found compiled by the next, they
 made whole-run ratios depend on the order (``--no_untimed`` skips these passes; ``--untimed_fused N``
-keeps the fused losses' on the first N batches). Then uncapped ``none`` gives the speed
+keeps the fused losses' on the first N batches). memfit's own warm-up times the fused kernels at shapes of its own
+(the head's probe), which a machine's first run compiles inside its timed warm-up (about 3-9 s on a fresh H200, the
+reach suite's s43-2 and s44-4): ``--untimed_memfit N`` runs ``dynamic+auto`` untimed on the first N batches first,
+under the device's memory as its cap, so that those compiles, once a machine, fall on no timed run. Then uncapped ``none`` gives the speed
 reference and the peak from which ``--budgets`` (shares of it) are set. ``plain`` and ``none``
 run uncapped only (under a cap they do not fit, by design).
 
@@ -220,6 +223,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--untimed_fused", type=int, default=0, metavar="N", help="with --no_untimed, still run each fused "
                    "loss untimed on the first N batches: Triton compiles their kernels on first use, seconds each, and "
                    "the first configuration to use them would pay for every later one")
+    p.add_argument("--untimed_memfit", type=int, default=0, metavar="N", help="run dynamic+auto untimed on the first N "
+                   "batches before the timed configurations (the device's memory its cap): a machine's first memfit "
+                   "warm-up compiles the fused kernels at its probe's shapes, seconds a fresh machine, once")
     p.add_argument("--models_every_step", action="store_true",
                    help="also write memfit's memory model after every step (steps/<run>.models.jsonl.gz, one line a step): "
                         "what planned each next step, for benchmarks/model_replay.py --at_step")
@@ -1221,6 +1227,11 @@ def _matrix(args, model, batches, initial, emit, started: float) -> None:
         for part, (implementation, _) in FIXED_HEADS.items():
             if implementation in FUSED:
                 run_config(args, model, warm, initial, f"hf-every-1{part}", None, -1, args.output_dir)
+    if args.untimed_memfit:  # memfit's warm-up's compiles, once a machine (the docstring)
+        import torch
+
+        cap = torch.cuda.get_device_properties(0).total_memory if args.device == "cuda" else 10**12
+        run_config(args, model, batches[: args.untimed_memfit], initial, "dynamic+auto", cap, -1, args.output_dir)
     if args.reach_gib:
         _reach(args, model, batches, initial, emit, started)
         return

@@ -210,3 +210,22 @@ def test_loop_bench_compiles_the_fused_losses_untimed_on_a_few_batches_when_aske
     assert all(n == warmed for _, n, _ in untimed) and ran[-1][0] == "dynamic"
     lines = [json.loads(t)["method"] for t in (out / "results.jsonl").read_text().splitlines()]
     assert "dynamic" in lines and not set(lines) & set(fused)  # the untimed runs write no line
+
+
+def test_loop_bench_runs_memfits_warm_up_untimed_first_when_asked(tmp_path, monkeypatch):
+    """``--untimed_memfit N``: ``dynamic+auto`` runs untimed (repeat -1, no line) on the first N batches, capped, before
+    every timed configuration, so a machine's first memfit warm-up (its probe's kernel compiles) falls on no timed run."""
+    loop_bench = _loop_bench()
+    ran, original = [], loop_bench.run_config
+    monkeypatch.setattr(loop_bench, "run_config", lambda args, model, batches, initial, name, budget, repeat, out_dir:
+                        ran.append((name, len(batches), budget, repeat)) or original(args, model, batches, initial, name,
+                                                                                     budget, repeat, out_dir))
+    out = tmp_path / "out"
+    assert loop_bench.main(["--model", "llama-tiny", "--device", "cpu", "--dtype", "float32", "--lengths", "uniform:8:24",
+                            "--batch", "2", "--steps", "4", "--steady_from", "1", "--budget_gb", "1", "--repeats", "1",
+                            "--no_untimed", "--untimed_memfit", "2", "--methods", "dynamic", "--output_dir", str(out)]) == 0
+    name, n, budget, repeat = ran[0]
+    assert (name, n, repeat) == ("dynamic+auto", 2, -1) and budget is not None
+    assert all(r[3] != -1 for r in ran[1:]) and ran[-1][0] == "dynamic"  # then the timed ones, as without it
+    lines = [json.loads(t)["method"] for t in (out / "results.jsonl").read_text().splitlines()]
+    assert "dynamic" in lines and "dynamic+auto" not in lines  # the untimed run writes no line

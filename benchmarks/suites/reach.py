@@ -119,14 +119,17 @@ def _shares(ctx: Context) -> list[Call]:
     checkpointing with Liger's loss on the same batches, warm-up included (``--steady_from 0``: every step paired).
     Uncapped ``none`` sets the cap from the longest batch alone (``--reference_longest``): its 200 steps beside the
     two methods' did not fit a ten-minute call (s35-3). The fused losses' kernels are compiled first, untimed, on three
-    batches (``--untimed_fused``): memfit's first step would otherwise compile Liger's for the peer too (s36-2)."""
+    batches (``--untimed_fused``): memfit's first step would otherwise compile Liger's for the peer too (s36-2); and
+    memfit's warm-up runs untimed on three batches (``--untimed_memfit``): a fresh machine's first one compiles the
+    kernels at its probe's shapes, which the peer never runs (s43-2, s44-2; s43-3 ran a prewarm call by hand)."""
     flags, _, _ = WORKLOADS["a-1b-full"]
     calls = []
     for share in (0.18, 0.25):
         name = f"reach-a-share-{share}"
         calls.append(Call(name, [script(
             ctx, "loop_bench.py", *flags, "--steps", 4 if ctx.quick else 200, "--steady_from", 0, "--budgets", share,
-            "--reference_longest", "--repeats", 1, "--no_cudnn_sdpa", "--no_untimed", "--untimed_fused", 3, "--time_limit_s", 560,
+            "--reference_longest", "--repeats", 1, "--no_cudnn_sdpa", "--no_untimed", "--untimed_fused", 3, "--untimed_memfit", 3,
+            "--time_limit_s", 560,
             "--config_time_limit_s", 270, "--methods", "dynamic+auto", "hf-every-1+liger", "--output_dir", ctx.folder(name))],
             folder=name, timeout_s=590))
     return calls
@@ -147,7 +150,7 @@ def _families(ctx: Context) -> list[Call]:
         calls.append(Call(name, [script(
             ctx, "loop_bench.py", "--model", model, "--lengths", "sft:4096", "--batch", 8, "--steps", 4 if ctx.quick else 60,
             "--steady_from", 0, "--budgets", 0.25, "--reference_longest", "--repeats", 1, "--no_cudnn_sdpa", "--no_untimed",
-            "--untimed_fused", 3, "--time_limit_s", 280, "--config_time_limit_s", 130, "--methods", "dynamic+auto",
+            "--untimed_fused", 3, "--untimed_memfit", 3, "--time_limit_s", 280, "--config_time_limit_s", 130, "--methods", "dynamic+auto",
             "hf-every-1+liger", "--output_dir", ctx.folder(name))], folder=name, timeout_s=290))
     return calls
 
