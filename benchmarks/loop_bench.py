@@ -15,8 +15,8 @@ per length class on first use, seconds each, and caches them on disk for every l
 first configuration to use them (memfit's head probes both) and found compiled by the next, they
 made whole-run ratios depend on the order (``--no_untimed`` skips these passes; ``--untimed_fused N``
 keeps the fused losses' on the first N batches). memfit's own warm-up times the fused kernels at shapes of its own
-(the head's probe), which a machine's first run compiles inside its timed warm-up (about 3-9 s on a fresh H200, the
-reach suite's s43-2 and s44-4): ``--untimed_memfit N`` runs ``dynamic+auto`` untimed on the first N batches first,
+(the head's probe), which a machine's first run compiles inside its timed warm-up (about 3 s on a fresh H200, the
+reach suite's s43-2): ``--untimed_memfit N`` runs ``dynamic+auto`` untimed on the first N batches first,
 under the device's memory as its cap, so that those compiles, once a machine, fall on no timed run. Then uncapped ``none`` gives the speed
 reference and the peak from which ``--budgets`` (shares of it) are set. ``plain`` and ``none``
 run uncapped only (under a cap they do not fit, by design).
