@@ -103,5 +103,5 @@ class KeyCheck:
                         "length the first block does not carry (an encoder-decoder's decoder length, an audio model's "
                         "frames behind a convolution over samples), and the predictions will miss (over the budget, "
                         "or replays on a GPU). Pad that input to one length, pass blocks= a pattern whose first block "
-                        "carries every length (an audio model's encoder layers), or use method='full'")
+                        "carries every length (an audio model's encoder layers), or use method='full' (--memfit_method full)")
         return None
