@@ -234,3 +234,35 @@ def test_a_decoder_llm_of_uneven_lengths_is_not_said(caplog):
             model(**make(2, length)).loss.backward()
     ctl.remove()
     assert not [m for m in caplog.messages if "the plans follow the first block's input" in m]
+
+
+def test_an_audio_model_is_planned_by_its_samples_and_nothing_is_said(caplog):
+    """NOTE [What the key cannot see]: Wav2Vec2's first block is a convolution over raw samples, ``(N, 1, samples)``:
+    read channels first, the step's key is ``(N, samples)``, which its encoder layers' frames follow (nothing to say),
+    and ``dynamic``'s gradients stay those of training without memfit."""
+    import copy
+
+    import memfit
+    tf = pytest.importorskip("transformers")
+    config = tf.Wav2Vec2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
+                               conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                               num_conv_pos_embedding_groups=2, num_labels=2, mask_time_prob=0.0)
+    torch.manual_seed(0)
+    model = tf.Wav2Vec2ForSequenceClassification(config).train()
+    reference = copy.deepcopy(model)
+    ctl = memfit.fit(model, budget=10**8, method="dynamic", announce=False)
+    assert [b.channels_first for b in ctl.blocks][:2] == [True, True] and not ctl.blocks[-1].channels_first
+    with caplog.at_level("WARNING", logger="memfit"):
+        for i, samples in enumerate((400, 800, 1200) * 2):
+            batch = {"input_values": torch.randn(2, samples, generator=torch.Generator().manual_seed(i)),
+                     "labels": torch.tensor([0, 1])}
+            for m in (model, reference):
+                torch.manual_seed(i)
+                m(**batch).loss.backward()
+            for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+                assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+            model.zero_grad(set_to_none=True)
+            reference.zero_grad(set_to_none=True)
+    assert sorted({tuple(r.shape) for r in ctl.records}) == [(2, 1, 400), (2, 1, 800), (2, 1, 1200)]
+    assert not [m for m in caplog.messages if "the plans follow the first block's input" in m]
+    ctl.remove()

@@ -18,20 +18,21 @@ from torch.utils._pytree import tree_leaves
 __all__ = ["shape_key", "bucket_key", "first_tensor", "input_key", "KeyCheck"]
 
 
-def shape_key(shape: Sequence[int]) -> tuple[int, int]:
+def shape_key(shape: Sequence[int], channels_first: bool = False) -> tuple[int, int]:
     """``(N, T)`` from the shape of the first block's input.
 
-    ``(N, T, C)`` → ``(N, T)``; ``(N, C, H, W)`` → ``(N, H·W)``; ``(N, C)`` → ``(N, 1)``.
+    ``(N, T, C)`` → ``(N, T)``; ``(N, C, H, W)`` → ``(N, H·W)``; ``(N, C)`` → ``(N, 1)``; with ``channels_first``
+    (a block whose first layer is a convolution: NOTE [What the key cannot see]) ``(N, C, L)`` → ``(N, L)``.
 
     Example:
-        >>> shape_key([8, 128, 768]), shape_key([2, 3, 64, 64])
-        ((8, 128), (2, 4096))
+        >>> shape_key([8, 128, 768]), shape_key([2, 3, 64, 64]), shape_key([4, 1, 16000], channels_first=True)
+        ((8, 128), (2, 4096), (4, 16000))
     """
     if len(shape) == 0:
         return (1, 1)
     if len(shape) <= 2:
         return (int(shape[0]), 1)
-    if len(shape) == 3:
+    if len(shape) == 3 and not channels_first:
         return (int(shape[0]), int(shape[1]))
     return (int(shape[0]), int(math.prod(shape[2:])))
 
@@ -58,10 +59,10 @@ def first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return None
 
 
-def input_key(args: tuple, kwargs: dict) -> tuple[int, int] | None:
+def input_key(args: tuple, kwargs: dict, channels_first: bool = False) -> tuple[int, int] | None:
     """A block's own ``(N, T)``: :func:`shape_key` of its first floating-point input (None without one)."""
     x = args[0] if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point() else first_tensor(args, kwargs)
-    return shape_key(x.shape) if x is not None else None
+    return shape_key(x.shape, channels_first) if x is not None else None
 
 
 class KeyCheck:
@@ -71,11 +72,13 @@ class KeyCheck:
     A step's plan follows its key, the first block's ``(N, T)``, and the memory model predicts every block from
     it. That holds where each block's own shape follows the first block's (a decoder's layers, a vision stack
     whose stages shrink the patches by fixed factors). It does not where a block's length varies apart from it:
-    an encoder-decoder's decoder layers under a fixed source length (T5, Whisper's 3,000 frames), an audio model
-    whose first block is a convolution over raw samples (read ``(N, 1)``, its encoder's frames unseen). There
-    the predictions miss: over the budget, or replays on a GPU. So each step's blocks' own keys are kept per
-    step key (the first ``MAX_KEYS`` keys' worth: bounded), and the first block seen with two shapes under one
-    step key is said once, with what to change.
+    an encoder-decoder's decoder layers under a fixed source length (T5, Whisper's 3,000 frames). There the
+    predictions miss: over the budget, or replays on a GPU. So each step's blocks' own keys are kept per step key
+    (the first ``MAX_KEYS`` keys' worth: bounded), and the first block seen with two shapes under one step key is
+    said once, with what to change. An audio model whose first block is a convolution over raw samples,
+    ``(N, 1, samples)``, read ``(N, 1)`` as a sequence's rows and length would hide every length: a block whose
+    first layer with parameters is a convolution reads its input channels first (``Block.channels_first``), as
+    an image's ``(N, C, H, W)`` is read, and its key is ``(N, samples)``, which its encoder's frames follow.
     """
 
     #: step keys whose blocks' shapes are kept
@@ -100,8 +103,8 @@ class KeyCheck:
                 self.said = True
                 return (f"memfit: the plans follow the first block's input, rows and length {key}, but block {index} "
                         f"(of the blocks memfit found, from 0) ran with {first} and with {own} under it: its memory varies with a "
-                        "length the first block does not carry (an encoder-decoder's decoder length, an audio model's "
-                        "frames behind a convolution over samples), and the predictions will miss (over the budget, "
-                        "or replays on a GPU). Pad that input to one length, pass blocks= a pattern whose first block "
-                        "carries every length (an audio model's encoder layers), or use method='full' (--memfit_method full)")
+                        "length the first block does not carry (an encoder-decoder's decoder length under a fixed source "
+                        "length), and the predictions will miss (over the budget, or replays on a GPU). Pad that input to "
+                        "one length, pass blocks= a pattern whose first block carries every length, or use method='full' "
+                        "(--memfit_method full)")
         return None

@@ -374,6 +374,8 @@ class Block:
         #: (NOTE [Running statistics], buffers.py)
         self._buffer_versions = buffer_versions(module)
         self._stateful: list[torch.Tensor] | None = None
+        #: whether its input is read channels first (NOTE [What the key cannot see], shapes.py)
+        self.channels_first = _starts_with_convolution(module)
         self.listener: BlockListener | None = None
         self.before_run: Callable[[Block], None] | None = None
         self.on_oom: Callable[[Block, tuple, dict, str], Any] | None = None
@@ -611,6 +613,14 @@ def _units(layer: nn.Module, gc_type: type) -> list[nn.Module]:
     if own >= min(sum(p.numel() for p in i.parameters()) for i in inner):
         return [layer]
     return [u for i in inner for u in _units(i, gc_type)]
+
+
+def _starts_with_convolution(module: nn.Module) -> bool:
+    """Whether the first of ``module``'s layers with parameters of their own is a convolution (its input channels first)."""
+    for m in module.modules():
+        if next(m.parameters(recurse=False), None) is not None:
+            return isinstance(m, nn.modules.conv._ConvNd)
+    return False
 
 
 def _listed_beside(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:

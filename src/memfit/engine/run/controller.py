@@ -399,7 +399,7 @@ class Controller:
     def _decide(self, step: StepState, args: tuple, kwargs: dict) -> None:
         x = first_tensor(args, kwargs)
         step.shape = list(x.shape) if x is not None else []
-        step.key = shape_key(step.shape)
+        step.key = shape_key(step.shape, self.blocks[0].channels_first)
         self.planning.note_block_input(x, self.blocks)
         misses = self.planning.cache.misses
         oom = self.replay.oom

@@ -118,7 +118,7 @@ class StepState:
                 "(shared weights, as ALBERT's layer group, run once per layer), and memfit plans each block once a "
                 "step: pass blocks= modules that each run once a forward (the model's own layers, if it has them)")
         self.entered.add(block.index)
-        own = input_key(args, kwargs or {})
+        own = input_key(args, kwargs or {}, block.channels_first)
         if own is not None:
             self.block_keys[block.index] = own  # NOTE [What the key cannot see] (shapes.py)
         return block.index
