@@ -243,6 +243,8 @@ def test_an_audio_model_is_planned_by_its_samples_and_nothing_is_said(caplog):
     import copy
 
     import memfit
+    from _models import assert_grads_equal
+
     tf = pytest.importorskip("transformers")
     config = tf.Wav2Vec2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
                                conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
@@ -259,10 +261,22 @@ def test_an_audio_model_is_planned_by_its_samples_and_nothing_is_said(caplog):
             for m in (model, reference):
                 torch.manual_seed(i)
                 m(**batch).loss.backward()
-            for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-                assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+            assert_grads_equal(model, reference, f"step {i}")
             model.zero_grad(set_to_none=True)
             reference.zero_grad(set_to_none=True)
     assert sorted({tuple(r.shape) for r in ctl.records}) == [(2, 1, 400), (2, 1, 800), (2, 1, 1200)]
     assert not [m for m in caplog.messages if "the plans follow the first block's input" in m]
     ctl.remove()
+
+
+def test_the_key_check_keeps_a_bounded_record():
+    """NOTE [What the key cannot see]: the blocks' shapes are kept for the first ``MAX_KEYS`` step keys only, so a run
+    of ever new lengths holds at most that many keys' worth, whatever its length."""
+    from memfit.engine.shapes import KeyCheck
+
+    check = KeyCheck()
+    blocks = 24
+    for t in range(3 * KeyCheck.MAX_KEYS):
+        assert check.note((2, t), {i: (2, t) for i in range(blocks)}) is None
+    assert len(check._keys) == KeyCheck.MAX_KEYS and len(check._seen) == KeyCheck.MAX_KEYS * blocks
+    assert check.note((2, 0), {0: (2, 5)}) is not None  # a key kept still checks

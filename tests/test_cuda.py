@@ -263,7 +263,7 @@ def test_the_tiled_mlps_order_check_on_cuda_holds_and_dynamic_keeps_nones_gradie
     forcing ``tiled_mlp`` on every block in one chunk gives ``none``'s gradients bit for bit either way."""
     import copy
 
-    from _models import FixedPlan, build_decoder
+    from _models import FixedPlan, assert_grads_equal, build_decoder
     from memfit.engine.plan.planner import Plan
     from memfit.engine.parts.treatments import HOST_CHECKPOINT_TILED, RECOMPUTE_TILED, TILED_MLP
     from memfit.engine.parts.treatments.tiled_mlp import Chunking
@@ -295,10 +295,7 @@ def test_the_tiled_mlps_order_check_on_cuda_holds_and_dynamic_keeps_nones_gradie
         for m in (model, reference):
             torch.manual_seed(seed)
             m(**data).loss.backward()
-        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-            assert (p.grad is None) == (q.grad is None), name
-            if q.grad is not None:
-                assert torch.equal(p.grad, q.grad), f"{arch} {name}"
+        assert_grads_equal(model, reference, f"{arch}, seed {seed}")
         model.zero_grad(set_to_none=True)
         reference.zero_grad(set_to_none=True)
     ctl.remove()

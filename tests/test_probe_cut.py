@@ -194,23 +194,17 @@ def _probe_runs(monkeypatch, names):
     contexts' types) and the block's forwards in all."""
     import memfit
 
-    model, make = build_decoder("llama")
+    model, _ = build_decoder("llama")
     model.to(torch.bfloat16).train()  # half precision: lean keeps less than plain (NOTE [Lean inputs in a tiled block])
     ctl = memfit.fit(model, budget=None, method="none", treatments=names, announce=False)
     block = ctl.blocks[1]
-    captured = {}
-    handle = block.module.register_forward_pre_hook(lambda m, a, k: captured.update(inputs=(a, k)), with_kwargs=True)
-    with torch.no_grad():
-        model.eval()(**make(2, 24))
-    model.train()
-    handle.remove()
+    args, kwargs = _inputs_of(model, block.module, 24)
     plain, treated, forwards = [], [], []
     timing = probe.ProbeKit.forward_backward_ms
     monkeypatch.setattr(probe.ProbeKit, "forward_backward_ms", lambda kit, body, *contexts: (
         plain.append(1) if body is block.body and len(contexts) == 1 else treated.append(1)) or timing(kit, body, *contexts))
     body = block.body
     block.body = lambda *a, **k: forwards.append(1) or body(*a, **k)
-    args, kwargs = captured["inputs"]
     with torch.enable_grad():
         measured = probe.probe_treatments(block, args, kwargs, ctl._counter, torch.device("cpu"), names)
     ctl.remove()
@@ -244,9 +238,8 @@ def test_a_block_whose_gradients_do_not_repeat_is_found_so_once():
             Noisy.calls += 1
             return g * (1 + Noisy.calls * 2.0**-10)
 
-    model, make = build_decoder("llama")
-    block_module = model.model.layers[1]
-    plain_forward = type(block_module).forward
+    model, _ = build_decoder("llama")
+    plain_forward = type(model.model.layers[1]).forward
 
     def noisy_forward(self, *args, **kwargs):  # the output's gradient scaled anew at every backward
         out = plain_forward(self, *args, **kwargs)
@@ -256,21 +249,16 @@ def test_a_block_whose_gradients_do_not_repeat_is_found_so_once():
 
     ctl = memfit.fit(model.train(), budget=None, method="none", treatments=("elementwise",), announce=False)
     block = ctl.blocks[1]
-    captured = {}
-    handle = block.module.register_forward_pre_hook(lambda m, a, k: captured.update(inputs=(a, k)), with_kwargs=True)
-    with torch.no_grad():
-        model.eval()(**make(2, 24))
-    model.train()
-    handle.remove()
+    inputs = _inputs_of(model, block.module, 24)
     noisy = noisy_forward.__get__(block.module)
     runs = []
     block.body = lambda *a, **k: runs.append(1) or noisy(*a, **k)
-    kit = probe.ProbeKit(block, probe._detached(*captured["inputs"]), ctl._counter, torch.device("cpu"))
+    kit = probe.ProbeKit(block, probe._detached(*inputs), ctl._counter, torch.device("cpu"))
     with torch.enable_grad():
         for expected_runs in (3, 2, 2):
             runs.clear()
             assert runs_as_plain(block, kit, lambda: _leaner(block.module, []), kit.shield())
-            assert (len(runs), block.repeats_gradients) == (expected_runs, False)
+            assert (len(runs), block.repeats_gradients) == (expected_runs, False)  # True until the first check
     ctl.remove()
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import memfit
-from _models import FixedPlan
+from _models import FixedPlan, assert_grads_equal
 from memfit.engine.plan.planner import Plan
 
 
@@ -47,8 +47,7 @@ def _train_and_compare(model, reference, lengths):
         for m in (model, reference):
             torch.manual_seed(i)
             m(x).backward()
-        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-            assert torch.equal(p.grad, q.grad), f"step {i} {name}"
+        assert_grads_equal(model, reference, f"step {i}")
         model.zero_grad(set_to_none=True)
         reference.zero_grad(set_to_none=True)
     for (name, b), c in zip(model.named_buffers(), reference.buffers()):
@@ -116,8 +115,7 @@ def test_a_mobilevit_keeps_its_batchnorms_statistics(method):
         for m in (model, reference):
             torch.manual_seed(i)
             m(**data).loss.backward()
-        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-            assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), f"step {i} {name}"
+        assert_grads_equal(model, reference, f"step {i}")
         model.zero_grad(set_to_none=True)
         reference.zero_grad(set_to_none=True)
     for (name, b), c in zip(model.named_buffers(), reference.buffers()):

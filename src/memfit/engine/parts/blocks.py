@@ -388,9 +388,9 @@ class Block:
         #: whether its MLPs tiled in one chunk give the plain body's outputs and gradients bit for bit (measured
         #: once, by the tiled treatments' probe: NOTE [Tiled MLP]); False: nothing of it is tiled
         self.tiles_exactly: bool | None = None
-        #: whether its plain body's gradients come out bit for bit twice; False (an attention backward that sums with
-        #: atomics) once a bit-for-bit check found them not to, and its later checks go by the outputs (``runs_as_plain``)
-        self.repeats_gradients: bool | None = None
+        #: whether its plain body's gradients come out bit for bit twice: False (a kernel that sums with atomics) once a
+        #: bit-for-bit check found them not to, and its later checks go by the outputs (``runs_as_plain``)
+        self.repeats_gradients = True
         #: Dynamo's recompile limit before and after wrapping raised it (NOTE [Recompile limit])
         self.raised_limit: tuple[int, int] | None = None
 

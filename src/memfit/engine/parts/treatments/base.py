@@ -48,7 +48,7 @@ class Block(Protocol):
     lean_body: Callable[..., Any] | None
     compiled: bool
     draws_random: bool | None
-    repeats_gradients: bool | None
+    repeats_gradients: bool
 
     def run_body(self, *args: Any, **kwargs: Any) -> Any: ...
 

@@ -193,10 +193,9 @@ def runs_as_plain(block: "Block", kit: "ProbeKit", context: Callable[[], Any], h
         treated = forward_backward(True, hooks)
         if not _same(plain[0], treated[0]):
             return False
-        if _same(plain[1], treated[1]) or block.repeats_gradients is False:  # not repeatable: found once, not run again
+        if _same(plain[1], treated[1]) or not block.repeats_gradients:  # not repeatable: found once, not run again
             return True
         if _same(plain[1], forward_backward(False, kit.shield())[1]):
-            block.repeats_gradients = True
             return False
         block.repeats_gradients = False
         return True
