@@ -182,3 +182,50 @@ def test_a_kept_heads_bytes_follow_whether_the_outputs_are_held():
     common = set(held) & set(dropped)
     assert common and all(held[n] - dropped[n] == logits for n in common)
     assert three_held - part.saved_bytes(tokens, ("chunked", 3)) == logits  # a count not offered: by formula too
+
+
+def test_a_kept_head_that_made_the_allocator_retry_is_priced_so_at_as_many_tokens_or_more():
+    """NOTE [A kept head's retries]: a steady step that kept the head and retried prices keeping it by the room's price
+    of that retry, at its tokens and more: where keeping it with a block treated made the cheaper plan, chunking it
+    now does; smaller batches keep their price, and a chunked step's retry, a warm-up's, or one the room could not
+    price teaches nothing."""
+    from types import SimpleNamespace
+
+    from memfit.engine.plan.planner import Plan
+    from memfit.engine.plan.planning import ModelUpdate, Planning
+    from memfit.engine.plan.room import Room
+    from memfit.engine.parts.treatments.chunked_head import RunHead
+
+    planning = Planning(2, [0, 0], 10**9, 0, 8, room=Room(10**9, slack_bytes=0))
+    run = RunHead(_decoder(), planning, transient=True, mode=True, logits="drop", plans=True)
+    part = run.part
+    part.extra_ms, part.per_chunk_ms = 3.0, 0.0  # chunking costs 3 ms over keeping, a block's recompute 2 ms
+    blocks = [[("recompute", 10_000, 2.0)]] * 2
+    tokens = 4 * 64
+
+    def head(tokens):
+        options = part.options(tokens)
+        return plan_with_head(blocks, options, 10_000).option("head")
+
+    assert head(tokens) == ("keep", 1) and head(tokens // 2) == ("keep", 1)
+
+    def step(tokens, option, retries=1, phase="steady"):
+        record = SimpleNamespace(treatments={}, implementations={}, alloc_retries=retries, phase=phase, tokens=tokens)
+        run.record(record, Plan(()).with_option("head", option))
+
+    for length in (72, 80):  # clean steps above: the room prices a retry against them
+        planning.apply(ModelUpdate(steady_key=(4, length), net_ms=100.0))
+    planning.apply(ModelUpdate(alloc_retries=True, steady_key=(4, 64), net_ms=110.0))
+    step(tokens, ("chunked", 4))
+    step(tokens, ("keep", 1), phase="warmup")
+    step(tokens, ("keep", 1), retries=0)
+    assert not part.kept_retries.seen and head(tokens) == ("keep", 1)
+    step(tokens, ("keep", 1))  # priced 10 ms over the clean steps
+    assert list(part.kept_retries.seen) == [(tokens, pytest.approx(10.0))]
+    assert head(tokens) == ("chunked", 1) and head(2 * tokens) == ("chunked", 1)
+    assert head(tokens // 2) == ("keep", 1)  # fewer tokens: no retry seen there
+    planning.apply(ModelUpdate(alloc_retries=True, steady_key=(4, 32), net_ms=500.0))
+    planning.room.times.last_retry_ms = None  # a retry the room could not price
+    step(tokens // 2, ("keep", 1))
+    assert len(part.kept_retries.seen) == 1 and head(tokens // 2) == ("keep", 1)
+    run.remove()

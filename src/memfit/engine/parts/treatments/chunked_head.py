@@ -54,6 +54,20 @@ probe's gradients go to detached copies (``torch.autograd.grad``): training is u
 installed kernel that raises when probed is said once and never used. Until the price is known the
 head is free.
 
+# NOTE [A kept head's retries]
+A kept head's logits are a step's largest allocations (tokens x vocabulary, in float32 for the loss: gigabytes at
+128k-256k vocabularies), which at the tight end the caching allocator can serve only from pages it has not mapped
+yet: a steady step that keeps the head there releases the cache to serve them (an allocator retry: a device sync,
+pages unmapped and mapped again), and so does every larger batch that keeps it. The probe times the head alone, with
+room to spare, and the room's slack is one for every shape, priced against every step's plans (NOTE [The slack is
+priced], room.py): neither sees that the retry is the kept head's. On issue 59's 0.25 share cell (s43-3) each of the 7
+steps that kept the head retried, and ran 0.89-1.11x the peer where the steps of nearby lengths that chunked it ran
+0.82-0.84x. So where a steady step kept the head and retried, its retry's price as the room reads it (the step's time
+net of its treatments over a clean step's, NOTE [A retry beside no clean step of its bucket], room.py: a lower bound,
+its aftermath aside) is added to keeping the head at as many tokens or more, for the rest of the run (the median of
+the latest :data:`KEPT_RETRIES` such prices at or under a batch's tokens): the planner then keeps it there only
+where keeping still costs less. A retry the room cannot price yet adds nothing; smaller batches keep their price.
+
 # NOTE [Warm-up's head keeps least]
 Warm-up's steps run near the floor (NOTE [Warm-up on the floor], methods/dynamic.py), and the
 implementations keep different bytes: ``pure_grad_in_forward`` holds a trained head weight's gradient
@@ -92,8 +106,10 @@ one chunk's rows; a probe that runs out of memory there is run again at one chun
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import statistics
 import functools
 import logging
 from collections.abc import Callable
@@ -111,6 +127,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHUNKED", "HEAD_MODES", "HEAD_LOGITS", "check_head_mode", "PROBE_STEPS", "PROBE_TOKENS", "PROBE_CHUNKS", "KeepHead",
+    "KEPT_RETRIES", "KeptRetries",
     "ChunkedHead", "HeadPart", "RunHead", "head_options", "head_without_a_plan", "attach_head_part",
     "fused_line",
 ]
@@ -124,6 +141,8 @@ PROBE_STEPS = 3
 PROBE_TOKENS = 8192
 #: the chunk counts a probe times: the extra time at the fewest, the slope per chunk between them
 PROBE_CHUNKS = (1, 4)
+#: the latest priced retries of steps that kept the head, whose median prices keeping it (NOTE [A kept head's retries])
+KEPT_RETRIES = 8
 #: a chunk count is offered only if it saves this share of the kept head's peak over the count before it
 MIN_CHUNK_GAIN_SHARE = 1 / 64
 #: a batch makes the plans choose the implementation again where it has this many times the tokens of every shape
@@ -349,6 +368,28 @@ def shard_head(spec: "HeadSpec") -> tuple["HeadSpec", float]:
 # back: NOTE [Head in the peaks]). ``memfit estimate`` estimates a chunked head at that count.
 
 
+class KeptRetries:
+    """The latest priced retries of steady steps that kept the LM head, as ``(tokens, ms)``, and what they add to
+    keeping it (NOTE [A kept head's retries])."""
+
+    def __init__(self):
+        self.seen: collections.deque = collections.deque(maxlen=KEPT_RETRIES)
+
+    def ms(self, tokens: int) -> float:
+        """What keeping the head costs at ``tokens`` tokens beyond its probe: the median of the retries at as many
+        tokens or fewer (0 for none)."""
+        prices = [ms for at, ms in self.seen if at <= tokens]
+        return float(statistics.median(prices)) if prices else 0.0
+
+    def add(self, tokens: int, retry_ms: float | None) -> bool:
+        """A steady step of ``tokens`` tokens kept the head and the allocator retried, priced ``retry_ms`` by the room
+        (None: not priced yet, nothing learnt); True where the price changed."""
+        if retry_ms is None or retry_ms <= 0:
+            return False
+        self.seen.append((int(tokens), float(retry_ms)))
+        return True
+
+
 class HeadPart(PartKind):
     """The head as the planner and the controller see it, a part kind (parts/kind.py): its options per shape
     (NOTE [Head options]) and the switch a plan sets (``plan.option("head")``, NOTE [The head in the plan]).
@@ -383,7 +424,7 @@ class HeadPart(PartKind):
                  aside: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
         self.switch, self.extra_ms, self.per_chunk_ms = switch, float(extra_ms), float(per_chunk_ms)
         self.extra_ms_per_token, self.transient = float(extra_ms_per_token), transient
-        self.free_bytes, self.aside = free_bytes, aside
+        self.free_bytes, self.aside, self.kept_retries = free_bytes, aside, KeptRetries()
         #: how many times its price changed (warm-up's probes, the plans' choice): NOTE [Parts priced anew]; probed_steps
         self.priced = self.probed_steps = 0
         self.probes: dict[str, dict[int, dict[str, float]]] = {}
@@ -551,11 +592,11 @@ class HeadPart(PartKind):
 
     def options(self, tokens: int, implementation: str | None = None) -> tuple[tuple[str, int, int, float], ...]:
         """The head's options for a batch of ``tokens`` tokens (``batch x length``), chunked by ``implementation``
-        (None: the one the switch runs), priced by the price line of the one the switch runs."""
+        (None: the one the switch runs), priced by its price line, keeping by NOTE [A kept head's retries]."""
         spec, implementation = self.switch.spec, implementation or self.switch.implementation
-        weight = spec.weight
+        weight, extra_ms = spec.weight, self.extra_ms + self.extra_ms_per_token * tokens - self.kept_retries.ms(tokens)
         return head_options(
-            tokens, spec.vocab_size, weight.shape[-1], weight.dtype, self.extra_ms + self.extra_ms_per_token * tokens,
+            tokens, spec.vocab_size, weight.shape[-1], weight.dtype, extra_ms,
             self.per_chunk_ms,
             softcap=spec.softcap is not None, implementation=implementation, transient=self.transient,
             logits_held=self.switch.logits_held, weight_trains=weight.requires_grad,
@@ -828,6 +869,9 @@ class RunHead:
         record.treatments[HEAD_KEY] = plan.part_labels()[HEAD_KEY]
         if head[0] == CHUNKED and self._switch is not None:
             record.implementations[HEAD_KEY] = self._switch.implementation
+        elif head[0] == KEEP and record.alloc_retries and record.phase == "steady":  # NOTE [A kept head's retries]
+            if self.part.kept_retries.add(record.tokens, self.planning.room.times.last_retry_ms):
+                self.part.priced += 1  # the plans cached before are stale (NOTE [Parts priced anew], planning.py)
 
     def remove(self) -> None:
         """Take the head's hooks off the model (they stay on, inert, after :meth:`leave`, until now)."""
