@@ -184,15 +184,15 @@ def test_a_kept_heads_bytes_follow_whether_the_outputs_are_held():
     assert three_held - part.saved_bytes(tokens, ("chunked", 3)) == logits  # a count not offered: by formula too
 
 
-def test_a_kept_head_that_made_the_allocator_retry_is_priced_so_at_as_many_tokens_or_more():
-    """NOTE [A kept head's retries]: a steady step that kept the head and retried prices keeping it by the room's price
-    of that retry, at its tokens and more: where keeping it with a block treated made the cheaper plan, chunking it
-    now does; smaller batches keep their price, and a chunked step's retry, a warm-up's, or one the room could not
-    price teaches nothing."""
+def test_a_kept_head_that_made_the_allocator_retry_is_not_kept_at_as_many_tokens_or_more():
+    """NOTE [A kept head's retries]: once a steady step kept the head and the allocator retried, the head's options at
+    its tokens and more are the chunked ones, so where keeping it with blocks treated made the cheaper plan, chunking
+    it now does, also where nothing is needed; smaller batches may keep it, a smaller retry lowers the bound, and a
+    chunked step's retry, a warm-up's or a step without one teaches nothing."""
     from types import SimpleNamespace
 
     from memfit.engine.plan.planner import Plan
-    from memfit.engine.plan.planning import ModelUpdate, Planning
+    from memfit.engine.plan.planning import Planning
     from memfit.engine.plan.room import Room
     from memfit.engine.parts.treatments.chunked_head import RunHead
 
@@ -203,29 +203,26 @@ def test_a_kept_head_that_made_the_allocator_retry_is_priced_so_at_as_many_token
     blocks = [[("recompute", 10_000, 2.0)]] * 2
     tokens = 4 * 64
 
-    def head(tokens):
-        options = part.options(tokens)
-        return plan_with_head(blocks, options, 10_000).option("head")
-
-    assert head(tokens) == ("keep", 1) and head(tokens // 2) == ("keep", 1)
+    def head(tokens, need=10_000):
+        return plan_with_head(blocks, part.options(tokens), need).option("head")
 
     def step(tokens, option, retries=1, phase="steady"):
         record = SimpleNamespace(treatments={}, implementations={}, alloc_retries=retries, phase=phase, tokens=tokens)
         run.record(record, Plan(()).with_option("head", option))
 
-    for length in (72, 80):  # clean steps above: the room prices a retry against them
-        planning.apply(ModelUpdate(steady_key=(4, length), net_ms=100.0))
-    planning.apply(ModelUpdate(alloc_retries=True, steady_key=(4, 64), net_ms=110.0))
+    assert head(tokens) == ("keep", 1) and head(tokens // 2) == ("keep", 1)
+    priced = part.priced
     step(tokens, ("chunked", 4))
     step(tokens, ("keep", 1), phase="warmup")
     step(tokens, ("keep", 1), retries=0)
-    assert not part.kept_retries.seen and head(tokens) == ("keep", 1)
-    step(tokens, ("keep", 1))  # priced 10 ms over the clean steps
-    assert list(part.kept_retries.seen) == [(tokens, pytest.approx(10.0))]
-    assert head(tokens) == ("chunked", 1) and head(2 * tokens) == ("chunked", 1)
-    assert head(tokens // 2) == ("keep", 1)  # fewer tokens: no retry seen there
-    planning.apply(ModelUpdate(alloc_retries=True, steady_key=(4, 32), net_ms=500.0))
-    planning.room.times.last_retry_ms = None  # a retry the room could not price
+    assert part.kept_retries.tokens is None and part.priced == priced and head(tokens) == ("keep", 1)
+    step(tokens, ("keep", 1))
+    assert part.kept_retries.tokens == tokens and part.priced == priced + 1  # the cached plans are stale
+    assert all(name == "chunked" for name, *_ in part.options(tokens))
+    assert head(tokens) == ("chunked", 1) and head(2 * tokens) == ("chunked", 1) and head(tokens, need=0) == ("chunked", 1)
+    assert head(tokens // 2) == ("keep", 1) and part.untreated(tokens)[0] == "chunked"
+    step(2 * tokens, ("keep", 1))  # more tokens: the bound stands
+    assert part.kept_retries.tokens == tokens and part.priced == priced + 1
     step(tokens // 2, ("keep", 1))
-    assert len(part.kept_retries.seen) == 1 and head(tokens // 2) == ("keep", 1)
+    assert part.kept_retries.tokens == tokens // 2 and head(tokens // 2) == ("chunked", 1)
     run.remove()

@@ -520,19 +520,3 @@ def test_other_streams_pools_are_kept_free_apart_from_the_slack():
     outcome = StepOutcome(key=(8, 64), plan=Plan(()), warmup=True, outside=0, by_block=[0] * 4, static=0, peak=0,
                           plain_peak=0, transient=None, pool_bytes=20_000)
     assert learner.grow_slack(planning, outcome).pool_bytes == 20_000  # a warm-up step's reading is learnt too
-
-
-def test_the_latest_steady_retry_is_kept_priced_for_the_head():
-    """NOTE [A kept head's retries]: the room keeps the latest steady step's retry as it priced it (its time net of its
-    treatments over a clean step's, larger buckets' where its own has none), None after a step that did not retry or a
-    retry it could not price yet: what keeping the LM head is priced by."""
-    planning = Planning(4, [0, 0, 0, 0], 1_000_000, 0, 8, room=Room(1_000_000, slack_bytes=1000))
-    planning.apply(ModelUpdate(alloc_retries=True, steady_key=(8, 64), net_ms=500.0))
-    assert planning.room.times.last_retry_ms is None  # no clean step anywhere: not priced
-    for length in (128, 136):
-        planning.apply(ModelUpdate(steady_key=(8, length), net_ms=300.0))
-    assert planning.room.times.last_retry_ms is None
-    planning.apply(ModelUpdate(alloc_retries=True, steady_key=(8, 96), net_ms=340.0))
-    assert planning.room.times.last_retry_ms == pytest.approx(40.0)  # over the larger buckets' clean 300 ms
-    planning.apply(ModelUpdate(steady_key=(8, 100), net_ms=300.0))
-    assert planning.room.times.last_retry_ms is None

@@ -180,9 +180,6 @@ class StepTimes:
     after_retry_ms: float | None = None
     #: steady steps in a row that retried since the last clean step or the last growth of the slack it made
     streak: int = 0
-    #: the latest steady step's retry, priced as it ran (:meth:`excess_ms`, its aftermath aside); None where it did
-    #: not retry or could not be priced yet: what a kept head's retry costs (NOTE [A kept head's retries], chunked_head.py)
-    last_retry_ms: float | None = None
 
     def add_clean(self, bucket: tuple[int, int], net_ms: float) -> None:
         kept = self.clean_ms.pop(bucket, None) or deque(maxlen=CLEAN_STEPS_KEPT)  # re-inserted: the latest seen last
@@ -356,7 +353,6 @@ class Room:
         per step over the latest steady steps. Returns whether the room changed."""
         times = self.times
         times.note(key, bool(alloc_retries))
-        times.last_retry_ms = None
         pending, times.after_retry_ms = times.after_retry_ms, None
         if not alloc_retries:
             if net_ms is None:
@@ -375,7 +371,7 @@ class Room:
             return self.price_retry(waited * times.retry_share, growth_ms()) or changed
         if net_ms is None:
             return self.after_alloc_retries(None)
-        excess = times.last_retry_ms = times.excess_ms(bucket, net_ms)  # against its bucket's clean steps, else their bound
+        excess = times.excess_ms(bucket, net_ms)  # against its bucket's clean steps, else their bound
         if excess is not None and times.streak < RETRY_STREAK:  # priced with the next step's aftermath (NOTE [The slack is priced])
             times.after_retry_ms = excess + (pending or 0.0)  # a retry before it: its aftermath is in this step's time
             return self.after_waiting_retry()

@@ -56,17 +56,18 @@ head is free.
 
 # NOTE [A kept head's retries]
 A kept head's logits are a step's largest allocations (tokens x vocabulary, in float32 for the loss: gigabytes at
-128k-256k vocabularies), which at the tight end the caching allocator can serve only from pages it has not mapped
-yet: a steady step that keeps the head there releases the cache to serve them (an allocator retry: a device sync,
-pages unmapped and mapped again), and so does every larger batch that keeps it. The probe times the head alone, with
-room to spare, and the room's slack is one for every shape, priced against every step's plans (NOTE [The slack is
-priced], room.py): neither sees that the retry is the kept head's. On issue 59's 0.25 share cell (s43-3) each of the 7
-steps that kept the head retried, and ran 0.89-1.11x the peer where the steps of nearby lengths that chunked it ran
-0.82-0.84x. So where a steady step kept the head and retried, its retry's price as the room reads it (the step's time
-net of its treatments over a clean step's, NOTE [A retry beside no clean step of its bucket], room.py: a lower bound,
-its aftermath aside) is added to keeping the head at as many tokens or more, for the rest of the run (the median of
-the latest :data:`KEPT_RETRIES` such prices at or under a batch's tokens): the planner then keeps it there only
-where keeping still costs less. A retry the room cannot price yet adds nothing; smaller batches keep their price.
+128k-256k vocabularies). At the tight end the caching allocator has mapped nearly the whole cap by then (the long
+steps' pages stay mapped), so it serves them from a free block at least as large or not at all: where none is, it
+releases its cache to serve them (an allocator retry: a device sync, every free page unmapped, and the rest of the
+step mapping pages again). On issue 59's 0.25 share cell (s45-2) 3 of the 7 steady steps that kept the head
+retried, and ran 0.995-1.16x the peer where the 4 that did not ran 0.76-0.88x and the steps of nearby lengths that
+chunked it 0.81-0.85x: about 45-85 ms a retry, a fifth to a third of such a step, where keeping it gained 0-15 ms
+over chunking it. The probe times the head with room to spare, and the room's slack is one for every shape (NOTE [The
+slack is priced], room.py): neither sees that the retry is the kept head's, and the room's price of a short step's
+retry, against larger buckets' clean steps, reads 0. So once a steady step that kept the head retried, the head is
+not kept at as many tokens or more for the rest of the run (:class:`KeptRetries`): its options there are the chunked
+ones (a part's first option is not required to save nothing: NOTE [Parts beside the blocks], planner.py), which
+keep a chunk's logits at a time. Smaller batches may still keep it; a run without a cap never retries.
 
 # NOTE [Warm-up's head keeps least]
 Warm-up's steps run near the floor (NOTE [Warm-up on the floor], methods/dynamic.py), and the
@@ -106,10 +107,8 @@ one chunk's rows; a probe that runs out of memory there is run again at one chun
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
-import statistics
 import functools
 import logging
 from collections.abc import Callable
@@ -127,7 +126,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHUNKED", "HEAD_MODES", "HEAD_LOGITS", "check_head_mode", "PROBE_STEPS", "PROBE_TOKENS", "PROBE_CHUNKS", "KeepHead",
-    "KEPT_RETRIES", "KeptRetries",
+    "KeptRetries",
     "ChunkedHead", "HeadPart", "RunHead", "head_options", "head_without_a_plan", "attach_head_part",
     "fused_line",
 ]
@@ -141,8 +140,6 @@ PROBE_STEPS = 3
 PROBE_TOKENS = 8192
 #: the chunk counts a probe times: the extra time at the fewest, the slope per chunk between them
 PROBE_CHUNKS = (1, 4)
-#: the latest priced retries of steps that kept the head, whose median prices keeping it (NOTE [A kept head's retries])
-KEPT_RETRIES = 8
 #: a chunk count is offered only if it saves this share of the kept head's peak over the count before it
 MIN_CHUNK_GAIN_SHARE = 1 / 64
 #: a batch makes the plans choose the implementation again where it has this many times the tokens of every shape
@@ -369,25 +366,22 @@ def shard_head(spec: "HeadSpec") -> tuple["HeadSpec", float]:
 
 
 class KeptRetries:
-    """The latest priced retries of steady steps that kept the LM head, as ``(tokens, ms)``, and what they add to
-    keeping it (NOTE [A kept head's retries])."""
+    """The fewest tokens at which a steady step that kept the LM head made the allocator retry (NOTE [A kept head's
+    retries]): the head is not kept at as many tokens or more."""
 
     def __init__(self):
-        self.seen: collections.deque = collections.deque(maxlen=KEPT_RETRIES)
+        self.tokens: int | None = None
 
-    def ms(self, tokens: int) -> float:
-        """What keeping the head costs at ``tokens`` tokens beyond its probe: the median of the retries at as many
-        tokens or fewer (0 for none)."""
-        prices = [ms for at, ms in self.seen if at <= tokens]
-        return float(statistics.median(prices)) if prices else 0.0
-
-    def add(self, tokens: int, retry_ms: float | None) -> bool:
-        """A steady step of ``tokens`` tokens kept the head and the allocator retried, priced ``retry_ms`` by the room
-        (None: not priced yet, nothing learnt); True where the price changed."""
-        if retry_ms is None or retry_ms <= 0:
+    def add(self, tokens: int) -> bool:
+        """A steady step of ``tokens`` tokens kept the head and the allocator retried; True where the bound fell."""
+        if self.tokens is not None and self.tokens <= tokens:
             return False
-        self.seen.append((int(tokens), float(retry_ms)))
+        self.tokens = int(tokens)
         return True
+
+    def offered(self, tokens: int, options: tuple[tuple[str, int, int, float], ...]) -> tuple[tuple[str, int, int, float], ...]:
+        """The head's ``options`` at ``tokens`` tokens without keeping it where a kept head retried at as few."""
+        return options[1:] if self.tokens is not None and tokens >= self.tokens and len(options) > 1 else options
 
 
 class HeadPart(PartKind):
@@ -592,16 +586,16 @@ class HeadPart(PartKind):
 
     def options(self, tokens: int, implementation: str | None = None) -> tuple[tuple[str, int, int, float], ...]:
         """The head's options for a batch of ``tokens`` tokens (``batch x length``), chunked by ``implementation``
-        (None: the one the switch runs), priced by its price line, keeping by NOTE [A kept head's retries]."""
+        (None: the one the switch runs), priced by its price line; not kept where NOTE [A kept head's retries] says."""
         spec, implementation = self.switch.spec, implementation or self.switch.implementation
-        weight, extra_ms = spec.weight, self.extra_ms + self.extra_ms_per_token * tokens - self.kept_retries.ms(tokens)
-        return head_options(
-            tokens, spec.vocab_size, weight.shape[-1], weight.dtype, extra_ms,
+        weight = spec.weight
+        return self.kept_retries.offered(tokens, head_options(
+            tokens, spec.vocab_size, weight.shape[-1], weight.dtype, self.extra_ms + self.extra_ms_per_token * tokens,
             self.per_chunk_ms,
             softcap=spec.softcap is not None, implementation=implementation, transient=self.transient,
             logits_held=self.switch.logits_held, weight_trains=weight.requires_grad,
             saved_gap=self.saved_gap.get(implementation, 0),
-        )
+        ))
 
     def leanest(self, tokens: int) -> str:
         """Of the implementations probed and in use (else the switch's), the one that keeps least at ``tokens`` tokens
@@ -869,9 +863,10 @@ class RunHead:
         record.treatments[HEAD_KEY] = plan.part_labels()[HEAD_KEY]
         if head[0] == CHUNKED and self._switch is not None:
             record.implementations[HEAD_KEY] = self._switch.implementation
-        elif head[0] == KEEP and record.alloc_retries and record.phase == "steady":  # NOTE [A kept head's retries]
-            if self.part.kept_retries.add(record.tokens, self.planning.room.times.last_retry_ms):
-                self.part.priced += 1  # the plans cached before are stale (NOTE [Parts priced anew], planning.py)
+        elif head[0] == KEEP and record.alloc_retries and record.phase == "steady" and self.part.kept_retries.add(record.tokens):
+            self.part.priced += 1  # NOTE [A kept head's retries]; the plans cached before are stale (NOTE [Parts priced anew])
+            logger.debug("memfit: a step of %d tokens kept the LM head and the allocator released its cache to serve it; "
+                         "the head is chunked at %d tokens or more from now on", record.tokens, record.tokens)
 
     def remove(self) -> None:
         """Take the head's hooks off the model (they stay on, inert, after :meth:`leave`, until now)."""
