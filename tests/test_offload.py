@@ -77,6 +77,27 @@ def test_the_run_depth_is_the_plans():
     ctl.remove()
 
 
+def test_a_block_that_starts_with_a_convolution_reads_its_depth_at_its_samples():
+    """The depth is read at the offloaded block's key as the step reads its key (NOTE [What the key cannot see]): a
+    Wav2Vec2 feature block's input ``(N, 1, samples)`` channels first, ``(N, samples)``, not one token a row."""
+    tf = pytest.importorskip("transformers")
+    config = tf.Wav2Vec2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
+                               conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                               num_conv_pos_embedding_groups=2, num_labels=2, mask_time_prob=0.0)
+    torch.manual_seed(0)
+    model = tf.Wav2Vec2ForSequenceClassification(config).train()
+    n = len(memfit.engine.parts.blocks.find_blocks(model))
+    ctl = memfit.fit(model, budget=None, method=FixedPlan(Plan(tuple(range(n)), kinds=("offload",) * n)),
+                     treatments=("recompute", "offload"), announce=False)
+    assert ctl.blocks[0].channels_first
+    offload: Offload = ctl.treatments["offload"]
+    asked = []
+    offload.depth_for = lambda key: asked.append(key) or 1
+    model(input_values=torch.randn(2, 400), labels=torch.tensor([0, 1])).loss.backward()
+    assert asked == [(2, 400)]
+    ctl.remove()
+
+
 # ---------------------------------------------------------------------------- pinned pool
 def test_size_classes_are_at_most_a_quarter_over():
     for n in (1, 4096, 4097, 5000, 2**20, 2**20 + 1, 3 * 2**20 + 7, 10**9):

@@ -141,6 +141,7 @@ def sweep(
                 trials += 1
                 ctl = fit(model, budget, _FirstK(k), optimizer=optimizer, margin=margin, bucket_tokens=bucket_tokens, blocks=blocks)
                 n_blocks, room = len(ctl.blocks), ctl.planning.room_bytes
+                channels_first = ctl.blocks[0].channels_first  # keyed as the run keys its steps (NOTE [What the key cannot see])
                 failed = False
                 try:
                     for _ in range(2):
@@ -159,7 +160,7 @@ def sweep(
                 if fits or k >= n_blocks:
                     break
                 k += 1
-            key = shape_key(records[0].shape) if records else bucket
+            key = shape_key(records[0].shape, channels_first) if records else bucket
             plans[key] = tuple(range(k))
             rows.append({
                 "key": list(key), "bucket": list(bucket), "k": k, "fits": fits,

@@ -61,7 +61,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from memfit.errors import UserError
-from memfit.engine.shapes import first_tensor, shape_key
+from memfit.engine.shapes import first_tensor, input_key
 from memfit.engine.parts.treatments.base import RunOptions, Treatment
 
 if TYPE_CHECKING:
@@ -347,7 +347,7 @@ class Offload(Treatment):
         x = first_tensor(args, kwargs)
         cuda = x is not None and x.device.type == "cuda"
         if not self._stashes:  # the step's first offloaded block
-            self.depth = max(1, int(self.depth_for(shape_key(list(x.shape))))) if self.depth_for and x is not None else 1
+            self.depth = max(1, int(self.depth_for(input_key(args, kwargs, block.channels_first)))) if self.depth_for and x is not None else 1
             self.stats.steps += 1
             self.stats.depth_by_step.append(self.depth)
             self.stats.blocks_by_step.append(0)
