@@ -74,6 +74,16 @@ def build(arch: str):
     raise ValueError(arch)
 
 
+def tiny_wav2vec2():
+    """A tiny Wav2Vec2 classifier whose first blocks are convolutions over raw samples (NOTE [What the key cannot see])."""
+    tf = pytest.importorskip("transformers")
+    config = tf.Wav2Vec2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
+                               conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                               num_conv_pos_embedding_groups=2, num_labels=2, mask_time_prob=0.0)
+    torch.manual_seed(0)
+    return tf.Wav2Vec2ForSequenceClassification(config).train()
+
+
 def build_decoder(arch: str, lora: bool = False):
     """Return ``(model, make_batch(n, length))`` for a tiny decoder LLM of ``arch`` (dropout on,
     no KV cache); with ``lora``, a peft LoRA model over it whose adapters start random (peft's

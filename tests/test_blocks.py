@@ -243,14 +243,9 @@ def test_an_audio_model_is_planned_by_its_samples_and_nothing_is_said(caplog):
     import copy
 
     import memfit
-    from _models import assert_grads_equal
+    from _models import assert_grads_equal, tiny_wav2vec2
 
-    tf = pytest.importorskip("transformers")
-    config = tf.Wav2Vec2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
-                               conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
-                               num_conv_pos_embedding_groups=2, num_labels=2, mask_time_prob=0.0)
-    torch.manual_seed(0)
-    model = tf.Wav2Vec2ForSequenceClassification(config).train()
+    model = tiny_wav2vec2()
     reference = copy.deepcopy(model)
     ctl = memfit.fit(model, budget=10**8, method="dynamic", announce=False)
     assert [b.channels_first for b in ctl.blocks][:2] == [True, True] and not ctl.blocks[-1].channels_first

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import memfit
-from _models import FixedPlan, VOCAB, _text_batch, step_both_and_compare
+from _models import FixedPlan, VOCAB, _text_batch, step_both_and_compare, tiny_wav2vec2
 from memfit.engine.plan.model import MemoryModel
 from memfit.engine.plan.planner import Plan
 from memfit.engine.plan.planning import Planning
@@ -80,12 +80,7 @@ def test_the_run_depth_is_the_plans():
 def test_a_block_that_starts_with_a_convolution_reads_its_depth_at_its_samples():
     """The depth is read at the offloaded block's key as the step reads its key (NOTE [What the key cannot see]): a
     Wav2Vec2 feature block's input ``(N, 1, samples)`` channels first, ``(N, samples)``, not one token a row."""
-    tf = pytest.importorskip("transformers")
-    config = tf.Wav2Vec2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
-                               conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
-                               num_conv_pos_embedding_groups=2, num_labels=2, mask_time_prob=0.0)
-    torch.manual_seed(0)
-    model = tf.Wav2Vec2ForSequenceClassification(config).train()
+    model = tiny_wav2vec2()
     n = len(memfit.engine.parts.blocks.find_blocks(model))
     ctl = memfit.fit(model, budget=None, method=FixedPlan(Plan(tuple(range(n)), kinds=("offload",) * n)),
                      treatments=("recompute", "offload"), announce=False)
