@@ -56,18 +56,16 @@ head is free.
 
 # NOTE [A kept head's retries]
 A kept head's logits are a step's largest allocations (tokens x vocabulary, in float32 for the loss: gigabytes at
-128k-256k vocabularies). At the tight end the caching allocator has mapped nearly the whole cap by then (the long
-steps' pages stay mapped), so it serves them from a free block at least as large or not at all: where none is, it
-releases its cache to serve them (an allocator retry: a device sync, every free page unmapped, and the rest of the
-step mapping pages again). On issue 59's 0.25 share cell (s45-2) 3 of the 7 steady steps that kept the head
-retried, and ran 0.995-1.16x the peer where the 4 that did not ran 0.76-0.88x and the steps of nearby lengths that
-chunked it 0.81-0.85x: about 45-85 ms a retry, a fifth to a third of such a step, where keeping it gained 0-15 ms
-over chunking it. The probe times the head with room to spare, and the room's slack is one for every shape (NOTE [The
-slack is priced], room.py): neither sees that the retry is the kept head's, and the room's price of a short step's
-retry, against larger buckets' clean steps, reads 0. So once a steady step that kept the head retried, the head is
+128k-256k vocabularies). At the tight end the long steps leave nearly the whole cap mapped, so the caching allocator
+serves them from a free block at least as large, or by releasing its cache first (an allocator retry: a device sync,
+every free page unmapped, and the rest of the step mapping pages again), and a larger batch that keeps the head needs
+more. Such a retry cost a fifth to a third of a short step where keeping the head gained a few percent over chunking it
+(docs/devlog.md, session 45). Nothing else prices it: the probe times the head with room to spare, and the room's
+slack is one for every shape (NOTE [The slack is priced], room.py), whose price of a short step's retry, against
+larger buckets' clean steps, reads 0. So once a steady step that kept the head had the allocator retry, the head is
 not kept at as many tokens or more for the rest of the run (:class:`KeptRetries`): its options there are the chunked
-ones (a part's first option is not required to save nothing: NOTE [Parts beside the blocks], planner.py), which
-keep a chunk's logits at a time. Smaller batches may still keep it; a run without a cap never retries.
+ones (the planner takes any part's options as they come: NOTE [Parts beside the blocks], planner.py). Smaller batches
+may still keep it, and a run whose head fits beside the cache never retries for it.
 
 # NOTE [Warm-up's head keeps least]
 Warm-up's steps run near the floor (NOTE [Warm-up on the floor], methods/dynamic.py), and the
