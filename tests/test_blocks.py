@@ -109,6 +109,61 @@ def test_a_layer_holding_a_layers_worth_of_its_own_work_is_the_block():
     assert [n for n, _ in find_blocks(model)] == ["stages.0.layers.0", "stages.0.layers.1", "stages.1"]
 
 
+def test_a_checkpointing_layers_own_list_of_layers_gives_the_blocks():
+    """NOTE [Nested layers]: a checkpointing layer holding, as its direct child, a list of two or more modules of one
+    class is a stage of them (Swin V2's stage: its layers transformers does not checkpoint), and they are the blocks
+    unless the layer's own work outweighs one of them (MobileBERT's attention beside its feed-forward networks); a
+    list deeper down (a mixture's experts under its MLP) leaves the layer whole."""
+    from torch import nn
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    class Stage(GradientCheckpointingLayer):
+        def __init__(self, own: int):
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+            self.own = nn.Linear(own, own, bias=False)
+
+    class Moe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
+
+    class Decoder(GradientCheckpointingLayer):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.mlp = nn.Linear(8, 8), Moe()
+
+    model = nn.Module()
+    model.stages = nn.ModuleList([Stage(2), Stage(9)])  # 4 parameters of its own (a stage), 81 (more than a layer's 72)
+    model.layers = nn.ModuleList([Decoder(), Decoder()])
+    assert [n for n, _ in find_blocks(model)] == ["stages.0.blocks.0", "stages.0.blocks.1", "stages.1", "layers.0", "layers.1"]
+
+
+def test_swin_v2s_layers_are_the_blocks_and_its_gradients_stay_exact():
+    """Swin V2 checkpoints its stages, not its layers: the layers are the blocks (NOTE [Nested layers]), each a
+    treatment of its own, and every plan gives the gradients of training without memfit, bit for bit (drop path and
+    dropout on)."""
+    import copy
+
+    import memfit
+    import transformers as tf
+    from _models import _image_batch, logical_peak, step_both_and_compare
+
+    config = tf.Swinv2Config(image_size=64, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=4,
+                             hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, drop_path_rate=0.1, num_labels=2)
+    torch.manual_seed(0)
+    model = tf.Swinv2ForImageClassification(config).train()
+    assert [type(m).__name__ for _, m in find_blocks(model)] == ["Swinv2Layer"] * 4
+    batches = [_image_batch(2, s) for s in (32, 64, 48, 64)]
+    budget = (logical_peak(model, batches[1], "none") + logical_peak(model, batches[1], "full")) // 2
+    reference = copy.deepcopy(model)
+    ctl = memfit.fit(model, budget=budget, method="dynamic", warmup_steps=2, warmup_keys=2, announce=False)
+    for step, batch in enumerate(batches):
+        step_both_and_compare(model, reference, batch, 100 + step, f"swinv2 step {step}")
+    assert any(r.n_checkpointed for r in ctl.records) and len(ctl.blocks) == 4
+    ctl.remove()
+
+
 def test_zamba2s_hybrid_layer_is_one_block_and_its_gradients_stay_exact():
     """Zamba 2 (transformers' tiny config): its hybrid layer, a shared transformer beside a Mamba layer, is a block
     whole; every plan gives the gradients of training without memfit, bit for bit."""

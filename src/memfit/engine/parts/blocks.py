@@ -603,9 +603,16 @@ def _units(layer: nn.Module, gc_type: type) -> list[nn.Module]:
     layer beside a layer's worth of their own work (Zamba 2's hybrid layer: a shared transformer, attention
     and MLP, beside a Mamba layer). Taken apart, that work would be in no block: never treated, and the
     floor higher by it. So a layer is a block of its own where the parameters it holds outside its inner
-    layers number at least its smallest inner layer's; else its inner layers are, by the same rule."""
+    layers number at least its smallest inner layer's; else its inner layers are, by the same rule.
+
+    A stage whose layers transformers does not checkpoint (Swin V2's, Donut's and MaskFormer's Swin stages,
+    FocalNet's) holds them in a list of its own, its direct child: there the list's items are its inner layers,
+    by the same rule. Whole, such a stage is one checkpoint over up to eighteen layers, whose backward holds
+    them all at once again. A list deeper down is no stage's (a mixture's experts, under its MLP), and a
+    layer whose own work outweighs an item of its list (MobileBERT's attention beside its stacked
+    feed-forward networks) stays whole."""
     nested = [c for c in layer.modules() if c is not layer and isinstance(c, gc_type)]
-    inner = _top_layers(nested, nested)
+    inner = _top_layers(nested, nested) or _listed_layers(layer)
     if not inner:
         return [layer]
     held = {id(p): p.numel() for i in inner for p in i.parameters()}
@@ -613,6 +620,21 @@ def _units(layer: nn.Module, gc_type: type) -> list[nn.Module]:
     if own >= min(sum(p.numel() for p in i.parameters()) for i in inner):
         return [layer]
     return [u for i in inner for u in _units(i, gc_type)]
+
+
+def _listed_layers(layer: nn.Module) -> list[nn.Module]:
+    """The items of ``layer``'s own list of layers (NOTE [Nested layers]): of its direct children that are lists, the
+    one of two or more modules of one class, each with parameters, that holds the most parameters; none without."""
+    best: list[nn.Module] = []
+    for child in layer.children():
+        if not isinstance(child, nn.ModuleList):
+            continue
+        items = list(child)
+        if (len(items) >= 2 and len({type(m) for m in items}) == 1 and not isinstance(items[0], _CONTAINERS)
+                and all(next(m.parameters(), None) is not None for m in items)):
+            if sum(p.numel() for m in items for p in m.parameters()) > sum(p.numel() for m in best for p in m.parameters()):
+                best = items
+    return best
 
 
 def _starts_with_convolution(module: nn.Module) -> bool:
