@@ -139,6 +139,19 @@ def test_a_checkpointing_layers_own_list_of_layers_gives_the_blocks():
     assert [n for n, _ in find_blocks(model)] == ["stages.0.blocks.0", "stages.0.blocks.1", "stages.1", "layers.0", "layers.1"]
 
 
+@pytest.mark.parametrize("family", ["Swinv2", "DonutSwin", "MaskFormerSwin", "FocalNet"])
+def test_stages_checkpointed_whole_are_planned_by_their_layers(family):
+    """NOTE [Nested layers]: the families whose stages transformers checkpoints (their layers listed in the stage) are
+    planned by their layers, each stage's layers in order, whichever of the two transformers checkpoints."""
+    tf = pytest.importorskip("transformers")
+    if not hasattr(tf, f"{family}Config"):
+        pytest.skip(f"transformers {tf.__version__} has no {family}")
+    extra = {} if family == "FocalNet" else {"num_heads": [2, 2], "window_size": 4}
+    config = getattr(tf, f"{family}Config")(image_size=64, patch_size=4, embed_dim=16, depths=[2, 3], **extra)
+    model = getattr(tf, f"{family}Model")(config)
+    assert [type(m).__name__ for _, m in find_blocks(model)] == [f"{family}Layer"] * 5
+
+
 def test_swin_v2s_layers_are_the_blocks_and_its_gradients_stay_exact():
     """Swin V2 checkpoints its stages, not its layers: the layers are the blocks (NOTE [Nested layers]), each a
     treatment of its own, and every plan gives the gradients of training without memfit, bit for bit (drop path and
