@@ -9,6 +9,7 @@ loss's float additions, so not bitwise). ``head=False`` leaves the records as th
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -1077,3 +1078,39 @@ def test_a_steps_probe_times_keep_once_per_size_and_every_implementation_reads_i
     seen = part.probes["pure"][4]
     assert seen["keep"] == part.probes["pure_grad_in_forward"][1]["keep"] > 0 and seen["kept_saved"] > 0
     part.remove()
+
+
+def test_a_kept_heads_retry_chunks_the_head_from_the_next_step_on(monkeypatch):
+    """NOTE [A kept head's retries], end to end: a steady step that kept the head and had the allocator release its
+    cache (a retry, injected into the meter's reading: a logical meter has no allocator) drops the plans cached
+    before, and from the next step on every batch of as many tokens or more chunks the head where the same run
+    without the retry keeps it; smaller batches still keep it."""
+    lengths = [16, 64, 32, 16, 16, 32, 8, 16, 32]
+
+    def heads(retry_at=None):
+        model = copy.deepcopy(_base()).train()
+        ctl = memfit.fit(model, budget=BUDGET, method="dynamic", head=True, announce=False)
+        read, calls = ctl.meter.peaks, []
+
+        def peaks(step):
+            out = read(step)
+            calls.append(None)
+            return dataclasses.replace(out, alloc_retries=1) if len(calls) == retry_at else out
+
+        monkeypatch.setattr(ctl.meter, "peaks", peaks)
+        generator = torch.Generator().manual_seed(1)
+        for length in lengths:
+            ids = torch.randint(0, VOCAB, (4, length), generator=generator)
+            model(input_ids=ids, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)
+        records = list(ctl.records)
+        ctl.remove()
+        return [(r.tokens, r.phase, r.treatments.get("head")) for r in records]
+
+    plain = heads()
+    assert [h for _, phase, h in plain if phase == "steady"] == ["keep"] * 6, plain
+    retried = heads(retry_at=4)  # the first steady step: 64 tokens, the head kept
+    assert retried[:4] == plain[:4]
+    after = [(tokens, head) for tokens, _, head in retried[4:]]
+    assert all(head.startswith("chunked") for tokens, head in after if tokens >= 64), after
+    assert [head for tokens, head in after if tokens < 64] == ["keep"], after  # the 32-token batch
