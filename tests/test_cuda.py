@@ -263,7 +263,7 @@ def test_the_tiled_mlps_order_check_on_cuda_holds_and_dynamic_keeps_nones_gradie
     forcing ``tiled_mlp`` on every block in one chunk gives ``none``'s gradients bit for bit either way."""
     import copy
 
-    from _models import FixedPlan, assert_grads_equal, build_decoder
+    from _models import FixedPlan, build_decoder, step_both_and_compare
     from memfit.engine.plan.planner import Plan
     from memfit.engine.parts.treatments import HOST_CHECKPOINT_TILED, RECOMPUTE_TILED, TILED_MLP
     from memfit.engine.parts.treatments.tiled_mlp import Chunking
@@ -291,13 +291,7 @@ def test_the_tiled_mlps_order_check_on_cuda_holds_and_dynamic_keeps_nones_gradie
     for blk, v in zip(ctl.blocks, verdicts):
         blk.tiles_exactly = v
     for seed, length in ((7, 40), (8, 24)):
-        data = batch(3, length)
-        for m in (model, reference):
-            torch.manual_seed(seed)
-            m(**data).loss.backward()
-        assert_grads_equal(model, reference, f"{arch}, seed {seed}")
-        model.zero_grad(set_to_none=True)
-        reference.zero_grad(set_to_none=True)
+        step_both_and_compare(model, reference, batch(3, length), seed, f"{arch}, seed {seed}")
     ctl.remove()
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import memfit
-from _models import FixedPlan, assert_grads_equal
+from _models import FixedPlan, assert_grads_equal, step_both_and_compare
 from memfit.engine.plan.planner import Plan
 
 
@@ -111,13 +111,7 @@ def test_a_mobilevit_keeps_its_batchnorms_statistics(method):
     budget = None if method == "full" else _budget_treating(model, lambda m: m(**batch(0, 64)).loss.backward())
     ctl = memfit.fit(model, budget=budget, method=method, announce=False)
     for i, size in enumerate(sizes):
-        data = batch(i, size)
-        for m in (model, reference):
-            torch.manual_seed(i)
-            m(**data).loss.backward()
-        assert_grads_equal(model, reference, f"step {i}")
-        model.zero_grad(set_to_none=True)
-        reference.zero_grad(set_to_none=True)
+        step_both_and_compare(model, reference, batch(i, size), i, f"step {i}")
     for (name, b), c in zip(model.named_buffers(), reference.buffers()):
         assert torch.equal(b, c), name
     tracked = [b for name, b in model.named_buffers() if name.endswith("num_batches_tracked")]

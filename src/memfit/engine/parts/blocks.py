@@ -625,15 +625,14 @@ def _units(layer: nn.Module, gc_type: type) -> list[nn.Module]:
 def _listed_layers(layer: nn.Module) -> list[nn.Module]:
     """The items of ``layer``'s own list of layers (NOTE [Nested layers]): of its direct children that are lists, the
     one of two or more modules of one class, each with parameters, that holds the most parameters; none without."""
-    best: list[nn.Module] = []
+    best, most = [], 0
     for child in layer.children():
-        if not isinstance(child, nn.ModuleList):
-            continue
-        items = list(child)
+        items = list(child) if isinstance(child, nn.ModuleList) else []
         if (len(items) >= 2 and len({type(m) for m in items}) == 1 and not isinstance(items[0], _CONTAINERS)
                 and all(next(m.parameters(), None) is not None for m in items)):
-            if sum(p.numel() for m in items for p in m.parameters()) > sum(p.numel() for m in best for p in m.parameters()):
-                best = items
+            held = sum(p.numel() for m in items for p in m.parameters())
+            if held > most:
+                best, most = items, held
     return best
 
 
