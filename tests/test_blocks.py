@@ -46,6 +46,33 @@ def test_module_list_fallback_takes_most_common_class():
     assert names == ["stages.0.layers.0", "stages.0.layers.1", "stages.1.layers.0", "stages.1.layers.1", "stages.1.layers.2"]
 
 
+def test_parallel_lists_of_a_layers_parts_give_the_blocks_and_norms_do_not():
+    """XLM keeps a layer's parts in parallel lists: its attentions and feed-forward networks are the blocks, not its
+    norms (two a layer, the most items, 1% of the parameters; NOTE [A model's lists]); `dynamic` keeps the gradients
+    of training without memfit bit for bit (dropout on) and its steps under the budget."""
+    import copy
+
+    import memfit
+    import transformers as tf
+    from _models import VOCAB, _text_batch, logical_peak, step_both_and_compare
+
+    config = tf.XLMConfig(emb_dim=32, n_layers=3, n_heads=2, vocab_size=VOCAB, dropout=0.1, attention_dropout=0.1,
+                          max_position_embeddings=600, num_labels=2)
+    torch.manual_seed(0)
+    model = tf.XLMForSequenceClassification(config).train()
+    kinds = [type(m).__name__ for _, m in find_blocks(model)]
+    assert kinds == ["MultiHeadAttention"] * 3 + ["TransformerFFN"] * 3
+    batches = [_text_batch(3, s, "cls") for s in (8, 40, 24, 40)]
+    budget = (logical_peak(model, batches[1], "none") + logical_peak(model, batches[1], "full")) // 2
+    reference = copy.deepcopy(model)
+    ctl = memfit.fit(model, budget=budget, method="dynamic", warmup_steps=2, warmup_keys=2, announce=False)
+    for step, batch in enumerate(batches):
+        step_both_and_compare(model, reference, batch, 100 + step, f"xlm step {step}")
+    assert any(r.n_checkpointed for r in ctl.records)
+    assert all(r.peak_allocated_bytes <= budget for r in ctl.records[2:]), [r.peak_allocated_bytes for r in ctl.records]
+    ctl.remove()
+
+
 def test_layers_listed_beside_checkpointing_layers_are_blocks_too():
     """NOTE [A layer's list]: an item of a list that holds checkpointing layers is a block too where it has parameters,
     holds no block and is no container (MobileViT's MobileNet stages before its MobileViT layers); one without

@@ -10,7 +10,8 @@ A *block* is one unit memfit may checkpoint: a transformer layer (``BertLayer``,
    listed beside them in their list (NOTE [A layer's list]);
 3. otherwise the modules of ``nn.ModuleList`` containers whose items share a class, taking
    the class with the most such items (nested lists such as stages → layers included; a list of
-   lists gives the inner lists' items, never the lists, which are never called).
+   lists gives the inner lists' items, never the lists, which are never called), among classes
+   that hold a layer's parameters (NOTE [A model's lists]).
 
 # NOTE [No KV cache in training]
 Every block's training forward runs without a KV cache, whatever the plan. A block that
@@ -567,21 +568,38 @@ def find_blocks(model: nn.Module, blocks: Sequence[nn.Module] | str | None = Non
             return [(order[id(m)][1], m) for m in sorted(units, key=lambda m: order[id(m)][0])]
 
     counts: Counter[type] = Counter()
+    weights: Counter[type] = Counter()
     for _, ml in _module_lists(model):
         items = list(ml)
         if items and all(isinstance(m, _CONTAINERS) for m in items):  # a list of lists: their items, one sequence
             items = [c for m in items for c in (m.values() if isinstance(m, nn.ModuleDict) else m)]
         classes = {type(m) for m in items}
         if len(classes) == 1 and len(items) >= 2 and not issubclass(next(iter(classes)), _CONTAINERS):
-            counts[classes.pop()] += len(items)
+            kind = classes.pop()
+            counts[kind] += len(items)
+            weights[kind] += sum(p.numel() for m in items for p in m.parameters())
+    heaviest = max(weights.values(), default=0)
+    counts = Counter({c: n for c, n in counts.items() if weights[c] * LIGHT_LIST >= heaviest})  # NOTE [A model's lists]
     if not counts:
         raise NoBlocksError(
             "found no checkpointable blocks (no GradientCheckpointingLayer, no nn.ModuleList of "
             f"same-class modules); {_describe_candidates(model)}. Pass blocks= (modules or a name "
             "pattern) to memfit.fit."
         )
-    best = max(counts, key=lambda c: counts[c])
-    return [(n, m) for n, m in named if type(m) is best]
+    most = max(counts.values())
+    best = {c for c, n in counts.items() if n == most}
+    return _outermost([(n, m) for n, m in named if type(m) in best])
+
+
+# NOTE [A model's lists]
+# A model without checkpointing layers is planned by its module lists: the class whose same-class lists hold the
+# most items. XLM and FlauBERT keep a layer's parts in parallel lists (attentions, norms, feed-forward networks,
+# norms again), so the norms, two a layer, were the blocks: 1% of the parameters, nothing worth saving. A list
+# whose items hold under a tenth of the heaviest list's parameters (norms, activations) is no layer: it is not
+# counted. And parallel lists of a layer's parts are equally long, so every class tied on the most items gives
+# blocks (XLM's attentions and feed-forward networks; an encoder's and a decoder's layers of one depth).
+#: a class of listed modules counts only with at least 1 / LIGHT_LIST of the heaviest class's parameters
+LIGHT_LIST = 10
 
 
 #: modules that hold others and are never called: a list of lists (Funnel's stages of layers) gives its layers
