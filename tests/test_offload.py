@@ -11,7 +11,7 @@ import torch
 
 import memfit
 from _models import FixedPlan, VOCAB, _text_batch, step_both_and_compare, tiny_wav2vec2
-from memfit.engine.plan.model import MemoryModel
+from memfit.engine.plan.model import MemoryModel, spread
 from memfit.engine.plan.planner import Plan
 from memfit.engine.plan.planning import Planning
 from memfit.engine.parts.probe import LinkPrice
@@ -60,6 +60,60 @@ def test_backward_fetches_depth_stashes_ahead_and_gradients_stay_exact(depth):
             assert fetched == set(range(max(0, position - depth), n)), (position, fetched)
     assert list(offload.stats.depth_by_step) == [depth, depth] and offload.stats.blocks == 2 * n
     ctl.remove()
+
+
+@pytest.mark.parametrize("depth", [1, 3, 4, 6])
+def test_spread_stashes_are_back_before_backward_reaches_them_and_depth_counts_blocks(depth):
+    """NOTE [Spread stashes], [Prefetch depth]: with offloaded blocks 3 apart (0, 3, 6 of 8), each stash is fetched
+    when backward reaches a block within ``depth`` above it (hooked on those blocks' outputs): back before backward
+    reaches its own block; when it does, the stashes within ``depth`` blocks below are fetched too, none below them;
+    the gradients are ``none``'s bit for bit."""
+    n, spread = 8, (0, 3, 6)
+    model = _llama(n)
+    reference = copy.deepcopy(model)
+    ctl = memfit.fit(model, budget=None, method=FixedPlan(Plan(spread, kinds=("offload",) * len(spread))),
+                     treatments=("recompute", "offload"))
+    offload: Offload = ctl.treatments["offload"]
+    offload.min_bytes = 0
+    offload.depth_for = lambda key: depth
+    reached = []
+    prefetch = offload._prefetch
+
+    def watched(position, device):  # the first call per stash: its output's hook (unpacks call it again)
+        before = {at for at, s in enumerate(offload._stashes) if s.fetched}
+        prefetch(position, device)
+        if position not in [p for p, _, _ in reached]:
+            reached.append((position, before, {at for at, s in enumerate(offload._stashes) if s.fetched}))
+
+    offload._prefetch = watched
+    for seed, length in enumerate((24, 40)):
+        reached.clear()
+        step_both_and_compare(model, reference, _text_batch(2, length, "lm"), seed, f"spread depth {depth}")
+        assert [s.index for s in offload._stashes] == list(spread)
+        assert [p for p, _, _ in reached] == [2, 1, 0]
+        for position, before, after in reached:
+            assert position in before, (position, before)  # hooked above it: back before backward reached it
+            lowest = spread[position] - depth
+            assert after == {at for at in range(len(spread)) if at > position or spread[at] >= lowest}, (position, after)
+    ctl.remove()
+
+
+def test_the_peaks_count_spread_stashes_by_blocks_and_the_blocks_above_them():
+    """NOTE [Spread stashes]: 2 blocks of backward are 1 stash ahead 2 or more blocks apart, 2 stashes 1 apart; the
+    stashes back count at the backward's start only by what they pass the bytes of the kept blocks more than 2 above
+    the topmost one (gone before it comes back)."""
+    key, n = (1, 1024), 8
+    forward_ms = 0.222 * 1024 + 1.085e-4 * 1024**2
+    moved = 980.0 * 1024
+    link = LinkPrice(1e9, moved / (1.5 * 2 * forward_ms))  # a copy back over 1.5 blocks of backward: depth 2
+    model = _model(link, n)
+    assert model.offload_depth(key) == 2
+    kept = model.backward_start_bytes(key, Plan(()))
+    block = 1000.0 * 1024  # what a kept block frees
+    for spread, back in (((0, 2), 0.0), ((1, 3), 2 * moved - 2 * block), ((0, 2, 4, 6), 2 * moved), ((4, 5, 6, 7), 3 * moved),
+                         ((0, 4), 2 * moved - block)):
+        plan = Plan(spread, kinds=("offload",) * len(spread))
+        assert model.backward_start_bytes(key, plan) == pytest.approx(kept - len(spread) * moved + max(0.0, back), rel=1e-9), spread
 
 
 def test_the_run_depth_is_the_plans():
@@ -208,13 +262,37 @@ def _chosen(link, tokens: int) -> dict[str, list[int]]:
 
 def test_short_sequences_recompute_and_long_ones_offload_on_a_fast_link():
     """The block moves 980 bytes per token; a link of 980 bytes/ms copies a block in ``T`` ms each
-    way. Short sequences are copy-bound (the copy costs more than the forward it replaces):
-    recompute. Long ones hide the copy under attention's quadratic compute: offload. A link ten
-    times slower never pays."""
+    way. Short sequences are copy-bound (the copy costs more than the forward it replaces): a run of
+    offloaded blocks never pays, and only the blocks the forward hides one after another are offloaded
+    (NOTE [Spread stashes]: 256 tokens, a copy out over 4 blocks' forwards: block 0 alone), the rest
+    recomputed. Long ones hide the copy under attention's quadratic compute: offload. A link ten times
+    slower offloads only what the forward hides (its copy out over 5 of the 8 forwards: block 0)."""
     fast, slow = LinkPrice(980.0, 980.0), LinkPrice(98.0, 98.0)
-    assert set(_chosen(fast, 256)) == {"recompute"}
-    assert "offload" in _chosen(fast, 16384)
-    assert set(_chosen(slow, 16384)) == {"recompute"}
+    assert spread(_model(fast), (1, 256), "offload") == [0]
+    short = _chosen(fast, 256)
+    assert set(short) == {"recompute", "offload"} and short["offload"] == [0]
+    assert len(_chosen(fast, 16384).get("offload", [])) > 1
+    assert spread(_model(slow), (1, 16384), "offload") == [0]
+    assert _chosen(slow, 16384).get("offload", [0]) == [0]
+
+
+def test_spread_picks_the_blocks_whose_copies_out_the_forward_hides_one_after_another():
+    """NOTE [Spread stashes]: a copy out that takes 3 blocks' forwards: every third block from the bottom, the last
+    one whose copy ends with the forward (12 of 16: its copy over blocks 13-15); none where a copy outlasts the whole
+    forward, none without a link."""
+    key = (1, 1024)
+    forward_ms = 0.222 * 1024 + 1.085e-4 * 1024**2
+    moved = 980.0 * 1024
+    assert spread(_model(LinkPrice(moved / (3 * forward_ms), 1.0), 16), key, "offload") == [0, 3, 6, 9, 12]
+    assert spread(_model(LinkPrice(moved / (16 * forward_ms), 1.0), 16), key, "offload") == []
+    assert spread(_model(None, 16), key, "offload") == []
+    # planned: the spread blocks offloaded at the link's fixed price, the rest as the need asks; fits, and cheaper
+    planning, key = _planning(lambda link: link, 2.5, tokens=1024, head=False, n_blocks=16)
+    planning.price_offload(LinkPrice(moved / (3 * forward_ms), moved / (3 * forward_ms)))
+    plan = planning.plan_for(key)
+    assert planning.predict_peak(key, plan) <= planning.room_bytes, plan
+    assert plan.by_treatment()["offload"] == [0, 3, 6] and "recompute" not in plan.by_treatment(), plan
+    assert plan.cost_ms == pytest.approx(3 * planning.model.link.fixed_ms)
 
 
 def _FixedOnly(link):  # noqa: N802 (a price class's stand-in)
@@ -262,17 +340,19 @@ def _planning(price, share: float, tokens: int = 16384, head: bool = True, n_blo
     return planning, key
 
 
-@pytest.mark.parametrize("share, treated", [(0.9, {"offload": 6}), (2.5, {"offload": 8}), (4.5, {"recompute": 5})])
+@pytest.mark.parametrize("share, treated", [(0.9, {"offload": 1}), (2.5, {"offload": 8}), (4.5, {"recompute": 5})])
 @pytest.mark.parametrize("head", [True, False])
 def test_offload_priced_at_its_fixed_cost_plans_a_mix_that_fits_not_the_last_resort(share, treated, head):
-    """An offloading plan holds ``depth + 1`` stashes that the knapsack's savings leave out: its first
-    answer is over the room, and is asked again for more (NOTE [Planning with the stashes back]). With
-    the head planned, such a plan once fell to the last resort (every block recomputed, the head one token
-    a chunk: a step at static memory taking seconds) though keeping blocks fitted."""
+    """An offloading plan holds up to ``depth + 1`` stashes that the knapsack's savings leave out, less what the
+    kept blocks more than ``depth`` above them held, gone before any comes back (NOTE [Spread stashes]): one
+    offloaded block under 7 kept ones saves all it moves; 2.5 blocks' need takes all 8 (5 stashes back), and 4.5
+    blocks' no offloading fits, recompute does. Where its answer is over the room it is asked again for more (NOTE [Planning with the
+    stashes back]). With the head planned, such a plan once fell to the last resort (every block recomputed, the
+    head one token a chunk: a step at static memory taking seconds) though keeping blocks fitted."""
     planning, key = _planning(_FixedOnly, share, head=head)
     plan = planning.plan_for(key)
     assert planning.predict_peak(key, plan) <= planning.room_bytes, plan
-    # offloading saves only past the 5 stashes back: 1 block's need takes 6, 4.5 blocks' more than 8 have
+    # 1 offloaded under 7 kept saves what it moves; more bring back more than the kept blocks 4 above them held
     assert {name: len(blocks) for name, blocks in plan.by_treatment().items()} == treated, plan
     assert plan.option("head") == (("keep", 1) if head else None)  # a chunk costs more than an offloaded block
     _assert_nothing_treated_that_fits_kept(planning, key, plan)

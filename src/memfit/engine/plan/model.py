@@ -120,6 +120,35 @@ One formula covers every plan (:meth:`MemoryModel._peaks`): a plan that treats b
 alone adds only zeros for the terms of the others, so it is predicted bit for bit as before
 they existed.
 
+# NOTE [Spread stashes]
+The link carries one copy at a time, each way, so offloaded blocks in a run hide their copies
+under one block's compute each (NOTE [Offload price], probe.py): priced so, ``offload`` lost to
+recompute at every length memfit plans. Spread apart, each copy out hides under the forwards of
+the blocks up to the next offloaded one, and each copy back under their backwards: 4 of a 1.24B
+Llama's 16 blocks offloaded at 8 x 4,096 tokens ran within 1% of keeping every block spread
+(0, 4, 8, 12), 39% over it in a run (12-15), and recomputing those 4 cost 6% (docs/devlog.md,
+session 46). So:
+* :func:`spread` walks up the stack on the blocks' measured forwards and picks each
+  block whose forward ends once the link is free and whose copy out ends before the last
+  block's forward does: every copy out is done when the forward is, none in flight at the
+  backward's start (a copy still in flight there holds memory the allocator cannot reuse);
+* the search offers those blocks offloaded at the link's fixed price beside the mixes of
+  the other blocks (NOTE [Treatments never lose], search.py);
+* the prefetch ``depth`` counts blocks of backward; with moved-out blocks ``gap`` blocks apart
+  at the fewest, ``ceil(depth / gap)`` stashes come back ahead of the one in use, in the
+  runtime (treatments/offload.py) and in the peaks alike;
+* a stash comes back once backward has passed the blocks more than ``depth`` above it (it is
+  fetched on the gradient of the outputs of the ``depth`` blocks above it, the first that fires;
+  NOTE [Prefetch depth]), whose bytes are gone by then: the stashes back count at the backward's
+  start only by what they pass the bytes of the blocks more than ``depth`` above the topmost one;
+* ``offload`` stays a treatment a run names (``treatments=``, ``--memfit_treatments``): its first
+  steps at a new length pin its host buffers, about 0.6 s a GB where it was measured, which a
+  run of a few hundred steps at the tight end did not win back (docs/devlog.md, session 46);
+* a stash comes back into the compute stream's memory, which the blocks backward has passed
+  just freed, the copy ordered after the compute stream's work so far (a side stream's own pool
+  would hold it apart from the step's, and the room keeps such pools free: NOTE [Other streams'
+  pools], room.py).
+
 # NOTE [Head in the peaks]
 The curves describe the step with the LM head, and every part beside the blocks, untreated
 (the learner adds a treated part's saving back to what such a step teaches, its saved part to
@@ -586,8 +615,12 @@ class _Layout:
     every: Any
     offloaded: list[tuple[int, str]] = field(default_factory=list)
     offloaded_below: list[tuple[int, str]] = field(default_factory=list)
-    #: the offloaded blocks' prefetch depth (NOTE [Treated peaks])
+    #: the offloaded blocks' prefetch depth, in blocks of backward (NOTE [Treated peaks])
     depth: int = 1
+    #: the fewest blocks between two moved-out blocks, one above the other (NOTE [Spread stashes])
+    gap: int = 1
+    #: ``(group, treatment)`` of the blocks above the topmost moved-out block, from the bottom up (NOTE [Spread stashes])
+    above: list[tuple[int, str]] = field(default_factory=list)
     #: ``(group, treatment)`` of the blocks that re-run in part (NOTE [Treated peaks])
     part_reruns: list[tuple[int, str]] = field(default_factory=list)
     #: ``(group, Treatment.rerun_keeps)`` of the blocks re-run whole (NOTE [Treated peaks])
@@ -630,9 +663,12 @@ class _Layouts:
             held[(groups[i], names[i])] = held.get((groups[i], names[i]), 0) + 1
         offloaded = [i for i, name in enumerate(names) if treatments[name].moves_out]
         parts = {(groups[i], name) for i, name in enumerate(names) if treatments[name].reruns_part}
+        gap = min((b - a for a, b in zip(offloaded, offloaded[1:])), default=len(names))
+        above = [(groups[i], names[i]) for i in range(offloaded[-1] + 1, len(names))] if offloaded else []
         return _Layout(  # a block re-run whole brings its own stash back for its recompute: at or below the top
             counts, held, bool(reruns), len(reruns) == len(names),
             [(groups[i], names[i]) for i in offloaded], [(groups[i], names[i]) for i in offloaded if i <= top],
+            gap=max(1, gap), above=above,
             part_reruns=sorted(parts), rerun_keeps=sorted({(groups[i], treatments[names[i]].rerun_keeps) for i in reruns}),
         )
 
@@ -785,8 +821,8 @@ class MemoryModel:
         if not all(self.treatments[name].reruns for name in plan.treatments(len(self.groups))):
             return None
         values, layout = self._values(*key), self.layouts(plan)
-        depth = self.offload_depth(key) if layout.offloaded else 0
-        return float(_rerun_less(values, layout.rerun_keeps) - self._in_flight(values, layout.offloaded_below, depth))
+        stashes = -(-self.offload_depth(key) // layout.gap) if layout.offloaded else 0  # NOTE [Spread stashes]
+        return float(_rerun_less(values, layout.rerun_keeps) - self._in_flight(values, layout.offloaded_below, stashes))
 
     def partial_predicts(self, tokens: int) -> bool:
         """Whether a partial plan at ``tokens`` (``N·T``) reads the partial transient (NOTE [Two transient regimes])."""
@@ -850,12 +886,17 @@ class MemoryModel:
         parts = values.get("transient_parts")  # the parts' moment read apart: the rest holds no part (NOTE [The parts' moment])
         rest_saved = head_saved if parts is None else 0
         activation = self._activation(values, layout.counts)
-        in_flight = self._in_flight(values, layout.offloaded, layout.depth)
+        stashes = -(-layout.depth // layout.gap)  # NOTE [Spread stashes]: stashes fetched ahead, not blocks
+        in_flight = self._in_flight(values, layout.offloaded, stashes)
+        freed = 0.0  # what the blocks above the topmost stash held, gone before any stash comes back
+        for g, name in layout.above[layout.depth:]:  # the topmost stash comes back ``depth`` blocks above it
+            freed = freed + _kept(values, g, name)
+        back = _maximum(0.0, in_flight - freed)
         # every block re-run whole: the full regime's transient, read in its terms (NOTE [Full terms of a re-run step])
         start = activation + _select(layout.every, lambda: values["transient_full"] - _rerun_less(values, layout.rerun_keeps), values["transient"])
-        start = start + in_flight - rest_saved
+        start = start + back - rest_saved
         if parts is not None:
-            start = _maximum(start, activation + in_flight + parts - head_saved)
+            start = _maximum(start, activation + back + parts - head_saved)
         # every block as recomputed, but those re-run whole by another treatment (NOTE [Treated peaks]): their own bytes
         apart = {g: {k: c for k, c in per.items() if k != RECOMPUTE and self.treatments[k].reruns} for g, per in layout.counts.items()}
         every = {g: {RECOMPUTE: n - sum(apart[g].values()), **apart[g]} for g, n in self.layouts.sizes.items()}
@@ -863,7 +904,7 @@ class MemoryModel:
         held = 0
         for (g, name), n in layout.held.items():
             held = held + n * _maximum(0.0, _kept(values, g, name) - values[(g, RECOMPUTE)])
-        recompute = (recompute + held) + self._in_flight(values, layout.offloaded_below, layout.depth)
+        recompute = (recompute + held) + self._in_flight(values, layout.offloaded_below, stashes)
         recompute = recompute - rest_saved - _rerun_less(values, layout.rerun_keeps)
         recompute = _select(layout.rerun, lambda: recompute, -math.inf)
         part = 0.0
@@ -933,6 +974,28 @@ class MemoryModel:
         model.optimizer_bytes = float(data.get("optimizer_bytes", 0.0))
         model.max_key = tuple(data["max_key"]) if data.get("max_key") else None
         return model
+
+
+def spread(model: "MemoryModel", key: tuple[int, int], name: str) -> list[int]:
+    """The blocks whose copies out under ``name`` (a treatment that moves out) the forward hides one after another,
+    walking up ``model``'s stack (NOTE [Spread stashes]); [] without a measured link or where ``name`` was never
+    measured."""
+    link, t = model.link, model.treatments.get(name)
+    if getattr(link, "d2h", None) is None or t is None or not t.moves_out:
+        return []
+    per = {}  # per group: (forward ms, ms of its copy out), read once
+    for g, m in model.group_models.items():
+        moved = m.moved(name, t.moves_from, key) if m.measured(name) else 0.0
+        per[g] = (max(m.ms[RECOMPUTE](key), 1e-6), moved / link.d2h if moved > 0 else None)
+    end = sum(per[g][0] for g in model.groups)
+    now, free, picks = 0.0, 0.0, []
+    for i, g in enumerate(model.groups):
+        now += per[g][0]
+        out = per[g][1]
+        if out is not None and free <= now and now + out <= end:
+            picks.append(i)
+            free = now + out
+    return picks
 
 
 class ShapePeaks:

@@ -37,10 +37,10 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from memfit.engine.plan.model import ShapePeaks
+from memfit.engine.plan.model import ShapePeaks, spread
 from memfit.engine.plan.planner import (InfeasiblePlanError, Knapsack, Plan, every_block_rerun, on_base, plan_blocks,
                                         with_leaner_reruns)
-from memfit.engine.parts.treatments import RECOMPUTE, floor_treatment
+from memfit.engine.parts.treatments import OFFLOAD, RECOMPUTE, floor_treatment
 from memfit.engine.summary_text import over_budget_words
 
 __all__ = ["Search", "UNFIT_MS", "MAX_KEPT"]
@@ -51,6 +51,28 @@ logger = logging.getLogger("memfit")
 UNFIT_MS = 1e12
 #: the most entries a per-shape or per-plan record of the planning's holds (a long run's shapes are not bounded)
 MAX_KEPT = 4096
+
+
+def _spread(planning: Any, k: tuple[int, int], options: list[list[tuple[str, int, float]]],
+            need: int) -> tuple[Plan, list[list[tuple[str, int, float]]]] | None:
+    """The offloaded blocks whose copies the compute hides (NOTE [Spread stashes], model.py), the fewest of them from
+    the bottom up that save ``need`` or all, at the link's fixed price each, and the other blocks' options (none for
+    those); None where the run offers no ``offload`` or the forward hides no copy."""
+    if need <= 0 or OFFLOAD not in planning.treatments:
+        return None
+    saving = {i: o[1] for i, opts in enumerate(options) for o in opts if o[0] == OFFLOAD and o[1] > 0}
+    chosen, saved = [], 0
+    for i in spread(planning.model, k, OFFLOAD):
+        if saved >= need:
+            break
+        if i in saving:
+            chosen.append(i)
+            saved += saving[i]
+    if not chosen:
+        return None
+    forced = Plan(tuple(chosen), float(getattr(planning.model.link, "fixed_ms", 0.0)) * len(chosen), saved,
+                  kinds=(OFFLOAD,) * len(chosen))
+    return forced, [[] if i in chosen else opts for i, opts in enumerate(options)]
 
 
 class Search:
@@ -165,7 +187,13 @@ class Search:
         options = planning.model.options(k, planning.treatments, planning.offload_ms)
         if need <= 0 or all(name == "recompute" for opts in options for name, _, _ in opts):
             return None
-        return self._mix_that_fits(k, options, need, room)
+        plan = self._mix_that_fits(k, options, need, room)
+        hidden = _spread(planning, k, options, need)
+        if hidden is not None:  # NOTE [Spread stashes], model.py
+            mixed = self._mix_that_fits(k, hidden[1], need - hidden[0].saved_bytes, room, forced=hidden[0])
+            if mixed is not None and (plan is None or mixed.cost_ms < plan.cost_ms - 0.001 * abs(plan.cost_ms)):
+                plan = mixed
+        return plan
 
     def _mend(self, k: tuple[int, int], plan: Plan, need: int, costs: list[float], savings: list[int]) -> Plan:
         """A plan whose recompute peak is over the room, mended.
@@ -264,8 +292,13 @@ class Search:
         options = planning.model.options(k, planning.treatments, planning.offload_ms)
         # NOTE [Treatments never lose]: the mix only where it fits and is cheaper than recompute alone
         plan = self._mix_that_fits(k, [[o for o in opts if o[0] == RECOMPUTE] for opts in options], need, room, parts)
-        for every in (False, True) if not planning.recompute_only else ():  # NOTE [Every block re-run], planner.py
-            mixed = self._mix_that_fits(k, options, need, room, parts, every, below=plan.cost_ms if plan else math.inf)
+        hidden = None if planning.recompute_only else _spread(planning, k, options, need)
+        for every in (False, True, None) if not planning.recompute_only else ():  # NOTE [Every block re-run], planner.py
+            if every is None and hidden is None:
+                break
+            mixed = (self._mix_that_fits(k, options, need, room, parts, every, below=plan.cost_ms if plan else math.inf)
+                     if every is not None else  # NOTE [Spread stashes], model.py
+                     self._mix_that_fits(k, hidden[1], need - hidden[0].saved_bytes, room, parts, forced=hidden[0]))
             # a tenth of a percent cheaper, of a cost that may be below 0 (a head priced faster chunked: NOTE [Pricing the head])
             if mixed is not None and (plan is None or mixed.cost_ms < plan.cost_ms - 0.001 * abs(plan.cost_ms)):
                 plan = mixed
@@ -292,11 +325,12 @@ class Search:
 
     def _mix_that_fits(self, k: tuple[int, int], options: list[list[tuple[str, int, float]]], need: int, room: int,
                        parts: Sequence[tuple[str, Sequence[tuple[str, int, int, float]]]] = (), every: bool = False,
-                       below: float = math.inf) -> Plan | None:
+                       below: float = math.inf, forced: Plan | None = None) -> Plan | None:
         """The cheapest mix saving ``need`` bytes (with one of each part's options, ``(kind, options)``, for the parts
         beside the blocks) whose predicted peak fits ``room``, or None (NOTE [Planning with the stashes back], NOTE
         [Leaner re-runs]); with ``every``, of the mixes that re-run every block (NOTE [Every block re-run]), None
-        where none of them can cost less than ``below``."""
+        where none of them can cost less than ``below``; with ``forced``, each mix with those blocks' treatments too
+        (``options`` offers them nothing: NOTE [Spread stashes], model.py)."""
         planning = self.planning
         order = {name: t.order for name, t in planning.registry.items()}
         leaner = {t.keeps_as: name for name, t in planning.registry.items() if t.keeps_as and name in planning.treatments}
@@ -316,6 +350,13 @@ class Search:
             except InfeasiblePlanError:
                 break
             saved, mixed = mixed.saved_bytes, on_base(mixed, bases) if bases else mixed
+            if forced is not None:
+                names = mixed.treatments(planning.n_blocks)
+                for i, name in zip(forced.blocks, forced.kinds):
+                    names[i] = name
+                treated = tuple(i for i, name in enumerate(names) if name != "keep")
+                mixed = Plan(treated, mixed.cost_ms + forced.cost_ms, mixed.saved_bytes + forced.saved_bytes,
+                             kinds=tuple(names[i] for i in treated), parts=mixed.parts)
             if fits is not None and mixed.cost_ms >= fits.cost_ms:
                 break  # every later ask saves more and costs no less
             over = planning.plan_peak(k, mixed) - room

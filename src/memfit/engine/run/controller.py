@@ -235,10 +235,8 @@ class Controller:
     """Plans, applies and records the treatment of every block for one model; made by :func:`fit`.
 
     Attributes:
-        blocks: the wrapped blocks, in order.
-        method: the :class:`~memfit.engine.methods.Method`.
-        planning: model, planner and cache.
-        meter: how memory is read (:attr:`accounting` names it).
+        blocks: the wrapped blocks, in order; method: the :class:`~memfit.engine.methods.Method`.
+        planning: model, planner and cache; meter: how memory is read (:attr:`accounting` names it).
         replay: the :class:`~memfit.engine.run.replay.Replayer` each micro-step runs through (:meth:`run_step`).
     """
 
@@ -378,6 +376,8 @@ class Controller:
         self._counter.current = OUTSIDE
         if self._step is not None and self._step.stage is Stage.FORWARD:
             self.protection.exit(self._step, block)
+            for treatment in self.treatments.values():  # NOTE [Spread stashes], plan/model.py: every block's output
+                treatment.block_done(block, output)
             if self.planning.model.parts_apart and block is self.blocks[-1]:
                 self.meter.watch_parts(self._step, output)
 

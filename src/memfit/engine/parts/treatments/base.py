@@ -172,3 +172,7 @@ class Treatment:
 
     def start_step(self) -> None:
         """A training step starts (per-step state is dropped)."""
+
+    def block_done(self, block: "Block", output: Any) -> None:
+        """Any block of the step, under any treatment, ended its forward with ``output`` (a treatment that fetches back
+        ahead hooks it: NOTE [Spread stashes], plan/model.py)."""

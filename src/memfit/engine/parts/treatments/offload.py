@@ -12,12 +12,14 @@ NOTE [Offload price], probe.py) instead of holding memory the plan assumed free.
 out and back, goes on the one side stream, so a host buffer is never written while read.
 
 # NOTE [Prefetch depth]
-In backward, the stashes (offloaded blocks, in forward order) come back ``depth`` ahead: when
-backward reaches an offloaded block (a hook on its output's gradient, or else its first
-unpack), its own stash and the ``depth`` offloaded stashes below it are fetched if not yet.
-``depth`` is the step's (``depth_for(shape key)``, read at the step's first offloaded block):
-the memory model's, so the plan counted the ``depth + 1`` stashes that may be on the device at
-once (NOTE [Treated peaks], model.py). A fetch is not ordered after the compute stream's work:
+In backward, the stashes (offloaded blocks, in forward order) come back ``depth`` blocks of
+backward ahead: when backward reaches an offloaded block (a hook on its output's gradient, or
+else its first unpack), its own stash and the stashes below it within ``depth`` blocks are
+fetched if not yet: ``ceil(depth / gap)`` of them, ``gap`` the fewest blocks between two of the
+step's stashes (1 for a run of offloaded blocks; NOTE [Spread stashes], model.py). ``depth`` is
+the step's (``depth_for(shape key)``, read at the step's first offloaded block): the memory
+model's, so the plan counted the stashes that may be on the device at once (NOTE [Treated
+peaks], model.py). A fetch is not ordered after the compute stream's work:
 it starts on the device as soon as it is issued (its buffer is the side stream's, its source
 written by the same stream); each stash's first unpack makes the compute stream wait for its
 copy, once. Its device copies are released once all of its tensors were unpacked (autograd
@@ -297,6 +299,7 @@ class Offload(Treatment):
         self._max_host_bytes = max_host_bytes
         self._side: torch.cuda.Stream | None = None
         self._stashes: list[_Stash] = []
+        self._waiting: list[_Stash] = []  # stashes whose fetch is not yet hooked ``depth`` blocks above them
         #: per step not yet read: [(start, end, backward?)] of the compute stream's waits
         self._waits: list[list[tuple[torch.cuda.Event, torch.cuda.Event, bool]]] = []
 
@@ -308,8 +311,19 @@ class Offload(Treatment):
     def start_step(self) -> None:
         for stash in self._stashes:
             self._release(stash, host=True)
-        self._stashes = []
+        self._stashes, self._waiting = [], []
         self.exposed()
+
+    def block_done(self, block: "Block", output: Any) -> None:
+        """A block above the step's stashes ended its forward: each stash within ``depth`` blocks below it is fetched
+        when backward reaches it, if not yet (the hook of the one furthest above fires first); a stash ``depth``
+        blocks below it is hooked no further (NOTE [Prefetch depth])."""
+        waiting = [s for s in self._waiting if s.index < block.index]
+        if not waiting:
+            return
+        for stash in waiting:
+            self._hook_fetch(output, stash)
+        self._waiting = [s for s in self._waiting if s.index + self.depth > block.index]
 
     def exposed(self) -> OffloadStats:
         """The stats, with the waits of finished steps read (no sync: NOTE [Exposed copy time])."""
@@ -358,6 +372,7 @@ class Offload(Treatment):
         if cuda and len(self._stashes) >= 2 and self._stashes[-2].d2h_done is not None:
             self._wait(self._stashes[-2].d2h_done, x.device, backward=False)  # at most two blocks in flight
         self._stashes.append(stash)
+        self._waiting.append(stash)
         self.stats.blocks += 1
         self.stats.blocks_by_step[-1] += 1
         return stash
@@ -425,6 +440,14 @@ class Offload(Treatment):
                 t.register_hook(lambda grad: self._prefetch(position, device))  # returns None: the gradient is untouched
                 return
 
+    def _hook_fetch(self, out: Any, stash: _Stash) -> None:
+        """Fetch ``stash`` when backward reaches the block whose output is ``out``, if not yet."""
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                device = t.device
+                t.register_hook(lambda grad: None if stash.fetched else self._fetch(stash, device))
+                return
+
     def _pool_for(self, device: torch.device) -> _HostPool:
         if self._pool is None:
             self._pool = _HostPool(self._max_host_bytes)
@@ -448,9 +471,16 @@ class Offload(Treatment):
         return entry
 
     def _prefetch(self, position: int, device: torch.device) -> None:
-        """Stash ``position`` and the ``depth`` offloaded stashes below it back, those not yet (NOTE [Prefetch depth])."""
-        for at in range(position, max(-1, position - self.depth - 1), -1):
-            if at < len(self._stashes) and not self._stashes[at].fetched:
+        """Stash ``position`` and the stashes ``depth`` blocks of backward below it back, those not yet (NOTE [Prefetch
+        depth]): ``ceil(depth / gap)`` stashes, ``gap`` the fewest blocks between two of the step's (NOTE [Spread
+        stashes], plan/model.py)."""
+        if position >= len(self._stashes):
+            return
+        lowest = self._stashes[position].index - self.depth
+        for at in range(position, -1, -1):
+            if self._stashes[at].index < lowest:
+                break
+            if not self._stashes[at].fetched:
                 self._fetch(self._stashes[at], device)
 
     def _fetch(self, stash: _Stash, device: torch.device) -> None:
@@ -461,15 +491,17 @@ class Offload(Treatment):
             for entry in stash.storages.values():
                 entry.device = entry.host_bytes().clone().untyped_storage()
             return
+        # NOTE [Fetched into the step's pool]: the copy back lands in the compute stream's memory, which the blocks
+        # backward has passed just freed; the side stream writes it once the compute stream's work so far is done
+        copies = [torch.empty(entry.nbytes, dtype=torch.uint8, device=device) for entry in stash.storages.values()]
+        self._side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(self._side):
-            for entry in stash.storages.values():
-                copy = torch.empty(entry.nbytes, dtype=torch.uint8, device=device)
+            for entry, copy in zip(stash.storages.values(), copies):
                 copy.copy_(entry.host_bytes(), non_blocking=True)
                 entry.device = copy.untyped_storage()
             stash.h2d_done = self._side.record_event()
-        compute = torch.cuda.current_stream(device)
-        for entry in stash.storages.values():
-            _bytes_view(entry.device, device).record_stream(compute)
+        for copy in copies:
+            copy.record_stream(self._side)  # freed unread (a replay), it waits for the copy before it is reused
 
 
 def _bytes_view(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
