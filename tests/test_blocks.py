@@ -50,11 +50,9 @@ def test_parallel_lists_of_a_layers_parts_give_the_blocks_and_norms_do_not():
     """XLM keeps a layer's parts in parallel lists: its attentions and feed-forward networks are the blocks, not its
     norms (two a layer, the most items, 1% of the parameters; NOTE [A model's lists]); `dynamic` keeps the gradients
     of training without memfit bit for bit (dropout on) and its steps under the budget."""
-    import copy
 
-    import memfit
     import transformers as tf
-    from _models import VOCAB, _text_batch, logical_peak, step_both_and_compare
+    from _models import VOCAB, _text_batch
 
     config = tf.XLMConfig(emb_dim=32, n_layers=3, n_heads=2, vocab_size=VOCAB, dropout=0.1, attention_dropout=0.1,
                           max_position_embeddings=600, num_labels=2)
@@ -62,15 +60,8 @@ def test_parallel_lists_of_a_layers_parts_give_the_blocks_and_norms_do_not():
     model = tf.XLMForSequenceClassification(config).train()
     kinds = [type(m).__name__ for _, m in find_blocks(model)]
     assert kinds == ["MultiHeadAttention"] * 3 + ["TransformerFFN"] * 3
-    batches = [_text_batch(3, s, "cls") for s in (8, 40, 24, 40)]
-    budget = (logical_peak(model, batches[1], "none") + logical_peak(model, batches[1], "full")) // 2
-    reference = copy.deepcopy(model)
-    ctl = memfit.fit(model, budget=budget, method="dynamic", warmup_steps=2, warmup_keys=2, announce=False)
-    for step, batch in enumerate(batches):
-        step_both_and_compare(model, reference, batch, 100 + step, f"xlm step {step}")
-    assert any(r.n_checkpointed for r in ctl.records)
-    assert all(r.peak_allocated_bytes <= budget for r in ctl.records[2:]), [r.peak_allocated_bytes for r in ctl.records]
-    ctl.remove()
+    records, budget = _dynamic_between_none_and_full(model, [_text_batch(3, s, "cls") for s in (8, 40, 24, 40)], "xlm")
+    assert all(r.peak_allocated_bytes <= budget for r in records[2:]), [r.peak_allocated_bytes for r in records]
 
 
 def test_layers_listed_beside_checkpointing_layers_are_blocks_too():
@@ -183,35 +174,24 @@ def test_swin_v2s_layers_are_the_blocks_and_its_gradients_stay_exact():
     """Swin V2 checkpoints its stages, not its layers: the layers are the blocks (NOTE [Nested layers]), each a
     treatment of its own, and every plan gives the gradients of training without memfit, bit for bit (drop path and
     dropout on)."""
-    import copy
 
-    import memfit
     import transformers as tf
-    from _models import _image_batch, logical_peak, step_both_and_compare
+    from _models import _image_batch
 
     config = tf.Swinv2Config(image_size=64, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=4,
                              hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, drop_path_rate=0.1, num_labels=2)
     torch.manual_seed(0)
     model = tf.Swinv2ForImageClassification(config).train()
     assert [type(m).__name__ for _, m in find_blocks(model)] == ["Swinv2Layer"] * 4
-    batches = [_image_batch(2, s) for s in (32, 64, 48, 64)]
-    budget = (logical_peak(model, batches[1], "none") + logical_peak(model, batches[1], "full")) // 2
-    reference = copy.deepcopy(model)
-    ctl = memfit.fit(model, budget=budget, method="dynamic", warmup_steps=2, warmup_keys=2, announce=False)
-    for step, batch in enumerate(batches):
-        step_both_and_compare(model, reference, batch, 100 + step, f"swinv2 step {step}")
-    assert any(r.n_checkpointed for r in ctl.records) and len(ctl.blocks) == 4
-    ctl.remove()
+    _dynamic_between_none_and_full(model, [_image_batch(2, s) for s in (32, 64, 48, 64)], "swinv2")
 
 
 def test_zamba2s_hybrid_layer_is_one_block_and_its_gradients_stay_exact():
     """Zamba 2 (transformers' tiny config): its hybrid layer, a shared transformer beside a Mamba layer, is a block
     whole; every plan gives the gradients of training without memfit, bit for bit."""
-    import copy
 
-    import memfit
     import transformers as tf
-    from _models import VOCAB, _text_batch, logical_peak, step_both_and_compare
+    from _models import VOCAB, _text_batch
 
     if not hasattr(tf, "Zamba2Config"):
         pytest.skip(f"transformers {tf.__version__} has no Zamba2")
@@ -223,14 +203,7 @@ def test_zamba2s_hybrid_layer_is_one_block_and_its_gradients_stay_exact():
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config).train()
     assert [n for n, _ in find_blocks(model)] == ["model.layers.0", "model.layers.1", "model.layers.2"]
-    batches = [_text_batch(3, s, "lm") for s in (8, 40, 24, 40)]
-    budget = (logical_peak(model, batches[1], "none") + logical_peak(model, batches[1], "full")) // 2
-    reference = copy.deepcopy(model)
-    ctl = memfit.fit(model, budget=budget, method="dynamic", warmup_steps=2, warmup_keys=2, announce=False)
-    for step, batch in enumerate(batches):
-        step_both_and_compare(model, reference, batch, 100 + step, f"zamba2 step {step}")
-    assert any(r.n_checkpointed for r in ctl.records)
-    ctl.remove()
+    _dynamic_between_none_and_full(model, [_text_batch(3, s, "lm") for s in (8, 40, 24, 40)], "zamba2")
 
 
 def test_a_list_of_lists_gives_the_inner_lists_items_never_the_lists():
@@ -365,3 +338,23 @@ def test_the_key_check_keeps_a_bounded_record():
         assert check.note((2, t), {i: (2, t) for i in range(blocks)}) is None
     assert len(check._keys) == KeyCheck.MAX_KEYS and len(check._seen) == KeyCheck.MAX_KEYS * blocks
     assert check.note((2, 0), {0: (2, 5)}) is not None  # a key kept still checks
+
+
+def _dynamic_between_none_and_full(model, batches, name: str):
+    """``dynamic`` under a budget halfway between ``none``'s and ``full``'s logical peaks at ``batches[1]`` (2 warm-up
+    steps): every step's gradients those of training without memfit, bit for bit, some block treated; the records
+    and the budget."""
+    import copy
+
+    import memfit
+    from _models import logical_peak, step_both_and_compare
+
+    budget = (logical_peak(model, batches[1], "none") + logical_peak(model, batches[1], "full")) // 2
+    reference = copy.deepcopy(model)
+    ctl = memfit.fit(model, budget=budget, method="dynamic", warmup_steps=2, warmup_keys=2, announce=False)
+    for step, batch in enumerate(batches):
+        step_both_and_compare(model, reference, batch, 100 + step, f"{name} step {step}")
+    records = ctl.records
+    ctl.remove()
+    assert any(r.n_checkpointed for r in records)
+    return records, budget

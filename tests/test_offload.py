@@ -32,18 +32,25 @@ def _llama(layers: int = 6):
 
 
 # ---------------------------------------------------------------------------- prefetch depth
+def _offloading(n: int, offloaded: tuple[int, ...], depth: int):
+    """A tiny Llama of ``n`` blocks, its copy, and ``offloaded`` offloaded every step at prefetch ``depth`` (every saved
+    tensor moved): ``(model, reference, controller, offload)``."""
+    model = _llama(n)
+    reference = copy.deepcopy(model)
+    ctl = memfit.fit(model, budget=None, method=FixedPlan(Plan(offloaded, kinds=("offload",) * len(offloaded))),
+                     treatments=("recompute", "offload"))
+    offload: Offload = ctl.treatments["offload"]
+    offload.min_bytes = 0
+    offload.depth_for = lambda key: depth
+    return model, reference, ctl, offload
+
+
 @pytest.mark.parametrize("depth", [1, 2, 4])
 def test_backward_fetches_depth_stashes_ahead_and_gradients_stay_exact(depth):
     """NOTE [Prefetch depth]: when backward reaches offloaded block ``p``, stashes ``p`` down to
     ``p - depth`` are back, and none below; the gradients are ``none``'s bit for bit."""
     n = 6
-    model = _llama(n)
-    reference = copy.deepcopy(model)
-    ctl = memfit.fit(model, budget=None, method=FixedPlan(Plan(tuple(range(n)), kinds=("offload",) * n)),
-                     treatments=("recompute", "offload"))
-    offload: Offload = ctl.treatments["offload"]
-    offload.min_bytes = 0
-    offload.depth_for = lambda key: depth
+    model, reference, ctl, offload = _offloading(n, tuple(range(n)), depth)
     reached = []
     prefetch = offload._prefetch
 
@@ -68,14 +75,8 @@ def test_spread_stashes_are_back_before_backward_reaches_them_and_depth_counts_b
     when backward reaches a block within ``depth`` above it (hooked on those blocks' outputs): back before backward
     reaches its own block; when it does, the stashes within ``depth`` blocks below are fetched too, none below them;
     the gradients are ``none``'s bit for bit."""
-    n, spread = 8, (0, 3, 6)
-    model = _llama(n)
-    reference = copy.deepcopy(model)
-    ctl = memfit.fit(model, budget=None, method=FixedPlan(Plan(spread, kinds=("offload",) * len(spread))),
-                     treatments=("recompute", "offload"))
-    offload: Offload = ctl.treatments["offload"]
-    offload.min_bytes = 0
-    offload.depth_for = lambda key: depth
+    offloaded = (0, 3, 6)
+    model, reference, ctl, offload = _offloading(8, offloaded, depth)
     reached = []
     prefetch = offload._prefetch
 
@@ -89,12 +90,12 @@ def test_spread_stashes_are_back_before_backward_reaches_them_and_depth_counts_b
     for seed, length in enumerate((24, 40)):
         reached.clear()
         step_both_and_compare(model, reference, _text_batch(2, length, "lm"), seed, f"spread depth {depth}")
-        assert [s.index for s in offload._stashes] == list(spread)
+        assert [s.index for s in offload._stashes] == list(offloaded)
         assert [p for p, _, _ in reached] == [2, 1, 0]
         for position, before, after in reached:
             assert position in before, (position, before)  # hooked above it: back before backward reached it
-            lowest = spread[position] - depth
-            assert after == {at for at in range(len(spread)) if at > position or spread[at] >= lowest}, (position, after)
+            lowest = offloaded[position] - depth
+            assert after == {at for at in range(len(offloaded)) if at > position or offloaded[at] >= lowest}, (position, after)
     ctl.remove()
 
 
@@ -110,10 +111,11 @@ def test_the_peaks_count_spread_stashes_by_blocks_and_the_blocks_above_them():
     assert model.offload_depth(key) == 2
     kept = model.backward_start_bytes(key, Plan(()))
     block = 1000.0 * 1024  # what a kept block frees
-    for spread, back in (((0, 2), 0.0), ((1, 3), 2 * moved - 2 * block), ((0, 2, 4, 6), 2 * moved), ((4, 5, 6, 7), 3 * moved),
-                         ((0, 4), 2 * moved - block)):
-        plan = Plan(spread, kinds=("offload",) * len(spread))
-        assert model.backward_start_bytes(key, plan) == pytest.approx(kept - len(spread) * moved + max(0.0, back), rel=1e-9), spread
+    for offloaded, back in (((0, 2), 0.0), ((1, 3), 2 * moved - 2 * block), ((0, 2, 4, 6), 2 * moved), ((4, 5, 6, 7), 3 * moved),
+                            ((0, 4), 2 * moved - block)):
+        plan = Plan(offloaded, kinds=("offload",) * len(offloaded))
+        assert model.backward_start_bytes(key, plan) == pytest.approx(kept - len(offloaded) * moved + max(0.0, back),
+                                                                      rel=1e-9), offloaded
 
 
 def test_the_run_depth_is_the_plans():
