@@ -292,13 +292,13 @@ class Search:
         options = planning.model.options(k, planning.treatments, planning.offload_ms)
         # NOTE [Treatments never lose]: the mix only where it fits and is cheaper than recompute alone
         plan = self._mix_that_fits(k, [[o for o in opts if o[0] == RECOMPUTE] for opts in options], need, room, parts)
-        hidden = None if planning.recompute_only else _spread(planning, k, options, need)
-        for every in (False, True, None) if not planning.recompute_only else ():  # NOTE [Every block re-run], planner.py
-            if every is None and hidden is None:
-                break
-            mixed = (self._mix_that_fits(k, options, need, room, parts, every, below=plan.cost_ms if plan else math.inf)
-                     if every is not None else  # NOTE [Spread stashes], model.py
-                     self._mix_that_fits(k, hidden[1], need - hidden[0].saved_bytes, room, parts, forced=hidden[0]))
+        # NOTE [Every block re-run], planner.py; and the blocks whose copies the compute hides: NOTE [Spread stashes], model.py
+        asks = [] if planning.recompute_only else [(options, need, every, None) for every in (False, True)]
+        if asks and (hidden := _spread(planning, k, options, need)) is not None:
+            asks.append((hidden[1], need - hidden[0].saved_bytes, False, hidden[0]))
+        for opts, needed, every, forced in asks:
+            mixed = self._mix_that_fits(k, opts, needed, room, parts, every, below=plan.cost_ms if plan else math.inf,
+                                        forced=forced)
             # a tenth of a percent cheaper, of a cost that may be below 0 (a head priced faster chunked: NOTE [Pricing the head])
             if mixed is not None and (plan is None or mixed.cost_ms < plan.cost_ms - 0.001 * abs(plan.cost_ms)):
                 plan = mixed

@@ -13,16 +13,19 @@ out and back, goes on the one side stream, so a host buffer is never written whi
 
 # NOTE [Prefetch depth]
 In backward, the stashes (offloaded blocks, in forward order) come back ``depth`` blocks of
-backward ahead: when backward reaches an offloaded block (a hook on its output's gradient, or
-else its first unpack), its own stash and the stashes below it within ``depth`` blocks are
-fetched if not yet: ``ceil(depth / gap)`` of them, ``gap`` the fewest blocks between two of the
-step's stashes (1 for a run of offloaded blocks; NOTE [Spread stashes], model.py). ``depth`` is
-the step's (``depth_for(shape key)``, read at the step's first offloaded block): the memory
-model's, so the plan counted the stashes that may be on the device at once (NOTE [Treated
-peaks], model.py). A fetch is not ordered after the compute stream's work:
-it starts on the device as soon as it is issued (its buffer is the side stream's, its source
-written by the same stream); each stash's first unpack makes the compute stream wait for its
-copy, once. Its device copies are released once all of its tensors were unpacked (autograd
+backward ahead: each stash is fetched on the output gradients of the blocks within ``depth``
+above it (``block_done`` hooks every block's output as its forward ends; the one furthest above
+fires first), and when backward reaches an offloaded block (a hook on its output's gradient, or
+else its first unpack) its own stash and those below it within ``depth`` blocks are fetched if
+not yet: ``ceil(depth / gap)`` of them, ``gap`` the fewest blocks between two of the step's
+stashes (1 for a run of offloaded blocks; NOTE [Spread stashes], model.py). ``depth`` is the
+step's (``depth_for(shape key)``, read at the step's first offloaded block): the memory model's,
+so the plan counted the stashes that may be on the device at once (NOTE [Treated peaks],
+model.py). A fetch lands in the compute stream's memory (what the blocks backward has passed
+just freed), the side stream's copy ordered after the compute stream's work so far; in a side
+stream's own pool it would stay apart from the step's memory, which the room keeps free (NOTE
+[Other streams' pools], room.py). Each stash's first unpack makes the compute stream wait for
+its copy, once. Its device copies are released once all of its tensors were unpacked (autograd
 holds what it still needs). On a CPU device the same hooks copy to a second CPU tensor, with no
 stream (the logic, and exactness, are what is exercised there).
 
@@ -491,8 +494,7 @@ class Offload(Treatment):
             for entry in stash.storages.values():
                 entry.device = entry.host_bytes().clone().untyped_storage()
             return
-        # NOTE [Fetched into the step's pool]: the copy back lands in the compute stream's memory, which the blocks
-        # backward has passed just freed; the side stream writes it once the compute stream's work so far is done
+        # in the step's memory, written once the compute stream's work so far is done (NOTE [Prefetch depth])
         copies = [torch.empty(entry.nbytes, dtype=torch.uint8, device=device) for entry in stash.storages.values()]
         self._side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(self._side):
