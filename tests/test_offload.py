@@ -118,6 +118,21 @@ def test_the_peaks_count_spread_stashes_by_blocks_and_the_blocks_above_them():
                                                                       rel=1e-9), offloaded
 
 
+def test_a_parameter_made_after_fit_stays_on_the_device():
+    """NOTE [Offload]: a weight the block saves for its backward is never copied out, though its storage was made after
+    ``fit`` read the parameters' addresses (as FSDP2 gathers a block's weights into new storage for each forward); the
+    gradients are ``none``'s bit for bit."""
+    model, reference, ctl, offload = _offloading(2, (0,), 1)
+    mlp = model.model.layers[0].mlp
+    mlp.down_proj.weight = torch.nn.Parameter(mlp.down_proj.weight.detach().clone())  # a new storage, same values
+    weight = mlp.down_proj.weight.untyped_storage().data_ptr()
+    assert weight not in offload.excluded
+    step_both_and_compare(model, reference, _text_batch(2, 24, "lm"), 0, "a new weight")
+    (stash,) = offload._stashes
+    assert stash.storages and weight not in stash.storages
+    ctl.remove()
+
+
 def test_the_run_depth_is_the_plans():
     """The depth the treatment runs with is the planning's at the step's shape (the memory model's:
     what the plan counted), read once per step."""

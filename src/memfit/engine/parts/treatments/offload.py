@@ -3,7 +3,9 @@
 # NOTE [Offload]
 ``offload`` runs the block under a saved-tensor hook pair of its own (the innermost pair, so
 the runtime's counter sees only what the hooks keep on the device, which they count). Each
-saved tensor of at least ``min_bytes`` has its storage copied, once per storage, to a pinned
+saved tensor of at least ``min_bytes`` but a parameter (a block's weights saved for its
+backward; under FSDP2 the gathered ones, whose storage is made after ``fit`` read the
+parameters' addresses) has its storage copied, once per storage, to a pinned
 host buffer (NOTE [Pinned pool]) on a side stream after the compute stream's work so far; the
 device storage is marked used by the side stream, so the allocator reuses it only once the copy
 is done. At most two blocks' copies out are in flight: a block's first pack waits for the
@@ -388,8 +390,8 @@ class Offload(Treatment):
         def pack(t: torch.Tensor) -> Any:
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
-            if (storage.nbytes() < self.min_bytes or ptr in self.excluded or t.device != (stash.device or t.device)
-                    or t.device.type == "meta" or not self._moves(t)):
+            if (storage.nbytes() < self.min_bytes or ptr in self.excluded or _is_parameter(t)
+                    or t.device != (stash.device or t.device) or t.device.type == "meta" or not self._moves(t)):
                 if counting:
                     self.counter.count_tensor(block.index, t)
                 return ("device", t.detach())
@@ -504,6 +506,11 @@ class Offload(Treatment):
             stash.h2d_done = self._side.record_event()
         for copy in copies:
             copy.record_stream(self._side)  # freed unread (a replay), it waits for the copy before it is reused
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter or a view of one (a linear layer saves its weight transposed)."""
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
 
 
 def _bytes_view(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
