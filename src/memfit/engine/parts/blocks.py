@@ -573,9 +573,8 @@ def find_blocks(model: nn.Module, blocks: Sequence[nn.Module] | str | None = Non
         items = list(ml)
         if items and all(isinstance(m, _CONTAINERS) for m in items):  # a list of lists: their items, one sequence
             items = [c for m in items for c in (m.values() if isinstance(m, nn.ModuleDict) else m)]
-        classes = {type(m) for m in items}
-        if len(classes) == 1 and len(items) >= 2 and not issubclass(next(iter(classes)), _CONTAINERS):
-            kind = classes.pop()
+        kind = _one_class(items)
+        if kind is not None:
             counts[kind] += len(items)
             weights[kind] += sum(p.numel() for m in items for p in m.parameters())
     heaviest = max(weights.values(), default=0)
@@ -640,14 +639,20 @@ def _units(layer: nn.Module, gc_type: type) -> list[nn.Module]:
     return [u for i in inner for u in _units(i, gc_type)]
 
 
+def _one_class(items: list[nn.Module]) -> type | None:
+    """The class of ``items`` where they are two or more modules of one class, none a container; else None."""
+    classes = {type(m) for m in items}
+    kind = classes.pop() if len(classes) == 1 else None
+    return kind if len(items) >= 2 and kind is not None and not issubclass(kind, _CONTAINERS) else None
+
+
 def _listed_layers(layer: nn.Module) -> list[nn.Module]:
     """The items of ``layer``'s own list of layers (NOTE [Nested layers]): of its direct children that are lists, the
     one of two or more modules of one class, each with parameters, that holds the most parameters; none without."""
     best, most = [], 0
     for child in layer.children():
         items = list(child) if isinstance(child, nn.ModuleList) else []
-        if (len(items) >= 2 and len({type(m) for m in items}) == 1 and not isinstance(items[0], _CONTAINERS)
-                and all(next(m.parameters(), None) is not None for m in items)):
+        if _one_class(items) is not None and all(next(m.parameters(), None) is not None for m in items):
             held = sum(p.numel() for m in items for p in m.parameters())
             if held > most:
                 best, most = items, held

@@ -272,6 +272,7 @@ class Controller:
             self._counter = SavedTensorCounter(len(self.blocks), exclude=list(model.parameters()) + list(model.buffers()))
             self._undo.append(self._counter.stop)
             self.treatments = _make_treatments(treatments, self._counter, self.planning, self.device, self.blocks[0].compiled, host_budget_bytes)
+            self._block_done = [t.block_done for t in self.treatments.values() if type(t).block_done is not Treatment.block_done]
             self.head = RunHead(model, self.planning, self.meter.kind != "logical", head, head_logits, method.learns and budget is not None, lambda: self.meter.aside(self._step))
             self._undo.append(self.head.remove)  # before anything else can raise: the head's hooks are on
             self.parts = RunParts(self.head, parts, self.planning)  # the head's and the user's (parts/kind.py)
@@ -281,8 +282,7 @@ class Controller:
             self._undo += [self._waits.remove, self.pauses.remove]  # NOTE [The collective wait], collectives.py
             self.rank = torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
             self.announce, self._steps_recorded = announce, 0  # announce: a start line now and a summary at remove()
-            self._records: list[StepRecord] = []
-            self._step: StepState | None = None
+            self._records, self._step = [], None  # the step records; the running micro-step's StepState
             self.replay = Replayer(model, self.grad_params, self.blocks, self.treatments[RECOMPUTE], self.note_oom,
                                    self.drop_step, self.meter.release, parts=lambda: tuple(self.planning.parts.values()),
                                    step_key=lambda: None if self._step is None else self._step.key)
@@ -376,8 +376,8 @@ class Controller:
         self._counter.current = OUTSIDE
         if self._step is not None and self._step.stage is Stage.FORWARD:
             self.protection.exit(self._step, block)
-            for treatment in self.treatments.values():  # NOTE [Spread stashes], plan/model.py: every block's output
-                treatment.block_done(block, output)
+            for done in self._block_done:  # NOTE [Spread stashes], plan/model.py: every block's output
+                done(block, output)
             if self.planning.model.parts_apart and block is self.blocks[-1]:
                 self.meter.watch_parts(self._step, output)
 

@@ -439,19 +439,11 @@ class Offload(Treatment):
 
     def _hook_output(self, out: Any, position: int) -> None:
         """Prefetch when backward reaches this block: a hook on its output's gradient (NOTE [Prefetch depth])."""
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                device = t.device
-                t.register_hook(lambda grad: self._prefetch(position, device))  # returns None: the gradient is untouched
-                return
+        _on_gradient(out, lambda device: self._prefetch(position, device))
 
     def _hook_fetch(self, out: Any, stash: _Stash) -> None:
         """Fetch ``stash`` when backward reaches the block whose output is ``out``, if not yet."""
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                device = t.device
-                t.register_hook(lambda grad: None if stash.fetched else self._fetch(stash, device))
-                return
+        _on_gradient(out, lambda device: None if stash.fetched else self._fetch(stash, device))
 
     def _pool_for(self, device: torch.device) -> _HostPool:
         if self._pool is None:
@@ -506,6 +498,15 @@ class Offload(Treatment):
             stash.h2d_done = self._side.record_event()
         for copy in copies:
             copy.record_stream(self._side)  # freed unread (a replay), it waits for the copy before it is reused
+
+
+def _on_gradient(out: Any, fn: Callable[[torch.device], None]) -> None:
+    """``fn(device)`` once the gradient of ``out``'s first tensor that needs one is computed (the gradient untouched)."""
+    for t in tree_leaves(out):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            device = t.device
+            t.register_hook(lambda grad: fn(device))  # returns None: the gradient is untouched
+            return
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
