@@ -950,7 +950,7 @@ def test_the_floor_is_below_full_by_the_blocks_inputs_for_an_8b_at_64k():
     from memfit.tools.estimate import load_config
     from memfit.tools.estimate import lm_head_bytes
     from memfit.tools.estimate.anatomy import most_head_chunks
-    from memfit.tools.estimate.floor import floor_estimate
+    from memfit.tools.estimate.floor import floor_estimate, weights_on_host
 
     profile = ModelProfile.from_config(load_config("Llama-3.1-8B"), "causal-lm", name="Llama-3.1-8B")
     tokens, hidden, layers = 65536, profile.config.hidden_size, profile.n_blocks
@@ -969,7 +969,14 @@ def test_the_floor_is_below_full_by_the_blocks_inputs_for_an_8b_at_64k():
     assert floor.total_bytes >= floor.weights_bytes + floor.optimizer_state_bytes + floor.recompute_bytes
     table = format_table(floor)
     assert "every block on host_checkpoint" in table and f"| pinned host memory | 16.00 | {inputs:,} |" in table
-    assert floor_estimate(profile, _floor_setup(lora_r=16), tokens, activations=acts) == floor  # the floor is that setup
+    # the floor is that setup, the blocks' frozen weights on the host but two blocks' (NOTE [Weights on the host in the floor])
+    at_floor = floor_estimate(profile, _floor_setup(lora_r=16), tokens, activations=acts)
+    block_weights = [2 * n for n in profile.block_params]
+    assert at_floor == weights_on_host(floor, profile)
+    assert floor.weights_bytes - at_floor.weights_bytes == sum(block_weights) - 2 * max(block_weights) > 12 * 2**30
+    assert at_floor.host_bytes - floor.host_bytes == sum(block_weights)
+    assert weights_on_host(dataclasses.replace(floor, setup=dataclasses.replace(floor.setup, lora_r=0)), profile).weights_bytes \
+        == floor.weights_bytes  # full fine-tuning trains the block weights: they stay
 
 
 def test_a_blocks_backward_holds_neither_the_final_norms_copy_nor_its_own_input_twice_for_an_8b_at_64k():

@@ -491,7 +491,9 @@ def test_the_floor_plan_chunks_the_head_the_most():
         def apply(self, option):
             pass
 
-    planning = SimpleNamespace(registry=resolve(TILED), all_blocks=(0, 1), n_blocks=2, parts={"head": Head()})
+    from memfit.engine.parts.host_weights import NO_WEIGHTS
+
+    planning = SimpleNamespace(registry=resolve(TILED), all_blocks=(0, 1), n_blocks=2, parts={"head": Head()}, weights=NO_WEIGHTS)
     plan = Search(planning).floor(65536)
     assert plan.kinds == (HOST_CHECKPOINT_TILED,) * 2
     assert plan.option("head") == max(options, key=lambda o: o[2])[:2] and plan.option("head")[1] > head_without_a_plan(options)[1], (plan.option("head"), options)

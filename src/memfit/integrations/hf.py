@@ -71,7 +71,7 @@ from memfit.engine.parts.optim_state import expected_state_bytes
 from memfit.engine.parts.optimizer_step import expected_step_bytes
 from memfit.engine.records import StepRecord, read_jsonl, summarize
 from memfit.integrations.run_dir import claim_output_dir
-from memfit.engine.run.controller import DEEPSPEED_INSTEAD, Controller, check_static_need_of, fit
+from memfit.engine.run.controller import DEEPSPEED_INSTEAD, Controller, check_static_need_of, fit, weights_saved_of
 from memfit.engine.summary_text import end_summary, parameters_words, start_line
 from memfit.engine.parts.treatments import KEEP, TREATMENTS
 
@@ -462,7 +462,9 @@ class MemfitTrainerMixin:
         if state is None:
             logger.info("--optim %s: its state is counted once it exists (the first optimizer step)", a.optim)
         check_static_need_of(self.model, budget, state, f"optimizer state ({getattr(a.optim, 'value', a.optim)}, expected)",
-                             transient_bytes=lambda free: expected_step_bytes(a.optim, trainable, a.weight_decay, free))
+                             transient_bytes=lambda free: expected_step_bytes(a.optim, trainable, a.weight_decay, free),
+                             weights_saved=weights_saved_of(self.model, treatment_names(getattr(a, "memfit_treatments", "auto")),
+                                                            _compile_option(a)))
 
     # ------------------------------------------------------------ optimizer
     def create_optimizer(self, model=None):

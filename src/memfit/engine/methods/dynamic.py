@@ -235,7 +235,8 @@ def _may_not_fit(planning: "Planning", key: tuple[int, int], every: Plan, tokens
     if not planning.budget_bytes or floor_treatment(planning.registry) == RECOMPUTE:
         return False
     if planning.model.ready:
-        return planning.plan_peak(key, with_untreated(every, planning.parts.values(), tokens)) > planning.room_bytes
+        parts = [*planning.parts.values(), *([planning.weights] if planning.weights.streamable else [])]
+        return planning.plan_peak(key, with_untreated(every, parts, tokens)) > planning.room_bytes
     return _held_over(planning, tokens, PROBE_NEED * planning.input_bytes_per_token)
 
 

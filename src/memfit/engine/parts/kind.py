@@ -21,6 +21,12 @@ A part kind's bytes are held at one moment of the step, its ``moment``:
   larger of what steps read there and what the part predicts (:meth:`PartKind.moment_bytes`), and
   the memory model takes its saving off that moment's peak.
 
+* ``STATIC``: at every moment of the step, as the static bytes are (the blocks' frozen weights:
+  parts/host_weights.py). An option's saving adds to the room every plan of the blocks and the
+  other parts is made in (NOTE [The weights' room], plan/search.py), and comes off every predicted
+  peak (``Planning.predict_peak``); the static bytes Planning plans from are those with the part
+  untreated, and those a step teaches are less its option's saving.
+
 A part whose bytes peak at another moment is not a part kind yet.
 
 # NOTE [A part kind's options]
@@ -40,12 +46,12 @@ from typing import Any
 from memfit.engine.parts.head import HEAD_KEY
 
 __all__ = ["PartKind", "Option", "RunParts", "check_parts", "with_untreated", "part_title", "part_param_words", "part_floor_words",
-           "AFTER_BLOCKS", "OPTIMIZER_STEP"]
+           "AFTER_BLOCKS", "OPTIMIZER_STEP", "STATIC"]
 
 #: ``(treatment, param, bytes saved, ms)`` of a part's option (NOTE [A part kind's options])
 Option = tuple[str, int, int, float]
 #: the moments a part kind's bytes may be held at (NOTE [A part kind's moment])
-AFTER_BLOCKS, OPTIMIZER_STEP = "after_blocks", "optimizer_step"
+AFTER_BLOCKS, OPTIMIZER_STEP, STATIC = "after_blocks", "optimizer_step", "static"
 #: each part kind's class by its name, where the class declares its title (PartKind.title): records name a part by its
 #: kind alone, and the summary and the report say it by the class's words
 _KINDS: dict[str, type["PartKind"]] = {}

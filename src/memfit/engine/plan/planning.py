@@ -83,7 +83,8 @@ from memfit.engine.shapes import bucket_key
 from memfit.engine.parts.treatments import KEEP, RECOMPUTE, TreatmentSpec, resolve
 from memfit.engine.parts.accounting import gathered_param_bytes
 from memfit.engine.parts.treatments.tiled_mlp import widest_intermediate
-from memfit.engine.parts.kind import AFTER_BLOCKS
+from memfit.engine.parts.host_weights import NO_WEIGHTS
+from memfit.engine.parts.kind import AFTER_BLOCKS, STATIC
 
 __all__ = ["Planning", "ModelUpdate", "ROW_AFTER_STEADY_ASKS"]
 
@@ -242,16 +243,14 @@ class Planning:
         self, n_blocks: int, groups: Sequence[int], budget: Budget | int | None, margin_bytes: int, bucket_tokens: int,
         slack_bytes: int = 0, treatments: Sequence[TreatmentSpec] = (RECOMPUTE,), room: Room | None = None,
     ):
-        self.n_blocks = n_blocks
-        self.all_blocks = tuple(range(n_blocks))
+        self.n_blocks, self.all_blocks = n_blocks, tuple(range(n_blocks))
         #: the run's treatments by name, ``keep`` and ``recompute`` first (engine/parts/treatments/)
         self.registry = resolve(treatments)
         self.model = MemoryModel(groups, bucket_tokens, self.registry)
         self.room = room or Room(budget, margin_bytes, slack_bytes)  # the run's one copy of the budget
         if room is not None and budget is not None and room.budget_bytes != Budget.parse(budget).bytes:
             raise ValueError(f"a room for {room.budget} given with the budget {budget}")
-        self.bucket_tokens = bucket_tokens
-        self.cache = PlanCache()
+        self.bucket_tokens, self.cache = bucket_tokens, PlanCache()
         self._priced: tuple[int, ...] = ()  # the parts' ``priced`` counts the cached plans were made under
         self.static_bytes = self.max_static_bytes = 0
         self.input_bytes_per_token = self.mlp_bytes_per_token = self.gathered_block_bytes = 0  # note_block_input
@@ -262,9 +261,11 @@ class Planning:
         self.treatments = tuple(name for name in self.registry if name != KEEP)
         self.offload_ms: Callable[[float, float], float] | None = None
         #: the parts beside the blocks by kind, the LM head's (treatments/chunked_head.py HeadPart) first (parts/kind.py),
-        #: and those held at a moment of their own (the optimizer step's: NOTE [A part kind's moment])
+        #: those held at a moment of their own (the optimizer step's: NOTE [A part kind's moment]), and the one held at
+        #: every moment, the blocks' frozen weights (NOTE [Weights on the host], parts/host_weights.py)
         self.parts: dict[str, Any] = {}
         self.moment_parts: dict[str, Any] = {}
+        self.weights: Any = NO_WEIGHTS
         self.bias, self.run_bias = BucketBias(), RunBias()  # NOTE [Bias per bucket], NOTE [Over-prediction across buckets]
 
     def _set_part(self, kind: str, part: Any) -> None:
@@ -283,6 +284,8 @@ class Planning:
         self.remove_part(part.name)
         if part.moment == AFTER_BLOCKS:
             self._set_part(part.name, part)
+        elif part.moment == STATIC:
+            self.weights = part
         else:
             self.moment_parts[part.name] = part
 
@@ -290,6 +293,7 @@ class Planning:
         """Plan the part of ``kind`` no more (its option then runs as the model runs it)."""
         self._set_part(kind, None)
         self.moment_parts.pop(kind, None)
+        self.weights = NO_WEIGHTS if self.weights.name == kind else self.weights
 
     def moment_options(self, key: tuple[int, int]) -> dict[str, tuple[str, int]]:
         """Each part at a moment of its own: its option at ``key`` (NOTE [A part kind's moment]), its saving in the model."""
@@ -339,8 +343,7 @@ class Planning:
             modules = [b.module for b in blocks]
             self._widest, self.gathered_block_bytes = widest_intermediate(modules), max(map(gathered_param_bytes, modules), default=0)
         wide = x is not None and x.dim() >= 3
-        self.input_bytes_per_token = x.element_size() * x.shape[-1] if wide else 0
-        self.mlp_bytes_per_token = 2 * x.element_size() * self._widest if wide else 0
+        self.input_bytes_per_token, self.mlp_bytes_per_token = (x.element_size() * x.shape[-1], 2 * x.element_size() * self._widest) if wide else (0, 0)
 
     @property
     def recompute_only(self) -> bool:
@@ -353,11 +356,9 @@ class Planning:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model = MemoryModel.from_dict(state["model"], self.registry)
-        self.model.bucket_tokens = self.bucket_tokens
+        self.model.bucket_tokens, self.model.link = self.bucket_tokens, self.offload_ms
         self.model.part_saving = {kind: part.saved_bytes for kind, part in self.parts.items()}
-        self.model.link = self.offload_ms
-        self.room.margin_bytes = int(state["margin_bytes"])
-        self.room.slack_bytes = int(state.get("slack_bytes", self.room.slack_bytes))
+        self.room.margin_bytes, self.room.slack_bytes = int(state["margin_bytes"]), int(state.get("slack_bytes", self.room.slack_bytes))
         self.cache.clear()
 
     # ------------------------------------------------------------ predictions
@@ -369,11 +370,11 @@ class Planning:
     def predict_peak(self, key: tuple[int, int], plan: Plan) -> int:
         """Predicted step peak: static + the largest of the step's three peaks (NOTE [Three peaks], model.py)."""
         k = self.planned_shape(key)
-        return int(self.static_for(k) + self.model.step_bytes(k, plan))
+        return int(self.static_for(k) + self.model.step_bytes(k, plan)) - self.weights.saved_by(plan)
 
     def plan_peak(self, key: tuple[int, int], plan: Plan) -> int:
         """What a plan must fit the room with: static + the peaks the plan decides (NOTE [A plan fits what it decides])."""
-        return int(self.static_for(k := self.planned_shape(key)) + self.model.plan_bytes(k, plan))
+        return int(self.static_for(k := self.planned_shape(key)) + self.model.plan_bytes(k, plan)) - self.weights.saved_by(plan)
 
     def static_for(self, k: tuple[int, int]) -> float:
         """The static bytes a prediction at ``k`` starts from: less its bucket's correction (NOTE [Bias per bucket])."""
@@ -436,7 +437,7 @@ class Planning:
         if plan is None:
             settled = self.cache.settled(ROW_AFTER_STEADY_ASKS)
             whole_row = whole_row and edge not in self.bias.correction  # NOTE [Bias per bucket]
-            from_row = self.rows.from_row(k, static_bucket) if whole_row and settled and self.recompute_only and not self.parts else None
+            from_row = self.rows.from_row(k, static_bucket) if whole_row and settled and self.recompute_only and not (self.parts or self.weights.streamable) else None
             plan = from_row or self.search.plan(k)
             self._drop_stale_plans()  # a part priced anew while this plan was made: those made before are stale
             if from_row is not None and k != edge and self.rows.row_constant(k, edge, static_bucket):

@@ -75,6 +75,49 @@ def _spread(planning: Any, k: tuple[int, int], options: list[list[tuple[str, int
     return forced, [[] if i in chosen else opts for i, opts in enumerate(options)]
 
 
+def _weights(search: "Search", k: tuple[int, int]) -> tuple[str, int, int, float] | None:
+    """The option of the blocks' frozen weights ``k``'s plan is made with (None: kept on the device).
+
+    # NOTE [The weights' room]
+    The weights part (NOTE [Weights on the host], parts/host_weights.py) saves the same bytes at
+    every moment of the step: an option is room that every plan of the blocks and the other parts
+    is made in. So each of its few options (a share of the stack, from the bottom up) is tried as
+    :meth:`Search.cost_with_room` plans with that much more room, at its price beside what the plan
+    then costs, and the cheapest sum wins, keeping the weights on a tie; an option priced above the
+    cheapest sum so far is not planned. Where no option fits, the one that saves most (the floor's).
+    """
+    part, model = search.planning.weights, search.planning.model
+    if not part.streamable or not model.ready or search.planning.budget_bytes is None:
+        return None
+    best_ms, best = search.cost_with_room(k), None
+    if best_ms <= 0:
+        return None
+    options = part.priced(model.costs(k))
+    for option in options:
+        if option[2] > 0 and option[3] < best_ms and (ms := option[3] + search.cost_with_room(k, option[2])) < 0.999 * best_ms:
+            best_ms, best = ms, option
+    if best is None and math.isinf(best_ms) and options:
+        best = max(options, key=lambda option: option[2])
+    return best
+
+
+def _with_weights(search: "Search", k: tuple[int, int], plan: Callable[[], Plan]) -> Plan:
+    """``plan()`` made in the room the weights' option for ``k`` adds, with that option and its price (NOTE [The weights'
+    room])."""
+    weights = _weights(search, k)
+    search._extra_room = weights[2] if weights else 0
+    try:
+        made = plan()
+    finally:
+        search._extra_room = 0
+    part = search.planning.weights
+    if not part.streamable or made.option(part.name) is not None:
+        return made
+    if not weights:  # named, so the run keeps them (a plan naming none runs the last one's: HostWeights.untreated)
+        return made.with_option(part.name, ("keep", 1))
+    return Plan(made.blocks, made.cost_ms + weights[3], made.saved_bytes, made.kinds, made.parts).with_option(part.name, weights[:2])
+
+
 class Search:
     """The plan of one shape for a run's ``planning`` (a :class:`~memfit.engine.plan.planning.Planning`, not imported:
     planning.py imports this module), read through its public attributes (the module's docstring).
@@ -98,13 +141,13 @@ class Search:
         """What ``k``'s cheapest plan would cost (ms) were the room ``extra_bytes`` larger: every treatment and part the
         run offers, as :meth:`plan` chooses, with nothing said; infinite where no plan would fit (the floor would run).
         What an over-predicted step is judged by (NOTE [What a step teaches], learner.py)."""
-        planning = self.planning
-        self._extra_room = int(extra_bytes)
+        planning, before = self.planning, self._extra_room
+        self._extra_room = before + int(extra_bytes)
         try:
             with ShapePeaks(planning.model, k):
                 plan = self._parts_mix(k) if planning.parts else self._blocks_plan(k, quiet=True)
         finally:
-            self._extra_room = 0
+            self._extra_room = before
         if plan is None:
             return float("inf")
         unpriced = plan.blocks == planning.all_blocks and not plan.cost_ms and not plan.kinds  # the mend's every block
@@ -115,7 +158,7 @@ class Search:
         mix: NOTE [Treatments never lose]); an optimizer step over the budget whatever the plan is said once."""
         planning = self.planning
         with ShapePeaks(planning.model, k):  # NOTE [A search reads the curves once], model.py
-            plan = self.parts_plan(k) if planning.parts else self._blocks_plan(k)
+            plan = _with_weights(self, k, lambda: self.parts_plan(k) if planning.parts else self._blocks_plan(k))
             peak = planning.predict_peak(k, plan)  # NOTE [A plan fits what it decides]
         if not self.optimizer_said and peak > planning.budget_bytes >= planning.plan_peak(k, plan):
             self.optimizer_said = True
@@ -168,7 +211,7 @@ class Search:
             log = self._infeasible_log(k) if peak_bytes > planning.budget_bytes else None
             if log is not None:
                 outside = planning.model.outside(k) if planning.model.ready else 0.0
-                parts = {"static": planning.static_bytes, "outside": outside, "blocks": planning.model.step_bytes(k, most) - outside}
+                parts = {"static": planning.static_bytes - planning.weights.most_saved, "outside": outside, "blocks": planning.model.step_bytes(k, most) - outside}
                 log("memfit: shape %s is predicted to need %s even with every block checkpointed, over the budget of %s; "
                     "running it with every block checkpointed; %s", k, planning.budget.size(peak_bytes), planning.budget,
                     over_budget_words(parts, planning.budget))
@@ -276,7 +319,7 @@ class Search:
             outside = max(0.0, planning.model.outside(k) - kept) if planning.model.ready else 0.0
             blocks = max(0.0, planning.model.step_bytes(k, most) - outside - least) if planning.model.ready else 0.0
             # each part at its most saving, as the floor runs it: the kept bytes are not in the peak said
-            parts = {"static": planning.static_bytes, **{kind: s[1] for kind, s in shares.items()},
+            parts = {"static": planning.static_bytes - planning.weights.most_saved, **{kind: s[1] for kind, s in shares.items()},
                      "outside-not-parts" if shares else "outside": outside, "blocks": blocks}
             at_most = " and ".join(s[2] for s in shares.values()) or "every part beside the blocks at its most saving"
             log("memfit: shape %s is predicted to need %s even with every block checkpointed and %s, over the budget of %s; %s",
@@ -321,6 +364,8 @@ class Search:
         planning = self.planning
         floor = floor_treatment(planning.registry)
         parts = [(kind, *part.most(tokens)) for kind, part in planning.parts.items()]
+        if planning.weights.streamable:  # NOTE [The weights' room]
+            parts.append((planning.weights.name, *planning.weights.most(tokens)))
         return Plan(planning.all_blocks, kinds=() if floor == RECOMPUTE else (floor,) * planning.n_blocks, parts=parts)
 
     def _mix_that_fits(self, k: tuple[int, int], options: list[list[tuple[str, int, float]]], need: int, room: int,

@@ -70,11 +70,12 @@ from memfit.engine.summary_text import end_summary, start_line
 from memfit.engine.parts.treatments import (
     RECOMPUTE, SELECTIVE, TREATMENTS, Treatment, make_treatments, resolve, run_treatment_names,
 )
+from memfit.engine.parts.host_weights import WINDOW, HostWeights, streamable_saving
 from memfit.engine.parts.kind import PartKind, RunParts
 from memfit.engine.parts.treatments.chunked_head import RunHead
-from memfit.engine.parts.treatments.offload import default_host_budget_bytes
+from memfit.engine.parts.treatments.offload import _HostPool, default_host_budget_bytes
 
-__all__ = ["fit", "Controller", "check_static_need_of", "refuse_deepspeed", "DEEPSPEED_INSTEAD"]
+__all__ = ["fit", "Controller", "check_static_need_of", "refuse_deepspeed", "DEEPSPEED_INSTEAD", "weights_saved_of"]
 
 logger = logging.getLogger("memfit")
 
@@ -98,7 +99,7 @@ def _group_ids(blocks: list[Block]) -> list[int]:
 
 def check_static_need_of(
     model: nn.Module, budget: Budget | None, state_bytes: int | None, state_name: str = "optimizer state",
-    transient_bytes: int | None | Callable[[int | None], int | None] = None,
+    transient_bytes: int | None | Callable[[int | None], int | None] = None, weights_saved: int = 0,
 ) -> dict[str, int]:
     """The static need: parameters and gradients (this rank's shards under FSDP),
     ``state_bytes`` of optimizer state (left out when None: not known yet) and
@@ -109,7 +110,8 @@ def check_static_need_of(
 
     The one check of the static need before training: the controller's for an optimizer it is
     given, the Trainer's for the one ``--optim`` will make (NOTE [Expected optimizer state] in
-    optim_state.py), which names it ``state_name``.
+    optim_state.py), which names it ``state_name``. ``weights_saved``: what the blocks' frozen weights on the host
+    save at every moment at most (NOTE [Weights on the host], parts/host_weights.py), off the parameters.
 
     Raises:
         BudgetTooSmallError: when they exceed ``budget`` (its message quotes the budget as the user gave it).
@@ -123,7 +125,8 @@ def check_static_need_of(
     if transient_bytes:
         parts[OPTIMIZER_TRANSIENT] = transient_bytes
     if budget is not None:
-        check_static_need(budget, sum(parts.values()), parts)
+        shown = {**parts, "less frozen weights on the host": -weights_saved} if weights_saved else parts
+        check_static_need(budget, sum(shown.values()), shown)
     return parts
 
 
@@ -231,6 +234,74 @@ def _make_treatments(
     )
 
 
+def _check_static(model: nn.Module, budget: Budget | None, optimizer: torch.optim.Optimizer | None, weights_saved: int) -> dict[str, int]:
+    """:func:`check_static_need_of` for ``optimizer`` as made or as it will be, the weights on the host at their most."""
+    return check_static_need_of(model, budget, _state_bytes(optimizer), transient_bytes=_fit_step(optimizer), weights_saved=weights_saved)
+
+
+def _weights_saved(offered: bool | str, names: Sequence[Any], compiled: bool, device: torch.device,
+                   named: Sequence[tuple[str, nn.Module]], model: nn.Module) -> int:
+    """The most the blocks' frozen weights on the host save where the run plans them as a part (NOTE [Weights on the
+    host], parts/host_weights.py), else 0: ``"auto"`` on CUDA where it offers a treatment that moves tensors to the host
+    (the link is measured) and its blocks run eagerly; True where they run eagerly; False never."""
+    if offered not in (True, False, "auto"):
+        raise ValueError(f"host_weights={offered!r}: give True, False or 'auto'")
+    if offered is True and compiled:
+        raise ValueError("host_weights=True: compiled blocks keep their weights on the device; give compile=False or host_weights='auto'")
+    moves = device.type == "cuda" and any(cls.moves_out for cls in resolve(names).values())
+    offers = not compiled and (offered is True or (offered == "auto" and moves))
+    return streamable_saving([m for _, m in named], model) if offers else 0
+
+
+def weights_saved_of(model: nn.Module, treatments: Sequence[Any] | None, compile: bool | dict[str, Any] = False,
+                     host_weights: bool | str = "auto", blocks: Sequence[nn.Module] | str | None = None) -> int:
+    """What ``fit(model, treatments=..., compile=..., host_weights=...)``'s weights part saves at most (0 where it plans
+    none): the static check's share of the weights that may wait on the host (NOTE [Weights on the host])."""
+    named = find_blocks(model, blocks)
+    names, compile_options = _run_options(treatments, compile, [m for _, m in named])
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    return _weights_saved(host_weights, names, compile_options is not None, device, named, model)
+
+
+def _host_weights(ctl: "Controller", static_bytes: int) -> HostWeights | None:
+    """The run's weights part (NOTE [Weights on the host], parts/host_weights.py), its host copies in the run's pinned pool
+    (or one of its own), its storages never counted as activations, its undo among the controller's; None where no option
+    saves a byte. Where ``static_bytes`` (weights, gradients, optimizer state) are over the budget, no plan keeps every
+    block's weights: they leave the device now, before the cap is set."""
+    pool = next((t.pool for t in ctl.treatments.values() if getattr(t, "pool", None) is not None), None)
+    pool = pool or _HostPool(default_host_budget_bytes())
+    if pool.pin is None:
+        pool.pin = ctl.device.type == "cuda"
+    weights = HostWeights([b.module for b in ctl.blocks], ctl.model, pool.take, getattr(ctl.planning.offload_ms, "h2d", None),
+                          ctl._counter.excluded_ptrs, window=WINDOW if ctl.meter.kind != "logical" else 0)
+    if not weights.streamable:
+        weights.remove()
+        return None
+    ctl._undo.append(weights.remove)
+    ctl._counter.exclude_parameters(p for b in weights.blocks for h in b.held for p in h.params)
+    if ctl.budget is not None and static_bytes > ctl.budget.bytes:
+        weights.leave()
+    return weights
+
+
+def _weights_left(step: StepState, weights: HostWeights | None, meter: Meter) -> None:
+    """A step was decided and its streamed weights left: its static bytes are less them, and its peaks are read from now
+    (NOTE [A part kind's moment], parts/kind.py)."""
+    if weights is not None:
+        step.static_bytes -= weights.streamed_bytes()
+        meter.start_step(step)
+
+
+def _statics(meter: Meter, weights: HostWeights | None) -> tuple[int, int]:
+    """The static bytes now with every frozen weight on the device (what plans are made from), and less the closing step's
+    streamed weights (what that step is read in: NOTE [A part kind's moment], parts/kind.py)."""
+    now = meter.static_now()
+    if weights is None:
+        return now, now
+    every = now + (weights.off_bytes() if meter.kind != "logical" else 0)  # a logical meter counts them all
+    return every, every - weights.streamed_bytes()
+
+
 class Controller:
     """Plans, applies and records the treatment of every block for one model; made by :func:`fit`.
 
@@ -245,7 +316,7 @@ class Controller:
         blocks: Sequence[nn.Module] | str | None = None, log: str | None = None, margin: float | None = None,
         bucket_tokens: int = 8, cap: bool = True, treatments: Sequence[str] | None = None, announce: bool = False,
         compile: bool | dict[str, Any] = False, head: bool | str = "auto", head_logits: str = "drop",
-        host_budget_bytes: int | None = None, parts: Sequence[Any] = (),
+        host_budget_bytes: int | None = None, parts: Sequence[Any] = (), host_weights: bool | str = "auto",
     ):
         self.model, self.method = model, method  # the budget: the planning's room holds it (NOTE [A budget as typed])
         self.blocks: list[Block] = []
@@ -255,7 +326,8 @@ class Controller:
             named = find_blocks(model, blocks)
             treatments, compile_options = _run_options(treatments, compile, [m for _, m in named])
             self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
-            static_parts = check_static_need_of(model, budget, _state_bytes(optimizer), transient_bytes=_fit_step(optimizer))
+            self._weights_saved = _weights_saved(host_weights, treatments, compile_options is not None, self.device, named, model)
+            static_parts = _check_static(model, budget, optimizer, self._weights_saved)
             self.grad_params = [p for p in model.parameters() if p.requires_grad]
             self.meter: Meter = make_meter(self.device, self.grad_params, static_parts["parameters"] + static_parts["gradients"])
             self._fingerprint = fingerprint(named)
@@ -273,9 +345,10 @@ class Controller:
             self._undo.append(self._counter.stop)
             self.treatments = _make_treatments(treatments, self._counter, self.planning, self.device, self.blocks[0].compiled, host_budget_bytes)
             self._block_done = [t.block_done for t in self.treatments.values() if type(t).block_done is not Treatment.block_done]
+            self._weights = _host_weights(self, sum(static_parts.values())) if self._weights_saved else None
             self.head = RunHead(model, self.planning, self.meter.kind != "logical", head, head_logits, method.learns and budget is not None, lambda: self.meter.aside(self._step))
             self._undo.append(self.head.remove)  # before anything else can raise: the head's hooks are on
-            self.parts = RunParts(self.head, parts, self.planning)  # the head's and the user's (parts/kind.py)
+            self.parts = RunParts(self.head, [*parts, *filter(None, [self._weights])], self.planning)  # parts/kind.py
             self.protection = method.make_protection(lambda: ReactiveStore(self._counter.excluded_ptrs), self.planning, self.meter, self._counter)
             self._gathered, self._waits = GatheredParameters(model, self._counter), CollectiveWait(model, self.device)
             self.pauses = Pauses(freeze=freezes(not method.measures_only, self.meter.kind))  # NOTE [The collector's pauses]
@@ -306,7 +379,7 @@ class Controller:
         """Count ``optimizer``'s state from now on (for an optimizer made after ``fit``). Raises:
         BudgetTooSmallError: when weights + gradients + its state exceed the budget."""
         if check:
-            check_static_need_of(self.model, self.budget, _state_bytes(optimizer), transient_bytes=_fit_step(optimizer))
+            _check_static(self.model, self.budget, optimizer, self._weights_saved)
         for h in self._optimizer_handles:
             h.remove()
         self.optimizer = self.meter.optimizer = optimizer
@@ -338,8 +411,8 @@ class Controller:
     def _on_forward_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         training = module.training and torch.is_grad_enabled()
         # read once: the closing step's lasting growth and this step's static bytes
-        static_now = self.meter.static_now() if training else None
-        self._finish_step(static_now)
+        static_now, closing = _statics(self.meter, self._weights) if training else (None, None)
+        self._finish_step(closing)
         if not training:
             return
         self._gathered.check_first_forward()
@@ -401,14 +474,12 @@ class Controller:
         step.shape = list(x.shape) if x is not None else []
         step.key = shape_key(step.shape, self.blocks[0].channels_first)
         self.planning.note_block_input(x, self.blocks)
-        misses = self.planning.cache.misses
-        oom = self.replay.oom
+        misses, oom = self.planning.cache.misses, self.replay.oom
         failed = oom.failed_plan if oom.attempts and not self.replay.replaying else None
         t0 = time.perf_counter()
         decision = self.parts.decide(self.method.decide(self.planning, step.key, failed), step.key)
-        step.planner_us = (time.perf_counter() - t0) * 1e6
-        step.planned = self.planning.cache.misses > misses
-        step.decision = decision
+        step.planner_us, step.planned, step.decision = (time.perf_counter() - t0) * 1e6, self.planning.cache.misses > misses, decision
+        _weights_left(step, self._weights, self.meter)
         for b, kind in zip(self.blocks, decision.plan.treatments(len(self.blocks))):
             b.treatment = self.treatments[kind]
         self.protection.arm(step, self.blocks, step.key, decision.plan, decision.warmup)
@@ -434,7 +505,7 @@ class Controller:
             peaks, key=step.key, plan=step.decision.plan, warmup=step.decision.warmup,
             outside=step.saved_outside, by_block=step.saved_by_block, static=step.static_bytes,
             state_to_come=step.state_to_come, block_keys=step.block_keys,
-            static_now=self.meter.static_now() if static_now is None else static_now,
+            static_now=_statics(self.meter, self._weights)[1] if static_now is None else static_now,
             evicted=step.evicted, backstop_input=step.backstop_input, counted=step.counted, net_ms=(now - step.t0) * 1e3 - treated_ms,
             timed_key=self.replay.take_agreed_key(),  # NOTE [A retry beside no clean step of its bucket]
         )
@@ -550,6 +621,7 @@ def fit(
     head_logits: str = "drop",
     host_budget: int | str | None = None,
     parts: Sequence[PartKind] = (),
+    host_weights: bool | str = "auto",
     **method_kwargs: Any,
 ) -> Controller:
     """Train ``model`` inside ``budget`` by treating just enough blocks per batch.
@@ -609,6 +681,10 @@ def fit(
         parts: part kinds beside the blocks the planner treats per batch too
             (:class:`~memfit.engine.parts.kind.PartKind`, ``memfit.PartKind``: NOTE [A part kind's
             options]): one option of each per plan, recorded under ``treatments[part.name]``.
+        host_weights: plan the blocks' frozen weights (LoRA's base weights) as a part that may wait on the host
+            between their uses where a batch needs the room (NOTE [Weights on the host], parts/host_weights.py):
+            ``"auto"`` (default) on CUDA where the run offers a treatment that moves tensors to the host and its blocks
+            run eagerly; ``True`` wherever they run eagerly; ``False`` never.
         **method_kwargs: passed to the method (``path=`` for ``precomputed``,
             ``max_shape=`` for ``static``, ``warmup_steps=`` for ``dynamic``...).
 
@@ -641,7 +717,8 @@ def fit(
     refuse_deepspeed(model)
     method_obj = make_method(method, **method_kwargs)
     return Controller(model, budget, method_obj, optimizer, blocks, log, margin, bucket_tokens, cap, treatments, announce,
-                      compile, head=head, head_logits=head_logits, host_budget_bytes=host_budget_bytes, parts=parts)
+                      compile, head=head, head_logits=head_logits, host_budget_bytes=host_budget_bytes, parts=parts,
+                      host_weights=host_weights)
 
 
 #: what a user shards with instead of DeepSpeed (NOTE [DeepSpeed is refused])

@@ -369,7 +369,7 @@ class Backstop(_Evicting):
         held = self._held.get(bucket_key(key, planning.bucket_tokens))
         if held is not None:
             tokens, layout, above_static = held
-            if layout == plan.layout and key[0] * key[1] <= tokens and planning.static_bytes + above_static <= threshold:
+            if layout == plan.layout and key[0] * key[1] <= tokens and planning.static_bytes - planning.weights.saved_by(plan) + above_static <= threshold:
                 return False  # this plan ran this long a shape before and stayed under the threshold
         predicted = planning.plan_peak(key, plan)  # the optimizer step's moment is no block's (NOTE [A plan fits what it decides])
         return predicted + BACKSTOP_ARM_SHARE * max(0, predicted - planning.static_bytes) > threshold

@@ -31,6 +31,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from memfit.engine.budget import Budget, format_bytes
+from memfit.engine.parts.host_weights import WINDOW
 from memfit.engine.parts.optimizer_step import PER_TENSOR
 from memfit.tools.estimate.advise import NothingFitsError
 from memfit.tools.estimate.anatomy import (
@@ -43,7 +44,7 @@ from memfit.tools.estimate.anatomy import (
 )
 
 __all__ = ["FLOOR_ASSUMES", "FloorTooHighError", "Floors", "floor_estimate", "floor_lengths", "format_floor",
-           "floor_words", "floor_too_high", "plan_words"]
+           "floor_words", "floor_too_high", "plan_words", "weights_on_host"]
 
 #: the shortest length of the floor table (a shorter one is searched only where it does not fit)
 SHORTEST = 1024
@@ -71,7 +72,29 @@ def floor_estimate(profile: ModelProfile, setup: TrainingSetup, seq_length: int,
     chunks = most_head_chunks(profile, setup.micro_batch_size * seq_length, setup.precision, setup.weights)
     at = dataclasses.replace(setup, checkpoint="host", head="chunked" if chunks else "keep", head_chunks=chunks,
                              optimizer_step=PER_TENSOR)
-    return estimate(profile, at, seq_length=seq_length, **inputs)
+    return weights_on_host(estimate(profile, at, seq_length=seq_length, **inputs), profile)
+
+
+def weights_on_host(est: MemoryEstimate, profile: ModelProfile) -> MemoryEstimate:
+    """``est`` with the blocks' frozen weights on the host, as memfit's floor runs them under LoRA (NOTE [Weights on the
+    host], parts/host_weights.py): on the device only ``WINDOW`` blocks' at once; every block's in pinned host memory.
+
+    # NOTE [Weights on the host in the floor]
+    Under LoRA every weight of a block is frozen, so the floor plan holds them on the host too: the device keeps the
+    weights outside the blocks (embeddings, LM head), the adapters and the two blocks' weights on their way, and the
+    host budget holds every block's (their power-of-two pinned buffers are not counted: up to an eighth more). Full
+    fine-tuning trains every block weight, which stays.
+    """
+    blocks = list(profile.block_params or ())
+    if not est.setup.lora_r or len(blocks) <= WINDOW:
+        return est
+    per_param = 2 if est.setup.weights == "bf16" else 4
+    sizes = [per_param * n for n in blocks]
+    moved = sum(sizes) - WINDOW * max(sizes)
+    note = (f"the blocks' frozen weights wait in pinned host memory between their uses (memfit's weights part): "
+            f"{format_bytes(moved)} off the device, {format_bytes(sum(sizes))} pinned")
+    return dataclasses.replace(est, weights_bytes=est.weights_bytes - moved, host_bytes=est.host_bytes + sum(sizes),
+                               notes=(*est.notes, note))
 
 
 def floor_lengths(longest: int) -> list[int]:

@@ -821,7 +821,7 @@ class RunHead:
         if self.part is None:
             return decision
         decision = self.part.apply_step(decision, key)
-        self.check_fits(key[0] * key[1], self.planning.static_bytes, self.planning.budget)
+        self.check_fits(key[0] * key[1], self.planning.static_bytes - self.planning.weights.most_saved, self.planning.budget)
         return decision
 
     def check_fits(self, tokens: int, static_bytes: int, budget: Budget | None) -> None:

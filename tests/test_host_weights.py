@@ -1,0 +1,283 @@
+"""The blocks' frozen weights on the host (parts/host_weights.py, NOTE [Weights on the host]) and the room they give the
+plans (NOTE [The weights' room], plan/search.py): exact gradients, where the weights are during a step, what brings them
+back, what is streamed, and what the plans choose; on CPU (a CUDA check at the end)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import memfit
+from _models import VOCAB, FixedPlan, _text_batch, step_both_and_compare
+from memfit.engine.budget import BudgetTooSmallError
+from memfit.engine.parts.host_weights import WINDOW, HostWeights, frozen_storages, streamable_saving
+from memfit.engine.plan.planner import Plan
+
+
+def _frozen_llama(layers: int = 6, lora: bool = False, hidden: int = 32, intermediate: int = 37):
+    """A tiny Llama (dropout on) whose linear layers' weights are frozen, as LoRA's base weights are (``lora``: a peft
+    LoRA over it, adapters random and with dropout)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                         intermediate_size=intermediate, vocab_size=VOCAB, attention_dropout=0.1, max_position_embeddings=2000)
+    model = tf.LlamaForCausalLM(cfg).train()
+    if lora:
+        import peft
+
+        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules="all-linear", init_lora_weights=False)
+        return peft.get_peft_model(model, config)
+    for name, p in model.named_parameters():
+        if "proj" in name:
+            p.requires_grad_(False)
+    return model
+
+
+def _streaming(model, treated=(), kinds=(), count=None, treatments=("recompute", "elementwise", "host_checkpoint")):
+    n = model.config.num_hidden_layers
+    plan = Plan(tuple(treated), kinds=tuple(kinds), parts=(("weights", "host", n if count is None else count),))
+    return memfit.fit(model, budget=None, method=FixedPlan(plan), treatments=treatments, host_weights=True, announce=False)
+
+
+@pytest.mark.parametrize("plan", [
+    ((), ()), ((0, 1, 2, 3, 4, 5), ()), ((1, 2, 4), ("elementwise", "recompute", "host_checkpoint")),
+])
+@pytest.mark.parametrize("lora", [False, True])
+def test_gradients_are_bit_for_bit_with_every_block_streamed(plan, lora):
+    model = _frozen_llama(lora=lora)
+    reference = copy.deepcopy(model)
+    ctl = _streaming(model, *plan)
+    weights: HostWeights = ctl._weights
+    for step, length in enumerate((9, 30, 17)):
+        step_both_and_compare(model, reference, _text_batch(2, length, "lm"), seed=step, context=f"{plan} step {step}")
+        # between steps only the bottom block's weights are on the device: the others left after their backward
+        assert [b.on_device for b in weights.blocks] == [True] + [False] * 5
+    assert ctl.records[-1].treatments["weights"] == "host:6"
+    ctl.remove()
+
+
+def test_at_most_a_window_of_blocks_holds_its_weights_during_a_step():
+    model = _frozen_llama(8)
+    ctl = _streaming(model, count=8)
+    weights: HostWeights = ctl._weights
+    on, fetch, free = [], weights._fetch, weights._free
+
+    def counted(move):
+        def run(b):
+            move(b)
+            on.append(sum(x.on_device for x in weights.blocks))
+        return run
+
+    weights._fetch, weights._free = counted(fetch), counted(free)
+    for step in range(3):  # the first starts with every block's weights on the device, and frees them as it decides
+        on.clear()
+        torch.manual_seed(step)
+        model(**_text_batch(2, 20, "lm")).loss.backward()
+        assert step == 0 or (max(on) <= WINDOW and len(on) > 8), on  # every block fetched and freed, never 3 on at once
+    ctl.remove()
+
+
+def test_a_short_count_streams_the_lowest_blocks_only_and_the_rest_come_back():
+    model = _frozen_llama(8)
+    ctl = _streaming(model, count=8)
+    weights: HostWeights = ctl._weights
+    torch.manual_seed(0)
+    model(**_text_batch(2, 20, "lm")).loss.backward()
+    assert weights.off_bytes() == sum(b.nbytes for b in weights.blocks[1:])
+    ctl.method.plan = Plan((), parts=(("weights", "host", 4),))
+    torch.manual_seed(1)
+    model(**_text_batch(2, 20, "lm")).loss.backward()
+    assert [b.on_device for b in weights.blocks] == [True, False, False, False] + [True] * 4
+    assert weights.streamed_bytes() == sum(b.nbytes for b in weights.blocks[:4])
+    ctl.remove()
+
+
+def test_evaluation_and_remove_bring_the_weights_back_and_a_state_dict_reads_them_on_the_host():
+    model = _frozen_llama()
+    reference = copy.deepcopy(model)
+    ctl = _streaming(model)
+    batch = _text_batch(2, 12, "lm")
+    step_both_and_compare(model, reference, batch, seed=0, context="train")
+    off = ctl._weights.off_bytes()
+    assert off > 0
+    state = model.state_dict()  # read on the host copies: nothing comes back onto the device
+    assert all(torch.equal(state[k], v) for k, v in reference.state_dict().items()) and ctl._weights.off_bytes() == off
+    held = ctl._weights.blocks[3].held[0]
+    name = next(n for n, p in model.model.layers[3].named_parameters() if p is held.params[0])
+    assert state[f"model.layers.3.{name}"].untyped_storage().data_ptr() == held.host.data_ptr()
+    step_both_and_compare(model, reference, batch, seed=1, context="train again")
+    model.eval(), reference.eval()
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, reference(**batch).logits)
+    model.train(), reference.train()
+    step_both_and_compare(model, reference, batch, seed=2, context="after eval")
+    weights = ctl._weights
+    ctl.remove()
+    assert weights.off_bytes() == 0
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+    assert not any(m._forward_pre_hooks or m._forward_hooks or m._state_dict_hooks for m in model.model.layers)
+
+
+def test_weights_the_cap_cannot_take_back_at_remove_stay_on_the_host_as_they_were(monkeypatch, caplog):
+    model = _frozen_llama()
+    reference = copy.deepcopy(model)
+    ctl = _streaming(model)
+    step_both_and_compare(model, reference, _text_batch(2, 12, "lm"), seed=0, context="train")
+    weights = ctl._weights
+    fetch = weights._fetch
+
+    def over_the_cap(b):
+        if b.index >= 3:
+            raise torch.OutOfMemoryError("injected: CUDA out of memory")
+        fetch(b)
+
+    monkeypatch.setattr(weights, "_fetch", over_the_cap)
+    ctl.remove()
+    assert "stay in host memory after remove()" in caplog.text
+    on_host = {p.untyped_storage().data_ptr() for b in weights.blocks[3:] for h in b.held for p in h.params}
+    assert on_host == {h.host.data_ptr() for b in weights.blocks[3:] for h in b.held}
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.model.layers)
+
+
+def test_a_frozen_weight_changed_in_place_is_streamed_as_changed():
+    model = _frozen_llama()
+    reference = copy.deepcopy(model)
+    ctl = _streaming(model)
+    batch = _text_batch(2, 12, "lm")
+    step_both_and_compare(model, reference, batch, seed=0, context="before")
+    model.eval()
+    with torch.no_grad():
+        model(**batch)  # every block's weights back on the device
+    model.train()
+    for m in (model, reference):
+        with torch.no_grad():
+            m.model.layers[3].mlp.up_proj.weight.mul_(1.5)
+    for seed in (1, 2):  # the host copy is made again once, where its version moved
+        step_both_and_compare(model, reference, batch, seed=seed, context=f"after the change {seed}")
+    ctl.remove()
+
+
+def test_what_is_streamed_is_a_block_s_own_frozen_plain_weights():
+    model = _frozen_llama(4)
+    layers = list(model.model.layers)
+    layers[0].mlp.up_proj.weight.requires_grad_(True)  # trained: stays
+    layers[1].mlp.down_proj.weight = layers[2].mlp.down_proj.weight  # shared by two blocks: stays
+    layers[3].self_attn.o_proj.weight = model.lm_head.weight  # shared with the model outside the blocks: stays
+    found = frozen_storages(layers, model)
+    names = [{n for n, p in layer.named_parameters() if any(p is q for _, ps in found[i] for q in ps)}
+             for i, layer in enumerate(layers)]
+    assert "mlp.up_proj.weight" not in names[0] and "mlp.gate_proj.weight" in names[0]
+    assert "mlp.down_proj.weight" not in names[1] | names[2]
+    assert "self_attn.o_proj.weight" not in names[3] and "self_attn.q_proj.weight" in names[3]
+    assert not any("norm" in n for ns in names for n in ns)  # trained norms stay
+    sizes = [sum(s.nbytes() for s, _ in f) for f in found]
+    assert streamable_saving(layers, model) == sum(sizes) - WINDOW * max(sizes)
+
+
+def _run(model, budget: int, host_weights, lengths=(40, 400) * 6):
+    ctl = memfit.fit(model, budget=budget, method="dynamic", host_weights=host_weights, announce=False)
+    for step, n in enumerate(lengths):
+        batch = _text_batch(2, n, "lm")
+        torch.manual_seed(step)
+        model(**batch).loss.backward()
+        model.zero_grad(set_to_none=True)
+    records = [r for r in ctl.records if r.phase == "steady"]
+    ctl.remove()
+    return records
+
+
+def test_the_plans_stream_weights_for_the_batches_that_need_the_room_and_keep_them_for_the_others():
+    model = _frozen_llama(8, hidden=64, intermediate=256)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = int(2.0 * params)
+    without = _run(model, budget, False)
+    assert any(r.peak_allocated_bytes > budget for r in without)  # nothing the blocks do fits the long batches
+    records = _run(model, budget, True)
+    long = [r for r in records if r.tokens == 800]
+    short = [r for r in records if r.tokens == 80]
+    assert long and short
+    assert all(r.treatments["weights"].startswith("host:") for r in long)
+    assert all(r.treatments["weights"] == "keep" for r in short)
+    assert all(r.peak_allocated_bytes <= budget for r in records)
+    assert all(r.predicted_peak_bytes >= r.peak_allocated_bytes for r in records)
+
+
+def test_the_static_check_counts_the_weights_the_host_can_hold():
+    model = _frozen_llama(8, hidden=64, intermediate=256)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = int(0.6 * params)
+    with pytest.raises(BudgetTooSmallError, match="before any activation"):
+        memfit.fit(model, budget=budget, method="dynamic", host_weights=False, announce=False)
+    memfit.fit(model, budget=budget, method="dynamic", host_weights=True, announce=False).remove()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"host_weights": "yes"}, "host_weights='yes'"),
+    ({"host_weights": True, "compile": True}, "compiled blocks keep their weights"),
+])
+def test_a_rejected_host_weights_leaves_the_model_untouched(kwargs, match):
+    model = _frozen_llama(4)
+    with pytest.raises(ValueError, match=match):
+        memfit.fit(model, budget="1GiB", **kwargs)
+    assert not any(m._forward_pre_hooks or m._forward_hooks or "forward" in m.__dict__ for m in model.model.layers)
+    memfit.fit(model, budget="1GiB", host_weights=True, announce=False).remove()
+
+
+def test_a_model_without_frozen_weights_plans_no_weights_part():
+    model = _frozen_llama(4)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    ctl = memfit.fit(model, budget="1GiB", host_weights=True, announce=False)
+    assert ctl._weights is None and "weights" not in ctl.planning.parts
+    ctl.remove()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_weights_come_back_on_a_side_stream_bit_for_bit_and_leave_the_device():
+    model = _frozen_llama(8, lora=True).cuda()
+    reference = copy.deepcopy(model)
+    batch = {k: v.cuda() for k, v in _text_batch(2, 64, "lm").items()}
+    ctl = _streaming(model, treated=range(8), count=8)
+    for step in range(3):
+        step_both_and_compare(model, reference, batch, seed=step, context=f"cuda step {step}")
+    weights = ctl._weights
+    off = weights.off_bytes()
+    assert off == sum(b.nbytes for b in weights.blocks[1:]) > 0 and weights._side is not None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    ctl.remove()  # every block's weights back: the allocator holds them again (each storage rounded up to 512 bytes)
+    storages = sum(len(b.held) for b in weights.blocks[1:])
+    assert off <= torch.cuda.memory_allocated() - before < off + 512 * storages
+
+
+def test_static_bytes_over_the_budget_leave_the_device_at_fit():
+    model = _frozen_llama(8, hidden=64, intermediate=256)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    ctl = memfit.fit(model, budget=int(0.6 * params), method="dynamic", host_weights=True, announce=False)
+    assert ctl._weights.off_bytes() == sum(b.nbytes for b in ctl._weights.blocks)
+    torch.manual_seed(0)
+    model(**_text_batch(2, 40, "lm")).loss.backward()
+    ctl.remove()
+    assert ctl._weights.off_bytes() == 0
+
+
+def test_a_plan_made_without_the_weights_runs_them_where_the_last_plan_left_them():
+    """A replay's or warm-up's plan names no option of the weights: after a step that streamed them it streams them too,
+    never bringing back what the step that ran out of memory had sent to the host."""
+    from memfit.engine.parts.kind import with_untreated
+
+    model = _frozen_llama(8)
+    ctl = _streaming(model, count=4)
+    weights: HostWeights = ctl._weights
+    torch.manual_seed(0)
+    model(**_text_batch(2, 20, "lm")).loss.backward()
+    assert with_untreated(Plan(ctl.planning.all_blocks), [weights], 40).option("weights") == ("host", 4)
+    weights.apply(("keep", 1))
+    assert with_untreated(Plan(()), [weights], 40).option("weights") == ("keep", 1)
+    weights.leave()
+    assert weights.untreated(40) == ("host", 8) and weights.off_bytes() == sum(b.nbytes for b in weights.blocks)
+    ctl.remove()
