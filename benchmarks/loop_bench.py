@@ -536,7 +536,9 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
 
     trainable = _reset_weights(model, initial)
     total_memory = torch.cuda.get_device_properties(0).total_memory if args.device == "cuda" else None
-    _release(1.0 if budget is None or total_memory is None else min(1.0, budget / total_memory))
+    # memfit sets the cap itself, once what it moves off the device at fit has gone (NOTE [Weights on the host])
+    capped_by_memfit = name == "dynamic-plans" or _memfit_config(name, args.head) is not None
+    _release(1.0 if budget is None or total_memory is None or capped_by_memfit else min(1.0, budget / total_memory))
     optimizer = torch.optim.AdamW(trainable, lr=1e-5)
     hooks_before = _hooks(model)
     ctl, undo, context = None, None, contextlib.nullcontext
@@ -706,6 +708,9 @@ def run_config(args, model, batches, initial, name: str, budget: int | None, rep
             result["head"] = {"implementation": part.switch.implementation, "ms_per_1k_tokens": round(1e3 * part.extra_ms_per_token, 4),
                               "ms_per_chunk": round(part.per_chunk_ms, 4), **_head_probes(part)}
         ctl.remove()
+        if args.device == "cuda" and any(p.device.type != "cuda" for p in model.parameters()):
+            _release(1.0)  # weights memfit's cap could not take back at remove() (NOTE [Weights on the host]): back now
+            model.to("cuda")
         fields = _memfit_fields(args, records)
         result.update(fields, oom_count=fields.get("oom_count", 0) + ooms)
         steps_file = result["steps_file"] = _write_steps(out_dir, name, budget, repeat, records)
