@@ -95,12 +95,18 @@ def test_a_short_count_streams_the_lowest_blocks_only_and_the_rest_come_back():
     ctl.remove()
 
 
-def test_evaluation_and_remove_bring_the_weights_back_and_a_state_dict_reads_them_on_the_host():
+def _after_a_streamed_step():
+    """A tiny frozen Llama, its copy, its controller streaming every block, and the batch of the one step both ran."""
     model = _frozen_llama()
     reference = copy.deepcopy(model)
     ctl = _streaming(model)
     batch = _text_batch(2, 12, "lm")
-    step_both_and_compare(model, reference, batch, seed=0, context="train")
+    step_both_and_compare(model, reference, batch, seed=0, context="the first step")
+    return model, reference, ctl, batch
+
+
+def test_evaluation_and_remove_bring_the_weights_back_and_a_state_dict_reads_them_on_the_host():
+    model, reference, ctl, batch = _after_a_streamed_step()
     off = ctl._weights.off_bytes()
     assert off > 0
     state = model.state_dict()  # read on the host copies: nothing comes back onto the device
@@ -122,10 +128,7 @@ def test_evaluation_and_remove_bring_the_weights_back_and_a_state_dict_reads_the
 
 
 def test_weights_the_cap_cannot_take_back_at_remove_stay_on_the_host_as_they_were(monkeypatch, caplog):
-    model = _frozen_llama()
-    reference = copy.deepcopy(model)
-    ctl = _streaming(model)
-    step_both_and_compare(model, reference, _text_batch(2, 12, "lm"), seed=0, context="train")
+    model, reference, ctl, _ = _after_a_streamed_step()
     weights = ctl._weights
     fetch = weights._fetch
 
@@ -144,11 +147,7 @@ def test_weights_the_cap_cannot_take_back_at_remove_stay_on_the_host_as_they_wer
 
 
 def test_a_frozen_weight_changed_in_place_is_streamed_as_changed():
-    model = _frozen_llama()
-    reference = copy.deepcopy(model)
-    ctl = _streaming(model)
-    batch = _text_batch(2, 12, "lm")
-    step_both_and_compare(model, reference, batch, seed=0, context="before")
+    model, reference, ctl, batch = _after_a_streamed_step()
     model.eval()
     with torch.no_grad():
         model(**batch)  # every block's weights back on the device
