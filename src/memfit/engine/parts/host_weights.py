@@ -52,6 +52,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from memfit.engine.parts.kind import STATIC, Option, PartKind
+from memfit.engine.parts.probe import BACKWARD_PER_FORWARD
 
 logger = logging.getLogger("memfit")
 
@@ -64,8 +65,6 @@ DEPTH = 1
 WINDOW = DEPTH + 1
 #: a streamed block's fixed price (hooks, events, launches), ms
 FIXED_MS = 0.05
-#: backward's compute against forward's (probe.py's ``BACKWARD_PER_FORWARD``)
-BACKWARD_PER_FORWARD = 2.0
 #: the shares of the stack the search tries (NOTE [The weights' room], plan/search.py)
 SHARES = (0.125, 0.25, 0.5, 0.75, 1.0)
 
@@ -91,13 +90,13 @@ def frozen_storages(modules: Sequence[nn.Module], model: nn.Module) -> list[list
         found: dict[int, tuple[torch.UntypedStorage, list[nn.Parameter]]] = {}
         refused: set[int] = set()
         for p in module.parameters():
-            ptr = p.untyped_storage().data_ptr()
-            plain = type(p) is nn.Parameter and type(p.data) is torch.Tensor and p.device.type in ("cuda", "cpu")
             storage = p.untyped_storage()
+            ptr = storage.data_ptr()
+            plain = type(p) is nn.Parameter and type(p.data) is torch.Tensor and p.device.type in ("cuda", "cpu")
             if not plain or p.requires_grad or users.get(ptr) != {i} or not storage.nbytes() or not storage.resizable():
                 refused.add(ptr)
                 continue
-            found.setdefault(ptr, (p.untyped_storage(), []))[1].append(p)
+            found.setdefault(ptr, (storage, []))[1].append(p)
         out.append([entry for ptr, entry in found.items() if ptr not in refused])
     return out
 
