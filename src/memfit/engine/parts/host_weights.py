@@ -65,6 +65,8 @@ DEPTH = 1
 WINDOW = DEPTH + 1
 #: a streamed block's fixed price (hooks, events, launches), ms
 FIXED_MS = 0.05
+#: a block's price where no link was measured (a CPU run asked for the part): streamed only where nothing else fits
+UNPRICED_MS = 1e9
 #: the shares of the stack the search tries (NOTE [The weights' room], plan/search.py)
 SHARES = (0.125, 0.25, 0.5, 0.75, 1.0)
 
@@ -211,19 +213,15 @@ class HostWeights(PartKind):
 
     def priced(self, forward_ms: Sequence[float]) -> list[Option]:
         """The options that stream, each priced at the blocks' forward times ``forward_ms`` (NOTE [Weights on the host])."""
-        out, total = [], 0.0
         prices = [self._block_ms(b.nbytes, f) for b, f in zip(self.blocks, forward_ms)]
-        for c in self._counts:
-            total = sum(prices[:c])
-            out.append((HOST, c, self.saved(c), total))
-        return out
+        return [(HOST, c, self.saved(c), sum(prices[:c])) for c in self._counts]
 
     def _block_ms(self, nbytes: int, forward_ms: float) -> float:
         if not nbytes:
             return 0.0
-        copy = nbytes / self.h2d if self.h2d else float("inf")
-        if copy == float("inf"):
-            return 1e9
+        if not self.h2d:
+            return UNPRICED_MS
+        copy = nbytes / self.h2d
         return max(0.0, copy - forward_ms) + max(0.0, copy - BACKWARD_PER_FORWARD * forward_ms) + FIXED_MS
 
     # ------------------------------------------------------------------ the step
