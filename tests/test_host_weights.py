@@ -280,3 +280,22 @@ def test_a_plan_made_without_the_weights_runs_them_where_the_last_plan_left_them
     weights.leave()
     assert weights.untreated(40) == ("host", 8) and weights.off_bytes() == sum(b.nbytes for b in weights.blocks)
     ctl.remove()
+
+
+def test_the_weights_take_no_more_blocks_than_their_share_of_the_host_budget_holds():
+    model = _frozen_llama(8, hidden=64, intermediate=256)
+    layers = list(model.model.layers)
+    found = frozen_storages(layers, model)
+    from memfit.engine.parts.treatments.offload import size_class
+
+    pinned = [sum(size_class(s.nbytes(), pinned=True) for s, _ in f) for f in found]
+    host = sum(pinned[:5])  # five blocks' pinned copies
+    weights = HostWeights(layers, model, take=lambda n: torch.empty(n, dtype=torch.uint8), host_bytes=host)
+    assert [o[1] for o in weights.options(0)[1:]] == [4]  # the shares of 8 blocks that fit: 1, 2, 4 (over 2), not 6 or 8
+    sizes = [sum(s.nbytes() for s, _ in f) for f in found]
+    assert streamable_saving(layers, model, host) == sum(sizes[:5]) - WINDOW * max(sizes[:5])
+    assert streamable_saving(layers, model, 0) == 0
+    weights.remove()
+    ctl = memfit.fit(model, budget="1GiB", host_weights=True, host_budget=2 * host, announce=False)  # half of it
+    assert ctl._weights.options(0)[-1][1] == 4
+    ctl.remove()

@@ -464,7 +464,7 @@ class MemfitTrainerMixin:
         check_static_need_of(self.model, budget, state, f"optimizer state ({getattr(a.optim, 'value', a.optim)}, expected)",
                              transient_bytes=lambda free: expected_step_bytes(a.optim, trainable, a.weight_decay, free),
                              weights_saved=weights_saved_of(self.model, treatment_names(getattr(a, "memfit_treatments", "auto")),
-                                                            _compile_option(a)))
+                                                            _compile_option(a), host_budget=getattr(a, "memfit_host_budget", None)))
 
     # ------------------------------------------------------------ optimizer
     def create_optimizer(self, model=None):

@@ -29,7 +29,9 @@ untouched and the gradients are those of the weights kept, bit for bit).
   stream for next to nothing and short ones keep their weights. The search tries a few counts
   beside keeping them all (NOTE [The weights' room], plan/search.py).
 * The host copy is made once, when a plan first streams the block (pinned, from the run's pool,
-  within the host budget: NOTE [Host budget], offload.py), and made again only where a
+  within the host budget: NOTE [Host budget], offload.py; the weights take at most
+  ``WEIGHTS_HOST_SHARE`` of it, the rest is the stashes', so the options stream no more blocks
+  than fit that share), and made again only where a
   parameter's version moved (a user's in-place change). Pinning is not priced: it is paid once a
   run (docs/devlog.md has what it cost).
 * Any forward (evaluation, generation) brings a block's weights back first, as does its
@@ -53,10 +55,11 @@ from torch.utils._pytree import tree_leaves
 
 from memfit.engine.parts.kind import STATIC, Option, PartKind
 from memfit.engine.parts.probe import BACKWARD_PER_FORWARD
+from memfit.engine.parts.treatments.offload import size_class
 
 logger = logging.getLogger("memfit")
 
-__all__ = ["HostWeights", "NO_WEIGHTS", "WEIGHTS", "HOST", "DEPTH", "WINDOW", "frozen_storages", "streamable_saving"]
+__all__ = ["HostWeights", "NO_WEIGHTS", "WEIGHTS_HOST_SHARE", "WEIGHTS", "HOST", "DEPTH", "WINDOW", "frozen_storages", "streamable_saving"]
 
 WEIGHTS, HOST = "weights", "host"
 #: blocks of weights fetched ahead of the one running (NOTE [Weights on the host])
@@ -65,6 +68,8 @@ DEPTH = 1
 WINDOW = DEPTH + 1
 #: a streamed block's fixed price (hooks, events, launches), ms
 FIXED_MS = 0.05
+#: the share of the run's host budget the weights' pinned copies may take (the rest is the stashes': NOTE [Host budget])
+WEIGHTS_HOST_SHARE = 0.5
 #: a block's price where no link was measured (a CPU run asked for the part): streamed only where nothing else fits
 UNPRICED_MS = 1e9
 #: the shares of the stack the search tries (NOTE [The weights' room], plan/search.py)
@@ -103,11 +108,26 @@ def frozen_storages(modules: Sequence[nn.Module], model: nn.Module) -> list[list
     return out
 
 
-def streamable_saving(modules: Sequence[nn.Module], model: nn.Module) -> int:
-    """The most the blocks' frozen weights on the host save at every moment (every block's, less ``WINDOW`` of the
-    largest): what the check of the static need takes off the parameters before a step has run."""
-    sizes = [sum(s.nbytes() for s, _ in found) for found in frozen_storages(modules, model)]
+def streamable_saving(modules: Sequence[nn.Module], model: nn.Module, host_bytes: int | None = None) -> int:
+    """The most the blocks' frozen weights on the host save at every moment (the blocks' whose pinned copies fit
+    ``host_bytes``, less ``WINDOW`` of the largest): what the check of the static need takes off the parameters before a
+    step has run."""
+    found = frozen_storages(modules, model)
+    sizes = [sum(s.nbytes() for s, _ in f) for f in found][: _fitting(found, host_bytes)]
     return max(0, sum(sizes) - WINDOW * max(sizes, default=0)) if len(sizes) > WINDOW else 0
+
+
+def _fitting(found: Sequence[Sequence[tuple[torch.UntypedStorage, Any]]], host_bytes: int | None) -> int:
+    """How many blocks from the bottom have their storages' pinned copies (power-of-two buffers: NOTE [Pinned pool],
+    treatments/offload.py) within ``host_bytes`` (None: all)."""
+    if host_bytes is None:
+        return len(found)
+    pinned = 0
+    for i, storages in enumerate(found):
+        pinned += sum(size_class(s.nbytes(), pinned=True) for s, _ in storages)
+        if pinned > host_bytes:
+            return i
+    return len(found)
 
 
 def _on_host(h: "_Held", p: nn.Parameter) -> torch.Tensor:
@@ -148,6 +168,8 @@ class HostWeights(PartKind):
             compute hid nothing).
         excluded: the run's set of storage addresses that are never activations (the counter's ``excluded_ptrs``): a
             streamed storage's new address is put in it, its old one taken out.
+        host_bytes: the pinned host memory the weights may take (None: no bound); the options stream no more blocks
+            than fit it.
         window: the blocks whose weights a saving counts on the device at once: ``WINDOW`` where the meter reads the
             allocator; 0 where it counts tensors (a logical meter, which counts a step's static bytes less the streamed
             blocks' and never sees the ones coming back).
@@ -160,17 +182,18 @@ class HostWeights(PartKind):
     moment = STATIC
 
     def __init__(self, modules: Sequence[nn.Module], model: nn.Module, take: Callable[[int], torch.Tensor],
-                 h2d_bytes_per_ms: float | None = None, excluded: set[int] | None = None, window: int = WINDOW):
-        self.blocks = [_BlockWeights(i, [_Held(s, ps) for s, ps in found])
-                       for i, found in enumerate(frozen_storages(modules, model))]
+                 h2d_bytes_per_ms: float | None = None, excluded: set[int] | None = None, window: int = WINDOW,
+                 host_bytes: int | None = None):
+        found = frozen_storages(modules, model)
+        self.blocks = [_BlockWeights(i, [_Held(s, ps) for s, ps in storages]) for i, storages in enumerate(found)]
         self.take, self.h2d, self.excluded = take, h2d_bytes_per_ms, excluded if excluded is not None else set()
         self.window, self.streamed = window, frozenset()
         self.count = 0
         #: the option of the last plan that named one: what a plan made without the part runs (:meth:`untreated`)
         self.last: tuple[str, int] = ("keep", 1)
         self._side: torch.cuda.Stream | None = None
-        n = len(self.blocks)
-        self._counts = sorted({c for share in SHARES if (c := min(n, max(1, round(share * n)))) > WINDOW})
+        n, most = len(self.blocks), _fitting(found, host_bytes)
+        self._counts = sorted({c for share in SHARES if most >= (c := min(n, max(1, round(share * n)))) > WINDOW})
         self._handles = [h for i, module in enumerate(modules) for h in (
             module.register_forward_pre_hook(self._before(i)), module.register_forward_hook(self._after(i)),
             module.register_state_dict_post_hook(self._state(i, module)))]

@@ -70,7 +70,7 @@ from memfit.engine.summary_text import end_summary, start_line
 from memfit.engine.parts.treatments import (
     RECOMPUTE, SELECTIVE, TREATMENTS, Treatment, make_treatments, resolve, run_treatment_names,
 )
-from memfit.engine.parts.host_weights import WINDOW, HostWeights, streamable_saving
+from memfit.engine.parts.host_weights import WEIGHTS_HOST_SHARE, WINDOW, HostWeights, streamable_saving
 from memfit.engine.parts.kind import PartKind, RunParts
 from memfit.engine.parts.treatments.chunked_head import RunHead
 from memfit.engine.parts.treatments.offload import _HostPool, default_host_budget_bytes
@@ -240,27 +240,31 @@ def _check_static(model: nn.Module, budget: Budget | None, optimizer: torch.opti
 
 
 def _weights_saved(offered: bool | str, names: Sequence[Any], compiled: bool, device: torch.device,
-                   named: Sequence[tuple[str, nn.Module]], model: nn.Module) -> int:
+                   named: Sequence[tuple[str, nn.Module]], model: nn.Module, host_budget_bytes: int | None) -> int:
     """The most the blocks' frozen weights on the host save where the run plans them as a part (NOTE [Weights on the
     host], parts/host_weights.py), else 0: ``"auto"`` on CUDA where it offers a treatment that moves tensors to the host
-    (the link is measured) and its blocks run eagerly; True where they run eagerly; False never."""
+    (the link is measured) and its blocks run eagerly; True where they run eagerly; False never. Their pinned copies
+    take at most ``WEIGHTS_HOST_SHARE`` of the host budget (``host_budget_bytes``; None: the default's)."""
     if offered not in (True, False, "auto"):
         raise ValueError(f"host_weights={offered!r}: give True, False or 'auto'")
     if offered is True and compiled:
         raise ValueError("host_weights=True: compiled blocks keep their weights on the device; give compile=False or host_weights='auto'")
     moves = device.type == "cuda" and any(cls.moves_out for cls in resolve(names).values())
     offers = not compiled and (offered is True or (offered == "auto" and moves))
-    return streamable_saving([m for _, m in named], model) if offers else 0
+    host = WEIGHTS_HOST_SHARE * (default_host_budget_bytes() if host_budget_bytes is None else host_budget_bytes)
+    return streamable_saving([m for _, m in named], model, int(host)) if offers else 0
 
 
 def weights_saved_of(model: nn.Module, treatments: Sequence[Any] | None, compile: bool | dict[str, Any] = False,
-                     host_weights: bool | str = "auto", blocks: Sequence[nn.Module] | str | None = None) -> int:
+                     host_weights: bool | str = "auto", blocks: Sequence[nn.Module] | str | None = None,
+                     host_budget: int | str | None = None) -> int:
     """What ``fit(model, treatments=..., compile=..., host_weights=...)``'s weights part saves at most (0 where it plans
     none): the static check's share of the weights that may wait on the host (NOTE [Weights on the host])."""
     named = find_blocks(model, blocks)
     names, compile_options = _run_options(treatments, compile, [m for _, m in named])
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    return _weights_saved(host_weights, names, compile_options is not None, device, named, model)
+    host = None if host_budget is None else parse_bytes(host_budget, argument="host_budget=")
+    return _weights_saved(host_weights, names, compile_options is not None, device, named, model, host)
 
 
 def _host_weights(ctl: "Controller", static_bytes: int) -> HostWeights | None:
@@ -269,11 +273,12 @@ def _host_weights(ctl: "Controller", static_bytes: int) -> HostWeights | None:
     saves a byte. Where ``static_bytes`` (weights, gradients, optimizer state) are over the budget, no plan keeps every
     block's weights: they leave the device now, before the cap is set."""
     pool = next((t.pool for t in ctl.treatments.values() if getattr(t, "pool", None) is not None), None)
-    pool = pool or _HostPool(default_host_budget_bytes())
+    pool = pool or _HostPool(ctl._host_budget_bytes or default_host_budget_bytes())
     if pool.pin is None:
         pool.pin = ctl.device.type == "cuda"
     weights = HostWeights([b.module for b in ctl.blocks], ctl.model, pool.take, getattr(ctl.planning.offload_ms, "h2d", None),
-                          ctl._counter.excluded_ptrs, window=WINDOW if ctl.meter.kind != "logical" else 0)
+                          ctl._counter.excluded_ptrs, window=WINDOW if ctl.meter.kind != "logical" else 0,
+                          host_bytes=int(WEIGHTS_HOST_SHARE * pool.max_bytes))
     if not weights.streamable:
         weights.remove()
         return None
@@ -326,14 +331,14 @@ class Controller:
             named = find_blocks(model, blocks)
             treatments, compile_options = _run_options(treatments, compile, [m for _, m in named])
             self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
-            self._weights_saved = _weights_saved(host_weights, treatments, compile_options is not None, self.device, named, model)
+            self._host_budget_bytes, self._weights_saved = host_budget_bytes, _weights_saved(
+                host_weights, treatments, compile_options is not None, self.device, named, model, host_budget_bytes)
             static_parts = _check_static(model, budget, optimizer, self._weights_saved)
             self.grad_params = [p for p in model.parameters() if p.requires_grad]
             self.meter: Meter = make_meter(self.device, self.grad_params, static_parts["parameters"] + static_parts["gradients"])
             self._fingerprint = fingerprint(named)
             method.bind(len(named), self._fingerprint)
-            #: compiled callables' guard sides, compiled in warm-up (NOTE [Guard sides in warm-up])
-            self.sides = GuardSides()
+            self.sides = GuardSides()  # compiled callables' guard sides, compiled in warm-up (NOTE [Guard sides in warm-up])
             self.blocks = wrap_blocks(named, allow_hf_checkpointing=method.measures_only, compile=compile_options, sides=self.sides)
             self._undo.append(lambda: unwrap_blocks(self.blocks))
             self.planning = Planning(
