@@ -93,6 +93,8 @@ CASES = [
     Case("budget in lower case", lambda t, o: mrpc(t, o, "--memory_budget", "5gb"),
          r"error: --memory_budget 5gb: the unit 'gb' is not one memfit reads \(units are read as written, case "
          r"included\): write 5GB \(5\*10\*\*9 = 5000000000 bytes\) or 5GiB \(5\*2\*\*30 = 5368709120 bytes\)$"),
+    Case("bad --memfit_host_weights", lambda t, o: mrpc(t, o, "--memfit_host_weights", "sometimes"),
+         r"--memfit_host_weights 'sometimes': give auto, on or off"),
     Case("unknown method", lambda t, o: mrpc(t, o, "--memfit_method", "fastest"),
          r"--memfit_method 'fastest' is unknown; choose one of none, full, dynamic"),
     Case("bad --task_name", lambda t, o: mrpc(t, o, task_name="mprc"),

@@ -299,3 +299,34 @@ def test_the_weights_take_no_more_blocks_than_their_share_of_the_host_budget_hol
     ctl = memfit.fit(model, budget="1GiB", host_weights=True, host_budget=2 * host, announce=False)  # half of it
     assert ctl._weights.options(0)[-1][1] == 4
     ctl.remove()
+
+
+def test_the_trainer_flag_plans_the_weights_or_not_and_trains_as_a_plain_trainer(tmp_path):
+    import transformers as tf
+
+    class Rows(torch.utils.data.Dataset):
+        def __init__(self):
+            self.ids = torch.randint(3, VOCAB, (8, 40), generator=torch.Generator().manual_seed(3))
+
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    flags = dict(per_device_train_batch_size=2, max_steps=3, learning_rate=1e-3, report_to="none", save_strategy="no",
+                 use_cpu=True, seed=0)
+    plain = tf.Trainer(model=_frozen_llama(), args=tf.TrainingArguments(output_dir=str(tmp_path / "plain"), **flags),
+                       train_dataset=Rows())
+    plain.train()
+    weights = {}
+    for flag in ("on", "off"):
+        args = memfit.TrainingArguments(output_dir=str(tmp_path / flag), memory_budget="1GB", memfit_host_weights=flag, **flags)
+        trainer = memfit.Trainer(model=_frozen_llama(), args=args, train_dataset=Rows())
+        weights[flag] = trainer.memfit._weights
+        trainer.train()
+        for (name, p), q in zip(plain.model.named_parameters(), trainer.model.parameters()):
+            torch.testing.assert_close(q, p, msg=lambda m: f"{flag} {name}: {m}")
+    assert weights["on"] is not None and weights["off"] is None
+    with pytest.raises(Exception, match="--memfit_host_weights 'sometimes': give auto, on or off"):
+        memfit.TrainingArguments(output_dir=str(tmp_path / "bad"), memfit_host_weights="sometimes", **flags)

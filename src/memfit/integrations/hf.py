@@ -83,6 +83,8 @@ __all__ = [
 STATE_FILE = "memfit_state.json"
 STEPS_FILE = "memfit_steps.jsonl"
 SUMMARY_FILE = "memfit_summary.json"
+#: ``--memfit_host_weights``' values and the ``memfit.fit(host_weights=...)`` each means (NOTE [Weights on the host])
+HOST_WEIGHTS_FLAG = {"auto": "auto", "on": True, "off": False}
 #: ``--memfit_head``'s values and the ``memfit.fit(head=...)`` each means (NOTE [The head by default])
 HEAD_FLAG = MappingProxyType({"auto": "auto", "plan": True, "keep": False})
 logger = logging.getLogger(__name__)
@@ -165,6 +167,11 @@ class MemfitArguments:
                   "may hold, per rank: '16GiB', '16GB' or bytes. Default: half of what the host has available at the "
                   "start, shared among the ranks of one host."},
     )
+    memfit_host_weights: str = field(
+        default="auto",
+        metadata={"help": "LoRA's frozen block weights in pinned host memory between uses, where a batch needs the room: "
+                  "auto (on a GPU with host_checkpoint), on, off."},
+    )
     memfit_compile: bool = field(
         default=False,
         metadata={"help": "Compile each block's body with torch.compile inside memfit's wrapper, the treatments "
@@ -237,6 +244,8 @@ class MemfitArguments:
             self.torch_compile, self.torch_compile_backend, self.torch_compile_mode = False, None, None
         if self.memfit_head not in HEAD_FLAG:
             raise FlagError(f"--memfit_head {self.memfit_head!r}: give auto, plan or keep")
+        if self.memfit_host_weights not in HOST_WEIGHTS_FLAG:
+            raise FlagError(f"--memfit_host_weights {self.memfit_host_weights!r}: give auto, on or off")
         if str(self.memfit_backstop).lower() not in ("auto", "true", "false"):
             raise FlagError(f"--memfit_backstop {self.memfit_backstop!r}: give auto, true or false")
         # the flag's newer name first (reading the old one warns where both exist; older versions have only it)
@@ -405,6 +414,7 @@ class MemfitTrainerMixin:
                 margin=getattr(a, "memfit_margin", None), announce=False,
                 treatments=treatment_names(getattr(a, "memfit_treatments", "auto")),
                 compile=_compile_option(a), head=self._memfit_head(), host_budget=getattr(a, "memfit_host_budget", None),
+                host_weights=HOST_WEIGHTS_FLAG[getattr(a, "memfit_host_weights", "auto")],
                 **method_kwargs,
             ))
 
@@ -464,7 +474,8 @@ class MemfitTrainerMixin:
         check_static_need_of(self.model, budget, state, f"optimizer state ({getattr(a.optim, 'value', a.optim)}, expected)",
                              transient_bytes=lambda free: expected_step_bytes(a.optim, trainable, a.weight_decay, free),
                              weights_saved=weights_saved_of(self.model, treatment_names(getattr(a, "memfit_treatments", "auto")),
-                                                            _compile_option(a), host_budget=getattr(a, "memfit_host_budget", None)))
+                                                            _compile_option(a), host_budget=getattr(a, "memfit_host_budget", None),
+                                                            host_weights=HOST_WEIGHTS_FLAG[getattr(a, "memfit_host_weights", "auto")]))
 
     # ------------------------------------------------------------ optimizer
     def create_optimizer(self, model=None):
