@@ -977,6 +977,11 @@ def test_the_floor_is_below_full_by_the_blocks_inputs_for_an_8b_at_64k():
     assert at_floor.host_bytes - floor.host_bytes == sum(block_weights)
     assert weights_on_host(dataclasses.replace(floor, setup=dataclasses.replace(floor.setup, lora_r=0)), profile).weights_bytes \
         == floor.weights_bytes  # full fine-tuning trains the block weights: they stay
+    # a host budget whose half holds 10 blocks' weights: those 10 on the host, the rest on the device
+    ten = weights_on_host(floor, profile, host_budget_bytes=2 * sum(block_weights[:10]) + 1)
+    assert ten.host_bytes - floor.host_bytes == sum(block_weights[:10])
+    assert floor.weights_bytes - ten.weights_bytes == sum(block_weights[:10]) - 2 * max(block_weights[:10])
+    assert weights_on_host(floor, profile, host_budget_bytes=0) == floor
 
 
 def test_a_blocks_backward_holds_neither_the_final_norms_copy_nor_its_own_input_twice_for_an_8b_at_64k():

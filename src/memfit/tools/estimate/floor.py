@@ -31,7 +31,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from memfit.engine.budget import Budget, format_bytes
-from memfit.engine.parts.host_weights import WINDOW
+from memfit.engine.parts.host_weights import WEIGHTS_HOST_SHARE, WINDOW
 from memfit.engine.parts.optimizer_step import PER_TENSOR
 from memfit.tools.estimate.advise import NothingFitsError
 from memfit.tools.estimate.anatomy import (
@@ -61,7 +61,8 @@ class FloorTooHighError(NothingFitsError):
     """Even the floor of the shape asked does not fit the budget (or its pinned bytes the host budget)."""
 
 
-def floor_estimate(profile: ModelProfile, setup: TrainingSetup, seq_length: int, **inputs) -> MemoryEstimate:
+def floor_estimate(profile: ModelProfile, setup: TrainingSetup, seq_length: int, host_budget_bytes: int | None = None,
+                   **inputs) -> MemoryEstimate:
     """The estimate of ``setup``'s step at its floor (NOTE [The floor]): every block on ``host_checkpoint_tiled``
     (``host_checkpoint`` where the engine tiles no MLP), the head chunked in the most chunks the planner offers at
     these tokens.
@@ -72,23 +73,28 @@ def floor_estimate(profile: ModelProfile, setup: TrainingSetup, seq_length: int,
     chunks = most_head_chunks(profile, setup.micro_batch_size * seq_length, setup.precision, setup.weights)
     at = dataclasses.replace(setup, checkpoint="host", head="chunked" if chunks else "keep", head_chunks=chunks,
                              optimizer_step=PER_TENSOR)
-    return weights_on_host(estimate(profile, at, seq_length=seq_length, **inputs), profile)
+    return weights_on_host(estimate(profile, at, seq_length=seq_length, **inputs), profile, host_budget_bytes)
 
 
-def weights_on_host(est: MemoryEstimate, profile: ModelProfile) -> MemoryEstimate:
+def weights_on_host(est: MemoryEstimate, profile: ModelProfile, host_budget_bytes: int | None = None) -> MemoryEstimate:
     """``est`` with the blocks' frozen weights on the host, as memfit's floor runs them under LoRA (NOTE [Weights on the
-    host], parts/host_weights.py): on the device only ``WINDOW`` blocks' at once; every block's in pinned host memory.
+    host], parts/host_weights.py): on the device only ``WINDOW`` blocks' at once; in pinned host memory every block's,
+    or those from the bottom whose weights fit ``WEIGHTS_HOST_SHARE`` of ``host_budget_bytes`` where one is given.
 
     # NOTE [Weights on the host in the floor]
     Under LoRA every weight of a block is frozen, so the floor plan holds them on the host too: the device keeps the
     weights outside the blocks (embeddings, LM head), the adapters and the two blocks' weights on their way, and the
-    host budget holds every block's (their power-of-two pinned buffers are not counted: up to an eighth more). Full
+    host budget holds the blocks' (their power-of-two pinned buffers are not counted: up to an eighth more), as many
+    from the bottom as fit the weights' share of it (the runtime's rule); the others stay on the device. Full
     fine-tuning trains every block weight, which stays.
     """
     blocks = list(profile.block_params or ())
+    per_param = 2 if est.setup.weights == "bf16" else 4
+    if host_budget_bytes is not None:
+        room = WEIGHTS_HOST_SHARE * host_budget_bytes
+        blocks = blocks[: next((i for i in range(len(blocks)) if per_param * sum(blocks[: i + 1]) > room), len(blocks))]
     if not est.setup.lora_r or len(blocks) <= WINDOW:
         return est
-    per_param = 2 if est.setup.weights == "bf16" else 4
     sizes = [per_param * n for n in blocks]
     moved = sum(sizes) - WINDOW * max(sizes)
     note = (f"the blocks' frozen weights wait in pinned host memory between their uses (memfit's weights part): "
@@ -132,7 +138,7 @@ class Floors:
         micro = micro_batch_size or self.setup.micro_batch_size
         if (micro, seq_length) not in self._known:
             setup = dataclasses.replace(self.setup, micro_batch_size=micro, accumulation_steps=1)
-            self._known[micro, seq_length] = floor_estimate(self.profile, setup, seq_length, **self.inputs)
+            self._known[micro, seq_length] = floor_estimate(self.profile, setup, seq_length, self.host_budget_bytes, **self.inputs)
         return self._known[micro, seq_length]
 
     def admits(self, est: MemoryEstimate) -> bool:
