@@ -330,3 +330,17 @@ def test_the_trainer_flag_plans_the_weights_or_not_and_trains_as_a_plain_trainer
     assert weights["on"] is not None and weights["off"] is None
     with pytest.raises(Exception, match="--memfit_host_weights 'sometimes': give auto, on or off"):
         memfit.TrainingArguments(output_dir=str(tmp_path / "bad"), memfit_host_weights="sometimes", **flags)
+
+
+def test_a_setup_that_fails_after_the_weights_left_at_fit_puts_them_back():
+    """Static bytes over the budget send the weights to the host at fit; a rejected argument after that leaves the model
+    as it was (NOTE [Setup is all or nothing]): every weight back on the device, no hook."""
+    model = _frozen_llama(8, hidden=64, intermediate=256)
+    reference = copy.deepcopy(model)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    with pytest.raises(TypeError, match="memfit.PartKind"):
+        memfit.fit(model, budget=int(0.6 * params), method="dynamic", host_weights=True, announce=False, parts=["not a part"])
+    assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in model.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+    assert not any(m._forward_pre_hooks or m._forward_hooks or m._state_dict_hooks or "forward" in m.__dict__
+                   for m in model.model.layers)

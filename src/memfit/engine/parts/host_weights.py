@@ -55,7 +55,7 @@ from torch.utils._pytree import tree_leaves
 
 from memfit.engine.parts.kind import STATIC, Option, PartKind
 from memfit.engine.parts.probe import BACKWARD_PER_FORWARD
-from memfit.engine.parts.treatments.offload import size_class
+from memfit.engine.parts.treatments.offload import _bytes_view, size_class
 
 logger = logging.getLogger("memfit")
 
@@ -74,10 +74,6 @@ WEIGHTS_HOST_SHARE = 0.5
 UNPRICED_MS = 1e9
 #: the shares of the stack the search tries (NOTE [The weights' room], plan/search.py)
 SHARES = (0.125, 0.25, 0.5, 0.75, 1.0)
-
-
-def _bytes_view(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
 
 def frozen_storages(modules: Sequence[nn.Module], model: nn.Module) -> list[list[tuple[torch.UntypedStorage, list[nn.Parameter]]]]:
@@ -113,8 +109,13 @@ def streamable_saving(modules: Sequence[nn.Module], model: nn.Module, host_bytes
     ``host_bytes``, less ``WINDOW`` of the largest): what the check of the static need takes off the parameters before a
     step has run."""
     found = frozen_storages(modules, model)
-    sizes = [sum(s.nbytes() for s, _ in f) for f in found][: _fitting(found, host_bytes)]
-    return max(0, sum(sizes) - WINDOW * max(sizes, default=0)) if len(sizes) > WINDOW else 0
+    return _saving([sum(s.nbytes() for s, _ in f) for f in found][: _fitting(found, host_bytes)], WINDOW)
+
+
+def _saving(sizes: Sequence[int], window: int) -> int:
+    """What streaming blocks of ``sizes`` bytes saves at every moment: their bytes less ``window`` of the largest (none for
+    ``WINDOW`` blocks or fewer: they would all be on the device at once)."""
+    return max(0, sum(sizes) - window * max(sizes)) if len(sizes) > WINDOW else 0
 
 
 def _fitting(found: Sequence[Sequence[tuple[torch.UntypedStorage, Any]]], host_bytes: int | None) -> int:
@@ -187,13 +188,15 @@ class HostWeights(PartKind):
         found = frozen_storages(modules, model)
         self.blocks = [_BlockWeights(i, [_Held(s, ps) for s, ps in storages]) for i, storages in enumerate(found)]
         self.take, self.h2d, self.excluded = take, h2d_bytes_per_ms, excluded if excluded is not None else set()
-        self.window, self.streamed = window, frozenset()
-        self.count = 0
+        self.streamed: frozenset[int] = frozenset()
         #: the option of the last plan that named one: what a plan made without the part runs (:meth:`untreated`)
         self.last: tuple[str, int] = ("keep", 1)
         self._side: torch.cuda.Stream | None = None
         n, most = len(self.blocks), _fitting(found, host_bytes)
-        self._counts = sorted({c for share in SHARES if most >= (c := min(n, max(1, round(share * n)))) > WINDOW})
+        counts = sorted({c for share in SHARES if most >= (c := min(n, max(1, round(share * n)))) > WINDOW})
+        #: what each option's count of blocks saves at every moment (the part's one table: options, prices, peaks)
+        self._saved = {c: _saving([b.nbytes for b in self.blocks[:c]], window) for c in counts}
+        self._counts = [c for c in counts if self._saved[c] > 0]
         self._handles = [h for i, module in enumerate(modules) for h in (
             module.register_forward_pre_hook(self._before(i)), module.register_forward_hook(self._after(i)),
             module.register_state_dict_post_hook(self._state(i, module)))]
@@ -201,17 +204,16 @@ class HostWeights(PartKind):
     @property
     def streamable(self) -> bool:
         """Whether any option saves bytes."""
-        return bool(self._counts) and self.saved(self._counts[-1]) > 0
-
-    def saved(self, count: int) -> int:
-        """What streaming the lowest ``count`` blocks saves at every moment (their bytes less ``window`` of the largest)."""
-        chosen = self.blocks[:count]
-        return max(0, sum(b.nbytes for b in chosen) - self.window * max((b.nbytes for b in chosen), default=0))
+        return bool(self._counts)
 
     @property
     def most_saved(self) -> int:
         """What the option that saves most saves: the static bytes no plan goes below are the rest."""
-        return self.saved(self._counts[-1]) if self._counts else 0
+        return self._saved[self._counts[-1]] if self._counts else 0
+
+    def saved_bytes(self, tokens: int, option: tuple[str, int] | None) -> int:
+        """What ``option`` saves at every moment, whatever the tokens (0 for ``keep``, None or a count not offered)."""
+        return self._saved.get(int(option[1]), 0) if option is not None and option[0] == HOST else 0
 
     def saved_by(self, plan: Any) -> int:
         """What ``plan``'s option of the weights saves at every moment (0 where it names none)."""
@@ -226,7 +228,7 @@ class HostWeights(PartKind):
         return sum(b.nbytes for b in self.blocks if not b.on_device)
 
     def options(self, tokens: int) -> Sequence[Option]:
-        return (("keep", 1, 0, 0.0), *((HOST, c, self.saved(c), 0.0) for c in self._counts))
+        return (("keep", 1, 0, 0.0), *((HOST, c, self._saved[c], 0.0) for c in self._counts))
 
     def untreated(self, tokens: int) -> tuple[str, int]:
         """What a plan made without the part runs (warm-up's, a replay's, ``none``'s, ``full``'s): the weights where the
@@ -237,7 +239,7 @@ class HostWeights(PartKind):
     def priced(self, forward_ms: Sequence[float]) -> list[Option]:
         """The options that stream, each priced at the blocks' forward times ``forward_ms`` (NOTE [Weights on the host])."""
         prices = [self._block_ms(b.nbytes, f) for b, f in zip(self.blocks, forward_ms)]
-        return [(HOST, c, self.saved(c), sum(prices[:c])) for c in self._counts]
+        return [(HOST, c, self._saved[c], sum(prices[:c])) for c in self._counts]
 
     def _block_ms(self, nbytes: int, forward_ms: float) -> float:
         if not nbytes:
@@ -252,9 +254,9 @@ class HostWeights(PartKind):
         """The coming step streams the lowest ``c`` blocks of ``option`` (``host:<c>``; none for any other), decided
         at the first block's start: a block that keeps its weights has them back now, a streamed one above the first
         block leaves now, and the second block's copy starts (NOTE [Weights on the host])."""
-        self.count = int(option[1]) if option is not None and option[0] == HOST else 0
-        self.last = (HOST, self.count) if self.count else ("keep", 1)
-        self.streamed = frozenset(i for i in range(self.count) if self.blocks[i].nbytes)
+        count = int(option[1]) if option is not None and option[0] == HOST else 0
+        self.last = (HOST, count) if count else ("keep", 1)
+        self.streamed = frozenset(i for i in range(count) if self.blocks[i].nbytes)
         for b in self.blocks:
             if b.index not in self.streamed:
                 self._ensure(b)
@@ -364,7 +366,7 @@ class HostWeights(PartKind):
         """Every block's weights back, the hooks off (the model as before ``fit``). Where the device's cap cannot hold
         them, the rest stay in host memory as CPU tensors (a forward then fails on the devices, a state dict reads
         them), and the run says so."""
-        self.streamed, self.count = frozenset(), 0
+        self.streamed = frozenset()
         left = 0
         for b in self.blocks:
             try:
