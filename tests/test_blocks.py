@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from _models import ARCHS, build
-from memfit.engine.parts.blocks import find_blocks
+from memfit.engine.parts.blocks import find_blocks, without_cache
 
 EXPECTED = {
     "bert": ("BertLayer", 3),
@@ -60,6 +60,10 @@ def test_parallel_lists_of_a_layers_parts_give_the_blocks_and_norms_do_not():
     model = tf.XLMForSequenceClassification(config).train()
     kinds = [type(m).__name__ for _, m in find_blocks(model)]
     assert kinds == ["MultiHeadAttention"] * 3 + ["TransformerFFN"] * 3
+    # XLM hands its attentions a KV cache even in training, which memfit drops (NOTE [No KV cache in training]): the
+    # reference drops it too (a hook the deep copy keeps), else a cache's layout moves the gradients by a rounding
+    for attention in model.transformer.attentions:
+        attention.register_forward_pre_hook(lambda m, args, kwargs: without_cache(m, args, kwargs), with_kwargs=True)
     records, budget = _dynamic_between_none_and_full(model, [_text_batch(3, s, "cls") for s in (8, 40, 24, 40)], "xlm")
     assert all(r.peak_allocated_bytes <= budget for r in records[2:]), [r.peak_allocated_bytes for r in records]
 

@@ -202,7 +202,8 @@ def test_the_plans_stream_weights_for_the_batches_that_need_the_room_and_keep_th
     assert all(r.treatments["weights"].startswith("host:") for r in long)
     assert all(r.treatments["weights"] == "keep" for r in short)
     assert all(r.peak_allocated_bytes <= budget for r in records)
-    assert all(r.predicted_peak_bytes >= r.peak_allocated_bytes for r in records)
+    # exact on the logical meter, but for a bucket's correction learnt from another plan there (NOTE [Bias per bucket])
+    assert all(r.predicted_peak_bytes >= r.peak_allocated_bytes - 0.01 * budget for r in records)
 
 
 def test_the_static_check_counts_the_weights_the_host_can_hold():

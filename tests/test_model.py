@@ -761,6 +761,25 @@ def test_a_floor_step_teaches_the_full_regime_in_full_terms():
                 if s[0] == ("transient_full",)]
 
 
+@pytest.mark.parametrize("full", [0, 3000, 20000])
+def test_a_re_run_s_lesser_bytes_come_off_no_more_transient_than_was_learnt(full):
+    """NOTE [Full terms of a re-run step]: what every block re-run tiled holds less than a kept block's re-run comes off
+    the full transient, never more than it holds. A meter that reads no transient (the logical one) leaves the curve
+    at 0: the tiled plan is then predicted at what its blocks and the outside hold, not a tiled MLP's saving under it."""
+    planning = Planning(4, [0, 0, 0, 0], 10**9, margin_bytes=0, bucket_tokens=1,
+                        treatments=("recompute", "tiled_mlp", "recompute_tiled"))
+    group, key = planning.model.group_models[0], (1, 64)
+    for name, nbytes in (("keep", 9000), ("recompute", 500), ("tiled_mlp", 2000), ("recompute_tiled", 500)):
+        group.bytes_curve(name).add(key, nbytes)
+    planning.model.outside.add(key, 100)
+    if full:
+        planning.model.transient_full.add(key, full)
+    tiled = Plan((0, 1, 2, 3), kinds=("recompute_tiled",) * 4)
+    held = 100 + 4 * 500  # the outside and what each re-run block keeps
+    assert planning.model.step_bytes(key, tiled) == pytest.approx(held + max(0, full - (9000 - 2000)), rel=1e-6)
+    assert planning.model.step_bytes(key, Plan((0, 1, 2, 3))) == pytest.approx(held + full, rel=1e-6)
+
+
 @pytest.mark.parametrize("over_budget", [False, True])
 def test_a_floor_inside_the_margins_is_run_without_saying_it_is_over_the_budget(caplog, over_budget):
     """NOTE [Over the room, not the budget]: where no plan fits the room, the floor runs; it is said to need more than

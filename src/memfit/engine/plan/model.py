@@ -64,7 +64,11 @@ peaks]). So a run warmed up on the floor (NOTE [Warm-up on the floor], methods/d
 learns the full regime; one with no full sample yet reads the partial curve for both, its only
 measured transient. An empty curve reads 0, and the parts' savings, which hold the kept head's
 backward transient (NOTE [Head in the peaks]), came off a transient never added: the plans that
-keep most were predicted to fit.
+keep most were predicted to fit. So too the re-run's lesser bytes: they come off the transient
+that holds a kept block's re-run, never more than it holds. A meter that reads no transient (the
+logical one, on a CPU) leaves that curve at 0, and a tiled floor taken off it predicted every
+block re-run tiled a tiled MLP's saving under the step it ran (the whole of it, 2.25 of 5.1 MB,
+at a tiny Llama's 800 tokens: docs/devlog.md, session 48).
 
 # NOTE [Three peaks]
 A step's peak is the largest of three moments:
@@ -897,8 +901,11 @@ class MemoryModel:
         for g, name in layout.above[layout.depth:]:  # the topmost stash comes back ``depth`` blocks above it
             freed = freed + _kept(values, g, name)
         back = _maximum(0.0, in_flight - freed)
-        # every block re-run whole: the full regime's transient, read in its terms (NOTE [Full terms of a re-run step])
-        start = activation + _select(layout.every, lambda: values["transient_full"] - _rerun_less(values, layout.rerun_keeps), values["transient"])
+        # every block re-run whole: the full regime's transient, read in its terms (NOTE [Full terms of a re-run step]),
+        # less what the re-runs hold less than a kept block, never more than that transient holds
+        full = values["transient_full"]
+        less = -_maximum(-_rerun_less(values, layout.rerun_keeps), -_maximum(full, 0.0))  # the smaller
+        start = activation + _select(layout.every, lambda: full - less, values["transient"])
         start = start + back - rest_saved
         if parts is not None:
             start = _maximum(start, activation + back + parts - head_saved)
@@ -910,7 +917,7 @@ class MemoryModel:
         for (g, name), n in layout.held.items():
             held = held + n * _maximum(0.0, _kept(values, g, name) - values[(g, RECOMPUTE)])
         recompute = (recompute + held) + self._in_flight(values, layout.offloaded_below, stashes)
-        recompute = recompute - rest_saved - _rerun_less(values, layout.rerun_keeps)
+        recompute = recompute - rest_saved - less
         recompute = _select(layout.rerun, lambda: recompute, -math.inf)
         part = 0.0
         for g, name in layout.part_reruns:  # NOTE [Treated peaks]: the largest return of a part re-run
