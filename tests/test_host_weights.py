@@ -345,3 +345,100 @@ def test_a_setup_that_fails_after_the_weights_left_at_fit_puts_them_back():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
     assert not any(m._forward_pre_hooks or m._forward_hooks or m._state_dict_hooks or "forward" in m.__dict__
                    for m in model.model.layers)
+
+
+# ---------------------------------------------------------------- a model larger than its card (NOTE [A model larger than its card])
+def test_weights_that_arrive_from_the_cpu_train_bit_for_bit_and_come_back_in_place():
+    """A block's weights taken from where they are into their host copies, its parameters on empty storages (what a
+    placed model's blocks start with on the device): the plans bring them back, the gradients are those of the weights
+    kept bit for bit, a state dict reads them on the host, and ``remove()`` fills the parameters again with their
+    values and layouts (a view into a shared storage included)."""
+    model = _frozen_llama(6, lora=True)
+    reference = copy.deepcopy(model)
+    ctl = _streaming(model, treated=(1, 3), kinds=("recompute", "elementwise"), count=4)
+    weights: HostWeights = ctl._weights
+    names = {id(p): n for n, p in model.named_parameters()}
+    before = {names[id(p)]: (p.detach().clone(), p.stride(), p.storage_offset()) for b in weights.blocks for h in b.held for p in h.params}
+    for b in weights.blocks:
+        weights._arrive(b, torch.device("cpu"))
+    assert all(not b.on_device and all(h.storage.nbytes() == 0 for h in b.held) for b in weights.blocks)
+    state = model.state_dict()
+    for name, (value, _, _) in before.items():
+        assert torch.equal(state[name], value), name  # read on the host copies
+    for step, length in enumerate((9, 30, 17)):
+        step_both_and_compare(model, reference, _text_batch(2, length, "lm"), seed=step, context=f"arrived step {step}")
+    ctl.remove()
+    for name, p in model.named_parameters():
+        if name in before:
+            value, stride, offset = before[name]
+            assert torch.equal(p, value) and p.stride() == stride and p.storage_offset() == offset, name
+
+
+def test_place_moves_all_but_the_streamed_frozen_weights_within_the_host_share():
+    from memfit.engine.parts.host_weights import _fitting, place
+    from memfit.engine.parts.treatments.offload import size_class
+
+    model = _frozen_llama(6, lora=True)
+    layers = list(model.base_model.model.model.layers)
+    found = frozen_storages(layers, model)
+    host = sum(size_class(s.nbytes(), pinned=True) for s, _ in found[0] + found[1] + found[2])
+    assert _fitting(found, host) == 3
+    place(model, layers, torch.device("meta"), host)
+    streamed = {id(p) for f in found[:3] for _, ps in f for p in ps}
+    for name, p in model.named_parameters():
+        assert p.device.type == ("cpu" if id(p) in streamed else "meta"), name  # adapters, norms, embeddings, later blocks
+    assert all(b.device.type == "meta" for b in model.buffers())
+
+
+def test_fit_on_a_device_the_model_is_not_on_says_what_to_give():
+    model = _frozen_llama(2).to("meta")
+    with pytest.raises(ValueError, match="give a model on the CPU"):
+        memfit.fit(model, budget=None, method="none", device="cuda", announce=False)
+
+
+def test_a_memfit_trainer_leaves_the_move_to_fit_only_for_an_eager_unsharded_cuda_run_with_the_part_on(monkeypatch):
+    """NOTE [A model larger than its card]: the Trainer's own move is skipped (``fit`` places the model) where the run is
+    on CUDA, the model on the CPU, the blocks eager, not sharded, the weights part not off, and the weights over the
+    budget or the card's free memory; else the Trainer moves it as always."""
+    from types import SimpleNamespace
+
+    from memfit.engine.budget import Budget
+    from memfit.integrations import hf
+
+    model = _frozen_llama(2)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * weights, 20 * weights))
+    cuda = torch.device("cuda", 0)
+
+    def args(**kw):
+        return SimpleNamespace(**{"memfit_host_weights": "auto", "memfit_budget": Budget.parse(weights // 2, "b"), "fsdp": "", **kw})
+
+    assert hf._memfit_places(args(), model, cuda)
+    assert not hf._memfit_places(args(memfit_budget=Budget.parse(2 * weights, "b")), model, cuda)  # fits: the Trainer moves it
+    assert hf._memfit_places(args(memfit_budget=None), model, cuda) is False  # fits the card's free memory
+    assert not hf._memfit_places(args(memfit_host_weights="off"), model, cuda)
+    assert not hf._memfit_places(args(memfit_compile=True), model, cuda)
+    assert not hf._memfit_places(args(fsdp="full_shard"), model, cuda)
+    assert not hf._memfit_places(args(), model, torch.device("cpu"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_model_on_the_cpu_is_placed_with_its_frozen_weights_on_the_host():
+    """``fit(device="cuda")`` on a model on the CPU: the blocks' frozen weights never all reach the device (the cap is
+    under them), the steps train bit for bit against the same model kept on the device, and a setup that fails moves the
+    model back to the CPU."""
+    model = _frozen_llama(8, lora=True, hidden=256, intermediate=1024)
+    reference = copy.deepcopy(model).cuda()
+    frozen = sum(s.nbytes() for f in frozen_storages(list(model.base_model.model.model.layers), model) for s, _ in f)
+    with pytest.raises(ValueError):
+        memfit.fit(model, budget="1GiB", method="dynamic", device="cuda", treatments=["bogus"], announce=False)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    ctl = memfit.fit(model, budget=None, method=FixedPlan(Plan(tuple(range(8)), parts=(("weights", "host", 8),))),
+                     device="cuda", announce=False)
+    assert torch.cuda.memory_allocated() - base < frozen / 2  # the blocks' weights arrived on the host, not the device
+    batch = {k: v.cuda() for k, v in _text_batch(2, 64, "lm").items()}
+    for step in range(3):
+        step_both_and_compare(model, reference, batch, seed=step, context=f"placed step {step}")
+    ctl.remove()

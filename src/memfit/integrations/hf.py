@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -372,6 +373,19 @@ class _MemfitCallback(transformers.TrainerCallback):
         return control
 
 
+def _memfit_places(args: Any, model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether ``fit`` places ``model`` (NOTE [A model larger than its card]): a CUDA run whose model is on the CPU, its
+    blocks eager, not sharded, the weights part not turned off, and its parameters over the budget or the card's free
+    memory (a model that fits both the Trainer moves as it always does)."""
+    if device.type != "cuda" or any(p.device.type != "cpu" for p in model.parameters()) or _compile_option(args) \
+            or HOST_WEIGHTS_FLAG[getattr(args, "memfit_host_weights", "auto")] is False or getattr(args, "fsdp", None):
+        return False
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = getattr(args, "memfit_budget", None)
+    room = min(torch.cuda.mem_get_info(device)[0], Budget.parse(budget, "--memory_budget").bytes if budget is not None else math.inf)
+    return weights > room
+
+
 class MemfitTrainerMixin:
     """What memfit adds to a ``transformers.Trainer`` (sub)class, placed before it in the bases.
 
@@ -415,7 +429,7 @@ class MemfitTrainerMixin:
                 treatments=treatment_names(getattr(a, "memfit_treatments", "auto")),
                 compile=_compile_option(a), head=self._memfit_head(), host_budget=getattr(a, "memfit_host_budget", None),
                 host_weights=HOST_WEIGHTS_FLAG[getattr(a, "memfit_host_weights", "auto")],
-                **method_kwargs,
+                device=getattr(self, "_memfit_device", None), **method_kwargs,
             ))
 
         self._hook = hook
@@ -475,7 +489,16 @@ class MemfitTrainerMixin:
                              transient_bytes=lambda free: expected_step_bytes(a.optim, trainable, a.weight_decay, free),
                              weights_saved=weights_saved_of(self.model, treatment_names(getattr(a, "memfit_treatments", "auto")),
                                                             _compile_option(a), host_budget=getattr(a, "memfit_host_budget", None),
-                                                            host_weights=HOST_WEIGHTS_FLAG[getattr(a, "memfit_host_weights", "auto")]))
+                                                            host_weights=HOST_WEIGHTS_FLAG[getattr(a, "memfit_host_weights", "auto")],
+                                                            device=getattr(self, "_memfit_device", None)))
+
+    def _move_model_to_device(self, model: torch.nn.Module, device: torch.device) -> None:
+        """The Trainer's move of the model, left to ``fit`` where the model's weights are over the budget or the card's
+        free memory and the blocks' frozen weights may wait on the host (NOTE [A model larger than its card])."""
+        if _memfit_places(self.args, model, device):
+            self._memfit_device = device
+            return
+        super()._move_model_to_device(model, device)
 
     # ------------------------------------------------------------ optimizer
     def create_optimizer(self, model=None):

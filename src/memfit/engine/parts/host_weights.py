@@ -41,6 +41,19 @@ untouched and the gradients are those of the weights kept, bit for bit).
 Only plain frozen parameters are streamed: not a trained one (its gradient and optimizer step
 need it), nor one a block shares (with another block or the model outside the blocks), nor a
 tensor subclass (an FSDP2 shard, a quantised weight), nor a compiled block's.
+
+# NOTE [A model larger than its card]
+With its frozen weights on the host a LoRA run needs far less device memory than its model's
+weights (an 8B model at 16k tokens trains in 6 GiB, its bf16 weights 15 GiB), but a model must be
+on its device before ``fit`` sends them there: a card smaller than the weights could not take it.
+So ``fit(model, device=...)`` takes a model on the CPU and moves it itself (:func:`place`): every
+tensor but the blocks' frozen weights that the part streams (those whose pinned copies fit its
+share of the host budget), which go straight from the CPU into pinned host memory as the part
+starts, their parameters on empty storages of the device that the weights fill as a plan brings
+them back (``HostWeights(device=...)``). The run then starts as one whose weights left the
+device at ``fit``; a plan that keeps them brings them to the device where they fit. A failed
+setup moves the model back to the CPU; ``remove()`` leaves it on the device (the weights the cap
+cannot hold stay on the host, as for any run).
 """
 
 from __future__ import annotations
@@ -59,7 +72,8 @@ from memfit.engine.parts.treatments.offload import _bytes_view, size_class
 
 logger = logging.getLogger("memfit")
 
-__all__ = ["HostWeights", "NO_WEIGHTS", "WEIGHTS_HOST_SHARE", "WEIGHTS", "HOST", "DEPTH", "WINDOW", "frozen_storages", "streamable_saving"]
+__all__ = ["HostWeights", "NO_WEIGHTS", "WEIGHTS_HOST_SHARE", "WEIGHTS", "HOST", "DEPTH", "WINDOW", "frozen_storages", "streamable_saving",
+           "place"]
 
 WEIGHTS, HOST = "weights", "host"
 #: blocks of weights fetched ahead of the one running (NOTE [Weights on the host])
@@ -110,6 +124,23 @@ def streamable_saving(modules: Sequence[nn.Module], model: nn.Module, host_bytes
     step has run."""
     found = frozen_storages(modules, model)
     return _saving([sum(s.nbytes() for s, _ in f) for f in found][: _fitting(found, host_bytes)], WINDOW)
+
+
+def place(model: nn.Module, modules: Sequence[nn.Module] | None, device: torch.device, host_bytes: int | None = None) -> Callable[[], None]:
+    """Move ``model`` (on the CPU) to ``device`` but for the frozen weights of ``modules`` that the weights part streams
+    (the lowest blocks' whose pinned copies fit ``host_bytes``; None: every one; ``modules`` None: none stay), which a
+    ``HostWeights(device=device)`` then takes from the CPU (NOTE [A model larger than its card]). Returns what moves
+    the model back to the CPU."""
+    stay: set[int] = set()
+    if modules:
+        found = frozen_storages(modules, model)
+        stay = {s.data_ptr() for storages in found[: _fitting(found, host_bytes)] for s, _ in storages}
+
+    def to(t: torch.Tensor) -> torch.Tensor:
+        return t if t.device.type == "cpu" and t.untyped_storage().data_ptr() in stay else t.to(device)
+
+    model._apply(to)  # as ``Module.to`` does: parameters (their objects kept), buffers and gradients
+    return lambda: model._apply(lambda t: t.cpu())
 
 
 def _saving(sizes: Sequence[int], window: int) -> int:
@@ -174,6 +205,8 @@ class HostWeights(PartKind):
         window: the blocks whose weights a saving counts on the device at once: ``WINDOW`` where the meter reads the
             allocator; 0 where it counts tensors (a logical meter, which counts a step's static bytes less the streamed
             blocks' and never sees the ones coming back).
+        device: the run's device: a block whose weights are elsewhere (left on the CPU by :func:`place`) starts with
+            them on the host (NOTE [A model larger than its card]); None: where they are.
     """
 
     name = WEIGHTS
@@ -184,7 +217,7 @@ class HostWeights(PartKind):
 
     def __init__(self, modules: Sequence[nn.Module], model: nn.Module, take: Callable[[int], torch.Tensor],
                  h2d_bytes_per_ms: float | None = None, excluded: set[int] | None = None, window: int = WINDOW,
-                 host_bytes: int | None = None):
+                 host_bytes: int | None = None, device: torch.device | None = None):
         found = frozen_storages(modules, model)
         self.blocks = [_BlockWeights(i, [_Held(s, ps) for s, ps in storages]) for i, storages in enumerate(found)]
         self.take, self.h2d, self.excluded = take, h2d_bytes_per_ms, excluded if excluded is not None else set()
@@ -200,6 +233,11 @@ class HostWeights(PartKind):
         self._handles = [h for i, module in enumerate(modules) for h in (
             module.register_forward_pre_hook(self._before(i)), module.register_forward_hook(self._after(i)),
             module.register_state_dict_post_hook(self._state(i, module)))]
+        arrived = [b for b in self.blocks if device is not None and b.held and b.held[0].storage.device != device]
+        for b in arrived:
+            self._arrive(b, device)
+        if arrived:  # as if they had left at ``fit``: a plan made without the part streams them (:meth:`untreated`)
+            self.last = (HOST, arrived[-1].index + 1)
 
     @property
     def streamable(self) -> bool:
@@ -323,6 +361,19 @@ class HostWeights(PartKind):
                 h.versions = versions
             self.excluded.discard(h.storage.data_ptr())
             h.storage.resize_(0)
+        b.on_device = False
+
+    def _arrive(self, b: _BlockWeights, device: torch.device) -> None:
+        """Block ``b``'s weights, on the CPU, to their host copies; its parameters on empty storages of ``device``, which
+        a fetch fills (NOTE [A model larger than its card])."""
+        for h in b.held:
+            h.host = self.take(h.nbytes)
+            h.host[: h.nbytes].copy_(_bytes_view(h.storage, h.storage.device))
+            h.storage = torch.UntypedStorage(0, device=device)
+            for p in h.params:  # ``set_`` grows the storage to the view: one storage's bytes at a time, freed below
+                p.data = torch.empty(0, dtype=p.dtype, device=device).set_(h.storage, p.storage_offset(), p.size(), p.stride())
+            h.storage.resize_(0)
+            h.versions = tuple(p._version for p in h.params)
         b.on_device = False
 
     def _fetch(self, b: _BlockWeights) -> None:

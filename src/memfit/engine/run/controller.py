@@ -70,7 +70,7 @@ from memfit.engine.summary_text import end_summary, start_line
 from memfit.engine.parts.treatments import (
     RECOMPUTE, SELECTIVE, TREATMENTS, Treatment, make_treatments, resolve, run_treatment_names,
 )
-from memfit.engine.parts.host_weights import WEIGHTS_HOST_SHARE, WINDOW, HostWeights, streamable_saving
+from memfit.engine.parts.host_weights import WEIGHTS_HOST_SHARE, WINDOW, HostWeights, place, streamable_saving
 from memfit.engine.parts.kind import PartKind, RunParts
 from memfit.engine.parts.treatments.chunked_head import RunHead
 from memfit.engine.parts.treatments.offload import _HostPool, default_host_budget_bytes
@@ -257,12 +257,15 @@ def _weights_saved(offered: bool | str, names: Sequence[Any], compiled: bool, de
 
 def weights_saved_of(model: nn.Module, treatments: Sequence[Any] | None, compile: bool | dict[str, Any] = False,
                      host_weights: bool | str = "auto", blocks: Sequence[nn.Module] | str | None = None,
-                     host_budget: int | str | None = None) -> int:
-    """What ``fit(model, treatments=..., compile=..., host_weights=...)``'s weights part saves at most (0 where it plans
-    none): the static check's share of the weights that may wait on the host (NOTE [Weights on the host])."""
+                     host_budget: int | str | None = None, device: torch.device | None = None) -> int:
+    """What ``fit(model, treatments=..., compile=..., host_weights=..., device=...)``'s weights part saves at most (0 where
+    it plans none): the static check's share of the weights that may wait on the host (NOTE [Weights on the host])."""
     named = find_blocks(model, blocks)
     names, compile_options = _run_options(treatments, compile, [m for _, m in named])
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device is not None and _device_of(model).type == "cpu" and torch.device(device).type != "cpu" and host_weights is not False \
+            and compile_options is None:
+        host_weights = True  # as fit places the model: its streamed weights on the host (NOTE [A model larger than its card])
+    device = _device_of(model) if device is None else torch.device(device)
     host = None if host_budget is None else parse_bytes(host_budget, argument="host_budget=")
     return _weights_saved(host_weights, names, compile_options is not None, device, named, model, host)
 
@@ -278,7 +281,7 @@ def _host_weights(ctl: "Controller", static_bytes: int) -> HostWeights | None:
         pool.pin = ctl.device.type == "cuda"
     weights = HostWeights([b.module for b in ctl.blocks], ctl.model, pool.take, getattr(ctl.planning.offload_ms, "h2d", None),
                           ctl._counter.excluded_ptrs, window=WINDOW if ctl.meter.kind != "logical" else 0,
-                          host_bytes=int(WEIGHTS_HOST_SHARE * pool.max_bytes))
+                          host_bytes=int(WEIGHTS_HOST_SHARE * pool.max_bytes), device=ctl.device)
     if not weights.streamable:
         weights.remove()
         return None
@@ -287,6 +290,12 @@ def _host_weights(ctl: "Controller", static_bytes: int) -> HostWeights | None:
     if ctl.budget is not None and static_bytes > ctl.budget.bytes:
         weights.leave()
     return weights
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    """The run's device: its parameters' (the first not on the CPU: a model ``fit`` placed keeps the blocks' streamed
+    weights there until they arrive, NOTE [A model larger than its card]), the CPU where all are."""
+    return next((p.device for p in model.parameters() if p.device.type != "cpu"), torch.device("cpu"))
 
 
 def _weights_left(step: StepState, weights: HostWeights | None, meter: Meter) -> None:
@@ -330,7 +339,7 @@ class Controller:
         try:  # NOTE [Setup is all or nothing]
             named = find_blocks(model, blocks)
             treatments, compile_options = _run_options(treatments, compile, [m for _, m in named])
-            self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+            self.device = _device_of(model)
             self._host_budget_bytes, self._weights_saved = host_budget_bytes, _weights_saved(
                 host_weights, treatments, compile_options is not None, self.device, named, model, host_budget_bytes)
             static_parts = _check_static(model, budget, optimizer, self._weights_saved)
@@ -627,12 +636,13 @@ def fit(
     host_budget: int | str | None = None,
     parts: Sequence[PartKind] = (),
     host_weights: bool | str = "auto",
+    device: str | torch.device | None = None,
     **method_kwargs: Any,
 ) -> Controller:
     """Train ``model`` inside ``budget`` by treating just enough blocks per batch.
 
     Args:
-        model: the model, already on its device.
+        model: the model, already on its device (or on the CPU, with ``device``).
         budget: bytes (int) or a size string, its unit written as in the table (NOTE [A budget as typed]
             in budget.py): ``"6GiB"`` = 6·2**30, ``"6GB"`` = 6·10**9 (``"6gb"`` is refused, naming both);
             ``None`` runs the method with no budget (records only). Messages quote it as given and
@@ -690,6 +700,10 @@ def fit(
             between their uses where a batch needs the room (NOTE [Weights on the host], parts/host_weights.py):
             ``"auto"`` (default) on CUDA where the run offers a treatment that moves tensors to the host and its blocks
             run eagerly; ``True`` wherever they run eagerly; ``False`` never.
+        device: where a ``model`` on the CPU trains: memfit moves it there but for the blocks' frozen weights that
+            the weights part streams, which go straight to pinned host memory (the part is then on unless
+            ``host_weights=False``): a model larger than its card (NOTE [A model larger than its card],
+            parts/host_weights.py). A failed setup moves it back; None: the model's own device.
         **method_kwargs: passed to the method (``path=`` for ``precomputed``,
             ``max_shape=`` for ``static``, ``warmup_steps=`` for ``dynamic``...).
 
@@ -721,9 +735,32 @@ def fit(
         raise ValueError(f"bucket_tokens={bucket_tokens!r}: give a whole number of tokens from 1 (1 = a plan per exact shape)")
     refuse_deepspeed(model)
     method_obj = make_method(method, **method_kwargs)
-    return Controller(model, budget, method_obj, optimizer, blocks, log, margin, bucket_tokens, cap, treatments, announce,
-                      compile, head=head, head_logits=head_logits, host_budget_bytes=host_budget_bytes, parts=parts,
-                      host_weights=host_weights)
+    placed, host_weights = _placed(model, device, blocks, host_weights, compile, host_budget_bytes)
+    try:
+        return Controller(model, budget, method_obj, optimizer, blocks, log, margin, bucket_tokens, cap, treatments, announce,
+                          compile, head=head, head_logits=head_logits, host_budget_bytes=host_budget_bytes, parts=parts,
+                          host_weights=host_weights)
+    except BaseException:
+        placed()  # NOTE [Setup is all or nothing]: the model back on the CPU
+        raise
+
+
+def _placed(model: nn.Module, device: str | torch.device | None, blocks: Sequence[nn.Module] | str | None,
+            host_weights: bool | str, compile: bool | dict[str, Any], host_budget_bytes: int | None) -> tuple[Callable[[], None], bool | str]:
+    """``model`` on ``device`` where ``fit`` was given one and the model is on the CPU, the blocks' streamed weights on the
+    host (NOTE [A model larger than its card], parts/host_weights.py): what moves it back, and the ``host_weights`` the
+    run then has (on: the weights wait on the host)."""
+    target = None if device is None else torch.device(device)
+    if target is None or _device_of(model) == target or target.type == "cpu":
+        return (lambda: None), host_weights
+    if _device_of(model).type != "cpu":
+        raise ValueError(f"device={device!r}: the model is on {_device_of(model)}; give a model on the CPU, or no device")
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
+    streams = host_weights is not False and not compile
+    host = int(WEIGHTS_HOST_SHARE * (default_host_budget_bytes() if host_budget_bytes is None else host_budget_bytes))
+    modules = [m for _, m in find_blocks(model, blocks)] if streams else None
+    return place(model, modules, target, host), (True if streams else host_weights)
 
 
 #: what a user shards with instead of DeepSpeed (NOTE [DeepSpeed is refused])
