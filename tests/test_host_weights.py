@@ -424,9 +424,9 @@ def test_a_memfit_trainer_leaves_the_move_to_fit_only_for_an_eager_unsharded_cud
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_a_model_on_the_cpu_is_placed_with_its_frozen_weights_on_the_host():
-    """``fit(device="cuda")`` on a model on the CPU: the blocks' frozen weights never all reach the device (the cap is
-    under them), the steps train bit for bit against the same model kept on the device, and a setup that fails moves the
-    model back to the CPU."""
+    """``fit(device="cuda")`` on a model on the CPU: the blocks' frozen weights go to the host, not the device, the steps
+    (every block's weights streamed) train bit for bit against the same model kept on the device, and a setup that fails
+    moves the model back to the CPU."""
     model = _frozen_llama(8, lora=True, hidden=256, intermediate=1024)
     reference = copy.deepcopy(model).cuda()
     frozen = sum(s.nbytes() for f in frozen_storages(list(model.base_model.model.model.layers), model) for s, _ in f)
