@@ -254,11 +254,14 @@ def test_on_cuda_the_weights_come_back_on_a_side_stream_bit_for_bit_and_leave_th
     assert off <= torch.cuda.memory_allocated() - before < off + 512 * storages
 
 
-def test_static_bytes_over_the_budget_leave_the_device_at_fit():
+def test_static_bytes_over_the_budget_leave_the_device_at_fit(capsys):
     model = _frozen_llama(8, hidden=64, intermediate=256)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    ctl = memfit.fit(model, budget=int(0.6 * params), method="dynamic", host_weights=True, announce=False)
+    memfit.fit(model, budget=int(4 * params), method="dynamic", host_weights=True, announce=True).remove()
+    assert "frozen weights start in pinned host memory" not in capsys.readouterr().err
+    ctl = memfit.fit(model, budget=int(0.6 * params), method="dynamic", host_weights=True, announce=True)
     assert ctl._weights.off_bytes() == sum(b.nbytes for b in ctl._weights.blocks)
+    assert "of the blocks' frozen weights start in pinned host memory" in capsys.readouterr().err  # the start line says so
     torch.manual_seed(0)
     model(**_text_batch(2, 40, "lm")).loss.backward()
     ctl.remove()

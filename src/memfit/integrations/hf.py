@@ -73,6 +73,7 @@ from memfit.engine.parts.optimizer_step import expected_step_bytes
 from memfit.engine.records import StepRecord, read_jsonl, summarize
 from memfit.integrations.run_dir import claim_output_dir
 from memfit.engine.run.controller import DEEPSPEED_INSTEAD, Controller, check_static_need_of, fit, weights_saved_of
+from memfit.engine.parts.host_weights import weights_words
 from memfit.engine.summary_text import end_summary, parameters_words, start_line
 from memfit.engine.parts.treatments import KEEP, TREATMENTS
 
@@ -621,7 +622,7 @@ class MemfitTrainerMixin:
         words = parameters_words(sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params),
                                  adapted, sum(hasattr(m, "lora_A") for m in self.model.modules()))
         compiled = (getattr(self.args, "memfit_compile_flag", None) or "") if ctl.blocks[0].compiled else None
-        return start_line(ctl.method.name, ctl.budget, ctl.accounting, kinds, words, compiled) + ctl.head.start_words()
+        return start_line(ctl.method.name, ctl.budget, ctl.accounting, kinds, words, compiled) + ctl.head.start_words() + weights_words(ctl.parts.kinds)
 
     def write_summary(self) -> dict[str, Any] | None:
         """Write ``memfit_summary.json``, and for methods with a memory model ``memfit_plans.json``

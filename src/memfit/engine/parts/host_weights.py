@@ -66,6 +66,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from memfit.engine.budget import format_bytes
 from memfit.engine.parts.kind import STATIC, Option, PartKind
 from memfit.engine.parts.probe import BACKWARD_PER_FORWARD
 from memfit.engine.parts.treatments.offload import _bytes_view, size_class
@@ -73,7 +74,7 @@ from memfit.engine.parts.treatments.offload import _bytes_view, size_class
 logger = logging.getLogger("memfit")
 
 __all__ = ["HostWeights", "NO_WEIGHTS", "WEIGHTS_HOST_SHARE", "WEIGHTS", "HOST", "DEPTH", "WINDOW", "frozen_storages", "streamable_saving",
-           "place"]
+           "place", "weights_words"]
 
 WEIGHTS, HOST = "weights", "host"
 #: blocks of weights fetched ahead of the one running (NOTE [Weights on the host])
@@ -437,6 +438,13 @@ class HostWeights(PartKind):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def weights_words(kinds: Sequence[Any]) -> str:
+    """What a start line adds of the weights part among the run's part ``kinds``: ``", <words>"`` where its weights start
+    on the host (over the budget, or placed there: NOTE [A model larger than its card]), else nothing."""
+    off = sum(k.off_bytes() for k in kinds if isinstance(k, HostWeights))
+    return f", {format_bytes(off)} of the blocks' frozen weights start in pinned host memory (plans bring them back where a batch leaves room)" if off else ""
 
 
 class _NoWeights:

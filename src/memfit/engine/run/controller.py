@@ -70,7 +70,7 @@ from memfit.engine.summary_text import end_summary, start_line
 from memfit.engine.parts.treatments import (
     RECOMPUTE, SELECTIVE, TREATMENTS, Treatment, make_treatments, resolve, run_treatment_names,
 )
-from memfit.engine.parts.host_weights import WEIGHTS_HOST_SHARE, WINDOW, HostWeights, place, streamable_saving
+from memfit.engine.parts.host_weights import WEIGHTS_HOST_SHARE, WINDOW, HostWeights, place, streamable_saving, weights_words
 from memfit.engine.parts.kind import PartKind, RunParts
 from memfit.engine.parts.treatments.chunked_head import RunHead
 from memfit.engine.parts.treatments.offload import _HostPool, default_host_budget_bytes
@@ -382,7 +382,7 @@ class Controller:
             self._undo += [self._writer.close] if self._writer is not None else []
             capped = self.meter.apply_cap(budget.bytes) if budget is not None and cap else None
             if announce:
-                _say(start_line(method.name, budget, self.meter.kind, *_kinds_compiled(self.blocks)) + self.head.start_words(), self.rank)
+                _say(start_line(method.name, budget, self.meter.kind, *_kinds_compiled(self.blocks)) + self.head.start_words() + weights_words(self.parts.kinds), self.rank)
             _say(capped, self.rank)  # what the cap changed, if anything
         except BaseException:
             self._unhook()
