@@ -116,8 +116,14 @@ def test_evaluation_and_remove_bring_the_weights_back_and_a_state_dict_reads_the
     assert state[f"model.layers.3.{name}"].untyped_storage().data_ptr() == held.host.data_ptr()
     step_both_and_compare(model, reference, batch, seed=1, context="train again")
     model.eval(), reference.eval()
-    with torch.no_grad():
+    weights, on = ctl._weights, []
+    hooks = [layer.register_forward_hook(lambda *_: on.append(sum(b.on_device for b in weights.blocks)))
+             for layer in model.model.layers]
+    with torch.no_grad():  # the weights pass through: back one block ahead, gone after their block
         assert torch.equal(model(**batch).logits, reference(**batch).logits)
+    assert ctl._weights.off_bytes() == off and max(on) <= WINDOW + 1  # and the bottom block's, which stay between steps
+    for h in hooks:
+        h.remove()
     model.train(), reference.train()
     step_both_and_compare(model, reference, batch, seed=2, context="after eval")
     weights = ctl._weights
@@ -148,10 +154,7 @@ def test_weights_the_cap_cannot_take_back_at_remove_stay_on_the_host_as_they_wer
 
 def test_a_frozen_weight_changed_in_place_is_streamed_as_changed():
     model, reference, ctl, batch = _after_a_streamed_step()
-    model.eval()
-    with torch.no_grad():
-        model(**batch)  # every block's weights back on the device
-    model.train()
+    ctl._weights.apply(("keep", 1))  # every block's weights back on the device, as a plan that keeps them brings them
     for m in (model, reference):
         with torch.no_grad():
             m.model.layers[3].mlp.up_proj.weight.mul_(1.5)

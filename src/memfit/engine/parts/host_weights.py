@@ -34,9 +34,11 @@ untouched and the gradients are those of the weights kept, bit for bit).
   than fit that share), and made again only where a
   parameter's version moved (a user's in-place change). Pinning is not priced: it is paid once a
   run (docs/devlog.md has what it cost).
-* Any forward (evaluation, generation) brings a block's weights back first, as does its
-  ``state_dict`` and ``remove()``; a plan that keeps a block's weights brings them back at the
-  step's first block.
+* A forward without autograd (evaluation, generation) brings back the weights a block left on the
+  host one block ahead and sends them back after the block: they pass through, at most ``WINDOW``
+  blocks' at once, so a model whose weights are over the cap evaluates under it. Any other forward
+  brings a block's weights back to stay, as does ``remove()``; a ``state_dict`` reads them on the
+  host; a plan that keeps a block's weights brings them back at the step's first block.
 
 Only plain frozen parameters are streamed: not a trained one (its gradient and optimizer step
 need it), nor one a block shares (with another block or the model outside the blocks), nor a
@@ -223,6 +225,8 @@ class HostWeights(PartKind):
         self.blocks = [_BlockWeights(i, [_Held(s, ps) for s, ps in storages]) for i, storages in enumerate(found)]
         self.take, self.h2d, self.excluded = take, h2d_bytes_per_ms, excluded if excluded is not None else set()
         self.streamed: frozenset[int] = frozenset()
+        #: blocks a forward without autograd brought back from the host: they go back after it (NOTE [Weights on the host])
+        self._passing: set[int] = set()
         #: the option of the last plan that named one: what a plan made without the part runs (:meth:`untreated`)
         self.last: tuple[str, int] = ("keep", 1)
         self._side: torch.cuda.Stream | None = None
@@ -294,7 +298,7 @@ class HostWeights(PartKind):
         at the first block's start: a block that keeps its weights has them back now, a streamed one above the first
         block leaves now, and the second block's copy starts (NOTE [Weights on the host])."""
         count = int(option[1]) if option is not None and option[0] == HOST else 0
-        self.last = (HOST, count) if count else ("keep", 1)
+        self.last, self._passing = ((HOST, count) if count else ("keep", 1)), set()
         self.streamed = frozenset(i for i in range(count) if self.blocks[i].nbytes)
         for b in self.blocks:
             if b.index not in self.streamed:
@@ -306,6 +310,11 @@ class HostWeights(PartKind):
 
     def _before(self, i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple) -> None:
+            if not torch.is_grad_enabled():  # NOTE [Weights on the host]: a forward without autograd passes through
+                for b in self.blocks[i : i + 1 + DEPTH]:
+                    if not b.on_device and b.nbytes:
+                        self._passing.add(b.index)
+                        self._fetch(b)
             self._ensure(self.blocks[i])
             if i + 1 in self.streamed and module.training and torch.is_grad_enabled():
                 self._fetch(self.blocks[i + 1])
@@ -313,6 +322,10 @@ class HostWeights(PartKind):
 
     def _after(self, i: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if i in self._passing and not torch.is_grad_enabled():
+                self._passing.discard(i)
+                self._free(self.blocks[i])
+                return
             if not (self.streamed and module.training and torch.is_grad_enabled()):
                 return
             if i in self.streamed and i != max(self.streamed):
