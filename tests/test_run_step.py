@@ -3,6 +3,8 @@ with accumulation windows of 1 and 2 micro-steps, and ends with the weights of a
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -172,3 +174,44 @@ def test_what_a_failed_attempt_leaves_allocated_after_its_clean_up_is_said_once_
     assert all(a["static_bytes"] > 0 for a in attempts)
     said = [m for m in caplog.messages if "still allocated after its clean-up" in m]
     assert len(said) == 1 and said[0].startswith("memfit: 1.00 GiB of the failed attempt"), said
+
+
+@pytest.mark.parametrize("predicted_over", [False, True])
+def test_an_oom_on_the_floor_predicted_inside_the_budget_is_run_once_more(predicted_over):
+    """NOTE [The floor retried once]: a step that runs out of memory on the floor, which was predicted inside the budget
+    (fragmentation, another process), is replayed on it once, to the weights of a run without the OOM; a second OOM
+    there, or a floor predicted over the budget, is the budget's limit (one clear error)."""
+    torch.manual_seed(0)
+    model, make_batch = build("bert")
+    model.train()
+    reference = copy.deepcopy(model)
+    batches = [make_batch(2, length) for length in (40, 40, 40, 40)]
+    budget = logical_peak(model, batches[0], "full") * (19 if predicted_over else 21) // 20
+    ctl = memfit.fit(model, budget=budget, method="dynamic", warmup_steps=1, warmup_keys=1)
+    for step, batch in enumerate(batches[:3]):
+        for m in (model, reference):
+            torch.manual_seed(step)
+            m(**batch).loss.backward()
+    assert ctl.records[-1].n_checkpointed == len(ctl.blocks)  # the floor
+    injector = InjectOOM(ctl.blocks[1].module, at=1)
+
+    def micro_step():
+        torch.manual_seed(3)
+        model(**batches[3]).loss.backward()
+
+    if predicted_over:
+        with pytest.raises(memfit.BudgetTooSmallError, match="with every block checkpointed"):
+            ctl.run_step(micro_step)
+        assert injector.fired == 1
+        ctl.remove()
+        return
+    ctl.run_step(micro_step)
+    torch.manual_seed(3)
+    reference(**batches[3]).loss.backward()
+    assert injector.fired == 1 and ctl.records[-1].oom_retries == 1
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    InjectOOM(ctl.blocks[1].module, at=1, always=True)  # every later forward fails: once more on the floor, then the error
+    with pytest.raises(memfit.BudgetTooSmallError, match="with every block checkpointed"):
+        ctl.run_step(micro_step)
+    ctl.remove()

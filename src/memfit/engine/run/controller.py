@@ -562,7 +562,7 @@ class Controller:
         self._counter.stop()
         attempt = self.replay.oom.add(step, self.meter, self.planning, self.protection, error)
         self.protection.note_oom(step, attempt)
-        after_oom(self.method, self.planning, step, attempt, len(self.blocks))
+        after_oom(self.method, self.planning, step, attempt, len(self.blocks), self.replay.oom.attempts[:-1])
 
     def drop_step(self) -> None:
         """Drop the pending step unrecorded: another rank's OOM replays it (NOTE [Replay under FSDP])."""

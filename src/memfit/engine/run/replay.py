@@ -166,6 +166,7 @@ class OomLog:
 
 def after_oom(
     method: "Method", planning: "Planning", step: StepState | None, attempt: dict[str, Any], n_blocks: int,
+    earlier: Sequence[dict[str, Any]] = (),
 ) -> None:
     """Keep more room free so that the replay runs a safer plan, or say why none exists.
 
@@ -173,11 +174,20 @@ def after_oom(
     when the step failed; where that explains nothing new, the margin grows by a twentieth of
     the budget (NOTE [Room], room.py). The plan cache is cleared either way.
 
+    # NOTE [The floor retried once]
+    The floor has nothing safer below it, but an OOM there is not always the step's own need: the
+    allocator's fragmentation, or on a shared card another process's memory, can fail a floor that
+    was predicted inside the budget, and the same plan then runs once the cache is released and the
+    slack has grown. So such a floor is replayed once a micro-step (``earlier``: its attempts before
+    this one); a floor predicted over the budget (said before it ran) or failed twice is the budget's
+    limit.
+
     Raises:
         BudgetTooSmallError: when the method cannot adapt its plans (``none``, ``full``,
             ``precomputed``), or the failed step already ran the floor plan (every block on the run's
             ``floor_treatment``; recomputed, outside warm-up, where the run offers nothing below it) and no part
-            beside the blocks has a way that keeps less (``PartKind.leaner``).
+            beside the blocks has a way that keeps less (``PartKind.leaner``), where that floor was predicted over
+            the budget or failed before in this micro-step (NOTE [The floor retried once]).
     """
     if not method.adapts:
         raise BudgetTooSmallError(
@@ -188,7 +198,10 @@ def after_oom(
     budget = planning.budget  # a plan of every block is made for a budget
     floor = floor_treatment(planning.registry)  # NOTE [A replay treats more], methods/dynamic.py
     on_floor = decision is not None and decision.plan.layout == planning.search.floor(1).layout
-    if on_floor and (floor != RECOMPUTE or not decision.warmup) and not any(
+    attempt["floor"] = on_floor
+    predicted, budget_bytes = attempt.get("predicted_peak_bytes"), planning.budget_bytes
+    retried = any(a.get("floor") for a in earlier) or predicted is None or budget_bytes is None or predicted > budget_bytes
+    if on_floor and retried and (floor != RECOMPUTE or not decision.warmup) and not any(
             [part.leaner(step.key[0] * step.key[1]) for part in planning.parts.values()]):  # each part asked
         how = "checkpointed" if floor == RECOMPUTE else f"on {floor} (the floor)"
         raise BudgetTooSmallError(
