@@ -750,11 +750,11 @@ def _placed(model: nn.Module, device: str | torch.device | None, blocks: Sequenc
     """``model`` on ``device`` where ``fit`` was given one and the model is on the CPU, the blocks' streamed weights on the
     host (NOTE [A model larger than its card], parts/host_weights.py): what moves it back, and the ``host_weights`` the
     run then has (on: the weights wait on the host)."""
-    target = None if device is None else torch.device(device)
-    if target is None or _device_of(model) == target or target.type == "cpu":
+    target, now = None if device is None else torch.device(device), _device_of(model)
+    if target is None or target.type == "cpu" or (now.type == target.type and target.index in (None, now.index)):
         return (lambda: None), host_weights
-    if _device_of(model).type != "cpu":
-        raise ValueError(f"device={device!r}: the model is on {_device_of(model)}; give a model on the CPU, or no device")
+    if now.type != "cpu":
+        raise ValueError(f"device={device!r}: the model is on {now}; give a model on the CPU, or no device")
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
     streams = host_weights is not False and not compile
