@@ -436,7 +436,7 @@ def test_on_cuda_a_model_on_the_cpu_is_placed_with_its_frozen_weights_on_the_hos
     model = _frozen_llama(8, lora=True, hidden=256, intermediate=1024)
     reference = copy.deepcopy(model).cuda()
     frozen = sum(s.nbytes() for f in frozen_storages(list(model.base_model.model.model.layers), model) for s, _ in f)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown treatment 'bogus'"):
         memfit.fit(model, budget="1GiB", method="dynamic", device="cuda", treatments=["bogus"], announce=False)
     assert all(p.device.type == "cpu" for p in model.parameters())
     torch.cuda.synchronize()
