@@ -448,3 +448,39 @@ def test_on_cuda_a_model_on_the_cpu_is_placed_with_its_frozen_weights_on_the_hos
     for step in range(3):
         step_both_and_compare(model, reference, batch, seed=step, context=f"placed step {step}")
     ctl.remove()
+
+
+def test_a_trainer_over_its_weights_trains_and_evaluates_with_them_passing_through(tmp_path):
+    """A memfit Trainer whose budget is under the model's weights: they leave the device at setup, training streams them,
+    and ``evaluate()`` passes them through (a forward without autograd) to the plain model's loss, leaving them on the
+    host after."""
+    import transformers as tf
+
+    class Rows(torch.utils.data.Dataset):
+        def __init__(self, seed):
+            self.ids = torch.randint(3, VOCAB, (8, 40), generator=torch.Generator().manual_seed(seed))
+
+        def __len__(self):
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    model = _frozen_llama(8, hidden=64, intermediate=256)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    flags = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, per_device_eval_batch_size=4, max_steps=2,
+                 learning_rate=1e-3, report_to="none", save_strategy="no", use_cpu=True, seed=0)
+    args = memfit.TrainingArguments(**flags, memory_budget=f"{int(0.8 * params)}B", memfit_method="dynamic",
+                                    memfit_host_weights="on")
+    trainer = memfit.Trainer(model=model, args=args, train_dataset=Rows(0), eval_dataset=Rows(1))
+    weights: HostWeights = trainer.memfit._weights
+    assert weights.off_bytes() == sum(b.nbytes for b in weights.blocks)  # over the budget: on the host from setup
+    trainer.train()
+    off = weights.off_bytes()
+    assert off > 0
+    reference = _frozen_llama(8, hidden=64, intermediate=256)
+    reference.load_state_dict(model.state_dict())  # the trained weights, read on the host
+    metrics = trainer.evaluate()
+    assert weights.off_bytes() == off  # they passed through
+    plain = tf.Trainer(model=reference, args=tf.TrainingArguments(**flags), eval_dataset=Rows(1))
+    assert metrics["eval_loss"] == pytest.approx(plain.evaluate()["eval_loss"], rel=1e-6)
