@@ -400,6 +400,8 @@ def test_fit_on_a_device_the_model_is_not_on_says_what_to_give():
     model = _frozen_llama(2).to("meta")
     with pytest.raises(ValueError, match="give a model on the CPU"):
         memfit.fit(model, budget=None, method="none", device="cuda", announce=False)
+    with pytest.raises(ValueError, match="give a torch device, such as 'cuda'"):
+        memfit.fit(_frozen_llama(2), budget=None, method="none", device="gpu", announce=False)
 
 
 def test_a_memfit_trainer_leaves_the_move_to_fit_only_for_an_eager_unsharded_cuda_run_with_the_part_on(monkeypatch):

@@ -750,7 +750,10 @@ def _placed(model: nn.Module, device: str | torch.device | None, blocks: Sequenc
     """``model`` on ``device`` where ``fit`` was given one and the model is on the CPU, the blocks' streamed weights on the
     host (NOTE [A model larger than its card], parts/host_weights.py): what moves it back, and the ``host_weights`` the
     run then has (on: the weights wait on the host)."""
-    target, now = None if device is None else torch.device(device), _device_of(model)
+    try:
+        target, now = None if device is None else torch.device(device), _device_of(model)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r}: give a torch device, such as 'cuda' or 'cuda:1'") from None
     if target is None or target.type == "cpu" or (now.type == target.type and target.index in (None, now.index)):
         return (lambda: None), host_weights
     if now.type != "cpu":
