@@ -251,8 +251,18 @@ def _weights_saved(offered: bool | str, names: Sequence[Any], compiled: bool, de
         raise ValueError("host_weights=True: compiled blocks keep their weights on the device; give compile=False or host_weights='auto'")
     moves = device.type == "cuda" and any(cls.moves_out for cls in resolve(names).values())
     offers = not compiled and (offered is True or (offered == "auto" and moves))
-    host = WEIGHTS_HOST_SHARE * (default_host_budget_bytes() if host_budget_bytes is None else host_budget_bytes)
-    return streamable_saving([m for _, m in named], model, int(host)) if offers else 0
+    return streamable_saving([m for _, m in named], model, _weights_host_bytes(host_budget_bytes)) if offers else 0
+
+
+def _weights_host_bytes(host_budget_bytes: int | None) -> int:
+    """The pinned host memory the weights' copies may take: their share of the host budget (None: the default's)."""
+    return int(WEIGHTS_HOST_SHARE * (default_host_budget_bytes() if host_budget_bytes is None else host_budget_bytes))
+
+
+def _weights_when_placed(host_weights: bool | str, compiled: bool) -> bool | str:
+    """``host_weights`` of a run whose model ``fit`` places from the CPU (NOTE [A model larger than its card]): on, its
+    streamed weights being on the host, unless turned off or the blocks are compiled (then the whole model moves)."""
+    return True if host_weights is not False and not compiled else host_weights
 
 
 def weights_saved_of(model: nn.Module, treatments: Sequence[Any] | None, compile: bool | dict[str, Any] = False,
@@ -262,9 +272,8 @@ def weights_saved_of(model: nn.Module, treatments: Sequence[Any] | None, compile
     it plans none): the static check's share of the weights that may wait on the host (NOTE [Weights on the host])."""
     named = find_blocks(model, blocks)
     names, compile_options = _run_options(treatments, compile, [m for _, m in named])
-    if device is not None and _device_of(model).type == "cpu" and torch.device(device).type != "cpu" and host_weights is not False \
-            and compile_options is None:
-        host_weights = True  # as fit places the model: its streamed weights on the host (NOTE [A model larger than its card])
+    if device is not None and _device_of(model).type == "cpu" and torch.device(device).type != "cpu":  # as fit places it
+        host_weights = _weights_when_placed(host_weights, compile_options is not None)
     device = _device_of(model) if device is None else torch.device(device)
     host = None if host_budget is None else parse_bytes(host_budget, argument="host_budget=")
     return _weights_saved(host_weights, names, compile_options is not None, device, named, model, host)
@@ -760,10 +769,9 @@ def _placed(model: nn.Module, device: str | torch.device | None, blocks: Sequenc
         raise ValueError(f"device={device!r}: the model is on {now}; give a model on the CPU, or no device")
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
-    streams = host_weights is not False and not compile
-    host = int(WEIGHTS_HOST_SHARE * (default_host_budget_bytes() if host_budget_bytes is None else host_budget_bytes))
-    modules = [m for _, m in find_blocks(model, blocks)] if streams else None
-    return place(model, modules, target, host), (True if streams else host_weights)
+    host_weights = _weights_when_placed(host_weights, compile is not False and compile is not None)
+    modules = [m for _, m in find_blocks(model, blocks)] if host_weights is True else None
+    return place(model, modules, target, _weights_host_bytes(host_budget_bytes)), host_weights
 
 
 #: what a user shards with instead of DeepSpeed (NOTE [DeepSpeed is refused])
