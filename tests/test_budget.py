@@ -141,7 +141,8 @@ def test_a_cap_turns_expandable_segments_on_unless_the_user_named_them(monkeypat
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    assert meter.expandable_segments_on() and calls == ["expandable_segments:True"]
+    # given with the user's split size, which a string without it would reset (NOTE [The allocator's settings at run time])
+    assert meter.expandable_segments_on() and calls == ["max_split_size_mb:128,expandable_segments:True"]
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128,expandable_segments:True"
     assert not meter.expandable_segments_on() and len(calls) == 1  # the settings now name them: said once
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")

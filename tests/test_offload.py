@@ -16,7 +16,7 @@ from memfit.engine.plan.planner import Plan
 from memfit.engine.plan.planning import Planning
 from memfit.engine.parts.probe import LinkPrice
 from memfit.engine.parts.treatments import HostMemoryError, Offload
-from memfit.engine.parts.treatments.offload import _HostPool, size_class
+from memfit.engine.parts.treatments.offload import _HostPool, pin_on_threads, size_class
 from memfit.engine.parts.kind import PartKind
 
 
@@ -185,6 +185,55 @@ def test_pinned_classes_are_what_the_host_allocator_pins(monkeypatch):
     pool = _HostPool(max_bytes=2**31, pin=True)
     pool.take(675282944)  # a 16k-token block of SmolLM-360M: 1 GiB pinned, not the 768 MiB of a quarter step
     assert asked == [2**30] and pool.total == 2**30
+
+
+def _allocator_settings(monkeypatch, current: str, cores: int, ranks: str | None):
+    """torch's run-time setter recorded, the environment's settings ``current``, ``cores`` usable, ``ranks`` on the host."""
+    from memfit.engine.parts.treatments import offload as module
+
+    given = []
+    monkeypatch.setattr(module.torch._C, "_accelerator_setAllocatorSettings", given.append)
+    monkeypatch.setattr(module.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", current)
+    if ranks is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+    return given
+
+
+@pytest.mark.parametrize("current, cores, ranks, threads", [
+    ("expandable_segments:True", 16, None, 16), ("", 64, None, 16), ("", 24, "2", 8), ("roundup_power2_divisions:8", 7, None, 4),
+    ("", 16, "8", None), ("", 2, None, None), ("expandable_segments:True,pinned_num_register_threads:2", 16, None, None),
+    ("pinned_use_cuda_host_register:False", 16, None, None), ("backend:cudaMallocAsync", 16, None, None)])
+def test_the_host_allocator_pins_on_this_process_share_of_the_cores(monkeypatch, current, cores, ranks, threads):
+    """NOTE [Pinning on threads]: the register way on the largest power of two of threads up to 16 that the process's
+    share of the cores allows, given with the settings as they stand (NOTE [The allocator's settings at run time]); none
+    under 4 threads, and a process that named either option keeps its own."""
+    import os
+
+    given = _allocator_settings(monkeypatch, current, cores, ranks)
+    added = pin_on_threads()
+    if threads is None:
+        assert added is None and given == [] and os.environ["PYTORCH_CUDA_ALLOC_CONF"] == current
+        return
+    assert added == f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{threads}"
+    assert given == [",".join(filter(None, (current, added)))] and os.environ["PYTORCH_CUDA_ALLOC_CONF"] == given[0]
+    assert pin_on_threads() is None and len(given) == 1  # once: the keys are named now
+
+
+def test_the_pool_turns_pinning_on_threads_on_before_its_first_pinned_buffer_only(monkeypatch):
+    from memfit.engine.parts.treatments import offload as module
+
+    calls = []
+    monkeypatch.setattr(module, "pin_on_threads", lambda: calls.append(1))
+    monkeypatch.setattr(module.torch, "empty", lambda size, dtype, pin_memory: torch.zeros(1))
+    pinned, unpinned = _HostPool(max_bytes=2**31, pin=True), _HostPool(max_bytes=2**31, pin=False)
+    for _ in range(3):
+        pinned.take(5000)
+        unpinned.take(5000)
+    assert len(calls) == 1
 
 
 def test_the_pool_reuses_buffers_across_steps_and_lengths():

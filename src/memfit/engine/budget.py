@@ -26,6 +26,7 @@ Trainer (:attr:`Budget.name`).
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -275,3 +276,35 @@ def check_static_need(budget: Budget, static_bytes: int, parts: dict[str, int]) 
         f"({static_bytes} bytes: {detail}). Raise {budget.name} above that, or shrink the static part: bf16/fp16 "
         "weights, Adafactor or an 8-bit optimizer (see `memfit estimate`)."
     )
+
+
+#: where the user's settings of torch's allocators are read (the first is the one memfit adds to)
+ALLOC_CONF_NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def add_allocator_settings(extra: str, unless: tuple[str, ...]) -> bool:
+    """Add ``extra`` to torch's allocator settings at run time, unless they name any of ``unless``; whether it did.
+
+    NOTE [The allocator's settings at run time]
+    torch parses a settings string anew each time one is set, and the options it does not name go back to their
+    defaults (the split size, the power-of-two rounding, the collection threshold): setting ``extra`` alone would
+    undo the user's. And torch 2.11 has no reader of the settings as they stand. So memfit gives the settings the
+    environment holds with ``extra`` after them, and writes ``extra`` into ``PYTORCH_CUDA_ALLOC_CONF``, which is what
+    the next addition reads (and what the processes the run starts inherit). Its two additions:
+    expandable segments under a cap (NOTE [Expandable segments under a cap], run/meter.py) and pinning on threads (NOTE [Pinning on
+    threads], treatments/offload.py).
+    """
+    settings = ",".join(filter(None, (os.environ.get(name, "").strip(" ,") for name in ALLOC_CONF_NAMES)))
+    if any(key in settings for key in unless):  # the user's choice, or an allocator without the option
+        return False
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:  # torch before the accelerator-wide settings
+        setter = getattr(torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None)
+    if setter is None:
+        return False
+    try:
+        setter(",".join(filter(None, (settings, extra))))
+    except RuntimeError:  # a platform without the option
+        return False
+    os.environ[ALLOC_CONF_NAMES[0]] = ",".join(filter(None, (os.environ.get(ALLOC_CONF_NAMES[0], "").strip(" ,"), extra)))
+    return True

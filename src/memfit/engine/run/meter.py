@@ -50,7 +50,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from memfit.engine.parts.accounting import local, optimizer_state_bytes
-from memfit.engine.budget import apply_cuda_cap
+from memfit.engine.budget import add_allocator_settings, apply_cuda_cap
 from memfit.engine.plan.learner import Peaks
 from memfit.engine.ranks import world_size
 from memfit.engine.run.step import Stage, StepState
@@ -192,22 +192,9 @@ def stream_pools(device: torch.device) -> dict[str, tuple[int, int]]:
 def expandable_segments_on() -> bool:
     """Turn the CUDA allocator's expandable segments on, unless the user's allocator settings name them (NOTE
     [Expandable segments under a cap]); whether this call turned them on."""
-    settings = ",".join(os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
-    if "expandable_segments" in settings or "cudaMallocAsync" in settings:  # the user's choice, or another allocator
-        return False
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    if setter is None:  # torch before the accelerator-wide settings
-        setter = getattr(torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None)
-    if setter is None:
-        return False
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            setter("expandable_segments:True")
-    except RuntimeError:  # a platform without them
-        return False
-    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, (os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "expandable_segments:True")))
-    return True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return add_allocator_settings("expandable_segments:True", unless=("expandable_segments", "cudaMallocAsync"))
 
 
 def _other_pools_free(device: torch.device) -> int:

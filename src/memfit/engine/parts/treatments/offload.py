@@ -47,6 +47,18 @@ of two (at most 25% over what is asked). The pool is bounded by ``max_host_bytes
 buffer would pass it, the free buffers go first (and the host allocator's cache with them), and
 only what is in use at once can fail, with :class:`HostMemoryError`.
 
+# NOTE [Pinning on threads]
+By default PyTorch's host allocator pins with ``cudaHostAlloc``, which pages the buffer in on one
+thread: about 0.4 s a GiB on a GPU host (``benchmarks/pin_cost.py``; its results in docs/devlog.md), seconds
+at the first steps of a run that streams an 8B model's weights. Its other way, ``malloc`` and
+``cudaHostRegister`` with the pages touched on ``pinned_num_register_threads`` threads, pinned the
+same buffers at 0.09 s a GiB on 16 threads (0.12 on 8; 0.49 on one, slower than the default), and
+the buffers copy at the same speed. So before the pool's first pinned buffer memfit turns it on
+(:func:`pin_on_threads`) with the largest power of two of threads up to 16 that this process's
+share of the cores allows (the usable cores over ``LOCAL_WORLD_SIZE``), and not below 4, at run
+time (NOTE [The allocator's settings at run time], budget.py); a process whose settings name either
+option keeps them.
+
 # NOTE [Host budget]
 Pinned memory cannot be paged out: a pool that grew with the need would take the host down
 (the kernel kills the process, or a neighbour). The run's one pool is bounded by the host budget
@@ -68,6 +80,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from memfit.errors import UserError
+from memfit.engine.budget import add_allocator_settings
 from memfit.engine.shapes import first_tensor, input_key
 from memfit.engine.parts.treatments.base import RunOptions, Treatment
 
@@ -148,6 +161,22 @@ def size_class(nbytes: int, pinned: bool = False) -> int:
     return -(-nbytes // quarter) * quarter
 
 
+#: the most threads memfit asks the host allocator to pin on, and the fewest worth asking (NOTE [Pinning on threads])
+PIN_THREADS_MAX, PIN_THREADS_MIN = 16, 4
+_PIN_KEYS = ("pinned_use_cuda_host_register", "pinned_num_register_threads")
+
+
+def pin_on_threads() -> str | None:
+    """Have the host allocator pin on threads (NOTE [Pinning on threads]); the settings added, or None where they stay
+    as they were (the user's settings name either option, too few cores, or a torch without the run-time setting)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    share = min(PIN_THREADS_MAX, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
+    if share < PIN_THREADS_MIN:
+        return None
+    extra = f"{_PIN_KEYS[0]}:True,{_PIN_KEYS[1]}:{1 << (share.bit_length() - 1)}"
+    return extra if add_allocator_settings(extra, unless=(*_PIN_KEYS, "cudaMallocAsync")) else None
+
+
 class _HostPool:
     """Pinned host buffers, reused across steps, bounded in total (NOTE [Pinned pool]); one per run,
     shared by every treatment that moves tensors to the host (``pin`` None: set by the first user's device)."""
@@ -175,6 +204,8 @@ class _HostPool:
                 f"host memory, over the host budget of {self.max_bytes / 2**30:.2f} GiB; raise the host budget "
                 "(host_budget=, --memfit_host_budget), or lower the batch size"
             )
+        if self.pin and self.pins == 0:
+            pin_on_threads()
         try:
             buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
         except RuntimeError as err:
