@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import memfit
+from memfit.engine.budget import parse_bytes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -315,4 +316,38 @@ def test_a_cap_is_set_after_the_garbage_holding_device_memory_is_collected():
         assert torch.cuda.memory_allocated() < held - 200 * 2**20
     finally:
         gc.enable()
+    ctl.remove()
+
+
+@pytest.mark.parametrize("budget, with_logits", [("2GiB", True), ("512MiB", False)])
+def test_an_evaluation_whose_kept_head_passes_the_cap_computes_its_loss_in_chunks(budget, with_logits):
+    """NOTE [The head in evaluation] on the allocator: an evaluation forward of 8,192 tokens of a 32k vocabulary in
+    bf16, whose kept head (2.6 GB) passes the cap, computes its loss in chunks under it, equal to the uncapped model's
+    within float32 rounding, with the model's logits where they fit (0.5 GB) and without where they do not."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
+                         vocab_size=32000, max_position_embeddings=8192, use_cache=False)
+    torch.cuda.set_per_process_memory_fraction(1.0)  # the reference uncapped: an earlier test's cap stays on the process
+    model = tf.LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, 8192), device="cuda")
+    with torch.no_grad():
+        want = model(input_ids=ids, labels=ids)
+    want_loss, want_logits = want.loss.item(), want.logits.cpu()
+    del want
+    gc.collect()
+    torch.cuda.empty_cache()
+    ctl = memfit.fit(model, budget=budget, method="dynamic", announce=False)
+    switch, asked = ctl.head._switch, []
+    inner = switch.on_evaluation
+    switch.on_evaluation = lambda tokens: asked.append(inner(tokens)) or asked[-1]
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        got = model(input_ids=ids, labels=ids)
+    assert asked[0][0] > 1 and asked[0][1] is with_logits, asked
+    assert torch.cuda.max_memory_allocated() < parse_bytes(budget)
+    # the logits the loss reads are the model's (float32 rounding alone); made a chunk at a time, bf16's too
+    assert abs(got.loss.item() - want_loss) <= (1e-5 if with_logits else 1e-3) * abs(want_loss)
+    assert torch.equal(got.logits.cpu(), want_logits) if with_logits else got.logits is None
     ctl.remove()

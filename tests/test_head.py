@@ -214,6 +214,67 @@ def test_untouched_forwards():
     assert model(**batch).logits is not None
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_an_evaluation_whose_head_does_not_fit_computes_its_loss_in_chunks_with_the_model_s_logits_where_they_fit(arch):
+    """NOTE [The head in evaluation]: an evaluation forward (eval mode, or grad off) with labels runs the model's own
+    head where ``on_evaluation`` says 0 chunks; else its loss in chunks, within float32 rounding of the model's, with the
+    model's logits bitwise where they are made, and None where not. Training forwards never ask."""
+    model, make = build_decoder(arch)
+    batch = make(2, 8)
+    model.eval()
+    with torch.no_grad():
+        want = model(**batch)
+    switch = HeadSwitch(find_head(model))
+    asked = []
+    for answer in ((0, True), (3, True), (5, False), (16, True)):
+        switch.on_evaluation = lambda tokens, answer=answer: asked.append(tokens) or answer
+        with torch.no_grad():
+            got = model(**batch)
+        if answer[0] == 0:
+            assert torch.equal(got.loss, want.loss) and torch.equal(got.logits, want.logits)
+            continue
+        torch.testing.assert_close(got.loss, want.loss, rtol=1e-6, atol=1e-6)
+        assert (got.logits is None) if not answer[1] else torch.equal(got.logits, want.logits)
+    assert asked == [16] * 4
+    model.train()  # eval mode with grad on (a forward that does not train) asks too; training forwards never do
+    with torch.no_grad():
+        model(**batch)
+    model(**batch).loss.backward()
+    model.eval()
+    model(**batch)
+    model(input_ids=batch["input_ids"])  # no labels: nothing to compute
+    assert asked == [16] * 6
+    switch.remove()
+
+
+def test_a_run_chunks_an_evaluation_s_head_only_where_a_cap_is_real():
+    """Under logical accounting (a CPU) no evaluation is taken over: nothing there runs out of memory."""
+    import memfit
+
+    model, make = build_decoder("llama")
+    ctl = memfit.fit(model, budget="100MB", method="dynamic", announce=False)
+    assert ctl.head.part is not None and ctl.head.part.switch.on_evaluation is None
+    ctl.remove()
+
+
+def test_how_an_evaluation_computes_its_head_for_the_room_it_has():
+    """NOTE [The head in evaluation]: the model's own head where its ``size + 8`` bytes a logit fit; else the logits whole
+    and the float32 chunks in half of what they leave; else no logits and chunks of ``size + 8`` in half the room."""
+    from memfit.engine.parts.treatments.chunked_head import evaluation_chunks
+
+    tokens, vocab, size = 4096, 1000, 2
+    logits, kept = tokens * vocab * size, tokens * vocab * (size + 8)
+    assert evaluation_chunks(tokens, vocab, size, None) == (0, True)
+    assert evaluation_chunks(tokens, vocab, size, kept) == (0, True)
+    for free in (kept - 1, logits + kept // 3, logits + 2 * vocab * 8):
+        n, with_logits = evaluation_chunks(tokens, vocab, size, free)
+        assert with_logits and 1 < n <= tokens and -(-tokens // n) * vocab * 8 <= (free - logits) / 2 + vocab * 8, (free, n)
+    for free in (logits, logits // 4, vocab * (size + 8) * 2):
+        n, with_logits = evaluation_chunks(tokens, vocab, size, free)
+        assert not with_logits and -(-tokens // n) * vocab * (size + 8) <= free / 2 + vocab * (size + 8), (free, n)
+    assert evaluation_chunks(tokens, vocab, size, 0) == (tokens, False)
+
+
 def test_detached_logits():
     model, make = build_decoder("gemma2")
     model.train()

@@ -13,7 +13,8 @@ takes ``labels`` out and asks for no logits (``logits_to_keep`` = an empty index
 ``lm_head`` runs on zero tokens); a forward hook on the decoder body keeps its last hidden state
 (the final norm's output); a forward hook on the causal LM computes the loss from it and puts it
 in ``outputs.loss``. Rule 1. Only a forward that is training, has grad enabled and passes
-``labels`` as a keyword (as the Trainer and TRL do) is taken over; any other forward is untouched.
+``labels`` as a keyword (as the Trainer and TRL do) is taken over; any other forward is untouched,
+but an evaluation whose kept head would pass the budget (NOTE [The head in evaluation]).
 Rule 2. The treatment is read when the loss is computed, after the body has run, so a plan fixed
 at the first block (controller.py) applies to the head of the same step. Under ``keep`` the loss is
 the model's own ops (``lm_head``, its post-processing, its ``loss_function``) on the same tensors:
@@ -39,6 +40,21 @@ compute the weight's gradient in forward hand it to a parameter FSDP has freed b
 plain ``nn.Linear`` head is treated this way (a LoRA layer on ``lm_head`` in its own unit is
 kept). The warm-up's price probe makes no collective either: it times this rank's shard of the
 weight as a head of that many rows and scales its times by the vocabulary over the rows.
+
+# NOTE [The head in evaluation]
+A forward that does not train (``eval()``, or grad off: a Trainer's ``evaluate``) with ``labels``
+and every logit asked for runs the model's own head, bitwise, where its bytes fit what the budget
+leaves at that moment. Its bytes are the logits in the model's dtype, their float32 upcast and
+``log_softmax``'s float32 output (``tokens x vocab x (size + 8)``): at 16k tokens of a 128k
+vocabulary 11.7 GiB, which ran an 8B LoRA trained in 8 GiB out of memory at its evaluation.
+Where they do not fit, :attr:`HeadSwitch.on_evaluation` (set by the run: ``RunHead.evaluation``
+in treatments/chunked_head.py) names a chunk count and whether the logits fit: then the logits are
+made whole in the model's dtype and the loss is computed from them a chunk of rows at a time (the
+float32 copies exist one chunk at a time; ``outputs.logits`` are the model's, bitwise), or, where
+even the logits do not fit, the loss is computed from the hidden rows a chunk at a time
+(:func:`chunked_causal_lm_loss`) and ``outputs.logits`` is None, said once. The loss equals the
+model's within float32 rounding. An FSDP unit's head (NOTE [The head as its own FSDP unit]) is left
+as it is.
 
 # NOTE [Chunk recomputed in backward]
 Each chunk runs ``lm_head`` -> post-processing -> float32 -> cross-entropy (sum) under
@@ -266,6 +282,11 @@ def _denominator(targets: torch.Tensor, num_items_in_batch, ignore_index: int) -
     return num_items_in_batch.to(targets.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch
 
 
+def _rows(logits: torch.Tensor) -> torch.Tensor:
+    """Rows of logits made already, as :func:`chunked_causal_lm_loss`'s ``logits_fn`` (NOTE [The head in evaluation])."""
+    return logits
+
+
 def _chunk_loss_sum(logits_fn, hidden: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
     return F.cross_entropy(logits_fn(hidden).float(), targets, ignore_index=ignore_index, reduction="sum")
 
@@ -424,6 +445,10 @@ class HeadSwitch:
         #: called with an OOM's message and the tokens when the loss ran out of memory; returns the
         #: chunk count to compute it again with (NOTE [Replay under FSDP], replay.py); None: raised
         self.on_oom: Callable[[str, int], int] | None = None
+        #: called at a forward that does not train, with labels and every logit asked for, with its tokens; returns
+        #: the chunk count to compute its loss in (0: the model's own head) and whether its logits are made
+        #: (NOTE [The head in evaluation]); None: such forwards are the model's own
+        self.on_evaluation: Callable[[int], tuple[int, bool]] | None = None
         self._usable: list[str] | None = None
         self._pending: dict[str, Any] | None = None
         self._hidden: torch.Tensor | None = None
@@ -463,7 +488,7 @@ class HeadSwitch:
         self._pending, self._hidden = None, None
         labels = kwargs.get("labels")
         if not module.training or not torch.is_grad_enabled():
-            return None
+            return self._evaluating(labels, kwargs, args)
         keep = kwargs.get("logits_to_keep", 0)
         if labels is None or not isinstance(keep, int) or keep != 0:  # no loss here, or some logits asked for
             if self.on_left_to_caller is not None:
@@ -475,6 +500,28 @@ class HeadSwitch:
             return args, {**kwargs, "labels": None}
         kwargs = {**kwargs, "labels": None, "logits_to_keep": torch.empty(0, dtype=torch.long, device=labels.device)}
         return args, kwargs
+
+    def _evaluating(self, labels: torch.Tensor | None, kwargs: dict, args: tuple) -> tuple[tuple, dict] | None:
+        """A forward that does not train: taken over only where its kept head would pass the budget (NOTE [The head in
+        evaluation]); its chunk count and whether its logits are made wait in ``_pending`` for :meth:`_after`."""
+        keep = kwargs.get("logits_to_keep", 0)
+        if labels is None or self.on_evaluation is None or self.unit or not isinstance(keep, int) or keep != 0:
+            return None
+        n_chunks, logits = self.on_evaluation(labels.numel())
+        if n_chunks < 1:
+            return None
+        extra = {k: kwargs[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}
+        self._pending = {"labels": labels, **extra, "evaluation": (n_chunks, logits)}
+        return args, {**kwargs, "labels": None, "logits_to_keep": torch.empty(0, dtype=torch.long, device=labels.device)}
+
+    def _evaluation_loss(self, output: Any, hidden: torch.Tensor, labels: torch.Tensor, pending: dict[str, Any]) -> Any:
+        """The loss of a forward that does not train, in chunks, with the model's logits where they fit (NOTE [The head
+        in evaluation])."""
+        n_chunks, with_logits = pending.pop("evaluation")
+        if not with_logits:
+            return self._output(output, chunked_causal_lm_loss(self.spec.logits, hidden, labels, n_chunks, **pending), None)
+        logits = self.spec.logits(hidden)  # the model's own logits; the loss reads them a chunk of rows at a time
+        return self._output(output, chunked_causal_lm_loss(_rows, logits, labels, n_chunks, **pending), logits)
 
     def _body_done(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self._pending is not None:
@@ -505,6 +552,8 @@ class HeadSwitch:
         if hidden is None:
             raise RuntimeError("memfit's head switch saw no output of the decoder body; call HeadSwitch.remove() to keep the model's own head")
         labels = pending.pop("labels")
+        if "evaluation" in pending:
+            return self._evaluation_loss(output, hidden, labels, pending)
         if self.probe is not None:
             probe, self.probe = self.probe, None
             probe(hidden, labels if "shift_labels" not in pending else None)

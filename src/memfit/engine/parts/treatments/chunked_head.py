@@ -766,6 +766,19 @@ def _room_free_bytes(planning: Any) -> Callable[[torch.device], int | None]:
     return free
 
 
+def evaluation_chunks(tokens: int, vocab: int, size: int, free: int | None) -> tuple[int, bool]:
+    """How a forward that does not train computes its loss (NOTE [The head in evaluation], head.py): the chunk count
+    (0: the model's own head, where ``tokens x vocab x (size + 8)`` fit ``free``) and whether its logits are made. Each
+    chunk's float32 bytes (its upcast and ``log_softmax``'s output, with its logits in ``size`` where they are not made
+    whole) are kept to half of what is left; the logits are made where they and a chunk of one row fit."""
+    logits = tokens * vocab * size
+    if free is None or logits + tokens * vocab * 8 <= free:
+        return 0, True
+    with_logits = logits + 2 * vocab * 8 <= free
+    left, per_logit = (free - logits, 8) if with_logits else (free, size + 8)
+    return min(tokens, max(1, -(-2 * tokens * vocab * per_logit // max(1, left)))), with_logits
+
+
 class RunHead:
     """The run's LM head as the controller sees it: the planned part or None, what the start line
     says of it, and each step's decision with the head's treatment set (NOTE [The head by default]).
@@ -792,14 +805,30 @@ class RunHead:
         self.model, self.planning = model, planning
         self.part, self.words = attach_head_part(model, planning, transient, mode, plans, logits, aside)
         self._switch = None if self.part is None else self.part.switch
+        self._said_evaluation = False
         if self._switch is not None:
             self._switch.on_left_to_caller = self.leave
+            if transient:
+                self._switch.on_evaluation, self._free = self.evaluation, _room_free_bytes(planning)
 
     def start_words(self) -> str:
         """What the start line adds of the head: ``", <words>"`` for a causal LM, nothing for other models."""
         model = self.model
         causal = self.part is not None or type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")) or hasattr(model, "peft_config")
         return f", {self.words}" if causal else ""
+
+    def evaluation(self, tokens: int) -> tuple[int, bool]:
+        """How a forward that does not train computes its loss (:func:`evaluation_chunks` with what the room has free
+        now); said once where its logits are not made (NOTE [The head in evaluation], head.py)."""
+        spec = self._switch.spec
+        n_chunks, logits = evaluation_chunks(tokens, spec.vocab_size, spec.weight.dtype.itemsize, self._free(spec.weight.device))
+        if n_chunks and not logits and not self._said_evaluation:
+            self._said_evaluation = True
+            logger.warning("memfit: an evaluation forward of %d tokens computes its loss in %d chunks, without logits: "
+                           "its %s of logits do not fit the budget's room (outputs.logits is None from here on where they "
+                           "do not fit; a Trainer evaluates its loss alone, as without compute_metrics)", tokens, n_chunks,
+                           format_bytes(tokens * spec.vocab_size * spec.weight.dtype.itemsize))
+        return n_chunks, logits
 
     def leave(self) -> None:
         """A training forward without labels (the caller computes the loss; called by the switch before the
