@@ -116,6 +116,9 @@ MEMFIT_METHODS = {
     "dynamic+auto": ("dynamic", {}, None),
     # the one plan of the longest batch for every batch, with the same treatments: the static recipe that makes it fit
     "static+auto": ("static", {}, None),
+    # the same with the blocks' weights kept on the device: issue 59's static recipe for long batches (the longest
+    # batch's floor for every batch: every block's input on the host and its MLP tiled, the head chunked)
+    "static+auto-weights-kept": ("static", {"host_weights": False}, None),
     # offload beside recompute, priced by its exposed copy time (NOTE [Offload price]); and the
     # same with every offload priced at its fixed cost alone, so the planner offloads wherever
     # it saves bytes: what offload costs where the price says it does not pay

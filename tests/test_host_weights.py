@@ -95,6 +95,60 @@ def test_a_short_count_streams_the_lowest_blocks_only_and_the_rest_come_back():
     ctl.remove()
 
 
+def test_bringing_weights_back_is_priced_by_the_copies_the_blocks_below_do_not_hide():
+    """NOTE [Bringing the weights back]: after a step that streamed every block (the bottom one's weights stay), the
+    copies go bottom first and each block waits for its own, so what stays exposed is the copies' time beyond the
+    forward of the blocks below; nothing where the option streams them, or where no link was measured."""
+    model = _frozen_llama(8)
+    ctl = _streaming(model, count=8)
+    weights: HostWeights = ctl._weights
+    model(**_text_batch(2, 20, "lm")).loss.backward()
+    assert [b.on_device for b in weights.blocks] == [True] + [False] * 7
+    nbytes = {b.nbytes for b in weights.blocks}
+    assert len(nbytes) == 1
+    weights.h2d = nbytes.pop() / 10.0  # 10 ms a block's copy
+    assert weights.back_ms(0, [4.0] * 8) == pytest.approx(7 * 10 + 4 - 32)  # the last copy ends at 70 ms, its block runs
+    assert weights.back_ms(4, [4.0] * 8) == pytest.approx(12.0)  # blocks 4-7 back: the last copy ends at 40 ms, 16 below
+    assert weights.back_ms(8, [4.0] * 8) == 0.0 and weights.back_ms(0, [20.0] * 8) == 0.0  # streamed, or hidden
+    assert weights.state == ("host", 8)
+    weights.h2d = None
+    assert weights.back_ms(0, [4.0] * 8) == 0.0
+    ctl.remove()
+
+
+def test_the_search_adds_bringing_the_weights_back_to_the_options_that_do():
+    """NOTE [Bringing the weights back]: keeping the weights costs the copies back where the last step streamed them,
+    so a short batch keeps streaming where that is cheaper, and keeps its weights where nothing is to bring back."""
+    from types import SimpleNamespace
+
+    from memfit.engine.plan.search import _weights
+
+    def search(back_ms: float, stream_ms: float):
+        part = SimpleNamespace(streamable=True, priced=lambda forward: [("host", 8, 1000, stream_ms)],
+                               back_ms=lambda count, forward: 0.0 if count >= 8 else back_ms)
+        planning = SimpleNamespace(weights=part, model=SimpleNamespace(ready=True, costs=lambda k: [1.0] * 8), budget_bytes=10**9)
+        return SimpleNamespace(planning=planning, cost_with_room=lambda k, extra=0: 10.0 if extra == 0 else 0.0)
+
+    assert _weights(search(30.0, 5.0), (1, 64)) == ("host", 8, 1000, 5.0)  # 5 against 10 + 30
+    assert _weights(search(30.0, 35.0), (1, 64)) == ("host", 8, 1000, 35.0)  # 35 against 40
+    assert _weights(search(0.0, 35.0), (1, 64)) is None  # nothing to bring back: 10 against 35
+    assert _weights(search(20.0, 35.0), (1, 64)) is None  # 30 against 35
+
+
+def test_the_plans_are_cached_per_where_the_weights_are():
+    """NOTE [Bringing the weights back]: the same shape is planned anew once the weights moved (its price moved)."""
+    model = _frozen_llama(8, hidden=64, intermediate=256)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    ctl = memfit.fit(model, budget=int(2.0 * params), method="dynamic", host_weights=True, announce=False)
+    for step, n in enumerate((40, 400) * 4):
+        torch.manual_seed(step)
+        model(**_text_batch(2, n, "lm")).loss.backward()
+        model.zero_grad(set_to_none=True)
+    states = {(key[0][1], key[1][1]) for key, _ in ctl.planning.cache.items()}
+    assert len(states) > len({shape for shape, _ in states}) and ("keep", 1) in {state for _, state in states}, states
+    ctl.remove()
+
+
 def _after_a_streamed_step():
     """A tiny frozen Llama, its copy, its controller streaming every block, and the batch of the one step both ran."""
     model = _frozen_llama()
@@ -200,6 +254,7 @@ def test_the_plans_stream_weights_for_the_batches_that_need_the_room_and_keep_th
     assert any(r.peak_allocated_bytes > budget for r in without)  # nothing the blocks do fits the long batches
     records = _run(model, budget, True)
     long = [r for r in records if r.tokens == 800]
+    # (on a CPU no link is measured: bringing the weights back is free, and the short batches keep them)
     short = [r for r in records if r.tokens == 80]
     assert long and short
     assert all(r.treatments["weights"].startswith("host:") for r in long)
@@ -239,6 +294,7 @@ def test_a_model_without_frozen_weights_plans_no_weights_part():
     ctl.remove()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_the_weights_come_back_on_a_side_stream_bit_for_bit_and_leave_the_device():
     model = _frozen_llama(8, lora=True).cuda()
@@ -430,6 +486,7 @@ def test_a_memfit_trainer_leaves_the_move_to_fit_only_for_an_eager_unsharded_cud
     assert not hf._memfit_places(args(), model, torch.device("cpu"))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_a_model_on_the_cpu_is_placed_with_its_frozen_weights_on_the_host():
     """``fit(device="cuda")`` on a model on the CPU: the blocks' frozen weights go to the host, not the device, the steps

@@ -38,7 +38,21 @@ untouched and the gradients are those of the weights kept, bit for bit).
   host one block ahead and sends them back after the block: they pass through, at most ``WINDOW``
   blocks' at once, so a model whose weights are over the cap evaluates under it. Any other forward
   brings a block's weights back to stay, as does ``remove()``; a ``state_dict`` reads them on the
-  host; a plan that keeps a block's weights brings them back at the step's first block.
+  host; a plan that keeps a block's weights brings them back at the step's first block
+  (NOTE [Bringing the weights back]).
+
+# NOTE [Bringing the weights back]
+A step that keeps the weights of blocks the step before streamed brings them all back. Done at the
+step's start, the compute stream waiting for each copy, it cost 100-150 ms on 2-4k-token steps of an
+8B LoRA after a streaming one (15 GiB at 55 GB/s), which no price counted: those steps ran 1.06-1.25x
+the static recipe's that kept its weights on the device throughout (docs/devlog.md, session 49). Now
+every copy is issued at the step's first block on the side stream, bottom block first, and each block
+waits only for its own where it runs, so the blocks below compute while the copies above go on. What
+stays exposed is priced (:meth:`HostWeights.back_ms`: the copies in that order beside the blocks'
+forward times, as the plan's other prices read them) and added to the option that brings them back,
+``keep`` or a count below the last step's; the search weighs it like every other price, so a short
+step after a streaming one keeps streaming where that is cheaper. The price depends on where the
+weights are, so the plans are cached per that (:attr:`HostWeights.state`).
 
 Only plain frozen parameters are streamed: not a trained one (its gradient and optimizer step
 need it), nor one a block shares (with another block or the model outside the blocks), nor a
@@ -284,6 +298,25 @@ class HostWeights(PartKind):
         prices = [self._block_ms(b.nbytes, f) for b, f in zip(self.blocks, forward_ms)]
         return [(HOST, c, self._saved[c], sum(prices[:c])) for c in self._counts]
 
+    @property
+    def state(self) -> tuple[str, int]:
+        """Where the weights are between steps (the last plan's option): what :meth:`back_ms` reads."""
+        return self.last
+
+    def back_ms(self, count: int, forward_ms: Sequence[float]) -> float:
+        """What bringing back, at the step's start, the weights above the lowest ``count`` blocks that are on the host now
+        costs the step: the copies in the blocks' order against the blocks' forward times ``forward_ms``, each block
+        waiting for its own (NOTE [Bringing the weights back])."""
+        if not self.h2d:
+            return 0.0
+        copied = computed = 0.0
+        for b, forward in zip(self.blocks, forward_ms):
+            if b.index >= count and not b.on_device and b.nbytes:
+                copied += b.nbytes / self.h2d
+                computed = max(computed, copied)
+            computed += forward
+        return max(0.0, computed - sum(forward_ms[: len(self.blocks)]))
+
     def _block_ms(self, nbytes: int, forward_ms: float) -> float:
         if not nbytes:
             return 0.0
@@ -302,7 +335,7 @@ class HostWeights(PartKind):
         self.streamed = frozenset(i for i in range(count) if self.blocks[i].nbytes)
         for b in self.blocks:
             if b.index not in self.streamed:
-                self._ensure(b)
+                self._fetch(b)  # waited for where the block runs (NOTE [Bringing the weights back])
             elif b.index > 0:
                 self._free(b)
         if 1 in self.streamed:

@@ -430,7 +430,8 @@ class Planning:
         self._drop_stale_plans()
         k, edge = self.planned_shape(key), bucket_key(key, self.bucket_tokens)
         self.longest_in_bucket[edge] = k[1]
-        static_bucket = self._static_bucket()
+        # where the weights are prices bringing them back (NOTE [Bringing the weights back]): plans are cached per that too
+        static_bucket = (self._static_bucket(), self.weights.state) if self.weights.streamable else self._static_bucket()
         # a plan made for the bucket's edge serves every shape of it
         cache_key = (edge, static_bucket) if self.cache.peek((edge, static_bucket)) is not None else (k, static_bucket)
         plan = self.cache.get(cache_key)

@@ -89,10 +89,11 @@ def _weights(search: "Search", k: tuple[int, int]) -> tuple[str, int, int, float
     part, model = search.planning.weights, search.planning.model
     if not part.streamable or not model.ready or search.planning.budget_bytes is None:
         return None
-    best_ms, best = search.cost_with_room(k), None
+    forward = model.costs(k)
+    best_ms, best = search.cost_with_room(k) + part.back_ms(0, forward), None  # NOTE [Bringing the weights back]
     if best_ms <= 0:
         return None
-    options = part.priced(model.costs(k))
+    options = [(*o[:3], o[3] + part.back_ms(o[1], forward)) for o in part.priced(forward)]
     for option in options:
         if option[2] > 0 and option[3] < best_ms and (ms := option[3] + search.cost_with_room(k, option[2])) < 0.999 * best_ms:
             best_ms, best = ms, option
