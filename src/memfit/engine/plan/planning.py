@@ -413,10 +413,10 @@ class Planning:
         return float(sum(price.get((i, kind), self.model.block_cost_ms(i, k)) for i, kind in zip(plan.blocks, kinds)))
 
     # ------------------------------------------------------------ plans
-    def _static_bucket(self) -> int:
-        # static bytes differ between micro-steps (gradients present or not): plans are cached per both buckets
-        unit = max(1, (self.budget_bytes or 1) // 64)
-        return self.static_bytes // unit
+    def _static_bucket(self) -> int | tuple[int, Any]:
+        # cached per static bucket (gradients present or not) and where the weights are (NOTE [Bringing the weights back])
+        bucket = self.static_bytes // max(1, (self.budget_bytes or 1) // 64)
+        return (bucket, self.weights.state) if self.weights.streamable else bucket
 
     def plan_for(self, key: tuple[int, int], whole_row: bool = True) -> Plan:
         """The cheapest plan whose predicted peak fits the room (cached).
@@ -430,8 +430,7 @@ class Planning:
         self._drop_stale_plans()
         k, edge = self.planned_shape(key), bucket_key(key, self.bucket_tokens)
         self.longest_in_bucket[edge] = k[1]
-        # where the weights are prices bringing them back (NOTE [Bringing the weights back]): plans are cached per that too
-        static_bucket = (self._static_bucket(), self.weights.state) if self.weights.streamable else self._static_bucket()
+        static_bucket = self._static_bucket()
         # a plan made for the bucket's edge serves every shape of it
         cache_key = (edge, static_bucket) if self.cache.peek((edge, static_bucket)) is not None else (k, static_bucket)
         plan = self.cache.get(cache_key)
