@@ -1069,3 +1069,44 @@ def test_the_order_check_reads_an_mlp_called_by_keyword():
     out = mlp(hidden_states=y)
     hooks[0].remove()
     assert keeps_sum_order(*alone[id(mlp)], graph_edges([out]))
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_forward_without_autograd_tiles_the_mlps_that_would_not_fit_the_room(lora):
+    """NOTE [Blocks in evaluation]: with no room its gated MLPs run in chunks (each MLP's last projection called once a
+    chunk) and the loss is the plain model's within float32 rounding; with room, or under logical accounting, the model's
+    own blocks, bit for bit; training forwards never ask; each MLP's forward is its own after."""
+    from _models import build_decoder
+    from memfit.engine.parts.treatments.elementwise import elementwise_parts
+    from memfit.engine.parts.treatments.tiled_mlp import tiled_evaluation
+
+    model, make = build_decoder("llama", lora=lora)  # LoRA's dropout is on: off in eval mode, so those MLPs tile too
+    batch = make(2, 24)
+    model.eval()
+    with torch.no_grad():
+        want = model(**batch).loss
+    ctl = memfit.fit(model, budget="100MB", method="dynamic", announce=False)
+    assert all(b.evaluation is None for b in ctl.blocks)  # a CPU's logical accounting: nothing runs out of memory
+    mlps = [m for b in ctl.blocks for m in elementwise_parts(b.module)[1]]
+    assert len(mlps) == len(ctl.blocks)
+    calls = []
+    for m in mlps:
+        m.down_proj.register_forward_hook(lambda *_: calls.append(1))
+    rooms, asked = [], []
+    for b in ctl.blocks:
+        b.evaluation = tiled_evaluation(lambda device: asked.append(device) or rooms[-1])
+    for room, per_mlp in ((0, 2), (10**12, 1)):
+        rooms.append(room)
+        calls.clear()
+        with torch.no_grad():
+            got = model(**batch).loss
+        assert len(calls) == per_mlp * len(mlps), (room, len(calls))
+        if per_mlp == 1:
+            assert torch.equal(got, want)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        assert all("forward" not in m.__dict__ for m in mlps)
+    assert len(asked) == 2 * len(mlps)
+    model.train()
+    model(**batch).loss.backward()  # a training forward (and warm-up's probes): the plan's, never the evaluation's
+    assert len(asked) == 2 * len(mlps)
+    ctl.remove()

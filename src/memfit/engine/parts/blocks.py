@@ -380,6 +380,8 @@ class Block:
         self.listener: BlockListener | None = None
         self.before_run: Callable[[Block], None] | None = None
         self.on_oom: Callable[[Block, tuple, dict, str], Any] | None = None
+        #: runs a forward without autograd where set: ``evaluation(block, args, kwargs)`` (NOTE [Blocks in evaluation])
+        self.evaluation: Callable[[Block, tuple, dict], Any] | None = None
         self.body = module.forward  # the class's forward, bound to the instance
         self.lean_body: Callable[..., Any] | None = None
         self.eager_body: Callable[..., Any] = self.body
@@ -437,7 +439,7 @@ class Block:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         active = self.module.training and torch.is_grad_enabled()
         if not active:
-            return self.body(*args, **kwargs)
+            return self.body(*args, **kwargs) if self.evaluation is None else self.evaluation(self, args, kwargs)
         self.forwards += 1
         listener = self.listener
         if listener is not None:

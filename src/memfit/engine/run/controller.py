@@ -72,7 +72,8 @@ from memfit.engine.parts.treatments import (
 )
 from memfit.engine.parts.host_weights import WEIGHTS_HOST_SHARE, WINDOW, HostWeights, place, streamable_saving, weights_words
 from memfit.engine.parts.kind import PartKind, RunParts
-from memfit.engine.parts.treatments.chunked_head import RunHead
+from memfit.engine.parts.treatments.chunked_head import RunHead, room_free_bytes
+from memfit.engine.parts.treatments.tiled_mlp import tiled_evaluation
 from memfit.engine.parts.treatments.offload import _HostPool, default_host_budget_bytes
 
 __all__ = ["fit", "Controller", "check_static_need_of", "refuse_deepspeed", "DEEPSPEED_INSTEAD", "weights_saved_of"]
@@ -384,8 +385,8 @@ class Controller:
                                    step_key=lambda: None if self._step is None else self._step.key)
             self._undo += [h.remove for h in (*compile_loss(model, compile_options, self.sides), model.register_forward_pre_hook(
                 self._on_forward_start, with_kwargs=True), model.register_forward_hook(self._on_forward_end, always_call=True))]
-            for b in self.blocks:
-                b.listener, b.before_run = self, lambda _: self.meter.block_run(self._step)
+            for b in self.blocks:  # NOTE [Blocks in evaluation]: a forward without autograd tiles MLPs that would not fit
+                b.listener, b.before_run, b.evaluation = self, lambda _: self.meter.block_run(self._step), _evaluation(self.planning, self.meter.kind)
             self.set_optimizer(optimizer, check=False)  # sets self.optimizer
             self._writer = JsonlWriter(log) if log else None
             self._undo += [self._writer.close] if self._writer is not None else []
@@ -625,6 +626,11 @@ class Controller:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+def _evaluation(planning: Planning, accounting: str) -> Callable[[Block, tuple, dict], Any] | None:
+    """A block's forward without autograd on CUDA under a budget (NOTE [Blocks in evaluation]); None elsewhere."""
+    return tiled_evaluation(room_free_bytes(planning) if accounting == "cuda" else None)
 
 
 def fit(

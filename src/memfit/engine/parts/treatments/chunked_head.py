@@ -749,14 +749,14 @@ def attach_head_part(
             raise ValueError(f"head=True: {reason}; pass head='auto' or head=False") from None
         return None, f"LM head kept ({reason})"
     part = HeadPart(switch, transient=transient,
-                    free_bytes=_room_free_bytes(planning) if transient else None, aside=aside)
+                    free_bytes=room_free_bytes(planning) if transient else None, aside=aside)
     planning.add_part(part)
     if not plans:  # none, full: their plans name no head, so every step chunks it (NOTE [A plan without a head])
         return part, "LM head chunked on each step whose plan does not keep it (the method does not plan it per batch)"
     return part, "LM head planned per batch (kept, or its logits and loss chunked)"
 
 
-def _room_free_bytes(planning: Any) -> Callable[[torch.device], int | None]:
+def room_free_bytes(planning: Any) -> Callable[[torch.device], int | None]:
     """What the room has free on a CUDA device now (None elsewhere or without a budget): the probe's size
     reads it (NOTE [A probe at the steps' size])."""
     def free(device: torch.device) -> int | None:
@@ -809,7 +809,7 @@ class RunHead:
         if self._switch is not None:
             self._switch.on_left_to_caller = self.leave
             if transient:
-                self._switch.on_evaluation, self._free = self.evaluation, _room_free_bytes(planning)
+                self._switch.on_evaluation, self._free = self.evaluation, room_free_bytes(planning)
 
     def start_words(self) -> str:
         """What the start line adds of the head: ``", <words>"`` for a causal LM, nothing for other models."""
