@@ -629,7 +629,8 @@ class Controller:
 
 
 def _evaluation(planning: Planning, accounting: str) -> Callable[[Block, tuple, dict], Any] | None:
-    """A block's forward without autograd on CUDA under a budget (NOTE [Blocks in evaluation]); None elsewhere."""
+    """A block's forward without autograd on CUDA under a budget (NOTE [Blocks in evaluation]); None elsewhere. One a block:
+    each keeps its block's MLPs."""
     return tiled_evaluation(room_free_bytes(planning) if accounting == "cuda" else None)
 
 

@@ -482,12 +482,15 @@ def tiled_evaluation(free: Callable[[torch.device], int | None] | None) -> Calla
     """
     if free is None:
         return None
+    found: list[nn.Module] | None = None  # the block's gated MLPs, found at its first such forward (one closure a block)
 
     def run(block: Any, args: tuple, kwargs: dict) -> Any:
+        nonlocal found
         x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+        if found is None:
+            found = [] if block.compiled or _sharded(block.module) else elementwise_parts(block.module)[1]
         training = block.module.training
-        mlps = [] if block.compiled or _sharded(block.module) or not isinstance(x, torch.Tensor) or x.dim() < 2 else [
-            m for m in elementwise_parts(block.module)[1] if not (training and _draws(m))]
+        mlps = [m for m in found if not (training and _draws(m))] if isinstance(x, torch.Tensor) and x.dim() >= 2 else []
         room = free(x.device) if mlps else None
         if room is None:
             return block.body(*args, **kwargs)
