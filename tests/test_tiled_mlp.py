@@ -1073,8 +1073,8 @@ def test_the_order_check_reads_an_mlp_called_by_keyword():
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_a_forward_without_autograd_tiles_the_mlps_that_would_not_fit_the_room(lora):
-    """NOTE [Blocks in evaluation]: with no room its gated MLPs run in chunks (each MLP's last projection called once a
-    chunk) and the loss is the plain model's within float32 rounding; with room, or under logical accounting, the model's
+    """NOTE [Blocks in evaluation]: without the room its gated MLPs run in chunks of at most half of it (each MLP's last
+    projection called once a chunk; at least two, at most one a token) and the loss is the plain model's within float32 rounding; with room, or under logical accounting, the model's
     own blocks, bit for bit; training forwards never ask; each MLP's forward is its own after."""
     from _models import build_decoder
     from memfit.engine.parts.treatments.elementwise import elementwise_parts
@@ -1095,7 +1095,8 @@ def test_a_forward_without_autograd_tiles_the_mlps_that_would_not_fit_the_room(l
     rooms, asked = [], []
     for b in ctl.blocks:
         b.evaluation = tiled_evaluation(lambda device: asked.append(device) or rooms[-1])
-    for room, per_mlp in ((0, 2), (10**12, 1)):
+    whole = 6 * 2 * 24 * 37 * 4  # six float32 tensors of 2 x 24 tokens x 37 features
+    for room, per_mlp in ((whole, 2), (whole // 3, 6), (0, 48), (10**12, 1)):  # chunks of at most half the room
         rooms.append(room)
         calls.clear()
         with torch.no_grad():
@@ -1105,8 +1106,8 @@ def test_a_forward_without_autograd_tiles_the_mlps_that_would_not_fit_the_room(l
             assert torch.equal(got, want)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         assert all("forward" not in m.__dict__ for m in mlps)
-    assert len(asked) == 2 * len(mlps)
+    assert len(asked) == 4 * len(mlps)
     model.train()
     model(**batch).loss.backward()  # a training forward (and warm-up's probes): the plan's, never the evaluation's
-    assert len(asked) == 2 * len(mlps)
+    assert len(asked) == 4 * len(mlps)
     ctl.remove()

@@ -476,7 +476,8 @@ def tiled_evaluation(free: Callable[[torch.device], int | None] | None) -> Calla
     evaluation (its ``tokens x intermediate`` tensors, 1.75 GiB each in bf16, 3.5 in a LoRA adapter's float32). So,
     on CUDA under a budget, a block whose gated MLPs (those the tiled treatments find; a dropout inside counts only in
     training mode) would make ``EVALUATION_INTERMEDIATES`` such tensors over half of what the room has free runs them
-    in chunks of tokens (at least two; :class:`Chunking`'s bytes), one chunk's intermediates alive at a time. The
+    in chunks of tokens (at least two, no more bytes than :class:`Chunking`'s nor than half the room), one chunk's
+    intermediates alive at a time. The
     outputs equal the plain block's within the dtype's rounding (a chunk's matmul may block its sums otherwise); a
     forward that fits, and every training forward, is untouched. A compiled block runs as compiled.
     """
@@ -495,9 +496,10 @@ def tiled_evaluation(free: Callable[[torch.device], int | None] | None) -> Calla
         if room is None:
             return block.body(*args, **kwargs)
         tokens, widest = x.numel() // x.shape[-1], max(_intermediate(m) for m in mlps)
-        if EVALUATION_INTERMEDIATES * tokens * widest * x.element_size() <= room // 2:
+        whole = EVALUATION_INTERMEDIATES * tokens * widest * x.element_size()
+        if whole <= room // 2:
             return block.body(*args, **kwargs)
-        chunks = max(2, Chunking().count(tokens, widest, x.element_size()))
+        chunks = min(tokens, max(2, Chunking().count(tokens, widest, x.element_size()), -(-2 * whole // max(1, room))))
         before = {id(m): m.__dict__.get("forward") for m in mlps}
         try:
             for m in mlps:
