@@ -110,7 +110,7 @@ def test_bringing_weights_back_is_priced_by_the_copies_the_blocks_below_do_not_h
     assert weights.back_ms(0, [4.0] * 8) == pytest.approx(7 * 10 + 4 - 32)  # the last copy ends at 70 ms, its block runs
     assert weights.back_ms(4, [4.0] * 8) == pytest.approx(12.0)  # blocks 4-7 back: the last copy ends at 40 ms, 16 below
     assert weights.back_ms(8, [4.0] * 8) == 0.0 and weights.back_ms(0, [20.0] * 8) == 0.0  # streamed, or hidden
-    assert weights.state == ("host", 8)
+    assert weights.last == ("host", 8)
     weights.h2d = None
     assert weights.back_ms(0, [4.0] * 8) == 0.0
     ctl.remove()

@@ -651,3 +651,18 @@ def test_the_planners_examples_hold():
 
     result = doctest.testmod(planner)
     assert result.attempted >= 10 and result.failed == 0
+
+
+def test_the_plan_cache_holds_a_bounded_number_of_plans_and_rows_dropping_the_oldest():
+    """A run of many shapes, static buckets and places of the weights keeps its plans within ``MAX_CACHED``."""
+    from memfit.engine.plan.planner import MAX_CACHED
+
+    cache = PlanCache()
+    for i in range(MAX_CACHED + 100):
+        cache.put(((1, i), (0, ("host", 8))), Plan((i % 3,)))
+        cache.put_row((i, 0), [])
+    assert len(cache.items()) == MAX_CACHED and len(cache.rows) == MAX_CACHED
+    assert cache.peek(((1, 0), (0, ("host", 8)))) is None  # the oldest went first
+    assert cache.peek(((1, MAX_CACHED + 99), (0, ("host", 8)))).blocks == ((MAX_CACHED + 99) % 3,)
+    cache.put(((1, MAX_CACHED + 99), (0, ("host", 8))), Plan((1,)))  # a key already held: replaced, nothing dropped
+    assert len(cache.items()) == MAX_CACHED and cache.peek(((1, 100), (0, ("host", 8)))) is not None

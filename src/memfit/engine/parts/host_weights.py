@@ -52,7 +52,7 @@ stays exposed is priced (:meth:`HostWeights.back_ms`: the copies in that order b
 forward times, as the plan's other prices read them) and added to the option that brings them back,
 ``keep`` or a count below the last step's; the search weighs it like every other price, so a short
 step after a streaming one keeps streaming where that is cheaper. The price depends on where the
-weights are, so the plans are cached per that (:attr:`HostWeights.state`).
+weights are, so the plans are cached per that (``HostWeights.last``, the last plan's option).
 
 Only plain frozen parameters are streamed: not a trained one (its gradient and optimizer step
 need it), nor one a block shares (with another block or the model outside the blocks), nor a
@@ -241,7 +241,8 @@ class HostWeights(PartKind):
         self.streamed: frozenset[int] = frozenset()
         #: blocks a forward without autograd brought back from the host: they go back after it (NOTE [Weights on the host])
         self._passing: set[int] = set()
-        #: the option of the last plan that named one: what a plan made without the part runs (:meth:`untreated`)
+        #: the option of the last plan that named one: what a plan made without the part runs (:meth:`untreated`), and
+        #: where the weights are between steps, which the plans are cached per (NOTE [Bringing the weights back])
         self.last: tuple[str, int] = ("keep", 1)
         self._side: torch.cuda.Stream | None = None
         n, most = len(self.blocks), _fitting(found, host_bytes)
@@ -297,11 +298,6 @@ class HostWeights(PartKind):
         """The options that stream, each priced at the blocks' forward times ``forward_ms`` (NOTE [Weights on the host])."""
         prices = [self._block_ms(b.nbytes, f) for b, f in zip(self.blocks, forward_ms)]
         return [(HOST, c, self._saved[c], sum(prices[:c])) for c in self._counts]
-
-    @property
-    def state(self) -> tuple[str, int]:
-        """Where the weights are between steps (the last plan's option): what :meth:`back_ms` reads."""
-        return self.last
 
     def back_ms(self, count: int, forward_ms: Sequence[float]) -> float:
         """What bringing back, at the step's start, the weights above the lowest ``count`` blocks that are on the host now

@@ -814,8 +814,21 @@ def _walk_back(options: Sequence[Sequence[tuple[str, int, float]]], picks: list[
     return chosen
 
 
+#: the most plans (and rows) a cache holds: past it the oldest go first (a run of many shapes, static buckets and places
+#: of the weights keeps its host memory bounded; a plan dropped is made again if asked)
+MAX_CACHED = 4096
+
+
+def _bounded_put(table: dict[Hashable, Any], key: Hashable, value: Any) -> None:
+    """``table[key] = value``, the oldest entry dropped first where the table holds :data:`MAX_CACHED`."""
+    if key not in table and len(table) >= MAX_CACHED:
+        del table[next(iter(table))]
+    table[key] = value
+
+
 class PlanCache:
-    """Plans per shape bucket; cleared whenever the memory model or margin changes."""
+    """Plans per shape bucket, at most :data:`MAX_CACHED` (the oldest dropped first); cleared whenever the memory model
+    or margin changes."""
 
     def __init__(self) -> None:
         self._plans: dict[Hashable, Plan] = {}
@@ -849,11 +862,11 @@ class PlanCache:
         return self.asked_since_clear > asks or self.asked_before_clear > asks
 
     def put(self, key: Hashable, plan: Plan) -> None:
-        self._plans[key] = plan
+        _bounded_put(self._plans, key, plan)
 
     def put_row(self, key: Hashable, row: Any) -> None:
         """Store ``row``, the plans of every length of a (batch size, static bucket), until the next clear."""
-        self.rows[key] = row
+        _bounded_put(self.rows, key, row)
 
     def clear(self) -> None:
         self._plans.clear()

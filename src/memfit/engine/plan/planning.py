@@ -416,7 +416,7 @@ class Planning:
     def _static_bucket(self) -> int | tuple[int, Any]:
         # cached per static bucket (gradients present or not) and where the weights are (NOTE [Bringing the weights back])
         bucket = self.static_bytes // max(1, (self.budget_bytes or 1) // 64)
-        return (bucket, self.weights.state) if self.weights.streamable else bucket
+        return (bucket, self.weights.last) if self.weights.streamable else bucket
 
     def plan_for(self, key: tuple[int, int], whole_row: bool = True) -> Plan:
         """The cheapest plan whose predicted peak fits the room (cached).

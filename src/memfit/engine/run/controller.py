@@ -631,7 +631,7 @@ class Controller:
 def _evaluation(planning: Planning, accounting: str) -> Callable[[Block, tuple, dict], Any] | None:
     """A block's forward without autograd on CUDA under a budget (NOTE [Blocks in evaluation]); None elsewhere. One a block:
     each keeps its block's MLPs."""
-    return tiled_evaluation(room_free_bytes(planning) if accounting == "cuda" else None)
+    return tiled_evaluation(room_free_bytes(planning) if accounting == "cuda" and planning.budget_bytes is not None else None)
 
 
 def fit(

@@ -206,6 +206,25 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 @contextlib.contextmanager
+def swapped_forwards(pairs: Sequence[tuple[nn.Module, Callable[..., Any]]]) -> Iterator[None]:
+    """Each module's ``forward`` the one paired with it while the context is open (the instance's attribute, read by
+    ``Module.__call__``), and after it what the instance had (a forward wrapped on it by a hook library stays), where
+    nothing replaced ours meanwhile: the one owner of the swaps the treatments make inside a block."""
+    before = [vars(m).get("forward") for m, _ in pairs]
+    for m, forward in pairs:
+        m.forward = forward
+    try:
+        yield
+    finally:
+        for (m, forward), was in zip(pairs, before):
+            if vars(m).get("forward") is forward:
+                if was is None:
+                    del m.forward
+                else:
+                    m.forward = was
+
+
+@contextlib.contextmanager
 def _leaner(
     module: nn.Module, held: list[torch.Tensor], parts: tuple[list[nn.Module], list[nn.Module]] | None = None,
 ) -> Iterator[None]:
@@ -216,18 +235,8 @@ def _leaner(
     recipes = _Recipes(held)
     patched = [(m, _NormForward(m.forward, recipes)) for m in norms]
     patched += [(m, _MlpForward(m, recipes)) for m in mlps]
-    before = [vars(m).get("forward") for m, _ in patched]  # a norm's forward wrapped on the instance stays
-    for m, forward in patched:
-        m.forward = forward  # the instance's attribute, read by Module.__call__, put back below
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(recipes.pack, recipes.unpack):
-            yield
-    finally:
-        for (m, _), was in zip(patched, before):
-            if was is None:
-                del m.forward
-            else:
-                m.forward = was
+    with swapped_forwards(patched), torch.autograd.graph.saved_tensors_hooks(recipes.pack, recipes.unpack):
+        yield
 
 
 def _top_hooks() -> tuple[Callable, Callable] | None:

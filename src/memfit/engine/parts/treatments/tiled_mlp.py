@@ -157,7 +157,7 @@ from torch.utils._pytree import tree_leaves
 
 from memfit.engine.shapes import first_tensor
 from memfit.engine.parts.treatments.base import RunOptions, Treatment
-from memfit.engine.parts.treatments.elementwise import elementwise_parts, runs_as_plain
+from memfit.engine.parts.treatments.elementwise import elementwise_parts, runs_as_plain, swapped_forwards
 
 if TYPE_CHECKING:
     from memfit.engine.parts.treatments.base import Block, ProbeKit
@@ -483,15 +483,15 @@ def tiled_evaluation(free: Callable[[torch.device], int | None] | None) -> Calla
     """
     if free is None:
         return None
-    found: list[nn.Module] | None = None  # the block's gated MLPs, found at its first such forward (one closure a block)
+    found: list[tuple[nn.Module, bool]] | None = None  # the block's gated MLPs and whether each draws, found once
 
     def run(block: Any, args: tuple, kwargs: dict) -> Any:
         nonlocal found
         x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
         if found is None:
-            found = [] if block.compiled or _sharded(block.module) else elementwise_parts(block.module)[1]
+            found = [] if block.compiled or _sharded(block.module) else [(m, _draws(m)) for m in elementwise_parts(block.module)[1]]
         training = block.module.training
-        mlps = [m for m in found if not (training and _draws(m))] if isinstance(x, torch.Tensor) and x.dim() >= 2 else []
+        mlps = [m for m, draws in found if not (training and draws)] if isinstance(x, torch.Tensor) and x.dim() >= 2 else []
         room = free(x.device) if mlps else None
         if room is None:
             return block.body(*args, **kwargs)
@@ -500,17 +500,8 @@ def tiled_evaluation(free: Callable[[torch.device], int | None] | None) -> Calla
         if whole <= room // 2:
             return block.body(*args, **kwargs)
         chunks = min(tokens, max(2, Chunking().count(tokens, widest, x.element_size()), -(-2 * whole // max(1, room))))
-        before = {id(m): m.__dict__.get("forward") for m in mlps}
-        try:
-            for m in mlps:
-                m.forward = _EvaluationChunks(m, chunks)
+        with swapped_forwards([(m, _EvaluationChunks(m, chunks)) for m in mlps]):
             return block.body(*args, **kwargs)
-        finally:
-            for m in mlps:
-                if before[id(m)] is None:
-                    m.__dict__.pop("forward", None)
-                else:
-                    m.forward = before[id(m)]
     return run
 
 
@@ -666,19 +657,12 @@ def tiled(mlps: Sequence[nn.Module], chunking: Chunking, lean: Sequence[nn.Modul
     """Run ``mlps`` (:func:`tileable_mlps`) tiled and ``lean`` (:func:`lean_parts`) saving only their input while
     the context is open (their instances' ``forward``, put back after); the MLPs ``hollow`` names hollow, and each
     other's node, width and dtype noted in ``seen`` (NOTE [Hollow re-runs])."""
-    for mlp in mlps:
-        mlp.forward = _TiledForward(mlp, chunking, (hollow or {}).get(id(mlp)), seen)  # read by Module.__call__
-    for m in lean:  # a trained norm's weight summed over chunks where an MLP is tiled (NOTE [Lean inputs in a tiled block])
-        m.forward = _LeanLoraForward(m) if _is_lora_layer(m) else _LeanForward(m, chunking, sums=bool(mlps))
-    try:
+    pairs: list[tuple[nn.Module, Callable[..., Any]]] = [
+        (mlp, _TiledForward(mlp, chunking, (hollow or {}).get(id(mlp)), seen)) for mlp in mlps]
+    # a trained norm's weight summed over chunks where an MLP is tiled (NOTE [Lean inputs in a tiled block])
+    pairs += [(m, _LeanLoraForward(m) if _is_lora_layer(m) else _LeanForward(m, chunking, sums=bool(mlps))) for m in lean]
+    with swapped_forwards(pairs):
         yield
-    finally:
-        for mlp in mlps:
-            if isinstance(vars(mlp).get("forward"), _TiledForward):
-                del mlp.forward
-        for m in lean:
-            if isinstance(vars(m).get("forward"), (_LeanForward, _LeanLoraForward)):
-                del m.forward
 
 
 def tiled_body(body: Callable[..., Any], mlps: Sequence[nn.Module], chunking: Chunking, lean: Sequence[nn.Module],
